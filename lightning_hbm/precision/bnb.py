@@ -1,0 +1,150 @@
+"""bitsandbytes modes: ``nf4``, ``nf4-dq``, ``fp4``, ``fp4-dq`` (4-bit) and ``int8`` (LLM.int8, frozen).
+
+bitsandbytes >= 0.46 runs all of them on CPU, so tests use the real library. Each function builds
+the bitsandbytes layer on the meta device, hands it the *loaded* weight of the user's Linear and
+moves it to the target device, which is when bitsandbytes quantizes (CPU included).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from lightning_utilities.core.imports import RequirementCache
+from torch import nn
+
+from lightning_hbm.precision.registry import register_mode
+
+_BNB_AVAILABLE = RequirementCache("bitsandbytes>=0.46")
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def import_bnb() -> Any:
+    """Import bitsandbytes or raise an error that says how to install it."""
+    if not _BNB_AVAILABLE:
+        raise ModuleNotFoundError(
+            f"lightning_hbm's quantized precision modes need bitsandbytes>=0.46 ({_BNB_AVAILABLE.message}). "
+            "Install it with `pip install 'bitsandbytes>=0.46'` (it runs on CPU and CUDA)."
+        )
+    import bitsandbytes
+
+    return bitsandbytes
+
+
+def _target(linear: nn.Linear, device: Optional[torch.device]) -> torch.device:
+    weight = linear.weight
+    if weight.is_meta:
+        raise ValueError(
+            f"Cannot quantize a Linear({linear.in_features}, {linear.out_features}) whose weight is on the meta "
+            "device: load or initialize the weights before quantization (e.g. build them in configure_model)."
+        )
+    return device if device is not None else weight.device
+
+
+def _load_prequantized_hook(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Let a quantized ``Linear4bit`` load its own ``state_dict`` (bitsandbytes 0.50 does not).
+
+    bitsandbytes writes the quantization state as ``weight.absmax``, ``weight.quant_map``, ...;
+    its ``Linear4bit`` reports them as unexpected keys on load. We rebuild the ``QuantState``
+    from them and let the default loader copy the packed ``weight`` bytes.
+    """
+    from bitsandbytes.functional import QuantState
+
+    wkey = prefix + "weight"
+    stats = {k[len(wkey) + 1 :]: state_dict.pop(k) for k in list(state_dict) if k.startswith(wkey + ".")}
+    if not stats:
+        return
+    weight = module.weight
+    weight.quant_state = QuantState.from_dict(qs_dict=stats, device=weight.device)
+    module.quant_state = weight.quant_state
+
+
+def _linear4bit(
+    linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device], quant_type: str, double_quant: bool
+) -> nn.Module:
+    bnb = import_bnb()
+    target = _target(linear, device)
+    layer = bnb.nn.Linear4bit(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        compute_dtype=dtype,
+        compress_statistics=double_quant,
+        quant_type=quant_type,
+        device="meta",
+    )
+    weight = bnb.nn.Params4bit(
+        linear.weight.data.detach(),
+        requires_grad=False,
+        quant_type=quant_type,
+        compress_statistics=double_quant,
+        module=layer,
+    )
+    layer.weight = weight.to(target)  # bitsandbytes quantizes here, on CPU or CUDA
+    if linear.bias is not None:
+        layer.bias = linear.bias  # same Parameter: stays trainable, cast to dtype by the plugin
+    # Trap (shared/notes/verified-facts.md): on CPUs with AVX512-BF16 the first no-grad eval
+    # forward repacks the weight for a fast kernel that bypasses autograd, after which training
+    # silently produces no input gradients. Never take that path for a training base.
+    layer.support_avx512bf16_for_cpu = False
+    layer.register_load_state_dict_pre_hook(_load_prequantized_hook)
+    return layer
+
+
+def _linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
+    bnb = import_bnb()
+    target = _target(linear, device)
+    # has_fp16_weights=False: frozen int8 storage (has_fp16_weights=True fails backward on 3-D inputs).
+    # threshold=6.0: LLM.int8's outlier decomposition (columns above it run in 16-bit).
+    layer = bnb.nn.Linear8bitLt(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        has_fp16_weights=False,
+        threshold=6.0,
+        device="meta",
+    )
+    layer.weight = bnb.nn.Int8Params(
+        linear.weight.data.detach().to(dtype), requires_grad=False, has_fp16_weights=False
+    ).to(target)
+    if linear.bias is not None:
+        layer.bias = linear.bias
+    return layer
+
+
+@register_mode("nf4", dtypes=_FLOAT_DTYPES, description="4-bit NormalFloat, blockwise fp32 absmax", peft_kind="4bit")
+def _nf4(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
+    return _linear4bit(linear, dtype, device, "nf4", double_quant=False)
+
+
+@register_mode(
+    "nf4-dq", dtypes=_FLOAT_DTYPES, description="4-bit NormalFloat, absmax quantized again (QLoRA)", peft_kind="4bit"
+)
+def _nf4_dq(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
+    return _linear4bit(linear, dtype, device, "nf4", double_quant=True)
+
+
+@register_mode("fp4", dtypes=_FLOAT_DTYPES, description="4-bit float, blockwise fp32 absmax", peft_kind="4bit")
+def _fp4(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
+    return _linear4bit(linear, dtype, device, "fp4", double_quant=False)
+
+
+@register_mode("fp4-dq", dtypes=_FLOAT_DTYPES, description="4-bit float, absmax quantized again", peft_kind="4bit")
+def _fp4_dq(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
+    return _linear4bit(linear, dtype, device, "fp4", double_quant=True)
+
+
+@register_mode(
+    "int8", dtypes=_FLOAT_DTYPES, description="LLM.int8: int8 rows + fp32 scales, outliers in 16-bit", peft_kind="8bit"
+)
+def _int8(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
+    return _linear8bit(linear, dtype, device)

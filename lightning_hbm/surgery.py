@@ -1,0 +1,239 @@
+"""The one place where lightning_hbm changes the user's model.
+
+Quantization, adapters, activation checkpointing and attention kernels all rewrite the user's
+``nn.Module``. They must run
+
+* after ``LightningModule.configure_model`` (models built lazily exist),
+* before ``configure_optimizers`` (the user's unchanged optimizer sees the final trainable
+  parameters: changing the model in ``on_fit_start`` makes ``fit`` "succeed" while training
+  nothing),
+* in a fixed order: observe -> quantize -> adapters -> checkpointing -> kernels,
+* with or without a lightning_hbm precision plugin (LoRA under Lightning's ``bf16-true`` too).
+
+Lightning calls ``strategy.precision_plugin.convert_module(model)`` exactly there, in every
+strategy (single device, DDP, FSDP, DeepSpeed). DDP ignores its return value, so every transform
+works in place. :func:`install` wraps the *active* plugin's ``convert_module`` once per Trainer:
+
+    wrapped(module):
+        1. transforms with stage <  QUANTIZE   (e.g. QuantizationQuality keeps fp references)
+        2. the plugin's own convert_module     (QuantizedPrecision quantizes; bf16-true casts)
+        3. transforms with stage >  QUANTIZE   sorted by stage: ADAPTERS, CHECKPOINTING, KERNELS
+        4. re-apply checkpoint weights stashed by the resume hooks (see below)
+
+A transform is any Trainer callback that subclasses :class:`SurgeryCallback`. Each one is applied
+at most once per module (``module._lightning_hbm_applied`` records what ran, in order), so
+``trainer.validate`` after ``trainer.fit`` does not apply it twice.
+
+Resume. Lightning restores ``checkpoint["state_dict"]`` *before* ``strategy.setup``, i.e. into
+the model as the user built it, not the transformed one: keys such as ``weight.absmax`` or
+``lora_A.weight`` do not exist yet, and adapter-only checkpoints miss the frozen base. While the
+spine is installed (from ``Callback.setup`` until the surgery), two ``load_state_dict`` hooks on
+the LightningModule move every key that does not fit the untransformed model into a stash, and
+forgive the keys the checkpoint does not hold. After the surgery the stash is loaded into the
+transformed model; a key that fits nowhere, or a trainable parameter the checkpoint lacks, is an
+error before training starts.
+
+The spine is installed by every :class:`SurgeryCallback`, and by :class:`ModelSurgery`, which
+Lightning adds to every Trainer through the ``lightning.pytorch.callbacks_factory`` entry point
+(pyproject.toml), so a run that only uses ``QuantizedPrecision`` can resume too.
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import IntEnum
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+_APPLIED_ATTR = "_lightning_hbm_applied"
+_STATE_ATTR = "_lightning_hbm_spine"
+
+
+class Stage(IntEnum):
+    """Fixed order of the model changes. Lower runs first."""
+
+    OBSERVE = 0  # read-only look at the model as the user built it
+    QUANTIZE = 10  # the precision plugin's convert_module
+    ADAPTERS = 20
+    CHECKPOINTING = 30
+    KERNELS = 40
+
+
+class SurgeryCallback(Callback):
+    """Base class of every lightning_hbm callback that changes the user's model.
+
+    Subclasses set :attr:`stage` and implement :meth:`transform_model`, which must change the
+    module in place (DDP ignores a returned replacement). Subclasses that override ``setup`` call
+    ``super().setup(...)``.
+    """
+
+    stage: Stage = Stage.KERNELS
+
+    def transform_model(self, module: pl.LightningModule) -> None:
+        """Change ``module`` in place. Called once, at the surgery point."""
+        raise NotImplementedError
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        install(trainer)
+
+
+class ModelSurgery(Callback):
+    """Installs the spine in every Trainer (added by Lightning through the entry point).
+
+    It changes nothing by itself: with no lightning_hbm transform and no lightning_hbm
+    precision plugin, the wrapped ``convert_module`` only calls the original one.
+    """
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        install(trainer)
+
+
+def callbacks_factory() -> list[Callback]:
+    """Entry point ``lightning.pytorch.callbacks_factory``: Lightning adds these to every Trainer."""
+    return [ModelSurgery()]
+
+
+def applied_transforms(module: nn.Module) -> list[str]:
+    """Names of the transforms applied to ``module``, in the order they ran."""
+    return list(getattr(module, _APPLIED_ATTR, []))
+
+
+def mark_applied(module: nn.Module, name: str) -> None:
+    """Record that ``name`` changed ``module`` (used by the spine and the precision plugin)."""
+    applied = getattr(module, _APPLIED_ATTR, None)
+    if applied is None:
+        applied = []
+        # object.__setattr__: a plain list must not become an nn.Module attribute lookup problem
+        object.__setattr__(module, _APPLIED_ATTR, applied)
+    applied.append(name)
+
+
+def _transform_name(transform: object) -> str:
+    return type(transform).__qualname__
+
+
+def _surgery_callbacks(trainer: pl.Trainer) -> list[SurgeryCallback]:
+    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, SurgeryCallback)]
+    # sorted() is stable: callbacks of one stage keep the user's order
+    return sorted(callbacks, key=lambda cb: int(cb.stage))
+
+
+def apply_transforms(module: pl.LightningModule, transforms: list[SurgeryCallback]) -> None:
+    """Apply each transform once, in stage order (also usable without a Trainer, e.g. planner)."""
+    done = set(applied_transforms(module))
+    for transform in sorted(transforms, key=lambda t: int(t.stage)):
+        name = _transform_name(transform)
+        if name in done:
+            continue
+        transform.transform_model(module)
+        mark_applied(module, name)
+
+
+class _SpineState:
+    """What the spine keeps per Trainer: the stash of checkpoint keys and the hook handles."""
+
+    def __init__(self) -> None:
+        self.stash: dict[str, torch.Tensor] = {}
+        self.loaded_keys: set[str] = set()
+        self.forgiven_missing: list[str] = []
+        self.handles: list[Any] = []
+
+    def remove_hooks(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def install(trainer: pl.Trainer) -> None:
+    """Wrap the active precision plugin's ``convert_module`` with the surgery (idempotent)."""
+    plugin = trainer.strategy.precision_plugin
+    pl_module = trainer.lightning_module
+    if getattr(plugin, _STATE_ATTR, None) is not None:
+        return
+    state = _SpineState()
+    object.__setattr__(plugin, _STATE_ATTR, state)
+    original = plugin.convert_module
+
+    def convert_module(module: nn.Module) -> nn.Module:
+        state.remove_hooks()
+        transforms = _surgery_callbacks(trainer)
+        apply_transforms(module, [t for t in transforms if t.stage < Stage.QUANTIZE])
+        # Tell our own plugin where the model will live, so it can quantize on the target device.
+        if hasattr(plugin, "target_device"):
+            plugin.target_device = trainer.strategy.root_device
+        converted = original(module)
+        if converted is not module:
+            # Lightning's HalfPrecision returns module.to(dtype), the same object; a plugin that
+            # returns another object would break DDP (which ignores the return value).
+            module = converted
+        apply_transforms(module, [t for t in transforms if t.stage > Stage.QUANTIZE])
+        _restore_stash(module, state)
+        return module
+
+    plugin.convert_module = convert_module  # instance attribute: only this Trainer's plugin
+    if pl_module is not None and not applied_transforms(pl_module):
+        _register_resume_hooks(pl_module, state)
+
+
+def _register_resume_hooks(pl_module: nn.Module, state: _SpineState) -> None:
+    def pre_hook(
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        current = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+        for key in list(state_dict):
+            value = state_dict[key]
+            fits = key in current and isinstance(value, torch.Tensor) and value.shape == current[key]
+            if not fits:
+                state.stash[key] = state_dict.pop(key)
+        state.loaded_keys.update(state_dict)
+
+    def post_hook(module: nn.Module, incompatible_keys: Any) -> None:
+        # The checkpoint came from a transformed model (adapter-only, quantized base): the keys it
+        # lacks are checked after the surgery instead, against the transformed model.
+        state.forgiven_missing.extend(incompatible_keys.missing_keys)
+        incompatible_keys.missing_keys.clear()
+
+    state.handles.append(pl_module.register_load_state_dict_pre_hook(pre_hook))
+    state.handles.append(pl_module.register_load_state_dict_post_hook(post_hook))
+
+
+def _restore_stash(module: nn.Module, state: _SpineState) -> None:
+    if not state.stash and not state.forgiven_missing:
+        state.loaded_keys = set()
+        return  # nothing was loaded, or the checkpoint fitted the model as built
+    stash, state.stash = state.stash, {}
+    state.forgiven_missing = []
+    if stash:
+        result = module.load_state_dict(stash, strict=False)
+        if result.unexpected_keys:
+            raise ValueError(
+                "The checkpoint holds weights that fit neither the model as built nor the model after "
+                f"lightning_hbm's changes: {sorted(result.unexpected_keys)[:10]}. Resume with the same "
+                "precision mode and the same LoRA/checkpointing callbacks as the run that saved it."
+            )
+    restored = state.loaded_keys | set(stash)
+    lacking = [n for n, p in module.named_parameters() if p.requires_grad and n not in restored]
+    state.loaded_keys = set()
+    if lacking:
+        raise ValueError(
+            "The checkpoint does not hold these trainable parameters of the model after lightning_hbm's "
+            f"changes: {lacking[:10]}. Resume with the same precision mode and LoRA settings as the run "
+            "that saved it (or train from scratch without ckpt_path)."
+        )
+    log.info("lightning_hbm: restored %d checkpoint tensors after model surgery", len(stash))

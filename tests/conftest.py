@@ -1,0 +1,112 @@
+"""Shared fixtures: factories for tiny models, data and trainers (torchtune style)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_hbm.data import ByteTextDataModule
+from lightning_hbm.models import LazyNanoGPT, LlamaLM, NanoGPT
+
+# bitsandbytes logs a harmless line about an optional kernel hub at import; Lightning tips are noise.
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+TINY_GPT = dict(n_layer=2, n_head=2, n_embd=64, block_size=128)
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def gpt_factory() -> Callable[..., NanoGPT]:
+    """``gpt_factory(**overrides)``: a ~100k-parameter NanoGPT, seeded."""
+
+    def make(seed: int = 0, **overrides: Any) -> NanoGPT:
+        torch.manual_seed(seed)
+        return NanoGPT(**{**TINY_GPT, **overrides})
+
+    return make
+
+
+@pytest.fixture
+def lazy_gpt_factory() -> Callable[..., LazyNanoGPT]:
+    """``lazy_gpt_factory(**overrides)``: a NanoGPT that builds its layers in ``configure_model``."""
+
+    def make(seed: int = 0, **overrides: Any) -> LazyNanoGPT:
+        torch.manual_seed(seed)
+        return LazyNanoGPT(**{**TINY_GPT, **overrides})
+
+    return make
+
+
+@pytest.fixture
+def llama_factory() -> Callable[..., LlamaLM]:
+    """``llama_factory(**overrides)``: a tiny transformers Llama inside a LightningModule, seeded."""
+
+    def make(seed: int = 0, **overrides: Any) -> LlamaLM:
+        torch.manual_seed(seed)
+        return LlamaLM(**{**TINY_LLAMA, **overrides})
+
+    return make
+
+
+@pytest.fixture
+def datamodule_factory() -> Callable[..., ByteTextDataModule]:
+    """``datamodule_factory(seq_len=32, batch_size=4, ...)``: byte-level stdlib text."""
+
+    def make(**kwargs: Any) -> ByteTextDataModule:
+        kwargs = {"seq_len": 32, "batch_size": 4, "train_samples": 256, "val_samples": 8, "max_bytes": 300_000, **kwargs}
+        return ByteTextDataModule(**kwargs)
+
+    return make
+
+
+@pytest.fixture
+def trainer_factory(tmp_path: Any) -> Callable[..., pl.Trainer]:
+    """``trainer_factory(max_steps=5, **trainer_kwargs)``: a quiet CPU Trainer writing under tmp_path."""
+
+    def make(**kwargs: Any) -> pl.Trainer:
+        defaults: dict[str, Any] = dict(
+            accelerator="cpu",
+            devices=1,
+            max_steps=5,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            default_root_dir=tmp_path,
+        )
+        defaults.update(kwargs)
+        return pl.Trainer(**defaults)
+
+    return make
+
+
+class LossRecorder(pl.Callback):
+    """Records the training loss of every step."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+@pytest.fixture
+def loss_recorder() -> Callable[[], LossRecorder]:
+    return LossRecorder
