@@ -20,6 +20,11 @@ works in place. :func:`install` wraps the *active* plugin's ``convert_module`` o
         3. transforms with stage >  QUANTIZE   sorted by stage: ADAPTERS, CHECKPOINTING, KERNELS
         4. re-apply checkpoint weights stashed by the resume hooks (see below)
 
+and the plugin's ``connect`` (called right after the user's ``configure_optimizers``, before
+``on_fit_start`` and before optimizer states are restored): once the model was changed, frozen
+parameters are pruned from the param groups, then each transform's ``transform_optimizers``
+runs in stage order (e.g. ``MemoryEfficientOptimizer`` swaps in an 8-bit optimizer).
+
 A transform is any Trainer callback that subclasses :class:`SurgeryCallback`. Each one is applied
 at most once per module (``module._lightning_hbm_applied`` records what ran, in order), so
 ``trainer.validate`` after ``trainer.fit`` does not apply it twice.
@@ -48,6 +53,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,7 @@ class Stage(IntEnum):
     ADAPTERS = 20
     CHECKPOINTING = 30
     KERNELS = 40
+    OPTIMIZER = 50  # only transform_optimizers: replaces the optimizers (e.g. 8-bit states)
 
 
 class SurgeryCallback(Callback):
@@ -77,8 +84,16 @@ class SurgeryCallback(Callback):
     stage: Stage = Stage.KERNELS
 
     def transform_model(self, module: pl.LightningModule) -> None:
-        """Change ``module`` in place. Called once, at the surgery point."""
-        raise NotImplementedError
+        """Change ``module`` in place. Called once, at the surgery point. Default: no change."""
+
+    def transform_optimizers(self, optimizers: list[Optimizer], lr_scheduler_configs: list[Any]) -> list[Optimizer]:
+        """Return the optimizers to train with (called once they exist, before states are restored).
+
+        Runs inside the precision plugin's ``connect``, right after the user's unchanged
+        ``configure_optimizers`` and before ``on_fit_start``/optimizer-state restore. A transform
+        that replaces an optimizer must re-point the LR schedulers in ``lr_scheduler_configs``.
+        """
+        return optimizers
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -179,9 +194,32 @@ def install(trainer: pl.Trainer) -> None:
         _restore_stash(module, state)
         return module
 
-    plugin.convert_module = convert_module  # instance attribute: only this Trainer's plugin
+    original_connect = plugin.connect
+
+    def connect(model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple:
+        if applied_transforms(trainer.lightning_module):
+            prune_frozen_parameters(optimizers)
+        for transform in _surgery_callbacks(trainer):
+            optimizers = transform.transform_optimizers(optimizers, lr_schedulers)
+        return original_connect(model, optimizers, lr_schedulers)
+
+    # instance attributes: only this Trainer's plugin is changed
+    plugin.convert_module = convert_module
+    plugin.connect = connect
     if pl_module is not None and not applied_transforms(pl_module):
         _register_resume_hooks(pl_module, state)
+
+
+def prune_frozen_parameters(optimizers: list[Optimizer]) -> None:
+    """Drop parameters that do not require grad from the optimizers' param groups, in place.
+
+    The user's ``configure_optimizers`` usually passes ``self.parameters()``, so frozen (e.g.
+    quantized) base weights sit in the param groups. They never get state, but they make the
+    optimizer's view of "what is trained" wrong and cost every ``step`` a loop over them.
+    """
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if p.requires_grad]
 
 
 def _register_resume_hooks(pl_module: nn.Module, state: _SpineState) -> None:
