@@ -233,10 +233,14 @@ def _register_resume_hooks(pl_module: nn.Module, state: _SpineState) -> None:
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        current = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+        # (shape, is floating point): an int8 weight has the float weight's shape but must not be
+        # loaded into it (it would be cast to float and then quantized a second time)
+        current = {
+            k: (v.shape, v.is_floating_point()) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)
+        }
         for key in list(state_dict):
             value = state_dict[key]
-            fits = key in current and isinstance(value, torch.Tensor) and value.shape == current[key]
+            fits = isinstance(value, torch.Tensor) and current.get(key) == (value.shape, value.is_floating_point())
             if not fits:
                 state.stash[key] = state_dict.pop(key)
         state.loaded_keys.update(state_dict)
@@ -258,12 +262,17 @@ def _restore_stash(module: nn.Module, state: _SpineState) -> None:
     stash, state.stash = state.stash, {}
     state.forgiven_missing = []
     if stash:
-        result = module.load_state_dict(stash, strict=False)
+        advice = (
+            "Resume with the same precision mode and the same LoRA/checkpointing callbacks as the run that saved it."
+        )
+        try:
+            result = module.load_state_dict(stash, strict=False)
+        except RuntimeError as err:  # shape mismatches raise even with strict=False
+            raise ValueError(f"The checkpoint does not fit the model after lightning_hbm's changes. {advice}\n{err}") from err
         if result.unexpected_keys:
             raise ValueError(
                 "The checkpoint holds weights that fit neither the model as built nor the model after "
-                f"lightning_hbm's changes: {sorted(result.unexpected_keys)[:10]}. Resume with the same "
-                "precision mode and the same LoRA/checkpointing callbacks as the run that saved it."
+                f"lightning_hbm's changes: {sorted(result.unexpected_keys)[:10]}. {advice}"
             )
     restored = state.loaded_keys | set(stash)
     lacking = [n for n, p in module.named_parameters() if p.requires_grad and n not in restored]

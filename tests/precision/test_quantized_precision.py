@@ -1,0 +1,261 @@
+"""QuantizedPrecision with the real bitsandbytes on CPU: storage, gradients, checkpoints, errors."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from lightning_utilities.core.imports import RequirementCache
+from torch import nn
+
+import lightning_hbm.precision.bnb as bnb_modes
+from lightning_hbm import QuantizedPrecision, applied_transforms, available_precisions, precision_plugin, quantize_model
+from lightning_hbm.memory import quantization_tensors, unique_bytes
+
+BNB_MODES = ["nf4", "nf4-dq", "fp4", "fp4-dq", "int8"]
+QUANTIZED_TYPES = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+# hidden 256: large enough that per-layer code books do not dominate the bytes per parameter
+MEDIUM_LLAMA = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4)
+
+
+def quantized_bytes_per_param(module: nn.Module) -> float:
+    """Storage bytes of quantized weights (constants included) per quantized (logical) parameter."""
+    tensors: list[torch.Tensor] = []
+    count = 0
+    for layer in module.modules():
+        if isinstance(layer, QUANTIZED_TYPES):
+            tensors.append(layer.weight)
+            tensors.extend(quantization_tensors(layer.weight))
+            count += layer.in_features * layer.out_features
+    return unique_bytes(tensors) / count
+
+
+def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    return 10 * math.log10(reference.pow(2).sum().item() / (reference - approximation).pow(2).sum().item())
+
+
+def test_registry_lists_modes() -> None:
+    assert set(BNB_MODES) <= set(available_precisions())
+    plugin = precision_plugin("nf4-dq", dtype="bf16")
+    assert isinstance(plugin, QuantizedPrecision)
+    assert plugin.dtype == torch.bfloat16
+    assert plugin.precision == "bf16-true"
+
+
+@pytest.mark.parametrize(("mode", "limit"), [("nf4-dq", 0.55), ("nf4", 0.6), ("fp4-dq", 0.55), ("fp4", 0.6), ("int8", 1.1)])
+def test_storage_bytes_per_quantized_parameter(llama_factory: Any, mode: str, limit: float) -> None:
+    model = llama_factory(**MEDIUM_LLAMA)
+    quantize_model(model, mode, dtype="float32")
+    per_param = quantized_bytes_per_param(model)
+    assert per_param <= limit
+    # the count includes the quantization constants: a bare 4-bit payload would be exactly 0.5
+    assert per_param > (1.0 if mode == "int8" else 0.5)
+
+
+@pytest.mark.parametrize(("mode", "min_sqnr"), [("nf4", 9.0), ("nf4-dq", 9.0), ("fp4", 8.0), ("fp4-dq", 8.0), ("int8", 28.0)])
+def test_output_sqnr_against_the_original(llama_factory: Any, mode: str, min_sqnr: float) -> None:
+    """Measured on CPU (random weights, hidden 256): nf4 ~11.3 dB, fp4 ~9.8 dB, int8 ~35 dB."""
+    model = llama_factory(**MEDIUM_LLAMA)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(tokens)
+        quantize_model(model, mode, dtype="float32")
+        quantized = model(tokens)
+    assert sqnr_db(reference, quantized) >= min_sqnr
+
+
+def test_only_linear_weights_are_frozen_and_quantized(gpt_factory: Any) -> None:
+    model = gpt_factory()
+    names = quantize_model(model, "nf4", dtype="bfloat16")
+    assert "model.h.0.attn.c_attn" in names and "model.lm_head" in names
+    for name, param in model.named_parameters():
+        if param.dtype == torch.uint8:
+            assert not param.requires_grad, name
+        else:
+            # embeddings, norms and biases: trainable, in the compute dtype
+            assert param.requires_grad and param.dtype == torch.bfloat16, name
+    assert isinstance(model.model.h[0].mlp.c_fc, bnb.nn.Linear4bit)
+    assert model.model.h[0].mlp.c_fc.bias.requires_grad
+
+
+def test_ignore_modules_and_tied_head_stay_unquantized(gpt_factory: Any) -> None:
+    model = gpt_factory(tie_weights=True)
+    quantize_model(model, "int8", dtype="float32", ignore_modules=["model.h.1"])
+    assert type(model.model.h[1].attn.c_attn) is nn.Linear
+    assert isinstance(model.model.h[0].attn.c_attn, bnb.nn.Linear8bitLt)
+    # quantizing a tied head would silently untie it from the trainable embedding
+    assert type(model.model.lm_head) is nn.Linear
+    assert model.model.lm_head.weight is model.model.wte.weight
+
+
+@pytest.mark.parametrize("mode", ["nf4", "nf4-dq", "int8"])
+def test_eval_then_train_keeps_every_gradient(gpt_factory: Any, mode: str) -> None:
+    """The bitsandbytes AVX512-BF16 repack trap: a no-grad eval forward must not break training."""
+    model = gpt_factory(bias=True)
+    quantize_model(model, mode, dtype="float32")
+    tokens = torch.randint(0, 256, (2, 16))
+    model.eval()
+    with torch.no_grad():
+        model(tokens)
+    model.train()
+    model(tokens).float().pow(2).mean().backward()
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n, p in trainable if p.grad is None or not torch.any(p.grad != 0)]
+    assert not missing
+    for layer in model.modules():
+        if isinstance(layer, bnb.nn.Linear4bit):
+            assert layer.support_avx512bf16_for_cpu is False
+
+
+@pytest.mark.skipif(not bnb.functional.has_avx512bf16(), reason="the repack path exists only on AVX512-BF16 CPUs")
+def test_the_repack_trap_is_real_on_this_cpu(gpt_factory: Any) -> None:
+    """Control for the test above: with bitsandbytes' default flag the embedding gets no gradient."""
+    model = gpt_factory(bias=False)
+    quantize_model(model, "nf4", dtype="float32")
+    for layer in model.modules():
+        if isinstance(layer, bnb.nn.Linear4bit):
+            layer.support_avx512bf16_for_cpu = True  # what bitsandbytes sets on such CPUs
+    tokens = torch.randint(0, 256, (2, 16))
+    model.eval()
+    with torch.no_grad():
+        model(tokens)
+    model.train()
+    try:
+        model(tokens).float().pow(2).mean().backward()
+    except RuntimeError:
+        return  # the bias variant raises; either way training is broken
+    grad = model.model.wte.weight.grad
+    assert grad is None or not torch.any(grad != 0)
+
+
+@pytest.mark.parametrize("mode", BNB_MODES)
+def test_state_dict_round_trip_gives_identical_outputs(gpt_factory: Any, mode: str) -> None:
+    source = gpt_factory(seed=0)
+    quantize_model(source, mode, dtype="float32")
+    target = gpt_factory(seed=1)
+    quantize_model(target, mode, dtype="float32")
+    tokens = torch.randint(0, 256, (2, 16))
+    result = target.load_state_dict(source.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    with torch.no_grad():
+        torch.testing.assert_close(target(tokens), source(tokens), rtol=0, atol=0)
+
+
+# every mode on NanoGPT; the lazily built model and the HF Llama run nf4-dq and int8 (suite time)
+FIT_CASES = [("gpt_factory", m) for m in BNB_MODES] + [
+    (f, m) for f in ("lazy_gpt_factory", "llama_factory") for m in ("nf4-dq", "int8")
+]
+
+
+@pytest.mark.parametrize(("factory_name", "mode"), FIT_CASES)
+def test_short_fit_reduces_loss(
+    request: pytest.FixtureRequest,
+    factory_name: str,
+    mode: str,
+    trainer_factory: Any,
+    datamodule_factory: Any,
+    loss_recorder: Any,
+) -> None:
+    model = request.getfixturevalue(factory_name)(lr=1e-2)
+    recorder = loss_recorder()
+    trainer = trainer_factory(max_steps=12, plugins=[QuantizedPrecision(mode, dtype="float32")], callbacks=[recorder])
+    trainer.fit(model, datamodule_factory())
+    assert applied_transforms(model) == [f"QuantizedPrecision({mode})"]
+    assert any(isinstance(m, QUANTIZED_TYPES) for m in model.modules())  # lazy model quantized too
+    first, last = sum(recorder.losses[:3]) / 3, sum(recorder.losses[-3:]) / 3
+    assert last < first - 0.1
+
+
+def test_bf16_compute_fit(gpt_factory: Any, trainer_factory: Any, datamodule_factory: Any, loss_recorder: Any) -> None:
+    model = gpt_factory(lr=1e-2)
+    recorder = loss_recorder()
+    trainer = trainer_factory(max_steps=8, plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16")], callbacks=[recorder])
+    trainer.fit(model, datamodule_factory())
+    assert model.model.wte.weight.dtype == torch.bfloat16
+    assert trainer.precision == "bf16-true"
+    assert recorder.losses[-1] < recorder.losses[0]
+
+
+@pytest.mark.parametrize("mode", ["nf4-dq", "int8"])
+def test_checkpoint_loads_into_a_fresh_model_and_training_resumes(
+    gpt_factory: Any, trainer_factory: Any, datamodule_factory: Any, tmp_path: Any, mode: str
+) -> None:
+    tokens = torch.randint(0, 256, (2, 16))
+    model = gpt_factory(seed=0)
+    trainer = trainer_factory(max_steps=3, plugins=[QuantizedPrecision(mode, dtype="float32")])
+    trainer.fit(model, datamodule_factory())
+    path = tmp_path / "quantized.ckpt"
+    trainer.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["state_dict"]
+    assert any(v.dtype in (torch.uint8, torch.int8) for v in state.values())  # the quantized base is saved
+    with torch.no_grad():
+        expected = model(tokens)
+
+    # a fresh model (other random init) restored from the checkpoint gives the same outputs ...
+    fresh = gpt_factory(seed=1)
+    resumed = trainer_factory(max_steps=3, plugins=[QuantizedPrecision(mode, dtype="float32")])
+    resumed.fit(fresh, datamodule_factory(), ckpt_path=path)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(tokens), expected, rtol=0, atol=0)
+    # ... and training goes on from step 3
+    more = gpt_factory(seed=2)
+    again = trainer_factory(max_steps=5, plugins=[QuantizedPrecision(mode, dtype="float32")])
+    again.fit(more, datamodule_factory(), ckpt_path=path)
+    assert again.global_step == 5
+
+
+# ----------------------------------------------------------------------------------------- errors
+
+
+def test_unknown_mode_lists_valid_names() -> None:
+    with pytest.raises(ValueError, match=r"Unknown lightning_hbm precision mode 'nf3'\. Valid modes: .*nf4-dq"):
+        QuantizedPrecision("nf3")
+
+
+def test_unsupported_dtype_for_mode() -> None:
+    with pytest.raises(ValueError, match=r"Unsupported dtype 'float64'\. Use one of"):
+        QuantizedPrecision("nf4", dtype="float64")
+    with pytest.raises(ValueError, match=r"does not support dtype torch\.float64\. Supported: .*bfloat16"):
+        QuantizedPrecision("int8", dtype=torch.float64)
+
+
+def test_model_without_linear_layers() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4))
+    with pytest.raises(ValueError, match=r"Sequential has no torch\.nn\.Linear layers.*precision='bf16-true'"):
+        quantize_model(model, "nf4")
+
+
+def test_ignore_modules_matching_nothing(gpt_factory: Any) -> None:
+    model = gpt_factory()
+    with pytest.raises(ValueError, match=r"\['head'\] match no submodule of NanoGPT\. Use module names"):
+        quantize_model(model, "nf4", ignore_modules=["head"])
+    assert not any(isinstance(m, QUANTIZED_TYPES) for m in model.modules())  # nothing half-applied
+    with pytest.raises(TypeError, match=r"ignore_modules must be a list of module names, got the string 'lm_head'"):
+        QuantizedPrecision("nf4", ignore_modules="lm_head")
+
+
+def test_meta_weights_cannot_be_quantized() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"weight is on the meta device: load or initialize the weights"):
+        quantize_model(model, "nf4")
+
+
+def test_bitsandbytes_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bnb_modes, "_BNB_AVAILABLE", RequirementCache("bitsandbytes-not-installed-here"))
+    with pytest.raises(ModuleNotFoundError, match=r"need bitsandbytes>=0\.46.*pip install 'bitsandbytes>=0\.46'"):
+        QuantizedPrecision("nf4")
+
+
+def test_errors_are_raised_before_training(gpt_factory: Any, trainer_factory: Any, datamodule_factory: Any) -> None:
+    model = gpt_factory()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = trainer_factory(max_steps=2, plugins=[QuantizedPrecision("nf4", ignore_modules=["nope"])])
+    with pytest.raises(ValueError, match="match no submodule"):
+        trainer.fit(model, datamodule_factory())
+    assert trainer.global_step == 0
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key])
