@@ -6,10 +6,28 @@ of this package names the term it shrinks; ``HBMProfiler`` measures all of them.
 
 from lightning_hbm.precision import QuantizedPrecision, available_precisions, precision_plugin, quantize_model
 from lightning_hbm.surgery import ModelSurgery, Stage, SurgeryCallback, applied_transforms
+from lightning_hbm.strategies import QuantizedFSDPStrategy
+from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_hbm.callbacks.attention_kernel import AttentionKernel
+from lightning_hbm.callbacks.lora import LoRA
+from lightning_hbm.callbacks.optimizer import MemoryEfficientOptimizer
+from lightning_hbm.strategies.cpu_offload import CPUOffloadStrategy
+from lightning_hbm.callbacks.profiler import HBMProfiler
+from lightning_hbm.callbacks.quality import QuantizationQuality
+from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
 
 __all__ = [
+    "ActivationCheckpointing",
+    "AttentionKernel",
+    "CPUOffloadStrategy",
+    "HBMProfiler",
+    "Int8DynamicLinear",
+    "LoRA",
+    "MemoryEfficientOptimizer",
     "ModelSurgery",
+    "QuantizationQuality",
     "QuantizedPrecision",
+    "QuantizedFSDPStrategy",
     "Stage",
     "SurgeryCallback",
     "applied_transforms",

@@ -86,6 +86,13 @@ class SurgeryCallback(Callback):
     def transform_model(self, module: pl.LightningModule) -> None:
         """Change ``module`` in place. Called once, at the surgery point. Default: no change."""
 
+    def check_model(self, module: pl.LightningModule) -> None:
+        """Raise ``ValueError``/``TypeError`` if ``module`` cannot take this transform. Default: accept.
+
+        Called by the spine for every pending transform before the first change (quantization
+        included), so a bad argument leaves the user's model untouched. Must not change ``module``.
+        """
+
     def transform_optimizers(self, optimizers: list[Optimizer], lr_scheduler_configs: list[Any]) -> list[Optimizer]:
         """Return the optimizers to train with (called once they exist, before states are restored).
 
@@ -181,6 +188,10 @@ def install(trainer: pl.Trainer) -> None:
     def convert_module(module: nn.Module) -> nn.Module:
         state.remove_hooks()
         transforms = _surgery_callbacks(trainer)
+        done = set(applied_transforms(module))
+        for transform in transforms:  # every check before the first change: nothing half-applied
+            if _transform_name(transform) not in done:
+                transform.check_model(module)
         apply_transforms(module, [t for t in transforms if t.stage < Stage.QUANTIZE])
         # Tell our own plugin where the model will live, so it can quantize on the target device.
         if hasattr(plugin, "target_device"):

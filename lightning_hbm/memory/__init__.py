@@ -1,5 +1,23 @@
-"""Memory accounting shared by the profiler and the planner: one definition of each category."""
+"""Memory accounting shared by the profiler and the planner: one definition of each category.
 
+- :mod:`~lightning_hbm.memory.storage`: storage-byte counting, quantization constants.
+- :mod:`~lightning_hbm.memory.categories`: :data:`CATEGORIES` and :func:`classify` (by owner).
+- :mod:`~lightning_hbm.memory.tracker`: :class:`LiveStorageTracker` (live storages, peaks).
+- :mod:`~lightning_hbm.memory.activations`: :func:`saved_activation_bytes`.
+"""
+
+from lightning_hbm.memory.activations import saved_activation_bytes
+from lightning_hbm.memory.categories import (
+    CATEGORIES,
+    Category,
+    MemoryBreakdown,
+    buffer_tensors,
+    classify,
+    gradient_tensors,
+    optimizer_state_tensors,
+    owned_storages,
+    parameter_tensors,
+)
 from lightning_hbm.memory.storage import (
     module_parameter_tensors,
     parameter_bytes,
@@ -9,12 +27,24 @@ from lightning_hbm.memory.storage import (
     storage_key,
     unique_bytes,
 )
+from lightning_hbm.memory.tracker import LiveStorageTracker
 
 __all__ = [
+    "CATEGORIES",
+    "Category",
+    "LiveStorageTracker",
+    "MemoryBreakdown",
+    "buffer_tensors",
+    "classify",
+    "gradient_tensors",
     "module_parameter_tensors",
+    "optimizer_state_tensors",
+    "owned_storages",
     "parameter_bytes",
     "parameter_count",
+    "parameter_tensors",
     "quantization_tensors",
+    "saved_activation_bytes",
     "storage_bytes",
     "storage_key",
     "unique_bytes",

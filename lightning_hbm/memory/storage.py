@@ -16,14 +16,25 @@ import torch
 from torch import nn
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The storage-backed tensor on this rank: a DTensor (FSDP2 shard) holds only its local shard.
+
+    A DTensor is a wrapper subclass without storage of its own (``data_ptr`` raises).
+    """
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None and type(tensor).__name__ == "DTensor" else tensor
+
+
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     """Identity of the storage behind ``tensor`` (device, data pointer)."""
+    tensor = _local(tensor)
     storage = tensor.untyped_storage()
     return (str(tensor.device), storage.data_ptr())
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:
     """Bytes of the whole storage behind ``tensor`` (0 for meta tensors)."""
+    tensor = _local(tensor)
     if tensor.is_meta:
         return 0
     return tensor.untyped_storage().nbytes()
@@ -34,6 +45,7 @@ def unique_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]] | N
     seen = set() if seen is None else seen
     total = 0
     for tensor in tensors:
+        tensor = _local(tensor)
         if tensor.is_meta or tensor.untyped_storage().nbytes() == 0:
             continue
         key = storage_key(tensor)

@@ -1,0 +1,310 @@
+"""``ActivationCheckpointing``: recompute the activations of repeated blocks in backward.
+
+What it shrinks: the **activations** term. Without recompute, every transformer block keeps
+about ``s*b*h*(34 + 5*a*s/h)`` bytes alive for backward (Korthikanti et al.); with full recompute
+it keeps only its input (``2*s*b*h``) and runs its forward a second time in backward. Lightning
+offers this only inside FSDP; this callback gives it to any strategy (single device, DDP).
+
+How: the ``forward`` of each chosen block is wrapped in non-reentrant ``torch.utils.checkpoint``.
+Not ``checkpoint_wrapper``: a wrapper module prefixes every parameter name with
+``_checkpoint_wrapped_module.``, which changes the state_dict keys and makes peft's adapter
+state_dict silently empty (shared/notes/verified-facts.md). Wrapping ``forward`` keeps names,
+keys and the module tree exactly as the user built them. Non-reentrant, because the reentrant
+variant gives no gradients to adapters behind frozen embeddings (inputs without ``requires_grad``).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from typing_extensions import override
+
+from lightning_hbm.surgery import Stage, SurgeryCallback
+
+_aten = torch.ops.aten
+# Ops whose outputs the "selective" policy keeps: the expensive ones (matmuls, attention kernels).
+# Everything else (norms, activations, adds, dropout, views) is cheap and recomputed in backward.
+SELECTIVE_SAVE_OPS: list[Any] = [
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
+    _aten._scaled_mm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+]
+
+_PLAN_ATTR = "_lightning_hbm_checkpoint"
+
+
+class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
+    """Move the tensors autograd saves for backward to ``device`` and bring them back in backward.
+
+    Written by hand instead of ``torch.autograd.graph.save_on_cpu`` because that one (a) always
+    targets CPU, so the copy logic cannot be tested on a CPU-only machine (there it is a copy to the
+    same device), (b) also copies parameters that autograd saves (weights of every Linear), which
+    live on the device anyway, and (c) copies synchronously. Here the target is injectable,
+    parameters are skipped, and on CUDA the device-to-host copy runs on a side stream into pinned
+    memory so that it overlaps with the forward compute.
+
+    ``copies`` and ``copied_bytes`` count what was moved since the last :meth:`reset_counts`.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.copies = 0
+        self.copied_bytes = 0
+        self._stream: Optional[torch.cuda.Stream] = None
+        super().__init__(self._pack, self._unpack)
+
+    def reset_counts(self) -> None:
+        self.copies = 0
+        self.copied_bytes = 0
+
+    def _side_stream(self, source: torch.device) -> Optional[torch.cuda.Stream]:
+        if source.type != "cuda" or self.device.type != "cpu":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(source)
+        return self._stream
+
+    def _pack(self, tensor: Tensor) -> Any:
+        # Parameters (and frozen quantized weights) are saved by reference and live on the device for
+        # the whole step anyway: copying them would cost time and save nothing.
+        if isinstance(tensor, nn.Parameter) or tensor.numel() == 0:
+            return tensor
+        source = tensor.device
+        stream = self._side_stream(source)
+        if stream is None:
+            # torch.empty_like + copy_ (not .to): a real copy even when source == target device, which
+            # is what a CPU-only test can check.
+            packed = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+            packed.copy_(tensor)
+        else:
+            packed = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device, pin_memory=True)
+            stream.wait_stream(torch.cuda.current_stream(source))
+            with torch.cuda.stream(stream):
+                packed.copy_(tensor, non_blocking=True)
+            # The caching allocator must not hand the device memory to another tensor before the copy
+            # on the side stream has read it.
+            tensor.record_stream(stream)
+        self.copies += 1
+        self.copied_bytes += tensor.numel() * tensor.element_size()
+        return (source, packed)
+
+    def _unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, Tensor):
+            return packed
+        source, tensor = packed
+        if self._stream is not None and source.type == "cuda":
+            torch.cuda.current_stream(source).wait_stream(self._stream)
+            return tensor.to(source, non_blocking=True)
+        restored = torch.empty(tensor.shape, dtype=tensor.dtype, device=source)
+        restored.copy_(tensor)
+        return restored
+
+
+class _BlockPlan:
+    """What the wrapped ``forward`` of one block needs, kept on the block itself (no closure)."""
+
+    def __init__(
+        self,
+        inner: Callable[..., Any],
+        context_fn: Optional[Callable[[], tuple[AbstractContextManager, AbstractContextManager]]],
+        offload: Optional[OffloadSavedTensors],
+    ) -> None:
+        self.inner = inner
+        self.context_fn = context_fn
+        self.offload = offload
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    plan: _BlockPlan = getattr(self, _PLAN_ATTR)
+    if not torch.is_grad_enabled():
+        return plan.inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
+    extra = {} if plan.context_fn is None else {"context_fn": plan.context_fn}
+    # The offload hooks are outside the checkpoint: what checkpoint itself saves (the block's
+    # inputs) goes through them; what it recomputes never does.
+    with plan.offload if plan.offload is not None else nullcontext():
+        return checkpoint(plan.inner, *args, use_reentrant=False, **extra, **kwargs)
+
+
+def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks of ``module``: children of an ``nn.ModuleList`` that all share one class.
+
+    Covers nanoGPT-style ``h``, transformers' ``model.layers`` (decoder layers) and lazily built
+    models alike (called after ``configure_model``). Lists nested inside a block already found
+    (e.g. the experts of a mixture-of-experts layer) are not blocks themselves. Leaf modules (a list
+    of ``nn.Linear`` heads) are not blocks: recomputing one matmul saves nothing.
+    """
+    blocks: list[tuple[str, nn.Module]] = []
+    for name, child in module.named_modules():
+        if not isinstance(child, nn.ModuleList) or len(child) < 2:
+            continue
+        if any(name.startswith(found + ".") for found, _ in blocks):
+            continue
+        classes = {type(c) for c in child}
+        if len(classes) != 1 or not any(True for _ in next(iter(child)).children()):
+            continue
+        blocks.extend((f"{name}.{i}" if name else str(i), c) for i, c in enumerate(child))
+    return blocks
+
+
+def _blocks_by_spec(module: nn.Module, spec: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    named = list(module.named_modules())
+    chosen: list[tuple[str, nn.Module]] = []
+    unknown: list[str] = []
+    for entry in spec:
+        matches = [(n, m) for n, m in named if n == entry or type(m).__name__ == entry]
+        if not matches:
+            unknown.append(entry)
+        chosen.extend(m for m in matches if m[0] not in {n for n, _ in chosen})
+    if unknown:
+        classes = sorted({type(m).__name__ for _, m in named if any(True for _ in m.children())})
+        raise ValueError(
+            f"ActivationCheckpointing(blocks={list(spec)!r}): {unknown} name no submodule path and no module class "
+            f"of {type(module).__name__}. Use class names such as {classes[:12]} or module paths such as "
+            f"{[n for n, _ in named if n][:8]}, or leave blocks=None to find the repeated blocks automatically."
+        )
+    nested = [n for n, _ in chosen if any(n.startswith(o + ".") for o, _ in chosen)]
+    if nested:
+        raise ValueError(
+            f"ActivationCheckpointing(blocks={list(spec)!r}) selects modules nested inside other selected modules: "
+            f"{nested[:5]}. Checkpoint either the outer blocks or the inner ones, not both."
+        )
+    return chosen
+
+
+class ActivationCheckpointing(SurgeryCallback):
+    """Non-reentrant activation checkpointing of the model's repeated blocks, for any strategy.
+
+    Args:
+        policy: ``"full"`` recomputes the whole block in backward (keeps only its input);
+            ``"selective"`` keeps the outputs of matmuls and attention kernels
+            (:data:`SELECTIVE_SAVE_OPS`) and recomputes the cheap elementwise ops (norms,
+            activations, residual adds): less memory saved, less time spent.
+        blocks: class names (``"LlamaDecoderLayer"``) or module paths relative to the
+            LightningModule (``"model.h.0"``) to checkpoint. ``None`` finds the repeated blocks
+            automatically (children of an ``nn.ModuleList`` sharing one class).
+        every: checkpoint every ``every``-th block only (blocks 0, every, 2*every, ...): trades
+            memory for time.
+        offload: also move the tensors the checkpointed blocks save for backward (their inputs)
+            to ``offload_device`` and bring them back for backward (pinned memory and a side
+            stream on CUDA, so the copy overlaps with compute).
+        offload_device: where offloaded tensors go. ``"cpu"`` (host memory) is what a GPU run
+            wants; on a CPU-only run the copy lands on the same device and saves nothing.
+
+    Applied at lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`, stage
+    ``CHECKPOINTING``): after quantization and adapters, before the optimizer exists.
+    Parameter names and state_dict keys do not change.
+
+    Logged keys (only with ``offload=True``, every training step):
+        ``activations/offloaded_bytes``: bytes copied to ``offload_device`` in the step's forwards.
+
+    Example::
+
+        trainer = Trainer(callbacks=[ActivationCheckpointing("selective", every=2)])
+
+    YAML (LightningCLI)::
+
+        trainer:
+          callbacks:
+            - class_path: lightning_hbm.ActivationCheckpointing
+              init_args: {policy: full, offload: true}
+    """
+
+    stage = Stage.CHECKPOINTING
+
+    def __init__(
+        self,
+        policy: Literal["full", "selective"] = "full",
+        blocks: Optional[list[str]] = None,
+        every: int = 1,
+        offload: bool = False,
+        offload_device: str = "cpu",
+    ) -> None:
+        if policy not in ("full", "selective"):
+            raise ValueError(f"ActivationCheckpointing(policy={policy!r}): choose 'full' or 'selective'.")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(
+                f"ActivationCheckpointing(every={every!r}): must be an int >= 1 (1 checkpoints every block, "
+                "2 every second block, ...)."
+            )
+        if blocks is not None and (isinstance(blocks, str) or not all(isinstance(b, str) for b in blocks) or not blocks):
+            raise TypeError(
+                f"ActivationCheckpointing(blocks={blocks!r}): pass a non-empty list of class names or module paths, "
+                "e.g. ['Block'] or ['model.h.0', 'model.h.1'], or None for automatic detection."
+            )
+        try:
+            device = torch.device(offload_device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(
+                f"ActivationCheckpointing(offload_device={offload_device!r}) is not a torch device: use 'cpu'."
+            ) from err
+        self.policy = policy
+        self.blocks = list(blocks) if blocks is not None else None
+        self.every = every
+        self.offload: Optional[OffloadSavedTensors] = OffloadSavedTensors(device) if offload else None
+        self.checkpointed: list[str] = []
+
+    @override
+    def transform_model(self, module: pl.LightningModule) -> None:
+        # Decide everything first, change the blocks last: an error leaves the model untouched.
+        found = _blocks_by_spec(module, self.blocks) if self.blocks is not None else find_blocks(module)
+        if not found:
+            lists = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleList)]
+            raise ValueError(
+                f"ActivationCheckpointing found no repeated blocks in {type(module).__name__} (no nn.ModuleList whose "
+                f"children share one class; ModuleLists seen: {lists[:8]}). Pass blocks=[...] with the class names "
+                "or module paths of the layers to checkpoint."
+            )
+        hf_checkpointing = [n for n, m in found if getattr(m, "gradient_checkpointing", False)]
+        if hf_checkpointing:
+            raise ValueError(
+                f"Blocks {hf_checkpointing[:3]} already use transformers' own gradient checkpointing; doing it twice "
+                "recomputes every block twice. Call model.gradient_checkpointing_disable() or drop ActivationCheckpointing."
+            )
+        chosen = [(n, m) for i, (n, m) in enumerate(found) if i % self.every == 0]
+        context_fn = (
+            functools.partial(create_selective_checkpoint_contexts, SELECTIVE_SAVE_OPS)
+            if self.policy == "selective"
+            else None
+        )
+        for _, block in chosen:
+            if getattr(block, _PLAN_ATTR, None) is not None:
+                continue  # already checkpointed (e.g. the model object is reused by a second Trainer)
+            # object.__setattr__: the plan and the bound method are plain attributes, never submodules.
+            object.__setattr__(block, _PLAN_ATTR, _BlockPlan(block.forward, context_fn, self.offload))
+            # MethodType of a module-level function (not a closure): deepcopy rebinds it to the copy.
+            object.__setattr__(block, "forward", types.MethodType(_checkpointed_forward, block))
+        self.checkpointed = [n for n, _ in chosen]
+        rank_zero_info(
+            f"lightning_hbm: activation checkpointing ({self.policy}{', offload' if self.offload else ''}) "
+            f"on {len(chosen)} of {len(found)} blocks ({type(chosen[0][1]).__name__})"
+        )
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.offload is not None:
+            self.offload.reset_counts()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.offload is not None:
+            pl_module.log("activations/offloaded_bytes", float(self.offload.copied_bytes), on_step=True, on_epoch=False)
+
+
+__all__ = ["SELECTIVE_SAVE_OPS", "ActivationCheckpointing", "OffloadSavedTensors", "find_blocks"]

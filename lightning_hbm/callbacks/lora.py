@@ -1,0 +1,459 @@
+"""``LoRA``: train small adapters on a frozen (optionally quantized) base, on any LightningModule.
+
+What it shrinks: the **gradients** and **optimizer states** terms (and the checkpoint). Only the
+LoRA matrices (and the ``modules_to_save``) require grad, so the user's unchanged
+``AdamW(self.parameters())`` ends up holding states for them only (the surgery spine prunes the
+frozen parameters from the param groups). On top of :class:`~lightning_hbm.QuantizedPrecision`
+this is QLoRA: the base is 4-bit and frozen, the adapters stay in ``adapter_dtype``.
+
+The adapters are peft's own LoRA layers, injected with ``peft.inject_adapter_in_model`` into the
+LightningModule itself (plain torch models and Hugging Face models inside it alike), at
+lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`): after ``configure_model`` and the
+quantization, before ``configure_optimizers`` and activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning_utilities.core.imports import RequirementCache
+from torch import nn
+from typing_extensions import override
+
+from lightning_hbm.memory import parameter_bytes, parameter_count
+from lightning_hbm.precision.registry import to_dtype
+from lightning_hbm.surgery import Stage, SurgeryCallback
+
+log = logging.getLogger(__name__)
+
+_PEFT_AVAILABLE = RequirementCache("peft>=0.14")
+_BNB_AVAILABLE = RequirementCache("bitsandbytes>=0.46")
+
+# One adapter per model: peft's default name. Parameter names are ``<layer>.lora_A.default.weight``;
+# the FSDP and activation-checkpointing callbacks rely on these names staying stable.
+ADAPTER_NAME = "default"
+ALL_LINEAR = "all-linear"
+
+
+def _import_peft() -> Any:
+    if not _PEFT_AVAILABLE:
+        raise ModuleNotFoundError(
+            f"lightning_hbm.LoRA needs peft>=0.14 ({_PEFT_AVAILABLE.message}). Install it with `pip install peft`."
+        )
+    import peft
+
+    return peft
+
+
+def _lora_layer_cls() -> type:
+    from peft.tuners.lora import LoraLayer
+
+    return LoraLayer
+
+
+def _bnb_linear_classes() -> tuple[type, ...]:
+    """bitsandbytes' 4-bit and 8-bit Linear classes (empty when bitsandbytes is not installed)."""
+    if not _BNB_AVAILABLE:
+        return ()
+    import bitsandbytes as bnb
+
+    return (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+
+
+def _matches(name: str, patterns: Union[str, list[str]]) -> bool:
+    """peft's matching rule: a string is a regex (full match), a list matches names or name suffixes."""
+    if isinstance(patterns, str):
+        return re.fullmatch(patterns, name) is not None
+    return any(name == p or name.endswith("." + p) for p in patterns)
+
+
+def _under(name: str, prefixes: list[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+class LoRA(SurgeryCallback):
+    """Adapter-only training: inject peft LoRA layers, freeze everything else.
+
+    Args:
+        r: rank of the adapters (``> 0``).
+        alpha: LoRA scaling numerator (the update is scaled by ``alpha / r``).
+        dropout: dropout on the adapter input. Keep ``0.0`` for bit-exact resume (Lightning does not
+            checkpoint the RNG state).
+        target_modules: ``"all-linear"`` (every ``nn.Linear``, quantized or not, except the output
+            head of Hugging Face models and Linears whose weight is tied to another module), a list of module names (a name matches itself and every
+            module whose name ends with ``.name``, e.g. ``["q_proj", "v_proj"]``) or a regex that must
+            match the full module name. Names are relative to the LightningModule
+            (``model.model.layers.0.self_attn.q_proj`` for :class:`~lightning_hbm.models.LlamaLM`).
+        exclude_modules: same forms (no ``"all-linear"``); matching Linears get no adapter.
+        modules_to_save: modules trained fully besides the adapters, e.g. a new classifier head.
+            Their parameters are made trainable in place (names unchanged, no second copy, unlike
+            peft's ``ModulesToSaveWrapper``); they must not be quantized.
+        adapter_dtype: storage and compute dtype of the adapter weights (``"float32"`` default).
+        full_checkpoint: ``False`` (default): Lightning checkpoints hold only the trainable weights
+            (adapters + ``modules_to_save``) and their optimizer states; resume rebuilds the frozen
+            base from the model's own init (same seed / same pretrained weights). ``True``: keep
+            every weight, quantized base included.
+
+    Logged once at fit start, through the Trainer's loggers (``log_metrics``):
+        ``lora/trainable_params``: parameters that require grad (adapters + ``modules_to_save``).
+        ``lora/total_params``: all parameters, a packed 4-bit weight counted by its real element count.
+        ``lora/trainable_percent``: ``100 * trainable / total``.
+        ``lora/trainable_bytes`` and ``lora/frozen_bytes``: storage bytes (quantization constants included).
+
+    Example::
+
+        trainer = Trainer(plugins=[QuantizedPrecision("nf4-dq")], callbacks=[LoRA(r=16, alpha=32)])
+        trainer.fit(model)
+        LoRA.save_adapter(model, "adapter/")         # peft format, PeftModel.from_pretrained loads it
+        merged = LoRA.merge(model)                   # plain bf16 state_dict of the original model
+    """
+
+    stage = Stage.ADAPTERS
+
+    def __init__(
+        self,
+        r: int = 8,
+        alpha: float = 16.0,
+        dropout: float = 0.0,
+        target_modules: Union[str, list[str]] = ALL_LINEAR,
+        exclude_modules: Optional[Union[str, list[str]]] = None,
+        modules_to_save: Optional[list[str]] = None,
+        adapter_dtype: Literal["float32", "bfloat16"] = "float32",
+        full_checkpoint: bool = False,
+    ) -> None:
+        _import_peft()
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(f"LoRA r must be an int (the adapter rank), got {r!r} of type {type(r).__name__}.")
+        if r <= 0:
+            raise ValueError(f"LoRA r must be a positive rank, got r={r}. Typical values: 4, 8, 16, 64.")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+            raise ValueError(f"LoRA alpha must be a positive number, got alpha={alpha!r}. A common choice is 2 * r.")
+        if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got dropout={dropout!r}.")
+        self.target_modules = self._check_patterns("target_modules", target_modules, allow_all_linear=True)
+        self.exclude_modules = (
+            None if exclude_modules is None else self._check_patterns("exclude_modules", exclude_modules)
+        )
+        if modules_to_save is not None and (
+            isinstance(modules_to_save, str) or not all(isinstance(m, str) for m in modules_to_save)
+        ):
+            raise TypeError(
+                f"modules_to_save must be a list of module names, got {modules_to_save!r}; e.g. modules_to_save=['lm_head']."
+            )
+        if adapter_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"adapter_dtype must be 'float32' or 'bfloat16', got {adapter_dtype!r}.")
+        self.r = r
+        self.alpha = float(alpha)
+        self.dropout = float(dropout)
+        self.modules_to_save = list(modules_to_save or [])
+        self.adapter_dtype = adapter_dtype
+        self.full_checkpoint = full_checkpoint
+        # filled at the surgery: what was adapted / made trainable (module names, LightningModule-relative)
+        self.adapted_modules: list[str] = []
+        self.saved_modules: list[str] = []
+        self.summary: dict[str, float] = {}  # the metrics logged at fit start
+
+    @staticmethod
+    def _check_patterns(arg: str, value: Any, allow_all_linear: bool = False) -> Union[str, list[str]]:
+        if isinstance(value, str):
+            if value.lower() == ALL_LINEAR:
+                if allow_all_linear:
+                    return ALL_LINEAR
+                raise ValueError(f"{arg}={value!r} is not allowed; pass module names or a regex.")
+            try:
+                re.compile(value)
+            except re.error as err:
+                raise ValueError(f"{arg}={value!r} is not a valid regex ({err}). Pass a regex or a list of names.") from err
+            return value
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
+            return list(value)
+        raise TypeError(
+            f"{arg} must be 'all-linear', a regex string or a non-empty list of module names, got {value!r}."
+        )
+
+    # ------------------------------------------------------------------ surgery
+
+    def resolve(self, module: nn.Module, to_be_quantized: frozenset[str] = frozenset()) -> tuple[list[str], list[str]]:
+        """(Linears that get an adapter, modules made fully trainable), validated; changes nothing.
+
+        Raises ``ValueError`` when the model has no Linear, a target or ``modules_to_save`` entry
+        matches nothing (the message lists what is available), a target is not a Linear, or a
+        ``modules_to_save`` module is (or, per ``to_be_quantized``, is about to be) quantized.
+        """
+        named = dict(module.named_modules())
+        linears = [n for n, m in named.items() if isinstance(m, nn.Linear)]
+        if not linears:
+            raise ValueError(
+                f"LoRA found no torch.nn.Linear layer in {type(module).__name__}: there is nothing to put adapters on. "
+                "LoRA adapts Linear layers (quantized ones included); train this model without the LoRA callback."
+            )
+        saved: list[str] = []
+        for name in self.modules_to_save:
+            found = [n for n in named if n and _matches(n, [name])]
+            if not found:
+                raise ValueError(
+                    f"modules_to_save entry {name!r} matches no submodule of {type(module).__name__}. "
+                    f"Top-level modules: {sorted(n for n in named if n and '.' not in n)}; Linears: {linears[:12]}."
+                )
+            for n in found:
+                quantized = [p for p in named[n].parameters() if not p.is_floating_point()]
+                if quantized or any(_under(q, [n]) for q in to_be_quantized):
+                    raise ValueError(
+                        f"modules_to_save entry {name!r} matches {n!r}, whose weights are quantized and cannot be "
+                        f"trained. Keep it in full precision with QuantizedPrecision(ignore_modules=[{n!r}])."
+                    )
+            saved.extend(n for n in found if not _under(n, saved))
+        heads = self._output_heads(module)
+        if self.target_modules == ALL_LINEAR:
+            # Also skip Linears whose weight is tied to another module (a head tied to the embedding):
+            # merging an adapter into a shared weight would silently untie or corrupt the other user.
+            owners: dict[int, int] = {}
+            for _, param in module.named_parameters(remove_duplicate=False):
+                owners[id(param)] = owners.get(id(param), 0) + 1
+            tied = {n for n in linears if owners.get(id(named[n].weight), 0) > 1}
+            candidates = [n for n in linears if n not in heads and n not in tied]
+        else:
+            candidates = [n for n in named if n and _matches(n, self.target_modules)]
+            wrong = [f"{n} ({type(named[n]).__name__})" for n in candidates if not isinstance(named[n], nn.Linear)]
+            if wrong:
+                raise ValueError(
+                    f"target_modules={self.target_modules!r} matches modules that are not Linear layers: {wrong[:8]}. "
+                    f"LoRA adapts Linear layers; available: {linears[:24]}."
+                )
+        if self.exclude_modules is not None:
+            candidates = [n for n in candidates if not _matches(n, self.exclude_modules)]
+        targets = [n for n in candidates if not _under(n, saved)]
+        if not targets:
+            raise ValueError(
+                f"target_modules={self.target_modules!r} (exclude_modules={self.exclude_modules!r}, "
+                f"modules_to_save={self.modules_to_save!r}) selects no Linear layer of {type(module).__name__}. "
+                f"Available Linear layers: {linears[:24]}{' ...' if len(linears) > 24 else ''}."
+            )
+        return targets, saved
+
+    @staticmethod
+    def _output_heads(module: nn.Module) -> set[str]:
+        """Names of the output heads of Hugging Face models inside ``module`` (peft's "all-linear" skips them)."""
+        heads: set[str] = set()
+        by_id = {id(m): n for n, m in module.named_modules()}
+        for sub in module.modules():
+            getter = getattr(sub, "get_output_embeddings", None)
+            if callable(getter) and isinstance(sub, nn.Module):
+                head = getter()
+                if isinstance(head, nn.Module) and id(head) in by_id:
+                    heads.add(by_id[id(head)])
+        return heads
+
+    @override
+    def check_model(self, module: pl.LightningModule) -> None:
+        """Validate against the model as built, before the precision plugin quantizes anything."""
+        self.resolve(module, self._planned_quantization(module))
+
+    @staticmethod
+    def _planned_quantization(module: nn.Module) -> frozenset[str]:
+        """Names of the Linears the Trainer's QuantizedPrecision is about to quantize (none without one)."""
+        from lightning_hbm.precision.plugin import QuantizedPrecision, _quantizable_linears
+
+        trainer = getattr(module, "_trainer", None)
+        plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
+        if not isinstance(plugin, QuantizedPrecision):
+            return frozenset()
+        chosen, _ = _quantizable_linears(module, plugin.ignore_modules)
+        return frozenset(name for name, _ in chosen)
+
+    @override
+    def transform_model(self, module: pl.LightningModule) -> None:
+        """Inject the adapters into ``module`` in place and freeze everything else."""
+        peft = _import_peft()
+        targets, saved = self.resolve(module)  # every check before the first change
+        # peft picks its bitsandbytes-aware LoRA layers (which can merge) only if the model it is
+        # given says it is quantized; quantize_model sets this on the root, a user-quantized
+        # submodule may not have, so derive it from the layers themselves.
+        bnb_classes = _bnb_linear_classes()
+        if bnb_classes:
+            kinds = {type(m) for m in module.modules() if isinstance(m, bnb_classes)}
+            if bnb_classes[0] in kinds:
+                object.__setattr__(module, "is_loaded_in_4bit", True)
+            if bnb_classes[1] in kinds:
+                object.__setattr__(module, "is_loaded_in_8bit", True)
+        config = peft.LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            # resolved exact names, as one anchored regex: peft applies our selection verbatim
+            target_modules="(?:" + "|".join(re.escape(t) for t in targets) + ")",
+            bias="none",
+        )
+        peft.inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
+        # peft froze every non-adapter parameter; modules_to_save train in place (stable names)
+        for name in saved:
+            for param in module.get_submodule(name).parameters():
+                param.requires_grad_(True)
+        dtype = to_dtype(self.adapter_dtype)
+        lora_cls = _lora_layer_cls()
+        for sub in module.modules():
+            if isinstance(sub, lora_cls):
+                # under Lightning's bf16-true the module is bf16 already, so peft made bf16 adapters
+                for container in (sub.lora_A, sub.lora_B):
+                    container.to(dtype)
+        self.adapted_modules, self.saved_modules = targets, saved
+        log.info("lightning_hbm: LoRA r=%d on %d Linear layers, %d modules_to_save", self.r, len(targets), len(saved))
+
+    # --------------------------------------------------------------- Lightning hooks
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainable = parameter_count(pl_module, trainable=True)
+        total = parameter_count(pl_module)
+        metrics = {
+            "lora/trainable_params": float(trainable),
+            "lora/total_params": float(total),
+            "lora/trainable_percent": 100.0 * trainable / max(total, 1),
+            "lora/trainable_bytes": float(parameter_bytes(pl_module, trainable=True)),
+            "lora/frozen_bytes": float(parameter_bytes(pl_module, trainable=False)),
+        }
+        self.summary = metrics
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        rank_zero_info(
+            f"LoRA: {trainable:,} trainable of {total:,} parameters ({metrics['lora/trainable_percent']:.3f}%), "
+            f"trainable {metrics['lora/trainable_bytes'] / 2**20:.2f} MiB, frozen {metrics['lora/frozen_bytes'] / 2**20:.2f} MiB"
+        )
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self.full_checkpoint or "state_dict" not in checkpoint:
+            return
+        keep = set(self.adapter_state_dict(pl_module))
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+
+    # ------------------------------------------------------------ public helpers
+
+    @staticmethod
+    def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+        """The trainable weights of ``module`` (adapters + ``modules_to_save``), under their own names.
+
+        Tied parameters appear under every name, as in ``module.state_dict()``.
+        """
+        return {n: p.detach() for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+    @staticmethod
+    def _hf_root(module: nn.Module, submodule: Optional[str]) -> str:
+        if submodule is not None:
+            try:
+                module.get_submodule(submodule)
+            except AttributeError as err:
+                raise ValueError(f"submodule={submodule!r} is not a submodule of {type(module).__name__}.") from err
+            return submodule
+        # the outermost Hugging Face model inside the LightningModule: peft's format is relative to it
+        found = [n for n, m in module.named_modules() if hasattr(getattr(m, "config", None), "model_type")]
+        outer = [n for n in found if not any(_under(n, [o]) and n != o for o in found)]
+        if len(outer) > 1:
+            raise ValueError(f"{type(module).__name__} holds several Hugging Face models {outer}: pass submodule=NAME.")
+        return outer[0] if outer else ""
+
+    @staticmethod
+    def save_adapter(module: nn.Module, path: Union[str, Path], submodule: Optional[str] = None) -> Path:
+        """Write the adapter in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+        Names are made relative to ``submodule`` (default: the Hugging Face model inside ``module``,
+        e.g. ``model`` of :class:`~lightning_hbm.models.LlamaLM`; the module itself if there is
+        none), so ``peft.PeftModel.from_pretrained(base, path)`` loads it onto that base model.
+        Returns ``path``.
+        """
+        from safetensors.torch import save_file
+
+        config = getattr(module, "peft_config", {}).get(ADAPTER_NAME)
+        if config is None:
+            raise ValueError(
+                f"{type(module).__name__} has no LoRA adapter: train it with the LoRA callback (or call "
+                "LoRA(...).transform_model(module)) before save_adapter."
+            )
+        root = LoRA._hf_root(module, submodule)
+        prefix = root + "." if root else ""
+        lora_cls = _lora_layer_cls()
+        adapted, tensors, saved = [], {}, set()
+        for name, sub in module.named_modules():
+            if isinstance(sub, lora_cls) and name.startswith(prefix):
+                adapted.append(name[len(prefix) :])
+        for name, param in LoRA.adapter_state_dict(module).items():
+            if not name.startswith(prefix):
+                raise ValueError(f"Trainable parameter {name!r} lies outside submodule {root!r}; pass submodule=''.")
+            rel = name[len(prefix) :]
+            if ".lora_" not in rel:
+                saved.add(rel.rsplit(".", 1)[0])
+            # peft's file format drops the adapter name: ...q_proj.lora_A.weight
+            key = "base_model.model." + rel.replace(f".{ADAPTER_NAME}.", ".")
+            tensors[key] = param.contiguous().cpu()
+        export = dataclasses.replace(
+            config,
+            target_modules=sorted(adapted),
+            modules_to_save=sorted(saved) or None,
+            inference_mode=True,
+        )
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        export.save_pretrained(str(path))
+        save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        return path
+
+    @staticmethod
+    @torch.no_grad()
+    def merge(module: nn.Module, dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
+        """A plain state_dict of the model as the user built it, adapters folded into the weights.
+
+        Quantized base weights are dequantized (bitsandbytes, via peft's ``dequantize_bnb_weight``)
+        and the LoRA update ``B @ A * alpha / r`` is added in fp32; the result is cast to ``dtype``
+        (bf16 by default). Never re-quantized: quantizing a merged weight loses quality, quantize
+        it again explicitly if you must. ``module`` itself is not changed.
+        """
+        from peft.utils.integrations import dequantize_bnb_weight
+
+        out_dtype = to_dtype(dtype)
+        lora_cls = _lora_layer_cls()
+        bnb_classes = _bnb_linear_classes()
+
+        def dense(layer: nn.Module) -> torch.Tensor:
+            if bnb_classes and isinstance(layer, bnb_classes):
+                return dequantize_bnb_weight(layer.weight, state=getattr(layer, "state", None)).float()
+            return layer.weight.float()
+
+        merged: dict[str, torch.Tensor] = {}
+        done: list[str] = []
+        for name, sub in module.named_modules():
+            if _under(name, done):
+                continue
+            prefix = name + "." if name else ""
+            if isinstance(sub, lora_cls):
+                base = sub.get_base_layer()
+                weight = dense(base)
+                if ADAPTER_NAME in sub.lora_A:
+                    weight = weight + sub.get_delta_weight(ADAPTER_NAME).float()
+                merged[prefix + "weight"] = weight
+                if getattr(base, "bias", None) is not None:
+                    merged[prefix + "bias"] = base.bias
+                done.append(name)
+                continue
+            if bnb_classes and isinstance(sub, bnb_classes):
+                merged[prefix + "weight"] = dense(sub)
+                if sub.bias is not None:
+                    merged[prefix + "bias"] = sub.bias
+                done.append(name)
+                continue
+            for pname, param in sub._parameters.items():
+                if param is not None:
+                    merged[prefix + pname] = param
+            for bname, buf in sub._buffers.items():
+                if buf is not None and bname not in sub._non_persistent_buffers_set:
+                    merged[prefix + bname] = buf
+        return {k: v.detach().to(out_dtype) if v.is_floating_point() else v.detach().clone() for k, v in merged.items()}
+
+
+__all__ = ["LoRA"]

@@ -1,0 +1,231 @@
+"""``MemoryEfficientOptimizer``: swap the user's Adam/AdamW for its bitsandbytes 8-bit (or paged) twin.
+
+What it shrinks: the **optimizer states** term. ``torch.optim.AdamW`` keeps two fp32 moments,
+8 bytes per trainable parameter; bitsandbytes' block-wise 8-bit AdamW keeps two uint8 moments
+plus one fp32 absmax per 256-element block, about 2.03 bytes per parameter (tensors smaller than
+``min_8bit_size=4096`` elements keep 32-bit state: bitsandbytes' default, they are negligible in
+a real model). Paged kinds put states in CUDA unified memory that the driver evicts to CPU RAM
+under memory pressure instead of raising out-of-memory.
+
+The user's ``configure_optimizers`` stays unchanged: the swap happens at lightning_hbm's optimizer
+transform point (:mod:`lightning_hbm.surgery`), right after ``configure_optimizers`` and before
+optimizer states are restored from a checkpoint, so resuming loads 8-bit states into an 8-bit
+optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from functools import wraps
+from typing import Any, Literal
+
+import torch
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hbm.memory.storage import unique_bytes
+from lightning_hbm.precision.bnb import import_bnb
+from lightning_hbm.surgery import Stage, SurgeryCallback
+
+log = logging.getLogger(__name__)
+
+OptimizerKind = Literal[
+    "adamw8bit", "adam8bit", "paged_adamw8bit", "paged_adam8bit", "paged_adamw", "paged_adam", "lion8bit", "paged_lion8bit"
+]
+
+# kind -> (bitsandbytes.optim class name, hyperparameters carried over from each torch param group).
+# bitsandbytes' Adam and AdamW run the same kernel with *decoupled* weight decay (checked against
+# torch.optim.AdamW on CPU: equal to 4e-7 in 32-bit), so both map from torch's AdamW semantics.
+# Lion has no eps: it takes lr, betas and weight_decay (Lion usually wants a 3-10x lower lr).
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+_LION_KEYS = ("lr", "betas", "weight_decay")
+_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "adamw8bit": ("AdamW8bit", _ADAM_KEYS),
+    "adam8bit": ("Adam8bit", _ADAM_KEYS),
+    "paged_adamw8bit": ("PagedAdamW8bit", _ADAM_KEYS),
+    "paged_adam8bit": ("PagedAdam8bit", _ADAM_KEYS),
+    "paged_adamw": ("PagedAdamW", _ADAM_KEYS),
+    "paged_adam": ("PagedAdam", _ADAM_KEYS),
+    "lion8bit": ("Lion8bit", _LION_KEYS),
+    "paged_lion8bit": ("PagedLion8bit", _LION_KEYS),
+}
+_SUPPORTED_SOURCES = (torch.optim.Adam, torch.optim.AdamW)
+
+
+class MemoryEfficientOptimizer(SurgeryCallback):
+    """Replace the optimizers returned by ``configure_optimizers`` with bitsandbytes equivalents.
+
+    Shrinks: **optimizer states** (AdamW: 8 B/param -> 8-bit kinds: ~2 B/param).
+
+    Args:
+        kind: the bitsandbytes optimizer to train with: ``"adamw8bit"`` (default), ``"adam8bit"``,
+            ``"paged_adamw8bit"``, ``"paged_adam8bit"``, ``"paged_adamw"`` (32-bit, paged),
+            ``"paged_adam"``, ``"lion8bit"``, ``"paged_lion8bit"``. Paged kinds fall back to
+            non-paged behaviour on CPU (bitsandbytes warns once).
+
+    Every ``torch.optim.Adam``/``AdamW`` the user returns is replaced, param group by param group:
+    the same parameters, ``lr``, ``betas``, ``eps`` and ``weight_decay`` per group, plus any extra
+    keys an LR scheduler or the user stored in the group (``initial_lr``, ``max_lr``, ...). LR
+    schedulers are re-pointed to the new optimizer and keep changing its lr. Settings that
+    bitsandbytes cannot reproduce (``amsgrad``, ``maximize``, torch ``Adam``'s coupled L2
+    ``weight_decay``) and other optimizer types (SGD, LBFGS, ...) are a ``ValueError``/``TypeError``
+    before training starts, and nothing is replaced.
+
+    Logs nothing (use :func:`optimizer_state_bytes` or ``HBMProfiler`` to see the saving).
+
+    Example::
+
+        trainer = Trainer(callbacks=[MemoryEfficientOptimizer("paged_adamw8bit")])
+
+    .. code-block:: yaml
+
+        trainer:
+          callbacks:
+            - class_path: lightning_hbm.MemoryEfficientOptimizer
+              init_args: {kind: adamw8bit}
+    """
+
+    stage = Stage.OPTIMIZER
+
+    def __init__(self, kind: OptimizerKind = "adamw8bit") -> None:
+        super().__init__()
+        if kind not in _KINDS:
+            raise ValueError(f"MemoryEfficientOptimizer(kind={kind!r}) is not a supported kind. Use one of {sorted(_KINDS)}.")
+        import_bnb()  # fail at construction, not at fit time, when bitsandbytes is missing
+        self.kind = kind
+
+    @override
+    def transform_optimizers(self, optimizers: list[Optimizer], lr_scheduler_configs: list[Any]) -> list[Optimizer]:
+        # Validate every optimizer first: an error must leave nothing half-replaced.
+        for optimizer in optimizers:
+            self._check(optimizer)
+        replaced = []
+        for optimizer in optimizers:
+            new = self._build(optimizer)
+            repoint_lr_schedulers(lr_scheduler_configs, optimizer, new)
+            replaced.append(new)
+        log.info("lightning_hbm: %d optimizer(s) replaced by bitsandbytes %s", len(replaced), _KINDS[self.kind][0])
+        return replaced
+
+    def _check(self, optimizer: Optimizer) -> None:
+        if type(optimizer) not in _SUPPORTED_SOURCES:
+            raise TypeError(
+                f"MemoryEfficientOptimizer(kind={self.kind!r}) can only replace torch.optim.Adam or torch.optim.AdamW, "
+                f"but configure_optimizers returned {type(optimizer).__module__}.{type(optimizer).__qualname__}. "
+                f"Supported kinds: {sorted(_KINDS)}. Return Adam/AdamW from configure_optimizers, or remove the "
+                "MemoryEfficientOptimizer callback for this model."
+            )
+        for index, group in enumerate(optimizer.param_groups):
+            for flag in ("amsgrad", "maximize", "differentiable", "capturable"):
+                if group.get(flag):
+                    raise ValueError(
+                        f"param_groups[{index}] of {type(optimizer).__name__} sets {flag}=True, which bitsandbytes "
+                        f"{_KINDS[self.kind][0]} cannot reproduce. Set {flag}=False in configure_optimizers or remove "
+                        "the MemoryEfficientOptimizer callback."
+                    )
+            coupled = type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay", False)
+            if coupled and group["weight_decay"] != 0:
+                raise ValueError(
+                    f"param_groups[{index}] of torch.optim.Adam has weight_decay={group['weight_decay']} (an L2 term "
+                    "added to the gradient), but bitsandbytes applies weight decay decoupled, as AdamW does: the "
+                    "training would change. Use torch.optim.AdamW (or Adam(decoupled_weight_decay=True)) in "
+                    "configure_optimizers, or weight_decay=0."
+                )
+
+    def _build(self, optimizer: Optimizer) -> Optimizer:
+        bnb = import_bnb()
+        class_name, keys = _KINDS[self.kind]
+        groups = []
+        for group in optimizer.param_groups:
+            carried = {key: _as_float(group[key]) for key in keys}
+            # Keys the optimizer itself did not define were added by an LR scheduler (initial_lr,
+            # max_lr, ...) or by the user (e.g. a group name): they travel with the group.
+            extra = {k: v for k, v in group.items() if k != "params" and k not in optimizer.defaults}
+            groups.append({**extra, **carried, "params": group["params"]})
+        new = getattr(bnb.optim, class_name)(groups)
+        if self.kind.startswith("paged"):
+            new.register_load_state_dict_post_hook(_repage_state)
+        return new
+
+
+def _as_float(value: Any) -> Any:
+    """bitsandbytes kernels take Python numbers; torch allows tensor lr/betas."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, tuple):
+        return tuple(_as_float(v) for v in value)
+    return value
+
+
+def _repage_state(optimizer: Optimizer) -> None:
+    """Known bitsandbytes resume bug: ``load_state_dict`` turns paged states into plain CUDA tensors.
+
+    bitsandbytes' ``load_state_dict`` copies saved states with ``.to(param.device)``: on CUDA the
+    moments of a paged optimizer land in ordinary device memory and are never evicted again, so a
+    resumed run loses exactly the memory behaviour it asked for. We move each loaded state back into
+    a paged buffer from the optimizer's own allocator. On CPU paging does not exist (nothing to do).
+    """
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key in ("state1", "state2"):
+                value = state.get(key)
+                if not isinstance(value, torch.Tensor) or value.device.type != "cuda" or getattr(value, "is_paged", False):
+                    continue
+                buffer = optimizer.get_state_buffer(param, dtype=value.dtype)  # type: ignore[attr-defined]
+                buffer.copy_(value)
+                state[key] = buffer
+
+
+def repoint_lr_schedulers(lr_scheduler_configs: list[Any], old: Optimizer, new: Optimizer) -> None:
+    """Make every LR scheduler that drives ``old`` drive ``new`` (also used by ``CPUOffloadStrategy``).
+
+    A torch ``LRScheduler`` keeps ``self.optimizer`` and, at construction, wraps
+    ``optimizer.step`` to record that it ran (it warns when ``scheduler.step()`` comes first or
+    when ``step`` was replaced). Both are redone for ``new``; ``SequentialLR``/``ChainedScheduler``
+    hold their children in ``_schedulers``.
+    """
+    for config in lr_scheduler_configs:
+        scheduler = getattr(config, "scheduler", config)
+        if _repoint(scheduler, old, new):
+            _track_step_called(new)
+
+
+def _repoint(scheduler: Any, old: Optimizer, new: Optimizer) -> bool:
+    found = False
+    if getattr(scheduler, "optimizer", None) is old:
+        scheduler.optimizer = new
+        found = True
+    for child in getattr(scheduler, "_schedulers", []):
+        found = _repoint(child, old, new) or found
+    return found
+
+
+def _track_step_called(optimizer: Optimizer) -> None:
+    """What ``torch.optim.lr_scheduler.LRScheduler.__init__`` does to its optimizer's ``step``.
+
+    torch defines that wrapper inside ``LRScheduler.__init__`` (not importable), so it is repeated here.
+    """
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    opt_ref = weakref.ref(optimizer)
+    func = optimizer.step.__func__  # type: ignore[attr-defined]
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+def optimizer_state_bytes(optimizer: Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state`` (each storage once: bitsandbytes shares its code books)."""
+    tensors: list[torch.Tensor] = []
+    for state in optimizer.state.values():
+        tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return unique_bytes(tensors)
+

@@ -1,0 +1,560 @@
+"""``HBMProfiler``: where every byte of a training step goes, logged, plotted and explained on OOM.
+
+What it shrinks: nothing. It measures the five terms every other lightning_hbm feature shrinks
+(:data:`lightning_hbm.memory.CATEGORIES`), by what each tensor *is*:
+
+- light mode (every ``every_n_steps`` steps): a :class:`~lightning_hbm.memory.LiveStorageTracker`
+  runs during the forward only. At the forward's end (Lightning's ``on_before_zero_grad``, else
+  ``on_before_backward``) the graph holds every activation and the previous step's gradients are
+  still alive (Lightning zeroes them after the forward): that is where a training step peaks, and
+  where activations are taken. Parameters, gradients and optimizer states are counted by owner
+  there and again after the optimizer step (their larger value is kept: on the first step
+  gradients and states only exist after it).
+- detailed mode (only the steps in ``detailed_steps``): the tracker runs over the whole step, seeded
+  with everything that already exists, and reports the categories at the step's true tracked peak
+  (backward and optimizer temporaries included, as ``other``) and a per-module breakdown.
+
+On CUDA the allocator's own figures are added, so what the categories do not explain (CUDA
+context, allocator caching, fragmentation) is shown, not hidden.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.imports import RequirementCache
+from torch import nn
+from typing_extensions import override
+
+from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown, classify, owned_storages
+from lightning_hbm.memory.tracker import LiveStorageTracker
+
+log = logging.getLogger(__name__)
+
+_RICH_AVAILABLE = RequirementCache("rich")
+_MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib")
+_MIB = 2**20
+
+#: The lightning_hbm feature that shrinks each category (used by the OOM diagnosis).
+REMEDIES: dict[str, str] = {
+    "parameters": "store frozen base weights quantized (QuantizedPrecision('nf4-dq')) and train LoRA adapters",
+    "gradients": "train fewer parameters: LoRA adapters on a frozen (quantized) base",
+    "optimizer_states": "use 8-bit optimizer states or offload them (MemoryEfficientOptimizer)",
+    "activations": "recompute activations in backward (ActivationCheckpointing) or lower the batch size",
+    "other": "lower the batch size; check buffers and temporaries (run a step with detailed_steps=[n])",
+}
+
+_CUDA_FIELDS = (
+    "cuda_allocated",
+    "cuda_reserved",
+    "cuda_peak_allocated",
+    "cuda_fragmentation",
+    "cuda_capacity",
+    "cuda_headroom",
+    "cuda_unattributed",
+)
+#: Columns of the per-step CSV (bytes; CUDA columns empty on other devices).
+COLUMNS = ("step", "batch_idx", "mode", *CATEGORIES, "total", "tracked_peak", *_CUDA_FIELDS)
+
+
+class HBMProfiler(Callback):
+    """Per-step memory breakdown by category, with a report at the end of fit and on out-of-memory.
+
+    Args:
+        every_n_steps: measure every n-th optimizer step (``global_step % every_n_steps == 0``).
+        detailed_steps: global steps measured in detailed mode (whole-step peak, per-module
+            breakdown; ~2x slower for that step). Empty: none.
+        dirpath: directory of the report; default: the Trainer's ``log_dir`` (its
+            ``default_root_dir`` without a logger).
+        snapshot_steps: ``(start, stop)`` global steps between which CUDA memory history is recorded;
+            at ``stop`` it is dumped to ``hbm_snapshot.pickle`` (open it at pytorch.org/memory_viz).
+            Ignored with a warning off CUDA.
+        snapshot_max_entries: allocation events kept by the CUDA history recorder.
+        summary: print the summary table at the end of fit (with rich when installed).
+
+    Logged keys (MiB, per measured step, max over ranks under DDP):
+        ``hbm/parameters``, ``hbm/gradients``, ``hbm/optimizer_states``, ``hbm/activations``,
+        ``hbm/other``, ``hbm/total`` (their sum); on detailed steps ``hbm/tracked_peak``; on CUDA
+        also ``hbm/cuda_allocated``, ``hbm/cuda_reserved``, ``hbm/cuda_peak_allocated`` (reset
+        every measured step), ``hbm/cuda_fragmentation`` (reserved - allocated),
+        ``hbm/cuda_capacity``, ``hbm/cuda_headroom`` (capacity - peak reserved) and
+        ``hbm/cuda_unattributed`` (peak allocated - total: CUDA context, workspaces, buffers of
+        the strategy).
+
+    Files written by global rank 0 into ``dirpath``: ``hbm_profile.csv`` (one row per measured
+    step, bytes, columns :data:`COLUMNS`), ``hbm_profile.json`` (rows, peak step, per-module
+    breakdown of detailed steps, diagnosis), ``hbm_profile.png`` (stacked categories over steps,
+    peak marked). On ``torch.OutOfMemoryError``/``MemoryError`` the rank that failed writes the
+    same files with an ``_oom`` suffix (``_oom_rank{r}`` when there are several ranks), a CUDA
+    snapshot, and the diagnosis; the error is re-raised by Lightning.
+
+    Example::
+
+        trainer = Trainer(callbacks=[HBMProfiler(detailed_steps=[3])])
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 1,
+        detailed_steps: Sequence[int] = (),
+        dirpath: Optional[str] = None,
+        snapshot_steps: Optional[tuple[int, int]] = None,
+        snapshot_max_entries: int = 100_000,
+        summary: bool = True,
+    ) -> None:
+        _check_int("every_n_steps", every_n_steps, minimum=1)
+        _check_int("snapshot_max_entries", snapshot_max_entries, minimum=1)
+        if isinstance(detailed_steps, (str, int)):
+            raise TypeError(
+                f"detailed_steps must be a list of global steps, got {detailed_steps!r}; e.g. detailed_steps=[3]."
+            )
+        for step in detailed_steps:
+            _check_int("each of detailed_steps", step, minimum=0)
+        if snapshot_steps is not None:
+            if len(snapshot_steps) != 2:
+                raise ValueError(f"snapshot_steps must be (start, stop), got {snapshot_steps!r}.")
+            start, stop = snapshot_steps
+            _check_int("snapshot_steps start", start, minimum=0)
+            _check_int("snapshot_steps stop", stop, minimum=0)
+            if stop <= start:
+                raise ValueError(
+                    f"snapshot_steps={tuple(snapshot_steps)!r}: stop must be after start, e.g. ({start}, {start + 2})."
+                )
+        self.every_n_steps = every_n_steps
+        self.detailed_steps = frozenset(detailed_steps)
+        self.dirpath = dirpath
+        self.snapshot_steps = tuple(snapshot_steps) if snapshot_steps is not None else None
+        self.snapshot_max_entries = snapshot_max_entries
+        self.summary = summary
+        self.rows: list[dict[str, Any]] = []
+        self.modules: dict[int, dict[str, dict[str, int]]] = {}  # detailed step -> module -> category -> bytes
+        self.snapshot_path: Optional[str] = None
+        self._tracker: Optional[LiveStorageTracker] = None
+        self._tracking = False  # the tracker's dispatch mode is entered
+        self._forward_end: Optional[MemoryBreakdown] = None
+        self._forward_modules: dict[str, int] = {}
+        self._step = 0
+        self._batch_idx = 0
+        self._recording = False
+
+    # -- measuring -------------------------------------------------------------------------------
+    def _measured(self, step: int) -> bool:
+        return step % self.every_n_steps == 0 or step in self.detailed_steps
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        self._maybe_start_history(pl_module, step)
+        if not self._measured(step):
+            return
+        self._step, self._batch_idx, self._forward_end = step, batch_idx, None
+        device = _cuda_device(pl_module)
+        if device is not None:
+            torch.cuda.reset_peak_memory_stats(device)
+        detailed = step in self.detailed_steps
+        tracker = LiveStorageTracker(track_peak=detailed)
+        if detailed:
+            # Everything that exists before the step counts towards its peak, by what it is now.
+            for category, tensors in _owned_tensors(pl_module, trainer.optimizers).items():
+                tracker.seed(tensors, phase=category)
+            tracker.attach_modules(pl_module)
+        self._tracker = tracker
+        tracker.__enter__()  # exited at the forward's end (light) or the batch's end (detailed)
+        self._tracking = True
+
+    @override
+    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        self._at_forward_end(trainer, pl_module)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._at_forward_end(trainer, pl_module)
+
+    def _at_forward_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        tracker = self._tracker
+        if tracker is None or self._forward_end is not None:
+            return
+        detailed = tracker.track_peak
+        if not detailed:
+            self._stop_tracking()  # light mode: the forward is all it pays for
+        activations = tracker.live_storages(phase="forward")
+        self._forward_end = classify(pl_module, trainer.optimizers, activations=activations, device=_device(pl_module))
+        if detailed:
+            tracker.phase = "after_forward"
+            owned = owned_storages(pl_module, trainer.optimizers)
+            per_module: dict[str, int] = {}
+            for key, record in tracker.live.items():
+                if record.phase == "forward" and key not in owned:
+                    per_module[record.module] = per_module.get(record.module, 0) + record.nbytes
+            self._forward_modules = per_module
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        tracker = self._tracker
+        if tracker is not None:
+            self._stop_tracking()
+            self._tracker = None
+            row = self._row(trainer, pl_module, tracker)
+            row = self._reduce_over_ranks(trainer, row)
+            self.rows.append(row)
+            metrics = {f"hbm/{k}": row[k] / _MIB for k in (*CATEGORIES, "total", *_CUDA_FIELDS) if row[k] is not None}
+            if row["mode"] == "detailed":
+                metrics["hbm/tracked_peak"] = row["tracked_peak"] / _MIB
+            # Straight to the loggers, as DeviceStatsMonitor does: self.log would cost more than the
+            # measurement and would only reach the loggers every log_every_n_steps anyway.
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        self._maybe_stop_history(trainer, pl_module, trainer.global_step)
+
+    def _stop_tracking(self) -> None:
+        if self._tracking and self._tracker is not None:
+            self._tracker.__exit__(None, None, None)
+            self._tracker.detach_modules()
+        self._tracking = False
+
+    def _row(self, trainer: pl.Trainer, pl_module: pl.LightningModule, tracker: LiveStorageTracker) -> dict[str, Any]:
+        device = _device(pl_module)
+        end = classify(pl_module, trainer.optimizers, device=device)
+        forward_end = self._forward_end if self._forward_end is not None else end
+        detailed = tracker.track_peak
+        if detailed:
+            tracker.finish_peak()
+            values = _classify_peak(tracker, owned_storages(pl_module, trainer.optimizers), device)
+            self.modules[self._step] = _module_breakdown(pl_module, trainer.optimizers, self._forward_modules)
+            tracked_peak: Optional[int] = tracker.peak_bytes
+        else:
+            values = {
+                "parameters": max(forward_end.parameters, end.parameters),
+                "gradients": max(forward_end.gradients, end.gradients),
+                "optimizer_states": max(forward_end.optimizer_states, end.optimizer_states),
+                "activations": forward_end.activations,
+                "other": max(forward_end.other, end.other),
+            }
+            tracked_peak = None
+        total = sum(values.values())
+        row: dict[str, Any] = {
+            "step": self._step,
+            "batch_idx": self._batch_idx,
+            "mode": "detailed" if detailed else "light",
+            **values,
+            "total": total,
+            "tracked_peak": tracked_peak,
+        }
+        row.update(_cuda_stats(pl_module, total))
+        return row
+
+    def _reduce_over_ranks(self, trainer: pl.Trainer, row: dict[str, Any]) -> dict[str, Any]:
+        if trainer.world_size <= 1:
+            return row
+        # every rank measures the same steps, so this collective is matched on all ranks
+        keys = [k for k in (*CATEGORIES, "total", "tracked_peak", *_CUDA_FIELDS) if row[k] is not None]
+        local = torch.tensor([row[k] for k in keys], dtype=torch.int64, device=trainer.strategy.root_device)
+        gathered = trainer.strategy.all_gather(local)
+        maxima = gathered.reshape(-1, len(keys)).max(dim=0).values.tolist()
+        return {**row, **dict(zip(keys, (int(v) for v in maxima)))}
+
+    # -- CUDA memory history -----------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.snapshot_steps is not None and trainer.strategy.root_device.type != "cuda":
+            rank_zero_warn("HBMProfiler: snapshot_steps records CUDA memory history; this run is not on CUDA, so no snapshot.")
+
+    def _maybe_start_history(self, pl_module: pl.LightningModule, step: int) -> None:
+        if self.snapshot_steps is None or self._recording or step != self.snapshot_steps[0]:
+            return
+        if _cuda_device(pl_module) is None:
+            return
+        torch.cuda.memory._record_memory_history(max_entries=self.snapshot_max_entries)
+        self._recording = True
+
+    def _maybe_stop_history(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        if not self._recording or self.snapshot_steps is None or step < self.snapshot_steps[1]:
+            return
+        self.snapshot_path = self._dump_snapshot(trainer, "hbm_snapshot")
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self._recording = False
+
+    def _dump_snapshot(self, trainer: pl.Trainer, stem: str) -> Optional[str]:
+        if not torch.cuda.is_available():
+            return None
+        suffix = f"_rank{trainer.global_rank}" if trainer.world_size > 1 else ""
+        path = os.path.join(self._dir(trainer), f"{stem}{suffix}.pickle")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.cuda.memory._dump_snapshot(path)
+        print(f"HBMProfiler: CUDA memory snapshot written to {path} (open it at https://pytorch.org/memory_viz)")
+        return path
+
+    # -- report ----------------------------------------------------------------------------------
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._recording:
+            self.snapshot_path = self._dump_snapshot(trainer, "hbm_snapshot")
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._recording = False
+        directory = self._dir(trainer)  # broadcast inside: call on every rank
+        if trainer.is_global_zero and self.rows:
+            paths = self.write_report(directory, "hbm_profile")
+            if self.summary:
+                self.print_summary(paths)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_tracking()  # the dispatch mode must not outlive the failed step
+        tracker, self._tracker = self._tracker, None
+        if not isinstance(exception, (torch.OutOfMemoryError, MemoryError)):
+            return
+        try:
+            if tracker is not None and self._forward_end is not None:  # died after the forward: keep what it saw
+                self.rows.append({**self._row(trainer, pl_module, tracker), "mode": "oom"})
+            suffix = f"_oom_rank{trainer.global_rank}" if trainer.world_size > 1 else "_oom"
+            # no collective here: the other ranks may not have failed; trainer.log_dir would broadcast
+            directory = self.dirpath or trainer.default_root_dir
+            if trainer.loggers and self.dirpath is None:
+                directory = getattr(trainer.loggers[0], "log_dir", None) or directory
+            paths = self.write_report(directory, "hbm_profile" + suffix)
+            if _cuda_device(pl_module) is not None:
+                path = os.path.join(directory, f"hbm_snapshot{suffix}.pickle")
+                torch.cuda.memory._dump_snapshot(path)
+                paths["snapshot"] = path
+            print(f"HBMProfiler: out of memory. {self.diagnosis()}\nReport: {paths}")
+        except Exception as err:  # the report must never hide the out-of-memory error itself
+            log.error("HBMProfiler could not write the out-of-memory report: %s", err)
+
+    def diagnosis(self) -> str:
+        """The category that dominated the last measured step, and the feature that shrinks it."""
+        if not self.rows:
+            return "No step was measured before the failure (it happened in the first forward or before training)."
+        row = self.rows[-1]
+        breakdown = MemoryBreakdown(**{c: row[c] for c in CATEGORIES})
+        top = breakdown.dominant()
+        share = 100.0 * row[top] / max(breakdown.total, 1)
+        return (
+            f"At step {row['step']} {top} held {row[top] / _MIB:.1f} MiB ({share:.0f}% of "
+            f"{breakdown.total / _MIB:.1f} MiB measured). To shrink it: {REMEDIES[top]}."
+        )
+
+    def peak_row(self) -> Optional[dict[str, Any]]:
+        """The measured step with the largest category total."""
+        return max(self.rows, key=lambda r: r["total"]) if self.rows else None
+
+    def write_report(self, directory: str, stem: str) -> dict[str, str]:
+        """Write ``{stem}.csv``, ``{stem}.json`` and (matplotlib installed) ``{stem}.png``; return their paths."""
+        os.makedirs(directory, exist_ok=True)
+        paths = {"csv": os.path.join(directory, f"{stem}.csv"), "json": os.path.join(directory, f"{stem}.json")}
+        with open(paths["csv"], "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows({k: ("" if row[k] is None else row[k]) for k in COLUMNS} for row in self.rows)
+        peak = self.peak_row()
+        report = {
+            "categories": list(CATEGORIES),
+            "unit": "bytes",
+            "rows": self.rows,
+            "peak_step": peak["step"] if peak else None,
+            "peak": peak,
+            "modules": {str(step): modules for step, modules in self.modules.items()},
+            "diagnosis": self.diagnosis(),
+            "snapshot": self.snapshot_path,
+        }
+        with open(paths["json"], "w") as f:
+            json.dump(report, f, indent=1)
+        if _MATPLOTLIB_AVAILABLE and self.rows:
+            paths["png"] = os.path.join(directory, f"{stem}.png")
+            _plot(self.rows, paths["png"])
+        return paths
+
+    def print_summary(self, paths: dict[str, str]) -> None:
+        """Console table: each category at the peak step, its mean over measured steps, its share."""
+        peak = self.peak_row()
+        if peak is None:
+            return
+        lines: list[tuple[str, str, str, str]] = []
+        for category in (*CATEGORIES, "total"):
+            mean = sum(r[category] for r in self.rows) / len(self.rows)
+            share = 100.0 * peak[category] / max(peak["total"], 1)
+            lines.append((category, f"{peak[category] / _MIB:,.2f}", f"{mean / _MIB:,.2f}", f"{share:.0f}%"))
+        for field in _CUDA_FIELDS:
+            if peak[field] is not None:
+                lines.append((field, f"{peak[field] / _MIB:,.2f}", "", ""))
+        title = f"HBMProfiler: peak at step {peak['step']} ({len(self.rows)} steps measured)"
+        header = ("category", "at peak (MiB)", "mean (MiB)", "share")
+        if _RICH_AVAILABLE:
+            from rich.console import Console
+            from rich.table import Table
+
+            table = Table(title=title)
+            for i, name in enumerate(header):
+                table.add_column(name, justify="left" if i == 0 else "right")
+            for line in lines:
+                table.add_row(*line)
+            console = Console()
+            console.print(table)
+            console.print(f"Report: {', '.join(paths.values())}")
+        else:
+            print(title)
+            for line in (header, *lines):
+                print(f"{line[0]:<20}{line[1]:>16}{line[2]:>14}{line[3]:>8}")
+            print(f"Report: {', '.join(paths.values())}")
+
+    def _dir(self, trainer: pl.Trainer) -> str:
+        return self.dirpath or trainer.log_dir or trainer.default_root_dir
+
+    # -- checkpointing: the profile is a property of the run, not of the model --------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"HBMProfiler: {name} must be an int, got {value!r} ({type(value).__name__}).")
+    if value < minimum:
+        raise ValueError(f"HBMProfiler: {name} must be >= {minimum}, got {value}.")
+
+
+def _device(pl_module: pl.LightningModule) -> torch.device:
+    return pl_module.device
+
+
+def _cuda_device(pl_module: pl.LightningModule) -> Optional[torch.device]:
+    # On the CPU build torch.cuda.memory_allocated() silently returns 0: never ask unless on CUDA.
+    device = pl_module.device
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return device
+
+
+def _cuda_stats(pl_module: pl.LightningModule, total: int) -> dict[str, Optional[int]]:
+    device = _cuda_device(pl_module)
+    if device is None:
+        return dict.fromkeys(_CUDA_FIELDS)
+    allocated = torch.cuda.memory_allocated(device)
+    reserved = torch.cuda.memory_reserved(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    capacity = torch.cuda.get_device_properties(device).total_memory
+    return {
+        "cuda_allocated": allocated,
+        "cuda_reserved": reserved,
+        "cuda_peak_allocated": peak,
+        "cuda_fragmentation": reserved - allocated,
+        "cuda_capacity": capacity,
+        "cuda_headroom": capacity - torch.cuda.max_memory_reserved(device),
+        "cuda_unattributed": peak - total,
+    }
+
+
+def _owned_tensors(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, list[torch.Tensor]]:
+    from lightning_hbm.memory.categories import buffer_tensors, gradient_tensors, optimizer_state_tensors, parameter_tensors
+
+    return {
+        "parameters": parameter_tensors(module),
+        "gradients": gradient_tensors(module),
+        "optimizer_states": optimizer_state_tensors(optimizers),
+        "other": buffer_tensors(module),
+    }
+
+
+def _classify_peak(
+    tracker: LiveStorageTracker, owned_now: dict[tuple[str, int], tuple[str, int]], device: torch.device
+) -> dict[str, int]:
+    """Categories of the storages alive at the tracked peak.
+
+    A storage still owned at the step's end is what its owner says (a backward output that became
+    ``.grad`` is a gradient); one that existed before the step keeps the category it had then (the
+    previous gradients, freed by ``zero_grad``); one created in the forward is an activation;
+    anything else (backward and optimizer temporaries) is ``other``.
+    """
+    values = dict.fromkeys(CATEGORIES, 0)
+    wanted = str(device)
+    for key, record in tracker.peak_records.items():
+        if key[0] != wanted and key[0].split(":")[0] != wanted:
+            continue
+        if key in owned_now and record.ref() is not None:  # same storage still alive (addresses get reused)
+            category = owned_now[key][0]
+        elif record.phase in values:
+            category = record.phase
+        elif record.phase == "forward":
+            category = "activations"
+        else:
+            category = "other"
+        values[category] += record.nbytes
+    return values
+
+
+def _module_breakdown(
+    pl_module: pl.LightningModule, optimizers: Sequence[torch.optim.Optimizer], activations: dict[str, int]
+) -> dict[str, dict[str, int]]:
+    """Per submodule: its own (non-recursive) parameters, gradients, optimizer states, and the activations
+    created while it was the innermost module running."""
+    result: dict[str, dict[str, int]] = {}
+    for name, module in pl_module.named_modules():
+        label = name or "<root>"
+        params = list(module.parameters(recurse=False))
+        entry = {
+            "parameters": classify(_Holder(params), ()).parameters if params else 0,
+            "gradients": sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None),
+            "optimizer_states": 0,
+            "activations": activations.get(label, 0),
+        }
+        for optimizer in optimizers:
+            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            for p in params:
+                state = optimizer.state.get(p)
+                if state:
+                    entry["optimizer_states"] += sum(
+                        v.untyped_storage().nbytes() for v in state.values() if isinstance(v, torch.Tensor)
+                    )
+        if any(entry.values()):
+            result[label] = entry
+    return result
+
+
+class _Holder(nn.Module):
+    """Holds a list of parameters so :func:`classify` can count them (quantization constants included)."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(params)
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> None:
+    # Figure + Agg canvas directly: no global pyplot backend switch in the user's process.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    steps = [r["step"] for r in rows]
+    series = [[r[c] / _MIB for r in rows] for c in CATEGORIES]
+    figure = Figure(figsize=(8, 4.5))
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
+    ax.stackplot(steps, series, labels=list(CATEGORIES))
+    peak = max(rows, key=lambda r: r["total"])
+    ax.axvline(peak["step"], color="black", linestyle="--", linewidth=1)
+    ax.annotate(
+        f"peak {peak['total'] / _MIB:.1f} MiB (step {peak['step']})",
+        xy=(peak["step"], peak["total"] / _MIB),
+        xytext=(5, 5),
+        textcoords="offset points",
+    )
+    if any(r["cuda_peak_allocated"] is not None for r in rows):
+        ax.plot(steps, [(r["cuda_peak_allocated"] or 0) / _MIB for r in rows], color="black", label="CUDA peak allocated")
+    ax.set_xlabel("global step")
+    ax.set_ylabel("MiB")
+    ax.set_title("HBMProfiler: memory by category")
+    ax.legend(loc="upper left", fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+__all__ = ["COLUMNS", "REMEDIES", "HBMProfiler"]

@@ -1,0 +1,282 @@
+"""``lightning-hbm``: Lightning's CLI, with lightning_hbm's names understood everywhere.
+
+What it adds to :class:`~lightning.pytorch.cli.LightningCLI` (nothing is removed):
+
+* ``--trainer.precision nf4-dq`` (``precision: nf4-dq`` in YAML) for every name in
+  :func:`lightning_hbm.available_precisions` becomes ``plugins=[QuantizedPrecision("nf4-dq")]``.
+  Lightning's own names (``bf16-true``, ``16-mixed``, ``32``, ...) keep working; any other value is
+  a ``ValueError`` listing both sets, raised before anything is built.
+* Short class names for lightning_hbm's callbacks, strategies and plugins
+  (``- class_path: LoRA``): every module of the package is imported, so jsonargparse knows the
+  subclasses.
+* Defaults needing no download: ``lightning_hbm.models.LlamaLM`` on
+  ``lightning_hbm.data.ByteTextDataModule``; any ``--model``/``--data`` class can replace them.
+* Two subcommands besides ``fit``/``validate``/``test``/``predict`` (see :func:`main`):
+  ``plan`` (the memory planner) and ``report`` (re-render a finished run's profiler report).
+
+Example::
+
+    lightning-hbm fit -c examples/qlora.yaml
+    lightning-hbm fit --trainer.precision nf4-dq --trainer.max_steps 20
+    lightning-hbm fit -c examples/qlora.yaml --print_config
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pkgutil
+from pathlib import Path
+from typing import Any, Literal, Optional, Union, get_args
+
+from lightning.fabric.connector import _PRECISION_INPUT_STR
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+import lightning_hbm
+from lightning_hbm.precision import QuantizedPrecision, available_precisions
+
+# Every value Lightning's Trainer accepts for ``precision`` (ints, their string forms, the long names).
+LIGHTNING_PRECISIONS: tuple[Union[int, str], ...] = (*get_args(_PRECISION_INPUT_STR), "bf16", "64", "32", "16", 64, 32, 16)
+
+DEFAULT_MODEL = "lightning_hbm.models.LlamaLM"
+DEFAULT_DATA = "lightning_hbm.data.ByteTextDataModule"
+
+
+def import_all_classes() -> list[str]:
+    """Import every module of lightning_hbm, so jsonargparse resolves short class names.
+
+    jsonargparse turns ``class_path: LoRA`` into a class by searching the *imported* subclasses of
+    the expected base (``Callback``, ``Strategy``, ``Precision``). Features live in their own
+    modules (one callback per file) and are not all imported by ``lightning_hbm/__init__.py``.
+    Returns the module names imported.
+    """
+    names = []
+    for info in pkgutil.walk_packages(lightning_hbm.__path__, prefix="lightning_hbm."):
+        if info.name == __name__:
+            continue
+        importlib.import_module(info.name)
+        names.append(info.name)
+    return names
+
+
+def resolve_precision(precision: Optional[Union[int, str]]) -> tuple[Optional[Union[int, str]], Optional[QuantizedPrecision]]:
+    """Split a ``trainer.precision`` value into (Lightning's precision, lightning_hbm plugin).
+
+    ``"nf4-dq"`` -> ``(None, QuantizedPrecision("nf4-dq"))``; ``"bf16-true"`` -> ``("bf16-true", None)``.
+    Anything else raises a ``ValueError`` that lists both sets of valid names.
+    """
+    if precision is None:
+        return None, None
+    if isinstance(precision, str) and precision in available_precisions():
+        return None, QuantizedPrecision(precision)
+    if precision in LIGHTNING_PRECISIONS:
+        return precision, None
+    lightning_names = ", ".join(dict.fromkeys(str(p) for p in LIGHTNING_PRECISIONS))  # "32" and 32: once
+    raise ValueError(
+        f"Unknown trainer.precision {precision!r}. lightning_hbm's quantized modes: "
+        f"{', '.join(available_precisions())} (compute dtype bfloat16; for another dtype use "
+        "`plugins: [{class_path: QuantizedPrecision, init_args: {mode: nf4-dq, dtype: float32}}]`). "
+        f"Lightning's precisions: {lightning_names}."
+    )
+
+
+class HBMCLI(LightningCLI):
+    """``LightningCLI`` that accepts lightning_hbm precision names and short class names.
+
+    Args:
+        model_class, datamodule_class: as in ``LightningCLI``; ``None`` (the default) accepts any
+            ``LightningModule``/``LightningDataModule`` by class path and defaults to
+            ``LlamaLM``/``ByteTextDataModule``.
+        **kwargs: every other ``LightningCLI`` argument (``args``, ``run``, ``trainer_defaults``, ...).
+
+    It logs nothing itself; what is logged comes from the model and the callbacks configured.
+
+    Example::
+
+        HBMCLI(args=["fit", "--trainer.precision", "nf4-dq", "--trainer.max_steps", "10"])
+    """
+
+    def __init__(self, model_class: Any = None, datamodule_class: Any = None, **kwargs: Any) -> None:
+        import_all_classes()
+        self._quantized_precision: Optional[QuantizedPrecision] = None
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        parser_kwargs = kwargs.setdefault("parser_kwargs", {})
+        parser_kwargs.setdefault("description", _DESCRIPTION)
+        super().__init__(model_class=model_class, datamodule_class=datamodule_class, **kwargs)
+
+    def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Lightning's core arguments, with ``trainer.precision`` widened to any name (checked later)."""
+        # Same as LightningCLI's, except that Trainer's Literal type for `precision` would reject
+        # "nf4-dq" while parsing: the argument is re-added as a plain value, validated by
+        # resolve_precision before anything is instantiated.
+        parser.add_class_arguments(
+            self.trainer_class, "trainer", fail_untyped=False, instantiate=False, sub_configs=True, skip={"precision"}
+        )
+        parser.add_argument(
+            "--trainer.precision",
+            type=Optional[Union[int, str]],
+            default=None,
+            help=f"Lightning's precision ({', '.join(dict.fromkeys(map(str, LIGHTNING_PRECISIONS)))}) or a lightning_hbm "
+            f"quantized mode ({', '.join(available_precisions())}).",
+        )
+        parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
+        parser.add_lightning_class_args(self._model_class, "model", subclass_mode=self.subclass_mode_model)
+        parser.add_lightning_class_args(
+            self._datamodule_class, "data", subclass_mode=self.subclass_mode_data, required=self.datamodule_class is not None
+        )
+        if self.model_class is None:
+            parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
+        if self.datamodule_class is None:
+            parser.set_defaults({"data": {"class_path": DEFAULT_DATA}})
+
+    def before_instantiate_classes(self) -> None:
+        """Validate ``trainer.precision`` (and build its plugin) before any class is instantiated."""
+        trainer_config = self._get(self.config, "trainer")
+        _, self._quantized_precision = resolve_precision(trainer_config.get("precision"))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Lightning's trainer, with a lightning_hbm precision name turned into its plugin."""
+        if self._quantized_precision is not None:
+            plugins = self._get(self.config_init, "trainer").get("plugins")
+            plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+            kwargs["plugins"] = [*plugins, self._quantized_precision]
+            kwargs["precision"] = None
+        return super().instantiate_trainer(**kwargs)
+
+
+class PlanCLI(HBMCLI):
+    """``lightning-hbm plan``: the same model/data/trainer configuration as ``fit``, planned, not trained.
+
+    Calls :func:`lightning_hbm.planner.plan`: the model is built under ``FakeTensorMode`` (nothing
+    allocated), each candidate configuration is traced for two steps on the datamodule's first
+    batch, and the fastest one that fits ``--budget`` is printed with its YAML.
+    """
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """The planner's arguments, next to the usual ``trainer``/``model``/``data`` groups."""
+        from lightning_hbm.planner import default_candidates
+
+        parser.add_argument("--budget", type=Optional[str], default=None, help="device memory to fit in, e.g. 24GiB")
+        parser.add_argument(
+            "--device", type=Optional[Literal["cpu", "cuda"]], default=None, help="where training runs (default: cuda if available)"
+        )
+        # the candidate grid: default_candidates' own arguments, so its defaults stay in one place
+        parser.add_function_arguments(default_candidates, "candidates")
+
+    def instantiate_classes(self) -> None:
+        """Build the datamodule only; the model is handed to the planner as a factory (built fake)."""
+        from lightning_hbm.planner import default_candidates, plan
+
+        parser = LightningArgumentParser()
+        parser.add_lightning_class_args(LightningModule, "model", subclass_mode=True)
+        parser.add_lightning_class_args(LightningDataModule, "data", subclass_mode=True)
+        parts = parser.parse_object({"model": self.config.model.as_dict(), "data": self.config.data.as_dict()})
+
+        def build_model() -> LightningModule:
+            return parser.instantiate_classes(parts).model
+
+        self.model = None
+        self.datamodule = parser.instantiate_classes(parts).data
+        device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        candidates = default_candidates(**self.config.candidates.as_dict())
+        self.plan = plan(build_model, self.datamodule, budget=self.config.budget, candidates=candidates, device=device)
+
+    def print_plan(self) -> None:
+        """The table (rich on a terminal, plain text otherwise), then the chosen configuration as YAML."""
+        import sys
+
+        from lightning_hbm.callbacks.profiler import _RICH_AVAILABLE
+
+        if _RICH_AVAILABLE and sys.stdout.isatty():  # piped output: rich would squeeze it to 80 columns
+            from rich.console import Console
+
+            Console().print(self.plan.table())
+        else:
+            print(self.plan)
+        for candidate, reason in self.plan.failures:
+            print(f"not planned: {candidate.name}: {reason}")
+        chosen = self.plan.chosen
+        if chosen is None:
+            print(f"Nothing fits {self.config.budget}. Smallest: {', '.join(p.candidate.name for p in self.plan.closest())}.")
+        else:
+            print(f"Chosen: {chosen.candidate.name}. Add to your config:\n{chosen.candidate.yaml()}")
+
+
+def find_report(path: Union[str, Path]) -> Path:
+    """The profiler report ``hbm_profile*.json`` at ``path`` (a file, or the newest one under a run directory)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise ValueError(f"report: {str(path)!r} is neither a run directory nor an hbm_profile.json file.")
+    found = sorted(path.rglob("hbm_profile*.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise ValueError(
+            f"report: no hbm_profile*.json under {str(path)!r}. Train with the HBMProfiler callback "
+            "(`- class_path: HBMProfiler` in trainer.callbacks) to write one."
+        )
+    return found[-1]
+
+
+def render_report(path: Union[str, Path], out_dir: Optional[Union[str, Path]] = None) -> dict[str, str]:
+    """Re-render a finished run's profiler report: summary table, CSV, JSON and plot, from its JSON.
+
+    Written next to the JSON unless ``out_dir`` is given. Returns the paths written.
+    """
+    from lightning_hbm.callbacks.profiler import COLUMNS, HBMProfiler
+
+    json_path = find_report(path)
+    try:
+        report = json.loads(json_path.read_text())
+        rows = report["rows"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"report: {str(json_path)!r} is not an HBMProfiler report ({err}).") from err
+    if not rows or any(column not in row for row in rows for column in COLUMNS):
+        raise ValueError(f"report: {str(json_path)!r} holds no complete measured step; nothing to render.")
+    # HBMProfiler writes and prints from its rows: refill a fresh one instead of re-implementing both.
+    profiler = HBMProfiler()
+    profiler.rows = rows
+    profiler.modules = {int(step): modules for step, modules in report.get("modules", {}).items()}
+    profiler.snapshot_path = report.get("snapshot")
+    paths = profiler.write_report(str(out_dir or json_path.parent), json_path.stem)
+    profiler.print_summary(paths)
+    print(profiler.diagnosis())
+    return paths
+
+
+_DESCRIPTION = (
+    "lightning_hbm: Lightning's CLI with quantized precisions (--trainer.precision nf4-dq) and short class names "
+    "for lightning_hbm's callbacks. Subcommands: fit, validate, test, predict; also `lightning-hbm plan` (same "
+    "options plus --budget 24GiB: predict the memory of each configuration) and `lightning-hbm report RUN_DIR` "
+    "(re-render a finished run's HBMProfiler report)."
+)
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """Console script ``lightning-hbm``.
+
+    ``fit``/``validate``/``test``/``predict``: :class:`HBMCLI`. ``plan [options]``: :class:`PlanCLI`
+    (``fit``'s options plus ``--budget``). ``report RUN_DIR [--out DIR]``: :func:`render_report`.
+    """
+    import sys
+
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["plan"]:
+        cli = PlanCLI(args=argv[1:], run=False)
+        cli.print_plan()
+    elif argv[:1] == ["report"]:
+        parser = argparse.ArgumentParser(prog="lightning-hbm report", description=render_report.__doc__.splitlines()[0])
+        parser.add_argument("path", help="run directory (searched for hbm_profile*.json) or the JSON file")
+        parser.add_argument("--out", default=None, help="directory to write to (default: next to the JSON)")
+        options = parser.parse_args(argv[1:])
+        render_report(options.path, options.out)
+    else:
+        HBMCLI(args=argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""The one definition of the memory categories, shared by ``HBMProfiler`` and the planner.
+
+Training memory is a sum of five terms, and every byte belongs to exactly one of them:
+
+``parameters``
+    Storages of the module's parameters, counted at their real stored size: a 4-bit weight is its
+    packed uint8 storage plus its quantization constants (absmax, code book, nested absmax, int8
+    row scales; see :func:`lightning_hbm.memory.storage.quantization_tensors`).
+``gradients``
+    Storages of ``param.grad`` for every parameter of the module.
+``optimizer_states``
+    Every tensor held in ``optimizer.state`` (AdamW: ``exp_avg``, ``exp_avg_sq`` and the 0-dim
+    ``step``; 8-bit optimizers: quantized states plus their absmax/qmap).
+``activations``
+    Storages created during the forward and still alive at its end that are none of the above:
+    what autograd keeps for backward (and the forward's outputs). Measured by tracking live
+    storages (:class:`lightning_hbm.memory.tracker.LiveStorageTracker`), not by
+    ``saved_tensors_hooks``, which miscount under activation checkpointing.
+``other``
+    Everything else that is alive: module buffers, temporaries of the backward and optimizer step.
+
+Classification is by what a tensor *is* (who owns its storage), never by the phase that
+allocated it: Lightning runs forward and backward inside ``optimizer.step(closure)`` and zeroes
+gradients after the forward, so phases lie. A storage is counted once, in the first category
+that owns it, in the order of :data:`CATEGORIES` (a gradient that aliases a parameter counts as
+a parameter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from typing import Literal, Union, get_args
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_hbm.memory.storage import module_parameter_tensors
+
+Category = Literal["parameters", "gradients", "optimizer_states", "activations", "other"]
+CATEGORIES: tuple[Category, ...] = get_args(Category)
+
+StorageKey = tuple[str, int]
+
+
+def plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors that hold the bytes of ``tensor``.
+
+    Wrapper subclasses (torchao ``NF4Tensor``, its 8-bit optimizer states, DTensor) have no
+    storage of their own: their bytes live in inner tensors named by ``__tensor_flatten__``.
+    """
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None or type(tensor) in (torch.Tensor, nn.Parameter):
+        yield tensor
+        return
+    inner_names, _ = tensor.__tensor_flatten__()
+    for name in inner_names:
+        yield from plain_tensors(getattr(tensor, name))
+
+
+def tensor_storage_key(tensor: torch.Tensor) -> StorageKey | None:
+    """Identity (device, data pointer) of the storage behind a plain tensor; None if it holds no bytes."""
+    if tensor.is_meta:
+        return None
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    return (str(storage.device), storage.data_ptr())
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> Iterator[tuple[StorageKey, int]]:
+    for tensor in tensors:
+        for plain in plain_tensors(tensor):
+            key = tensor_storage_key(plain)
+            if key is not None:
+                yield key, plain.untyped_storage().nbytes()
+
+
+def _nested_tensors(obj: object, depth: int = 0) -> Iterator[torch.Tensor]:
+    # Optimizer states are dicts of tensors (torch, bitsandbytes) or of tensor subclasses (torchao);
+    # some nest one level (lists of tensors). Depth-limited: states are never deep.
+    if depth > 3:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _nested_tensors(value, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _nested_tensors(value, depth + 1)
+
+
+def parameter_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Tensors of the **parameters** category: parameters plus their quantization constants."""
+    return module_parameter_tensors(module)
+
+
+def gradient_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Tensors of the **gradients** category: every ``.grad`` that exists."""
+    return [p.grad for p in module.parameters() if p.grad is not None]
+
+
+def optimizer_state_tensors(optimizers: Union[Optimizer, Iterable[Optimizer]]) -> list[torch.Tensor]:
+    """Tensors of the **optimizer_states** category: everything in ``optimizer.state``."""
+    if isinstance(optimizers, Optimizer):
+        optimizers = [optimizers]
+    tensors: list[torch.Tensor] = []
+    for optimizer in optimizers:
+        # LightningOptimizer wraps the real one; .state is forwarded, but be explicit.
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        for state in optimizer.state.values():
+            tensors.extend(_nested_tensors(state))
+    return tensors
+
+
+def buffer_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Module buffers: counted in **other** (not trained, not parameters)."""
+    return list(module.buffers())
+
+
+def owned_storages(
+    module: nn.Module, optimizers: Union[Optimizer, Iterable[Optimizer]] = ()
+) -> dict[StorageKey, tuple[Category, int]]:
+    """Every storage owned by ``module`` or its optimizers: key -> (category, bytes).
+
+    Deduplicated: a storage is given to the first owner in the order parameters, gradients,
+    optimizer states, buffers (``other``).
+    """
+    owned: dict[StorageKey, tuple[Category, int]] = {}
+    groups: list[tuple[Category, list[torch.Tensor]]] = [
+        ("parameters", parameter_tensors(module)),
+        ("gradients", gradient_tensors(module)),
+        ("optimizer_states", optimizer_state_tensors(optimizers)),
+        ("other", buffer_tensors(module)),
+    ]
+    for category, tensors in groups:
+        for key, nbytes in _storages(tensors):
+            owned.setdefault(key, (category, nbytes))
+    return owned
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per category (see :data:`CATEGORIES`). ``total`` is their sum."""
+
+    parameters: int = 0
+    gradients: int = 0
+    optimizer_states: int = 0
+    activations: int = 0
+    other: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.other
+
+    def as_dict(self) -> dict[str, int]:
+        """``{category: bytes}`` in the order of :data:`CATEGORIES`."""
+        return asdict(self)
+
+    def dominant(self) -> Category:
+        """The category holding the most bytes (ties: the first in :data:`CATEGORIES`)."""
+        values = self.as_dict()
+        return max(CATEGORIES, key=lambda c: values[c])
+
+
+def classify(
+    module: nn.Module,
+    optimizers: Union[Optimizer, Iterable[Optimizer]] = (),
+    activations: Mapping[StorageKey, int] | Iterable[torch.Tensor] = (),
+    others: Mapping[StorageKey, int] | Iterable[torch.Tensor] = (),
+    device: Union[str, torch.device, None] = None,
+) -> MemoryBreakdown:
+    """Measure the categories now: owned storages of ``module``/``optimizers`` plus candidate activations.
+
+    Args:
+        module: the model (the ``LightningModule`` or any ``nn.Module``).
+        optimizers: its optimizers (plain or Lightning-wrapped).
+        activations: storages created during the forward and alive at its end (``{key: bytes}``
+            from :class:`~lightning_hbm.memory.tracker.LiveStorageTracker`, or tensors). Those
+            owned by the module or optimizers are not activations and are skipped.
+        others: further live storages to count as ``other`` (e.g. backward temporaries).
+        device: count only storages on this device (e.g. ``"cuda:0"`` for HBM); None: all.
+    """
+    wanted = None if device is None else str(torch.device(device))
+    totals: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+    seen: set[StorageKey] = set()
+
+    def add(key: StorageKey, category: str, nbytes: int) -> None:
+        if key in seen or (wanted is not None and not _same_device(key[0], wanted)):
+            return
+        seen.add(key)
+        totals[category] += nbytes
+
+    for key, (category, nbytes) in owned_storages(module, optimizers).items():
+        add(key, category, nbytes)
+    for category, candidates in (("activations", activations), ("other", others)):
+        items = candidates.items() if isinstance(candidates, Mapping) else _storages(candidates)
+        for key, nbytes in items:
+            add(key, category, nbytes)
+    return MemoryBreakdown(**totals)
+
+
+def _same_device(device: str, wanted: str) -> bool:
+    # "cuda" (no index) matches every CUDA device; "cuda:0" only itself.
+    return device == wanted or device.split(":")[0] == wanted
+
+
+__all__ = [
+    "CATEGORIES",
+    "Category",
+    "MemoryBreakdown",
+    "StorageKey",
+    "buffer_tensors",
+    "classify",
+    "gradient_tensors",
+    "optimizer_state_tensors",
+    "owned_storages",
+    "parameter_tensors",
+    "plain_tensors",
+    "tensor_storage_key",
+]

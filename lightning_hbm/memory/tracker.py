@@ -1,0 +1,145 @@
+"""Live tensor storages, tracked by a ``TorchDispatchMode``: the measurement behind activations and peaks.
+
+Why by hand: on CPU there is no allocator to ask, ``saved_tensors_hooks`` miscount under
+activation checkpointing (checkpoint installs its own hooks), and torch's private ``MemTracker``
+refuses frozen parameters and labels everything "OPT" inside Lightning (shared notes). Recording
+a weak reference to the storage of every op output, with a callback when it dies, gives exact
+live bytes on any device and works with checkpointing, bitsandbytes and peft layers.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_hbm.memory.categories import StorageKey, plain_tensors
+
+
+class StorageRecord(NamedTuple):
+    """What the tracker knows about one live storage."""
+
+    ref: weakref.ref
+    nbytes: int
+    phase: str  # the tracker's ``phase`` when the storage was first seen
+    module: str  # innermost module running then ("" outside any, or without module tracking)
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Records the storage of every tensor an op creates while active, and forgets it when it dies.
+
+    Use as a context manager (or ``__enter__``/``__exit__`` across hooks). :meth:`seed` adds storages
+    that existed before (parameters, gradients, optimizer states) so that :attr:`peak_bytes` is the
+    peak of everything the step holds. Storages are deduplicated (views share their base's record).
+
+    Args:
+        track_peak: also keep :attr:`peak_records`, the live set at the highest :attr:`live_bytes`
+            (costs a copy of the live set at each new peak's end; for detailed steps only).
+    """
+
+    def __init__(self, track_peak: bool = False) -> None:
+        super().__init__()
+        self.track_peak = track_peak
+        self.phase = "forward"
+        self.live: dict[StorageKey, StorageRecord] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.peak_records: dict[StorageKey, StorageRecord] = {}
+        self._peak_pending = False  # a new peak was reached and not copied yet
+        self._module_stack: list[str] = []
+        self._hook_handles: list[Any] = []
+
+    # -- recording -----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if type(out) is torch.Tensor:  # the common case, without pytree's cost
+            self._record_plain(out, self.phase)
+        else:
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self._record(leaf, self.phase)
+        return out
+
+    def seed(self, tensors: Iterable[torch.Tensor], phase: str) -> None:
+        """Track storages that already exist (e.g. ``phase="parameters"``), counting them as live."""
+        for tensor in tensors:
+            self._record(tensor, phase)
+
+    def _record(self, tensor: torch.Tensor, phase: str) -> None:
+        for plain in plain_tensors(tensor):
+            self._record_plain(plain, phase)
+
+    def _record_plain(self, tensor: torch.Tensor, phase: str) -> None:
+        if tensor.is_meta or tensor.is_sparse:
+            return
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        key = (str(storage.device), storage.data_ptr())
+        if key in self.live:
+            return
+        module = self._module_stack[-1] if self._module_stack else ""
+        # torch keeps one Python object per storage alive as long as the storage, so a weak
+        # reference's callback tells exactly when the bytes are released.
+        ref = weakref.ref(storage, self._released(key))
+        self.live[key] = StorageRecord(ref, nbytes, phase, module)
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self._peak_pending = self.track_peak
+
+    def _released(self, key: StorageKey) -> Callable[[Any], None]:
+        def callback(_: Any) -> None:
+            record = self.live.get(key)
+            if record is None:
+                return
+            if self._peak_pending:  # the live set just before the first release after a new peak
+                self.peak_records = dict(self.live)
+                self._peak_pending = False
+            del self.live[key]
+            self.live_bytes -= record.nbytes
+
+        return callback
+
+    def finish_peak(self) -> None:
+        """Copy the live set if the peak is now (no storage released since it was reached)."""
+        if self._peak_pending:
+            self.peak_records = dict(self.live)
+            self._peak_pending = False
+
+    # -- reading -------------------------------------------------------------------------------
+    def live_storages(self, phase: Optional[str] = None) -> dict[StorageKey, int]:
+        """``{key: bytes}`` of the tracked storages alive now (only those first seen in ``phase``)."""
+        return {k: r.nbytes for k, r in self.live.items() if phase is None or r.phase == phase}
+
+    # -- module attribution (detailed mode) --------------------------------------------------------
+    def attach_modules(self, module: nn.Module) -> None:
+        """Tag storages with the innermost submodule of ``module`` running when they are created."""
+        for name, sub in module.named_modules():
+            self._hook_handles.append(sub.register_forward_pre_hook(self._push(name or "<root>")))
+            self._hook_handles.append(sub.register_forward_hook(self._pop, always_call=True))
+
+    def detach_modules(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        self._module_stack.clear()
+
+    def _push(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._module_stack.append(name)
+
+        return hook
+
+    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._module_stack:
+            self._module_stack.pop()
+
+
+__all__ = ["LiveStorageTracker", "StorageRecord"]

@@ -1,0 +1,199 @@
+"""``int8-dynamic``: frozen INT8 base weights, activations quantized per token at run time.
+
+What it shrinks: the **parameters** term. Each frozen ``nn.Linear`` weight is stored as symmetric
+per-output-channel INT8 plus one fp32 scale per output row (1 + 4/in_features bytes per
+parameter, half of bf16). Activations get no calibration: every forward quantizes each token
+(row) of the input with the scale ``absmax(row) / 127`` of the data actually flowing, multiplies
+in integer arithmetic with int32 accumulation and rescales to the input's dtype.
+
+Why written here (small) instead of taken from a library:
+
+* torchao 0.18's ``Int8DynamicActivationInt8WeightConfig`` is inference-only (no backward).
+* torchao's ``prototype.quantized_training`` either keeps the weights in high precision and
+  quantizes them every step (``Int8MixedPrecisionTraining``: no memory saved) or trains the INT8
+  weight itself with float activations (``Int8WeightOnlyQuantizedTraining``); neither is a
+  frozen INT8 base with dynamic activation quantization. torchao is also not a core dependency.
+* bitsandbytes' ``Linear8bitLt`` (mode ``int8``) is LLM.int8 with outlier decomposition, not
+  per-token dynamic quantization.
+
+The integer matmul is ``torch._int_mm`` (int8 x int8 -> int32), on CUDA (cuBLASLt INT8 tensor
+cores) and on CPU (torch's CPU kernel, used by the CPU tests, same arithmetic). CUDA's kernel
+requires ``in_features`` and ``out_features`` to be multiples of 8 and more than 16 rows: shorter
+inputs are zero-padded to 17 rows; layers with other widths compute the same integer products in
+fp32 (exact while ``in_features * 127**2 < 2**24``, i.e. in_features < 1040; above, rounding of
+fp32 sums), which is stated, not hidden: :func:`uses_integer_kernel` says which path a layer takes.
+
+Backward: the base is frozen, so only the gradient to the input is computed:
+``grad_input = grad_output @ (W_int8 * scale)``, the dequantized weight the forward really used,
+in the gradient's dtype. The activation rounding is passed straight through (its derivative is
+zero almost everywhere, which would stop every gradient): the straight-through estimator. Nothing
+of the input is saved for backward (no weight gradient is needed), so the layer keeps no
+activation memory of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from typing_extensions import override
+
+from lightning_hbm.precision.registry import register_mode
+
+_QMAX = 127  # symmetric range [-127, 127]: -128 is never used, so scales are the same both signs
+_EPS = 1e-12
+
+
+def quantize_rowwise(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 per row: ``(int8 values, fp32 scales)`` with ``tensor ~= values * scales[:, None]``."""
+    tensor = tensor.float()
+    scale = tensor.abs().amax(dim=1) / _QMAX
+    scale = scale.clamp(min=_EPS)  # an all-zero row stays zero instead of dividing by 0
+    values = torch.round(tensor / scale[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
+    return values, scale
+
+
+def _int_mm_ok(device: torch.device, in_features: int, out_features: int) -> bool:
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return in_features % 8 == 0 and out_features % 8 == 0
+    return False
+
+
+def _int8_matmul(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """``x_q @ w_q.T`` for int8 ``x_q`` (M, K) and ``w_q`` (N, K), as int32 (or exact-ish fp32)."""
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    if not _int_mm_ok(x_q.device, k, n):
+        # No integer kernel for this shape/device: the same integer products, summed in fp32.
+        return x_q.float() @ w_q.float().t()
+    if x_q.device.type == "cuda" and m <= 16:
+        # cuBLASLt's INT8 GEMM needs more than 16 rows: pad with zero rows, drop them after.
+        x_q = F.pad(x_q, (0, 0, 0, 17 - m))
+        return torch._int_mm(x_q, w_q.t())[:m]
+    # w_q.t() is a column-major view of the row-major weight: the layout cuBLASLt wants for B.
+    return torch._int_mm(x_q, w_q.t())
+
+
+class _DynamicInt8Matmul(torch.autograd.Function):
+    """``x @ dequant(W).T`` with ``x`` quantized per row at run time; gradient to ``x`` only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2d = x.reshape(-1, shape[-1])
+        x_q, x_scale = quantize_rowwise(x2d)
+        acc = _int8_matmul(x_q, weight)
+        out = acc.float() * x_scale[:, None] * scale[None, :]
+        ctx.save_for_backward(weight, scale)  # module storage: no new memory
+        return out.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
+        weight, scale = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        # Straight-through for the activation rounding; the dequantized weight the forward used:
+        # grad_out @ (W_q * s[:, None]) == (grad_out * s) @ W_q. Scaling the gradient (in fp32, one
+        # rounding) instead of the weight keeps the transient copy of W_q at the gradient's dtype size;
+        # int8 values are exact in bf16/fp16.
+        scaled = (grad_out.float() * scale).to(grad_out.dtype)
+        return scaled @ weight.to(grad_out.dtype), None, None
+
+
+class Int8DynamicLinear(nn.Linear):
+    """A frozen ``nn.Linear`` stored as INT8 per output channel, computing with dynamic INT8 activations.
+
+    A subclass of ``nn.Linear`` (``in_features``, ``out_features``, ``weight``, ``bias``) so that peft
+    wraps it with its standard LoRA ``Linear`` and Linear-aware tools keep working; ``weight`` is the
+    frozen int8 ``Parameter`` and ``weight_scale`` an fp32 buffer (both in the ``state_dict``). The bias
+    is the original, trainable ``Parameter``. Build it with :meth:`from_linear`.
+    """
+
+    weight_scale: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device="meta")
+        target = torch.device("cpu") if device is None else torch.device(device)
+        self.weight = nn.Parameter(
+            torch.zeros(out_features, in_features, dtype=torch.int8, device=target), requires_grad=False
+        )
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=target))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=target))
+        self._link_scale()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, device: Optional[torch.device] = None) -> Int8DynamicLinear:
+        """Quantize ``linear``'s weight (on ``device``, default: where it is); keep its bias Parameter."""
+        if linear.weight.is_meta:
+            raise ValueError(
+                f"Cannot quantize a Linear({linear.in_features}, {linear.out_features}) whose weight is on the meta "
+                "device: load or initialize the weights before quantization (e.g. build them in configure_model)."
+            )
+        target = linear.weight.device if device is None else torch.device(device)
+        layer = cls(linear.in_features, linear.out_features, bias=False, device=target)
+        values, scale = quantize_rowwise(linear.weight.detach().to(target))
+        layer.weight.data = values
+        layer.weight_scale = scale
+        if linear.bias is not None:
+            layer.bias = linear.bias  # same Parameter: stays trainable (the plugin casts it to the compute dtype)
+        layer._link_scale()
+        return layer
+
+    def _link_scale(self) -> None:
+        # lightning_hbm.memory.storage.quantization_tensors counts a parameter's ``scales`` attribute,
+        # so the parameters term includes the scales. Buffers are replaced (not mutated) by
+        # ``.to()`` and by ``load_state_dict(assign=True)``: re-link after both.
+        self.weight.scales = self.weight_scale
+
+    @override
+    def _apply(self, fn: Any, recurse: bool = True) -> Int8DynamicLinear:
+        super()._apply(fn, recurse)
+        self._link_scale()
+        return self
+
+    @override
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._link_scale()
+
+    @override
+    def reset_parameters(self) -> None:
+        pass  # the weight is quantized from a loaded Linear, never initialized here
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as fp32, ``int8 * scale`` (e.g. to export or merge LoRA weights in float)."""
+        return self.weight.float() * self.weight_scale[:, None]
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _DynamicInt8Matmul.apply(x, self.weight, self.weight_scale)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    @override
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", weight=int8 per-channel, activations=int8 per-token (dynamic)"
+
+
+def uses_integer_kernel(layer: Int8DynamicLinear, device: Optional[torch.device] = None) -> bool:
+    """Whether ``layer`` multiplies with ``torch._int_mm`` on ``device`` (default: where it is)."""
+    device = layer.weight.device if device is None else torch.device(device)
+    return _int_mm_ok(device, layer.in_features, layer.out_features)
+
+
+@register_mode(
+    "int8-dynamic",
+    dtypes=(torch.bfloat16, torch.float16, torch.float32),
+    description="INT8 per-channel weights + fp32 scales, INT8 per-token activations at run time (int32 matmul)",
+)
+def _int8_dynamic(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
+    # ``dtype`` is not needed here: outputs come back in the input's dtype (the plugin casts inputs,
+    # biases and every other parameter to the compute dtype).
+    return Int8DynamicLinear.from_linear(linear, device)
+
+
+__all__ = ["Int8DynamicLinear", "quantize_rowwise", "uses_integer_kernel"]

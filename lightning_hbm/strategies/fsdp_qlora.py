@@ -1,0 +1,334 @@
+"""``QuantizedFSDPStrategy``: shard a quantized base + trainable adapters across ranks with torch FSDP2.
+
+What it shrinks, per rank: the **parameters**, **gradients** and **optimizer states** terms, each
+divided by the number of ranks (the frozen base is quantized first by ``QuantizedPrecision``, then
+sharded). Activations are not sharded (use ``ActivationCheckpointing`` for those).
+
+Why not Lightning's ``FSDPStrategy``: it rejects every precision plugin that is not an
+``FSDPPrecision`` (Lightning issue 20855) and refuses the CPU accelerator. We build on Lightning's
+``ModelParallelStrategy`` instead, which is torch's FSDP2 (``fully_shard``, DTensor parameters):
+
+* FSDP2, not FSDP1: FSDP1 flattens each unit into one buffer and needs a uniform storage dtype
+  (bitsandbytes ``quant_storage`` equal to the compute dtype) plus ``use_orig_params``. FSDP2
+  shards every parameter on its own along dim 0, so the packed uint8 4-bit weights shard next to
+  bf16/fp32 norms and adapters as they are: no ``quant_storage`` change is needed (checked on CPU:
+  2-rank loss equals the 1-rank loss). The quantization constants (``quant_state``: absmax, code
+  book) stay on the ``Linear4bit`` module, replicated on every rank (a few % of the 4-bit bytes);
+  bitsandbytes restores them on the all-gathered weight in every forward
+  (``fix_4bit_weight_quant_state_from_module``).
+* It runs on CPU with gloo (``init_device_mesh("cpu")``), so the same
+  ``Trainer(strategy="fsdp_qlora")`` is tested on two CPU processes and used unchanged on GPUs.
+* The user's model is not touched: ``ModelParallelStrategy`` asks the user to call
+  ``fully_shard`` in ``configure_model``; this strategy calls it itself, after lightning_hbm's
+  surgery (``precision_plugin.convert_module``: quantize -> LoRA -> checkpointing -> kernels) and
+  before ``configure_optimizers``, so the user's optimizer sees the sharded trainable parameters.
+
+Checkpoints are gathered to rank 0 in the ordinary single-file format and hold only what is trained
+(``requires_grad`` parameters: LoRA adapters, or norms/embeddings/biases without LoRA) plus full
+optimizer states in ``torch.optim`` format. The frozen base is not saved: it is rebuilt from the
+user's model when the run resumes, as in QLoRA. Such a checkpoint resumes on any number of ranks,
+including a single device without this strategy (the surgery spine loads it after the surgery).
+
+Example::
+
+    trainer = Trainer(accelerator="gpu", devices=4, strategy="fsdp_qlora",
+                      plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16")], callbacks=[LoRA(r=16)])
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hbm.memory.storage import unique_bytes
+
+log = logging.getLogger(__name__)
+
+
+class QuantizedFSDPStrategy(ModelParallelStrategy):
+    """Fully sharded data parallel (torch FSDP2) for quantized bases with trainable adapters.
+
+    Args:
+        shard_modules: class names of the submodules that become one FSDP unit each (one
+            all-gather per unit in forward and backward), e.g. ``["LlamaDecoderLayer"]``. Default
+            (``None``): every module held in an ``nn.ModuleList`` (the transformer blocks of
+            nanoGPT, Llama, ...). The rest of each top-level submodule (embeddings, final norm,
+            head) forms one more unit. A name that matches no submodule is an error.
+        cpu_offload: keep the parameter shards, their gradients and the optimizer states in CPU
+            memory (FSDP2 ``CPUOffloadPolicy``); the optimizer steps on the CPU. Shrinks the
+            device's parameters/gradients/optimizer-states terms to the unit being computed.
+        reshard_after_forward: free each unit's gathered weights after its forward (``True``,
+            gathers again in backward: least memory) or keep them until backward (``False``: one
+            all-gather fewer per unit, the whole gathered model stays alive between forward and
+            backward).
+        process_group_backend: ``"nccl"`` / ``"gloo"``; default: the accelerator's (gloo on CPU).
+        timeout: timeout of the collectives.
+
+    Logs nothing itself. Registered as ``strategy="fsdp_qlora"``.
+    """
+
+    strategy_name = "fsdp_qlora"
+
+    def __init__(
+        self,
+        shard_modules: Optional[list[str]] = None,
+        cpu_offload: bool = False,
+        reshard_after_forward: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        if shard_modules is not None and (
+            isinstance(shard_modules, str) or not all(isinstance(n, str) and n for n in shard_modules)
+        ):
+            raise TypeError(
+                f"shard_modules must be a list of module class names such as ['LlamaDecoderLayer'], got "
+                f"{shard_modules!r}."
+            )
+        super().__init__(
+            # pure data parallel: the sizes are fixed to (world size, 1) in setup_environment
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=False,  # one file, gathered on rank 0 (see module docstring)
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.shard_modules = None if shard_modules is None else list(shard_modules)
+        self.cpu_offload = cpu_offload
+        self.reshard_after_forward = reshard_after_forward
+
+    @override
+    def setup_environment(self) -> None:
+        # ModelParallelStrategy's "auto" means data parallel across nodes, tensor parallel inside
+        # a node. Sharding only (no tensor parallel): every rank is one data-parallel replica.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        # ModelParallelStrategy.setup, minus its requirement that the user shards the model in
+        # configure_model: here the strategy shards, after lightning_hbm's surgery.
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        _choose_units(self.model, self.shard_modules)  # validate before changing anything
+        _materialize_distributed_module(self.model, self.root_device)
+        # Quantize -> LoRA -> checkpointing -> kernels (lightning_hbm/surgery.py), on the full model.
+        # Hide the mesh ModelParallelStrategy put on the LightningModule meanwhile: peft 0.21 takes a
+        # module with `_device_mesh` for a tensor-parallel transformers model and reads `.config`.
+        mesh, self.model._device_mesh = self.model._device_mesh, None
+        try:
+            self.model = self.precision_plugin.convert_module(self.model)
+        finally:
+            self.model._device_mesh = mesh
+        if not self.cpu_offload:
+            self.model_to_device()
+        # chosen again: the surgery replaced layers (the check above ran on the model as built)
+        self._shard(self.model, _choose_units(self.model, self.shard_modules))
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard(self, module: pl.LightningModule, units: list[nn.Module]) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
+            return  # trainer.validate/test after fit: already sharded
+        # Pinned memory needs a CUDA build; on CPU the "offload" keeps tensors where they are.
+        offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()
+        mesh = self.device_mesh["data_parallel"]
+        kwargs = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward, offload_policy=offload)
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        # One more unit per top-level child holding the remaining parameters (embeddings, head).
+        for child in module.children():
+            if any(True for _ in child.parameters()) and not isinstance(child, FSDPModule):
+                fully_shard(child, **kwargs)
+        log.info("lightning_hbm: FSDP2 sharded %d units over %d ranks", len(units), mesh.size())
+
+    # ----------------------------------------------------------------------------------------
+    # Checkpoints: trainable parameters + optimizer states, full tensors, one file from rank 0.
+    # Written by hand rather than torch.distributed.checkpoint.state_dict: get_model_state_dict
+    # would gather the frozen 4-bit base too (and bitsandbytes' state_dict hooks expect a
+    # Params4bit, not a DTensor), and Lightning's full optimizer format numbers the parameters
+    # among *all* module parameters, which does not load into the single-device optimizer after
+    # frozen parameters are pruned. Here the optimizer keeps its own torch.optim format.
+    # ----------------------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Full tensors of the trainable parameters (collective; non-empty on rank 0 only)."""
+        assert self.model is not None
+        state = {}
+        for name, param in self.model.named_parameters():
+            if param.requires_grad:
+                full = _full(param.detach())  # every rank takes part in the all-gather
+                if self.is_global_zero:
+                    state[name] = full.cpu()
+        return state
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's ``state_dict`` with every sharded state gathered (collective)."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        state_dict = optimizer.state_dict()
+        state = {
+            index: {key: _full(value).cpu() if isinstance(value, torch.Tensor) else value for key, value in s.items()}
+            for index, s in state_dict["state"].items()
+        }
+        if not self.is_global_zero:
+            return {}
+        return {"state": state, "param_groups": state_dict["param_groups"]}
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():
+            raise ValueError(
+                f"ckpt_path={str(path)!r} is a directory (a sharded checkpoint). QuantizedFSDPStrategy reads the "
+                "single-file checkpoints it writes (gathered on rank 0): pass the .ckpt file."
+            )
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        assert self.model is not None
+        self._load_trainable(checkpoint.pop("state_dict", {}))
+        optimizer_states = checkpoint.pop("optimizer_states", [])
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and optimizer_states:
+            for optimizer, full_state in zip(self.optimizers, optimizer_states):
+                optimizer.load_state_dict(_shard_optimizer_state(optimizer, full_state))
+        return checkpoint
+
+    def _load_trainable(self, state_dict: Mapping[str, Any]) -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        assert self.model is not None
+        params = dict(self.model.named_parameters())
+        frozen = {name for name, p in params.items() if not p.requires_grad}
+        frozen |= {name for name, _ in self.model.named_buffers()}
+        unknown = [
+            key for key in state_dict if key not in params and not any(key.startswith(f + ".") for f in frozen)
+        ]
+        lacking = [name for name, p in params.items() if p.requires_grad and name not in state_dict]
+        if unknown or lacking:
+            raise ValueError(
+                "The checkpoint does not fit the model after lightning_hbm's changes: "
+                f"keys the model lacks {unknown[:10]}, trainable parameters the checkpoint lacks {lacking[:10]}. "
+                "Resume with the same precision mode and LoRA settings as the run that saved it."
+            )
+        with torch.no_grad():
+            for name, param in params.items():
+                if not param.requires_grad:
+                    continue  # the frozen base was rebuilt from the user's model
+                full = state_dict[name].to(dtype=param.dtype)
+                if isinstance(param, DTensor):
+                    full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
+                param.copy_(full)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _shard_optimizer_state(optimizer: Optimizer, full_state: Mapping[str, Any]) -> dict[str, Any]:
+    """Turn a gathered (or single-device) optimizer state into this rank's shards."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state: dict[Any, Any] = {}
+    for index, per_param in full_state["state"].items():
+        param = params[int(index)]
+        state[index] = {}
+        for key, value in per_param.items():
+            if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.shape:
+                value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+            state[index][key] = value
+    return {"state": state, "param_groups": full_state["param_groups"]}
+
+
+def _choose_units(module: nn.Module, shard_modules: Optional[list[str]]) -> list[nn.Module]:
+    """The submodules that become one FSDP unit each; validates the model before anything changes."""
+    own = [name for name, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(
+            f"{type(module).__name__} holds parameters directly ({own[:5]}), outside any submodule. "
+            "QuantizedFSDPStrategy shards submodules (Lightning calls training_step, not forward, so the "
+            "LightningModule itself cannot be an FSDP unit): move them into a submodule."
+        )
+    named = list(module.named_modules())
+    if shard_modules is None:
+        lists = {name for name, m in named if isinstance(m, nn.ModuleList)}
+        units = [(n, m) for n, m in named if n.rpartition(".")[0] in lists and n and any(True for _ in m.parameters())]
+    else:
+        found = {type(m).__name__ for _, m in named}
+        unknown = [n for n in shard_modules if n not in found]
+        if unknown:
+            raise ValueError(
+                f"shard_modules={shard_modules!r}: {unknown} match no submodule class of {type(module).__name__}. "
+                f"Module classes in the model: {sorted(found)[:20]}."
+            )
+        units = [(n, m) for n, m in named if type(m).__name__ in shard_modules]
+    # fully_shard manages every parameter not yet managed below it: shard the innermost units first.
+    units.sort(key=lambda item: item[0].count("."), reverse=True)
+    return [m for _, m in units]
+
+
+def local_parameter_bytes(module: nn.Module) -> int:
+    """Bytes of parameter storage this rank holds: local shards plus replicated quantization constants.
+
+    After ``fully_shard`` a 4-bit weight is a DTensor of packed bytes whose ``quant_state``
+    (absmax, code book) lives on the bitsandbytes module, not on the parameter: counted from there.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from lightning_hbm.memory.storage import quantization_tensors
+
+    tensors: list[torch.Tensor] = []
+    for param in module.parameters():
+        tensors.append(param.to_local() if isinstance(param, DTensor) else param)
+        tensors.extend(quantization_tensors(param))
+    for sub in module.modules():
+        quant_state = getattr(sub, "quant_state", None)
+        if quant_state is not None:
+            tensors.extend(quantization_tensors(_Holder(quant_state)))
+    return unique_bytes(tensors)
+
+
+class _Holder:
+    """Lets :func:`quantization_tensors` read a module-level ``quant_state``."""
+
+    def __init__(self, quant_state: Any) -> None:
+        self.quant_state = quant_state
+
+
+def register(registry: Any = StrategyRegistry) -> None:
+    """Register ``strategy="fsdp_qlora"`` with Lightning (idempotent)."""
+    if QuantizedFSDPStrategy.strategy_name not in registry:
+        registry.register(
+            QuantizedFSDPStrategy.strategy_name,
+            QuantizedFSDPStrategy,
+            description="FSDP2 sharding of a quantized base with trainable adapters (lightning_hbm)",
+        )
+
+
+__all__ = ["QuantizedFSDPStrategy", "local_parameter_bytes", "register"]

@@ -1,0 +1,198 @@
+"""MemoryEfficientOptimizer: real bitsandbytes 8-bit/paged optimizers on CPU, via the surgery spine."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable
+
+import bitsandbytes as bnb
+import pytest
+import torch
+
+from lightning_hbm import MemoryEfficientOptimizer
+from lightning_hbm.callbacks.optimizer import optimizer_state_bytes
+from lightning_hbm.models import NanoGPT
+
+
+class ScheduledGPT(NanoGPT):
+    """NanoGPT whose unchanged configure_optimizers returns AdamW + a per-step StepLR, two param groups."""
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1, "name": "decay"}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3}],
+            lr=self.lr,
+            betas=(0.8, 0.95),
+            eps=1e-6,
+        )
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class LBFGSGPT(NanoGPT):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters())
+
+
+def test_swap_keeps_param_groups_and_hyperparameters(gpt_factory: Callable[..., NanoGPT]) -> None:
+    model = gpt_factory()
+    params = list(model.parameters())
+    original = torch.optim.AdamW(
+        [{"params": params[:3], "lr": 1e-2, "betas": (0.8, 0.9), "name": "a"}, {"params": params[3:], "weight_decay": 0.0}],
+        lr=3e-4,
+        eps=1e-7,
+        weight_decay=0.05,
+    )
+    (new,) = MemoryEfficientOptimizer("adamw8bit").transform_optimizers([original], [])
+    assert type(new) is bnb.optim.AdamW8bit
+    assert len(new.param_groups) == 2
+    for old_group, new_group in zip(original.param_groups, new.param_groups):
+        assert [id(p) for p in new_group["params"]] == [id(p) for p in old_group["params"]]
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            assert new_group[key] == old_group[key], key
+    assert new.param_groups[0]["name"] == "a"  # the user's own group key travels too
+    assert new.param_groups[1]["lr"] == 3e-4  # the default lr of the user's optimizer
+
+
+def test_lion_takes_lr_betas_weight_decay(gpt_factory: Callable[..., NanoGPT]) -> None:
+    original = torch.optim.AdamW(gpt_factory().parameters(), lr=1e-4, betas=(0.9, 0.99), weight_decay=0.2)
+    (new,) = MemoryEfficientOptimizer("lion8bit").transform_optimizers([original], [])
+    assert type(new) is bnb.optim.Lion8bit
+    group = new.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (1e-4, (0.9, 0.99), 0.2)
+
+
+def test_lr_scheduler_drives_new_optimizer(gpt_factory: Any, datamodule_factory: Any, trainer_factory: Any) -> None:
+    torch.manual_seed(0)
+    model = ScheduledGPT(**{**dict(n_layer=2, n_head=2, n_embd=64, block_size=128), "lr": 4e-3})
+    trainer = trainer_factory(max_steps=3, callbacks=[MemoryEfficientOptimizer("adamw8bit")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule_factory())
+    # torch warns when scheduler.step() runs before (or without a tracked) optimizer.step()
+    assert not [w for w in caught if "optimizer.step()" in str(w.message)]
+    optimizer = trainer.optimizers[0]
+    assert type(optimizer) is bnb.optim.AdamW8bit
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.optimizer is optimizer
+    # StepLR(gamma=0.5) stepped after each of the 3 steps: the 8-bit optimizer's lr changed.
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(4e-3 * 0.5**3)
+    assert optimizer.param_groups[1]["lr"] == pytest.approx(1e-3 * 0.5**3)
+    assert optimizer.param_groups[0]["initial_lr"] == 4e-3
+    assert optimizer.state  # it really stepped
+    assert all(s["state1"].dtype == torch.uint8 for s in optimizer.state.values() if s["state1"].numel() >= 4096)
+
+
+def _expected_8bit_bytes(params: list[torch.Tensor]) -> int:
+    """Hand count of bitsandbytes' block-wise 8-bit Adam state (its defaults: block 256, min_8bit_size 4096)."""
+    total = 2 * 256 * 4  # qmap1 + qmap2: two fp32 code books of 256 entries, shared by all parameters
+    for p in params:
+        n = p.numel()
+        if n >= 4096:
+            total += 2 * n + 2 * 4 * math.ceil(n / 256)  # uint8 moments + one fp32 absmax per block, each
+        else:
+            total += 2 * 4 * n  # small tensors keep 32-bit moments
+    return total
+
+
+def test_state_bytes_8bit_about_2_bytes_per_param(gpt_factory: Callable[..., NanoGPT]) -> None:
+    results = {}
+    for kind in (None, "adamw8bit"):
+        model = gpt_factory()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if kind is not None:
+            (optimizer,) = MemoryEfficientOptimizer(kind).transform_optimizers([optimizer], [])
+        idx = torch.randint(0, 256, (2, 16))
+        model.loss((idx, idx)).backward()
+        optimizer.step()
+        results[kind] = optimizer_state_bytes(optimizer)
+    params = list(gpt_factory().parameters())
+    n_params = sum(p.numel() for p in params)
+    # torch AdamW: exp_avg + exp_avg_sq in fp32 (8 B) + a 4-byte step tensor per parameter tensor
+    assert results[None] == 8 * n_params + 4 * len(params)
+    assert results["adamw8bit"] == _expected_8bit_bytes(params)
+    large = sum(p.numel() for p in params if p.numel() >= 4096)
+    assert large / n_params > 0.95  # so the per-parameter figure below is about the 8-bit path
+    assert results["adamw8bit"] / n_params < 2.3
+    assert results[None] / results["adamw8bit"] > 3.5
+
+
+def test_loss_trajectory_close_to_adamw(gpt_factory: Any, datamodule_factory: Any, trainer_factory: Any, loss_recorder: Any) -> None:
+    losses = {}
+    for kind in (None, "adamw8bit"):
+        recorder = loss_recorder()
+        callbacks = [recorder] + ([MemoryEfficientOptimizer(kind)] if kind else [])
+        trainer_factory(max_steps=15, callbacks=callbacks).fit(gpt_factory(), datamodule_factory())
+        losses[kind] = torch.tensor(recorder.losses)
+    assert losses["adamw8bit"][-1] < losses["adamw8bit"][0] - 1.0  # it trains
+    # 8-bit moments add ~1% noise per update: the trajectories stay within 2% of each other
+    torch.testing.assert_close(losses["adamw8bit"], losses[None], rtol=0.02, atol=0.0)
+
+
+@pytest.mark.parametrize("kind", ["adamw8bit", "paged_adamw8bit"])
+def test_save_resume_round_trip(
+    kind: str, gpt_factory: Any, datamodule_factory: Any, trainer_factory: Any, loss_recorder: Any, tmp_path: Any
+) -> None:
+    """Resuming from step 3 gives exactly the losses of the uninterrupted 6-step run.
+
+    3 batches per epoch and epoch limits: the checkpoint is at an epoch end, since a run stopped by
+    ``max_steps`` at the last batch resumes into the same epoch and replays a batch.
+
+    Paged kinds run non-paged on CPU; on CUDA bitsandbytes' load_state_dict also un-pages their
+    states, which ``_repage_state`` repairs (covered by the GPU test).
+    """
+    data = lambda: datamodule_factory(train_samples=12)  # noqa: E731
+    full = loss_recorder()
+    trainer_factory(max_steps=-1, max_epochs=2, callbacks=[full, MemoryEfficientOptimizer(kind)]).fit(gpt_factory(), data())
+
+    first = trainer_factory(max_steps=-1, max_epochs=1, callbacks=[MemoryEfficientOptimizer(kind)])
+    first.fit(gpt_factory(), data())
+    ckpt_path = tmp_path / "step3.ckpt"
+    first.save_checkpoint(ckpt_path)
+    saved = torch.load(ckpt_path, weights_only=False)["optimizer_states"][0]
+    # the 8-bit state is what was saved (bitsandbytes nests it under its own key, for FSDP)
+    quant_state = saved["state"][0]["__bnb_optimizer_quant_state__"]
+    assert quant_state["state1"].dtype == torch.uint8 and quant_state["state1"].numel() >= 4096
+
+    resumed = loss_recorder()
+    trainer = trainer_factory(max_steps=-1, max_epochs=2, callbacks=[resumed, MemoryEfficientOptimizer(kind)])
+    trainer.fit(gpt_factory(seed=1), data(), ckpt_path=ckpt_path)
+    assert type(trainer.optimizers[0]).__name__ == {"adamw8bit": "AdamW8bit", "paged_adamw8bit": "PagedAdamW8bit"}[kind]
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses[3:]), rtol=1e-5, atol=1e-6)
+
+
+def test_unsupported_optimizer_is_clear_error(lazy_gpt_factory: Any, datamodule_factory: Any, trainer_factory: Any) -> None:
+    model = LBFGSGPT(**dict(n_layer=1, n_head=2, n_embd=32, block_size=64))
+    trainer = trainer_factory(max_steps=1, callbacks=[MemoryEfficientOptimizer("adamw8bit")])
+    with pytest.raises(TypeError, match=r"torch\.optim\.lbfgs\.LBFGS\. Supported kinds: \['adam8bit', 'adamw8bit'"):
+        trainer.fit(model, datamodule_factory())
+
+
+def test_unsupported_hyperparameters_replace_nothing(gpt_factory: Callable[..., NanoGPT]) -> None:
+    params = list(gpt_factory().parameters())
+    fine = torch.optim.AdamW(params[:2])
+    callback = MemoryEfficientOptimizer("adam8bit")
+    with pytest.raises(ValueError, match=r"weight_decay=0\.1 \(an L2 term.*Use torch\.optim\.AdamW"):
+        callback.transform_optimizers([fine, torch.optim.Adam(params[2:], weight_decay=0.1)], [])
+    with pytest.raises(ValueError, match="sets amsgrad=True, which bitsandbytes Adam8bit cannot reproduce"):
+        callback.transform_optimizers([torch.optim.AdamW(params, amsgrad=True)], [])
+    # torch's Adam with decoupled decay is AdamW: accepted
+    (new,) = callback.transform_optimizers([torch.optim.Adam(params, weight_decay=0.1, decoupled_weight_decay=True)], [])
+    assert new.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_bad_kind_is_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"kind='adamw4bit'\) is not a supported kind\. Use one of \['adam8bit'"):
+        MemoryEfficientOptimizer("adamw4bit")  # type: ignore[arg-type]
+
+
+def test_cli_parses_kind() -> None:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(MemoryEfficientOptimizer, "opt")
+    assert parser.parse_args(["--opt.kind", "paged_adamw8bit"]).opt.kind == "paged_adamw8bit"
+    with pytest.raises(Exception, match="adamw4bit"):
+        parser.parse_args(["--opt.kind", "adamw4bit"])

@@ -1,0 +1,268 @@
+"""HBMProfiler on CPU: hand-computed categories, report files, OOM post-mortem, errors, GPU checks."""
+
+from __future__ import annotations
+
+import csv
+import json
+import pickle
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils._python_dispatch import _len_torch_dispatch_stack
+
+from lightning_hbm import HBMProfiler, QuantizedPrecision
+from lightning_hbm.callbacks.profiler import COLUMNS, REMEDIES
+from lightning_hbm.memory import parameter_bytes
+from lightning_hbm.models import NanoGPT
+
+
+def _fit(model: pl.LightningModule, trainer_factory: Callable[..., pl.Trainer], datamodule: Any, **kwargs: Any) -> HBMProfiler:
+    profiler = kwargs.pop("profiler", None) or HBMProfiler(summary=False)
+    trainer = trainer_factory(callbacks=[profiler], **kwargs)
+    trainer.fit(model, datamodule)
+    return profiler
+
+
+def test_light_mode_matches_hand_computed_bytes(
+    gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer], tmp_path: Path
+) -> None:
+    model = gpt_factory()
+    params = list(model.parameters())
+    fp32 = sum(p.numel() * 4 for p in params)
+    profiler = _fit(model, trainer_factory, datamodule_factory(), max_steps=3, profiler=HBMProfiler(summary=True))
+    assert [r["step"] for r in profiler.rows] == [0, 1, 2]
+    for row in profiler.rows:
+        assert row["mode"] == "light"
+        assert row["parameters"] == fp32
+        assert row["gradients"] == fp32  # every parameter is trainable
+        assert row["optimizer_states"] == 2 * fp32 + 4 * len(params)  # exp_avg, exp_avg_sq, 0-dim fp32 step
+        assert row["activations"] > 0
+        assert row["other"] == 0  # NanoGPT has no buffers
+        assert row["total"] == sum(row[c] for c in ("parameters", "gradients", "optimizer_states", "activations", "other"))
+        assert row["cuda_allocated"] is None  # CPU: no allocator figures, not zeros
+    # the report: CSV rows, JSON with peak and diagnosis, stacked PNG
+    with open(tmp_path / "hbm_profile.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == COLUMNS and len(rows) == 3 and int(rows[1]["optimizer_states"]) == 2 * fp32 + 4 * len(params)
+    report = json.loads((tmp_path / "hbm_profile.json").read_text())
+    assert report["peak_step"] == max(profiler.rows, key=lambda r: r["total"])["step"]
+    # batch 4 x 32 tokens: activations (1.2 MiB) outweigh AdamW's states (1.08 MiB) at the last step
+    assert report["diagnosis"].startswith("At step 2 activations held") and REMEDIES["activations"] in report["diagnosis"]
+    assert (tmp_path / "hbm_profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _len_torch_dispatch_stack() == 0  # the tracker never outlives a step
+
+
+def test_activations_double_with_batch(
+    gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer]
+) -> None:
+    small = _fit(gpt_factory(), trainer_factory, datamodule_factory(batch_size=4), max_steps=1)
+    large = _fit(gpt_factory(), trainer_factory, datamodule_factory(batch_size=8), max_steps=1)
+    assert large.rows[0]["activations"] / small.rows[0]["activations"] == pytest.approx(2.0, rel=0.05)
+    assert large.rows[0]["parameters"] == small.rows[0]["parameters"]
+
+
+def test_quantized_base_counts_storage(
+    gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer]
+) -> None:
+    model = gpt_factory()
+    fp32 = parameter_bytes(model)
+    profiler = _fit(model, trainer_factory, datamodule_factory(), max_steps=1, plugins=[QuantizedPrecision("nf4", dtype="float32")])
+    row = profiler.rows[0]
+    assert row["parameters"] == parameter_bytes(model) < fp32 / 2  # packed 4-bit + absmax + code books
+    trainable = [p for p in model.parameters() if p.requires_grad]  # embeddings, norms, biases
+    trainable_bytes = sum(p.numel() * 4 for p in trainable)
+    assert row["gradients"] == trainable_bytes
+    assert row["optimizer_states"] == 2 * trainable_bytes + 4 * len(trainable)
+
+
+def test_detailed_step_has_peak_and_per_module_breakdown(
+    gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer], tmp_path: Path
+) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    model = gpt_factory()
+    profiler = HBMProfiler(every_n_steps=2, detailed_steps=[1], summary=False)
+    logger = CSVLogger(tmp_path)
+    _fit(model, trainer_factory, datamodule_factory(), max_steps=4, profiler=profiler, logger=logger)
+    assert [(r["step"], r["mode"]) for r in profiler.rows] == [(0, "light"), (1, "detailed"), (2, "light")]
+    light, detailed = profiler.rows[0], profiler.rows[1]
+    # the tracked peak is made of the categories; it is at least the light mode's forward-end view
+    assert detailed["tracked_peak"] == detailed["total"] >= light["total"]
+    assert detailed["parameters"] == light["parameters"] and detailed["optimizer_states"] == light["optimizer_states"]
+    modules = profiler.modules[1]
+    fc = modules["model.h.0.mlp.c_fc"]
+    assert fc["parameters"] == (64 * 256 + 256) * 4 == fc["gradients"]
+    assert fc["activations"] == 4 * 32 * 256 * 4  # its (batch, seq, 4*n_embd) fp32 output, saved by GELU
+    assert sum(m["parameters"] for m in modules.values()) == light["parameters"]
+    # logged through the Trainer's loggers (MiB), report in the logger's directory
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        logged = [r for r in csv.DictReader(f) if r.get("hbm/total")]
+    assert [int(r["step"]) for r in logged] == [0, 1, 2]
+    assert float(logged[1]["hbm/tracked_peak"]) == pytest.approx(detailed["tracked_peak"] / 2**20)
+    assert float(logged[0]["hbm/parameters"]) == pytest.approx(light["parameters"] / 2**20)
+    assert json.loads((Path(logger.log_dir) / "hbm_profile.json").read_text())["modules"]["1"] == modules
+
+
+class _OOMAtStep(pl.Callback):
+    """Raises the given error after the forward of ``step`` (as an allocation in backward would)."""
+
+    def __init__(self, step: int, error: BaseException) -> None:
+        self.step, self.error = step, error
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if trainer.global_step == self.step:
+            raise self.error
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory (simulated)"), MemoryError("simulated")])
+def test_oom_writes_report_and_reraises(
+    error: BaseException,
+    gpt_factory: Callable[..., NanoGPT],
+    datamodule_factory: Callable[..., Any],
+    trainer_factory: Callable[..., pl.Trainer],
+    tmp_path: Path,
+) -> None:
+    checkpoint = tmp_path / "last.ckpt"
+    checkpoint.write_bytes(b"existing checkpoint")
+    profiler = HBMProfiler(summary=False)
+    trainer = trainer_factory(callbacks=[profiler, _OOMAtStep(2, error)], max_steps=5)
+    with pytest.raises(type(error), match="simulated"):
+        trainer.fit(gpt_factory(), datamodule_factory())
+    assert _len_torch_dispatch_stack() == 0
+    report = json.loads((tmp_path / "hbm_profile_oom.json").read_text())
+    assert [r["mode"] for r in report["rows"]] == ["light", "light", "oom"]  # the failed step's forward is kept
+    assert report["rows"][-1]["activations"] > 0
+    assert report["diagnosis"].startswith("At step 2 activations held")
+    assert "ActivationCheckpointing" in report["diagnosis"]
+    assert (tmp_path / "hbm_profile_oom.csv").exists()
+    assert not (tmp_path / "hbm_profile.json").exists()  # no end-of-fit report for a failed fit
+    assert checkpoint.read_bytes() == b"existing checkpoint"
+
+
+def test_other_errors_write_nothing(
+    gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer], tmp_path: Path
+) -> None:
+    trainer = trainer_factory(callbacks=[HBMProfiler(), _OOMAtStep(0, RuntimeError("not memory"))])
+    with pytest.raises(RuntimeError, match="not memory"):
+        trainer.fit(gpt_factory(), datamodule_factory())
+    assert _len_torch_dispatch_stack() == 0
+    assert not list(tmp_path.glob("hbm_profile*"))
+
+
+def test_diagnosis_names_the_feature_for_activations() -> None:
+    profiler = HBMProfiler()
+    assert "No step was measured" in profiler.diagnosis()
+    profiler.rows.append({"step": 7, "parameters": 1, "gradients": 1, "optimizer_states": 2, "activations": 20, "other": 0})
+    assert profiler.diagnosis() == (
+        "At step 7 activations held 0.0 MiB (83% of 0.0 MiB measured). To shrink it: " + REMEDIES["activations"] + "."
+    )
+    assert "ActivationCheckpointing" in REMEDIES["activations"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"every_n_steps": 0}, ValueError, r"every_n_steps must be >= 1, got 0"),
+        ({"every_n_steps": 1.5}, TypeError, r"every_n_steps must be an int, got 1.5 \(float\)"),
+        ({"detailed_steps": 3}, TypeError, r"detailed_steps must be a list of global steps, got 3; e.g. detailed_steps=\[3\]"),
+        ({"detailed_steps": [-1]}, ValueError, r"each of detailed_steps must be >= 0, got -1"),
+        ({"snapshot_steps": (5, 5)}, ValueError, r"snapshot_steps=\(5, 5\): stop must be after start, e.g. \(5, 7\)"),
+        ({"snapshot_steps": (1, 2, 3)}, ValueError, r"snapshot_steps must be \(start, stop\), got \(1, 2, 3\)"),
+        ({"snapshot_max_entries": True}, TypeError, r"snapshot_max_entries must be an int, got True \(bool\)"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        HBMProfiler(**kwargs)
+
+
+def test_cli_parses_the_callback() -> None:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--profiler", type=HBMProfiler)
+    config = parser.parse_args(
+        ["--profiler", json.dumps({"class_path": "lightning_hbm.HBMProfiler", "init_args": {"every_n_steps": 5, "detailed_steps": [10], "snapshot_steps": [2, 4]}})]
+    )
+    profiler = parser.instantiate_classes(config).profiler
+    assert profiler.every_n_steps == 5 and profiler.detailed_steps == {10} and profiler.snapshot_steps == (2, 4)
+
+
+def test_snapshot_off_cuda_warns(
+    gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer], tmp_path: Path
+) -> None:
+    with pytest.warns(UserWarning, match="not on CUDA, so no snapshot"):
+        profiler = _fit(gpt_factory(), trainer_factory, datamodule_factory(), max_steps=1, profiler=HBMProfiler(snapshot_steps=(0, 1), summary=False))
+    assert profiler.snapshot_path is None and not list(tmp_path.glob("*.pickle"))
+
+
+@pytest.mark.gpu
+def test_gpu_category_sum_matches_allocator_and_snapshot_opens(
+    gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], tmp_path: Path
+) -> None:
+    profiler = HBMProfiler(detailed_steps=[2], snapshot_steps=(1, 3), summary=False)
+    trainer = pl.Trainer(
+        accelerator="cuda", devices=1, max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path, callbacks=[profiler],
+    )
+    trainer.fit(gpt_factory(n_embd=256, n_layer=4, n_head=4), datamodule_factory(batch_size=16, seq_len=128))
+    for row in profiler.rows[1:]:  # step 0: no states before the step
+        # The tracked categories vs. the allocator's peak of the same step. The allocator also holds the
+        # batch copy, cuBLAS/SDPA workspaces and rounding to 512-byte blocks: allow 15 % + 8 MiB.
+        # (Tolerance chosen for this check; not yet measured on a GPU in this project's sessions.)
+        assert row["cuda_peak_allocated"] > 0
+        assert abs(row["cuda_unattributed"]) <= 0.15 * row["cuda_peak_allocated"] + 8 * 2**20, row
+        assert row["cuda_capacity"] > row["cuda_reserved"] >= row["cuda_allocated"]
+    assert profiler.snapshot_path is not None
+    with open(profiler.snapshot_path, "rb") as f:
+        snapshot = pickle.load(f)
+    assert "segments" in snapshot and "device_traces" in snapshot
+
+
+_DDP_SCRIPT = '''
+import sys
+import lightning.pytorch as pl
+import torch
+from lightning_hbm import HBMProfiler
+from lightning_hbm.data import ByteTextDataModule
+from lightning_hbm.models import NanoGPT
+
+
+class RankSkewed(NanoGPT):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 1:  # rank 1 keeps 8 MiB more for backward: the logged value is the max
+            extra = torch.ones(2048, 1024, requires_grad=True)
+            loss = loss + (extra * extra).mean()
+        return loss
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    model = RankSkewed(n_layer=2, n_head=2, n_embd=64, block_size=128)
+    data = ByteTextDataModule(seq_len=32, batch_size=4, train_samples=64, val_samples=8, max_bytes=300_000)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        default_root_dir=sys.argv[1], callbacks=[HBMProfiler(summary=False)],
+    )
+    trainer.fit(model, data)
+'''
+
+
+def test_ddp_rank0_writes_max_over_ranks(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp_profile.py"
+    script.write_text(_DDP_SCRIPT)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("hbm_profile*")) == ["hbm_profile.csv", "hbm_profile.json", "hbm_profile.png"]
+    rows = json.loads((out / "hbm_profile.json").read_text())["rows"]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["activations"] > 8 * 2**20 for r in rows)  # rank 1's figure, written by rank 0

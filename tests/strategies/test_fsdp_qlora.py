@@ -1,0 +1,379 @@
+"""QuantizedFSDPStrategy on two CPU processes (gloo): nf4 + LoRA, sharded bytes, checkpoints, errors.
+
+The 2-rank runs happen in a subprocess that runs this very file as a script (``python
+test_fsdp_qlora.py fsdp OUT``): Lightning's launcher starts rank 1 by re-running the same command, and
+the pytest process itself never forks into a process group. One 2-rank run serves three tests
+(loss, bytes, checkpoint): it costs ~15 s of the 90 s budget.
+
+Tolerance: fp32 compute, so the only difference between 1 and 2 ranks is the order of the gradient
+sum (reduce-scatter of two half-batch means vs one full-batch mean): losses agree to 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+STEPS_PER_EPOCH = 2
+GLOBAL_BATCH = 8
+DATA = dict(seq_len=32, train_samples=STEPS_PER_EPOCH * GLOBAL_BATCH, val_samples=8, max_bytes=200_000)
+TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=64)
+
+
+def _callbacks() -> list[Any]:
+    from lightning_hbm.callbacks.lora import LoRA
+
+    return [LoRA(r=4, alpha=8, dropout=0.0)]
+
+
+def _trainer(devices: int, strategy: Any, root: str, max_epochs: int, callbacks: list[Any]) -> Any:
+    import lightning.pytorch as pl
+
+    from lightning_hbm import QuantizedPrecision
+
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        plugins=[QuantizedPrecision("nf4", dtype="float32")],
+        callbacks=callbacks,
+        max_epochs=max_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # see _datamodule
+        default_root_dir=root,
+    )
+
+
+def _datamodule(ranks: int) -> Any:
+    """The same global batch on 1 and 2 ranks: rank r reads samples r, r+2, ... in order.
+
+    Lightning's automatic DistributedSampler shuffles every training set, so the test brings its
+    own unshuffled one (``use_distributed_sampler=False``).
+    """
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from lightning_hbm.data import ByteTextDataModule
+
+    class Ordered(ByteTextDataModule):
+        def train_dataloader(self) -> DataLoader:
+            loader = super().train_dataloader()
+            if not dist.is_initialized():
+                return loader
+            sampler = DistributedSampler(loader.dataset, shuffle=False)
+            return DataLoader(loader.dataset, batch_size=self.batch_size, sampler=sampler)
+
+    return Ordered(batch_size=GLOBAL_BATCH // ranks, **DATA)
+
+
+def _model() -> Any:
+    from lightning_hbm.models import NanoGPT
+
+    torch.manual_seed(0)
+    return NanoGPT(**TINY)
+
+
+def _global_losses() -> Any:
+    """A callback recording the loss averaged over ranks (the 1-rank loss of the same global batch)."""
+    import lightning.pytorch as pl
+
+    class GlobalLoss(pl.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
+
+    return GlobalLoss()
+
+
+def worker(out: Path) -> None:
+    """Rank body of the 2-process run: train one epoch with FSDP2 + nf4 + LoRA, save a checkpoint."""
+    import torch.distributed as dist
+
+    from lightning_hbm import QuantizedFSDPStrategy
+    from lightning_hbm.strategies.fsdp_qlora import local_parameter_bytes
+
+    torch.set_num_threads(1)
+    recorder = _global_losses()
+    trainer = _trainer(2, "fsdp_qlora", str(out), 1, _callbacks() + [recorder])
+    model = _model()
+    trainer.fit(model, datamodule=_datamodule(2))
+    assert isinstance(trainer.strategy, QuantizedFSDPStrategy)
+    trainer.save_checkpoint(out / "fsdp.ckpt")
+    # optimizer states this rank holds (sharded like their parameters)
+    optimizer_bytes = sum(
+        t.to_local().untyped_storage().nbytes() if hasattr(t, "to_local") else t.untyped_storage().nbytes()
+        for s in trainer.optimizers[0].state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+    record = {
+        "losses": recorder.losses,
+        "param_bytes": local_parameter_bytes(model),
+        "optimizer_bytes": optimizer_bytes,
+        "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+        "dtensor_params": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
+    }
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp_qlora")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "fsdp", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One process, no FSDP, same global batch, two epochs (epoch 1 is what the 2-rank run trained)."""
+    from lightning_hbm.memory import parameter_bytes, quantization_tensors, unique_bytes
+
+    losses, trainer, model = _single_process(tmp_path_factory.mktemp("reference"), epochs=2)
+    import bitsandbytes as bnb
+
+    constants = [t for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) for t in quantization_tensors(m.weight)]
+    return {
+        "losses": losses,
+        "model": model,
+        "param_bytes": parameter_bytes(model),
+        "constant_bytes": unique_bytes(constants),
+        "optimizer_bytes": unique_bytes(t for s in trainer.optimizers[0].state.values() for t in s.values() if t.dim() > 0),
+    }
+
+
+def _single_process(root: Path, epochs: int, ckpt: Any = None) -> tuple[list[float], Any, Any]:
+    recorder = _global_losses()
+    trainer = _trainer(1, "auto", str(root), epochs, _callbacks() + [recorder])
+    model = _model()
+    trainer.fit(model, datamodule=_datamodule(1), ckpt_path=ckpt)
+    return recorder.losses, trainer, model
+
+
+def _ranks(out: Path) -> list[dict[str, Any]]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_two_rank_qlora_loss_equals_single_process(two_rank_run: Path, reference: dict[str, Any]) -> None:
+    ranks = _ranks(two_rank_run)
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # reduced over ranks
+    expected = reference["losses"][:STEPS_PER_EPOCH]
+    torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(expected), atol=1e-5, rtol=0)
+    # only LoRA adapters were trained, on both sides, and every parameter really was sharded
+    model = reference["model"]
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert ranks[0]["trainable"] == trainable
+    assert trainable and all(".lora_" in n for n in trainable)
+    assert ranks[0]["dtensor_params"] == len(list(model.parameters()))
+
+
+@pytest.mark.slow
+def test_each_rank_holds_half_the_parameter_and_optimizer_bytes(two_rank_run: Path, reference: dict[str, Any]) -> None:
+    """Per rank: half of every parameter (4-bit base and adapters) and of the Adam states.
+
+    The quantization constants (absmax, code book) live on the bitsandbytes module, not in the
+    sharded parameter: every rank keeps a full copy of them.
+    """
+    ranks = _ranks(two_rank_run)
+    total, constants = reference["param_bytes"], reference["constant_bytes"]
+    assert constants > 0
+    sharded = total - constants
+    for rank in ranks:
+        assert rank["param_bytes"] == sharded // 2 + constants
+        assert rank["optimizer_bytes"] * 2 == reference["optimizer_bytes"]
+
+
+@pytest.mark.slow
+def test_planner_per_rank_prediction_matches_two_rank_measurement(
+    two_rank_run: Path, reference: dict[str, Any]
+) -> None:
+    """The planner's 2-rank figures (``shard_categories``) against the bytes each rank really holds.
+
+    Measured by exact storage counting (the HBMProfiler cannot read DTensor parameters yet). The
+    planner splits every parameter byte over the ranks; FSDP2 replicates the 4-bit quantization
+    constants, so each rank holds exactly half of them more than predicted (~4% here).
+    """
+    from lightning_hbm.data import synthetic_batch
+    from lightning_hbm.planner import Candidate, predict, shard_categories
+
+    prediction = predict(_model, synthetic_batch(GLOBAL_BATCH // 2, DATA["seq_len"]), Candidate("nf4", "float32", lora_r=4))
+    assert prediction.categories["parameters"] == reference["param_bytes"]  # exact on one rank
+    per_rank = shard_categories(prediction.categories, world_size=2)
+    for rank in _ranks(two_rank_run):
+        assert rank["param_bytes"] == per_rank["parameters"] + reference["constant_bytes"] // 2
+        assert abs(rank["param_bytes"] - per_rank["parameters"]) <= 0.05 * per_rank["parameters"]
+        # Adam states: sharded like their parameters (the planner also counts the 0-dim step tensors)
+        assert abs(rank["optimizer_bytes"] - per_rank["optimizer_states"]) <= 0.01 * per_rank["optimizer_states"]
+
+
+@pytest.mark.slow
+def test_checkpoint_from_two_ranks_resumes_on_one(two_rank_run: Path, reference: dict[str, Any], tmp_path: Path) -> None:
+    ckpt = two_rank_run / "fsdp.ckpt"
+    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
+    keys = sorted(checkpoint["state_dict"])
+    # adapter-only: no quantized base; full (gathered, unsharded) tensors in the torch.optim format
+    assert keys == _ranks(two_rank_run)[0]["trainable"]
+    model = reference["model"]
+    for key in keys:
+        assert type(checkpoint["state_dict"][key]) is torch.Tensor
+        assert checkpoint["state_dict"][key].shape == model.get_parameter(key).shape
+    assert sorted(checkpoint["optimizer_states"][0]["state"]) == list(range(len(keys)))
+    # 1 process, no FSDP: epoch 2 after the 2-rank epoch 1 equals epoch 2 of the uninterrupted run
+    resumed, _, _ = _single_process(tmp_path, epochs=2, ckpt=ckpt)
+    expected = reference["losses"][STEPS_PER_EPOCH:]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+@pytest.fixture
+def no_process_group() -> Any:
+    """A 1-rank QuantizedFSDPStrategy initializes a gloo group in this process: destroy it after."""
+    import torch.distributed as dist
+
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_one_rank_fsdp_resumes_with_cpu_offload_and_activation_checkpointing(
+    two_rank_run: Path, reference: dict[str, Any], tmp_path: Path, no_process_group: Any
+) -> None:
+    """World size 1 (the GPU benchmark's setting), in this process: the 2-rank checkpoint is loaded
+    into FSDP2 shards (the strategy's own load path, optimizer states included), parameters and
+    optimizer states stay on the CPU (offload policy), ActivationCheckpointing wraps the blocks
+    before they are sharded, and epoch 2 still equals the uninterrupted run (recompute is exact).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    from lightning_hbm import ActivationCheckpointing, QuantizedFSDPStrategy, applied_transforms
+
+    recorder = _global_losses()
+    strategy = QuantizedFSDPStrategy(cpu_offload=True)
+    callbacks = _callbacks() + [ActivationCheckpointing("full"), recorder]
+    trainer = _trainer(1, strategy, str(tmp_path), 2, callbacks)
+    model = _model()
+    trainer.fit(model, datamodule=_datamodule(1), ckpt_path=two_rank_run / "fsdp.ckpt")
+    assert applied_transforms(model)[-2:] == ["LoRA", "ActivationCheckpointing"]
+    blocks = list(model.model.h)
+    assert all(isinstance(b, FSDPModule) for b in blocks)
+    assert isinstance(blocks[0]._get_fsdp_state()._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+    expected = reference["losses"][STEPS_PER_EPOCH:]
+    torch.testing.assert_close(torch.tensor(recorder.losses), torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- errors (no second process)
+
+
+@pytest.mark.parametrize("bad", ["Block", [""], [3]])
+def test_shard_modules_must_be_a_list_of_names(bad: Any) -> None:
+    from lightning_hbm import QuantizedFSDPStrategy
+
+    with pytest.raises(TypeError, match=r"shard_modules must be a list of module class names .*got"):
+        QuantizedFSDPStrategy(shard_modules=bad)
+
+
+def test_registered_name_builds_the_strategy(trainer_factory: Any) -> None:
+    from lightning_hbm import QuantizedFSDPStrategy
+
+    trainer = trainer_factory(strategy="fsdp_qlora")
+    assert isinstance(trainer.strategy, QuantizedFSDPStrategy)
+    assert trainer.strategy.shard_modules is None and not trainer.strategy.cpu_offload
+
+
+def test_unknown_shard_module_fails_before_the_model_changes(
+    gpt_factory: Any, trainer_factory: Any, no_process_group: Any
+) -> None:
+    from lightning_hbm import QuantizedFSDPStrategy, QuantizedPrecision
+
+    model = gpt_factory()
+    trainer = trainer_factory(
+        strategy=QuantizedFSDPStrategy(shard_modules=["Block", "DecoderLayer"]),
+        plugins=[QuantizedPrecision("nf4", dtype="float32")],
+    )
+    with pytest.raises(ValueError, match=r"\['DecoderLayer'\] match no submodule class of NanoGPT.*'Block'"):
+        trainer.fit(model, train_dataloaders=[_batch()])
+    assert type(model.model.h[0].attn.c_attn) is torch.nn.Linear  # nothing half-applied
+
+
+def test_parameters_outside_submodules_are_refused(trainer_factory: Any, no_process_group: Any) -> None:
+    from lightning_hbm import QuantizedFSDPStrategy
+    from lightning_hbm.models import NanoGPT
+
+    class WithScale(NanoGPT):
+        def __init__(self) -> None:
+            super().__init__(**TINY)
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+    model = WithScale()
+    trainer = trainer_factory(strategy=QuantizedFSDPStrategy())
+    with pytest.raises(ValueError, match=r"WithScale holds parameters directly \(\['scale'\]\).*move them into a submodule"):
+        trainer.fit(model, train_dataloaders=[_batch()])
+
+
+def test_lightning_cli_parses_the_strategy() -> None:
+    from jsonargparse import ArgumentParser
+
+    from lightning_hbm import QuantizedFSDPStrategy
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(QuantizedFSDPStrategy, "strategy")
+    config = parser.parse_args(["--strategy.shard_modules=[LlamaDecoderLayer]", "--strategy.cpu_offload=true"])
+    strategy = parser.instantiate(config).strategy
+    assert strategy.shard_modules == ["LlamaDecoderLayer"] and strategy.cpu_offload
+
+
+@pytest.mark.gpu
+def test_one_gpu_fsdp_qlora_bf16_matches_single_device(tmp_path: Path, no_process_group: Any) -> None:
+    """World size 1 on one GPU, bf16 compute: the sharded (1-way) run equals the plain run to bf16 noise."""
+    import bitsandbytes as bnb
+    import lightning.pytorch as pl
+
+    from lightning_hbm import QuantizedPrecision
+
+    losses = {}
+    for strategy in ("auto", "fsdp_qlora"):
+        recorder = _global_losses()
+        trainer = pl.Trainer(
+            accelerator="gpu", devices=1, strategy=strategy, max_epochs=1, logger=False,
+            plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16")], callbacks=_callbacks() + [recorder],
+            enable_checkpointing=False, enable_progress_bar=False, default_root_dir=str(tmp_path / strategy),
+        )  # fmt: skip
+        model = _model()
+        trainer.fit(model, datamodule=_datamodule(1))
+        losses[strategy] = recorder.losses
+        layer = next(m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
+        assert layer.weight.device.type == "cuda" and layer.weight.dtype == torch.uint8
+    torch.testing.assert_close(torch.tensor(losses["fsdp_qlora"]), torch.tensor(losses["auto"]), atol=2e-2, rtol=0)
+
+
+def _batch() -> Any:
+    from lightning_hbm.data import synthetic_batch
+
+    return synthetic_batch(2, 16)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "fsdp":
+        worker(Path(sys.argv[2]))

@@ -1,0 +1,180 @@
+"""``lightning-hbm`` (``lightning_hbm.cli``): precision names, short class names, defaults, plan, report.
+
+Everything runs in-process with ``run=False`` (classes are built, nothing is trained) except the
+``report`` test, which trains two tiny steps to have a real profiler report to re-render. The
+recipes' end-to-end runs are in ``tests/test_examples.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import Strategy
+
+import lightning_hbm
+from lightning_hbm import HBMProfiler, LoRA, QuantizedPrecision, available_precisions
+from lightning_hbm.cli import HBMCLI, PlanCLI, main, render_report, resolve_precision
+from lightning_hbm.data import ByteTextDataModule
+from lightning_hbm.models import LlamaLM
+
+# pytest's own argv is in sys.argv while the tests hand LightningCLI its args: Lightning warns about both
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter:UserWarning")
+
+TINY = [
+    "--model.init_args.hidden_size=64",
+    "--model.init_args.intermediate_size=172",
+    "--model.init_args.num_hidden_layers=2",
+    "--data.init_args.seq_len=32",
+    "--data.init_args.batch_size=4",
+    "--data.init_args.max_bytes=200000",
+]
+
+
+def _cli(tmp_path: Path, *args: str) -> HBMCLI:
+    """Parse and instantiate (model, data, trainer) without running anything."""
+    base = ["--trainer.accelerator=cpu", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"]
+    return HBMCLI(args=[*base, *TINY, *args], run=False)
+
+
+@pytest.mark.parametrize("name", available_precisions())
+def test_every_registered_precision_name_becomes_the_plugin(tmp_path: Path, name: str) -> None:
+    cli = _cli(tmp_path, f"--trainer.precision={name}")
+    plugin = cli.trainer.precision_plugin
+    assert isinstance(plugin, QuantizedPrecision)
+    assert plugin.mode.name == name
+    assert cli.trainer.precision == "bf16-true"  # what QuantizedPrecision reports for its bf16 compute dtype
+
+
+@pytest.mark.parametrize(("value", "expected"), [("bf16-true", "bf16-true"), ("32", "32-true"), (32, "32-true")])
+def test_lightning_precision_names_keep_working(tmp_path: Path, value: Any, expected: str) -> None:
+    # a YAML `precision: 32` arrives as an int, `--trainer.precision 32` as a string
+    cli = HBMCLI(
+        args={"trainer": {"accelerator": "cpu", "logger": False, "default_root_dir": str(tmp_path), "precision": value}},
+        run=False,
+    )
+    assert not isinstance(cli.trainer.precision_plugin, QuantizedPrecision)
+    assert cli.trainer.precision == expected
+
+
+def test_unknown_precision_lists_both_sets(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"Unknown trainer.precision 'nf5'\. lightning_hbm's quantized modes: .*nf4-dq.*Lightning's precisions: .*bf16-true"):
+        _cli(tmp_path, "--trainer.precision=nf5")
+    with pytest.raises(ValueError, match=r"Unknown trainer.precision 8\."):
+        resolve_precision(8)
+
+
+def test_precision_name_keeps_the_other_plugins(tmp_path: Path) -> None:
+    cli = _cli(tmp_path, "--trainer.precision=nf4-dq", "--trainer.plugins=TorchCheckpointIO")
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    assert isinstance(cli.trainer.precision_plugin, QuantizedPrecision)
+    assert isinstance(cli.trainer.strategy.checkpoint_io, TorchCheckpointIO)
+
+
+def _public_classes(base: type) -> list[str]:
+    return sorted(n for n in lightning_hbm.__all__ if isinstance(getattr(lightning_hbm, n), type) and issubclass(getattr(lightning_hbm, n), base))
+
+
+def test_short_class_names_resolve_for_every_public_class(tmp_path: Path) -> None:
+    cli = _cli(tmp_path)
+    callbacks = [c for c in _public_classes(Callback) if c not in ("ModelSurgery", "SurgeryCallback")]
+    strategies, plugins = _public_classes(Strategy), _public_classes(Precision)
+    assert {"LoRA", "ActivationCheckpointing", "HBMProfiler"} <= set(callbacks)
+    assert "QuantizedPrecision" in plugins
+    for name in callbacks:
+        config = cli.parser.parse_object({"trainer": {"callbacks": [{"class_path": name}]}})
+        assert config.trainer.callbacks[0].class_path.rsplit(".", 1)[-1] == name
+    for name in strategies:
+        config = cli.parser.parse_object({"trainer": {"strategy": {"class_path": name}}})
+        assert config.trainer.strategy.class_path.rsplit(".", 1)[-1] == name
+    for name in plugins:
+        config = cli.parser.parse_object({"trainer": {"plugins": [{"class_path": name}]}})
+        assert config.trainer.plugins[0].class_path.rsplit(".", 1)[-1] == name
+
+
+def test_short_names_instantiate_with_init_args(tmp_path: Path) -> None:
+    cli = HBMCLI(
+        args={
+            "trainer": {
+                "accelerator": "cpu",
+                "logger": False,
+                "default_root_dir": str(tmp_path),
+                "precision": "nf4-dq",
+                "callbacks": [{"class_path": "LoRA", "init_args": {"r": 4, "alpha": 8}}, {"class_path": "HBMProfiler"}],
+            },
+            "model": {"init_args": {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2}},
+        },
+        run=False,
+    )
+    lora = [c for c in cli.trainer.callbacks if isinstance(c, LoRA)]
+    assert len(lora) == 1 and lora[0].r == 4
+    assert any(isinstance(c, HBMProfiler) for c in cli.trainer.callbacks)
+
+
+def test_defaults_are_llama_on_stdlib_text(tmp_path: Path) -> None:
+    cli = _cli(tmp_path)
+    assert type(cli.model) is LlamaLM and cli.model.hparams.hidden_size == 64
+    assert type(cli.datamodule) is ByteTextDataModule and cli.datamodule.seq_len == 32
+
+
+def test_console_script_points_to_main() -> None:
+    scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
+    assert scripts.get("lightning-hbm") == "lightning_hbm.cli:main"
+
+
+def test_plan_predicts_and_chooses_within_budget(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = [
+        *TINY,
+        "--budget=1.5MiB",
+        "--candidates.precisions=[nf4-dq]",
+        "--candidates.lora_ranks=[16]",
+        "--candidates.checkpointing=[none, full]",
+        "--candidates.optimizers=[user]",
+    ]
+    cli = PlanCLI(args=args, run=False)
+    names = [p.candidate.name for p in cli.plan.predictions]
+    assert sorted(names) == ["nf4-dq+lora16", "nf4-dq+lora16+ac-full"]
+    # checkpointing must shrink the predicted activations, and the choice must fit the budget
+    by_name = {p.candidate.name: p for p in cli.plan.predictions}
+    assert by_name["nf4-dq+lora16+ac-full"].categories["activations"] < by_name["nf4-dq+lora16"].categories["activations"]
+    assert cli.plan.chosen is not None and cli.plan.chosen.total <= 1.5 * 2**20
+    cli.print_plan()
+    out = capsys.readouterr().out
+    assert f"Chosen: {cli.plan.chosen.candidate.name}" in out and "class_path: lightning_hbm.LoRA" in out
+
+
+def test_report_rerenders_a_finished_run(tmp_path: Path, llama_factory: Any, datamodule_factory: Any, trainer_factory: Any, capsys: pytest.CaptureFixture) -> None:
+    run_dir = tmp_path / "run"
+    trainer = trainer_factory(max_steps=2, callbacks=[HBMProfiler(summary=False)], default_root_dir=run_dir)
+    trainer.fit(llama_factory(), datamodule=datamodule_factory())
+    written = json.loads((run_dir / "hbm_profile.json").read_text())
+    (run_dir / "hbm_profile.csv").unlink()
+
+    main(["report", str(tmp_path)])  # finds the JSON under the directory
+
+    out = capsys.readouterr().out
+    assert "HBMProfiler: peak at step" in out and "To shrink it" in out
+    csv_lines = (run_dir / "hbm_profile.csv").read_text().splitlines()
+    assert len(csv_lines) == 1 + len(written["rows"])  # header + one line per measured step, as written at fit
+    assert json.loads((run_dir / "hbm_profile.json").read_text())["rows"] == written["rows"]
+
+
+def test_report_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"neither a run directory nor an hbm_profile.json file"):
+        render_report(tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"no hbm_profile\*.json under .*HBMProfiler"):
+        render_report(tmp_path)
+    bad = tmp_path / "hbm_profile.json"
+    bad.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match=r"holds no complete measured step"):
+        render_report(bad)
+    bad.write_text("not json")
+    with pytest.raises(ValueError, match=r"is not an HBMProfiler report"):
+        render_report(bad)
