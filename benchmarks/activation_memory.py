@@ -8,8 +8,8 @@ forward + backward on one random batch:
 * ``device MiB``: of those, what stays on the model's device: ``saved`` minus what the offload
   hooks copied away (on CPU the offload copy lands in the same memory, so this is what would stay
   in HBM, not a saving on the CPU run itself);
-* ``peak HBM MiB`` (CUDA only): ``torch.cuda.max_memory_allocated`` over forward + backward,
-  above the parameters;
+* ``peak HBM MiB`` (CUDA only): ``torch.cuda.max_memory_allocated`` over forward + backward minus
+  what was allocated before the step (parameters): activations, gradients and temporaries;
 * ``time``: median forward + backward time relative to ``none``, all setups in one process.
 
     python benchmarks/activation_memory.py                         # CPU, n_layer 4, n_embd 128, seq 256

@@ -24,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from typing_extensions import override
 
 from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm.memory import parameter_bytes
@@ -32,8 +33,12 @@ from lightning_hbm.strategies.fsdp_qlora import local_parameter_bytes
 
 SIZES: dict[str, dict[str, int]] = {
     # hidden, intermediate, layers, heads, kv heads
-    "tiny": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4),
+    "tiny": dict(
+        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "1b": dict(  # TinyLlama-1.1B's shape
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4
+    ),
 }
 
 
@@ -46,13 +51,19 @@ class StepTimer(pl.Callback):
         self.timed_steps = 0
         self.seconds = 0.0
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx == self.warmup and torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         self.start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         if batch_idx >= self.warmup:

@@ -1,14 +1,15 @@
-"""Step-time overhead of HBMProfiler: light mode (every step) and detailed mode, as ratios in one process.
+"""Step-time overhead of HBMProfiler (light and detailed modes), as ratios of runs in one process.
 
-Runs the same NanoGPT training under Lightning without the callback, with ``HBMProfiler()``
-(light, every step) and with every step detailed, interleaved over several rounds so that load
-from other processes hits all three alike. Step time = time between consecutive
-``on_train_batch_start`` calls (all callback work included), counted in CPU time of this process
-(``time.process_time``: the dev machine is shared, and wall time there measures the neighbours),
-one torch thread, warm-up steps dropped, median taken.
+Runs the same NanoGPT training under Lightning without the callback; with ``HBMProfiler()`` (light,
+at its default cadence: the Trainer's ``log_every_n_steps``); light every step; and every step
+detailed. The modes are interleaved over several rounds, so drift and neighbours hit all alike.
+Step time = time between consecutive ``on_train_batch_start`` calls (all callback work included),
+counted in CPU time of this process (``time.process_time``: the dev machine is shared, and wall
+time there measures the neighbours), one torch thread, warm-up steps dropped, mean taken (a light
+measurement every n steps only shows in the mean).
 
     python benchmarks/profiler_overhead.py            # default: 4 layers, n_embd 256, batch 8 x 128 tokens
-    python benchmarks/profiler_overhead.py --rounds 5 --steps 12
+    python benchmarks/profiler_overhead.py --n-layer 2 --n-embd 128 --seq-len 64   # a smaller step: larger share
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -30,16 +31,23 @@ from lightning_hbm.models import NanoGPT
 
 
 class StepTimer(pl.Callback):
-    """CPU time of this process between consecutive training batch starts."""
+    """Time between consecutive training batch starts: CPU time of this process on CPU, wall time
+    after a device synchronization on CUDA (where the work is not in this process's CPU time)."""
 
     def __init__(self) -> None:
         self.starts: list[float] = []
 
+    def _now(self, pl_module: pl.LightningModule) -> float:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+            return time.perf_counter()
+        return time.process_time()
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self.starts.append(time.process_time())
+        self.starts.append(self._now(pl_module))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.starts.append(time.process_time())
+        self.starts.append(self._now(pl_module))
 
     def step_times(self, warmup: int) -> list[float]:
         return [b - a for a, b in zip(self.starts, self.starts[1:])][warmup:]
@@ -52,9 +60,9 @@ def run(profiler: Optional[HBMProfiler], args: argparse.Namespace, root: str) ->
     timer = StepTimer()
     callbacks: list[pl.Callback] = [timer] + ([profiler] if profiler is not None else [])
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
+        accelerator=args.accelerator, devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        default_root_dir=root, callbacks=callbacks,
+        default_root_dir=root, callbacks=callbacks, log_every_n_steps=args.log_every,
     )
     trainer.fit(model, data)
     return timer.step_times(warmup=2)
@@ -62,32 +70,42 @@ def run(profiler: Optional[HBMProfiler], args: argparse.Namespace, root: str) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=22)
+    parser.add_argument("--log-every", type=int, default=10, help="the Trainer's log_every_n_steps")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
 
-    times: dict[str, list[float]] = {"none": [], "light": [], "detailed": []}
+    modes: dict[str, Callable[[], Optional[HBMProfiler]]] = {
+        "none": lambda: None,
+        f"light, default cadence (every {args.log_every} steps)": lambda: HBMProfiler(summary=False),
+        "light, every step": lambda: HBMProfiler(every_n_steps=1, summary=False),
+        "detailed, every step": lambda: HBMProfiler(detailed_steps=range(args.steps), summary=False),
+    }
+    times: dict[str, list[float]] = {name: [] for name in modes}
     with tempfile.TemporaryDirectory() as root:
-        for _ in range(args.rounds):
-            times["none"] += run(None, args, root)
-            times["light"] += run(HBMProfiler(summary=False), args, root)
-            times["detailed"] += run(HBMProfiler(detailed_steps=range(args.steps), summary=False), args, root)
-    base = statistics.median(times["none"])
-    print(f"model: NanoGPT n_layer={args.n_layer} n_embd={args.n_embd}, batch {args.batch_size} x {args.seq_len} tokens, "
-          f"torch threads {torch.get_num_threads()}, {args.rounds} rounds x {args.steps - 2} timed steps each")
-    print(f"median step CPU time without profiler: {base * 1000:.1f} ms")
-    for mode in ("light", "detailed"):
-        ratio = statistics.median(times[mode]) / base
-        print(f"{mode:>8}: step-time ratio {ratio:.3f} (overhead {100 * (ratio - 1):+.1f} %)")
+        for _ in range(args.rounds):  # interleaved: drift and neighbours hit every mode alike
+            for name, make in modes.items():
+                times[name] += run(make(), args, root)
+    base = statistics.mean(times["none"])
+    print(
+        f"model: NanoGPT n_layer={args.n_layer} n_embd={args.n_embd}, batch {args.batch_size} x {args.seq_len} tokens, "
+        f"torch threads {torch.get_num_threads()}, {args.rounds} rounds x {args.steps - 2} timed steps per mode"
+    )
+    clock = "CPU" if args.accelerator == "cpu" else "wall (synchronized)"
+    print(f"{args.accelerator}: mean step {clock} time without profiler: {base * 1000:.1f} ms")
+    for name in list(modes)[1:]:
+        ratio = statistics.mean(times[name]) / base
+        print(f"{name:>42}: step-time ratio {ratio:.3f} (overhead {100 * (ratio - 1):+.1f} %)")
 
 
 if __name__ == "__main__":

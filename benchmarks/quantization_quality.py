@@ -5,7 +5,8 @@ For every mode, the model is quantized at fit start (``Trainer.fit`` with ``max_
 full-precision (fp32) model's: cosine similarity, relative error, KL divergence (language model),
 worst/mean weight SQNR. Weight bytes are the exact storage of the Linear weights (quantization
 constants included) per weight parameter. ``--time`` adds the forward+backward time of each
-mode as a ratio to the unquantized model in the compute dtype (same process, same inputs).
+mode as a ratio to the unquantized model in the compute dtype, Linear weights frozen in both (same
+process, same inputs).
 
 Models:
 
@@ -132,14 +133,21 @@ def quality(
 
 
 def step_time_ratio(make: Callable[[], pl.LightningModule], mode: str, dtype: str, device: str, batch: Any, reps: int) -> float:
-    """Forward+backward time of ``mode`` / time of the unquantized model in ``dtype`` (same process)."""
+    """Forward+backward time of ``mode`` / time of the unquantized model in ``dtype`` (same process).
+
+    Both have frozen Linear weights (no weight gradients), everything else trainable.
+    """
 
     def run(quantize: Optional[str]) -> float:
         model = make().to(device)
         if quantize is not None:
             quantize_model(model, quantize, dtype, device=device)
         else:
+            # the same trainable set as the quantized model: Linear weights frozen (QLoRA vs LoRA-on-bf16)
             model.to(getattr(torch, dtype))
+            for layer in model.modules():
+                if type(layer) is nn.Linear:
+                    layer.weight.requires_grad_(False)
         inputs = batch.to(device)
         if inputs.is_floating_point():
             inputs = inputs.to(getattr(torch, dtype)).requires_grad_()
@@ -169,7 +177,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256, help="Llama hidden size (intermediate = 2.6875 x hidden)")
     parser.add_argument("--time", action="store_true", help="also report forward+backward time vs unquantized")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (1: stable ratios on a shared machine)")
     args = parser.parse_args()
+    if args.device == "cpu":
+        # On a busy 2-core machine, 2 OpenMP threads spin-wait: elementwise ops became ~50x slower
+        # in our runs, which swamps any ratio. One thread gives ratios that repeat.
+        torch.set_num_threads(args.threads)
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger("lightning_hbm").setLevel(logging.ERROR)
@@ -196,7 +209,8 @@ def main() -> None:
             images = smooth_images(64)
             cases.append(("MTCNN ONet (pretrained, facenet-pytorch 2.6.0)", lambda: ONetModule(weights), DataLoader(TensorDataset(images), batch_size=8), (images,), images))
 
-    print(f"device={args.device} compute dtype={args.dtype} torch={torch.__version__}; reference: the fp32 model")
+    threads = f" threads={torch.get_num_threads()}" if args.device == "cpu" else ""
+    print(f"device={args.device}{threads} compute dtype={args.dtype} torch={torch.__version__}; reference: the fp32 model")
     for title, make, data, probe, batch in cases:
         print(f"\n{title}")
         header = f"{'mode':<14}{'cosine':>10}{'rel. error':>12}{'KL':>11}{'SQNR min dB':>13}{'W bytes/param':>15}"

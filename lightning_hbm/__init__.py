@@ -15,10 +15,13 @@ from lightning_hbm.strategies.cpu_offload import CPUOffloadStrategy
 from lightning_hbm.callbacks.profiler import HBMProfiler
 from lightning_hbm.callbacks.quality import QuantizationQuality
 from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
+from lightning_hbm.planner import plan
+from lightning_hbm.callbacks.autofit import AutoFit
 
 __all__ = [
     "ActivationCheckpointing",
     "AttentionKernel",
+    "AutoFit",
     "CPUOffloadStrategy",
     "HBMProfiler",
     "Int8DynamicLinear",
@@ -32,6 +35,7 @@ __all__ = [
     "SurgeryCallback",
     "applied_transforms",
     "available_precisions",
+    "plan",
     "precision_plugin",
     "quantize_model",
 ]

@@ -149,11 +149,12 @@ class HBMCLI(LightningCLI):
 
 
 class PlanCLI(HBMCLI):
-    """``lightning-hbm plan``: the same model/data/trainer configuration as ``fit``, planned, not trained.
+    """``lightning-hbm plan``: the same model/data configuration as ``fit``, planned, not trained.
 
-    Calls :func:`lightning_hbm.planner.plan`: the model is built under ``FakeTensorMode`` (nothing
-    allocated), each candidate configuration is traced for two steps on the datamodule's first
-    batch, and the fastest one that fits ``--budget`` is printed with its YAML.
+    Parsing is ``fit``'s (config files, overrides, defaults, short names); the planning is the planner
+    engineer's :func:`lightning_hbm.plan.plan_from_config`: the model is built under
+    ``FakeTensorMode`` (nothing allocated), each candidate is traced for two steps on the
+    datamodule's first batch. ``--budget`` picks the fastest candidate that fits.
     """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -168,42 +169,15 @@ class PlanCLI(HBMCLI):
         parser.add_function_arguments(default_candidates, "candidates")
 
     def instantiate_classes(self) -> None:
-        """Build the datamodule only; the model is handed to the planner as a factory (built fake)."""
-        from lightning_hbm.planner import default_candidates, plan
+        """Plan instead of building: the model is only ever built fake, inside the planner."""
+        from lightning_hbm.plan import plan_from_config
+        from lightning_hbm.planner import default_candidates
 
-        parser = LightningArgumentParser()
-        parser.add_lightning_class_args(LightningModule, "model", subclass_mode=True)
-        parser.add_lightning_class_args(LightningDataModule, "data", subclass_mode=True)
-        parts = parser.parse_object({"model": self.config.model.as_dict(), "data": self.config.data.as_dict()})
-
-        def build_model() -> LightningModule:
-            return parser.instantiate_classes(parts).model
-
-        self.model = None
-        self.datamodule = parser.instantiate_classes(parts).data
+        self.model, self.datamodule, self.trainer = None, None, None
+        config = {"model": self.config.model.as_dict(), "data": self.config.data.as_dict()}
         device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         candidates = default_candidates(**self.config.candidates.as_dict())
-        self.plan = plan(build_model, self.datamodule, budget=self.config.budget, candidates=candidates, device=device)
-
-    def print_plan(self) -> None:
-        """The table (rich on a terminal, plain text otherwise), then the chosen configuration as YAML."""
-        import sys
-
-        from lightning_hbm.callbacks.profiler import _RICH_AVAILABLE
-
-        if _RICH_AVAILABLE and sys.stdout.isatty():  # piped output: rich would squeeze it to 80 columns
-            from rich.console import Console
-
-            Console().print(self.plan.table())
-        else:
-            print(self.plan)
-        for candidate, reason in self.plan.failures:
-            print(f"not planned: {candidate.name}: {reason}")
-        chosen = self.plan.chosen
-        if chosen is None:
-            print(f"Nothing fits {self.config.budget}. Smallest: {', '.join(p.candidate.name for p in self.plan.closest())}.")
-        else:
-            print(f"Chosen: {chosen.candidate.name}. Add to your config:\n{chosen.candidate.yaml()}")
+        self.plan = plan_from_config(config, self.config.budget, device, candidates=candidates)
 
 
 def find_report(path: Union[str, Path]) -> Path:
@@ -256,18 +230,22 @@ _DESCRIPTION = (
 )
 
 
-def main(args: Optional[list[str]] = None) -> None:
-    """Console script ``lightning-hbm``.
+def main(args: Optional[list[str]] = None) -> int:
+    """Console script ``lightning-hbm``; returns the exit status.
 
     ``fit``/``validate``/``test``/``predict``: :class:`HBMCLI`. ``plan [options]``: :class:`PlanCLI`
-    (``fit``'s options plus ``--budget``). ``report RUN_DIR [--out DIR]``: :func:`render_report`.
+    (``fit``'s options plus ``--budget``; status 2 when nothing fits). ``report RUN_DIR [--out DIR]``:
+    :func:`render_report`.
     """
     import sys
 
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["plan"]:
-        cli = PlanCLI(args=argv[1:], run=False)
-        cli.print_plan()
+        from lightning_hbm.plan import print_plan
+
+        result = PlanCLI(args=argv[1:], run=False).plan
+        print_plan(result)
+        return 0 if result.budget is None or result.chosen is not None else 2
     elif argv[:1] == ["report"]:
         parser = argparse.ArgumentParser(prog="lightning-hbm report", description=render_report.__doc__.splitlines()[0])
         parser.add_argument("path", help="run directory (searched for hbm_profile*.json) or the JSON file")
@@ -276,7 +254,8 @@ def main(args: Optional[list[str]] = None) -> None:
         render_report(options.path, options.out)
     else:
         HBMCLI(args=argv)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

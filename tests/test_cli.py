@@ -145,9 +145,10 @@ def test_plan_predicts_and_chooses_within_budget(tmp_path: Path, capsys: pytest.
     by_name = {p.candidate.name: p for p in cli.plan.predictions}
     assert by_name["nf4-dq+lora16+ac-full"].categories["activations"] < by_name["nf4-dq+lora16"].categories["activations"]
     assert cli.plan.chosen is not None and cli.plan.chosen.total <= 1.5 * 2**20
-    cli.print_plan()
-    out = capsys.readouterr().out
-    assert f"Chosen: {cli.plan.chosen.candidate.name}" in out and "class_path: lightning_hbm.LoRA" in out
+    assert "class_path: lightning_hbm.LoRA" in cli.plan.chosen.candidate.yaml()
+    # the console script: nothing fits 10 KiB -> exit status 2 and the closest candidates
+    assert main(["plan", *args[:-5], "--budget=10KiB", *args[-4:]]) == 2
+    assert "Nothing fits" in capsys.readouterr().out
 
 
 def test_report_rerenders_a_finished_run(tmp_path: Path, llama_factory: Any, datamodule_factory: Any, trainer_factory: Any, capsys: pytest.CaptureFixture) -> None:

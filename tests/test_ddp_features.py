@@ -46,7 +46,7 @@ def _callbacks(out: Path) -> list[Any]:
         ActivationCheckpointing("full"),
         AttentionKernel("math"),
         MemoryEfficientOptimizer("adamw8bit"),
-        HBMProfiler(dirpath=str(out / "profile"), summary=False),
+        HBMProfiler(every_n_steps=1, dirpath=str(out / "profile"), summary=False),
     ]
 
 
@@ -67,7 +67,8 @@ def _run(out: Path, devices: int) -> dict[str, Any]:
             loader = super().train_dataloader()
             if not dist.is_initialized():
                 return loader
-            return DataLoader(loader.dataset, batch_size=self.batch_size, sampler=DistributedSampler(loader.dataset, shuffle=False))
+            sampler = DistributedSampler(loader.dataset, shuffle=False)
+            return DataLoader(loader.dataset, batch_size=self.batch_size, sampler=sampler)
 
     class GlobalLoss(pl.Callback):
         def __init__(self) -> None:
@@ -97,24 +98,26 @@ def _run(out: Path, devices: int) -> dict[str, Any]:
     model = NanoGPT(**TINY)
     trainer.fit(model, datamodule=Ordered(batch_size=GLOBAL_BATCH // devices, **DATA))
     adapters = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    optimized = {id(q) for group in trainer.optimizers[0].param_groups for q in group["params"]}
     return {
         "rank": trainer.global_rank,
         "losses": recorder.losses,
         "applied": applied_transforms(model),
         "optimizer": type(trainer.optimizers[0]).__module__ + "." + type(trainer.optimizers[0]).__name__,
-        "optimized": sorted(
-            n for n, p in model.named_parameters() if any(p is q for g in trainer.optimizers[0].param_groups for q in g["params"])
-        ),
+        "optimized": sorted(n for n, p in model.named_parameters() if id(p) in optimized),
         "trainable": sorted(adapters),
         "adapter_checksum": float(sum(p.double().abs().sum() for p in adapters.values())),
-        "metrics": sorted(k for k in trainer.callback_metrics if k.startswith(("quant/", "hbm/"))),
+        "metrics": sorted(k for k in trainer.callback_metrics if k.startswith("quant/")),
     }
 
 
 @pytest.fixture(scope="module")
 def two_rank_ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("ddp_features")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # a launcher that ran in this process may have left MASTER_PORT, WORLD_SIZE, ... behind
+    dist_env = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in dist_env}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), str(out)], env=env, capture_output=True, text=True, timeout=240
     )
@@ -137,7 +140,8 @@ def test_every_feature_applies_on_every_rank(two_rank_ddp: tuple[Path, list[dict
         assert rank["optimizer"].startswith("bitsandbytes.") and rank["optimizer"].endswith("AdamW8bit")
         assert rank["trainable"] and all(".lora_" in n for n in rank["trainable"])
         assert rank["optimized"] == rank["trainable"]  # frozen base pruned from the 8-bit optimizer
-        assert {"quant/cosine_similarity", "quant/kl_divergence", "hbm/total", "hbm/activations"} <= set(rank["metrics"])
+        # (HBMProfiler logs straight to the loggers, none here: its rows are checked in the report)
+        assert {"quant/cosine_similarity", "quant/kl_divergence"} <= set(rank["metrics"])
     # DDP kept the replicas identical: same adapters after training, same reduced losses
     assert ranks[0]["adapter_checksum"] == ranks[1]["adapter_checksum"]
     assert ranks[0]["losses"] == ranks[1]["losses"]

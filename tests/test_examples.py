@@ -123,12 +123,12 @@ def _load(name: str) -> ModuleType:
 
 
 def test_quickstart_loss_falls(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    losses = _load("quickstart").main(steps=12, root_dir=str(tmp_path))
-    assert len(losses) == 12
+    losses = _load("quickstart").main(steps=8, root_dir=str(tmp_path))
+    assert len(losses) == 8
     # from ~log(256)=5.55; measured on CPU: ~4.1 by step 6 (LoRA on a 4-bit base trains)
-    assert sum(losses[-4:]) / 4 < losses[0] - 0.5, losses
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
     out = capsys.readouterr().out
-    assert "done: 12 steps" in out and "HBMProfiler: peak at step" in out
+    assert "done: 8 steps" in out and "HBMProfiler: peak at step" in out
     assert (tmp_path / "hbm_profile.csv").exists()
 
 

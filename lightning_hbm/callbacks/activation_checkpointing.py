@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 from typing_extensions import override
 
-from lightning_hbm.surgery import Stage, SurgeryCallback
+from lightning_hbm.surgery import Stage, SurgeryCallback, applied_transforms
 
 _aten = torch.ops.aten
 # Ops whose outputs the "selective" policy keeps: the expensive ones (matmuls, attention kernels).
@@ -52,8 +52,8 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
     """Move the tensors autograd saves for backward to ``device`` and bring them back in backward.
 
     Written by hand instead of ``torch.autograd.graph.save_on_cpu`` because that one (a) always
-    targets CPU, so the copy logic cannot be tested on a CPU-only machine (there it is a copy to the
-    same device), (b) also copies parameters that autograd saves (weights of every Linear), which
+    targets CPU and leaves tensors already there in place, so its logic cannot be tested on a
+    CPU-only machine, (b) also copies parameters that autograd saves (weights of every Linear), which
     live on the device anyway, and (c) copies synchronously. Here the target is injectable,
     parameters are skipped, and on CUDA the device-to-host copy runs on a side stream into pinned
     memory so that it overlaps with the forward compute.
@@ -120,13 +120,30 @@ class _BlockPlan:
 
     def __init__(
         self,
-        inner: Callable[..., Any],
+        block: nn.Module,
         context_fn: Optional[Callable[[], tuple[AbstractContextManager, AbstractContextManager]]],
         offload: Optional[OffloadSavedTensors],
     ) -> None:
-        self.inner = inner
+        self.inner: Callable[..., Any] = block.forward
+        # An instance-level forward someone set before us is put back by _unwrap; else the class's is used.
+        self.own_forward = "forward" in vars(block)
         self.context_fn = context_fn
         self.offload = offload
+
+
+def _wrap(block: nn.Module, plan: _BlockPlan) -> None:
+    # object.__setattr__: the plan and the bound method are plain attributes, never submodules.
+    object.__setattr__(block, _PLAN_ATTR, plan)
+    # MethodType of a module-level function (not a closure): deepcopy rebinds it to the copy.
+    object.__setattr__(block, "forward", types.MethodType(_checkpointed_forward, block))
+
+
+def _unwrap(block: nn.Module) -> None:
+    plan: _BlockPlan = vars(block).pop(_PLAN_ATTR)
+    if plan.own_forward:
+        object.__setattr__(block, "forward", plan.inner)
+    else:
+        del vars(block)["forward"]
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -281,18 +298,26 @@ class ActivationCheckpointing(SurgeryCallback):
             if self.policy == "selective"
             else None
         )
+        # A model checkpointed by an earlier Trainer's callback gets this callback's settings instead.
+        for block in module.modules():
+            if _PLAN_ATTR in vars(block):
+                _unwrap(block)
         for _, block in chosen:
-            if getattr(block, _PLAN_ATTR, None) is not None:
-                continue  # already checkpointed (e.g. the model object is reused by a second Trainer)
-            # object.__setattr__: the plan and the bound method are plain attributes, never submodules.
-            object.__setattr__(block, _PLAN_ATTR, _BlockPlan(block.forward, context_fn, self.offload))
-            # MethodType of a module-level function (not a closure): deepcopy rebinds it to the copy.
-            object.__setattr__(block, "forward", types.MethodType(_checkpointed_forward, block))
+            _wrap(block, _BlockPlan(block, context_fn, self.offload))
         self.checkpointed = [n for n, _ in chosen]
         rank_zero_info(
             f"lightning_hbm: activation checkpointing ({self.policy}{', offload' if self.offload else ''}) "
             f"on {len(chosen)} of {len(found)} blocks ({type(chosen[0][1]).__name__})"
         )
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        # The spine applies a transform once per module: on a model that went through the surgery with
+        # an earlier Trainer, this instance would never run. Re-wrap the blocks with its settings now
+        # (checkpointing changes no parameter, so the optimizer built later is unaffected).
+        if not self.checkpointed and type(self).__qualname__ in applied_transforms(pl_module):
+            self.transform_model(pl_module)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

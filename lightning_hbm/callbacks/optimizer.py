@@ -72,7 +72,10 @@ class MemoryEfficientOptimizer(SurgeryCallback):
     ``weight_decay``) and other optimizer types (SGD, LBFGS, ...) are a ``ValueError``/``TypeError``
     before training starts, and nothing is replaced.
 
-    Logs nothing (use :func:`optimizer_state_bytes` or ``HBMProfiler`` to see the saving).
+    Lion takes ``lr``, ``betas`` and ``weight_decay`` (it has no ``eps``); it is a different
+    algorithm that usually wants a 3-10x lower lr than AdamW, so pick it knowingly.
+
+    Logs nothing (:func:`optimizer_state_bytes` counts the saving).
 
     Example::
 

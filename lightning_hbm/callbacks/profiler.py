@@ -3,7 +3,7 @@
 What it shrinks: nothing. It measures the five terms every other lightning_hbm feature shrinks
 (:data:`lightning_hbm.memory.CATEGORIES`), by what each tensor *is*:
 
-- light mode (every ``every_n_steps`` steps): a :class:`~lightning_hbm.memory.LiveStorageTracker`
+- light mode (every ``every_n_steps`` steps, by default the Trainer's ``log_every_n_steps``): a :class:`~lightning_hbm.memory.LiveStorageTracker`
   runs during the forward only. At the forward's end (Lightning's ``on_before_zero_grad``, else
   ``on_before_backward``) the graph holds every activation and the previous step's gradients are
   still alive (Lightning zeroes them after the forward): that is where a training step peaks, and
@@ -35,7 +35,8 @@ from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 from typing_extensions import override
 
-from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown, classify, owned_storages
+from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown, classify, owned_storages, tensor_bytes
+from lightning_hbm.memory.storage import quantization_tensors
 from lightning_hbm.memory.tracker import LiveStorageTracker
 
 log = logging.getLogger(__name__)
@@ -71,12 +72,16 @@ class HBMProfiler(Callback):
 
     Args:
         every_n_steps: measure every n-th optimizer step (``global_step % every_n_steps == 0``).
+            Default (None): the Trainer's ``log_every_n_steps``, when Lightning writes logs anyway.
+            A light measurement costs ~3-5 % of that step's time on CPU (benchmarks/README.md), so
+            ``1`` (every step) is for short diagnostic runs.
         detailed_steps: global steps measured in detailed mode (whole-step peak, per-module
             breakdown; ~2x slower for that step). Empty: none.
         dirpath: directory of the report; default: the Trainer's ``log_dir`` (its
             ``default_root_dir`` without a logger).
-        snapshot_steps: ``(start, stop)`` global steps between which CUDA memory history is recorded;
-            at ``stop`` it is dumped to ``hbm_snapshot.pickle`` (open it at pytorch.org/memory_viz).
+        snapshot_steps: ``(start, stop)``: CUDA memory history is recorded from the start of global
+            step ``start`` to the end of step ``stop - 1``, then dumped to ``hbm_snapshot.pickle``
+            (``_rank{r}`` per rank under DDP; open it at pytorch.org/memory_viz; path printed).
             Ignored with a warning off CUDA.
         snapshot_max_entries: allocation events kept by the CUDA history recorder.
         summary: print the summary table at the end of fit (with rich when installed).
@@ -104,14 +109,15 @@ class HBMProfiler(Callback):
 
     def __init__(
         self,
-        every_n_steps: int = 1,
+        every_n_steps: Optional[int] = None,
         detailed_steps: Sequence[int] = (),
         dirpath: Optional[str] = None,
         snapshot_steps: Optional[tuple[int, int]] = None,
         snapshot_max_entries: int = 100_000,
         summary: bool = True,
     ) -> None:
-        _check_int("every_n_steps", every_n_steps, minimum=1)
+        if every_n_steps is not None:
+            _check_int("every_n_steps", every_n_steps, minimum=1)
         _check_int("snapshot_max_entries", snapshot_max_entries, minimum=1)
         if isinstance(detailed_steps, (str, int)):
             raise TypeError(
@@ -145,10 +151,11 @@ class HBMProfiler(Callback):
         self._step = 0
         self._batch_idx = 0
         self._recording = False
+        self._every = every_n_steps or 1  # resolved in setup when None
 
     # -- measuring -------------------------------------------------------------------------------
     def _measured(self, step: int) -> bool:
-        return step % self.every_n_steps == 0 or step in self.detailed_steps
+        return step % self._every == 0 or step in self.detailed_steps
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -267,6 +274,7 @@ class HBMProfiler(Callback):
     # -- CUDA memory history -----------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._every = self.every_n_steps or max(int(trainer.log_every_n_steps), 1)
         if self.snapshot_steps is not None and trainer.strategy.root_device.type != "cuda":
             rank_zero_warn("HBMProfiler: snapshot_steps records CUDA memory history; this run is not on CUDA, so no snapshot.")
 
@@ -410,11 +418,6 @@ class HBMProfiler(Callback):
     def _dir(self, trainer: pl.Trainer) -> str:
         return self.dirpath or trainer.log_dir or trainer.default_root_dir
 
-    # -- checkpointing: the profile is a property of the run, not of the model --------------------
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -497,35 +500,25 @@ def _module_breakdown(
 ) -> dict[str, dict[str, int]]:
     """Per submodule: its own (non-recursive) parameters, gradients, optimizer states, and the activations
     created while it was the innermost module running."""
+    states = [getattr(opt, "_optimizer", opt).state for opt in optimizers]
     result: dict[str, dict[str, int]] = {}
     for name, module in pl_module.named_modules():
         label = name or "<root>"
         params = list(module.parameters(recurse=False))
         entry = {
-            "parameters": classify(_Holder(params), ()).parameters if params else 0,
-            "gradients": sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None),
-            "optimizer_states": 0,
+            "parameters": tensor_bytes(t for p in params for t in (p, *quantization_tensors(p))),
+            "gradients": tensor_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer_states": tensor_bytes(t for state in states for p in params for t in _state_tensors(state.get(p))),
             "activations": activations.get(label, 0),
         }
-        for optimizer in optimizers:
-            optimizer = getattr(optimizer, "_optimizer", optimizer)
-            for p in params:
-                state = optimizer.state.get(p)
-                if state:
-                    entry["optimizer_states"] += sum(
-                        v.untyped_storage().nbytes() for v in state.values() if isinstance(v, torch.Tensor)
-                    )
         if any(entry.values()):
             result[label] = entry
     return result
 
 
-class _Holder(nn.Module):
-    """Holds a list of parameters so :func:`classify` can count them (quantization constants included)."""
-
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        super().__init__()
-        self.params = nn.ParameterList(params)
+def _state_tensors(state: Optional[dict[str, Any]]) -> list[torch.Tensor]:
+    """The tensors of one parameter's optimizer state (None: the parameter has no state yet)."""
+    return [v for v in (state or {}).values() if isinstance(v, torch.Tensor)]
 
 
 def _plot(rows: list[dict[str, Any]], path: str) -> None:

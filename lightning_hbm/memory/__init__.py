@@ -17,6 +17,7 @@ from lightning_hbm.memory.categories import (
     optimizer_state_tensors,
     owned_storages,
     parameter_tensors,
+    tensor_bytes,
 )
 from lightning_hbm.memory.storage import (
     module_parameter_tensors,
@@ -47,5 +48,6 @@ __all__ = [
     "saved_activation_bytes",
     "storage_bytes",
     "storage_key",
+    "tensor_bytes",
     "unique_bytes",
 ]

@@ -69,12 +69,24 @@ def tensor_storage_key(tensor: torch.Tensor) -> StorageKey | None:
     return (str(storage.device), storage.data_ptr())
 
 
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+
+
 def _storages(tensors: Iterable[torch.Tensor]) -> Iterator[tuple[StorageKey, int]]:
+    # Runs over every parameter, gradient and state tensor at each measured step: kept lean.
     for tensor in tensors:
-        for plain in plain_tensors(tensor):
-            key = tensor_storage_key(plain)
-            if key is not None:
-                yield key, plain.untyped_storage().nbytes()
+        for plain in (tensor,) if type(tensor) in _PLAIN_TYPES else plain_tensors(tensor):
+            if plain.is_meta:
+                continue
+            storage = plain.untyped_storage()
+            nbytes = storage.nbytes()
+            if nbytes:
+                yield (str(storage.device), storage.data_ptr()), nbytes
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (wrapper subclasses counted by their inner tensors)."""
+    return sum(dict(_storages(tensors)).values())
 
 
 def _nested_tensors(obj: object, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -219,5 +231,6 @@ __all__ = [
     "owned_storages",
     "parameter_tensors",
     "plain_tensors",
+    "tensor_bytes",
     "tensor_storage_key",
 ]

@@ -33,7 +33,7 @@ activation memory of its own.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +115,9 @@ class Int8DynamicLinear(nn.Linear):
 
     weight_scale: torch.Tensor
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, device: Optional[Union[str, torch.device]] = None
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias, device="meta")
         target = torch.device("cpu") if device is None else torch.device(device)
         self.weight = nn.Parameter(
@@ -147,7 +149,7 @@ class Int8DynamicLinear(nn.Linear):
     def _link_scale(self) -> None:
         # lightning_hbm.memory.storage.quantization_tensors counts a parameter's ``scales`` attribute,
         # so the parameters term includes the scales. Buffers are replaced (not mutated) by
-        # ``.to()`` and by ``load_state_dict(assign=True)``: re-link after both.
+        # ``.to()`` and ``load_state_dict(assign=True)``, deepcopy drops Parameter attributes: re-link after each.
         self.weight.scales = self.weight_scale
 
     @override
@@ -159,6 +161,11 @@ class Int8DynamicLinear(nn.Linear):
     @override
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._link_scale()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # copy.deepcopy and unpickling rebuild the Parameter without its attributes
+        super().__setstate__(state)
         self._link_scale()
 
     @override

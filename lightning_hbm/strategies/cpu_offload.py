@@ -256,7 +256,13 @@ class CPUOffloadStrategy(SingleDeviceStrategy):
         self._parallel_devices: list[torch.device] = []
         if device is not None:
             self.parallel_devices = [torch.device(device)]
-        self.offload_device = torch.device(offload_device)
+        try:
+            self.offload_device = torch.device(offload_device)
+        except RuntimeError as err:
+            raise ValueError(
+                f"CPUOffloadStrategy(offload_device={offload_device!r}) is not a device torch knows ({err}). "
+                "Use 'cpu' (the default)."
+            ) from err
         self.offload_gradients = offload_gradients
 
     @property

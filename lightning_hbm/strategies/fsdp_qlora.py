@@ -139,6 +139,7 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
             self.model._device_mesh = mesh
         if not self.cpu_offload:
             self.model_to_device()
+        self._broadcast_trainable(self.model)
         # chosen again: the surgery replaced layers (the check above ran on the model as built)
         self._shard(self.model, _choose_units(self.model, self.shard_modules))
         self.barrier()
@@ -147,6 +148,28 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _broadcast_trainable(self, module: nn.Module) -> None:
+        """Start every rank from rank 0's trainable weights, as DDP does when it wraps a model.
+
+        FSDP2 has no ``sync_module_states``: each rank shards its *own* copy, so adapters initialized
+        from a different RNG state on another rank would silently give a model no rank ever had.
+        Only trainable tensors (adapters: small) are sent; the frozen base must come from the same
+        weights on every rank (a pretrained checkpoint, or the same seed).
+        """
+        if self.world_size == 1:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
+            return  # already sharded (validate/test after fit)
+        with torch.no_grad():
+            for param in module.parameters():
+                if param.requires_grad:
+                    # NCCL only sends device tensors: with cpu_offload the weights are still on the host
+                    buffer = param.data.to(self.root_device)
+                    torch.distributed.broadcast(buffer, src=0)
+                    param.data.copy_(buffer)
 
     def _shard(self, module: pl.LightningModule, units: list[nn.Module]) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard

@@ -37,7 +37,7 @@ def test_gradients_and_state_dict_keys_equal_the_unchanged_model(gpt_factory: Ca
     model = gpt_factory(n_layer=4, block_size=SEQ)
     callback = ActivationCheckpointing(**kwargs)
     callback.transform_model(model)
-    batch = _batch()
+    batch = _batch(seq=64, batch_size=2)
     expected, got = _grads(reference, batch), _grads(model, batch)
     assert sorted(got) == sorted(expected) == sorted(n for n, _ in reference.named_parameters())
     for name in expected:  # plain torch in fp32: recompute gives bit-identical gradients
@@ -111,6 +111,18 @@ def test_lazy_model_through_trainer(lazy_gpt_factory: Callable, datamodule_facto
     assert "ActivationCheckpointing" in applied_transforms(model)
     trainer.validate(model, datamodule=datamodule_factory(), verbose=False)  # not applied twice
     assert applied_transforms(model).count("ActivationCheckpointing") == 1
+
+
+def test_new_trainer_on_a_checkpointed_model_applies_its_own_settings(
+    gpt_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable
+) -> None:
+    model, datamodule = gpt_factory(), datamodule_factory(seq_len=32, batch_size=4)
+    trainer_factory(max_steps=1, callbacks=[ActivationCheckpointing()]).fit(model, datamodule=datamodule)
+    callback = ActivationCheckpointing(every=2, offload=True)
+    trainer_factory(max_steps=1, callbacks=[callback]).fit(model, datamodule=datamodule)
+    assert callback.checkpointed == ["model.h.0"]
+    assert "forward" not in vars(model.model.h[1])  # unwrapped: the class's forward again
+    assert callback.offload is not None and callback.offload.copies == 1
 
 
 def test_deepcopy_rebinds_to_the_copy(gpt_factory: Callable) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from typing import Any, Callable
@@ -124,11 +125,14 @@ def test_loss_trajectory_close_to_adamw(gpt_factory: Any, datamodule_factory: An
     for kind in (None, "adamw8bit"):
         recorder = loss_recorder()
         callbacks = [recorder] + ([MemoryEfficientOptimizer(kind)] if kind else [])
-        trainer_factory(max_steps=15, callbacks=callbacks).fit(gpt_factory(), datamodule_factory())
+        trainer = trainer_factory(max_steps=10, callbacks=callbacks)
+        trainer.fit(gpt_factory(), datamodule_factory())
         losses[kind] = torch.tensor(recorder.losses)
+    assert type(trainer.optimizers[0]) is bnb.optim.AdamW8bit
     assert losses["adamw8bit"][-1] < losses["adamw8bit"][0] - 1.0  # it trains
-    # 8-bit moments add ~1% noise per update: the trajectories stay within 2% of each other
-    torch.testing.assert_close(losses["adamw8bit"], losses[None], rtol=0.02, atol=0.0)
+    # 8-bit moments differ from fp32 ones by ~1% per update; over 10 steps the losses stayed within
+    # 3e-4 (relative) of AdamW's on this machine: 1% leaves room for other CPUs' kernels.
+    torch.testing.assert_close(losses["adamw8bit"], losses[None], rtol=0.01, atol=0.0)
 
 
 @pytest.mark.parametrize("kind", ["adamw8bit", "paged_adamw8bit"])
@@ -143,7 +147,10 @@ def test_save_resume_round_trip(
     Paged kinds run non-paged on CPU; on CUDA bitsandbytes' load_state_dict also un-pages their
     states, which ``_repage_state`` repairs (covered by the GPU test).
     """
-    data = lambda: datamodule_factory(train_samples=12)  # noqa: E731
+
+    def data() -> Any:
+        return datamodule_factory(train_samples=12)
+
     full = loss_recorder()
     trainer_factory(max_steps=-1, max_epochs=2, callbacks=[full, MemoryEfficientOptimizer(kind)]).fit(gpt_factory(), data())
 
@@ -161,6 +168,39 @@ def test_save_resume_round_trip(
     trainer.fit(gpt_factory(seed=1), data(), ckpt_path=ckpt_path)
     assert type(trainer.optimizers[0]).__name__ == {"adamw8bit": "AdamW8bit", "paged_adamw8bit": "PagedAdamW8bit"}[kind]
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses[3:]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["adamw8bit", "paged_adamw"])
+def test_state_dtypes_survive_load_with_bf16_params(kind: str) -> None:
+    """Known bitsandbytes resume trap: load_state_dict casts floating state to the parameter dtype.
+
+    For bf16 parameters that would turn fp32 moments, absmax and code books into bf16. Checked on
+    the real library: dtypes and the next update are exactly those of the uninterrupted optimizer.
+    """
+
+    def make() -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(64, 128, dtype=torch.bfloat16))
+        (optimizer,) = MemoryEfficientOptimizer(kind).transform_optimizers([torch.optim.AdamW([param], lr=1e-2)], [])
+        return param, optimizer
+
+    grads = [torch.randn(64, 128, dtype=torch.bfloat16) for _ in range(3)]
+    param, optimizer = make()
+    for grad in grads[:2]:
+        param.grad = grad
+        optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())  # as read from a checkpoint file
+    resumed_param, resumed = make()
+    with torch.no_grad():
+        resumed_param.copy_(param)
+    resumed.load_state_dict(saved)
+    dtypes = {k: v.dtype for k, v in optimizer.state[param].items() if isinstance(v, torch.Tensor)}
+    assert {k: v.dtype for k, v in resumed.state[resumed_param].items() if isinstance(v, torch.Tensor)} == dtypes
+    assert dtypes["state1"] == (torch.uint8 if kind.endswith("8bit") else torch.float32)
+    for p, opt in ((param, optimizer), (resumed_param, resumed)):
+        p.grad = grads[2]
+        opt.step()
+    torch.testing.assert_close(resumed_param, param, rtol=0, atol=0)
 
 
 def test_unsupported_optimizer_is_clear_error(lazy_gpt_factory: Any, datamodule_factory: Any, trainer_factory: Any) -> None:
@@ -196,3 +236,20 @@ def test_cli_parses_kind() -> None:
     assert parser.parse_args(["--opt.kind", "paged_adamw8bit"]).opt.kind == "paged_adamw8bit"
     with pytest.raises(Exception, match="adamw4bit"):
         parser.parse_args(["--opt.kind", "adamw4bit"])
+
+
+@pytest.mark.gpu
+def test_gpu_paged_state_stays_paged_after_resume() -> None:
+    """bitsandbytes' load_state_dict turns paged CUDA states into plain device tensors: _repage_state repairs it."""
+    param = torch.nn.Parameter(torch.randn(512, 512, device="cuda"))  # > 1e5 elements: bitsandbytes pages it
+    (optimizer,) = MemoryEfficientOptimizer("paged_adamw8bit").transform_optimizers([torch.optim.AdamW([param])], [])
+    param.grad = torch.randn_like(param)
+    optimizer.step()
+    assert optimizer.state[param]["state1"].is_paged
+    saved = optimizer.state_dict()
+    (resumed,) = MemoryEfficientOptimizer("paged_adamw8bit").transform_optimizers([torch.optim.AdamW([param])], [])
+    resumed.load_state_dict(saved)
+    for key in ("state1", "state2"):
+        assert getattr(resumed.state[param][key], "is_paged", False), key
+        torch.testing.assert_close(resumed.state[param][key], optimizer.state[param][key], rtol=0, atol=0)
+    resumed.step()  # and it still steps

@@ -20,7 +20,7 @@ from lightning_hbm.models import NanoGPT
 
 
 def _fit(model: pl.LightningModule, trainer_factory: Callable[..., pl.Trainer], datamodule: Any, **kwargs: Any) -> HBMProfiler:
-    profiler = kwargs.pop("profiler", None) or HBMProfiler(summary=False)
+    profiler = kwargs.pop("profiler", None) or HBMProfiler(every_n_steps=1, summary=False)
     trainer = trainer_factory(callbacks=[profiler], **kwargs)
     trainer.fit(model, datamodule)
     return profiler
@@ -32,7 +32,7 @@ def test_light_mode_matches_hand_computed_bytes(
     model = gpt_factory()
     params = list(model.parameters())
     fp32 = sum(p.numel() * 4 for p in params)
-    profiler = _fit(model, trainer_factory, datamodule_factory(), max_steps=3, profiler=HBMProfiler(summary=True))
+    profiler = _fit(model, trainer_factory, datamodule_factory(), max_steps=3, profiler=HBMProfiler(every_n_steps=1))
     assert [r["step"] for r in profiler.rows] == [0, 1, 2]
     for row in profiler.rows:
         assert row["mode"] == "light"
@@ -127,7 +127,7 @@ def test_oom_writes_report_and_reraises(
 ) -> None:
     checkpoint = tmp_path / "last.ckpt"
     checkpoint.write_bytes(b"existing checkpoint")
-    profiler = HBMProfiler(summary=False)
+    profiler = HBMProfiler(every_n_steps=1, summary=False)
     trainer = trainer_factory(callbacks=[profiler, _OOMAtStep(2, error)], max_steps=5)
     with pytest.raises(type(error), match="simulated"):
         trainer.fit(gpt_factory(), datamodule_factory())
@@ -195,7 +195,8 @@ def test_snapshot_off_cuda_warns(
     gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer], tmp_path: Path
 ) -> None:
     with pytest.warns(UserWarning, match="not on CUDA, so no snapshot"):
-        profiler = _fit(gpt_factory(), trainer_factory, datamodule_factory(), max_steps=1, profiler=HBMProfiler(snapshot_steps=(0, 1), summary=False))
+        profiler = _fit(gpt_factory(), trainer_factory, datamodule_factory(), max_steps=3, profiler=HBMProfiler(snapshot_steps=(0, 1), summary=False), log_every_n_steps=2)
+    assert [r["step"] for r in profiler.rows] == [0, 2]  # default cadence: the Trainer's log_every_n_steps
     assert profiler.snapshot_path is None and not list(tmp_path.glob("*.pickle"))
 
 
@@ -203,7 +204,7 @@ def test_snapshot_off_cuda_warns(
 def test_gpu_category_sum_matches_allocator_and_snapshot_opens(
     gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], tmp_path: Path
 ) -> None:
-    profiler = HBMProfiler(detailed_steps=[2], snapshot_steps=(1, 3), summary=False)
+    profiler = HBMProfiler(every_n_steps=1, detailed_steps=[2], snapshot_steps=(1, 3), summary=False)
     trainer = pl.Trainer(
         accelerator="cuda", devices=1, max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path, callbacks=[profiler],
@@ -247,7 +248,7 @@ if __name__ == "__main__":
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        default_root_dir=sys.argv[1], callbacks=[HBMProfiler(summary=False)],
+        default_root_dir=sys.argv[1], callbacks=[HBMProfiler(every_n_steps=1, summary=False)],
     )
     trainer.fit(model, data)
 '''

@@ -98,7 +98,7 @@ def test_nf4_costs_more_than_int8_dynamic(gpt_factory: Any, datamodule_factory: 
 def test_validation_metrics_are_logged_through_lightning(
     gpt_factory: Any, datamodule_factory: Any, trainer_factory: Any
 ) -> None:
-    quality = QuantizationQuality(weight_sqnr=False, min_cosine_similarity=-1.0)
+    quality = QuantizationQuality(weight_sqnr=False)
     logger = RecordingLogger()
     trainer = trainer_factory(
         max_steps=2, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=1, logger=logger,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-import pytest
 import torch
 from torch import nn
 
-from lightning_hbm.memory import CATEGORIES, MemoryBreakdown, classify, owned_storages, parameter_bytes
+from lightning_hbm.memory import CATEGORIES, MemoryBreakdown, classify, owned_storages, parameter_bytes, tensor_bytes
 from lightning_hbm.models import NanoGPT
 from lightning_hbm.precision import quantize_model
 
@@ -116,3 +115,8 @@ def test_device_filter_and_owned_priority(gpt_factory: Callable[..., NanoGPT]) -
 def test_dominant() -> None:
     assert MemoryBreakdown(parameters=1, activations=5).dominant() == "activations"
     assert MemoryBreakdown().dominant() == "parameters"
+
+
+def test_tensor_bytes_counts_each_storage_once() -> None:
+    a, b = torch.zeros(10), torch.zeros(3, dtype=torch.float64)
+    assert tensor_bytes([a, a[2:], a.view(2, 5), b]) == 10 * 4 + 3 * 8

@@ -3,6 +3,7 @@ kept (separate fp32 master copies, the engine's state) and that training equals 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import bitsandbytes as bnb
@@ -84,6 +85,25 @@ def test_bf16_parameters_get_fp32_masters(gpt_factory: Any) -> None:
     assert "master_params" in optimizer.state_dict()  # fp32 masters carry more than bf16 weights
 
 
+def test_resume_plain_optimizer_state_into_offload(gpt_factory: Any) -> None:
+    """A checkpoint written without offload loads into the offloaded engine and training continues identically."""
+    batches = [torch.randint(0, 256, (2, 16)) for _ in range(3)]
+    models = [gpt_factory(), gpt_factory()]
+    plain = torch.optim.AdamW(models[0].parameters(), lr=1e-2)
+    for idx in batches[:2]:
+        models[0].loss((idx, idx)).backward()
+        plain.step()
+        plain.zero_grad()
+    models[1].load_state_dict(models[0].state_dict())
+    offloaded = OffloadedOptimizer(torch.optim.AdamW(models[1].parameters(), lr=1e-2))
+    offloaded.load_state_dict(copy.deepcopy(plain.state_dict()))  # as read from a checkpoint file
+    for model, optimizer in zip(models, (plain, offloaded)):
+        model.loss((batches[2], batches[2])).backward()
+        optimizer.step()
+    for p, q in zip(models[1].parameters(), models[0].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
 def test_checkpoint_round_trip(trainer_factory: Any, datamodule_factory: Any, loss_recorder: Any, tmp_path: Any) -> None:
     """Stopping at an epoch end (4 batches) and resuming gives the uninterrupted run's losses."""
     _, _, full = _fit(trainer_factory, datamodule_factory, loss_recorder, steps=-1, max_epochs=2, strategy="cpu_offload")
@@ -141,6 +161,8 @@ def test_composes_with_qlora(trainer_factory: Any, datamodule_factory: Any, loss
 
 
 def test_errors(trainer_factory: Any, datamodule_factory: Any, gpt_factory: Any) -> None:
+    with pytest.raises(ValueError, match=r"offload_device='host'\) is not a device torch knows.*Use 'cpu'"):
+        CPUOffloadStrategy(offload_device="host")
     with pytest.raises(ValueError, match=r"single device, but the Trainer was given 2"):
         trainer_factory(strategy="cpu_offload", devices=2)
     trainer = trainer_factory(strategy=CPUOffloadStrategy(offload_gradients=True), gradient_clip_val=1.0)
@@ -178,3 +200,13 @@ def test_gpu_states_leave_hbm(datamodule_factory: Any, trainer_factory: Any) -> 
             assert all(not t.is_cuda for s in trainer.optimizers[0].offloaded.optim_dict.values() for st in s.state.values() for t in st.values() if torch.is_tensor(t))
     state_bytes = 8 * sum(p.numel() for p in model.parameters())
     assert peaks["auto"] - peaks["cpu_offload"] > 0.7 * state_bytes
+
+
+def test_cli_parses_strategy() -> None:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(CPUOffloadStrategy, "strategy")
+    config = parser.parse_args(["--strategy.offload_gradients", "true", "--strategy.offload_device", "cpu"])
+    strategy = CPUOffloadStrategy(**config.strategy)
+    assert strategy.offload_gradients is True and strategy.offload_device == torch.device("cpu")

@@ -25,6 +25,8 @@ STEPS_PER_EPOCH = 2
 GLOBAL_BATCH = 8
 DATA = dict(seq_len=32, train_samples=STEPS_PER_EPOCH * GLOBAL_BATCH, val_samples=8, max_bytes=200_000)
 TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=64)
+# set by a launcher in this process would make the 2-rank subprocess join another group
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
 def _callbacks() -> list[Any]:
@@ -79,10 +81,14 @@ def _datamodule(ranks: int) -> Any:
 
 
 def _model() -> Any:
+    """The same base on every rank; the RNG that initializes the LoRA adapters differs per rank
+    (``LOCAL_RANK``), so the 2-rank run only matches if the strategy syncs them from rank 0."""
     from lightning_hbm.models import NanoGPT
 
     torch.manual_seed(0)
-    return NanoGPT(**TINY)
+    model = NanoGPT(**TINY)
+    torch.manual_seed(int(os.environ.get("LOCAL_RANK", 0)))
+    return model
 
 
 def _global_losses() -> Any:
@@ -133,7 +139,8 @@ def worker(out: Path) -> None:
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp_qlora")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "fsdp", str(out)],
         env=env,
@@ -159,7 +166,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "model": model,
         "param_bytes": parameter_bytes(model),
         "constant_bytes": unique_bytes(constants),
-        "optimizer_bytes": unique_bytes(t for s in trainer.optimizers[0].state.values() for t in s.values() if t.dim() > 0),
+        "optimizer_bytes": unique_bytes(
+            t for s in trainer.optimizers[0].state.values() for t in s.values() if t.dim() > 0
+        ),
     }
 
 
@@ -218,7 +227,8 @@ def test_planner_per_rank_prediction_matches_two_rank_measurement(
     from lightning_hbm.data import synthetic_batch
     from lightning_hbm.planner import Candidate, predict, shard_categories
 
-    prediction = predict(_model, synthetic_batch(GLOBAL_BATCH // 2, DATA["seq_len"]), Candidate("nf4", "float32", lora_r=4))
+    batch = synthetic_batch(GLOBAL_BATCH // 2, DATA["seq_len"])  # what one rank computes on
+    prediction = predict(_model, batch, Candidate("nf4", "float32", lora_r=4))
     assert prediction.categories["parameters"] == reference["param_bytes"]  # exact on one rank
     per_rank = shard_categories(prediction.categories, world_size=2)
     for rank in _ranks(two_rank_run):
@@ -229,7 +239,9 @@ def test_planner_per_rank_prediction_matches_two_rank_measurement(
 
 
 @pytest.mark.slow
-def test_checkpoint_from_two_ranks_resumes_on_one(two_rank_run: Path, reference: dict[str, Any], tmp_path: Path) -> None:
+def test_checkpoint_from_two_ranks_resumes_on_one(
+    two_rank_run: Path, reference: dict[str, Any], tmp_path: Path
+) -> None:
     ckpt = two_rank_run / "fsdp.ckpt"
     checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
     keys = sorted(checkpoint["state_dict"])
@@ -248,12 +260,17 @@ def test_checkpoint_from_two_ranks_resumes_on_one(two_rank_run: Path, reference:
 
 @pytest.fixture
 def no_process_group() -> Any:
-    """A 1-rank QuantizedFSDPStrategy initializes a gloo group in this process: destroy it after."""
+    """A 1-rank QuantizedFSDPStrategy initializes a gloo group in this process and Lightning exports
+    MASTER_PORT, WORLD_SIZE, ... to ``os.environ``: destroy the group and restore the environment,
+    or later multi-process tests (which inherit the environment) join the wrong group."""
     import torch.distributed as dist
 
+    environ = dict(os.environ)
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 @pytest.mark.slow
@@ -328,7 +345,8 @@ def test_parameters_outside_submodules_are_refused(trainer_factory: Any, no_proc
 
     model = WithScale()
     trainer = trainer_factory(strategy=QuantizedFSDPStrategy())
-    with pytest.raises(ValueError, match=r"WithScale holds parameters directly \(\['scale'\]\).*move them into a submodule"):
+    message = r"WithScale holds parameters directly \(\['scale'\]\).*move them into a submodule"
+    with pytest.raises(ValueError, match=message):
         trainer.fit(model, train_dataloaders=[_batch()])
 
 

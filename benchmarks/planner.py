@@ -1,0 +1,128 @@
+"""Planner benchmark: plan a Llama-3.1-8B-sized model at batch 2 x 2048 on a CPU machine, without allocating it.
+
+Prints the table of candidates, the wall time of the whole plan, the peak resident memory of this process
+(the weights would be 16 GB in bf16: they are never allocated), and the predicted QLoRA + full activation
+checkpointing peak next to the analytic floor and torchtune's published 7.4 GiB.
+
+    python benchmarks/planner.py                 # 8B table (CPU is fine)
+    python benchmarks/planner.py --gpu-check     # on a CUDA machine: ~1B model, predicted vs max_memory_allocated
+
+The analytic floor counts only what cannot be avoided with QLoRA (shared/notes/verified-facts.md terms):
+NF4 + double quant base (4.127 bits per quantized parameter), bf16 embeddings/norms, fp32 LoRA adapters with
+AdamW states (4 + 4 + 8 bytes per adapter parameter), and with full recompute one bf16 block input per layer.
+It leaves out the logits and the loss (B*T*vocab floats: ~2 GiB at vocab 128k in fp32, several copies in
+the forward and backward of an unchunked cross-entropy), which torchtune shrinks by chunking the loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from functools import partial
+
+import torch
+
+from lightning_hbm.data import synthetic_batch
+from lightning_hbm.models import LlamaLM
+from lightning_hbm.planner import Candidate, format_bytes, plan, predict
+
+LLAMA_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+)
+LLAMA_1B = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+)
+TORCHTUNE_QLORA_GIB = 7.4
+
+
+def analytic_qlora_floor(config: dict, batch: int, seq: int, rank: int) -> int:
+    """Bytes that QLoRA + full recompute cannot avoid (see the module docstring)."""
+    h, i, layers, vocab = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"], config["vocab_size"]
+    kv = h * config["num_key_value_heads"] // config["num_attention_heads"]
+    per_layer_linear = h * h * 2 + h * kv * 2 + 3 * h * i  # q, o, k, v, gate, up, down
+    quantized = layers * per_layer_linear + vocab * h  # lm_head is a Linear: quantized too
+    base = quantized * 4.127 / 8 + (vocab * h + (2 * layers + 1) * h) * 2  # bf16 embedding + norms
+    adapters = layers * rank * (2 * (h + h) + 2 * (h + kv) + 2 * (h + i) + (i + h)) + rank * (h + vocab)
+    activations = layers * batch * seq * h * 2  # one bf16 block input kept per layer
+    return int(base + adapters * 16 + activations)
+
+
+def table_8b() -> None:
+    factory = partial(LlamaLM, **LLAMA_8B)
+    batch = synthetic_batch(2, 2048, vocab_size=LLAMA_8B["vocab_size"])
+    candidates = [
+        Candidate("bf16-true"),
+        Candidate("bf16-true", optimizer="adamw8bit"),
+        Candidate("bf16-true", checkpointing="full", optimizer="adamw8bit"),
+        Candidate("bf16-true", lora_r=16),
+        Candidate("bf16-true", lora_r=16, checkpointing="full"),
+        Candidate("nf4-dq", lora_r=16),
+        Candidate("nf4-dq", lora_r=16, checkpointing="selective"),
+        Candidate("nf4-dq", lora_r=16, checkpointing="full"),
+    ]
+    start = time.perf_counter()
+    result = plan(factory, batch, budget="24GiB", candidates=candidates, device="cuda")
+    seconds = time.perf_counter() - start
+    print(result)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"\nplanned {len(result.predictions)} candidates for Llama-3.1-8B-sized LlamaLM, batch 2 x 2048, "
+          f"in {seconds:.1f} s; peak RSS of this process {format_bytes(rss)} (no weights allocated)")
+    chosen = result.chosen
+    print(f"chosen for 24 GiB: {chosen.candidate.name if chosen else None}")
+    qlora = result.find(Candidate("nf4-dq", lora_r=16, checkpointing="full"))
+    floor = analytic_qlora_floor(LLAMA_8B, 2, 2048, 16)
+    print(f"QLoRA (nf4-dq, r=16) + full AC: predicted peak {format_bytes(qlora.peak)} "
+          f"(parameters {format_bytes(qlora.categories['parameters'])}, activations "
+          f"{format_bytes(qlora.categories['activations'])}, other {format_bytes(qlora.categories['other'])}); "
+          f"analytic floor without logits/loss {format_bytes(floor)}; torchtune (chunked loss, compile) "
+          f"{TORCHTUNE_QLORA_GIB} GiB")
+
+
+def gpu_check() -> None:
+    """~1B LlamaLM, bf16 + full AC and QLoRA: predicted peak vs torch.cuda.max_memory_allocated of a real step."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    if not torch.cuda.is_available():
+        sys.exit("--gpu-check needs a CUDA device")
+    batch = synthetic_batch(2, 1024, vocab_size=LLAMA_1B["vocab_size"])
+    for candidate in (Candidate("bf16-true", checkpointing="full"), Candidate("nf4-dq", lora_r=16, checkpointing="full")):
+        predicted = predict(partial(LlamaLM, **LLAMA_1B), batch, candidate, device="cuda")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        precision = {"plugins": [candidate.precision_plugin("cuda")]} if candidate.quantized else {"precision": candidate.precision}
+        trainer = pl.Trainer(
+            accelerator="cuda", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=candidate.callbacks(), **precision,
+        )  # fmt: skip
+        samples = [tuple(t[i] for t in batch) for i in range(2)] * 2
+        with torch.device("cuda"):
+            model = LlamaLM(**LLAMA_1B)
+        trainer.fit(model, DataLoader(samples, batch_size=2))
+        measured = torch.cuda.max_memory_allocated()
+        print(f"{candidate.name}: predicted {format_bytes(predicted.peak)} measured max_memory_allocated "
+              f"{format_bytes(measured)} ({100 * (predicted.peak / measured - 1):+.1f} %)")
+        del trainer, model
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gpu-check", action="store_true")
+    if parser.parse_args().gpu_check:
+        gpu_check()
+    else:
+        table_8b()

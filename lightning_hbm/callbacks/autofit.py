@@ -1,0 +1,195 @@
+"""``AutoFit``: plan before the first step, then train with the fastest configuration that fits the budget.
+
+What it shrinks: whichever term it must. At ``setup`` it runs :func:`lightning_hbm.plan` on the
+LightningModule and one training batch (nothing is allocated: the planner traces a fake copy), picks
+the fastest candidate whose predicted peak (+ CUDA overhead on GPU) fits ``budget``, and applies it
+through the same plugin and callbacks a user would configure by hand: it replaces the Trainer's
+precision plugin by a :class:`~lightning_hbm.QuantizedPrecision` when a quantized base is chosen, and
+appends :class:`~lightning_hbm.LoRA` / :class:`~lightning_hbm.ActivationCheckpointing` /
+:class:`~lightning_hbm.callbacks.optimizer.MemoryEfficientOptimizer` to ``trainer.callbacks``, before
+lightning_hbm's surgery runs. If nothing fits, it raises before training, listing the closest candidates.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_hbm.planner import (
+    LIGHTNING_PRECISIONS,
+    Candidate,
+    Plan,
+    Prediction,
+    default_candidates,
+    format_bytes,
+    parse_bytes,
+    plan,
+)
+from lightning_hbm.precision import QuantizedPrecision
+from lightning_hbm.surgery import install
+
+log = logging.getLogger(__name__)
+
+
+class AutoFit(Callback):
+    """Choose and apply the fastest memory configuration that fits ``budget``, before training starts.
+
+    Args:
+        budget: device memory the run must fit in, e.g. ``"24GiB"``, ``"80GB"``, or bytes.
+        precisions: precisions to consider besides the Trainer's own (always first). Default
+            ``["nf4-dq"]`` (a quantized base is only tried with LoRA).
+        lora_ranks: LoRA ranks to consider; ``0`` trains the whole model. Default ``[0, 16]``.
+        checkpointing: activation checkpointing policies to consider. Default all three.
+        optimizers: ``"user"`` (the optimizer of ``configure_optimizers``) and/or 8-bit kinds.
+            Default ``["user", "adamw8bit"]``.
+
+    Among candidates that fit, the lowest relative step time wins; ties go to the one closest to the
+    training as written (full fine-tuning over LoRA, unquantized over quantized, the user's optimizer
+    over an 8-bit one). See :mod:`lightning_hbm.planner` for the stated cost assumptions.
+
+    Logged once at setup, through the Trainer's loggers: ``autofit/predicted_peak`` (bytes, with the
+    CUDA overhead on GPU), ``autofit/budget`` (bytes), ``autofit/relative_step_time``; and the chosen
+    configuration's name as the hyperparameter ``autofit/choice``. :attr:`plan` keeps the whole plan,
+    :attr:`chosen` the chosen :class:`~lightning_hbm.planner.Prediction`.
+
+    Example::
+
+        trainer = Trainer(callbacks=[AutoFit(budget="24GiB")])
+        trainer.fit(model, datamodule)   # prints the plan, trains with the chosen configuration
+    """
+
+    def __init__(
+        self,
+        budget: Union[str, int] = "24GiB",
+        precisions: Optional[list[str]] = None,
+        lora_ranks: Optional[list[int]] = None,
+        checkpointing: Optional[list[Literal["none", "selective", "full"]]] = None,
+        optimizers: Optional[list[str]] = None,
+    ) -> None:
+        self.budget = parse_bytes(budget)
+        for name, value in (
+            ("precisions", precisions), ("lora_ranks", lora_ranks), ("checkpointing", checkpointing), ("optimizers", optimizers)
+        ):  # fmt: skip
+            if isinstance(value, str):
+                raise TypeError(f"AutoFit({name}={value!r}): pass a list, e.g. {name}=[{value!r}].")
+        self.precisions = list(precisions) if precisions is not None else ["nf4-dq"]
+        self.lora_ranks = list(lora_ranks) if lora_ranks is not None else [0, 16]
+        self.checkpointing = list(checkpointing) if checkpointing is not None else ["none", "selective", "full"]
+        self.optimizers = list(optimizers) if optimizers is not None else ["user", "adamw8bit"]
+        for name, values in (
+            ("precisions", self.precisions),
+            ("lora_ranks", self.lora_ranks),
+            ("checkpointing", self.checkpointing),
+            ("optimizers", self.optimizers),
+        ):
+            if not values and name != "precisions":  # precisions may be empty: the Trainer's own is always tried
+                raise ValueError(f"AutoFit({name}=[]): pass at least one value (see the docstring for the defaults).")
+        # validate every axis value now (Candidate raises a clear error for a bad one), not at fit time
+        default_candidates(["bf16-true", *self.precisions], self.lora_ranks, self.checkpointing, self.optimizers)
+        self.plan: Optional[Plan] = None
+        self.chosen: Optional[Prediction] = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.chosen is not None:
+            return
+        baseline = _baseline_precision(trainer)
+        precisions = [baseline[0], *(p for p in self.precisions if p != baseline[0])]
+        candidates = [
+            Candidate(c.precision, baseline[1] if c.precision == baseline[0] else c.dtype, c.lora_r, c.checkpointing, c.optimizer)
+            for c in default_candidates(precisions, self.lora_ranks, self.checkpointing, self.optimizers)
+        ]
+        device = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
+        self.plan = plan(pl_module, _example_batch(trainer), budget=self.budget, candidates=candidates, device=device)
+        rank_zero_info(f"AutoFit plan (budget {format_bytes(self.budget)}):\n{self.plan}")
+        chosen = self.plan.chosen
+        if chosen is None:
+            raise ValueError(_nothing_fits(self.plan))
+        self.chosen = chosen
+        self._apply(trainer, chosen.candidate, baseline[0])
+        rank_zero_info(
+            f"AutoFit chose {chosen.candidate.name}: predicted peak {format_bytes(chosen.total)} of "
+            f"{format_bytes(self.budget)}, relative step time {chosen.cost:.2f}x. Same by hand:\n{chosen.candidate.yaml()}"
+        )
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"autofit/choice": chosen.candidate.name})
+            logger.log_metrics(
+                {
+                    "autofit/predicted_peak": float(chosen.total),
+                    "autofit/budget": float(self.budget),
+                    "autofit/relative_step_time": chosen.cost,
+                },
+                step=0,
+            )
+
+    def _apply(self, trainer: pl.Trainer, candidate: Candidate, baseline: str) -> None:
+        if candidate.precision != baseline:
+            # Before install(): the surgery wraps the plugin that is active when it is installed.
+            trainer.strategy.precision_plugin = candidate.precision_plugin(trainer.strategy.root_device.type)
+        # Appended before the surgery runs (in strategy.setup, after every Callback.setup): the spine
+        # picks SurgeryCallbacks from trainer.callbacks at that point.
+        trainer.callbacks.extend(candidate.callbacks())
+        install(trainer)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"choice": None if self.chosen is None else self.chosen.candidate.name}
+
+
+def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str]:
+    """(precision name, dtype) of the Trainer as configured: the candidate that changes nothing."""
+    plugin = trainer.strategy.precision_plugin
+    if isinstance(plugin, QuantizedPrecision):
+        return plugin.mode.name, str(plugin.dtype).removeprefix("torch.")
+    name = str(trainer.precision)
+    if name not in LIGHTNING_PRECISIONS:
+        raise ValueError(
+            f"AutoFit cannot plan the Trainer's precision {name!r}. Use one of {list(LIGHTNING_PRECISIONS)} "
+            "or a lightning_hbm QuantizedPrecision plugin."
+        )
+    return name, "bfloat16"
+
+
+def _example_batch(trainer: pl.Trainer) -> Any:
+    """One training batch, at Callback.setup time (before Lightning loads the dataloaders itself)."""
+    datamodule = trainer.datamodule
+    if datamodule is not None and hasattr(datamodule, "example_batch"):
+        return datamodule.example_batch()
+    # Lightning has no public way to reach the train dataloader before the fit loop loads it: the fit
+    # loop's data source is what Lightning itself will call (the module's train_dataloader, the
+    # datamodule's, or the loader passed to fit).
+    loader = trainer.fit_loop._data_source.dataloader()
+    try:
+        return next(iter(loader))
+    except (TypeError, StopIteration) as err:
+        raise ValueError(
+            "AutoFit needs one training batch to plan with, but the train dataloader gave none "
+            f"({type(err).__name__}). Pass a non-empty train dataloader or a datamodule."
+        ) from err
+
+
+def _nothing_fits(result: Plan) -> str:
+    lines = [
+        f"AutoFit: no candidate fits the budget of {format_bytes(result.budget or 0)} "
+        f"({len(result.predictions)} planned). Closest:"
+    ]
+    for prediction in result.closest(3):
+        over = prediction.total - (result.budget or 0)
+        biggest = max(prediction.categories, key=lambda c: prediction.categories[c])
+        lines.append(
+            f"  {prediction.candidate.name}: needs {format_bytes(prediction.total)} ({format_bytes(over)} over; "
+            f"largest term {biggest} {format_bytes(prediction.categories[biggest])})"
+        )
+    lines.append(
+        "Raise the budget, lower the batch size or sequence length, or allow more axes "
+        "(precisions=['nf4-dq'], lora_ranks=[8], checkpointing=['full'], optimizers=['adamw8bit'])."
+    )
+    return "\n".join(lines)
+
+
+__all__ = ["AutoFit"]

@@ -1,0 +1,85 @@
+"""AutoFit: chooses a configuration whose measured peak is under the budget, or fails before training."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from lightning_hbm import AutoFit
+from lightning_hbm.callbacks.profiler import HBMProfiler
+from lightning_hbm.precision import QuantizedPrecision
+from lightning_hbm.surgery import applied_transforms
+
+
+def test_tight_budget_measured_peak_under_budget(
+    gpt_factory: Callable[..., Any],
+    datamodule_factory: Callable[..., Any],
+    trainer_factory: Callable[..., Any],
+    loss_recorder: Callable[[], Any],
+    tmp_path: Any,
+) -> None:
+    # tiny GPT, batch 4 x 64: full fine-tuning in fp32 peaks at ~4.8 MiB; 2 MiB forces a smaller configuration
+    model = gpt_factory()
+    autofit = AutoFit(budget="2MiB", lora_ranks=[0, 8], checkpointing=["full"], optimizers=["user"])
+    profiler = HBMProfiler(detailed_steps=[1], summary=False, dirpath=str(tmp_path))
+    recorder = loss_recorder()
+    trainer = trainer_factory(max_steps=2, callbacks=[autofit, profiler, recorder])
+    trainer.fit(model, datamodule_factory(seq_len=64, batch_size=4))
+
+    chosen = autofit.chosen
+    assert chosen is not None and chosen.total <= 2 * 2**20
+    assert not autofit.plan.predictions[0].fits  # the fastest candidate did not fit
+    measured = profiler.rows[-1]["tracked_peak"]
+    assert measured <= 2 * 2**20
+    assert measured == pytest.approx(chosen.peak, rel=0.10)
+    # applied through the same plugin and callbacks a user would configure
+    assert chosen.candidate.name == "nf4-dq+lora8+ac-full"
+    assert isinstance(trainer.strategy.precision_plugin, QuantizedPrecision)
+    assert applied_transforms(model) == ["QuantizedPrecision(nf4-dq)", "LoRA", "ActivationCheckpointing"]
+    assert len(recorder.losses) == 2
+
+
+def test_roomy_budget_keeps_the_users_configuration(
+    gpt_factory: Callable[..., Any], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., Any]
+) -> None:
+    model = gpt_factory()
+    autofit = AutoFit(budget="1GiB", lora_ranks=[0], checkpointing=["none", "full"], optimizers=["user"])
+    trainer = trainer_factory(max_steps=1, callbacks=[autofit])
+    trainer.fit(model, datamodule_factory(seq_len=32, batch_size=2))
+    assert autofit.chosen.candidate.name == "32-true"
+    assert applied_transforms(model) == []
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_impossible_budget_raises_before_training(
+    gpt_factory: Callable[..., Any],
+    datamodule_factory: Callable[..., Any],
+    trainer_factory: Callable[..., Any],
+    loss_recorder: Callable[[], Any],
+) -> None:
+    model = gpt_factory()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    recorder = loss_recorder()
+    autofit = AutoFit(budget="100KiB", lora_ranks=[0, 8], checkpointing=["full"], optimizers=["user"])
+    trainer = trainer_factory(max_steps=2, callbacks=[autofit, recorder])
+    with pytest.raises(ValueError, match=r"no candidate fits the budget of 100.00 KiB(.|\n)*Closest:(.|\n)*needs"):
+        trainer.fit(model, datamodule_factory(seq_len=32, batch_size=2))
+    assert recorder.losses == []
+    assert applied_transforms(model) == []
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="Cannot read the memory size 'lots'"):
+        AutoFit(budget="lots")
+    with pytest.raises(TypeError, match=r"AutoFit\(lora_ranks='8'\): pass a list"):
+        AutoFit(lora_ranks="8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"AutoFit\(optimizers=\[\]\): pass at least one value"):
+        AutoFit(optimizers=[])
+    with pytest.raises(ValueError, match="checkpointing must be one of .*got 'sometimes'"):
+        AutoFit(checkpointing=["sometimes"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="Candidate precision 'nf3' is unknown"):
+        AutoFit(precisions=["nf3"])

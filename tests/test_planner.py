@@ -1,0 +1,196 @@
+"""The planner: predictions against real storage counts and the profiler's measurement, errors, plan API."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.data import DataLoader
+
+from lightning_hbm.callbacks.profiler import HBMProfiler
+from lightning_hbm.data import synthetic_batch
+from lightning_hbm.memory.storage import parameter_bytes
+from lightning_hbm.models import LlamaLM, NanoGPT
+from lightning_hbm.planner import (
+    CUDA_CONTEXT_BYTES,
+    Candidate,
+    parse_bytes,
+    plan,
+    predict,
+    quantized_parameter_bytes,
+    shard_categories,
+)
+from lightning_hbm.precision import quantize_model
+from lightning_hbm.surgery import applied_transforms
+
+TINY_GPT = dict(n_layer=2, n_head=2, n_embd=64, block_size=128)
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+BATCH, SEQ = 4, 32
+
+
+def _profiled_peak(factory: Callable[[], pl.LightningModule], candidate: Candidate, batch: Any, tmp_path: Any) -> dict:
+    """Train 2 steps with the candidate configured by hand; the profiler measures step 1 (steady state) in detail."""
+    torch.manual_seed(0)
+    profiler = HBMProfiler(detailed_steps=[1], summary=False, dirpath=str(tmp_path))
+    precision = {"plugins": [candidate.precision_plugin()]} if candidate.quantized else {"precision": candidate.precision}
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        callbacks=[*candidate.callbacks(), profiler], **precision,
+    )  # fmt: skip
+    samples = [tuple(t[i] for t in batch) for i in range(BATCH)] * 2
+    trainer.fit(factory(), DataLoader(samples, batch_size=BATCH))
+    return profiler.rows[-1]
+
+
+# Six candidates that run on CPU, over both test LMs and every axis (precision, LoRA, checkpointing, optimizer).
+ACCURACY_CASES = [
+    ("gpt", Candidate("32-true")),
+    ("gpt", Candidate("nf4-dq", lora_r=8)),
+    ("gpt", Candidate("bf16-true", checkpointing="full", optimizer="adamw8bit")),
+    ("llama", Candidate("bf16-true")),
+    ("llama", Candidate("int8", lora_r=8, checkpointing="selective")),
+    ("llama", Candidate("nf4", lora_r=4, checkpointing="full", optimizer="adamw8bit")),
+]
+
+
+@pytest.mark.parametrize(("model", "candidate"), ACCURACY_CASES, ids=[f"{m}-{c.name}" for m, c in ACCURACY_CASES])
+def test_prediction_matches_profiler(model: str, candidate: Candidate, tmp_path: Any) -> None:
+    factory = partial(NanoGPT, **TINY_GPT) if model == "gpt" else partial(LlamaLM, **TINY_LLAMA)
+    batch = synthetic_batch(BATCH, SEQ)
+    predicted = predict(factory, batch, candidate)
+    measured = _profiled_peak(factory, candidate, batch, tmp_path)
+    # the whole-step peak of live tensor storage, as the profiler tracks it
+    assert predicted.peak == pytest.approx(measured["tracked_peak"], rel=0.10)
+    assert predicted.peak == pytest.approx(measured["tracked_peak"], rel=0.01)  # what we actually reach
+    assert predicted.categories["parameters"] == measured["parameters"]
+    assert predicted.categories["optimizer_states"] == measured["optimizer_states"]
+    assert predicted.categories["gradients"] == measured["gradients"]
+
+
+@pytest.mark.parametrize("mode", ["nf4", "nf4-dq", "fp4-dq", "int8"])
+def test_planned_quantized_storage_equals_real(mode: str) -> None:
+    torch.manual_seed(0)
+    real = NanoGPT(**TINY_GPT)
+    planned = quantized_parameter_bytes(real, mode, "bfloat16")  # on a fake copy: nothing allocated
+    assert not applied_transforms(real)  # the user's model is untouched
+    quantize_model(real, mode, "bfloat16")
+    assert planned == parameter_bytes(real)
+    assert planned < parameter_bytes(NanoGPT(**TINY_GPT))
+
+
+def test_extrapolated_depth_equals_full_trace() -> None:
+    # checkpointing is the case where cutting to 2/3 blocks overshot (+14 %): 3/4 must be exact
+    factory = partial(NanoGPT, **{**TINY_GPT, "n_layer": 8, "n_embd": 32})
+    batch = synthetic_batch(2, 16)
+    candidate = Candidate("bf16-true", checkpointing="full")
+    fast = predict(factory, batch, candidate, extrapolate=True)
+    full = predict(factory, batch, candidate, extrapolate=False)
+    assert fast.categories == full.categories
+    assert (fast.trainable_params, fast.total_params) == (full.trainable_params, full.total_params)
+
+
+def test_factory_runs_under_fake_mode_and_instances_stay_untouched(gpt_factory: Callable[..., NanoGPT]) -> None:
+    seen: list[bool] = []
+
+    def factory() -> NanoGPT:
+        model = NanoGPT(**TINY_GPT)
+        seen.append(all(isinstance(p, FakeTensor) for p in model.parameters()))
+        return model
+
+    predict(factory, synthetic_batch(2, 16), Candidate("32-true"))
+    assert seen == [True]  # the weights of a factory-built model are never allocated
+
+    model = gpt_factory()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prediction = predict(model, synthetic_batch(2, 16), Candidate("nf4-dq", lora_r=4, checkpointing="full"))
+    assert prediction.trainable_params < prediction.total_params
+    assert not applied_transforms(model)
+    for key, value in model.state_dict().items():
+        assert not isinstance(value, FakeTensor)
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+def test_plan_picks_fastest_that_fits_and_renders(datamodule_factory: Callable[..., Any]) -> None:
+    candidates = [Candidate("32-true"), Candidate("32-true", checkpointing="full"), Candidate("32-true", lora_r=4)]
+    factory = partial(NanoGPT, **TINY_GPT)
+    datamodule = datamodule_factory(seq_len=64, batch_size=4)
+    unbounded = plan(factory, datamodule, candidates=candidates)
+    full = unbounded.find(Candidate("32-true"))
+    checkpointed = unbounded.find(Candidate("32-true", checkpointing="full"))
+    assert checkpointed.categories["activations"] < full.categories["activations"]
+    assert unbounded.chosen is full  # no budget: the user's configuration (fastest, closest to as written)
+
+    budget = (full.peak + checkpointed.peak) // 2
+    tight = plan(factory, datamodule, budget=budget, candidates=candidates)
+    assert tight.chosen is not None and tight.chosen.total <= budget and tight.chosen.fits
+    assert not tight.find(Candidate("32-true")).fits
+    assert [p.cost for p in tight.predictions] == sorted(p.cost for p in tight.predictions)
+    assert "32-true+ac-full" in str(tight)
+    assert tight.table().row_count == 3
+    snippet = yaml.safe_load(Candidate("nf4-dq", lora_r=16, checkpointing="full", optimizer="adamw8bit").yaml())
+    classes = [c["class_path"] for c in snippet["trainer"]["callbacks"]]
+    assert classes == ["lightning_hbm.LoRA", "lightning_hbm.ActivationCheckpointing", "lightning_hbm.MemoryEfficientOptimizer"]
+    assert snippet["trainer"]["plugins"][0]["init_args"] == {"mode": "nf4-dq", "dtype": "bfloat16"}
+
+    on_gpu = plan(factory, datamodule, candidates=candidates[:1], device="cuda")
+    assert on_gpu.predictions[0].total == on_gpu.predictions[0].peak + CUDA_CONTEXT_BYTES
+
+
+def test_shard_categories_per_rank() -> None:
+    single = {"parameters": 1000, "gradients": 1000, "optimizer_states": 2001, "activations": 500, "other": 10}
+    two = shard_categories(single, world_size=2, gathered_bytes=100)
+    assert two == {"parameters": 500, "gradients": 500, "optimizer_states": 1001, "activations": 500, "other": 110}
+    assert shard_categories(single, world_size=1, gathered_bytes=100) == single
+    with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
+        shard_categories(single, world_size=0)
+    with pytest.raises(ValueError, match=r"Unknown categories \['weights'\]"):
+        shard_categories({"weights": 1}, world_size=2)
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("24GiB") == 24 * 2**30
+    assert parse_bytes("80 GB") == 80 * 10**9
+    assert parse_bytes("1.5MiB") == 3 * 2**19
+    assert parse_bytes(4096) == 4096
+    with pytest.raises(ValueError, match="Cannot read the memory size '24 lightyears'"):
+        parse_bytes("24 lightyears")
+    with pytest.raises(ValueError, match="must be positive, got '0GiB'"):
+        parse_bytes("0GiB")
+    with pytest.raises(ValueError, match="positive number of bytes, got -1"):
+        parse_bytes(-1)
+    with pytest.raises(TypeError, match="got True"):
+        parse_bytes(True)
+
+
+def test_bad_input_errors(gpt_factory: Callable[..., NanoGPT]) -> None:
+    with pytest.raises(ValueError, match=r"Candidate precision 'fp3' is unknown.*'nf4-dq'"):
+        Candidate("fp3")
+    with pytest.raises(ValueError, match=r"lora_r must be an int >= 0 \(0 = no LoRA\), got -1"):
+        Candidate(lora_r=-1)
+    with pytest.raises(ValueError, match="checkpointing must be one of .*got 'half'"):
+        Candidate(checkpointing="half")  # type: ignore[arg-type]
+    batch = synthetic_batch(2, 16)
+    with pytest.raises(TypeError, match="needs a LightningModule or a factory returning one, got Linear"):
+        plan(torch.nn.Linear(2, 2), batch)
+    with pytest.raises(TypeError, match="factory returned Linear, not a LightningModule"):
+        plan(lambda: torch.nn.Linear(2, 2), batch)
+    with pytest.raises(ValueError, match="needs an example batch"):
+        plan(gpt_factory(), None)
+    with pytest.raises(ValueError, match="holds no tensor"):
+        plan(gpt_factory(), [1, 2])
+    with pytest.raises(TypeError, match="non-empty list of lightning_hbm.planner.Candidate"):
+        plan(gpt_factory(), batch, candidates=[])
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
+        plan(gpt_factory(), batch, device="tpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="planner does not know how precision mode 'int8-dynamic' stores weights"):
+        predict(gpt_factory(), batch, Candidate("int8-dynamic", lora_r=4))
+    # a candidate that cannot be planned is reported, the others are still planned
+    result = plan(gpt_factory(), batch, candidates=[Candidate("32-true"), Candidate("int8-dynamic", lora_r=4)])
+    assert [p.candidate.name for p in result.predictions] == ["32-true"]
+    assert "int8-dynamic" in result.failures[0][1]
