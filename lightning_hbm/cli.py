@@ -30,16 +30,24 @@ import pkgutil
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args
 
-from lightning.fabric.connector import _PRECISION_INPUT_STR
 import torch
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.fabric.connector import _PRECISION_INPUT_STR
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from typing_extensions import override
 
 import lightning_hbm
 from lightning_hbm.precision import QuantizedPrecision, available_precisions
 
 # Every value Lightning's Trainer accepts for ``precision`` (ints, their string forms, the long names).
 LIGHTNING_PRECISIONS: tuple[Union[int, str], ...] = (*get_args(_PRECISION_INPUT_STR), "bf16", "64", "32", "16", 64, 32, 16)
+
+_DESCRIPTION = (
+    "lightning_hbm: Lightning's CLI with quantized precisions (--trainer.precision nf4-dq) and short class names "
+    "for lightning_hbm's callbacks. Subcommands: fit, validate, test, predict; also `lightning-hbm plan` (same "
+    "options plus --budget 24GiB: predict the memory of each configuration) and `lightning-hbm report RUN_DIR` "
+    "(re-render a finished run's HBMProfiler report)."
+)
 
 DEFAULT_MODEL = "lightning_hbm.models.LlamaLM"
 DEFAULT_DATA = "lightning_hbm.data.ByteTextDataModule"
@@ -102,12 +110,11 @@ class HBMCLI(LightningCLI):
     def __init__(self, model_class: Any = None, datamodule_class: Any = None, **kwargs: Any) -> None:
         import_all_classes()
         self._quantized_precision: Optional[QuantizedPrecision] = None
-        kwargs.setdefault("subclass_mode_model", True)
-        kwargs.setdefault("subclass_mode_data", True)
         parser_kwargs = kwargs.setdefault("parser_kwargs", {})
         parser_kwargs.setdefault("description", _DESCRIPTION)
         super().__init__(model_class=model_class, datamodule_class=datamodule_class, **kwargs)
 
+    @override
     def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Lightning's core arguments, with ``trainer.precision`` widened to any name (checked later)."""
         # Same as LightningCLI's, except that Trainer's Literal type for `precision` would reject
@@ -133,11 +140,13 @@ class HBMCLI(LightningCLI):
         if self.datamodule_class is None:
             parser.set_defaults({"data": {"class_path": DEFAULT_DATA}})
 
+    @override
     def before_instantiate_classes(self) -> None:
         """Validate ``trainer.precision`` (and build its plugin) before any class is instantiated."""
         trainer_config = self._get(self.config, "trainer")
         _, self._quantized_precision = resolve_precision(trainer_config.get("precision"))
 
+    @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """Lightning's trainer, with a lightning_hbm precision name turned into its plugin."""
         if self._quantized_precision is not None:
@@ -157,6 +166,7 @@ class PlanCLI(HBMCLI):
     datamodule's first batch. ``--budget`` picks the fastest candidate that fits.
     """
 
+    @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """The planner's arguments, next to the usual ``trainer``/``model``/``data`` groups."""
         from lightning_hbm.planner import default_candidates
@@ -168,6 +178,7 @@ class PlanCLI(HBMCLI):
         # the candidate grid: default_candidates' own arguments, so its defaults stay in one place
         parser.add_function_arguments(default_candidates, "candidates")
 
+    @override
     def instantiate_classes(self) -> None:
         """Plan instead of building: the model is only ever built fake, inside the planner."""
         from lightning_hbm.plan import plan_from_config
@@ -220,14 +231,6 @@ def render_report(path: Union[str, Path], out_dir: Optional[Union[str, Path]] = 
     profiler.print_summary(paths)
     print(profiler.diagnosis())
     return paths
-
-
-_DESCRIPTION = (
-    "lightning_hbm: Lightning's CLI with quantized precisions (--trainer.precision nf4-dq) and short class names "
-    "for lightning_hbm's callbacks. Subcommands: fit, validate, test, predict; also `lightning-hbm plan` (same "
-    "options plus --budget 24GiB: predict the memory of each configuration) and `lightning-hbm report RUN_DIR` "
-    "(re-render a finished run's HBMProfiler report)."
-)
 
 
 def main(args: Optional[list[str]] = None) -> int:

@@ -102,12 +102,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where training will run")
     parser.add_argument("--batch-size", type=int, default=None, help="synthetic batch instead of the datamodule's")
     parser.add_argument("--seq-len", type=int, default=None, help="synthetic sequence length")
+    parser.add_argument("--precisions", nargs="+", default=None, help="default: the config's and nf4-dq")
+    parser.add_argument("--lora-ranks", nargs="+", type=int, default=[0, 16])
+    parser.add_argument("--checkpointing", nargs="+", default=["none", "selective", "full"])
+    parser.add_argument("--optimizers", nargs="+", default=["user", "adamw8bit"])
     args = parser.parse_args(argv)
     import yaml
 
     with open(args.config) as file:
         config = yaml.safe_load(file) or {}
-    result = plan_from_config(config, args.budget, args.device, args.batch_size, args.seq_len)
+    precision = str((config.get("trainer") or {}).get("precision", "bf16-true"))
+    precisions = args.precisions or [precision if precision in LIGHTNING_PRECISIONS else "bf16-true", "nf4-dq"]
+    candidates = default_candidates(precisions, args.lora_ranks, args.checkpointing, args.optimizers)
+    result = plan_from_config(config, args.budget, args.device, args.batch_size, args.seq_len, candidates)
     print_plan(result)
     return 0 if result.budget is None or result.chosen is not None else 2
 

@@ -145,6 +145,8 @@ class Candidate:
         checkpointing: ``lightning_hbm.ActivationCheckpointing(policy=...)``, or ``"none"``.
         optimizer: ``"user"`` keeps what ``configure_optimizers`` returns; any other value is a
             ``lightning_hbm.MemoryEfficientOptimizer(kind=...)`` (e.g. ``"adamw8bit"``).
+        offload: optimizer states in CPU memory (``Trainer(strategy="cpu_offload")``, CUDA only). A
+            strategy cannot be swapped once a Trainer exists, so AutoFit does not try this axis.
 
     A new axis is a new field with a default meaning "unchanged", plus its lines in :meth:`callbacks`,
     :meth:`relative_cost` and :meth:`yaml`.
@@ -155,6 +157,7 @@ class Candidate:
     lora_r: int = 0
     checkpointing: Checkpointing = "none"
     optimizer: str = "user"
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in LIGHTNING_PRECISIONS and self.precision not in available_precisions():
@@ -184,6 +187,8 @@ class Candidate:
             parts.append(f"ac-{self.checkpointing}")
         if self.optimizer != "user":
             parts.append(self.optimizer)
+        if self.offload:
+            parts.append("offload")
         return "+".join(parts)
 
     def precision_plugin(self, device: str = "cpu") -> Precision:
@@ -214,7 +219,7 @@ class Candidate:
 
     def relative_cost(self) -> float:
         """Step time relative to the user's configuration (1.0), from the stated assumptions."""
-        cost = 1.0 + _COST_CHECKPOINTING[self.checkpointing]
+        cost = 1.0 + _COST_CHECKPOINTING[self.checkpointing] + (_COST_OFFLOAD if self.offload else 0.0)
         if self.quantized:
             cost += _COST_INT8 if get_mode(self.precision).peft_kind == "8bit" else _COST_4BIT
         return round(cost, 3)
@@ -224,11 +229,14 @@ class Candidate:
         score = 0 if self.quantized else 2
         score += 0 if self.lora_r else 1
         score += 1 if self.optimizer == "user" else 0
+        score += 0 if self.offload else 1
         return score
 
     def yaml(self) -> str:
         """The LightningCLI YAML snippet that configures this candidate by hand."""
         lines = ["trainer:"]
+        if self.offload:
+            lines.append("  strategy: cpu_offload")
         if self.quantized:
             lines += [
                 "  plugins:",
@@ -493,6 +501,7 @@ class Prediction:
         trainable_params / total_params: parameter counts after the transforms (4-bit counted unpacked).
         cost: relative step time (:meth:`Candidate.relative_cost`).
         budget: the budget it was checked against, or None.
+        host_bytes: bytes moved to CPU memory by ``offload`` (not part of ``peak``).
     """
 
     candidate: Candidate
@@ -502,6 +511,7 @@ class Prediction:
     total_params: int = 0
     cost: float = 1.0
     budget: Optional[int] = None
+    host_bytes: int = 0
 
     @property
     def peak(self) -> int:
@@ -701,6 +711,11 @@ def predict(
         raise ValueError(f"device must be 'cpu' or 'cuda' (the target of the prediction), got {device!r}.")
     if extrapolate not in (True, False, "auto"):
         raise ValueError(f"extrapolate must be True, False or 'auto', got {extrapolate!r}.")
+    if candidate.offload and device != "cuda":
+        raise ValueError(
+            f"{candidate.name}: offloading optimizer states to CPU memory only saves device memory on CUDA; "
+            "plan it with device='cuda' (on a CPU machine the states stay in the same memory)."
+        )
     batch = example_batch(batch)
     if extrapolate is False:
         trace = _trace_with_fallback(model, batch, candidate, keep_blocks=None)
@@ -712,9 +727,15 @@ def predict(
             trace = trace.extrapolate(deeper, depth)
         elif depth > 3:
             trace = _trace_with_fallback(model, batch, candidate, keep_blocks=None)
+    host = 0
+    if candidate.offload:  # stated model: states leave the device, transfer buffers are not counted
+        host = max(phase["optimizer_states"] for phase in trace.phases.values())
+        for phase in trace.phases.values():
+            phase["optimizer_states"] = 0
     return Prediction(
         candidate=candidate,
         categories=trace.peak_categories(),
+        host_bytes=host,
         overhead=CUDA_CONTEXT_BYTES if device == "cuda" else 0,
         trainable_params=trace.trainable,
         total_params=trace.total,

@@ -199,7 +199,7 @@ class HBMProfiler(Callback):
             tracker.phase = "after_forward"
             owned = owned_storages(pl_module, trainer.optimizers)
             per_module: dict[str, int] = {}
-            for key, record in tracker.live.items():
+            for key, record in tracker.live_records().items():
                 if record.phase == "forward" and key not in owned:
                     per_module[record.module] = per_module.get(record.module, 0) + record.nbytes
             self._forward_modules = per_module

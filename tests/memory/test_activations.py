@@ -109,7 +109,39 @@ def test_tracker_module_attribution() -> None:
         out = model(x)
     tracker.detach_modules()
     owned = owned_storages(model)  # the Linear's weight.t() view makes the weight storage "seen" too
-    modules = {r.module for key, r in tracker.live.items() if key not in owned}
+    modules = {r.module for key, r in tracker.live_records().items() if key not in owned}
     assert modules == {"1"}  # only ReLU's output is still alive (saved for backward)
     assert not model._forward_hooks and not model._forward_pre_hooks
     del out
+
+
+def test_selective_checkpointing_sits_between(gpt_factory: Callable[..., NanoGPT]) -> None:
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def keep_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+        saved = op in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    model = gpt_factory()
+    idx, targets = synthetic_batch(4, 32)
+    gpt = model.model
+
+    def forward(context_fn: Callable | None) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            x = gpt.wte(idx) + gpt.wpe(torch.arange(idx.shape[1]))
+            for block in gpt.h:
+                if context_fn is None:
+                    x = block(x)
+                else:
+                    x = checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
+            logits = gpt.lm_head(gpt.ln_f(x))
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+        return run
+
+    plain = saved_activation_bytes(forward(None), model)
+    selective = saved_activation_bytes(forward(partial(create_selective_checkpoint_contexts, keep_matmuls)), model)
+    full = saved_activation_bytes(_gpt_loss(model, 4, use_checkpoint=True), model)
+    assert full < selective < plain

@@ -300,6 +300,32 @@ def test_one_rank_fsdp_resumes_with_cpu_offload_and_activation_checkpointing(
     torch.testing.assert_close(torch.tensor(recorder.losses), torch.tensor(expected), atol=1e-5, rtol=0)
 
 
+def test_quantized_base_without_lora_trains_norms_and_embeddings(tmp_path: Path, no_process_group: Any) -> None:
+    """QuantizedPrecision alone (no adapters): the trainable set is the unquantized parameters, sharded."""
+    from torch.distributed.tensor import DTensor
+
+    losses, checkpoints, trainable = {}, {}, {}
+    for strategy in ("auto", "fsdp_qlora"):
+        recorder = _global_losses()
+        trainer = _trainer(1, strategy, str(tmp_path / strategy), 1, [recorder])
+        model = _model()
+        trainer.fit(model, datamodule=_datamodule(1))
+        trainer.save_checkpoint(tmp_path / f"{strategy}.ckpt")
+        losses[strategy] = recorder.losses
+        trainable[strategy] = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        checkpoints[strategy] = torch.load(tmp_path / f"{strategy}.ckpt", weights_only=False)["state_dict"]
+    torch.testing.assert_close(torch.tensor(losses["fsdp_qlora"]), torch.tensor(losses["auto"]), atol=1e-5, rtol=0)
+    names = sorted(trainable["fsdp_qlora"])
+    assert names == sorted(trainable["auto"])
+    assert "model.wte.weight" in names and "model.ln_f.weight" in names and "model.h.0.attn.c_attn.bias" in names
+    assert not any(n.endswith("c_attn.weight") for n in names)  # the quantized base is frozen
+    assert all(isinstance(p, DTensor) for p in trainable["fsdp_qlora"].values())
+    # the FSDP checkpoint holds exactly the trainable weights, equal to the single-device ones
+    assert sorted(checkpoints["fsdp_qlora"]) == names
+    for name in names:
+        torch.testing.assert_close(checkpoints["fsdp_qlora"][name], checkpoints["auto"][name], atol=1e-5, rtol=0)
+
+
 # ---------------------------------------------------------------- errors (no second process)
 
 
@@ -348,6 +374,28 @@ def test_parameters_outside_submodules_are_refused(trainer_factory: Any, no_proc
     message = r"WithScale holds parameters directly \(\['scale'\]\).*move them into a submodule"
     with pytest.raises(ValueError, match=message):
         trainer.fit(model, train_dataloaders=[_batch()])
+
+
+def test_full_checkpoint_request_is_refused(gpt_factory: Any, trainer_factory: Any, no_process_group: Any) -> None:
+    from lightning_hbm import LoRA
+
+    model = gpt_factory()
+    trainer = trainer_factory(strategy="fsdp_qlora", callbacks=[LoRA(r=2, full_checkpoint=True)])
+    with pytest.raises(ValueError, match=r"LoRA\(full_checkpoint=True\) asks for the frozen base.*full_checkpoint=False"):
+        trainer.fit(model, train_dataloaders=[_batch()])
+    assert not any(".lora_" in n for n, _ in model.named_parameters())  # nothing half-applied
+
+
+def test_bitsandbytes_optimizer_is_refused_before_training(
+    gpt_factory: Any, trainer_factory: Any, no_process_group: Any, loss_recorder: Any
+) -> None:
+    from lightning_hbm import MemoryEfficientOptimizer
+
+    recorder = loss_recorder()
+    trainer = trainer_factory(strategy="fsdp_qlora", callbacks=[MemoryEfficientOptimizer("adamw8bit"), recorder])
+    with pytest.raises(ValueError, match=r"AdamW8bit \(bitsandbytes\) cannot step FSDP2-sharded.*strategy='ddp'"):
+        trainer.fit(gpt_factory(), train_dataloaders=[_batch()])
+    assert recorder.losses == []
 
 
 def test_lightning_cli_parses_the_strategy() -> None:
