@@ -10,10 +10,12 @@ shape, dtype and device but no data), the candidate's transforms are applied thr
 Trainer runs (the precision plugin, the ``SurgeryCallback`` transforms in stage order, the user's
 unchanged ``configure_optimizers``, then each transform's ``transform_optimizers``), the gradients and
 optimizer states of a first step are created (zero gradients, one optimizer step), and one steady-state
-training step is traced (forward, zero_grad, backward, optimizer step, as Lightning runs them). A dispatch mode
-counts every storage that is alive after every op; the second (steady-state) step's peak is classified
-with the profiler's own ownership rules (parameters, ``.grad``, ``optimizer.state``, buffers; what the
-forward created is activations, the rest is other).
+training step is traced (forward, zero_grad, backward, optimizer step, as Lightning runs them). A dispatch
+mode counts every storage that is alive after every op; the highest point of each phase is classified with
+the profiler's own ownership rules (parameters, ``.grad``, ``optimizer.state``, buffers; what the forward
+created is activations, the rest is other), and the highest phase is the predicted peak. Deep models are
+traced with their repeated blocks cut to 3 and 4 and extended linearly (:func:`predict`); Hugging Face
+models are kept on their eager code paths, which they leave for fake tensors (:func:`_eager_transformers`).
 
 bitsandbytes cannot quantize a fake tensor (its ``Params4bit`` subclass cannot wrap one), so quantized
 layers are built by :func:`planned_linear`: a real ``bnb.nn.Linear4bit``/``Linear8bitLt`` whose weight

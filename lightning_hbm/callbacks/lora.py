@@ -420,9 +420,15 @@ class LoRA(SurgeryCallback):
         lora_cls = _lora_layer_cls()
         bnb_classes = _bnb_linear_classes()
 
+        from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
+
+        quantized_classes = (*bnb_classes, Int8DynamicLinear)
+
         def dense(layer: nn.Module) -> torch.Tensor:
             if bnb_classes and isinstance(layer, bnb_classes):
                 return dequantize_bnb_weight(layer.weight, state=getattr(layer, "state", None)).float()
+            if isinstance(layer, Int8DynamicLinear):
+                return layer.dequantize().float()  # int8 values times their per-row scales
             return layer.weight.float()
 
         merged: dict[str, torch.Tensor] = {}
@@ -441,7 +447,7 @@ class LoRA(SurgeryCallback):
                     merged[prefix + "bias"] = base.bias
                 done.append(name)
                 continue
-            if bnb_classes and isinstance(sub, bnb_classes):
+            if isinstance(sub, quantized_classes):
                 merged[prefix + "weight"] = dense(sub)
                 if sub.bias is not None:
                     merged[prefix + "bias"] = sub.bias

@@ -42,15 +42,17 @@ def test_tight_budget_measured_peak_under_budget(
 
 
 def test_roomy_budget_keeps_the_users_configuration(
-    gpt_factory: Callable[..., Any], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., Any]
+    lazy_gpt_factory: Callable[..., Any], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., Any]
 ) -> None:
-    model = gpt_factory()
+    # a model built in configure_model, and a plain DataLoader passed to fit (no datamodule)
+    model = lazy_gpt_factory()
     autofit = AutoFit(budget="1GiB", lora_ranks=[0], checkpointing=["none", "full"], optimizers=["user"])
     trainer = trainer_factory(max_steps=1, callbacks=[autofit])
-    trainer.fit(model, datamodule_factory(seq_len=32, batch_size=2))
+    trainer.fit(model, datamodule_factory(seq_len=32, batch_size=2).train_dataloader())
     assert autofit.chosen.candidate.name == "32-true"
+    assert [p.candidate.name for p in autofit.plan.predictions] == ["32-true", "32-true+ac-full"]
     assert applied_transforms(model) == []
-    assert all(p.requires_grad for p in model.parameters())
+    assert model.model is not None and all(p.requires_grad for p in model.parameters())
 
 
 def test_impossible_budget_raises_before_training(
@@ -83,3 +85,15 @@ def test_bad_arguments() -> None:
         AutoFit(checkpointing=["sometimes"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="Candidate precision 'nf3' is unknown"):
         AutoFit(precisions=["nf3"])
+
+
+def test_lightning_cli_reads_the_init_args() -> None:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(AutoFit, "autofit")
+    config = parser.parse_args(["--autofit.budget=8GiB", "--autofit.checkpointing=[full]", "--autofit.lora_ranks=[0, 8]"])
+    autofit = parser.instantiate_classes(config).autofit
+    assert (autofit.budget, autofit.checkpointing, autofit.lora_ranks) == (8 * 2**30, ["full"], [0, 8])
+    with pytest.raises(Exception, match="sometimes"):
+        parser.parse_args(["--autofit.checkpointing=[sometimes]"])
