@@ -5,6 +5,7 @@ Prints the table of candidates, the wall time of the whole plan, the peak reside
 checkpointing peak next to the analytic floor and torchtune's published 7.4 GiB.
 
     python benchmarks/planner.py                 # 8B table (CPU is fine)
+    python benchmarks/planner.py --accuracy      # predicted vs HBMProfiler's measured peak, 20 candidates, CPU
     python benchmarks/planner.py --gpu-check     # on a CUDA machine: ~1B model, predicted vs max_memory_allocated
 
 The analytic floor counts only what cannot be avoided with QLoRA (shared/notes/verified-facts.md terms):
@@ -25,7 +26,7 @@ from functools import partial
 import torch
 
 from lightning_hbm.data import synthetic_batch
-from lightning_hbm.models import LlamaLM
+from lightning_hbm.models import LlamaLM, NanoGPT
 from lightning_hbm.planner import Candidate, format_bytes, plan, predict
 
 LLAMA_8B = dict(
@@ -119,10 +120,53 @@ def gpu_check() -> None:
         del trainer, model
 
 
+def accuracy() -> None:
+    """Predicted peak vs the profiler's tracked whole-step peak (step 1, detailed), tiny test LMs, batch 4 x 64."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_hbm.callbacks.profiler import HBMProfiler
+
+    batch = synthetic_batch(4, 64)
+    models = {
+        "NanoGPT": partial(NanoGPT, n_layer=2, n_head=2, n_embd=64, block_size=128),
+        "Llama": partial(LlamaLM, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    }
+    candidates = [
+        Candidate("32-true"), Candidate("bf16-true"), Candidate("bf16-mixed"), Candidate("nf4-dq", lora_r=8),
+        Candidate("int8", lora_r=8), Candidate("bf16-true", checkpointing="full"),
+        Candidate("32-true", lora_r=8, checkpointing="selective"), Candidate("bf16-true", optimizer="adamw8bit"),
+        Candidate("16-true", checkpointing="selective"), Candidate("nf4", lora_r=8, checkpointing="full", optimizer="adamw8bit"),
+    ]  # fmt: skip
+    worst = 0.0
+    for model_name, factory in models.items():
+        for candidate in candidates:
+            predicted = predict(factory, batch, candidate)
+            torch.manual_seed(0)
+            profiler = HBMProfiler(detailed_steps=[1], summary=False, dirpath="/tmp/lightning_hbm_planner_bench")
+            precision = {"plugins": [candidate.precision_plugin()]} if candidate.quantized else {"precision": candidate.precision}
+            trainer = pl.Trainer(
+                accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, callbacks=[*candidate.callbacks(), profiler], **precision,
+            )  # fmt: skip
+            trainer.fit(factory(), DataLoader([tuple(t[i] for t in batch) for i in range(4)] * 2, batch_size=4))
+            row = profiler.rows[-1]
+            error = predicted.peak / row["tracked_peak"] - 1
+            worst = max(worst, abs(error))
+            exact = all(predicted.categories[c] == row[c] for c in ("parameters", "gradients", "optimizer_states"))
+            print(f"| {model_name} | {candidate.name} | {predicted.peak:,} | {row['tracked_peak']:,} | {100 * error:+.2f} % "
+                  f"| {'yes' if exact else 'NO'} |", flush=True)
+    print(f"largest |error|: {100 * worst:.2f} %")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--gpu-check", action="store_true")
-    if parser.parse_args().gpu_check:
+    parser.add_argument("--accuracy", action="store_true")
+    args = parser.parse_args()
+    if args.gpu_check:
         gpu_check()
+    elif args.accuracy:
+        accuracy()
     else:
         table_8b()

@@ -32,8 +32,9 @@ Assumptions (stated, not measured here):
   from published figures: full recompute ~ +1 forward (+33 %), selective ~ +5 %, 4-bit dequantization
   ~ +25 % (torchtune: QLoRA 2,413 vs LoRA 3,083 tok/s), LLM.int8 ~ +50 %, 8-bit optimizer ~ free.
   LoRA is costed like full fine-tuning so that AutoFit never trades what is trained for speed alone.
-* The trace runs on CPU fake tensors: kernels chosen per device (e.g. foreach optimizers on CUDA, whose
-  temporaries are about one copy of the trainable parameters in fp32) may differ on a GPU.
+* The trace runs CPU kernels on fake tensors. For ``device="cuda"`` torch optimizers are traced with
+  their CUDA default (foreach), but attention kernels keep the CPU choice (CUDA flash/efficient SDPA
+  save a logsumexp instead), and cuBLAS workspaces are in the overhead constant.
 """
 
 from __future__ import annotations
@@ -418,12 +419,7 @@ def quantized_parameter_bytes(
         with fake_mode:
             module.configure_model()
             quantize_model(module, _planned_mode(get_mode(mode)), dtype, ignore_modules)
-            storages = {}
-            for tensor in parameter_tensors(module):
-                for plain in plain_tensors(tensor):
-                    storage = plain.untyped_storage()
-                    storages[id(storage)] = (storage, storage.nbytes())
-    return sum(nbytes for _, nbytes in storages.values())
+            return _storage_bytes(parameter_tensors(module))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -504,6 +500,7 @@ class Prediction:
         cost: relative step time (:meth:`Candidate.relative_cost`).
         budget: the budget it was checked against, or None.
         host_bytes: bytes moved to CPU memory by ``offload`` (not part of ``peak``).
+        block_bytes: parameter bytes of the largest repeated block (transformer layer), after the transforms.
     """
 
     candidate: Candidate
@@ -514,6 +511,15 @@ class Prediction:
     cost: float = 1.0
     budget: Optional[int] = None
     host_bytes: int = 0
+    block_bytes: int = 0
+
+    def per_rank(self, world_size: int) -> dict[str, int]:
+        """Bytes per category on each of ``world_size`` ranks under FSDP/ZeRO-3 (see :func:`shard_categories`).
+
+        Predict with the per-rank batch; the largest repeated block's parameters (:attr:`block_bytes`) are
+        what each rank all-gathers at once.
+        """
+        return shard_categories(self.categories, world_size, gathered_bytes=self.block_bytes)
 
     @property
     def peak(self) -> int:
@@ -601,11 +607,21 @@ def _eager_transformers() -> Iterator[None]:
         masking.is_tracing, masking.find_packed_sequence_indices = originals
 
 
+def _fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
+    """A fake CPU tensor of the same shape, strides and dtype (the trace runs CPU kernels, see the module doc).
+
+    Not ``fake_mode.from_tensor``: that keeps the device (a model already on CUDA would trace CUDA kernel
+    choices that need a GPU) and reads nothing we need.
+    """
+    with fake_mode:
+        return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu")
+
+
 def _fake_copy(module: pl.LightningModule, fake_mode: FakeTensorMode) -> pl.LightningModule:
     """A copy of ``module`` whose parameters and buffers are fake (nothing of the real weights is copied)."""
     memo: dict[int, Any] = {}
-    for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
-        fake = fake_mode.from_tensor(tensor.detach())
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        fake = _fake_like(tensor, fake_mode)
         memo[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
     # The copy must not drag the Trainer along (nor log into it): detach it for the duration of the copy.
     saved = {attr: module.__dict__.get(attr) for attr in ("_trainer", "_fabric")}
@@ -720,15 +736,15 @@ def predict(
         )
     batch = example_batch(batch)
     if extrapolate is False:
-        trace = _trace_with_fallback(model, batch, candidate, keep_blocks=None)
+        trace = _trace_with_fallback(model, batch, candidate, device, keep_blocks=None)
     else:
-        trace = _trace_with_fallback(model, batch, candidate, keep_blocks=3)
+        trace = _trace_with_fallback(model, batch, candidate, device, keep_blocks=3)
         depth = trace.depth
         if depth > 4 and (extrapolate is True or depth >= 8):
-            deeper = _trace_with_fallback(model, batch, candidate, keep_blocks=4)
+            deeper = _trace_with_fallback(model, batch, candidate, device, keep_blocks=4)
             trace = trace.extrapolate(deeper, depth)
         elif depth > 3:
-            trace = _trace_with_fallback(model, batch, candidate, keep_blocks=None)
+            trace = _trace_with_fallback(model, batch, candidate, device, keep_blocks=None)
     host = 0
     if candidate.offload:  # stated model: states leave the device, transfer buffers are not counted
         host = max(phase["optimizer_states"] for phase in trace.phases.values())
@@ -741,6 +757,7 @@ def predict(
         overhead=CUDA_CONTEXT_BYTES if device == "cuda" else 0,
         trainable_params=trace.trainable,
         total_params=trace.total,
+        block_bytes=trace.block_bytes,
         cost=candidate.relative_cost(),
         budget=budget,
     )
@@ -755,6 +772,7 @@ class _Trace:
     total: int
     depth: int  # number of repeated blocks of the full model (0: none found)
     kept: int  # blocks traced
+    block_bytes: int = 0  # parameter bytes of the largest repeated block (what FSDP gathers at once)
 
     def peak_categories(self) -> dict[str, int]:
         return max(self.phases.values(), key=lambda c: sum(c.values()))
@@ -772,23 +790,40 @@ class _Trace:
             if phase in deeper.phases
         }
         return _Trace(
-            phases, line(self.trainable, deeper.trainable), line(self.total, deeper.total), depth, depth
+            phases, line(self.trainable, deeper.trainable), line(self.total, deeper.total), depth, depth,
+            self.block_bytes,
         )
 
 
-def _trace_with_fallback(model: ModelLike, batch: Any, candidate: Candidate, keep_blocks: Optional[int]) -> _Trace:
+def _trace_with_fallback(
+    model: ModelLike, batch: Any, candidate: Candidate, device: str, keep_blocks: Optional[int]
+) -> _Trace:
     try:
-        return _trace(model, batch, candidate, keep_blocks, eager_transformers=True)
+        return _trace(model, batch, candidate, device, keep_blocks, eager_transformers=True)
     except DataDependentOutputException:
-        return _trace(model, batch, candidate, keep_blocks, eager_transformers=False)
+        return _trace(model, batch, candidate, device, keep_blocks, eager_transformers=False)
+
+
+def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks as ``ActivationCheckpointing`` finds them (children of a ModuleList of one class)."""
+    from lightning_hbm.callbacks.activation_checkpointing import find_blocks
+
+    return find_blocks(module)
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    storages = {}
+    for tensor in tensors:
+        for plain in plain_tensors(tensor):
+            storage = plain.untyped_storage()
+            storages[id(storage)] = (storage, storage.nbytes())  # the storage is kept alive: ids stay unique
+    return sum(nbytes for _, nbytes in storages.values())
 
 
 def _cut_blocks(module: nn.Module, keep: Optional[int]) -> int:
     """Cut the largest list of repeated blocks to ``keep`` (in place); returns its full length (0: none)."""
-    from lightning_hbm.callbacks.activation_checkpointing import find_blocks
-
     lists: dict[str, int] = {}
-    for name, _ in find_blocks(module):
+    for name, _ in _blocks(module):
         parent = name.rpartition(".")[0]
         lists[parent] = lists.get(parent, 0) + 1
     if not lists:
@@ -801,7 +836,7 @@ def _cut_blocks(module: nn.Module, keep: Optional[int]) -> int:
 
 
 def _trace(
-    model: ModelLike, batch: Any, candidate: Candidate, keep_blocks: Optional[int], eager_transformers: bool
+    model: ModelLike, batch: Any, candidate: Candidate, device: str, keep_blocks: Optional[int], eager_transformers: bool
 ) -> _Trace:
     plugin = candidate.precision_plugin("cpu")
     fake_mode = _fake_mode()
@@ -813,7 +848,7 @@ def _trace(
         module = _build(model, fake_mode)
         if eager_transformers:  # after the build: the model's import brings transformers in
             stack.enter_context(_eager_transformers())
-        fake_batch = tree_map_only(torch.Tensor, fake_mode.from_tensor, batch)
+        fake_batch = tree_map_only(torch.Tensor, lambda t: _fake_like(t, fake_mode), batch)
         # The memo of real -> fake conversions holds weak references to the fakes it made, and
         # Module.to (peft moves adapters with it) refuses to swap a tensor that has one.
         fake_mode.fake_tensor_converter.meta_converter.tensor_memo.clear()
@@ -822,6 +857,13 @@ def _trace(
             module.configure_model()
         depth = _cut_blocks(module, keep_blocks)
         optimizers, _ = _apply_candidate(module, candidate, plugin)
+        if device == "cuda":
+            # torch's optimizers default to their foreach implementation on CUDA (single-tensor on CPU,
+            # where the trace runs): its temporaries (AdamW: one copy of the trained parameters) count.
+            for optimizer in optimizers:
+                for group in optimizer.param_groups:
+                    if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                        group["foreach"] = True
         fake_batch = plugin.convert_input(fake_batch)
         stack.enter_context(tracker)
         _uids(tracker, itertools.chain(parameter_tensors(module), buffer_tensors(module), tree_leaves(fake_batch)))
@@ -859,6 +901,7 @@ def _trace(
         }
         trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
         total = _logical_params(module)
+        block_bytes = max((_storage_bytes(parameter_tensors(block)) for _, block in _blocks(module)), default=0)
     phases = {}
     for phase, live in tracker.phase_peaks.items():
         categories = dict.fromkeys(CATEGORIES, 0)
@@ -869,7 +912,7 @@ def _trace(
             categories[category] += nbytes
         phases[phase] = categories
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
-    return _Trace(phases, trainable, total, depth, kept)
+    return _Trace(phases, trainable, total, depth, kept, block_bytes)
 
 
 def _logical_params(module: nn.Module) -> int:

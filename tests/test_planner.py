@@ -265,3 +265,53 @@ def test_offload_moves_optimizer_states_to_host(gpt_factory: Callable[..., Any])
     assert "strategy: cpu_offload" in offloaded.candidate.yaml()
     with pytest.raises(ValueError, match=r"32-true\+offload: offloading optimizer states .* plan it with device='cuda'"):
         predict(gpt_factory(), batch, Candidate("32-true", offload=True))
+
+
+def test_cuda_target_traces_the_foreach_optimizer(gpt_factory: Callable[..., Any]) -> None:
+    batch = synthetic_batch(1, 8)  # tiny activations: the optimizer step is the peak
+    on_cpu = predict(gpt_factory(), batch, Candidate("32-true"))
+    on_cuda = predict(gpt_factory(), batch, Candidate("32-true"), device="cuda")
+    trainable_bytes = on_cpu.categories["parameters"]
+    # foreach AdamW keeps sqrt(exp_avg_sq) of every parameter at once (one more copy of them), the
+    # single-tensor loop on CPU only that of the parameter being updated
+    assert 0.5 * trainable_bytes < on_cuda.peak - on_cpu.peak <= trainable_bytes
+
+
+def test_per_rank_prediction_gathers_one_block(gpt_factory: Callable[..., Any]) -> None:
+    prediction = predict(gpt_factory(), synthetic_batch(2, 16), Candidate("32-true"))
+    block = prediction.block_bytes
+    assert 0 < block < prediction.categories["parameters"] / 2  # one of the 2 blocks, embeddings and head elsewhere
+    two = prediction.per_rank(2)
+    assert two["parameters"] == -(-prediction.categories["parameters"] // 2)
+    assert two["activations"] == prediction.categories["activations"]
+    assert two["other"] == prediction.categories["other"] + block
+
+
+class _DictMLP(pl.LightningModule):
+    """Not a language model: dict batches, BatchNorm buffers, a dict returned by training_step, SGD with momentum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.BatchNorm1d(256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+
+    def training_step(self, batch: dict, batch_idx: int) -> dict:
+        return {"loss": torch.nn.functional.cross_entropy(self.net(batch["x"]), batch["y"])}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_any_lightning_module_matches_profiler(tmp_path: Any) -> None:
+    batch = {"x": torch.randn(64, 32), "y": torch.randint(0, 4, (64,))}
+    predicted = predict(_DictMLP(), batch, Candidate("32-true"))
+    profiler = HBMProfiler(detailed_steps=[1], summary=False, dirpath=str(tmp_path))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, callbacks=[profiler],
+    )  # fmt: skip
+    samples = [{"x": batch["x"][i], "y": batch["y"][i]} for i in range(64)] * 2
+    trainer.fit(_DictMLP(), DataLoader(samples, batch_size=64))
+    row = profiler.rows[-1]
+    for category in ("parameters", "gradients", "optimizer_states"):
+        assert predicted.categories[category] == row[category]
+    assert predicted.peak == pytest.approx(row["tracked_peak"], rel=0.10)

@@ -52,6 +52,10 @@ class AutoFit(Callback):
     training as written (full fine-tuning over LoRA, unquantized over quantized, the user's optimizer
     over an 8-bit one). See :mod:`lightning_hbm.planner` for the stated cost assumptions.
 
+    Not planned: model-changing callbacks AutoFit does not choose (e.g. ``AttentionKernel``) and the strategy
+    (``Candidate(offload=True)`` exists in the planner, but a Trainer's strategy is fixed once it is built).
+    Configuring ``LoRA``, ``ActivationCheckpointing`` or ``MemoryEfficientOptimizer`` next to AutoFit is an error.
+
     Logged once at setup, through the Trainer's loggers: ``autofit/predicted_peak`` (bytes, with the
     CUDA overhead on GPU), ``autofit/budget`` (bytes), ``autofit/relative_step_time``; and the chosen
     configuration's name as the hyperparameter ``autofit/choice``. :attr:`plan` keeps the whole plan,
@@ -98,6 +102,15 @@ class AutoFit(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self.chosen is not None:
             return
+        # AutoFit picks these itself: a second LoRA/checkpointing/optimizer callback would silently not apply
+        # (the surgery applies each transform class once), so the configuration would not be the planned one.
+        chosen_here = {"LoRA", "ActivationCheckpointing", "MemoryEfficientOptimizer"}
+        own = sorted({type(cb).__name__ for cb in trainer.callbacks} & chosen_here)
+        if own:
+            raise ValueError(
+                f"AutoFit chooses LoRA, activation checkpointing and the optimizer itself, but the Trainer already has "
+                f"{own}. Remove them (and restrict AutoFit's lora_ranks/checkpointing/optimizers instead), or drop AutoFit."
+            )
         baseline = _baseline_precision(trainer)
         precisions = [baseline[0], *(p for p in self.precisions if p != baseline[0])]
         candidates = [
@@ -139,6 +152,17 @@ class AutoFit(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"choice": None if self.chosen is None else self.chosen.candidate.name}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callback states after Callback.setup, before the surgery: a different choice
+        # than the run that saved the checkpoint would fail later with a key mismatch, so say it here.
+        saved = state_dict.get("choice")
+        if self.chosen is not None and saved is not None and saved != self.chosen.candidate.name:
+            raise ValueError(
+                f"AutoFit chose {self.chosen.candidate.name} but the checkpoint was trained with {saved}. Resume with "
+                f"the same budget and batch, or configure {saved} by hand (see the YAML AutoFit printed)."
+            )
 
 
 def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str]:

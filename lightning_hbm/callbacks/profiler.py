@@ -3,8 +3,8 @@
 What it shrinks: nothing. It measures the five terms every other lightning_hbm feature shrinks
 (:data:`lightning_hbm.memory.CATEGORIES`), by what each tensor *is*:
 
-- light mode (every ``every_n_steps`` steps, by default the Trainer's ``log_every_n_steps``): a :class:`~lightning_hbm.memory.LiveStorageTracker`
-  runs during the forward only. At the forward's end (Lightning's ``on_before_zero_grad``, else
+- light mode (every ``every_n_steps`` steps, by default the Trainer's ``log_every_n_steps``): a
+  :class:`~lightning_hbm.memory.LiveStorageTracker` runs during the forward only. At the forward's end (Lightning's ``on_before_zero_grad``, else
   ``on_before_backward``) the graph holds every activation and the previous step's gradients are
   still alive (Lightning zeroes them after the forward): that is where a training step peaks, and
   where activations are taken. Parameters, gradients and optimizer states are counted by owner
@@ -32,10 +32,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.imports import RequirementCache
-from torch import nn
 from typing_extensions import override
 
-from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown, classify, owned_storages, tensor_bytes
+from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown, classify, owned_storages, owned_tensors, tensor_bytes
 from lightning_hbm.memory.storage import quantization_tensors
 from lightning_hbm.memory.tracker import LiveStorageTracker
 
@@ -73,8 +72,8 @@ class HBMProfiler(Callback):
     Args:
         every_n_steps: measure every n-th optimizer step (``global_step % every_n_steps == 0``).
             Default (None): the Trainer's ``log_every_n_steps``, when Lightning writes logs anyway.
-            A light measurement costs ~3-5 % of that step's time on CPU (benchmarks/README.md), so
-            ``1`` (every step) is for short diagnostic runs.
+            A light measurement costs a fixed ~3 ms on the CPU dev machine (within noise for a ~200 ms
+            step, +17 % for a ~20 ms one; benchmarks/README.md): ``1`` suits short or large-step runs.
         detailed_steps: global steps measured in detailed mode (whole-step peak, per-module
             breakdown; ~2x slower for that step). Empty: none.
         dirpath: directory of the report; default: the Trainer's ``log_dir`` (its
@@ -171,7 +170,7 @@ class HBMProfiler(Callback):
         tracker = LiveStorageTracker(track_peak=detailed)
         if detailed:
             # Everything that exists before the step counts towards its peak, by what it is now.
-            for category, tensors in _owned_tensors(pl_module, trainer.optimizers).items():
+            for category, tensors in owned_tensors(pl_module, trainer.optimizers).items():
                 tracker.seed(tensors, phase=category)
             tracker.attach_modules(pl_module)
         self._tracker = tracker
@@ -454,17 +453,6 @@ def _cuda_stats(pl_module: pl.LightningModule, total: int) -> dict[str, Optional
         "cuda_capacity": capacity,
         "cuda_headroom": capacity - torch.cuda.max_memory_reserved(device),
         "cuda_unattributed": peak - total,
-    }
-
-
-def _owned_tensors(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, list[torch.Tensor]]:
-    from lightning_hbm.memory.categories import buffer_tensors, gradient_tensors, optimizer_state_tensors, parameter_tensors
-
-    return {
-        "parameters": parameter_tensors(module),
-        "gradients": gradient_tensors(module),
-        "optimizer_states": optimizer_state_tensors(optimizers),
-        "other": buffer_tensors(module),
     }
 
 

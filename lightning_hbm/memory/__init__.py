@@ -16,6 +16,7 @@ from lightning_hbm.memory.categories import (
     gradient_tensors,
     optimizer_state_tensors,
     owned_storages,
+    owned_tensors,
     parameter_tensors,
     tensor_bytes,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "module_parameter_tensors",
     "optimizer_state_tensors",
     "owned_storages",
+    "owned_tensors",
     "parameter_bytes",
     "parameter_count",
     "parameter_tensors",

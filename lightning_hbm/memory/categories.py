@@ -132,6 +132,18 @@ def buffer_tensors(module: nn.Module) -> list[torch.Tensor]:
     return list(module.buffers())
 
 
+def owned_tensors(
+    module: nn.Module, optimizers: Union[Optimizer, Iterable[Optimizer]] = ()
+) -> dict[Category, list[torch.Tensor]]:
+    """The tensors ``module`` and its optimizers own, by category, in priority order (not deduplicated)."""
+    return {
+        "parameters": parameter_tensors(module),
+        "gradients": gradient_tensors(module),
+        "optimizer_states": optimizer_state_tensors(optimizers),
+        "other": buffer_tensors(module),
+    }
+
+
 def owned_storages(
     module: nn.Module, optimizers: Union[Optimizer, Iterable[Optimizer]] = ()
 ) -> dict[StorageKey, tuple[Category, int]]:
@@ -141,13 +153,7 @@ def owned_storages(
     optimizer states, buffers (``other``).
     """
     owned: dict[StorageKey, tuple[Category, int]] = {}
-    groups: list[tuple[Category, list[torch.Tensor]]] = [
-        ("parameters", parameter_tensors(module)),
-        ("gradients", gradient_tensors(module)),
-        ("optimizer_states", optimizer_state_tensors(optimizers)),
-        ("other", buffer_tensors(module)),
-    ]
-    for category, tensors in groups:
+    for category, tensors in owned_tensors(module, optimizers).items():
         for key, nbytes in _storages(tensors):
             owned.setdefault(key, (category, nbytes))
     return owned
@@ -229,6 +235,7 @@ __all__ = [
     "gradient_tensors",
     "optimizer_state_tensors",
     "owned_storages",
+    "owned_tensors",
     "parameter_tensors",
     "plain_tensors",
     "tensor_bytes",

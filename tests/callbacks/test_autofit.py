@@ -97,3 +97,23 @@ def test_lightning_cli_reads_the_init_args() -> None:
     assert (autofit.budget, autofit.checkpointing, autofit.lora_ranks) == (8 * 2**30, ["full"], [0, 8])
     with pytest.raises(Exception, match="sometimes"):
         parser.parse_args(["--autofit.checkpointing=[sometimes]"])
+
+
+def test_resume_with_another_choice_is_an_error() -> None:
+    from lightning_hbm.planner import Candidate, Prediction
+
+    autofit = AutoFit(budget="1GiB")
+    autofit.chosen = Prediction(Candidate("nf4-dq", lora_r=16), categories={})
+    autofit.load_state_dict({"choice": "nf4-dq+lora16"})  # same choice: fine
+    with pytest.raises(ValueError, match=r"AutoFit chose nf4-dq\+lora16 but the checkpoint was trained with bf16-true"):
+        autofit.load_state_dict({"choice": "bf16-true"})
+
+
+def test_conflicting_callbacks_are_an_error(
+    gpt_factory: Callable[..., Any], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., Any]
+) -> None:
+    from lightning_hbm import LoRA
+
+    trainer = trainer_factory(max_steps=1, callbacks=[LoRA(r=4), AutoFit(budget="1GiB")])
+    with pytest.raises(ValueError, match=r"the Trainer already has \['LoRA'\]. Remove them"):
+        trainer.fit(gpt_factory(), datamodule_factory(seq_len=16, batch_size=2))
