@@ -224,7 +224,7 @@ class Candidate:
         """Step time relative to the user's configuration (1.0), from the stated assumptions."""
         cost = 1.0 + _COST_CHECKPOINTING[self.checkpointing] + (_COST_OFFLOAD if self.offload else 0.0)
         if self.quantized:
-            cost += _COST_INT8 if get_mode(self.precision).peft_kind == "8bit" else _COST_4BIT
+            cost += _COST_INT8 if self.precision.startswith("int8") else _COST_4BIT
         return round(cost, 3)
 
     def fidelity(self) -> int:
@@ -396,6 +396,10 @@ def planned_linear(linear: nn.Linear, mode: str, dtype: torch.dtype) -> nn.Modul
 
 def _planned_mode(mode: QuantMode) -> QuantMode:
     """``mode`` with its ``replace`` swapped for :func:`planned_linear` (all of quantize_model's logic kept)."""
+
+    if mode.name not in _PLANNED_FORMATS:
+        # Modes written in plain torch ops (int8-dynamic) run on fake tensors as they are.
+        return mode
 
     def replace(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
         return planned_linear(linear, mode.name, dtype)

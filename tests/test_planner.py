@@ -73,7 +73,7 @@ def test_prediction_matches_profiler(model: str, candidate: Candidate, tmp_path:
     assert predicted.categories["gradients"] == measured["gradients"]
 
 
-@pytest.mark.parametrize("mode", ["nf4", "nf4-dq", "fp4-dq", "int8"])
+@pytest.mark.parametrize("mode", ["nf4", "nf4-dq", "fp4-dq", "int8", "int8-dynamic"])
 def test_planned_quantized_storage_equals_real(mode: str) -> None:
     torch.manual_seed(0)
     real = NanoGPT(**TINY_GPT)
