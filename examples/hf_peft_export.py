@@ -70,12 +70,11 @@ def main(steps: int = 30, out: str = "lightning_logs/hf_peft_export") -> dict[st
     pl.seed_everything(0, verbose=False)
     module = HFCausalLM(str(base_path))
     data = ByteTextDataModule(seq_len=64, batch_size=8, train_samples=8 * steps, max_bytes=300_000)
-    on_gpu = torch.cuda.is_available()
     trainer = pl.Trainer(
         accelerator="auto",
         devices=1,
         max_steps=steps,
-        plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16" if on_gpu else "float32")],
+        plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16")],
         callbacks=[LoRA(r=8, alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])],
         logger=False,
         enable_checkpointing=False,

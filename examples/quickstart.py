@@ -1,4 +1,4 @@
-"""Quickstart: your own LightningModule, trained with a 4-bit base, in about a minute on a laptop CPU.
+"""Quickstart: your own LightningModule, trained on a 4-bit base with LoRA, on a CPU (no GPU needed) or a GPU.
 
 The model below is what a user writes: a small GPT (nanoGPT style) and an unchanged
 ``configure_optimizers`` over ``self.parameters()``. lightning_hbm changes nothing in it; the lines
@@ -13,8 +13,8 @@ marked ``# lightning_hbm`` are all it takes to shrink the memory terms:
 The data is byte-level text from Python's own standard library sources: nothing is downloaded.
 The same script runs on a GPU unchanged (``accelerator="auto"``).
 
-    python examples/quickstart.py             # ~60 steps
-    python examples/quickstart.py --steps 10  # shorter (the test suite does this)
+    python examples/quickstart.py             # 60 steps
+    python examples/quickstart.py --steps 8   # shorter (tests/test_examples.py does this)
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from lightning_hbm.data import VOCAB_SIZE, ByteTextDataModule
 
 
 class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then a GELU MLP, each with a residual."""
+
     def __init__(self, n_embd: int, n_head: int) -> None:
         super().__init__()
         self.n_head = n_head
@@ -108,9 +110,8 @@ def main(steps: int = 60, seed: int = 0, root_dir: str = "lightning_logs/quickst
         accelerator="auto",
         devices=1,
         max_steps=steps,
-        # lightning_hbm: frozen 4-bit NF4 base weights; bf16 compute on GPU, fp32 on CPU
-        # (CPUs without bf16 units are slow at it, and fp32 keeps the CPU run bit-stable).
-        plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16" if on_gpu else "float32")],
+        # lightning_hbm: frozen 4-bit NF4 base weights, bf16 compute (CPU and GPU alike)
+        plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16")],
         callbacks=[LoRA(r=16, alpha=32), ActivationCheckpointing(), HBMProfiler(every_n_steps=10), printer],  # lightning_hbm
         logger=False,
         enable_checkpointing=False,

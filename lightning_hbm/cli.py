@@ -164,6 +164,13 @@ class PlanCLI(HBMCLI):
     engineer's :func:`lightning_hbm.plan.plan_from_config`: the model is built under
     ``FakeTensorMode`` (nothing allocated), each candidate is traced for two steps on the
     datamodule's first batch. ``--budget`` picks the fastest candidate that fits.
+
+    Args: those of :class:`HBMCLI` (use ``run=False``). Logs nothing; :attr:`plan` holds the
+    :class:`~lightning_hbm.planner.Plan`.
+
+    Example::
+
+        PlanCLI(args=["-c", "examples/qlora.yaml", "--budget", "24GiB"], run=False).plan.chosen
     """
 
     @override

@@ -12,7 +12,6 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
@@ -122,6 +121,22 @@ def test_defaults_are_llama_on_stdlib_text(tmp_path: Path) -> None:
     cli = _cli(tmp_path)
     assert type(cli.model) is LlamaLM and cli.model.hparams.hidden_size == 64
     assert type(cli.datamodule) is ByteTextDataModule and cli.datamodule.seq_len == 32
+
+
+def test_own_model_class_as_lightning_cli(tmp_path: Path) -> None:
+    from lightning_hbm.models import NanoGPT
+
+    args = ["--trainer.accelerator=cpu", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"]
+    cli = HBMCLI(NanoGPT, args=[*args, "--model.n_layer=1", "--model.n_embd=32", "--trainer.precision=nf4"], run=False)
+    assert type(cli.model) is NanoGPT and len(cli.model.model.h) == 1
+    assert cli.trainer.precision_plugin.mode.name == "nf4"
+
+
+def test_validate_subcommand_applies_the_precision(tmp_path: Path) -> None:
+    base = ["--trainer.accelerator=cpu", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"]
+    cli = HBMCLI(args=["validate", *base, *TINY, "--trainer.precision=nf4-dq", "--trainer.limit_val_batches=1"])
+    assert "QuantizedPrecision(nf4-dq)" in lightning_hbm.applied_transforms(cli.model)
+    assert 0 < float(cli.trainer.callback_metrics["val_loss"]) < 10
 
 
 def test_console_script_points_to_main() -> None:
