@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import lightning.pytorch as pl
 import pytest
@@ -28,6 +29,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_global_seed() -> Iterator[None]:
+    """LightningCLI's seed_everything sets PL_GLOBAL_SEED in os.environ; DDP ranks re-seed from it.
+
+    Without this, a CLI test changes the RNG stream of every later multi-process test (LoRA's
+    random init then differs between a 2-rank run and its single-process reference).
+    """
+    yield
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        os.environ.pop(name, None)
 
 
 @pytest.fixture

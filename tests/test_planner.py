@@ -21,11 +21,12 @@ from lightning_hbm.planner import (
     Candidate,
     parse_bytes,
     plan,
+    planned_linear,
     predict,
     quantized_parameter_bytes,
     shard_categories,
 )
-from lightning_hbm.precision import quantize_model
+from lightning_hbm.precision import QuantMode, quantize_model, registry
 from lightning_hbm.surgery import applied_transforms
 
 TINY_GPT = dict(n_layer=2, n_head=2, n_embd=64, block_size=128)
@@ -203,11 +204,23 @@ def test_bad_input_errors(gpt_factory: Callable[..., NanoGPT]) -> None:
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
         plan(gpt_factory(), batch, device="tpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="planner does not know how precision mode 'int8-dynamic' stores weights"):
-        predict(gpt_factory(), batch, Candidate("int8-dynamic", lora_r=4))
-    # a candidate that cannot be planned is reported, the others are still planned
-    result = plan(gpt_factory(), batch, candidates=[Candidate("32-true"), Candidate("int8-dynamic", lora_r=4)])
+        planned_linear(torch.nn.Linear(4, 4), "int8-dynamic", torch.float32)
+
+
+def test_unplannable_candidate_is_reported_and_the_others_planned(
+    gpt_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mode whose layers cannot run on fake tensors (a user's own registered mode, say)."""
+
+    def replace(linear: torch.nn.Linear, dtype: torch.dtype, device: Any) -> torch.nn.Module:
+        raise RuntimeError("this layer cannot be built on fake tensors")
+
+    monkeypatch.setitem(registry._MODES, "test-opaque", QuantMode("test-opaque", replace, (torch.float32,), "test"))
+    batch = synthetic_batch(2, 16)
+    candidates = [Candidate("32-true"), Candidate("test-opaque", dtype="float32", lora_r=4)]
+    result = plan(gpt_factory(), batch, candidates=candidates)
     assert [p.candidate.name for p in result.predictions] == ["32-true"]
-    assert "int8-dynamic" in result.failures[0][1]
+    assert result.failures[0][0].precision == "test-opaque" and "fake tensors" in result.failures[0][1]
 
 
 @pytest.mark.gpu
