@@ -25,8 +25,7 @@ from lightning_hbm.memory.storage import (
     parameter_bytes,
     parameter_count,
     quantization_tensors,
-    storage_bytes,
-    storage_key,
+    tensor_storage_key,
     unique_bytes,
 )
 from lightning_hbm.memory.tracker import LiveStorageTracker
@@ -48,8 +47,7 @@ __all__ = [
     "parameter_tensors",
     "quantization_tensors",
     "saved_activation_bytes",
-    "storage_bytes",
-    "storage_key",
+    "tensor_storage_key",
     "tensor_bytes",
     "unique_bytes",
 ]

@@ -28,7 +28,7 @@ a parameter).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Literal, Union, get_args
 
@@ -36,73 +36,18 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_hbm.memory.storage import module_parameter_tensors
+from lightning_hbm.memory.storage import (
+    StorageKey,
+    module_parameter_tensors,
+    nested_tensors,
+    plain_tensors,
+    storages,
+    tensor_bytes,
+    tensor_storage_key,
+)
 
 Category = Literal["parameters", "gradients", "optimizer_states", "activations", "other"]
 CATEGORIES: tuple[Category, ...] = get_args(Category)
-
-StorageKey = tuple[str, int]
-
-
-def plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The plain tensors that hold the bytes of ``tensor``.
-
-    Wrapper subclasses (torchao ``NF4Tensor``, its 8-bit optimizer states, DTensor) have no
-    storage of their own: their bytes live in inner tensors named by ``__tensor_flatten__``.
-    """
-    flatten = getattr(type(tensor), "__tensor_flatten__", None)
-    if flatten is None or type(tensor) in (torch.Tensor, nn.Parameter):
-        yield tensor
-        return
-    inner_names, _ = tensor.__tensor_flatten__()
-    for name in inner_names:
-        yield from plain_tensors(getattr(tensor, name))
-
-
-def tensor_storage_key(tensor: torch.Tensor) -> StorageKey | None:
-    """Identity (device, data pointer) of the storage behind a plain tensor; None if it holds no bytes."""
-    if tensor.is_meta:
-        return None
-    storage = tensor.untyped_storage()
-    if storage.nbytes() == 0:
-        return None
-    return (str(storage.device), storage.data_ptr())
-
-
-_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
-
-
-def _storages(tensors: Iterable[torch.Tensor]) -> Iterator[tuple[StorageKey, int]]:
-    # Runs over every parameter, gradient and state tensor at each measured step: kept lean.
-    for tensor in tensors:
-        for plain in (tensor,) if type(tensor) in _PLAIN_TYPES else plain_tensors(tensor):
-            if plain.is_meta:
-                continue
-            storage = plain.untyped_storage()
-            nbytes = storage.nbytes()
-            if nbytes:
-                yield (str(storage.device), storage.data_ptr()), nbytes
-
-
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (wrapper subclasses counted by their inner tensors)."""
-    return sum(dict(_storages(tensors)).values())
-
-
-def _nested_tensors(obj: object, depth: int = 0) -> Iterator[torch.Tensor]:
-    # Optimizer states are dicts of tensors (torch, bitsandbytes) or of tensor subclasses (torchao);
-    # some nest one level (lists of tensors). Depth-limited: states are never deep.
-    if depth > 3:
-        return
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _nested_tensors(value, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _nested_tensors(value, depth + 1)
-
 
 def parameter_tensors(module: nn.Module) -> list[torch.Tensor]:
     """Tensors of the **parameters** category: parameters plus their quantization constants."""
@@ -123,7 +68,7 @@ def optimizer_state_tensors(optimizers: Union[Optimizer, Iterable[Optimizer]]) -
         # LightningOptimizer wraps the real one; .state is forwarded, but be explicit.
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         for state in optimizer.state.values():
-            tensors.extend(_nested_tensors(state))
+            tensors.extend(nested_tensors(state))
     return tensors
 
 
@@ -154,7 +99,7 @@ def owned_storages(
     """
     owned: dict[StorageKey, tuple[Category, int]] = {}
     for category, tensors in owned_tensors(module, optimizers).items():
-        for key, nbytes in _storages(tensors):
+        for key, nbytes in storages(tensors):
             owned.setdefault(key, (category, nbytes))
     return owned
 
@@ -214,7 +159,7 @@ def classify(
     for key, (category, nbytes) in owned_storages(module, optimizers).items():
         add(key, category, nbytes)
     for category, candidates in (("activations", activations), ("other", others)):
-        items = candidates.items() if isinstance(candidates, Mapping) else _storages(candidates)
+        items = candidates.items() if isinstance(candidates, Mapping) else storages(candidates)
         for key, nbytes in items:
             add(key, category, nbytes)
     return MemoryBreakdown(**totals)

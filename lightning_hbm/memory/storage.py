@@ -9,67 +9,84 @@ nested absmax; ``SCB`` row scales for int8): :func:`quantization_tensors` finds 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The storage-backed tensor on this rank: a DTensor (FSDP2 shard) holds only its local shard.
+StorageKey = tuple[str, int]
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
 
-    A DTensor is a wrapper subclass without storage of its own (``data_ptr`` raises).
+
+def plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors that hold the bytes of ``tensor``.
+
+    Wrapper subclasses (DTensor shards under FSDP2, torchao ``NF4Tensor`` and its 8-bit optimizer
+    states) have no storage of their own: their bytes live in the inner tensors named by
+    ``__tensor_flatten__`` (a DTensor's local shard, not the full tensor). Inner attributes that
+    are not tensors (a DTensor's device mesh) hold no bytes.
     """
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None and type(tensor).__name__ == "DTensor" else tensor
+    if type(tensor) in _PLAIN_TYPES or not hasattr(type(tensor), "__tensor_flatten__"):
+        yield tensor
+        return
+    inner_names, _ = tensor.__tensor_flatten__()
+    for name in inner_names:
+        inner = getattr(tensor, name)
+        if isinstance(inner, torch.Tensor):
+            yield from plain_tensors(inner)
 
 
-def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    """Identity of the storage behind ``tensor`` (device, data pointer)."""
-    tensor = _local(tensor)
-    storage = tensor.untyped_storage()
-    return (str(tensor.device), storage.data_ptr())
+def storages(tensors: Iterable[torch.Tensor]) -> Iterator[tuple[StorageKey, int]]:
+    """``((device, data pointer), bytes)`` of every non-empty storage behind ``tensors`` (repeats included)."""
+    # Runs over every parameter, gradient and state tensor at each profiled step: kept lean.
+    for tensor in tensors:
+        for plain in (tensor,) if type(tensor) in _PLAIN_TYPES else plain_tensors(tensor):
+            if plain.is_meta:
+                continue
+            storage = plain.untyped_storage()
+            nbytes = storage.nbytes()
+            if nbytes:
+                yield (str(storage.device), storage.data_ptr()), nbytes
 
 
-def storage_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of the whole storage behind ``tensor`` (0 for meta tensors)."""
-    tensor = _local(tensor)
-    if tensor.is_meta:
-        return 0
-    return tensor.untyped_storage().nbytes()
+def tensor_storage_key(tensor: torch.Tensor) -> StorageKey | None:
+    """Identity (device, data pointer) of the storage behind a plain tensor; None if it holds no bytes."""
+    return next((key for key, _ in storages([tensor])), None)
 
 
-def unique_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]] | None = None) -> int:
-    """Sum of storage bytes of ``tensors``, each storage counted once (also across calls sharing ``seen``)."""
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``, each storage counted once."""
+    return sum(dict(storages(tensors)).values())
+
+
+def unique_bytes(tensors: Iterable[torch.Tensor], seen: set[StorageKey] | None = None) -> int:
+    """Like :func:`tensor_bytes`, also deduplicating against (and adding to) ``seen`` across calls."""
     seen = set() if seen is None else seen
     total = 0
-    for tensor in tensors:
-        tensor = _local(tensor)
-        if tensor.is_meta or tensor.untyped_storage().nbytes() == 0:
-            continue
-        key = storage_key(tensor)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += storage_bytes(tensor)
+    for key, nbytes in storages(tensors):
+        if key not in seen:
+            seen.add(key)
+            total += nbytes
     return total
 
 
-def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+def nested_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors inside ``obj``: dicts and lists (optimizer states), bitsandbytes state objects (QuantState)."""
     if depth > 3 or obj is None:
         return
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for item in obj:
-            yield from _tensors_in(item, depth + 1)
-    elif isinstance(obj, dict):
+            yield from nested_tensors(item, depth + 1)
+    elif isinstance(obj, Mapping):
         for item in obj.values():
-            yield from _tensors_in(item, depth + 1)
+            yield from nested_tensors(item, depth + 1)
     elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("bitsandbytes"):
         for item in vars(obj).values():
-            yield from _tensors_in(item, depth + 1)
+            yield from nested_tensors(item, depth + 1)
 
 
 def quantization_tensors(param: torch.Tensor) -> list[torch.Tensor]:
@@ -77,7 +94,7 @@ def quantization_tensors(param: torch.Tensor) -> list[torch.Tensor]:
     extra: list[torch.Tensor] = []
     quant_state = getattr(param, "quant_state", None)
     if quant_state is not None:
-        extra.extend(_tensors_in(quant_state))
+        extra.extend(nested_tensors(quant_state))
     for attr in ("SCB", "scales", "weight_scale"):
         value = getattr(param, attr, None)
         if isinstance(value, torch.Tensor):
@@ -85,12 +102,29 @@ def quantization_tensors(param: torch.Tensor) -> list[torch.Tensor]:
     return extra
 
 
-def module_parameter_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Every tensor that stores a parameter of ``module``, quantization constants included."""
+def _layer_state_tensors(module: nn.Module) -> list[torch.Tensor]:
+    # bitsandbytes' Linear8bitLt moves the weight's row scales (SCB) from the parameter into
+    # ``layer.state`` at its first forward: count them there too (deduplicated by storage).
+    state = getattr(module, "state", None)
+    if state is None or not type(state).__module__.startswith("bitsandbytes"):
+        return []
+    return [t for t in (getattr(state, "SCB", None), getattr(state, "CB", None)) if isinstance(t, torch.Tensor)]
+
+
+def module_parameter_tensors(module: nn.Module, trainable: bool | None = None) -> list[torch.Tensor]:
+    """Every tensor that stores a parameter of ``module``, quantization constants included.
+
+    ``trainable=True`` keeps only parameters that require grad, ``False`` only frozen ones.
+    """
     tensors: list[torch.Tensor] = []
-    for param in module.parameters():
-        tensors.append(param)
-        tensors.extend(quantization_tensors(param))
+    for sub in module.modules():
+        for param in sub.parameters(recurse=False):
+            if trainable is not None and param.requires_grad != trainable:
+                continue
+            tensors.append(param)
+            tensors.extend(quantization_tensors(param))
+        if trainable is not True:
+            tensors.extend(_layer_state_tensors(sub))
     return tensors
 
 
@@ -99,13 +133,7 @@ def parameter_bytes(module: nn.Module, trainable: bool | None = None) -> int:
 
     ``trainable=True`` counts only parameters that require grad, ``False`` only frozen ones.
     """
-    tensors: list[torch.Tensor] = []
-    for param in module.parameters():
-        if trainable is not None and param.requires_grad != trainable:
-            continue
-        tensors.append(param)
-        tensors.extend(quantization_tensors(param))
-    return unique_bytes(tensors)
+    return tensor_bytes(module_parameter_tensors(module, trainable))
 
 
 def parameter_count(module: nn.Module, trainable: bool | None = None) -> int:

@@ -259,3 +259,18 @@ def test_errors_are_raised_before_training(gpt_factory: Any, trainer_factory: An
     assert trainer.global_step == 0
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, before[key])
+
+
+def test_int8_row_scales_are_counted_after_the_first_forward(gpt_factory: Any) -> None:
+    """bitsandbytes moves the int8 row scales (SCB) from the weight into ``layer.state`` at the first forward."""
+    from lightning_hbm.memory import parameter_bytes
+
+    model = gpt_factory()
+    quantize_model(model, "int8", dtype="float32")
+    before = parameter_bytes(model)
+    layer = model.model.h[0].attn.c_attn
+    assert layer.weight.SCB is not None
+    with torch.no_grad():
+        model(torch.randint(0, 256, (2, 16)))
+    assert layer.weight.SCB is None and layer.state.SCB is not None  # the move this test guards against
+    assert parameter_bytes(model) == before
