@@ -29,7 +29,6 @@ from typing_extensions import override
 from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.models import LlamaLM
-from lightning_hbm.strategies.fsdp_qlora import local_parameter_bytes
 
 SIZES: dict[str, dict[str, int]] = {
     # hidden, intermediate, layers, heads, kv heads
@@ -121,7 +120,7 @@ def main() -> None:
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
         "strategy": args.strategy,
-        "param_bytes_this_rank": local_parameter_bytes(model),
+        "param_bytes_this_rank": parameter_bytes(model),
         "optimizer_bytes_this_rank": optimizer_bytes(trainer),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }

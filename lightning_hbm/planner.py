@@ -72,6 +72,7 @@ from lightning_hbm.memory.categories import (
     plain_tensors,
 )
 from lightning_hbm.precision import QuantizedPrecision, available_precisions, get_mode, quantize_model
+from lightning_hbm.memory.storage import quantization_tensors
 from lightning_hbm.precision.registry import QuantMode
 from lightning_hbm.surgery import Stage, SurgeryCallback, apply_transforms, applied_transforms, mark_applied
 from lightning_hbm.surgery import prune_frozen_parameters
@@ -415,6 +416,31 @@ def quantized_parameter_bytes(
     Computed on a fake copy (or a fake build, for a factory) with :func:`planned_linear`: packed
     weights, absmax, nested constants and row scales at their exact sizes. The model is not changed.
     """
+    return _count_quantized(model, mode, dtype, ignore_modules, parameter_tensors)
+
+
+def quantization_constant_bytes(
+    model: ModelLike, mode: str, dtype: str = "bfloat16", ignore_modules: Sequence[str] = ()
+) -> int:
+    """Bytes of the quantization constants alone (absmax, code books, row scales) after ``quantize_model``.
+
+    Sharding keeps these whole on every rank (FSDP2 shards only the packed weights): pass them as
+    ``shard_categories(..., replicated_parameter_bytes=...)``.
+    """
+
+    def constants(module: nn.Module) -> list[torch.Tensor]:
+        return [t for p in module.parameters() for t in quantization_tensors(p)]
+
+    return _count_quantized(model, mode, dtype, ignore_modules, constants)
+
+
+def _count_quantized(
+    model: ModelLike,
+    mode: str,
+    dtype: str,
+    ignore_modules: Sequence[str],
+    tensors: Callable[[nn.Module], list[torch.Tensor]],
+) -> int:
     fake_mode = _fake_mode()
     with warnings.catch_warnings(), _quiet_logs():
         warnings.simplefilter("ignore")
@@ -423,7 +449,7 @@ def quantized_parameter_bytes(
         with fake_mode:
             module.configure_model()
             quantize_model(module, _planned_mode(get_mode(mode)), dtype, ignore_modules)
-            return _storage_bytes(parameter_tensors(module))
+            return _storage_bytes(tensors(module))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -540,13 +566,17 @@ class Prediction:
         return None if self.budget is None else self.total <= self.budget
 
 
-def shard_categories(categories: dict[str, int], world_size: int, gathered_bytes: int = 0) -> dict[str, int]:
+def shard_categories(
+    categories: dict[str, int], world_size: int, gathered_bytes: int = 0, replicated_parameter_bytes: int = 0
+) -> dict[str, int]:
     """Per-rank bytes when parameters, gradients and optimizer states are sharded over ``world_size`` ranks.
 
     FSDP/ZeRO-3 semantics: the three model-state categories are split evenly (rounded up), each rank
     keeps the activations of its own micro-batch (``categories`` must come from a per-rank batch), and
     ``gathered_bytes`` (the unsharded parameters of the largest wrapped unit, all-gathered during its
-    forward/backward) is added to ``other``.
+    forward/backward) is added to ``other``. ``replicated_parameter_bytes`` are parameter bytes every
+    rank keeps whole: FSDP2 shards a 4-bit weight's packed data but not its quantization constants
+    (absmax, code books), see :func:`quantization_constant_bytes`.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}.")
@@ -556,6 +586,9 @@ def shard_categories(categories: dict[str, int], world_size: int, gathered_bytes
     per_rank = dict(categories)
     for name in ("parameters", "gradients", "optimizer_states"):
         per_rank[name] = -(-categories.get(name, 0) // world_size)
+    if replicated_parameter_bytes:
+        sharded = categories.get("parameters", 0) - replicated_parameter_bytes
+        per_rank["parameters"] = -(-sharded // world_size) + replicated_parameter_bytes
     per_rank["other"] = categories.get("other", 0) + (gathered_bytes if world_size > 1 else 0)
     return per_rank
 

@@ -103,12 +103,18 @@ def quantization_tensors(param: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _layer_state_tensors(module: nn.Module) -> list[torch.Tensor]:
-    # bitsandbytes' Linear8bitLt moves the weight's row scales (SCB) from the parameter into
-    # ``layer.state`` at its first forward: count them there too (deduplicated by storage).
+    # Quantization constants a bitsandbytes layer keeps on itself rather than on its parameter
+    # (counted once with the parameter's own, by storage): Linear8bitLt moves the row scales (SCB)
+    # into ``layer.state`` at its first forward; Linear4bit keeps ``layer.quant_state``, the only
+    # copy once FSDP2 has replaced the weight by a DTensor shard.
+    tensors: list[torch.Tensor] = []
     state = getattr(module, "state", None)
-    if state is None or not type(state).__module__.startswith("bitsandbytes"):
-        return []
-    return [t for t in (getattr(state, "SCB", None), getattr(state, "CB", None)) if isinstance(t, torch.Tensor)]
+    if state is not None and type(state).__module__.startswith("bitsandbytes"):
+        tensors += [t for t in (getattr(state, "SCB", None), getattr(state, "CB", None)) if isinstance(t, torch.Tensor)]
+    quant_state = getattr(module, "quant_state", None)
+    if quant_state is not None and type(quant_state).__module__.startswith("bitsandbytes"):
+        tensors += nested_tensors(quant_state)
+    return tensors
 
 
 def module_parameter_tensors(module: nn.Module, trainable: bool | None = None) -> list[torch.Tensor]:

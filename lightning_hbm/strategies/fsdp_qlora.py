@@ -57,7 +57,6 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hbm.memory.storage import unique_bytes
 
 log = logging.getLogger(__name__)
 
@@ -338,34 +337,6 @@ def _choose_units(module: nn.Module, shard_modules: Optional[list[str]]) -> list
     return [m for _, m in units]
 
 
-def local_parameter_bytes(module: nn.Module) -> int:
-    """Bytes of parameter storage this rank holds: local shards plus replicated quantization constants.
-
-    After ``fully_shard`` a 4-bit weight is a DTensor of packed bytes whose ``quant_state``
-    (absmax, code book) lives on the bitsandbytes module, not on the parameter: counted from there.
-    """
-    from torch.distributed.tensor import DTensor
-
-    from lightning_hbm.memory.storage import quantization_tensors
-
-    tensors: list[torch.Tensor] = []
-    for param in module.parameters():
-        tensors.append(param.to_local() if isinstance(param, DTensor) else param)
-        tensors.extend(quantization_tensors(param))
-    for sub in module.modules():
-        quant_state = getattr(sub, "quant_state", None)
-        if quant_state is not None:
-            tensors.extend(quantization_tensors(_Holder(quant_state)))
-    return unique_bytes(tensors)
-
-
-class _Holder:
-    """Lets :func:`quantization_tensors` read a module-level ``quant_state``."""
-
-    def __init__(self, quant_state: Any) -> None:
-        self.quant_state = quant_state
-
-
 def register(registry: Any = StrategyRegistry) -> None:
     """Register ``strategy="fsdp_qlora"`` with Lightning (idempotent)."""
     if QuantizedFSDPStrategy.strategy_name not in registry:
@@ -376,4 +347,4 @@ def register(registry: Any = StrategyRegistry) -> None:
         )
 
 
-__all__ = ["QuantizedFSDPStrategy", "local_parameter_bytes", "register"]
+__all__ = ["QuantizedFSDPStrategy", "register"]
