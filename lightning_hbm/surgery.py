@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 _APPLIED_ATTR = "_lightning_hbm_applied"
 _STATE_ATTR = "_lightning_hbm_spine"
+_APPLIERS_ATTR = "_lightning_hbm_appliers"  # transform name -> id() of the instance that applied it last
 
 
 class Stage(IntEnum):
@@ -82,6 +83,11 @@ class SurgeryCallback(Callback):
     """
 
     stage: Stage = Stage.KERNELS
+    # True for transforms that are idempotent and keep per-instance settings (which blocks are
+    # checkpointed, which kernel runs): a new instance re-applies itself to a module that an earlier
+    # instance already changed (fit with one Trainer, then test with another). Transforms that add
+    # parameters (LoRA) leave it False: their parameters must not be re-created.
+    reapply: bool = False
 
     def transform_model(self, module: pl.LightningModule) -> None:
         """Change ``module`` in place. Called once, at the surgery point. Default: no change."""
@@ -152,12 +158,16 @@ def _surgery_callbacks(trainer: pl.Trainer) -> list[SurgeryCallback]:
 def apply_transforms(module: pl.LightningModule, transforms: list[SurgeryCallback]) -> None:
     """Apply each transform once, in stage order (also usable without a Trainer, e.g. planner)."""
     done = set(applied_transforms(module))
+    appliers: dict[str, int] = getattr(module, _APPLIERS_ATTR, None) or {}
+    object.__setattr__(module, _APPLIERS_ATTR, appliers)
     for transform in sorted(transforms, key=lambda t: int(t.stage)):
         name = _transform_name(transform)
-        if name in done:
+        if name in done and not (transform.reapply and appliers.get(name) != id(transform)):
             continue
         transform.transform_model(module)
-        mark_applied(module, name)
+        appliers[name] = id(transform)
+        if name not in done:
+            mark_applied(module, name)
 
 
 class _SpineState:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 from typing_extensions import override
 
-from lightning_hbm.surgery import Stage, SurgeryCallback, applied_transforms
+from lightning_hbm.surgery import Stage, SurgeryCallback
 
 _aten = torch.ops.aten
 # Ops whose outputs the "selective" policy keeps: the expensive ones (matmuls, attention kernels).
@@ -242,6 +242,7 @@ class ActivationCheckpointing(SurgeryCallback):
     """
 
     stage = Stage.CHECKPOINTING
+    reapply = True  # a new instance re-wraps the blocks with its own settings (no parameter changes)
 
     def __init__(
         self,
@@ -309,15 +310,6 @@ class ActivationCheckpointing(SurgeryCallback):
             f"lightning_hbm: activation checkpointing ({self.policy}{', offload' if self.offload else ''}) "
             f"on {len(chosen)} of {len(found)} blocks ({type(chosen[0][1]).__name__})"
         )
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        # The spine applies a transform once per module: on a model that went through the surgery with
-        # an earlier Trainer, this instance would never run. Re-wrap the blocks with its settings now
-        # (checkpointing changes no parameter, so the optimizer built later is unaffected).
-        if not self.checkpointed and type(self).__qualname__ in applied_transforms(pl_module):
-            self.transform_model(pl_module)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from typing_extensions import override
 
-from lightning_hbm.surgery import Stage, SurgeryCallback, applied_transforms
+from lightning_hbm.surgery import Stage, SurgeryCallback
 
 _FLASH_ATTN_AVAILABLE = RequirementCache("flash-attn")
 
@@ -110,6 +110,7 @@ class AttentionKernel(SurgeryCallback):
     """
 
     stage = Stage.KERNELS
+    reapply = True  # a new instance (e.g. a test Trainer after fit) chooses its kernel again
 
     def __init__(self, backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = "auto") -> None:
         if backend != "auto" and backend not in KERNELS:
@@ -163,15 +164,6 @@ class AttentionKernel(SurgeryCallback):
             if self.chosen == "flash" and implementation == "sdpa" and device.type == "cuda":
                 note += " (torch's flash kernel; pip install flash-attn for flash_attention_2)"
         rank_zero_info(f"lightning_hbm: attention kernel {self.chosen!r} ({self.backend}) on {device.type}/{dtype}{note}")
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        # The spine applies a transform once per module: a model that went through the surgery with an
-        # earlier Trainer (fit, then test with a new Trainer) is not changed again, so this instance
-        # would never choose its kernel. Choose it now (still before any step).
-        if self.chosen is None and type(self).__qualname__ in applied_transforms(pl_module):
-            self.transform_model(pl_module)
 
     def _enter(self) -> None:
         self._exit()  # a batch that raised never reached its *_batch_end
