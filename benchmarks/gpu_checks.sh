@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Every GPU check of lightning_hbm in one run, for a session lent a GPU machine (device tool).
+# Nothing here has run yet: the session that wrote the project had no GPU. Budget: ~8 minutes on one H200.
+#
+# Prepare here (once): echo /.whl/ >> .git/info/exclude
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_24_x86_64 -d .whl bitsandbytes==0.50.2
+# Run there:  run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=600)
+# Results land in $OUT (pytest log + one log per benchmark); copy the figures into benchmarks/README.md.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_checks}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, bitsandbytes; print(torch.__version__, torch.version.cuda, bitsandbytes.__version__)" | tee -a "$OUT/gpu.txt"
+
+# 1. the marked GPU tests (precision, profiler, LoRA, activations, optimizer, int8-dynamic, planner, FSDP)
+timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+
+# 2. the benchmarks on CUDA (each bounded; figures go to benchmarks/README.md)
+run() { local name=$1; shift; echo "== $name: $*"; timeout 90 python3 "$@" 2>&1 | tee "$OUT/$name.log" | tail -12; }
+run precision   benchmarks/precision_memory.py --device cuda --modes nf4-dq int8 int8-dynamic
+run activations benchmarks/activation_memory.py --device cuda
+run optimizer   benchmarks/optimizer_memory.py --device cuda
+run quality     benchmarks/quantization_quality.py --device cuda
+run planner     benchmarks/planner.py --gpu-check
+run fsdp        benchmarks/fsdp_qlora.py --strategy fsdp_qlora --devices 1 --size tiny
+run profiler    benchmarks/profiler_overhead.py --accelerator cuda
+run lora        benchmarks/lora_memory.py --accelerator cuda
