@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hbm import QuantizationQuality, QuantizedPrecision, quantize_model
 from lightning_hbm.data import ByteTextDataModule
-from lightning_hbm.memory import quantization_tensors, unique_bytes
+from lightning_hbm.memory import module_parameter_tensors, unique_bytes
 from lightning_hbm.models import LlamaLM
 
 MODES = ["none", "int8-dynamic", "int8", "nf4-dq", "nf4", "fp4"]
@@ -108,7 +108,8 @@ def weight_bytes_per_param(model: nn.Module, names: list[str]) -> float:
     tensors, count = [], 0
     for name in names:
         layer = model.get_submodule(name)
-        tensors += [layer.weight, *quantization_tensors(layer.weight)]
+        # the weight with its quantization constants, wherever the layer keeps them (not the bias)
+        tensors += [t for t in module_parameter_tensors(layer) if t is not layer.bias]
         count += layer.in_features * layer.out_features
     return unique_bytes(tensors) / count
 
