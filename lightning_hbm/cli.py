@@ -70,6 +70,10 @@ def import_all_classes() -> list[str]:
     return names
 
 
+class UnknownPrecisionError(ValueError):
+    """``trainer.precision`` names neither a lightning_hbm mode nor a Lightning precision."""
+
+
 def resolve_precision(precision: Optional[Union[int, str]]) -> tuple[Optional[Union[int, str]], Optional[QuantizedPrecision]]:
     """Split a ``trainer.precision`` value into (Lightning's precision, lightning_hbm plugin).
 
@@ -83,7 +87,7 @@ def resolve_precision(precision: Optional[Union[int, str]]) -> tuple[Optional[Un
     if precision in LIGHTNING_PRECISIONS:
         return precision, None
     lightning_names = ", ".join(dict.fromkeys(str(p) for p in LIGHTNING_PRECISIONS))  # "32" and 32: once
-    raise ValueError(
+    raise UnknownPrecisionError(
         f"Unknown trainer.precision {precision!r}. lightning_hbm's quantized modes: "
         f"{', '.join(available_precisions())} (compute dtype bfloat16; for another dtype use "
         "`plugins: [{class_path: QuantizedPrecision, init_args: {mode: nf4-dq, dtype: float32}}]`). "
@@ -250,20 +254,24 @@ def main(args: Optional[list[str]] = None) -> int:
     import sys
 
     argv = list(sys.argv[1:] if args is None else args)
-    if argv[:1] == ["plan"]:
-        from lightning_hbm.plan import print_plan
+    try:
+        if argv[:1] == ["plan"]:
+            from lightning_hbm.plan import print_plan
 
-        result = PlanCLI(args=argv[1:], run=False).plan
-        print_plan(result)
-        return 0 if result.budget is None or result.chosen is not None else 2
-    elif argv[:1] == ["report"]:
-        parser = argparse.ArgumentParser(prog="lightning-hbm report", description=render_report.__doc__.splitlines()[0])
-        parser.add_argument("path", help="run directory (searched for hbm_profile*.json) or the JSON file")
-        parser.add_argument("--out", default=None, help="directory to write to (default: next to the JSON)")
-        options = parser.parse_args(argv[1:])
-        render_report(options.path, options.out)
-    else:
-        HBMCLI(args=argv)
+            result = PlanCLI(args=argv[1:], run=False).plan
+            print_plan(result)
+            return 0 if result.budget is None or result.chosen is not None else 2
+        elif argv[:1] == ["report"]:
+            parser = argparse.ArgumentParser(prog="lightning-hbm report", description=render_report.__doc__.splitlines()[0])
+            parser.add_argument("path", help="run directory (searched for hbm_profile*.json) or the JSON file")
+            parser.add_argument("--out", default=None, help="directory to write to (default: next to the JSON)")
+            options = parser.parse_args(argv[1:])
+            render_report(options.path, options.out)
+        else:
+            HBMCLI(args=argv)
+    except UnknownPrecisionError as err:  # a usage error: the message, not a traceback
+        print(f"lightning-hbm: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

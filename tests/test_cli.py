@@ -194,3 +194,11 @@ def test_report_errors(tmp_path: Path) -> None:
     bad.write_text("not json")
     with pytest.raises(ValueError, match=r"is not an HBMProfiler report"):
         render_report(bad)
+
+
+def test_console_reports_unknown_precision_without_traceback(capsys: pytest.CaptureFixture) -> None:
+    from lightning_hbm.cli import main
+
+    assert main(["fit", "--trainer.precision", "nf5", "--trainer.fast_dev_run", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lightning-hbm: error: Unknown trainer.precision 'nf5'") and "Traceback" not in err
