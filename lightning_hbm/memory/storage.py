@@ -147,11 +147,15 @@ def parameter_count(module: nn.Module, trainable: bool | None = None) -> int:
 
     peft's ``print_trainable_parameters`` counts the packed uint8 elements and is wrong for 4-bit.
     """
-    total = 0
-    for param in module.parameters():
-        if trainable is not None and param.requires_grad != trainable:
-            continue
-        quant_state = getattr(param, "quant_state", None)
-        shape = getattr(quant_state, "shape", None)
-        total += int(torch.Size(shape).numel()) if shape is not None else param.numel()
+    total, seen = 0, set()
+    for sub in module.modules():
+        for name, param in sub.named_parameters(recurse=False):
+            if id(param) in seen or (trainable is not None and param.requires_grad != trainable):
+                continue
+            seen.add(id(param))
+            # a 4-bit Linear keeps its QuantState on the parameter, and on the layer (the only copy
+            # once FSDP2 has swapped the weight for a DTensor shard)
+            quant_state = getattr(param, "quant_state", None) or (getattr(sub, "quant_state", None) if name == "weight" else None)
+            shape = getattr(quant_state, "shape", None)
+            total += int(torch.Size(shape).numel()) if shape is not None else param.numel()
     return total
