@@ -35,7 +35,7 @@ from lightning_utilities.core.imports import RequirementCache
 from typing_extensions import override
 
 from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown, classify, owned_storages, owned_tensors, tensor_bytes
-from lightning_hbm.memory.storage import quantization_tensors
+from lightning_hbm.memory.storage import module_parameter_tensors
 from lightning_hbm.memory.tracker import LiveStorageTracker
 
 log = logging.getLogger(__name__)
@@ -494,7 +494,7 @@ def _module_breakdown(
         label = name or "<root>"
         params = list(module.parameters(recurse=False))
         entry = {
-            "parameters": tensor_bytes(t for p in params for t in (p, *quantization_tensors(p))),
+            "parameters": tensor_bytes(module_parameter_tensors(module, recurse=False)),
             "gradients": tensor_bytes(p.grad for p in params if p.grad is not None),
             "optimizer_states": tensor_bytes(t for state in states for p in params for t in _state_tensors(state.get(p))),
             "activations": activations.get(label, 0),

@@ -117,13 +117,16 @@ def _layer_state_tensors(module: nn.Module) -> list[torch.Tensor]:
     return tensors
 
 
-def module_parameter_tensors(module: nn.Module, trainable: bool | None = None) -> list[torch.Tensor]:
+def module_parameter_tensors(
+    module: nn.Module, trainable: bool | None = None, recurse: bool = True
+) -> list[torch.Tensor]:
     """Every tensor that stores a parameter of ``module``, quantization constants included.
 
-    ``trainable=True`` keeps only parameters that require grad, ``False`` only frozen ones.
+    ``trainable=True`` keeps only parameters that require grad, ``False`` only frozen ones;
+    ``recurse=False``: the module's own parameters only, not its submodules'.
     """
     tensors: list[torch.Tensor] = []
-    for sub in module.modules():
+    for sub in module.modules() if recurse else [module]:
         for param in sub.parameters(recurse=False):
             if trainable is not None and param.requires_grad != trainable:
                 continue
