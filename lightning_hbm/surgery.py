@@ -171,9 +171,10 @@ def apply_transforms(module: pl.LightningModule, transforms: list[SurgeryCallbac
 
 
 class _SpineState:
-    """What the spine keeps per Trainer: the stash of checkpoint keys and the hook handles."""
+    """What the spine keeps per precision plugin: its Trainer, the stash of checkpoint keys, hook handles."""
 
-    def __init__(self) -> None:
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
         self.stash: dict[str, torch.Tensor] = {}
         self.loaded_keys: set[str] = set()
         self.forgiven_missing: list[str] = []
@@ -186,18 +187,29 @@ class _SpineState:
 
 
 def install(trainer: pl.Trainer) -> None:
-    """Wrap the active precision plugin's ``convert_module`` with the surgery (idempotent)."""
+    """Wrap the active precision plugin's ``convert_module`` and ``connect`` with the surgery (idempotent).
+
+    A plugin instance reused by a second Trainer is wrapped once and follows the latest Trainer.
+    """
     plugin = trainer.strategy.precision_plugin
+    state: _SpineState | None = getattr(plugin, _STATE_ATTR, None)
+    if state is None:
+        state = _SpineState(trainer)
+        object.__setattr__(plugin, _STATE_ATTR, state)
+        _wrap_plugin(plugin, state)
+    state.trainer = trainer
     pl_module = trainer.lightning_module
-    if getattr(plugin, _STATE_ATTR, None) is not None:
-        return
-    state = _SpineState()
-    object.__setattr__(plugin, _STATE_ATTR, state)
-    original = plugin.convert_module
+    if pl_module is not None and not applied_transforms(pl_module) and not state.handles:
+        _register_resume_hooks(pl_module, state)
+
+
+def _wrap_plugin(plugin: Any, state: _SpineState) -> None:
+    original_convert = plugin.convert_module
+    original_connect = plugin.connect
 
     def convert_module(module: nn.Module) -> nn.Module:
         state.remove_hooks()
-        transforms = _surgery_callbacks(trainer)
+        transforms = _surgery_callbacks(state.trainer)
         done = set(applied_transforms(module))
         for transform in transforms:  # every check before the first change: nothing half-applied
             if _transform_name(transform) not in done:
@@ -205,30 +217,24 @@ def install(trainer: pl.Trainer) -> None:
         apply_transforms(module, [t for t in transforms if t.stage < Stage.QUANTIZE])
         # Tell our own plugin where the model will live, so it can quantize on the target device.
         if hasattr(plugin, "target_device"):
-            plugin.target_device = trainer.strategy.root_device
-        converted = original(module)
-        if converted is not module:
-            # Lightning's HalfPrecision returns module.to(dtype), the same object; a plugin that
-            # returns another object would break DDP (which ignores the return value).
-            module = converted
+            plugin.target_device = state.trainer.strategy.root_device
+        # Lightning's plugins return the module itself (HalfPrecision: module.to(dtype)); DDP ignores
+        # the return value, so every transform works in place.
+        module = original_convert(module)
         apply_transforms(module, [t for t in transforms if t.stage > Stage.QUANTIZE])
         _restore_stash(module, state)
         return module
 
-    original_connect = plugin.connect
-
     def connect(model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple:
-        if applied_transforms(trainer.lightning_module):
+        if applied_transforms(state.trainer.lightning_module):
             prune_frozen_parameters(optimizers)
-        for transform in _surgery_callbacks(trainer):
+        for transform in _surgery_callbacks(state.trainer):
             optimizers = transform.transform_optimizers(optimizers, lr_schedulers)
         return original_connect(model, optimizers, lr_schedulers)
 
-    # instance attributes: only this Trainer's plugin is changed
+    # instance attributes: only this plugin object is changed
     plugin.convert_module = convert_module
     plugin.connect = connect
-    if pl_module is not None and not applied_transforms(pl_module):
-        _register_resume_hooks(pl_module, state)
 
 
 def prune_frozen_parameters(optimizers: list[Optimizer]) -> None:

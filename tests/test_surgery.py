@@ -130,3 +130,16 @@ def test_resume_into_another_precision_mode_is_a_clear_error(
     other = trainer_factory(max_steps=2, plugins=[QuantizedPrecision("int8", dtype="float32")])
     with pytest.raises(ValueError, match=r"Resume with the same precision mode"):
         other.fit(gpt_factory(seed=1), datamodule_factory(), ckpt_path=path)
+
+
+def test_a_plugin_reused_by_a_second_trainer_follows_that_trainer(
+    gpt_factory: Any, trainer_factory: Any, datamodule_factory: Any
+) -> None:
+    plugin = QuantizedPrecision("nf4", dtype="float32")
+    first = gpt_factory()
+    trainer_factory(max_steps=1, plugins=[plugin]).fit(first, datamodule_factory())
+    log: list[tuple[str, Any]] = []
+    second = gpt_factory(seed=1)
+    trainer_factory(max_steps=1, plugins=[plugin], callbacks=_recorders(log)).fit(second, datamodule_factory())
+    assert [stage for stage, _ in log] == ["OBSERVE", "ADAPTERS", "CHECKPOINTING", "KERNELS"]
+    assert applied_transforms(second)[1] == "QuantizedPrecision(nf4)"
