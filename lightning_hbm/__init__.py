@@ -16,7 +16,7 @@ from lightning_hbm.callbacks.profiler import HBMProfiler
 from lightning_hbm.callbacks.quality import QuantizationQuality
 from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
 from lightning_hbm.planner import plan
-from lightning_hbm.callbacks.autofit import AutoFit
+from lightning_hbm.planner.autofit import AutoFit
 
 __all__ = [
     "ActivationCheckpointing",
