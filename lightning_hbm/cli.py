@@ -165,7 +165,7 @@ class PlanCLI(HBMCLI):
     """``lightning-hbm plan``: the same model/data configuration as ``fit``, planned, not trained.
 
     Parsing is ``fit``'s (config files, overrides, defaults, short names); the planning is the planner
-    engineer's :func:`lightning_hbm.plan.plan_from_config`: the model is built under
+    engineer's :func:`lightning_hbm.planner.config.plan_from_config`: the model is built under
     ``FakeTensorMode`` (nothing allocated), each candidate is traced for two steps on the
     datamodule's first batch. ``--budget`` picks the fastest candidate that fits.
 
@@ -192,8 +192,8 @@ class PlanCLI(HBMCLI):
     @override
     def instantiate_classes(self) -> None:
         """Plan instead of building: the model is only ever built fake, inside the planner."""
-        from lightning_hbm.plan import plan_from_config
         from lightning_hbm.planner import default_candidates
+        from lightning_hbm.planner.config import plan_from_config
 
         self.model, self.datamodule, self.trainer = None, None, None
         config = {"model": self.config.model.as_dict(), "data": self.config.data.as_dict()}
@@ -256,7 +256,7 @@ def main(args: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if args is None else args)
     try:
         if argv[:1] == ["plan"]:
-            from lightning_hbm.plan import print_plan
+            from lightning_hbm.planner.config import print_plan
 
             result = PlanCLI(args=argv[1:], run=False).plan
             print_plan(result)

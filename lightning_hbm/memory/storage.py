@@ -48,7 +48,19 @@ def storages(tensors: Iterable[torch.Tensor]) -> Iterator[tuple[StorageKey, int]
             storage = plain.untyped_storage()
             nbytes = storage.nbytes()
             if nbytes:
-                yield (str(storage.device), storage.data_ptr()), nbytes
+                yield storage_key(storage), nbytes
+
+
+def storage_key(storage: torch.UntypedStorage) -> StorageKey:
+    """``(device, data pointer)`` of a storage; a FakeTensor's (planner) is ``("fake", id)``.
+
+    A FakeTensor's storage lives on the meta device and has no address (``data_ptr`` is 0 for all of
+    them); torch keeps one Python object per storage as long as the storage lives, so its ``id`` is
+    its identity while it is alive.
+    """
+    if storage.device.type == "meta":
+        return "fake", id(storage)
+    return str(storage.device), storage.data_ptr()
 
 
 def tensor_storage_key(tensor: torch.Tensor) -> StorageKey | None:

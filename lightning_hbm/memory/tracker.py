@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_hbm.memory.categories import StorageKey, plain_tensors
+from lightning_hbm.memory.storage import storage_key
 
 
 class StorageRecord(NamedTuple):
@@ -86,7 +87,7 @@ class LiveStorageTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         if nbytes == 0:
             return
-        key = (str(storage.device), storage.data_ptr())
+        key = storage_key(storage)
         known = self.live.get(key)
         # With callbacks a known key is alive; without, its storage may have died and the address
         # been reused by this new one.
@@ -123,6 +124,13 @@ class LiveStorageTracker(TorchDispatchMode):
         if self._peak_pending:
             self.peak_records = dict(self.live)
             self._peak_pending = False
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now (e.g. per phase of a step)."""
+        self.finish_peak()
+        self.peak_bytes = self.live_bytes
+        self.peak_records = dict(self.live)
+        self._peak_pending = False
 
     # -- reading -------------------------------------------------------------------------------
     def live_records(self) -> dict[StorageKey, StorageRecord]:

@@ -1,7 +1,48 @@
-"""The HBM planner: predict every configuration's peak memory before training, and pick one that fits."""
+"""The HBM planner: predict every configuration's peak memory before training, and pick one that fits.
 
-from lightning_hbm.planner.api import *  # noqa: F401,F403
-from lightning_hbm.planner.api import LIGHTNING_PRECISIONS, __all__ as _api_all  # noqa: F401
+One job per module: :mod:`~lightning_hbm.planner.candidates` (the configurations and their step-time
+costs), :mod:`~lightning_hbm.planner.tracing` (one training step traced on fake tensors) with
+:mod:`~lightning_hbm.planner.realvalues` (data-dependent Python), :mod:`~lightning_hbm.planner.api`
+(:func:`predict`, :func:`plan`), :mod:`~lightning_hbm.planner.config` (planning a LightningCLI config:
+``lightning-hbm plan``, alias ``python -m lightning_hbm.planner``) and :mod:`~lightning_hbm.planner.autofit`.
+"""
+
+from lightning_hbm.planner.candidates import (
+    PLANNED_LIGHTNING_PRECISIONS,
+    Candidate,
+    available_axes,
+    default_candidates,
+    format_bytes,
+    parse_bytes,
+)
+from lightning_hbm.planner.api import (
+    CUDA_CONTEXT_BYTES,
+    Plan,
+    Prediction,
+    example_batch,
+    plan,
+    predict,
+    quantization_constant_bytes,
+    quantized_parameter_bytes,
+    shard_categories,
+)
 from lightning_hbm.planner.autofit import AutoFit
 
-__all__ = [*_api_all, "AutoFit"]
+__all__ = [
+    "CUDA_CONTEXT_BYTES",
+    "PLANNED_LIGHTNING_PRECISIONS",
+    "AutoFit",
+    "Candidate",
+    "Plan",
+    "Prediction",
+    "available_axes",
+    "default_candidates",
+    "example_batch",
+    "format_bytes",
+    "parse_bytes",
+    "plan",
+    "predict",
+    "quantization_constant_bytes",
+    "quantized_parameter_bytes",
+    "shard_categories",
+]

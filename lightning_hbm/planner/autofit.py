@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_hbm.planner import (
-    LIGHTNING_PRECISIONS,
+    PLANNED_LIGHTNING_PRECISIONS,
     Candidate,
     Plan,
     Prediction,
@@ -171,9 +171,9 @@ def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str]:
     if isinstance(plugin, QuantizedPrecision):
         return plugin.mode.name, str(plugin.dtype).removeprefix("torch.")
     name = str(trainer.precision)
-    if name not in LIGHTNING_PRECISIONS:
+    if name not in PLANNED_LIGHTNING_PRECISIONS:
         raise ValueError(
-            f"AutoFit cannot plan the Trainer's precision {name!r}. Use one of {list(LIGHTNING_PRECISIONS)} "
+            f"AutoFit cannot plan the Trainer's precision {name!r}. Use one of {list(PLANNED_LIGHTNING_PRECISIONS)} "
             "or a lightning_hbm QuantizedPrecision plugin."
         )
     return name, "bfloat16"

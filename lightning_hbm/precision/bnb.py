@@ -7,6 +7,7 @@ moves it to the target device, which is when bitsandbytes quantizes (CPU include
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -68,12 +69,9 @@ def _load_prequantized_hook(
     module.quant_state = weight.quant_state
 
 
-def _linear4bit(
-    linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device], quant_type: str, double_quant: bool
-) -> nn.Module:
-    bnb = import_bnb()
-    target = _target(linear, device)
-    layer = bnb.nn.Linear4bit(
+def _layer4bit(linear: nn.Linear, dtype: torch.dtype, quant_type: str, double_quant: bool) -> nn.Module:
+    """An empty ``Linear4bit`` shell on the meta device, shaped like ``linear``."""
+    return import_bnb().nn.Linear4bit(
         linear.in_features,
         linear.out_features,
         bias=linear.bias is not None,
@@ -82,6 +80,25 @@ def _linear4bit(
         quant_type=quant_type,
         device="meta",
     )
+
+
+def _finish4bit(layer: nn.Module, linear: nn.Linear) -> nn.Module:
+    if linear.bias is not None:
+        layer.bias = linear.bias  # same Parameter: stays trainable, cast to dtype by the plugin
+    # Trap: on CPUs with AVX512-BF16 bitsandbytes' first no-grad eval forward repacks the weight
+    # for a fast kernel that bypasses autograd, after which training silently produces no input
+    # gradients. Never take that path for a training base.
+    layer.support_avx512bf16_for_cpu = False
+    layer.register_load_state_dict_pre_hook(_load_prequantized_hook)
+    return layer
+
+
+def _linear4bit(
+    linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device], quant_type: str, double_quant: bool
+) -> nn.Module:
+    bnb = import_bnb()
+    target = _target(linear, device)
+    layer = _layer4bit(linear, dtype, quant_type, double_quant)
     weight = bnb.nn.Params4bit(
         linear.weight.data.detach(),
         requires_grad=False,
@@ -90,22 +107,42 @@ def _linear4bit(
         module=layer,
     )
     layer.weight = weight.to(target)  # bitsandbytes quantizes here, on CPU or CUDA
-    if linear.bias is not None:
-        layer.bias = linear.bias  # same Parameter: stays trainable, cast to dtype by the plugin
-    # Trap (shared/notes/verified-facts.md): on CPUs with AVX512-BF16 the first no-grad eval
-    # forward repacks the weight for a fast kernel that bypasses autograd, after which training
-    # silently produces no input gradients. Never take that path for a training base.
-    layer.support_avx512bf16_for_cpu = False
-    layer.register_load_state_dict_pre_hook(_load_prequantized_hook)
-    return layer
+    return _finish4bit(layer, linear)
 
 
-def _linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
+def _fake_linear4bit(
+    linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device], quant_type: str, double_quant: bool
+) -> nn.Module:
+    """``_linear4bit`` for a FakeTensor weight: bitsandbytes' own ``quantize_4bit`` (its registered fake
+    kernel) gives the exact packed shape, absmax and nested constants; ``Params4bit`` cannot wrap a fake
+    tensor, so the packed weight is a plain Parameter carrying the attributes bitsandbytes and peft read."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     bnb = import_bnb()
-    target = _target(linear, device)
+    with unset_fake_temporarily():  # the shell lives on the meta device, outside the fake mode
+        layer = _layer4bit(linear, dtype, quant_type, double_quant)
+        if double_quant and "dynamic" not in bnb.functional.name2qmap:
+            # the nested quantization's code book is built (and cached module-wide) from Python floats
+            # at bitsandbytes' first real call: build it for real, as that call would.
+            bnb.functional.name2qmap["dynamic"] = bnb.functional.create_dynamic_map()
+    blocksize = layer.weight.blocksize
+    packed, quant_state = bnb.functional.quantize_4bit(
+        linear.weight.detach().contiguous(), blocksize=blocksize, compress_statistics=double_quant, quant_type=quant_type
+    )
+    weight = nn.Parameter(packed, requires_grad=False)
+    attributes = {"quant_state": quant_state, "quant_type": quant_type, "blocksize": blocksize,
+                  "compress_statistics": double_quant, "quant_storage": packed.dtype, "bnb_quantized": True}
+    for attr, value in attributes.items():
+        setattr(weight, attr, value)
+    layer.weight = weight
+    layer.quant_state = quant_state
+    return _finish4bit(layer, linear)
+
+
+def _layer8bit(linear: nn.Linear) -> nn.Module:
     # has_fp16_weights=False: frozen int8 storage (has_fp16_weights=True fails backward on 3-D inputs).
     # threshold=6.0: LLM.int8's outlier decomposition (columns above it run in 16-bit).
-    layer = bnb.nn.Linear8bitLt(
+    return import_bnb().nn.Linear8bitLt(
         linear.in_features,
         linear.out_features,
         bias=linear.bias is not None,
@@ -113,6 +150,12 @@ def _linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.de
         threshold=6.0,
         device="meta",
     )
+
+
+def _linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
+    bnb = import_bnb()
+    target = _target(linear, device)
+    layer = _layer8bit(linear)
     layer.weight = bnb.nn.Int8Params(
         linear.weight.data.detach().to(dtype), requires_grad=False, has_fp16_weights=False
     ).to(target)
@@ -121,30 +164,69 @@ def _linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.de
     return layer
 
 
-@register_mode("nf4", dtypes=_FLOAT_DTYPES, description="4-bit NormalFloat, blockwise fp32 absmax", peft_kind="4bit")
+def _fake_linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
+    """``_linear8bit`` for a FakeTensor weight: int8 rows and fp32 row scales from bitsandbytes' own
+    ``int8_vectorwise_quant`` (what ``Int8Params`` runs when moved to a device), as a plain Parameter."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    bnb = import_bnb()
+    with unset_fake_temporarily():
+        layer = _layer8bit(linear)
+    cb, scb, _ = bnb.functional.int8_vectorwise_quant(linear.weight.detach().to(dtype).contiguous().to(torch.float16))
+    weight = nn.Parameter(cb, requires_grad=False)
+    weight.CB, weight.SCB, weight.has_fp16_weights = cb, scb, False
+    layer.weight = weight
+    if linear.bias is not None:
+        layer.bias = linear.bias
+    return layer
+
+
+def _fake4(quant_type: str, double_quant: bool) -> Any:
+    return partial(_fake_linear4bit, quant_type=quant_type, double_quant=double_quant)
+
+
+@register_mode(
+    "nf4", dtypes=_FLOAT_DTYPES, description="4-bit NormalFloat, blockwise fp32 absmax", peft_kind="4bit", fake=_fake4("nf4", False)
+)
 def _nf4(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
     return _linear4bit(linear, dtype, device, "nf4", double_quant=False)
 
 
 @register_mode(
-    "nf4-dq", dtypes=_FLOAT_DTYPES, description="4-bit NormalFloat, absmax quantized again (QLoRA)", peft_kind="4bit"
+    "nf4-dq",
+    dtypes=_FLOAT_DTYPES,
+    description="4-bit NormalFloat, absmax quantized again (QLoRA)",
+    peft_kind="4bit",
+    fake=_fake4("nf4", True),
 )
 def _nf4_dq(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
     return _linear4bit(linear, dtype, device, "nf4", double_quant=True)
 
 
-@register_mode("fp4", dtypes=_FLOAT_DTYPES, description="4-bit float, blockwise fp32 absmax", peft_kind="4bit")
+@register_mode(
+    "fp4", dtypes=_FLOAT_DTYPES, description="4-bit float, blockwise fp32 absmax", peft_kind="4bit", fake=_fake4("fp4", False)
+)
 def _fp4(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
     return _linear4bit(linear, dtype, device, "fp4", double_quant=False)
 
 
-@register_mode("fp4-dq", dtypes=_FLOAT_DTYPES, description="4-bit float, absmax quantized again", peft_kind="4bit")
+@register_mode(
+    "fp4-dq",
+    dtypes=_FLOAT_DTYPES,
+    description="4-bit float, absmax quantized again",
+    peft_kind="4bit",
+    fake=_fake4("fp4", True),
+)
 def _fp4_dq(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
     return _linear4bit(linear, dtype, device, "fp4", double_quant=True)
 
 
 @register_mode(
-    "int8", dtypes=_FLOAT_DTYPES, description="LLM.int8: int8 rows + fp32 scales, outliers in 16-bit", peft_kind="8bit"
+    "int8",
+    dtypes=_FLOAT_DTYPES,
+    description="LLM.int8: int8 rows + fp32 scales, outliers in 16-bit",
+    peft_kind="8bit",
+    fake=_fake_linear8bit,
 )
 def _int8(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
     return _linear8bit(linear, dtype, device)

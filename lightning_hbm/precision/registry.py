@@ -8,7 +8,7 @@ register themselves with :func:`register_mode`; :func:`get_mode` turns an unknow
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Union
 
 import torch
@@ -38,6 +38,13 @@ class QuantMode:
     description: str
     # what peft needs to know to pick its quantization-aware LoRA layer ("4bit", "8bit" or None)
     peft_kind: Optional[str] = None
+    # the same layer built from a FakeTensor weight (the planner predicts memory without allocating):
+    # storage of the exact shapes and dtypes, nothing computed. None: ``replace`` runs on fake tensors as is.
+    fake: Optional[ReplaceFn] = None
+
+    def for_fake_tensors(self) -> QuantMode:
+        """This mode with ``replace`` swapped for its fake-tensor construction (used by the planner)."""
+        return self if self.fake is None else replace(self, replace=self.fake, fake=None)
 
 
 _MODES: dict[str, QuantMode] = {}
@@ -49,13 +56,18 @@ def register_mode(
     dtypes: tuple[torch.dtype, ...],
     description: str,
     peft_kind: Optional[str] = None,
+    fake: Optional[ReplaceFn] = None,
 ) -> Callable[[ReplaceFn], ReplaceFn]:
-    """Decorator: register ``fn(linear, compute_dtype, device) -> nn.Module`` as mode ``name``."""
+    """Decorator: register ``fn(linear, compute_dtype, device) -> nn.Module`` as mode ``name``.
+
+    ``fake``: how to build the same layer when ``linear.weight`` is a FakeTensor, if ``fn`` cannot
+    (bitsandbytes' parameter classes cannot wrap one); the planner uses it.
+    """
 
     def decorator(fn: ReplaceFn) -> ReplaceFn:
         if name in _MODES:
             raise ValueError(f"Precision mode {name!r} is already registered.")
-        _MODES[name] = QuantMode(name, fn, dtypes, description, peft_kind)
+        _MODES[name] = QuantMode(name, fn, dtypes, description, peft_kind, fake)
         return fn
 
     return decorator

@@ -1,0 +1,322 @@
+"""Candidates and their costs: the configurations the planner compares, and what each costs in step time.
+
+A :class:`Candidate` is one value per axis (precision mode x LoRA rank x activation checkpointing x
+optimizer kind x offload), each set through a plugin or callback a user could write by hand
+(:meth:`Candidate.precision_plugin`, :meth:`Candidate.callbacks`, :meth:`Candidate.yaml`).
+
+Step-time costs (:meth:`Candidate.relative_cost`) are stated assumptions, relative to the user's
+configuration, from published figures: full recompute ~ +1 forward (+33 %), selective ~ +5 %, 4-bit
+dequantization ~ +25 % (torchtune: QLoRA 2,413 vs LoRA 3,083 tok/s), LLM.int8 ~ +50 %, 8-bit optimizer
+~ free, CPU offload +20 % (torchao CPUOffloadOptimizer, 1.1B ViT). LoRA is costed like full fine-tuning
+so that AutoFit never trades what is trained for speed alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+from lightning_hbm.precision import QuantizedPrecision, available_precisions
+from lightning_hbm.surgery import SurgeryCallback
+
+Checkpointing = Literal["none", "selective", "full"]
+
+#: The Trainer precisions the planner can trace (a subset of what ``Trainer(precision=...)`` accepts,
+#: which is ``lightning_hbm.cli.PLANNED_LIGHTNING_PRECISIONS``); lightning_hbm's quantized modes come on top.
+PLANNED_LIGHTNING_PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed")
+
+# Relative step time added by each choice (see the module docstring for the sources).
+_COST_CHECKPOINTING = {"none": 0.0, "selective": 0.05, "full": 0.33}
+_COST_4BIT = 0.25
+_COST_INT8 = 0.5
+_COST_OFFLOAD = 0.2
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}  # fmt: skip
+
+
+def parse_bytes(value: Union[str, int, float]) -> int:
+    """``"24GiB"``, ``"24 GB"``, ``"512MiB"``, ``2**30`` -> bytes. Bare ``G``/``M`` mean GiB/MiB (as ``nvidia-smi``)."""
+    if isinstance(value, bool):
+        raise TypeError(f"A memory size must be a number of bytes or a string such as '24GiB', got {value!r}.")
+    if isinstance(value, (int, float)):
+        if value <= 0 or not math.isfinite(value):
+            raise ValueError(f"A memory size must be a positive number of bytes, got {value!r}.")
+        return int(value)
+    if not isinstance(value, str):
+        raise TypeError(f"A memory size must be an int or a string such as '24GiB', got {type(value).__name__}.")
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"Cannot read the memory size {value!r}. Write a number and a unit, e.g. '24GiB', '80GB', '512MiB'."
+        )
+    number = float(match.group(1))
+    if number <= 0:
+        raise ValueError(f"A memory size must be positive, got {value!r}.")
+    return int(number * _UNITS[unit])
+
+
+def format_bytes(nbytes: float) -> str:
+    """Bytes as a short human string (binary units)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One training configuration: each field is one axis, set through a plugin or callback a user could write.
+
+    Args:
+        precision: Lightning's ``"32-true"``, ``"bf16-true"``, ``"16-true"``, ``"bf16-mixed"`` or a
+            lightning_hbm quantized mode (``"nf4-dq"``, ``"nf4"``, ``"fp4"``, ``"int8"``, ...).
+        dtype: compute dtype of a quantized mode (ignored for Lightning's names).
+        lora_r: LoRA rank (``lightning_hbm.LoRA(r=...)``); 0 trains the whole model.
+        checkpointing: ``lightning_hbm.ActivationCheckpointing(policy=...)``, or ``"none"``.
+        optimizer: ``"user"`` keeps what ``configure_optimizers`` returns; any other value is a
+            ``lightning_hbm.MemoryEfficientOptimizer(kind=...)`` (e.g. ``"adamw8bit"``).
+        offload: optimizer states in CPU memory (``Trainer(strategy="cpu_offload")``, CUDA only). A
+            strategy cannot be swapped once a Trainer exists, so AutoFit does not try this axis.
+        blocks: what ``ActivationCheckpointing(blocks=...)`` checkpoints (class names or module paths),
+            for models whose repeated blocks are not found by themselves (e.g. blocks in an
+            ``nn.Sequential``); None finds them (children of an ``nn.ModuleList`` of one class).
+
+    A new axis is a new field with a default meaning "unchanged", plus its lines in :meth:`callbacks`,
+    :meth:`relative_cost` and :meth:`yaml`.
+    """
+
+    precision: str = "bf16-true"
+    dtype: str = "bfloat16"
+    lora_r: int = 0
+    checkpointing: Checkpointing = "none"
+    optimizer: str = "user"
+    offload: bool = False
+    blocks: Optional[tuple[str, ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.blocks is not None:
+            if isinstance(self.blocks, str) or not self.blocks or not all(isinstance(b, str) for b in self.blocks):
+                raise ValueError(
+                    f"Candidate blocks must be a non-empty list of class names or module paths, got {self.blocks!r}; "
+                    "e.g. blocks=['Block'] or blocks=['model.layers.0', 'model.layers.1']."
+                )
+            object.__setattr__(self, "blocks", tuple(self.blocks))  # hashable: candidates are dict keys
+        if self.precision not in PLANNED_LIGHTNING_PRECISIONS and self.precision not in available_precisions():
+            raise ValueError(
+                f"Candidate precision {self.precision!r} is unknown. Use one of Lightning's "
+                f"{list(PLANNED_LIGHTNING_PRECISIONS)} or a lightning_hbm mode {available_precisions()}."
+            )
+        if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r < 0:
+            raise ValueError(f"Candidate lora_r must be an int >= 0 (0 = no LoRA), got {self.lora_r!r}.")
+        if self.checkpointing not in _COST_CHECKPOINTING:
+            raise ValueError(
+                f"Candidate checkpointing must be one of {list(_COST_CHECKPOINTING)}, got {self.checkpointing!r}."
+            )
+        if not isinstance(self.optimizer, str) or not self.optimizer:
+            raise ValueError(f"Candidate optimizer must be 'user' or an 8-bit optimizer kind, got {self.optimizer!r}.")
+
+    @property
+    def quantized(self) -> bool:
+        return self.precision not in PLANNED_LIGHTNING_PRECISIONS
+
+    @property
+    def name(self) -> str:
+        parts = [self.precision]
+        if self.lora_r:
+            parts.append(f"lora{self.lora_r}")
+        if self.checkpointing != "none":
+            parts.append(f"ac-{self.checkpointing}")
+        if self.optimizer != "user":
+            parts.append(self.optimizer)
+        if self.offload:
+            parts.append("offload")
+        return "+".join(parts)
+
+    def precision_plugin(self, device: str = "cpu") -> Precision:
+        """The precision plugin a Trainer would use for this candidate."""
+        if self.quantized:
+            return QuantizedPrecision(self.precision, dtype=self.dtype)
+        if self.precision == "32-true":
+            return Precision()
+        if self.precision == "bf16-mixed":
+            return MixedPrecision("bf16-mixed", device=device)
+        return HalfPrecision(self.precision)  # type: ignore[arg-type]
+
+    def callbacks(self) -> list[SurgeryCallback]:
+        """The lightning_hbm callbacks that apply this candidate (fresh instances)."""
+        callbacks: list[SurgeryCallback] = []
+        if self.lora_r:
+            from lightning_hbm.callbacks.lora import LoRA
+
+            callbacks.append(LoRA(r=self.lora_r, alpha=2.0 * self.lora_r))
+        if self.checkpointing != "none":
+            from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing
+
+            blocks = list(self.blocks) if self.blocks is not None else None
+            callbacks.append(ActivationCheckpointing(policy=self.checkpointing, blocks=blocks))
+        if self.optimizer != "user":
+            _memory_efficient_optimizer = _optimizer_callback_class()
+            callbacks.append(_memory_efficient_optimizer(kind=self.optimizer))
+        return callbacks
+
+    def relative_cost(self) -> float:
+        """Step time relative to the user's configuration (1.0), from the stated assumptions."""
+        cost = 1.0 + _COST_CHECKPOINTING[self.checkpointing] + (_COST_OFFLOAD if self.offload else 0.0)
+        if self.quantized:
+            cost += _COST_INT8 if self.precision.startswith("int8") else _COST_4BIT
+        return round(cost, 3)
+
+    def fidelity(self) -> int:
+        """Tie-break between equally fast candidates: higher keeps the user's training closer to as written."""
+        score = 0 if self.quantized else 2
+        score += 0 if self.lora_r else 1
+        score += 1 if self.optimizer == "user" else 0
+        score += 0 if self.offload else 1
+        return score
+
+    def _blocks_yaml(self) -> str:
+        return "" if self.blocks is None else f", blocks: [{', '.join(self.blocks)}]"
+
+    def yaml(self) -> str:
+        """The LightningCLI YAML snippet that configures this candidate by hand."""
+        lines = ["trainer:"]
+        if self.offload:
+            lines.append("  strategy: cpu_offload")
+        if self.quantized:
+            lines += [
+                "  plugins:",
+                "    - class_path: lightning_hbm.QuantizedPrecision",
+                f"      init_args: {{mode: {self.precision}, dtype: {self.dtype}}}",
+            ]
+        else:
+            lines.append(f"  precision: {self.precision}")
+        callback_lines = []
+        if self.lora_r:
+            callback_lines += [
+                "    - class_path: lightning_hbm.LoRA",
+                f"      init_args: {{r: {self.lora_r}, alpha: {2.0 * self.lora_r}}}",
+            ]
+        if self.checkpointing != "none":
+            callback_lines += [
+                "    - class_path: lightning_hbm.ActivationCheckpointing",
+                f"      init_args: {{policy: {self.checkpointing}{self._blocks_yaml()}}}",
+            ]
+        if self.optimizer != "user":
+            callback_lines += [
+                "    - class_path: lightning_hbm.MemoryEfficientOptimizer",
+                f"      init_args: {{kind: {self.optimizer}}}",
+            ]
+        if callback_lines:
+            lines += ["  callbacks:", *callback_lines]
+        return "\n".join(lines) + "\n"
+
+
+def _optimizer_callback_class() -> type:
+    try:
+        from lightning_hbm.callbacks.optimizer import MemoryEfficientOptimizer
+    except ImportError as err:
+        raise ValueError(
+            "An 8-bit optimizer candidate needs lightning_hbm.MemoryEfficientOptimizer, which this install "
+            f"does not have ({err}). Use optimizer='user'."
+        ) from err
+    return MemoryEfficientOptimizer
+
+
+def available_axes() -> dict[str, bool]:
+    """Which optional axes this install can plan (the callbacks that apply them exist)."""
+    axes = {}
+    for axis, module in (
+        ("lora", "lightning_hbm.callbacks.lora"),
+        ("checkpointing", "lightning_hbm.callbacks.activation_checkpointing"),
+        ("optimizer", "lightning_hbm.callbacks.optimizer"),
+    ):
+        try:
+            __import__(module)
+            axes[axis] = True
+        except ImportError:
+            axes[axis] = False
+    return axes
+
+
+def default_candidates(
+    precisions: Sequence[str] = ("bf16-true", "nf4-dq"),
+    lora_ranks: Sequence[int] = (0, 16),
+    checkpointing: Sequence[Checkpointing] = ("none", "selective", "full"),
+    optimizers: Sequence[str] = ("user", "adamw8bit"),
+) -> list[Candidate]:
+    """The grid of candidates over the axes this install supports (axes whose callback is missing are left out).
+
+    A quantized base is only offered with LoRA (a frozen quantized base with nothing trainable but
+    norms and embeddings is not a fine-tuning configuration anyone asks for).
+    """
+    axes = available_axes()
+    lora_ranks = lora_ranks if axes["lora"] else [0]
+    checkpointing = checkpointing if axes["checkpointing"] else ["none"]
+    optimizers = optimizers if axes["optimizer"] else ["user"]
+    grid = []
+    for precision, r, policy, optimizer in itertools.product(precisions, lora_ranks, checkpointing, optimizers):
+        if precision not in PLANNED_LIGHTNING_PRECISIONS and r == 0 and axes["lora"]:
+            continue
+        grid.append(Candidate(precision=precision, lora_r=r, checkpointing=policy, optimizer=optimizer))
+    return grid
+
+
+def available_axes() -> dict[str, bool]:
+    """Which optional axes this install can plan (the callbacks that apply them exist)."""
+    axes = {}
+    for axis, module in (
+        ("lora", "lightning_hbm.callbacks.lora"),
+        ("checkpointing", "lightning_hbm.callbacks.activation_checkpointing"),
+        ("optimizer", "lightning_hbm.callbacks.optimizer"),
+    ):
+        try:
+            __import__(module)
+            axes[axis] = True
+        except ImportError:
+            axes[axis] = False
+    return axes
+
+
+def default_candidates(
+    precisions: Sequence[str] = ("bf16-true", "nf4-dq"),
+    lora_ranks: Sequence[int] = (0, 16),
+    checkpointing: Sequence[Checkpointing] = ("none", "selective", "full"),
+    optimizers: Sequence[str] = ("user", "adamw8bit"),
+) -> list[Candidate]:
+    """The grid of candidates over the axes this install supports (axes whose callback is missing are left out).
+
+    A quantized base is only offered with LoRA (a frozen quantized base with nothing trainable but
+    norms and embeddings is not a fine-tuning configuration anyone asks for).
+    """
+    axes = available_axes()
+    lora_ranks = lora_ranks if axes["lora"] else [0]
+    checkpointing = checkpointing if axes["checkpointing"] else ["none"]
+    optimizers = optimizers if axes["optimizer"] else ["user"]
+    grid = []
+    for precision, r, policy, optimizer in itertools.product(precisions, lora_ranks, checkpointing, optimizers):
+        if precision not in PLANNED_LIGHTNING_PRECISIONS and r == 0 and axes["lora"]:
+            continue
+        grid.append(Candidate(precision=precision, lora_r=r, checkpointing=policy, optimizer=optimizer))
+    return grid
+
+
+__all__ = [
+    "PLANNED_LIGHTNING_PRECISIONS",
+    "Candidate",
+    "available_axes",
+    "default_candidates",
+    "format_bytes",
+    "parse_bytes",
+]

@@ -1,0 +1,92 @@
+"""Planning a LightningCLI configuration: what ``lightning-hbm plan`` (alias ``python -m lightning_hbm.planner``) runs.
+
+:func:`plan_from_config` reads the ``model`` and ``data`` sections (``class_path`` + ``init_args``),
+builds the model under ``FakeTensorMode`` (nothing allocated: an 8B model plans on a laptop), takes one
+batch from the datamodule (or a synthetic token batch with ``batch_size``/``seq_len``) and plans it;
+:func:`print_plan` prints the table (rich) and the YAML snippet of the chosen candidate. The command line
+itself (parsing, overrides, exit status 2 when nothing fits) is ``lightning_hbm.cli.PlanCLI``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Optional, Sequence
+
+import lightning.pytorch as pl
+
+from lightning_hbm.data import synthetic_batch
+from lightning_hbm.planner.api import Plan, plan
+from lightning_hbm.planner.candidates import PLANNED_LIGHTNING_PRECISIONS, Candidate, default_candidates, format_bytes
+
+
+def _class(path: str, section: str) -> type:
+    module_name, _, name = path.rpartition(".")
+    if not module_name:
+        module_name, name = "lightning_hbm.models", path  # short names: the package's own test models
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{section}.class_path {path!r} cannot be imported ({err}). Use 'package.module.Class'.") from err
+
+
+def _section(config: dict[str, Any], name: str) -> Optional[tuple[type, dict[str, Any]]]:
+    section = config.get(name)
+    if section is None:
+        return None
+    if not isinstance(section, dict) or "class_path" not in section:
+        raise ValueError(f"The config's {name!r} section needs a class_path (and optional init_args), got {section!r}.")
+    return _class(section["class_path"], name), dict(section.get("init_args") or {})
+
+
+def plan_from_config(
+    config: dict[str, Any],
+    budget: Optional[str] = None,
+    device: str = "cpu",
+    batch_size: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    candidates: Optional[Sequence[Candidate]] = None,
+) -> Plan:
+    """Plan a LightningCLI config dict (``model``/``data``/``trainer`` sections), allocating no weights."""
+    model_section = _section(config, "model")
+    if model_section is None:
+        raise ValueError("The config has no 'model' section (model: {class_path: ..., init_args: {...}}).")
+    model_cls, model_args = model_section
+    factory: Callable[[], pl.LightningModule] = lambda: model_cls(**model_args)  # noqa: E731  (built fake)
+    data_section = _section(config, "data")
+    if data_section is not None and batch_size is None and seq_len is None:
+        data_cls, data_args = data_section
+        batch: Any = data_cls(**data_args)
+    else:
+        vocab = int(model_args.get("vocab_size", 256))
+        batch = synthetic_batch(batch_size or 8, seq_len or 256, vocab_size=vocab)
+    if candidates is None:
+        precision = str((config.get("trainer") or {}).get("precision", "bf16-true"))
+        precision = precision if precision in PLANNED_LIGHTNING_PRECISIONS else "bf16-true"
+        candidates = default_candidates(precisions=(precision, "nf4-dq"))
+    return plan(factory, batch, budget=budget, candidates=candidates, device=device)  # type: ignore[arg-type]
+
+
+def print_plan(result: Plan) -> None:
+    """The table (rich when available) and the YAML of the chosen candidate, on stdout."""
+    try:
+        from rich.console import Console
+
+        console = Console()
+        if not console.is_terminal:  # piped: do not squeeze ten columns into 80 characters
+            console = Console(width=200)
+        console.print(result.table())
+    except ImportError:
+        print(result)
+    chosen = result.chosen
+    if chosen is None:
+        print(f"Nothing fits {format_bytes(result.budget or 0)}. Closest:")
+        for prediction in result.closest(3):
+            print(f"  {prediction.candidate.name}: {format_bytes(prediction.total)}")
+        return
+    print(f"\nChosen: {chosen.candidate.name}, predicted peak {format_bytes(chosen.total)}, step time {chosen.cost:.2f}x")
+    print(chosen.candidate.yaml(), end="")
+    for note in result.notes():
+        print(f"({note})")
+
+
+__all__ = ["plan_from_config", "print_plan"]

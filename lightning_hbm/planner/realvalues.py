@@ -1,0 +1,145 @@
+"""Data-dependent Python on fake tensors: small tensors get a real twin, so ``.item()`` reads a real value.
+
+A fake tensor has no data, so ``FakeTensorMode`` raises ``DataDependentOutputException`` on any read
+of a value (``.item()``, ``bool(tensor)``, ``torch.equal``) and ``DynamicOutputShapeException`` on ops
+whose output shape depends on values (``nonzero``, boolean indexing). Ordinary models do both: torch's
+own ``trunc_normal_`` (``.item()`` of its bounds, ``if not mask.any()`` in its rejection loop), a
+drop-path that draws ``torch.rand(1).item()``, RoPE scaling with ``if wavelen < ...`` on a small
+frequency tensor, ``nn.Transformer``'s ``_detect_is_causal_mask`` (``torch.equal`` of the mask),
+transformers' padding-mask checks, ``loss.item()`` in ``training_step``.
+
+:class:`RealValues` sits above the fake mode and keeps, next to every *small* fake tensor (at most
+:data:`MAX_TWIN_ELEMENTS` elements), a real twin computed by the same op on the twins of its inputs
+(factory ops such as ``torch.rand(1)`` and ``arange`` have no inputs; the example batch is its own
+twin). A read of a value then runs on the twin and is exact; an op with a data-dependent output shape
+runs on the twins and its result is turned into a fake tensor of the real shape. A read of a large
+tensor (a weight in ``trunc_normal_``, the loss of a real-size model) has no twin: it is answered with
+0 / ``False`` (which ends rejection loops and changes nothing the planner counts) and counted in
+:attr:`RealValues.guessed`, which the plan reports. Twins are real memory, so they stay small by
+construction; they are computed with every mode switched off, so the planner's tracker never sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+#: Largest fake tensor (elements) that gets a real twin: 64 Ki elements, at most 512 KiB in fp64.
+MAX_TWIN_ELEMENTS = 2**16
+
+_aten = torch.ops.aten
+# Ops that return Python values read from the data; without a twin they are answered with a guess.
+_VALUE_READS = {_aten._local_scalar_dense.default, _aten.equal.default, _aten.is_nonzero.default}
+
+
+class RealValues(TorchDispatchMode):
+    """Real twins of small fake tensors (see the module docstring); enter it after ``fake_mode``."""
+
+    def __init__(self, fake_mode: FakeTensorMode, max_elements: int = MAX_TWIN_ELEMENTS) -> None:
+        super().__init__()
+        self.fake_mode = fake_mode
+        self.max_elements = max_elements
+        # storage -> {view: twin}. Keyed by the storage, not the tensor: nn.Module.to swaps parameter
+        # tensors in place (torch.utils.swap_tensors), which refuses a tensor something holds a weak reference to.
+        self._twins: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.guessed: list[str] = []  # values read without a twin (op names), answered 0 / False
+
+    def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """Make ``real`` the twin of ``fake`` (e.g. the real example batch)."""
+        views = self._twins.get(fake.untyped_storage())
+        if views is None:
+            views = self._twins[fake.untyped_storage()] = {}
+        views[_view(fake)] = real
+
+    def twin(self, fake: torch.Tensor) -> Optional[torch.Tensor]:
+        """The real twin of ``fake``, or None."""
+        views = self._twins.get(fake.untyped_storage())
+        return None if views is None else views.get(_view(fake))
+
+    def _forget(self, fake: torch.Tensor) -> None:
+        self._twins.pop(fake.untyped_storage(), None)  # every view of a storage written without its twin
+
+    def _real(self, tree: Any) -> Optional[Any]:
+        """``tree`` with every fake tensor replaced by its twin; None if one has none."""
+        leaves, spec = tree_flatten(tree)
+        real = []
+        for leaf in leaves:
+            if isinstance(leaf, FakeTensor):
+                leaf = self.twin(leaf)
+                if leaf is None:
+                    return None
+            real.append(leaf)
+        return tree_unflatten(real, spec)
+
+    def _run_real(self, func: Any, args: tuple, kwargs: dict) -> Optional[Any]:
+        real = self._real((args, kwargs))
+        if real is None:
+            return None
+        try:
+            with _disable_current_modes():
+                return func(*real[0], **real[1])
+        except Exception:  # a twin is a help, never a new failure: the op simply gets none
+            return None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _VALUE_READS:
+            return self._read(func, args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            real = self._run_real(func, args, kwargs)
+            if real is None:
+                raise
+            out = tree_map(lambda t: self._fake_of(t) if isinstance(t, torch.Tensor) else t, real)
+            return out
+        self._twin(func, args, kwargs, out)
+        return out
+
+    def _read(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        real = self._run_real(func, args, kwargs)
+        if real is not None:
+            return real
+        tensor = args[0]
+        self.guessed.append(str(func.overloadpacket.__name__))
+        if func is _aten._local_scalar_dense.default:
+            return False if tensor.dtype == torch.bool else 0 if not tensor.is_floating_point() else 0.0
+        return False
+
+    def _fake_of(self, real: torch.Tensor) -> torch.Tensor:
+        with self.fake_mode:
+            fake = torch.empty_strided(real.size(), real.stride(), dtype=real.dtype, device="cpu")
+        self.add(fake, real)
+        return fake
+
+    def _twin(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        outs, _ = tree_flatten(out)
+        fakes = [t for t in outs if isinstance(t, FakeTensor)]
+        small = fakes and all(t.numel() <= self.max_elements for t in fakes)
+        real = self._run_real(func, args, kwargs) if small else None
+        if real is None:
+            if func._schema.is_mutable:  # the op wrote into tensors whose twins it could not follow
+                for arg, value in zip(func._schema.arguments, args):
+                    if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, FakeTensor):
+                        self._forget(value)
+            return
+        for fake, twin in zip(outs, tree_flatten(real)[0]):
+            if isinstance(fake, FakeTensor) and isinstance(twin, torch.Tensor):
+                self.add(fake, twin)
+
+
+def _view(tensor: torch.Tensor) -> tuple:
+    return tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+
+
+__all__ = ["MAX_TWIN_ELEMENTS", "RealValues"]

@@ -1,0 +1,385 @@
+"""Tracing one training step on fake tensors: what a candidate holds, per phase, without allocating the model.
+
+The model is built under torch's ``FakeTensorMode`` (a fake tensor has shape, dtype and device but no
+data), the candidate is applied by the same surgery a Trainer runs (:func:`run_surgery`: checks, the
+precision plugin, the ``SurgeryCallback`` transforms in stage order; then the user's unchanged
+``configure_optimizers`` and each transform's ``transform_optimizers``), the gradients and optimizer
+states a first step leaves are created (zero gradients, one optimizer step), and one steady-state step
+is traced as Lightning runs it: forward, zero_grad, backward, optimizer step. lightning_hbm's
+:class:`~lightning_hbm.memory.tracker.LiveStorageTracker` follows every live storage; each phase's
+peak is classified with the profiler's ownership rules (:func:`~lightning_hbm.memory.categories.owned_storages`):
+parameters, ``.grad``, ``optimizer.state``, buffers; what the forward created is activations, the rest
+other.
+
+Quantized layers are built by each precision mode's own fake-tensor construction
+(:meth:`lightning_hbm.precision.QuantMode.for_fake_tensors`). Data-dependent Python reads real values
+from small real twins (:mod:`lightning_hbm.planner.realvalues`). ``from_pretrained`` inside a factory
+builds the model from its saved config without reading a weight (:func:`_config_only_from_pretrained`).
+Hugging Face models are kept on their eager code paths, which they leave for fake tensors
+(:func:`_eager_transformers`).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from lightning_hbm.memory import CATEGORIES, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count
+from lightning_hbm.memory.categories import buffer_tensors, gradient_tensors, optimizer_state_tensors, parameter_tensors
+from lightning_hbm.planner.candidates import Candidate
+from lightning_hbm.planner.realvalues import RealValues
+from lightning_hbm.precision import QuantizedPrecision
+from lightning_hbm.surgery import SurgeryCallback, applied_transforms, prune_frozen_parameters
+
+try:
+    from lightning_hbm.surgery import run_surgery
+except ImportError:  # until the spine exports it: the same order as its wrapped convert_module
+    from lightning_hbm.surgery import Stage, apply_transforms
+
+    def run_surgery(module: nn.Module, plugin: Precision, transforms: list, device: Any = None) -> nn.Module:
+        done = set(applied_transforms(module))
+        for transform in transforms:
+            if type(transform).__qualname__ not in done:
+                transform.check_model(module)
+        apply_transforms(module, [t for t in transforms if t.stage < Stage.QUANTIZE])
+        module = plugin.convert_module(module)
+        apply_transforms(module, [t for t in transforms if t.stage > Stage.QUANTIZE])
+        return module
+
+
+ModelLike = Union[pl.LightningModule, Callable[[], pl.LightningModule]]
+PHASES = ("forward", "backward", "step")
+
+
+@dataclass
+class Trace:
+    """What one traced step held: per phase (forward, backward, step), the categories at that phase's peak."""
+
+    phases: dict[str, dict[str, int]]
+    trainable: int
+    total: int
+    depth: int  # number of repeated blocks of the full model (0: none found)
+    kept: int  # blocks traced
+    block_bytes: int = 0  # parameter bytes of the largest repeated block (what FSDP gathers at once)
+    guessed: int = 0  # values read without a real twin (answered 0 / False)
+
+    def peak_categories(self) -> dict[str, int]:
+        return max(self.phases.values(), key=lambda c: sum(c.values()))
+
+    def extrapolate(self, deeper: Trace, depth: int) -> Trace:
+        """Extend linearly from ``self`` (k blocks) and ``deeper`` (k+1 blocks) to ``depth`` blocks."""
+        extra = depth - self.kept
+
+        def line(a: int, b: int) -> int:
+            return max(0, a + extra * (b - a))
+
+        phases = {
+            phase: {c: line(cats[c], deeper.phases[phase][c]) for c in CATEGORIES}
+            for phase, cats in self.phases.items()
+            if phase in deeper.phases
+        }
+        trainable, total = line(self.trainable, deeper.trainable), line(self.total, deeper.total)
+        return Trace(phases, trainable, total, depth, depth, self.block_bytes, max(self.guessed, deeper.guessed))
+
+
+def trace(model: ModelLike, batch: Any, candidate: Candidate, device: str, keep_blocks: Optional[int]) -> Trace:
+    """Trace one steady-state training step of ``model`` under ``candidate`` (repeated blocks cut to ``keep_blocks``)."""
+    plugin = _planning_plugin(candidate)
+    fake_mode = _fake_mode()
+    values = RealValues(fake_mode)
+    tracker = LiveStorageTracker(track_peak=True)
+    with ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("ignore")  # self.log without a Trainer, peft/bnb notices: noise during a dry run
+        stack.enter_context(_quiet_logs())  # the callbacks' "applied to N blocks" lines, once per trace
+        stack.enter_context(torch.random.fork_rng(devices=[]))  # twins draw random numbers: not the user's
+        module = _build(model, fake_mode, values)
+        stack.enter_context(_eager_transformers())  # after the build: the model's import brings transformers in
+        fake_batch = tree_map_only(torch.Tensor, lambda t: _fake_like(t, fake_mode, values), batch)
+        stack.enter_context(fake_mode)
+        stack.enter_context(values)
+        with plugin.tensor_init_context():
+            module.configure_model()
+        depth = _cut_blocks(module, keep_blocks)
+        optimizers = _apply_candidate(module, candidate, plugin, device)
+        fake_batch = plugin.convert_input(fake_batch)
+        stack.enter_context(tracker)
+        tracker.phase = "setup"
+        tracker.seed(itertools.chain(parameter_tensors(module), buffer_tensors(module), tree_leaves(fake_batch)), "setup")
+        _first_step_state(optimizers)
+        # states created outside the dispatch (e.g. bitsandbytes' real quantization maps)
+        tracker.seed(optimizer_state_tensors(optimizers), "setup")
+        phases = _steady_step(module, fake_batch, plugin, optimizers, tracker)
+        trainable = parameter_count(module, trainable=True)
+        total = parameter_count(module)
+        block_bytes = max((parameter_bytes(block) for _, block in _blocks(module)), default=0)
+    kept = min(depth, keep_blocks) if keep_blocks is not None else depth
+    return Trace(phases, trainable, total, depth, kept, block_bytes, len(values.guessed))
+
+
+def _first_step_state(optimizers: list[torch.optim.Optimizer]) -> None:
+    """The state a first step leaves behind, without tracing its forward and backward (half the trace time):
+    a gradient for every trained parameter, and the optimizer states a step with those gradients creates."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad:
+                    param.grad = torch.zeros_like(param)
+        optimizer.step()
+
+
+def _steady_step(
+    module: pl.LightningModule, batch: Any, plugin: Precision, optimizers: list, tracker: LiveStorageTracker
+) -> dict[str, dict[str, int]]:
+    """Forward, zero_grad, backward, optimizer step, as Lightning runs them; each phase's peak by category."""
+    phases: dict[str, dict[str, int]] = {}
+    loss: Any = None
+    for phase in PHASES:
+        tracker.phase = phase
+        tracker.reset_peak()
+        if phase == "forward":
+            with plugin.forward_context():
+                loss = _loss_of(module.training_step(batch, 1))
+        elif phase == "backward":
+            for optimizer in optimizers:  # Lightning zeroes gradients after the forward, before backward
+                optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            loss = None
+        else:
+            for optimizer in optimizers:
+                optimizer.step()
+        tracker.finish_peak()
+        # classified now, while what the phase's peak held is still owned (the previous step's
+        # gradients, alive during the forward, are gone once backward starts)
+        phases[phase] = _classify(tracker, module, optimizers)
+    return phases
+
+
+def _classify(tracker: LiveStorageTracker, module: nn.Module, optimizers: list) -> dict[str, int]:
+    owned = owned_storages(module, optimizers)
+    categories = dict.fromkeys(CATEGORIES, 0)
+    for key, record in tracker.peak_records.items():
+        # a storage that died since the peak is owned by nobody now (and its key may be reused)
+        category = owned[key][0] if key in owned and record.ref() is not None else None
+        if category is None:
+            category = "activations" if record.phase == "forward" else "other"
+        categories[category] += record.nbytes
+    return categories
+
+
+def _planning_plugin(candidate: Candidate) -> Precision:
+    """The candidate's precision plugin, its quantized layers built by the mode's fake-tensor construction."""
+    plugin = candidate.precision_plugin("cpu")
+    if isinstance(plugin, QuantizedPrecision):
+        plugin.mode = plugin.mode.for_fake_tensors()
+    return plugin
+
+
+def _apply_candidate(
+    module: pl.LightningModule, candidate: Candidate, plugin: Precision, device: str
+) -> list[torch.optim.Optimizer]:
+    """The surgery a Trainer runs after ``configure_model``, then the optimizers it builds and transforms."""
+    transforms: list[SurgeryCallback] = candidate.callbacks()
+    run_surgery(module, plugin, transforms)
+    module.train()
+    optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())
+    configs = _configure_schedulers_automatic_opt(schedulers, monitor)
+    if applied_transforms(module):  # as the spine's connect does
+        prune_frozen_parameters(optimizers)
+    for transform in sorted(transforms, key=lambda t: int(t.stage)):
+        # Outside the fake mode: bitsandbytes' 8-bit optimizers build their quantization maps from
+        # Python floats when constructed. The maps are real (2 KiB, shared) and mix with fake states
+        # as they would with real ones.
+        with unset_fake_temporarily():
+            optimizers = transform.transform_optimizers(optimizers, configs)
+    if device == "cuda":
+        # torch's optimizers default to their foreach implementation on CUDA (single-tensor on CPU,
+        # where the trace runs): its temporaries (AdamW: one copy of the trained parameters) count.
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                    group["foreach"] = True
+    return optimizers
+
+
+def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks as ``ActivationCheckpointing`` finds them (children of a ModuleList of one class)."""
+    from lightning_hbm.callbacks.activation_checkpointing import find_blocks
+
+    return find_blocks(module)
+
+
+def _cut_blocks(module: nn.Module, keep: Optional[int]) -> int:
+    """Cut the largest list of repeated blocks to ``keep`` (in place); returns its full length (0: none)."""
+    lists: dict[str, int] = {}
+    for name, _ in _blocks(module):
+        parent = name.rpartition(".")[0]
+        lists[parent] = lists.get(parent, 0) + 1
+    if not lists:
+        return 0
+    parent, depth = max(lists.items(), key=lambda item: item[1])
+    if keep is not None and depth > keep:
+        blocks = module.get_submodule(parent) if parent else module
+        del blocks[keep:]
+    return depth
+
+
+def _fake_mode() -> FakeTensorMode:
+    """A FakeTensorMode in which ``nn.Module.to`` works on fake parameters.
+
+    FakeTensorMode memoizes every op output in a ``WeakValueDictionary`` (meta tensor -> fake tensor),
+    and ``Module._apply`` moves fake parameters with ``torch.utils.swap_tensors``, which refuses tensors
+    that have a weak reference. The memo only maps a meta tensor to its fake twin, which fresh op outputs
+    never need again, so it is skipped.
+    """
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode.fake_tensor_converter.set_tensor_memo = lambda tensor, fake: None
+    return fake_mode
+
+
+@contextmanager
+def _quiet_logs() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in ("lightning_hbm", "lightning.pytorch.utilities.rank_zero")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+@contextmanager
+def _eager_transformers() -> Iterator[None]:
+    """Make Hugging Face models take their eager code paths on fake tensors.
+
+    transformers treats a fake tensor as "tracing" (``is_tracing``) and then materializes the causal mask
+    and repeats the key/value heads instead of letting SDPA handle causality and GQA: B*H*T*T bytes per
+    layer that the real eager run never allocates. During the planner's trace, fake tensors say nothing
+    about tracing, so the model runs as it will in training (its mask checks read the real twins of the
+    batch, :mod:`lightning_hbm.planner.realvalues`).
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "is_tracing") or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    originals = masking.is_tracing, masking.find_packed_sequence_indices
+    masking.is_tracing = lambda tensor=None: originals[0](None)
+    # Packed-sequence detection reads position ids; the planner assumes one sequence per row (which is
+    # what the model's own position ids say when the batch holds none).
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.is_tracing, masking.find_packed_sequence_indices = originals
+
+
+@contextmanager
+def _config_only_from_pretrained() -> Iterator[None]:
+    """``from_pretrained`` inside a factory builds the model from its saved config and reads no weight.
+
+    The planner needs shapes and dtypes only; reading an 8B checkpoint would take minutes and the
+    memory the planner exists to save. The dtype is the one ``from_pretrained`` would use (the
+    ``dtype``/``torch_dtype`` argument, else the config's), and ``attn_implementation`` is kept.
+    """
+    transformers = sys.modules.get("transformers")
+    if transformers is None:  # the factory cannot call from_pretrained without importing transformers first
+        yield
+        return
+    base = transformers.PreTrainedModel
+    original = base.__dict__["from_pretrained"]
+
+    def from_pretrained(cls: type, path: Any, *args: Any, **kwargs: Any) -> Any:
+        config = kwargs.pop("config", None)
+        if not isinstance(config, transformers.PretrainedConfig):
+            hub = ("revision", "cache_dir", "local_files_only", "token", "subfolder", "trust_remote_code")
+            config = transformers.AutoConfig.from_pretrained(path, **{k: kwargs[k] for k in hub if k in kwargs})
+        options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        if dtype is not None and dtype != "auto":
+            options["dtype"] = dtype
+        return cls._from_config(config, **options)
+
+    base.from_pretrained = classmethod(from_pretrained)
+    try:
+        yield
+    finally:
+        base.from_pretrained = original
+
+
+def _fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode, values: Optional[RealValues] = None) -> torch.Tensor:
+    """A fake CPU tensor of the same shape, strides and dtype (the trace runs CPU kernels, see api's docstring).
+
+    Not ``fake_mode.from_tensor``: that keeps the device (a model already on CUDA would trace CUDA kernel
+    choices that need a GPU) and reads nothing we need. With ``values``, the real tensor is its twin.
+    """
+    with fake_mode:
+        fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu")
+    if values is not None and tensor.device.type == "cpu":
+        values.add(fake, tensor)
+    return fake
+
+
+def _fake_copy(module: pl.LightningModule, fake_mode: FakeTensorMode) -> pl.LightningModule:
+    """A copy of ``module`` whose parameters and buffers are fake (nothing of the real weights is copied)."""
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        fake = _fake_like(tensor, fake_mode)
+        memo[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
+    # The copy must not drag the Trainer along (nor log into it): detach it for the duration of the copy.
+    saved = {attr: module.__dict__.get(attr) for attr in ("_trainer", "_fabric")}
+    for attr in saved:
+        module.__dict__[attr] = None
+    try:
+        return copy.deepcopy(module, memo)
+    finally:
+        module.__dict__.update(saved)
+
+
+def _build(model: ModelLike, fake_mode: FakeTensorMode, values: RealValues) -> pl.LightningModule:
+    if isinstance(model, pl.LightningModule):
+        built = _fake_copy(model, fake_mode)
+    elif isinstance(model, nn.Module) or not callable(model):
+        raise TypeError(
+            f"plan() needs a LightningModule or a factory returning one, got {type(model).__name__}. "
+            "Wrap a plain nn.Module in a LightningModule (training_step + configure_optimizers)."
+        )
+    else:
+        with fake_mode, values, _config_only_from_pretrained():
+            built = model()
+        if not isinstance(built, pl.LightningModule):
+            raise TypeError(f"The model factory returned {type(built).__name__}, not a LightningModule.")
+    # The memo of real -> fake conversions holds weak references to the fakes it made, and
+    # Module.to (peft moves adapters with it) refuses to swap a tensor that has one.
+    fake_mode.fake_tensor_converter.meta_converter.tensor_memo.clear()
+    return built
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    raise ValueError(
+        f"training_step returned {type(output).__name__}; the planner traces automatic optimization and needs "
+        "the loss tensor (or a dict with 'loss')."
+    )
+
+
+__all__ = ["PHASES", "Trace", "trace"]
