@@ -39,6 +39,7 @@ MAX_TWIN_ELEMENTS = 2**16
 
 _aten = torch.ops.aten
 # Ops that return Python values read from the data; without a twin they are answered with a guess.
+_FAILED = object()  # no twin could be computed (None is a valid result: in-place foreach ops return it)
 _VALUE_READS = {_aten._local_scalar_dense.default, _aten.equal.default, _aten.is_nonzero.default}
 
 
@@ -81,15 +82,16 @@ class RealValues(TorchDispatchMode):
             real.append(leaf)
         return tree_unflatten(real, spec)
 
-    def _run_real(self, func: Any, args: tuple, kwargs: dict) -> Optional[Any]:
+    def _run_real(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func`` on the twins of its inputs; ``_FAILED`` if one has none or the op fails on them."""
         real = self._real((args, kwargs))
         if real is None:
-            return None
+            return _FAILED
         try:
             with _disable_current_modes():
                 return func(*real[0], **real[1])
         except Exception:  # a twin is a help, never a new failure: the op simply gets none
-            return None
+            return _FAILED
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -99,7 +101,7 @@ class RealValues(TorchDispatchMode):
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
             real = self._run_real(func, args, kwargs)
-            if real is None:
+            if real is _FAILED:
                 raise
             out = tree_map(lambda t: self._fake_of(t) if isinstance(t, torch.Tensor) else t, real)
             return out
@@ -108,7 +110,7 @@ class RealValues(TorchDispatchMode):
 
     def _read(self, func: Any, args: tuple, kwargs: dict) -> Any:
         real = self._run_real(func, args, kwargs)
-        if real is not None:
+        if real is not _FAILED:
             return real
         tensor = args[0]
         self.guessed.append(str(func.overloadpacket.__name__))
@@ -123,19 +125,30 @@ class RealValues(TorchDispatchMode):
         return fake
 
     def _twin(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        outs, _ = tree_flatten(out)
-        fakes = [t for t in outs if isinstance(t, FakeTensor)]
-        small = fakes and all(t.numel() <= self.max_elements for t in fakes)
-        real = self._run_real(func, args, kwargs) if small else None
-        if real is None:
-            if func._schema.is_mutable:  # the op wrote into tensors whose twins it could not follow
-                for arg, value in zip(func._schema.arguments, args):
-                    if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, FakeTensor):
-                        self._forget(value)
+        written = _written(func, args, kwargs)  # in-place ops (foreach ones return nothing)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, FakeTensor)]
+        small = bool(outs or written) and all(t.numel() <= self.max_elements for t in (*outs, *written))
+        real = self._run_real(func, args, kwargs) if small else _FAILED
+        if real is _FAILED:
+            for tensor in written:  # written without their twins: those are stale now
+                self._forget(tensor)
             return
-        for fake, twin in zip(outs, tree_flatten(real)[0]):
+        for fake, twin in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
             if isinstance(fake, FakeTensor) and isinstance(twin, torch.Tensor):
                 self.add(fake, twin)
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    schema = func._schema
+    if not schema.is_mutable:
+        return []
+    written = []
+    for position, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(arg.name)
+        written += [t for t in tree_flatten(value)[0] if isinstance(t, FakeTensor)]
+    return written
 
 
 def _view(tensor: torch.Tensor) -> tuple:

@@ -115,8 +115,10 @@ def trace(model: ModelLike, batch: Any, candidate: Candidate, device: str, keep_
         stack.enter_context(values)
         with plugin.tensor_init_context():
             module.configure_model()
+        _adopt_foreign_fakes(module, fake_mode)
+        _forget_conversions(fake_mode)
         depth = _cut_blocks(module, keep_blocks)
-        optimizers = _apply_candidate(module, candidate, plugin, device)
+        optimizers = apply_candidate(module, candidate, plugin, device)
         fake_batch = plugin.convert_input(fake_batch)
         stack.enter_context(tracker)
         tracker.phase = "setup"
@@ -190,7 +192,7 @@ def _planning_plugin(candidate: Candidate) -> Precision:
     return plugin
 
 
-def _apply_candidate(
+def apply_candidate(
     module: pl.LightningModule, candidate: Candidate, plugin: Precision, device: str
 ) -> list[torch.optim.Optimizer]:
     """The surgery a Trainer runs after ``configure_model``, then the optimizers it builds and transforms."""
@@ -363,12 +365,42 @@ def _build(model: ModelLike, fake_mode: FakeTensorMode, values: RealValues) -> p
     else:
         with fake_mode, values, _config_only_from_pretrained():
             built = model()
+            _adopt_foreign_fakes(built, fake_mode)
         if not isinstance(built, pl.LightningModule):
             raise TypeError(f"The model factory returned {type(built).__name__}, not a LightningModule.")
-    # The memo of real -> fake conversions holds weak references to the fakes it made, and
-    # Module.to (peft moves adapters with it) refuses to swap a tensor that has one.
-    fake_mode.fake_tensor_converter.meta_converter.tensor_memo.clear()
+    _forget_conversions(fake_mode)
     return built
+
+
+def _adopt_foreign_fakes(module: nn.Module, fake_mode: FakeTensorMode) -> None:
+    """Replace parameters and buffers that belong to another fake mode by fresh ones of ``fake_mode`` (in place).
+
+    ``copy.deepcopy`` of a FakeTensor (``nn.TransformerEncoder`` clones its layer so) makes a tensor of a
+    new FakeTensorMode; every op then converts it again, and each view of the weight is new memory, once
+    per forward. A clone made by an op of ``fake_mode`` is its own; small tensors keep their real twins.
+    """
+    replaced: dict[int, torch.Tensor] = {}  # tied parameters stay tied
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for name, tensor in store.items():
+                if tensor is None or getattr(tensor, "fake_mode", fake_mode) is fake_mode:
+                    continue
+                if id(tensor) not in replaced:
+                    clone = tensor.detach().clone()
+                    is_param = isinstance(tensor, nn.Parameter)
+                    replaced[id(tensor)] = nn.Parameter(clone, requires_grad=tensor.requires_grad) if is_param else clone
+                store[name] = replaced[id(tensor)]
+
+
+def _forget_conversions(fake_mode: FakeTensorMode) -> None:
+    """Drop the fake mode's memos of real -> fake conversions (``deepcopy`` and real inputs make some).
+
+    They hold weak references to the fakes they made, and ``Module.to`` (``HalfPrecision``, peft moving
+    adapters) swaps parameter tensors with ``torch.utils.swap_tensors``, which refuses a tensor that has one.
+    """
+    converter = fake_mode.fake_tensor_converter.meta_converter
+    converter.tensor_memo.clear()
+    converter.describer.lookup_tensor.clear()
 
 
 def _loss_of(output: Any) -> torch.Tensor:

@@ -1,0 +1,82 @@
+"""An outside reference for the planner: torch's ``MemTracker`` peak of one real training step (CPU or CUDA).
+
+The planner counts with lightning_hbm's own rules (:mod:`lightning_hbm.memory`); the profiler shares
+them, so agreeing with the profiler proves consistency, not accuracy. torch's
+``torch.distributed._tools.mem_tracker.MemTracker`` counts live storages by itself. Two of its limits,
+found by running it (torch 2.13), decide how it is used here:
+
+* Inside Lightning it labels everything OPT (forward and backward run inside
+  ``optimizer.step(closure)``), so the step is run by hand: the candidate applied by the same
+  surgery a Trainer runs (:func:`~lightning_hbm.planner.tracing.apply_candidate`), one first step
+  (its gradients and optimizer states exist afterwards, as in steady state), then the measured step
+  in Lightning's order: forward, ``zero_grad(set_to_none=True)``, backward, optimizer step.
+* It registers a gradient hook on every parameter of every module it enters, which raises for a
+  frozen parameter ("cannot register a hook on a tensor that doesn't require gradient"): frozen
+  bases (LoRA, quantized layers) need it switched off. Its total does not depend on the hooks (they
+  only label gradients), see :class:`_FrozenSafeMemTracker`.
+
+Quantization constants live outside the parameters (bitsandbytes ``quant_state``, int8 row scales):
+they are handed to MemTracker as external tensors, as it asks for tensors created before it.
+It is private torch API: :func:`memtracker_peak` raises ``RuntimeError`` naming the torch version if
+it is missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+from torch.utils._pytree import tree_map_only
+
+from lightning_hbm.memory import quantization_tensors
+from lightning_hbm.planner.candidates import Candidate
+from lightning_hbm.planner.tracing import _loss_of, apply_candidate
+
+
+def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candidate: Candidate, seed: int = 0) -> int:
+    """Peak bytes of one steady-state training step of ``factory()`` under ``candidate``, measured by MemTracker."""
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except ImportError as err:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.distributed._tools.mem_tracker ({err}).") from err
+
+    class _FrozenSafeMemTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> Any:
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    torch.manual_seed(seed)
+    plugin = candidate.precision_plugin("cpu")
+    module = factory()
+    with plugin.tensor_init_context():
+        module.configure_model()
+    optimizers = apply_candidate(module, candidate, plugin, device="cpu")
+    batch = plugin.convert_input(tree_map_only(torch.Tensor, lambda t: t.clone(), batch))
+    _step(module, batch, plugin, optimizers)  # the first step: gradients and optimizer states now exist
+    tracker = _FrozenSafeMemTracker()
+    constants = [t for p in module.parameters() for t in quantization_tensors(p)]
+    tracker.track_external(module, *optimizers, *constants, *[t for t in _leaves(batch)])
+    with tracker:
+        _step(module, batch, plugin, optimizers)
+    peaks = tracker.get_tracker_snapshot("peak")
+    return sum(snapshot["Total"] for snapshot in peaks.values())
+
+
+def _step(module: pl.LightningModule, batch: Any, plugin: Any, optimizers: list) -> None:
+    with plugin.forward_context():
+        loss = _loss_of(module.training_step(batch, 1))
+    for optimizer in optimizers:  # Lightning zeroes gradients after the forward, before backward
+        optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    del loss
+    for optimizer in optimizers:
+        optimizer.step()
+
+
+def _leaves(batch: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+
+
+__all__ = ["memtracker_peak"]
