@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_hbm.memory import CATEGORIES, parameter_bytes, quantization_tensors, tensor_bytes
 from lightning_hbm.planner.candidates import Candidate, default_candidates, format_bytes, parse_bytes
-from lightning_hbm.planner.tracing import ModelLike, _build, _fake_mode, _quiet_logs, trace
+from lightning_hbm.planner.tracing import ModelLike, Template, _build, _fake_mode, _quiet_logs, build_template, trace
 from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.precision import get_mode, quantize_model
 
@@ -177,7 +177,7 @@ def example_batch(batch: BatchLike) -> Any:
 
 
 def predict(
-    model: ModelLike,
+    model: Union[ModelLike, Template],
     batch: BatchLike,
     candidate: Candidate,
     device: str = "cpu",
@@ -203,6 +203,7 @@ def predict(
             "plan it with device='cuda' (on a CPU machine the states stay in the same memory)."
         )
     batch = example_batch(batch)
+    model = build_template(model)  # built once, copied for each trace
     if extrapolate is False:
         result = trace(model, batch, candidate, device, keep_blocks=None)
     else:
@@ -337,13 +338,12 @@ def plan(
     if not candidates or not all(isinstance(c, Candidate) for c in candidates):
         raise TypeError(f"candidates must be a non-empty list of lightning_hbm.planner.Candidate, got {candidates!r}.")
     batch = example_batch(batch)
+    template = build_template(model)  # the model is wrong (TypeError) or built once for every candidate
     predictions, failures = [], []
     for candidate in candidates:
         try:
-            predictions.append(predict(model, batch, candidate, device=device, budget=budget_bytes))
+            predictions.append(predict(template, batch, candidate, device=device, budget=budget_bytes))
         except Exception as err:  # one candidate that cannot be traced must not hide the others
-            if isinstance(err, TypeError) and "LightningModule" in str(err):
-                raise  # the model itself is wrong, not this candidate
             failures.append((candidate, f"{type(err).__name__}: {err}"))
     if not predictions:
         reasons = "; ".join(f"{c.name}: {r}" for c, r in failures[:5])

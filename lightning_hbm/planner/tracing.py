@@ -27,7 +27,7 @@ import logging
 import sys
 import warnings
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -36,7 +36,7 @@ import torch
 from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lightning_hbm.memory import CATEGORIES, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count
@@ -97,7 +97,7 @@ class Trace:
         return Trace(phases, trainable, total, depth, depth, self.block_bytes, max(self.guessed, deeper.guessed))
 
 
-def trace(model: ModelLike, batch: Any, candidate: Candidate, device: str, keep_blocks: Optional[int]) -> Trace:
+def trace(model: Union[ModelLike, Template], batch: Any, candidate: Candidate, device: str, keep_blocks: Optional[int]) -> Trace:
     """Trace one steady-state training step of ``model`` under ``candidate`` (repeated blocks cut to ``keep_blocks``)."""
     plugin = _planning_plugin(candidate)
     fake_mode = _fake_mode()
@@ -108,7 +108,9 @@ def trace(model: ModelLike, batch: Any, candidate: Candidate, device: str, keep_
         warnings.simplefilter("ignore")  # self.log without a Trainer, peft/bnb notices: noise during a dry run
         stack.enter_context(_quiet_logs())  # the callbacks' "applied to N blocks" lines, once per trace
         stack.enter_context(torch.random.fork_rng(devices=[]))  # twins draw random numbers: not the user's
-        module = _build(model, fake_mode, values)
+        # a template is copied with its blocks already cut: copying 32 layers of fakes to trace 3 costs seconds
+        with _blocks_cut(model.module, keep_blocks) if isinstance(model, Template) else nullcontext(0) as depth:
+            module = _build(model, fake_mode, values)
         stack.enter_context(_eager_transformers())  # after the build: the model's import brings transformers in
         fake_batch = tree_map_only(torch.Tensor, lambda t: _fake_like(t, fake_mode, values), batch)
         stack.enter_context(fake_mode)
@@ -117,7 +119,7 @@ def trace(model: ModelLike, batch: Any, candidate: Candidate, device: str, keep_
             module.configure_model()
         _adopt_foreign_fakes(module, fake_mode)
         _forget_conversions(fake_mode)
-        depth = _cut_blocks(module, keep_blocks)
+        depth = max(depth, _cut_blocks(module, keep_blocks))  # blocks built lazily exist only now
         optimizers = apply_candidate(module, candidate, plugin, device)
         fake_batch = plugin.convert_input(fake_batch)
         stack.enter_context(tracker)
@@ -226,19 +228,37 @@ def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return find_blocks(module)
 
 
-def _cut_blocks(module: nn.Module, keep: Optional[int]) -> int:
-    """Cut the largest list of repeated blocks to ``keep`` (in place); returns its full length (0: none)."""
+def _block_list(module: nn.Module) -> tuple[str, int]:
+    """(path, length) of the largest list of repeated blocks; ("", 0) when there is none."""
     lists: dict[str, int] = {}
     for name, _ in _blocks(module):
         parent = name.rpartition(".")[0]
         lists[parent] = lists.get(parent, 0) + 1
-    if not lists:
-        return 0
-    parent, depth = max(lists.items(), key=lambda item: item[1])
+    return max(lists.items(), key=lambda item: item[1]) if lists else ("", 0)
+
+
+def _cut_blocks(module: nn.Module, keep: Optional[int]) -> int:
+    """Cut the largest list of repeated blocks to ``keep`` (in place); returns its full length (0: none)."""
+    parent, depth = _block_list(module)
     if keep is not None and depth > keep:
-        blocks = module.get_submodule(parent) if parent else module
-        del blocks[keep:]
+        del (module.get_submodule(parent) if parent else module)[keep:]
     return depth
+
+
+@contextmanager
+def _blocks_cut(module: nn.Module, keep: Optional[int]) -> Iterator[int]:
+    """The largest list of repeated blocks cut to ``keep`` inside the context, restored after; yields its length."""
+    parent, depth = _block_list(module)
+    if keep is None or depth <= keep:
+        yield depth
+        return
+    blocks = module.get_submodule(parent) if parent else module
+    removed = list(blocks)[keep:]
+    del blocks[keep:]
+    try:
+        yield depth
+    finally:
+        blocks.extend(removed)
 
 
 def _fake_mode() -> FakeTensorMode:
@@ -329,20 +349,52 @@ def _fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode, values: Optional
     """A fake CPU tensor of the same shape, strides and dtype (the trace runs CPU kernels, see api's docstring).
 
     Not ``fake_mode.from_tensor``: that keeps the device (a model already on CUDA would trace CUDA kernel
-    choices that need a GPU) and reads nothing we need. With ``values``, the real tensor is its twin.
+    choices that need a GPU) and reads nothing we need. With ``values``, a small real CPU tensor is its twin.
     """
     with fake_mode:
         fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu")
-    if values is not None and tensor.device.type == "cpu":
+    if values is not None and not isinstance(tensor, FakeTensor) and tensor.device.type == "cpu":
         values.add(fake, tensor)
     return fake
 
 
-def _fake_copy(module: pl.LightningModule, fake_mode: FakeTensorMode) -> pl.LightningModule:
-    """A copy of ``module`` whose parameters and buffers are fake (nothing of the real weights is copied)."""
+@dataclass
+class Template:
+    """A model built once (fake, with the real twins of its small tensors), copied for every trace of a plan.
+
+    Building an 8B transformers model under the fake mode runs its whole weight init (~10 s on the CPU
+    dev machine); copying the built fakes takes a fraction of that.
+    """
+
+    module: pl.LightningModule
+    values: RealValues
+
+
+def build_template(model: Union[ModelLike, Template]) -> Template:
+    """Build ``model`` (a LightningModule or a factory) once, fake; raises ``TypeError`` for anything else."""
+    if isinstance(model, Template):
+        return model
+    fake_mode = _fake_mode()
+    values = RealValues(fake_mode)
+    with warnings.catch_warnings(), _quiet_logs(), torch.random.fork_rng(devices=[]):
+        warnings.simplefilter("ignore")
+        return Template(_build(model, fake_mode, values), values)
+
+
+def _fake_copy(
+    module: pl.LightningModule, fake_mode: FakeTensorMode, values: RealValues, source: Optional[RealValues] = None
+) -> pl.LightningModule:
+    """A copy of ``module`` whose parameters and buffers are fake (nothing of the real weights is copied).
+
+    Small tensors get a real twin: a copy of the real tensor, or of the twin in ``source`` (the template's),
+    so that a trace changing its twins (an optimizer step) changes neither the user's model nor the template.
+    """
     memo: dict[int, Any] = {}
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         fake = _fake_like(tensor, fake_mode)
+        real = source.twin(tensor) if isinstance(tensor, FakeTensor) and source is not None else tensor
+        if real is not None and not isinstance(real, FakeTensor) and real.numel() <= values.max_elements:
+            values.add(fake, real.detach().clone().cpu())
         memo[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
     # The copy must not drag the Trainer along (nor log into it): detach it for the duration of the copy.
     saved = {attr: module.__dict__.get(attr) for attr in ("_trainer", "_fabric")}
@@ -354,9 +406,11 @@ def _fake_copy(module: pl.LightningModule, fake_mode: FakeTensorMode) -> pl.Ligh
         module.__dict__.update(saved)
 
 
-def _build(model: ModelLike, fake_mode: FakeTensorMode, values: RealValues) -> pl.LightningModule:
-    if isinstance(model, pl.LightningModule):
-        built = _fake_copy(model, fake_mode)
+def _build(model: Union[ModelLike, Template], fake_mode: FakeTensorMode, values: RealValues) -> pl.LightningModule:
+    if isinstance(model, Template):
+        built = _fake_copy(model.module, fake_mode, values, model.values)
+    elif isinstance(model, pl.LightningModule):
+        built = _fake_copy(model, fake_mode, values)
     elif isinstance(model, nn.Module) or not callable(model):
         raise TypeError(
             f"plan() needs a LightningModule or a factory returning one, got {type(model).__name__}. "
@@ -414,4 +468,4 @@ def _loss_of(output: Any) -> torch.Tensor:
     )
 
 
-__all__ = ["PHASES", "Trace", "trace"]
+__all__ = ["PHASES", "Template", "Trace", "apply_candidate", "build_template", "trace"]

@@ -1,0 +1,195 @@
+"""The planner on ordinary models whose Python reads tensor values (FakeTensorMode alone cannot run them)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_hbm.data import synthetic_batch
+from lightning_hbm.memory import parameter_bytes
+from lightning_hbm.planner import Candidate, plan, predict
+from lightning_hbm.planner.reference import memtracker_peak
+
+BATCH = synthetic_batch(2, 16)
+
+
+class _TokenLM(pl.LightningModule):
+    """Embedding -> ``self.body`` -> Linear head; subclasses build ``body``; AdamW over every parameter."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, width)
+        self.head = nn.Linear(width, 256)
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        idx, targets = batch
+        logits = self.head(self.body(self.embed(idx)))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class TruncNormalInit(_TokenLM):
+    """torchvision/timm style: ``trunc_normal_`` init (``.item()`` of its bounds, ``if not mask.any()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = nn.Linear(32, 2304)  # 73,728 elements: above the real-twin size, its checks are guessed
+        self.back = nn.Linear(2304, 32)
+        for module in (self.wide, self.back, self.head):
+            nn.init.trunc_normal_(module.weight, std=0.02)
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        return self.back(F.gelu(self.wide(h)))
+
+
+def test_trunc_normal_init() -> None:
+    prediction = predict(TruncNormalInit, BATCH, Candidate("32-true"))
+    assert prediction.categories["parameters"] == parameter_bytes(TruncNormalInit())
+    assert prediction.guessed_reads > 0  # the big weight's rejection checks: read as False, loop ends
+    result = plan(TruncNormalInit, BATCH, candidates=[Candidate("32-true")])
+    assert "read as 0/False" in str(result)  # and the plan says so
+
+
+class DropPath(_TokenLM):
+    """Stochastic depth as many repositories write it: a Python branch on ``torch.rand(1).item()``."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3)))
+        self.p = p
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.training and torch.rand(1).item() < self.p:
+                continue  # the whole block dropped for this step
+            h = h + block(h)
+        return h
+
+
+def test_drop_path_item() -> None:
+    prediction = predict(DropPath, BATCH, Candidate("32-true"))
+    assert prediction.guessed_reads == 0  # torch.rand(1) has a real twin: its value was really drawn
+    assert prediction.peak > prediction.categories["parameters"]
+
+
+class RopeScaled(_TokenLM):
+    """Llama-3 style RoPE frequency scaling: Python ``if wavelen < ...`` on each frequency (a 0-dim tensor)."""
+
+    def __init__(self, width: int = 32, factor: float = 8.0) -> None:
+        super().__init__(width)
+        freqs = 1.0 / (10000 ** (torch.arange(0, width, 2).float() / width))
+        low_wavelen, high_wavelen = 8192 / 1.0, 8192 / 4.0
+        scaled = []
+        for freq in freqs:
+            wavelen = 2 * math.pi / freq
+            if wavelen < high_wavelen:
+                scaled.append(freq)
+            elif wavelen > low_wavelen:
+                scaled.append(freq / factor)
+            else:
+                scaled.append(freq / 2)
+        self.register_buffer("freqs", torch.stack(scaled), persistent=False)
+        self.mix = nn.Linear(width, width)
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        angles = torch.arange(h.shape[1], device=h.device)[:, None] * self.freqs[None, :]
+        return self.mix(h * torch.cat([angles.cos(), angles.sin()], dim=-1))
+
+
+def test_rope_scaling_branches() -> None:
+    prediction = predict(RopeScaled, BATCH, Candidate("bf16-true"))
+    assert prediction.guessed_reads == 0 and prediction.categories["other"] >= 16 * 4  # the freqs buffer (fp32)
+
+
+class LogsLossItem(_TokenLM):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.last_loss = loss.item()  # what many training_steps do for their own logging
+        return loss
+
+
+def test_loss_item_in_training_step() -> None:
+    prediction = predict(LogsLossItem, BATCH, Candidate("32-true"))
+    assert prediction.peak == pytest.approx(memtracker_peak(LogsLossItem, BATCH, Candidate("32-true")), rel=0.05)
+
+
+def test_from_pretrained_factory_reads_no_weight(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+
+    class Pretrained(_TokenLM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=batch[0], labels=batch[1].contiguous()).loss
+
+    def no_reading(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the planner read the checkpoint's weights")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers.modeling_utils, "load_state_dict", no_reading)
+        patch.setattr("safetensors.torch.load_file", no_reading)
+        prediction = predict(Pretrained, BATCH, Candidate("32-true"))
+    assert prediction.categories["parameters"] == parameter_bytes(Pretrained())  # loaded for real here
+
+
+class Seq2Seq(_TokenLM):
+    """``nn.Transformer`` with a causal ``tgt_mask`` and a padding mask: ``_detect_is_causal_mask`` reads the mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = nn.Transformer(32, 2, 1, 1, 64, dropout=0.0, batch_first=True)
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(h.shape[1])
+        padding = torch.zeros(h.shape[:2], dtype=torch.bool)
+        return self.transformer(h, h, tgt_mask=mask, src_key_padding_mask=padding, memory_key_padding_mask=padding)
+
+
+def test_nn_transformer_with_masks() -> None:
+    candidate = Candidate("32-true")
+    prediction = predict(Seq2Seq, BATCH, candidate)
+    assert prediction.guessed_reads == 0
+    assert prediction.peak == pytest.approx(memtracker_peak(Seq2Seq, BATCH, candidate), rel=0.05)
+
+
+class SequentialBlocks(_TokenLM):
+    """Blocks in an ``nn.Sequential``: ActivationCheckpointing cannot find them by itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)))
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        return self.blocks(h)
+
+
+def test_checkpointing_blocks_named_by_the_candidate() -> None:
+    batch = synthetic_batch(4, 32)
+    named = Candidate("32-true", checkpointing="full", blocks=["blocks.0", "blocks.1", "blocks.2", "blocks.3"])
+    result = plan(SequentialBlocks, batch, candidates=[Candidate("32-true"), named, Candidate("32-true", checkpointing="full")])
+    full, checkpointed = result.find(Candidate("32-true")), result.find(named)
+    assert checkpointed.categories["activations"] < 0.6 * full.categories["activations"]
+    assert "blocks: [blocks.0, blocks.1, blocks.2, blocks.3]" in named.yaml()
+    # without blocks= the callback's own error says what to do, and the other candidates are still planned
+    assert "found no repeated blocks" in result.notes()[0] and "Pass blocks=" in result.notes()[0]
+    with pytest.raises(ValueError, match=r"Candidate blocks must be a non-empty list of class names or module paths, got 'blocks'"):
+        Candidate(checkpointing="full", blocks="blocks")  # type: ignore[arg-type]
