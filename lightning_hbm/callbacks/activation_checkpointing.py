@@ -275,10 +275,10 @@ class ActivationCheckpointing(SurgeryCallback):
         self.every = every
         self.offload: Optional[OffloadSavedTensors] = OffloadSavedTensors(device) if offload else None
         self.checkpointed: list[str] = []
+        self._planned: Optional[list[str]] = None  # resolved by check_model on the model as built
 
-    @override
-    def transform_model(self, module: pl.LightningModule) -> None:
-        # Decide everything first, change the blocks last: an error leaves the model untouched.
+    def _resolve(self, module: nn.Module) -> list[str]:
+        """Names of the blocks to checkpoint; raises (changing nothing) if there are none."""
         found = _blocks_by_spec(module, self.blocks) if self.blocks is not None else find_blocks(module)
         if not found:
             lists = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleList)]
@@ -293,7 +293,22 @@ class ActivationCheckpointing(SurgeryCallback):
                 f"Blocks {hf_checkpointing[:3]} already use transformers' own gradient checkpointing; doing it twice "
                 "recomputes every block twice. Call model.gradient_checkpointing_disable() or drop ActivationCheckpointing."
             )
-        chosen = [(n, m) for i, (n, m) in enumerate(found) if i % self.every == 0]
+        return [n for i, (n, _) in enumerate(found) if i % self.every == 0]
+
+    @override
+    def check_model(self, module: nn.Module) -> None:
+        """Resolve the blocks on the model as the user built it, before quantization and adapters.
+
+        Names, not module objects, are kept: a block that quantization or LoRA replaces (``blocks=["Linear"]``)
+        is checkpointed in its changed form, at the same path.
+        """
+        self._planned = self._resolve(module)
+
+    @override
+    def transform_model(self, module: nn.Module) -> None:
+        names = self._planned if self._planned is not None else self._resolve(module)
+        self._planned = None
+        chosen = [(n, module.get_submodule(n)) for n in names]
         context_fn = (
             functools.partial(create_selective_checkpoint_contexts, SELECTIVE_SAVE_OPS)
             if self.policy == "selective"
@@ -308,7 +323,7 @@ class ActivationCheckpointing(SurgeryCallback):
         self.checkpointed = [n for n, _ in chosen]
         rank_zero_info(
             f"lightning_hbm: activation checkpointing ({self.policy}{', offload' if self.offload else ''}) "
-            f"on {len(chosen)} of {len(found)} blocks ({type(chosen[0][1]).__name__})"
+            f"on {len(chosen)} blocks ({type(chosen[0][1]).__name__})"
         )
 
     @override
