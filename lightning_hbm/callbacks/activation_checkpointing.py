@@ -16,7 +16,6 @@ variant gives no gradients to adapters behind frozen embeddings (inputs without 
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Optional
@@ -124,37 +123,47 @@ class _BlockPlan:
         context_fn: Optional[Callable[[], tuple[AbstractContextManager, AbstractContextManager]]],
         offload: Optional[OffloadSavedTensors],
     ) -> None:
-        self.inner: Callable[..., Any] = block.forward
-        # An instance-level forward someone set before us is put back by _unwrap; else the class's is used.
-        self.own_forward = "forward" in vars(block)
+        # An instance-level forward someone set before us is kept (and put back by _unwrap); otherwise the
+        # class's forward is looked up at call time: a bound method stored here would not survive pickling.
+        self.own_forward: Optional[Callable[..., Any]] = vars(block).get("forward")
         self.context_fn = context_fn
         self.offload = offload
 
 
+class _CheckpointedForward:
+    """The block's new ``forward``: a picklable object (not a closure, not a bound method), copied with the block."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _checkpointed_forward(self.block, *args, **kwargs)
+
+
 def _wrap(block: nn.Module, plan: _BlockPlan) -> None:
-    # object.__setattr__: the plan and the bound method are plain attributes, never submodules.
+    # object.__setattr__: the plan and the forward object are plain attributes, never submodules.
     object.__setattr__(block, _PLAN_ATTR, plan)
-    # MethodType of a module-level function (not a closure): deepcopy rebinds it to the copy.
-    object.__setattr__(block, "forward", types.MethodType(_checkpointed_forward, block))
+    object.__setattr__(block, "forward", _CheckpointedForward(block))
 
 
 def _unwrap(block: nn.Module) -> None:
     plan: _BlockPlan = vars(block).pop(_PLAN_ATTR)
-    if plan.own_forward:
-        object.__setattr__(block, "forward", plan.inner)
+    if plan.own_forward is not None:
+        object.__setattr__(block, "forward", plan.own_forward)
     else:
         del vars(block)["forward"]
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     plan: _BlockPlan = getattr(self, _PLAN_ATTR)
+    inner = plan.own_forward or functools.partial(type(self).forward, self)
     if not torch.is_grad_enabled():
-        return plan.inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
+        return inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
     extra = {} if plan.context_fn is None else {"context_fn": plan.context_fn}
     # The offload hooks are outside the checkpoint: what checkpoint itself saves (the block's
     # inputs) goes through them; what it recomputes never does.
     with plan.offload if plan.offload is not None else nullcontext():
-        return checkpoint(plan.inner, *args, use_reentrant=False, **extra, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
 
 def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
