@@ -8,7 +8,7 @@ offers this only inside FSDP; this callback gives it to any strategy (single dev
 How: the ``forward`` of each chosen block is wrapped in non-reentrant ``torch.utils.checkpoint``.
 Not ``checkpoint_wrapper``: a wrapper module prefixes every parameter name with
 ``_checkpoint_wrapped_module.``, which changes the state_dict keys and makes peft's adapter
-state_dict silently empty (shared/notes/verified-facts.md). Wrapping ``forward`` keeps names,
+state_dict silently empty (checked with peft 0.21). Wrapping ``forward`` keeps names,
 keys and the module tree exactly as the user built them. Non-reentrant, because the reentrant
 variant gives no gradients to adapters behind frozen embeddings (inputs without ``requires_grad``).
 """

@@ -92,7 +92,7 @@ def _linear4bit(
     layer.weight = weight.to(target)  # bitsandbytes quantizes here, on CPU or CUDA
     if linear.bias is not None:
         layer.bias = linear.bias  # same Parameter: stays trainable, cast to dtype by the plugin
-    # Trap (shared/notes/verified-facts.md): on CPUs with AVX512-BF16 the first no-grad eval
+    # Trap (seen with bitsandbytes 0.50): on CPUs with AVX512-BF16 the first no-grad eval
     # forward repacks the weight for a fast kernel that bypasses autograd, after which training
     # silently produces no input gradients. Never take that path for a training base.
     layer.support_avx512bf16_for_cpu = False

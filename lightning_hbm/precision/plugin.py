@@ -4,7 +4,7 @@ What it shrinks: the **parameters** term. Every ``nn.Linear`` weight (unless ign
 another module) becomes quantized storage that never receives gradients; embeddings, norms and
 biases stay trainable in the compute ``dtype``. Built on bitsandbytes directly rather than on
 Lightning's ``BitsandbytesPrecision``, which refuses CPU, freezes biases and can only load fp32
-weights on CUDA (shared/notes/verified-facts.md).
+weights on CUDA (checked with Lightning 2.6: an isinstance check on the accelerator, a CUDA-only load path).
 """
 
 from __future__ import annotations
