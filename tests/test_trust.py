@@ -340,3 +340,16 @@ def test_lightning_still_keeps_the_loaded_checkpoint_where_the_spine_reads_it(tr
     assert hasattr(trainer._checkpoint_connector, "_loaded_checkpoint")
     trainer._checkpoint_connector._loaded_checkpoint = {"lightning_hbm": {}}
     assert pending_checkpoint(trainer) == {"lightning_hbm": {}}
+
+
+def test_a_quantized_checkpoint_loaded_without_lightning_hbm_computes_nan_not_wrong_weights(
+    gpt_factory: Callable, trainer_factory: Callable, datamodule_factory: Callable, tmp_path: Path
+) -> None:
+    trainer = trainer_factory(max_steps=1, plugins=[QuantizedPrecision("nf4", **F32)])
+    trainer.fit(gpt_factory(), datamodule_factory())
+    path = tmp_path / "q.ckpt"
+    trainer.save_checkpoint(path)
+    plain = gpt_factory()
+    plain.load_state_dict(torch.load(path, weights_only=True)["state_dict"])  # strict, and weights_only works
+    assert plain.model.h[0].attn.c_attn.weight.isnan().all()
+    assert plain(torch.randint(0, 256, (1, 8))).isnan().all()
