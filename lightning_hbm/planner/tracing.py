@@ -2,7 +2,7 @@
 
 The model is built under torch's ``FakeTensorMode`` (a fake tensor has shape, dtype and device but no
 data), the candidate is applied by the same surgery a Trainer runs (:func:`run_surgery`: checks, the
-precision plugin, the ``SurgeryCallback`` transforms in stage order; then the user's unchanged
+precision plugin, the ``SurgeryCallback`` transforms in stage order, as the Trainer runs it; then the user's unchanged
 ``configure_optimizers`` and each transform's ``transform_optimizers``), the gradients and optimizer
 states a first step leaves are created (zero gradients, one optimizer step), and one steady-state step
 is traced as Lightning runs it: forward, zero_grad, backward, optimizer step. lightning_hbm's
@@ -44,23 +44,7 @@ from lightning_hbm.memory.categories import buffer_tensors, gradient_tensors, op
 from lightning_hbm.planner.candidates import Candidate
 from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.precision import QuantizedPrecision
-from lightning_hbm.surgery import SurgeryCallback, applied_transforms, prune_frozen_parameters
-
-try:
-    from lightning_hbm.surgery import run_surgery
-except ImportError:  # until the spine exports it: the same order as its wrapped convert_module
-    from lightning_hbm.surgery import Stage, apply_transforms
-
-    def run_surgery(module: nn.Module, plugin: Precision, transforms: list, device: Any = None) -> nn.Module:
-        done = set(applied_transforms(module))
-        for transform in transforms:
-            if type(transform).__qualname__ not in done:
-                transform.check_model(module)
-        apply_transforms(module, [t for t in transforms if t.stage < Stage.QUANTIZE])
-        module = plugin.convert_module(module)
-        apply_transforms(module, [t for t in transforms if t.stage > Stage.QUANTIZE])
-        return module
-
+from lightning_hbm.surgery import SurgeryCallback, run_surgery, transform_optimizers
 
 ModelLike = Union[pl.LightningModule, Callable[[], pl.LightningModule]]
 PHASES = ("forward", "backward", "step")
@@ -203,14 +187,11 @@ def apply_candidate(
     module.train()
     optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())
     configs = _configure_schedulers_automatic_opt(schedulers, monitor)
-    if applied_transforms(module):  # as the spine's connect does
-        prune_frozen_parameters(optimizers)
-    for transform in sorted(transforms, key=lambda t: int(t.stage)):
-        # Outside the fake mode: bitsandbytes' 8-bit optimizers build their quantization maps from
-        # Python floats when constructed. The maps are real (2 KiB, shared) and mix with fake states
-        # as they would with real ones.
-        with unset_fake_temporarily():
-            optimizers = transform.transform_optimizers(optimizers, configs)
+    # Outside the fake mode: bitsandbytes' 8-bit optimizers build their quantization maps from Python
+    # floats when constructed. The maps are real (2 KiB, shared) and mix with fake states as they would
+    # with real ones.
+    with unset_fake_temporarily():
+        optimizers = transform_optimizers(module, sorted(transforms, key=lambda t: int(t.stage)), optimizers, configs)
     if device == "cuda":
         # torch's optimizers default to their foreach implementation on CUDA (single-tensor on CPU,
         # where the trace runs): its temporaries (AdamW: one copy of the trained parameters) count.

@@ -85,9 +85,9 @@ def _layer4bit(linear: nn.Linear, dtype: torch.dtype, quant_type: str, double_qu
 def _finish4bit(layer: nn.Module, linear: nn.Linear) -> nn.Module:
     if linear.bias is not None:
         layer.bias = linear.bias  # same Parameter: stays trainable, cast to dtype by the plugin
-    # Trap: on CPUs with AVX512-BF16 bitsandbytes' first no-grad eval forward repacks the weight
-    # for a fast kernel that bypasses autograd, after which training silently produces no input
-    # gradients. Never take that path for a training base.
+    # Trap (seen with bitsandbytes 0.50): on CPUs with AVX512-BF16 the first no-grad eval
+    # forward repacks the weight for a fast kernel that bypasses autograd, after which training
+    # silently produces no input gradients. Never take that path for a training base.
     layer.support_avx512bf16_for_cpu = False
     layer.register_load_state_dict_pre_hook(_load_prequantized_hook)
     return layer

@@ -254,7 +254,11 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
             )
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         assert self.model is not None
-        self._load_trainable(checkpoint.pop("state_dict", {}))
+        # lightning_hbm's two-part checkpoint (lightning_hbm/resume.py): the adapters travel in its changed part
+        meta = checkpoint.get("lightning_hbm") or {}
+        placeholders = set(meta.get("placeholders", []))
+        state_dict = {k: v for k, v in checkpoint.pop("state_dict", {}).items() if k not in placeholders}
+        self._load_trainable({**state_dict, **meta.get("state_dict", {})})
         optimizer_states = checkpoint.pop("optimizer_states", [])
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and optimizer_states:
             for optimizer, full_state in zip(self.optimizers, optimizer_states):

@@ -200,7 +200,7 @@ def test_trains_with_quantized_precision_lora_and_offload(
     assert adapters and all("lora_" in k for k in adapters)
     assert any(v.abs().sum() > 0 for k, v in adapters.items() if "lora_B" in k)  # lora_B starts at zero: it trained
     trainer.save_checkpoint(tmp_path / "adapters.ckpt")
-    saved = torch.load(tmp_path / "adapters.ckpt", weights_only=False)["state_dict"]
+    saved = torch.load(tmp_path / "adapters.ckpt", weights_only=False)["lightning_hbm"]["state_dict"]
     assert sorted(saved) == sorted(LoRA.adapter_state_dict(model)) and len(saved) == len(adapters) > 0
     # full checkpointing saves one input per block, the only tensors offloaded: 2 blocks * (4 x 32 x 64) fp32
     assert callback.offload is not None and callback.offload.copies == 2
@@ -260,3 +260,18 @@ def test_offload_lowers_peak_cuda_memory(gpt_factory: Callable) -> None:
         peaks[offload] = torch.cuda.max_memory_allocated() - base
         del model
     assert peaks[True] < peaks[False], peaks
+
+
+def test_block_names_resolve_against_the_model_as_built(
+    gpt_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable
+) -> None:
+    """blocks=["Linear"] means the user's Linear layers, not peft's inner lora_A/lora_B Linears."""
+    model = gpt_factory()
+    user_linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    callback = ActivationCheckpointing(blocks=["Linear"])
+    trainer = trainer_factory(max_steps=1, plugins=[QuantizedPrecision("nf4", dtype="float32")], callbacks=[LoRA(r=2), callback])
+    trainer.fit(model, datamodule_factory())
+    assert callback.checkpointed == user_linears
+    assert not any("lora_" in n or "base_layer" in n for n in callback.checkpointed)
+    wrapped = [n for n, m in model.named_modules() if "_lightning_hbm_checkpoint" in vars(m)]
+    assert wrapped == user_linears

@@ -189,7 +189,7 @@ def test_checkpoint_loads_into_a_fresh_model_and_training_resumes(
     trainer.fit(model, datamodule_factory())
     path = tmp_path / "quantized.ckpt"
     trainer.save_checkpoint(path)
-    state = torch.load(path, weights_only=False)["state_dict"]
+    state = torch.load(path, weights_only=False)["lightning_hbm"]["state_dict"]
     assert any(v.dtype in (torch.uint8, torch.int8) for v in state.values())  # the quantized base is saved
     with torch.no_grad():
         expected = model(tokens)
