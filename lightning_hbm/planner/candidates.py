@@ -273,45 +273,6 @@ def default_candidates(
     return grid
 
 
-def available_axes() -> dict[str, bool]:
-    """Which optional axes this install can plan (the callbacks that apply them exist)."""
-    axes = {}
-    for axis, module in (
-        ("lora", "lightning_hbm.callbacks.lora"),
-        ("checkpointing", "lightning_hbm.callbacks.activation_checkpointing"),
-        ("optimizer", "lightning_hbm.callbacks.optimizer"),
-    ):
-        try:
-            __import__(module)
-            axes[axis] = True
-        except ImportError:
-            axes[axis] = False
-    return axes
-
-
-def default_candidates(
-    precisions: Sequence[str] = ("bf16-true", "nf4-dq"),
-    lora_ranks: Sequence[int] = (0, 16),
-    checkpointing: Sequence[Checkpointing] = ("none", "selective", "full"),
-    optimizers: Sequence[str] = ("user", "adamw8bit"),
-) -> list[Candidate]:
-    """The grid of candidates over the axes this install supports (axes whose callback is missing are left out).
-
-    A quantized base is only offered with LoRA (a frozen quantized base with nothing trainable but
-    norms and embeddings is not a fine-tuning configuration anyone asks for).
-    """
-    axes = available_axes()
-    lora_ranks = lora_ranks if axes["lora"] else [0]
-    checkpointing = checkpointing if axes["checkpointing"] else ["none"]
-    optimizers = optimizers if axes["optimizer"] else ["user"]
-    grid = []
-    for precision, r, policy, optimizer in itertools.product(precisions, lora_ranks, checkpointing, optimizers):
-        if precision not in PLANNED_LIGHTNING_PRECISIONS and r == 0 and axes["lora"]:
-            continue
-        grid.append(Candidate(precision=precision, lora_r=r, checkpointing=policy, optimizer=optimizer))
-    return grid
-
-
 __all__ = [
     "PLANNED_LIGHTNING_PRECISIONS",
     "Candidate",
