@@ -31,7 +31,8 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_hbm.memory import CATEGORIES, parameter_bytes, quantization_tensors, tensor_bytes
 from lightning_hbm.planner.candidates import Candidate, default_candidates, format_bytes, parse_bytes
-from lightning_hbm.planner.tracing import ModelLike, Template, _build, _fake_mode, _quiet_logs, build_template, trace
+from lightning_hbm.planner.building import ModelLike, Template, _build, _fake_mode, _quiet_logs, build_template
+from lightning_hbm.planner.tracing import trace
 from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.precision import get_mode, quantize_model
 
