@@ -125,6 +125,8 @@ class RealValues(TorchDispatchMode):
         return fake
 
     def _twin(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if isinstance(out, FakeTensor) and out.numel() > self.max_elements and not func._schema.is_mutable:
+            return  # the common case in a real-size model, decided without flattening anything
         written = _written(func, args, kwargs)  # in-place ops (foreach ones return nothing)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, FakeTensor)]
         small = bool(outs or written) and all(t.numel() <= self.max_elements for t in (*outs, *written))
