@@ -6,9 +6,10 @@ checkpointing peak next to the analytic floor and torchtune's published 7.4 GiB.
 
     python benchmarks/planner.py                 # 8B table (CPU is fine)
     python benchmarks/planner.py --accuracy      # predicted vs HBMProfiler's measured peak, 20 candidates, CPU
+    python benchmarks/planner.py --memtracker    # predicted vs torch's MemTracker, 10 configurations, 4 families
     python benchmarks/planner.py --gpu-check     # on a CUDA machine: ~1B model, predicted vs max_memory_allocated
 
-The analytic floor counts only what cannot be avoided with QLoRA (shared/notes/verified-facts.md terms):
+The analytic floor counts only what cannot be avoided with QLoRA (QLoRA paper: NF4 + double quant = 4.127 bits):
 NF4 + double quant base (4.127 bits per quantized parameter), bf16 embeddings/norms, fp32 LoRA adapters with
 AdamW states (4 + 4 + 8 bytes per adapter parameter), and with full recompute one bf16 block input per layer.
 It leaves out the logits and the loss (B*T*vocab floats: ~2 GiB at vocab 128k in fp32, several copies in
@@ -22,6 +23,7 @@ import resource
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -159,12 +161,33 @@ def accuracy() -> None:
     print(f"largest |error|: {100 * worst:.2f} %")
 
 
+def memtracker() -> None:
+    """Predicted peak vs torch's MemTracker on one real step run by hand (tests/planner_families.py, batch 4 x 32)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from planner_families import FAMILIES, MEMTRACKER_CASES
+
+    from lightning_hbm.planner.reference import memtracker_peak
+
+    batch = synthetic_batch(4, 32)
+    worst = 0.0
+    for family, candidate in MEMTRACKER_CASES:
+        predicted = predict(FAMILIES[family], batch, candidate).peak
+        measured = memtracker_peak(FAMILIES[family], batch, candidate)
+        error = predicted / measured - 1
+        worst = max(worst, abs(error))
+        print(f"| {family} | {candidate.name} | {predicted:,} | {measured:,} | {100 * error:+.2f} % |", flush=True)
+    print(f"largest |error|: {100 * worst:.2f} %")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--gpu-check", action="store_true")
     parser.add_argument("--accuracy", action="store_true")
+    parser.add_argument("--memtracker", action="store_true")
     args = parser.parse_args()
-    if args.gpu_check:
+    if args.memtracker:
+        memtracker()
+    elif args.gpu_check:
         gpu_check()
     elif args.accuracy:
         accuracy()
