@@ -26,7 +26,7 @@ run precision   benchmarks/precision_memory.py --device cuda --modes nf4-dq int8
 run activations benchmarks/activation_memory.py --device cuda
 run optimizer   benchmarks/optimizer_memory.py --device cuda
 run quality     benchmarks/quantization_quality.py --device cuda
-run planner     benchmarks/planner.py --gpu-check
+run planner     benchmarks/planner.py --gpu-check  # predicted peak vs torch.cuda.max_memory_allocated (~1B Llama)
 run fsdp        benchmarks/fsdp_qlora.py --strategy fsdp_qlora --devices 1 --size tiny
 run profiler    benchmarks/profiler_overhead.py --accelerator cuda
 run lora        benchmarks/lora_memory.py --accelerator cuda
