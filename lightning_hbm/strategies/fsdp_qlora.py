@@ -204,9 +204,8 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         for unit in units:
             fully_shard(unit, **kwargs)
         # One more unit per top-level child holding the remaining parameters (embeddings, head).
-        for child in module.children():
-            if any(True for _ in child.parameters()) and not isinstance(child, FSDPModule):
-                fully_shard(child, **kwargs)
+        for child in _remainder_units(module):
+            fully_shard(child, **kwargs)
         log.info("lightning_hbm: FSDP2 sharded %d units over %d ranks", len(units), mesh.size())
 
     # ----------------------------------------------------------------------------------------
@@ -310,6 +309,27 @@ def _shard_optimizer_state(optimizer: Optimizer, full_state: Mapping[str, Any]) 
     return {"state": state, "param_groups": full_state["param_groups"]}
 
 
+def _is_container(module: nn.Module) -> bool:
+    """A ``ModuleList``/``ModuleDict`` without ``forward``: torch's own test before ``fully_shard`` refuses it."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
+
+
+def _remainder_units(module: nn.Module) -> list[nn.Module]:
+    """Children of ``module`` that hold parameters outside any unit yet (embeddings, head, ...).
+
+    A container (``self.blocks = nn.ModuleList(...)`` on the LightningModule) cannot be a unit: the
+    members it holds are, each on its own.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units: list[nn.Module] = []
+    for child in module.children():
+        if isinstance(child, FSDPModule) or not any(True for _ in child.parameters()):
+            continue
+        units += _remainder_units(child) if _is_container(child) else [child]
+    return units
+
+
 def _choose_units(module: nn.Module, shard_modules: Optional[list[str]]) -> list[nn.Module]:
     """The submodules that become one FSDP unit each; validates the model before anything changes."""
     own = [name for name, _ in module.named_parameters(recurse=False)]
@@ -322,7 +342,11 @@ def _choose_units(module: nn.Module, shard_modules: Optional[list[str]]) -> list
     named = list(module.named_modules())
     if shard_modules is None:
         lists = {name for name, m in named if isinstance(m, nn.ModuleList)}
-        units = [(n, m) for n, m in named if n.rpartition(".")[0] in lists and n and any(True for _ in m.parameters())]
+        units = [
+            (n, m)
+            for n, m in named
+            if n and n.rpartition(".")[0] in lists and not _is_container(m) and any(True for _ in m.parameters())
+        ]
     else:
         found = {type(m).__name__ for _, m in named}
         unknown = [n for n in shard_modules if n not in found]
@@ -330,6 +354,13 @@ def _choose_units(module: nn.Module, shard_modules: Optional[list[str]]) -> list
             raise ValueError(
                 f"shard_modules={shard_modules!r}: {unknown} match no submodule class of {type(module).__name__}. "
                 f"Module classes in the model: {sorted(found)[:20]}."
+            )
+        containers = [m for _, m in named if _is_container(m) and type(m).__name__ in shard_modules]
+        if containers:
+            members = sorted({type(m).__name__ for m in containers[0].children()})
+            raise ValueError(
+                f"shard_modules={shard_modules!r}: {type(containers[0]).__name__} is a container without forward, "
+                f"which torch's fully_shard cannot make a unit: name the blocks it holds, e.g. {members[:3]}."
             )
         units = [(n, m) for n, m in named if type(m).__name__ in shard_modules]
     # fully_shard manages every parameter not yet managed below it: shard the innermost units first.

@@ -140,8 +140,14 @@ def worker(out: Path) -> None:
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp_qlora")
+    import lightning_hbm
+
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # The ranks import the lightning_hbm this process tests (a script's sys.path starts at its own folder,
+    # so they would otherwise import whatever copy is installed in the environment).
+    package_root = str(Path(lightning_hbm.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "fsdp", str(out)],
         env=env,
@@ -331,6 +337,67 @@ def test_quantized_base_without_lora_trains_norms_and_embeddings(tmp_path: Path,
     assert sorted(checkpoints["fsdp_qlora"]) == names
     for name in names:
         torch.testing.assert_close(checkpoints["fsdp_qlora"][name], checkpoints["auto"][name], atol=1e-5, rtol=0)
+
+
+def test_modulelist_on_the_lightning_module_shards_its_blocks(trainer_factory: Any, no_process_group: Any) -> None:
+    """``self.blocks = nn.ModuleList(...)`` directly on the LightningModule: each block is a unit and the list
+    itself never is (``fully_shard`` refuses containers without ``forward``; before, that failed after
+    quantization and LoRA had changed the model). A 1-rank mesh in this process: the same ``fully_shard`` calls
+    as on 2 ranks, without a second process."""
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hbm import QuantizedFSDPStrategy, QuantizedPrecision
+    from lightning_hbm.callbacks.lora import LoRA
+    from lightning_hbm.data import synthetic_batch
+
+    class BlocksOnModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(256, 32)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2))
+            self.head = nn.Linear(32, 256)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x = self.embed(batch[0])
+            for block in self.blocks:
+                x = x + block(x)
+            return nn.functional.cross_entropy(self.head(x).flatten(0, 1), batch[1].flatten())
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    model = BlocksOnModule()
+    trainer = trainer_factory(
+        max_steps=2, strategy=QuantizedFSDPStrategy(), plugins=[QuantizedPrecision("nf4", dtype="float32")],
+        callbacks=[LoRA(r=2)],
+    )  # fmt: skip
+    trainer.fit(model, train_dataloaders=DataLoader(TensorDataset(*synthetic_batch(4, 16)), batch_size=2))
+    assert trainer.global_step == 2
+    assert all(isinstance(block, FSDPModule) for block in model.blocks)
+    assert not isinstance(model.blocks, FSDPModule)
+    assert isinstance(model.embed, FSDPModule) and isinstance(model.head, FSDPModule)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert sorted(n for n, p in model.named_parameters() if p.requires_grad)[0] == "blocks.0.0.lora_A.default.weight"
+
+
+def test_container_class_as_shard_module_fails_before_the_model_changes(
+    gpt_factory: Any, trainer_factory: Any, no_process_group: Any
+) -> None:
+    from lightning_hbm import QuantizedFSDPStrategy, QuantizedPrecision
+
+    model = gpt_factory()
+    trainer = trainer_factory(
+        strategy=QuantizedFSDPStrategy(shard_modules=["ModuleList"]), plugins=[QuantizedPrecision("nf4", dtype="float32")]
+    )
+    with pytest.raises(ValueError, match=r"shard_modules=\['ModuleList'\]: ModuleList is a container without forward.*"
+                       r"name the blocks it holds, e.g. \['Block'\]"):
+        trainer.fit(model, train_dataloaders=[_batch()])
+    assert type(model.model.h[0].attn.c_attn) is torch.nn.Linear  # nothing half-applied
 
 
 # ---------------------------------------------------------------- errors (no second process)
