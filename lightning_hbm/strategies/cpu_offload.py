@@ -44,7 +44,7 @@ from lightning_hbm.memory.storage import nested_tensors, unique_bytes
 
 log = logging.getLogger(__name__)
 
-_TORCHAO_AVAILABLE = RequirementCache("torchao>=0.8")
+_TORCHAO_AVAILABLE = RequirementCache("torchao>=0.10")  # torchao.optim.CPUOffloadOptimizer
 _ENGINE_OWN = "lightning_hbm"
 _ENGINE_TORCHAO = "torchao"
 
