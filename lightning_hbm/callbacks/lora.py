@@ -46,7 +46,8 @@ ALL_LINEAR = "all-linear"
 def _import_peft() -> Any:
     if not _PEFT_AVAILABLE:
         raise ModuleNotFoundError(
-            f"lightning_hbm.LoRA needs {requirement('peft')} ({_PEFT_AVAILABLE.message}). Install it with `pip install -U peft`."
+            f"lightning_hbm.LoRA needs {requirement('peft')} ({_PEFT_AVAILABLE.message}). "
+            f"Install it with `pip install -U '{requirement('peft')}'`."
         )
     import peft
 
