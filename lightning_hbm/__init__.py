@@ -5,7 +5,7 @@ of this package names the term it shrinks; ``HBMProfiler`` measures all of them.
 """
 
 from lightning_hbm.precision import QuantizedPrecision, available_precisions, precision_plugin, quantize_model
-from lightning_hbm.surgery import ModelSurgery, Stage, SurgeryCallback, applied_transforms
+from lightning_hbm.surgery import Stage, SurgeryCallback, applied_transforms, run_surgery
 from lightning_hbm.strategies import QuantizedFSDPStrategy
 from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_hbm.callbacks.attention_kernel import AttentionKernel
@@ -27,7 +27,6 @@ __all__ = [
     "Int8DynamicLinear",
     "LoRA",
     "MemoryEfficientOptimizer",
-    "ModelSurgery",
     "QuantizationQuality",
     "QuantizedPrecision",
     "QuantizedFSDPStrategy",
@@ -38,5 +37,6 @@ __all__ = [
     "plan",
     "precision_plugin",
     "quantize_model",
+    "run_surgery",
 ]
 __version__ = "0.1.0"

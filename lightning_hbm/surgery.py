@@ -8,46 +8,42 @@ Quantization, adapters, activation checkpointing and attention kernels all rewri
   parameters: changing the model in ``on_fit_start`` makes ``fit`` "succeed" while training
   nothing),
 * in a fixed order: observe -> quantize -> adapters -> checkpointing -> kernels,
-* with or without a lightning_hbm precision plugin (LoRA under Lightning's ``bf16-true`` too).
+* with every check before the first change, so bad input leaves the model untouched.
 
-Lightning calls ``strategy.precision_plugin.convert_module(model)`` exactly there, in every
-strategy (single device, DDP, FSDP, DeepSpeed). DDP ignores its return value, so every transform
-works in place. :func:`install` wraps the *active* plugin's ``convert_module`` once per Trainer:
+:func:`run_surgery` is that engine. It takes its context as arguments (the precision plugin, the
+transforms, the target device, the checkpoint being resumed), so the Trainer and the planner run
+the same code.
 
-    wrapped(module):
-        1. transforms with stage <  QUANTIZE   (e.g. QuantizationQuality keeps fp references)
-        2. the plugin's own convert_module     (QuantizedPrecision quantizes; bf16-true casts)
-        3. transforms with stage >  QUANTIZE   sorted by stage: ADAPTERS, CHECKPOINTING, KERNELS
-        4. re-apply checkpoint weights stashed by the resume hooks (see below)
+In a Trainer, Lightning calls ``strategy.precision_plugin.convert_module(model)`` exactly at that
+point, in every strategy (single device, DDP, FSDP, DeepSpeed), and ``precision_plugin.connect``
+right after the user's ``configure_optimizers``. DDP ignores ``convert_module``'s return value, so
+every transform works in place.
 
-and the plugin's ``connect`` (called right after the user's ``configure_optimizers``, before
-``on_fit_start`` and before optimizer states are restored): once the model was changed, frozen
-parameters are pruned from the param groups, then each transform's ``transform_optimizers``
-runs in stage order (e.g. ``MemoryEfficientOptimizer`` swaps in an 8-bit optimizer).
+* :class:`~lightning_hbm.QuantizedPrecision` calls the engine from its own ``convert_module`` and
+  ``connect``.
+* Any other plugin (Lightning's ``bf16-true``, ...) is given the engine by the first
+  :class:`SurgeryCallback` of the Trainer, in ``Callback.setup``: :func:`install` sets picklable
+  wrapper objects (:class:`_SpineConvert`, :class:`_SpineConnect`) on that plugin instance.
 
-A transform is any Trainer callback that subclasses :class:`SurgeryCallback`. Each one is applied
-at most once per module (``module._lightning_hbm_applied`` records what ran, in order), so
-``trainer.validate`` after ``trainer.fit`` does not apply it twice.
+A Trainer that uses no lightning_hbm plugin, strategy or callback is left exactly as Lightning
+made it: same callbacks, same plugin objects, same (strict) loading rules.
 
-Resume. Lightning restores ``checkpoint["state_dict"]`` *before* ``strategy.setup``, i.e. into
-the model as the user built it, not the transformed one: keys such as ``weight.absmax`` or
-``lora_A.weight`` do not exist yet, and adapter-only checkpoints miss the frozen base. While the
-spine is installed (from ``Callback.setup`` until the surgery), two ``load_state_dict`` hooks on
-the LightningModule move every key that does not fit the untransformed model into a stash, and
-forgive the keys the checkpoint does not hold. After the surgery the stash is loaded into the
-transformed model; a key that fits nowhere, or a trainable parameter the checkpoint lacks, is an
-error before training starts.
-
-The spine is installed by every :class:`SurgeryCallback`, and by :class:`ModelSurgery`, which
-Lightning adds to every Trainer through the ``lightning.pytorch.callbacks_factory`` entry point
-(pyproject.toml), so a run that only uses ``QuantizedPrecision`` can resume too.
+Resume (see :mod:`lightning_hbm.resume` for the checkpoint format). Lightning restores
+``checkpoint["state_dict"]`` *before* the surgery, into the model as built. A lightning_hbm
+checkpoint keeps there only what fits the model as built; the changed tensors travel in
+``checkpoint["lightning_hbm"]`` and are loaded right after the surgery. With a
+:class:`SurgeryCallback` in the Trainer, two load hooks (registered in ``Callback.setup``) check
+every tensor's CRC before anything is loaded, keep the placeholders out of the model and forgive
+exactly the keys the checkpoint says it left out; any other missing key is Lightning's usual strict
+error. With ``QuantizedPrecision`` alone, Lightning loads the placeholders, and the engine loads the
+real tensors right after quantizing.
 """
 
 from __future__ import annotations
 
 import logging
 from enum import IntEnum
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -56,9 +52,12 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hbm import resume
+
 log = logging.getLogger(__name__)
 
 _APPLIED_ATTR = "_lightning_hbm_applied"
+_RECORD_ATTR = "_lightning_hbm_record"  # the model as built: schema, fingerprints; set by the first surgery
 _STATE_ATTR = "_lightning_hbm_spine"
 _APPLIERS_ATTR = "_lightning_hbm_appliers"  # transform name -> id() of the instance that applied it last
 
@@ -67,7 +66,7 @@ class Stage(IntEnum):
     """Fixed order of the model changes. Lower runs first."""
 
     OBSERVE = 0  # read-only look at the model as the user built it
-    QUANTIZE = 10  # the precision plugin's convert_module
+    QUANTIZE = 10  # the precision plugin's conversion
     ADAPTERS = 20
     CHECKPOINTING = 30
     KERNELS = 40
@@ -77,9 +76,10 @@ class Stage(IntEnum):
 class SurgeryCallback(Callback):
     """Base class of every lightning_hbm callback that changes the user's model.
 
-    Subclasses set :attr:`stage` and implement :meth:`transform_model`, which must change the
-    module in place (DDP ignores a returned replacement). Subclasses that override ``setup`` call
-    ``super().setup(...)``.
+    Subclasses set :attr:`stage` and implement :meth:`check_model` (raise before anything changes),
+    :meth:`transform_model` (change the module in place: DDP ignores a returned replacement) and/or
+    :meth:`transform_optimizers`. Subclasses that override ``setup`` or ``on_save_checkpoint`` call
+    ``super()``.
     """
 
     stage: Stage = Stage.KERNELS
@@ -89,14 +89,14 @@ class SurgeryCallback(Callback):
     # parameters (LoRA) leave it False: their parameters must not be re-created.
     reapply: bool = False
 
-    def transform_model(self, module: pl.LightningModule) -> None:
+    def transform_model(self, module: nn.Module) -> None:
         """Change ``module`` in place. Called once, at the surgery point. Default: no change."""
 
-    def check_model(self, module: pl.LightningModule) -> None:
+    def check_model(self, module: nn.Module) -> None:
         """Raise ``ValueError``/``TypeError`` if ``module`` cannot take this transform. Default: accept.
 
-        Called by the spine for every pending transform before the first change (quantization
-        included), so a bad argument leaves the user's model untouched. Must not change ``module``.
+        Called for every pending transform before the first change (quantization included), on the
+        model as the user built it, so a bad argument leaves it untouched. Must not change ``module``.
         """
 
     def transform_optimizers(self, optimizers: list[Optimizer], lr_scheduler_configs: list[Any]) -> list[Optimizer]:
@@ -108,26 +108,28 @@ class SurgeryCallback(Callback):
         """
         return optimizers
 
+    def resume_config(self) -> Optional[dict[str, Any]]:
+        """Settings that must be equal when a checkpoint of this run is resumed (None: not compared).
+
+        Saved in every checkpoint; a resume whose settings differ is an error naming the difference.
+        """
+        return None
+
+    def saves_frozen_weights(self) -> bool:
+        """False if checkpoints should hold only the trainable weights (and the as-built buffers)."""
+        return True
+
+    def allows_base_change(self) -> bool:
+        """True to accept, on resume, a frozen base other than the one the checkpoint was trained on."""
+        return False
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         install(trainer)
 
-
-class ModelSurgery(Callback):
-    """Installs the spine in every Trainer (added by Lightning through the entry point).
-
-    It changes nothing by itself: with no lightning_hbm transform and no lightning_hbm
-    precision plugin, the wrapped ``convert_module`` only calls the original one.
-    """
-
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        install(trainer)
-
-
-def callbacks_factory() -> list[Callback]:
-    """Entry point ``lightning.pytorch.callbacks_factory``: Lightning adds these to every Trainer."""
-    return [ModelSurgery()]
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        pack_checkpoint(trainer, checkpoint)
 
 
 def applied_transforms(module: nn.Module) -> list[str]:
@@ -136,7 +138,7 @@ def applied_transforms(module: nn.Module) -> list[str]:
 
 
 def mark_applied(module: nn.Module, name: str) -> None:
-    """Record that ``name`` changed ``module`` (used by the spine and the precision plugin)."""
+    """Record that ``name`` changed ``module`` (used by the engine and the precision plugin)."""
     applied = getattr(module, _APPLIED_ATTR, None)
     if applied is None:
         applied = []
@@ -149,92 +151,163 @@ def _transform_name(transform: object) -> str:
     return type(transform).__qualname__
 
 
-def _surgery_callbacks(trainer: pl.Trainer) -> list[SurgeryCallback]:
+def surgery_callbacks(trainer: pl.Trainer) -> list[SurgeryCallback]:
+    """The Trainer's transforms, in stage order (the user's order within a stage)."""
     callbacks = [cb for cb in trainer.callbacks if isinstance(cb, SurgeryCallback)]
-    # sorted() is stable: callbacks of one stage keep the user's order
-    return sorted(callbacks, key=lambda cb: int(cb.stage))
+    return sorted(callbacks, key=lambda cb: int(cb.stage))  # sorted() is stable
 
 
-def apply_transforms(module: pl.LightningModule, transforms: list[SurgeryCallback]) -> None:
-    """Apply each transform once, in stage order (also usable without a Trainer, e.g. planner)."""
+def _pending(module: nn.Module, transforms: Sequence[SurgeryCallback]) -> list[SurgeryCallback]:
     done = set(applied_transforms(module))
     appliers: dict[str, int] = getattr(module, _APPLIERS_ATTR, None) or {}
+    return [
+        t
+        for t in sorted(transforms, key=lambda t: int(t.stage))
+        if _transform_name(t) not in done or (t.reapply and appliers.get(_transform_name(t)) != id(t))
+    ]
+
+
+def apply_transforms(module: nn.Module, transforms: Sequence[SurgeryCallback]) -> None:
+    """Apply each pending transform once, in stage order (no checks: :func:`run_surgery` checks first)."""
+    pending = _pending(module, transforms)
+    appliers: dict[str, int] = getattr(module, _APPLIERS_ATTR, None) or {}
     object.__setattr__(module, _APPLIERS_ATTR, appliers)
-    for transform in sorted(transforms, key=lambda t: int(t.stage)):
+    done = set(applied_transforms(module))
+    for transform in pending:
         name = _transform_name(transform)
-        if name in done and not (transform.reapply and appliers.get(name) != id(transform)):
-            continue
         transform.transform_model(module)
         appliers[name] = id(transform)
         if name not in done:
             mark_applied(module, name)
 
 
-class _SpineState:
-    """What the spine keeps per precision plugin: its Trainer, the stash of checkpoint keys, hook handles."""
-
-    def __init__(self, trainer: pl.Trainer) -> None:
-        self.trainer = trainer
-        self.stash: dict[str, torch.Tensor] = {}
-        self.loaded_keys: set[str] = set()
-        self.forgiven_missing: list[str] = []
-        self.handles: list[Any] = []
-
-    def remove_hooks(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
+def _check_distinct(transforms: Sequence[SurgeryCallback]) -> None:
+    seen: dict[str, int] = {}
+    for transform in transforms:
+        seen[_transform_name(transform)] = seen.get(_transform_name(transform), 0) + 1
+    twice = sorted(name for name, count in seen.items() if count > 1)
+    if twice:
+        raise ValueError(
+            f"The Trainer has {seen[twice[0]]} {twice[0]} callbacks ({', '.join(twice)} given more than once). "
+            "Each lightning_hbm transform changes the model once: keep one instance and put all its settings "
+            "there (e.g. one LoRA(target_modules=[...]) listing every target)."
+        )
 
 
-def install(trainer: pl.Trainer) -> None:
-    """Wrap the active precision plugin's ``convert_module`` and ``connect`` with the surgery (idempotent).
+def plugin_config(plugin: Any) -> dict[str, Any]:
+    """The precision plugin's part of the resume configuration (lightning_hbm plugins only)."""
+    config = getattr(plugin, "resume_config", None)
+    return {type(plugin).__qualname__: config()} if callable(config) else {}
 
-    A plugin instance reused by a second Trainer is wrapped once and follows the latest Trainer.
+
+def resume_configs(plugin: Any, transforms: Sequence[SurgeryCallback]) -> dict[str, Any]:
+    configs = plugin_config(plugin)
+    for transform in transforms:
+        config = transform.resume_config()
+        if config is not None:
+            configs[_transform_name(transform)] = config
+    return configs
+
+
+def run_surgery(
+    module: nn.Module,
+    plugin: Any,
+    transforms: Sequence[SurgeryCallback],
+    device: Optional[torch.device] = None,
+    checkpoint: Optional[dict[str, Any]] = None,
+    checkpoint_path: Any = None,
+    convert: Optional[Callable[[nn.Module], nn.Module]] = None,
+) -> nn.Module:
+    """Check, then change ``module`` in place: observe -> the plugin's conversion -> adapters -> ... .
+
+    Args:
+        module: the model as built (or as an earlier surgery left it: applied transforms are skipped).
+        plugin: the precision plugin (``QuantizedPrecision``, a Lightning plugin, or None).
+        transforms: the :class:`SurgeryCallback` s to apply.
+        device: where the model will live (a ``QuantizedPrecision`` quantizes there).
+        checkpoint: the checkpoint being resumed, if any: its configuration and frozen-base
+            fingerprints are compared before the first change, its changed tensors loaded after.
+        convert: the plugin's conversion (default: ``plugin.convert_base`` or ``plugin.convert_module``).
     """
-    plugin = trainer.strategy.precision_plugin
-    state: _SpineState | None = getattr(plugin, _STATE_ATTR, None)
-    if state is None:
-        state = _SpineState(trainer)
-        object.__setattr__(plugin, _STATE_ATTR, state)
-        _wrap_plugin(plugin, state)
-    state.trainer = trainer
-    pl_module = trainer.lightning_module
-    if pl_module is not None and not applied_transforms(pl_module) and not state.handles:
-        _register_resume_hooks(pl_module, state)
+    _check_distinct(transforms)
+    pending = _pending(module, transforms)
+    check_plugin = getattr(plugin, "check_model", None)
+    if callable(check_plugin):
+        check_plugin(module)
+    for transform in pending:  # every check before the first change: nothing half-applied
+        transform.check_model(module)
+    if getattr(module, _RECORD_ATTR, None) is None:
+        object.__setattr__(module, _RECORD_ATTR, resume.as_built_record(module))
+    meta = (checkpoint or {}).get(resume.META_KEY)
+    if checkpoint is not None:
+        if meta is not None and not meta.get("verified"):  # no load hook ran (QuantizedPrecision alone)
+            resume.verify_checksums(meta, checkpoint.get("state_dict", {}), checkpoint_path)
+        _check_resume(module, plugin, transforms, meta, checkpoint_path)
+    apply_transforms(module, [t for t in pending if t.stage < Stage.QUANTIZE])
+    if device is not None and hasattr(plugin, "target_device"):
+        plugin.target_device = device
+    if convert is None and plugin is not None:
+        convert = getattr(plugin, "convert_base", None) or plugin.convert_module
+    if convert is not None:
+        module = convert(module)
+    apply_transforms(module, [t for t in pending if t.stage > Stage.QUANTIZE])
+    if meta is not None:
+        _load_changed(module, meta, checkpoint, checkpoint_path)
+    if applied_transforms(module):
+        add_resume_hooks(module)  # later loads into the changed model (trainer.test(ckpt_path=...))
+    return module
 
 
-def _wrap_plugin(plugin: Any, state: _SpineState) -> None:
-    original_convert = plugin.convert_module
-    original_connect = plugin.connect
+def _check_resume(
+    module: nn.Module, plugin: Any, transforms: Sequence[SurgeryCallback], meta: Optional[dict[str, Any]], path: Any
+) -> None:
+    current = resume_configs(plugin, transforms)
+    if meta is None:
+        if current:
+            raise ValueError(
+                f"Checkpoint {path} was saved without lightning_hbm's changes, but this run applies "
+                f"{sorted(current)}: its optimizer states and weights belong to the unchanged model. To start a new "
+                "run from its weights, load them into your model first (model.load_state_dict(torch.load(path)"
+                "['state_dict'])) and call fit without ckpt_path."
+            )
+        return
+    differences = resume.config_differences(meta.get("configs", {}), current)
+    if differences:
+        raise ValueError(
+            f"Checkpoint {path} was saved with other lightning_hbm settings than this run has:\n  - "
+            + "\n  - ".join(differences)
+            + "\nResume with the settings of the run that saved it (or train from scratch without ckpt_path)."
+        )
+    changed = resume.fingerprint_differences(meta, getattr(module, _RECORD_ATTR))
+    if changed and not any(t.allows_base_change() for t in transforms):
+        raise ValueError(
+            f"Checkpoint {path} holds adapters trained on another frozen base: {len(changed)} base tensor(s) of the "
+            f"model differ from the ones it was trained on ({changed[:5]}). Build the model with the same seed or "
+            "pretrained weights as the run that saved it; to put these adapters on a different base on purpose, "
+            "pass LoRA(allow_base_change=True)."
+        )
 
-    def convert_module(module: nn.Module) -> nn.Module:
-        state.remove_hooks()
-        transforms = _surgery_callbacks(state.trainer)
-        done = set(applied_transforms(module))
-        for transform in transforms:  # every check before the first change: nothing half-applied
-            if _transform_name(transform) not in done:
-                transform.check_model(module)
-        apply_transforms(module, [t for t in transforms if t.stage < Stage.QUANTIZE])
-        # Tell our own plugin where the model will live, so it can quantize on the target device.
-        if hasattr(plugin, "target_device"):
-            plugin.target_device = state.trainer.strategy.root_device
-        # Lightning's plugins return the module itself (HalfPrecision: module.to(dtype)); DDP ignores
-        # the return value, so every transform works in place.
-        module = original_convert(module)
-        apply_transforms(module, [t for t in transforms if t.stage > Stage.QUANTIZE])
-        _restore_stash(module, state)
-        return module
 
-    def connect(model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple:
-        if applied_transforms(state.trainer.lightning_module):
-            prune_frozen_parameters(optimizers)
-        for transform in _surgery_callbacks(state.trainer):
-            optimizers = transform.transform_optimizers(optimizers, lr_schedulers)
-        return original_connect(model, optimizers, lr_schedulers)
-
-    # instance attributes: only this plugin object is changed
-    plugin.convert_module = convert_module
-    plugin.connect = connect
+def _load_changed(module: nn.Module, meta: dict[str, Any], checkpoint: dict[str, Any], path: Any) -> None:
+    changed: dict[str, Any] = meta.get("state_dict", {})
+    advice = "Resume with the same precision mode and LoRA settings as the run that saved it."
+    try:
+        result = module.load_state_dict(changed, strict=False)
+    except RuntimeError as err:  # shape mismatches raise even with strict=False
+        raise ValueError(f"Checkpoint {path} does not fit the model after lightning_hbm's changes. {advice}\n{err}") from err
+    if result.unexpected_keys:
+        raise ValueError(
+            f"Checkpoint {path} holds tensors that fit neither the model as built nor the model after lightning_hbm's "
+            f"changes: {sorted(result.unexpected_keys)[:10]}. {advice}"
+        )
+    restored = set(changed) | {k for k in checkpoint.get("state_dict", {}) if k not in set(meta.get("placeholders", []))}
+    lacking = resume.unrestored_keys(module, restored, meta.get("omitted", []))
+    if lacking:
+        raise ValueError(
+            f"Checkpoint {path} does not hold these tensors of the model after lightning_hbm's changes: {lacking[:10]}. "
+            f"{advice}"
+        )
+    log.info("lightning_hbm: restored %d changed tensors after model surgery", len(changed))
 
 
 def prune_frozen_parameters(optimizers: list[Optimizer]) -> None:
@@ -249,65 +322,173 @@ def prune_frozen_parameters(optimizers: list[Optimizer]) -> None:
             group["params"] = [p for p in group["params"] if p.requires_grad]
 
 
-def _register_resume_hooks(pl_module: nn.Module, state: _SpineState) -> None:
-    def pre_hook(
-        module: nn.Module,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        # (shape, is floating point): an int8 weight has the float weight's shape but must not be
-        # loaded into it (it would be cast to float and then quantized a second time)
-        current = {
-            k: (v.shape, v.is_floating_point()) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)
-        }
-        for key in list(state_dict):
-            value = state_dict[key]
-            fits = isinstance(value, torch.Tensor) and current.get(key) == (value.shape, value.is_floating_point())
-            if not fits:
-                state.stash[key] = state_dict.pop(key)
-        state.loaded_keys.update(state_dict)
-
-    def post_hook(module: nn.Module, incompatible_keys: Any) -> None:
-        # The checkpoint came from a transformed model (adapter-only, quantized base): the keys it
-        # lacks are checked after the surgery instead, against the transformed model.
-        state.forgiven_missing.extend(incompatible_keys.missing_keys)
-        incompatible_keys.missing_keys.clear()
-
-    state.handles.append(pl_module.register_load_state_dict_pre_hook(pre_hook))
-    state.handles.append(pl_module.register_load_state_dict_post_hook(post_hook))
+def transform_optimizers(
+    module: Optional[nn.Module], transforms: Sequence[SurgeryCallback], optimizers: list[Optimizer], lr_schedulers: list[Any]
+) -> list[Optimizer]:
+    """Prune frozen parameters (once the model was changed), then each transform's optimizer step."""
+    if module is not None and applied_transforms(module):
+        prune_frozen_parameters(optimizers)
+    for transform in transforms:
+        optimizers = transform.transform_optimizers(optimizers, lr_schedulers)
+    return optimizers
 
 
-def _restore_stash(module: nn.Module, state: _SpineState) -> None:
-    if not state.stash and not state.forgiven_missing:
-        state.loaded_keys = set()
-        return  # nothing was loaded, or the checkpoint fitted the model as built
-    stash, state.stash = state.stash, {}
-    state.forgiven_missing = []
-    if stash:
-        advice = (
-            "Resume with the same precision mode and the same LoRA/checkpointing callbacks as the run that saved it."
-        )
-        try:
-            result = module.load_state_dict(stash, strict=False)
-        except RuntimeError as err:  # shape mismatches raise even with strict=False
-            raise ValueError(f"The checkpoint does not fit the model after lightning_hbm's changes. {advice}\n{err}") from err
-        if result.unexpected_keys:
-            raise ValueError(
-                "The checkpoint holds weights that fit neither the model as built nor the model after "
-                f"lightning_hbm's changes: {sorted(result.unexpected_keys)[:10]}. {advice}"
-            )
-    restored = state.loaded_keys | set(stash)
-    lacking = [n for n, p in module.named_parameters() if p.requires_grad and n not in restored]
-    state.loaded_keys = set()
-    if lacking:
-        raise ValueError(
-            "The checkpoint does not hold these trainable parameters of the model after lightning_hbm's "
-            f"changes: {lacking[:10]}. Resume with the same precision mode and LoRA settings as the run "
-            "that saved it (or train from scratch without ckpt_path)."
-        )
-    log.info("lightning_hbm: restored %d checkpoint tensors after model surgery", len(stash))
+# ------------------------------------------------------------------------------ the Trainer adapter
+
+
+class _SpineState:
+    """What the spine keeps per precision plugin: the Trainer it serves (a plugin can be reused)."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+
+
+def _state(plugin: Any, trainer: pl.Trainer) -> _SpineState:
+    state: Optional[_SpineState] = getattr(plugin, _STATE_ATTR, None)
+    if state is None:
+        state = _SpineState(trainer)
+        object.__setattr__(plugin, _STATE_ATTR, state)
+    state.trainer = trainer
+    return state
+
+
+def pending_checkpoint(trainer: Optional[pl.Trainer]) -> Optional[dict[str, Any]]:
+    """The checkpoint Lightning is resuming from, between its weight restore and the end of setup.
+
+    Lightning 2.6 has no public accessor: ``_checkpoint_connector._loaded_checkpoint`` is read here
+    and only here (``tests/test_surgery.py`` fails if Lightning renames it).
+    """
+    if trainer is None:
+        return None
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    return getattr(connector, "_loaded_checkpoint", None) or None
+
+
+def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """:func:`run_surgery` with the context of the Trainer that ``module`` is attached to."""
+    trainer = getattr(module, "_trainer", None)
+    state: Optional[_SpineState] = getattr(plugin, _STATE_ATTR, None)
+    if trainer is None and state is not None:
+        trainer = state.trainer
+    if trainer is None:  # not attached to a Trainer (a plain call): the plugin's change alone
+        return run_surgery(module, plugin, [], convert=convert)
+    _state(plugin, trainer)
+    checkpoint = pending_checkpoint(trainer)
+    fitting = trainer.state.fn == "fit"
+    return run_surgery(
+        module,
+        plugin,
+        surgery_callbacks(trainer),
+        device=trainer.strategy.root_device,
+        checkpoint=checkpoint if fitting or (checkpoint or {}).get(resume.META_KEY) else None,
+        checkpoint_path=trainer.ckpt_path,
+        convert=convert,
+    )
+
+
+def trainer_optimizers(plugin: Any, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> list[Optimizer]:
+    state: Optional[_SpineState] = getattr(plugin, _STATE_ATTR, None)
+    if state is None:
+        return optimizers
+    trainer = state.trainer
+    return transform_optimizers(trainer.lightning_module, surgery_callbacks(trainer), optimizers, lr_schedulers)
+
+
+class _SpineConvert:
+    """Picklable ``convert_module`` for a plugin that is not lightning_hbm's: the engine around the original."""
+
+    def __init__(self, plugin: Any) -> None:
+        self.plugin = plugin
+
+    def __call__(self, module: nn.Module) -> nn.Module:
+        original = type(self.plugin).convert_module
+        return trainer_surgery(module, self.plugin, lambda m: original(self.plugin, m))
+
+
+class _SpineConnect:
+    """Picklable ``connect``: the optimizer transforms, then the plugin's own ``connect``."""
+
+    def __init__(self, plugin: Any) -> None:
+        self.plugin = plugin
+
+    def __call__(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
+        optimizers = trainer_optimizers(self.plugin, optimizers, lr_schedulers)
+        return type(self.plugin).connect(self.plugin, model, optimizers, lr_schedulers)
+
+
+def install(trainer: pl.Trainer) -> None:
+    """Give the Trainer's precision plugin the engine, and the model the resume hooks (idempotent).
+
+    Called by every :class:`SurgeryCallback` (and ``AutoFit``) in ``Callback.setup``, which runs
+    before Lightning restores weights. A plugin instance reused by a second Trainer follows the latest
+    Trainer. The strategy's checkpoint IO is wrapped so that an empty or cut-short file is a clear error.
+    """
+    plugin = trainer.strategy.precision_plugin
+    _state(plugin, trainer)
+    if not getattr(plugin, "runs_surgery", False) and not isinstance(vars(plugin).get("convert_module"), _SpineConvert):
+        # instance attributes: only this plugin object is changed, and it stays picklable
+        plugin.convert_module = _SpineConvert(plugin)
+        plugin.connect = _SpineConnect(plugin)
+    if not isinstance(trainer.strategy.checkpoint_io, resume.CheckedCheckpointIO):
+        trainer.strategy.checkpoint_io = resume.CheckedCheckpointIO(trainer.strategy.checkpoint_io)
+    if trainer.lightning_module is not None:
+        add_resume_hooks(trainer.lightning_module)
+
+
+def add_resume_hooks(module: nn.Module) -> None:
+    """Register (once per model) the load hooks that read lightning_hbm checkpoints; inert for other checkpoints."""
+    if any(isinstance(getattr(h, "hook", h), _ResumeHook) for h in module._load_state_dict_pre_hooks.values()):
+        return
+    hook = _ResumeHook()
+    module.register_load_state_dict_pre_hook(hook)
+    module.register_load_state_dict_post_hook(hook.forgive)
+
+
+class _ResumeHook:
+    """Loading a lightning_hbm checkpoint (from the Trainer resuming it) into the model.
+
+    Before the load: every tensor's CRC is verified and the placeholders are taken out. Into the
+    model as built, the changed tensors are loaded after the surgery (:func:`run_surgery`); into a
+    model already changed (``trainer.test(ckpt_path=...)`` after ``fit``) they are loaded right here.
+    After the load: the keys the checkpoint says it left out are forgiven; every other missing key
+    stays Lightning's strict error.
+    """
+
+    def __init__(self) -> None:
+        self.omitted: list[str] = []
+        self.placeholders: set[str] = set()
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        self.omitted, self.placeholders = [], set()
+        trainer = getattr(module, "_trainer", None)
+        meta = (pending_checkpoint(trainer) or {}).get(resume.META_KEY)
+        if meta is None or prefix:
+            return  # not a lightning_hbm checkpoint: Lightning's rules, unchanged
+        resume.verify_checksums(meta, state_dict, trainer.ckpt_path)
+        meta["verified"] = True
+        self.placeholders = set(meta.get("placeholders", []))
+        for key in self.placeholders:
+            state_dict.pop(key, None)
+        if applied_transforms(module):
+            state_dict.update(meta.get("state_dict", {}))
+        self.omitted = list(meta.get("omitted", []))
+
+    def forgive(self, module: nn.Module, incompatible_keys: Any) -> None:
+        missing = incompatible_keys.missing_keys
+        missing[:] = [k for k in missing if k not in self.placeholders and not resume.covered(k, self.omitted)]
+
+
+def pack_checkpoint(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Write ``checkpoint`` in lightning_hbm's two-part form (once per checkpoint; see :mod:`lightning_hbm.resume`)."""
+    module = trainer.lightning_module
+    record = getattr(module, _RECORD_ATTR, None)
+    if resume.META_KEY in checkpoint or record is None or "state_dict" not in checkpoint:
+        return
+    transforms = surgery_callbacks(trainer)
+    resume.pack(
+        module,
+        checkpoint,
+        record,
+        resume_configs(trainer.strategy.precision_plugin, transforms),
+        trainable_only=not all(t.saves_frozen_weights() for t in transforms),
+    )

@@ -16,7 +16,6 @@ variant gives no gradients to adapters behind frozen embeddings (inputs without 
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Optional
@@ -124,37 +123,47 @@ class _BlockPlan:
         context_fn: Optional[Callable[[], tuple[AbstractContextManager, AbstractContextManager]]],
         offload: Optional[OffloadSavedTensors],
     ) -> None:
-        self.inner: Callable[..., Any] = block.forward
-        # An instance-level forward someone set before us is put back by _unwrap; else the class's is used.
-        self.own_forward = "forward" in vars(block)
+        # An instance-level forward someone set before us is kept (and put back by _unwrap); otherwise the
+        # class's forward is looked up at call time: a bound method stored here would not survive pickling.
+        self.own_forward: Optional[Callable[..., Any]] = vars(block).get("forward")
         self.context_fn = context_fn
         self.offload = offload
 
 
+class _CheckpointedForward:
+    """The block's new ``forward``: a picklable object (not a closure, not a bound method), copied with the block."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _checkpointed_forward(self.block, *args, **kwargs)
+
+
 def _wrap(block: nn.Module, plan: _BlockPlan) -> None:
-    # object.__setattr__: the plan and the bound method are plain attributes, never submodules.
+    # object.__setattr__: the plan and the forward object are plain attributes, never submodules.
     object.__setattr__(block, _PLAN_ATTR, plan)
-    # MethodType of a module-level function (not a closure): deepcopy rebinds it to the copy.
-    object.__setattr__(block, "forward", types.MethodType(_checkpointed_forward, block))
+    object.__setattr__(block, "forward", _CheckpointedForward(block))
 
 
 def _unwrap(block: nn.Module) -> None:
     plan: _BlockPlan = vars(block).pop(_PLAN_ATTR)
-    if plan.own_forward:
-        object.__setattr__(block, "forward", plan.inner)
+    if plan.own_forward is not None:
+        object.__setattr__(block, "forward", plan.own_forward)
     else:
         del vars(block)["forward"]
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     plan: _BlockPlan = getattr(self, _PLAN_ATTR)
+    inner = plan.own_forward or functools.partial(type(self).forward, self)
     if not torch.is_grad_enabled():
-        return plan.inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
+        return inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
     extra = {} if plan.context_fn is None else {"context_fn": plan.context_fn}
     # The offload hooks are outside the checkpoint: what checkpoint itself saves (the block's
     # inputs) goes through them; what it recomputes never does.
     with plan.offload if plan.offload is not None else nullcontext():
-        return checkpoint(plan.inner, *args, use_reentrant=False, **extra, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
 
 def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -275,10 +284,10 @@ class ActivationCheckpointing(SurgeryCallback):
         self.every = every
         self.offload: Optional[OffloadSavedTensors] = OffloadSavedTensors(device) if offload else None
         self.checkpointed: list[str] = []
+        self._planned: Optional[list[str]] = None  # resolved by check_model on the model as built
 
-    @override
-    def transform_model(self, module: pl.LightningModule) -> None:
-        # Decide everything first, change the blocks last: an error leaves the model untouched.
+    def _resolve(self, module: nn.Module) -> list[str]:
+        """Names of the blocks to checkpoint; raises (changing nothing) if there are none."""
         found = _blocks_by_spec(module, self.blocks) if self.blocks is not None else find_blocks(module)
         if not found:
             lists = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleList)]
@@ -293,7 +302,22 @@ class ActivationCheckpointing(SurgeryCallback):
                 f"Blocks {hf_checkpointing[:3]} already use transformers' own gradient checkpointing; doing it twice "
                 "recomputes every block twice. Call model.gradient_checkpointing_disable() or drop ActivationCheckpointing."
             )
-        chosen = [(n, m) for i, (n, m) in enumerate(found) if i % self.every == 0]
+        return [n for i, (n, _) in enumerate(found) if i % self.every == 0]
+
+    @override
+    def check_model(self, module: nn.Module) -> None:
+        """Resolve the blocks on the model as the user built it, before quantization and adapters.
+
+        Names, not module objects, are kept: a block that quantization or LoRA replaces (``blocks=["Linear"]``)
+        is checkpointed in its changed form, at the same path.
+        """
+        self._planned = self._resolve(module)
+
+    @override
+    def transform_model(self, module: nn.Module) -> None:
+        names = self._planned if self._planned is not None else self._resolve(module)
+        self._planned = None
+        chosen = [(n, module.get_submodule(n)) for n in names]
         context_fn = (
             functools.partial(create_selective_checkpoint_contexts, SELECTIVE_SAVE_OPS)
             if self.policy == "selective"
@@ -308,7 +332,7 @@ class ActivationCheckpointing(SurgeryCallback):
         self.checkpointed = [n for n, _ in chosen]
         rank_zero_info(
             f"lightning_hbm: activation checkpointing ({self.policy}{', offload' if self.offload else ''}) "
-            f"on {len(chosen)} of {len(found)} blocks ({type(chosen[0][1]).__name__})"
+            f"on {len(chosen)} blocks ({type(chosen[0][1]).__name__})"
         )
 
     @override

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -102,6 +103,9 @@ class LoRA(SurgeryCallback):
             (adapters + ``modules_to_save``) and their optimizer states; resume rebuilds the frozen
             base from the model's own init (same seed / same pretrained weights). ``True``: keep
             every weight, quantized base included.
+        allow_base_change: on resume of an adapter-only checkpoint, the frozen base must be the one the
+            adapters were trained on (a fingerprint of it is saved; another seed or other weights are
+            an error). ``True`` accepts a different base on purpose.
 
     Logged once at fit start, through the Trainer's loggers (``log_metrics``):
         ``lora/trainable_params``: parameters that require grad (adapters + ``modules_to_save``).
@@ -129,13 +133,14 @@ class LoRA(SurgeryCallback):
         modules_to_save: Optional[list[str]] = None,
         adapter_dtype: Literal["float32", "bfloat16"] = "float32",
         full_checkpoint: bool = False,
+        allow_base_change: bool = False,
     ) -> None:
         _import_peft()
         if isinstance(r, bool) or not isinstance(r, int):
             raise TypeError(f"LoRA r must be an int (the adapter rank), got {r!r} of type {type(r).__name__}.")
         if r <= 0:
             raise ValueError(f"LoRA r must be a positive rank, got r={r}. Typical values: 4, 8, 16, 64.")
-        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
             raise ValueError(f"LoRA alpha must be a positive number, got alpha={alpha!r}. A common choice is 2 * r.")
         if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got dropout={dropout!r}.")
@@ -157,6 +162,7 @@ class LoRA(SurgeryCallback):
         self.modules_to_save = list(modules_to_save or [])
         self.adapter_dtype = adapter_dtype
         self.full_checkpoint = full_checkpoint
+        self.allow_base_change = allow_base_change
         # filled at the surgery: what was adapted / made trainable (module names, LightningModule-relative)
         self.adapted_modules: list[str] = []
         self.saved_modules: list[str] = []
@@ -254,9 +260,50 @@ class LoRA(SurgeryCallback):
         return heads
 
     @override
-    def check_model(self, module: pl.LightningModule) -> None:
+    def check_model(self, module: nn.Module) -> None:
         """Validate against the model as built, before the precision plugin quantizes anything."""
-        self.resolve(module, self._planned_quantization(module))
+        lora_cls = _lora_layer_cls()
+        present = [n for n, m in module.named_modules() if isinstance(m, lora_cls)]
+        if present or getattr(module, "peft_config", None):
+            raise ValueError(
+                f"{type(module).__name__} already carries peft adapters ({present[:3]}{' ...' if len(present) > 3 else ''}): "
+                "lightning_hbm's LoRA would put a second set on top. Build the model without peft "
+                "(drop get_peft_model / inject_adapter_in_model) and let the LoRA callback add them, or train the "
+                "peft model without the LoRA callback."
+            )
+        targets, _ = self.resolve(module, self._planned_quantization(module))
+        named = dict(module.named_modules())
+        narrow = []
+        for name in targets:
+            layer = named[name]
+            width = min(getattr(layer, "in_features", self.r), getattr(layer, "out_features", self.r))
+            if self.r > width:
+                narrow.append(f"{name} ({width})")
+        if narrow:
+            raise ValueError(
+                f"LoRA r={self.r} is larger than the width of {len(narrow)} target layer(s): {narrow[:5]}. A rank above "
+                "a layer's smaller dimension adds parameters without adding capacity: use r <= the narrowest width, "
+                "or exclude those layers with exclude_modules=[...]."
+            )
+
+    @override
+    def resume_config(self) -> dict[str, Any]:
+        return {
+            "r": self.r,
+            "alpha": self.alpha,
+            "target_modules": self.target_modules,
+            "exclude_modules": self.exclude_modules,
+            "modules_to_save": self.modules_to_save,
+            "adapter_dtype": self.adapter_dtype,
+        }
+
+    @override
+    def saves_frozen_weights(self) -> bool:
+        return self.full_checkpoint
+
+    @override
+    def allows_base_change(self) -> bool:
+        return self.allow_base_change
 
     @staticmethod
     def _planned_quantization(module: nn.Module) -> frozenset[str]:
@@ -328,13 +375,6 @@ class LoRA(SurgeryCallback):
             f"LoRA: {trainable:,} trainable of {total:,} parameters ({metrics['lora/trainable_percent']:.3f}%), "
             f"trainable {metrics['lora/trainable_bytes'] / 2**20:.2f} MiB, frozen {metrics['lora/frozen_bytes'] / 2**20:.2f} MiB"
         )
-
-    @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        if self.full_checkpoint or "state_dict" not in checkpoint:
-            return
-        keep = set(self.adapter_state_dict(pl_module))
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
 
     # ------------------------------------------------------------ public helpers
 

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -100,6 +101,28 @@ class MemoryEfficientOptimizer(SurgeryCallback):
         self.kind = kind
 
     @override
+    def check_model(self, module: nn.Module) -> None:
+        """Check the optimizer types before the model changes, by calling ``configure_optimizers`` once ahead.
+
+        The optimizers it returns now are thrown away (Lightning calls it again after the surgery). If
+        it cannot run yet (it reads ``self.trainer.estimated_stepping_batches``, say), the same check
+        runs when the real optimizers exist.
+        """
+        configure = getattr(module, "configure_optimizers", None)
+        if not callable(configure):
+            return
+        try:
+            returned = configure()
+        except Exception:  # noqa: BLE001 - any failure here only postpones the check
+            return
+        for optimizer in _optimizers_in(returned):
+            self._check(optimizer)
+
+    @override
+    def resume_config(self) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+    @override
     def transform_optimizers(self, optimizers: list[Optimizer], lr_scheduler_configs: list[Any]) -> list[Optimizer]:
         # Validate every optimizer first: an error must leave nothing half-replaced.
         for optimizer in optimizers:
@@ -158,6 +181,17 @@ class MemoryEfficientOptimizer(SurgeryCallback):
         for optimizer in trainer.optimizers:
             if getattr(optimizer, "is_paged", False):
                 _repage_state(optimizer)
+
+
+def _optimizers_in(returned: Any) -> list[Optimizer]:
+    """The optimizers in whatever form ``configure_optimizers`` returned (one, lists, tuples, dicts)."""
+    if isinstance(returned, Optimizer):
+        return [returned]
+    if isinstance(returned, dict):
+        return [o for v in returned.values() for o in _optimizers_in(v)]
+    if isinstance(returned, (list, tuple)):
+        return [o for v in returned for o in _optimizers_in(v)]
+    return []
 
 
 def _as_float(value: Any) -> Any:

@@ -156,6 +156,21 @@ class QuantizationQuality(SurgeryCallback):
                 f"probe_batch must be a tensor, an (inputs, targets) tuple/list or a dict of tensors, got "
                 f"{type(probe_batch).__name__}. Pass None to use the datamodule's first training batch."
             )
+        thresholds = (
+            ("min_cosine_similarity", min_cosine_similarity),
+            ("max_relative_error", max_relative_error),
+            ("max_kl_divergence", max_kl_divergence),
+        )
+        for name, value in thresholds:
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"QuantizationQuality({name}={value!r}): pass a number, or None for no threshold.")
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"QuantizationQuality({name}={value!r}): a threshold must be a finite number (a NaN threshold "
+                    "never triggers); pass None for no threshold."
+                )
         if min_cosine_similarity is not None and not -1.0 <= min_cosine_similarity <= 1.0:
             raise ValueError(f"min_cosine_similarity must be in [-1, 1], got {min_cosine_similarity}.")
         for name, value in (("max_relative_error", max_relative_error), ("max_kl_divergence", max_kl_divergence)):

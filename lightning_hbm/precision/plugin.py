@@ -17,10 +17,18 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hbm.precision.registry import QuantMode, get_mode, to_dtype
-from lightning_hbm.surgery import applied_transforms, mark_applied
+from lightning_hbm.surgery import (
+    _STATE_ATTR,
+    applied_transforms,
+    mark_applied,
+    pack_checkpoint,
+    trainer_optimizers,
+    trainer_surgery,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,20 +55,10 @@ def _quantizable_linears(
     return chosen, tied
 
 
-def quantize_model(
-    module: nn.Module,
-    mode: Union[str, QuantMode],
-    dtype: Union[str, torch.dtype] = "bfloat16",
-    ignore_modules: Sequence[str] = (),
-    device: Optional[Union[str, torch.device]] = None,
-) -> list[str]:
-    """Replace the ``nn.Linear`` layers of ``module`` in place by quantized frozen layers.
-
-    Works on a model that already holds its loaded weights. Validates everything before changing
-    anything. Returns the names of the quantized layers.
-    """
-    quant_mode = get_mode(mode) if isinstance(mode, str) else mode
-    compute_dtype = to_dtype(dtype)
+def _validate(
+    module: nn.Module, quant_mode: QuantMode, compute_dtype: torch.dtype, ignore_modules: Sequence[str]
+) -> tuple[list[tuple[str, nn.Linear]], list[str]]:
+    """Every check of :func:`quantize_model`, changing nothing; returns (targets, tied names)."""
     if compute_dtype not in quant_mode.dtypes:
         raise ValueError(
             f"Precision mode {quant_mode.name!r} does not support dtype {compute_dtype}. "
@@ -75,13 +73,31 @@ def quantize_model(
             f"Use module names (prefix match) such as {sample}."
         )
     targets, tied = _quantizable_linears(module, ignore_modules)
-    if not targets:
-        if tied or any(isinstance(m, nn.Linear) for m in module.modules()):
-            return []  # already quantized (or everything ignored / tied): nothing left to do
+    if not targets and not tied and not any(isinstance(m, nn.Linear) for m in module.modules()):
         raise ValueError(
             f"{type(module).__name__} has no torch.nn.Linear layers, so precision mode {quant_mode.name!r} has "
             "nothing to quantize. Use Lightning's precision='bf16-true' (or '32-true') for this model instead."
         )
+    return targets, tied
+
+
+def quantize_model(
+    module: nn.Module,
+    mode: Union[str, QuantMode],
+    dtype: Union[str, torch.dtype] = "bfloat16",
+    ignore_modules: Sequence[str] = (),
+    device: Optional[Union[str, torch.device]] = None,
+) -> list[str]:
+    """Replace the ``nn.Linear`` layers of ``module`` in place by quantized frozen layers.
+
+    Works on a model that already holds its loaded weights. Validates everything before changing
+    anything. Returns the names of the quantized layers.
+    """
+    quant_mode = get_mode(mode) if isinstance(mode, str) else mode
+    compute_dtype = to_dtype(dtype)
+    targets, tied = _validate(module, quant_mode, compute_dtype, ignore_modules)
+    if not targets:
+        return []  # already quantized (or everything ignored / tied): nothing left to do
     if tied:
         log.info("lightning_hbm: not quantizing %s (weight tied to another module)", tied)
     target = torch.device(device) if device is not None else None
@@ -144,15 +160,45 @@ class QuantizedPrecision(Precision):
         # Set by the surgery spine to the strategy's root device, so weights are quantized there.
         self.target_device: Optional[torch.device] = None
 
+    runs_surgery = True  # the surgery spine needs no wrapper around this plugin: it calls the engine itself
+
+    @property
+    def _name(self) -> str:
+        return f"QuantizedPrecision({self.mode.name})"
+
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        name = f"QuantizedPrecision({self.mode.name})"
-        if name in applied_transforms(module):
+        """lightning_hbm's surgery point: checks, quantization, then the Trainer's transforms."""
+        return trainer_surgery(module, self, self.convert_base)
+
+    def convert_base(self, module: nn.Module) -> nn.Module:
+        """Quantize ``module``'s Linear layers in place (once per model), and nothing else."""
+        if self._name in applied_transforms(module):
             return module
         quantized = quantize_model(module, self.mode, self.dtype, self.ignore_modules, self.target_device)
         log.info("lightning_hbm: %d Linear layers stored as %s", len(quantized), self.mode.name)
-        mark_applied(module, name)
+        mark_applied(module, self._name)
         return module
+
+    def check_model(self, module: nn.Module) -> None:
+        """Raise before any change if ``module`` cannot be quantized with these settings."""
+        if self._name not in applied_transforms(module):
+            _validate(module, self.mode, self.dtype, self.ignore_modules)
+
+    def resume_config(self) -> dict[str, Any]:
+        """What a resumed run must share with the run that saved the checkpoint."""
+        return {"mode": self.mode.name, "dtype": str(self.dtype), "ignore_modules": list(self.ignore_modules)}
+
+    @override
+    def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
+        optimizers = trainer_optimizers(self, optimizers, lr_schedulers)
+        return super().connect(model, optimizers, lr_schedulers)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = getattr(self, _STATE_ATTR, None)
+        if state is not None:
+            pack_checkpoint(state.trainer, checkpoint)
 
     def _dtype_context(self) -> AbstractContextManager:
         if self.dtype == torch.float32:

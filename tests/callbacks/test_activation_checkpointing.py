@@ -200,7 +200,7 @@ def test_trains_with_quantized_precision_lora_and_offload(
     assert adapters and all("lora_" in k for k in adapters)
     assert any(v.abs().sum() > 0 for k, v in adapters.items() if "lora_B" in k)  # lora_B starts at zero: it trained
     trainer.save_checkpoint(tmp_path / "adapters.ckpt")
-    saved = torch.load(tmp_path / "adapters.ckpt", weights_only=False)["state_dict"]
+    saved = torch.load(tmp_path / "adapters.ckpt", weights_only=False)["lightning_hbm"]["state_dict"]
     assert sorted(saved) == sorted(LoRA.adapter_state_dict(model)) and len(saved) == len(adapters) > 0
     # full checkpointing saves one input per block, the only tensors offloaded: 2 blocks * (4 x 32 x 64) fp32
     assert callback.offload is not None and callback.offload.copies == 2
