@@ -57,6 +57,8 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hbm import resume
+
 
 log = logging.getLogger(__name__)
 
@@ -251,9 +253,10 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
                 f"ckpt_path={str(path)!r} is a directory (a sharded checkpoint). QuantizedFSDPStrategy reads the "
                 "single-file checkpoints it writes (gathered on rank 0): pass the .ckpt file."
             )
+        resume.check_file(path)  # an empty or cut-short file is a clear error, as on one device
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         assert self.model is not None
-        self._load_trainable(checkpoint.pop("state_dict", {}))
+        self._load_trainable(_trainable_part(checkpoint, path))
         optimizer_states = checkpoint.pop("optimizer_states", [])
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and optimizer_states:
             for optimizer, full_state in zip(self.optimizers, optimizer_states):
@@ -285,6 +288,25 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
                 if isinstance(param, DTensor):
                     full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
                 param.copy_(full)
+
+
+def _trainable_part(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The checkpoint's weights for :meth:`QuantizedFSDPStrategy._load_trainable`, CRCs verified.
+
+    lightning_hbm writes checkpoints in two parts (:mod:`lightning_hbm.resume`): ``state_dict`` holds what
+    fits the model as built (plus placeholders), ``checkpoint["lightning_hbm"]["state_dict"]`` the tensors
+    of the changed model (the adapters). This strategy restores after its surgery, into the changed model:
+    both parts, without the placeholders. A plain checkpoint (no second part) is read as it is.
+    """
+    state_dict = checkpoint.pop("state_dict", {})
+    meta = checkpoint.get(resume.META_KEY)
+    if meta is None:
+        return state_dict
+    resume.verify_checksums(meta, state_dict, path)
+    placeholders = set(meta.get("placeholders", []))
+    trainable = {k: v for k, v in state_dict.items() if k not in placeholders}
+    trainable.update(meta.get("state_dict", {}))
+    return trainable
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
