@@ -30,12 +30,13 @@ from typing_extensions import override
 
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.precision.registry import to_dtype
+from lightning_hbm.requirements import requirement
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 log = logging.getLogger(__name__)
 
-_PEFT_AVAILABLE = RequirementCache("peft>=0.14")
-_BNB_AVAILABLE = RequirementCache("bitsandbytes>=0.46")
+_PEFT_AVAILABLE = RequirementCache(requirement("peft"))
+_BNB_AVAILABLE = RequirementCache(requirement("bitsandbytes"))
 
 # One adapter per model: peft's default name. Parameter names are ``<layer>.lora_A.default.weight``;
 # the FSDP and activation-checkpointing callbacks rely on these names staying stable.
@@ -46,7 +47,8 @@ ALL_LINEAR = "all-linear"
 def _import_peft() -> Any:
     if not _PEFT_AVAILABLE:
         raise ModuleNotFoundError(
-            f"lightning_hbm.LoRA needs peft>=0.14 ({_PEFT_AVAILABLE.message}). Install it with `pip install peft`."
+            f"lightning_hbm.LoRA needs {requirement('peft')} ({_PEFT_AVAILABLE.message}). "
+            f"Install it with `pip install -U '{requirement('peft')}'`."
         )
     import peft
 

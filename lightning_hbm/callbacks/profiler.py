@@ -37,6 +37,7 @@ from typing_extensions import override
 from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown, classify, owned_storages, owned_tensors, tensor_bytes
 from lightning_hbm.memory.storage import module_parameter_tensors
 from lightning_hbm.memory.tracker import LiveStorageTracker
+from lightning_hbm.strategies.cpu_offload import host_offload_bytes
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,9 @@ class HBMProfiler(Callback):
         every measured step), ``hbm/cuda_fragmentation`` (reserved - allocated),
         ``hbm/cuda_capacity``, ``hbm/cuda_headroom`` (capacity - peak reserved) and
         ``hbm/cuda_unattributed`` (peak allocated - total: CUDA context, workspaces, buffers of
-        the strategy).
+        the strategy). Under ``CPUOffloadStrategy`` also ``hbm/host_offload``: host memory its optimizer
+        holds (master copies, gradient buffers, states; none of it in the five terms, whose optimizer
+        states read 0 for an offloaded run), also kept as ``host_offload`` in the JSON rows.
 
     Files written by global rank 0 into ``dirpath``: ``hbm_profile.csv`` (one row per measured
     step, bytes, columns :data:`COLUMNS`), ``hbm_profile.json`` (rows, peak step, per-module
@@ -217,6 +220,8 @@ class HBMProfiler(Callback):
             metrics = {f"hbm/{k}": row[k] / _MIB for k in (*CATEGORIES, "total", *_CUDA_FIELDS) if row[k] is not None}
             if row["mode"] == "detailed":
                 metrics["hbm/tracked_peak"] = row["tracked_peak"] / _MIB
+            if row["host_offload"]:
+                metrics["hbm/host_offload"] = row["host_offload"] / _MIB
             # Straight to the loggers, as DeviceStatsMonitor does: self.log would cost more than the
             # measurement and would only reach the loggers every log_every_n_steps anyway.
             for logger in trainer.loggers:
@@ -256,6 +261,7 @@ class HBMProfiler(Callback):
             **values,
             "total": total,
             "tracked_peak": tracked_peak,
+            "host_offload": host_offload_bytes(trainer.optimizers),  # not in total: host memory, not HBM
         }
         row.update(_cuda_stats(pl_module, total))
         return row
