@@ -13,9 +13,10 @@ it is left alone. ``QuantizedPrecision`` (quantization), ``LoRA.resolve`` (targe
 :func:`coverage` (the fit-start table) all go through :func:`find_layers`, so adding a kind is one
 :func:`register_kind` call.
 
-``nn.MultiheadAttention`` is *prepared* first (:func:`prepare_model`): replaced by the equivalent
-:class:`~lightning_hbm.multihead_attention.ProjectedMultiheadAttention`, whose four projections are
-ordinary Linears (quantizable, adaptable; see that module for why).
+``nn.MultiheadAttention`` and experts layers are *prepared* first (:func:`prepare_model`): replaced by
+the equivalent :class:`~lightning_hbm.multihead_attention.ProjectedMultiheadAttention` (four Linear
+projections) and :class:`~lightning_hbm.experts.LinearExperts` (one Linear per expert), whose
+Linears are quantizable and adaptable (see those modules for why).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class LayerKind:
         to_linear: an equivalent ``nn.Linear`` holding the layer's weight (the mode's ``replace``
             quantizes it); ``None``: this kind is not quantized.
         prepare: replaces the layer by an equivalent module made of quantizable/adaptable layers
-            (run before quantization and LoRA); ``None``: used as it is.
+            (run before quantization and LoRA; returns ``None`` for a variant it cannot convert, which
+            stays as it is); ``None``: used as it is.
         quantized_as: how it is quantized (README table).
         adapted_as: how LoRA reaches it (README table).
         option: what to pass when it is left alone (named in the warning).
@@ -58,7 +60,7 @@ class LayerKind:
     quantized_as: str
     adapted_as: str
     option: str
-    prepare: Optional[Callable[[nn.Module], nn.Module]] = None
+    prepare: Optional[Callable[[nn.Module], Optional[nn.Module]]] = None
 
 
 _KINDS: dict[str, LayerKind] = {}
@@ -127,6 +129,17 @@ def _prepare_mha(module: nn.Module) -> nn.Module:
     return new
 
 
+def _prepare_experts(module: nn.Module) -> Optional[nn.Module]:
+    from lightning_hbm.experts import LinearExperts, supported
+
+    if not supported(module):
+        return None  # left as it is: the coverage table names it
+    new = LinearExperts.from_transformers(module)
+    for linear in [*new.gate_up_proj, *new.down_proj]:
+        object.__setattr__(linear, KIND_ATTR, EXPERTS.name)
+    return new
+
+
 def _is_experts(module: nn.Module) -> bool:
     # transformers-5 MoE layers keep all experts in 3-D Parameters [experts, out, in]; convolutions
     # (also 3-D weights) are another kind of layer.
@@ -171,11 +184,15 @@ EXPERTS = register_kind(
     LayerKind(
         name="Experts (3-D parameters)",
         matches=_is_experts,
-        to_linear=None,
-        quantized_as="not quantized yet (stays in the compute dtype)",
-        adapted_as="no adapter yet",
-        option="no option quantizes or adapts 3-D expert parameters yet: expect them at full size in the "
-        "parameters term, or train a model whose experts are nn.Linear layers",
+        # prepare() turns a supported experts layer into one Linear per expert and projection, tagged
+        # with this kind; those are quantized and adapted like any Linear
+        to_linear=_linear_as_linear,
+        prepare=_prepare_experts,
+        quantized_as="replaced by an equal module with one Linear per expert and projection, each quantized",
+        adapted_as="peft LoRA on each expert's gate_up_proj / down_proj Linear",
+        option="only transformers-5 experts in the default layout (concatenated gate/up, no bias) are converted; "
+        "this one stays at full size in the parameters term: exclude it knowingly or train a model whose experts "
+        "are nn.Linear layers",
     )
 )
 
@@ -242,6 +259,7 @@ def prepare_model(module: nn.Module, skip: Callable[[str], bool] = lambda name: 
     """
     planned = [(n, m, k) for n, m in module.named_modules() for k in [kind_of(m)] if k is not None and k.prepare and k.matches(m) and not skip(n)]
     replacements = [(name, kind.prepare(sub)) for name, sub, kind in planned]  # type: ignore[misc]
+    replacements = [(name, new) for name, new in replacements if new is not None]
     for name, new in replacements:
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
@@ -265,7 +283,13 @@ def adaptable_names(module: nn.Module) -> list[str]:
     for name, sub, kind in find_layers(module):
         if kind is MULTIHEAD_ATTENTION and isinstance(sub, nn.MultiheadAttention):
             names.extend(f"{name}.{proj}" for proj in ("q_proj", "k_proj", "v_proj"))
-        elif kind in (LINEAR, CONV1D, MULTIHEAD_ATTENTION):
+        elif kind is EXPERTS and kind.matches(sub):
+            from lightning_hbm.experts import supported
+
+            if supported(sub):
+                experts = sub.gate_up_proj.shape[0]
+                names.extend(f"{name}.{proj}.{e}" for proj in ("gate_up_proj", "down_proj") for e in range(experts))
+        else:
             names.append(name)
     return names
 
@@ -304,8 +328,8 @@ def _left_alone_reason(layer: nn.Module, kind: LayerKind, quantizing: bool, adap
     tagged = getattr(layer, LEFT_ALONE_ATTR, None)
     if tagged is not None:
         return tagged
-    if kind.to_linear is None and kind.prepare is None:
-        return f"{kind.name}: not supported yet", False
+    if kind.to_linear is None or kind.prepare is not None and kind.matches(layer):
+        return f"{kind.name}: this variant is not supported yet", False
     if quantizing:  # the plugin tags what it skips; an untagged float layer came after it
         return "added after quantization", True
     return "frozen in full precision (no QuantizedPrecision" + (", not a LoRA target)" if adapting else ")"), True
@@ -323,12 +347,16 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
     for name, sub, kind in find_layers(module):
         layer = base_layer(sub)
         row = rows.setdefault(kind.name, CoverageRow(kind.name))
-        count = parameter_count(layer)
-        in_kinds.update(id(p) for p in layer.parameters())
+        # a layer's own parameters: the children of an unconverted MultiheadAttention or experts module
+        # (out_proj, a router) are layers or "other" parameters of their own
+        own = list(layer.parameters(recurse=False))
+        has_children = next(layer.children(), None) is not None
+        count = sum(p.numel() for p in own) if has_children else parameter_count(layer)
+        in_kinds.update(id(p) for p in own)
         row.layers += 1
         row.params += count
-        row.bytes += parameter_bytes(layer)
-        quantized = any(not p.is_floating_point() for p in layer.parameters(recurse=False))
+        row.bytes += sum(p.numel() * p.element_size() for p in own) if has_children else parameter_bytes(layer)
+        quantized = any(not p.is_floating_point() for p in own)
         adapted = bool(lora) and isinstance(sub, lora)
         row.quantized += count if quantized else 0
         row.adapted += count if adapted else 0
