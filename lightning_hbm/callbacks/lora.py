@@ -88,20 +88,27 @@ class LoRA(SurgeryCallback):
         alpha: LoRA scaling numerator (the update is scaled by ``alpha / r``).
         dropout: dropout on the adapter input. Keep ``0.0`` for bit-exact resume (Lightning does not
             checkpoint the RNG state).
-        target_modules: ``"all-linear"`` (every ``nn.Linear``, quantized or not, except the output
-            head of Hugging Face models and Linears whose weight is tied to another module), a list of module names (a name matches itself and every
+        target_modules: ``"all-linear"`` (every ``nn.Linear``, quantized or not, transformers ``Conv1D``,
+            the projections of ``nn.MultiheadAttention`` and each expert of a transformers-5 MoE layer,
+            which are first replaced by equal modules made of Linears (:mod:`lightning_hbm.layers`);
+            except the output head of Hugging Face models and Linears whose weight is tied to another module), a list of module names (a name matches itself and every
             module whose name ends with ``.name``, e.g. ``["q_proj", "v_proj"]``) or a regex that must
             match the full module name. Names are relative to the LightningModule
             (``model.model.layers.0.self_attn.q_proj`` for :class:`~lightning_hbm.models.LlamaLM`).
         exclude_modules: same forms (no ``"all-linear"``); matching Linears get no adapter.
         modules_to_save: modules trained fully besides the adapters, e.g. a new classifier head.
             Their parameters are made trainable in place (names unchanged, no second copy, unlike
-            peft's ``ModulesToSaveWrapper``); they must not be quantized.
+            peft's ``ModulesToSaveWrapper``); ``QuantizedPrecision`` leaves them unquantized.
         adapter_dtype: storage and compute dtype of the adapter weights (``"float32"`` default).
         full_checkpoint: ``False`` (default): Lightning checkpoints hold only the trainable weights
             (adapters + ``modules_to_save``) and their optimizer states; resume rebuilds the frozen
             base from the model's own init (same seed / same pretrained weights). ``True``: keep
             every weight, quantized base included.
+
+    After the first backward of a fit, an adapter that received no gradient is a ``RuntimeError``
+    naming it (its parent module ran but never called it, or it ran and the graph to it is cut).
+    Without ``QuantizedPrecision``, the layer-kind coverage table (``layers/...`` keys, see
+    :func:`lightning_hbm.layers.report_coverage`) is logged at train start.
 
     Logged once at fit start, through the Trainer's loggers (``log_metrics``):
         ``lora/trainable_params``: parameters that require grad (adapters + ``modules_to_save``).
