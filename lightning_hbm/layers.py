@@ -336,7 +336,7 @@ def _left_alone_reason(layer: nn.Module, kind: LayerKind, quantizing: bool, adap
 
 
 def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[CoverageRow]:
-    """One row per registered kind present in ``module`` plus ``other`` (embeddings, norms, ...).
+    """One row per registered kind present in ``module``, the LoRA adapters, and ``other`` (embeddings, norms, ...).
 
     ``quantizing``/``adapting``: whether a QuantizedPrecision / LoRA took part (for the reasons).
     """
@@ -370,9 +370,13 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
                 row.undeliberate.append(name)
                 row.unhandled += count
     other = CoverageRow("other (embeddings, norms, ...)")
-    other.params = sum(p.numel() for p in module.parameters() if id(p) not in in_kinds)
+    adapters = CoverageRow("LoRA adapters (trained)")
+    for name, param in module.named_parameters():
+        if id(param) not in in_kinds:
+            row = adapters if ".lora_" in name else other
+            row.params += param.numel()
     other.left_alone = other.params
-    return [*rows.values(), other]
+    return [*rows.values(), *([adapters] if adapters.params else []), other]
 
 
 def format_coverage(rows: list[CoverageRow]) -> str:

@@ -221,7 +221,7 @@ def test_trains_with_nf4_dq_lora_and_checkpointing(name: str, tmp_path: Any) -> 
     assert not recorder.no_grad, f"adapters without gradient: {sorted(recorder.no_grad)[:6]}"
     per_param = quantized_bytes_per_param(module)
     assert per_param and all(v <= 0.6 for v in per_param.values()), per_param
-    kinds = [r for r in module.lightning_hbm_coverage if not r.kind.startswith("other")]
+    kinds = [r for r in module.lightning_hbm_coverage if not r.kind.startswith(("other", "LoRA adapters"))]
     # the blocks hold the bulk of every model's layers (heads and poolers sit outside them)
     assert sum(r.checkpointed for r in kinds) > 0.5 * sum(r.params for r in kinds), kinds
     assert not [w for w in caught if "layers left as they were" in str(w.message)]  # every kind is handled

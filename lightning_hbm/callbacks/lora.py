@@ -198,8 +198,8 @@ class LoRA(SurgeryCallback):
         """
         named: dict[str, Optional[nn.Module]] = dict(module.named_modules())
         # Every layer kind LoRA reaches (lightning_hbm.layers): Linears (quantized or not), transformers
-        # Conv1D, and the q/k/v projections an nn.MultiheadAttention gets when it is prepared (names
-        # that exist only after prepare_model: None here).
+        # Conv1D, and the Linears an nn.MultiheadAttention or a 3-D experts layer gets when it is
+        # prepared (names that exist only after prepare_model: None here).
         linears = adaptable_names(module)
         for n in linears:
             named.setdefault(n, None)
@@ -277,7 +277,8 @@ class LoRA(SurgeryCallback):
         peft = _import_peft()
         self.resolve(module)  # every check before the first change
         # nn.MultiheadAttention -> an equal module with four Linear projections (else LoRA on out_proj is
-        # never called and the input projection is unreachable); excluded ones are left as they are.
+        # never called and the input projection is unreachable), transformers-5 3-D experts -> one Linear
+        # per expert (no-ops after QuantizedPrecision did it); excluded ones are left as they are.
         excluded = self.exclude_modules
         prepare_model(module, skip=lambda n: excluded is not None and _matches(n, excluded))
         targets, saved = self.resolve(module)
