@@ -57,8 +57,6 @@ class ProjectedMultiheadAttention(nn.Module):
         batch_first: bool = False,
     ) -> None:
         super().__init__()
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}.")
         self.embed_dim, self.num_heads, self.dropout, self.batch_first = embed_dim, num_heads, dropout, batch_first
         self.head_dim = embed_dim // num_heads
         self.kdim = kdim if kdim is not None else embed_dim

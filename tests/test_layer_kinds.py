@@ -320,6 +320,24 @@ def test_a_dead_adapter_is_an_error_naming_it(tmp_path: Any) -> None:
         trainer.fit(module, DataLoader([tokens()], batch_size=None))
 
 
+def test_an_adapter_cut_from_the_graph_is_an_error_naming_it(tmp_path: Any) -> None:
+    class CutsGraph(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.proj, self.head = nn.Embedding(VOCAB, 32), nn.Linear(32, 32), nn.Linear(32, VOCAB)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(self.proj(self.embed(tokens)).detach())
+
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[LoRA(r=4)],
+    )
+    with pytest.raises(RuntimeError, match=r"\['model.proj'\] ran but no gradient reached them"):
+        trainer.fit(Wrapped(CutsGraph(), "plain"), DataLoader([tokens()], batch_size=None))
+
+
 def test_t5_keep_in_fp32_modules_stay_fp32_and_nf4_runs() -> None:
     module = build("t5")
     module.model.to(torch.bfloat16)
