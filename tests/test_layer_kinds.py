@@ -267,6 +267,18 @@ def test_checkpointing_lowers_saved_activations() -> None:
         assert after < 0.8 * before, (name, before, after)
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_planned_parameter_bytes_equal_the_real_ones_for_every_kind(name: str) -> None:
+    """The planner quantizes a fake copy through the same quantize_model, layer kinds included: byte-exact."""
+    from lightning_hbm.memory import parameter_bytes
+    from lightning_hbm.planner import quantized_parameter_bytes
+
+    module = build(name)
+    planned = quantized_parameter_bytes(copy.deepcopy(module), "nf4-dq", "float32")
+    quantize_model(module, "nf4-dq", dtype="float32")
+    assert planned == parameter_bytes(module)
+
+
 # ------------------------------------------------ regression tests: the "what happens today" rows
 
 
