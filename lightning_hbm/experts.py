@@ -20,11 +20,13 @@ layouts are left as they are and named by the coverage table's warning.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from typing_extensions import override
 
 
@@ -78,6 +80,8 @@ class LinearExperts(nn.Module):
 
     @override
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if is_fake(hidden_states):
+            return self._balanced(hidden_states, top_k_weights)
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
@@ -90,6 +94,22 @@ class LinearExperts(nn.Module):
             out = self.down_proj[expert](self.act_fn(gate) * up)
             out = out * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+    def _balanced(self, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The planner's trace (fake tensors hold no values, so no routing): every expert gets an equal share.
+
+        Each expert computes ``ceil(tokens * top_k / experts)`` tokens, the balanced load the router's
+        auxiliary loss aims for; the planned activations are those of a balanced step.
+        """
+        tokens, top_k = top_k_weights.shape
+        share = min(tokens, math.ceil(tokens * top_k / self.num_experts))
+        final = torch.zeros_like(hidden_states)
+        index = torch.arange(share, device=hidden_states.device)
+        for expert in range(self.num_experts):
+            gate, up = self.gate_up_proj[expert](hidden_states[:share]).chunk(2, dim=-1)
+            out = self.down_proj[expert](self.act_fn(gate) * up) * top_k_weights[:share, :1]
+            final.index_add_(0, index, out.to(final.dtype))
         return final
 
 

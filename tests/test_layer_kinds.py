@@ -279,6 +279,20 @@ def test_planned_parameter_bytes_equal_the_real_ones_for_every_kind(name: str) -
     assert planned == parameter_bytes(module)
 
 
+def test_planner_traces_a_quantized_adapted_mixtral() -> None:
+    """Routing needs values a fake tensor lacks: LinearExperts plans a balanced load; parameters stay exact."""
+    from lightning_hbm.memory import parameter_bytes
+    from lightning_hbm.planner import Candidate, predict
+
+    prediction = predict(build("mixtral"), tokens(), Candidate(precision="nf4-dq", dtype="float32", lora_r=8, checkpointing="full"))
+    module = build("mixtral")
+    quantize_model(module, "nf4-dq", dtype="float32")
+    LoRA(r=8).transform_model(module)
+    assert prediction.categories["parameters"] == parameter_bytes(module)
+    assert prediction.trainable_params == sum(p.numel() for p in module.parameters() if p.requires_grad)
+    assert prediction.categories["activations"] > 0
+
+
 # ------------------------------------------------ regression tests: the "what happens today" rows
 
 
