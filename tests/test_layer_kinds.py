@@ -257,7 +257,7 @@ def test_int8_dynamic_covers_the_same_kinds(name: str, tmp_path: Any) -> None:
 
 
 def test_checkpointing_lowers_saved_activations() -> None:
-    for name in ("gpt2", "t5", "transformer_encoder", "sequential"):
+    for name in MODELS:
         module = build(name).train()
         quantize_model(module, "nf4-dq", dtype="float32")
         batch = tokens()
