@@ -7,6 +7,7 @@ download): transformers GPT-2 (Conv1D), T5, Mixtral (3-D experts), BERT; ``nn.Tr
 relative error of the logits against the unquantized model (float32 compute).
 
     python benchmarks/layer_kinds.py [--modes nf4-dq int8-dynamic] [--width 256]
+    python benchmarks/layer_kinds.py --checkpointing   # saved activations with / without ActivationCheckpointing
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import copy
 import torch
 from torch import nn
 
-from lightning_hbm import quantize_model
+from lightning_hbm import ActivationCheckpointing, quantize_model
 from lightning_hbm.layers import base_layer, coverage, find_layers
-from lightning_hbm.memory import quantization_tensors, unique_bytes
+from lightning_hbm.memory import quantization_tensors, saved_activation_bytes, unique_bytes
 
 VOCAB, SEQ = 1024, 32
 
@@ -73,12 +74,34 @@ def logits(model: nn.Module, task: str, tokens: torch.Tensor, width: int) -> tor
     return model(input_ids=tokens).logits
 
 
+def checkpointing(width: int, tokens: torch.Tensor) -> None:
+    """Bytes one training forward keeps for backward (nf4-dq base, fp32 compute), without and with full checkpointing."""
+    print(f"{'model':<22}{'saved B (no AC)':>16}{'saved B (AC)':>14}{'ratio':>8}")
+    for name, (model, task) in models(width).items():
+        quantize_model(model, "nf4-dq", dtype="float32")
+        model.train()
+
+        def loss() -> torch.Tensor:
+            if task == "classify":
+                return model(input_ids=tokens, labels=tokens[:, 0] % 3).loss
+            return logits(model, task, tokens, width).float().pow(2).mean()
+
+        before = saved_activation_bytes(loss, model)
+        ActivationCheckpointing().transform_model(model)
+        after = saved_activation_bytes(loss, model)
+        print(f"{name:<22}{before:>16,}{after:>14,}{after / before:>8.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--modes", nargs="*", default=["nf4-dq", "int8-dynamic"])
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--checkpointing", action="store_true")
     args = parser.parse_args()
     tokens = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    if args.checkpointing:
+        checkpointing(args.width, tokens)
+        return
     print(f"{'model':<22}{'mode':<14}{'layer kind':<26}{'params':>10}{'share':>7}{'quantized':>11}{'B/param q.':>11}{'B/param all':>12}  left alone")
     for name, (model, task) in models(args.width).items():
         model.eval()
