@@ -1,7 +1,9 @@
 """``QuantizedPrecision``: a Lightning precision plugin that stores frozen Linear weights quantized.
 
-What it shrinks: the **parameters** term. Every ``nn.Linear`` weight (unless ignored or tied to
-another module) becomes quantized storage that never receives gradients; embeddings, norms and
+What it shrinks: the **parameters** term. Every Linear-like weight (the layer kinds of
+:mod:`lightning_hbm.layers`: ``nn.Linear``, transformers ``Conv1D``, ``nn.MultiheadAttention``
+projections, transformers-5 experts; unless ignored, tied, the output head, declared fp32 or a LoRA
+``modules_to_save``) becomes quantized storage that never receives gradients; embeddings, norms and
 biases stay trainable in the compute ``dtype``. Built on bitsandbytes directly rather than on
 Lightning's ``BitsandbytesPrecision``, which refuses CPU, freezes biases and can only load fp32
 weights on CUDA (shared/notes/verified-facts.md).
