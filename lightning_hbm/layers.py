@@ -22,7 +22,7 @@ Linears are quantizable and adaptable (see those modules for why).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import lightning.pytorch as pl
@@ -310,12 +310,8 @@ class CoverageRow:
     left_alone: int = 0
     bytes: int = 0  # storage bytes of the layers' parameters (quantization constants included)
     unhandled: int = 0  # left alone not by choice (nothing supports them): warned above 5 %
-    reasons: dict[str, int] = None  # type: ignore[assignment]  # why left alone -> parameters
-    undeliberate: list[str] = None  # type: ignore[assignment]  # names of layers left alone not by choice
-
-    def __post_init__(self) -> None:
-        self.reasons = {} if self.reasons is None else self.reasons
-        self.undeliberate = [] if self.undeliberate is None else self.undeliberate
+    reasons: dict[str, int] = field(default_factory=dict)  # why left alone -> parameters
+    undeliberate: list[str] = field(default_factory=list)  # names of layers left alone not by choice
 
 
 def _checkpointed_names(module: nn.Module) -> list[str]:
