@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import pkgutil
-from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args
 
 import torch
@@ -37,6 +35,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 import lightning_hbm
+from lightning_hbm.memory.report import find_report, render_report
 from lightning_hbm.precision import QuantizedPrecision, available_precisions
 
 # Every value Lightning's Trainer accepts for ``precision`` (ints, their string forms, the long names).
@@ -200,48 +199,6 @@ class PlanCLI(HBMCLI):
         device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         candidates = default_candidates(**self.config.candidates.as_dict())
         self.plan = plan_from_config(config, self.config.budget, device, candidates=candidates)
-
-
-def find_report(path: Union[str, Path]) -> Path:
-    """The profiler report ``hbm_profile*.json`` at ``path`` (a file, or the newest one under a run directory)."""
-    path = Path(path)
-    if path.is_file():
-        return path
-    if not path.is_dir():
-        raise ValueError(f"report: {str(path)!r} is neither a run directory nor an hbm_profile.json file.")
-    found = sorted(path.rglob("hbm_profile*.json"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise ValueError(
-            f"report: no hbm_profile*.json under {str(path)!r}. Train with the HBMProfiler callback "
-            "(`- class_path: HBMProfiler` in trainer.callbacks) to write one."
-        )
-    return found[-1]
-
-
-def render_report(path: Union[str, Path], out_dir: Optional[Union[str, Path]] = None) -> dict[str, str]:
-    """Re-render a finished run's profiler report: summary table, CSV, JSON and plot, from its JSON.
-
-    Written next to the JSON unless ``out_dir`` is given. Returns the paths written.
-    """
-    from lightning_hbm.callbacks.profiler import COLUMNS, HBMProfiler
-
-    json_path = find_report(path)
-    try:
-        report = json.loads(json_path.read_text())
-        rows = report["rows"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ValueError(f"report: {str(json_path)!r} is not an HBMProfiler report ({err}).") from err
-    if not rows or any(column not in row for row in rows for column in COLUMNS):
-        raise ValueError(f"report: {str(json_path)!r} holds no complete measured step; nothing to render.")
-    # HBMProfiler writes and prints from its rows: refill a fresh one instead of re-implementing both.
-    profiler = HBMProfiler()
-    profiler.rows = rows
-    profiler.modules = {int(step): modules for step, modules in report.get("modules", {}).items()}
-    profiler.snapshot_path = report.get("snapshot")
-    paths = profiler.write_report(str(out_dir or json_path.parent), json_path.stem)
-    profiler.print_summary(paths)
-    print(profiler.diagnosis())
-    return paths
 
 
 def main(args: Optional[list[str]] = None) -> int:

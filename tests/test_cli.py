@@ -176,7 +176,7 @@ def test_report_rerenders_a_finished_run(tmp_path: Path, llama_factory: Any, dat
     main(["report", str(tmp_path)])  # finds the JSON under the directory
 
     out = capsys.readouterr().out
-    assert "HBMProfiler: peak at step" in out and "To shrink it" in out
+    assert "HBMProfiler (MiB):" in out and "To shrink it" in out
     csv_lines = (run_dir / "hbm_profile.csv").read_text().splitlines()
     assert len(csv_lines) == 1 + len(written["rows"])  # header + one line per measured step, as written at fit
     assert json.loads((run_dir / "hbm_profile.json").read_text())["rows"] == written["rows"]
