@@ -28,6 +28,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hbm.memory import parameter_bytes, parameter_count
+from lightning_hbm.naming import name_list
 from lightning_hbm.precision.registry import to_dtype
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
@@ -234,7 +235,7 @@ class LoRA(SurgeryCallback):
             raise ValueError(
                 f"target_modules={self.target_modules!r} (exclude_modules={self.exclude_modules!r}, "
                 f"modules_to_save={self.modules_to_save!r}) selects no Linear layer of {type(module).__name__}. "
-                f"Available Linear layers: {linears[:24]}{' ...' if len(linears) > 24 else ''}."
+                f"Available Linear layers: {name_list(linears)}."
             )
         return targets, saved
 
