@@ -224,7 +224,8 @@ def compare_with_measured(prediction: Prediction, report: Optional[MemoryReport]
     for category in (*CATEGORIES, "total"):
         predicted = prediction.peak if category == "total" else prediction.categories.get(category, 0)
         value = measured[category] if measured else None
-        ratio = f"{value / predicted:.3f}" if value is not None and predicted else ""
+        # a ratio of two figures that both print as 0.00 MiB would only be noise
+        ratio = f"{value / predicted:.3f}" if value is not None and predicted >= _MIB / 100 else ""
         lines.append((category, f"{predicted / _MIB:,.2f}", "" if value is None else f"{value / _MIB:,.2f}", ratio))
     notes = []
     if prediction.overhead:
