@@ -3,13 +3,15 @@
 What it shrinks: nothing. It measures the five terms every other lightning_hbm feature shrinks
 (:data:`lightning_hbm.memory.CATEGORIES`), by what each tensor *is*:
 
-- light mode (the first 5 steps, then every ``every_n_steps`` steps, by default the Trainer's ``log_every_n_steps``): a
-  :class:`~lightning_hbm.memory.LiveStorageTracker` runs during the forward only. At the forward's end (Lightning's ``on_before_zero_grad``, else
+- light mode (the first 5 steps, then every ``every_n_steps`` steps, by default the Trainer's
+  ``log_every_n_steps``): a :class:`~lightning_hbm.memory.LiveStorageTracker` runs during the
+  forward only. At the forward's end (Lightning's ``on_before_zero_grad``, else
   ``on_before_backward``) the graph holds every activation and the previous step's gradients are
   still alive (Lightning zeroes them after the forward); activations are taken there. This is not
-  the step's peak (backward adds gradients and temporaries): detailed mode measures that. Parameters, gradients and optimizer states are counted by owner
-  there and again after the optimizer step (their larger value is kept: on the first step
-  gradients and states only exist after it).
+  the step's peak (backward adds gradients and temporaries): detailed mode measures that.
+  Parameters, gradients and optimizer states are counted by owner there and again after the
+  optimizer step (their larger value is kept: on the first step gradients and states only exist
+  after it).
 - detailed mode (only the steps in ``detailed_steps``): the tracker runs over the whole step, seeded
   with everything that already exists, and reports the categories at the step's true tracked peak
   (backward and optimizer temporaries included, as ``other``) and a per-module breakdown. Step 1
