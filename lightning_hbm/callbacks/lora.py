@@ -31,6 +31,7 @@ from typing_extensions import override
 from lightning_hbm.layers import adaptable_names, prepare_model, report_coverage
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.precision.plugin import output_heads
+from lightning_hbm.naming import name_list
 from lightning_hbm.precision.registry import to_dtype
 from lightning_hbm.requirements import requirement
 from lightning_hbm.surgery import Stage, SurgeryCallback
@@ -258,7 +259,7 @@ class LoRA(SurgeryCallback):
             raise ValueError(
                 f"target_modules={self.target_modules!r} (exclude_modules={self.exclude_modules!r}, "
                 f"modules_to_save={self.modules_to_save!r}) selects no Linear layer of {type(module).__name__}. "
-                f"Available Linear layers: {linears[:24]}{' ...' if len(linears) > 24 else ''}."
+                f"Available Linear layers: {name_list(linears)}."
             )
         return targets, saved
 
