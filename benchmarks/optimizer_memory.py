@@ -9,7 +9,9 @@
 2. Offload: time per training step (forward + backward + step) with the user's AdamW vs the same
    AdamW offloaded by :class:`~lightning_hbm.strategies.cpu_offload.OffloadedOptimizer` (torchao
    engine on CUDA, lightning_hbm's own engine elsewhere), as a ratio of two runs in this process.
-   On CUDA it also prints ``torch.cuda.max_memory_allocated`` for both.
+   Prints the state bytes on the training device (``optimizer.state``) and what the offloading optimizer
+   holds in host memory (:func:`~lightning_hbm.strategies.cpu_offload.host_offload_bytes`: master copies,
+   gradient buffers, states). On CUDA it also prints ``torch.cuda.max_memory_allocated`` for both.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from lightning_hbm.callbacks.optimizer import _KINDS, MemoryEfficientOptimizer, optimizer_state_bytes
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.models import NanoGPT
-from lightning_hbm.strategies.cpu_offload import OffloadedOptimizer, offloaded_state_bytes
+from lightning_hbm.strategies.cpu_offload import OffloadedOptimizer, host_offload_bytes
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
@@ -100,7 +102,8 @@ def offload_ratio(device: torch.device, n_embd: int, n_layer: int, steps: int) -
         peak = f"  step peak above weights {peaks[name]:,} B" if name in peaks else ""
         print(
             f"{name:<8} {median[name] * 1e3:8.1f} ms/step (median of {steps})  state on device "
-            f"{optimizer_state_bytes(optimizer):>12,} B  offloaded {offloaded_state_bytes(optimizer):>12,} B  engine {engine}{peak}"
+            f"{optimizer_state_bytes(optimizer):>12,} B  host (masters + gradient buffers + states) "
+            f"{host_offload_bytes(optimizer):>12,} B  engine {engine}{peak}"
         )
     print(f"offload step-time ratio (offload / plain): {median['offload'] / median['plain']:.2f}")
 

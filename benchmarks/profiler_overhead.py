@@ -87,8 +87,8 @@ def main() -> None:
 
     modes: dict[str, Callable[[], Optional[HBMProfiler]]] = {
         "none": lambda: None,
-        f"light, default cadence (every {args.log_every} steps)": lambda: HBMProfiler(summary=False),
-        "light, every step": lambda: HBMProfiler(every_n_steps=1, summary=False),
+        f"light, default cadence (every {args.log_every} steps)": lambda: HBMProfiler(detailed_steps=(), summary=False),
+        "light, every step": lambda: HBMProfiler(every_n_steps=1, detailed_steps=(), summary=False),
         "detailed, every step": lambda: HBMProfiler(detailed_steps=range(args.steps), summary=False),
     }
     times: dict[str, list[float]] = {name: [] for name in modes}

@@ -15,6 +15,7 @@ The same script runs on a GPU unchanged (``accelerator="auto"``).
 
     python examples/quickstart.py             # 60 steps
     python examples/quickstart.py --steps 8   # shorter (tests/test_examples.py does this)
+    OMP_NUM_THREADS=1 python examples/quickstart.py   # on a CPU busy with other jobs: one torch thread
 """
 
 from __future__ import annotations

@@ -25,18 +25,23 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import pkgutil
+import linecache
+import warnings
 from pathlib import Path
+import pkgutil
 from typing import Any, Literal, Optional, Union, get_args
 
 import torch
 from lightning.fabric.connector import _PRECISION_INPUT_STR
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 from typing_extensions import override
 
 import lightning_hbm
+from lightning_hbm.memory.report import find_report, render_report
 from lightning_hbm.precision import QuantizedPrecision, available_precisions
 
 # Every value Lightning's Trainer accepts for ``precision`` (ints, their string forms, the long names).
@@ -48,6 +53,8 @@ _DESCRIPTION = (
     "options plus --budget 24GiB: predict the memory of each configuration) and `lightning-hbm report RUN_DIR` "
     "(re-render a finished run's HBMProfiler report)."
 )
+
+_PACKAGE_DIR = Path(lightning_hbm.__file__).resolve().parent
 
 DEFAULT_MODEL = "lightning_hbm.models.LlamaLM"
 DEFAULT_DATA = "lightning_hbm.data.ByteTextDataModule"
@@ -152,13 +159,102 @@ class HBMCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """Lightning's trainer, with a lightning_hbm precision name turned into its plugin."""
+        """Lightning's trainer, with a lightning_hbm precision name turned into its plugin.
+
+        Lightning's default rich progress bar and model summary are replaced by quieter ones (no
+        "Epoch 0/-2" when only ``max_steps`` is set, no FLOPs column and "Total FLOPs: 0" when
+        FLOPs were not measured); a progress bar or model summary you configure is kept as it is.
+        """
+        config = self._get(self.config_init, "trainer")
         if self._quantized_precision is not None:
-            plugins = self._get(self.config_init, "trainer").get("plugins")
-            plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-            kwargs["plugins"] = [*plugins, self._quantized_precision]
+            kwargs["plugins"] = [*_as_list(config.get("plugins")), self._quantized_precision]
             kwargs["precision"] = None
+        quiet = _quiet_console_callbacks(config)
+        if quiet:
+            kwargs["callbacks"] = [*_as_list(config.get("callbacks")), *quiet]
+        if any(isinstance(c, _QuietModelSummary) for c in quiet):
+            # the callback runs either way; the flag only stops Lightning from adding (and announcing) its own
+            kwargs["enable_model_summary"] = False
         return super().instantiate_trainer(**kwargs)
+
+    @override
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        """Lightning's subcommands, plus ``plan`` and ``report`` listed in ``--help`` (:func:`main` runs them)."""
+        super()._add_subcommands(parser, **kwargs)
+        for name, description in _EXTRA_SUBCOMMANDS.items():
+            sub = LightningArgumentParser(description=f"{description} See `lightning-hbm {name} --help`.")
+            parser._subcommands_action.add_subcommand(name, sub, help=description)
+
+
+_EXTRA_SUBCOMMANDS = {
+    "plan": "Predict each configuration's memory for this model and batch, without training (--budget 24GiB).",
+    "report": "Re-render a finished run's HBMProfiler report (summary, CSV, JSON, PNG): `report RUN_DIR`.",
+}
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+class _QuietProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, without "Epoch 0/-2" when the run is bounded by ``max_steps`` only."""
+
+    @override
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:  # max_steps bounds the run
+            return f"Epoch {current_epoch}".ljust(len(self.validation_description))
+        return super()._get_train_description(current_epoch)
+
+
+class _QuietModelSummary(RichModelSummary):
+    """Lightning's rich model summary, without a FLOPs column and "Total FLOPs: 0" when FLOPs were not measured.
+
+    Lightning counts FLOPs only for a model with an ``example_input_array``; otherwise it prints zeros.
+    """
+
+    @staticmethod
+    @override
+    def summarize(
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int,
+        **summarize_kwargs: Any,
+    ) -> None:
+        args = (total_parameters, trainable_parameters, model_size, total_training_modes, total_flops)
+        if total_flops:
+            return RichModelSummary.summarize(summary_data, *args, **summarize_kwargs)
+        from rich import get_console
+        from rich.table import Table
+
+        columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
+        table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
+        for name, _ in columns:
+            table.add_column(name, justify="right" if name.startswith("Params") else "left", no_wrap=name == "Name")
+        for row in zip(*(values for _, values in columns)):
+            table.add_row(*map(str, row))
+        console = get_console()
+        console.print(table)
+        counts = (trainable_parameters, total_parameters - trainable_parameters, total_parameters)
+        trainable, frozen, total = (get_human_readable_count(int(n)).strip() for n in counts)
+        size = get_formatted_model_size(model_size)
+        console.print(f"Params: {trainable} trainable, {frozen} frozen, {total} total; Lightning's size estimate {size} MB",
+                      highlight=False)  # fmt: skip
+
+
+def _quiet_console_callbacks(config: dict[str, Any]) -> list[Any]:
+    """The quiet progress bar / model summary to add, where Lightning would add its rich defaults."""
+    if not _RICH_AVAILABLE:
+        return []
+    callbacks = _as_list(config.get("callbacks"))
+    quiet: list[Any] = []
+    if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+        quiet.append(_QuietProgressBar())
+    if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in callbacks):
+        quiet.append(_QuietModelSummary())
+    return quiet
 
 
 class PlanCLI(HBMCLI):
@@ -202,48 +298,6 @@ class PlanCLI(HBMCLI):
         self.plan = plan_from_config(config, self.config.budget, device, candidates=candidates)
 
 
-def find_report(path: Union[str, Path]) -> Path:
-    """The profiler report ``hbm_profile*.json`` at ``path`` (a file, or the newest one under a run directory)."""
-    path = Path(path)
-    if path.is_file():
-        return path
-    if not path.is_dir():
-        raise ValueError(f"report: {str(path)!r} is neither a run directory nor an hbm_profile.json file.")
-    found = sorted(path.rglob("hbm_profile*.json"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise ValueError(
-            f"report: no hbm_profile*.json under {str(path)!r}. Train with the HBMProfiler callback "
-            "(`- class_path: HBMProfiler` in trainer.callbacks) to write one."
-        )
-    return found[-1]
-
-
-def render_report(path: Union[str, Path], out_dir: Optional[Union[str, Path]] = None) -> dict[str, str]:
-    """Re-render a finished run's profiler report: summary table, CSV, JSON and plot, from its JSON.
-
-    Written next to the JSON unless ``out_dir`` is given. Returns the paths written.
-    """
-    from lightning_hbm.callbacks.profiler import COLUMNS, HBMProfiler
-
-    json_path = find_report(path)
-    try:
-        report = json.loads(json_path.read_text())
-        rows = report["rows"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ValueError(f"report: {str(json_path)!r} is not an HBMProfiler report ({err}).") from err
-    if not rows or any(column not in row for row in rows for column in COLUMNS):
-        raise ValueError(f"report: {str(json_path)!r} holds no complete measured step; nothing to render.")
-    # HBMProfiler writes and prints from its rows: refill a fresh one instead of re-implementing both.
-    profiler = HBMProfiler()
-    profiler.rows = rows
-    profiler.modules = {int(step): modules for step, modules in report.get("modules", {}).items()}
-    profiler.snapshot_path = report.get("snapshot")
-    paths = profiler.write_report(str(out_dir or json_path.parent), json_path.stem)
-    profiler.print_summary(paths)
-    print(profiler.diagnosis())
-    return paths
-
-
 def main(args: Optional[list[str]] = None) -> int:
     """Console script ``lightning-hbm``; returns the exit status.
 
@@ -254,24 +308,63 @@ def main(args: Optional[list[str]] = None) -> int:
     import sys
 
     argv = list(sys.argv[1:] if args is None else args)
-    try:
-        if argv[:1] == ["plan"]:
-            from lightning_hbm.planner.config import print_plan
+    with warnings.catch_warnings():
+        # main() hands LightningCLI the console's own arguments: Lightning's warning about args and sys.argv
+        # both being set is about a different mistake (a script passing args while run from a command line)
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        try:
+            return _run(argv)
+        except (ValueError, TypeError) as err:
+            user_error = _user_error(err)
+            if user_error is None:  # not a message written for the user: a bug, keep the traceback
+                raise
+            print(f"lightning-hbm: error: {user_error}", file=sys.stderr)
+            return 2
 
-            result = PlanCLI(args=argv[1:], run=False).plan
-            print_plan(result)
-            return 0 if result.budget is None or result.chosen is not None else 2
-        elif argv[:1] == ["report"]:
-            parser = argparse.ArgumentParser(prog="lightning-hbm report", description=render_report.__doc__.splitlines()[0])
-            parser.add_argument("path", help="run directory (searched for hbm_profile*.json) or the JSON file")
-            parser.add_argument("--out", default=None, help="directory to write to (default: next to the JSON)")
-            options = parser.parse_args(argv[1:])
-            render_report(options.path, options.out)
-        else:
-            HBMCLI(args=argv)
-    except UnknownPrecisionError as err:  # a usage error: the message, not a traceback
-        print(f"lightning-hbm: error: {err}", file=sys.stderr)
-        return 2
+
+def _user_error(err: BaseException) -> Optional[BaseException]:
+    """The ValueError/TypeError a lightning_hbm ``raise`` statement wrote for the user, behind ``err``, if any.
+
+    jsonargparse wraps an error raised by a class's ``__init__`` (``LoRA(r=-1)``) into its own
+    ValueError listing every type it tried: the original is its ``__cause__``.
+    """
+    seen: set[int] = set()
+    current: Optional[BaseException] = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (ValueError, TypeError)) and _raised_by_package(current):
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _raised_by_package(err: BaseException) -> bool:
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = Path(tb.tb_frame.f_code.co_filename).resolve()
+    # an explicit `raise` in lightning_hbm: a TypeError from a wrong call inside the package is a bug
+    return filename.is_relative_to(_PACKAGE_DIR) and linecache.getline(str(filename), tb.tb_lineno).strip().startswith("raise")
+
+
+def _run(argv: list[str]) -> int:
+    """Run one console command (see :func:`main`); errors propagate to :func:`main`."""
+    if argv[:1] == ["plan"]:
+        from lightning_hbm.planner.config import print_plan
+
+        result = PlanCLI(args=argv[1:], run=False).plan
+        print_plan(result)
+        return 0 if result.budget is None or result.chosen is not None else 2
+    elif argv[:1] == ["report"]:
+        parser = argparse.ArgumentParser(prog="lightning-hbm report", description=render_report.__doc__.splitlines()[0])
+        parser.add_argument("path", help="run directory (searched for hbm_profile*.json) or the JSON file")
+        parser.add_argument("--out", default=None, help="directory to write to (default: next to the JSON)")
+        options = parser.parse_args(argv[1:])
+        render_report(options.path, options.out)
+    else:
+        HBMCLI(args=argv)
     return 0
 
 

@@ -130,7 +130,9 @@ def pack(
     for key, (shape, floating) in schema.items():
         if key in fitting:
             continue
-        if floating and any(_covers(k, key) for k in changed):
+        # a full checkpoint saved every tensor in some changed form (even one renamed by a layer-kind
+        # conversion, e.g. in_proj_weight -> q_proj/k_proj/v_proj); an adapter-only one left the base out
+        if floating and (not trainable_only or any(_covers(k, key) for k in changed)):
             placeholders.append(key)
         else:
             omitted.append(key)

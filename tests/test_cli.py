@@ -8,6 +8,11 @@ recipes' end-to-end runs are in ``tests/test_examples.py``.
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+import warnings
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -176,7 +181,7 @@ def test_report_rerenders_a_finished_run(tmp_path: Path, llama_factory: Any, dat
     main(["report", str(tmp_path)])  # finds the JSON under the directory
 
     out = capsys.readouterr().out
-    assert "HBMProfiler: peak at step" in out and "To shrink it" in out
+    assert "HBMProfiler (MiB):" in out and "To shrink it" in out
     csv_lines = (run_dir / "hbm_profile.csv").read_text().splitlines()
     assert len(csv_lines) == 1 + len(written["rows"])  # header + one line per measured step, as written at fit
     assert json.loads((run_dir / "hbm_profile.json").read_text())["rows"] == written["rows"]
@@ -196,9 +201,79 @@ def test_report_errors(tmp_path: Path) -> None:
         render_report(bad)
 
 
-def test_console_reports_unknown_precision_without_traceback(capsys: pytest.CaptureFixture) -> None:
-    from lightning_hbm.cli import main
-
-    assert main(["fit", "--trainer.precision", "nf5", "--trainer.fast_dev_run", "true"]) == 2
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fit", "--trainer.precision", "nf5", "--trainer.fast_dev_run", "true"], r"Unknown trainer.precision 'nf5'\. "),
+        # raised in LoRA.__init__, which jsonargparse wraps in its own ValueError listing every type it tried
+        (["fit", "--trainer.callbacks+=LoRA", "--trainer.callbacks.r=-1"], r"LoRA r must be a positive rank, got r=-1\. "),
+        (["fit", "--trainer.callbacks+=HBMProfiler", "--trainer.callbacks.every_n_steps=0"], r"HBMProfiler: every_n_steps must be >= 1, got 0\.$"),
+        (["report", "no/such/run"], r"report: 'no/such/run' is neither a run directory nor an hbm_profile.json file\.$"),
+    ],
+    ids=["precision", "lora-rank", "profiler-cadence", "report-missing"],
+)
+def test_console_user_errors_are_one_message(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(args) == 2
     err = capsys.readouterr().err
-    assert err.startswith("lightning-hbm: error: Unknown trainer.precision 'nf5'") and "Traceback" not in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert re.match(r"lightning-hbm: error: " + message, err.strip())
+
+
+def test_console_script_lora_typo_exit_2_with_short_names(tmp_path: Path) -> None:
+    # through the console script (this worktree's code: `python -m lightning_hbm.cli` from the repository root)
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "lightning_hbm.cli", "fit", *TINY, "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}",
+           "--trainer.max_steps=1", "--trainer.callbacks+=LoRA", "--trainer.callbacks.target_modules=[q_prj]"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "LightningCLI's args parameter" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    # distinct short names first (what target_modules takes), full paths only as examples
+    assert last.startswith("lightning-hbm: error: target_modules=['q_prj']"), last
+    assert "Available Linear layers: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head (15 in all, e.g. " in last
+
+
+def test_help_lists_plan_and_report_without_lightning_warnings(capsys: pytest.CaptureFixture) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # sys.argv holds pytest's own arguments: Lightning would warn here
+        for args in (["--help"], ["fit", "--help"]):
+            with pytest.raises(SystemExit) as exit_info:
+                main(args)
+            assert exit_info.value.code == 0
+    assert not [w for w in caught if "LightningCLI's args parameter" in str(w.message)]
+    out = capsys.readouterr().out
+    listing = out[out.index("Available subcommands:"):]
+    for name in ("fit", "validate", "test", "predict", "plan", "report"):
+        assert re.search(rf"^\s+{name}\s", listing, re.MULTILINE), name
+
+
+def test_console_callbacks_are_quiet(tmp_path: Path) -> None:
+    from lightning_hbm.cli import _QuietModelSummary, _QuietProgressBar
+
+    cli = _cli(tmp_path, "--trainer.max_steps=3")
+    bar = next(c for c in cli.trainer.callbacks if isinstance(c, _QuietProgressBar))
+    bar._trainer = cli.trainer  # what Lightning's ProgressBar.setup does
+    cli.trainer.fit_loop.max_epochs = -1  # what Trainer.fit sets when max_steps alone bounds the run
+    assert bar._get_train_description(0).strip() == "Epoch 0"  # not "Epoch 0/-2": max_steps bounds the run
+    assert any(isinstance(c, _QuietModelSummary) for c in cli.trainer.callbacks)
+    quiet = _cli(tmp_path, "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false")
+    assert not any(isinstance(c, (_QuietModelSummary, _QuietProgressBar)) for c in quiet.trainer.callbacks)
+
+
+def test_model_summary_without_flops_hides_them(capsys: pytest.CaptureFixture) -> None:
+    from lightning_hbm.cli import _QuietModelSummary
+
+    data = [(" ", ["0"]), ("Name", ["model"]), ("Type", ["Linear"]), ("Params", ["1.0 K"]), ("Mode", ["train"]), ("FLOPs", ["0"])]
+    _QuietModelSummary.summarize(data, 1000, 10, 0.004, {"train": 1, "eval": 0}, total_flops=0)
+    out = capsys.readouterr().out
+    assert "FLOPs" not in out and "Linear" in out and "10 trainable, 990 frozen, 1.0 K total" in out
+
+
+def test_name_list_puts_short_names_first() -> None:
+    from lightning_hbm.naming import name_list
+
+    paths = [f"model.layers.{i}.self_attn.{p}" for i in range(4) for p in ("q_proj", "k_proj")] + ["lm_head"]
+    assert name_list(paths) == "q_proj, k_proj, lm_head (9 in all, e.g. model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.1.self_attn.q_proj, ...)"
+    assert name_list(["wte", "head"]) == "wte, head"
+    assert name_list([f"a.m{i}" for i in range(30)], max_short=2).startswith("m0, m1, ... and 28 more names (30 in all")

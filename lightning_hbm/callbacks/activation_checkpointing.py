@@ -167,16 +167,19 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks of ``module``: children of an ``nn.ModuleList`` that all share one class.
+    """The repeated blocks of ``module``: children of an ``nn.ModuleList`` or ``nn.Sequential`` that all share one class.
 
-    Covers nanoGPT-style ``h``, transformers' ``model.layers`` (decoder layers) and lazily built
-    models alike (called after ``configure_model``). Lists nested inside a block already found
+    Covers nanoGPT-style ``h``, transformers' ``model.layers`` (decoder layers), the ``nn.Sequential``
+    encoders of timm / torchvision (``encoder.layers``, ``blocks``) and lazily built models alike
+    (called after ``configure_model``). Lists nested inside a block already found
     (e.g. the experts of a mixture-of-experts layer) are not blocks themselves. Leaf modules (a list
     of ``nn.Linear`` heads) are not blocks: recomputing one matmul saves nothing.
     """
     blocks: list[tuple[str, nn.Module]] = []
     for name, child in module.named_modules():
-        if not isinstance(child, nn.ModuleList) or len(child) < 2:
+        # An nn.Sequential of mixed layers (Linear, GELU, Linear) is not a stack of blocks: the
+        # one-class test below tells them apart.
+        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < 2:
             continue
         if any(name.startswith(found + ".") for found, _ in blocks):
             continue
@@ -292,8 +295,8 @@ class ActivationCheckpointing(SurgeryCallback):
         if not found:
             lists = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleList)]
             raise ValueError(
-                f"ActivationCheckpointing found no repeated blocks in {type(module).__name__} (no nn.ModuleList whose "
-                f"children share one class; ModuleLists seen: {lists[:8]}). Pass blocks=[...] with the class names "
+                f"ActivationCheckpointing found no repeated blocks in {type(module).__name__} (no nn.ModuleList or "
+                f"nn.Sequential whose children share one class; ModuleLists seen: {lists[:8]}). Pass blocks=[...] with the class names "
                 "or module paths of the layers to checkpoint."
             )
         hf_checkpointing = [n for n, m in found if getattr(m, "gradient_checkpointing", False)]
@@ -330,6 +333,7 @@ class ActivationCheckpointing(SurgeryCallback):
         for _, block in chosen:
             _wrap(block, _BlockPlan(block, context_fn, self.offload))
         self.checkpointed = [n for n, _ in chosen]
+        _disable_hf_cache(module)
         rank_zero_info(
             f"lightning_hbm: activation checkpointing ({self.policy}{', offload' if self.offload else ''}) "
             f"on {len(chosen)} blocks ({type(chosen[0][1]).__name__})"
@@ -346,6 +350,22 @@ class ActivationCheckpointing(SurgeryCallback):
     ) -> None:
         if self.offload is not None:
             pl_module.log("activations/offloaded_bytes", float(self.offload.copied_bytes), on_step=True, on_epoch=False)
+
+
+def _disable_hf_cache(module: nn.Module) -> None:
+    """Turn off the key/value cache of the Hugging Face models inside ``module``, as their own
+    ``gradient_checkpointing_enable`` does.
+
+    With the cache on, a decoder (T5's) stores different tensors in the forward and in the
+    recomputation, and non-reentrant checkpointing fails ("a different number of tensors was saved").
+    Every ``config`` is changed (T5 gives its encoder and decoder stacks their own copies); generation
+    after training can pass ``use_cache=True`` explicitly.
+    """
+    configs = {id(c): c for m in module.modules() for c in [getattr(m, "config", None)] if getattr(c, "use_cache", False)}
+    for config in configs.values():
+        config.use_cache = False
+    if configs:
+        rank_zero_info(f"lightning_hbm: use_cache=False on {len(configs)} Hugging Face config(s) (activation checkpointing)")
 
 
 __all__ = ["SELECTIVE_SAVE_OPS", "ActivationCheckpointing", "OffloadSavedTensors", "find_blocks"]

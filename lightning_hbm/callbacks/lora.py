@@ -28,14 +28,18 @@ from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 from typing_extensions import override
 
+from lightning_hbm.layers import adaptable_names, prepare_model, report_coverage
 from lightning_hbm.memory import parameter_bytes, parameter_count
+from lightning_hbm.precision.plugin import output_heads
+from lightning_hbm.naming import name_list
 from lightning_hbm.precision.registry import to_dtype
+from lightning_hbm.requirements import requirement
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 log = logging.getLogger(__name__)
 
-_PEFT_AVAILABLE = RequirementCache("peft>=0.14")
-_BNB_AVAILABLE = RequirementCache("bitsandbytes>=0.46")
+_PEFT_AVAILABLE = RequirementCache(requirement("peft"))
+_BNB_AVAILABLE = RequirementCache(requirement("bitsandbytes"))
 
 # One adapter per model: peft's default name. Parameter names are ``<layer>.lora_A.default.weight``;
 # the FSDP and activation-checkpointing callbacks rely on these names staying stable.
@@ -46,7 +50,8 @@ ALL_LINEAR = "all-linear"
 def _import_peft() -> Any:
     if not _PEFT_AVAILABLE:
         raise ModuleNotFoundError(
-            f"lightning_hbm.LoRA needs peft>=0.14 ({_PEFT_AVAILABLE.message}). Install it with `pip install peft`."
+            f"lightning_hbm.LoRA needs {requirement('peft')} ({_PEFT_AVAILABLE.message}). "
+            f"Install it with `pip install -U '{requirement('peft')}'`."
         )
     import peft
 
@@ -87,15 +92,17 @@ class LoRA(SurgeryCallback):
         alpha: LoRA scaling numerator (the update is scaled by ``alpha / r``).
         dropout: dropout on the adapter input. Keep ``0.0`` for bit-exact resume (Lightning does not
             checkpoint the RNG state).
-        target_modules: ``"all-linear"`` (every ``nn.Linear``, quantized or not, except the output
-            head of Hugging Face models and Linears whose weight is tied to another module), a list of module names (a name matches itself and every
+        target_modules: ``"all-linear"`` (every ``nn.Linear``, quantized or not, transformers ``Conv1D``,
+            the projections of ``nn.MultiheadAttention`` and each expert of a transformers-5 MoE layer,
+            which are first replaced by equal modules made of Linears (:mod:`lightning_hbm.layers`);
+            except the output head of Hugging Face models and Linears whose weight is tied to another module), a list of module names (a name matches itself and every
             module whose name ends with ``.name``, e.g. ``["q_proj", "v_proj"]``) or a regex that must
             match the full module name. Names are relative to the LightningModule
             (``model.model.layers.0.self_attn.q_proj`` for :class:`~lightning_hbm.models.LlamaLM`).
         exclude_modules: same forms (no ``"all-linear"``); matching Linears get no adapter.
         modules_to_save: modules trained fully besides the adapters, e.g. a new classifier head.
             Their parameters are made trainable in place (names unchanged, no second copy, unlike
-            peft's ``ModulesToSaveWrapper``); they must not be quantized.
+            peft's ``ModulesToSaveWrapper``); ``QuantizedPrecision`` leaves them unquantized.
         adapter_dtype: storage and compute dtype of the adapter weights (``"float32"`` default).
         full_checkpoint: ``False`` (default): Lightning checkpoints hold only the trainable weights
             (adapters + ``modules_to_save``) and their optimizer states; resume rebuilds the frozen
@@ -104,6 +111,11 @@ class LoRA(SurgeryCallback):
         allow_base_change: on resume of an adapter-only checkpoint, the frozen base must be the one the
             adapters were trained on (a fingerprint of it is saved; another seed or other weights are
             an error). ``True`` accepts a different base on purpose.
+
+    After the first backward of a fit, an adapter that received no gradient is a ``RuntimeError``
+    naming it (its parent module ran but never called it, or it ran and the graph to it is cut).
+    Without ``QuantizedPrecision``, the layer-kind coverage table (``layers/...`` keys, see
+    :func:`lightning_hbm.layers.report_coverage`) is logged at train start.
 
     Logged once at fit start, through the Trainer's loggers (``log_metrics``):
         ``lora/trainable_params``: parameters that require grad (adapters + ``modules_to_save``).
@@ -193,16 +205,22 @@ class LoRA(SurgeryCallback):
         matches nothing (the message lists what is available), a target is not a Linear, or a
         ``modules_to_save`` module is (or, per ``to_be_quantized``, is about to be) quantized.
         """
-        named = dict(module.named_modules())
-        linears = [n for n, m in named.items() if isinstance(m, nn.Linear)]
+        named: dict[str, Optional[nn.Module]] = dict(module.named_modules())
+        # Every layer kind LoRA reaches (lightning_hbm.layers): Linears (quantized or not), transformers
+        # Conv1D, and the Linears an nn.MultiheadAttention or a 3-D experts layer gets when it is
+        # prepared (names that exist only after prepare_model: None here).
+        linears = adaptable_names(module)
+        for n in linears:
+            named.setdefault(n, None)
         if not linears:
             raise ValueError(
                 f"LoRA found no torch.nn.Linear layer in {type(module).__name__}: there is nothing to put adapters on. "
-                "LoRA adapts Linear layers (quantized ones included); train this model without the LoRA callback."
+                "LoRA adapts Linear layers (quantized ones included), transformers Conv1D and nn.MultiheadAttention "
+                "projections; train this model without the LoRA callback."
             )
         saved: list[str] = []
         for name in self.modules_to_save:
-            found = [n for n in named if n and _matches(n, [name])]
+            found = [n for n, m in named.items() if n and m is not None and _matches(n, [name])]
             if not found:
                 raise ValueError(
                     f"modules_to_save entry {name!r} matches no submodule of {type(module).__name__}. "
@@ -216,18 +234,19 @@ class LoRA(SurgeryCallback):
                         f"trained. Keep it in full precision with QuantizedPrecision(ignore_modules=[{n!r}])."
                     )
             saved.extend(n for n in found if not _under(n, saved))
-        heads = self._output_heads(module)
+        heads = output_heads(module)
+        adaptable = set(linears)
         if self.target_modules == ALL_LINEAR:
             # Also skip Linears whose weight is tied to another module (a head tied to the embedding):
             # merging an adapter into a shared weight would silently untie or corrupt the other user.
             owners: dict[int, int] = {}
             for _, param in module.named_parameters(remove_duplicate=False):
                 owners[id(param)] = owners.get(id(param), 0) + 1
-            tied = {n for n in linears if owners.get(id(named[n].weight), 0) > 1}
+            tied = {n for n in linears if named[n] is not None and owners.get(id(named[n].weight), 0) > 1}
             candidates = [n for n in linears if n not in heads and n not in tied]
         else:
             candidates = [n for n in named if n and _matches(n, self.target_modules)]
-            wrong = [f"{n} ({type(named[n]).__name__})" for n in candidates if not isinstance(named[n], nn.Linear)]
+            wrong = [f"{n} ({type(named[n]).__name__})" for n in candidates if n not in adaptable]
             if wrong:
                 raise ValueError(
                     f"target_modules={self.target_modules!r} matches modules that are not Linear layers: {wrong[:8]}. "
@@ -240,22 +259,9 @@ class LoRA(SurgeryCallback):
             raise ValueError(
                 f"target_modules={self.target_modules!r} (exclude_modules={self.exclude_modules!r}, "
                 f"modules_to_save={self.modules_to_save!r}) selects no Linear layer of {type(module).__name__}. "
-                f"Available Linear layers: {linears[:24]}{' ...' if len(linears) > 24 else ''}."
+                f"Available Linear layers: {name_list(linears)}."
             )
         return targets, saved
-
-    @staticmethod
-    def _output_heads(module: nn.Module) -> set[str]:
-        """Names of the output heads of Hugging Face models inside ``module`` (peft's "all-linear" skips them)."""
-        heads: set[str] = set()
-        by_id = {id(m): n for n, m in module.named_modules()}
-        for sub in module.modules():
-            getter = getattr(sub, "get_output_embeddings", None)
-            if callable(getter) and isinstance(sub, nn.Module):
-                head = getter()
-                if isinstance(head, nn.Module) and id(head) in by_id:
-                    heads.add(by_id[id(head)])
-        return heads
 
     @override
     def check_model(self, module: nn.Module) -> None:
@@ -306,20 +312,26 @@ class LoRA(SurgeryCallback):
     @staticmethod
     def _planned_quantization(module: nn.Module) -> frozenset[str]:
         """Names of the Linears the Trainer's QuantizedPrecision is about to quantize (none without one)."""
-        from lightning_hbm.precision.plugin import QuantizedPrecision, _quantizable_linears
+        from lightning_hbm.precision.plugin import QuantizedPrecision, _lora_saved, _quantizable_linears
 
         trainer = getattr(module, "_trainer", None)
         plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
         if not isinstance(plugin, QuantizedPrecision):
             return frozenset()
-        chosen, _ = _quantizable_linears(module, plugin.ignore_modules)
+        chosen, _ = _quantizable_linears(module, plugin.ignore_modules, plugin.quantize_head, _lora_saved(module))
         return frozenset(name for name, _ in chosen)
 
     @override
     def transform_model(self, module: pl.LightningModule) -> None:
         """Inject the adapters into ``module`` in place and freeze everything else."""
         peft = _import_peft()
-        targets, saved = self.resolve(module)  # every check before the first change
+        self.resolve(module)  # every check before the first change
+        # nn.MultiheadAttention -> an equal module with four Linear projections (else LoRA on out_proj is
+        # never called and the input projection is unreachable), transformers-5 3-D experts -> one Linear
+        # per expert (no-ops after QuantizedPrecision did it); excluded ones are left as they are.
+        excluded = self.exclude_modules
+        prepare_model(module, skip=lambda n: excluded is not None and _matches(n, excluded))
+        targets, saved = self.resolve(module)
         # peft picks its bitsandbytes-aware LoRA layers (which can merge) only if the model it is
         # given says it is quantized; quantize_model sets this on the root, a user-quantized
         # submodule may not have, so derive it from the layers themselves.
@@ -373,6 +385,20 @@ class LoRA(SurgeryCallback):
             f"LoRA: {trainable:,} trainable of {total:,} parameters ({metrics['lora/trainable_percent']:.3f}%), "
             f"trainable {metrics['lora/trainable_bytes'] / 2**20:.2f} MiB, frozen {metrics['lora/frozen_bytes'] / 2**20:.2f} MiB"
         )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_hbm.precision.plugin import QuantizedPrecision
+
+        if not isinstance(trainer.precision_plugin, QuantizedPrecision):
+            report_coverage(pl_module, quantizing=False)  # QuantizedPrecision reports it itself
+        self._watch = _AdapterWatch(pl_module)
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        watch, self._watch = getattr(self, "_watch", None), None
+        if watch is not None:
+            watch.check()  # after the first backward of the fit only
 
     # ------------------------------------------------------------ public helpers
 
@@ -500,6 +526,51 @@ class LoRA(SurgeryCallback):
                 if buf is not None and bname not in sub._non_persistent_buffers_set:
                     merged[prefix + bname] = buf
         return {k: v.detach().to(out_dtype) if v.is_floating_point() else v.detach().clone() for k, v in merged.items()}
+
+
+class _AdapterWatch:
+    """Finds dead adapters at the first backward: a LoRA layer that got no gradient is an error naming it.
+
+    Two ways an adapter dies, told apart by forward hooks on each LoRA layer and on its parent:
+    the layer ran but no gradient reached its ``lora_A``/``lora_B`` (the graph is cut), or the parent
+    ran and the layer did not (the parent reads the wrapped weight directly, as
+    ``nn.MultiheadAttention`` does with ``out_proj``). A layer whose parent did not run either (an
+    expert no token was routed to, a branch not taken) cannot be judged and is not an error.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        lora_cls = _lora_layer_cls()
+        self.layers = {n: m for n, m in module.named_modules() if isinstance(m, lora_cls)}
+        self.ran: set[int] = set()
+        self.handles: list[Any] = []
+        self.parents = {n: module.get_submodule(n.rpartition(".")[0]) if "." in n else module for n in self.layers}
+        watched = {id(m): m for m in [*self.layers.values(), *self.parents.values()]}
+        for sub in watched.values():
+            self.handles.append(sub.register_forward_pre_hook(self._ran))
+
+    def _ran(self, module: nn.Module, args: Any) -> None:
+        self.ran.add(id(module))
+
+    def check(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        dead, cut = [], []
+        for name, layer in self.layers.items():
+            grads = [p.grad for c in (layer.lora_A, layer.lora_B) for p in c.parameters() if p.requires_grad]
+            if not grads or any(g is not None for g in grads):
+                continue
+            if id(layer) in self.ran:
+                cut.append(name)
+            elif id(self.parents[name]) in self.ran:
+                dead.append(name)
+        if dead or cut:
+            raise RuntimeError(
+                "LoRA adapters received no gradient in the first backward: "
+                + (f"{dead} were never called although their parent module ran (it reads their weight directly, "
+                   "so the adapter is dead); " if dead else "")
+                + (f"{cut} ran but no gradient reached them (the graph is cut after them); " if cut else "")
+                + "exclude them with LoRA(exclude_modules=[...]) or report the model class to lightning_hbm."
+            )
 
 
 __all__ = ["LoRA"]

@@ -20,6 +20,7 @@ import weakref
 from functools import wraps
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.optim import Optimizer
@@ -169,10 +170,17 @@ class MemoryEfficientOptimizer(SurgeryCallback):
             # max_lr, ...) or by the user (e.g. a group name): they travel with the group.
             extra = {k: v for k, v in group.items() if k != "params" and k not in optimizer.defaults}
             groups.append({**extra, **carried, "params": group["params"]})
-        new = getattr(bnb.optim, class_name)(groups)
-        if self.kind.startswith("paged"):
-            new.register_load_state_dict_post_hook(_repage_state)
-        return new
+        return getattr(bnb.optim, class_name)(groups)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The first point after a resume where the states are final: Lightning restores optimizer states
+        # (``load_state_dict``, then ``_optimizer_to_device``) after ``on_fit_start`` and before this hook.
+        # A torch ``load_state_dict`` post-hook cannot do it: bitsandbytes overrides ``load_state_dict`` and
+        # never calls those hooks, and Lightning's device move would come after it anyway.
+        for optimizer in trainer.optimizers:
+            if getattr(optimizer, "is_paged", False):
+                _repage_state(optimizer)
 
 
 def _optimizers_in(returned: Any) -> list[Optimizer]:
@@ -196,12 +204,15 @@ def _as_float(value: Any) -> Any:
 
 
 def _repage_state(optimizer: Optimizer) -> None:
-    """Known bitsandbytes resume bug: ``load_state_dict`` turns paged states into plain CUDA tensors.
+    """Move a resumed paged optimizer's states back into paged (CUDA unified) memory.
 
-    bitsandbytes' ``load_state_dict`` copies saved states with ``.to(param.device)``: on CUDA the
-    moments of a paged optimizer land in ordinary device memory and are never evicted again, so a
-    resumed run loses exactly the memory behaviour it asked for. We move each loaded state back into
-    a paged buffer from the optimizer's own allocator. On CPU paging does not exist (nothing to do).
+    bitsandbytes' ``load_state_dict`` copies saved states with ``.to(param.device)`` and Lightning's
+    ``_optimizer_to_device`` then moves every state tensor to the device: on CUDA the moments of a paged
+    optimizer land in ordinary device memory and are never evicted again, so a resumed run would lose
+    exactly the memory behaviour it asked for. Called from ``MemoryEfficientOptimizer.on_train_start``,
+    after both. Each CUDA state gets a buffer from the optimizer's own allocator (``get_state_buffer``:
+    paged for tensors of 1e5 elements or more, as in a fresh run; a paged buffer is a ``torch.frombuffer``
+    view of managed memory and reports device ``cpu``). On CPU paging does not exist (nothing to do).
     """
     for group in optimizer.param_groups:
         for param in group["params"]:

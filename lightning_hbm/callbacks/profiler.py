@@ -3,16 +3,22 @@
 What it shrinks: nothing. It measures the five terms every other lightning_hbm feature shrinks
 (:data:`lightning_hbm.memory.CATEGORIES`), by what each tensor *is*:
 
-- light mode (every ``every_n_steps`` steps, by default the Trainer's ``log_every_n_steps``): a
-  :class:`~lightning_hbm.memory.LiveStorageTracker` runs during the forward only. At the forward's end (Lightning's ``on_before_zero_grad``, else
+- light mode (the first 5 steps, then every ``every_n_steps`` steps, by default the Trainer's
+  ``log_every_n_steps``): a :class:`~lightning_hbm.memory.LiveStorageTracker` runs during the
+  forward only. At the forward's end (Lightning's ``on_before_zero_grad``, else
   ``on_before_backward``) the graph holds every activation and the previous step's gradients are
-  still alive (Lightning zeroes them after the forward): that is where a training step peaks, and
-  where activations are taken. Parameters, gradients and optimizer states are counted by owner
-  there and again after the optimizer step (their larger value is kept: on the first step
-  gradients and states only exist after it).
+  still alive (Lightning zeroes them after the forward); activations are taken there. This is not
+  the step's peak (backward adds gradients and temporaries): detailed mode measures that.
+  Parameters, gradients and optimizer states are counted by owner there and again after the
+  optimizer step (their larger value is kept: on the first step gradients and states only exist
+  after it).
 - detailed mode (only the steps in ``detailed_steps``): the tracker runs over the whole step, seeded
   with everything that already exists, and reports the categories at the step's true tracked peak
-  (backward and optimizer temporaries included, as ``other``) and a per-module breakdown.
+  (backward and optimizer temporaries included, as ``other``) and a per-module breakdown. Step 1
+  by default: its peak is what :func:`lightning_hbm.plan` predicts, so the two are comparable.
+
+Reports (CSV, JSON, PNG, console summary) are rendered by :mod:`lightning_hbm.memory.report`, which
+``lightning-hbm report`` uses as well.
 
 On CUDA the allocator's own figures are added, so what the categories do not explain (CUDA
 context, allocator caching, fragmentation) is shown, not hidden.
@@ -20,8 +26,6 @@ context, allocator caching, fragmentation) is shown, not hidden.
 
 from __future__ import annotations
 
-import csv
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -31,27 +35,20 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning_utilities.core.imports import RequirementCache
 from typing_extensions import override
 
 from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown, classify, owned_storages, owned_tensors, tensor_bytes
+from lightning_hbm.memory.report import REMEDIES, MemoryReport
 from lightning_hbm.memory.storage import module_parameter_tensors
 from lightning_hbm.memory.tracker import LiveStorageTracker
+from lightning_hbm.strategies.cpu_offload import host_offload_bytes
 
 log = logging.getLogger(__name__)
 
-_RICH_AVAILABLE = RequirementCache("rich")
-_MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib")
 _MIB = 2**20
-
-#: The lightning_hbm feature that shrinks each category (used by the OOM diagnosis).
-REMEDIES: dict[str, str] = {
-    "parameters": "store frozen base weights quantized (QuantizedPrecision('nf4-dq')) and train LoRA adapters",
-    "gradients": "train fewer parameters: LoRA adapters on a frozen (quantized) base",
-    "optimizer_states": "use 8-bit optimizer states or offload them (MemoryEfficientOptimizer)",
-    "activations": "recompute activations in backward (ActivationCheckpointing) or lower the batch size",
-    "other": "lower the batch size; check buffers and temporaries (run a step with detailed_steps=[n])",
-}
+#: Steps measured whatever the cadence, so that a short run still draws a curve: memory settles here
+#: (optimizer states appear after step 0, the previous gradients are alive from step 1 on).
+FIRST_STEPS = 5
 
 _CUDA_FIELDS = (
     "cuda_allocated",
@@ -70,12 +67,15 @@ class HBMProfiler(Callback):
     """Per-step memory breakdown by category, with a report at the end of fit and on out-of-memory.
 
     Args:
-        every_n_steps: measure every n-th optimizer step (``global_step % every_n_steps == 0``).
+        every_n_steps: measure every n-th optimizer step (``global_step % every_n_steps == 0``), and
+            always the first :data:`FIRST_STEPS` (5) steps, so that a short run has a curve.
             Default (None): the Trainer's ``log_every_n_steps``, when Lightning writes logs anyway.
             A light measurement costs a fixed ~3 ms on the CPU dev machine (within noise for a ~200 ms
             step, +17 % for a ~20 ms one; benchmarks/README.md): ``1`` suits short or large-step runs.
         detailed_steps: global steps measured in detailed mode (whole-step peak, per-module
-            breakdown; ~2x slower for that step). Empty: none.
+            breakdown; ~2x slower for that step). Default ``(1,)``: the first step where gradients and
+            optimizer states already exist, so the summary shows the step peak the planner predicts.
+            Empty: none.
         dirpath: directory of the report; default: the Trainer's ``log_dir`` (its
             ``default_root_dir`` without a logger).
         snapshot_steps: ``(start, stop)``: CUDA memory history is recorded from the start of global
@@ -92,7 +92,12 @@ class HBMProfiler(Callback):
         every measured step), ``hbm/cuda_fragmentation`` (reserved - allocated),
         ``hbm/cuda_capacity``, ``hbm/cuda_headroom`` (capacity - peak reserved) and
         ``hbm/cuda_unattributed`` (peak allocated - total: CUDA context, workspaces, buffers of
-        the strategy).
+        the strategy). Under ``CPUOffloadStrategy`` also ``hbm/host_offload``: host memory its optimizer
+        holds (master copies, gradient buffers, states; none of it in the five terms, whose optimizer
+        states read 0 for an offloaded run), also kept as ``host_offload`` in the JSON rows.
+
+    Summary printed at the end of fit: each category at the largest forward-end step (light mode)
+    and at the step peak (the largest detailed step), each labelled with its step and what it is.
 
     Files written by global rank 0 into ``dirpath``: ``hbm_profile.csv`` (one row per measured
     step, bytes, columns :data:`COLUMNS`), ``hbm_profile.json`` (rows, peak step, per-module
@@ -109,7 +114,7 @@ class HBMProfiler(Callback):
     def __init__(
         self,
         every_n_steps: Optional[int] = None,
-        detailed_steps: Sequence[int] = (),
+        detailed_steps: Sequence[int] = (1,),
         dirpath: Optional[str] = None,
         snapshot_steps: Optional[tuple[int, int]] = None,
         snapshot_max_entries: int = 100_000,
@@ -154,7 +159,7 @@ class HBMProfiler(Callback):
 
     # -- measuring -------------------------------------------------------------------------------
     def _measured(self, step: int) -> bool:
-        return step % self._every == 0 or step in self.detailed_steps
+        return step < FIRST_STEPS or step % self._every == 0 or step in self.detailed_steps
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -217,6 +222,8 @@ class HBMProfiler(Callback):
             metrics = {f"hbm/{k}": row[k] / _MIB for k in (*CATEGORIES, "total", *_CUDA_FIELDS) if row[k] is not None}
             if row["mode"] == "detailed":
                 metrics["hbm/tracked_peak"] = row["tracked_peak"] / _MIB
+            if row["host_offload"]:
+                metrics["hbm/host_offload"] = row["host_offload"] / _MIB
             # Straight to the loggers, as DeviceStatsMonitor does: self.log would cost more than the
             # measurement and would only reach the loggers every log_every_n_steps anyway.
             for logger in trainer.loggers:
@@ -256,6 +263,7 @@ class HBMProfiler(Callback):
             **values,
             "total": total,
             "tracked_peak": tracked_peak,
+            "host_offload": host_offload_bytes(trainer.optimizers),  # not in total: host memory, not HBM
         }
         row.update(_cuda_stats(pl_module, total))
         return row
@@ -338,81 +346,25 @@ class HBMProfiler(Callback):
         except Exception as err:  # the report must never hide the out-of-memory error itself
             log.error("HBMProfiler could not write the out-of-memory report: %s", err)
 
+    def report(self) -> MemoryReport:
+        """The measured steps as a :class:`~lightning_hbm.memory.report.MemoryReport` (what is written and printed)."""
+        return MemoryReport(self.rows, COLUMNS, self.modules, self.snapshot_path)
+
     def diagnosis(self) -> str:
         """The category that dominated the last measured step, and the feature that shrinks it."""
-        if not self.rows:
-            return "No step was measured before the failure (it happened in the first forward or before training)."
-        row = self.rows[-1]
-        breakdown = MemoryBreakdown(**{c: row[c] for c in CATEGORIES})
-        top = breakdown.dominant()
-        share = 100.0 * row[top] / max(breakdown.total, 1)
-        return (
-            f"At step {row['step']} {top} held {row[top] / _MIB:.1f} MiB ({share:.0f}% of "
-            f"{breakdown.total / _MIB:.1f} MiB measured). To shrink it: {REMEDIES[top]}."
-        )
+        return self.report().diagnosis()
 
     def peak_row(self) -> Optional[dict[str, Any]]:
         """The measured step with the largest category total."""
-        return max(self.rows, key=lambda r: r["total"]) if self.rows else None
+        return self.report().peak_row()
 
     def write_report(self, directory: str, stem: str) -> dict[str, str]:
         """Write ``{stem}.csv``, ``{stem}.json`` and (matplotlib installed) ``{stem}.png``; return their paths."""
-        os.makedirs(directory, exist_ok=True)
-        paths = {"csv": os.path.join(directory, f"{stem}.csv"), "json": os.path.join(directory, f"{stem}.json")}
-        with open(paths["csv"], "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
-            writer.writeheader()
-            writer.writerows({k: ("" if row[k] is None else row[k]) for k in COLUMNS} for row in self.rows)
-        peak = self.peak_row()
-        report = {
-            "categories": list(CATEGORIES),
-            "unit": "bytes",
-            "rows": self.rows,
-            "peak_step": peak["step"] if peak else None,
-            "peak": peak,
-            "modules": {str(step): modules for step, modules in self.modules.items()},
-            "diagnosis": self.diagnosis(),
-            "snapshot": self.snapshot_path,
-        }
-        with open(paths["json"], "w") as f:
-            json.dump(report, f, indent=1)
-        if _MATPLOTLIB_AVAILABLE and self.rows:
-            paths["png"] = os.path.join(directory, f"{stem}.png")
-            _plot(self.rows, paths["png"])
-        return paths
+        return self.report().write(directory, stem)
 
     def print_summary(self, paths: dict[str, str]) -> None:
-        """Console table: each category at the peak step, its mean over measured steps, its share."""
-        peak = self.peak_row()
-        if peak is None:
-            return
-        lines: list[tuple[str, str, str, str]] = []
-        for category in (*CATEGORIES, "total"):
-            mean = sum(r[category] for r in self.rows) / len(self.rows)
-            share = 100.0 * peak[category] / max(peak["total"], 1)
-            lines.append((category, f"{peak[category] / _MIB:,.2f}", f"{mean / _MIB:,.2f}", f"{share:.0f}%"))
-        for field in _CUDA_FIELDS:
-            if peak[field] is not None:
-                lines.append((field, f"{peak[field] / _MIB:,.2f}", "", ""))
-        title = f"HBMProfiler: peak at step {peak['step']} ({len(self.rows)} steps measured)"
-        header = ("category", "at peak (MiB)", "mean (MiB)", "share")
-        if _RICH_AVAILABLE:
-            from rich.console import Console
-            from rich.table import Table
-
-            table = Table(title=title)
-            for i, name in enumerate(header):
-                table.add_column(name, justify="left" if i == 0 else "right")
-            for line in lines:
-                table.add_row(*line)
-            console = Console()
-            console.print(table)
-            console.print(f"Report: {', '.join(paths.values())}")
-        else:
-            print(title)
-            for line in (header, *lines):
-                print(f"{line[0]:<20}{line[1]:>16}{line[2]:>14}{line[3]:>8}")
-            print(f"Report: {', '.join(paths.values())}")
+        """Console table: each category at the largest forward-end step and at the step peak (detailed step)."""
+        self.report().print_summary(paths)
 
     def _dir(self, trainer: pl.Trainer) -> str:
         return self.dirpath or trainer.log_dir or trainer.default_root_dir
@@ -509,33 +461,4 @@ def _state_tensors(state: Optional[dict[str, Any]]) -> list[torch.Tensor]:
     return [v for v in (state or {}).values() if isinstance(v, torch.Tensor)]
 
 
-def _plot(rows: list[dict[str, Any]], path: str) -> None:
-    # Figure + Agg canvas directly: no global pyplot backend switch in the user's process.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    steps = [r["step"] for r in rows]
-    series = [[r[c] / _MIB for r in rows] for c in CATEGORIES]
-    figure = Figure(figsize=(8, 4.5))
-    FigureCanvasAgg(figure)
-    ax = figure.add_subplot()
-    ax.stackplot(steps, series, labels=list(CATEGORIES))
-    peak = max(rows, key=lambda r: r["total"])
-    ax.axvline(peak["step"], color="black", linestyle="--", linewidth=1)
-    ax.annotate(
-        f"peak {peak['total'] / _MIB:.1f} MiB (step {peak['step']})",
-        xy=(peak["step"], peak["total"] / _MIB),
-        xytext=(5, 5),
-        textcoords="offset points",
-    )
-    if any(r["cuda_peak_allocated"] is not None for r in rows):
-        ax.plot(steps, [(r["cuda_peak_allocated"] or 0) / _MIB for r in rows], color="black", label="CUDA peak allocated")
-    ax.set_xlabel("global step")
-    ax.set_ylabel("MiB")
-    ax.set_title("HBMProfiler: memory by category")
-    ax.legend(loc="upper left", fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-
-
-__all__ = ["COLUMNS", "REMEDIES", "HBMProfiler"]
+__all__ = ["COLUMNS", "FIRST_STEPS", "REMEDIES", "HBMProfiler"]

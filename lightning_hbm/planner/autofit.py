@@ -20,6 +20,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_hbm.callbacks.profiler import HBMProfiler
+from lightning_hbm.memory.categories import CATEGORIES
+from lightning_hbm.memory.report import MemoryReport, format_table
 from lightning_hbm.planner import (
     PLANNED_LIGHTNING_PRECISIONS,
     Candidate,
@@ -34,6 +37,7 @@ from lightning_hbm.precision import QuantizedPrecision
 from lightning_hbm.surgery import install
 
 log = logging.getLogger(__name__)
+_MIB = 2**20
 
 
 class AutoFit(Callback):
@@ -58,7 +62,9 @@ class AutoFit(Callback):
 
     Logged once at setup, through the Trainer's loggers: ``autofit/predicted_peak`` (bytes, with the
     CUDA overhead on GPU), ``autofit/budget`` (bytes), ``autofit/relative_step_time``; and the chosen
-    configuration's name as the hyperparameter ``autofit/choice``. :attr:`plan` keeps the whole plan,
+    configuration's name as the hyperparameter ``autofit/choice``. At the end of fit (rank 0) it prints
+    one table: the predicted step peak per category next to the one an ``HBMProfiler`` in the same Trainer
+    measured on its detailed step (:func:`compare_with_measured`). :attr:`plan` keeps the whole plan,
     :attr:`chosen` the chosen :class:`~lightning_hbm.planner.Prediction`.
 
     Example::
@@ -140,6 +146,14 @@ class AutoFit(Callback):
                 step=0,
             )
 
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Print the prediction next to what an ``HBMProfiler`` measured at its step peak (detailed step)."""
+        if self.chosen is None or not trainer.is_global_zero:
+            return
+        profilers = [cb for cb in trainer.callbacks if isinstance(cb, HBMProfiler)]
+        print(compare_with_measured(self.chosen, profilers[0].report() if profilers else None))
+
     def _apply(self, trainer: pl.Trainer, candidate: Candidate, baseline: str) -> None:
         if candidate.precision != baseline:
             # Before install(): the surgery wraps the plugin that is active when it is installed.
@@ -197,6 +211,36 @@ def _example_batch(trainer: pl.Trainer) -> Any:
         ) from err
 
 
+def compare_with_measured(prediction: Prediction, report: Optional[MemoryReport]) -> str:
+    """One table: the predicted step peak and the measured one (a detailed step of ``report``), per category.
+
+    Both are the live tensor bytes at the peak of a steady-state step, so they are comparable; the
+    light-mode figures (end of the forward) are not, and are left out.
+    """
+    measured = report.step_peak() if report is not None else None
+    title = f"AutoFit: {prediction.candidate.name}, predicted vs measured step peak (MiB)"
+    header = ("category", "predicted", f"measured, step {measured['step']}" if measured else "measured", "measured/predicted")
+    lines = [header]
+    for category in (*CATEGORIES, "total"):
+        predicted = prediction.peak if category == "total" else prediction.categories.get(category, 0)
+        value = measured[category] if measured else None
+        # a ratio of two figures that both print as 0.00 MiB would only be noise
+        ratio = f"{value / predicted:.3f}" if value is not None and predicted >= _MIB / 100 else ""
+        lines.append((category, f"{predicted / _MIB:,.2f}", "" if value is None else f"{value / _MIB:,.2f}", ratio))
+    notes = []
+    if prediction.overhead:
+        notes.append(f"+ {prediction.overhead / _MIB:,.0f} MiB stated CUDA context/allocator constant in the prediction "
+                     f"({prediction.total / _MIB:,.2f} MiB checked against the budget)")  # fmt: skip
+    if measured is not None and measured.get("cuda_peak_allocated") is not None:
+        notes.append(f"CUDA allocator peak at step {measured['step']}: {measured['cuda_peak_allocated'] / _MIB:,.2f} MiB")
+    if measured is None:
+        notes.append(
+            "measured: no step peak to compare with. Add the HBMProfiler callback (it measures the whole step 1 by "
+            "default; keep detailed_steps non-empty) and train at least 2 steps."
+        )
+    return "\n".join([title, *format_table(lines), *notes])
+
+
 def _nothing_fits(result: Plan) -> str:
     lines = [
         f"AutoFit: no candidate fits the budget of {format_bytes(result.budget or 0)} "
@@ -216,4 +260,4 @@ def _nothing_fits(result: Plan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["AutoFit"]
+__all__ = ["AutoFit", "compare_with_measured"]

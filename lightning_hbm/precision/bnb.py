@@ -1,8 +1,8 @@
 """bitsandbytes modes: ``nf4``, ``nf4-dq``, ``fp4``, ``fp4-dq`` (4-bit) and ``int8`` (LLM.int8, frozen).
 
-bitsandbytes >= 0.46 runs all of them on CPU, so tests use the real library. Each function builds
-the bitsandbytes layer on the meta device, hands it the *loaded* weight of the user's Linear and
-moves it to the target device, which is when bitsandbytes quantizes (CPU included).
+bitsandbytes runs all of them on CPU (layers since 0.46, its optimizers since 0.50), so tests use the real
+library. Each function builds the bitsandbytes layer on the meta device, hands it the *loaded* weight of the
+user's Linear and moves it to the target device, which is when bitsandbytes quantizes (CPU included).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 
 from lightning_hbm.precision.registry import register_mode
+from lightning_hbm.requirements import requirement
 
-_BNB_AVAILABLE = RequirementCache("bitsandbytes>=0.46")
+_BNB_AVAILABLE = RequirementCache(requirement("bitsandbytes"))
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -24,8 +25,8 @@ def import_bnb() -> Any:
     """Import bitsandbytes or raise an error that says how to install it."""
     if not _BNB_AVAILABLE:
         raise ModuleNotFoundError(
-            f"lightning_hbm's quantized precision modes need bitsandbytes>=0.46 ({_BNB_AVAILABLE.message}). "
-            "Install it with `pip install 'bitsandbytes>=0.46'` (it runs on CPU and CUDA)."
+            f"lightning_hbm's quantized precision modes need {requirement('bitsandbytes')} ({_BNB_AVAILABLE.message}). "
+            f"Install it with `pip install '{requirement('bitsandbytes')}'` (it runs on CPU and CUDA)."
         )
     import bitsandbytes
 

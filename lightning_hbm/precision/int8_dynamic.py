@@ -25,8 +25,9 @@ fp32 sums), which is stated, not hidden: :func:`uses_integer_kernel` says which 
 
 Backward: the base is frozen, so only the gradient to the input is computed:
 ``grad_input = grad_output @ (W_int8 * scale)``, the dequantized weight the forward really used,
-in the gradient's dtype. The activation rounding is passed straight through (its derivative is
-zero almost everywhere, which would stop every gradient): the straight-through estimator. Nothing
+in the gradient's dtype (in fp32 for float16 gradients, whose range cannot hold ``grad_output * scale``).
+The activation rounding is passed straight through (its derivative is zero almost everywhere, which
+would stop every gradient): the straight-through estimator. Nothing
 of the input is saved for backward (no weight gradient is needed), so the layer keeps no
 activation memory of its own.
 """
@@ -43,14 +44,16 @@ from typing_extensions import override
 from lightning_hbm.precision.registry import register_mode
 
 _QMAX = 127  # symmetric range [-127, 127]: -128 is never used, so scales are the same both signs
-_EPS = 1e-12
+# The smallest normal fp32: an all-zero row gets this scale (stays zero instead of dividing by 0), and any
+# non-zero row keeps its own scale (a larger floor, e.g. 1e-12, would quantize rows below ~1e-10 coarsely).
+_EPS = torch.finfo(torch.float32).tiny
 
 
 def quantize_rowwise(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT8 per row: ``(int8 values, fp32 scales)`` with ``tensor ~= values * scales[:, None]``."""
     tensor = tensor.float()
     scale = tensor.abs().amax(dim=1) / _QMAX
-    scale = scale.clamp(min=_EPS)  # an all-zero row stays zero instead of dividing by 0
+    scale = scale.clamp(min=_EPS)
     values = torch.round(tensor / scale[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
     return values, scale
 
@@ -86,8 +89,11 @@ class _DynamicInt8Matmul(torch.autograd.Function):
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])
         x_q, x_scale = quantize_rowwise(x2d)
-        acc = _int8_matmul(x_q, weight)
-        out = acc.float() * x_scale[:, None] * scale[None, :]
+        out = _int8_matmul(x_q, weight).float()
+        # Weight scales first, in place: ``acc * w_scale`` is bounded by 127 * in_features * max|W| (frozen,
+        # moderate weights), and only the last factor brings the activations' magnitude. The other order
+        # overflows fp32 for activations around 1e36 (acc ~1e6 times x_scale ~1e34) where nn.Linear is finite.
+        out.mul_(scale[None, :]).mul_(x_scale[:, None])
         ctx.save_for_backward(weight, scale)  # module storage: no new memory
         return out.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
 
@@ -97,11 +103,15 @@ class _DynamicInt8Matmul(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None
         # Straight-through for the activation rounding; the dequantized weight the forward used:
-        # grad_out @ (W_q * s[:, None]) == (grad_out * s) @ W_q. Scaling the gradient (in fp32, one
-        # rounding) instead of the weight keeps the transient copy of W_q at the gradient's dtype size;
-        # int8 values are exact in bf16/fp16.
-        scaled = (grad_out.float() * scale).to(grad_out.dtype)
-        return scaled @ weight.to(grad_out.dtype), None, None
+        # grad_out @ (W_q * s[:, None]) == (grad_out * s) @ W_q. Scaling the gradient instead of the
+        # weight keeps the transient copy of W_q at the compute dtype's size (int8 values are exact in
+        # bf16/fp16/fp32). bf16 and fp32 have fp32's exponent range, so ``grad_out * s`` fits them. fp16 does
+        # not: a gradient of 1e-5 times a weight scale of ~5e-4 is below fp16's smallest subnormal (6e-8) and
+        # became exactly 0 (every LoRA adapter below got no gradient), so fp16 computes in fp32 and rounds the
+        # result once, like nn.Linear's fp32 accumulation.
+        compute = torch.float32 if grad_out.dtype == torch.float16 else grad_out.dtype
+        scaled = grad_out.to(compute) * scale.to(compute)
+        return (scaled @ weight.to(compute)).to(grad_out.dtype), None, None
 
 
 class Int8DynamicLinear(nn.Linear):

@@ -1,7 +1,9 @@
 """``QuantizedPrecision``: a Lightning precision plugin that stores frozen Linear weights quantized.
 
-What it shrinks: the **parameters** term. Every ``nn.Linear`` weight (unless ignored or tied to
-another module) becomes quantized storage that never receives gradients; embeddings, norms and
+What it shrinks: the **parameters** term. Every Linear-like weight (the layer kinds of
+:mod:`lightning_hbm.layers`: ``nn.Linear``, transformers ``Conv1D``, ``nn.MultiheadAttention``
+projections, transformers-5 experts; unless ignored, tied, the output head, declared fp32 or a LoRA
+``modules_to_save``) becomes quantized storage that never receives gradients; embeddings, norms and
 biases stay trainable in the compute ``dtype``. Built on bitsandbytes directly rather than on
 Lightning's ``BitsandbytesPrecision``, which refuses CPU, freezes biases and can only load fp32
 weights on CUDA (checked with Lightning 2.6: an isinstance check on the accelerator, a CUDA-only load path).
@@ -11,15 +13,15 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Generator, Optional, Sequence, Union
+from typing import Any, Generator, Iterable, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
-from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_of, prepare_model
 from lightning_hbm.precision.registry import QuantMode, get_mode, to_dtype
 from lightning_hbm.surgery import (
     _STATE_ATTR,
@@ -35,30 +37,88 @@ log = logging.getLogger(__name__)
 _LIGHTNING_NAMES = {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch.float32: "32-true"}
 
 
+def _under(name: str, prefixes: Iterable[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def output_heads(module: nn.Module) -> set[str]:
+    """Names of the output heads (``get_output_embeddings()``) of the Hugging Face models inside ``module``."""
+    heads: set[str] = set()
+    by_id = {id(m): n for n, m in module.named_modules()}
+    for sub in module.modules():
+        getter = getattr(sub, "get_output_embeddings", None)
+        if callable(getter):
+            head = getter()
+            if isinstance(head, nn.Module) and id(head) in by_id:
+                heads.add(by_id[id(head)])
+    return heads
+
+
+def keep_in_fp32_names(module: nn.Module) -> set[str]:
+    """Modules that Hugging Face models inside ``module`` declare must stay in fp32 (``_keep_in_fp32_modules``).
+
+    T5 declares ``wo``: its feed-forward casts the hidden states to ``wo.weight.dtype``, which is
+    ``uint8`` for a packed 4-bit weight (a crash deep inside dropout). transformers' own quantizers
+    never convert them; matched as transformers does, by a component of the module name.
+    """
+    kept: set[str] = set()
+    for root, sub in module.named_modules():
+        declared = [*(getattr(sub, "_keep_in_fp32_modules", None) or ()), *(getattr(sub, "_keep_in_fp32_modules_strict", None) or ())]
+        if not declared:
+            continue
+        prefix = root + "." if root else ""
+        for name, _ in sub.named_modules(prefix=root):
+            rel = name[len(prefix) :] if prefix else name
+            if rel and any(entry in rel.split(".") or rel.endswith("." + entry) or rel == entry for entry in declared):
+                kept.add(name)
+    return kept
+
+
 def _quantizable_linears(
-    module: nn.Module, ignore_modules: Sequence[str]
-) -> tuple[list[tuple[str, nn.Linear]], list[str]]:
-    """(name, Linear) pairs to quantize, and the names of Linears skipped because their weight is tied."""
+    module: nn.Module,
+    ignore_modules: Sequence[str],
+    quantize_head: bool = False,
+    keep_modules: Sequence[str] = (),
+) -> tuple[list[tuple[str, nn.Module]], dict[str, tuple[str, bool]]]:
+    """(name, layer) pairs to quantize, and the layers left alone with (reason, deliberate).
+
+    Layers of every registered kind with a ``to_linear`` (:mod:`lightning_hbm.layers`): Linear,
+    Conv1D, the projections of a prepared MultiheadAttention. ``keep_modules``: names (suffix
+    match, as LoRA's ``modules_to_save``) kept in full precision.
+    """
     owners: dict[int, int] = {}
     for _, param in module.named_parameters(remove_duplicate=False):
         owners[id(param)] = owners.get(id(param), 0) + 1
-    chosen, tied = [], []
-    for name, child in module.named_modules():
-        if type(child) is not nn.Linear:  # exact class: already-quantized or LoRA layers are not Linears to redo
+    heads = set() if quantize_head else output_heads(module)
+    fp32 = keep_in_fp32_names(module)
+    kept = [n for n, _ in module.named_modules() if n and any(n == k or n.endswith("." + k) for k in keep_modules)]
+    chosen: list[tuple[str, nn.Module]] = []
+    skipped: dict[str, tuple[str, bool]] = {}
+    for name, layer, kind in find_layers(module):
+        if kind.to_linear is None or base_layer(layer) is not layer or kind.prepare is not None and kind.matches(layer):
+            # not quantizable (reported by the coverage table), already adapted by LoRA, or not prepared
+            # (an ignored MultiheadAttention)
             continue
-        if any(name == ign or name.startswith(ign + ".") for ign in ignore_modules):
-            continue
-        if owners.get(id(child.weight), 0) > 1:
-            tied.append(name)  # e.g. lm_head tied to the embedding: quantizing would untie them
-            continue
-        chosen.append((name, child))
-    return chosen, tied
+        if not layer.weight.is_floating_point():
+            continue  # already quantized
+        if _under(name, ignore_modules):
+            skipped[name] = ("QuantizedPrecision(ignore_modules=...)", True)
+        elif owners.get(id(layer.weight), 0) > 1:
+            # e.g. lm_head tied to the embedding: quantizing would untie them
+            skipped[name] = ("weight tied to another module", True)
+        elif name in heads:
+            skipped[name] = ("output head kept in full precision (quantize_head=True quantizes it)", True)
+        elif name in fp32:
+            skipped[name] = ("kept in fp32: the model's _keep_in_fp32_modules", True)
+        elif _under(name, kept):
+            skipped[name] = ("LoRA modules_to_save: trained in full precision", True)
+        else:
+            chosen.append((name, layer))
+    return chosen, skipped
 
 
-def _validate(
-    module: nn.Module, quant_mode: QuantMode, compute_dtype: torch.dtype, ignore_modules: Sequence[str]
-) -> tuple[list[tuple[str, nn.Linear]], list[str]]:
-    """Every check of :func:`quantize_model`, changing nothing; returns (targets, tied names)."""
+def _validate(module: nn.Module, quant_mode: QuantMode, compute_dtype: torch.dtype, ignore_modules: Sequence[str]) -> None:
+    """Every check of :func:`quantize_model`, changing nothing (run before the first change of the surgery)."""
     if compute_dtype not in quant_mode.dtypes:
         raise ValueError(
             f"Precision mode {quant_mode.name!r} does not support dtype {compute_dtype}. "
@@ -72,13 +132,20 @@ def _validate(
             f"ignore_modules={list(ignore_modules)!r}: {unknown} match no submodule of {type(module).__name__}. "
             f"Use module names (prefix match) such as {sample}."
         )
-    targets, tied = _quantizable_linears(module, ignore_modules)
-    if not targets and not tied and not any(isinstance(m, nn.Linear) for m in module.modules()):
+    if not any(kind.to_linear is not None or kind.prepare is not None for _, _, kind in find_layers(module)):
         raise ValueError(
-            f"{type(module).__name__} has no torch.nn.Linear layers, so precision mode {quant_mode.name!r} has "
-            "nothing to quantize. Use Lightning's precision='bf16-true' (or '32-true') for this model instead."
+            f"{type(module).__name__} has no torch.nn.Linear layers (nor Conv1D / MultiheadAttention), so precision "
+            f"mode {quant_mode.name!r} has nothing to quantize. Use Lightning's precision='bf16-true' (or '32-true') "
+            "for this model instead."
         )
-    return targets, tied
+    for name, layer, kind in find_layers(module):
+        if kind.to_linear is None and kind.prepare is None or _under(name, ignore_modules):
+            continue
+        if any(p.is_meta for p in layer.parameters()):
+            raise ValueError(
+                f"Cannot quantize {name} ({type(layer).__name__}) whose weight is on the meta device: load or "
+                "initialize the weights before quantization (e.g. build them in configure_model)."
+            )
 
 
 def quantize_model(
@@ -87,28 +154,46 @@ def quantize_model(
     dtype: Union[str, torch.dtype] = "bfloat16",
     ignore_modules: Sequence[str] = (),
     device: Optional[Union[str, torch.device]] = None,
+    quantize_head: bool = False,
+    keep_modules: Sequence[str] = (),
 ) -> list[str]:
-    """Replace the ``nn.Linear`` layers of ``module`` in place by quantized frozen layers.
+    """Replace the Linear-like layers of ``module`` in place by quantized frozen layers.
 
-    Works on a model that already holds its loaded weights. Validates everything before changing
-    anything. Returns the names of the quantized layers.
+    Every layer kind of :mod:`lightning_hbm.layers` that can be quantized is (``nn.Linear`` and its
+    subclasses, transformers ``Conv1D``, ``nn.MultiheadAttention`` through its projections), except:
+    ``ignore_modules``, Linears tied to another module, the output head of Hugging Face models
+    (unless ``quantize_head``), the modules a model declares in ``_keep_in_fp32_modules`` (kept in
+    fp32) and ``keep_modules`` (LoRA's ``modules_to_save``). Each layer left alone is tagged with the
+    reason (the coverage table shows it). Works on a model that already holds its loaded weights.
+    Validates everything before changing anything. Returns the names of the quantized layers.
     """
     quant_mode = get_mode(mode) if isinstance(mode, str) else mode
     compute_dtype = to_dtype(dtype)
-    targets, tied = _validate(module, quant_mode, compute_dtype, ignore_modules)
-    if not targets:
-        return []  # already quantized (or everything ignored / tied): nothing left to do
-    if tied:
-        log.info("lightning_hbm: not quantizing %s (weight tied to another module)", tied)
+    _validate(module, quant_mode, compute_dtype, ignore_modules)
+    prepare_model(module, skip=lambda n: _under(n, ignore_modules))  # MultiheadAttention -> four Linears
+    targets, skipped = _quantizable_linears(module, ignore_modules, quantize_head, keep_modules)
+    for name, (reason, deliberate) in skipped.items():
+        object.__setattr__(module.get_submodule(name), LEFT_ALONE_ATTR, (reason, deliberate))
+    if skipped:
+        log.info("lightning_hbm: not quantizing %s", {n: r for n, (r, _) in skipped.items()})
     target = torch.device(device) if device is not None else None
-    for name, linear in targets:
+    for name, layer in targets:
+        kind = kind_of(layer)
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, child_name, quant_mode.replace(linear, compute_dtype, target))
-    # Everything that is not quantized storage computes in the compute dtype and stays trainable.
-    for param in module.parameters():
-        if param.is_floating_point() and param.dtype != compute_dtype:
-            param.data = param.data.to(compute_dtype)
+        new = quant_mode.replace(kind.to_linear(layer), compute_dtype, target)
+        if kind is not LINEAR:
+            object.__setattr__(new, KIND_ATTR, kind.name)  # a quantized Conv1D is still counted as one
+        elif getattr(layer, KIND_ATTR, None) is not None:
+            object.__setattr__(new, KIND_ATTR, getattr(layer, KIND_ATTR))
+        setattr(parent, child_name, new)
+    # Everything that is not quantized storage computes in the compute dtype and stays trainable,
+    # except what the model declares must stay in fp32.
+    fp32 = keep_in_fp32_names(module)
+    for name, param in module.named_parameters():
+        wanted = torch.float32 if _under(name.rpartition(".")[0], fp32) else compute_dtype
+        if param.is_floating_point() and param.dtype != wanted:
+            param.data = param.data.to(wanted)
     # peft picks its quantization-aware LoRA layers (mergeable) only when the model says so.
     if quant_mode.peft_kind == "4bit":
         object.__setattr__(module, "is_loaded_in_4bit", True)
@@ -127,6 +212,15 @@ class QuantizedPrecision(Precision):
             ``"bfloat16"``/``"bf16"``, ``"float16"``, ``"float32"`` or a ``torch.dtype``.
         ignore_modules: submodule names (prefix match) whose Linears stay unquantized, e.g.
             ``["lm_head"]``. A name that matches nothing is an error.
+        quantize_head: also quantize the output head (``get_output_embeddings()``) of Hugging Face
+            models. Off by default, as transformers' own quantizers do: the head sees every token's
+            logits and is the layer most hurt by 4-bit error.
+
+    Always left in full precision: Linears tied to another module, the modules a model declares in
+    ``_keep_in_fp32_modules`` (kept in fp32) and the ``modules_to_save`` of the Trainer's ``LoRA``.
+    At fit start (rank 0) the layer-kind coverage table is logged (:mod:`lightning_hbm.layers`):
+    per kind, parameters quantized / adapted / checkpointed / left alone and why; a kind holding
+    more than 5 % of the parameters that nothing handles is a warning naming it.
 
     Applied at lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`): after
     ``configure_model``, before ``configure_optimizers``, first of all model changes.
@@ -141,6 +235,7 @@ class QuantizedPrecision(Precision):
         mode: str = "nf4-dq",
         dtype: Union[str, torch.dtype] = "bfloat16",
         ignore_modules: Sequence[str] = (),
+        quantize_head: bool = False,
     ) -> None:
         self.mode = get_mode(mode)
         self.dtype = to_dtype(dtype)
@@ -152,6 +247,7 @@ class QuantizedPrecision(Precision):
         if isinstance(ignore_modules, str):
             raise TypeError(f"ignore_modules must be a list of module names, got the string {ignore_modules!r}.")
         self.ignore_modules = tuple(ignore_modules)
+        self.quantize_head = bool(quantize_head)
         if self.mode.peft_kind is not None:  # bitsandbytes modes: fail now, not at fit time
             from lightning_hbm.precision.bnb import import_bnb
 
@@ -172,11 +268,13 @@ class QuantizedPrecision(Precision):
         return trainer_surgery(module, self, self.convert_base)
 
     def convert_base(self, module: nn.Module) -> nn.Module:
-        """Quantize ``module``'s Linear layers in place (once per model), and nothing else."""
+        """Quantize ``module``'s layers in place (once per model), and nothing else."""
         if self._name in applied_transforms(module):
             return module
-        quantized = quantize_model(module, self.mode, self.dtype, self.ignore_modules, self.target_device)
-        log.info("lightning_hbm: %d Linear layers stored as %s", len(quantized), self.mode.name)
+        quantized = quantize_model(
+            module, self.mode, self.dtype, self.ignore_modules, self.target_device, self.quantize_head, _lora_saved(module)
+        )
+        log.info("lightning_hbm: %d layers stored as %s", len(quantized), self.mode.name)
         mark_applied(module, self._name)
         return module
 
@@ -187,18 +285,29 @@ class QuantizedPrecision(Precision):
 
     def resume_config(self) -> dict[str, Any]:
         """What a resumed run must share with the run that saved the checkpoint."""
-        return {"mode": self.mode.name, "dtype": str(self.dtype), "ignore_modules": list(self.ignore_modules)}
-
-    @override
-    def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
-        optimizers = trainer_optimizers(self, optimizers, lr_schedulers)
-        return super().connect(model, optimizers, lr_schedulers)
+        return {
+            "mode": self.mode.name,
+            "dtype": str(self.dtype),
+            "ignore_modules": list(self.ignore_modules),
+            "quantize_head": self.quantize_head,
+        }
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = getattr(self, _STATE_ATTR, None)
         if state is not None:
             pack_checkpoint(state.trainer, checkpoint)
+
+    @override
+    def connect(self, model: Any, optimizers: Any, lr_schedulers: Any) -> Any:
+        # Runs after the whole surgery (quantize -> adapters -> checkpointing) and configure_optimizers:
+        # the one moment the final model is known before training, on every strategy.
+        optimizers = trainer_optimizers(self, optimizers, lr_schedulers)
+        result = super().connect(model, optimizers, lr_schedulers)
+        trainer = getattr(model, "_trainer", None)
+        if trainer is not None and trainer.state.fn == "fit":
+            report_coverage(model, quantizing=True)
+        return result
 
     def _dtype_context(self) -> AbstractContextManager:
         if self.dtype == torch.float32:
@@ -226,7 +335,18 @@ class QuantizedPrecision(Precision):
         return apply_to_collection(data, function=_cast_floating(torch.get_default_dtype()), dtype=Tensor)
 
     def __repr__(self) -> str:
-        return f"QuantizedPrecision(mode={self.mode.name!r}, dtype={self.dtype}, ignore_modules={list(self.ignore_modules)})"
+        return (
+            f"QuantizedPrecision(mode={self.mode.name!r}, dtype={self.dtype}, ignore_modules={list(self.ignore_modules)}, "
+            f"quantize_head={self.quantize_head})"
+        )
+
+
+def _lora_saved(module: nn.Module) -> list[str]:
+    """``modules_to_save`` of the LoRA callbacks of the Trainer ``module`` is attached to (they stay unquantized)."""
+    from lightning_hbm.callbacks.lora import LoRA
+
+    trainer = getattr(module, "_trainer", None)
+    return [name for cb in getattr(trainer, "callbacks", []) if isinstance(cb, LoRA) for name in cb.modules_to_save]
 
 
 @contextmanager

@@ -57,6 +57,8 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hbm import resume
+
 
 log = logging.getLogger(__name__)
 
@@ -204,9 +206,8 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         for unit in units:
             fully_shard(unit, **kwargs)
         # One more unit per top-level child holding the remaining parameters (embeddings, head).
-        for child in module.children():
-            if any(True for _ in child.parameters()) and not isinstance(child, FSDPModule):
-                fully_shard(child, **kwargs)
+        for child in _remainder_units(module):
+            fully_shard(child, **kwargs)
         log.info("lightning_hbm: FSDP2 sharded %d units over %d ranks", len(units), mesh.size())
 
     # ----------------------------------------------------------------------------------------
@@ -252,13 +253,10 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
                 f"ckpt_path={str(path)!r} is a directory (a sharded checkpoint). QuantizedFSDPStrategy reads the "
                 "single-file checkpoints it writes (gathered on rank 0): pass the .ckpt file."
             )
+        resume.check_file(path)  # an empty or cut-short file is a clear error, as on one device
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         assert self.model is not None
-        # lightning_hbm's two-part checkpoint (lightning_hbm/resume.py): the adapters travel in its changed part
-        meta = checkpoint.get("lightning_hbm") or {}
-        placeholders = set(meta.get("placeholders", []))
-        state_dict = {k: v for k, v in checkpoint.pop("state_dict", {}).items() if k not in placeholders}
-        self._load_trainable({**state_dict, **meta.get("state_dict", {})})
+        self._load_trainable(_trainable_part(checkpoint, path))
         optimizer_states = checkpoint.pop("optimizer_states", [])
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and optimizer_states:
             for optimizer, full_state in zip(self.optimizers, optimizer_states):
@@ -292,6 +290,25 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
                 param.copy_(full)
 
 
+def _trainable_part(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The checkpoint's weights for :meth:`QuantizedFSDPStrategy._load_trainable`, CRCs verified.
+
+    lightning_hbm writes checkpoints in two parts (:mod:`lightning_hbm.resume`): ``state_dict`` holds what
+    fits the model as built (plus placeholders), ``checkpoint["lightning_hbm"]["state_dict"]`` the tensors
+    of the changed model (the adapters). This strategy restores after its surgery, into the changed model:
+    both parts, without the placeholders. A plain checkpoint (no second part) is read as it is.
+    """
+    state_dict = checkpoint.pop("state_dict", {})
+    meta = checkpoint.get(resume.META_KEY)
+    if meta is None:
+        return state_dict
+    resume.verify_checksums(meta, state_dict, path)
+    placeholders = set(meta.get("placeholders", []))
+    trainable = {k: v for k, v in state_dict.items() if k not in placeholders}
+    trainable.update(meta.get("state_dict", {}))
+    return trainable
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -314,6 +331,27 @@ def _shard_optimizer_state(optimizer: Optimizer, full_state: Mapping[str, Any]) 
     return {"state": state, "param_groups": full_state["param_groups"]}
 
 
+def _is_container(module: nn.Module) -> bool:
+    """A ``ModuleList``/``ModuleDict`` without ``forward``: torch's own test before ``fully_shard`` refuses it."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
+
+
+def _remainder_units(module: nn.Module) -> list[nn.Module]:
+    """Children of ``module`` that hold parameters outside any unit yet (embeddings, head, ...).
+
+    A container (``self.blocks = nn.ModuleList(...)`` on the LightningModule) cannot be a unit: the
+    members it holds are, each on its own.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units: list[nn.Module] = []
+    for child in module.children():
+        if isinstance(child, FSDPModule) or not any(True for _ in child.parameters()):
+            continue
+        units += _remainder_units(child) if _is_container(child) else [child]
+    return units
+
+
 def _choose_units(module: nn.Module, shard_modules: Optional[list[str]]) -> list[nn.Module]:
     """The submodules that become one FSDP unit each; validates the model before anything changes."""
     own = [name for name, _ in module.named_parameters(recurse=False)]
@@ -326,7 +364,11 @@ def _choose_units(module: nn.Module, shard_modules: Optional[list[str]]) -> list
     named = list(module.named_modules())
     if shard_modules is None:
         lists = {name for name, m in named if isinstance(m, nn.ModuleList)}
-        units = [(n, m) for n, m in named if n.rpartition(".")[0] in lists and n and any(True for _ in m.parameters())]
+        units = [
+            (n, m)
+            for n, m in named
+            if n and n.rpartition(".")[0] in lists and not _is_container(m) and any(True for _ in m.parameters())
+        ]
     else:
         found = {type(m).__name__ for _, m in named}
         unknown = [n for n in shard_modules if n not in found]
@@ -334,6 +376,13 @@ def _choose_units(module: nn.Module, shard_modules: Optional[list[str]]) -> list
             raise ValueError(
                 f"shard_modules={shard_modules!r}: {unknown} match no submodule class of {type(module).__name__}. "
                 f"Module classes in the model: {sorted(found)[:20]}."
+            )
+        containers = [m for _, m in named if _is_container(m) and type(m).__name__ in shard_modules]
+        if containers:
+            members = sorted({type(m).__name__ for m in containers[0].children()})
+            raise ValueError(
+                f"shard_modules={shard_modules!r}: {type(containers[0]).__name__} is a container without forward, "
+                f"which torch's fully_shard cannot make a unit: name the blocks it holds, e.g. {members[:3]}."
             )
         units = [(n, m) for n, m in named if type(m).__name__ in shard_modules]
     # fully_shard manages every parameter not yet managed below it: shard the innermost units first.

@@ -19,6 +19,7 @@ def test_tight_budget_measured_peak_under_budget(
     trainer_factory: Callable[..., Any],
     loss_recorder: Callable[[], Any],
     tmp_path: Any,
+    capsys: pytest.CaptureFixture,
 ) -> None:
     # tiny GPT, batch 4 x 64: full fine-tuning in fp32 peaks at ~4.8 MiB; 2 MiB forces a smaller configuration
     model = gpt_factory()
@@ -39,6 +40,14 @@ def test_tight_budget_measured_peak_under_budget(
     assert isinstance(trainer.strategy.precision_plugin, QuantizedPrecision)
     assert applied_transforms(model) == ["QuantizedPrecision(nf4-dq)", "LoRA", "ActivationCheckpointing"]
     assert len(recorder.losses) == 2
+    # at the end: one table, predicted and measured step peak side by side, per category
+    out = capsys.readouterr().out
+    table = out[out.index("AutoFit: nf4-dq+lora8+ac-full, predicted vs measured step peak (MiB)"):].splitlines()
+    assert table[1].split() == ["category", "predicted", "measured,", "step", "1", "measured/predicted"]
+    total = table[7].split()
+    assert total[0] == "total"
+    assert float(total[1]) == pytest.approx(chosen.peak / 2**20, abs=0.006)
+    assert float(total[2]) == pytest.approx(measured / 2**20, abs=0.006)
 
 
 def test_roomy_budget_keeps_the_users_configuration(
@@ -117,3 +126,13 @@ def test_conflicting_callbacks_are_an_error(
     trainer = trainer_factory(max_steps=1, callbacks=[LoRA(r=4), AutoFit(budget="1GiB")])
     with pytest.raises(ValueError, match=r"the Trainer already has \['LoRA'\]. Remove them"):
         trainer.fit(gpt_factory(), datamodule_factory(seq_len=16, batch_size=2))
+
+
+def test_comparison_without_a_profiler_says_how_to_measure() -> None:
+    from lightning_hbm.planner.autofit import compare_with_measured
+    from lightning_hbm.planner import Candidate, Prediction
+
+    prediction = Prediction(Candidate("nf4-dq", lora_r=16), categories={"parameters": 2**20, "activations": 3 * 2**20})
+    text = compare_with_measured(prediction, None)
+    assert text.splitlines()[0] == "AutoFit: nf4-dq+lora16, predicted vs measured step peak (MiB)"
+    assert "total" in text and "4.00" in text and "Add the HBMProfiler callback" in text

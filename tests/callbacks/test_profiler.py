@@ -16,11 +16,12 @@ from torch.utils._python_dispatch import _len_torch_dispatch_stack
 from lightning_hbm import HBMProfiler, QuantizedPrecision
 from lightning_hbm.callbacks.profiler import COLUMNS, REMEDIES
 from lightning_hbm.memory import parameter_bytes
+from lightning_hbm.memory.report import FORWARD_END, STEP_PEAK, MemoryReport, plot
 from lightning_hbm.models import NanoGPT
 
 
 def _fit(model: pl.LightningModule, trainer_factory: Callable[..., pl.Trainer], datamodule: Any, **kwargs: Any) -> HBMProfiler:
-    profiler = kwargs.pop("profiler", None) or HBMProfiler(every_n_steps=1, summary=False)
+    profiler = kwargs.pop("profiler", None) or HBMProfiler(every_n_steps=1, detailed_steps=(), summary=False)
     trainer = trainer_factory(callbacks=[profiler], **kwargs)
     trainer.fit(model, datamodule)
     return profiler
@@ -32,7 +33,7 @@ def test_light_mode_matches_hand_computed_bytes(
     model = gpt_factory()
     params = list(model.parameters())
     fp32 = sum(p.numel() * 4 for p in params)
-    profiler = _fit(model, trainer_factory, datamodule_factory(), max_steps=3, profiler=HBMProfiler(every_n_steps=1))
+    profiler = _fit(model, trainer_factory, datamodule_factory(), max_steps=3, profiler=HBMProfiler(every_n_steps=1, detailed_steps=()))
     assert [r["step"] for r in profiler.rows] == [0, 1, 2]
     for row in profiler.rows:
         assert row["mode"] == "light"
@@ -86,7 +87,7 @@ def test_detailed_step_has_peak_and_per_module_breakdown(
     model = gpt_factory()
     profiler = HBMProfiler(every_n_steps=2, detailed_steps=[1], summary=False)
     logger = CSVLogger(tmp_path)
-    _fit(model, trainer_factory, datamodule_factory(), max_steps=4, profiler=profiler, logger=logger)
+    _fit(model, trainer_factory, datamodule_factory(), max_steps=3, profiler=profiler, logger=logger)
     assert [(r["step"], r["mode"]) for r in profiler.rows] == [(0, "light"), (1, "detailed"), (2, "light")]
     light, detailed = profiler.rows[0], profiler.rows[1]
     # the tracked peak is made of the categories; it is at least the light mode's forward-end view
@@ -127,7 +128,7 @@ def test_oom_writes_report_and_reraises(
 ) -> None:
     checkpoint = tmp_path / "last.ckpt"
     checkpoint.write_bytes(b"existing checkpoint")
-    profiler = HBMProfiler(every_n_steps=1, summary=False)
+    profiler = HBMProfiler(every_n_steps=1, detailed_steps=(), summary=False)
     trainer = trainer_factory(callbacks=[profiler, _OOMAtStep(2, error)], max_steps=5)
     with pytest.raises(type(error), match="simulated"):
         trainer.fit(gpt_factory(), datamodule_factory())
@@ -195,8 +196,9 @@ def test_snapshot_off_cuda_warns(
     gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer], tmp_path: Path
 ) -> None:
     with pytest.warns(UserWarning, match="not on CUDA, so no snapshot"):
-        profiler = _fit(gpt_factory(), trainer_factory, datamodule_factory(), max_steps=3, profiler=HBMProfiler(snapshot_steps=(0, 1), summary=False), log_every_n_steps=2)
-    assert [r["step"] for r in profiler.rows] == [0, 2]  # default cadence: the Trainer's log_every_n_steps
+        profiler = _fit(gpt_factory(), trainer_factory, datamodule_factory(), max_steps=8, profiler=HBMProfiler(snapshot_steps=(0, 1), summary=False), log_every_n_steps=3)
+    # the first 5 steps (step 1 detailed), then the default cadence: the Trainer's log_every_n_steps
+    assert [(r["step"], r["mode"]) for r in profiler.rows] == [(0, "light"), (1, "detailed"), (2, "light"), (3, "light"), (4, "light"), (6, "light")]
     assert profiler.snapshot_path is None and not list(tmp_path.glob("*.pickle"))
 
 
@@ -267,3 +269,40 @@ def test_ddp_rank0_writes_max_over_ranks(tmp_path: Path) -> None:
     rows = json.loads((out / "hbm_profile.json").read_text())["rows"]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["activations"] > 8 * 2**20 for r in rows)  # rank 1's figure, written by rank 0
+
+
+def test_short_run_measures_its_first_steps_and_the_step_peak(
+    gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer],
+    tmp_path: Path, capsys: pytest.CaptureFixture,
+) -> None:
+    # examples/*.yaml measure every 20 steps: a 20-step run must still draw a curve, and show the step peak
+    profiler = _fit(gpt_factory(), trainer_factory, datamodule_factory(), max_steps=20, profiler=HBMProfiler(every_n_steps=20))
+    with open(tmp_path / "hbm_profile.csv") as f:
+        measured = [(int(r["step"]), r["mode"]) for r in csv.DictReader(f)]
+    assert measured == [(0, "light"), (1, "detailed"), (2, "light"), (3, "light"), (4, "light")]
+    figure = plot(profiler.rows, str(tmp_path / "again.png"))
+    ax = figure.axes[0]
+    stacked = ax.collections[0].get_paths()[0].vertices
+    assert len({round(x, 6) for x, _ in stacked}) == 4  # the 4 forward-end steps, stacked
+    assert ax.get_ylim()[1] > profiler.report().peak_row()["total"] / 2**20  # the peak label fits in the axes
+    out = capsys.readouterr().out
+    # both figures, each named by the point of the step it is, the step peak comparable with the planner's
+    assert "forward end, step" in out and "step peak, step 1" in out
+    assert FORWARD_END in out and STEP_PEAK in out
+    step_peak = profiler.report().step_peak()
+    assert step_peak["total"] == step_peak["tracked_peak"] >= profiler.report().forward_end_peak()["total"] * 0.5
+
+
+def test_one_measured_step_is_drawn_as_a_bar(tmp_path: Path) -> None:
+    row = {"step": 0, "mode": "light", "parameters": 2**20, "gradients": 0, "optimizer_states": 0, "activations": 3 * 2**20, "other": 0}
+    figure = plot([{**row, "total": 4 * 2**20}], str(tmp_path / "one.png"))
+    ax = figure.axes[0]
+    assert [round(p.get_height(), 3) for p in ax.patches if p.get_height() > 0] == [1.0, 3.0]  # stacked bars, MiB
+    assert ax.get_ylim() == (0.0, pytest.approx(4.8))
+
+
+def test_summary_without_a_detailed_step_says_how_to_get_it(capsys: pytest.CaptureFixture) -> None:
+    row = {"step": 3, "mode": "light", "parameters": 1, "gradients": 1, "optimizer_states": 2, "activations": 20, "other": 0, "total": 24}
+    MemoryReport([row]).print_summary()
+    out = capsys.readouterr().out
+    assert "forward end, step 3" in out and "step peak: not measured" in out and "detailed_steps=[1]" in out

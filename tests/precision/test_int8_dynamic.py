@@ -121,6 +121,46 @@ def test_backward_reaches_input_through_dequantized_weight(dtype: torch.dtype) -
     torch.testing.assert_close(layer.bias.grad, grad_out.sum((0, 1)))
 
 
+def reference_linear(layer: Int8DynamicLinear, dtype: torch.dtype) -> nn.Linear:
+    """``nn.Linear`` holding the weight the int8 layer really uses (``int8 * scale``), in ``dtype``."""
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=False).to(dtype)
+    linear.weight.data = layer.dequantize().to(dtype)
+    return linear
+
+
+def test_fp16_gradient_of_1e5_reaches_input_and_lora_a_like_nn_linear() -> None:
+    # Before: grad_out * weight_scale (~1e-5 * 1e-3) was cast to fp16 before the matmul, below fp16's smallest
+    # subnormal: the input gradient was exactly 0, so every LoRA adapter below such a layer trained nothing.
+    torch.manual_seed(0)
+    layer = Int8DynamicLinear.from_linear(nn.Linear(64, 32, bias=False))
+    x = torch.randn(4, 64, dtype=torch.float16, requires_grad=True)
+    grad_out = torch.full((4, 32), 1e-5, dtype=torch.float16)
+    layer(x).backward(grad_out)
+    x_ref = x.detach().clone().requires_grad_()
+    reference_linear(layer, torch.float16)(x_ref).backward(grad_out)
+    assert x_ref.grad.abs().min() > 0
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=2e-3, atol=1e-7)
+
+    # the same through peft: a LoRA adapter on the layer below gets a non-zero gradient
+    model = nn.Sequential(nn.Linear(64, 64), Int8DynamicLinear.from_linear(nn.Linear(64, 32))).half()
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["0"], init_lora_weights=False), model)
+    (model(x.detach()) * 1e-5).sum().backward()
+    assert model[0].lora_A["default"].weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("magnitude", [1e36, 1e-30], ids=["large-output-1e36", "tiny-input-1e-30"])
+def test_large_output_in_fp32_is_finite_like_nn_linear(magnitude: float) -> None:
+    # Before: acc * x_scale (~1e6 * 1e34) overflowed fp32 to inf for inputs around 1e36 where nn.Linear is
+    # finite; and a 1e-12 floor on the scales rounded every row below ~1e-10 to zero.
+    torch.manual_seed(0)
+    layer = Int8DynamicLinear.from_linear(nn.Linear(64, 32, bias=False))
+    x = torch.randn(4, 64) * magnitude
+    out, expected = layer(x), reference_linear(layer, torch.float32)(x)
+    assert out.isfinite().all() and expected.isfinite().all()
+    out, expected = out / magnitude, expected / magnitude  # the norm of 1e36-sized values overflows fp32
+    assert (out - expected).norm() / expected.norm() < 0.02
+
+
 def test_works_under_non_reentrant_activation_checkpointing() -> None:
     model = quantized(linear_stack(depth=2), "int8-dynamic")
     x = torch.randn(4, 256, requires_grad=True)

@@ -14,7 +14,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strate
 from lightning_hbm import CPUOffloadStrategy, LoRA, MemoryEfficientOptimizer, QuantizedPrecision
 from lightning_hbm.callbacks.optimizer import optimizer_state_bytes
 from lightning_hbm.models import NanoGPT
-from lightning_hbm.strategies.cpu_offload import OffloadedOptimizer, offloaded_state_bytes
+from lightning_hbm.strategies.cpu_offload import OffloadedOptimizer, host_offload_bytes
 
 TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=128)
 
@@ -57,7 +57,8 @@ def test_updates_equal_plain_run(
     assert optimizer.param_groups[0]["lr"] == pytest.approx(model.lr / 5)
     assert optimizer.state_dict()["offloaded"]["param_groups"][0]["lr"] == pytest.approx(model.lr / 5)
     # Where the state lives: nothing is keyed by the model's parameters, all of it by separate
-    # master copies on the offload device (8 B/param of AdamW moments + a step counter each).
+    # master copies on the offload device. Host memory: fp32 masters (4 B/param) + gradient buffers (4 B)
+    # + AdamW moments (8 B) + a step counter per tensor: twice the 8 B/param a plain run keeps as states.
     assert len(optimizer.state) == 0
     masters = list(optimizer.masters.values())
     params = [p for p in model.parameters()]
@@ -65,7 +66,7 @@ def test_updates_equal_plain_run(
     assert not {m.untyped_storage().data_ptr() for m in masters} & {p.untyped_storage().data_ptr() for p in params}
     assert all(m.device == optimizer.offload_device and m.dtype == torch.float32 for m in masters)
     n = sum(p.numel() for p in params)
-    assert offloaded_state_bytes(optimizer) == 8 * n + 4 * len(params)
+    assert host_offload_bytes(trainer.optimizers) == 16 * n + 4 * len(params)
     if offload_gradients:  # gradients were freed on the device as soon as they were accumulated
         assert all(p.grad is None for p in params)
 
@@ -133,9 +134,40 @@ def test_composes_with_8bit_optimizer(trainer_factory: Any, datamodule_factory: 
     )
     optimizer = trainer.optimizers[0]
     assert type(optimizer.offloaded) is bnb.optim.AdamW8bit  # 8-bit states, on the offload device
-    assert offloaded_state_bytes(optimizer) < 0.3 * 8 * sum(p.numel() for p in model.parameters())
+    n = sum(p.numel() for p in model.parameters())
+    assert host_offload_bytes(optimizer) - 8 * n < 0.3 * 8 * n  # fp32 masters + gradient buffers + 8-bit states
     assert optimizer_state_bytes(optimizer) == 0
     assert losses[-1] < losses[0]
+
+
+def test_profiler_reports_host_offload_beside_the_five_terms(
+    trainer_factory: Any, datamodule_factory: Any, loss_recorder: Any, tmp_path: Any
+) -> None:
+    """The five terms count what is on the training device and in ``optimizer.state``: 0 optimizer states for
+    an offloaded run, which holds more than the plain one. ``hbm/host_offload`` says how much, in host memory."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_hbm import HBMProfiler
+
+    rows, logged = {}, {}
+    for strategy in ("auto", "cpu_offload"):
+        profiler = HBMProfiler(every_n_steps=1, summary=False, dirpath=str(tmp_path / strategy))
+        logger = CSVLogger(tmp_path, name=strategy)
+        trainer, model, _ = _fit(
+            trainer_factory, datamodule_factory, loss_recorder, steps=2, strategy=strategy, callbacks=[profiler], logger=logger
+        )
+        rows[strategy] = profiler.rows[-1]
+        with open(f"{logger.log_dir}/metrics.csv") as f:
+            logged[strategy] = [r for r in csv.DictReader(f) if r.get("hbm/host_offload")]
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    assert rows["auto"]["optimizer_states"] == 8 * n + 4 * len(params) and rows["auto"]["host_offload"] == 0
+    assert rows["cpu_offload"]["optimizer_states"] == 0
+    assert rows["cpu_offload"]["host_offload"] == 16 * n + 4 * len(params)  # 2x the plain run's states
+    assert logged["auto"] == [] and len(logged["cpu_offload"]) == 2
+    assert float(logged["cpu_offload"][-1]["hbm/host_offload"]) == pytest.approx((16 * n + 4 * len(params)) / 2**20)
 
 
 def test_composes_with_qlora(trainer_factory: Any, datamodule_factory: Any, loss_recorder: Any) -> None:

@@ -2,8 +2,9 @@
 
 The 2-rank runs happen in a subprocess that runs this very file as a script (``python
 test_fsdp_qlora.py fsdp OUT``): Lightning's launcher starts rank 1 by re-running the same command, and
-the pytest process itself never forks into a process group. One 2-rank run serves three tests
-(loss, bytes, checkpoint): it costs ~15 s of the 90 s budget.
+the pytest process itself never forks into a process group. One 2-rank run serves the 2-rank tests
+(loss, bytes, planner, checkpoint, and a block list held directly by the LightningModule, fitted second in
+the same process group): it costs ~15 s of the 90 s budget.
 
 Tolerance: fp32 compute, so the only difference between 1 and 2 ranks is the order of the gradient
 sum (reduce-scatter of two half-batch means vs one full-batch mean): losses agree to 1e-5 absolute.
@@ -12,6 +13,7 @@ sum (reduce-scatter of two half-batch means vs one full-batch mean): losses agre
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -105,6 +107,54 @@ def _global_losses() -> Any:
     return GlobalLoss()
 
 
+def _blocks_on_module() -> Any:
+    """A LightningModule holding its block list directly (``self.blocks = nn.ModuleList(...)``), same on every rank."""
+    import lightning.pytorch as pl
+    from torch import nn
+
+    class BlocksOnModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(256, 32)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2))
+            self.head = nn.Linear(32, 256)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x = self.embed(batch[0])
+            for block in self.blocks:
+                x = x + block(x)
+            return nn.functional.cross_entropy(self.head(x).flatten(0, 1), batch[1].flatten())
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    return BlocksOnModule()
+
+
+def _fit_blocks_on_module(out: Path) -> dict[str, Any]:
+    """2 steps of fsdp_qlora + nf4 + LoRA on :func:`_blocks_on_module` (same process group as the main run)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hbm.data import synthetic_batch
+
+    recorder = _global_losses()
+    trainer = _trainer(2, "fsdp_qlora", str(out / "blocks"), 1, _callbacks() + [recorder])
+    model = _blocks_on_module()
+    trainer.fit(model, train_dataloaders=DataLoader(TensorDataset(*synthetic_batch(4, 16)), batch_size=2))
+    weight = model.blocks[0][0].base_layer.weight  # the packed 4-bit weight under the LoRA wrapper
+    return {
+        "losses": recorder.losses,
+        "blocks_are_units": all(isinstance(block, FSDPModule) for block in model.blocks),
+        "list_is_unit": isinstance(model.blocks, FSDPModule),
+        "embed_head_are_units": isinstance(model.embed, FSDPModule) and isinstance(model.head, FSDPModule),
+        "weight_local_numel": weight.to_local().numel(),
+        "weight_numel": weight.numel(),
+        "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+    }
+
+
 def worker(out: Path) -> None:
     """Rank body of the 2-process run: train one epoch with FSDP2 + nf4 + LoRA, save a checkpoint."""
     import torch.distributed as dist
@@ -133,6 +183,7 @@ def worker(out: Path) -> None:
         "optimizer_bytes": optimizer_bytes,
         "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
         "dtensor_params": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
+        "blocks_on_module": _fit_blocks_on_module(out),
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
 
@@ -140,8 +191,14 @@ def worker(out: Path) -> None:
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp_qlora")
+    import lightning_hbm
+
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # The ranks import the lightning_hbm this process tests (a script's sys.path starts at its own folder,
+    # so they would otherwise import whatever copy is installed in the environment).
+    package_root = str(Path(lightning_hbm.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "fsdp", str(out)],
         env=env,
@@ -258,19 +315,35 @@ def test_checkpoint_from_two_ranks_resumes_on_one(
 ) -> None:
     ckpt = two_rank_run / "fsdp.ckpt"
     checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
-    checkpoint["state_dict"] = _saved(checkpoint)
-    keys = sorted(checkpoint["state_dict"])
-    # adapter-only: no quantized base; full (gathered, unsharded) tensors in the torch.optim format
+    # lightning_hbm's two-part form (lightning_hbm/resume.py): the adapters do not fit the model as built, so they
+    # are in the second part; adapter-only: no quantized base; full (gathered, unsharded) tensors
+    adapters = checkpoint["lightning_hbm"]["state_dict"]
+    keys = sorted(adapters)
     assert keys == _ranks(two_rank_run)[0]["trainable"]
+    assert not any(".lora_" in k or k.endswith("c_attn.weight") for k in checkpoint["state_dict"])
     model = reference["model"]
     for key in keys:
-        assert type(checkpoint["state_dict"][key]) is torch.Tensor
-        assert checkpoint["state_dict"][key].shape == model.get_parameter(key).shape
+        assert type(adapters[key]) is torch.Tensor
+        assert adapters[key].shape == model.get_parameter(key).shape
     assert sorted(checkpoint["optimizer_states"][0]["state"]) == list(range(len(keys)))
     # 1 process, no FSDP: epoch 2 after the 2-rank epoch 1 equals epoch 2 of the uninterrupted run
     resumed, _, _ = _single_process(tmp_path, epochs=2, ckpt=ckpt)
     expected = reference["losses"][STEPS_PER_EPOCH:]
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_modulelist_on_the_lightning_module_shards_its_blocks(two_rank_run: Path) -> None:
+    """``self.blocks = nn.ModuleList(...)`` directly on the LightningModule, 2 ranks: each block is a unit, the list
+    never is (``fully_shard`` refuses containers without ``forward``; before, that failed after quantization and
+    LoRA had changed the model), and each rank holds half of every block's 4-bit weight."""
+    runs = [rank["blocks_on_module"] for rank in _ranks(two_rank_run)]
+    for run in runs:
+        assert run["blocks_are_units"] and not run["list_is_unit"] and run["embed_head_are_units"]
+        assert run["weight_local_numel"] * 2 == run["weight_numel"]
+        assert run["trainable"] and all(".lora_" in n for n in run["trainable"])
+        assert len(run["losses"]) == 2 and all(math.isfinite(loss) for loss in run["losses"])
+    assert runs[0]["losses"] == runs[1]["losses"]  # reduced over ranks
 
 
 @pytest.fixture
@@ -339,6 +412,21 @@ def test_quantized_base_without_lora_trains_norms_and_embeddings(tmp_path: Path,
     assert sorted(checkpoints["fsdp_qlora"]) == names
     for name in names:
         torch.testing.assert_close(checkpoints["fsdp_qlora"][name], checkpoints["auto"][name], atol=1e-5, rtol=0)
+
+
+def test_container_class_as_shard_module_fails_before_the_model_changes(
+    gpt_factory: Any, trainer_factory: Any, no_process_group: Any
+) -> None:
+    from lightning_hbm import QuantizedFSDPStrategy, QuantizedPrecision
+
+    model = gpt_factory()
+    trainer = trainer_factory(
+        strategy=QuantizedFSDPStrategy(shard_modules=["ModuleList"]), plugins=[QuantizedPrecision("nf4", dtype="float32")]
+    )
+    with pytest.raises(ValueError, match=r"shard_modules=\['ModuleList'\]: ModuleList is a container without forward.*"
+                       r"name the blocks it holds, e.g. \['Block'\]"):
+        trainer.fit(model, train_dataloaders=[_batch()])
+    assert type(model.model.h[0].attn.c_attn) is torch.nn.Linear  # nothing half-applied
 
 
 # ---------------------------------------------------------------- errors (no second process)

@@ -1,0 +1,116 @@
+"""``LinearExperts``: a transformers-5 mixture-of-experts layer whose experts are ordinary ``nn.Linear`` layers.
+
+transformers 5 stores all experts of a MoE layer (Mixtral, Qwen-MoE, ...) in two 3-D Parameters,
+``gate_up_proj`` ``[experts, 2 * intermediate, hidden]`` and ``down_proj`` ``[experts, hidden,
+intermediate]``, read by index in its forward (or by a grouped-matmul kernel). Nothing Linear-based
+reaches them: they stayed in 16 bits (77 % of a Mixtral's parameters) with no adapter.
+
+Why a replacement module rather than a quantized 3-D tensor behind a parametrization: a weight that
+is dequantized and then used in ``F.linear`` is saved by autograd for the backward, so every MoE
+layer's dequantized experts would stay alive until the backward (the memory the quantization was to
+save). Per-expert Linears go through the precision mode's own layer (bitsandbytes' ``Linear4bit``
+keeps only the packed weight for backward), and LoRA adapts each expert with peft's ordinary layers.
+The computation is transformers' eager experts loop, token routing included; outputs and gradients
+equal the original's (tests/test_layer_kinds.py).
+
+Supported: experts classes built with transformers' ``use_experts_implementation`` in its default
+layout (concatenated gate/up, not transposed, no bias, no post-expert norm, the default gate). Other
+layouts are left as they are and named by the coverage table's warning.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from typing_extensions import override
+
+
+def _default_gate() -> Optional[object]:
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return None
+    return _default_apply_gate
+
+
+def supported(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers-5 experts layer in the layout :class:`LinearExperts` reproduces."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3):
+        return False
+    layout = (
+        getattr(module, "has_gate", None),
+        getattr(module, "is_concatenated", None),
+        getattr(module, "is_transposed", None),
+        getattr(module, "has_bias", None),
+        getattr(module, "has_post_expert_norm", None),
+    )
+    default = _default_gate()
+    return layout == (True, True, False, False, False) and default is not None and type(module)._apply_gate is default
+
+
+class LinearExperts(nn.Module):
+    """The experts of one MoE layer as ``gate_up_proj[e]`` and ``down_proj[e]`` Linears; same call as the original."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act_fn: nn.Module) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.act_fn = act_fn
+        self.gate_up_proj = nn.ModuleList(nn.Linear(hidden, 2 * intermediate, bias=False) for _ in range(num_experts))
+        self.down_proj = nn.ModuleList(nn.Linear(intermediate, hidden, bias=False) for _ in range(num_experts))
+
+    @classmethod
+    def from_transformers(cls, module: nn.Module) -> LinearExperts:
+        """Take over the experts of ``module`` (see :func:`supported`): one Linear per expert and projection."""
+        experts, double_intermediate, hidden = module.gate_up_proj.shape
+        with torch.device("meta"):
+            new = cls(experts, hidden, double_intermediate // 2, nn.Identity())
+        new.act_fn = module.act_fn
+        for source, target in ((module.gate_up_proj, new.gate_up_proj), (module.down_proj, new.down_proj)):
+            for index, linear in enumerate(target):
+                # [experts, out, in]: expert e is already a Linear weight [out, in]
+                linear.weight = nn.Parameter(source.detach()[index].clone(), requires_grad=source.requires_grad)
+        new.train(module.training)
+        return new
+
+    @override
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if is_fake(hidden_states):
+            return self._balanced(hidden_states, top_k_weights)
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert in hit.flatten().tolist():
+            if expert == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(expert_mask[expert])
+            gate, up = self.gate_up_proj[expert](hidden_states[token_idx]).chunk(2, dim=-1)
+            out = self.down_proj[expert](self.act_fn(gate) * up)
+            out = out * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+    def _balanced(self, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The planner's trace (fake tensors hold no values, so no routing): every expert gets an equal share.
+
+        Each expert computes ``ceil(tokens * top_k / experts)`` tokens, the balanced load the router's
+        auxiliary loss aims for; the planned activations are those of a balanced step.
+        """
+        tokens, top_k = top_k_weights.shape
+        share = min(tokens, math.ceil(tokens * top_k / self.num_experts))
+        final = torch.zeros_like(hidden_states)
+        index = torch.arange(share, device=hidden_states.device)
+        for expert in range(self.num_experts):
+            gate, up = self.gate_up_proj[expert](hidden_states[:share]).chunk(2, dim=-1)
+            out = self.down_proj[expert](self.act_fn(gate) * up) * top_k_weights[:share, :1]
+            final.index_add_(0, index, out.to(final.dtype))
+        return final
+
+
+__all__ = ["LinearExperts", "supported"]

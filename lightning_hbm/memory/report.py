@@ -1,0 +1,294 @@
+"""The memory report: CSV, JSON, PNG and console summary of measured steps, for the profiler and the CLI.
+
+One renderer for :class:`~lightning_hbm.HBMProfiler` (at the end of fit and on out-of-memory) and for
+``lightning-hbm report RUN_DIR`` (re-rendering a finished run from its JSON), so both show the same
+thing. A report is a list of rows, one per measured step, in bytes: ``step``, ``mode`` (``light``:
+the forward's end; ``detailed``: the whole step's tracked peak; ``oom``: the forward of a failed
+step), one value per :data:`~lightning_hbm.memory.CATEGORIES`, ``total``, ``tracked_peak`` and any
+further columns the profiler adds (CUDA allocator figures, ...): those are written and printed too.
+
+Two figures are kept apart because they are measured at different points of a step:
+
+- **forward end** (light rows): the graph holds every activation and the previous step's gradients
+  are still alive. Cheap to measure, so it is measured often.
+- **step peak** (detailed rows): the largest live total over the whole step, backward and optimizer
+  temporaries included (as ``other``). This is what :func:`lightning_hbm.plan` predicts, so this is
+  the figure to compare with the planner's.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from lightning_utilities.core.imports import RequirementCache
+
+from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown
+
+_RICH_AVAILABLE = RequirementCache("rich")
+_MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib")
+_MIB = 2**20
+
+#: The lightning_hbm feature that shrinks each category (used by the diagnosis).
+REMEDIES: dict[str, str] = {
+    "parameters": "store frozen base weights quantized (QuantizedPrecision('nf4-dq')) and train LoRA adapters",
+    "gradients": "train fewer parameters: LoRA adapters on a frozen (quantized) base",
+    "optimizer_states": "use 8-bit optimizer states or offload them (MemoryEfficientOptimizer)",
+    "activations": "recompute activations in backward (ActivationCheckpointing) or lower the batch size",
+    "other": "lower the batch size; check buffers and temporaries (run a step with detailed_steps=[n])",
+}
+
+#: Columns every row has; any other column is an extra figure, written and printed when present.
+REQUIRED = ("step", "mode", *CATEGORIES, "total")
+_NOT_EXTRA = frozenset((*REQUIRED, "batch_idx", "tracked_peak"))
+
+FORWARD_END = "forward end: graph alive, previous gradients not yet zeroed (light mode)"
+STEP_PEAK = "step peak: whole step incl. backward/optimizer temporaries (detailed mode; what the planner predicts)"
+
+
+@dataclass
+class MemoryReport:
+    """Measured steps (``rows``, bytes), per-module breakdowns of detailed steps, CUDA snapshot path."""
+
+    rows: list[dict[str, Any]]
+    columns: Sequence[str] = ()  # CSV columns; default: the first row's keys
+    modules: dict[int, dict[str, dict[str, int]]] = field(default_factory=dict)
+    snapshot: Optional[str] = None
+
+    # -- the figures ----------------------------------------------------------------------------
+    def peak_row(self) -> Optional[dict[str, Any]]:
+        """The measured step with the largest category total, whatever its mode."""
+        return max(self.rows, key=lambda r: r["total"]) if self.rows else None
+
+    def forward_end_peak(self) -> Optional[dict[str, Any]]:
+        """The light (or out-of-memory) row with the largest total: the largest forward-end figure."""
+        rows = [r for r in self.rows if r["mode"] != "detailed"]
+        return max(rows, key=lambda r: r["total"]) if rows else None
+
+    def step_peak(self) -> Optional[dict[str, Any]]:
+        """The detailed row with the largest tracked peak: the whole-step peak, comparable with the planner."""
+        rows = [r for r in self.rows if r["mode"] == "detailed"]
+        return max(rows, key=lambda r: r["total"]) if rows else None
+
+    def diagnosis(self) -> str:
+        """The category that dominated the last measured step, and the feature that shrinks it."""
+        if not self.rows:
+            return "No step was measured before the failure (it happened in the first forward or before training)."
+        row = self.rows[-1]
+        breakdown = MemoryBreakdown(**{c: row[c] for c in CATEGORIES})
+        top = breakdown.dominant()
+        share = 100.0 * row[top] / max(breakdown.total, 1)
+        return (
+            f"At step {row['step']} {top} held {row[top] / _MIB:.1f} MiB ({share:.0f}% of "
+            f"{breakdown.total / _MIB:.1f} MiB measured). To shrink it: {REMEDIES[top]}."
+        )
+
+    # -- files ----------------------------------------------------------------------------------
+    def write(self, directory: Union[str, Path], stem: str) -> dict[str, str]:
+        """Write ``{stem}.csv``, ``{stem}.json`` and (matplotlib installed) ``{stem}.png``; return their paths."""
+        directory = str(directory)
+        os.makedirs(directory, exist_ok=True)
+        paths = {"csv": os.path.join(directory, f"{stem}.csv"), "json": os.path.join(directory, f"{stem}.json")}
+        columns = list(self.columns or (self.rows[0] if self.rows else REQUIRED))
+        with open(paths["csv"], "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows({k: ("" if row.get(k) is None else row[k]) for k in columns} for row in self.rows)
+        peak, forward_end, step_peak = self.peak_row(), self.forward_end_peak(), self.step_peak()
+        report = {
+            "categories": list(CATEGORIES),
+            "unit": "bytes",
+            "columns": columns,
+            "rows": self.rows,
+            "peak_step": peak["step"] if peak else None,
+            "peak": peak,
+            "forward_end_peak": forward_end,
+            "step_peak": step_peak,
+            "modules": {str(step): modules for step, modules in self.modules.items()},
+            "diagnosis": self.diagnosis(),
+            "snapshot": self.snapshot,
+        }
+        with open(paths["json"], "w") as f:
+            json.dump(report, f, indent=1)
+        if _MATPLOTLIB_AVAILABLE and self.rows:
+            paths["png"] = os.path.join(directory, f"{stem}.png")
+            plot(self.rows, paths["png"])
+        return paths
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "MemoryReport":
+        """Read a report written by :meth:`write` (``path``: the JSON, or a run directory searched for the newest)."""
+        json_path = find_report(path)
+        try:
+            report = json.loads(json_path.read_text())
+            rows = report["rows"]
+            modules = {int(step): m for step, m in report.get("modules", {}).items()}
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"report: {str(json_path)!r} is not an HBMProfiler report ({type(err).__name__}: {err}).") from err
+        if not rows or not all(isinstance(row, dict) and all(c in row for c in REQUIRED) for row in rows):
+            raise ValueError(f"report: {str(json_path)!r} holds no complete measured step; nothing to render.")
+        return cls(rows, report.get("columns") or (), modules, report.get("snapshot"))
+
+    # -- console ----------------------------------------------------------------------------------
+    def summary_lines(self) -> tuple[str, list[tuple[str, ...]], list[str]]:
+        """(title, table rows with a header first, notes): each category at the forward-end and step peaks."""
+        forward_end, step_peak = self.forward_end_peak(), self.step_peak()
+        shown = [(f"forward end, step {r['step']}", r) for r in (forward_end,) if r is not None]
+        shown += [(f"step peak, step {r['step']}", r) for r in (step_peak,) if r is not None]
+        last = shown[-1][1]
+        header = ("category", *(name for name, _ in shown), "share")
+        lines: list[tuple[str, ...]] = [header]
+        for category in (*CATEGORIES, "total"):
+            share = 100.0 * last[category] / max(last["total"], 1)
+            lines.append((category, *(f"{r[category] / _MIB:,.2f}" for _, r in shown), f"{share:.0f}%"))
+        for extra in self._extra_columns():
+            if any(r.get(extra) is not None for _, r in shown):
+                values = ("" if r.get(extra) is None else f"{r[extra] / _MIB:,.2f}" for _, r in shown)
+                lines.append((extra, *values, ""))
+        steps = sorted({r["step"] for r in self.rows})
+        title = f"HBMProfiler (MiB): {len(steps)} steps measured ({_ranges(steps)})"
+        notes = [FORWARD_END] if forward_end is not None else []
+        if step_peak is not None:
+            notes.append(STEP_PEAK)
+        else:
+            notes.append("step peak: not measured (no detailed step ran); HBMProfiler(detailed_steps=[1]) measures it")
+        return title, lines, notes
+
+    def print_summary(self, paths: Optional[dict[str, str]] = None) -> None:
+        """Print :meth:`summary_lines` (a rich table when rich is installed) and the report's paths."""
+        if not self.rows:
+            return
+        title, lines, notes = self.summary_lines()
+        footer = [*notes, *([f"Report: {', '.join(paths.values())}"] if paths else [])]
+        if _RICH_AVAILABLE:
+            from rich.console import Console
+            from rich.table import Table
+
+            table = Table(title=title)
+            for i, name in enumerate(lines[0]):
+                table.add_column(name, justify="left" if i == 0 else "right")
+            for line in lines[1:]:
+                table.add_row(*line)
+            console = Console()
+            console.print(table)
+            for note in footer:
+                console.print(note, highlight=False, soft_wrap=True)
+        else:
+            print(title)
+            print("\n".join(format_table(lines)))
+            print("\n".join(footer))
+
+    def _extra_columns(self) -> list[str]:
+        columns = self.columns or (self.rows[0] if self.rows else ())
+        return [c for c in columns if c not in _NOT_EXTRA]
+
+
+def format_table(lines: Sequence[Sequence[str]]) -> list[str]:
+    """Plain-text table: first column left-aligned, the others right-aligned, widths from the content."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))) for line in lines
+    ]
+
+
+def find_report(path: Union[str, Path]) -> Path:
+    """The report ``hbm_profile*.json`` at ``path`` (a file, or the newest one under a run directory)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise ValueError(f"report: {str(path)!r} is neither a run directory nor an hbm_profile.json file.")
+    found = sorted(path.rglob("hbm_profile*.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise ValueError(
+            f"report: no hbm_profile*.json under {str(path)!r}. Train with the HBMProfiler callback "
+            "(`- class_path: HBMProfiler` in trainer.callbacks) to write one."
+        )
+    return found[-1]
+
+
+def render_report(path: Union[str, Path], out_dir: Optional[Union[str, Path]] = None) -> dict[str, str]:
+    """Re-render a finished run's profiler report: summary table, CSV, JSON and plot, from its JSON.
+
+    Written next to the JSON unless ``out_dir`` is given. Returns the paths written.
+    """
+    json_path = find_report(path)
+    report = MemoryReport.load(json_path)
+    paths = report.write(out_dir or json_path.parent, json_path.stem)
+    report.print_summary(paths)
+    print(report.diagnosis())
+    return paths
+
+
+def _ranges(steps: list[int]) -> str:
+    """``[0, 1, 2, 3, 4, 10, 20]`` -> ``"steps 0-4, 10, 20"``."""
+    parts: list[str] = []
+    start = prev = steps[0]
+    for step in (*steps[1:], None):
+        if step is not None and step == prev + 1:
+            prev = step
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else str(start))
+        if step is not None:
+            start = prev = step
+    return "steps " + ", ".join(parts)
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> Any:
+    """Categories stacked over the forward-end steps, detailed steps' peaks as markers, the largest labelled.
+
+    A single forward-end step is drawn as a stacked bar (a stack plot of one point has no area).
+    Returns the matplotlib ``Figure`` (already saved to ``path``).
+    """
+    # Figure + Agg canvas directly: no global pyplot backend switch in the user's process.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    light = [r for r in rows if r["mode"] != "detailed"] or rows
+    detailed = [r for r in rows if r["mode"] == "detailed"]
+    figure = Figure(figsize=(9, 4.5))
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
+    steps = [r["step"] for r in light]
+    if len(light) == 1:
+        bottom = 0.0
+        for category in CATEGORIES:
+            value = light[0][category] / _MIB
+            ax.bar(steps, [value], bottom=bottom, width=0.6, label=category)
+            bottom += value
+        ax.set_xticks(steps)
+    else:
+        ax.stackplot(steps, [[r[c] / _MIB for r in light] for c in CATEGORIES], labels=list(CATEGORIES))
+    if detailed:
+        ax.plot([r["step"] for r in detailed], [r["total"] / _MIB for r in detailed], "kx", markersize=9,
+                label="step peak (detailed step)")  # fmt: skip
+    if any(r.get("cuda_peak_allocated") is not None for r in rows):
+        ax.plot([r["step"] for r in rows], [(r["cuda_peak_allocated"] or 0) / _MIB for r in rows], color="black",
+                label="CUDA peak allocated")  # fmt: skip
+    peak = max(rows, key=lambda r: r["total"])
+    all_steps = [r["step"] for r in rows]
+    left_half = peak["step"] <= (min(all_steps) + max(all_steps)) / 2
+    ax.annotate(  # the text runs towards the middle of the plot, so it never leaves the axes
+        f"peak {peak['total'] / _MIB:.1f} MiB (step {peak['step']}, {peak['mode']})",
+        xy=(peak["step"], peak["total"] / _MIB),
+        xytext=(6 if left_half else -6, 8),
+        textcoords="offset points",
+        ha="left" if left_half else "right",
+    )
+    ax.set_ylim(0, peak["total"] / _MIB * 1.2)  # room above the peak for its label
+    ax.set_xlabel("global step")
+    ax.set_ylabel("MiB")
+    ax.set_title("HBMProfiler: memory by category (stacked: forward end)")
+    # outside the axes: a legend inside would cover the peak label on long runs
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    return figure
+
+
+__all__ = ["FORWARD_END", "REMEDIES", "STEP_PEAK", "MemoryReport", "find_report", "format_table", "plot", "render_report"]
