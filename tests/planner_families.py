@@ -76,13 +76,13 @@ FAMILIES: dict[str, Callable[[], pl.LightningModule]] = {
     "encoder": EncoderLM,
 }
 
-# Ten configurations over the four families. GPT-2's Conv1D layers are not quantized by QuantizedPrecision
-# (yet), nor does LoRA's "all-linear" select them: it is planned with bf16/fp32 bases, checkpointing, 8-bit Adam.
+# Ten configurations over the four families, every axis (precision, LoRA, checkpointing, optimizer) on each of
+# the transformers families; GPT-2's Conv1D layers are quantized and adapted as Linears (lightning_hbm's layer kinds).
 MEMTRACKER_CASES: list[tuple[str, Candidate]] = [
     ("llama", Candidate("32-true")),
     ("llama", Candidate("nf4-dq", lora_r=8)),
     ("llama", Candidate("bf16-true", checkpointing="full", optimizer="adamw8bit")),
-    ("gpt2", Candidate("bf16-true")),
+    ("gpt2", Candidate("nf4-dq", lora_r=8)),
     ("gpt2", Candidate("32-true", checkpointing="full", optimizer="adamw8bit")),
     ("bert", Candidate("32-true")),
     ("bert", Candidate("int8", lora_r=8, checkpointing="selective")),
