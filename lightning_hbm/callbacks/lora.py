@@ -279,7 +279,7 @@ class LoRA(SurgeryCallback):
         named = dict(module.named_modules())
         narrow = []
         for name in targets:
-            layer = named[name]
+            layer = named.get(name)  # None: a projection a layer-kind conversion creates (MultiheadAttention, experts)
             width = min(getattr(layer, "in_features", self.r), getattr(layer, "out_features", self.r))
             if self.r > width:
                 narrow.append(f"{name} ({width})")

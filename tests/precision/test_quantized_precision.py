@@ -246,7 +246,7 @@ def test_meta_weights_cannot_be_quantized() -> None:
 
 def test_bitsandbytes_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bnb_modes, "_BNB_AVAILABLE", RequirementCache("bitsandbytes-not-installed-here"))
-    with pytest.raises(ModuleNotFoundError, match=r"need bitsandbytes>=0\.46.*pip install 'bitsandbytes>=0\.46'"):
+    with pytest.raises(ModuleNotFoundError, match=r"need bitsandbytes>=0\.50.*pip install 'bitsandbytes>=0\.50'"):
         QuantizedPrecision("nf4")
 
 
