@@ -7,6 +7,8 @@ after a first step, in Lightning's order (see ``lightning_hbm/planner/reference.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from lightning_hbm.data import synthetic_batch
@@ -30,3 +32,9 @@ def test_memtracker_reference_is_not_the_planner() -> None:
     small = memtracker_peak(FAMILIES["encoder"], synthetic_batch(2, 16), Candidate("32-true"))
     large = memtracker_peak(FAMILIES["encoder"], synthetic_batch(4, 32), Candidate("32-true"))
     assert large > small
+
+
+def test_memtracker_missing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch.distributed._tools.mem_tracker", None)  # a torch without it
+    with pytest.raises(RuntimeError, match=r"torch .* has no torch.distributed._tools.mem_tracker"):
+        memtracker_peak(FAMILIES["encoder"], BATCH, Candidate("32-true"))
