@@ -185,11 +185,12 @@ class SequentialBlocks(_TokenLM):
 def test_checkpointing_blocks_named_by_the_candidate() -> None:
     batch = synthetic_batch(4, 32)
     named = Candidate("32-true", checkpointing="full", blocks=["blocks.0", "blocks.1", "blocks.2", "blocks.3"])
-    result = plan(SequentialBlocks, batch, candidates=[Candidate("32-true"), named, Candidate("32-true", checkpointing="full")])
+    wrong = Candidate("32-true", checkpointing="full", blocks=["blocks.9"])
+    result = plan(SequentialBlocks, batch, candidates=[Candidate("32-true"), named, wrong])
     full, checkpointed = result.find(Candidate("32-true")), result.find(named)
     assert checkpointed.categories["activations"] < 0.6 * full.categories["activations"]
     assert "blocks: [blocks.0, blocks.1, blocks.2, blocks.3]" in named.yaml()
-    # without blocks= the callback's own error says what to do, and the other candidates are still planned
-    assert "found no repeated blocks" in result.notes()[0] and "Pass blocks=" in result.notes()[0]
+    # a name that matches nothing: the callback's own error, under the table; the other candidates are planned
+    assert len(result.predictions) == 2 and "['blocks.9'] name no submodule path" in result.notes()[0]
     with pytest.raises(ValueError, match=r"Candidate blocks must be a non-empty list of class names or module paths, got 'blocks'"):
         Candidate(checkpointing="full", blocks="blocks")  # type: ignore[arg-type]

@@ -205,7 +205,7 @@ def predict(
         )
     batch = example_batch(batch)
     model = build_template(model)  # built once, copied for each trace
-    if extrapolate is False:
+    if extrapolate is False or candidate.blocks is not None:  # named blocks: cutting the list would rename them
         result = trace(model, batch, candidate, device, keep_blocks=None)
     else:
         result = trace(model, batch, candidate, device, keep_blocks=3)

@@ -125,7 +125,8 @@ def trace(model: Union[ModelLike, Template], batch: Any, candidate: Candidate, d
         total = parameter_count(module)
         block_bytes = max((parameter_bytes(block) for _, block in _blocks(module)), default=0)
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
-    return Trace(phases, trainable, total, depth, kept, block_bytes, len(values.guessed))
+    guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
+    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed)
 
 
 def _first_step_state(optimizers: list[torch.optim.Optimizer]) -> None:
