@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 _LIGER_AVAILABLE = RequirementCache("liger-kernel")
 # A chunk's fp32 logits take at least this many bytes (fewer, larger matmuls are faster) or as many
 # as the hidden states of the whole batch (Liger's rule: the chunk costs no more than the input).
-_MIN_CHUNK_BYTES = 4 * 2**20
+_MIN_CHUNK_BYTES = 8 * 2**20
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 
 
@@ -436,7 +436,7 @@ class FusedLoss(SurgeryCallback):
     Args:
         heads: module names of the output heads (default: the output embeddings of every transformers
             model inside the LightningModule, else every module named ``lm_head``).
-        chunk_size: tokens per chunk (default: as many as fit in max(4 MiB, the batch's hidden states)
+        chunk_size: tokens per chunk (default: as many as fit in max(8 MiB, the batch's hidden states)
             of fp32 logits).
         kernel: ``"auto"`` (Liger's fused kernel on CUDA when ``liger-kernel`` is installed and the head is
             a plain ``nn.Linear``, else chunked), ``"chunked"`` (always the portable path).

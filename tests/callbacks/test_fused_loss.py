@@ -240,11 +240,11 @@ def test_memtracker_step_peak_and_time_on_32k_vocab_llama() -> None:
 
     torch.testing.assert_close(step(True), step(False), rtol=1e-5, atol=0)  # also warms up (optimizer states)
     peaks = {f: torch_peak_bytes(lambda f=f: step(f), models[f], optims[f]) for f in (False, True)}
-    assert peaks[True] <= 0.35 * 6 * tokens * vocab < peaks[False]
+    assert peaks[True] <= 0.35 * 6 * tokens * vocab < peaks[False], peaks
     times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(3):  # interleaved rounds, median: other jobs on the machine hit both equally
         for f in (False, True):
-            start = time.perf_counter()
+            start = time.process_time()  # this process's CPU time (1 thread): other jobs' load does not count
             step(f)
-            times[f].append(time.perf_counter() - start)
-    assert statistics.median(times[True]) <= 1.15 * statistics.median(times[False])
+            times[f].append(time.process_time() - start)
+    assert statistics.median(times[True]) <= 1.15 * statistics.median(times[False]), times
