@@ -106,7 +106,7 @@ def make_step(model: Any, optimizer: torch.optim.Optimizer, batch: torch.Tensor,
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return step
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from contextlib import nullcontext
-from typing import Any, Callable, Literal, Optional, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -85,8 +85,8 @@ class _Spec:
     """What one fused cross-entropy call needs besides tensors (autograd.Function takes it as an argument)."""
 
     def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], out_dtype: torch.dtype, ignore_index: int,
-                 label_smoothing: float, reduction: str, chunk: int) -> None:
-        self.head, self.out_dtype, self.ignore_index = head, out_dtype, ignore_index
+                 label_smoothing: float, reduction: str, chunk: int, module: Optional[nn.Module] = None) -> None:
+        self.head, self.out_dtype, self.ignore_index, self.module = head, out_dtype, ignore_index, module
         self.label_smoothing, self.reduction, self.chunk = label_smoothing, reduction, chunk
 
 
@@ -96,14 +96,23 @@ def _chunk_pass(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params:
 
     ``need`` = (hidden needs grad, *each param needs grad). Only one chunk's logits exist at a time.
     """
-    n, eps = hidden.shape[0], spec.label_smoothing
+    n = hidden.shape[0]
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
     want_grad = row_scale is not None and any(need)
     grad_hidden = torch.zeros_like(hidden) if want_grad and need[0] else None
     # fp32 accumulators: summing per-chunk gradients in bf16 would round once per chunk
     grad_params = [torch.zeros_like(p, dtype=torch.float32) if want_grad and nd else None for p, nd in zip(params, need[1:])]
-    for start in range(0, n, spec.chunk):
-        stop = min(n, start + spec.chunk)
+    with _dequantized_once(spec.module):
+        _chunks(spec, hidden, target, params, row_scale, need, want_grad, losses, grad_hidden, grad_params)
+    return losses, [grad_hidden] + [g.to(p.dtype) if g is not None else None for g, p in zip(grad_params, params)]
+
+
+def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Sequence[torch.Tensor],
+            row_scale: Optional[torch.Tensor], need: Sequence[bool], want_grad: bool, losses: torch.Tensor,
+            grad_hidden: Optional[torch.Tensor], grad_params: list[Optional[torch.Tensor]]) -> None:
+    eps = spec.label_smoothing
+    for start in range(0, hidden.shape[0], spec.chunk):
+        stop = min(hidden.shape[0], start + spec.chunk)
         h = hidden[start:stop]
         if want_grad:
             h = h.detach().requires_grad_(need[0])
@@ -137,7 +146,42 @@ def _chunk_pass(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params:
         for acc in grad_params:
             if acc is not None:
                 acc += grads.pop(0)
-    return losses, [grad_hidden] + [g.to(p.dtype) if g is not None else None for g, p in zip(grad_params, params)]
+
+
+@contextmanager
+def _dequantized_once(head: Optional[nn.Module]) -> Iterator[None]:
+    """Frozen 4-bit layers inside ``head`` dequantize their weight once for all chunks, not twice per chunk.
+
+    bitsandbytes' ``Linear4bit`` dequantizes the whole ``[vocab, hidden]`` weight in every forward and again in
+    every backward: per chunk, that transient is as large as the bf16 logits of ``hidden`` tokens (1 GiB for an
+    8B Llama's head), and it would be paid 2 x chunks times. Here one copy lives while the chunks run and the
+    layer computes ``F.linear`` with it, exactly what its forward does after dequantizing.
+    """
+    try:
+        from bitsandbytes.functional import dequantize_4bit
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        yield
+        return
+    layers = [m for m in (head.modules() if head is not None else ()) if isinstance(m, Linear4bit) and not m.weight.requires_grad]
+    previous_forwards = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        weight = dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+        dtype = layer.compute_dtype or weight.dtype
+
+        def forward(x: torch.Tensor, layer: nn.Module = layer, weight: torch.Tensor = weight.to(dtype)) -> torch.Tensor:
+            bias = None if layer.bias is None else layer.bias.to(weight.dtype)
+            return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+        layer.forward = forward
+    try:
+        yield
+    finally:
+        for layer, previous in zip(layers, previous_forwards):
+            if previous is None:
+                del layer.forward  # the class's forward again
+            else:
+                layer.forward = previous  # e.g. FusedLoss's own wrapper on a 4-bit head
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -214,7 +258,7 @@ def fused_linear_cross_entropy(
         raise ValueError(f"fused_linear_cross_entropy: reduction={reduction!r}; use 'mean', 'sum' or 'none'.")
     vocab = int(getattr(head, "out_features"))
     spec = _Spec(head_forward or head, logits_dtype, ignore_index, float(label_smoothing), reduction,
-                 chunk_tokens(hidden.shape[0], hidden.shape[1], vocab, chunk_size))
+                 chunk_tokens(hidden.shape[0], hidden.shape[1], vocab, chunk_size), head)
     if kernel in ("auto", "liger"):
         out = _liger(hidden, head, target, spec)
         if out is not None:
@@ -236,8 +280,12 @@ class _HeadState:
         self.materialized_by: Optional[str] = None
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # the class's forward: the instance attribute is our wrapper (see _LazyHead)
-        return type(self.module).forward(self.module, x, *args, **kwargs)
+        # the class's forward when the instance attribute is our wrapper (see _LazyHead); another instance
+        # forward is _dequantized_once's, active while the chunks run
+        forward = self.module.__dict__.get("forward")
+        if forward is None or isinstance(forward, _LazyHead):
+            return type(self.module).forward(self.module, x, *args, **kwargs)
+        return forward(x, *args, **kwargs)
 
 
 def _metadata_functions() -> set[Any]:

@@ -119,12 +119,13 @@ def test_bf16_hf_llama_within_bf16_tolerance() -> None:
     _compare(ref, fused, lambda m: m.model(input_ids=x, labels=y, use_cache=False).loss, tol=2e-2)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_quantized_lora_adapted_head_gradients_equal_unfused(dtype: torch.dtype, tol: float) -> None:
-    """nf4-dq head with a LoRA adapter on it (and on every other Linear): adapters' gradients match."""
+@pytest.mark.parametrize("dtype, tol, head_lora", [(torch.float32, 1e-5, True), (torch.bfloat16, 2e-2, True),
+                                                   (torch.float32, 1e-5, False)])
+def test_quantized_lora_adapted_head_gradients_equal_unfused(dtype: torch.dtype, tol: float, head_lora: bool) -> None:
+    """nf4-dq head, with or without a LoRA adapter on it (and adapters elsewhere): adapters' gradients match."""
     ref = _Wrapper(_hf_llama(dtype=dtype))
     quantize_model(ref, "nf4-dq", dtype)
-    LoRA(r=4, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"]).transform_model(ref)
+    LoRA(r=4, target_modules=["q_proj", "v_proj", "down_proj"] + (["lm_head"] if head_lora else [])).transform_model(ref)
     for name, param in ref.named_parameters():
         if "lora_B" in name:  # peft starts B at zero: give the adapters a non-trivial value
             torch.nn.init.normal_(param, std=0.05, generator=torch.Generator().manual_seed(len(name)))
@@ -132,7 +133,10 @@ def test_quantized_lora_adapted_head_gradients_equal_unfused(dtype: torch.dtype,
     FusedLoss(chunk_size=9).transform_model(fused)
     x, y = _batch()
     _compare(ref, fused, lambda m: m.model(input_ids=x, labels=y, use_cache=False).loss, tol=tol)
-    assert any("lm_head.lora_A" in n for n in _grads(fused))
+    assert any("lm_head.lora_A" in n for n in _grads(fused)) == head_lora
+    # the once-dequantized forward is gone after the loss: FusedLoss's wrapper is back, the base layer is plain
+    assert type(vars(fused.model.lm_head)["forward"]).__name__ == "_LazyHead"
+    assert not head_lora or "forward" not in vars(fused.model.lm_head.base_layer)
 
 
 def test_functional_api_and_tied_head() -> None:
