@@ -27,6 +27,7 @@ On CUDA, with ``liger-kernel`` installed (``pip install lightning-hbm[fused]``) 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 from contextlib import contextmanager, nullcontext
@@ -166,10 +167,13 @@ def _dequantized_once(head: Optional[nn.Module]) -> Iterator[None]:
     layers = [m for m in (head.modules() if head is not None else ()) if isinstance(m, Linear4bit) and not m.weight.requires_grad]
     previous_forwards = [layer.__dict__.get("forward") for layer in layers]
     for layer in layers:
-        weight = dequantize_4bit(layer.weight.data, layer.weight.quant_state)
-        dtype = layer.compute_dtype or weight.dtype
+        # Straight into the compute dtype: a model quantized from fp32 weights has quant_state.dtype fp32,
+        # and an fp32 copy of the head (2 GiB at 8B) next to its bf16 cast would be the step's peak.
+        state = copy.copy(layer.weight.quant_state)
+        state.dtype = layer.compute_dtype or state.dtype
 
-        def forward(x: torch.Tensor, layer: nn.Module = layer, weight: torch.Tensor = weight.to(dtype)) -> torch.Tensor:
+        def forward(x: torch.Tensor, layer: nn.Module = layer,
+                    weight: torch.Tensor = dequantize_4bit(layer.weight.data, state)) -> torch.Tensor:
             bias = None if layer.bias is None else layer.bias.to(weight.dtype)
             return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
 

@@ -119,11 +119,19 @@ def test_bf16_hf_llama_within_bf16_tolerance() -> None:
     _compare(ref, fused, lambda m: m.model(input_ids=x, labels=y, use_cache=False).loss, tol=2e-2)
 
 
-@pytest.mark.parametrize("dtype, tol, head_lora", [(torch.float32, 1e-5, True), (torch.bfloat16, 2e-2, True),
-                                                   (torch.float32, 1e-5, False)])
-def test_quantized_lora_adapted_head_gradients_equal_unfused(dtype: torch.dtype, tol: float, head_lora: bool) -> None:
-    """nf4-dq head, with or without a LoRA adapter on it (and adapters elsewhere): adapters' gradients match."""
-    ref = _Wrapper(_hf_llama(dtype=dtype))
+@pytest.mark.parametrize(
+    "model_dtype, dtype, tol, head_lora",
+    [(torch.float32, torch.float32, 1e-5, True), (torch.bfloat16, torch.bfloat16, 2e-2, True),
+     (torch.float32, torch.float32, 1e-5, False), (torch.float32, torch.bfloat16, 2e-2, False)],
+)
+def test_quantized_lora_adapted_head_gradients_equal_unfused(
+    model_dtype: torch.dtype, dtype: torch.dtype, tol: float, head_lora: bool
+) -> None:
+    """nf4-dq head, with or without a LoRA adapter on it (and adapters elsewhere): adapters' gradients match.
+
+    fp32 weights quantized for bf16 compute: the head is dequantized straight to bf16 (its quant_state says fp32).
+    """
+    ref = _Wrapper(_hf_llama(dtype=model_dtype))
     quantize_model(ref, "nf4-dq", dtype)
     LoRA(r=4, target_modules=["q_proj", "v_proj", "down_proj"] + (["lm_head"] if head_lora else [])).transform_model(ref)
     for name, param in ref.named_parameters():
