@@ -453,8 +453,10 @@ class _LazyHead:
 def _output_dtype(state: _HeadState, x: torch.Tensor) -> torch.dtype:
     """The dtype the head would return for ``x`` (autocast, quantized layers: asked from a 1-token forward)."""
     module = state.module
-    if type(module) is nn.Linear and not torch.is_autocast_enabled(x.device.type):
-        return x.dtype  # F.linear refuses mixed dtypes outside autocast
+    # Outside autocast, Linear layers return the input dtype (F.linear refuses mixed dtypes; bitsandbytes' layers
+    # and peft's LoRA wrappers cast their result back to it): no need to run anything.
+    if not torch.is_autocast_enabled(x.device.type) and (isinstance(module, nn.Linear) or hasattr(module, "base_layer")):
+        return x.dtype
     with torch.no_grad():
         return state.forward(x.reshape(-1, x.shape[-1])[:1]).dtype
 
