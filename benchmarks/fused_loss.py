@@ -63,10 +63,12 @@ def memtracker(dtype: str, rounds: int = 3) -> None:
             times[fused].append(time.process_time() - start)
     limit = 0.35 * 6 * tokens * vocab
     ratio = statistics.median(times[True]) / statistics.median(times[False])
-    print(f"{dtype}: MemTracker step peak unfused {peaks[False] / 2**20:.1f} MiB, fused {peaks[True] / 2**20:.1f} MiB "
-          f"({peaks[True] / limit:.3f} x of 0.35 x 6 B x tokens x vocab = {limit / 2**20:.1f} MiB); step time fused / "
-          f"unfused {ratio:.2f}; loss_bytes() predicts {loss_bytes(tokens, vocab, 64, False, getattr(torch, dtype)) / 2**20:.1f}"
-          f" / {loss_bytes(tokens, vocab, 64, True, getattr(torch, dtype)) / 2**20:.1f} MiB for the loss term")
+    six = 6 * tokens * vocab
+    predicted = [loss_bytes(tokens, vocab, 64, f, getattr(torch, dtype), quantized_head=True) / 2**20 for f in (False, True)]
+    print(f"{dtype}: MemTracker step peak unfused {peaks[False] / 2**20:.1f} MiB ({peaks[False] / six:.3f} x 6 B x tokens "
+          f"x vocab), fused {peaks[True] / 2**20:.1f} MiB ({peaks[True] / six:.3f} x; the test's limit is 0.35 x = "
+          f"{limit / 2**20:.1f} MiB); step time fused / unfused {ratio:.2f}; loss_bytes() predicts the loss term at "
+          f"{predicted[0]:.1f} / {predicted[1]:.1f} MiB")
 
 
 def planner() -> None:

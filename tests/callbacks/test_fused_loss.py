@@ -218,6 +218,8 @@ def test_loss_bytes_for_the_planner() -> None:
     unfused = loss_bytes(4096, 128256, 4096, fused=False)
     fused = loss_bytes(4096, 128256, 4096, fused=True)
     assert unfused == 4096 * 128256 * 12 and fused < unfused / 20
+    # a 4-bit head is dequantized once (bf16 [vocab, hidden]) while the chunks run
+    assert loss_bytes(4096, 128256, 4096, fused=True, quantized_head=True) == fused + 128256 * 4096 * 2
 
 
 def _tiny_qlora_llama(fused: bool) -> Any:
