@@ -193,6 +193,19 @@ def test_lightning_fit_qlora_checkpointing_with_fused_loss_equals_unfused(
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-6)
 
 
+def test_hbm_profiler_runs_with_fused_loss_and_sees_no_logits(trainer_factory: Callable, datamodule_factory: Callable) -> None:
+    """The lazy logits own no storage: the profiler's per-module breakdown gives the head no activations."""
+    from lightning_hbm import HBMProfiler
+
+    torch.manual_seed(0)
+    profiler = HBMProfiler(every_n_steps=1, detailed_steps=[1])
+    trainer = trainer_factory(max_steps=2, callbacks=[LoRA(r=4), FusedLoss(chunk_size=16), profiler])
+    trainer.fit(NanoGPT(n_layer=2, n_head=2, n_embd=32, block_size=32), datamodule=datamodule_factory(batch_size=4))
+    (breakdown,) = profiler.modules.values()
+    heads = {name: cats for name, cats in breakdown.items() if name.startswith("model.lm_head")}
+    assert heads and all(cats["activations"] == 0 for cats in heads.values())
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -237,6 +250,7 @@ def _tiny_qlora_llama(fused: bool) -> Any:
     return model
 
 
+@pytest.mark.slow
 def test_memtracker_step_peak_and_time_on_32k_vocab_llama() -> None:
     """2 layers, width 64, 32k vocabulary, batch 2 x 512, nf4-dq + LoRA + checkpointing (torch's MemTracker)."""
     tokens, vocab = 2 * 512, 32000
