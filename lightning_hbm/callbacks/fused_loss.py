@@ -46,9 +46,10 @@ from lightning_hbm.surgery import Stage, SurgeryCallback
 log = logging.getLogger(__name__)
 
 _LIGER_AVAILABLE = RequirementCache("liger-kernel")
-# A chunk's fp32 logits take at least this many bytes (fewer, larger matmuls are faster) or as many
-# as the hidden states of the whole batch (Liger's rule: the chunk costs no more than the input).
-_MIN_CHUNK_BYTES = 8 * 2**20
+# A chunk holds at least this many tokens: on CPU, 65-token chunks of a 768-wide, 32k-vocabulary head made the
+# loss 1.16x slower than unfused, 256-token chunks 0.85x (benchmarks/README.md). More when the batch's hidden
+# states are larger than 256 tokens of fp32 logits (Liger's rule: a chunk costs no more than the input).
+_MIN_CHUNK_TOKENS = 256
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 
 
@@ -56,8 +57,7 @@ def chunk_tokens(tokens: int, hidden: int, vocab: int, chunk_size: Optional[int]
     """Tokens per chunk of the fused loss (``chunk_size`` if given)."""
     if chunk_size is not None:
         return max(1, min(chunk_size, tokens))
-    budget = max(_MIN_CHUNK_BYTES, tokens * hidden * 4)
-    return max(1, min(tokens, budget // (vocab * 4)))
+    return max(1, min(tokens, max(_MIN_CHUNK_TOKENS, tokens * hidden // vocab)))
 
 
 def loss_bytes(tokens: int, vocab: int, hidden: int, fused: bool, logits_dtype: torch.dtype = torch.bfloat16,
@@ -492,8 +492,8 @@ class FusedLoss(SurgeryCallback):
     Args:
         heads: module names of the output heads (default: the output embeddings of every transformers
             model inside the LightningModule, else every module named ``lm_head``).
-        chunk_size: tokens per chunk (default: as many as fit in max(8 MiB, the batch's hidden states)
-            of fp32 logits).
+        chunk_size: tokens per chunk (default: 256, or more when the batch's hidden states are larger
+            than 256 tokens of logits).
         kernel: ``"auto"`` (Liger's fused kernel on CUDA when ``liger-kernel`` is installed and the head is
             a plain ``nn.Linear``, else chunked), ``"chunked"`` (always the portable path).
 
