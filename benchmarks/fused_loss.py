@@ -2,6 +2,7 @@
 
     python benchmarks/fused_loss.py --memtracker   # 2 layers, width 64, 32k vocab, batch 2 x 512, nf4-dq + LoRA + AC
     python benchmarks/fused_loss.py --planner      # Llama-3.1-8B shape, batch 2 x 2048, QLoRA r=16 + full AC (~5 min CPU)
+    python benchmarks/fused_loss.py --chunks       # the loss alone: [1024 x 768] hidden, nf4 head, 32k vocab, per chunk size
 
 ``--memtracker``: the step's peak by torch's own ``MemTracker`` (not lightning_hbm's profiler) and the step-time
 ratio (CPU time of this process, median of interleaved rounds), fused vs unfused, in float32 and bfloat16 compute.
@@ -71,6 +72,37 @@ def memtracker(dtype: str, rounds: int = 3) -> None:
           f"{predicted[0]:.1f} / {predicted[1]:.1f} MiB")
 
 
+def chunks(rounds: int = 3) -> None:
+    """CPU time of the loss alone (forward + backward to the hidden states), unfused vs per chunk size."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from lightning_hbm.callbacks.fused_loss import fused_linear_cross_entropy
+
+    torch.manual_seed(0)
+    hidden, vocab, tokens = 768, 32000, 1024
+    head = nn.Sequential(nn.Linear(hidden, vocab, bias=False))
+    quantize_model(head, "nf4-dq", "float32")
+    head = head[0]
+    h0, y = torch.randn(tokens, hidden), torch.randint(0, vocab, (tokens,))
+
+    def run(chunk: int) -> None:
+        h = h0.clone().requires_grad_()
+        loss = F.cross_entropy(head(h).float(), y) if chunk == 0 else fused_linear_cross_entropy(h, head, y, chunk_size=chunk)
+        loss.backward()
+
+    sizes = (0, 64, 256, 1024)
+    times: dict[int, list[float]] = {c: [] for c in sizes}
+    for _ in range(rounds + 1):  # the first round warms up
+        for c in sizes:
+            start = time.process_time()
+            run(c)
+            times[c].append(time.process_time() - start)
+    ref = statistics.median(times[0][1:])
+    print("loss alone, CPU time vs unfused: " + ", ".join(
+        f"{'unfused' if c == 0 else f'{c}-token chunks'} {statistics.median(times[c][1:]) / ref:.2f}" for c in sizes))
+
+
 def planner() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from planner import LLAMA_8B, TORCHTUNE_QLORA_GIB
@@ -100,11 +132,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--memtracker", action="store_true")
     parser.add_argument("--planner", action="store_true")
+    parser.add_argument("--chunks", action="store_true")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     args = parser.parse_args()
     if args.memtracker:
         for dtype in args.dtypes:
             memtracker(dtype)
+    if args.chunks:
+        chunks()
     if args.planner:
         planner()
 

@@ -46,8 +46,8 @@ from lightning_hbm.surgery import Stage, SurgeryCallback
 log = logging.getLogger(__name__)
 
 _LIGER_AVAILABLE = RequirementCache("liger-kernel")
-# A chunk holds at least this many tokens: on CPU, 65-token chunks of a 768-wide, 32k-vocabulary head made the
-# loss 1.16x slower than unfused, 256-token chunks 0.85x (benchmarks/README.md). More when the batch's hidden
+# A chunk holds at least this many tokens: on CPU, 64-token chunks of a 768-wide, 32k-vocabulary head made the
+# loss 1.19x slower than unfused, 256-token chunks 0.93x (benchmarks/README.md). More when the batch's hidden
 # states are larger than 256 tokens of fp32 logits (Liger's rule: a chunk costs no more than the input).
 _MIN_CHUNK_TOKENS = 256
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
