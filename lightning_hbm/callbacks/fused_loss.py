@@ -124,26 +124,36 @@ def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Seq
         z = logits.detach()
         if spec.out_dtype.itemsize < z.dtype.itemsize:
             z = z.to(spec.out_dtype)  # the rounding the user's cast would do
+        # fp32 logits are changed in place below (a Linear's backward does not read its output; a head whose
+        # backward does would make autograd raise, not compute wrong gradients)
         z = z.float()
         t = target[start:stop]
         valid = t != spec.ignore_index
         t_safe = torch.where(valid, t, 0).unsqueeze(1)
-        lse = torch.logsumexp(z, dim=1)
-        loss = lse - z.gather(1, t_safe).squeeze(1)
+        z_target = z.gather(1, t_safe).squeeze(1)
+        z_mean = z.mean(dim=1) if eps else None
+        # log-sum-exp and softmax in place: only the logits and one fp32 copy per chunk are ever alive
+        z_max = z.amax(dim=1, keepdim=True)
+        probs = z.sub_(z_max).exp_()
+        z_sum = probs.sum(dim=1, keepdim=True)
+        lse = (z_max + z_sum.log()).squeeze(1)
+        loss = lse - z_target
         if eps:
-            loss = (1 - eps) * loss + eps * (lse - z.mean(dim=1))
+            loss = (1 - eps) * loss + eps * (lse - z_mean)
         losses[start:stop] = torch.where(valid, loss, 0.0)
         if not want_grad:
             continue
         # d loss / d z = softmax(z) - (1 - eps) * onehot(t) - eps / V, zero on ignored rows
-        grad_z = z.sub_(lse.unsqueeze(1)).exp_()  # in place: z is a private fp32 copy or a detached float
+        grad_z = probs.div_(z_sum)
         if eps:
             grad_z.sub_(eps / z.shape[1])
         grad_z.scatter_add_(1, t_safe, torch.full_like(t_safe, eps - 1, dtype=grad_z.dtype))
         grad_z.mul_((valid * row_scale[start:stop] if row_scale.ndim else valid * row_scale).unsqueeze(1).to(grad_z.dtype))
         inputs = ([h] if need[0] else []) + [p for p, nd in zip(params, need[1:]) if nd]
-        grads = list(torch.autograd.grad(logits, inputs, grad_z.to(logits.dtype)))
-        del logits, z, grad_z
+        grad_logits = grad_z.to(logits.dtype)
+        del z, probs, grad_z  # the fp32 copy goes before the head's backward runs
+        grads = list(torch.autograd.grad(logits, inputs, grad_logits))
+        del logits, grad_logits
         if need[0]:
             grad_hidden[start:stop] = grads.pop(0)
         for acc in grad_params:
