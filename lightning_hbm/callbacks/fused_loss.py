@@ -150,7 +150,9 @@ def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Seq
         grad_z.scatter_add_(1, t_safe, torch.full_like(t_safe, eps - 1, dtype=grad_z.dtype))
         grad_z.mul_((valid * row_scale[start:stop] if row_scale.ndim else valid * row_scale).unsqueeze(1).to(grad_z.dtype))
         inputs = ([h] if need[0] else []) + [p for p, nd in zip(params, need[1:]) if nd]
-        grad_logits = grad_z.to(logits.dtype)
+        # the gradient goes into the logits' own storage (fp32: it already is), so a bf16 chunk never holds
+        # logits + fp32 copy + bf16 gradient at once; as above, a Linear's backward does not read its output
+        grad_logits = logits.detach().copy_(grad_z) if grad_z.data_ptr() != logits.data_ptr() else grad_z
         del z, probs, grad_z  # the fp32 copy goes before the head's backward runs
         grads = list(torch.autograd.grad(logits, inputs, grad_logits))
         del logits, grad_logits
