@@ -30,3 +30,7 @@ run planner     benchmarks/planner.py --gpu-check  # predicted peak vs torch.cud
 run fsdp        benchmarks/fsdp_qlora.py --strategy fsdp_qlora --devices 1 --size tiny
 run profiler    benchmarks/profiler_overhead.py --accelerator cuda
 run lora        benchmarks/lora_memory.py --accelerator cuda
+# FusedLoss vs the Hugging Face QLoRA recipe (random-weight Llama saved once; 3 stacks in one process).
+# 1b fits the budget; 8b (run by hand when time allows): benchmarks/peer_qlora.py --device cuda --preset 8b --rounds 2
+echo "== peer_qlora: benchmarks/peer_qlora.py --device cuda --preset 1b"
+timeout 240 python3 benchmarks/peer_qlora.py --device cuda --preset 1b --rounds 3 2>&1 | tee "$OUT/peer_qlora_1b.log" | tail -8

@@ -17,12 +17,14 @@ from lightning_hbm.callbacks.quality import QuantizationQuality
 from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
 from lightning_hbm.planner import plan
 from lightning_hbm.planner.autofit import AutoFit
+from lightning_hbm.callbacks.fused_loss import FusedLoss
 
 __all__ = [
     "ActivationCheckpointing",
     "AttentionKernel",
     "AutoFit",
     "CPUOffloadStrategy",
+    "FusedLoss",
     "HBMProfiler",
     "Int8DynamicLinear",
     "LoRA",

@@ -1,0 +1,148 @@
+"""FusedLoss: the loss term with and without fusion, measured and predicted.
+
+    python benchmarks/fused_loss.py --memtracker   # 2 layers, width 64, 32k vocab, batch 2 x 512, nf4-dq + LoRA + AC
+    python benchmarks/fused_loss.py --planner      # Llama-3.1-8B shape, batch 2 x 2048, QLoRA r=16 + full AC (~5 min CPU)
+    python benchmarks/fused_loss.py --chunks       # the loss alone: [1024 x 768] hidden, nf4 head, 32k vocab, per chunk size
+
+``--memtracker``: the step's peak by torch's own ``MemTracker`` (not lightning_hbm's profiler) and the step-time
+ratio (CPU time of this process, median of interleaved rounds), fused vs unfused, in float32 and bfloat16 compute.
+``--planner``: ``lightning_hbm.planner.predict`` for the QLoRA candidate as it is, and with ``FusedLoss()`` added to
+the candidate's callbacks (what a ``fused_loss`` candidate axis will do; the planner traces the chunked loss on
+fake tensors like any other code), with the head quantized (lightning_hbm's default) or kept in bf16
+(``QuantizedPrecision(ignore_modules=["model.lm_head"])``, as transformers' and torchtune's QLoRA do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision, quantize_model
+from lightning_hbm.callbacks.fused_loss import loss_bytes
+from lightning_hbm.data import synthetic_batch
+from lightning_hbm.memory.torch_tracker import torch_peak_bytes
+from lightning_hbm.models import LlamaLM
+
+TINY = dict(vocab_size=32000, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+
+
+def memtracker(dtype: str, rounds: int = 3) -> None:
+    batch = synthetic_batch(2, 512, vocab_size=32000)
+    tokens, vocab = 1024, 32000
+    models, optims = {}, {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = LlamaLM(**TINY)
+        quantize_model(model, "nf4-dq", dtype)
+        LoRA(r=8).transform_model(model)
+        ActivationCheckpointing().transform_model(model)
+        if fused:
+            FusedLoss().transform_model(model)
+        models[fused] = model
+        optims[fused] = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+
+    def step(fused: bool) -> None:
+        models[fused].loss(batch).backward()
+        optims[fused].step()
+        optims[fused].zero_grad(set_to_none=True)
+
+    for fused in (False, True):
+        step(fused)  # warm-up: optimizer states exist
+    peaks = {f: torch_peak_bytes(partial(step, f), models[f], optims[f]) for f in (False, True)}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for fused in (False, True):
+            start = time.process_time()
+            step(fused)
+            times[fused].append(time.process_time() - start)
+    limit = 0.35 * 6 * tokens * vocab
+    ratio = statistics.median(times[True]) / statistics.median(times[False])
+    six = 6 * tokens * vocab
+    predicted = [loss_bytes(tokens, vocab, 64, f, getattr(torch, dtype), quantized_head=True) / 2**20 for f in (False, True)]
+    print(f"{dtype}: MemTracker step peak unfused {peaks[False] / 2**20:.1f} MiB ({peaks[False] / six:.3f} x 6 B x tokens "
+          f"x vocab), fused {peaks[True] / 2**20:.1f} MiB ({peaks[True] / six:.3f} x; the test's limit is 0.35 x = "
+          f"{limit / 2**20:.1f} MiB); step time fused / unfused {ratio:.2f}; loss_bytes() predicts the loss term at "
+          f"{predicted[0]:.1f} / {predicted[1]:.1f} MiB")
+
+
+def chunks(rounds: int = 3) -> None:
+    """CPU time of the loss alone (forward + backward to the hidden states), unfused vs per chunk size."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from lightning_hbm.callbacks.fused_loss import fused_linear_cross_entropy
+
+    torch.manual_seed(0)
+    hidden, vocab, tokens = 768, 32000, 1024
+    head = nn.Sequential(nn.Linear(hidden, vocab, bias=False))
+    quantize_model(head, "nf4-dq", "float32")
+    head = head[0]
+    h0, y = torch.randn(tokens, hidden), torch.randint(0, vocab, (tokens,))
+
+    def run(chunk: int) -> None:
+        h = h0.clone().requires_grad_()
+        loss = F.cross_entropy(head(h).float(), y) if chunk == 0 else fused_linear_cross_entropy(h, head, y, chunk_size=chunk)
+        loss.backward()
+
+    sizes = (0, 64, 256, 1024)
+    times: dict[int, list[float]] = {c: [] for c in sizes}
+    for _ in range(rounds + 1):  # the first round warms up
+        for c in sizes:
+            start = time.process_time()
+            run(c)
+            times[c].append(time.process_time() - start)
+    ref = statistics.median(times[0][1:])
+    print("loss alone, CPU time vs unfused: " + ", ".join(
+        f"{'unfused' if c == 0 else f'{c}-token chunks'} {statistics.median(times[c][1:]) / ref:.2f}" for c in sizes))
+
+
+def planner() -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from planner import LLAMA_8B, TORCHTUNE_QLORA_GIB
+
+    from lightning_hbm.planner import Candidate, format_bytes, predict
+
+    batch = synthetic_batch(2, 2048, vocab_size=LLAMA_8B["vocab_size"])
+    candidate = Candidate("nf4-dq", lora_r=16, checkpointing="full")
+    callbacks, plugin = Candidate.callbacks, Candidate.precision_plugin
+    bf16_head = lambda self, device="cpu": QuantizedPrecision(self.precision, dtype=self.dtype, ignore_modules=["model.lm_head"])  # noqa: E731
+    print(f"Llama-3.1-8B shape, batch 2 x 2048, nf4-dq + LoRA r=16 + full AC (torchtune publishes {TORCHTUNE_QLORA_GIB} GiB)")
+    try:
+        for head in ("nf4 head", "bf16 head"):
+            Candidate.precision_plugin = plugin if head == "nf4 head" else bf16_head
+            for fused in (False, True):
+                Candidate.callbacks = (lambda self: callbacks(self) + [FusedLoss()]) if fused else callbacks
+                start = time.perf_counter()
+                p = predict(partial(LlamaLM, **LLAMA_8B), batch, candidate, device="cuda")
+                cats = ", ".join(f"{k} {format_bytes(v)}" for k, v in p.categories.items())
+                print(f"| {head} | {'FusedLoss' if fused else 'unfused'} | {format_bytes(p.peak)} | {cats} | "
+                      f"{time.perf_counter() - start:.0f} s |")
+    finally:
+        Candidate.callbacks, Candidate.precision_plugin = callbacks, plugin
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--memtracker", action="store_true")
+    parser.add_argument("--planner", action="store_true")
+    parser.add_argument("--chunks", action="store_true")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    args = parser.parse_args()
+    if args.memtracker:
+        for dtype in args.dtypes:
+            memtracker(dtype)
+    if args.chunks:
+        chunks()
+    if args.planner:
+        planner()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""FusedLoss: chunked linear + cross-entropy equals the unfused loss; real transformers, peft, bitsandbytes."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import statistics
+import time
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision, applied_transforms, quantize_model
+from lightning_hbm.callbacks.fused_loss import LazyLogits, fused_linear_cross_entropy, loss_bytes
+from lightning_hbm.memory.torch_tracker import torch_peak_bytes
+from lightning_hbm.models import NanoGPT, llama_config
+
+V = 512  # vocabulary of the small models: large enough that several chunks run (chunk_size below)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _compare(ref: nn.Module, fused: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], tol: float) -> None:
+    """Loss and every gradient (hidden-state path, head, adapters) of ``fused`` equal ``ref``'s."""
+    losses = []
+    for module in (ref, fused):
+        module.zero_grad(set_to_none=True)
+        loss = loss_fn(module)
+        (loss if loss.ndim == 0 else (loss * torch.linspace(0.5, 1.5, loss.numel()).view_as(loss)).sum()).backward()
+        losses.append(loss.detach())
+    assert _rel(losses[1], losses[0]) <= tol
+    g_ref, g_fused = _grads(ref), _grads(fused)
+    assert g_ref.keys() == g_fused.keys() and g_ref
+    for name in g_ref:
+        assert _rel(g_fused[name], g_ref[name]) <= tol, name
+
+
+def _gpt(seed: int = 0) -> NanoGPT:
+    torch.manual_seed(seed)
+    return NanoGPT(vocab_size=V, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def _batch(b: int = 2, t: int = 24, vocab: int = V) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, vocab, (b, t), generator=g), torch.randint(0, vocab, (b, t), generator=g)
+    y[0, :5] = -100  # ignored labels (padding / prompt)
+    return x, y
+
+
+# A user's training_step, written the usual ways (nothing knows about FusedLoss).
+USER_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "shift_view": lambda lg, y: F.cross_entropy(lg[..., :-1, :].contiguous().view(-1, lg.size(-1)), y[..., 1:].reshape(-1)),
+    "float_reshape": lambda lg, y: F.cross_entropy(lg.float().reshape(-1, lg.shape[-1]), y.view(-1)),
+    "module_sum_smoothing": lambda lg, y: nn.CrossEntropyLoss(reduction="sum", label_smoothing=0.1)(
+        lg[:, :-1].flatten(0, 1), y[:, 1:].flatten()),
+    "none_ignore_7": lambda lg, y: F.cross_entropy(lg.view(-1, V).to(torch.float32), y.clamp_min(7).view(-1),
+                                                   ignore_index=7, reduction="none"),
+}
+
+
+@pytest.mark.parametrize("kind", list(USER_LOSSES))
+def test_plain_module_loss_and_gradients_equal_unfused_fp32(kind: str) -> None:
+    ref = _gpt()
+    fused = copy.deepcopy(ref)
+    FusedLoss(chunk_size=7).transform_model(fused)  # 7: several chunks and a ragged last one
+    x, y = _batch()
+    assert isinstance(fused(x), LazyLogits) and fused(x).shape == (2, 24, V)
+    # head weight trainable here: its gradient is compared too
+    _compare(ref, fused, lambda m: USER_LOSSES[kind](m(x), y), tol=1e-5)
+
+
+def _hf_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = llama_config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+class _Wrapper(nn.Module):  # a LightningModule-like holder: FusedLoss finds the HF model's output head inside
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+
+def test_hf_causal_lm_with_labels_equal_unfused_and_logits_still_readable(caplog: pytest.LogCaptureFixture) -> None:
+    ref = _Wrapper(_hf_llama())
+    fused = copy.deepcopy(ref)
+    FusedLoss(chunk_size=10).transform_model(fused)
+    x, y = _batch()
+    # transformers' own path: lm_head -> loss_function (fp32 upcast, label shift, ignore_index -100)
+    _compare(ref, fused, lambda m: m.model(input_ids=x, labels=y, use_cache=False).loss, tol=1e-5)
+    with caplog.at_level(logging.WARNING, logger="lightning_hbm.callbacks.fused_loss"):
+        out = fused.model(input_ids=x, labels=y, use_cache=False)
+        expected = ref.model(input_ids=x, use_cache=False).logits
+        assert torch.equal(out.logits.argmax(-1), expected.argmax(-1))  # accuracy from the logits: real values
+        torch.testing.assert_close(out.logits[:, -1] * 1, expected[:, -1], rtol=1e-5, atol=1e-6)
+    lines = [r.getMessage() for r in caplog.records if "needs the full" in r.getMessage()]
+    assert len(lines) == 1 and "`argmax` on the logits of `model.lm_head`" in lines[0]
+
+
+def test_bf16_hf_llama_within_bf16_tolerance() -> None:
+    ref = _Wrapper(_hf_llama(dtype=torch.bfloat16))
+    fused = copy.deepcopy(ref)
+    FusedLoss(chunk_size=16).transform_model(fused)
+    x, y = _batch()
+    # fused computes each chunk's softmax in fp32 from the bf16 logits, as the upcast path does
+    _compare(ref, fused, lambda m: m.model(input_ids=x, labels=y, use_cache=False).loss, tol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "model_dtype, dtype, tol, head_lora",
+    [(torch.float32, torch.float32, 1e-5, True), (torch.bfloat16, torch.bfloat16, 2e-2, True),
+     (torch.float32, torch.float32, 1e-5, False), (torch.float32, torch.bfloat16, 2e-2, False)],
+)
+def test_quantized_lora_adapted_head_gradients_equal_unfused(
+    model_dtype: torch.dtype, dtype: torch.dtype, tol: float, head_lora: bool
+) -> None:
+    """nf4-dq head, with or without a LoRA adapter on it (and adapters elsewhere): adapters' gradients match.
+
+    fp32 weights quantized for bf16 compute: the head is dequantized straight to bf16 (its quant_state says fp32).
+    """
+    ref = _Wrapper(_hf_llama(dtype=model_dtype))
+    quantize_model(ref, "nf4-dq", dtype)
+    LoRA(r=4, target_modules=["q_proj", "v_proj", "down_proj"] + (["lm_head"] if head_lora else [])).transform_model(ref)
+    for name, param in ref.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: give the adapters a non-trivial value
+            torch.nn.init.normal_(param, std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    fused = copy.deepcopy(ref)
+    FusedLoss(chunk_size=9).transform_model(fused)
+    x, y = _batch()
+    _compare(ref, fused, lambda m: m.model(input_ids=x, labels=y, use_cache=False).loss, tol=tol)
+    assert any("lm_head.lora_A" in n for n in _grads(fused)) == head_lora
+    # the once-dequantized forward is gone after the loss: FusedLoss's wrapper is back, the base layer is plain
+    assert type(vars(fused.model.lm_head)["forward"]).__name__ == "_LazyHead"
+    assert not head_lora or "forward" not in vars(fused.model.lm_head.base_layer)
+
+
+def test_functional_api_and_tied_head() -> None:
+    """Tied head (weight shared with the embedding): both uses' gradients add up as unfused."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(V, 16), nn.Linear(16, V, bias=False)
+    head.weight = emb.weight
+    x, y = _batch()
+    ref_loss = F.cross_entropy(head(emb(x)).view(-1, V), y.view(-1), label_smoothing=0.05)
+    ref_loss.backward()
+    ref_grad, emb.weight.grad = emb.weight.grad.clone(), None
+    loss = fused_linear_cross_entropy(emb(x).view(-1, 16), head, y.view(-1), label_smoothing=0.05, chunk_size=5)
+    loss.backward()
+    assert _rel(loss, ref_loss) <= 1e-6 and _rel(emb.weight.grad, ref_grad) <= 1e-5
+
+
+def test_lazy_logits_ops_outside_the_token_dimensions_compute_real_values() -> None:
+    ref = _gpt()
+    fused = copy.deepcopy(ref)
+    FusedLoss().transform_model(fused)
+    x, _ = _batch()
+    with torch.no_grad():
+        lazy, real = fused(x), ref(x)
+        assert isinstance(lazy[..., :-1, :].float().view(-1, V), LazyLogits)  # token-only ops stay lazy
+        assert lazy.untyped_storage().nbytes() == 0  # memory tools count nothing for it
+        torch.testing.assert_close(lazy[..., 3], real[..., 3])  # a vocabulary index: computed
+        torch.testing.assert_close(lazy.softmax(-1), real.softmax(-1))
+        torch.testing.assert_close(torch.cat([lazy, real]), torch.cat([real, real]))
+
+
+def test_lightning_fit_qlora_checkpointing_with_fused_loss_equals_unfused(
+    trainer_factory: Callable, datamodule_factory: Callable, loss_recorder: Callable
+) -> None:
+    """Through a real Trainer (nf4-dq + LoRA + checkpointing), the training losses are unchanged."""
+    runs = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = NanoGPT(n_layer=2, n_head=2, n_embd=32, block_size=32)
+        recorder = loss_recorder()
+        callbacks = [LoRA(r=4), ActivationCheckpointing(), recorder] + ([FusedLoss(chunk_size=16)] if fused else [])
+        trainer = trainer_factory(max_steps=3, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=callbacks)
+        trainer.fit(model, datamodule=datamodule_factory(batch_size=2, seq_len=32))
+        runs.append(recorder.losses)
+        if fused:
+            assert applied_transforms(model)[-1] == "FusedLoss"
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_hbm_profiler_runs_with_fused_loss_and_sees_no_logits(trainer_factory: Callable, datamodule_factory: Callable) -> None:
+    """The lazy logits own no storage: the profiler's per-module breakdown gives the head no activations."""
+    from lightning_hbm import HBMProfiler
+
+    torch.manual_seed(0)
+    profiler = HBMProfiler(every_n_steps=1, detailed_steps=[1])
+    trainer = trainer_factory(max_steps=2, callbacks=[LoRA(r=4), FusedLoss(chunk_size=16), profiler])
+    trainer.fit(NanoGPT(n_layer=2, n_head=2, n_embd=32, block_size=32), datamodule=datamodule_factory(batch_size=4))
+    (breakdown,) = profiler.modules.values()
+    heads = {name: cats for name, cats in breakdown.items() if name.startswith("model.lm_head")}
+    assert heads and all(cats["activations"] == 0 for cats in heads.values())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(chunk_size=0), r"FusedLoss\(chunk_size=0\): give a positive number of tokens"),
+        (dict(kernel="triton"), r"FusedLoss\(kernel='triton'\): choose 'auto' or 'chunked'"),
+        (dict(heads=["model.nope"]), r"\['model.nope'\] match no submodule. Linear layers here: \['model.lm_head'"),
+        (dict(heads=["model.ln_f"]), r"\['model.ln_f'\] have no `out_features` \(not Linear-like: \['LayerNorm'\]\)"),
+    ],
+)
+def test_bad_arguments_are_clear_errors_before_any_change(kwargs: dict[str, Any], match: str) -> None:
+    model = _gpt()
+    with pytest.raises(ValueError, match=match):
+        FusedLoss(**kwargs).check_model(model)
+    assert "forward" not in vars(model.model.lm_head)  # untouched
+
+
+def test_model_without_head_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"found no output head in Sequential .*FusedLoss\(heads=\[\.\.\.\]\).*\['1', '0'\]"):
+        FusedLoss().check_model(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 16)))
+
+
+def test_loss_bytes_for_the_planner() -> None:
+    unfused = loss_bytes(4096, 128256, 4096, fused=False)
+    fused = loss_bytes(4096, 128256, 4096, fused=True)
+    assert unfused == 4096 * 128256 * 12 and fused < unfused / 20
+    # a 4-bit head is dequantized once (bf16 [vocab, hidden]) while the chunks run
+    assert loss_bytes(4096, 128256, 4096, fused=True, quantized_head=True) == fused + 128256 * 4096 * 2
+
+
+def _tiny_qlora_llama(fused: bool) -> Any:
+    from lightning_hbm.models import LlamaLM
+
+    torch.manual_seed(0)
+    model = LlamaLM(vocab_size=32000, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512)
+    # float32 compute: CPU bf16 matmuls are ~7x slower here; the logits term is counted the same way
+    quantize_model(model, "nf4-dq", "float32")
+    LoRA(r=8).transform_model(model)
+    ActivationCheckpointing().transform_model(model)
+    if fused:
+        FusedLoss().transform_model(model)
+    return model
+
+
+@pytest.mark.slow
+def test_memtracker_step_peak_and_time_on_32k_vocab_llama() -> None:
+    """2 layers, width 64, 32k vocabulary, batch 2 x 512, nf4-dq + LoRA + checkpointing (torch's MemTracker)."""
+    tokens, vocab = 2 * 512, 32000
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, vocab, (2, 512), generator=g), torch.randint(0, vocab, (2, 512), generator=g)
+    models = {f: _tiny_qlora_llama(f) for f in (False, True)}
+    optims = {f: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]) for f, m in models.items()}
+
+    def step(f: bool) -> torch.Tensor:
+        loss = models[f].loss(batch)
+        loss.backward()
+        optims[f].step()
+        optims[f].zero_grad(set_to_none=True)
+        return loss.detach()
+
+    torch.testing.assert_close(step(True), step(False), rtol=1e-5, atol=0)  # also warms up (optimizer states)
+    peaks = {f: torch_peak_bytes(lambda f=f: step(f), models[f], optims[f]) for f in (False, True)}
+    assert peaks[True] <= 0.35 * 6 * tokens * vocab < peaks[False], peaks
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(3):  # interleaved rounds, median: other jobs on the machine hit both equally
+        for f in (False, True):
+            start = time.process_time()  # this process's CPU time (1 thread): other jobs' load does not count
+            step(f)
+            times[f].append(time.process_time() - start)
+    assert statistics.median(times[True]) <= 1.15 * statistics.median(times[False]), times
