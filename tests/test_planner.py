@@ -324,3 +324,19 @@ def test_any_lightning_module_matches_profiler(tmp_path: Any) -> None:
     for category in ("parameters", "gradients", "optimizer_states"):
         assert predicted.categories[category] == row[category]
     assert predicted.peak == pytest.approx(row["tracked_peak"], rel=0.10)
+
+
+def test_fused_loss_axis_plans_the_loss_at_its_floor() -> None:
+    """Candidate(fused_loss=True) applies FusedLoss: a 4k-vocabulary head's full fp32 logits disappear from the peak."""
+    vocab = 4096
+    factory = partial(LlamaLM, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    batch = synthetic_batch(2, 128, vocab_size=vocab)
+    base = Candidate("nf4-dq", dtype="float32", lora_r=4, checkpointing="full")
+    fused = Candidate("nf4-dq", dtype="float32", lora_r=4, checkpointing="full", fused_loss=True)
+    assert fused.name.endswith("+fused-loss") and "lightning_hbm.FusedLoss" in fused.yaml()
+    assert [type(cb).__name__ for cb in fused.callbacks()][-1] == "FusedLoss"
+    result = plan(factory, batch, candidates=[base, fused])
+    peaks = {p.candidate.fused_loss: p.total for p in result.predictions}
+    logits_fp32 = 2 * 128 * vocab * 4
+    assert peaks[False] - peaks[True] >= logits_fp32, peaks  # at least one full fp32 logits copy is gone

@@ -12,6 +12,8 @@ lightning_hbm's surgery runs. If nothing fits, it raises before training, listin
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import Any, Literal, Optional, Union
 
@@ -51,6 +53,9 @@ class AutoFit(Callback):
         checkpointing: activation checkpointing policies to consider. Default all three.
         optimizers: ``"user"`` (the optimizer of ``configure_optimizers``) and/or 8-bit kinds.
             Default ``["user", "adamw8bit"]``.
+        fused_loss: whether to try :class:`~lightning_hbm.FusedLoss` (``[False, True]``). Default: both
+            when ``FusedLoss`` finds an output head in the model (a transformers model or an ``lm_head``),
+            else ``[False]``.
 
     Among candidates that fit, the lowest relative step time wins; ties go to the one closest to the
     training as written (full fine-tuning over LoRA, unquantized over quantized, the user's optimizer
@@ -80,8 +85,12 @@ class AutoFit(Callback):
         lora_ranks: Optional[list[int]] = None,
         checkpointing: Optional[list[Literal["none", "selective", "full"]]] = None,
         optimizers: Optional[list[str]] = None,
+        fused_loss: Optional[list[bool]] = None,
     ) -> None:
         self.budget = parse_bytes(budget)
+        if fused_loss is not None and (isinstance(fused_loss, bool) or not fused_loss or not all(isinstance(f, bool) for f in fused_loss)):
+            raise TypeError(f"AutoFit(fused_loss={fused_loss!r}): pass a non-empty list of booleans, e.g. [False, True].")
+        self.fused_loss = list(fused_loss) if fused_loss is not None else None
         for name, value in (
             ("precisions", precisions), ("lora_ranks", lora_ranks), ("checkpointing", checkpointing), ("optimizers", optimizers)
         ):  # fmt: skip
@@ -110,7 +119,7 @@ class AutoFit(Callback):
             return
         # AutoFit picks these itself: a second LoRA/checkpointing/optimizer callback would silently not apply
         # (the surgery applies each transform class once), so the configuration would not be the planned one.
-        chosen_here = {"LoRA", "ActivationCheckpointing", "MemoryEfficientOptimizer"}
+        chosen_here = {"LoRA", "ActivationCheckpointing", "MemoryEfficientOptimizer", "FusedLoss"}
         own = sorted({type(cb).__name__ for cb in trainer.callbacks} & chosen_here)
         if own:
             raise ValueError(
@@ -119,9 +128,10 @@ class AutoFit(Callback):
             )
         baseline = _baseline_precision(trainer)
         precisions = [baseline[0], *(p for p in self.precisions if p != baseline[0])]
+        fused = self.fused_loss if self.fused_loss is not None else _fused_loss_axis(pl_module)
         candidates = [
-            Candidate(c.precision, baseline[1] if c.precision == baseline[0] else c.dtype, c.lora_r, c.checkpointing, c.optimizer)
-            for c in default_candidates(precisions, self.lora_ranks, self.checkpointing, self.optimizers)
+            dataclasses.replace(c, dtype=baseline[1]) if c.precision == baseline[0] else c
+            for c in default_candidates(precisions, self.lora_ranks, self.checkpointing, self.optimizers, fused)
         ]
         device = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
         self.plan = plan(pl_module, _example_batch(trainer), budget=self.budget, candidates=candidates, device=device)
@@ -177,6 +187,13 @@ class AutoFit(Callback):
                 f"AutoFit chose {self.chosen.candidate.name} but the checkpoint was trained with {saved}. Resume with "
                 f"the same budget and batch, or configure {saved} by hand (see the YAML AutoFit printed)."
             )
+
+
+def _fused_loss_axis(pl_module: pl.LightningModule) -> list[bool]:
+    """Try FusedLoss only where it finds an output head (a transformers model, or a module named lm_head)."""
+    from lightning_hbm.callbacks.fused_loss import _default_heads
+
+    return [False, True] if _default_heads(pl_module) else [False]
 
 
 def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str]:
