@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Generator, Optional, Sequence, Union
+from typing import Any, Generator, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
@@ -87,11 +87,14 @@ def quantize_model(
     dtype: Union[str, torch.dtype] = "bfloat16",
     ignore_modules: Sequence[str] = (),
     device: Optional[Union[str, torch.device]] = None,
+    layer_modes: Optional[Mapping[str, str]] = None,
 ) -> list[str]:
     """Replace the ``nn.Linear`` layers of ``module`` in place by quantized frozen layers.
 
     Works on a model that already holds its loaded weights. Validates everything before changing
-    anything. Returns the names of the quantized layers.
+    anything. ``layer_modes`` (``{layer name: mode name}``, e.g. a sensitivity-aware plan) overrides
+    ``mode`` per layer; ``"none"`` keeps that Linear in the compute dtype, frozen. Returns the names of
+    the layers handled.
     """
     quant_mode = get_mode(mode) if isinstance(mode, str) else mode
     compute_dtype = to_dtype(dtype)
@@ -101,20 +104,39 @@ def quantize_model(
     if tied:
         log.info("lightning_hbm: not quantizing %s (weight tied to another module)", tied)
     target = torch.device(device) if device is not None else None
+    modes = _layer_modes(targets, quant_mode, layer_modes or {})
     for name, linear in targets:
+        if modes[name] is None:  # kept unquantized by the plan: frozen like every other base weight
+            linear.weight.requires_grad_(False)
+            continue
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, child_name, quant_mode.replace(linear, compute_dtype, target))
+        setattr(parent, child_name, modes[name].replace(linear, compute_dtype, target))
     # Everything that is not quantized storage computes in the compute dtype and stays trainable.
     for param in module.parameters():
         if param.is_floating_point() and param.dtype != compute_dtype:
             param.data = param.data.to(compute_dtype)
     # peft picks its quantization-aware LoRA layers (mergeable) only when the model says so.
-    if quant_mode.peft_kind == "4bit":
+    kinds = {m.peft_kind for m in modes.values() if m is not None}
+    if "4bit" in kinds:
         object.__setattr__(module, "is_loaded_in_4bit", True)
-    elif quant_mode.peft_kind == "8bit":
+    if "8bit" in kinds:
         object.__setattr__(module, "is_loaded_in_8bit", True)
     return [name for name, _ in targets]
+
+
+def _layer_modes(
+    targets: list[tuple[str, nn.Linear]], quant_mode: QuantMode, layer_modes: Mapping[str, str]
+) -> dict[str, Optional[QuantMode]]:
+    """The mode of every target (``None``: kept unquantized); a plan naming other layers is an error."""
+    names = [name for name, _ in targets]
+    unknown = sorted(set(layer_modes) - set(names))
+    if unknown:
+        raise ValueError(
+            f"layer_modes names {unknown}, which are not quantizable Linear layers of this model (quantizable: "
+            f"{names[:12]}{' ...' if len(names) > 12 else ''}). Plan only those layers, by their module names."
+        )
+    return {n: None if layer_modes.get(n) == "none" else get_mode(layer_modes.get(n, quant_mode.name)) for n in names}
 
 
 class QuantizedPrecision(Precision):
@@ -127,6 +149,22 @@ class QuantizedPrecision(Precision):
             ``"bfloat16"``/``"bf16"``, ``"float16"``, ``"float32"`` or a ``torch.dtype``.
         ignore_modules: submodule names (prefix match) whose Linears stay unquantized, e.g.
             ``["lm_head"]``. A name that matches nothing is an error.
+        max_bytes_per_param, min_cosine: sensitivity-aware mixed precision
+            (:mod:`lightning_hbm.precision.sensitivity`). Before quantizing, the most sensitive Linears
+            (measured on ``probe_batch``) are kept in ``sensitive_mode`` and the rest stored in ``mode``,
+            so that the quantizable weights take at most ``max_bytes_per_param`` bytes per parameter
+            (quantization constants included) and/or the probe output cosine (the metric
+            ``QuantizationQuality`` logs) reaches ``min_cosine``. A target that cannot be met is a
+            ``ValueError`` naming the best reachable figure, before anything changes.
+        sensitive_mode: the mode of the sensitive layers (``"int8"`` by default; ``"none"``: kept in
+            ``dtype``, frozen).
+        probe_batch: the batch the plan is measured on (as for ``QuantizationQuality``); ``None``: the
+            first batch of the datamodule's ``train_dataloader``.
+        layer_modes: an explicit plan ``{layer name: mode name}`` (e.g. ``plan`` of an earlier run);
+            layers not named use ``mode``.
+
+    The plan (:attr:`plan`) is logged, saved with the plugin's settings in every checkpoint and
+    compared on resume (where it is measured again on the restored weights and must come out the same).
 
     Applied at lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`): after
     ``configure_model``, before ``configure_optimizers``, first of all model changes.
@@ -141,6 +179,11 @@ class QuantizedPrecision(Precision):
         mode: str = "nf4-dq",
         dtype: Union[str, torch.dtype] = "bfloat16",
         ignore_modules: Sequence[str] = (),
+        max_bytes_per_param: Optional[float] = None,
+        min_cosine: Optional[float] = None,
+        sensitive_mode: str = "int8",
+        probe_batch: Optional[Any] = None,
+        layer_modes: Optional[Mapping[str, str]] = None,
     ) -> None:
         self.mode = get_mode(mode)
         self.dtype = to_dtype(dtype)
@@ -152,6 +195,16 @@ class QuantizedPrecision(Precision):
         if isinstance(ignore_modules, str):
             raise TypeError(f"ignore_modules must be a list of module names, got the string {ignore_modules!r}.")
         self.ignore_modules = tuple(ignore_modules)
+        from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args
+
+        check_plan_args(self.mode.name, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch, layer_modes)
+        self.max_bytes_per_param, self.min_cosine = max_bytes_per_param, min_cosine
+        self.sensitive_mode, self.probe_batch = sensitive_mode, probe_batch
+        #: the per-layer plan ``{layer name: mode name}`` (``None``: every layer in ``mode``)
+        self.plan: Optional[dict[str, str]] = dict(layer_modes) if layer_modes else None
+        self._pinned_plan = self.plan is not None
+        #: what the sensitivity-aware choice measured (``None`` without a target)
+        self.plan_report: Optional[SensitivityPlan] = None
         if self.mode.peft_kind is not None:  # bitsandbytes modes: fail now, not at fit time
             from lightning_hbm.precision.bnb import import_bnb
 
@@ -175,19 +228,45 @@ class QuantizedPrecision(Precision):
         """Quantize ``module``'s Linear layers in place (once per model), and nothing else."""
         if self._name in applied_transforms(module):
             return module
-        quantized = quantize_model(module, self.mode, self.dtype, self.ignore_modules, self.target_device)
+        quantized = quantize_model(
+            module, self.mode, self.dtype, self.ignore_modules, self.target_device, layer_modes=self.plan
+        )
         log.info("lightning_hbm: %d Linear layers stored as %s", len(quantized), self.mode.name)
         mark_applied(module, self._name)
         return module
 
     def check_model(self, module: nn.Module) -> None:
         """Raise before any change if ``module`` cannot be quantized with these settings."""
-        if self._name not in applied_transforms(module):
-            _validate(module, self.mode, self.dtype, self.ignore_modules)
+        if self._name in applied_transforms(module):
+            return
+        targets, _ = _validate(module, self.mode, self.dtype, self.ignore_modules)
+        if self._pinned_plan:
+            _layer_modes(targets, self.mode, self.plan or {})
+        elif self.max_bytes_per_param is not None or self.min_cosine is not None:
+            self._choose_plan(module, [name for name, _ in targets])
+
+    def _choose_plan(self, module: nn.Module, names: list[str]) -> None:
+        # Measured here, in the checks: an unreachable target fails before the first change, and on resume
+        # the plan exists before the saved settings (the plan included) are compared with this run's.
+        from lightning_hbm.callbacks.quality import first_batch
+        from lightning_hbm.precision.sensitivity import choose_plan
+
+        state = getattr(self, _STATE_ATTR, None)
+        trainer = getattr(module, "_trainer", None) or (state.trainer if state is not None else None)
+        probe = self.probe_batch if self.probe_batch is not None else first_batch(trainer, "QuantizedPrecision")
+        report = choose_plan(
+            module, names, self.mode.name, self.sensitive_mode, self.dtype, probe,
+            max_bytes_per_param=self.max_bytes_per_param, min_cosine=self.min_cosine,
+        )
+        self.plan, self.plan_report = report.modes, report
+        log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.mode.name, self.sensitive_mode))
 
     def resume_config(self) -> dict[str, Any]:
-        """What a resumed run must share with the run that saved the checkpoint."""
-        return {"mode": self.mode.name, "dtype": str(self.dtype), "ignore_modules": list(self.ignore_modules)}
+        """What a resumed run must share with the run that saved the checkpoint (the per-layer plan included)."""
+        config = {"mode": self.mode.name, "dtype": str(self.dtype), "ignore_modules": list(self.ignore_modules)}
+        if self.plan is not None:
+            config["layer_modes"] = dict(self.plan)
+        return config
 
     @override
     def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
