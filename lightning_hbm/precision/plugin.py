@@ -253,6 +253,12 @@ class QuantizedPrecision(Precision):
 
         state = getattr(self, _STATE_ATTR, None)
         trainer = getattr(module, "_trainer", None) or (state.trainer if state is not None else None)
+        self.plan = self.plan_report = None  # a plugin reused by another Trainer measures again
+        saved = self._saved_plan(trainer)
+        if saved is not None:  # resuming: rebuild the plan the checkpoint was trained with (a fresh model may differ)
+            self.plan = saved
+            log.info("lightning_hbm: mixed precision plan taken from the checkpoint being resumed")
+            return
         probe = self.probe_batch if self.probe_batch is not None else first_batch(trainer, "QuantizedPrecision")
         report = choose_plan(
             module, names, self.mode.name, self.sensitive_mode, self.dtype, probe,
@@ -261,9 +267,24 @@ class QuantizedPrecision(Precision):
         self.plan, self.plan_report = report.modes, report
         log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.mode.name, self.sensitive_mode))
 
+    def _saved_plan(self, trainer: Any) -> Optional[dict[str, str]]:
+        """The plan in the checkpoint being resumed, if it was saved with this plugin's settings."""
+        from lightning_hbm import resume
+        from lightning_hbm.surgery import pending_checkpoint
+
+        meta = (pending_checkpoint(trainer) or {}).get(resume.META_KEY) or {}
+        saved = meta.get("configs", {}).get(type(self).__qualname__) or {}
+        config = self.resume_config()
+        if any(saved.get(key) != value for key, value in config.items()):
+            return None  # other settings: measure, and the resume check lists every difference
+        return saved.get("layer_modes")
+
     def resume_config(self) -> dict[str, Any]:
         """What a resumed run must share with the run that saved the checkpoint (the per-layer plan included)."""
         config = {"mode": self.mode.name, "dtype": str(self.dtype), "ignore_modules": list(self.ignore_modules)}
+        targets = {"max_bytes_per_param": self.max_bytes_per_param, "min_cosine": self.min_cosine}
+        if any(value is not None for value in targets.values()):
+            config.update(targets, sensitive_mode=self.sensitive_mode)
         if self.plan is not None:
             config["layer_modes"] = dict(self.plan)
         return config
