@@ -223,7 +223,7 @@ def check_plan_args(
         raise ValueError(f"QuantizedPrecision(min_cosine={min_cosine}): must be in (-1, 1], e.g. 0.99.")
     if sensitive_mode != UNQUANTIZED:
         get_mode(sensitive_mode)  # unknown name: ValueError listing the valid ones
-    if sensitive_mode == mode:
+    if sensitive_mode == mode and (max_bytes_per_param is not None or min_cosine is not None):
         raise ValueError(
             f"QuantizedPrecision(mode={mode!r}, sensitive_mode={sensitive_mode!r}): the sensitive layers need a wider "
             "mode than the others, e.g. sensitive_mode='int8' or 'none' (16-bit)."
