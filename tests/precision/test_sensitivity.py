@@ -140,3 +140,25 @@ def test_plan_is_logged_saved_and_rebuilt_on_resume(
         trainer_factory(max_steps=3, plugins=[plugin(max_bytes_per_param=0.9)]).fit(
             gpt_factory(), datamodule_factory(), ckpt_path=path
         )
+
+
+def test_lora_trains_on_a_mixed_base(gpt_factory: Any, trainer_factory: Any, datamodule_factory: Any) -> None:
+    import bitsandbytes as bnb
+    from peft.tuners.lora import Linear4bit as LoraLinear4bit
+    from peft.tuners.lora import Linear8bitLt as LoraLinear8bit
+
+    from lightning_hbm import LoRA
+
+    model = gpt_factory()
+    names = linear_names(model)
+    plan = {names[0]: "int8", names[1]: "none"}
+    trainer = trainer_factory(max_steps=2, plugins=[QuantizedPrecision("nf4-dq", dtype="float32", layer_modes=plan)],
+                              callbacks=[LoRA(r=4, target_modules="all-linear")])
+    trainer.fit(model, datamodule_factory())
+    # peft's quantization-aware layers for each kind (mergeable), a plain LoRA layer on the unquantized one
+    assert isinstance(model.get_submodule(names[0]), LoraLinear8bit)
+    assert isinstance(model.get_submodule(names[2]), LoraLinear4bit)
+    assert isinstance(model.get_submodule(names[1]).get_base_layer(), nn.Linear)
+    assert not isinstance(model.get_submodule(names[1]).get_base_layer(), (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
+    for name in names[:3]:  # every kind of base passed gradients to its adapter (lora_B starts at zero)
+        assert model.get_submodule(name).lora_B["default"].weight.abs().sum() > 0
