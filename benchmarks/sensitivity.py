@@ -44,7 +44,7 @@ from lightning_hbm import quantize_model
 from lightning_hbm.callbacks.quality import compare_outputs, probe_output
 from lightning_hbm.memory import module_parameter_tensors, unique_bytes
 from lightning_hbm.precision.plugin import _quantizable_linears
-from lightning_hbm.precision.sensitivity import choose_plan, predict_parameter_bytes, weight_bytes
+from lightning_hbm.precision.sensitivity import choose_plan, greedy_plan, predict_parameter_bytes, weight_bytes
 
 # (base mode, sensitive mode, max_bytes_per_param, min_cosine): the sensitivity-aware rows
 CASES = [
@@ -137,19 +137,11 @@ def measure(make: Callable[[], nn.Module], plan: Optional[dict[str, str]], base:
     return metrics
 
 
-def greedy_plan(model: nn.Module, solo: dict[str, float], base: str, sensitive: str, dtype: str, max_bytes: float) -> dict[str, str]:
+def baseline(model: nn.Module, solo: dict[str, float], base: str, sensitive: str, dtype: str, max_bytes: float) -> dict[str, str]:
     """The baseline to beat: the layers that cause the largest error alone, in ``sensitive``, while the budget allows."""
-    dtype_ = getattr(torch, dtype)
     layers = {name: model.get_submodule(name) for name in solo}
-    cost = {n: {m: weight_bytes(m, l.in_features, l.out_features, dtype_) for m in (base, sensitive)} for n, l in layers.items()}
-    budget = max_bytes * sum(l.in_features * l.out_features for l in layers.values())
-    plan, used = {n: base for n in solo}, sum(c[base] for c in cost.values())
-    for name in sorted(solo, key=lambda n: (-solo[n], n)):
-        extra = cost[name][sensitive] - cost[name][base]
-        if used + extra > budget:
-            break
-        plan[name], used = sensitive, used + extra
-    return plan
+    cost = {n: {m: weight_bytes(m, l.in_features, l.out_features, getattr(torch, dtype)) for m in (base, sensitive)} for n, l in layers.items()}
+    return greedy_plan(solo, cost, base, sensitive, max_bytes * sum(l.in_features * l.out_features for l in layers.values()))[0]
 
 
 def row(label: str, metrics: dict[str, float], extra: str = "") -> str:
@@ -208,7 +200,7 @@ def main() -> None:
                 extra = f"{kept}/{len(names)} layers in `{sensitive}`, probe cos {report.uniform_cosine:.5f} -> {report.cosine:.5f}, {seconds:.0f} s"
                 print(row(label, measure(make, report.modes, base, args.dtype, held_out, reference), extra), flush=True)
                 if max_bytes is not None and min_cosine is None:
-                    greedy = greedy_plan(model, report.solo_error, base, sensitive, args.dtype, max_bytes)
+                    greedy = baseline(model, report.solo_error, base, sensitive, args.dtype, max_bytes)
                     kept = sum(mode == sensitive for mode in greedy.values())
                     label = f"`{base}` + `{sensitive}`, greedy baseline (max {max_bytes} B/param)"
                     extra = f"{kept}/{len(names)} layers in `{sensitive}`: the top ones by solo error"
