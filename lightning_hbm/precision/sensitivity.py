@@ -217,10 +217,10 @@ def choose_plan(
     )
     if min_cosine is not None and current < min_cosine:
         reach = f"within max_bytes_per_param={max_bytes_per_param}" if max_bytes_per_param is not None else f"with every layer in {sensitive!r}"
+        wider = "" if sensitive == UNQUANTIZED else ", or use sensitive_mode='none' (the compute dtype for the sensitive layers)"
         raise ValueError(
             f"min_cosine={min_cosine} cannot be met: the best probe output cosine reachable {reach} is {current:.5f} "
-            f"at {result.bytes_per_param:.4f} bytes per parameter. Lower min_cosine, raise max_bytes_per_param, or "
-            f"use sensitive_mode='none' (16-bit for the sensitive layers)."
+            f"at {result.bytes_per_param:.4f} bytes per parameter. Lower min_cosine or raise max_bytes_per_param{wider}."
         )
     return result
 
