@@ -163,8 +163,9 @@ class QuantizedPrecision(Precision):
         layer_modes: an explicit plan ``{layer name: mode name}`` (e.g. ``plan`` of an earlier run);
             layers not named use ``mode``.
 
-    The plan (:attr:`plan`) is logged, saved with the plugin's settings in every checkpoint and
-    compared on resume (where it is measured again on the restored weights and must come out the same).
+    The plan (:attr:`plan`) is logged and saved with the plugin's settings (targets included) in every
+    checkpoint; a resume with the same settings takes the saved plan (nothing measured, so a fresh model
+    with another init resumes exactly), and other settings or another pinned plan are a resume error.
 
     Applied at lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`): after
     ``configure_model``, before ``configure_optimizers``, first of all model changes.
