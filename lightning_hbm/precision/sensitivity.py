@@ -98,6 +98,18 @@ class SensitivityPlan:
         )
 
 
+class _SameDtype(nn.Module):
+    """A quantized layer inside the model as built (e.g. fp32) that computes in the plan's dtype (e.g. bf16)."""
+
+    def __init__(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer, self.dtype = layer, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the layer sees the compute dtype, as under QuantizedPrecision; the model as built gets its dtype back
+        return self.layer(x.to(self.dtype)).to(x.dtype)
+
+
 class _Swapper:
     """Puts quantized copies of chosen layers into the model for one probe forward, then the originals back."""
 
@@ -110,7 +122,14 @@ class _Swapper:
             return self.layers[name]  # the probe runs the model as built: unquantized is the reference
         key = (name, mode)
         if key not in self._variants:
-            self._variants[key] = get_mode(mode).replace(self.layers[name], self.dtype, None)
+            linear = self.layers[name]
+            # a copy holding a clone of the bias: bitsandbytes casts its layer's bias in place at the first
+            # forward, and the mode's replace() shares the bias with the model's own Linear
+            source = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+            source.weight = linear.weight
+            if linear.bias is not None:
+                source.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+            self._variants[key] = _SameDtype(get_mode(mode).replace(source, self.dtype, None), self.dtype)
         return self._variants[key]
 
     def _put(self, name: str, layer: nn.Module) -> None:

@@ -39,6 +39,13 @@ def test_plan_is_deterministic_meets_the_budget_and_leaves_the_model_alone(gpt_f
         torch.testing.assert_close(value, before[key], rtol=0, atol=0)
 
 
+def test_bf16_plan_on_an_fp32_model_leaves_it_fp32(gpt_factory: Any) -> None:
+    model = gpt_factory(bias=True)
+    report = choose_plan(model, linear_names(model), "nf4-dq", "int8", "bfloat16", PROBE, max_bytes_per_param=0.75)
+    assert "int8" in report.modes.values() and report.cosine > report.uniform_cosine
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # bitsandbytes casts biases in place: not ours
+
+
 def test_min_cosine_stops_as_soon_as_it_is_reached(gpt_factory: Any) -> None:
     model = gpt_factory()
     uniform = plan_of(model, max_bytes_per_param=0.61)  # too small for any int8 layer here: the uniform figure
