@@ -35,7 +35,7 @@ def _module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _forward(module: nn.Module, batch: Any) -> Tensor:
+def probe_output(module: nn.Module, batch: Any) -> Tensor:
     """The module's output tensor for ``batch``: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets) pair, or ``forward(**dict)``."""
     if isinstance(batch, Tensor):
         out = module(batch)
@@ -56,8 +56,40 @@ def _forward(module: nn.Module, batch: Any) -> Tensor:
     return logits
 
 
+def first_batch(trainer: Optional[pl.Trainer], who: str) -> Any:
+    """The first batch of ``trainer``'s datamodule, drawn without touching the global RNG."""
+    datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+    if datamodule is None:
+        raise ValueError(
+            f"{who} found no probe batch: the Trainer has no LightningDataModule (got datamodule={datamodule!r}). "
+            f"Pass {who}(probe_batch=...) or fit with datamodule=..."
+        )
+    # Building and starting a (shuffling) DataLoader draws from the global RNG: keep the run's randomness intact.
+    with torch.random.fork_rng(devices=[]):
+        return next(iter(datamodule.train_dataloader()))
+
+
+def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, float]:
+    """The metrics logged by :class:`QuantizationQuality` (and optimized by the sensitivity-aware plan).
+
+    Cosine similarity per output row (per token for a language model, per sample otherwise),
+    root relative squared error over all outputs, and for a language model ``KL(p_fp || p_q)``.
+    """
+    output, reference = output.float(), reference.float()
+    width = reference.shape[-1] if reference.dim() >= 2 else reference.numel()
+    rows, ref_rows = output.reshape(-1, width), reference.reshape(-1, width)
+    metrics = {
+        PREFIX + "cosine_similarity": float(CosineSimilarity(reduction="mean")(rows, ref_rows)),
+        PREFIX + "relative_error": float(RelativeSquaredError(squared=False)(output.flatten(), reference.flatten())),
+    }
+    if lm:
+        kl = KLDivergence(log_prob=True, reduction="mean")  # KL(p || q) with p the full-precision model
+        metrics[PREFIX + "kl_divergence"] = float(kl(ref_rows.log_softmax(-1), rows.log_softmax(-1)))
+    return metrics
+
+
 @contextmanager
-def _eval_no_grad(module: nn.Module) -> Generator[None, None, None]:
+def eval_no_grad(module: nn.Module) -> Generator[None, None, None]:
     # Dropout would make the probe outputs random; the same eval forward is used on both sides.
     was_training = module.training
     module.eval()
@@ -95,6 +127,18 @@ def _dequantized_weight(layer: nn.Module) -> Tensor:
     )
 
 
+def _plan_metrics(plugin: Any) -> dict[str, float]:
+    """The figures a sensitivity-aware precision plan measured while choosing (none without a plan)."""
+    report = getattr(plugin, "plan_report", None)
+    if report is None:
+        return {}
+    return {
+        PREFIX + "uniform_cosine_similarity": report.uniform_cosine,
+        PREFIX + "plan_cosine_similarity": report.cosine,
+        PREFIX + "plan_bytes_per_param": report.bytes_per_param,
+    }
+
+
 class QuantizationQuality(SurgeryCallback):
     """Compare the quantized (changed) model with the full-precision one, on a fixed probe batch.
 
@@ -124,6 +168,10 @@ class QuantizationQuality(SurgeryCallback):
         ``quant/weight_sqnr_db_min`` and ``quant/weight_sqnr_db_mean``: weight signal-to-quantization-noise
             ratio over the Linear layers, dB (torchmetrics ``signal_noise_ratio``; fit start only). The whole
             table, worst layers first, is in :attr:`layer_sqnr` and printed at fit start.
+        With a sensitivity-aware ``QuantizedPrecision`` plan (``max_bytes_per_param``/``min_cosine``), at fit
+        start: ``quant/uniform_cosine_similarity`` and ``quant/plan_cosine_similarity``, the same cosine on the
+        plugin's probe batch with every layer in the base mode (before) and with the plan (after), and
+        ``quant/plan_bytes_per_param`` (quantizable weights, constants included).
 
     Example::
 
@@ -202,27 +250,15 @@ class QuantizationQuality(SurgeryCallback):
 
     # ------------------------------------------------------------------ before quantization
 
-    def _default_probe(self) -> Any:
-        trainer = self._trainer
-        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-        if datamodule is None:
-            raise ValueError(
-                "QuantizationQuality found no probe batch: the Trainer has no LightningDataModule (got "
-                f"datamodule={datamodule!r}). Pass QuantizationQuality(probe_batch=...) or fit with datamodule=..."
-            )
-        # Building and starting a (shuffling) DataLoader draws from the global RNG: keep the run's randomness intact.
-        with torch.random.fork_rng(devices=[]):
-            return next(iter(datamodule.train_dataloader()))
-
     @override
     def transform_model(self, module: pl.LightningModule) -> None:
         """Keep the full-precision probe outputs and Linear weights on CPU (the model is not changed)."""
-        batch = self.probe_batch if self.probe_batch is not None else self._default_probe()
+        batch = self.probe_batch if self.probe_batch is not None else first_batch(self._trainer, "QuantizationQuality")
         n = self.probe_samples
         batch = apply_to_collection(batch, Tensor, lambda t: t[:n] if t.dim() > 0 else t)
         self._probe = move_data_to_device(batch, torch.device("cpu"))
-        with _eval_no_grad(module):
-            output = _forward(module, move_data_to_device(self._probe, _module_device(module)))
+        with eval_no_grad(module):
+            output = probe_output(module, move_data_to_device(self._probe, _module_device(module)))
         task = self.task if self.task != "auto" else ("lm" if output.dim() == 3 else "generic")
         if task == "lm" and output.dim() < 2:
             raise ValueError(
@@ -252,24 +288,15 @@ class QuantizationQuality(SurgeryCallback):
             )
         plugin = trainer.strategy.precision_plugin
         batch = plugin.convert_input(move_data_to_device(self._probe, _module_device(pl_module)))
-        with _eval_no_grad(pl_module), plugin.forward_context():
-            output = _forward(pl_module, batch).float().cpu()
+        with eval_no_grad(pl_module), plugin.forward_context():
+            output = probe_output(pl_module, batch).float().cpu()
         reference = self._reference
         if output.shape != reference.shape:
             raise RuntimeError(
                 f"QuantizationQuality: the changed model's output shape {tuple(output.shape)} differs from the "
                 f"full-precision one {tuple(reference.shape)} on the same probe batch."
             )
-        width = reference.shape[-1] if reference.dim() >= 2 else reference.numel()
-        rows, ref_rows = output.reshape(-1, width), reference.reshape(-1, width)
-        metrics = {
-            PREFIX + "cosine_similarity": float(CosineSimilarity(reduction="mean")(rows, ref_rows)),
-            PREFIX + "relative_error": float(RelativeSquaredError(squared=False)(output.flatten(), reference.flatten())),
-        }
-        if self._task == "lm":
-            kl = KLDivergence(log_prob=True, reduction="mean")  # KL(p || q) with p the full-precision model
-            metrics[PREFIX + "kl_divergence"] = float(kl(ref_rows.log_softmax(-1), rows.log_softmax(-1)))
-        return metrics
+        return compare_outputs(output, reference, self._task == "lm")
 
     def _weight_table(self, pl_module: pl.LightningModule) -> dict[str, float]:
         table = []
@@ -315,6 +342,7 @@ class QuantizationQuality(SurgeryCallback):
         metrics = self.measure(trainer, pl_module)
         if self._fp_weights:
             metrics.update(self._weight_table(pl_module))
+        metrics.update(_plan_metrics(trainer.strategy.precision_plugin))
         self.metrics = metrics
         # self.log is not allowed in on_fit_start: log through the loggers, and expose to other callbacks.
         for logger in trainer.loggers:

