@@ -221,7 +221,17 @@ def _layer_modes(
             f"layer_modes names {unknown}, which are not quantizable Linear layers of this model (quantizable: "
             f"{names[:12]}{' ...' if len(names) > 12 else ''}). Plan only those layers, by their module names."
         )
-    return {n: None if layer_modes.get(n) == "none" else get_mode(layer_modes.get(n, quant_mode.name)) for n in names}
+    fake = quant_mode != get_mode(quant_mode.name)  # the planner's fake-tensor variant: plan with fake layers too
+
+    def mode_of(name: str) -> Optional[QuantMode]:
+        chosen = layer_modes.get(name)
+        if chosen is None:
+            return quant_mode
+        if chosen == "none":
+            return None
+        return get_mode(chosen).for_fake_tensors() if fake else get_mode(chosen)
+
+    return {n: mode_of(n) for n in names}
 
 
 class QuantizedPrecision(Precision):
