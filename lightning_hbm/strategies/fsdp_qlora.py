@@ -29,6 +29,9 @@ Checkpoints are gathered to rank 0 in the ordinary single-file format and hold o
 optimizer states in ``torch.optim`` format. The frozen base is not saved: it is rebuilt from the
 user's model when the run resumes, as in QLoRA. Such a checkpoint resumes on any number of ranks,
 including a single device without this strategy (the surgery spine loads it after the surgery).
+Lightning restores a checkpoint after this strategy's setup, i.e. after the surgery: the tensors' CRCs and the
+file are checked, but the settings and frozen-base fingerprints that lightning_hbm compares on a single device
+or DDP (lightning_hbm/resume.py) are not compared here.
 
 Example::
 
