@@ -35,6 +35,7 @@ import tempfile
 import time
 import warnings
 import zipfile
+from collections import Counter
 from typing import Any, Callable, Optional
 
 import torch
@@ -48,6 +49,7 @@ from lightning_hbm.precision.sensitivity import choose_plan, greedy_plan, predic
 
 # (base mode, sensitive mode, max_bytes_per_param, min_cosine): the sensitivity-aware rows
 CASES = [
+    ("nf4-dq", "auto", 0.65, None),
     ("nf4-dq", "int8", 0.65, None),
     ("nf4-dq", "none", 0.65, None),
     ("int8-dynamic", "none", 1.10, 0.999),
@@ -195,11 +197,11 @@ def main() -> None:
                     print(f"| `{base}` + `{sensitive}` (max {max_bytes}, min cos {min_cosine}) | unreachable: {err} |||||")
                     continue
                 seconds = time.perf_counter() - start
-                kept = sum(mode == sensitive for mode in report.modes.values())
+                kept = ", ".join(f"{count} in `{mode}`" for mode, count in sorted(Counter(report.modes.values()).items()) if mode != base)
                 label = f"`{base}` + `{sensitive}` (max {max_bytes} B/param{f', min cos {min_cosine}' if min_cosine else ''})"
-                extra = f"{kept}/{len(names)} layers in `{sensitive}`, probe cos {report.uniform_cosine:.5f} -> {report.cosine:.5f}, {seconds:.0f} s"
+                extra = f"{kept or 'none wider'} of {len(names)}, probe cos {report.uniform_cosine:.5f} -> {report.cosine:.5f}, {seconds:.0f} s"
                 print(row(label, measure(make, report.modes, base, args.dtype, held_out, reference), extra), flush=True)
-                if max_bytes is not None and min_cosine is None:
+                if max_bytes is not None and min_cosine is None and sensitive != "auto":
                     greedy = baseline(model, report.solo_error, base, sensitive, args.dtype, max_bytes)
                     kept = sum(mode == sensitive for mode in greedy.values())
                     label = f"`{base}` + `{sensitive}`, greedy baseline (max {max_bytes} B/param)"

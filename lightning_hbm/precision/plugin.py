@@ -254,8 +254,11 @@ class QuantizedPrecision(Precision):
             (quantization constants included) and/or the probe output cosine (the metric
             ``QuantizationQuality`` logs) reaches ``min_cosine``. A target that cannot be met is a
             ``ValueError`` naming the best reachable figure, before anything changes.
-        sensitive_mode: the mode of the sensitive layers (``"int8"`` by default; ``"none"``: kept in
-            ``dtype``, frozen).
+        sensitive_mode: the wider mode(s) a sensitive layer may take instead of ``mode``: one name, a
+            list (e.g. ``["nf4-dq-b32", "int8"]``: chosen per layer) or ``"auto"`` (default): for
+            ``nf4-dq`` (``nf4``) its 32-weight blocks ``nf4-dq-b32`` (``nf4-b32``) and ``int8``; for
+            ``int8`` and ``int8-dynamic``, ``"none"``; otherwise ``int8``. ``"none"`` keeps a layer
+            in ``dtype``, frozen.
         probe_batch: the batch the plan is measured on (as for ``QuantizationQuality``); ``None``: the
             first batch of the datamodule's ``train_dataloader``.
         layer_modes: an explicit plan ``{layer name: mode name}`` (e.g. ``plan`` of an earlier run);
@@ -287,7 +290,7 @@ class QuantizedPrecision(Precision):
         quantize_head: bool = False,
         max_bytes_per_param: Optional[float] = None,
         min_cosine: Optional[float] = None,
-        sensitive_mode: str = "int8",
+        sensitive_mode: Union[str, list[str]] = "auto",
         probe_batch: Optional[Any] = None,
         layer_modes: Optional[Mapping[str, str]] = None,
     ) -> None:
@@ -306,7 +309,9 @@ class QuantizedPrecision(Precision):
 
         check_plan_args(self.mode.name, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch, layer_modes)
         self.max_bytes_per_param, self.min_cosine = max_bytes_per_param, min_cosine
-        self.sensitive_mode, self.probe_batch = sensitive_mode, probe_batch
+        # a list in the resume settings: the checkpoint stores lists (a tuple would compare unequal after a load)
+        self.sensitive_mode = sensitive_mode if isinstance(sensitive_mode, str) else list(sensitive_mode)
+        self.probe_batch = probe_batch
         #: the per-layer plan ``{layer name: mode name}`` (``None``: every layer in ``mode``)
         self.plan: Optional[dict[str, str]] = dict(layer_modes) if layer_modes else None
         self._pinned_plan = self.plan is not None
@@ -381,7 +386,7 @@ class QuantizedPrecision(Precision):
             max_bytes_per_param=self.max_bytes_per_param, min_cosine=self.min_cosine,
         )
         self.plan, self.plan_report = report.modes, report
-        log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.mode.name, self.sensitive_mode))
+        log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.mode.name))
 
     def _saved_plan(self, trainer: Any) -> Optional[dict[str, str]]:
         """The plan in the checkpoint being resumed, if it was saved with this plugin's settings."""

@@ -1,23 +1,32 @@
-"""Sensitivity-aware mixed precision: which Linear layers to keep in a wider mode under a byte budget.
+"""Sensitivity-aware mixed precision: which Linear layers to store in a wider mode under a byte budget.
 
 What it shrinks: the **parameters** term, at a chosen quality. Quantizing every Linear the same
 way gives exactly the quality of plain bitsandbytes; on pretrained models a few layers carry most
 of the error. This module measures, on a probe batch, what each layer's quantization costs at the
 model's *output* (the metric :class:`~lightning_hbm.QuantizationQuality` logs: mean cosine
-similarity of output rows), then chooses per layer between the base mode (e.g. ``nf4-dq``) and a
-wider ``sensitive_mode`` (``int8`` by default, or ``"none"``: the compute dtype) so as to meet a
-byte budget (``max_bytes_per_param``) and/or a quality target (``min_cosine``).
+similarity of output rows), then chooses per layer between the base mode (e.g. ``nf4-dq``) and
+wider modes (``sensitive_mode``; by default for ``nf4-dq`` its 32-weight blocks ``nf4-dq-b32`` at
++0.016 B/param and ``int8`` at about +0.49) so as to meet a byte budget (``max_bytes_per_param``)
+and/or a quality target (``min_cosine``).
 
-How it chooses (better than ranking layers by the error each causes alone):
+How it chooses:
 
-1. sensitivity: one forward of the probe batch per layer, with only that layer in the base mode
-   (the end-to-end error it causes alone; weight SQNR or per-layer output error misses how much
-   of it reaches the output);
-2. the candidates are ranked by error removed *per extra byte* (a 384x1536 feed-forward matrix
-   costs four times the bytes of a 384x384 attention matrix), and the best few are re-measured on
-   the current plan before each choice (errors of several layers do not simply add up);
-3. under a byte budget, the plain ranking by error alone (the top layers that fit) is measured too
-   and kept if it is better on the probe: neither ranking wins on every model.
+1. sensitivity: one forward of the probe batch per layer, with only that layer in the base mode:
+   the end-to-end error it causes alone (weight SQNR, or a layer's own output error, misses how
+   much of it reaches the output);
+2. the other modes of each layer: one forward with hooks measures how much each mode shrinks the
+   layer's own output error on its real probe input; the layer's end-to-end error is scaled by
+   that ratio (blocks of 32 cut a layer's error by ~20 % for 3 % more bytes, int8 by ~98 % for
+   twice the bytes);
+3. the choice is a multiple-choice knapsack: each layer's modes on the lower convex hull of
+   (bytes, error), moves taken best error removed per byte first (every prefix is the best plan
+   for its bytes if errors add up). Under a budget the moves that fit are taken; with
+   ``min_cosine`` the cheapest prefix that measures at the target (binary search, a forward each);
+4. under a byte budget, the plain ranking by error alone in int8 (the issue's baseline) is
+   measured too and kept if it is better on the probe.
+
+Cost: one probe forward per Linear plus about four, on the model as built (layers are swapped in
+and back; nothing stays changed).
 
 The plan is a ``{layer name: mode name}`` map; :func:`predict_parameter_bytes` turns it into the
 exact parameter bytes of the quantized model (what :func:`lightning_hbm.memory.parameter_bytes`
@@ -27,6 +36,7 @@ measures afterwards), for a planner to call before any quantization.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -89,12 +99,14 @@ class SensitivityPlan:
     #: ``name -> 1 - cosine`` with only that layer quantized in the base mode (its sensitivity)
     solo_error: dict[str, float] = field(default_factory=dict)
 
-    def summary(self, base: str, sensitive: str) -> str:
-        kept = [name for name, mode in self.modes.items() if mode == sensitive]
+    def summary(self, base: str) -> str:
+        counts = Counter(self.modes.values())
+        wider = {mode: sorted(n for n, m in self.modes.items() if m == mode) for mode in counts if mode != base}
+        split = ", ".join(f"{counts[mode]} in {mode}" for mode in sorted(wider)) or "none in a wider mode"
         return (
-            f"{len(kept)} of {len(self.modes)} Linear layers in {sensitive}, the rest in {base}: "
+            f"{split}, the other {counts[base]} of {len(self.modes)} Linear layers in {base}: "
             f"{self.bytes_per_param:.4f} B/param (uniform {base}: {self.uniform_bytes_per_param:.4f}); probe output "
-            f"cosine {self.uniform_cosine:.5f} -> {self.cosine:.5f}. Kept: {kept}"
+            f"cosine {self.uniform_cosine:.5f} -> {self.cosine:.5f}. Wider layers: {wider}"
         )
 
 
@@ -148,14 +160,31 @@ class _Swapper:
                 self._put(name, self.layers[name])
 
 
+#: the modes the sensitive layers may take by default, per base mode, narrowest first
+DEFAULT_LADDERS: dict[str, tuple[str, ...]] = {
+    "nf4": ("nf4-b32", "int8"),
+    "nf4-dq": ("nf4-dq-b32", "int8"),
+    "int8": (UNQUANTIZED,),
+    "int8-dynamic": (UNQUANTIZED,),
+}
+
+
+def ladder(base: str, sensitive: Any) -> tuple[str, ...]:
+    """The wider modes a layer may take instead of ``base``: ``sensitive`` as given, or ``"auto"``'s defaults."""
+    if sensitive == "auto":
+        return DEFAULT_LADDERS.get(base, ("int8",))
+    return (sensitive,) if isinstance(sensitive, str) else tuple(sensitive)
+
+
 def _check_budget(
-    max_bytes_per_param: Optional[float], uniform: float, widest: float, base: str, sensitive: str
+    max_bytes_per_param: Optional[float], uniform: float, widest: float, base: str, sensitive: Sequence[str]
 ) -> None:
     if max_bytes_per_param is not None and max_bytes_per_param < uniform:
         raise ValueError(
             f"max_bytes_per_param={max_bytes_per_param} cannot be met: storing every quantizable Linear in {base!r} "
             f"already takes {uniform:.4f} bytes per parameter, the least reachable with this mode (every layer in "
-            f"{sensitive!r}: {widest:.4f}). Raise max_bytes_per_param to at least {uniform:.4f}, or pick a smaller mode."
+            f"the widest of {list(sensitive)}: {widest:.4f}). Raise max_bytes_per_param to at least {uniform:.4f}, "
+            "or pick a smaller mode."
         )
 
 
@@ -172,32 +201,87 @@ def greedy_plan(
     return plan, used
 
 
+def upgrade_moves(
+    error: Mapping[str, Mapping[str, float]], cost: Mapping[str, Mapping[str, int]]
+) -> list[tuple[str, str, int]]:
+    """Every layer's steps up its lower convex hull of (bytes, error), best error removed per byte first.
+
+    The classic greedy for a multiple-choice knapsack: along a layer's hull the error removed per extra
+    byte only falls, so taking moves in this order keeps each layer's moves in their order, and every
+    prefix is the best plan for its bytes under the additive error model. Returns ``(layer, mode, bytes)``.
+    """
+    moves = []
+    for name in sorted(error):
+        points = sorted(cost[name].items(), key=lambda item: (item[1], error[name][item[0]]))
+        hull = [points[0]]  # (mode, bytes), the cheapest first: the base mode
+        for mode, nbytes in points[1:]:
+            if error[name][mode] >= error[name][hull[-1][0]]:
+                continue  # more bytes, no less error: never worth it
+            while len(hull) >= 2:  # drop a middle point above the segment from its neighbours
+                (m0, b0), (m1, b1) = hull[-2], hull[-1]
+                if (error[name][m0] - error[name][m1]) * (nbytes - b1) <= (error[name][m1] - error[name][mode]) * (b1 - b0):
+                    hull.pop()
+                else:
+                    break
+            hull.append((mode, nbytes))
+        for (m0, b0), (m1, b1) in zip(hull, hull[1:]):
+            moves.append((name, m1, b1 - b0, (error[name][m0] - error[name][m1]) / max(b1 - b0, 1)))
+    moves.sort(key=lambda move: (-move[3], move[0], move[2]))
+    return [(name, mode, extra) for name, mode, extra, _ in moves]
+
+
+def _local_errors(swapper: _Swapper, modes: Sequence[str], probe: Any) -> dict[str, dict[str, float]]:
+    """``name -> mode -> |layer_mode(x) - layer(x)|^2`` on each layer's own probe input, in one forward."""
+    from lightning_hbm.callbacks.quality import probe_output
+
+    errors: dict[str, dict[str, float]] = {}
+
+    def hook(name: str) -> Any:
+        def record(layer: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            errors[name] = {
+                m: 0.0 if m == UNQUANTIZED else float((swapper.variant(name, m)(args[0]).float() - output.float()).square().sum())
+                for m in modes
+            }
+
+        return record
+
+    handles = [layer.register_forward_hook(hook(name)) for name, layer in swapper.layers.items()]
+    try:
+        probe_output(swapper.module, probe)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return errors
+
+
 def choose_plan(
     module: nn.Module,
     names: Sequence[str],
     base: str,
-    sensitive: str,
+    sensitive: Any,
     dtype: Any,
     probe: Any,
     max_bytes_per_param: Optional[float] = None,
     min_cosine: Optional[float] = None,
-    remeasure: int = 3,
 ) -> SensitivityPlan:
-    """Choose ``base`` or ``sensitive`` for each Linear in ``names`` of ``module`` (changed back afterwards).
+    """Choose ``base`` or one of the ``sensitive`` modes for each Linear in ``names`` (changed back afterwards).
 
-    With ``max_bytes_per_param`` alone the budget is filled; with ``min_cosine`` the choice stops as
-    soon as the probe output cosine reaches it. A budget that cannot be met raises a ``ValueError``
-    naming the best reachable figure, before anything changes. Deterministic for a fixed probe batch.
+    ``sensitive``: a mode, several (e.g. ``["nf4-dq-b32", "int8"]``) or ``"auto"`` (:data:`DEFAULT_LADDERS`).
+    With ``max_bytes_per_param`` alone the budget is filled; with ``min_cosine`` the cheapest plan of the
+    sequence reaching it is taken. A budget that cannot be met raises a ``ValueError`` naming the best
+    reachable figure, before anything changes. Deterministic for a fixed probe batch. Cost: one probe
+    forward per layer (its error alone) and a few more (below), each with one layer or one plan swapped in.
     """
     from lightning_hbm.callbacks.quality import compare_outputs, eval_no_grad
 
-    dtype = to_dtype(dtype)
+    dtype, wider = to_dtype(dtype), ladder(base, sensitive)
+    modes = (base, *wider)
     layers = {name: module.get_submodule(name) for name in names}
-    params = {n: layer.in_features * layer.out_features for n, layer in layers.items()}
-    cost = {n: {m: weight_bytes(m, lay.in_features, lay.out_features, dtype) for m in (base, sensitive)} for n, lay in layers.items()}
-    total_params = sum(params.values())
+    total_params = sum(layer.in_features * layer.out_features for layer in layers.values())
+    cost = {n: {m: weight_bytes(m, lay.in_features, lay.out_features, dtype) for m in modes} for n, lay in layers.items()}
     uniform_bytes = sum(c[base] for c in cost.values())
-    _check_budget(max_bytes_per_param, uniform_bytes / total_params, sum(c[sensitive] for c in cost.values()) / total_params, base, sensitive)
+    widest = sum(max(c.values()) for c in cost.values()) / total_params
+    _check_budget(max_bytes_per_param, uniform_bytes / total_params, widest, base, wider)
     budget = math.inf if max_bytes_per_param is None else max_bytes_per_param * total_params
     swapper = _Swapper(module, layers, dtype)
     with eval_no_grad(module):
@@ -206,28 +290,25 @@ def choose_plan(
         def cosine(plan: Mapping[str, str]) -> float:
             return compare_outputs(swapper.output(plan, probe), reference, lm=False)["quant/cosine_similarity"]
 
-        # The sensitive mode's own error is second order (int8 ~50x below 4-bit on the layers we measured):
-        # not measured alone, which halves the cost; the re-measurement below sees it.
+        # 1. sensitivity: the output error each layer causes alone in the base mode (one forward each)
         solo = {n: 1 - cosine({n: base}) for n in names}
-        plan = {n: base for n in names}
-        used, current = uniform_bytes, cosine(plan)
-        uniform_cosine, pending = current, sorted(names)
-        while pending and (min_cosine is None or current < min_cosine):
-            extra = {n: cost[n][sensitive] - cost[n][base] for n in pending}
-            affordable = [n for n in pending if used + extra[n] <= budget]
-            if not affordable:
-                break
-            # error removed per extra byte, by the solo measurements; ties by name (deterministic)
-            ranked = sorted(affordable, key=lambda n: (-solo[n] / max(extra[n], 1), n))
-            # re-measure the best few on the current plan: layer errors interact
-            trials = {n: cosine({**plan, n: sensitive}) for n in ranked[:remeasure]}
-            best = max(ranked[:remeasure], key=lambda n: (trials[n] - current) / max(extra[n], 1))
-            plan[best], used, current = sensitive, used + extra[best], trials[best]
-            pending.remove(best)
-        if min_cosine is None and max_bytes_per_param is not None:
-            # one more forward: the plain ranking by error alone, kept if it measures better on the probe
-            # (it did on all-MiniLM-L6-v2 held-out sentences, where a few large layers dominate)
-            greedy, greedy_used = greedy_plan(solo, cost, base, sensitive, budget)
+        # 2. the other modes of a layer, by how much they shrink its own output error on the probe (one
+        #    forward for all layers and modes): a layer's end-to-end error scales with its local error
+        local = _local_errors(swapper, modes, probe)
+        error = {n: {m: solo[n] * local[n][m] / max(local[n][base], 1e-30) for m in modes} for n in names}
+        # 3. the best plan for each byte count under the additive model: moves up each layer's hull, in order
+        plans, used, blocked = [({n: base for n in names}, uniform_bytes)], uniform_bytes, set()
+        for name, mode, extra in upgrade_moves(error, cost):
+            if name in blocked or used + extra > budget:
+                blocked.add(name)  # a layer's later moves start where this one ends: skipped with it
+                continue
+            plans.append(({**plans[-1][0], name: mode}, used + extra))
+            used += extra
+        plan, used, current, uniform_cosine = _pick(plans, cosine, min_cosine)
+        if min_cosine is None and max_bytes_per_param is not None and "int8" in wider:
+            # one more forward: the plain ranking by error alone in int8 (the issue's baseline), kept if it
+            # measures better on the probe
+            greedy, greedy_used = greedy_plan(solo, cost, base, "int8", budget)
             greedy_cosine = cosine(greedy)
             if greedy_cosine > current:
                 plan, used, current = greedy, greedy_used, greedy_cosine
@@ -235,13 +316,38 @@ def choose_plan(
         dict(sorted(plan.items())), uniform_cosine, current, uniform_bytes / total_params, used / total_params, solo
     )
     if min_cosine is not None and current < min_cosine:
-        reach = f"within max_bytes_per_param={max_bytes_per_param}" if max_bytes_per_param is not None else f"with every layer in {sensitive!r}"
-        wider = "" if sensitive == UNQUANTIZED else ", or use sensitive_mode='none' (the compute dtype for the sensitive layers)"
+        reach = f"within max_bytes_per_param={max_bytes_per_param}" if max_bytes_per_param is not None else f"with the widest of {list(wider)}"
+        widen = "" if UNQUANTIZED in wider else ", or add 'none' (the compute dtype) to sensitive_mode"
         raise ValueError(
             f"min_cosine={min_cosine} cannot be met: the best probe output cosine reachable {reach} is {current:.5f} "
-            f"at {result.bytes_per_param:.4f} bytes per parameter. Lower min_cosine or raise max_bytes_per_param{wider}."
+            f"at {result.bytes_per_param:.4f} bytes per parameter. Lower min_cosine or raise max_bytes_per_param{widen}."
         )
     return result
+
+
+def _pick(
+    plans: list[tuple[dict[str, str], int]], cosine: Any, min_cosine: Optional[float]
+) -> tuple[dict[str, str], int, float, float]:
+    """The plan to keep from the nested sequence ``plans`` (each one more move than the last): the last one
+    under a byte budget; with ``min_cosine``, the first one that reaches it (binary search over measured
+    cosines: the sequence removes error at every step, so cosine grows nearly monotonically)."""
+    uniform_cosine = cosine(plans[0][0])
+    if min_cosine is None:
+        plan, used = plans[-1]
+        return plan, used, cosine(plan) if len(plans) > 1 else uniform_cosine, uniform_cosine
+    measured = {0: uniform_cosine}
+    low, high = 0, len(plans) - 1
+    if uniform_cosine < min_cosine:
+        measured[high] = cosine(plans[high][0])
+        if measured[high] < min_cosine:
+            return (*plans[high], measured[high], uniform_cosine)  # the caller names the best reachable figure
+        while high - low > 1:  # invariant: plans[low] misses the target, plans[high] reaches it
+            middle = (low + high) // 2
+            measured[middle] = cosine(plans[middle][0])
+            low, high = (middle, high) if measured[middle] < min_cosine else (low, middle)
+    else:
+        high = 0
+    return (*plans[high], measured[high], uniform_cosine)
 
 
 def check_plan_args(
@@ -262,13 +368,21 @@ def check_plan_args(
         raise ValueError(f"QuantizedPrecision(max_bytes_per_param={max_bytes_per_param}): must be > 0 (bf16 is 2.0).")
     if min_cosine is not None and not -1.0 < min_cosine <= 1.0:
         raise ValueError(f"QuantizedPrecision(min_cosine={min_cosine}): must be in (-1, 1], e.g. 0.99.")
-    if sensitive_mode != UNQUANTIZED:
-        get_mode(sensitive_mode)  # unknown name: ValueError listing the valid ones
-    if sensitive_mode == mode and (max_bytes_per_param is not None or min_cosine is not None):
-        raise ValueError(
-            f"QuantizedPrecision(mode={mode!r}, sensitive_mode={sensitive_mode!r}): the sensitive layers need a wider "
-            "mode than the others, e.g. sensitive_mode='int8' or 'none' (16-bit)."
-        )
+    if sensitive_mode != "auto":
+        wider = ladder(mode, sensitive_mode) if isinstance(sensitive_mode, (str, list, tuple)) else ()
+        if not wider or not all(isinstance(m, str) for m in wider):
+            raise ValueError(
+                f"QuantizedPrecision(sensitive_mode={sensitive_mode!r}): pass 'auto', a mode name or a non-empty list "
+                "of mode names, e.g. ['nf4-dq-b32', 'int8'] or 'none' (the compute dtype)."
+            )
+        for wide in wider:
+            if wide != UNQUANTIZED:
+                get_mode(wide)  # unknown name: ValueError listing the valid ones
+        if mode in wider and (max_bytes_per_param is not None or min_cosine is not None):
+            raise ValueError(
+                f"QuantizedPrecision(mode={mode!r}, sensitive_mode={sensitive_mode!r}): the sensitive layers need a "
+                "wider mode than the others, e.g. sensitive_mode='int8' or 'none' (16-bit), or 'auto'."
+            )
     if probe_batch is not None and not isinstance(probe_batch, (torch.Tensor, tuple, list, Mapping)):
         raise TypeError(
             f"QuantizedPrecision(probe_batch=...) must be a tensor, an (inputs, targets) tuple/list or a dict of "

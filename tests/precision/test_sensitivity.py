@@ -11,7 +11,7 @@ from torch import nn
 from lightning_hbm import QuantizationQuality, QuantizedPrecision, quantize_model
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.plugin import _quantizable_linears
-from lightning_hbm.precision.sensitivity import choose_plan, predict_parameter_bytes, weight_bytes
+from lightning_hbm.precision.sensitivity import choose_plan, predict_parameter_bytes, upgrade_moves, weight_bytes
 
 PROBE = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 
@@ -96,6 +96,10 @@ def test_unreachable_cosine_names_the_best_reachable_one(gpt_factory: Any) -> No
         (dict(min_cosine=1.5), ValueError, r"min_cosine=1.5\): must be in \(-1, 1\]"),
         (dict(min_cosine=0.9, sensitive_mode="int4"), ValueError, r"Unknown lightning_hbm precision mode 'int4'"),
         (dict(min_cosine=0.9, sensitive_mode="nf4-dq"), ValueError, r"sensitive layers need a wider mode"),
+        (dict(min_cosine=0.9, sensitive_mode=["int8", "nf4-dq"]), ValueError, r"sensitive layers need a wider mode"),
+        (dict(min_cosine=0.9, sensitive_mode=[]), ValueError, r"sensitive_mode=\[\]\): pass 'auto', a mode name or a non-empty"),
+        (dict(min_cosine=0.9, sensitive_mode=8), ValueError, r"sensitive_mode=8\): pass 'auto'"),
+        (dict(min_cosine=0.9, sensitive_mode=["nf4-dq-b32", "int3"]), ValueError, r"Unknown lightning_hbm precision mode 'int3'"),
         (dict(min_cosine=0.9, probe_batch=3), TypeError, r"probe_batch=...\) must be a tensor"),
         (dict(min_cosine=0.9, layer_modes={"a": "int8"}), ValueError, r"either layer_modes .* or a target"),
         (dict(layer_modes={"a": "int3"}), ValueError, r"Unknown lightning_hbm precision mode 'int3'"),
@@ -158,7 +162,7 @@ def test_lora_trains_on_a_mixed_base(gpt_factory: Any, trainer_factory: Any, dat
 
     model = gpt_factory()
     names = linear_names(model)
-    plan = {names[0]: "int8", names[1]: "none"}
+    plan = {names[0]: "int8", names[1]: "none", names[3]: "nf4-dq-b32"}
     trainer = trainer_factory(max_steps=2, plugins=[QuantizedPrecision("nf4-dq", dtype="float32", layer_modes=plan)],
                               callbacks=[LoRA(r=4, target_modules="all-linear")])
     trainer.fit(model, datamodule_factory())
@@ -167,5 +171,59 @@ def test_lora_trains_on_a_mixed_base(gpt_factory: Any, trainer_factory: Any, dat
     assert isinstance(model.get_submodule(names[2]), LoraLinear4bit)
     assert isinstance(model.get_submodule(names[1]).get_base_layer(), nn.Linear)
     assert not isinstance(model.get_submodule(names[1]).get_base_layer(), (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
-    for name in names[:3]:  # every kind of base passed gradients to its adapter (lora_B starts at zero)
+    assert model.get_submodule(names[3]).get_base_layer().weight.quant_state.blocksize == 32
+    for name in names[:4]:  # every kind of base passed gradients to its adapter (lora_B starts at zero)
         assert model.get_submodule(name).lora_B["default"].weight.abs().sum() > 0
+
+
+def test_upgrade_moves_climb_each_layers_convex_hull_best_per_byte_first() -> None:
+    cost = {"a": {"nf4": 100, "b32": 110, "int8": 200}, "b": {"nf4": 100, "b32": 110, "int8": 200}}
+    error = {"a": {"nf4": 1.0, "b32": 0.7, "int8": 0.0}, "b": {"nf4": 0.5, "b32": 0.49, "int8": 0.0}}
+    # a: 0.03/byte to b32, then 0.0078/byte to int8; b: its b32 point lies above the hull (0.001/byte < 0.005/byte)
+    assert upgrade_moves(error, cost) == [("a", "b32", 10), ("a", "int8", 90), ("b", "int8", 100)]
+    error["b"]["b32"] = 0.6  # more error for more bytes: never a move
+    assert ("b", "b32", 10) not in upgrade_moves(error, cost)
+
+
+def test_blocks_of_32_cut_the_error_for_exactly_the_predicted_bytes(gpt_factory: Any) -> None:
+    from lightning_hbm.planner import quantized_parameter_bytes
+
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 64, bias=False)
+    x = torch.randn(16, 256)
+    errors = {}
+    for mode in ("nf4-dq", "nf4-dq-b32", "nf4", "nf4-b32"):
+        layer = nn.Sequential(nn.Linear(256, 64, bias=False))
+        layer[0].weight.data.copy_(linear.weight.data)
+        quantize_model(layer, mode, "float32")
+        with torch.no_grad():
+            errors[mode] = float((layer(x) - linear(x)).norm() / linear(x).norm())
+        assert parameter_bytes(layer) == weight_bytes(mode, 256, 64, torch.float32)
+        # the planner's fake-tensor layers: the same bytes, without quantizing anything
+        model = gpt_factory()
+        quantize_model(model, mode, "float32")
+        assert quantized_parameter_bytes(gpt_factory(), mode, "float32") == parameter_bytes(model)
+    assert errors["nf4-dq-b32"] < errors["nf4-dq"] and errors["nf4-b32"] < errors["nf4"]
+    # 4 bits a weight plus one absmax per block: fp32 per 32 weights, or 8 bits and nested constants with -dq
+    assert weight_bytes("nf4-b32", 256, 64, torch.float32) - weight_bytes("nf4", 256, 64, torch.float32) == 256 * 64 // 64 * 4
+    assert weight_bytes("nf4-dq", 256, 64, torch.float32) < weight_bytes("nf4-dq-b32", 256, 64, torch.float32) < weight_bytes("nf4-b32", 256, 64, torch.float32)
+
+
+def test_auto_ladder_mixes_smaller_blocks_and_int8_within_the_budget(gpt_factory: Any) -> None:
+    model = gpt_factory()
+    report = choose_plan(model, linear_names(model), "nf4-dq", "auto", "float32", PROBE, max_bytes_per_param=0.75)
+    assert set(report.modes.values()) <= {"nf4-dq", "nf4-dq-b32", "int8"}
+    assert report.uniform_bytes_per_param < report.bytes_per_param <= 0.75
+    assert report.cosine > report.uniform_cosine
+    assert report.bytes_per_param == pytest.approx(predict_parameter_bytes_per_param(model, report.modes), abs=1e-12)
+    # the smallest step first: with a budget one b32 step wide, blocks of 32 and no int8 layer
+    tight = choose_plan(model, linear_names(model), "nf4-dq", "auto", "float32", PROBE,
+                        max_bytes_per_param=report.uniform_bytes_per_param + 0.02)
+    assert "nf4-dq-b32" in tight.modes.values() and "int8" not in tight.modes.values()
+
+
+def predict_parameter_bytes_per_param(model: nn.Module, plan: dict[str, str]) -> float:
+    """Bytes of the planned Linear weights per planned parameter (what SensitivityPlan reports)."""
+    layers = [model.get_submodule(name) for name in plan]
+    nbytes = sum(weight_bytes(mode, layer.in_features, layer.out_features, torch.float32) for mode, layer in zip(plan.values(), layers))
+    return nbytes / sum(layer.in_features * layer.out_features for layer in layers)
