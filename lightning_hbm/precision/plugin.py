@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_of, prepare_model
+from lightning_hbm.precision.gptq import ROUNDINGS, digest, gptq_round_, input_hessians, is_4bit
 from lightning_hbm.precision.registry import QuantMode, get_mode, to_dtype
 from lightning_hbm.surgery import (
     _STATE_ATTR,
@@ -157,6 +158,7 @@ def quantize_model(
     quantize_head: bool = False,
     keep_modules: Sequence[str] = (),
     layer_modes: Optional[Mapping[str, str]] = None,
+    hessians: Optional[Mapping[str, Tensor]] = None,
 ) -> list[str]:
     """Replace the Linear-like layers of ``module`` in place by quantized frozen layers.
 
@@ -168,7 +170,8 @@ def quantize_model(
     reason (the coverage table shows it). Works on a model that already holds its loaded weights.
     Validates everything before changing anything. ``layer_modes`` (``{layer name: mode name}``, e.g. a
     sensitivity-aware plan) overrides ``mode`` per layer; ``"none"`` keeps that layer in the compute
-    dtype, frozen. Returns the names of the layers handled.
+    dtype, frozen. ``hessians`` (``{layer name: 2 X^T X}``, :func:`~lightning_hbm.precision.gptq.input_hessians`)
+    GPTQ-rounds the 4-bit layers it names instead of rounding to nearest. Returns the names of the layers handled.
     """
     quant_mode = get_mode(mode) if isinstance(mode, str) else mode
     compute_dtype = to_dtype(dtype)
@@ -188,7 +191,10 @@ def quantize_model(
         kind = kind_of(layer)
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        new = modes[name].replace(kind.to_linear(layer), compute_dtype, target)
+        linear = kind.to_linear(layer)
+        new = modes[name].replace(linear, compute_dtype, target)
+        if hessians is not None and name in hessians and is_4bit(new):
+            gptq_round_(new, linear.weight, hessians[name])
         if kind is not LINEAR:
             object.__setattr__(new, KIND_ATTR, kind.name)  # a quantized Conv1D is still counted as one
         elif getattr(layer, KIND_ATTR, None) is not None:
@@ -234,6 +240,10 @@ def _layer_modes(
     return {n: mode_of(n) for n in names}
 
 
+_META_KEY = "lightning_hbm"  # lightning_hbm.resume.META_KEY (not imported: resume imports this module's users)
+_DIGEST_KEY = "gptq_digest"
+
+
 class QuantizedPrecision(Precision):
     """Frozen base weights stored quantized (bitsandbytes or ``int8-dynamic``), selected by name.
 
@@ -263,6 +273,11 @@ class QuantizedPrecision(Precision):
             first batch of the datamodule's ``train_dataloader``.
         layer_modes: an explicit plan ``{layer name: mode name}`` (e.g. ``plan`` of an earlier run);
             layers not named use ``mode``.
+        rounding: ``"nearest"`` (bitsandbytes' own) or ``"gptq"``: 4-bit layers are rounded by GPTQ
+            (:mod:`lightning_hbm.precision.gptq`) with their inputs on ``probe_batch`` (one forward),
+            stored in bitsandbytes' format at the same bytes, less output error. Layers in other
+            modes (int8) and the projections of an ``nn.MultiheadAttention`` keep nearest rounding (logged).
+            A resume rebuilds the rounding from the probe and checks it against the checkpoint's CRC.
 
     Always left in full precision: Linears tied to another module, the modules a model declares in
     ``_keep_in_fp32_modules`` (kept in fp32) and the ``modules_to_save`` of the Trainer's ``LoRA``.
@@ -293,6 +308,7 @@ class QuantizedPrecision(Precision):
         sensitive_mode: Union[str, list[str]] = "auto",
         probe_batch: Optional[Any] = None,
         layer_modes: Optional[Mapping[str, str]] = None,
+        rounding: str = "nearest",
     ) -> None:
         self.mode = get_mode(mode)
         self.dtype = to_dtype(dtype)
@@ -308,6 +324,13 @@ class QuantizedPrecision(Precision):
         from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args
 
         check_plan_args(self.mode.name, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch, layer_modes)
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"QuantizedPrecision(rounding={rounding!r}): use one of {list(ROUNDINGS)}.")
+        self.rounding = rounding
+        #: ``{layer name: 2 X^T X}`` on the probe, for GPTQ rounding (measured in the checks, freed after)
+        self._hessians: Optional[dict[str, Tensor]] = None
+        #: CRC32 of the GPTQ-rounded 4-bit weights (saved with checkpoints, compared on resume)
+        self.rounding_digest: Optional[str] = None
         self.max_bytes_per_param, self.min_cosine = max_bytes_per_param, min_cosine
         # a list in the resume settings: the checkpoint stores lists (a tuple would compare unequal after a load)
         self.sensitive_mode = sensitive_mode if isinstance(sensitive_mode, str) else list(sensitive_mode)
@@ -349,10 +372,31 @@ class QuantizedPrecision(Precision):
             self.quantize_head,
             _lora_saved(module),
             layer_modes=self.plan,
+            hessians=self._hessians,
         )
         log.info("lightning_hbm: %d layers stored as %s", len(quantized), self.mode.name)
+        if self._hessians is not None:
+            self._check_rounding(module, quantized)
         mark_applied(module, self._name)
         return module
+
+    def _check_rounding(self, module: nn.Module, quantized: list[str]) -> None:
+        rounded = [n for n in quantized if n in self._hessians and is_4bit(module.get_submodule(n))]
+        nearest = [n for n in quantized if n not in rounded and (self.plan or {}).get(n) != "none"]
+        self._hessians = None  # in_features**2 floats per layer input: not kept for training
+        self.rounding_digest = digest(module, rounded)
+        log.info(
+            "lightning_hbm: GPTQ rounding of %d 4-bit layers on the probe batch (CRC %s); nearest rounding kept for %d "
+            "layers not in a 4-bit mode or not hooked on the probe: %s",
+            len(rounded), self.rounding_digest, len(nearest), nearest[:12],
+        )
+        saved = self._saved_meta(getattr(module, "_trainer", None)).get(_DIGEST_KEY)
+        if saved is not None and saved != self.rounding_digest:
+            raise ValueError(
+                f"The GPTQ rounding rebuilt for this resume (CRC {self.rounding_digest}) differs from the one the "
+                f"checkpoint was trained with (CRC {saved}): the probe batch differs (or the weights on another device). "
+                "Resume with the same probe_batch (or datamodule) as the run that saved it; nothing has been trained yet."
+            )
 
     def check_model(self, module: nn.Module) -> None:
         """Raise before any change if ``module`` cannot be quantized with these settings."""
@@ -362,39 +406,53 @@ class QuantizedPrecision(Precision):
         targets, _ = _quantizable_linears(module, self.ignore_modules, self.quantize_head, _lora_saved(module))
         if self._pinned_plan:
             _layer_modes(targets, self.mode, self.plan or {})
-        elif self.max_bytes_per_param is not None or self.min_cosine is not None:
+        if self.rounding == "gptq":  # one forward on the model as built: every layer's input statistics
+            self._hessians = input_hessians(module, [name for name, _ in targets], self._probe(module))
+        if not self._pinned_plan and (self.max_bytes_per_param is not None or self.min_cosine is not None):
             # measured per nn.Linear (other kinds, e.g. Conv1D or the projections a MultiheadAttention becomes, use mode)
             self._choose_plan(module, [name for name, layer in targets if isinstance(layer, nn.Linear)])
+
+    def _probe(self, module: nn.Module) -> Any:
+        if self.probe_batch is not None:
+            return self.probe_batch
+        from lightning_hbm.callbacks.quality import first_batch
+
+        return first_batch(self._trainer_of(module), "QuantizedPrecision")
+
+    def _trainer_of(self, module: nn.Module) -> Any:
+        state = getattr(self, _STATE_ATTR, None)
+        return getattr(module, "_trainer", None) or (state.trainer if state is not None else None)
 
     def _choose_plan(self, module: nn.Module, names: list[str]) -> None:
         # Measured here, in the checks: an unreachable target fails before the first change, and on resume
         # the plan exists before the saved settings (the plan included) are compared with this run's.
-        from lightning_hbm.callbacks.quality import first_batch
         from lightning_hbm.precision.sensitivity import choose_plan
 
-        state = getattr(self, _STATE_ATTR, None)
-        trainer = getattr(module, "_trainer", None) or (state.trainer if state is not None else None)
+        trainer = self._trainer_of(module)
         self.plan = self.plan_report = None  # a plugin reused by another Trainer measures again
         saved = self._saved_plan(trainer)
         if saved is not None:  # resuming: rebuild the plan the checkpoint was trained with (a fresh model may differ)
             self.plan = saved
             log.info("lightning_hbm: mixed precision plan taken from the checkpoint being resumed")
             return
-        probe = self.probe_batch if self.probe_batch is not None else first_batch(trainer, "QuantizedPrecision")
         report = choose_plan(
-            module, names, self.mode.name, self.sensitive_mode, self.dtype, probe,
-            max_bytes_per_param=self.max_bytes_per_param, min_cosine=self.min_cosine,
+            module, names, self.mode.name, self.sensitive_mode, self.dtype, self._probe(module),
+            max_bytes_per_param=self.max_bytes_per_param, min_cosine=self.min_cosine, hessians=self._hessians,
         )
         self.plan, self.plan_report = report.modes, report
         log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.mode.name))
 
-    def _saved_plan(self, trainer: Any) -> Optional[dict[str, str]]:
-        """The plan in the checkpoint being resumed, if it was saved with this plugin's settings."""
+    @staticmethod
+    def _saved_meta(trainer: Any) -> dict[str, Any]:
+        """The lightning_hbm part of the checkpoint being resumed (empty when none)."""
         from lightning_hbm import resume
         from lightning_hbm.surgery import pending_checkpoint
 
-        meta = (pending_checkpoint(trainer) or {}).get(resume.META_KEY) or {}
-        saved = meta.get("configs", {}).get(type(self).__qualname__) or {}
+        return (pending_checkpoint(trainer) or {}).get(resume.META_KEY) or {}
+
+    def _saved_plan(self, trainer: Any) -> Optional[dict[str, str]]:
+        """The plan in the checkpoint being resumed, if it was saved with this plugin's settings."""
+        saved = self._saved_meta(trainer).get("configs", {}).get(type(self).__qualname__) or {}
         config = self.resume_config()
         if any(saved.get(key) != value for key, value in config.items()):
             return None  # other settings: measure, and the resume check lists every difference
@@ -413,6 +471,8 @@ class QuantizedPrecision(Precision):
             config.update(targets, sensitive_mode=self.sensitive_mode)
         if self.plan is not None:
             config["layer_modes"] = dict(self.plan)
+        if self.rounding != "nearest":  # absent before this option existed: older checkpoints keep matching
+            config["rounding"] = self.rounding
         return config
 
     @override
@@ -420,6 +480,8 @@ class QuantizedPrecision(Precision):
         state = getattr(self, _STATE_ATTR, None)
         if state is not None:
             pack_checkpoint(state.trainer, checkpoint)
+        if self.rounding_digest is not None and isinstance(checkpoint.get(_META_KEY), dict):
+            checkpoint[_META_KEY][_DIGEST_KEY] = self.rounding_digest
 
     @override
     def connect(self, model: Any, optimizers: Any, lr_schedulers: Any) -> Any:

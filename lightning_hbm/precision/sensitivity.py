@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from lightning_hbm.memory import parameter_bytes
+from lightning_hbm.precision.gptq import gptq_round_, is_4bit
 from lightning_hbm.precision.registry import get_mode, to_dtype
 
 #: ``sensitive_mode`` (and plan entry) that keeps a layer unquantized in the compute dtype, frozen.
@@ -125,8 +126,10 @@ class _SameDtype(nn.Module):
 class _Swapper:
     """Puts quantized copies of chosen layers into the model for one probe forward, then the originals back."""
 
-    def __init__(self, module: nn.Module, layers: dict[str, nn.Linear], dtype: torch.dtype) -> None:
-        self.module, self.layers, self.dtype = module, layers, dtype
+    def __init__(
+        self, module: nn.Module, layers: dict[str, nn.Linear], dtype: torch.dtype, hessians: Optional[Mapping[str, torch.Tensor]] = None
+    ) -> None:
+        self.module, self.layers, self.dtype, self.hessians = module, layers, dtype, hessians or {}
         self._variants: dict[tuple[str, str], nn.Module] = {}
 
     def variant(self, name: str, mode: str) -> nn.Module:
@@ -141,7 +144,10 @@ class _Swapper:
             source.weight = linear.weight
             if linear.bias is not None:
                 source.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-            self._variants[key] = _SameDtype(get_mode(mode).replace(source, self.dtype, None), self.dtype)
+            quantized = get_mode(mode).replace(source, self.dtype, None)
+            if name in self.hessians and is_4bit(quantized):  # measured as it will be stored: GPTQ-rounded
+                gptq_round_(quantized, linear.weight, self.hessians[name])
+            self._variants[key] = _SameDtype(quantized, self.dtype)
         return self._variants[key]
 
     def _put(self, name: str, layer: nn.Module) -> None:
@@ -263,13 +269,15 @@ def choose_plan(
     probe: Any,
     max_bytes_per_param: Optional[float] = None,
     min_cosine: Optional[float] = None,
+    hessians: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> SensitivityPlan:
     """Choose ``base`` or one of the ``sensitive`` modes for each Linear in ``names`` (changed back afterwards).
 
     ``sensitive``: a mode, several (e.g. ``["nf4-dq-b32", "int8"]``) or ``"auto"`` (:data:`DEFAULT_LADDERS`).
     With ``max_bytes_per_param`` alone the budget is filled; with ``min_cosine`` the cheapest plan of the
     sequence reaching it is taken. A budget that cannot be met raises a ``ValueError`` naming the best
-    reachable figure, before anything changes. Deterministic for a fixed probe batch. Cost: one probe
+    reachable figure, before anything changes. ``hessians``: 4-bit layers are measured GPTQ-rounded
+    (``QuantizedPrecision(rounding="gptq")``). Deterministic for a fixed probe batch. Cost: one probe
     forward per layer (its error alone) and a few more (below), each with one layer or one plan swapped in.
     """
     from lightning_hbm.callbacks.quality import compare_outputs, eval_no_grad
@@ -283,7 +291,7 @@ def choose_plan(
     widest = sum(max(c.values()) for c in cost.values()) / total_params
     _check_budget(max_bytes_per_param, uniform_bytes / total_params, widest, base, wider)
     budget = math.inf if max_bytes_per_param is None else max_bytes_per_param * total_params
-    swapper = _Swapper(module, layers, dtype)
+    swapper = _Swapper(module, layers, dtype, hessians)
     with eval_no_grad(module):
         reference = swapper.output({}, probe)
 
