@@ -20,7 +20,7 @@ Assumptions (stated, not measured here):
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -124,14 +124,19 @@ def shard_categories(
 
 
 def quantized_parameter_bytes(
-    model: ModelLike, mode: str, dtype: str = "bfloat16", ignore_modules: Sequence[str] = ()
+    model: ModelLike,
+    mode: str,
+    dtype: str = "bfloat16",
+    ignore_modules: Sequence[str] = (),
+    layer_modes: Optional[Mapping[str, str]] = None,
 ) -> int:
-    """Bytes of the **parameters** category after ``quantize_model(model, mode, dtype)``, without allocating.
+    """Bytes of the **parameters** category after ``quantize_model(model, mode, dtype, layer_modes=...)``, without allocating.
 
-    Computed on a fake copy (or a fake build, for a factory) with the mode's own fake-tensor construction:
-    packed weights, absmax, nested constants and row scales at their exact sizes. The model is not changed.
+    Computed on a fake copy (or a fake build, for a factory) with each mode's own fake-tensor construction:
+    packed weights, absmax, nested constants and row scales at their exact sizes. ``layer_modes``: a
+    mixed-precision plan ``{layer name: mode name}`` (``"none"``: kept in ``dtype``). The model is not changed.
     """
-    return _count_quantized(model, mode, dtype, ignore_modules, parameter_bytes)
+    return _count_quantized(model, mode, dtype, ignore_modules, parameter_bytes, layer_modes)
 
 
 def quantization_constant_bytes(
@@ -150,7 +155,12 @@ def quantization_constant_bytes(
 
 
 def _count_quantized(
-    model: ModelLike, mode: str, dtype: str, ignore_modules: Sequence[str], count: Callable[[nn.Module], int]
+    model: ModelLike,
+    mode: str,
+    dtype: str,
+    ignore_modules: Sequence[str],
+    count: Callable[[nn.Module], int],
+    layer_modes: Optional[Mapping[str, str]] = None,
 ) -> int:
     fake_mode = _fake_mode()
     with warnings.catch_warnings(), _quiet_logs():
@@ -158,7 +168,7 @@ def _count_quantized(
         module = _build(model, fake_mode, RealValues(fake_mode))
         with fake_mode:
             module.configure_model()
-            quantize_model(module, get_mode(mode).for_fake_tensors(), dtype, ignore_modules)
+            quantize_model(module, get_mode(mode).for_fake_tensors(), dtype, ignore_modules, layer_modes=layer_modes)
             return count(module)
 
 
