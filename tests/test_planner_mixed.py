@@ -148,3 +148,15 @@ def test_autofit_plans_the_trainers_pinned_plan(tmp_path: Path) -> None:
     trainer.fit(model, DataLoader([tuple(t[i] for t in batch) for i in range(BATCH)], batch_size=BATCH))
     assert autofit.chosen is not None and dict(autofit.chosen.candidate.layer_modes or ()) == plan
     assert autofit.chosen.categories["parameters"] == parameter_bytes(model)
+
+
+def test_plan_command_takes_a_plan(tmp_path: Path) -> None:
+    from lightning_hbm.cli import PlanCLI
+
+    plan = '{"model.model.layers.0.mlp.down_proj": "int8"}'  # e.g. "$(cat plan.json)" in a shell
+    args = ["--model.init_args.hidden_size=64", "--model.init_args.intermediate_size=172",
+            "--model.init_args.num_hidden_layers=2", "--data.init_args.seq_len=16", "--data.init_args.batch_size=2",
+            "--data.init_args.max_bytes=20000", "--candidates.precisions=[nf4-dq]", "--candidates.lora_ranks=[4]",
+            "--candidates.checkpointing=[none]", "--candidates.optimizers=[user]", f"--candidates.layer_modes={plan}"]  # fmt: skip
+    cli = PlanCLI(args=args, run=False)
+    assert [p.candidate.name for p in cli.plan.predictions] == ["nf4-dq[mixed:1 int8]+lora4"]
