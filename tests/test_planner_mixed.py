@@ -20,8 +20,14 @@ from lightning_hbm import AutoFit, QuantizedPrecision
 from lightning_hbm.callbacks.profiler import HBMProfiler
 from lightning_hbm.cli import HBMCLI
 from lightning_hbm.data import synthetic_batch
-from lightning_hbm.memory import parameter_bytes
-from lightning_hbm.planner import Candidate, default_candidates, predict, quantized_parameter_bytes
+from lightning_hbm.memory import parameter_bytes, quantization_tensors, tensor_bytes
+from lightning_hbm.planner import (
+    Candidate,
+    default_candidates,
+    predict,
+    quantization_constant_bytes,
+    quantized_parameter_bytes,
+)
 from lightning_hbm.precision import quantize_model
 from lightning_hbm.precision.sensitivity import predict_parameter_bytes
 
@@ -79,6 +85,11 @@ def test_mixed_plan_lies_between_uniform_int8_and_nf4() -> None:
     plan, _ = _plan(factory)
     mixed = quantized_parameter_bytes(factory, "nf4-dq", layer_modes=plan)
     assert quantized_parameter_bytes(factory, "nf4-dq") < mixed < quantized_parameter_bytes(factory, "int8")
+    # the constants FSDP2 keeps whole on every rank, for the same plan: as in the real quantized model
+    real = factory()
+    quantize_model(real, "nf4-dq", layer_modes=plan)
+    real_constants = tensor_bytes(t for p in real.parameters() for t in quantization_tensors(p))
+    assert quantization_constant_bytes(factory, "nf4-dq", layer_modes=plan) == real_constants
     # int8-dynamic has no fake-tensor variant of its own: the plan's bitsandbytes layers must still be built fake
     dynamic = quantized_parameter_bytes(factory, "int8-dynamic", layer_modes={name: "nf4-dq" for name in plan})
     assert quantized_parameter_bytes(factory, "nf4-dq") < dynamic < quantized_parameter_bytes(factory, "int8-dynamic")

@@ -140,9 +140,14 @@ def quantized_parameter_bytes(
 
 
 def quantization_constant_bytes(
-    model: ModelLike, mode: str, dtype: str = "bfloat16", ignore_modules: Sequence[str] = ()
+    model: ModelLike,
+    mode: str,
+    dtype: str = "bfloat16",
+    ignore_modules: Sequence[str] = (),
+    layer_modes: Optional[Mapping[str, str]] = None,
 ) -> int:
-    """Bytes of the quantization constants alone (absmax, code books, row scales) after ``quantize_model``.
+    """Bytes of the quantization constants alone (absmax, code books, row scales) after ``quantize_model``
+    (with the mixed-precision plan ``layer_modes``, if any).
 
     Sharding keeps these whole on every rank (FSDP2 shards only the packed weights): pass them as
     ``shard_categories(..., replicated_parameter_bytes=...)``.
@@ -151,7 +156,7 @@ def quantization_constant_bytes(
     def constants(module: nn.Module) -> int:
         return tensor_bytes(t for p in module.parameters() for t in quantization_tensors(p))
 
-    return _count_quantized(model, mode, dtype, ignore_modules, constants)
+    return _count_quantized(model, mode, dtype, ignore_modules, constants, layer_modes)
 
 
 def _count_quantized(
