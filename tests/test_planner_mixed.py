@@ -106,6 +106,7 @@ def test_candidate_names_costs_and_normalises_a_plan() -> None:
     assert candidate.relative_cost() == Candidate("int8", lora_r=8).relative_cost()
     assert Candidate("nf4-dq", layer_modes={"a": "none"}).relative_cost() == Candidate("nf4-dq").relative_cost()
     assert Candidate("nf4-dq", layer_modes={}) == Candidate("nf4-dq")  # an empty plan is the uniform mode
+    assert Candidate("nf4-dq", layer_modes={"a": "nf4-dq"}).name == "nf4-dq[mixed:all nf4-dq]"
     plugin = candidate.precision_plugin()
     assert isinstance(plugin, QuantizedPrecision) and plugin.plan == plan and plugin.mode.name == "nf4-dq"
     grid = default_candidates(precisions=("bf16-true", "nf4-dq"), lora_ranks=(8,), checkpointing=("none",),

@@ -220,7 +220,8 @@ class Candidate:
         for _, mode in self.layer_modes:
             if mode != self.precision:
                 counts[mode] = counts.get(mode, 0) + 1
-        return "[mixed:" + ",".join(f"{n} {mode}" for mode, n in sorted(counts.items())) + "]"
+        changed = ",".join(f"{n} {mode}" for mode, n in sorted(counts.items()))
+        return f"[mixed:{changed or 'all ' + self.precision}]"  # a plan naming only base-mode layers is still a plan
 
     def _plugin_yaml(self) -> list[str]:
         lines = ["  plugins:", "    - class_path: lightning_hbm.QuantizedPrecision"]
