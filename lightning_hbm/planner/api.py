@@ -130,7 +130,7 @@ def quantized_parameter_bytes(
     ignore_modules: Sequence[str] = (),
     layer_modes: Optional[Mapping[str, str]] = None,
 ) -> int:
-    """Bytes of the **parameters** category after ``quantize_model(model, mode, dtype, layer_modes=...)``, without allocating.
+    """Bytes of the **parameters** category after ``quantize_model(model, mode, dtype, ...)``, without allocating.
 
     Computed on a fake copy (or a fake build, for a factory) with each mode's own fake-tensor construction:
     packed weights, absmax, nested constants and row scales at their exact sizes. ``layer_modes``: a

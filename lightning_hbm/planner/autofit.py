@@ -201,7 +201,7 @@ def _fused_loss_axis(pl_module: pl.LightningModule) -> list[bool]:
 
 
 def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str, Optional[dict[str, str]]]:
-    """(precision name, dtype, mixed-precision plan) of the Trainer as configured: the candidate that changes nothing."""
+    """(precision name, dtype, pinned mixed-precision plan) of the Trainer: the candidate that changes nothing."""
     plugin = trainer.strategy.precision_plugin
     if isinstance(plugin, QuantizedPrecision):
         if plugin.max_bytes_per_param is not None or plugin.min_cosine is not None:

@@ -1,8 +1,8 @@
 """Candidates and their costs: the configurations the planner compares, and what each costs in step time.
 
 A :class:`Candidate` is one value per axis (precision mode, or a fixed mixed-precision plan, x LoRA rank x
-activation checkpointing x optimizer kind x offload), each set through a plugin or callback a user could write by hand
-(:meth:`Candidate.precision_plugin`, :meth:`Candidate.callbacks`, :meth:`Candidate.yaml`).
+activation checkpointing x optimizer kind x offload), each set through a plugin or callback a user could write
+by hand (:meth:`Candidate.precision_plugin`, :meth:`Candidate.callbacks`, :meth:`Candidate.yaml`).
 
 Step-time costs (:meth:`Candidate.relative_cost`) are stated assumptions, relative to the user's
 configuration, from published figures: full recompute ~ +1 forward (+33 %), selective ~ +5 %, 4-bit
@@ -127,7 +127,7 @@ class Candidate:
                 f"Candidate precision {self.precision!r} is unknown. Use one of Lightning's "
                 f"{list(PLANNED_LIGHTNING_PRECISIONS)} or a lightning_hbm mode {available_precisions()}."
             )
-        object.__setattr__(self, "layer_modes", _layer_modes(self.precision, self.layer_modes))
+        object.__setattr__(self, "layer_modes", _normalised_plan(self.precision, self.layer_modes))
         if self.blocks is not None:
             if isinstance(self.blocks, str) or not self.blocks or not all(isinstance(b, str) for b in self.blocks):
                 raise ValueError(
@@ -229,7 +229,8 @@ class Candidate:
             return [*lines, f"      init_args: {{mode: {self.precision}, dtype: {self.dtype}}}"]
         # names and modes quoted (JSON strings are YAML strings): a layer named "0" or "1.2" must stay a string
         plan = [f"          {json.dumps(name)}: {json.dumps(mode)}" for name, mode in self.layer_modes]
-        return [*lines, "      init_args:", f"        mode: {self.precision}", f"        dtype: {self.dtype}", "        layer_modes:", *plan]
+        init_args = ["      init_args:", f"        mode: {self.precision}", f"        dtype: {self.dtype}", "        layer_modes:"]
+        return [*lines, *init_args, *plan]
 
     def _blocks_yaml(self) -> str:
         return "" if self.blocks is None else f", blocks: [{', '.join(self.blocks)}]"
@@ -266,7 +267,7 @@ class Candidate:
         return "\n".join(lines) + "\n"
 
 
-def _layer_modes(precision: str, layer_modes: Any) -> Optional[LayerModes]:
+def _normalised_plan(precision: str, layer_modes: Any) -> Optional[LayerModes]:
     """``layer_modes`` as sorted (name, mode) pairs, checked; ``None`` (or an empty plan): every layer in ``precision``."""
     if layer_modes is None or (isinstance(layer_modes, (Mapping, tuple, list)) and not layer_modes):
         return None
@@ -335,7 +336,7 @@ def default_candidates(
     A quantized base is only offered with LoRA (a frozen quantized base with nothing trainable but
     norms and embeddings is not a fine-tuning configuration anyone asks for). ``layer_modes``: a fixed
     mixed-precision plan ``{layer name: mode name}`` that every quantized candidate uses (on the
-    command line: ``lightning-hbm plan --candidates.layer_modes plan.json``).
+    command line, as JSON: ``lightning-hbm plan --candidates.layer_modes "$(cat plan.json)"``).
     """
     if layer_modes and all(p in PLANNED_LIGHTNING_PRECISIONS for p in precisions):
         raise ValueError(
