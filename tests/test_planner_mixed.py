@@ -6,6 +6,7 @@ and what a real ``Trainer.fit`` with the plan holds, on a transformers Llama and
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +22,7 @@ from lightning_hbm.callbacks.profiler import HBMProfiler
 from lightning_hbm.cli import HBMCLI
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.memory import parameter_bytes, quantization_tensors, tensor_bytes
+from lightning_hbm.models import NanoGPT
 from lightning_hbm.planner import (
     Candidate,
     default_candidates,
@@ -172,3 +174,12 @@ def test_plan_command_takes_a_plan(tmp_path: Path) -> None:
             "--candidates.checkpointing=[none]", "--candidates.optimizers=[user]", f"--candidates.layer_modes={plan}"]  # fmt: skip
     cli = PlanCLI(args=args, run=False)
     assert [p.candidate.name for p in cli.plan.predictions] == ["nf4-dq[mixed:1 int8]+lora4"]
+
+
+def test_deep_model_with_a_plan_is_traced_whole() -> None:
+    # 8 blocks would be traced cut to 3 and 4 and extended by a line; a plan differs block by block (here in the last)
+    factory = partial(NanoGPT, n_layer=8, n_head=2, n_embd=32, block_size=32)
+    names = quantize_model(factory(), "nf4-dq")
+    plan = {"model.h.7.mlp.c_fc": "int8", names[0]: "none"}
+    predicted = predict(factory, synthetic_batch(2, 8), Candidate("nf4-dq", layer_modes=plan))
+    assert predicted.categories["parameters"] == quantized_parameter_bytes(factory, "nf4-dq", layer_modes=plan)

@@ -208,6 +208,7 @@ def predict(
     traces 7 blocks instead of 32); ``False`` always traces the whole model. Cut to 2 and 3 instead, the
     line overshot by up to 34 % (the first and last blocks differ from the middle ones); from 3 and 4 it
     equals the full trace byte for byte on the 6- and 12-block test models (``tests/test_planner.py``).
+    A candidate with named ``blocks`` or a mixed-precision plan (``layer_modes``) is always traced whole.
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda' (the target of the prediction), got {device!r}.")
@@ -220,7 +221,8 @@ def predict(
         )
     batch = example_batch(batch)
     model = build_template(model)  # built once, copied for each trace
-    if extrapolate is False or candidate.blocks is not None:  # named blocks: cutting the list would rename them
+    # named blocks: cutting the list would rename them; a mixed-precision plan differs block by block (no line)
+    if extrapolate is False or candidate.blocks is not None or candidate.layer_modes is not None:
         result = trace(model, batch, candidate, device, keep_blocks=None)
     else:
         result = trace(model, batch, candidate, device, keep_blocks=3)
