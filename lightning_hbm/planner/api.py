@@ -20,7 +20,7 @@ Assumptions (stated, not measured here):
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -124,20 +124,30 @@ def shard_categories(
 
 
 def quantized_parameter_bytes(
-    model: ModelLike, mode: str, dtype: str = "bfloat16", ignore_modules: Sequence[str] = ()
+    model: ModelLike,
+    mode: str,
+    dtype: str = "bfloat16",
+    ignore_modules: Sequence[str] = (),
+    layer_modes: Optional[Mapping[str, str]] = None,
 ) -> int:
-    """Bytes of the **parameters** category after ``quantize_model(model, mode, dtype)``, without allocating.
+    """Bytes of the **parameters** category after ``quantize_model(model, mode, dtype, ...)``, without allocating.
 
-    Computed on a fake copy (or a fake build, for a factory) with the mode's own fake-tensor construction:
-    packed weights, absmax, nested constants and row scales at their exact sizes. The model is not changed.
+    Computed on a fake copy (or a fake build, for a factory) with each mode's own fake-tensor construction:
+    packed weights, absmax, nested constants and row scales at their exact sizes. ``layer_modes``: a
+    mixed-precision plan ``{layer name: mode name}`` (``"none"``: kept in ``dtype``). The model is not changed.
     """
-    return _count_quantized(model, mode, dtype, ignore_modules, parameter_bytes)
+    return _count_quantized(model, mode, dtype, ignore_modules, parameter_bytes, layer_modes)
 
 
 def quantization_constant_bytes(
-    model: ModelLike, mode: str, dtype: str = "bfloat16", ignore_modules: Sequence[str] = ()
+    model: ModelLike,
+    mode: str,
+    dtype: str = "bfloat16",
+    ignore_modules: Sequence[str] = (),
+    layer_modes: Optional[Mapping[str, str]] = None,
 ) -> int:
-    """Bytes of the quantization constants alone (absmax, code books, row scales) after ``quantize_model``.
+    """Bytes of the quantization constants alone (absmax, code books, row scales) after ``quantize_model``
+    (with the mixed-precision plan ``layer_modes``, if any).
 
     Sharding keeps these whole on every rank (FSDP2 shards only the packed weights): pass them as
     ``shard_categories(..., replicated_parameter_bytes=...)``.
@@ -146,11 +156,16 @@ def quantization_constant_bytes(
     def constants(module: nn.Module) -> int:
         return tensor_bytes(t for p in module.parameters() for t in quantization_tensors(p))
 
-    return _count_quantized(model, mode, dtype, ignore_modules, constants)
+    return _count_quantized(model, mode, dtype, ignore_modules, constants, layer_modes)
 
 
 def _count_quantized(
-    model: ModelLike, mode: str, dtype: str, ignore_modules: Sequence[str], count: Callable[[nn.Module], int]
+    model: ModelLike,
+    mode: str,
+    dtype: str,
+    ignore_modules: Sequence[str],
+    count: Callable[[nn.Module], int],
+    layer_modes: Optional[Mapping[str, str]] = None,
 ) -> int:
     fake_mode = _fake_mode()
     with warnings.catch_warnings(), _quiet_logs():
@@ -158,7 +173,7 @@ def _count_quantized(
         module = _build(model, fake_mode, RealValues(fake_mode))
         with fake_mode:
             module.configure_model()
-            quantize_model(module, get_mode(mode).for_fake_tensors(), dtype, ignore_modules)
+            quantize_model(module, get_mode(mode).for_fake_tensors(), dtype, ignore_modules, layer_modes=layer_modes)
             return count(module)
 
 
@@ -193,6 +208,7 @@ def predict(
     traces 7 blocks instead of 32); ``False`` always traces the whole model. Cut to 2 and 3 instead, the
     line overshot by up to 34 % (the first and last blocks differ from the middle ones); from 3 and 4 it
     equals the full trace byte for byte on the 6- and 12-block test models (``tests/test_planner.py``).
+    A candidate with named ``blocks`` or a mixed-precision plan (``layer_modes``) is always traced whole.
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda' (the target of the prediction), got {device!r}.")
@@ -205,7 +221,8 @@ def predict(
         )
     batch = example_batch(batch)
     model = build_template(model)  # built once, copied for each trace
-    if extrapolate is False or candidate.blocks is not None:  # named blocks: cutting the list would rename them
+    # named blocks: cutting the list would rename them; a mixed-precision plan differs block by block (no line)
+    if extrapolate is False or candidate.blocks is not None or candidate.layer_modes is not None:
         result = trace(model, batch, candidate, device, keep_blocks=None)
     else:
         result = trace(model, batch, candidate, device, keep_blocks=3)

@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hbm.callbacks.profiler import HBMProfiler
@@ -60,6 +60,10 @@ class AutoFit(Callback):
     Among candidates that fit, the lowest relative step time wins; ties go to the one closest to the
     training as written (full fine-tuning over LoRA, unquantized over quantized, the user's optimizer
     over an 8-bit one). See :mod:`lightning_hbm.planner` for the stated cost assumptions.
+
+    The Trainer's ``QuantizedPrecision`` is planned as configured, a pinned mixed-precision plan
+    (``layer_modes=``) included; one that measures its plan (``max_bytes_per_param=``/``min_cosine=``) is
+    planned as if every layer were in its ``mode``, with a warning saying so.
 
     Not planned: model-changing callbacks AutoFit does not choose (e.g. ``AttentionKernel``) and the strategy
     (``Candidate(offload=True)`` exists in the planner, but a Trainer's strategy is fixed once it is built).
@@ -129,8 +133,8 @@ class AutoFit(Callback):
         baseline = _baseline_precision(trainer)
         precisions = [baseline[0], *(p for p in self.precisions if p != baseline[0])]
         fused = self.fused_loss if self.fused_loss is not None else _fused_loss_axis(pl_module)
-        candidates = [
-            dataclasses.replace(c, dtype=baseline[1]) if c.precision == baseline[0] else c
+        candidates = [  # the Trainer's own precision as configured: its dtype and its pinned mixed-precision plan
+            dataclasses.replace(c, dtype=baseline[1], layer_modes=baseline[2]) if c.precision == baseline[0] else c
             for c in default_candidates(precisions, self.lora_ranks, self.checkpointing, self.optimizers, fused)
         ]
         device = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
@@ -196,18 +200,25 @@ def _fused_loss_axis(pl_module: pl.LightningModule) -> list[bool]:
     return [False, True] if _default_heads(pl_module) else [False]
 
 
-def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str]:
-    """(precision name, dtype) of the Trainer as configured: the candidate that changes nothing."""
+def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str, Optional[dict[str, str]]]:
+    """(precision name, dtype, pinned mixed-precision plan) of the Trainer: the candidate that changes nothing."""
     plugin = trainer.strategy.precision_plugin
     if isinstance(plugin, QuantizedPrecision):
-        return plugin.mode.name, str(plugin.dtype).removeprefix("torch.")
+        if plugin.max_bytes_per_param is not None or plugin.min_cosine is not None:
+            rank_zero_warn(
+                f"AutoFit plans {plugin._name} as if every layer were {plugin.mode.name}: its mixed-precision plan is "
+                "measured on the probe batch only when the model is quantized, after AutoFit has chosen, so the "
+                "parameters the wider layers add are not in the prediction. For an exact prediction, pin the plan "
+                "of an earlier run: QuantizedPrecision(mode, layer_modes=<that run's plugin.plan>)."
+            )
+        return plugin.mode.name, str(plugin.dtype).removeprefix("torch."), plugin.plan if plugin._pinned_plan else None
     name = str(trainer.precision)
     if name not in PLANNED_LIGHTNING_PRECISIONS:
         raise ValueError(
             f"AutoFit cannot plan the Trainer's precision {name!r}. Use one of {list(PLANNED_LIGHTNING_PRECISIONS)} "
             "or a lightning_hbm QuantizedPrecision plugin."
         )
-    return name, "bfloat16"
+    return name, "bfloat16", None
 
 
 def _example_batch(trainer: pl.Trainer) -> Any:

@@ -1,24 +1,26 @@
 """Candidates and their costs: the configurations the planner compares, and what each costs in step time.
 
-A :class:`Candidate` is one value per axis (precision mode x LoRA rank x activation checkpointing x
-optimizer kind x offload), each set through a plugin or callback a user could write by hand
-(:meth:`Candidate.precision_plugin`, :meth:`Candidate.callbacks`, :meth:`Candidate.yaml`).
+A :class:`Candidate` is one value per axis (precision mode, or a fixed mixed-precision plan, x LoRA rank x
+activation checkpointing x optimizer kind x offload), each set through a plugin or callback a user could write
+by hand (:meth:`Candidate.precision_plugin`, :meth:`Candidate.callbacks`, :meth:`Candidate.yaml`).
 
 Step-time costs (:meth:`Candidate.relative_cost`) are stated assumptions, relative to the user's
 configuration, from published figures: full recompute ~ +1 forward (+33 %), selective ~ +5 %, 4-bit
 dequantization ~ +25 % (torchtune: QLoRA 2,413 vs LoRA 3,083 tok/s), LLM.int8 ~ +50 %, 8-bit optimizer
-~ free, CPU offload +20 % (torchao CPUOffloadOptimizer, 1.1B ViT). LoRA is costed like full fine-tuning
+~ free, CPU offload +20 % (torchao CPUOffloadOptimizer, 1.1B ViT); a mixed-precision plan costs what its
+slowest mode costs (every step runs through all of its layers). LoRA is costed like full fine-tuning
 so that AutoFit never trades what is trained for speed alone.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
@@ -26,6 +28,10 @@ from lightning_hbm.precision import QuantizedPrecision, available_precisions
 from lightning_hbm.surgery import SurgeryCallback
 
 Checkpointing = Literal["none", "selective", "full"]
+LayerModes = tuple[tuple[str, str], ...]
+
+#: A plan's entry that keeps a layer unquantized in the compute dtype, frozen (``QuantizedPrecision``'s "none").
+UNQUANTIZED = "none"
 
 #: The Trainer precisions the planner can trace (a subset of what ``Trainer(precision=...)`` accepts,
 #: which is ``lightning_hbm.cli.PLANNED_LIGHTNING_PRECISIONS``); lightning_hbm's quantized modes come on top.
@@ -95,6 +101,11 @@ class Candidate:
         fused_loss: ``lightning_hbm.FusedLoss()``: the output head and cross-entropy chunk by chunk, never
             the full ``[tokens, vocab]`` logits. Assumed to cost no step time (measured 0.50x to 0.93x of the
             unfused step on CPU, benchmarks/README.md; not yet run on GPU).
+        layer_modes: a fixed mixed-precision plan of a quantized ``precision``, ``{layer name: mode name}``
+            (``QuantizedPrecision(layer_modes=...)``; e.g. ``plugin.plan`` of an earlier run with
+            ``max_bytes_per_param=``): the named layers are stored in their mode (``"none"``: kept in
+            ``dtype``), the others in ``precision``. A dict is accepted and kept as sorted pairs (hashable).
+            Layer names are checked against the model when the candidate is planned.
 
     A new axis is a new field with a default meaning "unchanged", plus its lines in :meth:`callbacks`,
     :meth:`relative_cost` and :meth:`yaml`.
@@ -108,8 +119,15 @@ class Candidate:
     offload: bool = False
     blocks: Optional[tuple[str, ...]] = None
     fused_loss: bool = False
+    layer_modes: Optional[LayerModes] = None
 
     def __post_init__(self) -> None:
+        if self.precision not in PLANNED_LIGHTNING_PRECISIONS and self.precision not in available_precisions():
+            raise ValueError(
+                f"Candidate precision {self.precision!r} is unknown. Use one of Lightning's "
+                f"{list(PLANNED_LIGHTNING_PRECISIONS)} or a lightning_hbm mode {available_precisions()}."
+            )
+        object.__setattr__(self, "layer_modes", _normalised_plan(self.precision, self.layer_modes))
         if self.blocks is not None:
             if isinstance(self.blocks, str) or not self.blocks or not all(isinstance(b, str) for b in self.blocks):
                 raise ValueError(
@@ -117,11 +135,6 @@ class Candidate:
                     "e.g. blocks=['Block'] or blocks=['model.layers.0', 'model.layers.1']."
                 )
             object.__setattr__(self, "blocks", tuple(self.blocks))  # hashable: candidates are dict keys
-        if self.precision not in PLANNED_LIGHTNING_PRECISIONS and self.precision not in available_precisions():
-            raise ValueError(
-                f"Candidate precision {self.precision!r} is unknown. Use one of Lightning's "
-                f"{list(PLANNED_LIGHTNING_PRECISIONS)} or a lightning_hbm mode {available_precisions()}."
-            )
         if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r < 0:
             raise ValueError(f"Candidate lora_r must be an int >= 0 (0 = no LoRA), got {self.lora_r!r}.")
         if self.checkpointing not in _COST_CHECKPOINTING:
@@ -137,7 +150,7 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        parts = [self.precision]
+        parts = [self.precision + self._plan_tag()]
         if self.lora_r:
             parts.append(f"lora{self.lora_r}")
         if self.checkpointing != "none":
@@ -153,7 +166,8 @@ class Candidate:
     def precision_plugin(self, device: str = "cpu") -> Precision:
         """The precision plugin a Trainer would use for this candidate."""
         if self.quantized:
-            return QuantizedPrecision(self.precision, dtype=self.dtype)
+            layer_modes = dict(self.layer_modes) if self.layer_modes else None
+            return QuantizedPrecision(self.precision, dtype=self.dtype, layer_modes=layer_modes)
         if self.precision == "32-true":
             return Precision()
         if self.precision == "bf16-mixed":
@@ -185,7 +199,8 @@ class Candidate:
         """Step time relative to the user's configuration (1.0), from the stated assumptions."""
         cost = 1.0 + _COST_CHECKPOINTING[self.checkpointing] + (_COST_OFFLOAD if self.offload else 0.0)
         if self.quantized:
-            cost += _COST_INT8 if self.precision.startswith("int8") else _COST_4BIT
+            modes = {self.precision, *(mode for _, mode in self.layer_modes or ())} - {UNQUANTIZED}
+            cost += max(_COST_INT8 if mode.startswith("int8") else _COST_4BIT for mode in modes)
         return round(cost, 3)
 
     def fidelity(self) -> int:
@@ -197,6 +212,26 @@ class Candidate:
         score += 0 if self.fused_loss else 1  # exact, but a user who reads the logits pays for them once
         return score
 
+    def _plan_tag(self) -> str:
+        """``[mixed:3 int8,1 none]``: how many layers the plan stores in each mode other than ``precision``."""
+        if not self.layer_modes:
+            return ""
+        counts: dict[str, int] = {}
+        for _, mode in self.layer_modes:
+            if mode != self.precision:
+                counts[mode] = counts.get(mode, 0) + 1
+        changed = ",".join(f"{n} {mode}" for mode, n in sorted(counts.items()))
+        return f"[mixed:{changed or 'all ' + self.precision}]"  # a plan naming only base-mode layers is still a plan
+
+    def _plugin_yaml(self) -> list[str]:
+        lines = ["  plugins:", "    - class_path: lightning_hbm.QuantizedPrecision"]
+        if not self.layer_modes:
+            return [*lines, f"      init_args: {{mode: {self.precision}, dtype: {self.dtype}}}"]
+        # names and modes quoted (JSON strings are YAML strings): a layer named "0" or "1.2" must stay a string
+        plan = [f"          {json.dumps(name)}: {json.dumps(mode)}" for name, mode in self.layer_modes]
+        init_args = ["      init_args:", f"        mode: {self.precision}", f"        dtype: {self.dtype}", "        layer_modes:"]
+        return [*lines, *init_args, *plan]
+
     def _blocks_yaml(self) -> str:
         return "" if self.blocks is None else f", blocks: [{', '.join(self.blocks)}]"
 
@@ -206,11 +241,7 @@ class Candidate:
         if self.offload:
             lines.append("  strategy: cpu_offload")
         if self.quantized:
-            lines += [
-                "  plugins:",
-                "    - class_path: lightning_hbm.QuantizedPrecision",
-                f"      init_args: {{mode: {self.precision}, dtype: {self.dtype}}}",
-            ]
+            lines += self._plugin_yaml()
         else:
             lines.append(f"  precision: {self.precision}")
         callback_lines = []
@@ -234,6 +265,34 @@ class Candidate:
         if callback_lines:
             lines += ["  callbacks:", *callback_lines]
         return "\n".join(lines) + "\n"
+
+
+def _normalised_plan(precision: str, layer_modes: Any) -> Optional[LayerModes]:
+    """``layer_modes`` as sorted (name, mode) pairs, checked; ``None`` (or an empty plan): every layer in ``precision``."""
+    if layer_modes is None or (isinstance(layer_modes, (Mapping, tuple, list)) and not layer_modes):
+        return None
+    if precision in PLANNED_LIGHTNING_PRECISIONS:
+        raise ValueError(
+            f"Candidate layer_modes is a per-layer plan of a quantized base, but precision {precision!r} quantizes "
+            f"nothing. Use a lightning_hbm mode as the base, e.g. Candidate('nf4-dq', layer_modes=...)."
+        )
+    try:
+        pairs = sorted(dict(layer_modes).items())
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"Candidate layer_modes must be a dict {{layer name: mode name}}, got {type(layer_modes).__name__}: "
+            f"{layer_modes!r}. E.g. layer_modes={{'model.layers.0.mlp.down_proj': 'int8'}}."
+        ) from None
+    valid = [*available_precisions(), UNQUANTIZED]
+    for name, mode in pairs:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"Candidate layer_modes keys must be layer names (non-empty strings), got {name!r}.")
+        if mode not in valid:
+            raise ValueError(
+                f"Candidate layer_modes[{name!r}] = {mode!r} is not a mode. Use one of {valid} "
+                f"({UNQUANTIZED!r} keeps the layer in the compute dtype)."
+            )
+    return tuple(pairs)
 
 
 def _optimizer_callback_class() -> type:
@@ -270,12 +329,20 @@ def default_candidates(
     checkpointing: Sequence[Checkpointing] = ("none", "selective", "full"),
     optimizers: Sequence[str] = ("user", "adamw8bit"),
     fused_loss: Sequence[bool] = (False,),
+    layer_modes: Optional[dict[str, str]] = None,
 ) -> list[Candidate]:
     """The grid of candidates over the axes this install supports (axes whose callback is missing are left out).
 
     A quantized base is only offered with LoRA (a frozen quantized base with nothing trainable but
-    norms and embeddings is not a fine-tuning configuration anyone asks for).
+    norms and embeddings is not a fine-tuning configuration anyone asks for). ``layer_modes``: a fixed
+    mixed-precision plan ``{layer name: mode name}`` that every quantized candidate uses (on the
+    command line, as JSON: ``lightning-hbm plan --candidates.layer_modes "$(cat plan.json)"``).
     """
+    if layer_modes and all(p in PLANNED_LIGHTNING_PRECISIONS for p in precisions):
+        raise ValueError(
+            f"default_candidates(layer_modes=...) plans a quantized base, but precisions={list(precisions)} holds no "
+            f"quantized mode. Add one, e.g. precisions=['bf16-true', 'nf4-dq']."
+        )
     axes = available_axes()
     lora_ranks = lora_ranks if axes["lora"] else [0]
     checkpointing = checkpointing if axes["checkpointing"] else ["none"]
@@ -287,7 +354,10 @@ def default_candidates(
     ):
         if precision not in PLANNED_LIGHTNING_PRECISIONS and r == 0 and axes["lora"]:
             continue
-        grid.append(Candidate(precision=precision, lora_r=r, checkpointing=policy, optimizer=optimizer, fused_loss=fused))
+        plan = layer_modes if precision not in PLANNED_LIGHTNING_PRECISIONS else None
+        grid.append(
+            Candidate(precision, lora_r=r, checkpointing=policy, optimizer=optimizer, fused_loss=fused, layer_modes=plan)
+        )
     return grid
 
 

@@ -227,7 +227,10 @@ def _layer_modes(
             f"layer_modes names {unknown}, which are not quantizable Linear layers of this model (quantizable: "
             f"{names[:12]}{' ...' if len(names) > 12 else ''}). Plan only those layers, by their module names."
         )
-    fake = quant_mode != get_mode(quant_mode.name)  # the planner's fake-tensor variant: plan with fake layers too
+    # the planner's fake-tensor variant, or a fake model (int8-dynamic has no variant): plan with fake layers too
+    fake = quant_mode != get_mode(quant_mode.name) or any(
+        isinstance(p, torch._subclasses.fake_tensor.FakeTensor) for _, layer in targets for p in layer.parameters()
+    )
 
     def mode_of(name: str) -> Optional[QuantMode]:
         chosen = layer_modes.get(name)

@@ -82,7 +82,9 @@ def predict_parameter_bytes(module: nn.Module, plan: Mapping[str, str], dtype: A
             total += param.numel() * (dtype.itemsize if param.is_floating_point() else param.element_size())
     for name, mode in plan.items():
         layer = module.get_submodule(name)
-        total += weight_bytes(mode, layer.in_features, layer.out_features, dtype)
+        # transformers' Conv1D (GPT-2) has no in/out_features: its weight is stored transposed, [nx, nf]
+        features = (layer.nx, layer.nf) if hasattr(layer, "nf") else (layer.in_features, layer.out_features)
+        total += weight_bytes(mode, *features, dtype)
     return total
 
 
