@@ -134,7 +134,9 @@ class _Swapper:
         self.module, self.layers, self.dtype, self.hessians = module, layers, dtype, hessians or {}
         self._variants: dict[tuple[str, str], nn.Module] = {}
 
-    def variant(self, name: str, mode: str) -> nn.Module:
+    def variant(self, name: str, mode: str, keep: bool = True) -> nn.Module:
+        """``name`` quantized in ``mode``; ``keep=False``: built for one use, not cached (every layer's
+        variant in every mode at once would hold about the model's bf16 size again)."""
         if mode == UNQUANTIZED:
             return self.layers[name]  # the probe runs the model as built: unquantized is the reference
         key = (name, mode)
@@ -149,6 +151,8 @@ class _Swapper:
             quantized = get_mode(mode).replace(source, self.dtype, None)
             if name in self.hessians and is_4bit(quantized):  # measured as it will be stored: GPTQ-rounded
                 gptq_round_(quantized, linear.weight, self.hessians[name])
+            if not keep:
+                return _SameDtype(quantized, self.dtype)
             self._variants[key] = _SameDtype(quantized, self.dtype)
         return self._variants[key]
 
@@ -247,7 +251,7 @@ def _local_errors(swapper: _Swapper, modes: Sequence[str], probe: Any) -> dict[s
     def hook(name: str) -> Any:
         def record(layer: nn.Module, args: tuple, output: torch.Tensor) -> None:
             errors[name] = {
-                m: 0.0 if m == UNQUANTIZED else float((swapper.variant(name, m)(args[0]).float() - output.float()).square().sum())
+                m: 0.0 if m == UNQUANTIZED else float((swapper.variant(name, m, keep=False)(args[0]).float() - output.float()).square().sum())
                 for m in modes
             }
 
