@@ -101,9 +101,9 @@ def gptq_indices(weight: torch.Tensor, hessian: torch.Tensor, quant_state: Any, 
     """The 4-bit code index of every weight (``[out, in]``, int64), rounded by GPTQ with ``quant_state``'s scales."""
     code = quant_state.code.float().to(weight.device)
     out_features, in_features = weight.shape
-    blocksize = quant_state.blocksize
-    scale = _block_absmax(quant_state).float().to(weight.device).reshape(out_features, in_features // blocksize)
-    scale = scale.repeat_interleave(blocksize, dim=1)
+    # blocks run over the flattened weight: one may span two rows when in_features is not a multiple
+    absmax = _block_absmax(quant_state).float().to(weight.device)
+    scale = absmax.repeat_interleave(quant_state.blocksize)[: weight.numel()].reshape(out_features, in_features)
     hessian = hessian.to(weight.device, torch.float32).clone()
     dead = hessian.diagonal() == 0  # an input that is always zero on the probe: no information, no feedback
     hessian[dead, dead] = 1
@@ -127,8 +127,12 @@ def gptq_indices(weight: torch.Tensor, hessian: torch.Tensor, quant_state: Any, 
 
 
 def pack_indices(indices: torch.Tensor) -> torch.Tensor:
-    """bitsandbytes' packed 4-bit layout: row-major, two indices per byte, the first in the high nibble."""
-    pairs = indices.reshape(-1, 2)
+    """bitsandbytes' packed 4-bit layout: row-major, two indices per byte, the first in the high nibble
+    (an odd count leaves the last low nibble 0)."""
+    flat = indices.reshape(-1)
+    if flat.numel() % 2:
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    pairs = flat.reshape(-1, 2)
     return ((pairs[:, 0] << 4) | pairs[:, 1]).to(torch.uint8).reshape(-1, 1)
 
 
@@ -136,6 +140,8 @@ def gptq_round_(layer: nn.Module, weight: torch.Tensor, hessian: torch.Tensor) -
     """Replace the packed indices of the 4-bit ``layer`` (quantized from ``weight``) by GPTQ's, in place."""
     packed = layer.weight.data
     rounded = pack_indices(gptq_indices(weight.detach().to(packed.device), hessian, layer.weight.quant_state))
+    if weight.numel() % 2:  # the last byte's low nibble is bitsandbytes' padding: keep what it wrote
+        rounded[-1] |= packed.reshape(-1)[-1:].view(torch.uint8) & 15
     packed.copy_(rounded.reshape(packed.shape).view(packed.dtype))
 
 

@@ -54,6 +54,22 @@ def test_gptq_rounding_lowers_the_output_error_at_the_same_bytes(gpt_factory: An
     assert errors["gptq"][1] < errors["nearest"][1]  # and on other inputs
 
 
+def test_blocks_spanning_two_rows_and_odd_sizes_are_rounded_in_place() -> None:
+    # 63 inputs: bitsandbytes' blocks of 64 run over the flattened weight, across rows; 315 weights: odd
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(63, 5), nn.GELU(), nn.Linear(5, 3))
+    probe, held_out = torch.randn(64, 63), torch.randn(64, 63)
+    hessians = input_hessians(reference, ["0", "2"], probe)
+    errors = {}
+    for rounding in ("nearest", "gptq"):
+        model = nn.Sequential(nn.Linear(63, 5), nn.GELU(), nn.Linear(5, 3))
+        model.load_state_dict(reference.state_dict())
+        quantize_model(model, "nf4-dq", "float32", hessians=hessians if rounding == "gptq" else None)
+        with torch.no_grad():
+            errors[rounding] = float((model(probe) - reference(probe)).norm())
+    assert errors["gptq"] < errors["nearest"]
+
+
 def test_layers_reading_one_input_share_one_hessian(gpt_factory: Any) -> None:
     model = gpt_factory()
     hessians = input_hessians(model, names_of(model), PROBE)
