@@ -130,6 +130,7 @@ def measure(
     predicted = predict_parameter_bytes(model, full_plan, dtype)
     params = sum(model.get_submodule(n).in_features * model.get_submodule(n).out_features for n in names)
     quantize_model(model, base, dtype, layer_modes=plan, hessians=hessians)
+    model.eval()  # the new layers too: bitsandbytes' int8 runs LLM.int8 in eval (and on GPU), a float matmul when training on CPU
     with torch.no_grad():
         output = probe_output(model, held_out)
         # LLM.int8 keeps its row scales in layer.state after the first forward: bytes counted after it

@@ -151,9 +151,12 @@ class _Swapper:
             quantized = get_mode(mode).replace(source, self.dtype, None)
             if name in self.hessians and is_4bit(quantized):  # measured as it will be stored: GPTQ-rounded
                 gptq_round_(quantized, linear.weight, self.hessians[name])
+            # eval, as the probe model: bitsandbytes' int8 layer computes LLM.int8 (8-bit activations) in eval and
+            # a float matmul of its dequantized weight when training on CPU (on GPU always LLM.int8)
+            variant = _SameDtype(quantized, self.dtype).eval()
             if not keep:
-                return _SameDtype(quantized, self.dtype)
-            self._variants[key] = _SameDtype(quantized, self.dtype)
+                return variant
+            self._variants[key] = variant
         return self._variants[key]
 
     def _put(self, name: str, layer: nn.Module) -> None:
