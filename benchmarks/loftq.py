@@ -12,7 +12,9 @@ Rows per model and rank r (adapters on every quantized Linear, stored in bf16: 2
   ``Q(W - B A)`` of the last iteration, stored by the very ``nf4-dq`` mode the Trainer uses (the
   script checks the stored base dequantizes to what the iteration used);
 * the sensitivity plan (``choose_plan``, ``nf4-dq`` + ``int8``, chosen on the probe batch) with
-  ``max_bytes_per_param`` = the LoftQ rows' bytes (quantized base + adapters) per quantizable parameter.
+  ``max_bytes_per_param`` = the LoftQ rows' bytes (quantized base + adapters) per quantizable parameter;
+* that plan plus LoRA r (default init, and LoftQ on its ``nf4-dq`` layers): a QLoRA run trains
+  adapters anyway, so there LoftQ costs no byte at all.
 
 peft's own LoftQ does not run on CPU (peft 0.21.2): ``loftq_init`` moves the weight to ``"cuda"``
 (or XPU) unconditionally, and ``LoraConfig(init_lora_weights="loftq")`` also needs scipy. So the
@@ -40,7 +42,7 @@ import re
 import sys
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -87,8 +89,15 @@ def loftq(weight: torch.Tensor, rank: int, iters: int, dtype: torch.dtype) -> tu
     return base, right, left, deq
 
 
-def lora_model(make: Callable[[], nn.Module], rank: int, iters: int, dtype: str) -> tuple[nn.Module, float]:
-    """``make()`` quantized in ``nf4-dq`` with peft LoRA adapters (default or LoftQ init); returns it and B/param."""
+def lora_model(make: Callable[[], nn.Module], rank: int, iters: int, dtype: str, plan: Optional[dict[str, str]] = None) -> nn.Module:
+    """``make()`` quantized (``nf4-dq``, or ``plan``) with peft LoRA adapters in bf16 on every quantized Linear.
+
+    ``iters=0``: peft's default init (``B = 0``); else LoftQ on each ``nf4-dq`` layer (the others keep ``B = 0``).
+    The new layers stay in training mode, as in ``sensitivity.py``'s ``measure`` and ``choose_plan`` (the
+    model as built is in eval mode: no dropout). That matters for int8 only: on CPU bitsandbytes runs an
+    int8 layer in training mode as a float matmul of the dequantized weight, in eval mode as LLM.int8
+    (int8 activations, fp16 outlier columns), the path it takes on GPU in both modes.
+    """
     import peft
 
     model = make()
@@ -96,14 +105,15 @@ def lora_model(make: Callable[[], nn.Module], rank: int, iters: int, dtype: str)
     inits = {}
     for name in names if iters else []:
         layer = model.get_submodule(name)
+        if (plan or {}).get(name, BASE) != BASE:
+            continue
         assert type(layer) is nn.Linear, (name, type(layer))  # both models here: plain Linears
         base, a, b, deq = loftq(layer.weight.detach(), rank, iters, to_dtype(dtype))
         layer.weight.data.copy_(base)  # what the base stores: Q(W - B A) of the last iteration
         inits[name] = (a, b, deq)
-    quantize_model(model, BASE, dtype)
+    quantize_model(model, BASE, dtype, layer_modes=plan)
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="(?:" + "|".join(map(re.escape, names)) + ")", bias="none")
     peft.inject_adapter_in_model(config, model)
-    params = weights = adapters = 0
     for name in names:
         lora = model.get_submodule(name)
         lora.lora_A.to(ADAPTER_DTYPE), lora.lora_B.to(ADAPTER_DTYPE)
@@ -111,12 +121,33 @@ def lora_model(make: Callable[[], nn.Module], rank: int, iters: int, dtype: str)
             a, b, deq = inits[name]
             assert torch.equal(stored_weight(lora.base_layer), deq), name  # the base is what LoftQ used
             lora.lora_A["default"].weight.data = a.to(ADAPTER_DTYPE)
+            # peft scales the update by alpha / r: LoftQ's B A is the update itself
             lora.lora_B["default"].weight.data = (b / lora.scaling["default"]).to(ADAPTER_DTYPE)
-        base_layer = lora.base_layer
-        params += base_layer.in_features * base_layer.out_features
-        weights += unique_bytes([t for t in module_parameter_tensors(base_layer) if t is not base_layer.bias])
-        adapters += sum(p.numel() * p.element_size() for p in [*lora.lora_A.parameters(), *lora.lora_B.parameters()])
-    return model.eval(), (weights + adapters) / params
+    return model
+
+
+def bytes_per_param(model: nn.Module) -> float:
+    """(Quantized base weights with their constants + adapters) / quantizable parameters. After a forward:
+    LLM.int8 keeps its row scales in ``layer.state`` from then on."""
+    import bitsandbytes as bnb
+
+    params = weights = adapters = 0
+    for name, lora in model.named_modules():
+        # a quantized layer, with or without its LoRA wrapper (counted once, through the wrapper)
+        base = getattr(lora, "base_layer", lora)
+        if not isinstance(base, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) or name.endswith(".base_layer"):
+            continue
+        params += base.in_features * base.out_features
+        weights += unique_bytes([t for t in module_parameter_tensors(base) if t is not base.bias])
+        if base is not lora:
+            adapters += sum(p.numel() * p.element_size() for p in [*lora.lora_A.parameters(), *lora.lora_B.parameters()])
+    return (weights + adapters) / params
+
+
+def evaluate(model: nn.Module, held_out: Any, reference: torch.Tensor) -> tuple[dict[str, float], float]:
+    with torch.no_grad():
+        metrics = compare_outputs(probe_output(model, held_out), reference, lm=reference.dim() == 3)
+    return metrics, bytes_per_param(model)
 
 
 def row(label: str, metrics: dict[str, float], bytes_per_param: float, extra: str = "") -> str:
@@ -130,28 +161,31 @@ def row(label: str, metrics: dict[str, float], bytes_per_param: float, extra: st
 def run_case(make: Callable[[], nn.Module], probe: Any, held_out: Any, ranks: list[int], iters: list[int], dtype: str) -> None:
     with torch.no_grad():
         reference = probe_output(make(), held_out).float()
-    lm = reference.dim() == 3
     naive = measure(make, None, BASE, dtype, held_out, reference)
     print(row(f"`{BASE}` naive", naive, naive["bytes_per_param"]), flush=True)
     for rank in ranks:
-        total = None
         for n_iter in [0, *iters]:
             start = time.perf_counter()
-            model, total = lora_model(make, rank, n_iter, dtype)
+            model = lora_model(make, rank, n_iter, dtype)
             seconds = time.perf_counter() - start
-            with torch.no_grad():
-                metrics = compare_outputs(probe_output(model, held_out), reference, lm=lm)
+            metrics, total = evaluate(model, held_out, reference)
             label = f"`{BASE}` + LoRA r={rank}, " + (f"LoftQ {n_iter} iter" if n_iter else "default init (B=0)")
             print(row(label, metrics, total, f"init {seconds:.0f} s" if n_iter else ""), flush=True)
+        # the same bytes spent on int8 layers instead of adapters
         model = make()
         names = [name for name, _ in _quantizable_linears(model, ())[0]]
         start = time.perf_counter()
-        plan = choose_plan(model, names, BASE, SENSITIVE, dtype, probe, max_bytes_per_param=total)
+        plan = choose_plan(model, names, BASE, SENSITIVE, dtype, probe, max_bytes_per_param=total).modes
         seconds = time.perf_counter() - start
-        metrics = measure(make, plan.modes, BASE, dtype, held_out, reference)
-        kept = sum(mode == SENSITIVE for mode in plan.modes.values())
+        metrics = measure(make, plan, BASE, dtype, held_out, reference)
+        kept = sum(mode == SENSITIVE for mode in plan.values())
         extra = f"{kept}/{len(names)} layers in `{SENSITIVE}`, no adapters; plan {seconds:.0f} s"
         print(row(f"`{BASE}` + `{SENSITIVE}` plan (max {total:.4f} B/param)", metrics, metrics["bytes_per_param"], extra), flush=True)
+        # LoRA on top of that plan (a QLoRA run trains adapters anyway): does LoftQ still add something?
+        for n_iter in [0, max(iters)]:
+            metrics, with_lora = evaluate(lora_model(make, rank, n_iter, dtype, plan), held_out, reference)
+            init = f"LoftQ {n_iter} iter on its `{BASE}` layers" if n_iter else "default init (B=0)"
+            print(row(f"that plan + LoRA r={rank}, {init}", metrics, with_lora), flush=True)
 
 
 def main() -> None:
