@@ -169,6 +169,8 @@ def run_case(make: Callable[[], nn.Module], probe: Any, held_out: Any, ranks: li
             model = lora_model(make, rank, n_iter, dtype)
             seconds = time.perf_counter() - start
             metrics, total = evaluate(model, held_out, reference)
+            if not n_iter:  # B = 0: peft's LoRA adds exactly zero, the output is naive nf4-dq's
+                assert all(metrics[key] == naive[key] for key in metrics), (metrics, naive)
             label = f"`{BASE}` + LoRA r={rank}, " + (f"LoftQ {n_iter} iter" if n_iter else "default init (B=0)")
             print(row(label, metrics, total, f"init {seconds:.0f} s" if n_iter else ""), flush=True)
         # the same bytes spent on int8 layers instead of adapters
