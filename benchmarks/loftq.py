@@ -203,6 +203,9 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     for name in ("bitsandbytes", "lightning_hbm", "transformers", "peft"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     print(f"compute dtype={args.dtype}, adapters bf16, threads={torch.get_num_threads()}, torch={torch.__version__}; "
           "reference: the fp32 model; held-out inputs; bytes: quantized base + adapters per quantizable parameter")
     for model_name in args.models:
