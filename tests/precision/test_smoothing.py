@@ -142,6 +142,21 @@ def test_bad_smoothing_arguments_are_errors_at_construction(kwargs: dict, match:
         QuantizedPrecision(**kwargs)
 
 
+def test_auto_never_ends_worse_than_unsmoothed_on_the_probe(llama_factory: Any) -> None:
+    # a random-weight Llama has no outlier channels: whatever "auto" keeps must not lower the probe cosine
+    model = llama_factory().eval()
+    names = linear_names(model)
+    report = choose_smoothing(model, names, "auto", "float32", PROBE)
+    if report.reverted:
+        assert all(a is None for a in report.alphas.values()) and all(not s.any() for s in report.shifts.values())
+        assert "no layer smoothed" in report.summary("auto")
+    else:
+        assert report.cosine_after >= report.cosine_before
+    for name, alpha in report.alphas.items():  # smoothed layers are clear per-layer gains
+        errors = report.layer_errors[name]
+        assert alpha is None or errors[alpha] < 0.9 * errors[None]
+
+
 def test_default_is_auto_and_it_is_a_resume_setting() -> None:
     assert QuantizedPrecision("int8-dynamic-smooth").resume_config()["smoothing"] == "auto"
     assert QuantizedPrecision("nf4-dq", sensitive_mode="int8-dynamic-smooth", max_bytes_per_param=0.8).smoothing == "auto"
@@ -155,7 +170,7 @@ def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def test_lora_trains_on_a_smoothed_base_logged_and_resumed_exactly(
     llama_factory: Any, trainer_factory: Any, datamodule_factory: Any, tmp_path: Any, caplog: Any
 ) -> None:
-    plugin = QuantizedPrecision("int8-dynamic-smooth", dtype="float32", probe_batch=PROBE)
+    plugin = QuantizedPrecision("int8-dynamic-smooth", dtype="float32", smoothing=0.5, probe_batch=PROBE)
     model = llama_factory()
     trainer = trainer_factory(max_steps=2, plugins=[plugin], callbacks=[LoRA(r=4, target_modules="all-linear")])
     with caplog.at_level(logging.INFO, logger="lightning_hbm"):
@@ -172,7 +187,7 @@ def test_lora_trains_on_a_smoothed_base_logged_and_resumed_exactly(
 
     # another probe: re-measured factors would differ; the checkpoint's come back instead
     other_probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
-    again = QuantizedPrecision("int8-dynamic-smooth", dtype="float32", probe_batch=other_probe)
+    again = QuantizedPrecision("int8-dynamic-smooth", dtype="float32", smoothing=0.5, probe_batch=other_probe)
     resumed_model = llama_factory()
     resumed = trainer_factory(max_steps=2, plugins=[again], callbacks=[LoRA(r=4, target_modules="all-linear")])
     resumed.fit(resumed_model, datamodule_factory(), ckpt_path=path)
@@ -180,8 +195,8 @@ def test_lora_trains_on_a_smoothed_base_logged_and_resumed_exactly(
     restored = quantized_state(resumed_model)
     assert restored.keys() == saved.keys() and all(torch.equal(restored[k], saved[k]) for k in saved)
 
-    with pytest.raises(ValueError, match=r"other lightning_hbm settings(.|\n)*smoothing: checkpoint 'auto', this run 0.5"):
-        trainer_factory(max_steps=3, plugins=[QuantizedPrecision("int8-dynamic-smooth", dtype="float32", smoothing=0.5, probe_batch=PROBE)],
+    with pytest.raises(ValueError, match=r"other lightning_hbm settings(.|\n)*smoothing: checkpoint 0.5, this run 'auto'"):
+        trainer_factory(max_steps=3, plugins=[QuantizedPrecision("int8-dynamic-smooth", dtype="float32", probe_batch=PROBE)],
                         callbacks=[LoRA(r=4, target_modules="all-linear")]).fit(llama_factory(), datamodule_factory(), ckpt_path=path)
 
 
