@@ -214,3 +214,15 @@ def test_plugin_alone_resumes_bit_exact(llama_factory: Any, trainer_factory: Any
     assert saved and all(torch.equal(restored[k], saved[k]) for k in saved)
     with torch.no_grad():
         torch.testing.assert_close(resumed_model(PROBE), model(PROBE), rtol=0, atol=0)
+
+
+def test_adapter_only_checkpoint_of_an_int8_dynamic_base_resumes(
+    llama_factory: Any, trainer_factory: Any, datamodule_factory: Any, tmp_path: Any
+) -> None:
+    # the base's buffers beside the weight (weight_scale) are rebuilt from the fingerprinted base, not missing keys
+    trainer = trainer_factory(max_steps=2, plugins=[QuantizedPrecision("int8-dynamic", dtype="float32")], callbacks=[LoRA(r=4)])
+    trainer.fit(llama_factory(), datamodule_factory())
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    resumed = trainer_factory(max_steps=3, plugins=[QuantizedPrecision("int8-dynamic", dtype="float32")], callbacks=[LoRA(r=4)])
+    resumed.fit(llama_factory(), datamodule_factory(), ckpt_path=tmp_path / "a.ckpt")
+    assert resumed.global_step == 3
