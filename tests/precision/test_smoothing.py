@@ -226,3 +226,18 @@ def test_adapter_only_checkpoint_of_an_int8_dynamic_base_resumes(
     resumed = trainer_factory(max_steps=3, plugins=[QuantizedPrecision("int8-dynamic", dtype="float32")], callbacks=[LoRA(r=4)])
     resumed.fit(llama_factory(), datamodule_factory(), ckpt_path=tmp_path / "a.ckpt")
     assert resumed.global_step == 3
+
+
+def test_the_sensitivity_plan_measures_the_smoothed_layers_and_its_bytes_are_exact() -> None:
+    plugin = QuantizedPrecision(
+        "int8-dynamic-smooth", dtype="float32", smoothing=0.5, probe_batch=PROBE, min_cosine=0.99, sensitive_mode="none"
+    )
+    model = TinyBert().eval()
+    plugin.check_model(model)
+    # the plan's "every layer in the base mode" is the smoothed model: the same probe cosine as the smoothing's own
+    assert plugin.plan_report.uniform_cosine == pytest.approx(plugin.smoothing_report.cosine_after, abs=1e-7)
+    assert plugin.smoothing_report.cosine_after != plugin.smoothing_report.cosine_before
+    plugin.convert_base(model)
+    smoothed = [m for m in model.modules() if isinstance(m, Int8DynamicLinear) and m.input_shift is not None]
+    assert len(smoothed) == len(plugin.plan) and all(m.input_shift.any() for m in smoothed)
+    assert parameter_bytes(model) == predict_parameter_bytes(TinyBert(), plugin.plan, "float32")
