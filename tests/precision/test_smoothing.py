@@ -241,3 +241,21 @@ def test_the_sensitivity_plan_measures_the_smoothed_layers_and_its_bytes_are_exa
     smoothed = [m for m in model.modules() if isinstance(m, Int8DynamicLinear) and m.input_shift is not None]
     assert len(smoothed) == len(plugin.plan) and all(m.input_shift.any() for m in smoothed)
     assert parameter_bytes(model) == predict_parameter_bytes(TinyBert(), plugin.plan, "float32")
+
+
+@pytest.mark.gpu
+def test_cuda_smoothed_layer_matches_cpu() -> None:
+    # not yet run on GPU (no GPU in the session that wrote it): the integer kernel path with smoothing
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 128)
+    shift = torch.randint(-4, 5, (256,)).to(torch.int8)
+    cpu = Int8DynamicLinear.from_linear(linear, input_shift=shift)
+    cuda = Int8DynamicLinear.from_linear(linear, device=torch.device("cuda"), input_shift=shift)
+    x = torch.randn(64, 256)
+    x_cuda = x.cuda().requires_grad_(True)
+    out = cuda(x_cuda)
+    torch.testing.assert_close(out.cpu(), cpu(x), rtol=1e-4, atol=1e-4)
+    out.sum().backward()
+    x_cpu = x.clone().requires_grad_(True)
+    cpu(x_cpu).sum().backward()
+    torch.testing.assert_close(x_cuda.grad.cpu(), x_cpu.grad, rtol=1e-4, atol=1e-4)
