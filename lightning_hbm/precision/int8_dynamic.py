@@ -44,7 +44,10 @@ The division happens at run time inside the layer rather than folded into a prec
 folding costs nothing but only exists where a norm (with nothing else reading its output) feeds
 the Linear, and LoRA adapters around the layer would then see the smoothed input; the run-time
 division works for every Linear, costs one elementwise product of the input, and keeps what the
-layer's callers see (LoRA included) exactly the unsmoothed input and its gradient.
+layer's callers see (LoRA included) exactly the unsmoothed input and its gradient. The factors come from
+``QuantizedPrecision("int8-dynamic-smooth")``, which measures them; ``quantize_model(model,
+"int8-dynamic-smooth")`` alone stores zero exponents (no smoothing, same bytes) unless they are attached with
+:func:`lightning_hbm.precision.smoothing.attached`.
 """
 
 from __future__ import annotations

@@ -19,8 +19,10 @@ the probe batch on the model as built (the same probe as ``QuantizationQuality``
 :data:`AUTO_ALPHAS` and "not smoothed", by the error of that layer's own output on the probe inputs it
 really receives (one more forward, each candidate's quantized layer computed and dropped inside the hook:
 no activation is kept); a layer is smoothed only for a clear gain (error below 0.9x unsmoothed), and if
-the smoothed model's probe output is worse than the unsmoothed one's, nothing is smoothed (logged). Per layer because the input statistics differ by layer (a LayerNorm output
-has a few huge channels, an attention context has none) and one alpha for the model measured worse.
+the smoothed model's probe output is worse than the unsmoothed one's, nothing is smoothed (logged). Per
+layer because the input statistics differ by layer (a LayerNorm output has a few huge channels, an
+attention context has none) and one alpha for the model measured worse (all-MiniLM-L6-v2, 64 held-out
+sentences: 0.99911 per layer, 0.99882 with 0.5 everywhere, 0.99824 with 0.8).
 The end-to-end probe output cosine (the metric ``QuantizationQuality`` logs) is measured before
 (plain ``int8-dynamic``) and after (smoothed) for the log: two more forwards.
 """
@@ -85,7 +87,7 @@ class SmoothingReport:
         return (
             f"smoothing={setting!r}: {len(smoothed)} of {len(self.alphas)} Linear layers smoothed ({per_alpha or 'none'}); "
             f"probe output cosine {self.cosine_before:.6f} (int8-dynamic) -> {self.cosine_after:.6f} (smoothed)"
-            + (f"; not smoothed (smoothing did not lower their output error on the probe by {1 - _MAX_ERROR_RATIO:.0%}): {left}" if left else "")
+            + (f"; not smoothed (their output error on the probe did not drop by {1 - _MAX_ERROR_RATIO:.0%}): {left}" if left else "")
         )
 
 
@@ -132,7 +134,9 @@ def attached(module: nn.Module, shifts: Mapping[str, torch.Tensor]) -> Iterator[
                 delattr(weight, SHIFT_ATTR)
 
 
-def _input_absmax(module: nn.Module, layers: Mapping[str, nn.Linear], probe: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _input_absmax(
+    module: nn.Module, layers: Mapping[str, nn.Linear], probe: Any
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-channel ``max|x|`` of every layer's input over the probe (all calls), and the model's output."""
     from lightning_hbm.callbacks.quality import probe_output
 
