@@ -17,9 +17,14 @@ Models:
   sentences, 256 other ones for the evaluation.
 * ``llama``: the test ``LlamaLM`` (transformers Llama, random weights), byte-level text.
 
+``int8-dynamic-smooth`` rows: the SmoothQuant-style smoothing factors are measured on the probe batch
+(:func:`lightning_hbm.precision.smoothing.choose_smoothing`, what ``QuantizedPrecision("int8-dynamic-smooth",
+smoothing=...)`` runs before quantizing), one row per ``--smoothing`` setting.
+
 Run::
 
     python benchmarks/sensitivity.py --extra .extra            # CPU, compute fp32, ~15 min on a busy 2-core machine
+    python benchmarks/sensitivity.py --extra .extra --bases int8-dynamic int8-dynamic-smooth --smoothing auto 0.5
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from lightning_hbm.memory import module_parameter_tensors, unique_bytes
 from lightning_hbm.precision.gptq import input_hessians
 from lightning_hbm.precision.plugin import _quantizable_linears
 from lightning_hbm.precision.sensitivity import choose_plan, greedy_plan, predict_parameter_bytes, weight_bytes
+from lightning_hbm.precision.smoothing import SMOOTH_MODE, attached, choose_smoothing
 
 # (base mode, sensitive mode, max_bytes_per_param, min_cosine): the sensitivity-aware rows
 CASES = [
@@ -123,13 +129,15 @@ def llama_case() -> tuple[str, Callable[[], nn.Module], Any, Any]:
 def measure(
     make: Callable[[], nn.Module], plan: Optional[dict[str, str]], base: str, dtype: str, held_out: Any, reference: torch.Tensor,
     hessians: Optional[dict[str, torch.Tensor]] = None,
+    shifts: Optional[dict[str, torch.Tensor]] = None,
 ) -> dict[str, float]:
     model = make()
     names = [name for name, _ in _quantizable_linears(model, ())[0]]
     full_plan = {name: (plan or {}).get(name, base) for name in names}
     predicted = predict_parameter_bytes(model, full_plan, dtype)
     params = sum(model.get_submodule(n).in_features * model.get_submodule(n).out_features for n in names)
-    quantize_model(model, base, dtype, layer_modes=plan, hessians=hessians)
+    with attached(model, shifts or {}):  # the smoothing exponents int8-dynamic-smooth folds in
+        quantize_model(model, base, dtype, layer_modes=plan, hessians=hessians)
     model.eval()  # the new layers too: bitsandbytes' int8 runs LLM.int8 in eval (and on GPU), a float matmul when training on CPU
     with torch.no_grad():
         output = probe_output(model, held_out)
@@ -169,6 +177,7 @@ def main() -> None:
     parser.add_argument("--sensitive", nargs="+", default=None, help="only these sensitive modes (default: all)")
     parser.add_argument("--rounding", default="nearest", choices=["nearest", "gptq"],
                         help="gptq: 4-bit layers GPTQ-rounded with the probe's inputs (QuantizedPrecision(rounding='gptq'))")
+    parser.add_argument("--smoothing", nargs="+", default=["auto"], help="int8-dynamic-smooth settings: alphas or auto")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -220,6 +229,25 @@ def main() -> None:
                     label = f"`{base}` + `{sensitive}`, greedy baseline (max {max_bytes} B/param{tag})"
                     extra = f"{kept}/{len(names)} layers in `{sensitive}`: the top ones by solo error"
                     print(row(label, measure(make, greedy, base, args.dtype, held_out, reference, hessians), extra), flush=True)
+        if args.bases is None or SMOOTH_MODE in args.bases:
+            if args.bases is not None and "int8-dynamic" not in args.bases:  # the row smoothing is compared with
+                print(row("`int8-dynamic` naive", measure(make, None, "int8-dynamic", args.dtype, held_out, reference)), flush=True)
+            smoothed_rows(make, probe, held_out, reference, args.dtype, args.smoothing)
+
+
+def smoothed_rows(make: Callable[[], nn.Module], probe: Any, held_out: Any, reference: torch.Tensor, dtype: str, settings: list[str]) -> None:
+    for setting in settings:
+        alpha = setting if setting == "auto" else float(setting)
+        model = make()
+        names = [name for name, _ in _quantizable_linears(model, ())[0]]
+        start = time.perf_counter()
+        report = choose_smoothing(model, names, alpha, dtype, probe)
+        seconds = time.perf_counter() - start
+        smoothed = sum(a is not None for a in report.alphas.values())
+        outcome = "none kept (worse end to end on the probe)" if report.reverted else f"{smoothed}/{len(names)} layers smoothed"
+        extra = f"{outcome}, probe cos {report.cosine_before:.5f} -> {report.cosine_after:.5f}, {seconds:.0f} s"
+        metrics = measure(make, None, SMOOTH_MODE, dtype, held_out, reference, shifts=report.shifts)
+        print(row(f"`{SMOOTH_MODE}` (smoothing={setting})", metrics, extra), flush=True)
 
 
 if __name__ == "__main__":

@@ -80,9 +80,16 @@ def covered(key: str, omitted: Iterable[str]) -> bool:
     return any(_covers(key, o) for o in omitted)
 
 
+# int8-dynamic keeps its constants as buffers beside the weight (``x.weight_scale``, ``x.input_shift``), not under it
+_BESIDE_WEIGHT = ("weight_scale", "input_shift")
+
+
 def _covers(changed_key: str, as_built_key: str) -> bool:
-    """Whether ``changed_key`` (``x.weight.absmax``, ``x.base_layer.weight``) is a form of ``as_built_key`` (``x.weight``)."""
+    """Whether ``changed_key`` (``x.weight.absmax``, ``x.base_layer.weight``, ``x.weight_scale``) is a form of
+    ``as_built_key`` (``x.weight``)."""
     canonical = _canonical(changed_key)
+    if as_built_key.endswith(".weight") and canonical in {as_built_key[: -len("weight")] + n for n in _BESIDE_WEIGHT}:
+        return True
     return canonical == as_built_key or canonical.startswith(as_built_key + ".")
 
 

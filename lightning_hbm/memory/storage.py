@@ -107,7 +107,7 @@ def quantization_tensors(param: torch.Tensor) -> list[torch.Tensor]:
     quant_state = getattr(param, "quant_state", None)
     if quant_state is not None:
         extra.extend(nested_tensors(quant_state))
-    for attr in ("SCB", "scales", "weight_scale"):
+    for attr in ("SCB", "scales", "weight_scale", "input_shift"):
         value = getattr(param, attr, None)
         if isinstance(value, torch.Tensor):
             extra.append(value)

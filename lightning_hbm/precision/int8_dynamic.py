@@ -30,6 +30,24 @@ The activation rounding is passed straight through (its derivative is zero almos
 would stop every gradient): the straight-through estimator. Nothing
 of the input is saved for backward (no weight gradient is needed), so the layer keeps no
 activation memory of its own.
+
+``int8-dynamic-smooth``: the same layer with SmoothQuant-style per-input-channel smoothing
+(:mod:`lightning_hbm.precision.smoothing` measures the factors on a probe batch). Per-token
+activation scales are set by the largest channel of each token; a few outlier channels (BERT's
+LayerNorm outputs, GELU outputs) then leave the other channels only a few of the 255 levels. Input
+channel ``j`` is divided by ``s_j`` and weight column ``j`` multiplied by it before quantization, so
+``x @ W.T`` is unchanged in exact arithmetic while the activation range moves into the weights,
+whose per-row scales absorb it better. ``s_j`` is a power of two stored as its int8 exponent
+``input_shift`` (one byte per input channel, i.e. ``1/out_features`` B per weight): dividing by
+a power of two is exact in floating point, so the only change to the arithmetic is the rounding.
+The division happens at run time inside the layer rather than folded into a preceding LayerNorm:
+folding costs nothing but only exists where a norm (with nothing else reading its output) feeds
+the Linear, and LoRA adapters around the layer would then see the smoothed input; the run-time
+division works for every Linear, costs one elementwise product of the input, and keeps what the
+layer's callers see (LoRA included) exactly the unsmoothed input and its gradient. The factors come from
+``QuantizedPrecision("int8-dynamic-smooth")``, which measures them; ``quantize_model(model,
+"int8-dynamic-smooth")`` alone stores zero exponents (no smoothing, same bytes) unless they are attached with
+:func:`lightning_hbm.precision.smoothing.attached`.
 """
 
 from __future__ import annotations
@@ -47,6 +65,10 @@ _QMAX = 127  # symmetric range [-127, 127]: -128 is never used, so scales are th
 # The smallest normal fp32: an all-zero row gets this scale (stays zero instead of dividing by 0), and any
 # non-zero row keeps its own scale (a larger floor, e.g. 1e-12, would quantize rows below ~1e-10 coarsely).
 _EPS = torch.finfo(torch.float32).tiny
+#: attribute of a Linear's weight Parameter holding the int8 smoothing exponents that mode
+#: ``int8-dynamic-smooth`` folds in (set by ``QuantizedPrecision`` for the duration of the quantization;
+#: the weight Parameter, unlike the module, is what reaches the mode's ``replace`` in every code path)
+SHIFT_ATTR = "_lightning_hbm_input_shift"
 
 
 def quantize_rowwise(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,23 +107,27 @@ class _DynamicInt8Matmul(torch.autograd.Function):
     """``x @ dequant(W).T`` with ``x`` quantized per row at run time; gradient to ``x`` only."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, factor: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])
+        if factor is not None:  # smoothing: x / s with s a power of two, exact (the fp32 copy is made anyway)
+            x2d = x2d.float() * factor
         x_q, x_scale = quantize_rowwise(x2d)
         out = _int8_matmul(x_q, weight).float()
         # Weight scales first, in place: ``acc * w_scale`` is bounded by 127 * in_features * max|W| (frozen,
         # moderate weights), and only the last factor brings the activations' magnitude. The other order
         # overflows fp32 for activations around 1e36 (acc ~1e6 times x_scale ~1e34) where nn.Linear is finite.
         out.mul_(scale[None, :]).mul_(x_scale[:, None])
-        ctx.save_for_backward(weight, scale)  # module storage: no new memory
+        ctx.save_for_backward(weight, scale, factor)  # module storage and a vector: no new memory
         return out.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
-        weight, scale = ctx.saved_tensors
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None]:
+        weight, scale, factor = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None, None
+            return None, None, None, None
         # Straight-through for the activation rounding; the dequantized weight the forward used:
         # grad_out @ (W_q * s[:, None]) == (grad_out * s) @ W_q. Scaling the gradient instead of the
         # weight keeps the transient copy of W_q at the compute dtype's size (int8 values are exact in
@@ -111,7 +137,10 @@ class _DynamicInt8Matmul(torch.autograd.Function):
         # result once, like nn.Linear's fp32 accumulation.
         compute = torch.float32 if grad_out.dtype == torch.float16 else grad_out.dtype
         scaled = grad_out.to(compute) * scale.to(compute)
-        return (scaled @ weight.to(compute)).to(grad_out.dtype), None, None
+        grad = scaled @ weight.to(compute)
+        if factor is not None:  # d(x / s)/dx = 1 / s (a power of two: exact)
+            grad = grad * factor.to(compute)
+        return grad.to(grad_out.dtype), None, None, None
 
 
 class Int8DynamicLinear(nn.Linear):
@@ -120,13 +149,21 @@ class Int8DynamicLinear(nn.Linear):
     A subclass of ``nn.Linear`` (``in_features``, ``out_features``, ``weight``, ``bias``) so that peft
     wraps it with its standard LoRA ``Linear`` and Linear-aware tools keep working; ``weight`` is the
     frozen int8 ``Parameter`` and ``weight_scale`` an fp32 buffer (both in the ``state_dict``). The bias
-    is the original, trainable ``Parameter``. Build it with :meth:`from_linear`.
+    is the original, trainable ``Parameter``. Build it with :meth:`from_linear`. A smoothed layer
+    (``smoothed=True``, mode ``int8-dynamic-smooth``) also holds ``input_shift``, an int8 buffer of
+    per-input-channel exponents ``e``: it stores ``W * 2**e`` and divides its input by ``2**e``.
     """
 
     weight_scale: torch.Tensor
+    input_shift: Optional[torch.Tensor]
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, device: Optional[Union[str, torch.device]] = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: Optional[Union[str, torch.device]] = None,
+        smoothed: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device="meta")
         target = torch.device("cpu") if device is None else torch.device(device)
@@ -136,19 +173,36 @@ class Int8DynamicLinear(nn.Linear):
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, device=target))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=target))
+        shift = torch.zeros(in_features, dtype=torch.int8, device=target) if smoothed else None
+        self.register_buffer("input_shift", shift)  # a None buffer: not in the state_dict
         self._link_scale()
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, device: Optional[torch.device] = None) -> Int8DynamicLinear:
-        """Quantize ``linear``'s weight (on ``device``, default: where it is); keep its bias Parameter."""
+    def from_linear(
+        cls, linear: nn.Linear, device: Optional[torch.device] = None, input_shift: Optional[torch.Tensor] = None
+    ) -> Int8DynamicLinear:
+        """Quantize ``linear``'s weight (on ``device``, default: where it is); keep its bias Parameter.
+
+        ``input_shift``: int8 exponents ``e`` (one per input channel) of the smoothing factors ``2**e``
+        folded into the weight's columns before quantization; ``None``: a plain (unsmoothed) layer.
+        """
         if linear.weight.is_meta:
             raise ValueError(
                 f"Cannot quantize a Linear({linear.in_features}, {linear.out_features}) whose weight is on the meta "
                 "device: load or initialize the weights before quantization (e.g. build them in configure_model)."
             )
         target = linear.weight.device if device is None else torch.device(device)
-        layer = cls(linear.in_features, linear.out_features, bias=False, device=target)
-        values, scale = quantize_rowwise(linear.weight.detach().to(target))
+        layer = cls(linear.in_features, linear.out_features, bias=False, device=target, smoothed=input_shift is not None)
+        weight = linear.weight.detach().to(target)
+        if input_shift is not None:
+            if input_shift.shape != (linear.in_features,) or input_shift.dtype != torch.int8:
+                raise ValueError(
+                    f"input_shift must be an int8 tensor of shape ({linear.in_features},) (one exponent per input "
+                    f"channel), got {input_shift.dtype} of shape {tuple(input_shift.shape)}."
+                )
+            layer.input_shift = input_shift.to(target)
+            weight = weight.float() * torch.exp2(layer.input_shift.float())[None, :]  # W * s: exact (powers of two)
+        values, scale = quantize_rowwise(weight)
         layer.weight.data = values
         layer.weight_scale = scale
         if linear.bias is not None:
@@ -161,6 +215,8 @@ class Int8DynamicLinear(nn.Linear):
         # so the parameters term includes the scales. Buffers are replaced (not mutated) by
         # ``.to()`` and ``load_state_dict(assign=True)``, deepcopy drops Parameter attributes: re-link after each.
         self.weight.scales = self.weight_scale
+        if self.input_shift is not None:
+            self.weight.input_shift = self.input_shift
 
     @override
     def _apply(self, fn: Any, recurse: bool = True) -> Int8DynamicLinear:
@@ -182,18 +238,26 @@ class Int8DynamicLinear(nn.Linear):
     def reset_parameters(self) -> None:
         pass  # the weight is quantized from a loaded Linear, never initialized here
 
+    def _input_factor(self) -> Optional[torch.Tensor]:
+        # 1 / s = 2**-e, exact in fp32 for the clamped exponents
+        return None if self.input_shift is None else torch.exp2(-self.input_shift.float())
+
     def dequantize(self) -> torch.Tensor:
-        """The weight as fp32, ``int8 * scale`` (e.g. to export or merge LoRA weights in float)."""
-        return self.weight.float() * self.weight_scale[:, None]
+        """The weight as fp32, ``int8 * scale`` (divided by the smoothing factors of a smoothed layer: the
+        weight of the unsmoothed input, e.g. to export or merge LoRA weights in float)."""
+        weight = self.weight.float() * self.weight_scale[:, None]
+        factor = self._input_factor()
+        return weight if factor is None else weight * factor[None, :]
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _DynamicInt8Matmul.apply(x, self.weight, self.weight_scale)
+        out = _DynamicInt8Matmul.apply(x, self.weight, self.weight_scale, self._input_factor())
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     @override
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", weight=int8 per-channel, activations=int8 per-token (dynamic)"
+        smooth = ", smoothed per input channel" if self.input_shift is not None else ""
+        return super().extra_repr() + f", weight=int8 per-channel, activations=int8 per-token (dynamic){smooth}"
 
 
 def uses_integer_kernel(layer: Int8DynamicLinear, device: Optional[torch.device] = None) -> bool:
@@ -213,4 +277,20 @@ def _int8_dynamic(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.
     return Int8DynamicLinear.from_linear(linear, device)
 
 
-__all__ = ["Int8DynamicLinear", "quantize_rowwise", "uses_integer_kernel"]
+@register_mode(
+    "int8-dynamic-smooth",
+    dtypes=(torch.bfloat16, torch.float16, torch.float32),
+    description="int8-dynamic with SmoothQuant per-input-channel smoothing measured on a probe batch "
+    "(+1 byte per input channel)",
+)
+def _int8_dynamic_smooth(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
+    # The exponents travel on the weight Parameter (QuantizedPrecision attaches them while it quantizes, and the
+    # sensitivity plan's copies share that Parameter). None attached (e.g. the planner's shape-only layers, or
+    # weight_bytes): zeros, the same storage.
+    shift = getattr(linear.weight, SHIFT_ATTR, None)
+    if shift is None:
+        shift = torch.zeros(linear.in_features, dtype=torch.int8, device=linear.weight.device)
+    return Int8DynamicLinear.from_linear(linear, device, input_shift=shift)
+
+
+__all__ = ["Int8DynamicLinear", "SHIFT_ATTR", "quantize_rowwise", "uses_integer_kernel"]

@@ -281,6 +281,11 @@ class QuantizedPrecision(Precision):
             stored in bitsandbytes' format at the same bytes, less output error. Layers in other
             modes (int8) and the projections of an ``nn.MultiheadAttention`` keep nearest rounding (logged).
             A resume rebuilds the rounding from the probe and checks it against the checkpoint's CRC.
+        smoothing: for layers stored in ``"int8-dynamic-smooth"`` (``mode``, ``sensitive_mode`` or in
+            ``layer_modes``): the SmoothQuant migration strength ``alpha`` in [0, 1], or ``"auto"`` (the
+            default there: chosen per layer on ``probe_batch``); see :mod:`lightning_hbm.precision.smoothing`.
+            The factors are measured before quantizing (logged: layers smoothed, alphas, probe output cosine
+            before/after), saved in every checkpoint and taken back from it on resume. Other modes: must be None.
 
     Always left in full precision: Linears tied to another module, the modules a model declares in
     ``_keep_in_fp32_modules`` (kept in fp32) and the ``modules_to_save`` of the Trainer's ``LoRA``.
@@ -312,6 +317,7 @@ class QuantizedPrecision(Precision):
         probe_batch: Optional[Any] = None,
         layer_modes: Optional[Mapping[str, str]] = None,
         rounding: str = "nearest",
+        smoothing: Optional[Union[float, str]] = None,
     ) -> None:
         self.mode = get_mode(mode)
         self.dtype = to_dtype(dtype)
@@ -343,6 +349,14 @@ class QuantizedPrecision(Precision):
         self._pinned_plan = self.plan is not None
         #: what the sensitivity-aware choice measured (``None`` without a target)
         self.plan_report: Optional[SensitivityPlan] = None
+        from lightning_hbm.precision.smoothing import SMOOTH_MODE, check_smoothing
+
+        smooths = SMOOTH_MODE in (self.mode.name, sensitive_mode, *(layer_modes or {}).values())
+        #: the smoothing setting (``None`` when no layer is stored in ``int8-dynamic-smooth``)
+        self.smoothing = check_smoothing(smoothing, smooths, self.mode.name)
+        #: ``{layer name: int8 exponents}`` measured (or resumed) at fit start; what was measured
+        self.input_shifts: Optional[dict[str, Tensor]] = None
+        self.smoothing_report: Optional[Any] = None
         if self.mode.peft_kind is not None:  # bitsandbytes modes: fail now, not at fit time
             from lightning_hbm.precision.bnb import import_bnb
 
@@ -366,18 +380,25 @@ class QuantizedPrecision(Precision):
         """Quantize ``module``'s layers in place (once per model), and nothing else."""
         if self._name in applied_transforms(module):
             return module
-        quantized = quantize_model(
-            module,
-            self.mode,
-            self.dtype,
-            self.ignore_modules,
-            self.target_device,
-            self.quantize_head,
-            _lora_saved(module),
-            layer_modes=self.plan,
-            hessians=self._hessians,
-        )
+        if self.smoothing is not None and self.input_shifts is None:  # not checked first (a plain call)
+            self._smooth(module, self._linear_targets(module))
+        from lightning_hbm.precision.smoothing import attached
+
+        with attached(module, self.input_shifts or {}):
+            quantized = quantize_model(
+                module,
+                self.mode,
+                self.dtype,
+                self.ignore_modules,
+                self.target_device,
+                self.quantize_head,
+                _lora_saved(module),
+                layer_modes=self.plan,
+                hessians=self._hessians,
+            )
         log.info("lightning_hbm: %d layers stored as %s", len(quantized), self.mode.name)
+        if self.smoothing is not None:
+            self._report_unsmoothed(module, quantized)
         if self._hessians is not None:
             self._check_rounding(module, quantized)
         mark_applied(module, self._name)
@@ -411,27 +432,78 @@ class QuantizedPrecision(Precision):
             _layer_modes(targets, self.mode, self.plan or {})
         if self.rounding == "gptq":  # one forward on the model as built: every layer's input statistics
             self._hessians = input_hessians(module, [name for name, _ in targets], self._probe(module))
+        if self.smoothing is not None:  # before the plan: the plan measures the smoothed layers
+            self._smooth(module, [name for name, layer in targets if isinstance(layer, nn.Linear)])
         if not self._pinned_plan and (self.max_bytes_per_param is not None or self.min_cosine is not None):
+            from lightning_hbm.precision.smoothing import attached
+
             # measured per nn.Linear (other kinds, e.g. Conv1D or the projections a MultiheadAttention becomes, use mode)
-            self._choose_plan(module, [name for name, layer in targets if isinstance(layer, nn.Linear)])
+            with attached(module, self.input_shifts or {}):
+                self._choose_plan(module, [name for name, layer in targets if isinstance(layer, nn.Linear)])
+
+    def _linear_targets(self, module: nn.Module) -> list[str]:
+        targets, _ = _quantizable_linears(module, self.ignore_modules, self.quantize_head, _lora_saved(module))
+        return [name for name, layer in targets if isinstance(layer, nn.Linear)]
+
+    def _smooth(self, module: nn.Module, names: list[str]) -> None:
+        """Measure (or take from the checkpoint being resumed) the smoothing exponents of the Linears ``names``."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        from lightning_hbm import resume
+        from lightning_hbm.precision.smoothing import choose_smoothing
+        from lightning_hbm.surgery import pending_checkpoint
+
+        assert self.smoothing is not None
+        self.input_shifts = self.smoothing_report = None  # a plugin reused by another Trainer measures again
+        if any(is_fake(module.get_submodule(name).weight) for name in names):
+            # the planner's shape-only model: the exponents change no byte, zeros have the same storage
+            self.input_shifts = {}
+            return
+        trainer = self._trainer(module)
+        saved = (pending_checkpoint(trainer) or {}).get(resume.META_KEY) or {}
+        config = saved.get("configs", {}).get(type(self).__qualname__) or {}
+        if "input_shifts" in saved and all(config.get(k) == v for k, v in self.resume_config().items() if k != "layer_modes"):
+            # resuming: the factors the checkpoint was trained with, not factors measured on this model
+            self.input_shifts = {name: shift.to(torch.int8) for name, shift in saved["input_shifts"].items()}
+            log.info("lightning_hbm: smoothing factors of %d layers taken from the checkpoint being resumed", len(self.input_shifts))
+            return
+        report = choose_smoothing(module, names, self.smoothing, self.dtype, self._probe(module))
+        self.input_shifts, self.smoothing_report = report.shifts, report
+        log.info("lightning_hbm: %s", report.summary(self.smoothing))
+
+    def _report_unsmoothed(self, module: nn.Module, quantized: list[str]) -> None:
+        from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
+
+        missed = [
+            name for name in quantized
+            if isinstance(module.get_submodule(name), Int8DynamicLinear)
+            and module.get_submodule(name).input_shift is not None and name not in (self.input_shifts or {})
+        ]
+        if missed and self.input_shifts:  # an empty dict: the planner's shape-only model, nothing measured
+            log.warning(
+                "lightning_hbm: %d layers stored as int8-dynamic-smooth without smoothing (only nn.Linear inputs are "
+                "measured; these are other layer kinds, e.g. Conv1D or MultiheadAttention projections): %s. They cost "
+                "1 byte per input channel for nothing: pin them with layer_modes={name: 'int8-dynamic'}.",
+                len(missed), missed,
+            )
+
+    def _trainer(self, module: nn.Module) -> Any:
+        state = getattr(self, _STATE_ATTR, None)
+        return getattr(module, "_trainer", None) or (state.trainer if state is not None else None)
 
     def _probe(self, module: nn.Module) -> Any:
         if self.probe_batch is not None:
             return self.probe_batch
         from lightning_hbm.callbacks.quality import first_batch
 
-        return first_batch(self._trainer_of(module), "QuantizedPrecision")
-
-    def _trainer_of(self, module: nn.Module) -> Any:
-        state = getattr(self, _STATE_ATTR, None)
-        return getattr(module, "_trainer", None) or (state.trainer if state is not None else None)
+        return first_batch(self._trainer(module), "QuantizedPrecision")
 
     def _choose_plan(self, module: nn.Module, names: list[str]) -> None:
         # Measured here, in the checks: an unreachable target fails before the first change, and on resume
         # the plan exists before the saved settings (the plan included) are compared with this run's.
         from lightning_hbm.precision.sensitivity import choose_plan
 
-        trainer = self._trainer_of(module)
+        trainer = self._trainer(module)
         self.plan = self.plan_report = None  # a plugin reused by another Trainer measures again
         saved = self._saved_plan(trainer)
         if saved is not None:  # resuming: rebuild the plan the checkpoint was trained with (a fresh model may differ)
@@ -476,6 +548,8 @@ class QuantizedPrecision(Precision):
             config["layer_modes"] = dict(self.plan)
         if self.rounding != "nearest":  # absent before this option existed: older checkpoints keep matching
             config["rounding"] = self.rounding
+        if self.smoothing is not None:
+            config["smoothing"] = self.smoothing
         return config
 
     @override
@@ -485,6 +559,12 @@ class QuantizedPrecision(Precision):
             pack_checkpoint(state.trainer, checkpoint)
         if self.rounding_digest is not None and isinstance(checkpoint.get(_META_KEY), dict):
             checkpoint[_META_KEY][_DIGEST_KEY] = self.rounding_digest
+        from lightning_hbm import resume
+
+        if self.input_shifts and resume.META_KEY in checkpoint:
+            # next to the settings, not in the state_dict: an adapter-only checkpoint leaves the frozen base (and its
+            # input_shift buffers) out, and a resume rebuilds it from the model's weights with these same factors
+            checkpoint[resume.META_KEY]["input_shifts"] = {n: s.detach().cpu() for n, s in self.input_shifts.items()}
 
     @override
     def connect(self, model: Any, optimizers: Any, lr_schedulers: Any) -> Any:
@@ -525,7 +605,7 @@ class QuantizedPrecision(Precision):
     def __repr__(self) -> str:
         return (
             f"QuantizedPrecision(mode={self.mode.name!r}, dtype={self.dtype}, ignore_modules={list(self.ignore_modules)}, "
-            f"quantize_head={self.quantize_head})"
+            f"quantize_head={self.quantize_head}" + (f", smoothing={self.smoothing!r})" if self.smoothing is not None else ")")
         )
 
 
