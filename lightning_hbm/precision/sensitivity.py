@@ -181,6 +181,7 @@ DEFAULT_LADDERS: dict[str, tuple[str, ...]] = {
     "nf4-dq": ("nf4-dq-b32", "int8"),
     "int8": (UNQUANTIZED,),
     "int8-dynamic": (UNQUANTIZED,),
+    "int8-dynamic-smooth": (UNQUANTIZED,),
 }
 
 
