@@ -204,62 +204,23 @@ def _fake4(quant_type: str, double_quant: bool, blocksize: int = 64) -> Any:
     return partial(_fake_linear4bit, quant_type=quant_type, double_quant=double_quant, blocksize=blocksize)
 
 
-@register_mode(
-    "nf4", dtypes=_FLOAT_DTYPES, description="4-bit NormalFloat, blockwise fp32 absmax", peft_kind="4bit", fake=_fake4("nf4", False)
-)
-def _nf4(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
-    return _linear4bit(linear, dtype, device, "nf4", double_quant=False)
-
-
-@register_mode(
-    "nf4-dq",
-    dtypes=_FLOAT_DTYPES,
-    description="4-bit NormalFloat, absmax quantized again (QLoRA)",
-    peft_kind="4bit",
-    fake=_fake4("nf4", True),
-)
-def _nf4_dq(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
-    return _linear4bit(linear, dtype, device, "nf4", double_quant=True)
-
-
-@register_mode(
-    "nf4-b32",
-    dtypes=_FLOAT_DTYPES,
-    description="4-bit NormalFloat, blocks of 32 (not 64), fp32 absmax",
-    peft_kind="4bit",
-    fake=_fake4("nf4", False, 32),
-)
-def _nf4_b32(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
-    return _linear4bit(linear, dtype, device, "nf4", double_quant=False, blocksize=32)
-
-
-@register_mode(
-    "nf4-dq-b32",
-    dtypes=_FLOAT_DTYPES,
-    description="4-bit NormalFloat, blocks of 32 (not 64), absmax quantized again",
-    peft_kind="4bit",
-    fake=_fake4("nf4", True, 32),
-)
-def _nf4_dq_b32(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
-    return _linear4bit(linear, dtype, device, "nf4", double_quant=True, blocksize=32)
-
-
-@register_mode(
-    "fp4", dtypes=_FLOAT_DTYPES, description="4-bit float, blockwise fp32 absmax", peft_kind="4bit", fake=_fake4("fp4", False)
-)
-def _fp4(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
-    return _linear4bit(linear, dtype, device, "fp4", double_quant=False)
-
-
-@register_mode(
-    "fp4-dq",
-    dtypes=_FLOAT_DTYPES,
-    description="4-bit float, absmax quantized again",
-    peft_kind="4bit",
-    fake=_fake4("fp4", True),
-)
-def _fp4_dq(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
-    return _linear4bit(linear, dtype, device, "fp4", double_quant=True)
+# name -> (quant_type, double quantization, block size, description): one registry entry each
+_FOUR_BIT = {
+    "nf4": ("nf4", False, 64, "4-bit NormalFloat, blockwise fp32 absmax"),
+    "nf4-dq": ("nf4", True, 64, "4-bit NormalFloat, absmax quantized again (QLoRA)"),
+    "nf4-b32": ("nf4", False, 32, "4-bit NormalFloat, blocks of 32 (not 64), fp32 absmax"),
+    "nf4-dq-b32": ("nf4", True, 32, "4-bit NormalFloat, blocks of 32 (not 64), absmax quantized again"),
+    "fp4": ("fp4", False, 64, "4-bit float, blockwise fp32 absmax"),
+    "fp4-dq": ("fp4", True, 64, "4-bit float, absmax quantized again"),
+}
+for _name, (_quant_type, _double_quant, _blocksize, _description) in _FOUR_BIT.items():
+    register_mode(
+        _name,
+        dtypes=_FLOAT_DTYPES,
+        description=_description,
+        peft_kind="4bit",
+        fake=_fake4(_quant_type, _double_quant, _blocksize),
+    )(partial(_linear4bit, quant_type=_quant_type, double_quant=_double_quant, blocksize=_blocksize))
 
 
 @register_mode(
