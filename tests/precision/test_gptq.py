@@ -70,9 +70,14 @@ def test_blocks_spanning_two_rows_and_odd_sizes_are_rounded_in_place() -> None:
     assert errors["gptq"] < errors["nearest"]
 
 
-def test_layers_reading_one_input_share_one_hessian(gpt_factory: Any) -> None:
+def test_layers_reading_one_input_share_one_hessian(gpt_factory: Any, caplog: Any) -> None:
     model = gpt_factory()
-    hessians = input_hessians(model, names_of(model), PROBE)
+    with caplog.at_level("WARNING", logger="lightning_hbm"):
+        hessians = input_hessians(model, names_of(model), torch.cat([PROBE, HELD_OUT]))
+    assert "fewer probe rows" not in caplog.text  # 256 tokens for inputs of at most 256
+    with caplog.at_level("WARNING", logger="lightning_hbm"):
+        input_hessians(model, names_of(model), PROBE[:1, :8])
+    assert "GPTQ statistics from fewer probe rows (tokens) than inputs" in caplog.text and "at least 256 tokens" in caplog.text
     assert set(hessians) == set(names_of(model))
     first = names_of(model)[0]
     assert hessians[first].shape == (model.get_submodule(first).in_features,) * 2
