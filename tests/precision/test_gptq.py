@@ -130,3 +130,27 @@ def test_gptq_measures_the_plan_on_rounded_layers(gpt_factory: Any, trainer_fact
 def test_unknown_rounding_is_an_error_at_construction() -> None:
     with pytest.raises(ValueError, match=r"rounding='gptqq'\): use one of \['nearest', 'gptq'\]"):
         QuantizedPrecision("nf4-dq", rounding="gptqq")
+
+
+@pytest.mark.gpu
+def test_cuda_gptq_rounding_matches_cpu_and_keeps_its_gain(gpt_factory: Any) -> None:
+    # not yet run on GPU (no GPU in the session that wrote it): rounding where the weights live, on CUDA
+    reference_model = gpt_factory()
+    hessians = input_hessians(reference_model, names_of(reference_model), torch.cat([PROBE, HELD_OUT]))
+    with torch.no_grad():
+        reference = probe_output(reference_model, HELD_OUT)
+    models = {}
+    for device, rounding in (("cpu", "gptq"), ("cuda", "gptq"), ("cuda", "nearest")):
+        model = gpt_factory()
+        quantize_model(model, "nf4-dq", "float32", device=device, hessians=hessians if rounding == "gptq" else None)
+        models[device, rounding] = model.to(device)
+    names = [n for n in names_of(reference_model)]
+    same = [
+        float((models["cpu", "gptq"].get_submodule(n).weight.data == models["cuda", "gptq"].get_submodule(n).weight.data.cpu()).float().mean())
+        for n in names
+    ]
+    assert min(same) > 0.99  # the same rounding up to ties in float arithmetic
+    with torch.no_grad():
+        errors = {key: compare_outputs(probe_output(model, HELD_OUT.to(key[0])).cpu(), reference, lm=True)["quant/relative_error"]
+                  for key, model in models.items()}
+    assert errors["cuda", "gptq"] < errors["cuda", "nearest"]
