@@ -128,15 +128,18 @@ def _dequantized_weight(layer: nn.Module) -> Tensor:
 
 
 def _plan_metrics(plugin: Any) -> dict[str, float]:
-    """The figures a sensitivity-aware precision plan measured while choosing (none without a plan)."""
+    """The figures a sensitivity-aware plan or ``int8-dynamic-smooth`` measured while choosing (none without)."""
+    metrics = {}
     report = getattr(plugin, "plan_report", None)
-    if report is None:
-        return {}
-    return {
-        PREFIX + "uniform_cosine_similarity": report.uniform_cosine,
-        PREFIX + "plan_cosine_similarity": report.cosine,
-        PREFIX + "plan_bytes_per_param": report.bytes_per_param,
-    }
+    if report is not None:
+        metrics[PREFIX + "uniform_cosine_similarity"] = report.uniform_cosine
+        metrics[PREFIX + "plan_cosine_similarity"] = report.cosine
+        metrics[PREFIX + "plan_bytes_per_param"] = report.bytes_per_param
+    smoothing = getattr(plugin, "smoothing_report", None)
+    if smoothing is not None:
+        metrics[PREFIX + "unsmoothed_cosine_similarity"] = smoothing.cosine_before
+        metrics[PREFIX + "smoothed_cosine_similarity"] = smoothing.cosine_after
+    return metrics
 
 
 class QuantizationQuality(SurgeryCallback):
@@ -171,7 +174,9 @@ class QuantizationQuality(SurgeryCallback):
         With a sensitivity-aware ``QuantizedPrecision`` plan (``max_bytes_per_param``/``min_cosine``), at fit
         start: ``quant/uniform_cosine_similarity`` and ``quant/plan_cosine_similarity``, the same cosine on the
         plugin's probe batch with every layer in the base mode (before) and with the plan (after), and
-        ``quant/plan_bytes_per_param`` (quantizable weights, constants included).
+        ``quant/plan_bytes_per_param`` (quantizable weights, constants included). With
+        ``int8-dynamic-smooth``, at fit start: ``quant/unsmoothed_cosine_similarity`` and
+        ``quant/smoothed_cosine_similarity``, the probe output cosine before and after smoothing.
 
     Example::
 

@@ -170,12 +170,18 @@ def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def test_lora_trains_on_a_smoothed_base_logged_and_resumed_exactly(
     llama_factory: Any, trainer_factory: Any, datamodule_factory: Any, tmp_path: Any, caplog: Any
 ) -> None:
+    from lightning_hbm import QuantizationQuality
+
     plugin = QuantizedPrecision("int8-dynamic-smooth", dtype="float32", smoothing=0.5, probe_batch=PROBE)
     model = llama_factory()
-    trainer = trainer_factory(max_steps=2, plugins=[plugin], callbacks=[LoRA(r=4, target_modules="all-linear")])
+    quality = QuantizationQuality(probe_batch=PROBE, weight_sqnr=False, on_validation=False)
+    trainer = trainer_factory(max_steps=2, plugins=[plugin], callbacks=[LoRA(r=4, target_modules="all-linear"), quality])
     with caplog.at_level(logging.INFO, logger="lightning_hbm"):
         trainer.fit(model, datamodule_factory())
     assert "Linear layers smoothed" in caplog.text and "probe output cosine" in caplog.text
+    # QuantizationQuality reports the figure the smoothing optimized, before and after
+    assert quality.metrics["quant/smoothed_cosine_similarity"] == pytest.approx(plugin.smoothing_report.cosine_after)
+    assert quality.metrics["quant/unsmoothed_cosine_similarity"] == pytest.approx(plugin.smoothing_report.cosine_before)
     smoothed = [m for m in model.modules() if isinstance(m, Int8DynamicLinear) and m.input_shift is not None]
     assert smoothed and any(m.input_shift.abs().sum() > 0 for m in smoothed)
     # LoRA sees the unsmoothed input: the adapters got gradients (lora_B starts at zero)
