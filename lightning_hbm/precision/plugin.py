@@ -605,7 +605,10 @@ class QuantizedPrecision(Precision):
     def __repr__(self) -> str:
         return (
             f"QuantizedPrecision(mode={self.mode.name!r}, dtype={self.dtype}, ignore_modules={list(self.ignore_modules)}, "
-            f"quantize_head={self.quantize_head}" + (f", smoothing={self.smoothing!r})" if self.smoothing is not None else ")")
+            f"quantize_head={self.quantize_head}"
+            + (f", smoothing={self.smoothing!r}" if self.smoothing is not None else "")
+            + (f", rounding={self.rounding!r}" if self.rounding != "nearest" else "")
+            + ")"
         )
 
 
