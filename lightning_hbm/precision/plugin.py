@@ -243,8 +243,7 @@ def _layer_modes(
     return {n: mode_of(n) for n in names}
 
 
-_META_KEY = "lightning_hbm"  # lightning_hbm.resume.META_KEY (not imported: resume imports this module's users)
-_DIGEST_KEY = "gptq_digest"
+_DIGEST_KEY = "gptq_digest"  # the CRC of the GPTQ-rounded base, in the checkpoint's lightning_hbm part
 
 
 class QuantizedPrecision(Precision):
@@ -414,7 +413,7 @@ class QuantizedPrecision(Precision):
             "layers not in a 4-bit mode or not hooked on the probe: %s",
             len(rounded), self.rounding_digest, len(nearest), nearest[:12],
         )
-        saved = self._saved_meta(getattr(module, "_trainer", None)).get(_DIGEST_KEY)
+        saved = self._saved_meta(self._trainer(module)).get(_DIGEST_KEY)
         if saved is not None and saved != self.rounding_digest:
             raise ValueError(
                 f"The GPTQ rounding rebuilt for this resume (CRC {self.rounding_digest}) differs from the one the "
@@ -449,9 +448,7 @@ class QuantizedPrecision(Precision):
         """Measure (or take from the checkpoint being resumed) the smoothing exponents of the Linears ``names``."""
         from torch._subclasses.fake_tensor import is_fake
 
-        from lightning_hbm import resume
         from lightning_hbm.precision.smoothing import choose_smoothing
-        from lightning_hbm.surgery import pending_checkpoint
 
         assert self.smoothing is not None
         self.input_shifts = self.smoothing_report = None  # a plugin reused by another Trainer measures again
@@ -459,8 +456,7 @@ class QuantizedPrecision(Precision):
             # the planner's shape-only model: the exponents change no byte, zeros have the same storage
             self.input_shifts = {}
             return
-        trainer = self._trainer(module)
-        saved = (pending_checkpoint(trainer) or {}).get(resume.META_KEY) or {}
+        saved = self._saved_meta(self._trainer(module))
         config = saved.get("configs", {}).get(type(self).__qualname__) or {}
         if "input_shifts" in saved and all(config.get(k) == v for k, v in self.resume_config().items() if k != "layer_modes"):
             # resuming: the factors the checkpoint was trained with, not factors measured on this model
@@ -557,10 +553,10 @@ class QuantizedPrecision(Precision):
         state = getattr(self, _STATE_ATTR, None)
         if state is not None:
             pack_checkpoint(state.trainer, checkpoint)
-        if self.rounding_digest is not None and isinstance(checkpoint.get(_META_KEY), dict):
-            checkpoint[_META_KEY][_DIGEST_KEY] = self.rounding_digest
         from lightning_hbm import resume
 
+        if self.rounding_digest is not None and resume.META_KEY in checkpoint:
+            checkpoint[resume.META_KEY][_DIGEST_KEY] = self.rounding_digest
         if self.input_shifts and resume.META_KEY in checkpoint:
             # next to the settings, not in the state_dict: an adapter-only checkpoint leaves the frozen base (and its
             # input_shift buffers) out, and a resume rebuilds it from the model's weights with these same factors

@@ -70,18 +70,23 @@ def test_blocks_spanning_two_rows_and_odd_sizes_are_rounded_in_place() -> None:
     assert errors["gptq"] < errors["nearest"]
 
 
-def test_layers_reading_one_input_share_one_hessian(gpt_factory: Any, caplog: Any) -> None:
-    model = gpt_factory()
+def test_layers_reading_one_input_share_one_hessian(llama_factory: Any, gpt_factory: Any, caplog: Any) -> None:
+    model = llama_factory()
+    names = names_of(model)
+    hessians = input_hessians(model, names, PROBE)
+    assert set(hessians) == set(names)
+    q, k, v, o = (next(n for n in names if n.endswith(f"layers.0.self_attn.{p}_proj")) for p in "qkvo")
+    assert hessians[q] is hessians[k] is hessians[v]  # one input, one matrix
+    assert hessians[o] is not hessians[q] and hessians[o].shape == (model.get_submodule(o).in_features,) * 2
+    torch.testing.assert_close(hessians[q], hessians[q].t())
+    gpt = gpt_factory()
+    caplog.clear()  # the Llama's 128 probe tokens were short for its 172-input down_proj
     with caplog.at_level("WARNING", logger="lightning_hbm"):
-        hessians = input_hessians(model, names_of(model), torch.cat([PROBE, HELD_OUT]))
+        input_hessians(gpt, names_of(gpt), torch.cat([PROBE, HELD_OUT]))
     assert "fewer probe rows" not in caplog.text  # 256 tokens for inputs of at most 256
     with caplog.at_level("WARNING", logger="lightning_hbm"):
-        input_hessians(model, names_of(model), PROBE[:1, :8])
+        input_hessians(gpt, names_of(gpt), PROBE[:1, :8])
     assert "GPTQ statistics from fewer probe rows (tokens) than inputs" in caplog.text and "at least 256 tokens" in caplog.text
-    assert set(hessians) == set(names_of(model))
-    first = names_of(model)[0]
-    assert hessians[first].shape == (model.get_submodule(first).in_features,) * 2
-    torch.testing.assert_close(hessians[first], hessians[first].t())
 
 
 def test_gptq_plugin_trains_lora_and_resumes_bit_exact(
