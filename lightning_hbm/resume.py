@@ -41,6 +41,19 @@ _SAMPLES = 64  # elements sampled per tensor for its fingerprint: cheap on an 8B
 # ------------------------------------------------------------------------------------ fingerprints
 
 
+def spread_indices(n: int, k: int, device: Any = None) -> torch.Tensor:
+    """``min(n, k)`` evenly spread indices into ``n`` elements, first and last included.
+
+    Integer arithmetic in int64 on purpose: a float32 ``torch.linspace`` rounds above 2**24 elements (its
+    last index can be ``n`` itself: an IndexError on every real LLM's embedding), and int32 overflows
+    above 2**31.
+    """
+    k = min(n, k)
+    if k <= 1:
+        return torch.zeros(k, dtype=torch.int64, device=device)
+    return torch.arange(k, dtype=torch.int64, device=device) * (n - 1) // (k - 1)
+
+
 def fingerprint(tensor: torch.Tensor) -> Optional[str]:
     """A hash of the shape and of 64 fixed, evenly spread elements (None for meta tensors)."""
     if tensor.is_meta or not isinstance(tensor, torch.Tensor) or type(tensor) not in (torch.Tensor, nn.Parameter):
@@ -49,7 +62,7 @@ def fingerprint(tensor: torch.Tensor) -> Optional[str]:
     if flat.numel() == 0:
         values = torch.zeros(0, dtype=torch.float64)
     else:
-        index = torch.linspace(0, flat.numel() - 1, steps=min(flat.numel(), _SAMPLES), device=flat.device).long()
+        index = spread_indices(flat.numel(), _SAMPLES, flat.device)
         values = flat[index].to(torch.float64).cpu()
     digest = hashlib.sha1(repr(tuple(tensor.shape)).encode() + values.numpy().tobytes())
     return digest.hexdigest()[:16]
