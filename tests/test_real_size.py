@@ -11,10 +11,11 @@ checkpoints and resumes bit-exact with ``QuantizedPrecision("nf4-dq")`` + ``LoRA
 from __future__ import annotations
 
 import copy
+import math
 import zlib
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import lightning.pytorch as pl
 import pytest
@@ -36,17 +37,10 @@ LLAMA3_405B = (128256, 16384)  # 2.10e9, just under 2**31
 REAL_SHAPES = [SMOLLM2_135M, LLAMA2_7B, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B]
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
-
-
 # ------------------------------------------------------------------------- index math, nothing allocated
 
 
-@pytest.mark.parametrize("n", [_numel(s) for s in REAL_SHAPES] + [2**24 + 1, 2**31 + 7, 2**32 + 3, 2**40 + 11])
+@pytest.mark.parametrize("n", [math.prod(s) for s in REAL_SHAPES] + [2**24 + 1, 2**31 + 7, 2**32 + 3, 2**40 + 11])
 def test_spread_indices_are_exact_int64_and_inside(n: int) -> None:
     index = spread_indices(n, 64)
     assert index.dtype == torch.int64
@@ -56,9 +50,9 @@ def test_spread_indices_are_exact_int64_and_inside(n: int) -> None:
     assert bool((index[1:] > index[:-1]).all())
 
 
-def test_the_float32_linspace_it_replaced_lands_on_numel() -> None:
+def test_the_float32_linspace_it_replaced_lands_onmath.prod() -> None:
     # why spread_indices exists: the old index of the last sample is the tensor's length itself
-    n = _numel(SMOLLM2_135M)
+    n = math.prod(SMOLLM2_135M)
     assert torch.linspace(0, n - 1, steps=64).long()[-1] == n
     assert spread_indices(n, 64)[-1] == n - 1
 
