@@ -50,7 +50,7 @@ def test_spread_indices_are_exact_int64_and_inside(n: int) -> None:
     assert bool((index[1:] > index[:-1]).all())
 
 
-def test_the_float32_linspace_it_replaced_lands_onmath.prod() -> None:
+def test_the_float32_linspace_it_replaced_lands_on_numel() -> None:
     # why spread_indices exists: the old index of the last sample is the tensor's length itself
     n = math.prod(SMOLLM2_135M)
     assert torch.linspace(0, n - 1, steps=64).long()[-1] == n
