@@ -8,7 +8,7 @@ One process, one random-weight Llama saved once to a temporary directory, then t
 * ``lhbm``: ``from_pretrained`` without quantization inside a plain LightningModule whose ``training_step`` is
   ``self.model(input_ids=x, labels=x).loss``, trained by a Lightning Trainer with
   ``QuantizedPrecision("nf4-dq")`` + ``LoRA(all-linear)`` + ``ActivationCheckpointing()`` (the output head is
-  quantized too).
+  kept in full precision, as transformers does: ``quantize_head=False``).
 * ``lhbm+fused``: the same plus ``FusedLoss()``.
 
 Each stack runs the same step (forward with ``labels=``, backward, AdamW over the adapters, zero_grad) by hand
