@@ -21,7 +21,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_hbm import LoRA, QuantizedPrecision
+from lightning_hbm import FusedLoss, LoRA, QuantizedPrecision
+from lightning_hbm.callbacks.fused_loss import LazyLogits
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.memory import parameter_count
 from lightning_hbm.models import LlamaLM
@@ -157,9 +158,15 @@ def _fit(base: LlamaLM, root: Path, epochs: int, full_checkpoint: bool = False, 
 
 
 @pytest.fixture(scope="module")
-def straight(smollm2_shaped: LlamaLM, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The adapters after two uninterrupted epochs."""
-    return LoRA.adapter_state_dict(_fit(smollm2_shaped, tmp_path_factory.mktemp("straight"), epochs=2))
+def straight_model(smollm2_shaped: LlamaLM, tmp_path_factory: pytest.TempPathFactory) -> LlamaLM:
+    """The model after two uninterrupted epochs: 4-bit base and head, trained adapters."""
+    return _fit(smollm2_shaped, tmp_path_factory.mktemp("straight"), epochs=2)
+
+
+@pytest.fixture(scope="module")
+def straight(straight_model: LlamaLM) -> dict[str, torch.Tensor]:
+    """Its adapters, copied."""
+    return {k: v.detach().clone() for k, v in LoRA.adapter_state_dict(straight_model).items()}
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +231,25 @@ def test_a_full_checkpoint_carries_crcs_of_the_real_size_tensors(
     del checkpoint, meta
     with pytest.raises(ValueError, match=rf"is damaged: tensor '{EMBEDDING}' does not match the checksum"):
         _fit(smollm2_shaped, tmp_path, epochs=2, full_checkpoint=True, ckpt_path=damaged)
+
+
+@pytest.mark.slow
+def test_fused_loss_on_the_real_size_4bit_head_equals_the_unfused_loss(straight_model: LlamaLM) -> None:
+    # FusedLoss dequantizes the 4-bit 49152 x 576 head once and runs its logits chunk by chunk
+    fused = copy.deepcopy(straight_model)
+    FusedLoss(chunk_size=8).transform_model(fused)
+    batch = synthetic_batch(2, 16, VOCAB, seed=1)
+    with torch.no_grad():  # the fused model's logits are lazy: the full [tokens, 49152] tensor is never built
+        assert isinstance(fused(batch[0]), LazyLogits) and not isinstance(straight_model(batch[0]), LazyLogits)
+    losses, grads = [], []
+    for module in (straight_model, fused):
+        module.zero_grad(set_to_none=True)
+        loss = module.loss(batch)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None})
+        module.zero_grad(set_to_none=True)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    assert grads[0].keys() == grads[1].keys() and any("lora_B" in n for n in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-7, msg=name)
