@@ -25,9 +25,10 @@ from the checkpoint or from an omitted (fingerprinted) base weight.
 from __future__ import annotations
 
 import hashlib
+import os
 import zlib
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -246,14 +247,122 @@ def unrestored_keys(module: nn.Module, loaded: Iterable[str], omitted: Iterable[
     ]
 
 
-class CheckedCheckpointIO(CheckpointIO):
-    """The strategy's checkpoint IO, with a clear error for an empty or cut-short file before loading it."""
+# --------------------------------------------------------------------------------------- atomic save
 
-    def __init__(self, inner: CheckpointIO) -> None:
-        self.inner = inner
+_PARTIAL = ".lightning_hbm-partial"  # ``.{name}.{pid}.lightning_hbm-partial``: a save in progress, beside its target
+
+
+def _partial_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}{_PARTIAL}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def clean_partials(folder: Path) -> list[Path]:
+    """Remove the partial files that killed saves of ours left in ``folder`` (their process is gone)."""
+    removed = []
+    for partial in folder.glob(f".*{_PARTIAL}"):
+        pid = partial.name[: -len(_PARTIAL)].rsplit(".", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            partial.unlink(missing_ok=True)
+            removed.append(partial)
+    return removed
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # e.g. Windows: no directory handles; the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
+    """``torch.save`` that never leaves a partial file under ``path``, nor replaces a good one by it.
+
+    Lightning writes into the temp folder and ``shutil.move`` s the file over the target: across
+    filesystems (a mounted checkpoint volume) that move is a copy *over the target*, so a kill or a full
+    disk mid-copy leaves a 0-byte or partial checkpoint under its final name. Here the file is written
+    beside the target (same folder, so same filesystem), flushed and fsynced, then renamed over it in one
+    step (``os.replace``); the folder is fsynced so the rename survives a power cut. On any error the
+    partial file is removed and the previous checkpoint is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean_partials(path.parent)
+    partial = _partial_path(path)
+    try:
+        with open(partial, "wb") as file:
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+    except BaseException as err:
+        partial.unlink(missing_ok=True)
+        if not isinstance(err, Exception):
+            raise  # KeyboardInterrupt, SystemExit: as they are
+        # torch's zip writer hides a full disk behind "unexpected pos": name the real cause
+        cause = next((e for e in _chain(err) if isinstance(e, OSError)), err)
+        previous = "the previous checkpoint there is untouched" if path.exists() else "no file was left there"
+        raise OSError(
+            getattr(cause, "errno", None) or 0,
+            f"Could not save checkpoint {path} ({cause}); {previous}. Free space on that disk or save elsewhere.",
+        ) from err
+    _fsync_dir(path.parent)
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def _is_local(path: Any) -> bool:
+    return isinstance(path, (str, os.PathLike)) and "://" not in str(path)
+
+
+class CheckedCheckpointIO(CheckpointIO):
+    """The strategy's checkpoint IO, made safe: atomic saves and clear errors for damaged files.
+
+    Every lightning_hbm run gets one (wrapping the strategy's IO). To set its options, pass it yourself:
+    ``Trainer(plugins=[CheckedCheckpointIO(refuse_non_finite=False)])``.
+
+    Args:
+        inner: the IO that reads and deletes files (and writes those that are not local files); default
+            Lightning's ``TorchCheckpointIO``.
+    """
+
+    def __init__(self, inner: Optional[CheckpointIO] = None) -> None:
+        from lightning.fabric.plugins import TorchCheckpointIO
+
+        self.inner = inner if inner is not None else TorchCheckpointIO()
+        self.trainer: Any = None  # set by lightning_hbm.surgery.check_saves
+
+    def _writes_atomically(self, path: Any, storage_options: Optional[Any]) -> bool:
+        from lightning.fabric.plugins import TorchCheckpointIO
+
+        # a user's own IO (async, cloud, ...) keeps its own way of writing
+        plain = type(self.inner).save_checkpoint is TorchCheckpointIO.save_checkpoint
+        return plain and storage_options is None and _is_local(path)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
-        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        if self._writes_atomically(path, storage_options):
+            atomic_save(checkpoint, path)
+        else:
+            self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
         check_file(path)

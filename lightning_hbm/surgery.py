@@ -373,6 +373,7 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
     if trainer is None:  # not attached to a Trainer (a plain call): the plugin's change alone
         return run_surgery(module, plugin, [], convert=convert)
     _state(plugin, trainer)
+    check_saves(trainer)
     checkpoint = pending_checkpoint(trainer)
     fitting = trainer.state.fn == "fit"
     return run_surgery(
@@ -429,10 +430,21 @@ def install(trainer: pl.Trainer) -> None:
         # instance attributes: only this plugin object is changed, and it stays picklable
         plugin.convert_module = _SpineConvert(plugin)
         plugin.connect = _SpineConnect(plugin)
-    if not isinstance(trainer.strategy.checkpoint_io, resume.CheckedCheckpointIO):
-        trainer.strategy.checkpoint_io = resume.CheckedCheckpointIO(trainer.strategy.checkpoint_io)
+    check_saves(trainer)
     if trainer.lightning_module is not None:
         add_resume_hooks(trainer.lightning_module)
+
+
+def check_saves(trainer: pl.Trainer) -> resume.CheckedCheckpointIO:
+    """Wrap the strategy's checkpoint IO (once) in :class:`~lightning_hbm.resume.CheckedCheckpointIO`: atomic saves,
+    clear errors for damaged files. Called by :func:`install` and by every surgery in a Trainer, so a run with
+    ``QuantizedPrecision`` alone, Lightning's plugins or lightning_hbm's strategies all get it."""
+    io = trainer.strategy.checkpoint_io
+    if not isinstance(io, resume.CheckedCheckpointIO):
+        io = resume.CheckedCheckpointIO(io)
+        trainer.strategy.checkpoint_io = io
+    io.trainer = trainer
+    return io
 
 
 def add_resume_hooks(module: nn.Module) -> None:

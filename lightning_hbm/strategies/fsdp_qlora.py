@@ -113,6 +113,7 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        self.checkpoint_io = resume.CheckedCheckpointIO()  # rank 0 writes the gathered file atomically
         self.shard_modules = None if shard_modules is None else list(shard_modules)
         self.cpu_offload = cpu_offload
         self.reshard_after_forward = reshard_after_forward
