@@ -34,9 +34,14 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every tensor checksummed, the lightning_hbm part sealed by a digest, stronger fingerprints
 META_KEY = "lightning_hbm"
-_SAMPLES = 64  # elements sampled per tensor for its fingerprint: cheap on an 8B model, enough to tell two bases apart
+# Fingerprints (of the frozen base, before quantization, on every fit): every byte of tensors up to 16 MiB
+# (all of a 135M model's but its embedding), else 4096 samples plus exact sums over all elements, in chunks of
+# 4M elements (32 MiB of int64 temporaries on the tensor's device).
+_EXACT_BYTES = 16 << 20
+_SAMPLES = 4096
+_CHUNK = 1 << 22
 
 
 # ------------------------------------------------------------------------------------ fingerprints
@@ -55,17 +60,54 @@ def spread_indices(n: int, k: int, device: Any = None) -> torch.Tensor:
     return torch.arange(k, dtype=torch.int64, device=device) * (n - 1) // (k - 1)
 
 
-def fingerprint(tensor: torch.Tensor) -> Optional[str]:
-    """A hash of the shape and of 64 fixed, evenly spread elements (None for meta tensors)."""
-    if tensor.is_meta or not isinstance(tensor, torch.Tensor) or type(tensor) not in (torch.Tensor, nn.Parameter):
+def _plain(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and type(tensor) in (torch.Tensor, nn.Parameter) and not tensor.is_meta
+
+
+def fingerprint_v1(tensor: torch.Tensor) -> Optional[str]:
+    """Version-1 fingerprint: a hash of the shape and of 64 evenly spread elements (None for meta tensors)."""
+    if not _plain(tensor):
         return None
     flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
         values = torch.zeros(0, dtype=torch.float64)
     else:
-        index = spread_indices(flat.numel(), _SAMPLES, flat.device)
-        values = flat[index].to(torch.float64).cpu()
-    digest = hashlib.sha1(repr(tuple(tensor.shape)).encode() + values.numpy().tobytes())
+        values = flat[spread_indices(flat.numel(), 64, flat.device)].to(torch.float64).cpu()
+    return hashlib.sha1(repr(tuple(tensor.shape)).encode() + values.numpy().tobytes()).hexdigest()[:16]
+
+
+def _bits(flat: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as signed integers of their own width (a bit-exact, device-independent view)."""
+    kind = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    return flat.view(kind) if flat.dtype != torch.bool else flat.to(torch.int8)
+
+
+def fingerprint(tensor: torch.Tensor) -> Optional[str]:
+    """A hash that tells two tensors apart even where they agree at most elements (None for meta tensors).
+
+    Up to ``_EXACT_BYTES`` the hash covers every byte. Above (the big matrices of a real LLM, which may sit
+    on an accelerator), it covers ``_SAMPLES`` spread elements and two integer sums over *every* element's
+    bits (plain and position-weighted), computed on the tensor's device in chunks: integer sums are exact, so
+    the fingerprint is the same on any device and any chunking, and any single changed element changes it.
+    """
+    if not _plain(tensor):
+        return None
+    flat = tensor.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    digest = hashlib.sha1(repr((tuple(tensor.shape), str(tensor.dtype))).encode())
+    if flat.numel() * flat.element_size() <= _EXACT_BYTES:
+        digest.update(flat.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:16]
+    bits = _bits(flat)
+    total = weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        chunk = bits[start : start + _CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), device=flat.device) % 65521 + 1
+        total = total + chunk.sum()
+        weighted = weighted + (chunk * weights).sum()  # wraps modulo 2**64: still exact, still device-independent
+    samples = bits[spread_indices(flat.numel(), _SAMPLES, flat.device)].to(torch.int64)
+    digest.update(torch.cat([samples, total.reshape(1), weighted.reshape(1)]).cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -77,7 +119,9 @@ def as_built_record(module: nn.Module) -> dict[str, Any]:
         if isinstance(value, torch.Tensor):
             schema[key] = (tuple(value.shape), value.is_floating_point())
             prints[key] = fingerprint(value)
-    return {"schema": schema, "fingerprints": prints}
+    # version-1 checkpoints hold the older, 64-sample fingerprints: keep those too (cheap) to compare with them
+    v1 = {key: fingerprint_v1(value) for key, value in module.state_dict(keep_vars=True).items() if isinstance(value, torch.Tensor)}
+    return {"schema": schema, "fingerprints": prints, "fingerprints_v1": v1}
 
 
 def _fits(schema: dict[str, tuple[tuple[int, ...], bool]], key: str, value: Any) -> bool:
@@ -157,7 +201,6 @@ def pack(
             placeholders.append(key)
         else:
             omitted.append(key)
-    sums = {k: checksum(v) for k, v in {**fitting, **changed}.items() if isinstance(v, torch.Tensor)}
     state_dict = dict(fitting)
     state_dict.update({k: _placeholder(schema[k][0]) for k in placeholders})
     checkpoint["state_dict"] = state_dict
@@ -167,47 +210,209 @@ def pack(
         "placeholders": placeholders,
         "omitted": omitted,
         "fingerprints": {k: record["fingerprints"].get(k) for k in omitted},
-        "checksums": {k: v for k, v in sums.items() if v is not None},
         "configs": configs,
-    }
+    }  # the checksums and the digest are added last, by seal(), when the file is written (CheckedCheckpointIO)
 
 
 # ------------------------------------------------------------------------------------------- resume
 
 
-def verify_checksums(meta: dict[str, Any], state_dict: dict[str, Any], path: Any) -> None:
-    """Raise if a tensor of ``state_dict`` or of the changed part differs from the CRC saved with it."""
-    sums = meta.get("checksums", {})
-    for part in (state_dict, meta.get("state_dict", {})):
-        for key, value in part.items():
-            expected = sums.get(key)
-            if expected is None or not isinstance(value, torch.Tensor) or is_placeholder(value):
-                continue
-            if checksum(value) != expected:
-                raise ValueError(
-                    f"Checkpoint {path} is damaged: tensor {key!r} does not match the checksum written with it "
-                    "(flipped bytes on disk or in transfer). Resume from another checkpoint (e.g. the previous "
-                    "'last.ckpt' or a top-k one) instead; nothing was loaded."
-                )
+_NOT_SEALED = ("checksums", "digest", "verified")  # written by seal() / verify(): no tensors of their own
+
+
+def _damaged(path: Any, what: str) -> ValueError:
+    return ValueError(
+        f"Checkpoint {path} is damaged: {what} (flipped bytes on disk or in transfer, or an edited file). Resume "
+        "from another checkpoint (e.g. the previous 'last.ckpt' or a top-k one) instead; nothing was loaded."
+    )
+
+
+def _walk(value: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _walk(item, f"{path}/{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _walk(item, f"{path}/{index}")
+
+
+def tensor_entries(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of ``checkpoint`` by a stable key: the weights by their state_dict key (both parts), every other
+    tensor (optimizer states, ``step`` counters, lr schedulers, loops, callbacks, ...) by ``@`` and its path."""
+    entries: dict[str, torch.Tensor] = {}
+    meta = checkpoint.get(META_KEY, {})
+    for part in (checkpoint.get("state_dict", {}), meta.get("state_dict", {})):
+        entries.update((k, v) for k, v in part.items() if isinstance(v, torch.Tensor))
+    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", META_KEY)}
+    rest[META_KEY] = {k: v for k, v in meta.items() if k not in ("state_dict", *_NOT_SEALED)}
+    for key, value in rest.items():
+        entries.update(_walk(value, f"@{key}"))
+    return {k: v for k, v in entries.items() if not is_placeholder(v) and _plain(v)}
+
+
+def _canonical_form(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype))  # its bytes are in the checksums
+    if isinstance(value, dict):
+        return sorted((repr(k), _canonical_form(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return [_canonical_form(v) for v in value]
+    return repr(value)
+
+
+def meta_digest(meta: dict[str, Any]) -> str:
+    """SHA-256 of the lightning_hbm part (settings, omitted keys, fingerprints, checksum table), tensors by shape."""
+    sealed = {k: v for k, v in meta.items() if k not in ("state_dict", "digest")}
+    return hashlib.sha256(repr(_canonical_form(sealed)).encode()).hexdigest()
+
+
+def seal(checkpoint: dict[str, Any]) -> None:
+    """Add a CRC32 of every tensor of ``checkpoint`` and a digest of its lightning_hbm part (in place, last thing
+    before writing: hooks that run after the packing, e.g. the model's ``on_save_checkpoint``, are covered)."""
+    meta = checkpoint.get(META_KEY)
+    if not isinstance(meta, dict):
+        return
+    meta.pop("digest", None)
+    meta.pop(_VERIFIED_KEY, None)
+    meta["version"] = FORMAT_VERSION
+    meta["checksums"] = {k: c for k, c in ((k, checksum(v)) for k, v in tensor_entries(checkpoint).items()) if c is not None}
+    meta["digest"] = meta_digest(meta)
+
+
+_VERIFIED_KEY = "verified"
+_VERIFIED = object()  # meta[_VERIFIED_KEY] once checked in this process: a file (weights_only) cannot hold this object
+
+
+def validate_meta(meta: Any, path: Any) -> None:
+    """A clear error for a lightning_hbm part of the wrong structure or of an unknown format version."""
+    if not isinstance(meta, dict):
+        raise ValueError(
+            f"Checkpoint {path}: checkpoint[{META_KEY!r}] is a {type(meta).__name__}, not the dict lightning_hbm writes. "
+            "The file was edited or written by another tool; resume from a checkpoint lightning_hbm saved."
+        )
+    version = meta.get("version")
+    if type(version) is not int or not 1 <= version <= FORMAT_VERSION:
+        raise ValueError(
+            f"Checkpoint {path} has lightning_hbm format version {version!r}; this lightning_hbm reads versions 1 to "
+            f"{FORMAT_VERSION}. A newer lightning_hbm wrote it: upgrade lightning_hbm (pip install -U lightning_hbm), or "
+            "resume from a checkpoint of this version."
+        )
+    shapes = {
+        "state_dict": dict, "placeholders": list, "omitted": list, "fingerprints": dict, "configs": dict,
+        "checksums": dict, "digest": str,
+    }
+    required = [k for k in shapes if version >= 2 or k != "digest"]
+    for key in required:
+        if not isinstance(meta.get(key), shapes[key]):
+            raise ValueError(
+                f"Checkpoint {path} is damaged: checkpoint[{META_KEY!r}][{key!r}] is "
+                f"{type(meta.get(key)).__name__ if key in meta else 'missing'}, expected a {shapes[key].__name__}. "
+                "Resume from another checkpoint; nothing was loaded."
+            )
+    lists = {k: meta[k] for k in ("placeholders", "omitted")}
+    if any(not isinstance(item, str) for items in lists.values() for item in items) or any(
+        not isinstance(v, int) for v in meta["checksums"].values()
+    ) or any(not isinstance(v, dict) for v in meta["configs"].values()):
+        raise ValueError(
+            f"Checkpoint {path} is damaged: its {META_KEY!r} part holds entries of the wrong type (key names must be "
+            "strings, checksums integers, settings dicts). Resume from another checkpoint; nothing was loaded."
+        )
+
+
+def verify(checkpoint: dict[str, Any], path: Any) -> None:
+    """Check a loaded checkpoint's lightning_hbm part and every tensor against its CRC, before anything loads.
+
+    Idempotent per loaded checkpoint. Version-1 checkpoints (weights checksummed, nothing else) load with a warning.
+    """
+    meta = checkpoint.get(META_KEY) if isinstance(checkpoint, dict) else None
+    if meta is None or (isinstance(meta, dict) and meta.get(_VERIFIED_KEY) is _VERIFIED):
+        return
+    validate_meta(meta, path)
+    sums = meta["checksums"]
+    if meta["version"] == 1:
+        import warnings
+
+        warnings.warn(
+            f"Checkpoint {path} has lightning_hbm format version 1: its weights are checked, but its optimizer states, "
+            "loops and settings carry no checksum. Save again with this version to have them checked.",
+            stacklevel=2,
+        )
+        entries = {k: v for part in (checkpoint.get("state_dict", {}), meta["state_dict"]) for k, v in part.items()}
+        entries = {k: v for k, v in entries.items() if k in sums and isinstance(v, torch.Tensor) and not is_placeholder(v)}
+    else:
+        if meta_digest(meta) != meta["digest"]:
+            raise _damaged(path, f"its {META_KEY!r} part (settings, fingerprints, checksum table) does not match its digest")
+        entries = tensor_entries(checkpoint)
+    for key, value in entries.items():
+        if key not in sums:
+            raise _damaged(path, f"tensor {key!r} has no checksum")
+        if checksum(value) != sums[key]:
+            raise _damaged(path, f"tensor {key!r} does not match the checksum written with it")
+    meta[_VERIFIED_KEY] = _VERIFIED
+
+
+def is_verified(meta: Any) -> bool:
+    return isinstance(meta, dict) and meta.get(_VERIFIED_KEY) is _VERIFIED
+
+
+# torch.save(..., _use_new_zipfile_serialization=False): a pickle (protocol 2) starting with torch's magic number
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 
 
 def check_file(path: Any) -> None:
-    """A clear error for a checkpoint file that is empty or cut short (torch says EOFError / Errno 22)."""
+    """A clear error for a checkpoint path that is a directory, or a file that is empty or cut short (torch says
+    EOFError / Errno 22 / IsADirectoryError). A complete file in torch's legacy (non-zip) format passes: it loads."""
     if path is None:
         return
     try:
         file = Path(path)
-        size = file.stat().st_size
+        is_dir = file.is_dir()
+        size = 0 if is_dir else file.stat().st_size
     except (OSError, TypeError, ValueError):
         return  # a remote URL or an unusual path: leave it to Lightning's own loader
+    if is_dir:
+        raise ValueError(
+            f"Checkpoint {path} is a directory, not a checkpoint file. If it is a distributed (sharded) checkpoint, "
+            "resume it with the strategy that wrote it (e.g. FSDP with state_dict_type='sharded'); otherwise pass the "
+            "path of a .ckpt file inside it."
+        )
     if size == 0:
         raise ValueError(f"Checkpoint {path} is empty (0 bytes): the save was interrupted. Resume from another checkpoint.")
     import zipfile
 
-    if not zipfile.is_zipfile(file):
+    if zipfile.is_zipfile(file):
+        return
+    with open(file, "rb") as handle:
+        if handle.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC:
+            return  # torch's legacy format (_use_new_zipfile_serialization=False): torch.load reads it
+    raise ValueError(
+        f"Checkpoint {path} is not a complete torch checkpoint ({size} bytes; neither a zip archive with its directory "
+        "nor torch's legacy format): the file was cut short, e.g. by a kill during save or a full disk, or it is "
+        "not a checkpoint. Resume from another checkpoint."
+    )
+
+
+_CHANGED_MARKS = (".lora_A.", ".lora_B.", ".base_layer.", ".absmax", ".quant_map", ".quant_state.", ".nested_absmax", ".SCB")
+
+
+def check_layout(checkpoint: Any, path: Any) -> None:
+    """A clear error, before anything loads, for a checkpoint in lightning_hbm's older layout: the changed tensors
+    (adapters, 4-bit constants) in ``state_dict`` itself, where Lightning's strict load into the model as built fails
+    half-way with a raw "Unexpected key(s)" error."""
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        return
+    meta = checkpoint.get(META_KEY)
+    if isinstance(meta, dict) and "version" in meta:
+        return  # the two-part layout (validated by verify)
+    changed = [k for k in checkpoint["state_dict"] if any(m in k for m in _CHANGED_MARKS)]
+    if changed:
         raise ValueError(
-            f"Checkpoint {path} is not a complete torch checkpoint ({size} bytes; its zip directory is missing): the "
-            "file was cut short, e.g. by a kill during save or a full disk. Resume from another checkpoint."
+            f"Checkpoint {path} holds tensors of an already changed model in its state_dict ({changed[:3]}): it was "
+            "written in an older lightning_hbm layout (or by a plain peft/bitsandbytes model) that cannot be resumed. "
+            "Start a new run from its weights instead: load them into your model yourself (model.load_state_dict("
+            "torch.load(path, weights_only=True)['state_dict'], strict=False)) and call fit without ckpt_path."
         )
 
 
@@ -229,7 +434,7 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
 def fingerprint_differences(meta: dict[str, Any], record: dict[str, Any]) -> list[str]:
     """Omitted base tensors whose fingerprint differs from the one saved (other seed, other weights)."""
-    now = record["fingerprints"]
+    now = record["fingerprints"] if meta.get("version", 1) >= 2 else record.get("fingerprints_v1", {})
     return [
         key
         for key, saved in meta.get("fingerprints", {}).items()
@@ -343,12 +548,15 @@ class CheckedCheckpointIO(CheckpointIO):
     Args:
         inner: the IO that reads and deletes files (and writes those that are not local files); default
             Lightning's ``TorchCheckpointIO``.
+        refuse_non_finite: refuse (ValueError, nothing written) to save a checkpoint whose trained tensors hold
+            NaN or inf, so a diverged step cannot replace the last good checkpoint.
     """
 
-    def __init__(self, inner: Optional[CheckpointIO] = None) -> None:
+    def __init__(self, inner: Optional[CheckpointIO] = None, refuse_non_finite: bool = True) -> None:
         from lightning.fabric.plugins import TorchCheckpointIO
 
         self.inner = inner if inner is not None else TorchCheckpointIO()
+        self.refuse_non_finite = refuse_non_finite
         self.trainer: Any = None  # set by lightning_hbm.surgery.check_saves
 
     def _writes_atomically(self, path: Any, storage_options: Optional[Any]) -> bool:
@@ -359,14 +567,48 @@ class CheckedCheckpointIO(CheckpointIO):
         return plain and storage_options is None and _is_local(path)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        if self.trainer is not None and META_KEY not in checkpoint:
+            # save_weights_only=True: Lightning calls no save hook, so the lightning_hbm part is packed here
+            plugin = self.trainer.strategy.precision_plugin
+            if getattr(plugin, "runs_surgery", False):
+                plugin.on_save_checkpoint(checkpoint)
+            else:
+                from lightning_hbm.surgery import pack_checkpoint
+
+                pack_checkpoint(self.trainer, checkpoint)
+        if self.refuse_non_finite:
+            self._refuse_non_finite(checkpoint, path)
+        seal(checkpoint)
         if self._writes_atomically(path, storage_options):
             atomic_save(checkpoint, path)
         else:
             self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
+    def _refuse_non_finite(self, checkpoint: dict[str, Any], path: Any) -> None:
+        module = getattr(self.trainer, "lightning_module", None)
+        weights = {**checkpoint.get("state_dict", {}), **checkpoint.get(META_KEY, {}).get("state_dict", {})}
+        if module is not None:  # the trained tensors (a frozen base may hold inf on purpose, e.g. masks)
+            trained = {n for n, p in module.named_parameters() if p.requires_grad}
+            weights = {k: v for k, v in weights.items() if k in trained}
+        bad = [
+            k for k, v in weights.items()
+            if _plain(v) and v.is_floating_point() and not is_placeholder(v) and not torch.isfinite(v).all()
+        ]
+        if bad:
+            kept = "the previous checkpoint there is kept" if Path(str(path)).exists() else "nothing was written"
+            raise ValueError(
+                f"Refusing to save checkpoint {path}: {len(bad)} trained tensor(s) hold NaN or inf ({bad[:5]}); {kept}. "
+                "The loss diverged: lower the learning rate, clip gradients (Trainer(gradient_clip_val=1.0)) or check "
+                "the data, and resume from the last good checkpoint. To save such tensors anyway, pass "
+                "Trainer(plugins=[lightning_hbm.CheckedCheckpointIO(refuse_non_finite=False)])."
+            )
+
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
         check_file(path)
-        return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        checkpoint = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        check_layout(checkpoint, path)
+        verify(checkpoint, path)  # before Lightning loads anything from it
+        return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
         self.inner.remove_checkpoint(path)

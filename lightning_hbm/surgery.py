@@ -240,8 +240,7 @@ def run_surgery(
         object.__setattr__(module, _RECORD_ATTR, resume.as_built_record(module))
     meta = (checkpoint or {}).get(resume.META_KEY)
     if checkpoint is not None:
-        if meta is not None and not meta.get("verified"):  # no load hook ran (QuantizedPrecision alone)
-            resume.verify_checksums(meta, checkpoint.get("state_dict", {}), checkpoint_path)
+        resume.verify(checkpoint, checkpoint_path)  # once: a no-op if the IO or the load hook checked it
         _check_resume(module, plugin, transforms, meta, checkpoint_path)
     apply_transforms(module, [t for t in pending if t.stage < Stage.QUANTIZE])
     if device is not None and hasattr(plugin, "target_device"):
@@ -476,8 +475,7 @@ class _ResumeHook:
         meta = (pending_checkpoint(trainer) or {}).get(resume.META_KEY)
         if meta is None or prefix:
             return  # not a lightning_hbm checkpoint: Lightning's rules, unchanged
-        resume.verify_checksums(meta, state_dict, trainer.ckpt_path)
-        meta["verified"] = True
+        resume.verify(pending_checkpoint(trainer), trainer.ckpt_path)
         self.placeholders = set(meta.get("placeholders", []))
         for key in self.placeholders:
             state_dict.pop(key, None)

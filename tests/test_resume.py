@@ -11,19 +11,21 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
 import torch
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hbm import LoRA, QuantizedPrecision, resume
+from lightning_hbm.data import ByteTextDataModule
+from lightning_hbm.models import NanoGPT
 from lightning_hbm.resume import CheckedCheckpointIO
 
+TINY_GPT = dict(n_layer=2, n_head=2, n_embd=64, block_size=128)  # as tests/conftest.py's gpt_factory
 F32 = dict(dtype="float32")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,3 +149,179 @@ def test_lightning_hbm_strategies_save_atomically() -> None:
 
     assert isinstance(CPUOffloadStrategy().checkpoint_io, CheckedCheckpointIO)
     assert isinstance(QuantizedFSDPStrategy().checkpoint_io, CheckedCheckpointIO)
+
+
+# ------------------------------------------------------------------ shared: one saved adapter run
+
+
+def _trainer(**kwargs: Any) -> pl.Trainer:
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+def _gpt(seed: int = 0) -> NanoGPT:
+    torch.manual_seed(seed)
+    return NanoGPT(**TINY_GPT)
+
+
+def _data() -> ByteTextDataModule:
+    return ByteTextDataModule(seq_len=32, batch_size=4, train_samples=256, val_samples=8, max_bytes=300_000)
+
+
+def _lora_trainer(**kwargs: Any) -> pl.Trainer:
+    return _trainer(plugins=[QuantizedPrecision("nf4-dq", **F32)], callbacks=[LoRA(r=2)], **kwargs)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-step QLoRA run (AdamW) saved by the Trainer: the file every corruption test starts from."""
+    path = tmp_path_factory.mktemp("saved") / "adapter.ckpt"
+    trainer = _lora_trainer(default_root_dir=path.parent)
+    trainer.fit(_gpt(), _data())
+    trainer.save_checkpoint(path)
+    return path
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return torch.load(path, weights_only=True)
+
+
+def _flip_one_bit(tensor: torch.Tensor) -> None:
+    tensor.reshape(-1)[:1].view(torch.uint8)[0] ^= 0x40  # one bit of the first element's first byte
+
+
+# -------------------------------------------------- 3. every tensor and the lightning_hbm part covered
+
+
+def _optimizer_state(checkpoint: dict[str, Any], key: str) -> torch.Tensor:
+    return next(iter(checkpoint["optimizer_states"][0]["state"].values()))[key]
+
+
+KINDS = {
+    "adapter A": lambda c: c["lightning_hbm"]["state_dict"]["model.h.1.attn.c_attn.lora_A.default.weight"],
+    "adapter B": lambda c: c["lightning_hbm"]["state_dict"]["model.h.0.mlp.c_fc.lora_B.default.weight"],
+    "Adam exp_avg": lambda c: _optimizer_state(c, "exp_avg"),
+    "Adam exp_avg_sq": lambda c: _optimizer_state(c, "exp_avg_sq"),
+    "Adam step": lambda c: _optimizer_state(c, "step"),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_one_flipped_bit_in_any_tensor_is_found(saved: Path, kind: str) -> None:
+    checkpoint = _load(saved)
+    tensor = KINDS[kind](checkpoint)
+    _flip_one_bit(tensor)
+    with pytest.raises(ValueError, match=r"adapter.ckpt is damaged: tensor '.*' does not match the checksum"):
+        resume.verify(checkpoint, saved)
+
+
+def test_a_flipped_optimizer_state_stops_the_resume_before_training(saved: Path, tmp_path: Path) -> None:
+    checkpoint = _load(saved)
+    _flip_one_bit(_optimizer_state(checkpoint, "exp_avg_sq"))
+    path = tmp_path / "bad.ckpt"
+    torch.save(checkpoint, path)
+    trainer = _lora_trainer(max_steps=4)
+    with pytest.raises(ValueError, match=r"bad.ckpt is damaged: tensor '@optimizer_states/0/state/\d+/exp_avg_sq'"):
+        trainer.fit(_gpt(), _data(), ckpt_path=path)
+    assert trainer.global_step == 0
+
+
+def test_smoothing_shifts_and_every_other_tensor_of_the_lightning_hbm_part_are_covered() -> None:
+    checkpoint = {
+        "state_dict": {"w": torch.ones(3)},
+        "lightning_hbm": {
+            "version": 2, "state_dict": {}, "placeholders": [], "omitted": [], "fingerprints": {}, "configs": {},
+            "input_shifts": {"h.0.fc": torch.linspace(0.5, 2.0, 16)},
+        },
+        "lr_schedulers": [{"base_lrs": [0.1], "_last_lr": [torch.tensor(0.1)]}],
+    }
+    resume.seal(checkpoint)
+    assert {"@lightning_hbm/input_shifts/h.0.fc", "@lr_schedulers/0/_last_lr/0", "w"} <= set(checkpoint["lightning_hbm"]["checksums"])
+    resume.verify(checkpoint, "x.ckpt")
+    for tensor in (checkpoint["lightning_hbm"]["input_shifts"]["h.0.fc"], checkpoint["lr_schedulers"][0]["_last_lr"][0]):
+        copy = {**checkpoint, "lightning_hbm": {k: v for k, v in checkpoint["lightning_hbm"].items() if k != "verified"}}
+        _flip_one_bit(tensor)
+        with pytest.raises(ValueError, match=r"x.ckpt is damaged: tensor '@.*' does not match"):
+            resume.verify(copy, "x.ckpt")
+        _flip_one_bit(tensor)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda m: m["checksums"].update({k: v ^ 1 for k, v in list(m["checksums"].items())[:1]}), r"does not match its digest"),
+        (lambda m: m["checksums"].clear(), r"does not match its digest"),
+        (lambda m: m["configs"]["LoRA"].update(alpha=32.0), r"does not match its digest"),
+        (lambda m: m["checksums"].pop(next(iter(m["state_dict"]))) and m.update(digest=resume.meta_digest(m)), r"has no checksum"),
+        (lambda m: m.pop("digest"), r"\['digest'\] is missing, expected a str"),
+        (lambda m: m.update(version=99), r"format version 99; this lightning_hbm reads versions 1 to 2.*upgrade"),
+        (lambda m: m.update(version="2"), r"format version '2'"),
+        (lambda m: m.update(checksums="abc"), r"\['checksums'\] is str, expected a dict"),
+        (lambda m: m.update(omitted=[1, 2]), r"entries of the wrong type"),
+    ],
+    ids=["checksum-bit", "checksums-gone", "setting", "entry-gone", "digest-gone", "version-99", "version-str", "checksums-str", "omitted-ints"],
+)
+def test_the_lightning_hbm_part_itself_is_checked(saved: Path, edit: Callable, match: str) -> None:
+    checkpoint = _load(saved)
+    edit(checkpoint["lightning_hbm"])
+    with pytest.raises(ValueError, match=rf"Checkpoint .*adapter.ckpt.*{match}"):
+        resume.verify(checkpoint, saved)
+
+
+@pytest.mark.parametrize("meta", [[1, 2], "lightning_hbm", None.__class__], ids=["list", "str", "type"])
+def test_a_lightning_hbm_part_of_another_type_is_a_clear_error_through_the_trainer(saved: Path, tmp_path: Path, meta: Any) -> None:
+    checkpoint = _load(saved)
+    checkpoint["lightning_hbm"] = meta if meta is not type(None) else 3
+    path = tmp_path / "hostile.ckpt"
+    torch.save(checkpoint, path)
+    model = _gpt()
+    trainer = _lora_trainer(max_steps=4)
+    with pytest.raises(ValueError, match=r"hostile.ckpt: checkpoint\['lightning_hbm'\] is a \w+, not the dict"):
+        trainer.fit(model, _data(), ckpt_path=path)
+    assert trainer.global_step == 0 and not any("lora" in n for n, _ in model.named_parameters())
+
+
+def test_a_version_1_checkpoint_still_resumes_with_a_warning(saved: Path, tmp_path: Path) -> None:
+    checkpoint = _load(saved)
+    meta = checkpoint["lightning_hbm"]
+    # what version 1 wrote: CRCs of the weights only, 64-sample fingerprints, no digest
+    weights = {**{k: v for k, v in checkpoint["state_dict"].items() if not resume.is_placeholder(v)}, **meta["state_dict"]}
+    meta.update(version=1, checksums={k: resume.checksum(v) for k, v in weights.items()})
+    built = _gpt().state_dict()
+    meta["fingerprints"] = {k: resume.fingerprint_v1(built[k]) for k in meta["omitted"]}
+    del meta["digest"]
+    path = tmp_path / "v1.ckpt"
+    torch.save(checkpoint, path)
+    trainer = _lora_trainer(max_steps=3)
+    with pytest.warns(UserWarning, match=r"format version 1: its weights are checked, but its optimizer states"):
+        trainer.fit(_gpt(), _data(), ckpt_path=path)
+    assert trainer.global_step == 3
+    _flip_one_bit(meta["state_dict"]["model.h.0.mlp.c_fc.lora_B.default.weight"])  # its weights stay checked
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"damaged: tensor 'model.h.0.mlp.c_fc.lora_B"):
+        resume.verify(checkpoint, path)
+
+
+def test_the_fingerprint_sees_a_base_that_agrees_only_at_the_old_samples() -> None:
+    torch.manual_seed(0)
+    a = torch.randn(141_056)
+    b = torch.randn(141_056)
+    kept = resume.spread_indices(a.numel(), 64)
+    b[kept] = a[kept]
+    assert (a != b).sum() > 138_000
+    assert resume.fingerprint_v1(a) == resume.fingerprint_v1(b)  # what version 1 accepted
+    assert resume.fingerprint(a) != resume.fingerprint(b)
+
+
+def test_the_fingerprint_of_a_large_tensor_sees_one_changed_element() -> None:
+    big = torch.randn(5_000_000)  # 20 MB: above the exact-hash budget, sampled + whole-tensor sums
+    other = big.clone()
+    other[1_234_567] += 1e-3  # not a sampled index
+    assert 1_234_567 not in set(resume.spread_indices(big.numel(), resume._SAMPLES).tolist())
+    assert resume.fingerprint(big) == resume.fingerprint(big.clone())
+    assert resume.fingerprint(big) != resume.fingerprint(other)
+    swapped = big.clone()
+    swapped[[10, 11]] = big[[11, 10]]  # same sum: the position-weighted sum sees it
+    assert resume.fingerprint(big) != resume.fingerprint(swapped)
