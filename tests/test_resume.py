@@ -325,3 +325,122 @@ def test_the_fingerprint_of_a_large_tensor_sees_one_changed_element() -> None:
     swapped = big.clone()
     swapped[[10, 11]] = big[[11, 10]]  # same sum: the position-weighted sum sees it
     assert resume.fingerprint(big) != resume.fingerprint(swapped)
+
+
+# ---------------------------------------------------------------------- 6. weights-only checkpoints
+
+
+def _adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+@pytest.mark.parametrize("callbacks", [[LoRA(r=2)], []], ids=["lora", "quantized-alone"])
+def test_a_weights_only_checkpoint_loads_into_a_fresh_model(tmp_path: Path, callbacks: list) -> None:
+    save = ModelCheckpoint(dirpath=tmp_path, filename="w", save_weights_only=True, save_top_k=1, every_n_train_steps=2)
+    plugin = lambda: [QuantizedPrecision("nf4-dq", **F32)]  # noqa: E731
+    model = _gpt()
+    trainer = _trainer(plugins=plugin(), callbacks=[*callbacks, save], enable_checkpointing=True, default_root_dir=tmp_path)
+    trainer.fit(model, _data())
+    checkpoint = _load(tmp_path / "w.ckpt")
+    assert "optimizer_states" not in checkpoint and "lightning_hbm" in checkpoint  # packed although no hook ran
+    fresh = _gpt(seed=0 if callbacks else 5)  # adapter-only: the frozen base is rebuilt from the same seed
+    fresh_callbacks = [LoRA(r=2)] if callbacks else []
+    _trainer(plugins=plugin(), callbacks=fresh_callbacks, limit_val_batches=1).validate(fresh, _data(), ckpt_path=tmp_path / "w.ckpt")
+    trained = {**_adapters(model), "model.h.0.attn.c_attn.weight": model.model.h[0].attn.c_attn.weight.detach()}
+    loaded = {**_adapters(fresh), "model.h.0.attn.c_attn.weight": fresh.model.h[0].attn.c_attn.weight.detach()}
+    assert trained.keys() == loaded.keys()
+    for key in trained:
+        torch.testing.assert_close(loaded[key], trained[key], rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------- 7. clear, early errors
+
+
+def test_a_directory_is_named_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    model = _gpt()
+    with pytest.raises(ValueError, match=r"run is a directory, not a checkpoint file.*distributed \(sharded\) checkpoint"):
+        _lora_trainer().fit(model, _data(), ckpt_path=tmp_path / "run")
+    assert not any("lora" in n for n, _ in model.named_parameters())
+
+
+def test_a_legacy_format_file_resumes(saved: Path, tmp_path: Path) -> None:
+    path = tmp_path / "legacy.ckpt"
+    torch.save(_load(saved), path, _use_new_zipfile_serialization=False)
+    trainer = _lora_trainer(max_steps=3)
+    trainer.fit(_gpt(), _data(), ckpt_path=path)
+    assert trainer.global_step == 3
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(path.read_bytes()[:10])  # not even torch's legacy header: still "cut short"
+    with pytest.raises(ValueError, match=r"cut.ckpt is not a complete torch checkpoint"):
+        _lora_trainer().fit(_gpt(), _data(), ckpt_path=cut)
+
+
+def test_an_older_layout_is_a_clear_error_before_anything_loads(saved: Path, tmp_path: Path) -> None:
+    checkpoint = _load(saved)
+    meta = checkpoint.pop("lightning_hbm")
+    checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in meta["placeholders"]}
+    checkpoint["state_dict"].update(meta["state_dict"])  # the changed tensors in state_dict itself
+    path = tmp_path / "old.ckpt"
+    torch.save(checkpoint, path)
+    model = _gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"old.ckpt holds tensors of an already changed model.*older lightning_hbm layout"):
+        _lora_trainer().fit(model, _data(), ckpt_path=path)
+    for key, value in model.state_dict().items():  # nothing partly loaded
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+class _Diverge(pl.Callback):
+    """Makes one adapter NaN after the first step (what a diverged loss leaves behind)."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 2:
+            with torch.no_grad():
+                pl_module.model.h[1].mlp.c_fc.lora_B.default.weight.fill_(float("nan"))
+
+
+def test_a_diverged_run_cannot_replace_the_good_checkpoint(tmp_path: Path) -> None:
+    save = ModelCheckpoint(dirpath=tmp_path, save_top_k=0, save_last=True, every_n_train_steps=1)
+    plugins = [QuantizedPrecision("nf4-dq", **F32)]
+    trainer = _trainer(max_steps=3, plugins=plugins, callbacks=[LoRA(r=2), _Diverge(), save], enable_checkpointing=True)
+    with pytest.raises(ValueError, match=r"Refusing to save checkpoint .*last.ckpt: 1 trained tensor\(s\) hold NaN or inf "
+                       r"\(\['model.h.1.mlp.c_fc.lora_B.default.weight'\]\); the previous checkpoint there is kept.*refuse_non_finite=False"):
+        trainer.fit(_gpt(), _data())
+    good = _load(tmp_path / "last.ckpt")
+    assert good["global_step"] == 1
+    assert all(torch.isfinite(v).all() for v in good["lightning_hbm"]["state_dict"].values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_the_non_finite_guard_can_be_turned_off(tmp_path: Path) -> None:
+    save = ModelCheckpoint(dirpath=tmp_path, save_top_k=0, save_last=True, every_n_train_steps=1)
+    io = CheckedCheckpointIO(refuse_non_finite=False)
+    trainer = _trainer(max_steps=3, plugins=[QuantizedPrecision("nf4-dq", **F32), io], callbacks=[LoRA(r=2), _Diverge(), save],
+                       enable_checkpointing=True)
+    trainer.fit(_gpt(), _data())
+    assert trainer.strategy.checkpoint_io is io
+    assert _load(tmp_path / "last.ckpt")["lightning_hbm"]["state_dict"]["model.h.1.mlp.c_fc.lora_B.default.weight"].isnan().all()
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("callbacks", [[LoRA(r=2)], []], ids=["lora", "quantized-alone"])
+def test_a_malicious_pickle_does_not_run_through_any_load_path(saved: Path, tmp_path: Path, callbacks: list) -> None:
+    marker = tmp_path / "pwned"
+    checkpoint = _load(saved)
+    checkpoint["lightning_hbm"]["configs"]["evil"] = _Evil(marker)
+    path = tmp_path / "evil.ckpt"
+    torch.save(checkpoint, path)
+    trainer = _trainer(plugins=[QuantizedPrecision("nf4-dq", **F32)], callbacks=callbacks)
+    with pytest.raises(Exception, match=r"Weights only load failed"):
+        trainer.fit(_gpt(), _data(), ckpt_path=path)
+    with pytest.raises(Exception, match=r"Weights only load failed"):
+        CheckedCheckpointIO().load_checkpoint(path)
+    assert not marker.exists()
