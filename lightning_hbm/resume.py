@@ -37,10 +37,11 @@ from torch import nn
 FORMAT_VERSION = 2  # 2: every tensor checksummed, the lightning_hbm part sealed by a digest, stronger fingerprints
 META_KEY = "lightning_hbm"
 # Fingerprints (of the frozen base, before quantization, on every fit): every byte of tensors up to 16 MiB
-# (all of a 135M model's but its embedding), else 4096 samples plus exact sums over all elements, in chunks of
-# 4M elements (32 MiB of int64 temporaries on the tensor's device).
+# (all of a 135M model's but its embedding), else exact row and column sums over all elements plus 4096 samples,
+# in chunks of 4M elements (32 MiB of int64 temporaries on the tensor's device).
 _EXACT_BYTES = 16 << 20
 _SAMPLES = 4096
+_ROW = 1024
 _CHUNK = 1 << 22
 
 
@@ -82,13 +83,31 @@ def _bits(flat: torch.Tensor) -> torch.Tensor:
     return flat.view(kind) if flat.dtype != torch.bool else flat.to(torch.int8)
 
 
+def _block_sums(bits: torch.Tensor) -> tuple[Any, Any]:
+    """Exact int64 sums of every row and every column of ``bits`` viewed as (rows, _ROW) (wrapping modulo 2**64).
+
+    Integers, so the numbers are the same on every device and with any chunking: numpy on CPU (fast without
+    threads), torch in chunks on an accelerator (no copy of the tensor to the host; 32 MiB temporaries).
+    """
+    grid = bits.reshape(-1, _ROW)
+    if grid.device.type == "cpu":
+        values = grid.numpy()
+        return values.sum(axis=1, dtype="int64"), values.sum(axis=0, dtype="int64")
+    rows, cols = [], torch.zeros(_ROW, dtype=torch.int64, device=grid.device)
+    for start in range(0, grid.shape[0], _CHUNK // _ROW):
+        chunk = grid[start : start + _CHUNK // _ROW].to(torch.int64)
+        rows.append(chunk.sum(dim=1))
+        cols += chunk.sum(dim=0)
+    return torch.cat(rows).cpu().numpy(), cols.cpu().numpy()
+
+
 def fingerprint(tensor: torch.Tensor) -> Optional[str]:
     """A hash that tells two tensors apart even where they agree at most elements (None for meta tensors).
 
-    Up to ``_EXACT_BYTES`` the hash covers every byte. Above (the big matrices of a real LLM, which may sit
-    on an accelerator), it covers ``_SAMPLES`` spread elements and two integer sums over *every* element's
-    bits (plain and position-weighted), computed on the tensor's device in chunks: integer sums are exact, so
-    the fingerprint is the same on any device and any chunking, and any single changed element changes it.
+    Up to ``_EXACT_BYTES`` the hash covers every byte (CRC32). Above (the big matrices of a real LLM, which may sit
+    on an accelerator), it covers the exact integer sums of every row and every column of the tensor's bits viewed
+    as (n / 1024, 1024), computed where the tensor lives, plus ``_SAMPLES`` spread elements: any single changed
+    element, and any swap of two elements, changes it. The method depends on the size only, never on the device.
     """
     if not _plain(tensor):
         return None
@@ -97,17 +116,14 @@ def fingerprint(tensor: torch.Tensor) -> Optional[str]:
         flat = torch.view_as_real(flat).reshape(-1)
     digest = hashlib.sha1(repr((tuple(tensor.shape), str(tensor.dtype))).encode())
     if flat.numel() * flat.element_size() <= _EXACT_BYTES:
-        digest.update(flat.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(zlib.crc32(flat.cpu().contiguous().view(torch.uint8).numpy()).to_bytes(4, "little"))
         return digest.hexdigest()[:16]
     bits = _bits(flat)
-    total = weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, flat.numel(), _CHUNK):
-        chunk = bits[start : start + _CHUNK].to(torch.int64)
-        weights = torch.arange(start, start + chunk.numel(), device=flat.device) % 65521 + 1
-        total = total + chunk.sum()
-        weighted = weighted + (chunk * weights).sum()  # wraps modulo 2**64: still exact, still device-independent
-    samples = bits[spread_indices(flat.numel(), _SAMPLES, flat.device)].to(torch.int64)
-    digest.update(torch.cat([samples, total.reshape(1), weighted.reshape(1)]).cpu().numpy().tobytes())
+    whole = flat.numel() - flat.numel() % _ROW
+    rows, cols = _block_sums(bits[:whole])
+    samples = bits[spread_indices(flat.numel(), _SAMPLES, flat.device)]
+    for part in (rows, cols, bits[whole:].cpu().numpy(), samples.cpu().numpy()):
+        digest.update(part.tobytes())
     return digest.hexdigest()[:16]
 
 

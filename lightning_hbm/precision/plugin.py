@@ -520,7 +520,8 @@ class QuantizedPrecision(Precision):
         from lightning_hbm.surgery import pending_checkpoint
 
         checkpoint = pending_checkpoint(trainer) or {}
-        resume.verify(checkpoint, trainer.ckpt_path)  # structure, version, CRCs: before this part is read
+        if checkpoint:
+            resume.verify(checkpoint, trainer.ckpt_path)  # structure, version, CRCs: before this part is read
         return checkpoint.get(resume.META_KEY) or {}
 
     def _saved_plan(self, trainer: Any) -> Optional[dict[str, str]]:
