@@ -413,7 +413,7 @@ def check_file(path: Any) -> None:
 _CHANGED_MARKS = (".lora_A.", ".lora_B.", ".base_layer.", ".absmax", ".quant_map", ".quant_state.", ".nested_absmax", ".SCB")
 
 
-def check_layout(checkpoint: Any, path: Any) -> None:
+def check_layout(checkpoint: Any, path: Any, model_keys: Iterable[str] = ()) -> None:
     """A clear error, before anything loads, for a checkpoint in lightning_hbm's older layout: the changed tensors
     (adapters, 4-bit constants) in ``state_dict`` itself, where Lightning's strict load into the model as built fails
     half-way with a raw "Unexpected key(s)" error."""
@@ -422,7 +422,8 @@ def check_layout(checkpoint: Any, path: Any) -> None:
     meta = checkpoint.get(META_KEY)
     if isinstance(meta, dict) and "version" in meta:
         return  # the two-part layout (validated by verify)
-    changed = [k for k in checkpoint["state_dict"] if any(m in k for m in _CHANGED_MARKS)]
+    known = set(model_keys)  # a model built with such layers on purpose loads them as they are
+    changed = [k for k in checkpoint["state_dict"] if k not in known and any(m in k for m in _CHANGED_MARKS)]
     if changed:
         raise ValueError(
             f"Checkpoint {path} holds tensors of an already changed model in its state_dict ({changed[:3]}): it was "
@@ -622,7 +623,8 @@ class CheckedCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
         check_file(path)
         checkpoint = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        check_layout(checkpoint, path)
+        module = getattr(self.trainer, "lightning_module", None)
+        check_layout(checkpoint, path, module.state_dict().keys() if module is not None else ())
         verify(checkpoint, path)  # before Lightning loads anything from it
         return checkpoint
 
