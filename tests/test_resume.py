@@ -271,10 +271,10 @@ def test_the_lightning_hbm_part_itself_is_checked(saved: Path, edit: Callable, m
         resume.verify(checkpoint, saved)
 
 
-@pytest.mark.parametrize("meta", [[1, 2], "lightning_hbm", None.__class__], ids=["list", "str", "type"])
+@pytest.mark.parametrize("meta", [[1, 2], "lightning_hbm", 3], ids=["list", "str", "int"])
 def test_a_lightning_hbm_part_of_another_type_is_a_clear_error_through_the_trainer(saved: Path, tmp_path: Path, meta: Any) -> None:
     checkpoint = _load(saved)
-    checkpoint["lightning_hbm"] = meta if meta is not type(None) else 3
+    checkpoint["lightning_hbm"] = meta
     path = tmp_path / "hostile.ckpt"
     torch.save(checkpoint, path)
     model = _gpt()
