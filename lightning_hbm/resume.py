@@ -13,13 +13,18 @@ is written in two parts:
 * ``checkpoint["lightning_hbm"]``: the changed tensors (``state_dict``), the as-built keys
   deliberately left out (``omitted``: the frozen base of an adapter-only LoRA checkpoint), a
   fingerprint of each omitted tensor taken before quantization, the configuration of the precision
-  plugin and of every transform (``configs``), and a CRC32 of every saved tensor (``checksums``).
+  plugin and of every transform (``configs``), the format ``version``, a CRC32 of every tensor in
+  the whole checkpoint, optimizer states and loops included (``checksums``, by :func:`seal`), and a
+  SHA-256 ``digest`` of this part itself (so a flipped bit in the table cannot turn the checks off).
 
-On resume, before the first change: every tensor is checked against its CRC (``torch.load`` does
-not verify the zip CRC of tensor data, so flipped bytes would load silently), the configurations
-must be equal, and the omitted base must have the fingerprint of the base the adapters were trained
-on. After the surgery the changed tensors are loaded and every key of the changed model must come
-from the checkpoint or from an omitted (fingerprinted) base weight.
+Saves go through :class:`CheckedCheckpointIO`: sealed last, refused if a trained tensor is NaN/inf,
+written atomically beside the target. On resume, before the first change: the structure and version of
+the lightning_hbm part, its digest, and every tensor against its CRC (``torch.load`` does not verify the
+zip CRC of tensor data, so flipped bytes would load silently); the configurations must be equal, and the
+omitted base must have the fingerprint of the base the adapters were trained on. After the surgery the
+changed tensors are loaded and every key of the changed model must come from the checkpoint or from an
+omitted (fingerprinted) base weight. Version-1 checkpoints (weights-only CRCs, 64-sample fingerprints,
+no digest) still load, with a warning.
 """
 
 from __future__ import annotations

@@ -421,7 +421,7 @@ def install(trainer: pl.Trainer) -> None:
 
     Called by every :class:`SurgeryCallback` (and ``AutoFit``) in ``Callback.setup``, which runs
     before Lightning restores weights. A plugin instance reused by a second Trainer follows the latest
-    Trainer. The strategy's checkpoint IO is wrapped so that an empty or cut-short file is a clear error.
+    Trainer. The strategy's checkpoint IO is wrapped (:func:`check_saves`): atomic saves, clear load errors.
     """
     plugin = trainer.strategy.precision_plugin
     _state(plugin, trainer)
