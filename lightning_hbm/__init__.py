@@ -5,6 +5,7 @@ of this package names the term it shrinks; ``HBMProfiler`` measures all of them.
 """
 
 from lightning_hbm.precision import QuantizedPrecision, available_precisions, precision_plugin, quantize_model
+from lightning_hbm.resume import CheckedCheckpointIO
 from lightning_hbm.surgery import Stage, SurgeryCallback, applied_transforms, run_surgery
 from lightning_hbm.strategies import QuantizedFSDPStrategy
 from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing
@@ -20,6 +21,7 @@ from lightning_hbm.planner.autofit import AutoFit
 from lightning_hbm.callbacks.fused_loss import FusedLoss
 
 __all__ = [
+    "CheckedCheckpointIO",
     "ActivationCheckpointing",
     "AttentionKernel",
     "AutoFit",

@@ -13,29 +13,41 @@ is written in two parts:
 * ``checkpoint["lightning_hbm"]``: the changed tensors (``state_dict``), the as-built keys
   deliberately left out (``omitted``: the frozen base of an adapter-only LoRA checkpoint), a
   fingerprint of each omitted tensor taken before quantization, the configuration of the precision
-  plugin and of every transform (``configs``), and a CRC32 of every saved tensor (``checksums``).
+  plugin and of every transform (``configs``), the format ``version``, a CRC32 of every tensor in
+  the whole checkpoint, optimizer states and loops included (``checksums``, by :func:`seal`), and a
+  SHA-256 ``digest`` of this part itself (so a flipped bit in the table cannot turn the checks off).
 
-On resume, before the first change: every tensor is checked against its CRC (``torch.load`` does
-not verify the zip CRC of tensor data, so flipped bytes would load silently), the configurations
-must be equal, and the omitted base must have the fingerprint of the base the adapters were trained
-on. After the surgery the changed tensors are loaded and every key of the changed model must come
-from the checkpoint or from an omitted (fingerprinted) base weight.
+Saves go through :class:`CheckedCheckpointIO`: sealed last, refused if a trained tensor is NaN/inf,
+written atomically beside the target. On resume, before the first change: the structure and version of
+the lightning_hbm part, its digest, and every tensor against its CRC (``torch.load`` does not verify the
+zip CRC of tensor data, so flipped bytes would load silently); the configurations must be equal, and the
+omitted base must have the fingerprint of the base the adapters were trained on. After the surgery the
+changed tensors are loaded and every key of the changed model must come from the checkpoint or from an
+omitted (fingerprinted) base weight. Version-1 checkpoints (weights-only CRCs, 64-sample fingerprints,
+no digest) still load, with a warning.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import zlib
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every tensor checksummed, the lightning_hbm part sealed by a digest, stronger fingerprints
 META_KEY = "lightning_hbm"
-_SAMPLES = 64  # elements sampled per tensor for its fingerprint: cheap on an 8B model, enough to tell two bases apart
+# Fingerprints (of the frozen base, before quantization, on every fit): every byte of tensors up to 16 MiB
+# (all of a 135M model's but its embedding), else exact row and column sums over all elements plus 4096 samples,
+# in chunks of 4M elements (32 MiB of int64 temporaries on the tensor's device).
+_EXACT_BYTES = 16 << 20
+_SAMPLES = 4096
+_ROW = 1024
+_CHUNK = 1 << 22
 
 
 # ------------------------------------------------------------------------------------ fingerprints
@@ -54,17 +66,69 @@ def spread_indices(n: int, k: int, device: Any = None) -> torch.Tensor:
     return torch.arange(k, dtype=torch.int64, device=device) * (n - 1) // (k - 1)
 
 
-def fingerprint(tensor: torch.Tensor) -> Optional[str]:
-    """A hash of the shape and of 64 fixed, evenly spread elements (None for meta tensors)."""
-    if tensor.is_meta or not isinstance(tensor, torch.Tensor) or type(tensor) not in (torch.Tensor, nn.Parameter):
+def _plain(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and type(tensor) in (torch.Tensor, nn.Parameter) and not tensor.is_meta
+
+
+def fingerprint_v1(tensor: torch.Tensor) -> Optional[str]:
+    """Version-1 fingerprint: a hash of the shape and of 64 evenly spread elements (None for meta tensors)."""
+    if not _plain(tensor):
         return None
     flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
         values = torch.zeros(0, dtype=torch.float64)
     else:
-        index = spread_indices(flat.numel(), _SAMPLES, flat.device)
-        values = flat[index].to(torch.float64).cpu()
-    digest = hashlib.sha1(repr(tuple(tensor.shape)).encode() + values.numpy().tobytes())
+        values = flat[spread_indices(flat.numel(), 64, flat.device)].to(torch.float64).cpu()
+    return hashlib.sha1(repr(tuple(tensor.shape)).encode() + values.numpy().tobytes()).hexdigest()[:16]
+
+
+def _bits(flat: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as signed integers of their own width (a bit-exact, device-independent view)."""
+    kind = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    return flat.view(kind) if flat.dtype != torch.bool else flat.to(torch.int8)
+
+
+def _block_sums(bits: torch.Tensor) -> tuple[Any, Any]:
+    """Exact int64 sums of every row and every column of ``bits`` viewed as (rows, _ROW) (wrapping modulo 2**64).
+
+    Integers, so the numbers are the same on every device and with any chunking: numpy on CPU (fast without
+    threads), torch in chunks on an accelerator (no copy of the tensor to the host; 32 MiB temporaries).
+    """
+    grid = bits.reshape(-1, _ROW)
+    if grid.device.type == "cpu":
+        values = grid.numpy()
+        return values.sum(axis=1, dtype="int64"), values.sum(axis=0, dtype="int64")
+    rows, cols = [], torch.zeros(_ROW, dtype=torch.int64, device=grid.device)
+    for start in range(0, grid.shape[0], _CHUNK // _ROW):
+        chunk = grid[start : start + _CHUNK // _ROW].to(torch.int64)
+        rows.append(chunk.sum(dim=1))
+        cols += chunk.sum(dim=0)
+    return torch.cat(rows).cpu().numpy(), cols.cpu().numpy()
+
+
+def fingerprint(tensor: torch.Tensor) -> Optional[str]:
+    """A hash that tells two tensors apart even where they agree at most elements (None for meta tensors).
+
+    Up to ``_EXACT_BYTES`` the hash covers every byte (CRC32). Above (the big matrices of a real LLM, which may sit
+    on an accelerator), it covers the exact integer sums of every row and every column of the tensor's bits viewed
+    as (n / 1024, 1024), computed where the tensor lives, plus ``_SAMPLES`` spread elements: any single changed
+    element, and any swap of two elements, changes it. The method depends on the size only, never on the device.
+    """
+    if not _plain(tensor):
+        return None
+    flat = tensor.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    digest = hashlib.sha1(repr((tuple(tensor.shape), str(tensor.dtype))).encode())
+    if flat.numel() * flat.element_size() <= _EXACT_BYTES:
+        digest.update(zlib.crc32(flat.cpu().contiguous().view(torch.uint8).numpy()).to_bytes(4, "little"))
+        return digest.hexdigest()[:16]
+    bits = _bits(flat)
+    whole = flat.numel() - flat.numel() % _ROW
+    rows, cols = _block_sums(bits[:whole])
+    samples = bits[spread_indices(flat.numel(), _SAMPLES, flat.device)]
+    for part in (rows, cols, bits[whole:].cpu().numpy(), samples.cpu().numpy()):
+        digest.update(part.tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -76,7 +140,9 @@ def as_built_record(module: nn.Module) -> dict[str, Any]:
         if isinstance(value, torch.Tensor):
             schema[key] = (tuple(value.shape), value.is_floating_point())
             prints[key] = fingerprint(value)
-    return {"schema": schema, "fingerprints": prints}
+    # version-1 checkpoints hold the older, 64-sample fingerprints: keep those too (cheap) to compare with them
+    v1 = {key: fingerprint_v1(value) for key, value in module.state_dict(keep_vars=True).items() if isinstance(value, torch.Tensor)}
+    return {"schema": schema, "fingerprints": prints, "fingerprints_v1": v1}
 
 
 def _fits(schema: dict[str, tuple[tuple[int, ...], bool]], key: str, value: Any) -> bool:
@@ -156,7 +222,6 @@ def pack(
             placeholders.append(key)
         else:
             omitted.append(key)
-    sums = {k: checksum(v) for k, v in {**fitting, **changed}.items() if isinstance(v, torch.Tensor)}
     state_dict = dict(fitting)
     state_dict.update({k: _placeholder(schema[k][0]) for k in placeholders})
     checkpoint["state_dict"] = state_dict
@@ -166,47 +231,210 @@ def pack(
         "placeholders": placeholders,
         "omitted": omitted,
         "fingerprints": {k: record["fingerprints"].get(k) for k in omitted},
-        "checksums": {k: v for k, v in sums.items() if v is not None},
         "configs": configs,
-    }
+    }  # the checksums and the digest are added last, by seal(), when the file is written (CheckedCheckpointIO)
 
 
 # ------------------------------------------------------------------------------------------- resume
 
 
-def verify_checksums(meta: dict[str, Any], state_dict: dict[str, Any], path: Any) -> None:
-    """Raise if a tensor of ``state_dict`` or of the changed part differs from the CRC saved with it."""
-    sums = meta.get("checksums", {})
-    for part in (state_dict, meta.get("state_dict", {})):
-        for key, value in part.items():
-            expected = sums.get(key)
-            if expected is None or not isinstance(value, torch.Tensor) or is_placeholder(value):
-                continue
-            if checksum(value) != expected:
-                raise ValueError(
-                    f"Checkpoint {path} is damaged: tensor {key!r} does not match the checksum written with it "
-                    "(flipped bytes on disk or in transfer). Resume from another checkpoint (e.g. the previous "
-                    "'last.ckpt' or a top-k one) instead; nothing was loaded."
-                )
+_NOT_SEALED = ("checksums", "digest", "verified")  # written by seal() / verify(): no tensors of their own
+
+
+def _damaged(path: Any, what: str) -> ValueError:
+    return ValueError(
+        f"Checkpoint {path} is damaged: {what} (flipped bytes on disk or in transfer, or an edited file). Resume "
+        "from another checkpoint (e.g. the previous 'last.ckpt' or a top-k one) instead; nothing was loaded."
+    )
+
+
+def _walk(value: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _walk(item, f"{path}/{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _walk(item, f"{path}/{index}")
+
+
+def tensor_entries(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of ``checkpoint`` by a stable key: the weights by their state_dict key (both parts), every other
+    tensor (optimizer states, ``step`` counters, lr schedulers, loops, callbacks, ...) by ``@`` and its path."""
+    entries: dict[str, torch.Tensor] = {}
+    meta = checkpoint.get(META_KEY, {})
+    for part in (checkpoint.get("state_dict", {}), meta.get("state_dict", {})):
+        entries.update((k, v) for k, v in part.items() if isinstance(v, torch.Tensor))
+    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", META_KEY)}
+    rest[META_KEY] = {k: v for k, v in meta.items() if k not in ("state_dict", *_NOT_SEALED)}
+    for key, value in rest.items():
+        entries.update(_walk(value, f"@{key}"))
+    return {k: v for k, v in entries.items() if not is_placeholder(v) and _plain(v)}
+
+
+def _canonical_form(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype))  # its bytes are in the checksums
+    if isinstance(value, dict):
+        return sorted((repr(k), _canonical_form(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return [_canonical_form(v) for v in value]
+    return repr(value)
+
+
+def meta_digest(meta: dict[str, Any]) -> str:
+    """SHA-256 of the lightning_hbm part (settings, omitted keys, fingerprints, checksum table), tensors by shape."""
+    sealed = {k: v for k, v in meta.items() if k not in ("state_dict", "digest")}
+    return hashlib.sha256(repr(_canonical_form(sealed)).encode()).hexdigest()
+
+
+def seal(checkpoint: dict[str, Any]) -> None:
+    """Add a CRC32 of every tensor of ``checkpoint`` and a digest of its lightning_hbm part (in place, last thing
+    before writing: hooks that run after the packing, e.g. the model's ``on_save_checkpoint``, are covered)."""
+    meta = checkpoint.get(META_KEY)
+    if not isinstance(meta, dict):
+        return
+    meta.pop("digest", None)
+    meta.pop(_VERIFIED_KEY, None)
+    meta["version"] = FORMAT_VERSION
+    meta["checksums"] = {k: c for k, c in ((k, checksum(v)) for k, v in tensor_entries(checkpoint).items()) if c is not None}
+    meta["digest"] = meta_digest(meta)
+
+
+_VERIFIED_KEY = "verified"
+_VERIFIED = object()  # meta[_VERIFIED_KEY] once checked in this process: a file (weights_only) cannot hold this object
+
+
+def validate_meta(meta: Any, path: Any) -> None:
+    """A clear error for a lightning_hbm part of the wrong structure or of an unknown format version."""
+    if not isinstance(meta, dict):
+        raise ValueError(
+            f"Checkpoint {path}: checkpoint[{META_KEY!r}] is a {type(meta).__name__}, not the dict lightning_hbm writes. "
+            "The file was edited or written by another tool; resume from a checkpoint lightning_hbm saved."
+        )
+    version = meta.get("version")
+    if type(version) is not int or not 1 <= version <= FORMAT_VERSION:
+        raise ValueError(
+            f"Checkpoint {path} has lightning_hbm format version {version!r}; this lightning_hbm reads versions 1 to "
+            f"{FORMAT_VERSION}. A newer lightning_hbm wrote it: upgrade lightning_hbm (pip install -U lightning_hbm), or "
+            "resume from a checkpoint of this version."
+        )
+    shapes = {
+        "state_dict": dict, "placeholders": list, "omitted": list, "fingerprints": dict, "configs": dict,
+        "checksums": dict, "digest": str,
+    }
+    required = [k for k in shapes if version >= 2 or k != "digest"]
+    for key in required:
+        if not isinstance(meta.get(key), shapes[key]):
+            raise ValueError(
+                f"Checkpoint {path} is damaged: checkpoint[{META_KEY!r}][{key!r}] is "
+                f"{type(meta.get(key)).__name__ if key in meta else 'missing'}, expected a {shapes[key].__name__}. "
+                "Resume from another checkpoint; nothing was loaded."
+            )
+    lists = {k: meta[k] for k in ("placeholders", "omitted")}
+    if any(not isinstance(item, str) for items in lists.values() for item in items) or any(
+        not isinstance(v, int) for v in meta["checksums"].values()
+    ) or any(not isinstance(v, dict) for v in meta["configs"].values()):
+        raise ValueError(
+            f"Checkpoint {path} is damaged: its {META_KEY!r} part holds entries of the wrong type (key names must be "
+            "strings, checksums integers, settings dicts). Resume from another checkpoint; nothing was loaded."
+        )
+
+
+def verify(checkpoint: dict[str, Any], path: Any) -> None:
+    """Check a loaded checkpoint's lightning_hbm part and every tensor against its CRC, before anything loads.
+
+    Idempotent per loaded checkpoint. Version-1 checkpoints (weights checksummed, nothing else) load with a warning.
+    """
+    meta = checkpoint.get(META_KEY) if isinstance(checkpoint, dict) else None
+    if meta is None or (isinstance(meta, dict) and meta.get(_VERIFIED_KEY) is _VERIFIED):
+        return
+    validate_meta(meta, path)
+    sums = meta["checksums"]
+    if meta["version"] == 1:
+        import warnings
+
+        warnings.warn(
+            f"Checkpoint {path} has lightning_hbm format version 1: its weights are checked, but its optimizer states, "
+            "loops and settings carry no checksum. Save again with this version to have them checked.",
+            stacklevel=2,
+        )
+        entries = {k: v for part in (checkpoint.get("state_dict", {}), meta["state_dict"]) for k, v in part.items()}
+        entries = {k: v for k, v in entries.items() if k in sums and isinstance(v, torch.Tensor) and not is_placeholder(v)}
+    else:
+        if meta_digest(meta) != meta["digest"]:
+            raise _damaged(path, f"its {META_KEY!r} part (settings, fingerprints, checksum table) does not match its digest")
+        entries = tensor_entries(checkpoint)
+    for key, value in entries.items():
+        if key not in sums:
+            raise _damaged(path, f"tensor {key!r} has no checksum")
+        if checksum(value) != sums[key]:
+            raise _damaged(path, f"tensor {key!r} does not match the checksum written with it")
+    meta[_VERIFIED_KEY] = _VERIFIED
+
+
+def is_verified(meta: Any) -> bool:
+    return isinstance(meta, dict) and meta.get(_VERIFIED_KEY) is _VERIFIED
+
+
+# torch.save(..., _use_new_zipfile_serialization=False): a pickle (protocol 2) starting with torch's magic number
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 
 
 def check_file(path: Any) -> None:
-    """A clear error for a checkpoint file that is empty or cut short (torch says EOFError / Errno 22)."""
+    """A clear error for a checkpoint path that is a directory, or a file that is empty or cut short (torch says
+    EOFError / Errno 22 / IsADirectoryError). A complete file in torch's legacy (non-zip) format passes: it loads."""
     if path is None:
         return
     try:
         file = Path(path)
-        size = file.stat().st_size
+        is_dir = file.is_dir()
+        size = 0 if is_dir else file.stat().st_size
     except (OSError, TypeError, ValueError):
         return  # a remote URL or an unusual path: leave it to Lightning's own loader
+    if is_dir:
+        raise ValueError(
+            f"Checkpoint {path} is a directory, not a checkpoint file. If it is a distributed (sharded) checkpoint, "
+            "resume it with the strategy that wrote it (e.g. FSDP with state_dict_type='sharded'); otherwise pass the "
+            "path of a .ckpt file inside it."
+        )
     if size == 0:
         raise ValueError(f"Checkpoint {path} is empty (0 bytes): the save was interrupted. Resume from another checkpoint.")
     import zipfile
 
-    if not zipfile.is_zipfile(file):
+    if zipfile.is_zipfile(file):
+        return
+    with open(file, "rb") as handle:
+        if handle.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC:
+            return  # torch's legacy format (_use_new_zipfile_serialization=False): torch.load reads it
+    raise ValueError(
+        f"Checkpoint {path} is not a complete torch checkpoint ({size} bytes; neither a zip archive with its directory "
+        "nor torch's legacy format): the file was cut short, e.g. by a kill during save or a full disk, or it is "
+        "not a checkpoint. Resume from another checkpoint."
+    )
+
+
+_CHANGED_MARKS = (".lora_A.", ".lora_B.", ".base_layer.", ".absmax", ".quant_map", ".quant_state.", ".nested_absmax", ".SCB")
+
+
+def check_layout(checkpoint: Any, path: Any, model_keys: Iterable[str] = ()) -> None:
+    """A clear error, before anything loads, for a checkpoint in lightning_hbm's older layout: the changed tensors
+    (adapters, 4-bit constants) in ``state_dict`` itself, where Lightning's strict load into the model as built fails
+    half-way with a raw "Unexpected key(s)" error."""
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        return
+    meta = checkpoint.get(META_KEY)
+    if isinstance(meta, dict) and "version" in meta:
+        return  # the two-part layout (validated by verify)
+    known = set(model_keys)  # a model built with such layers on purpose loads them as they are
+    changed = [k for k in checkpoint["state_dict"] if k not in known and any(m in k for m in _CHANGED_MARKS)]
+    if changed:
         raise ValueError(
-            f"Checkpoint {path} is not a complete torch checkpoint ({size} bytes; its zip directory is missing): the "
-            "file was cut short, e.g. by a kill during save or a full disk. Resume from another checkpoint."
+            f"Checkpoint {path} holds tensors of an already changed model in its state_dict ({changed[:3]}): it was "
+            "written in an older lightning_hbm layout (or by a plain peft/bitsandbytes model) that cannot be resumed. "
+            "Start a new run from its weights instead: load them into your model yourself (model.load_state_dict("
+            "torch.load(path, weights_only=True)['state_dict'], strict=False)) and call fit without ckpt_path."
         )
 
 
@@ -228,7 +456,7 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
 def fingerprint_differences(meta: dict[str, Any], record: dict[str, Any]) -> list[str]:
     """Omitted base tensors whose fingerprint differs from the one saved (other seed, other weights)."""
-    now = record["fingerprints"]
+    now = record["fingerprints"] if meta.get("version", 1) >= 2 else record.get("fingerprints_v1", {})
     return [
         key
         for key, saved in meta.get("fingerprints", {}).items()
@@ -246,18 +474,164 @@ def unrestored_keys(module: nn.Module, loaded: Iterable[str], omitted: Iterable[
     ]
 
 
-class CheckedCheckpointIO(CheckpointIO):
-    """The strategy's checkpoint IO, with a clear error for an empty or cut-short file before loading it."""
+# --------------------------------------------------------------------------------------- atomic save
 
-    def __init__(self, inner: CheckpointIO) -> None:
-        self.inner = inner
+_PARTIAL = ".lightning_hbm-partial"  # ``.{name}.{pid}.lightning_hbm-partial``: a save in progress, beside its target
+
+
+def _partial_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}{_PARTIAL}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def clean_partials(folder: Path) -> list[Path]:
+    """Remove the partial files that killed saves of ours left in ``folder`` (their process is gone)."""
+    removed = []
+    for partial in folder.glob(f".*{_PARTIAL}"):
+        pid = partial.name[: -len(_PARTIAL)].rsplit(".", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            partial.unlink(missing_ok=True)
+            removed.append(partial)
+    return removed
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # e.g. Windows: no directory handles; the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
+    """``torch.save`` that never leaves a partial file under ``path``, nor replaces a good one by it.
+
+    Lightning writes into the temp folder and ``shutil.move`` s the file over the target: across
+    filesystems (a mounted checkpoint volume) that move is a copy *over the target*, so a kill or a full
+    disk mid-copy leaves a 0-byte or partial checkpoint under its final name. Here the file is written
+    beside the target (same folder, so same filesystem), flushed and fsynced, then renamed over it in one
+    step (``os.replace``); the folder is fsynced so the rename survives a power cut. On any error the
+    partial file is removed and the previous checkpoint is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean_partials(path.parent)
+    partial = _partial_path(path)
+    try:
+        with open(partial, "wb") as file:
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+    except BaseException as err:
+        partial.unlink(missing_ok=True)
+        if not isinstance(err, Exception):
+            raise  # KeyboardInterrupt, SystemExit: as they are
+        # torch's zip writer hides a full disk behind "unexpected pos": name the real cause
+        cause = next((e for e in _chain(err) if isinstance(e, OSError)), err)
+        previous = "the previous checkpoint there is untouched" if path.exists() else "no file was left there"
+        raise OSError(
+            getattr(cause, "errno", None) or 0,
+            f"Could not save checkpoint {path} ({cause}); {previous}. Free space on that disk or save elsewhere.",
+        ) from err
+    _fsync_dir(path.parent)
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def _is_local(path: Any) -> bool:
+    return isinstance(path, (str, os.PathLike)) and "://" not in str(path)
+
+
+class CheckedCheckpointIO(CheckpointIO):
+    """The strategy's checkpoint IO, made safe: atomic saves and clear errors for damaged files.
+
+    Every lightning_hbm run gets one (wrapping the strategy's IO). To set its options, pass it yourself:
+    ``Trainer(plugins=[CheckedCheckpointIO(refuse_non_finite=False)])``.
+
+    Args:
+        inner: the IO that reads and deletes files (and writes those that are not local files); default
+            Lightning's ``TorchCheckpointIO``.
+        refuse_non_finite: refuse (ValueError, nothing written) to save a checkpoint whose trained tensors hold
+            NaN or inf, so a diverged step cannot replace the last good checkpoint.
+    """
+
+    def __init__(self, inner: Optional[CheckpointIO] = None, refuse_non_finite: bool = True) -> None:
+        from lightning.fabric.plugins import TorchCheckpointIO
+
+        self.inner = inner if inner is not None else TorchCheckpointIO()
+        self.refuse_non_finite = refuse_non_finite
+        self.trainer: Any = None  # set by lightning_hbm.surgery.check_saves
+
+    def _writes_atomically(self, path: Any, storage_options: Optional[Any]) -> bool:
+        from lightning.fabric.plugins import TorchCheckpointIO
+
+        # a user's own IO (async, cloud, ...) keeps its own way of writing
+        plain = type(self.inner).save_checkpoint is TorchCheckpointIO.save_checkpoint
+        return plain and storage_options is None and _is_local(path)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
-        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        if self.trainer is not None and META_KEY not in checkpoint:
+            # save_weights_only=True: Lightning calls no save hook, so the lightning_hbm part is packed here
+            plugin = self.trainer.strategy.precision_plugin
+            if getattr(plugin, "runs_surgery", False):
+                plugin.on_save_checkpoint(checkpoint)
+            else:
+                from lightning_hbm.surgery import pack_checkpoint
+
+                pack_checkpoint(self.trainer, checkpoint)
+        if self.refuse_non_finite:
+            self._refuse_non_finite(checkpoint, path)
+        seal(checkpoint)
+        if self._writes_atomically(path, storage_options):
+            atomic_save(checkpoint, path)
+        else:
+            self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def _refuse_non_finite(self, checkpoint: dict[str, Any], path: Any) -> None:
+        module = getattr(self.trainer, "lightning_module", None)
+        weights = {**checkpoint.get("state_dict", {}), **checkpoint.get(META_KEY, {}).get("state_dict", {})}
+        if module is not None:  # the trained tensors (a frozen base may hold inf on purpose, e.g. masks)
+            trained = {n for n, p in module.named_parameters() if p.requires_grad}
+            weights = {k: v for k, v in weights.items() if k in trained}
+        bad = [
+            k for k, v in weights.items()
+            if _plain(v) and v.is_floating_point() and not is_placeholder(v) and not torch.isfinite(v).all()
+        ]
+        if bad:
+            kept = "the previous checkpoint there is kept" if Path(str(path)).exists() else "nothing was written"
+            raise ValueError(
+                f"Refusing to save checkpoint {path}: {len(bad)} trained tensor(s) hold NaN or inf ({bad[:5]}); {kept}. "
+                "The loss diverged: lower the learning rate, clip gradients (Trainer(gradient_clip_val=1.0)) or check "
+                "the data, and resume from the last good checkpoint. To save such tensors anyway, pass "
+                "Trainer(plugins=[lightning_hbm.CheckedCheckpointIO(refuse_non_finite=False)])."
+            )
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
         check_file(path)
-        return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        checkpoint = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        module = getattr(self.trainer, "lightning_module", None)
+        check_layout(checkpoint, path, module.state_dict().keys() if module is not None else ())
+        verify(checkpoint, path)  # before Lightning loads anything from it
+        return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
         self.inner.remove_checkpoint(path)

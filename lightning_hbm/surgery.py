@@ -240,8 +240,7 @@ def run_surgery(
         object.__setattr__(module, _RECORD_ATTR, resume.as_built_record(module))
     meta = (checkpoint or {}).get(resume.META_KEY)
     if checkpoint is not None:
-        if meta is not None and not meta.get("verified"):  # no load hook ran (QuantizedPrecision alone)
-            resume.verify_checksums(meta, checkpoint.get("state_dict", {}), checkpoint_path)
+        resume.verify(checkpoint, checkpoint_path)  # once: a no-op if the IO or the load hook checked it
         _check_resume(module, plugin, transforms, meta, checkpoint_path)
     apply_transforms(module, [t for t in pending if t.stage < Stage.QUANTIZE])
     if device is not None and hasattr(plugin, "target_device"):
@@ -373,6 +372,7 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
     if trainer is None:  # not attached to a Trainer (a plain call): the plugin's change alone
         return run_surgery(module, plugin, [], convert=convert)
     _state(plugin, trainer)
+    check_saves(trainer)
     checkpoint = pending_checkpoint(trainer)
     fitting = trainer.state.fn == "fit"
     return run_surgery(
@@ -421,7 +421,7 @@ def install(trainer: pl.Trainer) -> None:
 
     Called by every :class:`SurgeryCallback` (and ``AutoFit``) in ``Callback.setup``, which runs
     before Lightning restores weights. A plugin instance reused by a second Trainer follows the latest
-    Trainer. The strategy's checkpoint IO is wrapped so that an empty or cut-short file is a clear error.
+    Trainer. The strategy's checkpoint IO is wrapped (:func:`check_saves`): atomic saves, clear load errors.
     """
     plugin = trainer.strategy.precision_plugin
     _state(plugin, trainer)
@@ -429,10 +429,21 @@ def install(trainer: pl.Trainer) -> None:
         # instance attributes: only this plugin object is changed, and it stays picklable
         plugin.convert_module = _SpineConvert(plugin)
         plugin.connect = _SpineConnect(plugin)
-    if not isinstance(trainer.strategy.checkpoint_io, resume.CheckedCheckpointIO):
-        trainer.strategy.checkpoint_io = resume.CheckedCheckpointIO(trainer.strategy.checkpoint_io)
+    check_saves(trainer)
     if trainer.lightning_module is not None:
         add_resume_hooks(trainer.lightning_module)
+
+
+def check_saves(trainer: pl.Trainer) -> resume.CheckedCheckpointIO:
+    """Wrap the strategy's checkpoint IO (once) in :class:`~lightning_hbm.resume.CheckedCheckpointIO`: atomic saves,
+    clear errors for damaged files. Called by :func:`install` and by every surgery in a Trainer, so a run with
+    ``QuantizedPrecision`` alone, Lightning's plugins or lightning_hbm's strategies all get it."""
+    io = trainer.strategy.checkpoint_io
+    if not isinstance(io, resume.CheckedCheckpointIO):
+        io = resume.CheckedCheckpointIO(io)
+        trainer.strategy.checkpoint_io = io
+    io.trainer = trainer
+    return io
 
 
 def add_resume_hooks(module: nn.Module) -> None:
@@ -464,8 +475,7 @@ class _ResumeHook:
         meta = (pending_checkpoint(trainer) or {}).get(resume.META_KEY)
         if meta is None or prefix:
             return  # not a lightning_hbm checkpoint: Lightning's rules, unchanged
-        resume.verify_checksums(meta, state_dict, trainer.ckpt_path)
-        meta["verified"] = True
+        resume.verify(pending_checkpoint(trainer), trainer.ckpt_path)
         self.placeholders = set(meta.get("placeholders", []))
         for key in self.placeholders:
             state_dict.pop(key, None)

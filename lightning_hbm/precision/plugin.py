@@ -519,7 +519,10 @@ class QuantizedPrecision(Precision):
         from lightning_hbm import resume
         from lightning_hbm.surgery import pending_checkpoint
 
-        return (pending_checkpoint(trainer) or {}).get(resume.META_KEY) or {}
+        checkpoint = pending_checkpoint(trainer) or {}
+        if checkpoint:
+            resume.verify(checkpoint, trainer.ckpt_path)  # structure, version, CRCs: before this part is read
+        return checkpoint.get(resume.META_KEY) or {}
 
     def _saved_plan(self, trainer: Any) -> Optional[dict[str, str]]:
         """The plan in the checkpoint being resumed, if it was saved with this plugin's settings."""

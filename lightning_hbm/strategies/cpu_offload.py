@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from lightning_hbm.callbacks.optimizer import repoint_lr_schedulers
 from lightning_hbm.memory.storage import nested_tensors, unique_bytes
+from lightning_hbm.resume import CheckedCheckpointIO
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +269,10 @@ class CPUOffloadStrategy(SingleDeviceStrategy):
         precision_plugin: Optional[Any] = None,
     ) -> None:
         super().__init__(
-            device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+            device=device or "cpu",
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else CheckedCheckpointIO(),  # atomic saves
+            precision_plugin=precision_plugin,
         )
         # Lightning's connector fills ``parallel_devices`` of a strategy given by name: that is how
         # Trainer(strategy="cpu_offload", accelerator="gpu") finds its device (see the setter).

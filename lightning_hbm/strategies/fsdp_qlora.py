@@ -113,6 +113,7 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        self.checkpoint_io = resume.CheckedCheckpointIO()  # rank 0 writes the gathered file atomically
         self.shard_modules = None if shard_modules is None else list(shard_modules)
         self.cpu_offload = cpu_offload
         self.reshard_after_forward = reshard_after_forward
@@ -301,11 +302,11 @@ def _trainable_part(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
     of the changed model (the adapters). This strategy restores after its surgery, into the changed model:
     both parts, without the placeholders. A plain checkpoint (no second part) is read as it is.
     """
+    resume.verify(checkpoint, path)
     state_dict = checkpoint.pop("state_dict", {})
     meta = checkpoint.get(resume.META_KEY)
     if meta is None:
         return state_dict
-    resume.verify_checksums(meta, state_dict, path)
     placeholders = set(meta.get("placeholders", []))
     trainable = {k: v for k, v in state_dict.items() if k not in placeholders}
     trainable.update(meta.get("state_dict", {}))
