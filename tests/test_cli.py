@@ -149,6 +149,7 @@ def test_console_script_points_to_main() -> None:
     assert scripts.get("lightning-hbm") == "lightning_hbm.cli:main"
 
 
+@pytest.mark.slow
 def test_plan_predicts_and_chooses_within_budget(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     args = [
         *TINY,
@@ -267,6 +268,7 @@ def test_did_you_mean() -> None:
     assert did_you_mean("zzz", ["r", "alpha"]) == ""
 
 
+@pytest.mark.slow
 def test_console_script_lora_typo_exit_2_with_short_names(tmp_path: Path) -> None:
     # through the console script (this worktree's code: `python -m lightning_hbm.cli` from the repository root)
     root = Path(__file__).resolve().parents[1]

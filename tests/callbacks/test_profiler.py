@@ -256,6 +256,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_ddp_rank0_writes_max_over_ranks(tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -271,6 +272,7 @@ def test_ddp_rank0_writes_max_over_ranks(tmp_path: Path) -> None:
     assert all(r["activations"] > 8 * 2**20 for r in rows)  # rank 1's figure, written by rank 0
 
 
+@pytest.mark.slow
 def test_short_run_measures_its_first_steps_and_the_step_peak(
     gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer],
     tmp_path: Path, capsys: pytest.CaptureFixture,
@@ -333,6 +335,7 @@ def _bars(ax: Any) -> dict[str, list[float]]:
     return {c.get_label(): [p.get_height() for p in c.patches] for c in ax.containers}
 
 
+@pytest.mark.slow
 def test_png_shows_the_step_peak_by_category_per_detailed_step(qlora_run: tuple[HBMProfiler, Path]) -> None:
     profiler, out = qlora_run
     assert (out / "hbm_profile.png").stat().st_size > 0
@@ -360,6 +363,7 @@ def test_plot_draws_budget_and_planner_prediction() -> None:
     assert not [line for ax in no_budget.axes for line in ax.get_lines()]
 
 
+@pytest.mark.slow
 def test_diagnosis_advises_from_what_the_run_used(qlora_run: tuple[HBMProfiler, Path], capsys: pytest.CaptureFixture) -> None:
     profiler, out = qlora_run
     assert {"QuantizedPrecision(nf4-dq)", "LoRA", "ActivationCheckpointing"} <= set(profiler.used["transforms"])
