@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import re
 import linecache
+import re
 import warnings
 from pathlib import Path
 import pkgutil
@@ -40,12 +40,14 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as SummaryTable
 from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 from typing_extensions import override
 
 import lightning_hbm
-from lightning_hbm.naming import did_you_mean
 from lightning_hbm.memory.report import find_report, render_report
+from lightning_hbm.memory.storage import parameter_bytes, parameter_count
+from lightning_hbm.naming import did_you_mean
 from lightning_hbm.precision import QuantizedPrecision, available_precisions
 from lightning_hbm.precision.registry import get_mode
 
@@ -329,11 +331,49 @@ class _QuietProgressBar(RichProgressBar):
         return super()._get_train_description(current_epoch)
 
 
+class _LogicalSummary(SummaryTable):
+    """Lightning's model summary, counting parameters the way lightning_hbm does.
+
+    Lightning counts ``numel()``: a bitsandbytes 4-bit weight packs two values per uint8 element, so a
+    139.4M-parameter QLoRA model showed 86.3M. Counts here are logical (:func:`parameter_count`), and the
+    size is the bytes the parameters really take (:func:`parameter_bytes`, quantization constants included).
+    """
+
+    @property
+    @override
+    def param_nums(self) -> list[int]:
+        return [parameter_count(layer._module) for layer in self._layer_summary.values()]
+
+    @property
+    @override
+    def total_parameters(self) -> int:
+        return parameter_count(self._model)
+
+    @property
+    @override
+    def trainable_parameters(self) -> int:
+        return parameter_count(self._model, trainable=True)
+
+    @property
+    @override
+    def model_size(self) -> float:
+        return parameter_bytes(self._model) / 1e6  # MB, as Lightning's estimate is given
+
+
 class _QuietModelSummary(RichModelSummary):
-    """Lightning's rich model summary, without a FLOPs column and "Total FLOPs: 0" when FLOPs were not measured.
+    """Lightning's rich model summary with honest parameter counts (:class:`_LogicalSummary`), and without a
+    FLOPs column and "Total FLOPs: 0" when FLOPs were not measured.
 
     Lightning counts FLOPs only for a model with an ``example_input_array``; otherwise it prints zeros.
     """
+
+    @override
+    def _summary(self, trainer: Trainer, pl_module: Any) -> Any:
+        from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy
+
+        if isinstance(trainer.strategy, DeepSpeedStrategy) and trainer.strategy.zero_stage_3:
+            return super()._summary(trainer, pl_module)
+        return _LogicalSummary(pl_module, max_depth=self._max_depth)
 
     @staticmethod
     @override
@@ -363,8 +403,8 @@ class _QuietModelSummary(RichModelSummary):
         counts = (trainable_parameters, total_parameters - trainable_parameters, total_parameters)
         trainable, frozen, total = (get_human_readable_count(int(n)).strip() for n in counts)
         size = get_formatted_model_size(model_size)
-        console.print(f"Params: {trainable} trainable, {frozen} frozen, {total} total; Lightning's size estimate {size} MB",
-                      highlight=False)  # fmt: skip
+        console.print(f"Params: {trainable} trainable, {frozen} frozen, {total} total (4-bit weights counted unpacked); "
+                      f"stored in {size} MB", highlight=False)  # fmt: skip
 
 
 def _quiet_console_callbacks(config: dict[str, Any]) -> list[Any]:

@@ -328,3 +328,18 @@ def test_name_list_puts_short_names_first() -> None:
     assert name_list(paths) == "q_proj, k_proj, lm_head (9 in all, e.g. model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.1.self_attn.q_proj, ...)"
     assert name_list(["wte", "head"]) == "wte, head"
     assert name_list([f"a.m{i}" for i in range(30)], max_short=2).startswith("m0, m1, ... and 28 more names (30 in all")
+
+
+def test_model_summary_counts_4bit_weights_unpacked(llama_factory: Any) -> None:
+    from lightning_hbm.cli import _LogicalSummary
+    from lightning_hbm.memory.storage import parameter_bytes
+
+    model = llama_factory()
+    logical = sum(p.numel() for p in model.parameters())
+    lightning_hbm.quantize_model(model, "nf4-dq", dtype="float32", device="cpu")
+    assert sum(p.numel() for p in model.parameters()) < logical  # what Lightning's own summary counts: packed
+    summary = _LogicalSummary(model, max_depth=1)
+    assert summary.total_parameters == logical
+    assert summary.trainable_parameters == sum(p.numel() for p in model.parameters() if p.requires_grad)  # not 4-bit
+    assert sum(summary.param_nums) == logical
+    assert summary.model_size == pytest.approx(parameter_bytes(model) / 1e6)
