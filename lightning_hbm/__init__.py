@@ -4,6 +4,7 @@ Memory is a sum: parameters + gradients + optimizer states + activations + overh
 of this package names the term it shrinks; ``HBMProfiler`` measures all of them.
 """
 
+import lightning_hbm.quiet  # noqa: F401  (first: filters library noise before peft/torchao are imported)
 from lightning_hbm.precision import QuantizedPrecision, available_precisions, precision_plugin, quantize_model
 from lightning_hbm.resume import CheckedCheckpointIO
 from lightning_hbm.surgery import Stage, SurgeryCallback, applied_transforms, run_surgery

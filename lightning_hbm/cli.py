@@ -25,24 +25,31 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import linecache
+import re
 import warnings
 from pathlib import Path
 import pkgutil
 from typing import Any, Literal, Optional, Union, get_args
 
 import torch
+from jsonargparse import ArgumentParser
 from lightning.fabric.connector import _PRECISION_INPUT_STR
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as SummaryTable
 from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 from typing_extensions import override
 
 import lightning_hbm
 from lightning_hbm.memory.report import find_report, render_report
+from lightning_hbm.memory.storage import parameter_bytes, parameter_count
+from lightning_hbm.naming import did_you_mean
 from lightning_hbm.precision import QuantizedPrecision, available_precisions
+from lightning_hbm.precision.registry import get_mode
 
 # Every value Lightning's Trainer accepts for ``precision`` (ints, their string forms, the long names).
 LIGHTNING_PRECISIONS: tuple[Union[int, str], ...] = (*get_args(_PRECISION_INPUT_STR), "bf16", "64", "32", "16", 64, 32, 16)
@@ -77,6 +84,10 @@ def import_all_classes() -> list[str]:
     return names
 
 
+class ConfigError(ValueError):
+    """A configuration the CLI cannot parse, said in one line (what is wrong, close matches, what is accepted)."""
+
+
 class UnknownPrecisionError(ValueError):
     """``trainer.precision`` names neither a lightning_hbm mode nor a Lightning precision."""
 
@@ -94,12 +105,112 @@ def resolve_precision(precision: Optional[Union[int, str]]) -> tuple[Optional[Un
     if precision in LIGHTNING_PRECISIONS:
         return precision, None
     lightning_names = ", ".join(dict.fromkeys(str(p) for p in LIGHTNING_PRECISIONS))  # "32" and 32: once
+    hint = did_you_mean(str(precision), [*available_precisions(), *map(str, LIGHTNING_PRECISIONS)])
     raise UnknownPrecisionError(
-        f"Unknown trainer.precision {precision!r}. lightning_hbm's quantized modes: "
+        f"Unknown trainer.precision {precision!r}.{hint} lightning_hbm's quantized modes: "
         f"{', '.join(available_precisions())} (compute dtype bfloat16; for another dtype use "
         "`plugins: [{class_path: QuantizedPrecision, init_args: {mode: nf4-dq, dtype: float32}}]`). "
         f"Lightning's precisions: {lightning_names}."
     )
+
+
+class HBMArgumentParser(LightningArgumentParser):
+    """Lightning's parser, whose errors are one line with close matches instead of a usage dump.
+
+    jsonargparse's message for ``init_args: {rank: 16}`` is ~45 lines (every Union subtype it tried, the
+    usage) with ``Option 'rank' is not accepted`` inside; this parser raises :class:`ConfigError` with
+    ``trainer.callbacks: LoRA has no option 'rank'. Did you mean 'r'? ...`` instead. Parsers built
+    with ``exit_on_error=False`` (jsonargparse's internal ones, which catch the error) are left alone.
+    """
+
+    @override
+    def error(self, message: str, ex: Optional[Exception] = None) -> Any:
+        if not self.exit_on_error:
+            return super().error(message, ex)
+        raise ConfigError(one_line_error(message, self))
+
+
+def one_line_error(message: str, parser: Optional[ArgumentParser] = None) -> str:
+    """jsonargparse's multi-line ``message`` as one line: the key, what is wrong, close matches, what is accepted."""
+    key = re.search(r'Parser key "([^"]+)"', message)
+    where = f"{key.group(1)}: " if key else ""
+    option = re.search(r"Problem with given class_path '([^']+)':\s*Option '([^']+)' is not accepted", message)
+    if option:  # a typo in init_args: the class's own parameters are the valid names
+        class_path, name = option.groups()
+        accepted = _init_parameters(class_path)
+        short = class_path.rsplit(".", 1)[-1]
+        return f"{where}{short} has no option {name!r}.{did_you_mean(name, accepted)} Its options: {', '.join(accepted)}."
+    path = re.search(r"Expected a dot import path string: (\S+)|Import path (\S+) does not correspond", message)
+    if path:  # a typo in a short class name
+        name = path.group(1) or path.group(2)
+        ours = sorted(n for n in lightning_hbm.__all__ if isinstance(getattr(lightning_hbm, n), type))
+        return (f"{where}no class named {name!r}.{did_you_mean(name, _known_class_names())} Give a full class path "
+                f"(my.module.MyCallback), one of Lightning's or one of lightning_hbm's: {', '.join(ours)}.")  # fmt: skip
+    unknown = re.search(r"does not accept option '([^']+)'|Option '([^']+)' is not accepted|Key \"?'?([\w.]+)'?\"? is not expected|unrecognized arguments: (\S+)", message)
+    if unknown:  # a top-level key typo (trainer.max_step in YAML)
+        name = next(g for g in unknown.groups() if g).lstrip("-").split("=")[0]
+        keys = _parser_keys(parser) if parser is not None else []
+        return f"{where}unknown option {name!r}.{did_you_mean(name, keys)} See `lightning-hbm fit --help` for every option."
+    # anything else: jsonargparse's most specific reason, without the Union subtypes it tried and failed
+    lines = [ln.strip().lstrip("- ") for ln in message.splitlines() if ln.strip()]
+    noise = r"(Parser key|Does not validate|Subtypes:|Errors:|Given value|Subclass types expect|a class path|a dict |Not a valid subclass|Expected a <class 'NoneType'>|Import path \S+ does not correspond)"
+    reasons = [ln for ln in lines if not re.match(noise, ln)]
+    return where + (reasons[0] if reasons else lines[0] if lines else message)
+
+
+def _init_parameters(class_path: str) -> list[str]:
+    try:
+        module, name = class_path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), name)
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return []
+    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _known_class_names() -> list[str]:
+    """Short names of the imported callbacks, strategies, plugins, modules and datamodules (what ``class_path`` takes)."""
+    from lightning.pytorch import Callback, LightningDataModule, LightningModule
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import Strategy
+
+    classes = _subclasses(Callback, Precision, Strategy, LightningModule, LightningDataModule)
+    return list(dict.fromkeys(c.__name__ for c in classes if not c.__name__.startswith("_")))
+
+
+def _subclasses(*bases: type) -> list[type]:
+    found: list[type] = []
+    stack = list(bases)
+    while stack:
+        cls = stack.pop()
+        found.append(cls)
+        stack.extend(cls.__subclasses__())
+    return found
+
+
+def _is_precision_plugin(class_path: str) -> bool:
+    from lightning.pytorch.plugins.precision import Precision
+
+    known = {c.__name__: c for c in _subclasses(Precision)}
+    if class_path in known:
+        return True
+    try:
+        module, name = class_path.rsplit(".", 1)
+        return issubclass(getattr(importlib.import_module(module), name), Precision)
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return False
+
+
+def _parser_keys(parser: ArgumentParser) -> list[str]:
+    """Every option key the parser (and its subcommands' parsers) knows: ``trainer.max_steps``, ``model``, ..."""
+    keys: list[str] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                keys += _parser_keys(sub)
+        elif action.dest not in ("help", "config", argparse.SUPPRESS):
+            keys.append(action.dest)
+    return keys
 
 
 class HBMCLI(LightningCLI):
@@ -120,6 +231,7 @@ class HBMCLI(LightningCLI):
 
     def __init__(self, model_class: Any = None, datamodule_class: Any = None, **kwargs: Any) -> None:
         import_all_classes()
+        kwargs.setdefault("parser_class", HBMArgumentParser)
         self._quantized_precision: Optional[QuantizedPrecision] = None
         parser_kwargs = kwargs.setdefault("parser_kwargs", {})
         parser_kwargs.setdefault("description", _DESCRIPTION)
@@ -155,7 +267,20 @@ class HBMCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Validate ``trainer.precision`` (and build its plugin) before any class is instantiated."""
         trainer_config = self._get(self.config, "trainer")
-        _, self._quantized_precision = resolve_precision(trainer_config.get("precision"))
+        precision = trainer_config.get("precision")
+        _, self._quantized_precision = resolve_precision(precision)
+        for plugin in _as_list(trainer_config.get("plugins")):
+            class_path = plugin.get("class_path") if hasattr(plugin, "get") else plugin
+            if not isinstance(class_path, str) or not _is_precision_plugin(class_path):
+                continue
+            if precision is not None:  # Lightning would raise a MisconfigurationException from deep inside Trainer
+                raise ConfigError(
+                    f"trainer.precision={precision!r} and the plugin {class_path.rsplit('.', 1)[-1]} both set the precision: keep one. "
+                    "For a quantized mode with another compute dtype drop `precision` and give the plugin "
+                    "`init_args: {mode: nf4-dq, dtype: float32}`; otherwise drop the plugin."
+                )
+            if class_path.rsplit(".", 1)[-1] == "QuantizedPrecision":  # checked here: jsonargparse would bury it in 60 lines
+                get_mode(plugin.get("init_args", {}).get("mode", "nf4-dq"))
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -206,11 +331,49 @@ class _QuietProgressBar(RichProgressBar):
         return super()._get_train_description(current_epoch)
 
 
+class _LogicalSummary(SummaryTable):
+    """Lightning's model summary, counting parameters the way lightning_hbm does.
+
+    Lightning counts ``numel()``: a bitsandbytes 4-bit weight packs two values per uint8 element, so a
+    139.4M-parameter QLoRA model showed 86.3M. Counts here are logical (:func:`parameter_count`), and the
+    size is the bytes the parameters really take (:func:`parameter_bytes`, quantization constants included).
+    """
+
+    @property
+    @override
+    def param_nums(self) -> list[int]:
+        return [parameter_count(layer._module) for layer in self._layer_summary.values()]
+
+    @property
+    @override
+    def total_parameters(self) -> int:
+        return parameter_count(self._model)
+
+    @property
+    @override
+    def trainable_parameters(self) -> int:
+        return parameter_count(self._model, trainable=True)
+
+    @property
+    @override
+    def model_size(self) -> float:
+        return parameter_bytes(self._model) / 1e6  # MB, as Lightning's estimate is given
+
+
 class _QuietModelSummary(RichModelSummary):
-    """Lightning's rich model summary, without a FLOPs column and "Total FLOPs: 0" when FLOPs were not measured.
+    """Lightning's rich model summary with honest parameter counts (:class:`_LogicalSummary`), and without a
+    FLOPs column and "Total FLOPs: 0" when FLOPs were not measured.
 
     Lightning counts FLOPs only for a model with an ``example_input_array``; otherwise it prints zeros.
     """
+
+    @override
+    def _summary(self, trainer: Trainer, pl_module: Any) -> Any:
+        from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy
+
+        if isinstance(trainer.strategy, DeepSpeedStrategy) and trainer.strategy.zero_stage_3:
+            return super()._summary(trainer, pl_module)
+        return _LogicalSummary(pl_module, max_depth=self._max_depth)
 
     @staticmethod
     @override
@@ -240,8 +403,8 @@ class _QuietModelSummary(RichModelSummary):
         counts = (trainable_parameters, total_parameters - trainable_parameters, total_parameters)
         trainable, frozen, total = (get_human_readable_count(int(n)).strip() for n in counts)
         size = get_formatted_model_size(model_size)
-        console.print(f"Params: {trainable} trainable, {frozen} frozen, {total} total; Lightning's size estimate {size} MB",
-                      highlight=False)  # fmt: skip
+        console.print(f"Params: {trainable} trainable, {frozen} frozen, {total} total (4-bit weights counted unpacked); "
+                      f"stored in {size} MB", highlight=False)  # fmt: skip
 
 
 def _quiet_console_callbacks(config: dict[str, Any]) -> list[Any]:
@@ -316,6 +479,8 @@ def main(args: Optional[list[str]] = None) -> int:
             return _run(argv)
         except (ValueError, TypeError) as err:
             user_error = _user_error(err)
+            if user_error is None and "Does not validate against any of the Union subtypes" in str(err):
+                user_error = one_line_error(str(err))  # jsonargparse building a class from the config failed
             if user_error is None:  # not a message written for the user: a bug, keep the traceback
                 raise
             print(f"lightning-hbm: error: {user_error}", file=sys.stderr)

@@ -7,7 +7,9 @@ full; full paths follow as examples only, so the message stays one readable line
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
+from typing import Any
 
 
 def name_list(paths: Iterable[str], max_short: int = 24, max_paths: int = 3) -> str:
@@ -27,4 +29,15 @@ def name_list(paths: Iterable[str], max_short: int = 24, max_paths: int = 3) -> 
     return f"{shown} ({len(paths)} in all, e.g. {examples})"
 
 
-__all__ = ["name_list"]
+def did_you_mean(word: str, names: Any) -> str:
+    """``" Did you mean 'r'?"`` for the names closest to ``word`` (difflib), or ``""`` when none is close."""
+    names = [str(n) for n in dict.fromkeys(names)]
+    close = difflib.get_close_matches(str(word), names, n=3, cutoff=0.6)
+    # a longer or shorter spelling of a name (rank -> r, lora_alpha -> alpha): difflib's ratio misses them
+    if "." not in word:
+        close += [n for n in names if n and n not in close and (word.startswith(n) or word.endswith(n) or n.startswith(word))]
+    close = close[:3]
+    return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+__all__ = ["did_you_mean", "name_list"]

@@ -68,7 +68,7 @@ def test_lightning_precision_names_keep_working(tmp_path: Path, value: Any, expe
 
 
 def test_unknown_precision_lists_both_sets(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"Unknown trainer.precision 'nf5'\. lightning_hbm's quantized modes: .*nf4-dq.*Lightning's precisions: .*bf16-true"):
+    with pytest.raises(ValueError, match=r"Unknown trainer.precision 'nf5'\. Did you mean 'nf4'.*\? lightning_hbm's quantized modes: .*nf4-dq.*Lightning's precisions: .*bf16-true"):
         _cli(tmp_path, "--trainer.precision=nf5")
     with pytest.raises(ValueError, match=r"Unknown trainer.precision 8\."):
         resolve_precision(8)
@@ -149,6 +149,7 @@ def test_console_script_points_to_main() -> None:
     assert scripts.get("lightning-hbm") == "lightning_hbm.cli:main"
 
 
+@pytest.mark.slow
 def test_plan_predicts_and_chooses_within_budget(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     args = [
         *TINY,
@@ -219,6 +220,55 @@ def test_console_user_errors_are_one_message(args: list[str], message: str, caps
     assert re.match(r"lightning-hbm: error: " + message, err.strip())
 
 
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("trainer: {callbacks: [{class_path: LoRA, init_args: {rank: 16}}]}",
+         r"trainer\.callbacks: LoRA has no option 'rank'\. Did you mean 'r'\? Its options: r, alpha, "),
+        ("trainer: {callbacks: [{class_path: HBMProfiler, init_args: {every_n_step: 3}}]}",
+         r"trainer\.callbacks: HBMProfiler has no option 'every_n_step'\. Did you mean 'every_n_steps'\?"),
+        ("trainer: {max_step: 1}", r"unknown option 'trainer\.max_step'\. Did you mean 'trainer\.max_steps'"),
+        ("trainr: {max_steps: 1}", r"unknown option 'trainr\.max_steps'\. Did you mean 'trainer\.max_steps'"),
+        ("model: {init_args: {hiden_size: 64}}", r"model: LlamaLM has no option 'hiden_size'\. Did you mean 'hidden_size'\?"),
+        ("trainer: {callbacks: [{class_path: LoRAA}]}",
+         r"trainer\.callbacks: no class named 'LoRAA'\. Did you mean 'LoRA'\? .*lightning_hbm's: .*HBMProfiler"),
+        ("trainer: {precision: nf4dq}", r"Unknown trainer\.precision 'nf4dq'\. Did you mean 'nf4-dq'"),
+        ("trainer: {plugins: [{class_path: QuantizedPrecision, init_args: {mode: nf5}}]}",
+         r"Unknown lightning_hbm precision mode 'nf5'\. Did you mean 'nf4'\? Valid modes: "),
+        ("trainer: {precision: nf4-dq, plugins: [{class_path: QuantizedPrecision, init_args: {mode: nf4}}]}",
+         r"trainer\.precision='nf4-dq' and the plugin QuantizedPrecision both set the precision: keep one\. "),
+    ],
+    ids=["lora-init-arg", "profiler-init-arg", "trainer-key", "top-key", "model-init-arg", "class-name", "precision",
+         "plugin-mode", "precision-and-plugin"],
+)  # fmt: skip
+def test_yaml_mistakes_are_one_line_with_close_matches(tmp_path: Path, yaml_text: str, message: str, capsys: pytest.CaptureFixture) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml_text)
+    assert main(["fit", "-c", str(config), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "usage:" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("lightning-hbm: error: ")]
+    assert len(lines) == 1 and err.strip().endswith(lines[0]), err
+    assert re.match(r"lightning-hbm: error: " + message, lines[0]), lines[0]
+
+
+def test_parse_errors_raise_config_error_in_process(tmp_path: Path) -> None:
+    from lightning_hbm.cli import ConfigError
+
+    with pytest.raises(ConfigError, match=r"unknown option 'trainer\.max_stepz'\. Did you mean 'trainer\.max_steps'"):
+        _cli(tmp_path, "--trainer.max_stepz=3")
+
+
+def test_did_you_mean() -> None:
+    from lightning_hbm.naming import did_you_mean
+
+    assert did_you_mean("nf4dq", available_precisions()).startswith(" Did you mean 'nf4-dq'")
+    assert did_you_mean("rank", ["r", "alpha", "dropout"]) == " Did you mean 'r'?"
+    assert did_you_mean("lora_alpha", ["r", "alpha"]) == " Did you mean 'alpha'?"
+    assert did_you_mean("zzz", ["r", "alpha"]) == ""
+
+
+@pytest.mark.slow
 def test_console_script_lora_typo_exit_2_with_short_names(tmp_path: Path) -> None:
     # through the console script (this worktree's code: `python -m lightning_hbm.cli` from the repository root)
     root = Path(__file__).resolve().parents[1]
@@ -231,6 +281,7 @@ def test_console_script_lora_typo_exit_2_with_short_names(tmp_path: Path) -> Non
     last = proc.stderr.strip().splitlines()[-1]
     # distinct short names first (what target_modules takes), full paths only as examples
     assert last.startswith("lightning-hbm: error: target_modules=['q_prj']"), last
+    assert "Did you mean 'q_proj'" in last
     assert "Available Linear layers: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head (15 in all, e.g. " in last
 
 
@@ -277,3 +328,18 @@ def test_name_list_puts_short_names_first() -> None:
     assert name_list(paths) == "q_proj, k_proj, lm_head (9 in all, e.g. model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.1.self_attn.q_proj, ...)"
     assert name_list(["wte", "head"]) == "wte, head"
     assert name_list([f"a.m{i}" for i in range(30)], max_short=2).startswith("m0, m1, ... and 28 more names (30 in all")
+
+
+def test_model_summary_counts_4bit_weights_unpacked(llama_factory: Any) -> None:
+    from lightning_hbm.cli import _LogicalSummary
+    from lightning_hbm.memory.storage import parameter_bytes
+
+    model = llama_factory()
+    logical = sum(p.numel() for p in model.parameters())
+    lightning_hbm.quantize_model(model, "nf4-dq", dtype="float32", device="cpu")
+    assert sum(p.numel() for p in model.parameters()) < logical  # what Lightning's own summary counts: packed
+    summary = _LogicalSummary(model, max_depth=1)
+    assert summary.total_parameters == logical
+    assert summary.trainable_parameters == sum(p.numel() for p in model.parameters() if p.requires_grad)  # not 4-bit
+    assert sum(summary.param_nums) == logical
+    assert summary.model_size == pytest.approx(parameter_bytes(model) / 1e6)

@@ -98,6 +98,7 @@ OVERRIDES = {"autofit": ["--trainer.callbacks.lora_ranks=[0]", "--trainer.callba
 
 
 @pytest.mark.parametrize("path", [p for p in RECIPES if _devices(p) == 1], ids=lambda p: p.stem)
+@pytest.mark.slow
 def test_recipe_trains_fast_dev_run(path: Path, tmp_path: Path) -> None:
     args = ["fit", "-c", str(path), "--trainer.fast_dev_run=2", f"--trainer.default_root_dir={tmp_path}", *TINY]
     cli = HBMCLI(args=[*args, *OVERRIDES.get(path.stem, [])])
@@ -132,6 +133,7 @@ def _load(name: str) -> ModuleType:
     return module
 
 
+@pytest.mark.slow
 def test_quickstart_loss_falls(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     losses = _load("quickstart").main(steps=8, root_dir=str(tmp_path))
     assert len(losses) == 8
@@ -142,6 +144,7 @@ def test_quickstart_loss_falls(tmp_path: Path, capsys: pytest.CaptureFixture) ->
     assert (tmp_path / "hbm_profile.csv").exists()
 
 
+@pytest.mark.slow
 def test_hf_example_exports_a_peft_adapter(tmp_path: Path) -> None:
     result = _load("hf_peft_export").main(steps=3, out=str(tmp_path))
     # 2 layers x 4 attention projections x (lora_A, lora_B), reloaded by peft and equal

@@ -209,6 +209,7 @@ def relative_error(reference: torch.Tensor, approximation: torch.Tensor) -> floa
 
 
 @pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.slow
 def test_trains_with_nf4_dq_lora_and_checkpointing(name: str, tmp_path: Any) -> None:
     module = build(name)
     reference = copy.deepcopy(module).eval()
@@ -279,6 +280,7 @@ def test_planned_parameter_bytes_equal_the_real_ones_for_every_kind(name: str) -
     assert planned == parameter_bytes(module)
 
 
+@pytest.mark.slow
 def test_planner_traces_a_quantized_adapted_mixtral() -> None:
     """Routing needs values a fake tensor lacks: LinearExperts plans a balanced load; parameters stay exact."""
     from lightning_hbm.memory import parameter_bytes

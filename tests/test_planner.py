@@ -58,6 +58,7 @@ ACCURACY_CASES = [
 
 
 @pytest.mark.parametrize(("model", "candidate"), ACCURACY_CASES, ids=[f"{m}-{c.name}" for m, c in ACCURACY_CASES])
+@pytest.mark.slow
 def test_prediction_matches_profiler(model: str, candidate: Candidate, tmp_path: Any) -> None:
     factory = partial(NanoGPT, **TINY_GPT) if model == "gpt" else partial(LlamaLM, **TINY_LLAMA)
     batch = synthetic_batch(BATCH, SEQ)
@@ -82,6 +83,7 @@ def test_planned_quantized_storage_equals_real(mode: str) -> None:
     assert planned < parameter_bytes(NanoGPT(**TINY_GPT))
 
 
+@pytest.mark.slow
 def test_extrapolated_depth_equals_full_trace() -> None:
     # checkpointing is the case where cutting to 2/3 blocks overshot (+14 %): 3/4 must be exact
     factory = partial(NanoGPT, **{**TINY_GPT, "n_layer": 8, "n_embd": 32})
@@ -93,6 +95,7 @@ def test_extrapolated_depth_equals_full_trace() -> None:
     assert (fast.trainable_params, fast.total_params) == (full.trainable_params, full.total_params)
 
 
+@pytest.mark.slow
 def test_factory_runs_under_fake_mode_and_instances_stay_untouched(gpt_factory: Callable[..., NanoGPT]) -> None:
     seen: list[bool] = []
 
@@ -114,6 +117,7 @@ def test_factory_runs_under_fake_mode_and_instances_stay_untouched(gpt_factory: 
         torch.testing.assert_close(value, before[key], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_lazily_built_model_predicts_like_the_eager_one(
     gpt_factory: Callable[..., Any], lazy_gpt_factory: Callable[..., Any]
 ) -> None:
@@ -128,6 +132,7 @@ def test_lazily_built_model_predicts_like_the_eager_one(
     assert lazy.model is None  # configure_model ran on the fake copy only
 
 
+@pytest.mark.slow
 def test_plan_picks_fastest_that_fits_and_renders(datamodule_factory: Callable[..., Any]) -> None:
     candidates = [Candidate("32-true"), Candidate("32-true", checkpointing="full"), Candidate("32-true", lora_r=4)]
     factory = partial(NanoGPT, **TINY_GPT)
@@ -240,6 +245,7 @@ def test_prediction_vs_cuda_max_memory_allocated(tmp_path: Any) -> None:
     assert predicted.peak == pytest.approx(torch.cuda.max_memory_allocated(), rel=0.15)
 
 
+@pytest.mark.slow
 def test_python_m_planner_is_lightning_hbm_plan(tmp_path: Any, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     import runpy
 
@@ -264,6 +270,7 @@ def test_python_m_planner_is_lightning_hbm_plan(tmp_path: Any, capsys: pytest.Ca
         plan_from_config({"model": {"class_path": "nowhere.Model"}})
 
 
+@pytest.mark.slow
 def test_offload_moves_optimizer_states_to_host(gpt_factory: Callable[..., Any]) -> None:
     batch = synthetic_batch(2, 16)
     on_device = predict(gpt_factory(), batch, Candidate("32-true"), device="cuda")
@@ -276,6 +283,7 @@ def test_offload_moves_optimizer_states_to_host(gpt_factory: Callable[..., Any])
         predict(gpt_factory(), batch, Candidate("32-true", offload=True))
 
 
+@pytest.mark.slow
 def test_cuda_target_traces_the_foreach_optimizer(gpt_factory: Callable[..., Any]) -> None:
     batch = synthetic_batch(1, 8)  # tiny activations: the optimizer step is the peak
     on_cpu = predict(gpt_factory(), batch, Candidate("32-true"))
@@ -326,6 +334,7 @@ def test_any_lightning_module_matches_profiler(tmp_path: Any) -> None:
     assert predicted.peak == pytest.approx(row["tracked_peak"], rel=0.10)
 
 
+@pytest.mark.slow
 def test_fused_loss_axis_plans_the_loss_at_its_floor() -> None:
     """Candidate(fused_loss=True) applies FusedLoss: a 4k-vocabulary head's full fp32 logits disappear from the peak."""
     vocab = 4096

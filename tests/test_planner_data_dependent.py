@@ -124,6 +124,7 @@ def test_loss_item_in_training_step() -> None:
     assert prediction.peak == pytest.approx(memtracker_peak(LogsLossItem, BATCH, Candidate("32-true")), rel=0.05)
 
 
+@pytest.mark.slow
 def test_from_pretrained_factory_reads_no_weight(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers
 
@@ -164,6 +165,7 @@ class Seq2Seq(_TokenLM):
         return self.transformer(h, h, tgt_mask=mask, src_key_padding_mask=padding, memory_key_padding_mask=padding)
 
 
+@pytest.mark.slow
 def test_nn_transformer_with_masks() -> None:
     candidate = Candidate("32-true")
     prediction = predict(Seq2Seq, BATCH, candidate)
@@ -182,6 +184,7 @@ class SequentialBlocks(_TokenLM):
         return self.blocks(h)
 
 
+@pytest.mark.slow
 def test_checkpointing_blocks_named_by_the_candidate() -> None:
     batch = synthetic_batch(4, 32)
     named = Candidate("32-true", checkpointing="full", blocks=["blocks.0", "blocks.1", "blocks.2", "blocks.3"])

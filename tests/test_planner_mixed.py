@@ -61,6 +61,7 @@ def _fit(factory: Callable[[], pl.LightningModule], candidate: Candidate, tmp_pa
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.slow
 def test_mixed_plan_bytes_equal_predicted_and_measured(family: str, tmp_path: Path) -> None:
     factory = FAMILIES[family]
     plan, names = _plan(factory)
@@ -82,6 +83,7 @@ def test_mixed_plan_bytes_equal_predicted_and_measured(family: str, tmp_path: Pa
     assert predicted.peak == pytest.approx(measured["tracked_peak"], rel=0.01)  # what we reach (0.08 % on CPU, Nov 30)
 
 
+@pytest.mark.slow
 def test_mixed_plan_lies_between_uniform_int8_and_nf4() -> None:
     factory = FAMILIES["llama"]
     plan, _ = _plan(factory)
@@ -148,6 +150,7 @@ def test_bad_plans_are_clear_errors() -> None:
         predict(FAMILIES["llama"], synthetic_batch(BATCH, SEQ), Candidate("nf4-dq", layer_modes={"model.nope": "int8"}))
 
 
+@pytest.mark.slow
 def test_autofit_plans_the_trainers_pinned_plan(tmp_path: Path) -> None:
     factory = FAMILIES["llama"]
     plan, _ = _plan(factory)
@@ -164,6 +167,7 @@ def test_autofit_plans_the_trainers_pinned_plan(tmp_path: Path) -> None:
     assert autofit.chosen.categories["parameters"] == parameter_bytes(model)
 
 
+@pytest.mark.slow
 def test_plan_command_takes_a_plan(tmp_path: Path) -> None:
     from lightning_hbm.cli import PlanCLI
 
@@ -176,6 +180,7 @@ def test_plan_command_takes_a_plan(tmp_path: Path) -> None:
     assert [p.candidate.name for p in cli.plan.predictions] == ["nf4-dq[mixed:1 int8]+lora4"]
 
 
+@pytest.mark.slow
 def test_deep_model_with_a_plan_is_traced_whole() -> None:
     # 8 blocks would be traced cut to 3 and 4 and extended by a line; a plan differs block by block (here in the last)
     factory = partial(NanoGPT, n_layer=8, n_head=2, n_embd=32, block_size=32)

@@ -20,6 +20,7 @@ BATCH = synthetic_batch(4, 32)
 
 
 @pytest.mark.parametrize(("family", "candidate"), MEMTRACKER_CASES, ids=[f"{f}-{c.name}" for f, c in MEMTRACKER_CASES])
+@pytest.mark.slow
 def test_predicted_peak_within_5_percent_of_memtracker(family: str, candidate: Candidate) -> None:
     predicted = predict(FAMILIES[family], BATCH, candidate)
     measured = memtracker_peak(FAMILIES[family], BATCH, candidate)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 from typing_extensions import override
 
+from lightning_hbm.naming import did_you_mean
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 _aten = torch.ops.aten
@@ -201,9 +202,10 @@ def _blocks_by_spec(module: nn.Module, spec: Sequence[str]) -> list[tuple[str, n
         chosen.extend(m for m in matches if m[0] not in {n for n, _ in chosen})
     if unknown:
         classes = sorted({type(m).__name__ for _, m in named if any(True for _ in m.children())})
+        hint = "".join(did_you_mean(u, [*classes, *(n for n, _ in named if n)]) for u in unknown[:3])
         raise ValueError(
             f"ActivationCheckpointing(blocks={list(spec)!r}): {unknown} name no submodule path and no module class "
-            f"of {type(module).__name__}. Use class names such as {classes[:12]} or module paths such as "
+            f"of {type(module).__name__}.{hint} Use class names such as {classes[:12]} or module paths such as "
             f"{[n for n, _ in named if n][:8]}, or leave blocks=None to find the repeated blocks automatically."
         )
     nested = [n for n, _ in chosen if any(n.startswith(o + ".") for o, _ in chosen)]

@@ -31,7 +31,7 @@ from typing_extensions import override
 from lightning_hbm.layers import adaptable_names, prepare_model, report_coverage
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.precision.plugin import output_heads
-from lightning_hbm.naming import name_list
+from lightning_hbm.naming import did_you_mean, name_list
 from lightning_hbm.precision.registry import to_dtype
 from lightning_hbm.requirements import requirement
 from lightning_hbm.surgery import Stage, SurgeryCallback
@@ -256,9 +256,11 @@ class LoRA(SurgeryCallback):
             candidates = [n for n in candidates if not _matches(n, self.exclude_modules)]
         targets = [n for n in candidates if not _under(n, saved)]
         if not targets:
+            wanted = [self.target_modules] if isinstance(self.target_modules, str) else list(self.target_modules or [])
+            hint = "".join(did_you_mean(w, [n.rsplit(".", 1)[-1] for n in linears]) for w in wanted[:3])
             raise ValueError(
                 f"target_modules={self.target_modules!r} (exclude_modules={self.exclude_modules!r}, "
-                f"modules_to_save={self.modules_to_save!r}) selects no Linear layer of {type(module).__name__}. "
+                f"modules_to_save={self.modules_to_save!r}) selects no Linear layer of {type(module).__name__}.{hint} "
                 f"Available Linear layers: {name_list(linears)}."
             )
         return targets, saved

@@ -42,6 +42,7 @@ from lightning_hbm.memory.report import REMEDIES, MemoryReport
 from lightning_hbm.memory.storage import module_parameter_tensors
 from lightning_hbm.memory.tracker import LiveStorageTracker
 from lightning_hbm.strategies.cpu_offload import host_offload_bytes
+from lightning_hbm.surgery import applied_transforms
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ class HBMProfiler(Callback):
             Ignored with a warning off CUDA.
         snapshot_max_entries: allocation events kept by the CUDA history recorder.
         summary: print the summary table at the end of fit (with rich when installed).
+        max_rows: measured steps kept (the CSV/JSON/PNG rows). Past it the oldest forward-end rows are
+            dropped (detailed rows are kept), once announced, so a long run's profiler memory and files
+            stay bounded: 10,000 rows (~3 MB of JSON) is 500,000 steps at the default cadence of 50.
 
     Logged keys (MiB, per measured step, max over ranks under DDP):
         ``hbm/parameters``, ``hbm/gradients``, ``hbm/optimizer_states``, ``hbm/activations``,
@@ -101,8 +105,10 @@ class HBMProfiler(Callback):
 
     Files written by global rank 0 into ``dirpath``: ``hbm_profile.csv`` (one row per measured
     step, bytes, columns :data:`COLUMNS`), ``hbm_profile.json`` (rows, peak step, per-module
-    breakdown of detailed steps, diagnosis), ``hbm_profile.png`` (stacked categories over steps,
-    peak marked). On ``torch.OutOfMemoryError``/``MemoryError`` the rank that failed writes the
+    breakdown of detailed steps, what the run used, diagnosis), ``hbm_profile.png`` (forward-end
+    categories over steps; the step peak of each detailed step broken down by category; the budget
+    and the planner's prediction when :class:`~lightning_hbm.AutoFit` ran). Each ``fit`` starts a new
+    report: an instance reused for a second fit does not mix the runs. On ``torch.OutOfMemoryError``/``MemoryError`` the rank that failed writes the
     same files with an ``_oom`` suffix (``_oom_rank{r}`` when there are several ranks), a CUDA
     snapshot, and the diagnosis; the error is re-raised by Lightning.
 
@@ -119,10 +125,12 @@ class HBMProfiler(Callback):
         snapshot_steps: Optional[tuple[int, int]] = None,
         snapshot_max_entries: int = 100_000,
         summary: bool = True,
+        max_rows: int = 10_000,
     ) -> None:
         if every_n_steps is not None:
             _check_int("every_n_steps", every_n_steps, minimum=1)
         _check_int("snapshot_max_entries", snapshot_max_entries, minimum=1)
+        _check_int("max_rows", max_rows, minimum=1)
         if isinstance(detailed_steps, (str, int)):
             raise TypeError(
                 f"detailed_steps must be a list of global steps, got {detailed_steps!r}; e.g. detailed_steps=[3]."
@@ -145,6 +153,9 @@ class HBMProfiler(Callback):
         self.snapshot_steps = tuple(snapshot_steps) if snapshot_steps is not None else None
         self.snapshot_max_entries = snapshot_max_entries
         self.summary = summary
+        self.max_rows = max_rows
+        self.dropped_rows = 0  # forward-end rows dropped past max_rows
+        self.used: dict[str, Any] = {}  # what the run used (transforms, optimizers): the diagnosis advises from it
         self.rows: list[dict[str, Any]] = []
         self.modules: dict[int, dict[str, dict[str, int]]] = {}  # detailed step -> module -> category -> bytes
         self.snapshot_path: Optional[str] = None
@@ -218,7 +229,7 @@ class HBMProfiler(Callback):
             self._tracker = None
             row = self._row(trainer, pl_module, tracker)
             row = self._reduce_over_ranks(trainer, row)
-            self.rows.append(row)
+            self._append(row)
             metrics = {f"hbm/{k}": row[k] / _MIB for k in (*CATEGORIES, "total", *_CUDA_FIELDS) if row[k] is not None}
             if row["mode"] == "detailed":
                 metrics["hbm/tracked_peak"] = row["tracked_peak"] / _MIB
@@ -229,6 +240,19 @@ class HBMProfiler(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
         self._maybe_stop_history(trainer, pl_module, trainer.global_step)
+
+    def _append(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        if len(self.rows) <= self.max_rows:
+            return
+        oldest_light = next((i for i, r in enumerate(self.rows) if r["mode"] == "light"), 0)
+        del self.rows[oldest_light]
+        if self.dropped_rows == 0:
+            log.warning(
+                "HBMProfiler: more than max_rows=%d measured steps; dropping the oldest forward-end rows from now on "
+                "(detailed rows are kept). Raise max_rows or every_n_steps to keep them all.", self.max_rows
+            )  # fmt: skip
+        self.dropped_rows += 1
 
     def _stop_tracking(self) -> None:
         if self._tracking and self._tracker is not None:
@@ -282,6 +306,8 @@ class HBMProfiler(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._every = self.every_n_steps or max(int(trainer.log_every_n_steps), 1)
+        if stage == "fit":  # one report per fit: a reused instance would otherwise mix two runs' rows
+            self.rows, self.modules, self.used, self.snapshot_path, self.dropped_rows = [], {}, {}, None, 0
         if self.snapshot_steps is not None and trainer.strategy.root_device.type != "cuda":
             rank_zero_warn("HBMProfiler: snapshot_steps records CUDA memory history; this run is not on CUDA, so no snapshot.")
 
@@ -309,6 +335,10 @@ class HBMProfiler(Callback):
         torch.cuda.memory._dump_snapshot(path)
         print(f"HBMProfiler: CUDA memory snapshot written to {path} (open it at https://pytorch.org/memory_viz)")
         return path
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.used = run_setup(trainer, pl_module)
 
     # -- report ----------------------------------------------------------------------------------
     @override
@@ -348,7 +378,7 @@ class HBMProfiler(Callback):
 
     def report(self) -> MemoryReport:
         """The measured steps as a :class:`~lightning_hbm.memory.report.MemoryReport` (what is written and printed)."""
-        return MemoryReport(self.rows, COLUMNS, self.modules, self.snapshot_path)
+        return MemoryReport(self.rows, COLUMNS, self.modules, self.snapshot_path, self.used)
 
     def diagnosis(self) -> str:
         """The category that dominated the last measured step, and the feature that shrinks it."""
@@ -368,6 +398,23 @@ class HBMProfiler(Callback):
 
     def _dir(self, trainer: pl.Trainer) -> str:
         return self.dirpath or trainer.log_dir or trainer.default_root_dir
+
+
+def run_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    """What the run used, for advice that is not already followed: transforms, optimizers, budget, plan."""
+    used: dict[str, Any] = {
+        "transforms": applied_transforms(pl_module),
+        "optimizers": [type(getattr(opt, "_optimizer", opt)).__name__ for opt in trainer.optimizers],
+        "precision": str(trainer.precision),
+    }
+    from lightning_hbm.planner.autofit import AutoFit  # the planner imports the profiler's modules
+
+    for callback in trainer.callbacks:  # AutoFit: its budget and the chosen candidate's predicted step peak
+        if isinstance(callback, AutoFit):
+            used["budget"] = int(callback.budget)
+            if callback.chosen is not None:
+                used["predicted_peak"] = int(callback.chosen.peak)
+    return used
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,37 @@ REMEDIES: dict[str, str] = {
     "other": "lower the batch size; check buffers and temporaries (run a step with detailed_steps=[n])",
 }
 
+def advice(category: str, used: dict[str, Any]) -> str:
+    """What shrinks ``category`` next, given what the run already ``used`` (:class:`MemoryReport`'s ``used``).
+
+    :data:`REMEDIES` when the run used none of the features for it; otherwise the step after them, so a
+    QLoRA run is not told to quantize and add LoRA.
+    """
+    transforms = " ".join(used.get("transforms", []))
+    optimizers = ", ".join(used.get("optimizers", []))
+    quantized = re.search(r"QuantizedPrecision\(([^)]*)\)", transforms)
+    lora = "LoRA" in transforms
+    if category == "parameters" and quantized:
+        mode = quantized.group(1)
+        if "4" not in mode:  # an 8-bit base
+            return f"the base is already {mode}; a 4-bit mode (QuantizedPrecision('nf4-dq')) halves it again"
+        return (f"the base is already {mode}; what is left is the layers left unquantized (embeddings, the head: "
+                "see the layer-kind table printed at fit start, quantize_head=True), or shard the base over GPUs "
+                "(QuantizedFSDPStrategy)")  # fmt: skip
+    if category == "gradients" and lora:
+        return "only the LoRA adapters train already; a lower rank r or fewer target_modules shrink them further"
+    if category == "optimizer_states" and re.search(r"8bit|4bit|CPUOffload", optimizers):
+        return f"the states are already compact ({optimizers}); offload them to host memory (CPUOffloadStrategy)"
+    if category == "optimizer_states" and lora:
+        return "only the adapters have states; 8-bit states (MemoryEfficientOptimizer) shrink them about 4x"
+    if category == "activations" and "ActivationCheckpointing" in transforms:
+        return "activations are already recomputed in backward (ActivationCheckpointing); lower the batch size or sequence length"
+    if category == "other" and "FusedLoss" not in transforms:
+        return ("compute the loss without materializing the full logits (FusedLoss), or lower the batch size; "
+                "a detailed step (detailed_steps=[n]) names the temporaries")  # fmt: skip
+    return REMEDIES[category]
+
+
 #: Columns every row has; any other column is an extra figure, written and printed when present.
 REQUIRED = ("step", "mode", *CATEGORIES, "total")
 _NOT_EXTRA = frozenset((*REQUIRED, "batch_idx", "tracked_peak"))
@@ -53,12 +85,15 @@ STEP_PEAK = "step peak: whole step incl. backward/optimizer temporaries (detaile
 
 @dataclass
 class MemoryReport:
-    """Measured steps (``rows``, bytes), per-module breakdowns of detailed steps, CUDA snapshot path."""
+    """Measured steps (``rows``, bytes), per-module breakdowns of detailed steps, CUDA snapshot path, and
+    what the run used (``used``: ``transforms``, ``optimizers``, ``precision``, AutoFit's ``budget`` and
+    ``predicted_peak``; see :func:`lightning_hbm.callbacks.profiler.run_setup`)."""
 
     rows: list[dict[str, Any]]
     columns: Sequence[str] = ()  # CSV columns; default: the first row's keys
     modules: dict[int, dict[str, dict[str, int]]] = field(default_factory=dict)
     snapshot: Optional[str] = None
+    used: dict[str, Any] = field(default_factory=dict)
 
     # -- the figures ----------------------------------------------------------------------------
     def peak_row(self) -> Optional[dict[str, Any]]:
@@ -76,17 +111,21 @@ class MemoryReport:
         return max(rows, key=lambda r: r["total"]) if rows else None
 
     def diagnosis(self) -> str:
-        """The category that dominated the last measured step, and the feature that shrinks it."""
+        """The terms of the last measured step, largest first, each with advice the run does not already follow."""
         if not self.rows:
             return "No step was measured before the failure (it happened in the first forward or before training)."
         row = self.rows[-1]
         breakdown = MemoryBreakdown(**{c: row[c] for c in CATEGORIES})
         top = breakdown.dominant()
         share = 100.0 * row[top] / max(breakdown.total, 1)
-        return (
+        text = (
             f"At step {row['step']} {top} held {row[top] / _MIB:.1f} MiB ({share:.0f}% of "
-            f"{breakdown.total / _MIB:.1f} MiB measured). To shrink it: {REMEDIES[top]}."
+            f"{breakdown.total / _MIB:.1f} MiB measured). To shrink it: {advice(top, self.used)}."
         )
+        # the next terms too: once the largest is already as small as the features make it, they are what is left
+        rest = sorted((c for c in CATEGORIES if c != top and row[c] >= 0.1 * max(breakdown.total, 1)), key=lambda c: -row[c])
+        nexts = [f"{c} ({row[c] / _MIB:.1f} MiB): {advice(c, self.used)}" for c in rest[:2]]
+        return text + (f" Next: {'; '.join(nexts)}." if nexts else "")
 
     # -- files ----------------------------------------------------------------------------------
     def write(self, directory: Union[str, Path], stem: str) -> dict[str, str]:
@@ -110,6 +149,7 @@ class MemoryReport:
             "forward_end_peak": forward_end,
             "step_peak": step_peak,
             "modules": {str(step): modules for step, modules in self.modules.items()},
+            "used": self.used,
             "diagnosis": self.diagnosis(),
             "snapshot": self.snapshot,
         }
@@ -117,7 +157,7 @@ class MemoryReport:
             json.dump(report, f, indent=1)
         if _MATPLOTLIB_AVAILABLE and self.rows:
             paths["png"] = os.path.join(directory, f"{stem}.png")
-            plot(self.rows, paths["png"])
+            plot(self.rows, paths["png"], self.used)
         return paths
 
     @classmethod
@@ -132,7 +172,7 @@ class MemoryReport:
             raise ValueError(f"report: {str(json_path)!r} is not an HBMProfiler report ({type(err).__name__}: {err}).") from err
         if not rows or not all(isinstance(row, dict) and all(c in row for c in REQUIRED) for row in rows):
             raise ValueError(f"report: {str(json_path)!r} holds no complete measured step; nothing to render.")
-        return cls(rows, report.get("columns") or (), modules, report.get("snapshot"))
+        return cls(rows, report.get("columns") or (), modules, report.get("snapshot"), report.get("used") or {})
 
     # -- console ----------------------------------------------------------------------------------
     def summary_lines(self) -> tuple[str, list[tuple[str, ...]], list[str]]:
@@ -239,55 +279,63 @@ def _ranges(steps: list[int]) -> str:
     return "steps " + ", ".join(parts)
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> Any:
-    """Categories stacked over the forward-end steps, detailed steps' peaks as markers, the largest labelled.
+def plot(rows: list[dict[str, Any]], path: Optional[str] = None, used: Optional[dict[str, Any]] = None) -> Any:
+    """The report's figure: forward-end categories over steps (left), each detailed step's peak by category (right).
 
-    A single forward-end step is drawn as a stacked bar (a stack plot of one point has no area).
-    Returns the matplotlib ``Figure`` (already saved to ``path``).
+    Left: the light rows' categories stacked over the global steps (a single step as a stacked bar).
+    Right: one stacked bar per detailed step, the step peak broken down the way the console table is,
+    so ``other`` (backward and optimizer temporaries) shows where it matters. Both panels share the
+    y axis and draw the budget (``used["budget"]``) and, on the right, the planner's prediction
+    (``used["predicted_peak"]``, when :class:`~lightning_hbm.AutoFit` ran). Each bar series and line
+    carries a ``label`` (category, ``"budget"``, ``"planner prediction"``) so its data can be read back.
+    Returns the matplotlib ``Figure`` (saved to ``path`` when given).
     """
     # Figure + Agg canvas directly: no global pyplot backend switch in the user's process.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    light = [r for r in rows if r["mode"] != "detailed"] or rows
+    used = used or {}
+    light = [r for r in rows if r["mode"] != "detailed"]
     detailed = [r for r in rows if r["mode"] == "detailed"]
-    figure = Figure(figsize=(9, 4.5))
+    figure = Figure(figsize=(11, 4.5))
     FigureCanvasAgg(figure)
-    ax = figure.add_subplot()
-    steps = [r["step"] for r in light]
-    if len(light) == 1:
-        bottom = 0.0
-        for category in CATEGORIES:
-            value = light[0][category] / _MIB
-            ax.bar(steps, [value], bottom=bottom, width=0.6, label=category)
-            bottom += value
-        ax.set_xticks(steps)
-    else:
-        ax.stackplot(steps, [[r[c] / _MIB for r in light] for c in CATEGORIES], labels=list(CATEGORIES))
-    if detailed:
-        ax.plot([r["step"] for r in detailed], [r["total"] / _MIB for r in detailed], "kx", markersize=9,
-                label="step peak (detailed step)")  # fmt: skip
-    if any(r.get("cuda_peak_allocated") is not None for r in rows):
-        ax.plot([r["step"] for r in rows], [(r["cuda_peak_allocated"] or 0) / _MIB for r in rows], color="black",
-                label="CUDA peak allocated")  # fmt: skip
-    peak = max(rows, key=lambda r: r["total"])
-    all_steps = [r["step"] for r in rows]
-    left_half = peak["step"] <= (min(all_steps) + max(all_steps)) / 2
-    ax.annotate(  # the text runs towards the middle of the plot, so it never leaves the axes
-        f"peak {peak['total'] / _MIB:.1f} MiB (step {peak['step']}, {peak['mode']})",
-        xy=(peak["step"], peak["total"] / _MIB),
-        xytext=(6 if left_half else -6, 8),
-        textcoords="offset points",
-        ha="left" if left_half else "right",
-    )
-    ax.set_ylim(0, peak["total"] / _MIB * 1.2)  # room above the peak for its label
-    ax.set_xlabel("global step")
-    ax.set_ylabel("MiB")
-    ax.set_title("HBMProfiler: memory by category (stacked: forward end)")
-    # outside the axes: a legend inside would cover the peak label on long runs
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    panels = [("forward end (light steps)", light, "stack"), ("step peak (detailed steps)", detailed, "bars")]
+    panels = [p for p in panels if p[1]]
+    axes = figure.subplots(1, len(panels), sharey=True, squeeze=False, width_ratios=[3, 1][: len(panels)])[0]
+    colors = {c: f"C{i}" for i, c in enumerate(CATEGORIES)}
+    top = max([r["total"] for r in rows] + [used.get("budget") or 0, used.get("predicted_peak") or 0]) / _MIB
+    for ax, (title, panel_rows, kind) in zip(axes, panels):
+        steps = [r["step"] for r in panel_rows]
+        if kind == "stack" and len(panel_rows) > 1:
+            ax.stackplot(steps, [[r[c] / _MIB for r in panel_rows] for c in CATEGORIES], labels=list(CATEGORIES),
+                         colors=[colors[c] for c in CATEGORIES])  # fmt: skip
+        else:  # stacked bars, one per step: positions 0..n-1 on the peak panel (detailed steps are sparse)
+            x = list(range(len(steps))) if kind == "bars" else steps
+            bottom = [0.0] * len(steps)
+            for c in CATEGORIES:
+                values = [r[c] / _MIB for r in panel_rows]
+                ax.bar(x, values, bottom=bottom, width=0.6, label=c, color=colors[c])
+                bottom = [b + v for b, v in zip(bottom, values)]
+            ax.set_xticks(x, [str(s) for s in steps])
+            for xi, total in zip(x, bottom):
+                ax.annotate(f"{total:.1f}", (xi, total), xytext=(0, 3), textcoords="offset points", ha="center", fontsize="small")
+        if used.get("budget"):
+            ax.axhline(used["budget"] / _MIB, color="red", linestyle="--", label="budget")
+        if kind == "bars" and used.get("predicted_peak"):
+            ax.axhline(used["predicted_peak"] / _MIB, color="black", linestyle=":", label="planner prediction")
+        if any(r.get("cuda_peak_allocated") is not None for r in panel_rows) and kind == "stack":
+            ax.plot(steps, [(r["cuda_peak_allocated"] or 0) / _MIB for r in panel_rows], color="black", label="CUDA peak allocated")
+        ax.set_title(title, fontsize="medium")
+        ax.set_xlabel("global step")
+    axes[0].set_ylabel("MiB")
+    axes[0].set_ylim(0, top * 1.2)  # room above the tallest bar for its label
+    figure.suptitle("HBMProfiler: memory by category")
+    handles = {h.get_label(): h for ax in axes for h in ax.get_legend_handles_labels()[0]}
+    # outside the axes: a legend inside would cover the bars on long runs
+    axes[-1].legend(list(handles.values()), list(handles), loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    if path is not None:
+        figure.savefig(path, dpi=100)
     return figure
 
 

@@ -14,6 +14,8 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
+from lightning_hbm.naming import did_you_mean
+
 ReplaceFn = Callable[[nn.Linear, torch.dtype, Optional[torch.device]], nn.Module]
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -82,7 +84,7 @@ def get_mode(name: str) -> QuantMode:
     """The registered mode ``name``; unknown names raise a ``ValueError`` listing the valid ones."""
     if not isinstance(name, str) or name not in _MODES:
         raise ValueError(
-            f"Unknown lightning_hbm precision mode {name!r}. Valid modes: {', '.join(available_precisions())}."
+            f"Unknown lightning_hbm precision mode {name!r}.{did_you_mean(str(name), _MODES)} Valid modes: {', '.join(available_precisions())}."
         )
     return _MODES[name]
 

@@ -220,7 +220,7 @@ def test_bad_arguments_are_clear_errors() -> None:
 
 def test_bad_blocks_leave_the_model_untouched(gpt_factory: Callable) -> None:
     model = gpt_factory()
-    with pytest.raises(ValueError, match=r"\['Bock'\] name no submodule path and no module class.*'Block'"):
+    with pytest.raises(ValueError, match=r"\['Bock'\] name no submodule path and no module class of NanoGPT\. Did you mean 'Block'.*'Block'"):
         ActivationCheckpointing(blocks=["Block", "Bock"]).transform_model(model)
     with pytest.raises(ValueError, match=r"nested inside other selected modules: \['model.h.0.mlp'"):
         ActivationCheckpointing(blocks=["Block", "MLP"]).transform_model(model)

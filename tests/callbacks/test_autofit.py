@@ -13,6 +13,7 @@ from lightning_hbm.precision import QuantizedPrecision
 from lightning_hbm.surgery import applied_transforms
 
 
+@pytest.mark.slow
 def test_tight_budget_measured_peak_under_budget(
     gpt_factory: Callable[..., Any],
     datamodule_factory: Callable[..., Any],
@@ -50,6 +51,7 @@ def test_tight_budget_measured_peak_under_budget(
     assert float(total[2]) == pytest.approx(measured / 2**20, abs=0.006)
 
 
+@pytest.mark.slow
 def test_roomy_budget_keeps_the_users_configuration(
     lazy_gpt_factory: Callable[..., Any], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., Any]
 ) -> None:
@@ -64,6 +66,7 @@ def test_roomy_budget_keeps_the_users_configuration(
     assert model.model is not None and all(p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_impossible_budget_raises_before_training(
     gpt_factory: Callable[..., Any],
     datamodule_factory: Callable[..., Any],

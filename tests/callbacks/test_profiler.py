@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
 from lightning_hbm import HBMProfiler, QuantizedPrecision
 from lightning_hbm.callbacks.profiler import COLUMNS, REMEDIES
-from lightning_hbm.memory import parameter_bytes
+from lightning_hbm.memory import CATEGORIES, parameter_bytes
 from lightning_hbm.memory.report import FORWARD_END, STEP_PEAK, MemoryReport, plot
 from lightning_hbm.models import NanoGPT
 
@@ -256,6 +256,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_ddp_rank0_writes_max_over_ranks(tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -271,6 +272,7 @@ def test_ddp_rank0_writes_max_over_ranks(tmp_path: Path) -> None:
     assert all(r["activations"] > 8 * 2**20 for r in rows)  # rank 1's figure, written by rank 0
 
 
+@pytest.mark.slow
 def test_short_run_measures_its_first_steps_and_the_step_peak(
     gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer],
     tmp_path: Path, capsys: pytest.CaptureFixture,
@@ -306,3 +308,114 @@ def test_summary_without_a_detailed_step_says_how_to_get_it(capsys: pytest.Captu
     MemoryReport([row]).print_summary()
     out = capsys.readouterr().out
     assert "forward end, step 3" in out and "step peak: not measured" in out and "detailed_steps=[1]" in out
+
+
+# -- the report of a real QLoRA run: the step peak drawn by category, advice from what the run used --------------
+@pytest.fixture(scope="module")
+def qlora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[HBMProfiler, Path]:
+    """A 20-step QLoRA run (nf4-dq + LoRA + full checkpointing) of a tiny Llama, detailed steps 1 and 10."""
+    from lightning_hbm import ActivationCheckpointing, LoRA
+    from lightning_hbm.data import ByteTextDataModule
+    from lightning_hbm.models import LlamaLM
+
+    out = tmp_path_factory.mktemp("qlora")
+    torch.manual_seed(0)
+    model = LlamaLM(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    profiler = HBMProfiler(every_n_steps=20, detailed_steps=[1, 10], summary=False)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=20, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=out,
+                         plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+                         callbacks=[LoRA(r=4, alpha=8), ActivationCheckpointing(policy="full"), profiler])  # fmt: skip
+    trainer.fit(model, ByteTextDataModule(seq_len=32, batch_size=4, train_samples=128, val_samples=8, max_bytes=200_000))
+    return profiler, out
+
+
+def _bars(ax: Any) -> dict[str, list[float]]:
+    """Bar heights by label (category) on an axes: the data the figure draws, not its pixels."""
+    return {c.get_label(): [p.get_height() for p in c.patches] for c in ax.containers}
+
+
+@pytest.mark.slow
+def test_png_shows_the_step_peak_by_category_per_detailed_step(qlora_run: tuple[HBMProfiler, Path]) -> None:
+    profiler, out = qlora_run
+    assert (out / "hbm_profile.png").stat().st_size > 0
+    figure = plot(profiler.rows, None, profiler.used)
+    forward_ax, peak_ax = figure.axes[:2]
+    detailed = [r for r in profiler.rows if r["mode"] == "detailed"]
+    assert [r["step"] for r in detailed] == [1, 10]
+    bars = _bars(peak_ax)
+    assert list(bars) == list(CATEGORIES)  # every term, "other" included, stacked per detailed step
+    for category in CATEGORIES:
+        torch.testing.assert_close(bars[category], [r[category] / 2**20 for r in detailed])
+    assert all(v > 0 for v in bars["other"])  # backward temporaries: visible on the step-peak panel
+    assert [t.get_text() for t in peak_ax.get_xticklabels()] == ["1", "10"]
+    assert len(forward_ax.collections) == len(CATEGORIES) and not forward_ax.containers  # the forward-end stack plot
+
+
+def test_plot_draws_budget_and_planner_prediction() -> None:
+    row = {"parameters": 2**20, "gradients": 0, "optimizer_states": 0, "activations": 2**20, "other": 2**20, "total": 3 * 2**20}
+    rows = [{**row, "step": 0, "mode": "light"}, {**row, "step": 1, "mode": "detailed"}]
+    figure = plot(rows, None, {"budget": 8 * 2**20, "predicted_peak": 5 * 2**20})
+    lines = {line.get_label(): line.get_ydata()[0] for ax in figure.axes for line in ax.get_lines()}
+    assert lines == {"budget": 8.0, "planner prediction": 5.0}
+    assert figure.axes[0].get_ylim()[1] > 8.0  # the budget is inside the axes
+    no_budget = plot(rows, None, {})
+    assert not [line for ax in no_budget.axes for line in ax.get_lines()]
+
+
+@pytest.mark.slow
+def test_diagnosis_advises_from_what_the_run_used(qlora_run: tuple[HBMProfiler, Path], capsys: pytest.CaptureFixture) -> None:
+    profiler, out = qlora_run
+    assert {"QuantizedPrecision(nf4-dq)", "LoRA", "ActivationCheckpointing"} <= set(profiler.used["transforms"])
+    diagnosis = profiler.diagnosis()
+    assert REMEDIES["parameters"] not in diagnosis and REMEDIES["gradients"] not in diagnosis
+    assert REMEDIES["activations"] not in diagnosis
+    # the report subcommand re-renders from the JSON, which keeps what the run used
+    from lightning_hbm.memory.report import render_report
+
+    render_report(out)
+    printed = capsys.readouterr().out
+    assert diagnosis in printed and "store frozen base weights quantized" not in printed
+
+
+def test_advice_skips_features_already_used() -> None:
+    from lightning_hbm.memory.report import advice
+
+    assert advice("parameters", {}) == REMEDIES["parameters"]
+    assert "already nf4-dq" in advice("parameters", {"transforms": ["QuantizedPrecision(nf4-dq)", "LoRA"]})
+    assert "4-bit mode" in advice("parameters", {"transforms": ["QuantizedPrecision(int8)"]})
+    assert "LoRA adapters train already" in advice("gradients", {"transforms": ["LoRA"]})
+    assert "CPUOffloadStrategy" in advice("optimizer_states", {"optimizers": ["AdamW8bit"]})
+    assert "already recomputed" in advice("activations", {"transforms": ["ActivationCheckpointing"]})
+    assert "FusedLoss" in advice("other", {}) and "FusedLoss" not in advice("other", {"transforms": ["FusedLoss"]})
+    report = MemoryReport([{"step": 3, "mode": "light", "parameters": 8, "gradients": 1, "optimizer_states": 1,
+                            "activations": 3, "other": 5, "total": 18}], used={"transforms": ["QuantizedPrecision(nf4-dq)"]})  # fmt: skip
+    diagnosis = report.diagnosis()  # largest term first, then the next ones above 10 %
+    assert diagnosis.startswith("At step 3 parameters held") and "already nf4-dq" in diagnosis
+    assert diagnosis.index("Next: other") < diagnosis.index("activations")
+
+
+# -- one report per fit, bounded ----------------------------------------------------------------------------------
+def test_reused_profiler_reports_each_fit_alone(
+    gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer]
+) -> None:
+    profiler = HBMProfiler(every_n_steps=1, detailed_steps=[1], summary=False)
+    for _ in range(2):
+        _fit(gpt_factory(), trainer_factory, datamodule_factory(), max_steps=6, profiler=profiler)
+        assert [r["step"] for r in profiler.rows] == [0, 1, 2, 3, 4, 5]  # not 12 rows: the second fit starts afresh
+        assert list(profiler.modules) == [1]
+
+
+def test_rows_are_bounded_keeping_detailed_steps(
+    gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    profiler = HBMProfiler(every_n_steps=1, detailed_steps=[1], summary=False, max_rows=3)
+    with caplog.at_level("WARNING", logger="lightning_hbm.callbacks.profiler"):
+        _fit(gpt_factory(), trainer_factory, datamodule_factory(), max_steps=6, profiler=profiler)
+    assert [(r["step"], r["mode"]) for r in profiler.rows] == [(1, "detailed"), (4, "light"), (5, "light")]
+    assert profiler.dropped_rows == 3
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1  # announced once
+    assert "max_rows=3" in caplog.records[0].message
+    with pytest.raises(ValueError, match=r"HBMProfiler: max_rows must be >= 1, got 0\."):
+        HBMProfiler(max_rows=0)

@@ -54,6 +54,7 @@ def test_gptq_rounding_lowers_the_output_error_at_the_same_bytes(gpt_factory: An
     assert errors["gptq"][1] < errors["nearest"][1]  # and on other inputs
 
 
+@pytest.mark.slow
 def test_blocks_spanning_two_rows_and_odd_sizes_are_rounded_in_place() -> None:
     # 63 inputs: bitsandbytes' blocks of 64 run over the flattened weight, across rows; 315 weights: odd
     torch.manual_seed(0)
@@ -89,6 +90,7 @@ def test_layers_reading_one_input_share_one_hessian(llama_factory: Any, gpt_fact
     assert "GPTQ statistics from fewer probe rows (tokens) than inputs" in caplog.text and "at least 256 tokens" in caplog.text
 
 
+@pytest.mark.slow
 def test_gptq_plugin_trains_lora_and_resumes_bit_exact(
     gpt_factory: Any, trainer_factory: Any, datamodule_factory: Any, tmp_path: Any, caplog: Any
 ) -> None:
@@ -124,6 +126,7 @@ def test_gptq_plugin_trains_lora_and_resumes_bit_exact(
                         callbacks=[LoRA(r=4, target_modules="all-linear")]).fit(gpt_factory(), datamodule_factory(), ckpt_path=path)
 
 
+@pytest.mark.slow
 def test_gptq_measures_the_plan_on_rounded_layers(gpt_factory: Any, trainer_factory: Any, datamodule_factory: Any) -> None:
     plugin = QuantizedPrecision("nf4-dq", dtype="float32", rounding="gptq", probe_batch=PROBE, max_bytes_per_param=0.7)
     trainer_factory(max_steps=1, plugins=[plugin]).fit(gpt_factory(), datamodule_factory())

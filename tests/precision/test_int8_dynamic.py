@@ -215,6 +215,7 @@ def test_peft_lora_wraps_the_int8_layer() -> None:
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_qlora_style_fit_with_int8_dynamic_base_and_checkpointing_reduces_loss(
     gpt_factory: Any, datamodule_factory: Any, trainer_factory: Any, loss_recorder: Any
 ) -> None:

@@ -211,7 +211,7 @@ def test_checkpoint_loads_into_a_fresh_model_and_training_resumes(
 
 
 def test_unknown_mode_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match=r"Unknown lightning_hbm precision mode 'nf3'\. Valid modes: .*nf4-dq"):
+    with pytest.raises(ValueError, match=r"Unknown lightning_hbm precision mode 'nf3'\. (Did you mean .*\? )?Valid modes: .*nf4-dq"):
         QuantizedPrecision("nf3")
 
 

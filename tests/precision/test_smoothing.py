@@ -113,6 +113,7 @@ def test_predicted_bytes_of_a_mixed_plan_equal_the_measured_bytes(dtype: str) ->
     assert parameter_bytes(model) == predicted
 
 
+@pytest.mark.slow
 def test_planner_bytes_equal_the_plugin_s_smoothed_model(llama_factory: Any, trainer_factory: Any, datamodule_factory: Any) -> None:
     from lightning_hbm.data import synthetic_batch
     from lightning_hbm.planner import Candidate, predict
