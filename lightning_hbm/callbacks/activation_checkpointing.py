@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 from typing_extensions import override
 
+from lightning_hbm._validate import check_args
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 _aten = torch.ops.aten
@@ -264,6 +265,7 @@ class ActivationCheckpointing(SurgeryCallback):
         offload: bool = False,
         offload_device: str = "cpu",
     ) -> None:
+        check_args(ActivationCheckpointing.__init__, locals())
         if policy not in ("full", "selective"):
             raise ValueError(f"ActivationCheckpointing(policy={policy!r}): choose 'full' or 'selective'.")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:

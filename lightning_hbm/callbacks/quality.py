@@ -24,6 +24,7 @@ from torchmetrics import CosineSimilarity, KLDivergence, RelativeSquaredError
 from torchmetrics.functional.audio import signal_noise_ratio
 from typing_extensions import override
 
+from lightning_hbm._validate import check_args
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 PREFIX = "quant/"
@@ -198,6 +199,7 @@ class QuantizationQuality(SurgeryCallback):
         max_kl_divergence: Optional[float] = None,
         stop_on_threshold: bool = False,
     ) -> None:
+        check_args(QuantizationQuality.__init__, locals())
         if isinstance(probe_samples, bool) or not isinstance(probe_samples, int):
             raise TypeError(f"probe_samples must be an int, got {probe_samples!r} of type {type(probe_samples).__name__}.")
         if probe_samples < 1:

@@ -60,6 +60,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hbm._validate import check_args
 from lightning_hbm import resume
 
 
@@ -98,6 +99,7 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
+        check_args(QuantizedFSDPStrategy.__init__, locals())
         if shard_modules is not None and (
             isinstance(shard_modules, str) or not all(isinstance(n, str) and n for n in shard_modules)
         ):

@@ -212,7 +212,7 @@ def test_bad_arguments_are_clear_errors() -> None:
         ActivationCheckpointing(policy="none")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"every=0.*int >= 1"):
         ActivationCheckpointing(every=0)
-    with pytest.raises(TypeError, match=r"blocks='Block'.*list of class names"):
+    with pytest.raises(TypeError, match=r"blocks='Block'\): wrong type str; pass a list of strs or None"):
         ActivationCheckpointing(blocks="Block")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"offload_device='gpu0'\) is not a torch device: use 'cpu'"):
         ActivationCheckpointing(offload=True, offload_device="gpu0")

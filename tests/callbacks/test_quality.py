@@ -160,7 +160,7 @@ def test_missing_probe_batch_is_an_error_before_training(gpt_factory: Any, train
     ("kwargs", "error", "match"),
     [
         (dict(probe_samples=0), ValueError, "probe_samples must be at least 1, got 0"),
-        (dict(probe_samples=2.5), TypeError, r"probe_samples must be an int, got 2\.5 of type float"),
+        (dict(probe_samples=2.5), TypeError, r"probe_samples=2\.5\): wrong type float; pass an int"),
         (dict(task="vision"), ValueError, r"task must be 'auto', 'lm' or 'generic', got 'vision'"),
         (dict(probe_batch="tokens"), TypeError, "probe_batch must be a tensor.*got str"),
         (dict(min_cosine_similarity=1.5), ValueError, r"min_cosine_similarity must be in \[-1, 1\], got 1\.5"),
