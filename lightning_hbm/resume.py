@@ -174,7 +174,7 @@ def pack(
 # ------------------------------------------------------------------------------------------- resume
 
 
-def verify_checksums(meta: dict[str, Any], state_dict: dict[str, Any], path: Any) -> None:
+def verify_checksums(meta: dict[str, Any], state_dict: dict[str, Any], path: Any, loaded: bool = False) -> None:
     """Raise if a tensor of ``state_dict`` or of the changed part differs from the CRC saved with it."""
     sums = meta.get("checksums", {})
     for part in (state_dict, meta.get("state_dict", {})):
@@ -186,7 +186,7 @@ def verify_checksums(meta: dict[str, Any], state_dict: dict[str, Any], path: Any
                 raise ValueError(
                     f"Checkpoint {path} is damaged: tensor {key!r} does not match the checksum written with it "
                     "(flipped bytes on disk or in transfer). Resume from another checkpoint (e.g. the previous "
-                    "'last.ckpt' or a top-k one) instead; nothing was loaded."
+                    f"'last.ckpt' or a top-k one) instead{'' if loaded else '; nothing was loaded'}."
                 )
 
 

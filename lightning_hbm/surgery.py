@@ -240,9 +240,14 @@ def run_surgery(
         object.__setattr__(module, _RECORD_ATTR, resume.as_built_record(module))
     meta = (checkpoint or {}).get(resume.META_KEY)
     if checkpoint is not None:
-        if meta is not None and not meta.get("verified"):  # no load hook ran (QuantizedPrecision alone)
-            resume.verify_checksums(meta, checkpoint.get("state_dict", {}), checkpoint_path)
-        _check_resume(module, plugin, transforms, meta, checkpoint_path)
+        try:
+            if meta is not None and not meta.get("verified"):  # no load hook ran (QuantizedPrecision alone)
+                resume.verify_checksums(meta, checkpoint.get("state_dict", {}), checkpoint_path, loaded=True)
+            _check_resume(module, plugin, transforms, meta, checkpoint_path)
+        except ValueError as err:
+            if _has_resume_hook(module):
+                raise  # checked before Lightning's load (_ResumeHook): the model is as it was
+            raise ValueError(f"{err}\n{_LOADED_ALREADY}") from None
     apply_transforms(module, [t for t in pending if t.stage < Stage.QUANTIZE])
     if device is not None and hasattr(plugin, "target_device"):
         plugin.target_device = device
@@ -256,6 +261,24 @@ def run_surgery(
     if applied_transforms(module):
         add_resume_hooks(module)  # later loads into the changed model (trainer.test(ckpt_path=...))
     return module
+
+
+# QuantizedPrecision alone: Lightning gives a precision plugin no hook before it loads the checkpoint into the model
+_LOADED_ALREADY = (
+    "Note: Lightning had already loaded this file into your model before QuantizedPrecision could check it (a "
+    "precision plugin gets no hook before that load), so its weights now hold the checkpoint's tensors and NaN "
+    "placeholders: rebuild the model before using it again. With any lightning_hbm callback in the Trainer (e.g. "
+    "LoRA) the file is checked before it is loaded."
+)
+
+
+def check_resume(trainer: pl.Trainer, module: nn.Module, meta: Optional[dict[str, Any]], path: Any) -> None:
+    """The resume checks of :func:`run_surgery` with the Trainer's plugin and transforms, for the load paths that run
+    outside it: Lightning's weight restore (before the surgery) and a strategy that restores after setup (FSDP)."""
+    if getattr(module, _RECORD_ATTR, None) is None:  # before the surgery: the model is as the user built it
+        object.__setattr__(module, _RECORD_ATTR, resume.as_built_record(module))
+    plugin = trainer.strategy.precision_plugin
+    _check_resume(module, plugin, surgery_callbacks(trainer), meta, path)
 
 
 def _check_resume(
@@ -435,9 +458,13 @@ def install(trainer: pl.Trainer) -> None:
         add_resume_hooks(trainer.lightning_module)
 
 
+def _has_resume_hook(module: nn.Module) -> bool:
+    return any(isinstance(getattr(h, "hook", h), _ResumeHook) for h in module._load_state_dict_pre_hooks.values())
+
+
 def add_resume_hooks(module: nn.Module) -> None:
     """Register (once per model) the load hooks that read lightning_hbm checkpoints; inert for other checkpoints."""
-    if any(isinstance(getattr(h, "hook", h), _ResumeHook) for h in module._load_state_dict_pre_hooks.values()):
+    if _has_resume_hook(module):
         return
     hook = _ResumeHook()
     module.register_load_state_dict_pre_hook(hook)
@@ -461,11 +488,18 @@ class _ResumeHook:
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         self.omitted, self.placeholders = [], set()
         trainer = getattr(module, "_trainer", None)
-        meta = (pending_checkpoint(trainer) or {}).get(resume.META_KEY)
-        if meta is None or prefix:
+        loaded = pending_checkpoint(trainer)
+        if loaded is None or prefix:
+            return  # not Lightning restoring a checkpoint: nothing to check
+        meta = loaded.get(resume.META_KEY)
+        if meta is not None:
+            resume.verify_checksums(meta, state_dict, trainer.ckpt_path)
+            meta["verified"] = True
+        if trainer.state.fn == "fit" and not applied_transforms(module):
+            # settings and frozen base, before Lightning copies a single tensor into the model as built
+            check_resume(trainer, module, meta, trainer.ckpt_path)
+        if meta is None:
             return  # not a lightning_hbm checkpoint: Lightning's rules, unchanged
-        resume.verify_checksums(meta, state_dict, trainer.ckpt_path)
-        meta["verified"] = True
         self.placeholders = set(meta.get("placeholders", []))
         for key in self.placeholders:
             state_dict.pop(key, None)

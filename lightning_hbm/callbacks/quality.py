@@ -92,13 +92,16 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
 @contextmanager
 def eval_no_grad(module: nn.Module) -> Generator[None, None, None]:
     # Dropout would make the probe outputs random; the same eval forward is used on both sides.
-    was_training = module.training
+    # Each module's own flag is put back (not module.train(flag) on the root, which would also switch on the
+    # submodules the user froze in eval mode, e.g. a frozen encoder whose BatchNorm statistics must not move).
+    flags = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
         with torch.no_grad():
             yield
     finally:
-        module.train(was_training)
+        for m, training in flags:
+            m.training = training
 
 
 def _dequantized_weight(layer: nn.Module) -> Tensor:
