@@ -261,6 +261,12 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         resume.check_file(path)  # an empty or cut-short file is a clear error, as on one device
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         assert self.model is not None
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            # Lightning restores after this strategy's setup (the surgery already ran: trainer.ckpt_path is not known
+            # before), so the settings and base fingerprints are checked here, before any tensor is loaded or step run
+            from lightning_hbm import surgery
+
+            surgery.check_resume(self.lightning_module.trainer, self.lightning_module, checkpoint.get(resume.META_KEY), path)
         self._load_trainable(_trainable_part(checkpoint, path))
         optimizer_states = checkpoint.pop("optimizer_states", [])
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and optimizer_states:
