@@ -167,6 +167,12 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
 
+def _device_available(device: torch.device) -> bool:
+    backend = getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", None)
+    return bool(callable(available) and available())
+
+
 def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The repeated blocks of ``module``: children of an ``nn.ModuleList`` or ``nn.Sequential`` that all share one class.
 
@@ -317,6 +323,12 @@ class ActivationCheckpointing(SurgeryCallback):
         is checkpointed in its changed form, at the same path.
         """
         self._planned = self._resolve(module)
+        target = self.offload.device if self.offload is not None else None
+        if target is not None and target.type != "cpu" and not _device_available(target):
+            raise ValueError(
+                f"ActivationCheckpointing(offload_device={str(target)!r}): no {target.type} device here, so the first "
+                "training step would fail. Offload to host memory: offload_device='cpu' (the default)."
+            )
 
     @override
     def transform_model(self, module: nn.Module) -> None:

@@ -142,6 +142,11 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
                 "QuantizedFSDPStrategy saves only the trainable weights (gathered on rank 0; the base is rebuilt "
                 "from your model on resume). Use full_checkpoint=False, or save the merged model after fit."
             )
+        from lightning_hbm.callbacks.optimizer import _KINDS, MemoryEfficientOptimizer
+
+        eight_bit = [cb for cb in trainer.callbacks if isinstance(cb, MemoryEfficientOptimizer)]
+        if eight_bit:  # known now: refused before the model changes, not after quantizing and sharding it
+            raise self._bnb_refusal(_KINDS[eight_bit[0].kind][0])
         _materialize_distributed_module(self.model, self.root_device)
         # Quantize -> LoRA -> checkpointing -> kernels (lightning_hbm/surgery.py), on the full model.
         # Hide the mesh ModelParallelStrategy put on the LightningModule meanwhile: peft 0.21 takes a
@@ -170,12 +175,15 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         for optimizer in self.optimizers:
             optimizer = getattr(optimizer, "_optimizer", optimizer)
             if type(optimizer).__module__.startswith("bitsandbytes"):
-                raise ValueError(
-                    f"{type(optimizer).__name__} (bitsandbytes) cannot step FSDP2-sharded (DTensor) parameters: its "
-                    "kernels have no sharding rule. Sharding already splits the optimizer states over the "
-                    f"{self.world_size} rank(s): use a torch.optim optimizer and drop MemoryEfficientOptimizer, or "
-                    "keep the 8-bit optimizer with strategy='ddp'."
-                )
+                raise self._bnb_refusal(type(optimizer).__name__)
+
+    def _bnb_refusal(self, name: str) -> ValueError:
+        return ValueError(
+            f"{name} (bitsandbytes) cannot step FSDP2-sharded (DTensor) parameters: its "
+            "kernels have no sharding rule. Sharding already splits the optimizer states over the "
+            f"{self.world_size} rank(s): use a torch.optim optimizer and drop MemoryEfficientOptimizer, or "
+            "keep the 8-bit optimizer with strategy='ddp'."
+        )
 
     def _broadcast_trainable(self, module: nn.Module) -> None:
         """Start every rank from rank 0's trainable weights, as DDP does when it wraps a model.

@@ -490,15 +490,18 @@ def test_full_checkpoint_request_is_refused(gpt_factory: Any, trainer_factory: A
 
 
 def test_bitsandbytes_optimizer_is_refused_before_training(
-    gpt_factory: Any, trainer_factory: Any, no_process_group: Any, loss_recorder: Any
+    gpt_factory: Any, trainer_factory: Any, no_process_group: Any, loss_recorder: Any, snapshot: Any
 ) -> None:
     from lightning_hbm import MemoryEfficientOptimizer
 
     recorder = loss_recorder()
+    model = gpt_factory()
+    before = snapshot(model)
     trainer = trainer_factory(strategy="fsdp_qlora", callbacks=[MemoryEfficientOptimizer("adamw8bit"), recorder])
     with pytest.raises(ValueError, match=r"AdamW8bit \(bitsandbytes\) cannot step FSDP2-sharded.*strategy='ddp'"):
-        trainer.fit(gpt_factory(), train_dataloaders=[_batch()])
+        trainer.fit(model, train_dataloaders=[_batch()])
     assert recorder.losses == []
+    assert snapshot(model) == before  # refused before quantizing and sharding
 
 
 def test_lightning_cli_parses_the_strategy() -> None:
