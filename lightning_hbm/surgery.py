@@ -302,6 +302,12 @@ def _check_resume(
             + "\nResume with the settings of the run that saved it (or train from scratch without ckpt_path)."
         )
     changed = resume.fingerprint_differences(meta, getattr(module, _RECORD_ATTR))
+    misfits = _adapter_misfits(meta, getattr(module, _RECORD_ATTR)["schema"])
+    if misfits:  # even with allow_base_change: adapters of another shape cannot sit on this base
+        raise ValueError(
+            f"Checkpoint {path} holds adapters that do not fit this model's layers: {misfits[:3]}. A base change "
+            "(allow_base_change=True) keeps the layer sizes; build the model with the sizes of the run that saved it."
+        )
     if changed and not any(t.allows_base_change() for t in transforms):
         raise ValueError(
             f"Checkpoint {path} holds adapters trained on another frozen base: {len(changed)} base tensor(s) of the "
@@ -309,6 +315,23 @@ def _check_resume(
             "pretrained weights as the run that saved it; to put these adapters on a different base on purpose, "
             "pass LoRA(allow_base_change=True)."
         )
+
+
+def _adapter_misfits(meta: dict[str, Any], schema: dict[str, Any]) -> list[str]:
+    """LoRA pairs of the checkpoint whose (in, out) sizes differ from the as-built weight they adapt."""
+    import re
+
+    saved = meta.get("state_dict", {})
+    misfits = []
+    for key, lora_a in saved.items():
+        found = re.fullmatch(r"(.*?)(?:\.base_layer)?\.lora_A\.([^.]+)\.weight", key)
+        lora_b = saved.get(key.replace(".lora_A.", ".lora_B."))
+        base = schema.get(f"{found.group(1)}.weight") if found else None
+        if base is None or lora_b is None or len(base[0]) != 2 or not isinstance(lora_a, torch.Tensor):
+            continue
+        if sorted((lora_a.shape[-1], lora_b.shape[0])) != sorted(base[0]):
+            misfits.append(f"{found.group(1)}: adapters for {lora_a.shape[-1]} -> {lora_b.shape[0]}, layer {tuple(base[0])}")
+    return misfits
 
 
 def _load_changed(module: nn.Module, meta: dict[str, Any], checkpoint: dict[str, Any], path: Any) -> None:

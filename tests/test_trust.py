@@ -382,3 +382,16 @@ def test_a_quantized_checkpoint_loaded_without_lightning_hbm_computes_nan_not_wr
     plain.load_state_dict(torch.load(path, weights_only=True)["state_dict"])  # strict, and weights_only works
     assert plain.model.h[0].attn.c_attn.weight.isnan().all()
     assert plain(torch.randint(0, 256, (1, 8))).isnan().all()
+
+
+def test_a_base_change_onto_other_layer_sizes_is_refused_before_any_change(
+    gpt_factory: Callable, trainer_factory: Callable, datamodule_factory: Callable, tmp_path: Path, snapshot: Callable
+) -> None:
+    path = tmp_path / "adapter.ckpt"
+    _adapter_run(gpt_factory, trainer_factory, datamodule_factory, path)
+    model = gpt_factory(n_embd=32)  # narrower: every adapted layer has other sizes
+    before = snapshot(model)
+    trainer = trainer_factory(max_steps=2, plugins=[QuantizedPrecision("nf4-dq", **F32)], callbacks=[LoRA(r=2, allow_base_change=True)])
+    with pytest.raises(ValueError, match=r"(?s)adapters that do not fit this model's layers: \['model.h.0.attn.c_attn: adapters for \d+ -> \d+, layer"):
+        trainer.fit(model, datamodule_factory(), ckpt_path=path)
+    assert snapshot(model) == before and trainer.global_step == 0
