@@ -240,8 +240,14 @@ def run_surgery(
         object.__setattr__(module, _RECORD_ATTR, resume.as_built_record(module))
     meta = (checkpoint or {}).get(resume.META_KEY)
     if checkpoint is not None:
-        resume.verify(checkpoint, checkpoint_path)  # once: a no-op if the IO or the load hook checked it
-        _check_resume(module, plugin, transforms, meta, checkpoint_path)
+        try:
+            resume.verify(checkpoint, checkpoint_path)  # once: a no-op if the IO or the load hook checked it
+            _check_resume(module, plugin, transforms, meta, checkpoint_path)
+        except ValueError as err:
+            if _has_resume_hook(module):
+                raise  # checked before Lightning's load (_ResumeHook): the model is as it was
+            # no load hook ran (QuantizedPrecision alone): Lightning already copied the file into the model
+            raise ValueError(f"{str(err).replace('; nothing was loaded', '')}\n{_LOADED_ALREADY}") from None
     apply_transforms(module, [t for t in pending if t.stage < Stage.QUANTIZE])
     if device is not None and hasattr(plugin, "target_device"):
         plugin.target_device = device
@@ -255,6 +261,24 @@ def run_surgery(
     if applied_transforms(module):
         add_resume_hooks(module)  # later loads into the changed model (trainer.test(ckpt_path=...))
     return module
+
+
+# QuantizedPrecision alone: Lightning gives a precision plugin no hook before it loads the checkpoint into the model
+_LOADED_ALREADY = (
+    "Note: Lightning had already loaded this file into your model before QuantizedPrecision could check it (a "
+    "precision plugin gets no hook before that load), so its weights now hold the checkpoint's tensors and NaN "
+    "placeholders: rebuild the model before using it again. With any lightning_hbm callback in the Trainer (e.g. "
+    "LoRA) the file is checked before it is loaded."
+)
+
+
+def check_resume(trainer: pl.Trainer, module: nn.Module, meta: Optional[dict[str, Any]], path: Any) -> None:
+    """The resume checks of :func:`run_surgery` with the Trainer's plugin and transforms, for the load paths that run
+    outside it: Lightning's weight restore (before the surgery) and a strategy that restores after setup (FSDP)."""
+    if getattr(module, _RECORD_ATTR, None) is None:  # before the surgery: the model is as the user built it
+        object.__setattr__(module, _RECORD_ATTR, resume.as_built_record(module))
+    plugin = trainer.strategy.precision_plugin
+    _check_resume(module, plugin, surgery_callbacks(trainer), meta, path)
 
 
 def _check_resume(
@@ -278,6 +302,12 @@ def _check_resume(
             + "\nResume with the settings of the run that saved it (or train from scratch without ckpt_path)."
         )
     changed = resume.fingerprint_differences(meta, getattr(module, _RECORD_ATTR))
+    misfits = _adapter_misfits(meta, getattr(module, _RECORD_ATTR)["schema"])
+    if misfits:  # even with allow_base_change: adapters of another shape cannot sit on this base
+        raise ValueError(
+            f"Checkpoint {path} holds adapters that do not fit this model's layers: {misfits[:3]}. A base change "
+            "(allow_base_change=True) keeps the layer sizes; build the model with the sizes of the run that saved it."
+        )
     if changed and not any(t.allows_base_change() for t in transforms):
         raise ValueError(
             f"Checkpoint {path} holds adapters trained on another frozen base: {len(changed)} base tensor(s) of the "
@@ -285,6 +315,23 @@ def _check_resume(
             "pretrained weights as the run that saved it; to put these adapters on a different base on purpose, "
             "pass LoRA(allow_base_change=True)."
         )
+
+
+def _adapter_misfits(meta: dict[str, Any], schema: dict[str, Any]) -> list[str]:
+    """LoRA pairs of the checkpoint whose (in, out) sizes differ from the as-built weight they adapt."""
+    import re
+
+    saved = meta.get("state_dict", {})
+    misfits = []
+    for key, lora_a in saved.items():
+        found = re.fullmatch(r"(.*?)(?:\.base_layer)?\.lora_A\.([^.]+)\.weight", key)
+        lora_b = saved.get(key.replace(".lora_A.", ".lora_B."))
+        base = schema.get(f"{found.group(1)}.weight") if found else None
+        if base is None or lora_b is None or len(base[0]) != 2 or not isinstance(lora_a, torch.Tensor):
+            continue
+        if sorted((lora_a.shape[-1], lora_b.shape[0])) != sorted(base[0]):
+            misfits.append(f"{found.group(1)}: adapters for {lora_a.shape[-1]} -> {lora_b.shape[0]}, layer {tuple(base[0])}")
+    return misfits
 
 
 def _load_changed(module: nn.Module, meta: dict[str, Any], checkpoint: dict[str, Any], path: Any) -> None:
@@ -375,6 +422,10 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
     check_saves(trainer)
     checkpoint = pending_checkpoint(trainer)
     fitting = trainer.state.fn == "fit"
+    if getattr(module, _RECORD_ATTR, None) is None and not applied_transforms(module):
+        object.__setattr__(module, _RECORD_ATTR, resume.as_built_record(module))
+    if fitting and not applied_transforms(module):
+        check_ranks(module, (checkpoint or {}).get(resume.META_KEY), bool(checkpoint))
     return run_surgery(
         module,
         plugin,
@@ -384,6 +435,36 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
         checkpoint_path=trainer.ckpt_path,
         convert=convert,
     )
+
+
+def check_ranks(module: nn.Module, meta: Optional[dict[str, Any]], restoring: bool) -> None:
+    """Refuse, before the first change, ranks that built different frozen bases (a collective: every rank calls it).
+
+    DDP broadcasts rank 0's parameters and buffers, but bitsandbytes' quantization constants are neither, and
+    FSDP broadcasts nothing: ranks that built different weights would train on different frozen bases without a
+    word. Compared: the as-built fingerprints of the tensors no checkpoint restores (with a lightning_hbm
+    checkpoint, the base it left out; with a plain one, nothing; without one, every tensor).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    prints: dict[str, Optional[str]] = getattr(module, _RECORD_ATTR)["fingerprints"]
+    if restoring:
+        keys = set((meta or {}).get("omitted", []))
+        prints = {k: v for k, v in prints.items() if k in keys}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, prints)
+    for rank, other in enumerate(gathered[1:], start=1):
+        differ = [k for k in gathered[0] if k in other and gathered[0][k] != other[k]]
+        if differ:
+            raise ValueError(
+                f"Rank {rank} built another model than rank 0: {len(differ)} tensor(s) differ, first {differ[0]!r}. "
+                "Every rank must build the same frozen base (its quantization constants are not synchronised, so "
+                "the ranks would train on different bases): seed before building the model on every rank "
+                "(lightning.seed_everything(0) or torch.manual_seed(0), not a per-rank seed) or load the same "
+                "pretrained weights on every rank."
+            )
 
 
 def trainer_optimizers(plugin: Any, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> list[Optimizer]:
@@ -446,9 +527,13 @@ def check_saves(trainer: pl.Trainer) -> resume.CheckedCheckpointIO:
     return io
 
 
+def _has_resume_hook(module: nn.Module) -> bool:
+    return any(isinstance(getattr(h, "hook", h), _ResumeHook) for h in module._load_state_dict_pre_hooks.values())
+
+
 def add_resume_hooks(module: nn.Module) -> None:
     """Register (once per model) the load hooks that read lightning_hbm checkpoints; inert for other checkpoints."""
-    if any(isinstance(getattr(h, "hook", h), _ResumeHook) for h in module._load_state_dict_pre_hooks.values()):
+    if _has_resume_hook(module):
         return
     hook = _ResumeHook()
     module.register_load_state_dict_pre_hook(hook)
@@ -472,10 +557,17 @@ class _ResumeHook:
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         self.omitted, self.placeholders = [], set()
         trainer = getattr(module, "_trainer", None)
-        meta = (pending_checkpoint(trainer) or {}).get(resume.META_KEY)
-        if meta is None or prefix:
+        loaded = pending_checkpoint(trainer)
+        if loaded is None or prefix:
+            return  # not Lightning restoring a checkpoint: nothing to check
+        meta = loaded.get(resume.META_KEY)
+        if meta is not None:
+            resume.verify(loaded, trainer.ckpt_path)
+        if trainer.state.fn == "fit" and not applied_transforms(module):
+            # settings and frozen base, before Lightning copies a single tensor into the model as built
+            check_resume(trainer, module, meta, trainer.ckpt_path)
+        if meta is None:
             return  # not a lightning_hbm checkpoint: Lightning's rules, unchanged
-        resume.verify(pending_checkpoint(trainer), trainer.ckpt_path)
         self.placeholders = set(meta.get("placeholders", []))
         for key in self.placeholders:
             state_dict.pop(key, None)

@@ -123,3 +123,26 @@ class LossRecorder(pl.Callback):
 @pytest.fixture
 def loss_recorder() -> Callable[[], LossRecorder]:
     return LossRecorder
+
+
+def model_snapshot(model: torch.nn.Module) -> dict[str, Any]:
+    """What a refusal must leave as it was: every tensor's bytes, every module's type and train/eval flag."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for key, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):  # bytes, not values: NaN == NaN, and -0.0 != 0.0
+            data = value.detach().cpu().contiguous().reshape(-1)
+            digest.update(key.encode() + str(value.dtype).encode() + repr(tuple(value.shape)).encode())
+            digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return {
+        "state_dict": digest.hexdigest(),
+        "types": {name: type(m).__qualname__ for name, m in model.named_modules()},
+        "training": {name: m.training for name, m in model.named_modules()},
+    }
+
+
+@pytest.fixture
+def snapshot() -> Callable[[torch.nn.Module], dict[str, Any]]:
+    """``snapshot(model)``: compare before and after a refused call (``assert snapshot(model) == before``)."""
+    return model_snapshot

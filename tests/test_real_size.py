@@ -27,7 +27,7 @@ from lightning_hbm.data import synthetic_batch
 from lightning_hbm.memory import parameter_count
 from lightning_hbm.models import LlamaLM
 from lightning_hbm.planner import Candidate, predict
-from lightning_hbm.resume import checksum, fingerprint, spread_indices, verify_checksums
+from lightning_hbm.resume import checksum, fingerprint, spread_indices, verify
 
 # [vocab, hidden]: the largest tensor of each model (its embedding, and its output head when untied)
 SMOLLM2_135M = (49152, 576)  # 28.3M elements: past 2**24, where float32 stops counting exactly
@@ -223,7 +223,7 @@ def test_a_full_checkpoint_carries_crcs_of_the_real_size_tensors(
     # the embedding as built, and the 4-bit head's packed bytes (half its 28.3M values), each with a CRC of all its bytes
     assert meta["checksums"][EMBEDDING] == checksum(smollm2_shaped.state_dict()[EMBEDDING])
     assert meta["state_dict"][HEAD].numel() == VOCAB * HIDDEN // 2 and meta["checksums"][HEAD] is not None
-    verify_checksums(meta, checkpoint["state_dict"], path)  # the file as saved passes
+    verify({**checkpoint, "lightning_hbm": dict(meta)}, path)  # the file as saved passes (a copy: verify marks it)
 
     checkpoint["state_dict"][EMBEDDING].view(-1).view(torch.uint8)[-1] ^= 1
     damaged = tmp_path / "damaged.ckpt"

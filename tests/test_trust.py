@@ -172,7 +172,7 @@ def test_lora_alpha_must_be_finite(alpha: float) -> None:
     [
         ({"min_cosine_similarity": math.nan}, ValueError, r"must be a finite number"),
         ({"max_relative_error": math.nan}, ValueError, r"must be a finite number"),
-        ({"max_kl_divergence": "0.1"}, TypeError, r"max_kl_divergence='0.1'\): pass a number"),
+        ({"max_kl_divergence": "0.1"}, TypeError, r"max_kl_divergence='0.1'\): wrong type str; pass a number or None"),
     ],
 )
 def test_quality_thresholds_are_numbers(kwargs: dict, error: type, match: str) -> None:
@@ -217,16 +217,20 @@ def test_resume_onto_something_else_is_an_error_before_any_change(
     plugins: Any,
     lora: dict,
     match: str,
+    snapshot: Callable,
 ) -> None:
     path = tmp_path / "adapter.ckpt"
     _adapter_run(gpt_factory, trainer_factory, datamodule_factory, path)
     digest = _digest(path)
     model = make(gpt_factory)
+    model.model.h[0].eval()  # a submodule the user froze in eval mode stays so
+    before = snapshot(model)
     plugin = [QuantizedPrecision(plugins, **F32)] if plugins else []
     trainer = trainer_factory(max_steps=2, plugins=plugin, callbacks=[LoRA(r=2, **lora)])
     with pytest.raises(ValueError, match=rf"(?s){match}"):
         trainer.fit(model, datamodule_factory(), ckpt_path=path)
     _untouched(model)
+    assert snapshot(model) == before
     assert trainer.global_step == 0 and trainer.optimizers == []
     assert _digest(path) == digest
 
@@ -241,23 +245,27 @@ def test_a_deliberate_base_change_is_allowed_explicitly(
     assert trainer.global_step == 2
 
 
-def test_a_full_checkpoint_resumed_into_a_lora_run_says_so(trainer_factory: Callable, gpt_factory: Callable, datamodule_factory: Callable, tmp_path: Path) -> None:
+@pytest.mark.parametrize("plugins", [[], ["nf4-dq"]], ids=["lora", "qlora"])
+def test_a_full_checkpoint_resumed_into_a_lora_run_says_so(
+    trainer_factory: Callable, gpt_factory: Callable, datamodule_factory: Callable, tmp_path: Path, snapshot: Callable, plugins: list
+) -> None:
     trainer = trainer_factory(max_steps=1)
     trainer.fit(gpt_factory(), datamodule_factory())
     path = tmp_path / "full.ckpt"
     trainer.save_checkpoint(path)
     model = gpt_factory()
-    other = trainer_factory(max_steps=2, callbacks=[LoRA(r=2)])
-    with pytest.raises(ValueError, match=r"saved without lightning_hbm's changes, but this run applies \['LoRA'\].*without ckpt_path"):
+    before = snapshot(model)
+    other = trainer_factory(max_steps=2, plugins=[QuantizedPrecision(p, **F32) for p in plugins], callbacks=[LoRA(r=2)])
+    with pytest.raises(ValueError, match=r"saved without lightning_hbm's changes, but this run applies \[.*'LoRA'.*\].*without ckpt_path"):
         other.fit(model, datamodule_factory(), ckpt_path=path)
-    _untouched(model)
+    assert snapshot(model) == before  # its trained weights were not copied in before the refusal
 
 
 # ------------------------------------------------------------------ 4. damaged checkpoint files
 
 
 def test_flipped_bytes_inside_an_adapter_tensor_are_found(
-    gpt_factory: Callable, trainer_factory: Callable, datamodule_factory: Callable, tmp_path: Path
+    gpt_factory: Callable, trainer_factory: Callable, datamodule_factory: Callable, tmp_path: Path, snapshot: Callable
 ) -> None:
     path = tmp_path / "adapter.ckpt"
     _adapter_run(gpt_factory, trainer_factory, datamodule_factory, path)
@@ -271,11 +279,32 @@ def test_flipped_bytes_inside_an_adapter_tensor_are_found(
     path.write_bytes(bytes(raw))
     digest = _digest(path)
     model = gpt_factory()
+    before = snapshot(model)
     trainer = trainer_factory(max_steps=2, plugins=[QuantizedPrecision("nf4-dq", **F32)], callbacks=[LoRA(r=2)])
     with pytest.raises(ValueError, match=r"adapter.ckpt is damaged: tensor 'model.h.0.mlp.c_fc.lora_B.default.weight'"):
         trainer.fit(model, datamodule_factory(), ckpt_path=path)
     _untouched(model)
+    assert snapshot(model) == before
     assert _digest(path) == digest and trainer.global_step == 0
+
+
+def test_quantized_precision_alone_says_the_damaged_file_was_already_loaded(
+    gpt_factory: Callable, trainer_factory: Callable, datamodule_factory: Callable, tmp_path: Path
+) -> None:
+    """A precision plugin gets no hook before Lightning loads the weights: the refusal must not claim otherwise."""
+    first = trainer_factory(max_steps=1, plugins=[QuantizedPrecision("nf4-dq", **F32)])
+    first.fit(gpt_factory(), datamodule_factory())
+    path = tmp_path / "q.ckpt"
+    first.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["state_dict"]["model.wte.weight"].view(-1)[0] += 1  # a flipped value under an unchanged CRC
+    torch.save(checkpoint, path)
+    model = gpt_factory()
+    trainer = trainer_factory(max_steps=2, plugins=[QuantizedPrecision("nf4-dq", **F32)])
+    with pytest.raises(ValueError, match=r"(?s)is damaged: tensor 'model.wte.weight'.*already loaded this file into your model.*rebuild the model") as err:
+        trainer.fit(model, datamodule_factory(), ckpt_path=path)
+    assert "nothing was loaded" not in str(err.value)
+    assert trainer.global_step == 0
 
 
 @pytest.mark.parametrize(("cut", "match"), [(0, r"is empty \(0 bytes\)"), (0.6, r"is not a complete torch checkpoint.*cut short")])
@@ -354,3 +383,16 @@ def test_a_quantized_checkpoint_loaded_without_lightning_hbm_computes_nan_not_wr
     plain.load_state_dict(torch.load(path, weights_only=True)["state_dict"])  # strict, and weights_only works
     assert plain.model.h[0].attn.c_attn.weight.isnan().all()
     assert plain(torch.randint(0, 256, (1, 8))).isnan().all()
+
+
+def test_a_base_change_onto_other_layer_sizes_is_refused_before_any_change(
+    gpt_factory: Callable, trainer_factory: Callable, datamodule_factory: Callable, tmp_path: Path, snapshot: Callable
+) -> None:
+    path = tmp_path / "adapter.ckpt"
+    _adapter_run(gpt_factory, trainer_factory, datamodule_factory, path)
+    model = gpt_factory(n_embd=32)  # narrower: every adapted layer has other sizes
+    before = snapshot(model)
+    trainer = trainer_factory(max_steps=2, plugins=[QuantizedPrecision("nf4-dq", **F32)], callbacks=[LoRA(r=2, allow_base_change=True)])
+    with pytest.raises(ValueError, match=r"(?s)adapters that do not fit this model's layers: \['model.h.0.attn.c_attn: adapters for \d+ -> \d+, layer"):
+        trainer.fit(model, datamodule_factory(), ckpt_path=path)
+    assert snapshot(model) == before and trainer.global_step == 0

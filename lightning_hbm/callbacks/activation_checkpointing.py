@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 from typing_extensions import override
 
+from lightning_hbm._validate import check_args
 from lightning_hbm.naming import did_you_mean
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
@@ -167,6 +168,12 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
 
+def _device_available(device: torch.device) -> bool:
+    backend = getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", None)
+    return bool(callable(available) and available())
+
+
 def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The repeated blocks of ``module``: children of an ``nn.ModuleList`` or ``nn.Sequential`` that all share one class.
 
@@ -266,6 +273,7 @@ class ActivationCheckpointing(SurgeryCallback):
         offload: bool = False,
         offload_device: str = "cpu",
     ) -> None:
+        check_args(ActivationCheckpointing.__init__, locals())
         if policy not in ("full", "selective"):
             raise ValueError(f"ActivationCheckpointing(policy={policy!r}): choose 'full' or 'selective'.")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -317,6 +325,12 @@ class ActivationCheckpointing(SurgeryCallback):
         is checkpointed in its changed form, at the same path.
         """
         self._planned = self._resolve(module)
+        target = self.offload.device if self.offload is not None else None
+        if target is not None and target.type != "cpu" and not _device_available(target):
+            raise ValueError(
+                f"ActivationCheckpointing(offload_device={str(target)!r}): no {target.type} device here, so the first "
+                "training step would fail. Offload to host memory: offload_device='cpu' (the default)."
+            )
 
     @override
     def transform_model(self, module: nn.Module) -> None:

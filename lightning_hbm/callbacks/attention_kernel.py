@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from typing_extensions import override
 
+from lightning_hbm._validate import check_args
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 _FLASH_ATTN_AVAILABLE = RequirementCache("flash-attn")
@@ -113,6 +114,7 @@ class AttentionKernel(SurgeryCallback):
     reapply = True  # a new instance (e.g. a test Trainer after fit) chooses its kernel again
 
     def __init__(self, backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = "auto") -> None:
+        check_args(AttentionKernel.__init__, locals())
         if backend != "auto" and backend not in KERNELS:
             raise ValueError(
                 f"AttentionKernel(backend={backend!r}): choose one of {['auto', *KERNELS]} ('auto' picks the best "

@@ -31,7 +31,7 @@ import copy
 import inspect
 import logging
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from typing_extensions import override
 
+from lightning_hbm._validate import check_args
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 log = logging.getLogger(__name__)
@@ -531,14 +532,18 @@ class FusedLoss(SurgeryCallback):
     stage = Stage.KERNELS
     reapply = True  # idempotent: a new instance installs its own settings
 
-    def __init__(self, heads: Optional[Sequence[str]] = None, chunk_size: Optional[int] = None,
+    def __init__(self, heads: Optional[Union[str, Sequence[str]]] = None, chunk_size: Optional[int] = None,
                  kernel: Literal["auto", "chunked"] = "auto") -> None:
+        check_args(FusedLoss.__init__, locals())
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
             raise ValueError(f"FusedLoss(chunk_size={chunk_size!r}): give a positive number of tokens, or None for automatic.")
         if kernel not in ("auto", "chunked"):
             raise ValueError(f"FusedLoss(kernel={kernel!r}): choose 'auto' or 'chunked'.")
         if isinstance(heads, str):
             heads = [heads]
+        if heads is not None and not heads:
+            raise ValueError("FusedLoss(heads=[]): an empty list fuses nothing. Name the output head(s), e.g. "
+                             "heads=['lm_head'], or pass None to find them automatically.")
         self.heads = list(heads) if heads is not None else None
         self.chunk_size, self.kernel = chunk_size, kernel
         self.applied_heads: list[str] = []

@@ -28,6 +28,7 @@ from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 from typing_extensions import override
 
+from lightning_hbm._validate import check_args
 from lightning_hbm.layers import adaptable_names, prepare_model, report_coverage
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.precision.plugin import output_heads
@@ -145,6 +146,7 @@ class LoRA(SurgeryCallback):
         full_checkpoint: bool = False,
         allow_base_change: bool = False,
     ) -> None:
+        check_args(LoRA.__init__, locals())
         _import_peft()
         if isinstance(r, bool) or not isinstance(r, int):
             raise TypeError(f"LoRA r must be an int (the adapter rank), got {r!r} of type {type(r).__name__}.")

@@ -26,6 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hbm._validate import check_args
 from lightning_hbm.memory.storage import unique_bytes
 from lightning_hbm.precision.bnb import import_bnb
 from lightning_hbm.surgery import Stage, SurgeryCallback
@@ -94,6 +95,7 @@ class MemoryEfficientOptimizer(SurgeryCallback):
     stage = Stage.OPTIMIZER
 
     def __init__(self, kind: OptimizerKind = "adamw8bit") -> None:
+        check_args(MemoryEfficientOptimizer.__init__, locals())
         super().__init__()
         if kind not in _KINDS:
             raise ValueError(f"MemoryEfficientOptimizer(kind={kind!r}) is not a supported kind. Use one of {sorted(_KINDS)}.")

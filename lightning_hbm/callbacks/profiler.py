@@ -37,6 +37,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_hbm._validate import check_args
 from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown, classify, owned_storages, owned_tensors, tensor_bytes
 from lightning_hbm.memory.report import REMEDIES, MemoryReport
 from lightning_hbm.memory.storage import module_parameter_tensors
@@ -127,6 +128,7 @@ class HBMProfiler(Callback):
         summary: bool = True,
         max_rows: int = 10_000,
     ) -> None:
+        check_args(HBMProfiler.__init__, locals())
         if every_n_steps is not None:
             _check_int("every_n_steps", every_n_steps, minimum=1)
         _check_int("snapshot_max_entries", snapshot_max_entries, minimum=1)

@@ -24,6 +24,7 @@ from torchmetrics import CosineSimilarity, KLDivergence, RelativeSquaredError
 from torchmetrics.functional.audio import signal_noise_ratio
 from typing_extensions import override
 
+from lightning_hbm._validate import check_args
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 PREFIX = "quant/"
@@ -91,13 +92,16 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
 @contextmanager
 def eval_no_grad(module: nn.Module) -> Generator[None, None, None]:
     # Dropout would make the probe outputs random; the same eval forward is used on both sides.
-    was_training = module.training
+    # Each module's own flag is put back (not module.train(flag) on the root, which would also switch on the
+    # submodules the user froze in eval mode, e.g. a frozen encoder whose BatchNorm statistics must not move).
+    flags = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
         with torch.no_grad():
             yield
     finally:
-        module.train(was_training)
+        for m, training in flags:
+            m.training = training
 
 
 def _dequantized_weight(layer: nn.Module) -> Tensor:
@@ -198,6 +202,7 @@ class QuantizationQuality(SurgeryCallback):
         max_kl_divergence: Optional[float] = None,
         stop_on_threshold: bool = False,
     ) -> None:
+        check_args(QuantizationQuality.__init__, locals())
         if isinstance(probe_samples, bool) or not isinstance(probe_samples, int):
             raise TypeError(f"probe_samples must be an int, got {probe_samples!r} of type {type(probe_samples).__name__}.")
         if probe_samples < 1:

@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_hbm._validate import check_args
 from lightning_hbm.callbacks.profiler import HBMProfiler
 from lightning_hbm.memory.categories import CATEGORIES
 from lightning_hbm.memory.report import MemoryReport, format_table
@@ -91,6 +92,7 @@ class AutoFit(Callback):
         optimizers: Optional[list[str]] = None,
         fused_loss: Optional[list[bool]] = None,
     ) -> None:
+        check_args(AutoFit.__init__, locals())
         self.budget = parse_bytes(budget)
         if fused_loss is not None and (isinstance(fused_loss, bool) or not fused_loss or not all(isinstance(f, bool) for f in fused_loss)):
             raise TypeError(f"AutoFit(fused_loss={fused_loss!r}): pass a non-empty list of booleans, e.g. [False, True].")

@@ -21,6 +21,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_hbm._validate import check_args
 from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_of, prepare_model
 from lightning_hbm.precision.gptq import ROUNDINGS, digest, gptq_round_, input_hessians, is_4bit
 from lightning_hbm.precision.registry import QuantMode, get_mode, to_dtype
@@ -318,6 +319,7 @@ class QuantizedPrecision(Precision):
         rounding: str = "nearest",
         smoothing: Optional[Union[float, str]] = None,
     ) -> None:
+        check_args(QuantizedPrecision.__init__, locals())
         self.mode = get_mode(mode)
         self.dtype = to_dtype(dtype)
         if self.dtype not in self.mode.dtypes:

@@ -39,6 +39,7 @@ from lightning_utilities.core.imports import RequirementCache
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hbm._validate import check_args
 from lightning_hbm.callbacks.optimizer import repoint_lr_schedulers
 from lightning_hbm.memory.storage import nested_tensors, unique_bytes
 from lightning_hbm.resume import CheckedCheckpointIO
@@ -261,13 +262,14 @@ class CPUOffloadStrategy(SingleDeviceStrategy):
 
     def __init__(
         self,
-        device: Optional[str] = None,
-        offload_device: str = "cpu",
+        device: Optional[Union[str, torch.device]] = None,
+        offload_device: Union[str, torch.device] = "cpu",
         offload_gradients: bool = False,
         accelerator: Optional[pl.accelerators.Accelerator] = None,
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Any] = None,
     ) -> None:
+        check_args(CPUOffloadStrategy.__init__, locals())
         super().__init__(
             device=device or "cpu",
             accelerator=accelerator,

@@ -60,6 +60,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hbm._validate import check_args
 from lightning_hbm import resume
 
 
@@ -98,6 +99,7 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
+        check_args(QuantizedFSDPStrategy.__init__, locals())
         if shard_modules is not None and (
             isinstance(shard_modules, str) or not all(isinstance(n, str) and n for n in shard_modules)
         ):
@@ -141,6 +143,11 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
                 "QuantizedFSDPStrategy saves only the trainable weights (gathered on rank 0; the base is rebuilt "
                 "from your model on resume). Use full_checkpoint=False, or save the merged model after fit."
             )
+        from lightning_hbm.callbacks.optimizer import _KINDS, MemoryEfficientOptimizer
+
+        eight_bit = [cb for cb in trainer.callbacks if isinstance(cb, MemoryEfficientOptimizer)]
+        if eight_bit:  # known now: refused before the model changes, not after quantizing and sharding it
+            raise self._bnb_refusal(_KINDS[eight_bit[0].kind][0])
         _materialize_distributed_module(self.model, self.root_device)
         # Quantize -> LoRA -> checkpointing -> kernels (lightning_hbm/surgery.py), on the full model.
         # Hide the mesh ModelParallelStrategy put on the LightningModule meanwhile: peft 0.21 takes a
@@ -169,12 +176,15 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         for optimizer in self.optimizers:
             optimizer = getattr(optimizer, "_optimizer", optimizer)
             if type(optimizer).__module__.startswith("bitsandbytes"):
-                raise ValueError(
-                    f"{type(optimizer).__name__} (bitsandbytes) cannot step FSDP2-sharded (DTensor) parameters: its "
-                    "kernels have no sharding rule. Sharding already splits the optimizer states over the "
-                    f"{self.world_size} rank(s): use a torch.optim optimizer and drop MemoryEfficientOptimizer, or "
-                    "keep the 8-bit optimizer with strategy='ddp'."
-                )
+                raise self._bnb_refusal(type(optimizer).__name__)
+
+    def _bnb_refusal(self, name: str) -> ValueError:
+        return ValueError(
+            f"{name} (bitsandbytes) cannot step FSDP2-sharded (DTensor) parameters: its "
+            "kernels have no sharding rule. Sharding already splits the optimizer states over the "
+            f"{self.world_size} rank(s): use a torch.optim optimizer and drop MemoryEfficientOptimizer, or "
+            "keep the 8-bit optimizer with strategy='ddp'."
+        )
 
     def _broadcast_trainable(self, module: nn.Module) -> None:
         """Start every rank from rank 0's trainable weights, as DDP does when it wraps a model.
@@ -260,6 +270,12 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         resume.check_file(path)  # an empty or cut-short file is a clear error, as on one device
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         assert self.model is not None
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            # Lightning restores after this strategy's setup (the surgery already ran: trainer.ckpt_path is not known
+            # before), so the settings and base fingerprints are checked here, before any tensor is loaded or step run
+            from lightning_hbm import surgery
+
+            surgery.check_resume(self.lightning_module.trainer, self.lightning_module, checkpoint.get(resume.META_KEY), path)
         self._load_trainable(_trainable_part(checkpoint, path))
         optimizer_states = checkpoint.pop("optimizer_states", [])
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and optimizer_states:

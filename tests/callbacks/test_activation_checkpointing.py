@@ -212,7 +212,7 @@ def test_bad_arguments_are_clear_errors() -> None:
         ActivationCheckpointing(policy="none")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"every=0.*int >= 1"):
         ActivationCheckpointing(every=0)
-    with pytest.raises(TypeError, match=r"blocks='Block'.*list of class names"):
+    with pytest.raises(TypeError, match=r"blocks='Block'\): wrong type str; pass a list of strs or None"):
         ActivationCheckpointing(blocks="Block")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"offload_device='gpu0'\) is not a torch device: use 'cpu'"):
         ActivationCheckpointing(offload=True, offload_device="gpu0")
@@ -275,3 +275,18 @@ def test_block_names_resolve_against_the_model_as_built(
     assert not any("lora_" in n or "base_layer" in n for n in callback.checkpointed)
     wrapped = [n for n, m in model.named_modules() if "_lightning_hbm_checkpoint" in vars(m)]
     assert wrapped == user_linears
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without the offload device")
+def test_offload_to_a_missing_device_is_refused_before_the_model_changes(
+    gpt_factory: Any, trainer_factory: Any, datamodule_factory: Any, snapshot: Any
+) -> None:
+    from lightning_hbm import QuantizedPrecision
+
+    model = gpt_factory()
+    before = snapshot(model)
+    trainer = trainer_factory(max_steps=1, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+                              callbacks=[ActivationCheckpointing(offload=True, offload_device="cuda")])
+    with pytest.raises(ValueError, match=r"offload_device='cuda'\): no cuda device here.*offload_device='cpu'"):
+        trainer.fit(model, datamodule_factory())
+    assert snapshot(model) == before and trainer.global_step == 0

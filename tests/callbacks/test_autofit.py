@@ -89,7 +89,7 @@ def test_impossible_budget_raises_before_training(
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="Cannot read the memory size 'lots'"):
         AutoFit(budget="lots")
-    with pytest.raises(TypeError, match=r"AutoFit\(lora_ranks='8'\): pass a list"):
+    with pytest.raises(TypeError, match=r"AutoFit\(lora_ranks='8'\): wrong type str; pass a list of ints or None"):
         AutoFit(lora_ranks="8")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"AutoFit\(optimizers=\[\]\): pass at least one value"):
         AutoFit(optimizers=[])

@@ -290,13 +290,13 @@ class _NoLinear(pl.LightningModule):
     [
         (dict(r=0), ValueError, r"r must be a positive rank, got r=0"),
         (dict(r=-4), ValueError, r"got r=-4"),
-        (dict(r=2.5), TypeError, r"r must be an int .* got 2.5 of type float"),
+        (dict(r=2.5), TypeError, r"LoRA\(r=2.5\): wrong type float; pass an int"),
         (dict(alpha=0), ValueError, r"alpha must be a positive number, got alpha=0"),
         (dict(dropout=1.0), ValueError, r"dropout must be in \[0, 1\), got dropout=1.0"),
         (dict(target_modules="q_proj("), ValueError, r"target_modules='q_proj\(' is not a valid regex"),
         (dict(target_modules=[]), TypeError, r"target_modules must be 'all-linear', a regex string or a non-empty list"),
         (dict(exclude_modules="all-linear"), ValueError, r"exclude_modules='all-linear' is not allowed"),
-        (dict(modules_to_save="lm_head"), TypeError, r"modules_to_save must be a list of module names, got 'lm_head'"),
+        (dict(modules_to_save="lm_head"), TypeError, r"modules_to_save='lm_head'\): wrong type str; pass a list of strs or None"),
         (dict(adapter_dtype="int8"), ValueError, r"adapter_dtype must be 'float32' or 'bfloat16', got 'int8'"),
     ],
 )

@@ -160,7 +160,7 @@ def test_missing_probe_batch_is_an_error_before_training(gpt_factory: Any, train
     ("kwargs", "error", "match"),
     [
         (dict(probe_samples=0), ValueError, "probe_samples must be at least 1, got 0"),
-        (dict(probe_samples=2.5), TypeError, r"probe_samples must be an int, got 2\.5 of type float"),
+        (dict(probe_samples=2.5), TypeError, r"probe_samples=2\.5\): wrong type float; pass an int"),
         (dict(task="vision"), ValueError, r"task must be 'auto', 'lm' or 'generic', got 'vision'"),
         (dict(probe_batch="tokens"), TypeError, "probe_batch must be a tensor.*got str"),
         (dict(min_cosine_similarity=1.5), ValueError, r"min_cosine_similarity must be in \[-1, 1\], got 1\.5"),
@@ -193,3 +193,43 @@ def test_lm_task_needs_logits(trainer_factory: Any) -> None:
     with pytest.raises(ValueError, match=r"task='lm'\) needs logits of shape \(batch, seq, vocab\), got an output of shape \(2,\)"):
         trainer.fit(Scalar(), DataLoader(TensorDataset(x), batch_size=2))
     assert trainer.global_step == 0
+
+
+class _ModeRecorder(pl.Callback):
+    """The train/eval flag of every module at the first training step."""
+
+    def __init__(self) -> None:
+        self.training: dict[str, bool] = {}
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self.training:
+            self.training = {name: m.training for name, m in pl_module.named_modules()}
+
+
+_PROBE = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize(
+    ("plugin", "quality"),
+    [
+        (dict(mode="nf4-dq", rounding="gptq", probe_batch=_PROBE), False),
+        (dict(mode="nf4-dq"), True),
+        (dict(mode="int8-dynamic-smooth", smoothing=0.5, probe_batch=_PROBE), False),
+        (dict(mode="nf4-dq", max_bytes_per_param=0.7, probe_batch=_PROBE), False),
+    ],
+    ids=["gptq", "QuantizationQuality", "int8-dynamic-smooth", "sensitivity-plan"],
+)
+def test_probes_keep_each_modules_own_train_eval_flag(
+    gpt_factory: Any, datamodule_factory: Any, trainer_factory: Any, plugin: dict, quality: bool
+) -> None:
+    """The probes run the model in eval mode and put back each module's flag, not one flag for the whole model."""
+    model = gpt_factory()
+    model.model.h[0].eval()  # e.g. a frozen block whose dropout/BatchNorm the user keeps in eval mode
+    recorder = _ModeRecorder()
+    callbacks = [recorder] + ([QuantizationQuality(probe_batch=_PROBE, on_validation=False)] if quality else [])
+    trainer_factory(max_steps=1, plugins=[QuantizedPrecision(dtype="float32", **plugin)], callbacks=callbacks).fit(
+        model, datamodule_factory()
+    )
+    assert recorder.training["model.h.0"] is False and recorder.training["model.h.0.attn"] is False
+    assert recorder.training["model.h.1"] is True and recorder.training[""] is True

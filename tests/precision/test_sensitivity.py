@@ -98,7 +98,7 @@ def test_unreachable_cosine_names_the_best_reachable_one(gpt_factory: Any) -> No
         (dict(min_cosine=0.9, sensitive_mode="nf4-dq"), ValueError, r"sensitive layers need a wider mode"),
         (dict(min_cosine=0.9, sensitive_mode=["int8", "nf4-dq"]), ValueError, r"sensitive layers need a wider mode"),
         (dict(min_cosine=0.9, sensitive_mode=[]), ValueError, r"sensitive_mode=\[\]\): pass 'auto', a mode name or a non-empty"),
-        (dict(min_cosine=0.9, sensitive_mode=8), ValueError, r"sensitive_mode=8\): pass 'auto'"),
+        (dict(min_cosine=0.9, sensitive_mode=8), TypeError, r"sensitive_mode=8\): wrong type int; pass a str or a list of strs"),
         (dict(min_cosine=0.9, sensitive_mode=["nf4-dq-b32", "int3"]), ValueError, r"Unknown lightning_hbm precision mode 'int3'"),
         (dict(min_cosine=0.9, probe_batch=3), TypeError, r"probe_batch=...\) must be a tensor"),
         (dict(min_cosine=0.9, layer_modes={"a": "int8"}), ValueError, r"either layer_modes .* or a target"),

@@ -436,7 +436,7 @@ def test_container_class_as_shard_module_fails_before_the_model_changes(
 def test_shard_modules_must_be_a_list_of_names(bad: Any) -> None:
     from lightning_hbm import QuantizedFSDPStrategy
 
-    with pytest.raises(TypeError, match=r"shard_modules must be a list of module class names .*got"):
+    with pytest.raises(TypeError, match=r"shard_modules(=.*pass a list of strs or None| must be a list of module class names)"):
         QuantizedFSDPStrategy(shard_modules=bad)
 
 
@@ -490,15 +490,18 @@ def test_full_checkpoint_request_is_refused(gpt_factory: Any, trainer_factory: A
 
 
 def test_bitsandbytes_optimizer_is_refused_before_training(
-    gpt_factory: Any, trainer_factory: Any, no_process_group: Any, loss_recorder: Any
+    gpt_factory: Any, trainer_factory: Any, no_process_group: Any, loss_recorder: Any, snapshot: Any
 ) -> None:
     from lightning_hbm import MemoryEfficientOptimizer
 
     recorder = loss_recorder()
+    model = gpt_factory()
+    before = snapshot(model)
     trainer = trainer_factory(strategy="fsdp_qlora", callbacks=[MemoryEfficientOptimizer("adamw8bit"), recorder])
     with pytest.raises(ValueError, match=r"AdamW8bit \(bitsandbytes\) cannot step FSDP2-sharded.*strategy='ddp'"):
-        trainer.fit(gpt_factory(), train_dataloaders=[_batch()])
+        trainer.fit(model, train_dataloaders=[_batch()])
     assert recorder.losses == []
+    assert snapshot(model) == before  # refused before quantizing and sharding
 
 
 def test_lightning_cli_parses_the_strategy() -> None:
