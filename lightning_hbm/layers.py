@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 KIND_ATTR = "_lightning_hbm_kind"  # set on a module that replaced a layer of another kind
 LEFT_ALONE_ATTR = "_lightning_hbm_left_alone"  # (reason, deliberate) set by QuantizedPrecision on skipped layers
+CONVERTED_ATTR = "_lightning_hbm_converted"  # kind name, set on the module prepare() put in a layer's place
 WARN_SHARE = 0.05  # a kind left alone (not by choice) above this share of all parameters is a warning
 
 
@@ -52,6 +53,9 @@ class LayerKind:
         quantized_as: how it is quantized (README table).
         adapted_as: how LoRA reaches it (README table).
         option: what to pass when it is left alone (named in the warning).
+        as_built_keys: for a kind with ``prepare``, the replacement's tensors as forms of the layer's as
+            built: ``{replacement key: as-built key}`` (local names, e.g. ``{"q_proj.weight": "in_proj_weight"}``).
+            A checkpoint that left the frozen base out (adapter-only) is checked against it on resume.
     """
 
     name: str
@@ -61,6 +65,7 @@ class LayerKind:
     adapted_as: str
     option: str
     prepare: Optional[Callable[[nn.Module], Optional[nn.Module]]] = None
+    as_built_keys: Optional[Callable[[nn.Module], dict[str, str]]] = None
 
 
 _KINDS: dict[str, LayerKind] = {}
@@ -124,6 +129,7 @@ def _prepare_mha(module: nn.Module) -> nn.Module:
     from lightning_hbm.multihead_attention import ProjectedMultiheadAttention
 
     new = ProjectedMultiheadAttention.from_torch(module)  # type: ignore[arg-type]
+    object.__setattr__(new, CONVERTED_ATTR, "MultiheadAttention")
     for proj in (new.q_proj, new.k_proj, new.v_proj, new.out_proj):
         object.__setattr__(proj, KIND_ATTR, "MultiheadAttention")
     return new
@@ -135,6 +141,7 @@ def _prepare_experts(module: nn.Module) -> Optional[nn.Module]:
     if not supported(module):
         return None  # left as it is: the coverage table names it
     new = LinearExperts.from_transformers(module)
+    object.__setattr__(new, CONVERTED_ATTR, EXPERTS.name)
     for linear in [*new.gate_up_proj, *new.down_proj]:
         object.__setattr__(linear, KIND_ATTR, EXPERTS.name)
     return new
@@ -175,6 +182,7 @@ MULTIHEAD_ATTENTION = register_kind(
         # prepare() first turns the module into four Linears tagged with this kind; those are quantized
         to_linear=_linear_as_linear,
         prepare=_prepare_mha,
+        as_built_keys=lambda new: new.as_built_keys(),
         quantized_as="replaced by an equivalent module with q/k/v/out Linear projections, each quantized",
         adapted_as="peft LoRA on the q_proj/k_proj/v_proj/out_proj Linears of the replacement",
         option="QuantizedPrecision(...) and/or LoRA(target_modules='all-linear')",
@@ -188,6 +196,7 @@ EXPERTS = register_kind(
         # with this kind; those are quantized and adapted like any Linear
         to_linear=_linear_as_linear,
         prepare=_prepare_experts,
+        as_built_keys=lambda new: new.as_built_keys(),
         quantized_as="replaced by an equal module with one Linear per expert and projection, each quantized",
         adapted_as="peft LoRA on each expert's gate_up_proj / down_proj Linear",
         option="only transformers-5 experts in the default layout (concatenated gate/up, no bias) are converted; "
@@ -271,6 +280,23 @@ def prepare_model(module: nn.Module, skip: Callable[[str], bool] = lambda name: 
             if isinstance(sub, nn.TransformerEncoder):
                 sub.use_nested_tensor = False
     return [name for name, _ in replacements]
+
+
+def converted_keys(module: nn.Module) -> dict[str, str]:
+    """``{prefix of a converted tensor: as-built key}`` for every layer :func:`prepare_model` replaced in ``module``.
+
+    E.g. ``{"enc.attn.q_proj.weight": "enc.attn.in_proj_weight", "moe.experts.down_proj.3.weight":
+    "moe.experts.down_proj"}``, from each kind's ``as_built_keys``. Peft's ``base_layer`` is left out of
+    the names (see :func:`lightning_hbm.resume.as_built_key`).
+    """
+    keys: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        kind = _KINDS.get(getattr(sub, CONVERTED_ATTR, None) or "")
+        if kind is None or kind.as_built_keys is None:
+            continue
+        prefix = name.replace(".base_layer", "") + "." if name else ""
+        keys.update({prefix + new: prefix + old for new, old in kind.as_built_keys(sub).items()})
+    return keys
 
 
 def adaptable_names(module: nn.Module) -> list[str]:
@@ -443,6 +469,7 @@ __all__ = [
     "LayerKind",
     "adaptable_names",
     "base_layer",
+    "converted_keys",
     "coverage",
     "coverage_warnings",
     "find_layers",

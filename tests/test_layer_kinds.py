@@ -508,3 +508,78 @@ def test_unsupported_attention_options_are_clear_errors_before_any_change() -> N
     with pytest.raises(ValueError, match=r"add_bias_kv=True.*not supported.*ignore_modules"):
         quantize_model(model, "nf4-dq", dtype="float32")
     assert type(model[0]) is nn.Linear  # nothing changed
+
+
+# ------------------------------------------------ issue 24: adapter-only resume on converted layer kinds
+
+
+def olmoe() -> nn.Module:
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    config = OlmoeConfig(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        num_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=SEQ, eos_token_id=0, pad_token_id=0,
+    )
+    return OlmoeForCausalLM(config)
+
+
+MODELS_24: dict[str, tuple[Callable[[], nn.Module], str]] = {"olmoe": (olmoe, "causal")}
+
+
+def build_any(name: str, seed: int = 0) -> Wrapped:
+    torch.manual_seed(seed)
+    factory, task = {**MODELS, **MODELS_24}[name]
+    return Wrapped(factory(), task)
+
+
+def fit_epochs(name: str, epochs: int, tmp_path: Any, ckpt_path: Any = None, save: bool = False) -> tuple[Wrapped, GradientRecorder]:
+    """Whole epochs of 2 different batches (a resumed run replays the same batches), nf4-dq + LoRA + checkpointing."""
+    module, recorder = build_any(name), GradientRecorder()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+        plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+        callbacks=[LoRA(r=8, alpha=16), ActivationCheckpointing(), recorder],
+    )
+    trainer.fit(module, DataLoader([tokens(1), tokens(2)], batch_size=None), ckpt_path=ckpt_path)
+    if save:
+        trainer.save_checkpoint(tmp_path / "half.ckpt")
+    return module, recorder
+
+
+@pytest.mark.parametrize("name", ["mixtral", "olmoe", "transformer_encoder"])
+def test_adapter_only_checkpoint_of_converted_layers_resumes_exactly(name: str, tmp_path: Any) -> None:
+    """Was: "does not hold these tensors ...experts.gate_up_proj.0.base_layer.weight" although the settings matched."""
+    straight, recorder = fit_epochs(name, 2, tmp_path)
+    assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
+    fit_epochs(name, 1, tmp_path, save=True)
+    meta = torch.load(tmp_path / "half.ckpt", weights_only=False)["lightning_hbm"]
+    converted = "experts.gate_up_proj" if name != "transformer_encoder" else "self_attn.in_proj_weight"
+    # the converted as-built weights are left out (fingerprinted), not saved as placeholders
+    assert any(k.endswith(converted) for k in meta["omitted"]) and not any(k.endswith(converted) for k in meta["placeholders"])
+    assert all(".lora_" in k for k in meta["state_dict"])
+    resumed, _ = fit_epochs(name, 2, tmp_path, ckpt_path=tmp_path / "half.ckpt")
+    want, got = LoRA.adapter_state_dict(straight), LoRA.adapter_state_dict(resumed)
+    assert set(want) == set(got) and any("experts" in k or "q_proj" in k for k in want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
+
+
+def test_converted_keys_map_back_to_the_tensors_as_built() -> None:
+    from lightning_hbm.layers import prepare_model
+    from lightning_hbm.resume import KeyMap
+
+    module = nn.Sequential(nn.MultiheadAttention(32, 4), nn.MultiheadAttention(32, 4, kdim=16, vdim=16))
+    prepare_model(module)
+    keys = KeyMap(module)
+    assert keys.as_built("0.k_proj.base_layer.weight.absmax") == ("0.in_proj_weight.absmax", True)
+    assert keys.as_built("0.v_proj.bias") == ("0.in_proj_bias", True)
+    assert keys.as_built("1.k_proj.weight_scale") == ("1.k_proj_weight", True)
+    assert keys.covered("0.q_proj.base_layer.weight", ["0.in_proj_weight"])
+    assert not keys.covered("0.q_proj.lora_A.default.weight", ["0.in_proj_weight"])  # an adapter is no form of the base
+    experts = build("mixtral")
+    prepare_model(experts)
+    keys = KeyMap(experts)
+    base = "model.model.layers.0.mlp.experts.gate_up_proj"
+    assert keys.covered(f"{base}.3.base_layer.weight.nested_absmax", [base])
+    assert not keys.covered(f"{base}.3.lora_B.default.weight", [base])
