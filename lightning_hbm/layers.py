@@ -21,7 +21,11 @@ Linears are quantizable and adaptable (see those modules for why).
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import logging
+import textwrap
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
@@ -282,6 +286,68 @@ def prepare_model(module: nn.Module, skip: Callable[[str], bool] = lambda name: 
     return [name for name, _ in replacements]
 
 
+# ------------------------------------------------------------------------ direct weight readers
+
+# Reading these of a layer's weight is harmless once it is quantized; anything else (a matmul, .dtype, .shape, .T)
+# sees the packed integer weight, and an adapter around the layer is never called.
+_HARMLESS = ("device", "requires_grad")
+# Libraries whose modules are known: torch's nn.MultiheadAttention reads out_proj.weight, but it is converted
+# (prepare_model); peft, bitsandbytes and lightning_hbm read the layers they made themselves.
+_KNOWN = ("torch.", "peft.", "bitsandbytes.", "lightning_hbm.", "lightning.", "transformers.modeling_utils")
+
+
+@functools.lru_cache(maxsize=None)
+def _weight_paths(cls: type) -> tuple[tuple[str, str], ...]:
+    """``(child path, "Class.method")`` for each ``self.<path>.weight`` that code of ``cls`` (not its init) reads."""
+    found: dict[str, str] = {}
+    for klass in cls.__mro__:
+        if not issubclass(klass, nn.Module) or klass.__module__.startswith(_KNOWN) or klass is nn.Module:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue  # no source (built in a REPL, compiled): nothing to tell
+        for func in ast.walk(tree):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or "init" in func.name or "reset" in func.name or func.name == "extra_repr":
+                continue
+            nodes = list(ast.walk(func))
+            harmless = {id(n.value) for n in nodes if isinstance(n, ast.Attribute) and n.attr in _HARMLESS}
+            for node in nodes:
+                if not isinstance(node, ast.Attribute) or node.attr != "weight" or id(node) in harmless:
+                    continue
+                path, value = [], node.value
+                while isinstance(value, ast.Attribute):
+                    path.append(value.attr)
+                    value = value.value
+                if path and isinstance(value, ast.Name) and value.id == "self":
+                    found.setdefault(".".join(reversed(path)), f"{klass.__name__}.{func.name}")
+    return tuple(found.items())
+
+
+def weight_readers(module: nn.Module) -> dict[str, str]:
+    """``{layer name: "Class.method"}``: layers of a registered kind whose weight an enclosing module's code reads
+    directly (``self.dt_proj.weight @ x`` in transformers' Mamba, ``F.linear(x, self.qkv.weight)`` in
+    torchvision's Swin) instead of calling the layer.
+
+    Such a layer cannot be quantized (the reader gets the packed integer weight: a low-level dtype or shape
+    error) nor adapted (the adapter is never called). Found by reading the source of the model's classes
+    (``inspect``/``ast``), before any change and without a batch: methods whose name has ``init``/``reset``
+    (weight initialisation) and ``.weight.device`` reads are not readers. Code without source is not seen.
+    """
+    layers = {id(base_layer(layer)): name for name, layer, _ in find_layers(module)}
+    readers: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        for path, reader in _weight_paths(type(sub)):
+            try:
+                target = sub.get_submodule(path)
+            except AttributeError:
+                continue
+            layer = layers.get(id(base_layer(target)))
+            if layer is not None:
+                readers.setdefault(layer, reader)
+    return readers
+
+
 def converted_keys(module: nn.Module) -> dict[str, str]:
     """``{prefix of a converted tensor: as-built key}`` for every layer :func:`prepare_model` replaced in ``module``.
 
@@ -346,10 +412,12 @@ def _checkpointed_names(module: nn.Module) -> list[str]:
     return [n for n, m in module.named_modules() if _PLAN_ATTR in vars(m)]
 
 
-def _left_alone_reason(layer: nn.Module, kind: LayerKind, quantizing: bool, adapting: bool) -> tuple[str, bool]:
+def _left_alone_reason(layer: nn.Module, kind: LayerKind, quantizing: bool, adapting: bool, reader: Optional[str] = None) -> tuple[str, bool]:
     tagged = getattr(layer, LEFT_ALONE_ATTR, None)
     if tagged is not None:
         return tagged
+    if reader is not None:
+        return f"weight read directly by {reader}, not by calling the layer: kept in the compute dtype", False
     if kind.to_linear is None or kind.prepare is not None and kind.matches(layer):
         return f"{kind.name}: this variant is not supported yet", False
     if quantizing:  # the plugin tags what it skips; an untagged float layer came after it
@@ -366,6 +434,7 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
     blocks = _checkpointed_names(module)
     rows: dict[str, CoverageRow] = {}
     in_kinds: set[int] = set()
+    readers = weight_readers(module)
     for name, sub, kind in find_layers(module):
         layer = base_layer(sub)
         row = rows.setdefault(kind.name, CoverageRow(kind.name))
@@ -385,7 +454,7 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
         if any(name == b or name.startswith(b + ".") for b in blocks):
             row.checkpointed += count
         if not quantized and not adapted:
-            reason, deliberate = _left_alone_reason(layer, kind, quantizing, adapting)
+            reason, deliberate = _left_alone_reason(layer, kind, quantizing, adapting, readers.get(name))
             row.left_alone += count
             row.reasons[reason] = row.reasons.get(reason, 0) + count
             if not deliberate:
@@ -422,10 +491,15 @@ def coverage_warnings(rows: list[CoverageRow]) -> list[str]:
     for r in rows:
         if r.unhandled / total > WARN_SHARE:
             kind = _KINDS[r.kind]
+            read = [why for why in r.reasons if why.startswith("weight read directly")]
+            option = (
+                f"{'; '.join(read)}. Replace the reading code by a call of the layer to quantize/adapt them"
+                if read else f"Option: {kind.option}"
+            )
             messages.append(
                 f"lightning_hbm: {100 * r.unhandled / total:.1f}% of the parameters are {r.kind} layers left as they "
                 f"were (not quantized, no adapter): {r.undeliberate[:4]}{' ...' if len(r.undeliberate) > 4 else ''}. "
-                f"Option: {kind.option}."
+                f"{option}."
             )
     return messages
 
@@ -470,6 +544,7 @@ __all__ = [
     "adaptable_names",
     "base_layer",
     "converted_keys",
+    "weight_readers",
     "coverage",
     "coverage_warnings",
     "find_layers",

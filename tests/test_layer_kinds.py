@@ -523,7 +523,42 @@ def olmoe() -> nn.Module:
     return OlmoeForCausalLM(config)
 
 
-MODELS_24: dict[str, tuple[Callable[[], nn.Module], str]] = {"olmoe": (olmoe, "causal")}
+def mamba() -> nn.Module:
+    from transformers import MambaConfig, MambaForCausalLM
+
+    return MambaForCausalLM(MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=VOCAB, state_size=8, eos_token_id=0, pad_token_id=0))
+
+
+class SwinLikeAttention(nn.Module):
+    """torchvision Swin's attention: its parent reads ``self.qkv.weight`` and calls a function, never ``self.qkv``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).chunk(3, dim=-1)
+        return x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+class SwinLikeLM(nn.Module):
+    def __init__(self, width: int = WIDTH, layers: int = 2) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, width), nn.Linear(width, VOCAB)
+        self.layers = nn.ModuleList(nn.Sequential(SwinLikeAttention(width), Block(width)) for _ in range(layers))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+MODELS_24: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    "olmoe": (olmoe, "causal"),
+    "mamba": (mamba, "causal"),
+    "swin_like": (SwinLikeLM, "plain"),
+}
 
 
 def build_any(name: str, seed: int = 0) -> Wrapped:
@@ -534,7 +569,12 @@ def build_any(name: str, seed: int = 0) -> Wrapped:
 
 def fit_epochs(name: str, epochs: int, tmp_path: Any, ckpt_path: Any = None, save: bool = False) -> tuple[Wrapped, GradientRecorder]:
     """Whole epochs of 2 different batches (a resumed run replays the same batches), nf4-dq + LoRA + checkpointing."""
-    module, recorder = build_any(name), GradientRecorder()
+    module = build_any(name)
+    return module, fit_epochs_module(module, epochs, tmp_path, ckpt_path, save)
+
+
+def fit_epochs_module(module: Wrapped, epochs: int, tmp_path: Any, ckpt_path: Any = None, save: bool = False) -> GradientRecorder:
+    recorder = GradientRecorder()
     trainer = pl.Trainer(
         accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
@@ -544,7 +584,7 @@ def fit_epochs(name: str, epochs: int, tmp_path: Any, ckpt_path: Any = None, sav
     trainer.fit(module, DataLoader([tokens(1), tokens(2)], batch_size=None), ckpt_path=ckpt_path)
     if save:
         trainer.save_checkpoint(tmp_path / "half.ckpt")
-    return module, recorder
+    return recorder
 
 
 @pytest.mark.parametrize("name", ["mixtral", "olmoe", "transformer_encoder"])
@@ -583,3 +623,44 @@ def test_converted_keys_map_back_to_the_tensors_as_built() -> None:
     base = "model.model.layers.0.mlp.experts.gate_up_proj"
     assert keys.covered(f"{base}.3.base_layer.weight.nested_absmax", [base])
     assert not keys.covered(f"{base}.3.lora_B.default.weight", [base])
+
+
+# --------------------------------------------------- issue 24: layers whose weight the parent reads directly
+
+
+@pytest.mark.parametrize(("name", "read", "reader"), [
+    ("mamba", ["model.backbone.layers.0.mixer.dt_proj", "model.backbone.layers.1.mixer.x_proj"], "MambaMixer.forward"),
+    ("swin_like", ["model.layers.0.0.qkv", "model.layers.1.0.qkv"], "SwinLikeAttention.forward"),
+])
+def test_layers_whose_weight_is_read_directly_stay_in_compute_dtype_and_are_named(name: str, read: list[str], reader: str, tmp_path: Any) -> None:
+    """Was: a low-level dtype error in the parent's matmul, no layer named (transformers Mamba, torchvision Swin)."""
+    module = build_any(name)
+    with pytest.warns(UserWarning, match=rf"layers left as they were .*{read[0]}.*weight read directly by {reader}"):
+        recorder = fit_epochs_module(module, 3, tmp_path)
+    assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
+    for layer in read:
+        assert type(module.get_submodule(layer)) is nn.Linear and module.get_submodule(layer).weight.is_floating_point()
+    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    assert rows["Linear"].quantized > 0 and set(read) <= set(rows["Linear"].undeliberate)
+    assert any(why.startswith(f"weight read directly by {reader}") for why in rows["Linear"].reasons)
+
+
+def test_weight_readers_ignore_init_code_and_device_reads() -> None:
+    from lightning_hbm.layers import weight_readers
+
+    class Reads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+            nn.init.zeros_(self.a.weight)  # initialisation is not a reader
+
+        def reset_parameters(self) -> None:
+            nn.init.ones_(self.b.weight)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x.to(self.a.weight.device)  # harmless on a quantized weight
+            return self.a(x) + self.b(x) + x @ self.c.weight.T
+
+    assert weight_readers(nn.Sequential(Reads())) == {"0.c": "Reads.forward"}
+    for name in ("gpt2", "mixtral", "bert", "transformer_encoder"):  # they call their layers
+        assert weight_readers(build(name)) == {}, name

@@ -28,7 +28,7 @@ from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 from typing_extensions import override
 
-from lightning_hbm.layers import adaptable_names, prepare_model, report_coverage
+from lightning_hbm.layers import adaptable_names, prepare_model, report_coverage, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.precision.plugin import output_heads
 from lightning_hbm.naming import name_list
@@ -243,7 +243,9 @@ class LoRA(SurgeryCallback):
             for _, param in module.named_parameters(remove_duplicate=False):
                 owners[id(param)] = owners.get(id(param), 0) + 1
             tied = {n for n in linears if named[n] is not None and owners.get(id(named[n].weight), 0) > 1}
-            candidates = [n for n in linears if n not in heads and n not in tied]
+            # and layers whose weight a parent reads directly (Mamba's dt_proj): their adapter would never be called
+            readers = weight_readers(module)
+            candidates = [n for n in linears if n not in heads and n not in tied and n not in readers]
         else:
             candidates = [n for n in named if n and _matches(n, self.target_modules)]
             wrong = [f"{n} ({type(named[n]).__name__})" for n in candidates if n not in adaptable]
