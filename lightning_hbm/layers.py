@@ -192,6 +192,22 @@ MULTIHEAD_ATTENTION = register_kind(
         option="QuantizedPrecision(...) and/or LoRA(target_modules='all-linear')",
     )
 )
+def _is_conv(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.weight.is_floating_point()
+
+
+CONV = register_kind(
+    LayerKind(
+        name="Conv",
+        matches=_is_conv,
+        to_linear=None,  # bitsandbytes (and int8-dynamic) have no convolution kernel
+        quantized_as="not quantized: bitsandbytes has no convolution kernel (kept in the compute dtype, frozen)",
+        adapted_as="peft LoRA Conv layer (not grouped/depthwise convolutions: peft needs r divisible by groups and "
+        "cannot merge them)",
+        option="LoRA(target_modules='all-linear') adapts them, but no precision mode shrinks them: with a CNN the "
+        "quantized base saves little; exclude them knowingly",
+    )
+)
 EXPERTS = register_kind(
     LayerKind(
         name="Experts (3-D parameters)",
@@ -368,11 +384,13 @@ def converted_keys(module: nn.Module) -> dict[str, str]:
 def adaptable_names(module: nn.Module) -> list[str]:
     """Names of the layers LoRA can adapt, as they will be named after :func:`prepare_model`.
 
-    Linears (quantized or not) and Conv1D layers; for an ``nn.MultiheadAttention`` not yet prepared,
+    Linears (quantized or not), Conv1D layers and convolutions (not grouped); for an ``nn.MultiheadAttention`` not yet prepared,
     the four projections its replacement will have.
     """
     names: list[str] = []
     for name, sub, kind in find_layers(module):
+        if kind is CONV and base_layer(sub).groups > 1:
+            continue  # grouped/depthwise: peft needs r divisible by groups and cannot merge them
         if kind is MULTIHEAD_ATTENTION and isinstance(sub, nn.MultiheadAttention):
             names.extend(f"{name}.{proj}" for proj in ("q_proj", "k_proj", "v_proj"))
         elif kind is EXPERTS and kind.matches(sub):
@@ -418,8 +436,10 @@ def _left_alone_reason(layer: nn.Module, kind: LayerKind, quantizing: bool, adap
         return tagged
     if reader is not None:
         return f"weight read directly by {reader}, not by calling the layer: kept in the compute dtype", False
-    if kind.to_linear is None or kind.prepare is not None and kind.matches(layer):
+    if kind.prepare is not None and kind.matches(layer):
         return f"{kind.name}: this variant is not supported yet", False
+    if kind.to_linear is None and quantizing:
+        return kind.quantized_as, False
     if quantizing:  # the plugin tags what it skips; an untagged float layer came after it
         return "added after quantization", True
     return "frozen in full precision (no QuantizedPrecision" + (", not a LoRA target)" if adapting else ")"), True
@@ -460,6 +480,12 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
             if not deliberate:
                 row.undeliberate.append(name)
                 row.unhandled += count
+        elif adapted and quantizing and not quantized and kind.to_linear is None:
+            # adapted, but its frozen base stays at full size (a convolution): said, and warned above 5 %
+            reason = f"{kind.quantized_as}; adapted by LoRA"
+            row.reasons[reason] = row.reasons.get(reason, 0) + count
+            row.undeliberate.append(name)
+            row.unhandled += count
     other = CoverageRow("other (embeddings, norms, ...)")
     adapters = CoverageRow("LoRA adapters (trained)")
     for name, param in module.named_parameters():
@@ -496,10 +522,12 @@ def coverage_warnings(rows: list[CoverageRow]) -> list[str]:
                 f"{'; '.join(read)}. Replace the reading code by a call of the layer to quantize/adapt them"
                 if read else f"Option: {kind.option}"
             )
+            state = "left as they were (not quantized, no adapter)" if r.adapted == 0 else "not quantized"
+            if kind.to_linear is None and kind.prepare is None:
+                option = f"{kind.quantized_as}. {option}"
             messages.append(
-                f"lightning_hbm: {100 * r.unhandled / total:.1f}% of the parameters are {r.kind} layers left as they "
-                f"were (not quantized, no adapter): {r.undeliberate[:4]}{' ...' if len(r.undeliberate) > 4 else ''}. "
-                f"{option}."
+                f"lightning_hbm: {100 * r.unhandled / total:.1f}% of the parameters are {r.kind} layers {state}: "
+                f"{r.undeliberate[:4]}{' ...' if len(r.undeliberate) > 4 else ''}. {option}."
             )
     return messages
 
@@ -535,6 +563,7 @@ def report_coverage(module: nn.Module, quantizing: bool) -> list[CoverageRow]:
 
 
 __all__ = [
+    "CONV",
     "CONV1D",
     "EXPERTS",
     "LINEAR",

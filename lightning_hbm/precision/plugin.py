@@ -224,8 +224,10 @@ def quantize_model(
             object.__setattr__(new, KIND_ATTR, getattr(layer, KIND_ATTR))
         setattr(parent, child_name, new)
     # Everything that is not quantized storage computes in the compute dtype and stays trainable,
-    # except what the model declares must stay in fp32.
-    fp32 = keep_in_fp32_names(module)
+    # except what the model declares must stay in fp32, and BatchNorm: its running statistics are fp32
+    # buffers, and batch_norm takes a 16-bit input only with fp32 weights and statistics (as in
+    # Lightning's mixed precision); 16-bit weights beside fp32 statistics fail at the first batch.
+    fp32 = keep_in_fp32_names(module) | {n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
     for name, param in module.named_parameters():
         wanted = torch.float32 if _under(name.rpartition(".")[0], fp32) else compute_dtype
         if param.is_floating_point() and param.dtype != wanted:
