@@ -153,10 +153,12 @@ def _prepare_experts(module: nn.Module) -> Optional[nn.Module]:
 
 def _is_experts(module: nn.Module) -> bool:
     # transformers-5 MoE layers keep all experts in 3-D Parameters [experts, out, in]; convolutions
-    # (also 3-D weights) are another kind of layer.
+    # (also 3-D weights) are another kind of layer, and a 3-D Parameter with one leading row is a learned
+    # token or position table broadcast over the batch (ViT cls_token / pos_embed, SigLIP's pooling probe):
+    # counted with the embeddings ("other").
     if isinstance(module, nn.modules.conv._ConvNd):
         return False
-    return any(p.dim() == 3 for p in module.parameters(recurse=False))
+    return any(p.dim() == 3 and p.shape[0] > 1 for p in module.parameters(recurse=False))
 
 
 LINEAR = register_kind(
