@@ -524,7 +524,8 @@ def coverage_warnings(rows: list[CoverageRow]) -> list[str]:
                 f"{'; '.join(read)}. Replace the reading code by a call of the layer to quantize/adapt them"
                 if read else f"Option: {kind.option}"
             )
-            state = "left as they were (not quantized, no adapter)" if r.adapted == 0 else "not quantized"
+            # convolutions LoRA adapted are unhandled too (not quantized), but not left as they were
+            state = "left as they were (not quantized, no adapter)" if r.left_alone >= r.unhandled else "not quantized"
             if kind.to_linear is None and kind.prepare is None:
                 option = f"{kind.quantized_as}. {option}"
             messages.append(
