@@ -555,8 +555,20 @@ class SwinLikeLM(nn.Module):
         return self.head(x)
 
 
+def qwen2_moe() -> nn.Module:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, eos_token_id=0, pad_token_id=0, bos_token_id=0,
+    )
+    return Qwen2MoeForCausalLM(config)
+
+
 MODELS_24: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "olmoe": (olmoe, "causal"),
+    "qwen2_moe": (qwen2_moe, "causal"),
     "mamba": (mamba, "causal"),
     "swin_like": (SwinLikeLM, "plain"),
 }
@@ -588,7 +600,7 @@ def fit_epochs_module(module: Wrapped, epochs: int, tmp_path: Any, ckpt_path: An
     return recorder
 
 
-@pytest.mark.parametrize("name", ["mixtral", "olmoe", "transformer_encoder"])
+@pytest.mark.parametrize("name", ["mixtral", "olmoe", "qwen2_moe", "transformer_encoder"])
 def test_adapter_only_checkpoint_of_converted_layers_resumes_exactly(name: str, tmp_path: Any) -> None:
     """Was: "does not hold these tensors ...experts.gate_up_proj.0.base_layer.weight" although the settings matched."""
     straight, recorder = fit_epochs(name, 2, tmp_path)
@@ -866,3 +878,28 @@ def test_vit_trains_and_its_tokens_are_not_called_experts(tmp_path: Any) -> None
     assert rows["MultiheadAttention"].quantized == rows["MultiheadAttention"].params > 0
     blocks = rows["MultiheadAttention"].checkpointed + rows["Linear"].checkpointed
     assert rows["MultiheadAttention"].checkpointed == rows["MultiheadAttention"].params and blocks > 0
+
+
+# ------------------------------------------------ issue 24: default LoRA on layers narrower than r
+
+
+def test_all_linear_leaves_out_layers_narrower_than_r_and_says_so(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Was: "LoRA r=8 is larger than the width of 2 target layer(s): ['...mlp.shared_expert_gate (1)']" (Qwen2-MoE)."""
+    import logging
+
+    module = build_any("qwen2_moe")
+    with caplog.at_level(logging.INFO):
+        recorder = fit_epochs_module(module, 2, tmp_path)
+    assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
+    gates = ["model.model.layers.0.mlp.shared_expert_gate", "model.model.layers.1.mlp.shared_expert_gate"]
+    assert any(f"LoRA r=8 leaves out 2 layer(s) narrower than r (target_modules='all-linear'): {gates}" in r.getMessage() for r in caplog.records)
+    assert all(not hasattr(module.get_submodule(g), "lora_A") for g in gates)
+    assert hasattr(module.get_submodule("model.model.layers.0.mlp.shared_expert.up_proj"), "lora_A")
+    # without quantization the gates are left alone: the coverage table says why
+    lora = LoRA(r=8)
+    other = build_any("qwen2_moe")
+    lora.transform_model(other)
+    rows = {r.kind: r for r in coverage(other, quantizing=False, adapting=True)}
+    assert rows["Linear"].reasons.get("narrower than LoRA r=8: left out of 'all-linear'") == 2 * 64
+    with pytest.raises(ValueError, match=r"LoRA r=8 is larger than the width of 2 target layer\(s\): \['model.model.layers.0.mlp.shared_expert_gate \(1\)'"):
+        LoRA(r=8, target_modules=["shared_expert_gate", "up_proj"]).check_model(build_any("qwen2_moe"))
