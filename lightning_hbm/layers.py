@@ -309,15 +309,18 @@ def prepare_model(module: nn.Module, skip: Callable[[str], bool] = lambda name: 
 # Reading these of a layer's weight is harmless once it is quantized; anything else (a matmul, .dtype, .shape, .T)
 # sees the packed integer weight, and an adapter around the layer is never called.
 _HARMLESS = ("device", "requires_grad")
+# Metadata reads: wrong on a packed quantized weight, harmless on an adapted one (peft's layer shows its base's weight).
+_METADATA = ("dtype", "shape", "size", "ndim", "dim")
 # Libraries whose modules are known: torch's nn.MultiheadAttention reads out_proj.weight, but it is converted
 # (prepare_model); peft, bitsandbytes and lightning_hbm read the layers they made themselves.
 _KNOWN = ("torch.", "peft.", "bitsandbytes.", "lightning_hbm.", "lightning.", "transformers.modeling_utils")
 
 
 @functools.lru_cache(maxsize=None)
-def _weight_paths(cls: type) -> tuple[tuple[str, str], ...]:
-    """``(child path, "Class.method")`` for each ``self.<path>.weight`` that code of ``cls`` (not its init) reads."""
-    found: dict[str, str] = {}
+def _weight_paths(cls: type) -> tuple[tuple[str, str, bool], ...]:
+    """``(child path, "Class.method", metadata only)`` for each ``self.<path>.weight`` that code of ``cls`` (not its
+    init) reads."""
+    found: dict[str, tuple[str, bool]] = {}
     for klass in cls.__mro__:
         if not issubclass(klass, nn.Module) or klass.__module__.startswith(_KNOWN) or klass is nn.Module:
             continue
@@ -330,6 +333,7 @@ def _weight_paths(cls: type) -> tuple[tuple[str, str], ...]:
                 continue
             nodes = list(ast.walk(func))
             harmless = {id(n.value) for n in nodes if isinstance(n, ast.Attribute) and n.attr in _HARMLESS}
+            metadata = {id(n.value) for n in nodes if isinstance(n, ast.Attribute) and n.attr in _METADATA}
             for node in nodes:
                 if not isinstance(node, ast.Attribute) or node.attr != "weight" or id(node) in harmless:
                     continue
@@ -338,11 +342,13 @@ def _weight_paths(cls: type) -> tuple[tuple[str, str], ...]:
                     path.append(value.attr)
                     value = value.value
                 if path and isinstance(value, ast.Name) and value.id == "self":
-                    found.setdefault(".".join(reversed(path)), f"{klass.__name__}.{func.name}")
-    return tuple(found.items())
+                    key, use = ".".join(reversed(path)), (f"{klass.__name__}.{func.name}", id(node) in metadata)
+                    if key not in found or found[key][1] and not use[1]:  # a real use wins over a metadata read
+                        found[key] = use
+    return tuple((path, reader, meta) for path, (reader, meta) in found.items())
 
 
-def weight_readers(module: nn.Module) -> dict[str, str]:
+def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]:
     """``{layer name: "Class.method"}``: layers of a registered kind whose weight an enclosing module's code reads
     directly (``self.dt_proj.weight @ x`` in transformers' Mamba, ``F.linear(x, self.qkv.weight)`` in
     torchvision's Swin) instead of calling the layer.
@@ -350,12 +356,15 @@ def weight_readers(module: nn.Module) -> dict[str, str]:
     Such a layer cannot be quantized (the reader gets the packed integer weight: a low-level dtype or shape
     error) nor adapted (the adapter is never called). Found by reading the source of the model's classes
     (``inspect``/``ast``), before any change and without a batch: methods whose name has ``init``/``reset``
-    (weight initialisation) and ``.weight.device`` reads are not readers. Code without source is not seen.
+    (weight initialisation) and ``.weight.device`` reads are not readers. ``uses_only``: leave out metadata reads
+    (``.weight.dtype``/``.shape``: wrong once quantized, harmless for an adapter). Code without source is not seen.
     """
     layers = {id(base_layer(layer)): name for name, layer, _ in find_layers(module)}
     readers: dict[str, str] = {}
     for name, sub in module.named_modules():
-        for path, reader in _weight_paths(type(sub)):
+        for path, reader, metadata in _weight_paths(type(sub)):
+            if metadata and uses_only:
+                continue
             try:
                 target = sub.get_submodule(path)
             except AttributeError:
@@ -456,7 +465,7 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
     blocks = _checkpointed_names(module)
     rows: dict[str, CoverageRow] = {}
     in_kinds: set[int] = set()
-    readers = weight_readers(module)
+    readers, users = weight_readers(module), weight_readers(module, uses_only=True)
     for name, sub, kind in find_layers(module):
         layer = base_layer(sub)
         row = rows.setdefault(kind.name, CoverageRow(kind.name))
@@ -476,7 +485,8 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
         if any(name == b or name.startswith(b + ".") for b in blocks):
             row.checkpointed += count
         if not quantized and not adapted:
-            reason, deliberate = _left_alone_reason(layer, kind, quantizing, adapting, readers.get(name))
+            reader = (readers if kind.to_linear is not None else users).get(name)  # a convolution is never quantized
+            reason, deliberate = _left_alone_reason(layer, kind, quantizing, adapting, reader)
             row.left_alone += count
             row.reasons[reason] = row.reasons.get(reason, 0) + count
             if not deliberate:

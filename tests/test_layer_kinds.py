@@ -664,17 +664,18 @@ def test_weight_readers_ignore_init_code_and_device_reads() -> None:
     class Reads(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+            self.a, self.b, self.c, self.d = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
             nn.init.zeros_(self.a.weight)  # initialisation is not a reader
 
         def reset_parameters(self) -> None:
             nn.init.ones_(self.b.weight)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = x.to(self.a.weight.device)  # harmless on a quantized weight
-            return self.a(x) + self.b(x) + x @ self.c.weight.T
+            x = x.to(self.a.weight.device).to(self.d.weight.dtype)  # .device: harmless; .dtype: wrong once quantized
+            return self.a(x) + self.b(x) + x @ self.c.weight.T + self.d(x)
 
-    assert weight_readers(nn.Sequential(Reads())) == {"0.c": "Reads.forward"}
+    assert weight_readers(nn.Sequential(Reads())) == {"0.c": "Reads.forward", "0.d": "Reads.forward"}
+    assert weight_readers(nn.Sequential(Reads()), uses_only=True) == {"0.c": "Reads.forward"}  # an adapter on d works
     for name in ("gpt2", "mixtral", "bert", "transformer_encoder"):  # they call their layers
         assert weight_readers(build(name)) == {}, name
 
@@ -903,3 +904,22 @@ def test_all_linear_leaves_out_layers_narrower_than_r_and_says_so(tmp_path: Any,
     assert rows["Linear"].reasons.get("narrower than LoRA r=8: left out of 'all-linear'") == 2 * 64
     with pytest.raises(ValueError, match=r"LoRA r=8 is larger than the width of 2 target layer\(s\): \['model.model.layers.0.mlp.shared_expert_gate \(1\)'"):
         LoRA(r=8, target_modules=["shared_expert_gate", "up_proj"]).check_model(build_any("qwen2_moe"))
+
+
+def test_siglip_probe_is_no_expert_and_its_patch_convolution_is_adapted() -> None:
+    """SigLIP: a 3-D pooling ``probe`` [1, 1, width], nn.MultiheadAttention in the pooling head, a Conv2d patch
+    embedding whose weight's dtype its parent reads (harmless for an adapter, so it is adapted)."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(0)
+    config = SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8)
+    model = SiglipVisionModel(config)
+    quantize_model(model, "nf4-dq", dtype="float32")
+    LoRA(r=4).transform_model(model)
+    rows = {r.kind: r for r in coverage(model, quantizing=True, adapting=True)}
+    assert "Experts (3-D parameters)" not in rows  # was: "Experts (3-D parameters): this variant is not supported yet"
+    assert rows["MultiheadAttention"].quantized == rows["MultiheadAttention"].adapted == rows["MultiheadAttention"].params
+    assert rows["Conv"].adapted == rows["Conv"].params and rows["Conv"].quantized == 0
+    model(pixel_values=torch.randn(2, 3, 32, 32)).pooler_output.pow(2).sum().backward()
+    lora_b = {n: p.grad for n, p in model.named_parameters() if "lora_A" in n}
+    assert lora_b and all(g is not None for g in lora_b.values()), [n for n, g in lora_b.items() if g is None]

@@ -251,7 +251,7 @@ class LoRA(SurgeryCallback):
                 owners[id(param)] = owners.get(id(param), 0) + 1
             tied = {n for n in linears if named[n] is not None and owners.get(id(named[n].weight), 0) > 1}
             # and layers whose weight a parent reads directly (Mamba's dt_proj): their adapter would never be called
-            readers = weight_readers(module)
+            readers = weight_readers(module, uses_only=True)
             candidates = [n for n in linears if n not in heads and n not in tied and n not in readers]
             # and layers narrower than r (Qwen2-MoE's shared_expert_gate, 1 output; routers): a rank above a
             # layer's width adds parameters without capacity. An explicit target list keeps check_model's error.
