@@ -923,3 +923,20 @@ def test_siglip_probe_is_no_expert_and_its_patch_convolution_is_adapted() -> Non
     model(pixel_values=torch.randn(2, 3, 32, 32)).pooler_output.pow(2).sum().backward()
     lora_b = {n: p.grad for n, p in model.named_parameters() if "lora_A" in n}
     assert lora_b and all(g is not None for g in lora_b.values()), [n for n, g in lora_b.items() if g is None]
+
+
+@pytest.mark.parametrize(("factory", "dtype"), [(ViTClassifier, "float32"), (Classifier, "bfloat16")])
+def test_planner_traces_vit_blocks_and_a_bf16_batchnorm_cnn(factory: Callable[[], pl.LightningModule], dtype: str) -> None:
+    """Was: "Sequential has no attribute 0" (ViT's OrderedDict blocks) in the planner too."""
+    from lightning_hbm.memory import parameter_bytes
+    from lightning_hbm.planner import Candidate, predict
+
+    torch.manual_seed(0)
+    prediction = predict(factory(), images(1), Candidate(precision="nf4-dq", dtype=dtype, lora_r=4, checkpointing="full"))
+    torch.manual_seed(0)
+    module = factory()
+    quantize_model(module, "nf4-dq", dtype=dtype)
+    LoRA(r=4).transform_model(module)
+    assert prediction.categories["parameters"] == parameter_bytes(module)
+    assert prediction.trainable_params == sum(p.numel() for p in module.parameters() if p.requires_grad)
+    assert prediction.categories["activations"] > 0
