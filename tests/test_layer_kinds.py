@@ -566,8 +566,21 @@ def qwen2_moe() -> nn.Module:
     return Qwen2MoeForCausalLM(config)
 
 
+def deepseek_v3() -> nn.Module:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, eos_token_id=0, pad_token_id=0, bos_token_id=0,
+    )
+    return DeepseekV3ForCausalLM(config)
+
+
 MODELS_24: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "olmoe": (olmoe, "causal"),
+    "deepseek_v3": (deepseek_v3, "causal"),
     "qwen2_moe": (qwen2_moe, "causal"),
     "mamba": (mamba, "causal"),
     "swin_like": (SwinLikeLM, "plain"),
@@ -600,7 +613,7 @@ def fit_epochs_module(module: Wrapped, epochs: int, tmp_path: Any, ckpt_path: An
     return recorder
 
 
-@pytest.mark.parametrize("name", ["mixtral", "olmoe", "qwen2_moe", "transformer_encoder"])
+@pytest.mark.parametrize("name", ["mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "transformer_encoder"])
 def test_adapter_only_checkpoint_of_converted_layers_resumes_exactly(name: str, tmp_path: Any) -> None:
     """Was: "does not hold these tensors ...experts.gate_up_proj.0.base_layer.weight" although the settings matched."""
     straight, recorder = fit_epochs(name, 2, tmp_path)
