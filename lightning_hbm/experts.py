@@ -78,6 +78,10 @@ class LinearExperts(nn.Module):
         new.train(module.training)
         return new
 
+    def as_built_keys(self) -> dict[str, str]:
+        """Each expert's weight is a slice of the 3-D Parameter it came from (see ``LayerKind.as_built_keys``)."""
+        return {f"{proj}.{e}.weight": proj for proj in ("gate_up_proj", "down_proj") for e in range(self.num_experts)}
+
     @override
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if is_fake(hidden_states):

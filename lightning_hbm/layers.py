@@ -21,7 +21,11 @@ Linears are quantizable and adaptable (see those modules for why).
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import logging
+import textwrap
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
@@ -34,6 +38,7 @@ log = logging.getLogger(__name__)
 
 KIND_ATTR = "_lightning_hbm_kind"  # set on a module that replaced a layer of another kind
 LEFT_ALONE_ATTR = "_lightning_hbm_left_alone"  # (reason, deliberate) set by QuantizedPrecision on skipped layers
+CONVERTED_ATTR = "_lightning_hbm_converted"  # kind name, set on the module prepare() put in a layer's place
 WARN_SHARE = 0.05  # a kind left alone (not by choice) above this share of all parameters is a warning
 
 
@@ -52,6 +57,9 @@ class LayerKind:
         quantized_as: how it is quantized (README table).
         adapted_as: how LoRA reaches it (README table).
         option: what to pass when it is left alone (named in the warning).
+        as_built_keys: for a kind with ``prepare``, the replacement's tensors as forms of the layer's as
+            built: ``{replacement key: as-built key}`` (local names, e.g. ``{"q_proj.weight": "in_proj_weight"}``).
+            A checkpoint that left the frozen base out (adapter-only) is checked against it on resume.
     """
 
     name: str
@@ -61,6 +69,7 @@ class LayerKind:
     adapted_as: str
     option: str
     prepare: Optional[Callable[[nn.Module], Optional[nn.Module]]] = None
+    as_built_keys: Optional[Callable[[nn.Module], dict[str, str]]] = None
 
 
 _KINDS: dict[str, LayerKind] = {}
@@ -124,6 +133,7 @@ def _prepare_mha(module: nn.Module) -> nn.Module:
     from lightning_hbm.multihead_attention import ProjectedMultiheadAttention
 
     new = ProjectedMultiheadAttention.from_torch(module)  # type: ignore[arg-type]
+    object.__setattr__(new, CONVERTED_ATTR, "MultiheadAttention")
     for proj in (new.q_proj, new.k_proj, new.v_proj, new.out_proj):
         object.__setattr__(proj, KIND_ATTR, "MultiheadAttention")
     return new
@@ -135,6 +145,7 @@ def _prepare_experts(module: nn.Module) -> Optional[nn.Module]:
     if not supported(module):
         return None  # left as it is: the coverage table names it
     new = LinearExperts.from_transformers(module)
+    object.__setattr__(new, CONVERTED_ATTR, EXPERTS.name)
     for linear in [*new.gate_up_proj, *new.down_proj]:
         object.__setattr__(linear, KIND_ATTR, EXPERTS.name)
     return new
@@ -142,10 +153,12 @@ def _prepare_experts(module: nn.Module) -> Optional[nn.Module]:
 
 def _is_experts(module: nn.Module) -> bool:
     # transformers-5 MoE layers keep all experts in 3-D Parameters [experts, out, in]; convolutions
-    # (also 3-D weights) are another kind of layer.
+    # (also 3-D weights) are another kind of layer, and a 3-D Parameter with one leading row is a learned
+    # token or position table broadcast over the batch (ViT cls_token / pos_embed, SigLIP's pooling probe):
+    # counted with the embeddings ("other").
     if isinstance(module, nn.modules.conv._ConvNd):
         return False
-    return any(p.dim() == 3 for p in module.parameters(recurse=False))
+    return any(p.dim() == 3 and p.shape[0] > 1 for p in module.parameters(recurse=False))
 
 
 LINEAR = register_kind(
@@ -175,9 +188,26 @@ MULTIHEAD_ATTENTION = register_kind(
         # prepare() first turns the module into four Linears tagged with this kind; those are quantized
         to_linear=_linear_as_linear,
         prepare=_prepare_mha,
+        as_built_keys=lambda new: new.as_built_keys(),
         quantized_as="replaced by an equivalent module with q/k/v/out Linear projections, each quantized",
         adapted_as="peft LoRA on the q_proj/k_proj/v_proj/out_proj Linears of the replacement",
         option="QuantizedPrecision(...) and/or LoRA(target_modules='all-linear')",
+    )
+)
+def _is_conv(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.weight.is_floating_point()
+
+
+CONV = register_kind(
+    LayerKind(
+        name="Conv",
+        matches=_is_conv,
+        to_linear=None,  # bitsandbytes (and int8-dynamic) have no convolution kernel
+        quantized_as="not quantized: bitsandbytes has no convolution kernel (kept in the compute dtype, frozen)",
+        adapted_as="peft LoRA Conv layer (not grouped/depthwise convolutions: peft needs r divisible by groups and "
+        "cannot merge them)",
+        option="LoRA(target_modules='all-linear') adapts them, but no precision mode shrinks them: with a CNN the "
+        "quantized base saves little; exclude them knowingly",
     )
 )
 EXPERTS = register_kind(
@@ -188,6 +218,7 @@ EXPERTS = register_kind(
         # with this kind; those are quantized and adapted like any Linear
         to_linear=_linear_as_linear,
         prepare=_prepare_experts,
+        as_built_keys=lambda new: new.as_built_keys(),
         quantized_as="replaced by an equal module with one Linear per expert and projection, each quantized",
         adapted_as="peft LoRA on each expert's gate_up_proj / down_proj Linear",
         option="only transformers-5 experts in the default layout (concatenated gate/up, no bias) are converted; "
@@ -273,14 +304,104 @@ def prepare_model(module: nn.Module, skip: Callable[[str], bool] = lambda name: 
     return [name for name, _ in replacements]
 
 
+# ------------------------------------------------------------------------ direct weight readers
+
+# Reading these of a layer's weight is harmless once it is quantized; anything else (a matmul, .dtype, .shape, .T)
+# sees the packed integer weight, and an adapter around the layer is never called.
+_HARMLESS = ("device", "requires_grad")
+# Metadata reads: wrong on a packed quantized weight, harmless on an adapted one (peft's layer shows its base's weight).
+_METADATA = ("dtype", "shape", "size", "ndim", "dim")
+# Libraries whose modules are known: torch's nn.MultiheadAttention reads out_proj.weight, but it is converted
+# (prepare_model); peft, bitsandbytes and lightning_hbm read the layers they made themselves.
+_KNOWN = ("torch.", "peft.", "bitsandbytes.", "lightning_hbm.", "lightning.", "transformers.modeling_utils")
+
+
+@functools.lru_cache(maxsize=None)
+def _weight_paths(cls: type) -> tuple[tuple[str, str, bool], ...]:
+    """``(child path, "Class.method", metadata only)`` for each ``self.<path>.weight`` that code of ``cls`` (not its
+    init) reads."""
+    found: dict[str, tuple[str, bool]] = {}
+    for klass in cls.__mro__:
+        if not issubclass(klass, nn.Module) or klass.__module__.startswith(_KNOWN) or klass is nn.Module:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue  # no source (built in a REPL, compiled): nothing to tell
+        for func in ast.walk(tree):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or "init" in func.name or "reset" in func.name or func.name == "extra_repr":
+                continue
+            nodes = list(ast.walk(func))
+            harmless = {id(n.value) for n in nodes if isinstance(n, ast.Attribute) and n.attr in _HARMLESS}
+            metadata = {id(n.value) for n in nodes if isinstance(n, ast.Attribute) and n.attr in _METADATA}
+            for node in nodes:
+                if not isinstance(node, ast.Attribute) or node.attr != "weight" or id(node) in harmless:
+                    continue
+                path, value = [], node.value
+                while isinstance(value, ast.Attribute):
+                    path.append(value.attr)
+                    value = value.value
+                if path and isinstance(value, ast.Name) and value.id == "self":
+                    key, use = ".".join(reversed(path)), (f"{klass.__name__}.{func.name}", id(node) in metadata)
+                    if key not in found or found[key][1] and not use[1]:  # a real use wins over a metadata read
+                        found[key] = use
+    return tuple((path, reader, meta) for path, (reader, meta) in found.items())
+
+
+def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]:
+    """``{layer name: "Class.method"}``: layers of a registered kind whose weight an enclosing module's code reads
+    directly (``self.dt_proj.weight @ x`` in transformers' Mamba, ``F.linear(x, self.qkv.weight)`` in
+    torchvision's Swin) instead of calling the layer.
+
+    Such a layer cannot be quantized (the reader gets the packed integer weight: a low-level dtype or shape
+    error) nor adapted (the adapter is never called). Found by reading the source of the model's classes
+    (``inspect``/``ast``), before any change and without a batch: methods whose name has ``init``/``reset``
+    (weight initialisation) and ``.weight.device`` reads are not readers. ``uses_only``: leave out metadata reads
+    (``.weight.dtype``/``.shape``: wrong once quantized, harmless for an adapter). Code without source is not seen.
+    """
+    layers = {id(base_layer(layer)): name for name, layer, _ in find_layers(module)}
+    readers: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        for path, reader, metadata in _weight_paths(type(sub)):
+            if metadata and uses_only:
+                continue
+            try:
+                target = sub.get_submodule(path)
+            except AttributeError:
+                continue
+            layer = layers.get(id(base_layer(target)))
+            if layer is not None:
+                readers.setdefault(layer, reader)
+    return readers
+
+
+def converted_keys(module: nn.Module) -> dict[str, str]:
+    """``{prefix of a converted tensor: as-built key}`` for every layer :func:`prepare_model` replaced in ``module``.
+
+    E.g. ``{"enc.attn.q_proj.weight": "enc.attn.in_proj_weight", "moe.experts.down_proj.3.weight":
+    "moe.experts.down_proj"}``, from each kind's ``as_built_keys``. Peft's ``base_layer`` is left out of
+    the names (see :func:`lightning_hbm.resume.as_built_key`).
+    """
+    keys: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        kind = _KINDS.get(getattr(sub, CONVERTED_ATTR, None) or "")
+        if kind is None or kind.as_built_keys is None:
+            continue
+        prefix = name.replace(".base_layer", "") + "." if name else ""
+        keys.update({prefix + new: prefix + old for new, old in kind.as_built_keys(sub).items()})
+    return keys
+
+
 def adaptable_names(module: nn.Module) -> list[str]:
     """Names of the layers LoRA can adapt, as they will be named after :func:`prepare_model`.
 
-    Linears (quantized or not) and Conv1D layers; for an ``nn.MultiheadAttention`` not yet prepared,
+    Linears (quantized or not), Conv1D layers and convolutions (not grouped); for an ``nn.MultiheadAttention`` not yet prepared,
     the four projections its replacement will have.
     """
     names: list[str] = []
     for name, sub, kind in find_layers(module):
+        if kind is CONV and base_layer(sub).groups > 1:
+            continue  # grouped/depthwise: peft needs r divisible by groups and cannot merge them
         if kind is MULTIHEAD_ATTENTION and isinstance(sub, nn.MultiheadAttention):
             names.extend(f"{name}.{proj}" for proj in ("q_proj", "k_proj", "v_proj"))
         elif kind is EXPERTS and kind.matches(sub):
@@ -320,12 +441,16 @@ def _checkpointed_names(module: nn.Module) -> list[str]:
     return [n for n, m in module.named_modules() if _PLAN_ATTR in vars(m)]
 
 
-def _left_alone_reason(layer: nn.Module, kind: LayerKind, quantizing: bool, adapting: bool) -> tuple[str, bool]:
+def _left_alone_reason(layer: nn.Module, kind: LayerKind, quantizing: bool, adapting: bool, reader: Optional[str] = None) -> tuple[str, bool]:
     tagged = getattr(layer, LEFT_ALONE_ATTR, None)
     if tagged is not None:
         return tagged
-    if kind.to_linear is None or kind.prepare is not None and kind.matches(layer):
+    if reader is not None:
+        return f"weight read directly by {reader}, not by calling the layer: kept in the compute dtype", False
+    if kind.prepare is not None and kind.matches(layer):
         return f"{kind.name}: this variant is not supported yet", False
+    if kind.to_linear is None and quantizing:
+        return kind.quantized_as, False
     if quantizing:  # the plugin tags what it skips; an untagged float layer came after it
         return "added after quantization", True
     return "frozen in full precision (no QuantizedPrecision" + (", not a LoRA target)" if adapting else ")"), True
@@ -340,6 +465,7 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
     blocks = _checkpointed_names(module)
     rows: dict[str, CoverageRow] = {}
     in_kinds: set[int] = set()
+    readers, users = weight_readers(module), weight_readers(module, uses_only=True)
     for name, sub, kind in find_layers(module):
         layer = base_layer(sub)
         row = rows.setdefault(kind.name, CoverageRow(kind.name))
@@ -359,12 +485,19 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
         if any(name == b or name.startswith(b + ".") for b in blocks):
             row.checkpointed += count
         if not quantized and not adapted:
-            reason, deliberate = _left_alone_reason(layer, kind, quantizing, adapting)
+            reader = (readers if kind.to_linear is not None else users).get(name)  # a convolution is never quantized
+            reason, deliberate = _left_alone_reason(layer, kind, quantizing, adapting, reader)
             row.left_alone += count
             row.reasons[reason] = row.reasons.get(reason, 0) + count
             if not deliberate:
                 row.undeliberate.append(name)
                 row.unhandled += count
+        elif adapted and quantizing and not quantized and kind.to_linear is None:
+            # adapted, but its frozen base stays at full size (a convolution): said, and warned above 5 %
+            reason = f"{kind.quantized_as}; adapted by LoRA"
+            row.reasons[reason] = row.reasons.get(reason, 0) + count
+            row.undeliberate.append(name)
+            row.unhandled += count
     other = CoverageRow("other (embeddings, norms, ...)")
     adapters = CoverageRow("LoRA adapters (trained)")
     for name, param in module.named_parameters():
@@ -396,10 +529,18 @@ def coverage_warnings(rows: list[CoverageRow]) -> list[str]:
     for r in rows:
         if r.unhandled / total > WARN_SHARE:
             kind = _KINDS[r.kind]
+            read = [why for why in r.reasons if why.startswith("weight read directly")]
+            option = (
+                f"{'; '.join(read)}. Replace the reading code by a call of the layer to quantize/adapt them"
+                if read else f"Option: {kind.option}"
+            )
+            # convolutions LoRA adapted are unhandled too (not quantized), but not left as they were
+            state = "left as they were (not quantized, no adapter)" if r.left_alone >= r.unhandled else "not quantized"
+            if kind.to_linear is None and kind.prepare is None:
+                option = f"{kind.quantized_as}. {option}"
             messages.append(
-                f"lightning_hbm: {100 * r.unhandled / total:.1f}% of the parameters are {r.kind} layers left as they "
-                f"were (not quantized, no adapter): {r.undeliberate[:4]}{' ...' if len(r.undeliberate) > 4 else ''}. "
-                f"Option: {kind.option}."
+                f"lightning_hbm: {100 * r.unhandled / total:.1f}% of the parameters are {r.kind} layers {state}: "
+                f"{r.undeliberate[:4]}{' ...' if len(r.undeliberate) > 4 else ''}. {option}."
             )
     return messages
 
@@ -435,6 +576,7 @@ def report_coverage(module: nn.Module, quantizing: bool) -> list[CoverageRow]:
 
 
 __all__ = [
+    "CONV",
     "CONV1D",
     "EXPERTS",
     "LINEAR",
@@ -443,6 +585,8 @@ __all__ = [
     "LayerKind",
     "adaptable_names",
     "base_layer",
+    "converted_keys",
+    "weight_readers",
     "coverage",
     "coverage_warnings",
     "find_layers",

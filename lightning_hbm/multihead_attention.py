@@ -45,6 +45,7 @@ class ProjectedMultiheadAttention(nn.Module):
     in_proj_weight = None  # see module docstring: turns off torch's fused fast paths
     in_proj_bias = None
     _qkv_same_embed_dim = True
+    _separate_weights = False  # the original kept q/k/v_proj_weight (kdim/vdim != embed_dim), not in_proj_weight
 
     def __init__(
         self,
@@ -89,9 +90,18 @@ class ProjectedMultiheadAttention(nn.Module):
             if bias is not None:
                 proj.bias = nn.Parameter(bias.clone(), requires_grad=mha.in_proj_bias.requires_grad)
         new.out_proj.weight = mha.out_proj.weight  # the same Parameters: no copy
+        new._separate_weights = not mha._qkv_same_embed_dim
         new.out_proj.bias = mha.out_proj.bias
         new.train(mha.training)
         return new
+
+    def as_built_keys(self) -> dict[str, str]:
+        """q/k/v come from ``in_proj_weight``/``in_proj_bias`` (or ``q_proj_weight``, ...); see ``LayerKind.as_built_keys``."""
+        keys = {f"out_proj.{p}": f"out_proj.{p}" for p in ("weight", "bias")}
+        for proj in ("q", "k", "v"):
+            keys[f"{proj}_proj.weight"] = f"{proj}_proj_weight" if self._separate_weights else "in_proj_weight"
+            keys[f"{proj}_proj.bias"] = "in_proj_bias"
+        return keys
 
     def _heads(self, x: Tensor) -> Tensor:
         batch, length, _ = x.shape

@@ -154,9 +154,53 @@ def _canonical(key: str) -> str:
     return key.replace(".base_layer.", ".")
 
 
-def covered(key: str, omitted: Iterable[str]) -> bool:
-    """Whether ``key`` (as built or changed) is a form of one of the ``omitted`` as-built keys."""
-    return any(_covers(key, o) for o in omitted)
+class KeyMap:
+    """Which as-built key a changed key is a form of, for one changed model.
+
+    Besides peft's ``base_layer`` and quantization constants (``x.weight.absmax``, ``x.weight_scale``), a
+    layer converted by a kind's ``prepare`` renames its tensors (``in_proj_weight`` ->
+    ``q_proj.weight``, 3-D ``gate_up_proj`` -> ``gate_up_proj.0.weight``): each kind declares that map
+    (``LayerKind.as_built_keys``). Under a converted as-built key only the mapped tensors are its forms,
+    not the adapters that now sit below its name (``gate_up_proj.0.lora_A.default.weight``).
+    """
+
+    def __init__(self, module: Optional[nn.Module] = None) -> None:
+        from lightning_hbm.layers import converted_keys
+
+        self.converted = converted_keys(module) if module is not None else {}
+        self.targets = set(self.converted.values())
+
+    def as_built(self, changed_key: str) -> tuple[str, bool]:
+        """``(key in as-built names, whether a conversion mapped it)``."""
+        canonical = _canonical(changed_key)
+        head, _, last = canonical.rpartition(".")
+        if last in _BESIDE_WEIGHT and f"{head}.weight" in self.converted:
+            return self.converted[f"{head}.weight"], True
+        parts = canonical.split(".")
+        for i in range(len(parts), 0, -1):
+            prefix = ".".join(parts[:i])
+            if prefix in self.converted:  # x.q_proj.weight(.absmax) -> x.in_proj_weight(.absmax)
+                return self.converted[prefix] + canonical[len(prefix) :], True
+        return canonical, False
+
+    def covers(self, changed_key: str, as_built_key: str) -> bool:
+        return self._form_of(self.as_built(changed_key), as_built_key)
+
+    def covered(self, key: str, omitted: Iterable[str]) -> bool:
+        """Whether ``key`` (as built or changed) is a form of one of the ``omitted`` as-built keys."""
+        mapped = self.as_built(key)
+        return any(self._form_of(mapped, o) for o in omitted)
+
+    def _form_of(self, mapped: tuple[str, bool], as_built_key: str) -> bool:
+        key, converted = mapped
+        if not converted and as_built_key in self.targets:
+            return False  # an adapter or other new tensor under a converted layer's name
+        return _covers(key, as_built_key)
+
+
+def covered(key: str, omitted: Iterable[str], module: Optional[nn.Module] = None) -> bool:
+    """Whether ``key`` (as built or changed) is a form of one of the ``omitted`` as-built keys of ``module``."""
+    return KeyMap(module).covered(key, omitted)
 
 
 # int8-dynamic keeps its constants as buffers beside the weight (``x.weight_scale``, ``x.input_shift``), not under it
@@ -165,7 +209,7 @@ _BESIDE_WEIGHT = ("weight_scale", "input_shift")
 
 def _covers(changed_key: str, as_built_key: str) -> bool:
     """Whether ``changed_key`` (``x.weight.absmax``, ``x.base_layer.weight``, ``x.weight_scale``) is a form of
-    ``as_built_key`` (``x.weight``)."""
+    ``as_built_key`` (``x.weight``), by name alone (see :class:`KeyMap` for converted layers)."""
     canonical = _canonical(changed_key)
     if as_built_key.endswith(".weight") and canonical in {as_built_key[: -len("weight")] + n for n in _BESIDE_WEIGHT}:
         return True
@@ -213,12 +257,14 @@ def pack(
     fitting = {k: v for k, v in full.items() if _fits(schema, k, v)}
     changed = {k: v for k, v in full.items() if k not in fitting}
     placeholders, omitted = [], []
+    keys = KeyMap(module)
+    forms = [keys.as_built(k) for k in changed]
     for key, (shape, floating) in schema.items():
         if key in fitting:
             continue
         # a full checkpoint saved every tensor in some changed form (even one renamed by a layer-kind
         # conversion, e.g. in_proj_weight -> q_proj/k_proj/v_proj); an adapter-only one left the base out
-        if floating and (not trainable_only or any(_covers(k, key) for k in changed)):
+        if floating and (not trainable_only or any(keys._form_of(k, key) for k in forms)):
             placeholders.append(key)
         else:
             omitted.append(key)
@@ -466,11 +512,11 @@ def fingerprint_differences(meta: dict[str, Any], record: dict[str, Any]) -> lis
 
 def unrestored_keys(module: nn.Module, loaded: Iterable[str], omitted: Iterable[str]) -> list[str]:
     """Keys of the changed model that neither the checkpoint nor an omitted (fingerprinted) base weight provides."""
-    loaded, omitted = set(loaded), list(omitted)
+    loaded, omitted, keys = set(loaded), list(omitted), KeyMap(module)
     return [
         key
         for key in module.state_dict(keep_vars=True)
-        if key not in loaded and _canonical(key) not in loaded and not any(_covers(key, o) for o in omitted)
+        if key not in loaded and _canonical(key) not in loaded and not keys.covered(key, omitted)
     ]
 
 

@@ -349,9 +349,13 @@ def _load_changed(module: nn.Module, meta: dict[str, Any], checkpoint: dict[str,
     restored = set(changed) | {k for k in checkpoint.get("state_dict", {}) if k not in set(meta.get("placeholders", []))}
     lacking = resume.unrestored_keys(module, restored, meta.get("omitted", []))
     if lacking:
+        # the settings were compared before the first change (_check_resume) and are equal: do not blame them
         raise ValueError(
             f"Checkpoint {path} does not hold these tensors of the model after lightning_hbm's changes: {lacking[:10]}. "
-            f"{advice}"
+            "Its lightning_hbm settings equal this run's, so the file was edited, the model differs from the one that saved it (another "
+            "architecture or config: build the same model), or a converted layer kind does not map these tensors to "
+            "the model as built (LayerKind.as_built_keys; please report it). LoRA(full_checkpoint=True) checkpoints "
+            "hold every tensor."
         )
     log.info("lightning_hbm: restored %d changed tensors after model surgery", len(changed))
 
@@ -577,7 +581,8 @@ class _ResumeHook:
 
     def forgive(self, module: nn.Module, incompatible_keys: Any) -> None:
         missing = incompatible_keys.missing_keys
-        missing[:] = [k for k in missing if k not in self.placeholders and not resume.covered(k, self.omitted)]
+        keys = resume.KeyMap(module)
+        missing[:] = [k for k in missing if k not in self.placeholders and not keys.covered(k, self.omitted)]
 
 
 def pack_checkpoint(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:

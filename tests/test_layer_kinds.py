@@ -340,9 +340,10 @@ def test_a_dead_adapter_is_an_error_naming_it(tmp_path: Any) -> None:
 
     torch.manual_seed(0)
     module = Wrapped(ReadsWeight(), "plain")
+    # an explicit target: "all-linear" leaves a layer whose weight its parent reads out (layers.weight_readers)
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[LoRA(r=4)],
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[LoRA(r=4, target_modules=["proj", "head"])],
     )
     with pytest.raises(RuntimeError, match=r"\['model.proj'\] were never called although their parent module ran"):
         trainer.fit(module, DataLoader([tokens()], batch_size=None))
@@ -510,3 +511,447 @@ def test_unsupported_attention_options_are_clear_errors_before_any_change() -> N
     with pytest.raises(ValueError, match=r"add_bias_kv=True.*not supported.*ignore_modules"):
         quantize_model(model, "nf4-dq", dtype="float32")
     assert type(model[0]) is nn.Linear  # nothing changed
+
+
+# ------------------------------------------------ issue 24: adapter-only resume on converted layer kinds
+
+
+def olmoe() -> nn.Module:
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    config = OlmoeConfig(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        num_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=SEQ, eos_token_id=0, pad_token_id=0,
+    )
+    return OlmoeForCausalLM(config)
+
+
+def mamba() -> nn.Module:
+    from transformers import MambaConfig, MambaForCausalLM
+
+    return MambaForCausalLM(MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=VOCAB, state_size=8, eos_token_id=0, pad_token_id=0))
+
+
+class SwinLikeAttention(nn.Module):
+    """torchvision Swin's attention: its parent reads ``self.qkv.weight`` and calls a function, never ``self.qkv``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).chunk(3, dim=-1)
+        return x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+class SwinLikeLM(nn.Module):
+    def __init__(self, width: int = WIDTH, layers: int = 2) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, width), nn.Linear(width, VOCAB)
+        self.layers = nn.ModuleList(nn.Sequential(SwinLikeAttention(width), Block(width)) for _ in range(layers))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def qwen2_moe() -> nn.Module:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, eos_token_id=0, pad_token_id=0, bos_token_id=0,
+    )
+    return Qwen2MoeForCausalLM(config)
+
+
+def deepseek_v3() -> nn.Module:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, eos_token_id=0, pad_token_id=0, bos_token_id=0,
+    )
+    return DeepseekV3ForCausalLM(config)
+
+
+MODELS_24: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    "olmoe": (olmoe, "causal"),
+    "deepseek_v3": (deepseek_v3, "causal"),
+    "qwen2_moe": (qwen2_moe, "causal"),
+    "mamba": (mamba, "causal"),
+    "swin_like": (SwinLikeLM, "plain"),
+}
+
+
+def build_any(name: str, seed: int = 0) -> Wrapped:
+    torch.manual_seed(seed)
+    factory, task = {**MODELS, **MODELS_24}[name]
+    return Wrapped(factory(), task)
+
+
+def fit_epochs(name: str, epochs: int, tmp_path: Any, ckpt_path: Any = None, save: bool = False) -> tuple[Wrapped, GradientRecorder]:
+    """Whole epochs of 2 different batches (a resumed run replays the same batches), nf4-dq + LoRA + checkpointing."""
+    module = build_any(name)
+    return module, fit_epochs_module(module, epochs, tmp_path, ckpt_path, save)
+
+
+def fit_epochs_module(module: Wrapped, epochs: int, tmp_path: Any, ckpt_path: Any = None, save: bool = False) -> GradientRecorder:
+    recorder = GradientRecorder()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+        plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+        callbacks=[LoRA(r=8, alpha=16), ActivationCheckpointing(), recorder],
+    )
+    trainer.fit(module, DataLoader([tokens(1), tokens(2)], batch_size=None), ckpt_path=ckpt_path)
+    if save:
+        trainer.save_checkpoint(tmp_path / "half.ckpt")
+    return recorder
+
+
+@pytest.mark.parametrize("name", ["mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "transformer_encoder"])
+def test_adapter_only_checkpoint_of_converted_layers_resumes_exactly(name: str, tmp_path: Any) -> None:
+    """Was: "does not hold these tensors ...experts.gate_up_proj.0.base_layer.weight" although the settings matched."""
+    straight, recorder = fit_epochs(name, 2, tmp_path)
+    assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
+    fit_epochs(name, 1, tmp_path, save=True)
+    meta = torch.load(tmp_path / "half.ckpt", weights_only=False)["lightning_hbm"]
+    converted = "experts.gate_up_proj" if name != "transformer_encoder" else "self_attn.in_proj_weight"
+    # the converted as-built weights are left out (fingerprinted), not saved as placeholders
+    assert any(k.endswith(converted) for k in meta["omitted"]) and not any(k.endswith(converted) for k in meta["placeholders"])
+    assert all(".lora_" in k for k in meta["state_dict"])
+    resumed, _ = fit_epochs(name, 2, tmp_path, ckpt_path=tmp_path / "half.ckpt")
+    want, got = LoRA.adapter_state_dict(straight), LoRA.adapter_state_dict(resumed)
+    assert set(want) == set(got) and any("experts" in k or "q_proj" in k for k in want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
+
+
+def test_converted_keys_map_back_to_the_tensors_as_built() -> None:
+    from lightning_hbm.layers import prepare_model
+    from lightning_hbm.resume import KeyMap
+
+    module = nn.Sequential(nn.MultiheadAttention(32, 4), nn.MultiheadAttention(32, 4, kdim=16, vdim=16))
+    prepare_model(module)
+    keys = KeyMap(module)
+    assert keys.as_built("0.k_proj.base_layer.weight.absmax") == ("0.in_proj_weight.absmax", True)
+    assert keys.as_built("0.v_proj.bias") == ("0.in_proj_bias", True)
+    assert keys.as_built("1.k_proj.weight_scale") == ("1.k_proj_weight", True)
+    assert keys.covered("0.q_proj.base_layer.weight", ["0.in_proj_weight"])
+    assert not keys.covered("0.q_proj.lora_A.default.weight", ["0.in_proj_weight"])  # an adapter is no form of the base
+    experts = build("mixtral")
+    prepare_model(experts)
+    keys = KeyMap(experts)
+    base = "model.model.layers.0.mlp.experts.gate_up_proj"
+    assert keys.covered(f"{base}.3.base_layer.weight.nested_absmax", [base])
+    assert not keys.covered(f"{base}.3.lora_B.default.weight", [base])
+
+
+# --------------------------------------------------- issue 24: layers whose weight the parent reads directly
+
+
+@pytest.mark.parametrize(("name", "read", "reader"), [
+    ("mamba", ["model.backbone.layers.0.mixer.dt_proj", "model.backbone.layers.1.mixer.x_proj"], "MambaMixer.forward"),
+    ("swin_like", ["model.layers.0.0.qkv", "model.layers.1.0.qkv"], "SwinLikeAttention.forward"),
+])
+def test_layers_whose_weight_is_read_directly_stay_in_compute_dtype_and_are_named(name: str, read: list[str], reader: str, tmp_path: Any) -> None:
+    """Was: a low-level dtype error in the parent's matmul, no layer named (transformers Mamba, torchvision Swin)."""
+    module = build_any(name)
+    with pytest.warns(UserWarning, match=rf"layers left as they were .*{read[0]}.*weight read directly by {reader}"):
+        recorder = fit_epochs_module(module, 3, tmp_path)
+    assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
+    for layer in read:
+        assert type(module.get_submodule(layer)) is nn.Linear and module.get_submodule(layer).weight.is_floating_point()
+    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    assert rows["Linear"].quantized > 0 and set(read) <= set(rows["Linear"].undeliberate)
+    assert any(why.startswith(f"weight read directly by {reader}") for why in rows["Linear"].reasons)
+
+
+def test_weight_readers_ignore_init_code_and_device_reads() -> None:
+    from lightning_hbm.layers import weight_readers
+
+    class Reads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c, self.d = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+            nn.init.zeros_(self.a.weight)  # initialisation is not a reader
+
+        def reset_parameters(self) -> None:
+            nn.init.ones_(self.b.weight)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x.to(self.a.weight.device).to(self.d.weight.dtype)  # .device: harmless; .dtype: wrong once quantized
+            return self.a(x) + self.b(x) + x @ self.c.weight.T + self.d(x)
+
+    assert weight_readers(nn.Sequential(Reads())) == {"0.c": "Reads.forward", "0.d": "Reads.forward"}
+    assert weight_readers(nn.Sequential(Reads()), uses_only=True) == {"0.c": "Reads.forward"}  # an adapter on d works
+    for name in ("gpt2", "mixtral", "bert", "transformer_encoder"):  # they call their layers
+        assert weight_readers(build(name)) == {}, name
+
+
+# ------------------------------------------------ issue 24: BatchNorm under bf16, convolutions as a layer kind
+
+
+class BasicBlock(nn.Module):
+    """torchvision ResNet's BasicBlock: Conv2d + BatchNorm2d, twice, and the residual."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.conv2, self.bn2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class ResNetLike(nn.Module):
+    """torchvision's resnet18 layout in miniature (no torchvision here: it does not import beside torch 2.13)."""
+
+    def __init__(self, channels: int = 32, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.layer1 = nn.Sequential(BasicBlock(channels), BasicBlock(channels))
+        self.layer2 = nn.Sequential(BasicBlock(channels), BasicBlock(channels))
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.layer2(self.layer1(F.relu(self.bn1(self.conv1(x))))).mean((2, 3)))
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = ResNetLike()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        return F.cross_entropy(self.model(images).float(), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def images(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 3, 8, 8, generator=generator), torch.randint(0, 10, (8,), generator=generator)
+
+
+def fit_cnn(epochs: int, tmp_path: Any, ckpt_path: Any = None, save: bool = False) -> tuple[Classifier, GradientRecorder]:
+    torch.manual_seed(0)
+    module, recorder = Classifier(), GradientRecorder()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16")],
+        callbacks=[LoRA(r=4), ActivationCheckpointing(), recorder],
+    )
+    trainer.fit(module, DataLoader([images(1), images(2)], batch_size=None), ckpt_path=ckpt_path)
+    if save:
+        trainer.save_checkpoint(tmp_path / "cnn.ckpt")
+    return module, recorder
+
+
+def test_batchnorm_cnn_trains_in_bf16_with_convolutions_adapted_and_named(tmp_path: Any) -> None:
+    """Was: "expected scalar type BFloat16 but found Float" at the first batch; 98 % of the parameters unnamed."""
+    with pytest.warns(UserWarning, match=r"% of the parameters are Conv layers not quantized: \['model.conv1', .*bitsandbytes has no convolution kernel"):
+        module, recorder = fit_cnn(3, tmp_path)
+    assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
+    bn = module.model.layer1[0].bn1
+    # as Lightning's mixed precision: BatchNorm weights and statistics in fp32 (batch_norm takes a bf16 input)
+    assert bn.weight.dtype == bn.running_mean.dtype == torch.float32 and module.model.layer1[0].conv1.base_layer.weight.dtype == torch.bfloat16
+    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    assert rows["Conv"].adapted == rows["Conv"].params > 0.8 * sum(r.params for r in rows.values() if not r.kind.startswith("LoRA"))
+    assert rows["Conv"].quantized == 0 and rows["Linear"].quantized == rows["Linear"].params
+    assert any(".conv1.lora_A" in n for n in LoRA.adapter_state_dict(module))
+
+
+def test_batchnorm_cnn_adapter_checkpoint_resumes_exactly(tmp_path: Any) -> None:
+    straight, _ = fit_cnn(2, tmp_path)
+    fit_cnn(1, tmp_path, save=True)
+    resumed, _ = fit_cnn(2, tmp_path, ckpt_path=tmp_path / "cnn.ckpt")
+    want, got = LoRA.adapter_state_dict(straight), LoRA.adapter_state_dict(resumed)
+    assert set(want) == set(got)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
+    torch.testing.assert_close(resumed.model.bn1.running_var, straight.model.bn1.running_var, rtol=0, atol=0)
+
+
+def test_planner_agrees_on_a_batchnorm_cnn_in_bf16() -> None:
+    from lightning_hbm.memory import parameter_bytes
+    from lightning_hbm.planner import quantized_parameter_bytes
+
+    torch.manual_seed(0)
+    module = Classifier()
+    planned = quantized_parameter_bytes(copy.deepcopy(module), "nf4-dq", "bfloat16")
+    quantize_model(module, "nf4-dq", dtype="bfloat16")
+    assert planned == parameter_bytes(module)
+    assert module.model.bn1.weight.dtype == torch.float32 and module.model.conv1.weight.dtype == torch.bfloat16
+
+
+def test_grouped_convolutions_are_not_all_linear_targets() -> None:
+    from lightning_hbm.layers import adaptable_names
+
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, groups=8), nn.Conv1d(8, 8, 3), nn.ConvTranspose2d(8, 8, 2), nn.Linear(8, 8))
+    assert adaptable_names(model) == ["1", "3"]
+
+
+# -------------------------------------- issue 24: block discovery, 3-D parameters that are not experts
+
+
+class MLPBlock(nn.Sequential):
+    def __init__(self, width: int) -> None:
+        super().__init__(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+
+class EncoderBlock(nn.Module):
+    """torchvision ViT's EncoderBlock: nn.MultiheadAttention and an MLP, pre-norm."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.self_attention = nn.MultiheadAttention(width, 4, batch_first=True)
+        self.mlp = MLPBlock(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln_1(x)
+        x = x + self.self_attention(y, y, y, need_weights=False)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class ViTLike(nn.Module):
+    """torchvision's vit_b_16 layout in miniature: encoder.layers is an nn.Sequential built from an OrderedDict,
+    the class token and position table are 3-D Parameters [1, ., width]."""
+
+    def __init__(self, width: int = 64, layers: int = 2, classes: int = 10) -> None:
+        super().__init__()
+        from collections import OrderedDict
+
+        self.conv_proj = nn.Conv2d(3, width, 4, stride=4)
+        self.class_token = nn.Parameter(torch.zeros(1, 1, width))
+        self.encoder = nn.Module()
+        self.encoder.pos_embedding = nn.Parameter(torch.randn(1, 5, width) * 0.02)
+        self.encoder.layers = nn.Sequential(OrderedDict((f"encoder_layer_{i}", EncoderBlock(width)) for i in range(layers)))
+        self.encoder.ln = nn.LayerNorm(width)
+        self.heads = nn.Sequential(OrderedDict(head=nn.Linear(width, classes)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv_proj(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1) + self.encoder.pos_embedding
+        return self.heads(self.encoder.ln(self.encoder.layers(x))[:, 0])
+
+
+class Stage(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.downsample = nn.Linear(width, width)
+        self.blocks = nn.Sequential(Block(width), Block(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.downsample(x))
+
+
+def test_blocks_are_named_as_the_model_names_them_and_are_the_finest() -> None:
+    """Was: "Sequential has no attribute 0" (ViT's OrderedDict); the 4 stages of a ConvNeXt, not their blocks."""
+    vit = ViTLike()
+    assert [n for n, _ in find_blocks(vit)] == ["encoder.layers.encoder_layer_0", "encoder.layers.encoder_layer_1"]
+    stages = nn.Sequential(Stage(16), Stage(16), Stage(16))  # timm ConvNeXt: stages, each with its blocks
+    assert [n for n, _ in find_blocks(stages)] == ["0.blocks.0", "0.blocks.1", "1.blocks.0", "1.blocks.1", "2.blocks.0", "2.blocks.1"]
+    # the experts of a MoE layer (a ModuleList called side by side) stay inside their decoder layer
+    moe = build("mixtral")
+    from lightning_hbm.layers import prepare_model
+
+    prepare_model(moe)
+    assert [n for n, _ in find_blocks(moe)] == ["model.model.layers.0", "model.model.layers.1"]
+
+
+class ViTClassifier(Classifier):
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        self.model = ViTLike()
+
+
+def test_vit_trains_and_its_tokens_are_not_called_experts(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    module, recorder = ViTClassifier(), GradientRecorder()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+        callbacks=[LoRA(r=4), ActivationCheckpointing(), recorder],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader([images(1)] * 4, batch_size=None))
+    assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
+    assert not [w for w in caught if "Experts" in str(w.message)]
+    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    assert "Experts (3-D parameters)" not in rows  # was: "Experts (3-D parameters): this variant is not supported yet"
+    assert rows["other (embeddings, norms, ...)"].params >= module.model.class_token.numel() + module.model.encoder.pos_embedding.numel()
+    assert rows["MultiheadAttention"].quantized == rows["MultiheadAttention"].params > 0
+    blocks = rows["MultiheadAttention"].checkpointed + rows["Linear"].checkpointed
+    assert rows["MultiheadAttention"].checkpointed == rows["MultiheadAttention"].params and blocks > 0
+
+
+# ------------------------------------------------ issue 24: default LoRA on layers narrower than r
+
+
+def test_all_linear_leaves_out_layers_narrower_than_r_and_says_so(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Was: "LoRA r=8 is larger than the width of 2 target layer(s): ['...mlp.shared_expert_gate (1)']" (Qwen2-MoE)."""
+    import logging
+
+    module = build_any("qwen2_moe")
+    with caplog.at_level(logging.INFO):
+        recorder = fit_epochs_module(module, 2, tmp_path)
+    assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
+    gates = ["model.model.layers.0.mlp.shared_expert_gate", "model.model.layers.1.mlp.shared_expert_gate"]
+    assert any(f"LoRA r=8 leaves out 2 layer(s) narrower than r (target_modules='all-linear'): {gates}" in r.getMessage() for r in caplog.records)
+    assert all(not hasattr(module.get_submodule(g), "lora_A") for g in gates)
+    assert hasattr(module.get_submodule("model.model.layers.0.mlp.shared_expert.up_proj"), "lora_A")
+    # without quantization the gates are left alone: the coverage table says why
+    lora = LoRA(r=8)
+    other = build_any("qwen2_moe")
+    lora.transform_model(other)
+    rows = {r.kind: r for r in coverage(other, quantizing=False, adapting=True)}
+    assert rows["Linear"].reasons.get("narrower than LoRA r=8: left out of 'all-linear'") == 2 * 64
+    with pytest.raises(ValueError, match=r"LoRA r=8 is larger than the width of 2 target layer\(s\): \['model.model.layers.0.mlp.shared_expert_gate \(1\)'"):
+        LoRA(r=8, target_modules=["shared_expert_gate", "up_proj"]).check_model(build_any("qwen2_moe"))
+
+
+def test_siglip_probe_is_no_expert_and_its_patch_convolution_is_adapted() -> None:
+    """SigLIP: a 3-D pooling ``probe`` [1, 1, width], nn.MultiheadAttention in the pooling head, a Conv2d patch
+    embedding whose weight's dtype its parent reads (harmless for an adapter, so it is adapted)."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(0)
+    config = SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8)
+    model = SiglipVisionModel(config)
+    quantize_model(model, "nf4-dq", dtype="float32")
+    LoRA(r=4).transform_model(model)
+    rows = {r.kind: r for r in coverage(model, quantizing=True, adapting=True)}
+    assert "Experts (3-D parameters)" not in rows  # was: "Experts (3-D parameters): this variant is not supported yet"
+    assert rows["MultiheadAttention"].quantized == rows["MultiheadAttention"].adapted == rows["MultiheadAttention"].params
+    assert rows["Conv"].adapted == rows["Conv"].params and rows["Conv"].quantized == 0
+    model(pixel_values=torch.randn(2, 3, 32, 32)).pooler_output.pow(2).sum().backward()
+    lora_b = {n: p.grad for n, p in model.named_parameters() if "lora_A" in n}
+    assert lora_b and all(g is not None for g in lora_b.values()), [n for n, g in lora_b.items() if g is None]
+
+
+@pytest.mark.parametrize(("factory", "dtype"), [(ViTClassifier, "float32"), (Classifier, "bfloat16")])
+def test_planner_traces_vit_blocks_and_a_bf16_batchnorm_cnn(factory: Callable[[], pl.LightningModule], dtype: str) -> None:
+    """Was: "Sequential has no attribute 0" (ViT's OrderedDict blocks) in the planner too."""
+    from lightning_hbm.memory import parameter_bytes
+    from lightning_hbm.planner import Candidate, predict
+
+    torch.manual_seed(0)
+    prediction = predict(factory(), images(1), Candidate(precision="nf4-dq", dtype=dtype, lora_r=4, checkpointing="full"))
+    torch.manual_seed(0)
+    module = factory()
+    quantize_model(module, "nf4-dq", dtype=dtype)
+    LoRA(r=4).transform_model(module)
+    assert prediction.categories["parameters"] == parameter_bytes(module)
+    assert prediction.trainable_params == sum(p.numel() for p in module.parameters() if p.requires_grad)
+    assert prediction.categories["activations"] > 0

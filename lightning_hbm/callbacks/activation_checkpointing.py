@@ -175,27 +175,34 @@ def _device_available(device: torch.device) -> bool:
 
 
 def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks of ``module``: children of an ``nn.ModuleList`` or ``nn.Sequential`` that all share one class.
+    """The finest repeated blocks of ``module``: children of an ``nn.ModuleList`` or ``nn.Sequential`` that all share one class.
 
     Covers nanoGPT-style ``h``, transformers' ``model.layers`` (decoder layers), the ``nn.Sequential``
     encoders of timm / torchvision (``encoder.layers``, ``blocks``) and lazily built models alike
-    (called after ``configure_model``). Lists nested inside a block already found
-    (e.g. the experts of a mixture-of-experts layer) are not blocks themselves. Leaf modules (a list
-    of ``nn.Linear`` heads) are not blocks: recomputing one matmul saves nothing.
+    (called after ``configure_model``). Blocks are named as the model names them (torchvision's ViT
+    builds ``encoder.layers`` from an ``OrderedDict``: ``encoder.layers.encoder_layer_0``). An
+    ``nn.Sequential`` stack inside a block replaces that block (timm ConvNeXt's ``stages.0.blocks``: the
+    blocks, not the 4 stages); other lists nested inside a block (the experts of a mixture-of-experts
+    layer, called side by side rather than one after another) are not blocks themselves. Leaf modules (a
+    list of ``nn.Linear`` heads) are not blocks: recomputing one matmul saves nothing.
     """
-    blocks: list[tuple[str, nn.Module]] = []
+    blocks: dict[str, nn.Module] = {}
     for name, child in module.named_modules():
         # An nn.Sequential of mixed layers (Linear, GELU, Linear) is not a stack of blocks: the
         # one-class test below tells them apart.
         if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < 2:
             continue
-        if any(name.startswith(found + ".") for found, _ in blocks):
+        items = list(child.named_children())
+        if len({type(c) for _, c in items}) != 1 or not any(True for _ in items[0][1].children()):
             continue
-        classes = {type(c) for c in child}
-        if len(classes) != 1 or not any(True for _ in next(iter(child)).children()):
-            continue
-        blocks.extend((f"{name}.{i}" if name else str(i), c) for i, c in enumerate(child))
-    return blocks
+        outer = next((b for b in blocks if name.startswith(b + ".")), None)
+        if outer is not None:
+            if not isinstance(child, nn.Sequential):
+                continue
+            del blocks[outer]  # the finest repeated block: a stage's blocks rather than the stage
+        blocks.update({f"{name}.{n}" if name else n: c for n, c in items})
+    order = {n: i for i, (n, _) in enumerate(module.named_modules())}
+    return sorted(blocks.items(), key=lambda item: order[item[0]])
 
 
 def _blocks_by_spec(module: nn.Module, spec: Sequence[str]) -> list[tuple[str, nn.Module]]:

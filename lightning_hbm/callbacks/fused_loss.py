@@ -297,6 +297,8 @@ class _HeadState:
     def __init__(self, name: str, module: nn.Module, chunk_size: Optional[int], kernel: str) -> None:
         self.name, self.module, self.chunk_size, self.kernel = name, module, chunk_size, kernel
         self.materialized_by: Optional[str] = None
+        self.elementwise: list[str] = []  # elementwise ops seen on the logits (applied per chunk)
+        self.fused_logged = False
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # the class's forward when the instance attribute is our wrapper (see _LazyHead); another instance
@@ -318,6 +320,9 @@ def _metadata_functions() -> set[Any]:
 
 
 _METADATA = _metadata_functions()
+_ELEMENTWISE = {torch.tanh: "tanh", torch.Tensor.tanh: "tanh", torch.Tensor.mul: "mul", torch.Tensor.__mul__: "mul",
+                torch.Tensor.__rmul__: "mul", torch.mul: "mul", torch.Tensor.div: "div", torch.Tensor.__truediv__: "div",
+                torch.div: "div"}
 _CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64,
           torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.half: torch.float16}
 
@@ -332,21 +337,30 @@ class LazyLogits(torch.Tensor):
     _hidden: torch.Tensor
     _state: _HeadState
     _real: Optional[torch.Tensor]
+    _post: tuple[Callable[[torch.Tensor], torch.Tensor], ...]  # elementwise ops applied per chunk (soft-capping)
 
     @staticmethod
-    def __new__(cls, hidden: torch.Tensor, state: _HeadState, dtype: torch.dtype) -> "LazyLogits":
+    def __new__(cls, hidden: torch.Tensor, state: _HeadState, dtype: torch.dtype,
+                post: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = ()) -> "LazyLogits":
         shape = (*hidden.shape[:-1], int(state.module.out_features))
         # requires_grad=False: nothing runs autograd on this object itself (every computation is on
         # hidden and the head), and module hooks (profilers) must not attach gradient hooks to it.
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=hidden.device, requires_grad=False)
-        self._hidden, self._state, self._real = hidden, state, None
+        self._hidden, self._state, self._real, self._post = hidden, state, None, post
         return self
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # repr is not a torch function: materialize here
         return f"LazyLogits({self.materialize('repr')!r})"
 
-    def _derive(self, hidden: torch.Tensor, dtype: Optional[torch.dtype] = None) -> "LazyLogits":
-        return LazyLogits(hidden, self._state, dtype or self.dtype)
+    def _derive(self, hidden: torch.Tensor, dtype: Optional[torch.dtype] = None, post: tuple = ()) -> "LazyLogits":
+        return LazyLogits(hidden, self._state, dtype or self.dtype, self._post + post)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head, then the recorded elementwise ops: the logits of ``hidden`` (one chunk, or all of them)."""
+        logits = self._state.forward(hidden)
+        for op in self._post:
+            logits = op(logits)
+        return logits
 
     def materialize(self, why: str = "materialize") -> torch.Tensor:
         """The real logits (computed once per lazy tensor; logged once per head)."""
@@ -356,11 +370,12 @@ class LazyLogits(torch.Tensor):
                 state.materialized_by = why
                 log.warning(
                     "lightning_hbm FusedLoss: `%s` on the logits of `%s` needs the full [tokens, vocab] tensor: computed "
-                    "it (%s, %.1f MiB). The loss stays fused; to keep the saving, use the logits only through "
-                    "F.cross_entropy, or slice the tokens first (e.g. logits[:, -1]). Logged once.",
+                    "it (%s, %.1f MiB). A loss computed from this tensor is not fused; F.cross_entropy on the lazy "
+                    "logits (token slices, casts and elementwise ops with a number such as soft-capping are kept lazy) "
+                    "stays fused, and so does slicing the tokens first (e.g. logits[:, -1]). Logged once.",
                     why, state.name, tuple(self.shape), self.numel() * self.element_size() / 2**20,
                 )
-            self._real = state.forward(self._hidden).to(self.dtype)
+            self._real = self._head(self._hidden).to(self.dtype)
         return self._real
 
     @classmethod
@@ -405,7 +420,26 @@ class LazyLogits(torch.Tensor):
             return self._reshaped(func, args, kwargs)
         if func is torch.Tensor.__getitem__ and len(args) == 1:
             return self._indexed(args[0])
-        return None
+        return self._elementwise(func, args, kwargs)
+
+    def _elementwise(self, func: Any, args: tuple, kwargs: dict) -> Optional["LazyLogits"]:
+        """``tanh``, or ``*``/``/`` by a number (Gemma-2's final-logit soft-capping ``tanh(z / c) * c``), per chunk.
+
+        Elementwise, so applying it chunk by chunk gives the same logits; the op runs in the dtype the logits
+        have at that point (as it would unfused).
+        """
+        name = _ELEMENTWISE.get(func)
+        if name is None or kwargs or len(args) != (0 if name == "tanh" else 1):
+            return None
+        if args and not (isinstance(args[0], (int, float)) and not isinstance(args[0], bool)):
+            return None
+        dtype, other = self.dtype, args[0] if args else None
+        ops = {"tanh": lambda z: torch.tanh(z.to(dtype)), "mul": lambda z: z.to(dtype) * other,
+               "div": lambda z: z.to(dtype) / other}
+        state = self._state
+        if name not in state.elementwise:
+            state.elementwise.append(name)
+        return self._derive(self._hidden, post=(ops[name],))
 
     def _reshaped(self, func: Any, args: tuple, kwargs: dict) -> Optional["LazyLogits"]:
         if any(isinstance(a, torch.dtype) for a in args):
@@ -446,10 +480,20 @@ def _fused_cross_entropy(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     if a["size_average"] is not None or a["reduce"] is not None:
         return None
     state = logits._state
+    head_forward, kernel = state.forward, state.kernel
+    if logits._post:
+        # the chunk loop changes the logits in place: a copy keeps the output a tanh backward reads intact
+        head_forward, kernel = (lambda h: logits._head(h).clone()), "chunked"  # Liger knows no soft-capping
+        if not state.fused_logged:
+            state.fused_logged = True
+            log.info(
+                "lightning_hbm FusedLoss: %s on the logits of `%s` (e.g. final-logit soft-capping) applied chunk by "
+                "chunk: the loss stays fused.", ", ".join(f"`{op}`" for op in state.elementwise), state.name,
+            )
     return fused_linear_cross_entropy(
         logits._hidden, state.module, target, ignore_index=a["ignore_index"], label_smoothing=a["label_smoothing"],
-        reduction=a["reduction"], logits_dtype=logits.dtype, chunk_size=state.chunk_size, head_forward=state.forward,
-        kernel=state.kernel,
+        reduction=a["reduction"], logits_dtype=logits.dtype, chunk_size=state.chunk_size, head_forward=head_forward,
+        kernel=kernel,
     )
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hbm._validate import check_args
-from lightning_hbm.layers import adaptable_names, prepare_model, report_coverage
+from lightning_hbm.layers import LEFT_ALONE_ATTR, adaptable_names, prepare_model, report_coverage, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.precision.plugin import output_heads
 from lightning_hbm.naming import did_you_mean, name_list
@@ -79,6 +79,11 @@ def _matches(name: str, patterns: Union[str, list[str]]) -> bool:
     if isinstance(patterns, str):
         return re.fullmatch(patterns, name) is not None
     return any(name == p or name.endswith("." + p) for p in patterns)
+
+
+def _width(layer: Optional[nn.Module], default: int) -> int:
+    """A layer's smaller dimension (Linear-like ``in_features``/``out_features``; ``default`` when unknown)."""
+    return min(getattr(layer, "in_features", default), getattr(layer, "out_features", default))
 
 
 def _under(name: str, prefixes: list[str]) -> bool:
@@ -177,6 +182,7 @@ class LoRA(SurgeryCallback):
         self.allow_base_change = allow_base_change
         # filled at the surgery: what was adapted / made trainable (module names, LightningModule-relative)
         self.adapted_modules: list[str] = []
+        self.narrow_left_out: list[str] = []  # all-linear layers narrower than r, left out (named at fit start)
         self.saved_modules: list[str] = []
         self.summary: dict[str, float] = {}  # the metrics logged at fit start
 
@@ -208,6 +214,7 @@ class LoRA(SurgeryCallback):
         ``modules_to_save`` module is (or, per ``to_be_quantized``, is about to be) quantized.
         """
         named: dict[str, Optional[nn.Module]] = dict(module.named_modules())
+        self.narrow_left_out = []
         # Every layer kind LoRA reaches (lightning_hbm.layers): Linears (quantized or not), transformers
         # Conv1D, and the Linears an nn.MultiheadAttention or a 3-D experts layer gets when it is
         # prepared (names that exist only after prepare_model: None here).
@@ -245,7 +252,15 @@ class LoRA(SurgeryCallback):
             for _, param in module.named_parameters(remove_duplicate=False):
                 owners[id(param)] = owners.get(id(param), 0) + 1
             tied = {n for n in linears if named[n] is not None and owners.get(id(named[n].weight), 0) > 1}
-            candidates = [n for n in linears if n not in heads and n not in tied]
+            # and layers whose weight a parent reads directly (Mamba's dt_proj): their adapter would never be called
+            readers = weight_readers(module, uses_only=True)
+            candidates = [n for n in linears if n not in heads and n not in tied and n not in readers]
+            # and layers narrower than r (Qwen2-MoE's shared_expert_gate, 1 output; routers): a rank above a
+            # layer's width adds parameters without capacity. An explicit target list keeps check_model's error.
+            narrow = [n for n in candidates if named[n] is not None and _width(named[n], self.r) < self.r]
+            if len(narrow) < len(candidates):  # all narrower: r itself is wrong (check_model's error)
+                candidates = [n for n in candidates if n not in narrow]
+                self.narrow_left_out = narrow
         else:
             candidates = [n for n in named if n and _matches(n, self.target_modules)]
             wrong = [f"{n} ({type(named[n]).__name__})" for n in candidates if n not in adaptable]
@@ -284,7 +299,7 @@ class LoRA(SurgeryCallback):
         narrow = []
         for name in targets:
             layer = named.get(name)  # None: a projection a layer-kind conversion creates (MultiheadAttention, experts)
-            width = min(getattr(layer, "in_features", self.r), getattr(layer, "out_features", self.r))
+            width = _width(layer, self.r)
             if self.r > width:
                 narrow.append(f"{name} ({width})")
         if narrow:
@@ -367,6 +382,16 @@ class LoRA(SurgeryCallback):
                 for container in (sub.lora_A, sub.lora_B):
                     container.to(dtype)
         self.adapted_modules, self.saved_modules = targets, saved
+        for name in self.narrow_left_out:
+            layer = module.get_submodule(name)
+            if getattr(layer, LEFT_ALONE_ATTR, None) is None:  # the coverage table's reason when nothing else changed it
+                object.__setattr__(layer, LEFT_ALONE_ATTR, (f"narrower than LoRA r={self.r}: left out of 'all-linear'", True))
+        if self.narrow_left_out:
+            rank_zero_info(
+                f"lightning_hbm: LoRA r={self.r} leaves out {len(self.narrow_left_out)} layer(s) narrower than r "
+                f"(target_modules='all-linear'): {self.narrow_left_out[:6]}{' ...' if len(self.narrow_left_out) > 6 else ''}. "
+                "Name them in target_modules with a smaller r to adapt them."
+            )
         log.info("lightning_hbm: LoRA r=%d on %d Linear layers, %d modules_to_save", self.r, len(targets), len(saved))
 
     # --------------------------------------------------------------- Lightning hooks

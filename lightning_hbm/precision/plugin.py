@@ -11,7 +11,9 @@ weights on CUDA (checked with Lightning 2.6: an isinstance check on the accelera
 
 from __future__ import annotations
 
+import fnmatch
 import logging
+import re
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Generator, Iterable, Mapping, Optional, Sequence, Union
 
@@ -22,7 +24,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_hbm._validate import check_args
-from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_of, prepare_model
+from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_of, prepare_model, weight_readers
 from lightning_hbm.precision.gptq import ROUNDINGS, digest, gptq_round_, input_hessians, is_4bit
 from lightning_hbm.precision.registry import QuantMode, get_mode, to_dtype
 from lightning_hbm.surgery import (
@@ -41,6 +43,21 @@ _LIGHTNING_NAMES = {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch
 
 def _under(name: str, prefixes: Iterable[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _ignored(name: str, patterns: Union[str, Sequence[str]]) -> bool:
+    """Whether module ``name`` is (under) an ``ignore_modules`` entry.
+
+    As LoRA's ``target_modules``: a string is a regex that must match the full name (of the module or of
+    one of its parents); a list holds names (a name also matches as a suffix: ``dt_proj`` is
+    ``backbone.layers.0.mixer.dt_proj``) and glob patterns (``*.mixer.*_proj``). Everything under a
+    matching module is ignored too.
+    """
+    parts = name.split(".")
+    names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    if isinstance(patterns, str):
+        return any(re.fullmatch(patterns, n) for n in names)
+    return any(n == p or n.endswith("." + p) or fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
 
 
 def output_heads(module: nn.Module) -> set[str]:
@@ -78,7 +95,7 @@ def keep_in_fp32_names(module: nn.Module) -> set[str]:
 
 def _quantizable_linears(
     module: nn.Module,
-    ignore_modules: Sequence[str],
+    ignore_modules: Union[str, Sequence[str]],
     quantize_head: bool = False,
     keep_modules: Sequence[str] = (),
 ) -> tuple[list[tuple[str, nn.Module]], dict[str, tuple[str, bool]]]:
@@ -94,6 +111,7 @@ def _quantizable_linears(
     heads = set() if quantize_head else output_heads(module)
     fp32 = keep_in_fp32_names(module)
     kept = [n for n, _ in module.named_modules() if n and any(n == k or n.endswith("." + k) for k in keep_modules)]
+    readers = weight_readers(module)
     chosen: list[tuple[str, nn.Module]] = []
     skipped: dict[str, tuple[str, bool]] = {}
     for name, layer, kind in find_layers(module):
@@ -103,7 +121,7 @@ def _quantizable_linears(
             continue
         if not layer.weight.is_floating_point():
             continue  # already quantized
-        if _under(name, ignore_modules):
+        if _ignored(name, ignore_modules):
             skipped[name] = ("QuantizedPrecision(ignore_modules=...)", True)
         elif owners.get(id(layer.weight), 0) > 1:
             # e.g. lm_head tied to the embedding: quantizing would untie them
@@ -114,12 +132,15 @@ def _quantizable_linears(
             skipped[name] = ("kept in fp32: the model's _keep_in_fp32_modules", True)
         elif _under(name, kept):
             skipped[name] = ("LoRA modules_to_save: trained in full precision", True)
+        elif name in readers:
+            # the reader would get the packed integer weight (a low-level dtype/shape error): compute dtype
+            skipped[name] = (f"weight read directly by {readers[name]}, not by calling the layer: kept in the compute dtype", False)
         else:
             chosen.append((name, layer))
     return chosen, skipped
 
 
-def _validate(module: nn.Module, quant_mode: QuantMode, compute_dtype: torch.dtype, ignore_modules: Sequence[str]) -> None:
+def _validate(module: nn.Module, quant_mode: QuantMode, compute_dtype: torch.dtype, ignore_modules: Union[str, Sequence[str]]) -> None:
     """Every check of :func:`quantize_model`, changing nothing (run before the first change of the surgery)."""
     if compute_dtype not in quant_mode.dtypes:
         raise ValueError(
@@ -127,12 +148,14 @@ def _validate(module: nn.Module, quant_mode: QuantMode, compute_dtype: torch.dty
             f"Supported: {[str(d) for d in quant_mode.dtypes]}."
         )
     names = {n for n, _ in module.named_modules()}
-    unknown = [ign for ign in ignore_modules if not any(n == ign or n.startswith(ign + ".") for n in names)]
+    entries = [ignore_modules] if isinstance(ignore_modules, str) else list(ignore_modules)
+    unknown = [ign for ign in entries if not any(_ignored(n, ign if isinstance(ignore_modules, str) else [ign]) for n in names if n)]
     if unknown:
         sample = sorted(n for n in names if n)[:12]
         raise ValueError(
-            f"ignore_modules={list(ignore_modules)!r}: {unknown} match no submodule of {type(module).__name__}. "
-            f"Use module names (prefix match) such as {sample}."
+            f"ignore_modules={ignore_modules if isinstance(ignore_modules, str) else list(ignore_modules)!r}: {unknown} match no "
+            f"submodule of {type(module).__name__}. Use module names (a name matches itself, what is under it and as a "
+            f"suffix), glob patterns ('*.mixer.dt_proj') or one regex string, such as {sample}."
         )
     if not any(kind.to_linear is not None or kind.prepare is not None for _, _, kind in find_layers(module)):
         raise ValueError(
@@ -141,7 +164,7 @@ def _validate(module: nn.Module, quant_mode: QuantMode, compute_dtype: torch.dty
             "for this model instead."
         )
     for name, layer, kind in find_layers(module):
-        if kind.to_linear is None and kind.prepare is None or _under(name, ignore_modules):
+        if kind.to_linear is None and kind.prepare is None or _ignored(name, ignore_modules):
             continue
         if any(p.is_meta for p in layer.parameters()):
             raise ValueError(
@@ -154,7 +177,7 @@ def quantize_model(
     module: nn.Module,
     mode: Union[str, QuantMode],
     dtype: Union[str, torch.dtype] = "bfloat16",
-    ignore_modules: Sequence[str] = (),
+    ignore_modules: Union[str, Sequence[str]] = (),
     device: Optional[Union[str, torch.device]] = None,
     quantize_head: bool = False,
     keep_modules: Sequence[str] = (),
@@ -177,7 +200,7 @@ def quantize_model(
     quant_mode = get_mode(mode) if isinstance(mode, str) else mode
     compute_dtype = to_dtype(dtype)
     _validate(module, quant_mode, compute_dtype, ignore_modules)
-    prepare_model(module, skip=lambda n: _under(n, ignore_modules))  # MultiheadAttention -> four Linears
+    prepare_model(module, skip=lambda n: _ignored(n, ignore_modules))  # MultiheadAttention -> four Linears
     targets, skipped = _quantizable_linears(module, ignore_modules, quantize_head, keep_modules)
     for name, (reason, deliberate) in skipped.items():
         object.__setattr__(module.get_submodule(name), LEFT_ALONE_ATTR, (reason, deliberate))
@@ -202,8 +225,10 @@ def quantize_model(
             object.__setattr__(new, KIND_ATTR, getattr(layer, KIND_ATTR))
         setattr(parent, child_name, new)
     # Everything that is not quantized storage computes in the compute dtype and stays trainable,
-    # except what the model declares must stay in fp32.
-    fp32 = keep_in_fp32_names(module)
+    # except what the model declares must stay in fp32, and BatchNorm: its running statistics are fp32
+    # buffers, and batch_norm takes a 16-bit input only with fp32 weights and statistics (as in
+    # Lightning's mixed precision); 16-bit weights beside fp32 statistics fail at the first batch.
+    fp32 = keep_in_fp32_names(module) | {n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
     for name, param in module.named_parameters():
         wanted = torch.float32 if _under(name.rpartition(".")[0], fp32) else compute_dtype
         if param.is_floating_point() and param.dtype != wanted:
@@ -255,8 +280,10 @@ class QuantizedPrecision(Precision):
             ``fp4-dq``, ``int8``, ...).
         dtype: compute dtype of the quantized matmuls and storage dtype of every other parameter:
             ``"bfloat16"``/``"bf16"``, ``"float16"``, ``"float32"`` or a ``torch.dtype``.
-        ignore_modules: submodule names (prefix match) whose Linears stay unquantized, e.g.
-            ``["lm_head"]``. A name that matches nothing is an error.
+        ignore_modules: submodules whose Linears stay unquantized, matched as LoRA's ``target_modules``: a
+            list of names (``["lm_head"]``; a name also matches as a suffix, and everything under it) and
+            glob patterns (``["*.mixer.dt_proj"]``), or a regex string (full match). An entry that matches
+            nothing is an error.
         quantize_head: also quantize the output head (``get_output_embeddings()``) of Hugging Face
             models. Off by default, as transformers' own quantizers do: the head sees every token's
             logits and is the layer most hurt by 4-bit error.
@@ -309,7 +336,7 @@ class QuantizedPrecision(Precision):
         self,
         mode: str = "nf4-dq",
         dtype: Union[str, torch.dtype] = "bfloat16",
-        ignore_modules: Sequence[str] = (),
+        ignore_modules: Union[str, Sequence[str]] = (),
         quantize_head: bool = False,
         max_bytes_per_param: Optional[float] = None,
         min_cosine: Optional[float] = None,
@@ -328,8 +355,14 @@ class QuantizedPrecision(Precision):
                 f"Supported: {[str(d) for d in self.mode.dtypes]}; pass dtype='bfloat16' for example."
             )
         if isinstance(ignore_modules, str):
-            raise TypeError(f"ignore_modules must be a list of module names, got the string {ignore_modules!r}.")
-        self.ignore_modules = tuple(ignore_modules)
+            try:
+                re.compile(ignore_modules)
+            except re.error as err:
+                raise ValueError(
+                    f"ignore_modules={ignore_modules!r} is a string, read as a regex (full match, as LoRA's target_modules), "
+                    f"but it is not a valid one: {err}. Pass a list of module names or glob patterns instead."
+                ) from err
+        self.ignore_modules = ignore_modules if isinstance(ignore_modules, str) else tuple(ignore_modules)
         self.quantize_head = bool(quantize_head)
         from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args
 
@@ -534,12 +567,15 @@ class QuantizedPrecision(Precision):
             return None  # other settings: measure, and the resume check lists every difference
         return saved.get("layer_modes")
 
+    def _ignore_list(self) -> Union[str, list[str]]:
+        return self.ignore_modules if isinstance(self.ignore_modules, str) else list(self.ignore_modules)
+
     def resume_config(self) -> dict[str, Any]:
         """What a resumed run must share with the run that saved the checkpoint."""
         config = {
             "mode": self.mode.name,
             "dtype": str(self.dtype),
-            "ignore_modules": list(self.ignore_modules),
+            "ignore_modules": self._ignore_list(),
             "quantize_head": self.quantize_head,
         }
         targets = {"max_bytes_per_param": self.max_bytes_per_param, "min_cosine": self.min_cosine}
@@ -605,7 +641,7 @@ class QuantizedPrecision(Precision):
 
     def __repr__(self) -> str:
         return (
-            f"QuantizedPrecision(mode={self.mode.name!r}, dtype={self.dtype}, ignore_modules={list(self.ignore_modules)}, "
+            f"QuantizedPrecision(mode={self.mode.name!r}, dtype={self.dtype}, ignore_modules={self._ignore_list()!r}, "
             f"quantize_head={self.quantize_head}"
             + (f", smoothing={self.smoothing!r}" if self.smoothing is not None else "")
             + (f", rounding={self.rounding!r}" if self.rounding != "nearest" else "")

@@ -233,8 +233,19 @@ def test_ignore_modules_matching_nothing(gpt_factory: Any) -> None:
     with pytest.raises(ValueError, match=r"\['head'\] match no submodule of NanoGPT\. Use module names"):
         quantize_model(model, "nf4", ignore_modules=["head"])
     assert not any(isinstance(m, QUANTIZED_TYPES) for m in model.modules())  # nothing half-applied
-    with pytest.raises(TypeError, match=r"QuantizedPrecision\(ignore_modules='lm_head'\): wrong type str; pass a list of strs"):
-        QuantizedPrecision("nf4", ignore_modules="lm_head")
+    with pytest.raises(ValueError, match=r"ignore_modules='lm_head\[' is a string, read as a regex .* not a valid one"):
+        QuantizedPrecision("nf4", ignore_modules="lm_head[")
+    with pytest.raises(ValueError, match=r"\['\*\.mlp\.nope'\] match no submodule"):
+        quantize_model(model, "nf4", ignore_modules=["*.mlp.nope"])
+
+
+@pytest.mark.parametrize("ignore", [["c_fc"], ["*.mlp.c_fc"], r".*\.c_fc", ["model.h.0.mlp.c_fc", "model.h.1.mlp.c_fc"]])
+def test_ignore_modules_accepts_suffixes_globs_and_a_regex(gpt_factory: Any, ignore: Any) -> None:
+    model = gpt_factory()
+    fcs = [n for n, m in model.named_modules() if n.endswith("c_fc")]
+    quantize_model(model, "nf4", ignore_modules=ignore)
+    assert fcs and all(isinstance(model.get_submodule(n), nn.Linear) and model.get_submodule(n).weight.is_floating_point() for n in fcs)
+    assert sum(isinstance(m, QUANTIZED_TYPES) for m in model.modules()) > 0  # the others are quantized
 
 
 def test_meta_weights_cannot_be_quantized() -> None:
