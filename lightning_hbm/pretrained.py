@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import tempfile
 import zipfile
 from pathlib import Path
@@ -73,7 +74,10 @@ def smollm2_path() -> Optional[Path]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     loaded = AutoModelForCausalLM.from_pretrained(package, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the weights saved below are plain fp32: no gguf file to read
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     # written beside the target and renamed: a killed conversion never leaves a half folder under the final name
     partial = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
@@ -82,8 +86,23 @@ def smollm2_path() -> Optional[Path]:
     try:
         os.replace(partial, path)
     except OSError:  # another process finished first
-        pass
+        shutil.rmtree(partial, ignore_errors=True)
     return path
 
 
-__all__ = ["INSTALL", "minilm_path", "missing", "smollm2_path"]
+# names lightning_hbm finds offline (the wheels above); anything else goes to from_pretrained as given
+KNOWN = {"SmolLM2-135M-Instruct": ("smollm2", smollm2_path), "all-MiniLM-L6-v2": ("minilm", minilm_path)}
+
+
+def resolve(name_or_path: str) -> str:
+    """The local folder for a :data:`KNOWN` name (converted once), else ``name_or_path`` unchanged."""
+    if name_or_path not in KNOWN:
+        return name_or_path
+    model, find = KNOWN[name_or_path]
+    reason = missing(model)
+    if reason:
+        raise ModuleNotFoundError(f"{name_or_path}: {reason}")
+    return str(find())
+
+
+__all__ = ["INSTALL", "KNOWN", "minilm_path", "missing", "resolve", "smollm2_path"]
