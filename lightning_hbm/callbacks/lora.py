@@ -543,8 +543,8 @@ class LoRA(SurgeryCallback):
             if tensor is None and rel is not None:
                 tensor = base_state_dict.get(f"{rel}.{key}")
             if tensor is None:
-                raise KeyError(
-                    f"base_state_dict has no {name}.{key!s}" + (f" (nor {rel}.{key})" if rel else "")
+                raise ValueError(
+                    f"base_state_dict has no {name}.{key}" + (f" (nor {rel}.{key})" if rel else "")
                     + ": pass the state_dict of the original model (keys relative to it or to the LightningModule)."
                 )
             shape = (layer.out_features, layer.in_features) if key == "weight" and hasattr(layer, "out_features") else None
