@@ -298,6 +298,7 @@ def test_finetune_smollm2_example_runs_and_exports_for_auto_peft(smollm2: Path, 
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     result = example.main(steps=1, seq_len=32, batch_size=1, out=str(tmp_path), val_samples=2, new_tokens=4)
-    # a pretrained model before (random init: ln 49152 = 10.8); the adapter reloaded by AutoPeftModelForCausalLM
-    assert result["before"] < 4.0 and abs(result["after"] - result["before"]) < 0.5
+    # a pretrained model before (4.6 on these 32-token windows; random init: ln 49152 = 10.8); after one step the
+    # adapter, reloaded by AutoPeftModelForCausalLM onto the fp32 base, changes it little
+    assert result["before"] < 6.0 and abs(result["after"] - result["before"]) < 0.5, result
     assert (result["adapter"] / "adapter_model.safetensors").exists() and result["sample_after"]
