@@ -9,6 +9,7 @@ conversion, the runs) are shared per session/module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -44,20 +45,12 @@ def _fit_and_resume(make_module: Callable[[], pl.LightningModule], data: Any, ro
     """Two epochs straight (checkpoint after the first), then a fresh module resumed from that checkpoint."""
     saver = ModelCheckpoint(dirpath=root / "ckpt", every_n_epochs=1, save_top_k=-1)
     straight = make_module()
-    with pytest.warns(UserWarning, match=warns) if warns else _no_warning_check():
+    with pytest.warns(UserWarning, match=warns) if warns else contextlib.nullcontext():
         _trainer(root, 2, [LoRA(), saver]).fit(straight, data)
     first = sorted((root / "ckpt").glob("epoch=0*.ckpt"))[0]
     resumed = make_module()
     _trainer(root, 2, [LoRA()]).fit(resumed, data, ckpt_path=first)
     return {"straight": straight, "resumed": resumed}
-
-
-class _no_warning_check:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: Any) -> None:
-        return None
 
 
 def _assert_exact_resume(run: dict) -> None:

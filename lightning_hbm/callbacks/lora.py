@@ -113,8 +113,10 @@ class LoRA(SurgeryCallback):
             adapters were trained on (a fingerprint of it is saved; another seed or other weights are
             an error). ``True`` accepts a different base on purpose.
 
-    After the first backward of a fit, an adapter that received no gradient is a ``RuntimeError``
-    naming it (its parent module ran but never called it, or it ran and the graph to it is cut).
+    After the first backward of a fit, an adapter that received no gradient because its parent module ran but
+    never called it (it reads the weight directly) is a ``RuntimeError`` naming it. One that ran but whose output
+    never reaches the loss (a BERT pooler under mean pooling: the model's design) gets a warning naming it and
+    stays untrained (``lora_B = 0``, no optimizer state); its names are in ``unused_modules``.
     Without ``QuantizedPrecision``, the layer-kind coverage table (``layers/...`` keys, see
     :func:`lightning_hbm.layers.report_coverage`) is logged at train start.
 
