@@ -278,10 +278,10 @@ class LoRA(SurgeryCallback):
             # close matches among the short names and the full names of the adaptable layers
             choices = list(dict.fromkeys([n.rpartition(".")[2] for n in linears] + linears))
             close = difflib.get_close_matches(pattern, choices, n=3, cutoff=0.5)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
             raise ValueError(
-                f"target_modules entry {pattern!r} matches no module of the model"
-                + (f"; did you mean {close}?" if close else ".")
-                + f" Available Linear layers: {name_list(linears)}."
+                f"target_modules={patterns!r}: the entry {pattern!r} matches no module of the model, so it would "
+                f"silently adapt fewer layers.{hint} Available Linear layers: {name_list(linears)}."
             )
 
     @override

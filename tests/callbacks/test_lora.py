@@ -353,13 +353,13 @@ def test_bad_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:
         (
             dict(target_modules=["qkv"]),
             None,
-            r"target_modules entry 'qkv' matches no module of the model\. Available Linear layers: c_attn, c_proj, c_fc, lm_head \(\d+ in all, e\.g\. model\.h\.0\.attn\.c_attn, ",
+            r"target_modules=\['qkv'\]: the entry 'qkv' matches no module of the model, so it would silently adapt fewer layers\. Available Linear layers: c_attn, c_proj, c_fc, lm_head \(\d+ in all, e\.g\. model\.h\.0\.attn\.c_attn, ",
         ),
         # one typo among good names: an error (not a LoRA on c_attn alone), with the close matches
         (
             dict(target_modules=["c_attn", "c_projection"]),
             NF4,
-            r"target_modules entry 'c_projection' matches no module of the model; did you mean \['c_proj'.*\]\? Available",
+            r"target_modules=\['c_attn', 'c_projection'\]: the entry 'c_projection' matches no module .* Did you mean 'c_proj'.*\? Available",
         ),
         (dict(target_modules="model\\.h\\.9\\..*"), None, r"selects no Linear layer of NanoGPT"),
         (
