@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
+from typing import Optional
 
 import lightning.pytorch as pl
 import torch
@@ -63,6 +64,9 @@ class ByteTextDataModule(pl.LightningDataModule):
         train_samples / val_samples: number of random windows (fixed seed) per split.
         max_bytes: size of the corpus read from disk.
         seed: seed of the window positions.
+        tokenizer: ``None`` (bytes, vocabulary 256) or a Hugging Face tokenizer folder (or a name
+            :mod:`lightning_hbm.pretrained` finds offline, ``"SmolLM2-135M-Instruct"``): the same text
+            as that model's tokens, for fine-tuning a pretrained model.
     """
 
     def __init__(
@@ -73,8 +77,10 @@ class ByteTextDataModule(pl.LightningDataModule):
         val_samples: int = 64,
         max_bytes: int = 2_000_000,
         seed: int = 0,
+        tokenizer: Optional[str] = None,
     ) -> None:
         super().__init__()
+        self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.train_samples = train_samples
@@ -84,6 +90,14 @@ class ByteTextDataModule(pl.LightningDataModule):
         self._data: torch.Tensor | None = None
 
     def _tokens(self) -> torch.Tensor:
+        if self._data is None and self.tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            from lightning_hbm.pretrained import resolve
+
+            text = stdlib_text(self.max_bytes).decode("utf-8", errors="replace")
+            ids = AutoTokenizer.from_pretrained(resolve(self.tokenizer))(text).input_ids
+            self._data = torch.tensor(ids, dtype=torch.int64)
         if self._data is None:
             self._data = torch.frombuffer(bytearray(stdlib_text(self.max_bytes)), dtype=torch.uint8)
         return self._data

