@@ -27,7 +27,7 @@ REPORTED = [
     (L.LoRA, "full_checkpoint", "no", r"full_checkpoint='no'\).*pass True or False"),
     (L.FusedLoss, "chunk_size", True, r"chunk_size=True\): a bool, and True/False is not a number here; pass an int or None"),
     (L.HBMProfiler, "dirpath", 123, r"HBMProfiler\(dirpath=123\): wrong type int; pass a str or None"),
-    (L.QuantizedPrecision, "ignore_modules", [1], r"ignore_modules=\[1\]\): element 1 is a int; pass a list of strs"),
+    (L.QuantizedPrecision, "ignore_modules", [1], r"ignore_modules=\[1\]\): element 1 is a int; pass a str or a list of strs"),
     (L.ActivationCheckpointing, "offload", "yes", r"offload='yes'\).*pass True or False"),
 ]
 
