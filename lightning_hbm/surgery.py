@@ -351,6 +351,12 @@ def _state(plugin: Any, trainer: pl.Trainer) -> _SpineState:
     return state
 
 
+def plugin_trainer(plugin: Any) -> Optional[pl.Trainer]:
+    """The Trainer the spine last ran ``plugin`` for (``None`` before its first surgery)."""
+    state: Optional[_SpineState] = getattr(plugin, _STATE_ATTR, None)
+    return state.trainer if state is not None else None
+
+
 def pending_checkpoint(trainer: Optional[pl.Trainer]) -> Optional[dict[str, Any]]:
     """The checkpoint Lightning is resuming from, between its weight restore and the end of setup.
 
@@ -442,7 +448,7 @@ def check_saves(trainer: pl.Trainer) -> resume.CheckedCheckpointIO:
     if not isinstance(io, resume.CheckedCheckpointIO):
         io = resume.CheckedCheckpointIO(io)
         trainer.strategy.checkpoint_io = io
-    io.trainer = trainer
+    io.trainer, io.pack = trainer, pack_checkpoint
     return io
 
 

@@ -37,6 +37,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from lightning_hbm.callbacks.activation_checkpointing import find_blocks
 from lightning_hbm.memory import CATEGORIES, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count
 from lightning_hbm.memory.categories import buffer_tensors, optimizer_state_tensors, parameter_tensors
 from lightning_hbm.planner.building import (
@@ -213,8 +214,6 @@ def apply_candidate(
 
 def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The repeated blocks as ``ActivationCheckpointing`` finds them (children of a ModuleList of one class)."""
-    from lightning_hbm.callbacks.activation_checkpointing import find_blocks
-
     return find_blocks(module)
 
 
