@@ -36,19 +36,18 @@ from typing import Any, Literal, Optional, Union, get_args
 
 import torch
 from jsonargparse import ArgumentParser
-from lightning.fabric.connector import _PRECISION_INPUT_STR
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy
-from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as SummaryTable
 from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 from typing_extensions import override
 
 import lightning_hbm
+from lightning_hbm._compat import _PRECISION_INPUT_STR, _RICH_AVAILABLE
 from lightning_hbm.memory.report import find_report, render_report
 from lightning_hbm.memory.storage import parameter_bytes, parameter_count
 from lightning_hbm.naming import did_you_mean

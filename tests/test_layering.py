@@ -2,7 +2,7 @@
 
 Levels, bottom to top; a module imports only from its own level or lower ones:
 
-0. base: ``memory``, ``naming``, ``requirements``, ``quiet``, ``data``, ``probe`` (probe a model on a batch,
+0. base: ``_compat`` (libraries' private names), ``memory``, ``naming``, ``requirements``, ``quiet``, ``data``, ``probe`` (probe a model on a batch,
    shared by the precision choices and ``QuantizationQuality``), ``resume`` (checkpoint format; the surgery
    spine hands it ``pack_checkpoint`` instead of being imported)
 1. layer kinds: ``layers``, ``experts``, ``multihead_attention``, ``models``
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 # longest dotted prefix (relative to the package) wins; "" is the package's own __init__
 LEVELS = {
-    "memory": 0, "naming": 0, "requirements": 0, "quiet": 0, "data": 0, "probe": 0, "resume": 0,
+    "_compat": 0, "memory": 0, "naming": 0, "requirements": 0, "quiet": 0, "data": 0, "probe": 0, "resume": 0,
     "layers": 1, "experts": 1, "multihead_attention": 1, "models": 1,
     "surgery": 2,
     "precision": 3,
@@ -172,12 +172,31 @@ def test_no_private_name_crosses_packages() -> None:
     assert not wrong, "make these names public (or pass them through a protocol):\n" + "\n".join(wrong)
 
 
+def test_private_names_of_libraries_come_through_compat() -> None:
+    """torch's, Lightning's, transformers' ``_names`` are imported only by ``lightning_hbm/_compat.py``.
+
+    Modules under private paths (``torch.utils._pytree``, ``torch._subclasses.fake_tensor``, ...) are left
+    where they are used: they are those libraries' de facto API for their feature.
+    """
+    wrong = [
+        f"{m}:{node.lineno} imports {base}.{name}"
+        for m in MODULES
+        if m != f"{PACKAGE}._compat"
+        for node, base, names, _ in _imports(m)
+        if not base.startswith(PACKAGE)
+        for name in names
+        if name.startswith("_") and name != "annotations"
+    ]
+    assert not wrong, "import these through lightning_hbm/_compat.py:\n" + "\n".join(wrong)
+
+
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
         ("from lightning_hbm.planner import plan\n", "lightning_hbm.precision.x:1 imports lightning_hbm.planner (level 3 -> 6)"),
         ("def f():\n    import yaml\n", "lightning_hbm.precision.x:2 imports yaml inside a function"),
         ("from lightning_hbm.surgery import _STATE_ATTR\n", "lightning_hbm.precision.x:1 imports lightning_hbm.surgery._STATE_ATTR"),
+        ("from torch.nn.modules.module import _addindent\n", "lightning_hbm.precision.x:1 imports torch.nn.modules.module._addindent"),
     ],
 )
 def test_each_check_catches_its_case(source: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,7 +206,7 @@ def test_each_check_catches_its_case(source: str, expected: str, tmp_path: Path,
     fake.write_text(source)
     monkeypatch.setitem(MODULES, "lightning_hbm.precision.x", fake)
     checks = (test_no_import_goes_up_a_level, test_imports_inside_functions_are_optional_dependencies_only,
-              test_no_private_name_crosses_packages)
+              test_no_private_name_crosses_packages, test_private_names_of_libraries_come_through_compat)
     messages = []
     for check in checks:
         try:

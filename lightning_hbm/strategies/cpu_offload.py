@@ -28,7 +28,6 @@ steps per parameter on CPU and copies parameters back asynchronously. What it la
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
@@ -40,7 +39,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hbm.callbacks.optimizer import repoint_lr_schedulers
-from lightning_hbm.memory.storage import host_offload_bytes, nested_tensors, unique_bytes  # public here too
+from lightning_hbm.memory.storage import host_offload_bytes, nested_tensors  # host_offload_bytes: public here too
 from lightning_hbm.resume import CheckedCheckpointIO
 
 log = logging.getLogger(__name__)

@@ -50,9 +50,6 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -61,6 +58,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hbm import resume
+from lightning_hbm._compat import _PATH, _materialize_distributed_module, _optimizers_to_device
 
 
 log = logging.getLogger(__name__)
