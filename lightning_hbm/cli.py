@@ -28,6 +28,7 @@ import importlib
 import inspect
 import linecache
 import re
+import sys
 import warnings
 from pathlib import Path
 import pkgutil
@@ -35,19 +36,23 @@ from typing import Any, Literal, Optional, Union, get_args
 
 import torch
 from jsonargparse import ArgumentParser
-from lightning.fabric.connector import _PRECISION_INPUT_STR
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as SummaryTable
 from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 from typing_extensions import override
 
 import lightning_hbm
+from lightning_hbm._compat import _PRECISION_INPUT_STR, _RICH_AVAILABLE
 from lightning_hbm.memory.report import find_report, render_report
 from lightning_hbm.memory.storage import parameter_bytes, parameter_count
 from lightning_hbm.naming import did_you_mean
+from lightning_hbm.planner import default_candidates
+from lightning_hbm.planner.config import plan_from_config, print_plan
 from lightning_hbm.precision import QuantizedPrecision, available_precisions
 from lightning_hbm.precision.registry import get_mode
 
@@ -170,10 +175,6 @@ def _init_parameters(class_path: str) -> list[str]:
 
 def _known_class_names() -> list[str]:
     """Short names of the imported callbacks, strategies, plugins, modules and datamodules (what ``class_path`` takes)."""
-    from lightning.pytorch import Callback, LightningDataModule, LightningModule
-    from lightning.pytorch.plugins.precision import Precision
-    from lightning.pytorch.strategies import Strategy
-
     classes = _subclasses(Callback, Precision, Strategy, LightningModule, LightningDataModule)
     return list(dict.fromkeys(c.__name__ for c in classes if not c.__name__.startswith("_")))
 
@@ -189,8 +190,6 @@ def _subclasses(*bases: type) -> list[type]:
 
 
 def _is_precision_plugin(class_path: str) -> bool:
-    from lightning.pytorch.plugins.precision import Precision
-
     known = {c.__name__: c for c in _subclasses(Precision)}
     if class_path in known:
         return True
@@ -369,8 +368,6 @@ class _QuietModelSummary(RichModelSummary):
 
     @override
     def _summary(self, trainer: Trainer, pl_module: Any) -> Any:
-        from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy
-
         if isinstance(trainer.strategy, DeepSpeedStrategy) and trainer.strategy.zero_stage_3:
             return super()._summary(trainer, pl_module)
         return _LogicalSummary(pl_module, max_depth=self._max_depth)
@@ -439,8 +436,6 @@ class PlanCLI(HBMCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """The planner's arguments, next to the usual ``trainer``/``model``/``data`` groups."""
-        from lightning_hbm.planner import default_candidates
-
         parser.add_argument("--budget", type=Optional[str], default=None, help="device memory to fit in, e.g. 24GiB")
         parser.add_argument(
             "--device", type=Optional[Literal["cpu", "cuda"]], default=None, help="where training runs (default: cuda if available)"
@@ -451,9 +446,6 @@ class PlanCLI(HBMCLI):
     @override
     def instantiate_classes(self) -> None:
         """Plan instead of building: the model is only ever built fake, inside the planner."""
-        from lightning_hbm.planner import default_candidates
-        from lightning_hbm.planner.config import plan_from_config
-
         self.model, self.datamodule, self.trainer = None, None, None
         config = {"model": self.config.model.as_dict(), "data": self.config.data.as_dict()}
         device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -468,8 +460,6 @@ def main(args: Optional[list[str]] = None) -> int:
     (``fit``'s options plus ``--budget``; status 2 when nothing fits). ``report RUN_DIR [--out DIR]``:
     :func:`render_report`.
     """
-    import sys
-
     argv = list(sys.argv[1:] if args is None else args)
     with warnings.catch_warnings():
         # main() hands LightningCLI the console's own arguments: Lightning's warning about args and sys.argv
@@ -517,8 +507,6 @@ def _raised_by_package(err: BaseException) -> bool:
 def _run(argv: list[str]) -> int:
     """Run one console command (see :func:`main`); errors propagate to :func:`main`."""
     if argv[:1] == ["plan"]:
-        from lightning_hbm.planner.config import print_plan
-
         result = PlanCLI(args=argv[1:], run=False).plan
         print_plan(result)
         return 0 if result.budget is None or result.chosen is not None else 2

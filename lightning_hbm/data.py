@@ -15,6 +15,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_hbm.pretrained import resolve
+
 VOCAB_SIZE = 256
 
 
@@ -92,8 +94,6 @@ class ByteTextDataModule(pl.LightningDataModule):
     def _tokens(self) -> torch.Tensor:
         if self._data is None and self.tokenizer is not None:
             from transformers import AutoTokenizer
-
-            from lightning_hbm.pretrained import resolve
 
             text = stdlib_text(self.max_bytes).decode("utf-8", errors="replace")
             ids = AutoTokenizer.from_pretrained(resolve(self.tokenizer))(text).input_ids

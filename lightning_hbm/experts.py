@@ -29,13 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from typing_extensions import override
 
-
-def _default_gate() -> Optional[object]:
-    try:
-        from transformers.integrations.moe import _default_apply_gate
-    except ImportError:
-        return None
-    return _default_apply_gate
+from lightning_hbm._compat import _default_gate
 
 
 def supported(module: nn.Module) -> bool:

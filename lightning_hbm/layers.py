@@ -30,15 +30,19 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_hbm.experts import LinearExperts, supported
 from lightning_hbm.memory import parameter_bytes, parameter_count
+from lightning_hbm.multihead_attention import ProjectedMultiheadAttention
 
 log = logging.getLogger(__name__)
 
 KIND_ATTR = "_lightning_hbm_kind"  # set on a module that replaced a layer of another kind
 LEFT_ALONE_ATTR = "_lightning_hbm_left_alone"  # (reason, deliberate) set by QuantizedPrecision on skipped layers
 CONVERTED_ATTR = "_lightning_hbm_converted"  # kind name, set on the module prepare() put in a layer's place
+PLAN_ATTR = "_lightning_hbm_checkpoint"  # set by ActivationCheckpointing on each checkpointed block
 WARN_SHARE = 0.05  # a kind left alone (not by choice) above this share of all parameters is a warning
 
 
@@ -130,8 +134,6 @@ def _is_mha(module: nn.Module) -> bool:
 
 
 def _prepare_mha(module: nn.Module) -> nn.Module:
-    from lightning_hbm.multihead_attention import ProjectedMultiheadAttention
-
     new = ProjectedMultiheadAttention.from_torch(module)  # type: ignore[arg-type]
     object.__setattr__(new, CONVERTED_ATTR, "MultiheadAttention")
     for proj in (new.q_proj, new.k_proj, new.v_proj, new.out_proj):
@@ -140,8 +142,6 @@ def _prepare_mha(module: nn.Module) -> nn.Module:
 
 
 def _prepare_experts(module: nn.Module) -> Optional[nn.Module]:
-    from lightning_hbm.experts import LinearExperts, supported
-
     if not supported(module):
         return None  # left as it is: the coverage table names it
     new = LinearExperts.from_transformers(module)
@@ -405,8 +405,6 @@ def adaptable_names(module: nn.Module) -> list[str]:
         if kind is MULTIHEAD_ATTENTION and isinstance(sub, nn.MultiheadAttention):
             names.extend(f"{name}.{proj}" for proj in ("q_proj", "k_proj", "v_proj"))
         elif kind is EXPERTS and kind.matches(sub):
-            from lightning_hbm.experts import supported
-
             if supported(sub):
                 experts = sub.gate_up_proj.shape[0]
                 names.extend(f"{name}.{proj}.{e}" for proj in ("gate_up_proj", "down_proj") for e in range(experts))
@@ -436,9 +434,7 @@ class CoverageRow:
 
 
 def _checkpointed_names(module: nn.Module) -> list[str]:
-    from lightning_hbm.callbacks.activation_checkpointing import _PLAN_ATTR
-
-    return [n for n, m in module.named_modules() if _PLAN_ATTR in vars(m)]
+    return [n for n, m in module.named_modules() if PLAN_ATTR in vars(m)]
 
 
 def _left_alone_reason(layer: nn.Module, kind: LayerKind, quantizing: bool, adapting: bool, reader: Optional[str] = None) -> tuple[str, bool]:
@@ -552,8 +548,6 @@ def report_coverage(module: nn.Module, quantizing: bool) -> list[CoverageRow]:
     ``layers/K/params``, ``layers/K/quantized``, ``layers/K/adapted``, ``layers/K/checkpointed``,
     ``layers/K/left_alone`` (parameter counts).
     """
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-
     while not isinstance(module, pl.LightningModule) and isinstance(getattr(module, "module", None), nn.Module):
         module = module.module  # DDP / wrappers: the LightningModule inside
     lora = _lora_layer_cls()

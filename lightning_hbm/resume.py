@@ -31,13 +31,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
+import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch import nn
+
+from lightning_hbm.layers import converted_keys
 
 FORMAT_VERSION = 2  # 2: every tensor checksummed, the lightning_hbm part sealed by a digest, stronger fingerprints
 META_KEY = "lightning_hbm"
@@ -165,8 +169,6 @@ class KeyMap:
     """
 
     def __init__(self, module: Optional[nn.Module] = None) -> None:
-        from lightning_hbm.layers import converted_keys
-
         self.converted = converted_keys(module) if module is not None else {}
         self.targets = set(self.converted.values())
 
@@ -399,8 +401,6 @@ def verify(checkpoint: dict[str, Any], path: Any) -> None:
     validate_meta(meta, path)
     sums = meta["checksums"]
     if meta["version"] == 1:
-        import warnings
-
         warnings.warn(
             f"Checkpoint {path} has lightning_hbm format version 1: its weights are checked, but its optimizer states, "
             "loops and settings carry no checksum. Save again with this version to have them checked.",
@@ -447,8 +447,6 @@ def check_file(path: Any) -> None:
         )
     if size == 0:
         raise ValueError(f"Checkpoint {path} is empty (0 bytes): the save was interrupted. Resume from another checkpoint.")
-    import zipfile
-
     if zipfile.is_zipfile(file):
         return
     with open(file, "rb") as handle:
@@ -621,15 +619,13 @@ class CheckedCheckpointIO(CheckpointIO):
     """
 
     def __init__(self, inner: Optional[CheckpointIO] = None, refuse_non_finite: bool = True) -> None:
-        from lightning.fabric.plugins import TorchCheckpointIO
-
         self.inner = inner if inner is not None else TorchCheckpointIO()
         self.refuse_non_finite = refuse_non_finite
         self.trainer: Any = None  # set by lightning_hbm.surgery.check_saves
+        # set with it to lightning_hbm.surgery.pack_checkpoint: surgery sits above resume (tests/test_layering.py)
+        self.pack: Optional[Callable[[Any, dict[str, Any]], None]] = None
 
     def _writes_atomically(self, path: Any, storage_options: Optional[Any]) -> bool:
-        from lightning.fabric.plugins import TorchCheckpointIO
-
         # a user's own IO (async, cloud, ...) keeps its own way of writing
         plain = type(self.inner).save_checkpoint is TorchCheckpointIO.save_checkpoint
         return plain and storage_options is None and _is_local(path)
@@ -640,10 +636,8 @@ class CheckedCheckpointIO(CheckpointIO):
             plugin = self.trainer.strategy.precision_plugin
             if getattr(plugin, "runs_surgery", False):
                 plugin.on_save_checkpoint(checkpoint)
-            else:
-                from lightning_hbm.surgery import pack_checkpoint
-
-                pack_checkpoint(self.trainer, checkpoint)
+            elif self.pack is not None:
+                self.pack(self.trainer, checkpoint)
         if self.refuse_non_finite:
             self._refuse_non_finite(checkpoint, path)
         seal(checkpoint)

@@ -42,6 +42,7 @@ real tensors right after quantizing.
 from __future__ import annotations
 
 import logging
+import re
 from enum import IntEnum
 from typing import Any, Callable, Optional, Sequence
 
@@ -319,8 +320,6 @@ def _check_resume(
 
 def _adapter_misfits(meta: dict[str, Any], schema: dict[str, Any]) -> list[str]:
     """LoRA pairs of the checkpoint whose (in, out) sizes differ from the as-built weight they adapt."""
-    import re
-
     saved = meta.get("state_dict", {})
     misfits = []
     for key, lora_a in saved.items():
@@ -400,6 +399,12 @@ def _state(plugin: Any, trainer: pl.Trainer) -> _SpineState:
         object.__setattr__(plugin, _STATE_ATTR, state)
     state.trainer = trainer
     return state
+
+
+def plugin_trainer(plugin: Any) -> Optional[pl.Trainer]:
+    """The Trainer the spine last ran ``plugin`` for (``None`` before its first surgery)."""
+    state: Optional[_SpineState] = getattr(plugin, _STATE_ATTR, None)
+    return state.trainer if state is not None else None
 
 
 def pending_checkpoint(trainer: Optional[pl.Trainer]) -> Optional[dict[str, Any]]:
@@ -527,7 +532,7 @@ def check_saves(trainer: pl.Trainer) -> resume.CheckedCheckpointIO:
     if not isinstance(io, resume.CheckedCheckpointIO):
         io = resume.CheckedCheckpointIO(io)
         trainer.strategy.checkpoint_io = io
-    io.trainer = trainer
+    io.trainer, io.pack = trainer, pack_checkpoint
     return io
 
 

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from typing_extensions import override
 
 from lightning_hbm._validate import check_args
+from lightning_hbm.layers import PLAN_ATTR as _PLAN_ATTR  # also read by the coverage table
 from lightning_hbm.naming import did_you_mean
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
@@ -45,8 +46,6 @@ SELECTIVE_SAVE_OPS: list[Any] = [
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
 ]
-
-_PLAN_ATTR = "_lightning_hbm_checkpoint"
 
 
 class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
 from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 from torch.utils._pytree import tree_map
@@ -525,7 +526,7 @@ def _output_dtype(state: _HeadState, x: torch.Tensor) -> torch.dtype:
 # --------------------------------------------------------------------------------------------
 
 
-def _default_heads(module: nn.Module) -> list[str]:
+def default_heads(module: nn.Module) -> list[str]:
     """Output heads of transformers models inside ``module``, else Linear-like modules named ``lm_head``."""
     names = {id(m): n for n, m in module.named_modules()}
     heads: list[str] = []
@@ -594,7 +595,7 @@ class FusedLoss(SurgeryCallback):
 
     def _resolve(self, module: nn.Module) -> list[str]:
         names = dict(module.named_modules())
-        heads = self.heads if self.heads is not None else _default_heads(module)
+        heads = self.heads if self.heads is not None else default_heads(module)
         linears = sorted((n for n, m in names.items() if hasattr(m, "out_features")),
                          key=lambda n: -int(names[n].out_features))[:5]
         if not heads:
@@ -624,8 +625,6 @@ class FusedLoss(SurgeryCallback):
             head = module.get_submodule(name)
             # an instance attribute shadows the class's forward; the state calls the class's forward
             head.forward = _LazyHead(_HeadState(name, head, self.chunk_size, self.kernel))
-        from lightning.pytorch.utilities import rank_zero_info
-
         rank_zero_info(f"lightning_hbm: FusedLoss on {self.applied_heads} (chunked cross-entropy, kernel={self.kernel!r})")
 
 

@@ -26,13 +26,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.imports import RequirementCache
+from safetensors.torch import save_file
 from torch import nn
 from typing_extensions import override
 
 from lightning_hbm._validate import check_args
 from lightning_hbm.layers import LEFT_ALONE_ATTR, adaptable_names, prepare_model, report_coverage, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
-from lightning_hbm.precision.plugin import output_heads
+from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
+from lightning_hbm.precision.plugin import QuantizedPrecision, output_heads
 from lightning_hbm.naming import did_you_mean, name_list
 from lightning_hbm.precision.registry import to_dtype
 from lightning_hbm.requirements import requirement
@@ -352,14 +354,11 @@ class LoRA(SurgeryCallback):
     @staticmethod
     def _planned_quantization(module: nn.Module) -> frozenset[str]:
         """Names of the Linears the Trainer's QuantizedPrecision is about to quantize (none without one)."""
-        from lightning_hbm.precision.plugin import QuantizedPrecision, _lora_saved, _quantizable_linears
-
         trainer = getattr(module, "_trainer", None)
         plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
         if not isinstance(plugin, QuantizedPrecision):
             return frozenset()
-        chosen, _ = _quantizable_linears(module, plugin.ignore_modules, plugin.quantize_head, _lora_saved(module))
-        return frozenset(name for name, _ in chosen)
+        return frozenset(name for name, _ in plugin.quantization_targets(module))
 
     @override
     def transform_model(self, module: pl.LightningModule) -> None:
@@ -438,8 +437,6 @@ class LoRA(SurgeryCallback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning_hbm.precision.plugin import QuantizedPrecision
-
         if not isinstance(trainer.precision_plugin, QuantizedPrecision):
             report_coverage(pl_module, quantizing=False)  # QuantizedPrecision reports it itself
         self._watch = _AdapterWatch(pl_module)
@@ -493,8 +490,6 @@ class LoRA(SurgeryCallback):
         was loaded from, ``config._name_or_path``), so ``peft.AutoPeftModelForCausalLM.from_pretrained(path)``
         finds the base by itself. Returns ``path``.
         """
-        from safetensors.torch import save_file
-
         config = getattr(module, "peft_config", {}).get(ADAPTER_NAME)
         if config is None:
             raise ValueError(
@@ -560,8 +555,6 @@ class LoRA(SurgeryCallback):
         out_dtype = to_dtype(dtype)
         lora_cls = _lora_layer_cls()
         bnb_classes = _bnb_linear_classes()
-
-        from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
 
         quantized_classes = (*bnb_classes, Int8DynamicLinear)
         root = LoRA._hf_root(module, None) if base_state_dict is not None else ""

@@ -43,7 +43,7 @@ OptimizerKind = Literal[
 # Lion has no eps: it takes lr, betas and weight_decay (Lion usually wants a 3-10x lower lr).
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 _LION_KEYS = ("lr", "betas", "weight_decay")
-_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
+OPTIMIZER_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "adamw8bit": ("AdamW8bit", _ADAM_KEYS),
     "adam8bit": ("Adam8bit", _ADAM_KEYS),
     "paged_adamw8bit": ("PagedAdamW8bit", _ADAM_KEYS),
@@ -97,8 +97,8 @@ class MemoryEfficientOptimizer(SurgeryCallback):
     def __init__(self, kind: OptimizerKind = "adamw8bit") -> None:
         check_args(MemoryEfficientOptimizer.__init__, locals())
         super().__init__()
-        if kind not in _KINDS:
-            raise ValueError(f"MemoryEfficientOptimizer(kind={kind!r}) is not a supported kind. Use one of {sorted(_KINDS)}.")
+        if kind not in OPTIMIZER_KINDS:
+            raise ValueError(f"MemoryEfficientOptimizer(kind={kind!r}) is not a supported kind. Use one of {sorted(OPTIMIZER_KINDS)}.")
         import_bnb()  # fail at construction, not at fit time, when bitsandbytes is missing
         self.kind = kind
 
@@ -134,7 +134,7 @@ class MemoryEfficientOptimizer(SurgeryCallback):
             new = self._build(optimizer)
             repoint_lr_schedulers(lr_scheduler_configs, optimizer, new)
             replaced.append(new)
-        log.info("lightning_hbm: %d optimizer(s) replaced by bitsandbytes %s", len(replaced), _KINDS[self.kind][0])
+        log.info("lightning_hbm: %d optimizer(s) replaced by bitsandbytes %s", len(replaced), OPTIMIZER_KINDS[self.kind][0])
         return replaced
 
     def _check(self, optimizer: Optimizer) -> None:
@@ -142,7 +142,7 @@ class MemoryEfficientOptimizer(SurgeryCallback):
             raise TypeError(
                 f"MemoryEfficientOptimizer(kind={self.kind!r}) can only replace torch.optim.Adam or torch.optim.AdamW, "
                 f"but configure_optimizers returned {type(optimizer).__module__}.{type(optimizer).__qualname__}. "
-                f"Supported kinds: {sorted(_KINDS)}. Return Adam/AdamW from configure_optimizers, or remove the "
+                f"Supported kinds: {sorted(OPTIMIZER_KINDS)}. Return Adam/AdamW from configure_optimizers, or remove the "
                 "MemoryEfficientOptimizer callback for this model."
             )
         for index, group in enumerate(optimizer.param_groups):
@@ -150,7 +150,7 @@ class MemoryEfficientOptimizer(SurgeryCallback):
                 if group.get(flag):
                     raise ValueError(
                         f"param_groups[{index}] of {type(optimizer).__name__} sets {flag}=True, which bitsandbytes "
-                        f"{_KINDS[self.kind][0]} cannot reproduce. Set {flag}=False in configure_optimizers or remove "
+                        f"{OPTIMIZER_KINDS[self.kind][0]} cannot reproduce. Set {flag}=False in configure_optimizers or remove "
                         "the MemoryEfficientOptimizer callback."
                     )
             coupled = type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay", False)
@@ -164,7 +164,7 @@ class MemoryEfficientOptimizer(SurgeryCallback):
 
     def _build(self, optimizer: Optimizer) -> Optimizer:
         bnb = import_bnb()
-        class_name, keys = _KINDS[self.kind]
+        class_name, keys = OPTIMIZER_KINDS[self.kind]
         groups = []
         for group in optimizer.param_groups:
             carried = {key: _as_float(group[key]) for key in keys}

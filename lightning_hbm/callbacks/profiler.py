@@ -40,9 +40,8 @@ from typing_extensions import override
 from lightning_hbm._validate import check_args
 from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown, classify, owned_storages, owned_tensors, tensor_bytes
 from lightning_hbm.memory.report import REMEDIES, MemoryReport
-from lightning_hbm.memory.storage import module_parameter_tensors
+from lightning_hbm.memory.storage import host_offload_bytes, module_parameter_tensors
 from lightning_hbm.memory.tracker import LiveStorageTracker
-from lightning_hbm.strategies.cpu_offload import host_offload_bytes
 from lightning_hbm.surgery import applied_transforms
 
 log = logging.getLogger(__name__)
@@ -409,10 +408,10 @@ def run_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, A
         "optimizers": [type(getattr(opt, "_optimizer", opt)).__name__ for opt in trainer.optimizers],
         "precision": str(trainer.precision),
     }
-    from lightning_hbm.planner.autofit import AutoFit  # the planner imports the profiler's modules
-
-    for callback in trainer.callbacks:  # AutoFit: its budget and the chosen candidate's predicted step peak
-        if isinstance(callback, AutoFit):
+    # AutoFit: its budget and the chosen candidate's predicted step peak. Found by duck typing: the planner
+    # sits above the callbacks (tests/test_layering.py).
+    for callback in trainer.callbacks:
+        if hasattr(callback, "budget") and hasattr(callback, "chosen"):
             used["budget"] = int(callback.budget)
             if callback.chosen is not None:
                 used["predicted_peak"] = int(callback.chosen.peak)

@@ -10,7 +10,7 @@ nested absmax; ``SCB`` row scales for int8): :func:`quantization_tensors` finds 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -174,3 +174,25 @@ def parameter_count(module: nn.Module, trainable: bool | None = None) -> int:
             shape = getattr(quant_state, "shape", None)
             total += int(torch.Size(shape).numel()) if shape is not None else param.numel()
     return total
+
+
+def host_offload_bytes(optimizers: Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer]]) -> int:
+    """Bytes ``CPUOffloadStrategy``'s optimizers hold on the offload device (host memory), each storage once.
+
+    Master copies of the trainable parameters, their gradient buffers and the optimizer states
+    (``OffloadedOptimizer.host_tensors()`` in :mod:`lightning_hbm.strategies.cpu_offload`). None of it is in
+    ``optimizer.state`` (kept empty so that Lightning's resume does not pull states back to the device), so ``HBMProfiler``'s five terms show 0
+    optimizer states for an offloaded run: it logs this figure beside them as ``hbm/host_offload``. With
+    fp32 AdamW on the own engine it is 16 B per trainable parameter, twice the 8 B of state a plain run
+    keeps on the device. 0 for optimizers that do not offload.
+    """
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
+    tensors: list[torch.Tensor] = []
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        # duck typing (OffloadedOptimizer has it): memory sits below strategies (tests/test_layering.py)
+        host_tensors = getattr(optimizer, "host_tensors", None)
+        if callable(host_tensors):
+            tensors += host_tensors()
+    return unique_bytes(tensors)

@@ -23,18 +23,17 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hbm._validate import check_args
+from lightning_hbm.callbacks.fused_loss import default_heads
 from lightning_hbm.callbacks.profiler import HBMProfiler
 from lightning_hbm.memory.categories import CATEGORIES
 from lightning_hbm.memory.report import MemoryReport, format_table
-from lightning_hbm.planner import (
+from lightning_hbm.planner.api import Plan, Prediction, plan
+from lightning_hbm.planner.candidates import (
     PLANNED_LIGHTNING_PRECISIONS,
     Candidate,
-    Plan,
-    Prediction,
     default_candidates,
     format_bytes,
     parse_bytes,
-    plan,
 )
 from lightning_hbm.precision import QuantizedPrecision
 from lightning_hbm.surgery import install
@@ -197,9 +196,7 @@ class AutoFit(Callback):
 
 def _fused_loss_axis(pl_module: pl.LightningModule) -> list[bool]:
     """Try FusedLoss only where it finds an output head (a transformers model, or a module named lm_head)."""
-    from lightning_hbm.callbacks.fused_loss import _default_heads
-
-    return [False, True] if _default_heads(pl_module) else [False]
+    return [False, True] if default_heads(pl_module) else [False]
 
 
 def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str, Optional[dict[str, str]]]:

@@ -24,6 +24,10 @@ from typing import Any, Literal, Optional, Union
 
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
+from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_hbm.callbacks.fused_loss import FusedLoss
+from lightning_hbm.callbacks.lora import LoRA
+from lightning_hbm.callbacks.optimizer import MemoryEfficientOptimizer
 from lightning_hbm.precision import QuantizedPrecision, available_precisions
 from lightning_hbm.surgery import SurgeryCallback
 
@@ -178,20 +182,13 @@ class Candidate:
         """The lightning_hbm callbacks that apply this candidate (fresh instances)."""
         callbacks: list[SurgeryCallback] = []
         if self.lora_r:
-            from lightning_hbm.callbacks.lora import LoRA
-
             callbacks.append(LoRA(r=self.lora_r, alpha=2.0 * self.lora_r))
         if self.checkpointing != "none":
-            from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing
-
             blocks = list(self.blocks) if self.blocks is not None else None
             callbacks.append(ActivationCheckpointing(policy=self.checkpointing, blocks=blocks))
         if self.optimizer != "user":
-            _memory_efficient_optimizer = _optimizer_callback_class()
-            callbacks.append(_memory_efficient_optimizer(kind=self.optimizer))
+            callbacks.append(MemoryEfficientOptimizer(kind=self.optimizer))
         if self.fused_loss:
-            from lightning_hbm.callbacks.fused_loss import FusedLoss
-
             callbacks.append(FusedLoss())
         return callbacks
 
@@ -293,17 +290,6 @@ def _normalised_plan(precision: str, layer_modes: Any) -> Optional[LayerModes]:
                 f"({UNQUANTIZED!r} keeps the layer in the compute dtype)."
             )
     return tuple(pairs)
-
-
-def _optimizer_callback_class() -> type:
-    try:
-        from lightning_hbm.callbacks.optimizer import MemoryEfficientOptimizer
-    except ImportError as err:
-        raise ValueError(
-            "An 8-bit optimizer candidate needs lightning_hbm.MemoryEfficientOptimizer, which this install "
-            f"does not have ({err}). Use optimizer='user'."
-        ) from err
-    return MemoryEfficientOptimizer
 
 
 def available_axes() -> dict[str, bool]:

@@ -30,9 +30,11 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_hbm._compat import _disable_current_modes
 
 #: Largest fake tensor (elements) that gets a real twin: 64 Ki elements, at most 512 KiB in fp64.
 MAX_TWIN_ELEMENTS = 2**16

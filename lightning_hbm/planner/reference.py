@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lightning_hbm.memory import quantization_tensors
 from lightning_hbm.planner.candidates import Candidate
@@ -74,8 +74,6 @@ def _step(module: pl.LightningModule, batch: Any, plugin: Any, optimizers: list)
 
 
 def _leaves(batch: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-
     return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
 
 

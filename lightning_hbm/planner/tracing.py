@@ -31,12 +31,13 @@ from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt
+from lightning_hbm.callbacks.activation_checkpointing import find_blocks
 from lightning_hbm.memory import CATEGORIES, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count
 from lightning_hbm.memory.categories import buffer_tensors, optimizer_state_tensors, parameter_tensors
 from lightning_hbm.planner.building import (
@@ -213,8 +214,6 @@ def apply_candidate(
 
 def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The repeated blocks as ``ActivationCheckpointing`` finds them (children of a ModuleList of one class)."""
-    from lightning_hbm.callbacks.activation_checkpointing import find_blocks
-
     return find_blocks(module)
 
 

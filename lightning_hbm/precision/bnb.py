@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 from lightning_utilities.core.imports import RequirementCache
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lightning_hbm.precision.registry import register_mode
 from lightning_hbm.requirements import requirement
@@ -136,8 +137,6 @@ def _fake_linear4bit(
     """``_linear4bit`` for a FakeTensor weight: bitsandbytes' own ``quantize_4bit`` (its registered fake
     kernel) gives the exact packed shape, absmax and nested constants; ``Params4bit`` cannot wrap a fake
     tensor, so the packed weight is a plain Parameter carrying the attributes bitsandbytes and peft read."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     bnb = import_bnb()
     with unset_fake_temporarily():  # the shell lives on the meta device, outside the fake mode
         layer = _layer4bit(linear, dtype, quant_type, double_quant)
@@ -186,8 +185,6 @@ def _linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.de
 def _fake_linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
     """``_linear8bit`` for a FakeTensor weight: int8 rows and fp32 row scales from bitsandbytes' own
     ``int8_vectorwise_quant`` (what ``Int8Params`` runs when moved to a device), as a plain Parameter."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     bnb = import_bnb()
     with unset_fake_temporarily():
         layer = _layer8bit(linear)

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hbm.probe import eval_no_grad, probe_output
+
 log = logging.getLogger(__name__)
 
 #: ``QuantizedPrecision(rounding=...)`` values
@@ -56,8 +58,6 @@ def input_hessians(module: nn.Module, names: Sequence[str], probe: Any) -> dict[
 
     Layers reading the same input tensor (q/k/v, gate/up) share one matrix.
     """
-    from lightning_hbm.callbacks.quality import eval_no_grad, probe_output
-
     sums: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (X^T X, rows), summed over every call
     # the last input and its X^T X: q/k/v (gate/up) run one after the other on the same tensor and share
     # it. Held, not keyed by id(): a freed input's id can come back for another tensor.

@@ -21,17 +21,25 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from typing_extensions import override
 
+from lightning_hbm import resume
 from lightning_hbm._validate import check_args
 from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_of, prepare_model, weight_readers
+from lightning_hbm.precision.bnb import import_bnb
 from lightning_hbm.precision.gptq import ROUNDINGS, digest, gptq_round_, input_hessians, is_4bit
+from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
 from lightning_hbm.precision.registry import QuantMode, get_mode, to_dtype
+from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args, choose_plan
+from lightning_hbm.precision.smoothing import SMOOTH_MODE, attached, check_smoothing, choose_smoothing
+from lightning_hbm.probe import first_batch
 from lightning_hbm.surgery import (
-    _STATE_ATTR,
     applied_transforms,
     mark_applied,
     pack_checkpoint,
+    pending_checkpoint,
+    plugin_trainer,
     trainer_optimizers,
     trainer_surgery,
 )
@@ -364,8 +372,6 @@ class QuantizedPrecision(Precision):
                 ) from err
         self.ignore_modules = ignore_modules if isinstance(ignore_modules, str) else tuple(ignore_modules)
         self.quantize_head = bool(quantize_head)
-        from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args
-
         check_plan_args(self.mode.name, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch, layer_modes)
         if rounding not in ROUNDINGS:
             raise ValueError(f"QuantizedPrecision(rounding={rounding!r}): use one of {list(ROUNDINGS)}.")
@@ -383,8 +389,6 @@ class QuantizedPrecision(Precision):
         self._pinned_plan = self.plan is not None
         #: what the sensitivity-aware choice measured (``None`` without a target)
         self.plan_report: Optional[SensitivityPlan] = None
-        from lightning_hbm.precision.smoothing import SMOOTH_MODE, check_smoothing
-
         smooths = SMOOTH_MODE in (self.mode.name, sensitive_mode, *(layer_modes or {}).values())
         #: the smoothing setting (``None`` when no layer is stored in ``int8-dynamic-smooth``)
         self.smoothing = check_smoothing(smoothing, smooths, self.mode.name)
@@ -392,8 +396,6 @@ class QuantizedPrecision(Precision):
         self.input_shifts: Optional[dict[str, Tensor]] = None
         self.smoothing_report: Optional[Any] = None
         if self.mode.peft_kind is not None:  # bitsandbytes modes: fail now, not at fit time
-            from lightning_hbm.precision.bnb import import_bnb
-
             import_bnb()
         self.precision = _LIGHTNING_NAMES[self.dtype]  # what trainer.precision reports
         # Set by the surgery spine to the strategy's root device, so weights are quantized there.
@@ -416,8 +418,6 @@ class QuantizedPrecision(Precision):
             return module
         if self.smoothing is not None and self.input_shifts is None:  # not checked first (a plain call)
             self._smooth(module, self._linear_targets(module))
-        from lightning_hbm.precision.smoothing import attached
-
         with attached(module, self.input_shifts or {}):
             quantized = quantize_model(
                 module,
@@ -469,11 +469,13 @@ class QuantizedPrecision(Precision):
         if self.smoothing is not None:  # before the plan: the plan measures the smoothed layers
             self._smooth(module, [name for name, layer in targets if isinstance(layer, nn.Linear)])
         if not self._pinned_plan and (self.max_bytes_per_param is not None or self.min_cosine is not None):
-            from lightning_hbm.precision.smoothing import attached
-
             # measured per nn.Linear (other kinds, e.g. Conv1D or the projections a MultiheadAttention becomes, use mode)
             with attached(module, self.input_shifts or {}):
                 self._choose_plan(module, [name for name, layer in targets if isinstance(layer, nn.Linear)])
+
+    def quantization_targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``(name, layer)`` of every layer this plugin quantizes in ``module`` (``LoRA`` reads it before any change)."""
+        return _quantizable_linears(module, self.ignore_modules, self.quantize_head, _lora_saved(module))[0]
 
     def _linear_targets(self, module: nn.Module) -> list[str]:
         targets, _ = _quantizable_linears(module, self.ignore_modules, self.quantize_head, _lora_saved(module))
@@ -481,10 +483,6 @@ class QuantizedPrecision(Precision):
 
     def _smooth(self, module: nn.Module, names: list[str]) -> None:
         """Measure (or take from the checkpoint being resumed) the smoothing exponents of the Linears ``names``."""
-        from torch._subclasses.fake_tensor import is_fake
-
-        from lightning_hbm.precision.smoothing import choose_smoothing
-
         assert self.smoothing is not None
         self.input_shifts = self.smoothing_report = None  # a plugin reused by another Trainer measures again
         if any(is_fake(module.get_submodule(name).weight) for name in names):
@@ -503,8 +501,6 @@ class QuantizedPrecision(Precision):
         log.info("lightning_hbm: %s", report.summary(self.smoothing))
 
     def _report_unsmoothed(self, module: nn.Module, quantized: list[str]) -> None:
-        from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
-
         missed = [
             name for name in quantized
             if isinstance(module.get_submodule(name), Int8DynamicLinear)
@@ -519,21 +515,16 @@ class QuantizedPrecision(Precision):
             )
 
     def _trainer(self, module: nn.Module) -> Any:
-        state = getattr(self, _STATE_ATTR, None)
-        return getattr(module, "_trainer", None) or (state.trainer if state is not None else None)
+        return getattr(module, "_trainer", None) or plugin_trainer(self)
 
     def _probe(self, module: nn.Module) -> Any:
         if self.probe_batch is not None:
             return self.probe_batch
-        from lightning_hbm.callbacks.quality import first_batch
-
         return first_batch(self._trainer(module), "QuantizedPrecision")
 
     def _choose_plan(self, module: nn.Module, names: list[str]) -> None:
         # Measured here, in the checks: an unreachable target fails before the first change, and on resume
         # the plan exists before the saved settings (the plan included) are compared with this run's.
-        from lightning_hbm.precision.sensitivity import choose_plan
-
         trainer = self._trainer(module)
         self.plan = self.plan_report = None  # a plugin reused by another Trainer measures again
         saved = self._saved_plan(trainer)
@@ -551,9 +542,6 @@ class QuantizedPrecision(Precision):
     @staticmethod
     def _saved_meta(trainer: Any) -> dict[str, Any]:
         """The lightning_hbm part of the checkpoint being resumed (empty when none)."""
-        from lightning_hbm import resume
-        from lightning_hbm.surgery import pending_checkpoint
-
         checkpoint = pending_checkpoint(trainer) or {}
         if checkpoint:
             resume.verify(checkpoint, trainer.ckpt_path)  # structure, version, CRCs: before this part is read
@@ -591,11 +579,9 @@ class QuantizedPrecision(Precision):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = getattr(self, _STATE_ATTR, None)
-        if state is not None:
-            pack_checkpoint(state.trainer, checkpoint)
-        from lightning_hbm import resume
-
+        trainer = plugin_trainer(self)
+        if trainer is not None:
+            pack_checkpoint(trainer, checkpoint)
         if self.rounding_digest is not None and resume.META_KEY in checkpoint:
             checkpoint[resume.META_KEY][_DIGEST_KEY] = self.rounding_digest
         if self.input_shifts and resume.META_KEY in checkpoint:
@@ -650,11 +636,13 @@ class QuantizedPrecision(Precision):
 
 
 def _lora_saved(module: nn.Module) -> list[str]:
-    """``modules_to_save`` of the LoRA callbacks of the Trainer ``module`` is attached to (they stay unquantized)."""
-    from lightning_hbm.callbacks.lora import LoRA
+    """``modules_to_save`` of the callbacks of the Trainer ``module`` is attached to (they stay unquantized).
 
+    Read by duck typing (``LoRA`` has the attribute): the precision level sits below the callbacks
+    (``tests/test_layering.py``).
+    """
     trainer = getattr(module, "_trainer", None)
-    return [name for cb in getattr(trainer, "callbacks", []) if isinstance(cb, LoRA) for name in cb.modules_to_save]
+    return [name for cb in getattr(trainer, "callbacks", []) for name in getattr(cb, "modules_to_save", None) or ()]
 
 
 @contextmanager

@@ -48,6 +48,7 @@ from torch import nn
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import gptq_round_, is_4bit
 from lightning_hbm.precision.registry import get_mode, to_dtype
+from lightning_hbm.probe import compare_outputs, eval_no_grad, probe_output
 
 #: ``sensitive_mode`` (and plan entry) that keeps a layer unquantized in the compute dtype, frozen.
 UNQUANTIZED = "none"
@@ -164,8 +165,6 @@ class _Swapper:
         setattr(self.module.get_submodule(parent_name) if parent_name else self.module, child, layer)
 
     def output(self, plan: Mapping[str, str], probe: Any) -> torch.Tensor:
-        from lightning_hbm.callbacks.quality import probe_output
-
         try:
             for name, mode in plan.items():
                 self._put(name, self.variant(name, mode))
@@ -248,8 +247,6 @@ def upgrade_moves(
 
 def _local_errors(swapper: _Swapper, modes: Sequence[str], probe: Any) -> dict[str, dict[str, float]]:
     """``name -> mode -> |layer_mode(x) - layer(x)|^2`` on each layer's own probe input, in one forward."""
-    from lightning_hbm.callbacks.quality import probe_output
-
     errors: dict[str, dict[str, float]] = {}
 
     def hook(name: str) -> Any:
@@ -290,8 +287,6 @@ def choose_plan(
     (``QuantizedPrecision(rounding="gptq")``). Deterministic for a fixed probe batch. Cost: one probe
     forward per layer (its error alone) and a few more (below), each with one layer or one plan swapped in.
     """
-    from lightning_hbm.callbacks.quality import compare_outputs, eval_no_grad
-
     dtype, wider = to_dtype(dtype), ladder(base, sensitive)
     modes = (base, *wider)
     layers = {name: module.get_submodule(name) for name in names}

@@ -40,6 +40,8 @@ from torch import nn
 
 from lightning_hbm.precision.int8_dynamic import SHIFT_ATTR, Int8DynamicLinear
 from lightning_hbm.precision.registry import to_dtype
+from lightning_hbm.precision.sensitivity import _Swapper
+from lightning_hbm.probe import compare_outputs, eval_no_grad, probe_output
 
 #: the mode whose layers hold smoothing exponents
 SMOOTH_MODE = "int8-dynamic-smooth"
@@ -138,8 +140,6 @@ def _input_absmax(
     module: nn.Module, layers: Mapping[str, nn.Linear], probe: Any
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-channel ``max|x|`` of every layer's input over the probe (all calls), and the model's output."""
-    from lightning_hbm.callbacks.quality import probe_output
-
     absmax: dict[str, torch.Tensor] = {}
 
     def record(name: str) -> Any:
@@ -164,8 +164,6 @@ def _layer_errors(
     dtype: torch.dtype, probe: Any,
 ) -> dict[str, dict[Optional[float], float]]:
     """Squared error of each layer's own output (bias left out) for each candidate, on its real probe inputs."""
-    from lightning_hbm.callbacks.quality import probe_output
-
     errors: dict[str, dict[Optional[float], float]] = {name: {} for name in layers}
 
     def measure(name: str) -> Any:
@@ -201,9 +199,6 @@ def choose_smoothing(
     for a fixed probe batch. Costs 2 forwards of the probe with a fixed alpha, 3 with ``"auto"``, plus
     the layer candidates computed inside the hooks.
     """
-    from lightning_hbm.callbacks.quality import compare_outputs, eval_no_grad
-    from lightning_hbm.precision.sensitivity import _Swapper
-
     dtype = to_dtype(dtype)
     layers = {name: module.get_submodule(name) for name in names}
     with eval_no_grad(module):

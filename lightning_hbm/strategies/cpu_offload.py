@@ -28,7 +28,6 @@ steps per parameter on CPU and copies parameters back asynchronously. What it la
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
@@ -41,7 +40,7 @@ from typing_extensions import override
 
 from lightning_hbm._validate import check_args
 from lightning_hbm.callbacks.optimizer import repoint_lr_schedulers
-from lightning_hbm.memory.storage import nested_tensors, unique_bytes
+from lightning_hbm.memory.storage import host_offload_bytes, nested_tensors  # host_offload_bytes: public here too
 from lightning_hbm.resume import CheckedCheckpointIO
 
 log = logging.getLogger(__name__)
@@ -357,26 +356,6 @@ class CPUOffloadStrategy(SingleDeviceStrategy):
             if isinstance(optimizer, OffloadedOptimizer):
                 optimizer.remove_hooks()
         super().teardown()
-
-
-def host_offload_bytes(optimizers: Union[Optimizer, Iterable[Optimizer]]) -> int:
-    """Bytes ``CPUOffloadStrategy``'s optimizers hold on the offload device (host memory), each storage once.
-
-    Master copies of the trainable parameters, their gradient buffers and the optimizer states
-    (:meth:`OffloadedOptimizer.host_tensors`). None of it is in ``optimizer.state`` (kept empty so that
-    Lightning's resume does not pull states back to the device), so ``HBMProfiler``'s five terms show 0
-    optimizer states for an offloaded run: it logs this figure beside them as ``hbm/host_offload``. With
-    fp32 AdamW on the own engine it is 16 B per trainable parameter, twice the 8 B of state a plain run
-    keeps on the device. 0 for optimizers that do not offload.
-    """
-    if isinstance(optimizers, Optimizer):
-        optimizers = [optimizers]
-    tensors: list[torch.Tensor] = []
-    for optimizer in optimizers:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        if isinstance(optimizer, OffloadedOptimizer):
-            tensors += optimizer.host_tensors()
-    return unique_bytes(tensors)
 
 
 # Presets for the engines users outgrow one GPU with. The classes are Lightning's own; only the

@@ -50,9 +50,6 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -60,8 +57,10 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hbm import resume, surgery
 from lightning_hbm._validate import check_args
-from lightning_hbm import resume
+from lightning_hbm._compat import _PATH, _materialize_distributed_module, _optimizers_to_device
+from lightning_hbm.callbacks.optimizer import OPTIMIZER_KINDS, MemoryEfficientOptimizer
 
 
 log = logging.getLogger(__name__)
@@ -143,11 +142,9 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
                 "QuantizedFSDPStrategy saves only the trainable weights (gathered on rank 0; the base is rebuilt "
                 "from your model on resume). Use full_checkpoint=False, or save the merged model after fit."
             )
-        from lightning_hbm.callbacks.optimizer import _KINDS, MemoryEfficientOptimizer
-
         eight_bit = [cb for cb in trainer.callbacks if isinstance(cb, MemoryEfficientOptimizer)]
         if eight_bit:  # known now: refused before the model changes, not after quantizing and sharding it
-            raise self._bnb_refusal(_KINDS[eight_bit[0].kind][0])
+            raise self._bnb_refusal(OPTIMIZER_KINDS[eight_bit[0].kind][0])
         _materialize_distributed_module(self.model, self.root_device)
         # Quantize -> LoRA -> checkpointing -> kernels (lightning_hbm/surgery.py), on the full model.
         # Hide the mesh ModelParallelStrategy put on the LightningModule meanwhile: peft 0.21 takes a
@@ -273,8 +270,6 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             # Lightning restores after this strategy's setup (the surgery already ran: trainer.ckpt_path is not known
             # before), so the settings and base fingerprints are checked here, before any tensor is loaded or step run
-            from lightning_hbm import surgery
-
             surgery.check_resume(self.lightning_module.trainer, self.lightning_module, checkpoint.get(resume.META_KEY), path)
         self._load_trainable(_trainable_part(checkpoint, path))
         optimizer_states = checkpoint.pop("optimizer_states", [])

@@ -285,3 +285,17 @@ def test_int8_row_scales_are_counted_after_the_first_forward(gpt_factory: Any) -
         model(torch.randint(0, 256, (2, 16)))
     assert layer.weight.SCB is None and layer.state.SCB is not None  # the move this test guards against
     assert parameter_bytes(model) == before
+
+
+def test_quantization_targets_leave_out_every_callbacks_modules_to_save() -> None:
+    """The plugin reads ``modules_to_save`` from any Trainer callback (duck typing: it sits below ``callbacks``)."""
+
+    class Keeps:  # not a LoRA: any callback with the attribute is honoured
+        modules_to_save = ["body.1"]
+
+    model = nn.Sequential()
+    model.body = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    plugin = QuantizedPrecision(mode="nf4", quantize_head=True)
+    assert [name for name, _ in plugin.quantization_targets(model)] == ["body.0", "body.1", "body.2"]
+    model._trainer = type("Trainer", (), {"callbacks": [Keeps(), object()]})()
+    assert [name for name, _ in plugin.quantization_targets(model)] == ["body.0", "body.2"]

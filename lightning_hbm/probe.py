@@ -1,0 +1,90 @@
+"""Probe a model on one batch and compare its outputs: shared by ``QuantizationQuality`` and the precision plugin.
+
+It sits below ``precision`` and ``callbacks`` (see ``tests/test_layering.py``) so that the quantization
+choices (sensitivity plan, smoothing, GPTQ) and the callback that reports their cost measure with the
+same code. ``lightning_hbm.callbacks.quality`` re-exports every name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torchmetrics import CosineSimilarity, KLDivergence, RelativeSquaredError
+
+PREFIX = "quant/"
+
+
+def probe_output(module: nn.Module, batch: Any) -> Tensor:
+    """The module's output tensor for ``batch``: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets) pair, or ``forward(**dict)``."""
+    if isinstance(batch, Tensor):
+        out = module(batch)
+    elif isinstance(batch, (tuple, list)):
+        out = module(batch[0])
+    else:
+        out = module(**batch)
+    if isinstance(out, Tensor):
+        return out
+    logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
+    if logits is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        logits = out[0]
+    if not isinstance(logits, Tensor):
+        raise TypeError(
+            f"QuantizationQuality needs the model's forward to return a tensor (or an object with a `logits` tensor), "
+            f"got {type(out).__name__}. Make forward return the output tensor for the probe batch."
+        )
+    return logits
+
+
+def first_batch(trainer: Optional[pl.Trainer], who: str) -> Any:
+    """The first batch of ``trainer``'s datamodule, drawn without touching the global RNG."""
+    datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+    if datamodule is None:
+        raise ValueError(
+            f"{who} found no probe batch: the Trainer has no LightningDataModule (got datamodule={datamodule!r}). "
+            f"Pass {who}(probe_batch=...) or fit with datamodule=..."
+        )
+    # Building and starting a (shuffling) DataLoader draws from the global RNG: keep the run's randomness intact.
+    with torch.random.fork_rng(devices=[]):
+        return next(iter(datamodule.train_dataloader()))
+
+
+def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, float]:
+    """The metrics logged by :class:`QuantizationQuality` (and optimized by the sensitivity-aware plan).
+
+    Cosine similarity per output row (per token for a language model, per sample otherwise),
+    root relative squared error over all outputs, and for a language model ``KL(p_fp || p_q)``.
+    """
+    output, reference = output.float(), reference.float()
+    width = reference.shape[-1] if reference.dim() >= 2 else reference.numel()
+    rows, ref_rows = output.reshape(-1, width), reference.reshape(-1, width)
+    metrics = {
+        PREFIX + "cosine_similarity": float(CosineSimilarity(reduction="mean")(rows, ref_rows)),
+        PREFIX + "relative_error": float(RelativeSquaredError(squared=False)(output.flatten(), reference.flatten())),
+    }
+    if lm:
+        kl = KLDivergence(log_prob=True, reduction="mean")  # KL(p || q) with p the full-precision model
+        metrics[PREFIX + "kl_divergence"] = float(kl(ref_rows.log_softmax(-1), rows.log_softmax(-1)))
+    return metrics
+
+
+@contextmanager
+def eval_no_grad(module: nn.Module) -> Generator[None, None, None]:
+    # Dropout would make the probe outputs random; the same eval forward is used on both sides.
+    # Each module's own flag is put back (not module.train(flag) on the root, which would also switch on the
+    # submodules the user froze in eval mode, e.g. a frozen encoder whose BatchNorm statistics must not move).
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+__all__ = ["PREFIX", "compare_outputs", "eval_no_grad", "first_batch", "probe_output"]

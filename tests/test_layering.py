@@ -1,0 +1,217 @@
+"""The package's layering, checked over the source with ``ast`` (nothing is imported).
+
+Levels, bottom to top; a module imports only from its own level or lower ones:
+
+0. base: ``_compat`` (libraries' private names), ``memory``, ``naming``, ``requirements``, ``quiet``, ``data``, ``probe`` (probe a model on a batch,
+   shared by the precision choices and ``QuantizationQuality``), ``resume`` (checkpoint format; the surgery
+   spine hands it ``pack_checkpoint`` instead of being imported)
+1. layer kinds: ``layers``, ``experts``, ``multihead_attention``, ``models``
+2. the surgery spine: ``surgery``
+3. ``precision`` (reads the callbacks it must know about by duck typing: ``modules_to_save``)
+4. ``callbacks``
+5. ``strategies`` (``CPUOffloadStrategy`` reuses ``callbacks.optimizer``)
+6. ``planner`` (builds candidates out of callbacks and strategies; ``HBMProfiler`` finds ``AutoFit`` by duck typing)
+7. entry points: ``cli``, ``planner.__main__``, the package's ``__init__``
+
+Modules of one level may import each other, but the module graph has no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+PACKAGE = "lightning_hbm"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+# longest dotted prefix (relative to the package) wins; "" is the package's own __init__
+LEVELS = {
+    "_compat": 0, "_validate": 0, "memory": 0, "naming": 0, "requirements": 0, "quiet": 0, "data": 0, "probe": 0,
+    "pretrained": 0,
+    "layers": 1, "resume": 1, "experts": 1, "multihead_attention": 1, "models": 1,
+    "surgery": 2,
+    "precision": 3,
+    "callbacks": 4,
+    "strategies": 5,
+    "planner": 6,
+    "cli": 7, "planner.__main__": 7, "": 7,
+}
+
+# Imports allowed inside functions: optional dependencies (extras in pyproject.toml, or only needed by one
+# feature), and two core ones imported on first use behind a RequirementCache check that turns a missing or
+# broken install into an install hint (``precision.bnb.import_bnb``, ``callbacks.lora._import_peft``):
+# bitsandbytes, whose import loads native libraries, and peft. ``torch.distributed``: absent from some builds.
+LAZY_ALLOWED = (
+    "bitsandbytes", "peft", "transformers", "torchao", "matplotlib", "rich", "liger_kernel", "flash_attn",
+    "gguf", "deepspeed", "torch.distributed",
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _level(module: str) -> int:
+    rel = module[len(PACKAGE) + 1 :] if module != PACKAGE else ""
+    parts = rel.split(".") if rel else []
+    for n in range(len(parts), -1, -1):
+        key = ".".join(parts[:n])
+        if key in LEVELS:
+            return LEVELS[key]
+    raise AssertionError(f"{module} has no level: add it to LEVELS in tests/test_layering.py")
+
+
+def _imports(module: str) -> Iterator[tuple[ast.stmt, str, list[str], bool]]:
+    """``(node, imported module, imported names, inside a function)`` for every import statement."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+
+    def visit(node: ast.AST, in_function: bool) -> Iterator[tuple[ast.stmt, str, list[str], bool]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    yield child, alias.name, [], in_function
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join([*anchor, *([child.module] if child.module else [])])
+                yield child, base, [a.name for a in child.names], in_function
+            else:
+                inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                yield from visit(child, inner)
+
+    yield from visit(tree, False)
+
+
+def _targets(base: str, names: list[str]) -> list[str]:
+    """The lightning_hbm modules an import loads: ``from pkg import mod`` names the submodule."""
+    if not (base == PACKAGE or base.startswith(PACKAGE + ".")):
+        return []
+    subs = [f"{base}.{n}" for n in names if f"{base}.{n}" in MODULES]
+    return subs or [base]
+
+
+def _edges() -> dict[str, set[str]]:
+    return {
+        m: {t for _, base, names, _ in _imports(m) for t in _targets(base, names) if t != m} for m in MODULES
+    }
+
+
+def test_every_module_has_a_level() -> None:
+    for module in MODULES:
+        _level(module)
+
+
+def test_no_import_goes_up_a_level() -> None:
+    wrong = [
+        f"{m}:{node.lineno} imports {t} (level {_level(m)} -> {_level(t)})"
+        for m in MODULES
+        for node, base, names, _ in _imports(m)
+        for t in _targets(base, names)
+        if _level(t) > _level(m)
+    ]
+    assert not wrong, "imports against the layering (move the shared code down):\n" + "\n".join(wrong)
+
+
+def test_module_graph_has_no_cycle() -> None:
+    edges, done, stack = _edges(), set(), []
+
+    def visit(module: str) -> None:
+        if module in stack:
+            raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(module) :], module]))
+        if module in done:
+            return
+        stack.append(module)
+        for target in sorted(edges[module]):
+            visit(target)
+        stack.pop()
+        done.add(module)
+
+    for module in MODULES:
+        visit(module)
+
+
+def _lazy_allowed(base: str) -> bool:
+    return any(base == root or base.startswith(root + ".") for root in LAZY_ALLOWED)
+
+
+def test_imports_inside_functions_are_optional_dependencies_only() -> None:
+    wrong = [
+        f"{m}:{node.lineno} imports {base} inside a function"
+        for m in MODULES
+        for node, base, _, in_function in _imports(m)
+        if in_function and not _lazy_allowed(base)
+    ]
+    assert not wrong, "move these imports to the top of their module:\n" + "\n".join(wrong)
+
+
+def _private_imports(module: str) -> Iterator[str]:
+    """Private names ``module`` imports from another lightning_hbm package (a subpackage shares its own)."""
+    own_package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    for node, base, names, _ in _imports(module):
+        if not base.startswith(PACKAGE) or base.rpartition(".")[2].startswith("_compat"):
+            continue
+        target_package = base if base in MODULES and MODULES[base].name == "__init__.py" else base.rpartition(".")[0]
+        if target_package == own_package:
+            continue
+        for name in names:
+            if name.startswith("_"):
+                yield f"{module}:{node.lineno} imports {base}.{name}"
+
+
+def test_no_private_name_crosses_packages() -> None:
+    wrong = [line for m in MODULES for line in _private_imports(m)]
+    assert not wrong, "make these names public (or pass them through a protocol):\n" + "\n".join(wrong)
+
+
+def test_private_names_of_libraries_come_through_compat() -> None:
+    """torch's, Lightning's, transformers' ``_names`` are imported only by ``lightning_hbm/_compat.py``.
+
+    Modules under private paths (``torch.utils._pytree``, ``torch._subclasses.fake_tensor``, ...) are left
+    where they are used: they are those libraries' de facto API for their feature.
+    """
+    wrong = [
+        f"{m}:{node.lineno} imports {base}.{name}"
+        for m in MODULES
+        if m != f"{PACKAGE}._compat"
+        for node, base, names, _ in _imports(m)
+        if not base.startswith(PACKAGE)
+        for name in names
+        if name.startswith("_") and name != "annotations"
+    ]
+    assert not wrong, "import these through lightning_hbm/_compat.py:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from lightning_hbm.planner import plan\n", "lightning_hbm.precision.x:1 imports lightning_hbm.planner (level 3 -> 6)"),
+        ("def f():\n    import yaml\n", "lightning_hbm.precision.x:2 imports yaml inside a function"),
+        ("from lightning_hbm.surgery import _STATE_ATTR\n", "lightning_hbm.precision.x:1 imports lightning_hbm.surgery._STATE_ATTR"),
+        ("from torch.nn.modules.module import _addindent\n", "lightning_hbm.precision.x:1 imports torch.nn.modules.module._addindent"),
+    ],
+)
+def test_each_check_catches_its_case(source: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks above fail on a module that breaks them (so a passing run means something)."""
+    fake = tmp_path / PACKAGE / "precision" / "x.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(source)
+    monkeypatch.setitem(MODULES, "lightning_hbm.precision.x", fake)
+    checks = (test_no_import_goes_up_a_level, test_imports_inside_functions_are_optional_dependencies_only,
+              test_no_private_name_crosses_packages, test_private_names_of_libraries_come_through_compat)
+    messages = []
+    for check in checks:
+        try:
+            check()
+        except AssertionError as err:
+            messages.append(str(err))
+    assert any(expected in m for m in messages), messages
