@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from typing_extensions import override
 
+from lightning_hbm.memory.tracker import LOSS_SCOPE, memory_scope
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 log = logging.getLogger(__name__)
@@ -107,11 +108,13 @@ class _Spec:
         self.label_smoothing, self.reduction, self.chunk = label_smoothing, reduction, chunk
 
 
+@memory_scope(LOSS_SCOPE)
 def _chunk_pass(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Sequence[torch.Tensor],
                 row_scale: Optional[torch.Tensor], need: Sequence[bool]) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
     """Per-token losses ``[N]`` (fp32) and, if ``row_scale`` is given, the gradients of ``sum(row_scale * loss)``.
 
     ``need`` = (hidden needs grad, *each param needs grad). Only one chunk's logits exist at a time.
+    What it allocates is the ``loss`` term of HBMProfiler and the planner (:func:`memory_scope`).
     """
     n = hidden.shape[0]
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)

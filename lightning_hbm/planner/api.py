@@ -59,6 +59,8 @@ class Prediction:
         block_bytes: parameter bytes of the largest repeated block (transformer layer), after the transforms.
         guessed_reads: values the traced code read that the planner could not know (``loss.item()``, a
             check over a large tensor), answered 0 / ``False`` (:mod:`lightning_hbm.planner.realvalues`).
+        loss: bytes of the peak that ``FusedLoss`` holds (chunk logits, their fp32 copy, the dequantized head,
+            the hidden-state gradient): a term inside ``categories`` (HBMProfiler's ``loss``), 0 without it.
     """
 
     candidate: Candidate
@@ -71,6 +73,7 @@ class Prediction:
     host_bytes: int = 0
     block_bytes: int = 0
     guessed_reads: int = 0
+    loss: int = 0
 
     def per_rank(self, world_size: int) -> dict[str, int]:
         """Bytes per category on each of ``world_size`` ranks under FSDP/ZeRO-3 (see :func:`shard_categories`).
@@ -248,6 +251,7 @@ def predict(
         cost=candidate.relative_cost(),
         budget=budget,
         guessed_reads=result.guessed,
+        loss=result.loss.get(result.peak_phase(), 0),
     )
 
 
