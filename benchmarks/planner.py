@@ -77,6 +77,7 @@ def table_8b() -> None:
         Candidate("nf4-dq", lora_r=16),
         Candidate("nf4-dq", lora_r=16, checkpointing="selective"),
         Candidate("nf4-dq", lora_r=16, checkpointing="full"),
+        Candidate("nf4-dq", lora_r=16, checkpointing="full", fused_loss=True),
     ]
     start = time.perf_counter()
     result = plan(factory, batch, budget="24GiB", candidates=candidates, device="cuda")
@@ -94,6 +95,8 @@ def table_8b() -> None:
           f"{format_bytes(qlora.categories['activations'])}, other {format_bytes(qlora.categories['other'])}); "
           f"analytic floor without logits/loss {format_bytes(floor)}; torchtune (chunked loss, compile) "
           f"{TORCHTUNE_QLORA_GIB} GiB")
+    fused = result.find(Candidate("nf4-dq", lora_r=16, checkpointing="full", fused_loss=True))
+    print(f"+ FusedLoss: predicted peak {format_bytes(fused.peak)} (loss term {format_bytes(fused.loss)})")
 
 
 def gpu_check() -> None:
