@@ -277,3 +277,25 @@ def test_name_list_puts_short_names_first() -> None:
     assert name_list(paths) == "q_proj, k_proj, lm_head (9 in all, e.g. model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.1.self_attn.q_proj, ...)"
     assert name_list(["wte", "head"]) == "wte, head"
     assert name_list([f"a.m{i}" for i in range(30)], max_short=2).startswith("m0, m1, ... and 28 more names (30 in all")
+
+
+def test_plan_plans_the_trainer_section_fit_would_run(tmp_path: Path) -> None:
+    """``lightning-hbm plan -c config.yaml`` plans the config's own plugin and callbacks, every option as set."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  plugins:\n"
+        "    - class_path: lightning_hbm.QuantizedPrecision\n"
+        "      init_args: {mode: nf4-dq, dtype: float32, ignore_modules: [model.model.layers.0.mlp]}\n"
+        "  callbacks:\n"
+        "    - class_path: lightning_hbm.LoRA\n"
+        "      init_args: {r: 4, exclude_modules: [down_proj]}\n"
+        "    - class_path: lightning_hbm.ActivationCheckpointing\n"
+        "    - class_path: lightning_hbm.FusedLoss\n"
+    )
+    cli = PlanCLI(args=["-c", str(config), *TINY], run=False)
+    (prediction,) = cli.plan.predictions
+    assert prediction.candidate.name == "nf4-dq+lora4+ac-full+fused-loss (as configured)"
+    plugin, callbacks = prediction.candidate.configured
+    assert plugin.ignore_modules == ("model.model.layers.0.mlp",) and callbacks[0].exclude_modules is not None
+    assert [type(c).__name__ for c in callbacks] == ["LoRA", "ActivationCheckpointing", "FusedLoss"]
