@@ -326,6 +326,8 @@ class PlanCLI(HBMCLI):
         precision = trainer.get("precision")
         if plugin is None and precision is not None and str(precision) in PLANNED_LIGHTNING_PRECISIONS:
             plugin = Candidate(str(precision)).precision_plugin()
+        if any(type(c).__name__ == "AutoFit" for c in callbacks):
+            return None  # AutoFit chooses among the grid at fit: plan the grid
         if plugin is None and not any(isinstance(c, SurgeryCallback) for c in callbacks) and strategy != "cpu_offload":
             return None
         return Candidate.from_trainer(plugin, callbacks, strategy)
