@@ -3,6 +3,7 @@
     python benchmarks/fused_loss.py --memtracker   # 2 layers, width 64, 32k vocab, batch 2 x 512, nf4-dq + LoRA + AC
     python benchmarks/fused_loss.py --planner      # Llama-3.1-8B shape, batch 2 x 2048, QLoRA r=16 + full AC (~5 min CPU)
     python benchmarks/fused_loss.py --chunks       # the loss alone: [1024 x 768] hidden, nf4 head, 32k vocab, per chunk size
+    python benchmarks/fused_loss.py --large-vocab  # 128k vocab, hidden 256, batch 1 x 1024: peak vs floor, byte vs 256-token chunks
 
 ``--memtracker``: the step's peak by torch's own ``MemTracker`` (not lightning_hbm's profiler) and the step-time
 ratio (CPU time of this process, median of interleaved rounds), fused vs unfused, in float32 and bfloat16 compute.
@@ -103,6 +104,49 @@ def chunks(rounds: int = 3) -> None:
         f"{'unfused' if c == 0 else f'{c}-token chunks'} {statistics.median(times[c][1:]) / ref:.2f}" for c in sizes))
 
 
+def large_vocab(rounds: int = 3) -> None:
+    """A 128k vocabulary (Llama-3's): the step's MemTracker peak against the analytic QLoRA floor, chunks sized by
+    ``CHUNK_BYTES`` (the default) and by the former rule (256 tokens), with the step-time ratio of the two."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from planner import analytic_qlora_floor
+
+    config = dict(vocab_size=128256, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024)
+    batch = synthetic_batch(1, 1024, vocab_size=config["vocab_size"])
+    rules = {"CHUNK_BYTES": None, "256 tokens": 256}
+    models, optims = {}, {}
+    for rule, chunk_size in rules.items():
+        torch.manual_seed(0)
+        model = LlamaLM(**config)
+        quantize_model(model, "nf4-dq", "bfloat16")
+        model.to(torch.bfloat16)  # the embedding, head and norms in bf16, as QuantizedPrecision's bf16 compute does
+        LoRA(r=8).transform_model(model)
+        ActivationCheckpointing().transform_model(model)
+        FusedLoss(chunk_size=chunk_size).transform_model(model)
+        models[rule], optims[rule] = model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+
+    def step(rule: str) -> None:
+        models[rule].loss(batch).backward()
+        optims[rule].step()
+        optims[rule].zero_grad(set_to_none=True)
+
+    for rule in rules:
+        step(rule)  # warm-up: optimizer states exist
+    peaks = {rule: torch_peak_bytes(partial(step, rule), models[rule], optims[rule]) for rule in rules}
+    times: dict[str, list[float]] = {rule: [] for rule in rules}
+    for _ in range(rounds):
+        for rule in rules:
+            start = time.process_time()
+            step(rule)
+            times[rule].append(time.process_time() - start)
+    floor = analytic_qlora_floor(config, 1, 1024, 8)
+    ratio = statistics.median(times["CHUNK_BYTES"]) / statistics.median(times["256 tokens"])
+    print(f"128k vocabulary, hidden 256, 2 layers, batch 1 x 1024, nf4-dq + LoRA r=8 + full AC + FusedLoss; analytic "
+          f"floor {floor / 2**20:.1f} MiB. MemTracker peak: " + ", ".join(
+              f"{rule} {peaks[rule] / 2**20:.1f} MiB ({peaks[rule] / floor:.2f}x floor)" for rule in rules)
+          + f"; step time CHUNK_BYTES / 256 tokens {ratio:.2f} (CPU time, median of {rounds})")
+
+
 def planner() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from planner import LLAMA_8B, TORCHTUNE_QLORA_GIB
@@ -133,6 +177,7 @@ def main() -> None:
     parser.add_argument("--memtracker", action="store_true")
     parser.add_argument("--planner", action="store_true")
     parser.add_argument("--chunks", action="store_true")
+    parser.add_argument("--large-vocab", action="store_true")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     args = parser.parse_args()
     if args.memtracker:
@@ -140,6 +185,8 @@ def main() -> None:
             memtracker(dtype)
     if args.chunks:
         chunks()
+    if args.large_vocab:
+        large_vocab()
     if args.planner:
         planner()
 

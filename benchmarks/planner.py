@@ -7,6 +7,7 @@ checkpointing peak next to the analytic floor and torchtune's published 7.4 GiB.
     python benchmarks/planner.py                 # 8B table (CPU is fine)
     python benchmarks/planner.py --accuracy      # predicted vs HBMProfiler's measured peak, 20 candidates, CPU
     python benchmarks/planner.py --memtracker    # predicted vs torch's MemTracker, 10 configurations, 4 families
+    python benchmarks/planner.py --memtracker-32k  # the same at a 32k vocabulary, Llama/GPT-NeoX/Phi-3, +- FusedLoss
     python benchmarks/planner.py --gpu-check     # on a CUDA machine: ~1B model, predicted vs max_memory_allocated
 
 The analytic floor counts only what cannot be avoided with QLoRA (QLoRA paper: NF4 + double quant = 4.127 bits):
@@ -76,6 +77,7 @@ def table_8b() -> None:
         Candidate("nf4-dq", lora_r=16),
         Candidate("nf4-dq", lora_r=16, checkpointing="selective"),
         Candidate("nf4-dq", lora_r=16, checkpointing="full"),
+        Candidate("nf4-dq", lora_r=16, checkpointing="full", fused_loss=True),
     ]
     start = time.perf_counter()
     result = plan(factory, batch, budget="24GiB", candidates=candidates, device="cuda")
@@ -93,6 +95,8 @@ def table_8b() -> None:
           f"{format_bytes(qlora.categories['activations'])}, other {format_bytes(qlora.categories['other'])}); "
           f"analytic floor without logits/loss {format_bytes(floor)}; torchtune (chunked loss, compile) "
           f"{TORCHTUNE_QLORA_GIB} GiB")
+    fused = result.find(Candidate("nf4-dq", lora_r=16, checkpointing="full", fused_loss=True))
+    print(f"+ FusedLoss: predicted peak {format_bytes(fused.peak)} (loss term {format_bytes(fused.loss)})")
 
 
 def gpu_check() -> None:
@@ -179,14 +183,34 @@ def memtracker() -> None:
     print(f"largest |error|: {100 * worst:.2f} %")
 
 
+def memtracker_32k() -> None:
+    """Predicted peak (and loss term) vs MemTracker at a 32k vocabulary, QLoRA + checkpointing, with/without FusedLoss."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from planner_families import FAMILIES_32K, VOCAB_32K
+
+    from lightning_hbm.planner.reference import memtracker_peak
+
+    batch = synthetic_batch(2, 256, vocab_size=VOCAB_32K)
+    for family, factory in FAMILIES_32K.items():
+        for fused in (False, True):
+            candidate = Candidate("nf4-dq", lora_r=8, checkpointing="full", fused_loss=fused)
+            predicted = predict(factory, batch, candidate)
+            measured = memtracker_peak(factory, batch, candidate)
+            print(f"| {family} | {candidate.name} | {predicted.peak / 2**20:.2f} MiB | {predicted.loss / 2**20:.2f} MiB "
+                  f"| {measured / 2**20:.2f} MiB | {100 * (predicted.peak / measured - 1):+.2f} % |", flush=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--gpu-check", action="store_true")
     parser.add_argument("--accuracy", action="store_true")
     parser.add_argument("--memtracker", action="store_true")
+    parser.add_argument("--memtracker-32k", action="store_true")
     args = parser.parse_args()
     if args.memtracker:
         memtracker()
+    elif args.memtracker_32k:
+        memtracker_32k()
     elif args.gpu_check:
         gpu_check()
     elif args.accuracy:

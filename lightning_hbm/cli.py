@@ -51,10 +51,12 @@ from lightning_hbm._compat import _PRECISION_INPUT_STR, _RICH_AVAILABLE
 from lightning_hbm.memory.report import find_report, render_report
 from lightning_hbm.memory.storage import parameter_bytes, parameter_count
 from lightning_hbm.naming import did_you_mean
-from lightning_hbm.planner import default_candidates
+from lightning_hbm.planner import Candidate, default_candidates
+from lightning_hbm.planner.candidates import PLANNED_LIGHTNING_PRECISIONS
 from lightning_hbm.planner.config import plan_from_config, print_plan
 from lightning_hbm.precision import QuantizedPrecision, available_precisions
 from lightning_hbm.precision.registry import get_mode
+from lightning_hbm.surgery import SurgeryCallback
 
 # Every value Lightning's Trainer accepts for ``precision`` (ints, their string forms, the long names).
 LIGHTNING_PRECISIONS: tuple[Union[int, str], ...] = (*get_args(_PRECISION_INPUT_STR), "bf16", "64", "32", "16", 64, 32, 16)
@@ -316,6 +318,17 @@ _EXTRA_SUBCOMMANDS = {
 }
 
 
+def _instantiate(value: Any) -> Any:
+    """A ``{class_path, init_args}`` entry of the config as the object fit would build (other values unchanged)."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if not isinstance(value, dict) or "class_path" not in value:
+        return value
+    module, _, name = value["class_path"].rpartition(".")
+    cls = getattr(importlib.import_module(module or "lightning_hbm"), name)
+    return cls(**(value.get("init_args") or {}))
+
+
 def _as_list(value: Any) -> list[Any]:
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
@@ -449,8 +462,26 @@ class PlanCLI(HBMCLI):
         self.model, self.datamodule, self.trainer = None, None, None
         config = {"model": self.config.model.as_dict(), "data": self.config.data.as_dict()}
         device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        candidates = default_candidates(**self.config.candidates.as_dict())
+        configured = self._configured_candidate()
+        # a trainer section that sets a lightning_hbm plugin, callback or strategy is what fit would run: planned alone
+        candidates = [configured] if configured is not None else default_candidates(**self.config.candidates.as_dict())
         self.plan = plan_from_config(config, self.config.budget, device, candidates=candidates)
+
+    def _configured_candidate(self) -> Any:
+        """The trainer section's precision/plugins, lightning_hbm callbacks and strategy as one candidate, or None."""
+        trainer = self._get(self.config, "trainer")
+        plugins = [_instantiate(p) for p in _as_list(trainer.get("plugins"))]
+        callbacks = [_instantiate(c) for c in _as_list(trainer.get("callbacks"))]
+        strategy = trainer.get("strategy")
+        plugin = self._quantized_precision or next((p for p in plugins if isinstance(p, Precision)), None)
+        precision = trainer.get("precision")
+        if plugin is None and precision is not None and str(precision) in PLANNED_LIGHTNING_PRECISIONS:
+            plugin = Candidate(str(precision)).precision_plugin()
+        if any(type(c).__name__ == "AutoFit" for c in callbacks):
+            return None  # AutoFit chooses among the grid at fit: plan the grid
+        if plugin is None and not any(isinstance(c, SurgeryCallback) for c in callbacks) and strategy != "cpu_offload":
+            return None
+        return Candidate.from_trainer(plugin, callbacks, strategy)
 
 
 def main(args: Optional[list[str]] = None) -> int:

@@ -44,6 +44,23 @@ class HFLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+class HFCausalLM(pl.LightningModule):
+    """A transformers causal LM from its config class (``GPTNeoXConfig``, ``Phi3Config``, ...), loss from ``labels=``."""
+
+    def __init__(self, config: str, **fields: Any) -> None:
+        super().__init__()
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config)(**fields))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        input_ids, targets = batch
+        return self.model(input_ids=input_ids, labels=targets.contiguous(), use_cache=False).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
 class EncoderLM(pl.LightningModule):
     """Embedding, ``nn.TransformerEncoder`` (causal mask), Linear head: plain torch."""
 
@@ -75,6 +92,23 @@ FAMILIES: dict[str, Callable[[], pl.LightningModule]] = {
     ),  # fmt: skip
     "encoder": EncoderLM,
 }
+
+# Real vocabularies (32k: the loss is the largest term of the step), for FusedLoss: Llama, GPT-NeoX, Phi-3.
+VOCAB_32K = 32000
+FAMILIES_32K: dict[str, Callable[[], pl.LightningModule]] = {
+    "llama": partial(
+        LlamaLM, vocab_size=VOCAB_32K, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    ),
+    "neox": partial(
+        HFCausalLM, "GPTNeoXConfig", vocab_size=VOCAB_32K, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=256,
+    ),
+    "phi3": partial(
+        HFCausalLM, "Phi3Config", vocab_size=VOCAB_32K, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+    ),
+}  # fmt: skip
 
 # Ten configurations over the four families, every axis (precision, LoRA, checkpointing, optimizer) on each of
 # the transformers families; GPT-2's Conv1D layers are quantized and adapted as Linears (lightning_hbm's layer kinds).

@@ -343,3 +343,25 @@ def test_model_summary_counts_4bit_weights_unpacked(llama_factory: Any) -> None:
     assert summary.trainable_parameters == sum(p.numel() for p in model.parameters() if p.requires_grad)  # not 4-bit
     assert sum(summary.param_nums) == logical
     assert summary.model_size == pytest.approx(parameter_bytes(model) / 1e6)
+
+
+def test_plan_plans_the_trainer_section_fit_would_run(tmp_path: Path) -> None:
+    """``lightning-hbm plan -c config.yaml`` plans the config's own plugin and callbacks, every option as set."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  plugins:\n"
+        "    - class_path: lightning_hbm.QuantizedPrecision\n"
+        "      init_args: {mode: nf4-dq, dtype: float32, ignore_modules: [model.model.layers.0.mlp]}\n"
+        "  callbacks:\n"
+        "    - class_path: lightning_hbm.LoRA\n"
+        "      init_args: {r: 4, exclude_modules: [down_proj]}\n"
+        "    - class_path: lightning_hbm.ActivationCheckpointing\n"
+        "    - class_path: lightning_hbm.FusedLoss\n"
+    )
+    cli = PlanCLI(args=["-c", str(config), *TINY], run=False)
+    (prediction,) = cli.plan.predictions
+    assert prediction.candidate.name == "nf4-dq+lora4+ac-full+fused-loss (as configured)"
+    plugin, callbacks = prediction.candidate.configured
+    assert plugin.ignore_modules == ("model.model.layers.0.mlp",) and callbacks[0].exclude_modules is not None
+    assert [type(c).__name__ for c in callbacks] == ["LoRA", "ActivationCheckpointing", "FusedLoss"]

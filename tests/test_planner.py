@@ -349,3 +349,40 @@ def test_fused_loss_axis_plans_the_loss_at_its_floor() -> None:
     peaks = {p.candidate.fused_loss: p.total for p in result.predictions}
     logits_fp32 = 2 * 128 * vocab * 4
     assert peaks[False] - peaks[True] >= logits_fp32, peaks  # at least one full fp32 logits copy is gone
+
+
+def test_plan_takes_the_trainers_own_plugin_and_callbacks() -> None:
+    """plan(plugin=, callbacks=) traces copies of the very objects (every option), not a Candidate's defaults."""
+    from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision
+
+    vocab = 4096
+    factory = partial(LlamaLM, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    batch = synthetic_batch(2, 64, vocab_size=vocab)
+    lora = LoRA(r=4, alpha=8.0)
+    as_set = plan(factory, batch, plugin=QuantizedPrecision("nf4-dq", dtype="float32"),
+                  callbacks=[lora, ActivationCheckpointing(), FusedLoss()]).predictions
+    assert len(as_set) == 1 and as_set[0].candidate.name == "nf4-dq+lora4+ac-full+fused-loss (as configured)"
+    grid = predict(factory, batch, Candidate("nf4-dq", dtype="float32", lora_r=4, checkpointing="full", fused_loss=True))
+    assert as_set[0].categories == grid.categories and as_set[0].loss == grid.loss > 0
+    assert not hasattr(lora, "applied_targets") or not lora.applied_targets  # copies are traced: the user's are untouched
+    # options a Candidate cannot say: the MLPs left in fp32 (ignore_modules), no adapter on them (exclude_modules)
+    mlps = [f"model.model.layers.{i}.mlp" for i in range(2)]
+    kept = plan(factory, batch, plugin=QuantizedPrecision("nf4-dq", dtype="float32", ignore_modules=mlps),
+                callbacks=[LoRA(r=4, exclude_modules=["gate_proj", "up_proj", "down_proj"]), ActivationCheckpointing(),
+                           FusedLoss()]).predictions[0]
+    mlp_fp32 = 2 * 3 * 64 * 128 * 4  # 2 layers x gate/up/down in fp32; less their nf4 form (~1/7) and their adapters
+    assert kept.categories["parameters"] - grid.categories["parameters"] >= 0.7 * mlp_fp32
+    assert kept.trainable_params < grid.trainable_params
+
+
+def test_plan_of_the_trainers_configuration_raises_what_fit_raises() -> None:
+    """The user's own configuration that fit refuses is the same error from plan(), not a row of failures."""
+    from lightning_hbm import FusedLoss
+
+    factory = partial(LlamaLM, vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(ValueError, match=r"FusedLoss\(heads=\['nope'\]\): \['nope'\] match no submodule"):
+        plan(factory, synthetic_batch(1, 8, vocab_size=512), callbacks=[FusedLoss(heads=["nope"])])
+    with pytest.raises(TypeError, match=r"Candidate.from_trainer\(plugin=...\): a Lightning precision plugin, got str"):
+        plan(factory, synthetic_batch(1, 8, vocab_size=512), plugin="nf4-dq")

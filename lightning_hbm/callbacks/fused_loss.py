@@ -43,23 +43,38 @@ from torch.utils._pytree import tree_map
 from typing_extensions import override
 
 from lightning_hbm._validate import check_args
+from lightning_hbm.memory.tracker import LOSS_SCOPE, memory_scope
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 log = logging.getLogger(__name__)
 
 _LIGER_AVAILABLE = RequirementCache("liger-kernel")
-# A chunk holds at least this many tokens: on CPU, 64-token chunks of a 768-wide, 32k-vocabulary head made the
-# loss 1.19x slower than unfused, 256-token chunks 0.93x (benchmarks/README.md). More when the batch's hidden
-# states are larger than 256 tokens of fp32 logits (Liger's rule: a chunk costs no more than the input).
-_MIN_CHUNK_TOKENS = 256
+#: Bytes one chunk's logits may take (the head's output, its fp32 copy; the gradient reuses both): tokens per
+#: chunk follow the vocabulary, so the loss costs about the same at 32k and 256k. 32 MiB is 174 tokens of a 32k
+#: bf16 head, 43 of a 128k one; a 128k-vocabulary step with 256-token chunks peaked at 2.23x its floor
+#: (benchmarks/README.md).
+CHUNK_BYTES = 32 * 2**20
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 
 
-def chunk_tokens(tokens: int, hidden: int, vocab: int, chunk_size: Optional[int] = None) -> int:
-    """Tokens per chunk of the fused loss (``chunk_size`` if given)."""
+def logit_element_bytes(dtype: torch.dtype) -> int:
+    """Bytes one chunk holds per logits element: the head's output, plus its fp32 copy when it is narrower.
+
+    The softmax and its gradient are computed in place in the fp32 copy and written back into the output's
+    storage (:func:`_chunks`): no third copy.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return itemsize + (4 if itemsize < 4 else 0)
+
+
+def chunk_tokens(tokens: int, vocab: int, dtype: torch.dtype = torch.bfloat16, chunk_size: Optional[int] = None) -> int:
+    """Tokens per chunk of the fused loss: ``chunk_size`` if given, else as many as fit :data:`CHUNK_BYTES`.
+
+    ``dtype`` is the head's output dtype. The one rule, used by the loss and by the planner's arithmetic.
+    """
     if chunk_size is not None:
         return max(1, min(chunk_size, tokens))
-    return max(1, min(tokens, max(_MIN_CHUNK_TOKENS, tokens * hidden // vocab)))
+    return max(1, min(tokens, CHUNK_BYTES // (vocab * logit_element_bytes(dtype))))
 
 
 def loss_bytes(tokens: int, vocab: int, hidden: int, fused: bool, logits_dtype: torch.dtype = torch.bfloat16,
@@ -70,15 +85,15 @@ def loss_bytes(tokens: int, vocab: int, hidden: int, fused: bool, logits_dtype: 
     ``tokens x vocab`` element whatever the logits dtype: bf16 logits (2, kept by the model output) + the fp32
     log-softmax saved for backward (4) + its fp32 gradient (4) + the gradient's bf16 cast (2); in fp32, logits,
     log-softmax and gradient (4 each). Measured with torch's MemTracker on a 32k vocabulary: 12.2 (bf16), 12.3 (fp32).
-    Fused: one chunk's logits, its fp32 copy/probabilities and their cast (``2 x itemsize + 4`` per element), the
-    hidden-state gradient kept from forward to backward, and for a 4-bit head its weight dequantized once.
+    Fused: one chunk (:func:`chunk_tokens`, :func:`logit_element_bytes`), the hidden-state gradient kept from
+    forward to backward, and for a 4-bit head its weight dequantized once.
     """
     itemsize = torch.empty((), dtype=logits_dtype).element_size()
     if not fused:
         return tokens * vocab * 12
-    chunk = chunk_tokens(tokens, hidden, vocab, chunk_size)
+    chunk = chunk_tokens(tokens, vocab, logits_dtype, chunk_size)
     head = vocab * hidden * itemsize if quantized_head else 0
-    return chunk * vocab * (2 * itemsize + 4) + tokens * hidden * itemsize + head
+    return chunk * vocab * logit_element_bytes(logits_dtype) + tokens * hidden * itemsize + head
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,11 +110,13 @@ class _Spec:
         self.label_smoothing, self.reduction, self.chunk = label_smoothing, reduction, chunk
 
 
+@memory_scope(LOSS_SCOPE)
 def _chunk_pass(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Sequence[torch.Tensor],
                 row_scale: Optional[torch.Tensor], need: Sequence[bool]) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
     """Per-token losses ``[N]`` (fp32) and, if ``row_scale`` is given, the gradients of ``sum(row_scale * loss)``.
 
     ``need`` = (hidden needs grad, *each param needs grad). Only one chunk's logits exist at a time.
+    What it allocates is the ``loss`` term of HBMProfiler and the planner (:func:`memory_scope`).
     """
     n = hidden.shape[0]
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -123,12 +140,13 @@ def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Seq
             h = h.detach().requires_grad_(need[0])
         with torch.enable_grad() if want_grad else nullcontext():
             logits = spec.head(h)
-        z = logits.detach()
+        detached = z = logits.detach()
         if spec.out_dtype.itemsize < z.dtype.itemsize:
             z = z.to(spec.out_dtype)  # the rounding the user's cast would do
         # fp32 logits are changed in place below (a Linear's backward does not read its output; a head whose
         # backward does would make autograd raise, not compute wrong gradients)
         z = z.float()
+        in_place = z is detached  # fp32 logits: z is their storage (identity, not data_ptr: fake tensors have none)
         t = target[start:stop]
         valid = t != spec.ignore_index
         t_safe = torch.where(valid, t, 0).unsqueeze(1)
@@ -154,8 +172,8 @@ def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Seq
         inputs = ([h] if need[0] else []) + [p for p, nd in zip(params, need[1:]) if nd]
         # the gradient goes into the logits' own storage (fp32: it already is), so a bf16 chunk never holds
         # logits + fp32 copy + bf16 gradient at once; as above, a Linear's backward does not read its output
-        grad_logits = logits.detach().copy_(grad_z) if grad_z.data_ptr() != logits.data_ptr() else grad_z
-        del z, probs, grad_z  # the fp32 copy goes before the head's backward runs
+        grad_logits = grad_z if in_place else detached.copy_(grad_z)
+        del z, probs, grad_z, detached  # the fp32 copy goes before the head's backward runs
         grads = list(torch.autograd.grad(logits, inputs, grad_logits))
         del logits, grad_logits
         if need[0]:
@@ -277,8 +295,10 @@ def fused_linear_cross_entropy(
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"fused_linear_cross_entropy: reduction={reduction!r}; use 'mean', 'sum' or 'none'.")
     vocab = int(getattr(head, "out_features"))
+    # the head returns the autocast dtype under autocast, else the input's (Linear, bitsandbytes, peft)
+    out = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
     spec = _Spec(head_forward or head, logits_dtype, ignore_index, float(label_smoothing), reduction,
-                 chunk_tokens(hidden.shape[0], hidden.shape[1], vocab, chunk_size), head)
+                 chunk_tokens(hidden.shape[0], vocab, out, chunk_size), head)
     if kernel in ("auto", "liger"):
         out = _liger(hidden, head, target, spec)
         if out is not None:
@@ -550,8 +570,8 @@ class FusedLoss(SurgeryCallback):
     Args:
         heads: module names of the output heads (default: the output embeddings of every transformers
             model inside the LightningModule, else every module named ``lm_head``).
-        chunk_size: tokens per chunk (default: 256, or more when the batch's hidden states are larger
-            than 256 tokens of logits).
+        chunk_size: tokens per chunk (default: as many as fit :data:`CHUNK_BYTES`, 32 MiB of logits and
+            their fp32 copy: 174 tokens at a 32k bf16 vocabulary, 43 at 128k).
         kernel: ``"auto"`` (Liger's fused kernel on CUDA when ``liger-kernel`` is installed and the head is
             a plain ``nn.Linear``, else chunked), ``"chunked"`` (always the portable path).
 
@@ -628,4 +648,4 @@ class FusedLoss(SurgeryCallback):
         rank_zero_info(f"lightning_hbm: FusedLoss on {self.applied_heads} (chunked cross-entropy, kernel={self.kernel!r})")
 
 
-__all__ = ["FusedLoss", "LazyLogits", "chunk_tokens", "fused_linear_cross_entropy", "loss_bytes"]
+__all__ = ["CHUNK_BYTES", "FusedLoss", "LazyLogits", "chunk_tokens", "fused_linear_cross_entropy", "logit_element_bytes", "loss_bytes"]

@@ -41,7 +41,7 @@ from lightning_hbm._validate import check_args
 from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown, classify, owned_storages, owned_tensors, tensor_bytes
 from lightning_hbm.memory.report import REMEDIES, MemoryReport
 from lightning_hbm.memory.storage import host_offload_bytes, module_parameter_tensors
-from lightning_hbm.memory.tracker import LiveStorageTracker
+from lightning_hbm.memory.tracker import LOSS_SCOPE, LiveStorageTracker, scoped_bytes
 from lightning_hbm.surgery import applied_transforms
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ _CUDA_FIELDS = (
     "cuda_unattributed",
 )
 #: Columns of the per-step CSV (bytes; CUDA columns empty on other devices).
-COLUMNS = ("step", "batch_idx", "mode", *CATEGORIES, "total", "tracked_peak", *_CUDA_FIELDS)
+COLUMNS = ("step", "batch_idx", "mode", *CATEGORIES, "total", "tracked_peak", "loss", *_CUDA_FIELDS)
 
 
 class HBMProfiler(Callback):
@@ -91,7 +91,9 @@ class HBMProfiler(Callback):
 
     Logged keys (MiB, per measured step, max over ranks under DDP):
         ``hbm/parameters``, ``hbm/gradients``, ``hbm/optimizer_states``, ``hbm/activations``,
-        ``hbm/other``, ``hbm/total`` (their sum); on detailed steps ``hbm/tracked_peak``; on CUDA
+        ``hbm/other``, ``hbm/total`` (their sum); on detailed steps ``hbm/tracked_peak`` and ``hbm/loss`` (bytes
+        at the peak that ``FusedLoss`` allocated: chunk logits, fp32 copy, dequantized head; a term inside the
+        categories, not added to the total; 0 without FusedLoss); on CUDA
         also ``hbm/cuda_allocated``, ``hbm/cuda_reserved``, ``hbm/cuda_peak_allocated`` (reset
         every measured step), ``hbm/cuda_fragmentation`` (reserved - allocated),
         ``hbm/cuda_capacity``, ``hbm/cuda_headroom`` (capacity - peak reserved) and
@@ -234,6 +236,7 @@ class HBMProfiler(Callback):
             metrics = {f"hbm/{k}": row[k] / _MIB for k in (*CATEGORIES, "total", *_CUDA_FIELDS) if row[k] is not None}
             if row["mode"] == "detailed":
                 metrics["hbm/tracked_peak"] = row["tracked_peak"] / _MIB
+                metrics["hbm/loss"] = row["loss"] / _MIB
             if row["host_offload"]:
                 metrics["hbm/host_offload"] = row["host_offload"] / _MIB
             # Straight to the loggers, as DeviceStatsMonitor does: self.log would cost more than the
@@ -268,7 +271,10 @@ class HBMProfiler(Callback):
         detailed = tracker.track_peak
         if detailed:
             tracker.finish_peak()
-            values = _classify_peak(tracker, owned_storages(pl_module, trainer.optimizers), device)
+            owned = owned_storages(pl_module, trainer.optimizers)
+            values = _classify_peak(tracker, owned, device)
+            # the loss term: FusedLoss's chunk, fp32 copy, dequantized head at the peak (inside the categories)
+            loss: Optional[int] = scoped_bytes(tracker.peak_records, LOSS_SCOPE, owned)
             self.modules[self._step] = _module_breakdown(pl_module, trainer.optimizers, self._forward_modules)
             tracked_peak: Optional[int] = tracker.peak_bytes
         else:
@@ -279,7 +285,7 @@ class HBMProfiler(Callback):
                 "activations": forward_end.activations,
                 "other": max(forward_end.other, end.other),
             }
-            tracked_peak = None
+            tracked_peak = loss = None
         total = sum(values.values())
         row: dict[str, Any] = {
             "step": self._step,
@@ -288,6 +294,7 @@ class HBMProfiler(Callback):
             **values,
             "total": total,
             "tracked_peak": tracked_peak,
+            "loss": loss,
             "host_offload": host_offload_bytes(trainer.optimizers),  # not in total: host memory, not HBM
         }
         row.update(_cuda_stats(pl_module, total))
@@ -297,7 +304,7 @@ class HBMProfiler(Callback):
         if trainer.world_size <= 1:
             return row
         # every rank measures the same steps, so this collective is matched on all ranks
-        keys = [k for k in (*CATEGORIES, "total", "tracked_peak", *_CUDA_FIELDS) if row[k] is not None]
+        keys = [k for k in (*CATEGORIES, "total", "tracked_peak", "loss", *_CUDA_FIELDS) if row[k] is not None]
         local = torch.tensor([row[k] for k in keys], dtype=torch.int64, device=trainer.strategy.root_device)
         gathered = trainer.strategy.all_gather(local)
         maxima = gathered.reshape(-1, len(keys)).max(dim=0).values.tolist()

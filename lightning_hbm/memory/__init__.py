@@ -2,7 +2,8 @@
 
 - :mod:`~lightning_hbm.memory.storage`: storage-byte counting, quantization constants.
 - :mod:`~lightning_hbm.memory.categories`: :data:`CATEGORIES` and :func:`classify` (by owner).
-- :mod:`~lightning_hbm.memory.tracker`: :class:`LiveStorageTracker` (live storages, peaks).
+- :mod:`~lightning_hbm.memory.tracker`: :class:`LiveStorageTracker` (live storages, peaks), :func:`memory_scope`
+  (terms such as the loss's bytes, reported next to the categories).
 - :mod:`~lightning_hbm.memory.activations`: :func:`saved_activation_bytes`.
 """
 
@@ -28,16 +29,18 @@ from lightning_hbm.memory.storage import (
     tensor_storage_key,
     unique_bytes,
 )
-from lightning_hbm.memory.tracker import LiveStorageTracker
+from lightning_hbm.memory.tracker import LOSS_SCOPE, LiveStorageTracker, memory_scope, scoped_bytes
 
 __all__ = [
     "CATEGORIES",
     "Category",
+    "LOSS_SCOPE",
     "LiveStorageTracker",
     "MemoryBreakdown",
     "buffer_tensors",
     "classify",
     "gradient_tensors",
+    "memory_scope",
     "module_parameter_tensors",
     "optimizer_state_tensors",
     "owned_storages",
@@ -47,6 +50,7 @@ __all__ = [
     "parameter_tensors",
     "quantization_tensors",
     "saved_activation_bytes",
+    "scoped_bytes",
     "tensor_storage_key",
     "tensor_bytes",
     "unique_bytes",

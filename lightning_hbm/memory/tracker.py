@@ -12,7 +12,8 @@ tracker is active (~10-25 us per op on the CPU dev machine).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -31,6 +32,33 @@ class StorageRecord(NamedTuple):
     nbytes: int
     phase: str  # the tracker's ``phase`` when the storage was first seen
     module: str  # innermost module running then ("" outside any, or without module tracking)
+    scope: str = ""  # the innermost :func:`memory_scope` then (e.g. ``LOSS_SCOPE``)
+
+
+#: The scope of what ``FusedLoss`` allocates (chunk logits, their fp32 copy, a dequantized head): the loss term.
+LOSS_SCOPE = "loss"
+_SCOPES: list[str] = []
+
+
+@contextmanager
+def memory_scope(name: str) -> Iterator[None]:
+    """Label every storage created inside (by any tracker) with ``name``: a term reported next to the categories.
+
+    A term is not a sixth category: its bytes stay in the category their owner gives them (an unowned chunk of
+    logits is an activation or ``other``), so the five categories still sum to the total.
+    """
+    _SCOPES.append(name)
+    try:
+        yield
+    finally:
+        _SCOPES.pop()
+
+
+def scoped_bytes(records: dict[StorageKey, StorageRecord], scope: str, owned: Iterable[StorageKey] = ()) -> int:
+    """Bytes of the ``records`` created in ``scope``, less those a parameter, gradient or optimizer state owns now
+    (a dead record's key may have been reused: it counts)."""
+    owned = set(owned)
+    return sum(r.nbytes for key, r in records.items() if r.scope == scope and not (key in owned and r.ref() is not None))
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -94,13 +122,14 @@ class LiveStorageTracker(TorchDispatchMode):
         if known is not None and (self.track_peak or known.ref() is not None):
             return
         module = self._module_stack[-1] if self._module_stack else ""
+        scope = _SCOPES[-1] if _SCOPES else ""
         if not self.track_peak:
-            self.live[key] = StorageRecord(weakref.ref(storage), nbytes, phase, module)
+            self.live[key] = StorageRecord(weakref.ref(storage), nbytes, phase, module, scope)
             return
         # torch keeps one Python object per storage alive as long as the storage, so a weak
         # reference's callback tells exactly when the bytes are released.
         ref = weakref.ref(storage, self._released(key))
-        self.live[key] = StorageRecord(ref, nbytes, phase, module)
+        self.live[key] = StorageRecord(ref, nbytes, phase, module, scope)
         self.live_bytes += nbytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes

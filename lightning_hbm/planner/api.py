@@ -59,6 +59,8 @@ class Prediction:
         block_bytes: parameter bytes of the largest repeated block (transformer layer), after the transforms.
         guessed_reads: values the traced code read that the planner could not know (``loss.item()``, a
             check over a large tensor), answered 0 / ``False`` (:mod:`lightning_hbm.planner.realvalues`).
+        loss: bytes of the peak that ``FusedLoss`` holds (chunk logits, their fp32 copy, the dequantized head,
+            the hidden-state gradient): a term inside ``categories`` (HBMProfiler's ``loss``), 0 without it.
     """
 
     candidate: Candidate
@@ -71,6 +73,7 @@ class Prediction:
     host_bytes: int = 0
     block_bytes: int = 0
     guessed_reads: int = 0
+    loss: int = 0
 
     def per_rank(self, world_size: int) -> dict[str, int]:
         """Bytes per category on each of ``world_size`` ranks under FSDP/ZeRO-3 (see :func:`shard_categories`).
@@ -248,6 +251,7 @@ def predict(
         cost=candidate.relative_cost(),
         budget=budget,
         guessed_reads=result.guessed,
+        loss=result.loss.get(result.peak_phase(), 0),
     )
 
 
@@ -336,6 +340,9 @@ def plan(
     budget: Union[str, int, None] = None,
     candidates: Optional[Sequence[Candidate]] = None,
     device: Literal["cpu", "cuda"] = "cpu",
+    plugin: Optional[Any] = None,
+    callbacks: Optional[Sequence[Any]] = None,
+    strategy: Any = None,
 ) -> Plan:
     """Predict each candidate's training memory for ``model`` on ``batch`` without allocating the model.
 
@@ -346,12 +353,19 @@ def plan(
         budget: device memory the run must fit in (``"24GiB"``, bytes), or None.
         candidates: configurations to predict (default: :func:`default_candidates`).
         device: where training will run; ``"cuda"`` adds :data:`CUDA_CONTEXT_BYTES` to each total.
+        plugin, callbacks, strategy: the very objects you give the Trainer (``plugins=[plugin]``, ``callbacks``,
+            ``strategy``): that configuration is planned with every option as set
+            (:meth:`Candidate.from_trainer`), alone unless ``candidates`` are given too.
 
     Returns a :class:`Plan`; ``plan(...).chosen`` is the fastest candidate that fits.
     """
     budget_bytes = None if budget is None else parse_bytes(budget)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}.")
+    configured = plugin is not None or callbacks is not None or strategy is not None
+    if configured:
+        own = Candidate.from_trainer(plugin, callbacks or (), strategy)
+        candidates = [own, *(candidates or [])]
     candidates = list(default_candidates() if candidates is None else candidates)
     if not candidates or not all(isinstance(c, Candidate) for c in candidates):
         raise TypeError(f"candidates must be a non-empty list of lightning_hbm.planner.Candidate, got {candidates!r}.")
@@ -362,6 +376,8 @@ def plan(
         try:
             predictions.append(predict(template, batch, candidate, device=device, budget=budget_bytes))
         except Exception as err:  # one candidate that cannot be traced must not hide the others
+            if configured and candidate is candidates[0]:
+                raise  # the user's own configuration: the error fit would raise, not a row of the table
             failures.append((candidate, f"{type(err).__name__}: {err}"))
     if not predictions:
         reasons = "; ".join(f"{c.name}: {r}" for c, r in failures[:5])

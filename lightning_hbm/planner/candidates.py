@@ -19,6 +19,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
+import copy
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -124,6 +125,44 @@ class Candidate:
     blocks: Optional[tuple[str, ...]] = None
     fused_loss: bool = False
     layer_modes: Optional[LayerModes] = None
+    configured: Optional[tuple[Precision, tuple[Any, ...]]] = None
+
+    @classmethod
+    def from_trainer(cls, plugin: Optional[Precision] = None, callbacks: Sequence[Any] = (), strategy: Any = None) -> "Candidate":
+        """The very plugin and callbacks a user gives the Trainer, every option kept (LoRA ``exclude_modules``,
+        ``QuantizedPrecision(ignore_modules=...)``, ``FusedLoss(heads=...)``, ...): traced with copies of them.
+
+        The axes (precision, rank, policy, ...) are read from the objects, for the name, the cost and the table;
+        callbacks that change no tensor (profilers, loggers) are left out of the trace as they change nothing.
+        ``strategy``: ``"cpu_offload"`` (or a ``CPUOffloadStrategy``) plans offloaded optimizer states.
+        """
+        plugin = plugin if plugin is not None else Precision()
+        if not isinstance(plugin, Precision):
+            raise TypeError(f"Candidate.from_trainer(plugin=...): a Lightning precision plugin, got {type(plugin).__name__}.")
+        if isinstance(plugin, QuantizedPrecision):
+            precision, dtype = plugin.mode.name, str(plugin.dtype).removeprefix("torch.")
+        else:
+            precision, dtype = {Precision: "32-true"}.get(type(plugin), getattr(plugin, "precision", "32-true")), "bfloat16"
+            if precision not in PLANNED_LIGHTNING_PRECISIONS:
+                raise ValueError(
+                    f"Candidate.from_trainer: precision {precision!r} ({type(plugin).__name__}) is not one the planner "
+                    f"traces; use one of {list(PLANNED_LIGHTNING_PRECISIONS)} or a QuantizedPrecision."
+                )
+        surgery = tuple(c for c in callbacks if isinstance(c, SurgeryCallback))
+        axes: dict[str, Any] = {}
+        for callback in surgery:
+            kind = type(callback).__name__
+            if kind == "LoRA":
+                axes["lora_r"] = int(callback.r)
+            elif kind == "ActivationCheckpointing":
+                axes["checkpointing"] = callback.policy
+            elif kind == "MemoryEfficientOptimizer":
+                axes["optimizer"] = callback.kind
+            elif kind == "FusedLoss":
+                axes["fused_loss"] = True
+        offload = strategy == "cpu_offload" or type(strategy).__name__ == "CPUOffloadStrategy"
+        layer_modes = plugin.plan if isinstance(plugin, QuantizedPrecision) else None  # a fixed per-layer plan
+        return cls(precision, dtype, offload=offload, layer_modes=layer_modes, configured=(plugin, surgery), **axes)
 
     def __post_init__(self) -> None:
         if self.precision not in PLANNED_LIGHTNING_PRECISIONS and self.precision not in available_precisions():
@@ -165,10 +204,12 @@ class Candidate:
             parts.append("offload")
         if self.fused_loss:
             parts.append("fused-loss")
-        return "+".join(parts)
+        return "+".join(parts) + (" (as configured)" if self.configured is not None else "")
 
     def precision_plugin(self, device: str = "cpu") -> Precision:
-        """The precision plugin a Trainer would use for this candidate."""
+        """The precision plugin a Trainer would use for this candidate (a copy of the configured one)."""
+        if self.configured is not None:
+            return copy.deepcopy(self.configured[0])
         if self.quantized:
             layer_modes = dict(self.layer_modes) if self.layer_modes else None
             return QuantizedPrecision(self.precision, dtype=self.dtype, layer_modes=layer_modes)
@@ -179,7 +220,9 @@ class Candidate:
         return HalfPrecision(self.precision)  # type: ignore[arg-type]
 
     def callbacks(self) -> list[SurgeryCallback]:
-        """The lightning_hbm callbacks that apply this candidate (fresh instances)."""
+        """The lightning_hbm callbacks that apply this candidate (fresh instances, or copies of the configured ones)."""
+        if self.configured is not None:
+            return [copy.deepcopy(c) for c in self.configured[1]]
         callbacks: list[SurgeryCallback] = []
         if self.lora_r:
             callbacks.append(LoRA(r=self.lora_r, alpha=2.0 * self.lora_r))

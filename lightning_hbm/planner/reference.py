@@ -14,6 +14,7 @@ found by running it (torch 2.13), decide how it is used here:
   frozen parameter ("cannot register a hook on a tensor that doesn't require gradient"): frozen
   bases (LoRA, quantized layers) need it switched off. Its total does not depend on the hooks (they
   only label gradients), see :class:`_FrozenSafeMemTracker`.
+* It counts meta tensors as memory of a "meta" device: only the step's own device is summed.
 
 Quantization constants live outside the parameters (bitsandbytes ``quant_state``, int8 row scales):
 they are handed to MemTracker as external tensors, as it asks for tensors created before it.
@@ -59,7 +60,8 @@ def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candi
     with tracker:
         _step(module, batch, plugin, optimizers)
     peaks = tracker.get_tracker_snapshot("peak")
-    return sum(snapshot["Total"] for snapshot in peaks.values())
+    # meta tensors hold no memory (FusedLoss's LazyLogits computes view shapes on one the size of the logits)
+    return sum(snapshot["Total"] for device, snapshot in peaks.items() if torch.device(device).type != "meta")
 
 
 def _step(module: pl.LightningModule, batch: Any, plugin: Any, optimizers: list) -> None:

@@ -26,7 +26,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt
 from lightning_hbm.callbacks.activation_checkpointing import find_blocks
-from lightning_hbm.memory import CATEGORIES, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count
+from lightning_hbm.memory import CATEGORIES, LOSS_SCOPE, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count, scoped_bytes
 from lightning_hbm.memory.categories import buffer_tensors, optimizer_state_tensors, parameter_tensors
 from lightning_hbm.planner.building import (
     ModelLike,
@@ -70,9 +70,13 @@ class Trace:
     kept: int  # blocks traced
     block_bytes: int = 0  # parameter bytes of the largest repeated block (what FSDP gathers at once)
     guessed: int = 0  # values read without a real twin (answered 0 / False)
+    loss: dict[str, int] = field(default_factory=dict)  # per phase: FusedLoss's bytes at its peak (inside the categories)
+
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
 
     def peak_categories(self) -> dict[str, int]:
-        return max(self.phases.values(), key=lambda c: sum(c.values()))
+        return self.phases[self.peak_phase()]
 
     def extrapolate(self, deeper: Trace, depth: int) -> Trace:
         """Extend linearly from ``self`` (k blocks) and ``deeper`` (k+1 blocks) to ``depth`` blocks."""
@@ -87,7 +91,8 @@ class Trace:
             if phase in deeper.phases
         }
         trainable, total = line(self.trainable, deeper.trainable), line(self.total, deeper.total)
-        return Trace(phases, trainable, total, depth, depth, self.block_bytes, max(self.guessed, deeper.guessed))
+        loss = {phase: line(self.loss.get(phase, 0), deeper.loss.get(phase, 0)) for phase in phases}
+        return Trace(phases, trainable, total, depth, depth, self.block_bytes, max(self.guessed, deeper.guessed), loss)
 
 
 def trace(model: Union[ModelLike, Template], batch: Any, candidate: Candidate, device: str, keep_blocks: Optional[int]) -> Trace:
@@ -121,13 +126,13 @@ def trace(model: Union[ModelLike, Template], batch: Any, candidate: Candidate, d
         _first_step_state(optimizers)
         # states created outside the dispatch (e.g. bitsandbytes' real quantization maps)
         tracker.seed(optimizer_state_tensors(optimizers), "setup")
-        phases = _steady_step(module, fake_batch, plugin, optimizers, tracker)
+        phases, loss = _steady_step(module, fake_batch, plugin, optimizers, tracker)
         trainable = parameter_count(module, trainable=True)
         total = parameter_count(module)
         block_bytes = max((parameter_bytes(block) for _, block in _blocks(module)), default=0)
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
-    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed)
+    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, loss)
 
 
 def _first_step_state(optimizers: list[torch.optim.Optimizer]) -> None:
@@ -143,9 +148,11 @@ def _first_step_state(optimizers: list[torch.optim.Optimizer]) -> None:
 
 def _steady_step(
     module: pl.LightningModule, batch: Any, plugin: Precision, optimizers: list, tracker: LiveStorageTracker
-) -> dict[str, dict[str, int]]:
-    """Forward, zero_grad, backward, optimizer step, as Lightning runs them; each phase's peak by category."""
+) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+    """Forward, zero_grad, backward, optimizer step, as Lightning runs them; each phase's peak by category, and
+    the loss term at it (what ``FusedLoss`` allocated, :data:`~lightning_hbm.memory.LOSS_SCOPE`)."""
     phases: dict[str, dict[str, int]] = {}
+    loss_term: dict[str, int] = {}
     loss: Any = None
     for phase in PHASES:
         tracker.phase = phase
@@ -164,12 +171,13 @@ def _steady_step(
         tracker.finish_peak()
         # classified now, while what the phase's peak held is still owned (the previous step's
         # gradients, alive during the forward, are gone once backward starts)
-        phases[phase] = _classify(tracker, module, optimizers)
-    return phases
+        owned = owned_storages(module, optimizers)
+        phases[phase] = _classify(tracker, owned)
+        loss_term[phase] = scoped_bytes(tracker.peak_records, LOSS_SCOPE, owned)
+    return phases, loss_term
 
 
-def _classify(tracker: LiveStorageTracker, module: nn.Module, optimizers: list) -> dict[str, int]:
-    owned = owned_storages(module, optimizers)
+def _classify(tracker: LiveStorageTracker, owned: dict) -> dict[str, int]:
     categories = dict.fromkeys(CATEGORIES, 0)
     for key, record in tracker.peak_records.items():
         # a storage that died since the peak is owned by nobody now (and its key may be reused)

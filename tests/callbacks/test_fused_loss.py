@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision, applied_transforms, quantize_model
-from lightning_hbm.callbacks.fused_loss import LazyLogits, fused_linear_cross_entropy, loss_bytes
+from lightning_hbm.callbacks.fused_loss import CHUNK_BYTES, LazyLogits, chunk_tokens, fused_linear_cross_entropy, loss_bytes
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
 from lightning_hbm.models import NanoGPT, llama_config
 
@@ -193,17 +193,56 @@ def test_lightning_fit_qlora_checkpointing_with_fused_loss_equals_unfused(
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-6)
 
 
-def test_hbm_profiler_runs_with_fused_loss_and_sees_no_logits(trainer_factory: Callable, datamodule_factory: Callable) -> None:
-    """The lazy logits own no storage: the profiler's per-module breakdown gives the head no activations."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_hbm_profiler_runs_with_fused_loss_and_sees_no_logits(
+    trainer_factory: Callable, datamodule_factory: Callable, fused: bool
+) -> None:
+    """The lazy logits own no storage: the profiler's per-module breakdown gives the head no activations, and the
+    loss's own bytes (one chunk of fp32 logits, the hidden-state gradient) are its ``loss`` row; 0 unfused."""
     from lightning_hbm import HBMProfiler
 
     torch.manual_seed(0)
     profiler = HBMProfiler(every_n_steps=1, detailed_steps=[1])
-    trainer = trainer_factory(max_steps=2, callbacks=[LoRA(r=4), FusedLoss(chunk_size=16), profiler])
-    trainer.fit(NanoGPT(n_layer=2, n_head=2, n_embd=32, block_size=32), datamodule=datamodule_factory(batch_size=4))
+    trainer = trainer_factory(max_steps=2, callbacks=[LoRA(r=4), *([FusedLoss(chunk_size=16)] if fused else []), profiler])
+    # an 8k vocabulary: the loss's chunk is the step's largest tensor, so the step peak is inside the loss
+    model = NanoGPT(vocab_size=8192, n_layer=2, n_head=2, n_embd=32, block_size=32)
+    trainer.fit(model, datamodule=datamodule_factory(batch_size=4))
+    (detailed,) = [row for row in profiler.rows if row["mode"] == "detailed"]
+    if not fused:
+        assert detailed["loss"] == 0
+        return
     (breakdown,) = profiler.modules.values()
     heads = {name: cats for name, cats in breakdown.items() if name.startswith("model.lm_head")}
     assert heads and all(cats["activations"] == 0 for cats in heads.values())
+    chunk, hidden_grad = 16 * 8192 * 4, 4 * 32 * 32 * 4  # fp32: a 16-token chunk of the logits, the [4 x 32, 32] grad
+    # the LoRA-adapted head's chunk is its base output + the adapter's + their sum; + LoRA gradients, per-token losses
+    assert 3 * chunk + hidden_grad <= detailed["loss"] <= 3 * chunk + hidden_grad + 2**18
+    title, lines, _ = profiler.report().summary_lines()
+    assert ("loss", f"{detailed['loss'] / 2**20:,.2f}", "") in [line[:1] + line[-2:] for line in lines]
+
+
+def test_chunks_are_sized_by_bytes_not_tokens() -> None:
+    """One chunk's logits + fp32 copy fit CHUNK_BYTES at any vocabulary: the loss costs the same at 32k and 256k."""
+    for vocab in (32000, 128256, 256000):
+        tokens = chunk_tokens(8192, vocab, torch.bfloat16)
+        assert tokens * vocab * 6 <= CHUNK_BYTES < (tokens + 1) * vocab * 6
+    assert chunk_tokens(8192, 32000, torch.bfloat16) == 174 and chunk_tokens(8192, 128256, torch.bfloat16) == 43
+    assert chunk_tokens(8192, 32000, torch.float32) == 262  # fp32 logits are their own fp32 copy: 4 bytes
+    assert chunk_tokens(100, 32000) == 100 and chunk_tokens(8192, 10**9) == 1  # the batch, at least one token
+    assert chunk_tokens(8192, 32000, chunk_size=1000) == 1000  # an explicit chunk_size wins
+
+
+def test_fused_loss_runs_the_chunks_the_byte_budget_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_hbm.callbacks.fused_loss as fused_loss
+
+    monkeypatch.setattr(fused_loss, "CHUNK_BYTES", 10 * V * 6)  # 10 tokens of bf16 logits + fp32 copy
+    torch.manual_seed(0)
+    head = nn.Linear(16, V, bias=False).bfloat16()
+    hidden, target = torch.randn(45, 16, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, V, (45,))
+    rows: list[int] = []
+    loss = fused_linear_cross_entropy(hidden, head, target, head_forward=lambda h: rows.append(h.shape[0]) or head(h))
+    assert rows == [10, 10, 10, 10, 5]
+    torch.testing.assert_close(loss, F.cross_entropy(head(hidden).float(), target), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize(
