@@ -16,7 +16,7 @@ def make(fused):
     cfg = Gemma2Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     m = W(Gemma2ForCausalLM(cfg))
     quantize_model(m, "nf4-dq", "float32"); LoRA(r=8).transform_model(m); ActivationCheckpointing().transform_model(m)
-    if fused: FusedLoss().transform_model(m)
+    if fused: FusedLoss(chunk_size=256).transform_model(m)
     return m
 g = torch.Generator().manual_seed(0)
 x = torch.randint(0, V, (2, 256), generator=g)

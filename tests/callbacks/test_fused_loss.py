@@ -329,8 +329,8 @@ def _gemma2(fused: bool, vocab: int = 8000) -> nn.Module:
     quantize_model(model, "nf4-dq", "float32")
     LoRA(r=8).transform_model(model)
     ActivationCheckpointing().transform_model(model)
-    if fused:
-        FusedLoss().transform_model(model)
+    if fused:  # 256-token chunks: at this small width the 32 MiB default budget would take the batch in one chunk
+        FusedLoss(chunk_size=256).transform_model(model)
     return model
 
 
