@@ -197,3 +197,35 @@ def test_checkpointing_blocks_named_by_the_candidate() -> None:
     assert len(result.predictions) == 2 and "['blocks.9'] name no submodule path" in result.notes()[0]
     with pytest.raises(ValueError, match=r"Candidate blocks must be a non-empty list of class names or module paths, got 'blocks'"):
         Candidate(checkpointing="full", blocks="blocks")  # type: ignore[arg-type]
+
+
+class _KeepPositive(nn.Module):
+    """Boolean indexing of a large activation: its output shape depends on values a fake tensor does not hold."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        kept = h[h > 0]  # 2 x 16 x 4096 elements: above the real-twin size, so no twin can answer
+        return h * (kept.numel() / h.numel())
+
+
+class DataDependentShape(_TokenLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 4096), _KeepPositive(), nn.Linear(4096, 32)) for _ in range(2))
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = h + block(h)
+        return h
+
+
+def test_untraceable_module_is_named() -> None:
+    from lightning_hbm.planner.tracing import UntraceableModule
+
+    with pytest.raises(UntraceableModule, match=r"forward of blocks\.0\.1 \(_KeepPositive\) cannot run on fake tensors: "
+                       r"DynamicOutputShapeException.*Fix: write the branch without reading values") as info:
+        predict(DataDependentShape, BATCH, Candidate("32-true"))
+    assert info.value.module_name == "blocks.0.1"
+    # in a plan: the candidate is listed as not planned, with the module's name (the user's own config raises)
+    with pytest.raises(ValueError, match=r"32-true: UntraceableModule: the forward of blocks\.0\.1 \(_KeepPositive\)"):
+        plan(DataDependentShape, BATCH, candidates=[Candidate("32-true")])
+    DataDependentShape().training_step(BATCH, 0).backward()  # the model itself runs: only the trace cannot

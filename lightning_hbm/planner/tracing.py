@@ -33,7 +33,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+    unset_fake_temporarily,
+)
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt
@@ -158,7 +163,7 @@ def _steady_step(
         tracker.phase = phase
         tracker.reset_peak()
         if phase == "forward":
-            with plugin.forward_context():
+            with plugin.forward_context(), _name_untraceable(module):
                 loss = _loss_of(module.training_step(batch, 1))
         elif phase == "backward":
             for optimizer in optimizers:  # Lightning zeroes gradients after the forward, before backward
@@ -175,6 +180,56 @@ def _steady_step(
         phases[phase] = _classify(tracker, owned)
         loss_term[phase] = scoped_bytes(tracker.peak_records, LOSS_SCOPE, owned)
     return phases, loss_term
+
+
+#: What FakeTensorMode raises when an op needs values (or a kernel) a fake tensor does not have.
+_FAKE_FAILURES = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+
+
+class UntraceableModule(RuntimeError):
+    """A submodule's forward cannot run on fake tensors; :attr:`module_name` names the innermost one."""
+
+    def __init__(self, module_name: str, module_type: str, error: Exception) -> None:
+        self.module_name, self.module_type = module_name, module_type
+        super().__init__(
+            f"the forward of {module_name} ({module_type}) cannot run on fake tensors: {type(error).__name__}: {error}. "
+            "Its Python reads values of a tensor too large for a real twin (more than "
+            "lightning_hbm.planner.realvalues.MAX_TWIN_ELEMENTS elements) or calls an op with no fake kernel. Fix: "
+            "write the branch without reading values (torch.where instead of `if tensor...:`, masks instead of "
+            "nonzero/boolean indexing), or measure this configuration with a real step "
+            "(lightning_hbm.planner.reference.memtracker_peak)."
+        )
+
+
+@contextmanager
+def _name_untraceable(model: nn.Module) -> Iterator[None]:
+    """Turn a fake-tensor failure inside a submodule's forward into :class:`UntraceableModule` naming it.
+
+    Global forward hooks keep the stack of forwards in progress; a forward that raises never pops
+    itself, so at the failure the top of the stack is the innermost module whose forward raised.
+    """
+    names = {id(m): name or "the LightningModule" for name, m in model.named_modules()}
+    stack: list[nn.Module] = []
+
+    def push(module: nn.Module, args: Any) -> None:
+        stack.append(module)
+
+    def pop(module: nn.Module, args: Any, output: Any) -> None:
+        while stack and stack.pop() is not module:
+            pass  # entries left by an exception the model caught itself
+
+    pre = nn.modules.module.register_module_forward_pre_hook(push)
+    post = nn.modules.module.register_module_forward_hook(pop)
+    try:
+        yield
+    except _FAKE_FAILURES as err:
+        inner = next((m for m in reversed(stack) if id(m) in names), None)
+        if inner is None:
+            raise
+        raise UntraceableModule(names[id(inner)], type(inner).__name__, err) from err
+    finally:
+        pre.remove()
+        post.remove()
 
 
 def _classify(tracker: LiveStorageTracker, owned: dict) -> dict[str, int]:
@@ -294,4 +349,4 @@ def _loss_of(output: Any) -> torch.Tensor:
     )
 
 
-__all__ = ["PHASES", "Template", "Trace", "apply_candidate", "build_template", "trace"]
+__all__ = ["PHASES", "Template", "Trace", "UntraceableModule", "apply_candidate", "build_template", "trace"]
