@@ -218,14 +218,49 @@ class DataDependentShape(_TokenLM):
         return h
 
 
+class _KeepPositiveDict(_KeepPositive):
+    def forward(self, h: torch.Tensor) -> dict:  # type: ignore[override]
+        return {"h": super().forward(h)}
+
+
+class DataDependentDict(DataDependentShape):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[0][1] = _KeepPositiveDict()
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0][2](self.blocks[0][1](self.blocks[0][0](h))["h"])
+
+
 def test_untraceable_module_is_named() -> None:
-    from lightning_hbm.planner.tracing import UntraceableModule
+    from lightning_hbm.planner.building import build_template
+    from lightning_hbm.planner.tracing import UntraceableModule, trace
 
     with pytest.raises(UntraceableModule, match=r"forward of blocks\.0\.1 \(_KeepPositive\) cannot run on fake tensors: "
                        r"DynamicOutputShapeException.*Fix: write the branch without reading values") as info:
-        predict(DataDependentShape, BATCH, Candidate("32-true"))
-    assert info.value.module_name == "blocks.0.1"
-    # in a plan: the candidate is listed as not planned, with the module's name (the user's own config raises)
-    with pytest.raises(ValueError, match=r"32-true: UntraceableModule: the forward of blocks\.0\.1 \(_KeepPositive\)"):
-        plan(DataDependentShape, BATCH, candidates=[Candidate("32-true")])
+        trace(build_template(DataDependentShape), BATCH, Candidate("32-true"), "cpu", None)
+    assert info.value.module_name == "blocks.0.1" and info.value.module_type == "_KeepPositive"
     DataDependentShape().training_step(BATCH, 0).backward()  # the model itself runs: only the trace cannot
+
+
+@pytest.mark.parametrize("candidate", [Candidate("32-true"), Candidate("32-true", checkpointing="full")], ids=str)
+def test_untraceable_module_runs_for_real(candidate: Candidate) -> None:
+    prediction = predict(DataDependentShape, BATCH, candidate)
+    assert prediction.fallbacks == tuple(
+        f"blocks.{i}.1 (real tensors: DynamicOutputShapeException: aten.nonzero.default)" for i in range(2)
+    )
+    torch.manual_seed(0)
+    reference = memtracker_peak(DataDependentShape, BATCH, candidate)
+    assert abs(prediction.peak / reference - 1) < 0.03, (prediction.peak, reference)
+
+
+def test_fallback_is_printed(capsys: pytest.CaptureFixture) -> None:
+    from lightning_hbm.planner.config import print_plan
+
+    print_plan(plan(DataDependentShape, BATCH, candidates=[Candidate("32-true")]))
+    assert "32-true: fake tensors cannot run blocks.0.1 (real tensors: DynamicOutputShapeException" in capsys.readouterr().out
+
+
+def test_fallback_refuses_other_outputs() -> None:
+    with pytest.raises(TypeError, match=r"blocks\.0\.1 returns dict: the real-tensor fallback handles tensors and tuples"):
+        predict(DataDependentDict, BATCH, Candidate("32-true"))
