@@ -264,3 +264,27 @@ def test_fallback_is_printed(capsys: pytest.CaptureFixture) -> None:
 def test_fallback_refuses_other_outputs() -> None:
     with pytest.raises(TypeError, match=r"blocks\.0\.1 returns dict: the real-tensor fallback handles tensors and tuples"):
         predict(DataDependentDict, BATCH, Candidate("32-true"))
+
+
+class TinyMamba(pl.LightningModule):
+    """transformers' Mamba on its reference PyTorch path (no mamba_ssm kernels): a sequential selective scan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import MambaConfig, MambaForCausalLM
+
+        config = MambaConfig(vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)
+        self.model = MambaForCausalLM(config)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_mamba_plans_without_fallback() -> None:
+    batch = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    prediction = predict(TinyMamba, batch, Candidate("32-true"))
+    assert prediction.fallbacks == ()  # fake tensors run its scan: nothing needs real tensors
+    assert abs(prediction.peak / memtracker_peak(TinyMamba, batch, Candidate("32-true")) - 1) < 0.03
