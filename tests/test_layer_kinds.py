@@ -33,9 +33,8 @@ from transformers.pytorch_utils import Conv1D
 
 from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision, quantize_model
 from lightning_hbm.callbacks.activation_checkpointing import find_blocks
-from lightning_hbm.layers import base_layer, coverage, find_layers
+from lightning_hbm.layers import ProjectedMultiheadAttention, base_layer, coverage, find_layers
 from lightning_hbm.memory import quantization_tensors, saved_activation_bytes, unique_bytes
-from lightning_hbm.multihead_attention import ProjectedMultiheadAttention
 
 VOCAB, SEQ, BATCH = 128, 16, 4
 # width 128: every quantized layer holds >= 16k weights, so bitsandbytes' per-layer constants (a 1 KiB
@@ -393,7 +392,7 @@ def test_t5_with_checkpointing_turns_the_cache_off(tmp_path: Any) -> None:
 
 
 def test_mixtral_experts_become_linears_with_equal_outputs_and_gradients() -> None:
-    from lightning_hbm.experts import LinearExperts
+    from lightning_hbm.layers import LinearExperts
     from lightning_hbm.layers import prepare_model
 
     module = build("mixtral")

@@ -5,7 +5,7 @@ Levels, bottom to top; a module imports only from its own level or lower ones:
 0. base: ``_compat`` (libraries' private names), ``memory``, ``naming``, ``requirements``, ``quiet``, ``data``, ``probe`` (probe a model on a batch,
    shared by the precision choices and ``QuantizationQuality``), ``resume`` (checkpoint format; the surgery
    spine hands it ``pack_checkpoint`` instead of being imported)
-1. layer kinds: ``layers``, ``experts``, ``multihead_attention``, ``models``
+1. layer kinds: ``layers`` (a package: ``base`` and one module per kind), ``models``
 2. the surgery spine: ``surgery``
 3. ``precision`` (reads the callbacks it must know about by duck typing: ``modules_to_save``)
 4. ``callbacks``
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LEVELS = {
     "_compat": 0, "_validate": 0, "memory": 0, "naming": 0, "requirements": 0, "quiet": 0, "data": 0, "probe": 0,
     "pretrained": 0,
-    "layers": 1, "resume": 1, "experts": 1, "multihead_attention": 1, "models": 1,
+    "layers": 1, "resume": 1, "models": 1,
     "surgery": 2,
     "precision": 3,
     "callbacks": 4,

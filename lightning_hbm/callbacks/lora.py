@@ -31,7 +31,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hbm._validate import check_args
-from lightning_hbm.layers import LEFT_ALONE_ATTR, adaptable_names, prepare_model, report_coverage, weight_readers
+from lightning_hbm.layers import LEFT_ALONE_ATTR, adaptable_names, kind_names, prepare_model, report_coverage, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
 from lightning_hbm.precision.plugin import QuantizedPrecision, output_heads
@@ -230,8 +230,8 @@ class LoRA(SurgeryCallback):
         if not linears:
             raise ValueError(
                 f"LoRA found no torch.nn.Linear layer in {type(module).__name__}: there is nothing to put adapters on. "
-                "LoRA adapts Linear layers (quantized ones included), transformers Conv1D and nn.MultiheadAttention "
-                "projections; train this model without the LoRA callback."
+                f"LoRA adapts these layer kinds: {kind_names()} (quantized ones included; "
+                "docs/adapters.md); train this model without the LoRA callback."
             )
         saved: list[str] = []
         for name in self.modules_to_save:

@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_hbm import resume
 from lightning_hbm._validate import check_args
-from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_of, prepare_model, weight_readers
+from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_names, kind_of, prepare_model, weight_readers
 from lightning_hbm.precision.bnb import import_bnb
 from lightning_hbm.precision.gptq import ROUNDINGS, digest, gptq_round_, input_hessians, is_4bit
 from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
@@ -167,8 +167,8 @@ def _validate(module: nn.Module, quant_mode: QuantMode, compute_dtype: torch.dty
         )
     if not any(kind.to_linear is not None or kind.prepare is not None for _, _, kind in find_layers(module)):
         raise ValueError(
-            f"{type(module).__name__} has no torch.nn.Linear layers (nor Conv1D / MultiheadAttention), so precision "
-            f"mode {quant_mode.name!r} has nothing to quantize. Use Lightning's precision='bf16-true' (or '32-true') "
+            f"{type(module).__name__} has no layer of a kind a precision mode quantizes ({kind_names(quantized=True)}), "
+            f"so precision mode {quant_mode.name!r} has nothing to quantize. Use Lightning's precision='bf16-true' (or '32-true') "
             "for this model instead."
         )
     for name, layer, kind in find_layers(module):

@@ -45,6 +45,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_hbm.layers import kind_of
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import gptq_round_, is_4bit
 from lightning_hbm.precision.registry import get_mode, to_dtype
@@ -83,9 +84,7 @@ def predict_parameter_bytes(module: nn.Module, plan: Mapping[str, str], dtype: A
             total += param.numel() * (dtype.itemsize if param.is_floating_point() else param.element_size())
     for name, mode in plan.items():
         layer = module.get_submodule(name)
-        # transformers' Conv1D (GPT-2) has no in/out_features: its weight is stored transposed, [nx, nf]
-        features = (layer.nx, layer.nf) if hasattr(layer, "nf") else (layer.in_features, layer.out_features)
-        total += weight_bytes(mode, *features, dtype)
+        total += weight_bytes(mode, *kind_of(layer).features(layer), dtype)  # e.g. Conv1D stores [in, out]
     return total
 
 

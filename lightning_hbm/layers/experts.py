@@ -1,4 +1,4 @@
-"""``LinearExperts``: a transformers-5 mixture-of-experts layer whose experts are ordinary ``nn.Linear`` layers.
+"""The experts kind: a transformers-5 mixture-of-experts layer prepared into ``LinearExperts``, one ``nn.Linear`` per expert.
 
 transformers 5 stores all experts of a MoE layer (Mixtral, Qwen-MoE, ...) in two 3-D Parameters,
 ``gate_up_proj`` ``[experts, 2 * intermediate, hidden]`` and ``down_proj`` ``[experts, hidden,
@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import is_fake
 from typing_extensions import override
 
 from lightning_hbm._compat import _default_gate
+from lightning_hbm.layers.base import LayerKind, register_kind
 
 
 def supported(module: nn.Module) -> bool:
@@ -111,4 +112,49 @@ class LinearExperts(nn.Module):
         return final
 
 
-__all__ = ["LinearExperts", "supported"]
+def _is_experts(module: nn.Module) -> bool:
+    # transformers-5 MoE layers keep all experts in 3-D Parameters [experts, out, in]; convolutions
+    # (also 3-D weights) are another kind of layer, and a 3-D Parameter with one leading row is a learned
+    # token or position table broadcast over the batch (ViT cls_token / pos_embed, SigLIP's pooling probe):
+    # counted with the embeddings ("other").
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return False
+    return any(p.dim() == 3 and p.shape[0] > 1 for p in module.parameters(recurse=False))
+
+
+def _prepare(module: nn.Module) -> Optional[nn.Module]:
+    return LinearExperts.from_transformers(module) if supported(module) else None  # None: named by the coverage table
+
+
+def _adaptable(layer: nn.Module) -> list[str]:
+    if not _is_experts(layer):
+        return [""]  # one expert's Linear of a prepared layer
+    if not supported(layer):
+        return []  # stays as it is: named by the coverage table's warning
+    return [f"{proj}.{e}" for proj in ("gate_up_proj", "down_proj") for e in range(layer.gate_up_proj.shape[0])]
+
+
+EXPERTS = register_kind(
+    LayerKind(
+        name="Experts (3-D parameters)",
+        matches=_is_experts,
+        # prepare() turns a supported experts layer into one Linear per expert and projection, tagged
+        # with this kind; those are quantized and adapted like any Linear
+        to_linear=lambda linear: linear,
+        prepare=_prepare,
+        as_built_keys=lambda new: new.as_built_keys(),
+        adaptable_names=_adaptable,
+        quantized_as="replaced by `LinearExperts`: the same routing loop, one Linear per expert and projection "
+        "(equal outputs and gradients), each quantized",
+        adapted_as="each expert's `gate_up_proj.e` / `down_proj.e` Linear",
+        option="only transformers-5 experts in the default layout (concatenated gate/up, no bias) are converted; "
+        "this one stays at full size in the parameters term: exclude it knowingly or train a model whose experts "
+        "are nn.Linear layers",
+        modules="3-D expert parameters",
+        found_in="transformers-5 MoE (Mixtral, Qwen-MoE, ...)",
+        planned_as="one Linear per expert; on fake tensors (no routing) each expert computes the balanced share "
+        "`ceil(tokens * top_k / experts)`",
+    )
+)
+
+__all__ = ["EXPERTS", "LinearExperts", "supported"]

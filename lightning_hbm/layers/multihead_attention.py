@@ -1,4 +1,4 @@
-"""``ProjectedMultiheadAttention``: ``nn.MultiheadAttention`` with four ordinary ``nn.Linear`` projections.
+"""The ``nn.MultiheadAttention`` kind: prepared into ``ProjectedMultiheadAttention``, four ``nn.Linear`` projections.
 
 Why a replacement module: ``nn.MultiheadAttention`` computes through
 ``F.multi_head_attention_forward``, which reads the raw ``in_proj_weight`` Parameter (no Linear at
@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
+
+from lightning_hbm.layers.base import LayerKind, register_kind
 
 
 def _float_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
@@ -168,4 +170,42 @@ class ProjectedMultiheadAttention(nn.Module):
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, dropout={self.dropout}"
 
 
-__all__ = ["ProjectedMultiheadAttention"]
+def _is_mha(module: nn.Module) -> bool:
+    return isinstance(module, nn.MultiheadAttention)
+
+
+def _adaptable(layer: nn.Module) -> list[str]:
+    # not yet prepared: the q/k/v projections it will get (its out_proj is a Linear, found as one);
+    # prepared: each projection is a Linear of this kind, adapted as it is
+    return ["q_proj", "k_proj", "v_proj"] if isinstance(layer, nn.MultiheadAttention) else [""]
+
+
+def _no_nested_tensor(model: nn.Module) -> None:
+    # nn.TransformerEncoder decided at init whether to use its nested-tensor fast path, which reads the
+    # attention's raw in_proj weights: off, the replacement has none.
+    for sub in model.modules():
+        if isinstance(sub, nn.TransformerEncoder):
+            sub.use_nested_tensor = False
+
+
+MULTIHEAD_ATTENTION = register_kind(
+    LayerKind(
+        name="MultiheadAttention",
+        matches=_is_mha,
+        # prepare() first turns the module into four Linears tagged with this kind; those are quantized
+        to_linear=lambda linear: linear,
+        prepare=ProjectedMultiheadAttention.from_torch,
+        after_prepare=_no_nested_tensor,
+        as_built_keys=lambda new: new.as_built_keys(),
+        adaptable_names=_adaptable,
+        quantized_as="replaced by `ProjectedMultiheadAttention`: equal outputs and gradients (masks, `batch_first`, "
+        "`kdim`/`vdim`, attention weights), four Linear projections, each quantized",
+        adapted_as="`q_proj`, `k_proj`, `v_proj`, `out_proj` of the replacement",
+        option="QuantizedPrecision(...) and/or LoRA(target_modules='all-linear')",
+        modules="`nn.MultiheadAttention`",
+        found_in="`nn.Transformer*`, torchvision ViT, Lightning's demo Transformer",
+        planned_as="the replacement's four projections, each as a Linear",
+    )
+)
+
+__all__ = ["MULTIHEAD_ATTENTION", "ProjectedMultiheadAttention"]

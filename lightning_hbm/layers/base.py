@@ -1,0 +1,474 @@
+"""The layer-kind protocol and registry, and what is generic over kinds: finding, preparing, LoRA names, coverage.
+
+A *layer kind* is a way real models store a big weight matrix. Each kind is one file of this package that builds
+one :class:`LayerKind` and registers it (:func:`register_kind`): ``linear.py`` (``nn.Linear`` and its subclasses),
+``conv1d.py`` (transformers' GPT-2 ``Conv1D``), ``multihead_attention.py`` (``nn.MultiheadAttention``), ``conv.py``
+(``nn.Conv1d``/``2d``/``3d``) and ``experts.py`` (the 3-D expert Parameters of transformers-5 MoE layers).
+
+A kind says how a layer of it is found (``matches``), rewritten first if it must be (``prepare``: an equivalent
+module made of Linears), quantized (``to_linear``: an equivalent ``nn.Linear`` handed to the precision mode's
+``replace``, so every mode of :mod:`lightning_hbm.precision.registry` covers every kind), adapted by LoRA
+(``adaptable_names``), counted by the planner and shown in the coverage table and in docs/adapters.md's kind table
+(:func:`kind_table`). ``QuantizedPrecision`` (quantization), ``LoRA.resolve`` (targets), the sensitivity plan's byte
+prediction and :func:`coverage` (the fit-start table) go through :func:`find_layers` / :func:`kind_of`; nothing here
+names a kind.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import logging
+import textwrap
+from dataclasses import dataclass, field, fields
+from typing import Callable, Iterator, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightning_hbm.memory import parameter_bytes, parameter_count
+
+log = logging.getLogger(__name__)
+
+KIND_ATTR = "_lightning_hbm_kind"  # set on a module that replaced a layer of another kind
+LEFT_ALONE_ATTR = "_lightning_hbm_left_alone"  # (reason, deliberate) set by QuantizedPrecision on skipped layers
+CONVERTED_ATTR = "_lightning_hbm_converted"  # kind name, set on the module prepare() put in a layer's place
+PLAN_ATTR = "_lightning_hbm_checkpoint"  # set by ActivationCheckpointing on each checkpointed block
+WARN_SHARE = 0.05  # a kind left alone (not by choice) above this share of all parameters is a warning
+
+
+def itself(layer: nn.Module) -> list[str]:
+    """``adaptable_names`` of a kind whose layer LoRA adapts as it is: the layer itself (``""``)."""
+    return [""]
+
+
+def linear_features(layer: nn.Module) -> tuple[int, int]:
+    """``features`` of a kind whose layer is an ``nn.Linear`` (its own or the projections ``prepare`` made)."""
+    return layer.in_features, layer.out_features
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One kind of weight-holding layer (one file of :mod:`lightning_hbm.layers` each).
+
+    Attributes:
+        name: the kind's row in the coverage table (and its ``layers/<name>/...`` logged keys).
+        matches: whether a module (as the user built it, or quantized) is a layer of this kind.
+        to_linear: an equivalent ``nn.Linear`` holding the layer's weight (the mode's ``replace``
+            quantizes it); ``None``: this kind is not quantized.
+        quantized_as: how it is quantized (kind table; the coverage reason of a kind never quantized).
+        adapted_as: how LoRA reaches it (kind table).
+        option: what to pass when it is left alone (named in the coverage warning).
+        modules: the modules of this kind, as the kind table names them.
+        found_in: models that have them (kind table).
+        planned_as: how the planner's fake-tensor trace counts it (kind table).
+        prepare: replaces the layer by an equivalent module made of quantizable/adaptable layers
+            (run before quantization and LoRA; returns ``None`` for a variant it cannot convert, which
+            stays as it is); ``None``: used as it is.
+        as_built_keys: for a kind with ``prepare``, the replacement's tensors as forms of the layer's as
+            built: ``{replacement key: as-built key}`` (local names, e.g. ``{"q_proj.weight": "in_proj_weight"}``).
+            A checkpoint that left the frozen base out (adapter-only) is checked against it on resume.
+        after_prepare: run once on the whole model after layers of this kind were replaced (what a parent decided
+            at init from the layers as built, e.g. ``nn.TransformerEncoder``'s fast path).
+        adaptable_names: the names LoRA can adapt in a layer of this kind, relative to it and as they will be
+            after ``prepare`` (``""``: the layer itself; ``[]``: none).
+        features: ``(in_features, out_features)`` of the ``nn.Linear`` a mode stores for the layer (the
+            sensitivity plan's byte prediction); only called for kinds with ``to_linear``.
+    """
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    to_linear: Optional[Callable[[nn.Module], nn.Linear]]
+    quantized_as: str
+    adapted_as: str
+    option: str
+    modules: str
+    found_in: str
+    planned_as: str
+    prepare: Optional[Callable[[nn.Module], Optional[nn.Module]]] = None
+    as_built_keys: Optional[Callable[[nn.Module], dict[str, str]]] = None
+    adaptable_names: Callable[[nn.Module], list[str]] = itself
+    after_prepare: Optional[Callable[[nn.Module], None]] = None
+    features: Callable[[nn.Module], tuple[int, int]] = linear_features
+
+
+_KINDS: dict[str, LayerKind] = {}
+
+
+def register_kind(kind: LayerKind) -> LayerKind:
+    """Add ``kind`` to the registry (names are unique); earlier registrations match first."""
+    if kind.name in _KINDS:
+        raise ValueError(f"Layer kind {kind.name!r} is already registered.")
+    texts = {f.name: getattr(kind, f.name) for f in fields(kind) if isinstance(getattr(kind, f.name), str)}
+    broken = {name: text for name, text in texts.items() if "|" in text or "\n" in text}
+    if broken:  # they are cells of the markdown kind table
+        raise ValueError(f"Layer kind {kind.name!r}: {broken} contain '|' or a line break, which break the kind table. Reword them.")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def layer_kinds() -> list[LayerKind]:
+    """The registered kinds, in matching order."""
+    return list(_KINDS.values())
+
+
+# ------------------------------------------------------------------------------------ finding
+
+
+def _lora_layer_cls() -> tuple[type, ...]:
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return ()
+    return (LoraLayer,)
+
+
+def kind_of(module: nn.Module) -> Optional[LayerKind]:
+    """The kind of ``module`` (the kind it replaced, if any), or ``None``."""
+    tagged = getattr(module, KIND_ATTR, None)
+    if tagged is not None:
+        return _KINDS[tagged]
+    return next((kind for kind in _KINDS.values() if kind.matches(module)), None)
+
+
+def base_layer(module: nn.Module) -> nn.Module:
+    """The layer itself: a peft LoRA layer's base layer, else ``module``."""
+    lora = _lora_layer_cls()
+    return module.get_base_layer() if lora and isinstance(module, lora) else module  # type: ignore[operator]
+
+
+def find_layers(module: nn.Module) -> Iterator[tuple[str, nn.Module, LayerKind]]:
+    """``(name, layer, kind)`` for every layer of a registered kind, quantized, adapted or not.
+
+    An adapted layer is reported once, under the peft LoRA layer's name (the module a parent calls);
+    the adapters' own Linears (``lora_A``, ``lora_B``) are not layers of the model.
+    """
+    lora = _lora_layer_cls()
+    skip: list[str] = []
+    for name, sub in module.named_modules():
+        if any(name.startswith(s + ".") for s in skip):
+            continue
+        if lora and isinstance(sub, lora):
+            skip.append(name)
+            kind = kind_of(base_layer(sub))
+            if kind is not None:
+                yield name, sub, kind
+            continue
+        kind = kind_of(sub)
+        if kind is not None:
+            yield name, sub, kind
+
+
+def prepare_model(module: nn.Module, skip: Callable[[str], bool] = lambda name: False) -> list[str]:
+    """Replace the layers whose kind has a ``prepare`` step (``nn.MultiheadAttention``, experts), in place.
+
+    Checks every layer first (an unsupported one raises before anything changes); idempotent.
+    Modules for which ``skip(name)`` is true stay as they are. Returns the names of the replaced modules.
+    """
+    planned = [(n, m, k) for n, m in module.named_modules() for k in [kind_of(m)] if k is not None and k.prepare and k.matches(m) and not skip(n)]
+    replacements = [(name, kind, kind.prepare(sub)) for name, sub, kind in planned]  # type: ignore[misc]
+    replacements = [(name, kind, new) for name, kind, new in replacements if new is not None]
+    for name, kind, new in replacements:
+        # the replacement's Linears count as layers of the kind they replace (coverage, quantize_model's tags)
+        object.__setattr__(new, CONVERTED_ATTR, kind.name)
+        for sub in new.modules():
+            if isinstance(sub, nn.Linear):
+                object.__setattr__(sub, KIND_ATTR, kind.name)
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, child, new)
+    for kind in {kind.name: kind for _, kind, _ in replacements}.values():
+        if kind.after_prepare is not None:
+            kind.after_prepare(module)
+    return [name for name, _, _ in replacements]
+
+
+# ------------------------------------------------------------------------ direct weight readers
+
+# Reading these of a layer's weight is harmless once it is quantized; anything else (a matmul, .dtype, .shape, .T)
+# sees the packed integer weight, and an adapter around the layer is never called.
+_HARMLESS = ("device", "requires_grad")
+# Metadata reads: wrong on a packed quantized weight, harmless on an adapted one (peft's layer shows its base's weight).
+_METADATA = ("dtype", "shape", "size", "ndim", "dim")
+# Libraries whose modules are known: torch's nn.MultiheadAttention reads out_proj.weight, but it is converted
+# (prepare_model); peft, bitsandbytes and lightning_hbm read the layers they made themselves.
+_KNOWN = ("torch.", "peft.", "bitsandbytes.", "lightning_hbm.", "lightning.", "transformers.modeling_utils")
+
+
+@functools.lru_cache(maxsize=None)
+def _weight_paths(cls: type) -> tuple[tuple[str, str, bool], ...]:
+    """``(child path, "Class.method", metadata only)`` for each ``self.<path>.weight`` that code of ``cls`` (not its
+    init) reads."""
+    found: dict[str, tuple[str, bool]] = {}
+    for klass in cls.__mro__:
+        if not issubclass(klass, nn.Module) or klass.__module__.startswith(_KNOWN) or klass is nn.Module:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue  # no source (built in a REPL, compiled): nothing to tell
+        for func in ast.walk(tree):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or "init" in func.name or "reset" in func.name or func.name == "extra_repr":
+                continue
+            nodes = list(ast.walk(func))
+            harmless = {id(n.value) for n in nodes if isinstance(n, ast.Attribute) and n.attr in _HARMLESS}
+            metadata = {id(n.value) for n in nodes if isinstance(n, ast.Attribute) and n.attr in _METADATA}
+            for node in nodes:
+                if not isinstance(node, ast.Attribute) or node.attr != "weight" or id(node) in harmless:
+                    continue
+                path, value = [], node.value
+                while isinstance(value, ast.Attribute):
+                    path.append(value.attr)
+                    value = value.value
+                if path and isinstance(value, ast.Name) and value.id == "self":
+                    key, use = ".".join(reversed(path)), (f"{klass.__name__}.{func.name}", id(node) in metadata)
+                    if key not in found or found[key][1] and not use[1]:  # a real use wins over a metadata read
+                        found[key] = use
+    return tuple((path, reader, meta) for path, (reader, meta) in found.items())
+
+
+def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]:
+    """``{layer name: "Class.method"}``: layers of a registered kind whose weight an enclosing module's code reads
+    directly (``self.dt_proj.weight @ x`` in transformers' Mamba, ``F.linear(x, self.qkv.weight)`` in
+    torchvision's Swin) instead of calling the layer.
+
+    Such a layer cannot be quantized (the reader gets the packed integer weight: a low-level dtype or shape
+    error) nor adapted (the adapter is never called). Found by reading the source of the model's classes
+    (``inspect``/``ast``), before any change and without a batch: methods whose name has ``init``/``reset``
+    (weight initialisation) and ``.weight.device`` reads are not readers. ``uses_only``: leave out metadata reads
+    (``.weight.dtype``/``.shape``: wrong once quantized, harmless for an adapter). Code without source is not seen.
+    """
+    layers = {id(base_layer(layer)): name for name, layer, _ in find_layers(module)}
+    readers: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        for path, reader, metadata in _weight_paths(type(sub)):
+            if metadata and uses_only:
+                continue
+            try:
+                target = sub.get_submodule(path)
+            except AttributeError:
+                continue
+            layer = layers.get(id(base_layer(target)))
+            if layer is not None:
+                readers.setdefault(layer, reader)
+    return readers
+
+
+def converted_keys(module: nn.Module) -> dict[str, str]:
+    """``{prefix of a converted tensor: as-built key}`` for every layer :func:`prepare_model` replaced in ``module``.
+
+    E.g. ``{"enc.attn.q_proj.weight": "enc.attn.in_proj_weight", "moe.experts.down_proj.3.weight":
+    "moe.experts.down_proj"}``, from each kind's ``as_built_keys``. Peft's ``base_layer`` is left out of
+    the names (see :func:`lightning_hbm.resume.as_built_key`).
+    """
+    keys: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        kind = _KINDS.get(getattr(sub, CONVERTED_ATTR, None) or "")
+        if kind is None or kind.as_built_keys is None:
+            continue
+        prefix = name.replace(".base_layer", "") + "." if name else ""
+        keys.update({prefix + new: prefix + old for new, old in kind.as_built_keys(sub).items()})
+    return keys
+
+
+def adaptable_names(module: nn.Module) -> list[str]:
+    """Names of the layers LoRA can adapt, as they will be named after :func:`prepare_model` (each kind's
+    ``adaptable_names``: e.g. the q/k/v projections of an ``nn.MultiheadAttention`` not yet prepared)."""
+    names: list[str] = []
+    for name, sub, kind in find_layers(module):
+        names.extend(f"{name}.{local}" if local else name for local in kind.adaptable_names(base_layer(sub)))
+    return names
+
+
+def kind_names(quantized: bool = False) -> str:
+    """The registered kinds, for messages: ``"Linear, Conv1D, ..."`` (``quantized``: only those a mode quantizes)."""
+    return ", ".join(k.name for k in _KINDS.values() if not quantized or k.to_linear is not None)
+
+
+def kind_table() -> str:
+    """The kind table of docs/adapters.md (markdown), one row per registered kind (tests/layers check the page)."""
+    lines = ["| layer kind | found in | quantized as | LoRA adapts | the planner counts it as |", "|---|---|---|---|---|"]
+    for k in _KINDS.values():
+        lines.append(f"| {k.modules} | {k.found_in} | {k.quantized_as} | {k.adapted_as} | {k.planned_as} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------- coverage
+
+
+@dataclass
+class CoverageRow:
+    """Parameters of one kind (logical element counts) and what was done with them."""
+
+    kind: str
+    layers: int = 0
+    params: int = 0
+    quantized: int = 0
+    adapted: int = 0
+    checkpointed: int = 0
+    left_alone: int = 0
+    bytes: int = 0  # storage bytes of the layers' parameters (quantization constants included)
+    unhandled: int = 0  # left alone not by choice (nothing supports them): warned above 5 %
+    reasons: dict[str, int] = field(default_factory=dict)  # why left alone -> parameters
+    undeliberate: list[str] = field(default_factory=list)  # names of layers left alone not by choice
+
+
+def _checkpointed_names(module: nn.Module) -> list[str]:
+    return [n for n, m in module.named_modules() if PLAN_ATTR in vars(m)]
+
+
+def _left_alone_reason(layer: nn.Module, kind: LayerKind, quantizing: bool, adapting: bool, reader: Optional[str] = None) -> tuple[str, bool]:
+    tagged = getattr(layer, LEFT_ALONE_ATTR, None)
+    if tagged is not None:
+        return tagged
+    if reader is not None:
+        return f"weight read directly by {reader}, not by calling the layer: kept in the compute dtype", False
+    if kind.prepare is not None and kind.matches(layer):
+        return f"{kind.name}: this variant is not supported yet", False
+    if kind.to_linear is None and quantizing:
+        return kind.quantized_as, False
+    if quantizing:  # the plugin tags what it skips; an untagged float layer came after it
+        return "added after quantization", True
+    return "frozen in full precision (no QuantizedPrecision" + (", not a LoRA target)" if adapting else ")"), True
+
+
+def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[CoverageRow]:
+    """One row per registered kind present in ``module``, the LoRA adapters, and ``other`` (embeddings, norms, ...).
+
+    ``quantizing``/``adapting``: whether a QuantizedPrecision / LoRA took part (for the reasons).
+    """
+    lora = _lora_layer_cls()
+    blocks = _checkpointed_names(module)
+    rows: dict[str, CoverageRow] = {}
+    in_kinds: set[int] = set()
+    readers, users = weight_readers(module), weight_readers(module, uses_only=True)
+    for name, sub, kind in find_layers(module):
+        layer = base_layer(sub)
+        row = rows.setdefault(kind.name, CoverageRow(kind.name))
+        # a layer's own parameters: the children of an unconverted MultiheadAttention or experts module
+        # (out_proj, a router) are layers or "other" parameters of their own
+        own = list(layer.parameters(recurse=False))
+        has_children = next(layer.children(), None) is not None
+        count = sum(p.numel() for p in own) if has_children else parameter_count(layer)
+        in_kinds.update(id(p) for p in own)
+        row.layers += 1
+        row.params += count
+        row.bytes += sum(p.numel() * p.element_size() for p in own) if has_children else parameter_bytes(layer)
+        quantized = any(not p.is_floating_point() for p in own)
+        adapted = bool(lora) and isinstance(sub, lora)
+        row.quantized += count if quantized else 0
+        row.adapted += count if adapted else 0
+        if any(name == b or name.startswith(b + ".") for b in blocks):
+            row.checkpointed += count
+        if not quantized and not adapted:
+            reader = (readers if kind.to_linear is not None else users).get(name)  # a convolution is never quantized
+            reason, deliberate = _left_alone_reason(layer, kind, quantizing, adapting, reader)
+            row.left_alone += count
+            row.reasons[reason] = row.reasons.get(reason, 0) + count
+            if not deliberate:
+                row.undeliberate.append(name)
+                row.unhandled += count
+        elif adapted and quantizing and not quantized and kind.to_linear is None:
+            # adapted, but its frozen base stays at full size (a convolution): said, and warned above 5 %
+            reason = f"{kind.quantized_as}; adapted by LoRA"
+            row.reasons[reason] = row.reasons.get(reason, 0) + count
+            row.undeliberate.append(name)
+            row.unhandled += count
+    other = CoverageRow("other (embeddings, norms, ...)")
+    adapters = CoverageRow("LoRA adapters (trained)")
+    for name, param in module.named_parameters():
+        if id(param) not in in_kinds:
+            row = adapters if ".lora_" in name else other
+            row.params += param.numel()
+    other.left_alone = other.params
+    return [*rows.values(), *([adapters] if adapters.params else []), other]
+
+
+def format_coverage(rows: list[CoverageRow]) -> str:
+    """The coverage table as text (one line per kind)."""
+    total = max(sum(r.params for r in rows), 1)
+    header = f"{'layer kind':<30} {'layers':>6} {'params':>12} {'share':>6} {'quantized':>12} {'adapted':>12} {'checkpointed':>12} {'left alone':>12}  why left alone"
+    lines = [header]
+    for r in rows:
+        why = "; ".join(f"{reason} ({n:,})" for reason, n in r.reasons.items())
+        lines.append(
+            f"{r.kind:<30} {r.layers:>6} {r.params:>12,} {100 * r.params / total:>5.1f}% {r.quantized:>12,} "
+            f"{r.adapted:>12,} {r.checkpointed:>12,} {r.left_alone:>12,}  {why}"
+        )
+    return "\n".join(lines)
+
+
+def coverage_warnings(rows: list[CoverageRow]) -> list[str]:
+    """One message per kind left alone, not by choice, holding more than 5 % of all parameters."""
+    total = max(sum(r.params for r in rows), 1)
+    messages = []
+    for r in rows:
+        if r.unhandled / total > WARN_SHARE:
+            kind = _KINDS[r.kind]
+            read = [why for why in r.reasons if why.startswith("weight read directly")]
+            option = (
+                f"{'; '.join(read)}. Replace the reading code by a call of the layer to quantize/adapt them"
+                if read else f"Option: {kind.option}"
+            )
+            # convolutions LoRA adapted are unhandled too (not quantized), but not left as they were
+            state = "left as they were (not quantized, no adapter)" if r.left_alone >= r.unhandled else "not quantized"
+            if kind.to_linear is None and kind.prepare is None:
+                option = f"{kind.quantized_as}. {option}"
+            messages.append(
+                f"lightning_hbm: {100 * r.unhandled / total:.1f}% of the parameters are {r.kind} layers {state}: "
+                f"{r.undeliberate[:4]}{' ...' if len(r.undeliberate) > 4 else ''}. {option}."
+            )
+    return messages
+
+
+def report_coverage(module: nn.Module, quantizing: bool) -> list[CoverageRow]:
+    """Compute, print (rank 0), log and store (``module.lightning_hbm_coverage``) the coverage table; warn.
+
+    Logged through the Trainer's loggers (when ``module`` is attached to one), per kind ``K``:
+    ``layers/K/params``, ``layers/K/quantized``, ``layers/K/adapted``, ``layers/K/checkpointed``,
+    ``layers/K/left_alone`` (parameter counts).
+    """
+    while not isinstance(module, pl.LightningModule) and isinstance(getattr(module, "module", None), nn.Module):
+        module = module.module  # DDP / wrappers: the LightningModule inside
+    lora = _lora_layer_cls()
+    adapting = bool(lora) and any(isinstance(m, lora) for m in module.modules())
+    rows = coverage(module, quantizing, adapting)
+    object.__setattr__(module, "lightning_hbm_coverage", rows)
+    rank_zero_info("lightning_hbm: layer kinds (parameters)\n" + format_coverage(rows))
+    for message in coverage_warnings(rows):
+        rank_zero_warn(message)
+    trainer = getattr(module, "_trainer", None)
+    if trainer is not None:
+        metrics = {
+            f"layers/{r.kind.split(' ')[0]}/{field}": float(getattr(r, field))
+            for r in rows
+            for field in ("params", "quantized", "adapted", "checkpointed", "left_alone")
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+    return rows
+
+
+__all__ = [
+    "CoverageRow",
+    "LayerKind",
+    "adaptable_names",
+    "base_layer",
+    "converted_keys",
+    "weight_readers",
+    "coverage",
+    "coverage_warnings",
+    "find_layers",
+    "format_coverage",
+    "itself",
+    "kind_names",
+    "kind_of",
+    "kind_table",
+    "layer_kinds",
+    "linear_features",
+    "prepare_model",
+    "register_kind",
+    "report_coverage",
+]
