@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from lightning_hbm import quantize_model
 from lightning_hbm.layers import (
@@ -157,3 +158,13 @@ def test_prepare_runs_the_kinds_after_prepare_once() -> None:
     assert prepare_model(encoder) == ["layers.0.self_attn", "layers.1.self_attn"]
     assert not encoder.use_nested_tensor
     assert prepare_model(encoder) == []  # idempotent: the replacement's Linears are not prepared again
+
+
+def test_sensitivity_bytes_ask_each_kind_for_its_features() -> None:
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"c_fc": Conv1D(96, 32), "fc": nn.Linear(32, 48, bias=False)})  # Conv1D(nf=out, nx=in)
+    biases = 96 * 2  # Conv1D's bias, unplanned, in bf16
+    expected = weight_bytes("int8", 32, 96, torch.bfloat16) + weight_bytes("nf4", 32, 48, torch.bfloat16) + biases
+    assert predict_parameter_bytes(model, {"c_fc": "int8", "fc": "nf4"}) == expected
+    # int8 keeps one scale per output row: the Conv1D's [in, out] weight read the other way round would differ
+    assert weight_bytes("int8", 32, 96, torch.bfloat16) != weight_bytes("int8", 96, 32, torch.bfloat16)
