@@ -49,7 +49,7 @@ from lightning_hbm.memory.categories import (
 )
 from lightning_hbm.memory.report import REMEDIES, MemoryReport
 from lightning_hbm.memory.storage import host_offload_bytes, module_parameter_tensors
-from lightning_hbm.memory.terms import SIDE_TERMS
+from lightning_hbm.memory.terms import SIDE_TERMS, term
 from lightning_hbm.memory.tracker import LOSS_SCOPE, LiveStorageTracker, scoped_bytes
 from lightning_hbm.surgery import applied_transforms
 
@@ -247,9 +247,9 @@ class HBMProfiler(Callback):
             metrics = {f"hbm/{k}": row[k] / _MIB for k in (*CATEGORIES, "total", *_CUDA_FIELDS) if row[k] is not None}
             if row["mode"] == "detailed":
                 metrics["hbm/tracked_peak"] = row["tracked_peak"] / _MIB
-                metrics["hbm/loss"] = row["loss"] / _MIB
-            if row["host_offload"]:
-                metrics["hbm/host_offload"] = row["host_offload"] / _MIB
+            for name in SIDE_TERMS:  # loss: measured on detailed steps; a host term: when memory moved there
+                if row[name] is not None and (row[name] or term(name).kind != "host"):
+                    metrics[f"hbm/{name}"] = row[name] / _MIB
             # Straight to the loggers, as DeviceStatsMonitor does: self.log would cost more than the
             # measurement and would only reach the loggers every log_every_n_steps anyway.
             for logger in trainer.loggers:
