@@ -226,7 +226,7 @@ def predict(
     categories linearly to the real depth. ``"auto"`` does so from 8 blocks on (a 32-layer 8B model then
     traces 7 blocks instead of 32); ``False`` always traces the whole model. Cut to 2 and 3 instead, the
     line overshot by up to 34 % (the first and last blocks differ from the middle ones); from 3 and 4 it
-    equals the full trace byte for byte on the 6- and 12-block test models (``tests/test_planner.py``).
+    equals the full trace byte for byte on the 6- and 12-block test models (``tests/planner/test_api.py``).
     A candidate with named ``blocks`` or a mixed-precision plan (``layer_modes``) is always traced whole.
     """
     if device not in ("cpu", "cuda"):
