@@ -359,6 +359,9 @@ class Plan:
                     f"{p.candidate.name}: fake tensors cannot run {', '.join(p.fallbacks)}; ran for real on zeros of "
                     "their inputs' shapes (outputs and saved tensors counted, temporaries inside them not)"
                 )
+        for p in self.predictions:  # the host term (lightning_hbm.memory.terms): off the device, not in the peak
+            if p.host_bytes:
+                notes.append(f"{p.candidate.name}: host_offload {format_bytes(p.host_bytes)} in host memory, beside the peak")
         guessed = max((p.guessed_reads for p in self.predictions), default=0)
         if guessed:
             notes.append(

@@ -16,7 +16,7 @@ from lightning_hbm.memory.report import REMEDIES, MemoryReport
 from lightning_hbm.memory.storage import storage_key
 from lightning_hbm.memory.terms import SIDE_TERMS, MemoryTerm, split_terms
 from lightning_hbm.memory.tracker import StorageRecord
-from lightning_hbm.planner import Candidate, Prediction, shard_categories
+from lightning_hbm.planner import Candidate, Plan, Prediction, shard_categories
 from lightning_hbm.planner import tracing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +60,14 @@ def test_prediction_terms_are_every_registry_term() -> None:
     prediction = Prediction(Candidate("32-true"), categories, host_bytes=7, loss=3)
     assert prediction.terms == {**categories, "loss": 3, "host_offload": 7}
     assert list(prediction.terms) == [t.name for t in TERMS]
+
+
+def test_plan_names_the_host_term_of_an_offloaded_candidate() -> None:
+    categories = dict.fromkeys(CATEGORIES, 2**20)
+    plain, offloaded = Candidate("32-true"), Candidate("32-true", offload=True)
+    text = str(Plan([Prediction(plain, categories), Prediction(offloaded, categories, host_bytes=3 * 2**20)]))
+    assert f"{offloaded.name}: host_offload 3.00 MiB in host memory, beside the peak" in text
+    assert f"{plain.name}: host_offload" not in text
 
 
 def _row(step: int, host: int) -> dict:
