@@ -166,8 +166,8 @@ def accuracy() -> None:
 
 
 def memtracker() -> None:
-    """Predicted peak vs torch's MemTracker on one real step run by hand (tests/planner_families.py, batch 4 x 32)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    """Predicted peak vs torch's MemTracker on one real step run by hand (tests/planner/planner_families.py, batch 4 x 32)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "planner"))
     from planner_families import FAMILIES, MEMTRACKER_CASES
 
     from lightning_hbm.planner.reference import memtracker_peak
@@ -185,7 +185,7 @@ def memtracker() -> None:
 
 def memtracker_32k() -> None:
     """Predicted peak (and loss term) vs MemTracker at a 32k vocabulary, QLoRA + checkpointing, with/without FusedLoss."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "planner"))
     from planner_families import FAMILIES_32K, VOCAB_32K
 
     from lightning_hbm.planner.reference import memtracker_peak

@@ -38,9 +38,18 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hbm._validate import check_args
-from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown, classify, owned_storages, owned_tensors, tensor_bytes
+from lightning_hbm.memory.categories import (
+    CATEGORIES,
+    MemoryBreakdown,
+    classify,
+    classify_records,
+    owned_storages,
+    owned_tensors,
+    tensor_bytes,
+)
 from lightning_hbm.memory.report import REMEDIES, MemoryReport
 from lightning_hbm.memory.storage import host_offload_bytes, module_parameter_tensors
+from lightning_hbm.memory.terms import SIDE_TERMS, term
 from lightning_hbm.memory.tracker import LOSS_SCOPE, LiveStorageTracker, scoped_bytes
 from lightning_hbm.surgery import applied_transforms
 
@@ -61,7 +70,8 @@ _CUDA_FIELDS = (
     "cuda_unattributed",
 )
 #: Columns of the per-step CSV (bytes; CUDA columns empty on other devices).
-COLUMNS = ("step", "batch_idx", "mode", *CATEGORIES, "total", "tracked_peak", "loss", *_CUDA_FIELDS)
+#: The terms outside the sum (``loss``, ``host_offload``: :data:`~lightning_hbm.memory.terms.SIDE_TERMS`) follow ``tracked_peak``.
+COLUMNS = ("step", "batch_idx", "mode", *CATEGORIES, "total", "tracked_peak", *SIDE_TERMS, *_CUDA_FIELDS)
 
 
 class HBMProfiler(Callback):
@@ -100,7 +110,8 @@ class HBMProfiler(Callback):
         ``hbm/cuda_unattributed`` (peak allocated - total: CUDA context, workspaces, buffers of
         the strategy). Under ``CPUOffloadStrategy`` also ``hbm/host_offload``: host memory its optimizer
         holds (master copies, gradient buffers, states; none of it in the five terms, whose optimizer
-        states read 0 for an offloaded run), also kept as ``host_offload`` in the JSON rows.
+        states read 0 for an offloaded run), also the ``host_offload`` column of the CSV and JSON rows. What each term
+        is, when it is alive and what shrinks it: :data:`lightning_hbm.memory.terms.TERMS`.
 
     Summary printed at the end of fit: each category at the largest forward-end step (light mode)
     and at the step peak (the largest detailed step), each labelled with its step and what it is.
@@ -236,9 +247,9 @@ class HBMProfiler(Callback):
             metrics = {f"hbm/{k}": row[k] / _MIB for k in (*CATEGORIES, "total", *_CUDA_FIELDS) if row[k] is not None}
             if row["mode"] == "detailed":
                 metrics["hbm/tracked_peak"] = row["tracked_peak"] / _MIB
-                metrics["hbm/loss"] = row["loss"] / _MIB
-            if row["host_offload"]:
-                metrics["hbm/host_offload"] = row["host_offload"] / _MIB
+            for name in SIDE_TERMS:  # loss: measured on detailed steps; a host term: when memory moved there
+                if row[name] is not None and (row[name] or term(name).kind != "host"):
+                    metrics[f"hbm/{name}"] = row[name] / _MIB
             # Straight to the loggers, as DeviceStatsMonitor does: self.log would cost more than the
             # measurement and would only reach the loggers every log_every_n_steps anyway.
             for logger in trainer.loggers:
@@ -272,7 +283,7 @@ class HBMProfiler(Callback):
         if detailed:
             tracker.finish_peak()
             owned = owned_storages(pl_module, trainer.optimizers)
-            values = _classify_peak(tracker, owned, device)
+            values = classify_records(tracker.peak_records, owned, device)
             # the loss term: FusedLoss's chunk, fp32 copy, dequantized head at the peak (inside the categories)
             loss: Optional[int] = scoped_bytes(tracker.peak_records, LOSS_SCOPE, owned)
             self.modules[self._step] = _module_breakdown(pl_module, trainer.optimizers, self._forward_modules)
@@ -304,7 +315,7 @@ class HBMProfiler(Callback):
         if trainer.world_size <= 1:
             return row
         # every rank measures the same steps, so this collective is matched on all ranks
-        keys = [k for k in (*CATEGORIES, "total", "tracked_peak", "loss", *_CUDA_FIELDS) if row[k] is not None]
+        keys = [k for k in (*CATEGORIES, "total", "tracked_peak", *SIDE_TERMS, *_CUDA_FIELDS) if row[k] is not None]
         local = torch.tensor([row[k] for k in keys], dtype=torch.int64, device=trainer.strategy.root_device)
         gathered = trainer.strategy.all_gather(local)
         maxima = gathered.reshape(-1, len(keys)).max(dim=0).values.tolist()
@@ -461,33 +472,6 @@ def _cuda_stats(pl_module: pl.LightningModule, total: int) -> dict[str, Optional
         "cuda_headroom": capacity - torch.cuda.max_memory_reserved(device),
         "cuda_unattributed": peak - total,
     }
-
-
-def _classify_peak(
-    tracker: LiveStorageTracker, owned_now: dict[tuple[str, int], tuple[str, int]], device: torch.device
-) -> dict[str, int]:
-    """Categories of the storages alive at the tracked peak.
-
-    A storage still owned at the step's end is what its owner says (a backward output that became
-    ``.grad`` is a gradient); one that existed before the step keeps the category it had then (the
-    previous gradients, freed by ``zero_grad``); one created in the forward is an activation;
-    anything else (backward and optimizer temporaries) is ``other``.
-    """
-    values = dict.fromkeys(CATEGORIES, 0)
-    wanted = str(device)
-    for key, record in tracker.peak_records.items():
-        if key[0] != wanted and key[0].split(":")[0] != wanted:
-            continue
-        if key in owned_now and record.ref() is not None:  # same storage still alive (addresses get reused)
-            category = owned_now[key][0]
-        elif record.phase in values:
-            category = record.phase
-        elif record.phase == "forward":
-            category = "activations"
-        else:
-            category = "other"
-        values[category] += record.nbytes
-    return values
 
 
 def _module_breakdown(

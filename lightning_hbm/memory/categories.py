@@ -1,6 +1,8 @@
 """The one definition of the memory categories, shared by ``HBMProfiler`` and the planner.
 
-Training memory is a sum of five terms, and every byte belongs to exactly one of them:
+Training memory is a sum of five terms (the ``category`` terms of the registry,
+:data:`lightning_hbm.memory.terms.TERMS`, which says who holds each, when, over ranks, and what shrinks it),
+and every byte belongs to exactly one of them:
 
 ``parameters``
     Storages of the module's parameters, counted at their real stored size: a 4-bit weight is its
@@ -23,14 +25,15 @@ Classification is by what a tensor *is* (who owns its storage), never by the pha
 allocated it: Lightning runs forward and backward inside ``optimizer.step(closure)`` and zeroes
 gradients after the forward, so phases lie. A storage is counted once, in the first category
 that owns it, in the order of :data:`CATEGORIES` (a gradient that aliases a parameter counts as
-a parameter).
+a parameter). :func:`classify_records` is the one peak classifier: the profiler's detailed steps and the
+planner's traced phases both classify the storages alive at a peak with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
-from typing import Literal, Union, get_args
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal, Union, get_args
 
 import torch
 from torch import nn
@@ -45,9 +48,11 @@ from lightning_hbm.memory.storage import (
     tensor_bytes,
     tensor_storage_key,
 )
+from lightning_hbm.memory.terms import CATEGORY_NAMES
 
+# For type checkers only; the registry is the definition (checked below).
 Category = Literal["parameters", "gradients", "optimizer_states", "activations", "other"]
-CATEGORIES: tuple[Category, ...] = get_args(Category)
+CATEGORIES: tuple[Category, ...] = CATEGORY_NAMES  # type: ignore[assignment]
 
 def parameter_tensors(module: nn.Module) -> list[torch.Tensor]:
     """Tensors of the **parameters** category: parameters plus their quantization constants."""
@@ -116,7 +121,7 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.other
+        return sum(self.as_dict().values())
 
     def as_dict(self) -> dict[str, int]:
         """``{category: bytes}`` in the order of :data:`CATEGORIES`."""
@@ -165,9 +170,44 @@ def classify(
     return MemoryBreakdown(**totals)
 
 
+def classify_records(
+    records: Mapping[StorageKey, Any], owned: Mapping[StorageKey, tuple[str, int]], device: Union[str, torch.device, None] = None
+) -> dict[str, int]:
+    """The one peak classifier: bytes per category of the storages alive at a tracked peak.
+
+    ``records``: ``{key: StorageRecord}`` (:attr:`LiveStorageTracker.peak_records
+    <lightning_hbm.memory.tracker.LiveStorageTracker.peak_records>`); ``owned``: :func:`owned_storages` read
+    after the peak. A storage still owned (and still the same storage: addresses get reused once one dies) is
+    what its owner says (a backward output that became ``.grad`` is a gradient); one seeded with a category as
+    its phase keeps it (the previous step's gradients, freed by ``zero_grad`` since); one the forward created
+    is an activation; anything else (the batch, backward and optimizer temporaries) is ``other``. ``device``:
+    only storages on it (None: all).
+    """
+    wanted = None if device is None else str(torch.device(device))
+    values = dict.fromkeys(CATEGORIES, 0)
+    for key, record in records.items():
+        if wanted is not None and not _same_device(key[0], wanted):
+            continue
+        if key in owned and record.ref() is not None:
+            category = owned[key][0]
+        elif record.phase in values:
+            category = record.phase
+        else:
+            category = "activations" if record.phase == "forward" else "other"
+        values[category] += record.nbytes
+    return values
+
+
 def _same_device(device: str, wanted: str) -> bool:
     # "cuda" (no index) matches every CUDA device; "cuda:0" only itself.
     return device == wanted or device.split(":")[0] == wanted
+
+
+if get_args(Category) != CATEGORIES or tuple(f.name for f in fields(MemoryBreakdown)) != CATEGORIES:
+    raise ImportError(
+        f"lightning_hbm.memory: the category terms of TERMS {CATEGORIES} differ from Category / MemoryBreakdown's fields; "
+        "a category term needs its name in all three (docs/extending.md#a-memory-term)."
+    )
 
 
 __all__ = [
@@ -177,6 +217,7 @@ __all__ = [
     "StorageKey",
     "buffer_tensors",
     "classify",
+    "classify_records",
     "gradient_tensors",
     "optimizer_state_tensors",
     "owned_storages",

@@ -30,19 +30,14 @@ from typing import Any, Optional, Union
 from lightning_utilities.core.imports import RequirementCache
 
 from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown
+from lightning_hbm.memory.terms import TERMS
 
 _RICH_AVAILABLE = RequirementCache("rich")
 _MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib")
 _MIB = 2**20
 
-#: The lightning_hbm feature that shrinks each category (used by the diagnosis).
-REMEDIES: dict[str, str] = {
-    "parameters": "store frozen base weights quantized (QuantizedPrecision('nf4-dq')) and train LoRA adapters",
-    "gradients": "train fewer parameters: LoRA adapters on a frozen (quantized) base",
-    "optimizer_states": "use 8-bit optimizer states or offload them (MemoryEfficientOptimizer)",
-    "activations": "recompute activations in backward (ActivationCheckpointing) or lower the batch size",
-    "other": "lower the batch size; check buffers and temporaries (run a step with detailed_steps=[n])",
-}
+#: The lightning_hbm feature that shrinks each term (used by the diagnosis): the registry's ``remedy``.
+REMEDIES: dict[str, str] = {t.name: t.remedy for t in TERMS}
 
 def advice(category: str, used: dict[str, Any]) -> str:
     """What shrinks ``category`` next, given what the run already ``used`` (:class:`MemoryReport`'s ``used``).
@@ -186,8 +181,10 @@ class MemoryReport:
         for category in (*CATEGORIES, "total"):
             share = 100.0 * last[category] / max(last["total"], 1)
             lines.append((category, *(f"{r[category] / _MIB:,.2f}" for _, r in shown), f"{share:.0f}%"))
+        host = {t.name for t in TERMS if t.kind == "host"}
         for extra in self._extra_columns():
-            if any(r.get(extra) is not None for _, r in shown):
+            # a host term (host_offload) only when a feature moved memory there: 0 on every plain run
+            if any(r.get(extra) is not None and (extra not in host or r[extra]) for _, r in shown):
                 values = ("" if r.get(extra) is None else f"{r[extra] / _MIB:,.2f}" for _, r in shown)
                 lines.append((extra, *values, ""))
         steps = sorted({r["step"] for r in self.rows})

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_hbm.memory import CATEGORIES, parameter_bytes, quantization_tensors, tensor_bytes
+from lightning_hbm.memory import CATEGORIES, TERMS, parameter_bytes, quantization_tensors, tensor_bytes
 from lightning_hbm.planner.candidates import Candidate, default_candidates, format_bytes, parse_bytes
 from lightning_hbm.planner.building import ModelLike, Template, _build, _fake_mode, _quiet_logs, build_template
 from lightning_hbm.planner.tracing import Trace, UntraceableModule
@@ -90,6 +90,13 @@ class Prediction:
         return shard_categories(self.categories, world_size, gathered_bytes=self.block_bytes)
 
     @property
+    def terms(self) -> dict[str, int]:
+        """Bytes per memory term (:data:`lightning_hbm.memory.terms.TERMS`, registry order): the categories, then
+        ``loss`` (inside them) and ``host_offload`` (:attr:`host_bytes`, off the device): HBMProfiler's columns."""
+        beside = {"loss": self.loss, "host_offload": self.host_bytes}
+        return {t.name: self.categories[t.name] if t.kind == "category" else beside[t.name] for t in TERMS}
+
+    @property
     def peak(self) -> int:
         """Live tensor bytes at the peak (what ``torch.cuda.max_memory_allocated`` would report)."""
         return sum(self.categories.values())
@@ -109,10 +116,11 @@ def shard_categories(
 ) -> dict[str, int]:
     """Per-rank bytes when parameters, gradients and optimizer states are sharded over ``world_size`` ranks.
 
-    FSDP/ZeRO-3 semantics: the three model-state categories are split evenly (rounded up), each rank
-    keeps the activations of its own micro-batch (``categories`` must come from a per-rank batch), and
-    ``gathered_bytes`` (the unsharded parameters of the largest wrapped unit, all-gathered during its
-    forward/backward) is added to ``other``. ``replicated_parameter_bytes`` are parameter bytes every
+    FSDP/ZeRO-3 semantics, each category by its sharding rule in :data:`lightning_hbm.memory.terms.TERMS`: the
+    ``split`` ones (parameters, gradients, optimizer states) are split evenly (rounded up), each rank keeps the
+    activations of its own micro-batch (``categories`` must come from a per-rank batch), and ``gathered_bytes``
+    (the unsharded parameters of the largest wrapped unit, all-gathered during its forward/backward) is added
+    to the ``gathered`` one (``other``). ``replicated_parameter_bytes`` are parameter bytes every
     rank keeps whole: FSDP2 shards a 4-bit weight's packed data but not its quantization constants
     (absmax, code books), see :func:`quantization_constant_bytes`.
     """
@@ -122,12 +130,14 @@ def shard_categories(
     if unknown:
         raise ValueError(f"Unknown categories {sorted(unknown)}; expected {list(CATEGORIES)}.")
     per_rank = dict(categories)
-    for name in ("parameters", "gradients", "optimizer_states"):
-        per_rank[name] = -(-categories.get(name, 0) // world_size)
+    for t in TERMS:  # each category by its registry sharding rule
+        if t.sharding == "split":
+            per_rank[t.name] = -(-categories.get(t.name, 0) // world_size)
+        elif t.sharding == "gathered" and t.kind == "category":
+            per_rank[t.name] = categories.get(t.name, 0) + (gathered_bytes if world_size > 1 else 0)
     if replicated_parameter_bytes:
         sharded = categories.get("parameters", 0) - replicated_parameter_bytes
         per_rank["parameters"] = -(-sharded // world_size) + replicated_parameter_bytes
-    per_rank["other"] = categories.get("other", 0) + (gathered_bytes if world_size > 1 else 0)
     return per_rank
 
 
@@ -216,7 +226,7 @@ def predict(
     categories linearly to the real depth. ``"auto"`` does so from 8 blocks on (a 32-layer 8B model then
     traces 7 blocks instead of 32); ``False`` always traces the whole model. Cut to 2 and 3 instead, the
     line overshot by up to 34 % (the first and last blocks differ from the middle ones); from 3 and 4 it
-    equals the full trace byte for byte on the 6- and 12-block test models (``tests/test_planner.py``).
+    equals the full trace byte for byte on the 6- and 12-block test models (``tests/planner/test_api.py``).
     A candidate with named ``blocks`` or a mixed-precision plan (``layer_modes``) is always traced whole.
     """
     if device not in ("cpu", "cuda"):
@@ -349,6 +359,9 @@ class Plan:
                     f"{p.candidate.name}: fake tensors cannot run {', '.join(p.fallbacks)}; ran for real on zeros of "
                     "their inputs' shapes (outputs and saved tensors counted, temporaries inside them not)"
                 )
+        for p in self.predictions:  # the host term (lightning_hbm.memory.terms): off the device, not in the peak
+            if p.host_bytes:
+                notes.append(f"{p.candidate.name}: host_offload {format_bytes(p.host_bytes)} in host memory, beside the peak")
         guessed = max((p.guessed_reads for p in self.predictions), default=0)
         if guessed:
             notes.append(

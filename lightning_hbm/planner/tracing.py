@@ -7,8 +7,8 @@ precision plugin, the ``SurgeryCallback`` transforms in stage order, as the Trai
 states a first step leaves are created (zero gradients, one optimizer step), and one steady-state step
 is traced as Lightning runs it: forward, zero_grad, backward, optimizer step. lightning_hbm's
 :class:`~lightning_hbm.memory.tracker.LiveStorageTracker` follows every live storage; each phase's
-peak is classified with the profiler's ownership rules (:func:`~lightning_hbm.memory.categories.owned_storages`):
-parameters, ``.grad``, ``optimizer.state``, buffers; what the forward created is activations, the rest
+peak is classified by the profiler's own peak classifier (:func:`~lightning_hbm.memory.categories.classify_records`):
+parameters, ``.grad``, ``optimizer.state``, buffers by owner; what the forward created is activations, the rest
 other.
 
 Quantized layers are built by each precision mode's own fake-tensor construction
@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt, _disable_current_modes
 from lightning_hbm.callbacks.activation_checkpointing import find_blocks
 from lightning_hbm.memory import CATEGORIES, LOSS_SCOPE, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count, scoped_bytes
-from lightning_hbm.memory.categories import buffer_tensors, optimizer_state_tensors, parameter_tensors
+from lightning_hbm.memory.categories import buffer_tensors, classify_records, optimizer_state_tensors, parameter_tensors
 from lightning_hbm.planner.building import (
     ModelLike,
     Template,
@@ -194,7 +194,7 @@ def _steady_step(
         # classified now, while what the phase's peak held is still owned (the previous step's
         # gradients, alive during the forward, are gone once backward starts)
         owned = owned_storages(module, optimizers)
-        phases[phase] = _classify(tracker, owned)
+        phases[phase] = classify_records(tracker.peak_records, owned)
         loss_term[phase] = scoped_bytes(tracker.peak_records, LOSS_SCOPE, owned)
     return phases, loss_term
 
@@ -302,17 +302,6 @@ def _run_for_real(module: nn.Module, fallbacks: dict[str, str], reason: str, nam
         return result[0] if isinstance(out, torch.Tensor) else result
 
     module.forward = forward
-
-
-def _classify(tracker: LiveStorageTracker, owned: dict) -> dict[str, int]:
-    categories = dict.fromkeys(CATEGORIES, 0)
-    for key, record in tracker.peak_records.items():
-        # a storage that died since the peak is owned by nobody now (and its key may be reused)
-        category = owned[key][0] if key in owned and record.ref() is not None else None
-        if category is None:
-            category = "activations" if record.phase == "forward" else "other"
-        categories[category] += record.nbytes
-    return categories
 
 
 def _planning_plugin(candidate: Candidate) -> Precision:

@@ -49,7 +49,7 @@ def _profiled_peak(factory: Callable[[], pl.LightningModule], candidate: Candida
 
 
 # Three candidates over both test LMs and every axis: the categories match the profiler's byte for byte (the
-# peak's independent check is MemTracker's, tests/test_planner_reference.py).
+# peak's independent check is MemTracker's, tests/planner/test_reference.py).
 ACCURACY_CASES = [
     ("gpt", Candidate("nf4-dq", lora_r=8)),
     ("gpt", Candidate("bf16-true", checkpointing="full", optimizer="adamw8bit")),

@@ -78,7 +78,7 @@ def test_mixed_plan_bytes_equal_predicted_and_measured(family: str, tmp_path: Pa
     assert adapters > 0 and parameter_bytes(model) - adapters == expected  # the base, after a real fit
     for category in ("parameters", "gradients", "optimizer_states"):
         assert predicted.categories[category] == measured[category], category
-    # the whole-step peak, with the tolerance of the planner/profiler consistency tests (tests/test_planner.py)
+    # the whole-step peak, with the tolerance of the planner/profiler consistency tests (tests/planner/test_api.py)
     assert predicted.peak == pytest.approx(measured["tracked_peak"], rel=0.10)
     assert predicted.peak == pytest.approx(measured["tracked_peak"], rel=0.01)  # what we reach (0.08 % on CPU, Nov 30)
 
