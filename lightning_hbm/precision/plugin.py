@@ -216,6 +216,9 @@ def quantize_model(
         log.info("lightning_hbm: not quantizing %s", {n: r for n, (r, _) in skipped.items()})
     target = torch.device(device) if device is not None else None
     modes = _layer_modes(targets, quant_mode, layer_modes or {})
+    for name, layer in targets:  # each format's own refusals, before the first layer changes
+        if modes[name] is not None:
+            modes[name].check(name, layer)
     for name, layer in targets:
         if modes[name] is None:  # kept unquantized by the plan: frozen like every other base weight
             layer.weight.requires_grad_(False)

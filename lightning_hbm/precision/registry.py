@@ -66,6 +66,12 @@ class QuantFormat:
     # dequantize a frozen head once for all its chunks instead of once per chunk and pass
     dense_forward: bool = False
 
+    def check(self, name: str, layer: nn.Module) -> None:
+        """Raise a ``ValueError`` (what, the value, the fix) if layer ``name`` cannot be stored in this format.
+
+        Called for every target before the first layer is quantized, so a refusal changes nothing.
+        """
+
     def owns(self, module: nn.Module) -> bool:
         """Whether ``module`` is a layer of this format (as ``replace`` builds it)."""
         return False
