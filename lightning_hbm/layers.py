@@ -35,6 +35,7 @@ from torch import nn
 
 from lightning_hbm.experts import LinearExperts, supported
 from lightning_hbm.memory import parameter_bytes, parameter_count
+from lightning_hbm.memory.storage import quantized_format
 from lightning_hbm.multihead_attention import ProjectedMultiheadAttention
 
 log = logging.getLogger(__name__)
@@ -95,10 +96,15 @@ def layer_kinds() -> list[LayerKind]:
 # ---------------------------------------------------------------------------------------- kinds
 
 
+def _quantized(module: nn.Module) -> bool:
+    # an integer weight (bitsandbytes, Int8DynamicLinear), or a layer a registered precision format owns
+    # (a tensor-subclass weight such as torchao's NF4Tensor says it is floating)
+    return not module.weight.is_floating_point() or quantized_format(module) is not None
+
+
 def _is_linear(module: nn.Module) -> bool:
-    # Any Linear subclass (NonDynamicallyQuantizableLinear included) whose weight is still float: an
-    # already quantized layer (bitsandbytes, Int8DynamicLinear) holds an integer weight.
-    return isinstance(module, nn.Linear) and module.weight.is_floating_point()
+    # Any Linear subclass (NonDynamicallyQuantizableLinear included) that is not quantized yet.
+    return isinstance(module, nn.Linear) and not _quantized(module)
 
 
 def _linear_as_linear(module: nn.Module) -> nn.Linear:
@@ -276,8 +282,8 @@ def find_layers(module: nn.Module) -> Iterator[tuple[str, nn.Module, LayerKind]]
 
 
 def _quantized_kind(module: nn.Module) -> Optional[LayerKind]:
-    # a quantized Linear (integer weight) that carries no tag was a plain Linear
-    if isinstance(module, nn.Linear) and not module.weight.is_floating_point():
+    # a quantized Linear that carries no tag was a plain Linear
+    if isinstance(module, nn.Linear) and _quantized(module):
         return LINEAR
     return None
 
@@ -474,7 +480,7 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
         row.layers += 1
         row.params += count
         row.bytes += sum(p.numel() * p.element_size() for p in own) if has_children else parameter_bytes(layer)
-        quantized = any(not p.is_floating_point() for p in own)
+        quantized = any(not p.is_floating_point() for p in own) or quantized_format(layer) is not None
         adapted = bool(lora) and isinstance(sub, lora)
         row.quantized += count if quantized else 0
         row.adapted += count if adapted else 0

@@ -5,7 +5,7 @@ per distinct storage gives exact bytes on any device, CPU included. Quantized la
 quantization constants outside their parameters (bitsandbytes ``quant_state``: absmax, code book,
 nested absmax; row scales for int8): :func:`quantization_tensors` asks the layer's quantized format for
 them (each format of :mod:`lightning_hbm.precision` lists its own, registered here with
-:func:`register_constants`: this level cannot import precision) so that the **parameters** category counts
+:func:`register_format_lookup`: this level cannot import precision) so that the **parameters** category counts
 quantized storage at its real size.
 """
 
@@ -103,15 +103,21 @@ def nested_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from nested_tensors(item, depth + 1)
 
 
-ConstantsFinder = Callable[[nn.Module], list[torch.Tensor]]
-#: who lists a module's quantization constants: lightning_hbm.precision registers its format lookup here
-_CONSTANTS_FINDERS: list[ConstantsFinder] = []
+FormatLookup = Callable[[nn.Module], Any]
+#: who knows a module's quantized format: lightning_hbm.precision registers ``format_of`` here (this level
+#: cannot import it); a format is duck-typed: ``constants(module)`` lists its quantization constants
+_FORMAT_LOOKUPS: list[FormatLookup] = []
 
 
-def register_constants(finder: ConstantsFinder) -> None:
-    """Make :func:`quantization_tensors` also ask ``finder(module)`` (a quantized format's constants)."""
-    if finder not in _CONSTANTS_FINDERS:
-        _CONSTANTS_FINDERS.append(finder)
+def register_format_lookup(lookup: FormatLookup) -> None:
+    """Make :func:`quantized_format` also ask ``lookup(module)`` (``None``: not one of its layers)."""
+    if lookup not in _FORMAT_LOOKUPS:
+        _FORMAT_LOOKUPS.append(lookup)
+
+
+def quantized_format(module: nn.Module) -> Any:
+    """The registered quantized format that owns ``module`` (``None`` for any other module)."""
+    return next((fmt for lookup in _FORMAT_LOOKUPS if (fmt := lookup(module)) is not None), None)
 
 
 def quantization_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -121,7 +127,8 @@ def quantization_tensors(module: nn.Module) -> list[torch.Tensor]:
             f"quantization_tensors takes the quantized layer (an nn.Module), got {type(module).__name__}: pass the "
             "module that holds the weight (e.g. quantization_tensors(layer), not quantization_tensors(layer.weight))."
         )
-    return [t for finder in _CONSTANTS_FINDERS for t in finder(module)]
+    fmt = quantized_format(module)
+    return [] if fmt is None else list(fmt.constants(module))
 
 
 def module_parameter_tensors(

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from lightning_hbm.memory.storage import register_constants
+from lightning_hbm.memory.storage import register_format_lookup
 from lightning_hbm.naming import did_you_mean
 
 ReplaceFn = Callable[[nn.Linear, torch.dtype, Optional[torch.device]], nn.Module]
@@ -134,13 +134,8 @@ def format_of(module: nn.Module) -> Optional[QuantFormat]:
     return next((fmt for fmt in _MODES.values() if fmt.owns(module)), None)
 
 
-def _format_constants(module: nn.Module) -> list[torch.Tensor]:
-    fmt = format_of(module)
-    return fmt.constants(module) if fmt is not None else []
-
-
-# memory (level 0) counts the constants without knowing the formats (precision sits above it)
-register_constants(_format_constants)
+# memory (level 0) and the layer kinds (level 1) ask for formats without importing precision, which sits above them
+register_format_lookup(format_of)
 
 
 def available_precisions() -> list[str]:
@@ -148,7 +143,7 @@ def available_precisions() -> list[str]:
     return sorted(_MODES)
 
 
-def get_mode(name: str) -> QuantMode:
+def get_mode(name: str) -> QuantFormat:
     """The registered mode ``name``; unknown names raise a ``ValueError`` listing the valid ones."""
     if not isinstance(name, str) or name not in _MODES:
         raise ValueError(
