@@ -18,6 +18,7 @@ counted exactly by storage counting). Needs ``torchao`` (tested with 0.18 on CPU
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -55,6 +56,20 @@ class NF4Linear(nn.Linear):
     @override
     def reset_parameters(self) -> None:
         pass  # built from a loaded Linear, never initialized
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NF4Linear:
+        # torchao 0.18's NF4Tensor clone re-quantizes its dequantized weight with the default block sizes: lossy
+        # (a second rounding), and an error for a layer whose number of blocks 256 does not divide. Copy the
+        # inner tensors instead; everything else as deepcopy would.
+        weight = self._parameters["weight"]
+        names, meta = weight.__tensor_flatten__()
+        inner = {name: getattr(weight, name).clone() for name in names}
+        twin = nn.Parameter(type(weight).__tensor_unflatten__(inner, meta, weight.shape, weight.stride()), requires_grad=False)
+        memo[id(weight)] = twin
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))  # the weight: the twin, through memo
+        return new
 
     @override
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:

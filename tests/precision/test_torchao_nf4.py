@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any
 
@@ -78,6 +79,18 @@ def test_outputs_close_to_the_original_and_exactly_the_dequantized_matmul(gpt_fa
     # the coverage table counts them as quantized (their weight says bfloat16/float32: the format is asked)
     [linear] = [row for row in report_coverage(model, quantizing=True) if row.kind == "Linear"]
     assert linear.quantized == linear.params > 0
+
+
+def test_deepcopy_copies_the_codes_instead_of_quantizing_again(gpt_factory: Any) -> None:
+    model = gpt_factory()
+    quantize_model(model, MODE, dtype="float32")
+    tokens = torch.randint(0, 256, (2, 16))
+    twin = copy.deepcopy(model)  # torchao's own clone would re-quantize (and fail on blocks 256 does not divide)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(tokens), model(tokens), rtol=0, atol=0)
+    for mine, theirs in zip(nf4_layers(model), nf4_layers(twin)):
+        assert theirs.weight.quantized_data.data_ptr() != mine.weight.quantized_data.data_ptr()
+        assert not theirs.weight.requires_grad and (theirs.bias is None or theirs.bias is not mine.bias)
 
 
 def test_storage_counting_is_exact(gpt_factory: Any) -> None:
