@@ -60,7 +60,7 @@ def quantized_weight_bytes(model: nn.Module) -> dict[str, float]:
     for _, layer, kind in find_layers(model):
         layer = base_layer(layer)
         if isinstance(layer, nn.Linear) and not layer.weight.is_floating_point():
-            tensors.setdefault(kind.name, []).extend([layer.weight, *quantization_tensors(layer.weight)])
+            tensors.setdefault(kind.name, []).extend([layer.weight, *quantization_tensors(layer)])
             counts[kind.name] = counts.get(kind.name, 0) + layer.in_features * layer.out_features
     return {k: unique_bytes(tensors[k]) / counts[k] for k in counts}
 

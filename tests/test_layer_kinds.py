@@ -193,7 +193,7 @@ def quantized_bytes_per_param(module: nn.Module) -> dict[str, float]:
     for _, layer, kind in find_layers(module):
         layer = base_layer(layer)
         if isinstance(layer, nn.Linear) and not layer.weight.is_floating_point():
-            tensors.setdefault(kind.name, []).extend([layer.weight, *quantization_tensors(layer.weight)])
+            tensors.setdefault(kind.name, []).extend([layer.weight, *quantization_tensors(layer)])
             if getattr(layer, "state", None) is not None and getattr(layer.state, "SCB", None) is not None:
                 tensors[kind.name].append(layer.state.SCB)
             counts[kind.name] = counts.get(kind.name, 0) + layer.in_features * layer.out_features

@@ -27,7 +27,6 @@ On CUDA, with ``liger-kernel`` installed (``pip install lightning-hbm[fused]``) 
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 from contextlib import contextmanager, nullcontext
@@ -44,6 +43,7 @@ from typing_extensions import override
 
 from lightning_hbm._validate import check_args
 from lightning_hbm.memory.tracker import LOSS_SCOPE, memory_scope
+from lightning_hbm.precision.registry import format_of
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 log = logging.getLogger(__name__)
@@ -185,29 +185,23 @@ def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Seq
 
 @contextmanager
 def _dequantized_once(head: Optional[nn.Module]) -> Iterator[None]:
-    """Frozen 4-bit layers inside ``head`` dequantize their weight once for all chunks, not twice per chunk.
+    """Frozen quantized layers inside ``head`` dequantize their weight once for all chunks, not twice per chunk.
 
-    bitsandbytes' ``Linear4bit`` dequantizes the whole ``[vocab, hidden]`` weight in every forward and again in
-    every backward: per chunk, that transient is as large as the bf16 logits of ``hidden`` tokens (1 GiB for an
-    8B Llama's head), and it would be paid 2 x chunks times. Here one copy lives while the chunks run and the
-    layer computes ``F.linear`` with it, exactly what its forward does after dequantizing.
+    A 4-bit layer (bitsandbytes' ``Linear4bit``, any format with ``dense_forward``) dequantizes the whole
+    ``[vocab, hidden]`` weight in every forward and again in every backward: per chunk, that transient is as
+    large as the bf16 logits of ``hidden`` tokens (1 GiB for an 8B Llama's head), and it would be paid 2 x chunks
+    times. Here one copy lives while the chunks run and the layer computes ``F.linear`` with it, exactly what
+    its forward does after dequantizing.
     """
-    try:
-        from bitsandbytes.functional import dequantize_4bit
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:
-        yield
-        return
-    layers = [m for m in (head.modules() if head is not None else ()) if isinstance(m, Linear4bit) and not m.weight.requires_grad]
-    previous_forwards = [layer.__dict__.get("forward") for layer in layers]
-    for layer in layers:
-        # Straight into the compute dtype: a model quantized from fp32 weights has quant_state.dtype fp32,
+    modules = head.modules() if head is not None else ()
+    owned = [(m, format_of(m)) for m in modules]
+    layers = [(m, fmt) for m, fmt in owned if fmt is not None and fmt.dense_forward and not m.weight.requires_grad]
+    previous_forwards = [layer.__dict__.get("forward") for layer, _ in layers]
+    for layer, fmt in layers:
+        # Straight into the compute dtype: a model quantized from fp32 weights stores fp32 constants,
         # and an fp32 copy of the head (2 GiB at 8B) next to its bf16 cast would be the step's peak.
-        state = copy.copy(layer.weight.quant_state)
-        state.dtype = layer.compute_dtype or state.dtype
-
         def forward(x: torch.Tensor, layer: nn.Module = layer,
-                    weight: torch.Tensor = dequantize_4bit(layer.weight.data, state)) -> torch.Tensor:
+                    weight: torch.Tensor = fmt.dequantize(layer, fmt.compute_dtype(layer))) -> torch.Tensor:
             bias = None if layer.bias is None else layer.bias.to(weight.dtype)
             return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
 
@@ -215,7 +209,7 @@ def _dequantized_once(head: Optional[nn.Module]) -> Iterator[None]:
     try:
         yield
     finally:
-        for layer, previous in zip(layers, previous_forwards):
+        for (layer, _), previous in zip(layers, previous_forwards):
             if previous is None:
                 del layer.forward  # the class's forward again
             else:

@@ -33,17 +33,15 @@ from typing_extensions import override
 from lightning_hbm._validate import check_args
 from lightning_hbm.layers import LEFT_ALONE_ATTR, adaptable_names, kind_names, prepare_model, report_coverage, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
-from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
 from lightning_hbm.precision.plugin import QuantizedPrecision, output_heads
 from lightning_hbm.naming import did_you_mean, name_list
-from lightning_hbm.precision.registry import to_dtype
+from lightning_hbm.precision.registry import format_of, to_dtype
 from lightning_hbm.requirements import requirement
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 log = logging.getLogger(__name__)
 
 _PEFT_AVAILABLE = RequirementCache(requirement("peft"))
-_BNB_AVAILABLE = RequirementCache(requirement("bitsandbytes"))
 
 # One adapter per model: peft's default name. Parameter names are ``<layer>.lora_A.default.weight``;
 # the FSDP and activation-checkpointing callbacks rely on these names staying stable.
@@ -66,15 +64,6 @@ def _lora_layer_cls() -> type:
     from peft.tuners.lora import LoraLayer
 
     return LoraLayer
-
-
-def _bnb_linear_classes() -> tuple[type, ...]:
-    """bitsandbytes' 4-bit and 8-bit Linear classes (empty when bitsandbytes is not installed)."""
-    if not _BNB_AVAILABLE:
-        return ()
-    import bitsandbytes as bnb
-
-    return (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
 
 
 def _matches(name: str, patterns: Union[str, list[str]]) -> bool:
@@ -374,13 +363,11 @@ class LoRA(SurgeryCallback):
         # peft picks its bitsandbytes-aware LoRA layers (which can merge) only if the model it is
         # given says it is quantized; quantize_model sets this on the root, a user-quantized
         # submodule may not have, so derive it from the layers themselves.
-        bnb_classes = _bnb_linear_classes()
-        if bnb_classes:
-            kinds = {type(m) for m in module.modules() if isinstance(m, bnb_classes)}
-            if bnb_classes[0] in kinds:
-                object.__setattr__(module, "is_loaded_in_4bit", True)
-            if bnb_classes[1] in kinds:
-                object.__setattr__(module, "is_loaded_in_8bit", True)
+        kinds = {fmt.peft_kind for fmt in map(format_of, module.modules()) if fmt is not None}
+        if "4bit" in kinds:
+            object.__setattr__(module, "is_loaded_in_4bit", True)
+        if "8bit" in kinds:
+            object.__setattr__(module, "is_loaded_in_8bit", True)
         config = peft.LoraConfig(
             r=self.r,
             lora_alpha=self.alpha,
@@ -546,17 +533,12 @@ class LoRA(SurgeryCallback):
           model or to ``module``): the update goes onto them, and quantized layers without an adapter
           come back exactly. Use this after QLoRA: the adapters were trained to correct the 4-bit base,
           but on SmolLM2 the fp32 base + adapter beats the 4-bit one (held-out loss 2.064 vs 2.143).
-        - not given: a quantized base is dequantized (bitsandbytes, via peft's ``dequantize_bnb_weight``)
+        - not given: a quantized base is dequantized (by its precision format's ``dequantize``)
           and its 4-bit rounding error is baked into the merged weights (a warning says so). Never
           re-quantized.
         """
-        from peft.utils.integrations import dequantize_bnb_weight
-
         out_dtype = to_dtype(dtype)
         lora_cls = _lora_layer_cls()
-        bnb_classes = _bnb_linear_classes()
-
-        quantized_classes = (*bnb_classes, Int8DynamicLinear)
         root = LoRA._hf_root(module, None) if base_state_dict is not None else ""
         dequantized: list[str] = []
 
@@ -577,15 +559,13 @@ class LoRA(SurgeryCallback):
             return tensor.float()
 
         def dense(name: str, layer: nn.Module) -> torch.Tensor:
-            if base_state_dict is not None and isinstance(layer, quantized_classes):
+            fmt = format_of(layer)
+            if fmt is None:
+                return layer.weight.float()
+            if base_state_dict is not None:
                 return original(name, "weight", layer)
-            if bnb_classes and isinstance(layer, bnb_classes):
-                dequantized.append(name)
-                return dequantize_bnb_weight(layer.weight, state=getattr(layer, "state", None)).float()
-            if isinstance(layer, Int8DynamicLinear):
-                dequantized.append(name)
-                return layer.dequantize().float()  # int8 values times their per-row scales
-            return layer.weight.float()
+            dequantized.append(name)
+            return fmt.dequantize(layer).float()  # e.g. int8 values times their per-row scales
 
         merged: dict[str, torch.Tensor] = {}
         done: list[str] = []
@@ -603,7 +583,7 @@ class LoRA(SurgeryCallback):
                     merged[prefix + "bias"] = base.bias
                 done.append(name)
                 continue
-            if isinstance(sub, quantized_classes):
+            if format_of(sub) is not None:
                 merged[prefix + "weight"] = dense(name, sub)
                 if sub.bias is not None:
                     merged[prefix + "bias"] = sub.bias

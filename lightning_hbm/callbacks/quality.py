@@ -23,6 +23,7 @@ from torchmetrics.functional.audio import signal_noise_ratio
 from typing_extensions import override
 
 from lightning_hbm._validate import check_args
+from lightning_hbm.precision.registry import format_of
 from lightning_hbm.probe import PREFIX, compare_outputs, eval_no_grad, first_batch, probe_output  # public here too
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
@@ -36,27 +37,15 @@ def _module_device(module: nn.Module) -> torch.device:
 def _dequantized_weight(layer: nn.Module) -> Tensor:
     """The weight a (possibly quantized, possibly LoRA-wrapped) Linear really multiplies with, as fp32."""
     base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer  # peft LoRA wrapper
+    fmt = format_of(base)  # first: a quantized weight may look floating (torchao's NF4Tensor says bfloat16)
+    if fmt is not None:
+        return fmt.dequantize(base).float()
     weight = base.weight
     if weight.is_floating_point():
         return weight.detach().float()
-    dequantize = getattr(base, "dequantize", None)  # Int8DynamicLinear
-    if callable(dequantize):
-        return dequantize().float()
-    # bitsandbytes, read directly: peft's dequantize_module_weight re-moves an 8-bit weight on CPU,
-    # which drops its row scales and breaks the layer's next forward.
-    quant_state = getattr(weight, "quant_state", None)
-    if quant_state is not None:  # Params4bit
-        from bitsandbytes.functional import dequantize_4bit
-
-        return dequantize_4bit(weight.data, quant_state).float()
-    row_scales = getattr(weight, "SCB", None)
-    if row_scales is None:
-        row_scales = getattr(getattr(base, "state", None), "SCB", None)
-    if row_scales is not None:  # Int8Params (LLM.int8): int8 rows scaled by absmax / 127
-        return weight.data.float() * (row_scales.float()[:, None] / 127.0)
     raise TypeError(
         f"QuantizationQuality cannot dequantize the {weight.dtype} weight of {type(base).__name__} for the weight "
-        "SQNR table. Pass weight_sqnr=False to skip the table."
+        "SQNR table (no registered precision format owns the layer). Pass weight_sqnr=False to skip the table."
     )
 
 

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_hbm.memory import parameter_bytes, parameter_count
+from lightning_hbm.memory.storage import quantized_format
 
 log = logging.getLogger(__name__)
 
@@ -356,7 +357,7 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
         row.layers += 1
         row.params += count
         row.bytes += sum(p.numel() * p.element_size() for p in own) if has_children else parameter_bytes(layer)
-        quantized = any(not p.is_floating_point() for p in own)
+        quantized = any(not p.is_floating_point() for p in own) or quantized_format(layer) is not None
         adapted = bool(lora) and isinstance(sub, lora)
         row.quantized += count if quantized else 0
         row.adapted += count if adapted else 0

@@ -1,16 +1,18 @@
 """Counting bytes from tensor storages: the ground truth every category is built on.
 
 A tensor's memory is its *storage*; views share one. Counting ``untyped_storage().nbytes()`` once
-per distinct storage gives exact bytes on any device, CPU included. Quantized weights carry their
-quantization constants outside the tensor (bitsandbytes ``quant_state``: absmax, code book,
-nested absmax; ``SCB`` row scales for int8): :func:`quantization_tensors` finds them so that the
-**parameters** category counts quantized storage at its real size.
+per distinct storage gives exact bytes on any device, CPU included. Quantized layers carry their
+quantization constants outside their parameters (bitsandbytes ``quant_state``: absmax, code book,
+nested absmax; row scales for int8): :func:`quantization_tensors` asks the layer's quantized format for
+them (each format of :mod:`lightning_hbm.precision` lists its own, registered here with
+:func:`register_format_lookup`: this level cannot import precision) so that the **parameters** category counts
+quantized storage at its real size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import torch
 from torch import nn
@@ -101,32 +103,32 @@ def nested_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from nested_tensors(item, depth + 1)
 
 
-def quantization_tensors(param: torch.Tensor) -> list[torch.Tensor]:
-    """Tensors that belong to a quantized parameter besides its own data (scales, code books)."""
-    extra: list[torch.Tensor] = []
-    quant_state = getattr(param, "quant_state", None)
-    if quant_state is not None:
-        extra.extend(nested_tensors(quant_state))
-    for attr in ("SCB", "scales", "weight_scale", "input_shift"):
-        value = getattr(param, attr, None)
-        if isinstance(value, torch.Tensor):
-            extra.append(value)
-    return extra
+FormatLookup = Callable[[nn.Module], Any]
+#: who knows a module's quantized format: lightning_hbm.precision registers ``format_of`` here (this level
+#: cannot import it); a format is duck-typed: ``constants(module)`` lists its quantization constants
+_FORMAT_LOOKUPS: list[FormatLookup] = []
 
 
-def _layer_state_tensors(module: nn.Module) -> list[torch.Tensor]:
-    # Quantization constants a bitsandbytes layer keeps on itself rather than on its parameter
-    # (counted once with the parameter's own, by storage): Linear8bitLt moves the row scales (SCB)
-    # into ``layer.state`` at its first forward; Linear4bit keeps ``layer.quant_state``, the only
-    # copy once FSDP2 has replaced the weight by a DTensor shard.
-    tensors: list[torch.Tensor] = []
-    state = getattr(module, "state", None)
-    if state is not None and type(state).__module__.startswith("bitsandbytes"):
-        tensors += [t for t in (getattr(state, "SCB", None), getattr(state, "CB", None)) if isinstance(t, torch.Tensor)]
-    quant_state = getattr(module, "quant_state", None)
-    if quant_state is not None and type(quant_state).__module__.startswith("bitsandbytes"):
-        tensors += nested_tensors(quant_state)
-    return tensors
+def register_format_lookup(lookup: FormatLookup) -> None:
+    """Make :func:`quantized_format` also ask ``lookup(module)`` (``None``: not one of its layers)."""
+    if lookup not in _FORMAT_LOOKUPS:
+        _FORMAT_LOOKUPS.append(lookup)
+
+
+def quantized_format(module: nn.Module) -> Any:
+    """The registered quantized format that owns ``module`` (``None`` for any other module)."""
+    return next((fmt for lookup in _FORMAT_LOOKUPS if (fmt := lookup(module)) is not None), None)
+
+
+def quantization_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Tensors that belong to a quantized layer besides its parameters (scales, code books), as its format lists them."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"quantization_tensors takes the quantized layer (an nn.Module), got {type(module).__name__}: pass the "
+            "module that holds the weight (e.g. quantization_tensors(layer), not quantization_tensors(layer.weight))."
+        )
+    fmt = quantized_format(module)
+    return [] if fmt is None else list(fmt.constants(module))
 
 
 def module_parameter_tensors(
@@ -143,9 +145,8 @@ def module_parameter_tensors(
             if trainable is not None and param.requires_grad != trainable:
                 continue
             tensors.append(param)
-            tensors.extend(quantization_tensors(param))
-        if trainable is not True:
-            tensors.extend(_layer_state_tensors(sub))
+        if trainable is not True:  # quantization constants belong to frozen quantized weights
+            tensors.extend(quantization_tensors(sub))
     return tensors
 
 

@@ -173,7 +173,7 @@ def quantization_constant_bytes(
     """
 
     def constants(module: nn.Module) -> int:
-        return tensor_bytes(t for p in module.parameters() for t in quantization_tensors(p))
+        return tensor_bytes(t for m in module.modules() for t in quantization_tensors(m))
 
     return _count_quantized(model, mode, dtype, ignore_modules, constants, layer_modes)
 

@@ -29,7 +29,7 @@ from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpoin
 from lightning_hbm.callbacks.fused_loss import FusedLoss
 from lightning_hbm.callbacks.lora import LoRA
 from lightning_hbm.callbacks.optimizer import MemoryEfficientOptimizer
-from lightning_hbm.precision import QuantizedPrecision, available_precisions
+from lightning_hbm.precision import QuantizedPrecision, available_precisions, get_mode
 from lightning_hbm.surgery import SurgeryCallback
 
 Checkpointing = Literal["none", "selective", "full"]
@@ -44,8 +44,6 @@ PLANNED_LIGHTNING_PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed")
 
 # Relative step time added by each choice (see the module docstring for the sources).
 _COST_CHECKPOINTING = {"none": 0.0, "selective": 0.05, "full": 0.33}
-_COST_4BIT = 0.25
-_COST_INT8 = 0.5
 _COST_OFFLOAD = 0.2
 
 _UNITS = {
@@ -240,7 +238,7 @@ class Candidate:
         cost = 1.0 + _COST_CHECKPOINTING[self.checkpointing] + (_COST_OFFLOAD if self.offload else 0.0)
         if self.quantized:
             modes = {self.precision, *(mode for _, mode in self.layer_modes or ())} - {UNQUANTIZED}
-            cost += max(_COST_INT8 if mode.startswith("int8") else _COST_4BIT for mode in modes)
+            cost += max(get_mode(mode).cost for mode in modes)  # each format states its own
         return round(cost, 3)
 
     def fidelity(self) -> int:

@@ -55,7 +55,7 @@ def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candi
     batch = plugin.convert_input(tree_map_only(torch.Tensor, lambda t: t.clone(), batch))
     _step(module, batch, plugin, optimizers)  # the first step: gradients and optimizer states now exist
     tracker = _FrozenSafeMemTracker()
-    constants = [t for p in module.parameters() for t in quantization_tensors(p)]
+    constants = [t for m in module.modules() for t in quantization_tensors(m)]
     tracker.track_external(module, *optimizers, *constants, *[t for t in _leaves(batch)])
     with tracker:
         _step(module, batch, plugin, optimizers)

@@ -15,6 +15,9 @@ user's Linear and moves it to the target device, which is when bitsandbytes quan
 
 from __future__ import annotations
 
+import copy
+import sys
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
 
@@ -23,7 +26,8 @@ from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from lightning_hbm.precision.registry import register_mode
+from lightning_hbm.memory.storage import nested_tensors
+from lightning_hbm.precision.registry import QuantFormat, register_format
 from lightning_hbm.requirements import requirement
 
 _BNB_AVAILABLE = RequirementCache(requirement("bitsandbytes"))
@@ -201,31 +205,90 @@ def _fake4(quant_type: str, double_quant: bool, blocksize: int = 64) -> Any:
     return partial(_fake_linear4bit, quant_type=quant_type, double_quant=double_quant, blocksize=blocksize)
 
 
-# name -> (quant_type, double quantization, block size, description): one registry entry each
+def _bnb_layer(module: nn.Module, cls_name: str) -> bool:
+    # bitsandbytes not imported yet: no module can be one of its layers (and counting must not load it)
+    bnb = sys.modules.get("bitsandbytes")
+    return bnb is not None and isinstance(module, getattr(bnb.nn, cls_name))
+
+
+@dataclass(frozen=True)
+class Bnb4bitFormat(QuantFormat):
+    """bitsandbytes ``Linear4bit``: packed 4-bit codes, constants in its ``QuantState`` (absmax, code book,
+    nested absmax), kept on the weight and on the layer (the only copy once FSDP2 shards the weight)."""
+
+    peft_kind: Optional[str] = "4bit"
+    dense_forward: bool = True  # Linear4bit dequantizes the whole weight and runs F.linear
+
+    def owns(self, module: nn.Module) -> bool:
+        return _bnb_layer(module, "Linear4bit")
+
+    def dequantize(self, module: nn.Module, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        from bitsandbytes.functional import dequantize_4bit
+
+        state = copy.copy(getattr(module.weight, "quant_state", None) or module.quant_state)
+        state.dtype = dtype or state.dtype  # straight into dtype: no full-size copy in the stored dtype first
+        return dequantize_4bit(module.weight.data, state)
+
+    def compute_dtype(self, module: nn.Module) -> Optional[torch.dtype]:
+        return module.compute_dtype
+
+    def constants(self, module: nn.Module) -> list[torch.Tensor]:
+        states = (getattr(module.weight, "quant_state", None), getattr(module, "quant_state", None))
+        return [t for state in states if state is not None for t in nested_tensors(state)]
+
+
+@dataclass(frozen=True)
+class Bnb8bitFormat(QuantFormat):
+    """bitsandbytes ``Linear8bitLt`` (LLM.int8): int8 rows and fp32 row scales ``SCB``, which the layer moves
+    from its weight into ``layer.state`` at its first forward."""
+
+    peft_kind: Optional[str] = "8bit"
+    ladder: tuple[str, ...] = ("none",)
+    cost: float = 0.5
+
+    def owns(self, module: nn.Module) -> bool:
+        return _bnb_layer(module, "Linear8bitLt")
+
+    def _row_scales(self, module: nn.Module) -> Optional[torch.Tensor]:
+        scales = getattr(module.weight, "SCB", None)
+        return scales if scales is not None else getattr(getattr(module, "state", None), "SCB", None)
+
+    def dequantize(self, module: nn.Module, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        # read directly: peft's dequantize_module_weight re-moves an 8-bit weight on CPU, which drops its row
+        # scales and breaks the layer's next forward. int8 rows scaled by absmax / 127.
+        weight = module.weight.data.float() * (self._row_scales(module).float()[:, None] / 127.0)
+        return weight if dtype is None else weight.to(dtype)
+
+    def constants(self, module: nn.Module) -> list[torch.Tensor]:
+        state = getattr(module, "state", None)
+        found = [self._row_scales(module), getattr(state, "SCB", None), getattr(state, "CB", None)]
+        return [t for t in found if isinstance(t, torch.Tensor)]
+
+
+# name -> (quant_type, double quantization, block size, description, wider modes for sensitive layers)
 _FOUR_BIT = {
-    "nf4": ("nf4", False, 64, "4-bit NormalFloat, blockwise fp32 absmax"),
-    "nf4-dq": ("nf4", True, 64, "4-bit NormalFloat, absmax quantized again (QLoRA)"),
-    "nf4-b32": ("nf4", False, 32, "4-bit NormalFloat, blocks of 32 (not 64), fp32 absmax"),
-    "nf4-dq-b32": ("nf4", True, 32, "4-bit NormalFloat, blocks of 32 (not 64), absmax quantized again"),
-    "fp4": ("fp4", False, 64, "4-bit float, blockwise fp32 absmax"),
-    "fp4-dq": ("fp4", True, 64, "4-bit float, absmax quantized again"),
+    "nf4": ("nf4", False, 64, "4-bit NormalFloat, blockwise fp32 absmax", ("nf4-b32", "int8")),
+    "nf4-dq": ("nf4", True, 64, "4-bit NormalFloat, absmax quantized again (QLoRA)", ("nf4-dq-b32", "int8")),
+    "nf4-b32": ("nf4", False, 32, "4-bit NormalFloat, blocks of 32 (not 64), fp32 absmax", ("int8",)),
+    "nf4-dq-b32": ("nf4", True, 32, "4-bit NormalFloat, blocks of 32 (not 64), absmax quantized again", ("int8",)),
+    "fp4": ("fp4", False, 64, "4-bit float, blockwise fp32 absmax", ("int8",)),
+    "fp4-dq": ("fp4", True, 64, "4-bit float, absmax quantized again", ("int8",)),
 }
-for _name, (_quant_type, _double_quant, _blocksize, _description) in _FOUR_BIT.items():
-    register_mode(
+for _name, (_quant_type, _double_quant, _blocksize, _description, _ladder) in _FOUR_BIT.items():
+    register_format(Bnb4bitFormat(
         _name,
-        dtypes=_FLOAT_DTYPES,
-        description=_description,
-        peft_kind="4bit",
+        partial(_linear4bit, quant_type=_quant_type, double_quant=_double_quant, blocksize=_blocksize),
+        _FLOAT_DTYPES,
+        _description,
         fake=_fake4(_quant_type, _double_quant, _blocksize),
-    )(partial(_linear4bit, quant_type=_quant_type, double_quant=_double_quant, blocksize=_blocksize))
+        ladder=_ladder,
+    ))
 
 
-@register_mode(
-    "int8",
-    dtypes=_FLOAT_DTYPES,
-    description="LLM.int8: int8 rows + fp32 scales, outliers in 16-bit",
-    peft_kind="8bit",
-    fake=_fake_linear8bit,
-)
 def _int8(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
     return _linear8bit(linear, dtype, device)
+
+
+register_format(Bnb8bitFormat(
+    "int8", _int8, _FLOAT_DTYPES, "LLM.int8: int8 rows + fp32 scales, outliers in 16-bit", fake=_fake_linear8bit
+))

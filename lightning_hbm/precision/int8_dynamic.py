@@ -52,6 +52,7 @@ layer's callers see (LoRA included) exactly the unsmoothed input and its gradien
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -59,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
-from lightning_hbm.precision.registry import register_mode
+from lightning_hbm.precision.registry import QuantFormat, register_format
 
 _QMAX = 127  # symmetric range [-127, 127]: -128 is never used, so scales are the same both signs
 # The smallest normal fp32: an all-zero row gets this scale (stays zero instead of dividing by 0), and any
@@ -175,7 +176,6 @@ class Int8DynamicLinear(nn.Linear):
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=target))
         shift = torch.zeros(in_features, dtype=torch.int8, device=target) if smoothed else None
         self.register_buffer("input_shift", shift)  # a None buffer: not in the state_dict
-        self._link_scale()
 
     @classmethod
     def from_linear(
@@ -207,32 +207,7 @@ class Int8DynamicLinear(nn.Linear):
         layer.weight_scale = scale
         if linear.bias is not None:
             layer.bias = linear.bias  # same Parameter: stays trainable (the plugin casts it to the compute dtype)
-        layer._link_scale()
         return layer
-
-    def _link_scale(self) -> None:
-        # lightning_hbm.memory.storage.quantization_tensors counts a parameter's ``scales`` attribute,
-        # so the parameters term includes the scales. Buffers are replaced (not mutated) by
-        # ``.to()`` and ``load_state_dict(assign=True)``, deepcopy drops Parameter attributes: re-link after each.
-        self.weight.scales = self.weight_scale
-        if self.input_shift is not None:
-            self.weight.input_shift = self.input_shift
-
-    @override
-    def _apply(self, fn: Any, recurse: bool = True) -> Int8DynamicLinear:
-        super()._apply(fn, recurse)
-        self._link_scale()
-        return self
-
-    @override
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self._link_scale()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # copy.deepcopy and unpickling rebuild the Parameter without its attributes
-        super().__setstate__(state)
-        self._link_scale()
 
     @override
     def reset_parameters(self) -> None:
@@ -266,23 +241,30 @@ def uses_integer_kernel(layer: Int8DynamicLinear, device: Optional[torch.device]
     return _int_mm_ok(device, layer.in_features, layer.out_features)
 
 
-@register_mode(
-    "int8-dynamic",
-    dtypes=(torch.bfloat16, torch.float16, torch.float32),
-    description="INT8 per-channel weights + fp32 scales, INT8 per-token activations at run time (int32 matmul)",
-)
+@dataclass(frozen=True)
+class Int8DynamicFormat(QuantFormat):
+    """:class:`Int8DynamicLinear`: int8 weight, fp32 ``weight_scale`` per row (+ int8 ``input_shift`` when smoothed)."""
+
+    ladder: tuple[str, ...] = ("none",)
+    cost: float = 0.5
+
+    def owns(self, module: nn.Module) -> bool:
+        return isinstance(module, Int8DynamicLinear)
+
+    def dequantize(self, module: nn.Module, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        weight = module.dequantize()
+        return weight if dtype is None else weight.to(dtype)
+
+    def constants(self, module: nn.Module) -> list[torch.Tensor]:
+        return [t for t in (module.weight_scale, module.input_shift) if t is not None]
+
+
 def _int8_dynamic(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
     # ``dtype`` is not needed here: outputs come back in the input's dtype (the plugin casts inputs,
     # biases and every other parameter to the compute dtype).
     return Int8DynamicLinear.from_linear(linear, device)
 
 
-@register_mode(
-    "int8-dynamic-smooth",
-    dtypes=(torch.bfloat16, torch.float16, torch.float32),
-    description="int8-dynamic with SmoothQuant per-input-channel smoothing measured on a probe batch "
-    "(+1 byte per input channel)",
-)
 def _int8_dynamic_smooth(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
     # The exponents travel on the weight Parameter (QuantizedPrecision attaches them while it quantizes, and the
     # sensitivity plan's copies share that Parameter). None attached (e.g. the planner's shape-only layers, or
@@ -291,6 +273,17 @@ def _int8_dynamic_smooth(linear: nn.Linear, dtype: torch.dtype, device: Optional
     if shift is None:
         shift = torch.zeros(linear.in_features, dtype=torch.int8, device=linear.weight.device)
     return Int8DynamicLinear.from_linear(linear, device, input_shift=shift)
+
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+register_format(Int8DynamicFormat(
+    "int8-dynamic", _int8_dynamic, _DTYPES,
+    "INT8 per-channel weights + fp32 scales, INT8 per-token activations at run time (int32 matmul)",
+))
+register_format(Int8DynamicFormat(
+    "int8-dynamic-smooth", _int8_dynamic_smooth, _DTYPES,
+    "int8-dynamic with SmoothQuant per-input-channel smoothing measured on a probe batch (+1 byte per input channel)",
+))
 
 
 __all__ = ["Int8DynamicLinear", "SHIFT_ATTR", "quantize_rowwise", "uses_integer_kernel"]

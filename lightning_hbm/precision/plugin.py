@@ -30,7 +30,7 @@ from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LI
 from lightning_hbm.precision.bnb import import_bnb
 from lightning_hbm.precision.gptq import ROUNDINGS, digest, gptq_round_, input_hessians, is_4bit
 from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
-from lightning_hbm.precision.registry import QuantMode, get_mode, to_dtype
+from lightning_hbm.precision.registry import QuantMode, format_of, get_mode, to_dtype
 from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args, choose_plan
 from lightning_hbm.precision.smoothing import SMOOTH_MODE, attached, check_smoothing, choose_smoothing
 from lightning_hbm.probe import first_batch
@@ -127,8 +127,8 @@ def _quantizable_linears(
             # not quantizable (reported by the coverage table), already adapted by LoRA, or not prepared
             # (an ignored MultiheadAttention)
             continue
-        if not layer.weight.is_floating_point():
-            continue  # already quantized
+        if not layer.weight.is_floating_point() or format_of(layer) is not None:
+            continue  # already quantized (an integer weight, or a tensor-subclass weight a format owns)
         if _ignored(name, ignore_modules):
             skipped[name] = ("QuantizedPrecision(ignore_modules=...)", True)
         elif owners.get(id(layer.weight), 0) > 1:
@@ -216,6 +216,9 @@ def quantize_model(
         log.info("lightning_hbm: not quantizing %s", {n: r for n, (r, _) in skipped.items()})
     target = torch.device(device) if device is not None else None
     modes = _layer_modes(targets, quant_mode, layer_modes or {})
+    for name, layer in targets:  # each format's own refusals, before the first layer changes
+        if modes[name] is not None:
+            modes[name].check(name, layer)
     for name, layer in targets:
         if modes[name] is None:  # kept unquantized by the plan: frozen like every other base weight
             layer.weight.requires_grad_(False)

@@ -1,9 +1,18 @@
-"""Name -> quantization mode registry (the torchao ``quantize_`` pattern: one small config per mode).
+"""Name -> quantized format registry (the torchao ``quantize_`` pattern: one small config per mode).
 
-A mode says how one frozen ``nn.Linear`` is replaced: ``replace(linear, compute_dtype, device)``
-returns the new module, holding the *same* input/output features and the linear's bias. Modes
-register themselves with :func:`register_mode`; :func:`get_mode` turns an unknown name into a
-``ValueError`` that lists the valid ones.
+A mode (a :class:`QuantFormat`) says everything the rest of lightning_hbm asks about one way of storing a
+frozen ``nn.Linear``: how to build it (``replace(linear, compute_dtype, device)`` returns the new module, holding
+the *same* input/output features and the linear's bias), which modules are its own (:meth:`QuantFormat.owns`),
+how to read the weight back (:meth:`~QuantFormat.dequantize`: quality, LoRA merge, ``FusedLoss``), which tensors
+hold its quantization constants (:meth:`~QuantFormat.constants`: storage counting, profiler and planner), how
+peft wraps it (``peft_kind``), which wider modes the sensitivity plan may give its sensitive layers
+(``ladder``), its step-time cost for the planner (``cost``) and its fake-tensor twin (``fake``). Consumers
+ask :func:`format_of` (a module) or :func:`get_mode` (a name) instead of testing classes or attribute names.
+
+Modes register themselves with :func:`register_format` (a format object) or :func:`register_mode` (a decorator
+for a plain ``replace`` function); :func:`get_mode` turns an unknown name into a ``ValueError`` that lists
+the valid ones. Every module of :mod:`lightning_hbm.precision` is imported by the package, so a new format is
+one new file there (docs/extending.md walks through one).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
+from lightning_hbm.memory.storage import register_format_lookup
 from lightning_hbm.naming import did_you_mean
 
 ReplaceFn = Callable[[nn.Linear, torch.dtype, Optional[torch.device]], nn.Module]
@@ -31,8 +41,13 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 
 
 @dataclass(frozen=True)
-class QuantMode:
-    """One precision mode: how a frozen Linear is stored and computed."""
+class QuantFormat:
+    """One quantized storage format: how a frozen Linear is stored and computed, and what consumers ask of it.
+
+    The defaults describe a format whose layer is unknown to the consumers (a plain ``register_mode``
+    function): it owns no module, has no constants outside its parameters and cannot be dequantized.
+    Subclasses override the methods for the modules they build.
+    """
 
     name: str
     replace: ReplaceFn
@@ -43,13 +58,53 @@ class QuantMode:
     # the same layer built from a FakeTensor weight (the planner predicts memory without allocating):
     # storage of the exact shapes and dtypes, nothing computed. None: ``replace`` runs on fake tensors as is.
     fake: Optional[ReplaceFn] = None
+    # the wider modes a sensitive layer may take instead of this one (sensitivity ``"auto"``), narrowest first
+    ladder: tuple[str, ...] = ("int8",)
+    # step time added over an unquantized run, as a fraction (the planner's assumption: 4-bit 0.25, int8 0.5)
+    cost: float = 0.25
+    # True when the layer's forward is ``F.linear(x, dequantize(layer), bias)``: ``FusedLoss`` may then
+    # dequantize a frozen head once for all its chunks instead of once per chunk and pass
+    dense_forward: bool = False
 
-    def for_fake_tensors(self) -> QuantMode:
+    def check(self, name: str, layer: nn.Module) -> None:
+        """Raise a ``ValueError`` (what, the value, the fix) if layer ``name`` cannot be stored in this format.
+
+        Called for every target before the first layer is quantized, so a refusal changes nothing.
+        """
+
+    def owns(self, module: nn.Module) -> bool:
+        """Whether ``module`` is a layer of this format (as ``replace`` builds it)."""
+        return False
+
+    def dequantize(self, module: nn.Module, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The ``[out, in]`` weight ``module`` multiplies with, in ``dtype`` (default: the format's own)."""
+        raise TypeError(f"Precision mode {self.name!r} cannot dequantize {type(module).__name__}.")
+
+    def compute_dtype(self, module: nn.Module) -> Optional[torch.dtype]:
+        """The dtype ``module``'s forward multiplies in (``None``: the dtype of its input)."""
+        return None
+
+    def constants(self, module: nn.Module) -> list[torch.Tensor]:
+        """Tensors of ``module``'s quantization constants (scales, code books) that are not its parameters."""
+        return []
+
+    def for_fake_tensors(self) -> QuantFormat:
         """This mode with ``replace`` swapped for its fake-tensor construction (used by the planner)."""
         return self if self.fake is None else replace(self, replace=self.fake, fake=None)
 
 
-_MODES: dict[str, QuantMode] = {}
+#: the name the rest of the package (and users) knew the protocol by
+QuantMode = QuantFormat
+
+_MODES: dict[str, QuantFormat] = {}
+
+
+def register_format(fmt: QuantFormat) -> QuantFormat:
+    """Register ``fmt`` under ``fmt.name``; a second format of the same name raises."""
+    if fmt.name in _MODES:
+        raise ValueError(f"Precision mode {fmt.name!r} is already registered.")
+    _MODES[fmt.name] = fmt
+    return fmt
 
 
 def register_mode(
@@ -60,19 +115,27 @@ def register_mode(
     peft_kind: Optional[str] = None,
     fake: Optional[ReplaceFn] = None,
 ) -> Callable[[ReplaceFn], ReplaceFn]:
-    """Decorator: register ``fn(linear, compute_dtype, device) -> nn.Module`` as mode ``name``.
+    """Decorator: register ``fn(linear, compute_dtype, device) -> nn.Module`` as a plain mode ``name``.
 
     ``fake``: how to build the same layer when ``linear.weight`` is a FakeTensor, if ``fn`` cannot
-    (bitsandbytes' parameter classes cannot wrap one); the planner uses it.
+    (bitsandbytes' parameter classes cannot wrap one); the planner uses it. A plain mode's layers are
+    unknown to quality, merge and storage counting: register a :class:`QuantFormat` subclass for that.
     """
 
     def decorator(fn: ReplaceFn) -> ReplaceFn:
-        if name in _MODES:
-            raise ValueError(f"Precision mode {name!r} is already registered.")
-        _MODES[name] = QuantMode(name, fn, dtypes, description, peft_kind, fake)
+        register_format(QuantFormat(name, fn, dtypes, description, peft_kind, fake))
         return fn
 
     return decorator
+
+
+def format_of(module: nn.Module) -> Optional[QuantFormat]:
+    """The registered format that owns ``module`` (first registered first), ``None`` for any other module."""
+    return next((fmt for fmt in _MODES.values() if fmt.owns(module)), None)
+
+
+# memory (level 0) and the layer kinds (level 1) ask for formats without importing precision, which sits above them
+register_format_lookup(format_of)
 
 
 def available_precisions() -> list[str]:
@@ -80,7 +143,7 @@ def available_precisions() -> list[str]:
     return sorted(_MODES)
 
 
-def get_mode(name: str) -> QuantMode:
+def get_mode(name: str) -> QuantFormat:
     """The registered mode ``name``; unknown names raise a ``ValueError`` listing the valid ones."""
     if not isinstance(name, str) or name not in _MODES:
         raise ValueError(

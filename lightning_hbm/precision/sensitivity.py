@@ -173,20 +173,11 @@ class _Swapper:
                 self._put(name, self.layers[name])
 
 
-#: the modes the sensitive layers may take by default, per base mode, narrowest first
-DEFAULT_LADDERS: dict[str, tuple[str, ...]] = {
-    "nf4": ("nf4-b32", "int8"),
-    "nf4-dq": ("nf4-dq-b32", "int8"),
-    "int8": (UNQUANTIZED,),
-    "int8-dynamic": (UNQUANTIZED,),
-    "int8-dynamic-smooth": (UNQUANTIZED,),
-}
-
-
 def ladder(base: str, sensitive: Any) -> tuple[str, ...]:
-    """The wider modes a layer may take instead of ``base``: ``sensitive`` as given, or ``"auto"``'s defaults."""
+    """The wider modes a layer may take instead of ``base``: ``sensitive`` as given, or ``"auto"``: the
+    format's own ``ladder`` (``nf4-dq``: ``nf4-dq-b32``, ``int8``; int8 modes: ``none``)."""
     if sensitive == "auto":
-        return DEFAULT_LADDERS.get(base, ("int8",))
+        return get_mode(base).ladder
     return (sensitive,) if isinstance(sensitive, str) else tuple(sensitive)
 
 
@@ -279,7 +270,7 @@ def choose_plan(
 ) -> SensitivityPlan:
     """Choose ``base`` or one of the ``sensitive`` modes for each Linear in ``names`` (changed back afterwards).
 
-    ``sensitive``: a mode, several (e.g. ``["nf4-dq-b32", "int8"]``) or ``"auto"`` (:data:`DEFAULT_LADDERS`).
+    ``sensitive``: a mode, several (e.g. ``["nf4-dq-b32", "int8"]``) or ``"auto"`` (the base format's ``ladder``).
     With ``max_bytes_per_param`` alone the budget is filled; with ``min_cosine`` the cheapest plan of the
     sequence reaching it is taken. A budget that cannot be met raises a ``ValueError`` naming the best
     reachable figure, before anything changes. ``hessians``: 4-bit layers are measured GPTQ-rounded

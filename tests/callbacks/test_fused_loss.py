@@ -147,6 +147,27 @@ def test_quantized_lora_adapted_head_gradients_equal_unfused(
     assert not head_lora or "forward" not in vars(fused.model.lm_head.base_layer)
 
 
+def test_a_dense_forward_format_head_is_dequantized_once_whatever_its_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head's format (here torchao's nf4, no bitsandbytes) says its forward is F.linear of its dequantized
+    weight: FusedLoss dequantizes it once for all chunks and the layer's own (per-chunk) forward never runs."""
+    pytest.importorskip("torchao")
+    from lightning_hbm.precision.torchao_nf4 import NF4Linear
+
+    ref = _Wrapper(_hf_llama())
+    quantize_model(ref, "nf4-torchao", torch.float32, quantize_head=True)
+    LoRA(r=4, target_modules=["q_proj", "v_proj"]).transform_model(ref)
+    fused = copy.deepcopy(ref)
+    FusedLoss(chunk_size=9).transform_model(fused)
+    head = fused.model.lm_head
+    assert isinstance(head, NF4Linear)
+    calls = []
+    original = NF4Linear.forward
+    monkeypatch.setattr(NF4Linear, "forward", lambda self, x: calls.append(self) or original(self, x))
+    x, y = _batch()
+    _compare(ref, fused, lambda m: m.model(input_ids=x, labels=y, use_cache=False).loss, tol=1e-5)
+    assert calls and head not in calls  # the other NF4 layers ran their own forward, the head did not
+
+
 def test_functional_api_and_tied_head() -> None:
     """Tied head (weight shared with the embedding): both uses' gradients add up as unfused."""
     torch.manual_seed(0)

@@ -65,8 +65,8 @@ def test_output_sqnr_beats_nf4_at_about_one_byte_per_weight() -> None:
     assert len(layers) == 3
     for layer in layers:
         # the scales are found by the parameters term: int8 values + one fp32 scale per output row
-        assert quantization_tensors(layer.weight) == [layer.weight_scale]
-        stored = unique_bytes([layer.weight, *quantization_tensors(layer.weight)])
+        assert quantization_tensors(layer) == [layer.weight_scale]
+        stored = unique_bytes([layer.weight, *quantization_tensors(layer)])
         assert stored == 256 * 256 + 4 * 256
         assert stored / layer.weight.numel() <= 1.1
     frozen = parameter_bytes(int8, trainable=False)
@@ -187,12 +187,12 @@ def test_state_dict_round_trip_and_scale_links() -> None:
         fresh = quantized(linear_stack(seed=2), "int8-dynamic")
         fresh.load_state_dict(copy.deepcopy(state), assign=assign)
         for layer in int8_layers(fresh):
-            assert layer.weight.scales is layer.weight_scale  # the bytes counter sees the live scales
+            assert quantization_tensors(layer) == [layer.weight_scale]  # the bytes counter sees the live scales
         torch.testing.assert_close(fresh(x), source(x), rtol=0, atol=0)
     copied = copy.deepcopy(source)  # deepcopy rebuilds Parameters without their attributes
     moved = copy.deepcopy(source).float()  # any _apply (.to, .float, .cuda) replaces buffers
     for model in (copied, moved):
-        assert all(layer.weight.scales is layer.weight_scale for layer in int8_layers(model))
+        assert all(quantization_tensors(layer) == [layer.weight_scale] for layer in int8_layers(model))
         assert parameter_bytes(model, trainable=False) == parameter_bytes(source, trainable=False)
 
 

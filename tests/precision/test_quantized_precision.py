@@ -28,7 +28,7 @@ def quantized_bytes_per_param(module: nn.Module) -> float:
     for layer in module.modules():
         if isinstance(layer, QUANTIZED_TYPES):
             tensors.append(layer.weight)
-            tensors.extend(quantization_tensors(layer.weight))
+            tensors.extend(quantization_tensors(layer))
             count += layer.in_features * layer.out_features
     return unique_bytes(tensors) / count
 

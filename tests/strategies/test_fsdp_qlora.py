@@ -218,7 +218,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     losses, trainer, model = _single_process(tmp_path_factory.mktemp("reference"), epochs=2)
     import bitsandbytes as bnb
 
-    constants = [t for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) for t in quantization_tensors(m.weight)]
+    constants = [t for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) for t in quantization_tensors(m)]
     return {
         "losses": losses,
         "model": model,

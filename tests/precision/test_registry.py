@@ -1,0 +1,91 @@
+"""The quantized-format protocol: every registered format answers for the layers it builds; consumers ask it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hbm.memory import parameter_bytes, quantization_tensors, unique_bytes
+from lightning_hbm.planner import Candidate
+from lightning_hbm.precision import QuantFormat, available_precisions, format_of, get_mode, register_format, registry
+
+
+@pytest.mark.parametrize("name", available_precisions())
+def test_every_format_owns_dequantizes_and_counts_what_it_builds(name: str) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 64)
+    weight = linear.weight.detach().clone()
+    layer = get_mode(name).replace(linear, torch.float32, torch.device("cpu"))
+    fmt = format_of(layer)
+    assert fmt is not None and fmt.owns(layer) and type(fmt) is type(get_mode(name))
+    assert format_of(nn.Linear(4, 4)) is None
+    dense = fmt.dequantize(layer).float()
+    assert dense.shape == weight.shape
+    assert 0 < ((dense - weight).norm() / weight.norm()).item() < 0.15  # quantized, and close
+    # its constants are counted with its parameters (torchao's live inside its weight tensor: counted with it)
+    constants = quantization_tensors(layer)
+    assert constants and parameter_bytes(layer) == unique_bytes([*layer.parameters(), *constants])
+    inside = name == "nf4-torchao"
+    assert (parameter_bytes(layer) > unique_bytes(layer.parameters())) != inside
+
+
+@dataclass(frozen=True)
+class _HalfFormat(QuantFormat):
+    """A toy format: an fp16 weight whose scale sits in an attribute no counter could guess."""
+
+    def owns(self, module: nn.Module) -> bool:
+        return isinstance(module, _HalfLinear)
+
+    def dequantize(self, module: nn.Module, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        return module.weight.float() * module.zz_unusual_name
+
+    def constants(self, module: nn.Module) -> list[torch.Tensor]:
+        return [module.zz_unusual_name]
+
+
+class _HalfLinear(nn.Linear):
+    pass
+
+
+def _half(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
+    layer = _HalfLinear(linear.in_features, linear.out_features, bias=False)
+    layer.weight = nn.Parameter(linear.weight.detach().half(), requires_grad=False)
+    layer.zz_unusual_name = torch.ones(linear.out_features, 1)  # neither a parameter nor a buffer
+    return layer
+
+
+@pytest.fixture
+def half_format() -> Iterator[QuantFormat]:
+    fmt = register_format(_HalfFormat("test-half", _half, (torch.float32,), "fp16 weight, fp32 row scale", cost=0.1))
+    try:
+        yield fmt
+    finally:
+        del registry._MODES["test-half"]
+
+
+def test_constants_under_any_name_are_counted(half_format: QuantFormat) -> None:
+    layer = half_format.replace(nn.Linear(32, 16, bias=False), torch.float32, None)
+    assert quantization_tensors(layer) == [layer.zz_unusual_name]
+    assert parameter_bytes(layer) == 32 * 16 * 2 + 16 * 4  # fp16 weight + the fp32 scales
+    assert parameter_bytes(nn.Sequential(layer)) == 32 * 16 * 2 + 16 * 4
+
+
+def test_the_planner_and_the_ladder_ask_the_format(half_format: QuantFormat) -> None:
+    assert Candidate("test-half").relative_cost() == 1.1
+    assert Candidate("nf4-dq").relative_cost() == 1.25 and Candidate("int8-dynamic").relative_cost() == 1.5
+    assert get_mode("test-half").ladder == ("int8",)  # the default: a sensitive layer may take int8
+    assert get_mode("nf4-dq").ladder == ("nf4-dq-b32", "int8") and get_mode("int8").ladder == ("none",)
+
+
+def test_errors() -> None:
+    with pytest.raises(TypeError, match=r"takes the quantized layer \(an nn.Module\), got Parameter: pass the module"):
+        quantization_tensors(nn.Linear(2, 2).weight)
+    with pytest.raises(ValueError, match=r"Precision mode 'nf4' is already registered"):
+        register_format(get_mode("nf4"))
+    with pytest.raises(TypeError, match=r"Precision mode 'x' cannot dequantize Linear"):
+        QuantFormat("x", _half, (torch.float32,), "").dequantize(nn.Linear(2, 2))
