@@ -83,16 +83,16 @@ FAMILIES: dict[str, Family] = {
     ), experts=True),
     "bamba": Family("BambaForCausalLM", "BambaConfig", dict(
         LM, intermediate_size=128, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2,
-    )),
+    ), warns=("Linear",)),  # out_proj: its weight is read by the mixer's fused scan
     "zamba2": Family("Zamba2ForCausalLM", "Zamba2Config", dict(
         LM, intermediate_size=128, mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8, layers_block_type=["mamba", "hybrid"],
         num_mem_blocks=1, use_mem_rope=False,
-    )),
+    ), warns=("Linear",)),  # out_proj: its weight is read by the mixer's fused scan
     "gemma3": Family("Gemma3ForCausalLM", "Gemma3TextConfig", dict(LM, intermediate_size=128, head_dim=16, sliding_window=8)),
     "starcoder2": Family("Starcoder2ForCausalLM", "Starcoder2Config", dict(LM, intermediate_size=128)),
     "cohere": Family("CohereForCausalLM", "CohereConfig", dict(LM, intermediate_size=128)),
     "stablelm": Family("StableLmForCausalLM", "StableLmConfig", dict(LM, intermediate_size=128)),
-    "mamba2": Family("Mamba2ForCausalLM", "Mamba2Config", dict(IDS, hidden_size=WIDTH, num_hidden_layers=2, state_size=8, num_heads=8, head_dim=16, n_groups=1, expand=2)),
+    "mamba2": Family("Mamba2ForCausalLM", "Mamba2Config", dict(IDS, hidden_size=WIDTH, num_hidden_layers=2, state_size=8, num_heads=8, head_dim=16, n_groups=1, expand=2), warns=("Linear",)),
     "rwkv": Family("RwkvForCausalLM", "RwkvConfig", dict(IDS, hidden_size=WIDTH, num_hidden_layers=2, attention_hidden_size=WIDTH, intermediate_size=128, context_length=64)),
     "t5": Family("T5ForConditionalGeneration", "T5Config", dict(IDS, d_model=WIDTH, d_ff=128, num_layers=2, num_heads=4, d_kv=16, decoder_start_token_id=0), task="seq2seq"),
     "bart": Family("BartForConditionalGeneration", "BartConfig", dict(
@@ -216,7 +216,8 @@ def check_trains_and_resumes(name: str, tmp_path: Any) -> None:
     family = FAMILIES[name]
     straight, recorder, caught = fit(name, 2, tmp_path / "straight")
     losses = recorder.losses
-    assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    # the second epoch's loss (same 2 batches) below the first's
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and sum(losses[2:]) < sum(losses[:2]), losses
     assert recorder.adapters and set(recorder.adapters) == recorder.trained, sorted(set(recorder.adapters) - recorder.trained)[:6]
     check_coverage(family, straight, caught)
 
