@@ -356,11 +356,18 @@ def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]
     Such a layer cannot be quantized (the reader gets the packed integer weight: a low-level dtype or shape
     error) nor adapted (the adapter is never called). Found by reading the source of the model's classes
     (``inspect``/``ast``), before any change and without a batch: methods whose name has ``init``/``reset``
-    (weight initialisation) and ``.weight.device`` reads are not readers. ``uses_only``: leave out metadata reads
+    (weight initialisation) and ``.weight.device`` reads are not readers; an ``nn.Linear`` subclass that overrides
+    ``forward`` reads its own weight. ``uses_only``: leave out metadata reads
     (``.weight.dtype``/``.shape``: wrong once quantized, harmless for an adapter). Code without source is not seen.
     """
     layers = {id(base_layer(layer)): name for name, layer, _ in find_layers(module)}
     readers: dict[str, str] = {}
+    for name, layer, _ in find_layers(module):
+        cls = type(base_layer(layer))
+        # an nn.Linear subclass with its own forward (transformers Llama4Router returns (scores, logits)) computes
+        # with its own weight: the mode's layer or peft's would replace that forward
+        if issubclass(cls, nn.Linear) and cls.forward is not nn.Linear.forward and not cls.__module__.startswith(_KNOWN):
+            readers[name] = f"{cls.__name__}.forward (an nn.Linear subclass with its own forward)"
     for name, sub in module.named_modules():
         for path, reader, metadata in _weight_paths(type(sub)):
             if metadata and uses_only:
@@ -496,12 +503,38 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
             row.unhandled += count
     other = CoverageRow("other (embeddings, norms, ...)")
     adapters = CoverageRow("LoRA adapters (trained)")
+    raw = CoverageRow(RAW_WEIGHTS)
+    owners = {id(p): n for n, m in module.named_modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
     for name, param in module.named_parameters():
-        if id(param) not in in_kinds:
-            row = adapters if ".lora_" in name else other
-            row.params += param.numel()
+        if id(param) in in_kinds:
+            continue
+        if ".lora_" in name:
+            adapters.params += param.numel()
+        elif id(param) in owners and _is_raw_weight(param):
+            # a weight matrix no layer kind holds (DBRX's experts: 2-D w1/v1/w2 Parameters, routers): never quantized
+            # or adapted, and warned above 5 % rather than counted with the embeddings
+            owner = owners[id(param)]
+            raw.params += param.numel()
+            raw.unhandled += param.numel()
+            if owner not in raw.undeliberate:
+                raw.undeliberate.append(owner)
+        else:
+            other.params += param.numel()
     other.left_alone = other.params
-    return [*rows.values(), *([adapters] if adapters.params else []), other]
+    if raw.params:
+        raw.layers, raw.left_alone = len(raw.undeliberate), raw.params
+        raw.reasons[RAW_WEIGHTS_REASON] = raw.params
+    return [*rows.values(), *([raw] if raw.params else []), *([adapters] if adapters.params else []), other]
+
+
+RAW_WEIGHTS = "weights outside any layer"
+RAW_WEIGHTS_REASON = "Parameters of 2+ dimensions used by their module's own code (no layer kind lightning_hbm knows)"
+
+
+def _is_raw_weight(param: nn.Parameter) -> bool:
+    # a matrix (or stack of them) of at least 2 rows; a [1, tokens, width] table broadcast over the batch (ViT
+    # cls_token / pos_embed, SigLIP's probe, RWKV's time mixes) is an embedding
+    return param.dim() >= 2 and param.shape[0] > 1 and param.is_floating_point()
 
 
 def format_coverage(rows: list[CoverageRow]) -> str:
@@ -523,7 +556,14 @@ def coverage_warnings(rows: list[CoverageRow]) -> list[str]:
     total = max(sum(r.params for r in rows), 1)
     messages = []
     for r in rows:
-        if r.unhandled / total > WARN_SHARE:
+        if r.unhandled / total > WARN_SHARE and r.kind == RAW_WEIGHTS:
+            messages.append(
+                f"lightning_hbm: {100 * r.unhandled / total:.1f}% of the parameters are {r.kind}, left as they were (not "
+                f"quantized, no adapter): Parameters of {r.undeliberate[:4]}{' ...' if len(r.undeliberate) > 4 else ''}, "
+                "which their module's own code uses (no nn.Linear or other layer kind). They stay at full size in the "
+                "parameters term: exclude them knowingly, or use a model whose weights are nn.Linear layers."
+            )
+        elif r.unhandled / total > WARN_SHARE:
             kind = _KINDS[r.kind]
             read = [why for why in r.reasons if why.startswith("weight read directly")]
             option = (
