@@ -31,6 +31,8 @@ from typing import Callable, Iterator, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm.experts import LinearExperts, supported
@@ -348,6 +350,27 @@ def _weight_paths(cls: type) -> tuple[tuple[str, str, bool], ...]:
     return tuple((path, reader, meta) for path, (reader, meta) in found.items())
 
 
+def _own_forward(layer: nn.Module) -> bool:
+    """Whether ``layer`` is an ``nn.Linear`` subclass whose forward computes something else than ``F.linear``.
+
+    transformers' Llama4Router returns ``(scores, logits)``: the mode's layer or peft's would replace that forward.
+    FalconLinear computes the same product in its own code: it is an ordinary Linear. Told apart by one call on a
+    fixed 2-row input (no random numbers drawn); on meta or fake weights only the output's type and shape count.
+    """
+    cls = type(layer)
+    if not isinstance(layer, nn.Linear) or cls.forward is nn.Linear.forward or cls.__module__.startswith(_KNOWN):
+        return False
+    weight = layer.weight
+    x = torch.arange(2 * layer.in_features, dtype=weight.dtype, device=weight.device).reshape(2, -1).sin()
+    with torch.no_grad():
+        out = layer(x)
+        if not isinstance(out, torch.Tensor) or out.shape != (2, layer.out_features):
+            return True
+        if weight.device.type == "meta" or type(weight.data) is not torch.Tensor:  # no values to compare (planner)
+            return False
+        return not torch.allclose(out, F.linear(x, weight, layer.bias), rtol=1e-3, atol=1e-5)
+
+
 def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]:
     """``{layer name: "Class.method"}``: layers of a registered kind whose weight an enclosing module's code reads
     directly (``self.dt_proj.weight @ x`` in transformers' Mamba, ``F.linear(x, self.qkv.weight)`` in
@@ -363,11 +386,8 @@ def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]
     layers = {id(base_layer(layer)): name for name, layer, _ in find_layers(module)}
     readers: dict[str, str] = {}
     for name, layer, _ in find_layers(module):
-        cls = type(base_layer(layer))
-        # an nn.Linear subclass with its own forward (transformers Llama4Router returns (scores, logits)) computes
-        # with its own weight: the mode's layer or peft's would replace that forward
-        if issubclass(cls, nn.Linear) and cls.forward is not nn.Linear.forward and not cls.__module__.startswith(_KNOWN):
-            readers[name] = f"{cls.__name__}.forward (an nn.Linear subclass with its own forward)"
+        if _own_forward(base_layer(layer)):
+            readers[name] = f"{type(base_layer(layer)).__name__}.forward (an nn.Linear subclass with its own forward)"
     for name, sub in module.named_modules():
         for path, reader, metadata in _weight_paths(type(sub)):
             if metadata and uses_only:
@@ -515,6 +535,7 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
             # or adapted, and warned above 5 % rather than counted with the embeddings
             owner = owners[id(param)]
             raw.params += param.numel()
+            raw.checkpointed += param.numel() if any(owner == b or owner.startswith(b + ".") for b in blocks) else 0
             raw.unhandled += param.numel()
             if owner not in raw.undeliberate:
                 raw.undeliberate.append(owner)

@@ -1017,3 +1017,17 @@ def test_a_linear_with_its_own_forward_is_kept_and_named() -> None:
     assert not base_layer(model.proj).weight.is_floating_point() and hasattr(model.proj, "lora_A")  # the plain Linear: as before
     rows = {r.kind: r for r in coverage(model, quantizing=True, adapting=True)}
     assert rows["Linear"].undeliberate == ["router"] and rows["Linear"].quantized == 32 * 32 + 32
+
+
+def test_a_linear_subclass_computing_the_same_product_is_an_ordinary_linear() -> None:
+    """transformers FalconLinear: ``input @ self.weight.T + self.bias`` in its own forward (was: 'selects no Linear')."""
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    from lightning_hbm.layers import weight_readers
+
+    model = nn.ModuleDict({"router": OwnForwardRouter(32, 32), "dense": FalconLinear(32, 32)})
+    state = torch.random.get_rng_state()
+    assert weight_readers(model) == {"router": "OwnForwardRouter.forward (an nn.Linear subclass with its own forward)"}
+    assert torch.equal(torch.random.get_rng_state(), state)  # the probe draws no random numbers (LoRA's init stays)
+    quantize_model(model, "nf4-dq", dtype="float32")
+    assert not model.dense.weight.is_floating_point() and model.router.weight.is_floating_point()
