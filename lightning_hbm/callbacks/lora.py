@@ -631,10 +631,12 @@ def _expose_base_attributes(layer: nn.Module) -> None:
     """Give a peft LoRA layer the base layer's plain attributes it lacks (``stride``, ``padding``, ...).
 
     A parent may read them (transformers Whisper: ``self.conv1.stride[0]``); peft's LoRA Conv layer does not forward
-    them ("'Conv1d' object has no attribute 'stride'"). Its own attributes (``in_features``, ``weight``) stay.
+    them ("'Conv1d' object has no attribute 'stride'"). Its own attributes (``in_features``, ``weight``) stay. Only
+    plain values are copied: a bitsandbytes layer's ``quant_state`` is an object that changes with the layer.
     """
     for name, value in vars(layer.get_base_layer()).items():
-        if not name.startswith("_") and name not in vars(layer) and not hasattr(type(layer), name):
+        plain = isinstance(value, (bool, int, float, str, tuple))
+        if plain and not name.startswith("_") and name not in vars(layer) and not hasattr(type(layer), name):
             object.__setattr__(layer, name, value)
 
 
