@@ -960,3 +960,73 @@ def test_planner_traces_vit_blocks_and_a_bf16_batchnorm_cnn(factory: Callable[[]
     assert prediction.categories["parameters"] == parameter_bytes(module)
     assert prediction.trainable_params == sum(p.numel() for p in module.parameters() if p.requires_grad)
     assert prediction.categories["activations"] > 0
+
+
+# ------------------------------------ issue 24, round two: weights outside any layer, Linears with their own forward
+
+
+class RawExperts(nn.Module):
+    """DBRX's experts: 2-D ``w1``/``v1``/``w2`` Parameters ``[experts * ffn, width]`` used by the module's own code."""
+
+    def __init__(self, experts: int = 4, width: int = 32, ffn: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, width), nn.Linear(width, VOCAB)
+        self.ffn = ffn
+        self.w1 = nn.Parameter(torch.randn(experts * ffn, width) / width**0.5)
+        self.w2 = nn.Parameter(torch.randn(experts * ffn, width) / ffn**0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        return self.head(hidden + F.silu(hidden @ self.w1[: self.ffn].t()) @ self.w2[: self.ffn])
+
+
+def test_weights_outside_any_layer_are_a_named_row_and_warning() -> None:
+    """Was: DBRX's experts (68 % of the parameters) counted with the embeddings and norms, no warning."""
+    from lightning_hbm.layers import RAW_WEIGHTS, report_coverage
+
+    torch.manual_seed(0)
+    module = Wrapped(RawExperts(), "plain")
+    quantize_model(module, "nf4-dq", dtype="float32")
+    with pytest.warns(UserWarning, match=r"% of the parameters are weights outside any layer, left as they were .*Parameters of \['model'\]"):
+        rows = {r.kind: r for r in report_coverage(module, quantizing=True)}
+    assert rows[RAW_WEIGHTS].params == rows[RAW_WEIGHTS].left_alone == 2 * 4 * 32 * 32
+    assert rows["other (embeddings, norms, ...)"].params == VOCAB * 32  # the embedding stays "other"
+
+
+class OwnForwardRouter(nn.Linear):
+    """transformers Llama4Router: an nn.Linear subclass whose forward returns (scores, logits)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        logits = super().forward(x)
+        return logits.softmax(-1), logits
+
+
+def test_a_linear_with_its_own_forward_is_kept_and_named() -> None:
+    """Was: replaced by bitsandbytes' Linear4bit, so the router lost its forward ("too many values to unpack")."""
+    from lightning_hbm.layers import weight_readers
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"router": OwnForwardRouter(32, 32), "proj": nn.Linear(32, 32)})
+    assert weight_readers(model) == {"router": "OwnForwardRouter.forward (an nn.Linear subclass with its own forward)"}
+    quantize_model(model, "nf4-dq", dtype="float32")
+    LoRA(r=4).transform_model(model)
+    assert type(model.router) is OwnForwardRouter and model.router.weight.is_floating_point()
+    scores, logits = model.router(torch.randn(2, 32))
+    assert scores.shape == logits.shape == (2, 32)
+    assert not base_layer(model.proj).weight.is_floating_point() and hasattr(model.proj, "lora_A")  # the plain Linear: as before
+    rows = {r.kind: r for r in coverage(model, quantizing=True, adapting=True)}
+    assert rows["Linear"].undeliberate == ["router"] and rows["Linear"].quantized == 32 * 32 + 32
+
+
+def test_a_linear_subclass_computing_the_same_product_is_an_ordinary_linear() -> None:
+    """transformers FalconLinear: ``input @ self.weight.T + self.bias`` in its own forward (was: 'selects no Linear')."""
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    from lightning_hbm.layers import weight_readers
+
+    model = nn.ModuleDict({"router": OwnForwardRouter(32, 32), "dense": FalconLinear(32, 32)})
+    state = torch.random.get_rng_state()
+    assert weight_readers(model) == {"router": "OwnForwardRouter.forward (an nn.Linear subclass with its own forward)"}
+    assert torch.equal(torch.random.get_rng_state(), state)  # the probe draws no random numbers (LoRA's init stays)
+    quantize_model(model, "nf4-dq", dtype="float32")
+    assert not model.dense.weight.is_floating_point() and model.router.weight.is_floating_point()

@@ -183,7 +183,9 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     ``nn.Sequential`` stack inside a block replaces that block (timm ConvNeXt's ``stages.0.blocks``: the
     blocks, not the 4 stages); other lists nested inside a block (the experts of a mixture-of-experts
     layer, called side by side rather than one after another) are not blocks themselves. Leaf modules (a
-    list of ``nn.Linear`` heads) are not blocks: recomputing one matmul saves nothing.
+    list of ``nn.Linear`` heads) are not blocks: recomputing one matmul saves nothing. A model with no such
+    stack may be a hybrid (transformers Jamba, Zamba2: Mamba and attention layers in one ``nn.ModuleList``):
+    the outermost ``nn.ModuleList`` whose children are all composite modules is its stack.
     """
     blocks: dict[str, nn.Module] = {}
     for name, child in module.named_modules():
@@ -200,8 +202,23 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
                 continue
             del blocks[outer]  # the finest repeated block: a stage's blocks rather than the stage
         blocks.update({f"{name}.{n}" if name else n: c for n, c in items})
+    if not blocks:
+        blocks = _hybrid_blocks(module)
     order = {n: i for i, (n, _) in enumerate(module.named_modules())}
     return sorted(blocks.items(), key=lambda item: order[item[0]])
+
+
+def _hybrid_blocks(module: nn.Module) -> dict[str, nn.Module]:
+    # An nn.ModuleList of layers of several classes (not an nn.Sequential: a Linear, GELU, Linear MLP is one); only
+    # when no one-class stack exists, so a model with one never changes blocks.
+    blocks: dict[str, nn.Module] = {}
+    for name, child in module.named_modules():
+        if not isinstance(child, nn.ModuleList) or len(child) < 2 or any(name.startswith(b + ".") for b in blocks):
+            continue
+        items = list(child.named_children())
+        if all(any(True for _ in c.children()) for _, c in items):
+            blocks.update({f"{name}.{n}" if name else n: c for n, c in items})
+    return blocks
 
 
 def _blocks_by_spec(module: nn.Module, spec: Sequence[str]) -> list[tuple[str, nn.Module]]:
@@ -358,7 +375,7 @@ class ActivationCheckpointing(SurgeryCallback):
         _disable_hf_cache(module)
         rank_zero_info(
             f"lightning_hbm: activation checkpointing ({self.policy}{', offload' if self.offload else ''}) "
-            f"on {len(chosen)} blocks ({type(chosen[0][1]).__name__})"
+            f"on {len(chosen)} blocks ({', '.join(dict.fromkeys(type(b).__name__ for _, b in chosen))})"
         )
 
     @override

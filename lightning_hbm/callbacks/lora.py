@@ -388,6 +388,7 @@ class LoRA(SurgeryCallback):
                 # under Lightning's bf16-true the module is bf16 already, so peft made bf16 adapters
                 for container in (sub.lora_A, sub.lora_B):
                     container.to(dtype)
+                _expose_base_attributes(sub)
         self.adapted_modules, self.saved_modules = targets, saved
         for name in self.narrow_left_out:
             layer = module.get_submodule(name)
@@ -604,6 +605,19 @@ class LoRA(SurgeryCallback):
         elif base_state_dict is not None:
             rank_zero_info("LoRA.merge: adapters merged onto the original full-precision weights (base_state_dict).")
         return {k: v.detach().to(out_dtype) if v.is_floating_point() else v.detach().clone() for k, v in merged.items()}
+
+
+def _expose_base_attributes(layer: nn.Module) -> None:
+    """Give a peft LoRA layer the base layer's plain attributes it lacks (``stride``, ``padding``, ...).
+
+    A parent may read them (transformers Whisper: ``self.conv1.stride[0]``); peft's LoRA Conv layer does not forward
+    them ("'Conv1d' object has no attribute 'stride'"). Its own attributes (``in_features``, ``weight``) stay. Only
+    plain values are copied: a bitsandbytes layer's ``quant_state`` is an object that changes with the layer.
+    """
+    for name, value in vars(layer.get_base_layer()).items():
+        plain = isinstance(value, (bool, int, float, str, tuple))
+        if plain and not name.startswith("_") and name not in vars(layer) and not hasattr(type(layer), name):
+            object.__setattr__(layer, name, value)
 
 
 def _compact_targets(model: nn.Module, adapted: list[str]) -> list[str]:

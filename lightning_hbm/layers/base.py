@@ -26,6 +26,8 @@ from typing import Callable, Iterator, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm.memory import parameter_bytes, parameter_count
@@ -230,6 +232,27 @@ def _weight_paths(cls: type) -> tuple[tuple[str, str, bool], ...]:
     return tuple((path, reader, meta) for path, (reader, meta) in found.items())
 
 
+def _own_forward(layer: nn.Module) -> bool:
+    """Whether ``layer`` is an ``nn.Linear`` subclass whose forward computes something else than ``F.linear``.
+
+    transformers' Llama4Router returns ``(scores, logits)``: the mode's layer or peft's would replace that forward.
+    FalconLinear computes the same product in its own code: it is an ordinary Linear. Told apart by one call on a
+    fixed 2-row input (no random numbers drawn); on meta or fake weights only the output's type and shape count.
+    """
+    cls = type(layer)
+    if not isinstance(layer, nn.Linear) or cls.forward is nn.Linear.forward or cls.__module__.startswith(_KNOWN):
+        return False
+    weight = layer.weight
+    x = torch.arange(2 * layer.in_features, dtype=weight.dtype, device=weight.device).reshape(2, -1).sin()
+    with torch.no_grad():
+        out = layer(x)
+        if not isinstance(out, torch.Tensor) or out.shape != (2, layer.out_features):
+            return True
+        if weight.device.type == "meta" or type(weight.data) is not torch.Tensor:  # no values to compare (planner)
+            return False
+        return not torch.allclose(out, F.linear(x, weight, layer.bias), rtol=1e-3, atol=1e-5)
+
+
 def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]:
     """``{layer name: "Class.method"}``: layers of a registered kind whose weight an enclosing module's code reads
     directly (``self.dt_proj.weight @ x`` in transformers' Mamba, ``F.linear(x, self.qkv.weight)`` in
@@ -238,11 +261,15 @@ def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]
     Such a layer cannot be quantized (the reader gets the packed integer weight: a low-level dtype or shape
     error) nor adapted (the adapter is never called). Found by reading the source of the model's classes
     (``inspect``/``ast``), before any change and without a batch: methods whose name has ``init``/``reset``
-    (weight initialisation) and ``.weight.device`` reads are not readers. ``uses_only``: leave out metadata reads
+    (weight initialisation) and ``.weight.device`` reads are not readers; an ``nn.Linear`` subclass that overrides
+    ``forward`` reads its own weight. ``uses_only``: leave out metadata reads
     (``.weight.dtype``/``.shape``: wrong once quantized, harmless for an adapter). Code without source is not seen.
     """
     layers = {id(base_layer(layer)): name for name, layer, _ in find_layers(module)}
     readers: dict[str, str] = {}
+    for name, layer, _ in find_layers(module):
+        if _own_forward(base_layer(layer)):
+            readers[name] = f"{type(base_layer(layer)).__name__}.forward (an nn.Linear subclass with its own forward)"
     for name, sub in module.named_modules():
         for path, reader, metadata in _weight_paths(type(sub)):
             if metadata and uses_only:
@@ -379,12 +406,39 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
             row.unhandled += count
     other = CoverageRow("other (embeddings, norms, ...)")
     adapters = CoverageRow("LoRA adapters (trained)")
+    raw = CoverageRow(RAW_WEIGHTS)
+    owners = {id(p): n for n, m in module.named_modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
     for name, param in module.named_parameters():
-        if id(param) not in in_kinds:
-            row = adapters if ".lora_" in name else other
-            row.params += param.numel()
+        if id(param) in in_kinds:
+            continue
+        if ".lora_" in name:
+            adapters.params += param.numel()
+        elif id(param) in owners and _is_raw_weight(param):
+            # a weight matrix no layer kind holds (DBRX's experts: 2-D w1/v1/w2 Parameters, routers): never quantized
+            # or adapted, and warned above 5 % rather than counted with the embeddings
+            owner = owners[id(param)]
+            raw.params += param.numel()
+            raw.checkpointed += param.numel() if any(owner == b or owner.startswith(b + ".") for b in blocks) else 0
+            raw.unhandled += param.numel()
+            if owner not in raw.undeliberate:
+                raw.undeliberate.append(owner)
+        else:
+            other.params += param.numel()
     other.left_alone = other.params
-    return [*rows.values(), *([adapters] if adapters.params else []), other]
+    if raw.params:
+        raw.layers, raw.left_alone = len(raw.undeliberate), raw.params
+        raw.reasons[RAW_WEIGHTS_REASON] = raw.params
+    return [*rows.values(), *([raw] if raw.params else []), *([adapters] if adapters.params else []), other]
+
+
+RAW_WEIGHTS = "weights outside any layer"
+RAW_WEIGHTS_REASON = "Parameters of 2+ dimensions used by their module's own code (no layer kind lightning_hbm knows)"
+
+
+def _is_raw_weight(param: nn.Parameter) -> bool:
+    # a matrix (or stack of them) of at least 2 rows; a [1, tokens, width] table broadcast over the batch (ViT
+    # cls_token / pos_embed, SigLIP's probe, RWKV's time mixes) is an embedding
+    return param.dim() >= 2 and param.shape[0] > 1 and param.is_floating_point()
 
 
 def format_coverage(rows: list[CoverageRow]) -> str:
@@ -406,7 +460,14 @@ def coverage_warnings(rows: list[CoverageRow]) -> list[str]:
     total = max(sum(r.params for r in rows), 1)
     messages = []
     for r in rows:
-        if r.unhandled / total > WARN_SHARE:
+        if r.unhandled / total > WARN_SHARE and r.kind == RAW_WEIGHTS:
+            messages.append(
+                f"lightning_hbm: {100 * r.unhandled / total:.1f}% of the parameters are {r.kind}, left as they were (not "
+                f"quantized, no adapter): Parameters of {r.undeliberate[:4]}{' ...' if len(r.undeliberate) > 4 else ''}, "
+                "which their module's own code uses (no nn.Linear or other layer kind). They stay at full size in the "
+                "parameters term: exclude them knowingly, or use a model whose weights are nn.Linear layers."
+            )
+        elif r.unhandled / total > WARN_SHARE:
             kind = _KINDS[r.kind]
             read = [why for why in r.reasons if why.startswith("weight read directly")]
             option = (

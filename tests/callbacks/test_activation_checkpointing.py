@@ -238,6 +238,33 @@ def test_model_without_repeated_blocks_is_an_error() -> None:
         ActivationCheckpointing().transform_model(_NoBlocks())
 
 
+class _MixerLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mix = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.mix(self.norm(x)).tanh()
+
+
+class _AttentionLayer(_MixerLayer):  # another class, as Jamba's attention layers beside its Mamba layers
+    pass
+
+
+def test_hybrid_stack_of_several_layer_classes_is_found_and_checkpointed() -> None:
+    """transformers Jamba / Zamba2 keep Mamba and attention layers in one ModuleList (was: "found no repeated blocks")."""
+    model = nn.Module()
+    model.layers = nn.ModuleList([_MixerLayer(), _AttentionLayer(), _MixerLayer()])
+    model.heads = nn.ModuleList([nn.Linear(8, 2), nn.Linear(8, 3)])  # leaves: never blocks
+    assert [n for n, _ in find_blocks(model)] == ["layers.0", "layers.1", "layers.2"]
+    callback = ActivationCheckpointing()
+    callback.transform_model(model)
+    assert callback.checkpointed == ["layers.0", "layers.1", "layers.2"]
+    # a one-class stack anywhere wins: the mixed list is only the fallback
+    model.stack = nn.ModuleList([_MixerLayer(), _MixerLayer()])
+    assert [n for n, _ in find_blocks(model)] == ["stack.0", "stack.1"]
+
+
 def test_hf_gradient_checkpointing_twice_is_an_error(llama_factory: Callable) -> None:
     model = llama_factory()
     model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

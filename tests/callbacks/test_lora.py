@@ -401,6 +401,17 @@ def test_model_without_linear_layers() -> None:
         LoRA().transform_model(_NoLinear())
 
 
+def test_adapted_convolution_keeps_the_attributes_its_parent_reads() -> None:
+    """transformers Whisper's encoder reads ``self.conv1.stride[0]`` (was: "'Conv1d' object has no attribute 'stride'")."""
+    model = nn.Module()
+    model.conv, model.proj = nn.Conv1d(8, 16, 3, stride=2, padding=1), nn.Linear(16, 16)
+    LoRA(r=4).transform_model(model)
+    conv = model.conv
+    assert hasattr(conv, "lora_A") and conv.stride == (2,) and conv.padding == (1,) and conv.kernel_size == (3,)
+    assert conv.weight is conv.get_base_layer().weight  # peft's own forwarding untouched
+    assert model.proj.in_features == 16
+
+
 def test_save_adapter_without_adapters(gpt_factory: Callable, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"NanoGPT has no LoRA adapter"):
         LoRA.save_adapter(gpt_factory(), tmp_path)
