@@ -295,7 +295,7 @@ def test_resnet18_batchnorm_stays_fp32_under_bf16_and_every_convolution_is_adapt
     module, _, warned = runs("resnet18")
     norms = [m for m in module.modules() if isinstance(m, nn.BatchNorm2d)]
     assert len(norms) == 20 and all(m.weight.dtype == m.running_mean.dtype == torch.float32 for m in norms)
-    convs = [m for m in module.modules() if isinstance(m, nn.Conv2d)]
+    convs = [m for n, m in module.named_modules() if isinstance(m, nn.Conv2d) and ".lora_" not in n]  # adapters are Conv2d too
     assert len(convs) == 20 and all(m.weight.dtype == torch.bfloat16 and not m.weight.requires_grad for m in convs)
     table = rows(module)
     assert table["Conv"].adapted == table["Conv"].params > 0.95 * sum(r.params for r in table.values() if not r.kind.startswith("LoRA"))
