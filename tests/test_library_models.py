@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import math
 import warnings
+from functools import partial
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -26,6 +27,8 @@ from torch.utils.data import DataLoader
 from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision
 from lightning_hbm.callbacks.activation_checkpointing import find_blocks
 from lightning_hbm.layers import base_layer, find_layers
+from lightning_hbm.planner import Candidate, plan
+from lightning_hbm.planner.reference import memtracker_peak
 
 TORCHVISION = (
     "torchvision from PyPI does not import beside torch 2.13.0 ('operator torchvision::nms does not exist'); "
@@ -347,3 +350,20 @@ def test_language_model_output_head_stays_in_full_precision_and_is_named(name: s
 
 def table_reason(module: nn.Module) -> str:
     return next(iter(rows(module)["Linear"].reasons), "")
+
+
+# ------------------------------------------------- issue 25: plan() as they run, against torch's MemTracker
+
+
+@pytest.mark.parametrize("name", ["swin", "torchtune"])
+@pytest.mark.slow
+def test_plan_as_configured_within_3_percent_of_memtracker(name: str) -> None:
+    """Swin with its directly read qkv/proj left alone and its head trained in full; torchtune's llama3 with its
+    ``output`` head fused (FusedLoss(heads=['model.output'])). Measured: benchmarks/README.md."""
+    plugin, callbacks = trainer_parts(name)
+    candidate = Candidate.from_trainer(plugin, callbacks)
+    factory, batch = partial(build, name), MODELS[name][2](1)
+    predicted = plan(factory, batch, candidates=[candidate]).find(candidate)
+    measured = memtracker_peak(factory, batch, candidate)
+    assert predicted.peak == pytest.approx(measured, rel=0.03)
+    assert not predicted.fallbacks  # traced with fake tensors throughout
