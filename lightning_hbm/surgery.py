@@ -61,6 +61,7 @@ _APPLIED_ATTR = "_lightning_hbm_applied"
 _RECORD_ATTR = "_lightning_hbm_record"  # the model as built: schema, fingerprints; set by the first surgery
 _STATE_ATTR = "_lightning_hbm_spine"
 _APPLIERS_ATTR = "_lightning_hbm_appliers"  # transform name -> id() of the instance that applied it last
+SAVED_MODULES_ATTR = "_lightning_hbm_modules_to_save"  # set by run_surgery: the transforms' modules_to_save
 
 
 class Stage(IntEnum):
@@ -231,6 +232,8 @@ def run_surgery(
         convert: the plugin's conversion (default: ``plugin.convert_base`` or ``plugin.convert_module``).
     """
     _check_distinct(transforms)
+    # the modules LoRA trains in full: a QuantizedPrecision leaves them unquantized, with or without a Trainer (planner)
+    object.__setattr__(module, SAVED_MODULES_ATTR, [n for t in transforms for n in getattr(t, "modules_to_save", None) or ()])
     pending = _pending(module, transforms)
     check_plugin = getattr(plugin, "check_model", None)
     if callable(check_plugin):

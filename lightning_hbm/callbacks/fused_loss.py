@@ -139,7 +139,9 @@ def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Seq
         if want_grad:
             h = h.detach().requires_grad_(need[0])
         with torch.enable_grad() if want_grad else nullcontext():
-            logits = spec.head(h)
+            # the head gets a view, not the leaf: module hooks that ask autograd about their inputs' nodes (torch's
+            # ModTracker/MemTracker, on a LoRA head's sublayers) raise for a leaf inside this autograd.grad
+            logits = spec.head(h.view_as(h) if want_grad and need[0] else h)
         detached = z = logits.detach()
         if spec.out_dtype.itemsize < z.dtype.itemsize:
             z = z.to(spec.out_dtype)  # the rounding the user's cast would do

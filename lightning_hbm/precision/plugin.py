@@ -35,6 +35,7 @@ from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args
 from lightning_hbm.precision.smoothing import SMOOTH_MODE, attached, check_smoothing, choose_smoothing
 from lightning_hbm.probe import first_batch
 from lightning_hbm.surgery import (
+    SAVED_MODULES_ATTR,
     applied_transforms,
     mark_applied,
     pack_checkpoint,
@@ -645,7 +646,9 @@ def _lora_saved(module: nn.Module) -> list[str]:
     (``tests/test_layering.py``).
     """
     trainer = getattr(module, "_trainer", None)
-    return [name for cb in getattr(trainer, "callbacks", []) for name in getattr(cb, "modules_to_save", None) or ()]
+    names = [name for cb in getattr(trainer, "callbacks", []) for name in getattr(cb, "modules_to_save", None) or ()]
+    # without a Trainer (the planner's surgery), the ones run_surgery was given
+    return names + [n for n in getattr(module, SAVED_MODULES_ATTR, ()) if n not in names]
 
 
 @contextmanager

@@ -390,3 +390,19 @@ def test_elementwise_ops_with_a_tensor_still_compute_the_logits() -> None:
     out = fused.model(input_ids=x, use_cache=False).logits
     torch.testing.assert_close(torch.tanh(out / 3.0) * 3.0 * 1, torch.tanh(expected / 3.0) * 3.0, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out * scale, expected * scale, rtol=1e-5, atol=1e-6)  # a tensor operand: real logits
+
+
+def test_a_lora_adapted_head_runs_under_torch_memtracker() -> None:
+    """Was: "A leaf node was passed to _will_engine_execute_node ..." (MemTracker's hooks on the adapter's sublayers
+    saw the chunk's leaf hidden states inside FusedLoss's autograd.grad): the planner's reference could not measure it."""
+    from functools import partial
+
+    from lightning_hbm.data import synthetic_batch
+    from lightning_hbm.models import LlamaLM
+    from lightning_hbm.planner import Candidate
+    from lightning_hbm.planner.reference import memtracker_peak
+
+    tiny = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    callbacks = [LoRA(r=4, target_modules=["q_proj", "lm_head"]), FusedLoss()]
+    candidate = Candidate.from_trainer(QuantizedPrecision("nf4-dq", dtype="float32"), callbacks)
+    assert memtracker_peak(partial(LlamaLM, **tiny), synthetic_batch(2, 16, vocab_size=V), candidate) > 0

@@ -26,7 +26,7 @@ from lightning_hbm.planner import (
     shard_categories,
 )
 from lightning_hbm.precision import QuantMode, quantize_model, registry
-from lightning_hbm.surgery import applied_transforms
+from lightning_hbm.surgery import applied_transforms, run_surgery
 
 TINY_GPT = dict(n_layer=2, n_head=2, n_embd=64, block_size=128)
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -386,3 +386,18 @@ def test_plan_of_the_trainers_configuration_raises_what_fit_raises() -> None:
         plan(factory, synthetic_batch(1, 8, vocab_size=512), callbacks=[FusedLoss(heads=["nope"])])
     with pytest.raises(TypeError, match=r"Candidate.from_trainer\(plugin=...\): a Lightning precision plugin, got str"):
         plan(factory, synthetic_batch(1, 8, vocab_size=512), plugin="nf4-dq")
+
+
+def test_lora_modules_to_save_as_configured_are_planned_unquantized() -> None:
+    """Was: "modules_to_save entry ... whose weights are quantized" (the plugin read them from a Trainer the planner
+    does not have): a classifier head trained in full could not be planned as it runs."""
+    from lightning_hbm import LoRA, QuantizedPrecision
+
+    saved = "model.model.layers.1.mlp.down_proj"
+    candidate = Candidate.from_trainer(QuantizedPrecision("nf4-dq", dtype="float32"), [LoRA(r=8, modules_to_save=[saved])])
+    prediction = predict(partial(LlamaLM, **TINY_LLAMA), synthetic_batch(BATCH, SEQ), candidate)
+    module = LlamaLM(**TINY_LLAMA)
+    run_surgery(module, candidate.precision_plugin(), candidate.callbacks())
+    assert module.get_submodule(saved).weight.is_floating_point() and module.get_submodule(saved).weight.requires_grad
+    assert prediction.trainable_params == sum(p.numel() for p in module.parameters() if p.requires_grad)
+    assert prediction.categories["parameters"] == parameter_bytes(module)
