@@ -29,7 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from typing_extensions import override
 
-from lightning_hbm._compat import _default_gate
+from lightning_hbm._compat import transformers as transformers_compat
 
 
 def supported(module: nn.Module) -> bool:
@@ -44,8 +44,7 @@ def supported(module: nn.Module) -> bool:
         getattr(module, "has_bias", None),
         getattr(module, "has_post_expert_norm", None),
     )
-    default = _default_gate()
-    return layout == (True, True, False, False, False) and default is not None and type(module)._apply_gate is default
+    return layout == (True, True, False, False, False) and transformers_compat.uses_default_gate(module)
 
 
 class LinearExperts(nn.Module):

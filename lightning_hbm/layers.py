@@ -33,6 +33,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm.experts import LinearExperts, supported
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.multihead_attention import ProjectedMultiheadAttention
@@ -557,7 +558,7 @@ def report_coverage(module: nn.Module, quantizing: bool) -> list[CoverageRow]:
     rank_zero_info("lightning_hbm: layer kinds (parameters)\n" + format_coverage(rows))
     for message in coverage_warnings(rows):
         rank_zero_warn(message)
-    trainer = getattr(module, "_trainer", None)
+    trainer = lightning_compat.attached_trainer(module)
     if trainer is not None:
         metrics = {
             f"layers/{r.kind.split(' ')[0]}/{field}": float(getattr(r, field))

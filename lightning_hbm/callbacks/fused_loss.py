@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from typing_extensions import override
 
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.memory.tracker import LOSS_SCOPE, memory_scope
 from lightning_hbm.surgery import Stage, SurgeryCallback
@@ -199,7 +200,7 @@ def _dequantized_once(head: Optional[nn.Module]) -> Iterator[None]:
         yield
         return
     layers = [m for m in (head.modules() if head is not None else ()) if isinstance(m, Linear4bit) and not m.weight.requires_grad]
-    previous_forwards = [layer.__dict__.get("forward") for layer in layers]
+    previous_forwards = [torch_compat.forward_override(layer) for layer in layers]
     for layer in layers:
         # Straight into the compute dtype: a model quantized from fp32 weights has quant_state.dtype fp32,
         # and an fp32 copy of the head (2 GiB at 8B) next to its bf16 cast would be the step's peak.
@@ -211,15 +212,12 @@ def _dequantized_once(head: Optional[nn.Module]) -> Iterator[None]:
             bias = None if layer.bias is None else layer.bias.to(weight.dtype)
             return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
 
-        layer.forward = forward
+        torch_compat.override_forward(layer, forward)
     try:
         yield
     finally:
         for layer, previous in zip(layers, previous_forwards):
-            if previous is None:
-                del layer.forward  # the class's forward again
-            else:
-                layer.forward = previous  # e.g. FusedLoss's own wrapper on a 4-bit head
+            torch_compat.override_forward(layer, previous)  # the class's, or e.g. FusedLoss's own wrapper on a 4-bit head
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -644,7 +642,7 @@ class FusedLoss(SurgeryCallback):
         for name in self.applied_heads:
             head = module.get_submodule(name)
             # an instance attribute shadows the class's forward; the state calls the class's forward
-            head.forward = _LazyHead(_HeadState(name, head, self.chunk_size, self.kernel))
+            torch_compat.override_forward(head, _LazyHead(_HeadState(name, head, self.chunk_size, self.kernel)))
         rank_zero_info(f"lightning_hbm: FusedLoss on {self.applied_heads} (chunked cross-entropy, kernel={self.kernel!r})")
 
 

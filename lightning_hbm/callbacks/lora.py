@@ -30,6 +30,8 @@ from safetensors.torch import save_file
 from torch import nn
 from typing_extensions import override
 
+from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.layers import LEFT_ALONE_ATTR, adaptable_names, prepare_model, report_coverage, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
@@ -354,7 +356,7 @@ class LoRA(SurgeryCallback):
     @staticmethod
     def _planned_quantization(module: nn.Module) -> frozenset[str]:
         """Names of the Linears the Trainer's QuantizedPrecision is about to quantize (none without one)."""
-        trainer = getattr(module, "_trainer", None)
+        trainer = lightning_compat.attached_trainer(module)
         plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
         if not isinstance(plugin, QuantizedPrecision):
             return frozenset()
@@ -377,10 +379,7 @@ class LoRA(SurgeryCallback):
         bnb_classes = _bnb_linear_classes()
         if bnb_classes:
             kinds = {type(m) for m in module.modules() if isinstance(m, bnb_classes)}
-            if bnb_classes[0] in kinds:
-                object.__setattr__(module, "is_loaded_in_4bit", True)
-            if bnb_classes[1] in kinds:
-                object.__setattr__(module, "is_loaded_in_8bit", True)
+            peft_compat.mark_quantized(module, [k for k, c in zip(("4bit", "8bit"), bnb_classes) if c in kinds])
         config = peft.LoraConfig(
             r=self.r,
             lora_alpha=self.alpha,
