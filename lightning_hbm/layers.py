@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.experts import LinearExperts, supported
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.multihead_attention import ProjectedMultiheadAttention
@@ -157,7 +158,7 @@ def _is_experts(module: nn.Module) -> bool:
     # (also 3-D weights) are another kind of layer, and a 3-D Parameter with one leading row is a learned
     # token or position table broadcast over the batch (ViT cls_token / pos_embed, SigLIP's pooling probe):
     # counted with the embeddings ("other").
-    if isinstance(module, nn.modules.conv._ConvNd):
+    if isinstance(module, torch_compat.ConvNd):
         return False
     return any(p.dim() == 3 and p.shape[0] > 1 for p in module.parameters(recurse=False))
 

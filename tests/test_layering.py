@@ -191,6 +191,77 @@ def test_private_names_of_libraries_come_through_compat() -> None:
     assert not wrong, "import these through lightning_hbm/_compat.py:\n" + "\n".join(wrong)
 
 
+# The libraries whose private attributes (``torch.cuda.memory._x``) and module globals (``bnb.functional.x = ...``)
+# only ``lightning_hbm/_compat/`` may reach; ``import_bnb()`` / ``_import_peft()`` return their library.
+FOREIGN = ("torch", "lightning", "bitsandbytes", "peft", "transformers")
+IMPORTERS = {"import_bnb": "bitsandbytes", "_import_peft": "peft"}
+# private module paths that are their library's de facto API (see test_private_names_of_libraries_come_through_compat)
+PRIVATE_MODULES = {"_subclasses", "_pytree", "_python_dispatch", "_tools"}
+
+
+def _foreign_names(tree: ast.AST) -> dict[str, str]:
+    """Local name -> the foreign module (or object) it is bound to, by import or by ``import_bnb()``."""
+    roots: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                roots[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                roots[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name):
+            library = IMPORTERS.get(node.value.func.id)
+            for target in node.targets:
+                if library and isinstance(target, ast.Name):
+                    roots[target.id] = library
+    return {k: v for k, v in roots.items() if v.split(".")[0] in FOREIGN}
+
+
+def _foreign_reaches(module: str) -> Iterator[str]:
+    """Private attributes of a foreign module reached through it, and writes into a foreign module's globals."""
+    tree = ast.parse(MODULES[module].read_text())
+    roots = _foreign_names(tree)
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or id(node) in inner:
+            continue  # the outermost attribute of each chain only
+        chain, root = [], node
+        while isinstance(root, ast.Attribute):
+            chain.insert(0, root.attr)
+            root = root.value
+        if not isinstance(root, ast.Name) or root.id not in roots:
+            continue
+        path = roots[root.id].split(".") + chain
+        if path[:2] == ["torch", "ops"]:
+            continue  # operator names (``torch.ops.aten._foo``) are the dispatcher's public namespace
+        if any(c.startswith("_") and not c.startswith("__") and c not in PRIVATE_MODULES for c in chain):
+            yield f"{module}:{node.lineno} reaches {'.'.join([root.id, *chain])}"
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        for target in targets:
+            base = target.value if isinstance(target, ast.Subscript) else target
+            names = [n.id for n in ast.walk(base) if isinstance(n, ast.Name)]
+            if isinstance(base, ast.Attribute) and names and names[0] in roots and _is_module_chain(base, roots):
+                yield f"{module}:{node.lineno} writes {ast.unparse(target)}"
+
+
+def _is_module_chain(node: ast.Attribute, roots: dict[str, str]) -> bool:
+    """``bnb.functional.name2qmap`` (a chain from a foreign name), not ``layer.weight`` (a local object)."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id in roots
+
+
+def test_private_attributes_of_libraries_come_through_compat() -> None:
+    """No ``torch.cuda.memory._x``, ``torch._C...`` or ``bnb.functional.cache[...] = ...`` outside ``_compat/``.
+
+    Attributes of objects (``trainer._x``, ``getattr(m, "_x")``) are not traced here: the table in
+    docs/extending.md lists them, each behind a function in ``lightning_hbm/_compat/``.
+    """
+    wrong = [line for m in MODULES if not m.startswith(f"{PACKAGE}._compat") for line in _foreign_reaches(m)]
+    assert not wrong, "move these into lightning_hbm/_compat/<library>.py:\n" + "\n".join(wrong)
+
+
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
@@ -198,6 +269,10 @@ def test_private_names_of_libraries_come_through_compat() -> None:
         ("def f():\n    import yaml\n", "lightning_hbm.precision.x:2 imports yaml inside a function"),
         ("from lightning_hbm.surgery import _STATE_ATTR\n", "lightning_hbm.precision.x:1 imports lightning_hbm.surgery._STATE_ATTR"),
         ("from torch.nn.modules.module import _addindent\n", "lightning_hbm.precision.x:1 imports torch.nn.modules.module._addindent"),
+        ("import torch\ntorch.cuda.memory._dump_snapshot('s')\n", "lightning_hbm.precision.x:2 reaches torch.cuda.memory._dump_snapshot"),
+        ("from torch import nn\nnn.modules.conv._ConvNd\n", "lightning_hbm.precision.x:2 reaches nn.modules.conv._ConvNd"),
+        ("bnb = import_bnb()\nbnb.functional.name2qmap['dynamic'] = 1\n", "lightning_hbm.precision.x:2 writes bnb.functional.name2qmap['dynamic']"),
+        ("import transformers\ntransformers.PreTrainedModel.from_pretrained = f\n", "lightning_hbm.precision.x:2 writes transformers.PreTrainedModel.from_pretrained"),
     ],
 )
 def test_each_check_catches_its_case(source: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,7 +282,8 @@ def test_each_check_catches_its_case(source: str, expected: str, tmp_path: Path,
     fake.write_text(source)
     monkeypatch.setitem(MODULES, "lightning_hbm.precision.x", fake)
     checks = (test_no_import_goes_up_a_level, test_imports_inside_functions_are_optional_dependencies_only,
-              test_no_private_name_crosses_packages, test_private_names_of_libraries_come_through_compat)
+              test_no_private_name_crosses_packages, test_private_names_of_libraries_come_through_compat,
+              test_private_attributes_of_libraries_come_through_compat)
     messages = []
     for check in checks:
         try:

@@ -40,3 +40,30 @@ def load_state_dict_pre_hooks(module: nn.Module) -> list[Callable[..., Any]]:
     """The callables registered with ``register_load_state_dict_pre_hook`` (torch lists them nowhere public;
     it keeps each in a ``_WrappedHook`` whose ``hook`` is the callable)."""
     return [getattr(h, "hook", h) for h in module._load_state_dict_pre_hooks.values()]
+
+
+# Base classes torch keeps private: an isinstance check on every convolution / batch norm kind needs them.
+ConvNd = nn.modules.conv._ConvNd
+BatchNormBase = nn.modules.batchnorm._BatchNorm
+
+
+def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch._int_mm``: int8 x int8 -> int32 matrix product (cuBLASLt / CPU), torch's only integer GEMM."""
+    return torch._int_mm(a, b)
+
+
+def make_wrapper_subclass(cls: type, shape: Any, **kwargs: Any) -> Any:
+    """``torch.Tensor._make_wrapper_subclass``: a tensor subclass instance that owns no storage (torch's
+    documented recipe for wrapper subclasses; no public name)."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, **kwargs)
+
+
+def disable_torch_function_subclass() -> Any:
+    """``torch._C.DisableTorchFunctionSubclass()``: run a torch function on a subclass as on a plain tensor
+    (what ``Tensor.__torch_function__`` itself does; no public name)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+    """``torch._C._nn._parse_to``: ``Tensor.to``'s arguments as ``(device, dtype, non_blocking, memory_format)``."""
+    return torch._C._nn._parse_to(*args, **kwargs)

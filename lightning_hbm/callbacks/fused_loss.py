@@ -364,7 +364,7 @@ class LazyLogits(torch.Tensor):
         shape = (*hidden.shape[:-1], int(state.module.out_features))
         # requires_grad=False: nothing runs autograd on this object itself (every computation is on
         # hidden and the head), and module hooks (profilers) must not attach gradient hooks to it.
-        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=hidden.device, requires_grad=False)
+        self = torch_compat.make_wrapper_subclass(cls, shape, dtype=dtype, device=hidden.device, requires_grad=False)
         self._hidden, self._state, self._real, self._post = hidden, state, None, post
         return self
 
@@ -401,7 +401,7 @@ class LazyLogits(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch_compat.disable_torch_function_subclass():
                 return func(*args, **kwargs)
         if func is torch.Tensor.untyped_storage:
             # It owns no memory; memory tools (torch's MemTracker, HBMProfiler) must count 0 bytes, not the shape.
@@ -429,7 +429,7 @@ class LazyLogits(torch.Tensor):
             return self if _CASTS[func] == self.dtype else self._derive(self._hidden, _CASTS[func])
         if func is torch.Tensor.to:
             kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
-            device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+            device, dtype, _, memory_format = torch_compat.parse_to(*args, **kwargs)
             if (device is None or torch.device(device) == self.device) and memory_format is None:
                 return self._derive(self._hidden, dtype)
             return None

@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_hbm import resume
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import peft as peft_compat
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_of, prepare_model, weight_readers
 from lightning_hbm.precision.bnb import import_bnb
@@ -238,7 +239,7 @@ def quantize_model(
     # except what the model declares must stay in fp32, and BatchNorm: its running statistics are fp32
     # buffers, and batch_norm takes a 16-bit input only with fp32 weights and statistics (as in
     # Lightning's mixed precision); 16-bit weights beside fp32 statistics fail at the first batch.
-    fp32 = keep_in_fp32_names(module) | {n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    fp32 = keep_in_fp32_names(module) | {n for n, m in module.named_modules() if isinstance(m, torch_compat.BatchNormBase)}
     for name, param in module.named_parameters():
         wanted = torch.float32 if _under(name.rpartition(".")[0], fp32) else compute_dtype
         if param.is_floating_point() and param.dtype != wanted:

@@ -53,3 +53,44 @@ def test_disable_current_modes_leaves_a_fake_mode() -> None:
         with _disable_current_modes():
             real = torch.zeros(2)
     assert not isinstance(real, FakeTensor)
+
+
+def test_private_base_classes_cover_every_kind() -> None:
+    for conv in (nn.Conv1d(1, 1, 1), nn.Conv2d(1, 1, 1), nn.Conv3d(1, 1, 1), nn.ConvTranspose2d(1, 1, 1)):
+        assert isinstance(conv, compat.ConvNd)
+    for norm in (nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.SyncBatchNorm(2)):
+        assert isinstance(norm, compat.BatchNormBase)
+    assert not isinstance(nn.LayerNorm(2), compat.BatchNormBase) and not isinstance(nn.Linear(1, 1), compat.ConvNd)
+
+
+def test_int_mm_multiplies_int8_into_int32() -> None:
+    a = torch.randint(-128, 127, (32, 64), dtype=torch.int8)
+    b = torch.randint(-128, 127, (64, 32), dtype=torch.int8)
+    out = compat.int_mm(a, b)
+    assert out.dtype == torch.int32
+    torch.testing.assert_close(out, (a.long() @ b.long()).int())
+
+
+class _Shell(torch.Tensor):
+    """A wrapper subclass that owns no memory (as FusedLoss's LazyLogits)."""
+
+    @staticmethod
+    def __new__(cls) -> "_Shell":
+        return compat.make_wrapper_subclass(cls, (3, 5), dtype=torch.float16, device="cpu", requires_grad=False)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        with compat.disable_torch_function_subclass():
+            return func(*args, **(kwargs or {}))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"{func} reached dispatch: the torch-function passthrough did not hold")
+
+
+def test_wrapper_subclass_and_torch_function_passthrough() -> None:
+    shell = _Shell()
+    assert shell.shape == (3, 5) and shell.dtype == torch.float16 and isinstance(shell, _Shell)
+    assert type(shell.size()) is torch.Size  # the metadata call ran as on a plain tensor, no recursion
+    assert compat.parse_to("cpu", torch.float16) == (torch.device("cpu"), torch.float16, False, None)
+    assert compat.parse_to(dtype=torch.bfloat16)[1] == torch.bfloat16
