@@ -2,7 +2,7 @@
 
 Levels, bottom to top; a module imports only from its own level or lower ones:
 
-0. base: ``_compat`` (libraries' private names), ``memory``, ``naming``, ``requirements``, ``quiet``, ``data``, ``probe`` (probe a model on a batch,
+0. base: ``_compat`` (libraries' internals, one module per library), ``memory``, ``naming``, ``requirements``, ``quiet``, ``data``, ``probe`` (probe a model on a batch,
    shared by the precision choices and ``QuantizationQuality``), ``resume`` (checkpoint format; the surgery
    spine hands it ``pack_checkpoint`` instead of being imported)
 1. layer kinds: ``layers``, ``experts``, ``multihead_attention``, ``models``
@@ -174,7 +174,7 @@ def test_no_private_name_crosses_packages() -> None:
 
 
 def test_private_names_of_libraries_come_through_compat() -> None:
-    """torch's, Lightning's, transformers' ``_names`` are imported only by ``lightning_hbm/_compat.py``.
+    """The libraries' ``_names`` are imported only by ``lightning_hbm/_compat/``.
 
     Modules under private paths (``torch.utils._pytree``, ``torch._subclasses.fake_tensor``, ...) are left
     where they are used: they are those libraries' de facto API for their feature.
@@ -188,7 +188,7 @@ def test_private_names_of_libraries_come_through_compat() -> None:
         for name in names
         if name.startswith("_") and name != "annotations"
     ]
-    assert not wrong, "import these through lightning_hbm/_compat.py:\n" + "\n".join(wrong)
+    assert not wrong, "import these through lightning_hbm/_compat/<library>.py:\n" + "\n".join(wrong)
 
 
 # The libraries whose private attributes (``torch.cuda.memory._x``) and module globals (``bnb.functional.x = ...``)

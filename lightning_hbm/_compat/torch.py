@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
+from functools import wraps
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 from torch.utils._python_dispatch import _disable_current_modes  # planner.realvalues, planner.tracing
 
 
@@ -67,3 +70,33 @@ def disable_torch_function_subclass() -> Any:
 def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
     """``torch._C._nn._parse_to``: ``Tensor.to``'s arguments as ``(device, dtype, non_blocking, memory_format)``."""
     return torch._C._nn._parse_to(*args, **kwargs)
+
+
+def child_schedulers(scheduler: Any) -> list[Any]:
+    """The schedulers inside a ``SequentialLR`` / ``ChainedScheduler`` (``_schedulers``; none for others)."""
+    return list(getattr(scheduler, "_schedulers", []))
+
+
+def packed_qkv(mha: nn.MultiheadAttention) -> bool:
+    """Whether ``mha`` keeps q, k, v in one ``in_proj_weight`` (``_qkv_same_embed_dim``) or in three weights."""
+    return mha._qkv_same_embed_dim
+
+
+def track_step_called(optimizer: Optimizer) -> None:
+    """What ``torch.optim.lr_scheduler.LRScheduler.__init__`` does to its optimizer's ``step``.
+
+    torch defines that wrapper inside ``LRScheduler.__init__`` (not importable), so it is repeated here.
+    """
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    opt_ref = weakref.ref(optimizer)
+    func = optimizer.step.__func__  # type: ignore[attr-defined]
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]

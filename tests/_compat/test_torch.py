@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 
+import pytest
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -94,3 +96,29 @@ def test_wrapper_subclass_and_torch_function_passthrough() -> None:
     assert type(shell.size()) is torch.Size  # the metadata call ran as on a plain tensor, no recursion
     assert compat.parse_to("cpu", torch.float16) == (torch.device("cpu"), torch.float16, False, None)
     assert compat.parse_to(dtype=torch.bfloat16)[1] == torch.bfloat16
+
+
+def test_child_schedulers_and_packed_qkv() -> None:
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    first, second = torch.optim.lr_scheduler.ConstantLR(optimizer), torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9)
+    assert compat.child_schedulers(torch.optim.lr_scheduler.SequentialLR(optimizer, [first, second], milestones=[1])) == [first, second]
+    assert compat.child_schedulers(first) == []
+    assert compat.packed_qkv(nn.MultiheadAttention(8, 2)) is True
+    assert compat.packed_qkv(nn.MultiheadAttention(8, 2, kdim=4, vdim=4)) is False
+
+
+@pytest.mark.parametrize("tracked", [True, False])
+def test_track_step_called_is_what_lr_schedulers_check(tracked: bool) -> None:
+    """A scheduler moved onto a new optimizer warns "lr_scheduler.step() before optimizer.step()" unless tracked."""
+    params = list(nn.Linear(2, 2).parameters())
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(torch.optim.SGD(params, lr=0.1), 0.9)
+    new = torch.optim.SGD(params, lr=0.1)
+    scheduler.optimizer = new
+    if tracked:
+        compat.track_step_called(new)
+    new.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scheduler.step()
+    order = [w for w in caught if "optimizer.step()" in str(w.message)]
+    assert bool(order) is not tracked, [str(w.message) for w in caught]
