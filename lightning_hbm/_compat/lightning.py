@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 from lightning.fabric.connector import _PRECISION_INPUT_STR  # the Trainer's precision values (cli)
 from lightning.fabric.utilities.init import _materialize_distributed_module  # QuantizedFSDPStrategy
@@ -66,3 +67,18 @@ def override_plugin_hooks(plugin: Any, convert_module: Callable[..., Any], conne
 def plugin_hook_override(plugin: Any, name: str) -> Optional[Callable[..., Any]]:
     """What :func:`override_plugin_hooks` put on ``plugin`` for hook ``name`` (``None``: the class's method)."""
     return vars(plugin).get(name)
+
+
+@contextmanager
+def detached(module: Any) -> Iterator[None]:
+    """``module`` attached to no Trainer or Fabric inside the block (a deep copy then leaves them behind).
+
+    Lightning keeps the links in the private fields ``_trainer`` / ``_fabric``; there is no public detach.
+    """
+    saved = {attr: module.__dict__.get(attr) for attr in ("_trainer", "_fabric")}
+    for attr in saved:
+        module.__dict__[attr] = None
+    try:
+        yield
+    finally:
+        module.__dict__.update(saved)

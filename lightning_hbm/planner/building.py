@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import transformers as transformers_compat
 from lightning_hbm.planner.realvalues import RealValues
 
@@ -136,13 +137,8 @@ def _fake_copy(
             values.add(fake, real.detach().clone().cpu())
         memo[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
     # The copy must not drag the Trainer along (nor log into it): detach it for the duration of the copy.
-    saved = {attr: module.__dict__.get(attr) for attr in ("_trainer", "_fabric")}
-    for attr in saved:
-        module.__dict__[attr] = None
-    try:
+    with lightning_compat.detached(module):
         return copy.deepcopy(module, memo)
-    finally:
-        module.__dict__.update(saved)
 
 
 def _build(model: Union[ModelLike, Template], fake_mode: FakeTensorMode, values: RealValues) -> pl.LightningModule:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 from typing import Any, Callable
 
@@ -102,3 +103,14 @@ def test_override_plugin_hooks_reach_the_strategy_setup(
     trainer.fit(gpt_factory(), datamodule=datamodule_factory())
     assert (convert.calls, connect.calls) == (1, 1)  # Lightning looks both up on the instance
     pickle.dumps(plugin)
+
+
+def test_detached_copy_leaves_the_trainer_behind(
+    gpt_factory: Callable[..., Any], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer]
+) -> None:
+    model, trainer = gpt_factory(), trainer_factory(max_steps=1)
+    trainer.fit(model, datamodule=datamodule_factory())
+    assert compat.attached_trainer(model) is trainer
+    with compat.detached(model):
+        copied = copy.deepcopy(model)
+    assert compat.attached_trainer(copied) is None and compat.attached_trainer(model) is trainer
