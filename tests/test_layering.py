@@ -19,6 +19,7 @@ Modules of one level may import each other, but the module graph has no cycle.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 from typing import Iterator
 
@@ -68,11 +69,17 @@ def _level(module: str) -> int:
     raise AssertionError(f"{module} has no level: add it to LEVELS in tests/test_layering.py")
 
 
+@functools.lru_cache(maxsize=None)
+def _parse(path: Path) -> ast.Module:
+    """Each file parsed once per run (every check, and every case of test_each_check_catches_its_case, walks them all)."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _imports(module: str) -> Iterator[tuple[ast.stmt, str, list[str], bool]]:
     """``(node, imported module, imported names, inside a function)`` for every import statement."""
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parse(path)
 
     def visit(node: ast.AST, in_function: bool) -> Iterator[tuple[ast.stmt, str, list[str], bool]]:
         for child in ast.iter_child_nodes(node):
@@ -219,7 +226,7 @@ def _foreign_names(tree: ast.AST) -> dict[str, str]:
 
 def _foreign_reaches(module: str) -> Iterator[str]:
     """Private attributes of a foreign module reached through it, and writes into a foreign module's globals."""
-    tree = ast.parse(MODULES[module].read_text())
+    tree = _parse(MODULES[module])
     roots = _foreign_names(tree)
     inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     for node in ast.walk(tree):
