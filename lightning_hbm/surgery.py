@@ -54,6 +54,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hbm import resume
+from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import torch as torch_compat
 
 log = logging.getLogger(__name__)
 
@@ -413,18 +415,14 @@ def plugin_trainer(plugin: Any) -> Optional[pl.Trainer]:
 def pending_checkpoint(trainer: Optional[pl.Trainer]) -> Optional[dict[str, Any]]:
     """The checkpoint Lightning is resuming from, between its weight restore and the end of setup.
 
-    Lightning 2.6 has no public accessor: ``_checkpoint_connector._loaded_checkpoint`` is read here
-    and only here (``tests/test_surgery.py`` fails if Lightning renames it).
+    Lightning 2.6 has no public accessor: see :func:`lightning_hbm._compat.lightning.loaded_checkpoint`.
     """
-    if trainer is None:
-        return None
-    connector = getattr(trainer, "_checkpoint_connector", None)
-    return getattr(connector, "_loaded_checkpoint", None) or None
+    return lightning_compat.loaded_checkpoint(trainer)
 
 
 def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module], nn.Module]) -> nn.Module:
     """:func:`run_surgery` with the context of the Trainer that ``module`` is attached to."""
-    trainer = getattr(module, "_trainer", None)
+    trainer = lightning_compat.attached_trainer(module)
     state: Optional[_SpineState] = getattr(plugin, _STATE_ATTR, None)
     if trainer is None and state is not None:
         trainer = state.trainer
@@ -518,10 +516,9 @@ def install(trainer: pl.Trainer) -> None:
     """
     plugin = trainer.strategy.precision_plugin
     _state(plugin, trainer)
-    if not getattr(plugin, "runs_surgery", False) and not isinstance(vars(plugin).get("convert_module"), _SpineConvert):
+    if not getattr(plugin, "runs_surgery", False) and not isinstance(lightning_compat.plugin_hook_override(plugin, "convert_module"), _SpineConvert):
         # instance attributes: only this plugin object is changed, and it stays picklable
-        plugin.convert_module = _SpineConvert(plugin)
-        plugin.connect = _SpineConnect(plugin)
+        lightning_compat.override_plugin_hooks(plugin, _SpineConvert(plugin), _SpineConnect(plugin))
     check_saves(trainer)
     if trainer.lightning_module is not None:
         add_resume_hooks(trainer.lightning_module)
@@ -540,7 +537,7 @@ def check_saves(trainer: pl.Trainer) -> resume.CheckedCheckpointIO:
 
 
 def _has_resume_hook(module: nn.Module) -> bool:
-    return any(isinstance(getattr(h, "hook", h), _ResumeHook) for h in module._load_state_dict_pre_hooks.values())
+    return any(isinstance(h, _ResumeHook) for h in torch_compat.load_state_dict_pre_hooks(module))
 
 
 def add_resume_hooks(module: nn.Module) -> None:
@@ -568,7 +565,7 @@ class _ResumeHook:
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         self.omitted, self.placeholders = [], set()
-        trainer = getattr(module, "_trainer", None)
+        trainer = lightning_compat.attached_trainer(module)
         loaded = pending_checkpoint(trainer)
         if loaded is None or prefix:
             return  # not Lightning restoring a checkpoint: nothing to check

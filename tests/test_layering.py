@@ -2,7 +2,7 @@
 
 Levels, bottom to top; a module imports only from its own level or lower ones:
 
-0. base: ``_compat`` (libraries' private names), ``memory``, ``naming``, ``requirements``, ``quiet``, ``data``, ``probe`` (probe a model on a batch,
+0. base: ``_compat`` (libraries' internals, one module per library), ``memory``, ``naming``, ``requirements``, ``quiet``, ``data``, ``probe`` (probe a model on a batch,
    shared by the precision choices and ``QuantizationQuality``), ``resume`` (checkpoint format; the surgery
    spine hands it ``pack_checkpoint`` instead of being imported)
 1. layer kinds: ``layers`` (a package: ``base`` and one module per kind), ``models``
@@ -19,6 +19,7 @@ Modules of one level may import each other, but the module graph has no cycle.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 from typing import Iterator
 
@@ -68,11 +69,17 @@ def _level(module: str) -> int:
     raise AssertionError(f"{module} has no level: add it to LEVELS in tests/test_layering.py")
 
 
+@functools.lru_cache(maxsize=None)
+def _parse(path: Path) -> ast.Module:
+    """Each file parsed once per run (every check, and every case of test_each_check_catches_its_case, walks them all)."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _imports(module: str) -> Iterator[tuple[ast.stmt, str, list[str], bool]]:
     """``(node, imported module, imported names, inside a function)`` for every import statement."""
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parse(path)
 
     def visit(node: ast.AST, in_function: bool) -> Iterator[tuple[ast.stmt, str, list[str], bool]]:
         for child in ast.iter_child_nodes(node):
@@ -174,7 +181,7 @@ def test_no_private_name_crosses_packages() -> None:
 
 
 def test_private_names_of_libraries_come_through_compat() -> None:
-    """torch's, Lightning's, transformers' ``_names`` are imported only by ``lightning_hbm/_compat.py``.
+    """The libraries' ``_names`` are imported only by ``lightning_hbm/_compat/``.
 
     Modules under private paths (``torch.utils._pytree``, ``torch._subclasses.fake_tensor``, ...) are left
     where they are used: they are those libraries' de facto API for their feature.
@@ -182,13 +189,84 @@ def test_private_names_of_libraries_come_through_compat() -> None:
     wrong = [
         f"{m}:{node.lineno} imports {base}.{name}"
         for m in MODULES
-        if m != f"{PACKAGE}._compat"
+        if m != f"{PACKAGE}._compat" and not m.startswith(f"{PACKAGE}._compat.")
         for node, base, names, _ in _imports(m)
         if not base.startswith(PACKAGE)
         for name in names
         if name.startswith("_") and name != "annotations"
     ]
-    assert not wrong, "import these through lightning_hbm/_compat.py:\n" + "\n".join(wrong)
+    assert not wrong, "import these through lightning_hbm/_compat/<library>.py:\n" + "\n".join(wrong)
+
+
+# The libraries whose private attributes (``torch.cuda.memory._x``) and module globals (``bnb.functional.x = ...``)
+# only ``lightning_hbm/_compat/`` may reach; ``import_bnb()`` / ``_import_peft()`` return their library.
+FOREIGN = ("torch", "lightning", "bitsandbytes", "peft", "transformers")
+IMPORTERS = {"import_bnb": "bitsandbytes", "_import_peft": "peft"}
+# private module paths that are their library's de facto API (see test_private_names_of_libraries_come_through_compat)
+PRIVATE_MODULES = {"_subclasses", "_pytree", "_python_dispatch", "_tools"}
+
+
+def _foreign_names(tree: ast.AST) -> dict[str, str]:
+    """Local name -> the foreign module (or object) it is bound to, by import or by ``import_bnb()``."""
+    roots: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                roots[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                roots[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name):
+            library = IMPORTERS.get(node.value.func.id)
+            for target in node.targets:
+                if library and isinstance(target, ast.Name):
+                    roots[target.id] = library
+    return {k: v for k, v in roots.items() if v.split(".")[0] in FOREIGN}
+
+
+def _foreign_reaches(module: str) -> Iterator[str]:
+    """Private attributes of a foreign module reached through it, and writes into a foreign module's globals."""
+    tree = _parse(MODULES[module])
+    roots = _foreign_names(tree)
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or id(node) in inner:
+            continue  # the outermost attribute of each chain only
+        chain, root = [], node
+        while isinstance(root, ast.Attribute):
+            chain.insert(0, root.attr)
+            root = root.value
+        if not isinstance(root, ast.Name) or root.id not in roots:
+            continue
+        path = roots[root.id].split(".") + chain
+        if path[:2] == ["torch", "ops"]:
+            continue  # operator names (``torch.ops.aten._foo``) are the dispatcher's public namespace
+        if any(c.startswith("_") and not c.startswith("__") and c not in PRIVATE_MODULES for c in chain):
+            yield f"{module}:{node.lineno} reaches {'.'.join([root.id, *chain])}"
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        for target in targets:
+            base = target.value if isinstance(target, ast.Subscript) else target
+            names = [n.id for n in ast.walk(base) if isinstance(n, ast.Name)]
+            if isinstance(base, ast.Attribute) and names and names[0] in roots and _is_module_chain(base, roots):
+                yield f"{module}:{node.lineno} writes {ast.unparse(target)}"
+
+
+def _is_module_chain(node: ast.Attribute, roots: dict[str, str]) -> bool:
+    """``bnb.functional.name2qmap`` (a chain from a foreign name), not ``layer.weight`` (a local object)."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id in roots
+
+
+def test_private_attributes_of_libraries_come_through_compat() -> None:
+    """No ``torch.cuda.memory._x``, ``torch._C...`` or ``bnb.functional.cache[...] = ...`` outside ``_compat/``.
+
+    Attributes of objects (``trainer._x``, ``getattr(m, "_x")``) are not traced here: the table in
+    docs/extending.md lists them, each behind a function in ``lightning_hbm/_compat/``.
+    """
+    wrong = [line for m in MODULES if not m.startswith(f"{PACKAGE}._compat") for line in _foreign_reaches(m)]
+    assert not wrong, "move these into lightning_hbm/_compat/<library>.py:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize(
@@ -198,6 +276,10 @@ def test_private_names_of_libraries_come_through_compat() -> None:
         ("def f():\n    import yaml\n", "lightning_hbm.precision.x:2 imports yaml inside a function"),
         ("from lightning_hbm.surgery import _STATE_ATTR\n", "lightning_hbm.precision.x:1 imports lightning_hbm.surgery._STATE_ATTR"),
         ("from torch.nn.modules.module import _addindent\n", "lightning_hbm.precision.x:1 imports torch.nn.modules.module._addindent"),
+        ("import torch\ntorch.cuda.memory._dump_snapshot('s')\n", "lightning_hbm.precision.x:2 reaches torch.cuda.memory._dump_snapshot"),
+        ("from torch import nn\nnn.modules.conv._ConvNd\n", "lightning_hbm.precision.x:2 reaches nn.modules.conv._ConvNd"),
+        ("bnb = import_bnb()\nbnb.functional.name2qmap['dynamic'] = 1\n", "lightning_hbm.precision.x:2 writes bnb.functional.name2qmap['dynamic']"),
+        ("import transformers\ntransformers.PreTrainedModel.from_pretrained = f\n", "lightning_hbm.precision.x:2 writes transformers.PreTrainedModel.from_pretrained"),
     ],
 )
 def test_each_check_catches_its_case(source: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,7 +289,8 @@ def test_each_check_catches_its_case(source: str, expected: str, tmp_path: Path,
     fake.write_text(source)
     monkeypatch.setitem(MODULES, "lightning_hbm.precision.x", fake)
     checks = (test_no_import_goes_up_a_level, test_imports_inside_functions_are_optional_dependencies_only,
-              test_no_private_name_crosses_packages, test_private_names_of_libraries_come_through_compat)
+              test_no_private_name_crosses_packages, test_private_names_of_libraries_come_through_compat,
+              test_private_attributes_of_libraries_come_through_compat)
     messages = []
     for check in checks:
         try:

@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from typing_extensions import override
 
+from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
@@ -49,7 +50,7 @@ _AUTO_ORDER = ("flash", "efficient", "cudnn", "math")
 
 
 def _compute_device_and_dtype(module: nn.Module) -> tuple[torch.device, torch.dtype]:
-    trainer = getattr(module, "_trainer", None)
+    trainer = lightning_compat.attached_trainer(module)
     params = [p for p in module.parameters() if p.is_floating_point()]
     device = trainer.strategy.root_device if trainer is not None else (params[0].device if params else torch.device("cpu"))
     # The most common floating dtype: quantized models keep norms/embeddings in the compute dtype.
@@ -129,7 +130,7 @@ class AttentionKernel(SurgeryCallback):
     @override
     def transform_model(self, module: pl.LightningModule) -> None:
         device, dtype = _compute_device_and_dtype(module)
-        trainer = getattr(module, "_trainer", None)
+        trainer = lightning_compat.attached_trainer(module)
         # Probe under the precision plugin's forward context: autocast ("bf16-mixed") changes the dtype.
         context = trainer.strategy.precision_plugin.forward_context() if trainer is not None else None
         errors = {name: kernel_error(name, device, dtype, context) for name in _AUTO_ORDER}

@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from typing_extensions import override
 
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.memory.tracker import LOSS_SCOPE, memory_scope
 from lightning_hbm.precision.registry import format_of
@@ -198,7 +199,7 @@ def _dequantized_once(head: Optional[nn.Module]) -> Iterator[None]:
     modules = head.modules() if head is not None else ()
     owned = [(m, format_of(m)) for m in modules]
     layers = [(m, fmt) for m, fmt in owned if fmt is not None and fmt.dense_forward and not m.weight.requires_grad]
-    previous_forwards = [layer.__dict__.get("forward") for layer, _ in layers]
+    previous_forwards = [torch_compat.forward_override(layer) for layer, _ in layers]
     for layer, fmt in layers:
         # Straight into the compute dtype: a model quantized from fp32 weights stores fp32 constants,
         # and an fp32 copy of the head (2 GiB at 8B) next to its bf16 cast would be the step's peak.
@@ -207,15 +208,12 @@ def _dequantized_once(head: Optional[nn.Module]) -> Iterator[None]:
             bias = None if layer.bias is None else layer.bias.to(weight.dtype)
             return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
 
-        layer.forward = forward
+        torch_compat.override_forward(layer, forward)
     try:
         yield
     finally:
         for (layer, _), previous in zip(layers, previous_forwards):
-            if previous is None:
-                del layer.forward  # the class's forward again
-            else:
-                layer.forward = previous  # e.g. FusedLoss's own wrapper on a 4-bit head
+            torch_compat.override_forward(layer, previous)  # the class's, or e.g. FusedLoss's own wrapper on a 4-bit head
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -362,7 +360,7 @@ class LazyLogits(torch.Tensor):
         shape = (*hidden.shape[:-1], int(state.module.out_features))
         # requires_grad=False: nothing runs autograd on this object itself (every computation is on
         # hidden and the head), and module hooks (profilers) must not attach gradient hooks to it.
-        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=hidden.device, requires_grad=False)
+        self = torch_compat.make_wrapper_subclass(cls, shape, dtype=dtype, device=hidden.device, requires_grad=False)
         self._hidden, self._state, self._real, self._post = hidden, state, None, post
         return self
 
@@ -399,7 +397,7 @@ class LazyLogits(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch_compat.disable_torch_function_subclass():
                 return func(*args, **kwargs)
         if func is torch.Tensor.untyped_storage:
             # It owns no memory; memory tools (torch's MemTracker, HBMProfiler) must count 0 bytes, not the shape.
@@ -427,7 +425,7 @@ class LazyLogits(torch.Tensor):
             return self if _CASTS[func] == self.dtype else self._derive(self._hidden, _CASTS[func])
         if func is torch.Tensor.to:
             kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
-            device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+            device, dtype, _, memory_format = torch_compat.parse_to(*args, **kwargs)
             if (device is None or torch.device(device) == self.device) and memory_format is None:
                 return self._derive(self._hidden, dtype)
             return None
@@ -640,7 +638,7 @@ class FusedLoss(SurgeryCallback):
         for name in self.applied_heads:
             head = module.get_submodule(name)
             # an instance attribute shadows the class's forward; the state calls the class's forward
-            head.forward = _LazyHead(_HeadState(name, head, self.chunk_size, self.kernel))
+            torch_compat.override_forward(head, _LazyHead(_HeadState(name, head, self.chunk_size, self.kernel)))
         rank_zero_info(f"lightning_hbm: FusedLoss on {self.applied_heads} (chunked cross-entropy, kernel={self.kernel!r})")
 
 

@@ -30,6 +30,8 @@ from safetensors.torch import save_file
 from torch import nn
 from typing_extensions import override
 
+from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.layers import LEFT_ALONE_ATTR, adaptable_names, kind_names, prepare_model, report_coverage, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
@@ -343,7 +345,7 @@ class LoRA(SurgeryCallback):
     @staticmethod
     def _planned_quantization(module: nn.Module) -> frozenset[str]:
         """Names of the Linears the Trainer's QuantizedPrecision is about to quantize (none without one)."""
-        trainer = getattr(module, "_trainer", None)
+        trainer = lightning_compat.attached_trainer(module)
         plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
         if not isinstance(plugin, QuantizedPrecision):
             return frozenset()
@@ -364,10 +366,7 @@ class LoRA(SurgeryCallback):
         # given says it is quantized; quantize_model sets this on the root, a user-quantized
         # submodule may not have, so derive it from the layers themselves.
         kinds = {fmt.peft_kind for fmt in map(format_of, module.modules()) if fmt is not None}
-        if "4bit" in kinds:
-            object.__setattr__(module, "is_loaded_in_4bit", True)
-        if "8bit" in kinds:
-            object.__setattr__(module, "is_loaded_in_8bit", True)
+        peft_compat.mark_quantized(module, [k for k in ("4bit", "8bit") if k in kinds])
         config = peft.LoraConfig(
             r=self.r,
             lora_alpha=self.alpha,

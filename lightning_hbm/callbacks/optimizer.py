@@ -16,8 +16,6 @@ optimizer.
 from __future__ import annotations
 
 import logging
-import weakref
-from functools import wraps
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -26,6 +24,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.memory.storage import unique_bytes
 from lightning_hbm.precision.bnb import import_bnb
@@ -239,7 +238,7 @@ def repoint_lr_schedulers(lr_scheduler_configs: list[Any], old: Optimizer, new: 
     for config in lr_scheduler_configs:
         scheduler = getattr(config, "scheduler", config)
         if _repoint(scheduler, old, new):
-            _track_step_called(new)
+            torch_compat.track_step_called(new)
 
 
 def _repoint(scheduler: Any, old: Optimizer, new: Optimizer) -> bool:
@@ -247,29 +246,9 @@ def _repoint(scheduler: Any, old: Optimizer, new: Optimizer) -> bool:
     if getattr(scheduler, "optimizer", None) is old:
         scheduler.optimizer = new
         found = True
-    for child in getattr(scheduler, "_schedulers", []):
+    for child in torch_compat.child_schedulers(scheduler):
         found = _repoint(child, old, new) or found
     return found
-
-
-def _track_step_called(optimizer: Optimizer) -> None:
-    """What ``torch.optim.lr_scheduler.LRScheduler.__init__`` does to its optimizer's ``step``.
-
-    torch defines that wrapper inside ``LRScheduler.__init__`` (not importable), so it is repeated here.
-    """
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    opt_ref = weakref.ref(optimizer)
-    func = optimizer.step.__func__  # type: ignore[attr-defined]
-
-    @wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt = opt_ref()
-        opt._opt_called = True  # type: ignore[union-attr]
-        return func.__get__(opt, opt.__class__)(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]
 
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:

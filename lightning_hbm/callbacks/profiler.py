@@ -37,6 +37,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.memory.categories import (
     CATEGORIES,
@@ -253,7 +255,7 @@ class HBMProfiler(Callback):
             # Straight to the loggers, as DeviceStatsMonitor does: self.log would cost more than the
             # measurement and would only reach the loggers every log_every_n_steps anyway.
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+                logger.log_metrics(metrics, step=lightning_compat.batches_that_stepped(trainer))
         self._maybe_stop_history(trainer, pl_module, trainer.global_step)
 
     def _append(self, row: dict[str, Any]) -> None:
@@ -335,14 +337,14 @@ class HBMProfiler(Callback):
             return
         if _cuda_device(pl_module) is None:
             return
-        torch.cuda.memory._record_memory_history(max_entries=self.snapshot_max_entries)
+        torch_compat.record_memory_history(max_entries=self.snapshot_max_entries)
         self._recording = True
 
     def _maybe_stop_history(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         if not self._recording or self.snapshot_steps is None or step < self.snapshot_steps[1]:
             return
         self.snapshot_path = self._dump_snapshot(trainer, "hbm_snapshot")
-        torch.cuda.memory._record_memory_history(enabled=None)
+        torch_compat.record_memory_history(enabled=None)
         self._recording = False
 
     def _dump_snapshot(self, trainer: pl.Trainer, stem: str) -> Optional[str]:
@@ -351,7 +353,7 @@ class HBMProfiler(Callback):
         suffix = f"_rank{trainer.global_rank}" if trainer.world_size > 1 else ""
         path = os.path.join(self._dir(trainer), f"{stem}{suffix}.pickle")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.cuda.memory._dump_snapshot(path)
+        torch_compat.dump_memory_snapshot(path)
         print(f"HBMProfiler: CUDA memory snapshot written to {path} (open it at https://pytorch.org/memory_viz)")
         return path
 
@@ -364,7 +366,7 @@ class HBMProfiler(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._recording:
             self.snapshot_path = self._dump_snapshot(trainer, "hbm_snapshot")
-            torch.cuda.memory._record_memory_history(enabled=None)
+            torch_compat.record_memory_history(enabled=None)
             self._recording = False
         directory = self._dir(trainer)  # broadcast inside: call on every rank
         if trainer.is_global_zero and self.rows:
@@ -389,7 +391,7 @@ class HBMProfiler(Callback):
             paths = self.write_report(directory, "hbm_profile" + suffix)
             if _cuda_device(pl_module) is not None:
                 path = os.path.join(directory, f"hbm_snapshot{suffix}.pickle")
-                torch.cuda.memory._dump_snapshot(path)
+                torch_compat.dump_memory_snapshot(path)
                 paths["snapshot"] = path
             print(f"HBMProfiler: out of memory. {self.diagnosis()}\nReport: {paths}")
         except Exception as err:  # the report must never hide the out-of-memory error itself
@@ -423,7 +425,7 @@ def run_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, A
     """What the run used, for advice that is not already followed: transforms, optimizers, budget, plan."""
     used: dict[str, Any] = {
         "transforms": applied_transforms(pl_module),
-        "optimizers": [type(getattr(opt, "_optimizer", opt)).__name__ for opt in trainer.optimizers],
+        "optimizers": [type(lightning_compat.unwrap_optimizer(opt)).__name__ for opt in trainer.optimizers],
         "precision": str(trainer.precision),
     }
     # AutoFit: its budget and the chosen candidate's predicted step peak. Found by duck typing: the planner
@@ -479,7 +481,7 @@ def _module_breakdown(
 ) -> dict[str, dict[str, int]]:
     """Per submodule: its own (non-recursive) parameters, gradients, optimizer states, and the activations
     created while it was the innermost module running."""
-    states = [getattr(opt, "_optimizer", opt).state for opt in optimizers]
+    states = [lightning_compat.unwrap_optimizer(opt).state for opt in optimizers]
     result: dict[str, dict[str, int]] = {}
     for name, module in pl_module.named_modules():
         label = name or "<root>"

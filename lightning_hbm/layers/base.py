@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.memory.storage import quantized_format
 
@@ -501,7 +502,7 @@ def report_coverage(module: nn.Module, quantizing: bool) -> list[CoverageRow]:
     rank_zero_info("lightning_hbm: layer kinds (parameters)\n" + format_coverage(rows))
     for message in coverage_warnings(rows):
         rank_zero_warn(message)
-    trainer = getattr(module, "_trainer", None)
+    trainer = lightning_compat.attached_trainer(module)
     if trainer is not None:
         metrics = {
             f"layers/{r.kind.split(' ')[0]}/{field}": float(getattr(r, field))

@@ -29,7 +29,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from typing_extensions import override
 
-from lightning_hbm._compat import _default_gate
+from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm._compat import transformers as transformers_compat
 from lightning_hbm.layers.base import LayerKind, register_kind
 
 
@@ -45,8 +46,7 @@ def supported(module: nn.Module) -> bool:
         getattr(module, "has_bias", None),
         getattr(module, "has_post_expert_norm", None),
     )
-    default = _default_gate()
-    return layout == (True, True, False, False, False) and default is not None and type(module)._apply_gate is default
+    return layout == (True, True, False, False, False) and transformers_compat.uses_default_gate(module)
 
 
 class LinearExperts(nn.Module):
@@ -117,7 +117,7 @@ def _is_experts(module: nn.Module) -> bool:
     # (also 3-D weights) are another kind of layer, and a 3-D Parameter with one leading row is a learned
     # token or position table broadcast over the batch (ViT cls_token / pos_embed, SigLIP's pooling probe):
     # counted with the embeddings ("other").
-    if isinstance(module, nn.modules.conv._ConvNd):
+    if isinstance(module, torch_compat.ConvNd):
         return False
     return any(p.dim() == 3 and p.shape[0] > 1 for p in module.parameters(recurse=False))
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers.base import LayerKind, register_kind
 
 
@@ -81,18 +82,18 @@ class ProjectedMultiheadAttention(nn.Module):
             )
         with torch.device("meta"):
             new = cls(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None, mha.kdim, mha.vdim, mha.batch_first)
-        if mha._qkv_same_embed_dim:
+        if torch_compat.packed_qkv(mha):
             weights = mha.in_proj_weight.detach().chunk(3)
         else:
             weights = (mha.q_proj_weight.detach(), mha.k_proj_weight.detach(), mha.v_proj_weight.detach())
         biases = mha.in_proj_bias.detach().chunk(3) if mha.in_proj_bias is not None else (None, None, None)
-        trainable = (mha.in_proj_weight if mha._qkv_same_embed_dim else mha.q_proj_weight).requires_grad
+        trainable = (mha.in_proj_weight if torch_compat.packed_qkv(mha) else mha.q_proj_weight).requires_grad
         for proj, weight, bias in zip((new.q_proj, new.k_proj, new.v_proj), weights, biases):
             proj.weight = nn.Parameter(weight.clone(), requires_grad=trainable)
             if bias is not None:
                 proj.bias = nn.Parameter(bias.clone(), requires_grad=mha.in_proj_bias.requires_grad)
         new.out_proj.weight = mha.out_proj.weight  # the same Parameters: no copy
-        new._separate_weights = not mha._qkv_same_embed_dim
+        new._separate_weights = not torch_compat.packed_qkv(mha)
         new.out_proj.bias = mha.out_proj.bias
         new.train(mha.training)
         return new

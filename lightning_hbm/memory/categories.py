@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm.memory.storage import (
     StorageKey,
     module_parameter_tensors,
@@ -71,7 +72,7 @@ def optimizer_state_tensors(optimizers: Union[Optimizer, Iterable[Optimizer]]) -
     tensors: list[torch.Tensor] = []
     for optimizer in optimizers:
         # LightningOptimizer wraps the real one; .state is forwarded, but be explicit.
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = lightning_compat.unwrap_optimizer(optimizer)
         for state in optimizer.state.values():
             tensors.extend(nested_tensors(state))
     return tensors

@@ -17,6 +17,8 @@ from typing import Any, Callable, Union
 import torch
 from torch import nn
 
+from lightning_hbm._compat import lightning as lightning_compat
+
 
 StorageKey = tuple[str, int]
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
@@ -191,7 +193,7 @@ def host_offload_bytes(optimizers: Union[torch.optim.Optimizer, Iterable[torch.o
         optimizers = [optimizers]
     tensors: list[torch.Tensor] = []
     for optimizer in optimizers:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        optimizer = lightning_compat.unwrap_optimizer(optimizer)
         # duck typing (OffloadedOptimizer has it): memory sits below strategies (tests/test_layering.py)
         host_tensors = getattr(optimizer, "host_tensors", None)
         if callable(host_tensors):

@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.callbacks.fused_loss import default_heads
 from lightning_hbm.callbacks.profiler import HBMProfiler
@@ -228,7 +229,7 @@ def _example_batch(trainer: pl.Trainer) -> Any:
     # Lightning has no public way to reach the train dataloader before the fit loop loads it: the fit
     # loop's data source is what Lightning itself will call (the module's train_dataloader, the
     # datamodule's, or the loader passed to fit).
-    loader = trainer.fit_loop._data_source.dataloader()
+    loader = lightning_compat.train_dataloader(trainer)
     try:
         return next(iter(loader))
     except (TypeError, StopIteration) as err:

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import transformers as transformers_compat
 from lightning_hbm.planner.realvalues import RealValues
 
 ModelLike = Union[pl.LightningModule, Callable[[], pl.LightningModule]]
@@ -68,9 +70,6 @@ def _config_only_from_pretrained() -> Iterator[None]:
     if transformers is None:  # the factory cannot call from_pretrained without importing transformers first
         yield
         return
-    base = transformers.PreTrainedModel
-    original = base.__dict__["from_pretrained"]
-
     def from_pretrained(cls: type, path: Any, *args: Any, **kwargs: Any) -> Any:
         config = kwargs.pop("config", None)
         if not isinstance(config, transformers.PretrainedConfig):
@@ -80,13 +79,10 @@ def _config_only_from_pretrained() -> Iterator[None]:
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
         if dtype is not None and dtype != "auto":
             options["dtype"] = dtype
-        return cls._from_config(config, **options)
+        return transformers_compat.from_config(cls, config, **options)
 
-    base.from_pretrained = classmethod(from_pretrained)
-    try:
+    with transformers_compat.replaced_from_pretrained(transformers, from_pretrained):
         yield
-    finally:
-        base.from_pretrained = original
 
 
 def _fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode, values: Optional[RealValues] = None) -> torch.Tensor:
@@ -141,13 +137,8 @@ def _fake_copy(
             values.add(fake, real.detach().clone().cpu())
         memo[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
     # The copy must not drag the Trainer along (nor log into it): detach it for the duration of the copy.
-    saved = {attr: module.__dict__.get(attr) for attr in ("_trainer", "_fabric")}
-    for attr in saved:
-        module.__dict__[attr] = None
-    try:
+    with lightning_compat.detached(module):
         return copy.deepcopy(module, memo)
-    finally:
-        module.__dict__.update(saved)
 
 
 def _build(model: Union[ModelLike, Template], fake_mode: FakeTensorMode, values: RealValues) -> pl.LightningModule:

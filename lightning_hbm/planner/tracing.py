@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt, _disable_current_modes
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.callbacks.activation_checkpointing import find_blocks
 from lightning_hbm.memory import CATEGORIES, LOSS_SCOPE, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count, scoped_bytes
 from lightning_hbm.memory.categories import buffer_tensors, classify_records, optimizer_state_tensors, parameter_tensors
@@ -282,14 +283,14 @@ def _run_for_real(module: nn.Module, fallbacks: dict[str, str], reason: str, nam
                 saved[id(t.untyped_storage())] = t.untyped_storage().nbytes()
                 return t
 
-            module.forward = fake_forward  # the module's own forward, on real tensors
+            torch_compat.override_forward(module, fake_forward)  # the module's own forward, on real tensors
             try:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = torch.func.functional_call(
                         module, real_weights, *tree_map_only(torch.Tensor, lambda t: real[id(t)], (args, kwargs))
                     )
             finally:
-                module.forward = forward
+                torch_compat.override_forward(module, forward)
             outs = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, tuple) else None
             if outs is None or not all(isinstance(t, torch.Tensor) for t in outs):
                 raise TypeError(f"{name} returns {type(out).__name__}: the real-tensor fallback handles tensors and tuples")
@@ -301,7 +302,7 @@ def _run_for_real(module: nn.Module, fallbacks: dict[str, str], reason: str, nam
         fallbacks[name] = reason
         return result[0] if isinstance(out, torch.Tensor) else result
 
-    module.forward = forward
+    torch_compat.override_forward(module, forward)
 
 
 def _planning_plugin(candidate: Candidate) -> Precision:

@@ -26,6 +26,7 @@ from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm.memory.storage import nested_tensors
 from lightning_hbm.precision.registry import QuantFormat, register_format
 from lightning_hbm.requirements import requirement
@@ -102,7 +103,7 @@ def _finish4bit(layer: nn.Module, linear: nn.Linear) -> nn.Module:
     # Trap (seen with bitsandbytes 0.50): on CPUs with AVX512-BF16 the first no-grad eval
     # forward repacks the weight for a fast kernel that bypasses autograd, after which training
     # silently produces no input gradients. Never take that path for a training base.
-    layer.support_avx512bf16_for_cpu = False
+    bnb_compat.disable_cpu_repack(layer)
     layer.register_load_state_dict_pre_hook(_load_prequantized_hook)
     return layer
 
@@ -144,10 +145,10 @@ def _fake_linear4bit(
     bnb = import_bnb()
     with unset_fake_temporarily():  # the shell lives on the meta device, outside the fake mode
         layer = _layer4bit(linear, dtype, quant_type, double_quant)
-        if double_quant and "dynamic" not in bnb.functional.name2qmap:
+        if double_quant:
             # the nested quantization's code book is built (and cached module-wide) from Python floats
             # at bitsandbytes' first real call: build it for real, as that call would.
-            bnb.functional.name2qmap["dynamic"] = bnb.functional.create_dynamic_map()
+            bnb_compat.ensure_nested_code()
     packed, quant_state = bnb.functional.quantize_4bit(
         linear.weight.detach().contiguous(), blocksize=blocksize, compress_statistics=double_quant, quant_type=quant_type
     )

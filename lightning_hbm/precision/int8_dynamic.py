@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.precision.registry import QuantFormat, register_format
 
 _QMAX = 127  # symmetric range [-127, 127]: -128 is never used, so scales are the same both signs
@@ -99,9 +100,9 @@ def _int8_matmul(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
     if x_q.device.type == "cuda" and m <= 16:
         # cuBLASLt's INT8 GEMM needs more than 16 rows: pad with zero rows, drop them after.
         x_q = F.pad(x_q, (0, 0, 0, 17 - m))
-        return torch._int_mm(x_q, w_q.t())[:m]
+        return torch_compat.int_mm(x_q, w_q.t())[:m]
     # w_q.t() is a column-major view of the row-major weight: the layout cuBLASLt wants for B.
-    return torch._int_mm(x_q, w_q.t())
+    return torch_compat.int_mm(x_q, w_q.t())
 
 
 class _DynamicInt8Matmul(torch.autograd.Function):

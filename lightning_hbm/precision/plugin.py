@@ -25,6 +25,9 @@ from torch._subclasses.fake_tensor import is_fake
 from typing_extensions import override
 
 from lightning_hbm import resume
+from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import peft as peft_compat
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_names, kind_of, prepare_model, weight_readers
 from lightning_hbm.precision.bnb import import_bnb
@@ -240,17 +243,14 @@ def quantize_model(
     # except what the model declares must stay in fp32, and BatchNorm: its running statistics are fp32
     # buffers, and batch_norm takes a 16-bit input only with fp32 weights and statistics (as in
     # Lightning's mixed precision); 16-bit weights beside fp32 statistics fail at the first batch.
-    fp32 = keep_in_fp32_names(module) | {n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    fp32 = keep_in_fp32_names(module) | {n for n, m in module.named_modules() if isinstance(m, torch_compat.BatchNormBase)}
     for name, param in module.named_parameters():
         wanted = torch.float32 if _under(name.rpartition(".")[0], fp32) else compute_dtype
         if param.is_floating_point() and param.dtype != wanted:
             param.data = param.data.to(wanted)
     # peft picks its quantization-aware LoRA layers (mergeable) only when the model says so.
     kinds = {m.peft_kind for m in modes.values() if m is not None}
-    if "4bit" in kinds:
-        object.__setattr__(module, "is_loaded_in_4bit", True)
-    if "8bit" in kinds:
-        object.__setattr__(module, "is_loaded_in_8bit", True)
+    peft_compat.mark_quantized(module, kinds & {"4bit", "8bit"})
     return [name for name, _ in targets]
 
 
@@ -519,7 +519,7 @@ class QuantizedPrecision(Precision):
             )
 
     def _trainer(self, module: nn.Module) -> Any:
-        return getattr(module, "_trainer", None) or plugin_trainer(self)
+        return lightning_compat.attached_trainer(module) or plugin_trainer(self)
 
     def _probe(self, module: nn.Module) -> Any:
         if self.probe_batch is not None:
@@ -599,7 +599,7 @@ class QuantizedPrecision(Precision):
         # the one moment the final model is known before training, on every strategy.
         optimizers = trainer_optimizers(self, optimizers, lr_schedulers)
         result = super().connect(model, optimizers, lr_schedulers)
-        trainer = getattr(model, "_trainer", None)
+        trainer = lightning_compat.attached_trainer(model)
         if trainer is not None and trainer.state.fn == "fit":
             report_coverage(model, quantizing=True)
         return result
@@ -645,7 +645,7 @@ def _lora_saved(module: nn.Module) -> list[str]:
     Read by duck typing (``LoRA`` has the attribute): the precision level sits below the callbacks
     (``tests/test_layering.py``).
     """
-    trainer = getattr(module, "_trainer", None)
+    trainer = lightning_compat.attached_trainer(module)
     names = [name for cb in getattr(trainer, "callbacks", []) for name in getattr(cb, "modules_to_save", None) or ()]
     # without a Trainer (the planner's surgery), the ones run_surgery was given
     return names + [n for n in getattr(module, SAVED_MODULES_ATTR, ()) if n not in names]

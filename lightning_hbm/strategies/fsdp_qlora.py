@@ -60,6 +60,7 @@ from typing_extensions import override
 from lightning_hbm import resume, surgery
 from lightning_hbm._validate import check_args
 from lightning_hbm._compat import _PATH, _materialize_distributed_module, _optimizers_to_device
+from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm.callbacks.optimizer import OPTIMIZER_KINDS, MemoryEfficientOptimizer
 
 
@@ -171,7 +172,7 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
     def _check_optimizers(self) -> None:
         """bitsandbytes optimizers call kernels that have no DTensor rule: fail now, not at step 1."""
         for optimizer in self.optimizers:
-            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            optimizer = lightning_compat.unwrap_optimizer(optimizer)
             if type(optimizer).__module__.startswith("bitsandbytes"):
                 raise self._bnb_refusal(type(optimizer).__name__)
 
@@ -246,7 +247,7 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's ``state_dict`` with every sharded state gathered (collective)."""
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         state_dict = optimizer.state_dict()
         state = {
             index: {key: _full(value).cpu() if isinstance(value, torch.Tensor) else value for key, value in s.items()}

@@ -1,0 +1,84 @@
+"""Lightning's internals that lightning_hbm relies on (Lightning 2.6; ``tests/_compat/test_lightning.py`` checks each)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+from lightning.fabric.connector import _PRECISION_INPUT_STR  # the Trainer's precision values (cli)
+from lightning.fabric.utilities.init import _materialize_distributed_module  # QuantizedFSDPStrategy
+from lightning.fabric.utilities.optimizer import _optimizers_to_device  # QuantizedFSDPStrategy
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import (  # planner
+    LightningOptimizer,
+    _configure_optimizers,
+    _configure_schedulers_automatic_opt,
+)
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+
+def attached_trainer(module: Any) -> Optional[Any]:
+    """The Trainer ``module`` is attached to, or ``None`` (a plain ``nn.Module``, or a LightningModule outside a Trainer).
+
+    ``LightningModule.trainer`` raises when the module is not attached; its backing field ``_trainer`` does not.
+    """
+    return getattr(module, "_trainer", None)
+
+
+def loaded_checkpoint(trainer: Optional[Any]) -> Optional[dict[str, Any]]:
+    """The checkpoint Lightning is resuming from, between its weight restore and the end of setup (else ``None``).
+
+    No public accessor: ``on_load_checkpoint`` hooks see the dict but run after the model's weights are
+    restored and before nothing else lightning_hbm needs, ``CheckpointIO.load_checkpoint`` is bypassed by
+    strategies that load their own (sharded) files, and the point where Lightning drops the dict
+    (``_CheckpointConnector.resume_end``) has no hook common to fit, validate, test and predict.
+    """
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    return getattr(connector, "_loaded_checkpoint", None) or None
+
+
+def batches_that_stepped(trainer: Any) -> int:
+    """The step Lightning's own ``self.log`` passes to the loggers (``trainer.global_step`` counts optimizer steps)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def train_dataloader(trainer: Any) -> Any:
+    """The train dataloader Lightning will use (module's, datamodule's or ``fit``'s), before the fit loop loads it."""
+    return trainer.fit_loop._data_source.dataloader()
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a ``LightningOptimizer`` (public property; kept here beside its callers' other needs)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def override_plugin_hooks(plugin: Any, convert_module: Callable[..., Any], connect: Callable[..., Any]) -> None:
+    """Replace ``convert_module`` and ``connect`` on this precision plugin instance only.
+
+    Every Lightning strategy calls ``precision_plugin.convert_module(model)`` in its ``setup`` after
+    ``configure_model`` and before the optimizers exist, and ``precision_plugin.connect(...)`` once they do:
+    the only points where a plugin that is not lightning_hbm's can be given the surgery. Instance attributes
+    shadow the class's methods (callables must be picklable: the Trainer may be pickled after ``fit``).
+    """
+    plugin.convert_module = convert_module
+    plugin.connect = connect
+
+
+def plugin_hook_override(plugin: Any, name: str) -> Optional[Callable[..., Any]]:
+    """What :func:`override_plugin_hooks` put on ``plugin`` for hook ``name`` (``None``: the class's method)."""
+    return vars(plugin).get(name)
+
+
+@contextmanager
+def detached(module: Any) -> Iterator[None]:
+    """``module`` attached to no Trainer or Fabric inside the block (a deep copy then leaves them behind).
+
+    Lightning keeps the links in the private fields ``_trainer`` / ``_fabric``; there is no public detach.
+    """
+    saved = {attr: module.__dict__.get(attr) for attr in ("_trainer", "_fabric")}
+    for attr in saved:
+        module.__dict__[attr] = None
+    try:
+        yield
+    finally:
+        module.__dict__.update(saved)

@@ -1,0 +1,19 @@
+"""peft's internals that lightning_hbm relies on (peft 0.21; ``tests/_compat/test_peft.py`` checks each)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from torch import nn
+
+
+def mark_quantized(model: nn.Module, kinds: Iterable[str]) -> None:
+    """Tell peft that ``model`` holds bitsandbytes layers (``kinds``: ``"4bit"``, ``"8bit"``).
+
+    peft picks its bitsandbytes-aware LoRA layers (which can merge) only when the model it is given carries
+    transformers' ``is_loaded_in_4bit`` / ``is_loaded_in_8bit`` flags; otherwise it wraps the quantized layer
+    in the generic LoRA ``Linear`` and merging fails. ``object.__setattr__``: the flags are plain attributes
+    even on modules whose ``__setattr__`` is special.
+    """
+    for kind in kinds:
+        object.__setattr__(model, f"is_loaded_in_{kind}", True)

@@ -1,0 +1,59 @@
+"""lightning_hbm._compat.bitsandbytes against the installed bitsandbytes: each test fails when it changes the internal."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Iterator
+
+import bitsandbytes as bnb
+import bitsandbytes.functional as F
+import pytest
+import torch
+
+from lightning_hbm._compat import bitsandbytes as compat
+
+
+def _layer4bit() -> bnb.nn.Linear4bit:
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(64, 64), requires_grad=False, quant_type="nf4").to("cpu")
+    return layer
+
+
+def test_disable_cpu_repack_sets_the_flag_linear4bit_reads() -> None:
+    layer = _layer4bit()
+    assert hasattr(layer, "support_avx512bf16_for_cpu")  # set in __init__ (from has_avx512bf16())
+    assert "support_avx512bf16_for_cpu" in inspect.getsource(bnb.nn.Linear4bit.forward)  # and read by forward
+    compat.disable_cpu_repack(layer)
+    assert layer.support_avx512bf16_for_cpu is False
+    # eval no-grad forward, then training: the input still gets its gradient (on either CPU kind)
+    layer.eval()
+    with torch.no_grad():
+        layer(torch.randn(2, 64))
+    layer.train()
+    x = torch.randn(2, 64, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+@pytest.fixture
+def no_cached_code() -> Iterator[None]:
+    saved = F.name2qmap.pop("dynamic", None)
+    yield
+    if saved is not None:
+        F.name2qmap["dynamic"] = saved
+
+
+@pytest.mark.usefixtures("no_cached_code")
+def test_ensure_nested_code_fills_the_cache_double_quant_reads() -> None:
+    assert "dynamic" not in F.name2qmap
+    compat.ensure_nested_code()
+    code = F.name2qmap["dynamic"]
+    torch.testing.assert_close(code, F.create_dynamic_map())
+    compat.ensure_nested_code()
+    assert F.name2qmap["dynamic"] is code  # built once
+    # bitsandbytes' double quantization reads the cached code book: a changed cache shows in its state
+    F.name2qmap["dynamic"] = code * 0.5
+    _, state = F.quantize_4bit(torch.randn(64, 64), compress_statistics=True, quant_type="nf4")
+    torch.testing.assert_close(state.state2.code, code * 0.5)
+    del F.name2qmap["dynamic"]

@@ -1,0 +1,116 @@
+"""lightning_hbm._compat.lightning against the installed Lightning: each test fails when Lightning changes the internal."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch import nn
+
+from lightning_hbm._compat import lightning as compat
+
+
+class _Record(pl.Callback):
+    """What the compat functions return at each hook of a run."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.seen["setup_batch"] = next(iter(compat.train_dataloader(trainer)))
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seen["fit_start"] = compat.loaded_checkpoint(trainer)
+        self.seen["attached"] = compat.attached_trainer(pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seen["train_start"] = compat.loaded_checkpoint(trainer)
+
+
+def test_attached_trainer(gpt_factory: Callable[..., Any], datamodule_factory: Callable[..., Any],
+                          trainer_factory: Callable[..., pl.Trainer]) -> None:
+    model = gpt_factory()
+    with pytest.raises(RuntimeError, match="not attached"):
+        model.trainer  # the public property refuses: the reason for reading the field
+    assert compat.attached_trainer(model) is None
+    assert compat.attached_trainer(nn.Linear(2, 2)) is None
+    record, trainer = _Record(), trainer_factory(max_steps=1)
+    trainer.callbacks.append(record)
+    trainer.fit(model, datamodule=datamodule_factory())
+    assert record.seen["attached"] is trainer
+
+
+def test_loaded_checkpoint_lives_from_restore_to_setup_end(
+    gpt_factory: Callable[..., Any], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer], tmp_path: Any
+) -> None:
+    trainer = trainer_factory(max_steps=2)
+    trainer.fit(gpt_factory(), datamodule=datamodule_factory())
+    path = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(path)
+    assert compat.loaded_checkpoint(trainer) is None  # no resume: nothing pending
+
+    record = _Record()
+    trainer = trainer_factory(max_steps=3, callbacks=[record])
+    trainer.fit(gpt_factory(), datamodule=datamodule_factory(), ckpt_path=path)
+    pending = record.seen["fit_start"]
+    assert pending is not None and pending["global_step"] == 2 and "state_dict" in pending
+    assert record.seen["train_start"] is None  # dropped once the training state is restored
+    assert compat.loaded_checkpoint(None) is None
+
+
+def test_batches_that_stepped_and_train_dataloader(
+    gpt_factory: Callable[..., Any], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer]
+) -> None:
+    record, data = _Record(), datamodule_factory()
+    trainer = trainer_factory(max_steps=3, callbacks=[record])
+    trainer.fit(gpt_factory(), datamodule=data)
+    assert compat.batches_that_stepped(trainer) == 3
+    expected = next(iter(data.train_dataloader()))
+    torch.testing.assert_close(record.seen["setup_batch"], expected)
+
+
+def test_unwrap_optimizer() -> None:
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    assert compat.unwrap_optimizer(LightningOptimizer(optimizer)) is optimizer
+    assert compat.unwrap_optimizer(optimizer) is optimizer
+
+
+class _Calls:
+    """A picklable stand-in hook that records its calls and runs the plugin's own method."""
+
+    def __init__(self, plugin: Any, name: str) -> None:
+        self.plugin, self.name, self.calls = plugin, name, 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        return getattr(type(self.plugin), self.name)(self.plugin, *args)
+
+
+def test_override_plugin_hooks_reach_the_strategy_setup(
+    gpt_factory: Callable[..., Any], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer]
+) -> None:
+    trainer = trainer_factory(max_steps=1)
+    plugin = trainer.strategy.precision_plugin
+    assert compat.plugin_hook_override(plugin, "convert_module") is None
+    convert, connect = _Calls(plugin, "convert_module"), _Calls(plugin, "connect")
+    compat.override_plugin_hooks(plugin, convert, connect)
+    assert compat.plugin_hook_override(plugin, "convert_module") is convert
+    trainer.fit(gpt_factory(), datamodule=datamodule_factory())
+    assert (convert.calls, connect.calls) == (1, 1)  # Lightning looks both up on the instance
+    pickle.dumps(plugin)
+
+
+def test_detached_copy_leaves_the_trainer_behind(
+    gpt_factory: Callable[..., Any], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer]
+) -> None:
+    model, trainer = gpt_factory(), trainer_factory(max_steps=1)
+    trainer.fit(model, datamodule=datamodule_factory())
+    assert compat.attached_trainer(model) is trainer
+    with compat.detached(model):
+        copied = copy.deepcopy(model)
+    assert compat.attached_trainer(copied) is None and compat.attached_trainer(model) is trainer

@@ -1,0 +1,124 @@
+"""lightning_hbm._compat.torch against the installed torch: each test fails when torch changes the internal."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from lightning_hbm._compat import _disable_current_modes
+from lightning_hbm._compat import torch as compat
+
+
+def test_override_forward_keeps_hooks_and_restores_the_class_forward() -> None:
+    torch.manual_seed(0)
+    layer, x, hooked = nn.Linear(4, 3), torch.randn(2, 4), []
+    layer.register_forward_hook(lambda m, args, out: hooked.append(out))
+    expected = layer(x)
+    assert compat.forward_override(layer) is None
+    compat.override_forward(layer, lambda inp: torch.zeros(2, 3))
+    assert compat.forward_override(layer) is not None
+    torch.testing.assert_close(layer(x), torch.zeros(2, 3))  # __call__ finds the instance's forward
+    assert len(hooked) == 2  # and still runs the module's hooks
+    compat.override_forward(layer, None)
+    assert compat.forward_override(layer) is None
+    torch.testing.assert_close(layer(x), expected)
+
+
+def test_load_state_dict_pre_hooks_lists_the_registered_callables() -> None:
+    layer = nn.Linear(2, 2)
+
+    def hook(*args: object) -> None:
+        return None
+
+    layer.register_load_state_dict_pre_hook(hook)
+    assert compat.load_state_dict_pre_hooks(layer) == [hook]
+    assert compat.load_state_dict_pre_hooks(nn.Linear(2, 2)) == []
+
+
+def test_memory_history_functions_exist_with_their_arguments() -> None:
+    """CUDA-only to call (untested here on a GPU); their names and keyword arguments are checked."""
+    record = inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    assert {"enabled", "max_entries"} <= set(record)
+    assert "filename" in inspect.signature(torch.cuda.memory._dump_snapshot).parameters
+    # the wrappers pass by keyword / position exactly like the profiler's calls
+    assert inspect.signature(compat.dump_memory_snapshot).parameters.keys() == {"path"}
+
+
+def test_disable_current_modes_leaves_a_fake_mode() -> None:
+    with FakeTensorMode():
+        assert isinstance(torch.zeros(2), FakeTensor)
+        with _disable_current_modes():
+            real = torch.zeros(2)
+    assert not isinstance(real, FakeTensor)
+
+
+def test_private_base_classes_cover_every_kind() -> None:
+    for conv in (nn.Conv1d(1, 1, 1), nn.Conv2d(1, 1, 1), nn.Conv3d(1, 1, 1), nn.ConvTranspose2d(1, 1, 1)):
+        assert isinstance(conv, compat.ConvNd)
+    for norm in (nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.SyncBatchNorm(2)):
+        assert isinstance(norm, compat.BatchNormBase)
+    assert not isinstance(nn.LayerNorm(2), compat.BatchNormBase) and not isinstance(nn.Linear(1, 1), compat.ConvNd)
+
+
+def test_int_mm_multiplies_int8_into_int32() -> None:
+    a = torch.randint(-128, 127, (32, 64), dtype=torch.int8)
+    b = torch.randint(-128, 127, (64, 32), dtype=torch.int8)
+    out = compat.int_mm(a, b)
+    assert out.dtype == torch.int32
+    torch.testing.assert_close(out, (a.long() @ b.long()).int())
+
+
+class _Shell(torch.Tensor):
+    """A wrapper subclass that owns no memory (as FusedLoss's LazyLogits)."""
+
+    @staticmethod
+    def __new__(cls) -> "_Shell":
+        return compat.make_wrapper_subclass(cls, (3, 5), dtype=torch.float16, device="cpu", requires_grad=False)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        with compat.disable_torch_function_subclass():
+            return func(*args, **(kwargs or {}))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"{func} reached dispatch: the torch-function passthrough did not hold")
+
+
+def test_wrapper_subclass_and_torch_function_passthrough() -> None:
+    shell = _Shell()
+    assert shell.shape == (3, 5) and shell.dtype == torch.float16 and isinstance(shell, _Shell)
+    assert type(shell.size()) is torch.Size  # the metadata call ran as on a plain tensor, no recursion
+    assert compat.parse_to("cpu", torch.float16) == (torch.device("cpu"), torch.float16, False, None)
+    assert compat.parse_to(dtype=torch.bfloat16)[1] == torch.bfloat16
+
+
+def test_child_schedulers_and_packed_qkv() -> None:
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    first, second = torch.optim.lr_scheduler.ConstantLR(optimizer), torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9)
+    assert compat.child_schedulers(torch.optim.lr_scheduler.SequentialLR(optimizer, [first, second], milestones=[1])) == [first, second]
+    assert compat.child_schedulers(first) == []
+    assert compat.packed_qkv(nn.MultiheadAttention(8, 2)) is True
+    assert compat.packed_qkv(nn.MultiheadAttention(8, 2, kdim=4, vdim=4)) is False
+
+
+@pytest.mark.parametrize("tracked", [True, False])
+def test_track_step_called_is_what_lr_schedulers_check(tracked: bool) -> None:
+    """A scheduler moved onto a new optimizer warns "lr_scheduler.step() before optimizer.step()" unless tracked."""
+    params = list(nn.Linear(2, 2).parameters())
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(torch.optim.SGD(params, lr=0.1), 0.9)
+    new = torch.optim.SGD(params, lr=0.1)
+    scheduler.optimizer = new
+    if tracked:
+        compat.track_step_called(new)
+    new.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scheduler.step()
+    order = [w for w in caught if "optimizer.step()" in str(w.message)]
+    assert bool(order) is not tracked, [str(w.message) for w in caught]
