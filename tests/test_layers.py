@@ -93,3 +93,16 @@ def test_only_the_vocabulary_counts() -> None:
     del model.lm_head
     assert output_heads(model) == []
     assert output_heads(nn.Sequential(nn.Linear(4, VOCAB))) == []
+
+
+@pytest.mark.parametrize(("make", "head"), MODELS)
+def test_all_linear_lora_leaves_the_head_out_with_a_reason(make: Callable[[], nn.Module], head: str) -> None:
+    from lightning_hbm import LoRA
+
+    model = make()
+    lora = LoRA(r=4)
+    targets, _ = lora.resolve(model)
+    assert head not in targets and lora.heads_left_out == [head] and len(targets) >= 4
+    lora.transform_model(model)
+    reasons = {r for row in coverage(model, quantizing=False, adapting=True) for r in row.reasons}
+    assert "output head: left out of LoRA 'all-linear' (name it in target_modules to adapt it)" in reasons
