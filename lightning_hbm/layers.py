@@ -51,15 +51,15 @@ class LayerKind:
     """One kind of weight-holding layer.
 
     Attributes:
-        name: shown in the coverage table and the README.
+        name: shown in the coverage table and the layer-kind table of docs/adapters.md.
         matches: whether a module (as the user built it) is a layer of this kind.
         to_linear: an equivalent ``nn.Linear`` holding the layer's weight (the mode's ``replace``
             quantizes it); ``None``: this kind is not quantized.
         prepare: replaces the layer by an equivalent module made of quantizable/adaptable layers
             (run before quantization and LoRA; returns ``None`` for a variant it cannot convert, which
             stays as it is); ``None``: used as it is.
-        quantized_as: how it is quantized (README table).
-        adapted_as: how LoRA reaches it (README table).
+        quantized_as: how it is quantized (docs/adapters.md table).
+        adapted_as: how LoRA reaches it (docs/adapters.md table).
         option: what to pass when it is left alone (named in the warning).
         as_built_keys: for a kind with ``prepare``, the replacement's tensors as forms of the layer's as
             built: ``{replacement key: as-built key}`` (local names, e.g. ``{"q_proj.weight": "in_proj_weight"}``).

@@ -1,7 +1,7 @@
 """The memory figures the docs quote for the recipes are what the recipes measure now.
 
 Each recipe's header (``examples/R.yaml``) quotes its step peak by term, from ``benchmarks/recipes.py``;
-the README's recipe table quotes the same step peak. A change to quantization, LoRA or the profiler that
+the recipe table of docs/cli.md quotes the same step peak. A change to quantization, LoRA or the profiler that
 moves a figure fails here, so the docs are re-generated (``OMP_NUM_THREADS=1 python benchmarks/recipes.py``)
 instead of drifting. Memory is exact tensor bytes: the same on every CPU.
 """
@@ -37,5 +37,5 @@ def test_recipe_header_and_readme_quote_the_measured_step_peak(recipe: str, tmp_
     measured = [f"{peak[c] / MIB:.2f}" for c in ("parameters", "gradients", "optimizer_states", "activations")]
     assert list(quoted.group(1, 2, 3, 4)) == measured, f"examples/{recipe}.yaml header vs measured step 1"
     assert quoted.group(6) == f"{peak['total'] / MIB:.2f}"
-    readme_row = re.search(rf"^\| `{recipe}\.yaml` \|[^|]*\| ([\d.]+) \|", (ROOT / "README.md").read_text(), re.MULTILINE)
-    assert readme_row and readme_row.group(1) == quoted.group(6), "README's recipe table vs the recipe's header"
+    readme_row = re.search(rf"^\| `{recipe}\.yaml` \|[^|]*\| ([\d.]+) \|", (ROOT / "docs" / "cli.md").read_text(), re.MULTILINE)
+    assert readme_row and readme_row.group(1) == quoted.group(6), "docs/cli.md recipe table vs the recipe header"

@@ -156,7 +156,7 @@ def test_hf_example_exports_a_peft_adapter(tmp_path: Path) -> None:
 
 
 def test_recipes_share_the_model_their_savings_are_measured_on() -> None:
-    # README's table compares each recipe with bf16-true full fine-tuning of one model and batch
+    # docs/cli.md's recipe table compares each recipe with bf16-true full fine-tuning of one model and batch
     # (benchmarks/recipes.py): every recipe must train that same model on that same batch, at a width where
     # LoRA's removed gradients and optimizer states outweigh its adapters' own activations (hidden >= 512).
     def architecture(path: Path) -> tuple[Any, Any, Any]:

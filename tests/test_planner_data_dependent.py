@@ -197,3 +197,94 @@ def test_checkpointing_blocks_named_by_the_candidate() -> None:
     assert len(result.predictions) == 2 and "['blocks.9'] name no submodule path" in result.notes()[0]
     with pytest.raises(ValueError, match=r"Candidate blocks must be a non-empty list of class names or module paths, got 'blocks'"):
         Candidate(checkpointing="full", blocks="blocks")  # type: ignore[arg-type]
+
+
+class _KeepPositive(nn.Module):
+    """Boolean indexing of a large activation: its output shape depends on values a fake tensor does not hold."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        kept = h[h > 0]  # 2 x 16 x 4096 elements: above the real-twin size, so no twin can answer
+        return h * (kept.numel() / h.numel())
+
+
+class DataDependentShape(_TokenLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 4096), _KeepPositive(), nn.Linear(4096, 32)) for _ in range(2))
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = h + block(h)
+        return h
+
+
+class _KeepPositiveDict(_KeepPositive):
+    def forward(self, h: torch.Tensor) -> dict:  # type: ignore[override]
+        return {"h": super().forward(h)}
+
+
+class DataDependentDict(DataDependentShape):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[0][1] = _KeepPositiveDict()
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0][2](self.blocks[0][1](self.blocks[0][0](h))["h"])
+
+
+def test_untraceable_module_is_named() -> None:
+    from lightning_hbm.planner.building import build_template
+    from lightning_hbm.planner.tracing import UntraceableModule, trace
+
+    with pytest.raises(UntraceableModule, match=r"forward of blocks\.0\.1 \(_KeepPositive\) cannot run on fake tensors: "
+                       r"DynamicOutputShapeException.*Fix: write the branch without reading values") as info:
+        trace(build_template(DataDependentShape), BATCH, Candidate("32-true"), "cpu", None)
+    assert info.value.module_name == "blocks.0.1" and info.value.module_type == "_KeepPositive"
+    DataDependentShape().training_step(BATCH, 0).backward()  # the model itself runs: only the trace cannot
+
+
+@pytest.mark.parametrize("candidate", [Candidate("32-true"), Candidate("32-true", checkpointing="full")], ids=str)
+def test_untraceable_module_runs_for_real(candidate: Candidate) -> None:
+    prediction = predict(DataDependentShape, BATCH, candidate)
+    assert prediction.fallbacks == tuple(
+        f"blocks.{i}.1 (real tensors: DynamicOutputShapeException: aten.nonzero.default)" for i in range(2)
+    )
+    torch.manual_seed(0)
+    reference = memtracker_peak(DataDependentShape, BATCH, candidate)
+    assert abs(prediction.peak / reference - 1) < 0.03, (prediction.peak, reference)
+
+
+def test_fallback_is_printed(capsys: pytest.CaptureFixture) -> None:
+    from lightning_hbm.planner.config import print_plan
+
+    print_plan(plan(DataDependentShape, BATCH, candidates=[Candidate("32-true")]))
+    assert "32-true: fake tensors cannot run blocks.0.1 (real tensors: DynamicOutputShapeException" in capsys.readouterr().out
+
+
+def test_fallback_refuses_other_outputs() -> None:
+    with pytest.raises(TypeError, match=r"blocks\.0\.1 returns dict: the real-tensor fallback handles tensors and tuples"):
+        predict(DataDependentDict, BATCH, Candidate("32-true"))
+
+
+class TinyMamba(pl.LightningModule):
+    """transformers' Mamba on its reference PyTorch path (no mamba_ssm kernels): a sequential selective scan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import MambaConfig, MambaForCausalLM
+
+        config = MambaConfig(vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)
+        self.model = MambaForCausalLM(config)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_mamba_plans_without_fallback() -> None:
+    batch = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    prediction = predict(TinyMamba, batch, Candidate("32-true"))
+    assert prediction.fallbacks == ()  # fake tensors run its scan: nothing needs real tensors
+    assert abs(prediction.peak / memtracker_peak(TinyMamba, batch, Candidate("32-true")) - 1) < 0.03

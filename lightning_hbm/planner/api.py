@@ -32,7 +32,8 @@ from torch.utils._pytree import tree_leaves
 from lightning_hbm.memory import CATEGORIES, parameter_bytes, quantization_tensors, tensor_bytes
 from lightning_hbm.planner.candidates import Candidate, default_candidates, format_bytes, parse_bytes
 from lightning_hbm.planner.building import ModelLike, Template, _build, _fake_mode, _quiet_logs, build_template
-from lightning_hbm.planner.tracing import trace
+from lightning_hbm.planner.tracing import Trace, UntraceableModule
+from lightning_hbm.planner.tracing import trace as _trace
 from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.precision import get_mode, quantize_model
 
@@ -61,6 +62,10 @@ class Prediction:
             check over a large tensor), answered 0 / ``False`` (:mod:`lightning_hbm.planner.realvalues`).
         loss: bytes of the peak that ``FusedLoss`` holds (chunk logits, their fp32 copy, the dequantized head,
             the hidden-state gradient): a term inside ``categories`` (HBMProfiler's ``loss``), 0 without it.
+        fallbacks: modules whose forward cannot run on fake tensors, run for real on zeros of their inputs'
+            shapes instead, with the reason (``"blocks.0.mixer (real tensors: DynamicOutputShapeException: ...)"``):
+            their outputs and what they save for backward are counted; temporaries inside them are not, and a
+            data-dependent size is the one zeros give.
     """
 
     candidate: Candidate
@@ -74,6 +79,7 @@ class Prediction:
     block_bytes: int = 0
     guessed_reads: int = 0
     loss: int = 0
+    fallbacks: tuple[str, ...] = ()
 
     def per_rank(self, world_size: int) -> dict[str, int]:
         """Bytes per category on each of ``world_size`` ranks under FSDP/ZeRO-3 (see :func:`shard_categories`).
@@ -224,6 +230,18 @@ def predict(
         )
     batch = example_batch(batch)
     model = build_template(model)  # built once, copied for each trace
+    real_types: dict[str, str] = {}
+
+    def trace(model: Any, batch: Any, candidate: Candidate, device: str, keep_blocks: Optional[int]) -> Trace:
+        # a module that fake tensors cannot run: every module of its class runs for real on zeros, retraced
+        while True:
+            try:
+                return _trace(model, batch, candidate, device, keep_blocks, real_types)
+            except UntraceableModule as err:
+                if err.module_type in real_types:
+                    raise
+                real_types[err.module_type] = f"{type(err.__cause__).__name__}: {err.__cause__}".splitlines()[0]
+
     # named blocks: cutting the list would rename them; a mixed-precision plan differs block by block (no line)
     if extrapolate is False or candidate.blocks is not None or candidate.layer_modes is not None:
         result = trace(model, batch, candidate, device, keep_blocks=None)
@@ -252,6 +270,7 @@ def predict(
         budget=budget,
         guessed_reads=result.guessed,
         loss=result.loss.get(result.peak_phase(), 0),
+        fallbacks=tuple(f"{name} (real tensors: {reason})" for name, reason in sorted(result.fallbacks.items())),
     )
 
 
@@ -324,6 +343,12 @@ class Plan:
     def notes(self) -> list[str]:
         """What the table does not say: candidates that could not be planned, values the trace had to guess."""
         notes = [f"not planned: {c.name}: {reason}" for c, reason in self.failures]
+        for p in self.predictions:
+            if p.fallbacks:
+                notes.append(
+                    f"{p.candidate.name}: fake tensors cannot run {', '.join(p.fallbacks)}; ran for real on zeros of "
+                    "their inputs' shapes (outputs and saved tensors counted, temporaries inside them not)"
+                )
         guessed = max((p.guessed_reads for p in self.predictions), default=0)
         if guessed:
             notes.append(

@@ -33,10 +33,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+    unset_fake_temporarily,
+)
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt
+from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt, _disable_current_modes
 from lightning_hbm.callbacks.activation_checkpointing import find_blocks
 from lightning_hbm.memory import CATEGORIES, LOSS_SCOPE, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count, scoped_bytes
 from lightning_hbm.memory.categories import buffer_tensors, optimizer_state_tensors, parameter_tensors
@@ -71,6 +76,7 @@ class Trace:
     block_bytes: int = 0  # parameter bytes of the largest repeated block (what FSDP gathers at once)
     guessed: int = 0  # values read without a real twin (answered 0 / False)
     loss: dict[str, int] = field(default_factory=dict)  # per phase: FusedLoss's bytes at its peak (inside the categories)
+    fallbacks: dict[str, str] = field(default_factory=dict)  # module name -> why it ran on real zeros
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -92,11 +98,24 @@ class Trace:
         }
         trainable, total = line(self.trainable, deeper.trainable), line(self.total, deeper.total)
         loss = {phase: line(self.loss.get(phase, 0), deeper.loss.get(phase, 0)) for phase in phases}
-        return Trace(phases, trainable, total, depth, depth, self.block_bytes, max(self.guessed, deeper.guessed), loss)
+        fallbacks = {**self.fallbacks, **deeper.fallbacks}
+        return Trace(phases, trainable, total, depth, depth, self.block_bytes, max(self.guessed, deeper.guessed), loss, fallbacks)
 
 
-def trace(model: Union[ModelLike, Template], batch: Any, candidate: Candidate, device: str, keep_blocks: Optional[int]) -> Trace:
-    """Trace one steady-state training step of ``model`` under ``candidate`` (repeated blocks cut to ``keep_blocks``)."""
+def trace(
+    model: Union[ModelLike, Template],
+    batch: Any,
+    candidate: Candidate,
+    device: str,
+    keep_blocks: Optional[int],
+    real_types: Optional[dict[str, str]] = None,
+) -> Trace:
+    """Trace one steady-state training step of ``model`` under ``candidate`` (repeated blocks cut to ``keep_blocks``).
+
+    ``real_types``: {module class name: reason}; modules of those classes run for real on zeros
+    (:func:`_run_for_real`), named in :attr:`Trace.fallbacks`.
+    """
+    fallbacks: dict[str, str] = {}
     plugin = _planning_plugin(candidate)
     fake_mode = _fake_mode()
     values = RealValues(fake_mode)
@@ -118,6 +137,9 @@ def trace(model: Union[ModelLike, Template], batch: Any, candidate: Candidate, d
         _adopt_foreign_fakes(module, fake_mode)
         _forget_conversions(fake_mode)
         depth = max(depth, _cut_blocks(module, keep_blocks))  # blocks built lazily exist only now
+        for name, submodule in list(module.named_modules()):
+            if type(submodule).__name__ in (real_types or {}):
+                _run_for_real(submodule, fallbacks, real_types[type(submodule).__name__], name)
         optimizers = apply_candidate(module, candidate, plugin, device)
         fake_batch = plugin.convert_input(fake_batch)
         stack.enter_context(tracker)
@@ -132,7 +154,7 @@ def trace(model: Union[ModelLike, Template], batch: Any, candidate: Candidate, d
         block_bytes = max((parameter_bytes(block) for _, block in _blocks(module)), default=0)
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
-    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, loss)
+    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, loss, fallbacks)
 
 
 def _first_step_state(optimizers: list[torch.optim.Optimizer]) -> None:
@@ -158,7 +180,7 @@ def _steady_step(
         tracker.phase = phase
         tracker.reset_peak()
         if phase == "forward":
-            with plugin.forward_context():
+            with plugin.forward_context(), _name_untraceable(module):
                 loss = _loss_of(module.training_step(batch, 1))
         elif phase == "backward":
             for optimizer in optimizers:  # Lightning zeroes gradients after the forward, before backward
@@ -175,6 +197,111 @@ def _steady_step(
         phases[phase] = _classify(tracker, owned)
         loss_term[phase] = scoped_bytes(tracker.peak_records, LOSS_SCOPE, owned)
     return phases, loss_term
+
+
+#: What FakeTensorMode raises when an op needs values (or a kernel) a fake tensor does not have.
+_FAKE_FAILURES = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+
+
+class UntraceableModule(RuntimeError):
+    """A submodule's forward cannot run on fake tensors; :attr:`module_name` names the innermost one."""
+
+    def __init__(self, module_name: str, module_type: str, error: Exception) -> None:
+        self.module_name, self.module_type = module_name, module_type
+        super().__init__(
+            f"the forward of {module_name} ({module_type}) cannot run on fake tensors: {type(error).__name__}: {error}. "
+            "Its Python reads values of a tensor too large for a real twin (more than "
+            "lightning_hbm.planner.realvalues.MAX_TWIN_ELEMENTS elements) or calls an op with no fake kernel. Fix: "
+            "write the branch without reading values (torch.where instead of `if tensor...:`, masks instead of "
+            "nonzero/boolean indexing), or measure this configuration with a real step "
+            "(lightning_hbm.planner.reference.memtracker_peak)."
+        )
+
+
+@contextmanager
+def _name_untraceable(model: nn.Module) -> Iterator[None]:
+    """Turn a fake-tensor failure inside a submodule's forward into :class:`UntraceableModule` naming it.
+
+    Global forward hooks keep the stack of forwards in progress; a forward that raises never pops
+    itself, so at the failure the top of the stack is the innermost module whose forward raised.
+    """
+    names = {id(m): name or "the LightningModule" for name, m in model.named_modules()}
+    stack: list[nn.Module] = []
+
+    def push(module: nn.Module, args: Any) -> None:
+        stack.append(module)
+
+    def pop(module: nn.Module, args: Any, output: Any) -> None:
+        while stack and stack.pop() is not module:
+            pass  # entries left by an exception the model caught itself
+
+    pre = nn.modules.module.register_module_forward_pre_hook(push)
+    post = nn.modules.module.register_module_forward_hook(pop)
+    try:
+        yield
+    except _FAKE_FAILURES as err:
+        inner = next((m for m in reversed(stack) if id(m) in names), None)
+        if inner is None:
+            raise
+        raise UntraceableModule(names[id(inner)], type(inner).__name__, err) from err
+    finally:
+        pre.remove()
+        post.remove()
+
+
+class _RealRun(torch.autograd.Function):
+    """A fake stand-in for a forward that ran for real: fake outputs of the real shapes, ``saved`` bytes held
+    for backward (what the real run saved, as one fake buffer), zero gradients for every input."""
+
+    @staticmethod
+    def forward(ctx: Any, shapes: list, saved: int, *inputs: torch.Tensor) -> Any:
+        ctx.save_for_backward(torch.empty(saved, dtype=torch.uint8))
+        ctx.inputs = [(t.shape, t.dtype) for t in inputs]
+        return tuple(torch.empty(shape, dtype=dtype) for shape, dtype in shapes)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        needed = ctx.needs_input_grad[2:]
+        return (None, None, *(torch.zeros(s, dtype=d) if n else None for (s, d), n in zip(ctx.inputs, needed)))
+
+
+def _run_for_real(module: nn.Module, fallbacks: dict[str, str], reason: str, name: str) -> None:
+    """Replace ``module``'s forward (in place) by a real run on zeros of the fake inputs' shapes, traced as
+    :class:`_RealRun`; ``fallbacks[name]`` says so once it ran."""
+    fake_forward = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        fakes = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        weights = dict(itertools.chain(module.named_parameters(), module.named_buffers()))
+        with _disable_current_modes(), torch.enable_grad():
+            real = {id(t): torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad) for t in fakes}
+            real_weights = {k: torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad) for k, t in weights.items()}
+            saved: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                saved[id(t.untyped_storage())] = t.untyped_storage().nbytes()
+                return t
+
+            module.forward = fake_forward  # the module's own forward, on real tensors
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = torch.func.functional_call(
+                        module, real_weights, *tree_map_only(torch.Tensor, lambda t: real[id(t)], (args, kwargs))
+                    )
+            finally:
+                module.forward = forward
+            outs = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, tuple) else None
+            if outs is None or not all(isinstance(t, torch.Tensor) for t in outs):
+                raise TypeError(f"{name} returns {type(out).__name__}: the real-tensor fallback handles tensors and tuples")
+            # inputs, weights and outputs are in the trace already: only what the forward saved besides them
+            known = {id(t.untyped_storage()) for t in (*real.values(), *real_weights.values(), *outs)}
+            saved_bytes = sum(n for key, n in saved.items() if key not in known)
+            shapes = [(t.shape, t.dtype) for t in outs]
+        result = _RealRun.apply(shapes, saved_bytes, *fakes, *weights.values())
+        fallbacks[name] = reason
+        return result[0] if isinstance(out, torch.Tensor) else result
+
+    module.forward = forward
 
 
 def _classify(tracker: LiveStorageTracker, owned: dict) -> dict[str, int]:
@@ -294,4 +421,4 @@ def _loss_of(output: Any) -> torch.Tensor:
     )
 
 
-__all__ = ["PHASES", "Template", "Trace", "apply_candidate", "build_template", "trace"]
+__all__ = ["PHASES", "Template", "Trace", "UntraceableModule", "apply_candidate", "build_template", "trace"]
