@@ -7,6 +7,7 @@ is named ``output``: each head stays in the compute dtype with a coverage row sa
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import bitsandbytes as bnb
@@ -96,13 +97,19 @@ def test_only_the_vocabulary_counts() -> None:
 
 
 @pytest.mark.parametrize(("make", "head"), MODELS)
-def test_all_linear_lora_leaves_the_head_out_with_a_reason(make: Callable[[], nn.Module], head: str) -> None:
+def test_all_linear_lora_leaves_the_head_out_with_a_reason(
+    make: Callable[[], nn.Module], head: str, caplog: pytest.LogCaptureFixture
+) -> None:
     from lightning_hbm import LoRA
 
     model = make()
     lora = LoRA(r=4)
     targets, _ = lora.resolve(model)
     assert head not in targets and lora.heads_left_out == [head] and len(targets) >= 4
-    lora.transform_model(model)
+    with caplog.at_level(logging.INFO):
+        lora.transform_model(model)
+    said = f"LoRA target_modules='all-linear' leaves out the output head(s) ['{head}'] (frozen, not adapted, as peft does)"
+    assert any(said in r.getMessage() for r in caplog.records)
+    assert not hasattr(model.get_submodule(head), "lora_A") and not model.get_submodule(head).weight.requires_grad
     reasons = {r for row in coverage(model, quantizing=False, adapting=True) for r in row.reasons}
     assert "output head: left out of LoRA 'all-linear' (name it in target_modules to adapt it)" in reasons

@@ -418,6 +418,12 @@ class LoRA(SurgeryCallback):
                 f"(target_modules='all-linear'): {self.narrow_left_out[:6]}{' ...' if len(self.narrow_left_out) > 6 else ''}. "
                 "Name them in target_modules with a smaller r to adapt them."
             )
+        if self.heads_left_out:  # named: a head left frozen and un-adapted is the biggest silent change to a loss
+            rank_zero_info(
+                f"lightning_hbm: LoRA target_modules='all-linear' leaves out the output head(s) {self.heads_left_out} "
+                f"(frozen, not adapted, as peft does). To train: LoRA(modules_to_save={self.heads_left_out}), or name "
+                "them in target_modules to adapt them."
+            )
         log.info("lightning_hbm: LoRA r=%d on %d Linear layers, %d modules_to_save", self.r, len(targets), len(saved))
 
     # --------------------------------------------------------------- Lightning hooks
