@@ -113,3 +113,12 @@ def test_all_linear_lora_leaves_the_head_out_with_a_reason(
     assert not hasattr(model.get_submodule(head), "lora_A") and not model.get_submodule(head).weight.requires_grad
     reasons = {r for row in coverage(model, quantizing=False, adapting=True) for r in row.reasons}
     assert "output head: left out of LoRA 'all-linear' (name it in target_modules to adapt it)" in reasons
+
+
+@pytest.mark.parametrize(("make", "head"), MODELS)
+def test_a_head_in_modules_to_save_is_trained_not_left_out(make: Callable[[], nn.Module], head: str) -> None:
+    from lightning_hbm import LoRA
+
+    lora = LoRA(r=4, modules_to_save=[head])
+    _, saved = lora.resolve(make())
+    assert saved == [head] and lora.heads_left_out == []

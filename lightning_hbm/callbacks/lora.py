@@ -262,7 +262,8 @@ class LoRA(SurgeryCallback):
             # and layers whose weight a parent reads directly (Mamba's dt_proj): their adapter would never be called
             readers = weight_readers(module, uses_only=True)
             candidates = [n for n in linears if n not in heads and n not in tied and n not in readers]
-            self.heads_left_out = [n for n in linears if n in heads and n not in tied and n not in readers]
+            # (a head in modules_to_save is trained, not left out)
+            self.heads_left_out = [n for n in linears if n in heads and n not in tied and n not in readers and not _under(n, saved)]
             # and layers narrower than r (Qwen2-MoE's shared_expert_gate, 1 output; routers): a rank above a
             # layer's width adds parameters without capacity. An explicit target list keeps check_model's error.
             narrow = [n for n in candidates if named[n] is not None and _width(named[n], self.r) < self.r]
