@@ -139,7 +139,7 @@ def _load(name: str) -> ModuleType:
 def test_quickstart_loss_falls(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     losses = _load("quickstart").main(steps=8, root_dir=str(tmp_path))
     assert len(losses) == 8
-    # from ~log(256)=5.55; measured on CPU: ~4.1 by step 6 (LoRA on a 4-bit base trains)
+    # from ~log(256)=5.55; measured on CPU: 4.34 at step 6 (LoRA on a 4-bit base trains; the bf16 head stays frozen)
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
     out = capsys.readouterr().out
     assert "done: 8 steps" in out and "HBMProfiler (MiB):" in out

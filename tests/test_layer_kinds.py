@@ -362,8 +362,8 @@ def test_an_adapter_cut_from_the_graph_warns_naming_it_and_the_rest_trains(tmp_p
     torch.manual_seed(0)
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[LoRA(r=4)],
-    )
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[LoRA(r=4, target_modules=["proj", "head"])],
+    )  # the head is named: "all-linear" leaves the output head alone
     module = Wrapped(CutsGraph(), "plain")
     with pytest.warns(UserWarning, match=r"1 adapter\(s\) ran but their output never reaches the loss.*model\.proj"):
         trainer.fit(module, DataLoader([tokens(), tokens()], batch_size=None))

@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
+from lightning_hbm.layers import output_heads
 from lightning_hbm.memory.tracker import LOSS_SCOPE, memory_scope
 from lightning_hbm.precision.registry import format_of
 from lightning_hbm.surgery import Stage, SurgeryCallback
@@ -541,18 +542,8 @@ def _output_dtype(state: _HeadState, x: torch.Tensor) -> torch.dtype:
 
 
 def default_heads(module: nn.Module) -> list[str]:
-    """Output heads of transformers models inside ``module``, else Linear-like modules named ``lm_head``."""
-    names = {id(m): n for n, m in module.named_modules()}
-    heads: list[str] = []
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        PreTrainedModel = ()  # type: ignore[assignment]
-    for m in module.modules():
-        if isinstance(m, PreTrainedModel):
-            out = m.get_output_embeddings()
-            if out is not None and id(out) in names and names[id(out)] not in heads:
-                heads.append(names[id(out)])
+    """The output heads :func:`lightning_hbm.layers.output_heads` finds, else Linear-like modules named ``lm_head``."""
+    heads = output_heads(module)
     if not heads:
         heads = [n for n, m in module.named_modules() if n.rpartition(".")[2] == "lm_head"]
     return heads
@@ -562,8 +553,8 @@ class FusedLoss(SurgeryCallback):
     """Compute the output head and the cross-entropy chunk by chunk, never the full logits.
 
     Args:
-        heads: module names of the output heads (default: the output embeddings of every transformers
-            model inside the LightningModule, else every module named ``lm_head``).
+        heads: module names of the output heads (default: :func:`lightning_hbm.layers.output_heads`: transformers'
+            output embeddings, a tied head, or the last Linear as wide as the vocabulary; else modules named ``lm_head``).
         chunk_size: tokens per chunk (default: as many as fit :data:`CHUNK_BYTES`, 32 MiB of logits and
             their fp32 copy: 174 tokens at a 32k bf16 vocabulary, 43 at 128k).
         kernel: ``"auto"`` (Liger's fused kernel on CUDA when ``liger-kernel`` is installed and the head is

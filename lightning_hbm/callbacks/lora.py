@@ -179,6 +179,7 @@ class LoRA(SurgeryCallback):
         # filled at the surgery: what was adapted / made trainable (module names, LightningModule-relative)
         self.adapted_modules: list[str] = []
         self.narrow_left_out: list[str] = []  # all-linear layers narrower than r, left out (named at fit start)
+        self.heads_left_out: list[str] = []  # output heads (layers.output_heads) left out of all-linear
         self.saved_modules: list[str] = []
         self.unused_modules: list[str] = []  # adapters that ran but whose output never reaches the loss
         self.summary: dict[str, float] = {}  # the metrics logged at fit start
@@ -211,7 +212,7 @@ class LoRA(SurgeryCallback):
         ``modules_to_save`` module is (or, per ``to_be_quantized``, is about to be) quantized.
         """
         named: dict[str, Optional[nn.Module]] = dict(module.named_modules())
-        self.narrow_left_out = []
+        self.narrow_left_out, self.heads_left_out = [], []
         # Every layer kind LoRA reaches (lightning_hbm.layers): Linears (quantized or not), transformers
         # Conv1D, and the Linears an nn.MultiheadAttention or a 3-D experts layer gets when it is
         # prepared (names that exist only after prepare_model: None here).
@@ -252,6 +253,8 @@ class LoRA(SurgeryCallback):
             # and layers whose weight a parent reads directly (Mamba's dt_proj): their adapter would never be called
             readers = weight_readers(module, uses_only=True)
             candidates = [n for n in linears if n not in heads and n not in tied and n not in readers]
+            # (a head in modules_to_save is trained, not left out)
+            self.heads_left_out = [n for n in linears if n in heads and n not in tied and n not in readers and not _under(n, saved)]
             # and layers narrower than r (Qwen2-MoE's shared_expert_gate, 1 output; routers): a rank above a
             # layer's width adds parameters without capacity. An explicit target list keeps check_model's error.
             narrow = [n for n in candidates if named[n] is not None and _width(named[n], self.r) < self.r]
@@ -393,11 +396,21 @@ class LoRA(SurgeryCallback):
             layer = module.get_submodule(name)
             if getattr(layer, LEFT_ALONE_ATTR, None) is None:  # the coverage table's reason when nothing else changed it
                 object.__setattr__(layer, LEFT_ALONE_ATTR, (f"narrower than LoRA r={self.r}: left out of 'all-linear'", True))
+        for name in self.heads_left_out:
+            layer = module.get_submodule(name)
+            if getattr(layer, LEFT_ALONE_ATTR, None) is None:  # no QuantizedPrecision reason: say why LoRA left it
+                object.__setattr__(layer, LEFT_ALONE_ATTR, ("output head: left out of LoRA 'all-linear' (name it in target_modules to adapt it)", True))
         if self.narrow_left_out:
             rank_zero_info(
                 f"lightning_hbm: LoRA r={self.r} leaves out {len(self.narrow_left_out)} layer(s) narrower than r "
                 f"(target_modules='all-linear'): {self.narrow_left_out[:6]}{' ...' if len(self.narrow_left_out) > 6 else ''}. "
                 "Name them in target_modules with a smaller r to adapt them."
+            )
+        if self.heads_left_out:  # named: a head left frozen and un-adapted is the biggest silent change to a loss
+            rank_zero_info(
+                f"lightning_hbm: LoRA target_modules='all-linear' leaves out the output head(s) {self.heads_left_out} "
+                f"(frozen, not adapted, as peft does). To train: LoRA(modules_to_save={self.heads_left_out}), or name "
+                "them in target_modules to adapt them."
             )
         log.info("lightning_hbm: LoRA r=%d on %d Linear layers, %d modules_to_save", self.r, len(targets), len(saved))
 

@@ -254,6 +254,38 @@ def _own_forward(layer: nn.Module) -> bool:
         return not torch.allclose(out, F.linear(x, weight, layer.bias), rtol=1e-3, atol=1e-5)
 
 
+def output_heads(module: nn.Module) -> list[str]:
+    """Names of the output heads inside ``module``, one rule for every model.
+
+    Per model: transformers' ``get_output_embeddings()``; else a Linear whose weight is an
+    ``nn.Embedding``'s (a tied head); else the last registered Linear whose ``out_features`` is the
+    vocabulary (the widest ``nn.Embedding``'s ``num_embeddings``): LitGPT's ``lm_head``, torchtune's
+    ``output``, nanoGPT's untied ``lm_head``. The precision plugin keeps them in the compute dtype,
+    LoRA leaves them alone and ``FusedLoss`` fuses them.
+    """
+    by_id = {id(m): n for n, m in module.named_modules()}
+    heads: list[str] = []
+    for sub in module.modules():
+        getter = getattr(sub, "get_output_embeddings", None)
+        head = getter() if callable(getter) else None
+        if isinstance(head, nn.Module) and id(head) in by_id and by_id[id(head)] not in heads:
+            heads.append(by_id[id(head)])
+    if heads:
+        return heads
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        return []
+    linears = [(n, m) for n, m in module.named_modules() if hasattr(m, "out_features") and isinstance(getattr(m, "weight", None), nn.Parameter)]
+    shared = {id(e.weight) for e in embeddings}
+    tied = [n for n, m in linears if id(m.weight) in shared]
+    if tied:
+        return tied
+    # the widest embedding is the vocabulary: narrower ones (positions, token types) would match classifiers
+    vocab = max(e.num_embeddings for e in embeddings)
+    wide = [n for n, m in linears if m.out_features == vocab]
+    return wide[-1:]
+
+
 def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]:
     """``{layer name: "Class.method"}``: layers of a registered kind whose weight an enclosing module's code reads
     directly (``self.dt_proj.weight @ x`` in transformers' Mamba, ``F.linear(x, self.qkv.weight)`` in

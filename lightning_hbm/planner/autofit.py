@@ -55,7 +55,7 @@ class AutoFit(Callback):
         optimizers: ``"user"`` (the optimizer of ``configure_optimizers``) and/or 8-bit kinds.
             Default ``["user", "adamw8bit"]``.
         fused_loss: whether to try :class:`~lightning_hbm.FusedLoss` (``[False, True]``). Default: both
-            when ``FusedLoss`` finds an output head in the model (a transformers model or an ``lm_head``),
+            when ``FusedLoss`` finds an output head in the model (``layers.output_heads``, or an ``lm_head``),
             else ``[False]``.
 
     Among candidates that fit, the lowest relative step time wins; ties go to the one closest to the
@@ -196,7 +196,7 @@ class AutoFit(Callback):
 
 
 def _fused_loss_axis(pl_module: pl.LightningModule) -> list[bool]:
-    """Try FusedLoss only where it finds an output head (a transformers model, or a module named lm_head)."""
+    """Try FusedLoss only where it finds an output head (:func:`~lightning_hbm.callbacks.fused_loss.default_heads`)."""
     return [False, True] if default_heads(pl_module) else [False]
 
 

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lightning_hbm.memory import quantization_tensors
 from lightning_hbm.planner.candidates import Candidate
-from lightning_hbm.planner.tracing import _loss_of, apply_candidate
+from lightning_hbm.planner.tracing import _closure_loss, apply_candidate
 
 
 def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candidate: Candidate, seed: int = 0) -> int:
@@ -66,7 +66,7 @@ def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candi
 
 def _step(module: pl.LightningModule, batch: Any, plugin: Any, optimizers: list) -> None:
     with plugin.forward_context():
-        loss = _loss_of(module.training_step(batch, 1))
+        loss, _kept = _closure_loss(module.training_step(batch, 1))
     for optimizer in optimizers:  # Lightning zeroes gradients after the forward, before backward
         optimizer.zero_grad(set_to_none=True)
     loss.backward()

@@ -182,7 +182,7 @@ def _steady_step(
         tracker.reset_peak()
         if phase == "forward":
             with plugin.forward_context(), _name_untraceable(module):
-                loss = _loss_of(module.training_step(batch, 1))
+                loss, _kept = _closure_loss(module.training_step(batch, 1))
         elif phase == "backward":
             for optimizer in optimizers:  # Lightning zeroes gradients after the forward, before backward
                 optimizer.zero_grad(set_to_none=True)
@@ -409,6 +409,17 @@ def _loss_of(output: Any) -> torch.Tensor:
         f"training_step returned {type(output).__name__}; the planner traces automatic optimization and needs "
         "the loss tensor (or a dict with 'loss')."
     )
+
+
+def _closure_loss(output: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss Lightning's automatic optimization backpropagates, and the detached copy it keeps for the step.
+
+    Lightning's ``ClosureResult`` divides the loss by ``accumulate_grad_batches`` (a new tensor even for 1) and
+    clones it detached; both live through backward. Two scalars, but they decided the peak phase of a step whose
+    forward and backward peaks were otherwise equal to the byte (NanoGPT nf4-dq + LoRA, tests/test_planner.py).
+    """
+    loss = _loss_of(output) / 1
+    return loss, loss.detach().clone()
 
 
 __all__ = ["PHASES", "Template", "Trace", "UntraceableModule", "apply_candidate", "build_template", "trace"]

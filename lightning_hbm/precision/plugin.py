@@ -29,7 +29,7 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_names, kind_of, prepare_model, weight_readers
+from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_names, kind_of, output_heads, prepare_model, weight_readers
 from lightning_hbm.precision.bnb import import_bnb
 from lightning_hbm.precision.gptq import ROUNDINGS, digest, gptq_round_, input_hessians, is_4bit
 from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
@@ -70,19 +70,6 @@ def _ignored(name: str, patterns: Union[str, Sequence[str]]) -> bool:
     if isinstance(patterns, str):
         return any(re.fullmatch(patterns, n) for n in names)
     return any(n == p or n.endswith("." + p) or fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
-
-
-def output_heads(module: nn.Module) -> set[str]:
-    """Names of the output heads (``get_output_embeddings()``) of the Hugging Face models inside ``module``."""
-    heads: set[str] = set()
-    by_id = {id(m): n for n, m in module.named_modules()}
-    for sub in module.modules():
-        getter = getattr(sub, "get_output_embeddings", None)
-        if callable(getter):
-            head = getter()
-            if isinstance(head, nn.Module) and id(head) in by_id:
-                heads.add(by_id[id(head)])
-    return heads
 
 
 def keep_in_fp32_names(module: nn.Module) -> set[str]:
@@ -200,7 +187,7 @@ def quantize_model(
 
     Every layer kind of :mod:`lightning_hbm.layers` that can be quantized is (``nn.Linear`` and its
     subclasses, transformers ``Conv1D``, ``nn.MultiheadAttention`` through its projections), except:
-    ``ignore_modules``, Linears tied to another module, the output head of Hugging Face models
+    ``ignore_modules``, Linears tied to another module, the output head (:func:`~lightning_hbm.layers.output_heads`)
     (unless ``quantize_head``), the modules a model declares in ``_keep_in_fp32_modules`` (kept in
     fp32) and ``keep_modules`` (LoRA's ``modules_to_save``). Each layer left alone is tagged with the
     reason (the coverage table shows it). Works on a model that already holds its loaded weights.
@@ -296,8 +283,8 @@ class QuantizedPrecision(Precision):
             list of names (``["lm_head"]``; a name also matches as a suffix, and everything under it) and
             glob patterns (``["*.mixer.dt_proj"]``), or a regex string (full match). An entry that matches
             nothing is an error.
-        quantize_head: also quantize the output head (``get_output_embeddings()``) of Hugging Face
-            models. Off by default, as transformers' own quantizers do: the head sees every token's
+        quantize_head: also quantize the output head (:func:`~lightning_hbm.layers.output_heads`, in any
+            model: transformers' ``get_output_embeddings()``, a tied head, the last vocabulary-wide Linear). Off by default, as transformers' own quantizers do: the head sees every token's
             logits and is the layer most hurt by 4-bit error.
         max_bytes_per_param, min_cosine: sensitivity-aware mixed precision
             (:mod:`lightning_hbm.precision.sensitivity`). Before quantizing, the most sensitive Linears

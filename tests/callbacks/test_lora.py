@@ -132,7 +132,10 @@ def test_all_linear_skips_tied_head(gpt_factory: Callable) -> None:
     targets, saved = LoRA().resolve(gpt_factory(tie_weights=True))
     assert "model.lm_head" not in targets and len(targets) == 8 and saved == []
     targets, _ = LoRA().resolve(gpt_factory())
-    assert "model.lm_head" in targets  # untied plain-torch head: adapted, like every other Linear
+    # untied plain-torch head: the output head (layers.output_heads, as for transformers), left alone like theirs
+    assert "model.lm_head" not in targets and len(targets) == 8
+    targets, _ = LoRA(target_modules=["c_attn", "lm_head"]).resolve(gpt_factory())
+    assert "model.lm_head" in targets  # named explicitly: adapted
 
 
 # --------------------------------------------------------------------------- checkpoints and resume

@@ -92,7 +92,10 @@ def test_nf4_costs_more_than_int8_dynamic(gpt_factory: Any, datamodule_factory: 
     assert len(nf4_table) == len(int8_table) == 9
     assert [s for _, s in int8_table] == sorted(s for _, s in int8_table)
     assert int8["quant/weight_sqnr_db_min"] == int8_table[0][1]
-    assert max(s for _, s in nf4_table) < 25 < 40 < min(s for _, s in int8_table)
+    # nf4 keeps the output head (layers.output_heads) in the compute dtype: bf16 rounding only, not 4-bit error
+    heads = [s for n, s in nf4_table if n.endswith("lm_head")]
+    assert len(heads) == 1 and heads[0] > 60
+    assert max(s for n, s in nf4_table if not n.endswith("lm_head")) < 25 < 40 < min(s for _, s in int8_table)
 
 
 def test_validation_metrics_are_logged_through_lightning(

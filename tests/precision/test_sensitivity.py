@@ -75,7 +75,8 @@ def test_impossible_byte_budget_is_an_error_before_training_naming_the_best_figu
     model = gpt_factory()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = trainer_factory(plugins=[QuantizedPrecision("nf4-dq", dtype="float32", max_bytes_per_param=0.4)])
-    with pytest.raises(ValueError, match=r"max_bytes_per_param=0.4 cannot be met: .*'nf4-dq' already takes 0\.6016 bytes"):
+    # 0.6048 (was 0.6016 while the untied lm_head counted among the quantizable Linears: it is the output head now)
+    with pytest.raises(ValueError, match=r"max_bytes_per_param=0.4 cannot be met: .*'nf4-dq' already takes 0\.6048 bytes"):
         trainer.fit(model, datamodule_factory())
     assert trainer.global_step == 0
     for key, value in model.state_dict().items():
