@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 
+from lightning_hbm.layers import base as layers_base
 from lightning_hbm.precision import registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,8 +73,9 @@ def doc_names(gpt_factory: Callable[..., Any], llama_factory: Callable[..., Any]
     """``doc_names(page)``: the names the snippets take as given. ``model`` is a tiny NanoGPT, or on the pages about
     Hugging Face models (``HF_PAGES``) a tiny transformers Llama in a LightningModule whose weights are saved at ``path``;
     ``data``/``datamodule``/``batch`` feed it; ``Trainer`` (also ``pl.Trainer``) runs 2 quiet CPU steps. Snippets run in
-    tmp_path; modes they register are dropped."""
+    tmp_path; modes and layer kinds they register are dropped."""
     monkeypatch.setattr(registry, "_MODES", dict(registry._MODES))
+    monkeypatch.setattr(layers_base, "_KINDS", dict(layers_base._KINDS))
     monkeypatch.chdir(tmp_path)
 
     def Trainer(**kwargs: Any) -> Any:  # noqa: N802 (the name the snippets use)
