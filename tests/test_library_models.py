@@ -342,7 +342,6 @@ def test_language_model_blocks_quantized_adapted_checkpointed_loss_fused(name: s
 
 
 @pytest.mark.parametrize("name", ["litgpt", "torchtune"])
-@pytest.mark.xfail(reason="needs the output-head rule, branch heads", strict=True)
 @pytest.mark.slow
 def test_language_model_output_head_stays_in_full_precision_and_is_named(name: str, runs: Any) -> None:
     """As transformers' output heads: kept in the compute dtype, no adapter, the coverage table says why."""

@@ -56,14 +56,14 @@ def test_outputs_close_to_the_original_and_exactly_the_dequantized_matmul(gpt_fa
     original = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     with torch.no_grad():
         reference = model(tokens)
-        names = quantize_model(model, MODE, dtype="float32")
+        names = quantize_model(model, MODE, dtype="float32", quantize_head=True)
         quantized = model(tokens)
     layers = nf4_layers(model)
     assert len(layers) == len(names) == 9
     # the same algorithm as bitsandbytes' nf4-dq (QLoRA's), so the same error: measured 0.1214 both
     bnb = gpt_factory()
     with torch.no_grad():
-        quantize_model(bnb, "nf4-dq", dtype="float32")
+        quantize_model(bnb, "nf4-dq", dtype="float32", quantize_head=True)
         bnb_error = ((bnb(tokens) - reference).norm() / reference.norm()).item()
     error = ((quantized - reference).norm() / reference.norm()).item()
     assert 0 < error < 1.05 * bnb_error
@@ -83,7 +83,7 @@ def test_outputs_close_to_the_original_and_exactly_the_dequantized_matmul(gpt_fa
 
 def test_deepcopy_copies_the_codes_instead_of_quantizing_again(gpt_factory: Any) -> None:
     model = gpt_factory()
-    quantize_model(model, MODE, dtype="float32")
+    quantize_model(model, MODE, dtype="float32", quantize_head=True)
     tokens = torch.randint(0, 256, (2, 16))
     twin = copy.deepcopy(model)  # torchao's own clone would re-quantize (and fail on blocks 256 does not divide)
     with torch.no_grad():
@@ -96,7 +96,7 @@ def test_deepcopy_copies_the_codes_instead_of_quantizing_again(gpt_factory: Any)
 def test_storage_counting_is_exact(gpt_factory: Any) -> None:
     model = gpt_factory()
     unquantized = sum(p.numel() for n, p in model.named_parameters() if not isinstance(model.get_submodule(n.rpartition(".")[0]), nn.Linear) or n.endswith("bias"))
-    quantize_model(model, MODE, dtype="bfloat16")
+    quantize_model(model, MODE, dtype="bfloat16", quantize_head=True)
     weights = 0
     for layer in nf4_layers(model):
         expected = expected_weight_bytes(layer.weight.numel(), torch.bfloat16)
@@ -154,7 +154,8 @@ def test_checkpoint_loads_into_a_fresh_model_and_training_resumes(
 
 def test_quality_callback_dequantizes_it(gpt_factory: Any, trainer_factory: Any, datamodule_factory: Any) -> None:
     quality = QuantizationQuality()
-    trainer = trainer_factory(max_steps=0, plugins=[QuantizedPrecision(MODE, dtype="float32")], callbacks=[quality])
+    plugin = QuantizedPrecision(MODE, dtype="float32", quantize_head=True)  # all 9 Linears, the output head too
+    trainer = trainer_factory(max_steps=0, plugins=[plugin], callbacks=[quality])
     trainer.fit(gpt_factory(), datamodule_factory())
     assert len(quality.layer_sqnr) == 9
     assert all(15 < sqnr < 25 for _, sqnr in quality.layer_sqnr)  # 4-bit: ~20 dB (bitsandbytes nf4 alike)
@@ -163,7 +164,7 @@ def test_quality_callback_dequantizes_it(gpt_factory: Any, trainer_factory: Any,
 def test_a_layer_that_does_not_fill_its_blocks_is_refused_before_any_change() -> None:
     model = nn.Sequential(nn.Linear(64, 10), nn.ReLU(), nn.Linear(10, 3))
     with pytest.raises(ValueError, match=r"blocks of 64, but 2 has 30 weights \(\(3, 10\)\).*ignore_modules=\['2'\]"):
-        quantize_model(model, MODE, dtype="float32")
+        quantize_model(model, MODE, dtype="float32", quantize_head=True)
     assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear  # nothing quantized
     quantize_model(model, MODE, dtype="float32", ignore_modules=["2"])
     assert isinstance(model[0], NF4Linear) and type(model[2]) is nn.Linear
