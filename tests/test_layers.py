@@ -86,6 +86,21 @@ def test_tied_head_is_the_head() -> None:
     assert output_heads(model) == ["lm_head"]
 
 
+class HeadFirst(nn.Module):
+    """LitGPT's layout: ``lm_head`` registered before the blocks, whose MLP is as wide as a tiny vocabulary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.h = nn.ModuleList(nn.Sequential(nn.Linear(DIM, VOCAB), nn.GELU(), nn.Linear(VOCAB, DIM)) for _ in range(2))
+
+
+def test_a_vocabulary_wide_linear_inside_a_block_is_no_head() -> None:
+    # was: the last vocabulary-wide Linear, h.1.0 (LitGPT with intermediate_size == vocab_size)
+    assert output_heads(HeadFirst()) == ["lm_head"]
+
+
 def test_only_the_vocabulary_counts() -> None:
     # a Linear as wide as the position table (block_size 64 == MLP width 4 * 16) is no head; no embedding: no head
     torch.manual_seed(0)

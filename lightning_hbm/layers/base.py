@@ -283,7 +283,11 @@ def output_heads(module: nn.Module) -> list[str]:
     # the widest embedding is the vocabulary: narrower ones (positions, token types) would match classifiers
     vocab = max(e.num_embeddings for e in embeddings)
     wide = [n for n, m in linears if m.out_features == vocab]
-    return wide[-1:]
+    # a Linear inside a repeated block (an nn.ModuleList's element) is no head, even if its width equals the
+    # vocabulary: LitGPT registers lm_head before its blocks, whose MLP may be as wide as a tiny vocabulary
+    in_blocks = {f"{n}.{i}" if n else str(i) for n, m in module.named_modules() if isinstance(m, nn.ModuleList) for i in range(len(m))}
+    outside = [n for n in wide if not any(n == b or n.startswith(b + ".") for b in in_blocks)]
+    return (outside or wide)[-1:]
 
 
 def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]:
