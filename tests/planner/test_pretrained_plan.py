@@ -45,7 +45,7 @@ def test_predicted_peak_within_3_percent_of_memtracker_on_real_smollm2(peaks: di
 
 
 def test_fused_loss_lowers_the_real_peak_by_the_logits(peaks: dict) -> None:
-    """Not a constant: unfused, the fp32 logits of 192 x 49152 (and their gradient) are at the peak; fused, they are not."""
+    """Not a constant: unfused, the fp32 logits of 192 x 49152 (and their gradient) are at the peak; fused, not."""
     logits = 192 * VOCAB * 4
     (unfused, measured_unfused), (fused, measured_fused) = peaks[False], peaks[True]
     assert measured_unfused - measured_fused > logits

@@ -1,10 +1,10 @@
 """``plan()`` on transformers Qwen2-MoE and Mamba configured as a user runs them, against torch's MemTracker.
 
 The configuration is the Trainer's own (``plan(plugin=, callbacks=)``): QLoRA (nf4-dq, fp32 compute on this CPU),
-LoRA r=8, full checkpointing, FusedLoss. Qwen2-MoE: the router ``gate`` (4 experts) and ``shared_expert_gate``
-(width 1) are narrower than r, so LoRA excludes them. Mamba: ``MambaMixer.forward`` reads ``dt_proj.weight`` and
-``x_proj``'s directly, so they are kept out of quantization (``ignore_modules``). Both heads are fused.
-Tiny configs (random weights), batch 2 x 64: seconds per case.
+LoRA r=8, full checkpointing, FusedLoss. Qwen2-MoE: ``shared_expert_gate`` (width 1) is narrower than r, so LoRA
+excludes it (the router is no Linear; the experts' 3-D weights become per-expert Linears, quantized and adapted).
+Mamba: ``MambaMixer.forward`` reads ``dt_proj.weight`` and ``x_proj``'s directly, so they are kept out of
+quantization (``ignore_modules``). Both heads are fused. Tiny configs (random weights), batch 2 x 64.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ MAMBA = partial(
 
 
 def qwen2_moe_setup() -> tuple[Any, list[Any]]:
-    lora = LoRA(r=8, exclude_modules=["gate", "shared_expert_gate"])  # the router and the shared expert's gate
+    lora = LoRA(r=8, exclude_modules=["shared_expert_gate"])  # width 1: narrower than r
     return QuantizedPrecision("nf4-dq", dtype="float32"), [lora, ActivationCheckpointing(), FusedLoss()]
 
 
