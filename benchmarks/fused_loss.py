@@ -3,7 +3,8 @@
     python benchmarks/fused_loss.py --memtracker   # 2 layers, width 64, 32k vocab, batch 2 x 512, nf4-dq + LoRA + AC
     python benchmarks/fused_loss.py --planner      # Llama-3.1-8B shape, batch 2 x 2048, QLoRA r=16 + full AC (~5 min CPU)
     python benchmarks/fused_loss.py --chunks       # the loss alone: [1024 x 768] hidden, nf4 head, 32k vocab, per chunk size
-    python benchmarks/fused_loss.py --large-vocab  # 128k vocab, hidden 256, batch 1 x 1024: peak vs floor, byte vs 256-token chunks
+    python benchmarks/fused_loss.py --large-vocab --sizes 256 0 96 128  # 128k vocab, hidden 256, batch 1 x 1024, fp32:
+                                                   # peak vs floor and step time vs 256-token chunks, per chunk size
 
 ``--memtracker``: the step's peak by torch's own ``MemTracker`` (not lightning_hbm's profiler) and the step-time
 ratio (CPU time of this process, median of interleaved rounds), fused vs unfused, in float32 and bfloat16 compute.
