@@ -41,6 +41,8 @@ def peaks() -> dict[bool, tuple[object, int]]:
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused-loss"])
 def test_predicted_peak_within_3_percent_of_memtracker_on_real_smollm2(peaks: dict, fused: bool) -> None:
     predicted, measured = peaks[fused]
+    print(f"fused={fused}: predicted {predicted.peak / 2**20:.2f} MiB (loss {predicted.loss / 2**20:.2f} MiB), MemTracker "
+          f"{measured / 2**20:.2f} MiB ({100 * (predicted.peak / measured - 1):+.2f} %)")
     assert predicted.peak == pytest.approx(measured, rel=0.03)
 
 
