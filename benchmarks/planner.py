@@ -53,15 +53,15 @@ LLAMA_1B = dict(
 TORCHTUNE_QLORA_GIB = 7.4
 
 
-def analytic_qlora_floor(config: dict, batch: int, seq: int, rank: int) -> int:
-    """Bytes that QLoRA + full recompute cannot avoid (see the module docstring)."""
+def analytic_qlora_floor(config: dict, batch: int, seq: int, rank: int, itemsize: int = 2) -> int:
+    """Bytes that QLoRA + full recompute cannot avoid (see the module docstring); ``itemsize`` 4 for fp32 compute."""
     h, i, layers, vocab = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"], config["vocab_size"]
     kv = h * config["num_key_value_heads"] // config["num_attention_heads"]
     per_layer_linear = h * h * 2 + h * kv * 2 + 3 * h * i  # q, o, k, v, gate, up, down
     quantized = layers * per_layer_linear  # the output head stays bf16 (QuantizedPrecision keeps a model's head)
-    base = quantized * 4.127 / 8 + (2 * vocab * h + (2 * layers + 1) * h) * 2  # bf16 embedding, head, norms
+    base = quantized * 4.127 / 8 + (2 * vocab * h + (2 * layers + 1) * h) * itemsize  # bf16 embedding, head, norms
     adapters = layers * rank * (2 * (h + h) + 2 * (h + kv) + 2 * (h + i) + (i + h)) + rank * (h + vocab)
-    activations = layers * batch * seq * h * 2  # one bf16 block input kept per layer
+    activations = layers * batch * seq * h * itemsize  # one bf16 block input kept per layer
     return int(base + adapters * 16 + activations)
 
 

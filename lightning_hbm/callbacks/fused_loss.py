@@ -53,9 +53,12 @@ log = logging.getLogger(__name__)
 _LIGER_AVAILABLE = RequirementCache("liger-kernel")
 #: Bytes one chunk's logits may take (the head's output, its fp32 copy; the gradient reuses both): tokens per
 #: chunk follow the vocabulary, so the loss costs about the same at 32k and 256k. 32 MiB is 174 tokens of a 32k
-#: bf16 head, 43 of a 128k one; a 128k-vocabulary step with 256-token chunks peaked at 2.23x its floor
-#: (benchmarks/README.md).
+#: bf16 head; a 128k-vocabulary step with 256-token chunks peaked at 2.23x its floor (benchmarks/README.md).
 CHUNK_BYTES = 32 * 2**20
+#: Fewest tokens per chunk (fewer only when the batch is smaller): each chunk's forward and backward matmuls read
+#: the whole ``[vocab, hidden]`` head weight, so tiny chunks spend the step re-reading it. Measured (128k vocabulary,
+#: fp32, CPU): 65-token chunks made the whole step 1.13x the 256-token one, 96-token chunks 1.07x.
+MIN_CHUNK_TOKENS = 96
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 
 
@@ -70,13 +73,14 @@ def logit_element_bytes(dtype: torch.dtype) -> int:
 
 
 def chunk_tokens(tokens: int, vocab: int, dtype: torch.dtype = torch.bfloat16, chunk_size: Optional[int] = None) -> int:
-    """Tokens per chunk of the fused loss: ``chunk_size`` if given, else as many as fit :data:`CHUNK_BYTES`.
+    """Tokens per chunk of the fused loss: ``chunk_size`` if given, else as many as fit :data:`CHUNK_BYTES`, at
+    least :data:`MIN_CHUNK_TOKENS` (or the whole batch, if smaller).
 
     ``dtype`` is the head's output dtype. The one rule, used by the loss and by the planner's arithmetic.
     """
     if chunk_size is not None:
         return max(1, min(chunk_size, tokens))
-    return max(1, min(tokens, CHUNK_BYTES // (vocab * logit_element_bytes(dtype))))
+    return max(1, min(tokens, max(MIN_CHUNK_TOKENS, CHUNK_BYTES // (vocab * logit_element_bytes(dtype)))))
 
 
 def loss_bytes(tokens: int, vocab: int, hidden: int, fused: bool, logits_dtype: torch.dtype = torch.bfloat16,
@@ -556,7 +560,7 @@ class FusedLoss(SurgeryCallback):
         heads: module names of the output heads (default: :func:`lightning_hbm.layers.output_heads`: transformers'
             output embeddings, a tied head, or the last Linear as wide as the vocabulary; else modules named ``lm_head``).
         chunk_size: tokens per chunk (default: as many as fit :data:`CHUNK_BYTES`, 32 MiB of logits and
-            their fp32 copy: 174 tokens at a 32k bf16 vocabulary, 43 at 128k).
+            their fp32 copy, at least :data:`MIN_CHUNK_TOKENS` = 96: 174 tokens at a 32k bf16 vocabulary, 96 at 128k).
         kernel: ``"auto"`` (Liger's fused kernel on CUDA when ``liger-kernel`` is installed and the head is
             a plain ``nn.Linear``, else chunked), ``"chunked"`` (always the portable path).
 
@@ -633,4 +637,4 @@ class FusedLoss(SurgeryCallback):
         rank_zero_info(f"lightning_hbm: FusedLoss on {self.applied_heads} (chunked cross-entropy, kernel={self.kernel!r})")
 
 
-__all__ = ["CHUNK_BYTES", "FusedLoss", "LazyLogits", "chunk_tokens", "fused_linear_cross_entropy", "logit_element_bytes", "loss_bytes"]
+__all__ = ["CHUNK_BYTES", "MIN_CHUNK_TOKENS", "FusedLoss", "LazyLogits", "chunk_tokens", "fused_linear_cross_entropy", "logit_element_bytes", "loss_bytes"]

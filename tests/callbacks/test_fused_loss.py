@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision, applied_transforms, quantize_model
-from lightning_hbm.callbacks.fused_loss import CHUNK_BYTES, LazyLogits, chunk_tokens, fused_linear_cross_entropy, loss_bytes
+from lightning_hbm.callbacks.fused_loss import CHUNK_BYTES, MIN_CHUNK_TOKENS, LazyLogits, chunk_tokens, fused_linear_cross_entropy, loss_bytes
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
 from lightning_hbm.models import NanoGPT, llama_config
 
@@ -243,20 +243,32 @@ def test_hbm_profiler_runs_with_fused_loss_and_sees_no_logits(
 
 
 def test_chunks_are_sized_by_bytes_not_tokens() -> None:
-    """One chunk's logits + fp32 copy fit CHUNK_BYTES at any vocabulary: the loss costs the same at 32k and 256k."""
-    for vocab in (32000, 128256, 256000):
+    """One chunk's logits + fp32 copy fit CHUNK_BYTES, unless that is under MIN_CHUNK_TOKENS tokens."""
+    for vocab in (32000, 50000):
         tokens = chunk_tokens(8192, vocab, torch.bfloat16)
         assert tokens * vocab * 6 <= CHUNK_BYTES < (tokens + 1) * vocab * 6
-    assert chunk_tokens(8192, 32000, torch.bfloat16) == 174 and chunk_tokens(8192, 128256, torch.bfloat16) == 43
+    assert chunk_tokens(8192, 32000, torch.bfloat16) == 174
     assert chunk_tokens(8192, 32000, torch.float32) == 262  # fp32 logits are their own fp32 copy: 4 bytes
-    assert chunk_tokens(100, 32000) == 100 and chunk_tokens(8192, 10**9) == 1  # the batch, at least one token
-    assert chunk_tokens(8192, 32000, chunk_size=1000) == 1000  # an explicit chunk_size wins
+    # 128k, 256k, a billion: the bytes would give 43, 21, 0 tokens; the head weight read per chunk sets the floor
+    for vocab in (128256, 256000, 10**9):
+        assert chunk_tokens(8192, vocab, torch.bfloat16) == MIN_CHUNK_TOKENS == 96
+    assert chunk_tokens(8192, 128256, torch.float32) == 96  # 65 by bytes: 1.13x the step time of 256 (README)
+    assert chunk_tokens(100, 32000) == 100 and chunk_tokens(50, 10**9) == 50  # never more than the batch
+    assert chunk_tokens(8192, 32000, chunk_size=1000) == 1000 and chunk_tokens(8192, 128256, chunk_size=8) == 8
+
+
+def test_loss_bytes_follows_the_minimum_chunk() -> None:
+    """The planner's arithmetic uses the same rule: at 128k, one 96-token chunk of bf16 logits + fp32 copy."""
+    fused = loss_bytes(1024, 128256, 256, True, torch.bfloat16)
+    assert fused == 96 * 128256 * 6 + 1024 * 256 * 2
+    assert loss_bytes(1024, 128256, 256, True, torch.bfloat16, chunk_size=43) == 43 * 128256 * 6 + 1024 * 256 * 2
 
 
 def test_fused_loss_runs_the_chunks_the_byte_budget_gives(monkeypatch: pytest.MonkeyPatch) -> None:
     import lightning_hbm.callbacks.fused_loss as fused_loss
 
     monkeypatch.setattr(fused_loss, "CHUNK_BYTES", 10 * V * 6)  # 10 tokens of bf16 logits + fp32 copy
+    monkeypatch.setattr(fused_loss, "MIN_CHUNK_TOKENS", 1)
     torch.manual_seed(0)
     head = nn.Linear(16, V, bias=False).bfloat16()
     hidden, target = torch.randn(45, 16, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, V, (45,))

