@@ -265,10 +265,10 @@ def test_loss_bytes_follows_the_minimum_chunk() -> None:
 
 
 def test_fused_loss_runs_the_chunks_the_byte_budget_gives(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_hbm.callbacks.fused_loss as fused_loss
+    import lightning_hbm.callbacks.fused_loss.cost as cost
 
-    monkeypatch.setattr(fused_loss, "CHUNK_BYTES", 10 * V * 6)  # 10 tokens of bf16 logits + fp32 copy
-    monkeypatch.setattr(fused_loss, "MIN_CHUNK_TOKENS", 1)
+    monkeypatch.setattr(cost, "CHUNK_BYTES", 10 * V * 6)  # 10 tokens of bf16 logits + fp32 copy
+    monkeypatch.setattr(cost, "MIN_CHUNK_TOKENS", 1)
     torch.manual_seed(0)
     head = nn.Linear(16, V, bias=False).bfloat16()
     hidden, target = torch.randn(45, 16, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, V, (45,))
