@@ -1,4 +1,4 @@
-"""How large the fused loss's chunks are: the one rule, used by the loss and by the planner's arithmetic."""
+"""How large the fused loss's chunks are."""
 
 from __future__ import annotations
 
@@ -30,28 +30,9 @@ def chunk_tokens(tokens: int, vocab: int, dtype: torch.dtype = torch.bfloat16, c
     """Tokens per chunk of the fused loss: ``chunk_size`` if given, else as many as fit :data:`CHUNK_BYTES`, at
     least :data:`MIN_CHUNK_TOKENS` (or the whole batch, if smaller).
 
-    ``dtype`` is the head's output dtype. The one rule, used by the loss and by the planner's arithmetic.
+    ``dtype`` is the head's output dtype. The one rule, used by the loss (the planner runs the loss itself).
     """
     if chunk_size is not None:
         return max(1, min(chunk_size, tokens))
     return max(1, min(tokens, max(MIN_CHUNK_TOKENS, CHUNK_BYTES // (vocab * logit_element_bytes(dtype)))))
-
-
-def loss_bytes(tokens: int, vocab: int, hidden: int, fused: bool, logits_dtype: torch.dtype = torch.bfloat16,
-               chunk_size: Optional[int] = None, quantized_head: bool = False) -> int:
-    """Bytes the head + cross-entropy add at the step's peak, with or without ``FusedLoss`` (for the planner).
-
-    Unfused (transformers' ``ForCausalLMLoss``, or ``F.cross_entropy(logits.float())``): about 12 bytes per
-    ``tokens x vocab`` element whatever the logits dtype: bf16 logits (2, kept by the model output) + the fp32
-    log-softmax saved for backward (4) + its fp32 gradient (4) + the gradient's bf16 cast (2); in fp32, logits,
-    log-softmax and gradient (4 each). Measured with torch's MemTracker on a 32k vocabulary: 12.2 (bf16), 12.3 (fp32).
-    Fused: one chunk (:func:`chunk_tokens`, :func:`logit_element_bytes`), the hidden-state gradient kept from
-    forward to backward, and for a 4-bit head its weight dequantized once.
-    """
-    itemsize = torch.empty((), dtype=logits_dtype).element_size()
-    if not fused:
-        return tokens * vocab * 12
-    chunk = chunk_tokens(tokens, vocab, logits_dtype, chunk_size)
-    head = vocab * hidden * itemsize if quantized_head else 0
-    return chunk * vocab * logit_element_bytes(logits_dtype) + tokens * hidden * itemsize + head
 
