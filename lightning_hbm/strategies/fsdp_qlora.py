@@ -147,7 +147,7 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         if eight_bit:  # known now: refused before the model changes, not after quantizing and sharding it
             raise self._bnb_refusal(OPTIMIZER_KINDS[eight_bit[0].kind][0])
         _materialize_distributed_module(self.model, self.root_device)
-        # Quantize -> LoRA -> checkpointing -> kernels (lightning_hbm/surgery.py), on the full model.
+        # Quantize -> LoRA -> checkpointing -> kernels (lightning_hbm/surgery/), on the full model.
         # Hide the mesh ModelParallelStrategy put on the LightningModule meanwhile: peft 0.21 takes a
         # module with `_device_mesh` for a tensor-parallel transformers model and reads `.config`.
         mesh, self.model._device_mesh = self.model._device_mesh, None

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision, applied_transforms, quantize_model
-from lightning_hbm.callbacks.fused_loss import CHUNK_BYTES, MIN_CHUNK_TOKENS, LazyLogits, chunk_tokens, fused_linear_cross_entropy, loss_bytes
+from lightning_hbm.callbacks.fused_loss import CHUNK_BYTES, MIN_CHUNK_TOKENS, LazyLogits, chunk_tokens, fused_linear_cross_entropy
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
 from lightning_hbm.models import NanoGPT, llama_config
 
@@ -257,18 +257,11 @@ def test_chunks_are_sized_by_bytes_not_tokens() -> None:
     assert chunk_tokens(8192, 32000, chunk_size=1000) == 1000 and chunk_tokens(8192, 128256, chunk_size=8) == 8
 
 
-def test_loss_bytes_follows_the_minimum_chunk() -> None:
-    """The planner's arithmetic uses the same rule: at 128k, one 96-token chunk of bf16 logits + fp32 copy."""
-    fused = loss_bytes(1024, 128256, 256, True, torch.bfloat16)
-    assert fused == 96 * 128256 * 6 + 1024 * 256 * 2
-    assert loss_bytes(1024, 128256, 256, True, torch.bfloat16, chunk_size=43) == 43 * 128256 * 6 + 1024 * 256 * 2
-
-
 def test_fused_loss_runs_the_chunks_the_byte_budget_gives(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_hbm.callbacks.fused_loss as fused_loss
+    import lightning_hbm.callbacks.fused_loss.cost as cost
 
-    monkeypatch.setattr(fused_loss, "CHUNK_BYTES", 10 * V * 6)  # 10 tokens of bf16 logits + fp32 copy
-    monkeypatch.setattr(fused_loss, "MIN_CHUNK_TOKENS", 1)
+    monkeypatch.setattr(cost, "CHUNK_BYTES", 10 * V * 6)  # 10 tokens of bf16 logits + fp32 copy
+    monkeypatch.setattr(cost, "MIN_CHUNK_TOKENS", 1)
     torch.manual_seed(0)
     head = nn.Linear(16, V, bias=False).bfloat16()
     hidden, target = torch.randn(45, 16, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, V, (45,))
@@ -297,14 +290,6 @@ def test_bad_arguments_are_clear_errors_before_any_change(kwargs: dict[str, Any]
 def test_model_without_head_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"found no output head in Sequential .*FusedLoss\(heads=\[\.\.\.\]\).*\['1', '0'\]"):
         FusedLoss().check_model(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 16)))
-
-
-def test_loss_bytes_for_the_planner() -> None:
-    unfused = loss_bytes(4096, 128256, 4096, fused=False)
-    fused = loss_bytes(4096, 128256, 4096, fused=True)
-    assert unfused == 4096 * 128256 * 12 and fused < unfused / 20
-    # a 4-bit head is dequantized once (bf16 [vocab, hidden]) while the chunks run
-    assert loss_bytes(4096, 128256, 4096, fused=True, quantized_head=True) == fused + 128256 * 4096 * 2
 
 
 def _tiny_qlora_llama(fused: bool) -> Any:

@@ -37,12 +37,15 @@ every tensor's CRC before anything is loaded, keep the placeholders out of the m
 exactly the keys the checkpoint says it left out; any other missing key is Lightning's usual strict
 error. With ``QuantizedPrecision`` alone, Lightning loads the placeholders, and the engine loads the
 real tensors right after quantizing.
+
+The package: this module is the engine, the resume checks that need the transforms and the Trainer adapter (one
+import cycle by design: ``SurgeryCallback.setup`` installs the engine, which finds the ``SurgeryCallback`` s);
+``record`` (the attributes the surgery sets on the model), ``resume_checks`` (adapter sizes, loading the changed
+tensors), ``ranks`` (ranks that built different bases) are the parts that need none of it.
 """
 
 from __future__ import annotations
 
-import logging
-import re
 from enum import IntEnum
 from typing import Any, Callable, Optional, Sequence
 
@@ -56,14 +59,16 @@ from typing_extensions import override
 from lightning_hbm import resume
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
-
-log = logging.getLogger(__name__)
-
-_APPLIED_ATTR = "_lightning_hbm_applied"
-_RECORD_ATTR = "_lightning_hbm_record"  # the model as built: schema, fingerprints; set by the first surgery
-_STATE_ATTR = "_lightning_hbm_spine"
-_APPLIERS_ATTR = "_lightning_hbm_appliers"  # transform name -> id() of the instance that applied it last
-SAVED_MODULES_ATTR = "_lightning_hbm_modules_to_save"  # set by run_surgery: the transforms' modules_to_save
+from lightning_hbm.surgery.ranks import check_ranks
+from lightning_hbm.surgery.record import (
+    _APPLIERS_ATTR,
+    _RECORD_ATTR,
+    _STATE_ATTR,
+    SAVED_MODULES_ATTR,
+    applied_transforms,
+    mark_applied,
+)
+from lightning_hbm.surgery.resume_checks import _LOADED_ALREADY, _adapter_misfits, _load_changed
 
 
 class Stage(IntEnum):
@@ -134,21 +139,6 @@ class SurgeryCallback(Callback):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         pack_checkpoint(trainer, checkpoint)
-
-
-def applied_transforms(module: nn.Module) -> list[str]:
-    """Names of the transforms applied to ``module``, in the order they ran."""
-    return list(getattr(module, _APPLIED_ATTR, []))
-
-
-def mark_applied(module: nn.Module, name: str) -> None:
-    """Record that ``name`` changed ``module`` (used by the engine and the precision plugin)."""
-    applied = getattr(module, _APPLIED_ATTR, None)
-    if applied is None:
-        applied = []
-        # object.__setattr__: a plain list must not become an nn.Module attribute lookup problem
-        object.__setattr__(module, _APPLIED_ATTR, applied)
-    applied.append(name)
 
 
 def _transform_name(transform: object) -> str:
@@ -269,15 +259,6 @@ def run_surgery(
     return module
 
 
-# QuantizedPrecision alone: Lightning gives a precision plugin no hook before it loads the checkpoint into the model
-_LOADED_ALREADY = (
-    "Note: Lightning had already loaded this file into your model before QuantizedPrecision could check it (a "
-    "precision plugin gets no hook before that load), so its weights now hold the checkpoint's tensors and NaN "
-    "placeholders: rebuild the model before using it again. With any lightning_hbm callback in the Trainer (e.g. "
-    "LoRA) the file is checked before it is loaded."
-)
-
-
 def check_resume(trainer: pl.Trainer, module: nn.Module, meta: Optional[dict[str, Any]], path: Any) -> None:
     """The resume checks of :func:`run_surgery` with the Trainer's plugin and transforms, for the load paths that run
     outside it: Lightning's weight restore (before the surgery) and a strategy that restores after setup (FSDP)."""
@@ -321,47 +302,6 @@ def _check_resume(
             "pretrained weights as the run that saved it; to put these adapters on a different base on purpose, "
             "pass LoRA(allow_base_change=True)."
         )
-
-
-def _adapter_misfits(meta: dict[str, Any], schema: dict[str, Any]) -> list[str]:
-    """LoRA pairs of the checkpoint whose (in, out) sizes differ from the as-built weight they adapt."""
-    saved = meta.get("state_dict", {})
-    misfits = []
-    for key, lora_a in saved.items():
-        found = re.fullmatch(r"(.*?)(?:\.base_layer)?\.lora_A\.([^.]+)\.weight", key)
-        lora_b = saved.get(key.replace(".lora_A.", ".lora_B."))
-        base = schema.get(f"{found.group(1)}.weight") if found else None
-        if base is None or lora_b is None or len(base[0]) != 2 or not isinstance(lora_a, torch.Tensor):
-            continue
-        if sorted((lora_a.shape[-1], lora_b.shape[0])) != sorted(base[0]):
-            misfits.append(f"{found.group(1)}: adapters for {lora_a.shape[-1]} -> {lora_b.shape[0]}, layer {tuple(base[0])}")
-    return misfits
-
-
-def _load_changed(module: nn.Module, meta: dict[str, Any], checkpoint: dict[str, Any], path: Any) -> None:
-    changed: dict[str, Any] = meta.get("state_dict", {})
-    advice = "Resume with the same precision mode and LoRA settings as the run that saved it."
-    try:
-        result = module.load_state_dict(changed, strict=False)
-    except RuntimeError as err:  # shape mismatches raise even with strict=False
-        raise ValueError(f"Checkpoint {path} does not fit the model after lightning_hbm's changes. {advice}\n{err}") from err
-    if result.unexpected_keys:
-        raise ValueError(
-            f"Checkpoint {path} holds tensors that fit neither the model as built nor the model after lightning_hbm's "
-            f"changes: {sorted(result.unexpected_keys)[:10]}. {advice}"
-        )
-    restored = set(changed) | {k for k in checkpoint.get("state_dict", {}) if k not in set(meta.get("placeholders", []))}
-    lacking = resume.unrestored_keys(module, restored, meta.get("omitted", []))
-    if lacking:
-        # the settings were compared before the first change (_check_resume) and are equal: do not blame them
-        raise ValueError(
-            f"Checkpoint {path} does not hold these tensors of the model after lightning_hbm's changes: {lacking[:10]}. "
-            "Its lightning_hbm settings equal this run's, so the file was edited, the model differs from the one that saved it (another "
-            "architecture or config: build the same model), or a converted layer kind does not map these tensors to "
-            "the model as built (LayerKind.as_built_keys; please report it). LoRA(full_checkpoint=True) checkpoints "
-            "hold every tensor."
-        )
-    log.info("lightning_hbm: restored %d changed tensors after model surgery", len(changed))
 
 
 def prune_frozen_parameters(optimizers: list[Optimizer]) -> None:
@@ -445,36 +385,6 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
         checkpoint_path=trainer.ckpt_path,
         convert=convert,
     )
-
-
-def check_ranks(module: nn.Module, meta: Optional[dict[str, Any]], restoring: bool) -> None:
-    """Refuse, before the first change, ranks that built different frozen bases (a collective: every rank calls it).
-
-    DDP broadcasts rank 0's parameters and buffers, but bitsandbytes' quantization constants are neither, and
-    FSDP broadcasts nothing: ranks that built different weights would train on different frozen bases without a
-    word. Compared: the as-built fingerprints of the tensors no checkpoint restores (with a lightning_hbm
-    checkpoint, the base it left out; with a plain one, nothing; without one, every tensor).
-    """
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        return
-    prints: dict[str, Optional[str]] = getattr(module, _RECORD_ATTR)["fingerprints"]
-    if restoring:
-        keys = set((meta or {}).get("omitted", []))
-        prints = {k: v for k, v in prints.items() if k in keys}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, prints)
-    for rank, other in enumerate(gathered[1:], start=1):
-        differ = [k for k in gathered[0] if k in other and gathered[0][k] != other[k]]
-        if differ:
-            raise ValueError(
-                f"Rank {rank} built another model than rank 0: {len(differ)} tensor(s) differ, first {differ[0]!r}. "
-                "Every rank must build the same frozen base (its quantization constants are not synchronised, so "
-                "the ranks would train on different bases): seed before building the model on every rank "
-                "(lightning.seed_everything(0) or torch.manual_seed(0), not a per-rank seed) or load the same "
-                "pretrained weights on every rank."
-            )
 
 
 def trainer_optimizers(plugin: Any, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> list[Optimizer]:

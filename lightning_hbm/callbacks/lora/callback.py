@@ -1,87 +1,32 @@
-"""``LoRA``: train small adapters on a frozen (optionally quantized) base, on any LightningModule.
-
-What it shrinks: the **gradients** and **optimizer states** terms (and the checkpoint). Only the
-LoRA matrices (and the ``modules_to_save``) require grad, so the user's unchanged
-``AdamW(self.parameters())`` ends up holding states for them only (the surgery spine prunes the
-frozen parameters from the param groups). On top of :class:`~lightning_hbm.QuantizedPrecision`
-this is QLoRA: the base is 4-bit and frozen, the adapters stay in ``adapter_dtype``.
-
-The adapters are peft's own LoRA layers, injected with ``peft.inject_adapter_in_model`` into the
-LightningModule itself (plain torch models and Hugging Face models inside it alike), at
-lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`): after ``configure_model`` and the
-quantization, before ``configure_optimizers`` and activation checkpointing.
-"""
+"""The ``LoRA`` callback: its arguments, the layers it adapts, and the injection at the surgery point."""
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import logging
 import math
 import re
-from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
-import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning_utilities.core.imports import RequirementCache
-from safetensors.torch import save_file
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._validate import check_args
+from lightning_hbm.callbacks.lora.base import ALL_LINEAR, ADAPTER_NAME, _import_peft, _lora_layer_cls, _matches, _under, _width
+from lightning_hbm.callbacks.lora.export import adapter_state_dict, merge, save_adapter
+from lightning_hbm.callbacks.lora.watch import _AdapterWatch
 from lightning_hbm.layers import LEFT_ALONE_ATTR, adaptable_names, kind_names, prepare_model, report_coverage, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.precision.plugin import QuantizedPrecision, output_heads
 from lightning_hbm.naming import did_you_mean, name_list
 from lightning_hbm.precision.registry import format_of, to_dtype
-from lightning_hbm.requirements import requirement
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 log = logging.getLogger(__name__)
-
-_PEFT_AVAILABLE = RequirementCache(requirement("peft"))
-
-# One adapter per model: peft's default name. Parameter names are ``<layer>.lora_A.default.weight``;
-# the FSDP and activation-checkpointing callbacks rely on these names staying stable.
-ADAPTER_NAME = "default"
-ALL_LINEAR = "all-linear"
-
-
-def _import_peft() -> Any:
-    if not _PEFT_AVAILABLE:
-        raise ModuleNotFoundError(
-            f"lightning_hbm.LoRA needs {requirement('peft')} ({_PEFT_AVAILABLE.message}). "
-            f"Install it with `pip install -U '{requirement('peft')}'`."
-        )
-    import peft
-
-    return peft
-
-
-def _lora_layer_cls() -> type:
-    from peft.tuners.lora import LoraLayer
-
-    return LoraLayer
-
-
-def _matches(name: str, patterns: Union[str, list[str]]) -> bool:
-    """peft's matching rule: a string is a regex (full match), a list matches names or name suffixes."""
-    if isinstance(patterns, str):
-        return re.fullmatch(patterns, name) is not None
-    return any(name == p or name.endswith("." + p) for p in patterns)
-
-
-def _width(layer: Optional[nn.Module], default: int) -> int:
-    """A layer's smaller dimension (Linear-like ``in_features``/``out_features``; ``default`` when unknown)."""
-    return min(getattr(layer, "in_features", default), getattr(layer, "out_features", default))
-
-
-def _under(name: str, prefixes: list[str]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 class LoRA(SurgeryCallback):
@@ -447,176 +392,11 @@ class LoRA(SurgeryCallback):
         if watch is not None:
             self.unused_modules = watch.check()  # after the first backward of the fit only
 
-    # ------------------------------------------------------------ public helpers
+    # ------------------------------------------------------------ public helpers (lora/export.py)
 
-    @staticmethod
-    def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-        """The trainable weights of ``module`` (adapters + ``modules_to_save``), under their own names.
-
-        Tied parameters appear under every name, as in ``module.state_dict()``.
-        """
-        return {n: p.detach() for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
-
-    @staticmethod
-    def _hf_root(module: nn.Module, submodule: Optional[str]) -> str:
-        if submodule is not None:
-            try:
-                module.get_submodule(submodule)
-            except AttributeError as err:
-                raise ValueError(f"submodule={submodule!r} is not a submodule of {type(module).__name__}.") from err
-            return submodule
-        # the outermost Hugging Face model inside the LightningModule: peft's format is relative to it
-        found = [n for n, m in module.named_modules() if hasattr(getattr(m, "config", None), "model_type")]
-        outer = [n for n in found if not any(_under(n, [o]) and n != o for o in found)]
-        if len(outer) > 1:
-            raise ValueError(f"{type(module).__name__} holds several Hugging Face models {outer}: pass submodule=NAME.")
-        return outer[0] if outer else ""
-
-    @staticmethod
-    def save_adapter(
-        module: nn.Module,
-        path: Union[str, Path],
-        submodule: Optional[str] = None,
-        base_model_name_or_path: Optional[str] = None,
-    ) -> Path:
-        """Write the adapter in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``).
-
-        Names are made relative to ``submodule`` (default: the Hugging Face model inside ``module``,
-        e.g. ``model`` of :class:`~lightning_hbm.models.LlamaLM`; the module itself if there is
-        none), so ``peft.PeftModel.from_pretrained(base, path)`` loads it onto that base model.
-        ``adapter_config.json`` gets ``target_modules`` as short names (``["q_proj", "v_proj"]``) when
-        they select exactly the adapted layers (else the full names), ``task_type`` ``"CAUSAL_LM"``
-        for a ``...ForCausalLM`` model and ``base_model_name_or_path`` (default: the folder the model
-        was loaded from, ``config._name_or_path``), so ``peft.AutoPeftModelForCausalLM.from_pretrained(path)``
-        finds the base by itself. Returns ``path``.
-        """
-        config = getattr(module, "peft_config", {}).get(ADAPTER_NAME)
-        if config is None:
-            raise ValueError(
-                f"{type(module).__name__} has no LoRA adapter: train it with the LoRA callback (or call "
-                "LoRA(...).transform_model(module)) before save_adapter."
-            )
-        root = LoRA._hf_root(module, submodule)
-        prefix = root + "." if root else ""
-        lora_cls = _lora_layer_cls()
-        adapted, tensors, saved = [], {}, set()
-        for name, sub in module.named_modules():
-            if isinstance(sub, lora_cls) and name.startswith(prefix):
-                adapted.append(name[len(prefix) :])
-        for name, param in LoRA.adapter_state_dict(module).items():
-            if not name.startswith(prefix):
-                raise ValueError(f"Trainable parameter {name!r} lies outside submodule {root!r}; pass submodule=''.")
-            rel = name[len(prefix) :]
-            if ".lora_" not in rel:
-                saved.add(rel.rsplit(".", 1)[0])
-            # peft's file format drops the adapter name: ...q_proj.lora_A.weight
-            key = "base_model.model." + rel.replace(f".{ADAPTER_NAME}.", ".")
-            tensors[key] = param.contiguous().cpu()
-        hf_model = module.get_submodule(root) if root else module
-        if base_model_name_or_path is None:
-            base_model_name_or_path = getattr(getattr(hf_model, "config", None), "_name_or_path", None) or None
-        export = dataclasses.replace(
-            config,
-            target_modules=_compact_targets(hf_model, adapted),
-            modules_to_save=sorted(saved) or None,
-            inference_mode=True,
-            base_model_name_or_path=base_model_name_or_path,
-            task_type="CAUSAL_LM" if type(hf_model).__name__.endswith("ForCausalLM") else config.task_type,
-        )
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        export.save_pretrained(str(path))
-        save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
-        return path
-
-    @staticmethod
-    @torch.no_grad()
-    def merge(
-        module: nn.Module,
-        dtype: str = "bfloat16",
-        base_state_dict: Optional[dict[str, torch.Tensor]] = None,
-    ) -> dict[str, torch.Tensor]:
-        """A plain state_dict of the model as the user built it, adapters folded into the weights.
-
-        The LoRA update ``B @ A * alpha / r`` is added in fp32 to a base weight and the result is cast to
-        ``dtype`` (bf16 by default); ``module`` itself is not changed. Which base weight:
-
-        - ``base_state_dict`` given (the original full-precision weights, e.g.
-          ``AutoModelForCausalLM.from_pretrained(path).state_dict()``, keys relative to the Hugging Face
-          model or to ``module``): the update goes onto them, and quantized layers without an adapter
-          come back exactly. Use this after QLoRA: the adapters were trained to correct the 4-bit base,
-          but on SmolLM2 the fp32 base + adapter beats the 4-bit one (held-out loss 2.064 vs 2.143).
-        - not given: a quantized base is dequantized (by its precision format's ``dequantize``)
-          and its 4-bit rounding error is baked into the merged weights (a warning says so). Never
-          re-quantized.
-        """
-        out_dtype = to_dtype(dtype)
-        lora_cls = _lora_layer_cls()
-        root = LoRA._hf_root(module, None) if base_state_dict is not None else ""
-        dequantized: list[str] = []
-
-        def original(name: str, key: str, layer: nn.Module) -> torch.Tensor:
-            """The full-precision ``key`` of layer ``name`` from ``base_state_dict``."""
-            rel = name[len(root) + 1 :] if root and name.startswith(root + ".") else None
-            tensor = base_state_dict.get(f"{name}.{key}")
-            if tensor is None and rel is not None:
-                tensor = base_state_dict.get(f"{rel}.{key}")
-            if tensor is None:
-                raise ValueError(
-                    f"base_state_dict has no {name}.{key}" + (f" (nor {rel}.{key})" if rel else "")
-                    + ": pass the state_dict of the original model (keys relative to it or to the LightningModule)."
-                )
-            shape = (layer.out_features, layer.in_features) if key == "weight" and hasattr(layer, "out_features") else None
-            if shape is not None and tuple(tensor.shape) != shape:
-                raise ValueError(f"base_state_dict[{name}.{key}] has shape {tuple(tensor.shape)}, the layer {shape}.")
-            return tensor.float()
-
-        def dense(name: str, layer: nn.Module) -> torch.Tensor:
-            fmt = format_of(layer)
-            if fmt is None:
-                return layer.weight.float()
-            if base_state_dict is not None:
-                return original(name, "weight", layer)
-            dequantized.append(name)
-            return fmt.dequantize(layer).float()  # e.g. int8 values times their per-row scales
-
-        merged: dict[str, torch.Tensor] = {}
-        done: list[str] = []
-        for name, sub in module.named_modules():
-            if _under(name, done):
-                continue
-            prefix = name + "." if name else ""
-            if isinstance(sub, lora_cls):
-                base = sub.get_base_layer()
-                weight = dense(name, base)
-                if ADAPTER_NAME in sub.lora_A:
-                    weight = weight + sub.get_delta_weight(ADAPTER_NAME).float()
-                merged[prefix + "weight"] = weight
-                if getattr(base, "bias", None) is not None:
-                    merged[prefix + "bias"] = base.bias
-                done.append(name)
-                continue
-            if format_of(sub) is not None:
-                merged[prefix + "weight"] = dense(name, sub)
-                if sub.bias is not None:
-                    merged[prefix + "bias"] = sub.bias
-                done.append(name)
-                continue
-            for pname, param in sub._parameters.items():
-                if param is not None:
-                    merged[prefix + pname] = param
-            for bname, buf in sub._buffers.items():
-                if buf is not None and bname not in sub._non_persistent_buffers_set:
-                    merged[prefix + bname] = buf
-        if dequantized:
-            rank_zero_warn(
-                f"LoRA.merge: {len(dequantized)} layer(s) merged into their DEQUANTIZED base weights "
-                f"({name_list(dequantized)}): the quantization error is baked into the merged model. Pass "
-                "base_state_dict=<the original full-precision state_dict> to merge onto the original weights instead."
-            )
-        elif base_state_dict is not None:
-            rank_zero_info("LoRA.merge: adapters merged onto the original full-precision weights (base_state_dict).")
-        return {k: v.detach().to(out_dtype) if v.is_floating_point() else v.detach().clone() for k, v in merged.items()}
+    adapter_state_dict = staticmethod(adapter_state_dict)
+    save_adapter = staticmethod(save_adapter)
+    merge = staticmethod(merge)
 
 
 def _expose_base_attributes(layer: nn.Module) -> None:
@@ -630,73 +410,3 @@ def _expose_base_attributes(layer: nn.Module) -> None:
         plain = isinstance(value, (bool, int, float, str, tuple))
         if plain and not name.startswith("_") and name not in vars(layer) and not hasattr(type(layer), name):
             object.__setattr__(layer, name, value)
-
-
-def _compact_targets(model: nn.Module, adapted: list[str]) -> list[str]:
-    """Short names (``["k_proj", "q_proj"]``) if they select exactly ``adapted`` in the plain model, else the full names."""
-    lora_cls = _lora_layer_cls()
-    layers = [n for n, m in model.named_modules() if isinstance(m, lora_cls)]
-    # the module names of the plain model peft will match against: no lora_A/base_layer internals
-    plain = [n for n, _ in model.named_modules() if n and not any(n != l and _under(n, [l]) for l in layers)]
-    short = sorted({n.rpartition(".")[2] for n in adapted})
-    if sorted(n for n in plain if _matches(n, short)) == sorted(adapted):
-        return short
-    return sorted(adapted)
-
-
-class _AdapterWatch:
-    """Finds dead adapters at the first backward: a LoRA layer that got no gradient is an error naming it.
-
-    Two ways an adapter dies, told apart by forward hooks on each LoRA layer and on its parent:
-    the layer ran but no gradient reached its ``lora_A``/``lora_B`` (the graph is cut), or the parent
-    ran and the layer did not (the parent reads the wrapped weight directly, as
-    ``nn.MultiheadAttention`` does with ``out_proj``). A layer whose parent did not run either (an
-    expert no token was routed to, a branch not taken) cannot be judged and is not an error.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        lora_cls = _lora_layer_cls()
-        self.layers = {n: m for n, m in module.named_modules() if isinstance(m, lora_cls)}
-        self.ran: set[int] = set()
-        self.handles: list[Any] = []
-        self.parents = {n: module.get_submodule(n.rpartition(".")[0]) if "." in n else module for n in self.layers}
-        watched = {id(m): m for m in [*self.layers.values(), *self.parents.values()]}
-        for sub in watched.values():
-            self.handles.append(sub.register_forward_pre_hook(self._ran))
-
-    def _ran(self, module: nn.Module, args: Any) -> None:
-        self.ran.add(id(module))
-
-    def check(self) -> list[str]:
-        """Raise for dead adapters; warn for (and return) the ones whose output never reaches the loss."""
-        for handle in self.handles:
-            handle.remove()
-        dead, cut = [], []
-        for name, layer in self.layers.items():
-            grads = [p.grad for c in (layer.lora_A, layer.lora_B) for p in c.parameters() if p.requires_grad]
-            if not grads or any(g is not None for g in grads):
-                continue
-            if id(layer) in self.ran:
-                cut.append(name)
-            elif id(self.parents[name]) in self.ran:
-                dead.append(name)
-        if dead:
-            raise RuntimeError(
-                f"LoRA adapters received no gradient in the first backward: {dead} were never called although their "
-                "parent module ran (it reads their weight directly, so the adapter is dead); exclude them with "
-                "LoRA(exclude_modules=[...]) or report the model class to lightning_hbm."
-            )
-        if cut:
-            # The layer ran but its output never reaches the loss: the model's own design (a BERT pooler under
-            # mean pooling), not a lightning_hbm failure. They get no gradient, so no optimizer updates them or
-            # allocates state for them; they stay in the model (lora_B = 0: they change nothing) so checkpoints
-            # and resume see the same parameters.
-            rank_zero_warn(
-                f"LoRA: {len(cut)} adapter(s) ran but their output never reaches the loss, so they are not trained: "
-                f"{name_list(cut)}. They stay at their initial value (lora_B = 0, no effect). To not create them, pass "
-                f"LoRA(exclude_modules={sorted(cut)!r})."
-            )
-        return cut
-
-
-__all__ = ["LoRA"]

@@ -1,0 +1,187 @@
+"""The chunked linear cross-entropy (an autograd Function), and Liger's fused kernel where it applies."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from lightning_utilities.core.imports import RequirementCache
+from torch import nn
+
+from lightning_hbm.callbacks.fused_loss.cost import chunk_tokens
+from lightning_hbm.callbacks.fused_loss.dequantize import _dequantized_once
+from lightning_hbm.memory.tracker import LOSS_SCOPE, memory_scope
+
+_LIGER_AVAILABLE = RequirementCache("liger-kernel")
+
+
+class _Spec:
+    """What one fused cross-entropy call needs besides tensors (autograd.Function takes it as an argument)."""
+
+    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], out_dtype: torch.dtype, ignore_index: int,
+                 label_smoothing: float, reduction: str, chunk: int, module: Optional[nn.Module] = None) -> None:
+        self.head, self.out_dtype, self.ignore_index, self.module = head, out_dtype, ignore_index, module
+        self.label_smoothing, self.reduction, self.chunk = label_smoothing, reduction, chunk
+
+
+@memory_scope(LOSS_SCOPE)
+def _chunk_pass(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Sequence[torch.Tensor],
+                row_scale: Optional[torch.Tensor], need: Sequence[bool]) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+    """Per-token losses ``[N]`` (fp32) and, if ``row_scale`` is given, the gradients of ``sum(row_scale * loss)``.
+
+    ``need`` = (hidden needs grad, *each param needs grad). Only one chunk's logits exist at a time.
+    What it allocates is the ``loss`` term of HBMProfiler and the planner (:func:`memory_scope`).
+    """
+    n = hidden.shape[0]
+    losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    want_grad = row_scale is not None and any(need)
+    grad_hidden = torch.zeros_like(hidden) if want_grad and need[0] else None
+    # fp32 accumulators: summing per-chunk gradients in bf16 would round once per chunk
+    grad_params = [torch.zeros_like(p, dtype=torch.float32) if want_grad and nd else None for p, nd in zip(params, need[1:])]
+    with _dequantized_once(spec.module):
+        _chunks(spec, hidden, target, params, row_scale, need, want_grad, losses, grad_hidden, grad_params)
+    return losses, [grad_hidden] + [g.to(p.dtype) if g is not None else None for g, p in zip(grad_params, params)]
+
+
+def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Sequence[torch.Tensor],
+            row_scale: Optional[torch.Tensor], need: Sequence[bool], want_grad: bool, losses: torch.Tensor,
+            grad_hidden: Optional[torch.Tensor], grad_params: list[Optional[torch.Tensor]]) -> None:
+    eps = spec.label_smoothing
+    for start in range(0, hidden.shape[0], spec.chunk):
+        stop = min(hidden.shape[0], start + spec.chunk)
+        h = hidden[start:stop]
+        if want_grad:
+            h = h.detach().requires_grad_(need[0])
+        with torch.enable_grad() if want_grad else nullcontext():
+            # the head gets a view, not the leaf: module hooks that ask autograd about their inputs' nodes (torch's
+            # ModTracker/MemTracker, on a LoRA head's sublayers) raise for a leaf inside this autograd.grad
+            logits = spec.head(h.view_as(h) if want_grad and need[0] else h)
+        detached = z = logits.detach()
+        if spec.out_dtype.itemsize < z.dtype.itemsize:
+            z = z.to(spec.out_dtype)  # the rounding the user's cast would do
+        # fp32 logits are changed in place below (a Linear's backward does not read its output; a head whose
+        # backward does would make autograd raise, not compute wrong gradients)
+        z = z.float()
+        in_place = z is detached  # fp32 logits: z is their storage (identity, not data_ptr: fake tensors have none)
+        t = target[start:stop]
+        valid = t != spec.ignore_index
+        t_safe = torch.where(valid, t, 0).unsqueeze(1)
+        z_target = z.gather(1, t_safe).squeeze(1)
+        z_mean = z.mean(dim=1) if eps else None
+        # log-sum-exp and softmax in place: only the logits and one fp32 copy per chunk are ever alive
+        z_max = z.amax(dim=1, keepdim=True)
+        probs = z.sub_(z_max).exp_()
+        z_sum = probs.sum(dim=1, keepdim=True)
+        lse = (z_max + z_sum.log()).squeeze(1)
+        loss = lse - z_target
+        if eps:
+            loss = (1 - eps) * loss + eps * (lse - z_mean)
+        losses[start:stop] = torch.where(valid, loss, 0.0)
+        if not want_grad:
+            continue
+        # d loss / d z = softmax(z) - (1 - eps) * onehot(t) - eps / V, zero on ignored rows
+        grad_z = probs.div_(z_sum)
+        if eps:
+            grad_z.sub_(eps / z.shape[1])
+        grad_z.scatter_add_(1, t_safe, torch.full_like(t_safe, eps - 1, dtype=grad_z.dtype))
+        grad_z.mul_((valid * row_scale[start:stop] if row_scale.ndim else valid * row_scale).unsqueeze(1).to(grad_z.dtype))
+        inputs = ([h] if need[0] else []) + [p for p, nd in zip(params, need[1:]) if nd]
+        # the gradient goes into the logits' own storage (fp32: it already is), so a bf16 chunk never holds
+        # logits + fp32 copy + bf16 gradient at once; as above, a Linear's backward does not read its output
+        grad_logits = grad_z if in_place else detached.copy_(grad_z)
+        del z, probs, grad_z, detached  # the fp32 copy goes before the head's backward runs
+        grads = list(torch.autograd.grad(logits, inputs, grad_logits))
+        del logits, grad_logits
+        if need[0]:
+            grad_hidden[start:stop] = grads.pop(0)
+        for acc in grad_params:
+            if acc is not None:
+                acc += grads.pop(0)
+
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of ``head(hidden)`` chunk by chunk; inputs: spec, hidden [N, H], target [N], *params.
+
+    With ``mean``/``sum`` the gradients are computed in the forward pass (the loss is a scalar: its
+    gradient is the precomputed one times ``grad_output``), so the head runs once forward and once
+    backward per chunk, as in the unfused step. With ``none`` the backward recomputes each chunk.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        need = (ctx.needs_input_grad[1], *ctx.needs_input_grad[3:])
+        ctx.spec, ctx.need = spec, need
+        if spec.reduction == "none":
+            ctx.save_for_backward(hidden, target, *params)
+            losses, _ = _chunk_pass(spec, hidden, target, params, None, need)
+            return losses
+        valid = (target != spec.ignore_index).sum()
+        scale = 1.0 / valid.to(torch.float32) if spec.reduction == "mean" else torch.ones((), device=hidden.device)
+        losses, grads = _chunk_pass(spec, hidden, target, params, scale if any(need) else None, need)
+        ctx.grads = grads if any(need) else None
+        return losses.sum() * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        if ctx.spec.reduction == "none":
+            hidden, target, *params = ctx.saved_tensors
+            _, grads = _chunk_pass(ctx.spec, hidden, target, params, grad_output.float(), ctx.need)
+        else:
+            grads = [g * grad_output.to(g.dtype) if g is not None else None for g in ctx.grads]
+            ctx.grads = None
+        return (None, grads[0], None, *grads[1:])
+
+
+def _liger(hidden: torch.Tensor, head: nn.Module, target: torch.Tensor, spec: _Spec) -> Optional[torch.Tensor]:
+    """Liger's fused kernel for a plain Linear head on CUDA, when installed; ``None`` otherwise. Not yet run on GPU."""
+    if not (_LIGER_AVAILABLE and hidden.is_cuda and type(head) is nn.Linear and spec.out_dtype == torch.float32):
+        return None
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    out = liger_fused_linear_cross_entropy(
+        hidden, head.weight, target, bias=head.bias, ignore_index=spec.ignore_index,
+        label_smoothing=spec.label_smoothing, reduction=spec.reduction,
+    )
+    out = out[0] if isinstance(out, tuple) else out
+    return getattr(out, "loss", out)  # newer releases return a CrossEntropyOutput
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    logits_dtype: torch.dtype = torch.float32,
+    chunk_size: Optional[int] = None,
+    head_forward: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """``F.cross_entropy(head(hidden).to(logits_dtype), target, ...)`` without the full logits.
+
+    ``hidden`` is ``[N, H]``, ``target`` ``[N]`` class indices. ``head_forward`` (default ``head``) computes
+    the logits of a chunk; the trainable parameters of ``head`` receive their gradients.
+    """
+    if hidden.ndim != 2 or target.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"fused_linear_cross_entropy: hidden must be [N, H] and target [N]; got hidden {tuple(hidden.shape)} and "
+            f"target {tuple(target.shape)}. Flatten the token dimensions first (hidden.reshape(-1, H), target.reshape(-1))."
+        )
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"fused_linear_cross_entropy: reduction={reduction!r}; use 'mean', 'sum' or 'none'.")
+    vocab = int(getattr(head, "out_features"))
+    # the head returns the autocast dtype under autocast, else the input's (Linear, bitsandbytes, peft)
+    out = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
+    spec = _Spec(head_forward or head, logits_dtype, ignore_index, float(label_smoothing), reduction,
+                 chunk_tokens(hidden.shape[0], vocab, out, chunk_size), head)
+    if kernel in ("auto", "liger"):
+        out = _liger(hidden, head, target, spec)
+        if out is not None:
+            return out
+    params = [p for p in head.parameters() if p.requires_grad]
+    return _ChunkedLinearCrossEntropy.apply(spec, hidden, target, *params)
+
