@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm.memory.storage import nested_tensors
-from lightning_hbm.precision.registry import QuantFormat, register_format
+from lightning_hbm.precision.registry import QuantFormat, RoundingGrid, register_format
 from lightning_hbm.requirements import requirement
 
 _BNB_AVAILABLE = RequirementCache(requirement("bitsandbytes"))
@@ -236,6 +236,15 @@ class Bnb4bitFormat(QuantFormat):
     def constants(self, module: nn.Module) -> list[torch.Tensor]:
         states = (getattr(module.weight, "quant_state", None), getattr(module, "quant_state", None))
         return [t for state in states if state is not None for t in nested_tensors(state)]
+
+    def rounding_grid(self, module: nn.Module) -> Optional[RoundingGrid]:
+        state = module.weight.quant_state
+        absmax = state.absmax
+        if state.nested:  # the absmax each block is scaled by, as the dequantization uses it
+            from bitsandbytes.functional import dequantize_blockwise
+
+            absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
+        return RoundingGrid(state.code, absmax, state.blocksize, module.weight.data)
 
 
 @dataclass(frozen=True)

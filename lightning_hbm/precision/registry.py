@@ -18,7 +18,7 @@ one new file there (docs/extending.md walks through one).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -38,6 +38,17 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "float": torch.float32,
 }
+
+
+class RoundingGrid(NamedTuple):
+    """What GPTQ-style rounding needs of a 4-bit layer: weight ``j`` (row-major over ``[out, in]``) stored as code
+    index ``i`` reads back as ``code[i] * block_scales[j // block_size]``; ``packed`` holds the indices, two per
+    byte, the first in the high nibble (bitsandbytes' and torchao's layout), and is written in place."""
+
+    code: torch.Tensor
+    block_scales: torch.Tensor
+    block_size: int
+    packed: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,11 @@ class QuantFormat:
     def constants(self, module: nn.Module) -> list[torch.Tensor]:
         """Tensors of ``module``'s quantization constants (scales, code books) that are not its parameters."""
         return []
+
+    def rounding_grid(self, module: nn.Module) -> Optional[RoundingGrid]:
+        """The code grid GPTQ rounding may choose indices on (:mod:`lightning_hbm.precision.gptq`); ``None``: this
+        format keeps its own rounding (``QuantizedPrecision(rounding="gptq")`` names such layers)."""
+        return None
 
     def for_fake_tensors(self) -> QuantFormat:
         """This mode with ``replace`` swapped for its fake-tensor construction (used by the planner)."""
