@@ -19,6 +19,7 @@ import copy
 import sys
 from dataclasses import dataclass
 from functools import partial
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -27,7 +28,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lightning_hbm._compat import bitsandbytes as bnb_compat
-from lightning_hbm.memory.storage import nested_tensors
 from lightning_hbm.precision.registry import QuantFormat, RoundingGrid, register_format
 from lightning_hbm.requirements import requirement
 
@@ -212,6 +212,15 @@ def _bnb_layer(module: nn.Module, cls_name: str) -> bool:
     return bnb is not None and isinstance(module, getattr(bnb.nn, cls_name))
 
 
+def _state_tensors(state: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a bitsandbytes ``QuantState`` (absmax, code book, offset), its nested state's included."""
+    for value in vars(state).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif type(value) is type(state):  # state2: the double quantization of absmax
+            yield from _state_tensors(value)
+
+
 @dataclass(frozen=True)
 class Bnb4bitFormat(QuantFormat):
     """bitsandbytes ``Linear4bit``: packed 4-bit codes, constants in its ``QuantState`` (absmax, code book,
@@ -235,7 +244,13 @@ class Bnb4bitFormat(QuantFormat):
 
     def constants(self, module: nn.Module) -> list[torch.Tensor]:
         states = (getattr(module.weight, "quant_state", None), getattr(module, "quant_state", None))
-        return [t for state in states if state is not None for t in nested_tensors(state)]
+        return [t for state in states if state is not None for t in _state_tensors(state)]
+
+    def weight_shape(self, module: nn.Module) -> torch.Size:
+        # the QuantState keeps the unpacked shape: on the weight, and on the layer (the only copy once FSDP2 has
+        # swapped the weight for a DTensor shard); an empty shell (meta, not quantized yet) has none
+        state = getattr(module.weight, "quant_state", None) or getattr(module, "quant_state", None)
+        return torch.Size(state.shape) if state is not None else module.weight.shape
 
     def rounding_grid(self, module: nn.Module) -> Optional[RoundingGrid]:
         state = module.weight.quant_state

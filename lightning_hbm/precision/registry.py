@@ -99,6 +99,10 @@ class QuantFormat:
         """Tensors of ``module``'s quantization constants (scales, code books) that are not its parameters."""
         return []
 
+    def weight_shape(self, module: nn.Module) -> torch.Size:
+        """The ``[out, in]`` shape ``module``'s weight multiplies as (a packed weight counts its unpacked elements)."""
+        return module.weight.shape
+
     def rounding_grid(self, module: nn.Module) -> Optional[RoundingGrid]:
         """The code grid GPTQ rounding may choose indices on (:mod:`lightning_hbm.precision.gptq`); ``None``: this
         format keeps its own rounding (``QuantizedPrecision(rounding="gptq")`` names such layers)."""
