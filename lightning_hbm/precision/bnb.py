@@ -228,6 +228,7 @@ class Bnb4bitFormat(QuantFormat):
 
     peft_kind: Optional[str] = "4bit"
     dense_forward: bool = True  # Linear4bit dequantizes the whole weight and runs F.linear
+    state_marks: tuple[str, ...] = (".absmax", ".quant_map", ".quant_state.", ".nested_absmax")
 
     def owns(self, module: nn.Module) -> bool:
         return _bnb_layer(module, "Linear4bit")
@@ -270,6 +271,7 @@ class Bnb8bitFormat(QuantFormat):
     peft_kind: Optional[str] = "8bit"
     ladder: tuple[str, ...] = ("none",)
     cost: float = 0.5
+    state_marks: tuple[str, ...] = (".SCB",)
 
     def owns(self, module: nn.Module) -> bool:
         return _bnb_layer(module, "Linear8bitLt")

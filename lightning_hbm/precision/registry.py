@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_hbm.memory.storage import register_format_lookup
 from lightning_hbm.naming import did_you_mean
+from lightning_hbm.resume import register_changed_marks
 
 ReplaceFn = Callable[[nn.Linear, torch.dtype, Optional[torch.device]], nn.Module]
 
@@ -76,6 +77,9 @@ class QuantFormat:
     # True when the layer's forward is ``F.linear(x, dequantize(layer), bias)``: ``FusedLoss`` may then
     # dequantize a frozen head once for all its chunks instead of once per chunk and pass
     dense_forward: bool = False
+    # parts of the state_dict keys its layer writes besides ``weight`` and ``bias`` (its constants): a checkpoint
+    # holding them in its plain state_dict was written in lightning_hbm's older layout (``resume.check_layout``)
+    state_marks: tuple[str, ...] = ()
 
     def check(self, name: str, layer: nn.Module) -> None:
         """Raise a ``ValueError`` (what, the value, the fix) if layer ``name`` cannot be stored in this format.
@@ -124,6 +128,7 @@ def register_format(fmt: QuantFormat) -> QuantFormat:
     if fmt.name in _MODES:
         raise ValueError(f"Precision mode {fmt.name!r} is already registered.")
     _MODES[fmt.name] = fmt
+    register_changed_marks(fmt.state_marks)
     return fmt
 
 

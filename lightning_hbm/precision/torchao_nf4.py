@@ -124,6 +124,7 @@ class TorchaoNF4Format(QuantFormat):
 
     dense_forward: bool = True  # linear_nf4 is F.linear of the dequantized weight
     ladder: tuple[str, ...] = ("int8-dynamic", "none")  # wider modes that need no other library
+    state_marks: tuple[str, ...] = tuple(f".weight.{name}" for name in _INNER)  # see NF4Linear._save_to_state_dict
 
     @override
     def check(self, name: str, layer: nn.Module) -> None:
