@@ -294,12 +294,12 @@ class Bnb8bitFormat(QuantFormat):
 
 # name -> (quant_type, double quantization, block size, description, wider modes for sensitive layers)
 _FOUR_BIT = {
-    "nf4": ("nf4", False, 64, "4-bit NormalFloat, blockwise fp32 absmax", ("nf4-b32", "int8")),
-    "nf4-dq": ("nf4", True, 64, "4-bit NormalFloat, absmax quantized again (QLoRA)", ("nf4-dq-b32", "int8")),
-    "nf4-b32": ("nf4", False, 32, "4-bit NormalFloat, blocks of 32 (not 64), fp32 absmax", ("int8",)),
-    "nf4-dq-b32": ("nf4", True, 32, "4-bit NormalFloat, blocks of 32 (not 64), absmax quantized again", ("int8",)),
-    "fp4": ("fp4", False, 64, "4-bit float, blockwise fp32 absmax", ("int8",)),
-    "fp4-dq": ("fp4", True, 64, "4-bit float, absmax quantized again", ("int8",)),
+    "nf4": ("nf4", False, 64, "4-bit NormalFloat, fp32 absmax per 64 values", ("nf4-b32", "int8")),
+    "nf4-dq": ("nf4", True, 64, "4-bit NormalFloat, the absmax per 64 values quantized again to 8 bits (QLoRA)", ("nf4-dq-b32", "int8")),
+    "nf4-b32": ("nf4", False, 32, "as `nf4`, one absmax per 32 values: an outlier spoils fewer weights", ("int8",)),
+    "nf4-dq-b32": ("nf4", True, 32, "as `nf4-dq`, one absmax per 32 values", ("int8",)),
+    "fp4": ("fp4", False, 64, "4-bit float, fp32 absmax per 64 values", ("int8",)),
+    "fp4-dq": ("fp4", True, 64, "4-bit float, the absmax quantized again to 8 bits", ("int8",)),
 }
 for _name, (_quant_type, _double_quant, _blocksize, _description, _ladder) in _FOUR_BIT.items():
     register_format(Bnb4bitFormat(
@@ -317,5 +317,5 @@ def _int8(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device])
 
 
 register_format(Bnb8bitFormat(
-    "int8", _int8, _FLOAT_DTYPES, "LLM.int8: int8 rows + fp32 scales, outliers in 16-bit", fake=_fake_linear8bit
+    "int8", _int8, _FLOAT_DTYPES, "LLM.int8: int8 rows + fp32 row scales, outlier columns in 16-bit", fake=_fake_linear8bit
 ))

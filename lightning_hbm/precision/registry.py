@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple, Optional, Union
 import torch
 from torch import nn
 
-from lightning_hbm.memory.storage import register_format_lookup
+from lightning_hbm.memory.storage import parameter_bytes, register_format_lookup
 from lightning_hbm.naming import did_you_mean
 from lightning_hbm.resume import register_changed_marks
 
@@ -166,6 +166,28 @@ register_format_lookup(format_of)
 def available_precisions() -> list[str]:
     """Names accepted by :func:`lightning_hbm.precision_plugin` and ``QuantizedPrecision(mode=...)``."""
     return sorted(_MODES)
+
+
+def mode_table(in_features: int = 768, out_features: int = 3072, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The modes table of docs/parameters.md (markdown), one row per registered mode (tests/precision check the page).
+
+    Bytes per weight: a zero ``Linear(in_features, out_features)`` weight (a GPT-2 MLP shape) stored in the mode on
+    CPU, quantization constants included (storage sizes depend on the shape only, so it is exact). GPTQ: whether
+    the format has a code grid (:meth:`QuantFormat.rounding_grid`). Builds one layer per mode: needs the libraries.
+    """
+    lines = [
+        "| mode | storage of a frozen Linear weight | bytes / weight | GPTQ rounding | sensitive layers may take |",
+        "|---|---|---:|---|---|",
+    ]
+    for name, fmt in _MODES.items():
+        linear = nn.Linear(in_features, out_features, bias=False, device="meta")
+        linear.weight = nn.Parameter(torch.zeros(out_features, in_features), requires_grad=False)
+        layer = fmt.replace(linear, dtype, torch.device("cpu"))
+        per_weight = parameter_bytes(layer) / (in_features * out_features)
+        gptq = "yes" if fmt.rounding_grid(layer) is not None else "no"
+        ladder = ", ".join(f"`{mode}`" for mode in fmt.ladder)
+        lines.append(f"| `{name}` | {fmt.description} | {per_weight:.3f} | {gptq} | {ladder} |")
+    return "\n".join(lines)
 
 
 def get_mode(name: str) -> QuantFormat:
