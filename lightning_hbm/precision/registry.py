@@ -4,8 +4,10 @@ A mode (a :class:`QuantFormat`) says everything the rest of lightning_hbm asks a
 frozen ``nn.Linear``: how to build it (``replace(linear, compute_dtype, device)`` returns the new module, holding
 the *same* input/output features and the linear's bias), which modules are its own (:meth:`QuantFormat.owns`),
 how to read the weight back (:meth:`~QuantFormat.dequantize`: quality, LoRA merge, ``FusedLoss``), which tensors
-hold its quantization constants (:meth:`~QuantFormat.constants`: storage counting, profiler and planner), how
-peft wraps it (``peft_kind``), which wider modes the sensitivity plan may give its sensitive layers
+hold its quantization constants (:meth:`~QuantFormat.constants`: storage counting, profiler and planner), the
+shape its packed weight unpacks to (:meth:`~QuantFormat.weight_shape`: parameter counts), the code grid GPTQ may
+round on (:meth:`~QuantFormat.rounding_grid`), the state_dict keys of its constants (``state_marks``: resume's
+older-layout check), how peft wraps it (``peft_kind``), which wider modes the sensitivity plan may give its sensitive layers
 (``ladder``), its step-time cost for the planner (``cost``) and its fake-tensor twin (``fake``). Consumers
 ask :func:`format_of` (a module) or :func:`get_mode` (a name) instead of testing classes or attribute names.
 
