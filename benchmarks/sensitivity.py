@@ -252,7 +252,9 @@ def main() -> None:
             model = make()
             hessians, tag = input_hessians(model, [n for n, _ in _quantizable_linears(model, ())[0]], probe), ", GPTQ"
         print(f"\n{title}\n| plan | cosine | rel. error | KL | W bytes/param | chosen on the probe |\n|---|---|---|---|---|---|")
-        for base in dict.fromkeys(case[0] for case in CASES if args.bases is None or case[0] in args.bases):
+        # a base with no CASES row (e.g. nf4-torchao) gets its naive row only
+        extra_bases = [base for base in args.bases or [] if base != SMOOTH_MODE]
+        for base in dict.fromkeys([case[0] for case in CASES if args.bases is None or case[0] in args.bases] + extra_bases):
             print(row(f"`{base}` naive{tag}", measure(make, None, base, args.dtype, held_out, reference, hessians)), flush=True)
             for case_base, sensitive, max_bytes, min_cosine in CASES:
                 if case_base != base or args.sensitive is not None and sensitive not in args.sensitive:

@@ -391,6 +391,19 @@ def test_an_older_layout_is_a_clear_error_before_anything_loads(saved: Path, tmp
         torch.testing.assert_close(value, before[key], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    "key", ["h.0.attn.c_attn.weight.absmax", "h.0.attn.c_attn.weight.nested_absmax", "h.0.mlp.c_fc.SCB",
+            "h.0.mlp.c_fc.weight.quantized_scalers", "h.0.mlp.c_fc.lora_A.default.weight"],
+)
+def test_the_formats_name_the_keys_of_an_older_layout(key: str) -> None:
+    # each quantized format registers the keys of its constants (QuantFormat.state_marks); LoRA's are resume's own
+    checkpoint = {"state_dict": {"h.0.ln.weight": torch.ones(2), key: torch.ones(2)}}
+    with pytest.raises(ValueError, match=rf"old.ckpt holds tensors of an already changed model in its state_dict \(\['{key}'\]\)"):
+        resume.check_layout(checkpoint, "old.ckpt")
+    resume.check_layout(checkpoint, "old.ckpt", model_keys=[key])  # a model built with such layers loads them
+    resume.check_layout({"state_dict": {"h.0.ln.weight": torch.ones(2)}}, "plain.ckpt")
+
+
 class _Diverge(pl.Callback):
     """Makes one adapter NaN after the first step (what a diverged loss leaves behind)."""
 

@@ -202,7 +202,8 @@ class QuantizationQuality(SurgeryCallback):
             self._fp_weights = {
                 name: sub.weight.detach().cpu()
                 for name, sub in module.named_modules()
-                if isinstance(sub, nn.Linear) and sub.weight.is_floating_point()
+                # a quantized layer is no reference, even one whose weight looks floating (torchao's NF4Tensor)
+                if isinstance(sub, nn.Linear) and sub.weight.is_floating_point() and format_of(sub) is None
             }
 
     # ------------------------------------------------------------------ after the changes

@@ -89,7 +89,7 @@ def unique_bytes(tensors: Iterable[torch.Tensor], seen: set[StorageKey] | None =
 
 
 def nested_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Tensors inside ``obj``: dicts and lists (optimizer states), bitsandbytes state objects (QuantState)."""
+    """Tensors inside ``obj``: dicts and lists (optimizer states; bitsandbytes' 8-bit ones hold plain tensors)."""
     if depth > 3 or obj is None:
         return
     if isinstance(obj, torch.Tensor):
@@ -100,14 +100,12 @@ def nested_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     elif isinstance(obj, Mapping):
         for item in obj.values():
             yield from nested_tensors(item, depth + 1)
-    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("bitsandbytes"):
-        for item in vars(obj).values():
-            yield from nested_tensors(item, depth + 1)
 
 
 FormatLookup = Callable[[nn.Module], Any]
 #: who knows a module's quantized format: lightning_hbm.precision registers ``format_of`` here (this level
-#: cannot import it); a format is duck-typed: ``constants(module)`` lists its quantization constants
+#: cannot import it); a format is duck-typed: ``constants(module)`` lists its quantization constants,
+#: ``weight_shape(module)`` the shape its packed weight unpacks to
 _FORMAT_LOOKUPS: list[FormatLookup] = []
 
 
@@ -167,15 +165,12 @@ def parameter_count(module: nn.Module, trainable: bool | None = None) -> int:
     """
     total, seen = 0, set()
     for sub in module.modules():
+        fmt = quantized_format(sub)  # a quantized layer's format knows the shape its packed weight unpacks to
         for name, param in sub.named_parameters(recurse=False):
             if id(param) in seen or (trainable is not None and param.requires_grad != trainable):
                 continue
             seen.add(id(param))
-            # a 4-bit Linear keeps its QuantState on the parameter, and on the layer (the only copy
-            # once FSDP2 has swapped the weight for a DTensor shard)
-            quant_state = getattr(param, "quant_state", None) or (getattr(sub, "quant_state", None) if name == "weight" else None)
-            shape = getattr(quant_state, "shape", None)
-            total += int(torch.Size(shape).numel()) if shape is not None else param.numel()
+            total += int(fmt.weight_shape(sub).numel()) if fmt is not None and name == "weight" else param.numel()
     return total
 
 

@@ -19,6 +19,7 @@ import copy
 import sys
 from dataclasses import dataclass
 from functools import partial
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -27,8 +28,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lightning_hbm._compat import bitsandbytes as bnb_compat
-from lightning_hbm.memory.storage import nested_tensors
-from lightning_hbm.precision.registry import QuantFormat, register_format
+from lightning_hbm.precision.registry import QuantFormat, RoundingGrid, register_format
 from lightning_hbm.requirements import requirement
 
 _BNB_AVAILABLE = RequirementCache(requirement("bitsandbytes"))
@@ -212,6 +212,15 @@ def _bnb_layer(module: nn.Module, cls_name: str) -> bool:
     return bnb is not None and isinstance(module, getattr(bnb.nn, cls_name))
 
 
+def _state_tensors(state: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a bitsandbytes ``QuantState`` (absmax, code book, offset), its nested state's included."""
+    for value in vars(state).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif type(value) is type(state):  # state2: the double quantization of absmax
+            yield from _state_tensors(value)
+
+
 @dataclass(frozen=True)
 class Bnb4bitFormat(QuantFormat):
     """bitsandbytes ``Linear4bit``: packed 4-bit codes, constants in its ``QuantState`` (absmax, code book,
@@ -219,6 +228,7 @@ class Bnb4bitFormat(QuantFormat):
 
     peft_kind: Optional[str] = "4bit"
     dense_forward: bool = True  # Linear4bit dequantizes the whole weight and runs F.linear
+    state_marks: tuple[str, ...] = (".absmax", ".quant_map", ".quant_state.", ".nested_absmax")
 
     def owns(self, module: nn.Module) -> bool:
         return _bnb_layer(module, "Linear4bit")
@@ -235,7 +245,22 @@ class Bnb4bitFormat(QuantFormat):
 
     def constants(self, module: nn.Module) -> list[torch.Tensor]:
         states = (getattr(module.weight, "quant_state", None), getattr(module, "quant_state", None))
-        return [t for state in states if state is not None for t in nested_tensors(state)]
+        return [t for state in states if state is not None for t in _state_tensors(state)]
+
+    def weight_shape(self, module: nn.Module) -> torch.Size:
+        # the QuantState keeps the unpacked shape: on the weight, and on the layer (the only copy once FSDP2 has
+        # swapped the weight for a DTensor shard); an empty shell (meta, not quantized yet) has none
+        state = getattr(module.weight, "quant_state", None) or getattr(module, "quant_state", None)
+        return torch.Size(state.shape) if state is not None else module.weight.shape
+
+    def rounding_grid(self, module: nn.Module) -> Optional[RoundingGrid]:
+        state = module.weight.quant_state
+        absmax = state.absmax
+        if state.nested:  # the absmax each block is scaled by, as the dequantization uses it
+            from bitsandbytes.functional import dequantize_blockwise
+
+            absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
+        return RoundingGrid(state.code, absmax, state.blocksize, module.weight.data)
 
 
 @dataclass(frozen=True)
@@ -246,6 +271,7 @@ class Bnb8bitFormat(QuantFormat):
     peft_kind: Optional[str] = "8bit"
     ladder: tuple[str, ...] = ("none",)
     cost: float = 0.5
+    state_marks: tuple[str, ...] = (".SCB",)
 
     def owns(self, module: nn.Module) -> bool:
         return _bnb_layer(module, "Linear8bitLt")
@@ -268,12 +294,12 @@ class Bnb8bitFormat(QuantFormat):
 
 # name -> (quant_type, double quantization, block size, description, wider modes for sensitive layers)
 _FOUR_BIT = {
-    "nf4": ("nf4", False, 64, "4-bit NormalFloat, blockwise fp32 absmax", ("nf4-b32", "int8")),
-    "nf4-dq": ("nf4", True, 64, "4-bit NormalFloat, absmax quantized again (QLoRA)", ("nf4-dq-b32", "int8")),
-    "nf4-b32": ("nf4", False, 32, "4-bit NormalFloat, blocks of 32 (not 64), fp32 absmax", ("int8",)),
-    "nf4-dq-b32": ("nf4", True, 32, "4-bit NormalFloat, blocks of 32 (not 64), absmax quantized again", ("int8",)),
-    "fp4": ("fp4", False, 64, "4-bit float, blockwise fp32 absmax", ("int8",)),
-    "fp4-dq": ("fp4", True, 64, "4-bit float, absmax quantized again", ("int8",)),
+    "nf4": ("nf4", False, 64, "4-bit NormalFloat, fp32 absmax per 64 values", ("nf4-b32", "int8")),
+    "nf4-dq": ("nf4", True, 64, "4-bit NormalFloat, the absmax per 64 values quantized again to 8 bits (QLoRA)", ("nf4-dq-b32", "int8")),
+    "nf4-b32": ("nf4", False, 32, "as `nf4`, one absmax per 32 values: an outlier spoils fewer weights", ("int8",)),
+    "nf4-dq-b32": ("nf4", True, 32, "as `nf4-dq`, one absmax per 32 values", ("int8",)),
+    "fp4": ("fp4", False, 64, "4-bit float, fp32 absmax per 64 values", ("int8",)),
+    "fp4-dq": ("fp4", True, 64, "4-bit float, the absmax quantized again to 8 bits", ("int8",)),
 }
 for _name, (_quant_type, _double_quant, _blocksize, _description, _ladder) in _FOUR_BIT.items():
     register_format(Bnb4bitFormat(
@@ -291,5 +317,5 @@ def _int8(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device])
 
 
 register_format(Bnb8bitFormat(
-    "int8", _int8, _FLOAT_DTYPES, "LLM.int8: int8 rows + fp32 scales, outliers in 16-bit", fake=_fake_linear8bit
+    "int8", _int8, _FLOAT_DTYPES, "LLM.int8: int8 rows + fp32 row scales, outlier columns in 16-bit", fake=_fake_linear8bit
 ))

@@ -1,4 +1,4 @@
-"""GPTQ rounding for bitsandbytes' 4-bit layers: the same bytes, less output error.
+"""GPTQ rounding for 4-bit layers (bitsandbytes', torchao's NF4): the same bytes, less output error.
 
 What it shrinks: nothing more; it spends the **parameters** term better. Plain bitsandbytes rounds
 every weight to the nearest of the 16 NF4 (or FP4) values of its block. GPTQ (Frantar et al., 2022)
@@ -7,7 +7,9 @@ not yet rounded, weighted by the inverse of ``H = 2 X^T X`` (``X``: the layer's 
 batch), so that the errors cancel in ``W X`` instead of adding up. The result is stored in
 bitsandbytes' own format: the same packed 4-bit indices (two per byte, high nibble first), the same
 block absmax and double-quantized constants that ``quantize_4bit`` computed, so peft's QLoRA layers,
-the checkpoint format and every byte figure are unchanged. Only the indices differ.
+the checkpoint format and every byte figure are unchanged. Only the indices differ. Which layers can be
+rounded so, and on which grid, is their format's answer (:meth:`QuantFormat.rounding_grid
+<lightning_hbm.precision.registry.QuantFormat.rounding_grid>`): bitsandbytes' 4-bit modes and ``nf4-torchao``.
 
 Measured on all-MiniLM-L6-v2 (``benchmarks/README.md``): held-out embedding cosine of uniform
 ``nf4-dq`` 0.97356 with nearest rounding, 0.98600 with this rounding (32 probe sentences), at 0.5196
@@ -31,12 +33,13 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from lightning_hbm.precision.registry import RoundingGrid, format_of
 from lightning_hbm.probe import eval_no_grad, probe_output
 
 log = logging.getLogger(__name__)
@@ -48,9 +51,10 @@ ROUNDINGS = ("nearest", "gptq")
 DAMP = 0.1
 
 
-def is_4bit(layer: nn.Module) -> bool:
-    """Whether ``layer`` is a bitsandbytes 4-bit layer (what GPTQ rounding changes)."""
-    return getattr(getattr(layer, "weight", None), "quant_state", None) is not None and hasattr(layer.weight, "quant_type")
+def grid_of(layer: nn.Module) -> Optional[RoundingGrid]:
+    """The code grid of ``layer``'s format, ``None`` if its format has none (or it is not a quantized layer)."""
+    fmt = format_of(layer)
+    return None if fmt is None else fmt.rounding_grid(layer)
 
 
 def input_hessians(module: nn.Module, names: Sequence[str], probe: Any) -> dict[str, torch.Tensor]:
@@ -100,22 +104,13 @@ def input_hessians(module: nn.Module, names: Sequence[str], probe: Any) -> dict[
     return {name: normalized[id(total)] for name, (total, _) in sums.items()}
 
 
-def _block_absmax(quant_state: Any) -> torch.Tensor:
-    """The absmax each block is scaled by, as the dequantization uses it (double quantization undone)."""
-    if quant_state.nested:
-        from bitsandbytes.functional import dequantize_blockwise
-
-        return dequantize_blockwise(quant_state.absmax, quant_state.state2) + quant_state.offset
-    return quant_state.absmax
-
-
-def gptq_indices(weight: torch.Tensor, hessian: torch.Tensor, quant_state: Any, damp: float = DAMP) -> torch.Tensor:
-    """The 4-bit code index of every weight (``[out, in]``, int64), rounded by GPTQ with ``quant_state``'s scales."""
-    code = quant_state.code.float().to(weight.device)
+def gptq_indices(weight: torch.Tensor, hessian: torch.Tensor, grid: RoundingGrid, damp: float = DAMP) -> torch.Tensor:
+    """The 4-bit code index of every weight (``[out, in]``, int64), rounded by GPTQ with ``grid``'s fixed scales."""
+    code = grid.code.float().to(weight.device)
     out_features, in_features = weight.shape
     # blocks run over the flattened weight: one may span two rows when in_features is not a multiple
-    absmax = _block_absmax(quant_state).float().to(weight.device)
-    scale = absmax.repeat_interleave(quant_state.blocksize)[: weight.numel()].reshape(out_features, in_features)
+    absmax = grid.block_scales.float().to(weight.device)
+    scale = absmax.repeat_interleave(grid.block_size)[: weight.numel()].reshape(out_features, in_features)
     hessian = hessian.to(weight.device, torch.float32).clone()
     dead = hessian.diagonal() == 0  # an input that is always zero on the probe: no information, no feedback
     hessian[dead, dead] = 1
@@ -150,8 +145,11 @@ def pack_indices(indices: torch.Tensor) -> torch.Tensor:
 
 def gptq_round_(layer: nn.Module, weight: torch.Tensor, hessian: torch.Tensor) -> None:
     """Replace the packed indices of the 4-bit ``layer`` (quantized from ``weight``) by GPTQ's, in place."""
-    packed = layer.weight.data
-    rounded = pack_indices(gptq_indices(weight.detach().to(packed.device), hessian, layer.weight.quant_state))
+    grid = grid_of(layer)
+    if grid is None:
+        raise TypeError(f"GPTQ rounding: {type(layer).__name__} has no code grid (its format rounds to nearest only).")
+    packed = grid.packed
+    rounded = pack_indices(gptq_indices(weight.detach().to(packed.device), hessian, grid))
     if weight.numel() % 2:  # the last byte's low nibble is bitsandbytes' padding: keep what it wrote
         rounded[-1] |= packed.reshape(-1)[-1:].view(torch.uint8) & 15
     packed.copy_(rounded.reshape(packed.shape).view(packed.dtype))
@@ -161,22 +159,10 @@ def digest(module: nn.Module, names: Sequence[str]) -> str:
     """A CRC32 of the packed 4-bit weights of ``names`` (what a resume must rebuild bit for bit)."""
     crc = 0
     for name in names:
-        layer = module.get_submodule(name)
-        if is_4bit(layer):
-            crc = zlib.crc32(layer.weight.data.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        grid = grid_of(module.get_submodule(name))
+        if grid is not None:
+            crc = zlib.crc32(grid.packed.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
     return f"{crc:08x}"
 
 
-def round_model_(module: nn.Module, weights: Mapping[str, torch.Tensor], hessians: Mapping[str, torch.Tensor]) -> list[str]:
-    """GPTQ-round every 4-bit layer named in ``weights`` (its weight before quantization); the names rounded."""
-    rounded = []
-    for name, weight in weights.items():
-        layer = module.get_submodule(name)
-        layer = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
-        if is_4bit(layer) and name in hessians:
-            gptq_round_(layer, weight, hessians[name])
-            rounded.append(name)
-    return rounded
-
-
-__all__ = ["DAMP", "ROUNDINGS", "digest", "gptq_indices", "gptq_round_", "input_hessians", "pack_indices", "round_model_"]
+__all__ = ["DAMP", "ROUNDINGS", "digest", "gptq_indices", "gptq_round_", "grid_of", "input_hessians", "pack_indices"]

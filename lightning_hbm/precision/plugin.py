@@ -31,7 +31,7 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_names, kind_of, output_heads, prepare_model, weight_readers
 from lightning_hbm.precision.bnb import import_bnb
-from lightning_hbm.precision.gptq import ROUNDINGS, digest, gptq_round_, input_hessians, is_4bit
+from lightning_hbm.precision.gptq import ROUNDINGS, digest, gptq_round_, grid_of, input_hessians
 from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
 from lightning_hbm.precision.registry import QuantMode, format_of, get_mode, to_dtype
 from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args, choose_plan
@@ -219,7 +219,7 @@ def quantize_model(
         parent = module.get_submodule(parent_name) if parent_name else module
         linear = kind.to_linear(layer)
         new = modes[name].replace(linear, compute_dtype, target)
-        if hessians is not None and name in hessians and is_4bit(new):
+        if hessians is not None and name in hessians and grid_of(new) is not None:
             gptq_round_(new, linear.weight, hessians[name])
         if kind is not LINEAR:
             object.__setattr__(new, KIND_ATTR, kind.name)  # a quantized Conv1D is still counted as one
@@ -302,10 +302,11 @@ class QuantizedPrecision(Precision):
             first batch of the datamodule's ``train_dataloader``.
         layer_modes: an explicit plan ``{layer name: mode name}`` (e.g. ``plan`` of an earlier run);
             layers not named use ``mode``.
-        rounding: ``"nearest"`` (bitsandbytes' own) or ``"gptq"``: 4-bit layers are rounded by GPTQ
+        rounding: ``"nearest"`` (the format's own) or ``"gptq"``: 4-bit layers are rounded by GPTQ
             (:mod:`lightning_hbm.precision.gptq`) with their inputs on ``probe_batch`` (one forward),
-            stored in bitsandbytes' format at the same bytes, less output error. Layers in other
-            modes (int8) and the projections of an ``nn.MultiheadAttention`` keep nearest rounding (logged).
+            stored in their own format at the same bytes, less output error. Layers whose format has no
+            code grid (``QuantFormat.rounding_grid``: int8 modes) and the projections of an
+            ``nn.MultiheadAttention`` keep nearest rounding (logged, with their modes).
             A resume rebuilds the rounding from the probe and checks it against the checkpoint's CRC.
         smoothing: for layers stored in ``"int8-dynamic-smooth"`` (``mode``, ``sensitive_mode`` or in
             ``layer_modes``): the SmoothQuant migration strength ``alpha`` in [0, 1], or ``"auto"`` (the
@@ -430,14 +431,16 @@ class QuantizedPrecision(Precision):
         return module
 
     def _check_rounding(self, module: nn.Module, quantized: list[str]) -> None:
-        rounded = [n for n in quantized if n in self._hessians and is_4bit(module.get_submodule(n))]
+        rounded = [n for n in quantized if n in self._hessians and grid_of(module.get_submodule(n)) is not None]
         nearest = [n for n in quantized if n not in rounded and (self.plan or {}).get(n) != "none"]
         self._hessians = None  # in_features**2 floats per layer input: not kept for training
         self.rounding_digest = digest(module, rounded)
+        # by name and mode: a mode whose format has no code grid for GPTQ (QuantFormat.rounding_grid) says so here
+        modes = {n: getattr(format_of(module.get_submodule(n)), "name", "none") for n in nearest[:12]}
         log.info(
             "lightning_hbm: GPTQ rounding of %d 4-bit layers on the probe batch (CRC %s); nearest rounding kept for %d "
-            "layers not in a 4-bit mode or not hooked on the probe: %s",
-            len(rounded), self.rounding_digest, len(nearest), nearest[:12],
+            "layers whose mode has no GPTQ code grid or that the probe did not reach (layer: mode): %s",
+            len(rounded), self.rounding_digest, len(nearest), modes,
         )
         saved = self._saved_meta(self._trainer(module)).get(_DIGEST_KEY)
         if saved is not None and saved != self.rounding_digest:

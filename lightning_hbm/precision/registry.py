@@ -4,8 +4,10 @@ A mode (a :class:`QuantFormat`) says everything the rest of lightning_hbm asks a
 frozen ``nn.Linear``: how to build it (``replace(linear, compute_dtype, device)`` returns the new module, holding
 the *same* input/output features and the linear's bias), which modules are its own (:meth:`QuantFormat.owns`),
 how to read the weight back (:meth:`~QuantFormat.dequantize`: quality, LoRA merge, ``FusedLoss``), which tensors
-hold its quantization constants (:meth:`~QuantFormat.constants`: storage counting, profiler and planner), how
-peft wraps it (``peft_kind``), which wider modes the sensitivity plan may give its sensitive layers
+hold its quantization constants (:meth:`~QuantFormat.constants`: storage counting, profiler and planner), the
+shape its packed weight unpacks to (:meth:`~QuantFormat.weight_shape`: parameter counts), the code grid GPTQ may
+round on (:meth:`~QuantFormat.rounding_grid`), the state_dict keys of its constants (``state_marks``: resume's
+older-layout check), how peft wraps it (``peft_kind``), which wider modes the sensitivity plan may give its sensitive layers
 (``ladder``), its step-time cost for the planner (``cost``) and its fake-tensor twin (``fake``). Consumers
 ask :func:`format_of` (a module) or :func:`get_mode` (a name) instead of testing classes or attribute names.
 
@@ -18,13 +20,14 @@ one new file there (docs/extending.md walks through one).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
 
-from lightning_hbm.memory.storage import register_format_lookup
+from lightning_hbm.memory.storage import parameter_bytes, register_format_lookup
 from lightning_hbm.naming import did_you_mean
+from lightning_hbm.resume import register_changed_marks
 
 ReplaceFn = Callable[[nn.Linear, torch.dtype, Optional[torch.device]], nn.Module]
 
@@ -38,6 +41,17 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "float": torch.float32,
 }
+
+
+class RoundingGrid(NamedTuple):
+    """What GPTQ-style rounding needs of a 4-bit layer: weight ``j`` (row-major over ``[out, in]``) stored as code
+    index ``i`` reads back as ``code[i] * block_scales[j // block_size]``; ``packed`` holds the indices, two per
+    byte, the first in the high nibble (bitsandbytes' and torchao's layout), and is written in place."""
+
+    code: torch.Tensor
+    block_scales: torch.Tensor
+    block_size: int
+    packed: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,9 @@ class QuantFormat:
     # True when the layer's forward is ``F.linear(x, dequantize(layer), bias)``: ``FusedLoss`` may then
     # dequantize a frozen head once for all its chunks instead of once per chunk and pass
     dense_forward: bool = False
+    # parts of the state_dict keys its layer writes besides ``weight`` and ``bias`` (its constants): a checkpoint
+    # holding them in its plain state_dict was written in lightning_hbm's older layout (``resume.check_layout``)
+    state_marks: tuple[str, ...] = ()
 
     def check(self, name: str, layer: nn.Module) -> None:
         """Raise a ``ValueError`` (what, the value, the fix) if layer ``name`` cannot be stored in this format.
@@ -88,6 +105,15 @@ class QuantFormat:
         """Tensors of ``module``'s quantization constants (scales, code books) that are not its parameters."""
         return []
 
+    def weight_shape(self, module: nn.Module) -> torch.Size:
+        """The ``[out, in]`` shape ``module``'s weight multiplies as (a packed weight counts its unpacked elements)."""
+        return module.weight.shape
+
+    def rounding_grid(self, module: nn.Module) -> Optional[RoundingGrid]:
+        """The code grid GPTQ rounding may choose indices on (:mod:`lightning_hbm.precision.gptq`); ``None``: this
+        format keeps its own rounding (``QuantizedPrecision(rounding="gptq")`` names such layers)."""
+        return None
+
     def for_fake_tensors(self) -> QuantFormat:
         """This mode with ``replace`` swapped for its fake-tensor construction (used by the planner)."""
         return self if self.fake is None else replace(self, replace=self.fake, fake=None)
@@ -104,6 +130,7 @@ def register_format(fmt: QuantFormat) -> QuantFormat:
     if fmt.name in _MODES:
         raise ValueError(f"Precision mode {fmt.name!r} is already registered.")
     _MODES[fmt.name] = fmt
+    register_changed_marks(fmt.state_marks)
     return fmt
 
 
@@ -141,6 +168,28 @@ register_format_lookup(format_of)
 def available_precisions() -> list[str]:
     """Names accepted by :func:`lightning_hbm.precision_plugin` and ``QuantizedPrecision(mode=...)``."""
     return sorted(_MODES)
+
+
+def mode_table(in_features: int = 768, out_features: int = 3072, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The modes table of docs/parameters.md (markdown), one row per registered mode (tests/precision check the page).
+
+    Bytes per weight: a zero ``Linear(in_features, out_features)`` weight (a GPT-2 MLP shape) stored in the mode on
+    CPU, quantization constants included (storage sizes depend on the shape only, so it is exact). GPTQ: whether
+    the format has a code grid (:meth:`QuantFormat.rounding_grid`). Builds one layer per mode: needs the libraries.
+    """
+    lines = [
+        "| mode | storage of a frozen Linear weight | bytes / weight | GPTQ rounding | sensitive layers may take |",
+        "|---|---|---:|---|---|",
+    ]
+    for name, fmt in _MODES.items():
+        linear = nn.Linear(in_features, out_features, bias=False, device="meta")
+        linear.weight = nn.Parameter(torch.zeros(out_features, in_features), requires_grad=False)
+        layer = fmt.replace(linear, dtype, torch.device("cpu"))
+        per_weight = parameter_bytes(layer) / (in_features * out_features)
+        gptq = "yes" if fmt.rounding_grid(layer) is not None else "no"
+        ladder = ", ".join(f"`{mode}`" for mode in fmt.ladder)
+        lines.append(f"| `{name}` | {fmt.description} | {per_weight:.3f} | {gptq} | {ladder} |")
+    return "\n".join(lines)
 
 
 def get_mode(name: str) -> QuantFormat:

@@ -47,7 +47,7 @@ from torch import nn
 
 from lightning_hbm.layers import kind_of
 from lightning_hbm.memory import parameter_bytes
-from lightning_hbm.precision.gptq import gptq_round_, is_4bit
+from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.precision.registry import get_mode, to_dtype
 from lightning_hbm.probe import compare_outputs, eval_no_grad, probe_output
 
@@ -149,7 +149,7 @@ class _Swapper:
             if linear.bias is not None:
                 source.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
             quantized = get_mode(mode).replace(source, self.dtype, None)
-            if name in self.hessians and is_4bit(quantized):  # measured as it will be stored: GPTQ-rounded
+            if name in self.hessians and grid_of(quantized) is not None:  # measured as it will be stored: GPTQ-rounded
                 gptq_round_(quantized, linear.weight, self.hessians[name])
             # eval, as the probe model: bitsandbytes' int8 layer computes LLM.int8 (8-bit activations) in eval and
             # a float matmul of its dequantized weight when training on CPU (on GPU always LLM.int8)

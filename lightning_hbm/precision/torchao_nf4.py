@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_hbm.precision.registry import QuantFormat, register_format
+from lightning_hbm.precision.registry import QuantFormat, RoundingGrid, register_format
 
 _BLOCK = 64  # weights per absmax block (QLoRA's and torchtune's)
 _SCALER_BLOCK = 256  # absmax values per block of the second quantization (torchao's default)
@@ -124,6 +124,7 @@ class TorchaoNF4Format(QuantFormat):
 
     dense_forward: bool = True  # linear_nf4 is F.linear of the dequantized weight
     ladder: tuple[str, ...] = ("int8-dynamic", "none")  # wider modes that need no other library
+    state_marks: tuple[str, ...] = tuple(f".weight.{name}" for name in _INNER)  # see NF4Linear._save_to_state_dict
 
     @override
     def check(self, name: str, layer: nn.Module) -> None:
@@ -154,6 +155,14 @@ class TorchaoNF4Format(QuantFormat):
         # anyone counting constants apart from the 4-bit codes)
         weight = module.weight
         return [weight.quantized_scalers, weight.quantization_factor, weight.scaler_mean, weight.nf4]
+
+    @override
+    def rounding_grid(self, module: nn.Module) -> Optional[RoundingGrid]:
+        # torchao packs NF4 codes as bitsandbytes does (two per byte, high nibble first); the block scales as
+        # get_original_weight reads them back (double quantization undone)
+        weight = module.weight
+        scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor, weight.scaler_block_size)
+        return RoundingGrid(weight.nf4, scales, weight.block_size, weight.quantized_data)
 
 
 register_format(TorchaoNF4Format(

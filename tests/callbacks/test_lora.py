@@ -447,3 +447,11 @@ def test_qlora_on_cuda(llama_factory: Callable, datamodule_factory: Callable, tr
     assert layer.lora_B["default"].weight.abs().sum() > 0
     merged = LoRA.merge(model)
     assert merged["model.model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+
+
+def test_modules_to_save_of_an_already_quantized_layer_is_refused(gpt_factory: Any) -> None:
+    # torchao's NF4Tensor looks floating: the layer's format says it is quantized
+    model = gpt_factory()
+    quantize_model(model, "nf4-torchao", "float32")
+    with pytest.raises(ValueError, match=r"modules_to_save entry 'c_fc' matches .*whose weights are quantized.*ignore_modules"):
+        LoRA(r=4, modules_to_save=["c_fc"]).check_model(model)

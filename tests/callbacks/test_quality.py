@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from lightning_hbm import QuantizedPrecision
+from lightning_hbm import QuantizedPrecision, quantize_model
 from lightning_hbm.callbacks.quality import QuantizationQuality
 from lightning_hbm.data import synthetic_batch
 
@@ -236,3 +236,13 @@ def test_probes_keep_each_modules_own_train_eval_flag(
     )
     assert recorder.training["model.h.0"] is False and recorder.training["model.h.0.attn"] is False
     assert recorder.training["model.h.1"] is True and recorder.training[""] is True
+
+
+def test_an_already_quantized_layer_is_no_reference_weight() -> None:
+    # torchao's NF4Tensor says it is floating: the format, not the dtype, tells it is quantized
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    quantize_model(model, "nf4-torchao", "float32", ignore_modules=["2"])
+    assert model[0].weight.is_floating_point()
+    quality = QuantizationQuality(probe_batch=torch.randn(2, 64))
+    quality.transform_model(model)
+    assert set(quality._fp_weights) == {"2"}

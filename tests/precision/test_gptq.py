@@ -33,7 +33,7 @@ def test_packing_is_bitsandbytes_own_layout() -> None:
     assert torch.equal(pack_indices(nearest.reshape(16, 64)), packed)
 
 
-@pytest.mark.parametrize("mode", ["nf4-dq", "nf4-dq-b32", "fp4"])
+@pytest.mark.parametrize("mode", ["nf4-dq", "nf4-dq-b32", "fp4", "nf4-torchao"])
 def test_gptq_rounding_lowers_the_output_error_at_the_same_bytes(gpt_factory: Any, mode: str) -> None:
     reference_model = gpt_factory()
     with torch.no_grad():
@@ -162,3 +162,19 @@ def test_cuda_gptq_rounding_matches_cpu_and_keeps_its_gain(gpt_factory: Any) -> 
         errors = {key: compare_outputs(probe_output(model, HELD_OUT.to(key[0])).cpu(), reference, lm=True)["quant/relative_error"]
                   for key, model in models.items()}
     assert errors["cuda", "gptq"] < errors["cuda", "nearest"]
+
+
+def test_a_format_without_a_code_grid_keeps_nearest_rounding_and_is_named(gpt_factory: Any, caplog: Any) -> None:
+    from lightning_hbm.precision.gptq import gptq_round_, grid_of
+
+    model = gpt_factory()
+    names = names_of(model)
+    weight = model.get_submodule(names[0]).weight.detach().clone()
+    plugin = QuantizedPrecision("int8", dtype="float32", rounding="gptq", probe_batch=PROBE)
+    with caplog.at_level("INFO", logger="lightning_hbm"):
+        plugin.convert_module(model)
+    layer = model.get_submodule(names[0])
+    assert grid_of(layer) is None and plugin.rounding_digest == f"{0:08x}"
+    assert "GPTQ rounding of 0 4-bit layers" in caplog.text and f"'{names[0]}': 'int8'" in caplog.text
+    with pytest.raises(TypeError, match=r"GPTQ rounding: Linear8bitLt has no code grid"):
+        gptq_round_(layer, weight, torch.eye(weight.shape[1]))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -13,6 +15,9 @@ from torch import nn
 from lightning_hbm.memory import parameter_bytes, quantization_tensors, unique_bytes
 from lightning_hbm.planner import Candidate
 from lightning_hbm.precision import QuantFormat, available_precisions, format_of, get_mode, register_format, registry
+from lightning_hbm.precision.registry import mode_table
+
+PARAMETERS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "parameters.md"
 
 
 @pytest.mark.parametrize("name", available_precisions())
@@ -89,3 +94,18 @@ def test_errors() -> None:
         register_format(get_mode("nf4"))
     with pytest.raises(TypeError, match=r"Precision mode 'x' cannot dequantize Linear"):
         QuantFormat("x", _half, (torch.float32,), "").dequantize(nn.Linear(2, 2))
+
+
+def test_the_docs_mode_table_is_the_registry() -> None:
+    text = PARAMETERS_PAGE.read_text()
+    found = re.search(r"<!-- mode-table[^>]*-->\n(.*?)\n<!-- /mode-table -->", text, re.DOTALL)
+    assert found, "docs/parameters.md lost its <!-- mode-table --> markers"
+    table = mode_table()
+    assert found.group(1) == table, (
+        "docs/parameters.md's mode table differs from the registry: paste the output of "
+        "python -c 'from lightning_hbm.precision.registry import mode_table; print(mode_table())'"
+    )
+    rows = {line.split(" | ")[0].strip("| `"): line.split(" | ") for line in table.splitlines()[2:]}
+    assert list(rows) == list(registry._MODES) and len(rows) == 10
+    assert rows["nf4-dq"][2] == "0.516"  # QLoRA's NF4 + double quantization: 4.127 bits per weight
+    assert rows["nf4-torchao"][3] == "yes" and rows["int8"][3] == "no"  # the formats' code grids (GPTQ)

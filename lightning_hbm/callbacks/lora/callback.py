@@ -179,7 +179,10 @@ class LoRA(SurgeryCallback):
                     f"Top-level modules: {sorted(n for n in named if n and '.' not in n)}; Linears: {linears[:12]}."
                 )
             for n in found:
-                quantized = [p for p in named[n].parameters() if not p.is_floating_point()]
+                # its format says so (torchao's NF4Tensor looks floating); packed integer weights of a layer no format owns too
+                quantized = any(format_of(m) is not None for m in named[n].modules()) or any(
+                    not p.is_floating_point() for p in named[n].parameters()
+                )
                 if quantized or any(_under(q, [n]) for q in to_be_quantized):
                     raise ValueError(
                         f"modules_to_save entry {name!r} matches {n!r}, whose weights are quantized and cannot be "
