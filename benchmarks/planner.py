@@ -174,7 +174,7 @@ def memtracker() -> None:
 
     from lightning_hbm.planner.reference import memtracker_peak
 
-    batch = synthetic_batch(4, 32)
+    batch = tuple(t.contiguous() for t in synthetic_batch(4, 32))  # as a DataLoader collates it (see accuracy())
     worst = 0.0
     for family, candidate in MEMTRACKER_CASES:
         predicted = predict(FAMILIES[family], batch, candidate).peak
