@@ -133,7 +133,9 @@ def accuracy() -> None:
 
     from lightning_hbm.callbacks.profiler import HBMProfiler
 
-    batch = synthetic_batch(4, 64)
+    # the batch the run sees: contiguous, as the DataLoader collates it (synthetic_batch's views of one tensor cost
+    # the model a copy in targets.reshape(-1) that the run does not make); the same as tests/planner/test_api.py
+    batch = tuple(t.contiguous() for t in synthetic_batch(4, 64))
     models = {
         "NanoGPT": partial(NanoGPT, n_layer=2, n_head=2, n_embd=64, block_size=128),
         "Llama": partial(LlamaLM, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
@@ -172,7 +174,7 @@ def memtracker() -> None:
 
     from lightning_hbm.planner.reference import memtracker_peak
 
-    batch = synthetic_batch(4, 32)
+    batch = tuple(t.contiguous() for t in synthetic_batch(4, 32))  # as a DataLoader collates it (see accuracy())
     worst = 0.0
     for family, candidate in MEMTRACKER_CASES:
         predicted = predict(FAMILIES[family], batch, candidate).peak

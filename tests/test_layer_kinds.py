@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import re
 import warnings
 from typing import Any, Callable
 
@@ -803,6 +804,45 @@ def test_grouped_convolutions_are_not_all_linear_targets() -> None:
 
     model = nn.Sequential(nn.Conv2d(8, 8, 3, groups=8), nn.Conv1d(8, 8, 3), nn.ConvTranspose2d(8, 8, 2), nn.Linear(8, 8))
     assert adaptable_names(model) == ["1", "3"]
+
+
+class DepthwiseCNN(nn.Module):
+    """timm ConvNeXt's block in miniature: a depthwise convolution (groups = channels) then a pointwise MLP."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 2, stride=2)
+        self.conv_dw = nn.Conv2d(width, width, 7, padding=3, groups=width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv_dw(self.stem(x)).permute(0, 2, 3, 1)
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("quantizing", [True, False])
+def test_grouped_convolutions_left_by_lora_are_named_with_the_reason_and_fix(quantizing: bool) -> None:
+    from lightning_hbm.layers import report_coverage
+
+    torch.manual_seed(0)
+    module = DepthwiseCNN()
+    if quantizing:
+        quantize_model(module, "nf4-dq", dtype="float32")
+    lora = LoRA(r=4)
+    lora.transform_model(module)
+    assert "stem" in lora.adapted_modules and "conv_dw" not in lora.adapted_modules
+    why = r"not adapted: LoRA skips grouped/depthwise convolutions \(peft needs r divisible by groups and cannot merge them\)\. To train them: LoRA\(modules_to_save=\[their names\]\)"
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        rows = {r.kind: r for r in report_coverage(module, quantizing=quantizing)}
+    conv = rows["Conv"]
+    assert conv.left_alone == module.conv_dw.weight.numel() + module.conv_dw.bias.numel()
+    [reason] = [r for r in conv.reasons if "grouped" in r]
+    assert re.search(why, reason) and conv.reasons[reason] == conv.left_alone
+    assert reason.startswith("not quantized: bitsandbytes" if quantizing else "frozen in full precision (no QuantizedPrecision);")
+    if quantizing:  # the depthwise convolution is a quarter of this model: warned, by name, with the same fix
+        assert "conv_dw" in conv.undeliberate
+        assert any(re.search(r"Conv layers not quantized: \[.*'conv_dw'.*" + why, str(w.message)) for w in warned)
 
 
 # -------------------------------------- issue 24: block discovery, 3-D parameters that are not experts

@@ -13,7 +13,7 @@ What it shrinks: nothing. It measures the five terms every other lightning_hbm f
   optimizer step (their larger value is kept: on the first step gradients and states only exist
   after it).
 - detailed mode (only the steps in ``detailed_steps``): the tracker runs over the whole step, seeded
-  with everything that already exists, and reports the categories at the step's true tracked peak
+  with everything that already exists (the batch included), and reports the categories at the step's true tracked peak
   (backward and optimizer temporaries included, as ``other``) and a per-module breakdown. Step 1
   by default: its peak is what :func:`lightning_hbm.plan` predicts, so the two are comparable.
 
@@ -35,6 +35,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from lightning_hbm._compat import lightning as lightning_compat
@@ -74,6 +75,12 @@ _CUDA_FIELDS = (
 #: Columns of the per-step CSV (bytes; CUDA columns empty on other devices).
 #: The terms outside the sum (``loss``, ``host_offload``: :data:`~lightning_hbm.memory.terms.SIDE_TERMS`) follow ``tracked_peak``.
 COLUMNS = ("step", "batch_idx", "mode", *CATEGORIES, "total", "tracked_peak", *SIDE_TERMS, *_CUDA_FIELDS)
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, found.append)
+    return found
 
 
 class HBMProfiler(Callback):
@@ -204,6 +211,9 @@ class HBMProfiler(Callback):
             # Everything that exists before the step counts towards its peak, by what it is now.
             for category, tensors in owned_tensors(pl_module, trainer.optimizers).items():
                 tracker.seed(tensors, phase=category)
+            # the batch too (in ``other``): it is on the device through the step, and only a tensor an op reads
+            # through a view would be seen otherwise (the targets, not the input ids: 2 KiB short at 4 x 64 tokens)
+            tracker.seed(_tensors(batch), phase="batch")
             tracker.attach_modules(pl_module)
         self._tracker = tracker
         tracker.__enter__()  # exited at the forward's end (light) or the batch's end (detailed)

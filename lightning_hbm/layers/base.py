@@ -80,6 +80,8 @@ class LayerKind:
             after ``prepare`` (``""``: the layer itself; ``[]``: none).
         features: ``(in_features, out_features)`` of the ``nn.Linear`` a mode stores for the layer (the
             sensitivity plan's byte prediction); only called for kinds with ``to_linear``.
+        not_adapted: why LoRA skips a layer of this kind whose ``adaptable_names`` is ``[]``, and the fix (the
+            coverage reason of such a layer when LoRA took part); ``""``: every layer of the kind is adaptable.
     """
 
     name: str
@@ -96,6 +98,7 @@ class LayerKind:
     adaptable_names: Callable[[nn.Module], list[str]] = itself
     after_prepare: Optional[Callable[[nn.Module], None]] = None
     features: Callable[[nn.Module], tuple[int, int]] = linear_features
+    not_adapted: str = ""
 
 
 _KINDS: dict[str, LayerKind] = {}
@@ -392,10 +395,14 @@ def _left_alone_reason(layer: nn.Module, kind: LayerKind, quantizing: bool, adap
         return f"weight read directly by {reader}, not by calling the layer: kept in the compute dtype", False
     if kind.prepare is not None and kind.matches(layer):
         return f"{kind.name}: this variant is not supported yet", False
+    # a layer LoRA cannot adapt (a grouped convolution) is said so, with the fix, not just "not quantized"
+    skipped = f"; {kind.not_adapted}" if adapting and kind.not_adapted and not kind.adaptable_names(layer) else ""
     if kind.to_linear is None and quantizing:
-        return kind.quantized_as, False
+        return kind.quantized_as + skipped, False
     if quantizing:  # the plugin tags what it skips; an untagged float layer came after it
         return "added after quantization", True
+    if skipped:
+        return "frozen in full precision (no QuantizedPrecision)" + skipped, True
     return "frozen in full precision (no QuantizedPrecision" + (", not a LoRA target)" if adapting else ")"), True
 
 
@@ -515,6 +522,8 @@ def coverage_warnings(rows: list[CoverageRow]) -> list[str]:
             state = "left as they were (not quantized, no adapter)" if r.left_alone >= r.unhandled else "not quantized"
             if kind.to_linear is None and kind.prepare is None:
                 option = f"{kind.quantized_as}. {option}"
+            if kind.not_adapted and any(kind.not_adapted in why for why in r.reasons):
+                option = f"{option}. {kind.not_adapted}"
             messages.append(
                 f"lightning_hbm: {100 * r.unhandled / total:.1f}% of the parameters are {r.kind} layers {state}: "
                 f"{r.undeliberate[:4]}{' ...' if len(r.undeliberate) > 4 else ''}. {option}."

@@ -34,6 +34,9 @@ CONV = register_kind(
         found_in="ResNet, ConvNeXt, ViT/SigLIP patch embeddings, Mamba",
         planned_as="its weight in the compute dtype (frozen unless adapted)",
         adaptable_names=_adaptable,
+        not_adapted="not adapted: LoRA skips grouped/depthwise convolutions (peft needs r divisible by groups and "
+        "cannot merge them). To train them: LoRA(modules_to_save=[their names]) trains them fully; else they stay "
+        "frozen",
     )
 )
 

@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils._python_dispatch import _len_torch_dispatch_stack
+from torch.utils.data import DataLoader
 
 from lightning_hbm import HBMProfiler, QuantizedPrecision
 from lightning_hbm.callbacks.profiler import COLUMNS, REMEDIES
@@ -105,6 +106,32 @@ def test_detailed_step_has_peak_and_per_module_breakdown(
     assert float(logged[1]["hbm/tracked_peak"]) == pytest.approx(detailed["tracked_peak"] / 2**20)
     assert float(logged[0]["hbm/parameters"]) == pytest.approx(light["parameters"] / 2**20)
     assert json.loads((Path(logger.log_dir) / "hbm_profile.json").read_text())["modules"]["1"] == modules
+
+
+class _ReadsPartOfItsBatch(pl.LightningModule):
+    """Uses the first tensor of its batch only; the second is on the device all step, read by no op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 4)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.emb(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_detailed_step_counts_the_batch_in_other(trainer_factory: Callable[..., pl.Trainer], tmp_path: Path) -> None:
+    # was: only batch tensors an op returned a view of were seen (the targets, not the input ids: the planner,
+    # which counts the whole batch, read 2 KiB above the profiler at 4 x 64 tokens)
+    samples = [(torch.zeros(4, dtype=torch.long), torch.zeros(65536)) for _ in range(4)]
+    profiler = HBMProfiler(detailed_steps=[1], summary=False, dirpath=str(tmp_path))
+    trainer_factory(callbacks=[profiler], max_steps=2).fit(_ReadsPartOfItsBatch(), DataLoader(samples, batch_size=2))
+    row = profiler.rows[-1]
+    unread = 2 * 65536 * 4  # one collated batch of the unread tensor
+    assert row["mode"] == "detailed" and unread <= row["other"] < unread + 4096
+    assert row["tracked_peak"] >= unread + row["parameters"]
 
 
 class _OOMAtStep(pl.Callback):

@@ -68,7 +68,9 @@ def test_prediction_matches_profiler(model: str, candidate: Candidate, tmp_path:
     measured = _profiled_peak(factory, candidate, batch, tmp_path)
     # the whole-step peak of live tensor storage, as the profiler tracks it
     assert predicted.peak == pytest.approx(measured["tracked_peak"], rel=0.10)
-    assert predicted.peak == pytest.approx(measured["tracked_peak"], rel=0.01)  # what we actually reach
+    assert predicted.peak == pytest.approx(measured["tracked_peak"], rel=0.01)
+    # what we actually reach since the profiler counts the batch (Dec 1): a few bytes (Lightning's closure scalars)
+    assert abs(predicted.peak - measured["tracked_peak"]) <= 8
     assert predicted.categories["parameters"] == measured["parameters"]
     assert predicted.categories["optimizer_states"] == measured["optimizer_states"]
     assert predicted.categories["gradients"] == measured["gradients"]

@@ -16,7 +16,9 @@ from lightning_hbm.planner import Candidate, predict
 from lightning_hbm.planner.reference import memtracker_peak
 from planner_families import FAMILIES, FAMILIES_32K, MEMTRACKER_CASES, VOCAB_32K
 
-BATCH = synthetic_batch(4, 32)
+# contiguous, as a DataLoader collates it and as the reference's step clones it (with synthetic_batch's views of one
+# tensor the planner read 1,072 B high: benchmarks/README.md)
+BATCH = tuple(t.contiguous() for t in synthetic_batch(4, 32))
 
 
 @pytest.mark.parametrize(("family", "candidate"), MEMTRACKER_CASES, ids=[f"{f}-{c.name}" for f, c in MEMTRACKER_CASES])
@@ -25,7 +27,8 @@ def test_predicted_peak_within_5_percent_of_memtracker(family: str, candidate: C
     predicted = predict(FAMILIES[family], BATCH, candidate)
     measured = memtracker_peak(FAMILIES[family], BATCH, candidate)
     assert predicted.peak == pytest.approx(measured, rel=0.05)
-    assert predicted.peak == pytest.approx(measured, rel=0.005)  # what it reaches: within 0.1 % on all ten
+    assert predicted.peak == pytest.approx(measured, rel=0.005)
+    assert abs(predicted.peak - measured) <= 8  # what it reaches: equal to the byte on all ten (Dec 1)
 
 
 # 2 x 128 tokens of a 32k vocabulary: two chunks of FusedLoss's default size (174 tokens of bf16 logits)
