@@ -29,27 +29,28 @@ SMOLLM2 = partial(HFCausalLM, "SmolLM2-135M-Instruct")
 
 
 @pytest.fixture(scope="module")
-def peaks() -> dict[bool, tuple[object, int]]:
-    """(prediction, MemTracker peak) per ``fused``: four real-size runs shared by the tests below."""
+def peaks() -> dict[bool, tuple[object, int | None]]:
+    """(prediction, MemTracker peak) per ``fused``. MemTracker walks every live tensor at every op (about 190 s per
+    real step pair of this 30-layer model on the 2-core CPU), so the suite measures the configuration users run,
+    with ``FusedLoss``; the unfused one is predicted only here and was measured against MemTracker once
+    (benchmarks/README.md, "The real SmolLM2-135M-Instruct": +0.00 %)."""
     out = {}
     for fused in (False, True):
         candidate = Candidate("nf4-dq", dtype="float32", lora_r=8, checkpointing="full", fused_loss=fused)
-        out[fused] = (predict(SMOLLM2, BATCH, candidate), memtracker_peak(SMOLLM2, BATCH, candidate))
+        out[fused] = (predict(SMOLLM2, BATCH, candidate), memtracker_peak(SMOLLM2, BATCH, candidate) if fused else None)
     return out
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused-loss"])
-def test_predicted_peak_within_3_percent_of_memtracker_on_real_smollm2(peaks: dict, fused: bool) -> None:
-    predicted, measured = peaks[fused]
-    print(f"fused={fused}: predicted {predicted.peak / 2**20:.2f} MiB (loss {predicted.loss / 2**20:.2f} MiB), MemTracker "
+def test_predicted_peak_within_3_percent_of_memtracker_on_real_smollm2(peaks: dict) -> None:
+    predicted, measured = peaks[True]
+    print(f"predicted {predicted.peak / 2**20:.2f} MiB (loss {predicted.loss / 2**20:.2f} MiB), MemTracker "
           f"{measured / 2**20:.2f} MiB ({100 * (predicted.peak / measured - 1):+.2f} %)")
     assert predicted.peak == pytest.approx(measured, rel=0.03)
 
 
-def test_fused_loss_lowers_the_real_peak_by_the_logits(peaks: dict) -> None:
+def test_fused_loss_lowers_the_predicted_peak_by_the_logits(peaks: dict) -> None:
     """Not a constant: unfused, the fp32 logits of 192 x 49152 (and their gradient) are at the peak; fused, not."""
     logits = 192 * VOCAB * 4
-    (unfused, measured_unfused), (fused, measured_fused) = peaks[False], peaks[True]
-    assert measured_unfused - measured_fused > logits
+    (unfused, _), (fused, _) = peaks[False], peaks[True]
     assert unfused.peak - fused.peak > logits
     assert fused.loss > 0 and unfused.loss == 0
