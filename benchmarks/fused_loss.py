@@ -3,8 +3,8 @@
     python benchmarks/fused_loss.py --memtracker   # 2 layers, width 64, 32k vocab, batch 2 x 512, nf4-dq + LoRA + AC
     python benchmarks/fused_loss.py --planner      # Llama-3.1-8B shape, batch 2 x 2048, QLoRA r=16 + full AC (~5 min CPU)
     python benchmarks/fused_loss.py --chunks       # the loss alone: [1024 x 768] hidden, nf4 head, 32k vocab, per chunk size
-    python benchmarks/fused_loss.py --large-vocab --sizes 256 0 96 128  # 128k vocab, hidden 256, batch 1 x 1024, fp32:
-                                                   # peak vs floor and step time vs 256-token chunks, per chunk size
+    python benchmarks/fused_loss.py --large-vocab --dtypes bfloat16 --sizes 256w 96w 0 256  # 128k vocab, hidden 256,
+                                 # batch 1 x 1024: peak vs floor and step time vs the first rule, per chunk rule
 
 ``--memtracker``: the step's peak by torch's own ``MemTracker`` (not lightning_hbm's profiler) and the step-time
 ratio (CPU time of this process, median of interleaved rounds), fused vs unfused, in float32 and bfloat16 compute.
@@ -102,56 +102,61 @@ def chunks(rounds: int = 3) -> None:
         f"{'unfused' if c == 0 else f'{c}-token chunks'} {statistics.median(times[c][1:]) / ref:.2f}" for c in sizes))
 
 
-def large_vocab(dtype: str = "float32", rounds: int = 3, sizes: tuple = (256, 0)) -> None:
+def large_vocab(dtype: str = "float32", rounds: int = 3, sizes: tuple = ("256w", "0")) -> None:
     """A 128k vocabulary (Llama-3's): the step's MemTracker peak against the analytic QLoRA floor, per chunk rule
-    (``0``: the default, :func:`chunk_tokens`; else a fixed ``chunk_size``; 256 tokens was the former default), and
-    each rule's step time over the 256-token one's, in one process (interleaved rounds, median of CPU time).
+    (``0``: the default, :func:`chunk_tokens`; else a fixed ``chunk_size``; a ``w`` suffix softmaxes each chunk
+    whole in one fp32 copy, as before ``SOFTMAX_BYTES``: ``256w`` is the former default), and each rule's step time
+    over the first rule's, in one process (interleaved rounds, median of CPU time).
 
-    float32 compute by default: this CPU has no AVX512-BF16 and a bf16 [96 x 256] x [256 x 128256] matmul takes 66x
-    the fp32 one, so a bf16 step does not finish. MemTracker runs once per rule (it adds ~1.8x to the step)."""
+    On a CPU without AVX512-BF16 a bf16 [96 x 256] x [256 x 128256] matmul took 66x the fp32 one (the dev machine of
+    Nov 30): use ``--dtypes float32`` there. MemTracker runs once per rule (it adds ~1.8x to the step)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from planner import analytic_qlora_floor
 
-    from lightning_hbm.callbacks.fused_loss import chunk_tokens
+    import lightning_hbm.callbacks.fused_loss.cost as cost
 
     config = dict(vocab_size=128256, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=1024)
     batch = synthetic_batch(1, 1024, vocab_size=config["vocab_size"])
     compute = getattr(torch, dtype)
-    rules = {size: chunk_tokens(1024, config["vocab_size"], compute, size or None) for size in sizes}
+    whole = {rule: rule.endswith("w") for rule in sizes}  # the chunk softmaxed in one fp32 copy
+    rules = {rule: cost.chunk_tokens(1024, config["vocab_size"], compute, int(rule.rstrip("w")) or None) for rule in sizes}
     models, optims = {}, {}
-    for size in rules:
+    for rule in rules:
         torch.manual_seed(0)
         model = LlamaLM(**config)
         quantize_model(model, "nf4-dq", dtype)
         model.to(compute)  # the embedding, head and norms in the compute dtype, as QuantizedPrecision does
         LoRA(r=8).transform_model(model)
         ActivationCheckpointing().transform_model(model)
-        FusedLoss(chunk_size=size or None).transform_model(model)
-        models[size], optims[size] = model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+        FusedLoss(chunk_size=int(rule.rstrip("w")) or None).transform_model(model)
+        models[rule], optims[rule] = model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
 
-    def step(size: int) -> None:
-        models[size].loss(batch).backward()
-        optims[size].step()
-        optims[size].zero_grad(set_to_none=True)
+    default_softmax = cost.SOFTMAX_BYTES
 
-    for size in rules:
-        step(size)  # warm-up: optimizer states exist
-    peaks = {size: torch_peak_bytes(partial(step, size), models[size], optims[size]) for size in rules}
-    times: dict[int, list[float]] = {size: [] for size in rules}
+    def step(rule: str) -> None:
+        cost.SOFTMAX_BYTES = rules[rule] * config["vocab_size"] * 4 if whole[rule] else default_softmax
+        models[rule].loss(batch).backward()
+        optims[rule].step()
+        optims[rule].zero_grad(set_to_none=True)
+
+    for rule in rules:
+        step(rule)  # warm-up: optimizer states exist
+    peaks = {rule: torch_peak_bytes(partial(step, rule), models[rule], optims[rule]) for rule in rules}
+    times: dict[str, list[float]] = {rule: [] for rule in rules}
     for _ in range(rounds):
-        for size in rules:
+        for rule in rules:
             start = time.process_time()
-            step(size)
-            times[size].append(time.process_time() - start)
+            step(rule)
+            times[rule].append(time.process_time() - start)
     floor = analytic_qlora_floor(config, 1, 1024, 8, itemsize=compute.itemsize)
-    ref = statistics.median(times[256])
+    ref = statistics.median(times[sizes[0]])
     print(f"128k vocabulary, hidden 256, 2 layers, batch 1 x 1024, nf4-dq ({dtype} compute) + LoRA r=8 + full AC + "
           f"FusedLoss; analytic floor {floor / 2**20:.1f} MiB; CPU time, median of {rounds} interleaved rounds")
-    for size, tokens in rules.items():
-        name = "default (chunk_tokens)" if size == 0 else f"chunk_size={size}"
-        print(f"| {name} | {tokens} | {peaks[size] / 2**20:.1f} MiB | {peaks[size] / floor:.2f}x | "
-              f"{statistics.median(times[size]):.2f} s | {statistics.median(times[size]) / ref:.2f} |", flush=True)
+    for rule, tokens in rules.items():
+        name = ("default (chunk_tokens)" if rule == "0" else f"chunk_size={rule.rstrip('w')}") + (", whole fp32 copy" if whole[rule] else "")
+        print(f"| {name} | {tokens} | {peaks[rule] / 2**20:.1f} MiB | {peaks[rule] / floor:.2f}x | "
+              f"{statistics.median(times[rule]):.2f} s | {statistics.median(times[rule]) / ref:.2f} |", flush=True)
 
 
 def planner() -> None:
@@ -186,7 +191,8 @@ def main() -> None:
     parser.add_argument("--chunks", action="store_true")
     parser.add_argument("--large-vocab", action="store_true")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--sizes", nargs="+", type=int, default=[256, 0], help="--large-vocab chunk sizes (0: default)")
+    parser.add_argument("--sizes", nargs="+", default=["256w", "0"],
+                        help="--large-vocab chunk sizes (0: the default rule; suffix w: one whole fp32 copy per chunk)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if args.memtracker:

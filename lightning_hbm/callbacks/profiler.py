@@ -111,7 +111,7 @@ class HBMProfiler(Callback):
     Logged keys (MiB, per measured step, max over ranks under DDP):
         ``hbm/parameters``, ``hbm/gradients``, ``hbm/optimizer_states``, ``hbm/activations``,
         ``hbm/other``, ``hbm/total`` (their sum); on detailed steps ``hbm/tracked_peak`` and ``hbm/loss`` (bytes
-        at the peak that ``FusedLoss`` allocated: chunk logits, fp32 copy, dequantized head; a term inside the
+        at the peak that ``FusedLoss`` allocated: chunk logits, fp32 rows, dequantized head; a term inside the
         categories, not added to the total; 0 without FusedLoss); on CUDA
         also ``hbm/cuda_allocated``, ``hbm/cuda_reserved``, ``hbm/cuda_peak_allocated`` (reset
         every measured step), ``hbm/cuda_fragmentation`` (reserved - allocated),
@@ -296,7 +296,7 @@ class HBMProfiler(Callback):
             tracker.finish_peak()
             owned = owned_storages(pl_module, trainer.optimizers)
             values = classify_records(tracker.peak_records, owned, device)
-            # the loss term: FusedLoss's chunk, fp32 copy, dequantized head at the peak (inside the categories)
+            # the loss term: FusedLoss's chunk, fp32 rows, dequantized head at the peak (inside the categories)
             loss: Optional[int] = scoped_bytes(tracker.peak_records, LOSS_SCOPE, owned)
             self.modules[self._step] = _module_breakdown(pl_module, trainer.optimizers, self._forward_modules)
             tracked_peak: Optional[int] = tracker.peak_bytes

@@ -105,7 +105,7 @@ TERMS: tuple[MemoryTerm, ...] = (
     ),
     MemoryTerm(
         "loss", "scope",
-        owner="what `FusedLoss` allocates: chunk logits, their fp32 copy, a dequantized head (inside the categories)",
+        owner="what `FusedLoss` allocates: chunk logits, the fp32 rows being softmaxed, a dequantized head (inside the categories)",
         alive="the loss's forward and backward",
         sharding="per-rank",
         remedy="compute the loss chunk by chunk (FusedLoss) with smaller chunks, or lower the batch size",

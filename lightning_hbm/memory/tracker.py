@@ -35,7 +35,7 @@ class StorageRecord(NamedTuple):
     scope: str = ""  # the innermost :func:`memory_scope` then (e.g. ``LOSS_SCOPE``)
 
 
-#: The scope of what ``FusedLoss`` allocates (chunk logits, their fp32 copy, a dequantized head): the loss term.
+#: The scope of what ``FusedLoss`` allocates (chunk logits, the fp32 rows being softmaxed, a dequantized head): the loss term.
 LOSS_SCOPE = "loss"
 _SCOPES: list[str] = []
 

@@ -60,7 +60,7 @@ class Prediction:
         block_bytes: parameter bytes of the largest repeated block (transformer layer), after the transforms.
         guessed_reads: values the traced code read that the planner could not know (``loss.item()``, a
             check over a large tensor), answered 0 / ``False`` (:mod:`lightning_hbm.planner.realvalues`).
-        loss: bytes of the peak that ``FusedLoss`` holds (chunk logits, their fp32 copy, the dequantized head,
+        loss: bytes of the peak that ``FusedLoss`` holds (chunk logits, the fp32 rows softmaxed, the dequantized head,
             the hidden-state gradient): a term inside ``categories`` (HBMProfiler's ``loss``), 0 without it.
         fallbacks: modules whose forward cannot run on fake tensors, run for real on zeros of their inputs'
             shapes instead, with the reason (``"blocks.0.mixer (real tensors: DynamicOutputShapeException: ...)"``):

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision, applied_transforms, quantize_model
-from lightning_hbm.callbacks.fused_loss import CHUNK_BYTES, MIN_CHUNK_TOKENS, LazyLogits, chunk_tokens, fused_linear_cross_entropy
+from lightning_hbm.callbacks.fused_loss import (
+    CHUNK_BYTES, MIN_CHUNK_TOKENS, SOFTMAX_BYTES, LazyLogits, chunk_tokens, fused_linear_cross_entropy, softmax_rows,
+)
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
 from lightning_hbm.models import NanoGPT, llama_config
 
@@ -243,14 +245,16 @@ def test_hbm_profiler_runs_with_fused_loss_and_sees_no_logits(
 
 
 def test_chunks_are_sized_by_bytes_not_tokens() -> None:
-    """One chunk's logits + fp32 copy fit CHUNK_BYTES, unless that is under MIN_CHUNK_TOKENS tokens."""
-    for vocab in (32000, 50000):
-        tokens = chunk_tokens(8192, vocab, torch.bfloat16)
-        assert tokens * vocab * 6 <= CHUNK_BYTES < (tokens + 1) * vocab * 6
-    assert chunk_tokens(8192, 32000, torch.bfloat16) == 174
-    assert chunk_tokens(8192, 32000, torch.float32) == 262  # fp32 logits are their own fp32 copy: 4 bytes
-    # 128k, 256k, a billion: the bytes would give 43, 21, 0 tokens; the head weight read per chunk sets the floor
-    for vocab in (128256, 256000, 10**9):
+    """One chunk's bf16 logits + the fp32 rows being softmaxed fit CHUNK_BYTES, unless under MIN_CHUNK_TOKENS tokens."""
+    for vocab in (32000, 50000, 128256):
+        tokens, rows = chunk_tokens(8192, vocab, torch.bfloat16), softmax_rows(vocab, torch.bfloat16)
+        assert rows * vocab * 4 <= SOFTMAX_BYTES < (rows + 1) * vocab * 4
+        assert tokens * vocab * 2 + rows * vocab * 4 <= CHUNK_BYTES < (tokens + 1) * vocab * 2 + rows * vocab * 4
+    assert [chunk_tokens(8192, v, torch.bfloat16) for v in (32000, 128256)] == [394, 98]
+    assert softmax_rows(32000, torch.float32) is None  # fp32 logits are softmaxed in place: 4 bytes per logit
+    assert chunk_tokens(8192, 32000, torch.float32) == 262
+    # 256k, a billion: the bytes would give 49, 0 tokens; the head weight read per chunk sets the floor
+    for vocab in (256000, 10**9):
         assert chunk_tokens(8192, vocab, torch.bfloat16) == MIN_CHUNK_TOKENS == 96
     assert chunk_tokens(8192, 128256, torch.float32) == 96  # 65 by bytes: 1.13x the step time of 256 (README)
     assert chunk_tokens(100, 32000) == 100 and chunk_tokens(50, 10**9) == 50  # never more than the batch
@@ -260,7 +264,8 @@ def test_chunks_are_sized_by_bytes_not_tokens() -> None:
 def test_fused_loss_runs_the_chunks_the_byte_budget_gives(monkeypatch: pytest.MonkeyPatch) -> None:
     import lightning_hbm.callbacks.fused_loss.cost as cost
 
-    monkeypatch.setattr(cost, "CHUNK_BYTES", 10 * V * 6)  # 10 tokens of bf16 logits + fp32 copy
+    monkeypatch.setattr(cost, "SOFTMAX_BYTES", 3 * V * 4)  # 3 fp32 rows softmaxed at a time
+    monkeypatch.setattr(cost, "CHUNK_BYTES", 10 * V * 2 + 3 * V * 4)  # 10 tokens of bf16 logits beside them
     monkeypatch.setattr(cost, "MIN_CHUNK_TOKENS", 1)
     torch.manual_seed(0)
     head = nn.Linear(16, V, bias=False).bfloat16()
@@ -269,6 +274,37 @@ def test_fused_loss_runs_the_chunks_the_byte_budget_gives(monkeypatch: pytest.Mo
     loss = fused_linear_cross_entropy(hidden, head, target, head_forward=lambda h: rows.append(h.shape[0]) or head(h))
     assert rows == [10, 10, 10, 10, 5]
     torch.testing.assert_close(loss, F.cross_entropy(head(hidden).float(), target), rtol=1e-2, atol=1e-2)
+
+
+def test_bf16_chunk_holds_its_logits_and_a_few_fp32_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: every bf16 chunk held its logits and a whole fp32 copy (6 bytes per logit): 1.40x the floor at 128k.
+    Softmaxed a few fp32 rows at a time, a chunk costs 2 bytes per logit, with losses and gradients unchanged."""
+    import lightning_hbm.callbacks.fused_loss.cost as cost
+
+    vocab, chunk, rows = 32000, 256, 8
+    torch.manual_seed(0)
+    head = nn.Linear(64, vocab, bias=False).bfloat16().requires_grad_(False)  # frozen, as under QLoRA
+    hidden, target = torch.randn(512, 64, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, vocab, (512,))
+    target[::7] = -100
+
+    def loss_and_grad(softmax_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(cost, "SOFTMAX_BYTES", softmax_bytes)
+        hidden.grad = None
+        loss = fused_linear_cross_entropy(hidden, head, target, chunk_size=chunk, label_smoothing=0.1)
+        loss.backward()
+        return loss.detach(), hidden.grad
+
+    whole, blocks = loss_and_grad(chunk * vocab * 4), loss_and_grad(rows * vocab * 4)
+    assert torch.equal(whole[0], blocks[0]) and torch.equal(whole[1], blocks[1])  # rows are independent
+    ref = torch.autograd.grad(F.cross_entropy(head(hidden).float(), target, label_smoothing=0.1), hidden)[0]
+    torch.testing.assert_close(blocks[1], ref, rtol=0, atol=1e-4)
+    hidden.grad = None
+    # the head as a function: MemTracker's module hooks refuse a module called once per chunk outside a model
+    linear = lambda h: F.linear(h, head.weight)  # noqa: E731
+    peak = torch_peak_bytes(lambda: fused_linear_cross_entropy(hidden, head, target, chunk_size=chunk, head_forward=linear).backward())
+    # + at most a copy of the weight: oneDNN's bf16 matmul on CPU reorders it (21.6 MB measured; 53.4 MB before)
+    expected = chunk * vocab * 2 + rows * vocab * 4
+    assert expected <= peak <= expected + head.weight.nbytes + 2**18 < chunk * vocab * 6, peak
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,8 @@ dequantized once), ``lazy`` (``LazyLogits``), ``callback`` (``FusedLoss``).
 
 from lightning_hbm.callbacks.fused_loss.callback import FusedLoss, default_heads
 from lightning_hbm.callbacks.fused_loss.chunked import fused_linear_cross_entropy
-from lightning_hbm.callbacks.fused_loss.cost import CHUNK_BYTES, MIN_CHUNK_TOKENS, chunk_tokens, logit_element_bytes
+from lightning_hbm.callbacks.fused_loss.cost import CHUNK_BYTES, MIN_CHUNK_TOKENS, SOFTMAX_BYTES, chunk_tokens, softmax_rows
 from lightning_hbm.callbacks.fused_loss.lazy import LazyLogits
 
-__all__ = ["CHUNK_BYTES", "MIN_CHUNK_TOKENS", "FusedLoss", "LazyLogits", "chunk_tokens", "default_heads", "fused_linear_cross_entropy", "logit_element_bytes"]
+__all__ = ["CHUNK_BYTES", "MIN_CHUNK_TOKENS", "SOFTMAX_BYTES", "FusedLoss", "LazyLogits", "chunk_tokens", "default_heads",
+           "fused_linear_cross_entropy", "softmax_rows"]

@@ -30,8 +30,8 @@ class FusedLoss(SurgeryCallback):
     Args:
         heads: module names of the output heads (default: :func:`lightning_hbm.layers.output_heads`: transformers'
             output embeddings, a tied head, or the last Linear as wide as the vocabulary; else modules named ``lm_head``).
-        chunk_size: tokens per chunk (default: as many as fit :data:`CHUNK_BYTES`, 32 MiB of logits and
-            their fp32 copy, at least :data:`MIN_CHUNK_TOKENS` = 96: 174 tokens at a 32k bf16 vocabulary, 96 at 128k).
+        chunk_size: tokens per chunk (default: as many as fit :data:`CHUNK_BYTES`, 32 MiB of logits beside the fp32
+            rows being softmaxed, at least :data:`MIN_CHUNK_TOKENS` = 96: 394 tokens at a 32k bf16 vocabulary, 98 at 128k).
         kernel: ``"auto"`` (Liger's fused kernel on CUDA when ``liger-kernel`` is installed and the head is
             a plain ``nn.Linear``, else chunked), ``"chunked"`` (always the portable path).
 

@@ -9,7 +9,7 @@ import torch
 from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 
-from lightning_hbm.callbacks.fused_loss.cost import chunk_tokens
+from lightning_hbm.callbacks.fused_loss.cost import chunk_tokens, softmax_rows
 from lightning_hbm.callbacks.fused_loss.dequantize import _dequantized_once
 from lightning_hbm.memory.tracker import LOSS_SCOPE, memory_scope
 
@@ -47,7 +47,6 @@ def _chunk_pass(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params:
 def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Sequence[torch.Tensor],
             row_scale: Optional[torch.Tensor], need: Sequence[bool], want_grad: bool, losses: torch.Tensor,
             grad_hidden: Optional[torch.Tensor], grad_params: list[Optional[torch.Tensor]]) -> None:
-    eps = spec.label_smoothing
     for start in range(0, hidden.shape[0], spec.chunk):
         stop = min(hidden.shape[0], start + spec.chunk)
         h = hidden[start:stop]
@@ -57,48 +56,63 @@ def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Seq
             # the head gets a view, not the leaf: module hooks that ask autograd about their inputs' nodes (torch's
             # ModTracker/MemTracker, on a LoRA head's sublayers) raise for a leaf inside this autograd.grad
             logits = spec.head(h.view_as(h) if want_grad and need[0] else h)
-        detached = z = logits.detach()
-        if spec.out_dtype.itemsize < z.dtype.itemsize:
-            z = z.to(spec.out_dtype)  # the rounding the user's cast would do
-        # fp32 logits are changed in place below (a Linear's backward does not read its output; a head whose
-        # backward does would make autograd raise, not compute wrong gradients)
-        z = z.float()
-        in_place = z is detached  # fp32 logits: z is their storage (identity, not data_ptr: fake tensors have none)
-        t = target[start:stop]
-        valid = t != spec.ignore_index
-        t_safe = torch.where(valid, t, 0).unsqueeze(1)
-        z_target = z.gather(1, t_safe).squeeze(1)
-        z_mean = z.mean(dim=1) if eps else None
-        # log-sum-exp and softmax in place: only the logits and one fp32 copy per chunk are ever alive
-        z_max = z.amax(dim=1, keepdim=True)
-        probs = z.sub_(z_max).exp_()
-        z_sum = probs.sum(dim=1, keepdim=True)
-        lse = (z_max + z_sum.log()).squeeze(1)
-        loss = lse - z_target
-        if eps:
-            loss = (1 - eps) * loss + eps * (lse - z_mean)
-        losses[start:stop] = torch.where(valid, loss, 0.0)
+        detached = logits.detach()
+        # bf16 logits are softmaxed a few fp32 rows at a time (cost.softmax_rows), fp32 ones whole and in place
+        narrow = spec.out_dtype if spec.out_dtype.itemsize < detached.dtype.itemsize else detached.dtype
+        rows = softmax_rows(detached.shape[1], narrow) or detached.shape[0]
+        for r0 in range(0, detached.shape[0], rows):
+            r1 = min(detached.shape[0], r0 + rows)
+            scale = None
+            if want_grad:
+                scale = row_scale[start + r0:start + r1] if row_scale.ndim else row_scale
+            losses[start + r0:start + r1] = _rows_loss(spec, detached[r0:r1], target[start + r0:start + r1], scale)
         if not want_grad:
             continue
-        # d loss / d z = softmax(z) - (1 - eps) * onehot(t) - eps / V, zero on ignored rows
-        grad_z = probs.div_(z_sum)
-        if eps:
-            grad_z.sub_(eps / z.shape[1])
-        grad_z.scatter_add_(1, t_safe, torch.full_like(t_safe, eps - 1, dtype=grad_z.dtype))
-        grad_z.mul_((valid * row_scale[start:stop] if row_scale.ndim else valid * row_scale).unsqueeze(1).to(grad_z.dtype))
         inputs = ([h] if need[0] else []) + [p for p, nd in zip(params, need[1:]) if nd]
-        # the gradient goes into the logits' own storage (fp32: it already is), so a bf16 chunk never holds
-        # logits + fp32 copy + bf16 gradient at once; as above, a Linear's backward does not read its output
-        grad_logits = grad_z if in_place else detached.copy_(grad_z)
-        del z, probs, grad_z, detached  # the fp32 copy goes before the head's backward runs
-        grads = list(torch.autograd.grad(logits, inputs, grad_logits))
-        del logits, grad_logits
+        # the gradient is now in the logits' own storage (_rows_loss): a Linear's backward does not read its output
+        # (a head whose backward did would make autograd raise, not compute wrong gradients)
+        grads = list(torch.autograd.grad(logits, inputs, detached))
+        del logits, detached
         if need[0]:
             grad_hidden[start:stop] = grads.pop(0)
         for acc in grad_params:
             if acc is not None:
                 acc += grads.pop(0)
 
+
+def _rows_loss(spec: _Spec, block: torch.Tensor, target: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per-token fp32 losses of the logit rows ``block``; with ``scale``, the gradient of ``sum(scale * loss)``
+    overwrites ``block``. Only ``block`` and (when it is narrower than fp32) one fp32 copy of it are alive."""
+    eps = spec.label_smoothing
+    z = block
+    if spec.out_dtype.itemsize < z.dtype.itemsize:
+        z = z.to(spec.out_dtype)  # the rounding the user's cast would do
+    z = z.float()
+    in_place = z is block  # fp32 logits: z is their storage (identity, not data_ptr: fake tensors have none)
+    valid = target != spec.ignore_index
+    t_safe = torch.where(valid, target, 0).unsqueeze(1)
+    z_target = z.gather(1, t_safe).squeeze(1)
+    z_mean = z.mean(dim=1) if eps else None
+    # log-sum-exp and softmax in place in z
+    z_max = z.amax(dim=1, keepdim=True)
+    probs = z.sub_(z_max).exp_()
+    z_sum = probs.sum(dim=1, keepdim=True)
+    lse = (z_max + z_sum.log()).squeeze(1)
+    loss = lse - z_target
+    if eps:
+        loss = (1 - eps) * loss + eps * (lse - z_mean)
+    loss = torch.where(valid, loss, 0.0)
+    if scale is None:
+        return loss
+    # d loss / d z = softmax(z) - (1 - eps) * onehot(t) - eps / V, zero on ignored rows
+    grad_z = probs.div_(z_sum)
+    if eps:
+        grad_z.sub_(eps / z.shape[1])
+    grad_z.scatter_add_(1, t_safe, torch.full_like(t_safe, eps - 1, dtype=grad_z.dtype))
+    grad_z.mul_((valid * scale).unsqueeze(1).to(grad_z.dtype))
+    if not in_place:
+        block.copy_(grad_z)  # bf16 logits: the gradient goes into their storage, rounded as autograd's cast would
+    return loss
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
