@@ -160,28 +160,23 @@ def large_vocab(dtype: str = "float32", rounds: int = 3, sizes: tuple = ("256w",
 
 
 def planner() -> None:
+    """The 8B plan with the very objects a Trainer gets, with the output head in nf4 or kept bf16 (the default)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from planner import LLAMA_8B, TORCHTUNE_QLORA_GIB
 
-    from lightning_hbm.planner import Candidate, format_bytes, predict
+    from lightning_hbm.planner import format_bytes, plan
 
     batch = synthetic_batch(2, 2048, vocab_size=LLAMA_8B["vocab_size"])
-    candidate = Candidate("nf4-dq", lora_r=16, checkpointing="full")
-    callbacks, plugin = Candidate.callbacks, Candidate.precision_plugin
-    bf16_head = lambda self, device="cpu": QuantizedPrecision(self.precision, dtype=self.dtype, ignore_modules=["model.lm_head"])  # noqa: E731
     print(f"Llama-3.1-8B shape, batch 2 x 2048, nf4-dq + LoRA r=16 + full AC (torchtune publishes {TORCHTUNE_QLORA_GIB} GiB)")
-    try:
-        for head in ("nf4 head", "bf16 head"):
-            Candidate.precision_plugin = plugin if head == "nf4 head" else bf16_head
-            for fused in (False, True):
-                Candidate.callbacks = (lambda self: callbacks(self) + [FusedLoss()]) if fused else callbacks
-                start = time.perf_counter()
-                p = predict(partial(LlamaLM, **LLAMA_8B), batch, candidate, device="cuda")
-                cats = ", ".join(f"{k} {format_bytes(v)}" for k, v in p.categories.items())
-                print(f"| {head} | {'FusedLoss' if fused else 'unfused'} | {format_bytes(p.peak)} | {cats} | "
-                      f"{time.perf_counter() - start:.0f} s |")
-    finally:
-        Candidate.callbacks, Candidate.precision_plugin = callbacks, plugin
+    for head, quantize_head in (("nf4 head (quantize_head=True)", True), ("bf16 head (the default)", False)):
+        for fused in (False, True):
+            callbacks = [LoRA(r=16), ActivationCheckpointing()] + ([FusedLoss()] if fused else [])
+            start = time.perf_counter()
+            p = plan(partial(LlamaLM, **LLAMA_8B), batch, plugin=QuantizedPrecision("nf4-dq", quantize_head=quantize_head),
+                     callbacks=callbacks, device="cuda").predictions[0]
+            cats = ", ".join(f"{k} {format_bytes(v)}" for k, v in p.categories.items())
+            print(f"| {head} | {'FusedLoss' if fused else 'unfused'} | {format_bytes(p.peak)} ({p.peak:,} B) | {cats} | "
+                  f"loss term {format_bytes(p.loss)} | {time.perf_counter() - start:.1f} s |", flush=True)
 
 
 def main() -> None:

@@ -355,6 +355,25 @@ def test_fused_loss_axis_plans_the_loss_at_its_floor() -> None:
     assert peaks[False] - peaks[True] >= logits_fp32, peaks  # at least one full fp32 logits copy is gone
 
 
+def test_loss_term_at_a_128k_vocabulary_is_its_byte_budget() -> None:
+    """Issue #25's shape (hidden 256, 2 layers, vocabulary 128256, batch 1 x 1024, bf16 QLoRA + checkpointing +
+    FusedLoss): one 96-token chunk with a whole fp32 copy was a 71 MiB loss term, 1.40x the QLoRA floor; the chunk's
+    bf16 logits and 8 MiB of fp32 rows now fit CHUNK_BYTES (MemTracker: 1.13x the floor, benchmarks/README.md)."""
+    from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision
+    from lightning_hbm.callbacks.fused_loss import CHUNK_BYTES
+
+    factory = partial(LlamaLM, vocab_size=128256, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    batch = synthetic_batch(1, 1024, vocab_size=128256)
+    (fused,) = plan(factory, batch, plugin=QuantizedPrecision("nf4-dq"),
+                    callbacks=[LoRA(r=8), ActivationCheckpointing(), FusedLoss()]).predictions
+    hidden_and_grads = 4 * 1024 * 256 * 2  # the chunk loop's hidden states, their gradient, its accumulator
+    assert CHUNK_BYTES - 2**20 <= fused.loss <= CHUNK_BYTES + hidden_and_grads, fused.loss
+    (unfused,) = plan(factory, batch, plugin=QuantizedPrecision("nf4-dq"),
+                      callbacks=[LoRA(r=8), ActivationCheckpointing()]).predictions
+    assert fused.peak < unfused.peak - 2 * 1024 * 128256 * 4  # at least the fp32 logits and their gradient are gone
+
+
 def test_plan_takes_the_trainers_own_plugin_and_callbacks() -> None:
     """plan(plugin=, callbacks=) traces copies of the very objects (every option), not a Candidate's defaults."""
     from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision

