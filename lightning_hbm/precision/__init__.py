@@ -9,7 +9,8 @@ import pkgutil
 
 from lightning_hbm.precision import bnb as _bnb  # noqa: F401  (registers the bitsandbytes modes first)
 from lightning_hbm.precision import int8_dynamic as _int8_dynamic  # noqa: F401  (registers int8-dynamic)
-from lightning_hbm.precision.plugin import QuantizedPrecision, precision_plugin, quantize_model
+from lightning_hbm.precision.plugin import QuantizedPrecision, precision_plugin
+from lightning_hbm.precision.quantize import quantize_model
 from lightning_hbm.precision.registry import (
     QuantFormat,
     QuantMode,

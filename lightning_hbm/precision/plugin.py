@@ -11,11 +11,10 @@ weights on CUDA (checked with Lightning 2.6: an isinstance check on the accelera
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import re
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Generator, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Generator, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
@@ -26,14 +25,13 @@ from typing_extensions import override
 
 from lightning_hbm import resume
 from lightning_hbm._compat import lightning as lightning_compat
-from lightning_hbm._compat import peft as peft_compat
-from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.layers import KIND_ATTR, report_coverage, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_names, kind_of, output_heads, prepare_model, weight_readers
+from lightning_hbm.layers import report_coverage
 from lightning_hbm.precision.bnb import import_bnb
-from lightning_hbm.precision.gptq import ROUNDINGS, digest, gptq_round_, grid_of, input_hessians
+from lightning_hbm.precision.gptq import ROUNDINGS, digest, grid_of, input_hessians
 from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
-from lightning_hbm.precision.registry import QuantMode, format_of, get_mode, to_dtype
+from lightning_hbm.precision.quantize import _layer_modes, _quantizable_linears, _validate, quantize_model
+from lightning_hbm.precision.registry import format_of, get_mode, to_dtype
 from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args, choose_plan
 from lightning_hbm.precision.smoothing import SMOOTH_MODE, attached, check_smoothing, choose_smoothing
 from lightning_hbm.probe import first_batch
@@ -51,221 +49,6 @@ from lightning_hbm.surgery import (
 log = logging.getLogger(__name__)
 
 _LIGHTNING_NAMES = {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch.float32: "32-true"}
-
-
-def _under(name: str, prefixes: Iterable[str]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
-
-
-def _ignored(name: str, patterns: Union[str, Sequence[str]]) -> bool:
-    """Whether module ``name`` is (under) an ``ignore_modules`` entry.
-
-    As LoRA's ``target_modules``: a string is a regex that must match the full name (of the module or of
-    one of its parents); a list holds names (a name also matches as a suffix: ``dt_proj`` is
-    ``backbone.layers.0.mixer.dt_proj``) and glob patterns (``*.mixer.*_proj``). Everything under a
-    matching module is ignored too.
-    """
-    parts = name.split(".")
-    names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    if isinstance(patterns, str):
-        return any(re.fullmatch(patterns, n) for n in names)
-    return any(n == p or n.endswith("." + p) or fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
-
-
-def keep_in_fp32_names(module: nn.Module) -> set[str]:
-    """Modules that Hugging Face models inside ``module`` declare must stay in fp32 (``_keep_in_fp32_modules``).
-
-    T5 declares ``wo``: its feed-forward casts the hidden states to ``wo.weight.dtype``, which is
-    ``uint8`` for a packed 4-bit weight (a crash deep inside dropout). transformers' own quantizers
-    never convert them; matched as transformers does, by a component of the module name.
-    """
-    kept: set[str] = set()
-    for root, sub in module.named_modules():
-        declared = [*(getattr(sub, "_keep_in_fp32_modules", None) or ()), *(getattr(sub, "_keep_in_fp32_modules_strict", None) or ())]
-        if not declared:
-            continue
-        prefix = root + "." if root else ""
-        for name, _ in sub.named_modules(prefix=root):
-            rel = name[len(prefix) :] if prefix else name
-            if rel and any(entry in rel.split(".") or rel.endswith("." + entry) or rel == entry for entry in declared):
-                kept.add(name)
-    return kept
-
-
-def _quantizable_linears(
-    module: nn.Module,
-    ignore_modules: Union[str, Sequence[str]],
-    quantize_head: bool = False,
-    keep_modules: Sequence[str] = (),
-) -> tuple[list[tuple[str, nn.Module]], dict[str, tuple[str, bool]]]:
-    """(name, layer) pairs to quantize, and the layers left alone with (reason, deliberate).
-
-    Layers of every registered kind with a ``to_linear`` (:mod:`lightning_hbm.layers`): Linear,
-    Conv1D, the projections of a prepared MultiheadAttention. ``keep_modules``: names (suffix
-    match, as LoRA's ``modules_to_save``) kept in full precision.
-    """
-    owners: dict[int, int] = {}
-    for _, param in module.named_parameters(remove_duplicate=False):
-        owners[id(param)] = owners.get(id(param), 0) + 1
-    heads = set() if quantize_head else output_heads(module)
-    fp32 = keep_in_fp32_names(module)
-    kept = [n for n, _ in module.named_modules() if n and any(n == k or n.endswith("." + k) for k in keep_modules)]
-    readers = weight_readers(module)
-    chosen: list[tuple[str, nn.Module]] = []
-    skipped: dict[str, tuple[str, bool]] = {}
-    for name, layer, kind in find_layers(module):
-        if kind.to_linear is None or base_layer(layer) is not layer or kind.prepare is not None and kind.matches(layer):
-            # not quantizable (reported by the coverage table), already adapted by LoRA, or not prepared
-            # (an ignored MultiheadAttention)
-            continue
-        if not layer.weight.is_floating_point() or format_of(layer) is not None:
-            continue  # already quantized (an integer weight, or a tensor-subclass weight a format owns)
-        if _ignored(name, ignore_modules):
-            skipped[name] = ("QuantizedPrecision(ignore_modules=...)", True)
-        elif owners.get(id(layer.weight), 0) > 1:
-            # e.g. lm_head tied to the embedding: quantizing would untie them
-            skipped[name] = ("weight tied to another module", True)
-        elif name in heads:
-            skipped[name] = ("output head kept in full precision (quantize_head=True quantizes it)", True)
-        elif name in fp32:
-            skipped[name] = ("kept in fp32: the model's _keep_in_fp32_modules", True)
-        elif _under(name, kept):
-            skipped[name] = ("LoRA modules_to_save: trained in full precision", True)
-        elif name in readers:
-            # the reader would get the packed integer weight (a low-level dtype/shape error): compute dtype
-            skipped[name] = (f"weight read directly by {readers[name]}, not by calling the layer: kept in the compute dtype", False)
-        else:
-            chosen.append((name, layer))
-    return chosen, skipped
-
-
-def _validate(module: nn.Module, quant_mode: QuantMode, compute_dtype: torch.dtype, ignore_modules: Union[str, Sequence[str]]) -> None:
-    """Every check of :func:`quantize_model`, changing nothing (run before the first change of the surgery)."""
-    if compute_dtype not in quant_mode.dtypes:
-        raise ValueError(
-            f"Precision mode {quant_mode.name!r} does not support dtype {compute_dtype}. "
-            f"Supported: {[str(d) for d in quant_mode.dtypes]}."
-        )
-    names = {n for n, _ in module.named_modules()}
-    entries = [ignore_modules] if isinstance(ignore_modules, str) else list(ignore_modules)
-    unknown = [ign for ign in entries if not any(_ignored(n, ign if isinstance(ignore_modules, str) else [ign]) for n in names if n)]
-    if unknown:
-        sample = sorted(n for n in names if n)[:12]
-        raise ValueError(
-            f"ignore_modules={ignore_modules if isinstance(ignore_modules, str) else list(ignore_modules)!r}: {unknown} match no "
-            f"submodule of {type(module).__name__}. Use module names (a name matches itself, what is under it and as a "
-            f"suffix), glob patterns ('*.mixer.dt_proj') or one regex string, such as {sample}."
-        )
-    if not any(kind.to_linear is not None or kind.prepare is not None for _, _, kind in find_layers(module)):
-        raise ValueError(
-            f"{type(module).__name__} has no layer of a kind a precision mode quantizes ({kind_names(quantized=True)}), "
-            f"so precision mode {quant_mode.name!r} has nothing to quantize. Use Lightning's precision='bf16-true' (or '32-true') "
-            "for this model instead."
-        )
-    for name, layer, kind in find_layers(module):
-        if kind.to_linear is None and kind.prepare is None or _ignored(name, ignore_modules):
-            continue
-        if any(p.is_meta for p in layer.parameters()):
-            raise ValueError(
-                f"Cannot quantize {name} ({type(layer).__name__}) whose weight is on the meta device: load or "
-                "initialize the weights before quantization (e.g. build them in configure_model)."
-            )
-
-
-def quantize_model(
-    module: nn.Module,
-    mode: Union[str, QuantMode],
-    dtype: Union[str, torch.dtype] = "bfloat16",
-    ignore_modules: Union[str, Sequence[str]] = (),
-    device: Optional[Union[str, torch.device]] = None,
-    quantize_head: bool = False,
-    keep_modules: Sequence[str] = (),
-    layer_modes: Optional[Mapping[str, str]] = None,
-    hessians: Optional[Mapping[str, Tensor]] = None,
-) -> list[str]:
-    """Replace the Linear-like layers of ``module`` in place by quantized frozen layers.
-
-    Every layer kind of :mod:`lightning_hbm.layers` that can be quantized is (``nn.Linear`` and its
-    subclasses, transformers ``Conv1D``, ``nn.MultiheadAttention`` through its projections), except:
-    ``ignore_modules``, Linears tied to another module, the output head (:func:`~lightning_hbm.layers.output_heads`)
-    (unless ``quantize_head``), the modules a model declares in ``_keep_in_fp32_modules`` (kept in
-    fp32) and ``keep_modules`` (LoRA's ``modules_to_save``). Each layer left alone is tagged with the
-    reason (the coverage table shows it). Works on a model that already holds its loaded weights.
-    Validates everything before changing anything. ``layer_modes`` (``{layer name: mode name}``, e.g. a
-    sensitivity-aware plan) overrides ``mode`` per layer; ``"none"`` keeps that layer in the compute
-    dtype, frozen. ``hessians`` (``{layer name: 2 X^T X}``, :func:`~lightning_hbm.precision.gptq.input_hessians`)
-    GPTQ-rounds the 4-bit layers it names instead of rounding to nearest. Returns the names of the layers handled.
-    """
-    quant_mode = get_mode(mode) if isinstance(mode, str) else mode
-    compute_dtype = to_dtype(dtype)
-    _validate(module, quant_mode, compute_dtype, ignore_modules)
-    prepare_model(module, skip=lambda n: _ignored(n, ignore_modules))  # MultiheadAttention -> four Linears
-    targets, skipped = _quantizable_linears(module, ignore_modules, quantize_head, keep_modules)
-    for name, (reason, deliberate) in skipped.items():
-        object.__setattr__(module.get_submodule(name), LEFT_ALONE_ATTR, (reason, deliberate))
-    if skipped:
-        log.info("lightning_hbm: not quantizing %s", {n: r for n, (r, _) in skipped.items()})
-    target = torch.device(device) if device is not None else None
-    modes = _layer_modes(targets, quant_mode, layer_modes or {})
-    for name, layer in targets:  # each format's own refusals, before the first layer changes
-        if modes[name] is not None:
-            modes[name].check(name, layer)
-    for name, layer in targets:
-        if modes[name] is None:  # kept unquantized by the plan: frozen like every other base weight
-            layer.weight.requires_grad_(False)
-            continue
-        kind = kind_of(layer)
-        parent_name, _, child_name = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        linear = kind.to_linear(layer)
-        new = modes[name].replace(linear, compute_dtype, target)
-        if hessians is not None and name in hessians and grid_of(new) is not None:
-            gptq_round_(new, linear.weight, hessians[name])
-        if kind is not LINEAR:
-            object.__setattr__(new, KIND_ATTR, kind.name)  # a quantized Conv1D is still counted as one
-        elif getattr(layer, KIND_ATTR, None) is not None:
-            object.__setattr__(new, KIND_ATTR, getattr(layer, KIND_ATTR))
-        setattr(parent, child_name, new)
-    # Everything that is not quantized storage computes in the compute dtype and stays trainable,
-    # except what the model declares must stay in fp32, and BatchNorm: its running statistics are fp32
-    # buffers, and batch_norm takes a 16-bit input only with fp32 weights and statistics (as in
-    # Lightning's mixed precision); 16-bit weights beside fp32 statistics fail at the first batch.
-    fp32 = keep_in_fp32_names(module) | {n for n, m in module.named_modules() if isinstance(m, torch_compat.BatchNormBase)}
-    for name, param in module.named_parameters():
-        wanted = torch.float32 if _under(name.rpartition(".")[0], fp32) else compute_dtype
-        if param.is_floating_point() and param.dtype != wanted:
-            param.data = param.data.to(wanted)
-    # peft picks its quantization-aware LoRA layers (mergeable) only when the model says so.
-    kinds = {m.peft_kind for m in modes.values() if m is not None}
-    peft_compat.mark_quantized(module, kinds & {"4bit", "8bit"})
-    return [name for name, _ in targets]
-
-
-def _layer_modes(
-    targets: list[tuple[str, nn.Module]], quant_mode: QuantMode, layer_modes: Mapping[str, str]
-) -> dict[str, Optional[QuantMode]]:
-    """The mode of every target (``None``: kept unquantized); a plan naming other layers is an error."""
-    names = [name for name, _ in targets]
-    unknown = sorted(set(layer_modes) - set(names))
-    if unknown:
-        raise ValueError(
-            f"layer_modes names {unknown}, which are not quantizable Linear layers of this model (quantizable: "
-            f"{names[:12]}{' ...' if len(names) > 12 else ''}). Plan only those layers, by their module names."
-        )
-    # the planner's fake-tensor variant, or a fake model (int8-dynamic has no variant): plan with fake layers too
-    fake = quant_mode != get_mode(quant_mode.name) or any(
-        isinstance(p, torch._subclasses.fake_tensor.FakeTensor) for _, layer in targets for p in layer.parameters()
-    )
-
-    def mode_of(name: str) -> Optional[QuantMode]:
-        chosen = layer_modes.get(name)
-        if chosen is None:
-            return quant_mode
-        if chosen == "none":
-            return None
-        return get_mode(chosen).for_fake_tensors() if fake else get_mode(chosen)
-
-    return {n: mode_of(n) for n in names}
 
 
 _DIGEST_KEY = "gptq_digest"  # the CRC of the GPTQ-rounded base, in the checkpoint's lightning_hbm part

@@ -113,9 +113,11 @@ def test_eval_then_train_keeps_every_gradient(gpt_factory: Any, mode: str) -> No
 
 @pytest.mark.skipif(not bnb.functional.has_avx512bf16(), reason="the repack path exists only on AVX512-BF16 CPUs")
 def test_the_repack_trap_is_real_on_this_cpu(gpt_factory: Any) -> None:
-    """Control for the test above: with bitsandbytes' default flag the embedding gets no gradient."""
+    """Control for the test above: with bitsandbytes' default flag the embedding gets no gradient. The head is
+    quantized too: a full-precision head (the default) would carry the embedding's gradient around the 4-bit blocks
+    through the residual stream."""
     model = gpt_factory(bias=False)
-    quantize_model(model, "nf4", dtype="float32")
+    quantize_model(model, "nf4", dtype="float32", quantize_head=True)
     for layer in model.modules():
         if isinstance(layer, bnb.nn.Linear4bit):
             layer.support_avx512bf16_for_cpu = True  # what bitsandbytes sets on such CPUs

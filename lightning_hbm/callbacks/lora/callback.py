@@ -19,9 +19,9 @@ from lightning_hbm._validate import check_args
 from lightning_hbm.callbacks.lora.base import ALL_LINEAR, ADAPTER_NAME, _import_peft, _lora_layer_cls, _matches, _under, _width
 from lightning_hbm.callbacks.lora.export import adapter_state_dict, merge, save_adapter
 from lightning_hbm.callbacks.lora.watch import _AdapterWatch
-from lightning_hbm.layers import LEFT_ALONE_ATTR, adaptable_names, kind_names, prepare_model, report_coverage, weight_readers
+from lightning_hbm.layers import LEFT_ALONE_ATTR, adaptable_names, kind_names, output_heads, prepare_model, report_coverage, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
-from lightning_hbm.precision.plugin import QuantizedPrecision, output_heads
+from lightning_hbm.precision.plugin import QuantizedPrecision
 from lightning_hbm.naming import did_you_mean, name_list
 from lightning_hbm.precision.registry import format_of, to_dtype
 from lightning_hbm.surgery import Stage, SurgeryCallback
