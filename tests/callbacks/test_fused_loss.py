@@ -307,6 +307,26 @@ def test_bf16_chunk_holds_its_logits_and_a_few_fp32_rows(monkeypatch: pytest.Mon
     assert expected <= peak <= expected + head.weight.nbytes + 2**18 < chunk * vocab * 6, peak
 
 
+@pytest.mark.gpu
+def test_bf16_chunk_on_cuda_holds_its_logits_and_a_few_fp32_rows() -> None:
+    """The CPU test above on the CUDA allocator: a 128k-vocabulary bf16 head, 256-token chunks, 16 fp32 rows."""
+    vocab, chunk = 128256, 256
+    torch.manual_seed(0)
+    head = nn.Linear(256, vocab, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    hidden = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, vocab, (1024,), device="cuda")
+    ref = torch.autograd.grad(F.cross_entropy(head(hidden).float(), target), hidden)[0]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss = fused_linear_cross_entropy(hidden, head, target, chunk_size=chunk)
+    loss.backward()
+    peak = torch.cuda.max_memory_allocated() - before
+    torch.testing.assert_close(hidden.grad, ref, rtol=0, atol=1e-4)
+    rows = softmax_rows(vocab, torch.bfloat16)
+    assert peak <= chunk * vocab * 2 + rows * vocab * 4 + 2**22 < chunk * vocab * 6, peak  # + cuBLAS workspace
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
