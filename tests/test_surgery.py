@@ -56,6 +56,26 @@ def test_applied_once_across_fit_and_validate(gpt_factory: Any, trainer_factory:
     assert len(log) == 4
 
 
+def test_a_model_quantized_elsewhere_is_kept_off_the_cpu_repack(gpt_factory: Any, trainer_factory: Any,
+                                                                  datamodule_factory: Any, caplog: Any) -> None:
+    """4-bit layers made before lightning_hbm (transformers' BitsAndBytesConfig, the user's code) get the repack
+    switch turned off too: on an AVX512-BF16 CPU the sanity check (eval, no grad) would repack them, and the
+    adapters upstream of a 4-bit layer would then train on no gradient."""
+    from lightning_hbm import LoRA, quantize_model
+
+    model = gpt_factory(bias=False)
+    quantize_model(model, "nf4", dtype="float32", quantize_head=True)  # before the Trainer sees the model
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = True  # as bitsandbytes builds them on such a CPU
+    lora = LoRA(r=4, target_modules=["c_attn"])
+    trainer = trainer_factory(max_steps=1, limit_val_batches=1, num_sanity_val_steps=1, callbacks=[lora])
+    trainer.fit(model, datamodule_factory())
+    assert layers and all(layer.support_avx512bf16_for_cpu is False for layer in layers)
+    # the first block's adapter sits upstream of every 4-bit layer: it trained
+    assert model.model.h[0].attn.c_attn.lora_B["default"].weight.abs().sum() > 0
+
+
 class FreezeAllButFinalNorm(SurgeryCallback):
     stage = Stage.ADAPTERS
 

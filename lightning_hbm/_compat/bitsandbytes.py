@@ -18,6 +18,14 @@ def disable_cpu_repack(layer: nn.Module) -> None:
     layer.support_avx512bf16_for_cpu = False
 
 
+def disable_cpu_repacks(module: nn.Module) -> int:
+    """:func:`disable_cpu_repack` on every ``Linear4bit`` in ``module``, whoever made it; returns how many."""
+    layers = [m for m in module.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    for layer in layers:
+        disable_cpu_repack(layer)
+    return len(layers)
+
+
 def ensure_nested_code() -> None:
     """Build double quantization's code book into bitsandbytes' module-wide cache, as its first real call would.
 

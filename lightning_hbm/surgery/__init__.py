@@ -57,6 +57,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hbm import resume
+from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.surgery.ranks import check_ranks
@@ -252,6 +253,9 @@ def run_surgery(
     if convert is not None:
         module = convert(module)
     apply_transforms(module, [t for t in pending if t.stage > Stage.QUANTIZE])
+    # 4-bit layers quantized before lightning_hbm (by transformers, by the user) too: on an AVX512-BF16 CPU their
+    # first no-grad eval forward would repack them for a kernel that bypasses autograd (no gradient upstream)
+    bnb_compat.disable_cpu_repacks(module)
     if meta is not None:
         _load_changed(module, meta, checkpoint, checkpoint_path)
     if applied_transforms(module):

@@ -36,6 +36,14 @@ def test_disable_cpu_repack_sets_the_flag_linear4bit_reads() -> None:
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
+def test_disable_cpu_repacks_finds_every_linear4bit() -> None:
+    model = torch.nn.Sequential(_layer4bit(), torch.nn.ReLU(), _layer4bit(), torch.nn.Linear(64, 2))
+    for layer in (model[0], model[2]):
+        layer.support_avx512bf16_for_cpu = True
+    assert compat.disable_cpu_repacks(model) == 2
+    assert model[0].support_avx512bf16_for_cpu is False and model[2].support_avx512bf16_for_cpu is False
+
+
 @pytest.fixture
 def no_cached_code() -> Iterator[None]:
     saved = F.name2qmap.pop("dynamic", None)
