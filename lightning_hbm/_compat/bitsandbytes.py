@@ -13,9 +13,16 @@ def disable_cpu_repack(layer: nn.Module) -> None:
 
     On CPUs with AVX512-BF16 the first no-grad eval forward repacks the weight for a kernel that bypasses
     autograd; training forwards after it give upstream layers no gradient. The instance flag bitsandbytes
-    reads (``support_avx512bf16_for_cpu``) is the only switch.
+    reads (``support_avx512bf16_for_cpu``) is the only switch. A weight repacked already (a model evaluated before
+    lightning_hbm saw it) is unpacked as bitsandbytes' own ``state_dict`` does.
     """
     layer.support_avx512bf16_for_cpu = False
+    weight = getattr(layer, "weight", None)
+    state = getattr(weight, "quant_state", None)
+    if getattr(state, "packing_format_for_cpu", False):
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
 
 
 def disable_cpu_repacks(module: nn.Module) -> int:

@@ -36,6 +36,26 @@ def test_disable_cpu_repack_sets_the_flag_linear4bit_reads() -> None:
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
+@pytest.mark.skipif(not F.has_avx512bf16(), reason="the repack path exists only on AVX512-BF16 CPUs")
+def test_disable_cpu_repack_unpacks_a_weight_repacked_already() -> None:
+    """A pre-quantized model evaluated before lightning_hbm saw it: its weights are repacked; training must work."""
+    layer = _layer4bit()
+    layer.support_avx512bf16_for_cpu = True
+    layer.eval()
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        before = layer(x)
+    assert layer.weight.quant_state.packing_format_for_cpu  # what bitsandbytes' private inverse undoes
+    compat.disable_cpu_repack(layer)
+    assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+    layer.train()
+    x.requires_grad_(True)
+    out = layer(x)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    torch.testing.assert_close(out.detach(), before, rtol=2e-2, atol=2e-2)  # the same weights, unpacked
+
+
 def test_disable_cpu_repacks_finds_every_linear4bit() -> None:
     model = torch.nn.Sequential(_layer4bit(), torch.nn.ReLU(), _layer4bit(), torch.nn.Linear(64, 2))
     for layer in (model[0], model[2]):
