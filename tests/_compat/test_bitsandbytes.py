@@ -24,6 +24,9 @@ def test_disable_cpu_repack_sets_the_flag_linear4bit_reads() -> None:
     layer = _layer4bit()
     assert hasattr(layer, "support_avx512bf16_for_cpu")  # set in __init__ (from has_avx512bf16())
     assert "support_avx512bf16_for_cpu" in inspect.getsource(bnb.nn.Linear4bit.forward)  # and read by forward
+    # a repacked weight is unpacked by this private function (its state_dict calls it too), on every CPU kind
+    assert "_convert_weight_packed_for_cpu_inverse" in inspect.getsource(bnb.nn.Linear4bit._save_to_state_dict)
+    assert callable(F._convert_weight_packed_for_cpu_inverse)
     compat.disable_cpu_repack(layer)
     assert layer.support_avx512bf16_for_cpu is False
     # eval no-grad forward, then training: the input still gets its gradient (on either CPU kind)
