@@ -287,15 +287,18 @@ def test_bf16_chunk_holds_its_logits_and_a_few_fp32_rows(monkeypatch: pytest.Mon
     hidden, target = torch.randn(512, 64, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, vocab, (512,))
     target[::7] = -100
 
-    def loss_and_grad(softmax_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    weights = torch.rand(512)  # reduction="none": the backward recomputes each chunk with per-row scales
+
+    def loss_and_grad(softmax_bytes: int, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
         monkeypatch.setattr(cost, "SOFTMAX_BYTES", softmax_bytes)
         hidden.grad = None
-        loss = fused_linear_cross_entropy(hidden, head, target, chunk_size=chunk, label_smoothing=0.1)
-        loss.backward()
+        loss = fused_linear_cross_entropy(hidden, head, target, chunk_size=chunk, label_smoothing=0.1, reduction=reduction)
+        (loss if reduction == "mean" else (loss * weights).sum()).backward()
         return loss.detach(), hidden.grad
 
-    whole, blocks = loss_and_grad(chunk * vocab * 4), loss_and_grad(rows * vocab * 4)
-    assert torch.equal(whole[0], blocks[0]) and torch.equal(whole[1], blocks[1])  # rows are independent
+    for reduction in ("none", "mean"):
+        whole, blocks = loss_and_grad(chunk * vocab * 4, reduction), loss_and_grad(rows * vocab * 4, reduction)
+        assert torch.equal(whole[0], blocks[0]) and torch.equal(whole[1], blocks[1])  # rows are independent
     ref = torch.autograd.grad(F.cross_entropy(head(hidden).float(), target, label_smoothing=0.1), hidden)[0]
     torch.testing.assert_close(blocks[1], ref, rtol=0, atol=1e-4)
     hidden.grad = None
