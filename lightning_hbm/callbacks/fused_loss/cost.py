@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 #: Bytes one chunk's logits may take, with the fp32 rows being softmaxed: tokens per chunk follow the vocabulary,
-#: so the loss costs about the same at 32k and 256k. 32 MiB is 393 tokens of a 32k bf16 head; a 128k-vocabulary step
+#: so the loss costs about the same at 32k and 256k. 32 MiB is 394 tokens of a 32k bf16 head; a 128k-vocabulary step
 #: with 256-token chunks peaked at 2.23x its floor (benchmarks/README.md).
 CHUNK_BYTES = 32 * 2**20
 #: Bytes of fp32 logits alive at once when the head's output is narrower (bf16): the softmax runs on that many rows
