@@ -357,7 +357,7 @@ def _tiny_qlora_llama(fused: bool) -> Any:
     torch.manual_seed(0)
     model = LlamaLM(vocab_size=32000, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=512)
-    # float32 compute: CPU bf16 matmuls are ~7x slower here; the logits term is counted the same way
+    # float32 compute: on CPUs without AVX512-BF16 bf16 matmuls are ~7x slower; the logits term is counted the same way
     quantize_model(model, "nf4-dq", "float32")
     LoRA(r=8).transform_model(model)
     ActivationCheckpointing().transform_model(model)
