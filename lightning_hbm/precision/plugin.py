@@ -20,7 +20,6 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import is_fake
 from typing_extensions import override
 
 from lightning_hbm import resume
@@ -29,11 +28,10 @@ from lightning_hbm._validate import check_args
 from lightning_hbm.layers import report_coverage
 from lightning_hbm.precision.bnb import import_bnb
 from lightning_hbm.precision.gptq import ROUNDINGS, digest, grid_of, input_hessians
-from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
 from lightning_hbm.precision.quantize import _layer_modes, _quantizable_linears, _validate, quantize_model
 from lightning_hbm.precision.registry import format_of, get_mode, to_dtype
 from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args, choose_plan
-from lightning_hbm.precision.smoothing import SMOOTH_MODE, attached, check_smoothing, choose_smoothing
+from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.probe import first_batch
 from lightning_hbm.surgery import (
     SAVED_MODULES_ATTR,
@@ -164,12 +162,9 @@ class QuantizedPrecision(Precision):
         self._pinned_plan = self.plan is not None
         #: what the sensitivity-aware choice measured (``None`` without a target)
         self.plan_report: Optional[SensitivityPlan] = None
-        smooths = SMOOTH_MODE in (self.mode.name, sensitive_mode, *(layer_modes or {}).values())
-        #: the smoothing setting (``None`` when no layer is stored in ``int8-dynamic-smooth``)
-        self.smoothing = check_smoothing(smoothing, smooths, self.mode.name)
-        #: ``{layer name: int8 exponents}`` measured (or resumed) at fit start; what was measured
-        self.input_shifts: Optional[dict[str, Tensor]] = None
-        self.smoothing_report: Optional[Any] = None
+        sensitive = [sensitive_mode] if isinstance(sensitive_mode, str) else list(sensitive_mode)
+        #: the smoothing of layers stored in ``int8-dynamic-smooth`` (``None`` when no layer may be)
+        self._smoothing = Smoothing.configure(smoothing, [self.mode.name, *sensitive, *(layer_modes or {}).values()], self.mode.name)
         if self.mode.peft_kind is not None:  # bitsandbytes modes: fail now, not at fit time
             import_bnb()
         self.precision = _LIGHTNING_NAMES[self.dtype]  # what trainer.precision reports
@@ -177,6 +172,21 @@ class QuantizedPrecision(Precision):
         self.target_device: Optional[torch.device] = None
 
     runs_surgery = True  # the surgery spine needs no wrapper around this plugin: it calls the engine itself
+
+    @property
+    def smoothing(self) -> Optional[Union[float, str]]:
+        """The smoothing setting (``None`` when no layer is stored in ``int8-dynamic-smooth``)."""
+        return None if self._smoothing is None else self._smoothing.setting
+
+    @property
+    def input_shifts(self) -> Optional[dict[str, Tensor]]:
+        """``{layer name: int8 exponents}`` measured (or resumed) at fit start."""
+        return None if self._smoothing is None else self._smoothing.shifts
+
+    @property
+    def smoothing_report(self) -> Optional[SmoothingReport]:
+        """What the smoothing measured (``None`` when resumed or not smoothed)."""
+        return None if self._smoothing is None else self._smoothing.report
 
     @property
     def _name(self) -> str:
@@ -191,9 +201,9 @@ class QuantizedPrecision(Precision):
         """Quantize ``module``'s layers in place (once per model), and nothing else."""
         if self._name in applied_transforms(module):
             return module
-        if self.smoothing is not None and self.input_shifts is None:  # not checked first (a plain call)
+        if self._smoothing is not None and self._smoothing.shifts is None:  # not checked first (a plain call)
             self._smooth(module, self._linear_targets(module))
-        with attached(module, self.input_shifts or {}):
+        with self._smoothing.attached(module) if self._smoothing is not None else nullcontext():
             quantized = quantize_model(
                 module,
                 self.mode,
@@ -206,8 +216,8 @@ class QuantizedPrecision(Precision):
                 hessians=self._hessians,
             )
         log.info("lightning_hbm: %d layers stored as %s", len(quantized), self.mode.name)
-        if self.smoothing is not None:
-            self._report_unsmoothed(module, quantized)
+        if self._smoothing is not None:
+            self._smoothing.report_unsmoothed(module, quantized)
         if self._hessians is not None:
             self._check_rounding(module, quantized)
         mark_applied(module, self._name)
@@ -243,11 +253,11 @@ class QuantizedPrecision(Precision):
             _layer_modes(targets, self.mode, self.plan or {})
         if self.rounding == "gptq":  # one forward on the model as built: every layer's input statistics
             self._hessians = input_hessians(module, [name for name, _ in targets], self._probe(module))
-        if self.smoothing is not None:  # before the plan: the plan measures the smoothed layers
+        if self._smoothing is not None:  # before the plan: the plan measures the smoothed layers
             self._smooth(module, [name for name, layer in targets if isinstance(layer, nn.Linear)])
         if not self._pinned_plan and (self.max_bytes_per_param is not None or self.min_cosine is not None):
             # measured per nn.Linear (other kinds, e.g. Conv1D or the projections a MultiheadAttention becomes, use mode)
-            with attached(module, self.input_shifts or {}):
+            with self._smoothing.attached(module) if self._smoothing is not None else nullcontext():
                 self._choose_plan(module, [name for name, layer in targets if isinstance(layer, nn.Linear)])
 
     def quantization_targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -259,37 +269,16 @@ class QuantizedPrecision(Precision):
         return [name for name, layer in targets if isinstance(layer, nn.Linear)]
 
     def _smooth(self, module: nn.Module, names: list[str]) -> None:
-        """Measure (or take from the checkpoint being resumed) the smoothing exponents of the Linears ``names``."""
-        assert self.smoothing is not None
-        self.input_shifts = self.smoothing_report = None  # a plugin reused by another Trainer measures again
-        if any(is_fake(module.get_submodule(name).weight) for name in names):
-            # the planner's shape-only model: the exponents change no byte, zeros have the same storage
-            self.input_shifts = {}
-            return
-        saved = self._saved_meta(self._trainer(module))
-        config = saved.get("configs", {}).get(type(self).__qualname__) or {}
-        if "input_shifts" in saved and all(config.get(k) == v for k, v in self.resume_config().items() if k != "layer_modes"):
-            # resuming: the factors the checkpoint was trained with, not factors measured on this model
-            self.input_shifts = {name: shift.to(torch.int8) for name, shift in saved["input_shifts"].items()}
-            log.info("lightning_hbm: smoothing factors of %d layers taken from the checkpoint being resumed", len(self.input_shifts))
-            return
-        report = choose_smoothing(module, names, self.smoothing, self.dtype, self._probe(module))
-        self.input_shifts, self.smoothing_report = report.shifts, report
-        log.info("lightning_hbm: %s", report.summary(self.smoothing))
+        """The smoothing exponents of the Linears ``names``: the checkpoint's when resuming with these settings."""
+        assert self._smoothing is not None
 
-    def _report_unsmoothed(self, module: nn.Module, quantized: list[str]) -> None:
-        missed = [
-            name for name in quantized
-            if isinstance(module.get_submodule(name), Int8DynamicLinear)
-            and module.get_submodule(name).input_shift is not None and name not in (self.input_shifts or {})
-        ]
-        if missed and self.input_shifts:  # an empty dict: the planner's shape-only model, nothing measured
-            log.warning(
-                "lightning_hbm: %d layers stored as int8-dynamic-smooth without smoothing (only nn.Linear inputs are "
-                "measured; these are other layer kinds, e.g. Conv1D or MultiheadAttention projections): %s. They cost "
-                "1 byte per input channel for nothing: pin them with layer_modes={name: 'int8-dynamic'}.",
-                len(missed), missed,
-            )
+        def saved() -> dict[str, Any]:
+            meta = self._saved_meta(self._trainer(module))
+            config = meta.get("configs", {}).get(type(self).__qualname__) or {}
+            same = all(config.get(k) == v for k, v in self.resume_config().items() if k != "layer_modes")
+            return meta if same else {}
+
+        self._smoothing.measure(module, names, self.dtype, lambda: self._probe(module), saved)
 
     def _trainer(self, module: nn.Module) -> Any:
         return lightning_compat.attached_trainer(module) or plugin_trainer(self)
@@ -361,10 +350,8 @@ class QuantizedPrecision(Precision):
             pack_checkpoint(trainer, checkpoint)
         if self.rounding_digest is not None and resume.META_KEY in checkpoint:
             checkpoint[resume.META_KEY][_DIGEST_KEY] = self.rounding_digest
-        if self.input_shifts and resume.META_KEY in checkpoint:
-            # next to the settings, not in the state_dict: an adapter-only checkpoint leaves the frozen base (and its
-            # input_shift buffers) out, and a resume rebuilds it from the model's weights with these same factors
-            checkpoint[resume.META_KEY]["input_shifts"] = {n: s.detach().cpu() for n, s in self.input_shifts.items()}
+        if self._smoothing is not None and resume.META_KEY in checkpoint:
+            self._smoothing.save(checkpoint[resume.META_KEY])
 
     @override
     def connect(self, model: Any, optimizers: Any, lr_schedulers: Any) -> Any:

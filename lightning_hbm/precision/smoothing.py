@@ -29,19 +29,23 @@ The end-to-end probe output cosine (the metric ``QuantizationQuality`` logs) is 
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from lightning_hbm.precision.int8_dynamic import SHIFT_ATTR, Int8DynamicLinear
 from lightning_hbm.precision.registry import to_dtype
 from lightning_hbm.precision.sensitivity import _Swapper
 from lightning_hbm.probe import compare_outputs, eval_no_grad, probe_output
+
+log = logging.getLogger(__name__)
 
 #: the mode whose layers hold smoothing exponents
 SMOOTH_MODE = "int8-dynamic-smooth"
@@ -239,4 +243,72 @@ def choose_smoothing(
     return report
 
 
-__all__ = ["AUTO_ALPHAS", "SMOOTH_MODE", "SmoothingReport", "attached", "check_smoothing", "choose_smoothing", "shifts_for"]
+class Smoothing:
+    """The smoothing of one ``QuantizedPrecision``: its setting, and the exponents measured (or resumed) at fit start.
+
+    The plugin holds one when a layer may be stored in :data:`SMOOTH_MODE` (its mode, a sensitive mode or the plan)
+    and calls it at four points: :meth:`measure` in the checks (before the sensitivity plan, which measures the
+    smoothed layers), :meth:`attached` around the quantization, :meth:`report_unsmoothed` after it and :meth:`save`
+    with each checkpoint.
+    """
+
+    def __init__(self, setting: Union[float, str]) -> None:
+        #: ``"auto"`` or the alpha of every layer (a resume setting)
+        self.setting = setting
+        #: ``{layer name: int8 exponents}`` measured or resumed (``None`` before the checks; ``{}`` on fake weights)
+        self.shifts: Optional[dict[str, torch.Tensor]] = None
+        #: what :func:`choose_smoothing` measured (``None`` when nothing was measured: resumed, fake)
+        self.report: Optional[SmoothingReport] = None
+
+    @classmethod
+    def configure(cls, smoothing: Any, modes: Sequence[str], mode: str) -> Optional["Smoothing"]:
+        """The checked ``smoothing`` argument for a plugin whose layers may take ``modes`` (``None``: none smooths)."""
+        setting = check_smoothing(smoothing, SMOOTH_MODE in modes, mode)
+        return None if setting is None else cls(setting)
+
+    def measure(self, module: nn.Module, names: Sequence[str], dtype: Any, probe: Callable[[], Any],
+                saved: Callable[[], Mapping[str, Any]]) -> None:
+        """The exponents of the Linears ``names``: those of ``saved()`` (the lightning_hbm part of the checkpoint
+        being resumed with these settings, or empty), else measured on ``probe()``."""
+        self.shifts = self.report = None  # a plugin reused by another Trainer measures again
+        if any(is_fake(module.get_submodule(name).weight) for name in names):
+            self.shifts = {}  # the planner's shape-only model: the exponents change no byte
+            return
+        resumed = saved().get("input_shifts")
+        if resumed is not None:
+            # resuming: the factors the checkpoint was trained with, not factors measured on this model
+            self.shifts = {name: shift.to(torch.int8) for name, shift in resumed.items()}
+            log.info("lightning_hbm: smoothing factors of %d layers taken from the checkpoint being resumed", len(self.shifts))
+            return
+        self.report = choose_smoothing(module, names, self.setting, dtype, probe())
+        self.shifts = self.report.shifts
+        log.info("lightning_hbm: %s", self.report.summary(self.setting))
+
+    def attached(self, module: nn.Module) -> AbstractContextManager:
+        return attached(module, self.shifts or {})
+
+    def report_unsmoothed(self, module: nn.Module, quantized: Sequence[str]) -> None:
+        """Warn about layers stored in :data:`SMOOTH_MODE` that got no exponents (only ``nn.Linear`` inputs are measured)."""
+        missed = [
+            name for name in quantized
+            if isinstance(module.get_submodule(name), Int8DynamicLinear)
+            and module.get_submodule(name).input_shift is not None and name not in (self.shifts or {})
+        ]
+        if missed and self.shifts:  # an empty dict: the planner's shape-only model, nothing measured
+            log.warning(
+                "lightning_hbm: %d layers stored as int8-dynamic-smooth without smoothing (only nn.Linear inputs are "
+                "measured; these are other layer kinds, e.g. Conv1D or MultiheadAttention projections): %s. They cost "
+                "1 byte per input channel for nothing: pin them with layer_modes={name: 'int8-dynamic'}.",
+                len(missed), missed,
+            )
+
+    def save(self, meta: dict[str, Any]) -> None:
+        """Into a checkpoint's lightning_hbm part: next to the settings, not in the state_dict, because an adapter-only
+        checkpoint leaves the frozen base (and its ``input_shift`` buffers) out, and a resume rebuilds it from the
+        model's weights with these same factors."""
+        if self.shifts:
+            meta["input_shifts"] = {name: shift.detach().cpu() for name, shift in self.shifts.items()}
+
+
+__all__ = ["AUTO_ALPHAS", "SMOOTH_MODE", "Smoothing", "SmoothingReport", "attached", "check_smoothing", "choose_smoothing",
+           "shifts_for"]

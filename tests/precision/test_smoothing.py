@@ -162,6 +162,11 @@ def test_default_is_auto_and_it_is_a_resume_setting() -> None:
     assert QuantizedPrecision("int8-dynamic-smooth").resume_config()["smoothing"] == "auto"
     assert QuantizedPrecision("nf4-dq", sensitive_mode="int8-dynamic-smooth", max_bytes_per_param=0.8).smoothing == "auto"
     assert "smoothing" not in QuantizedPrecision("int8-dynamic").resume_config()
+    # was: a list of sensitive modes holding int8-dynamic-smooth turned smoothing off (zero exponents, 1 byte per
+    # input channel for nothing) and refused smoothing=0.5
+    listed = ["nf4-dq-b32", "int8-dynamic-smooth"]
+    assert QuantizedPrecision("nf4-dq", sensitive_mode=listed, max_bytes_per_param=0.8).smoothing == "auto"
+    assert QuantizedPrecision("nf4-dq", sensitive_mode=listed, max_bytes_per_param=0.8, smoothing=0.5).smoothing == 0.5
 
 
 def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
