@@ -203,7 +203,7 @@ class QuantizedPrecision(Precision):
             return module
         if self._smoothing is not None and self._smoothing.shifts is None:  # not checked first (a plain call)
             self._smooth(module, self._linear_targets(module))
-        with self._smoothing.attached(module) if self._smoothing is not None else nullcontext():
+        with self._attached_shifts(module):
             quantized = quantize_model(
                 module,
                 self.mode,
@@ -257,7 +257,7 @@ class QuantizedPrecision(Precision):
             self._smooth(module, [name for name, layer in targets if isinstance(layer, nn.Linear)])
         if not self._pinned_plan and (self.max_bytes_per_param is not None or self.min_cosine is not None):
             # measured per nn.Linear (other kinds, e.g. Conv1D or the projections a MultiheadAttention becomes, use mode)
-            with self._smoothing.attached(module) if self._smoothing is not None else nullcontext():
+            with self._attached_shifts(module):
                 self._choose_plan(module, [name for name, layer in targets if isinstance(layer, nn.Linear)])
 
     def quantization_targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -279,6 +279,9 @@ class QuantizedPrecision(Precision):
             return meta if same else {}
 
         self._smoothing.measure(module, names, self.dtype, lambda: self._probe(module), saved)
+
+    def _attached_shifts(self, module: nn.Module) -> AbstractContextManager:
+        return self._smoothing.attached(module) if self._smoothing is not None else nullcontext()
 
     def _trainer(self, module: nn.Module) -> Any:
         return lightning_compat.attached_trainer(module) or plugin_trainer(self)
