@@ -42,8 +42,10 @@ def _ok(value: Any, hint: Any) -> bool:
         # the length is the constructor's own check (a ValueError showing the expected form)
         return all(_ok(v, a) for v, a in zip(value, args))
     if origin in (list, collections.abc.Sequence):
-        # a bare str is a Sequence[str] to Python, but ignore_modules="lm_head" means ["lm_head"], not letters
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        # a bare str is a Sequence[str] to Python, but ignore_modules="lm_head" means ["lm_head"], not letters;
+        # a Sequence hint takes any sequence (range(0, 100, 10)), a list hint a list or tuple
+        kinds = collections.abc.Sequence if origin is collections.abc.Sequence else (list, tuple)
+        if isinstance(value, (str, bytes)) or not isinstance(value, kinds):
             return False
         return all(_ok(v, args[0]) for v in value) if args else True
     if origin in (dict, collections.abc.Mapping):
@@ -93,7 +95,7 @@ def check_args(init: Callable[..., Any], values: dict[str, Any]) -> None:
 
 def _what(value: Any, hint: Any) -> str:
     """What is wrong with ``value``: its type, or the first element of a list that has the wrong type."""
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, collections.abc.Sequence) and not isinstance(value, (str, bytes)):
         inner = [a for a in typing.get_args(hint) if typing.get_origin(a) in (list, collections.abc.Sequence)]
         if typing.get_origin(hint) in (list, collections.abc.Sequence):
             inner = [hint]

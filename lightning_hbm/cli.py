@@ -27,6 +27,7 @@ import argparse
 import importlib
 import inspect
 import linecache
+import os
 import re
 import sys
 import warnings
@@ -136,11 +137,32 @@ class HBMArgumentParser(LightningArgumentParser):
             return super().error(message, ex)
         raise ConfigError(one_line_error(message, self))
 
+    @override
+    def parse_path(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        # jsonargparse's messages name neither the file nor the line: remember which files were read
+        _CONFIG_FILES.append((str(path), os.path.abspath(path)))  # absolute: jsonargparse chdirs into its folder
+        return super().parse_path(path, *args, **kwargs)
+
+
+#: ``(as given, absolute)`` of each config file read by the current CLI (:meth:`HBMArgumentParser.parse_path`).
+_CONFIG_FILES: list[tuple[str, str]] = []
+
 
 def one_line_error(message: str, parser: Optional[ArgumentParser] = None) -> str:
-    """jsonargparse's multi-line ``message`` as one line: the key, what is wrong, close matches, what is accepted."""
+    """jsonargparse's multi-line ``message`` as one line: the file and line, the key, what is wrong, close matches,
+    what is accepted."""
+    if message.startswith("Problems parsing config"):
+        return _yaml_syntax_error(message)
     key = re.search(r'Parser key "([^"]+)"', message)
     where = f"{key.group(1)}: " if key else ""
+    field = re.search(r"Problem with given class_path '([^']+)':\s*Parser key \"([^\"]+)\":\s*(.+)", message)
+    if field:  # a wrong value in init_args: name the class, the field and the line it is on
+        class_path, name, reason = field.groups()
+        value = re.search(r"Got value: (.+)", reason)
+        reason = re.sub(r"<class '(?:builtins\.)?([\w.]+)'>", r"\1", reason.strip())
+        reason = re.sub(r"\ba ([aeiou])", r"an \1", reason)
+        place = _field_location(key.group(1) if key else "", name, value.group(1).strip() if value else None)
+        return f"{place}{where}{class_path.rsplit('.', 1)[-1]} init_args.{name}: {reason}"
     option = re.search(r"Problem with given class_path '([^']+)':\s*Option '([^']+)' is not accepted", message)
     if option:  # a typo in init_args: the class's own parameters are the valid names
         class_path, name = option.groups()
@@ -163,6 +185,59 @@ def one_line_error(message: str, parser: Optional[ArgumentParser] = None) -> str
     noise = r"(Parser key|Does not validate|Subtypes:|Errors:|Given value|Subclass types expect|a class path|a dict |Not a valid subclass|Expected a <class 'NoneType'>|Import path \S+ does not correspond)"
     reasons = [ln for ln in lines if not re.match(noise, ln)]
     return where + (reasons[0] if reasons else lines[0] if lines else message)
+
+
+def _yaml_syntax_error(message: str) -> str:
+    """``Problems parsing config: while parsing ... in "<unicode string>", line 3, column 15 ...`` as
+    ``file.yaml:4:1: did not find expected ',' or '}' (while parsing a flow mapping that starts at line 3, column 15)``."""
+    body = re.sub(r"^Problems parsing config(?: '[^']*')?:\s*", "", message).split("\n")
+    mark = r'\s*in "[^"]*", line (\d+), column (\d+)'
+    texts = [ln.strip() for ln in body if ln.strip() and not re.match(mark, ln)]
+    marks = [re.match(mark, ln).groups() for ln in body if re.match(mark, ln)]  # type: ignore[union-attr]
+    name = _CONFIG_FILES[-1][0] if _CONFIG_FILES else "the config"  # the file being read when parsing failed
+    if not marks:
+        return f"{name}: {' '.join(texts) or message}"
+    line, column = marks[-1]  # the problem's mark comes last; the first is where the enclosing context starts
+    problem = texts[-1] if texts else "cannot be read"
+    context = f" ({texts[0]} that starts at line {marks[0][0]}, column {marks[0][1]})" if len(texts) > 1 and len(marks) > 1 else ""
+    return f"{name}:{line}:{column}: {problem}{context}. Fix the YAML syntax there."
+
+
+def _field_location(section: str, name: str, value: Optional[str]) -> str:
+    """``"file.yaml:6: "``: where key ``name`` (given ``value``) sits under ``section`` in a config file read, or ``""``."""
+    import yaml  # jsonargparse's own dependency
+
+    for shown, path in reversed(_CONFIG_FILES):
+        try:
+            with open(path) as handle:
+                root = yaml.compose(handle)
+        except (OSError, yaml.YAMLError):
+            continue
+        node = root
+        for part in section.split(".") if section else []:  # down to the section, e.g. trainer -> callbacks
+            children = dict((k.value, v) for k, v in node.value) if isinstance(node, yaml.MappingNode) else {}
+            node = children.get(part, node)
+        found = _find_key(node, name, value) or _find_key(node, name, None)
+        if found is not None:
+            return f"{shown}:{found.start_mark.line + 1}: "
+    return ""
+
+
+def _find_key(node: Any, name: str, value: Optional[str]) -> Any:
+    """The first key node ``name`` (whose scalar value is ``value``, unless None) in the YAML tree under ``node``."""
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        for key, child in node.value:
+            if key.value == name and (value is None or (isinstance(child, yaml.ScalarNode) and child.value == value)):
+                return key
+    children = node.value if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) else []
+    for child in children:
+        for item in child if isinstance(child, tuple) else (child,):
+            found = _find_key(item, name, value)
+            if found is not None:
+                return found
+    return None
 
 
 def _init_parameters(class_path: str) -> list[str]:
@@ -232,6 +307,7 @@ class HBMCLI(LightningCLI):
 
     def __init__(self, model_class: Any = None, datamodule_class: Any = None, **kwargs: Any) -> None:
         import_all_classes()
+        _CONFIG_FILES.clear()  # error messages name this run's config files only
         kwargs.setdefault("parser_class", HBMArgumentParser)
         self._quantized_precision: Optional[QuantizedPrecision] = None
         parser_kwargs = kwargs.setdefault("parser_kwargs", {})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -119,11 +119,44 @@ class ByteTextDataModule(pl.LightningDataModule):
         return next(iter(self.train_dataloader()))
 
 
-def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int = VOCAB_SIZE, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ``(input, target)`` token batch for tests that need no real text."""
+#: Largest synthetic batch (its int64 tokens): 1 TiB, several times any accelerator's memory. Above it the
+#: sizes are a typo (batch_size=10**12), refused before anything is built or allocated.
+MAX_BATCH_BYTES = 2**40
+
+
+def synthetic_batch(
+    batch_size: int,
+    seq_len: int,
+    vocab_size: int = VOCAB_SIZE,
+    seed: int = 0,
+    device: Union[str, torch.device, None] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``(input, target)`` token batch for tests that need no real text.
+
+    ``device="meta"`` allocates nothing (shapes and dtype only, no values): what the planner uses for
+    batches larger than its real twins (``lightning_hbm.planner.config``). The sizes are checked first.
+    """
+    _check_batch_sizes(batch_size, seq_len, vocab_size)
+    if torch.device(device or "cpu").type == "meta":
+        tokens = torch.empty((batch_size, seq_len + 1), dtype=torch.int64, device="meta")
+        return tokens[:, :-1], tokens[:, 1:]
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=generator)
     return tokens[:, :-1], tokens[:, 1:]
 
 
-__all__ = ["VOCAB_SIZE", "ByteTextDataModule", "ByteWindows", "stdlib_text", "synthetic_batch"]
+def _check_batch_sizes(batch_size: Any, seq_len: Any, vocab_size: Any) -> None:
+    """Positive ints, and a batch that could exist: refused here, before any model or tensor is built."""
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("vocab_size", vocab_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"synthetic batch: {name} must be an int >= 1, got {value!r}; e.g. {name}=8.")
+    nbytes = batch_size * (seq_len + 1) * 8  # int64 tokens; input and target are views of one tensor
+    if nbytes > MAX_BATCH_BYTES:
+        raise ValueError(
+            f"synthetic batch: batch_size={batch_size} x seq_len={seq_len} is {nbytes / 2**40:.3g} TiB of tokens "
+            f"alone, more than any accelerator holds (limit {MAX_BATCH_BYTES // 2**40} TiB); give the per-device "
+            "batch, e.g. batch_size=8, seq_len=2048."
+        )
+
+
+__all__ = ["MAX_BATCH_BYTES", "VOCAB_SIZE", "ByteTextDataModule", "ByteWindows", "stdlib_text", "synthetic_batch"]

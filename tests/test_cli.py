@@ -237,9 +237,14 @@ def test_console_user_errors_are_one_message(args: list[str], message: str, caps
          r"Unknown lightning_hbm precision mode 'nf5'\. Did you mean 'nf4'\? Valid modes: "),
         ("trainer: {precision: nf4-dq, plugins: [{class_path: QuantizedPrecision, init_args: {mode: nf4}}]}",
          r"trainer\.precision='nf4-dq' and the plugin QuantizedPrecision both set the precision: keep one\. "),
+        ("trainer:\n  max_steps: 1\n  callbacks: [{class_path: LoRA, init_args: {r: 4}\nmodel: {}\n",
+         r"\S*config\.yaml:4:1: did not find expected ',' or '\}' \(while parsing a flow mapping that starts at line 3, "
+         r"column 15\)\. Fix the YAML syntax there\.$"),
+        ("trainer:\n  callbacks:\n    - class_path: lightning_hbm.LoRA\n      init_args:\n        r: eight\n",
+         r"\S*config\.yaml:5: trainer\.callbacks: LoRA init_args\.r: Expected an int\. Got value: eight$"),
     ],
     ids=["lora-init-arg", "profiler-init-arg", "trainer-key", "top-key", "model-init-arg", "class-name", "precision",
-         "plugin-mode", "precision-and-plugin"],
+         "plugin-mode", "precision-and-plugin", "yaml-syntax-file-line-column", "init-arg-value-file-line-field"],
 )  # fmt: skip
 def test_yaml_mistakes_are_one_line_with_close_matches(tmp_path: Path, yaml_text: str, message: str, capsys: pytest.CaptureFixture) -> None:
     config = tmp_path / "config.yaml"
@@ -250,6 +255,13 @@ def test_yaml_mistakes_are_one_line_with_close_matches(tmp_path: Path, yaml_text
     lines = [ln for ln in err.splitlines() if ln.startswith("lightning-hbm: error: ")]
     assert len(lines) == 1 and err.strip().endswith(lines[0]), err
     assert re.match(r"lightning-hbm: error: " + message, lines[0]), lines[0]
+
+
+def test_wrong_init_arg_value_on_the_command_line_names_the_field(capsys: pytest.CaptureFixture) -> None:
+    callbacks = "--trainer.callbacks=[{class_path: lightning_hbm.LoRA, init_args: {r: eight}}]"
+    assert main(["fit", callbacks, "--trainer.logger=false"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "lightning-hbm: error: trainer.callbacks: LoRA init_args.r: Expected an int. Got value: eight", last
 
 
 def test_parse_errors_raise_config_error_in_process(tmp_path: Path) -> None:

@@ -28,3 +28,28 @@ def test_floors_come_from_one_file_that_pyproject_reads() -> None:
 def test_unknown_dependency_is_a_clear_error() -> None:
     with pytest.raises(KeyError, match=r"transformers is not a core dependency of lightning_hbm"):
         requirement("transformers")
+
+
+def test_lightning_floor_loads_checkpoints_without_running_their_pickle(tmp_path: Path) -> None:
+    """lightning>=2.6 with torch>=2.6: a checkpoint whose pickle would run code is refused, not run."""
+    import inspect
+    import pickle
+
+    import lightning
+    import torch
+    from lightning.fabric.utilities.cloud_io import _load
+    from packaging.version import Version
+
+    assert requirement("lightning") == "lightning>=2.6" and requirement("torch") == "torch>=2.6"
+    assert Version(lightning.__version__) >= Version("2.6") and Version(torch.__version__.split("+")[0]) >= Version("2.6")
+    assert inspect.signature(_load).parameters["weights_only"].default is None  # 2.4/2.5: False
+
+    class Payload:
+        def __reduce__(self) -> tuple:
+            return (exec, ("import pathlib; pathlib.Path(%r).write_text('ran')" % str(tmp_path / "pwned"),))
+
+    path = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "payload": Payload()}, path)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        _load(path)  # what Trainer.fit(ckpt_path=...) calls, weights_only left to torch
+    assert not (tmp_path / "pwned").exists()

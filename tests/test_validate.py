@@ -86,3 +86,14 @@ def test_every_argument_is_type_checked(cls: type, name: str, value: Any) -> Non
 )
 def test_right_types_are_accepted(cls: type, kwargs: dict[str, Any]) -> None:
     cls(**kwargs)
+
+
+def test_a_sequence_hint_takes_any_sequence_but_not_a_str() -> None:
+    from collections.abc import Sequence
+
+    assert _ok(range(0, 100, 10), Sequence[int]) and _ok((1, 2), Sequence[int]) and _ok([1], Sequence[int])
+    assert not _ok("13", Sequence[int]) and not _ok(b"13", Sequence[int]) and not _ok(iter([1]), Sequence[int])
+    assert not _ok(range(3), list[int])  # a list hint still asks for a list (or tuple)
+    assert L.HBMProfiler(detailed_steps=range(0, 30, 10)).detailed_steps == {0, 10, 20}
+    with pytest.raises(TypeError, match=r"HBMProfiler\(detailed_steps='13'\): wrong type str; pass a list of ints"):
+        L.HBMProfiler(detailed_steps="13")

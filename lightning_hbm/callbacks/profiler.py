@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
@@ -338,9 +339,25 @@ class HBMProfiler(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._every = self.every_n_steps or max(int(trainer.log_every_n_steps), 1)
         if stage == "fit":  # one report per fit: a reused instance would otherwise mix two runs' rows
+            self._check_directories(trainer)
             self.rows, self.modules, self.used, self.snapshot_path, self.dropped_rows = [], {}, {}, None, 0
         if self.snapshot_steps is not None and trainer.strategy.root_device.type != "cuda":
             rank_zero_warn("HBMProfiler: snapshot_steps records CUDA memory history; this run is not on CUDA, so no snapshot.")
+
+    def _check_directories(self, trainer: pl.Trainer) -> None:
+        """The report's and the checkpoints' directories must be writable: refused at fit start (before the model
+        is changed), not at the report after training or at the first checkpoint. Checked on every rank, so no
+        rank is left waiting in a collective for one that raised."""
+        _check_writable(self._dir(trainer), "HBMProfiler(dirpath=...): the report directory",
+                        "Pass a writable directory, e.g. HBMProfiler(dirpath='hbm_report').")  # fmt: skip
+        for callback in trainer.checkpoint_callbacks:
+            if not isinstance(callback, ModelCheckpoint) or (callback.save_top_k == 0 and not callback.save_last):
+                continue  # saves nothing
+            # dirpath None: ModelCheckpoint.setup (after this hook) puts it under the logger's save_dir
+            logger_dir = getattr(trainer.loggers[0], "save_dir", None) if trainer.loggers else None
+            directory = callback.dirpath or logger_dir or trainer.default_root_dir
+            _check_writable(str(directory), "ModelCheckpoint(dirpath=...): the checkpoint directory",
+                            "Pass ModelCheckpoint(dirpath=<a writable directory>) or Trainer(default_root_dir=...).")  # fmt: skip
 
     def _maybe_start_history(self, pl_module: pl.LightningModule, step: int) -> None:
         if self.snapshot_steps is None or self._recording or step != self.snapshot_steps[0]:
@@ -446,6 +463,29 @@ def run_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, A
             if callback.chosen is not None:
                 used["predicted_peak"] = int(callback.chosen.peak)
     return used
+
+
+def _check_writable(directory: str, what: str, fix: str) -> None:
+    """``ValueError`` unless ``directory`` is, or can be created as, a directory this process can write to.
+
+    Nothing is left behind: the nearest existing ancestor is checked (``os.access``, then a probe file created and
+    removed, which also catches read-only mounts and root-owned paths that ``os.access`` misjudges).
+    """
+    if "://" in directory:
+        return  # remote (fsspec) storage: no local permission to read
+    existing = os.path.abspath(os.path.expanduser(directory))
+    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{what} {directory!r} cannot be created: {existing!r} is a file, not a directory. {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {directory!r} is not writable: {existing!r} is read-only for this user. {fix}")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".hbm_write_check_", dir=existing)
+        os.close(handle)
+        os.remove(probe)
+    except OSError as err:
+        raise ValueError(f"{what} {directory!r} is not writable: creating a file in {existing!r} failed ({err}). {fix}") from err
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -59,21 +59,37 @@ def parse_bytes(value: Union[str, int, float]) -> int:
     if isinstance(value, bool):
         raise TypeError(f"A memory size must be a number of bytes or a string such as '24GiB', got {value!r}.")
     if isinstance(value, (int, float)):
-        if value <= 0 or not math.isfinite(value):
+        if not math.isfinite(value) or value <= 0:
             raise ValueError(f"A memory size must be a positive number of bytes, got {value!r}.")
-        return int(value)
+        return _whole_bytes(value, value)
     if not isinstance(value, str):
         raise TypeError(f"A memory size must be an int or a string such as '24GiB', got {type(value).__name__}.")
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(
             f"Cannot read the memory size {value!r}. Write a number and a unit, e.g. '24GiB', '80GB', '512MiB'."
         )
-    number = float(match.group(1))
+    number = float(match.group(1))  # "1e400" reads as inf: refused below, not an OverflowError from int()
     if number <= 0:
         raise ValueError(f"A memory size must be positive, got {value!r}.")
-    return int(number * _UNITS[unit])
+    return _whole_bytes(number * _UNITS[unit], value)
+
+
+#: Largest memory size accepted (1 EiB): far above any machine, small enough that a typo's 1e400 is refused.
+MAX_BYTES = 2**60
+
+
+def _whole_bytes(nbytes: float, given: Union[str, int, float]) -> int:
+    """``nbytes`` as an int, refusing sizes that are not a real amount of memory (infinite, huge, under 1 byte)."""
+    if not math.isfinite(nbytes) or nbytes > MAX_BYTES:
+        raise ValueError(
+            f"The memory size {given!r} is larger than any machine (over {MAX_BYTES:.3g} bytes = 1 EiB); "
+            "write the device's memory, e.g. '24GiB' or '80GB'."
+        )
+    if nbytes < 1:
+        raise ValueError(f"The memory size {given!r} is less than one byte; write the device's memory, e.g. '24GiB'.")
+    return int(nbytes)
 
 
 def format_bytes(nbytes: float) -> str:

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.planner.api import Plan, plan
 from lightning_hbm.planner.candidates import PLANNED_LIGHTNING_PRECISIONS, Candidate, default_candidates, format_bytes
+from lightning_hbm.planner.realvalues import MAX_TWIN_ELEMENTS
 
 
 def _class(path: str, section: str) -> type:
@@ -57,13 +58,22 @@ def plan_from_config(
         data_cls, data_args = data_section
         batch: Any = data_cls(**data_args)
     else:
-        vocab = int(model_args.get("vocab_size", 256))
-        batch = synthetic_batch(batch_size or 8, seq_len or 256, vocab_size=vocab)
+        batch = _synthetic_batch(8 if batch_size is None else batch_size, 256 if seq_len is None else seq_len, model_args)
     if candidates is None:
         precision = str((config.get("trainer") or {}).get("precision", "bf16-true"))
         precision = precision if precision in PLANNED_LIGHTNING_PRECISIONS else "bf16-true"
         candidates = default_candidates(precisions=(precision, "nf4-dq"))
     return plan(factory, batch, budget=budget, candidates=candidates, device=device)  # type: ignore[arg-type]
+
+
+def _synthetic_batch(batch_size: int, seq_len: int, model_args: dict[str, Any]) -> Any:
+    """The token batch to plan: sizes checked first (meta, nothing allocated); real only while small enough to be
+    its own twin (its values make data-dependent reads exact), shapes only above (batch_size=10**6 plans too)."""
+    vocab = int(model_args.get("vocab_size", 256))
+    batch = synthetic_batch(batch_size, seq_len, vocab_size=vocab, device="meta")
+    if batch_size * (seq_len + 1) <= MAX_TWIN_ELEMENTS:
+        batch = synthetic_batch(batch_size, seq_len, vocab_size=vocab)
+    return batch
 
 
 def print_plan(result: Plan) -> None:

@@ -207,6 +207,70 @@ def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: st
         HBMProfiler(**kwargs)
 
 
+def test_detailed_steps_takes_any_sequence_of_ints() -> None:
+    assert HBMProfiler(detailed_steps=range(0, 30, 10)).detailed_steps == {0, 10, 20}
+    with pytest.raises(TypeError, match=r"detailed_steps='13'\): wrong type str; pass a list of ints"):
+        HBMProfiler(detailed_steps="13")  # a str is a Sequence to Python, and would mean steps 1 and 3
+    with pytest.raises(TypeError, match=r"detailed_steps=\[1, 'a'\]\): element 'a' is a str; pass a list of ints"):
+        HBMProfiler(detailed_steps=[1, "a"])
+
+
+class _StepCounter(pl.Callback):
+    """Counts the training steps that ran (a path error must come before the first)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.steps += 1
+
+
+def test_report_dir_under_a_file_is_refused_at_fit_start(
+    gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer], tmp_path: Path
+) -> None:
+    (tmp_path / "a_file").write_text("x")
+    bad = tmp_path / "a_file" / "report"
+    counter = _StepCounter()
+    trainer = trainer_factory(callbacks=[HBMProfiler(dirpath=str(bad), summary=False), counter])
+    match = r"HBMProfiler\(dirpath=...\): the report directory '.*a_file/report' cannot be created: '.*a_file' is a file, not a directory. Pass a writable directory"
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(gpt_factory(), datamodule_factory())
+    assert counter.steps == 0  # refused before the first step, not at the report after training
+
+
+def test_read_only_checkpoint_dir_is_refused_at_fit_start(
+    gpt_factory: Callable[..., NanoGPT], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer],
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_hbm.callbacks import profiler as profiler_module
+
+    read_only = tmp_path / "ckpts"
+    read_only.mkdir()
+    real_access = profiler_module.os.access
+    # root (CI containers) may write anywhere: os.access is what says "read-only" for this user
+    monkeypatch.setattr(profiler_module.os, "access", lambda path, mode: real_access(path, mode) and Path(path) != read_only)
+    counter = _StepCounter()
+    checkpoint = ModelCheckpoint(dirpath=str(read_only), every_n_train_steps=1)
+    trainer = trainer_factory(callbacks=[HBMProfiler(dirpath=str(tmp_path / "report"), summary=False), counter, checkpoint], enable_checkpointing=True)
+    with pytest.raises(ValueError, match=r"ModelCheckpoint\(dirpath=...\): the checkpoint directory '.*ckpts' is not writable: '.*ckpts' is read-only for this user"):
+        trainer.fit(gpt_factory(), datamodule_factory())
+    assert counter.steps == 0 and not list(read_only.iterdir())
+
+
+def test_write_probe_catches_what_os_access_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_hbm.callbacks import profiler as profiler_module
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(profiler_module.tempfile, "mkstemp", refuse)  # a read-only mount: access() may say yes
+    with pytest.raises(ValueError, match=r"the dir '.*new' is not writable: creating a file in '.*' failed \(\[Errno 30\] Read-only file system\). Fix."):
+        profiler_module._check_writable(str(tmp_path / "new"), "the dir", "Fix.")
+    assert not (tmp_path / "new").exists()  # the check creates nothing
+
+
 def test_cli_parses_the_callback() -> None:
     from jsonargparse import ArgumentParser
 

@@ -189,6 +189,67 @@ def test_parse_bytes() -> None:
         parse_bytes(True)
 
 
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("1e400GiB", r"The memory size '1e400GiB' is larger than any machine \(over 1.15e\+18 bytes = 1 EiB\); write the"),
+        (float("1e30"), r"The memory size 1e\+30 is larger than any machine"),
+        ("0.0000001B", r"The memory size '0.0000001B' is less than one byte; write the device's memory, e.g. '24GiB'"),
+        (0.5, r"The memory size 0.5 is less than one byte"),
+    ],
+)
+def test_budgets_that_are_not_an_amount_of_memory_are_refused(value: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_bytes(value)
+    assert parse_bytes("1.5e3MiB") == 1500 * 2**20 and parse_bytes("2E0 GiB") == 2 * 2**30  # exponents of any case
+
+
+class _CountedLlama(LlamaLM):
+    """LlamaLM that counts its constructions: a size error must come before the model is built."""
+
+    built = 0
+
+    def __init__(self, **kwargs: Any) -> None:
+        type(self).built += 1
+        super().__init__(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "match"),
+    [
+        (dict(batch_size=10**12), r"batch_size=1000000000000 x seq_len=256 is 1.87e\+03 TiB of tokens alone, more than any "
+                                  r"accelerator holds \(limit 1 TiB\); give the per-device batch, e.g. batch_size=8"),
+        (dict(seq_len=10**12), r"batch_size=8 x seq_len=1000000000000 is 58.2 TiB of tokens alone"),
+        (dict(batch_size=0), r"batch_size must be an int >= 1, got 0; e.g. batch_size=8"),
+        (dict(seq_len=True), r"seq_len must be an int >= 1, got True"),
+    ],
+)
+def test_absurd_batch_sizes_are_refused_before_anything_is_built(sizes: dict[str, Any], match: str) -> None:
+    from lightning_hbm.planner.config import plan_from_config
+
+    _CountedLlama.built = 0
+    with pytest.raises(ValueError, match=match):
+        plan_from_config({"model": {"class_path": f"{__name__}._CountedLlama"}}, candidates=[Candidate("32-true")], **sizes)
+    assert _CountedLlama.built == 0
+
+
+def test_large_planned_batch_allocates_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above the planner's real twins the synthetic batch is meta: its bytes are counted, never allocated."""
+    from lightning_hbm.planner import config as planner_config
+
+    seen = []
+    monkeypatch.setattr(planner_config, "plan", lambda factory, batch, **kw: seen.append(batch))
+    planner_config.plan_from_config({"model": {"class_path": "LlamaLM"}}, candidates=[Candidate("32-true")], batch_size=2**20, seq_len=2**14)
+    assert seen[0][0].device.type == "meta" and seen[0][0].shape == (2**20, 2**14)
+    planner_config.plan_from_config({"model": {"class_path": "LlamaLM"}}, candidates=[Candidate("32-true")], batch_size=2, seq_len=16)
+    assert seen[1][0].device.type == "cpu"  # small: real values keep data-dependent reads exact
+    # a meta batch predicts what the real one does
+    factory = partial(LlamaLM, **TINY_LLAMA)
+    real = predict(factory, synthetic_batch(2, 16), Candidate("32-true"))
+    meta = predict(factory, synthetic_batch(2, 16, device="meta"), Candidate("32-true"))
+    assert meta.categories == real.categories
+
+
 def test_bad_input_errors(gpt_factory: Callable[..., NanoGPT]) -> None:
     with pytest.raises(ValueError, match=r"Candidate precision 'fp3' is unknown.*'nf4-dq'"):
         Candidate("fp3")
