@@ -14,36 +14,43 @@ is written in two parts:
   deliberately left out (``omitted``: the frozen base of an adapter-only LoRA checkpoint), a
   fingerprint of each omitted tensor taken before quantization, the configuration of the precision
   plugin and of every transform (``configs``), the format ``version``, a CRC32 of every tensor in
-  the whole checkpoint, optimizer states and loops included (``checksums``, by :func:`seal`), and a
-  SHA-256 ``digest`` of this part itself (so a flipped bit in the table cannot turn the checks off).
+  the whole checkpoint, optimizer states and loops included (``checksums``, by :func:`seal`), a SHA-256
+  of every other top-level entry with all its values (``values``: loop progress, epoch, learning rates,
+  scheduler and callback states; tensors in it by shape and dtype, their bytes by the CRCs), and a
+  SHA-256 ``digest`` of this part itself (so a flipped bit in the tables cannot turn the checks off).
 
 Saves go through :class:`CheckedCheckpointIO`: sealed last, refused if a trained tensor is NaN/inf,
 written atomically beside the target. On resume, before the first change: the structure and version of
-the lightning_hbm part, its digest, and every tensor against its CRC (``torch.load`` does not verify the
-zip CRC of tensor data, so flipped bytes would load silently); the configurations must be equal, and the
+the lightning_hbm part, its digest, every other value against its entry's SHA-256, and every tensor against
+its CRC (``torch.load`` does not verify the zip CRC of tensor data, so flipped bytes would load silently); the
+pickled metadata is bounded in size and must match its zip CRC before torch unpickles it; the configurations must be equal, and the
 omitted base must have the fingerprint of the base the adapters were trained on. After the surgery the
 changed tensors are loaded and every key of the changed model must come from the checkpoint or from an
 omitted (fingerprinted) base weight. Version-1 checkpoints (weights-only CRCs, 64-sample fingerprints,
-no digest) still load, with a warning.
+no digest) and version-2 ones (no ``values``) still load, with a warning.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import warnings
 import zipfile
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_hbm.layers import converted_keys
 
-FORMAT_VERSION = 2  # 2: every tensor checksummed, the lightning_hbm part sealed by a digest, stronger fingerprints
+# 2: every tensor checksummed, the lightning_hbm part sealed by a digest, stronger fingerprints; 3: every value too
+FORMAT_VERSION = 3
 META_KEY = "lightning_hbm"
 # Fingerprints (of the frozen base, before quantization, on every fit): every byte of tensors up to 16 MiB
 # (all of a 135M model's but its embedding), else exact row and column sums over all elements plus 4096 samples,
@@ -321,20 +328,43 @@ def tensor_entries(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in entries.items() if not is_placeholder(v) and _plain(v)}
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def _canonical_form(value: Any) -> Any:
+    """A form of ``value`` that is equal after a save and a load (tensors by shape and dtype: their bytes are CRC'd)."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), str(value.dtype))  # its bytes are in the checksums
+        return ("tensor", tuple(value.shape), str(value.dtype))
     if isinstance(value, dict):
         return sorted((repr(k), _canonical_form(v)) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return [_canonical_form(v) for v in value]
-    return repr(value)
+    if isinstance(value, (set, frozenset)):  # iteration order of a set of str changes from process to process
+        return ("set", sorted(repr(_canonical_form(v)) for v in value))
+    if isinstance(value, (str, bytes, int, float, complex, type(None))) or not hasattr(value, "__dict__"):
+        return _ADDRESS.sub("", repr(value))
+    return (type(value).__qualname__, _canonical_form(vars(value)))  # an allow-listed object: its attributes
+
+
+def _sha(value: Any) -> str:
+    return hashlib.sha256(repr(_canonical_form(value)).encode()).hexdigest()
+
+
+# Lightning's checkpoint migration rewrites the version of a file saved by another Lightning (and keeps the old one)
+_PL_VERSION, _PL_LEGACY = "pytorch-lightning_version", "legacy_pytorch-lightning_version"
+
+
+def value_digests(checkpoint: dict[str, Any]) -> dict[str, str]:
+    """SHA-256 of every top-level entry but the lightning_hbm part, with all its values (ints, floats, strings)."""
+    entries = {str(k): v for k, v in checkpoint.items() if k != META_KEY}
+    if _PL_LEGACY in entries:  # migrated after the load: compare what the file held
+        entries[_PL_VERSION] = entries.pop(_PL_LEGACY)
+    return {k: _sha(v) for k, v in entries.items()}
 
 
 def meta_digest(meta: dict[str, Any]) -> str:
     """SHA-256 of the lightning_hbm part (settings, omitted keys, fingerprints, checksum table), tensors by shape."""
-    sealed = {k: v for k, v in meta.items() if k not in ("state_dict", "digest")}
-    return hashlib.sha256(repr(_canonical_form(sealed)).encode()).hexdigest()
+    return _sha({k: v for k, v in meta.items() if k not in ("state_dict", "digest")})
 
 
 def seal(checkpoint: dict[str, Any]) -> None:
@@ -347,6 +377,7 @@ def seal(checkpoint: dict[str, Any]) -> None:
     meta.pop(_VERIFIED_KEY, None)
     meta["version"] = FORMAT_VERSION
     meta["checksums"] = {k: c for k, c in ((k, checksum(v)) for k, v in tensor_entries(checkpoint).items()) if c is not None}
+    meta["values"] = value_digests(checkpoint)
     meta["digest"] = meta_digest(meta)
 
 
@@ -372,6 +403,8 @@ def validate_meta(meta: Any, path: Any) -> None:
         "state_dict": dict, "placeholders": list, "omitted": list, "fingerprints": dict, "configs": dict,
         "checksums": dict, "digest": str,
     }
+    if version >= 3:
+        shapes["values"] = dict
     required = [k for k in shapes if version >= 2 or k != "digest"]
     for key in required:
         if not isinstance(meta.get(key), shapes[key]):
@@ -383,10 +416,13 @@ def validate_meta(meta: Any, path: Any) -> None:
     lists = {k: meta[k] for k in ("placeholders", "omitted")}
     if any(not isinstance(item, str) for items in lists.values() for item in items) or any(
         not isinstance(v, int) for v in meta["checksums"].values()
-    ) or any(not isinstance(v, dict) for v in meta["configs"].values()):
+    ) or any(not isinstance(v, dict) for v in meta["configs"].values()) or any(
+        not isinstance(v, str) for v in meta.get("values", {}).values()
+    ):
         raise ValueError(
             f"Checkpoint {path} is damaged: its {META_KEY!r} part holds entries of the wrong type (key names must be "
-            "strings, checksums integers, settings dicts). Resume from another checkpoint; nothing was loaded."
+            "strings, checksums integers, settings dicts, value digests strings). Resume from another checkpoint; "
+            "nothing was loaded."
         )
 
 
@@ -411,6 +447,7 @@ def verify(checkpoint: dict[str, Any], path: Any) -> None:
     else:
         if meta_digest(meta) != meta["digest"]:
             raise _damaged(path, f"its {META_KEY!r} part (settings, fingerprints, checksum table) does not match its digest")
+        _check_values(checkpoint, meta, path)
         entries = tensor_entries(checkpoint)
     for key, value in entries.items():
         if key not in sums:
@@ -418,6 +455,27 @@ def verify(checkpoint: dict[str, Any], path: Any) -> None:
         if checksum(value) != sums[key]:
             raise _damaged(path, f"tensor {key!r} does not match the checksum written with it")
     meta[_VERIFIED_KEY] = _VERIFIED
+
+
+def _check_values(checkpoint: dict[str, Any], meta: dict[str, Any], path: Any) -> None:
+    """Every value outside the tensors' bytes (loop progress, epoch, learning rates, ...) as written (version 3)."""
+    if meta["version"] < 3:
+        warnings.warn(
+            f"Checkpoint {path} has lightning_hbm format version 2: its tensors and settings are checked, but its loop "
+            "progress, epoch, learning rates and other non-tensor values carry no checksum. Save again with this "
+            "version to have them checked.",
+            stacklevel=3,
+        )
+        return
+    saved, now = meta["values"], value_digests(checkpoint)
+    for key in sorted(set(saved) | set(now)):
+        if key not in now:
+            raise _damaged(path, f"its entry {key!r} is missing")
+        if key not in saved:
+            raise _damaged(path, f"it holds an entry {key!r} that was not written with it")
+        if saved[key] != now[key]:
+            raise _damaged(path, f"the values of its entry {key!r} (e.g. loop progress, epoch, learning rates, key names) "
+                                 "do not match the digest written with them")
 
 
 def is_verified(meta: Any) -> bool:
@@ -428,9 +486,16 @@ def is_verified(meta: Any) -> bool:
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 
 
+#: the largest pickled metadata (``data.pkl``) :func:`check_file` lets torch unpickle: a real checkpoint's holds key
+#: names, settings and loop counters (tensors are stored apart), a few MiB for the largest models; junk above it
+#: would cost about twice its size in memory before torch's unpickler fails
+MAX_PICKLE_BYTES = 64 << 20
+
+
 def check_file(path: Any) -> None:
     """A clear error for a checkpoint path that is a directory, or a file that is empty or cut short (torch says
-    EOFError / Errno 22 / IsADirectoryError). A complete file in torch's legacy (non-zip) format passes: it loads."""
+    EOFError / Errno 22 / IsADirectoryError), and for a zip whose pickled metadata is too large or does not match
+    its zip CRC (flipped bytes). A complete file in torch's legacy (non-zip) format passes: it loads."""
     if path is None:
         return
     try:
@@ -448,6 +513,7 @@ def check_file(path: Any) -> None:
     if size == 0:
         raise ValueError(f"Checkpoint {path} is empty (0 bytes): the save was interrupted. Resume from another checkpoint.")
     if zipfile.is_zipfile(file):
+        _check_pickle(file, path)
         return
     with open(file, "rb") as handle:
         if handle.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC:
@@ -457,6 +523,40 @@ def check_file(path: Any) -> None:
         "nor torch's legacy format): the file was cut short, e.g. by a kill during save or a full disk, or it is "
         "not a checkpoint. Resume from another checkpoint."
     )
+
+
+def _check_pickle(file: Path, path: Any) -> None:
+    """Refuse, from the zip's central directory alone, a ``data.pkl`` above :data:`MAX_PICKLE_BYTES`; then check it
+    against its zip CRC (torch's reader does not), so a flipped byte never reaches the unpickler."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            pickles = [i for i in archive.infolist() if i.filename.count("/") == 1 and i.filename.endswith("/data.pkl")]
+            for info in pickles:
+                if info.file_size > MAX_PICKLE_BYTES or info.compress_size > MAX_PICKLE_BYTES:
+                    raise ValueError(
+                        f"Checkpoint {path} is damaged or not a checkpoint: its pickled metadata ({info.filename}) is "
+                        f"{max(info.file_size, info.compress_size) / 2**20:.0f} MiB, above the "
+                        f"{MAX_PICKLE_BYTES / 2**20:.0f} MiB a checkpoint's metadata needs (its tensors are stored "
+                        "apart); it was refused unread. Resume from another checkpoint (to read such a file anyway, "
+                        "raise lightning_hbm.resume.MAX_PICKLE_BYTES)."
+                    )
+                if info.CRC:  # 0: written without CRCs (torch.serialization.set_crc32_options(False))
+                    with archive.open(info) as member:
+                        while member.read(1 << 20):
+                            pass
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, RuntimeError) as err:
+        raise _damaged(path, f"its zip archive does not read back ({err})") from None
+
+
+def _unreadable(path: Any, err: Exception) -> ValueError:
+    """torch's unpickler failing on a file that passed :func:`check_file`: one clear error instead of its raw one."""
+    detail = " ".join(str(err).split())[:300]
+    if "Weights only load failed" in str(err):
+        what = (f"it holds an object that torch's safe loader refuses to build (Weights only load failed: {detail}); "
+                "a file that would run code is never loaded")
+    else:
+        what = f"its pickled metadata does not load ({type(err).__name__}: {detail})"
+    return _damaged(path, what)
 
 
 # key parts only a changed model writes: peft's adapters here; each quantized format adds the keys of its constants
@@ -487,6 +587,90 @@ def check_layout(checkpoint: Any, path: Any, model_keys: Iterable[str] = ()) -> 
             "Start a new run from its weights instead: load them into your model yourself (model.load_state_dict("
             "torch.load(path, weights_only=True)['state_dict'], strict=False)) and call fit without ckpt_path."
         )
+
+
+# checks of entries of the lightning_hbm part that levels above this one write (the smoothing exponents): each gets
+# (meta, path, module as it is when the file is loaded) and raises a ValueError naming the file
+_META_CHECKS: list[Callable[[dict[str, Any], Any, nn.Module], None]] = []
+
+
+def register_meta_check(check: Callable[[dict[str, Any], Any, nn.Module], None]) -> None:
+    """Make :func:`check_contents` run ``check`` on the lightning_hbm part of every checkpoint loaded into a model."""
+    if check not in _META_CHECKS:
+        _META_CHECKS.append(check)
+
+
+def _is_changed(keys: Iterable[str]) -> bool:
+    return any(mark in key for key in keys for mark in _CHANGED_MARKS)
+
+
+def _owners(module: nn.Module) -> tuple[set[str], set[str]]:
+    """Names of all modules, and of those holding tensors of their own (the layers a changed tensor can belong to)."""
+    names, holders = set(), set()
+    for name, sub in module.named_modules(remove_duplicate=False):
+        names.add(name)
+        if next(sub.parameters(recurse=False), None) is not None or next(sub.buffers(recurse=False), None) is not None:
+            holders.add(name)
+    return names, holders
+
+
+def stray_keys(checkpoint: dict[str, Any], module: nn.Module) -> list[str]:
+    """Tensors of ``checkpoint`` that no layer of ``module`` can take: ``state_dict`` keys a model as built lacks
+    (Lightning's strict load), and changed tensors (adapters, 4-bit constants) under no layer holding tensors."""
+    model_keys = module.state_dict().keys()
+    stray = []
+    # a model's own on_load_checkpoint runs before Lightning's strict load and may rename or drop keys (a migration)
+    migrates = isinstance(module, pl.LightningModule) and is_overridden("on_load_checkpoint", module, pl.LightningModule)
+    if getattr(module, "strict_loading", True) and not migrates and not _is_changed(model_keys):
+        stray = [k for k in checkpoint.get("state_dict", {}) if k not in model_keys]
+    meta = checkpoint.get(META_KEY)
+    if isinstance(meta, dict) and isinstance(meta.get("state_dict"), dict):
+        names, holders = _owners(module)
+        # by its own name (into a changed model: x.base_layer) or its as-built one (into the model as built: x)
+        stray += [k for k in meta["state_dict"] if not any(_owner(f, names) in holders for f in _forms(str(k)))]
+    return stray
+
+
+# peft's copy of a module trained in full (modules_to_save, possibly a container): x.modules_to_save.default.0.weight
+_SAVED_COPY = re.compile(r"\.(?:modules_to_save\.[^.]+|original_module)\.")
+
+
+def _forms(key: str) -> tuple[str, ...]:
+    return key, _canonical(key), _SAVED_COPY.sub(".", _canonical(key))
+
+
+def _owner(key: str, names: set[str]) -> str:
+    """The deepest module of ``names`` that ``key`` lies under (``""``: the root)."""
+    parts = key.split(".")
+    return next((p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in names), "")
+
+
+def check_contents(checkpoint: Any, path: Any, module: Optional[nn.Module], resumes_training: bool) -> None:
+    """Before Lightning loads anything from ``checkpoint``: a file holding no dict, a weights-only file given to
+    ``fit(ckpt_path=...)``, tensors that fit no layer of ``module`` (one short message, not Lightning's list of
+    every key) and the registered checks of the lightning_hbm part (:func:`register_meta_check`)."""
+    if not isinstance(checkpoint, dict):
+        raise _damaged(path, f"it holds a {type(checkpoint).__name__}, not the dict of a Lightning checkpoint")
+    lacking = [k for k in ("optimizer_states", "lr_schedulers") if k not in checkpoint]
+    if resumes_training and lacking:
+        raise ValueError(
+            f"Checkpoint {path} holds only weights (no {' / '.join(lacking)}: saved with ModelCheckpoint("
+            "save_weights_only=True) or trainer.save_checkpoint(..., weights_only=True)): fit(ckpt_path=...) resumes a "
+            "whole training state and cannot start from it; nothing was loaded. Resume from a full checkpoint (e.g. "
+            "last.ckpt), or use these weights with trainer.validate/test/predict(model, ckpt_path=...)."
+        )
+    if module is None:
+        return
+    stray = stray_keys(checkpoint, module)
+    if stray:
+        raise ValueError(
+            f"Checkpoint {path} holds {len(stray)} tensor(s) that fit no layer of this model (first: {stray[:5]}): it "
+            "was saved from another model or edited. Build the model of the run that saved it; nothing was loaded."
+        )
+    meta = checkpoint.get(META_KEY)
+    if isinstance(meta, dict):
+        for check in _META_CHECKS:
+            check(meta, path, module)
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -674,10 +858,19 @@ class CheckedCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
         check_file(path)
-        checkpoint = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        try:
+            checkpoint = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        except OSError:
+            raise  # a missing file, no permission, a remote store: as the IO says
+        except Exception as err:  # flipped bytes reach torch's unpickler as any of a dozen exception types
+            raise _unreadable(path, err) from err
         module = getattr(self.trainer, "lightning_module", None)
-        check_layout(checkpoint, path, module.state_dict().keys() if module is not None else ())
-        verify(checkpoint, path)  # before Lightning loads anything from it
+        if isinstance(checkpoint, dict):
+            check_layout(checkpoint, path, module.state_dict().keys() if module is not None else ())
+            verify(checkpoint, path)  # before Lightning loads anything from it
+        state = getattr(self.trainer, "state", None)
+        fitting = getattr(state, "fn", None) == "fit" and getattr(self.trainer.strategy, "lightning_restore_optimizer", True)
+        check_contents(checkpoint, path, module, fitting)
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:

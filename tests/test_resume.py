@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -257,7 +260,7 @@ def test_smoothing_shifts_and_every_other_tensor_of_the_lightning_hbm_part_are_c
         (lambda m: m["configs"]["LoRA"].update(alpha=32.0), r"does not match its digest"),
         (lambda m: m["checksums"].pop(next(iter(m["state_dict"]))) and m.update(digest=resume.meta_digest(m)), r"has no checksum"),
         (lambda m: m.pop("digest"), r"\['digest'\] is missing, expected a str"),
-        (lambda m: m.update(version=99), r"format version 99; this lightning_hbm reads versions 1 to 2.*upgrade"),
+        (lambda m: m.update(version=99), r"format version 99; this lightning_hbm reads versions 1 to 3.*upgrade"),
         (lambda m: m.update(version="2"), r"format version '2'"),
         (lambda m: m.update(checksums="abc"), r"\['checksums'\] is str, expected a dict"),
         (lambda m: m.update(omitted=[1, 2]), r"entries of the wrong type"),
@@ -457,3 +460,257 @@ def test_a_malicious_pickle_does_not_run_through_any_load_path(saved: Path, tmp_
     with pytest.raises(Exception, match=r"Weights only load failed"):
         CheckedCheckpointIO().load_checkpoint(path)
     assert not marker.exists()
+
+
+# ------------------------------------------------------ 8. every value covered, every damaged file one clear error
+
+
+def _reseal(checkpoint: dict[str, Any], path: Path) -> Path:
+    """What an editor that knows the format does: change the file, then write fresh checksums and digests."""
+    resume.seal(checkpoint)
+    torch.save(checkpoint, path)
+    return path
+
+
+def _first_int(value: Any, where: str = "") -> tuple[str, Any, Any]:
+    """``(path, container, key)`` of the first int (not a bool) in a nested dict/list."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if type(item) is int:
+            return f"{where}/{key}", value, key
+        if isinstance(item, (dict, list)):
+            found = _first_int(item, f"{where}/{key}")
+            if found[1] is not None:
+                return found
+    return where, None, None
+
+
+def _set_loop_progress(c: dict[str, Any]) -> None:
+    progress = c["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+    progress["completed"] += 2  # 2 steps done -> 4: a resume would train 2 steps fewer, without a word
+
+
+EDITS = {
+    "loop progress": (_set_loop_progress, "loops"),
+    "first int of the loops": (lambda c: (lambda _, d, k: d.__setitem__(k, d[k] ^ 1))(*_first_int(c["loops"])), "loops"),
+    "epoch": (lambda c: c.update(epoch=c["epoch"] + 1), "epoch"),
+    "global step": (lambda c: c.update(global_step=c["global_step"] ^ 4), "global_step"),
+    "learning rate": (lambda c: c["optimizer_states"][0]["param_groups"][0].update(lr=0.5), "optimizer_states"),
+    "scheduler state": (lambda c: c["lr_schedulers"].append({"last_epoch": 3}), "lr_schedulers"),
+    "a string": (lambda c: c.update({"pytorch-lightning_version": "9.9.9"}), "pytorch-lightning_version"),
+    "a state_dict key": (lambda c: c["state_dict"].update(junk=torch.zeros(1)), "state_dict"),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_every_value_is_covered_not_only_tensors(saved: Path, edit: str) -> None:
+    checkpoint = _load(saved)
+    change, entry = EDITS[edit]
+    change(checkpoint)
+    with pytest.raises(ValueError, match=rf"adapter.ckpt is damaged: the values of its entry '{entry}'.*do not match"):
+        resume.verify(checkpoint, saved)
+
+
+def test_an_entry_added_or_removed_is_found(saved: Path) -> None:
+    checkpoint = _load(saved)
+    checkpoint["extra"] = 1
+    with pytest.raises(ValueError, match=r"adapter.ckpt is damaged: it holds an entry 'extra' that was not written"):
+        resume.verify(checkpoint, saved)
+    checkpoint = _load(saved)
+    del checkpoint["loops"]
+    with pytest.raises(ValueError, match=r"adapter.ckpt is damaged: its entry 'loops' is missing"):
+        resume.verify(checkpoint, saved)
+
+
+def test_a_flipped_loop_counter_stops_the_resume_before_any_change(saved: Path, tmp_path: Path, snapshot: Callable) -> None:
+    checkpoint = _load(saved)
+    _set_loop_progress(checkpoint)
+    path = tmp_path / "loops.ckpt"
+    torch.save(checkpoint, path)
+    model = _gpt()
+    before = snapshot(model)
+    trainer = _lora_trainer(max_steps=4)
+    with pytest.raises(ValueError, match=r"loops.ckpt is damaged: the values of its entry 'loops'"):
+        trainer.fit(model, _data(), ckpt_path=path)
+    assert snapshot(model) == before and trainer.global_step == 0
+
+
+def test_a_version_2_checkpoint_still_resumes_with_a_warning(saved: Path, tmp_path: Path) -> None:
+    checkpoint = _load(saved)
+    meta = checkpoint["lightning_hbm"]
+    del meta["values"]
+    meta.update(version=2)
+    meta["digest"] = resume.meta_digest(meta)
+    path = tmp_path / "v2.ckpt"
+    torch.save(checkpoint, path)
+    trainer = _lora_trainer(max_steps=3)
+    with pytest.warns(UserWarning, match=r"format version 2: its tensors and settings are checked, but its loop progress"):
+        trainer.fit(_gpt(), _data(), ckpt_path=path)
+    assert trainer.global_step == 3
+
+
+def _pickle_span(path: Path) -> tuple[int, int]:
+    """Offset and size of the bytes of ``data.pkl`` inside the zip file ``path``."""
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/data.pkl"))
+    with open(path, "rb") as file:
+        file.seek(info.header_offset)
+        header = file.read(30)
+    name, extra = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name + extra, info.file_size
+
+
+def _rezip(path: Path, edit: Callable[[bytes], bytes], target: Path) -> Path:
+    """``path`` written again with ``edit(data.pkl)`` and correct zip CRCs (an editor, or a copy tool that re-zips)."""
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as out:
+        for info in source.infolist():
+            data = source.read(info)
+            out.writestr(info.filename, edit(data) if info.filename.endswith("/data.pkl") else data)
+    return target
+
+
+RAW = (UnicodeDecodeError, TypeError, IndexError, KeyError, AttributeError, EOFError, RuntimeError)
+
+
+def _flip(data: bytes, rng: random.Random) -> bytes:
+    damaged = bytearray(data)
+    damaged[rng.randrange(len(damaged))] ^= rng.randrange(1, 256)
+    return bytes(damaged)
+
+
+def _outcome(path: Path, original: dict[str, Any]) -> str:
+    """What loading ``path`` through lightning_hbm's IO does: one clear error, or the original checkpoint exactly."""
+    try:
+        loaded = CheckedCheckpointIO().load_checkpoint(path)
+    except ValueError as err:
+        assert not isinstance(err, RAW) and f"Checkpoint {path} is damaged" in str(err), err
+        return str(err).split(" is damaged", 1)[1][:60]
+    # a flip the unpickler never reads back (e.g. the number a memo slot is stored under): the very same contents
+    assert resume.value_digests(loaded) == resume.value_digests(original)
+    assert loaded["lightning_hbm"]["checksums"] == original["lightning_hbm"]["checksums"]
+    return "same contents"
+
+
+def test_24_random_byte_flips_inside_the_pickle_are_each_one_clear_error(saved: Path, tmp_path: Path) -> None:
+    rng = random.Random(34)
+    start, size = _pickle_span(saved)
+    original, checkpoint = saved.read_bytes(), _load(saved)
+    in_place, rezipped = [], []
+    for i in range(24):
+        flipped = _flip(original[start : start + size], rng)
+        path = tmp_path / f"in-place-{i}.ckpt"
+        path.write_bytes(original[:start] + flipped + original[start + size :])
+        in_place.append(_outcome(path, checkpoint))
+        # the same flip under a correct zip CRC: the unpickler, the digests and the CRCs must catch it
+        rezipped.append(_outcome(_rezip(saved, lambda _: flipped, tmp_path / f"rezipped-{i}.ckpt"), checkpoint))
+    assert all("zip archive does not read back (Bad CRC-32" in o for o in in_place), in_place
+    assert sum(o != "same contents" for o in rezipped) >= 20, rezipped
+
+
+def test_a_flip_that_unpickles_into_another_error_is_wrapped(saved: Path, tmp_path: Path) -> None:
+    # flips that break torch's unpickler itself (checked one by one above, here one of each raw type)
+    path = _rezip(saved, lambda data: data[: len(data) // 2], tmp_path / "half-pickle.ckpt")
+    with pytest.raises(ValueError, match=r"half-pickle.ckpt is damaged: its pickled metadata does not load \(\w+"):
+        CheckedCheckpointIO().load_checkpoint(path)
+
+
+def test_an_oversized_pickle_is_refused_from_the_zip_directory_without_reading_it(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "junk.ckpt"
+    path.write_bytes(saved.read_bytes())
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/data.pkl"))
+        directory = archive.start_dir
+    data = bytearray(path.read_bytes())
+    # the central directory entry of data.pkl says 2 GiB (what a file with 2 GiB of junk pickled in it says)
+    entry = data.index(b"PK\x01\x02" + data[directory + 4 : directory + 8], directory)
+    while data[entry + 46 : entry + 46 + len(info.filename)] != info.filename.encode():
+        entry = data.index(b"PK\x01\x02", entry + 4)
+    data[entry + 20 : entry + 28] = struct.pack("<II", 2 << 30, 2 << 30)
+    path.write_bytes(bytes(data))
+    read: list[Any] = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: read.append(a) or pytest.fail("torch.load ran"))
+    monkeypatch.setattr(zipfile.ZipFile, "open", lambda *a, **k: read.append(a) or pytest.fail("data.pkl was read"))
+    with pytest.raises(ValueError, match=r"junk.ckpt is damaged or not a checkpoint: its pickled metadata .*data.pkl\) is 2048 MiB, above the 64 MiB"):
+        CheckedCheckpointIO().load_checkpoint(path)
+    assert not read
+
+
+def test_the_pickle_bound_applies_through_the_trainer(saved: Path, snapshot: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resume, "MAX_PICKLE_BYTES", 1024)
+    model = _gpt()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"adapter.ckpt is damaged or not a checkpoint: .*above the 0 MiB"):
+        _lora_trainer().fit(model, _data(), ckpt_path=saved)
+    assert snapshot(model) == before
+
+
+@pytest.mark.parametrize("part", ["state_dict", "lightning_hbm"])
+def test_ten_thousand_extra_tensors_are_one_short_message_before_any_change(
+    saved: Path, tmp_path: Path, snapshot: Callable, part: str
+) -> None:
+    checkpoint = _load(saved)
+    target = checkpoint["state_dict"] if part == "state_dict" else checkpoint["lightning_hbm"]["state_dict"]
+    target.update({f"junk.{i}.weight": torch.zeros(1) for i in range(10_000)})
+    path = _reseal(checkpoint, tmp_path / "extra.ckpt")
+    model = _gpt()
+    before = snapshot(model)
+    trainer = _lora_trainer(max_steps=4)
+    with pytest.raises(ValueError, match=r"extra.ckpt holds 10000 tensor\(s\) that fit no layer of this model \(first: \['junk.0.weight'") as err:
+        trainer.fit(model, _data(), ckpt_path=path)
+    assert len(str(err.value)) < 600
+    assert snapshot(model) == before and trainer.global_step == 0
+
+
+def test_a_weights_only_file_given_to_fit_is_refused_before_any_change(tmp_path: Path, snapshot: Callable) -> None:
+    save = ModelCheckpoint(dirpath=tmp_path, filename="w", save_weights_only=True, save_top_k=1, every_n_train_steps=2)
+    _trainer(plugins=[QuantizedPrecision("nf4-dq", **F32)], callbacks=[LoRA(r=2), save], enable_checkpointing=True,
+             default_root_dir=tmp_path).fit(_gpt(), _data())
+    model = _gpt()
+    before = snapshot(model)
+    trainer = _lora_trainer(max_steps=4)
+    with pytest.raises(ValueError, match=r"w.ckpt holds only weights \(no optimizer_states / lr_schedulers.*fit\(ckpt_path=...\) resumes"
+                                         r".*nothing was loaded.*validate/test/predict\(model, ckpt_path=...\)"):
+        trainer.fit(model, _data(), ckpt_path=tmp_path / "w.ckpt")
+    assert snapshot(model) == before and trainer.global_step == 0
+
+
+def test_a_file_holding_no_dict_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "list.ckpt"
+    torch.save([1, 2], path)
+    with pytest.raises(ValueError, match=r"list.ckpt is damaged: it holds a list, not the dict"):
+        CheckedCheckpointIO().load_checkpoint(path)
+
+
+def test_changed_tensors_of_every_kind_find_their_layer_and_junk_does_not() -> None:
+    model = torch.nn.ModuleDict({
+        "h": torch.nn.ModuleList([torch.nn.ModuleDict({"fc": torch.nn.Linear(4, 4), "attn": torch.nn.MultiheadAttention(4, 1)})]),
+        "head": torch.nn.Sequential(torch.nn.Linear(4, 2)),  # a container trained in full (modules_to_save)
+    })
+    legit = [
+        "h.0.fc.lora_A.default.weight", "h.0.fc.weight.absmax", "h.0.fc.base_layer.weight", "h.0.fc.weight_scale",
+        "h.0.attn.q_proj.weight", "h.0.attn.out_proj.lora_B.default.weight",  # a converted MultiheadAttention
+        "head.modules_to_save.default.0.weight", "head.original_module.0.bias",
+    ]
+    junk = ["junk.0.weight", "h.lora_A.default.weight", "extra"]
+    checkpoint = {"state_dict": {"h.0.fc.weight": torch.ones(1), "h.9.fc.weight": torch.ones(1)},
+                  "lightning_hbm": {"state_dict": dict.fromkeys(legit + junk)}}
+    assert resume.stray_keys(checkpoint, model) == ["h.9.fc.weight", *junk]
+
+
+class _Migrating(NanoGPT):
+    """A model whose own hook renames an old key before Lightning's strict load (a common migration)."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["state_dict"].pop("old.name", None)
+
+
+def test_a_model_that_migrates_keys_in_on_load_checkpoint_still_resumes(saved: Path, tmp_path: Path) -> None:
+    checkpoint = _load(saved)
+    checkpoint["state_dict"]["old.name"] = torch.zeros(1)
+    path = _reseal(checkpoint, tmp_path / "old-names.ckpt")
+    torch.manual_seed(0)
+    trainer = _lora_trainer(max_steps=3)
+    trainer.fit(_Migrating(**TINY_GPT), _data(), ckpt_path=path)
+    assert trainer.global_step == 3

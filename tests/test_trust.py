@@ -307,6 +307,28 @@ def test_quantized_precision_alone_says_the_damaged_file_was_already_loaded(
     assert trainer.global_step == 0
 
 
+@pytest.mark.parametrize("callbacks", [True, False], ids=["lora", "quantized-alone"])
+def test_a_flipped_loop_counter_is_refused_before_training(
+    gpt_factory: Callable, trainer_factory: Callable, datamodule_factory: Callable, tmp_path: Path, callbacks: bool
+) -> None:
+    """Was: only tensors carried checksums, so a flipped batch counter resumed 2 steps off without a word."""
+    lora = lambda: [LoRA(r=2)] if callbacks else []  # noqa: E731
+    first = trainer_factory(max_steps=2, plugins=[QuantizedPrecision("nf4-dq", **F32)], callbacks=lora())
+    first.fit(gpt_factory(), datamodule_factory())
+    path = tmp_path / "q.ckpt"
+    first.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"] = 0  # 2 -> 0: 4 more steps
+    torch.save(checkpoint, path)
+    model = gpt_factory()
+    trainer = trainer_factory(max_steps=4, plugins=[QuantizedPrecision("nf4-dq", **F32)], callbacks=lora())
+    note = r".*already loaded this file into your model" if not callbacks else ""
+    with pytest.raises(ValueError, match=rf"(?s)q.ckpt is damaged: the values of its entry 'loops'.*do not match{note}"):
+        trainer.fit(model, datamodule_factory(), ckpt_path=path)
+    assert trainer.global_step == 0
+    _untouched(model)
+
+
 @pytest.mark.parametrize(("cut", "match"), [(0, r"is empty \(0 bytes\)"), (0.6, r"is not a complete torch checkpoint.*cut short")])
 def test_empty_and_truncated_files_are_named(
     gpt_factory: Callable, trainer_factory: Callable, datamodule_factory: Callable, tmp_path: Path, cut: float, match: str

@@ -278,7 +278,8 @@ class QuantizedPrecision(Precision):
             same = all(config.get(k) == v for k, v in self.resume_config().items() if k != "layer_modes")
             return meta if same else {}
 
-        self._smoothing.measure(module, names, self.dtype, lambda: self._probe(module), saved)
+        path = getattr(self._trainer(module), "ckpt_path", None)  # named in a refusal of the saved exponents
+        self._smoothing.measure(module, names, self.dtype, lambda: self._probe(module), saved, path)
 
     def _attached_shifts(self, module: nn.Module) -> AbstractContextManager:
         return self._smoothing.attached(module) if self._smoothing is not None else nullcontext()

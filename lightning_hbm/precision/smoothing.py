@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from lightning_hbm import resume
 from lightning_hbm.precision.int8_dynamic import SHIFT_ATTR, Int8DynamicLinear
 from lightning_hbm.precision.registry import to_dtype
 from lightning_hbm.precision.sensitivity import _Swapper
@@ -124,6 +125,52 @@ def shifts_for(input_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -
     # a channel that is always zero (or a zero weight column) says nothing: left alone
     log_s = torch.where((x_absmax > 0) & (weight_absmax > 0), log_s, torch.zeros_like(log_s))
     return torch.round(log_s).clamp(-_MAX_SHIFT, _MAX_SHIFT).to(torch.int8)
+
+
+def check_saved_shifts(
+    shifts: Any, path: Any, module: nn.Module, names: Optional[Sequence[str]] = None
+) -> dict[str, torch.Tensor]:
+    """The exponents a checkpoint holds (``meta["input_shifts"]``), checked before they touch a layer: a dict of
+    int8 exponents within +-``_MAX_SHIFT``, one per input channel of a layer ``module`` has (and, with ``names``,
+    exactly the layers being smoothed). A resealed or edited file would otherwise train on wrecked layers."""
+    def refuse(what: str) -> ValueError:
+        return ValueError(
+            f"Checkpoint {path} holds smoothing exponents ({SMOOTH_MODE}) that {what}: the file was edited or belongs "
+            "to another model. Resume from a checkpoint of this model; nothing was changed."
+        )
+
+    if not isinstance(shifts, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in shifts.items()):
+        raise refuse("are not a dict of layer names to tensors")
+    unknown = [n for n in shifts if (n not in names if names is not None else not _has_layer(module, n))]
+    if unknown:
+        raise refuse(f"name {len(unknown)} layer(s) this model does not smooth ({unknown[:5]})")
+    if names is not None and set(names) - set(shifts):
+        raise refuse(f"lack layers this model smooths ({sorted(set(names) - set(shifts))[:5]})")
+    for name, shift in shifts.items():
+        width = getattr(module.get_submodule(name), "in_features", None)
+        if shift.dtype != torch.int8 or tuple(shift.shape) != (width,):
+            raise refuse(f"do not fit layer {name!r}: {shift.dtype} of shape {tuple(shift.shape)}, expected int8 of shape ({width},)")
+        if shift.numel() and int(shift.abs().max()) > _MAX_SHIFT:
+            raise refuse(f"lie outside +-{_MAX_SHIFT} for layer {name!r} (largest {int(shift.abs().max())}): factors "
+                         f"of 2**{int(shift.abs().max())} wreck the layer")
+    return shifts
+
+
+def _has_layer(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _check_meta(meta: dict[str, Any], path: Any, module: nn.Module) -> None:
+    if "input_shifts" in meta:
+        check_saved_shifts(meta["input_shifts"], path, module)
+
+
+# every checkpoint loaded through lightning_hbm's checkpoint IO, before Lightning copies a tensor
+resume.register_meta_check(_check_meta)
 
 
 @contextmanager
@@ -267,9 +314,9 @@ class Smoothing:
         return None if setting is None else cls(setting)
 
     def measure(self, module: nn.Module, names: Sequence[str], dtype: Any, probe: Callable[[], Any],
-                saved: Callable[[], Mapping[str, Any]]) -> None:
+                saved: Callable[[], Mapping[str, Any]], path: Any = None) -> None:
         """The exponents of the Linears ``names``: those of ``saved()`` (the lightning_hbm part of the checkpoint
-        being resumed with these settings, or empty), else measured on ``probe()``."""
+        ``path`` being resumed with these settings, or empty), else measured on ``probe()``."""
         self.shifts = self.report = None  # a plugin reused by another Trainer measures again
         if any(is_fake(module.get_submodule(name).weight) for name in names):
             self.shifts = {}  # the planner's shape-only model: the exponents change no byte
@@ -277,7 +324,7 @@ class Smoothing:
         resumed = saved().get("input_shifts")
         if resumed is not None:
             # resuming: the factors the checkpoint was trained with, not factors measured on this model
-            self.shifts = {name: shift.to(torch.int8) for name, shift in resumed.items()}
+            self.shifts = dict(check_saved_shifts(resumed, path, module, names))
             log.info("lightning_hbm: smoothing factors of %d layers taken from the checkpoint being resumed", len(self.shifts))
             return
         self.report = choose_smoothing(module, names, self.setting, dtype, probe())
@@ -310,5 +357,5 @@ class Smoothing:
             meta["input_shifts"] = {name: shift.detach().cpu() for name, shift in self.shifts.items()}
 
 
-__all__ = ["AUTO_ALPHAS", "SMOOTH_MODE", "Smoothing", "SmoothingReport", "attached", "check_smoothing", "choose_smoothing",
-           "shifts_for"]
+__all__ = ["AUTO_ALPHAS", "SMOOTH_MODE", "Smoothing", "SmoothingReport", "attached", "check_saved_shifts", "check_smoothing",
+           "choose_smoothing", "shifts_for"]

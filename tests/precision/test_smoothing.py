@@ -271,3 +271,46 @@ def test_cuda_smoothed_layer_matches_cpu() -> None:
     x_cpu = x.clone().requires_grad_(True)
     cpu(x_cpu).sum().backward()
     torch.testing.assert_close(x_cuda.grad.cpu(), x_cpu.grad, rtol=1e-4, atol=1e-4)
+
+
+def _smoothed_checkpoint(llama_factory: Any, trainer_factory: Any, datamodule_factory: Any, path: Any, callbacks: list) -> dict:
+    plugin = QuantizedPrecision("int8-dynamic-smooth", dtype="float32", smoothing=0.5, probe_batch=PROBE)
+    trainer = trainer_factory(max_steps=1, plugins=[plugin], callbacks=callbacks)
+    trainer.fit(llama_factory(), datamodule_factory())
+    trainer.save_checkpoint(path)
+    return torch.load(path, weights_only=True)
+
+
+RESEALS = {
+    # an editor that rewrote the checksums and digests: only a check of the values themselves sees it
+    "exponent 120": (lambda s: next(iter(s.values())).__setitem__(0, 120), r"lie outside \+-24 for layer '.*' \(largest 120\)"),
+    "unknown layer": (lambda s: s.update({"model.no_such_layer": torch.zeros(4, dtype=torch.int8)}),
+                      r"name 1 layer\(s\) this model does not smooth \(\['model.no_such_layer'\]\)"),
+    "wrong width": (lambda s: s.update({k: v[:-1] for k, v in list(s.items())[:1]}), r"do not fit layer '.*': torch.int8 of shape"),
+    "float exponents": (lambda s: s.update({k: v.float() for k, v in list(s.items())[:1]}), r"do not fit layer .*: torch.float32 of shape"),
+}
+
+
+@pytest.mark.parametrize("edit", list(RESEALS))
+@pytest.mark.parametrize("with_lora", [True, False], ids=["lora", "plugin-alone"])
+def test_resealed_exponents_out_of_range_or_of_unknown_layers_are_refused(
+    llama_factory: Any, trainer_factory: Any, datamodule_factory: Any, tmp_path: Any, snapshot: Any, edit: str, with_lora: bool
+) -> None:
+    from lightning_hbm import resume
+
+    lora = lambda: [LoRA(r=4, target_modules="all-linear")] if with_lora else []  # noqa: E731
+    path = tmp_path / "smooth.ckpt"
+    checkpoint = _smoothed_checkpoint(llama_factory, trainer_factory, datamodule_factory, path, lora())
+    change, match = RESEALS[edit]
+    change(checkpoint["lightning_hbm"]["input_shifts"])
+    resume.seal(checkpoint)
+    torch.save(checkpoint, path)
+    model = llama_factory()
+    before = snapshot(model)
+    plugin = QuantizedPrecision("int8-dynamic-smooth", dtype="float32", smoothing=0.5, probe_batch=PROBE)
+    trainer = trainer_factory(max_steps=2, plugins=[plugin], callbacks=lora())
+    with pytest.raises(ValueError, match=rf"Checkpoint .*smooth.ckpt holds smoothing exponents \(int8-dynamic-smooth\) that {match}"):
+        trainer.fit(model, datamodule_factory(), ckpt_path=path)
+    assert trainer.global_step == 0 and not any(isinstance(m, Int8DynamicLinear) for m in model.modules())
+    if with_lora:  # refused by the checkpoint IO, before Lightning copies a tensor
+        assert snapshot(model) == before
