@@ -47,6 +47,22 @@ def train_dataloader(trainer: Any) -> Any:
     return trainer.fit_loop._data_source.dataloader()
 
 
+def stage_dataloader(trainer: Any) -> Any:
+    """The dataloader of the stage the Trainer runs (fit: the train dataloader; validate/test/predict: theirs), before
+    its loop loads it; ``None`` if the stage has none. A list or dict of dataloaders gives its first."""
+    loops = {"fit": "fit_loop", "validate": "validate_loop", "test": "test_loop", "predict": "predict_loop"}
+    loop = getattr(trainer, loops.get(str(getattr(trainer.state.fn, "value", trainer.state.fn)), ""), None)
+    source = getattr(loop, "_data_source", None)
+    if source is None or not source.is_defined():
+        return None
+    loader = source.dataloader()
+    if isinstance(loader, dict):
+        loader = next(iter(loader.values()), None)
+    if isinstance(loader, (list, tuple)):
+        loader = loader[0] if loader else None
+    return loader
+
+
 def unwrap_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside a ``LightningOptimizer`` (public property; kept here beside its callers' other needs)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -182,7 +182,9 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     builds ``encoder.layers`` from an ``OrderedDict``: ``encoder.layers.encoder_layer_0``). An
     ``nn.Sequential`` stack inside a block replaces that block (timm ConvNeXt's ``stages.0.blocks``: the
     blocks, not the 4 stages); other lists nested inside a block (the experts of a mixture-of-experts
-    layer, called side by side rather than one after another) are not blocks themselves. Leaf modules (a
+    layer, called side by side rather than one after another) are not blocks themselves. No block is ever inside
+    another: a stack that is itself a block (timm EfficientNet's stage ``Sequential``s, items of ``blocks``) gives
+    way to its items (checkpointing both would recompute the inner blocks twice). Leaf modules (a
     list of ``nn.Linear`` heads) are not blocks: recomputing one matmul saves nothing. A model with no such
     stack may be a hybrid (transformers Jamba, Zamba2: Mamba and attention layers in one ``nn.ModuleList``):
     the outermost ``nn.ModuleList`` whose children are all composite modules is its stack.
@@ -196,9 +198,11 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
         items = list(child.named_children())
         if len({type(c) for _, c in items}) != 1 or not any(True for _ in items[0][1].children()):
             continue
-        outer = next((b for b in blocks if name.startswith(b + ".")), None)
+        # a stack that is itself a block (timm EfficientNet: the stage Sequentials are the items of `blocks`) or lies
+        # inside one: its items replace that block, never both (a block inside a checkpointed block is recomputed twice)
+        outer = next((b for b in blocks if name == b or name.startswith(b + ".")), None)
         if outer is not None:
-            if not isinstance(child, nn.Sequential):
+            if outer != name and not isinstance(child, nn.Sequential):
                 continue
             del blocks[outer]  # the finest repeated block: a stage's blocks rather than the stage
         blocks.update({f"{name}.{n}" if name else n: c for n, c in items})

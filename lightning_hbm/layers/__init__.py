@@ -10,6 +10,7 @@ from lightning_hbm.layers.base import (
     CONVERTED_ATTR,
     KIND_ATTR,
     LEFT_ALONE_ATTR,
+    OUTSIDE_ROWS,
     PLAN_ATTR,
     RAW_WEIGHTS,
     WARN_SHARE,
@@ -22,6 +23,7 @@ from lightning_hbm.layers.base import (
     coverage_warnings,
     find_layers,
     format_coverage,
+    is_adapted,
     kind_names,
     kind_of,
     kind_table,
@@ -30,16 +32,20 @@ from lightning_hbm.layers.base import (
     prepare_model,
     register_kind,
     report_coverage,
+    source_readers,
+    stored_in,
     weight_readers,
 )
+from lightning_hbm.layers import readers
 
 # The kinds, in matching order (the first that matches a module wins): Linear first, so that nn.MultiheadAttention's
 # out_proj is a Linear; the experts test last (any module holding 3-D Parameters).
 from lightning_hbm.layers.linear import LINEAR
 from lightning_hbm.layers.conv1d import CONV1D
 from lightning_hbm.layers.multihead_attention import MULTIHEAD_ATTENTION, ProjectedMultiheadAttention
-from lightning_hbm.layers.conv import CONV
+from lightning_hbm.layers.conv import CONV, QuantizedConv1d, QuantizedConv2d, QuantizedConv3d
 from lightning_hbm.layers.experts import EXPERTS, LinearExperts
+from lightning_hbm.layers.heads import hf_models, task_heads, task_type
 
 __all__ = [
     "CONV",
@@ -49,6 +55,7 @@ __all__ = [
     "KIND_ATTR",
     "LEFT_ALONE_ATTR",
     "LINEAR",
+    "OUTSIDE_ROWS",
     "MULTIHEAD_ATTENTION",
     "PLAN_ATTR",
     "RAW_WEIGHTS",
@@ -57,6 +64,9 @@ __all__ = [
     "LayerKind",
     "LinearExperts",
     "ProjectedMultiheadAttention",
+    "QuantizedConv1d",
+    "QuantizedConv2d",
+    "QuantizedConv3d",
     "adaptable_names",
     "base_layer",
     "converted_keys",
@@ -64,6 +74,7 @@ __all__ = [
     "coverage_warnings",
     "find_layers",
     "format_coverage",
+    "hf_models",
     "kind_names",
     "kind_of",
     "kind_table",
@@ -72,5 +83,7 @@ __all__ = [
     "prepare_model",
     "register_kind",
     "report_coverage",
+    "task_heads",
+    "task_type",
     "weight_readers",
 ]

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm.layers.readers import observed_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.memory.storage import quantized_format
 
@@ -82,6 +83,11 @@ class LayerKind:
             sensitivity plan's byte prediction); only called for kinds with ``to_linear``.
         not_adapted: why LoRA skips a layer of this kind whose ``adaptable_names`` is ``[]``, and the fix (the
             coverage reason of such a layer when LoRA took part); ``""``: every layer of the kind is adaptable.
+        wrap: for a kind whose layer does not compute as a Linear (a convolution), the module put in the layer's
+            place around the mode's quantized Linear: ``wrap(layer, quantized, dequantize, compute_dtype)``;
+            ``None``: the mode's layer itself goes in its place.
+        stored_in: the mode's layer inside a wrapped layer (``None``: not wrapped, not quantized): the storage
+            counted, dequantized and saved; never a layer of its own.
     """
 
     name: str
@@ -99,6 +105,15 @@ class LayerKind:
     after_prepare: Optional[Callable[[nn.Module], None]] = None
     features: Callable[[nn.Module], tuple[int, int]] = linear_features
     not_adapted: str = ""
+    wrap: Optional[Callable[..., nn.Module]] = None
+    stored_in: Optional[Callable[[nn.Module], Optional[nn.Module]]] = None
+
+
+def stored_in(layer: nn.Module) -> Optional[nn.Module]:
+    """The precision mode's layer that holds ``layer``'s quantized weight when its kind wraps it (a quantized
+    convolution), else ``None``."""
+    kind = kind_of(layer)
+    return kind.stored_in(layer) if kind is not None and kind.stored_in is not None else None
 
 
 _KINDS: dict[str, LayerKind] = {}
@@ -140,6 +155,12 @@ def kind_of(module: nn.Module) -> Optional[LayerKind]:
     return next((kind for kind in _KINDS.values() if kind.matches(module)), None)
 
 
+def is_adapted(module: nn.Module) -> bool:
+    """Whether ``module`` is a peft LoRA layer (an adapted layer)."""
+    lora = _lora_layer_cls()
+    return bool(lora) and isinstance(module, lora)
+
+
 def base_layer(module: nn.Module) -> nn.Module:
     """The layer itself: a peft LoRA layer's base layer, else ``module``."""
     lora = _lora_layer_cls()
@@ -165,6 +186,8 @@ def find_layers(module: nn.Module) -> Iterator[tuple[str, nn.Module, LayerKind]]
             continue
         kind = kind_of(sub)
         if kind is not None:
+            if kind.stored_in is not None and kind.stored_in(sub) is not None:
+                skip.append(name)  # its quantized storage is part of it, not a layer of the model
             yield name, sub, kind
 
 
@@ -293,23 +316,16 @@ def output_heads(module: nn.Module) -> list[str]:
     return (outside or wide)[-1:]
 
 
-def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]:
-    """``{layer name: "Class.method"}``: layers of a registered kind whose weight an enclosing module's code reads
-    directly (``self.dt_proj.weight @ x`` in transformers' Mamba, ``F.linear(x, self.qkv.weight)`` in
-    torchvision's Swin) instead of calling the layer.
+def source_readers(module: nn.Module, uses_only: bool = False) -> list[tuple[str, str, str]]:
+    """``(reader module name, "Class.method", layer name)`` for each layer whose weight the source of an enclosing
+    module's class reads (``self.<path>.weight`` outside ``init``/``reset`` methods and ``.weight.device`` reads).
 
-    Such a layer cannot be quantized (the reader gets the packed integer weight: a low-level dtype or shape
-    error) nor adapted (the adapter is never called). Found by reading the source of the model's classes
-    (``inspect``/``ast``), before any change and without a batch: methods whose name has ``init``/``reset``
-    (weight initialisation) and ``.weight.device`` reads are not readers; an ``nn.Linear`` subclass that overrides
-    ``forward`` reads its own weight. ``uses_only``: leave out metadata reads
-    (``.weight.dtype``/``.shape``: wrong once quantized, harmless for an adapter). Code without source is not seen.
+    A hint only (:mod:`lightning_hbm.layers.readers`): it also counts paths that never run (Bloom's
+    ``slow_but_exact``, a utility never called in training). It decides only when the model could not be run, and
+    it places the guards for the paths the probe step did not take. Code without source is not seen.
     """
     layers = {id(base_layer(layer)): name for name, layer, _ in find_layers(module)}
-    readers: dict[str, str] = {}
-    for name, layer, _ in find_layers(module):
-        if _own_forward(base_layer(layer)):
-            readers[name] = f"{type(base_layer(layer)).__name__}.forward (an nn.Linear subclass with its own forward)"
+    found: list[tuple[str, str, str]] = []
     for name, sub in module.named_modules():
         for path, reader, metadata in _weight_paths(type(sub)):
             if metadata and uses_only:
@@ -320,7 +336,35 @@ def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]
                 continue
             layer = layers.get(id(base_layer(target)))
             if layer is not None:
-                readers.setdefault(layer, reader)
+                found.append((name, reader, layer))
+    return found
+
+
+def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]:
+    """``{layer name: "Class.method"}``: layers of a registered kind whose weight an enclosing module's code reads
+    directly (``F.linear(x, self.qkv.weight)`` in torchvision's Swin) instead of calling the layer.
+
+    Such a layer cannot be quantized (the reader gets the packed integer weight: a low-level dtype or shape
+    error) nor adapted (the adapter is never called). Decided by running: what the probe step
+    (:func:`lightning_hbm.layers.readers.observe`, run by the surgery before any change) saw; a model that was never
+    observed (a plain call of ``quantize_model``, a step that cannot run) falls back to its source
+    (:func:`source_readers`). An ``nn.Linear`` subclass whose forward computes something else reads its own weight.
+    ``uses_only``: leave out metadata reads (``.weight.dtype``/``.shape``: wrong once quantized, harmless for an
+    adapter).
+    """
+    readers: dict[str, str] = {}
+    for name, layer, _ in find_layers(module):
+        if _own_forward(base_layer(layer)):
+            readers[name] = f"{type(base_layer(layer)).__name__}.forward (an nn.Linear subclass with its own forward)"
+    seen = observed_readers(module, uses_only)
+    if seen is not None:
+        layers = {name for name, _, _ in find_layers(module)}
+        for name, reader in seen.items():
+            if name in layers:
+                readers.setdefault(name, reader)
+        return readers
+    for _, reader, layer in source_readers(module, uses_only):
+        readers.setdefault(layer, reader)
     return readers
 
 
@@ -422,13 +466,16 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
         # a layer's own parameters: the children of an unconverted MultiheadAttention or experts module
         # (out_proj, a router) are layers or "other" parameters of their own
         own = list(layer.parameters(recurse=False))
-        has_children = next(layer.children(), None) is not None
+        storage = kind.stored_in(layer) if kind.stored_in is not None else None
+        if storage is not None:  # a wrapped quantized layer: its storage's tensors are its own
+            own += list(storage.parameters())
+        has_children = storage is None and next(layer.children(), None) is not None
         count = sum(p.numel() for p in own) if has_children else parameter_count(layer)
         in_kinds.update(id(p) for p in own)
         row.layers += 1
         row.params += count
         row.bytes += sum(p.numel() * p.element_size() for p in own) if has_children else parameter_bytes(layer)
-        quantized = any(not p.is_floating_point() for p in own) or quantized_format(layer) is not None
+        quantized = storage is not None or any(not p.is_floating_point() for p in own) or quantized_format(layer) is not None
         adapted = bool(lora) and isinstance(sub, lora)
         row.quantized += count if quantized else 0
         row.adapted += count if adapted else 0
@@ -450,39 +497,174 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
             row.unhandled += count
     other = CoverageRow("other (embeddings, norms, ...)")
     adapters = CoverageRow("LoRA adapters (trained)")
-    raw = CoverageRow(RAW_WEIGHTS)
+    # its "layers": the adapted layers (peft LoRA layers), each holding one lora_A/lora_B pair
+    adapters.layers = sum(1 for m in module.modules() if isinstance(m, lora)) if lora else 0
+    outside = {kind: CoverageRow(kind) for kind in OUTSIDE_ROWS}
     owners = {id(p): n for n, m in module.named_modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+    kinds = _outside_kinds(module, {id(p) for p in module.parameters() if id(p) not in in_kinds})
+    holders: dict[str, list[str]] = {kind: [] for kind in OUTSIDE_ROWS}
     for name, param in module.named_parameters():
         if id(param) in in_kinds:
             continue
         if ".lora_" in name:
             adapters.params += param.numel()
-        elif id(param) in owners and _is_raw_weight(param):
-            # a weight matrix no layer kind holds (DBRX's experts: 2-D w1/v1/w2 Parameters, routers): never quantized
-            # or adapted, and warned above 5 % rather than counted with the embeddings
-            owner = owners[id(param)]
-            raw.params += param.numel()
-            raw.checkpointed += param.numel() if any(owner == b or owner.startswith(b + ".") for b in blocks) else 0
-            raw.unhandled += param.numel()
-            if owner not in raw.undeliberate:
-                raw.undeliberate.append(owner)
+        elif id(param) in owners and id(param) in kinds:
+            # a weight matrix no layer kind holds (DBRX's experts: 2-D w1/v1/w2 Parameters, routers, RG-LRU gates,
+            # weight_norm's factors): never quantized or adapted; its own row says what it is, warned above 5 %
+            owner, row = owners[id(param)], outside[kinds[id(param)]]
+            reason, deliberate, _ = _OUTSIDE[row.kind]
+            row.params += param.numel()
+            row.left_alone += param.numel()
+            row.reasons[reason] = row.reasons.get(reason, 0) + param.numel()
+            row.checkpointed += param.numel() if any(owner == b or owner.startswith(b + ".") for b in blocks) else 0
+            row.unhandled += 0 if deliberate else param.numel()
+            if owner not in holders[row.kind]:
+                holders[row.kind].append(owner)
         else:
             other.params += param.numel()
     other.left_alone = other.params
-    if raw.params:
-        raw.layers, raw.left_alone = len(raw.undeliberate), raw.params
-        raw.reasons[RAW_WEIGHTS_REASON] = raw.params
-    return [*rows.values(), *([raw] if raw.params else []), *([adapters] if adapters.params else []), other]
+    for row in outside.values():
+        row.layers = len(holders[row.kind])
+        row.undeliberate = [] if _OUTSIDE[row.kind][1] else holders[row.kind]
+    present = [row for row in outside.values() if row.params]
+    return [*rows.values(), *present, *([adapters] if adapters.params else []), other]
 
 
 RAW_WEIGHTS = "weights outside any layer"
 RAW_WEIGHTS_REASON = "Parameters of 2+ dimensions used by their module's own code (no layer kind lightning_hbm knows)"
+ROUTER_WEIGHTS = "router (F.linear)"
+PARAMETRIZED_WEIGHTS = "parametrized weights"
+GROUPED_WEIGHTS = "3-D weights, not experts"
+POSITION_TABLES = "position tables"
+#: Rows of the coverage table for Parameters outside any layer kind: (reason, deliberate, what to do when warned).
+_OUTSIDE: dict[str, tuple[str, bool, str]] = {
+    RAW_WEIGHTS: (
+        RAW_WEIGHTS_REASON,
+        False,
+        "Parameters of {names}, which their module's own code uses (no nn.Linear or other layer kind). They stay at full "
+        "size in the parameters term: exclude them knowingly, or use a model whose weights are nn.Linear layers",
+    ),
+    ROUTER_WEIGHTS: (
+        "MoE router: a Parameter its module's forward applies with F.linear (one logit per expert, no nn.Linear); kept in "
+        "full precision, as routers are (quantized routing changes which experts run), and not adapted",
+        True,
+        "routers of {names}: kept in full precision on purpose",
+    ),
+    PARAMETRIZED_WEIGHTS: (
+        "factors of a weight computed by a torch parametrization (weight_norm's g and v, parametrize's original0/1): "
+        "the layer's weight is recomputed from them at every call, so there is nothing fixed to quantize and LoRA "
+        "does not reach them",
+        False,
+        "factors of {names}. They stay at full size in the parameters term: remove the parametrization before training "
+        "(torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight') or torch.nn.utils.remove_weight_norm) to "
+        "make each an ordinary layer, or exclude them knowingly",
+    ),
+    GROUPED_WEIGHTS: (
+        "3-D Parameters [groups, in, out] whose leading dim is no expert count (RecurrentGemma's RG-LRU per-head gates), "
+        "used in their module's own batched matmul (no nn.Linear, no experts layer): not quantized, no adapter",
+        False,
+        "3-D weights of {names}, used in their module's own batched matmul. They are not experts (no MoE advice "
+        "applies): they stay at full size in the parameters term; exclude them knowingly",
+    ),
+    POSITION_TABLES: (
+        "tables their module adds to the activations (learned positions), not multiplied: kept in full precision like "
+        "the embeddings",
+        True,
+        "tables of {names}: kept in full precision on purpose",
+    ),
+}
+OUTSIDE_ROWS = tuple(_OUTSIDE)
 
 
 def _is_raw_weight(param: nn.Parameter) -> bool:
     # a matrix (or stack of them) of at least 2 rows; a [1, tokens, width] table broadcast over the batch (ViT
     # cls_token / pos_embed, SigLIP's probe, RWKV's time mixes) is an embedding
     return param.dim() >= 2 and param.shape[0] > 1 and param.is_floating_point()
+
+
+_MATMULS = {"linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "conv1d", "conv2d", "conv3d", "tensordot"}
+
+
+@functools.lru_cache(maxsize=None)
+def _uses(cls: type) -> dict[str, frozenset[str]]:
+    """``{attribute: {"matmul", "add"}}``: how the code of ``cls`` (not its init) uses each ``self.<attribute>``.
+
+    "matmul": an argument of a matmul-like call (``F.linear``, ``torch.bmm``, ``einsum``, ...) or an operand of ``@``,
+    possibly indexed, transposed or cast first; "add": an operand of ``+``. What the module does with the tensor, read
+    from its source (no batch at fit start to run it on); code without source is not seen.
+    """
+    found: dict[str, set[str]] = {}
+    for klass in cls.__mro__:
+        if not issubclass(klass, nn.Module) or klass is nn.Module:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                continue
+            use, at = None, node
+            for _ in range(4):  # self.w[...].t().to(x) @ h: climb through indexing, methods and casts
+                parent = parents.get(id(at))
+                if isinstance(parent, ast.BinOp) and isinstance(parent.op, ast.MatMult):
+                    use = "matmul"
+                elif isinstance(parent, (ast.BinOp, ast.AugAssign)) and isinstance(parent.op, ast.Add):
+                    use = "add"
+                elif isinstance(parent, ast.Call) and at is not parent.func:
+                    func = parent.func
+                    use = "matmul" if (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")) in _MATMULS else None
+                elif isinstance(parent, (ast.Subscript, ast.Attribute, ast.Call)):
+                    at = parent
+                    continue
+                break
+            if use is not None:
+                found.setdefault(node.attr, set()).add(use)
+    return {name: frozenset(uses) for name, uses in found.items()}
+
+
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "num_routed_experts", "total_experts", "n_routed_experts", "moe_num_experts")
+
+
+def expert_counts(module: nn.Module) -> set[int]:
+    """The expert counts ``module`` declares (its own attributes, then its ``config``'s); empty for any other module."""
+    counts: set[int] = set()
+    for source in (module, getattr(module, "config", None)):
+        for attr in _EXPERT_COUNTS:
+            value = getattr(source, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+                counts.add(value)
+    return counts
+
+
+def _outside_kinds(module: nn.Module, candidates: set[int]) -> dict[int, str]:
+    """``{id(parameter): row}`` for the weight-like Parameters among ``candidates`` (no layer kind holds them)."""
+    found: dict[int, str] = {}
+    for parent in module.modules():
+        # a router scores one logit per expert: its weight's rows are the expert count of an experts layer beside it
+        counts = {n for child in parent.children() for n in expert_counts(child)}
+        for owner in parent.children():
+            weight_norm = any(type(hook).__name__ == "WeightNorm" for hook in owner._forward_pre_hooks.values())
+            listed = isinstance(owner, torch.nn.utils.parametrize.ParametrizationList)
+            # weight_norm's g ([out, 1, 1], or [1, 1, k] along another dim) goes with its v, whatever its shape
+            factors = {n for n, p in owner.named_parameters(recurse=False) if p.is_floating_point() and (listed or weight_norm and n.endswith(("_g", "_v")))}
+            own = [(n, p) for n, p in owner.named_parameters(recurse=False) if id(p) in candidates and (n in factors or _is_raw_weight(p))]
+            uses = _uses(type(owner))
+            grouped = any(p.dim() == 3 and "matmul" in uses.get(n, {"matmul"}) for n, p in own)
+            for local, param in own:
+                if local in factors:
+                    found[id(param)] = PARAMETRIZED_WEIGHTS
+                elif param.dim() == 2 and param.shape[0] in counts:
+                    found[id(param)] = ROUTER_WEIGHTS
+                elif uses.get(local) == frozenset({"add"}):
+                    found[id(param)] = POSITION_TABLES
+                else:
+                    found[id(param)] = GROUPED_WEIGHTS if grouped else RAW_WEIGHTS
+    for name, param in module.named_parameters(recurse=False):  # the root's own (no parent to look from)
+        if id(param) in candidates and _is_raw_weight(param):
+            found.setdefault(id(param), POSITION_TABLES if _uses(type(module)).get(name) == frozenset({"add"}) else RAW_WEIGHTS)
+    return found
 
 
 def format_coverage(rows: list[CoverageRow]) -> str:
@@ -504,12 +686,11 @@ def coverage_warnings(rows: list[CoverageRow]) -> list[str]:
     total = max(sum(r.params for r in rows), 1)
     messages = []
     for r in rows:
-        if r.unhandled / total > WARN_SHARE and r.kind == RAW_WEIGHTS:
+        if r.unhandled / total > WARN_SHARE and r.kind in _OUTSIDE:
+            names = f"{r.undeliberate[:4]}{' ...' if len(r.undeliberate) > 4 else ''}"
             messages.append(
                 f"lightning_hbm: {100 * r.unhandled / total:.1f}% of the parameters are {r.kind}, left as they were (not "
-                f"quantized, no adapter): Parameters of {r.undeliberate[:4]}{' ...' if len(r.undeliberate) > 4 else ''}, "
-                "which their module's own code uses (no nn.Linear or other layer kind). They stay at full size in the "
-                "parameters term: exclude them knowingly, or use a model whose weights are nn.Linear layers."
+                f"quantized, no adapter): {_OUTSIDE[r.kind][2].format(names=names)}."
             )
         elif r.unhandled / total > WARN_SHARE:
             kind = _KINDS[r.kind]
@@ -564,7 +745,11 @@ __all__ = [
     "LayerKind",
     "adaptable_names",
     "base_layer",
+    "expert_counts",
+    "is_adapted",
     "converted_keys",
+    "source_readers",
+    "stored_in",
     "weight_readers",
     "coverage",
     "coverage_warnings",

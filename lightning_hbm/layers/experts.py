@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._compat import transformers as transformers_compat
-from lightning_hbm.layers.base import LayerKind, register_kind
+from lightning_hbm.layers.base import LayerKind, expert_counts, register_kind
 
 
 def supported(module: nn.Module) -> bool:
@@ -117,14 +117,20 @@ class LinearExperts(nn.Module):
         return final
 
 
+# Where a MoE experts module says how many experts it holds: its own attribute (transformers' experts classes set
+# ``self.num_experts``; LongcatFlash ``num_routed_experts``/``total_experts``; torchtune's GroupedExperts
+# ``num_experts``), or the config transformers built it from (``use_experts_implementation`` keeps it as ``self.config``).
 def _is_experts(module: nn.Module) -> bool:
-    # transformers-5 MoE layers keep all experts in 3-D Parameters [experts, out, in]; convolutions
-    # (also 3-D weights) are another kind of layer, and a 3-D Parameter with one leading row is a learned
-    # token or position table broadcast over the batch (ViT cls_token / pos_embed, SigLIP's pooling probe):
-    # counted with the embeddings ("other").
+    # Experts are 3-D Parameters [experts, out, in] whose leading dim is the module's declared expert count: that
+    # count is what the MoE forward routes tokens over (one slice per expert, `gate_up_proj[expert_idx]`), and it is
+    # the one number transformers sizes them from. A leading dim > 1 alone is not enough: RecurrentGemma's RG-LRU
+    # gates [heads, width, width] (a per-head batched matmul), torch weight_norm's `original1` [out, in, kernel]
+    # (Wav2Vec2's pos_conv_embed) and stacked tables are 3-D as well; they get their own coverage rows
+    # (layers/base.py). Convolutions hold 3-D weights too and are another kind.
     if isinstance(module, torch_compat.ConvNd):
         return False
-    return any(p.dim() == 3 and p.shape[0] > 1 for p in module.parameters(recurse=False))
+    counts = expert_counts(module)
+    return bool(counts) and any(p.dim() == 3 and p.shape[0] in counts for p in module.parameters(recurse=False))
 
 
 def _prepare(module: nn.Module) -> Optional[nn.Module]:
@@ -162,4 +168,4 @@ EXPERTS = register_kind(
     )
 )
 
-__all__ = ["EXPERTS", "LinearExperts", "supported"]
+__all__ = ["EXPERTS", "LinearExperts", "expert_counts", "supported"]

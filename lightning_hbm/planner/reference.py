@@ -54,7 +54,7 @@ def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candi
     module = factory()
     with plugin.tensor_init_context():
         module.configure_model()
-    optimizers = apply_candidate(module, candidate, plugin, device="cpu")
+    optimizers = apply_candidate(module, candidate, plugin, device="cpu", batch=batch)
     batch = plugin.convert_input(tree_map_only(torch.Tensor, lambda t: t.clone(), batch))
     _step(module, batch, plugin, optimizers)  # the first step: gradients and optimizer states now exist
     tracker = _FrozenSafeMemTracker()

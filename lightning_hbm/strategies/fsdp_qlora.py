@@ -189,8 +189,8 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
 
         FSDP2 has no ``sync_module_states``: each rank shards its *own* copy, so adapters initialized
         from a different RNG state on another rank would silently give a model no rank ever had.
-        Only trainable tensors (adapters: small) are sent; the frozen base must come from the same
-        weights on every rank (a pretrained checkpoint, or the same seed).
+        Only trainable tensors (adapters: small) are sent; the frozen base is already rank 0's (the
+        surgery sends the model as built before quantizing: ``lightning_hbm.surgery.ranks``).
         """
         if self.world_size == 1:
             return

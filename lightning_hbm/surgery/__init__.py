@@ -60,6 +60,9 @@ from lightning_hbm import resume
 from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.data import MidEpochResumeCheck
+from lightning_hbm.layers import base_layer, find_layers, is_adapted, readers, source_readers, stored_in
+from lightning_hbm.memory.storage import quantized_format
 from lightning_hbm.surgery.ranks import check_ranks
 from lightning_hbm.surgery.record import (
     _APPLIERS_ATTR,
@@ -212,6 +215,7 @@ def run_surgery(
     checkpoint: Optional[dict[str, Any]] = None,
     checkpoint_path: Any = None,
     convert: Optional[Callable[[nn.Module], nn.Module]] = None,
+    batch: Any = None,
 ) -> nn.Module:
     """Check, then change ``module`` in place: observe -> the plugin's conversion -> adapters -> ... .
 
@@ -223,11 +227,18 @@ def run_surgery(
         checkpoint: the checkpoint being resumed, if any: its configuration and frozen-base
             fingerprints are compared before the first change, its changed tensors loaded after.
         convert: the plugin's conversion (default: ``plugin.convert_base`` or ``plugin.convert_module``).
+        batch: a training batch (or a function returning one), run once through the model as built before any
+            check, to see which layers its code reads directly (:mod:`lightning_hbm.layers.readers`); ``None``: the
+            model's source decides instead.
     """
     _check_distinct(transforms)
     # the modules LoRA trains in full: a QuantizedPrecision leaves them unquantized, with or without a Trainer (planner)
-    object.__setattr__(module, SAVED_MODULES_ATTR, [n for t in transforms for n in getattr(t, "modules_to_save", None) or ()])
+    # (LoRA finds a model's task heads on the model as built: resolve_modules_to_save, before any check)
+    saved = [getattr(t, "resolve_modules_to_save", lambda m: getattr(t, "modules_to_save", None))(module) for t in transforms]
+    object.__setattr__(module, SAVED_MODULES_ATTR, [n for names in saved for n in names or ()])
     pending = _pending(module, transforms)
+    if batch is not None and (pending or convert is not None or plugin is not None) and not applied_transforms(module):
+        _observe(module, batch)
     check_plugin = getattr(plugin, "check_model", None)
     if callable(check_plugin):
         check_plugin(module)
@@ -260,7 +271,34 @@ def run_surgery(
         _load_changed(module, meta, checkpoint, checkpoint_path)
     if applied_transforms(module):
         add_resume_hooks(module)  # later loads into the changed model (trainer.test(ckpt_path=...))
+        _guard(module)
     return module
+
+
+def _observe(module: nn.Module, batch: Any) -> None:
+    """The probe step: who reads which layer's weight, seen on the model as built (before the first check)."""
+    if readers.observation(module) is not None:
+        return
+    layers = {name: base_layer(layer) for name, layer, _ in find_layers(module)}
+    if not layers:
+        return
+    readers.observe(module, batch() if callable(batch) else batch, layers)
+
+
+def _guard(module: nn.Module) -> None:
+    """Guards on the paths the probe step did not take, where the model's source reads a layer now changed."""
+    if readers.observation(module) is None:
+        return
+    changed: dict[str, tuple[nn.Module, bool]] = {}
+    for name, layer, _ in find_layers(module):
+        base = base_layer(layer)
+        storage = stored_in(base)  # a quantized convolution: its storage's weight is what a reader would get
+        base = storage if storage is not None else base
+        weight = getattr(base, "weight", None)
+        quantized = isinstance(weight, torch.Tensor) and not weight.is_floating_point() or quantized_format(base) is not None
+        if quantized or is_adapted(layer):
+            changed[name] = (base, quantized)
+    readers.guard_unobserved(module, source_readers(module), changed)  # once per model
 
 
 def check_resume(trainer: pl.Trainer, module: nn.Module, meta: Optional[dict[str, Any]], path: Any) -> None:
@@ -379,7 +417,7 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
     if getattr(module, _RECORD_ATTR, None) is None and not applied_transforms(module):
         object.__setattr__(module, _RECORD_ATTR, resume.as_built_record(module))
     if fitting and not applied_transforms(module):
-        check_ranks(module, (checkpoint or {}).get(resume.META_KEY), bool(checkpoint))
+        check_ranks(module)  # every rank gets rank 0's model as built (before quantizing), then they are compared
     return run_surgery(
         module,
         plugin,
@@ -388,7 +426,17 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
         checkpoint=checkpoint if fitting or (checkpoint or {}).get(resume.META_KEY) else None,
         checkpoint_path=trainer.ckpt_path,
         convert=convert,
+        batch=lambda: _stage_batch(trainer),
     )
+
+
+def _stage_batch(trainer: pl.Trainer) -> Any:
+    """The first batch of the stage's dataloader, drawn without touching the global RNG (``None``: none)."""
+    loader = lightning_compat.stage_dataloader(trainer)
+    if loader is None:
+        return None
+    with torch.random.fork_rng(devices=[]):
+        return next(iter(loader), None)
 
 
 def trainer_optimizers(plugin: Any, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> list[Optimizer]:
@@ -447,6 +495,8 @@ def check_saves(trainer: pl.Trainer) -> resume.CheckedCheckpointIO:
         io = resume.CheckedCheckpointIO(io)
         trainer.strategy.checkpoint_io = io
     io.trainer, io.pack = trainer, pack_checkpoint
+    if not any(isinstance(c, MidEpochResumeCheck) for c in trainer.callbacks):
+        trainer.callbacks.append(MidEpochResumeCheck())  # a mid-epoch resume with a loader Lightning restarts: warn
     return io
 
 

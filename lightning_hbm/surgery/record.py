@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
 _APPLIED_ATTR = "_lightning_hbm_applied"
@@ -9,6 +11,11 @@ _RECORD_ATTR = "_lightning_hbm_record"  # the model as built: schema, fingerprin
 _STATE_ATTR = "_lightning_hbm_spine"
 _APPLIERS_ATTR = "_lightning_hbm_appliers"  # transform name -> id() of the instance that applied it last
 SAVED_MODULES_ATTR = "_lightning_hbm_modules_to_save"  # set by run_surgery: the transforms' modules_to_save
+
+
+def as_built(module: nn.Module) -> Optional[dict]:
+    """The record (schema, fingerprints) of ``module`` as the user built it, taken by its first surgery (else None)."""
+    return getattr(module, _RECORD_ATTR, None)
 
 
 def applied_transforms(module: nn.Module) -> list[str]:

@@ -317,3 +317,27 @@ def test_offload_to_a_missing_device_is_refused_before_the_model_changes(
     with pytest.raises(ValueError, match=r"offload_device='cuda'\): no cuda device here.*offload_device='cpu'"):
         trainer.fit(model, datamodule_factory())
     assert snapshot(model) == before and trainer.global_step == 0
+
+
+def test_find_blocks_never_nests_a_stack_that_is_itself_a_block() -> None:
+    """timm EfficientNet: `blocks` holds stage Sequentials whose items are the blocks (issue 33: both were found)."""
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+            self.norm = nn.BatchNorm2d(cout)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.norm(self.conv(x))
+
+    model = nn.Module()
+    model.blocks = nn.Sequential(nn.Sequential(Block(3, 8)), nn.Sequential(Block(8, 16), Block(16, 16)), nn.Sequential(Block(16, 24), Block(24, 24), Block(24, 24)))
+    names = [n for n, _ in find_blocks(model)]
+    assert names == ["blocks.0", "blocks.1.0", "blocks.1.1", "blocks.2.0", "blocks.2.1", "blocks.2.2"], names
+    callback = ActivationCheckpointing()
+    callback.transform_model(model)
+    assert callback.checkpointed == names
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    model.blocks(x).sum().backward()  # the recompute of one level of blocks runs
+    assert x.grad is not None

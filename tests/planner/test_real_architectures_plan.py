@@ -3,8 +3,8 @@
 The configuration is the Trainer's own (``plan(plugin=, callbacks=)``): QLoRA (nf4-dq, fp32 compute on this CPU),
 LoRA r=8, full checkpointing, FusedLoss. Qwen2-MoE: ``shared_expert_gate`` (width 1) is narrower than r, so LoRA
 excludes it (the router is no Linear; the experts' 3-D weights become per-expert Linears, quantized and adapted).
-Mamba: ``MambaMixer.forward`` reads ``dt_proj.weight`` and ``x_proj``'s directly, so they are kept out of
-quantization (``ignore_modules``). Both heads are fused. Tiny configs (random weights), batch 2 x 64.
+Mamba: on the path that trains (no CUDA kernels) ``MambaMixer.forward`` reads ``dt_proj.weight`` directly, so the
+probe step keeps it out of quantization and LoRA; ``x_proj``, read only by the kernel branch, is quantized. Both heads are fused. Tiny configs (random weights), batch 2 x 64.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def qwen2_moe_setup() -> tuple[Any, list[Any]]:
 
 
 def mamba_setup() -> tuple[Any, list[Any]]:
-    plugin = QuantizedPrecision("nf4-dq", dtype="float32", ignore_modules=["*.mixer.dt_proj", "*.mixer.x_proj"])
+    plugin = QuantizedPrecision("nf4-dq", dtype="float32")
     return plugin, [LoRA(r=8), ActivationCheckpointing(), FusedLoss()]
 
 

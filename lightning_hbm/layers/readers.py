@@ -1,0 +1,374 @@
+"""Who reads a layer's weight, decided by running the model: the probe forward, and the guard for paths it did not run.
+
+A layer whose weight an enclosing module's code reads directly (``F.linear(x, self.qkv.weight)`` in torchvision's
+Swin, ``x @ self.c.weight.T``) instead of calling the layer can be neither quantized (the reader would get the packed
+integer weight) nor adapted (the adapter is never called). Reading the model's source cannot tell a read on the path
+that trains from one on a path that never runs: Bloom reads ``self.dense.weight`` only under ``slow_but_exact``,
+diffusers' ``Attention.fuse_projections`` (a utility never called in training) reads ``to_q.weight.data``, transformers'
+Mamba reads ``x_proj.weight`` only in its CUDA kernel branch. So:
+
+* :func:`observe` runs one step of the model as the user built it (the LightningModule's ``training_step`` on the
+  first training batch, else ``forward``) under a ``__torch_function__`` mode and records every op that touches a
+  layer's weight while that layer is not the one running. Fake tensors first (no arithmetic, nothing allocated, the
+  model's values untouched), one real sample when the model's code needs values (``.item()``, data-dependent
+  control flow). What it saw decides (:func:`observed_readers`).
+* :func:`guard_unobserved` covers what it did not see: where the model's source reads a layer's weight (the scan of
+  :func:`lightning_hbm.layers.base.source_readers`, now only a hint) but the probe did not, and the layer was then
+  quantized or adapted, the reading module gets a guard that raises a clear error naming the module and the fix if
+  that path ever runs. Never wrong numbers from a packed weight.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # as planner/building.py: no public home
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map_only
+
+
+# Reading these of a weight is harmless once the layer is quantized or adapted; "metadata" is wrong on a packed
+# quantized weight and harmless for an adapter (peft's layer shows its base's weight); anything else is a use.
+# Introspection (memory trackers, hooks, printing) counts as harmless too: it computes nothing with the values.
+HARMLESS = frozenset({
+    "device", "requires_grad", "is_cuda", "is_meta", "is_sparse", "layout", "grad", "is_leaf", "names", "__hash__",
+    "untyped_storage", "_typed_storage", "data_ptr", "storage_offset", "is_contiguous", "_base", "_is_view", "grad_fn",
+    "_version", "is_nested", "is_quantized", "is_mkldnn", "__repr__", "__format__", "_cdata", "register_hook",
+    "register_post_accumulate_grad_hook", "_backward_hooks", "_post_accumulate_grad_hooks",
+})
+METADATA = frozenset({"dtype", "shape", "size", "ndim", "dim", "numel", "element_size", "nbytes", "itemsize", "is_floating_point", "is_complex", "stride", "__len__"})
+# Modules of these libraries read the layers they made themselves (peft's LoRA layers, bitsandbytes' kernels), or
+# are converted before quantization (torch's nn.MultiheadAttention reads out_proj.weight: prepare_model)
+KNOWN = ("torch.", "peft.", "bitsandbytes.", "lightning_hbm.", "lightning.", "transformers.modeling_utils")
+
+
+@dataclass(frozen=True)
+class Read:
+    """One layer's weight read outside the layer on the probe step."""
+
+    reader: str  # "Class.method" of the innermost module that ran it: BloomAttention.forward, Wrapped.training_step
+    op: str  # what touched the weight: linear, matmul, data, ...
+    metadata: bool  # only dtype/shape-like reads
+
+
+@dataclass
+class Observation:
+    """What :func:`observe` saw: ``reads`` by layer name; ``ran``: how the step ran (for messages)."""
+
+    reads: dict[str, Read] = field(default_factory=dict)
+    ran: str = ""
+
+
+# held here, not stamped on the user's modules: what the probe saw, and the models whose guards are installed
+_OBSERVED: "weakref.WeakKeyDictionary[nn.Module, Observation]" = weakref.WeakKeyDictionary()
+_GUARDED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def observed_readers(module: nn.Module, uses_only: bool = False) -> Optional[dict[str, str]]:
+    """``{layer name: "Class.method"}`` the probe saw reading the layer's weight, or ``None`` if ``module`` was never
+    observed. ``uses_only``: leave out metadata reads (``.dtype``/``.shape``: harmless for an adapter)."""
+    seen = _OBSERVED.get(module)
+    if seen is None:
+        return None
+    return {name: read.reader for name, read in seen.reads.items() if not (uses_only and read.metadata)}
+
+
+def observation(module: nn.Module) -> Optional[Observation]:
+    return _OBSERVED.get(module)
+
+
+def _descriptor_name(func: Any) -> str:
+    # Tensor properties (.shape, .data, .T) reach __torch_function__ as their descriptor's __get__
+    name = getattr(func, "__name__", str(func))
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def _weights_in(args: tuple, kwargs: dict, watched: dict[int, Any]) -> Iterator[Any]:
+    # one level into lists/tuples is enough (torch.cat([q.weight, k.weight]), F.linear(x, w, b)); a full pytree
+    # flatten of every op's arguments would cost more than the guard should
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, torch.Tensor):
+            if id(arg) in watched:
+                yield watched[id(arg)]
+        elif isinstance(arg, (list, tuple)):
+            for item in arg:
+                if isinstance(item, torch.Tensor) and id(item) in watched:
+                    yield watched[id(item)]
+
+
+class _Watch:
+    """The layers whose weights are followed, and which modules are running (forward hooks, removed afterwards)."""
+
+    def __init__(self, module: nn.Module, layers: dict[str, nn.Module]) -> None:
+        self.root = module
+        self.stack: list[nn.Module] = []
+        holders: dict[int, set[int]] = {}  # a tied weight is its own in every module that holds it
+        for sub in module.modules():
+            for param in sub.parameters(recurse=False):
+                holders.setdefault(id(param), set()).add(id(sub))
+        self.weights: dict[int, tuple[str, set[int]]] = {}
+        for name, layer in layers.items():
+            weight = getattr(layer, "weight", None)
+            if isinstance(weight, torch.Tensor):
+                self.weights[id(weight)] = (name, holders.get(id(weight), {id(layer)}) | {id(layer)})
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        handles = []
+        for sub in self.root.modules():
+            handles.append(sub.register_forward_pre_hook(lambda m, a: self.stack.append(m)))
+            handles.append(sub.register_forward_hook(lambda m, a, o: self._pop(m), always_call=True))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _pop(self, module: nn.Module) -> None:
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
+
+    def reader(self, holders: set[int], step: str) -> Optional[str]:
+        """The module reading a weight outside its holders, or ``None`` (a holder is running, or a known library)."""
+        if any(id(m) in holders for m in self.stack):
+            return None
+        inner = self.stack[-1] if self.stack else self.root
+        if type(inner).__module__.startswith(KNOWN) and inner is not self.root:
+            return None
+        return f"{type(inner).__qualname__}.{'forward' if self.stack else step}"
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, watch: _Watch, step: str) -> None:
+        super().__init__()
+        self.watch, self.step = watch, step
+        self.reads: dict[str, Read] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        op = _descriptor_name(func)
+        if op not in HARMLESS:
+            for name, holders in _weights_in(args, kwargs, self.watch.weights):
+                reader = self.watch.reader(holders, self.step)
+                if reader is not None:
+                    earlier = self.reads.get(name)
+                    if earlier is None or earlier.metadata and op not in METADATA:  # a real use wins
+                        self.reads[name] = Read(reader, op, op in METADATA)
+        return func(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------- running one step
+
+
+def _first_sample(batch: Any) -> Any:
+    """One sample of the batch (the real-tensor probe's cost is one sample's forward, whatever the batch size)."""
+    leaves = [t for t in _leaves(batch) if t.dim() > 0]
+    rows = leaves[0].shape[0] if leaves else 0
+    if rows <= 1 or any(t.shape[0] != rows for t in leaves):
+        return batch  # no common batch dimension: as it is
+    return tree_map_only(torch.Tensor, lambda t: t[:1] if t.dim() > 0 else t, batch)
+
+
+def _leaves(batch: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    tree_map_only(torch.Tensor, found.append, batch)
+    return found
+
+
+@contextmanager
+def _quiet_logging(module: nn.Module) -> Iterator[None]:
+    # training_step's self.log needs the fit loop's result collection, which does not exist yet at the surgery point:
+    # a no-op for the probe step only (instance attributes, removed after)
+    patched = [name for name in ("log", "log_dict") if callable(getattr(module, name, None))]
+    for name in patched:
+        object.__setattr__(module, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name in patched:
+            object.__delattr__(module, name)
+
+
+def _step(module: nn.Module, batch: Any) -> tuple[Callable[[], Any], str]:
+    """The step that trains: the LightningModule's own ``training_step`` when it has one, else ``forward``."""
+    if isinstance(module, pl.LightningModule) and type(module).training_step is not pl.LightningModule.training_step:
+        return (lambda: module.training_step(batch, 0)), "training_step"
+    return (lambda: _call(module, batch)), "forward"
+
+
+def _call(module: nn.Module, batch: Any) -> Any:
+    # as probe_output calls a model (a tensor, an (inputs, targets) pair, keyword inputs), whatever it returns
+    if isinstance(batch, torch.Tensor):
+        return module(batch)
+    if isinstance(batch, (tuple, list)):
+        return module(batch[0])
+    return module(**batch)
+
+
+def _run(module: nn.Module, batch: Any, watch: _Watch) -> tuple[dict[str, Read], str]:
+    """Run the step under the recorder: fake tensors first, one real sample if the model's code needs values."""
+    fake_already = any(_is_fake_or_meta(p) for p in module.parameters())
+    attempts: list[tuple[str, Callable[[], Any]]] = []
+    if fake_already:  # the planner's fake model: as it is
+        attempts.append(("on the planner's fake tensors", lambda: ExitStack()))
+    else:
+        attempts.append(("on fake tensors", lambda: FakeTensorMode(allow_non_fake_inputs=True)))
+        attempts.append(("on one real sample", lambda: _restoring_buffers(module)))
+    failure: Optional[BaseException] = None
+    for how, context in attempts:
+        sample = batch if how != "on one real sample" else _first_sample(batch)
+        run, step = _step(module, sample)
+        recorder = _Recorder(watch, step)
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), _quiet_logging(module), context(), watch.running(), recorder:
+                run()
+        except Exception as err:  # noqa: BLE001 - any failure of the user's step: try the next way, then report
+            failure = err
+            watch.stack.clear()
+            continue
+        return recorder.reads, f"{type(module).__qualname__}.{step} {how}"
+    raise RuntimeError(f"{type(failure).__name__}: {failure}") from failure
+
+
+def _is_fake_or_meta(tensor: torch.Tensor) -> bool:
+    return tensor.is_meta or isinstance(tensor, FakeTensor)
+
+
+@contextmanager
+def _restoring_buffers(module: nn.Module) -> Iterator[None]:
+    # training mode (the path that trains), but BatchNorm's running statistics must not move for the probe
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
+def observe(module: nn.Module, batch: Any, layers: dict[str, nn.Module]) -> Optional[Observation]:
+    """Run one step of ``module`` on ``batch`` and record who reads the weight of each of ``layers`` (by name).
+
+    Nothing of the model changes (its values, buffers, the global RNG). Returns ``None`` and warns if the step
+    cannot run at all (the decision then falls back to the model's source, named in the warning).
+    """
+    watch = _Watch(module, layers)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    if not any(_is_fake_or_meta(p) for p in module.parameters()):
+        batch = tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+    try:
+        reads, ran = _run(module, batch, watch)
+    except RuntimeError as err:
+        warnings.warn(
+            f"lightning_hbm: could not run one step of {type(module).__qualname__} before changing it ({err}), so which "
+            "layers its code reads directly (and cannot be quantized or adapted) was read from its source code instead, "
+            "which also counts paths that never run. Make training_step (or forward) run on the first training batch.",
+            UserWarning,
+            stacklevel=2,
+        )
+        return None
+    seen = Observation(reads, ran)
+    _OBSERVED[module] = seen
+    return seen
+
+
+# ------------------------------------------------------------------------------ guarding unrun paths
+
+
+class UnobservedRead(RuntimeError):
+    """A module read a quantized or adapted layer's weight on a path the probe step did not run."""
+
+
+class _Guard(TorchFunctionMode):
+    def __init__(self, guarded: "GuardHook") -> None:
+        super().__init__()
+        self.guarded = guarded
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        op = _descriptor_name(func)
+        if op not in HARMLESS and not self.guarded.inside:
+            for name, quantized in _weights_in(args, kwargs, self.guarded.weights):
+                if quantized or op not in METADATA:
+                    self.guarded.refuse(name, op, quantized)
+        return func(*args, **kwargs)
+
+
+class GuardHook:
+    """Forward hooks on a module whose source reads a changed layer's weight on a path the probe did not run."""
+
+    def __init__(self, reader: str, ran: str) -> None:
+        self.reader, self.ran = reader, ran
+        # the weights themselves, not their ids: a copied model's hooks then follow the copy's weights
+        self.tensors: list[tuple[torch.Tensor, str, bool]] = []
+        self.weights: dict[int, tuple[str, bool]] = {}
+        self.inside = 0  # > 0 while one of the guarded layers itself runs (its own reads are its business)
+        self._modes: list[_Guard] = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.weights = {id(tensor): (name, quantized) for tensor, name, quantized in self.tensors}
+        mode = _Guard(self)
+        mode.__enter__()
+        self._modes.append(mode)
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._modes:
+            self._modes.pop().__exit__(None, None, None)
+
+    def layer_in(self, module: nn.Module, args: Any) -> None:
+        self.inside += 1
+
+    def layer_out(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.inside -= 1
+
+    def refuse(self, name: str, op: str, quantized: bool) -> None:
+        # raised inside the mode's own __torch_function__: the forward hook (always_call) takes the mode off
+        self.inside = 0
+        state = "stored quantized" if quantized else "adapted by LoRA (its adapter would be skipped)"
+        raise UnobservedRead(
+            f"lightning_hbm: {self.reader} read the weight of {name!r} directly ({op}) on a path that the step run before "
+            f"the model was changed ({self.ran}) did not take; {name!r} is {state}, so this path would compute with the "
+            f"wrong weight. Keep it as built: QuantizedPrecision(ignore_modules=[{name!r}]) and/or "
+            f"LoRA(exclude_modules=[{name!r}]), or make the run take the path the probe step took."
+        )
+
+
+def guard_unobserved(module: nn.Module, hinted: list[tuple[str, str, str]], changed: dict[str, tuple[nn.Module, bool]]) -> list[str]:
+    """Guard each reader the source scan found but the probe did not see, for layers that were changed.
+
+    Args:
+        hinted: ``(reader module name, "Class.method", layer name)`` from the source scan.
+        changed: ``{layer name: (the layer itself, quantized)}`` for the layers now quantized or adapted (the layer
+            itself: a peft layer's base layer, whose forward reads its own weight).
+    Returns the guarded readers' names.
+    """
+    seen = _OBSERVED.get(module)
+    if seen is None or module in _GUARDED:
+        return []
+    _GUARDED.add(module)
+    by_reader: dict[str, tuple[str, dict[str, tuple[nn.Module, bool]]]] = {}
+    for reader_name, reader, layer in hinted:
+        if layer in changed and layer not in seen.reads:
+            by_reader.setdefault(reader_name, (reader, {}))[1][layer] = changed[layer]
+    for reader_name, (reader, layers) in by_reader.items():
+        hook = GuardHook(reader, seen.ran)
+        for layer_name, (layer, quantized) in layers.items():
+            hook.tensors.append((layer.weight, layer_name, quantized))
+            layer.register_forward_pre_hook(hook.layer_in)
+            layer.register_forward_hook(hook.layer_out, always_call=True)
+        sub = module.get_submodule(reader_name) if reader_name else module
+        sub.register_forward_pre_hook(hook.enter)
+        sub.register_forward_hook(hook.exit, always_call=True)
+    return sorted(by_reader)
+
+
+__all__ = ["Observation", "Read", "UnobservedRead", "guard_unobserved", "observation", "observe", "observed_readers"]

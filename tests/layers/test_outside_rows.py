@@ -1,0 +1,114 @@
+"""Issue 33: 3-D Parameters are experts only in real expert layers; what else holds weights outside any layer kind
+gets its own row (routers, weight_norm factors, RG-LRU gates, position tables). Real transformers classes, tiny
+configs, random weights."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from lightning_hbm.layers import coverage, coverage_warnings, kind_of, prepare_model
+from lightning_hbm.layers.base import GROUPED_WEIGHTS, PARAMETRIZED_WEIGHTS, POSITION_TABLES, RAW_WEIGHTS, ROUTER_WEIGHTS
+from lightning_hbm.precision import quantize_model
+
+EXPERTS = "Experts (3-D parameters)"
+
+
+def rows_of(model: nn.Module, quantizing: bool = False) -> dict:
+    return {r.kind: r for r in coverage(model, quantizing, False)}
+
+
+def test_recurrent_gemma_rg_lru_gates_are_not_experts() -> None:
+    config = transformers.RecurrentGemmaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, lru_width=64,
+        attention_window_size=16, conv1d_width=4, block_types=["recurrent", "recurrent", "attention"],
+    )  # fmt: skip
+    model = transformers.RecurrentGemmaForCausalLM(config)
+    rows = rows_of(model)
+    assert EXPERTS not in rows  # was: "Experts (3-D parameters): this variant is not supported yet", MoE advice
+    gates = rows[GROUPED_WEIGHTS]
+    # per recurrent layer: input and recurrent gate weights [4, 16, 16] and their biases [4, 16]
+    assert gates.params == gates.left_alone == 2 * 2 * (4 * 16 * 16 + 4 * 16) and gates.layers == 2
+    assert "RG-LRU" in next(iter(gates.reasons))
+    assert not [m for m in coverage_warnings(list(rows.values())) if "experts" in m.lower()]
+
+
+def test_wav2vec2_weight_norm_is_a_parametrized_row_with_its_fix() -> None:
+    config = transformers.Wav2Vec2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, conv_dim=(32, 32),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, vocab_size=32,
+    )  # fmt: skip
+    model = transformers.Wav2Vec2ForCTC(config)
+    rows = rows_of(model)
+    assert EXPERTS not in rows
+    factors = rows[PARAMETRIZED_WEIGHTS]
+    assert factors.params == 64 * 16 * 16 + 16  # weight_norm's v [64, 16, 16] and g [1, 1, 16]
+    messages = coverage_warnings(list(rows.values()))
+    assert len(messages) == 1, messages
+    assert re.search(r"parametrized weights, left as they were .*pos_conv_embed.*remove_parametrizations", messages[0]), messages
+    assert "MoE" not in messages[0] and "experts" not in messages[0].lower()
+
+def _mixtral() -> nn.Module:
+    config = transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
+
+
+def _qwen2_moe() -> nn.Module:
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+@pytest.mark.parametrize("build", [_mixtral, _qwen2_moe], ids=["mixtral", "qwen2_moe"])
+def test_moe_experts_stay_experts_and_routers_get_their_row(build: object) -> None:
+    torch.manual_seed(0)
+    model = build()  # type: ignore[operator]
+    experts = [n for n, m in model.named_modules() if kind_of(m) is not None and kind_of(m).name == EXPERTS]
+    assert experts == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    rows = rows_of(model)
+    router = rows[ROUTER_WEIGHTS]  # was: "weights outside any layer"
+    assert RAW_WEIGHTS not in rows and router.params == 2 * 4 * 64 and router.layers == 2
+    assert router.unhandled == 0 and "F.linear" in next(iter(router.reasons))
+    # converted and quantized: still experts (per-expert Linears, quantized), the routers still their row
+    quantize_model(model, "nf4-dq", dtype="float32")
+    rows = rows_of(model, quantizing=True)
+    assert rows[EXPERTS].quantized == rows[EXPERTS].params > 0
+    assert rows[ROUTER_WEIGHTS].params == 2 * 4 * 64
+
+
+class LearnedPositions(nn.Module):
+    """OpenAI CLIP's text tower: a [tokens, width] Parameter added to the embeddings (no leading 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.positional_embedding = nn.Parameter(torch.randn(16, 32))
+        self.proj = nn.Linear(32, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.embed(tokens) + self.positional_embedding[: tokens.shape[1]])
+
+
+def test_a_position_table_is_not_a_weight() -> None:
+    rows = rows_of(LearnedPositions())
+    assert rows[POSITION_TABLES].params == 16 * 32 and rows[POSITION_TABLES].unhandled == 0
+    assert RAW_WEIGHTS not in rows  # was: a 'weights outside any layer' warning (32 % of this model)
+    assert not coverage_warnings(list(rows.values()))
+
+
+def test_prepare_model_leaves_non_expert_3d_parameters_alone() -> None:
+    config = transformers.RecurrentGemmaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, lru_width=64,
+        attention_window_size=16, conv1d_width=4, block_types=["recurrent"],
+    )  # fmt: skip
+    model = transformers.RecurrentGemmaForCausalLM(config)
+    assert prepare_model(model) == []

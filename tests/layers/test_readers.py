@@ -1,0 +1,191 @@
+"""Who reads a layer's weight is decided by running the model (``lightning_hbm.layers.readers``), not by its source.
+
+Issue 33: Bloom reads ``self.dense.weight`` only under ``pretraining_tp > 1 and slow_but_exact``, transformers' Mamba
+reads ``x_proj``/``out_proj`` weights only in its CUDA kernel branch: a source scan left 29 % / 25 % of those models in
+full precision. The probe step sees what the path that trains does; a read on a path it did not take is guarded.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_hbm import LoRA, QuantizedPrecision
+from lightning_hbm.layers import base_layer, find_layers, readers, source_readers, weight_readers
+from lightning_hbm.surgery import run_surgery
+
+VOCAB, SEQ, BATCH = 128, 16, 2
+
+
+class Wrapped(pl.LightningModule):
+    def __init__(self, model: nn.Module, causal: bool = True) -> None:
+        super().__init__()
+        self.model, self.causal = model, causal
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.causal:
+            loss = self.model(input_ids=batch, labels=batch).loss
+        else:
+            logits = self.model(batch)
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        self.log("loss", loss)  # the probe step runs before the fit loop exists: self.log must not fail it
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def fit(module: pl.LightningModule, tmp_path: Any, steps: int = 2, **lora: Any) -> pl.Trainer:
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+        plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=4, alpha=8, **lora)],
+    )
+    trainer.fit(module, DataLoader([tokens(1), tokens(2)], batch_size=None))
+    return trainer
+
+
+def bloom() -> nn.Module:
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    return BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4))
+
+
+def mamba() -> nn.Module:
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    return MambaForCausalLM(MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=VOCAB, state_size=8, eos_token_id=0, pad_token_id=0))
+
+
+def quantized(module: nn.Module, name: str) -> bool:
+    return not base_layer(module.get_submodule(name)).weight.is_floating_point()
+
+
+class Reads(nn.Module):
+    """Reads ``c`` on the path that trains, ``d`` only on a path that does not run (``exact``), ``e``'s dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.a, self.c, self.d, self.e = (nn.Linear(64, 64) for _ in range(4))
+        self.head = nn.Linear(64, VOCAB)
+        self.exact = False
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens).to(self.e.weight.dtype)
+        x = self.a(x) + x @ self.c.weight.T
+        x = F.linear(x, self.d.weight, self.d.bias) if self.exact else self.d(x)
+        return self.head(self.e(x))
+
+
+def test_the_probe_step_decides_and_the_source_is_only_a_hint() -> None:
+    module = Wrapped(Reads(), causal=False)
+    hint = {layer: reader for _, reader, layer in source_readers(module)}
+    assert hint == {"model.c": "Reads.forward", "model.d": "Reads.forward", "model.e": "Reads.forward"}
+    layers = {name: base_layer(layer) for name, layer, _ in find_layers(module)}
+    seen = readers.observe(module, tokens(), layers)
+    assert seen is not None and seen.ran == "Wrapped.training_step on fake tensors"
+    assert weight_readers(module) == {"model.c": "Reads.forward", "model.e": "Reads.forward"}  # d: not on this path
+    assert weight_readers(module, uses_only=True) == {"model.c": "Reads.forward"}  # e: its dtype only
+
+
+def test_the_probe_changes_nothing() -> None:
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.norm, self.head = nn.Embedding(VOCAB, 8), nn.BatchNorm1d(SEQ), nn.Linear(8, VOCAB)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            if float(tokens.float().mean()) < 0:  # needs a value: the fake run fails, one real sample runs
+                raise AssertionError
+            return self.head(self.drop(self.norm(self.embed(tokens))))
+
+    module = Wrapped(Normed(), causal=False).train()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    rng = torch.get_rng_state()
+    seen = readers.observe(module, tokens(), {"model.head": module.model.head})
+    assert seen is not None and seen.ran == "Wrapped.training_step on one real sample"
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())  # BatchNorm statistics included
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_a_step_that_cannot_run_falls_back_to_the_source_with_a_warning() -> None:
+    class Broken(Reads):
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            raise KeyError("no such input")
+
+    module = Wrapped(Broken(), causal=False)
+    with pytest.warns(UserWarning, match=r"could not run one step of Wrapped .*KeyError.*read from its source code"):
+        assert readers.observe(module, tokens(), {"model.c": module.model.c}) is None
+    assert set(weight_readers(module)) == {"model.c", "model.d", "model.e"}
+
+
+def test_a_read_on_the_path_that_did_not_run_is_a_clear_error_never_wrong_numbers(tmp_path: Any) -> None:
+    module = Wrapped(Reads(), causal=False)
+    fit(module, tmp_path, target_modules=["a", "d", "e"])
+    assert quantized(module, "model.d") and not quantized(module, "model.c") and not quantized(module, "model.e")
+    module.model.exact = True  # the path the probe did not take
+    with pytest.raises(readers.UnobservedRead, match=r"Reads.forward read the weight of 'model.d' directly \(linear\) .*"
+                       r"QuantizedPrecision\(ignore_modules=\['model.d'\]\)"):
+        module.model(tokens())
+    module.model.exact = False
+    module.model(tokens())  # the guard left no mode behind: the path that trains still runs
+    copied = copy.deepcopy(module.model)  # a copy's guards follow the copy's weights
+    copied.exact = True
+    with pytest.raises(readers.UnobservedRead, match=r"'model.d' directly"):
+        copied(tokens())
+
+
+@pytest.mark.slow
+def test_bloom_dense_layers_are_quantized_and_adapted(tmp_path: Any) -> None:
+    """Was: ``dense`` and ``dense_4h_to_h`` (29 % of Bloom) neither quantized nor adapted (read under slow_but_exact)."""
+    module = Wrapped(bloom())
+    assert {layer for _, _, layer in source_readers(module)} >= {"model.transformer.h.0.self_attention.dense"}
+    fit(module, tmp_path)
+    for name in ("self_attention.dense", "mlp.dense_4h_to_h", "self_attention.query_key_value", "mlp.dense_h_to_4h"):
+        layer = module.get_submodule(f"model.transformer.h.0.{name}")
+        assert quantized(module, f"model.transformer.h.0.{name}") and hasattr(layer, "lora_A"), name
+    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    assert rows["Linear"].unhandled == 0
+    module.model.config.pretraining_tp, module.model.config.slow_but_exact = 2, True
+    for block in module.model.transformer.h:
+        block.self_attention.pretraining_tp = block.self_attention.slow_but_exact = block.mlp.pretraining_tp = 2
+        block.self_attention.slow_but_exact = block.mlp.slow_but_exact = True
+    with pytest.raises(readers.UnobservedRead, match=r"BloomAttention.forward read the weight of 'model.transformer.h.0.self_attention.dense'"):
+        module.model(input_ids=tokens())
+
+
+@pytest.mark.slow
+def test_mamba_x_proj_and_out_proj_are_quantized_where_the_kernel_branch_does_not_run(tmp_path: Any) -> None:
+    """Was: ``x_proj``/``out_proj`` (25 % of Mamba) left in full precision: read only in the CUDA kernel branch."""
+    module = Wrapped(mamba())
+    fit(module, tmp_path)
+    mixer = "model.backbone.layers.0.mixer"
+    for name in ("x_proj", "out_proj", "in_proj"):
+        assert quantized(module, f"{mixer}.{name}"), name
+    # dt_proj's weight is read by `self.dt_proj.weight @ time_step` on the path that trains: left alone, named
+    assert not quantized(module, f"{mixer}.dt_proj")
+    row = {r.kind: r for r in module.lightning_hbm_coverage}["Linear"]
+    assert row.undeliberate == [f"model.backbone.layers.{i}.mixer.dt_proj" for i in range(2)]
+    assert any(why.startswith("weight read directly by MambaMixer.forward") for why in row.reasons)
+
+
+def test_the_planner_decides_on_the_same_probe(tmp_path: Any) -> None:
+    """The engine's probe runs inside the planner's trace too (fake tensors): same layers quantized as the run."""
+    module = Wrapped(Reads(), causal=False)
+    run_surgery(module, QuantizedPrecision("nf4-dq", dtype="float32"), [LoRA(r=4, target_modules=["a", "d"])], batch=tokens())
+    assert quantized(module, "model.d") and not quantized(module, "model.c")
