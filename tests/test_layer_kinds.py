@@ -420,6 +420,7 @@ class OwnExperts(nn.Module):
         super().__init__()
         self.embed, self.head = nn.Embedding(VOCAB, width), nn.Linear(width, VOCAB)
         self.weight = nn.Parameter(torch.randn(experts, width, width) / width**0.5)
+        self.num_experts = experts  # declared as MoE layers declare it: what makes 3-D weights experts (issue 33)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(tokens)
@@ -662,20 +663,25 @@ def test_converted_keys_map_back_to_the_tensors_as_built() -> None:
 # --------------------------------------------------- issue 24: layers whose weight the parent reads directly
 
 
-@pytest.mark.parametrize(("name", "read", "reader"), [
-    ("mamba", ["model.backbone.layers.0.mixer.dt_proj", "model.backbone.layers.1.mixer.x_proj"], "MambaMixer.forward"),
-    ("swin_like", ["model.layers.0.0.qkv", "model.layers.1.0.qkv"], "SwinLikeAttention.forward"),
+@pytest.mark.parametrize(("name", "read", "reader", "warned"), [
+    # on the path that trains (no CUDA kernels) Mamba reads only dt_proj's weight (`self.dt_proj.weight @ x`): x_proj
+    # and out_proj, read only by the kernel branch, are quantized (issue 33); dt_proj is under 5 %: a table row only
+    ("mamba", ["model.backbone.layers.0.mixer.dt_proj", "model.backbone.layers.1.mixer.dt_proj"], "MambaMixer.forward", False),
+    ("swin_like", ["model.layers.0.0.qkv", "model.layers.1.0.qkv"], "SwinLikeAttention.forward", True),
 ])
-def test_layers_whose_weight_is_read_directly_stay_in_compute_dtype_and_are_named(name: str, read: list[str], reader: str, tmp_path: Any) -> None:
+def test_layers_whose_weight_is_read_directly_stay_in_compute_dtype_and_are_named(name: str, read: list[str], reader: str, warned: bool, tmp_path: Any) -> None:
     """Was: a low-level dtype error in the parent's matmul, no layer named (transformers Mamba, torchvision Swin)."""
     module = build_any(name)
-    with pytest.warns(UserWarning, match=rf"layers left as they were .*{read[0]}.*weight read directly by {reader}"):
+    if warned:
+        with pytest.warns(UserWarning, match=rf"layers left as they were .*{read[0]}.*weight read directly by {reader}"):
+            recorder = fit_epochs_module(module, 3, tmp_path)
+    else:
         recorder = fit_epochs_module(module, 3, tmp_path)
     assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
     for layer in read:
         assert type(module.get_submodule(layer)) is nn.Linear and module.get_submodule(layer).weight.is_floating_point()
     rows = {r.kind: r for r in module.lightning_hbm_coverage}
-    assert rows["Linear"].quantized > 0 and set(read) <= set(rows["Linear"].undeliberate)
+    assert rows["Linear"].quantized > 0 and set(read) == set(rows["Linear"].undeliberate)
     assert any(why.startswith(f"weight read directly by {reader}") for why in rows["Linear"].reasons)
 
 
@@ -762,17 +768,22 @@ def fit_cnn(epochs: int, tmp_path: Any, ckpt_path: Any = None, save: bool = Fals
     return module, recorder
 
 
-def test_batchnorm_cnn_trains_in_bf16_with_convolutions_adapted_and_named(tmp_path: Any) -> None:
-    """Was: "expected scalar type BFloat16 but found Float" at the first batch; 98 % of the parameters unnamed."""
-    with pytest.warns(UserWarning, match=r"% of the parameters are Conv layers not quantized: \['model.conv1', .*bitsandbytes has no convolution kernel"):
+def test_batchnorm_cnn_trains_in_bf16_with_convolutions_quantized_and_adapted(tmp_path: Any) -> None:
+    """Was: "expected scalar type BFloat16 but found Float" at the first batch; then (issue 33) every convolution
+    kept at full size: bitsandbytes has no convolution kernel, so lightning_hbm stores their weight matrices."""
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
         module, recorder = fit_cnn(3, tmp_path)
+    assert not [w for w in warned if "Conv layers" in str(w.message)]
     assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
     bn = module.model.layer1[0].bn1
     # as Lightning's mixed precision: BatchNorm weights and statistics in fp32 (batch_norm takes a bf16 input)
     assert bn.weight.dtype == bn.running_mean.dtype == torch.float32 and module.model.layer1[0].conv1.base_layer.weight.dtype == torch.bfloat16
     rows = {r.kind: r for r in module.lightning_hbm_coverage}
-    assert rows["Conv"].adapted == rows["Conv"].params > 0.8 * sum(r.params for r in rows.values() if not r.kind.startswith("LoRA"))
-    assert rows["Conv"].quantized == 0 and rows["Linear"].quantized == rows["Linear"].params
+    assert rows["Conv"].adapted == rows["Conv"].quantized == rows["Conv"].params > 0.8 * sum(r.params for r in rows.values() if not r.kind.startswith("LoRA"))
+    # nf4-dq: 4.127 bits a weight plus ~1 KiB of nested code book per layer, a lot for these 9k-weight convolutions
+    # (0.65 B/weight here; ResNet18's sizes: tests/layers/test_conv.py)
+    assert rows["Conv"].bytes < 0.7 * rows["Conv"].params
     assert any(".conv1.lora_A" in n for n in LoRA.adapter_state_dict(module))
 
 
@@ -836,13 +847,14 @@ def test_grouped_convolutions_left_by_lora_are_named_with_the_reason_and_fix(qua
         warnings.simplefilter("always")
         rows = {r.kind: r for r in report_coverage(module, quantizing=quantizing)}
     conv = rows["Conv"]
+    if quantizing:  # quantized like every convolution (issue 33), frozen and not adapted, as a Linear LoRA skips
+        assert conv.quantized == conv.params and conv.left_alone == 0 and not conv.undeliberate
+        assert not [w for w in warned if "Conv layers" in str(w.message)]
+        return
     assert conv.left_alone == module.conv_dw.weight.numel() + module.conv_dw.bias.numel()
     [reason] = [r for r in conv.reasons if "grouped" in r]
     assert re.search(why, reason) and conv.reasons[reason] == conv.left_alone
-    assert reason.startswith("not quantized: bitsandbytes" if quantizing else "frozen in full precision (no QuantizedPrecision);")
-    if quantizing:  # the depthwise convolution is a quarter of this model: warned, by name, with the same fix
-        assert "conv_dw" in conv.undeliberate
-        assert any(re.search(r"Conv layers not quantized: \[.*'conv_dw'.*" + why, str(w.message)) for w in warned)
+    assert reason.startswith("frozen in full precision (no QuantizedPrecision);")
 
 
 # -------------------------------------- issue 24: block discovery, 3-D parameters that are not experts

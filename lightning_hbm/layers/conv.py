@@ -1,18 +1,105 @@
-"""Convolutions (``nn.Conv1d``/``2d``/``3d``): adapted by peft's Conv LoRA, never quantized.
+"""Convolutions (``nn.Conv1d``/``2d``/``3d``): stored in the precision mode's format, adapted by peft's Conv LoRA.
 
-bitsandbytes (and int8-dynamic) have no convolution kernel, so no precision mode shrinks them: they stay in the
-compute dtype, frozen, named in the coverage table and warned about above 5 % of the parameters. Grouped and
-depthwise convolutions are not LoRA targets: peft needs ``r`` divisible by ``groups`` and cannot merge them.
+bitsandbytes (and int8-dynamic) have no convolution kernel, so a convolution is quantized the way bitsandbytes'
+4-bit Linear trains anyway: the weight, seen as the ``[out, in / groups * kernel]`` matrix it is, is stored by the
+mode's own Linear layer (every mode, its constants, resume and planner included), and each forward dequantizes it to
+the compute dtype and convolves (:class:`QuantizedConv2d` and its 1-d/3-d siblings). What it shrinks: the
+**parameters** term; it costs one dequantization per forward (and per recompute), as a 4-bit Linear does.
+
+Grouped and depthwise convolutions are quantized too (the same matrix, ``in / groups`` wide; a 3x3 depthwise one has
+9 weights per output channel, within one 64-value block), but they are not LoRA targets: peft needs ``r`` divisible
+by ``groups`` and cannot merge them.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm.layers.base import LayerKind, itself, register_kind
 
 
+class _Quantized:
+    """What the quantized 1-d/2-d/3-d convolutions share. Only :meth:`from_quantized` builds one: called like a
+    convolution (peft builds its adapters' ``lora_A``/``lora_B`` with ``type(base_layer)(...)``), the class gives
+    the plain ``nn.Conv2d`` (1-d, 3-d) it stands for."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs:  # copy / pickle: the object is rebuilt from its state
+            return object.__new__(cls)
+        return _PLAIN[cls](*args, **kwargs)  # not an instance of cls: Python does not call __init__ again
+
+    # set by :meth:`from_quantized` (plain attributes; ``quantized`` is a registered child module)
+    _dequantize: Optional[Callable[..., torch.Tensor]]
+    compute_dtype: torch.dtype
+
+    def storage(self) -> Optional[nn.Module]:
+        """The mode's layer holding the weight as a ``[out, in / groups * kernel]`` matrix (``None``: not quantized)."""
+        return self._modules.get("quantized")  # type: ignore[attr-defined]
+
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        # the weight as the convolution multiplies with it: peft reads its shape, dtype and device (not its values)
+        # when it builds an adapter; dequantized on each read, never stored
+        param = self._parameters.get("weight")  # type: ignore[attr-defined]
+        if param is not None:
+            return param
+        storage = self.storage()
+        if storage is None:
+            raise AttributeError("weight")
+        with torch.no_grad():
+            return self.dequantized(storage)
+
+    def dequantized(self, storage: nn.Module) -> torch.Tensor:
+        shape = (self.out_channels, self.in_channels // self.groups, *self.kernel_size)  # type: ignore[attr-defined]
+        return self._dequantize(storage, self.compute_dtype).reshape(shape)  # type: ignore[misc]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        storage = self.storage()
+        if storage is None:
+            return super().forward(x)  # type: ignore[misc]
+        # frozen: the dequantized weight needs no gradient; the input's flows through the convolution
+        weight = self.dequantized(storage).detach()
+        return self._conv_forward(x.to(self.compute_dtype), weight, self.bias)  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_quantized(cls, conv: nn.Module, quantized: nn.Module, dequantize: Callable[..., torch.Tensor], dtype: torch.dtype) -> nn.Module:
+        """``conv``'s replacement around ``quantized`` (the mode's layer built from :func:`_as_linear`)."""
+        new = object.__new__(cls)
+        _PLAIN[cls].__init__(
+            new, conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
+            dilation=conv.dilation, groups=conv.groups, bias=False, padding_mode=conv.padding_mode, device="meta",
+        )  # fmt: skip
+        del new._parameters["weight"]  # the storage holds it
+        new.bias = conv.bias  # the same Parameter, as a quantized Linear keeps its bias
+        new.quantized = quantized
+        new._dequantize, new.compute_dtype = dequantize, dtype
+        return new
+
+
+class QuantizedConv1d(_Quantized, nn.Conv1d):
+    """An ``nn.Conv1d`` whose frozen weight a precision mode stores (see the module docstring)."""
+
+
+class QuantizedConv2d(_Quantized, nn.Conv2d):
+    """An ``nn.Conv2d`` whose frozen weight a precision mode stores (see the module docstring)."""
+
+
+class QuantizedConv3d(_Quantized, nn.Conv3d):
+    """An ``nn.Conv3d`` whose frozen weight a precision mode stores (see the module docstring)."""
+
+
+_QUANTIZED = {nn.Conv1d: QuantizedConv1d, nn.Conv2d: QuantizedConv2d, nn.Conv3d: QuantizedConv3d}
+_PLAIN = {quantized: plain for plain, quantized in _QUANTIZED.items()}
+
+
 def _is_conv(module: nn.Module) -> bool:
+    if isinstance(module, _Quantized):
+        return True
     return isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.weight.is_floating_point()
 
 
@@ -20,24 +107,53 @@ def _adaptable(conv: nn.Module) -> list[str]:
     return [] if conv.groups > 1 else itself(conv)  # grouped/depthwise: see the module docstring
 
 
+def _as_linear(conv: nn.Module) -> nn.Linear:
+    # the weight as the matrix it is: out_channels rows of in/groups * kernel values (a view, not a copy)
+    weight = conv.weight.detach().reshape(conv.out_channels, -1)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
+
+
+def _wrap(conv: nn.Module, quantized: nn.Module, dequantize: Callable[..., torch.Tensor], dtype: torch.dtype) -> nn.Module:
+    base = next(c for c in (nn.Conv3d, nn.Conv2d, nn.Conv1d) if isinstance(conv, c))
+    return _QUANTIZED[base].from_quantized(conv, quantized, dequantize, dtype)
+
+
+def _stored_in(layer: nn.Module) -> Optional[nn.Module]:
+    return layer.storage() if isinstance(layer, _Quantized) else None
+
+
+def _features(conv: nn.Module) -> tuple[int, int]:
+    return conv.in_channels // conv.groups * math.prod(conv.kernel_size), conv.out_channels
+
+
+def _as_built_keys(conv: nn.Module) -> dict[str, Any]:
+    return {"quantized.weight": "weight"} if _stored_in(conv) is not None else {}
+
+
 CONV = register_kind(
     LayerKind(
         name="Conv",
         matches=_is_conv,
-        to_linear=None,  # bitsandbytes (and int8-dynamic) have no convolution kernel
-        quantized_as="not quantized: bitsandbytes has no convolution kernel (kept in the compute dtype, frozen)",
+        to_linear=_as_linear,
+        quantized_as="the weight as its [out, in/groups x kernel] matrix in the mode's Linear layer, dequantized to "
+        "the compute dtype at each forward (bitsandbytes has no convolution kernel)",
         adapted_as="peft LoRA Conv layer (not grouped/depthwise convolutions: peft needs r divisible by groups and "
         "cannot merge them)",
-        option="LoRA(target_modules='all-linear') adapts them, but no precision mode shrinks them: with a CNN the "
-        "quantized base saves little; exclude them knowingly",
+        option="QuantizedPrecision(...) quantizes them; LoRA(target_modules='all-linear') adapts them",
         modules="`nn.Conv1d`/`2d`/`3d`",
-        found_in="ResNet, ConvNeXt, ViT/SigLIP patch embeddings, Mamba",
-        planned_as="its weight in the compute dtype (frozen unless adapted)",
+        found_in="ResNet, ConvNeXt, EfficientNet, UNets, ViT/SigLIP patch embeddings, Whisper/Wav2Vec2 front ends, Mamba",
+        planned_as="the mode's layer built from the fake weight's matrix",
         adaptable_names=_adaptable,
+        features=_features,
+        as_built_keys=_as_built_keys,
+        wrap=_wrap,
+        stored_in=_stored_in,
         not_adapted="not adapted: LoRA skips grouped/depthwise convolutions (peft needs r divisible by groups and "
         "cannot merge them). To train them: LoRA(modules_to_save=[their names]) trains them fully; else they stay "
         "frozen",
     )
 )
 
-__all__ = ["CONV"]
+__all__ = ["CONV", "QuantizedConv1d", "QuantizedConv2d", "QuantizedConv3d"]

@@ -17,7 +17,10 @@ from torch import Tensor, nn
 
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.layers import KIND_ATTR, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_names, kind_of, output_heads, prepare_model, weight_readers
+from lightning_hbm.layers import (
+    CONVERTED_ATTR, KIND_ATTR, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_names, kind_of, output_heads, prepare_model,
+    stored_in, weight_readers,
+)  # fmt: skip
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.precision.registry import QuantMode, format_of, get_mode, to_dtype
 
@@ -89,7 +92,7 @@ def _quantizable_linears(
             # not quantizable (reported by the coverage table), already adapted by LoRA, or not prepared
             # (an ignored MultiheadAttention)
             continue
-        if not layer.weight.is_floating_point() or format_of(layer) is not None:
+        if stored_in(layer) is not None or not layer.weight.is_floating_point() or format_of(layer) is not None:
             continue  # already quantized (an integer weight, or a tensor-subclass weight a format owns)
         if _ignored(name, ignore_modules):
             skipped[name] = ("QuantizedPrecision(ignore_modules=...)", True)
@@ -102,12 +105,21 @@ def _quantizable_linears(
             skipped[name] = ("kept in fp32: the model's _keep_in_fp32_modules", True)
         elif _under(name, kept):
             skipped[name] = ("LoRA modules_to_save: trained in full precision", True)
+        elif _parametrized(layer):
+            # weight_norm and other parametrizations compute the weight from their own tensors at each forward:
+            # quantizing the result would drop them (and the checkpoint keys that hold them)
+            skipped[name] = ("weight computed by a parametrization (e.g. weight_norm): kept in the compute dtype", False)
         elif name in readers:
             # the reader would get the packed integer weight (a low-level dtype/shape error): compute dtype
             skipped[name] = (f"weight read directly by {readers[name]}, not by calling the layer: kept in the compute dtype", False)
         else:
             chosen.append((name, layer))
     return chosen, skipped
+
+
+def _parametrized(layer: nn.Module) -> bool:
+    # torch.nn.utils.parametrizations.weight_norm (a parametrization) or the older hook-based weight_norm (weight_g/_v)
+    return torch.nn.utils.parametrize.is_parametrized(layer) or isinstance(getattr(layer, "weight_g", None), nn.Parameter)
 
 
 def _validate(module: nn.Module, quant_mode: QuantMode, compute_dtype: torch.dtype, ignore_modules: Union[str, Sequence[str]]) -> None:
@@ -180,7 +192,8 @@ def quantize_model(
     modes = _layer_modes(targets, quant_mode, layer_modes or {})
     for name, layer in targets:  # each format's own refusals, before the first layer changes
         if modes[name] is not None:
-            modes[name].check(name, layer)
+            kind = kind_of(layer)
+            modes[name].check(name, kind.to_linear(layer) if kind.wrap is not None else layer)
     for name, layer in targets:
         if modes[name] is None:  # kept unquantized by the plan: frozen like every other base weight
             layer.weight.requires_grad_(False)
@@ -192,6 +205,9 @@ def quantize_model(
         new = modes[name].replace(linear, compute_dtype, target)
         if hessians is not None and name in hessians and grid_of(new) is not None:
             gptq_round_(new, linear.weight, hessians[name])
+        if kind.wrap is not None:  # a convolution: the mode's layer holds its weight matrix, the wrapper convolves
+            new = kind.wrap(layer, new, modes[name].dequantize, compute_dtype)
+            object.__setattr__(new, CONVERTED_ATTR, kind.name)  # resume maps its storage's keys to the conv's weight
         if kind is not LINEAR:
             object.__setattr__(new, KIND_ATTR, kind.name)  # a quantized Conv1D is still counted as one
         elif getattr(layer, KIND_ATTR, None) is not None:

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from safetensors.torch import save_file
 from torch import nn
 
+from lightning_hbm import resume
 from lightning_hbm.callbacks.lora.base import ADAPTER_NAME, _lora_layer_cls, _matches, _under
+from lightning_hbm.layers import stored_in, task_heads, task_type
 from lightning_hbm.naming import name_list
 from lightning_hbm.precision.registry import format_of, to_dtype
+from lightning_hbm.surgery.record import as_built
 
 
 def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -22,6 +28,12 @@ def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     Tied parameters appear under every name, as in ``module.state_dict()``.
     """
     return {n: p.detach() for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+def is_quantized(module: nn.Module) -> bool:
+    """Whether ``module`` holds quantized weights (cannot be trained in full)."""
+    # its format says so (torchao's NF4Tensor looks floating); packed integer weights of a layer no format owns too
+    return any(format_of(m) is not None for m in module.modules()) or any(not p.is_floating_point() for p in module.parameters())
+
 
 def _hf_root(module: nn.Module, submodule: Optional[str]) -> str:
     if submodule is not None:
@@ -49,10 +61,15 @@ def save_adapter(
     e.g. ``model`` of :class:`~lightning_hbm.models.LlamaLM`; the module itself if there is
     none), so ``peft.PeftModel.from_pretrained(base, path)`` loads it onto that base model.
     ``adapter_config.json`` gets ``target_modules`` as short names (``["q_proj", "v_proj"]``) when
-    they select exactly the adapted layers (else the full names), ``task_type`` ``"CAUSAL_LM"``
-    for a ``...ForCausalLM`` model and ``base_model_name_or_path`` (default: the folder the model
+    they select exactly the adapted layers (else the full names), ``modules_to_save`` (the fully trained
+    modules, task heads included, whose weights are in the file), ``task_type`` from what the model is
+    (``"SEQ_CLS"`` for a ``...ForSequenceClassification``, ``"CAUSAL_LM"``, ``"TOKEN_CLS"``, ...:
+    :func:`lightning_hbm.layers.task_type`) and ``base_model_name_or_path`` (default: the folder the model
     was loaded from, ``config._name_or_path``), so ``peft.AutoPeftModelForCausalLM.from_pretrained(path)``
-    finds the base by itself. Returns ``path``.
+    finds the base by itself. A task head left out of the adapter (frozen, so a reload gets the base's own,
+    possibly random head) is warned about. The folder is written as a unit: into a temporary folder beside
+    it, fsynced, then renamed over it, so a failure (a full disk) leaves a previous adapter there intact.
+    Returns ``path``.
     """
     config = getattr(module, "peft_config", {}).get(ADAPTER_NAME)
     if config is None:
@@ -77,6 +94,7 @@ def save_adapter(
         key = "base_model.model." + rel.replace(f".{ADAPTER_NAME}.", ".")
         tensors[key] = param.contiguous().cpu()
     hf_model = module.get_submodule(root) if root else module
+    _warn_unsaved_heads(hf_model, saved, adapted)
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(getattr(hf_model, "config", None), "_name_or_path", None) or None
     export = dataclasses.replace(
@@ -85,19 +103,98 @@ def save_adapter(
         modules_to_save=sorted(saved) or None,
         inference_mode=True,
         base_model_name_or_path=base_model_name_or_path,
-        task_type="CAUSAL_LM" if type(hf_model).__name__.endswith("ForCausalLM") else config.task_type,
+        task_type=task_type(hf_model) or config.task_type,
     )
+
+    def write(folder: Path) -> None:
+        export.save_pretrained(str(folder))
+        save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    export.save_pretrained(str(path))
-    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    write_folder(path, write)
     return path
+
+
+def _warn_unsaved_heads(hf_model: nn.Module, saved: set[str], adapted: list[str]) -> None:
+    """A task head not trained in full is not in the adapter: a reload gets the base's own head (an adapter on it too)."""
+    lost = [h for h in task_heads(hf_model) if not _under(h, sorted(saved))]
+    if lost:
+        adapted_too = [h for h in lost if any(_under(a, [h]) for a in adapted)]
+        rank_zero_warn(
+            f"LoRA.save_adapter: the task head(s) {lost} of {type(hf_model).__name__} are not in the adapter (frozen"
+            + (f"; only the LoRA update of {adapted_too} is" if adapted_too else "")
+            + "): a reload onto a base checkpoint gets that checkpoint's own head, randomly initialised when it has "
+            "none (a classifier), so its outputs differ from this model's. Train them with LoRA() (the default "
+            f"modules_to_save) or LoRA(modules_to_save={lost}), or save the whole model."
+        )
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename inside ``folder`` survive a power cut (no directory handles on Windows: skipped)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for item in folder.rglob("*"):
+        if item.is_file():
+            with open(item, "rb") as file:
+                os.fsync(file.fileno())
+    for sub in [folder, *(d for d in folder.rglob("*") if d.is_dir())]:
+        _fsync_dir(sub)
+
+
+def write_folder(path: Path, write: Callable[[Path], Any]) -> None:
+    """Write the folder ``path`` as a unit: ``write(tmp)`` into a new folder beside it, fsync, rename over ``path``.
+
+    A folder's files cannot be replaced together in one step: written in place, a failure between two files leaves
+    a new ``adapter_config.json`` beside the old weights (peft loads the pair silently). On any error the previous
+    ``path`` is left as it was (or restored) and the temporary folder removed. Other files already in ``path``
+    (a README, a tokenizer) are carried over.
+    """
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"LoRA.save_adapter: {path} is a file, not a folder. Pass a folder path (it is created).")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    old = None
+    try:
+        write(tmp)
+        for item in path.iterdir() if path.exists() else ():
+            if not (tmp / item.name).exists():  # the user's own files beside the adapter
+                (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+        _fsync_tree(tmp)
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.replace(path, old / path.name)  # the previous adapter, kept until the new one is in place
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException as err:
+        if old is not None and (old / path.name).exists() and not path.exists():
+            os.replace(old / path.name, path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        if not isinstance(err, OSError):
+            raise
+        previous = "the previous adapter there is untouched" if path.exists() else "nothing was left there"
+        raise OSError(err.errno or 0, f"LoRA.save_adapter could not write {path} ({err}); {previous}. Free space on that disk or save elsewhere.") from err
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 @torch.no_grad()
 def merge(
     module: nn.Module,
     dtype: str = "bfloat16",
     base_state_dict: Optional[dict[str, torch.Tensor]] = None,
+    allow_base_change: bool = False,
 ) -> dict[str, torch.Tensor]:
     """A plain state_dict of the model as the user built it, adapters folded into the weights.
 
@@ -108,7 +205,10 @@ def merge(
       ``AutoModelForCausalLM.from_pretrained(path).state_dict()``, keys relative to the Hugging Face
       model or to ``module``): the update goes onto them, and quantized layers without an adapter
       come back exactly. Use this after QLoRA: the adapters were trained to correct the 4-bit base,
-      but on SmolLM2 the fp32 base + adapter beats the 4-bit one (held-out loss 2.064 vs 2.143).
+      but on SmolLM2 the fp32 base + adapter beats the 4-bit one (held-out loss 2.064 vs 2.143). They must
+      be the weights the adapters were trained on: compared with the fingerprints the surgery took of the
+      model as built, a differing frozen weight (another checkpoint, another seed) is a ``ValueError`` naming
+      the first differing keys, before anything is merged; ``allow_base_change=True`` merges onto them anyway.
     - not given: a quantized base is dequantized (by its precision format's ``dequantize``)
       and its 4-bit rounding error is baked into the merged weights (a warning says so). Never
       re-quantized.
@@ -116,6 +216,8 @@ def merge(
     out_dtype = to_dtype(dtype)
     lora_cls = _lora_layer_cls()
     root = _hf_root(module, None) if base_state_dict is not None else ""
+    if base_state_dict is not None and not allow_base_change:
+        _check_base(module, base_state_dict, root)
     dequantized: list[str] = []
 
     def original(name: str, key: str, layer: nn.Module) -> torch.Tensor:
@@ -136,11 +238,13 @@ def merge(
 
     def dense(name: str, layer: nn.Module) -> torch.Tensor:
         fmt = format_of(layer)
-        if fmt is None:
+        if fmt is None and stored_in(layer) is None:
             return layer.weight.float()
         if base_state_dict is not None:
             return original(name, "weight", layer)
         dequantized.append(name)
+        if fmt is None:  # a quantized convolution: its weight reads back dequantized, in the conv's shape
+            return layer.weight.float()
         return fmt.dequantize(layer).float()  # e.g. int8 values times their per-row scales
 
     merged: dict[str, torch.Tensor] = {}
@@ -159,7 +263,7 @@ def merge(
                 merged[prefix + "bias"] = base.bias
             done.append(name)
             continue
-        if format_of(sub) is not None:
+        if format_of(sub) is not None or stored_in(sub) is not None:
             merged[prefix + "weight"] = dense(name, sub)
             if sub.bias is not None:
                 merged[prefix + "bias"] = sub.bias
@@ -180,6 +284,41 @@ def merge(
     elif base_state_dict is not None:
         rank_zero_info("LoRA.merge: adapters merged onto the original full-precision weights (base_state_dict).")
     return {k: v.detach().to(out_dtype) if v.is_floating_point() else v.detach().clone() for k, v in merged.items()}
+
+
+def _check_base(module: nn.Module, base_state_dict: dict[str, torch.Tensor], root: str) -> None:
+    """Refuse ``base_state_dict`` if a frozen weight differs from the model as built (fingerprints of the surgery)."""
+    record = as_built(module)
+    if not record:  # adapters injected without the surgery (LoRA().transform_model): nothing was recorded
+        return
+    prints = record["fingerprints"]
+    trained = set(adapter_state_dict(module))  # modules_to_save: their as-built weights are not the base
+    differing, unsure, compared = [], [], 0
+    for key, tensor in base_state_dict.items():
+        full = key if key in prints else f"{root}.{key}" if root and f"{root}.{key}" in prints else None
+        if full is None or full in trained or prints[full] is None or not isinstance(tensor, torch.Tensor):
+            continue
+        if tuple(tensor.shape) != tuple(record["schema"][full][0]):
+            continue  # another shape: merge's own error names the layer and both shapes
+        compared += 1
+        # the same weights in another float dtype (an fp32 copy of a bf16-built model) are the same base
+        dtypes = [tensor.dtype] + ([torch.float32, torch.bfloat16, torch.float16] if tensor.is_floating_point() else [])
+        if not any(resume.fingerprint(tensor.to(d)) == prints[full] for d in dict.fromkeys(dtypes)):
+            # a half-precision copy of an fp32-built model lost bits: it cannot be told apart from another base
+            (unsure if tensor.dtype in (torch.bfloat16, torch.float16) else differing).append(full)
+    if unsure and not differing:
+        rank_zero_warn(
+            f"LoRA.merge: {len(unsure)} of the {compared} frozen weights of base_state_dict (first {unsure[:3]}) are "
+            "half precision (bfloat16/float16) and could not be checked against "
+            "the base the adapters were trained on. Pass the weights in the dtype the model was built in to check them."
+        )
+    if differing:
+        raise ValueError(
+            f"LoRA.merge: base_state_dict is not the base these adapters were trained on: {len(differing)} of its "
+            f"{compared} frozen weights differ from the model as built, first {differing[:5]}. Nothing was merged. "
+            "Pass the state_dict of the model you trained on (the same checkpoint and seed), or "
+            "merge(..., allow_base_change=True) to merge onto other weights on purpose."
+        )
 
 
 def _compact_targets(model: nn.Module, adapted: list[str]) -> list[str]:

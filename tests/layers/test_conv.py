@@ -1,0 +1,243 @@
+"""Quantized convolutions (issue 33): ``nn.Conv1d``/``2d``/``3d`` stored in every mode's format, dequantized per forward,
+adapted by peft's Conv LoRA, resumed, planned. Was: bitsandbytes has no conv kernel, so ResNet18 stayed 0 % quantized."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from conv_models import EfficientNetB0, ResNet18
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_hbm import LoRA, QuantizedPrecision
+from lightning_hbm.layers import QuantizedConv1d, QuantizedConv2d, QuantizedConv3d, coverage, stored_in
+from lightning_hbm.memory import parameter_bytes
+from lightning_hbm.precision import quantize_model
+from lightning_hbm.precision.registry import format_of
+
+MODES = ("nf4", "nf4-dq", "int8", "int8-dynamic")
+
+
+def conv_linear_share(module: nn.Module) -> tuple[float, float]:
+    """(share of the conv + linear parameters stored quantized, their bytes per parameter)."""
+    rows = [r for r in coverage(module, quantizing=True, adapting=False) if r.kind in ("Conv", "Linear")]
+    params = sum(r.params for r in rows)
+    return sum(r.quantized for r in rows) / params, sum(r.bytes for r in rows) / params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factory", [ResNet18, EfficientNetB0])
+@pytest.mark.parametrize("mode", ["nf4", "nf4-dq"])
+def test_cnns_are_quantized_over_95_percent_at_under_0_6_bytes_per_parameter(factory: Callable[[], nn.Module], mode: str) -> None:
+    """Measured (benchmarks/README.md): ResNet18 nf4 0.563 / nf4-dq 0.518 B/param, EfficientNet-B0 0.570 / 0.540."""
+    torch.manual_seed(0)
+    module = factory()
+    quantize_model(module, mode, dtype="float32")
+    share, per_param = conv_linear_share(module)
+    assert share >= 0.95 and per_param <= 0.6, (share, per_param)
+    assert isinstance(module.get_submodule("conv1" if factory is ResNet18 else "conv_stem"), QuantizedConv2d)
+
+
+def test_resnet18_output_stays_close_to_fp32_in_every_mode() -> None:
+    torch.manual_seed(0)
+    reference = ResNet18().eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference(x)
+    for mode, floor in (("nf4-dq", 0.985), ("int8", 0.9999), ("int8-dynamic", 0.9999)):  # measured 0.9897, 0.99998
+        module = copy.deepcopy(reference)
+        quantize_model(module, mode, dtype="float32")
+        with torch.no_grad():
+            cosine = F.cosine_similarity(module(x).flatten(), want.flatten(), dim=0)
+        assert cosine > floor, (mode, float(cosine))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "conv",
+    [
+        lambda: nn.Conv1d(16, 32, 5, stride=2, padding=2),
+        lambda: nn.Conv2d(16, 32, 3, padding=1, dilation=2, bias=False),
+        lambda: nn.Conv2d(32, 32, 3, padding=1, groups=32, padding_mode="reflect"),  # depthwise, reflect padding
+        lambda: nn.Conv3d(8, 16, 3, padding=1),
+    ],
+)
+def test_a_quantized_convolution_computes_with_its_dequantized_weight(mode: str, conv: Callable[[], nn.Module]) -> None:
+    torch.manual_seed(0)
+    module = nn.Sequential(conv())
+    reference = copy.deepcopy(module)
+    quantize_model(module, mode, dtype="float32")
+    layer = module[0]
+    assert isinstance(layer, (QuantizedConv1d, QuantizedConv2d, QuantizedConv3d)) and "weight" not in dict(layer.named_parameters())
+    storage = stored_in(layer)
+    assert format_of(storage) is not None and not any(p.requires_grad for p in storage.parameters())
+    x = torch.randn(2, reference[0].in_channels, *([9] * (reference[0].weight.dim() - 2)))
+    weight = layer.weight  # dequantized: the conv's shape, the compute dtype
+    assert weight.shape == reference[0].weight.shape and weight.dtype == torch.float32
+    torch.testing.assert_close(module(x), reference[0]._conv_forward(x, weight, reference[0].bias), rtol=0, atol=0)
+    error = (weight - reference[0].weight).norm() / reference[0].weight.norm()
+    assert error < (0.12 if mode.startswith("nf4") else 0.01), float(error)
+
+
+def test_called_as_a_convolution_the_class_is_the_plain_one() -> None:
+    """peft builds an adapter's lora_A/lora_B as ``type(base_layer)(...)``: they must be ordinary convolutions."""
+    assert type(QuantizedConv2d(4, 8, 3)) is nn.Conv2d and type(QuantizedConv1d(4, 8, 3)) is nn.Conv1d
+
+
+class CNN(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, 64, 3, padding=1), nn.BatchNorm2d(64)
+        self.conv, self.dw = nn.Conv2d(64, 64, 3, padding=1, bias=False), nn.Conv2d(64, 64, 3, padding=1, groups=64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn(self.stem(x)))
+        return self.head(self.dw(F.relu(self.conv(x))).mean((2, 3)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 3, 8, 8, generator=generator), torch.randint(0, 10, (4,), generator=generator)) for _ in range(2)]
+
+
+def test_lora_on_quantized_convolutions_trains_and_the_base_stays_as_stored(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    module = CNN()
+    grads: dict[str, bool] = {}
+
+    class Grads(pl.Callback):
+        def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            grads.update({n: p.grad is not None for n, p in pl_module.named_parameters() if ".lora_" in n})
+
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+        callbacks=[LoRA(r=4, target_modules=["stem", "conv"]), Grads()],
+    )  # fmt: skip
+    packed = None
+    trainer.fit(module, DataLoader(batches(), batch_size=None))
+    assert isinstance(module.conv.base_layer, QuantizedConv2d) and type(module.conv.lora_A["default"]) is nn.Conv2d
+    assert grads and all(grads.values()), grads
+    packed = stored_in(module.conv.base_layer).weight
+    assert not packed.is_floating_point() and not packed.requires_grad
+    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    assert rows["Conv"].quantized == rows["Conv"].params and rows["Conv"].unhandled == 0
+    assert parameter_bytes(module.conv) < 0.6 * 64 * 64 * 9 + parameter_bytes(module.conv, trainable=True)
+
+
+def test_the_planner_counts_quantized_convolutions_exactly() -> None:
+    from lightning_hbm.planner import quantized_parameter_bytes
+
+    class Classifier(CNN):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = EfficientNetB0(classes=10)
+
+    torch.manual_seed(0)
+    module = Classifier()
+    planned = quantized_parameter_bytes(copy.deepcopy(module), "nf4-dq", "float32")
+    quantize_model(module, "nf4-dq", dtype="float32")
+    assert planned == parameter_bytes(module)
+
+
+def test_a_weight_normed_convolution_is_left_alone_and_named() -> None:
+    """Wav2Vec2's pos_conv_embed: quantizing the computed weight would drop weight_norm's own tensors."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Conv1d(16, 16, 3, padding=1), dim=2), nn.Conv1d(16, 16, 3))
+    quantize_model(module, "nf4-dq", dtype="float32")
+    assert type(module[0]).__name__ == "ParametrizedConv1d" and isinstance(module[1], QuantizedConv1d)
+    rows = {r.kind: r for r in coverage(module, quantizing=True, adapting=False)}
+    assert any(why.startswith("weight computed by a parametrization") for why in rows["Conv"].reasons)
+
+
+@pytest.mark.slow
+def test_diffusers_unet_attention_is_adapted_and_95_percent_quantized(tmp_path: Any) -> None:
+    """Was: all to_q/to_k/to_v unadapted (``Attention.fuse_projections``, never called in training, reads them) and
+    17.5 % of the UNet quantized (convolutions never)."""
+    diffusers = pytest.importorskip("diffusers")
+
+    class Denoiser(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.unet = diffusers.UNet2DConditionModel(
+                sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+                cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8,
+            )  # fmt: skip
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            noisy, steps, text = batch
+            return F.mse_loss(self.unet(noisy, steps, encoder_hidden_states=text).sample, noisy)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(2, 4, 16, 16, generator=generator), torch.tensor([10, 20]), torch.randn(2, 5, 32, generator=generator))]
+    module = Denoiser()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+        callbacks=[LoRA(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data * 2, batch_size=None))
+    attention = module.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1
+    for name in ("to_q", "to_k", "to_v"):
+        assert hasattr(getattr(attention, name), "lora_A"), name
+    rows = [r for r in module.lightning_hbm_coverage if r.kind in ("Conv", "Linear")]
+    assert sum(r.quantized for r in rows) >= 0.95 * sum(r.params for r in rows)
+
+
+@pytest.mark.slow
+def test_whisper_and_wav2vec2_front_ends_are_quantized() -> None:
+    from transformers import Wav2Vec2Config, Wav2Vec2Model, WhisperConfig, WhisperModel
+
+    torch.manual_seed(0)
+    whisper = WhisperModel(WhisperConfig(d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                         decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16))
+    quantize_model(whisper, "nf4-dq", dtype="float32")
+    assert isinstance(whisper.encoder.conv1, QuantizedConv1d) and isinstance(whisper.encoder.conv2, QuantizedConv1d)
+    assert whisper.encoder.conv2(whisper.encoder.conv1(torch.randn(1, 16, 40))).isfinite().all()
+    wav2vec2 = Wav2Vec2Model(Wav2Vec2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+                                            conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16))
+    quantize_model(wav2vec2, "nf4-dq", dtype="float32")
+    assert all(isinstance(layer.conv, QuantizedConv1d) for layer in wav2vec2.feature_extractor.conv_layers)
+    with torch.no_grad():
+        assert wav2vec2(torch.randn(1, 400)).last_hidden_state.isfinite().all()
+
+
+def test_merge_folds_conv_adapters_into_the_dequantized_or_the_original_weights(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    module = CNN()
+    original = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+        callbacks=[LoRA(r=4, target_modules=["stem", "conv"])],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(batches(), batch_size=None))
+    x = batches()[0][0]
+    with torch.no_grad():
+        want = module(x)
+    with pytest.warns(UserWarning, match=r"merged into their DEQUANTIZED base weights"):
+        merged = LoRA.merge(module, dtype="float32")
+    plain = CNN()
+    plain.load_state_dict(merged)  # the model as the user built it: conv weights in their own shape
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), want, rtol=1e-4, atol=1e-5)
+    onto = LoRA.merge(module, dtype="float32", base_state_dict=original)
+    delta = module.conv.get_delta_weight("default")
+    torch.testing.assert_close(onto["conv.weight"], original["conv.weight"] + delta, rtol=0, atol=1e-6)
