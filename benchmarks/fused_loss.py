@@ -3,6 +3,7 @@
     python benchmarks/fused_loss.py --memtracker   # 2 layers, width 64, 32k vocab, batch 2 x 512, nf4-dq + LoRA + AC
     python benchmarks/fused_loss.py --planner      # Llama-3.1-8B shape, batch 2 x 2048, QLoRA r=16 + full AC (~5 min CPU)
     python benchmarks/fused_loss.py --chunks       # the loss alone: [1024 x 768] hidden, nf4 head, 32k vocab, per chunk size
+    python benchmarks/fused_loss.py --bart         # BART (final_logits_bias), 50265 vocab, d_model 64, batch 2 x 512, fp32
     python benchmarks/fused_loss.py --large-vocab --dtypes bfloat16 --sizes 256w 96w 0 256  # 128k vocab, hidden 256,
                                  # batch 1 x 1024: peak vs floor and step time vs the first rule, per chunk rule
 
@@ -159,6 +160,50 @@ def large_vocab(dtype: str = "float32", rounds: int = 3, sizes: tuple = ("256w",
               f"{statistics.median(times[rule]):.2f} s | {statistics.median(times[rule]) / ref:.2f} |", flush=True)
 
 
+def bart(rounds: int = 3) -> None:
+    """A tiny BART with BART's own vocabulary (50265): its logits get ``+ final_logits_bias``, which FusedLoss applies
+    chunk by chunk. MemTracker step peak (full fine-tuning, AdamW, fp32) and step time, unfused vs fused."""
+    import copy
+
+    from torch import nn
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    vocab, tokens = 50265, 512
+    config = BartConfig(vocab_size=vocab, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=tokens,
+                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    torch.manual_seed(0)
+    models = {False: nn.ModuleDict({"model": BartForConditionalGeneration(config)})}
+    models[True] = copy.deepcopy(models[False])
+    FusedLoss().transform_model(models[True])
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(3, vocab, (2, tokens), generator=g), torch.randint(3, vocab, (2, tokens), generator=g)
+    optims = {f: torch.optim.AdamW(m.parameters()) for f, m in models.items()}
+
+    def step(fused: bool) -> float:
+        loss = models[fused]["model"](input_ids=x, labels=y).loss
+        loss.backward()
+        optims[fused].step()
+        optims[fused].zero_grad(set_to_none=True)
+        return float(loss)
+
+    losses = {f: step(f) for f in (False, True)}  # warm-up: optimizer states exist
+    peaks = {f: torch_peak_bytes(partial(step, f), models[f], optims[f]) for f in (False, True)}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for fused in (False, True):
+            start = time.process_time()
+            step(fused)
+            times[fused].append(time.process_time() - start)
+    logits = 2 * tokens * vocab * 4
+    ratio = statistics.median(times[True]) / statistics.median(times[False])
+    print(f"BART 1+1 layers, d_model 64, vocab {vocab}, batch 2 x {tokens}, fp32, AdamW: fp32 logits {logits:,} B; "
+          f"first-step loss unfused {losses[False]:.6f}, fused {losses[True]:.6f}")
+    print(f"| unfused | {peaks[False]:,} B ({peaks[False] / 2**20:.1f} MiB) | | 1.00 |")
+    print(f"| FusedLoss | {peaks[True]:,} B ({peaks[True] / 2**20:.1f} MiB) | {(peaks[False] - peaks[True]) / logits:.2f}x "
+          f"the logits saved, {peaks[True] / peaks[False]:.3f}x the peak | {ratio:.2f} |")
+
+
 def planner() -> None:
     """The 8B plan with the very objects a Trainer gets, with the output head in nf4 or kept bf16 (the default)."""
     sys.path.insert(0, str(Path(__file__).parent))
@@ -185,6 +230,7 @@ def main() -> None:
     parser.add_argument("--planner", action="store_true")
     parser.add_argument("--chunks", action="store_true")
     parser.add_argument("--large-vocab", action="store_true")
+    parser.add_argument("--bart", action="store_true")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--sizes", nargs="+", default=["256w", "0"],
                         help="--large-vocab chunk sizes (0: the default rule; suffix w: one whole fp32 copy per chunk)")
@@ -195,6 +241,8 @@ def main() -> None:
             memtracker(dtype)
     if args.chunks:
         chunks()
+    if args.bart:
+        bart(args.rounds)
     if args.large_vocab:
         large_vocab(args.dtypes[0] if args.dtypes != ["float32", "bfloat16"] else "float32", args.rounds, tuple(args.sizes))
     if args.planner:

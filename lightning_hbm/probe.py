@@ -19,8 +19,32 @@ from torchmetrics import CosineSimilarity, KLDivergence, RelativeSquaredError
 PREFIX = "quant/"
 
 
+def has_forward(module: nn.Module) -> bool:
+    """Whether ``module`` defines a ``forward`` (a LightningModule need not: ``training_step`` may compute without one)."""
+    return "forward" in vars(module) or type(module).forward not in (nn.Module.forward, pl.LightningModule.forward)
+
+
+def check_forward(module: nn.Module, who: str) -> None:
+    """``TypeError`` naming the fix when ``module`` has no ``forward`` for the probe batch to go through.
+
+    Without this, the probe fails inside torch: ``_forward_unimplemented() got an unexpected keyword argument
+    'input_ids'``, which names neither the module nor what to add.
+    """
+    if has_forward(module):
+        return
+    name = type(module).__name__
+    raise TypeError(
+        f"{who} runs a probe batch through {name}.forward (module(x), module(inputs) of an (inputs, targets) pair, or "
+        f"module(**batch) of a dict), but {name} defines no forward (Lightning trains through training_step, which "
+        f"may compute without one). Define {name}.forward returning the output tensor or an object with .logits, e.g. "
+        f"`def forward(self, **batch): return self.model(**batch)` for a dict batch or `def forward(self, x): return "
+        f"self.model(x)`."
+    )
+
+
 def probe_output(module: nn.Module, batch: Any) -> Tensor:
     """The module's output tensor for ``batch``: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets) pair, or ``forward(**dict)``."""
+    check_forward(module, "lightning_hbm")  # QuantizationQuality checks at setup; the plugin's probes land here
     if isinstance(batch, Tensor):
         out = module(batch)
     elif isinstance(batch, (tuple, list)):
@@ -87,4 +111,4 @@ def eval_no_grad(module: nn.Module) -> Generator[None, None, None]:
             m.training = training
 
 
-__all__ = ["PREFIX", "compare_outputs", "eval_no_grad", "first_batch", "probe_output"]
+__all__ = ["PREFIX", "check_forward", "compare_outputs", "eval_no_grad", "first_batch", "has_forward", "probe_output"]

@@ -1,11 +1,13 @@
-"""``QuantizationQuality``: measure what quantization cost, at fit start and at every validation.
+"""``QuantizationQuality``: measure what quantization cost at fit start, and how far training moved the model.
 
 What it shrinks: nothing; it watches the price of what the other features shrink. At the surgery
 point, *before* the base is quantized (``Stage.OBSERVE``), it runs the model as the user built it
 on a fixed probe batch and keeps the outputs on CPU, together with a CPU reference of every
-``nn.Linear`` weight. After all model changes (``on_fit_start``) and after every validation it runs
-the same probe batch through the changed model and compares, with torchmetrics. The references live
-in host memory: the only device memory it costs is the probe batch's forward, under ``no_grad``.
+``nn.Linear`` weight. After all model changes (``on_fit_start``) it runs the same probe batch through
+the changed model and compares, with torchmetrics: the quantization error (``quant/*``). After each
+validation once training has stepped, the same comparison measures quantization *plus* training, so it is
+logged as drift (``drift/*``), not as quantization error. The references live in host memory: the only
+device memory it costs is the probe batch's forward, under ``no_grad``.
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ from typing_extensions import override
 
 from lightning_hbm._validate import check_args
 from lightning_hbm.precision.registry import format_of
-from lightning_hbm.probe import PREFIX, compare_outputs, eval_no_grad, first_batch, probe_output  # public here too
+from lightning_hbm.probe import PREFIX, check_forward, compare_outputs, eval_no_grad, first_batch, probe_output  # public here too
 from lightning_hbm.surgery import Stage, SurgeryCallback
+
+
+#: keys of the comparison after training has stepped: the distance from the full-precision model as built
+DRIFT_PREFIX = "drift/"
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -75,12 +81,14 @@ class QuantizationQuality(SurgeryCallback):
             ``probe_samples x seq x vocab`` floats in host memory).
         task: ``"lm"``: outputs are next-token logits ``(batch, seq, vocab)``, KL divergence is logged;
             ``"generic"``: no KL; ``"auto"``: ``"lm"`` when the output has 3 dimensions.
-        on_validation: also compare after every validation (not during the sanity check). Once training
-            has begun, this measures the distance of the trained model from the full-precision model it
-            started from (quantization plus training drift; KL is then the usual "KL to the base").
+        on_validation: also compare after every validation (not during the sanity check). Once the optimizer
+            has stepped (``trainer.global_step > 0``), this measures the distance of the trained model from the
+            full-precision model as built (quantization plus training, mostly training), logged under ``drift/*``
+            (KL is then the usual "KL to the base"); before that, under ``quant/*``.
         weight_sqnr: compute the per-layer weight SQNR table at fit start (keeps a CPU reference of every
             Linear weight until then; ``False`` saves that host memory).
-        min_cosine_similarity, max_relative_error, max_kl_divergence: thresholds; crossing one warns.
+        min_cosine_similarity, max_relative_error, max_kl_divergence: thresholds on the quantization error
+            (``quant/*``); crossing one warns. ``drift/*`` has none: training is meant to move the model.
         stop_on_threshold: also stop training (``trainer.should_stop``) when a threshold is crossed.
 
     Logged (fit start: through ``trainer.loggers`` and ``trainer.callback_metrics``; validation:
@@ -93,6 +101,11 @@ class QuantizationQuality(SurgeryCallback):
         ``quant/weight_sqnr_db_min`` and ``quant/weight_sqnr_db_mean``: weight signal-to-quantization-noise
             ratio over the Linear layers, dB (torchmetrics ``signal_noise_ratio``; fit start only). The whole
             table, worst layers first, is in :attr:`layer_sqnr` and printed at fit start.
+        At validations after the first optimizer step: ``drift/cosine_similarity``, ``drift/relative_error`` and
+        ``drift/kl_divergence``, the same three comparisons of the trained model with the full-precision model as
+        built (before training). A trained model is meant to differ: a cosine near 0 or below after training from a
+        random init is training, not a broken quantization. The error against the quantized start is ``quant/*``
+        at fit start.
         With a sensitivity-aware ``QuantizedPrecision`` plan (``max_bytes_per_param``/``min_cosine``), at fit
         start: ``quant/uniform_cosine_similarity`` and ``quant/plan_cosine_similarity``, the same cosine on the
         plugin's probe batch with every layer in the base mode (before) and with the plan (after), and
@@ -173,6 +186,7 @@ class QuantizationQuality(SurgeryCallback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_forward(pl_module, "QuantizationQuality")  # before the surgery is installed: a refusal changes nothing
         self._trainer = trainer  # transform_model needs the datamodule for the probe batch
         super().setup(trainer, pl_module, stage)
 
@@ -284,8 +298,12 @@ class QuantizationQuality(SurgeryCallback):
         if not self.on_validation or trainer.sanity_checking or self._reference is None:
             return
         metrics = self.measure(trainer, pl_module)
+        trained = trainer.global_step > 0
+        if trained:  # quantization plus training: not the quantization error the quant/ keys name
+            metrics = {DRIFT_PREFIX + key.removeprefix(PREFIX): value for key, value in metrics.items()}
         self.metrics = metrics
         for key, value in metrics.items():
             # every rank measured the same probe batch: the mean over ranks only silences Lightning's DDP warning
             pl_module.log(key, value, sync_dist=True)
-        self._check(trainer, metrics)
+        if not trained:
+            self._check(trainer, metrics)

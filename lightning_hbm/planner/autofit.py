@@ -33,6 +33,7 @@ from lightning_hbm.planner.candidates import (
     PLANNED_LIGHTNING_PRECISIONS,
     Candidate,
     default_candidates,
+    describe_size,
     format_bytes,
     parse_bytes,
 )
@@ -47,7 +48,8 @@ class AutoFit(Callback):
     """Choose and apply the fastest memory configuration that fits ``budget``, before training starts.
 
     Args:
-        budget: device memory the run must fit in, e.g. ``"24GiB"``, ``"80GB"``, or bytes.
+        budget: device memory the run must fit in, e.g. ``"24GiB"`` (``2**30`` bytes per GiB), ``"80GB"``
+            (decimal: ``10**9`` bytes per GB, 74.5 GiB), or bytes. A bare ``"24G"`` is refused as ambiguous.
         precisions: precisions to consider besides the Trainer's own (always first). Default
             ``["nf4-dq"]`` (a quantized base is only tried with LoRA).
         lora_ranks: LoRA ranks to consider; ``0`` trains the whole model. Default ``[0, 16]``.
@@ -94,6 +96,7 @@ class AutoFit(Callback):
     ) -> None:
         check_args(AutoFit.__init__, locals())
         self.budget = parse_bytes(budget)
+        self._budget_text = describe_size(budget, self.budget)  # a decimal budget says so in the plan line
         if fused_loss is not None and (isinstance(fused_loss, bool) or not fused_loss or not all(isinstance(f, bool) for f in fused_loss)):
             raise TypeError(f"AutoFit(fused_loss={fused_loss!r}): pass a non-empty list of booleans, e.g. [False, True].")
         self.fused_loss = list(fused_loss) if fused_loss is not None else None
@@ -141,7 +144,7 @@ class AutoFit(Callback):
         ]
         device = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
         self.plan = plan(pl_module, _example_batch(trainer), budget=self.budget, candidates=candidates, device=device)
-        rank_zero_info(f"AutoFit plan (budget {format_bytes(self.budget)}):\n{self.plan}")
+        rank_zero_info(f"AutoFit plan (budget {self._budget_text}):\n{self.plan}")
         chosen = self.plan.chosen
         if chosen is None:
             raise ValueError(_nothing_fits(self.plan))

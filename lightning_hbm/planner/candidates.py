@@ -46,16 +46,22 @@ PLANNED_LIGHTNING_PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed")
 _COST_CHECKPOINTING = {"none": 0.0, "selective": 0.05, "full": 0.33}
 _COST_OFFLOAD = 0.2
 
+# Decimal (SI) units are powers of 1000, binary ones powers of 1024, as the standards have them: "80GB" is
+# 80 * 10**9 bytes (74.5 GiB), "24GiB" is 24 * 2**30. A bare "G" is refused: it reads either way.
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }  # fmt: skip
+_AMBIGUOUS = {"k": "K", "m": "M", "g": "G", "t": "T"}
+UNITS_HELP = "units: B, KiB/MiB/GiB/TiB (powers of 1024), KB/MB/GB/TB (powers of 1000: 1 GB = 10**9 bytes = 0.93 GiB)"
 
 
 def parse_bytes(value: Union[str, int, float]) -> int:
-    """``"24GiB"``, ``"24 GB"``, ``"512MiB"``, ``2**30`` -> bytes. Bare ``G``/``M`` mean GiB/MiB (as ``nvidia-smi``)."""
+    """``"24GiB"``, ``"80 GB"``, ``"512MiB"``, ``2**30`` -> bytes. ``GB`` is decimal (``10**9``), ``GiB`` binary (``2**30``).
+
+    A bare ``G``/``M``/``K``/``T`` is a ``ValueError``: it means ``GiB`` to some tools and ``GB`` to others.
+    """
     if isinstance(value, bool):
         raise TypeError(f"A memory size must be a number of bytes or a string such as '24GiB', got {value!r}.")
     if isinstance(value, (int, float)):
@@ -66,14 +72,25 @@ def parse_bytes(value: Union[str, int, float]) -> int:
         raise TypeError(f"A memory size must be an int or a string such as '24GiB', got {type(value).__name__}.")
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
     unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
+    if match is not None and unit in _AMBIGUOUS:
+        letter, number = _AMBIGUOUS[unit], match.group(1)
         raise ValueError(
-            f"Cannot read the memory size {value!r}. Write a number and a unit, e.g. '24GiB', '80GB', '512MiB'."
+            f"The memory size {value!r} is ambiguous: a bare {letter!r} means {letter}iB to some tools and {letter}B to "
+            f"others. Write {number + letter + 'iB'!r} (powers of 1024, as torch.cuda and nvidia-smi count) or "
+            f"{number + letter + 'B'!r} (powers of 1000)."
         )
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"Cannot read the memory size {value!r}. Write a number and a unit, e.g. '24GiB', '80GB'; {UNITS_HELP}.")
     number = float(match.group(1))  # "1e400" reads as inf: refused below, not an OverflowError from int()
     if number <= 0:
         raise ValueError(f"A memory size must be positive, got {value!r}.")
     return _whole_bytes(number * _UNITS[unit], value)
+
+
+def describe_size(value: Union[str, int, float], nbytes: int) -> str:
+    """``nbytes`` in binary units, and the decimal size it was given as (``"953.67 MiB (1 GB = 1,000,000,000 bytes, decimal)"``)."""
+    decimal = isinstance(value, str) and value.strip()[-2:].lower() in ("kb", "mb", "gb", "tb")
+    return f"{format_bytes(nbytes)} ({value.strip()} = {nbytes:,} bytes, decimal)" if decimal else format_bytes(nbytes)
 
 
 #: Largest memory size accepted (1 EiB): far above any machine, small enough that a typo's 1e400 is refused.
@@ -409,6 +426,7 @@ __all__ = [
     "Candidate",
     "available_axes",
     "default_candidates",
+    "describe_size",
     "format_bytes",
     "parse_bytes",
 ]

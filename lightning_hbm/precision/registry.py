@@ -193,10 +193,17 @@ def mode_table(in_features: int = 768, out_features: int = 3072, dtype: torch.dt
 
 
 def get_mode(name: str) -> QuantFormat:
-    """The registered mode ``name``; unknown names raise a ``ValueError`` listing the valid ones."""
+    """The registered mode ``name``; unknown names raise a ``ValueError`` listing the valid ones.
+
+    Names are exact (lower case, as the CLI's ``trainer.precision`` and YAML files spell them): ``"NF4-DQ"`` is
+    refused, with the lower-case name suggested, rather than accepted under a second spelling.
+    """
     if not isinstance(name, str) or name not in _MODES:
+        # difflib compares case-sensitively: "NF4-DQ" is close to no name, so the lower-case spelling comes first
+        same = [m for m in _MODES if m.lower() == str(name).lower()]
+        hint = f" Did you mean {same[0]!r}? Mode names are lower case." if same else did_you_mean(str(name).lower(), _MODES)
         raise ValueError(
-            f"Unknown lightning_hbm precision mode {name!r}.{did_you_mean(str(name), _MODES)} Valid modes: {', '.join(available_precisions())}."
+            f"Unknown lightning_hbm precision mode {name!r}.{hint} Valid modes: {', '.join(available_precisions())}."
         )
     return _MODES[name]
 

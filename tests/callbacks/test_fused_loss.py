@@ -6,6 +6,7 @@ import copy
 import logging
 import statistics
 import time
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -96,20 +97,19 @@ class _Wrapper(nn.Module):  # a LightningModule-like holder: FusedLoss finds the
         self.model = model
 
 
-def test_hf_causal_lm_with_labels_equal_unfused_and_logits_still_readable(caplog: pytest.LogCaptureFixture) -> None:
+def test_hf_causal_lm_with_labels_equal_unfused_and_logits_still_readable() -> None:
     ref = _Wrapper(_hf_llama())
     fused = copy.deepcopy(ref)
     FusedLoss(chunk_size=10).transform_model(fused)
     x, y = _batch()
     # transformers' own path: lm_head -> loss_function (fp32 upcast, label shift, ignore_index -100)
     _compare(ref, fused, lambda m: m.model(input_ids=x, labels=y, use_cache=False).loss, tol=1e-5)
-    with caplog.at_level(logging.WARNING, logger="lightning_hbm.callbacks.fused_loss"):
+    with pytest.warns(UserWarning, match=r"`argmax` on the logits of `model.lm_head` \(LlamaForCausalLM in _Wrapper\)") as record:
         out = fused.model(input_ids=x, labels=y, use_cache=False)
         expected = ref.model(input_ids=x, use_cache=False).logits
         assert torch.equal(out.logits.argmax(-1), expected.argmax(-1))  # accuracy from the logits: real values
         torch.testing.assert_close(out.logits[:, -1] * 1, expected[:, -1], rtol=1e-5, atol=1e-6)
-    lines = [r.getMessage() for r in caplog.records if "needs the full" in r.getMessage()]
-    assert len(lines) == 1 and "`argmax` on the logits of `model.lm_head`" in lines[0]
+    assert len([w for w in record.list if "cannot stay fused" in str(w.message)]) == 1  # once per head
 
 
 def test_bf16_hf_llama_within_bf16_tolerance() -> None:
@@ -417,11 +417,13 @@ def test_gemma2_soft_capped_logits_stay_fused_chunk_by_chunk(caplog: pytest.LogC
     x = torch.randint(0, vocab, (2, 512), generator=torch.Generator().manual_seed(0))  # 4 chunks of 256 tokens
     models = {f: _gemma2(f, vocab) for f in (False, True)}
     loss = lambda m: m.model(input_ids=x, labels=x, use_cache=False).loss  # noqa: E731
-    with caplog.at_level(logging.INFO, logger="lightning_hbm.callbacks.fused_loss"):
+    fused_log = caplog.at_level(logging.INFO, logger="lightning_hbm.callbacks.fused_loss")
+    with fused_log, warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         _compare(models[False], models[True], loss, tol=1e-5)
     lines = [r.getMessage() for r in caplog.records]
     assert any("`div`, `tanh`, `mul` on the logits of `model.lm_head`" in m and "chunk by chunk" in m for m in lines), lines
-    assert not any("needs the full" in m for m in lines), lines
+    assert not [w for w in record if "cannot stay fused" in str(w.message)]
     optims = {f: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]) for f, m in models.items()}
 
     def step(f: bool) -> torch.Tensor:
@@ -436,16 +438,22 @@ def test_gemma2_soft_capped_logits_stay_fused_chunk_by_chunk(caplog: pytest.LogC
     assert peaks[True] < 0.75 * peaks[False], peaks
 
 
-def test_elementwise_ops_with_a_tensor_still_compute_the_logits() -> None:
+def test_elementwise_ops_with_a_tensor_keep_real_values() -> None:
+    """A tensor along the vocabulary stays lazy (tests/callbacks/test_fused_loss_ops.py); a per-token one computes."""
     ref = _Wrapper(_hf_llama())
     fused = copy.deepcopy(ref)
     FusedLoss().transform_model(fused)
     x, _ = _batch()
-    scale = torch.full((V,), 2.0)
+    scale, per_token = torch.full((V,), 2.0), torch.linspace(1, 2, x.shape[1]).view(1, -1, 1)
     expected = ref.model(input_ids=x, use_cache=False).logits
     out = fused.model(input_ids=x, use_cache=False).logits
-    torch.testing.assert_close(torch.tanh(out / 3.0) * 3.0 * 1, torch.tanh(expected / 3.0) * 3.0, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out * scale, expected * scale, rtol=1e-5, atol=1e-6)  # a tensor operand: real logits
+    assert isinstance(out * scale, LazyLogits)
+    # comparing values needs them all: computed, with the one warning per head (the first op that needed them)
+    with pytest.warns(UserWarning, match=r"`mul` on the logits of `model.lm_head` .* cannot stay fused"):
+        assert not isinstance(out * per_token, LazyLogits)
+        torch.testing.assert_close(out * per_token, expected * per_token, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tanh(out / 3.0) * 3.0 * 1, torch.tanh(expected / 3.0) * 3.0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out * scale, expected * scale, rtol=1e-5, atol=1e-6)
 
 
 def test_a_lora_adapted_head_runs_under_torch_memtracker() -> None:

@@ -113,6 +113,13 @@ def test_lazy_model_modules_to_save_and_explicit_targets(
     assert params == {id(p) for p in model.parameters() if p.requires_grad}
     # biases and norms that QuantizedPrecision leaves trainable are frozen by LoRA
     assert not model.model.h[0].ln_1.weight.requires_grad and not model.model.h[0].mlp.c_fc.bias.requires_grad
+    # the coverage table's adapter row counts the adapted layers (one peft LoRA layer each), not 0
+    from lightning_hbm.layers import format_coverage
+
+    row = next(r for r in model.lightning_hbm_coverage if r.kind == "LoRA adapters (trained)")
+    assert row.layers == 2 and row.params == sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    line = next(t for t in format_coverage(model.lightning_hbm_coverage).splitlines() if t.startswith("LoRA adapters"))
+    assert line.split()[3:5] == ["2", f"{row.params:,}"]
 
 
 def test_fp32_adapters_under_lightning_bf16_true(
@@ -343,6 +350,14 @@ class _NoLinear(pl.LightningModule):
         (dict(exclude_modules="all-linear"), ValueError, r"exclude_modules='all-linear' is not allowed"),
         (dict(modules_to_save="lm_head"), TypeError, r"modules_to_save='lm_head'\): wrong type str; pass a list of strs or None"),
         (dict(adapter_dtype="int8"), ValueError, r"adapter_dtype must be 'float32' or 'bfloat16', got 'int8'"),
+        # peft's names and common spellings: a TypeError naming LoRA's own argument, not Python's bare one
+        (dict(rank=16), TypeError, r"^LoRA\(rank=16\): LoRA has no argument 'rank'\. Did you mean 'r'\? Its arguments: r, alpha, dropout, target_modules, "),
+        (dict(lora_r=16), TypeError, r"^LoRA\(lora_r=16\): LoRA has no argument 'lora_r'\. Did you mean 'r'\?"),
+        (dict(lora_alpha=32), TypeError, r"^LoRA\(lora_alpha=32\): LoRA has no argument 'lora_alpha'\. Did you mean 'alpha'\?"),
+        (dict(lora_dropout=0.1), TypeError, r"^LoRA\(lora_dropout=0.1\): LoRA has no argument 'lora_dropout'\. Did you mean 'dropout'\?"),
+        (dict(target_module=["q"]), TypeError, r"^LoRA\(target_module=\['q'\]\): LoRA has no argument 'target_module'\. Did you mean 'target_modules'\?"),
+        (dict(use_dora=True), TypeError, r"^LoRA\(use_dora=True\): LoRA has no argument 'use_dora'\. Its arguments: r, alpha, .*allow_base_change\.$"),
+        (dict(rank=16, r=4), TypeError, r"^LoRA\(rank=16\): LoRA has no argument 'rank'"),  # refused even beside r
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:

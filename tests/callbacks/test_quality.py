@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from lightning_hbm import QuantizedPrecision, quantize_model
+from lightning_hbm import QuantizedPrecision, applied_transforms, quantize_model
 from lightning_hbm.callbacks.quality import QuantizationQuality
 from lightning_hbm.data import synthetic_batch
 
@@ -23,6 +23,7 @@ START_KEYS = {
     "quant/weight_sqnr_db_min",
     "quant/weight_sqnr_db_mean",
 }
+DRIFT_KEYS = {"drift/cosine_similarity", "drift/relative_error", "drift/kl_divergence"}
 
 
 class RecordingLogger(Logger):
@@ -108,11 +109,68 @@ def test_validation_metrics_are_logged_through_lightning(
         plugins=[QuantizedPrecision("int8-dynamic", dtype="float32")], callbacks=[quality],
     )
     trainer.fit(gpt_factory(), datamodule_factory())
-    steps = [step for step, _ in logger.with_key("quant/cosine_similarity")]
-    assert steps == [0, 1]  # fit start, then the validation after step 2 (not the sanity check)
-    assert {"quant/cosine_similarity", "quant/relative_error", "quant/kl_divergence"} <= set(trainer.callback_metrics)
+    # fit start: the quantization error; the validation after step 2 (not the sanity check): drift, trained
+    assert [step for step, _ in logger.with_key("quant/cosine_similarity")] == [0]
+    assert [step for step, _ in logger.with_key("drift/cosine_similarity")] == [1]
+    assert set(quality.metrics) == DRIFT_KEYS
+    assert DRIFT_KEYS <= set(trainer.callback_metrics)
     assert "quant/weight_sqnr_db_min" not in trainer.callback_metrics
     assert quality.metrics == {k: float(trainer.callback_metrics[k]) for k in quality.metrics}
+
+
+def test_after_training_the_distance_from_the_untrained_base_is_drift_without_thresholds(
+    gpt_factory: Any, datamodule_factory: Any, trainer_factory: Any, recwarn: pytest.WarningsRecorder
+) -> None:
+    # unquantized: the fit-start error is 0, so everything validation measures is training moving the model
+    quality = QuantizationQuality(weight_sqnr=False, min_cosine_similarity=0.9999, max_relative_error=0.001)
+    logger = RecordingLogger()
+    trainer = trainer_factory(max_steps=4, val_check_interval=4, limit_val_batches=1, logger=logger, callbacks=[quality])
+    model = gpt_factory(lr=3e-2)
+    trainer.fit(model, datamodule_factory())
+    [(_, start)] = logger.with_key("quant/cosine_similarity")
+    torch.testing.assert_close(start["quant/cosine_similarity"], 1.0, rtol=0, atol=1e-6)
+    [(_, logged)] = logger.with_key("drift/cosine_similarity")
+    drift = {k: v for k, v in logged.items() if "/" in k}  # without the val_loss and epoch Lightning logs with them
+    assert set(drift) == DRIFT_KEYS and not any(k.startswith("quant/") for k in logged)
+    # the value: the trained model's probe output against the full-precision output kept before training
+    again = quality.measure(trainer, model)
+    assert drift == pytest.approx({"drift/" + k.removeprefix("quant/"): v for k, v in again.items()}, abs=1e-6)
+    assert drift["drift/cosine_similarity"] < 0.9999 and drift["drift/relative_error"] > 0.001  # training moved it...
+    assert not [w for w in recwarn if "min_cosine_similarity" in str(w.message)]  # ...which is no threshold crossing
+
+
+def test_a_module_without_forward_is_refused_at_setup_naming_the_fix(trainer_factory: Any) -> None:
+    class NoForward(pl.LightningModule):  # computes in training_step only, as Lightning allows
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.head(self.embed(batch["input_ids"])).logsumexp(-1).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    ids = torch.randint(0, 16, (4, 6))
+    model = NoForward()
+    quality = QuantizationQuality(probe_batch={"input_ids": ids})
+    trainer = trainer_factory(max_steps=1, plugins=[QuantizedPrecision("int8-dynamic", dtype="float32")], callbacks=[quality])
+    with pytest.raises(
+        TypeError,
+        match=r"^QuantizationQuality runs a probe batch through NoForward\.forward \(module\(x\), module\(inputs\) of an "
+        r"\(inputs, targets\) pair, or module\(\*\*batch\) of a dict\), but NoForward defines no forward \(Lightning "
+        r"trains through training_step, which may compute without one\)\. Define NoForward\.forward returning the "
+        r"output tensor or an object with \.logits, e\.g\. `def forward\(self, \*\*batch\): return self\.model\(\*\*batch\)` "
+        r"for a dict batch or `def forward\(self, x\): return self\.model\(x\)`\.$",
+    ):
+        trainer.fit(model, DataLoader([{"input_ids": ids[i]} for i in range(4)], batch_size=2))
+    assert trainer.global_step == 0 and applied_transforms(model) == []
+    assert isinstance(model.head, nn.Linear) and type(model.head) is nn.Linear  # not quantized
+    # the plugin's probes (sensitivity plan, smoothing, GPTQ) share probe_output: the same message, not torch's
+    from lightning_hbm.probe import probe_output
+
+    with pytest.raises(TypeError, match=r"^lightning_hbm runs a probe batch through NoForward\.forward .* Define NoForward\.forward"):
+        probe_output(model, {"input_ids": ids})
 
 
 def test_threshold_warns_and_stops_before_training(

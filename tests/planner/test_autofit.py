@@ -99,6 +99,28 @@ def test_bad_arguments() -> None:
         AutoFit(precisions=["nf3"])
 
 
+def test_budget_units_gb_is_decimal_gib_binary_bare_g_refused() -> None:
+    # GB and GiB are both read, each as its standard says; the plan line shows a decimal budget in both units
+    assert AutoFit(budget="1 GB").budget == 10**9 and AutoFit(budget="1 GiB").budget == 2**30
+    assert AutoFit(budget="80GB").budget == 80 * 10**9 and AutoFit(budget="512 MiB").budget == 512 * 2**20
+    assert AutoFit(budget="1 GB")._budget_text == "953.67 MiB (1 GB = 1,000,000,000 bytes, decimal)"
+    assert AutoFit(budget="1 GiB")._budget_text == "1.00 GiB"
+    with pytest.raises(
+        ValueError,
+        match=r"The memory size '24G' is ambiguous: a bare 'G' means GiB to some tools and GB to others\. Write '24GiB' "
+        r"\(powers of 1024, as torch.cuda and nvidia-smi count\) or '24GB' \(powers of 1000\)\.",
+    ):
+        AutoFit(budget="24G")
+    with pytest.raises(ValueError, match=r"The memory size '512 m' is ambiguous: a bare 'M' .* Write '512MiB' .* or '512MB'"):
+        AutoFit(budget="512 m")
+    with pytest.raises(
+        ValueError,
+        match=r"Cannot read the memory size '1 GiGa'\. Write a number and a unit, e\.g\. '24GiB', '80GB'; units: B, "
+        r"KiB/MiB/GiB/TiB \(powers of 1024\), KB/MB/GB/TB \(powers of 1000: 1 GB = 10\*\*9 bytes = 0\.93 GiB\)\.",
+    ):
+        AutoFit(budget="1 GiGa")
+
+
 def test_lightning_cli_reads_the_init_args() -> None:
     from jsonargparse import ArgumentParser
 

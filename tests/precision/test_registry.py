@@ -96,6 +96,23 @@ def test_errors() -> None:
         QuantFormat("x", _half, (torch.float32,), "").dequantize(nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("NF4-DQ", r"Did you mean 'nf4-dq'\? Mode names are lower case\."),  # exact but for case: that name only
+        ("Int8-Dynamic", r"Did you mean 'int8-dynamic'\? Mode names are lower case\."),
+        ("NF4DQ", r"Did you mean 'nf4-dq'"),  # a typo in capitals: close matches of the lower-case spelling
+    ],
+)
+def test_a_mode_name_in_capitals_suggests_the_lower_case_name(name: str, hint: str) -> None:
+    from lightning_hbm import QuantizedPrecision
+
+    with pytest.raises(ValueError, match=rf"Unknown lightning_hbm precision mode '{name}'\. {hint}.* Valid modes: fp4, "):
+        QuantizedPrecision(name)
+    with pytest.raises(ValueError, match=rf"Unknown lightning_hbm precision mode '{name}'\. {hint}"):
+        get_mode(name)
+
+
 def test_the_docs_mode_table_is_the_registry() -> None:
     text = PARAMETERS_PAGE.read_text()
     found = re.search(r"<!-- mode-table[^>]*-->\n(.*?)\n<!-- /mode-table -->", text, re.DOTALL)

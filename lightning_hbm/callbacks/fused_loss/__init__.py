@@ -10,15 +10,17 @@ How: at the surgery point (stage ``KERNELS``, after quantization and adapters) t
 ``forward`` is replaced by one that returns a :class:`LazyLogits`: a tensor subclass that holds the
 hidden states and the head, reports the logits' shape/dtype/device, and records what the code does
 with it as long as it only touches the token dimensions (slices such as ``logits[..., :-1, :]``,
-``view``/``reshape``/``flatten`` keeping the vocabulary last, ``contiguous``, ``float()``/``to(dtype)``).
+``view``/``reshape``/``flatten`` keeping the vocabulary last, ``contiguous``, ``float()``/``to(dtype)``), and the
+elementwise ops real heads apply (``tanh`` soft-capping, ``+ - * /`` by a number or a tensor along the vocabulary such
+as BART's ``final_logits_bias``), replayed on each chunk.
 ``F.cross_entropy`` (and so ``nn.CrossEntropyLoss`` and transformers' ``loss_function``) on a
 ``[N, vocab]`` lazy tensor runs :func:`fused_linear_cross_entropy`: the head is applied to chunks of
 the hidden states, each chunk's loss and gradient are computed in fp32 and the chunk is freed, so the
 step holds ``chunk x vocab`` instead of ``tokens x vocab``. The head is called as a function, so a
 quantized head (bitsandbytes) or a LoRA-adapted head (peft) works, and its trainable parameters get
 their gradients. Any other use of the logits (``argmax``, metrics, printing, returning them)
-computes the full logits once, with a one-time log line naming the operation: the results are
-correct, only the saving is lost for that tensor.
+computes the full logits, with a ``UserWarning`` (once per head) naming the operation and the model: the
+results are correct, the saving is lost for that tensor, and the profiler's ``loss`` term shows the full logits.
 
 On CUDA, with ``liger-kernel`` installed (``pip install lightning-hbm[fused]``) and a plain
 ``nn.Linear`` head, Liger's fused linear cross-entropy kernel is used instead of the chunked loop

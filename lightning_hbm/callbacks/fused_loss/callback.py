@@ -24,6 +24,14 @@ def default_heads(module: nn.Module) -> list[str]:
     return heads
 
 
+def _model_name(module: nn.Module, head: str) -> str:
+    """The class owning ``head`` and the root's (``BartForConditionalGeneration in MyModule``), for warnings."""
+    owner = module.get_submodule(head.rpartition(".")[0])
+    if owner is module:
+        return type(module).__name__
+    return f"{type(owner).__name__} in {type(module).__name__}"
+
+
 class FusedLoss(SurgeryCallback):
     """Compute the output head and the cross-entropy chunk by chunk, never the full logits.
 
@@ -38,9 +46,12 @@ class FusedLoss(SurgeryCallback):
     Your model code does not change: a transformers causal LM called with ``labels=`` and a
     ``training_step`` computing ``F.cross_entropy(logits[..., :-1, :].reshape(-1, V), y)`` (or
     ``nn.CrossEntropyLoss()``) both go through the fused path. ``ignore_index``, ``label_smoothing`` and
-    ``reduction`` are honoured; class weights and probability targets compute the logits (logged).
+    ``reduction`` are honoured. Elementwise ops on the logits stay fused, applied chunk by chunk: ``tanh``
+    (soft-capping) and ``+ - * /`` by a number or a tensor along the vocabulary (BART's ``final_logits_bias``, a
+    per-vocab or scalar scale, trainable or not). Anything else (``sort``, ``@``, ``gather``, class weights,
+    probability targets) computes the full logits, with a ``UserWarning`` at the first step naming the op and the model.
 
-    Logged keys: none (no metric). One log line per head the first time its full logits are computed.
+    Logged keys: none (no metric).
 
     Example::
 
@@ -104,6 +115,7 @@ class FusedLoss(SurgeryCallback):
         for name in self.applied_heads:
             head = module.get_submodule(name)
             # an instance attribute shadows the class's forward; the state calls the class's forward
-            torch_compat.override_forward(head, _LazyHead(_HeadState(name, head, self.chunk_size, self.kernel)))
+            state = _HeadState(name, head, self.chunk_size, self.kernel, _model_name(module, name))
+            torch_compat.override_forward(head, _LazyHead(state))
         rank_zero_info(f"lightning_hbm: FusedLoss on {self.applied_heads} (chunked cross-entropy, kernel={self.kernel!r})")
 

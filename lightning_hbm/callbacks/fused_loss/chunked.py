@@ -174,11 +174,13 @@ def fused_linear_cross_entropy(
     chunk_size: Optional[int] = None,
     head_forward: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     kernel: str = "auto",
+    operands: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """``F.cross_entropy(head(hidden).to(logits_dtype), target, ...)`` without the full logits.
 
     ``hidden`` is ``[N, H]``, ``target`` ``[N]`` class indices. ``head_forward`` (default ``head``) computes
-    the logits of a chunk; the trainable parameters of ``head`` receive their gradients.
+    the logits of a chunk; the trainable parameters of ``head`` receive their gradients, and so do the ``operands``
+    that need one (tensors ``head_forward`` uses besides the head, e.g. a trainable logit bias).
     """
     if hidden.ndim != 2 or target.shape != hidden.shape[:1]:
         raise ValueError(
@@ -197,5 +199,8 @@ def fused_linear_cross_entropy(
         if out is not None:
             return out
     params = [p for p in head.parameters() if p.requires_grad]
+    for t in operands:  # once each: a tensor passed twice would get its gradient twice
+        if t.requires_grad and not any(t is p for p in params):
+            params.append(t)
     return _ChunkedLinearCrossEntropy.apply(spec, hidden, target, *params)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Callable, Optional
+import warnings
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from torch.utils._pytree import tree_map
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.callbacks.fused_loss.chunked import fused_linear_cross_entropy
+from lightning_hbm.memory.tracker import LOSS_SCOPE, memory_scope
 
 log = logging.getLogger(__name__)
 
@@ -20,10 +22,11 @@ _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 
 
 class _HeadState:
-    """Per head: how to compute it, and whether the one-time materialization line was logged."""
+    """Per head: how to compute it, the model it belongs to (for messages), and whether it warned already."""
 
-    def __init__(self, name: str, module: nn.Module, chunk_size: Optional[int], kernel: str) -> None:
+    def __init__(self, name: str, module: nn.Module, chunk_size: Optional[int], kernel: str, model: str = "") -> None:
         self.name, self.module, self.chunk_size, self.kernel = name, module, chunk_size, kernel
+        self.model = model  # e.g. "BartForConditionalGeneration in MyModule": the warning names the model
         self.materialized_by: Optional[str] = None
         self.elementwise: list[str] = []  # elementwise ops seen on the logits (applied per chunk)
         self.fused_logged = False
@@ -48,9 +51,47 @@ def _metadata_functions() -> set[Any]:
 
 
 _METADATA = _metadata_functions()
-_ELEMENTWISE = {torch.tanh: "tanh", torch.Tensor.tanh: "tanh", torch.Tensor.mul: "mul", torch.Tensor.__mul__: "mul",
-                torch.Tensor.__rmul__: "mul", torch.mul: "mul", torch.Tensor.div: "div", torch.Tensor.__truediv__: "div",
-                torch.div: "div"}
+# Elementwise ops replayed chunk by chunk: tanh (soft-capping), and + - * / with a number or a tensor along the
+# vocabulary (_elementwise and LazyLogits._along_vocab check the operand). The logits may be either operand
+# (``bias + logits`` calls ``Tensor.__add__(bias, logits)``).
+_ELEMENTWISE = {
+    **dict.fromkeys((torch.tanh, torch.Tensor.tanh), "tanh"),
+    **dict.fromkeys((torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__), "add"),
+    **dict.fromkeys((torch.sub, torch.subtract, torch.Tensor.sub, torch.Tensor.subtract, torch.Tensor.__sub__,
+                     torch.Tensor.__rsub__, torch.rsub), "sub"),
+    **dict.fromkeys((torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.multiply, torch.Tensor.__mul__,
+                     torch.Tensor.__rmul__), "mul"),
+    **dict.fromkeys((torch.div, torch.divide, torch.true_divide, torch.Tensor.div, torch.Tensor.divide,
+                     torch.Tensor.true_divide, torch.Tensor.__truediv__), "div"),
+}
+_DIVISORS = (torch.div, torch.divide, torch.true_divide, torch.Tensor.div, torch.Tensor.divide, torch.Tensor.true_divide,
+             torch.Tensor.__truediv__)
+
+
+class _Op:
+    """One elementwise op on the logits, replayed on each chunk (or on all of them when materialized).
+
+    ``args`` are the op's arguments with ``None`` where the logits go; the logits are cast first to the dtype they had
+    when the op ran (a lazy ``.float()`` before it), so each chunk computes what the unfused op computed.
+    """
+
+    def __init__(self, name: str, func: Any, args: tuple, kwargs: dict, position: int, dtype: torch.dtype) -> None:
+        self.name, self.func, self.args, self.kwargs, self.position, self.dtype = name, func, args, kwargs, position, dtype
+
+    @property
+    def operands(self) -> list[torch.Tensor]:
+        """Tensor operands that need a gradient (a trainable bias or scale): the fused loss must return theirs."""
+        return [a for a in self.args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        args = list(self.args)
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and a.ndim > z.ndim:
+                args[i] = a.reshape(a.shape[a.ndim - z.ndim:])  # [1, 1, V] on a [n, V] chunk: only leading 1s go
+        args[self.position] = z.to(self.dtype)
+        return self.func(*args, **self.kwargs)
+
+
 _CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64,
           torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.half: torch.float16}
 
@@ -65,11 +106,10 @@ class LazyLogits(torch.Tensor):
     _hidden: torch.Tensor
     _state: _HeadState
     _real: Optional[torch.Tensor]
-    _post: tuple[Callable[[torch.Tensor], torch.Tensor], ...]  # elementwise ops applied per chunk (soft-capping)
+    _post: tuple[_Op, ...]  # elementwise ops applied per chunk (soft-capping, final_logits_bias, scales)
 
     @staticmethod
-    def __new__(cls, hidden: torch.Tensor, state: _HeadState, dtype: torch.dtype,
-                post: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = ()) -> "LazyLogits":
+    def __new__(cls, hidden: torch.Tensor, state: _HeadState, dtype: torch.dtype, post: tuple[_Op, ...] = ()) -> "LazyLogits":
         shape = (*hidden.shape[:-1], int(state.module.out_features))
         # requires_grad=False: nothing runs autograd on this object itself (every computation is on
         # hidden and the head), and module hooks (profilers) must not attach gradient hooks to it.
@@ -91,19 +131,17 @@ class LazyLogits(torch.Tensor):
         return logits
 
     def materialize(self, why: str = "materialize") -> torch.Tensor:
-        """The real logits (computed once per lazy tensor; logged once per head)."""
+        """The real logits (computed once per lazy tensor; a ``UserWarning`` once per head)."""
         if self._real is None:
             state = self._state
             if state.materialized_by is None:
                 state.materialized_by = why
-                log.warning(
-                    "lightning_hbm FusedLoss: `%s` on the logits of `%s` needs the full [tokens, vocab] tensor: computed "
-                    "it (%s, %.1f MiB). A loss computed from this tensor is not fused; F.cross_entropy on the lazy "
-                    "logits (token slices, casts and elementwise ops with a number such as soft-capping are kept lazy) "
-                    "stays fused, and so does slicing the tokens first (e.g. logits[:, -1]). Logged once.",
-                    why, state.name, tuple(self.shape), self.numel() * self.element_size() / 2**20,
-                )
-            self._real = self._head(self._hidden).to(self.dtype)
+                warnings.warn(_materialize_message(why, state, tuple(self.shape), self.numel() * self.element_size()),
+                              UserWarning, stacklevel=4)
+                log.debug("FusedLoss: %s materialized the logits of %s", why, state.name)
+            # in the loss scope: HBMProfiler's and the planner's `loss` term then show these full logits, not 0
+            with memory_scope(LOSS_SCOPE):
+                self._real = self._head(self._hidden).to(self.dtype)
         return self._real
 
     @classmethod
@@ -118,6 +156,10 @@ class LazyLogits(torch.Tensor):
         lazy = args[0] if args and isinstance(args[0], LazyLogits) else None
         if func is F.cross_entropy:
             out = _fused_cross_entropy(args, kwargs)
+            if out is not None:
+                return out
+        elif func in _ELEMENTWISE:
+            out = _elementwise(func, args, kwargs)
             if out is not None:
                 return out
         elif lazy is not None:
@@ -148,26 +190,16 @@ class LazyLogits(torch.Tensor):
             return self._reshaped(func, args, kwargs)
         if func is torch.Tensor.__getitem__ and len(args) == 1:
             return self._indexed(args[0])
-        return self._elementwise(func, args, kwargs)
+        return None
 
-    def _elementwise(self, func: Any, args: tuple, kwargs: dict) -> Optional["LazyLogits"]:
-        """``tanh``, or ``*``/``/`` by a number (Gemma-2's final-logit soft-capping ``tanh(z / c) * c``), per chunk.
-
-        Elementwise, so applying it chunk by chunk gives the same logits; the op runs in the dtype the logits
-        have at that point (as it would unfused).
-        """
-        name = _ELEMENTWISE.get(func)
-        if name is None or kwargs or len(args) != (0 if name == "tanh" else 1):
-            return None
-        if args and not (isinstance(args[0], (int, float)) and not isinstance(args[0], bool)):
-            return None
-        dtype, other = self.dtype, args[0] if args else None
-        ops = {"tanh": lambda z: torch.tanh(z.to(dtype)), "mul": lambda z: z.to(dtype) * other,
-               "div": lambda z: z.to(dtype) / other}
-        state = self._state
-        if name not in state.elementwise:
-            state.elementwise.append(name)
-        return self._derive(self._hidden, post=(ops[name],))
+    def _along_vocab(self, other: torch.Tensor) -> bool:
+        """``other`` is a scalar or varies only along the vocabulary (``[V]``, ``[1, V]``, ``[1, 1, 1]``): each chunk of
+        rows applies it whole. A per-token operand (``[B, T, 1]``) would need its rows sliced: not kept lazy."""
+        if isinstance(other, LazyLogits) or other.ndim > self.ndim or any(s != 1 for s in other.shape[:-1]):
+            return False
+        if other.ndim and other.shape[-1] not in (1, self.shape[-1]):
+            return False
+        return other.ndim == 0 or other.device == self.device
 
     def _reshaped(self, func: Any, args: tuple, kwargs: dict) -> Optional["LazyLogits"]:
         if any(isinstance(a, torch.dtype) for a in args):
@@ -195,6 +227,48 @@ class LazyLogits(torch.Tensor):
         return self._derive(self._hidden[index])
 
 
+def _elementwise(func: Any, args: tuple, kwargs: dict) -> Optional[LazyLogits]:
+    """``tanh``, or ``+ - * /`` with a number or a tensor along the vocabulary, as a new lazy tensor; else ``None``.
+
+    Elementwise with an operand that does not vary over tokens, so applying it to each chunk of rows gives the same
+    logits (Gemma-2's soft-capping ``tanh(z / c) * c``, BART's ``logits + final_logits_bias``, a per-vocab scale).
+    """
+    name = _ELEMENTWISE[func]
+    where = [i for i, a in enumerate(args) if isinstance(a, LazyLogits)]
+    if len(where) != 1 or len(args) != (1 if name == "tanh" else 2) or "out" in kwargs:
+        return None
+    lazy: LazyLogits = args[where[0]]
+    if where[0] == 1 and func in _DIVISORS:
+        return None  # ``c / logits``: not a scale of the logits
+    for other in args[:where[0]] + args[where[0] + 1:]:
+        if isinstance(other, torch.Tensor) and not lazy._along_vocab(other):
+            return None
+        if not isinstance(other, torch.Tensor) and (isinstance(other, bool) or not isinstance(other, (int, float))):
+            return None
+    meta = lambda a: torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a  # noqa: E731
+    try:  # the result's shape and dtype (type promotion with the operand), without computing anything
+        out = func(*map(meta, args), **kwargs)
+    except (RuntimeError, TypeError):
+        return None
+    if out.shape != lazy.shape:
+        return None
+    state = lazy._state
+    if name not in state.elementwise:
+        state.elementwise.append(name)
+    op = _Op(name, func, tuple(None if i == where[0] else a for i, a in enumerate(args)), kwargs, where[0], lazy.dtype)
+    return lazy._derive(lazy._hidden, out.dtype, post=(op,))
+
+
+def _materialize_message(why: str, state: _HeadState, shape: tuple, nbytes: int) -> str:
+    return (
+        f"lightning_hbm FusedLoss: `{why}` on the logits of `{state.name}` ({state.model or 'the model'}) cannot stay "
+        f"fused: it needs the full [tokens, vocab] logits {shape} ({nbytes / 2**20:.1f} MiB), computed every step. A "
+        f"loss computed from them is not fused, and HBMProfiler's and the planner's `loss` term count these full "
+        f"logits. Kept lazy: token slices and views, dtype casts, tanh, and + - * / by a number or a tensor along the "
+        f"vocabulary (final_logits_bias); slicing the tokens first (logits[:, -1]) computes only those rows."
+    )
+
+
 def _fused_cross_entropy(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     """``F.cross_entropy`` on a lazy ``[N, vocab]`` input with class-index targets, fused; else ``None``."""
     bound = _CE_SIGNATURE.bind(*args, **kwargs)
@@ -209,19 +283,24 @@ def _fused_cross_entropy(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
         return None
     state = logits._state
     head_forward, kernel = state.forward, state.kernel
+    operands: list[torch.Tensor] = []
     if logits._post:
-        # the chunk loop changes the logits in place: a copy keeps the output a tanh backward reads intact
-        head_forward, kernel = (lambda h: logits._head(h).clone()), "chunked"  # Liger knows no soft-capping
+        # the chunk loop writes the gradient into the logits: a copy keeps the output a tanh backward reads intact
+        # (+ - * / save their inputs or operands, not their output)
+        copy = logits._post[-1].name == "tanh"
+        head_forward = (lambda h: logits._head(h).clone()) if copy else logits._head
+        kernel = "chunked"  # Liger knows no soft-capping or bias
+        operands = [t for op in logits._post for t in op.operands]
         if not state.fused_logged:
             state.fused_logged = True
             log.info(
-                "lightning_hbm FusedLoss: %s on the logits of `%s` (e.g. final-logit soft-capping) applied chunk by "
-                "chunk: the loss stays fused.", ", ".join(f"`{op}`" for op in state.elementwise), state.name,
+                "lightning_hbm FusedLoss: %s on the logits of `%s` (e.g. final-logit soft-capping, final_logits_bias) "
+                "applied chunk by chunk: the loss stays fused.", ", ".join(f"`{op}`" for op in state.elementwise), state.name,
             )
     return fused_linear_cross_entropy(
         logits._hidden, state.module, target, ignore_index=a["ignore_index"], label_smoothing=a["label_smoothing"],
         reduction=a["reduction"], logits_dtype=logits.dtype, chunk_size=state.chunk_size, head_forward=head_forward,
-        kernel=kernel,
+        kernel=kernel, operands=operands,
     )
 
 

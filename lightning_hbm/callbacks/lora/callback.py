@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 import math
 import re
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -17,9 +18,9 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.callbacks.lora.base import ALL_LINEAR, ADAPTER_NAME, _import_peft, _lora_layer_cls, _matches, _under, _width
-from lightning_hbm.callbacks.lora.export import adapter_state_dict, merge, save_adapter
+from lightning_hbm.callbacks.lora.export import adapter_state_dict, is_quantized, merge, save_adapter
 from lightning_hbm.callbacks.lora.watch import _AdapterWatch
-from lightning_hbm.layers import LEFT_ALONE_ATTR, adaptable_names, kind_names, output_heads, prepare_model, report_coverage, weight_readers
+from lightning_hbm.layers import LEFT_ALONE_ATTR, adaptable_names, find_layers, kind_names, output_heads, prepare_model, report_coverage, task_heads, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.precision.plugin import QuantizedPrecision
 from lightning_hbm.naming import did_you_mean, name_list
@@ -47,7 +48,11 @@ class LoRA(SurgeryCallback):
         exclude_modules: same forms (no ``"all-linear"``); matching Linears get no adapter.
         modules_to_save: modules trained fully besides the adapters, e.g. a new classifier head.
             Their parameters are made trainable in place (names unchanged, no second copy, unlike
-            peft's ``ModulesToSaveWrapper``); ``QuantizedPrecision`` leaves them unquantized.
+            peft's ``ModulesToSaveWrapper``); ``QuantizedPrecision`` leaves them unquantized; ``save_adapter``
+            saves them. ``None`` (default): the model's task heads (:func:`lightning_hbm.layers.task_heads`:
+            a transformers ``...ForSequenceClassification``'s ``classifier``, a CTC ``lm_head``, the last
+            Linear of a hand-written classifier), named at fit start. A list: exactly those; ``[]`` trains no
+            head (a task head left out is warned about at fit start).
         adapter_dtype: storage and compute dtype of the adapter weights (``"float32"`` default).
         full_checkpoint: ``False`` (default): Lightning checkpoints hold only the trainable weights
             (adapters + ``modules_to_save``) and their optimizer states; resume rebuilds the frozen
@@ -91,7 +96,12 @@ class LoRA(SurgeryCallback):
         adapter_dtype: Literal["float32", "bfloat16"] = "float32",
         full_checkpoint: bool = False,
         allow_base_change: bool = False,
+        **unknown: Any,
     ) -> None:
+        # taken only to refuse them with the close match (peft's names: lora_alpha -> alpha); Python's own
+        # TypeError names no alternative. The typed arguments above stay what the CLI parses.
+        if unknown:
+            _refuse_unknown(unknown)
         check_args(LoRA.__init__, locals())
         _import_peft()
         if isinstance(r, bool) or not isinstance(r, int):
@@ -117,7 +127,10 @@ class LoRA(SurgeryCallback):
         self.r = r
         self.alpha = float(alpha)
         self.dropout = float(dropout)
-        self.modules_to_save = list(modules_to_save or [])
+        # None: the task heads found on the model as built (resolve_modules_to_save); a list: exactly it
+        self._modules_to_save = None if modules_to_save is None else list(modules_to_save)
+        self.task_heads: list[str] = []  # task heads of the model (layers.task_heads), trainable ones or not
+        self.heads_quantized: list[str] = []  # task heads quantized before lightning_hbm: cannot be trained
         self.adapter_dtype = adapter_dtype
         self.full_checkpoint = full_checkpoint
         self.allow_base_change = allow_base_change
@@ -128,6 +141,22 @@ class LoRA(SurgeryCallback):
         self.saved_modules: list[str] = []
         self.unused_modules: list[str] = []  # adapters that ran but whose output never reaches the loss
         self.summary: dict[str, float] = {}  # the metrics logged at fit start
+
+    @property
+    def modules_to_save(self) -> list[str]:
+        """The modules trained in full: the ``modules_to_save`` given, or (default) the trainable task heads found."""
+        if self._modules_to_save is not None:
+            return list(self._modules_to_save)
+        return [h for h in self.task_heads if h not in self.heads_quantized]
+
+    def resolve_modules_to_save(self, module: nn.Module) -> list[str]:
+        """Find the task heads of ``module`` as built and return :attr:`modules_to_save`; changes nothing.
+
+        The surgery calls it before any check, so that ``QuantizedPrecision`` keeps the heads unquantized.
+        """
+        self.task_heads = task_heads(module)
+        self.heads_quantized = [h for h in self.task_heads if is_quantized(module.get_submodule(h))]
+        return self.modules_to_save
 
     @staticmethod
     def _check_patterns(arg: str, value: Any, allow_all_linear: bool = False) -> Union[str, list[str]]:
@@ -158,6 +187,7 @@ class LoRA(SurgeryCallback):
         """
         named: dict[str, Optional[nn.Module]] = dict(module.named_modules())
         self.narrow_left_out, self.heads_left_out = [], []
+        self.resolve_modules_to_save(module)  # the task heads: trained by default, warned about when left out
         # Every layer kind LoRA reaches (lightning_hbm.layers): Linears (quantized or not), transformers
         # Conv1D, and the Linears an nn.MultiheadAttention or a 3-D experts layer gets when it is
         # prepared (names that exist only after prepare_model: None here).
@@ -179,11 +209,7 @@ class LoRA(SurgeryCallback):
                     f"Top-level modules: {sorted(n for n in named if n and '.' not in n)}; Linears: {linears[:12]}."
                 )
             for n in found:
-                # its format says so (torchao's NF4Tensor looks floating); packed integer weights of a layer no format owns too
-                quantized = any(format_of(m) is not None for m in named[n].modules()) or any(
-                    not p.is_floating_point() for p in named[n].parameters()
-                )
-                if quantized or any(_under(q, [n]) for q in to_be_quantized):
+                if is_quantized(named[n]) or any(_under(q, [n]) for q in to_be_quantized):
                     raise ValueError(
                         f"modules_to_save entry {name!r} matches {n!r}, whose weights are quantized and cannot be "
                         f"trained. Keep it in full precision with QuantizedPrecision(ignore_modules=[{n!r}])."
@@ -200,7 +226,8 @@ class LoRA(SurgeryCallback):
             tied = {n for n in linears if named[n] is not None and owners.get(id(named[n].weight), 0) > 1}
             # and layers whose weight a parent reads directly (Mamba's dt_proj): their adapter would never be called
             readers = weight_readers(module, uses_only=True)
-            candidates = [n for n in linears if n not in heads and n not in tied and n not in readers]
+            # (a module trained in full is no LoRA candidate: neither adapted nor "narrower than r")
+            candidates = [n for n in linears if n not in heads and n not in tied and n not in readers and not _under(n, saved)]
             # (a head in modules_to_save is trained, not left out)
             self.heads_left_out = [n for n in linears if n in heads and n not in tied and n not in readers and not _under(n, saved)]
             # and layers narrower than r (Qwen2-MoE's shared_expert_gate, 1 output; routers): a rank above a
@@ -259,6 +286,7 @@ class LoRA(SurgeryCallback):
                 "(drop get_peft_model / inject_adapter_in_model) and let the LoRA callback add them, or train the "
                 "peft model without the LoRA callback."
             )
+        self.resolve_modules_to_save(module)  # the heads first: the plugin plans around modules_to_save
         targets, _ = self.resolve(module, self._planned_quantization(module))
         named = dict(module.named_modules())
         narrow = []
@@ -281,7 +309,8 @@ class LoRA(SurgeryCallback):
             "alpha": self.alpha,
             "target_modules": self.target_modules,
             "exclude_modules": self.exclude_modules,
-            "modules_to_save": self.modules_to_save,
+            # the argument (None: the task heads): known before the heads are found on the model (a resume check)
+            "modules_to_save": self._modules_to_save,
             "adapter_dtype": self.adapter_dtype,
         }
 
@@ -340,6 +369,12 @@ class LoRA(SurgeryCallback):
                     container.to(dtype)
                 _expose_base_attributes(sub)
         self.adapted_modules, self.saved_modules = targets, saved
+        self._tell_left_out(module)
+        self._tell_heads(module)
+        log.info("lightning_hbm: LoRA r=%d on %d Linear layers, %d modules_to_save", self.r, len(targets), len(saved))
+
+    def _tell_left_out(self, module: nn.Module) -> None:
+        """Name the layers 'all-linear' left out (narrower than r, output heads), in the coverage table and at fit start."""
         for name in self.narrow_left_out:
             layer = module.get_submodule(name)
             if getattr(layer, LEFT_ALONE_ATTR, None) is None:  # the coverage table's reason when nothing else changed it
@@ -349,10 +384,13 @@ class LoRA(SurgeryCallback):
             if getattr(layer, LEFT_ALONE_ATTR, None) is None:  # no QuantizedPrecision reason: say why LoRA left it
                 object.__setattr__(layer, LEFT_ALONE_ATTR, ("output head: left out of LoRA 'all-linear' (name it in target_modules to adapt it)", True))
         if self.narrow_left_out:
+            # an adapter of rank r on a layer narrower than r costs more than the layer itself: train it in full
+            names = self.narrow_left_out
             rank_zero_info(
-                f"lightning_hbm: LoRA r={self.r} leaves out {len(self.narrow_left_out)} layer(s) narrower than r "
-                f"(target_modules='all-linear'): {self.narrow_left_out[:6]}{' ...' if len(self.narrow_left_out) > 6 else ''}. "
-                "Name them in target_modules with a smaller r to adapt them."
+                f"lightning_hbm: LoRA r={self.r} leaves out {len(names)} layer(s) narrower than r "
+                f"(target_modules='all-linear'): {names[:6]}{' ...' if len(names) > 6 else ''}; they stay frozen. "
+                f"To train them, train them in full (fewer parameters than an adapter of rank r): "
+                f"LoRA(modules_to_save={names[:6]}); exclude_modules=[...] leaves them out without this line."
             )
         if self.heads_left_out:  # named: a head left frozen and un-adapted is the biggest silent change to a loss
             rank_zero_info(
@@ -360,7 +398,35 @@ class LoRA(SurgeryCallback):
                 f"(frozen, not adapted, as peft does). To train: LoRA(modules_to_save={self.heads_left_out}), or name "
                 "them in target_modules to adapt them."
             )
-        log.info("lightning_hbm: LoRA r=%d on %d Linear layers, %d modules_to_save", self.r, len(targets), len(saved))
+
+    def _tell_heads(self, module: nn.Module) -> None:
+        """Name the task heads trained in full, and warn about ones left frozen (a random head never trains)."""
+        for name in self.saved_modules:
+            for _, layer, _ in find_layers(module.get_submodule(name)):
+                if getattr(layer, LEFT_ALONE_ATTR, None) is None:  # the coverage table: trained, not "frozen"
+                    object.__setattr__(layer, LEFT_ALONE_ATTR, (f"LoRA modules_to_save ({name}): trained in full precision", True))
+        trained = [h for h in self.task_heads if _under(h, self.saved_modules)]
+        if trained and self._modules_to_save is None:
+            rank_zero_info(
+                f"lightning_hbm: LoRA trains the task head(s) {trained} in full precision (modules_to_save, saved with "
+                "the adapter; QuantizedPrecision leaves them unquantized). LoRA(modules_to_save=[]) keeps them frozen; "
+                "LoRA(modules_to_save=[...]) chooses the modules yourself."
+            )
+        if self.heads_quantized:
+            rank_zero_warn(
+                f"lightning_hbm: the task head(s) {self.heads_quantized} of {type(module).__name__} were quantized before "
+                "lightning_hbm and cannot be trained: they stay frozen. Load the model without quantizing them (or "
+                "QuantizedPrecision(ignore_modules=[...])) to train them."
+            )
+        # an adapter on a random head is no fix: a reload onto a base checkpoint gets another random head under it
+        frozen = [h for h in self.task_heads if h not in self.heads_quantized and not _under(h, self.saved_modules)]
+        if frozen:
+            rank_zero_warn(
+                f"lightning_hbm: LoRA(modules_to_save={self._modules_to_save!r}) leaves the task head(s) {frozen} of "
+                f"{type(module).__name__} frozen (at most adapted) and out of the adapter: a newly initialised head stays "
+                "random, and a reload gets another random one. Add them: "
+                f"LoRA(modules_to_save={sorted(set((self._modules_to_save or []) + frozen))}), or leave modules_to_save unset."
+            )
 
     # --------------------------------------------------------------- Lightning hooks
 
@@ -400,6 +466,19 @@ class LoRA(SurgeryCallback):
     adapter_state_dict = staticmethod(adapter_state_dict)
     save_adapter = staticmethod(save_adapter)
     merge = staticmethod(merge)
+
+
+#: peft ``LoraConfig`` names (and the usual spelling ``rank``) -> LoRA's own argument
+_PEFT_NAMES = {"rank": "r", "lora_r": "r", "lora_rank": "r", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+
+
+def _refuse_unknown(unknown: dict[str, Any]) -> None:
+    """``TypeError`` for the first keyword argument LoRA does not take, with the argument meant."""
+    options = [n for n, p in inspect.signature(LoRA.__init__).parameters.items() if n != "self" and p.kind is not p.VAR_KEYWORD]
+    key, value = next(iter(unknown.items()))
+    meant = _PEFT_NAMES.get(key.lower())
+    hint = f" Did you mean {meant!r}?" if meant else did_you_mean(key, options)
+    raise TypeError(f"LoRA({key}={value!r}): LoRA has no argument {key!r}.{hint} Its arguments: {', '.join(options)}.")
 
 
 def _expose_base_attributes(layer: nn.Module) -> None:

@@ -1,0 +1,97 @@
+"""Adapter export and merge (issue 34): the adapter folder written as a unit; merge refuses another base."""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from lightning_hbm import LoRA, QuantizedPrecision
+from lightning_hbm.callbacks.lora import export
+from lightning_hbm.data import synthetic_batch
+from lightning_hbm.surgery import run_surgery
+
+
+def _adapted(llama_factory: Callable, alpha: float, seed: int, plugin: object = None) -> torch.nn.Module:
+    """A tiny Llama through the surgery (so the model as built is recorded), lora_B random as if trained."""
+    model = llama_factory()
+    run_surgery(model, plugin, [LoRA(r=4, alpha=alpha, target_modules=["q_proj", "v_proj"])])
+    torch.manual_seed(seed)
+    for name, param in model.named_parameters():
+        if ".lora_B." in name:
+            param.data.normal_(0, 0.05)
+    return model.eval()
+
+
+def _reloaded_logits(llama_factory: Callable, path: Path, idx: torch.Tensor) -> torch.Tensor:
+    from peft import PeftModel
+
+    peft_model = PeftModel.from_pretrained(llama_factory().model, str(path)).eval()
+    with torch.no_grad():
+        return peft_model(input_ids=idx, use_cache=False).logits
+
+
+def test_a_failed_export_over_a_previous_adapter_leaves_it_intact(
+    llama_factory: Callable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Was: a full disk left the new adapter_config.json (alpha 64) beside the old weights; peft loaded the pair."""
+    idx, _ = synthetic_batch(2, 16, seed=1)
+    old = _adapted(llama_factory, alpha=8, seed=1)
+    path = LoRA.save_adapter(old, tmp_path / "adapter")
+    (path / "README.md").write_text("mine")  # a file of the user's beside the adapter
+    with torch.no_grad():
+        want = old(idx)
+    torch.testing.assert_close(_reloaded_logits(llama_factory, path, idx), want, rtol=1e-6, atol=1e-6)
+
+    def full_disk(tensors: dict, filename: str, metadata: dict) -> None:
+        Path(filename).write_bytes(b"\0" * 100)  # a partial weights file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export, "save_file", full_disk)
+    new = _adapted(llama_factory, alpha=64, seed=2)
+    with pytest.raises(OSError, match=r"could not write .*adapter.*No space left on device.*previous adapter there is untouched"):
+        LoRA.save_adapter(new, path)
+    assert json.loads((path / "adapter_config.json").read_text())["lora_alpha"] == 8
+    torch.testing.assert_close(_reloaded_logits(llama_factory, path, idx), want, rtol=1e-6, atol=1e-6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # no temporary folder left beside it
+
+    monkeypatch.undo()  # the disk has room again: the new adapter replaces the old one, the user's file stays
+    LoRA.save_adapter(new, path)
+    assert json.loads((path / "adapter_config.json").read_text())["lora_alpha"] == 64
+    assert (path / "README.md").read_text() == "mine"
+    with torch.no_grad():
+        torch.testing.assert_close(_reloaded_logits(llama_factory, path, idx), new(idx), rtol=1e-6, atol=1e-6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+
+
+def test_save_adapter_onto_a_file_is_refused(llama_factory: Callable, tmp_path: Path) -> None:
+    (tmp_path / "adapter").write_text("x")
+    with pytest.raises(ValueError, match=r"adapter is a file, not a folder"):
+        LoRA.save_adapter(_adapted(llama_factory, alpha=8, seed=1), tmp_path / "adapter")
+
+
+def test_merge_refuses_another_base(llama_factory: Callable) -> None:
+    """Was: merge(base_state_dict=<another model's weights>) merged silently."""
+    model = _adapted(llama_factory, alpha=8, seed=1, plugin=QuantizedPrecision("nf4", dtype="float32"))  # QLoRA
+    # another base: the same model with one weight changed (a fine-tuned checkpoint, another seed)
+    other_sd = {k: v.clone() for k, v in llama_factory().model.state_dict().items()}
+    other_sd["model.layers.0.mlp.up_proj.weight"] += 1e-3
+    with pytest.raises(
+        ValueError,
+        match=r"base_state_dict is not the base these adapters were trained on: 1 of its \d+ frozen weights differ .*"
+        r"first \['model\.model\.layers\.0\.mlp\.up_proj\.weight'\]\. Nothing was merged\..*allow_base_change=True",
+    ):
+        LoRA.merge(model, base_state_dict=other_sd)
+    # the right base (also as a bf16 copy) merges; allow_base_change=True merges onto the other one on purpose
+    base_sd = llama_factory().model.state_dict()
+    merged = LoRA.merge(model, base_state_dict=base_sd, dtype="float32")
+    assert torch.equal(merged["model.model.layers.0.mlp.up_proj.weight"], base_sd["model.layers.0.mlp.up_proj.weight"])
+    # a bf16 copy of the fp32 base cannot be told apart from another base: said, not refused
+    with pytest.warns(UserWarning, match=r"half precision .* could not be checked"):
+        LoRA.merge(model, base_state_dict={k: v.to(torch.bfloat16) for k, v in base_sd.items()})
+    forced = LoRA.merge(model, base_state_dict=other_sd, dtype="float32", allow_base_change=True)
+    assert torch.equal(forced["model.model.layers.0.mlp.up_proj.weight"], other_sd["model.layers.0.mlp.up_proj.weight"])
