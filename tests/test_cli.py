@@ -224,7 +224,7 @@ def test_console_user_errors_are_one_message(args: list[str], message: str, caps
     ("yaml_text", "message"),
     [
         ("trainer: {callbacks: [{class_path: LoRA, init_args: {rank: 16}}]}",
-         r"trainer\.callbacks: LoRA has no option 'rank'\. Did you mean 'r'\? Its options: r, alpha, "),
+         r"trainer\.callbacks: LoRA has no option 'rank'\. Did you mean 'r' or 'rank_pattern'\? Its options: r, alpha, "),
         ("trainer: {callbacks: [{class_path: HBMProfiler, init_args: {every_n_step: 3}}]}",
          r"trainer\.callbacks: HBMProfiler has no option 'every_n_step'\. Did you mean 'every_n_steps'\?"),
         ("trainer: {max_step: 1}", r"unknown option 'trainer\.max_step'\. Did you mean 'trainer\.max_steps'"),

@@ -356,7 +356,7 @@ class _NoLinear(pl.LightningModule):
         (dict(lora_alpha=32), TypeError, r"^LoRA\(lora_alpha=32\): LoRA has no argument 'lora_alpha'\. Did you mean 'alpha'\?"),
         (dict(lora_dropout=0.1), TypeError, r"^LoRA\(lora_dropout=0.1\): LoRA has no argument 'lora_dropout'\. Did you mean 'dropout'\?"),
         (dict(target_module=["q"]), TypeError, r"^LoRA\(target_module=\['q'\]\): LoRA has no argument 'target_module'\. Did you mean 'target_modules'\?"),
-        (dict(use_dora=True), TypeError, r"^LoRA\(use_dora=True\): LoRA has no argument 'use_dora'\. Its arguments: r, alpha, .*allow_base_change\.$"),
+        (dict(use_dor=True), TypeError, r"^LoRA\(use_dor=True\): LoRA has no argument 'use_dor'\. Did you mean 'use_dora'.*\? Its arguments: r, alpha, .*alpha_pattern\.$"),
         (dict(rank=16, r=4), TypeError, r"^LoRA\(rank=16\): LoRA has no argument 'rank'"),  # refused even beside r
     ],
 )

@@ -19,6 +19,7 @@ from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.callbacks.lora.base import ALL_LINEAR, ADAPTER_NAME, _import_peft, _lora_layer_cls, _matches, _under, _width
 from lightning_hbm.callbacks.lora.export import adapter_state_dict, is_quantized, merge, save_adapter
+from lightning_hbm.callbacks.lora import variants
 from lightning_hbm.callbacks.lora.watch import _AdapterWatch
 from lightning_hbm.layers import LEFT_ALONE_ATTR, adaptable_names, find_layers, kind_names, output_heads, prepare_model, report_coverage, task_heads, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
@@ -61,6 +62,20 @@ class LoRA(SurgeryCallback):
         allow_base_change: on resume of an adapter-only checkpoint, the frozen base must be the one the
             adapters were trained on (a fingerprint of it is saved; another seed or other weights are
             an error). ``True`` accepts a different base on purpose.
+        use_dora: peft's DoRA: a trainable magnitude per output channel over the direction ``W + B A`` (QDoRA on a
+            bitsandbytes 4-bit/8-bit base). Refused on ``int8-dynamic`` and ``nf4-torchao`` Linears (peft cannot
+            read their weight norm); convolutions (quantized ones too) take it.
+        use_rslora: peft's rank-stabilised scaling ``alpha / sqrt(r)`` instead of ``alpha / r``.
+        init_lora_weights: peft's initialisation: ``True`` (default: ``B = 0``, A Kaiming), ``False`` (B random too:
+            the model changes at init), ``"gaussian"``, ``"pissa"`` / ``"olora"`` (A, B from the weight's SVD / QR,
+            the base rewritten to ``W - B A``: full-precision Linears only, refused on quantized layers and
+            convolutions). ``"eva"`` (needs data before the surgery) and ``"loftq"`` (quantizes the full-precision
+            weight itself) are refused with the reason.
+        bias: peft's ``bias``: ``"none"`` (default), ``"all"`` (every bias of the model trains) or ``"lora_only"``
+            (the biases of the adapted layers); the trained biases go into checkpoints and ``save_adapter``.
+        rank_pattern: per-layer ranks, ``{regex: rank}``, peft's rule (a key matches the end of a module name,
+            ``{"v_proj": 16}``); every key must match an adapted layer.
+        alpha_pattern: per-layer alphas, ``{regex: alpha}``, same rule.
 
     After the first backward of a fit, an adapter that received no gradient because its parent module ran but
     never called it (it reads the weight directly) is a ``RuntimeError`` naming it. One that ran but whose output
@@ -96,6 +111,12 @@ class LoRA(SurgeryCallback):
         adapter_dtype: Literal["float32", "bfloat16"] = "float32",
         full_checkpoint: bool = False,
         allow_base_change: bool = False,
+        use_dora: bool = False,
+        use_rslora: bool = False,
+        init_lora_weights: Union[bool, Literal["gaussian", "pissa", "olora", "loftq", "eva"]] = True,
+        bias: Literal["none", "all", "lora_only"] = "none",
+        rank_pattern: Optional[dict[str, int]] = None,
+        alpha_pattern: Optional[dict[str, float]] = None,
         **unknown: Any,
     ) -> None:
         # taken only to refuse them with the close match (peft's names: lora_alpha -> alpha); Python's own
@@ -124,6 +145,16 @@ class LoRA(SurgeryCallback):
             )
         if adapter_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"adapter_dtype must be 'float32' or 'bfloat16', got {adapter_dtype!r}.")
+        if bias not in ("none", "all", "lora_only"):
+            raise ValueError(f"LoRA bias must be 'none', 'all' or 'lora_only' (peft's values), got {bias!r}.")
+        if not isinstance(init_lora_weights, bool) and init_lora_weights not in ("gaussian", *variants.REWRITES_BASE, "loftq", "eva"):
+            raise ValueError(
+                f"LoRA init_lora_weights must be True, False, 'gaussian', 'pissa' or 'olora', got {init_lora_weights!r}."
+            )
+        variants.check_init(init_lora_weights)
+        self.rank_pattern = variants.check_pattern("rank_pattern", rank_pattern, integer=True)
+        self.alpha_pattern = variants.check_pattern("alpha_pattern", alpha_pattern, integer=False)
+        self.use_dora, self.use_rslora, self.init_lora_weights, self.bias = use_dora, use_rslora, init_lora_weights, bias
         self.r = r
         self.alpha = float(alpha)
         self.dropout = float(dropout)
@@ -287,14 +318,17 @@ class LoRA(SurgeryCallback):
                 "peft model without the LoRA callback."
             )
         self.resolve_modules_to_save(module)  # the heads first: the plugin plans around modules_to_save
-        targets, _ = self.resolve(module, self._planned_quantization(module))
+        planned = self._planned_quantization(module)
+        targets, _ = self.resolve(module, planned)
         named = dict(module.named_modules())
+        self._check_variants(module, targets, {n: self._planned_mode(module, n) for n in planned})
         narrow = []
         for name in targets:
             layer = named.get(name)  # None: a projection a layer-kind conversion creates (MultiheadAttention, experts)
-            width = _width(layer, self.r)
-            if self.r > width:
-                narrow.append(f"{name} ({width})")
+            rank = variants.layer_rank(self.r, self.rank_pattern, name)
+            width = _width(layer, rank)
+            if rank > width:
+                narrow.append(f"{name} ({width}{'' if rank == self.r else f', rank_pattern r={rank}'})")
         if narrow:
             raise ValueError(
                 f"LoRA r={self.r} is larger than the width of {len(narrow)} target layer(s): {narrow[:5]}. A rank above "
@@ -312,6 +346,13 @@ class LoRA(SurgeryCallback):
             # the argument (None: the task heads): known before the heads are found on the model (a resume check)
             "modules_to_save": self._modules_to_save,
             "adapter_dtype": self.adapter_dtype,
+            # peft's variants: each changes the adapters' shapes or arithmetic (dropout does not)
+            "use_dora": self.use_dora,
+            "use_rslora": self.use_rslora,
+            "init_lora_weights": self.init_lora_weights,
+            "bias": self.bias,
+            "rank_pattern": self.rank_pattern,
+            "alpha_pattern": self.alpha_pattern,
         }
 
     @override
@@ -321,6 +362,29 @@ class LoRA(SurgeryCallback):
     @override
     def allows_base_change(self) -> bool:
         return self.allow_base_change
+
+    def _check_variants(self, module: nn.Module, targets: list[str], planned: dict[str, Optional[str]]) -> None:
+        """Refuse the variants the target layers cannot take, and pattern keys that match no target; changes nothing."""
+        variants.check_patterns_match("rank_pattern", self.rank_pattern, targets)
+        variants.check_patterns_match("alpha_pattern", self.alpha_pattern, targets)
+        named = dict(module.named_modules())
+        strategy = getattr(lightning_compat.attached_trainer(module), "strategy", None)
+        device = getattr(strategy, "root_device", None)  # where QuantizedPrecision is about to quantize
+        layers = {t: named.get(t) for t in targets}
+        reasons = variants.refusals(layers, planned, self.use_dora, self.init_lora_weights, device)
+        if reasons:
+            raise ValueError(
+                f"LoRA cannot apply its variants to {len(reasons)} target layer(s): " + "; ".join(reasons[:3])
+                + (" ..." if len(reasons) > 3 else "") + ". Leave those layers out (exclude_modules=[...] or "
+                "QuantizedPrecision(ignore_modules=[...])), or drop the option (use_dora=False / "
+                "init_lora_weights=True or 'gaussian')."
+            )
+
+    @staticmethod
+    def _planned_mode(module: nn.Module, name: str) -> Optional[str]:
+        """The mode the Trainer's QuantizedPrecision gives layer ``name`` (its per-layer plan first)."""
+        plugin = getattr(getattr(lightning_compat.attached_trainer(module), "strategy", None), "precision_plugin", None)
+        return (getattr(plugin, "plan", None) or {}).get(name, plugin.mode.name) if plugin is not None else None
 
     @staticmethod
     def _planned_quantization(module: nn.Module) -> frozenset[str]:
@@ -335,7 +399,8 @@ class LoRA(SurgeryCallback):
     def transform_model(self, module: pl.LightningModule) -> None:
         """Inject the adapters into ``module`` in place and freeze everything else."""
         peft = _import_peft()
-        self.resolve(module)  # every check before the first change
+        targets, _ = self.resolve(module)  # every check before the first change
+        self._check_variants(module, targets, {})
         # nn.MultiheadAttention -> an equal module with four Linear projections (else LoRA on out_proj is
         # never called and the input projection is unreachable), transformers-5 3-D experts -> one Linear
         # per expert (no-ops after QuantizedPrecision did it); excluded ones are left as they are.
@@ -353,7 +418,12 @@ class LoRA(SurgeryCallback):
             lora_dropout=self.dropout,
             # resolved exact names, as one anchored regex: peft applies our selection verbatim
             target_modules="(?:" + "|".join(re.escape(t) for t in targets) + ")",
-            bias="none",
+            bias=self.bias,
+            use_dora=self.use_dora,
+            use_rslora=self.use_rslora,
+            init_lora_weights=self.init_lora_weights,
+            rank_pattern=dict(self.rank_pattern or {}),
+            alpha_pattern=dict(self.alpha_pattern or {}),
         )
         peft.inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
         # peft froze every non-adapter parameter; modules_to_save train in place (stable names)
@@ -365,8 +435,7 @@ class LoRA(SurgeryCallback):
         for sub in module.modules():
             if isinstance(sub, lora_cls):
                 # under Lightning's bf16-true the module is bf16 already, so peft made bf16 adapters
-                for container in (sub.lora_A, sub.lora_B):
-                    container.to(dtype)
+                variants.cast_adapters(sub, dtype)
                 _expose_base_attributes(sub)
         self.adapted_modules, self.saved_modules = targets, saved
         self._tell_left_out(module)

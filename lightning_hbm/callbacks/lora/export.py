@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lightning_hbm import resume
+from lightning_hbm.callbacks.lora import variants
 from lightning_hbm.callbacks.lora.base import ADAPTER_NAME, _lora_layer_cls, _matches, _under
 from lightning_hbm.layers import stored_in, task_heads, task_type
 from lightning_hbm.naming import name_list
@@ -29,10 +30,7 @@ def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """
     return {n: p.detach() for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
 
-def is_quantized(module: nn.Module) -> bool:
-    """Whether ``module`` holds quantized weights (cannot be trained in full)."""
-    # its format says so (torchao's NF4Tensor looks floating); packed integer weights of a layer no format owns too
-    return any(format_of(m) is not None for m in module.modules()) or any(not p.is_floating_point() for p in module.parameters())
+is_quantized = variants.is_quantized  # its home: variants needs it, and export imports variants
 
 
 def _hf_root(module: nn.Module, submodule: Optional[str]) -> str:
@@ -80,26 +78,31 @@ def save_adapter(
     root = _hf_root(module, submodule)
     prefix = root + "." if root else ""
     lora_cls = _lora_layer_cls()
-    adapted, tensors, saved = [], {}, set()
+    adapted, tensors, saved = {}, {}, set()
     for name, sub in module.named_modules():
         if isinstance(sub, lora_cls) and name.startswith(prefix):
-            adapted.append(name[len(prefix) :])
+            adapted[name[len(prefix) :]] = sub
     for name, param in adapter_state_dict(module).items():
         if not name.startswith(prefix):
             raise ValueError(f"Trainable parameter {name!r} lies outside submodule {root!r}; pass submodule=''.")
         rel = name[len(prefix) :]
-        if ".lora_" not in rel:
+        trained_bias = config.bias != "none" and rel.endswith(".bias")  # peft's bias="all"/"lora_only": saved as is
+        if ".lora_" not in rel and not trained_bias:
             saved.add(rel.rsplit(".", 1)[0])
-        # peft's file format drops the adapter name: ...q_proj.lora_A.weight
+        # peft's file format drops the adapter name: ...q_proj.lora_A.weight, and DoRA's ...q_proj.lora_magnitude_vector
         key = "base_model.model." + rel.replace(f".{ADAPTER_NAME}.", ".")
+        key = key[: -len(".weight")] if key.endswith(".lora_magnitude_vector.weight") else key
         tensors[key] = param.contiguous().cpu()
     hf_model = module.get_submodule(root) if root else module
-    _warn_unsaved_heads(hf_model, saved, adapted)
+    _warn_unsaved_heads(hf_model, saved, list(adapted))
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(getattr(hf_model, "config", None), "_name_or_path", None) or None
+    ranks, alphas = variants.export_patterns(adapted, ADAPTER_NAME, config.r, config.lora_alpha)
     export = dataclasses.replace(
         config,
-        target_modules=_compact_targets(hf_model, adapted),
+        target_modules=_compact_targets(hf_model, list(adapted)),
+        rank_pattern=ranks,
+        alpha_pattern=alphas,
         modules_to_save=sorted(saved) or None,
         inference_mode=True,
         base_model_name_or_path=base_model_name_or_path,
@@ -198,7 +201,8 @@ def merge(
 ) -> dict[str, torch.Tensor]:
     """A plain state_dict of the model as the user built it, adapters folded into the weights.
 
-    The LoRA update ``B @ A * alpha / r`` is added in fp32 to a base weight and the result is cast to
+    The LoRA update ``B @ A * alpha / r`` is added in fp32 to a base weight (DoRA: ``m / ||W + BA|| * (W + BA)``,
+    peft's own norm) and the result is cast to
     ``dtype`` (bf16 by default); ``module`` itself is not changed. Which base weight:
 
     - ``base_state_dict`` given (the original full-precision weights, e.g.
@@ -215,6 +219,14 @@ def merge(
     """
     out_dtype = to_dtype(dtype)
     lora_cls = _lora_layer_cls()
+    init = getattr(getattr(module, "peft_config", {}).get(ADAPTER_NAME), "init_lora_weights", True)
+    if base_state_dict is not None and init in variants.REWRITES_BASE:
+        raise ValueError(
+            f"LoRA.merge(base_state_dict=...): the adapters were initialised with init_lora_weights={init!r}, which "
+            "rewrote the base to W - B0 A0 (B0 A0: the initial adapters), so they belong on that residual, not on the "
+            "original weights given. Call LoRA.merge(model) without base_state_dict: it merges onto the residual base "
+            "the model holds."
+        )
     root = _hf_root(module, None) if base_state_dict is not None else ""
     if base_state_dict is not None and not allow_base_change:
         _check_base(module, base_state_dict, root)
@@ -257,7 +269,7 @@ def merge(
             base = sub.get_base_layer()
             weight = dense(name, base)
             if ADAPTER_NAME in sub.lora_A:
-                weight = weight + sub.get_delta_weight(ADAPTER_NAME).float()
+                weight = variants.merged_weight(sub, ADAPTER_NAME, weight)  # W + delta; DoRA's rescaled direction
             merged[prefix + "weight"] = weight
             if getattr(base, "bias", None) is not None:
                 merged[prefix + "bias"] = base.bias
