@@ -200,6 +200,26 @@ class KeyMap:
         mapped = self.as_built(key)
         return any(self._form_of(mapped, o) for o in omitted)
 
+    def any_form_of(self, changed_keys: Iterable[str]) -> Callable[[str], bool]:
+        """``f(as_built_key)``: whether any of ``changed_keys`` is a form of it; the same answer as
+        ``any(self.covers(k, as_built_key) for k in changed_keys)``, from sets built once (that loop was
+        O(keys x keys) per checkpoint save: ~10^5 calls for a 135M Llama)."""
+        covered: tuple[set[str], set[str]] = (set(), set())  # (from unconverted forms, from converted ones)
+        for changed_key in changed_keys:
+            key, converted = self.as_built(changed_key)
+            names = covered[converted]
+            canonical = _canonical(key)  # as _covers does
+            names.add(canonical)
+            end = canonical.find(".")
+            while end > 0:  # canonical.startswith(k + "."): every dotted prefix
+                names.add(canonical[:end])
+                end = canonical.find(".", end + 1)
+            head, dot, last = canonical.rpartition(".")
+            if dot and last in _BESIDE_WEIGHT:  # x.weight_scale is a form of x.weight
+                names.add(f"{head}.weight")
+        unconverted, converted_ = covered
+        return lambda as_built_key: as_built_key in converted_ or (as_built_key in unconverted and as_built_key not in self.targets)
+
     def _form_of(self, mapped: tuple[str, bool], as_built_key: str) -> bool:
         key, converted = mapped
         if not converted and as_built_key in self.targets:
@@ -266,14 +286,13 @@ def pack(
     fitting = {k: v for k, v in full.items() if _fits(schema, k, v)}
     changed = {k: v for k, v in full.items() if k not in fitting}
     placeholders, omitted = [], []
-    keys = KeyMap(module)
-    forms = [keys.as_built(k) for k in changed]
+    saved_in_changed_form = KeyMap(module).any_form_of(changed) if trainable_only else None
     for key, (shape, floating) in schema.items():
         if key in fitting:
             continue
         # a full checkpoint saved every tensor in some changed form (even one renamed by a layer-kind
         # conversion, e.g. in_proj_weight -> q_proj/k_proj/v_proj); an adapter-only one left the base out
-        if floating and (not trainable_only or any(keys._form_of(k, key) for k in forms)):
+        if floating and (saved_in_changed_form is None or saved_in_changed_form(key)):
             placeholders.append(key)
         else:
             omitted.append(key)

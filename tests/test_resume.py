@@ -714,3 +714,20 @@ def test_a_model_that_migrates_keys_in_on_load_checkpoint_still_resumes(saved: P
     trainer = _lora_trainer(max_steps=3)
     trainer.fit(_Migrating(**TINY_GPT), _data(), ckpt_path=path)
     assert trainer.global_step == 3
+
+
+def test_saved_in_changed_form_is_the_pairwise_answer_from_sets() -> None:
+    """pack() asks, per as-built key, whether a changed key is a form of it: the set index (issue 37, once per save)
+    answers exactly what the pairwise loop did, converted layers, adapters under them and beside-weight constants
+    included."""
+    rng = random.Random(0)
+    parts = ["a", "b", "weight", "bias", "base_layer", "weight_scale", "input_shift", "absmax", "q_proj", "lora_A", "0"]
+    keys = resume.KeyMap()
+    for trial in range(2000):
+        keys.converted = {"a.q_proj.weight": "a.in_proj_weight", "b.0.weight": "b.weight"} if trial % 2 else {}
+        keys.targets = set(keys.converted.values())
+        changed = [".".join(rng.choice(parts) for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(0, 8))]
+        asked = [".".join(rng.choice(parts) for _ in range(rng.randint(1, 4))) for _ in range(20)] + changed
+        indexed = keys.any_form_of(changed)
+        for key in [*asked, *keys.targets]:
+            assert indexed(key) == any(keys.covers(k, key) for k in changed), (changed, key)

@@ -5,6 +5,10 @@ bitsandbytes is imported on first use (its import loads native libraries): calle
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
 from torch import nn
 
 
@@ -43,3 +47,92 @@ def ensure_nested_code() -> None:
 
     if "dynamic" not in F.name2qmap:
         F.name2qmap["dynamic"] = F.create_dynamic_map()
+
+
+# ------------------------------------------------------------------------- faster exact 4-bit quantization on CPU
+
+_CPU_QUANTIZE_OK: Optional[bool] = None  # decided once per process: the fast kernel equals bitsandbytes' own
+_CPU_QUANTIZE_DEPTH = 0  # > 0 while fast_cpu_quantize_4bit's kernel is registered
+
+
+def _quantize_4bit_cpu(A: torch.Tensor, blocksize: int, quant_type: str, quant_storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """bitsandbytes 0.50's default ``quantize_4bit`` kernel (``backends/default/ops.py``), bucketize excepted.
+
+    ``torch.bucketize(x, bounds)`` (right=False) is the number of bounds strictly below ``x``: with 15 sorted bounds,
+    15 vectorized comparisons summed into uint8 give the same codes ~2x faster on CPU (bucketize was ~75% of the
+    quantization, half of the time to the first step of a QLoRA run). NaN inputs take bitsandbytes' own path.
+    """
+    from bitsandbytes.backends.default.ops import _get_4bit_quantize_bounds
+
+    bounds, order = _get_4bit_quantize_bounds(quant_type, A.device)
+    A_flat = A.reshape(-1).float()
+    n = A_flat.numel()
+    rem = n % blocksize
+    full = n - rem
+    blocks = full // blocksize
+    A_com = A_flat[:full].reshape(blocks, blocksize)
+    absmax = A_com.abs().max(dim=-1)[0]
+    scaled = torch.clamp(A_com * (1.0 / absmax.clamp(min=1e-38).view(-1, 1)), -1, 1).reshape(-1)
+    if rem:
+        am = A_flat[full:].abs().max().clamp(min=1e-38)
+        absmax = torch.cat([absmax, am.unsqueeze(0)])
+        scaled = torch.cat([scaled, torch.clamp(A_flat[full:] / am, -1, 1)])
+    if scaled.numel() % 2:
+        scaled = torch.nn.functional.pad(scaled, (0, 1))
+    if torch.isnan(scaled).any():  # comparisons and bucketize disagree on NaN: bitsandbytes' own codes
+        q8 = torch.bucketize(scaled, bounds, out_int32=True).to(torch.uint8)
+    else:
+        q8 = torch.zeros(scaled.shape, dtype=torch.uint8, device=scaled.device)
+        for bound in bounds.tolist():
+            q8 += scaled > bound
+    if quant_type != "nf4":
+        q8 = order[q8.long()].to(torch.uint8)
+    packed = ((q8[::2] << 4) | q8[1::2]).unsqueeze(1)
+    if quant_storage != torch.uint8:
+        packed = packed.squeeze().view(quant_storage).unsqueeze(1)
+    return packed, absmax
+
+
+def _cpu_quantize_checked() -> bool:
+    """Whether :func:`_quantize_4bit_cpu` gives bitsandbytes' exact bytes here (checked once: odd sizes, both types)."""
+    global _CPU_QUANTIZE_OK
+    if _CPU_QUANTIZE_OK is None:
+        try:
+            import bitsandbytes  # noqa: F401  (registers its ops)
+
+            own = torch.ops.bitsandbytes.quantize_4bit.default
+            generator = torch.Generator().manual_seed(0)
+            ok = True
+            for shape, blocksize, quant_type, dtype in (
+                ((96, 80), 64, "nf4", torch.float32), ((33, 7), 64, "nf4", torch.bfloat16), ((5, 129), 128, "fp4", torch.float16),
+                ((64, 64), 64, "fp4", torch.float32),
+            ):
+                A = (torch.randn(shape, generator=generator) * 0.05).to(dtype)
+                A.view(-1)[::17] = 0  # exact zeros and block maxima: values on the bounds' edges
+                mine, theirs = _quantize_4bit_cpu(A, blocksize, quant_type, torch.uint8), own(A, blocksize, quant_type, torch.uint8)
+                ok = ok and all(torch.equal(a, b) for a, b in zip(mine, theirs))
+            _CPU_QUANTIZE_OK = ok
+        except Exception:  # noqa: BLE001 - another bitsandbytes layout: its own kernel, unchanged
+            _CPU_QUANTIZE_OK = False
+    return _CPU_QUANTIZE_OK
+
+
+@contextmanager
+def fast_cpu_quantize_4bit() -> Iterator[None]:
+    """Within: bitsandbytes' ``quantize_4bit`` on CPU tensors runs :func:`_quantize_4bit_cpu` (same bytes, ~2x faster).
+
+    Scoped (the registration is dropped on exit, bitsandbytes' own kernel is back for everyone else) and used only
+    where its output was checked equal to bitsandbytes' on this machine (:func:`_cpu_quantize_checked`).
+    """
+    global _CPU_QUANTIZE_DEPTH
+    if _CPU_QUANTIZE_DEPTH or not _cpu_quantize_checked():  # nested: the outer block registered it already
+        yield
+        return
+    library = torch.library.Library("bitsandbytes", "IMPL")  # noqa: TOR901 - a fragment whose lifetime is this block
+    _CPU_QUANTIZE_DEPTH += 1
+    try:
+        torch.library.register_kernel("bitsandbytes::quantize_4bit", "cpu", _quantize_4bit_cpu, lib=library)
+        yield
+    finally:
+        _CPU_QUANTIZE_DEPTH -= 1
+        library._destroy()

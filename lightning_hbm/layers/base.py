@@ -174,12 +174,14 @@ def find_layers(module: nn.Module) -> Iterator[tuple[str, nn.Module, LayerKind]]
     the adapters' own Linears (``lora_A``, ``lora_B``) are not layers of the model.
     """
     lora = _lora_layer_cls()
-    skip: list[str] = []
+    # named_modules is pre-order: a module inside a skipped one has it as an ancestor prefix. A set looked up per
+    # ancestor is O(depth); scanning a list of every skipped name was O(layers) per module (seconds at 200+ LoRA layers)
+    skip: set[str] = set()
     for name, sub in module.named_modules():
-        if any(name.startswith(s + ".") for s in skip):
+        if skip and _under(name, skip):
             continue
         if lora and isinstance(sub, lora):
-            skip.append(name)
+            skip.add(name)
             kind = kind_of(base_layer(sub))
             if kind is not None:
                 yield name, sub, kind
@@ -187,8 +189,18 @@ def find_layers(module: nn.Module) -> Iterator[tuple[str, nn.Module, LayerKind]]
         kind = kind_of(sub)
         if kind is not None:
             if kind.stored_in is not None and kind.stored_in(sub) is not None:
-                skip.append(name)  # its quantized storage is part of it, not a layer of the model
+                skip.add(name)  # its quantized storage is part of it, not a layer of the model
             yield name, sub, kind
+
+
+def _under(name: str, prefixes: set[str]) -> bool:
+    """Whether a strict ancestor of the module ``name`` (dotted) is in ``prefixes``."""
+    end = name.rfind(".")
+    while end > 0:
+        if name[:end] in prefixes:
+            return True
+        end = name.rfind(".", 0, end)
+    return False
 
 
 def prepare_model(module: nn.Module, skip: Callable[[str], bool] = lambda name: False) -> list[str]:
@@ -650,6 +662,8 @@ def _outside_kinds(module: nn.Module, candidates: set[int]) -> dict[int, str]:
             # weight_norm's g ([out, 1, 1], or [1, 1, k] along another dim) goes with its v, whatever its shape
             factors = {n for n, p in owner.named_parameters(recurse=False) if p.is_floating_point() and (listed or weight_norm and n.endswith(("_g", "_v")))}
             own = [(n, p) for n, p in owner.named_parameters(recurse=False) if id(p) in candidates and (n in factors or _is_raw_weight(p))]
+            if not own:
+                continue  # nothing to classify: no need to parse the class's source (seconds over a model's classes)
             uses = _uses(type(owner))
             grouped = any(p.dim() == 3 and "matmul" in uses.get(n, {"matmul"}) for n, p in own)
             for local, param in own:

@@ -15,6 +15,7 @@ user's Linear and moves it to the target device, which is when bitsandbytes quan
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 from dataclasses import dataclass
@@ -127,7 +128,8 @@ def _linear4bit(
         blocksize=blocksize,  # Linear4bit takes none: the Params4bit and its quant_state carry it
         module=layer,
     )
-    layer.weight = weight.to(target)  # bitsandbytes quantizes here, on CPU or CUDA
+    with bnb_compat.fast_cpu_quantize_4bit() if torch.device(target).type == "cpu" else contextlib.nullcontext():  # the same bytes, ~2x faster
+        layer.weight = weight.to(target)  # bitsandbytes quantizes here, on CPU or CUDA
     return _finish4bit(layer, linear)
 
 

@@ -88,3 +88,34 @@ def test_ensure_nested_code_fills_the_cache_double_quant_reads() -> None:
     _, state = F.quantize_4bit(torch.randn(64, 64), compress_statistics=True, quant_type="nf4")
     torch.testing.assert_close(state.state2.code, code * 0.5)
     del F.name2qmap["dynamic"]
+
+
+def _cpu_kernel_registered() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("bitsandbytes::quantize_4bit", "CPU")
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fast_cpu_quantize_4bit_gives_bitsandbytes_own_bytes_and_is_scoped(quant_type: str, dtype: torch.dtype) -> None:
+    """Issue 37: bucketize was most of the CPU quantization; the comparison kernel must give the same packed codes,
+    absmax and double-quant state, NaN included, and leave bitsandbytes' own kernel in place outside the block."""
+    assert compat._cpu_quantize_checked()
+    generator = torch.Generator().manual_seed(1)
+    for shape, blocksize in (((576, 1536), 64), ((37, 29), 64), ((3, 1000), 128), ((1, 1), 64)):
+        A = (torch.randn(shape, generator=generator) * 0.03).to(dtype)
+        A.view(-1)[::11] = 0
+        if A.numel() > 100:
+            A.view(-1)[50] = float("nan")
+        before = _cpu_kernel_registered()
+        theirs = F.quantize_4bit(A, blocksize=blocksize, compress_statistics=True, quant_type=quant_type)
+        with compat.fast_cpu_quantize_4bit():
+            assert _cpu_kernel_registered()
+            with compat.fast_cpu_quantize_4bit():  # nested: one registration
+                pass
+            assert _cpu_kernel_registered()
+            mine = F.quantize_4bit(A, blocksize=blocksize, compress_statistics=True, quant_type=quant_type)
+        assert _cpu_kernel_registered() == before
+        assert torch.equal(mine[0], theirs[0])
+        for name in ("absmax", "offset"):
+            torch.testing.assert_close(getattr(mine[1], name), getattr(theirs[1], name), rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(mine[1].state2.absmax, theirs[1].state2.absmax, rtol=0, atol=0, equal_nan=True)
