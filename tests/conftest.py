@@ -13,6 +13,7 @@ import torch
 
 from lightning_hbm.data import ByteTextDataModule
 from lightning_hbm.models import LazyNanoGPT, LlamaLM, NanoGPT
+from lightning_hbm.pretrained import INSTALL
 
 # bitsandbytes logs a harmless line about an optional kernel hub at import; Lightning tips are noise.
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
@@ -29,6 +30,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+#: set by .ci/run: a test skipped because the pretrained weights are missing fails instead (README, Testing)
+REQUIRE_WEIGHTS = "LIGHTNING_HBM_REQUIRE_WEIGHTS"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Under ``LIGHTNING_HBM_REQUIRE_WEIGHTS=1``, a skip whose reason is ``lightning_hbm.pretrained.missing``'s
+    (it ends with the install line, :data:`lightning_hbm.pretrained.INSTALL`) is reported as a failure.
+
+    Every real-weights test skips through ``missing()`` (``pytest.skip`` or ``skipif``); in CI a skip there would
+    let the suite pass without running them. Other skips (GPU, optional libraries) are left as they are.
+    """
+    report = yield
+    if report.skipped and os.environ.get(REQUIRE_WEIGHTS, "0") not in ("", "0") and call.excinfo is not None:
+        reason = str(call.excinfo.value)
+        if INSTALL in reason:
+            report.outcome = "failed"
+            report.longrepr = (f"{REQUIRE_WEIGHTS}={os.environ[REQUIRE_WEIGHTS]} (set by .ci/run): this real-weights "
+                               f"test would have skipped: {reason}. Install the weights with `bash scripts/install.sh`.")
+    return report
 
 
 @pytest.fixture(autouse=True)

@@ -50,6 +50,7 @@ from typing_extensions import override
 
 import lightning_hbm
 from lightning_hbm._compat import _PRECISION_INPUT_STR, _RICH_AVAILABLE
+from lightning_hbm.cli import _DESCRIPTION, _EXTRA_SUBCOMMANDS  # shared with the fast top-level --help
 from lightning_hbm.memory.report import find_report, render_report
 from lightning_hbm.memory.storage import parameter_bytes, parameter_count
 from lightning_hbm.naming import did_you_mean
@@ -62,13 +63,6 @@ from lightning_hbm.surgery import SurgeryCallback
 
 # Every value Lightning's Trainer accepts for ``precision`` (ints, their string forms, the long names).
 LIGHTNING_PRECISIONS: tuple[Union[int, str], ...] = (*get_args(_PRECISION_INPUT_STR), "bf16", "64", "32", "16", 64, 32, 16)
-
-_DESCRIPTION = (
-    "lightning_hbm: Lightning's CLI with quantized precisions (--trainer.precision nf4-dq) and short class names "
-    "for lightning_hbm's callbacks. Subcommands: fit, validate, test, predict; also `lightning-hbm plan` (same "
-    "options plus --budget 24GiB: predict the memory of each configuration) and `lightning-hbm report RUN_DIR` "
-    "(re-render a finished run's HBMProfiler report)."
-)
 
 _PACKAGE_DIR = Path(lightning_hbm.__file__).resolve().parent
 
@@ -385,12 +379,6 @@ class HBMCLI(LightningCLI):
         for name, description in _EXTRA_SUBCOMMANDS.items():
             sub = LightningArgumentParser(description=f"{description} See `lightning-hbm {name} --help`.")
             parser._subcommands_action.add_subcommand(name, sub, help=description)
-
-
-_EXTRA_SUBCOMMANDS = {
-    "plan": "Predict each configuration's memory for this model and batch, without training (--budget 24GiB).",
-    "report": "Re-render a finished run's HBMProfiler report (summary, CSV, JSON, PNG): `report RUN_DIR`.",
-}
 
 
 def _instantiate(value: Any) -> Any:
