@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import io
+import subprocess
+import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Callable
@@ -15,9 +17,17 @@ from lightning.pytorch.trainer.connectors import callback_connector
 from lightning_hbm import ActivationCheckpointing, HBMProfiler, LoRA, QuantizedPrecision
 
 
-def test_no_callbacks_factory_entry_point() -> None:
+def test_the_callbacks_factory_entry_point_gives_only_plugin_alone_trainers_a_callback(trainer_factory: Callable) -> None:
+    """QuantizedPrecision alone gets ``PluginAttach`` (its checkpoint checks run before Lightning restores); a plain
+    Trainer or one that has a lightning_hbm callback gets nothing, and a plain one never imports the surgery."""
     names = [ep.value for ep in entry_points(group="lightning.pytorch.callbacks_factory")]
-    assert not any(value.startswith("lightning_hbm") for value in names), names
+    assert [v for v in names if v.startswith("lightning_hbm")] == ["lightning_hbm._factory:plugin_callbacks"], names
+    kinds = lambda trainer: [type(cb).__name__ for cb in trainer.callbacks]  # noqa: E731
+    assert "PluginAttach" not in kinds(trainer_factory())
+    assert kinds(trainer_factory(plugins=[QuantizedPrecision("nf4-dq")])).count("PluginAttach") == 1
+    assert "PluginAttach" not in kinds(trainer_factory(plugins=[QuantizedPrecision("nf4-dq")], callbacks=[LoRA()]))
+    code = "import sys, lightning.pytorch as pl; pl.Trainer(logger=False); print('lightning_hbm.surgery' in sys.modules)"
+    assert subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
 def test_a_plain_trainer_has_the_callbacks_lightning_gives_it(trainer_factory: Callable, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,7 +38,7 @@ LEVELS = {
     "callbacks": 4,
     "strategies": 5,
     "planner": 6,
-    "cli": 7, "planner.__main__": 7, "": 7,
+    "cli": 7, "planner.__main__": 7, "": 7, "_factory": 7,
 }
 
 # Imports allowed inside functions: optional dependencies (extras in pyproject.toml, or only needed by one

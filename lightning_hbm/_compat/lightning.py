@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -14,6 +15,7 @@ from lightning.pytorch.core.optimizer import (  # planner
     _configure_optimizers,
     _configure_schedulers_automatic_opt,
 )
+from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector  # trainer_being_built
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 
@@ -40,6 +42,22 @@ def loaded_checkpoint(trainer: Optional[Any]) -> Optional[dict[str, Any]]:
 def batches_that_stepped(trainer: Any) -> int:
     """The step Lightning's own ``self.log`` passes to the loggers (``trainer.global_step`` counts optimizer steps)."""
     return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def trainer_being_built() -> Optional[Any]:
+    """The Trainer whose ``__init__`` is calling the ``lightning.pytorch.callbacks_factory`` entry points, or ``None``.
+
+    Lightning calls those factories without arguments (``_CallbackConnector.on_trainer_init`` ->
+    ``_load_external_callbacks``), after the accelerator connector has set the strategy and its precision plugin:
+    the connector on the call stack is the only way to see which Trainer asks.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, _CallbackConnector):
+            return candidate.trainer
+        frame = frame.f_back
+    return None
 
 
 def train_dataloader(trainer: Any) -> Any:

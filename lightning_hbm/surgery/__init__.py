@@ -486,6 +486,33 @@ def install(trainer: pl.Trainer) -> None:
         add_resume_hooks(trainer.lightning_module)
 
 
+class PluginAttach(Callback):
+    """What a Trainer whose precision plugin is lightning_hbm's gets when it has no lightning_hbm callback.
+
+    Lightning restores a checkpoint into the model before it calls the precision plugin for the first time
+    (``convert_module``), so a plugin alone cannot check a file before the model holds its tensors. This callback
+    (added by :func:`plugin_callbacks`, lightning_hbm's ``lightning.pytorch.callbacks_factory`` entry point) installs
+    the checks in ``setup``, as every :class:`SurgeryCallback` does: the checked checkpoint IO and the load hooks. It
+    changes nothing else; Trainers with any other plugin never get it.
+    """
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        install(trainer)
+
+
+def plugin_callbacks() -> list[Callback]:
+    """The ``lightning.pytorch.callbacks_factory`` entry point: ``[PluginAttach()]`` for a Trainer being built with a
+    lightning_hbm precision plugin and no lightning_hbm callback, ``[]`` for every other Trainer."""
+    trainer = lightning_compat.trainer_being_built()
+    if trainer is None:
+        return []
+    plugin = trainer.strategy.precision_plugin
+    if not getattr(plugin, "runs_surgery", False) or any(isinstance(cb, (SurgeryCallback, PluginAttach)) for cb in trainer.callbacks):
+        return []
+    return [PluginAttach()]
+
+
 def check_saves(trainer: pl.Trainer) -> resume.CheckedCheckpointIO:
     """Wrap the strategy's checkpoint IO (once) in :class:`~lightning_hbm.resume.CheckedCheckpointIO`: atomic saves,
     clear errors for damaged files. Called by :func:`install` and by every surgery in a Trainer, so a run with
