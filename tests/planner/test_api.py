@@ -449,7 +449,7 @@ def test_plan_takes_the_trainers_own_plugin_and_callbacks() -> None:
     assert len(as_set) == 1 and as_set[0].candidate.name == "nf4-dq+lora4+ac-full+fused-loss (as configured)"
     grid = predict(factory, batch, Candidate("nf4-dq", dtype="float32", lora_r=4, checkpointing="full", fused_loss=True))
     assert as_set[0].categories == grid.categories and as_set[0].loss == grid.loss > 0
-    assert not hasattr(lora, "applied_targets") or not lora.applied_targets  # copies are traced: the user's are untouched
+    assert lora.adapted_modules == []  # copies are traced: the user's instance adapted nothing (it could not fail before)
     # options a Candidate cannot say: the MLPs left in fp32 (ignore_modules), no adapter on them (exclude_modules)
     mlps = [f"model.model.layers.{i}.mlp" for i in range(2)]
     kept = plan(factory, batch, plugin=QuantizedPrecision("nf4-dq", dtype="float32", ignore_modules=mlps),
