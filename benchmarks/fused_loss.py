@@ -4,8 +4,8 @@
     python benchmarks/fused_loss.py --planner      # Llama-3.1-8B shape, batch 2 x 2048, QLoRA r=16 + full AC (~5 min CPU)
     python benchmarks/fused_loss.py --chunks       # the loss alone: [1024 x 768] hidden, nf4 head, 32k vocab, per chunk size
     python benchmarks/fused_loss.py --bart         # BART (final_logits_bias), 50265 vocab, d_model 64, batch 2 x 512, fp32
-    python benchmarks/fused_loss.py --large-vocab --dtypes bfloat16 --sizes 256w 96w 0 256  # 128k vocab, hidden 256,
-                                 # batch 1 x 1024: peak vs floor and step time vs the first rule, per chunk rule
+    python benchmarks/fused_loss.py --large-vocab --dtypes bfloat16 --sizes u 0 256  # 128k vocab, hidden 256,
+                                 # batch 1 x 1024: peak vs floor and step time vs the unfused loss (u), per chunk rule
 
 ``--memtracker``: the step's peak by torch's own ``MemTracker`` (not lightning_hbm's profiler) and the step-time
 ratio (CPU time of this process, median of interleaved rounds), fused vs unfused, in float32 and bfloat16 compute.
@@ -18,6 +18,7 @@ fake tensors like any other code), with the head quantized (lightning_hbm's defa
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -103,11 +104,13 @@ def chunks(rounds: int = 3) -> None:
         f"{'unfused' if c == 0 else f'{c}-token chunks'} {statistics.median(times[c][1:]) / ref:.2f}" for c in sizes))
 
 
-def large_vocab(dtype: str = "float32", rounds: int = 3, sizes: tuple = ("256w", "0")) -> None:
+def large_vocab(dtype: str = "float32", rounds: int = 3, sizes: tuple = ("u", "0"), vocab: int = 128256) -> None:
     """A 128k vocabulary (Llama-3's): the step's MemTracker peak against the analytic QLoRA floor, per chunk rule
-    (``0``: the default, :func:`chunk_tokens`; else a fixed ``chunk_size``; a ``w`` suffix softmaxes each chunk
-    whole in one fp32 copy, as before ``SOFTMAX_BYTES``: ``256w`` is the former default), and each rule's step time
-    over the first rule's, in one process (interleaved rounds, median of CPU time).
+    (``u``: no FusedLoss, the unfused loss of HF's recipe: full logits, ``.float()``, aten cross-entropy; ``0``: the
+    default, :func:`chunk_tokens`; else a fixed ``chunk_size``; a ``w`` suffix softmaxes each chunk whole in one fp32
+    copy, as before ``SOFTMAX_BYTES``), and each rule's step time over the first rule's (put ``u`` first: time is
+    reported against the unfused loss), in one process (interleaved rounds, median of CPU time). ``vocab`` other
+    than 128256 runs the same model at that vocabulary (32000: the 32k row).
 
     On a CPU without AVX512-BF16 a bf16 [96 x 256] x [256 x 128256] matmul took 66x the fp32 one (the dev machine of
     Nov 30): use ``--dtypes float32`` there. MemTracker runs once per rule (it adds ~1.8x to the step)."""
@@ -116,12 +119,13 @@ def large_vocab(dtype: str = "float32", rounds: int = 3, sizes: tuple = ("256w",
 
     import lightning_hbm.callbacks.fused_loss.cost as cost
 
-    config = dict(vocab_size=128256, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+    config = dict(vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=1024)
     batch = synthetic_batch(1, 1024, vocab_size=config["vocab_size"])
     compute = getattr(torch, dtype)
     whole = {rule: rule.endswith("w") for rule in sizes}  # the chunk softmaxed in one fp32 copy
-    rules = {rule: cost.chunk_tokens(1024, config["vocab_size"], compute, int(rule.rstrip("w")) or None) for rule in sizes}
+    rules = {rule: 1024 if rule == "u" else cost.chunk_tokens(1024, config["vocab_size"], compute, int(rule.rstrip("w")) or None)
+             for rule in sizes}
     models, optims = {}, {}
     for rule in rules:
         torch.manual_seed(0)
@@ -130,7 +134,8 @@ def large_vocab(dtype: str = "float32", rounds: int = 3, sizes: tuple = ("256w",
         model.to(compute)  # the embedding, head and norms in the compute dtype, as QuantizedPrecision does
         LoRA(r=8).transform_model(model)
         ActivationCheckpointing().transform_model(model)
-        FusedLoss(chunk_size=int(rule.rstrip("w")) or None).transform_model(model)
+        if rule != "u":
+            FusedLoss(chunk_size=int(rule.rstrip("w")) or None).transform_model(model)
         models[rule], optims[rule] = model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
 
     default_softmax = cost.SOFTMAX_BYTES
@@ -144,6 +149,7 @@ def large_vocab(dtype: str = "float32", rounds: int = 3, sizes: tuple = ("256w",
     for rule in rules:
         step(rule)  # warm-up: optimizer states exist
     peaks = {rule: torch_peak_bytes(partial(step, rule), models[rule], optims[rule]) for rule in rules}
+    load_before = os.getloadavg()
     times: dict[str, list[float]] = {rule: [] for rule in rules}
     for _ in range(rounds):
         for rule in rules:
@@ -152,10 +158,12 @@ def large_vocab(dtype: str = "float32", rounds: int = 3, sizes: tuple = ("256w",
             times[rule].append(time.process_time() - start)
     floor = analytic_qlora_floor(config, 1, 1024, 8, itemsize=compute.itemsize)
     ref = statistics.median(times[sizes[0]])
-    print(f"128k vocabulary, hidden 256, 2 layers, batch 1 x 1024, nf4-dq ({dtype} compute) + LoRA r=8 + full AC + "
-          f"FusedLoss; analytic floor {floor / 2**20:.1f} MiB; CPU time, median of {rounds} interleaved rounds")
+    print(f"{vocab} vocabulary, hidden 256, 2 layers, batch 1 x 1024, nf4-dq ({dtype} compute) + LoRA r=8 + full AC + "
+          f"FusedLoss; analytic floor {floor / 2**20:.1f} MiB; CPU time, median of {rounds} interleaved rounds; load "
+          f"average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
     for rule, tokens in rules.items():
-        name = ("default (chunk_tokens)" if rule == "0" else f"chunk_size={rule.rstrip('w')}") + (", whole fp32 copy" if whole[rule] else "")
+        name = ("unfused (full logits, aten cross-entropy)" if rule == "u" else "default (chunk_tokens)" if rule == "0"
+                else f"chunk_size={rule.rstrip('w')}") + (", whole fp32 copy" if whole[rule] else "")
         print(f"| {name} | {tokens} | {peaks[rule] / 2**20:.1f} MiB | {peaks[rule] / floor:.2f}x | "
               f"{statistics.median(times[rule]):.2f} s | {statistics.median(times[rule]) / ref:.2f} |", flush=True)
 
@@ -232,8 +240,9 @@ def main() -> None:
     parser.add_argument("--large-vocab", action="store_true")
     parser.add_argument("--bart", action="store_true")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--sizes", nargs="+", default=["256w", "0"],
-                        help="--large-vocab chunk sizes (0: the default rule; suffix w: one whole fp32 copy per chunk)")
+    parser.add_argument("--sizes", nargs="+", default=["u", "0"],
+                        help="--large-vocab chunk sizes (u: unfused; 0: the default rule; suffix w: one whole fp32 copy per chunk)")
+    parser.add_argument("--vocab", type=int, default=128256, help="--large-vocab vocabulary size")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if args.memtracker:
@@ -244,7 +253,8 @@ def main() -> None:
     if args.bart:
         bart(args.rounds)
     if args.large_vocab:
-        large_vocab(args.dtypes[0] if args.dtypes != ["float32", "bfloat16"] else "float32", args.rounds, tuple(args.sizes))
+        for dtype in args.dtypes:
+            large_vocab(dtype, args.rounds, tuple(args.sizes), args.vocab)
     if args.planner:
         planner()
 

@@ -60,12 +60,18 @@ def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Seq
         # bf16 logits are softmaxed a few fp32 rows at a time (cost.softmax_rows), fp32 ones whole and in place
         narrow = spec.out_dtype if spec.out_dtype.itemsize < detached.dtype.itemsize else detached.dtype
         rows = softmax_rows(detached.shape[1], narrow) or detached.shape[0]
+        rows = min(rows, detached.shape[0])
+        in_place = detached.dtype == narrow == torch.float32
+        # the fp32 rows of a narrower chunk, one buffer for all its blocks (was a fresh copy, and its page faults, each)
+        buf = None if in_place else torch.empty(rows, detached.shape[1], dtype=torch.float32, device=detached.device)
         for r0 in range(0, detached.shape[0], rows):
             r1 = min(detached.shape[0], r0 + rows)
             scale = None
             if want_grad:
                 scale = row_scale[start + r0:start + r1] if row_scale.ndim else row_scale
-            losses[start + r0:start + r1] = _rows_loss(spec, detached[r0:r1], target[start + r0:start + r1], scale)
+            losses[start + r0:start + r1] = _rows_loss(spec, detached[r0:r1], target[start + r0:start + r1], scale,
+                                                       None if buf is None else buf[:r1 - r0])
+        del buf  # not beside the backward matmul's output: the peak stays the softmax's
         if not want_grad:
             continue
         inputs = ([h] if need[0] else []) + [p for p, nd in zip(params, need[1:]) if nd]
@@ -80,37 +86,37 @@ def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Seq
                 acc += grads.pop(0)
 
 
-def _rows_loss(spec: _Spec, block: torch.Tensor, target: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+def _rows_loss(spec: _Spec, block: torch.Tensor, target: torch.Tensor, scale: Optional[torch.Tensor],
+               buf: Optional[torch.Tensor]) -> torch.Tensor:
     """Per-token fp32 losses of the logit rows ``block``; with ``scale``, the gradient of ``sum(scale * loss)``
-    overwrites ``block``. Only ``block`` and (when it is narrower than fp32) one fp32 copy of it are alive."""
+    overwrites ``block``. Its small tensors are per block, as before: per chunk they were a few KB more at the peak.
+
+    fp32 logits are worked on in place; others through ``buf`` (fp32, ``block``'s shape): only ``block`` and one fp32
+    copy of it are alive. aten's ``log_softmax`` is one pass-fused kernel where max/sub/exp/sum/log were five ops.
+    """
     eps = spec.label_smoothing
-    z = block
-    if spec.out_dtype.itemsize < z.dtype.itemsize:
-        z = z.to(spec.out_dtype)  # the rounding the user's cast would do
-    z = z.float()
-    in_place = z is block  # fp32 logits: z is their storage (identity, not data_ptr: fake tensors have none)
     valid = target != spec.ignore_index
     t_safe = torch.where(valid, target, 0).unsqueeze(1)
-    z_target = z.gather(1, t_safe).squeeze(1)
-    z_mean = z.mean(dim=1) if eps else None
-    # log-sum-exp and softmax in place in z
-    z_max = z.amax(dim=1, keepdim=True)
-    probs = z.sub_(z_max).exp_()
-    z_sum = probs.sum(dim=1, keepdim=True)
-    lse = (z_max + z_sum.log()).squeeze(1)
-    loss = lse - z_target
+    if buf is None:
+        z = block
+    else:
+        # the rounding the user's cast would do, then the upcast in one copy into the reused buffer
+        z = buf.copy_(block.to(spec.out_dtype) if spec.out_dtype.itemsize < block.dtype.itemsize else block)
+    # in place (out= its input): the CPU kernel reads each row before writing it; HF's unfused loss runs the same kernel
+    logp = torch.log_softmax(z, 1, out=z)
+    loss = logp.gather(1, t_safe).squeeze(1).neg_()  # lse - z_target
     if eps:
-        loss = (1 - eps) * loss + eps * (lse - z_mean)
+        loss = (1 - eps) * loss - eps * logp.mean(dim=1)  # lse - mean(z) = -mean(logp)
     loss = torch.where(valid, loss, 0.0)
     if scale is None:
         return loss
     # d loss / d z = softmax(z) - (1 - eps) * onehot(t) - eps / V, zero on ignored rows
-    grad_z = probs.div_(z_sum)
+    grad_z = logp.exp_()
     if eps:
         grad_z.sub_(eps / z.shape[1])
     grad_z.scatter_add_(1, t_safe, torch.full_like(t_safe, eps - 1, dtype=grad_z.dtype))
     grad_z.mul_((valid * scale).unsqueeze(1).to(grad_z.dtype))
-    if not in_place:
+    if z is not block:
         block.copy_(grad_z)  # bf16 logits: the gradient goes into their storage, rounded as autograd's cast would
     return loss
 
