@@ -2,7 +2,7 @@
 
 python benchmarks/fused_loss_softcap.py  (CPU, ~1 min; see benchmarks/README.md)
 """
-import torch, copy, logging, time
+import torch, logging
 logging.basicConfig(level=logging.INFO)  # shows FusedLoss's soft-capping line
 from transformers import Gemma2Config, Gemma2ForCausalLM
 from lightning_hbm import FusedLoss, LoRA, quantize_model, ActivationCheckpointing

@@ -312,23 +312,23 @@ def test_help_lists_plan_and_report_without_lightning_warnings(capsys: pytest.Ca
 
 
 def test_console_callbacks_are_quiet(tmp_path: Path) -> None:
-    from lightning_hbm.cli import _QuietModelSummary, _QuietProgressBar
+    from lightning_hbm.display import HBMRichModelSummary, HBMRichProgressBar
 
     cli = _cli(tmp_path, "--trainer.max_steps=3")
-    bar = next(c for c in cli.trainer.callbacks if isinstance(c, _QuietProgressBar))
+    bar = next(c for c in cli.trainer.callbacks if isinstance(c, HBMRichProgressBar))
     bar._trainer = cli.trainer  # what Lightning's ProgressBar.setup does
     cli.trainer.fit_loop.max_epochs = -1  # what Trainer.fit sets when max_steps alone bounds the run
     assert bar._get_train_description(0).strip() == "Epoch 0"  # not "Epoch 0/-2": max_steps bounds the run
-    assert any(isinstance(c, _QuietModelSummary) for c in cli.trainer.callbacks)
+    assert any(isinstance(c, HBMRichModelSummary) for c in cli.trainer.callbacks)
     quiet = _cli(tmp_path, "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false")
-    assert not any(isinstance(c, (_QuietModelSummary, _QuietProgressBar)) for c in quiet.trainer.callbacks)
+    assert not any(isinstance(c, (HBMRichModelSummary, HBMRichProgressBar)) for c in quiet.trainer.callbacks)
 
 
 def test_model_summary_without_flops_hides_them(capsys: pytest.CaptureFixture) -> None:
-    from lightning_hbm.cli import _QuietModelSummary
+    from lightning_hbm.display import HBMRichModelSummary
 
     data = [(" ", ["0"]), ("Name", ["model"]), ("Type", ["Linear"]), ("Params", ["1.0 K"]), ("Mode", ["train"]), ("FLOPs", ["0"])]
-    _QuietModelSummary.summarize(data, 1000, 10, 0.004, {"train": 1, "eval": 0}, total_flops=0)
+    HBMRichModelSummary.summarize(data, 1000, 10, 0.004, {"train": 1, "eval": 0}, total_flops=0)
     out = capsys.readouterr().out
     assert "FLOPs" not in out and "Linear" in out and "10 trainable, 990 frozen, 1.0 K total" in out
 
@@ -343,14 +343,14 @@ def test_name_list_puts_short_names_first() -> None:
 
 
 def test_model_summary_counts_4bit_weights_unpacked(llama_factory: Any) -> None:
-    from lightning_hbm.cli import _LogicalSummary
+    from lightning_hbm.display import LogicalSummary
     from lightning_hbm.memory.storage import parameter_bytes
 
     model = llama_factory()
     logical = sum(p.numel() for p in model.parameters())
     lightning_hbm.quantize_model(model, "nf4-dq", dtype="float32", device="cpu")
     assert sum(p.numel() for p in model.parameters()) < logical  # what Lightning's own summary counts: packed
-    summary = _LogicalSummary(model, max_depth=1)
+    summary = LogicalSummary(model, max_depth=1)
     assert summary.total_parameters == logical
     assert summary.trainable_parameters == sum(p.numel() for p in model.parameters() if p.requires_grad)  # not 4-bit
     assert sum(summary.param_nums) == logical

@@ -3,7 +3,8 @@
 Levels, bottom to top; a module imports only from its own level or lower ones:
 
 0. base: ``_compat`` (libraries' internals, one module per library), ``memory``, ``naming``, ``requirements``, ``quiet``, ``data``, ``probe`` (probe a model on a batch,
-   shared by the precision choices and ``QuantizationQuality``), ``resume`` (checkpoint format; the surgery
+   shared by the precision choices and ``QuantizationQuality``), ``display`` (the progress bar and model summary
+   the surgery spine swaps in), ``resume`` (checkpoint format; the surgery
    spine hands it ``pack_checkpoint`` instead of being imported)
 1. layer kinds: ``layers`` (a package: ``base`` and one module per kind), ``models``
 2. the surgery spine: ``surgery``
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # longest dotted prefix (relative to the package) wins; "" is the package's own __init__
 LEVELS = {
     "_compat": 0, "_validate": 0, "memory": 0, "naming": 0, "requirements": 0, "quiet": 0, "data": 0, "probe": 0,
-    "pretrained": 0,
+    "pretrained": 0, "display": 0,
     "layers": 1, "resume": 1, "models": 1,
     "surgery": 2,
     "precision": 3,

@@ -16,6 +16,7 @@ from lightning.pytorch.core.optimizer import (  # planner
     _configure_schedulers_automatic_opt,
 )
 from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector  # trainer_being_built
+from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table  # display
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 
@@ -42,6 +43,14 @@ def loaded_checkpoint(trainer: Optional[Any]) -> Optional[dict[str, Any]]:
 def batches_that_stepped(trainer: Any) -> int:
     """The step Lightning's own ``self.log`` passes to the loggers (``trainer.global_step`` counts optimizer steps)."""
     return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def format_summary_table(
+    total_parameters: int, trainable_parameters: int, model_size: float, modes: dict[str, int], columns: list[Any]
+) -> str:
+    """Lightning's text model summary (``ModelSummary.summarize`` formats it inline), without its "Total Flops" line."""
+    lines = _format_summary_table(total_parameters, trainable_parameters, model_size, modes, 0, *columns).splitlines()
+    return "\n".join(lines[:-1] if lines and lines[-1].endswith("Total Flops") else lines)
 
 
 def trainer_being_built() -> Optional[Any]:

@@ -39,20 +39,17 @@ import torch
 import yaml  # jsonargparse's own dependency
 from jsonargparse import ArgumentParser
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary, RichProgressBar
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy
-from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as SummaryTable
-from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 from typing_extensions import override
 
 import lightning_hbm
-from lightning_hbm._compat import _PRECISION_INPUT_STR, _RICH_AVAILABLE
+from lightning_hbm._compat import _PRECISION_INPUT_STR
 from lightning_hbm.cli import _DESCRIPTION, _EXTRA_SUBCOMMANDS  # shared with the fast top-level --help
-from lightning_hbm.memory.report import find_report, render_report
-from lightning_hbm.memory.storage import parameter_bytes, parameter_count
+from lightning_hbm.display import default_model_summary, default_progress_bar
+from lightning_hbm.memory.report import render_report
 from lightning_hbm.naming import did_you_mean
 from lightning_hbm.planner import Candidate, default_candidates
 from lightning_hbm.planner.candidates import PLANNED_LIGHTNING_PRECISIONS
@@ -356,9 +353,9 @@ class HBMCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """Lightning's trainer, with a lightning_hbm precision name turned into its plugin.
 
-        Lightning's default rich progress bar and model summary are replaced by quieter ones (no
-        "Epoch 0/-2" when only ``max_steps`` is set, no FLOPs column and "Total FLOPs: 0" when
-        FLOPs were not measured); a progress bar or model summary you configure is kept as it is.
+        Lightning's default progress bar and model summary are replaced by :mod:`lightning_hbm.display`'s (no
+        "Epoch 0/-2" when only ``max_steps`` is set, a resumed bar's right total, 4-bit weights counted
+        unpacked, no FLOPs column of zeros); a progress bar or model summary you configure is kept as it is.
         """
         config = self._get(self.config_init, "trainer")
         if self._quantized_precision is not None:
@@ -367,7 +364,7 @@ class HBMCLI(LightningCLI):
         quiet = _quiet_console_callbacks(config)
         if quiet:
             kwargs["callbacks"] = [*_as_list(config.get("callbacks")), *quiet]
-        if any(isinstance(c, _QuietModelSummary) for c in quiet):
+        if any(isinstance(c, ModelSummary) for c in quiet):
             # the callback runs either way; the flag only stops Lightning from adding (and announcing) its own
             kwargs["enable_model_summary"] = False
         return super().instantiate_trainer(**kwargs)
@@ -396,100 +393,15 @@ def _as_list(value: Any) -> list[Any]:
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-class _QuietProgressBar(RichProgressBar):
-    """Lightning's rich progress bar, without "Epoch 0/-2" when the run is bounded by ``max_steps`` only."""
-
-    @override
-    def _get_train_description(self, current_epoch: int) -> str:
-        if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:  # max_steps bounds the run
-            return f"Epoch {current_epoch}".ljust(len(self.validation_description))
-        return super()._get_train_description(current_epoch)
-
-
-class _LogicalSummary(SummaryTable):
-    """Lightning's model summary, counting parameters the way lightning_hbm does.
-
-    Lightning counts ``numel()``: a bitsandbytes 4-bit weight packs two values per uint8 element, so a
-    139.4M-parameter QLoRA model showed 86.3M. Counts here are logical (:func:`parameter_count`), and the
-    size is the bytes the parameters really take (:func:`parameter_bytes`, quantization constants included).
-    """
-
-    @property
-    @override
-    def param_nums(self) -> list[int]:
-        return [parameter_count(layer._module) for layer in self._layer_summary.values()]
-
-    @property
-    @override
-    def total_parameters(self) -> int:
-        return parameter_count(self._model)
-
-    @property
-    @override
-    def trainable_parameters(self) -> int:
-        return parameter_count(self._model, trainable=True)
-
-    @property
-    @override
-    def model_size(self) -> float:
-        return parameter_bytes(self._model) / 1e6  # MB, as Lightning's estimate is given
-
-
-class _QuietModelSummary(RichModelSummary):
-    """Lightning's rich model summary with honest parameter counts (:class:`_LogicalSummary`), and without a
-    FLOPs column and "Total FLOPs: 0" when FLOPs were not measured.
-
-    Lightning counts FLOPs only for a model with an ``example_input_array``; otherwise it prints zeros.
-    """
-
-    @override
-    def _summary(self, trainer: Trainer, pl_module: Any) -> Any:
-        if isinstance(trainer.strategy, DeepSpeedStrategy) and trainer.strategy.zero_stage_3:
-            return super()._summary(trainer, pl_module)
-        return _LogicalSummary(pl_module, max_depth=self._max_depth)
-
-    @staticmethod
-    @override
-    def summarize(
-        summary_data: list[tuple[str, list[str]]],
-        total_parameters: int,
-        trainable_parameters: int,
-        model_size: float,
-        total_training_modes: dict[str, int],
-        total_flops: int,
-        **summarize_kwargs: Any,
-    ) -> None:
-        args = (total_parameters, trainable_parameters, model_size, total_training_modes, total_flops)
-        if total_flops:
-            return RichModelSummary.summarize(summary_data, *args, **summarize_kwargs)
-        from rich import get_console
-        from rich.table import Table
-
-        columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
-        table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
-        for name, _ in columns:
-            table.add_column(name, justify="right" if name.startswith("Params") else "left", no_wrap=name == "Name")
-        for row in zip(*(values for _, values in columns)):
-            table.add_row(*map(str, row))
-        console = get_console()
-        console.print(table)
-        counts = (trainable_parameters, total_parameters - trainable_parameters, total_parameters)
-        trainable, frozen, total = (get_human_readable_count(int(n)).strip() for n in counts)
-        size = get_formatted_model_size(model_size)
-        console.print(f"Params: {trainable} trainable, {frozen} frozen, {total} total (4-bit weights counted unpacked); "
-                      f"stored in {size} MB", highlight=False)  # fmt: skip
-
-
 def _quiet_console_callbacks(config: dict[str, Any]) -> list[Any]:
-    """The quiet progress bar / model summary to add, where Lightning would add its rich defaults."""
-    if not _RICH_AVAILABLE:
-        return []
+    """lightning_hbm's progress bar / model summary (:mod:`lightning_hbm.display`), where Lightning would add its own
+    defaults: a CLI run without any lightning_hbm plugin or callback gets them too."""
     callbacks = _as_list(config.get("callbacks"))
     quiet: list[Any] = []
     if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-        quiet.append(_QuietProgressBar())
+        quiet.append(default_progress_bar())
     if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in callbacks):
-        quiet.append(_QuietModelSummary())
+        quiet.append(default_model_summary())
     return quiet
 
 

@@ -17,7 +17,6 @@ import math
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm.layers.base import LayerKind, itself, register_kind

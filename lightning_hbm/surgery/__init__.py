@@ -61,6 +61,7 @@ from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.data import MidEpochResumeCheck
+from lightning_hbm.display import adopt_display
 from lightning_hbm.layers import base_layer, find_layers, is_adapted, readers, source_readers, stored_in
 from lightning_hbm.memory.storage import quantized_format
 from lightning_hbm.surgery.ranks import check_ranks
@@ -475,7 +476,10 @@ def install(trainer: pl.Trainer) -> None:
     Called by every :class:`SurgeryCallback` (and ``AutoFit``) in ``Callback.setup``, which runs
     before Lightning restores weights. A plugin instance reused by a second Trainer follows the latest
     Trainer. The strategy's checkpoint IO is wrapped (:func:`check_saves`): atomic saves, clear load errors.
+    Lightning's stock progress bar and model summary become lightning_hbm's (:func:`~lightning_hbm.display.adopt_display`:
+    4-bit weights counted unpacked, the right totals under ``max_steps``); they print after ``setup``.
     """
+    adopt_display(trainer)
     plugin = trainer.strategy.precision_plugin
     _state(plugin, trainer)
     if not getattr(plugin, "runs_surgery", False) and not isinstance(lightning_compat.plugin_hook_override(plugin, "convert_module"), _SpineConvert):

@@ -114,3 +114,11 @@ def test_detached_copy_leaves_the_trainer_behind(
     with compat.detached(model):
         copied = copy.deepcopy(model)
     assert compat.attached_trainer(copied) is None and compat.attached_trainer(model) is trainer
+
+
+def test_format_summary_table_is_lightnings_text_summary_without_its_flops_line() -> None:
+    columns = [(" ", ["0"]), ("Name", ["layer"]), ("Type", ["Linear"]), ("Params", ["1.0 K"]), ("Mode", ["train"])]
+    table = compat.format_summary_table(1000, 10, 0.004, {"train": 1, "eval": 0}, columns)
+    lines = table.splitlines()
+    assert "| Name" in lines[0] and "Linear" in lines[2] and lines[-3].startswith("0.004") and "model params size (MB)" in lines[-3]
+    assert lines[-1].endswith("Modules in eval mode") and "Flops" not in table  # the last line Lightning writes is dropped

@@ -59,7 +59,7 @@ def test_blocks_spanning_two_rows_and_odd_sizes_are_rounded_in_place() -> None:
     # 63 inputs: bitsandbytes' blocks of 64 run over the flattened weight, across rows; 315 weights: odd
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(63, 5), nn.GELU(), nn.Linear(5, 3))
-    probe, held_out = torch.randn(64, 63), torch.randn(64, 63)
+    probe = torch.randn(64, 63)
     hessians = input_hessians(reference, ["0", "2"], probe)
     errors = {}
     for rounding in ("nearest", "gptq"):

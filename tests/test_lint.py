@@ -1,0 +1,19 @@
+"""ruff's pyflakes rules (``[tool.ruff.lint]`` in pyproject.toml) over the package, the tests, benchmarks and examples:
+an unused import or variable, or a name that does not exist (a call that would raise ``NameError`` only on its path)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ruff_finds_nothing() -> None:
+    # ruff is in the dev extra: a missing ruff is a failure here, not a skip
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "lightning_hbm", "tests", "benchmarks", "examples"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
