@@ -758,7 +758,8 @@ def clean_partials(folder: Path) -> list[Path]:
     return removed
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """Make a rename inside ``folder`` survive a power cut (checkpoints here, adapter folders in ``LoRA.save_adapter``)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -802,7 +803,7 @@ def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
             getattr(cause, "errno", None) or 0,
             f"Could not save checkpoint {path} ({cause}); {previous}. Free space on that disk or save elsewhere.",
         ) from err
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _chain(err: BaseException) -> Iterator[BaseException]:

@@ -132,27 +132,13 @@ def _warn_unsaved_heads(hf_model: nn.Module, saved: set[str], adapted: list[str]
         )
 
 
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename inside ``folder`` survive a power cut (no directory handles on Windows: skipped)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(folder: Path) -> None:
     for item in folder.rglob("*"):
         if item.is_file():
             with open(item, "rb") as file:
                 os.fsync(file.fileno())
     for sub in [folder, *(d for d in folder.rglob("*") if d.is_dir())]:
-        _fsync_dir(sub)
+        resume.fsync_dir(sub)
 
 
 def write_folder(path: Path, write: Callable[[Path], Any]) -> None:
@@ -178,7 +164,7 @@ def write_folder(path: Path, write: Callable[[Path], Any]) -> None:
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
             os.replace(path, old / path.name)  # the previous adapter, kept until the new one is in place
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        resume.fsync_dir(path.parent)
     except BaseException as err:
         if old is not None and (old / path.name).exists() and not path.exists():
             os.replace(old / path.name, path)
