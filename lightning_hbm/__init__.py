@@ -63,6 +63,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
 def __getattr__(name: str) -> Any:
     """A public name imported from its module on first use; a subpackage (``lightning_hbm.precision``) likewise."""
     if name in _EXPORTS:
+        # the first public name read also registers the strategy names ("fsdp_qlora", "cpu_offload", ...) in
+        # Lightning's StrategyRegistry, as importing this package did: Trainer(strategy="fsdp_qlora") keeps working
+        importlib.import_module("lightning_hbm.strategies")
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value  # later reads skip this function
         return value

@@ -319,8 +319,10 @@ class QuantizedPrecision(Precision):
 
     def _saved_plan(self, trainer: Any) -> Optional[dict[str, str]]:
         """The plan in the checkpoint being resumed, if it was saved with this plugin's settings."""
+        if trainer is None:
+            return None
         saved = self._saved_meta(trainer).get("configs", {}).get(type(self).__qualname__) or {}
-        config = self.resume_config()
+        config = self._settings()
         if any(saved.get(key) != value for key, value in config.items()):
             return None  # other settings: measure, and the resume check lists every difference
         return saved.get("layer_modes")
@@ -330,6 +332,17 @@ class QuantizedPrecision(Precision):
 
     def resume_config(self) -> dict[str, Any]:
         """What a resumed run must share with the run that saved the checkpoint."""
+        config = self._settings()
+        plan = self.plan
+        if plan is None and "max_bytes_per_param" in config:
+            # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same
+            # settings the plan will be the checkpoint's own (_choose_plan), so that one is this run's
+            plan = self._saved_plan(plugin_trainer(self))
+        if plan is not None:
+            config["layer_modes"] = dict(plan)
+        return config
+
+    def _settings(self) -> dict[str, Any]:
         config = {
             "mode": self.mode.name,
             "dtype": str(self.dtype),
@@ -339,7 +352,7 @@ class QuantizedPrecision(Precision):
         targets = {"max_bytes_per_param": self.max_bytes_per_param, "min_cosine": self.min_cosine}
         if any(value is not None for value in targets.values()):
             config.update(targets, sensitive_mode=self.sensitive_mode)
-        if self.plan is not None:
+        if self._pinned_plan and self.plan is not None:  # a plan the user gave: a setting like the others
             config["layer_modes"] = dict(self.plan)
         if self.rounding != "nearest":  # absent before this option existed: older checkpoints keep matching
             config["rounding"] = self.rounding
