@@ -98,7 +98,37 @@ def _layer4bit(linear: nn.Linear, dtype: torch.dtype, quant_type: str, double_qu
     )
 
 
+class _FlatInput:
+    """Forward hooks of a 4-bit layer: a 2-D input in, the output reshaped back after the layer.
+
+    bitsandbytes' ``MatMul4Bit`` returns a view for a 3-D input, and autograd forbids editing a view a custom Function
+    made: Wav2Vec2's SpecAugment (``hidden_states[mask] = ...`` in training mode) on an unadapted ``feature_projection``
+    failed with "Output 0 of MatMul4Bit is a view and is being modified inplace". A view made here, outside the
+    Function, may be edited. No copy for a contiguous input; two Python calls per forward.
+    """
+
+    def __init__(self) -> None:
+        self.shapes: list[Optional[torch.Size]] = []  # a stack: one entry per call in flight (recompute included)
+
+    def flatten(self, module: nn.Module, args: tuple) -> Optional[tuple]:
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or x.dim() <= 2:
+            self.shapes.append(None)
+            return None
+        self.shapes.append(x.shape[:-1])
+        return (x.reshape(-1, x.shape[-1]), *args[1:])
+
+    def restore(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        shape = self.shapes.pop() if self.shapes else None
+        if shape is None or not isinstance(output, torch.Tensor):
+            return None
+        return output.reshape(*shape, output.shape[-1])
+
+
 def _finish4bit(layer: nn.Module, linear: nn.Linear) -> nn.Module:
+    flat = _FlatInput()
+    layer.register_forward_pre_hook(flat.flatten)
+    layer.register_forward_hook(flat.restore, always_call=True)
     if linear.bias is not None:
         layer.bias = linear.bias  # same Parameter: stays trainable, cast to dtype by the plugin
     # Trap (seen with bitsandbytes 0.50): on CPUs with AVX512-BF16 the first no-grad eval

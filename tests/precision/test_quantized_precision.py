@@ -303,3 +303,23 @@ def test_quantization_targets_leave_out_every_callbacks_modules_to_save() -> Non
     assert [name for name, _ in plugin.quantization_targets(model)] == ["body.0", "body.1", "body.2"]
     model._trainer = type("Trainer", (), {"callbacks": [Keeps(), object()]})()
     assert [name for name, _ in plugin.quantization_targets(model)] == ["body.0", "body.2"]
+
+
+def test_a_4bit_layers_output_can_be_edited_in_place_as_models_do() -> None:
+    """Was: "Output 0 of MatMul4Bit is a view and is being modified inplace" (bitsandbytes returns a view for a 3-D
+    input): Wav2Vec2's SpecAugment, in training mode, writes into its unadapted feature projection's output."""
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    torch.manual_seed(0)
+    model = Wav2Vec2Model(Wav2Vec2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+                                         conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                         mask_time_prob=0.5, mask_time_length=2))
+    quantize_model(model, "nf4-dq", dtype="float32")
+    assert not model.feature_projection.projection.weight.is_floating_point()
+    model.train()
+    model(torch.randn(2, 800)).last_hidden_state.pow(2).mean().backward()
+    norm = model.feature_projection.layer_norm.weight  # upstream of the projection: its gradient flows through
+    assert norm.grad is not None and norm.grad.abs().sum() > 0
+    layer = model.encoder.layers[0].feed_forward.output_dense  # shapes and values as before the hooks
+    x = torch.randn(2, 3, layer.in_features)
+    torch.testing.assert_close(layer(x), layer(x.reshape(-1, layer.in_features)).reshape(2, 3, -1), rtol=0, atol=0)
