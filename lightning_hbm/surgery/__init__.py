@@ -437,7 +437,10 @@ def _stage_batch(trainer: pl.Trainer) -> Any:
     if loader is None:
         return None
     with torch.random.fork_rng(devices=[]):
-        return next(iter(loader), None)
+        batches = iter(loader)
+        if batches is loader:  # a one-pass iterator (a generator): drawing from it would take a batch from training
+            return None
+        return next(batches, None)
 
 
 def trainer_optimizers(plugin: Any, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> list[Optimizer]:

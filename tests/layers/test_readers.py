@@ -189,3 +189,21 @@ def test_the_planner_decides_on_the_same_probe(tmp_path: Any) -> None:
     module = Wrapped(Reads(), causal=False)
     run_surgery(module, QuantizedPrecision("nf4-dq", dtype="float32"), [LoRA(r=4, target_modules=["a", "d"])], batch=tokens())
     assert quantized(module, "model.d") and not quantized(module, "model.c")
+
+
+def test_a_one_pass_iterator_is_not_drawn_from(tmp_path: Any) -> None:
+    """A generator given to fit cannot be read twice: the probe leaves it alone (the source decides), no batch lost."""
+    module = Wrapped(Reads(), causal=False)
+    seen: list[int] = []
+
+    class Count(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+            seen.append(batch_idx)
+
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=3, max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+        callbacks=[LoRA(r=4, target_modules=["a"]), Count()],
+    )  # fmt: skip
+    trainer.fit(module, (tokens(i) for i in range(3)))
+    assert seen == [0, 1, 2] and readers.observation(module) is None
