@@ -24,6 +24,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,6 +35,18 @@ from lightning_hbm.models import LlamaLM
 
 TINY = dict(vocab_size=32000, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
+
+
+def peaks_and_times(step: Any, models: dict, optims: dict, rounds: int) -> tuple[dict, dict]:
+    """MemTracker peak of one ``step(fused)`` each, then CPU times of ``rounds`` interleaved unfused/fused steps."""
+    peaks = {f: torch_peak_bytes(partial(step, f), models[f], optims[f]) for f in (False, True)}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for fused in (False, True):
+            start = time.process_time()
+            step(fused)
+            times[fused].append(time.process_time() - start)
+    return peaks, times
 
 
 def memtracker(dtype: str, rounds: int = 3) -> None:
@@ -58,13 +71,7 @@ def memtracker(dtype: str, rounds: int = 3) -> None:
 
     for fused in (False, True):
         step(fused)  # warm-up: optimizer states exist
-    peaks = {f: torch_peak_bytes(partial(step, f), models[f], optims[f]) for f in (False, True)}
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(rounds):
-        for fused in (False, True):
-            start = time.process_time()
-            step(fused)
-            times[fused].append(time.process_time() - start)
+    peaks, times = peaks_and_times(step, models, optims, rounds)
     limit = 0.35 * 6 * tokens * vocab
     ratio = statistics.median(times[True]) / statistics.median(times[False])
     six = 6 * tokens * vocab
@@ -196,13 +203,7 @@ def bart(rounds: int = 3) -> None:
         return float(loss)
 
     losses = {f: step(f) for f in (False, True)}  # warm-up: optimizer states exist
-    peaks = {f: torch_peak_bytes(partial(step, f), models[f], optims[f]) for f in (False, True)}
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(rounds):
-        for fused in (False, True):
-            start = time.process_time()
-            step(fused)
-            times[fused].append(time.process_time() - start)
+    peaks, times = peaks_and_times(step, models, optims, rounds)
     logits = 2 * tokens * vocab * 4
     ratio = statistics.median(times[True]) / statistics.median(times[False])
     print(f"BART 1+1 layers, d_model 64, vocab {vocab}, batch 2 x {tokens}, fp32, AdamW: fp32 logits {logits:,} B; "
