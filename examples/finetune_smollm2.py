@@ -86,7 +86,11 @@ def main(
     trainer = pl.Trainer(
         accelerator="auto", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_model_summary=False, default_root_dir=out,
-        plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],  # fp32 compute: fastest on a CPU
+        # fp32 compute, by measurement: on a 2-core AVX512-BF16 EPYC this step takes 1.53x the CPU time in bf16
+        # (benchmarks/cpu_dtype.py): bf16 matmuls are fast there, but the 4-bit layers dequantize per forward
+        # (bitsandbytes' bf16 CPU kernel repacks weights and cuts the gradient, so it stays off) and the rest of
+        # the step is elementwise work that bf16 does not speed up on a CPU. Measure yours with that script.
+        plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
         callbacks=[LoRA(r=16, alpha=32)],
     )
     trainer.fit(module, train_dataloaders=data.train_dataloader())
