@@ -54,7 +54,7 @@ from lightning_hbm import quantize_model  # noqa: E402
 from lightning_hbm.callbacks.quality import compare_outputs, probe_output  # noqa: E402
 from lightning_hbm.memory import module_parameter_tensors, unique_bytes  # noqa: E402
 from lightning_hbm.precision.quantize import _quantizable_linears  # noqa: E402
-from lightning_hbm.precision.registry import get_mode, to_dtype  # noqa: E402
+from lightning_hbm.precision.registry import get_format, to_dtype  # noqa: E402
 from lightning_hbm.precision.sensitivity import choose_plan  # noqa: E402
 
 BASE, SENSITIVE = "nf4-dq", "int8"
@@ -72,7 +72,7 @@ def quantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``dequantize(quantize(weight))`` exactly as the ``nf4-dq`` mode stores a Linear of this weight."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(weight.clone(), requires_grad=False)
-    return stored_weight(get_mode(BASE).replace(linear, dtype, torch.device("cpu")))
+    return stored_weight(get_format(BASE).replace(linear, dtype, torch.device("cpu")))
 
 
 def loftq(weight: torch.Tensor, rank: int, iters: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

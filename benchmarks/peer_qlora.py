@@ -10,6 +10,22 @@ One process, one random-weight Llama saved once to a temporary directory, then t
   ``QuantizedPrecision("nf4-dq")`` + ``LoRA(all-linear)`` + ``ActivationCheckpointing()`` (the output head is
   kept in full precision, as transformers does: ``quantize_head=False``).
 * ``lhbm+fused``: the same plus ``FusedLoss()``.
+* ``torchtune``: torchtune's own QLoRA model, ``lora_llama3(quantize_base=True)`` (base weights as torchao
+  ``NF4Tensor``), LoRA on q, k, v, output_proj and the MLP, ``set_trainable_params``, its recipe's loss
+  (``CEWithChunkedOutputLoss``, 8 output chunks) and activation checkpointing on every
+  ``TransformerSelfAttentionLayer`` (what ``torchtune.training.set_activation_checkpointing`` does; that module
+  does not import beside torchao 0.18). Random weights of the same shapes (its own init). torchtune 0.6.1 still
+  imports ``NF4Tensor`` from ``torchao.dtypes.nf4tensor``, which torchao 0.18 moved: :func:`_torchtune` aliases
+  the module (the class is the same one torchao ships), nothing else is changed.
+* ``litgpt`` / ``litgpt+ac``: ``litgpt.lora.GPT`` (LoRA on query, key, value, projection, MLP), trained with its
+  fine-tuning script's loss (``lm_head_chunk_size=128`` + ``chunked_cross_entropy``); ``+ac`` adds activation
+  checkpointing on every ``Block``. LitGPT quantizes through Lightning's ``BitsandbytesPrecision``, which
+  quantizes only on CUDA (``quantize()`` raises for a CPU device), so on CPU the base Linears inside LitGPT's
+  ``LoRALinear`` are swapped by hand for the ``bnb.nn.Linear4bit`` (nf4, double quant) that plugin builds on a
+  GPU. Random weights of the same shapes.
+
+torchtune and LitGPT are not lightning_hbm dependencies: a stack whose library does not import is skipped with the
+reason (``--stacks`` picks stacks).
 
 Each stack runs the same step (forward with ``labels=``, backward, AdamW over the adapters, zero_grad) by hand
 after Lightning has applied the surgery (one ``fit`` step), so the loop is identical. Per stack: the step's
@@ -30,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import tempfile
 import time
@@ -41,11 +58,14 @@ import torch
 from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
 from lightning_hbm.models import llama_config
+from planner import analytic_qlora_floor  # benchmarks/planner.py (this script's folder is on sys.path)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # config fields of lightning_hbm.models.llama_config, plus batch and sequence length
     "tiny": dict(vocab_size=32000, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, batch=2, seq=512),
+    "128k": dict(vocab_size=128256, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, batch=1, seq=1024),
     "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=4, batch=2, seq=512),
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -56,6 +76,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                num_key_value_heads=8, batch=2, seq=2048),
 }
 LORA_R, LORA_ALPHA = 8, 16
+STACKS = ("hf", "lhbm", "lhbm+fused", "torchtune", "litgpt", "litgpt+ac")
 
 
 class PeerLM(pl.LightningModule):
@@ -100,9 +121,94 @@ def lightning_hbm_stack(path: str, dtype: torch.dtype, device: str, fused: bool,
     return module, trainer.optimizers[0]
 
 
-def make_step(model: Any, optimizer: torch.optim.Optimizer, batch: torch.Tensor, hf: bool) -> Callable[[], float]:
+def _torchtune() -> Any:
+    """torchtune's Llama builder (see the module docstring for the one alias it needs beside torchao 0.18)."""
+    import importlib
+    import sys
+
+    if "torchao.dtypes.nf4tensor" not in sys.modules:
+        sys.modules["torchao.dtypes.nf4tensor"] = importlib.import_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    from torchtune.models.llama3._component_builders import lora_llama3
+
+    return lora_llama3
+
+
+def _checkpoint_every(model: torch.nn.Module, block: type) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    apply_activation_checkpointing(model, auto_wrap_policy=ModuleWrapPolicy({block}))
+
+
+def torchtune_stack(preset: dict[str, Any], dtype: torch.dtype, device: str) -> tuple[Any, Any, Callable[[torch.Tensor], Any]]:
+    lora_llama3 = _torchtune()
+    from torchtune.modules import TransformerSelfAttentionLayer
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    model = lora_llama3(
+        ["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, vocab_size=preset["vocab_size"],
+        num_layers=preset["num_hidden_layers"], num_heads=preset["num_attention_heads"],
+        num_kv_heads=preset["num_key_value_heads"], embed_dim=preset["hidden_size"], max_seq_len=preset["seq"],
+        intermediate_dim=preset["intermediate_size"], lora_rank=LORA_R, lora_alpha=LORA_ALPHA, quantize_base=True,
+    ).to(device=device, dtype=dtype)
+    set_trainable_params(model, get_adapter_params(model))
+    _checkpoint_every(model, TransformerSelfAttentionLayer)
+    loss_fn = CEWithChunkedOutputLoss()
+    model.set_num_output_chunks(loss_fn.num_output_chunks)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        labels = torch.cat([batch[:, 1:], torch.full_like(batch[:, :1], loss_fn.ignore_index)], dim=1)
+        return loss_fn(model(batch), labels)
+
+    return model, optimizer, loss
+
+
+def litgpt_stack(preset: dict[str, Any], dtype: torch.dtype, device: str, ac: bool) -> tuple[Any, Any, Callable[[torch.Tensor], Any]]:
+    import bitsandbytes as bnb
+    from litgpt.lora import GPT, Config, LoRALinear, mark_only_lora_as_trainable
+    from litgpt.model import Block
+    from litgpt.utils import chunked_cross_entropy
+
+    config = Config(
+        n_layer=preset["num_hidden_layers"], n_embd=preset["hidden_size"], n_head=preset["num_attention_heads"],
+        n_query_groups=preset["num_key_value_heads"], intermediate_size=preset["intermediate_size"],
+        vocab_size=preset["vocab_size"], padded_vocab_size=preset["vocab_size"], block_size=preset["seq"],
+        mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm", bias=False, parallel_residual=False, rotary_percentage=1.0,
+        lora_r=LORA_R, lora_alpha=LORA_ALPHA, lora_query=True, lora_key=True, lora_value=True, lora_projection=True,
+        lora_mlp=True, lora_head=False,
+    )
+    model = GPT(config).to(dtype)
+    for layer in [m for m in model.modules() if isinstance(m, LoRALinear)]:
+        # what BitsandbytesPrecision("nf4-dq") puts there on a GPU; it refuses to quantize on a CPU
+        dense = layer.linear
+        q = bnb.nn.Linear4bit(dense.in_features, dense.out_features, bias=False, compute_dtype=dtype,
+                              quant_type="nf4", compress_statistics=True)
+        q.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, quant_type="nf4", compress_statistics=True)
+        layer.linear = q.to(device)
+    model = model.to(device)
+    mark_only_lora_as_trainable(model)
+    model.max_seq_length = preset["seq"]
+    if ac:
+        _checkpoint_every(model, Block)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        logits = model(batch, lm_head_chunk_size=128)
+        logits[-1] = logits[-1][..., :-1, :]  # as litgpt/finetune/lora.py: the last position predicts nothing
+        return chunked_cross_entropy(logits, batch[:, 1:])
+
+    return model, optimizer, loss
+
+
+def make_step(model: Any, optimizer: torch.optim.Optimizer, batch: torch.Tensor, hf: bool,
+              loss_fn: Callable[[torch.Tensor], Any] | None = None) -> Callable[[], float]:
     def step() -> float:
-        loss = model(input_ids=batch, labels=batch).loss if hf else model.training_step(batch, 0)
+        if loss_fn is not None:
+            loss = loss_fn(batch)
+        else:
+            loss = model(input_ids=batch, labels=batch).loss if hf else model.training_step(batch, 0)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -127,6 +233,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
+    parser.add_argument("--stacks", default=",".join(STACKS), help=f"comma-separated, from {','.join(STACKS)}")
     args = parser.parse_args()
     preset = dict(PRESETS[args.preset])
     b, s = preset.pop("batch"), preset.pop("seq")
@@ -139,13 +246,25 @@ def main() -> None:
         LlamaForCausalLM(llama_config(max_position_embeddings=max(512, s), **preset)).to(dtype).save_pretrained(path)
         gc.collect()
         stacks: dict[str, dict[str, Any]] = {}
-        for name in ("hf", "lhbm", "lhbm+fused"):
+        skipped: dict[str, str] = {}
+        for name in args.stacks.split(","):
             base = torch.cuda.memory_allocated() if args.device == "cuda" else 0
-            if name == "hf":
-                model, optimizer = hf_recipe(path, dtype, args.device)
-            else:
-                model, optimizer = lightning_hbm_stack(path, dtype, args.device, name.endswith("fused"), batch)
-            step = make_step(model, optimizer, batch, hf=name == "hf")
+            loss_fn = None
+            try:
+                if name == "hf":
+                    model, optimizer = hf_recipe(path, dtype, args.device)
+                elif name.startswith("lhbm"):
+                    model, optimizer = lightning_hbm_stack(path, dtype, args.device, name.endswith("fused"), batch)
+                elif name == "torchtune":
+                    model, optimizer, loss_fn = torchtune_stack(dict(preset, seq=s), dtype, args.device)
+                elif name.startswith("litgpt"):
+                    model, optimizer, loss_fn = litgpt_stack(dict(preset, seq=s), dtype, args.device, ac=name.endswith("ac"))
+                else:
+                    parser.error(f"unknown stack {name!r}: choose from {', '.join(STACKS)}")
+            except ImportError as err:  # a peer that does not install here: say why, measure the others
+                skipped[name] = f"{type(err).__name__}: {err}"
+                continue
+            step = make_step(model, optimizer, batch, hf=name == "hf", loss_fn=loss_fn)
             loss = step()  # warm-up: optimizer states exist from here on
             stacks[name] = dict(step=step, loss=loss, peak=peak_bytes(step, model, optimizer, args.device, base), times=[])
     for _ in range(args.rounds):
@@ -158,14 +277,20 @@ def main() -> None:
                 torch.cuda.synchronize()
             stack["times"].append(time.perf_counter() - start)
     tokens, vocab = b * s, preset["vocab_size"]
-    ref = statistics.median(stacks["hf"]["times"])
+    ref = statistics.median(stacks["hf"]["times"]) if "hf" in stacks else statistics.median(next(iter(stacks.values()))["times"])
+    hf_peak = stacks["hf"]["peak"] if "hf" in stacks else next(iter(stacks.values()))["peak"]
     print(f"\npreset {args.preset} ({args.device}, {str(dtype).removeprefix('torch.')}): batch {b} x {s}, vocab {vocab}, "
           f"LoRA r={LORA_R} all-linear; one fp32 logits copy = {tokens * vocab * 4 / 2**20:.1f} MiB")
-    print("| stack | step peak (MiB) | vs HF | step time vs HF | first loss |")
-    print("|---|---:|---:|---:|---:|")
+    floor = analytic_qlora_floor(preset, b, s, LORA_R, itemsize=dtype.itemsize)
+    print(f"analytic QLoRA floor (benchmarks/planner.py) {floor / 2**20:.1f} MiB")
+    print("| stack | step peak (MiB) | x floor | vs HF | step time vs HF | first loss |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, stack in stacks.items():
-        print(f"| {name} | {stack['peak'] / 2**20:.1f} | {stack['peak'] / stacks['hf']['peak']:.3f}x | "
+        print(f"| {name} | {stack['peak'] / 2**20:.1f} | {stack['peak'] / floor:.2f}x | {stack['peak'] / hf_peak:.3f}x | "
               f"{statistics.median(stack['times']) / ref:.2f}x | {stack['loss']:.4f} |")
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    print(f"load average {os.getloadavg()}, torch threads {torch.get_num_threads()}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ Python or by the CLI. A progress bar or summary of any other class is left as it
 from __future__ import annotations
 
 import logging
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar, TQDMProgressBar
@@ -205,7 +205,7 @@ def adopt_display(trainer: pl.Trainer) -> None:
     user or Lightning gave them stays, and ``trainer.callbacks`` holds the same objects. Must run before
     ``on_fit_start`` (the summary prints there): ``Callback.setup`` does.
     """
-    for callback in trainer.callbacks:
+    for callback in cast(Any, trainer).callbacks:  # set by Lightning's connector: not declared on the class
         replacement = _REPLACEMENTS.get(type(callback))
         if replacement is not None:
             callback.__class__ = replacement

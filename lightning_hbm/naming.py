@@ -1,5 +1,8 @@
-"""How error messages list module names: distinct short names first, then a few full paths.
+"""Module names: the one rule options match them by, and how error messages list them.
 
+:func:`name_matches` is the rule of every option that names modules (LoRA's ``target_modules``,
+``exclude_modules`` and ``modules_to_save``, ``QuantizedPrecision(ignore_modules=...)``); :func:`under` says
+whether a name is inside another. How messages list names: distinct short names first, then a few full paths.
 A model with 28 Linear layers has 7 distinct names (``q_proj``, ``k_proj``, ...): those are what a user
 types (``target_modules: [q_proj]`` matches every ``...self_attn.q_proj``), so they come first and in
 full; full paths follow as examples only, so the message stays one readable line.
@@ -8,8 +11,29 @@ full; full paths follow as examples only, so the message stays one readable line
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
-from typing import Any
+import fnmatch
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any, Union
+
+
+def under(name: str, prefixes: Iterable[str]) -> bool:
+    """Whether module ``name`` is one of ``prefixes`` or inside one (``a.b`` is under ``a``; ``ab`` is not)."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def name_matches(name: str, patterns: Union[str, Sequence[str]]) -> bool:
+    """Whether module ``name`` is selected by ``patterns``, as every module-name option selects.
+
+    Args:
+        name: a full module name (``model.layers.0.self_attn.q_proj``).
+        patterns: one string, a regex that must match the full name; or a list of names and glob patterns. A name
+            also matches as a dotted suffix (``q_proj`` is ``model.layers.0.self_attn.q_proj``, as in peft); a glob
+            matches the full name (``*.mixer.*_proj``).
+    """
+    if isinstance(patterns, str):
+        return re.fullmatch(patterns, name) is not None
+    return any(name == p or name.endswith("." + p) or fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def name_list(paths: Iterable[str], max_short: int = 24, max_paths: int = 3) -> str:
@@ -40,4 +64,4 @@ def did_you_mean(word: str, names: Any) -> str:
     return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
-__all__ = ["did_you_mean", "name_list"]
+__all__ = ["did_you_mean", "name_list", "name_matches", "under"]

@@ -62,7 +62,7 @@ _HASHES: dict[tuple, str] = {}
 # and this very file loaded by path (no folder put on sys.path, no lightning_hbm/__init__ imported)
 _CHILD = (
     "import importlib.util, sys\n"
-    "spec = importlib.util.spec_from_file_location('_lightning_hbm_pretrained_child', sys.argv[1])\n"
+    "spec = importlib.util.spec_from_file_location('lightning_hbm_pretrained_child', sys.argv[1])\n"
     "module = importlib.util.module_from_spec(spec)\n"
     "spec.loader.exec_module(module)\n"
     "module._convert_smollm2(sys.argv[2], sys.argv[3])\n"

@@ -1,4 +1,4 @@
-"""The checkpoint format of lightning_hbm/resume.py: atomic saves, what the checksums cover, clear load errors.
+"""The checkpoint format of lightning_hbm/resume/: atomic saves, what the checksums cover, clear load errors.
 
 Each test is a fault (a kill, a full disk, a flipped bit, a hostile file) that an outside tester found; each
 asserts that the previous checkpoint survives or that the error names the problem before anything loads.
@@ -135,7 +135,7 @@ def test_every_lightning_hbm_run_saves_atomically(
     volume = small_disk(32 << 20)
     replaced: list[str] = []
     real_replace = os.replace
-    monkeypatch.setattr(resume.os, "replace", lambda a, b: (replaced.append(Path(b).name), real_replace(a, b)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append(Path(b).name), real_replace(a, b)))
     for name, plugins, callbacks in [("q", [QuantizedPrecision("nf4", **F32)], []), ("lora", [], [LoRA(r=2)])]:
         folder = volume / name
         save = ModelCheckpoint(dirpath=folder, save_top_k=0, save_last=True)

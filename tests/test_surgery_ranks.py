@@ -211,7 +211,7 @@ def tensor_worker(rank: int, port: str, out: Path) -> None:
 
     from lightning_hbm import resume
     from lightning_hbm.surgery.ranks import _tensors, check_ranks
-    from lightning_hbm.surgery.record import _RECORD_ATTR
+    from lightning_hbm.record import as_built, set_as_built
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -223,7 +223,7 @@ def tensor_worker(rank: int, port: str, out: Path) -> None:
     module.register_buffer("scratch", torch.randn(2), persistent=False)  # DDP sends these too
     module.q = bnb.nn.Linear4bit(64, 64, quant_type="nf4", compress_statistics=True).to("cpu")  # constants exist
     module.q.support_avx512bf16_for_cpu = False
-    object.__setattr__(module, _RECORD_ATTR, resume.as_built_record(module))
+    set_as_built(module, resume.as_built_record(module))
     prints = lambda: {n: resume.fingerprint(t.detach()) for n, t in _tensors(module)}  # noqa: E731
     before = prints()
     check_ranks(module)
@@ -231,7 +231,7 @@ def tensor_worker(rank: int, port: str, out: Path) -> None:
         output = module.q(torch.ones(1, 64) * module.mask.float())
     result = {
         "before": before, "after": prints(), "output": resume.fingerprint(output), "names": sorted(before),
-        "record": getattr(module, _RECORD_ATTR)["fingerprints"], "contiguous": module.strided.is_contiguous(),
+        "record": as_built(module)["fingerprints"], "contiguous": module.strided.is_contiguous(),
     }  # fmt: skip
     (out / f"tensors{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

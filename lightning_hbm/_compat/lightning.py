@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any, Callable, Iterator, Optional
 
 from lightning.fabric.connector import _PRECISION_INPUT_STR  # the Trainer's precision values (cli)
@@ -60,7 +61,7 @@ def trainer_being_built() -> Optional[Any]:
     ``_load_external_callbacks``), after the accelerator connector has set the strategy and its precision plugin:
     the connector on the call stack is the only way to see which Trainer asks.
     """
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, _CallbackConnector):
@@ -125,3 +126,20 @@ def detached(module: Any) -> Iterator[None]:
         yield
     finally:
         module.__dict__.update(saved)
+
+
+@contextmanager
+def device_mesh_hidden(module: Any) -> Iterator[None]:
+    """``module.device_mesh`` is ``None`` inside the block, and the mesh Lightning set is back after it.
+
+    ``ModelParallelStrategy.setup_environment`` puts its mesh on the LightningModule by writing the private field
+    behind the read-only ``LightningModule.device_mesh`` property (``lightning_module._device_mesh``); there is no
+    public setter. ``QuantizedFSDPStrategy`` hides it during the surgery: peft 0.21 takes a module that has a
+    ``_device_mesh`` for a tensor-parallel transformers model and reads its ``.config``.
+    """
+    mesh = module._device_mesh
+    module._device_mesh = None
+    try:
+        yield
+    finally:
+        module._device_mesh = mesh

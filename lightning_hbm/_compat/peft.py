@@ -12,8 +12,8 @@ def mark_quantized(model: nn.Module, kinds: Iterable[str]) -> None:
 
     peft picks its bitsandbytes-aware LoRA layers (which can merge) only when the model it is given carries
     transformers' ``is_loaded_in_4bit`` / ``is_loaded_in_8bit`` flags; otherwise it wraps the quantized layer
-    in the generic LoRA ``Linear`` and merging fails. ``object.__setattr__``: the flags are plain attributes
-    even on modules whose ``__setattr__`` is special.
+    in the generic LoRA ``Linear`` and merging fails. The flags are plain attributes (``nn.Module`` keeps a bool in
+    its ``__dict__``), the ones transformers sets on a model it loaded quantized.
     """
     for kind in kinds:
-        object.__setattr__(model, f"is_loaded_in_{kind}", True)
+        setattr(model, f"is_loaded_in_{kind}", True)

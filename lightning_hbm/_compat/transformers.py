@@ -6,7 +6,7 @@ transformers is optional: it is imported on first use, or found in ``sys.modules
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, cast
 
 
 def _default_gate() -> Optional[object]:
@@ -21,7 +21,7 @@ def _default_gate() -> Optional[object]:
 def from_config(cls: type, config: Any, **options: Any) -> Any:
     """``cls._from_config``: a model of class ``cls`` built from ``config`` with ``from_pretrained``'s options
     (``dtype``, ``attn_implementation``); the public ``from_config`` lives on the Auto classes only."""
-    return cls._from_config(config, **options)
+    return cast(Any, cls)._from_config(config, **options)
 
 
 @contextmanager

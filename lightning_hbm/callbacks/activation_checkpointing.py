@@ -27,9 +27,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 from typing_extensions import override
 
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.layers import PLAN_ATTR as _PLAN_ATTR  # also read by the coverage table
 from lightning_hbm.naming import did_you_mean
+from lightning_hbm.record import CheckpointedForward, checkpoint_plan
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 _aten = torch.ops.aten
@@ -116,7 +117,7 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
 
 
 class _BlockPlan:
-    """What the wrapped ``forward`` of one block needs, kept on the block itself (no closure)."""
+    """What the wrapped ``forward`` of one block needs, kept in that forward object on the block (no closure)."""
 
     def __init__(
         self,
@@ -126,37 +127,30 @@ class _BlockPlan:
     ) -> None:
         # An instance-level forward someone set before us is kept (and put back by _unwrap); otherwise the
         # class's forward is looked up at call time: a bound method stored here would not survive pickling.
-        self.own_forward: Optional[Callable[..., Any]] = vars(block).get("forward")
+        self.own_forward: Optional[Callable[..., Any]] = torch_compat.forward_override(block)
         self.context_fn = context_fn
         self.offload = offload
 
 
-class _CheckpointedForward:
-    """The block's new ``forward``: a picklable object (not a closure, not a bound method), copied with the block."""
-
-    def __init__(self, block: nn.Module) -> None:
-        self.block = block
+class _CheckpointedForward(CheckpointedForward):
+    """The block's new ``forward``: a picklable object (not a closure, not a bound method) holding the block and its
+    plan, copied with the block; being one marks the block checkpointed (:func:`lightning_hbm.record.checkpoint_plan`,
+    read by the coverage table)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _checkpointed_forward(self.block, *args, **kwargs)
+        return _checkpointed_forward(self.block, self.plan, *args, **kwargs)
 
 
 def _wrap(block: nn.Module, plan: _BlockPlan) -> None:
-    # object.__setattr__: the plan and the forward object are plain attributes, never submodules.
-    object.__setattr__(block, _PLAN_ATTR, plan)
-    object.__setattr__(block, "forward", _CheckpointedForward(block))
+    torch_compat.override_forward(block, _CheckpointedForward(block, plan))
 
 
 def _unwrap(block: nn.Module) -> None:
-    plan: _BlockPlan = vars(block).pop(_PLAN_ATTR)
-    if plan.own_forward is not None:
-        object.__setattr__(block, "forward", plan.own_forward)
-    else:
-        del vars(block)["forward"]
+    plan: _BlockPlan = checkpoint_plan(block)
+    torch_compat.override_forward(block, plan.own_forward)  # None: the class's forward again
 
 
-def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    plan: _BlockPlan = getattr(self, _PLAN_ATTR)
+def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kwargs: Any) -> Any:
     inner = plan.own_forward or functools.partial(type(self).forward, self)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
@@ -371,7 +365,7 @@ class ActivationCheckpointing(SurgeryCallback):
         )
         # A model checkpointed by an earlier Trainer's callback gets this callback's settings instead.
         for block in module.modules():
-            if _PLAN_ATTR in vars(block):
+            if checkpoint_plan(block) is not None:
                 _unwrap(block)
         for _, block in chosen:
             _wrap(block, _BlockPlan(block, context_fn, self.offload))

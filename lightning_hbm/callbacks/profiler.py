@@ -17,8 +17,10 @@ What it shrinks: nothing. It measures the five terms every other lightning_hbm f
   (backward and optimizer temporaries included, as ``other``) and a per-module breakdown. Step 1
   by default: its peak is what :func:`lightning_hbm.plan` predicts, so the two are comparable.
 
-Reports (CSV, JSON, PNG, console summary) are rendered by :mod:`lightning_hbm.memory.report`, which
-``lightning-hbm report`` uses as well.
+Reports (CSV, JSON, console summary) are rendered by :mod:`lightning_hbm.memory.report`, which
+``lightning-hbm report`` uses as well. The PNG is the picture of a detailed step: a
+:class:`~lightning_hbm.callbacks.step_timeline.StepRecorder` runs on top of its tracker and
+:mod:`lightning_hbm.callbacks.profile_figure` builds and draws every term over the step's ops (``hbm_figure.json``).
 
 On CUDA the allocator's own figures are added, so what the categories do not explain (CUDA
 context, allocator caching, fragmentation) is shown, not hidden.
@@ -29,8 +31,9 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from dataclasses import replace
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -42,19 +45,31 @@ from typing_extensions import override
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
+from lightning_hbm.callbacks.run_facts import run_facts
 from lightning_hbm.memory.categories import (
     CATEGORIES,
     MemoryBreakdown,
     classify,
     classify_records,
+    light_values,
     owned_storages,
     owned_tensors,
     tensor_bytes,
 )
+from lightning_hbm.callbacks.profile_figure import (
+    PeakPrediction,
+    ProfileFigure,
+    build_figure,
+    draw_figure,
+    figure_path,
+    prediction_bytes,
+    write_figure,
+)
+from lightning_hbm.callbacks.step_timeline import RecordedStep, StepRecorder
 from lightning_hbm.memory.report import REMEDIES, MemoryReport
-from lightning_hbm.memory.storage import host_offload_bytes, module_parameter_tensors
-from lightning_hbm.memory.terms import SIDE_TERMS, term
-from lightning_hbm.memory.tracker import LOSS_SCOPE, LiveStorageTracker, scoped_bytes
+from lightning_hbm.memory.storage import module_parameter_tensors
+from lightning_hbm.memory.terms import SIDE_TERMS, host_terms, scope_terms, side_terms, term
+from lightning_hbm.memory.tracker import LiveStorageTracker, scope_term_bytes
 from lightning_hbm.surgery import applied_transforms
 
 log = logging.getLogger(__name__)
@@ -76,6 +91,11 @@ _CUDA_FIELDS = (
 #: Columns of the per-step CSV (bytes; CUDA columns empty on other devices).
 #: The terms outside the sum (``loss``, ``host_offload``: :data:`~lightning_hbm.memory.terms.SIDE_TERMS`) follow ``tracked_peak``.
 COLUMNS = ("step", "batch_idx", "mode", *CATEGORIES, "total", "tracked_peak", *SIDE_TERMS, *_CUDA_FIELDS)
+
+
+def columns() -> tuple[str, ...]:
+    """The CSV's columns now: :data:`COLUMNS` with the terms registered since (``register_term``) beside the sum."""
+    return ("step", "batch_idx", "mode", *CATEGORIES, "total", "tracked_peak", *side_terms(), *_CUDA_FIELDS)
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:
@@ -108,6 +128,9 @@ class HBMProfiler(Callback):
         max_rows: measured steps kept (the CSV/JSON/PNG rows). Past it the oldest forward-end rows are
             dropped (detailed rows are kept), once announced, so a long run's profiler memory and files
             stay bounded: 10,000 rows (~3 MB of JSON) is 500,000 steps at the default cadence of 50.
+        prediction: the planner's predicted step peak, drawn as a line on the picture: bytes, or a
+            :class:`~lightning_hbm.planner.Prediction` (``plan(...).chosen``). Default: AutoFit's, when it ran.
+        budget: the memory budget in bytes, drawn as a line on the picture. Default: AutoFit's, when it ran.
 
     Logged keys (MiB, per measured step, max over ranks under DDP):
         ``hbm/parameters``, ``hbm/gradients``, ``hbm/optimizer_states``, ``hbm/activations``,
@@ -128,9 +151,12 @@ class HBMProfiler(Callback):
 
     Files written by global rank 0 into ``dirpath``: ``hbm_profile.csv`` (one row per measured
     step, bytes, columns :data:`COLUMNS`), ``hbm_profile.json`` (rows, peak step, per-module
-    breakdown of detailed steps, what the run used, diagnosis), ``hbm_profile.png`` (forward-end
-    categories over steps; the step peak of each detailed step broken down by category; the budget
-    and the planner's prediction when :class:`~lightning_hbm.AutoFit` ran). Each ``fit`` starts a new
+    breakdown of detailed steps, what the run used, diagnosis), ``hbm_profile.png`` and its data
+    ``hbm_figure.json``: the detailed step with the largest peak op by op (every term stacked over its
+    ops, ``other`` and ``activations`` in their parts, the phases forward / loss / zero_grad / backward /
+    optimizer, the peak marked with its op and module, each term at each phase's peak, the prediction and
+    budget as lines; :mod:`lightning_hbm.callbacks.profile_figure`). Without a detailed step the PNG is the
+    forward ends over steps and no ``hbm_figure.json`` is written. Each ``fit`` starts a new
     report: an instance reused for a second fit does not mix the runs. On ``torch.OutOfMemoryError``/``MemoryError`` the rank that failed writes the
     same files with an ``_oom`` suffix (``_oom_rank{r}`` when there are several ranks), a CUDA
     snapshot, and the diagnosis; the error is re-raised by Lightning.
@@ -149,12 +175,17 @@ class HBMProfiler(Callback):
         snapshot_max_entries: int = 100_000,
         summary: bool = True,
         max_rows: int = 10_000,
+        prediction: Union[int, PeakPrediction, None] = None,
+        budget: Optional[int] = None,
     ) -> None:
         check_args(HBMProfiler.__init__, locals())
         if every_n_steps is not None:
             _check_int("every_n_steps", every_n_steps, minimum=1)
         _check_int("snapshot_max_entries", snapshot_max_entries, minimum=1)
         _check_int("max_rows", max_rows, minimum=1)
+        for name, value in (("budget", budget), ("prediction", prediction)):
+            if isinstance(value, int):
+                _check_int(name, value, minimum=1)
         if isinstance(detailed_steps, (str, int)):
             raise TypeError(
                 f"detailed_steps must be a list of global steps, got {detailed_steps!r}; e.g. detailed_steps=[3]."
@@ -178,6 +209,10 @@ class HBMProfiler(Callback):
         self.snapshot_max_entries = snapshot_max_entries
         self.summary = summary
         self.max_rows = max_rows
+        self.prediction = prediction_bytes(prediction)
+        self.budget = budget
+        self.figure: Optional[ProfileFigure] = None  # the detailed step with the largest peak, drawn in the PNG
+        self._recorder: Optional[StepRecorder] = None
         self.dropped_rows = 0  # forward-end rows dropped past max_rows
         self.used: dict[str, Any] = {}  # what the run used (transforms, optimizers): the diagnosis advises from it
         self.rows: list[dict[str, Any]] = []
@@ -219,14 +254,27 @@ class HBMProfiler(Callback):
         self._tracker = tracker
         tracker.__enter__()  # exited at the forward's end (light) or the batch's end (detailed)
         self._tracking = True
+        if detailed:  # the step op by op, on top of the tracker: the picture (profile_figure.py)
+            self._recorder = StepRecorder(tracker, pl_module, trainer.optimizers, cuda_device=device)
+            self._recorder.start()
 
     @override
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        self._enter_phase("zero_grad")
         self._at_forward_end(trainer, pl_module)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._enter_phase("backward")
         self._at_forward_end(trainer, pl_module)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        self._enter_phase("optimizer")
+
+    def _enter_phase(self, phase: str) -> None:
+        if self._recorder is not None:
+            self._recorder.enter_phase(phase)
 
     def _at_forward_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         tracker = self._tracker
@@ -252,15 +300,15 @@ class HBMProfiler(Callback):
     ) -> None:
         tracker = self._tracker
         if tracker is not None:
-            self._stop_tracking()
+            recorded = self._stop_tracking()
             self._tracker = None
-            row = self._row(trainer, pl_module, tracker)
+            row = self._row(trainer, pl_module, tracker, recorded)
             row = self._reduce_over_ranks(trainer, row)
             self._append(row)
             metrics = {f"hbm/{k}": row[k] / _MIB for k in (*CATEGORIES, "total", *_CUDA_FIELDS) if row[k] is not None}
             if row["mode"] == "detailed":
                 metrics["hbm/tracked_peak"] = row["tracked_peak"] / _MIB
-            for name in SIDE_TERMS:  # loss: measured on detailed steps; a host term: when memory moved there
+            for name in side_terms():  # loss: measured on detailed steps; a host term: when memory moved there
                 if row[name] is not None and (row[name] or term(name).kind != "host"):
                     metrics[f"hbm/{name}"] = row[name] / _MIB
             # Straight to the loggers, as DeviceStatsMonitor does: self.log would cost more than the
@@ -282,53 +330,70 @@ class HBMProfiler(Callback):
             )  # fmt: skip
         self.dropped_rows += 1
 
-    def _stop_tracking(self) -> None:
+    def _stop_tracking(self) -> Optional[RecordedStep]:
+        """Exit the recorder (a detailed step), then the tracker; return what the recorder recorded."""
+        recorder, self._recorder = self._recorder, None
+        recorded = recorder.stop() if recorder is not None else None
         if self._tracking and self._tracker is not None:
             self._tracker.__exit__(None, None, None)
             self._tracker.detach_modules()
         self._tracking = False
+        return recorded
 
-    def _row(self, trainer: pl.Trainer, pl_module: pl.LightningModule, tracker: LiveStorageTracker) -> dict[str, Any]:
+    def _row(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, tracker: LiveStorageTracker,
+        recorded: Optional[RecordedStep] = None, mode: Optional[str] = None,
+    ) -> dict[str, Any]:
+        """The measured step's row: every term of the registry, the total, the tracked peak, the CUDA figures.
+
+        ``recorded``: the detailed step op by op (:class:`StepRecorder`), kept as :attr:`figure` when its peak is the
+        run's largest so far (always for an out-of-memory step, ``mode="oom"``).
+        """
         device = _device(pl_module)
         end = classify(pl_module, trainer.optimizers, device=device)
         forward_end = self._forward_end if self._forward_end is not None else end
         detailed = tracker.track_peak
+        side: dict[str, Optional[int]] = {t.name: None for t in scope_terms()}  # measured on detailed steps
+        # host terms: memory a feature moved off the device, not in the total
+        side.update({t.name: t.host(trainer.optimizers) for t in host_terms() if t.host is not None})
+        tracked_peak: Optional[int] = None
         if detailed:
             tracker.finish_peak()
             owned = owned_storages(pl_module, trainer.optimizers)
             values = classify_records(tracker.peak_records, owned, device)
-            # the loss term: FusedLoss's chunk, fp32 rows, dequantized head at the peak (inside the categories)
-            loss: Optional[int] = scoped_bytes(tracker.peak_records, LOSS_SCOPE, owned)
+            # scope terms (the loss: FusedLoss's chunk, fp32 rows, dequantized head) at the peak, inside the categories
+            side.update(scope_term_bytes(tracker.peak_records, owned))
             self.modules[self._step] = _module_breakdown(pl_module, trainer.optimizers, self._forward_modules)
-            tracked_peak: Optional[int] = tracker.peak_bytes
+            tracked_peak = tracker.peak_bytes
         else:
-            values = {
-                "parameters": max(forward_end.parameters, end.parameters),
-                "gradients": max(forward_end.gradients, end.gradients),
-                "optimizer_states": max(forward_end.optimizer_states, end.optimizer_states),
-                "activations": forward_end.activations,
-                "other": max(forward_end.other, end.other),
-            }
-            tracked_peak = loss = None
+            values = light_values(forward_end, end)  # activations at the forward's end, owned terms at both ends
         total = sum(values.values())
         row: dict[str, Any] = {
             "step": self._step,
             "batch_idx": self._batch_idx,
-            "mode": "detailed" if detailed else "light",
+            "mode": mode or ("detailed" if detailed else "light"),
             **values,
             "total": total,
             "tracked_peak": tracked_peak,
-            "loss": loss,
-            "host_offload": host_offload_bytes(trainer.optimizers),  # not in total: host memory, not HBM
+            **{name: side[name] for name in side_terms()},
         }
         row.update(_cuda_stats(pl_module, total))
+        if detailed and recorded is not None and recorded.samples:
+            self._keep_figure(recorded, owned, row, str(device))
         return row
+
+    def _keep_figure(self, recorded: RecordedStep, owned: Any, row: dict[str, Any], device: str) -> None:
+        """Keep the step's figure if it is the one to draw: the largest peak so far, or the step that ran out."""
+        host = {t.name: row[t.name] or 0 for t in host_terms()}
+        figure = build_figure(recorded, owned, step=self._step, device=device, host=host)
+        if row["mode"] == "oom" or self.figure is None or figure.peak.bytes > self.figure.peak.bytes:
+            self.figure = figure
 
     def _reduce_over_ranks(self, trainer: pl.Trainer, row: dict[str, Any]) -> dict[str, Any]:
         if trainer.world_size <= 1:
             return row
         # every rank measures the same steps, so this collective is matched on all ranks
-        keys = [k for k in (*CATEGORIES, "total", "tracked_peak", *SIDE_TERMS, *_CUDA_FIELDS) if row[k] is not None]
+        keys = [k for k in (*CATEGORIES, "total", "tracked_peak", *side_terms(), *_CUDA_FIELDS) if row[k] is not None]
         local = torch.tensor([row[k] for k in keys], dtype=torch.int64, device=trainer.strategy.root_device)
         gathered = trainer.strategy.all_gather(local)
         maxima = gathered.reshape(-1, len(keys)).max(dim=0).values.tolist()
@@ -341,6 +406,7 @@ class HBMProfiler(Callback):
         if stage == "fit":  # one report per fit: a reused instance would otherwise mix two runs' rows
             self._check_directories(trainer)
             self.rows, self.modules, self.used, self.snapshot_path, self.dropped_rows = [], {}, {}, None, 0
+            self.figure = None
         if self.snapshot_steps is not None and trainer.strategy.root_device.type != "cuda":
             rank_zero_warn("HBMProfiler: snapshot_steps records CUDA memory history; this run is not on CUDA, so no snapshot.")
 
@@ -403,13 +469,13 @@ class HBMProfiler(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._stop_tracking()  # the dispatch mode must not outlive the failed step
+        recorded = self._stop_tracking()  # the dispatch modes must not outlive the failed step
         tracker, self._tracker = self._tracker, None
         if not isinstance(exception, (torch.OutOfMemoryError, MemoryError)):
             return
         try:
             if tracker is not None and self._forward_end is not None:  # died after the forward: keep what it saw
-                self.rows.append({**self._row(trainer, pl_module, tracker), "mode": "oom"})
+                self.rows.append(self._row(trainer, pl_module, tracker, recorded, mode="oom"))
             suffix = f"_oom_rank{trainer.global_rank}" if trainer.world_size > 1 else "_oom"
             # no collective here: the other ranks may not have failed; trainer.log_dir would broadcast
             directory = self.dirpath or trainer.default_root_dir
@@ -426,7 +492,7 @@ class HBMProfiler(Callback):
 
     def report(self) -> MemoryReport:
         """The measured steps as a :class:`~lightning_hbm.memory.report.MemoryReport` (what is written and printed)."""
-        return MemoryReport(self.rows, COLUMNS, self.modules, self.snapshot_path, self.used)
+        return MemoryReport(self.rows, columns(), self.modules, self.snapshot_path, self.used)
 
     def diagnosis(self) -> str:
         """The category that dominated the last measured step, and the feature that shrinks it."""
@@ -437,8 +503,29 @@ class HBMProfiler(Callback):
         return self.report().peak_row()
 
     def write_report(self, directory: str, stem: str) -> dict[str, str]:
-        """Write ``{stem}.csv``, ``{stem}.json`` and (matplotlib installed) ``{stem}.png``; return their paths."""
-        return self.report().write(directory, stem)
+        """Write ``{stem}.csv``, ``{stem}.json`` and (matplotlib installed) ``{stem}.png``; return their paths.
+
+        With a detailed step measured, the PNG is that step's picture (:func:`~lightning_hbm.callbacks.profile_figure.
+        draw_figure`: every term over its ops, the phases, the peak attributed, prediction and budget) and its data is
+        written beside it as ``hbm_figure{suffix}.json`` (``figure`` in the returned paths); without one, the PNG is the
+        forward ends over the steps (:func:`lightning_hbm.memory.report.plot`).
+        """
+        paths = self.report().write(directory, stem)
+        figure = self.figure_data()
+        if figure is not None:
+            paths["figure"] = write_figure(figure, figure_path(paths["json"]))
+            if "png" in paths:  # matplotlib is installed: the report drew its figure; this one replaces it
+                draw_figure(figure, paths["png"])
+        return paths
+
+    def figure_data(self) -> Optional[ProfileFigure]:
+        """The picture's data: the detailed step with the largest peak (or the one that ran out of memory), with the
+        planner's prediction and the budget (given here, else AutoFit's); None when no detailed step ran."""
+        if self.figure is None:
+            return None
+        prediction = self.prediction if self.prediction is not None else self.used.get("predicted_peak")
+        budget = self.budget if self.budget is not None else self.used.get("budget")
+        return replace(self.figure, prediction=prediction, budget=budget)
 
     def print_summary(self, paths: dict[str, str]) -> None:
         """Console table: each category at the largest forward-end step and at the step peak (detailed step)."""
@@ -454,6 +541,7 @@ def run_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, A
         "transforms": applied_transforms(pl_module),
         "optimizers": [type(lightning_compat.unwrap_optimizer(opt)).__name__ for opt in trainer.optimizers],
         "precision": str(trainer.precision),
+        "facts": run_facts(trainer, pl_module).as_dict(),  # what the advice reads (lightning_hbm.memory.facts.RunFacts)
     }
     # AutoFit: its budget and the chosen candidate's predicted step peak. Found by duck typing: the planner
     # sits above the callbacks (tests/test_layering.py).

@@ -41,7 +41,7 @@ _LIGHTNING_SUBCOMMANDS = {
 }
 
 #: the arguments answered without importing the full CLI
-FAST_ARGS = ([], ["-h"], ["--help"])
+FAST_ARGS: tuple[list[str], ...] = ([], ["-h"], ["--help"])
 
 
 def top_level_parser() -> ArgumentParser:

@@ -37,7 +37,7 @@ from typing import Any, Literal, Optional, Union, get_args
 
 import torch
 import yaml  # jsonargparse's own dependency
-from jsonargparse import ArgumentParser
+from jsonargparse import ArgumentParser, Namespace
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -49,13 +49,14 @@ import lightning_hbm
 from lightning_hbm._compat import _PRECISION_INPUT_STR
 from lightning_hbm.cli import _DESCRIPTION, _EXTRA_SUBCOMMANDS  # shared with the fast top-level --help
 from lightning_hbm.display import default_model_summary, default_progress_bar
-from lightning_hbm.memory.report import render_report
+from lightning_hbm.callbacks.profile_figure import redraw
+from lightning_hbm.memory.report import find_report, render_report
 from lightning_hbm.naming import did_you_mean
 from lightning_hbm.planner import Candidate, default_candidates
 from lightning_hbm.planner.candidates import PLANNED_LIGHTNING_PRECISIONS
 from lightning_hbm.planner.config import plan_from_config, print_plan
 from lightning_hbm.precision import QuantizedPrecision, available_precisions
-from lightning_hbm.precision.registry import get_mode
+from lightning_hbm.precision.registry import get_format
 from lightning_hbm.surgery import SurgeryCallback
 
 # Every value Lightning's Trainer accepts for ``precision`` (ints, their string forms, the long names).
@@ -337,7 +338,7 @@ class HBMCLI(LightningCLI):
         precision = trainer_config.get("precision")
         _, self._quantized_precision = resolve_precision(precision)
         for plugin in _as_list(trainer_config.get("plugins")):
-            class_path = plugin.get("class_path") if hasattr(plugin, "get") else plugin
+            class_path = plugin.get("class_path") if isinstance(plugin, (dict, Namespace)) else plugin  # a config entry, or a name
             if not isinstance(class_path, str) or not _is_precision_plugin(class_path):
                 continue
             if precision is not None:  # Lightning would raise a MisconfigurationException from deep inside Trainer
@@ -347,7 +348,7 @@ class HBMCLI(LightningCLI):
                     "`init_args: {mode: nf4-dq, dtype: float32}`; otherwise drop the plugin."
                 )
             if class_path.rsplit(".", 1)[-1] == "QuantizedPrecision":  # checked here: jsonargparse would bury it in 60 lines
-                get_mode(plugin.get("init_args", {}).get("mode", "nf4-dq"))
+                get_format(plugin.get("init_args", {}).get("mode", "nf4-dq"))
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -521,7 +522,9 @@ def _run(argv: list[str]) -> int:
         parser.add_argument("path", help="run directory (searched for hbm_profile*.json) or the JSON file")
         parser.add_argument("--out", default=None, help="directory to write to (default: next to the JSON)")
         options = parser.parse_args(argv[1:])
-        render_report(options.path, options.out)
+        paths = render_report(options.path, options.out)
+        if "png" in paths:  # the step's picture, from its data beside the report (HBMProfiler's detailed step)
+            redraw(find_report(options.path), paths["png"])
     else:
         HBMCLI(args=argv)
     return 0

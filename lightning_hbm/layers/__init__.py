@@ -7,11 +7,7 @@ Adding a kind is adding one file and importing it below (docs/extending.md).
 """
 
 from lightning_hbm.layers.base import (
-    CONVERTED_ATTR,
-    KIND_ATTR,
-    LEFT_ALONE_ATTR,
     OUTSIDE_ROWS,
-    PLAN_ATTR,
     RAW_WEIGHTS,
     WARN_SHARE,
     CoverageRow,
@@ -50,14 +46,10 @@ from lightning_hbm.layers.heads import hf_models, task_heads, task_type
 __all__ = [
     "CONV",
     "CONV1D",
-    "CONVERTED_ATTR",
     "EXPERTS",
-    "KIND_ATTR",
-    "LEFT_ALONE_ATTR",
     "LINEAR",
     "OUTSIDE_ROWS",
     "MULTIHEAD_ATTENTION",
-    "PLAN_ATTR",
     "RAW_WEIGHTS",
     "WARN_SHARE",
     "CoverageRow",

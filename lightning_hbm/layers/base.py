@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_hbm import record
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm.layers.readers import observed_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
@@ -37,10 +38,6 @@ from lightning_hbm.memory.storage import quantized_format
 
 log = logging.getLogger(__name__)
 
-KIND_ATTR = "_lightning_hbm_kind"  # set on a module that replaced a layer of another kind
-LEFT_ALONE_ATTR = "_lightning_hbm_left_alone"  # (reason, deliberate) set by QuantizedPrecision on skipped layers
-CONVERTED_ATTR = "_lightning_hbm_converted"  # kind name, set on the module prepare() put in a layer's place
-PLAN_ATTR = "_lightning_hbm_checkpoint"  # set by ActivationCheckpointing on each checkpointed block
 WARN_SHARE = 0.05  # a kind left alone (not by choice) above this share of all parameters is a warning
 
 
@@ -149,7 +146,7 @@ def _lora_layer_cls() -> tuple[type, ...]:
 
 def kind_of(module: nn.Module) -> Optional[LayerKind]:
     """The kind of ``module`` (the kind it replaced, if any), or ``None``."""
-    tagged = getattr(module, KIND_ATTR, None)
+    tagged = record.counted_as(module)  # a module that replaced a layer of another kind
     if tagged is not None:
         return _KINDS[tagged]
     return next((kind for kind in _KINDS.values() if kind.matches(module)), None)
@@ -214,10 +211,10 @@ def prepare_model(module: nn.Module, skip: Callable[[str], bool] = lambda name: 
     replacements = [(name, kind, new) for name, kind, new in replacements if new is not None]
     for name, kind, new in replacements:
         # the replacement's Linears count as layers of the kind they replace (coverage, quantize_model's tags)
-        object.__setattr__(new, CONVERTED_ATTR, kind.name)
+        record.set_converted(new, kind.name)
         for sub in new.modules():
             if isinstance(sub, nn.Linear):
-                object.__setattr__(sub, KIND_ATTR, kind.name)
+                record.set_kind(sub, kind.name)
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         setattr(parent, child, new)
@@ -389,7 +386,7 @@ def converted_keys(module: nn.Module) -> dict[str, str]:
     """
     keys: dict[str, str] = {}
     for name, sub in module.named_modules():
-        kind = _KINDS.get(getattr(sub, CONVERTED_ATTR, None) or "")
+        kind = _KINDS.get(record.converted_from(sub) or "")
         if kind is None or kind.as_built_keys is None:
             continue
         prefix = name.replace(".base_layer", "") + "." if name else ""
@@ -439,12 +436,8 @@ class CoverageRow:
     undeliberate: list[str] = field(default_factory=list)  # names of layers left alone not by choice
 
 
-def _checkpointed_names(module: nn.Module) -> list[str]:
-    return [n for n, m in module.named_modules() if PLAN_ATTR in vars(m)]
-
-
 def _left_alone_reason(layer: nn.Module, kind: LayerKind, quantizing: bool, adapting: bool, reader: Optional[str] = None) -> tuple[str, bool]:
-    tagged = getattr(layer, LEFT_ALONE_ATTR, None)
+    tagged = record.left_alone(layer)
     if tagged is not None:
         return tagged
     if reader is not None:
@@ -468,7 +461,7 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
     ``quantizing``/``adapting``: whether a QuantizedPrecision / LoRA took part (for the reasons).
     """
     lora = _lora_layer_cls()
-    blocks = _checkpointed_names(module)
+    blocks = record.checkpointed_blocks(module)
     rows: dict[str, CoverageRow] = {}
     in_kinds: set[int] = set()
     readers, users = weight_readers(module), weight_readers(module, uses_only=True)
@@ -727,7 +720,10 @@ def coverage_warnings(rows: list[CoverageRow]) -> list[str]:
 
 
 def report_coverage(module: nn.Module, quantizing: bool) -> list[CoverageRow]:
-    """Compute, print (rank 0), log and store (``module.lightning_hbm_coverage``) the coverage table; warn.
+    """Compute, print (rank 0), log and store the coverage table; warn.
+
+    Stored in the model's record (:func:`lightning_hbm.record.coverage_of`) and, as documented in docs/adapters.md,
+    as ``module.lightning_hbm_coverage``.
 
     Logged through the Trainer's loggers (when ``module`` is attached to one), per kind ``K``:
     ``layers/K/params``, ``layers/K/quantized``, ``layers/K/adapted``, ``layers/K/checkpointed``,
@@ -738,7 +734,8 @@ def report_coverage(module: nn.Module, quantizing: bool) -> list[CoverageRow]:
     lora = _lora_layer_cls()
     adapting = bool(lora) and any(isinstance(m, lora) for m in module.modules())
     rows = coverage(module, quantizing, adapting)
-    object.__setattr__(module, "lightning_hbm_coverage", rows)
+    record.set_coverage(module, rows)
+    module.lightning_hbm_coverage = rows  # a plain list: nn.Module keeps it in __dict__, as any attribute
     rank_zero_info("lightning_hbm: layer kinds (parameters)\n" + format_coverage(rows))
     for message in coverage_warnings(rows):
         rank_zero_warn(message)

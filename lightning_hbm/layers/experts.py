@@ -11,7 +11,7 @@ layer's dequantized experts would stay alive until the backward (the memory the 
 save). Per-expert Linears go through the precision mode's own layer (bitsandbytes' ``Linear4bit``
 keeps only the packed weight for backward), and LoRA adapts each expert with peft's ordinary layers.
 The computation is transformers' eager experts loop, token routing included; outputs and gradients
-equal the original's (tests/test_layer_kinds.py).
+equal the original's (tests/layers/test_experts.py).
 
 Supported: experts classes built with transformers' ``use_experts_implementation`` in its default
 layout (concatenated gate/up, not transposed, no bias, no post-expert norm, the default gate). Other

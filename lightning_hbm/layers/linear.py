@@ -30,7 +30,7 @@ LINEAR = register_kind(
         option="QuantizedPrecision(...) and/or LoRA(target_modules='all-linear')",
         modules="`nn.Linear` (and subclasses)",
         found_in="Llama, BERT, T5, ViT heads, ...",
-        planned_as="the mode's layer built from the fake weight (`QuantMode.for_fake_tensors`)",
+        planned_as="the mode's layer built from the fake weight (`QuantFormat.for_fake_tensors`)",
     )
 )
 

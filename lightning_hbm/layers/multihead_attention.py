@@ -6,7 +6,7 @@ all) and ``out_proj.weight``/``out_proj.bias`` directly, never calling ``out_pro
 quantize the input projection, and a LoRA layer put around ``out_proj`` is never called: its
 adapters silently get no gradient. Here the projections are called as modules (``q_proj``,
 ``k_proj``, ``v_proj``, ``out_proj``), so a quantized layer or a peft LoRA layer put in their place
-really computes. Outputs and gradients equal the original's (tests/test_layer_kinds.py checks masks,
+really computes. Outputs and gradients equal the original's (tests/layers/test_multihead_attention.py checks masks,
 ``batch_first``, ``kdim``/``vdim``, attention weights). Not supported (a clear error): ``add_bias_kv``
 and ``add_zero_attn``, which append learned / zero key-value rows (rare, none of torch's, timm's or
 torchvision's transformer layers use them).

@@ -39,69 +39,42 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm.memory.owners import (
+    Optimizers,
+    buffer_tensors,
+    gradient_tensors,
+    optimizer_state_tensors,
+    parameter_tensors,
+)
 from lightning_hbm.memory.storage import (
     StorageKey,
-    module_parameter_tensors,
-    nested_tensors,
     plain_tensors,
     storages,
     tensor_bytes,
     tensor_storage_key,
 )
-from lightning_hbm.memory.terms import CATEGORY_NAMES
+from lightning_hbm.memory.terms import CATEGORY_NAMES, category_terms, created_term, rest_term
 
 # For type checkers only; the registry is the definition (checked below).
 Category = Literal["parameters", "gradients", "optimizer_states", "activations", "other"]
 CATEGORIES: tuple[Category, ...] = CATEGORY_NAMES  # type: ignore[assignment]
 
-def parameter_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Tensors of the **parameters** category: parameters plus their quantization constants."""
-    return module_parameter_tensors(module)
+
+def owned_tensors(module: nn.Module, optimizers: Optimizers = ()) -> dict[Category, list[torch.Tensor]]:
+    """The tensors ``module`` and its optimizers own, by category, in priority order (not deduplicated).
+
+    Each category term's ``owns`` in :data:`~lightning_hbm.memory.terms.TERMS` (those classified by owner: not
+    ``activations``, which nothing owns).
+    """
+    optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+    return {t.name: t.owns(module, optimizers) for t in category_terms() if t.owns is not None}  # type: ignore[misc]
 
 
-def gradient_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Tensors of the **gradients** category: every ``.grad`` that exists."""
-    return [p.grad for p in module.parameters() if p.grad is not None]
-
-
-def optimizer_state_tensors(optimizers: Union[Optimizer, Iterable[Optimizer]]) -> list[torch.Tensor]:
-    """Tensors of the **optimizer_states** category: everything in ``optimizer.state``."""
-    if isinstance(optimizers, Optimizer):
-        optimizers = [optimizers]
-    tensors: list[torch.Tensor] = []
-    for optimizer in optimizers:
-        # LightningOptimizer wraps the real one; .state is forwarded, but be explicit.
-        optimizer = lightning_compat.unwrap_optimizer(optimizer)
-        for state in optimizer.state.values():
-            tensors.extend(nested_tensors(state))
-    return tensors
-
-
-def buffer_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Module buffers: counted in **other** (not trained, not parameters)."""
-    return list(module.buffers())
-
-
-def owned_tensors(
-    module: nn.Module, optimizers: Union[Optimizer, Iterable[Optimizer]] = ()
-) -> dict[Category, list[torch.Tensor]]:
-    """The tensors ``module`` and its optimizers own, by category, in priority order (not deduplicated)."""
-    return {
-        "parameters": parameter_tensors(module),
-        "gradients": gradient_tensors(module),
-        "optimizer_states": optimizer_state_tensors(optimizers),
-        "other": buffer_tensors(module),
-    }
-
-
-def owned_storages(
-    module: nn.Module, optimizers: Union[Optimizer, Iterable[Optimizer]] = ()
-) -> dict[StorageKey, tuple[Category, int]]:
+def owned_storages(module: nn.Module, optimizers: Optimizers = ()) -> dict[StorageKey, tuple[Category, int]]:
     """Every storage owned by ``module`` or its optimizers: key -> (category, bytes).
 
-    Deduplicated: a storage is given to the first owner in the order parameters, gradients,
-    optimizer states, buffers (``other``).
+    Deduplicated: a storage is given to the first owner in registry order (parameters, gradients,
+    optimizer states, buffers in ``other``).
     """
     owned: dict[StorageKey, tuple[Category, int]] = {}
     for category, tensors in owned_tensors(module, optimizers).items():
@@ -134,9 +107,20 @@ class MemoryBreakdown:
         return max(CATEGORIES, key=lambda c: values[c])
 
 
+def light_values(forward_end: MemoryBreakdown, end: MemoryBreakdown) -> dict[str, int]:
+    """A light step's categories from its forward end and its end (the profiler's light rows).
+
+    A category the forward creates (``created_in``: activations) is read at the forward's end, where its graph is
+    alive; an owned one is the larger of the two readings (the previous gradients die at ``zero_grad``, the first
+    optimizer states appear at the step).
+    """
+    before, after = forward_end.as_dict(), end.as_dict()
+    return {t.name: before[t.name] if t.created_in is not None else max(before[t.name], after[t.name]) for t in category_terms()}
+
+
 def classify(
     module: nn.Module,
-    optimizers: Union[Optimizer, Iterable[Optimizer]] = (),
+    optimizers: Optimizers = (),
     activations: Mapping[StorageKey, int] | Iterable[torch.Tensor] = (),
     others: Mapping[StorageKey, int] | Iterable[torch.Tensor] = (),
     device: Union[str, torch.device, None] = None,
@@ -164,7 +148,8 @@ def classify(
 
     for key, (category, nbytes) in owned_storages(module, optimizers).items():
         add(key, category, nbytes)
-    for category, candidates in (("activations", activations), ("other", others)):
+    # what the forward created and nothing owns, then the rest (the registry's created_in / rest terms)
+    for category, candidates in ((created_term("forward"), activations), (rest_term(), others)):
         items = candidates.items() if isinstance(candidates, Mapping) else storages(candidates)
         for key, nbytes in items:
             add(key, category, nbytes)
@@ -193,8 +178,8 @@ def classify_records(
             category = owned[key][0]
         elif record.phase in values:
             category = record.phase
-        else:
-            category = "activations" if record.phase == "forward" else "other"
+        else:  # unowned: the category created in its phase (forward: activations), else the rest (other)
+            category = created_term(record.phase)
         values[category] += record.nbytes
     return values
 
@@ -220,6 +205,7 @@ __all__ = [
     "classify",
     "classify_records",
     "gradient_tensors",
+    "light_values",
     "optimizer_state_tensors",
     "owned_storages",
     "owned_tensors",

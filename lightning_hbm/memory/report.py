@@ -21,7 +21,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,8 @@ from typing import Any, Optional, Union
 from lightning_utilities.core.imports import RequirementCache
 
 from lightning_hbm.memory.categories import CATEGORIES, MemoryBreakdown
-from lightning_hbm.memory.terms import TERMS
+from lightning_hbm.memory.facts import RunFacts
+from lightning_hbm.memory.terms import TERMS, host_terms, term
 
 _RICH_AVAILABLE = RequirementCache("rich")
 _MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib")
@@ -39,35 +39,22 @@ _MIB = 2**20
 #: The lightning_hbm feature that shrinks each term (used by the diagnosis): the registry's ``remedy``.
 REMEDIES: dict[str, str] = {t.name: t.remedy for t in TERMS}
 
-def advice(category: str, used: dict[str, Any]) -> str:
-    """What shrinks ``category`` next, given what the run already ``used`` (:class:`MemoryReport`'s ``used``).
+def advice(category: str, facts: RunFacts) -> str:
+    """What shrinks the term ``category`` next, given what the run applied (``facts``).
 
-    :data:`REMEDIES` when the run used none of the features for it; otherwise the step after them, so a
-    QLoRA run is not told to quantize and add LoRA.
+    The term's ``advise`` in :data:`~lightning_hbm.memory.terms.TERMS` (the step after the features the run already
+    uses, so a QLoRA run is not told to quantize and add LoRA), else its ``remedy`` (:data:`REMEDIES`).
+
+    Args:
+        category: a term's name (a category, or a term beside the sum).
+        facts: what the run applied, filled by the caller (``HBMProfiler`` from its Trainer).
+
+    Raises:
+        KeyError: ``category`` is not a memory term.
     """
-    transforms = " ".join(used.get("transforms", []))
-    optimizers = ", ".join(used.get("optimizers", []))
-    quantized = re.search(r"QuantizedPrecision\(([^)]*)\)", transforms)
-    lora = "LoRA" in transforms
-    if category == "parameters" and quantized:
-        mode = quantized.group(1)
-        if "4" not in mode:  # an 8-bit base
-            return f"the base is already {mode}; a 4-bit mode (QuantizedPrecision('nf4-dq')) halves it again"
-        return (f"the base is already {mode}; what is left is the layers left unquantized (embeddings, the head: "
-                "see the layer-kind table printed at fit start, quantize_head=True), or shard the base over GPUs "
-                "(QuantizedFSDPStrategy)")  # fmt: skip
-    if category == "gradients" and lora:
-        return "only the LoRA adapters train already; a lower rank r or fewer target_modules shrink them further"
-    if category == "optimizer_states" and re.search(r"8bit|4bit|CPUOffload", optimizers):
-        return f"the states are already compact ({optimizers}); offload them to host memory (CPUOffloadStrategy)"
-    if category == "optimizer_states" and lora:
-        return "only the adapters have states; 8-bit states (MemoryEfficientOptimizer) shrink them about 4x"
-    if category == "activations" and "ActivationCheckpointing" in transforms:
-        return "activations are already recomputed in backward (ActivationCheckpointing); lower the batch size or sequence length"
-    if category == "other" and "FusedLoss" not in transforms:
-        return ("compute the loss without materializing the full logits (FusedLoss), or lower the batch size; "
-                "a detailed step (detailed_steps=[n]) names the temporaries")  # fmt: skip
-    return REMEDIES[category]
+    entry = term(category)
+    said = entry.advise(facts) if entry.advise is not None else None
+    return entry.remedy if said is None else said
 
 
 #: Columns every row has; any other column is an extra figure, written and printed when present.
@@ -82,13 +69,19 @@ STEP_PEAK = "step peak: whole step incl. backward/optimizer temporaries (detaile
 class MemoryReport:
     """Measured steps (``rows``, bytes), per-module breakdowns of detailed steps, CUDA snapshot path, and
     what the run used (``used``: ``transforms``, ``optimizers``, ``precision``, AutoFit's ``budget`` and
-    ``predicted_peak``; see :func:`lightning_hbm.callbacks.profiler.run_setup`)."""
+    ``predicted_peak``, and ``facts``, the :class:`~lightning_hbm.memory.facts.RunFacts` the advice reads, as
+    :meth:`RunFacts.as_dict` wrote it; see :func:`lightning_hbm.callbacks.profiler.run_setup`)."""
 
     rows: list[dict[str, Any]]
     columns: Sequence[str] = ()  # CSV columns; default: the first row's keys
     modules: dict[int, dict[str, dict[str, int]]] = field(default_factory=dict)
     snapshot: Optional[str] = None
     used: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def facts(self) -> RunFacts:
+        """What the run applied (``used["facts"]``; a plain run when the report holds none)."""
+        return RunFacts.from_dict(self.used.get("facts"))
 
     # -- the figures ----------------------------------------------------------------------------
     def peak_row(self) -> Optional[dict[str, Any]]:
@@ -109,17 +102,17 @@ class MemoryReport:
         """The terms of the last measured step, largest first, each with advice the run does not already follow."""
         if not self.rows:
             return "No step was measured before the failure (it happened in the first forward or before training)."
-        row = self.rows[-1]
+        row, facts = self.rows[-1], self.facts
         breakdown = MemoryBreakdown(**{c: row[c] for c in CATEGORIES})
         top = breakdown.dominant()
         share = 100.0 * row[top] / max(breakdown.total, 1)
         text = (
             f"At step {row['step']} {top} held {row[top] / _MIB:.1f} MiB ({share:.0f}% of "
-            f"{breakdown.total / _MIB:.1f} MiB measured). To shrink it: {advice(top, self.used)}."
+            f"{breakdown.total / _MIB:.1f} MiB measured). To shrink it: {advice(top, facts)}."
         )
         # the next terms too: once the largest is already as small as the features make it, they are what is left
         rest = sorted((c for c in CATEGORIES if c != top and row[c] >= 0.1 * max(breakdown.total, 1)), key=lambda c: -row[c])
-        nexts = [f"{c} ({row[c] / _MIB:.1f} MiB): {advice(c, self.used)}" for c in rest[:2]]
+        nexts = [f"{c} ({row[c] / _MIB:.1f} MiB): {advice(c, facts)}" for c in rest[:2]]
         return text + (f" Next: {'; '.join(nexts)}." if nexts else "")
 
     # -- files ----------------------------------------------------------------------------------
@@ -181,7 +174,7 @@ class MemoryReport:
         for category in (*CATEGORIES, "total"):
             share = 100.0 * last[category] / max(last["total"], 1)
             lines.append((category, *(f"{r[category] / _MIB:,.2f}" for _, r in shown), f"{share:.0f}%"))
-        host = {t.name for t in TERMS if t.kind == "host"}
+        host = {t.name for t in host_terms()}
         for extra in self._extra_columns():
             # a host term (host_offload) only when a feature moved memory there: 0 on every plain run
             if any(r.get(extra) is not None and (extra not in host or r[extra]) for _, r in shown):
@@ -336,4 +329,15 @@ def plot(rows: list[dict[str, Any]], path: Optional[str] = None, used: Optional[
     return figure
 
 
-__all__ = ["FORWARD_END", "REMEDIES", "STEP_PEAK", "MemoryReport", "find_report", "format_table", "plot", "render_report"]
+__all__ = [
+    "FORWARD_END",
+    "REMEDIES",
+    "STEP_PEAK",
+    "MemoryReport",
+    "RunFacts",
+    "advice",
+    "find_report",
+    "format_table",
+    "plot",
+    "render_report",
+]

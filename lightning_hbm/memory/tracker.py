@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_hbm.memory.categories import StorageKey, plain_tensors
 from lightning_hbm.memory.storage import storage_key
+from lightning_hbm.memory.terms import scope_terms, term
 
 
 class StorageRecord(NamedTuple):
@@ -36,7 +37,7 @@ class StorageRecord(NamedTuple):
 
 
 #: The scope of what ``FusedLoss`` allocates (chunk logits, the fp32 rows being softmaxed, a dequantized head): the loss term.
-LOSS_SCOPE = "loss"
+LOSS_SCOPE = term("loss").name
 _SCOPES: list[str] = []
 
 
@@ -59,6 +60,13 @@ def scoped_bytes(records: dict[StorageKey, StorageRecord], scope: str, owned: It
     (a dead record's key may have been reused: it counts)."""
     owned = set(owned)
     return sum(r.nbytes for key, r in records.items() if r.scope == scope and not (key in owned and r.ref() is not None))
+
+
+def scope_term_bytes(records: dict[StorageKey, StorageRecord], owned: Iterable[StorageKey] = ()) -> dict[str, int]:
+    """``{term: bytes}`` of every scope term of the registry (:func:`~lightning_hbm.memory.terms.scope_terms`, registered
+    ones included), each the :func:`scoped_bytes` of its :func:`memory_scope`, in registry order."""
+    owned = set(owned)
+    return {t.name: scoped_bytes(records, t.name, owned) for t in scope_terms()}
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -194,4 +202,4 @@ class LiveStorageTracker(TorchDispatchMode):
             self._module_stack.pop()
 
 
-__all__ = ["LiveStorageTracker", "StorageRecord"]
+__all__ = ["LOSS_SCOPE", "LiveStorageTracker", "StorageRecord", "memory_scope", "scope_term_bytes", "scoped_bytes"]

@@ -29,13 +29,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_hbm.memory import CATEGORIES, TERMS, parameter_bytes, quantization_tensors, tensor_bytes
+from lightning_hbm.memory import CATEGORIES, LOSS_SCOPE, TERMS, parameter_bytes, quantization_tensors, scope_terms, tensor_bytes, term
 from lightning_hbm.planner.candidates import Candidate, default_candidates, format_bytes, parse_bytes
 from lightning_hbm.planner.building import ModelLike, Template, _build, _fake_mode, _quiet_logs, build_template
 from lightning_hbm.planner.tracing import Trace, UntraceableModule
 from lightning_hbm.planner.tracing import trace as _trace
 from lightning_hbm.planner.realvalues import RealValues
-from lightning_hbm.precision import get_mode, quantize_model
+from lightning_hbm.precision import get_format, quantize_model
 
 BatchLike = Union[Any, pl.LightningDataModule]
 
@@ -43,6 +43,8 @@ BatchLike = Union[Any, pl.LightningDataModule]
 #: ~500 MiB is what a CUDA 12 context takes on an A100/H100 with torch loaded; the rest is a margin for
 #: allocator rounding/fragmentation. A stated constant, to be replaced by the GPU benchmark's figure.
 CUDA_CONTEXT_BYTES = 768 * 2**20
+#: The host term the ``offload`` axis predicts: the optimizer states it moves off the device.
+HOST_OFFLOAD = term("host_offload").name
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class Prediction:
             check over a large tensor), answered 0 / ``False`` (:mod:`lightning_hbm.planner.realvalues`).
         loss: bytes of the peak that ``FusedLoss`` holds (chunk logits, the fp32 rows softmaxed, the dequantized head,
             the hidden-state gradient): a term inside ``categories`` (HBMProfiler's ``loss``), 0 without it.
+        side: bytes of every term beside the sum, by name (each scope term of the registry at the peak, registered
+            ones included, and the host terms); ``loss`` and ``host_bytes`` are two of them with their own attribute.
         fallbacks: modules whose forward cannot run on fake tensors, run for real on zeros of their inputs'
             shapes instead, with the reason (``"blocks.0.mixer (real tensors: DynamicOutputShapeException: ...)"``):
             their outputs and what they save for backward are counted; temporaries inside them are not, and a
@@ -80,6 +84,7 @@ class Prediction:
     guessed_reads: int = 0
     loss: int = 0
     fallbacks: tuple[str, ...] = ()
+    side: dict[str, int] = field(default_factory=dict)
 
     def per_rank(self, world_size: int) -> dict[str, int]:
         """Bytes per category on each of ``world_size`` ranks under FSDP/ZeRO-3 (see :func:`shard_categories`).
@@ -92,9 +97,11 @@ class Prediction:
     @property
     def terms(self) -> dict[str, int]:
         """Bytes per memory term (:data:`lightning_hbm.memory.terms.TERMS`, registry order): the categories, then
-        ``loss`` (inside them) and ``host_offload`` (:attr:`host_bytes`, off the device): HBMProfiler's columns."""
-        beside = {"loss": self.loss, "host_offload": self.host_bytes}
-        return {t.name: self.categories[t.name] if t.kind == "category" else beside[t.name] for t in TERMS}
+        the terms beside them (:attr:`side`: ``loss`` inside them, ``host_offload`` off the device, any registered
+        one; 0 when not predicted): HBMProfiler's columns."""
+        # the two side terms that have their own attribute, for a Prediction built by hand; `side` as predicted wins
+        side = {LOSS_SCOPE: self.loss, HOST_OFFLOAD: self.host_bytes, **self.side}
+        return {t.name: self.categories[t.name] if t.kind == "category" else side.get(t.name, 0) for t in TERMS}
 
     @property
     def peak(self) -> int:
@@ -192,7 +199,7 @@ def _count_quantized(
         module = _build(model, fake_mode, RealValues(fake_mode))
         with fake_mode:
             module.configure_model()
-            quantize_model(module, get_mode(mode).for_fake_tensors(), dtype, ignore_modules, layer_modes=layer_modes)
+            quantize_model(module, get_format(mode).for_fake_tensors(), dtype, ignore_modules, layer_modes=layer_modes)
             return count(module)
 
 
@@ -268,6 +275,7 @@ def predict(
         host = max(phase["optimizer_states"] for phase in result.phases.values())
         for phase in result.phases.values():
             phase["optimizer_states"] = 0
+    scopes = result.peak_scopes()
     return Prediction(
         candidate=candidate,
         categories=result.peak_categories(),
@@ -279,8 +287,9 @@ def predict(
         cost=candidate.relative_cost(),
         budget=budget,
         guessed_reads=result.guessed,
-        loss=result.loss.get(result.peak_phase(), 0),
+        loss=scopes.get(LOSS_SCOPE, 0),
         fallbacks=tuple(f"{name} (real tensors: {reason})" for name, reason in sorted(result.fallbacks.items())),
+        side={**scopes, HOST_OFFLOAD: host},
     )
 
 
@@ -318,14 +327,24 @@ class Plan:
                 return prediction
         raise KeyError(f"{candidate.name} is not in this plan.")
 
+    def scope_columns(self) -> list[str]:
+        """The scope terms (registry order) some prediction holds bytes of: columns after the categories, inside them."""
+        return [t.name for t in scope_terms() if any(p.terms[t.name] for p in self.predictions)]
+
+    def header(self) -> list[str]:
+        """The table's columns: candidate, each category, the scope terms held (:meth:`scope_columns`), peak, ..."""
+        return ["candidate", *CATEGORIES, *self.scope_columns(), "peak", "peak+overhead", "fits", "step time"]
+
     def rows(self) -> list[list[str]]:
-        """One row per prediction: name, each category, peak, total, fits, cost."""
+        """One row per prediction: name, each category, each of :meth:`scope_columns`, peak, total, fits, cost."""
         rows = []
+        scopes = self.scope_columns()
         for p in self.predictions:
             fits = "-" if p.fits is None else ("yes" if p.fits else "no")
+            terms = p.terms
             rows.append(
                 [p.candidate.name]
-                + [format_bytes(p.categories[c]) for c in CATEGORIES]
+                + [format_bytes(terms[name]) for name in (*CATEGORIES, *scopes)]
                 + [format_bytes(p.peak), format_bytes(p.total), fits, f"{p.cost:.2f}x"]
             )
         return rows
@@ -336,7 +355,7 @@ class Plan:
 
         budget = "" if self.budget is None else f", budget {format_bytes(self.budget)}"
         table = Table(title=f"lightning_hbm plan ({self.device}{budget})")
-        for column in ["candidate", *CATEGORIES, "peak", "peak+overhead", "fits", "step time"]:
+        for column in self.header():
             table.add_column(column, justify="left" if column == "candidate" else "right")
         chosen = self.chosen
         for prediction, row in zip(self.predictions, self.rows()):
@@ -344,7 +363,7 @@ class Plan:
         return table
 
     def __str__(self) -> str:
-        header = ["candidate", *CATEGORIES, "peak", "peak+overhead", "fits", "step time"]
+        header = self.header()
         rows = [header, *self.rows()]
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
@@ -426,6 +445,7 @@ def plan(
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
+    "HOST_OFFLOAD",
     "Plan",
     "Prediction",
     "example_batch",

@@ -207,14 +207,14 @@ def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str, Optional[dict[st
     """(precision name, dtype, pinned mixed-precision plan) of the Trainer: the candidate that changes nothing."""
     plugin = trainer.strategy.precision_plugin
     if isinstance(plugin, QuantizedPrecision):
-        if plugin.max_bytes_per_param is not None or plugin.min_cosine is not None:
+        if plugin.measures_plan:
             rank_zero_warn(
-                f"AutoFit plans {plugin._name} as if every layer were {plugin.mode.name}: its mixed-precision plan is "
+                f"AutoFit plans {plugin.name} as if every layer were {plugin.mode.name}: its mixed-precision plan is "
                 "measured on the probe batch only when the model is quantized, after AutoFit has chosen, so the "
                 "parameters the wider layers add are not in the prediction. For an exact prediction, pin the plan "
                 "of an earlier run: QuantizedPrecision(mode, layer_modes=<that run's plugin.plan>)."
             )
-        return plugin.mode.name, str(plugin.dtype).removeprefix("torch."), plugin.plan if plugin._pinned_plan else None
+        return plugin.mode.name, str(plugin.dtype).removeprefix("torch."), plugin.pinned_plan
     name = str(trainer.precision)
     if name not in PLANNED_LIGHTNING_PRECISIONS:
         raise ValueError(

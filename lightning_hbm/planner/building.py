@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from lightning_hbm import record
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import transformers as transformers_compat
 from lightning_hbm.planner.realvalues import RealValues
@@ -138,7 +139,9 @@ def _fake_copy(
         memo[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
     # The copy must not drag the Trainer along (nor log into it): detach it for the duration of the copy.
     with lightning_compat.detached(module):
-        return copy.deepcopy(module, memo)
+        copied = copy.deepcopy(module, memo)
+    record.copy_record(module, copied)  # what lightning_hbm knows of the model (kept outside it) holds for the copy
+    return copied
 
 
 def _build(model: Union[ModelLike, Template], fake_mode: FakeTensorMode, values: RealValues) -> pl.LightningModule:

@@ -146,7 +146,7 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     schema = func._schema
     if not schema.is_mutable:
         return []
-    written = []
+    written: list[torch.Tensor] = []
     for position, arg in enumerate(schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue

@@ -12,7 +12,7 @@ parameters, ``.grad``, ``optimizer.state``, buffers by owner; what the forward c
 other.
 
 Quantized layers are built by each precision mode's own fake-tensor construction
-(:meth:`lightning_hbm.precision.QuantMode.for_fake_tensors`). Data-dependent Python reads real values
+(:meth:`lightning_hbm.precision.QuantFormat.for_fake_tensors`). Data-dependent Python reads real values
 from small real twins (:mod:`lightning_hbm.planner.realvalues`). ``from_pretrained`` inside a factory
 builds the model from its saved config without reading a weight (:mod:`lightning_hbm.planner.building`).
 Hugging Face models are kept on their eager code paths, which they leave for fake tensors
@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt, _disable_current_modes
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.callbacks.activation_checkpointing import find_blocks
-from lightning_hbm.memory import CATEGORIES, LOSS_SCOPE, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count, scoped_bytes
+from lightning_hbm.memory import CATEGORIES, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count, scope_term_bytes
 from lightning_hbm.memory.categories import buffer_tensors, classify_records, optimizer_state_tensors, parameter_tensors
 from lightning_hbm.planner.building import (
     ModelLike,
@@ -76,7 +76,8 @@ class Trace:
     kept: int  # blocks traced
     block_bytes: int = 0  # parameter bytes of the largest repeated block (what FSDP gathers at once)
     guessed: int = 0  # values read without a real twin (answered 0 / False)
-    loss: dict[str, int] = field(default_factory=dict)  # per phase: FusedLoss's bytes at its peak (inside the categories)
+    # per phase: each scope term's bytes at its peak (loss: what FusedLoss allocated; inside the categories)
+    scopes: dict[str, dict[str, int]] = field(default_factory=dict)
     fallbacks: dict[str, str] = field(default_factory=dict)  # module name -> why it ran on real zeros
 
     def peak_phase(self) -> str:
@@ -98,9 +99,18 @@ class Trace:
             if phase in deeper.phases
         }
         trainable, total = line(self.trainable, deeper.trainable), line(self.total, deeper.total)
-        loss = {phase: line(self.loss.get(phase, 0), deeper.loss.get(phase, 0)) for phase in phases}
+        scopes = {phase: _line_terms(self.scopes.get(phase, {}), deeper.scopes.get(phase, {}), line) for phase in phases}
         fallbacks = {**self.fallbacks, **deeper.fallbacks}
-        return Trace(phases, trainable, total, depth, depth, self.block_bytes, max(self.guessed, deeper.guessed), loss, fallbacks)
+        return Trace(phases, trainable, total, depth, depth, self.block_bytes, max(self.guessed, deeper.guessed), scopes, fallbacks)
+
+    def peak_scopes(self) -> dict[str, int]:
+        """Each scope term's bytes at the peak phase (the registry's scope terms, :func:`~lightning_hbm.memory.terms.scope_terms`)."""
+        return dict(self.scopes.get(self.peak_phase(), {}))
+
+
+def _line_terms(a: dict[str, int], b: dict[str, int], line: Callable[[int, int], int]) -> dict[str, int]:
+    """Per term, the line through ``a`` (k blocks) and ``b`` (k+1 blocks) at the real depth."""
+    return {name: line(a.get(name, 0), b.get(name, 0)) for name in {**a, **b}}
 
 
 def trace(
@@ -150,13 +160,13 @@ def trace(
         _first_step_state(optimizers, reached)
         # states created outside the dispatch (e.g. bitsandbytes' real quantization maps)
         tracker.seed(optimizer_state_tensors(optimizers), "setup")
-        phases, loss = _steady_step(module, fake_batch, plugin, optimizers, tracker)
+        phases, scopes = _steady_step(module, fake_batch, plugin, optimizers, tracker)
         trainable = parameter_count(module, trainable=True)
         total = parameter_count(module)
         block_bytes = max((parameter_bytes(block) for _, block in _blocks(module)), default=0)
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
-    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, loss, fallbacks)
+    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks)
 
 
 def _gradient_receivers(module: pl.LightningModule, batch: Any, plugin: Precision) -> Optional[set[int]]:
@@ -200,11 +210,11 @@ def _first_step_state(optimizers: list[torch.optim.Optimizer], reached: Optional
 
 def _steady_step(
     module: pl.LightningModule, batch: Any, plugin: Precision, optimizers: list, tracker: LiveStorageTracker
-) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
     """Forward, zero_grad, backward, optimizer step, as Lightning runs them; each phase's peak by category, and
-    the loss term at it (what ``FusedLoss`` allocated, :data:`~lightning_hbm.memory.LOSS_SCOPE`)."""
+    each scope term at it (:func:`~lightning_hbm.memory.scope_term_bytes`; ``loss``: what ``FusedLoss`` allocated)."""
     phases: dict[str, dict[str, int]] = {}
-    loss_term: dict[str, int] = {}
+    scopes: dict[str, dict[str, int]] = {}
     loss: Any = None
     for phase in PHASES:
         tracker.phase = phase
@@ -225,8 +235,8 @@ def _steady_step(
         # gradients, alive during the forward, are gone once backward starts)
         owned = owned_storages(module, optimizers)
         phases[phase] = classify_records(tracker.peak_records, owned)
-        loss_term[phase] = scoped_bytes(tracker.peak_records, LOSS_SCOPE, owned)
-    return phases, loss_term
+        scopes[phase] = scope_term_bytes(tracker.peak_records, owned)
+    return phases, scopes
 
 
 #: What FakeTensorMode raises when an op needs values (or a kernel) a fake tensor does not have.

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
+from lightning_hbm import record
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.precision.registry import QuantFormat, register_format
 
@@ -67,10 +68,6 @@ _QMAX = 127  # symmetric range [-127, 127]: -128 is never used, so scales are th
 # The smallest normal fp32: an all-zero row gets this scale (stays zero instead of dividing by 0), and any
 # non-zero row keeps its own scale (a larger floor, e.g. 1e-12, would quantize rows below ~1e-10 coarsely).
 _EPS = torch.finfo(torch.float32).tiny
-#: attribute of a Linear's weight Parameter holding the int8 smoothing exponents that mode
-#: ``int8-dynamic-smooth`` folds in (set by ``QuantizedPrecision`` for the duration of the quantization;
-#: the weight Parameter, unlike the module, is what reaches the mode's ``replace`` in every code path)
-SHIFT_ATTR = "_lightning_hbm_input_shift"
 
 
 def quantize_rowwise(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,10 +264,11 @@ def _int8_dynamic(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.
 
 
 def _int8_dynamic_smooth(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
-    # The exponents travel on the weight Parameter (QuantizedPrecision attaches them while it quantizes, and the
-    # sensitivity plan's copies share that Parameter). None attached (e.g. the planner's shape-only layers, or
+    # The exponents travel with the weight Parameter (attached to it in lightning_hbm.record while QuantizedPrecision
+    # quantizes: the Parameter, unlike its module, reaches replace in every code path, and the sensitivity plan's
+    # copies share it). None attached (e.g. the planner's shape-only layers, or
     # weight_bytes): zeros, the same storage.
-    shift = getattr(linear.weight, SHIFT_ATTR, None)
+    shift = record.input_shift(linear.weight)
     if shift is None:
         shift = torch.zeros(linear.in_features, dtype=torch.int8, device=linear.weight.device)
     return Int8DynamicLinear.from_linear(linear, device, input_shift=shift)
@@ -287,4 +285,4 @@ register_format(Int8DynamicFormat(
 ))
 
 
-__all__ = ["Int8DynamicLinear", "SHIFT_ATTR", "quantize_rowwise", "uses_integer_kernel"]
+__all__ = ["Int8DynamicLinear", "quantize_rowwise", "uses_integer_kernel"]

@@ -7,12 +7,24 @@ projections, transformers-5 experts; unless ignored, tied, the output head, decl
 biases stay trainable in the compute ``dtype``. Built on bitsandbytes directly rather than on
 Lightning's ``BitsandbytesPrecision``, which refuses CPU, freezes biases and can only load fp32
 weights on CUDA (checked with Lightning 2.6: an isinstance check on the accelerator, a CUDA-only load path).
+
+Always left in full precision: Linears tied to another module, the modules a model declares in
+``_keep_in_fp32_modules`` (kept in fp32) and the ``modules_to_save`` of the Trainer's ``LoRA``.
+At fit start (rank 0) the layer-kind coverage table is logged (:mod:`lightning_hbm.layers`):
+per kind, parameters quantized / adapted / checkpointed / left alone and why; a kind holding
+more than 5 % of the parameters that nothing handles is a warning naming it.
+
+The mixed-precision plan (``plan``) is logged and saved with the plugin's settings (targets included)
+in every checkpoint; a resume with the same settings takes the saved plan (nothing measured, so a fresh
+model with another init resumes exactly), and other settings or another pinned plan are a resume error.
+
+The plugin is the Lightning side only (dtype hooks, the surgery entry, checkpoint hooks); what it quantizes and
+how (targets, sensitivity plan, GPTQ rounding, smoothing, resume settings) is its
+:class:`~lightning_hbm.precision.plan.QuantizationPlan`, ``plugin.quantization``.
 """
 
 from __future__ import annotations
 
-import logging
-import re
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Generator, Mapping, Optional, Sequence, Union
 
@@ -22,37 +34,70 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_hbm import resume
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.layers import report_coverage
-from lightning_hbm.precision.bnb import import_bnb
-from lightning_hbm.precision.gptq import ROUNDINGS, digest, grid_of, input_hessians
-from lightning_hbm.precision.quantize import _layer_modes, _quantizable_linears, _validate, quantize_model
-from lightning_hbm.precision.registry import format_of, get_mode, to_dtype
-from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args, choose_plan
-from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
-from lightning_hbm.probe import first_batch
-from lightning_hbm.surgery import (
-    SAVED_MODULES_ATTR,
-    applied_transforms,
-    mark_applied,
-    pack_checkpoint,
-    pending_checkpoint,
-    plugin_trainer,
-    trainer_optimizers,
-    trainer_surgery,
-)
+from lightning_hbm.precision.plan import QuantizationPlan
+from lightning_hbm.surgery import applied_transforms, mark_applied, pack_checkpoint, plugin_trainer, trainer_optimizers, trainer_surgery
+from lightning_hbm.surgery.protocol import SurgeryPlugin
 
-log = logging.getLogger(__name__)
-
-_LIGHTNING_NAMES = {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch.float32: "32-true"}
+#: what ``trainer.precision`` reports for each compute dtype (values of Lightning's precision Literal)
+_LIGHTNING_NAMES: dict[torch.dtype, Any] = {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch.float32: "32-true"}
 
 
-_DIGEST_KEY = "gptq_digest"  # the CRC of the GPTQ-rounded base, in the checkpoint's lightning_hbm part
+class _FromPlan:
+    """A setting of ``QuantizedPrecision`` that its :class:`QuantizationPlan` holds, read (and set) as the plugin's own.
+
+    Kept readable on the plugin because users, callbacks and the planner read them there (``plugin.mode.name``,
+    ``plugin.plan``); the planner sets ``mode`` to its fake-tensor twin. Read-only where the plan's is a property.
+    """
+
+    def __init__(self, source: Optional[str] = None) -> None:
+        self.source = source  # the plan's name for it (default: the same name)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = self.source or name
+
+    def __get__(self, plugin: Optional[QuantizedPrecision], owner: type) -> Any:
+        return self if plugin is None else getattr(plugin.quantization, self.name)
+
+    def __set__(self, plugin: QuantizedPrecision, value: Any) -> None:
+        setattr(plugin.quantization, self.name, value)
 
 
-class QuantizedPrecision(Precision):
+class _TrueDtype(Precision):
+    """Lightning's precision hooks for a model computing in one ``dtype`` (what Lightning's ``bf16-true`` does).
+
+    Not Lightning's ``HalfPrecision``: strategies treat that class as theirs (and it takes no fp32).
+    """
+
+    dtype: torch.dtype
+
+    def _dtype_context(self) -> AbstractContextManager:
+        return nullcontext() if self.dtype == torch.float32 else _default_dtype(self.dtype)
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        return self._dtype_context()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self._dtype_context()
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        return self._dtype_context()
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return apply_to_collection(data, function=_cast_floating(self.dtype), dtype=Tensor)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return apply_to_collection(data, function=_cast_floating(torch.get_default_dtype()), dtype=Tensor)
+
+
+class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
     """Frozen base weights stored quantized (bitsandbytes or ``int8-dynamic``), selected by name.
 
     Args:
@@ -95,20 +140,13 @@ class QuantizedPrecision(Precision):
             The factors are measured before quantizing (logged: layers smoothed, alphas, probe output cosine
             before/after), saved in every checkpoint and taken back from it on resume. Other modes: must be None.
 
-    Always left in full precision: Linears tied to another module, the modules a model declares in
-    ``_keep_in_fp32_modules`` (kept in fp32) and the ``modules_to_save`` of the Trainer's ``LoRA``.
-    At fit start (rank 0) the layer-kind coverage table is logged (:mod:`lightning_hbm.layers`):
-    per kind, parameters quantized / adapted / checkpointed / left alone and why; a kind holding
-    more than 5 % of the parameters that nothing handles is a warning naming it.
+    Raises:
+        ValueError: an unknown mode, a dtype the mode cannot compute in, an invalid ``ignore_modules`` regex, a
+            target out of range, an unknown ``rounding``, ``smoothing`` for modes that do not smooth.
+        TypeError: an argument of the wrong type.
 
-    The mixed-precision plan (:attr:`plan`) is logged and saved with the plugin's settings (targets included)
-    in every checkpoint; a resume with the same settings takes the saved plan (nothing measured, so a fresh
-    model with another init resumes exactly), and other settings or another pinned plan are a resume error.
-
-    Applied at lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`): after
-    ``configure_model``, before ``configure_optimizers``, first of all model changes.
-
-    Example::
+    Applied at lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`): after ``configure_model``, before
+    ``configure_optimizers``, first of all model changes. Example::
 
         trainer = Trainer(plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16")])
     """
@@ -128,68 +166,23 @@ class QuantizedPrecision(Precision):
         smoothing: Optional[Union[float, str]] = None,
     ) -> None:
         check_args(QuantizedPrecision.__init__, locals())
-        self.mode = get_mode(mode)
-        self.dtype = to_dtype(dtype)
-        if self.dtype not in self.mode.dtypes:
-            raise ValueError(
-                f"Precision mode {mode!r} does not support dtype {self.dtype}. "
-                f"Supported: {[str(d) for d in self.mode.dtypes]}; pass dtype='bfloat16' for example."
-            )
-        if isinstance(ignore_modules, str):
-            try:
-                re.compile(ignore_modules)
-            except re.error as err:
-                raise ValueError(
-                    f"ignore_modules={ignore_modules!r} is a string, read as a regex (full match, as LoRA's target_modules), "
-                    f"but it is not a valid one: {err}. Pass a list of module names or glob patterns instead."
-                ) from err
-        self.ignore_modules = ignore_modules if isinstance(ignore_modules, str) else tuple(ignore_modules)
-        self.quantize_head = bool(quantize_head)
-        check_plan_args(self.mode.name, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch, layer_modes)
-        if rounding not in ROUNDINGS:
-            raise ValueError(f"QuantizedPrecision(rounding={rounding!r}): use one of {list(ROUNDINGS)}.")
-        self.rounding = rounding
-        #: ``{layer name: 2 X^T X}`` on the probe, for GPTQ rounding (measured in the checks, freed after)
-        self._hessians: Optional[dict[str, Tensor]] = None
-        #: CRC32 of the GPTQ-rounded 4-bit weights (saved with checkpoints, compared on resume)
-        self.rounding_digest: Optional[str] = None
-        self.max_bytes_per_param, self.min_cosine = max_bytes_per_param, min_cosine
-        # a list in the resume settings: the checkpoint stores lists (a tuple would compare unequal after a load)
-        self.sensitive_mode = sensitive_mode if isinstance(sensitive_mode, str) else list(sensitive_mode)
-        self.probe_batch = probe_batch
-        #: the per-layer plan ``{layer name: mode name}`` (``None``: every layer in ``mode``)
-        self.plan: Optional[dict[str, str]] = dict(layer_modes) if layer_modes else None
-        self._pinned_plan = self.plan is not None
-        #: what the sensitivity-aware choice measured (``None`` without a target)
-        self.plan_report: Optional[SensitivityPlan] = None
-        sensitive = [sensitive_mode] if isinstance(sensitive_mode, str) else list(sensitive_mode)
-        #: the smoothing of layers stored in ``int8-dynamic-smooth`` (``None`` when no layer may be)
-        self._smoothing = Smoothing.configure(smoothing, [self.mode.name, *sensitive, *(layer_modes or {}).values()], self.mode.name)
-        if self.mode.peft_kind is not None:  # bitsandbytes modes: fail now, not at fit time
-            import_bnb()
+        #: the settings, and what each surgery decides: targets, sensitivity plan, GPTQ rounding, smoothing
+        self.quantization = QuantizationPlan(
+            mode, dtype, ignore_modules, quantize_head, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch,
+            dict(layer_modes) if layer_modes else None, rounding, smoothing, owner=type(self).__qualname__,
+        )
         self.precision = _LIGHTNING_NAMES[self.dtype]  # what trainer.precision reports
-        # Set by the surgery spine to the strategy's root device, so weights are quantized there.
-        self.target_device: Optional[torch.device] = None
 
-    runs_surgery = True  # the surgery spine needs no wrapper around this plugin: it calls the engine itself
-
-    @property
-    def smoothing(self) -> Optional[Union[float, str]]:
-        """The smoothing setting (``None`` when no layer is stored in ``int8-dynamic-smooth``)."""
-        return None if self._smoothing is None else self._smoothing.setting
+    # the settings (documented above) and what the surgery decided, read from the plan (QuantizationPlan's docs)
+    mode, dtype, ignore_modules, quantize_head = _FromPlan(), _FromPlan(), _FromPlan(), _FromPlan()
+    max_bytes_per_param, min_cosine, sensitive_mode = _FromPlan(), _FromPlan(), _FromPlan()
+    probe_batch, rounding, pinned_plan, measures_plan = _FromPlan(), _FromPlan(), _FromPlan(), _FromPlan()
+    plan, plan_report, rounding_digest = _FromPlan("layer_modes"), _FromPlan("report"), _FromPlan()
+    smoothing, input_shifts, smoothing_report = _FromPlan("smoothing_setting"), _FromPlan(), _FromPlan()
 
     @property
-    def input_shifts(self) -> Optional[dict[str, Tensor]]:
-        """``{layer name: int8 exponents}`` measured (or resumed) at fit start."""
-        return None if self._smoothing is None else self._smoothing.shifts
-
-    @property
-    def smoothing_report(self) -> Optional[SmoothingReport]:
-        """What the smoothing measured (``None`` when resumed or not smoothed)."""
-        return None if self._smoothing is None else self._smoothing.report
-
-    @property
-    def _name(self) -> str:
+    def name(self) -> str:
+        """The name this plugin's change is recorded under (``applied_transforms``): ``QuantizedPrecision(nf4-dq)``."""
         return f"QuantizedPrecision({self.mode.name})"
 
     @override
@@ -197,178 +190,43 @@ class QuantizedPrecision(Precision):
         """lightning_hbm's surgery point: checks, quantization, then the Trainer's transforms."""
         return trainer_surgery(module, self, self.convert_base)
 
+    def check_model(self, module: nn.Module) -> None:
+        """Raise before any change if ``module`` cannot be quantized with these settings (:meth:`QuantizationPlan.check`)."""
+        if self.name not in applied_transforms(module):
+            self.quantization.check(module, self._trainer(module))
+
+    def place_on(self, device: torch.device) -> None:
+        """Quantize on ``device`` (the surgery gives the strategy's root device)."""
+        self.quantization.device = device
+
     def convert_base(self, module: nn.Module) -> nn.Module:
         """Quantize ``module``'s layers in place (once per model), and nothing else."""
-        if self._name in applied_transforms(module):
-            return module
-        if self._smoothing is not None and self._smoothing.shifts is None:  # not checked first (a plain call)
-            self._smooth(module, self._linear_targets(module))
-        with self._attached_shifts(module):
-            quantized = quantize_model(
-                module,
-                self.mode,
-                self.dtype,
-                self.ignore_modules,
-                self.target_device,
-                self.quantize_head,
-                _lora_saved(module),
-                layer_modes=self.plan,
-                hessians=self._hessians,
-            )
-        log.info("lightning_hbm: %d layers stored as %s", len(quantized), self.mode.name)
-        if self._smoothing is not None:
-            self._smoothing.report_unsmoothed(module, quantized)
-        if self._hessians is not None:
-            self._check_rounding(module, quantized)
-        mark_applied(module, self._name)
+        if self.name not in applied_transforms(module):
+            self.quantization.convert(module, self._trainer(module))
+            mark_applied(module, self.name)
         return module
-
-    def _check_rounding(self, module: nn.Module, quantized: list[str]) -> None:
-        rounded = [n for n in quantized if n in self._hessians and grid_of(module.get_submodule(n)) is not None]
-        nearest = [n for n in quantized if n not in rounded and (self.plan or {}).get(n) != "none"]
-        self._hessians = None  # in_features**2 floats per layer input: not kept for training
-        self.rounding_digest = digest(module, rounded)
-        # by name and mode: a mode whose format has no code grid for GPTQ (QuantFormat.rounding_grid) says so here
-        modes = {n: getattr(format_of(module.get_submodule(n)), "name", "none") for n in nearest[:12]}
-        log.info(
-            "lightning_hbm: GPTQ rounding of %d 4-bit layers on the probe batch (CRC %s); nearest rounding kept for %d "
-            "layers whose mode has no GPTQ code grid or that the probe did not reach (layer: mode): %s",
-            len(rounded), self.rounding_digest, len(nearest), modes,
-        )
-        saved = self._saved_meta(self._trainer(module)).get(_DIGEST_KEY)
-        if saved is not None and saved != self.rounding_digest:
-            raise ValueError(
-                f"The GPTQ rounding rebuilt for this resume (CRC {self.rounding_digest}) differs from the one the "
-                f"checkpoint was trained with (CRC {saved}): the probe batch differs (or the weights on another device). "
-                "Resume with the same probe_batch (or datamodule) as the run that saved it; nothing has been trained yet."
-            )
-
-    def check_model(self, module: nn.Module) -> None:
-        """Raise before any change if ``module`` cannot be quantized with these settings."""
-        if self._name in applied_transforms(module):
-            return
-        _validate(module, self.mode, self.dtype, self.ignore_modules)
-        targets, _ = _quantizable_linears(module, self.ignore_modules, self.quantize_head, _lora_saved(module))
-        if self._pinned_plan:
-            _layer_modes(targets, self.mode, self.plan or {})
-        if self.rounding == "gptq":  # one forward on the model as built: every layer's input statistics
-            self._hessians = input_hessians(module, [name for name, _ in targets], self._probe(module))
-        if self._smoothing is not None:  # before the plan: the plan measures the smoothed layers
-            self._smooth(module, [name for name, layer in targets if isinstance(layer, nn.Linear)])
-        if not self._pinned_plan and (self.max_bytes_per_param is not None or self.min_cosine is not None):
-            # measured per nn.Linear (other kinds, e.g. Conv1D or the projections a MultiheadAttention becomes, use mode)
-            with self._attached_shifts(module):
-                self._choose_plan(module, [name for name, layer in targets if isinstance(layer, nn.Linear)])
 
     def quantization_targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
         """``(name, layer)`` of every layer this plugin quantizes in ``module`` (``LoRA`` reads it before any change)."""
-        return _quantizable_linears(module, self.ignore_modules, self.quantize_head, _lora_saved(module))[0]
+        return self.quantization.targets(module)
 
-    def _linear_targets(self, module: nn.Module) -> list[str]:
-        targets, _ = _quantizable_linears(module, self.ignore_modules, self.quantize_head, _lora_saved(module))
-        return [name for name, layer in targets if isinstance(layer, nn.Linear)]
+    def resume_config(self) -> dict[str, Any]:
+        """What a resumed run must share with the run that saved the checkpoint."""
+        return self.quantization.resume_config(plugin_trainer(self))
 
-    def _smooth(self, module: nn.Module, names: list[str]) -> None:
-        """The smoothing exponents of the Linears ``names``: the checkpoint's when resuming with these settings."""
-        assert self._smoothing is not None
-
-        def saved() -> dict[str, Any]:
-            meta = self._saved_meta(self._trainer(module))
-            config = meta.get("configs", {}).get(type(self).__qualname__) or {}
-            same = all(config.get(k) == v for k, v in self.resume_config().items() if k != "layer_modes")
-            return meta if same else {}
-
-        path = getattr(self._trainer(module), "ckpt_path", None)  # named in a refusal of the saved exponents
-        self._smoothing.measure(module, names, self.dtype, lambda: self._probe(module), saved, path)
-
-    def _attached_shifts(self, module: nn.Module) -> AbstractContextManager:
-        return self._smoothing.attached(module) if self._smoothing is not None else nullcontext()
+    def add_checkpoint_metadata(self, meta: dict[str, Any]) -> None:
+        """The GPTQ CRC and the smoothing exponents, into the lightning_hbm part of each checkpoint."""
+        self.quantization.save(meta)
 
     def _trainer(self, module: nn.Module) -> Any:
         return lightning_compat.attached_trainer(module) or plugin_trainer(self)
 
-    def _probe(self, module: nn.Module) -> Any:
-        if self.probe_batch is not None:
-            return self.probe_batch
-        return first_batch(self._trainer(module), "QuantizedPrecision")
-
-    def _choose_plan(self, module: nn.Module, names: list[str]) -> None:
-        # Measured here, in the checks: an unreachable target fails before the first change, and on resume
-        # the plan exists before the saved settings (the plan included) are compared with this run's.
-        trainer = self._trainer(module)
-        self.plan = self.plan_report = None  # a plugin reused by another Trainer measures again
-        saved = self._saved_plan(trainer)
-        if saved is not None:  # resuming: rebuild the plan the checkpoint was trained with (a fresh model may differ)
-            self.plan = saved
-            log.info("lightning_hbm: mixed precision plan taken from the checkpoint being resumed")
-            return
-        report = choose_plan(
-            module, names, self.mode.name, self.sensitive_mode, self.dtype, self._probe(module),
-            max_bytes_per_param=self.max_bytes_per_param, min_cosine=self.min_cosine, hessians=self._hessians,
-        )
-        self.plan, self.plan_report = report.modes, report
-        log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.mode.name))
-
-    @staticmethod
-    def _saved_meta(trainer: Any) -> dict[str, Any]:
-        """The lightning_hbm part of the checkpoint being resumed (empty when none)."""
-        checkpoint = pending_checkpoint(trainer) or {}
-        if checkpoint:
-            resume.verify(checkpoint, trainer.ckpt_path)  # structure, version, CRCs: before this part is read
-        return checkpoint.get(resume.META_KEY) or {}
-
-    def _saved_plan(self, trainer: Any) -> Optional[dict[str, str]]:
-        """The plan in the checkpoint being resumed, if it was saved with this plugin's settings."""
-        if trainer is None:
-            return None
-        saved = self._saved_meta(trainer).get("configs", {}).get(type(self).__qualname__) or {}
-        config = self._settings()
-        if any(saved.get(key) != value for key, value in config.items()):
-            return None  # other settings: measure, and the resume check lists every difference
-        return saved.get("layer_modes")
-
-    def _ignore_list(self) -> Union[str, list[str]]:
-        return self.ignore_modules if isinstance(self.ignore_modules, str) else list(self.ignore_modules)
-
-    def resume_config(self) -> dict[str, Any]:
-        """What a resumed run must share with the run that saved the checkpoint."""
-        config = self._settings()
-        plan = self.plan
-        if plan is None and "max_bytes_per_param" in config:
-            # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same
-            # settings the plan will be the checkpoint's own (_choose_plan), so that one is this run's
-            plan = self._saved_plan(plugin_trainer(self))
-        if plan is not None:
-            config["layer_modes"] = dict(plan)
-        return config
-
-    def _settings(self) -> dict[str, Any]:
-        config = {
-            "mode": self.mode.name,
-            "dtype": str(self.dtype),
-            "ignore_modules": self._ignore_list(),
-            "quantize_head": self.quantize_head,
-        }
-        targets = {"max_bytes_per_param": self.max_bytes_per_param, "min_cosine": self.min_cosine}
-        if any(value is not None for value in targets.values()):
-            config.update(targets, sensitive_mode=self.sensitive_mode)
-        if self._pinned_plan and self.plan is not None:  # a plan the user gave: a setting like the others
-            config["layer_modes"] = dict(self.plan)
-        if self.rounding != "nearest":  # absent before this option existed: older checkpoints keep matching
-            config["rounding"] = self.rounding
-        if self.smoothing is not None:
-            config["smoothing"] = self.smoothing
-        return config
-
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning's first save hook: packs the checkpoint, with this plugin's part (add_checkpoint_metadata)
         trainer = plugin_trainer(self)
         if trainer is not None:
             pack_checkpoint(trainer, checkpoint)
-        if self.rounding_digest is not None and resume.META_KEY in checkpoint:
-            checkpoint[resume.META_KEY][_DIGEST_KEY] = self.rounding_digest
-        if self._smoothing is not None and resume.META_KEY in checkpoint:
-            self._smoothing.save(checkpoint[resume.META_KEY])
 
     @override
     def connect(self, model: Any, optimizers: Any, lr_schedulers: Any) -> Any:
@@ -381,51 +239,14 @@ class QuantizedPrecision(Precision):
             report_coverage(model, quantizing=True)
         return result
 
-    def _dtype_context(self) -> AbstractContextManager:
-        if self.dtype == torch.float32:
-            return nullcontext()
-        return _default_dtype(self.dtype)
-
-    @override
-    def tensor_init_context(self) -> AbstractContextManager:
-        return self._dtype_context()
-
-    @override
-    def module_init_context(self) -> AbstractContextManager:
-        return self._dtype_context()
-
-    @override
-    def forward_context(self) -> AbstractContextManager:
-        return self._dtype_context()
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        return apply_to_collection(data, function=_cast_floating(self.dtype), dtype=Tensor)
-
-    @override
-    def convert_output(self, data: Any) -> Any:
-        return apply_to_collection(data, function=_cast_floating(torch.get_default_dtype()), dtype=Tensor)
-
     def __repr__(self) -> str:
         return (
-            f"QuantizedPrecision(mode={self.mode.name!r}, dtype={self.dtype}, ignore_modules={self._ignore_list()!r}, "
+            f"QuantizedPrecision(mode={self.mode.name!r}, dtype={self.dtype}, ignore_modules={self.quantization.ignore_list()!r}, "
             f"quantize_head={self.quantize_head}"
             + (f", smoothing={self.smoothing!r}" if self.smoothing is not None else "")
             + (f", rounding={self.rounding!r}" if self.rounding != "nearest" else "")
             + ")"
         )
-
-
-def _lora_saved(module: nn.Module) -> list[str]:
-    """``modules_to_save`` of the callbacks of the Trainer ``module`` is attached to (they stay unquantized).
-
-    Read by duck typing (``LoRA`` has the attribute): the precision level sits below the callbacks
-    (``tests/test_layering.py``).
-    """
-    trainer = lightning_compat.attached_trainer(module)
-    names = [name for cb in getattr(trainer, "callbacks", []) for name in getattr(cb, "modules_to_save", None) or ()]
-    # without a Trainer (the planner's surgery), the ones run_surgery was given
-    return names + [n for n in getattr(module, SAVED_MODULES_ATTR, ()) if n not in names]
 
 
 @contextmanager
@@ -443,8 +264,3 @@ def _cast_floating(dtype: torch.dtype) -> Any:
         return tensor.to(dtype) if torch.is_floating_point(tensor) else tensor
 
     return cast
-
-
-def precision_plugin(name: str, **kwargs: Any) -> QuantizedPrecision:
-    """The precision plugin registered as ``name``: ``precision_plugin("nf4-dq", dtype="bf16")``."""
-    return QuantizedPrecision(mode=name, **kwargs)

@@ -7,28 +7,24 @@ tagged with its reason for the coverage table.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
-import re
-from typing import Iterable, Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm import record
 from lightning_hbm.layers import (
-    CONVERTED_ATTR, KIND_ATTR, LEFT_ALONE_ATTR, LINEAR, base_layer, find_layers, kind_names, kind_of, output_heads, prepare_model,
+    LINEAR, base_layer, find_layers, kind_names, kind_of, output_heads, prepare_model,
     stored_in, weight_readers,
 )  # fmt: skip
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
-from lightning_hbm.precision.registry import QuantMode, format_of, get_mode, to_dtype
+from lightning_hbm.naming import name_matches, under
+from lightning_hbm.precision.registry import QuantFormat, format_of, get_format, to_dtype
 
 log = logging.getLogger(__name__)
-
-
-def _under(name: str, prefixes: Iterable[str]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def _ignored(name: str, patterns: Union[str, Sequence[str]]) -> bool:
@@ -37,13 +33,10 @@ def _ignored(name: str, patterns: Union[str, Sequence[str]]) -> bool:
     As LoRA's ``target_modules``: a string is a regex that must match the full name (of the module or of
     one of its parents); a list holds names (a name also matches as a suffix: ``dt_proj`` is
     ``backbone.layers.0.mixer.dt_proj``) and glob patterns (``*.mixer.*_proj``). Everything under a
-    matching module is ignored too.
+    matching module is ignored too (:func:`lightning_hbm.naming.name_matches`, the rule LoRA's options use).
     """
     parts = name.split(".")
-    names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    if isinstance(patterns, str):
-        return any(re.fullmatch(patterns, n) for n in names)
-    return any(n == p or n.endswith("." + p) or fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
+    return any(name_matches(".".join(parts[:i]), patterns) for i in range(1, len(parts) + 1))
 
 
 def keep_in_fp32_names(module: nn.Module) -> set[str]:
@@ -83,7 +76,7 @@ def _quantizable_linears(
         owners[id(param)] = owners.get(id(param), 0) + 1
     heads = set() if quantize_head else output_heads(module)
     fp32 = keep_in_fp32_names(module)
-    kept = [n for n, _ in module.named_modules() if n and any(n == k or n.endswith("." + k) for k in keep_modules)]
+    kept = [n for n, _ in module.named_modules() if n and name_matches(n, list(keep_modules))]
     readers = weight_readers(module)
     chosen: list[tuple[str, nn.Module]] = []
     skipped: dict[str, tuple[str, bool]] = {}
@@ -103,7 +96,7 @@ def _quantizable_linears(
             skipped[name] = ("output head kept in full precision (quantize_head=True quantizes it)", True)
         elif name in fp32:
             skipped[name] = ("kept in fp32: the model's _keep_in_fp32_modules", True)
-        elif _under(name, kept):
+        elif under(name, kept):
             skipped[name] = ("LoRA modules_to_save: trained in full precision", True)
         elif _parametrized(layer):
             # weight_norm and other parametrizations compute the weight from their own tensors at each forward:
@@ -122,13 +115,9 @@ def _parametrized(layer: nn.Module) -> bool:
     return torch.nn.utils.parametrize.is_parametrized(layer) or isinstance(getattr(layer, "weight_g", None), nn.Parameter)
 
 
-def _validate(module: nn.Module, quant_mode: QuantMode, compute_dtype: torch.dtype, ignore_modules: Union[str, Sequence[str]]) -> None:
+def _validate(module: nn.Module, quant_mode: QuantFormat, compute_dtype: torch.dtype, ignore_modules: Union[str, Sequence[str]]) -> None:
     """Every check of :func:`quantize_model`, changing nothing (run before the first change of the surgery)."""
-    if compute_dtype not in quant_mode.dtypes:
-        raise ValueError(
-            f"Precision mode {quant_mode.name!r} does not support dtype {compute_dtype}. "
-            f"Supported: {[str(d) for d in quant_mode.dtypes]}."
-        )
+    quant_mode.check_dtype(compute_dtype)
     names = {n for n, _ in module.named_modules()}
     entries = [ignore_modules] if isinstance(ignore_modules, str) else list(ignore_modules)
     unknown = [ign for ign in entries if not any(_ignored(n, ign if isinstance(ignore_modules, str) else [ign]) for n in names if n)]
@@ -157,7 +146,7 @@ def _validate(module: nn.Module, quant_mode: QuantMode, compute_dtype: torch.dty
 
 def quantize_model(
     module: nn.Module,
-    mode: Union[str, QuantMode],
+    mode: Union[str, QuantFormat],
     dtype: Union[str, torch.dtype] = "bfloat16",
     ignore_modules: Union[str, Sequence[str]] = (),
     device: Optional[Union[str, torch.device]] = None,
@@ -179,13 +168,38 @@ def quantize_model(
     dtype, frozen. ``hessians`` (``{layer name: 2 X^T X}``, :func:`~lightning_hbm.precision.gptq.input_hessians`)
     GPTQ-rounds the 4-bit layers it names instead of rounding to nearest. Returns the names of the layers handled.
     """
-    quant_mode = get_mode(mode) if isinstance(mode, str) else mode
+    quant_mode = get_format(mode) if isinstance(mode, str) else mode
     compute_dtype = to_dtype(dtype)
     _validate(module, quant_mode, compute_dtype, ignore_modules)
-    prepare_model(module, skip=lambda n: _ignored(n, ignore_modules))  # MultiheadAttention -> four Linears
-    targets, skipped = _quantizable_linears(module, ignore_modules, quantize_head, keep_modules)
+    return _quantize_listed(
+        module, quant_mode, compute_dtype, ignore_modules, device, layer_modes, hessians,
+        lambda prepared: _quantizable_linears(module, ignore_modules, quantize_head, keep_modules),
+    )
+
+
+#: what :func:`_quantizable_linears` returns: the targets ``(name, layer)``, the layers left alone ``{name: (reason, deliberate)}``
+Listing = tuple[list[tuple[str, nn.Module]], dict[str, tuple[str, bool]]]
+
+
+def _quantize_listed(
+    module: nn.Module,
+    quant_mode: QuantFormat,
+    compute_dtype: torch.dtype,
+    ignore_modules: Union[str, Sequence[str]],
+    device: Optional[Union[str, torch.device]],
+    layer_modes: Optional[Mapping[str, str]],
+    hessians: Optional[Mapping[str, Tensor]],
+    listing: Callable[[bool], Listing],
+) -> list[str]:
+    """:func:`quantize_model` after its checks, on the targets ``listing(prepared)`` gives.
+
+    ``prepared``: preparing a layer kind (``nn.MultiheadAttention`` -> four Linears) replaced modules, so a listing
+    of the model before it is stale; otherwise a ``QuantizationPlan`` reuses the listing of its checks.
+    """
+    prepared = prepare_model(module, skip=lambda n: _ignored(n, ignore_modules))  # MultiheadAttention -> four Linears
+    targets, skipped = listing(bool(prepared))
     for name, (reason, deliberate) in skipped.items():
-        object.__setattr__(module.get_submodule(name), LEFT_ALONE_ATTR, (reason, deliberate))
+        record.leave_alone(module.get_submodule(name), reason, deliberate)
     if skipped:
         log.info("lightning_hbm: not quantizing %s", {n: r for n, (r, _) in skipped.items()})
     target = torch.device(device) if device is not None else None
@@ -207,11 +221,11 @@ def quantize_model(
             gptq_round_(new, linear.weight, hessians[name])
         if kind.wrap is not None:  # a convolution: the mode's layer holds its weight matrix, the wrapper convolves
             new = kind.wrap(layer, new, modes[name].dequantize, compute_dtype)
-            object.__setattr__(new, CONVERTED_ATTR, kind.name)  # resume maps its storage's keys to the conv's weight
+            record.set_converted(new, kind.name)  # resume maps its storage's keys to the conv's weight
         if kind is not LINEAR:
-            object.__setattr__(new, KIND_ATTR, kind.name)  # a quantized Conv1D is still counted as one
-        elif getattr(layer, KIND_ATTR, None) is not None:
-            object.__setattr__(new, KIND_ATTR, getattr(layer, KIND_ATTR))
+            record.set_kind(new, kind.name)  # a quantized Conv1D is still counted as one
+        elif record.counted_as(layer) is not None:
+            record.set_kind(new, record.counted_as(layer))
         setattr(parent, child_name, new)
     # Everything that is not quantized storage computes in the compute dtype and stays trainable,
     # except what the model declares must stay in fp32, and BatchNorm: its running statistics are fp32
@@ -219,7 +233,7 @@ def quantize_model(
     # Lightning's mixed precision); 16-bit weights beside fp32 statistics fail at the first batch.
     fp32 = keep_in_fp32_names(module) | {n for n, m in module.named_modules() if isinstance(m, torch_compat.BatchNormBase)}
     for name, param in module.named_parameters():
-        wanted = torch.float32 if _under(name.rpartition(".")[0], fp32) else compute_dtype
+        wanted = torch.float32 if under(name.rpartition(".")[0], fp32) else compute_dtype
         if param.is_floating_point() and param.dtype != wanted:
             param.data = param.data.to(wanted)
     # peft picks its quantization-aware LoRA layers (mergeable) only when the model says so.
@@ -229,8 +243,8 @@ def quantize_model(
 
 
 def _layer_modes(
-    targets: list[tuple[str, nn.Module]], quant_mode: QuantMode, layer_modes: Mapping[str, str]
-) -> dict[str, Optional[QuantMode]]:
+    targets: list[tuple[str, nn.Module]], quant_mode: QuantFormat, layer_modes: Mapping[str, str]
+) -> dict[str, Optional[QuantFormat]]:
     """The mode of every target (``None``: kept unquantized); a plan naming other layers is an error."""
     names = [name for name, _ in targets]
     unknown = sorted(set(layer_modes) - set(names))
@@ -240,16 +254,16 @@ def _layer_modes(
             f"{names[:12]}{' ...' if len(names) > 12 else ''}). Plan only those layers, by their module names."
         )
     # the planner's fake-tensor variant, or a fake model (int8-dynamic has no variant): plan with fake layers too
-    fake = quant_mode != get_mode(quant_mode.name) or any(
+    fake = quant_mode != get_format(quant_mode.name) or any(
         isinstance(p, torch._subclasses.fake_tensor.FakeTensor) for _, layer in targets for p in layer.parameters()
     )
 
-    def mode_of(name: str) -> Optional[QuantMode]:
+    def mode_of(name: str) -> Optional[QuantFormat]:
         chosen = layer_modes.get(name)
         if chosen is None:
             return quant_mode
         if chosen == "none":
             return None
-        return get_mode(chosen).for_fake_tensors() if fake else get_mode(chosen)
+        return get_format(chosen).for_fake_tensors() if fake else get_format(chosen)
 
     return {n: mode_of(n) for n in names}

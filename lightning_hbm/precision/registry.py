@@ -1,26 +1,27 @@
-"""Name -> quantized format registry (the torchao ``quantize_`` pattern: one small config per mode).
+"""Name -> quantized format registry (the torchao ``quantize_`` pattern: one small config per format).
 
-A mode (a :class:`QuantFormat`) says everything the rest of lightning_hbm asks about one way of storing a
-frozen ``nn.Linear``: how to build it (``replace(linear, compute_dtype, device)`` returns the new module, holding
-the *same* input/output features and the linear's bias), which modules are its own (:meth:`QuantFormat.owns`),
-how to read the weight back (:meth:`~QuantFormat.dequantize`: quality, LoRA merge, ``FusedLoss``), which tensors
+The vocabulary: a *format* is the object (a :class:`QuantFormat`); a *mode* is only its name, the string users
+pass (``QuantizedPrecision(mode="nf4-dq")``, ``trainer.precision: nf4-dq``). A format says everything the
+rest of lightning_hbm asks about one way of storing a frozen ``nn.Linear``: how to build it
+(``replace(linear, compute_dtype, device)`` returns the new module, holding the *same* input/output features and
+the linear's bias), which modules are its own (:meth:`QuantFormat.owns`), how to read the weight back (:meth:`~QuantFormat.dequantize`: quality, LoRA merge, ``FusedLoss``), which tensors
 hold its quantization constants (:meth:`~QuantFormat.constants`: storage counting, profiler and planner), the
 shape its packed weight unpacks to (:meth:`~QuantFormat.weight_shape`: parameter counts), the code grid GPTQ may
 round on (:meth:`~QuantFormat.rounding_grid`), the state_dict keys of its constants (``state_marks``: resume's
 older-layout check), how peft wraps it (``peft_kind``), which wider modes the sensitivity plan may give its sensitive layers
 (``ladder``), its step-time cost for the planner (``cost``) and its fake-tensor twin (``fake``). Consumers
-ask :func:`format_of` (a module) or :func:`get_mode` (a name) instead of testing classes or attribute names.
+ask :func:`format_of` (a module) or :func:`get_format` (a name) instead of testing classes or attribute names.
 
-Modes register themselves with :func:`register_format` (a format object) or :func:`register_mode` (a decorator
-for a plain ``replace`` function); :func:`get_mode` turns an unknown name into a ``ValueError`` that lists
-the valid ones. Every module of :mod:`lightning_hbm.precision` is imported by the package, so a new format is
-one new file there (docs/extending.md walks through one).
+Formats register themselves with :func:`register_format`, the one registration function; :func:`get_format`
+turns an unknown name into a ``ValueError`` that lists the valid ones. Every module of
+:mod:`lightning_hbm.precision` is imported by the package, so a new format is one new file there
+(docs/extending.md walks through one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union, cast
 
 import torch
 from torch import nn
@@ -58,8 +59,8 @@ class RoundingGrid(NamedTuple):
 class QuantFormat:
     """One quantized storage format: how a frozen Linear is stored and computed, and what consumers ask of it.
 
-    The defaults describe a format whose layer is unknown to the consumers (a plain ``register_mode``
-    function): it owns no module, has no constants outside its parameters and cannot be dequantized.
+    The defaults describe a format whose layer is unknown to the consumers (a plain
+    ``QuantFormat(name, replace, dtypes, description)``): it owns no module, has no constants outside its parameters and cannot be dequantized.
     Subclasses override the methods for the modules they build.
     """
 
@@ -82,6 +83,18 @@ class QuantFormat:
     # parts of the state_dict keys its layer writes besides ``weight`` and ``bias`` (its constants): a checkpoint
     # holding them in its plain state_dict was written in lightning_hbm's older layout (``resume.check_layout``)
     state_marks: tuple[str, ...] = ()
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raise a ``ValueError`` (the dtype, the supported ones, a fix) if layers of this format cannot compute in ``dtype``.
+
+        Raises:
+            ValueError: ``dtype`` is not one of :attr:`dtypes`.
+        """
+        if dtype not in self.dtypes:
+            raise ValueError(
+                f"Precision mode {self.name!r} does not support dtype {dtype}. "
+                f"Supported: {[str(d) for d in self.dtypes]}; pass dtype='bfloat16' for example."
+            )
 
     def check(self, name: str, layer: nn.Module) -> None:
         """Raise a ``ValueError`` (what, the value, the fix) if layer ``name`` cannot be stored in this format.
@@ -107,7 +120,7 @@ class QuantFormat:
 
     def weight_shape(self, module: nn.Module) -> torch.Size:
         """The ``[out, in]`` shape ``module``'s weight multiplies as (a packed weight counts its unpacked elements)."""
-        return module.weight.shape
+        return cast(torch.Tensor, module.weight).shape
 
     def rounding_grid(self, module: nn.Module) -> Optional[RoundingGrid]:
         """The code grid GPTQ rounding may choose indices on (:mod:`lightning_hbm.precision.gptq`); ``None``: this
@@ -115,45 +128,24 @@ class QuantFormat:
         return None
 
     def for_fake_tensors(self) -> QuantFormat:
-        """This mode with ``replace`` swapped for its fake-tensor construction (used by the planner)."""
+        """This format with ``replace`` swapped for its fake-tensor construction (used by the planner)."""
         return self if self.fake is None else replace(self, replace=self.fake, fake=None)
 
-
-#: the name the rest of the package (and users) knew the protocol by
-QuantMode = QuantFormat
 
 _MODES: dict[str, QuantFormat] = {}
 
 
 def register_format(fmt: QuantFormat) -> QuantFormat:
-    """Register ``fmt`` under ``fmt.name``; a second format of the same name raises."""
+    """Register ``fmt`` under ``fmt.name`` (the mode name users pass) and return it.
+
+    Raises:
+        ValueError: a format of the same name is already registered.
+    """
     if fmt.name in _MODES:
         raise ValueError(f"Precision mode {fmt.name!r} is already registered.")
     _MODES[fmt.name] = fmt
     register_changed_marks(fmt.state_marks)
     return fmt
-
-
-def register_mode(
-    name: str,
-    *,
-    dtypes: tuple[torch.dtype, ...],
-    description: str,
-    peft_kind: Optional[str] = None,
-    fake: Optional[ReplaceFn] = None,
-) -> Callable[[ReplaceFn], ReplaceFn]:
-    """Decorator: register ``fn(linear, compute_dtype, device) -> nn.Module`` as a plain mode ``name``.
-
-    ``fake``: how to build the same layer when ``linear.weight`` is a FakeTensor, if ``fn`` cannot
-    (bitsandbytes' parameter classes cannot wrap one); the planner uses it. A plain mode's layers are
-    unknown to quality, merge and storage counting: register a :class:`QuantFormat` subclass for that.
-    """
-
-    def decorator(fn: ReplaceFn) -> ReplaceFn:
-        register_format(QuantFormat(name, fn, dtypes, description, peft_kind, fake))
-        return fn
-
-    return decorator
 
 
 def format_of(module: nn.Module) -> Optional[QuantFormat]:
@@ -166,12 +158,12 @@ register_format_lookup(format_of)
 
 
 def available_precisions() -> list[str]:
-    """Names accepted by :func:`lightning_hbm.precision_plugin` and ``QuantizedPrecision(mode=...)``."""
+    """Names accepted by ``QuantizedPrecision(mode=...)``, :func:`quantize_model` and :func:`get_format`."""
     return sorted(_MODES)
 
 
 def mode_table(in_features: int = 768, out_features: int = 3072, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The modes table of docs/parameters.md (markdown), one row per registered mode (tests/precision check the page).
+    """The modes table of docs/parameters.md (markdown), one row per registered format (tests/precision check the page).
 
     Bytes per weight: a zero ``Linear(in_features, out_features)`` weight (a GPT-2 MLP shape) stored in the mode on
     CPU, quantization constants included (storage sizes depend on the shape only, so it is exact). GPTQ: whether
@@ -192,11 +184,14 @@ def mode_table(in_features: int = 768, out_features: int = 3072, dtype: torch.dt
     return "\n".join(lines)
 
 
-def get_mode(name: str) -> QuantFormat:
-    """The registered mode ``name``; unknown names raise a ``ValueError`` listing the valid ones.
+def get_format(name: str) -> QuantFormat:
+    """The format registered under the mode name ``name``.
 
     Names are exact (lower case, as the CLI's ``trainer.precision`` and YAML files spell them): ``"NF4-DQ"`` is
     refused, with the lower-case name suggested, rather than accepted under a second spelling.
+
+    Raises:
+        ValueError: ``name`` is not registered (the message lists the valid names and the closest one).
     """
     if not isinstance(name, str) or name not in _MODES:
         # difflib compares case-sensitively: "NF4-DQ" is close to no name, so the lower-case spelling comes first

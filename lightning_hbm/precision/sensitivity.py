@@ -48,7 +48,7 @@ from torch import nn
 from lightning_hbm.layers import kind_of
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
-from lightning_hbm.precision.registry import get_mode, to_dtype
+from lightning_hbm.precision.registry import get_format, to_dtype
 from lightning_hbm.probe import compare_outputs, eval_no_grad, probe_output
 
 #: ``sensitive_mode`` (and plan entry) that keeps a layer unquantized in the compute dtype, frozen.
@@ -67,7 +67,7 @@ def weight_bytes(mode: str, in_features: int, out_features: int, dtype: torch.dt
         return in_features * out_features * dtype.itemsize
     linear = nn.Linear(in_features, out_features, bias=False, device="meta")
     linear.weight = nn.Parameter(torch.zeros(out_features, in_features), requires_grad=False)
-    return parameter_bytes(get_mode(mode).replace(linear, dtype, torch.device("cpu")))
+    return parameter_bytes(get_format(mode).replace(linear, dtype, torch.device("cpu")))
 
 
 def predict_parameter_bytes(module: nn.Module, plan: Mapping[str, str], dtype: Any = "bfloat16") -> int:
@@ -148,7 +148,7 @@ class _Swapper:
             source.weight = linear.weight
             if linear.bias is not None:
                 source.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-            quantized = get_mode(mode).replace(source, self.dtype, None)
+            quantized = get_format(mode).replace(source, self.dtype, None)
             if name in self.hessians and grid_of(quantized) is not None:  # measured as it will be stored: GPTQ-rounded
                 gptq_round_(quantized, linear.weight, self.hessians[name])
             # eval, as the probe model: bitsandbytes' int8 layer computes LLM.int8 (8-bit activations) in eval and
@@ -177,7 +177,7 @@ def ladder(base: str, sensitive: Any) -> tuple[str, ...]:
     """The wider modes a layer may take instead of ``base``: ``sensitive`` as given, or ``"auto"``: the
     format's own ``ladder`` (``nf4-dq``: ``nf4-dq-b32``, ``int8``; int8 modes: ``none``)."""
     if sensitive == "auto":
-        return get_mode(base).ladder
+        return get_format(base).ladder
     return (sensitive,) if isinstance(sensitive, str) else tuple(sensitive)
 
 
@@ -277,6 +277,8 @@ def choose_plan(
     (``QuantizedPrecision(rounding="gptq")``). Deterministic for a fixed probe batch. Cost: one probe
     forward per layer (its error alone) and a few more (below), each with one layer or one plan swapped in.
     """
+    # One function on purpose (about 70 lines): the three measuring steps below share the swapper, the reference output
+    # and the cosine closure over them; split, each step would take all of them as arguments.
     dtype, wider = to_dtype(dtype), ladder(base, sensitive)
     modes = (base, *wider)
     layers = {name: module.get_submodule(name) for name in names}
@@ -380,7 +382,7 @@ def check_plan_args(
             )
         for wide in wider:
             if wide != UNQUANTIZED:
-                get_mode(wide)  # unknown name: ValueError listing the valid ones
+                get_format(wide)  # unknown name: ValueError listing the valid ones
         if mode in wider and (max_bytes_per_param is not None or min_cosine is not None):
             raise ValueError(
                 f"QuantizedPrecision(mode={mode!r}, sensitive_mode={sensitive_mode!r}): the sensitive layers need a "
@@ -401,4 +403,4 @@ def check_plan_args(
             raise TypeError(f"layer_modes must be a dict {{layer name: mode name}}, got {type(layer_modes).__name__}.")
         for layer_mode in layer_modes.values():
             if layer_mode != UNQUANTIZED:
-                get_mode(layer_mode)
+                get_format(layer_mode)

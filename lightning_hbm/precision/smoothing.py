@@ -41,10 +41,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from lightning_hbm import resume
-from lightning_hbm.precision.int8_dynamic import SHIFT_ATTR, Int8DynamicLinear
+from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
 from lightning_hbm.precision.registry import to_dtype
 from lightning_hbm.precision.sensitivity import _Swapper
 from lightning_hbm.probe import compare_outputs, eval_no_grad, probe_output
+from lightning_hbm.record import set_input_shift
 
 log = logging.getLogger(__name__)
 
@@ -179,12 +180,11 @@ def attached(module: nn.Module, shifts: Mapping[str, torch.Tensor]) -> Iterator[
     weights = [module.get_submodule(name).weight for name in shifts]
     try:
         for weight, shift in zip(weights, shifts.values()):
-            setattr(weight, SHIFT_ATTR, shift)
+            set_input_shift(weight, shift)  # read by the format's replace (int8_dynamic)
         yield
     finally:
         for weight in weights:
-            if hasattr(weight, SHIFT_ATTR):
-                delattr(weight, SHIFT_ATTR)
+            set_input_shift(weight, None)
 
 
 def _input_absmax(

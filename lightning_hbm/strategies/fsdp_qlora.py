@@ -31,7 +31,7 @@ user's model when the run resumes, as in QLoRA. Such a checkpoint resumes on any
 including a single device without this strategy (the surgery spine loads it after the surgery).
 Lightning restores a checkpoint after this strategy's setup, i.e. after the surgery: the tensors' CRCs and the
 file are checked, but the settings and frozen-base fingerprints that lightning_hbm compares on a single device
-or DDP (lightning_hbm/resume.py) are not compared here.
+or DDP (lightning_hbm/resume/) are not compared here.
 
 Example::
 
@@ -148,13 +148,9 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
             raise self._bnb_refusal(OPTIMIZER_KINDS[eight_bit[0].kind][0])
         _materialize_distributed_module(self.model, self.root_device)
         # Quantize -> LoRA -> checkpointing -> kernels (lightning_hbm/surgery/), on the full model.
-        # Hide the mesh ModelParallelStrategy put on the LightningModule meanwhile: peft 0.21 takes a
-        # module with `_device_mesh` for a tensor-parallel transformers model and reads `.config`.
-        mesh, self.model._device_mesh = self.model._device_mesh, None
-        try:
+        # Without the mesh ModelParallelStrategy put on the LightningModule meanwhile (peft reads it as tensor parallel)
+        with lightning_compat.device_mesh_hidden(self.model):
             self.model = self.precision_plugin.convert_module(self.model)
-        finally:
-            self.model._device_mesh = mesh
         if not self.cpu_offload:
             self.model_to_device()
         self._broadcast_trainable(self.model)

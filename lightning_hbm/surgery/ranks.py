@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_hbm import resume
-from lightning_hbm.surgery.record import _RECORD_ATTR
+from lightning_hbm.record import as_built, set_as_built
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +39,9 @@ def check_ranks(module: nn.Module) -> None:
     _check_structure(tensors)
     changed = _broadcast(tensors)
     # rank 0's record (schema, as-built fingerprints) is now every rank's: its checkpoints name rank 0's base
-    record: list[Optional[dict[str, Any]]] = [getattr(module, _RECORD_ATTR, None)]
+    record: list[Optional[dict[str, Any]]] = [as_built(module)]
     dist.broadcast_object_list(record, src=0)
-    object.__setattr__(module, _RECORD_ATTR, record[0])
+    set_as_built(module, record[0])
     _assert_equal(tensors, changed)
 
 

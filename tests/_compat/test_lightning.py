@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 from typing import Any, Callable
 
@@ -10,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from lightning_hbm._compat import lightning as compat
@@ -122,3 +124,18 @@ def test_format_summary_table_is_lightnings_text_summary_without_its_flops_line(
     lines = table.splitlines()
     assert "| Name" in lines[0] and "Linear" in lines[2] and lines[-3].startswith("0.004") and "model params size (MB)" in lines[-3]
     assert lines[-1].endswith("Modules in eval mode") and "Flops" not in table  # the last line Lightning writes is dropped
+
+
+def test_device_mesh_hidden_clears_the_field_model_parallel_writes() -> None:
+    # ModelParallelStrategy puts its mesh on the LightningModule through the private field behind device_mesh
+    source = inspect.getsource(ModelParallelStrategy.setup_environment)
+    assert "self.lightning_module._device_mesh = self._device_mesh" in source
+    model, mesh = pl.LightningModule(), object()
+    model._device_mesh = mesh
+    assert model.device_mesh is mesh  # the public property reads that field
+    with compat.device_mesh_hidden(model):
+        assert model.device_mesh is None
+    assert model.device_mesh is mesh
+    with pytest.raises(KeyError), compat.device_mesh_hidden(model):
+        raise KeyError  # put back when the block raises too
+    assert model.device_mesh is mesh

@@ -15,6 +15,7 @@ from lightning_hbm.callbacks.lora import LoRA
 from lightning_hbm.callbacks.activation_checkpointing import OffloadSavedTensors, find_blocks
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.memory.activations import saved_activation_bytes
+from lightning_hbm.record import checkpoint_plan, checkpointed_blocks
 
 SEQ = 128  # long enough that the blocks' activations dominate the logits of the tiny LM
 
@@ -99,7 +100,7 @@ def test_blocks_by_class_name_and_path(gpt_factory: Callable) -> None:
     by_path = ActivationCheckpointing(blocks=["model.h.1"])
     by_path.transform_model(model)
     assert by_path.checkpointed == ["model.h.1"]
-    assert getattr(model.model.h[0], "_lightning_hbm_checkpoint", None) is None
+    assert checkpoint_plan(model.model.h[0]) is None
 
 
 def test_lazy_model_through_trainer(lazy_gpt_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable) -> None:
@@ -224,7 +225,7 @@ def test_bad_blocks_leave_the_model_untouched(gpt_factory: Callable) -> None:
         ActivationCheckpointing(blocks=["Block", "Bock"]).transform_model(model)
     with pytest.raises(ValueError, match=r"nested inside other selected modules: \['model.h.0.mlp'"):
         ActivationCheckpointing(blocks=["Block", "MLP"]).transform_model(model)
-    assert all(getattr(b, "_lightning_hbm_checkpoint", None) is None for b in model.model.h)
+    assert all(checkpoint_plan(b) is None for b in model.model.h)
 
 
 class _NoBlocks(pl.LightningModule):
@@ -300,7 +301,7 @@ def test_block_names_resolve_against_the_model_as_built(
     trainer.fit(model, datamodule_factory())
     assert callback.checkpointed == user_linears
     assert not any("lora_" in n or "base_layer" in n for n in callback.checkpointed)
-    wrapped = [n for n, m in model.named_modules() if "_lightning_hbm_checkpoint" in vars(m)]
+    wrapped = checkpointed_blocks(model)
     assert wrapped == user_linears
 
 

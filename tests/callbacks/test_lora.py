@@ -387,7 +387,7 @@ def test_bad_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:
         ),
         (dict(modules_to_save=["classifier"]), None, r"modules_to_save entry 'classifier' matches no submodule of NanoGPT"),
         # modules_to_save=["c_fc"] under NF4 was refused here; the plugin now keeps them unquantized
-        # (tests/test_layer_kinds.py::test_bert_modules_to_save_stay_unquantized_and_train)
+        # (tests/layers/test_linear.py::test_bert_modules_to_save_stay_unquantized_and_train)
         (dict(target_modules=["c_fc"], exclude_modules=["c_fc"]), None, r"selects no Linear layer"),
     ],
 )

@@ -470,17 +470,19 @@ def test_diagnosis_advises_from_what_the_run_used(qlora_run: tuple[HBMProfiler, 
 
 
 def test_advice_skips_features_already_used() -> None:
+    from lightning_hbm.memory.facts import RunFacts
     from lightning_hbm.memory.report import advice
 
-    assert advice("parameters", {}) == REMEDIES["parameters"]
-    assert "already nf4-dq" in advice("parameters", {"transforms": ["QuantizedPrecision(nf4-dq)", "LoRA"]})
-    assert "4-bit mode" in advice("parameters", {"transforms": ["QuantizedPrecision(int8)"]})
-    assert "LoRA adapters train already" in advice("gradients", {"transforms": ["LoRA"]})
-    assert "CPUOffloadStrategy" in advice("optimizer_states", {"optimizers": ["AdamW8bit"]})
-    assert "already recomputed" in advice("activations", {"transforms": ["ActivationCheckpointing"]})
-    assert "FusedLoss" in advice("other", {}) and "FusedLoss" not in advice("other", {"transforms": ["FusedLoss"]})
+    nf4_dq = RunFacts(precision="nf4-dq", bits_per_weight=4.13)  # what run_facts reads off a QLoRA model
+    assert advice("parameters", RunFacts()) == REMEDIES["parameters"]
+    assert "already nf4-dq" in advice("parameters", RunFacts(precision="nf4-dq", bits_per_weight=4.13, lora=True))
+    assert "4-bit mode" in advice("parameters", RunFacts(precision="int8", bits_per_weight=8.03))
+    assert "LoRA adapters train already" in advice("gradients", RunFacts(lora=True))
+    assert "CPUOffloadStrategy" in advice("optimizer_states", RunFacts(optimizers=("AdamW8bit",), compact_states=True))
+    assert "already recomputed" in advice("activations", RunFacts(checkpointing=True))
+    assert "FusedLoss" in advice("other", RunFacts()) and "FusedLoss" not in advice("other", RunFacts(fused_loss=True))
     report = MemoryReport([{"step": 3, "mode": "light", "parameters": 8, "gradients": 1, "optimizer_states": 1,
-                            "activations": 3, "other": 5, "total": 18}], used={"transforms": ["QuantizedPrecision(nf4-dq)"]})  # fmt: skip
+                            "activations": 3, "other": 5, "total": 18}], used={"facts": nf4_dq.as_dict()})  # fmt: skip
     diagnosis = report.diagnosis()  # largest term first, then the next ones above 10 %
     assert diagnosis.startswith("At step 3 parameters held") and "already nf4-dq" in diagnosis
     assert diagnosis.index("Next: other") < diagnosis.index("activations")

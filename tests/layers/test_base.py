@@ -14,10 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from lightning_hbm import quantize_model
+from lightning_hbm import quantize_model, record
 from lightning_hbm.layers import (
     CONV,
-    KIND_ATTR,
     LINEAR,
     MULTIHEAD_ATTENTION,
     LayerKind,
@@ -114,7 +113,7 @@ def test_a_new_kind_is_one_registration(registry: dict[str, LayerKind], raw_mode
     quantized = quantize_model(raw_model, "nf4", dtype="float32", ignore_modules=["0"])
     assert quantized == ["2"]
     new = raw_model[2]
-    assert not new.weight.is_floating_point() and getattr(new, KIND_ATTR) == kind.name  # still counted as RawWeight
+    assert not new.weight.is_floating_point() and record.counted_as(new) == kind.name  # still counted as RawWeight
     rows = {r.kind: r for r in coverage(raw_model, quantizing=True, adapting=False)}
     assert rows["RawWeight"].quantized == rows["RawWeight"].params == 64 * 128
     assert rows["Linear"].quantized == 0 and "RawWeight" in format_coverage(list(rows.values()))

@@ -4,6 +4,8 @@ adapted by peft's Conv LoRA, resumed, planned. Was: bitsandbytes has no conv ker
 from __future__ import annotations
 
 import copy
+import re
+import warnings
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -11,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conv_models import EfficientNetB0, ResNet18
+from kind_models import Classifier, fit_cnn
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -241,3 +244,101 @@ def test_merge_folds_conv_adapters_into_the_dequantized_or_the_original_weights(
     onto = LoRA.merge(module, dtype="float32", base_state_dict=original)
     delta = module.conv.get_delta_weight("default")
     torch.testing.assert_close(onto["conv.weight"], original["conv.weight"] + delta, rtol=0, atol=1e-6)
+
+
+# -------- BatchNorm CNNs in bf16, grouped convolutions
+
+
+def test_batchnorm_cnn_trains_in_bf16_with_convolutions_quantized_and_adapted(tmp_path: Any) -> None:
+    """Was: "expected scalar type BFloat16 but found Float" at the first batch; then (issue 33) every convolution
+    kept at full size: bitsandbytes has no convolution kernel, so lightning_hbm stores their weight matrices."""
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        module, recorder = fit_cnn(3, tmp_path)
+    assert not [w for w in warned if "Conv layers" in str(w.message)]
+    assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
+    bn = module.model.layer1[0].bn1
+    # as Lightning's mixed precision: BatchNorm weights and statistics in fp32 (batch_norm takes a bf16 input)
+    assert bn.weight.dtype == bn.running_mean.dtype == torch.float32 and module.model.layer1[0].conv1.base_layer.weight.dtype == torch.bfloat16
+    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    assert rows["Conv"].adapted == rows["Conv"].quantized == rows["Conv"].params > 0.8 * sum(r.params for r in rows.values() if not r.kind.startswith("LoRA"))
+    # nf4-dq: 4.127 bits a weight plus ~1 KiB of nested code book per layer, a lot for these 9k-weight convolutions
+    # (0.65 B/weight here; ResNet18's sizes: tests/layers/test_conv.py)
+    assert rows["Conv"].bytes < 0.7 * rows["Conv"].params
+    assert any(".conv1.lora_A" in n for n in LoRA.adapter_state_dict(module))
+
+
+
+def test_batchnorm_cnn_adapter_checkpoint_resumes_exactly(tmp_path: Any) -> None:
+    straight, _ = fit_cnn(2, tmp_path)
+    fit_cnn(1, tmp_path, save=True)
+    resumed, _ = fit_cnn(2, tmp_path, ckpt_path=tmp_path / "cnn.ckpt")
+    want, got = LoRA.adapter_state_dict(straight), LoRA.adapter_state_dict(resumed)
+    assert set(want) == set(got)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
+    torch.testing.assert_close(resumed.model.bn1.running_var, straight.model.bn1.running_var, rtol=0, atol=0)
+
+
+
+def test_planner_agrees_on_a_batchnorm_cnn_in_bf16() -> None:
+    from lightning_hbm.memory import parameter_bytes
+    from lightning_hbm.planner import quantized_parameter_bytes
+
+    torch.manual_seed(0)
+    module = Classifier()
+    planned = quantized_parameter_bytes(copy.deepcopy(module), "nf4-dq", "bfloat16")
+    quantize_model(module, "nf4-dq", dtype="bfloat16")
+    assert planned == parameter_bytes(module)
+    assert module.model.bn1.weight.dtype == torch.float32 and module.model.conv1.weight.dtype == torch.bfloat16
+
+
+
+def test_grouped_convolutions_are_not_all_linear_targets() -> None:
+    from lightning_hbm.layers import adaptable_names
+
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, groups=8), nn.Conv1d(8, 8, 3), nn.ConvTranspose2d(8, 8, 2), nn.Linear(8, 8))
+    assert adaptable_names(model) == ["1", "3"]
+
+
+
+class DepthwiseCNN(nn.Module):
+    """timm ConvNeXt's block in miniature: a depthwise convolution (groups = channels) then a pointwise MLP."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 2, stride=2)
+        self.conv_dw = nn.Conv2d(width, width, 7, padding=3, groups=width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv_dw(self.stem(x)).permute(0, 2, 3, 1)
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+
+@pytest.mark.parametrize("quantizing", [True, False])
+def test_grouped_convolutions_left_by_lora_are_named_with_the_reason_and_fix(quantizing: bool) -> None:
+    from lightning_hbm.layers import report_coverage
+
+    torch.manual_seed(0)
+    module = DepthwiseCNN()
+    if quantizing:
+        quantize_model(module, "nf4-dq", dtype="float32")
+    lora = LoRA(r=4)
+    lora.transform_model(module)
+    assert "stem" in lora.adapted_modules and "conv_dw" not in lora.adapted_modules
+    why = r"not adapted: LoRA skips grouped/depthwise convolutions \(peft needs r divisible by groups and cannot merge them\)\. To train them: LoRA\(modules_to_save=\[their names\]\)"
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        rows = {r.kind: r for r in report_coverage(module, quantizing=quantizing)}
+    conv = rows["Conv"]
+    if quantizing:  # quantized like every convolution (issue 33), frozen and not adapted, as a Linear LoRA skips
+        assert conv.quantized == conv.params and conv.left_alone == 0 and not conv.undeliberate
+        assert not [w for w in warned if "Conv layers" in str(w.message)]
+        return
+    assert conv.left_alone == module.conv_dw.weight.numel() + module.conv_dw.bias.numel()
+    [reason] = [r for r in conv.reasons if "grouped" in r]
+    assert re.search(why, reason) and conv.reasons[reason] == conv.left_alone
+    assert reason.startswith("frozen in full precision (no QuantizedPrecision);")
+

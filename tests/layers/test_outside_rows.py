@@ -5,12 +5,19 @@ configs, random weights."""
 from __future__ import annotations
 
 import re
+import warnings
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
+from kind_models import VOCAB, GradientRecorder, ViTClassifier, Wrapped, images
 from torch import nn
+from torch.utils.data import DataLoader
 
+from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision
 from lightning_hbm.layers import coverage, coverage_warnings, kind_of, prepare_model
 from lightning_hbm.layers.base import GROUPED_WEIGHTS, PARAMETRIZED_WEIGHTS, POSITION_TABLES, RAW_WEIGHTS, ROUTER_WEIGHTS
 from lightning_hbm.precision import quantize_model
@@ -112,3 +119,78 @@ def test_prepare_model_leaves_non_expert_3d_parameters_alone() -> None:
     )  # fmt: skip
     model = transformers.RecurrentGemmaForCausalLM(config)
     assert prepare_model(model) == []
+
+
+# -------- weights outside any layer, 3-D tables that are no experts
+
+
+class RawExperts(nn.Module):
+    """DBRX's experts: 2-D ``w1``/``v1``/``w2`` Parameters ``[experts * ffn, width]`` used by the module's own code."""
+
+    def __init__(self, experts: int = 4, width: int = 32, ffn: int = 32) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, width), nn.Linear(width, VOCAB)
+        self.ffn = ffn
+        self.w1 = nn.Parameter(torch.randn(experts * ffn, width) / width**0.5)
+        self.w2 = nn.Parameter(torch.randn(experts * ffn, width) / ffn**0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        return self.head(hidden + F.silu(hidden @ self.w1[: self.ffn].t()) @ self.w2[: self.ffn])
+
+
+
+def test_weights_outside_any_layer_are_a_named_row_and_warning() -> None:
+    """Was: DBRX's experts (68 % of the parameters) counted with the embeddings and norms, no warning."""
+    from lightning_hbm.layers import RAW_WEIGHTS, report_coverage
+
+    torch.manual_seed(0)
+    module = Wrapped(RawExperts(), "plain")
+    quantize_model(module, "nf4-dq", dtype="float32")
+    with pytest.warns(UserWarning, match=r"% of the parameters are weights outside any layer, left as they were .*Parameters of \['model'\]"):
+        rows = {r.kind: r for r in report_coverage(module, quantizing=True)}
+    assert rows[RAW_WEIGHTS].params == rows[RAW_WEIGHTS].left_alone == 2 * 4 * 32 * 32
+    assert rows["other (embeddings, norms, ...)"].params == VOCAB * 32  # the embedding stays "other"
+
+
+
+def test_vit_trains_and_its_tokens_are_not_called_experts(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    module, recorder = ViTClassifier(), GradientRecorder()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+        callbacks=[LoRA(r=4), ActivationCheckpointing(), recorder],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader([images(1)] * 4, batch_size=None))
+    assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
+    assert not [w for w in caught if "Experts" in str(w.message)]
+    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    assert "Experts (3-D parameters)" not in rows  # was: "Experts (3-D parameters): this variant is not supported yet"
+    assert rows["other (embeddings, norms, ...)"].params >= module.model.class_token.numel() + module.model.encoder.pos_embedding.numel()
+    assert rows["MultiheadAttention"].quantized == rows["MultiheadAttention"].params > 0
+    blocks = rows["MultiheadAttention"].checkpointed + rows["Linear"].checkpointed
+    assert rows["MultiheadAttention"].checkpointed == rows["MultiheadAttention"].params and blocks > 0
+
+
+
+def test_siglip_probe_is_no_expert_and_its_patch_convolution_is_adapted() -> None:
+    """SigLIP: a 3-D pooling ``probe`` [1, 1, width], nn.MultiheadAttention in the pooling head, a Conv2d patch
+    embedding whose weight's dtype its parent reads (harmless for an adapter, so it is adapted)."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(0)
+    config = SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8)
+    model = SiglipVisionModel(config)
+    quantize_model(model, "nf4-dq", dtype="float32")
+    LoRA(r=4).transform_model(model)
+    rows = {r.kind: r for r in coverage(model, quantizing=True, adapting=True)}
+    assert "Experts (3-D parameters)" not in rows  # was: "Experts (3-D parameters): this variant is not supported yet"
+    assert rows["MultiheadAttention"].quantized == rows["MultiheadAttention"].adapted == rows["MultiheadAttention"].params
+    assert rows["Conv"].adapted == rows["Conv"].params and rows["Conv"].quantized == 0
+    model(pixel_values=torch.randn(2, 3, 32, 32)).pooler_output.pow(2).sum().backward()
+    lora_b = {n: p.grad for n, p in model.named_parameters() if "lora_A" in n}
+    assert lora_b and all(g is not None for g in lora_b.values()), [n for n, g in lora_b.items() if g is None]
+

@@ -25,7 +25,7 @@ from lightning_hbm.planner import (
     quantized_parameter_bytes,
     shard_categories,
 )
-from lightning_hbm.precision import QuantMode, quantize_model, registry
+from lightning_hbm.precision import QuantFormat, quantize_model, registry
 from lightning_hbm.surgery import applied_transforms, run_surgery
 
 TINY_GPT = dict(n_layer=2, n_head=2, n_embd=64, block_size=128)
@@ -280,7 +280,7 @@ def test_unplannable_candidate_is_reported_and_the_others_planned(
     def replace(linear: torch.nn.Linear, dtype: torch.dtype, device: Any) -> torch.nn.Module:
         raise RuntimeError("this layer cannot be built on fake tensors")
 
-    monkeypatch.setitem(registry._MODES, "test-opaque", QuantMode("test-opaque", replace, (torch.float32,), "test"))
+    monkeypatch.setitem(registry._MODES, "test-opaque", QuantFormat("test-opaque", replace, (torch.float32,), "test"))
     batch = synthetic_batch(2, 16)
     candidates = [Candidate("32-true"), Candidate("test-opaque", dtype="float32", lora_r=4)]
     result = plan(gpt_factory(), batch, candidates=candidates)

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_hbm.memory import parameter_bytes, quantization_tensors, unique_bytes
 from lightning_hbm.planner import Candidate
-from lightning_hbm.precision import QuantFormat, available_precisions, format_of, get_mode, register_format, registry
+from lightning_hbm.precision import QuantFormat, available_precisions, format_of, get_format, register_format, registry
 from lightning_hbm.precision.registry import mode_table
 
 PARAMETERS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "parameters.md"
@@ -25,9 +25,9 @@ def test_every_format_owns_dequantizes_and_counts_what_it_builds(name: str) -> N
     torch.manual_seed(0)
     linear = nn.Linear(128, 64)
     weight = linear.weight.detach().clone()
-    layer = get_mode(name).replace(linear, torch.float32, torch.device("cpu"))
+    layer = get_format(name).replace(linear, torch.float32, torch.device("cpu"))
     fmt = format_of(layer)
-    assert fmt is not None and fmt.owns(layer) and type(fmt) is type(get_mode(name))
+    assert fmt is not None and fmt.owns(layer) and type(fmt) is type(get_format(name))
     assert format_of(nn.Linear(4, 4)) is None
     dense = fmt.dequantize(layer).float()
     assert dense.shape == weight.shape
@@ -83,15 +83,15 @@ def test_constants_under_any_name_are_counted(half_format: QuantFormat) -> None:
 def test_the_planner_and_the_ladder_ask_the_format(half_format: QuantFormat) -> None:
     assert Candidate("test-half").relative_cost() == 1.1
     assert Candidate("nf4-dq").relative_cost() == 1.25 and Candidate("int8-dynamic").relative_cost() == 1.5
-    assert get_mode("test-half").ladder == ("int8",)  # the default: a sensitive layer may take int8
-    assert get_mode("nf4-dq").ladder == ("nf4-dq-b32", "int8") and get_mode("int8").ladder == ("none",)
+    assert get_format("test-half").ladder == ("int8",)  # the default: a sensitive layer may take int8
+    assert get_format("nf4-dq").ladder == ("nf4-dq-b32", "int8") and get_format("int8").ladder == ("none",)
 
 
 def test_errors() -> None:
     with pytest.raises(TypeError, match=r"takes the quantized layer \(an nn.Module\), got Parameter: pass the module"):
         quantization_tensors(nn.Linear(2, 2).weight)
     with pytest.raises(ValueError, match=r"Precision mode 'nf4' is already registered"):
-        register_format(get_mode("nf4"))
+        register_format(get_format("nf4"))
     with pytest.raises(TypeError, match=r"Precision mode 'x' cannot dequantize Linear"):
         QuantFormat("x", _half, (torch.float32,), "").dequantize(nn.Linear(2, 2))
 
@@ -110,7 +110,7 @@ def test_a_mode_name_in_capitals_suggests_the_lower_case_name(name: str, hint: s
     with pytest.raises(ValueError, match=rf"Unknown lightning_hbm precision mode '{name}'\. {hint}.* Valid modes: fp4, "):
         QuantizedPrecision(name)
     with pytest.raises(ValueError, match=rf"Unknown lightning_hbm precision mode '{name}'\. {hint}"):
-        get_mode(name)
+        get_format(name)
 
 
 def test_the_docs_mode_table_is_the_registry() -> None:

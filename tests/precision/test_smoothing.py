@@ -18,6 +18,7 @@ from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
 from lightning_hbm.precision.quantize import _quantizable_linears
 from lightning_hbm.precision.sensitivity import predict_parameter_bytes, weight_bytes
 from lightning_hbm.precision.smoothing import attached, choose_smoothing
+from lightning_hbm.record import input_shift
 
 PROBE = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 
@@ -95,7 +96,7 @@ def test_smoothing_lowers_the_error_of_outlier_channels_at_exact_bytes() -> None
     first, second = (choose_smoothing(model, names, "auto", "float32", PROBE) for _ in range(2))
     assert first.alphas == second.alphas and all(torch.equal(first.shifts[n], second.shifts[n]) for n in names)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert not any(hasattr(p, "_lightning_hbm_input_shift") for p in model.parameters())
+    assert not any(input_shift(p) is not None for p in model.parameters())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

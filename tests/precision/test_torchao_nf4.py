@@ -20,7 +20,7 @@ from lightning_hbm.layers import report_coverage  # noqa: E402
 from lightning_hbm.memory import parameter_bytes, quantization_tensors, unique_bytes  # noqa: E402
 from lightning_hbm.models import NanoGPT  # noqa: E402
 from lightning_hbm.planner import quantized_parameter_bytes  # noqa: E402
-from lightning_hbm.precision import format_of, get_mode  # noqa: E402
+from lightning_hbm.precision import format_of, get_format  # noqa: E402
 from lightning_hbm.precision.sensitivity import ladder  # noqa: E402
 from lightning_hbm.precision.torchao_nf4 import NF4Linear, TorchaoNF4Format, scaler_block_size  # noqa: E402
 
@@ -44,7 +44,7 @@ def expected_weight_bytes(numel: int, dtype: torch.dtype) -> int:
 
 def test_registered_by_its_file_alone() -> None:
     assert MODE in available_precisions()
-    fmt = get_mode(MODE)
+    fmt = get_format(MODE)
     assert isinstance(fmt, TorchaoNF4Format) and fmt.peft_kind is None and fmt.dense_forward
     assert ladder(MODE, "auto") == ("int8-dynamic", "none")  # wider modes without bitsandbytes
     assert scaler_block_size(64 * 256) == 256 and scaler_block_size(64 * 192) == 192 and scaler_block_size(64 * 7) == 7

@@ -315,7 +315,7 @@ def test_checkpoint_from_two_ranks_resumes_on_one(
 ) -> None:
     ckpt = two_rank_run / "fsdp.ckpt"
     checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
-    # lightning_hbm's two-part form (lightning_hbm/resume.py): the adapters do not fit the model as built, so they
+    # lightning_hbm's two-part form (lightning_hbm/resume/): the adapters do not fit the model as built, so they
     # are in the second part; adapter-only: no quantized base; full (gathered, unsharded) tensors
     adapters = checkpoint["lightning_hbm"]["state_dict"]
     keys = sorted(adapters)

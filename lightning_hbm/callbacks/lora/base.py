@@ -1,9 +1,8 @@
-"""What the LoRA modules share: peft, imported on first use, and peft's rule for matching module names."""
+"""What the LoRA modules share: peft, imported on first use (module names match by :mod:`lightning_hbm.naming`)."""
 
 from __future__ import annotations
 
-import re
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from lightning_utilities.core.imports import RequirementCache
 from torch import nn
@@ -35,17 +34,6 @@ def _lora_layer_cls() -> type:
     return LoraLayer
 
 
-def _matches(name: str, patterns: Union[str, list[str]]) -> bool:
-    """peft's matching rule: a string is a regex (full match), a list matches names or name suffixes."""
-    if isinstance(patterns, str):
-        return re.fullmatch(patterns, name) is not None
-    return any(name == p or name.endswith("." + p) for p in patterns)
-
-
 def _width(layer: Optional[nn.Module], default: int) -> int:
     """A layer's smaller dimension (Linear-like ``in_features``/``out_features``; ``default`` when unknown)."""
     return min(getattr(layer, "in_features", default), getattr(layer, "out_features", default))
-
-
-def _under(name: str, prefixes: list[str]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)

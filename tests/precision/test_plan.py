@@ -1,0 +1,80 @@
+"""``QuantizedPrecision`` over its ``QuantizationPlan``: the engine reaches it through ``SurgeryPlugin`` only, the targets
+are listed once per surgery, and every checkpoint (``save_weights_only`` included) gets the plugin's part exactly once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, Precision
+from torch import nn
+
+from lightning_hbm import LoRA, QuantizedPrecision, run_surgery
+from lightning_hbm.precision import plan as plan_module
+from lightning_hbm.surgery.protocol import SurgeryPlugin
+
+PROBE = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+def test_only_lightning_hbms_plugins_are_surgery_plugins() -> None:
+    assert isinstance(QuantizedPrecision("int8-dynamic", dtype="float32"), SurgeryPlugin)
+    assert issubclass(QuantizedPrecision, SurgeryPlugin)
+    assert not isinstance(Precision(), SurgeryPlugin) and not isinstance(HalfPrecision("bf16-true"), SurgeryPlugin)
+
+
+def test_the_plugin_reads_and_sets_its_plans_settings() -> None:
+    plugin = QuantizedPrecision("int8-dynamic", dtype="float32", layer_modes={"body.0": "none"})
+    assert plugin.mode is plugin.quantization.mode and plugin.dtype == torch.float32 and plugin.rounding == "nearest"
+    assert plugin.pinned_plan == {"body.0": "none"} and not plugin.measures_plan and plugin.name == "QuantizedPrecision(int8-dynamic)"
+    fake = plugin.mode.for_fake_tensors()
+    plugin.mode = fake  # the planner's fake-tensor twin
+    assert plugin.quantization.mode is fake
+    measured = QuantizedPrecision("nf4", dtype="float32", max_bytes_per_param=1.0)
+    assert measured.measures_plan and measured.pinned_plan is None
+
+
+def test_the_targets_are_listed_once_per_surgery(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    listed = plan_module._quantizable_linears
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return listed(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "_quantizable_linears", counting)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    plugin = QuantizedPrecision("int8-dynamic", dtype="float32", quantize_head=True)
+    # the plugin's checks, LoRA's checks (quantization_targets) and the quantization share one listing
+    run_surgery(model, plugin, [LoRA(r=2, target_modules=["0", "2"])])
+    assert len(calls) == 1
+    assert sum(type(m).__name__ == "Int8DynamicLinear" for m in model.modules()) == 3
+
+
+def _fit(trainer_factory: Any, llama_factory: Any, datamodule_factory: Any) -> tuple[Any, QuantizedPrecision]:
+    plugin = QuantizedPrecision("int8-dynamic-smooth", dtype="float32", smoothing=0.5, rounding="gptq", probe_batch=PROBE)
+    trainer = trainer_factory(max_steps=1, plugins=[plugin], callbacks=[LoRA(r=2)])
+    trainer.fit(llama_factory(), datamodule_factory())
+    return trainer, plugin
+
+
+def test_every_checkpoint_gets_the_plugins_part_once(
+    tmp_path: Any, trainer_factory: Any, llama_factory: Any, datamodule_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer, plugin = _fit(trainer_factory, llama_factory, datamodule_factory)
+    added = []
+    save = type(plugin).add_checkpoint_metadata
+    monkeypatch.setattr(type(plugin), "add_checkpoint_metadata", lambda self, meta: (added.append(1), save(self, meta)))
+    parts = {}
+    for weights_only in (False, True):  # save_weights_only: Lightning calls no save hook, the checked IO packs
+        path = tmp_path / f"weights_only_{weights_only}.ckpt"
+        trainer.save_checkpoint(path, weights_only=weights_only)
+        parts[weights_only] = torch.load(path, weights_only=True)["lightning_hbm"]
+        assert len(added) == 1 + weights_only
+    assert plugin.rounding_digest is not None and plugin.input_shifts
+    for meta in parts.values():
+        assert meta["gptq_digest"] == plugin.rounding_digest
+        assert meta["input_shifts"].keys() == plugin.input_shifts.keys()
+        assert all(torch.equal(meta["input_shifts"][k], v) for k, v in plugin.input_shifts.items())
+        keys = list(meta)
+        assert keys.index("gptq_digest") + 1 == keys.index("input_shifts") > keys.index("configs")  # after the packing

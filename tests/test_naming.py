@@ -1,0 +1,78 @@
+"""One vocabulary (issue 35): one rule for module-name options, one dtype check, one name per entry point.
+
+``LoRA(target_modules=...)``, ``exclude_modules``, ``modules_to_save`` and ``QuantizedPrecision(ignore_modules=...)``
+match module names by :func:`lightning_hbm.naming.name_matches` (docs/adapters.md says they match alike); a format's
+dtype refusal reads the same from the plugin and from ``quantize_model``; ``precision_plugin`` is a deprecated
+spelling of ``QuantizedPrecision``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hbm import LoRA, QuantizedPrecision, precision_plugin, quantize_model
+from lightning_hbm.naming import name_matches, under
+from lightning_hbm.record import left_alone
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"fc1": nn.Linear(16, 16), "fc2": nn.Linear(16, 16)}) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+
+@pytest.mark.parametrize(("name", "patterns", "expected"), [
+    ("blocks.0.fc1", ["fc1"], True),  # a name matches as a dotted suffix (peft's rule)
+    ("blocks.0.fc1", ["0.fc1"], True),
+    ("blocks.0.xfc1", ["fc1"], False),  # not a part of a component
+    ("blocks.0.fc1", ["blocks.*.fc1"], True),  # a glob matches the full name
+    ("blocks.0.fc1", ["*.fc?"], True),
+    ("blocks.0.fc1", ["blocks.*.fc2"], False),
+    ("blocks.0.fc1", r"blocks\.\d\.fc1", True),  # one string: a regex, full match
+    ("blocks.0.fc1", r"fc1", False),
+])  # fmt: skip
+def test_name_matches_names_suffixes_globs_and_one_regex(name: str, patterns: str | list[str], expected: bool) -> None:
+    assert name_matches(name, patterns) is expected
+
+
+def test_under_is_a_parent_relation_on_dotted_names() -> None:
+    assert under("a.b", ["a"]) and under("a", ["a"]) and not under("ab", ["a"]) and not under("a", ["a.b"])
+
+
+def test_lora_targets_and_ignore_modules_select_the_same_layers_with_a_glob() -> None:
+    """Was: ignore_modules took globs, LoRA's target_modules did not ('matches no module of the model')."""
+    lora = LoRA(r=2, target_modules=["blocks.*.fc1"])
+    adapted = Tiny()
+    lora.transform_model(adapted)
+    quantized = Tiny()
+    quantize_model(quantized, "nf4", dtype="float32", ignore_modules=["blocks.*.fc1"])
+    ignored = [n for n, m in quantized.named_modules() if (left_alone(m) or (None,))[0] == "QuantizedPrecision(ignore_modules=...)"]
+    assert sorted(lora.adapted_modules) == sorted(ignored) == ["blocks.0.fc1", "blocks.1.fc1"]
+    excluded = LoRA(r=2, target_modules=["fc1", "fc2"], exclude_modules=["*.1.*"])
+    excluded.transform_model(Tiny())
+    assert sorted(excluded.adapted_modules) == ["blocks.0.fc1", "blocks.0.fc2"]
+
+
+def test_the_dtype_refusal_reads_the_same_from_the_plugin_and_quantize_model() -> None:
+    with pytest.raises(ValueError) as plugin:
+        QuantizedPrecision("nf4", dtype=torch.float64)
+    with pytest.raises(ValueError) as direct:
+        quantize_model(Tiny(), "nf4", dtype=torch.float64)
+    assert str(plugin.value) == str(direct.value)
+    assert "does not support dtype torch.float64. Supported: " in str(plugin.value)
+
+
+def test_precision_plugin_is_a_deprecated_spelling_of_quantized_precision() -> None:
+    with pytest.warns(DeprecationWarning, match=r"precision_plugin\('int8'\) is deprecated: write QuantizedPrecision\('int8'\)"):
+        plugin = precision_plugin("int8", dtype="bf16")
+    assert type(plugin) is QuantizedPrecision and plugin.mode.name == "int8" and plugin.dtype == torch.bfloat16
+
+
+def test_one_name_each() -> None:
+    """``QuantMode`` (an alias), ``get_mode`` (returned a format) and ``register_mode`` (no caller) are gone."""
+    from lightning_hbm import precision
+
+    assert not {"QuantMode", "get_mode", "register_mode"} & set(dir(precision) + dir(precision.registry))
