@@ -217,7 +217,8 @@ class StepRecorder(TorchDispatchMode):
             return TRAINING_STEP
         for leaf in tree_leaves(args):  # outside any module (the optimizer step): the parameter it works on
             if isinstance(leaf, torch.Tensor) and not leaf.is_meta:
-                name = self._names.get(tensor_storage_key(leaf))  # a DTensor's local shard (FSDP2)
+                key = tensor_storage_key(leaf)  # a DTensor's local shard (FSDP2)
+                name = self._names.get(key) if key is not None else None
                 if name is not None:
                     return name
         return ""
