@@ -134,9 +134,12 @@ def registries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(base, "_KINDS", dict(base._KINDS))
 
 
-def test_a_format_is_one_file(tmp_path: Path, registries: None) -> None:
+@pytest.mark.parametrize("module_name", ["lightning_hbm.precision.toy_format", "my_project.toy_format"])
+def test_a_format_is_one_file(tmp_path: Path, registries: None, module_name: str) -> None:
+    """Inside the package, or in the user's own package (its layer is then not taken for a Linear subclass with a
+    forward of its own: the format owns it)."""
     assert "toy-int8" not in available_precisions()
-    toy = load("lightning_hbm.precision.toy_format", tmp_path / "toy_format.py", TOY_FORMAT)
+    toy = load(module_name, tmp_path / "toy_format.py", TOY_FORMAT)
     assert "toy-int8" in available_precisions() and get_format("toy-int8") is toy.FORMAT
     torch.manual_seed(0)
     model = Wrapped(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 8)))

@@ -278,6 +278,8 @@ def _own_forward(layer: nn.Module) -> bool:
     cls = type(layer)
     if not isinstance(layer, nn.Linear) or cls.forward is nn.Linear.forward or cls.__module__.startswith(_KNOWN):
         return False
+    if quantized_format(layer) is not None:  # a registered format's own layer (one defined outside this package too)
+        return False
     weight = layer.weight
     x = torch.arange(2 * layer.in_features, dtype=weight.dtype, device=weight.device).reshape(2, -1).sin()
     with torch.no_grad():
