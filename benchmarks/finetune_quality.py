@@ -13,7 +13,7 @@ lr 1e-3, float32 compute. Held out: the last 5 % of that text, ``--val`` sequenc
 
 Arms: ``16-bit`` (no quantization: the ceiling; the weights are computed in fp32, so it is an fp32 ceiling),
 ``nf4-dq``, ``nf4-dq+gptq`` (``rounding="gptq"``), ``plan-0.65`` (the sensitivity plan at 0.65 bytes per
-quantizable parameter), ``int8-dynamic``, ``int8-dynamic-smooth``, and ``hf-qlora``: the Hugging Face recipe
+quantizable parameter), ``plan-0.65+gptq`` (both), ``int8-dynamic``, ``int8-dynamic-smooth``, and ``hf-qlora``: the Hugging Face recipe
 (``BitsAndBytesConfig`` nf4 + double quant, ``prepare_model_for_kbit_training``, ``get_peft_model``) in a plain
 loop over the same batches. bitsandbytes' CPU repack is switched off on HF's 4-bit layers too (with it, the
 ``before`` evaluation would repack them and the adapters upstream would train on no gradient:
@@ -32,6 +32,7 @@ import argparse
 import logging
 import math
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +47,9 @@ from lightning_hbm.data import ByteTextDataModule
 from lightning_hbm.models import HFCausalLM
 from lightning_hbm.pretrained import smollm2_path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from finetune_smollm2 import held_out_loss  # noqa: E402  (the example's own metric, so the figures compare)
+
 R, ALPHA, LR = 16, 32, 1e-3
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ARMS: dict[str, Optional[dict[str, Any]]] = {
@@ -53,19 +57,11 @@ ARMS: dict[str, Optional[dict[str, Any]]] = {
     "nf4-dq": dict(mode="nf4-dq"),
     "nf4-dq+gptq": dict(mode="nf4-dq", rounding="gptq"),
     "plan-0.65": dict(mode="nf4-dq", max_bytes_per_param=0.65),
+    "plan-0.65+gptq": dict(mode="nf4-dq", max_bytes_per_param=0.65, rounding="gptq"),
     "int8-dynamic": dict(mode="int8-dynamic"),
     "int8-dynamic-smooth": dict(mode="int8-dynamic-smooth"),
     "hf-qlora": None,
 }
-
-
-@torch.no_grad()
-def held_out_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    was_training = model.training
-    model.eval()
-    losses = [F.cross_entropy(model(input_ids=x, use_cache=False).logits.float().flatten(0, 1), y.flatten()) for x, y in batches]
-    model.train(was_training)
-    return torch.stack(losses).mean().item()
 
 
 class Before(pl.Callback):
