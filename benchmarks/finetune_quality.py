@@ -18,7 +18,8 @@ quantizable parameter), ``plan-0.65+gptq`` (both), ``int8-dynamic``, ``int8-dyna
 loop over the same batches. bitsandbytes' CPU repack is switched off on HF's 4-bit layers too (with it, the
 ``before`` evaluation would repack them and the adapters upstream would train on no gradient:
 ``tests/precision/test_fast_path_gradients.py``). ``--seeds`` repeats the arms named in ``--repeat`` with other
-seeds (the seed moves the LoRA A draws; the batches stay the same), to show the noise.
+seeds (the seed is set the same way before every arm and moves the LoRA A draws; the batches stay the same), to
+show the noise.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/finetune_quality.py --steps 48 --seeds 0,1
 
@@ -43,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_hbm import LoRA, QuantizedPrecision
+from lightning_hbm._compat.bitsandbytes import disable_cpu_repacks
 from lightning_hbm.data import ByteTextDataModule
 from lightning_hbm.models import HFCausalLM
 from lightning_hbm.pretrained import smollm2_path
@@ -109,9 +111,7 @@ def hf_arm(path: str, data: ByteTextDataModule, held_out: list[Any], steps: int,
                                bnb_4bit_compute_dtype=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.float32)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    for layer in model.modules():
-        if hasattr(layer, "support_avx512bf16_for_cpu"):
-            layer.support_avx512bf16_for_cpu = False  # see the module docstring
+    disable_cpu_repacks(model)  # lightning_hbm's own switch, on HF's 4-bit layers too: see the module docstring
     model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS, task_type="CAUSAL_LM"))
     model.train()
     before = held_out_loss(model, held_out)
