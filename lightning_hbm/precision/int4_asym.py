@@ -1,7 +1,8 @@
 """``int4-g32``: asymmetric 4-bit integers in groups of 32 weights, an fp16 scale and minimum per group.
 
 What it shrinks: the **parameters** term, to 5 bits per weight (0.625 B: 4-bit codes plus 2 x 16 bits per 32
-weights), between ``nf4-dq`` (~0.52 B) and ``int8-dynamic`` (~1 B). Weight ``j`` of group ``g`` reads back as
+weights), between ``nf4-dq`` (~0.52 B) and ``int8-dynamic`` (~1 B). A row whose width is not a multiple of 32
+ends in a shorter group (stored padded). Weight ``j`` of group ``g`` reads back as
 ``code * scale[g] + minimum[g]`` with ``code`` in 0..15, ``minimum`` the group's smallest weight and ``scale`` its
 range / 15: the layout of GGUF's ``Q4_1`` (llama.cpp) and of asymmetric GPTQ/HQQ-style int4. Groups run along each
 row (the input dimension), as GGUF's blocks do.
@@ -42,30 +43,42 @@ _FP16_MAX = torch.finfo(torch.float16).max
 
 
 def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(packed uint8 codes [out, in / 2], fp16 scales, fp16 minima [out, in / 32])`` of a ``[out, in]`` weight.
+    """``(packed uint8 codes [out, groups * 16], fp16 scales, fp16 minima [out, groups])`` of a ``[out, in]`` weight.
 
-    Two codes per byte, the first in the high nibble. The scale and minimum are rounded to fp16 first and the codes
-    chosen against the rounded values, so ``dequantize_groups`` reads back the nearest level of the grid it stores.
+    ``groups = ceil(in / 32)``: a row whose width is not a multiple of 32 ends in a shorter group (its padding is
+    the row's last weight repeated, dropped when read back). Two codes per byte, the first in the high nibble. The scale and
+    minimum are rounded to fp16 first and the codes chosen against the rounded values, so :func:`dequantize_groups`
+    reads back the nearest level of the grid it stores.
     """
     out_features, in_features = weight.shape
-    groups = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
+    rows = weight.detach().float()
+    pad = -in_features % GROUP
+    if pad:  # the row's last weight repeated: the short group's minimum and range are its own
+        rows = torch.cat((rows, rows[:, -1:].expand(out_features, pad)), dim=1)
+    groups = rows.reshape(out_features, -1, GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     minimum = low.to(torch.float16)
     scale = ((high - minimum.float()) / _LEVELS).to(torch.float16)
     step = scale.float()
     step = torch.where(step > 0, step, torch.ones_like(step))  # a constant group: every code 0, read back as minimum
-    codes = torch.round((groups - minimum.float()[..., None]) / step[..., None]).clamp_(0, _LEVELS).to(torch.uint8)
-    codes = codes.reshape(out_features, in_features // 2, 2)
+    codes = torch.round((groups - minimum.float()[..., None]) / step[..., None]).clamp_(0, _LEVELS)
+    codes = codes.to(torch.uint8).reshape(out_features, -1, 2)
     packed = (codes[..., 0] << 4) | codes[..., 1]
     return packed, scale, minimum
 
 
-def dequantize_groups(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The ``[out, in]`` weight of :func:`quantize_groups`' storage, in ``dtype`` (computed in fp32)."""
+def dequantize_groups(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,
+                      in_features: Optional[int] = None) -> torch.Tensor:
+    """The ``[out, in_features]`` weight of :func:`quantize_groups`' storage, in ``dtype`` (computed in fp32).
+
+    ``in_features``: the width before padding (default: every stored group full, ``groups * 32``).
+    """
     out_features = packed.shape[0]
     codes = torch.stack((packed >> 4, packed & 0xF), dim=-1).reshape(out_features, -1, GROUP)
-    weight = torch.addcmul(minimum.float()[..., None], codes.float(), scale.float()[..., None])
-    return weight.reshape(out_features, -1).to(dtype)
+    weight = torch.addcmul(minimum.float()[..., None], codes.float(), scale.float()[..., None]).reshape(out_features, -1)
+    if in_features is not None and in_features != weight.shape[1]:
+        weight = weight[:, :in_features]
+    return weight.to(dtype)
 
 
 class _GroupInt4Matmul(torch.autograd.Function):
@@ -74,21 +87,22 @@ class _GroupInt4Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(packed, scale, minimum)  # module storage: no new memory
-        return F.linear(x, dequantize_groups(packed, scale, minimum, x.dtype))
+        ctx.width = x.shape[-1]
+        return F.linear(x, dequantize_groups(packed, scale, minimum, x.dtype, ctx.width))
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         packed, scale, minimum = ctx.saved_tensors
-        return grad_out @ dequantize_groups(packed, scale, minimum, grad_out.dtype), None, None, None
+        return grad_out @ dequantize_groups(packed, scale, minimum, grad_out.dtype, ctx.width), None, None, None
 
 
 class Int4GroupLinear(nn.Linear):
     """A frozen ``nn.Linear`` stored as asymmetric int4 in groups of 32 (:mod:`lightning_hbm.precision.int4_asym`).
 
-    ``weight`` is the frozen packed ``uint8`` Parameter ``[out, in / 2]``; ``weight_scale`` and ``weight_min`` are
-    fp16 buffers ``[out, in / 32]`` (all three in the ``state_dict``). The bias is the original, trainable
+    ``weight`` is the frozen packed ``uint8`` Parameter ``[out, 16 * ceil(in / 32)]``; ``weight_scale`` and
+    ``weight_min`` are fp16 buffers ``[out, ceil(in / 32)]`` (all three in the ``state_dict``). The bias is the original, trainable
     Parameter. Build it with :meth:`from_linear`.
     """
 
@@ -99,11 +113,11 @@ class Int4GroupLinear(nn.Linear):
                  device: Optional[Union[str, torch.device]] = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device="meta")
         target = torch.device("cpu") if device is None else torch.device(device)
-        self.weight = nn.Parameter(torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=target),
+        groups = (out_features, -(-in_features // GROUP))
+        self.weight = nn.Parameter(torch.zeros(out_features, groups[1] * GROUP // 2, dtype=torch.uint8, device=target),
                                    requires_grad=False)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, device=target))
-        groups = (out_features, in_features // GROUP)
         self.register_buffer("weight_scale", torch.zeros(groups, dtype=torch.float16, device=target))
         self.register_buffer("weight_min", torch.zeros(groups, dtype=torch.float16, device=target))
 
@@ -130,7 +144,7 @@ class Int4GroupLinear(nn.Linear):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``[out, in]`` weight the layer multiplies with, in ``dtype``."""
-        return dequantize_groups(self.weight, self.weight_scale, self.weight_min, dtype)
+        return dequantize_groups(self.weight, self.weight_scale, self.weight_min, dtype, self.in_features)
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +163,7 @@ def on_4bit_grid(weight: torch.Tensor, samples: int = 256) -> bool:
     test, not a proof; real-valued weights have ~32 distinct values per group and fail it on the first sample.
     A weight on the meta device or a fake tensor (the planner) reads as not on a grid.
     """
-    if weight.is_meta or isinstance(weight, FakeTensor) or weight.dim() != 2 or weight.shape[1] % GROUP:
+    if weight.is_meta or isinstance(weight, FakeTensor) or weight.dim() != 2 or weight.shape[1] % GROUP:  # whole groups only
         return False
     groups = weight.detach().reshape(-1, GROUP)
     picked = groups[torch.linspace(0, groups.shape[0] - 1, min(samples, groups.shape[0])).long()]
@@ -190,12 +204,6 @@ class Int4GroupFormat(QuantFormat):
     @override
     def check(self, name: str, layer: nn.Module) -> None:
         weight = cast(torch.Tensor, layer.weight)
-        if weight.dim() != 2 or weight.shape[1] % GROUP:
-            raise ValueError(
-                f"Precision mode {self.name!r} stores each row in groups of {GROUP} weights, but {name} has "
-                f"{weight.shape[1] if weight.dim() == 2 else '?'} input features ({tuple(weight.shape)}), not a "
-                f"multiple of {GROUP}. Keep it unquantized with ignore_modules=[{name!r}], or use mode 'nf4-dq'."
-            )
         if weight.is_meta or isinstance(weight, FakeTensor):
             return
         largest = float(weight.detach().abs().amax()) if weight.numel() else 0.0

@@ -95,17 +95,27 @@ def test_storage_is_five_bits_per_weight_and_the_planner_predicts_it() -> None:
         assert unique_bytes([layer.weight, *quantization_tensors(layer)]) == numel // 2 + numel // 32 * 4
 
 
-def test_refusals_name_the_layer_and_the_fix_before_any_change() -> None:
-    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(48, 8))
-    with pytest.raises(ValueError, match=r"groups of 32 weights, but 1 has 48 input features.*ignore_modules=\['1'\]"):
-        quantize_model(model, MODE, dtype="float32", quantize_head=True)
-    assert type(model[0]) is nn.Linear  # nothing quantized
+def test_a_row_that_is_not_whole_groups_ends_in_a_short_group() -> None:
+    linear = nn.Linear(40, 6, bias=False)  # 32 + 8
+    layer = Int4GroupLinear.from_linear(linear)
+    assert layer.weight.shape == (6, 32) and layer.weight_scale.shape == (6, 2)
+    back = layer.dequantize(torch.float32)
+    assert back.shape == (6, 40)
+    tail = linear.weight.detach()[:, 32:]  # its own range: the 8 weights' minimum is read back exactly
+    torch.testing.assert_close(back[:, 32:].amin(dim=1), tail.amin(dim=1).half().float())
+    x = torch.randn(3, 40, requires_grad=True)
+    torch.testing.assert_close(layer(x), x @ back.T)
+    layer(x).sum().backward()
+    torch.testing.assert_close(x.grad, back.sum(dim=0).expand(3, 40))
+
+
+def test_a_weight_beyond_float16_is_refused_by_name_before_any_change() -> None:
     big = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
     with torch.no_grad():
         big[0].weight[0, 0] = 1e5
-    with pytest.raises(ValueError, match=r"float16 \(largest 65504\), but 0 holds a weight of magnitude 100000"):
+    with pytest.raises(ValueError, match=r"float16 \(largest 65504\), but 0 holds a weight of magnitude 100000.*ignore_modules=\['0'\]"):
         quantize_model(big, MODE, dtype="float32")
-    assert type(big[0]) is nn.Linear
+    assert type(big[0]) is nn.Linear and type(big[1]) is nn.Linear
 
 
 def test_grid_detection_and_its_warning() -> None:
