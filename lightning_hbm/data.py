@@ -112,6 +112,9 @@ class _Pass(Iterator):
     """One pass over a :class:`ResumableDataLoader`, counting the batches it yields. The DataLoader's own iterator
     is built at the first ``next``: after Lightning's ``set_epoch``, which follows its ``iter()``."""
 
+    inner: Optional[Iterator[Any]]
+    epoch: Optional[int]
+
     def __init__(self, loader: "ResumableDataLoader") -> None:
         self.loader, self.inner, self.epoch, self.yielded = loader, None, None, 0
 
@@ -206,6 +209,7 @@ class ResumableDataLoader(DataLoader):
                 UserWarning, stacklevel=2,
             )
         self._resume = (epoch, batches)
+        sampler: Any  # one with set_epoch where it is called
         for sampler in {id(s): s for s in (self.sampler, getattr(self.batch_sampler, "sampler", None))}.values():
             if epoch is not None and callable(getattr(sampler, "set_epoch", None)):
                 sampler.set_epoch(epoch)  # workers prefetch indices as soon as their iterator exists

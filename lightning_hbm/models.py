@@ -194,7 +194,7 @@ class LazyNanoGPT(_CausalLMModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        hp = self.hparams
+        hp: Any = self.hparams  # an AttributeDict of the saved arguments
         self.model = GPT(hp.vocab_size, hp.block_size, hp.n_layer, hp.n_head, hp.n_embd, hp.bias, hp.tie_weights)
 
 
@@ -220,7 +220,7 @@ def llama_config(
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
-        attn_implementation="sdpa",
+        attn_implementation="sdpa",  # type: ignore[call-arg]  # taken at runtime; the typed config signature omits it
     )
 
 

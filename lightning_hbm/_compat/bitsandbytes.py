@@ -6,7 +6,7 @@ bitsandbytes is imported on first use (its import loads native libraries): calle
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 import torch
 from torch import nn
@@ -20,9 +20,9 @@ def disable_cpu_repack(layer: nn.Module) -> None:
     reads (``support_avx512bf16_for_cpu``) is the only switch. A weight repacked already (a model evaluated before
     lightning_hbm saw it) is unpacked as bitsandbytes' own ``state_dict`` does.
     """
-    layer.support_avx512bf16_for_cpu = False
-    weight = getattr(layer, "weight", None)
-    state = getattr(weight, "quant_state", None)
+    cast(Any, layer).support_avx512bf16_for_cpu = False  # a plain attribute: nn.Module's __setattr__ is typed for tensors and modules
+    weight: Any = getattr(layer, "weight", None)  # set whenever state is
+    state: Any = getattr(weight, "quant_state", None)
     if getattr(state, "packing_format_for_cpu", False):
         from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, cast
 
 import lightning.pytorch as pl
 import torch
@@ -146,7 +146,7 @@ def _wrap(block: nn.Module, plan: _BlockPlan) -> None:
 
 
 def _unwrap(block: nn.Module) -> None:
-    plan: _BlockPlan = checkpoint_plan(block)
+    plan = cast(_BlockPlan, checkpoint_plan(block))  # called on wrapped blocks only
     torch_compat.override_forward(block, plan.own_forward)  # None: the class's forward again
 
 
@@ -154,7 +154,7 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
     inner = plan.own_forward or functools.partial(type(self).forward, self)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
-    extra = {} if plan.context_fn is None else {"context_fn": plan.context_fn}
+    extra: dict[str, Any] = {} if plan.context_fn is None else {"context_fn": plan.context_fn}
     # The offload hooks are outside the checkpoint: what checkpoint itself saves (the block's
     # inputs) goes through them; what it recomputes never does.
     with plan.offload if plan.offload is not None else nullcontext():
@@ -398,7 +398,7 @@ def _disable_hf_cache(module: nn.Module) -> None:
     Every ``config`` is changed (T5 gives its encoder and decoder stacks their own copies); generation
     after training can pass ``use_cache=True`` explicitly.
     """
-    configs = {id(c): c for m in module.modules() for c in [getattr(m, "config", None)] if getattr(c, "use_cache", False)}
+    configs: dict[int, Any] = {id(c): c for m in module.modules() for c in [getattr(m, "config", None)] if getattr(c, "use_cache", False)}
     for config in configs.values():
         config.use_cache = False
     if configs:

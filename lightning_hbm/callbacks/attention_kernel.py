@@ -22,7 +22,7 @@ are CUDA only.
 from __future__ import annotations
 
 from contextlib import ExitStack, nullcontext
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, cast
 
 import lightning.pytorch as pl
 import torch
@@ -128,7 +128,7 @@ class AttentionKernel(SurgeryCallback):
         self._stack = ExitStack()
 
     @override
-    def transform_model(self, module: pl.LightningModule) -> None:
+    def transform_model(self, module: nn.Module) -> None:
         device, dtype = _compute_device_and_dtype(module)
         trainer = lightning_compat.attached_trainer(module)
         # Probe under the precision plugin's forward context: autocast ("bf16-mixed") changes the dtype.
@@ -156,7 +156,7 @@ class AttentionKernel(SurgeryCallback):
                 "kernel can be chosen for them. Remove AttentionKernel for this model."
             )
         for model in hf_models:
-            model.set_attn_implementation(implementation)
+            cast(Any, model).set_attn_implementation(implementation)  # a transformers PreTrainedModel
         self.hf_implementation = implementation if hf_models else None
         # "auto" keeps the other available kernels as fallbacks (in priority order) for shapes the
         # first one does not take (e.g. an odd head size); an explicit choice allows only that kernel.

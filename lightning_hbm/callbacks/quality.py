@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, cast
 
 import lightning.pytorch as pl
 import torch
@@ -42,11 +42,11 @@ def _module_device(module: nn.Module) -> torch.device:
 
 def _dequantized_weight(layer: nn.Module) -> Tensor:
     """The weight a (possibly quantized, possibly LoRA-wrapped) Linear really multiplies with, as fp32."""
-    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer  # peft LoRA wrapper
+    base: nn.Module = cast(Any, layer).get_base_layer() if hasattr(layer, "get_base_layer") else layer  # peft LoRA wrapper
     fmt = format_of(base)  # first: a quantized weight may look floating (torchao's NF4Tensor says bfloat16)
     if fmt is not None:
         return fmt.dequantize(base).float()
-    weight = base.weight
+    weight = cast(Tensor, base.weight)
     if weight.is_floating_point():
         return weight.detach().float()
     raise TypeError(
@@ -193,7 +193,7 @@ class QuantizationQuality(SurgeryCallback):
     # ------------------------------------------------------------------ before quantization
 
     @override
-    def transform_model(self, module: pl.LightningModule) -> None:
+    def transform_model(self, module: nn.Module) -> None:
         """Keep the full-precision probe outputs and Linear weights on CPU (the model is not changed)."""
         batch = self.probe_batch if self.probe_batch is not None else first_batch(self._trainer, "QuantizationQuality")
         n = self.probe_samples

@@ -38,7 +38,7 @@ def run_facts(trainer: pl.Trainer, pl_module: pl.LightningModule) -> RunFacts:
     if bits is not None and isinstance(plugin, QuantizedPrecision):  # the mode as configured: nf4-dq, not its layer class's nf4
         precision = plugin.mode.name
     optimizers = optimizer_names(trainer.optimizers)
-    callbacks = trainer.callbacks
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
     return RunFacts(
         precision=precision,
         bits_per_weight=bits,

@@ -33,11 +33,11 @@ import sys
 import warnings
 from pathlib import Path
 import pkgutil
-from typing import Any, Literal, Optional, Union, get_args
+from typing import Any, Literal, Optional, Union, cast, get_args
 
 import torch
 import yaml  # jsonargparse's own dependency
-from jsonargparse import ArgumentParser, Namespace
+from jsonargparse import ActionSubCommands, ArgumentParser, Namespace
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -376,7 +376,7 @@ class HBMCLI(LightningCLI):
         super()._add_subcommands(parser, **kwargs)
         for name, description in _EXTRA_SUBCOMMANDS.items():
             sub = LightningArgumentParser(description=f"{description} See `lightning-hbm {name} --help`.")
-            parser._subcommands_action.add_subcommand(name, sub, help=description)
+            cast(ActionSubCommands, parser._subcommands_action).add_subcommand(name, sub, help=description)  # set by super()
 
 
 def _instantiate(value: Any) -> Any:
@@ -435,7 +435,7 @@ class PlanCLI(HBMCLI):
     @override
     def instantiate_classes(self) -> None:
         """Plan instead of building: the model is only ever built fake, inside the planner."""
-        self.model, self.datamodule, self.trainer = None, None, None
+        self.model, self.datamodule, self.trainer = None, None, None  # type: ignore[assignment]  # plan builds no Trainer: LightningCLI declares it set
         config = {"model": self.config.model.as_dict(), "data": self.config.data.as_dict()}
         device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         configured = self._configured_candidate()
@@ -475,7 +475,7 @@ def main(args: Optional[list[str]] = None) -> int:
         try:
             return _run(argv)
         except (ValueError, TypeError) as err:
-            user_error = _user_error(err)
+            user_error: Union[BaseException, str, None] = _user_error(err)
             if user_error is None and "Does not validate against any of the Union subtypes" in str(err):
                 user_error = one_line_error(str(err))  # jsonargparse building a class from the config failed
             if user_error is None:  # not a message written for the user: a bug, keep the traceback
@@ -518,7 +518,7 @@ def _run(argv: list[str]) -> int:
         print_plan(result)
         return 0 if result.budget is None or result.chosen is not None else 2
     elif argv[:1] == ["report"]:
-        parser = argparse.ArgumentParser(prog="lightning-hbm report", description=render_report.__doc__.splitlines()[0])
+        parser = argparse.ArgumentParser(prog="lightning-hbm report", description=cast(str, render_report.__doc__).splitlines()[0])
         parser.add_argument("path", help="run directory (searched for hbm_profile*.json) or the JSON file")
         parser.add_argument("--out", default=None, help="directory to write to (default: next to the JSON)")
         options = parser.parse_args(argv[1:])

@@ -22,7 +22,7 @@ import inspect
 import logging
 import textwrap
 from dataclasses import dataclass, field, fields
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -48,7 +48,7 @@ def itself(layer: nn.Module) -> list[str]:
 
 def linear_features(layer: nn.Module) -> tuple[int, int]:
     """``features`` of a kind whose layer is an ``nn.Linear`` (its own or the projections ``prepare`` made)."""
-    return layer.in_features, layer.out_features
+    return cast(int, layer.in_features), cast(int, layer.out_features)
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def find_layers(module: nn.Module) -> Iterator[tuple[str, nn.Module, LayerKind]]
     An adapted layer is reported once, under the peft LoRA layer's name (the module a parent calls);
     the adapters' own Linears (``lora_A``, ``lora_B``) are not layers of the model.
     """
-    lora = _lora_layer_cls()
+    lora: tuple[type[Any], ...] = _lora_layer_cls()
     # named_modules is pre-order: a module inside a skipped one has it as an ancestor prefix. A set looked up per
     # ancestor is O(depth); scanning a list of every skipped name was O(layers) per module (seconds at 200+ LoRA layers)
     skip: set[str] = set()
@@ -211,8 +211,8 @@ def prepare_model(module: nn.Module, skip: Callable[[str], bool] = lambda name: 
     replacements = [(name, kind, new) for name, kind, new in replacements if new is not None]
     for name, kind, new in replacements:
         # the replacement's Linears count as layers of the kind they replace (coverage, quantize_model's tags)
-        record.set_converted(new, kind.name)
-        for sub in new.modules():
+        record.set_converted(cast(nn.Module, new), kind.name)  # not None: filtered above
+        for sub in cast(nn.Module, new).modules():
             if isinstance(sub, nn.Linear):
                 record.set_kind(sub, kind.name)
         parent_name, _, child = name.rpartition(".")
@@ -338,7 +338,7 @@ def source_readers(module: nn.Module, uses_only: bool = False) -> list[tuple[str
     layers = {id(base_layer(layer)): name for name, layer, _ in find_layers(module)}
     found: list[tuple[str, str, str]] = []
     for name, sub in module.named_modules():
-        for path, reader, metadata in _weight_paths(type(sub)):
+        for path, reader, metadata in _weight_paths(type(sub)):  # type: ignore[arg-type]  # mypy: a class is not Hashable (lru_cache)
             if metadata and uses_only:
                 continue
             try:
@@ -364,6 +364,7 @@ def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]
     adapter).
     """
     readers: dict[str, str] = {}
+    layer: Union[nn.Module, str]  # a layer here, a layer's name below
     for name, layer, _ in find_layers(module):
         if _own_forward(base_layer(layer)):
             readers[name] = f"{type(base_layer(layer)).__name__}.forward (an nn.Linear subclass with its own forward)"
@@ -612,6 +613,7 @@ def _uses(cls: type) -> dict[str, frozenset[str]]:
         for node in ast.walk(tree):
             if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
                 continue
+            at: ast.AST
             use, at = None, node
             for _ in range(4):  # self.w[...].t().to(x) @ h: climb through indexing, methods and casts
                 parent = parents.get(id(at))
@@ -659,7 +661,7 @@ def _outside_kinds(module: nn.Module, candidates: set[int]) -> dict[int, str]:
             own = [(n, p) for n, p in owner.named_parameters(recurse=False) if id(p) in candidates and (n in factors or _is_raw_weight(p))]
             if not own:
                 continue  # nothing to classify: no need to parse the class's source (seconds over a model's classes)
-            uses = _uses(type(owner))
+            uses = _uses(type(owner))  # type: ignore[arg-type]  # mypy: a class is not Hashable (lru_cache)
             grouped = any(p.dim() == 3 and "matmul" in uses.get(n, {"matmul"}) for n, p in own)
             for local, param in own:
                 if local in factors:
@@ -672,7 +674,7 @@ def _outside_kinds(module: nn.Module, candidates: set[int]) -> dict[int, str]:
                     found[id(param)] = GROUPED_WEIGHTS if grouped else RAW_WEIGHTS
     for name, param in module.named_parameters(recurse=False):  # the root's own (no parent to look from)
         if id(param) in candidates and _is_raw_weight(param):
-            found.setdefault(id(param), POSITION_TABLES if _uses(type(module)).get(name) == frozenset({"add"}) else RAW_WEIGHTS)
+            found.setdefault(id(param), POSITION_TABLES if _uses(type(module)).get(name) == frozenset({"add"}) else RAW_WEIGHTS)  # type: ignore[arg-type]  # mypy: a class is not Hashable (lru_cache)
     return found
 
 
@@ -732,12 +734,12 @@ def report_coverage(module: nn.Module, quantizing: bool) -> list[CoverageRow]:
     ``layers/K/left_alone`` (parameter counts).
     """
     while not isinstance(module, pl.LightningModule) and isinstance(getattr(module, "module", None), nn.Module):
-        module = module.module  # DDP / wrappers: the LightningModule inside
+        module = cast(nn.Module, module.module)  # DDP / wrappers: the LightningModule inside
     lora = _lora_layer_cls()
     adapting = bool(lora) and any(isinstance(m, lora) for m in module.modules())
     rows = coverage(module, quantizing, adapting)
     record.set_coverage(module, rows)
-    module.lightning_hbm_coverage = rows  # a plain list: nn.Module keeps it in __dict__, as any attribute
+    cast(Any, module).lightning_hbm_coverage = rows  # a plain list: nn.Module keeps it in __dict__, as any attribute
     rank_zero_info("lightning_hbm: layer kinds (parameters)\n" + format_coverage(rows))
     for message in coverage_warnings(rows):
         rank_zero_warn(message)

@@ -7,9 +7,9 @@ Conv1D LoRA layer (``fan_in_fan_out=True``) and, once quantized, with its Linear
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, cast
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_hbm.layers.base import LayerKind, register_kind
 
@@ -24,23 +24,23 @@ def _conv1d_class() -> Optional[type]:
 
 def _is_conv1d(module: nn.Module) -> bool:
     cls = _conv1d_class()
-    return cls is not None and isinstance(module, cls) and module.weight.is_floating_point()
+    return cls is not None and isinstance(module, cls) and cast(Tensor, module.weight).is_floating_point()
 
 
 def _as_linear(conv: nn.Module) -> nn.Linear:
     # Conv1D computes x @ W + b with W stored [in, out]: the Linear with weight W.T is the same map.
     # The transposed copy is transient (the mode quantizes it); the bias Parameter is shared.
-    in_features, out_features = conv.weight.shape
+    in_features, out_features = cast(Tensor, conv.weight).shape
     linear = nn.Linear(in_features, out_features, bias=conv.bias is not None, device="meta")
-    linear.weight = nn.Parameter(conv.weight.detach().t().contiguous(), requires_grad=False)
+    linear.weight = nn.Parameter(cast(Tensor, conv.weight).detach().t().contiguous(), requires_grad=False)
     if conv.bias is not None:
-        linear.bias = conv.bias
+        linear.bias = cast(nn.Parameter, conv.bias)
     return linear
 
 
 def _features(layer: nn.Module) -> tuple[int, int]:
     # an unquantized Conv1D's weight is [in, out]; a quantized one is the mode's Linear (tagged Conv1D)
-    return (layer.in_features, layer.out_features) if isinstance(layer, nn.Linear) else tuple(layer.weight.shape)
+    return (layer.in_features, layer.out_features) if isinstance(layer, nn.Linear) else cast(tuple[int, int], tuple(cast(Tensor, layer.weight).shape))  # a 2-D weight
 
 
 CONV1D = register_kind(

@@ -21,7 +21,7 @@ layouts are left as they are and named by the coverage table's warning.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -62,11 +62,11 @@ class LinearExperts(nn.Module):
     @classmethod
     def from_transformers(cls, module: nn.Module) -> LinearExperts:
         """Take over the experts of ``module`` (see :func:`supported`): one Linear per expert and projection."""
-        experts, double_intermediate, hidden = module.gate_up_proj.shape
+        experts, double_intermediate, hidden = cast(torch.Tensor, module.gate_up_proj).shape
         with torch.device("meta"):
             new = cls(experts, hidden, double_intermediate // 2, nn.Identity())
-        new.act_fn = module.act_fn
-        for source, target in ((module.gate_up_proj, new.gate_up_proj), (module.down_proj, new.down_proj)):
+        new.act_fn = cast(nn.Module, module.act_fn)
+        for source, target in ((cast(torch.Tensor, module.gate_up_proj), new.gate_up_proj), (cast(torch.Tensor, module.down_proj), new.down_proj)):
             for index, linear in enumerate(target):
                 # [experts, out, in]: expert e is already a Linear weight [out, in]
                 linear.weight = nn.Parameter(source.detach()[index].clone(), requires_grad=source.requires_grad)
@@ -142,7 +142,7 @@ def _adaptable(layer: nn.Module) -> list[str]:
         return [""]  # one expert's Linear of a prepared layer
     if not supported(layer):
         return []  # stays as it is: named by the coverage table's warning
-    return [f"{proj}.{e}" for proj in ("gate_up_proj", "down_proj") for e in range(layer.gate_up_proj.shape[0])]
+    return [f"{proj}.{e}" for proj in ("gate_up_proj", "down_proj") for e in range(cast(torch.Tensor, layer.gate_up_proj).shape[0])]
 
 
 EXPERTS = register_kind(
@@ -151,9 +151,9 @@ EXPERTS = register_kind(
         matches=_is_experts,
         # prepare() turns a supported experts layer into one Linear per expert and projection, tagged
         # with this kind; those are quantized and adapted like any Linear
-        to_linear=lambda linear: linear,
+        to_linear=lambda linear: cast(nn.Linear, linear),
         prepare=_prepare,
-        as_built_keys=lambda new: new.as_built_keys(),
+        as_built_keys=lambda new: cast(LinearExperts, new).as_built_keys(),
         adaptable_names=_adaptable,
         quantized_as="replaced by `LinearExperts`: the same routing loop, one Linear per expert and projection "
         "(equal outputs and gradients), each quantized",

@@ -19,7 +19,7 @@ weights again) and call this module.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -194,10 +194,10 @@ MULTIHEAD_ATTENTION = register_kind(
         name="MultiheadAttention",
         matches=_is_mha,
         # prepare() first turns the module into four Linears tagged with this kind; those are quantized
-        to_linear=lambda linear: linear,
-        prepare=ProjectedMultiheadAttention.from_torch,
+        to_linear=lambda linear: cast(nn.Linear, linear),
+        prepare=cast(Callable[[nn.Module], Optional[nn.Module]], ProjectedMultiheadAttention.from_torch),  # called on the modules it matches
         after_prepare=_no_nested_tensor,
-        as_built_keys=lambda new: new.as_built_keys(),
+        as_built_keys=lambda new: cast(ProjectedMultiheadAttention, new).as_built_keys(),
         adaptable_names=_adaptable,
         quantized_as="replaced by `ProjectedMultiheadAttention`: equal outputs and gradients (masks, `batch_first`, "
         "`kdim`/`vdim`, attention weights), four Linear projections, each quantized",

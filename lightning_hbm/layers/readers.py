@@ -24,7 +24,7 @@ import warnings
 import weakref
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union, cast
 
 import lightning.pytorch as pl
 import torch
@@ -356,13 +356,14 @@ def guard_unobserved(module: nn.Module, hinted: list[tuple[str, str, str]], chan
         return []
     _GUARDED.add(module)
     by_reader: dict[str, tuple[str, dict[str, tuple[nn.Module, bool]]]] = {}
+    layer: Union[str, nn.Module]  # a layer's name here, the layer itself below
     for reader_name, reader, layer in hinted:
         if layer in changed and layer not in seen.reads:
             by_reader.setdefault(reader_name, (reader, {}))[1][layer] = changed[layer]
     for reader_name, (reader, layers) in by_reader.items():
         hook = GuardHook(reader, seen.ran)
         for layer_name, (layer, quantized) in layers.items():
-            hook.tensors.append((layer.weight, layer_name, quantized))
+            hook.tensors.append((cast(torch.Tensor, layer.weight), layer_name, quantized))
             layer.register_forward_pre_hook(hook.layer_in)
             layer.register_forward_hook(hook.layer_out, always_call=True)
         sub = module.get_submodule(reader_name) if reader_name else module

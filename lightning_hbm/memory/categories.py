@@ -146,6 +146,7 @@ def classify(
         seen.add(key)
         totals[category] += nbytes
 
+    category: str  # a Category from owned_storages, then the registry's terms (str)
     for key, (category, nbytes) in owned_storages(module, optimizers).items():
         add(key, category, nbytes)
     # what the forward created and nothing owns, then the rest (the registry's created_in / rest terms)
@@ -170,7 +171,7 @@ def classify_records(
     only storages on it (None: all).
     """
     wanted = None if device is None else str(torch.device(device))
-    values = dict.fromkeys(CATEGORIES, 0)
+    values: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
     for key, record in records.items():
         if wanted is not None and not _same_device(key[0], wanted):
             continue

@@ -12,7 +12,7 @@ quantized storage at its real size.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Callable, Union
+from typing import Any, Callable, Union, cast
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ def plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
     if type(tensor) in _PLAIN_TYPES or not hasattr(type(tensor), "__tensor_flatten__"):
         yield tensor
         return
-    inner_names, _ = tensor.__tensor_flatten__()
+    inner_names, _ = cast(Any, tensor).__tensor_flatten__()  # a wrapper subclass's method, not on Tensor
     for name in inner_names:
         inner = getattr(tensor, name)
         if isinstance(inner, torch.Tensor):

@@ -107,7 +107,7 @@ class AutoFit(Callback):
                 raise TypeError(f"AutoFit({name}={value!r}): pass a list, e.g. {name}=[{value!r}].")
         self.precisions = list(precisions) if precisions is not None else ["nf4-dq"]
         self.lora_ranks = list(lora_ranks) if lora_ranks is not None else [0, 16]
-        self.checkpointing = list(checkpointing) if checkpointing is not None else ["none", "selective", "full"]
+        self.checkpointing: list[Literal["none", "selective", "full"]] = list(checkpointing) if checkpointing is not None else ["none", "selective", "full"]
         self.optimizers = list(optimizers) if optimizers is not None else ["user", "adamw8bit"]
         for name, values in (
             ("precisions", self.precisions),
@@ -129,7 +129,7 @@ class AutoFit(Callback):
         # AutoFit picks these itself: a second LoRA/checkpointing/optimizer callback would silently not apply
         # (the surgery applies each transform class once), so the configuration would not be the planned one.
         chosen_here = {"LoRA", "ActivationCheckpointing", "MemoryEfficientOptimizer", "FusedLoss"}
-        own = sorted({type(cb).__name__ for cb in trainer.callbacks} & chosen_here)
+        own = sorted({type(cb).__name__ for cb in trainer.callbacks} & chosen_here)  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
         if own:
             raise ValueError(
                 f"AutoFit chooses LoRA, activation checkpointing and the optimizer itself, but the Trainer already has "
@@ -139,10 +139,10 @@ class AutoFit(Callback):
         precisions = [baseline[0], *(p for p in self.precisions if p != baseline[0])]
         fused = self.fused_loss if self.fused_loss is not None else _fused_loss_axis(pl_module)
         candidates = [  # the Trainer's own precision as configured: its dtype and its pinned mixed-precision plan
-            dataclasses.replace(c, dtype=baseline[1], layer_modes=baseline[2]) if c.precision == baseline[0] else c
+            dataclasses.replace(c, dtype=baseline[1], layer_modes=baseline[2]) if c.precision == baseline[0] else c  # type: ignore[arg-type]  # __post_init__ normalises a dict plan
             for c in default_candidates(precisions, self.lora_ranks, self.checkpointing, self.optimizers, fused)
         ]
-        device = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
+        device: Literal["cpu", "cuda"] = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
         self.plan = plan(pl_module, _example_batch(trainer), budget=self.budget, candidates=candidates, device=device)
         rank_zero_info(f"AutoFit plan (budget {self._budget_text}):\n{self.plan}")
         chosen = self.plan.chosen
@@ -170,7 +170,7 @@ class AutoFit(Callback):
         """Print the prediction next to what an ``HBMProfiler`` measured at its step peak (detailed step)."""
         if self.chosen is None or not trainer.is_global_zero:
             return
-        profilers = [cb for cb in trainer.callbacks if isinstance(cb, HBMProfiler)]
+        profilers = [cb for cb in trainer.callbacks if isinstance(cb, HBMProfiler)]  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
         print(compare_with_measured(self.chosen, profilers[0].report() if profilers else None))
 
     def _apply(self, trainer: pl.Trainer, candidate: Candidate, baseline: str) -> None:
@@ -179,7 +179,7 @@ class AutoFit(Callback):
             trainer.strategy.precision_plugin = candidate.precision_plugin(trainer.strategy.root_device.type)
         # Appended before the surgery runs (in strategy.setup, after every Callback.setup): the spine
         # picks SurgeryCallbacks from trainer.callbacks at that point.
-        trainer.callbacks.extend(candidate.callbacks())
+        trainer.callbacks.extend(candidate.callbacks())  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
         install(trainer)
 
     @override
@@ -226,7 +226,7 @@ def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str, Optional[dict[st
 
 def _example_batch(trainer: pl.Trainer) -> Any:
     """One training batch, at Callback.setup time (before Lightning loads the dataloaders itself)."""
-    datamodule = trainer.datamodule
+    datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector, undeclared on Trainer
     if datamodule is not None and hasattr(datamodule, "example_batch"):
         return datamodule.example_batch()
     # Lightning has no public way to reach the train dataloader before the fit loop loads it: the fit

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import lightning.pytorch as pl
 import torch
@@ -42,7 +42,7 @@ def _fake_mode() -> FakeTensorMode:
     never need again, so it is skipped.
     """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_mode.fake_tensor_converter.set_tensor_memo = lambda tensor, fake: None
+    fake_mode.fake_tensor_converter.set_tensor_memo = lambda tensor, fake: None  # type: ignore[method-assign,assignment]  # the memo is skipped on purpose
     return fake_mode
 
 
@@ -173,7 +173,7 @@ def _adopt_foreign_fakes(module: nn.Module, fake_mode: FakeTensorMode) -> None:
     """
     replaced: dict[int, torch.Tensor] = {}  # tied parameters stay tied
     for sub in module.modules():
-        for store in (sub._parameters, sub._buffers):
+        for store in (cast(dict[str, Optional[torch.Tensor]], sub._parameters), sub._buffers):  # a Parameter goes back to _parameters
             for name, tensor in store.items():
                 if tensor is None or getattr(tensor, "fake_mode", fake_mode) is fake_mode:
                     continue

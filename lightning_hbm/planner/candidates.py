@@ -21,14 +21,14 @@ import re
 from collections.abc import Mapping, Sequence
 import copy
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, cast
 
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
 from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_hbm.callbacks.fused_loss import FusedLoss
 from lightning_hbm.callbacks.lora import LoRA
-from lightning_hbm.callbacks.optimizer import MemoryEfficientOptimizer
+from lightning_hbm.callbacks.optimizer import MemoryEfficientOptimizer, OptimizerKind
 from lightning_hbm.precision import QuantizedPrecision, available_precisions, get_format
 from lightning_hbm.surgery import SurgeryCallback
 
@@ -90,7 +90,7 @@ def parse_bytes(value: Union[str, int, float]) -> int:
 def describe_size(value: Union[str, int, float], nbytes: int) -> str:
     """``nbytes`` in binary units, and the decimal size it was given as (``"953.67 MiB (1 GB = 1,000,000,000 bytes, decimal)"``)."""
     decimal = isinstance(value, str) and value.strip()[-2:].lower() in ("kb", "mb", "gb", "tb")
-    return f"{format_bytes(nbytes)} ({value.strip()} = {nbytes:,} bytes, decimal)" if decimal else format_bytes(nbytes)
+    return f"{format_bytes(nbytes)} ({cast(str, value).strip()} = {nbytes:,} bytes, decimal)" if decimal else format_bytes(nbytes)
 
 
 #: Largest memory size accepted (1 EiB): far above any machine, small enough that a typo's 1e400 is refused.
@@ -184,11 +184,11 @@ class Candidate:
         for callback in surgery:
             kind = type(callback).__name__
             if kind == "LoRA":
-                axes["lora_r"] = int(callback.r)
+                axes["lora_r"] = int(cast(LoRA, callback).r)
             elif kind == "ActivationCheckpointing":
-                axes["checkpointing"] = callback.policy
+                axes["checkpointing"] = cast(ActivationCheckpointing, callback).policy
             elif kind == "MemoryEfficientOptimizer":
-                axes["optimizer"] = callback.kind
+                axes["optimizer"] = cast(MemoryEfficientOptimizer, callback).kind
             elif kind == "FusedLoss":
                 axes["fused_loss"] = True
         offload = strategy == "cpu_offload" or type(strategy).__name__ == "CPUOffloadStrategy"
@@ -263,7 +263,7 @@ class Candidate:
             blocks = list(self.blocks) if self.blocks is not None else None
             callbacks.append(ActivationCheckpointing(policy=self.checkpointing, blocks=blocks))
         if self.optimizer != "user":
-            callbacks.append(MemoryEfficientOptimizer(kind=self.optimizer))
+            callbacks.append(MemoryEfficientOptimizer(kind=cast(OptimizerKind, self.optimizer)))
         if self.fused_loss:
             callbacks.append(FusedLoss())
         return callbacks
@@ -418,7 +418,7 @@ def default_candidates(
             continue
         plan = layer_modes if precision not in PLANNED_LIGHTNING_PRECISIONS else None
         grid.append(
-            Candidate(precision, lora_r=r, checkpointing=policy, optimizer=optimizer, fused_loss=fused, layer_modes=plan)
+            Candidate(precision, lora_r=r, checkpointing=policy, optimizer=optimizer, fused_loss=fused, layer_modes=plan)  # type: ignore[arg-type]  # __post_init__ normalises a dict plan to pairs
         )
     return grid
 

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import lightning.pytorch as pl
 import torch
@@ -93,7 +93,7 @@ class Trace:
         def line(a: int, b: int) -> int:
             return max(0, a + extra * (b - a))
 
-        phases = {
+        phases: dict[str, dict[str, int]] = {
             phase: {c: line(cats[c], deeper.phases[phase][c]) for c in CATEGORIES}
             for phase, cats in self.phases.items()
             if phase in deeper.phases
@@ -150,7 +150,7 @@ def trace(
         depth = max(depth, _cut_blocks(module, keep_blocks))  # blocks built lazily exist only now
         for name, submodule in list(module.named_modules()):
             if type(submodule).__name__ in (real_types or {}):
-                _run_for_real(submodule, fallbacks, real_types[type(submodule).__name__], name)
+                _run_for_real(submodule, fallbacks, cast(dict[str, str], real_types)[type(submodule).__name__], name)
         optimizers = apply_candidate(module, candidate, plugin, device, batch=fake_batch)
         fake_batch = plugin.convert_input(fake_batch)
         reached = _gradient_receivers(module, fake_batch, plugin)  # before the tracker: its storages are gone after
@@ -360,7 +360,7 @@ def apply_candidate(
     transforms: list[SurgeryCallback] = candidate.callbacks()
     run_surgery(module, plugin, transforms, batch=batch)
     module.train()
-    optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())
+    optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())  # type: ignore[arg-type]  # Lightning's helper is typed narrower than the hook
     configs = _configure_schedulers_automatic_opt(schedulers, monitor)
     # Outside the fake mode: bitsandbytes' 8-bit optimizers build their quantization maps from Python
     # floats when constructed. The maps are real (2 KiB, shared) and mix with fake states as they would
@@ -413,7 +413,7 @@ def _cut_blocks(module: nn.Module, keep: Optional[int]) -> int:
     """Cut the largest list of repeated blocks to ``keep`` (in place); returns its full length (0: none)."""
     parent, depth = _block_list(module)
     if keep is not None and depth > keep:
-        del (module.get_submodule(parent) if parent else module)[keep:]
+        del cast(nn.ModuleList, module.get_submodule(parent) if parent else module)[keep:]  # a ModuleList or Sequential
     return depth
 
 
@@ -424,7 +424,7 @@ def _blocks_cut(module: nn.Module, keep: Optional[int]) -> Iterator[int]:
     if keep is None or depth <= keep:
         yield depth
         return
-    blocks = module.get_submodule(parent) if parent else module
+    blocks = cast(nn.ModuleList, module.get_submodule(parent) if parent else module)  # a ModuleList or Sequential
     removed = list(blocks)[keep:]
     del blocks[keep:]
     try:
@@ -443,7 +443,7 @@ def _eager_transformers() -> Iterator[None]:
     about tracing, so the model runs as it will in training (its mask checks read the real twins of the
     batch, :mod:`lightning_hbm.planner.realvalues`).
     """
-    masking = sys.modules.get("transformers.masking_utils")
+    masking: Any = sys.modules.get("transformers.masking_utils")
     if masking is None or not hasattr(masking, "is_tracing") or not hasattr(masking, "find_packed_sequence_indices"):
         yield
         return

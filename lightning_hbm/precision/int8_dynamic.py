@@ -53,7 +53,7 @@ layer's callers see (LoRA included) exactly the unsmoothed input and its gradien
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -250,11 +250,12 @@ class Int8DynamicFormat(QuantFormat):
         return isinstance(module, Int8DynamicLinear)
 
     def dequantize(self, module: nn.Module, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        weight = module.dequantize()
+        weight = cast(Int8DynamicLinear, module).dequantize()
         return weight if dtype is None else weight.to(dtype)
 
     def constants(self, module: nn.Module) -> list[torch.Tensor]:
-        return [t for t in (module.weight_scale, module.input_shift) if t is not None]
+        layer = cast(Int8DynamicLinear, module)
+        return [t for t in (layer.weight_scale, layer.input_shift) if t is not None]
 
 
 def _int8_dynamic(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:

@@ -40,12 +40,12 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
 
-from lightning_hbm.layers import kind_of
+from lightning_hbm.layers import LayerKind, kind_of
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.precision.registry import get_format, to_dtype
@@ -84,7 +84,7 @@ def predict_parameter_bytes(module: nn.Module, plan: Mapping[str, str], dtype: A
             total += param.numel() * (dtype.itemsize if param.is_floating_point() else param.element_size())
     for name, mode in plan.items():
         layer = module.get_submodule(name)
-        total += weight_bytes(mode, *kind_of(layer).features(layer), dtype)  # e.g. Conv1D stores [in, out]
+        total += weight_bytes(mode, *cast(LayerKind, kind_of(layer)).features(layer), dtype)  # e.g. Conv1D stores [in, out]; a planned layer has a kind
     return total
 
 
@@ -281,7 +281,7 @@ def choose_plan(
     # and the cosine closure over them; split, each step would take all of them as arguments.
     dtype, wider = to_dtype(dtype), ladder(base, sensitive)
     modes = (base, *wider)
-    layers = {name: module.get_submodule(name) for name in names}
+    layers = cast(dict[str, nn.Linear], {name: module.get_submodule(name) for name in names})
     total_params = sum(layer.in_features * layer.out_features for layer in layers.values())
     cost = {n: {m: weight_bytes(m, lay.in_features, lay.out_features, dtype) for m in modes} for n, lay in layers.items()}
     uniform_bytes = sum(c[base] for c in cost.values())

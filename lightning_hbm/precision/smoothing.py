@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 from torch import nn
@@ -177,7 +177,7 @@ resume.register_meta_check(_check_meta)
 @contextmanager
 def attached(module: nn.Module, shifts: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """Attach ``shifts`` to the weights of ``module``'s Linears for mode ``int8-dynamic-smooth``, then detach."""
-    weights = [module.get_submodule(name).weight for name in shifts]
+    weights = [cast(torch.Tensor, module.get_submodule(name).weight) for name in shifts]
     try:
         for weight, shift in zip(weights, shifts.values()):
             set_input_shift(weight, shift)  # read by the format's replace (int8_dynamic)
@@ -251,7 +251,7 @@ def choose_smoothing(
     the layer candidates computed inside the hooks.
     """
     dtype = to_dtype(dtype)
-    layers = {name: module.get_submodule(name) for name in names}
+    layers = cast(dict[str, nn.Linear], {name: module.get_submodule(name) for name in names})  # the Linears named
     with eval_no_grad(module):
         absmax, reference = _input_absmax(module, layers, probe)
         unseen = sorted(set(layers) - set(absmax))
@@ -262,10 +262,10 @@ def choose_smoothing(
                 "batch that reaches them."
             )
         alphas = AUTO_ALPHAS if alpha == "auto" else (float(alpha),)
-        candidates = {n: {a: shifts_for(absmax[n], layer.weight, a) for a in alphas} for n, layer in layers.items()}
+        candidates: dict[str, dict[Optional[float], torch.Tensor]] = {n: {a: shifts_for(absmax[n], layer.weight, a) for a in alphas} for n, layer in layers.items()}
         errors: dict[str, dict[Optional[float], float]] = {}
         if alpha == "auto":
-            zero = {n: {None: torch.zeros(layer.in_features, dtype=torch.int8)} for n, layer in layers.items()}
+            zero: dict[str, dict[Optional[float], torch.Tensor]] = {n: {None: torch.zeros(layer.in_features, dtype=torch.int8)} for n, layer in layers.items()}
             errors = _layer_errors(module, layers, {n: {**zero[n], **candidates[n]} for n in layers}, dtype, probe)
             # the smallest error (ties: the smaller alpha, deterministic), if it is a clear gain over no smoothing
             best = {n: min(alphas, key=lambda a: (errors[n][a], a)) for n in layers}

@@ -90,7 +90,7 @@ def fingerprint(tensor: torch.Tensor) -> Optional[str]:
         flat = torch.view_as_real(flat).reshape(-1)
     digest = hashlib.sha1(repr((tuple(tensor.shape), str(tensor.dtype))).encode())
     if flat.numel() * flat.element_size() <= _EXACT_BYTES:
-        digest.update(zlib.crc32(flat.cpu().contiguous().view(torch.uint8).numpy()).to_bytes(4, "little"))
+        digest.update(zlib.crc32(flat.cpu().contiguous().view(torch.uint8).numpy()).to_bytes(4, "little"))  # type: ignore[arg-type]  # ndarray is a buffer (numpy types __buffer__ from 3.12)
         return digest.hexdigest()[:16]
     bits = _bits(flat)
     whole = flat.numel() - flat.numel() % _ROW

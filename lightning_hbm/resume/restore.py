@@ -68,7 +68,7 @@ def adapter_misfits(meta: dict[str, Any], schema: dict[str, Any]) -> list[str]:
         found = re.fullmatch(r"(.*?)(?:\.base_layer)?\.lora_A\.([^.]+)\.weight", key)
         lora_b = saved.get(key.replace(".lora_A.", ".lora_B."))
         base = schema.get(f"{found.group(1)}.weight") if found else None
-        if base is None or lora_b is None or len(base[0]) != 2 or not isinstance(lora_a, torch.Tensor):
+        if found is None or base is None or lora_b is None or len(base[0]) != 2 or not isinstance(lora_a, torch.Tensor):
             continue
         if sorted((lora_a.shape[-1], lora_b.shape[0])) != sorted(base[0]):
             misfits.append(f"{found.group(1)}: adapters for {lora_a.shape[-1]} -> {lora_b.shape[0]}, layer {tuple(base[0])}")

@@ -30,7 +30,7 @@ def checksum(tensor: torch.Tensor) -> Optional[int]:
     if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.is_meta:
         return None
     data = tensor.detach().cpu().contiguous().reshape(-1)
-    return zlib.crc32(data.view(torch.uint8).numpy()) if data.numel() else 0
+    return zlib.crc32(data.view(torch.uint8).numpy()) if data.numel() else 0  # type: ignore[arg-type]  # ndarray is a buffer (numpy types __buffer__ from 3.12)
 
 
 def _walk(value: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:

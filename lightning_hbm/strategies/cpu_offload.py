@@ -28,7 +28,7 @@ steps per parameter on CPU and copies parameters back asynchronously. What it la
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import lightning.pytorch as pl
 import torch
@@ -93,7 +93,7 @@ class OffloadedOptimizer(Optimizer):
             # fp32 master copies: as in mixed-precision ZeRO-offload, bf16 parameters get fp32 updates.
             self.masters = {p: p.detach().to(self.offload_device, torch.float32, copy=True) for p in trainable}
             self._grads = {p: torch.zeros_like(m, pin_memory=pin) for p, m in self.masters.items()}
-            self.offloaded = type(optimizer)(self._engine_groups(self.masters.__getitem__))
+            self.offloaded = cast(Callable[..., Optimizer], type(optimizer))(self._engine_groups(self.masters.__getitem__))  # a subclass: defaults of its own
             if offload_gradients:
                 self._hooks = [p.register_post_accumulate_grad_hook(self._offload_grad) for p in trainable]
         self._group_pairs = self._pair_groups()
@@ -129,10 +129,10 @@ class OffloadedOptimizer(Optimizer):
         """Post-accumulate-grad hook: accumulate into the offloaded gradient, free the device one."""
         master, buffer = self.masters[param], self._grads[param]
         if master.grad is None:
-            buffer.copy_(param.grad, non_blocking=True)
+            buffer.copy_(cast(torch.Tensor, param.grad), non_blocking=True)  # set: a post-accumulate-grad hook
             master.grad = buffer
         else:  # gradient accumulation over micro-batches happens on the offload device
-            master.grad.add_(param.grad.to(buffer.device, buffer.dtype))
+            master.grad.add_(cast(torch.Tensor, param.grad).to(buffer.device, buffer.dtype))
         param.grad = None
 
     def _sync_hyperparameters(self) -> None:
@@ -325,7 +325,7 @@ class CPUOffloadStrategy(SingleDeviceStrategy):
             and not trainer.gradient_clip_val  # torchao copies gradients before Lightning clips them
             and not (self.offload_gradients and trainer.accumulate_grad_batches > 1)  # torchao overwrites, not adds
         )
-        offloaded = []
+        offloaded: list[Optimizer] = []
         for optimizer in self.optimizers:
             new = OffloadedOptimizer(optimizer, self.offload_device, self.offload_gradients, use_torchao)
             repoint_lr_schedulers(self.lr_scheduler_configs, optimizer, new)

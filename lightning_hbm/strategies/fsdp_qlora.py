@@ -45,7 +45,7 @@ import logging
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import lightning.pytorch as pl
 import torch
@@ -136,14 +136,14 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         _choose_units(self.model, self.shard_modules)  # validate before changing anything
-        full = [type(cb).__name__ for cb in trainer.callbacks if getattr(cb, "full_checkpoint", False)]
+        full = [type(cb).__name__ for cb in trainer.callbacks if getattr(cb, "full_checkpoint", False)]  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
         if full:
             raise ValueError(
                 f"{full[0]}(full_checkpoint=True) asks for the frozen base in every checkpoint, but "
                 "QuantizedFSDPStrategy saves only the trainable weights (gathered on rank 0; the base is rebuilt "
                 "from your model on resume). Use full_checkpoint=False, or save the merged model after fit."
             )
-        eight_bit = [cb for cb in trainer.callbacks if isinstance(cb, MemoryEfficientOptimizer)]
+        eight_bit = [cb for cb in trainer.callbacks if isinstance(cb, MemoryEfficientOptimizer)]  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
         if eight_bit:  # known now: refused before the model changes, not after quantizing and sharding it
             raise self._bnb_refusal(OPTIMIZER_KINDS[eight_bit[0].kind][0])
         _materialize_distributed_module(self.model, self.root_device)
@@ -202,7 +202,7 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
                     torch.distributed.broadcast(buffer, src=0)
                     param.data.copy_(buffer)
 
-    def _shard(self, module: pl.LightningModule, units: list[nn.Module]) -> None:
+    def _shard(self, module: nn.Module, units: list[nn.Module]) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
         if any(isinstance(m, FSDPModule) for m in module.modules()):
@@ -210,7 +210,7 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         # Pinned memory needs a CUDA build; on CPU the "offload" keeps tensors where they are.
         offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()
         mesh = self.device_mesh["data_parallel"]
-        kwargs = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward, offload_policy=offload)
+        kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward, offload_policy=offload)
         for unit in units:
             fully_shard(unit, **kwargs)
         # One more unit per top-level child holding the remaining parameters (embeddings, head).
@@ -264,13 +264,13 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         resume.check_file(path)  # an empty or cut-short file is a clear error, as on one device
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         assert self.model is not None
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+        if cast(pl.LightningModule, self.lightning_module).trainer.state.fn == TrainerFn.FITTING:
             # Lightning restores after this strategy's setup (the surgery already ran: trainer.ckpt_path is not known
             # before), so the settings and base fingerprints are checked here, before any tensor is loaded or step run
-            surgery.check_resume(self.lightning_module.trainer, self.lightning_module, checkpoint.get(resume.META_KEY), path)
+            surgery.check_resume(cast(pl.LightningModule, self.lightning_module).trainer, cast(pl.LightningModule, self.lightning_module), checkpoint.get(resume.META_KEY), path)
         self._load_trainable(_trainable_part(checkpoint, path))
         optimizer_states = checkpoint.pop("optimizer_states", [])
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and optimizer_states:
+        if cast(pl.LightningModule, self.lightning_module).trainer.state.fn == TrainerFn.FITTING and optimizer_states:
             for optimizer, full_state in zip(self.optimizers, optimizer_states):
                 optimizer.load_state_dict(_shard_optimizer_state(optimizer, full_state))
         return checkpoint

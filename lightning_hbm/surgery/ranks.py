@@ -10,7 +10,7 @@ given equal inputs, so the ranks then agree by construction.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 import torch
 from torch import nn
@@ -56,7 +56,7 @@ def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                     yield f"{prefix}.{attr}", value
             state, prefix = getattr(state, "state2", None), f"{prefix}.state2"
         if isinstance(getattr(param, "SCB", None), torch.Tensor):  # bitsandbytes int8: row scales
-            yield f"{name}.SCB", param.SCB
+            yield f"{name}.SCB", cast(Any, param).SCB  # bitsandbytes Int8Params
     yield from module.named_buffers()
 
 

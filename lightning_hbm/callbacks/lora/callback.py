@@ -7,7 +7,7 @@ import inspect
 import logging
 import math
 import re
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -241,7 +241,7 @@ class LoRA(SurgeryCallback):
                     f"Top-level modules: {sorted(n for n in named if n and '.' not in n)}; Linears: {linears[:12]}."
                 )
             for n in found:
-                if is_quantized(named[n]) or any(under(q, [n]) for q in to_be_quantized):
+                if is_quantized(cast(nn.Module, named[n])) or any(under(q, [n]) for q in to_be_quantized):
                     raise ValueError(
                         f"modules_to_save entry {name!r} matches {n!r}, whose weights are quantized and cannot be "
                         f"trained. Keep it in full precision with QuantizedPrecision(ignore_modules=[{n!r}])."
@@ -255,7 +255,7 @@ class LoRA(SurgeryCallback):
             owners: dict[int, int] = {}
             for _, param in module.named_parameters(remove_duplicate=False):
                 owners[id(param)] = owners.get(id(param), 0) + 1
-            tied = {n for n in linears if named[n] is not None and owners.get(id(named[n].weight), 0) > 1}
+            tied = {n for n in linears if named[n] is not None and owners.get(id(cast(nn.Module, named[n]).weight), 0) > 1}
             # and layers whose weight a parent reads directly (Mamba's dt_proj): their adapter would never be called
             readers = weight_readers(module, uses_only=True)
             # (a module trained in full is no LoRA candidate: neither adapted nor "narrower than r")
@@ -397,7 +397,7 @@ class LoRA(SurgeryCallback):
         return frozenset(name for name, _ in plugin.quantization_targets(module))
 
     @override
-    def transform_model(self, module: pl.LightningModule) -> None:
+    def transform_model(self, module: nn.Module) -> None:
         """Inject the adapters into ``module`` in place and freeze everything else."""
         peft = _import_peft()
         targets, _ = self.resolve(module)  # every check before the first change
@@ -523,7 +523,7 @@ class LoRA(SurgeryCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not isinstance(trainer.precision_plugin, QuantizedPrecision):
             report_coverage(pl_module, quantizing=False)  # QuantizedPrecision reports it itself
-        self._watch = _AdapterWatch(pl_module)
+        self._watch: Optional[_AdapterWatch] = _AdapterWatch(pl_module)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -558,7 +558,7 @@ def _expose_base_attributes(layer: nn.Module) -> None:
     them ("'Conv1d' object has no attribute 'stride'"). Its own attributes (``in_features``, ``weight``) stay. Only
     plain values are copied: a bitsandbytes layer's ``quant_state`` is an object that changes with the layer.
     """
-    for name, value in vars(layer.get_base_layer()).items():
+    for name, value in vars(cast(Any, layer).get_base_layer()).items():  # a peft LoRA layer
         plain = isinstance(value, (bool, int, float, str, tuple))
         if plain and not name.startswith("_") and name not in vars(layer) and not hasattr(type(layer), name):
             setattr(layer, name, value)  # a plain value: nn.Module keeps it in __dict__

@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -77,7 +77,8 @@ def save_adapter(
         )
     root = _hf_root(module, submodule)
     prefix = root + "." if root else ""
-    lora_cls = _lora_layer_cls()
+    lora_cls: type[Any] = _lora_layer_cls()  # peft's LoraLayer, a mixin of the nn.Module layers it finds
+    adapted: dict[str, nn.Module]
     adapted, tensors, saved = {}, {}, set()
     for name, sub in module.named_modules():
         if isinstance(sub, lora_cls) and name.startswith(prefix):
@@ -204,7 +205,7 @@ def merge(
       re-quantized.
     """
     out_dtype = to_dtype(dtype)
-    lora_cls = _lora_layer_cls()
+    lora_cls: type[Any] = _lora_layer_cls()  # peft's LoraLayer, a mixin of the nn.Module layers it finds
     init = getattr(getattr(module, "peft_config", {}).get(ADAPTER_NAME), "init_lora_weights", True)
     if base_state_dict is not None and init in variants.REWRITES_BASE:
         raise ValueError(
@@ -221,9 +222,9 @@ def merge(
     def original(name: str, key: str, layer: nn.Module) -> torch.Tensor:
         """The full-precision ``key`` of layer ``name`` from ``base_state_dict``."""
         rel = name[len(root) + 1 :] if root and name.startswith(root + ".") else None
-        tensor = base_state_dict.get(f"{name}.{key}")
+        tensor = cast(dict[str, torch.Tensor], base_state_dict).get(f"{name}.{key}")  # called only with a base_state_dict
         if tensor is None and rel is not None:
-            tensor = base_state_dict.get(f"{rel}.{key}")
+            tensor = cast(dict[str, torch.Tensor], base_state_dict).get(f"{rel}.{key}")
         if tensor is None:
             raise ValueError(
                 f"base_state_dict has no {name}.{key}" + (f" (nor {rel}.{key})" if rel else "")
@@ -237,12 +238,12 @@ def merge(
     def dense(name: str, layer: nn.Module) -> torch.Tensor:
         fmt = format_of(layer)
         if fmt is None and stored_in(layer) is None:
-            return layer.weight.float()
+            return cast(torch.Tensor, layer.weight).float()
         if base_state_dict is not None:
             return original(name, "weight", layer)
         dequantized.append(name)
         if fmt is None:  # a quantized convolution: its weight reads back dequantized, in the conv's shape
-            return layer.weight.float()
+            return cast(torch.Tensor, layer.weight).float()
         return fmt.dequantize(layer).float()  # e.g. int8 values times their per-row scales
 
     merged: dict[str, torch.Tensor] = {}
@@ -291,6 +292,8 @@ def _check_base(module: nn.Module, base_state_dict: dict[str, torch.Tensor], roo
         return
     prints = record["fingerprints"]
     trained = set(adapter_state_dict(module))  # modules_to_save: their as-built weights are not the base
+    differing: list[str]
+    unsure: list[str]
     differing, unsure, compared = [], [], 0
     for key, tensor in base_state_dict.items():
         full = key if key in prints else f"{root}.{key}" if root and f"{root}.{key}" in prints else None
