@@ -9,7 +9,10 @@
 2. The data: the standard library's ``.py`` sources in the model's own tokens; the last 5% of the
    text is held out.
 3. Before: held-out loss / perplexity and a greedy continuation of a held-out snippet.
-4. QLoRA: ``QuantizedPrecision("nf4-dq")`` (4-bit base) + ``LoRA(r=16)`` on every Linear.
+4. QLoRA: ``QuantizedPrecision("int4-g32")`` (4-bit base) + ``LoRA(r=16)`` on every Linear. Why not ``"nf4-dq"``
+   (QLoRA's NF4): this checkpoint was 4-bit once (GGUF ``Q4_1``), and ``int4-g32`` stores that grid exactly, so the
+   4-bit fine-tune equals the 16-bit one (nf4-dq: +4.8 % held-out loss, benchmarks/README.md). On a checkpoint
+   that never was 4-bit, use ``"nf4-dq"``; ``QuantizedPrecision`` warns when the choice is the wrong one.
 5. After: the adapter is written in peft's format and reloaded the way anyone would, with
    ``peft.AutoPeftModelForCausalLM.from_pretrained(adapter_dir)`` (it finds the fp32 base itself);
    held-out loss and the same continuation again. The 4-bit QLoRA model's own loss is printed too.
@@ -90,7 +93,7 @@ def main(
         # (benchmarks/cpu_dtype.py): bf16 matmuls are fast there, but the 4-bit layers dequantize per forward
         # (bitsandbytes' bf16 CPU kernel repacks weights and cuts the gradient, so it stays off) and the rest of
         # the step is elementwise work that bf16 does not speed up on a CPU. Measure yours with that script.
-        plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+        plugins=[QuantizedPrecision("int4-g32", dtype="float32")],
         callbacks=[LoRA(r=16, alpha=32)],
     )
     trainer.fit(module, train_dataloaders=data.train_dataloader())
@@ -103,7 +106,7 @@ def main(
     sample_after = continuation(tuned, tokenizer, prompt, new_tokens)
     done = time.perf_counter()
 
-    print(f"\nSmolLM2-135M-Instruct, QLoRA nf4-dq + LoRA r=16, {steps} steps of {batch_size} x {seq_len} tokens of stdlib source")
+    print(f"\nSmolLM2-135M-Instruct, QLoRA int4-g32 + LoRA r=16, {steps} steps of {batch_size} x {seq_len} tokens of stdlib source")
     print(f"held-out loss (perplexity), {sum(x.numel() for x, _ in held_out)} tokens:")
     print(f"  before                         {before:.3f} ({math.exp(before):.2f})")
     print(f"  after, 4-bit base + adapter    {qlora:.3f} ({math.exp(qlora):.2f})")

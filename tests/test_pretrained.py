@@ -396,6 +396,20 @@ def smollm2() -> Path:
     return smollm2_path()
 
 
+def test_smollm2_projections_are_on_a_q4_1_grid_that_int4_g32_stores_exactly(smollm2: Path) -> None:
+    """The wheel's SmolLM2 is a dequantized GGUF Q4_1: every projection is on a 4-bit grid (detected by sampling), the
+    Q8_0 embedding is not, and int4-g32 reads every projection back unchanged (what makes its fine-tune the fp32 one)."""
+    from lightning_hbm.precision.int4_asym import dequantize_groups, on_4bit_grid, quantize_groups
+
+    weights = load_file(str(smollm2 / "model.safetensors"))
+    projections = {k: w for k, w in weights.items() if w.dim() == 2 and "embed" not in k}
+    assert len(projections) == 210 and all(on_4bit_grid(w) for w in projections.values())
+    assert not on_4bit_grid(weights["model.embed_tokens.weight"])
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        weight = projections[name]
+        assert torch.equal(dequantize_groups(*quantize_groups(weight), torch.float32, weight.shape[1]), weight), name
+
+
 @slow
 def test_smollm2_converts_on_first_use_inside_the_planner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Was: on a fresh machine whose first SmolLM2 user was the planner, the conversion ran inside the planner's build
@@ -649,7 +663,11 @@ def test_finetune_smollm2_example_runs_and_exports_for_auto_peft(smollm2: Path, 
     spec = importlib.util.spec_from_file_location("finetune_smollm2", Path(__file__).resolve().parents[1] / "examples" / "finetune_smollm2.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    result = example.main(steps=1, seq_len=32, batch_size=1, out=str(tmp_path), val_samples=2, new_tokens=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = example.main(steps=1, seq_len=32, batch_size=1, out=str(tmp_path), val_samples=2, new_tokens=4)
+    # the example stores the checkpoint's own 4-bit grid: QuantizedPrecision has no re-rounding to warn about
+    assert not [w for w in caught if "already 4-bit" in str(w.message)]
     # a pretrained model before (4.6 on these 32-token windows; random init: ln 49152 = 10.8); after one step the
     # adapter, reloaded by AutoPeftModelForCausalLM onto the fp32 base, changes it little
     assert result["before"] < 6.0 and abs(result["after"] - result["before"]) < 0.5, result
