@@ -14,7 +14,7 @@ by ``groups`` and cannot merge them.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
@@ -68,7 +68,7 @@ class _Quantized:
     @classmethod
     def from_quantized(cls, conv: nn.Module, quantized: nn.Module, dequantize: Callable[..., torch.Tensor], dtype: torch.dtype) -> nn.Module:
         """``conv``'s replacement around ``quantized`` (the mode's layer built from :func:`_as_linear`)."""
-        new = object.__new__(cls)
+        new: Any = object.__new__(cls)  # set up below as the plain convolution: nn.Module's attributes, which _Quantized does not declare
         _PLAIN[cls].__init__(
             new, conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
             dilation=conv.dilation, groups=conv.groups, bias=False, padding_mode=conv.padding_mode, device="meta",
@@ -80,19 +80,19 @@ class _Quantized:
         return new
 
 
-class QuantizedConv1d(_Quantized, nn.Conv1d):
+class QuantizedConv1d(_Quantized, nn.Conv1d):  # type: ignore[override]  # weight: _Quantized's read-only property over the convolution's attribute, on purpose
     """An ``nn.Conv1d`` whose frozen weight a precision mode stores (see the module docstring)."""
 
 
-class QuantizedConv2d(_Quantized, nn.Conv2d):
+class QuantizedConv2d(_Quantized, nn.Conv2d):  # type: ignore[override]  # weight: _Quantized's read-only property over the convolution's attribute, on purpose
     """An ``nn.Conv2d`` whose frozen weight a precision mode stores (see the module docstring)."""
 
 
-class QuantizedConv3d(_Quantized, nn.Conv3d):
+class QuantizedConv3d(_Quantized, nn.Conv3d):  # type: ignore[override]  # weight: _Quantized's read-only property over the convolution's attribute, on purpose
     """An ``nn.Conv3d`` whose frozen weight a precision mode stores (see the module docstring)."""
 
 
-_QUANTIZED = {nn.Conv1d: QuantizedConv1d, nn.Conv2d: QuantizedConv2d, nn.Conv3d: QuantizedConv3d}
+_QUANTIZED: dict[type[nn.Module], type[_Quantized]] = {nn.Conv1d: QuantizedConv1d, nn.Conv2d: QuantizedConv2d, nn.Conv3d: QuantizedConv3d}
 _PLAIN = {quantized: plain for plain, quantized in _QUANTIZED.items()}
 
 
@@ -103,12 +103,12 @@ def _is_conv(module: nn.Module) -> bool:
 
 
 def _adaptable(conv: nn.Module) -> list[str]:
-    return [] if conv.groups > 1 else itself(conv)  # grouped/depthwise: see the module docstring
+    return [] if cast(int, conv.groups) > 1 else itself(conv)  # grouped/depthwise: see the module docstring
 
 
 def _as_linear(conv: nn.Module) -> nn.Linear:
     # the weight as the matrix it is: out_channels rows of in/groups * kernel values (a view, not a copy)
-    weight = conv.weight.detach().reshape(conv.out_channels, -1)
+    weight = cast(torch.Tensor, conv.weight).detach().reshape(cast(int, conv.out_channels), -1)
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
     return linear
@@ -124,7 +124,7 @@ def _stored_in(layer: nn.Module) -> Optional[nn.Module]:
 
 
 def _features(conv: nn.Module) -> tuple[int, int]:
-    return conv.in_channels // conv.groups * math.prod(conv.kernel_size), conv.out_channels
+    return cast(int, conv.in_channels) // cast(int, conv.groups) * math.prod(cast(tuple[int, ...], conv.kernel_size)), cast(int, conv.out_channels)
 
 
 def _as_built_keys(conv: nn.Module) -> dict[str, Any]:

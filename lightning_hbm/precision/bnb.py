@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from lightning_utilities.core.imports import RequirementCache
@@ -80,7 +80,7 @@ def _load_prequantized_hook(
     stats = {k[len(wkey) + 1 :]: state_dict.pop(k) for k in list(state_dict) if k.startswith(wkey + ".")}
     if not stats:
         return
-    weight = module.weight
+    weight: Any = module.weight  # a bitsandbytes Params4bit: quant_state is its own attribute
     weight.quant_state = QuantState.from_dict(qs_dict=stats, device=weight.device)
     module.quant_state = weight.quant_state
 
@@ -226,7 +226,7 @@ def _fake_linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[tor
     with unset_fake_temporarily():
         layer = _layer8bit(linear)
     cb, scb, _ = bnb.functional.int8_vectorwise_quant(linear.weight.detach().to(dtype).contiguous().to(torch.float16))
-    weight = nn.Parameter(cb, requires_grad=False)
+    weight: Any = nn.Parameter(cb, requires_grad=False)  # given the attributes of bitsandbytes' Int8Params below
     weight.CB, weight.SCB, weight.has_fp16_weights = cb, scb, False
     layer.weight = weight
     if linear.bias is not None:
@@ -268,12 +268,12 @@ class Bnb4bitFormat(QuantFormat):
     def dequantize(self, module: nn.Module, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         from bitsandbytes.functional import dequantize_4bit
 
-        state = copy.copy(getattr(module.weight, "quant_state", None) or module.quant_state)
+        state: Any = copy.copy(getattr(module.weight, "quant_state", None) or module.quant_state)  # a bitsandbytes QuantState
         state.dtype = dtype or state.dtype  # straight into dtype: no full-size copy in the stored dtype first
-        return dequantize_4bit(module.weight.data, state)
+        return dequantize_4bit(cast(torch.Tensor, module.weight).data, state)
 
     def compute_dtype(self, module: nn.Module) -> Optional[torch.dtype]:
-        return module.compute_dtype
+        return cast(Optional[torch.dtype], module.compute_dtype)  # a Linear4bit's plain attribute
 
     def constants(self, module: nn.Module) -> list[torch.Tensor]:
         states = (getattr(module.weight, "quant_state", None), getattr(module, "quant_state", None))
@@ -283,16 +283,16 @@ class Bnb4bitFormat(QuantFormat):
         # the QuantState keeps the unpacked shape: on the weight, and on the layer (the only copy once FSDP2 has
         # swapped the weight for a DTensor shard); an empty shell (meta, not quantized yet) has none
         state = getattr(module.weight, "quant_state", None) or getattr(module, "quant_state", None)
-        return torch.Size(state.shape) if state is not None else module.weight.shape
+        return torch.Size(state.shape) if state is not None else cast(torch.Tensor, module.weight).shape
 
     def rounding_grid(self, module: nn.Module) -> Optional[RoundingGrid]:
-        state = module.weight.quant_state
+        state = cast(Any, module.weight).quant_state  # a bitsandbytes Params4bit's QuantState
         absmax = state.absmax
         if state.nested:  # the absmax each block is scaled by, as the dequantization uses it
             from bitsandbytes.functional import dequantize_blockwise
 
             absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
-        return RoundingGrid(state.code, absmax, state.blocksize, module.weight.data)
+        return RoundingGrid(state.code, absmax, state.blocksize, cast(torch.Tensor, module.weight).data)
 
 
 @dataclass(frozen=True)
@@ -315,7 +315,7 @@ class Bnb8bitFormat(QuantFormat):
     def dequantize(self, module: nn.Module, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         # read directly: peft's dequantize_module_weight re-moves an 8-bit weight on CPU, which drops its row
         # scales and breaks the layer's next forward. int8 rows scaled by absmax / 127.
-        weight = module.weight.data.float() * (self._row_scales(module).float()[:, None] / 127.0)
+        weight = cast(torch.Tensor, module.weight).data.float() * (cast(torch.Tensor, self._row_scales(module)).float()[:, None] / 127.0)  # a quantized layer has row scales
         return weight if dtype is None else weight.to(dtype)
 
     def constants(self, module: nn.Module) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ tagged with its reason for the coverage table.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +17,7 @@ from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm import record
 from lightning_hbm.layers import (
-    LINEAR, base_layer, find_layers, kind_names, kind_of, output_heads, prepare_model,
+    LINEAR, LayerKind, base_layer, find_layers, kind_names, kind_of, output_heads, prepare_model,
     stored_in, weight_readers,
 )  # fmt: skip
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
@@ -85,7 +85,7 @@ def _quantizable_linears(
             # not quantizable (reported by the coverage table), already adapted by LoRA, or not prepared
             # (an ignored MultiheadAttention)
             continue
-        if stored_in(layer) is not None or not layer.weight.is_floating_point() or format_of(layer) is not None:
+        if stored_in(layer) is not None or not cast(Tensor, layer.weight).is_floating_point() or format_of(layer) is not None:
             continue  # already quantized (an integer weight, or a tensor-subclass weight a format owns)
         if _ignored(name, ignore_modules):
             skipped[name] = ("QuantizedPrecision(ignore_modules=...)", True)
@@ -206,21 +206,21 @@ def _quantize_listed(
     modes = _layer_modes(targets, quant_mode, layer_modes or {})
     for name, layer in targets:  # each format's own refusals, before the first layer changes
         if modes[name] is not None:
-            kind = kind_of(layer)
-            modes[name].check(name, kind.to_linear(layer) if kind.wrap is not None else layer)
+            kind = cast(LayerKind, kind_of(layer))  # a target has a kind, with to_linear (_quantizable_linears)
+            cast(QuantFormat, modes[name]).check(name, cast(Callable[[nn.Module], nn.Linear], kind.to_linear)(layer) if kind.wrap is not None else layer)
     for name, layer in targets:
         if modes[name] is None:  # kept unquantized by the plan: frozen like every other base weight
             layer.weight.requires_grad_(False)
             continue
-        kind = kind_of(layer)
+        kind = cast(LayerKind, kind_of(layer))  # a target has a kind, with to_linear (_quantizable_linears)
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        linear = kind.to_linear(layer)
-        new = modes[name].replace(linear, compute_dtype, target)
+        linear = cast(Callable[[nn.Module], nn.Linear], kind.to_linear)(layer)
+        new = cast(QuantFormat, modes[name]).replace(linear, compute_dtype, target)  # not None: checked above
         if hessians is not None and name in hessians and grid_of(new) is not None:
             gptq_round_(new, linear.weight, hessians[name])
         if kind.wrap is not None:  # a convolution: the mode's layer holds its weight matrix, the wrapper convolves
-            new = kind.wrap(layer, new, modes[name].dequantize, compute_dtype)
+            new = kind.wrap(layer, new, cast(QuantFormat, modes[name]).dequantize, compute_dtype)
             record.set_converted(new, kind.name)  # resume maps its storage's keys to the conv's weight
         if kind is not LINEAR:
             record.set_kind(new, kind.name)  # a quantized Conv1D is still counted as one
@@ -238,7 +238,7 @@ def _quantize_listed(
             param.data = param.data.to(wanted)
     # peft picks its quantization-aware LoRA layers (mergeable) only when the model says so.
     kinds = {m.peft_kind for m in modes.values() if m is not None}
-    peft_compat.mark_quantized(module, kinds & {"4bit", "8bit"})
+    peft_compat.mark_quantized(module, cast(set[str], kinds & {"4bit", "8bit"}))  # strings only: None is in neither
     return [name for name, _ in targets]
 
 

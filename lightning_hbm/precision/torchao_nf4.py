@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ class NF4Linear(nn.Linear):
         # torchao 0.18's NF4Tensor clone re-quantizes its dequantized weight with the default block sizes: lossy
         # (a second rounding), and an error for a layer whose number of blocks 256 does not divide. Copy the
         # inner tensors instead; everything else as deepcopy would.
-        weight = self._parameters["weight"]
+        weight: Any = self._parameters["weight"]  # an NF4Tensor (torchao, untyped): a wrapper subclass's methods, not on Tensor
         names, meta = weight.__tensor_flatten__()
         inner = {name: getattr(weight, name).clone() for name in names}
         twin = nn.Parameter(type(weight).__tensor_unflatten__(inner, meta, weight.shape, weight.stride()), requires_grad=False)
@@ -128,11 +128,11 @@ class TorchaoNF4Format(QuantFormat):
 
     @override
     def check(self, name: str, layer: nn.Module) -> None:
-        numel = layer.weight.numel()
+        numel = cast(torch.Tensor, layer.weight).numel()
         if numel % _BLOCK:
             raise ValueError(
                 f"Precision mode {self.name!r} stores weights in blocks of {_BLOCK}, but {name} has {numel} weights "
-                f"({tuple(layer.weight.shape)}), not a multiple of {_BLOCK}. Keep it unquantized with "
+                f"({tuple(cast(torch.Tensor, layer.weight).shape)}), not a multiple of {_BLOCK}. Keep it unquantized with "
                 f"ignore_modules=[{name!r}], or use mode 'nf4-dq' (bitsandbytes pads the last block)."
             )
 
@@ -142,25 +142,25 @@ class TorchaoNF4Format(QuantFormat):
 
     @override
     def dequantize(self, module: nn.Module, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        weight = module.weight.get_original_weight()
+        weight = cast(Any, module.weight).get_original_weight()  # an NF4Tensor (torchao, untyped)
         return weight if dtype is None else weight.to(dtype)
 
     @override
     def compute_dtype(self, module: nn.Module) -> Optional[torch.dtype]:
-        return module.weight.dtype
+        return cast(torch.Tensor, module.weight).dtype
 
     @override
     def constants(self, module: nn.Module) -> list[torch.Tensor]:
         # inside the NF4Tensor (storage counting already walks its inner tensors: listed for checksums and
         # anyone counting constants apart from the 4-bit codes)
-        weight = module.weight
+        weight: Any = module.weight  # an NF4Tensor (torchao, untyped)
         return [weight.quantized_scalers, weight.quantization_factor, weight.scaler_mean, weight.nf4]
 
     @override
     def rounding_grid(self, module: nn.Module) -> Optional[RoundingGrid]:
         # torchao packs NF4 codes as bitsandbytes does (two per byte, high nibble first); the block scales as
         # get_original_weight reads them back (double quantization undone)
-        weight = module.weight
+        weight: Any = module.weight  # an NF4Tensor (torchao, untyped)
         scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor, weight.scaler_block_size)
         return RoundingGrid(weight.nf4, scales, weight.block_size, weight.quantized_data)
 
