@@ -402,7 +402,7 @@ class HBMProfiler(Callback):
     # -- CUDA memory history -----------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._every = self.every_n_steps or max(int(trainer.log_every_n_steps), 1)
+        self._every = self.every_n_steps or max(int(trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's LoggerConnector sets it)
         if stage == "fit":  # one report per fit: a reused instance would otherwise mix two runs' rows
             self._check_directories(trainer)
             self.rows, self.modules, self.used, self.snapshot_path, self.dropped_rows = [], {}, {}, None, 0
@@ -545,7 +545,7 @@ def run_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, A
     }
     # AutoFit: its budget and the chosen candidate's predicted step peak. Found by duck typing: the planner
     # sits above the callbacks (tests/test_layering.py).
-    for callback in trainer.callbacks:
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
         if hasattr(callback, "budget") and hasattr(callback, "chosen"):
             used["budget"] = int(callback.budget)
             if callback.chosen is not None:

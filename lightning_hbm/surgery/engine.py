@@ -49,7 +49,7 @@ that need none of it. The resume checks themselves, the load hooks and the file 
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import lightning.pytorch as pl
 import torch
@@ -148,7 +148,7 @@ def _transform_name(transform: object) -> str:
 
 def surgery_callbacks(trainer: pl.Trainer) -> list[SurgeryCallback]:
     """The Trainer's transforms, in stage order (the user's order within a stage)."""
-    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, SurgeryCallback)]
+    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, SurgeryCallback)]  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
     return sorted(callbacks, key=lambda cb: int(cb.stage))  # sorted() is stable
 
 
@@ -255,7 +255,7 @@ def run_surgery(
     # first no-grad eval forward would repack them for a kernel that bypasses autograd (no gradient upstream)
     bnb_compat.disable_cpu_repacks(module)
     if meta is not None:
-        resume.load_changed(module, meta, checkpoint, checkpoint_path)
+        resume.load_changed(module, meta, cast(dict[str, Any], checkpoint), checkpoint_path)  # not None: meta came from it
     if applied_transforms(module):
         add_resume_hooks(module)  # later loads into the changed model (trainer.test(ckpt_path=...))
         _guard(module)
@@ -504,8 +504,8 @@ def check_saves(trainer: pl.Trainer) -> resume.CheckedCheckpointIO:
         io = resume.CheckedCheckpointIO(io)
         trainer.strategy.checkpoint_io = io
     io.trainer, io.pack = trainer, pack_checkpoint
-    if not any(isinstance(c, MidEpochResumeCheck) for c in trainer.callbacks):
-        trainer.callbacks.append(MidEpochResumeCheck())  # a mid-epoch resume with a loader Lightning restarts: warn
+    if not any(isinstance(c, MidEpochResumeCheck) for c in trainer.callbacks):  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
+        trainer.callbacks.append(MidEpochResumeCheck())  # type: ignore[attr-defined]  # undeclared on Trainer (CallbackConnector sets it); a mid-epoch resume with a loader Lightning restarts: warn
     return io
 
 

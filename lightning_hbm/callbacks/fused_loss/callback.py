@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Sequence, Union
 
-import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
@@ -106,11 +105,11 @@ class FusedLoss(SurgeryCallback):
         return heads
 
     @override
-    def check_model(self, module: pl.LightningModule) -> None:
+    def check_model(self, module: nn.Module) -> None:
         self._resolve(module)
 
     @override
-    def transform_model(self, module: pl.LightningModule) -> None:
+    def transform_model(self, module: nn.Module) -> None:
         self.applied_heads = self._resolve(module)
         for name in self.applied_heads:
             head = module.get_submodule(name)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import torch
 from lightning_utilities.core.imports import RequirementCache
@@ -68,7 +68,7 @@ def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Seq
             r1 = min(detached.shape[0], r0 + rows)
             scale = None
             if want_grad:
-                scale = row_scale[start + r0:start + r1] if row_scale.ndim else row_scale
+                scale = cast(torch.Tensor, row_scale)[start + r0:start + r1] if cast(torch.Tensor, row_scale).ndim else row_scale  # given: want_grad
             losses[start + r0:start + r1] = _rows_loss(spec, detached[r0:r1], target[start + r0:start + r1], scale,
                                                        None if buf is None else buf[:r1 - r0])
         del buf  # not beside the backward matmul's output: the peak stays the softmax's
@@ -80,7 +80,7 @@ def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Seq
         grads = list(torch.autograd.grad(logits, inputs, detached))
         del logits, detached
         if need[0]:
-            grad_hidden[start:stop] = grads.pop(0)
+            cast(torch.Tensor, grad_hidden)[start:stop] = grads.pop(0)  # allocated for need[0] (_chunk_pass)
         for acc in grad_params:
             if acc is not None:
                 acc += grads.pop(0)
@@ -196,15 +196,16 @@ def fused_linear_cross_entropy(
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"fused_linear_cross_entropy: reduction={reduction!r}; use 'mean', 'sum' or 'none'.")
     vocab = int(getattr(head, "out_features"))
-    # the head returns the autocast dtype under autocast, else the input's (Linear, bitsandbytes, peft)
-    out = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
+    # the head returns the autocast dtype under autocast, else the input's (Linear, bitsandbytes, peft); `out` is then
+    # Liger's loss (None where it does not apply)
+    out: Union[torch.dtype, Optional[torch.Tensor]] = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
     spec = _Spec(head_forward or head, logits_dtype, ignore_index, float(label_smoothing), reduction,
-                 chunk_tokens(hidden.shape[0], vocab, out, chunk_size), head)
+                 chunk_tokens(hidden.shape[0], vocab, cast(torch.dtype, out), chunk_size), head)
     if kernel in ("auto", "liger"):
         out = _liger(hidden, head, target, spec)
         if out is not None:
             return out
-    params = [p for p in head.parameters() if p.requires_grad]
+    params: list[torch.Tensor] = [p for p in head.parameters() if p.requires_grad]
     for t in operands:  # once each: a tensor passed twice would get its gradient twice
         if t.requires_grad and not any(t is p for p in params):
             params.append(t)

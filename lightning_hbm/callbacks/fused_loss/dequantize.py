@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ def _dequantized_once(head: Optional[nn.Module]) -> Iterator[None]:
         # and an fp32 copy of the head (2 GiB at 8B) next to its bf16 cast would be the step's peak.
         def forward(x: torch.Tensor, layer: nn.Module = layer,
                     weight: torch.Tensor = fmt.dequantize(layer, fmt.compute_dtype(layer))) -> torch.Tensor:
-            bias = None if layer.bias is None else layer.bias.to(weight.dtype)
+            bias = None if layer.bias is None else cast(torch.Tensor, layer.bias).to(weight.dtype)
             return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
 
         torch_compat.override_forward(layer, forward)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -110,14 +110,15 @@ class LazyLogits(torch.Tensor):
 
     @staticmethod
     def __new__(cls, hidden: torch.Tensor, state: _HeadState, dtype: torch.dtype, post: tuple[_Op, ...] = ()) -> "LazyLogits":
-        shape = (*hidden.shape[:-1], int(state.module.out_features))
+        shape = (*hidden.shape[:-1], int(cast(int, state.module.out_features)))  # a Linear-like head's attribute
         # requires_grad=False: nothing runs autograd on this object itself (every computation is on
         # hidden and the head), and module hooks (profilers) must not attach gradient hooks to it.
         self = torch_compat.make_wrapper_subclass(cls, shape, dtype=dtype, device=hidden.device, requires_grad=False)
         self._hidden, self._state, self._real, self._post = hidden, state, None, post
         return self
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # repr is not a torch function: materialize here
+    # repr is not a torch function: materialize here
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # Tensor's own signature: mypy 2.4 flags even an identical one
         return f"LazyLogits({self.materialize('repr')!r})"
 
     def _derive(self, hidden: torch.Tensor, dtype: Optional[torch.dtype] = None, post: tuple = ()) -> "LazyLogits":
@@ -171,7 +172,7 @@ class LazyLogits(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:  # type: ignore[override]  # torch types Tensor's as a plain function, subclasses' are classmethods
         raise RuntimeError(f"lightning_hbm FusedLoss: {func} reached a LazyLogits below autograd; please report this.")
 
     def _lazy_op(self, func: Any, args: tuple, kwargs: dict) -> Optional["LazyLogits"]:
@@ -282,6 +283,7 @@ def _fused_cross_entropy(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     if a["size_average"] is not None or a["reduce"] is not None:
         return None
     state = logits._state
+    head_forward: Callable[[torch.Tensor], torch.Tensor]  # the head's forward, or the lazy tensor's recorded ops on it
     head_forward, kernel = state.forward, state.kernel
     operands: list[torch.Tensor] = []
     if logits._post:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 from torch import nn
@@ -162,7 +162,7 @@ def merged_weight(layer: nn.Module, adapter: str, weight: torch.Tensor) -> torch
     Plain LoRA: ``W + delta``. DoRA: ``m / ||W + delta|| * (W + delta)``, the norm by peft's own DoRA layer
     (per output channel; a transformers Conv1D stores ``[in, out]``, so its norm runs over the transposed weight).
     """
-    delta = layer.get_delta_weight(adapter).float()
+    delta = cast(Callable[[str], torch.Tensor], layer.get_delta_weight)(adapter).float()  # a peft LoRA layer's method
     magnitudes = getattr(layer, "lora_magnitude_vector", {})
     if adapter not in magnitudes:
         return weight + delta
@@ -182,8 +182,8 @@ def export_patterns(adapted: dict[str, nn.Module], adapter: str, r: int, alpha: 
     ranks, alphas = {}, {}
     for name, layer in adapted.items():
         key = re.escape(name)
-        if layer.r[adapter] != r:
-            ranks[key] = int(layer.r[adapter])
-        if float(layer.lora_alpha[adapter]) != float(alpha):
-            alphas[key] = float(layer.lora_alpha[adapter])
+        if cast(dict[str, int], layer.r)[adapter] != r:  # peft's per-adapter dicts (r, lora_alpha)
+            ranks[key] = int(cast(dict[str, int], layer.r)[adapter])
+        if float(cast(dict[str, float], layer.lora_alpha)[adapter]) != float(alpha):
+            alphas[key] = float(cast(dict[str, float], layer.lora_alpha)[adapter])
     return ranks, alphas

@@ -23,7 +23,8 @@ class _AdapterWatch:
 
     def __init__(self, module: nn.Module) -> None:
         lora_cls = _lora_layer_cls()
-        self.layers = {n: m for n, m in module.named_modules() if isinstance(m, lora_cls)}
+        # peft's LoraLayer modules (a class looked up at run time, typed `type`): their lora_A/lora_B are ModuleDicts
+        self.layers: dict[str, Any] = {n: m for n, m in module.named_modules() if isinstance(m, lora_cls)}
         self.ran: set[int] = set()
         self.handles: list[Any] = []
         self.parents = {n: module.get_submodule(n.rpartition(".")[0]) if "." in n else module for n in self.layers}
