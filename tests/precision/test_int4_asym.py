@@ -182,3 +182,19 @@ def test_checkpoint_resumes_bit_exact(gpt_factory: Any, trainer_factory: Any, da
     assert int4_layers(again)
     with torch.no_grad():
         torch.testing.assert_close(again(tokens), expected, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_on_cuda_it_trains_in_bf16_and_stores_a_q4_1_grid_exactly(
+    gpt_factory: Any, trainer_factory: Any, datamodule_factory: Any
+) -> None:
+    weight = q4_1_weight(64, 256).cuda()
+    assert torch.equal(dequantize_groups(*quantize_groups(weight), torch.float32), weight)
+    model = gpt_factory()
+    trainer = trainer_factory(accelerator="cuda", max_steps=3, plugins=[QuantizedPrecision(MODE, dtype="bfloat16")],
+                              callbacks=[LoRA(r=4)])
+    trainer.fit(model, datamodule_factory())
+    layers = int4_layers(model)
+    assert layers and all(layer.weight.device.type == "cuda" for layer in layers)
+    adapted = [m for m in model.modules() if hasattr(m, "lora_B")]
+    assert adapted and all(m.lora_B["default"].weight.abs().sum() > 0 for m in adapted)
