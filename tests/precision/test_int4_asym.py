@@ -168,6 +168,18 @@ def test_lora_trains_merges_and_refuses_dora(gpt_factory: Any, trainer_factory: 
         dora.fit(gpt_factory(), datamodule_factory())
 
 
+def test_peft_variants_train_on_it_and_pissa_is_refused(gpt_factory: Any, trainer_factory: Any, datamodule_factory: Any) -> None:
+    """docs/adapters.md's int4-g32 column: rsLoRA, gaussian init, bias and rank patterns train; PiSSA is refused."""
+    variants = LoRA(r=4, use_rslora=True, bias="all", init_lora_weights="gaussian", rank_pattern={"c_fc": 2})
+    model = gpt_factory()
+    trainer_factory(max_steps=2, plugins=[QuantizedPrecision(MODE, dtype="float32")], callbacks=[variants]).fit(model, datamodule_factory())
+    assert model.model.h[0].mlp.c_fc.lora_A["default"].weight.shape[0] == 2 and int4_layers(model)
+    pissa = trainer_factory(max_steps=1, plugins=[QuantizedPrecision(MODE, dtype="float32")],
+                            callbacks=[LoRA(r=4, init_lora_weights="pissa")])
+    with pytest.raises(ValueError, match=r"init_lora_weights='pissa' rewrites the base weight"):
+        pissa.fit(gpt_factory(), datamodule_factory())
+
+
 def test_checkpoint_resumes_bit_exact(gpt_factory: Any, trainer_factory: Any, datamodule_factory: Any, tmp_path: Any) -> None:
     tokens = torch.randint(0, 256, (2, 16))
     model = gpt_factory(seed=0)
