@@ -12,9 +12,9 @@ SmolLM2-135M is a dequantized GGUF ``Q4_1`` (every group of 32 weights of its pr
 values); NF4 rounds those weights a second time onto its own grid (+8.6 % held-out loss before training), while this
 format stores them exactly (the rounding reproduces the group's 16 levels: ``code * scale + minimum`` in fp32, as
 llama.cpp dequantizes). :func:`on_4bit_grid` detects such weights by sampling their groups, and
-``QuantizedPrecision`` warns, with this mode as the fix, when another 4-bit mode would re-round them. On weights
-that never were 4-bit it is an ordinary asymmetric int4 (more bytes per weight than ``nf4-dq``, a finer grid: the
-figures are in benchmarks/README.md).
+``QuantizedPrecision`` warns, with this mode as the fix, when another mode would round them again. On weights that
+never were 4-bit it is an ordinary asymmetric int4: more bytes per weight than ``nf4-dq``, and on trained weights no
+better than NF4 at equal bytes (all-MiniLM-L6-v2: benchmarks/README.md, ``benchmarks/int4_grid.py``).
 
 Written here (small) instead of taken from a library: torchao's CPU int4 layouts either keep one int8 per weight
 (``IntxWeightOnlyConfig``: 1 B, no saving over int8) or pack for an inference kernel without a backward
