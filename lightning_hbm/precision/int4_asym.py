@@ -171,6 +171,8 @@ def on_4bit_grid(weight: torch.Tensor, samples: int = 256) -> bool:
     """
     if weight.is_meta or isinstance(weight, FakeTensor) or weight.dim() != 2 or weight.shape[1] % GROUP:  # whole groups only
         return False
+    if not weight.is_contiguous():  # a view of the groups would be a copy of the whole weight: not worth a warning
+        return False
     groups = weight.detach().reshape(-1, GROUP)
     picked = groups[torch.linspace(0, groups.shape[0] - 1, min(samples, groups.shape[0])).long()]
     ordered = picked.sort(dim=1).values
