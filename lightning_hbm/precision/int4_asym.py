@@ -167,9 +167,11 @@ def on_4bit_grid(weight: torch.Tensor, samples: int = 256) -> bool:
 
     Reads ``samples`` groups spread over the weight (not all: this runs on every target at fit start), so it is a
     test, not a proof; real-valued weights have ~32 distinct values per group and fail it on the first sample.
-    A weight on the meta device or a fake tensor (the planner) reads as not on a grid.
+    A weight on the meta device, a fake tensor (the planner) or a tensor subclass (a sharded DTensor) reads as not on a
+    grid.
     """
-    if weight.is_meta or isinstance(weight, FakeTensor) or weight.dim() != 2 or weight.shape[1] % GROUP:  # whole groups only
+    # plain tensors only: a fake (planner), DTensor (sharded) or other subclass weight is not sampled
+    if type(weight) not in (torch.Tensor, nn.Parameter) or weight.is_meta or weight.dim() != 2 or weight.shape[1] % GROUP:
         return False
     if not weight.is_contiguous():  # a view of the groups would be a copy of the whole weight: not worth a warning
         return False

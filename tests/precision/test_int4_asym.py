@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_hbm import QuantizedPrecision, available_precisions, quantize_model
 from lightning_hbm.callbacks.lora import LoRA
@@ -121,6 +122,9 @@ def test_a_weight_beyond_float16_is_refused_by_name_before_any_change() -> None:
 def test_grid_detection_and_its_warning() -> None:
     on_grid, plain, zero = q4_1_weight(32, 128), torch.randn(32, 128), torch.zeros(32, 128)
     assert on_4bit_grid(on_grid) and not on_4bit_grid(plain) and not on_4bit_grid(zero)
+    assert on_4bit_grid(nn.Parameter(on_grid)) and not on_4bit_grid(on_grid.t().contiguous().t())  # a view: not sampled
+    with FakeTensorMode():  # the planner's fake weights are never read
+        assert not on_4bit_grid(torch.empty(32, 128))
     layers = []
     for w in (on_grid, plain):
         layer = nn.Linear(128, 32, bias=False)
