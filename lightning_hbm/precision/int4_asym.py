@@ -176,7 +176,9 @@ def on_4bit_grid(weight: torch.Tensor, samples: int = 256) -> bool:
     if not weight.is_contiguous():  # a view of the groups would be a copy of the whole weight: not worth a warning
         return False
     groups = weight.detach().reshape(-1, GROUP)
-    picked = groups[torch.linspace(0, groups.shape[0] - 1, min(samples, groups.shape[0])).long()]
+    count, take = groups.shape[0], min(samples, groups.shape[0])
+    # spread evenly, in integer arithmetic (a float32 linspace loses exactness above 2**24 groups)
+    picked = groups[torch.arange(take, device=weight.device) * (count - 1) // max(take - 1, 1)]
     ordered = picked.sort(dim=1).values
     distinct = 1 + (ordered[:, 1:] != ordered[:, :-1]).sum(dim=1)
     # a constant or zero weight (an untrained layer) is on every grid: it takes groups using most of the 16 levels

@@ -123,6 +123,10 @@ def test_grid_detection_and_its_warning() -> None:
     on_grid, plain, zero = q4_1_weight(32, 128), torch.randn(32, 128), torch.zeros(32, 128)
     assert on_4bit_grid(on_grid) and not on_4bit_grid(plain) and not on_4bit_grid(zero)
     assert on_4bit_grid(nn.Parameter(on_grid)) and not on_4bit_grid(on_grid.t().contiguous().t())  # a view: not sampled
+    large = q4_1_weight(4100, 4096)  # above 2**24 elements: the first and the last group are always among the samples
+    assert on_4bit_grid(large)
+    large[-1, -32:] = torch.randn(32)
+    assert not on_4bit_grid(large)
     with FakeTensorMode():  # the planner's fake weights are never read
         assert not on_4bit_grid(torch.empty(32, 128))
     layers = []
