@@ -218,7 +218,8 @@ class Int4GroupFormat(QuantFormat):
         weight = cast(torch.Tensor, layer.weight)
         if weight.is_meta or isinstance(weight, FakeTensor):
             return
-        largest = float(weight.detach().abs().amax()) if weight.numel() else 0.0
+        low, high = torch.aminmax(weight.detach()) if weight.numel() else (torch.zeros(()), torch.zeros(()))
+        largest = float(torch.maximum(-low, high))  # no |W| copy of the whole weight at fit start; NaN propagates
         if not largest <= _FP16_MAX:  # also catches NaN
             raise ValueError(
                 f"Precision mode {self.name!r} stores each group's minimum and scale in float16 (largest {_FP16_MAX:g}), "

@@ -183,7 +183,7 @@ def test_bf16_compute_fit(gpt_factory: Any, trainer_factory: Any, datamodule_fac
     assert recorder.losses[-1] < recorder.losses[0]
 
 
-@pytest.mark.parametrize("mode", ["nf4-dq", "int8"])
+@pytest.mark.parametrize("mode", ["nf4-dq", "int8", "int4-g32"])
 def test_checkpoint_loads_into_a_fresh_model_and_training_resumes(
     gpt_factory: Any, trainer_factory: Any, datamodule_factory: Any, tmp_path: Any, mode: str
 ) -> None:
