@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch._subclasses.fake_tensor import is_fake as _is_fake  # callbacks.token_chunks
 from torch.utils._python_dispatch import _disable_current_modes  # planner.realvalues, planner.tracing
 
 
@@ -100,3 +101,8 @@ def track_step_called(optimizer: Optimizer) -> None:
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is one of torch's fake tensors (the planner's trace): it has a shape but no values."""
+    return bool(_is_fake(tensor))

@@ -22,13 +22,14 @@ from typing import Any, Literal, Optional, cast
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
+from lightning_hbm.callbacks.token_chunks import ChunkedForward
 from lightning_hbm.naming import did_you_mean
 from lightning_hbm.record import CheckpointedForward, checkpoint_plan
 from lightning_hbm.surgery import Stage, SurgeryCallback
@@ -263,6 +264,13 @@ class ActivationCheckpointing(SurgeryCallback):
             stream on CUDA, so the copy overlaps with compute).
         offload_device: where offloaded tensors go. ``"cpu"`` (host memory) is what a GPU run
             wants; on a CPU-only run the copy lands on the same device and saves nothing.
+        mlp_chunks: recompute each block's token-wise, widening layers (the MLP) in this many chunks of tokens
+            in the backward, so that only one chunk's intermediates live at once (``policy="full"`` only). Which
+            layers is decided by running them on the first training step
+            (:func:`lightning_hbm.callbacks.token_chunks.decide`); a block none of whose layers qualifies is named
+            in a warning with the reasons. Same arithmetic, but each chunk dequantizes a quantized base again:
+            measured on CPU at the 100M shape (1024 tokens), 2 chunks cost no step time and 4 chunks +7 %
+            (``benchmarks/README.md``). ``1`` (the default): no chunks.
 
     Applied at lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`, stage
     ``CHECKPOINTING``): after quantization and adapters, before the optimizer exists.
@@ -293,6 +301,7 @@ class ActivationCheckpointing(SurgeryCallback):
         every: int = 1,
         offload: bool = False,
         offload_device: str = "cpu",
+        mlp_chunks: int = 1,
     ) -> None:
         check_args(ActivationCheckpointing.__init__, locals())
         if policy not in ("full", "selective"):
@@ -301,6 +310,16 @@ class ActivationCheckpointing(SurgeryCallback):
             raise ValueError(
                 f"ActivationCheckpointing(every={every!r}): must be an int >= 1 (1 checkpoints every block, "
                 "2 every second block, ...)."
+            )
+        if isinstance(mlp_chunks, bool) or not isinstance(mlp_chunks, int) or mlp_chunks < 1:
+            raise ValueError(
+                f"ActivationCheckpointing(mlp_chunks={mlp_chunks!r}): must be an int >= 1 (1: no chunks; 2 or 4 split "
+                "each block's MLP recompute into that many chunks of tokens)."
+            )
+        if mlp_chunks > 1 and policy != "full":
+            raise ValueError(
+                f"ActivationCheckpointing(policy={policy!r}, mlp_chunks={mlp_chunks}): token chunks need policy='full' "
+                "(the selective policy keeps the matmul outputs a chunk would recompute). Use policy='full' or mlp_chunks=1."
             )
         if blocks is not None and (isinstance(blocks, str) or not all(isinstance(b, str) for b in blocks) or not blocks):
             raise TypeError(
@@ -316,8 +335,12 @@ class ActivationCheckpointing(SurgeryCallback):
         self.policy = policy
         self.blocks = list(blocks) if blocks is not None else None
         self.every = every
+        self.mlp_chunks = mlp_chunks
         self.offload: Optional[OffloadSavedTensors] = OffloadSavedTensors(device) if offload else None
         self.checkpointed: list[str] = []
+        #: the layers recomputed in token chunks, decided on the first training step (``mlp_chunks > 1``)
+        self.chunked: list[str] = []
+        self._chunk_report_due = False
         self._planned: Optional[list[str]] = None  # resolved by check_model on the model as built
 
     def _resolve(self, module: nn.Module) -> list[str]:
@@ -367,8 +390,14 @@ class ActivationCheckpointing(SurgeryCallback):
         for block in module.modules():
             if checkpoint_plan(block) is not None:
                 _unwrap(block)
+            chunked = torch_compat.forward_override(block)
+            if isinstance(chunked, ChunkedForward):
+                torch_compat.override_forward(block, chunked.own_forward)
         for _, block in chosen:
             _wrap(block, _BlockPlan(block, context_fn, self.offload))
+            for layer in block.children() if self.mlp_chunks > 1 else ():
+                torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks))
+        self._chunk_report_due = self.mlp_chunks > 1
         self.checkpointed = [n for n, _ in chosen]
         _disable_hf_cache(module)
         rank_zero_info(
@@ -385,8 +414,38 @@ class ActivationCheckpointing(SurgeryCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._chunk_report_due:
+            self._chunk_report_due = False
+            self.chunked = report_chunks(pl_module, self.checkpointed, self.mlp_chunks)
         if self.offload is not None:
             pl_module.log("activations/offloaded_bytes", float(self.offload.copied_bytes), on_step=True, on_epoch=False)
+
+
+def report_chunks(module: nn.Module, blocks: Sequence[str], chunks: int) -> list[str]:
+    """The layers recomputed in token chunks after the first step; warns naming the blocks that got none, and why."""
+    chunked: list[str] = []
+    left: dict[str, list[str]] = {}
+    for name in blocks:
+        verdicts = {
+            f"{name}.{child}": forward.verdict
+            for child, layer in module.get_submodule(name).named_children()
+            for forward in [torch_compat.forward_override(layer)]
+            if isinstance(forward, ChunkedForward) and forward.verdict is not None
+        }
+        chunked += [n for n, v in verdicts.items() if v == ""]
+        if verdicts and "" not in verdicts.values():
+            left[name] = [f"{n.rsplit('.', 1)[-1]}: {v}" for n, v in verdicts.items()]
+    if left:
+        first = next(iter(left))
+        rank_zero_warn(
+            f"ActivationCheckpointing(mlp_chunks={chunks}) found no layer to recompute in token chunks in {len(left)} "
+            f"block(s), e.g. {first} ({'; '.join(left[first][:4])}); their recompute is whole, as with mlp_chunks=1. "
+            "A layer qualifies when it is called with one tensor of tokens, treats each token on its own, widens it "
+            "and draws no random numbers: set the MLP's dropout to 0, or pass mlp_chunks=1 to drop the request."
+        )
+    if chunked:
+        rank_zero_info(f"lightning_hbm: {len(chunked)} layers recomputed in {chunks} token chunks ({chunked[0]}, ...)")
+    return chunked
 
 
 def _disable_hf_cache(module: nn.Module) -> None:

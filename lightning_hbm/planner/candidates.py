@@ -45,6 +45,7 @@ PLANNED_LIGHTNING_PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed")
 # Relative step time added by each choice (see the module docstring for the sources).
 _COST_CHECKPOINTING = {"none": 0.0, "selective": 0.05, "full": 0.33}
 _COST_OFFLOAD = 0.2
+_COST_MLP_CHUNK = 0.01  # per token chunk of ActivationCheckpointing(mlp_chunks=k): each re-dequantizes the base
 
 # Decimal (SI) units are powers of 1000, binary ones powers of 1024, as the standards have them: "80GB" is
 # 80 * 10**9 bytes (74.5 GiB), "24GiB" is 24 * 2**30. A bare "G" is refused: it reads either way.
@@ -134,6 +135,9 @@ class Candidate:
         blocks: what ``ActivationCheckpointing(blocks=...)`` checkpoints (class names or module paths),
             for models whose repeated blocks are not found by themselves (e.g. blocks in an
             ``nn.Sequential``); None finds them (children of an ``nn.ModuleList`` of one class).
+        mlp_chunks: ``ActivationCheckpointing(mlp_chunks=...)`` with ``checkpointing="full"``: each block's MLP
+            recomputed in that many token chunks (1: whole). Assumed to cost 1 % of the step per chunk (measured
+            +2 % at 2 chunks and +4 % at 4 at the 100M shape on CPU, benchmarks/README.md; not yet run on GPU).
         fused_loss: ``lightning_hbm.FusedLoss()``: the output head and cross-entropy chunk by chunk, never
             the full ``[tokens, vocab]`` logits. Assumed to cost no step time (measured 0.50x to 0.93x of the
             unfused step on CPU, benchmarks/README.md; not yet run on GPU).
@@ -156,6 +160,7 @@ class Candidate:
     blocks: Optional[tuple[str, ...]] = None
     fused_loss: bool = False
     layer_modes: Optional[LayerModes] = None
+    mlp_chunks: int = 1
     configured: Optional[tuple[Precision, tuple[Any, ...]]] = None
 
     @classmethod
@@ -187,6 +192,7 @@ class Candidate:
                 axes["lora_r"] = int(cast(LoRA, callback).r)
             elif kind == "ActivationCheckpointing":
                 axes["checkpointing"] = cast(ActivationCheckpointing, callback).policy
+                axes["mlp_chunks"] = cast(ActivationCheckpointing, callback).mlp_chunks
             elif kind == "MemoryEfficientOptimizer":
                 axes["optimizer"] = cast(MemoryEfficientOptimizer, callback).kind
             elif kind == "FusedLoss":
@@ -217,6 +223,13 @@ class Candidate:
             raise ValueError(
                 f"Candidate checkpointing must be one of {list(_COST_CHECKPOINTING)}, got {self.checkpointing!r}."
             )
+        if isinstance(self.mlp_chunks, bool) or not isinstance(self.mlp_chunks, int) or self.mlp_chunks < 1:
+            raise ValueError(f"Candidate mlp_chunks must be an int >= 1 (1 = whole recompute), got {self.mlp_chunks!r}.")
+        if self.mlp_chunks > 1 and self.checkpointing != "full":
+            raise ValueError(
+                f"Candidate mlp_chunks={self.mlp_chunks} chunks the recompute of full checkpointing, but checkpointing="
+                f"{self.checkpointing!r}. Use checkpointing='full', or mlp_chunks=1."
+            )
         if not isinstance(self.optimizer, str) or not self.optimizer:
             raise ValueError(f"Candidate optimizer must be 'user' or an 8-bit optimizer kind, got {self.optimizer!r}.")
 
@@ -230,7 +243,7 @@ class Candidate:
         if self.lora_r:
             parts.append(f"lora{self.lora_r}")
         if self.checkpointing != "none":
-            parts.append(f"ac-{self.checkpointing}")
+            parts.append(f"ac-{self.checkpointing}" + (f"-mlp{self.mlp_chunks}" if self.mlp_chunks > 1 else ""))
         if self.optimizer != "user":
             parts.append(self.optimizer)
         if self.offload:
@@ -261,7 +274,7 @@ class Candidate:
             callbacks.append(LoRA(r=self.lora_r, alpha=2.0 * self.lora_r))
         if self.checkpointing != "none":
             blocks = list(self.blocks) if self.blocks is not None else None
-            callbacks.append(ActivationCheckpointing(policy=self.checkpointing, blocks=blocks))
+            callbacks.append(ActivationCheckpointing(policy=self.checkpointing, blocks=blocks, mlp_chunks=self.mlp_chunks))
         if self.optimizer != "user":
             callbacks.append(MemoryEfficientOptimizer(kind=cast(OptimizerKind, self.optimizer)))
         if self.fused_loss:
@@ -271,6 +284,7 @@ class Candidate:
     def relative_cost(self) -> float:
         """Step time relative to the user's configuration (1.0), from the stated assumptions."""
         cost = 1.0 + _COST_CHECKPOINTING[self.checkpointing] + (_COST_OFFLOAD if self.offload else 0.0)
+        cost += _COST_MLP_CHUNK * self.mlp_chunks if self.mlp_chunks > 1 else 0.0
         if self.quantized:
             modes = {self.precision, *(mode for _, mode in self.layer_modes or ())} - {UNQUANTIZED}
             cost += max(get_format(mode).cost for mode in modes)  # each format states its own
@@ -306,7 +320,8 @@ class Candidate:
         return [*lines, *init_args, *plan]
 
     def _blocks_yaml(self) -> str:
-        return "" if self.blocks is None else f", blocks: [{', '.join(self.blocks)}]"
+        chunks = f", mlp_chunks: {self.mlp_chunks}" if self.mlp_chunks > 1 else ""
+        return chunks + ("" if self.blocks is None else f", blocks: [{', '.join(self.blocks)}]")
 
     def yaml(self) -> str:
         """The LightningCLI YAML snippet that configures this candidate by hand."""
@@ -392,13 +407,15 @@ def default_candidates(
     optimizers: Sequence[str] = ("user", "adamw8bit"),
     fused_loss: Sequence[bool] = (False,),
     layer_modes: Optional[dict[str, str]] = None,
+    mlp_chunks: Sequence[int] = (1,),
 ) -> list[Candidate]:
     """The grid of candidates over the axes this install supports (axes whose callback is missing are left out).
 
     A quantized base is only offered with LoRA (a frozen quantized base with nothing trainable but
     norms and embeddings is not a fine-tuning configuration anyone asks for). ``layer_modes``: a fixed
     mixed-precision plan ``{layer name: mode name}`` that every quantized candidate uses (on the
-    command line, as JSON: ``lightning-hbm plan --candidates.layer_modes "$(cat plan.json)"``).
+    command line, as JSON: ``lightning-hbm plan --candidates.layer_modes "$(cat plan.json)"``). ``mlp_chunks``: the
+    token chunks each ``"full"`` candidate is also tried with (1: whole; other policies take no chunks).
     """
     if layer_modes and all(p in PLANNED_LIGHTNING_PRECISIONS for p in precisions):
         raise ValueError(
@@ -417,9 +434,10 @@ def default_candidates(
         if precision not in PLANNED_LIGHTNING_PRECISIONS and r == 0 and axes["lora"]:
             continue
         plan = layer_modes if precision not in PLANNED_LIGHTNING_PRECISIONS else None
-        grid.append(
-            Candidate(precision, lora_r=r, checkpointing=policy, optimizer=optimizer, fused_loss=fused, layer_modes=plan)  # type: ignore[arg-type]  # __post_init__ normalises a dict plan to pairs
-        )
+        for chunks in mlp_chunks if policy == "full" else (1,):
+            grid.append(
+                Candidate(precision, lora_r=r, checkpointing=policy, optimizer=optimizer, fused_loss=fused, layer_modes=plan, mlp_chunks=chunks)  # type: ignore[arg-type]  # __post_init__ normalises a dict plan to pairs
+            )
     return grid
 
 

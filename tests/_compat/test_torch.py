@@ -122,3 +122,9 @@ def test_track_step_called_is_what_lr_schedulers_check(tracked: bool) -> None:
         scheduler.step()
     order = [w for w in caught if "optimizer.step()" in str(w.message)]
     assert bool(order) is not tracked, [str(w.message) for w in caught]
+
+
+def test_is_fake_tells_a_fake_tensor_from_a_real_one() -> None:
+    with FakeTensorMode():
+        fake = torch.empty(2, 3)
+    assert compat.is_fake(fake) and not compat.is_fake(torch.empty(2, 3))

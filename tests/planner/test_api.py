@@ -19,6 +19,7 @@ from lightning_hbm.models import LlamaLM, NanoGPT
 from lightning_hbm.planner import (
     CUDA_CONTEXT_BYTES,
     Candidate,
+    default_candidates,
     parse_bytes,
     plan,
     predict,
@@ -48,12 +49,14 @@ def _profiled_peak(factory: Callable[[], pl.LightningModule], candidate: Candida
     return profiler.rows[-1]
 
 
-# Three candidates over both test LMs and every axis: the categories match the profiler's byte for byte (the
+# Four candidates over both test LMs and every axis: the categories match the profiler's byte for byte (the
 # peak's independent check is MemTracker's, tests/planner/test_reference.py).
 ACCURACY_CASES = [
     ("gpt", Candidate("nf4-dq", lora_r=8)),
     ("gpt", Candidate("bf16-true", checkpointing="full", optimizer="adamw8bit")),
     ("llama", Candidate("int8", lora_r=8, checkpointing="selective")),
+    # the MLPs' recompute in token chunks: planned on fake tensors, decided for real on the first step
+    ("llama", Candidate("nf4-dq", lora_r=8, checkpointing="full", mlp_chunks=4)),
 ]
 
 
@@ -158,6 +161,12 @@ def test_plan_picks_fastest_that_fits_and_renders(datamodule_factory: Callable[.
     classes = [c["class_path"] for c in snippet["trainer"]["callbacks"]]
     assert classes == ["lightning_hbm.LoRA", "lightning_hbm.ActivationCheckpointing", "lightning_hbm.MemoryEfficientOptimizer"]
     assert snippet["trainer"]["plugins"][0]["init_args"] == {"mode": "nf4-dq", "dtype": "bfloat16"}
+    chunked = Candidate("nf4-dq", lora_r=16, checkpointing="full", mlp_chunks=4)
+    assert chunked.name == "nf4-dq+lora16+ac-full-mlp4" and chunked.relative_cost() == Candidate(
+        "nf4-dq", lora_r=16, checkpointing="full").relative_cost() + 0.04
+    assert yaml.safe_load(chunked.yaml())["trainer"]["callbacks"][1]["init_args"] == {"policy": "full", "mlp_chunks": 4}
+    assert Candidate.from_trainer(chunked.precision_plugin(), chunked.callbacks()).mlp_chunks == 4
+    assert [c.mlp_chunks for c in default_candidates(["nf4-dq"], [16], ["selective", "full"], ["user"], mlp_chunks=[1, 4])] == [1, 1, 4]
 
     on_gpu = plan(factory, datamodule, candidates=candidates[:1], device="cuda")
     assert on_gpu.predictions[0].total == on_gpu.predictions[0].peak + CUDA_CONTEXT_BYTES
@@ -257,6 +266,10 @@ def test_bad_input_errors(gpt_factory: Callable[..., NanoGPT]) -> None:
         Candidate(lora_r=-1)
     with pytest.raises(ValueError, match="checkpointing must be one of .*got 'half'"):
         Candidate(checkpointing="half")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"mlp_chunks must be an int >= 1 \(1 = whole recompute\), got 0"):
+        Candidate(checkpointing="full", mlp_chunks=0)
+    with pytest.raises(ValueError, match=r"mlp_chunks=4 chunks the recompute of full checkpointing, but checkpointing='selective'"):
+        Candidate(checkpointing="selective", mlp_chunks=4)
     batch = synthetic_batch(2, 16)
     with pytest.raises(TypeError, match="needs a LightningModule or a factory returning one, got Linear"):
         plan(torch.nn.Linear(2, 2), batch)

@@ -362,13 +362,15 @@ def no_process_group() -> Any:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("chunks", [1, 2], ids=["whole", "mlp_chunks=2"])
 def test_one_rank_fsdp_resumes_with_cpu_offload_and_activation_checkpointing(
-    two_rank_run: Path, reference: dict[str, Any], tmp_path: Path, no_process_group: Any
+    two_rank_run: Path, reference: dict[str, Any], tmp_path: Path, no_process_group: Any, chunks: int
 ) -> None:
     """World size 1 (the GPU benchmark's setting), in this process: the 2-rank checkpoint is loaded
     into FSDP2 shards (the strategy's own load path, optimizer states included), parameters and
     optimizer states stay on the CPU (offload policy), ActivationCheckpointing wraps the blocks
-    before they are sharded, and epoch 2 still equals the uninterrupted run (recompute is exact).
+    before they are sharded, and epoch 2 still equals the uninterrupted run (recompute is exact; with
+    ``mlp_chunks=2`` the MLPs' recompute runs in token chunks on the sharded, offloaded parameters).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
@@ -376,7 +378,8 @@ def test_one_rank_fsdp_resumes_with_cpu_offload_and_activation_checkpointing(
 
     recorder = _global_losses()
     strategy = QuantizedFSDPStrategy(cpu_offload=True)
-    callbacks = _callbacks() + [ActivationCheckpointing("full"), recorder]
+    checkpointing = ActivationCheckpointing("full", mlp_chunks=chunks)
+    callbacks = _callbacks() + [checkpointing, recorder]
     trainer = _trainer(1, strategy, str(tmp_path), 2, callbacks)
     model = _model()
     trainer.fit(model, datamodule=_datamodule(1), ckpt_path=two_rank_run / "fsdp.ckpt")
@@ -384,6 +387,7 @@ def test_one_rank_fsdp_resumes_with_cpu_offload_and_activation_checkpointing(
     blocks = list(model.model.h)
     assert all(isinstance(b, FSDPModule) for b in blocks)
     assert isinstance(blocks[0]._get_fsdp_state()._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+    assert len(checkpointing.chunked) == (len(blocks) if chunks > 1 else 0)
     expected = reference["losses"][STEPS_PER_EPOCH:]
     torch.testing.assert_close(torch.tensor(recorder.losses), torch.tensor(expected), atol=1e-5, rtol=0)
 

@@ -1,0 +1,203 @@
+"""ActivationCheckpointing(mlp_chunks=k): same training, a smaller backward working set, the MLP run once per pass,
+and every layer it leaves whole named with the reason (decided by running the layer)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision
+from lightning_hbm.callbacks.token_chunks import ChunkedForward, decide
+from lightning_hbm.data import synthetic_batch
+from lightning_hbm.memory.torch_tracker import torch_peak_bytes
+
+SEQ = 128
+
+
+def _fit(module: pl.LightningModule, trainer_factory: Callable, chunks: int, steps: int = 3, quantized: bool = True) -> Any:
+    callback = ActivationCheckpointing(mlp_chunks=chunks)
+    plugins = [QuantizedPrecision("nf4-dq", dtype="float32")] if quantized else []
+    trainer = trainer_factory(max_steps=steps, plugins=plugins, callbacks=[LoRA(r=4), callback] if quantized else [callback])
+    batch = synthetic_batch(batch_size=2, seq_len=SEQ, seed=1, vocab_size=module.hparams.get("vocab_size", 256))
+    loader = torch.utils.data.DataLoader([(x, y) for x, y in zip(*batch)], batch_size=2)
+    trainer.fit(module, loader)
+    return callback, batch
+
+
+@pytest.fixture
+def trained(llama_factory: Callable, trainer_factory: Callable) -> Callable[[int], tuple[Any, Any, dict[str, Tensor]]]:
+    """``trained(chunks)``: a tiny transformers Llama after 3 QLoRA steps with that many token chunks."""
+
+    def make(chunks: int) -> tuple[Any, Any, dict[str, Tensor]]:
+        module = llama_factory(hidden_size=64, intermediate_size=256, num_hidden_layers=2)
+        callback, batch = _fit(module, trainer_factory, chunks)
+        return module, callback, {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+    return make
+
+
+def test_chunked_training_equals_whole_recompute_and_chunks_only_the_mlps(trained: Callable) -> None:
+    _, whole, expected = trained(1)
+    module, callback, got = trained(4)
+    assert whole.chunked == []
+    assert callback.chunked == [f"model.model.layers.{i}.mlp" for i in range(2)]  # not attention, not the norms
+    verdicts = {n: f.verdict for n, m in module.named_modules() for f in [m.__dict__.get("forward")] if isinstance(f, ChunkedForward)}
+    assert verdicts["model.model.layers.0.self_attn"] == "not called with one tensor of tokens"
+    assert verdicts["model.model.layers.0.input_layernorm"] == "no wider than its input (nothing to gain)"
+    assert sorted(got) == sorted(expected)
+    for name in expected:  # same arithmetic in other row blocks: float rounding only
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _counting(module: nn.Module, counts: dict[str, int]) -> None:
+    def hook(_m: nn.Module, _i: Any, out: Tensor) -> None:
+        counts["rows"] = counts.get("rows", 0) + out.shape[-2]
+
+    module.register_forward_hook(hook)
+
+
+def test_the_mlp_runs_once_forward_and_once_in_backward_and_the_peak_drops(llama_factory: Callable, trainer_factory: Callable) -> None:
+    # Nesting torch.utils.checkpoint per chunk ran the MLP 2.75 times per step (the block's recompute re-ran the
+    # chunks before the last); the saved input is packed before the compute, so the block's recompute stops there.
+    peaks, rows = {}, {}
+    for chunks in (1, 4):
+        module = llama_factory(hidden_size=64, intermediate_size=512, num_hidden_layers=2)
+        _fit(module, trainer_factory, chunks, steps=1)
+        counts: dict[str, int] = {}
+        _counting(module.model.model.layers[1].mlp.gate_proj, counts)
+        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.0)
+        batch = synthetic_batch(batch_size=4, seq_len=256, seed=2, vocab_size=module.hparams["vocab_size"])
+
+        def step() -> None:
+            module.loss(batch).backward()
+
+        peaks[chunks] = torch_peak_bytes(step, module, optimizer)
+        counts.clear()
+        step()
+        rows[chunks] = counts["rows"]
+    assert rows[1] == rows[4] == 2 * 256  # forward + the backward's recompute, 256 tokens each: nothing run twice
+    # one MLP's recompute: 1024 tokens x 512 wide x 4 bytes x (gate, up, act, product) = 8 MiB whole, 2 MiB a chunk
+    assert peaks[1] - peaks[4] > 3 * 2**20, peaks
+
+
+class _Widen(nn.Module):
+    """A token-wise widening layer (an MLP), with the variations the tests below switch on."""
+
+    def __init__(self, width: int = 8, mix: bool = False, dropout: float = 0.0, track: bool = False) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.mix, self.drop = mix, nn.Dropout(dropout)
+        self.norm = nn.BatchNorm1d(4 * width) if track else None
+        self.foreign: nn.Parameter | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.up(x)
+        if self.mix:
+            h = h + h.mean(dim=-2, keepdim=True)  # every token sees the others
+        if self.norm is not None:
+            h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+        if self.foreign is not None:
+            h = h * self.foreign
+        return self.down(self.drop(h))
+
+
+class _Block(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.layer(x)
+
+
+class _Toy(pl.LightningModule):
+    def __init__(self, **layer: Any) -> None:
+        super().__init__()
+        shared = layer.pop("shared", False)
+        self.blocks = nn.ModuleList(_Block(_Widen(**layer)) for _ in range(2))
+        self.scale = nn.Parameter(torch.ones(32))
+        if shared:
+            for block in self.blocks:  # read, not registered (a tied weight reached through a plain attribute)
+                block.layer.__dict__["foreign"] = self.scale
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        x = batch
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("layer", "reason"),
+    [
+        (dict(mix=True), "mixes tokens"),
+        (dict(dropout=0.1), "draws random numbers"),
+        (dict(track=True), "changes its buffers"),
+        (dict(shared=True), r"trains 1 parameter\(s\) it does not own"),
+    ],
+    ids=["mixes", "dropout", "buffers", "foreign"],
+)
+def test_a_layer_it_cannot_chunk_is_left_whole_with_a_warning_naming_the_block_and_reason(
+    trainer_factory: Callable, layer: dict[str, Any], reason: str
+) -> None:
+    torch.manual_seed(0)
+    module = _Toy(**layer)
+    callback = ActivationCheckpointing(blocks=["_Block"], mlp_chunks=2)
+    trainer = trainer_factory(max_steps=2, callbacks=[callback])
+    with pytest.warns(UserWarning, match=rf"mlp_chunks=2\) found no layer .* in 2 block\(s\), e\.g\. blocks\.0 \(layer: {reason}"):
+        trainer.fit(module, torch.utils.data.DataLoader(torch.randn(4, 16, 8), batch_size=2))
+    assert callback.chunked == []
+
+
+def test_a_plain_widening_layer_is_chunked_and_trains_as_whole(trainer_factory: Callable) -> None:
+    data = torch.randn(4, 16, 8)
+    params = {}
+    for chunks in (1, 3):  # 3 chunks of 16 tokens: uneven (6, 6, 4)
+        torch.manual_seed(0)
+        module = _Toy()
+        callback = ActivationCheckpointing(blocks=["_Block"], mlp_chunks=chunks)
+        trainer_factory(max_steps=2, callbacks=[callback]).fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+        params[chunks] = [p.detach().clone() for p in module.parameters()]
+    assert callback.chunked == ["blocks.0.layer", "blocks.1.layer"]
+    for a, b in zip(params[1], params[3]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_decide_needs_one_tensor_of_enough_tokens() -> None:
+    layer = _Widen()
+    x = torch.randn(2, 3, 8)
+    assert decide(layer, layer.forward, 4, (x,), {}) == "3 tokens, fewer than mlp_chunks=4"
+    assert decide(layer, layer.forward, 2, (x,), {"scale": 1}) == "not called with one tensor of tokens"
+    assert decide(layer, layer.forward, 2, (x,), {}) == ""
+    dropping, before = _Widen(dropout=0.1), torch.get_rng_state()
+    assert decide(dropping, dropping.forward, 2, (x,), {}) == "draws random numbers (dropout in training mode)"
+    assert torch.equal(torch.get_rng_state(), before)  # the test put the random state back: the run's stream is intact
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(mlp_chunks=0), r"mlp_chunks=0\): must be an int >= 1"),
+        (dict(policy="selective", mlp_chunks=2), r"policy='selective', mlp_chunks=2\): token chunks need policy='full'"),
+    ],
+)
+def test_bad_mlp_chunks_is_refused_with_the_fix(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ActivationCheckpointing(**kwargs)
+    with pytest.raises(TypeError, match=r"mlp_chunks=True\): a bool"):
+        ActivationCheckpointing(mlp_chunks=True)
+
+
+@pytest.mark.gpu
+def test_dropout_on_cuda_is_seen_by_its_cuda_random_state() -> None:
+    layer = _Widen(dropout=0.1).cuda()
+    before = torch.cuda.get_rng_state()
+    assert decide(layer, layer.forward, 2, (torch.randn(2, 8, 8, device="cuda"),), {}).startswith("draws random numbers")
+    assert torch.equal(torch.cuda.get_rng_state(), before)  # the test put the state back
