@@ -72,9 +72,8 @@ class _ChunkedCall(torch.autograd.Function):
         grads_p: list[Optional[Tensor]] = [None] * len(params)
         for chunk, grad_chunk in zip(call.split(x), call.split(grad)):
             chunk = chunk.detach().requires_grad_(wants_x)
-            with torch.enable_grad():
-                got = torch.autograd.grad(call.inner(chunk), ([chunk] if wants_x else []) + params, grad_chunk,
-                                          allow_unused=True)
+            out = call.recompute(chunk)
+            got = torch.autograd.grad(out, ([chunk] if wants_x else []) + params, grad_chunk, allow_unused=True)
             if wants_x:
                 grads_x.append(got[0] if got[0] is not None else torch.zeros_like(chunk))
                 got = got[1:]
@@ -84,13 +83,23 @@ class _ChunkedCall(torch.autograd.Function):
 
 
 class _Chunks:
-    """One layer's own forward and how many token-chunks to run it in."""
+    """One layer's own forward, how many token-chunks to run it in, and the autocast state of its forward.
 
-    def __init__(self, inner: Any, chunks: int) -> None:
-        self.inner, self.chunks = inner, chunks
+    The backward runs outside the forward's ``torch.autocast`` (the autograd engine does not carry it), so the
+    recompute enters it again, as ``torch.utils.checkpoint`` does: under ``bf16-mixed`` it computes in bfloat16 too.
+    """
+
+    def __init__(self, inner: Any, chunks: int, device_type: str) -> None:
+        self.inner, self.chunks, self.device_type = inner, chunks, device_type
+        self.autocast = torch.is_autocast_enabled(device_type)
+        self.autocast_dtype = torch.get_autocast_dtype(device_type)
 
     def split(self, x: Tensor) -> tuple[Tensor, ...]:
         return x.chunk(self.chunks, dim=-2)
+
+    def recompute(self, chunk: Tensor) -> Any:
+        with torch.enable_grad(), torch.autocast(self.device_type, dtype=self.autocast_dtype, enabled=self.autocast):
+            return self.inner(chunk)
 
 
 class ChunkedForward:
@@ -133,7 +142,7 @@ class ChunkedForward:
         box = _Box() if x.requires_grad else None
         if box is not None:
             x = _KeepInput.apply(x, box)
-        return _ChunkedCall.apply(x, _Chunks(self.inner, self.chunks), box, *params)
+        return _ChunkedCall.apply(x, _Chunks(self.inner, self.chunks, x.device.type), box, *params)
 
 
 def decide(

@@ -170,6 +170,21 @@ def test_a_plain_widening_layer_is_chunked_and_trains_as_whole(trainer_factory: 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_the_backward_recompute_runs_under_the_forwards_autocast(trainer_factory: Callable) -> None:
+    # the autograd engine does not carry torch.autocast into the backward: without entering it again the chunks
+    # would be recomputed in float32 under bf16-mixed, a different forward than the one whose output trained
+    torch.manual_seed(0)
+    module = _Toy()
+    callback = ActivationCheckpointing(blocks=["_Block"], mlp_chunks=2)
+    dtypes: list[torch.dtype] = []
+    module.blocks[1].layer.up.register_forward_hook(lambda _m, _i, out: dtypes.append(out.dtype))
+    trainer = trainer_factory(max_steps=1, precision="bf16-mixed", callbacks=[callback])
+    trainer.fit(module, torch.utils.data.DataLoader(torch.randn(2, 16, 8), batch_size=2))
+    assert callback.chunked == ["blocks.0.layer", "blocks.1.layer"]
+    # the step ends with the forward's 2 chunks and the backward's 2 (float32 without entering autocast again)
+    assert dtypes[-4:] == [torch.bfloat16] * 4
+
+
 def test_decide_needs_one_tensor_of_enough_tokens() -> None:
     layer = _Widen()
     x = torch.randn(2, 3, 8)
