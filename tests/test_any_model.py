@@ -14,6 +14,7 @@ Results: benchmarks/README.md (any model).
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -270,3 +271,42 @@ def test_named_family_trains_resumes_and_reports(name: str, tmp_path: Any) -> No
 @pytest.mark.parametrize("name", OUTSIDE)
 def test_other_family_trains_resumes_and_reports(name: str, tmp_path: Any) -> None:
     check_trains_and_resumes(name, tmp_path)
+
+
+def _fit_chunked(name: str, chunks: int) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    family = FAMILIES[name]
+    torch.manual_seed(0)
+    module, checkpointing = Task(family), ActivationCheckpointing(mlp_chunks=chunks)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+        plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=8, alpha=16), checkpointing],
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader([batch(family.task, 1), batch(family.task, 2)], batch_size=None))
+    trained = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    return trained, checkpointing.chunked, [str(w.message) for w in caught if "mlp_chunks=" in str(w.message)]
+
+
+# ActivationCheckpointing(mlp_chunks=2): which layers are recomputed in token chunks is decided by running them
+CHUNKED = {
+    "mixtral": ("model.model.layers.0.mlp", ""),  # a sparse MoE that views its input: chunks are made contiguous
+    "gemma2": ("model.model.layers.0.mlp", ""),
+    "convnext": ("", r"stages\.0 \(layers\.0: mixes tokens"),  # a 7x7 convolution behind a 1e-6 layer scale
+    "t5": ("", r"block\.0 \(layer\.0: not called with one tensor of tokens; layer\.1: draws random numbers"),
+}
+
+
+@pytest.mark.parametrize("name", list(CHUNKED))
+def test_mlp_chunks_are_decided_by_running_the_layers(name: str) -> None:
+    first, warned = CHUNKED[name]
+    expected, _, _ = _fit_chunked(name, 1)
+    got, chunked, warnings_ = _fit_chunked(name, 2)
+    assert (chunked[0] if chunked else "") == first
+    if warned:
+        assert len(warnings_) == 1 and re.search(warned, warnings_[0]), warnings_
+    else:
+        assert not warnings_
+    for key in expected:  # chunked or not, the same training (float rounding only)
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-3, atol=2e-4, msg=key)

@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.callbacks.token_chunks import ChunkedForward
+from lightning_hbm.callbacks.token_chunks import ChunkedForward, candidates
 from lightning_hbm.naming import did_you_mean
 from lightning_hbm.record import CheckpointedForward, checkpoint_plan
 from lightning_hbm.surgery import Stage, SurgeryCallback
@@ -395,7 +395,7 @@ class ActivationCheckpointing(SurgeryCallback):
                 torch_compat.override_forward(block, chunked.own_forward)
         for _, block in chosen:
             _wrap(block, _BlockPlan(block, context_fn, self.offload))
-            for layer in block.children() if self.mlp_chunks > 1 else ():
+            for _, layer in candidates(block) if self.mlp_chunks > 1 else ():
                 torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks))
         self._chunk_report_due = self.mlp_chunks > 1
         self.checkpointed = [n for n, _ in chosen]
@@ -427,14 +427,14 @@ def report_chunks(module: nn.Module, blocks: Sequence[str], chunks: int) -> list
     left: dict[str, list[str]] = {}
     for name in blocks:
         verdicts = {
-            f"{name}.{child}": forward.verdict
-            for child, layer in module.get_submodule(name).named_children()
+            child: forward.verdict
+            for child, layer in candidates(module.get_submodule(name))
             for forward in [torch_compat.forward_override(layer)]
             if isinstance(forward, ChunkedForward) and forward.verdict is not None
         }
-        chunked += [n for n, v in verdicts.items() if v == ""]
-        if verdicts and "" not in verdicts.values():
-            left[name] = [f"{n.rsplit('.', 1)[-1]}: {v}" for n, v in verdicts.items()]
+        chunked += [f"{name}.{n}" for n, v in verdicts.items() if v == ""]
+        if "" not in verdicts.values():
+            left[name] = [f"{n}: {v}" for n, v in verdicts.items()] or ["none of its layers ran with gradients"]
     if left:
         first = next(iter(left))
         rank_zero_warn(

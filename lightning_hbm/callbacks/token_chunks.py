@@ -16,11 +16,13 @@ and frees it. The saved input is packed *before* the layer's compute, so the blo
 Nesting ``torch.utils.checkpoint`` per chunk instead was measured to run the MLP 2.75 times per step: each inner
 checkpoint packs its input only after the previous chunks ran, so the outer recompute ran them again.
 
-Which layers: decided by running, on the first training call of each direct child of a checkpointed block
+Which layers: decided by running, on the first training call of each layer of a checkpointed block
 (:func:`decide`): a layer is chunked when it is called with one tensor and no keyword arguments, gives an output
-with the same tokens, widens (some sub-layer's output has at least twice the elements of the input), is token-wise
-(its chunked output equals its whole output), draws no random numbers, changes no buffer, and trains no parameter
-outside itself. Attention (keyword arguments, or tokens mixed) and norms (not wider) stay as they are.
+with the same tokens, saves for backward at least twice its input and output bytes per token (measured on one and
+two tokens), is token-wise (changing one token's input changes no other token's output, bit for bit, and its
+chunked output equals its whole output), draws no random numbers, changes no buffer, and trains no parameter
+outside itself. Attention (keyword arguments, or tokens mixed), convolutions (tokens mixed) and norms (nothing to
+gain) stay as they are.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.memory.storage import tensor_storage_key
 
-WIDENING = 2.0  # chunk a layer when one of its sub-layers' outputs has at least this many times its input's elements
+WIDENING = 2.0  # chunk a layer that saves for backward at least this many times its input + output bytes per token
 
 
 class _Box:
@@ -94,8 +97,8 @@ class _Chunks:
         self.autocast = torch.is_autocast_enabled(device_type)
         self.autocast_dtype = torch.get_autocast_dtype(device_type)
 
-    def split(self, x: Tensor) -> tuple[Tensor, ...]:
-        return x.chunk(self.chunks, dim=-2)
+    def split(self, x: Tensor) -> list[Tensor]:
+        return split(x, self.chunks)
 
     def recompute(self, chunk: Tensor) -> Any:
         with torch.enable_grad(), torch.autocast(self.device_type, dtype=self.autocast_dtype, enabled=self.autocast):
@@ -113,7 +116,6 @@ class ChunkedForward:
         self.layer, self.chunks = layer, chunks
         self.own_forward = torch_compat.forward_override(layer)
         self.verdict: Optional[str] = None
-        self.planned: Optional[str] = None  # the same, decided on fake tensors (the planner's trace)
 
     def inner(self, *args: Any, **kwargs: Any) -> Any:
         own = self.own_forward or type(self.layer).forward.__get__(self.layer)
@@ -122,18 +124,15 @@ class ChunkedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
-        # the planner's trace has no values: it plans with the checks that need none; the first real step decides
-        fake = any(torch_compat.is_fake(a) for a in args if isinstance(a, Tensor))
-        verdict = self.planned if fake else self.verdict
-        if verdict is None:
+        if any(torch_compat.is_fake(a) for a in args if isinstance(a, Tensor)):
+            # the planner's trace: without values nothing tells attention called with one tensor (nanoGPT's) from
+            # an MLP, so it plans the whole recompute, an upper bound; the first real step decides
+            return self.inner(*args, **kwargs)
+        if self.verdict is None:
             # identity hooks: what the test saves must not land in the block checkpoint's count of saved tensors
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                verdict = decide(self.layer, self.inner, self.chunks, args, kwargs, values=not fake)
-            if fake:
-                self.planned = verdict
-            else:
-                self.verdict = verdict
-        if verdict:
+                self.verdict = decide(self.layer, self.inner, self.chunks, args, kwargs)
+        if self.verdict:
             return self.inner(*args, **kwargs)
         x = args[0]
         params = tuple(p for p in self.layer.parameters() if p.requires_grad)
@@ -145,51 +144,105 @@ class ChunkedForward:
         return _ChunkedCall.apply(x, _Chunks(self.inner, self.chunks, x.device.type), box, *params)
 
 
+def split(x: Tensor, chunks: int) -> list[Tensor]:
+    """``x`` in ``chunks`` pieces along its token dimension (-2), each contiguous: a layer may ``view`` its input
+    (Mixtral's sparse MLP does), which a slice of a batch of sequences would refuse."""
+    return [c.contiguous() for c in x.chunk(chunks, dim=-2)]
+
+
+def candidates(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers of ``block`` that may be chunked: its children, and the items of a container child (T5's
+    ``layer`` ModuleList), which is never called itself."""
+    found = []
+    for name, child in block.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            found += [(f"{name}.{n}", c) for n, c in child.named_children()]
+        else:
+            found.append((name, child))
+    return found
+
+
 def decide(
-    layer: nn.Module, inner: Any, chunks: int, args: tuple[Any, ...], kwargs: dict[str, Any], values: bool = True
+    layer: nn.Module, inner: Any, chunks: int, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> str:
-    """``""`` if ``layer`` may be recomputed in ``chunks`` token-chunks, else why not (by running it, without a graph).
+    """``""`` if ``layer`` may be recomputed in ``chunks`` token-chunks, else why not (by running it).
 
     Decided on the first training call, with the real input: a layer's code says nothing reliable about whether it
-    mixes tokens (attention does, a BatchNorm over tokens does in training mode), draws random numbers or reaches
-    parameters it does not own. ``values=False`` (fake tensors: the planner's trace) skips the checks that read
-    values (random state, chunked against whole output).
+    mixes tokens (attention does, a convolution does, a BatchNorm over tokens does in training mode), draws random
+    numbers, saves enough for backward to be worth chunking, or reaches parameters it does not own.
     """
     if kwargs or len(args) != 1 or not isinstance(args[0], Tensor) or args[0].dim() < 2:
         return "not called with one tensor of tokens"
     x = args[0]
-    if x.shape[-2] < chunks:
+    if x.shape[-2] < max(chunks, 2):
         return f"{x.shape[-2]} tokens, fewer than mlp_chunks={chunks}"
-    widest = [0]
-
-    def _measure(_m: nn.Module, _i: Any, out: Any) -> None:
-        if isinstance(out, Tensor):
-            widest[0] = max(widest[0], out.numel())
-
-    handles = [m.register_forward_hook(_measure) for m in layer.modules() if m is not layer]
     versions = [b._version for b in layer.buffers()]
-    before = _rng_states(x.device) if values else None
-    try:
-        with torch.no_grad():
-            whole = inner(x)
-    finally:
-        for h in handles:
-            h.remove()
-    if before is not None and _restore_rng(x.device, before):
+    before = _rng_states(x.device)
+    with torch.no_grad():
+        whole = inner(x)
+    if _restore_rng(x.device, before):
         return "draws random numbers (dropout in training mode)"
     if [b._version for b in layer.buffers()] != versions:
         return "changes its buffers in the forward"
     if not isinstance(whole, Tensor) or whole.shape[:-1] != x.shape[:-1]:
         return "its output is not one tensor with the input's tokens"
-    if widest[0] < WIDENING * x.numel():
-        return "no wider than its input (nothing to gain)"
-    if values:
+    try:  # the layer on fewer tokens than it was called with: one may assume the whole count (a reshape)
+        one, graph, leaf = _saved_bytes(inner, x, 1)
+        two, _, _ = _saved_bytes(inner, x, 2)
+        mixes = _mixes_tokens(inner, x, whole)
         with torch.no_grad():
-            parts = torch.cat([inner(c) for c in x.chunk(chunks, dim=-2)], dim=-2)
-        if not torch.allclose(parts, whole, rtol=1e-3, atol=1e-5 * float(whole.abs().max()) + 1e-12):
-            return "mixes tokens (its chunked output differs)"
-    foreign = _foreign_leaves(layer, inner, x)
+            parts = torch.cat([inner(c) for c in split(x, chunks)], dim=-2)
+    except (RuntimeError, ValueError, IndexError) as err:
+        return f"fails on part of its tokens ({type(err).__name__}: {str(err)[:120]})"
+    per_token = x[..., :1, :].numel() * x.element_size() + whole[..., :1, :].numel() * whole.element_size()
+    if two - one < WIDENING * per_token:
+        return (f"saves {(two - one) / per_token:.1f}x its input and output per token for backward (chunks pay from "
+                f"{WIDENING:g}x)")
+    if mixes:
+        return "mixes tokens (changing one token's input changed another token's output)"
+    if not torch.allclose(parts, whole, rtol=1e-3, atol=1e-5 * float(whole.abs().max()) + 1e-12):
+        return "mixes tokens (its chunked output differs)"
+    foreign = _foreign_leaves(layer, graph, leaf)
     return f"trains {foreign} parameter(s) it does not own (their gradients would be lost)" if foreign else ""
+
+
+def _saved_bytes(inner: Any, x: Tensor, tokens: int) -> tuple[int, Any, Tensor]:
+    """Bytes of the tensors the layer's forward on its first ``tokens`` tokens saves for backward (parameters left
+    out, each tensor once), its output and its input leaf.
+
+    What chunks shrink is exactly this, per token: two token counts tell it apart from what every call saves
+    whatever its length (a weight's transpose, a dequantized weight). Tensor bytes, not storage bytes: a saved view
+    of the whole input would count the whole batch.
+    """
+    saved: dict[Any, int] = {}
+
+    def pack(tensor: Tensor) -> Tensor:
+        if not isinstance(tensor, nn.Parameter):
+            key = (tensor_storage_key(tensor), tensor.storage_offset(), tensor.shape, tensor.stride())
+            saved[key] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    leaf = x[..., :tokens, :].detach().contiguous().requires_grad_(x.is_floating_point())
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = inner(leaf)
+    return sum(saved.values()), out, leaf
+
+
+def _mixes_tokens(inner: Any, x: Tensor, whole: Tensor) -> bool:
+    """Whether changing the first (then the last) token's input changes any other token's output by any amount.
+
+    Exact on purpose: a token-wise layer computes each token's row on its own, so the other rows come out
+    bit-identical, while a layer that mixes a little (ConvNeXt's 7x7 convolution behind a layer scale of 1e-6) would
+    pass any tolerance at initialisation and then train differently in chunks.
+    """
+    for index, rest in ((0, slice(1, None)), (-1, slice(None, -1))):
+        moved = x.clone()
+        moved[..., index, :] += 1.0 + float(x.abs().max())
+        with torch.no_grad():
+            out = inner(moved)
+        if not isinstance(out, Tensor) or not torch.equal(out[..., rest, :], whole[..., rest, :]):
+            return True
+    return False
 
 
 def _rng_states(device: torch.device) -> list[Tensor]:
@@ -208,11 +261,10 @@ def _restore_rng(device: torch.device, before: list[Tensor]) -> bool:
     return any(not torch.equal(a, b) for a, b in zip(after, before))
 
 
-def _foreign_leaves(layer: nn.Module, inner: Any, x: Tensor) -> int:
-    """How many trained leaves outside ``layer``'s own parameters one token's graph reaches."""
-    own = {id(p) for p in layer.parameters()}
-    with torch.enable_grad():
-        out = inner(x[..., :1, :].detach())
+def _foreign_leaves(layer: nn.Module, out: Any, leaf: Tensor) -> int:
+    """How many trained leaves other than ``layer``'s own parameters and its input ``leaf`` the graph of ``out``
+    (the layer's output) reaches."""
+    own = {id(p) for p in layer.parameters()} | {id(leaf)}
     found, seen, nodes = 0, set(), [out.grad_fn] if isinstance(out, Tensor) else []
     while nodes:
         node = nodes.pop()
@@ -226,4 +278,4 @@ def _foreign_leaves(layer: nn.Module, inner: Any, x: Tensor) -> int:
     return found
 
 
-__all__ = ["ChunkedForward", "decide"]
+__all__ = ["ChunkedForward", "candidates", "decide", "split"]

@@ -56,9 +56,6 @@ class AutoFit(Callback):
         checkpointing: activation checkpointing policies to consider. Default all three.
         optimizers: ``"user"`` (the optimizer of ``configure_optimizers``) and/or 8-bit kinds.
             Default ``["user", "adamw8bit"]``.
-        mlp_chunks: token chunks to try for each block's MLP recompute under full checkpointing
-            (``ActivationCheckpointing(mlp_chunks=...)``). Default ``[1, 4]``: 4 chunks only win where the whole
-            recompute does not fit (they cost about 4 % of the step).
         fused_loss: whether to try :class:`~lightning_hbm.FusedLoss` (``[False, True]``). Default: both
             when ``FusedLoss`` finds an output head in the model (``layers.output_heads``, or an ``lm_head``),
             else ``[False]``.
@@ -96,7 +93,6 @@ class AutoFit(Callback):
         checkpointing: Optional[list[Literal["none", "selective", "full"]]] = None,
         optimizers: Optional[list[str]] = None,
         fused_loss: Optional[list[bool]] = None,
-        mlp_chunks: Optional[list[int]] = None,
     ) -> None:
         check_args(AutoFit.__init__, locals())
         self.budget = parse_bytes(budget)
@@ -113,18 +109,15 @@ class AutoFit(Callback):
         self.lora_ranks = list(lora_ranks) if lora_ranks is not None else [0, 16]
         self.checkpointing: list[Literal["none", "selective", "full"]] = list(checkpointing) if checkpointing is not None else ["none", "selective", "full"]
         self.optimizers = list(optimizers) if optimizers is not None else ["user", "adamw8bit"]
-        self.mlp_chunks = list(mlp_chunks) if mlp_chunks is not None else [1, 4]
         for name, values in (
             ("precisions", self.precisions),
             ("lora_ranks", self.lora_ranks),
             ("checkpointing", self.checkpointing),
             ("optimizers", self.optimizers),
-            ("mlp_chunks", self.mlp_chunks),
         ):
             if not values and name != "precisions":  # precisions may be empty: the Trainer's own is always tried
                 raise ValueError(f"AutoFit({name}=[]): pass at least one value (see the docstring for the defaults).")
         # validate every axis value now (Candidate raises a clear error for a bad one), not at fit time
-        default_candidates(["bf16-true", *self.precisions], self.lora_ranks, ["full"], self.optimizers, mlp_chunks=self.mlp_chunks)
         default_candidates(["bf16-true", *self.precisions], self.lora_ranks, self.checkpointing, self.optimizers)
         self.plan: Optional[Plan] = None
         self.chosen: Optional[Prediction] = None
@@ -147,8 +140,7 @@ class AutoFit(Callback):
         fused = self.fused_loss if self.fused_loss is not None else _fused_loss_axis(pl_module)
         candidates = [  # the Trainer's own precision as configured: its dtype and its pinned mixed-precision plan
             dataclasses.replace(c, dtype=baseline[1], layer_modes=baseline[2]) if c.precision == baseline[0] else c  # type: ignore[arg-type]  # __post_init__ normalises a dict plan
-            for c in default_candidates(precisions, self.lora_ranks, self.checkpointing, self.optimizers, fused,
-                                        mlp_chunks=self.mlp_chunks)
+            for c in default_candidates(precisions, self.lora_ranks, self.checkpointing, self.optimizers, fused)
         ]
         device: Literal["cpu", "cuda"] = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
         self.plan = plan(pl_module, _example_batch(trainer), budget=self.budget, candidates=candidates, device=device)
