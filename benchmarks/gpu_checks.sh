@@ -32,7 +32,7 @@ run profiler    benchmarks/profiler_overhead.py --accelerator cuda
 run lora        benchmarks/lora_memory.py --accelerator cuda
 # FusedLoss vs the Hugging Face QLoRA recipe (random-weight Llama saved once; 3 stacks in one process).
 # 1b fits the budget; 8b (run by hand when time allows): benchmarks/peer_qlora.py --device cuda --preset 8b --rounds 2
-# lhbm+fused-mlp4: ActivationCheckpointing(mlp_chunks=4), the MLPs' recompute in token chunks (CPU: 1.11x the floor at 100M)
+# lhbm+fused-mlp2: ActivationCheckpointing(mlp_chunks=2), the MLPs' recompute in token chunks (CPU, 100M: 1.14x the floor)
 echo "== peer_qlora: benchmarks/peer_qlora.py --device cuda --preset 1b"
 timeout 240 python3 benchmarks/peer_qlora.py --device cuda --preset 1b --rounds 3 \
-  --stacks hf,lhbm,lhbm+fused,lhbm+fused-mlp4,lhbm+fused-noac,torchtune,litgpt,litgpt+ac 2>&1 | tee "$OUT/peer_qlora_1b.log" | tail -10
+  --stacks hf,lhbm,lhbm+fused,lhbm+fused-mlp2,lhbm+fused-noac,torchtune,litgpt,litgpt+ac 2>&1 | tee "$OUT/peer_qlora_1b.log" | tail -10

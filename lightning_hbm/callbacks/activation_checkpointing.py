@@ -269,7 +269,7 @@ class ActivationCheckpointing(SurgeryCallback):
             layers is decided by running them on the first training step
             (:func:`lightning_hbm.callbacks.token_chunks.decide`); a block none of whose layers qualifies is named
             in a warning with the reasons. Same arithmetic, but each chunk dequantizes a quantized base again:
-            measured on CPU at the 100M shape (1024 tokens), 2 chunks cost no step time and 4 chunks +7 %
+            measured on CPU at the 100M shape (1024 tokens), 2 chunks cost 4 % of the step and 4 chunks 9 %
             (``benchmarks/README.md``). ``1`` (the default): no chunks.
 
     Applied at lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`, stage

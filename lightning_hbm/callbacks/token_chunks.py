@@ -63,7 +63,7 @@ class _ChunkedCall(torch.autograd.Function):
         if box is None:  # an input without a graph: nothing upstream to recompute it from, keep it here
             ctx.save_for_backward(x)
         # detached: tracers that hook module inputs (torch's MemTracker) need a tensor with a grad_fn or none
-        return torch.cat([call.inner(c) for c in call.split(x.detach())], dim=-2)
+        return join([call.inner(c) for c in call.split(x.detach())], x)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
@@ -82,7 +82,7 @@ class _ChunkedCall(torch.autograd.Function):
                 got = got[1:]
             grads_p = [a if b is None else b if a is None else a + b for a, b in zip(grads_p, got)]
         rest = iter(grads_p)
-        return (torch.cat(grads_x, dim=-2) if wants_x else None, None, None, *(next(rest) if n else None for n in wanted))
+        return (join(grads_x, x) if wants_x else None, None, None, *(next(rest) if n else None for n in wanted))
 
 
 class _Chunks:
@@ -145,9 +145,24 @@ class ChunkedForward:
 
 
 def split(x: Tensor, chunks: int) -> list[Tensor]:
-    """``x`` in ``chunks`` pieces along its token dimension (-2), each contiguous: a layer may ``view`` its input
-    (Mixtral's sparse MLP does), which a slice of a batch of sequences would refuse."""
-    return [c.contiguous() for c in x.chunk(chunks, dim=-2)]
+    """``x``'s tokens (every position of every leading dimension) in ``chunks`` pieces, each a contiguous
+    ``(1, tokens, features)`` tensor (a 2-D ``x`` keeps its rank: row blocks).
+
+    Contiguous because a layer may ``view`` its input (Mixtral's sparse MLP does); flattened first because the
+    chunks of a contiguous ``(tokens, features)`` view are views too, where slicing a batch of sequences along its
+    sequence dimension would copy every chunk (3.7 MiB more at the 100M shape, measured).
+    """
+    if x.dim() == 2:
+        return list(x.contiguous().chunk(chunks, dim=0))
+    return list(x.reshape(1, -1, x.shape[-1]).chunk(chunks, dim=1))
+
+
+def join(parts: list[Tensor], like: Tensor) -> Tensor:
+    """The outputs of :func:`split`'s chunks as one tensor with ``like``'s leading dimensions."""
+    if like.dim() == 2:
+        return torch.cat(parts, dim=0)
+    whole = torch.cat(parts, dim=1)
+    return whole.reshape(*like.shape[:-1], whole.shape[-1])
 
 
 def candidates(block: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -186,20 +201,19 @@ def decide(
         return "changes its buffers in the forward"
     if not isinstance(whole, Tensor) or whole.shape[:-1] != x.shape[:-1]:
         return "its output is not one tensor with the input's tokens"
-    try:  # the layer on fewer tokens than it was called with: one may assume the whole count (a reshape)
+    try:  # cheapest first (one and two tokens), each probe only if the one before passed
         one, graph, leaf = _saved_bytes(inner, x, 1)
         two, _, _ = _saved_bytes(inner, x, 2)
-        mixes = _mixes_tokens(inner, x, whole)
+        per_token = x[..., :1, :].numel() * x.element_size() + whole[..., :1, :].numel() * whole.element_size()
+        if two - one < WIDENING * per_token:
+            return (f"saves {(two - one) / per_token:.1f}x its input and output per token for backward (chunks pay "
+                    f"from {WIDENING:g}x)")
+        if _mixes_tokens(inner, x, whole):
+            return "mixes tokens (changing one token's input changed another token's output)"
         with torch.no_grad():
-            parts = torch.cat([inner(c) for c in split(x, chunks)], dim=-2)
-    except (RuntimeError, ValueError, IndexError) as err:
+            parts = join([inner(c) for c in split(x, chunks)], x)
+    except (RuntimeError, ValueError, IndexError) as err:  # fewer tokens than called with: a reshape to the count
         return f"fails on part of its tokens ({type(err).__name__}: {str(err)[:120]})"
-    per_token = x[..., :1, :].numel() * x.element_size() + whole[..., :1, :].numel() * whole.element_size()
-    if two - one < WIDENING * per_token:
-        return (f"saves {(two - one) / per_token:.1f}x its input and output per token for backward (chunks pay from "
-                f"{WIDENING:g}x)")
-    if mixes:
-        return "mixes tokens (changing one token's input changed another token's output)"
     if not torch.allclose(parts, whole, rtol=1e-3, atol=1e-5 * float(whole.abs().max()) + 1e-12):
         return "mixes tokens (its chunked output differs)"
     foreign = _foreign_leaves(layer, graph, leaf)
@@ -229,20 +243,29 @@ def _saved_bytes(inner: Any, x: Tensor, tokens: int) -> tuple[int, Any, Tensor]:
 
 
 def _mixes_tokens(inner: Any, x: Tensor, whole: Tensor) -> bool:
-    """Whether changing the first (then the last) token's input changes any other token's output by any amount.
+    """Whether changing the first (then the last) token's input, or the first sequence's, changes any other token's
+    output by any amount.
 
     Exact on purpose: a token-wise layer computes each token's row on its own, so the other rows come out
     bit-identical, while a layer that mixes a little (ConvNeXt's 7x7 convolution behind a layer scale of 1e-6) would
-    pass any tolerance at initialisation and then train differently in chunks.
+    pass any tolerance at initialisation and then train differently in chunks. The first sequence too, because the
+    chunks run tokens of several sequences together.
     """
-    for index, rest in ((0, slice(1, None)), (-1, slice(None, -1))):
+    changes = [(0, slice(1, None), -2), (-1, slice(None, -1), -2)] + ([(0, slice(1, None), 0)] if x.dim() > 2 else [])
+    for index, rest, dim in changes:
         moved = x.clone()
-        moved[..., index, :] += 1.0 + float(x.abs().max())
+        moved.select(dim, index).add_(1.0 + float(x.abs().max()))
         with torch.no_grad():
             out = inner(moved)
-        if not isinstance(out, Tensor) or not torch.equal(out[..., rest, :], whole[..., rest, :]):
+        if not isinstance(out, Tensor) or not torch.equal(out.narrow(dim, *_span(rest, x.shape[dim])),
+                                                         whole.narrow(dim, *_span(rest, x.shape[dim]))):
             return True
     return False
+
+
+def _span(rest: slice, size: int) -> tuple[int, int]:
+    start, stop, _ = rest.indices(size)
+    return start, stop - start
 
 
 def _rng_states(device: torch.device) -> list[Tensor]:
@@ -278,4 +301,4 @@ def _foreign_leaves(layer: nn.Module, out: Any, leaf: Tensor) -> int:
     return found
 
 
-__all__ = ["ChunkedForward", "candidates", "decide", "split"]
+__all__ = ["ChunkedForward", "candidates", "decide", "join", "split"]

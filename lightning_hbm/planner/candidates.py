@@ -141,7 +141,7 @@ class Candidate:
         mlp_chunks: ``ActivationCheckpointing(mlp_chunks=...)`` with ``checkpointing="full"``: each block's MLP
             recomputed in that many token chunks (1: whole). Planned as the whole recompute, an upper bound: which
             layers qualify is decided on real values at the first step, and a fake trace has none. Costed at 1 % of
-            the step per chunk (measured +2 % at 2 chunks and +4 % at 4 at the 100M shape on CPU,
+            the step per chunk (measured +2-4 % at 2 chunks and +4-9 % at 4 at the 100M shape on CPU,
             benchmarks/README.md; not yet run on GPU).
         fused_loss: ``lightning_hbm.FusedLoss()``: the output head and cross-entropy chunk by chunk, never
             the full ``[tokens, vocab]`` logits. Assumed to cost no step time (measured 0.50x to 0.93x of the

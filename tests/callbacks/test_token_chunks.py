@@ -55,7 +55,7 @@ def test_chunked_training_equals_whole_recompute_and_chunks_only_the_mlps(traine
 
 def _counting(module: nn.Module, counts: dict[str, int]) -> None:
     def hook(_m: nn.Module, _i: Any, out: Tensor) -> None:
-        counts["rows"] = counts.get("rows", 0) + out.shape[-2]
+        counts["rows"] = counts.get("rows", 0) + out.numel() // out.shape[-1]  # tokens, whatever the chunks' shape
 
     module.register_forward_hook(hook)
 
@@ -79,7 +79,7 @@ def test_the_mlp_runs_once_forward_and_once_in_backward_and_the_peak_drops(llama
         counts.clear()
         step()
         rows[chunks] = counts["rows"]
-    assert rows[1] == rows[4] == 2 * 256  # forward + the backward's recompute, 256 tokens each: nothing run twice
+    assert rows[1] == rows[4] == 2 * 4 * 256  # forward + the backward's recompute, 4 x 256 tokens each: nothing twice
     # one MLP's recompute: 1024 tokens x 512 wide x 4 bytes x (gate, up, act, product) = 8 MiB whole, 2 MiB a chunk
     assert peaks[1] - peaks[4] > 3 * 2**20, peaks
 
@@ -87,13 +87,14 @@ def test_the_mlp_runs_once_forward_and_once_in_backward_and_the_peak_drops(llama
 class _Widen(nn.Module):
     """A token-wise widening layer (an MLP), with the variations the tests below switch on."""
 
-    def __init__(self, width: int = 8, mix: float = 0.0, dropout: float = 0.0, track: bool = False, fixed: int = 0) -> None:
+    def __init__(self, width: int = 8, mix: float = 0.0, dropout: float = 0.0, track: bool = False, fixed: int = 0,
+                 across: float = 0.0) -> None:
         super().__init__()
         self.up, self.down = nn.Linear(width, 8 * width), nn.Linear(8 * width, width)
         self.mix, self.drop = mix, nn.Dropout(dropout)
         self.norm = nn.BatchNorm1d(8 * width) if track else None
         self.foreign: nn.Parameter | None = None
-        self.fixed = fixed
+        self.fixed, self.across = fixed, across
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fixed:  # assumes the token count it was built for
@@ -101,6 +102,8 @@ class _Widen(nn.Module):
         h = self.up(x)
         if self.mix:
             h = h + self.mix * h.mean(dim=-2, keepdim=True)  # every token sees the others
+        if self.across:
+            h = h + self.across * h.mean(dim=0, keepdim=True)  # each token sees the same position of the other sequences
         if self.norm is not None:
             h = self.norm(h.transpose(1, 2)).transpose(1, 2)
         if self.foreign is not None:
@@ -146,9 +149,11 @@ class _Toy(pl.LightningModule):
         (dict(dropout=0.1), "draws random numbers"),
         (dict(track=True), "changes its buffers"),
         (dict(shared=True), r"trains 1 parameter\(s\) it does not own"),
+        # the chunks run the tokens of several sequences together: mixing across the batch is refused too
+        (dict(across=1.0), "mixes tokens"),
         (dict(fixed=16), r"fails on part of its tokens \(RuntimeError: shape '\[2, 16, 8\]' is invalid"),
     ],
-    ids=["mixes", "mixes-a-little", "dropout", "buffers", "foreign", "fixed-tokens"],
+    ids=["mixes", "mixes-a-little", "dropout", "buffers", "foreign", "across-sequences", "fixed-tokens"],
 )
 def test_a_layer_it_cannot_chunk_is_left_whole_with_a_warning_naming_the_block_and_reason(
     trainer_factory: Callable, layer: dict[str, Any], reason: str
