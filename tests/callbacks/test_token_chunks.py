@@ -227,3 +227,21 @@ def test_dropout_on_cuda_is_seen_by_its_cuda_random_state() -> None:
     before = torch.cuda.get_rng_state()
     assert decide(layer, layer.forward, 2, (torch.randn(2, 8, 8, device="cuda"),), {}).startswith("draws random numbers")
     assert torch.equal(torch.cuda.get_rng_state(), before)  # the test put the state back
+
+
+def test_a_chunked_run_resumes_bit_exact(trainer_factory: Callable, tmp_path: Any) -> None:
+    data = torch.utils.data.DataLoader(torch.randn(8, 16, 8), batch_size=2)  # 4 steps an epoch
+
+    def fit(epochs: int, ckpt_path: Any = None) -> list[Tensor]:
+        torch.manual_seed(0)
+        module = _Toy()
+        trainer = trainer_factory(max_epochs=epochs, max_steps=-1, callbacks=[ActivationCheckpointing(blocks=["_Block"], mlp_chunks=2)])
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+        trainer.save_checkpoint(tmp_path / f"epoch{epochs}.ckpt")
+        return [p.detach().clone() for p in module.parameters()]
+
+    straight = fit(2)
+    fit(1)
+    resumed = fit(2, ckpt_path=tmp_path / "epoch1.ckpt")
+    for a, b in zip(straight, resumed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
