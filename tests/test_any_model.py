@@ -293,6 +293,7 @@ def _fit_chunked(name: str, chunks: int) -> tuple[dict[str, torch.Tensor], list[
 CHUNKED = {
     "mixtral": ("model.model.layers.0.mlp", ""),  # a sparse MoE that views its input: chunks are made contiguous
     "gemma2": ("model.model.layers.0.mlp", ""),
+    "falcon": ("model.transformer.h.0.mlp", ""),  # adds the attention output to the MLP's in place
     "convnext": ("", r"stages\.0 \(layers\.0: mixes tokens"),  # a 7x7 convolution behind a 1e-6 layer scale
     "t5": ("", r"block\.0 \(layer\.0: not called with one tensor of tokens; layer\.1: draws random numbers"),
 }

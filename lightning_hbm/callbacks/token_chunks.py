@@ -158,11 +158,17 @@ def split(x: Tensor, chunks: int) -> list[Tensor]:
 
 
 def join(parts: list[Tensor], like: Tensor) -> Tensor:
-    """The outputs of :func:`split`'s chunks as one tensor with ``like``'s leading dimensions."""
+    """The outputs of :func:`split`'s chunks as one tensor with ``like``'s leading dimensions.
+
+    Written into a new tensor, not reshaped: a custom Function's output that is a view cannot be changed in place,
+    and Falcon adds the attention output to its MLP's output in place.
+    """
     if like.dim() == 2:
         return torch.cat(parts, dim=0)
-    whole = torch.cat(parts, dim=1)
-    return whole.reshape(*like.shape[:-1], whole.shape[-1])
+    width = parts[0].shape[-1]
+    whole = parts[0].new_empty(*like.shape[:-1], width)
+    torch.cat([p.reshape(-1, width) for p in parts], dim=0, out=whole.view(-1, width))
+    return whole
 
 
 def candidates(block: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -117,7 +117,9 @@ class _Block(nn.Module):
         self.layer = layer
 
     def forward(self, x: Tensor) -> Tensor:
-        return x + self.layer(x)
+        out = self.layer(x)
+        out += x  # in place, as Falcon adds its attention output to the MLP's
+        return out
 
 
 class _Toy(pl.LightningModule):
