@@ -264,7 +264,7 @@ class ActivationCheckpointing(SurgeryCallback):
             stream on CUDA, so the copy overlaps with compute).
         offload_device: where offloaded tensors go. ``"cpu"`` (host memory) is what a GPU run
             wants; on a CPU-only run the copy lands on the same device and saves nothing.
-        mlp_chunks: recompute each block's token-wise, widening layers (the MLP) in this many chunks of tokens
+        mlp_chunks: recompute each block's token-wise layers that save most for backward (the MLP) in this many chunks of tokens
             in the backward, so that only one chunk's intermediates live at once (``policy="full"`` only). Which
             layers is decided by running them on the first training step
             (:func:`lightning_hbm.callbacks.token_chunks.decide`); a block none of whose layers qualifies is named
@@ -440,8 +440,9 @@ def report_chunks(module: nn.Module, blocks: Sequence[str], chunks: int) -> list
         rank_zero_warn(
             f"ActivationCheckpointing(mlp_chunks={chunks}) found no layer to recompute in token chunks in {len(left)} "
             f"block(s), e.g. {first} ({'; '.join(left[first][:4])}); their recompute is whole, as with mlp_chunks=1. "
-            "A layer qualifies when it is called with one tensor of tokens, treats each token on its own, widens it "
-            "and draws no random numbers: set the MLP's dropout to 0, or pass mlp_chunks=1 to drop the request."
+            "A layer qualifies when it is called with one tensor of tokens, treats each token on its own, saves at "
+            "least 2x its input and output per token for backward and draws no random numbers: set the MLP's dropout "
+            "to 0, or pass mlp_chunks=1 to drop the request."
         )
     if chunked:
         rank_zero_info(f"lightning_hbm: {len(chunked)} layers recomputed in {chunks} token chunks ({chunked[0]}, ...)")

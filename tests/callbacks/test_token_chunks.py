@@ -237,8 +237,10 @@ def test_a_chunked_run_resumes_bit_exact(trainer_factory: Callable, tmp_path: An
     def fit(epochs: int, ckpt_path: Any = None) -> list[Tensor]:
         torch.manual_seed(0)
         module = _Toy()
-        trainer = trainer_factory(max_epochs=epochs, max_steps=-1, callbacks=[ActivationCheckpointing(blocks=["_Block"], mlp_chunks=2)])
+        callback = ActivationCheckpointing(blocks=["_Block"], mlp_chunks=2)
+        trainer = trainer_factory(max_epochs=epochs, max_steps=-1, callbacks=[callback])
         trainer.fit(module, data, ckpt_path=ckpt_path)
+        assert callback.chunked == ["blocks.0.layer", "blocks.1.layer"]  # the resumed run is chunked too
         trainer.save_checkpoint(tmp_path / f"epoch{epochs}.ckpt")
         return [p.detach().clone() for p in module.parameters()]
 
