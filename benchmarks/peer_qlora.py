@@ -95,7 +95,8 @@ LORA_R, LORA_ALPHA = 8, 16
 # lhbm stacks: "+fused" adds FusedLoss, "-noac" drops ActivationCheckpointing (the speed end of the trade), "-int4"
 # stores the base as int4-g32 instead of nf4-dq (the real-job mode of examples/finetune_smollm2.py); opt-in:
 # --stacks lhbm+fused-int4; "-mlp<k>" recomputes each MLP in k token chunks (ActivationCheckpointing(mlp_chunks=k)),
-# opt-in: --stacks lhbm+fused-mlp2
+# opt-in: --stacks lhbm+fused-mlp2; "-sel" checkpoints with policy="selective" (keeps matmul and attention outputs),
+# opt-in: --stacks lhbm+fused-sel
 STACKS = ("hf", "lhbm", "lhbm+fused", "lhbm+fused-noac", "torchtune", "litgpt", "litgpt+ac")
 
 
@@ -150,7 +151,8 @@ def lightning_hbm_stack(path: str, dtype: torch.dtype, device: str, name: str, b
     module = PeerLM(path, dtype)
     callbacks: list[pl.Callback] = [LoRA(r=LORA_R, alpha=LORA_ALPHA)]
     chunks = int(name.split("-mlp")[1].split("-")[0]) if "-mlp" in name else 1  # "-mlp2": ActivationCheckpointing(mlp_chunks=2)
-    callbacks += [] if "-noac" in name else [ActivationCheckpointing(mlp_chunks=chunks)]
+    policy = "selective" if "-sel" in name else "full"
+    callbacks += [] if "-noac" in name else [ActivationCheckpointing(policy, mlp_chunks=chunks)]
     callbacks += [FusedLoss()] if "+fused" in name else []
     mode = "int4-g32" if "-int4" in name else "nf4-dq"
     trainer = pl.Trainer(accelerator=device, devices=1, max_steps=1, logger=False, enable_checkpointing=False,

@@ -37,6 +37,24 @@ def disable_cpu_repacks(module: nn.Module) -> int:
     return len(layers)
 
 
+def drop_int8_kept_input(module: nn.Module, args: tuple, output: Any) -> None:
+    """A ``Linear8bitLt`` forward hook: free the input that bitsandbytes' int8 matmul keeps for a frozen weight.
+
+    Both of its autograd Functions keep the input ``A`` as a plain attribute, not through ``save_for_backward``:
+    ``MatMul8bitFp`` (CPU and XPU) as ``ctx.A``, read only for the weight's gradient, and ``MatMul8bitLt`` (CUDA) in
+    ``ctx.tensors = (CAt, subA, A)``, never read (``CAt, subA, _A = ctx.tensors``). Activation checkpointing frees only
+    what autograd saves, so every int8 layer's input stayed alive until the backward: measured on a 4-layer Llama
+    (hidden 256, 4 x 256 tokens, LoRA, CPU), full checkpointing peaked at 68.0 MiB over an int8 base against 39.1 MiB
+    over nf4-dq.
+    """
+    node: Any = output.grad_fn if isinstance(output, torch.Tensor) else None
+    kind = type(node).__name__
+    if kind == "MatMul8bitFpBackward" and not node.needs_input_grad[1]:
+        node.A = None
+    elif kind == "MatMul8bitLtBackward" and isinstance(getattr(node, "tensors", None), tuple) and len(node.tensors) == 3:
+        node.tensors = (node.tensors[0], node.tensors[1], None)
+
+
 def ensure_nested_code() -> None:
     """Build double quantization's code book into bitsandbytes' module-wide cache, as its first real call would.
 

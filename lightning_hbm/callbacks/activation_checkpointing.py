@@ -29,25 +29,13 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
+from lightning_hbm.callbacks.selective import SelectivePolicy
 from lightning_hbm.callbacks.token_chunks import ChunkedForward, candidates
 from lightning_hbm.naming import did_you_mean
+from lightning_hbm.precision.registry import format_of
 from lightning_hbm.record import CheckpointedForward, checkpoint_plan
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
-_aten = torch.ops.aten
-# Ops whose outputs the "selective" policy keeps: the expensive ones (matmuls, attention kernels).
-# Everything else (norms, activations, adds, dropout, views) is cheap and recomputed in backward.
-SELECTIVE_SAVE_OPS: list[Any] = [
-    _aten.mm.default,
-    _aten.addmm.default,
-    _aten.bmm.default,
-    _aten.baddbmm.default,
-    _aten._scaled_mm.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-]
 
 
 class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
@@ -251,9 +239,10 @@ class ActivationCheckpointing(SurgeryCallback):
 
     Args:
         policy: ``"full"`` recomputes the whole block in backward (keeps only its input);
-            ``"selective"`` keeps the outputs of matmuls and attention kernels
-            (:data:`SELECTIVE_SAVE_OPS`) and recomputes the cheap elementwise ops (norms,
-            activations, residual adds): less memory saved, less time spent.
+            ``"selective"`` keeps the outputs of attention kernels and of matmuls contracting 64
+            features or more, a quantized base's own matmul operators included
+            (:class:`lightning_hbm.callbacks.selective.SelectivePolicy`), and recomputes the rest (norms,
+            activations, residual adds, a LoRA adapter's low-rank products): less memory saved, less time spent.
         blocks: class names (``"LlamaDecoderLayer"``) or module paths relative to the
             LightningModule (``"model.h.0"``) to checkpoint. ``None`` finds the repeated blocks
             automatically (children of an ``nn.ModuleList`` sharing one class).
@@ -381,11 +370,11 @@ class ActivationCheckpointing(SurgeryCallback):
         names = self._planned if self._planned is not None else self._resolve(module)
         self._planned = None
         chosen = [(n, module.get_submodule(n)) for n in names]
-        context_fn = (
-            functools.partial(create_selective_checkpoint_contexts, SELECTIVE_SAVE_OPS)
-            if self.policy == "selective"
-            else None
-        )
+        context_fn = None
+        if self.policy == "selective":  # the quantized layers' matmul operators are kept too (QuantFormat.matmul_ops)
+            formats = {format_of(m) for _, block in chosen for m in block.modules()}
+            matmuls = [op for fmt in formats if fmt is not None for op in fmt.matmul_ops]
+            context_fn = functools.partial(create_selective_checkpoint_contexts, SelectivePolicy(matmuls))
         # A model checkpointed by an earlier Trainer's callback gets this callback's settings instead.
         for block in module.modules():
             if checkpoint_plan(block) is not None:
@@ -465,4 +454,4 @@ def _disable_hf_cache(module: nn.Module) -> None:
         rank_zero_info(f"lightning_hbm: use_cache=False on {len(configs)} Hugging Face config(s) (activation checkpointing)")
 
 
-__all__ = ["SELECTIVE_SAVE_OPS", "ActivationCheckpointing", "OffloadSavedTensors", "find_blocks"]
+__all__ = ["ActivationCheckpointing", "OffloadSavedTensors", "find_blocks"]

@@ -7,7 +7,9 @@ by hand (:meth:`Candidate.precision_plugin`, :meth:`Candidate.callbacks`, :meth:
 Step-time costs (:meth:`Candidate.relative_cost`) are stated assumptions, relative to the user's
 configuration, from published figures: full recompute ~ +1 forward (+33 % of a step whose backward computes weight
 gradients; +45 % where the base is frozen, LoRA or quantized: a backward without weight gradients costs about one
-forward, so the recompute is nearly half of the step, measured +40-45 % on SmolLM2 QLoRA on CPU), selective ~ +5 %, 4-bit
+forward, so the recompute is nearly half of the step, measured +40-45 % on SmolLM2 QLoRA on CPU), selective ~ +5 % (+15 %
+over a frozen base: measured +16 % on SmolLM2 QLoRA on CPU, where the norms, activations and LoRA products it recomputes
+weigh more against a backward without weight gradients), 4-bit
 dequantization ~ +25 % (torchtune: QLoRA 2,413 vs LoRA 3,083 tok/s), LLM.int8 ~ +50 %, 8-bit optimizer
 ~ free, CPU offload +20 % (torchao CPUOffloadOptimizer, 1.1B ViT); a mixed-precision plan costs what its
 slowest mode costs (every step runs through all of its layers). LoRA is costed like full fine-tuning
@@ -47,6 +49,7 @@ PLANNED_LIGHTNING_PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed")
 # Relative step time added by each choice (see the module docstring for the sources).
 _COST_CHECKPOINTING = {"none": 0.0, "selective": 0.05, "full": 0.33}
 _COST_FULL_FROZEN_BASE = 0.45  # full recompute when no base weight gets a gradient (LoRA, a quantized base)
+_COST_SELECTIVE_FROZEN_BASE = 0.15  # selective recompute then (benchmarks/README.md, peer table: 0.74x against 0.64x HF)
 _COST_OFFLOAD = 0.2
 _COST_MLP_CHUNK = 0.01  # per token chunk of ActivationCheckpointing(mlp_chunks=k): each re-dequantizes the base
 
@@ -288,8 +291,9 @@ class Candidate:
 
     def relative_cost(self) -> float:
         """Step time relative to the user's configuration (1.0), from the stated assumptions."""
-        frozen_base = self.checkpointing == "full" and (self.lora_r > 0 or self.quantized)
-        recompute = _COST_FULL_FROZEN_BASE if frozen_base else _COST_CHECKPOINTING[self.checkpointing]
+        recompute = _COST_CHECKPOINTING[self.checkpointing]
+        if self.lora_r > 0 or self.quantized:  # a frozen base: the backward computes no base weight gradient
+            recompute = {"full": _COST_FULL_FROZEN_BASE, "selective": _COST_SELECTIVE_FROZEN_BASE}.get(self.checkpointing, recompute)
         cost = 1.0 + recompute + (_COST_OFFLOAD if self.offload else 0.0)
         cost += _COST_MLP_CHUNK * self.mlp_chunks if self.mlp_chunks > 1 else 0.0
         if self.quantized:

@@ -214,8 +214,13 @@ def _linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.de
     layer.weight = bnb.nn.Int8Params(
         linear.weight.data.detach().to(dtype), requires_grad=False, has_fp16_weights=False
     ).to(target)
+    return _finish8bit(layer, linear)
+
+
+def _finish8bit(layer: nn.Module, linear: nn.Linear) -> nn.Module:
     if linear.bias is not None:
         layer.bias = linear.bias
+    layer.register_forward_hook(bnb_compat.drop_int8_kept_input)  # else checkpointing keeps every input (see there)
     return layer
 
 
@@ -229,9 +234,7 @@ def _fake_linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[tor
     weight: Any = nn.Parameter(cb, requires_grad=False)  # given the attributes of bitsandbytes' Int8Params below
     weight.CB, weight.SCB, weight.has_fp16_weights = cb, scb, False
     layer.weight = weight
-    if linear.bias is not None:
-        layer.bias = linear.bias
-    return layer
+    return _finish8bit(layer, linear)
 
 
 def _fake4(quant_type: str, double_quant: bool, blocksize: int = 64) -> Any:
@@ -261,6 +264,7 @@ class Bnb4bitFormat(QuantFormat):
     peft_kind: Optional[str] = "4bit"
     dense_forward: bool = True  # Linear4bit dequantizes the whole weight and runs F.linear
     state_marks: tuple[str, ...] = (".absmax", ".quant_map", ".quant_state.", ".nested_absmax")
+    matmul_ops: tuple[str, ...] = ("bitsandbytes::gemm_4bit",)  # MatMul4Bit's forward (bitsandbytes 0.50), CPU and CUDA
 
     def owns(self, module: nn.Module) -> bool:
         return _bnb_layer(module, "Linear4bit")
@@ -304,6 +308,8 @@ class Bnb8bitFormat(QuantFormat):
     ladder: tuple[str, ...] = ("none",)
     cost: float = 0.5
     state_marks: tuple[str, ...] = (".SCB",)
+    # MatMul8bitLt's forward (bitsandbytes 0.50): with outlier columns (threshold 6.0) and without
+    matmul_ops: tuple[str, ...] = ("bitsandbytes::int8_mixed_scaled_mm", "bitsandbytes::int8_scaled_mm")
 
     def owns(self, module: nn.Module) -> bool:
         return _bnb_layer(module, "Linear8bitLt")

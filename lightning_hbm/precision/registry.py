@@ -83,6 +83,10 @@ class QuantFormat:
     # parts of the state_dict keys its layer writes besides ``weight`` and ``bias`` (its constants): a checkpoint
     # holding them in its plain state_dict was written in lightning_hbm's older layout (``resume.check_layout``)
     state_marks: tuple[str, ...] = ()
+    # the operators (``"namespace::name"``) whose output is its layer's matmul result, for ops that are not aten's
+    # matmuls (``aten.mm`` and kin are known): ``ActivationCheckpointing("selective")`` keeps their outputs instead of
+    # recomputing them. Their first argument is the layer's input, whose last dimension the matmul contracts.
+    matmul_ops: tuple[str, ...] = ()
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         """Raise a ``ValueError`` (the dtype, the supported ones, a fix) if layers of this format cannot compute in ``dtype``.

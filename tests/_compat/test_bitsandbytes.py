@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightning_hbm._compat import bitsandbytes as compat
+from lightning_hbm.precision.registry import get_format
 
 
 def _layer4bit() -> bnb.nn.Linear4bit:
@@ -119,3 +120,33 @@ def test_fast_cpu_quantize_4bit_gives_bitsandbytes_own_bytes_and_is_scoped(quant
         for name in ("absmax", "offset"):
             torch.testing.assert_close(getattr(mine[1], name), getattr(theirs[1], name), rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(mine[1].state2.absmax, theirs[1].state2.absmax, rtol=0, atol=0, equal_nan=True)
+
+
+def _layer8bit() -> bnb.nn.Linear8bitLt:
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear8bitLt(64, 32, bias=True, has_fp16_weights=False, threshold=6.0)
+    layer.weight = bnb.nn.Int8Params(torch.randn(32, 64), requires_grad=False, has_fp16_weights=False).to("cpu")
+    return layer
+
+
+def test_int8_matmul_keeps_its_input_and_its_backward_does_without_it() -> None:
+    layer = _layer8bit()
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    out = layer(x)
+    node = out.grad_fn
+    # CPU: MatMul8bitFp keeps the input as ctx.A, a plain attribute (not saved_tensors: checkpointing cannot free it)
+    assert type(node).__name__ == "MatMul8bitFpBackward"
+    assert node.A.data_ptr() == x.data_ptr() and not node.needs_input_grad[1]
+    (expected,) = torch.autograd.grad(out.square().sum(), x)
+    out = layer(x)
+    compat.drop_int8_kept_input(layer, (x,), out)
+    assert out.grad_fn.A is None
+    (got,) = torch.autograd.grad(out.square().sum(), x)  # the backward does not read it for a frozen weight
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert layer.bias.grad is None  # (autograd.grad: nothing accumulated)
+
+
+def test_lightning_hbm_int8_layers_drop_the_kept_input() -> None:
+    layer = get_format("int8").replace(torch.nn.Linear(64, 32), torch.float32, torch.device("cpu"))
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    assert layer(x).grad_fn.A is None

@@ -179,6 +179,10 @@ def test_plan_picks_fastest_that_fits_and_renders(datamodule_factory: Callable[.
     assert yaml.safe_load(chunked.yaml())["trainer"]["callbacks"][1]["init_args"] == {"policy": "full", "mlp_chunks": 4}
     assert Candidate.from_trainer(chunked.precision_plugin(), chunked.callbacks()).mlp_chunks == 4
     assert [c.mlp_chunks for c in default_candidates(["nf4-dq"], [16], ["selective", "full"], ["user"], mlp_chunks=[1, 4])] == [1, 1, 4]
+    # recompute over a frozen base (LoRA or a quantized base) weighs more against a backward without weight gradients
+    assert [Candidate("32-true", checkpointing=c).relative_cost() for c in ("none", "selective", "full")] == [1.0, 1.05, 1.33]
+    assert [Candidate("32-true", lora_r=8, checkpointing=c).relative_cost() for c in ("none", "selective", "full")] == [1.0, 1.15, 1.45]
+    assert Candidate("nf4-dq", lora_r=8, checkpointing="selective").relative_cost() == 1.4
 
     on_gpu = plan(factory, datamodule, candidates=candidates[:1], device="cuda")
     assert on_gpu.predictions[0].total == on_gpu.predictions[0].peak + CUDA_CONTEXT_BYTES

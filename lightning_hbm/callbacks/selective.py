@@ -1,0 +1,84 @@
+"""What ``ActivationCheckpointing("selective")`` keeps for backward: the outputs of the expensive matmuls.
+
+torch's selective checkpointing asks a policy, for every operator the block's forward runs, whether to keep its
+output or recompute it in backward. Kept here: attention kernels, and matmuls that contract at least
+:data:`MIN_SAVED_CONTRACTION` features. That includes the quantized layers' own matmul operators
+(``QuantFormat.matmul_ops``, e.g. bitsandbytes' ``gemm_4bit``), which are not aten's ``mm``.
+
+Why both rules, measured: with an operator list of aten's matmuls alone, a 4-bit base's matmuls (one
+``bitsandbytes::gemm_4bit`` each) were recomputed, so "selective" cost as much time as "full". And a LoRA adapter's
+``lora_B`` product, rank ``r`` into ``out_features``, was kept: as many bytes as the base layer's output, for a
+product that costs ``2 * r`` flops per element to recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+_aten = torch.ops.aten
+# aten's matmuls -> the position of the left operand (its last dimension is the contracted one)
+MATMULS: dict[Any, int] = {
+    _aten.mm.default: 0,
+    _aten.addmm.default: 1,
+    _aten.bmm.default: 0,
+    _aten.baddbmm.default: 1,
+    _aten._scaled_mm.default: 0,
+    _aten._int_mm.default: 0,
+}
+ATTENTION: frozenset[Any] = frozenset({
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+})
+# A matmul contracting fewer features (a LoRA adapter's rank-r product) is recomputed: 2 * 64 flops per output
+# element is about what an attention score product over head dimension 64 costs, which is kept.
+MIN_SAVED_CONTRACTION = 64
+
+
+def _resolve(name: str) -> Any:
+    """``"namespace::op"`` -> its default overload, or None while its library is not loaded."""
+    namespace, _, op = name.partition("::")
+    try:
+        return getattr(getattr(torch.ops, namespace), op).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class SelectivePolicy:
+    """The policy passed to ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+
+    Args:
+        extra_matmuls: ``"namespace::op"`` names of further matmul operators (the quantized formats'
+            ``matmul_ops``); their first argument is the input. Kept as names so that the policy pickles.
+    """
+
+    def __init__(self, extra_matmuls: Iterable[str] = ()) -> None:
+        self.extra_matmuls = tuple(sorted(set(extra_matmuls)))
+        #: matmul operator -> the position of its left operand (aten's and the loaded ``extra_matmuls``)
+        self.ops = self._lookup()
+
+    def _lookup(self) -> dict[Any, int]:
+        ops = dict(MATMULS)
+        ops.update({op: 0 for op in map(_resolve, self.extra_matmuls) if op is not None})
+        return ops
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"extra_matmuls": self.extra_matmuls}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.extra_matmuls = state["extra_matmuls"]
+        self.ops = self._lookup()
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func in ATTENTION:
+            return CheckpointPolicy.MUST_SAVE
+        index = self.ops.get(func)
+        if index is not None and index < len(args) and isinstance(args[index], torch.Tensor):
+            if args[index].shape[-1] >= MIN_SAVED_CONTRACTION:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
