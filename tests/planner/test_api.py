@@ -49,12 +49,13 @@ def _profiled_peak(factory: Callable[[], pl.LightningModule], candidate: Candida
     return profiler.rows[-1]
 
 
-# Three candidates over both test LMs and every axis: the categories match the profiler's byte for byte (the
+# Four candidates over both test LMs and every axis: the categories match the profiler's byte for byte (the
 # peak's independent check is MemTracker's, tests/planner/test_reference.py).
 ACCURACY_CASES = [
     ("gpt", Candidate("nf4-dq", lora_r=8)),
     ("gpt", Candidate("bf16-true", checkpointing="full", optimizer="adamw8bit")),
     ("llama", Candidate("int8", lora_r=8, checkpointing="selective")),
+    ("llama", Candidate("nf4-dq", lora_r=8, checkpointing="selective")),  # keeps gemm_4bit's outputs (QuantFormat.matmul_ops)
 ]
 
 
