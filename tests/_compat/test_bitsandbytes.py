@@ -150,3 +150,17 @@ def test_lightning_hbm_int8_layers_drop_the_kept_input() -> None:
     layer = get_format("int8").replace(torch.nn.Linear(64, 32), torch.float32, torch.device("cpu"))
     x = torch.randn(2, 8, 64, requires_grad=True)
     assert layer(x).grad_fn.A is None
+
+
+@pytest.mark.gpu
+def test_int8_matmul_on_cuda_keeps_its_input_and_its_backward_does_without_it() -> None:
+    layer = _layer8bit().cuda()
+    x = torch.randn(2, 8, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    out = layer(x)
+    assert type(out.grad_fn).__name__ == "MatMul8bitLtBackward" and len(out.grad_fn.tensors) == 3
+    (expected,) = torch.autograd.grad(out.float().square().sum(), x)
+    out = layer(x)
+    compat.drop_int8_kept_input(layer, (x,), out)
+    assert out.grad_fn.tensors[2] is None
+    (got,) = torch.autograd.grad(out.float().square().sum(), x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
