@@ -257,7 +257,8 @@ class ActivationCheckpointing(SurgeryCallback):
             in the backward, so that only one chunk's intermediates live at once (``policy="full"`` only). Which
             layers is decided by running them on the first training step
             (:func:`lightning_hbm.callbacks.token_chunks.decide`); a block none of whose layers qualifies is named
-            in a warning with the reasons. Same arithmetic, but each chunk dequantizes a quantized base again:
+            in a warning with the reasons (the planner decides on its fake tensors by following the layers' ops:
+            :mod:`lightning_hbm.callbacks.token_rows`). Same arithmetic, but each chunk dequantizes a quantized base again:
             measured on CPU at the 100M shape (1024 tokens), 2 chunks cost 4 % of the step and 4 chunks 9 %
             (``benchmarks/README.md``). ``1`` (the default): no chunks.
 

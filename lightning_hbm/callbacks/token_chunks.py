@@ -22,7 +22,8 @@ with the same tokens, saves for backward at least twice its input and output byt
 two tokens), is token-wise (changing one token's input changes no other token's output, bit for bit, and its
 chunked output equals its whole output), draws no random numbers, changes no buffer, and trains no parameter
 outside itself. Attention (keyword arguments, or tokens mixed), convolutions (tokens mixed) and norms (nothing to
-gain) stay as they are.
+gain) stay as they are. On the planner's fake tensors, which have no values, the token-wise test follows the ops
+instead (:mod:`lightning_hbm.callbacks.token_rows`), and that verdict is kept apart from the real one.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.callbacks.token_rows import fake_rowwise_reason
 from lightning_hbm.memory.storage import tensor_storage_key
 
 WIDENING = 2.0  # chunk a layer that saves for backward at least this many times its input + output bytes per token
@@ -116,6 +118,7 @@ class ChunkedForward:
         self.layer, self.chunks = layer, chunks
         self.own_forward = torch_compat.forward_override(layer)
         self.verdict: Optional[str] = None
+        self.fake_verdict: Optional[str] = None  # the same, decided on the planner's fake tensors
 
     def inner(self, *args: Any, **kwargs: Any) -> Any:
         own = self.own_forward or type(self.layer).forward.__get__(self.layer)
@@ -124,15 +127,18 @@ class ChunkedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
-        if any(torch_compat.is_fake(a) for a in args if isinstance(a, Tensor)):
-            # the planner's trace: without values nothing tells attention called with one tensor (nanoGPT's) from
-            # an MLP, so it plans the whole recompute, an upper bound; the first real step decides
-            return self.inner(*args, **kwargs)
-        if self.verdict is None:
+        # the planner's trace (fake tensors) decides by following the ops (token_rows), apart from the real verdict,
+        # which the first real training step always makes
+        fake = any(torch_compat.is_fake(a) for a in args if isinstance(a, Tensor))
+        if (self.fake_verdict if fake else self.verdict) is None:
             # identity hooks: what the test saves must not land in the block checkpoint's count of saved tensors
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                self.verdict = decide(self.layer, self.inner, self.chunks, args, kwargs)
-        if self.verdict:
+                verdict = decide(self.layer, self.inner, self.chunks, args, kwargs)
+            if fake:
+                self.fake_verdict = verdict
+            else:
+                self.verdict = verdict
+        if self.fake_verdict if fake else self.verdict:
             return self.inner(*args, **kwargs)
         x = args[0]
         params = tuple(p for p in self.layer.parameters() if p.requires_grad)
@@ -195,13 +201,14 @@ def decide(
     if kwargs or len(args) != 1 or not isinstance(args[0], Tensor) or args[0].dim() < 2:
         return "not called with one tensor of tokens"
     x = args[0]
+    fake = torch_compat.is_fake(x)
     if x.shape[-2] < max(chunks, 2):
         return f"{x.shape[-2]} tokens, fewer than mlp_chunks={chunks}"
     versions = [b._version for b in layer.buffers()]
-    before = _rng_states(x.device)
+    before = _rng_states(x.device) if not fake else []  # fake: random draws are found by their ops (token_rows)
     with torch.no_grad():
         whole = inner(x)
-    if _restore_rng(x.device, before):
+    if before and _restore_rng(x.device, before):
         return "draws random numbers (dropout in training mode)"
     if [b._version for b in layer.buffers()] != versions:
         return "changes its buffers in the forward"
@@ -214,13 +221,17 @@ def decide(
         if two - one < WIDENING * per_token:
             return (f"saves {(two - one) / per_token:.1f}x its input and output per token for backward (chunks pay "
                     f"from {WIDENING:g}x)")
-        if _mixes_tokens(inner, x, whole):
+        if fake:  # no values to compare: follow the ops instead (conservative: a refusal plans the whole recompute)
+            reason = fake_rowwise_reason(layer, inner, x)
+            if reason:
+                return f"may mix tokens: {reason}"
+        elif _mixes_tokens(inner, x, whole):
             return "mixes tokens (changing one token's input changed another token's output)"
         with torch.no_grad():
             parts = join([inner(c) for c in split(x, chunks)], x)
     except (RuntimeError, ValueError, IndexError) as err:  # fewer tokens than called with: a reshape to the count
         return f"fails on part of its tokens ({type(err).__name__}: {str(err)[:120]})"
-    if not torch.allclose(parts, whole, rtol=1e-3, atol=1e-5 * float(whole.abs().max()) + 1e-12):
+    if not fake and not torch.allclose(parts, whole, rtol=1e-3, atol=1e-5 * float(whole.abs().max()) + 1e-12):
         return "mixes tokens (its chunked output differs)"
     foreign = _foreign_leaves(layer, graph, leaf)
     return f"trains {foreign} parameter(s) it does not own (their gradients would be lost)" if foreign else ""

@@ -59,6 +59,11 @@ class AutoFit(Callback):
         fused_loss: whether to try :class:`~lightning_hbm.FusedLoss` (``[False, True]``). Default: both
             when ``FusedLoss`` finds an output head in the model (``layers.output_heads``, or an ``lm_head``),
             else ``[False]``.
+        mlp_chunks: token chunks each ``"full"`` candidate is also tried with
+            (``ActivationCheckpointing(mlp_chunks=k)``), e.g. ``[1, 4]``. Default ``[1]`` (none): each value adds a
+            trace per full-recompute candidate, and chunks pay only where a block's MLP recompute is the peak.
+            Planned as they will run (the layers are chosen on fake tensors by following their ops), at +1 % of
+            the step per chunk, so a chunked candidate wins only when the whole recompute does not fit.
 
     Among candidates that fit, the lowest relative step time wins; ties go to the one closest to the
     training as written (full fine-tuning over LoRA, unquantized over quantized, the user's optimizer
@@ -93,6 +98,7 @@ class AutoFit(Callback):
         checkpointing: Optional[list[Literal["none", "selective", "full"]]] = None,
         optimizers: Optional[list[str]] = None,
         fused_loss: Optional[list[bool]] = None,
+        mlp_chunks: Optional[list[int]] = None,
     ) -> None:
         check_args(AutoFit.__init__, locals())
         self.budget = parse_bytes(budget)
@@ -109,6 +115,9 @@ class AutoFit(Callback):
         self.lora_ranks = list(lora_ranks) if lora_ranks is not None else [0, 16]
         self.checkpointing: list[Literal["none", "selective", "full"]] = list(checkpointing) if checkpointing is not None else ["none", "selective", "full"]
         self.optimizers = list(optimizers) if optimizers is not None else ["user", "adamw8bit"]
+        if mlp_chunks is not None and not mlp_chunks:
+            raise ValueError("AutoFit(mlp_chunks=[]): pass at least one value, e.g. [1, 4] (1: no chunks).")
+        self.mlp_chunks = list(mlp_chunks) if mlp_chunks is not None else [1]
         for name, values in (
             ("precisions", self.precisions),
             ("lora_ranks", self.lora_ranks),
@@ -118,7 +127,8 @@ class AutoFit(Callback):
             if not values and name != "precisions":  # precisions may be empty: the Trainer's own is always tried
                 raise ValueError(f"AutoFit({name}=[]): pass at least one value (see the docstring for the defaults).")
         # validate every axis value now (Candidate raises a clear error for a bad one), not at fit time
-        default_candidates(["bf16-true", *self.precisions], self.lora_ranks, self.checkpointing, self.optimizers)
+        default_candidates(["bf16-true", *self.precisions], self.lora_ranks, self.checkpointing, self.optimizers,
+                           mlp_chunks=self.mlp_chunks)
         self.plan: Optional[Plan] = None
         self.chosen: Optional[Prediction] = None
 
@@ -140,7 +150,8 @@ class AutoFit(Callback):
         fused = self.fused_loss if self.fused_loss is not None else _fused_loss_axis(pl_module)
         candidates = [  # the Trainer's own precision as configured: its dtype and its pinned mixed-precision plan
             dataclasses.replace(c, dtype=baseline[1], layer_modes=baseline[2]) if c.precision == baseline[0] else c  # type: ignore[arg-type]  # __post_init__ normalises a dict plan
-            for c in default_candidates(precisions, self.lora_ranks, self.checkpointing, self.optimizers, fused)
+            for c in default_candidates(precisions, self.lora_ranks, self.checkpointing, self.optimizers, fused,
+                                        mlp_chunks=self.mlp_chunks)
         ]
         device: Literal["cpu", "cuda"] = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
         self.plan = plan(pl_module, _example_batch(trainer), budget=self.budget, candidates=candidates, device=device)

@@ -142,8 +142,10 @@ class Candidate:
             for models whose repeated blocks are not found by themselves (e.g. blocks in an
             ``nn.Sequential``); None finds them (children of an ``nn.ModuleList`` of one class).
         mlp_chunks: ``ActivationCheckpointing(mlp_chunks=...)`` with ``checkpointing="full"``: each block's MLP
-            recomputed in that many token chunks (1: whole). Planned as the whole recompute, an upper bound: which
-            layers qualify is decided on real values at the first step, and a fake trace has none. Costed at 1 % of
+            recomputed in that many token chunks (1: whole). Planned as it runs: on the fake trace, which layers
+            qualify is decided by following their ops (:mod:`lightning_hbm.callbacks.token_rows`; a layer refused
+            there but chunked by the real run, such as a MoE that gathers its tokens, is planned whole: an upper
+            bound). Costed at 1 % of
             the step per chunk (measured +2-4 % at 2 chunks and +4-9 % at 4 at the 100M shape on CPU,
             benchmarks/README.md; not yet run on GPU).
         fused_loss: ``lightning_hbm.FusedLoss()``: the output head and cross-entropy chunk by chunk, never

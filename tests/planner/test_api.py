@@ -79,17 +79,20 @@ def test_prediction_matches_profiler(model: str, candidate: Candidate, tmp_path:
 
 
 @pytest.mark.slow
-def test_token_chunks_are_planned_as_the_whole_recompute_an_upper_bound(tmp_path: Any) -> None:
-    # without values the fake trace cannot tell attention called with one tensor (nanoGPT's) from an MLP: planning
-    # the chunks on fake tensors chunked nanoGPT's attention and predicted 10 % under the measured peak
-    factory = partial(LlamaLM, **TINY_LLAMA)
+@pytest.mark.parametrize("model", ["llama", "gpt"])
+def test_token_chunks_are_planned_from_the_ops(model: str, tmp_path: Any) -> None:
+    # On fake tensors the chunks are decided by following the layers' ops (callbacks/token_rows.py): the Llama's MLPs
+    # are chunked in the plan as in the run. nanoGPT's attention, called with one tensor, is refused by the ops
+    # (a transpose of the tokens), not by values: an earlier plan that chunked every one-tensor layer predicted 10 %
+    # under nanoGPT's measured peak.
+    factory = partial(LlamaLM, **TINY_LLAMA) if model == "llama" else partial(NanoGPT, **TINY_GPT)
     batch = tuple(t.contiguous() for t in synthetic_batch(BATCH, SEQ))
     chunked = Candidate("nf4-dq", lora_r=8, checkpointing="full", mlp_chunks=4)
     whole = predict(factory, batch, Candidate("nf4-dq", lora_r=8, checkpointing="full"))
     predicted = predict(factory, batch, chunked)
     measured = _profiled_peak(factory, chunked, batch, tmp_path)["tracked_peak"]
-    assert predicted.peak == whole.peak and measured < predicted.peak
-    assert predicted.cost > whole.cost
+    assert abs(predicted.peak - measured) <= 8, (predicted.peak, measured)
+    assert predicted.peak < whole.peak and predicted.cost > whole.cost
 
 
 @pytest.mark.parametrize("mode", ["nf4", "nf4-dq", "fp4-dq", "int8", "int8-dynamic"])

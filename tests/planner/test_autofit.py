@@ -161,3 +161,35 @@ def test_comparison_without_a_profiler_says_how_to_measure() -> None:
     text = compare_with_measured(prediction, None)
     assert text.splitlines()[0] == "AutoFit: nf4-dq+lora16, predicted vs measured step peak (MiB)"
     assert "total" in text and "4.00" in text and "Add the HBMProfiler callback" in text
+
+
+@pytest.mark.slow
+def test_token_chunks_chosen_when_only_they_fit(
+    llama_factory: Callable[..., Any], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., Any],
+    tmp_path: Any,
+) -> None:
+    # AutoFit(mlp_chunks=[1, 4]): the chunks are planned as they run (layers chosen on fake tensors by their ops), so
+    # a budget between the whole recompute's peak and the chunked one's picks the chunks, and the run stays under it
+    axes = dict(precisions=["nf4-dq"], lora_ranks=[8], checkpointing=["full"], optimizers=["user"], fused_loss=[False],
+                mlp_chunks=[1, 4])
+    roomy = AutoFit(budget="1GiB", **axes)
+    trainer_factory(max_steps=1, callbacks=[roomy]).fit(llama_factory(), datamodule_factory(seq_len=64, batch_size=4))
+    totals = {p.candidate.name: p.total for p in roomy.plan.predictions}
+    whole, chunked = totals["nf4-dq+lora8+ac-full"], totals["nf4-dq+lora8+ac-full-mlp4"]
+    assert chunked < whole
+    budget = (whole + chunked) // 2
+    autofit = AutoFit(budget=budget, **axes)
+    profiler = HBMProfiler(detailed_steps=[1], summary=False, dirpath=str(tmp_path))
+    trainer_factory(max_steps=2, callbacks=[autofit, profiler]).fit(llama_factory(), datamodule_factory(seq_len=64, batch_size=4))
+    assert autofit.chosen is not None and autofit.chosen.candidate.name == "nf4-dq+lora8+ac-full-mlp4"
+    assert profiler.rows[-1]["tracked_peak"] <= budget
+    assert abs(profiler.rows[-1]["tracked_peak"] - autofit.chosen.peak) <= 8
+
+
+def test_mlp_chunks_axis_is_checked() -> None:
+    with pytest.raises(TypeError, match=r"AutoFit\(mlp_chunks=4\): wrong type int; pass a list of ints or None"):
+        AutoFit(mlp_chunks=4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"AutoFit\(mlp_chunks=\[\]\): pass at least one value, e.g. \[1, 4\]"):
+        AutoFit(mlp_chunks=[])
+    with pytest.raises(ValueError, match=r"Candidate mlp_chunks must be an int >= 1"):
+        AutoFit(mlp_chunks=[0])
