@@ -29,10 +29,9 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.callbacks.selective import SelectivePolicy
+from lightning_hbm.callbacks.selective import SelectivePolicy, format_matmuls
 from lightning_hbm.callbacks.token_chunks import ChunkedForward, candidates
 from lightning_hbm.naming import did_you_mean
-from lightning_hbm.precision.registry import format_of
 from lightning_hbm.record import CheckpointedForward, checkpoint_plan
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
@@ -373,8 +372,7 @@ class ActivationCheckpointing(SurgeryCallback):
         chosen = [(n, module.get_submodule(n)) for n in names]
         context_fn = None
         if self.policy == "selective":  # the quantized layers' matmul operators are kept too (QuantFormat.matmul_ops)
-            formats = {format_of(m) for _, block in chosen for m in block.modules()}
-            matmuls = [op for fmt in formats if fmt is not None for op in fmt.matmul_ops]
+            matmuls = {op for _, block in chosen for op in format_matmuls(block)}
             context_fn = functools.partial(create_selective_checkpoint_contexts, SelectivePolicy(matmuls))
         # A model checkpointed by an earlier Trainer's callback gets this callback's settings instead.
         for block in module.modules():

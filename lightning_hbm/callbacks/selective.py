@@ -17,7 +17,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
+
+from lightning_hbm.precision.registry import format_of
 
 _aten = torch.ops.aten
 # aten's matmuls -> the position of the left operand (its last dimension is the contracted one)
@@ -47,6 +50,11 @@ def _resolve(name: str) -> Any:
         return getattr(getattr(torch.ops, namespace), op).default
     except (AttributeError, RuntimeError):
         return None
+
+
+def format_matmuls(module: nn.Module) -> set[str]:
+    """The matmul operators (``QuantFormat.matmul_ops``) of the quantized formats found in ``module``."""
+    return {op for m in module.modules() for fmt in [format_of(m)] if fmt is not None for op in fmt.matmul_ops}
 
 
 class SelectivePolicy:

@@ -26,8 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from lightning_hbm.callbacks.selective import MATMULS, SelectivePolicy
-from lightning_hbm.precision.registry import format_of
+from lightning_hbm.callbacks.selective import SelectivePolicy, format_matmuls
 
 _aten = torch.ops.aten
 # reshapes in logical order (and copies): the output's rows are found again as a prefix of its shape
@@ -140,8 +139,7 @@ def fake_rowwise_reason(layer: nn.Module, inner: Callable[[Tensor], Any], x: Ten
 
     The matmul operators of the quantized formats inside ``layer`` (``QuantFormat.matmul_ops``) count as matmuls.
     """
-    extra = {op for m in layer.modules() for fmt in [format_of(m)] if fmt is not None for op in fmt.matmul_ops}
-    mode = _Rows(x, {**MATMULS, **SelectivePolicy(extra).ops})
+    mode = _Rows(x, SelectivePolicy(format_matmuls(layer)).ops)  # aten's matmuls and the formats'
     with torch.no_grad(), mode:
         out = inner(x)
     if mode.refused:

@@ -3,6 +3,7 @@ layers; and never "chunk" where the real, value-based decision says no (the plan
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import pytest
@@ -95,9 +96,8 @@ def test_token_wise_layers_are_accepted(name: str) -> None:
 def test_layers_that_may_mix_tokens_are_refused_by_name(name: str) -> None:
     torch.manual_seed(0)
     factory, reason = REFUSED[name]
-    with pytest.raises(AssertionError, match=reason):
-        got = _fake_reason(factory().train())
-        assert not got, got
+    got = _fake_reason(factory().train())
+    assert re.search(reason, got), got
 
 
 @pytest.mark.parametrize("name", [*ACCEPTED, *REFUSED])
