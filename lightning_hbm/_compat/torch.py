@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch._subclasses.fake_tensor import is_fake as _is_fake  # callbacks.token_chunks
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes  # planner.realvalues, planner.tracing
 
 
@@ -106,3 +107,25 @@ def track_step_called(optimizer: Optimizer) -> None:
 def is_fake(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is one of torch's fake tensors (the planner's trace): it has a shape but no values."""
     return bool(_is_fake(tensor))
+
+
+class FakeGroupedMM(TorchDispatchMode):
+    """``aten._grouped_mm`` on fake tensors of any dtype its CPU kernel takes; enter it after ``FakeTensorMode``.
+
+    torch 2.13's meta kernel of ``_grouped_mm`` refuses anything but bf16 ("Expected inputs of BF16 type"), while its
+    CPU kernel multiplies float32 (``tests/_compat/test_torch.py`` fails once torch's meta kernel agrees). transformers
+    5 runs the experts of its MoE models through it whenever torch has it, so without this the probe step of any such
+    model in float32 fails on fake tensors (torch logs the failure with a traceback, at ERROR level) and the planner
+    cannot trace it. Here the output is made from the shapes alone: ``[tokens, in] x [experts, in, out]`` (grouped by
+    ``offs``) is ``[tokens, out]``, and ``[experts, m, in] x [experts, in, out]`` is ``[experts, m, out]``. Any other
+    call goes on to the fake mode as it is.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and len(args) >= 2:
+            a, b = args[0], args[1]
+            if is_fake(a) and b.dim() == 3 and a.dim() in (2, 3):
+                shape = (a.shape[0], b.shape[-1]) if a.dim() == 2 else (a.shape[0], a.shape[1], b.shape[-1])
+                return torch.empty(shape, dtype=kwargs.get("out_dtype") or a.dtype, device=a.device)
+        return func(*args, **kwargs)

@@ -80,7 +80,7 @@ class LinearExperts(nn.Module):
     @override
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if is_fake(hidden_states):
-            return self._balanced(hidden_states, top_k_weights)
+            return self._worst_load(hidden_states, top_k_weights)
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
@@ -95,26 +95,47 @@ class LinearExperts(nn.Module):
             final.index_add_(0, token_idx, out.to(final.dtype))
         return final
 
-    def _balanced(self, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """The planner's trace (fake tensors hold no values, so no routing): every expert gets an equal share.
+    def _worst_load(self, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The planner's trace (fake tensors hold no values, so no routing): a load that needs the most memory.
 
-        Each expert computes ``ceil(tokens * top_k / experts)`` tokens, the balanced load the router's
-        auxiliary loss aims for; the planned activations are those of a balanced step. The tokens are
-        gathered by index tensors as in :meth:`forward` (a slice would be a view): the gathered copies and
-        the indices are saved for backward, 4 % of a tiny Qwen2-MoE's peak against MemTracker.
+        Whatever the router does, the experts compute ``tokens * top_k`` rows in all, so what they save for backward is
+        the same for every load. What a load changes is one expert's working set (its gathered tokens, its gate/up
+        outputs and their gradients), which grows with its rows, at most ``tokens`` (a token picks an expert once).
+        The working set costs most at the ends of the backward: at its start (the last expert, whose backward runs
+        first, while every expert's saved tensors are alive) and at its end (the first expert, once every other
+        expert's weight gradients exist). So those two experts get every token (the last one alone with
+        ``top_k=1``), and the others share the rest evenly. A balanced share for every expert, planned before, was
+        under the run on six transformers MoE families (tests/layers/test_experts.py). The tokens are gathered by
+        index as in :meth:`forward` (a slice would be a view): the gathered copies and the indices are saved.
         """
         tokens, top_k = top_k_weights.shape
-        share = min(tokens, math.ceil(tokens * top_k / self.num_experts))
+        rows = _worst_rows(tokens, top_k, self.num_experts)
         final = torch.zeros_like(hidden_states)
-        for expert in range(self.num_experts):
-            # what torch.where(expert_mask[expert]) returns for a balanced router: fresh indices per expert
-            token_idx = torch.arange(share, device=hidden_states.device)
-            top_k_pos = torch.zeros(share, dtype=torch.long, device=hidden_states.device)
+        for expert, count in enumerate(rows):
+            # what torch.where(expert_mask[expert]) returns: fresh indices per expert
+            token_idx = torch.arange(count, device=hidden_states.device)
+            top_k_pos = torch.zeros(count, dtype=torch.long, device=hidden_states.device)
             gate, up = self.gate_up_proj[expert](hidden_states[token_idx]).chunk(2, dim=-1)
             out = self.down_proj[expert](self.act_fn(gate) * up)
             out = out * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
         return final
+
+
+def _worst_rows(tokens: int, top_k: int, experts: int) -> list[int]:
+    """Rows per expert of :meth:`LinearExperts._worst_load`: ``tokens`` for the last and the first expert (as far as
+    ``tokens * top_k`` rows go), the rest shared evenly by the others, rounded up, and at least one row each: a router
+    may send a token to every expert, and each expert that runs gets weight gradients of its own."""
+    rows = [0] * experts
+    left = tokens * top_k
+    for end in (experts - 1, 0):
+        if left and rows[end] == 0:
+            rows[end] = min(tokens, left)
+            left -= rows[end]
+    middle = [e for e in range(experts) if rows[e] == 0]
+    for e in middle:
+        rows[e] = min(tokens, max(1, math.ceil(left / len(middle))))
+    return rows
 
 
 # Where a MoE experts module says how many experts it holds: its own attribute (transformers' experts classes set
@@ -163,8 +184,8 @@ EXPERTS = register_kind(
         "are nn.Linear layers",
         modules="3-D expert parameters",
         found_in="transformers-5 MoE (Mixtral, Qwen-MoE, ...)",
-        planned_as="one Linear per expert; on fake tensors (no routing) each expert computes the balanced share "
-        "`ceil(tokens * top_k / experts)`",
+        planned_as="one Linear per expert; on fake tensors (no routing) the load that needs the most memory: the first "
+        "and the last expert get every token, the others share the rest",
     )
 )
 

@@ -32,6 +32,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # as planner/building.py: no public home
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
+from lightning_hbm._compat import torch as torch_compat
 
 
 # Reading these of a weight is harmless once the layer is quantized or adapted; "metadata" is wrong on a packed
@@ -221,7 +222,7 @@ def _run(module: nn.Module, batch: Any, watch: _Watch) -> tuple[dict[str, Read],
     if fake_already:  # the planner's fake model: as it is
         attempts.append(("on the planner's fake tensors", lambda: ExitStack()))
     else:
-        attempts.append(("on fake tensors", lambda: FakeTensorMode(allow_non_fake_inputs=True)))
+        attempts.append(("on fake tensors", _fake_tensors))
         attempts.append(("on one real sample", lambda: _restoring_buffers(module)))
     failure: Optional[BaseException] = None
     for how, context in attempts:
@@ -237,6 +238,12 @@ def _run(module: nn.Module, batch: Any, watch: _Watch) -> tuple[dict[str, Read],
             continue
         return recorder.reads, f"{type(module).__qualname__}.{step} {how}"
     raise RuntimeError(f"{type(failure).__name__}: {failure}") from failure
+
+
+@contextmanager
+def _fake_tensors() -> Iterator[None]:
+    with FakeTensorMode(allow_non_fake_inputs=True), torch_compat.FakeGroupedMM():  # transformers' MoE experts
+        yield
 
 
 def _is_fake_or_meta(tensor: torch.Tensor) -> bool:

@@ -143,6 +143,7 @@ def trace(
         fake_batch = tree_map_only(torch.Tensor, lambda t: _fake_like(t, fake_mode, values), batch)
         stack.enter_context(fake_mode)
         stack.enter_context(values)
+        stack.enter_context(torch_compat.FakeGroupedMM())  # transformers' MoE experts in float32
         with plugin.tensor_init_context():
             module.configure_model()
         _adopt_foreign_fakes(module, fake_mode)

@@ -128,3 +128,21 @@ def test_is_fake_tells_a_fake_tensor_from_a_real_one() -> None:
     with FakeTensorMode():
         fake = torch.empty(2, 3)
     assert compat.is_fake(fake) and not compat.is_fake(torch.empty(2, 3))
+
+
+def test_grouped_mm_meta_refuses_float32_and_the_shim_gives_the_cpu_kernel_shapes() -> None:
+    """torch's meta kernel of ``_grouped_mm`` wants bf16 where its CPU kernel takes float32 (torch 2.13): when torch
+    fixes it, ``FakeGroupedMM`` can go."""
+    a, w = torch.randn(10, 8), torch.randn(3, 8, 4)
+    offs = torch.tensor([3, 7, 10], dtype=torch.int32)
+    real = torch._grouped_mm(a, w, offs=offs)
+    batched = torch._grouped_mm(torch.randn(3, 5, 8), w)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fa, fw, foffs = mode.from_tensor(a), mode.from_tensor(w), mode.from_tensor(offs)
+        with pytest.raises(RuntimeError, match="BF16"):
+            torch._grouped_mm(fa, fw, offs=foffs)
+        with compat.FakeGroupedMM():
+            fake = torch._grouped_mm(fa, fw, offs=foffs)
+            fake_batched = torch._grouped_mm(mode.from_tensor(torch.randn(3, 5, 8)), fw)
+    assert isinstance(fake, FakeTensor) and fake.shape == real.shape and fake.dtype == real.dtype
+    assert fake_batched.shape == batched.shape

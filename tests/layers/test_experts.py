@@ -4,6 +4,7 @@ outputs and gradients, are planned, and experts that cannot be converted are a n
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -65,7 +66,7 @@ def test_experts_that_cannot_be_converted_are_a_named_warning() -> None:
 
 @pytest.mark.slow
 def test_planner_traces_a_quantized_adapted_mixtral() -> None:
-    """Routing needs values a fake tensor lacks: LinearExperts plans a balanced load; parameters stay exact."""
+    """Routing needs values a fake tensor lacks: LinearExperts plans its worst load; parameters stay exact."""
     from lightning_hbm.memory import parameter_bytes
     from lightning_hbm.planner import Candidate, predict
 
@@ -77,3 +78,55 @@ def test_planner_traces_a_quantized_adapted_mixtral() -> None:
     assert prediction.trainable_params == sum(p.numel() for p in module.parameters() if p.requires_grad)
     assert prediction.categories["activations"] > 0
 
+
+
+def _peak(run: Any) -> int:
+    from lightning_hbm.memory import LiveStorageTracker
+
+    tracker = LiveStorageTracker(track_peak=True)
+    with tracker:
+        run()
+    tracker.finish_peak()
+    return tracker.peak_bytes
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained-experts", "frozen-experts"])
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "full-recompute"])
+def test_the_planned_load_is_never_below_a_real_routing(checkpointed: bool, frozen: bool) -> None:
+    """What the planner traces for the experts (no routing on fake tensors) needs at least the memory of any routing.
+
+    The planner's trace runs ``LinearExperts._worst_load`` on fake tensors, whose storages are the sizes real tensors
+    have: run here on real tensors, its peak is the planned one. A balanced share for every expert, planned before,
+    is below the run when an expert gets more tokens than its share. Frozen experts are the LoRA case (no weight
+    gradients: the working set of the expert whose backward runs first decides); trained ones accumulate weight
+    gradients through the backward (the expert whose backward runs last decides)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_hbm.layers import LinearExperts, prepare_model
+
+    module = build("mixtral")
+    prepare_model(module)
+    experts = module.model.model.layers[0].mlp.experts
+    assert isinstance(experts, LinearExperts)
+    experts.requires_grad_(not frozen)
+    tokens, top_k = 64, 2
+    hidden = torch.randn(tokens, WIDTH)
+    weights = torch.full((tokens, top_k), 0.5)
+
+    def step(forward: Any, *args: torch.Tensor) -> None:
+        experts.zero_grad(set_to_none=True)  # every step starts without gradients: none is accumulated into
+        inputs = hidden.clone().requires_grad_()
+        out = checkpoint(forward, inputs, *args, use_reentrant=False) if checkpointed else forward(inputs, *args)
+        out.pow(2).sum().backward()
+
+    planned = _peak(lambda: step(lambda h, w: experts._worst_load(h, w), weights))
+    routings = {
+        "balanced": torch.stack([torch.arange(tokens) % 4, (torch.arange(tokens) + 1) % 4], dim=1),
+        "random": torch.stack([torch.randperm(4)[:2] for _ in range(tokens)]),
+        "every token to the last two experts": torch.tensor([[2, 3]] * tokens),
+        "every token to the first two experts": torch.tensor([[0, 1]] * tokens),
+        "every token to the first and the last expert": torch.tensor([[0, 3]] * tokens),
+    }
+    for name, index in routings.items():
+        measured = _peak(lambda: step(experts, index, weights))
+        assert planned >= measured, f"{name}: planned {planned} B < run {measured} B"
