@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.callbacks.selective import SelectivePolicy, format_matmuls
+from lightning_hbm.callbacks.selective import SelectivePolicy, format_matmuls, unkept_formats
 from lightning_hbm.callbacks.token_chunks import ChunkedForward, candidates
 from lightning_hbm.naming import did_you_mean
 from lightning_hbm.record import CheckpointedForward, checkpoint_plan
@@ -373,7 +373,9 @@ class ActivationCheckpointing(SurgeryCallback):
         context_fn = None
         if self.policy == "selective":  # the quantized layers' matmul operators are kept too (QuantFormat.matmul_ops)
             matmuls = {op for _, block in chosen for op in format_matmuls(block)}
-            context_fn = functools.partial(create_selective_checkpoint_contexts, SelectivePolicy(matmuls))
+            policy = SelectivePolicy(matmuls)
+            _warn_unkept(unkept_formats([b for _, b in chosen], policy))
+            context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
         # A model checkpointed by an earlier Trainer's callback gets this callback's settings instead.
         for block in module.modules():
             if checkpoint_plan(block) is not None:
@@ -407,6 +409,17 @@ class ActivationCheckpointing(SurgeryCallback):
             self.chunked = report_chunks(pl_module, self.checkpointed, self.mlp_chunks)
         if self.offload is not None:
             pl_module.log("activations/offloaded_bytes", float(self.offload.copied_bytes), on_step=True, on_epoch=False)
+
+
+def _warn_unkept(unkept: dict[str, tuple[str, list[str]]]) -> None:
+    for kind, (layer, ops) in unkept.items():
+        rank_zero_warn(
+            f"lightning_hbm: ActivationCheckpointing('selective') keeps matmul outputs, but the quantized {kind} layers (e.g. "
+            f"{layer!r} in each block) run no matmul operator it knows (they ran {', '.join(ops) or 'no operator of their own'}), "
+            "so their matmuls are recomputed in backward as with 'full'. Name the operator in that format's "
+            "QuantFormat.matmul_ops, or use ActivationCheckpointing('full').",
+            category=UserWarning,
+        )
 
 
 def report_chunks(module: nn.Module, blocks: Sequence[str], chunks: int) -> list[str]:

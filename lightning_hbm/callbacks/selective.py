@@ -14,10 +14,12 @@ product that costs ``2 * r`` flops per element to recompute.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_hbm.precision.registry import format_of
@@ -90,3 +92,50 @@ class SelectivePolicy:
             if args[index].shape[-1] >= MIN_SAVED_CONTRACTION:
                 return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Operators(TorchDispatchMode):
+    """Records the operators a forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran: set[Any] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        self.ran.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _operators_of(layer: nn.Module, in_features: int, dtype: torch.dtype) -> Optional[set[Any]]:
+    """The operators ``layer``'s forward runs on one fake row (no values read, its weights untouched); None if it fails."""
+    recorder = _Operators()
+    try:
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode, recorder:
+            layer(mode.from_tensor(torch.zeros(1, in_features, dtype=dtype)))
+    except Exception:  # noqa: BLE001 - a layer that needs another input shape: the check cannot tell, so it says nothing
+        return None
+    return recorder.ran
+
+
+def unkept_formats(blocks: Iterable[nn.Module], policy: SelectivePolicy) -> dict[str, tuple[str, list[str]]]:
+    """Quantized formats in ``blocks`` whose layers run no matmul operator ``policy`` keeps.
+
+    Decided by running one layer of each format on a fake input: a format whose matmul is its own operator, not
+    declared in ``QuantFormat.matmul_ops``, would have every matmul recomputed in backward, as ``"full"`` does.
+
+    Returns:
+        {layer class name: (one such layer's name in its block, the non-aten operators it ran)}.
+    """
+    found: dict[str, tuple[str, list[str]]] = {}
+    checked: set[str] = set()
+    for block in blocks:
+        for name, layer in block.named_modules():
+            fmt = format_of(layer)
+            if fmt is None or fmt.name in checked:
+                continue
+            checked.add(fmt.name)
+            ran = _operators_of(layer, fmt.weight_shape(layer)[-1], fmt.compute_dtype(layer) or torch.float32)
+            if ran is not None and not any(op in policy.ops for op in ran):
+                own = sorted(str(op) for op in ran if op.namespace not in ("aten", "prims", "prim"))
+                found[type(layer).__qualname__] = (name, own)
+    return found
