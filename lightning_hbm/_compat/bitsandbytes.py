@@ -5,6 +5,7 @@ bitsandbytes is imported on first use (its import loads native libraries): calle
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, cast
 
@@ -53,6 +54,21 @@ def drop_int8_kept_input(module: nn.Module, args: tuple, output: Any) -> None:
         node.A = None
     elif kind == "MatMul8bitLtBackward" and isinstance(getattr(node, "tensors", None), tuple) and len(node.tensors) == 3:
         node.tensors = (node.tensors[0], node.tensors[1], None)
+
+
+# the int8 layers given drop_int8_kept_input, whoever built them (not an attribute stamped on the layer)
+_DROPPING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def drop_kept_inputs(module: nn.Module) -> int:
+    """:func:`drop_int8_kept_input` as a forward hook of every ``Linear8bitLt`` in ``module`` (once each), whoever
+    made it (lightning_hbm's ``int8`` mode, transformers' ``load_in_8bit``); returns how many layers have it."""
+    layers = [m for m in module.modules() if type(m).__name__ == "Linear8bitLt" and type(m).__module__.startswith("bitsandbytes")]
+    for layer in layers:
+        if layer not in _DROPPING:
+            layer.register_forward_hook(drop_int8_kept_input)
+            _DROPPING.add(layer)
+    return len(layers)
 
 
 def ensure_nested_code() -> None:

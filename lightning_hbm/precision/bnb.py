@@ -220,7 +220,7 @@ def _linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.de
 def _finish8bit(layer: nn.Module, linear: nn.Linear) -> nn.Module:
     if linear.bias is not None:
         layer.bias = linear.bias
-    layer.register_forward_hook(bnb_compat.drop_int8_kept_input)  # else checkpointing keeps every input (see there)
+    bnb_compat.drop_kept_inputs(layer)  # else checkpointing keeps every input (see there)
     return layer
 
 

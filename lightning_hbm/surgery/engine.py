@@ -254,6 +254,9 @@ def run_surgery(
     # 4-bit layers quantized before lightning_hbm (by transformers, by the user) too: on an AVX512-BF16 CPU their
     # first no-grad eval forward would repack them for a kernel that bypasses autograd (no gradient upstream)
     bnb_compat.disable_cpu_repacks(module)
+    # and int8 layers quantized before lightning_hbm: bitsandbytes keeps each one's input outside autograd's saved
+    # tensors, so activation checkpointing could not free it
+    bnb_compat.drop_kept_inputs(module)
     if meta is not None:
         resume.load_changed(module, meta, cast(dict[str, Any], checkpoint), checkpoint_path)  # not None: meta came from it
     if applied_transforms(module):

@@ -164,3 +164,11 @@ def test_int8_matmul_on_cuda_keeps_its_input_and_its_backward_does_without_it() 
     assert out.grad_fn.tensors[2] is None
     (got,) = torch.autograd.grad(out.float().square().sum(), x)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_drop_kept_inputs_hooks_every_int8_layer_once() -> None:
+    model = torch.nn.Sequential(bnb.nn.Linear8bitLt(8, 4, has_fp16_weights=False), torch.nn.Linear(4, 4))
+    assert compat.drop_kept_inputs(model) == 1
+    assert compat.drop_kept_inputs(model) == 1
+    assert list(model[0]._forward_hooks.values()) == [compat.drop_int8_kept_input]  # once, not twice
+    assert not model[1]._forward_hooks
