@@ -32,6 +32,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # as planner/building.py: no public home
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
+
 from lightning_hbm._compat import torch as torch_compat
 
 
