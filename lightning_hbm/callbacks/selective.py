@@ -14,6 +14,7 @@ product that costs ``2 * r`` flops per element to recompute.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from copy import deepcopy
 from typing import Any, Optional
 
 import torch
@@ -107,11 +108,16 @@ class _Operators(TorchDispatchMode):
 
 
 def _operators_of(layer: nn.Module, in_features: int, dtype: torch.dtype) -> Optional[set[Any]]:
-    """The operators ``layer``'s forward runs on one fake row (no values read, its weights untouched); None if it fails."""
+    """The operators ``layer``'s forward runs on one fake row; None if it fails.
+
+    It runs on a copy: a forward may change its layer (bitsandbytes' ``Linear8bitLt`` casts its bias to the input's
+    dtype with ``bias.data = ...``, which under the fake mode left the real layer a fake bias).
+    """
     recorder = _Operators()
     try:
+        copy = deepcopy(layer)
         with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode, recorder:
-            layer(mode.from_tensor(torch.zeros(1, in_features, dtype=dtype)))
+            copy(mode.from_tensor(torch.zeros(1, in_features, dtype=dtype)))
     except Exception:  # noqa: BLE001 - a layer that needs another input shape: the check cannot tell, so it says nothing
         return None
     return recorder.ran
@@ -134,7 +140,9 @@ def unkept_formats(blocks: Iterable[nn.Module], policy: SelectivePolicy) -> dict
             if fmt is None or fmt.name in checked:
                 continue
             checked.add(fmt.name)
-            ran = _operators_of(layer, fmt.weight_shape(layer)[-1], fmt.compute_dtype(layer) or torch.float32)
+            floats = [t.dtype for t in (*layer.parameters(), *layer.buffers()) if t.is_floating_point()]
+            dtype = fmt.compute_dtype(layer) or (floats[0] if floats else torch.float32)  # what the plugin feeds it
+            ran = _operators_of(layer, fmt.weight_shape(layer)[-1], dtype)
             if ran is not None and not any(op in policy.ops for op in ran):
                 own = sorted(str(op) for op in ran if op.namespace not in ("aten", "prims", "prim"))
                 found[type(layer).__qualname__] = (name, own)

@@ -251,18 +251,23 @@ def run_surgery(
     if convert is not None:
         module = convert(module)
     apply_transforms(module, [t for t in pending if t.stage > Stage.QUANTIZE])
-    # 4-bit layers quantized before lightning_hbm (by transformers, by the user) too: on an AVX512-BF16 CPU their
-    # first no-grad eval forward would repack them for a kernel that bypasses autograd (no gradient upstream)
-    bnb_compat.disable_cpu_repacks(module)
-    # and int8 layers quantized before lightning_hbm: bitsandbytes keeps each one's input outside autograd's saved
-    # tensors, so activation checkpointing could not free it
-    bnb_compat.drop_kept_inputs(module)
+    _mend_bitsandbytes_layers(module)
     if meta is not None:
         resume.load_changed(module, meta, cast(dict[str, Any], checkpoint), checkpoint_path)  # not None: meta came from it
     if applied_transforms(module):
         add_resume_hooks(module)  # later loads into the changed model (trainer.test(ckpt_path=...))
         _guard(module)
     return module
+
+
+def _mend_bitsandbytes_layers(module: nn.Module) -> None:
+    """bitsandbytes layers, whoever quantized them (lightning_hbm, transformers, the user)."""
+    # 4-bit: on an AVX512-BF16 CPU their first no-grad eval forward would repack them for a kernel that bypasses
+    # autograd (no gradient upstream)
+    bnb_compat.disable_cpu_repacks(module)
+    # int8: bitsandbytes keeps each one's input outside autograd's saved tensors, so activation checkpointing could
+    # not free it
+    bnb_compat.drop_kept_inputs(module)
 
 
 def _verify_checkpoint(module: nn.Module, plugin: Any, transforms: Sequence[SurgeryCallback],

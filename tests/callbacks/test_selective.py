@@ -100,8 +100,13 @@ def test_every_shipped_format_runs_a_matmul_selective_keeps(mode: str) -> None:
     from lightning_hbm.callbacks.selective import format_matmuls, unkept_formats
 
     model = torch.nn.Sequential(torch.nn.Linear(128, 64))
-    quantize_model(model, mode, dtype="float32")
+    quantize_model(model, mode, dtype="bfloat16")
+    before = {k: (type(v), v.dtype) for k, v in model.state_dict().items()}
     assert unkept_formats([model], SelectivePolicy(format_matmuls(model))) == {}
+    # the check ran a copy: the layer is as it was (it ran the real int8 layer once, whose forward set its bias to a
+    # fake tensor, and the next real step failed)
+    assert {k: (type(v), v.dtype) for k, v in model.state_dict().items()} == before
+    model(torch.randn(2, 128, dtype=torch.bfloat16))
 
 
 def test_a_format_whose_matmul_selective_does_not_know_is_named_at_fit_start(
