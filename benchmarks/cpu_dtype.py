@@ -6,7 +6,9 @@ process.
 
 Reported: the median CPU time (``time.process_time``) of the steps after the first of each fit, per dtype, and the
 ratio bf16 / fp32, with the CPU's flags (``avx512_bf16``, ``amx_bf16``) and the load average.
-``examples/finetune_smollm2.py`` picks its dtype from the same flags (:func:`compute_dtype` there).
+Then what ``QuantizedPrecision(dtype="auto")`` (``lightning_hbm.precision.compute_dtype``, what
+``examples/finetune_smollm2.py`` uses) chooses on the same machine from its timed block, and whether that agrees with
+the step measured here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm.data import ByteTextDataModule
 from lightning_hbm.models import HFCausalLM
+from lightning_hbm.precision.compute_dtype import auto_dtype
 from lightning_hbm.pretrained import smollm2_path
 
 
@@ -82,6 +85,10 @@ def main() -> None:
     for d, t in times.items():
         print(f"{d:9s} median CPU s/step {med[d]:.2f} over {len(t)} steps: {[round(x, 2) for x in t]}")
     print(f"bf16 / fp32 = {med['bfloat16'] / med['float32']:.2f}")
+    choice = auto_dtype("cpu")
+    faster = "bfloat16" if med["bfloat16"] < med["float32"] else "float32"
+    print(choice.describe())
+    print(f"dtype='auto' {'agrees' if str(choice.dtype) == f'torch.{faster}' else 'DISAGREES'} with the step: {faster} is faster here")
 
 
 if __name__ == "__main__":

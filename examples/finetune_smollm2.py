@@ -89,11 +89,10 @@ def main(
     trainer = pl.Trainer(
         accelerator="auto", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_model_summary=False, default_root_dir=out,
-        # fp32 compute, by measurement: on a 2-core AVX512-BF16 EPYC this step takes 1.53x the CPU time in bf16
-        # (benchmarks/cpu_dtype.py): bf16 matmuls are fast there, but the 4-bit layers dequantize per forward
-        # (bitsandbytes' bf16 CPU kernel repacks weights and cuts the gradient, so it stays off) and the rest of
-        # the step is elementwise work that bf16 does not speed up on a CPU. Measure yours with that script.
-        plugins=[QuantizedPrecision("int4-g32", dtype="float32")],
+        # the compute dtype by measurement, on this machine: bf16 only where a timed block runs clearly faster in it
+        # (one line at fit start says which and why). Two EPYCs with the same avx512_bf16 flag measured this very step
+        # at 0.57x and at 1.53x the fp32 time in bf16 (benchmarks/cpu_dtype.py), so no flag or rule of thumb decides.
+        plugins=[QuantizedPrecision("int4-g32", dtype="auto")],
         callbacks=[LoRA(r=16, alpha=32)],
     )
     trainer.fit(module, train_dataloaders=data.train_dataloader())
@@ -106,7 +105,9 @@ def main(
     sample_after = continuation(tuned, tokenizer, prompt, new_tokens)
     done = time.perf_counter()
 
-    print(f"\nSmolLM2-135M-Instruct, QLoRA int4-g32 + LoRA r=16, {steps} steps of {batch_size} x {seq_len} tokens of stdlib source")
+    dtype = str(trainer.precision_plugin.dtype).removeprefix("torch.")  # type: ignore[attr-defined]  # QuantizedPrecision
+    print(f"\nSmolLM2-135M-Instruct, QLoRA int4-g32 + LoRA r=16 ({dtype} compute), {steps} steps of {batch_size} x {seq_len} "
+          "tokens of stdlib source")
     print(f"held-out loss (perplexity), {sum(x.numel() for x, _ in held_out)} tokens:")
     print(f"  before                         {before:.3f} ({math.exp(before):.2f})")
     print(f"  after, 4-bit base + adapter    {qlora:.3f} ({math.exp(qlora):.2f})")
@@ -116,7 +117,7 @@ def main(
     print(f"  after:  {sample_after!r}")
     print(f"adapter: {adapter} (peft format)")
     print(f"time: load + before {loaded - start:.0f} s, fit {trained - loaded:.0f} s, after {done - trained:.0f} s")
-    return {"before": before, "qlora": qlora, "after": after, "adapter": adapter,
+    return {"before": before, "qlora": qlora, "after": after, "adapter": adapter, "dtype": dtype,
             "sample_before": sample_before, "sample_after": sample_after, "fit_s": trained - loaded}
 
 

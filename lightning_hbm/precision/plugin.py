@@ -31,12 +31,14 @@ from typing import Any, Generator, Mapping, Optional, Sequence, Union
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.layers import report_coverage
+from lightning_hbm.precision.compute_dtype import DtypeChoice, auto_dtype
 from lightning_hbm.precision.plan import QuantizationPlan
 from lightning_hbm.surgery import applied_transforms, mark_applied, pack_checkpoint, plugin_trainer, trainer_optimizers, trainer_surgery
 from lightning_hbm.surgery.protocol import SurgeryPlugin
@@ -104,7 +106,10 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
         mode: one of :func:`lightning_hbm.available_precisions` (``nf4``, ``nf4-dq``, ``fp4``,
             ``fp4-dq``, ``int8``, ...).
         dtype: compute dtype of the quantized matmuls and storage dtype of every other parameter:
-            ``"bfloat16"``/``"bf16"``, ``"float16"``, ``"float32"`` or a ``torch.dtype``.
+            ``"bfloat16"``/``"bf16"``, ``"float16"``, ``"float32"``, a ``torch.dtype``, or ``"auto"``: chosen by
+            running (:mod:`lightning_hbm.precision.compute_dtype`) when the plugin is built: on a GPU bf16 where it
+            is supported; on a CPU bf16 only if a timed decoder block runs in under 0.9x float32's time there. The
+            choice and its figures are in ``dtype_choice`` and in one line at fit start.
         ignore_modules: submodules whose Linears stay unquantized, matched as LoRA's ``target_modules``: a
             list of names (``["lm_head"]``; a name also matches as a suffix, and everything under it) and
             glob patterns (``["*.mixer.dt_proj"]``), or a regex string (full match). An entry that matches
@@ -166,6 +171,11 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
         smoothing: Optional[Union[float, str]] = None,
     ) -> None:
         check_args(QuantizedPrecision.__init__, locals())
+        #: what ``dtype="auto"`` chose and why (None for a named dtype)
+        self.dtype_choice: Optional[DtypeChoice] = None
+        if isinstance(dtype, str) and dtype.lower() == "auto":
+            self.dtype_choice = auto_dtype()
+            dtype = self.dtype_choice.dtype
         #: the settings, and what each surgery decides: targets, sensitivity plan, GPTQ rounding, smoothing
         self.quantization = QuantizationPlan(
             mode, dtype, ignore_modules, quantize_head, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch,
@@ -193,7 +203,24 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
     def check_model(self, module: nn.Module) -> None:
         """Raise before any change if ``module`` cannot be quantized with these settings (:meth:`QuantizationPlan.check`)."""
         if self.name not in applied_transforms(module):
-            self.quantization.check(module, self._trainer(module))
+            trainer = self._trainer(module)
+            self._check_dtype_choice(trainer)
+            self.quantization.check(module, trainer)
+
+    def _check_dtype_choice(self, trainer: Any) -> None:
+        """``dtype="auto"`` chose for the device it saw when the plugin was built: refuse a run on the other kind."""
+        choice = self.dtype_choice
+        if choice is None:
+            return
+        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+        if device is None:  # no Trainer (the planner's trace): nothing runs on a device here
+            return
+        if device.type != choice.device:
+            raise ValueError(
+                f"QuantizedPrecision(dtype='auto') chose {choice.dtype} for {choice.device} when it was built, but this "
+                f"Trainer computes on {device.type}: pass the dtype by name (dtype='bfloat16' or dtype='float32')."
+            )
+        rank_zero_info(choice.describe())
 
     def place_on(self, device: torch.device) -> None:
         """Quantize on ``device`` (the surgery gives the strategy's root device)."""
