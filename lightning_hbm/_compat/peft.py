@@ -17,3 +17,12 @@ def mark_quantized(model: nn.Module, kinds: Iterable[str]) -> None:
     """
     for kind in kinds:
         setattr(model, f"is_loaded_in_{kind}", True)
+
+
+def keep_input_dtype(layer: nn.Module) -> None:
+    """Stop one peft LoRA layer from casting its input to the adapter's dtype before ``lora_A``.
+
+    peft's ``LoraLayer._cast_input_dtype`` reads the layer attribute ``cast_input_dtype_enabled`` (what
+    ``peft.helpers.disable_input_dtype_casting`` sets for the duration of a context; no per-layer public switch).
+    """
+    layer.cast_input_dtype_enabled = False

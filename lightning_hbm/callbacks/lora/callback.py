@@ -20,6 +20,7 @@ from lightning_hbm._validate import check_args
 from lightning_hbm.callbacks.lora.base import ALL_LINEAR, ADAPTER_NAME, _import_peft, _lora_layer_cls, _width
 from lightning_hbm.callbacks.lora.export import adapter_state_dict, is_quantized, merge, save_adapter
 from lightning_hbm.callbacks.lora import variants
+from lightning_hbm.callbacks.lora.compute import compute_in_input_dtype
 from lightning_hbm.callbacks.lora.watch import _AdapterWatch
 from lightning_hbm.layers import adaptable_names, find_layers, kind_names, output_heads, prepare_model, report_coverage, task_heads, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
@@ -55,7 +56,10 @@ class LoRA(SurgeryCallback):
             a transformers ``...ForSequenceClassification``'s ``classifier``, a CTC ``lm_head``, the last
             Linear of a hand-written classifier), named at fit start. A list: exactly those; ``[]`` trains no
             head (a task head left out is warned about at fit start).
-        adapter_dtype: storage and compute dtype of the adapter weights (``"float32"`` default).
+        adapter_dtype: storage dtype of the adapter weights (``"float32"`` default). Plain LoRA adapters compute in
+            the narrower of it and their input's dtype: on a bf16 model, fp32 weights cast to bf16 at each forward
+            (mixed precision, as ``torch.autocast``), not an fp32 copy of every input (:mod:`lightning_hbm.callbacks.lora.compute`);
+            DoRA and the other peft variants cast the input, as peft does.
         full_checkpoint: ``False`` (default): Lightning checkpoints hold only the trainable weights
             (adapters + ``modules_to_save``) and their optimizer states; resume rebuilds the frozen
             base from the model's own init (same seed / same pretrained weights). ``True``: keep
@@ -437,6 +441,7 @@ class LoRA(SurgeryCallback):
             if isinstance(sub, lora_cls):
                 # under Lightning's bf16-true the module is bf16 already, so peft made bf16 adapters
                 variants.cast_adapters(sub, dtype)
+                compute_in_input_dtype(sub)  # fp32 adapters on a bf16 model: bf16 matmuls, no fp32 input copies
                 _expose_base_attributes(sub)
         self.adapted_modules, self.saved_modules = targets, saved
         self._tell_left_out(module)
