@@ -25,4 +25,4 @@ def keep_input_dtype(layer: nn.Module) -> None:
     peft's ``LoraLayer._cast_input_dtype`` reads the layer attribute ``cast_input_dtype_enabled`` (what
     ``peft.helpers.disable_input_dtype_casting`` sets for the duration of a context; no per-layer public switch).
     """
-    layer.cast_input_dtype_enabled = False
+    setattr(layer, "cast_input_dtype_enabled", False)  # a plain bool attribute (nn.Module keeps it in __dict__)

@@ -102,3 +102,22 @@ def test_bf16_qlora_fit_trains_fp32_adapters_in_bf16(gpt_factory: Any, trainer_f
     adapters = [m for m in model.modules() if isinstance(m, nn.Linear) and isinstance(m.__dict__.get("forward"), NarrowerDtypeLinear)]
     assert adapters and all(m.weight.dtype == torch.float32 for m in adapters)
     assert recorder.losses[-1] < recorder.losses[0]
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_bf16_forward_holds_no_fp32_input_copy() -> None:
+    """The CPU test above counts saved tensors; this one asks the CUDA allocator (not yet run on a GPU)."""
+    held = {}
+    x = torch.randn(8, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for name in ("peft", "ours"):
+        layer = peft_layer(torch.bfloat16, torch.float32).cuda()
+        if name == "ours":
+            compute_in_input_dtype(layer)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = layer(x)  # the graph keeps what the backward reads
+        torch.cuda.synchronize()
+        held[name] = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
+        out.float().sum().backward()
+        del out, layer
+    assert held["ours"] <= held["peft"] - x.numel() * 4, held

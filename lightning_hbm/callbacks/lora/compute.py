@@ -15,7 +15,7 @@ and keep peft's input cast.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,8 @@ class NarrowerDtypeLinear:
         self.linear = linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.linear.weight, self.linear.bias
+        weight: torch.Tensor = self.linear.weight
+        bias: Optional[torch.Tensor] = self.linear.bias
         if x.dtype != weight.dtype and x.element_size() < weight.element_size():
             weight = weight.to(x.dtype)  # differentiable: the gradient reaches the fp32 weight in fp32
             bias = None if bias is None else bias.to(x.dtype)
