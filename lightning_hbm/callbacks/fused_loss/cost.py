@@ -7,9 +7,12 @@ from typing import Optional
 import torch
 
 #: Bytes one chunk's logits may take, with the fp32 rows being softmaxed: tokens per chunk follow the vocabulary,
-#: so the loss costs about the same at 32k and 256k. 32 MiB is 394 tokens of a 32k bf16 head; a 128k-vocabulary step
-#: with 256-token chunks peaked at 2.23x its floor (benchmarks/README.md).
-CHUNK_BYTES = 32 * 2**20
+#: so the loss costs about the same at 32k and 256k. 16 MiB is 132 tokens of a 32k bf16 head (8 MiB of them the
+#: fp32 rows). Memory first: at 32 MiB the loss set the step's peak of bf16 QLoRA + full recompute on SmolLM2-135M
+#: (1.15x its floor; 16 MiB: 1.05x, the recompute's own peak) and on a 100M Llama with MLP chunks (1.16x; 1.11x),
+#: for a step time within the run-to-run spread (1.01-1.02x, benchmarks/README.md). A 128k-vocabulary step with
+#: 256-token chunks peaked at 2.23x its floor.
+CHUNK_BYTES = 16 * 2**20
 #: Bytes of fp32 logits alive at once when the head's output is narrower (bf16): the softmax runs on that many rows
 #: at a time and writes its gradient back into the chunk's own storage, so a bf16 chunk costs 2 bytes per logit,
 #: not 2 + 4 for a whole fp32 copy. 8 MiB is 65 rows at a 32k vocabulary, 16 at 128k.
