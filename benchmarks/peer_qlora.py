@@ -47,8 +47,10 @@ embeddings) for hf and lhbm instead of writing random weights; torchtune and Lit
 random weights (step time and memory do not depend on the weight values). torchtune's NF4 refuses its 576-wide
 projections (block counts not divisible by 256): that stack is skipped with the reason, as a missing library is.
 
-CPU runs compute in float32 by default (bf16 matmuls are several times slower than fp32 on CPUs without
-AVX512-BF16); CUDA runs in bfloat16. ``--dtype`` overrides.
+Every stack computes in one dtype: by default the one ``QuantizedPrecision(dtype="auto")`` chooses on this machine
+(``lightning_hbm.precision.compute_dtype``: bfloat16 on a GPU that has it; on a CPU bfloat16 only where a timed
+decoder block runs clearly faster in it, as on the AVX512-BF16 EPYC of the Dec 2 tables, else float32). ``--dtype``
+overrides.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ import torch
 from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
 from lightning_hbm.models import llama_config
+from lightning_hbm.precision.compute_dtype import auto_dtype
 from planner import analytic_qlora_floor  # benchmarks/planner.py (this script's folder is on sys.path)
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -293,7 +296,7 @@ def main() -> None:
     preset = dict(PRESETS[args.preset])
     b, s = preset.pop("batch"), preset.pop("seq")
     pretrained = preset.get("pretrained")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    dtype = getattr(torch, args.dtype) if args.dtype else auto_dtype(args.device).dtype
     torch.manual_seed(0)
     batch = torch.randint(0, preset["vocab_size"], (b, s), device=args.device)
     from transformers import LlamaForCausalLM
