@@ -78,6 +78,15 @@ def test_bf16_adapters_on_an_fp32_model_still_cast_the_input_down() -> None:
     assert torch.equal(layer(x), reference(x))  # peft's behaviour: the adapter computes in its own bf16
 
 
+def test_fp16_model_keeps_peft_fp32_adapter_compute() -> None:
+    """fp16 has no exponent room for adapter gradients without a loss scaler: the input is still cast to fp32."""
+    reference, layer = peft_layer(torch.float16, torch.float32), peft_layer(torch.float16, torch.float32)
+    compute_in_input_dtype(layer)
+    x = torch.randn(4, 32, 64, dtype=torch.float16)
+    assert torch.equal(layer(x), reference(x))
+    assert (torch.float32, x.numel()) in saved_for_backward(layer, x.requires_grad_())
+
+
 def test_dora_keeps_peft_input_cast() -> None:
     layer = peft_layer(torch.bfloat16, torch.float32, use_dora=True)
     assert not compute_in_input_dtype(layer)

@@ -56,10 +56,10 @@ class LoRA(SurgeryCallback):
             a transformers ``...ForSequenceClassification``'s ``classifier``, a CTC ``lm_head``, the last
             Linear of a hand-written classifier), named at fit start. A list: exactly those; ``[]`` trains no
             head (a task head left out is warned about at fit start).
-        adapter_dtype: storage dtype of the adapter weights (``"float32"`` default). Plain LoRA adapters compute in
-            the narrower of it and their input's dtype: on a bf16 model, fp32 weights cast to bf16 at each forward
-            (mixed precision, as ``torch.autocast``), not an fp32 copy of every input (:mod:`lightning_hbm.callbacks.lora.compute`);
-            DoRA and the other peft variants cast the input, as peft does.
+        adapter_dtype: storage dtype of the adapter weights (``"float32"`` default). On a bf16 model, plain fp32 LoRA
+            adapters compute in bf16, their weights cast at each forward (mixed precision, as ``torch.autocast``), not
+            on an fp32 copy of every input (:mod:`lightning_hbm.callbacks.lora.compute`); elsewhere (fp32 and fp16
+            models, DoRA and the other peft variants) the input is cast to the adapter's dtype, as peft does.
         full_checkpoint: ``False`` (default): Lightning checkpoints hold only the trainable weights
             (adapters + ``modules_to_save``) and their optimizer states; resume rebuilds the frozen
             base from the model's own init (same seed / same pretrained weights). ``True``: keep

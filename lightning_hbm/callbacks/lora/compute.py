@@ -1,4 +1,4 @@
-"""Adapters computed in the narrower of their own dtype and their input's: fp32 weights, bf16 matmuls.
+"""fp32 adapters on a bf16 model compute in bf16: the weights are cast, not the inputs.
 
 peft casts a LoRA layer's *input* to the adapter's dtype. With fp32 adapters (``LoRA(adapter_dtype="float32")``, the
 default, for the optimizer's sake) on a bf16 model, that is an fp32 copy of every adapted layer's input, saved for
@@ -6,8 +6,11 @@ default, for the optimizer's sake) on a bf16 model, that is an fp32 copy of ever
 alive beside the block's own activations (24.9 MiB, 14 % of the QLoRA floor, at 100M in bf16: benchmarks/README.md).
 Mixed precision, as ``torch.autocast`` does it, casts the *weights* instead: the rank-r ``A`` and ``B`` are cast to
 bf16 at each forward (a few KiB), the saved input is the layer's own bf16 tensor (no copy), and the gradients come
-back to the fp32 weights through the cast. Where the input is as wide as the weights (fp32 runs) nothing changes; where it is
-wider (bf16 adapters on an fp32 model), the input is cast down, as peft does.
+back to the fp32 weights through the cast.
+
+Only a bf16 input narrows fp32 weights: bf16 keeps fp32's exponent range. An fp16 input (``16-true``) is still cast
+to fp32, as peft does, because fp16 adapter gradients without a loss scaler can underflow to zero. Every other case
+is peft's rule too: an fp32 run is unchanged, bf16 adapters on an fp32 model compute on the input cast down.
 
 Only plain LoRA ``nn.Linear`` adapters: DoRA and peft's other variants compute their own terms from the weights
 and keep peft's input cast.
@@ -26,7 +29,7 @@ from lightning_hbm._compat import torch as torch_compat
 
 
 class NarrowerDtypeLinear:
-    """The ``forward`` of one adapter ``nn.Linear``: computed in the narrower of its weight's and its input's dtype."""
+    """The ``forward`` of one adapter ``nn.Linear``: fp32 weights on a bf16 input compute in bf16, else in the weight's dtype."""
 
     def __init__(self, linear: nn.Linear) -> None:
         self.linear = linear
@@ -34,7 +37,7 @@ class NarrowerDtypeLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight: torch.Tensor = self.linear.weight
         bias: Optional[torch.Tensor] = self.linear.bias
-        if x.dtype != weight.dtype and x.element_size() < weight.element_size():
+        if x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
             weight = weight.to(x.dtype)  # differentiable: the gradient reaches the fp32 weight in fp32
             bias = None if bias is None else bias.to(x.dtype)
         else:
