@@ -108,7 +108,7 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
         dtype: compute dtype of the quantized matmuls and storage dtype of every other parameter:
             ``"bfloat16"``/``"bf16"``, ``"float16"``, ``"float32"``, a ``torch.dtype``, or ``"auto"``: chosen by
             running (:mod:`lightning_hbm.precision.compute_dtype`) when the plugin is built: on a GPU bf16 where it
-            is supported; on a CPU bf16 only if a timed decoder block runs in under 0.9x float32's time there. The
+            is supported (not yet run on GPU); on a CPU bf16 only if a timed decoder block runs in under 0.9x float32's time there. The
             choice and its figures are in ``dtype_choice`` and in one line at fit start.
         ignore_modules: submodules whose Linears stay unquantized, matched as LoRA's ``target_modules``: a
             list of names (``["lm_head"]``; a name also matches as a suffix, and everything under it) and

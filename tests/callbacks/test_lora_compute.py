@@ -1,4 +1,4 @@
-"""Plain LoRA adapters compute in the narrower of their dtype and their input's (lightning_hbm.callbacks.lora.compute)."""
+"""fp32 LoRA adapters on a bf16 model compute in bf16, their weights cast, not their inputs (lightning_hbm.callbacks.lora.compute)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_hbm import LoRA, QuantizedPrecision
-from lightning_hbm.callbacks.lora.compute import NarrowerDtypeLinear, compute_in_input_dtype
+from lightning_hbm.callbacks.lora.compute import Bf16ComputeLinear, compute_in_input_dtype
 
 
 def peft_layer(model_dtype: torch.dtype, adapter_dtype: torch.dtype, use_dora: bool = False, seed: int = 0) -> Any:
@@ -90,7 +90,7 @@ def test_fp16_model_keeps_peft_fp32_adapter_compute() -> None:
 def test_dora_keeps_peft_input_cast() -> None:
     layer = peft_layer(torch.bfloat16, torch.float32, use_dora=True)
     assert not compute_in_input_dtype(layer)
-    assert not isinstance(layer.lora_A["default"].__dict__.get("forward"), NarrowerDtypeLinear)
+    assert not isinstance(layer.lora_A["default"].__dict__.get("forward"), Bf16ComputeLinear)
     assert layer(torch.randn(2, 8, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 
@@ -100,7 +100,7 @@ def test_adapted_layer_copies_and_pickles_with_its_forward() -> None:
     x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
     for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
         forward: Optional[Any] = clone.lora_A["default"].__dict__.get("forward")
-        assert isinstance(forward, NarrowerDtypeLinear) and forward.linear is clone.lora_A["default"]
+        assert isinstance(forward, Bf16ComputeLinear) and forward.linear is clone.lora_A["default"]
         assert torch.equal(clone(x), layer(x))
 
 
@@ -108,7 +108,7 @@ def test_bf16_qlora_fit_trains_fp32_adapters_in_bf16(gpt_factory: Any, trainer_f
     model, recorder = gpt_factory(lr=1e-2), loss_recorder()
     trainer = trainer_factory(max_steps=8, plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16")], callbacks=[LoRA(r=8), recorder])
     trainer.fit(model, datamodule_factory())
-    adapters = [m for m in model.modules() if isinstance(m, nn.Linear) and isinstance(m.__dict__.get("forward"), NarrowerDtypeLinear)]
+    adapters = [m for m in model.modules() if isinstance(m, nn.Linear) and isinstance(m.__dict__.get("forward"), Bf16ComputeLinear)]
     assert adapters and all(m.weight.dtype == torch.float32 for m in adapters)
     assert recorder.losses[-1] < recorder.losses[0]
 

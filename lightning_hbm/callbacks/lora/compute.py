@@ -28,7 +28,7 @@ from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._compat import torch as torch_compat
 
 
-class NarrowerDtypeLinear:
+class Bf16ComputeLinear:
     """The ``forward`` of one adapter ``nn.Linear``: fp32 weights on a bf16 input compute in bf16, else in the weight's dtype."""
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -46,7 +46,7 @@ class NarrowerDtypeLinear:
 
 
 def compute_in_input_dtype(layer: Any) -> bool:
-    """Give a plain peft LoRA layer's adapters :class:`NarrowerDtypeLinear`; False (nothing changed) for variants
+    """Give a plain peft LoRA layer's adapters :class:`Bf16ComputeLinear`; False (nothing changed) for variants
     (DoRA, ...) and adapters that are not ``nn.Linear`` (convolutions, embeddings)."""
     if getattr(layer, "lora_variant", None):
         return False
@@ -54,6 +54,6 @@ def compute_in_input_dtype(layer: Any) -> bool:
     if not adapters or any(type(m) is not nn.Linear for m in adapters):
         return False
     for linear in adapters:
-        torch_compat.override_forward(linear, NarrowerDtypeLinear(linear))
+        torch_compat.override_forward(linear, Bf16ComputeLinear(linear))
     peft_compat.keep_input_dtype(layer)
     return True
