@@ -56,6 +56,7 @@ overrides.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -66,7 +67,7 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 import torch
 
-from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision
+from lightning_hbm import ActivationCheckpointing, AttentionKernel, FusedLoss, LoRA, QuantizedPrecision
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
 from lightning_hbm.models import llama_config
 from lightning_hbm.precision.compute_dtype import auto_dtype
@@ -99,7 +100,8 @@ LORA_R, LORA_ALPHA = 8, 16
 # stores the base as int4-g32 instead of nf4-dq (the real-job mode of examples/finetune_smollm2.py); opt-in:
 # --stacks lhbm+fused-int4; "-mlp<k>" recomputes each MLP in k token chunks (ActivationCheckpointing(mlp_chunks=k)),
 # opt-in: --stacks lhbm+fused-mlp2; "-sel" checkpoints with policy="selective" (keeps matmul and attention outputs),
-# opt-in: --stacks lhbm+fused-sel
+# opt-in: --stacks lhbm+fused-sel; "+attn" adds AttentionKernel("auto"), which times lightning_hbm's blocked attention
+# against torch's kernel at the end of the surgery's fit step and keeps the faster (opt-in: --stacks lhbm+fused+attn)
 STACKS = ("hf", "lhbm", "lhbm+fused", "lhbm+fused-noac", "torchtune", "litgpt", "litgpt+ac")
 
 
@@ -157,11 +159,15 @@ def lightning_hbm_stack(path: str, dtype: torch.dtype, device: str, name: str, b
     policy = "selective" if "-sel" in name else "full"
     callbacks += [] if "-noac" in name else [ActivationCheckpointing(policy, mlp_chunks=chunks)]
     callbacks += [FusedLoss()] if "+fused" in name else []
+    callbacks += [AttentionKernel("auto")] if "+attn" in name else []
     mode = "int4-g32" if "-int4" in name else "nf4-dq"
     trainer = pl.Trainer(accelerator=device, devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          plugins=[QuantizedPrecision(mode, dtype=str(dtype).removeprefix("torch."))], callbacks=callbacks)
     trainer.fit(module, torch.utils.data.DataLoader([batch[0]] * batch.shape[0], batch_size=batch.shape[0]))
+    kernel = next((c for c in callbacks if isinstance(c, AttentionKernel)), None)
+    if kernel is not None:  # the step runs outside the Trainer's batch hooks: give it the kernel choice made in fit
+        module.scope = kernel.scope  # type: ignore[assignment]
     return module, trainer.optimizers[0]
 
 
@@ -263,11 +269,12 @@ def litgpt_stack(preset: dict[str, Any], dtype: torch.dtype, device: str, ac: bo
 def make_step(model: Any, optimizer: torch.optim.Optimizer, batch: torch.Tensor, hf: bool,
               loss_fn: Callable[[torch.Tensor], Any] | None = None) -> Callable[[], float]:
     def step() -> float:
-        if loss_fn is not None:
-            loss = loss_fn(batch)
-        else:
-            loss = model(input_ids=batch, labels=batch).loss if hf else model.training_step(batch, 0)
-        loss.backward()
+        with model.scope() if hasattr(model, "scope") else contextlib.nullcontext():
+            if loss_fn is not None:
+                loss = loss_fn(batch)
+            else:
+                loss = model(input_ids=batch, labels=batch).loss if hf else model.training_step(batch, 0)
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())

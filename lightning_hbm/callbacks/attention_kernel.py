@@ -17,17 +17,26 @@ asked from torch itself: a tiny attention call is run under the requested kernel
 device and in its compute dtype before anything is changed. On CPU, torch ships a flash kernel
 (``_scaled_dot_product_flash_attention_for_cpu``) and the math kernel; "efficient" and "cudnn"
 are CUDA only.
+
+Beside torch's kernels, lightning_hbm's own (:mod:`lightning_hbm.callbacks.blocked_attention`: chunks of batched
+matmuls, the scores recomputed in backward, saving no more than a fused kernel): ``"blocked"`` asks for it on every
+call it takes; ``"auto"`` times it against torch's kernel on each attention shape the first time a training step
+runs that shape, and uses it from the next step on where it is clearly faster (measured on CPU in bf16: about half
+of torch's CPU flash kernel's time, ``benchmarks/README.md``). Calls are routed by a ``TorchFunctionMode`` entered
+in the ``forward`` of each module that calls ``F.scaled_dot_product_attention``, found by running the first training
+batch once without gradients (so a recompute under activation checkpointing routes as its forward did).
 """
 
 from __future__ import annotations
 
-from contextlib import ExitStack, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any, Literal, Optional, cast
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -35,6 +44,17 @@ from typing_extensions import override
 
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._validate import check_args
+from lightning_hbm.callbacks.blocked_attention import (
+    Router,
+    Signature,
+    Timing,
+    attention,
+    attention_callers,
+    route,
+    time_kernels,
+    unroute,
+)
+from lightning_hbm.probe import has_forward, probe_output
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 _FLASH_ATTN_AVAILABLE = RequirementCache("flash-attn")
@@ -47,6 +67,7 @@ KERNELS: dict[str, SDPBackend] = {
 }
 # "auto" tries these in order: the fused kernels first (linear memory in the sequence length).
 _AUTO_ORDER = ("flash", "efficient", "cudnn", "math")
+BACKENDS = ("auto", *KERNELS, "blocked")
 
 
 def _compute_device_and_dtype(module: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -59,14 +80,20 @@ def _compute_device_and_dtype(module: nn.Module) -> tuple[torch.device, torch.dt
     return device, dtype
 
 
-def kernel_error(name: str, device: torch.device, dtype: torch.dtype, context: Any = None) -> Optional[str]:
-    """``None`` if torch runs attention forward and backward on kernel ``name`` here, else torch's reason."""
+def kernel_error(name: str, device: torch.device, dtype: torch.dtype,
+                 context: Optional[Callable[[], AbstractContextManager]] = None) -> Optional[str]:
+    """``None`` if attention runs forward and backward on kernel ``name`` here (inside a fresh ``context()``), else
+    the reason."""
     # head_dim 64, a multiple of 8: the fused kernels' common requirement, as in real models.
     q = torch.randn(1, 2, 16, 64, device=device, dtype=dtype, requires_grad=True)
     try:
-        with context if context is not None else nullcontext(), sdpa_kernel(KERNELS[name]):
-            F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
-    except RuntimeError as err:
+        with context() if context is not None else nullcontext():
+            if name == "blocked":
+                attention(q, q, q, causal=True).sum().backward()
+            else:
+                with sdpa_kernel(KERNELS[name]):
+                    F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    except (RuntimeError, NotImplementedError) as err:
         return str(err).splitlines()[0]
     return None
 
@@ -88,16 +115,21 @@ class AttentionKernel(SurgeryCallback):
     """Choose the kernel behind ``F.scaled_dot_product_attention`` for the user's unchanged model.
 
     Args:
-        backend: ``"flash"``, ``"efficient"`` (memory-efficient), ``"cudnn"``, ``"math"``, or
-            ``"auto"``: the first available of flash, efficient, cudnn, math on the model's device
-            and dtype (logged). Requesting a kernel that is not available is a ``ValueError``
-            before training (no silent fallback), naming the kernels available here.
+        backend: ``"flash"``, ``"efficient"`` (memory-efficient), ``"cudnn"``, ``"math"`` (torch's kernels),
+            ``"blocked"`` (lightning_hbm's, see the module docstring), or ``"auto"``: the first available of flash,
+            efficient, cudnn, math on the model's device and dtype (logged), and, shape by shape, the blocked kernel
+            where it runs forward + backward in at most ``BLOCKED_MARGIN`` (0.9) of that kernel's time (timed at the
+            end of the first training step that runs the shape; each choice logged with both times, kept in
+            :attr:`timings` and in checkpoints, so that a resumed run computes as the first did). Requesting a
+            kernel that is not available is a ``ValueError`` before training (no silent fallback), naming the
+            kernels available here. With ``"blocked"``, a call it cannot take (attention dropout, a mask that needs
+            a gradient, shapes that broadcast) runs on torch's kernel, and a warning names the reason.
 
     Hugging Face models are switched to ``attn_implementation="sdpa"``; with ``"flash"`` on CUDA
     and ``flash-attn`` installed, to ``"flash_attention_2"`` instead.
 
     Logged keys: none (no metric). The chosen kernel is logged once through Python logging (rank
-    zero) and kept in :attr:`chosen`.
+    zero) and kept in :attr:`chosen`; ``"auto"``'s per-shape choices likewise, in :attr:`timings`.
 
     Example::
 
@@ -114,17 +146,24 @@ class AttentionKernel(SurgeryCallback):
     stage = Stage.KERNELS
     reapply = True  # a new instance (e.g. a test Trainer after fit) chooses its kernel again
 
-    def __init__(self, backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = "auto") -> None:
+    def __init__(self, backend: Literal["auto", "flash", "efficient", "cudnn", "math", "blocked"] = "auto") -> None:
         check_args(AttentionKernel.__init__, locals())
-        if backend != "auto" and backend not in KERNELS:
+        if backend not in BACKENDS:
             raise ValueError(
-                f"AttentionKernel(backend={backend!r}): choose one of {['auto', *KERNELS]} ('auto' picks the best "
+                f"AttentionKernel(backend={backend!r}): choose one of {list(BACKENDS)} ('auto' picks the best "
                 "available on the model's device and dtype)."
             )
         self.backend = backend
         self.chosen: Optional[str] = None
         self.hf_implementation: Optional[str] = None
+        #: "auto": each attention shape timed on torch's kernel and on the blocked one (the blocked one runs it
+        #: where ``blocked_s <= BLOCKED_MARGIN * torch_s``)
+        self.timings: dict[Signature, Timing] = {}
+        #: the modules whose forward calls ``F.scaled_dot_product_attention`` (found on the first training batch)
+        self.routed: Optional[list[str]] = None
         self._kernels: list[SDPBackend] = []
+        self._router: Optional[Router] = None
+        self._warned: set[str] = set()
         self._stack = ExitStack()
 
     @override
@@ -132,9 +171,9 @@ class AttentionKernel(SurgeryCallback):
         device, dtype = _compute_device_and_dtype(module)
         trainer = lightning_compat.attached_trainer(module)
         # Probe under the precision plugin's forward context: autocast ("bf16-mixed") changes the dtype.
-        context = trainer.strategy.precision_plugin.forward_context() if trainer is not None else None
-        errors = {name: kernel_error(name, device, dtype, context) for name in _AUTO_ORDER}
-        available = [name for name in _AUTO_ORDER if errors[name] is None]
+        context = trainer.strategy.precision_plugin.forward_context if trainer is not None else None
+        errors = {name: kernel_error(name, device, dtype, context) for name in (*_AUTO_ORDER, "blocked")}
+        available = [name for name in (*_AUTO_ORDER, "blocked") if errors[name] is None]
         if self.backend != "auto" and self.backend not in available:
             hint = ""
             if self.backend == "flash" and device.type == "cuda" and dtype == torch.float32:
@@ -144,7 +183,7 @@ class AttentionKernel(SurgeryCallback):
                 f"{device.type} with {dtype} (torch: {errors[self.backend]}).{hint} Available here: {available}; "
                 "choose one of them or 'auto'."
             )
-        self.chosen = available[0] if self.backend == "auto" else self.backend
+        self.chosen = [n for n in available if n != "blocked"][0] if self.backend == "auto" else self.backend
         hf_models = _hf_models(module)
         implementation = "sdpa"
         if self.chosen == "flash" and device.type == "cuda" and _FLASH_ATTN_AVAILABLE:
@@ -160,7 +199,14 @@ class AttentionKernel(SurgeryCallback):
         self.hf_implementation = implementation if hf_models else None
         # "auto" keeps the other available kernels as fallbacks (in priority order) for shapes the
         # first one does not take (e.g. an odd head size); an explicit choice allows only that kernel.
-        self._kernels = [KERNELS[n] for n in available] if self.backend == "auto" else [KERNELS[self.chosen]]
+        if self.backend == "auto":
+            self._kernels = [KERNELS[n] for n in available if n != "blocked"]
+        else:  # "blocked": the calls it does not take run on torch's own choice
+            self._kernels = [KERNELS[self.chosen]] if self.chosen in KERNELS else []
+        blocked = self.backend == "blocked" or (self.backend == "auto" and "blocked" in available)
+        self._router = Router(self.backend == "blocked", self.timings) if blocked else None
+        self.routed = None
+        unroute(module)  # an earlier AttentionKernel's routing; this one finds the callers again
         note = ""
         if hf_models:
             note = f"; transformers attn_implementation={implementation!r}"
@@ -170,21 +216,91 @@ class AttentionKernel(SurgeryCallback):
 
     def _enter(self) -> None:
         self._exit()  # a batch that raised never reached its *_batch_end
-        if self.chosen is not None:
+        if self.chosen is not None and self._kernels:
             self._stack.enter_context(sdpa_kernel(self._kernels, set_priority=self.backend == "auto"))
 
     def _exit(self) -> None:
         self._stack.close()
 
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """The kernel choice around code run outside the Trainer's batch hooks (a benchmark's own training step).
+
+        After fit: the timings "auto" made in fit apply; no new shape is timed.
+        """
+        self._enter()
+        try:
+            yield
+        finally:
+            self._exit()
+
+    def _find_callers(self, pl_module: pl.LightningModule, batch: Any) -> None:
+        """Route the modules that call attention, found by one forward of the first batch without gradients (the
+        random state put back, so that training draws what it would have drawn)."""
+        assert self._router is not None
+        model: Any = pl_module
+        with torch.random.fork_rng(devices=[pl_module.device] if pl_module.device.type == "cuda" else []), torch.no_grad():
+            if has_forward(pl_module):
+                self.routed = attention_callers(model, lambda: probe_output(model, batch))
+            else:  # a LightningModule that trains through training_step alone
+                self.routed = attention_callers(model, lambda: model.training_step(batch, 0))
+        route(model, self.routed, self._router)
+        classes = ", ".join(dict.fromkeys(type(pl_module.get_submodule(n)).__name__ for n in self.routed))
+        if self.routed:
+            rank_zero_info(f"lightning_hbm: attention routed through {len(self.routed)} modules ({classes})")
+        elif self.backend == "blocked":
+            rank_zero_warn(
+                f"AttentionKernel('blocked'): no module of {type(pl_module).__name__} called "
+                "F.scaled_dot_product_attention on the first training batch, so the blocked kernel runs nowhere. Use "
+                "a model whose attention calls it (transformers models: attn_implementation='sdpa'), or drop the callback."
+            )
+
+    def _settle(self) -> None:
+        """After a training step: warn about calls "blocked" could not take; time the shapes "auto" has not seen."""
+        assert self._router is not None
+        for why, shapes in self._router.refused.items():
+            if why not in self._warned and self.backend == "blocked":
+                self._warned.add(why)
+                rank_zero_warn(
+                    f"AttentionKernel('blocked'): attention calls with {why} (e.g. q, k, v of shapes {shapes}) ran on "
+                    "torch's kernel instead. Remove the cause (e.g. attention dropout 0) or use backend='auto'."
+                )
+        self._router.refused.clear()
+        seen, self._router.seen = self._router.seen, {}
+        if self.backend != "auto":
+            return
+        for signature, call in seen.items():
+            if signature not in self.timings:
+                timing = self.timings[signature] = time_kernels(call)
+                choice = "blocked" if self._router.uses_blocked(signature) else f"torch's ({self.chosen})"
+                rank_zero_info(
+                    f"lightning_hbm: attention ({signature}): forward + backward {timing.torch_s * 1e3:.2f} ms on "
+                    f"torch's {self.chosen} kernel, {timing.blocked_s * 1e3:.2f} ms blocked -> {choice} kernel from "
+                    "the next step on"
+                )
+
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._enter()
+        if self._router is not None and self.routed is None:
+            self._find_callers(pl_module, batch)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._router is not None:
+            self._settle()  # inside the step's sdpa_kernel scope: torch's kernel is timed as it ran
         self._exit()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"timings": [(tuple(s), tuple(t)) for s, t in self.timings.items()]} if self.timings else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.timings.clear()  # the router reads this dict
+        self.timings.update({Signature(*s): Timing(*t) for s, t in state_dict.get("timings", [])})
 
     @override
     def on_validation_batch_start(
@@ -249,4 +365,4 @@ class AttentionKernel(SurgeryCallback):
         self._exit()
 
 
-__all__ = ["KERNELS", "AttentionKernel", "kernel_error"]
+__all__ = ["BACKENDS", "KERNELS", "AttentionKernel", "kernel_error"]

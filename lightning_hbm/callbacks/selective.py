@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
+from lightning_hbm.callbacks import blocked_attention as _registers_the_op  # noqa: F401 - torch.ops.lightning_hbm below
 from lightning_hbm.precision.registry import format_of
 
 _aten = torch.ops.aten
@@ -40,6 +41,7 @@ ATTENTION: frozenset[Any] = frozenset({
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.lightning_hbm.blocked_attention.default,  # lightning_hbm's own (AttentionKernel "blocked"/"auto")
 })
 # A matmul contracting fewer features (a LoRA adapter's rank-r product) is recomputed: 2 * 64 flops per output
 # element is about what an attention score product over head dimension 64 costs, which is kept.

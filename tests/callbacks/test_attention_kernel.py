@@ -117,7 +117,7 @@ def test_unavailable_kernel_is_an_error_before_training(
     with pytest.raises(
         ValueError,
         match=rf"backend='{backend}'\): the '{backend}' attention kernel is not available on cpu with torch.float32 "
-        r"\(torch: .*\)\. Available here: \['flash', 'math'\]; choose one of them or 'auto'",
+        r"\(torch: .*\)\. Available here: \['flash', 'math', 'blocked'\]; choose one of them or 'auto'",
     ):
         trainer.fit(model, datamodule=datamodule_factory(seq_len=16, batch_size=2))
     assert trainer.global_step == 0
@@ -125,7 +125,7 @@ def test_unavailable_kernel_is_an_error_before_training(
 
 
 def test_unknown_backend_is_an_error() -> None:
-    with pytest.raises(ValueError, match=r"backend='xformers'\): choose one of \['auto', 'flash', 'efficient', 'cudnn', 'math'\]"):
+    with pytest.raises(ValueError, match=r"backend='xformers'\): choose one of \['auto', 'flash', 'efficient', 'cudnn', 'math', 'blocked'\]"):
         AttentionKernel("xformers")  # type: ignore[arg-type]
 
 
