@@ -59,6 +59,7 @@ import argparse
 import contextlib
 import gc
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -155,7 +156,7 @@ def lightning_hbm_stack(path: str, dtype: torch.dtype, device: str, name: str, b
     """Surgery applied by a real Trainer (one fit step), then the module and its optimizer (``name``: see STACKS)."""
     module = PeerLM(path, dtype)
     callbacks: list[pl.Callback] = [LoRA(r=LORA_R, alpha=LORA_ALPHA)]
-    chunks = int(name.split("-mlp")[1].split("-")[0]) if "-mlp" in name else 1  # "-mlp2": ActivationCheckpointing(mlp_chunks=2)
+    chunks = int(re.search(r"-mlp(\d+)", name).group(1)) if "-mlp" in name else 1  # type: ignore[union-attr]  # "-mlp2": mlp_chunks=2
     policy = "selective" if "-sel" in name else "full"
     callbacks += [] if "-noac" in name else [ActivationCheckpointing(policy, mlp_chunks=chunks)]
     callbacks += [FusedLoss()] if "+fused" in name else []

@@ -1,18 +1,22 @@
-"""Attention as chunks of batched matmuls, keeping what a fused kernel keeps: ``lightning_hbm::blocked_attention``.
+"""Attention as chunks of batched matmuls, saving less than a fused kernel: ``lightning_hbm::blocked_attention``.
 
 Why by hand: on the CPU of the Dec 2 tables (2-core AMD EPYC with AVX512-BF16), torch's fused CPU kernel
 (``_scaled_dot_product_flash_attention_for_cpu``) took 8.4 ms forward and 16.6 ms backward for SmolLM2's attention
-(9 heads x 512 positions x 64, bf16, causal), about a third of a QLoRA step with full recompute, where the same
-arithmetic on ``torch.bmm`` (oneDNN's bf16 matmuls) takes about half of it. torch's math kernel is slower still
-(14.3 + 20.8 ms) and keeps every score for backward.
+(9 heads x 512 positions x 64, bf16, causal), about a third of a QLoRA step with full recompute, where this kernel,
+on ``torch.bmm`` (oneDNN's bf16 matmuls), takes about 0.7x of that time (``benchmarks/README.md``). torch's math
+kernel is slower still (14.3 + 20.8 ms) and keeps every score for backward.
 
-Memory, as a fused kernel: backward needs the inputs, the output and one fp32 log-sum-exp per query row; the scores
-exist only for one chunk of query positions at a time (:data:`CHUNK_BYTES` of fp32 scores), in forward and again in
-backward, where they are recomputed from the log-sum-exp.
+Memory: backward keeps the inputs and one number per query row (no output, no fp32 log-sum-exp: less than the fused
+kernel); the scores exist only for one chunk of query positions at a time (:data:`CHUNK_BYTES` of them), in forward
+and again in backward, which recomputes them.
 
-Precision: the products ``q @ k.T`` and ``p @ v`` are matmuls in the input dtype (fp32 accumulation, rounded to it, as
-Hugging Face's eager attention does); the scale, the mask, the softmax and its gradient are fp32. A query row whose
-keys are all masked gets a zero output and zero gradients, as torch's kernels give it.
+Precision: a bf16 matmul rounds its fp32 sums once, relative to their size, and the softmax depends on each score
+minus its row's largest. So each chunk first finds its rows' largest scores with one bf16 matmul, then computes
+``[q, -largest] @ [k, 1].T`` (an extra column), which rounds the small differences that matter instead of the large
+scores. Without it (bf16 scores, as Hugging Face's eager attention rounds them) the real SmolLM2's weight gradients
+were at cosine 0.898 to the fp32 model's on one batch of four, where torch's fused kernel gave 0.975; with it, 0.967
+(``benchmarks/attention_precision.py``). The softmax and its gradient run in torch's fused kernels (fp32 inside). A
+query row whose keys are all masked gets a zero output and zero gradients, as torch's kernels give it.
 
 One custom operator for forward and one for backward (``torch.library``), so that a dispatch mode (selective
 checkpointing's policy, the profilers) sees one attention operator, and fake tensors have the outputs' shapes.
@@ -32,7 +36,8 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_hbm._compat import torch as torch_compat
 
-#: scores held at once per chunk of query positions, in bytes of the input dtype (backward holds a few such buffers)
+#: scores held at once per chunk of query positions, in bytes of the input dtype (backward holds a few such buffers);
+#: 1 MiB was the fastest of 0.25-8 MiB at SmolLM2's and the 100M shape's attention on the Dec 2 CPU
 CHUNK_BYTES = 1 * 2**20
 
 
@@ -67,19 +72,42 @@ def _bias(mask: Optional[Tensor], q: Tensor, heads_kv: int, lk: int, causal: boo
     return m.to(q.dtype)
 
 
-def _probabilities(q5: Tensor, k: Tensor, bias: Optional[Tensor], scale: float, masked: bool, i0: int,
-                   i1: int, kend: int) -> tuple[Tensor, Tensor]:
-    """The chunk's queries [B*Hkv, G*c, D] and its attention probabilities [B*Hkv, G*c, kend], in q's dtype."""
-    b, hkv, g, _, d = q5.shape
-    qc = q5[:, :, :, i0:i1].reshape(b * hkv, g * (i1 - i0), d)
-    kt = k[:, :kend].transpose(1, 2)
-    s = torch.bmm(qc, kt).mul_(scale) if bias is None else torch.baddbmm(bias, qc, kt, alpha=scale)
+def _with_columns(x: Tensor, *columns: Tensor) -> Tensor:
+    """``x`` [N, R, D] with ``columns`` [N, R] appended, and a zero column if that makes the width odd (oneDNN's bf16
+    matmul ran at half speed with 65 columns on the Dec 2 CPU, at full speed with 66)."""
+    extra = [c.unsqueeze(-1).to(x.dtype) for c in columns]
+    if (x.shape[-1] + len(extra)) % 2:
+        extra.append(x.new_zeros(*x.shape[:-1], 1))
+    return torch.cat([x, *extra], dim=-1)
+
+
+def _probabilities(qc: Tensor, k1: Tensor, offset: Tensor, bias: Optional[Tensor], scale: float,
+                   masked: bool) -> Tensor:
+    """Attention probabilities [N, R, kend] of queries ``qc`` [N, R, D] over keys ``k1`` [N, kend, D + 1 (+ 1)] (a
+    column of ones appended), each row's scores lowered by its ``offset`` [N, R] inside the matmul.
+
+    Why the offset: a bf16 matmul rounds its fp32 sums once, relative to their size; the softmax depends on scores
+    minus their row's maximum, which for the keys that matter are small numbers. ``[q, -offset] @ [k, 1].T`` rounds
+    ``q @ k.T - offset`` itself (torch's fused kernels keep fp32 scores instead).
+    """
+    qa = _with_columns(qc, -offset)
+    u = torch.baddbmm(bias if bias is not None else qa.new_zeros(()), qa, k1[..., : qa.shape[-1]].transpose(1, 2),
+                      beta=1 if bias is not None else 0, alpha=scale)
     # _safe_softmax: a row whose keys are all masked gets zeros (plain softmax: NaN), as torch's kernels give it
-    return qc, (torch.ops.aten._safe_softmax(s, -1) if masked else torch.softmax(s, -1))
+    return torch.ops.aten._safe_softmax(u, -1) if masked else torch.softmax(u, -1)
+
+
+def _prepared(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q as [B, Hkv, G, Lq, D]; k and v as [B*Hkv, Lk, D + 2] with columns of ones (the offsets' partners)."""
+    b, hkv, lk = k.shape[:3]
+    ones = k.new_ones(b * hkv, lk)
+    return (_grouped(q, hkv), _with_columns(k.reshape(b * hkv, lk, -1), ones, ones),
+            _with_columns(v.reshape(b * hkv, lk, -1), ones, ones))
 
 
 @torch.library.custom_op("lightning_hbm::blocked_attention", mutates_args=())
-def blocked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool, scale: float) -> Tensor:
+def blocked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
+                      scale: float) -> tuple[Tensor, Tensor]:
     """Attention of ``q`` [B, Hq, Lq, D] over ``k`` [B, Hkv, Lk, D] and ``v`` [B, Hkv, Lk, Dv] (Hq a multiple of Hkv).
 
     Args:
@@ -88,34 +116,43 @@ def blocked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], c
         scale: multiplies ``q @ k.T``.
 
     Returns:
-        the output [B, Hq, Lq, Dv] in q's dtype.
+        the output [B, Hq, Lq, Dv] in q's dtype, and each query row's score offset [B, Hq, Lq] (the largest of its
+        unscaled scores, as a first bf16 matmul finds it), which backward reuses.
     """
-    b, hq, lq, _ = q.shape
+    b, hq, lq, d = q.shape
     hkv, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    q5, g = _grouped(q, hkv), hq // hkv
-    kf, vf = k.reshape(b * hkv, lk, -1), v.reshape(b * hkv, lk, dv)
+    g = hq // hkv
+    q5, k1, v1 = _prepared(q, k, v)
     out = q.new_empty(b * hkv, g, lq, dv)
+    offsets = q.new_empty(b * hkv, g, lq)
     for i0, i1, kend in _chunks(b * hq, lq, lk, causal, q.element_size()):
+        c = i1 - i0
         bias = _bias(mask, q, hkv, lk, causal, i0, i1, kend)
-        _, p = _probabilities(q5, kf, bias, scale, mask is not None, i0, i1, kend)
-        out[:, :, i0:i1] = torch.bmm(p, vf[:, :kend]).view(b * hkv, g, i1 - i0, dv)
-    return out.view(b, hq, lq, dv)
+        qc = q5[:, :, :, i0:i1].reshape(b * hkv, g * c, d)
+        kt = k1[:, :kend, :d].transpose(1, 2)
+        rough = torch.bmm(qc, kt) if bias is None else torch.baddbmm(bias, qc, kt)
+        offset = rough.amax(-1)
+        offset.masked_fill_(offset == -math.inf, 0.0)  # a row with every key masked
+        p = _probabilities(qc, k1[:, :kend], offset, bias, scale, mask is not None)
+        out[:, :, i0:i1] = torch.bmm(p, v1[:, :kend, :dv]).view(b * hkv, g, c, dv)
+        offsets[:, :, i0:i1] = offset.view(b * hkv, g, c)
+    return out.view(b, hq, lq, dv), offsets.view(b, hq, lq)
 
 
 @blocked_attention.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool, scale: float) -> Tensor:
-    return q.new_empty(*q.shape[:3], v.shape[-1])
+def _(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    return q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3])
 
 
 @torch.library.custom_op("lightning_hbm::blocked_attention_backward", mutates_args=())
-def blocked_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
-                               scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def blocked_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+                               offsets: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`blocked_attention`'s output for q, k and v (the probabilities recomputed per chunk)."""
     b, hq, lq, d = q.shape
     hkv, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = hq // hkv
-    q5, grad5 = _grouped(q, hkv), _grouped(grad, hkv)
-    kf, vf = k.reshape(b * hkv, lk, d), v.reshape(b * hkv, lk, dv)
+    q5, k1, v1 = _prepared(q, k, v)
+    grad5, offsets5 = _grouped(grad, hkv), offsets.reshape(b * hkv, g, lq)
     dq = q.new_empty(b * hkv, g, lq, d)
     # key and value gradients sum over every chunk (and every query head of the group): fp32 sums
     dk = torch.zeros(b * hkv, lk, d, dtype=torch.float32, device=q.device)
@@ -123,31 +160,33 @@ def blocked_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, ma
     for i0, i1, kend in _chunks(b * hq, lq, lk, causal, q.element_size()):
         c = i1 - i0
         bias = _bias(mask, q, hkv, lk, causal, i0, i1, kend)
-        qc, p = _probabilities(q5, kf, bias, scale, mask is not None, i0, i1, kend)
+        qc = q5[:, :, :, i0:i1].reshape(b * hkv, g * c, d)
+        p = _probabilities(qc, k1[:, :kend], offsets5[:, :, i0:i1].reshape(b * hkv, g * c), bias, scale,
+                           mask is not None)
         gc = grad5[:, :, :, i0:i1].reshape(b * hkv, g * c, dv)
         dv_[:, :kend] += torch.bmm(p.transpose(1, 2), gc)
-        dp = torch.bmm(gc, vf[:, :kend].transpose(1, 2))
+        dp = torch.bmm(gc, v1[:, :kend, :dv].transpose(1, 2))
         ds = torch.ops.aten._softmax_backward_data(dp, p, -1, p.dtype)  # p * (dp - rowsum(p * dp)): one fused kernel
-        dq[:, :, i0:i1] = torch.bmm(ds, kf[:, :kend]).mul_(scale).view(b * hkv, g, c, d)
+        dq[:, :, i0:i1] = torch.bmm(ds, k1[:, :kend, :d]).mul_(scale).view(b * hkv, g, c, d)
         dk[:, :kend] += torch.bmm(ds.transpose(1, 2), qc).mul_(scale)
     return dq.view(b, hq, lq, d), dk.to(k.dtype).view(k.shape), dv_.to(v.dtype).view(v.shape)
 
 
 @blocked_attention_backward.register_fake
-def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
+def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], offsets: Tensor, causal: bool,
       scale: float) -> tuple[Tensor, Tensor, Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     q, k, v, mask, causal, scale = inputs
-    ctx.save_for_backward(q, k, v, mask)  # no output, no log-sum-exp: backward recomputes the probabilities
+    ctx.save_for_backward(q, k, v, mask, output[1])  # the inputs and one bf16 number per row (no output)
     ctx.causal, ctx.scale = causal, scale
 
 
-def _backward(ctx, grad: Tensor):  # type: ignore[no-untyped-def]
-    q, k, v, mask = ctx.saved_tensors
-    dq, dk, dv = blocked_attention_backward(grad.contiguous(), q, k, v, mask, ctx.causal, ctx.scale)
+def _backward(ctx, grad: Tensor, _offsets_grad: Optional[Tensor]):  # type: ignore[no-untyped-def]
+    q, k, v, mask, offsets = ctx.saved_tensors
+    dq, dk, dv = blocked_attention_backward(grad.contiguous(), q, k, v, mask, offsets, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None
 
 
@@ -158,7 +197,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, ca
               scale: Optional[float] = None) -> Tensor:
     """``F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=scale, enable_gqa=True)`` without
     dropout, on :func:`blocked_attention`."""
-    return blocked_attention(q, k, v, mask, causal, scale if scale is not None else q.shape[-1] ** -0.5)
+    return blocked_attention(q, k, v, mask, causal, scale if scale is not None else q.shape[-1] ** -0.5)[0]
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -92,14 +92,15 @@ def test_a_fully_masked_row_gives_zeros_as_torch_does() -> None:
 
 
 def test_bf16_error_is_of_the_order_of_torchs_own() -> None:
-    """bf16 products (as Hugging Face's eager attention); the fused kernel keeps fp32 scores: within 3x its error."""
+    """bf16 matmuls, the scores rounded after their row's offset; the fused kernel keeps fp32 scores: within 2x its
+    error (the real model's gradients: ``benchmarks/attention_precision.py``)."""
     torch.manual_seed(0)
     q, k, v = (t.detach() for t in _qkv(1, 9, 3, 256, 256, 64, torch.float32))
     reference = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     low = [t.bfloat16() for t in (q, k, v)]
     ours = (attention(*low, causal=True).float() - reference).abs().max()
     torchs = (F.scaled_dot_product_attention(*low, is_causal=True, enable_gqa=True).float() - reference).abs().max()
-    assert ours <= 3 * torchs, (ours, torchs)
+    assert ours <= 2 * torchs, (ours, torchs)
 
 
 def _saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
@@ -120,7 +121,8 @@ def test_saves_no_more_for_backward_than_torchs_fused_kernel() -> None:
     ours = _saved_bytes(lambda: attention(q, k, v, causal=True))
     flash = _saved_bytes(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     inputs = sum(t.numel() * t.element_size() for t in (q, k, v))
-    assert ours == inputs  # q, k, v only: backward recomputes the probabilities
+    rows = 9 * 512 * 2  # one bf16 offset per query row
+    assert ours == inputs + rows  # backward recomputes the probabilities: no output, no fp32 log-sum-exp
     assert ours < flash  # the fused kernel also keeps its output and a log-sum-exp
 
 
