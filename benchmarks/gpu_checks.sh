@@ -35,4 +35,4 @@ run lora        benchmarks/lora_memory.py --accelerator cuda
 # lhbm+fused-mlp2: ActivationCheckpointing(mlp_chunks=2), the MLPs' recompute in token chunks (CPU, 100M: 1.14x the floor)
 echo "== peer_qlora: benchmarks/peer_qlora.py --device cuda --preset 1b"
 timeout 240 python3 benchmarks/peer_qlora.py --device cuda --preset 1b --rounds 3 \
-  --stacks hf,lhbm,lhbm+fused,lhbm+fused-mlp2,lhbm+fused-noac,torchtune,litgpt,litgpt+ac 2>&1 | tee "$OUT/peer_qlora_1b.log" | tail -10
+  --stacks hf,lhbm,lhbm+fused,lhbm+fused+attn,lhbm+fused-mlp2,lhbm+fused-noac,torchtune,litgpt,litgpt+ac 2>&1 | tee "$OUT/peer_qlora_1b.log" | tail -10

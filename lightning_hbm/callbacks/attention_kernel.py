@@ -23,8 +23,9 @@ matmuls, the scores recomputed in backward, saving no more than a fused kernel):
 call it takes; ``"auto"`` times it against torch's kernel on each attention shape the first time a training step
 runs that shape, and uses it from the next step on where it is clearly faster (measured on CPU in bf16: about half
 of torch's CPU flash kernel's time, ``benchmarks/README.md``). Calls are routed by a ``TorchFunctionMode`` entered
-in the ``forward`` of each module that calls ``F.scaled_dot_product_attention``, found by running the first training
-batch once without gradients (so a recompute under activation checkpointing routes as its forward did).
+in the ``forward`` of each module that calls ``F.scaled_dot_product_attention``, found while the first training step
+runs (on torch's kernel), so that a recompute under activation checkpointing routes as its forward did; the names go
+into checkpoints, so a resumed run routes from its first step.
 """
 
 from __future__ import annotations
@@ -49,12 +50,11 @@ from lightning_hbm.callbacks.blocked_attention import (
     Signature,
     Timing,
     attention,
-    attention_callers,
+    CallerRecorder,
     route,
     time_kernels,
     unroute,
 )
-from lightning_hbm.probe import has_forward, probe_output
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 _FLASH_ATTN_AVAILABLE = RequirementCache("flash-attn")
@@ -96,6 +96,14 @@ def kernel_error(name: str, device: torch.device, dtype: torch.dtype,
     except (RuntimeError, NotImplementedError) as err:
         return str(err).splitlines()[0]
     return None
+
+
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _hf_models(module: nn.Module) -> list[nn.Module]:
@@ -163,6 +171,8 @@ class AttentionKernel(SurgeryCallback):
         self.routed: Optional[list[str]] = None
         self._kernels: list[SDPBackend] = []
         self._router: Optional[Router] = None
+        self._recorder: Optional[CallerRecorder] = None
+        self._restored_routes: Optional[list[str]] = None
         self._warned: set[str] = set()
         self._stack = ExitStack()
 
@@ -205,8 +215,8 @@ class AttentionKernel(SurgeryCallback):
             self._kernels = [KERNELS[self.chosen]] if self.chosen in KERNELS else []
         blocked = self.backend == "blocked" or (self.backend == "auto" and "blocked" in available)
         self._router = Router(self.backend == "blocked", self.timings) if blocked else None
-        self.routed = None
         unroute(module)  # an earlier AttentionKernel's routing; this one finds the callers again
+        self.routed = None
         note = ""
         if hf_models:
             note = f"; transformers attn_implementation={implementation!r}"
@@ -234,24 +244,17 @@ class AttentionKernel(SurgeryCallback):
         finally:
             self._exit()
 
-    def _find_callers(self, pl_module: pl.LightningModule, batch: Any) -> None:
-        """Route the modules that call attention, found by one forward of the first batch without gradients (the
-        random state put back, so that training draws what it would have drawn)."""
+    def _route(self, pl_module: pl.LightningModule, names: list[str]) -> None:
         assert self._router is not None
-        model: Any = pl_module
-        with torch.random.fork_rng(devices=[pl_module.device] if pl_module.device.type == "cuda" else []), torch.no_grad():
-            if has_forward(pl_module):
-                self.routed = attention_callers(model, lambda: probe_output(model, batch))
-            else:  # a LightningModule that trains through training_step alone
-                self.routed = attention_callers(model, lambda: model.training_step(batch, 0))
-        route(model, self.routed, self._router)
-        classes = ", ".join(dict.fromkeys(type(pl_module.get_submodule(n)).__name__ for n in self.routed))
-        if self.routed:
-            rank_zero_info(f"lightning_hbm: attention routed through {len(self.routed)} modules ({classes})")
+        self.routed = names
+        route(pl_module, names, self._router)
+        classes = ", ".join(dict.fromkeys(type(pl_module.get_submodule(n)).__name__ for n in names))
+        if names:
+            rank_zero_info(f"lightning_hbm: attention routed through {len(names)} modules ({classes})")
         elif self.backend == "blocked":
             rank_zero_warn(
                 f"AttentionKernel('blocked'): no module of {type(pl_module).__name__} called "
-                "F.scaled_dot_product_attention on the first training batch, so the blocked kernel runs nowhere. Use "
+                "F.scaled_dot_product_attention in the first training step, so the blocked kernel runs nowhere. Use "
                 "a model whose attention calls it (transformers models: attn_implementation='sdpa'), or drop the callback."
             )
 
@@ -282,25 +285,40 @@ class AttentionKernel(SurgeryCallback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._enter()
-        if self._router is not None and self.routed is None:
-            self._find_callers(pl_module, batch)
+        if self._router is None or self.routed is not None:
+            return
+        restored, self._restored_routes = self._restored_routes, None
+        if restored is not None and all(_has_submodule(pl_module, n) for n in restored):
+            self._route(pl_module, restored)  # a resumed run: routed as the run it resumes, from its first step
+        else:  # the first step runs torch's kernel, and finds the modules that call attention (no extra forward)
+            self._recorder = CallerRecorder(pl_module, self._router)
+            self._stack.enter_context(self._recorder)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        recorder, self._recorder = self._recorder, None
+        self._exit()  # the recorder's hooks and mode first: the timing below runs its own attention calls
+        if recorder is not None:
+            self._route(pl_module, list(recorder.found))
         if self._router is not None:
-            self._settle()  # inside the step's sdpa_kernel scope: torch's kernel is timed as it ran
-        self._exit()
+            with ExitStack() as scope:  # torch's kernel timed as the step ran it
+                if self.chosen is not None and self._kernels:
+                    scope.enter_context(sdpa_kernel(self._kernels, set_priority=self.backend == "auto"))
+                self._settle()
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"timings": [(tuple(s), tuple(t)) for s, t in self.timings.items()]} if self.timings else {}
+        if self.routed is None and not self.timings:
+            return {}
+        return {"timings": [(tuple(s), tuple(t)) for s, t in self.timings.items()], "routed": self.routed}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.timings.clear()  # the router reads this dict
         self.timings.update({Signature(*s): Timing(*t) for s, t in state_dict.get("timings", [])})
+        self._restored_routes = state_dict.get("routed")
 
     @override
     def on_validation_batch_start(

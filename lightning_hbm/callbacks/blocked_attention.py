@@ -15,7 +15,7 @@ minus its row's largest. So each chunk first finds its rows' largest scores with
 ``[q, -largest] @ [k, 1].T`` (an extra column), which rounds the small differences that matter instead of the large
 scores. Without it (bf16 scores, as Hugging Face's eager attention rounds them) the real SmolLM2's weight gradients
 were at cosine 0.898 to the fp32 model's on one batch of four, where torch's fused kernel gave 0.975; with it, 0.967
-(``benchmarks/attention_precision.py``). The softmax and its gradient run in torch's fused kernels (fp32 inside). A
+(``benchmarks/blocked_attention.py``). The softmax and its gradient run in torch's fused kernels (fp32 inside). A
 query row whose keys are all masked gets a zero output and zero gradients, as torch's kernels give it.
 
 One custom operator for forward and one for backward (``torch.library``), so that a dispatch mode (selective
@@ -322,19 +322,25 @@ class Router:
         timing = self.timings.get(signature)
         return self.always or (timing is not None and timing.blocked_s <= BLOCKED_MARGIN * timing.torch_s)
 
-    def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def observe(self, args: tuple, kwargs: dict) -> Optional[Call]:
+        """The call if this kernel takes it (its signature kept in ``seen`` until timed), else None (the reason kept)."""
         call, why = resolve(args, kwargs)
         if call is None:
             self.refused.setdefault(why, str([list(a.shape) for a in args[:3] if isinstance(a, Tensor)]))
-            return func(*args, **kwargs)
+            return None
         signature = call.signature
         if signature not in self.timings and signature not in self.seen:
             self.seen[signature] = call.shapes()
-        return call.run() if self.uses_blocked(signature) else func(*args, **kwargs)
+        return call
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        call = self.observe(args, kwargs)
+        return call.run() if call is not None and self.uses_blocked(call.signature) else func(*args, **kwargs)
 
 
 class _Mode(TorchFunctionMode):
-    """Hands ``F.scaled_dot_product_attention`` calls to a :class:`Router` (or records them: ``router=None``)."""
+    """Hands ``F.scaled_dot_product_attention`` calls to a :class:`Router`, or (``found`` given) tells ``found`` and
+    runs torch's kernel, the router only observing the call."""
 
     def __init__(self, router: Optional[Router], found: Optional[Callable[[], None]] = None) -> None:
         super().__init__()
@@ -344,9 +350,13 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
+        if self.found is None and self.router is not None:
+            return self.router(func, args, kwargs)
         if self.found is not None:
             self.found()
-        return func(*args, **kwargs) if self.router is None else self.router(func, args, kwargs)
+        if self.router is not None:
+            self.router.observe(args, kwargs)
+        return func(*args, **kwargs)
 
 
 class RoutedForward:
@@ -369,34 +379,49 @@ class RoutedForward:
             return own(*args, **kwargs)
 
 
-def attention_callers(model: nn.Module, run: Callable[[], Any]) -> list[str]:
-    """Names of the modules of ``model`` whose own ``forward`` calls ``F.scaled_dot_product_attention`` in ``run()``
-    (the innermost module running when the call is made): decided by running, whatever the model's source."""
-    names = {id(m): n for n, m in model.named_modules()}
-    stack: list[int] = []
-    found: dict[str, None] = {}
+class CallerRecorder:
+    """Records the modules of ``model`` whose own ``forward`` calls ``F.scaled_dot_product_attention`` while it is
+    entered (the innermost module running at the call): decided by running, whatever the model's source. Every call
+    still runs torch's kernel; ``router`` (if given) observes each (:meth:`Router.observe`)."""
 
-    def enter(module: nn.Module, args: Any) -> None:
-        stack.append(id(module))
+    def __init__(self, model: nn.Module, router: Optional[Router] = None) -> None:
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.found: dict[str, None] = {}
+        self._stack: list[int] = []
+        self._hooks: list[Any] = []
+        self._mode = _Mode(router, self._record)
 
-    def leave(module: nn.Module, args: Any, output: Any) -> None:
-        if stack and stack[-1] == id(module):
-            stack.pop()
+    def _enter_module(self, module: nn.Module, args: Any) -> None:
+        self._stack.append(id(module))
 
-    def record() -> None:
-        inner = next((names[i] for i in reversed(stack) if i in names), None)
+    def _leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._stack and self._stack[-1] == id(module):
+            self._stack.pop()
+
+    def _record(self) -> None:
+        inner = next((self.names[i] for i in reversed(self._stack) if i in self.names), None)
         if inner is not None:
-            found[inner] = None
+            self.found[inner] = None
 
-    pre = torch.nn.modules.module.register_module_forward_pre_hook(enter)
-    post = torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
-    try:
-        with _Mode(None, record):
-            run()
-    finally:
-        pre.remove()
-        post.remove()
-    return list(found)
+    def __enter__(self) -> "CallerRecorder":
+        # process-wide module hooks, for the recorded step only (removed on exit)
+        self._hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._enter_module),
+                       torch.nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True)]
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._stack = [], []
+
+
+def attention_callers(model: nn.Module, run: Callable[[], Any]) -> list[str]:
+    """Names of the modules of ``model`` whose own ``forward`` calls ``F.scaled_dot_product_attention`` in ``run()``."""
+    with CallerRecorder(model) as recorder:
+        run()
+    return list(recorder.found)
 
 
 def route(model: nn.Module, names: list[str], router: Router) -> None:
@@ -457,6 +482,6 @@ def time_kernels(call: Shapes, repeats: int = 3) -> Timing:
     return Timing(min(times["torch"]), min(times["blocked"]))
 
 
-__all__ = ["BLOCKED_MARGIN", "CHUNK_BYTES", "Call", "RoutedForward", "Router", "Shapes", "Signature", "Timing",
+__all__ = ["BLOCKED_MARGIN", "CHUNK_BYTES", "Call", "CallerRecorder", "RoutedForward", "Router", "Shapes", "Signature", "Timing",
            "attention", "attention_callers", "blocked_attention", "blocked_attention_backward", "resolve", "route",
            "time_kernels", "unroute"]

@@ -93,7 +93,7 @@ def test_a_fully_masked_row_gives_zeros_as_torch_does() -> None:
 
 def test_bf16_error_is_of_the_order_of_torchs_own() -> None:
     """bf16 matmuls, the scores rounded after their row's offset; the fused kernel keeps fp32 scores: within 2x its
-    error (the real model's gradients: ``benchmarks/attention_precision.py``)."""
+    error (the real model's gradients: ``benchmarks/blocked_attention.py``)."""
     torch.manual_seed(0)
     q, k, v = (t.detach() for t in _qkv(1, 9, 3, 256, 256, 64, torch.float32))
     reference = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -197,12 +197,13 @@ def test_blocked_runs_in_forward_and_in_the_recompute(
 ) -> None:
     module = gpt_factory() if model == "nanogpt" else llama_factory()
     kernel, ops = AttentionKernel("blocked"), _Ops()
-    trainer = trainer_factory(max_steps=2, callbacks=[ActivationCheckpointing(policy), kernel, ops])
+    trainer = trainer_factory(max_steps=3, callbacks=[ActivationCheckpointing(policy), kernel, ops])
     trainer.fit(module, datamodule=datamodule_factory(seq_len=16, batch_size=2))
     layers = 2
     assert kernel.chosen == "blocked" and len(kernel.routed or []) == layers
     assert all(isinstance(module.get_submodule(n).forward, RoutedForward) for n in kernel.routed or [])
-    for step in ops.steps:  # from the first step on, forward and recompute alike
+    assert FLASH_CPU_OP in ops.steps[0]  # the first step runs torch's kernel and finds the modules that call it
+    for step in ops.steps[1:]:  # then the blocked kernel, forward and recompute alike
         assert FLASH_CPU_OP not in step and BLOCKED_OP in step
         # the kernel's softmax (one chunk here) runs in its forward, in the recompute with "full" (selective keeps the
         # op's output, so backward does not run it again: the profiler still lists the cached call) and in backward
@@ -336,3 +337,25 @@ def test_a_new_trainer_routes_again_with_its_own_kernel(
     trainer_factory(max_steps=2, callbacks=[AttentionKernel("flash"), ops]).fit(model, datamodule=data)
     assert not any(isinstance(m.forward, RoutedForward) for m in model.modules())
     assert BLOCKED_OP not in ops.steps[-1] and FLASH_CPU_OP in ops.steps[-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_on_cuda_equals_torchs_and_auto_chooses_by_timing(
+    dtype: torch.dtype, gpt_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable
+) -> None:
+    torch.manual_seed(0)
+    q, k, v = (t.detach().to("cuda", dtype).requires_grad_() for t in _qkv(2, 8, 2, 256, 256, 64, torch.float32))
+    grad = torch.randn(2, 8, 256, 64, device="cuda", dtype=dtype)
+    got = _forward_backward(attention, q, k, v, grad, causal=True)
+    want = _forward_backward(F.scaled_dot_product_attention, q, k, v, grad, is_causal=True, enable_gqa=True)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=tolerance, atol=tolerance)
+    kernel = AttentionKernel("auto")
+    precision = "32-true" if dtype == torch.float32 else "bf16-true"
+    trainer_factory(accelerator="cuda", precision=precision, max_steps=2, callbacks=[kernel]).fit(
+        gpt_factory(), datamodule=datamodule_factory(seq_len=64, batch_size=2)
+    )
+    assert len(kernel.timings) == 1  # which kernel wins on this GPU is the figure, not the test
+    print(f"cuda {dtype}: {kernel.timings}")
