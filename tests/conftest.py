@@ -148,6 +148,38 @@ def loss_recorder() -> Callable[[], LossRecorder]:
     return LossRecorder
 
 
+class StepOps(pl.Callback):
+    """How often each op ran in each training and validation step (``steps``), by torch's profiler.
+
+    The profiler, not a TorchDispatchMode: under ``inference_mode`` (validation) a dispatch mode sees only
+    ``aten.scaled_dot_product_attention``, never the kernel it dispatched to.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, int]] = []
+        self._profile: Any = None
+
+    @property
+    def names(self) -> set[str]:
+        return {name for step in self.steps for name in step}
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU])
+        self._profile.__enter__()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self._profile.__exit__(None, None, None)
+        counts: dict[str, int] = {}
+        for event in self._profile.events():
+            counts[event.name] = counts.get(event.name, 0) + 1
+        self.steps.append(counts)
+
+    on_validation_batch_start = on_train_batch_start
+    on_validation_batch_end = on_train_batch_end
+
+
 def model_snapshot(model: torch.nn.Module) -> dict[str, Any]:
     """What a refusal must leave as it was: every tensor's bytes, every module's type and train/eval flag."""
     import hashlib

@@ -98,14 +98,6 @@ def kernel_error(name: str, device: torch.device, dtype: torch.dtype,
     return None
 
 
-def _has_submodule(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
-
-
 def _hf_models(module: nn.Module) -> list[nn.Module]:
     """Outermost transformers ``PreTrainedModel``s inside ``module`` (their sub-models follow them)."""
     try:
@@ -288,7 +280,7 @@ class AttentionKernel(SurgeryCallback):
         if self._router is None or self.routed is not None:
             return
         restored, self._restored_routes = self._restored_routes, None
-        if restored is not None and all(_has_submodule(pl_module, n) for n in restored):
+        if restored is not None and set(restored) <= {n for n, _ in pl_module.named_modules()}:
             self._route(pl_module, restored)  # a resumed run: routed as the run it resumes, from its first step
         else:  # the first step runs torch's kernel, and finds the modules that call attention (no extra forward)
             self._recorder = CallerRecorder(pl_module, self._router)

@@ -5,42 +5,18 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from conftest import StepOps
 from lightning_hbm import ActivationCheckpointing, AttentionKernel, QuantizedPrecision
 
 FLASH_CPU_OP = "aten::_scaled_dot_product_flash_attention_for_cpu"
 MATH_OP = "aten::_scaled_dot_product_attention_math"
 
 
-class _StepOps(pl.Callback):
-    """Names of the ops that ran in training and validation steps (not in the availability probes).
-
-    torch.profiler, not a TorchDispatchMode: under ``inference_mode`` (validation) a dispatch mode
-    sees only ``aten.scaled_dot_product_attention``, never the kernel it dispatched to.
-    """
-
-    def __init__(self) -> None:
-        self.names: set[str] = set()
-        self._profile: Any = None
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._profile = profile(activities=[ProfilerActivity.CPU])
-        self._profile.__enter__()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self._profile.__exit__(None, None, None)
-        self.names.update(event.name for event in self._profile.events())
-
-    on_validation_batch_start = on_train_batch_start
-    on_validation_batch_end = on_train_batch_end
-
-
 def _fit_recording_ops(trainer: Any, model: Any, datamodule: Any) -> set[str]:
-    recorder = _StepOps()
+    recorder = StepOps()
     trainer.callbacks.append(recorder)
     trainer.fit(model, datamodule=datamodule)
     return recorder.names
@@ -74,7 +50,7 @@ def test_new_trainer_on_an_already_changed_model_uses_its_own_kernel(
 ) -> None:
     model, datamodule = gpt_factory(), datamodule_factory(seq_len=16, batch_size=2)
     trainer_factory(max_steps=1, callbacks=[AttentionKernel("flash")]).fit(model, datamodule=datamodule)
-    callback, recorder = AttentionKernel("math"), _StepOps()
+    callback, recorder = AttentionKernel("math"), StepOps()
     trainer_factory(limit_val_batches=1, callbacks=[callback, recorder]).validate(model, datamodule=datamodule, verbose=False)
     assert callback.chosen == "math" and FLASH_CPU_OP not in recorder.names
     assert MATH_OP in recorder.names

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.profiler import ProfilerActivity, profile
 
 import lightning_hbm.callbacks.attention_kernel as attention_kernel
 import lightning_hbm.callbacks.blocked_attention as blocked
+from conftest import StepOps
 from lightning_hbm import ActivationCheckpointing, AttentionKernel
 from lightning_hbm.callbacks.blocked_attention import RoutedForward, Timing, attention, resolve
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
@@ -170,25 +170,6 @@ def test_gqa_needs_enable_gqa_as_torch_does() -> None:
     assert resolve((q, kv, kv), {"enable_gqa": True})[0] is not None
 
 
-class _Ops(pl.Callback):
-    """The profiled op names of each training step (and how often each ran)."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, int]] = []
-        self._profile: Any = None
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._profile = profile(activities=[ProfilerActivity.CPU])
-        self._profile.__enter__()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self._profile.__exit__(None, None, None)
-        counts: dict[str, int] = {}
-        for event in self._profile.events():
-            counts[event.name] = counts.get(event.name, 0) + 1
-        self.steps.append(counts)
-
-
 @pytest.mark.parametrize("policy", ["full", "selective"])
 @pytest.mark.parametrize("model", ["nanogpt", "llama"])
 def test_blocked_runs_in_forward_and_in_the_recompute(
@@ -196,7 +177,7 @@ def test_blocked_runs_in_forward_and_in_the_recompute(
     trainer_factory: Callable,
 ) -> None:
     module = gpt_factory() if model == "nanogpt" else llama_factory()
-    kernel, ops = AttentionKernel("blocked"), _Ops()
+    kernel, ops = AttentionKernel("blocked"), StepOps()
     trainer = trainer_factory(max_steps=3, callbacks=[ActivationCheckpointing(policy), kernel, ops])
     trainer.fit(module, datamodule=datamodule_factory(seq_len=16, batch_size=2))
     layers = 2
@@ -252,7 +233,7 @@ def test_auto_times_each_shape_after_its_first_step_and_keeps_the_choice(
         return Timing(torch_s=0.010, blocked_s=0.005)
 
     monkeypatch.setattr(attention_kernel, "time_kernels", fake_timing)
-    kernel, ops = AttentionKernel("auto"), _Ops()
+    kernel, ops = AttentionKernel("auto"), StepOps()
     trainer = trainer_factory(max_steps=3, callbacks=[ActivationCheckpointing(), kernel, ops])
     with caplog.at_level(logging.INFO):
         trainer.fit(gpt_factory(), datamodule=datamodule_factory(seq_len=16, batch_size=2))
@@ -265,7 +246,7 @@ def test_auto_times_each_shape_after_its_first_step_and_keeps_the_choice(
     # kept in the checkpoint: a resumed run computes as the first did, from its first step
     path = tmp_path / "auto.ckpt"
     trainer.save_checkpoint(path)
-    again, ops = AttentionKernel("auto"), _Ops()
+    again, ops = AttentionKernel("auto"), StepOps()
     trainer_factory(max_steps=4, callbacks=[ActivationCheckpointing(), again, ops]).fit(
         gpt_factory(), datamodule=datamodule_factory(seq_len=16, batch_size=2), ckpt_path=path
     )
@@ -277,7 +258,7 @@ def test_auto_keeps_torchs_kernel_within_the_margin(
     gpt_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(attention_kernel, "time_kernels", lambda shapes: Timing(torch_s=0.010, blocked_s=0.0095))
-    kernel, ops = AttentionKernel("auto"), _Ops()
+    kernel, ops = AttentionKernel("auto"), StepOps()
     trainer_factory(max_steps=2, callbacks=[kernel, ops]).fit(gpt_factory(), datamodule=datamodule_factory(seq_len=16, batch_size=2))
     assert all(BLOCKED_OP not in s for s in ops.steps)
 
@@ -333,7 +314,7 @@ def test_a_new_trainer_routes_again_with_its_own_kernel(
 ) -> None:
     model, data = gpt_factory(), datamodule_factory(seq_len=16, batch_size=2)
     trainer_factory(max_steps=1, callbacks=[AttentionKernel("blocked")]).fit(model, datamodule=data)
-    ops = _Ops()
+    ops = StepOps()
     trainer_factory(max_steps=2, callbacks=[AttentionKernel("flash"), ops]).fit(model, datamodule=data)
     assert not any(isinstance(m.forward, RoutedForward) for m in model.modules())
     assert BLOCKED_OP not in ops.steps[-1] and FLASH_CPU_OP in ops.steps[-1]
