@@ -98,11 +98,11 @@ def _probabilities(qc: Tensor, k1: Tensor, offset: Tensor, bias: Optional[Tensor
 
 
 def _prepared(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q as [B, Hkv, G, Lq, D]; k and v as [B*Hkv, Lk, D + 2] with columns of ones (the offsets' partners)."""
+    """q as [B, Hkv, G, Lq, D]; k as [B*Hkv, Lk, D + 1 (+ 1)] with a column of ones (the offsets' partner); v as
+    [B*Hkv, Lk, Dv]."""
     b, hkv, lk = k.shape[:3]
-    ones = k.new_ones(b * hkv, lk)
-    return (_grouped(q, hkv), _with_columns(k.reshape(b * hkv, lk, -1), ones, ones),
-            _with_columns(v.reshape(b * hkv, lk, -1), ones, ones))
+    return (_grouped(q, hkv), _with_columns(k.reshape(b * hkv, lk, -1), k.new_ones(b * hkv, lk)),
+            v.reshape(b * hkv, lk, -1))
 
 
 @torch.library.custom_op("lightning_hbm::blocked_attention", mutates_args=())
@@ -134,7 +134,7 @@ def blocked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], c
         offset = rough.amax(-1)
         offset.masked_fill_(offset == -math.inf, 0.0)  # a row with every key masked
         p = _probabilities(qc, k1[:, :kend], offset, bias, scale, mask is not None)
-        out[:, :, i0:i1] = torch.bmm(p, v1[:, :kend, :dv]).view(b * hkv, g, c, dv)
+        out[:, :, i0:i1] = torch.bmm(p, v1[:, :kend]).view(b * hkv, g, c, dv)
         offsets[:, :, i0:i1] = offset.view(b * hkv, g, c)
     return out.view(b, hq, lq, dv), offsets.view(b, hq, lq)
 
@@ -165,7 +165,7 @@ def blocked_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, ma
                            mask is not None)
         gc = grad5[:, :, :, i0:i1].reshape(b * hkv, g * c, dv)
         dv_[:, :kend] += torch.bmm(p.transpose(1, 2), gc)
-        dp = torch.bmm(gc, v1[:, :kend, :dv].transpose(1, 2))
+        dp = torch.bmm(gc, v1[:, :kend].transpose(1, 2))
         ds = torch.ops.aten._softmax_backward_data(dp, p, -1, p.dtype)  # p * (dp - rowsum(p * dp)): one fused kernel
         dq[:, :, i0:i1] = torch.bmm(ds, k1[:, :kend, :d]).mul_(scale).view(b * hkv, g, c, d)
         dk[:, :kend] += torch.bmm(ds.transpose(1, 2), qc).mul_(scale)
