@@ -19,10 +19,11 @@ device and in its compute dtype before anything is changed. On CPU, torch ships 
 are CUDA only.
 
 Beside torch's kernels, lightning_hbm's own (:mod:`lightning_hbm.callbacks.blocked_attention`: chunks of batched
-matmuls, the scores recomputed in backward, saving no more than a fused kernel): ``"blocked"`` asks for it on every
-call it takes; ``"auto"`` times it against torch's kernel on each attention shape the first time a training step
-runs that shape, and uses it from the next step on where it is clearly faster (measured on CPU in bf16: about half
-of torch's CPU flash kernel's time, ``benchmarks/README.md``). Calls are routed by a ``TorchFunctionMode`` entered
+matmuls, the scores recomputed in backward, saving less than a fused kernel): ``"blocked"`` asks for it on every
+call it takes (from the second training step: the first finds the modules that call attention); ``"auto"`` times
+it against torch's kernel on each attention shape the first time a training step runs that shape, and uses it from
+the next step on where it is clearly faster (measured on CPU in bf16: 0.58-0.71x torch's CPU flash kernel's time,
+``benchmarks/README.md``). Calls are routed by a ``TorchFunctionMode`` entered
 in the ``forward`` of each module that calls ``F.scaled_dot_product_attention``, found while the first training step
 runs (on torch's kernel), so that a recompute under activation checkpointing routes as its forward did; the names go
 into checkpoints, so a resumed run routes from its first step.
