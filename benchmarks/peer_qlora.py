@@ -152,8 +152,10 @@ def hf_recipe(path: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.Modu
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
 
-def lightning_hbm_stack(path: str, dtype: torch.dtype, device: str, name: str, batch: torch.Tensor) -> tuple[Any, Any]:
-    """Surgery applied by a real Trainer (one fit step), then the module and its optimizer (``name``: see STACKS)."""
+def lightning_hbm_stack(path: str, dtype: torch.dtype, device: str, name: str,
+                        batch: torch.Tensor) -> tuple[Any, Any, Callable[[], Any]]:
+    """Surgery applied by a real Trainer (one fit step), then the module, its optimizer and the context its hand-run
+    steps need (``AttentionKernel.scope``: the steps run outside the Trainer's batch hooks) (``name``: see STACKS)."""
     module = PeerLM(path, dtype)
     callbacks: list[pl.Callback] = [LoRA(r=LORA_R, alpha=LORA_ALPHA)]
     chunks = int(re.search(r"-mlp(\d+)", name).group(1)) if "-mlp" in name else 1  # type: ignore[union-attr]  # "-mlp2": mlp_chunks=2
@@ -167,9 +169,7 @@ def lightning_hbm_stack(path: str, dtype: torch.dtype, device: str, name: str, b
                          plugins=[QuantizedPrecision(mode, dtype=str(dtype).removeprefix("torch."))], callbacks=callbacks)
     trainer.fit(module, torch.utils.data.DataLoader([batch[0]] * batch.shape[0], batch_size=batch.shape[0]))
     kernel = next((c for c in callbacks if isinstance(c, AttentionKernel)), None)
-    if kernel is not None:  # the step runs outside the Trainer's batch hooks: give it the kernel choice made in fit
-        module.scope = kernel.scope  # type: ignore[assignment]
-    return module, trainer.optimizers[0]
+    return module, trainer.optimizers[0], kernel.scope if kernel is not None else contextlib.nullcontext
 
 
 def _torchtune() -> Any:
@@ -268,9 +268,10 @@ def litgpt_stack(preset: dict[str, Any], dtype: torch.dtype, device: str, ac: bo
 
 
 def make_step(model: Any, optimizer: torch.optim.Optimizer, batch: torch.Tensor, hf: bool,
-              loss_fn: Callable[[torch.Tensor], Any] | None = None) -> Callable[[], float]:
+              loss_fn: Callable[[torch.Tensor], Any] | None = None,
+              scope: Callable[[], Any] = contextlib.nullcontext) -> Callable[[], float]:
     def step() -> float:
-        with model.scope() if hasattr(model, "scope") else contextlib.nullcontext():
+        with scope():
             if loss_fn is not None:
                 loss = loss_fn(batch)
             else:
@@ -326,12 +327,12 @@ def main() -> None:
         skipped: dict[str, str] = {}
         for name in args.stacks.split(","):
             base = torch.cuda.memory_allocated() if args.device == "cuda" else 0
-            loss_fn = None
+            loss_fn, scope = None, contextlib.nullcontext
             try:
                 if name == "hf":
                     model, optimizer = hf_recipe(path, dtype, args.device)
                 elif name.startswith("lhbm"):
-                    model, optimizer = lightning_hbm_stack(path, dtype, args.device, name, batch)
+                    model, optimizer, scope = lightning_hbm_stack(path, dtype, args.device, name, batch)
                 elif name == "torchtune":
                     model, optimizer, loss_fn = torchtune_stack(dict(preset, seq=s), dtype, args.device)
                 elif name.startswith("litgpt"):
@@ -341,7 +342,7 @@ def main() -> None:
             except (ImportError, StackRefused) as err:  # a peer that does not install here or refuses the shapes
                 skipped[name] = f"{type(err).__name__}: {err}"
                 continue
-            step = make_step(model, optimizer, batch, hf=name == "hf", loss_fn=loss_fn)
+            step = make_step(model, optimizer, batch, hf=name == "hf", loss_fn=loss_fn, scope=scope)
             loss = step()  # warm-up: optimizer states exist from here on
             stacks[name] = dict(step=step, loss=loss, peak=peak_bytes(step, model, optimizer, args.device, base), times=[])
     for _ in range(args.rounds):

@@ -217,10 +217,15 @@ class AttentionKernel(SurgeryCallback):
                 note += " (torch's flash kernel; pip install flash-attn for flash_attention_2)"
         rank_zero_info(f"lightning_hbm: attention kernel {self.chosen!r} ({self.backend}) on {device.type}/{dtype}{note}")
 
+    def _kernel_scope(self) -> AbstractContextManager:
+        """torch's kernel choice (``sdpa_kernel``), or nothing to enter."""
+        if self.chosen is None or not self._kernels:
+            return nullcontext()
+        return sdpa_kernel(self._kernels, set_priority=self.backend == "auto")
+
     def _enter(self) -> None:
         self._exit()  # a batch that raised never reached its *_batch_end
-        if self.chosen is not None and self._kernels:
-            self._stack.enter_context(sdpa_kernel(self._kernels, set_priority=self.backend == "auto"))
+        self._stack.enter_context(self._kernel_scope())
 
     def _exit(self) -> None:
         self._stack.close()
@@ -296,9 +301,7 @@ class AttentionKernel(SurgeryCallback):
         if recorder is not None:
             self._route(pl_module, list(recorder.found))
         if self._router is not None:
-            with ExitStack() as scope:  # torch's kernel timed as the step ran it
-                if self.chosen is not None and self._kernels:
-                    scope.enter_context(sdpa_kernel(self._kernels, set_priority=self.backend == "auto"))
+            with self._kernel_scope():  # torch's kernel timed as the step ran it
                 self._settle()
 
     @override

@@ -339,8 +339,8 @@ class Router:
 
 
 class _Mode(TorchFunctionMode):
-    """Hands ``F.scaled_dot_product_attention`` calls to a :class:`Router`, or (``found`` given) tells ``found`` and
-    runs torch's kernel, the router only observing the call."""
+    """Hands ``F.scaled_dot_product_attention`` calls to a :class:`Router`; with ``found`` (recording), tells
+    ``found`` instead and runs torch's kernel, the router (if any) only observing the call."""
 
     def __init__(self, router: Optional[Router], found: Optional[Callable[[], None]] = None) -> None:
         super().__init__()
@@ -350,10 +350,10 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        if self.found is None and self.router is not None:
+        if self.found is None:
+            assert self.router is not None
             return self.router(func, args, kwargs)
-        if self.found is not None:
-            self.found()
+        self.found()
         if self.router is not None:
             self.router.observe(args, kwargs)
         return func(*args, **kwargs)
