@@ -5,7 +5,9 @@ Levels, bottom to top; a module imports only from its own level or lower ones:
 0. base: ``_compat`` (libraries' internals, one module per library), ``memory``, ``naming``, ``requirements``, ``quiet``, ``data``, ``probe`` (probe a model on a batch,
    shared by the precision choices and ``QuantizationQuality``), ``display`` (the progress bar and model summary
    the surgery spine swaps in), ``record`` (what lightning_hbm knows of a model it changed, in weak maps, nothing set
-   on the model: the layer kinds write to it, the surgery, precision and callbacks read it)
+   on the model: the layer kinds write to it, the surgery, precision and callbacks read it), ``running`` (the stack
+   of modules whose forward is running, kept by forward hooks: the layer-weight probe, the memory tracker and the
+   attention-caller recorder share it)
 1. layer kinds: ``layers`` (a package: ``base`` and one module per kind), ``models``; ``resume`` (a package: the
    checkpoint format, its checks, the atomic IO and the load hooks; it reads the layer kinds' key maps, and the
    surgery spine hands it ``pack_checkpoint`` and ``check_resume`` instead of being imported)
@@ -34,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # longest dotted prefix (relative to the package) wins; "" is the package's own __init__
 LEVELS = {
     "_compat": 0, "_validate": 0, "memory": 0, "naming": 0, "requirements": 0, "quiet": 0, "data": 0, "probe": 0,
-    "pretrained": 0, "display": 0, "record": 0,
+    "pretrained": 0, "display": 0, "record": 0, "running": 0,
     "layers": 1, "resume": 1, "models": 1,
     "surgery": 2,
     "precision": 3,

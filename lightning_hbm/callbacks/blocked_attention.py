@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.running import RunningModules
 
 #: scores held at once per chunk of query positions, in bytes of the input dtype (backward holds a few such buffers);
 #: 1 MiB was the fastest of 0.25-8 MiB at SmolLM2's and the 100M shape's attention on the Dec 2 CPU
@@ -387,34 +388,23 @@ class CallerRecorder:
     def __init__(self, model: nn.Module, router: Optional[Router] = None) -> None:
         self.names = {id(m): n for n, m in model.named_modules()}
         self.found: dict[str, None] = {}
-        self._stack: list[int] = []
-        self._hooks: list[Any] = []
+        self._running = RunningModules()  # process-wide module hooks, for the recorded step only (removed on exit)
         self._mode = _Mode(router, self._record)
 
-    def _enter_module(self, module: nn.Module, args: Any) -> None:
-        self._stack.append(id(module))
-
-    def _leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._stack and self._stack[-1] == id(module):
-            self._stack.pop()
-
     def _record(self) -> None:
-        inner = next((self.names[i] for i in reversed(self._stack) if i in self.names), None)
+        running = (id(m) for m in reversed(self._running.stack))
+        inner = next((self.names[i] for i in running if i in self.names), None)
         if inner is not None:
             self.found[inner] = None
 
     def __enter__(self) -> "CallerRecorder":
-        # process-wide module hooks, for the recorded step only (removed on exit)
-        self._hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._enter_module),
-                       torch.nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True)]
+        self._running.__enter__()
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._mode.__exit__(*exc)
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks, self._stack = [], []
+        self._running.__exit__(*exc)
 
 
 def attention_callers(model: nn.Module, run: Callable[[], Any]) -> list[str]:

@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.running import RunningModules
 
 
 # Reading these of a weight is harmless once the layer is quantized or adapted; "metadata" is wrong on a packed
@@ -112,7 +113,7 @@ class _Watch:
 
     def __init__(self, module: nn.Module, layers: dict[str, nn.Module]) -> None:
         self.root = module
-        self.stack: list[nn.Module] = []
+        self.running = RunningModules(module)  # entered around each attempt of the step
         holders: dict[int, set[int]] = {}  # a tied weight is its own in every module that holds it
         for sub in module.modules():
             for param in sub.parameters(recurse=False):
@@ -123,30 +124,15 @@ class _Watch:
             if isinstance(weight, torch.Tensor):
                 self.weights[id(weight)] = (name, holders.get(id(weight), {id(layer)}) | {id(layer)})
 
-    @contextmanager
-    def running(self) -> Iterator[None]:
-        handles = []
-        for sub in self.root.modules():
-            handles.append(sub.register_forward_pre_hook(lambda m, a: self.stack.append(m)))
-            handles.append(sub.register_forward_hook(lambda m, a, o: self._pop(m), always_call=True))
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def _pop(self, module: nn.Module) -> None:
-        if self.stack and self.stack[-1] is module:
-            self.stack.pop()
-
     def reader(self, holders: set[int], step: str) -> Optional[str]:
         """The module reading a weight outside its holders, or ``None`` (a holder is running, or a known library)."""
-        if any(id(m) in holders for m in self.stack):
+        stack = self.running.stack
+        if any(id(m) in holders for m in stack):
             return None
-        inner = self.stack[-1] if self.stack else self.root
+        inner = stack[-1] if stack else self.root
         if type(inner).__module__.startswith(KNOWN) and inner is not self.root:
             return None
-        return f"{type(inner).__qualname__}.{'forward' if self.stack else step}"
+        return f"{type(inner).__qualname__}.{'forward' if stack else step}"
 
 
 class _Recorder(TorchFunctionMode):
@@ -231,11 +217,10 @@ def _run(module: nn.Module, batch: Any, watch: _Watch) -> tuple[dict[str, Read],
         run, step = _step(module, sample)
         recorder = _Recorder(watch, step)
         try:
-            with torch.random.fork_rng(devices=[]), torch.no_grad(), _quiet_logging(module), context(), watch.running(), recorder:
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), _quiet_logging(module), context(), watch.running, recorder:
                 run()
         except Exception as err:  # noqa: BLE001 - any failure of the user's step: try the next way, then report
-            failure = err
-            watch.stack.clear()
+            failure = err  # leaving watch.running emptied its stack
             continue
         return recorder.reads, f"{type(module).__qualname__}.{step} {how}"
     raise RuntimeError(f"{type(failure).__name__}: {failure}") from failure

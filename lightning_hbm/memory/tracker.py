@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 from lightning_hbm.memory.categories import StorageKey, plain_tensors
 from lightning_hbm.memory.storage import storage_key
 from lightning_hbm.memory.terms import scope_terms, term
+from lightning_hbm.running import RunningModules
 
 
 class StorageRecord(NamedTuple):
@@ -93,8 +94,8 @@ class LiveStorageTracker(TorchDispatchMode):
         self.peak_bytes = 0
         self.peak_records: dict[StorageKey, StorageRecord] = {}
         self._peak_pending = False  # a new peak was reached and not copied yet
-        self._module_stack: list[str] = []
-        self._hook_handles: list[Any] = []
+        self._running: Optional[RunningModules] = None  # attach_modules: the modules running, innermost last
+        self._module_names: dict[int, str] = {}  # their names, by id
 
     # -- recording -----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -129,7 +130,8 @@ class LiveStorageTracker(TorchDispatchMode):
         # been reused by this new one.
         if known is not None and (self.track_peak or known.ref() is not None):
             return
-        module = self._module_stack[-1] if self._module_stack else ""
+        running = self._running.stack if self._running is not None else None
+        module = self._module_names[id(running[-1])] if running else ""
         scope = _SCOPES[-1] if _SCOPES else ""
         if not self.track_peak:
             self.live[key] = StorageRecord(weakref.ref(storage), nbytes, phase, module, scope)
@@ -180,26 +182,17 @@ class LiveStorageTracker(TorchDispatchMode):
 
     # -- module attribution (detailed mode) --------------------------------------------------------
     def attach_modules(self, module: nn.Module) -> None:
-        """Tag storages with the innermost submodule of ``module`` running when they are created."""
-        for name, sub in module.named_modules():
-            self._hook_handles.append(sub.register_forward_pre_hook(self._push(name or "<root>")))
-            self._hook_handles.append(sub.register_forward_hook(self._pop, always_call=True))
+        """Tag storages with the innermost submodule of ``module`` running when they are created (one model at a
+        time: attaching again detaches the previous one)."""
+        self.detach_modules()
+        self._module_names = {id(sub): name or "<root>" for name, sub in module.named_modules()}
+        self._running = RunningModules(module).__enter__()  # left by detach_modules
 
     def detach_modules(self) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
-        self._module_stack.clear()
-
-    def _push(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            self._module_stack.append(name)
-
-        return hook
-
-    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._module_stack:
-            self._module_stack.pop()
+        if self._running is not None:
+            self._running.__exit__(None, None, None)
+        self._running = None
+        self._module_names = {}
 
 
 __all__ = ["LOSS_SCOPE", "LiveStorageTracker", "StorageRecord", "memory_scope", "scope_term_bytes", "scoped_bytes"]

@@ -264,7 +264,9 @@ def _name_untraceable(model: nn.Module) -> Iterator[None]:
     """Turn a fake-tensor failure inside a submodule's forward into :class:`UntraceableModule` naming it.
 
     Global forward hooks keep the stack of forwards in progress; a forward that raises never pops
-    itself, so at the failure the top of the stack is the innermost module whose forward raised.
+    itself, so at the failure the top of the stack is the innermost module whose forward raised. Not
+    :class:`lightning_hbm.running.RunningModules` on purpose: its leaving hook also runs when a forward raises,
+    which would empty the stack before the failure is named.
     """
     names = {id(m): name or "the LightningModule" for name, m in model.named_modules()}
     stack: list[nn.Module] = []

@@ -1,0 +1,62 @@
+"""Which modules' ``forward`` is running right now: one stack, kept by forward hooks.
+
+Several parts of the package ask "which module is running?" while a model runs: the layer-weight probe
+(``layers.readers``: who reads a layer's weight), the memory tracker's module attribution (``memory.tracker``: who
+allocated a storage) and the attention-caller recorder (``callbacks.blocked_attention``: who calls attention). They
+share this one stack instead of three copies of the same hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+
+class RunningModules:
+    """A context manager keeping :attr:`stack`: the modules whose ``forward`` is running, innermost last.
+
+    ``root``: hooks on each of ``root.modules()``, so only those are seen; ``None``: process-wide module hooks, every
+    module's forward is seen (modules made or swapped in during the run too). Hooks are installed on entry and
+    removed on exit, which also empties the stack; the same object can be entered again afterwards.
+
+    The leaving hook is ``always_call``: a forward that raises leaves the stack too, so a model that catches an
+    exception itself leaves no stale entry. It pops only when the module is on top: a leave without its enter (a
+    pre-hook registered earlier raised before ours ran) cannot pop the parent.
+    """
+
+    def __init__(self, root: Optional[nn.Module] = None) -> None:
+        self.root = root
+        self.stack: list[nn.Module] = []
+        self._handles: list[RemovableHandle] = []
+
+    def __enter__(self) -> RunningModules:
+        if self._handles:
+            raise RuntimeError("RunningModules is already entered: its hooks would push every module twice")
+        if self.root is None:
+            self._handles = [
+                nn.modules.module.register_module_forward_pre_hook(self._enter),
+                nn.modules.module.register_module_forward_hook(self._leave, always_call=True),
+            ]
+        else:
+            for module in self.root.modules():
+                self._handles.append(module.register_forward_pre_hook(self._enter))
+                self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.stack.clear()
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self.stack.append(module)
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
+
+
+__all__ = ["RunningModules"]
