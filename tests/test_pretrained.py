@@ -410,6 +410,17 @@ def test_smollm2_projections_are_on_a_q4_1_grid_that_int4_g32_stores_exactly(smo
         assert torch.equal(dequantize_groups(*quantize_groups(weight), torch.float32, weight.shape[1]), weight), name
 
 
+def test_autofit_stores_smollm2_as_int4_g32_by_default(smollm2: Path) -> None:
+    """AutoFit left to its default precisions finds the real SmolLM2's grid (210 of 210 projections) and makes its
+    quantized candidates int4-g32, whose fine-tune is the 16-bit one (benchmarks/README.md, fine-tune quality)."""
+    from transformers import LlamaForCausalLM
+
+    from lightning_hbm.planner.autofit import _on_grid_mode
+
+    model = LlamaForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    assert _on_grid_mode(model) == "int4-g32"
+
+
 @slow
 def test_smollm2_converts_on_first_use_inside_the_planner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Was: on a fresh machine whose first SmolLM2 user was the planner, the conversion ran inside the planner's build

@@ -193,3 +193,45 @@ def test_mlp_chunks_axis_is_checked() -> None:
         AutoFit(mlp_chunks=[])
     with pytest.raises(ValueError, match=r"Candidate mlp_chunks must be an int >= 1"):
         AutoFit(mlp_chunks=[0])
+
+
+def _onto_4bit_grid(model: torch.nn.Module) -> int:
+    """Every Linear weight (widths in multiples of 32) replaced by its int4-g32 reading: a dequantized Q4_1 model."""
+    from lightning_hbm.precision.int4_asym import dequantize_groups, quantize_groups
+
+    moved = 0
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, torch.nn.Linear) and layer.in_features % 32 == 0:
+                layer.weight.copy_(dequantize_groups(*quantize_groups(layer.weight), dtype=layer.weight.dtype))
+                moved += 1
+    return moved
+
+
+@pytest.mark.slow
+def test_weights_on_a_4bit_grid_make_the_default_base_int4_g32(
+    gpt_factory: Callable[..., Any],
+    datamodule_factory: Callable[..., Any],
+    trainer_factory: Callable[..., Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # the tight budget of test_tight_budget_measured_peak_under_budget (it chose nf4-dq), on a model that was 4-bit once
+    model = gpt_factory()
+    assert _onto_4bit_grid(model) > 0
+    autofit = AutoFit(budget="2MiB", lora_ranks=[0, 8], checkpointing=["full"], optimizers=["user"])
+    trainer = trainer_factory(max_steps=1, callbacks=[autofit])
+    with caplog.at_level("INFO"):
+        trainer.fit(model, datamodule_factory(seq_len=64, batch_size=4))
+    assert autofit.chosen is not None and autofit.chosen.candidate.name == "int4-g32+lora8+ac-full"
+    assert applied_transforms(model) == ["QuantizedPrecision(int4-g32)", "LoRA", "ActivationCheckpointing"]
+    assert "already hold 4-bit values" in caplog.text and "AutoFit(precisions=['nf4-dq'])" in caplog.text
+
+
+def test_grid_choice_only_for_the_default_and_only_on_grid_weights(gpt_factory: Callable[..., Any]) -> None:
+    from lightning_hbm.planner.autofit import _on_grid_mode
+
+    model = gpt_factory()
+    assert _on_grid_mode(model) is None  # trained-like (random) weights: ~32 distinct values per group
+    _onto_4bit_grid(model)
+    assert _on_grid_mode(model) == "int4-g32"
+    assert AutoFit()._default_precisions and not AutoFit(precisions=["nf4-dq"])._default_precisions
