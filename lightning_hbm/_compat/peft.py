@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 
 def mark_quantized(model: nn.Module, kinds: Iterable[str]) -> None:
@@ -26,3 +27,26 @@ def keep_input_dtype(layer: nn.Module) -> None:
     ``peft.helpers.disable_input_dtype_casting`` sets for the duration of a context; no per-layer public switch).
     """
     setattr(layer, "cast_input_dtype_enabled", False)  # a plain bool attribute (nn.Module keeps it in __dict__)
+
+
+def cast_input(layer: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """peft's ``LoraLayer._cast_input_dtype``: ``x`` as its forward casts it for ``lora_A`` (it honours
+    :func:`keep_input_dtype`). :class:`~lightning_hbm.callbacks.lora.order.AdapterFirst` reproduces peft's forward."""
+    return layer._cast_input_dtype(x, dtype)  # type: ignore[operator]  # a method of peft's LoraLayer
+
+
+def is_4bit_lora(layer: nn.Module) -> bool:
+    """Whether ``layer`` is peft's bitsandbytes 4-bit LoRA layer (``peft.tuners.lora.bnb.Linear4bit``)."""
+    from peft.tuners.lora import bnb as lora_bnb
+
+    cls = getattr(lora_bnb, "Linear4bit", None)  # defined only where bitsandbytes imports
+    return cls is not None and type(layer) is cls
+
+
+def is_plain_lora_linear(layer: nn.Module) -> bool:
+    """Whether ``layer`` is exactly peft's plain LoRA ``Linear`` or its 4-bit one: the two forwards
+    :class:`~lightning_hbm.callbacks.lora.order.AdapterFirst` reproduces (``tests/_compat/test_peft.py`` compares them
+    with the installed peft's to the bit)."""
+    from peft.tuners.lora.layer import Linear
+
+    return type(layer) is Linear or is_4bit_lora(layer)

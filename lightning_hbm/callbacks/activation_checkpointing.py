@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
+from lightning_hbm.callbacks.lora.order import LastAdapted
 from lightning_hbm.callbacks.selective import SelectivePolicy, format_matmuls, unkept_formats
 from lightning_hbm.callbacks.token_chunks import ChunkedForward, candidates
 from lightning_hbm.naming import did_you_mean
@@ -330,6 +331,11 @@ class ActivationCheckpointing(SurgeryCallback):
         #: the layers recomputed in token chunks, decided on the first training step (``mlp_chunks > 1``)
         self.chunked: list[str] = []
         self._chunk_report_due = False
+        #: the LoRA layers that compute their adapter term first (the last one of each block, found on the first
+        #: training step under policy="full"): the recompute then stops before their base matmul
+        self.adapter_first: list[str] = []
+        self._order_due = False
+        self._order: Optional[LastAdapted] = None
         self._planned: Optional[list[str]] = None  # resolved by check_model on the model as built
 
     def _resolve(self, module: nn.Module) -> list[str]:
@@ -388,6 +394,7 @@ class ActivationCheckpointing(SurgeryCallback):
             for _, layer in candidates(block) if self.mlp_chunks > 1 else ():
                 torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks))
         self._chunk_report_due = self.mlp_chunks > 1
+        self._order_due = self.policy == "full"  # selective keeps the matmul outputs: no base matmul to skip
         self.checkpointed = [n for n, _ in chosen]
         _disable_hf_cache(module)
         rank_zero_info(
@@ -399,6 +406,14 @@ class ActivationCheckpointing(SurgeryCallback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.offload is not None:
             self.offload.reset_counts()
+        if self._order_due:
+            self._order_due = False
+            self._order = LastAdapted(pl_module, self.checkpointed)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._order is not None:
+            self._order.stop()  # the forward's order: the recompute may stop early
 
     @override
     def on_train_batch_end(
@@ -407,6 +422,14 @@ class ActivationCheckpointing(SurgeryCallback):
         if self._chunk_report_due:
             self._chunk_report_due = False
             self.chunked = report_chunks(pl_module, self.checkpointed, self.mlp_chunks)
+        if self._order is not None:
+            self.adapter_first, self._order = self._order.apply(pl_module), None
+            if self.adapter_first:
+                rank_zero_info(
+                    f"lightning_hbm: the recompute skips the base matmul of {len(self.adapter_first)} layers (the last "
+                    f"adapted layer of each block, e.g. {self.adapter_first[0]}): their LoRA term is computed first, so "
+                    "checkpoint's early stop ends the recompute before it (same values)"
+                )
         if self.offload is not None:
             pl_module.log("activations/offloaded_bytes", float(self.offload.copied_bytes), on_step=True, on_epoch=False)
 

@@ -53,3 +53,62 @@ def test_keep_input_dtype_stops_peft_casting_the_input(kind: str) -> None:
         layer.base_layer.to(torch.bfloat16)
     layer(x)  # the forward goes through the same switch: lora_A sees the input's own dtype
     assert seen == [torch.bfloat16]
+
+
+def _lora_layer(kind: str, model_dtype: torch.dtype, dora: bool = False) -> nn.Module:
+    """One peft LoRA layer (plain ``Linear`` or bitsandbytes ``Linear4bit``), B nonzero as after training."""
+    if kind == "4bit":
+        torch.manual_seed(0)
+        layer = bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4", compute_dtype=model_dtype)
+        layer.weight = bnb.nn.Params4bit(torch.randn(64, 64), requires_grad=False, quant_type="nf4").to("cpu")
+        model = nn.Sequential(layer)
+        compat.mark_quantized(model, ["4bit"])
+    else:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64)).to(model_dtype)
+    peft.inject_adapter_in_model(peft.LoraConfig(r=8, lora_alpha=16, target_modules=["0"], use_dora=dora), model)
+    nn.init.normal_(model[0].lora_B["default"].weight, std=0.05)
+    return model[0]
+
+
+@pytest.mark.parametrize("kind", ["plain", "4bit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dora", [False, True])
+def test_adapter_first_is_peft_forward_to_the_bit(kind: str, dtype: torch.dtype, dora: bool) -> None:
+    """AdapterFirst reproduces the installed peft's LoRA forward (is_plain_lora_linear, cast_input, is_4bit_lora): the
+    output and every gradient equal to the bit (DoRA falls back to peft's own forward)."""
+    import copy
+
+    from lightning_hbm.callbacks.lora.order import adapter_first, is_adapter_first
+
+    reference = _lora_layer(kind, dtype, dora)
+    changed = copy.deepcopy(reference)
+    assert compat.is_plain_lora_linear(changed) and compat.is_4bit_lora(changed) == (kind == "4bit")
+    assert adapter_first(changed) and is_adapter_first(changed)
+    assert not adapter_first(changed)  # it already has another forward
+    x = torch.randn(3, 5, 64, dtype=dtype)
+    results = []
+    for layer in (reference, changed):
+        source = x.clone().requires_grad_(True)
+        out = layer(source * 1.0)  # the input has two users in the layer: the base and lora_A
+        out.backward(torch.ones_like(out))
+        grads = [p.grad for p in layer.parameters() if p.requires_grad]
+        results.append((out, source.grad, grads))
+    (out_a, x_a, g_a), (out_b, x_b, g_b) = results
+    assert out_a.dtype == out_b.dtype and torch.equal(out_a, out_b)
+    assert torch.equal(x_a, x_b) and len(g_a) == len(g_b) >= 2
+    assert all(torch.equal(a, b) for a, b in zip(g_a, g_b))
+    assert compat.cast_input(changed, x, torch.float32).dtype == torch.float32
+
+
+def test_adapter_first_only_on_the_layers_it_reproduces() -> None:
+    from peft.tuners.lora import bnb as lora_bnb
+
+    from lightning_hbm.callbacks.lora.order import adapter_first
+
+    eight = _model("8bit")
+    compat.mark_quantized(eight, ["8bit"])
+    peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["0"]), eight)
+    assert isinstance(eight[0], lora_bnb.Linear8bitLt) and not compat.is_plain_lora_linear(eight[0])
+    assert not adapter_first(eight[0]) and "forward" not in vars(eight[0])
+    assert not adapter_first(nn.Linear(4, 4))

@@ -1,0 +1,60 @@
+"""Under full recompute the last adapted layer of each block computes its LoRA term first, so the recompute stops
+before its base matmul (lightning_hbm.callbacks.lora.order): one 4-bit matmul less per block and step, same training."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from conftest import StepOps
+
+from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision
+from lightning_hbm.callbacks.lora.order import LastAdapted, is_adapter_first
+
+LAYERS = 3
+
+
+def _fit(llama_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable, loss_recorder: Callable,
+         policy: str = "full", steps: int = 3) -> tuple[Any, ActivationCheckpointing, StepOps, Any]:
+    model = llama_factory(num_hidden_layers=LAYERS)
+    checkpointing, ops, losses = ActivationCheckpointing(policy), StepOps(), loss_recorder()
+    trainer = trainer_factory(max_steps=steps, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+                              callbacks=[LoRA(r=4), checkpointing, ops, losses])
+    trainer.fit(model, datamodule_factory(seq_len=32, batch_size=2))
+    return model, checkpointing, ops, losses
+
+
+def _adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_recompute_skips_the_last_base_matmul_and_trains_the_same(
+    llama_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable, loss_recorder: Callable,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, checkpointing, ops, losses = _fit(llama_factory, datamodule_factory, trainer_factory, loss_recorder)
+    # found by running the first step: the last LoRA layer each LlamaDecoderLayer calls
+    assert checkpointing.adapter_first == [f"model.model.layers.{i}.mlp.down_proj" for i in range(LAYERS)]
+    assert all(is_adapter_first(model.get_submodule(n)) for n in checkpointing.adapter_first)
+
+    monkeypatch.setattr(LastAdapted, "apply", lambda self, model: [])  # peft's order in every step
+    same, unchanged, peft_ops, peft_losses = _fit(llama_factory, datamodule_factory, trainer_factory, loss_recorder)
+    assert unchanged.adapter_first == [] and not any(map(is_adapter_first, same.modules()))
+
+    # the same training, to the bit
+    assert losses.losses == peft_losses.losses and len(losses.losses) == 3
+    ours, theirs = _adapters(model), _adapters(same)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    # the first step ran in peft's order in both; from the second on, one base matmul less per block
+    matmul = "bitsandbytes::gemm_4bit"
+    assert ops.steps[0][matmul] == peft_ops.steps[0][matmul]
+    assert [s[matmul] for s in ops.steps[1:]] == [s[matmul] - LAYERS for s in peft_ops.steps[1:]]
+
+
+def test_selective_recompute_keeps_peft_order(
+    llama_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable, loss_recorder: Callable,
+) -> None:
+    # selective checkpointing keeps the matmul outputs: there is no base matmul in its recompute to skip
+    model, checkpointing, _, _ = _fit(llama_factory, datamodule_factory, trainer_factory, loss_recorder, "selective", 2)
+    assert checkpointing.adapter_first == [] and not any(map(is_adapter_first, model.modules()))
