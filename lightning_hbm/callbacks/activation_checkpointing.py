@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.callbacks.lora.order import LastAdapted
+from lightning_hbm.callbacks.lora.order import LastAdapted, adapter_first
 from lightning_hbm.callbacks.selective import SelectivePolicy, format_matmuls, unkept_formats
 from lightning_hbm.callbacks.token_chunks import ChunkedForward, candidates
 from lightning_hbm.naming import did_you_mean
@@ -336,6 +336,7 @@ class ActivationCheckpointing(SurgeryCallback):
         self.adapter_first: list[str] = []
         self._order_due = False
         self._order: Optional[LastAdapted] = None
+        self._restored_order: Optional[list[str]] = None  # a checkpoint's adapter_first: a resumed run starts with it
         self._planned: Optional[list[str]] = None  # resolved by check_model on the model as built
 
     def _resolve(self, module: nn.Module) -> list[str]:
@@ -408,7 +409,12 @@ class ActivationCheckpointing(SurgeryCallback):
             self.offload.reset_counts()
         if self._order_due:
             self._order_due = False
-            self._order = LastAdapted(pl_module, self.checkpointed)
+            restored, self._restored_order = self._restored_order, None
+            if restored and all(_has_submodule(pl_module, n) for n in restored):
+                # the run that saved it chose these: the same order from the first step, as uninterrupted
+                self.adapter_first = [n for n in restored if adapter_first(pl_module.get_submodule(n))]
+            else:
+                self._order = LastAdapted(pl_module, self.checkpointed)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -432,6 +438,22 @@ class ActivationCheckpointing(SurgeryCallback):
                 )
         if self.offload is not None:
             pl_module.log("activations/offloaded_bytes", float(self.offload.copied_bytes), on_step=True, on_epoch=False)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"adapter_first": list(self.adapter_first)} if self.adapter_first else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored_order = state_dict.get("adapter_first")
+
+
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _warn_unkept(unkept: dict[str, tuple[str, list[str]]]) -> None:

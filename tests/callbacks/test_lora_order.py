@@ -58,3 +58,31 @@ def test_selective_recompute_keeps_peft_order(
     # selective checkpointing keeps the matmul outputs: there is no base matmul in its recompute to skip
     model, checkpointing, _, _ = _fit(llama_factory, datamodule_factory, trainer_factory, loss_recorder, "selective", 2)
     assert checkpointing.adapter_first == [] and not any(map(is_adapter_first, model.modules()))
+
+
+def test_resume_starts_with_the_saved_order_and_matches_the_uninterrupted_run(
+    llama_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable, tmp_path: Any,
+) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(steps: int, resume: Any = None, save: bool = False) -> tuple[Any, ActivationCheckpointing, StepOps]:
+        model = llama_factory(num_hidden_layers=LAYERS)
+        checkpointing, ops = ActivationCheckpointing(), StepOps()
+        callbacks: list[Any] = [LoRA(r=4), checkpointing, ops]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1))
+        trainer = trainer_factory(max_steps=steps, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+                                  callbacks=callbacks, enable_checkpointing=save)
+        trainer.fit(model, datamodule_factory(seq_len=32, batch_size=2), ckpt_path=resume)
+        return model, checkpointing, ops
+
+    whole, _, whole_ops = run(4, save=True)
+    saved = torch.load(next(tmp_path.glob("*step=2.ckpt")), weights_only=False)["callbacks"]
+    assert [s for k, s in saved.items() if k.startswith("ActivationCheckpointing")] == [
+        {"adapter_first": [f"model.model.layers.{i}.mlp.down_proj" for i in range(LAYERS)]}]
+    resumed, checkpointing, ops = run(4, resume=str(next(tmp_path.glob("*step=2.ckpt"))))
+    assert checkpointing.adapter_first == [f"model.model.layers.{i}.mlp.down_proj" for i in range(LAYERS)]
+    matmul = "bitsandbytes::gemm_4bit"
+    assert [s[matmul] for s in ops.steps] == [s[matmul] for s in whole_ops.steps[2:]]  # adapter first from its first step
+    ours, theirs = _adapters(resumed), _adapters(whole)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
