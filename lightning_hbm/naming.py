@@ -16,6 +16,17 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
+from torch import nn
+
+
+def has_submodule(module: nn.Module, name: str) -> bool:
+    """Whether ``module.get_submodule(name)`` finds a module (a name read back from a file may not)."""
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
 
 def under(name: str, prefixes: Iterable[str]) -> bool:
     """Whether module ``name`` is one of ``prefixes`` or inside one (``a.b`` is under ``a``; ``ab`` is not)."""
@@ -64,4 +75,4 @@ def did_you_mean(word: str, names: Any) -> str:
     return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
-__all__ = ["did_you_mean", "name_list", "name_matches", "under"]
+__all__ = ["did_you_mean", "has_submodule", "name_list", "name_matches", "under"]

@@ -32,7 +32,7 @@ from lightning_hbm._validate import check_args
 from lightning_hbm.callbacks.lora.order import LastAdapted, adapter_first
 from lightning_hbm.callbacks.selective import SelectivePolicy, format_matmuls, unkept_formats
 from lightning_hbm.callbacks.token_chunks import ChunkedForward, candidates
-from lightning_hbm.naming import did_you_mean
+from lightning_hbm.naming import did_you_mean, has_submodule
 from lightning_hbm.record import CheckpointedForward, checkpoint_plan
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
@@ -410,7 +410,7 @@ class ActivationCheckpointing(SurgeryCallback):
         if self._order_due:
             self._order_due = False
             restored, self._restored_order = self._restored_order, None
-            if restored and all(_has_submodule(pl_module, n) for n in restored):
+            if restored and all(has_submodule(pl_module, n) for n in restored):
                 # the run that saved it chose these: the same order from the first step, as uninterrupted
                 self.adapter_first = [n for n in restored if adapter_first(pl_module.get_submodule(n))]
             else:
@@ -446,14 +446,6 @@ class ActivationCheckpointing(SurgeryCallback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored_order = state_dict.get("adapter_first")
-
-
-def _has_submodule(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
 
 
 def _warn_unkept(unkept: dict[str, tuple[str, list[str]]]) -> None:

@@ -41,6 +41,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from lightning_hbm import resume
+from lightning_hbm.naming import has_submodule
 from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
 from lightning_hbm.precision.registry import to_dtype
 from lightning_hbm.precision.sensitivity import _Swapper
@@ -142,7 +143,7 @@ def check_saved_shifts(
 
     if not isinstance(shifts, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in shifts.items()):
         raise refuse("are not a dict of layer names to tensors")
-    unknown = [n for n in shifts if (n not in names if names is not None else not _has_layer(module, n))]
+    unknown = [n for n in shifts if (n not in names if names is not None else not has_submodule(module, n))]
     if unknown:
         raise refuse(f"name {len(unknown)} layer(s) this model does not smooth ({unknown[:5]})")
     if names is not None and set(names) - set(shifts):
@@ -155,14 +156,6 @@ def check_saved_shifts(
             raise refuse(f"lie outside +-{_MAX_SHIFT} for layer {name!r} (largest {int(shift.abs().max())}): factors "
                          f"of 2**{int(shift.abs().max())} wreck the layer")
     return shifts
-
-
-def _has_layer(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
 
 
 def _check_meta(meta: dict[str, Any], path: Any, module: nn.Module) -> None:
