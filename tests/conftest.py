@@ -201,3 +201,25 @@ def model_snapshot(model: torch.nn.Module) -> dict[str, Any]:
 def snapshot() -> Callable[[torch.nn.Module], dict[str, Any]]:
     """``snapshot(model)``: compare before and after a refused call (``assert snapshot(model) == before``)."""
     return model_snapshot
+
+
+def peft_lora_layer(kind: str, model_dtype: torch.dtype, dora: bool = False) -> torch.nn.Module:
+    """One peft LoRA layer (plain ``Linear`` or bitsandbytes ``Linear4bit``), B nonzero as after training."""
+    import bitsandbytes as bnb
+    import peft
+    from torch import nn
+
+    from lightning_hbm._compat import peft as peft_compat
+
+    if kind == "4bit":
+        torch.manual_seed(0)
+        layer = bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4", compute_dtype=model_dtype)
+        layer.weight = bnb.nn.Params4bit(torch.randn(64, 64), requires_grad=False, quant_type="nf4").to("cpu")
+        model = nn.Sequential(layer)
+        peft_compat.mark_quantized(model, ["4bit"])
+    else:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64)).to(model_dtype)
+    peft.inject_adapter_in_model(peft.LoraConfig(r=8, lora_alpha=16, target_modules=["0"], use_dora=dora), model)
+    nn.init.normal_(model[0].lora_B["default"].weight, std=0.05)
+    return model[0]

@@ -7,6 +7,7 @@ import peft
 import pytest
 import torch
 from peft.tuners.lora import bnb as lora_bnb
+from conftest import peft_lora_layer
 from torch import nn
 
 from lightning_hbm._compat import peft as compat
@@ -55,22 +56,6 @@ def test_keep_input_dtype_stops_peft_casting_the_input(kind: str) -> None:
     assert seen == [torch.bfloat16]
 
 
-def _lora_layer(kind: str, model_dtype: torch.dtype, dora: bool = False) -> nn.Module:
-    """One peft LoRA layer (plain ``Linear`` or bitsandbytes ``Linear4bit``), B nonzero as after training."""
-    if kind == "4bit":
-        torch.manual_seed(0)
-        layer = bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4", compute_dtype=model_dtype)
-        layer.weight = bnb.nn.Params4bit(torch.randn(64, 64), requires_grad=False, quant_type="nf4").to("cpu")
-        model = nn.Sequential(layer)
-        compat.mark_quantized(model, ["4bit"])
-    else:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 64)).to(model_dtype)
-    peft.inject_adapter_in_model(peft.LoraConfig(r=8, lora_alpha=16, target_modules=["0"], use_dora=dora), model)
-    nn.init.normal_(model[0].lora_B["default"].weight, std=0.05)
-    return model[0]
-
-
 @pytest.mark.parametrize("kind", ["plain", "4bit"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dora", [False, True])
@@ -81,7 +66,7 @@ def test_adapter_first_is_peft_forward_to_the_bit(kind: str, dtype: torch.dtype,
 
     from lightning_hbm.callbacks.lora.order import adapter_first, is_adapter_first
 
-    reference = _lora_layer(kind, dtype, dora)
+    reference = peft_lora_layer(kind, dtype, dora)
     changed = copy.deepcopy(reference)
     assert compat.is_plain_lora_linear(changed) and compat.is_4bit_lora(changed) == (kind == "4bit")
     assert adapter_first(changed) and is_adapter_first(changed)

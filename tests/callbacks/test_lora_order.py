@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import StepOps
+from conftest import StepOps, peft_lora_layer
 
 from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision
 from lightning_hbm.callbacks.lora.order import LastAdapted, is_adapter_first
@@ -86,3 +86,30 @@ def test_resume_starts_with_the_saved_order_and_matches_the_uninterrupted_run(
     assert [s[matmul] for s in ops.steps] == [s[matmul] for s in whole_ops.steps[2:]]  # adapter first from its first step
     ours, theirs = _adapters(resumed), _adapters(whole)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.parametrize("kind", ["plain", "4bit"])
+def test_adapter_first_with_fp32_adapters_computing_in_bf16(kind: str) -> None:
+    """The bf16 path LoRA takes (fp32 adapters, bf16 matmuls through Bf16ComputeLinear, peft's input cast off): the
+    same output and gradients as peft's forward on the same layer, to the bit."""
+    import copy
+
+    from lightning_hbm.callbacks.lora.compute import compute_in_input_dtype
+    from lightning_hbm.callbacks.lora.order import adapter_first
+
+    reference = peft_lora_layer(kind, torch.bfloat16)
+    for container in (reference.lora_A, reference.lora_B):
+        container["default"].float()
+    assert compute_in_input_dtype(reference)
+    changed = copy.deepcopy(reference)
+    assert adapter_first(changed)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    outs = []
+    for layer in (reference, changed):
+        source = x.clone().requires_grad_(True)
+        out = layer(source * 1.0)
+        out.float().square().sum().backward()
+        outs.append((out, source.grad, [p.grad for p in layer.parameters() if p.requires_grad]))
+    (a, ga, pa), (b, gb, pb) = outs
+    assert a.dtype == torch.bfloat16 and torch.equal(a, b) and torch.equal(ga, gb)
+    assert all(p.dtype == torch.float32 for p in pa) and all(torch.equal(p, q) for p, q in zip(pa, pb))
