@@ -16,6 +16,7 @@ variant gives no gradients to adapters behind frozen embeddings (inputs without 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Optional, cast
@@ -29,7 +30,7 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.callbacks.lora.order import LastAdapted, adapter_first
+from lightning_hbm.callbacks.lora.order import LastAdapted, adapter_first, recomputing
 from lightning_hbm.callbacks.selective import SelectivePolicy, format_matmuls, unkept_formats
 from lightning_hbm.callbacks.token_chunks import ChunkedForward, candidates
 from lightning_hbm.naming import did_you_mean, has_submodule
@@ -144,10 +145,17 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
     extra: dict[str, Any] = {} if plan.context_fn is None else {"context_fn": plan.context_fn}
+    calls = itertools.count()
+
+    def run(*a: Any, **k: Any) -> Any:
+        # the first call is the forward; every later one is checkpoint's recompute, in the backward (lora.order)
+        with recomputing(next(calls) > 0):
+            return inner(*a, **k)
+
     # The offload hooks are outside the checkpoint: what checkpoint itself saves (the block's
     # inputs) goes through them; what it recomputes never does.
     with plan.offload if plan.offload is not None else nullcontext():
-        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
 
 
 def _device_available(device: torch.device) -> bool:
@@ -433,8 +441,8 @@ class ActivationCheckpointing(SurgeryCallback):
             if self.adapter_first:
                 rank_zero_info(
                     f"lightning_hbm: the recompute skips the base matmul of {len(self.adapter_first)} layers (the last "
-                    f"adapted layer of each block, e.g. {self.adapter_first[0]}): their LoRA term is computed first, so "
-                    "checkpoint's early stop ends the recompute before it (same values)"
+                    f"adapted layer of each block, e.g. {self.adapter_first[0]}): there their LoRA term is computed "
+                    "first, so checkpoint's early stop ends the recompute before it (the same saved tensors)"
                 )
         if self.offload is not None:
             pl_module.log("activations/offloaded_bytes", float(self.offload.copied_bytes), on_step=True, on_epoch=False)

@@ -60,22 +60,23 @@ def test_keep_input_dtype_stops_peft_casting_the_input(kind: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dora", [False, True])
 def test_adapter_first_is_peft_forward_to_the_bit(kind: str, dtype: torch.dtype, dora: bool) -> None:
-    """AdapterFirst reproduces the installed peft's LoRA forward (is_plain_lora_linear, cast_input, is_4bit_lora): the
-    output and every gradient equal to the bit (DoRA falls back to peft's own forward)."""
+    """AdapterFirst in a recompute reproduces the installed peft's LoRA forward (cast_input, is_4bit_lora): the output
+    and every gradient equal to the bit (DoRA falls back to peft's own forward)."""
     import copy
 
-    from lightning_hbm.callbacks.lora.order import adapter_first, is_adapter_first
+    from lightning_hbm._compat.torch import override_forward
+    from lightning_hbm.callbacks.lora.order import AdapterFirst, recomputing
 
     reference = peft_lora_layer(kind, dtype, dora)
     changed = copy.deepcopy(reference)
     assert compat.is_plain_lora_linear(changed) and compat.is_4bit_lora(changed) == (kind == "4bit")
-    assert adapter_first(changed) and is_adapter_first(changed)
-    assert not adapter_first(changed)  # it already has another forward
+    override_forward(changed, AdapterFirst(changed))
     x = torch.randn(3, 5, 64, dtype=dtype)
     results = []
     for layer in (reference, changed):
         source = x.clone().requires_grad_(True)
-        out = layer(source * 1.0)  # the input has two users in the layer: the base and lora_A
+        with recomputing():
+            out = layer(source * 1.0)  # the input has two users in the layer: the base and lora_A
         out.backward(torch.ones_like(out))
         grads = [p.grad for p in layer.parameters() if p.requires_grad]
         results.append((out, source.grad, grads))
@@ -89,8 +90,13 @@ def test_adapter_first_is_peft_forward_to_the_bit(kind: str, dtype: torch.dtype,
 def test_adapter_first_only_on_the_layers_it_reproduces() -> None:
     from peft.tuners.lora import bnb as lora_bnb
 
-    from lightning_hbm.callbacks.lora.order import adapter_first
+    from lightning_hbm.callbacks.lora.order import adapter_first, is_adapter_first
 
+    four = peft_lora_layer("4bit", torch.float32)
+    assert adapter_first(four) and is_adapter_first(four)  # bitsandbytes' 4-bit matmul saves nothing for backward
+    assert not adapter_first(four)  # it already has another forward
+    dense = peft_lora_layer("plain", torch.float32)
+    assert compat.is_plain_lora_linear(dense) and not adapter_first(dense)  # F.linear saves its weight
     eight = _model("8bit")
     compat.mark_quantized(eight, ["8bit"])
     peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["0"]), eight)

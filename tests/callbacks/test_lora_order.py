@@ -46,9 +46,10 @@ def test_recompute_skips_the_last_base_matmul_and_trains_the_same(
     assert losses.losses == peft_losses.losses and len(losses.losses) == 3
     ours, theirs = _adapters(model), _adapters(same)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    # the first step ran in peft's order in both; from the second on, one base matmul less per block
+    # the first step ran in peft's order in both (and ours probed each chosen base once, on one row, at its end: does
+    # it save anything for backward?); from the second on, one base matmul less per block
     matmul = "bitsandbytes::gemm_4bit"
-    assert ops.steps[0][matmul] == peft_ops.steps[0][matmul]
+    assert ops.steps[0][matmul] == peft_ops.steps[0][matmul] + LAYERS
     assert [s[matmul] for s in ops.steps[1:]] == [s[matmul] - LAYERS for s in peft_ops.steps[1:]]
 
 
@@ -90,26 +91,45 @@ def test_resume_starts_with_the_saved_order_and_matches_the_uninterrupted_run(
 
 @pytest.mark.parametrize("kind", ["plain", "4bit"])
 def test_adapter_first_with_fp32_adapters_computing_in_bf16(kind: str) -> None:
-    """The bf16 path LoRA takes (fp32 adapters, bf16 matmuls through Bf16ComputeLinear, peft's input cast off): the
-    same output and gradients as peft's forward on the same layer, to the bit."""
+    """The bf16 path LoRA takes (fp32 adapters, bf16 matmuls through Bf16ComputeLinear, peft's input cast off): in a
+    recompute, the same output and gradients as peft's forward on the same layer, to the bit."""
     import copy
 
+    from lightning_hbm._compat.torch import override_forward
     from lightning_hbm.callbacks.lora.compute import compute_in_input_dtype
-    from lightning_hbm.callbacks.lora.order import adapter_first
+    from lightning_hbm.callbacks.lora.order import AdapterFirst, recomputing
 
     reference = peft_lora_layer(kind, torch.bfloat16)
     for container in (reference.lora_A, reference.lora_B):
         container["default"].float()
     assert compute_in_input_dtype(reference)
     changed = copy.deepcopy(reference)
-    assert adapter_first(changed)
+    override_forward(changed, AdapterFirst(changed))
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     outs = []
     for layer in (reference, changed):
         source = x.clone().requires_grad_(True)
-        out = layer(source * 1.0)
+        with recomputing():
+            out = layer(source * 1.0)
         out.float().square().sum().backward()
         outs.append((out, source.grad, [p.grad for p in layer.parameters() if p.requires_grad]))
     (a, ga, pa), (b, gb, pb) = outs
     assert a.dtype == torch.bfloat16 and torch.equal(a, b) and torch.equal(ga, gb)
     assert all(p.dtype == torch.float32 for p in pa) and all(torch.equal(p, q) for p, q in zip(pa, pb))
+
+
+def test_peft_order_in_the_forward_adapter_first_only_in_the_recompute() -> None:
+    from lightning_hbm.callbacks.lora.order import adapter_first, recomputing
+
+    layer = peft_lora_layer("4bit", torch.float32)
+    assert adapter_first(layer)
+    calls: list[str] = []
+    layer.base_layer.register_forward_pre_hook(lambda m, a: calls.append("base"))
+    layer.lora_A["default"].register_forward_pre_hook(lambda m, a: calls.append("lora_A"))
+    x = torch.randn(2, 64, requires_grad=True)
+    layer(x)
+    assert calls == ["base", "lora_A"]  # the forward: peft's order (its graph, peak and gradient order)
+    calls.clear()
+    with recomputing():
+        layer(x)
+    assert calls == ["lora_A", "base"]

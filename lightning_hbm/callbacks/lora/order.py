@@ -1,15 +1,18 @@
-"""The adapter term before the base layer's output, for the last adapted layer of a recomputed block.
+"""In a block's recompute, the adapter term before the base layer's output, for the block's last adapted layer.
 
 Why: under full recompute, torch's checkpoint stops recomputing a block once every tensor its forward saved has been
 saved again (``early_stop``). peft computes ``base(x)`` first and then the adapter, whose ``lora_A`` and ``lora_B``
 save their inputs. So in the block's last adapted layer (a Llama's ``mlp.down_proj``) the recompute still runs the
 base matmul, with its 4-bit dequantize, and drops the result: no backward needs a base output (the base is frozen).
-With the adapter term computed first, the recompute ends before it: one base matmul less per block and step.
+With the adapter term computed first in the recompute, the recompute ends before it: one base matmul less per block
+and step.
 
-Same values as peft's forward, to the bit, where the layer's input has no user but the base layer and ``lora_A``
-(``tests/callbacks/lora/test_order.py``): floating-point addition is commutative, so ``base + adapter`` is
-``adapter + base``, and so is the sum of the input's two gradients in whichever order autograd adds them. With a
-third user of the input, autograd may add the three gradients in another order (a last-bit difference, not an error).
+Only in the recompute (:func:`recomputing`, set by ``ActivationCheckpointing`` around it): the forward keeps peft's
+order, so its graph, its peak and the order autograd adds gradients in are peft's, and the recompute only re-creates
+the same saved tensors, in the same order, with the same values. That holds because the base layer saves nothing for
+backward (checked by running it once, :func:`adapter_first`: bitsandbytes' 4-bit matmul keeps its weight outside
+autograd's saved tensors; a dense ``F.linear`` saves its weight, so there the recompute could not stop before it
+anyway and the layer is left alone). Same training to the bit (``tests/callbacks/test_lora_order.py``).
 
 Only peft's plain LoRA ``Linear`` and its bitsandbytes ``Linear4bit`` with one plain adapter; anything else (DoRA and
 the other variants, several adapters, merged or disabled adapters, extra arguments) runs peft's own forward.
@@ -17,8 +20,10 @@ the other variants, several adapters, merged or disabled adapters, extra argumen
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from contextvars import ContextVar
+from typing import Any, Iterator, cast
 
 import torch
 from torch import nn
@@ -29,8 +34,22 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.callbacks.lora.base import _PEFT_AVAILABLE, _lora_layer_cls
 
 
+_RECOMPUTING: ContextVar[bool] = ContextVar("lightning_hbm_recomputing", default=False)
+
+
+@contextlib.contextmanager
+def recomputing(active: bool = True) -> Iterator[None]:
+    """Mark the code inside as a checkpointed block's recompute (``ActivationCheckpointing`` enters it there)."""
+    token = _RECOMPUTING.set(active)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
+
+
 class AdapterFirst:
-    """The ``forward`` of one peft LoRA layer: the adapter term, then the base layer's output, then their sum."""
+    """The ``forward`` of one peft LoRA layer: peft's own, but in a recompute the adapter term first, then the base
+    layer's output, then their sum (the same values)."""
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer: Any = layer  # a peft LoraLayer (peft's classes are looked up at run time)
@@ -38,7 +57,8 @@ class AdapterFirst:
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         layer = self.layer
         names = [a for a in layer.active_adapters if a in layer.lora_A]
-        if args or kwargs or layer.disable_adapters or layer.merged or len(names) != 1 or names[0] in layer.lora_variant:
+        plain = not (args or kwargs or layer.disable_adapters or layer.merged) and len(names) == 1
+        if not _RECOMPUTING.get() or not plain or names[0] in layer.lora_variant:
             return type(layer).forward(layer, x, *args, **kwargs)  # peft's own forward
         name = names[0]
         four_bit = peft_compat.is_4bit_lora(layer)
@@ -54,12 +74,31 @@ class AdapterFirst:
 
 
 def adapter_first(layer: nn.Module) -> bool:
-    """Give ``layer`` :class:`AdapterFirst`; False (nothing changed) if it is not a layer it reproduces or already has
-    another instance ``forward``."""
+    """Give ``layer`` :class:`AdapterFirst`; False (nothing changed) if it is not a layer it reproduces, already has
+    another instance ``forward``, or its base layer saves a tensor for backward (run once on one row of zeros)."""
     if not peft_compat.is_plain_lora_linear(layer) or torch_compat.forward_override(layer) is not None:
+        return False
+    if _saves_for_backward(cast(Any, layer).base_layer):
         return False
     torch_compat.override_forward(layer, AdapterFirst(layer))
     return True
+
+
+def _saves_for_backward(base: Any) -> bool:
+    """Whether the Linear-like ``base`` saves any tensor for backward on one row of zeros (in its compute dtype: a
+    bitsandbytes layer's ``compute_dtype``, else its weight's), run once under saved-tensor hooks."""
+    saved: list[int] = []
+    weight = base.weight
+    dtype = getattr(base, "compute_dtype", None) or (weight.dtype if weight.is_floating_point() else torch.float32)
+    row = torch.zeros(1, base.in_features, dtype=dtype, device=weight.device, requires_grad=True)
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.numel())
+        return tensor
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        base(row * 1)  # a non-leaf input, as inside a model
+    return bool(saved)
 
 
 def is_adapter_first(layer: nn.Module) -> bool:
