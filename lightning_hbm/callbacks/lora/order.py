@@ -89,6 +89,8 @@ def _saves_for_backward(base: Any) -> bool:
     bitsandbytes layer's ``compute_dtype``, else its weight's), run once under saved-tensor hooks."""
     saved: list[int] = []
     weight = base.weight
+    if _sharded(weight):  # FSDP2 gathers it in the block's forward only: not run here, so treated as saving
+        return True
     dtype = getattr(base, "compute_dtype", None) or (weight.dtype if weight.is_floating_point() else torch.float32)
     row = torch.zeros(1, base.in_features, dtype=dtype, device=weight.device, requires_grad=True)
 
@@ -103,6 +105,14 @@ def _saves_for_backward(base: Any) -> bool:
 
 def is_adapter_first(layer: nn.Module) -> bool:
     return isinstance(torch_compat.forward_override(layer), AdapterFirst)
+
+
+def _sharded(weight: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(weight, DTensor)
 
 
 class LastAdapted:
