@@ -16,11 +16,11 @@ LAYERS = 3
 
 
 def _fit(llama_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable, loss_recorder: Callable,
-         policy: str = "full", steps: int = 3) -> tuple[Any, ActivationCheckpointing, StepOps, Any]:
+         policy: str = "full", steps: int = 3, device: str = "cpu") -> tuple[Any, ActivationCheckpointing, StepOps, Any]:
     model = llama_factory(num_hidden_layers=LAYERS)
     checkpointing, ops, losses = ActivationCheckpointing(policy), StepOps(), loss_recorder()
     trainer = trainer_factory(max_steps=steps, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
-                              callbacks=[LoRA(r=4), checkpointing, ops, losses])
+                              callbacks=[LoRA(r=4), checkpointing, ops, losses], accelerator=device)
     trainer.fit(model, datamodule_factory(seq_len=32, batch_size=2))
     return model, checkpointing, ops, losses
 
@@ -29,17 +29,20 @@ def _adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_recompute_skips_the_last_base_matmul_and_trains_the_same(
     llama_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable, loss_recorder: Callable,
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, device: str,
 ) -> None:
-    model, checkpointing, ops, losses = _fit(llama_factory, datamodule_factory, trainer_factory, loss_recorder)
+    model, checkpointing, ops, losses = _fit(llama_factory, datamodule_factory, trainer_factory, loss_recorder,
+                                             device=device)
     # found by running the first step: the last LoRA layer each LlamaDecoderLayer calls
     assert checkpointing.adapter_first == [f"model.model.layers.{i}.mlp.down_proj" for i in range(LAYERS)]
     assert all(is_adapter_first(model.get_submodule(n)) for n in checkpointing.adapter_first)
 
     monkeypatch.setattr(LastAdapted, "apply", lambda self, model: [])  # peft's order in every step
-    same, unchanged, peft_ops, peft_losses = _fit(llama_factory, datamodule_factory, trainer_factory, loss_recorder)
+    same, unchanged, peft_ops, peft_losses = _fit(llama_factory, datamodule_factory, trainer_factory, loss_recorder,
+                                                  device=device)
     assert unchanged.adapter_first == [] and not any(map(is_adapter_first, same.modules()))
 
     # the same training, to the bit
@@ -48,7 +51,8 @@ def test_recompute_skips_the_last_base_matmul_and_trains_the_same(
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     # the first step ran in peft's order in both (and ours probed each chosen base once, on one row, at its end: does
     # it save anything for backward?); from the second on, one base matmul less per block
-    matmul = "bitsandbytes::gemm_4bit"
+    # bitsandbytes on CPU runs its gemm_4bit operator; on CUDA, MatMul4Bit dequantizes (one op per matmul) for F.linear
+    matmul = "bitsandbytes::gemm_4bit" if device == "cpu" else "bitsandbytes::dequantize_4bit"
     assert ops.steps[0][matmul] == peft_ops.steps[0][matmul] + LAYERS
     assert [s[matmul] for s in ops.steps[1:]] == [s[matmul] - LAYERS for s in peft_ops.steps[1:]]
 
