@@ -75,7 +75,10 @@ class AdapterFirst:
 
 def adapter_first(layer: nn.Module) -> bool:
     """Give ``layer`` :class:`AdapterFirst`; False (nothing changed) if it is not a layer it reproduces, already has
-    another instance ``forward``, or its base layer saves a tensor for backward (run once on one row of zeros)."""
+    another instance ``forward``, or its base layer saves a tensor for backward (run once on one row of zeros).
+    True again for a layer that has it already (a later Trainer's callback on the same model)."""
+    if is_adapter_first(layer):
+        return True
     if not peft_compat.is_plain_lora_linear(layer) or torch_compat.forward_override(layer) is not None:
         return False
     if _saves_for_backward(cast(Any, layer).base_layer):
