@@ -18,9 +18,9 @@ import logging
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
-from torch import nn
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 from typing_extensions import override
 
 from lightning_hbm._compat import lightning as lightning_compat
