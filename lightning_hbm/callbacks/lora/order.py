@@ -56,9 +56,11 @@ class AdapterFirst:
 
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         layer = self.layer
+        if not _RECOMPUTING.get():  # the forward (every step's hot path): peft's own, nothing else looked at
+            return type(layer).forward(layer, x, *args, **kwargs)
         names = [a for a in layer.active_adapters if a in layer.lora_A]
         plain = not (args or kwargs or layer.disable_adapters or layer.merged) and len(names) == 1
-        if not _RECOMPUTING.get() or not plain or names[0] in layer.lora_variant:
+        if not plain or names[0] in layer.lora_variant:
             return type(layer).forward(layer, x, *args, **kwargs)  # peft's own forward
         name = names[0]
         four_bit = peft_compat.is_4bit_lora(layer)
