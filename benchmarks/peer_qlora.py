@@ -69,7 +69,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_hbm import ActivationCheckpointing, AttentionKernel, FusedLoss, LoRA, QuantizedPrecision
-from lightning_hbm._compat.torch import override_forward
+from lightning_hbm._compat.torch import forward_override
+from lightning_hbm.callbacks.lora.forward import LoRAForward
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
 from lightning_hbm.models import llama_config
 from lightning_hbm.precision.compute_dtype import auto_dtype
@@ -104,8 +105,10 @@ LORA_R, LORA_ALPHA = 8, 16
 # opt-in: --stacks lhbm+fused-mlp2; "-sel" checkpoints with policy="selective" (keeps matmul and attention outputs),
 # opt-in: --stacks lhbm+fused-sel; "+attn" adds AttentionKernel("auto"), which times lightning_hbm's blocked attention
 # against torch's kernel at the end of the surgery's fit step and keeps the faster (opt-in: --stacks lhbm+fused+attn);
-# "-peftorder" puts peft's own forward back on the layers ActivationCheckpointing gave the adapter-first order (the A/B
-# of that change: its recompute runs each block's last base matmul again; opt-in)
+# "-peftorder" takes the adapter-first order off the layers ActivationCheckpointing gave it (the A/B of that change: its
+# recompute runs each block's last base matmul again; opt-in); "-unfused" makes every LoRA layer add its adapter term
+# as peft does (base output cloned, B(A(x)) * scaling, +) instead of inside one addmm (the A/B of
+# lightning_hbm/callbacks/lora/forward.py; opt-in)
 STACKS = ("hf", "lhbm", "lhbm+fused", "lhbm+fused-noac", "torchtune", "litgpt", "litgpt+ac")
 
 
@@ -171,9 +174,11 @@ def lightning_hbm_stack(path: str, dtype: torch.dtype, device: str, name: str,
                          enable_progress_bar=False, enable_model_summary=False,
                          plugins=[QuantizedPrecision(mode, dtype=str(dtype).removeprefix("torch."))], callbacks=callbacks)
     trainer.fit(module, torch.utils.data.DataLoader([batch[0]] * batch.shape[0], batch_size=batch.shape[0]))
-    if "-peftorder" in name:
-        for layer in next(c for c in callbacks if isinstance(c, ActivationCheckpointing)).adapter_first:
-            override_forward(module.get_submodule(layer), None)
+    for layer in module.modules():
+        forward = forward_override(layer)
+        if isinstance(forward, LoRAForward):
+            forward.first = forward.first and "-peftorder" not in name  # the base matmul in every recompute again
+            forward.fuse = forward.fuse and "-unfused" not in name  # peft's sum: base + clone + B(A(x)) * scaling
     kernel = next((c for c in callbacks if isinstance(c, AttentionKernel)), None)
     return module, trainer.optimizers[0], kernel.scope if kernel is not None else contextlib.nullcontext
 

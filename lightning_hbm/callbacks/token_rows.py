@@ -84,8 +84,7 @@ class _Rows(TorchDispatchMode):
         name = func.overloadpacket.__name__.removesuffix("_")  # in-place forms: the same rule
         lead = max(self.rows[t] for t in rows)
         if func in self.matmuls:
-            left = args[self.matmuls[func]]
-            if any(t is not left for t in rows) or self.rows[left] != left.dim() - 1:
+            if not self._rows_on_the_left(func, args, kwargs):
                 return f"multiplies across its tokens ({func})"
         elif name in _NORMS:
             shape = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
@@ -106,6 +105,24 @@ class _Rows(TorchDispatchMode):
         else:
             return f"runs {func} on its tokens (not known to keep tokens apart)"
         return ""
+
+    def _rows_on_the_left(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether the matmul ``func`` holds token rows only in its left operand, all of them as leading dimensions,
+        or (``addmm``) also in its accumulator (argument 0, added elementwise: LoRA's fused sum adds its term into the
+        base output, ``callbacks/lora/forward.py``) as a 2-D matrix of one row per token."""
+        left = self.matmuls[func]
+        accumulator = 0 if func is _aten.addmm.default and left == 1 else None
+        if any(t in self.rows for t in tree_flatten(kwargs)[0] if isinstance(t, Tensor)):
+            return False
+        for i, arg in enumerate(args):
+            if not isinstance(arg, Tensor) or arg not in self.rows:
+                continue
+            if i == left:
+                if self.rows[arg] != arg.dim() - 1:
+                    return False
+            elif i != accumulator or arg.dim() != 2 or self.rows[arg] != 1:
+                return False
+        return True
 
     def _features_only(self, func: Any, args: tuple, kwargs: dict, lead: int) -> bool:
         ndim = next(t.dim() for t in tree_flatten(args)[0] if isinstance(t, Tensor))

@@ -60,17 +60,18 @@ def test_keep_input_dtype_stops_peft_casting_the_input(kind: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dora", [False, True])
 def test_adapter_first_is_peft_forward_to_the_bit(kind: str, dtype: torch.dtype, dora: bool) -> None:
-    """AdapterFirst in a recompute reproduces the installed peft's LoRA forward (cast_input, is_4bit_lora): the output
-    and every gradient equal to the bit (DoRA falls back to peft's own forward)."""
+    """LoRAForward's unfused sum, adapter first in a recompute, reproduces the installed peft's LoRA forward
+    (cast_input, is_4bit_lora): the output and every gradient equal to the bit (DoRA falls back to peft's own forward)."""
     import copy
 
-    from lightning_hbm._compat.torch import override_forward
-    from lightning_hbm.callbacks.lora.order import AdapterFirst, recomputing
+    from lightning_hbm.callbacks.lora.forward import lora_forward, recomputing
 
     reference = peft_lora_layer(kind, dtype, dora)
     changed = copy.deepcopy(reference)
     assert compat.is_plain_lora_linear(changed) and compat.is_4bit_lora(changed) == (kind == "4bit")
-    override_forward(changed, AdapterFirst(changed))
+    forward = lora_forward(changed, fuse=False)
+    assert forward is not None
+    forward.first = True
     x = torch.randn(3, 5, 64, dtype=dtype)
     results = []
     for layer in (reference, changed):

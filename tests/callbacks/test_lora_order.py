@@ -99,16 +99,17 @@ def test_adapter_first_with_fp32_adapters_computing_in_bf16(kind: str) -> None:
     recompute, the same output and gradients as peft's forward on the same layer, to the bit."""
     import copy
 
-    from lightning_hbm._compat.torch import override_forward
     from lightning_hbm.callbacks.lora.compute import compute_in_input_dtype
-    from lightning_hbm.callbacks.lora.order import AdapterFirst, recomputing
+    from lightning_hbm.callbacks.lora.forward import lora_forward, recomputing
 
     reference = peft_lora_layer(kind, torch.bfloat16)
     for container in (reference.lora_A, reference.lora_B):
         container["default"].float()
     assert compute_in_input_dtype(reference)
     changed = copy.deepcopy(reference)
-    override_forward(changed, AdapterFirst(changed))
+    forward = lora_forward(changed, fuse=False)  # peft's sum: the fused one is tests/callbacks/test_lora_forward.py's
+    assert forward is not None
+    forward.first = True
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     outs = []
     for layer in (reference, changed):

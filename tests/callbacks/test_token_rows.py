@@ -51,6 +51,25 @@ def _quantized_llama_mlp() -> nn.Module:
     return mlp
 
 
+def _qlora_llama_mlp() -> nn.Module:
+    import peft
+
+    from lightning_hbm._compat import peft as peft_compat
+    from lightning_hbm.callbacks.lora.forward import lora_forward
+
+    mlp = _quantized_llama_mlp()
+    peft_compat.mark_quantized(mlp, ["4bit"])
+    peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"]), mlp)
+    assert all(lora_forward(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))  # the sum inside addmm
+    return mlp
+
+
+class _MixesInAddmm(nn.Module):  # the tokens on the right of a matmul: each output row sums over every token
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        return torch.addmm(rows, torch.ones(rows.shape[0], rows.shape[0]), rows).view(x.shape)
+
+
 class _AddsPositions(nn.Module):  # each token gets its position's row: token-wise per row, wrong in chunks
     def __init__(self) -> None:
         super().__init__()
@@ -71,6 +90,7 @@ ACCEPTED: dict[str, Callable[[], nn.Module]] = {
     "gemma2-mlp": _gemma2_mlp,
     "falcon-mlp": _falcon_mlp,
     "nf4-llama-mlp": _quantized_llama_mlp,
+    "qlora-llama-mlp": _qlora_llama_mlp,
 }
 REFUSED: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "nanogpt-attention": (_nanogpt_attention, r"runs aten\.transpose\.int across tokens"),
@@ -78,6 +98,7 @@ REFUSED: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "positions": (_AddsPositions, r"combines its tokens with a tensor of shape \(16, 1\) along them"),
     "mean-over-tokens": (_MeanOverTokens, r"runs aten\.mean\.dim across tokens"),
     "convolution": (lambda: nn.Conv1d(16, 16, 3, padding=1), r"aten\.convolution\.default on its tokens"),
+    "tokens-right-of-addmm": (_MixesInAddmm, r"multiplies across its tokens \(aten\.addmm\.default\)"),
 }
 
 
@@ -109,5 +130,5 @@ def test_the_fake_decision_never_chunks_what_the_real_one_refuses(name: str) -> 
         fake = decide(layer, layer, 2, (torch.randn(*SHAPE),), {})
     real = decide(layer, layer, 2, (torch.randn(*SHAPE),), {})
     assert real == "" or fake != "", (fake, real)
-    if name in ("llama-mlp", "gemma2-mlp", "falcon-mlp", "nf4-llama-mlp"):
+    if name in ("llama-mlp", "gemma2-mlp", "falcon-mlp", "nf4-llama-mlp", "qlora-llama-mlp"):
         assert fake == real == ""  # the MLPs: planned chunked, as they run

@@ -21,6 +21,7 @@ from lightning_hbm.callbacks.lora.base import ALL_LINEAR, ADAPTER_NAME, _import_
 from lightning_hbm.callbacks.lora.export import adapter_state_dict, is_quantized, merge, save_adapter
 from lightning_hbm.callbacks.lora import variants
 from lightning_hbm.callbacks.lora.compute import compute_in_input_dtype
+from lightning_hbm.callbacks.lora.forward import lora_forward
 from lightning_hbm.callbacks.lora.watch import _AdapterWatch
 from lightning_hbm.layers import adaptable_names, find_layers, kind_names, output_heads, prepare_model, report_coverage, task_heads, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
@@ -442,6 +443,7 @@ class LoRA(SurgeryCallback):
                 # under Lightning's bf16-true the module is bf16 already, so peft made bf16 adapters
                 variants.cast_adapters(sub, dtype)
                 compute_in_input_dtype(sub)  # fp32 adapters on a bf16 model: bf16 matmuls, no fp32 input copies
+                lora_forward(sub)  # the adapter term added inside one addmm (plain layers; forward.py says when)
                 _expose_base_attributes(sub)
         self.adapted_modules, self.saved_modules = targets, saved
         self._tell_left_out(module)

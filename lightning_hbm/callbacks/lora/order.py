@@ -7,8 +7,9 @@ base matmul, with its 4-bit dequantize, and drops the result: no backward needs 
 With the adapter term computed first in the recompute, the recompute ends before it: one base matmul less per block
 and step.
 
-Only in the recompute (:func:`recomputing`, set by ``ActivationCheckpointing`` around it): the forward keeps peft's
-order, so its graph, its peak and the order autograd adds gradients in are peft's, and the recompute only re-creates
+Only in the recompute (:func:`recomputing`, set by ``ActivationCheckpointing`` around it; the layer's forward is
+:class:`~lightning_hbm.callbacks.lora.forward.LoRAForward`): the forward keeps its order, so its graph, its peak and the
+order autograd adds gradients in are unchanged, and the recompute only re-creates
 the same saved tensors, in the same order, with the same values. That holds because the base layer saves nothing for
 backward (checked by running it once, :func:`adapter_first`: bitsandbytes' 4-bit matmul keeps its weight outside
 autograd's saved tensors; a dense ``F.linear`` saves its weight, so there the recompute could not stop before it
@@ -20,10 +21,8 @@ the other variants, several adapters, merged or disabled adapters, extra argumen
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from contextvars import ContextVar
-from typing import Any, Iterator, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -32,60 +31,24 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.callbacks.lora.base import _PEFT_AVAILABLE, _lora_layer_cls
-
-
-_RECOMPUTING: ContextVar[bool] = ContextVar("lightning_hbm_recomputing", default=False)
-
-
-@contextlib.contextmanager
-def recomputing(active: bool = True) -> Iterator[None]:
-    """Mark the code inside as a checkpointed block's recompute (``ActivationCheckpointing`` enters it there)."""
-    token = _RECOMPUTING.set(active)
-    try:
-        yield
-    finally:
-        _RECOMPUTING.reset(token)
-
-
-class AdapterFirst:
-    """The ``forward`` of one peft LoRA layer: peft's own, but in a recompute the adapter term first, then the base
-    layer's output, then their sum (the same values)."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        self.layer: Any = layer  # a peft LoraLayer (peft's classes are looked up at run time)
-
-    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        layer = self.layer
-        if not _RECOMPUTING.get():  # the forward (every step's hot path): peft's own, nothing else looked at
-            return type(layer).forward(layer, x, *args, **kwargs)
-        names = [a for a in layer.active_adapters if a in layer.lora_A]
-        plain = not (args or kwargs or layer.disable_adapters or layer.merged) and len(names) == 1
-        if not plain or names[0] in layer.lora_variant:
-            return type(layer).forward(layer, x, *args, **kwargs)  # peft's own forward
-        name = names[0]
-        four_bit = peft_compat.is_4bit_lora(layer)
-        # peft's bitsandbytes layers cast the input (and the term back) only outside autocast; its plain Linear always
-        convert = not four_bit or not torch.is_autocast_enabled()
-        lora_input = peft_compat.cast_input(layer, x, layer.lora_A[name].weight.dtype) if convert else x
-        term = layer.lora_B[name](layer.lora_A[name](layer.lora_dropout[name](lora_input))) * layer.scaling[name]
-        result = layer.base_layer(x)
-        if four_bit:
-            # peft clones the 4-bit output ("defensively", bitsandbytes' advice) and casts the term to its dtype
-            return result.clone() + (term.to(result.dtype) if convert else term)
-        return (result + term).to(result.dtype)
+from lightning_hbm.callbacks.lora.forward import LoRAForward, lora_forward, recomputing
 
 
 def adapter_first(layer: nn.Module) -> bool:
-    """Give ``layer`` :class:`AdapterFirst`; False (nothing changed) if it is not a layer it reproduces, already has
-    another instance ``forward``, or its base layer saves a tensor for backward (run once on one row of zeros).
-    True again for a layer that has it already (a later Trainer's callback on the same model)."""
+    """Mark ``layer`` to compute its adapter term first in a recompute (:class:`LoRAForward`, given to it if it has none:
+    peft's forward otherwise); False (nothing changed) if it is not a layer :class:`LoRAForward` reproduces, has
+    another instance ``forward``, or its base layer saves a tensor for backward (run once on one row of zeros). True
+    again for a layer marked already (a later Trainer's callback on the same model)."""
     if is_adapter_first(layer):
         return True
-    if not peft_compat.is_plain_lora_linear(layer) or torch_compat.forward_override(layer) is not None:
+    current = torch_compat.forward_override(layer)
+    if not peft_compat.is_plain_lora_linear(layer) or not (current is None or isinstance(current, LoRAForward)):
         return False
     if _saves_for_backward(cast(Any, layer).base_layer):
         return False
-    torch_compat.override_forward(layer, AdapterFirst(layer))
+    forward = lora_forward(layer, fuse=False)  # a layer LoRA did not adapt keeps peft's forward outside a recompute
+    assert forward is not None  # a plain layer with no other override, checked above
+    forward.first = True
     return True
 
 
@@ -109,7 +72,8 @@ def _saves_for_backward(base: Any) -> bool:
 
 
 def is_adapter_first(layer: nn.Module) -> bool:
-    return isinstance(torch_compat.forward_override(layer), AdapterFirst)
+    forward = torch_compat.forward_override(layer)
+    return isinstance(forward, LoRAForward) and forward.first
 
 
 def _sharded(weight: torch.Tensor) -> bool:
@@ -125,7 +89,7 @@ class LastAdapted:
 
     Forward pre-hooks on the blocks' LoRA layers, from construction to :meth:`stop` (call it before the backward: a
     recompute may stop early and so is not the forward's order). :meth:`apply` gives those layers
-    :class:`AdapterFirst`.
+    :class:`LoRAForward` marked ``first``.
     """
 
     def __init__(self, model: nn.Module, blocks: list[str]) -> None:
@@ -150,9 +114,9 @@ class LastAdapted:
         self._handles = []
 
     def apply(self, model: nn.Module) -> list[str]:
-        """Give each block's last LoRA layer :class:`AdapterFirst`; the names of those changed."""
+        """Mark each block's last LoRA layer to compute its adapter term first; the names of those marked."""
         self.stop()
         return [name for name in self.last.values() if adapter_first(model.get_submodule(name))]
 
 
-__all__ = ["AdapterFirst", "LastAdapted", "adapter_first", "is_adapter_first"]
+__all__ = ["LastAdapted", "adapter_first", "is_adapter_first", "recomputing"]
