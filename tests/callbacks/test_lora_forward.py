@@ -175,3 +175,25 @@ _init = LoRAForward.__init__
 
 def _unfused_init(self: LoRAForward, layer: torch.nn.Module, fuse: bool) -> None:
     _init(self, layer, False)
+
+
+@pytest.mark.parametrize("change", ["fuse off", "adapters off"])
+def test_a_recompute_saves_what_its_own_forward_saved_after_the_forward_path_changed(change: str) -> None:
+    """A fused forward, then one that runs peft's sum (fusing turned off, the adapters disabled): the recompute after
+    the second follows the second, not the first."""
+    layer = peft_lora_layer("4bit", torch.float32)
+    forward = lora_forward(layer)
+    assert forward is not None
+    forward.first = True
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    layer(x * 1.0)  # fused
+    if change == "fuse off":
+        forward.fuse = False
+    else:
+        layer.enable_adapters(False)
+    saved: dict[str, list[torch.Tensor]] = {"forward": [], "recompute": []}
+    for key in saved:
+        with recomputing(key == "recompute"), torch.autograd.graph.saved_tensors_hooks(
+                lambda t, key=key: saved[key].append(t) or t, lambda t: t):
+            layer(x * 1.0)
+    assert [(t.shape, t.dtype) for t in saved["recompute"]] == [(t.shape, t.dtype) for t in saved["forward"]]

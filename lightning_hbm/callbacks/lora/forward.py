@@ -65,8 +65,10 @@ class LoRAForward:
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         layer = self.layer
         recompute = self.first and _RECOMPUTING.get()
-        if not (self.fuse or recompute):  # peft's forward, nothing else looked at
-            return type(layer).forward(layer, x, *args, **kwargs)
+        if not recompute:
+            self._fused_last = False  # until this forward fuses: a recompute must save what this forward saved
+            if not self.fuse:  # peft's forward, nothing else looked at
+                return type(layer).forward(layer, x, *args, **kwargs)
         name = _one_plain_adapter(layer) if not (args or kwargs) else None
         if name is None:
             return type(layer).forward(layer, x, *args, **kwargs)
@@ -77,7 +79,7 @@ class LoRAForward:
         term_input = peft_compat.cast_input(layer, x, lora_a.weight.dtype) if convert else x
         if recompute:  # the term first: its saved tensors are then the block's last ones
             a = lora_a(layer.lora_dropout[name](term_input))
-            weight = _fused_weight(lora_b, a, a.dtype) if self._fused_last else None
+            weight = _fused_weight(lora_b, a, a.dtype) if self._fused_last else None  # as this step's forward
             if weight is None:
                 term = lora_b(a) * scaling
                 return _peft_sum(layer.base_layer(x), term, four_bit, convert)
@@ -89,9 +91,9 @@ class LoRAForward:
         result = layer.base_layer(x)  # peft's order: the base layer first
         a = lora_a(layer.lora_dropout[name](term_input))
         weight = None if torch.is_autocast_enabled() else _fused_weight(lora_b, a, result.dtype)
-        self._fused_last = weight is not None
         if weight is None:
             return _peft_sum(result, lora_b(a) * scaling, four_bit, convert)
+        self._fused_last = True
         return torch.addmm(result.reshape(-1, result.shape[-1]), a.reshape(-1, a.shape[-1]), weight.t(),
                            alpha=scaling).view(result.shape)
 
