@@ -6,13 +6,6 @@ Why by hand: on the CPU of the Dec 2 tables (2-core AMD EPYC with AVX512-BF16), 
 on ``torch.bmm`` (oneDNN's bf16 matmuls), takes about 0.7x of that time (``benchmarks/README.md``). torch's math
 kernel is slower still (14.3 + 20.8 ms) and keeps every score for backward.
 
-On a CPU, a call without a mask (causal or none) runs its forward on torch's fused CPU kernel instead, inside this
-operator: on the Dec 2 Intel CPU with AMX its forward took 1.85 ms against the blocked 6.75 ms at SmolLM2's shape, and
-only its backward is slow (11.1 ms against 8.2 ms blocked). Its log-sum-exp per row, divided by the scale, is the
-offset backward uses (the probabilities do not depend on the offset; it only keeps the rounded differences small).
-Not measured on the AMD EPYC of the first tables (torch's forward 8.4 ms there; the blocked forward was not timed
-alone): "auto" still times the whole call against torch's kernel on the machine it runs on.
-
 Memory: backward keeps the inputs and one number per query row (no output, no fp32 log-sum-exp: less than the fused
 kernel); the scores exist only for one chunk of query positions at a time (:data:`CHUNK_BYTES` of them), in forward
 and again in backward, which recomputes them.
@@ -127,13 +120,6 @@ def blocked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], c
         the output [B, Hq, Lq, Dv] in q's dtype, and each query row's score offset [B, Hq, Lq] (the largest of its
         unscaled scores, as a first bf16 matmul finds it), which backward reuses.
     """
-    if q.device.type == "cpu" and mask is None:
-        # torch's fused CPU kernel: its forward is the fastest here (1.85 ms against 6.75 ms blocked at SmolLM2's
-        # shape on the Dec 2 Intel CPU with AMX; its backward is the slow half), and its log-sum-exp per row serves
-        # backward as the offset (the probabilities are the same for any offset; lse/scale is within log(keys) of
-        # the row's largest score, as close as the rough maximum below)
-        out_, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out_, (lse / scale).to(q.dtype)
     b, hq, lq, d = q.shape
     hkv, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = hq // hkv
