@@ -249,3 +249,31 @@ def test_a_chunked_run_resumes_bit_exact(trainer_factory: Callable, tmp_path: An
     resumed = fit(2, ckpt_path=tmp_path / "epoch1.ckpt")
     for a, b in zip(straight, resumed):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_bf16_4bit_mlp_is_chunked_whatever_rows_the_matmul_kernel_blocks() -> None:
+    """The 100M Llama's MLP over nf4-dq in bf16 with LoRA: token-wise (each token's output unchanged, exactly, when
+    another token changes), but on a CPU whose matmul kernel blocks fewer rows differently, half the tokens come out one
+    bf16 rounding apart (the Dec 2 Intel CPU with AMX). Chunked there too, as on the CPUs where it is exact."""
+    import peft
+    import transformers as tf
+
+    from lightning_hbm import quantize_model
+    from lightning_hbm._compat import peft as peft_compat
+    from lightning_hbm.callbacks.lora.compute import compute_in_input_dtype
+    from lightning_hbm.callbacks.lora.forward import lora_forward
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=12,
+                            vocab_size=100)
+    mlp = tf.LlamaForCausalLM(config).model.layers[0].mlp.to(torch.bfloat16)
+    quantize_model(mlp, "nf4-dq", "bfloat16")
+    peft_compat.mark_quantized(mlp, ["4bit"])
+    peft.inject_adapter_in_model(peft.LoraConfig(r=8, target_modules=["gate_proj", "up_proj", "down_proj"]), mlp)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        layer = getattr(mlp, name)
+        for container in (layer.lora_A, layer.lora_B):
+            container["default"].float()
+        nn.init.normal_(layer.lora_B["default"].weight, std=0.05)
+        assert compute_in_input_dtype(layer) and lora_forward(layer)
+    assert decide(mlp, mlp, 2, (torch.randn(2, 512, 768, dtype=torch.bfloat16),), {}) == ""
