@@ -146,14 +146,16 @@ def test_recompute_of_a_first_fused_layer_saves_the_term_before_the_base_and_giv
     assert all(torch.equal(a, b) for a, b in zip(saved["forward"], saved["recompute"]))
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_lora_gives_fused_forwards_and_trains_as_peft_within_rounding(
     llama_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable, loss_recorder: Callable,
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, dropout: float,
 ) -> None:
+    """Under full recompute, with the adapter-first layers; with LoRA dropout the recompute draws the same masks."""
     def fit() -> tuple[Any, list[float], dict[str, torch.Tensor]]:
         model, losses = llama_factory(num_hidden_layers=2), loss_recorder()
         trainer = trainer_factory(max_steps=4, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
-                                  callbacks=[LoRA(r=4), ActivationCheckpointing(), losses])
+                                  callbacks=[LoRA(r=4, dropout=dropout), ActivationCheckpointing(), losses])
         trainer.fit(model, datamodule_factory(seq_len=32, batch_size=2))
         return model, losses.losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
