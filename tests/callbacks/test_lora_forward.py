@@ -199,3 +199,15 @@ def test_a_recompute_saves_what_its_own_forward_saved_after_the_forward_path_cha
                 lambda t, key=key: saved[key].append(t) or t, lambda t: t):
             layer(x * 1.0)
     assert [(t.shape, t.dtype) for t in saved["recompute"]] == [(t.shape, t.dtype) for t in saved["forward"]]
+
+
+def test_a_fused_layer_copies_and_pickles_with_its_forward() -> None:
+    import pickle
+
+    layer = peft_lora_layer("plain", torch.float32)
+    assert lora_forward(layer) is not None
+    x = torch.randn(3, 64)
+    for copied in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        forward = forward_override(copied)
+        assert isinstance(forward, LoRAForward) and forward.layer is copied  # its own layer, not the original
+        assert torch.equal(copied(x), layer(x))

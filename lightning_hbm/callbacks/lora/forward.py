@@ -6,8 +6,8 @@ backward passes. On the real SmolLM2-135M in bf16 those passes were ~8 % of a QL
 (benchmarks/README.md). Here the sum is ``torch.addmm(base(x), a, B.T, alpha=scaling)``: one op that reads the base
 output, adds ``scaling * a @ B.T`` and writes once. It saves the same tensors for backward as peft's layer (``lora_A``'s
 input and weight, ``a`` and ``lora_B``'s weight), so memory is unchanged; the sum is rounded once instead of three times,
-so it is not peft's to the bit (``tests/callbacks/test_lora_forward.py`` compares it to peft's within that rounding, and
-to an fp64 reference).
+so in bf16 it is not peft's to the bit (``tests/callbacks/test_lora_forward.py`` compares it to peft's within that
+rounding, and to an fp64 reference; in fp32 the real SmolLM2 fine-tune still gave the Hugging Face recipe's floats).
 
 Only where it adds up to the same function: one plain adapter (no DoRA or other variant), not merged or disabled, no
 extra arguments, no autocast, a ``lora_B`` that is a bias-free ``nn.Linear`` with no hooks, and input, adapter compute
@@ -58,6 +58,7 @@ class LoRAForward:
     def __init__(self, layer: nn.Module, fuse: bool) -> None:
         self.layer: Any = layer  # a peft LoraLayer (peft's classes are looked up at run time)
         self.fuse = fuse
+        self.four_bit = peft_compat.is_4bit_lora(layer)  # its class: fixed for the layer's life
         #: compute the adapter term before the base layer in a recompute (set by ``order.adapter_first``)
         self.first = False
         self._fused_last = False  # whether the last forward outside a recompute fused: its recompute does the same
@@ -73,7 +74,7 @@ class LoRAForward:
         if name is None:
             return type(layer).forward(layer, x, *args, **kwargs)
         lora_a, lora_b, scaling = layer.lora_A[name], layer.lora_B[name], layer.scaling[name]
-        four_bit = peft_compat.is_4bit_lora(layer)
+        four_bit = self.four_bit
         # peft's bitsandbytes layers cast the input (and the term back) only outside autocast; its plain Linear always
         convert = not four_bit or not torch.is_autocast_enabled()
         term_input = peft_compat.cast_input(layer, x, lora_a.weight.dtype) if convert else x
