@@ -265,7 +265,7 @@ def _close_in_chunks(parts: Tensor, whole: Tensor) -> bool:
     Not exact, unlike :func:`_mixes_tokens` (which has already shown, exactly, that no token's output depends on
     another's): a matmul kernel may block fewer rows differently and round its sums differently. On the Dec 2 Intel CPU
     with AMX the bf16 4-bit MLP of the 100M Llama came out one bf16 rounding apart (0.00195 at a largest 0.887) in
-    chunks of half the tokens, and fp32's 1e-3 would have refused every bf16 layer there.
+    chunks of half the tokens, and fp32's tolerance (1e-3) refused it there.
     """
     eps = torch.finfo(whole.dtype).eps if whole.is_floating_point() else 0.0
     tol = max(1e-3, 2 * eps)

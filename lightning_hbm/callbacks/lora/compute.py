@@ -35,6 +35,10 @@ class Bf16ComputeLinear:
         self.linear = linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(*self.operands(x))
+
+    def operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The input, weight and bias this forward multiplies (``LoRAForward`` fuses ``lora_B``'s into an addmm)."""
         weight: torch.Tensor = self.linear.weight
         bias: Optional[torch.Tensor] = self.linear.bias
         if x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
@@ -42,7 +46,7 @@ class Bf16ComputeLinear:
             bias = None if bias is None else bias.to(x.dtype)
         else:
             x = x.to(weight.dtype)
-        return F.linear(x, weight, bias)
+        return x, weight, bias
 
 
 def compute_in_input_dtype(layer: Any) -> bool:

@@ -121,12 +121,10 @@ def _fused_weight(lora_b: nn.Module, a: Tensor, out_dtype: torch.dtype) -> Optio
     if type(lora_b) is not nn.Linear or lora_b.bias is not None or lora_b._forward_hooks or lora_b._forward_pre_hooks:
         return None
     override = torch_compat.forward_override(lora_b)
-    weight = lora_b.weight
-    if isinstance(override, Bf16ComputeLinear):
-        if a.dtype == torch.bfloat16 and weight.dtype == torch.float32:
-            weight = weight.to(a.dtype)  # differentiable: the gradient reaches the fp32 weight in fp32
-    elif override is not None:
+    if override is not None and not isinstance(override, Bf16ComputeLinear):
         return None
+    # Bf16ComputeLinear casts an fp32 weight to a bf16 input (or the input to the weight: then the dtypes differ below)
+    weight = override.operands(a)[1] if override is not None else lora_b.weight
     return weight if weight.dtype == a.dtype == out_dtype else None
 
 
