@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 from functools import partial
+from itertools import islice
 from pathlib import Path
 from typing import Any, Optional, cast
 
@@ -130,9 +131,10 @@ class CalibratedError(pl.Callback):
     def __init__(self, path: str, batches: list[Any], how: str, rank: Optional[int] = None) -> None:
         from safetensors.torch import load_file  # noqa: PLC0415 (benchmark script: only this arm needs it)
 
+        if how not in ("adapter", "adapter-a", "fixed"):
+            raise ValueError(f"CalibratedError(how={how!r}): choose 'adapter', 'adapter-a' or 'fixed'")
         self.weights = load_file(str(Path(path) / "model.safetensors"))
         self.batches, self.how, self.rank = batches, how, rank
-        self.extra_bytes = 0
 
     @torch.no_grad()
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
@@ -170,13 +172,13 @@ class CalibratedError(pl.Callback):
                 root = (s[:r] / scaling).sqrt()
                 layer.lora_B["default"].weight.copy_((u[:, :r] * root).float())
                 layer.lora_A["default"].weight.copy_((root[:, None] * right).float())
-            else:
+            else:  # "fixed": stored in bf16, as a real format would keep it
                 left, right = (u[:, :r] * s[:r]).to(torch.bfloat16).float(), right.to(torch.bfloat16).float()
-                self.extra_bytes += 2 * (left.numel() + right.numel())
                 base.register_forward_hook(partial(_add_correction, left=left, right=right))
 
 
 def _add_correction(_: Any, args: tuple[Any, ...], out: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    # lightning_hbm's 4-bit layers flatten their input in a pre-hook and reshape only the output back (precision/bnb.py)
     x = args[0].reshape(-1, right.shape[1])
     return out + ((x @ right.T) @ left.T).reshape(out.shape)
 
@@ -248,7 +250,7 @@ def lhbm_arm(path: str, data: ByteTextDataModule, held_out: list[Any], steps: in
     loftq += [ScaleTuning(scale_lr)] if scale_lr else []
     calibrated = quant.pop("calibrated", None)
     rank = quant.pop("rank", None)
-    loftq += [CalibratedError(path, list(data.train_dataloader())[:4], calibrated, rank)] if calibrated else []
+    loftq += [CalibratedError(path, list(islice(data.train_dataloader(), 4)), calibrated, rank)] if calibrated else []
     if quant and (len(quant) > 1 or "smooth" in quant["mode"]):  # GPTQ, the plan and smoothing measure on a batch: the first training batch
         quant = dict(quant, probe_batch=next(iter(data.train_dataloader())))
     plugins = [QuantizedPrecision(dtype="float32", **quant)] if quant else []
