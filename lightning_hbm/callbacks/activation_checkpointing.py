@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Optional, cast
@@ -39,6 +40,27 @@ from lightning_hbm.surgery import Stage, SurgeryCallback
 
 
 
+def pinned_footprint(nbytes: int) -> int:
+    """Host bytes torch's pinned-memory allocator takes for a request of ``nbytes``: the next power of two.
+
+    torch's ``CachingHostAllocator`` rounds every pinned allocation up to a power of two (``PowerOf2Ceil`` in
+    ``ATen/core/CachingHostAllocator.h``, default ``pinned_max_round_threshold``): a 0.76 GiB block input takes 1 GiB.
+    """
+    return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
+
+
+class _Offloaded:
+    """One tensor moved off the device: where it came from, its host copy, the one packed before it (weakly: a
+    handle never keeps another step's copy alive) and, once prefetched, its device copy."""
+
+    __slots__ = ("__weakref__", "host", "previous", "ready", "source")
+
+    def __init__(self, source: torch.device, host: Tensor, previous: Optional["_Offloaded"]) -> None:
+        self.source, self.host = source, host
+        self.previous = weakref.ref(previous) if previous is not None else None
+        self.ready: Optional[Tensor] = None
+
+
 class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
     """Move the tensors autograd saves for backward to ``device`` and bring them back in backward.
 
@@ -49,19 +71,31 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
     parameters are skipped, and on CUDA the device-to-host copy runs on a side stream into pinned
     memory so that it overlaps with the forward compute.
 
-    ``copies`` and ``copied_bytes`` count what was moved since the last :meth:`reset_counts`.
+    What stays on the device, by construction (the planner counts exactly this): the last tensor packed, until the
+    next one is (its copy may still be reading it: at most one block input in flight in the forward); in the
+    backward, the tensor being restored and the one packed before it, prefetched when the later one is restored (on
+    CUDA on the side stream, overlapping the recompute of the block in between). On CUDA the overlap is untested on
+    a GPU (``benchmarks/gpu_checks.sh`` measures its step-time cost).
+
+    ``copies`` and ``copied_bytes`` count what was moved since the last :meth:`reset_counts`; ``host_bytes`` what
+    of it left the device's memory (0 when the target is the source's own device, as on a CPU-only run), at the size
+    the host allocator takes (pinned: :func:`pinned_footprint`).
     """
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
         self.device = torch.device(device)
         self.copies = 0
         self.copied_bytes = 0
+        self.host_bytes = 0
         self._stream: Optional[torch.cuda.Stream] = None
+        self._last: Optional[weakref.ref] = None  # the handle packed last (weak: it belongs to the graph)
+        self._in_flight: Optional[Tensor] = None  # the device tensor packed last: its copy may still read it
         super().__init__(self._pack, self._unpack)
 
     def reset_counts(self) -> None:
         self.copies = 0
         self.copied_bytes = 0
+        self.host_bytes = 0
 
     def _side_stream(self, source: torch.device) -> Optional[torch.cuda.Stream]:
         if source.type != "cuda" or self.device.type != "cpu":
@@ -70,40 +104,77 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
             self._stream = torch.cuda.Stream(source)
         return self._stream
 
+    def _host_copy(self, tensor: Tensor) -> Tensor:
+        """The copy on ``device`` (pinned host memory, on the side stream, from CUDA)."""
+        stream = self._side_stream(tensor.device)
+        if stream is None:
+            # torch.empty + copy_ (not .to): a real copy even when source == target device, which
+            # is what a CPU-only test can check.
+            packed = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+            packed.copy_(tensor)
+            return packed
+        packed = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            packed.copy_(tensor, non_blocking=True)
+        # The caching allocator must not hand the device memory to another tensor before the copy
+        # on the side stream has read it.
+        tensor.record_stream(stream)
+        return packed
+
+    def _footprint(self, tensor: Tensor) -> int:
+        """Host bytes the copy of ``tensor`` takes off its device (0: the target is the same memory)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.device == tensor.device or (self.device.type == "cpu" and tensor.device.type == "cpu"):
+            return 0
+        return pinned_footprint(nbytes) if self.device.type == "cpu" and tensor.device.type == "cuda" else nbytes
+
     def _pack(self, tensor: Tensor) -> Any:
         # Parameters (and frozen quantized weights) are saved by reference and live on the device for
         # the whole step anyway: copying them would cost time and save nothing.
         if isinstance(tensor, nn.Parameter) or tensor.numel() == 0:
             return tensor
-        source = tensor.device
-        stream = self._side_stream(source)
-        if stream is None:
-            # torch.empty_like + copy_ (not .to): a real copy even when source == target device, which
-            # is what a CPU-only test can check.
-            packed = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
-            packed.copy_(tensor)
-        else:
-            packed = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device, pin_memory=True)
-            stream.wait_stream(torch.cuda.current_stream(source))
-            with torch.cuda.stream(stream):
-                packed.copy_(tensor, non_blocking=True)
-            # The caching allocator must not hand the device memory to another tensor before the copy
-            # on the side stream has read it.
-            tensor.record_stream(stream)
+        previous = self._last() if self._last is not None else None
+        handle = _Offloaded(tensor.device, self._host_copy(tensor), previous)
+        self._last = weakref.ref(handle)
+        self._in_flight = tensor  # released by the next pack or the first unpack
         self.copies += 1
         self.copied_bytes += tensor.numel() * tensor.element_size()
-        return (source, packed)
+        self.host_bytes += self._footprint(tensor)
+        return handle
+
+    def _restore(self, handle: _Offloaded, prefetch: bool) -> Tensor:
+        """``handle``'s tensor on its device again: on CUDA on the side stream when ``prefetch``, else on the
+        current stream after every pending copy of the side stream."""
+        source, host = handle.source, handle.host
+        if self._stream is not None and source.type == "cuda":
+            if not prefetch:
+                torch.cuda.current_stream(source).wait_stream(self._stream)
+                return host.to(source, non_blocking=True)
+            self._stream.wait_stream(torch.cuda.current_stream(source))
+            with torch.cuda.stream(self._stream):
+                return host.to(source, non_blocking=True)
+        restored = torch.empty(host.shape, dtype=host.dtype, device=source)
+        restored.copy_(host)
+        return restored
 
     def _unpack(self, packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
-        source, tensor = packed
-        if self._stream is not None and source.type == "cuda":
-            torch.cuda.current_stream(source).wait_stream(self._stream)
-            return tensor.to(source, non_blocking=True)
-        restored = torch.empty(tensor.shape, dtype=tensor.dtype, device=source)
-        restored.copy_(tensor)
-        return restored
+        self._in_flight = None  # the backward has begun: every forward copy was issued long before
+        handle = cast(_Offloaded, packed)
+        tensor, handle.ready = handle.ready, None
+        if tensor is None:
+            tensor = self._restore(handle, prefetch=False)
+        elif self._stream is not None and handle.source.type == "cuda":  # prefetched on the side stream
+            current = torch.cuda.current_stream(handle.source)
+            current.wait_stream(self._stream)
+            tensor.record_stream(current)
+        # the backward runs the blocks in reverse: the tensor packed before this one is the next one needed
+        previous = handle.previous() if handle.previous is not None else None
+        if previous is not None and previous.ready is None:
+            previous.ready = self._restore(previous, prefetch=True)
+        return tensor
 
 
 class _BlockPlan:
@@ -511,4 +582,4 @@ def _disable_hf_cache(module: nn.Module) -> None:
         rank_zero_info(f"lightning_hbm: use_cache=False on {len(configs)} Hugging Face config(s) (activation checkpointing)")
 
 
-__all__ = ["ActivationCheckpointing", "OffloadSavedTensors", "find_blocks"]
+__all__ = ["ActivationCheckpointing", "OffloadSavedTensors", "find_blocks", "pinned_footprint"]

@@ -355,7 +355,7 @@ class HBMProfiler(Callback):
         detailed = tracker.track_peak
         side: dict[str, Optional[int]] = {t.name: None for t in scope_terms()}  # measured on detailed steps
         # host terms: memory a feature moved off the device, not in the total
-        side.update({t.name: t.host(trainer.optimizers) for t in host_terms() if t.host is not None})
+        side.update({t.name: t.host(pl_module, trainer.optimizers) for t in host_terms() if t.host is not None})
         tracked_peak: Optional[int] = None
         if detailed:
             tracker.finish_peak()

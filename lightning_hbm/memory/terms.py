@@ -15,13 +15,14 @@ Three kinds of term, because bytes are counted once:
     what ``FusedLoss`` allocates). They stay inside the category their owner gives them: reported beside the
     sum, never added to it.
 ``host``
-    Host memory a feature moved off the device (``host_offload``). Not device memory: beside the sum too.
+    Host memory a feature moved off the device (``host_offload``: optimizer states; ``host_activations``: offloaded
+    block inputs). Not device memory: beside the sum too.
 
 Each entry also says how the term is *measured* and *advised*, so the consumers iterate the registry instead of
 naming terms: a category's ``owns`` (the tensors it owns, :func:`~lightning_hbm.memory.categories.owned_tensors`),
 ``created_in`` (the tracker phase whose unowned storages it takes: activations) or ``rest`` (what nothing else
 takes: other); a scope term is measured by the :func:`~lightning_hbm.memory.tracker.memory_scope` of its name; a
-host term's ``host`` reads its bytes from the optimizers; ``advise`` says what shrinks the term once the run
+host term's ``host`` reads its bytes from the module and its optimizers; ``advise`` says what shrinks the term once the run
 already uses its remedy (:class:`~lightning_hbm.memory.facts.RunFacts`). :func:`register_term` adds a scope or
 host term at run time (an extension, a test); the categories are the fixed sum, checked against
 :class:`~lightning_hbm.memory.categories.MemoryBreakdown` at import.
@@ -29,7 +30,7 @@ host term at run time (an extension, a test); the categories are the fixed sum, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
@@ -39,13 +40,13 @@ from torch.optim import Optimizer
 
 from lightning_hbm.memory.facts import RunFacts
 from lightning_hbm.memory.owners import buffer_tensors, gradient_tensors, optimizer_state_tensors, parameter_tensors
-from lightning_hbm.memory.storage import host_offload_bytes
+from lightning_hbm.memory.storage import host_offload_bytes, offloaded_activation_bytes
 
 Kind = Literal["category", "scope", "host"]
 #: How a category term is measured by owner: ``owns(module, optimizers)`` -> the tensors that are this term's.
 Owner = Callable[[nn.Module, Sequence[Optimizer]], list[torch.Tensor]]
-#: How a host term is measured: ``host(optimizers)`` -> bytes held off the device.
-HostMeasure = Callable[[Iterable[Optimizer]], int]
+#: How a host term is measured: ``host(module, optimizers)`` -> bytes held off the device.
+HostMeasure = Callable[[nn.Module, Sequence[Optimizer]], int]
 #: What shrinks a term once the run uses its remedy: ``advise(facts)`` -> advice, or None for the ``remedy``.
 Advise = Callable[[RunFacts], Optional[str]]
 
@@ -74,7 +75,7 @@ class MemoryTerm:
         owns: category terms: the tensors of the module and its optimizers that are this term's (by owner).
         created_in: category terms: the tracker phase (``"forward"``) whose storages nothing owns are this term's.
         rest: the category term that takes every storage no other term claims (``other``; exactly one).
-        host: host terms: their bytes, read from the run's optimizers.
+        host: host terms: their bytes, read from the run's module and optimizers.
         advise: what shrinks the term once the run already uses its remedy (``None`` from it: the ``remedy``).
         A scope term is measured by :func:`~lightning_hbm.memory.tracker.memory_scope` ``(name)``: no field.
 
@@ -222,7 +223,17 @@ TERMS: list[MemoryTerm] = [
         sharding="host",
         remedy="train fewer parameters (LoRA) or keep 8-bit states (MemoryEfficientOptimizer) on the host",
         guide="optimizer.md",
-        host=host_offload_bytes,
+        host=lambda module, optimizers: host_offload_bytes(optimizers),
+    ),
+    MemoryTerm(
+        "host_activations", "host",
+        owner="`ActivationCheckpointing(offload=True)`: the checkpointed blocks' inputs in pinned host RAM (each rounded "
+        "up to a power of two by torch's pinned allocator)",
+        alive="from each block's forward to its backward",
+        sharding="host",
+        remedy="a shorter sequence or batch; fewer checkpointed blocks offloaded",
+        guide="activations.md#activation-memory-activationcheckpointing-attentionkernel",
+        host=lambda module, optimizers: offloaded_activation_bytes(module),
     ),
 ]
 

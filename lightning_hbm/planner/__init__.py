@@ -3,7 +3,7 @@
 One job per module: :mod:`~lightning_hbm.planner.candidates` (the configurations and their step-time
 costs), :mod:`~lightning_hbm.planner.tracing` (one training step traced on fake tensors) with
 :mod:`~lightning_hbm.planner.realvalues` (data-dependent Python), :mod:`~lightning_hbm.planner.api`
-(:func:`predict`, :func:`plan`), :mod:`~lightning_hbm.planner.config` (planning a LightningCLI config:
+(:func:`predict`, :func:`plan`), :mod:`~lightning_hbm.planner.context` (:func:`max_context`), :mod:`~lightning_hbm.planner.config` (planning a LightningCLI config:
 ``lightning-hbm plan``, alias ``python -m lightning_hbm.planner``) and :mod:`~lightning_hbm.planner.autofit`.
 """
 
@@ -27,18 +27,21 @@ from lightning_hbm.planner.api import (
     shard_categories,
 )
 from lightning_hbm.planner.autofit import AutoFit
+from lightning_hbm.planner.context import ContextResult, max_context
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
     "PLANNED_LIGHTNING_PRECISIONS",
     "AutoFit",
     "Candidate",
+    "ContextResult",
     "Plan",
     "Prediction",
     "available_axes",
     "default_candidates",
     "example_batch",
     "format_bytes",
+    "max_context",
     "parse_bytes",
     "plan",
     "predict",

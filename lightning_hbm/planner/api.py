@@ -29,7 +29,17 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_hbm.memory import CATEGORIES, LOSS_SCOPE, TERMS, parameter_bytes, quantization_tensors, scope_terms, tensor_bytes, term
+from lightning_hbm.memory import (
+    CATEGORIES,
+    LOSS_SCOPE,
+    TERMS,
+    host_terms,
+    parameter_bytes,
+    quantization_tensors,
+    scope_terms,
+    tensor_bytes,
+    term,
+)
 from lightning_hbm.planner.candidates import Candidate, default_candidates, format_bytes, parse_bytes
 from lightning_hbm.planner.building import ModelLike, Template, _build, _fake_mode, _quiet_logs, build_template
 from lightning_hbm.planner.tracing import Trace, UntraceableModule
@@ -45,6 +55,8 @@ BatchLike = Union[Any, pl.LightningDataModule]
 CUDA_CONTEXT_BYTES = 768 * 2**20
 #: The host term the ``offload`` axis predicts: the optimizer states it moves off the device.
 HOST_OFFLOAD = term("host_offload").name
+#: The host term the ``offload_activations`` axis predicts on CUDA: the checkpointed blocks' inputs, pinned.
+HOST_ACTIVATIONS = term("host_activations").name
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,12 @@ class Prediction:
         # the two side terms that have their own attribute, for a Prediction built by hand; `side` as predicted wins
         side = {LOSS_SCOPE: self.loss, HOST_OFFLOAD: self.host_bytes, **self.side}
         return {t.name: self.categories[t.name] if t.kind == "category" else side.get(t.name, 0) for t in TERMS}
+
+    @property
+    def host(self) -> int:
+        """Host memory the run needs beside the device: every host term (:func:`~lightning_hbm.memory.host_terms`)."""
+        terms = self.terms
+        return sum(terms[t.name] for t in host_terms())
 
     @property
     def peak(self) -> int:
@@ -225,6 +243,7 @@ def predict(
     device: str = "cpu",
     budget: Optional[int] = None,
     extrapolate: Union[bool, Literal["auto"]] = "auto",
+    probe_batch: Any = None,
 ) -> Prediction:
     """Predict the steady-state training peak of ``model`` on ``batch`` under ``candidate``, allocating no weights.
 
@@ -235,6 +254,8 @@ def predict(
     line overshot by up to 34 % (the first and last blocks differ from the middle ones); from 3 and 4 it
     equals the full trace byte for byte on the 6- and 12-block test models (``tests/planner/test_api.py``).
     A candidate with named ``blocks`` or a mixed-precision plan (``layer_modes``) is always traced whole.
+    ``probe_batch``: a shorter batch of the same structure for the forwards that only decide structure (the
+    surgery's probe step, which parameters get gradients; :func:`~lightning_hbm.planner.tracing.trace`).
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda' (the target of the prediction), got {device!r}.")
@@ -253,7 +274,7 @@ def predict(
         # a module that fake tensors cannot run: every module of its class runs for real on zeros, retraced
         while True:
             try:
-                return _trace(model, batch, candidate, device, keep_blocks, real_types)
+                return _trace(model, batch, candidate, device, keep_blocks, real_types, probe_batch)
             except UntraceableModule as err:
                 if err.module_type in real_types:
                     raise
@@ -289,7 +310,7 @@ def predict(
         guessed_reads=result.guessed,
         loss=scopes.get(LOSS_SCOPE, 0),
         fallbacks=tuple(f"{name} (real tensors: {reason})" for name, reason in sorted(result.fallbacks.items())),
-        side={**scopes, HOST_OFFLOAD: host},
+        side={**scopes, HOST_OFFLOAD: host, HOST_ACTIVATIONS: result.host},
     )
 
 
@@ -378,9 +399,11 @@ class Plan:
                     f"{p.candidate.name}: fake tensors cannot run {', '.join(p.fallbacks)}; ran for real on zeros of "
                     "their inputs' shapes (outputs and saved tensors counted, temporaries inside them not)"
                 )
-        for p in self.predictions:  # the host term (lightning_hbm.memory.terms): off the device, not in the peak
-            if p.host_bytes:
-                notes.append(f"{p.candidate.name}: host_offload {format_bytes(p.host_bytes)} in host memory, beside the peak")
+        for p in self.predictions:  # the host terms (lightning_hbm.memory.terms): off the device, not in the peak
+            terms = p.terms
+            for t in host_terms():
+                if terms[t.name]:
+                    notes.append(f"{p.candidate.name}: {t.name} {format_bytes(terms[t.name])} in host memory, beside the peak")
         guessed = max((p.guessed_reads for p in self.predictions), default=0)
         if guessed:
             notes.append(
@@ -445,6 +468,7 @@ def plan(
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
+    "HOST_ACTIVATIONS",
     "HOST_OFFLOAD",
     "Plan",
     "Prediction",

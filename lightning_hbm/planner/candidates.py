@@ -51,6 +51,7 @@ _COST_CHECKPOINTING = {"none": 0.0, "selective": 0.05, "full": 0.33}
 _COST_FULL_FROZEN_BASE = 0.45  # full recompute when no base weight gets a gradient (LoRA, a quantized base)
 _COST_SELECTIVE_FROZEN_BASE = 0.15  # selective recompute then (benchmarks/README.md, peer table: 0.74x against 0.64x HF)
 _COST_OFFLOAD = 0.2
+_COST_ACTIVATION_OFFLOAD = 0.05  # ActivationCheckpointing(offload=True): stated, unmeasured (copies overlap on a side stream)
 _COST_MLP_CHUNK = 0.01  # per token chunk of ActivationCheckpointing(mlp_chunks=k): each re-dequantizes the base
 
 # Decimal (SI) units are powers of 1000, binary ones powers of 1024, as the standards have them: "80GB" is
@@ -151,6 +152,11 @@ class Candidate:
         fused_loss: ``lightning_hbm.FusedLoss()``: the output head and cross-entropy chunk by chunk, never
             the full ``[tokens, vocab]`` logits. Assumed to cost no step time (measured 0.50x to 0.93x of the
             unfused step on CPU, benchmarks/README.md; not yet run on GPU).
+        offload_activations: ``ActivationCheckpointing(offload=True)`` with ``checkpointing`` not ``"none"``: the
+            checkpointed blocks' inputs go to pinned host memory. Planned on ``device="cuda"`` as leaving the device
+            (the ``host_activations`` term; one block input in flight in the forward, two restored in the backward:
+            :class:`~lightning_hbm.callbacks.activation_checkpointing.OffloadSavedTensors`); on ``"cpu"`` the copies
+            are in the same memory and counted there. Costed at +5 % (a stated assumption, not yet run on GPU).
         layer_modes: a fixed mixed-precision plan of a quantized ``precision``, ``{layer name: mode name}``
             (``QuantizedPrecision(layer_modes=...)``; e.g. ``plugin.plan`` of an earlier run with
             ``max_bytes_per_param=``): the named layers are stored in their mode (``"none"``: kept in
@@ -171,6 +177,7 @@ class Candidate:
     fused_loss: bool = False
     layer_modes: Optional[LayerModes] = None
     mlp_chunks: int = 1
+    offload_activations: bool = False
     configured: Optional[tuple[Precision, tuple[Any, ...]]] = None
 
     @classmethod
@@ -203,6 +210,7 @@ class Candidate:
             elif kind == "ActivationCheckpointing":
                 axes["checkpointing"] = cast(ActivationCheckpointing, callback).policy
                 axes["mlp_chunks"] = cast(ActivationCheckpointing, callback).mlp_chunks
+                axes["offload_activations"] = cast(ActivationCheckpointing, callback).offload is not None
             elif kind == "MemoryEfficientOptimizer":
                 axes["optimizer"] = cast(MemoryEfficientOptimizer, callback).kind
             elif kind == "FusedLoss":
@@ -240,6 +248,11 @@ class Candidate:
                 f"Candidate mlp_chunks={self.mlp_chunks} chunks the recompute of full checkpointing, but checkpointing="
                 f"{self.checkpointing!r}. Use checkpointing='full', or mlp_chunks=1."
             )
+        if self.offload_activations and self.checkpointing == "none":
+            raise ValueError(
+                "Candidate offload_activations=True moves the inputs checkpointed blocks keep, but checkpointing='none'. "
+                "Use checkpointing='full' (or 'selective'), or offload_activations=False."
+            )
         if not isinstance(self.optimizer, str) or not self.optimizer:
             raise ValueError(f"Candidate optimizer must be 'user' or an 8-bit optimizer kind, got {self.optimizer!r}.")
 
@@ -253,7 +266,8 @@ class Candidate:
         if self.lora_r:
             parts.append(f"lora{self.lora_r}")
         if self.checkpointing != "none":
-            parts.append(f"ac-{self.checkpointing}" + (f"-mlp{self.mlp_chunks}" if self.mlp_chunks > 1 else ""))
+            parts.append(f"ac-{self.checkpointing}" + (f"-mlp{self.mlp_chunks}" if self.mlp_chunks > 1 else "")
+                         + ("-offload" if self.offload_activations else ""))
         if self.optimizer != "user":
             parts.append(self.optimizer)
         if self.offload:
@@ -284,7 +298,8 @@ class Candidate:
             callbacks.append(LoRA(r=self.lora_r, alpha=2.0 * self.lora_r))
         if self.checkpointing != "none":
             blocks = list(self.blocks) if self.blocks is not None else None
-            callbacks.append(ActivationCheckpointing(policy=self.checkpointing, blocks=blocks, mlp_chunks=self.mlp_chunks))
+            callbacks.append(ActivationCheckpointing(policy=self.checkpointing, blocks=blocks, mlp_chunks=self.mlp_chunks,
+                                                     offload=self.offload_activations))
         if self.optimizer != "user":
             callbacks.append(MemoryEfficientOptimizer(kind=cast(OptimizerKind, self.optimizer)))
         if self.fused_loss:
@@ -297,6 +312,7 @@ class Candidate:
         if self.lora_r > 0 or self.quantized:  # a frozen base: the backward computes no base weight gradient
             recompute = {"full": _COST_FULL_FROZEN_BASE, "selective": _COST_SELECTIVE_FROZEN_BASE}.get(self.checkpointing, recompute)
         cost = 1.0 + recompute + (_COST_OFFLOAD if self.offload else 0.0)
+        cost += _COST_ACTIVATION_OFFLOAD if self.offload_activations else 0.0
         cost += _COST_MLP_CHUNK * self.mlp_chunks if self.mlp_chunks > 1 else 0.0
         if self.quantized:
             modes = {self.precision, *(mode for _, mode in self.layer_modes or ())} - {UNQUANTIZED}
@@ -309,6 +325,7 @@ class Candidate:
         score += 0 if self.lora_r else 1
         score += 1 if self.optimizer == "user" else 0
         score += 0 if self.offload else 1
+        score += 0 if self.offload_activations else 1
         score += 0 if self.fused_loss else 1  # exact, but a user who reads the logits pays for them once
         return score
 
@@ -334,6 +351,7 @@ class Candidate:
 
     def _blocks_yaml(self) -> str:
         chunks = f", mlp_chunks: {self.mlp_chunks}" if self.mlp_chunks > 1 else ""
+        chunks += ", offload: true" if self.offload_activations else ""
         return chunks + ("" if self.blocks is None else f", blocks: [{', '.join(self.blocks)}]")
 
     def yaml(self) -> str:

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt, _disable_current_modes
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.callbacks.activation_checkpointing import find_blocks
+from lightning_hbm.callbacks.activation_checkpointing import OffloadSavedTensors, find_blocks, pinned_footprint
 from lightning_hbm.memory import CATEGORIES, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count, scope_term_bytes
 from lightning_hbm.memory.categories import buffer_tensors, classify_records, optimizer_state_tensors, parameter_tensors
 from lightning_hbm.planner.building import (
@@ -79,6 +79,7 @@ class Trace:
     # per phase: each scope term's bytes at its peak (loss: what FusedLoss allocated; inside the categories)
     scopes: dict[str, dict[str, int]] = field(default_factory=dict)
     fallbacks: dict[str, str] = field(default_factory=dict)  # module name -> why it ran on real zeros
+    host: int = 0  # bytes ActivationCheckpointing(offload=True) moved to host memory (device="cuda"), pinned footprint
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -101,7 +102,9 @@ class Trace:
         trainable, total = line(self.trainable, deeper.trainable), line(self.total, deeper.total)
         scopes = {phase: _line_terms(self.scopes.get(phase, {}), deeper.scopes.get(phase, {}), line) for phase in phases}
         fallbacks = {**self.fallbacks, **deeper.fallbacks}
-        return Trace(phases, trainable, total, depth, depth, self.block_bytes, max(self.guessed, deeper.guessed), scopes, fallbacks)
+        host = line(self.host, deeper.host)
+        return Trace(phases, trainable, total, depth, depth, self.block_bytes, max(self.guessed, deeper.guessed), scopes,
+                     fallbacks, host)
 
     def peak_scopes(self) -> dict[str, int]:
         """Each scope term's bytes at the peak phase (the registry's scope terms, :func:`~lightning_hbm.memory.terms.scope_terms`)."""
@@ -120,11 +123,14 @@ def trace(
     device: str,
     keep_blocks: Optional[int],
     real_types: Optional[dict[str, str]] = None,
+    probe_batch: Any = None,
 ) -> Trace:
     """Trace one steady-state training step of ``model`` under ``candidate`` (repeated blocks cut to ``keep_blocks``).
 
     ``real_types``: {module class name: reason}; modules of those classes run for real on zeros
-    (:func:`_run_for_real`), named in :attr:`Trace.fallbacks`.
+    (:func:`_run_for_real`), named in :attr:`Trace.fallbacks`. ``probe_batch``: a shorter batch of the same
+    structure for the forwards that decide structure only (the surgery's probe step, which parameters the loss
+    reaches): at a long sequence they cost as much as the traced step and decide the same (``max_context``).
     """
     fallbacks: dict[str, str] = {}
     plugin = _planning_plugin(candidate)
@@ -141,6 +147,8 @@ def trace(
             module = _build(model, fake_mode, values)
         stack.enter_context(_eager_transformers())  # after the build: the model's import brings transformers in
         fake_batch = tree_map_only(torch.Tensor, lambda t: _fake_like(t, fake_mode, values), batch)
+        fake_probe = fake_batch if probe_batch is None else tree_map_only(
+            torch.Tensor, lambda t: _fake_like(t, fake_mode, values), probe_batch)
         stack.enter_context(fake_mode)
         stack.enter_context(values)
         stack.enter_context(torch_compat.FakeGroupedMM())  # transformers' MoE experts in float32
@@ -152,22 +160,53 @@ def trace(
         for name, submodule in list(module.named_modules()):
             if type(submodule).__name__ in (real_types or {}):
                 _run_for_real(submodule, fallbacks, cast(dict[str, str], real_types)[type(submodule).__name__], name)
-        optimizers = apply_candidate(module, candidate, plugin, device, batch=fake_batch)
+        optimizers = apply_candidate(module, candidate, plugin, device, batch=fake_probe)
+        offloads = _offload_to_host(module) if device == "cuda" else []
         fake_batch = plugin.convert_input(fake_batch)
-        reached = _gradient_receivers(module, fake_batch, plugin)  # before the tracker: its storages are gone after
+        fake_probe = fake_batch if probe_batch is None else plugin.convert_input(fake_probe)
+        reached = _gradient_receivers(module, fake_probe, plugin)  # before the tracker: its storages are gone after
         stack.enter_context(tracker)
         tracker.phase = "setup"
         tracker.seed(itertools.chain(parameter_tensors(module), buffer_tensors(module), tree_leaves(fake_batch)), "setup")
         _first_step_state(optimizers, reached)
         # states created outside the dispatch (e.g. bitsandbytes' real quantization maps)
         tracker.seed(optimizer_state_tensors(optimizers), "setup")
+        for offload in offloads:
+            offload.reset_counts()
         phases, scopes = _steady_step(module, fake_batch, plugin, optimizers, tracker)
+        host = sum(offload.host_bytes for offload in offloads)
         trainable = parameter_count(module, trainable=True)
         total = parameter_count(module)
         block_bytes = max((parameter_bytes(block) for _, block in _blocks(module)), default=0)
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
-    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks)
+    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host)
+
+
+class _HostOffload(OffloadSavedTensors):
+    """``OffloadSavedTensors`` planned for a CUDA device: the host copies are fake tensors on the meta device, which
+    the tracker does not count as device memory; their host bytes are what pinned memory would take. Everything the
+    hooks keep on the device (the tensor in flight, the restored and prefetched inputs) is traced as it runs."""
+
+    def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+    def _footprint(self, tensor: torch.Tensor) -> int:
+        return pinned_footprint(tensor.numel() * tensor.element_size())
+
+
+def _offload_to_host(module: nn.Module) -> list[OffloadSavedTensors]:
+    """Replace the offload hooks of every checkpointed block whose target is host memory by :class:`_HostOffload`
+    (one per original hooks object, shared as the original was); returns them."""
+    replaced: dict[int, OffloadSavedTensors] = {}
+    for block in module.modules():
+        plan = getattr(torch_compat.forward_override(block), "plan", None)
+        offload = getattr(plan, "offload", None)
+        if isinstance(offload, OffloadSavedTensors) and offload.device.type == "cpu":
+            if id(offload) not in replaced:
+                replaced[id(offload)] = _HostOffload(offload.device)
+            plan.offload = replaced[id(offload)]  # type: ignore[union-attr]  # a _BlockPlan, found by its offload
+    return list(replaced.values())
 
 
 def _gradient_receivers(module: pl.LightningModule, batch: Any, plugin: Precision) -> Optional[set[int]]:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from lightning_hbm import ActivationCheckpointing, QuantizedPrecision, applied_transforms, quantize_model
 from lightning_hbm.callbacks.lora import LoRA
-from lightning_hbm.callbacks.activation_checkpointing import OffloadSavedTensors, find_blocks
+from lightning_hbm.callbacks.activation_checkpointing import OffloadSavedTensors, find_blocks, pinned_footprint
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.memory.activations import saved_activation_bytes
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
@@ -382,3 +382,33 @@ def test_find_blocks_never_nests_a_stack_that_is_itself_a_block() -> None:
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     model.blocks(x).sum().backward()  # the recompute of one level of blocks runs
     assert x.grad is not None
+
+
+def test_offload_restores_each_input_once_and_prefetches_the_one_before(gpt_factory: Callable) -> None:
+    """Backward restores the last block's input, and prefetches the input packed before it (the next one needed):
+    the gradients are those of plain checkpointing, and no input is copied back twice."""
+    reference, model = gpt_factory(), gpt_factory()
+    ActivationCheckpointing().transform_model(reference)
+    callback = ActivationCheckpointing(offload=True)
+    callback.transform_model(model)
+    hooks = callback.offload
+    assert hooks is not None
+    restores: list[int] = []
+    restore = hooks._restore
+
+    def counted(handle: Any, prefetch: bool) -> torch.Tensor:
+        restores.append(int(prefetch))
+        return restore(handle, prefetch)
+
+    hooks._restore = counted  # type: ignore[method-assign]  # count the copies back
+    batch = _batch(seq=32)
+    expected, got = _grads(reference, batch), _grads(model, batch)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+    # two blocks: the last one's input restored when needed, the first one's prefetched then
+    assert hooks.copies == 2 and restores == [0, 1]
+    assert hooks.host_bytes == 0  # CPU to CPU: the same memory, nothing left the device
+
+
+def test_pinned_footprint_is_the_next_power_of_two() -> None:
+    assert [pinned_footprint(n) for n in (0, 1, 4096, 4097, 3 * 2**30)] == [0, 1, 4096, 8192, 4 * 2**30]

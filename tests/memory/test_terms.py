@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 import weakref
 from pathlib import Path
 
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_categories_are_the_registry_category_terms_in_order() -> None:
     assert CATEGORIES == tuple(t.name for t in TERMS if t.kind == "category")
-    assert SIDE_TERMS == ("loss", "host_offload")
+    assert SIDE_TERMS == ("loss", "host_offload", "host_activations")
     assert len({t.name for t in TERMS}) == len(TERMS)
 
 
@@ -58,7 +59,7 @@ def test_shard_categories_splits_the_split_terms() -> None:
 def test_prediction_terms_are_every_registry_term() -> None:
     categories = {c: i + 1 for i, c in enumerate(CATEGORIES)}
     prediction = Prediction(Candidate("32-true"), categories, host_bytes=7, loss=3)
-    assert prediction.terms == {**categories, "loss": 3, "host_offload": 7}
+    assert prediction.terms == {**categories, "loss": 3, "host_offload": 7, "host_activations": 0}
     assert list(prediction.terms) == [t.name for t in TERMS]
 
 
@@ -110,3 +111,15 @@ def test_profiler_and_planner_share_the_classifier() -> None:
     # no private copy left in either: both name the memory package's function
     assert profiler.classify_records is classify_records and tracing.classify_records is classify_records
     assert not hasattr(profiler, "_classify_peak") and not hasattr(tracing, "_classify")
+
+
+def test_host_activations_reads_the_offload_hooks_of_checkpointed_blocks(gpt_factory: Callable) -> None:
+    from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing
+
+    model = gpt_factory()
+    callback = ActivationCheckpointing(offload=True)
+    callback.transform_model(model)
+    assert callback.offload is not None
+    callback.offload.host_bytes = 1234  # what a CUDA step leaves (pinned copies); 0 on a CPU run
+    assert term("host_activations").host(model, []) == 1234
+    assert term("host_activations").host(gpt_factory(), []) == 0

@@ -12,6 +12,7 @@ import yaml
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.data import DataLoader
 
+from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing, pinned_footprint
 from lightning_hbm.callbacks.profiler import HBMProfiler
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.memory.storage import parameter_bytes
@@ -379,6 +380,25 @@ def test_offload_moves_optimizer_states_to_host(gpt_factory: Callable[..., Any])
     assert "strategy: cpu_offload" in offloaded.candidate.yaml()
     with pytest.raises(ValueError, match=r"32-true\+offload: offloading optimizer states .* plan it with device='cuda'"):
         predict(gpt_factory(), batch, Candidate("32-true", offload=True))
+
+
+def test_activation_offload_leaves_the_device_on_cuda_as_a_host_term() -> None:
+    """ActivationCheckpointing(offload=True) planned for CUDA: the block inputs leave the device (pinned host memory, the
+    host_activations term, rounded to a power of two each); on CPU they are the same memory and stay counted there."""
+    factory = partial(LlamaLM, **{**TINY_LLAMA, "num_hidden_layers": 8})  # 8 blocks: traced at 3 and 4, extended
+    batch = tuple(t.contiguous() for t in synthetic_batch(2, 48))
+    kept = predict(factory, batch, Candidate("32-true", lora_r=4, checkpointing="full"), device="cuda")
+    offloaded = predict(factory, batch, Candidate("32-true", lora_r=4, checkpointing="full", offload_activations=True),
+                        device="cuda")
+    block_input = 2 * 48 * 64 * 4  # fp32 hidden states of one block
+    assert offloaded.terms["host_activations"] == 8 * pinned_footprint(block_input) == offloaded.host
+    # in the forward at most one input is in flight, in the backward two are restored: six of eight leave the device
+    assert kept.categories["activations"] - offloaded.categories["activations"] >= 6 * block_input
+    assert "host_activations" in str(plan(factory, batch, candidates=[offloaded.candidate], device="cuda"))
+    assert offloaded.candidate.name.endswith("ac-full-offload") and "offload: true" in offloaded.candidate.yaml()
+    assert Candidate.from_trainer(None, [ActivationCheckpointing(offload=True)]).offload_activations
+    with pytest.raises(ValueError, match=r"offload_activations=True moves the inputs checkpointed blocks keep"):
+        Candidate("32-true", offload_activations=True)
 
 
 @pytest.mark.slow

@@ -1,0 +1,292 @@
+"""``max_context``: the longest sequence a configuration trains within a memory budget, planned, not bisected.
+
+What it answers: "how long a context can I fine-tune on my 24 GiB card". The user fixes what changes the result
+(the precision plugin: quantization mode; the callbacks: LoRA and its rank, the optimizer); ``max_context`` sets only
+what trades step time for memory, and reports each choice (:attr:`ContextResult.choices`):
+
+* ``ActivationCheckpointing(policy="full")``: each block keeps only its input;
+* ``offload=True`` on ``device="cuda"``: those inputs go to pinned host memory (the ``host_activations`` term);
+* ``mlp_chunks``: each block's MLP recomputed in token chunks (a power of two near 4x its widening, at most 32);
+* ``FusedLoss``: the loss chunk by chunk; its chunk is the automatic one (``FusedLoss.chunk_size=None``, reported).
+
+How, fast: the peak of a step is affine plus quadratic in the sequence length (attention may be quadratic where no
+fused kernel saves only a log-sum-exp), so :func:`plan` runs at three lengths, the quadratic through them is solved
+for each budget, and each answer is confirmed by one plan at that length (a miss is corrected from the confirmed
+point and planned again, up to :data:`_CONFIRMS` times). The answer is the longest multiple of ``multiple_of`` whose
+predicted total (peak + the CUDA context :func:`plan` adds) fits; these are predictions, not measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Optional, Union
+
+from torch import nn
+
+from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing, find_blocks
+from lightning_hbm.callbacks.fused_loss import FusedLoss
+from lightning_hbm.callbacks.fused_loss.cost import chunk_tokens
+from lightning_hbm.data import synthetic_batch
+from lightning_hbm.memory import CATEGORIES, host_terms
+from lightning_hbm.planner.api import Prediction, predict
+from lightning_hbm.planner.building import ModelLike, Template, build_template
+from lightning_hbm.planner.candidates import Candidate, format_bytes, parse_bytes
+from lightning_hbm.planner.realvalues import MAX_TWIN_ELEMENTS
+
+#: Plans per budget after the fit at most: the confirmation, and corrections from confirmed points when it missed.
+_CONFIRMS = 4
+#: Most token chunks of an MLP recompute max_context chooses (1 % of step time each, stated in candidates.py).
+_MAX_MLP_CHUNKS = 32
+#: Tokens of the batch the structure-deciding forwards run on (the surgery's probe, which parameters get gradients).
+_PROBE_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class ContextResult:
+    """The longest context for one budget.
+
+    Attributes:
+        budget: bytes the total (peak + CUDA context) must fit in.
+        tokens: the longest sequence length per sample that fits (0: not even ``multiple_of`` tokens).
+        prediction: the plan at ``tokens`` (host terms included: :attr:`host`); at ``multiple_of`` when nothing fits.
+        choices: what max_context set: ``checkpointing``, ``offload``, ``mlp_chunks``, ``loss_chunk_tokens``.
+        limit: why not longer: the largest device term at ``tokens``; when nothing fits, the term that alone is over.
+    """
+
+    budget: int
+    tokens: int
+    prediction: Prediction
+    choices: dict[str, Any] = field(default_factory=dict)
+    limit: str = ""
+
+    @property
+    def host(self) -> int:
+        """Host memory the run needs (pinned block inputs, offloaded optimizer states)."""
+        return self.prediction.host
+
+    def __str__(self) -> str:
+        return (f"{format_bytes(self.budget)}: {self.tokens:,} tokens (device {format_bytes(self.prediction.total)}, "
+                f"host {format_bytes(self.host)}; {self.limit})")
+
+
+def max_context(
+    model: Union[ModelLike, Template],
+    budget: Union[str, int, Sequence[Union[str, int]]],
+    *,
+    plugin: Optional[Any] = None,
+    callbacks: Optional[Sequence[Any]] = None,
+    strategy: Any = None,
+    batch_size: int = 1,
+    device: Literal["cpu", "cuda"] = "cuda",
+    batch_fn: Optional[Callable[[int], Any]] = None,
+    multiple_of: int = 1,
+) -> Union[ContextResult, list[ContextResult]]:
+    """The longest sequence length per sample that trains within ``budget`` (one size, or a list: one result each).
+
+    Args:
+        model: the LightningModule or a factory (built fake, as :func:`plan` does).
+        budget: device memory, ``"24GiB"`` or bytes (:func:`~lightning_hbm.planner.parse_bytes`), or a list of them.
+        plugin, callbacks, strategy: the Trainer's, as for :func:`plan`. Their ``ActivationCheckpointing`` and
+            ``FusedLoss`` are replaced by max_context's choices (the blocks and heads they name are kept).
+        batch_size: samples per step.
+        device: where training runs; ``"cuda"`` offloads the checkpointed inputs and counts the CUDA context.
+        batch_fn: ``batch_fn(length)`` -> one training batch at that sequence length, for models that do not take
+            ``(tokens, targets)`` (the default: ``synthetic_batch(batch_size, length, vocab_size)``, the vocabulary
+            read from the model's ``vocab_size`` hyperparameter or its first ``nn.Embedding``).
+        multiple_of: the answer is a multiple of this (e.g. 64); 1 by default.
+
+    Returns:
+        A :class:`ContextResult`, or a list of them in the order of ``budget``.
+
+    Raises:
+        ValueError: a model with no token vocabulary and no ``batch_fn``; bad ``batch_size``/``multiple_of``/budget.
+    """
+    budgets = [parse_bytes(b) for b in budget] if isinstance(budget, (list, tuple)) else [parse_bytes(budget)]  # type: ignore[arg-type]  # a str or int
+    if not budgets:
+        raise ValueError("max_context(budget=[]): give at least one size, e.g. '24GiB'.")
+    for name, value in (("batch_size", batch_size), ("multiple_of", multiple_of)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"max_context({name}={value!r}): must be an int >= 1.")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"max_context(device={device!r}): 'cpu' or 'cuda'.")
+    template = build_template(model)
+    make_batch = batch_fn if batch_fn is not None else _token_batches(template, batch_size)
+    own, choices = _configuration(template, list(callbacks or ()), device)
+
+    candidate = Candidate.from_trainer(plugin, own, strategy)
+    cache: dict[int, Prediction] = {}
+
+    def predict_at(tokens: int) -> Prediction:
+        if tokens not in cache:  # the forwards that only decide structure run on a short batch (predict's probe_batch)
+            probe = make_batch(min(tokens, _PROBE_TOKENS)) if tokens > _PROBE_TOKENS else None
+            cache[tokens] = predict(template, make_batch(tokens), candidate, device=device, probe_batch=probe)
+        return cache[tokens]
+
+    # three lengths in the regime long contexts live in, the quadratic through them
+    lengths = [_round(n, multiple_of) for n in (2048, 8192, 32768)]
+    fit = _Quadratic([(n, predict_at(n).total) for n in lengths])
+    results = []
+    for limit in budgets:
+        results.append(_solve(limit, fit, predict_at, multiple_of, choices, template, batch_size))
+    return results if isinstance(budget, (list, tuple)) else results[0]
+
+
+def _solve(
+    budget: int, fit: "_Quadratic", predict_at: Callable[[int], Prediction], step: int, choices: dict[str, Any],
+    template: Template, batch_size: int,
+) -> ContextResult:
+    """The longest multiple of ``step`` whose plan fits ``budget``: the fit's answer, confirmed and corrected."""
+    points = dict(fit.points)
+    fits, over = step, None  # the longest length planned to fit, the shortest planned over
+    guess = max(step, _round_down(fit.solve(budget), step))
+    for _ in range(_CONFIRMS):
+        points[guess] = predict_at(guess).total
+        if points[guess] <= budget:
+            fits = max(fits, guess)
+        else:
+            over = guess if over is None else min(over, guess)
+        # the line through the planned points on either side of the guess: where it says the budget is reached
+        again = _round_down(_Quadratic(_bracket(points, guess)).solve(budget), step)
+        if over is not None:
+            again = min(again, over - step)
+        if again <= fits or (over is not None and over - fits <= step):
+            break  # the confirmed length is the answer: the next one up is over (planned, or by the local fit)
+        guess = again
+    best = fits
+    prediction = predict_at(best)
+    if prediction.total > budget:  # not even the shortest length: say which term alone is over
+        return ContextResult(budget, 0, prediction, _with_loss(choices, template, batch_size, step), _over(prediction, budget))
+    return ContextResult(budget, best, prediction, _with_loss(choices, template, batch_size, best), _held_by(prediction))
+
+
+class _Quadratic:
+    """``total(n) = a + b n + c n^2`` through three (length, bytes) points (a line through two)."""
+
+    def __init__(self, points: Sequence[tuple[int, int]]) -> None:
+        self.points = list(points)
+        xs = [float(x) for x, _ in self.points]
+        ys = [float(y) for _, y in self.points]
+        if len(xs) >= 3:
+            (x0, x1, x2), (y0, y1, y2) = xs[:3], ys[:3]
+            d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+            self.c = max(0.0, (d12 - d01) / (x2 - x0))
+            self.b = d01 - self.c * (x0 + x1)
+        else:
+            (x0, x1), (y0, y1) = xs[:2], ys[:2]
+            self.c, self.b = 0.0, (y1 - y0) / (x1 - x0)
+        self.a = y0 - self.b * x0 - self.c * x0 * x0
+
+    def solve(self, total: int) -> float:
+        """The length at which the fit reaches ``total`` (the larger root); infinite when it never does."""
+        a = self.a - total
+        if self.c > 0:
+            return (-self.b + math.sqrt(max(0.0, self.b * self.b - 4 * self.c * a))) / (2 * self.c)
+        return -a / self.b if self.b > 0 else math.inf
+
+
+def _bracket(points: dict[int, int], around: int) -> list[tuple[int, int]]:
+    """Two planned points for a local line at ``around``: it and the nearest one longer (else the nearest shorter).
+
+    A line, not the quadratic: chunked terms (the loss's chunk grows until its cap, the MLP's chunks round up) bend the
+    total piece by piece, and a quadratic through three points on two pieces can say the budget is never reached.
+    """
+    longer = sorted(n for n in points if n > around)
+    shorter = sorted(n for n in points if n < around)
+    other = longer[0] if longer else shorter[-1]
+    return sorted([(around, points[around]), (other, points[other])])
+
+
+def _round(n: int, step: int) -> int:
+    return max(step, -(-n // step) * step)
+
+
+def _round_down(n: float, step: int) -> int:
+    if not math.isfinite(n):
+        return 2**40
+    return max(step, int(n) // step * step)
+
+
+def _over(prediction: Prediction, budget: int) -> str:
+    """Which term alone is over ``budget`` at the shortest length (or the largest, and the sum)."""
+    terms = {**prediction.categories, "CUDA context": prediction.overhead}
+    alone = [name for name, n in terms.items() if n > budget]
+    if alone:
+        return f"{alone[0]} alone ({format_bytes(terms[alone[0]])}) is over the budget"
+    largest = max(terms, key=lambda name: terms[name])
+    return (f"nothing fits: {format_bytes(prediction.total)} at the shortest length, largest term {largest} "
+            f"({format_bytes(terms[largest])})")
+
+
+def _held_by(prediction: Prediction) -> str:
+    """The device term that grows the total most at this length (the largest category)."""
+    largest = max(CATEGORIES, key=lambda name: prediction.categories[name])
+    return f"largest term {largest} {format_bytes(prediction.categories[largest])}"
+
+
+def _token_batches(template: Template, batch_size: int) -> Callable[[int], Any]:
+    """``length -> (tokens, targets)`` of the model's vocabulary; a clear error for a model that takes no tokens."""
+    module = template.module
+    vocab = getattr(getattr(module, "hparams", {}), "get", lambda _k: None)("vocab_size")
+    if vocab is None:
+        embedding = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+        vocab = embedding.num_embeddings if embedding is not None else None
+    if vocab is None:
+        raise ValueError(
+            f"max_context: {type(module).__name__} has no token vocabulary (no `vocab_size` hyperparameter, no "
+            "nn.Embedding), so a sequence length means nothing to it by default. Pass batch_fn=lambda length: <one "
+            "training batch at that length>, e.g. for a vision model the images whose patch count is the length."
+        )
+
+    def batch(length: int) -> Any:
+        # small: real values (data-dependent reads exact); contiguous, as a DataLoader collates it
+        device = None if batch_size * (length + 1) <= MAX_TWIN_ELEMENTS else "meta"
+        return tuple(t.contiguous() for t in synthetic_batch(batch_size, length, vocab_size=int(vocab), device=device))
+
+    return batch
+
+
+def _mlp_chunks(template: Template) -> int:
+    """A power of two near 4x the widest Linear of a block over its narrowest input, at most :data:`_MAX_MLP_CHUNKS`:
+    each chunk of the MLP recompute then holds about as much as the block's input (Llama 8B/70B: 16)."""
+    blocks = find_blocks(template.module)
+    if not blocks:
+        return 8
+    widths = [(int(getattr(m, "in_features")), int(getattr(m, "out_features"))) for m in blocks[0][1].modules()
+              if hasattr(m, "in_features") and hasattr(m, "out_features")]
+    if not widths:
+        return 1
+    ratio = max(out for _, out in widths) / min(inp for inp, _ in widths)
+    return int(min(_MAX_MLP_CHUNKS, max(1, 2 ** round(math.log2(max(1.0, 4 * ratio))))))
+
+
+def _configuration(template: Template, callbacks: list[Any], device: str) -> tuple[list[Any], dict[str, Any]]:
+    """The user's callbacks with max_context's ``ActivationCheckpointing`` and ``FusedLoss``; the choices made."""
+    checkpointing = next((c for c in callbacks if isinstance(c, ActivationCheckpointing)), None)
+    loss = next((c for c in callbacks if isinstance(c, FusedLoss)), None)
+    kept = [c for c in callbacks if not isinstance(c, (ActivationCheckpointing, FusedLoss))]
+    chunks = _mlp_chunks(template)
+    offload = device == "cuda"
+    blocks = checkpointing.blocks if checkpointing is not None else None
+    kept.append(ActivationCheckpointing("full", blocks=blocks, offload=offload, mlp_chunks=chunks))
+    kept.append(FusedLoss(heads=loss.heads if loss is not None else None))
+    choices = {"checkpointing": "full", "offload": offload, "mlp_chunks": chunks, "loss_chunk_tokens": None}
+    return kept, choices
+
+
+def _with_loss(choices: dict[str, Any], template: Template, batch_size: int, tokens: int) -> dict[str, Any]:
+    """``choices`` with the fused loss's automatic chunk at ``tokens`` (:func:`chunk_tokens`, bf16 logits)."""
+    vocab = getattr(getattr(template.module, "hparams", {}), "get", lambda _k: None)("vocab_size")
+    if vocab is None:
+        return dict(choices)
+    return {**choices, "loss_chunk_tokens": chunk_tokens(batch_size * tokens, int(vocab))}
+
+
+def host_bytes(prediction: Prediction) -> dict[str, int]:
+    """The host terms of ``prediction`` by name (``host_activations``, ``host_offload``)."""
+    terms = prediction.terms
+    return {t.name: terms[t.name] for t in host_terms()}
+
+
+__all__ = ["ContextResult", "host_bytes", "max_context"]

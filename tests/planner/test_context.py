@@ -1,0 +1,99 @@
+"""``max_context``: the longest context for a budget, planned; proven against a real step measured by torch's MemTracker.
+
+The proof (issue 51, item 5): a small transformers Llama, QLoRA, with offload (to a host memory MemTracker cannot
+see, as pinned memory is outside a GPU's allocator), MLP token chunks and the fused loss's chunks on. The peak
+measured at the predicted length is within 3 % of the prediction, and the next length up is over the budget.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_hbm import LoRA, QuantizedPrecision
+from lightning_hbm._compat import _disable_current_modes
+from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing, OffloadSavedTensors, pinned_footprint
+from lightning_hbm.callbacks.fused_loss import FusedLoss
+from lightning_hbm.data import synthetic_batch
+from lightning_hbm.models import LlamaLM
+from lightning_hbm.planner import CUDA_CONTEXT_BYTES, Candidate, max_context
+from lightning_hbm.planner.reference import memtracker_peak
+
+SMALL_LLAMA = partial(LlamaLM, vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536)  # fmt: skip
+STEP = 256
+
+
+class _HostOutsideTorch(OffloadSavedTensors):
+    """The injected offload target: host copies made with every dispatch mode off, so MemTracker never counts them
+    (pinned host memory is likewise outside the GPU allocator's count). What stays on the device is the library's."""
+
+    def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        with _disable_current_modes():
+            return tensor.detach().clone()
+
+
+def _measured(tokens: int, choices: dict[str, Any]) -> int:
+    """MemTracker's peak of one steady-state step at ``tokens`` with max_context's choices, offload injected."""
+    checkpointing = ActivationCheckpointing("full", mlp_chunks=choices["mlp_chunks"], offload=True)
+    checkpointing.offload = _HostOutsideTorch("cpu")
+    callbacks = [LoRA(r=8), checkpointing, FusedLoss()]
+    candidate = Candidate.from_trainer(QuantizedPrecision("nf4-dq", dtype="float32"), callbacks)
+    batch = tuple(t.contiguous() for t in synthetic_batch(1, tokens, vocab_size=512))
+    return memtracker_peak(SMALL_LLAMA, batch, candidate)
+
+
+@pytest.mark.slow
+def test_predicted_longest_context_matches_a_measured_step() -> None:
+    budget = CUDA_CONTEXT_BYTES + 12 * 2**20
+    result = max_context(SMALL_LLAMA, budget, plugin=QuantizedPrecision("nf4-dq", dtype="float32"), callbacks=[LoRA(r=8)],
+                         multiple_of=STEP)
+    assert isinstance(result, type(result)) and result.tokens > 0 and result.tokens % STEP == 0
+    assert result.choices["offload"] and result.choices["mlp_chunks"] > 1 and result.choices["checkpointing"] == "full"
+    # the host term: one pinned block input per layer (fp32, hidden 64)
+    assert result.host == 2 * pinned_footprint(result.tokens * 64 * 4)
+    measured = _measured(result.tokens, result.choices)
+    assert measured == pytest.approx(result.prediction.peak, rel=0.03)
+    assert result.prediction.total <= budget
+    assert _measured(result.tokens + STEP, result.choices) + CUDA_CONTEXT_BYTES > budget  # the next length up is over
+
+
+def test_several_budgets_give_one_result_each_and_a_hopeless_one_names_its_term() -> None:
+    tiny, roomy = 2**20, CUDA_CONTEXT_BYTES + 6 * 2**20
+    results = max_context(SMALL_LLAMA, [tiny, roomy], callbacks=[LoRA(r=4)], multiple_of=64)
+    assert isinstance(results, list) and [r.budget for r in results] == [tiny, roomy]
+    assert results[0].tokens == 0 and "CUDA context alone" in results[0].limit
+    assert results[1].tokens > 0 and results[1].prediction.total <= roomy
+    assert "host_activations" in results[1].prediction.terms and results[1].host > 0
+
+
+class _Regressor(pl.LightningModule):
+    """Not a token model: features in, one value out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_a_model_without_tokens_needs_a_batch_fn() -> None:
+    with pytest.raises(ValueError, match=r"_Regressor has no token vocabulary.*batch_fn=lambda length"):
+        max_context(_Regressor, "1GiB", device="cpu")
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match=r"multiple_of=0\): must be an int >= 1"):
+        max_context(SMALL_LLAMA, "1GiB", multiple_of=0)
+    with pytest.raises(ValueError, match=r"ambiguous"):
+        max_context(SMALL_LLAMA, "24G")
