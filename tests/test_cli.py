@@ -377,3 +377,15 @@ def test_plan_plans_the_trainer_section_fit_would_run(tmp_path: Path) -> None:
     plugin, callbacks = prediction.candidate.configured
     assert plugin.ignore_modules == ("model.model.layers.0.mlp",) and callbacks[0].exclude_modules is not None
     assert [type(c).__name__ for c in callbacks] == ["LoRA", "ActivationCheckpointing", "FusedLoss"]
+
+
+@pytest.mark.slow
+def test_plan_max_context_prints_the_longest_context_per_budget(capsys: pytest.CaptureFixture) -> None:
+    args = ["plan", *TINY, "--trainer.precision=nf4-dq", "--trainer.callbacks+=LoRA", "--max-context",
+            "--budget=3MiB,6MiB", "--device=cpu"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "longest context (tokens)" in out and "host RAM (pinned)" in out and "3.00 MiB" in out and "6.00 MiB" in out
+    assert "'mlp_chunks'" in out and "predicted by the planner, not measured" in out
+    assert main(["plan", *TINY, "--max-context", "--device=cpu"]) == 2  # no budget: a clear error
+    assert "--max-context needs --budget" in capsys.readouterr().err

@@ -54,7 +54,7 @@ from lightning_hbm.memory.report import find_report, render_report
 from lightning_hbm.naming import did_you_mean
 from lightning_hbm.planner import Candidate, default_candidates
 from lightning_hbm.planner.candidates import PLANNED_LIGHTNING_PRECISIONS
-from lightning_hbm.planner.config import plan_from_config, print_plan
+from lightning_hbm.planner.config import max_context_from_config, plan_from_config, print_max_context, print_plan
 from lightning_hbm.precision import QuantizedPrecision, available_precisions
 from lightning_hbm.precision.registry import get_format
 from lightning_hbm.surgery import SurgeryCallback
@@ -420,7 +420,16 @@ class PlanCLI(HBMCLI):
     Example::
 
         PlanCLI(args=["-c", "examples/qlora.yaml", "--budget", "24GiB"], run=False).plan.chosen
+
+    ``--max-context`` (with ``--budget``, several sizes comma-separated: ``--budget 24GiB,48GiB``): the longest
+    sequence per sample that fits each budget with the recipe's precision and adapters
+    (:func:`lightning_hbm.planner.max_context`); :attr:`contexts` holds the results.
     """
+
+    def __init__(self, *args: Any, max_context: bool = False, **kwargs: Any) -> None:
+        self.max_context = max_context
+        self.contexts: list[Any] = []
+        super().__init__(*args, **kwargs)
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -438,13 +447,20 @@ class PlanCLI(HBMCLI):
         self.model, self.datamodule, self.trainer = None, None, None  # type: ignore[assignment]  # plan builds no Trainer: LightningCLI declares it set
         config = {"model": self.config.model.as_dict(), "data": self.config.data.as_dict()}
         device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.max_context:
+            if not self.config.budget:
+                raise ValueError("lightning-hbm plan --max-context needs --budget, e.g. --budget 24GiB (or 24GiB,48GiB).")
+            budgets = [b.strip() for b in str(self.config.budget).split(",") if b.strip()]
+            plugin, callbacks, strategy = self._trainer_objects()
+            self.contexts = max_context_from_config(config, budgets, device, plugin, callbacks, strategy)
+            return
         configured = self._configured_candidate()
         # a trainer section that sets a lightning_hbm plugin, callback or strategy is what fit would run: planned alone
         candidates = [configured] if configured is not None else default_candidates(**self.config.candidates.as_dict())
         self.plan = plan_from_config(config, self.config.budget, device, candidates=candidates)
 
-    def _configured_candidate(self) -> Any:
-        """The trainer section's precision/plugins, lightning_hbm callbacks and strategy as one candidate, or None."""
+    def _trainer_objects(self) -> tuple[Any, list[Any], Any]:
+        """The trainer section's precision plugin (or None), callbacks and strategy, built."""
         trainer = self._get(self.config, "trainer")
         plugins = [_instantiate(p) for p in _as_list(trainer.get("plugins"))]
         callbacks = [_instantiate(c) for c in _as_list(trainer.get("callbacks"))]
@@ -453,6 +469,11 @@ class PlanCLI(HBMCLI):
         precision = trainer.get("precision")
         if plugin is None and precision is not None and str(precision) in PLANNED_LIGHTNING_PRECISIONS:
             plugin = Candidate(str(precision)).precision_plugin()
+        return plugin, callbacks, strategy
+
+    def _configured_candidate(self) -> Any:
+        """The trainer section's precision/plugins, lightning_hbm callbacks and strategy as one candidate, or None."""
+        plugin, callbacks, strategy = self._trainer_objects()
         if any(type(c).__name__ == "AutoFit" for c in callbacks):
             return None  # AutoFit chooses among the grid at fit: plan the grid
         if plugin is None and not any(isinstance(c, SurgeryCallback) for c in callbacks) and strategy != "cpu_offload":
@@ -513,6 +534,10 @@ def _raised_by_package(err: BaseException) -> bool:
 
 def _run(argv: list[str]) -> int:
     """Run one console command (see :func:`main`); errors propagate to :func:`main`."""
+    if argv[:1] == ["plan"] and "--max-context" in argv:
+        contexts = PlanCLI(args=[a for a in argv[1:] if a != "--max-context"], run=False, max_context=True).contexts
+        print_max_context(contexts)
+        return 0 if all(c.tokens > 0 for c in contexts) else 2
     if argv[:1] == ["plan"]:
         result = PlanCLI(args=argv[1:], run=False).plan
         print_plan(result)

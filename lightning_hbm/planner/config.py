@@ -10,13 +10,14 @@ itself (parsing, overrides, exit status 2 when nothing fits) is ``lightning_hbm.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import lightning.pytorch as pl
 
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.planner.api import Plan, plan
 from lightning_hbm.planner.candidates import PLANNED_LIGHTNING_PRECISIONS, Candidate, default_candidates, format_bytes
+from lightning_hbm.planner.context import ContextResult, max_context
 from lightning_hbm.planner.realvalues import MAX_TWIN_ELEMENTS
 
 
@@ -99,4 +100,37 @@ def print_plan(result: Plan) -> None:
         print(f"({note})")
 
 
-__all__ = ["plan_from_config", "print_plan"]
+def max_context_from_config(
+    config: dict[str, Any], budgets: Sequence[str], device: str, plugin: Any = None, callbacks: Sequence[Any] = (),
+    strategy: Any = None,
+) -> list[ContextResult]:
+    """:func:`~lightning_hbm.planner.max_context` of a LightningCLI config's model, one result per budget.
+
+    The batch size is the data section's ``batch_size`` (1 without one); the trainer section's plugin, callbacks and
+    strategy are the fixed configuration (its ``ActivationCheckpointing``/``FusedLoss`` replaced by max_context's).
+    """
+    model_section = _section(config, "model")
+    if model_section is None:
+        raise ValueError("The config has no 'model' section (model: {class_path: ..., init_args: {...}}).")
+    model_cls, model_args = model_section
+    factory: Callable[[], pl.LightningModule] = lambda: model_cls(**model_args)  # noqa: E731  (built fake)
+    data = (config.get("data") or {}).get("init_args") or {}
+    batch_size = int(data.get("batch_size") or 1)
+    results = max_context(factory, list(budgets), plugin=plugin, callbacks=list(callbacks), strategy=strategy,
+                          batch_size=batch_size, device=device)  # type: ignore[arg-type]  # "cpu" or "cuda", checked there
+    return cast(list[ContextResult], results)
+
+
+def print_max_context(results: Sequence[ContextResult]) -> None:
+    """The longest context per budget as a table: tokens, device total, host RAM needed, what holds it, the choices."""
+    rows = [("budget", "longest context (tokens)", "device total", "host RAM (pinned)", "what holds it")]
+    for r in results:
+        rows.append((format_bytes(r.budget), f"{r.tokens:,}", format_bytes(r.prediction.total), format_bytes(r.host), r.limit))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    if results:
+        print(f"set by max_context: {results[0].choices} (predicted by the planner, not measured)")
+
+
+__all__ = ["max_context_from_config", "plan_from_config", "print_max_context", "print_plan"]
