@@ -30,6 +30,10 @@ run planner     benchmarks/planner.py --gpu-check  # predicted peak vs torch.cud
 run fsdp        benchmarks/fsdp_qlora.py --strategy fsdp_qlora --devices 1 --size tiny
 run profiler    benchmarks/profiler_overhead.py --accelerator cuda
 run lora        benchmarks/lora_memory.py --accelerator cuda
+# ActivationCheckpointing(offload=True): step time with and without (side-stream copies, backward prefetch; untested on
+# GPU), then max_context's 8B answer for this device trained for 2 steps (predicted vs max_memory_allocated)
+run offload_cost benchmarks/max_context.py --offload-cost
+timeout 240 python3 benchmarks/max_context.py --gpu-check 2>&1 | tee "$OUT/max_context.log" | tail -4
 # FusedLoss vs the Hugging Face QLoRA recipe (random-weight Llama saved once; 3 stacks in one process).
 # 1b fits the budget; 8b (run by hand when time allows): benchmarks/peer_qlora.py --device cuda --preset 8b --rounds 2
 # lhbm+fused-mlp2: ActivationCheckpointing(mlp_chunks=2), the MLPs' recompute in token chunks (CPU, 100M: 1.14x the floor)

@@ -412,3 +412,21 @@ def test_offload_restores_each_input_once_and_prefetches_the_one_before(gpt_fact
 
 def test_pinned_footprint_is_the_next_power_of_two() -> None:
     assert [pinned_footprint(n) for n in (0, 1, 4096, 4097, 3 * 2**30)] == [0, 1, 4096, 8192, 4 * 2**30]
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_gives_the_same_gradients_and_frees_the_block_inputs(gpt_factory: Callable) -> None:
+    """Untested here (no GPU this session): side-stream copies to pinned memory, the backward prefetch, the same
+    gradients as plain checkpointing, and the inputs off the device (host_bytes: pinned, powers of two)."""
+    torch.manual_seed(0)
+    reference, model = gpt_factory().cuda(), gpt_factory().cuda()
+    model.load_state_dict(reference.state_dict())
+    ActivationCheckpointing().transform_model(reference)
+    callback = ActivationCheckpointing(offload=True)
+    callback.transform_model(model)
+    batch = tuple(t.cuda() for t in _batch(seq=128))
+    expected, got = _grads(reference, batch), _grads(model, batch)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], msg=name)
+    assert callback.offload is not None and callback.offload.copies == 2
+    assert callback.offload.host_bytes == 2 * pinned_footprint(4 * 128 * 64 * 4)
