@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import logging
 import sys
 import time
 from functools import partial
@@ -146,6 +147,7 @@ def gpu_check() -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)  # each plan's length and total
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=list(SHAPES), default=None, help="one shape (default: both)")
     parser.add_argument("--budgets", nargs="*", type=int, default=None, help="GiB (default: the published sizes)")

@@ -18,7 +18,9 @@ predicted total (peak + the CUDA context :func:`plan` adds) fits; these are pred
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, Union
@@ -34,6 +36,8 @@ from lightning_hbm.planner.api import Prediction, predict
 from lightning_hbm.planner.building import ModelLike, Template, build_template
 from lightning_hbm.planner.candidates import Candidate, format_bytes, parse_bytes
 from lightning_hbm.planner.realvalues import MAX_TWIN_ELEMENTS
+
+_log = logging.getLogger(__name__)
 
 #: Plans per budget after the fit at most: the confirmation, and corrections from confirmed points when it missed.
 _CONFIRMS = 4
@@ -121,7 +125,10 @@ def max_context(
     def predict_at(tokens: int) -> Prediction:
         if tokens not in cache:  # the forwards that only decide structure run on a short batch (predict's probe_batch)
             probe = make_batch(min(tokens, _PROBE_TOKENS)) if tokens > _PROBE_TOKENS else None
+            start = time.perf_counter()
             cache[tokens] = predict(template, make_batch(tokens), candidate, device=device, probe_batch=probe)
+            _log.info("max_context: %s tokens -> %s (planned in %.0f s)", f"{tokens:,}", format_bytes(cache[tokens].total),
+                      time.perf_counter() - start)
         return cache[tokens]
 
     # three lengths in the regime long contexts live in, the quadratic through them
