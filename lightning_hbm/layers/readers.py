@@ -24,7 +24,7 @@ import warnings
 import weakref
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Union, cast
+from typing import Any, Callable, Iterator, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -335,28 +335,30 @@ class GuardHook:
         )
 
 
-def guard_unobserved(module: nn.Module, hinted: list[tuple[str, str, str]], changed: dict[str, tuple[nn.Module, bool]]) -> list[str]:
+def guard_unobserved(
+    module: nn.Module, hinted: list[tuple[str, str, str]], changed: dict[str, tuple[nn.Module, torch.Tensor, bool]]
+) -> list[str]:
     """Guard each reader the source scan found but the probe did not see, for layers that were changed.
 
     Args:
         hinted: ``(reader module name, "Class.method", layer name)`` from the source scan.
-        changed: ``{layer name: (the layer itself, quantized)}`` for the layers now quantized or adapted (the layer
-            itself: a peft layer's base layer, whose forward reads its own weight).
+        changed: ``{layer name: (the layer a parent calls, the weight a reader would get, quantized)}`` for the
+            layers now quantized or adapted. Whatever runs inside the layer a parent calls (peft's layer, its base
+            layer, a quantized convolution dequantizing its storage) reads the weight as its own business.
     Returns the guarded readers' names.
     """
     seen = _OBSERVED.get(module)
     if seen is None or module in _GUARDED:
         return []
     _GUARDED.add(module)
-    by_reader: dict[str, tuple[str, dict[str, tuple[nn.Module, bool]]]] = {}
-    layer: Union[str, nn.Module]  # a layer's name here, the layer itself below
-    for reader_name, reader, layer in hinted:
-        if layer in changed and layer not in seen.reads:
-            by_reader.setdefault(reader_name, (reader, {}))[1][layer] = changed[layer]
+    by_reader: dict[str, tuple[str, dict[str, tuple[nn.Module, torch.Tensor, bool]]]] = {}
+    for reader_name, reader, layer_name in hinted:
+        if layer_name in changed and layer_name not in seen.reads:
+            by_reader.setdefault(reader_name, (reader, {}))[1][layer_name] = changed[layer_name]
     for reader_name, (reader, layers) in by_reader.items():
         hook = GuardHook(reader, seen.ran)
-        for layer_name, (layer, quantized) in layers.items():
-            hook.tensors.append((cast(torch.Tensor, layer.weight), layer_name, quantized))
+        for layer_name, (layer, weight, quantized) in layers.items():
+            hook.tensors.append((weight, layer_name, quantized))
             layer.register_forward_pre_hook(hook.layer_in)
             layer.register_forward_hook(hook.layer_out, always_call=True)
         sub = module.get_submodule(reader_name) if reader_name else module

@@ -297,15 +297,20 @@ def _guard(module: nn.Module) -> None:
     """Guards on the paths the probe step did not take, where the model's source reads a layer now changed."""
     if readers.observation(module) is None:
         return
-    changed: dict[str, tuple[nn.Module, bool]] = {}
+    changed: dict[str, tuple[nn.Module, torch.Tensor, bool]] = {}
     for name, layer, _ in find_layers(module):
         base = base_layer(layer)
         storage = stored_in(base)  # a quantized convolution: its storage's weight is what a reader would get
-        base = storage if storage is not None else base
-        weight = getattr(base, "weight", None)
-        quantized = isinstance(weight, torch.Tensor) and not weight.is_floating_point() or quantized_format(base) is not None
+        holder = storage if storage is not None else base
+        weight = getattr(holder, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            continue
+        quantized = not weight.is_floating_point() or quantized_format(holder) is not None
         if quantized or is_adapted(layer):
-            changed[name] = (base, quantized)
+            # the guard watches the stored weight, but "inside the layer" is the layer a parent calls (peft's layer
+            # or the quantized convolution): a quantized convolution's own forward reads its storage's weight
+            # without calling the storage (issue 53: timm PatchEmbed, RecurrentGemma's conv_1d were refused)
+            changed[name] = (layer, weight, quantized)
     readers.guard_unobserved(module, source_readers(module), changed)  # once per model
 
 

@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -258,3 +259,121 @@ def test_weight_readers_ignore_init_code_and_device_reads() -> None:
     for name in ("gpt2", "mixtral", "bert", "transformer_encoder"):  # they call their layers
         assert weight_readers(build(name)) == {}, name
 
+
+
+# -------- issue 53, item 1: a quantized convolution's own forward is not a direct read (two regressions)
+
+
+class PatchEmbed(nn.Module):
+    """timm's ``PatchEmbed`` pattern: ``set_input_size`` (a utility never called in training) reads ``proj.weight``;
+    ``forward`` only calls ``self.proj(x)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, 32, 4, stride=4)
+
+    def set_input_size(self) -> torch.Tensor:
+        return self.proj.weight.data.clone()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.proj(images).flatten(2).transpose(1, 2)
+
+
+class ConvViT(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch_embed = PatchEmbed()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(images)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        return F.cross_entropy(self(images), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def conv_quantized(module: nn.Module, name: str) -> bool:
+    from lightning_hbm.layers.base import stored_in
+
+    return stored_in(base_layer(module.get_submodule(name))) is not None
+
+
+def images(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 3, 16, 16, generator=generator), torch.randint(0, 10, (2,), generator=generator)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "quantized-only"])
+def test_a_quantized_convs_own_forward_under_checkpointing_is_no_direct_read(tmp_path: Any, lora: bool) -> None:
+    """Was: ``UnobservedRead`` ("PatchEmbed.set_input_size read the weight of 'patch_embed.proj' directly (data)") at
+    the first step of every timm ViT: the guard took the convolution's own dequantization for a direct read."""
+    from lightning_hbm import ActivationCheckpointing
+
+    torch.manual_seed(0)
+    module = ConvViT()
+    assert {layer for _, _, layer in source_readers(module)} == {"patch_embed.proj"}  # the hint is there
+    callbacks: list[Any] = [ActivationCheckpointing()] + ([LoRA(r=4, alpha=8)] if lora else [])
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+        plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=callbacks,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader([images(1), images(2)], batch_size=None))
+    assert trainer.global_step == 2
+    assert conv_quantized(module, "patch_embed.proj")
+    module.patch_embed(images(3)[0]).sum().backward()  # again, outside the fit: still no refusal
+    assert module.patch_embed.set_input_size().dtype == torch.float32  # the utility itself reads the dequantized weight
+
+
+def test_a_quantized_conv_model_plans_and_runs_surgery() -> None:
+    from lightning_hbm.planner import Candidate, plan
+
+    torch.manual_seed(0)
+    module = ConvViT()
+    run_surgery(module, QuantizedPrecision("nf4-dq", dtype="float32"), [LoRA(r=4, alpha=8)], batch=images(1))
+    assert conv_quantized(module, "patch_embed.proj")
+    module.training_step(images(2), 0).backward()  # the plain surgery, then a step: no refusal
+    prediction = plan(ConvViT, images(1), candidates=[Candidate("nf4-dq", lora_r=4, checkpointing="full")])
+    assert prediction.predictions[0].total > 0
+
+
+def test_recurrent_gemma_trains_with_its_conv_quantized(tmp_path: Any) -> None:
+    """Was: refused at the first step (``conv_1d.weight`` is read only on the decoding path; training calls it)."""
+    config = transformers.RecurrentGemmaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        lru_width=64, attention_window_size=16, conv1d_width=4, block_types=["recurrent", "attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    module = Wrapped(transformers.RecurrentGemmaForCausalLM(config))
+    trainer = fit(module, tmp_path)
+    assert trainer.global_step == 2
+    assert conv_quantized(module, "model.model.layers.0.temporal_block.conv_1d")
+
+
+def test_a_true_direct_read_of_a_quantized_conv_is_still_refused(tmp_path: Any) -> None:
+    """The guard stays for a real read on a path the probe did not take (the adapter would be skipped)."""
+
+    class Exact(PatchEmbed):
+        exact = False
+
+        def forward(self, images: torch.Tensor) -> torch.Tensor:
+            if self.exact:
+                return F.conv2d(images, self.proj.weight, stride=4).flatten(2).transpose(1, 2)
+            return super().forward(images)
+
+    torch.manual_seed(0)
+    module = ConvViT()
+    module.patch_embed = Exact()
+    run_surgery(module, QuantizedPrecision("nf4-dq", dtype="float32"), [LoRA(r=4, alpha=8)], batch=images(1))
+    module.patch_embed(images(2)[0])  # the path that trains
+    module.patch_embed.exact = True
+    with pytest.raises(readers.UnobservedRead, match=r"Exact.forward read the weight of 'patch_embed.proj' directly"):
+        module.patch_embed(images(2)[0])
