@@ -128,6 +128,41 @@ def test_any_error_during_a_save_removes_the_partial_file(tmp_path: Path) -> Non
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_planted_symlink_at_a_partial_name_is_never_written_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 55: in a folder others can write to, a symlink planted at the (then predictable) partial name made the
+    save overwrite its target, and ``last.ckpt`` became that symlink."""
+    from lightning_hbm.resume import io as checkpoint_io
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    monkeypatch.setattr(checkpoint_io.secrets, "token_hex", lambda n: "0" * (2 * n))  # the first name is known...
+    planted = tmp_path / f".last.ckpt.{checkpoint_io._host()}~{os.getpid()}~00000000.lightning_hbm-partial"
+    planted.symlink_to(victim)  # ...and planted
+    tokens = iter(["00000000", "11111111"])
+    monkeypatch.setattr(checkpoint_io.secrets, "token_hex", lambda n: next(tokens))
+    CheckedCheckpointIO().save_checkpoint(_checkpoint(1000), tmp_path / "last.ckpt")
+    assert victim.read_text() == "precious"
+    last = tmp_path / "last.ckpt"
+    assert last.is_file() and not last.is_symlink()
+    torch.testing.assert_close(torch.load(last, weights_only=True)["state_dict"]["w"], torch.ones(250))
+    assert planted.is_symlink()  # not a save of ours: left as it was
+
+
+def test_another_hosts_partial_is_never_deleted_and_ours_is(tmp_path: Path) -> None:
+    """Issue 55: two hosts sharing a checkpoint folder (NFS): host B deleted host A's save in progress as "a killed
+    save of ours" because A's pid is not alive on B."""
+    from lightning_hbm.resume import io as checkpoint_io
+
+    dead = 2**22 + 12345  # above any pid_max default: no such process here
+    theirs = tmp_path / f".last.ckpt.otherhost~{dead}~abcdabcd.lightning_hbm-partial"
+    ours = tmp_path / f".last.ckpt.{checkpoint_io._host()}~{dead}~abcdabcd.lightning_hbm-partial"
+    older = tmp_path / f".last.ckpt.{dead}.lightning_hbm-partial"  # the older form: no host, so not known as ours
+    for partial in (theirs, ours, older):
+        partial.write_bytes(b"in progress")
+    CheckedCheckpointIO().save_checkpoint(_checkpoint(1000), tmp_path / "epoch=0-step=1.ckpt")
+    assert theirs.exists() and older.exists() and not ours.exists()
+
+
 def test_every_lightning_hbm_run_saves_atomically(
     gpt_factory: Callable, trainer_factory: Callable, datamodule_factory: Callable, small_disk: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
+import secrets
+import socket
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -14,11 +17,28 @@ from lightning_hbm.resume.fingerprints import _plain
 from lightning_hbm.resume.packing import META_KEY, is_placeholder
 from lightning_hbm.resume.sealing import seal, verify
 
-_PARTIAL = ".lightning_hbm-partial"  # ``.{name}.{pid}.lightning_hbm-partial``: a save in progress, beside its target
+_PARTIAL = ".lightning_hbm-partial"  # ``.{name}.{host}~{pid}~{token}.lightning_hbm-partial``: a save in progress
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)  # Windows has none; O_EXCL alone already refuses an existing link there
 
 
-def _partial_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}{_PARTIAL}")
+def _host() -> str:
+    # the host in the name: a folder shared by hosts (NFS) holds other hosts' saves, whose pids mean nothing here
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
+
+
+def _open_partial(path: Path) -> tuple[Path, int]:
+    """A new partial file beside ``path``, created by us alone (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600).
+
+    The name is predictable in part (a killed save is found by it), so in a folder others can write to someone may
+    plant a symlink or file there: exclusive creation never writes through it, and a random token picks a new name.
+    """
+    for _ in range(16):
+        partial = path.with_name(f".{path.name}.{_host()}~{os.getpid()}~{secrets.token_hex(4)}{_PARTIAL}")
+        try:
+            return partial, os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW | getattr(os, "O_BINARY", 0), 0o600)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"Could not create a partial file beside {path}: 16 names taken; check who writes into {path.parent}.")
 
 
 def _alive(pid: int) -> bool:
@@ -32,11 +52,19 @@ def _alive(pid: int) -> bool:
 
 
 def clean_partials(folder: Path) -> list[Path]:
-    """Remove the partial files that killed saves of ours left in ``folder`` (their process is gone)."""
+    """Remove the partial files that killed saves of ours left in ``folder``: this host's, whose process is gone.
+
+    Another host's partial (a folder shared over NFS) is never touched: its pid says nothing about a process here.
+    Partials of the older ``.{name}.{pid}`` form carry no host, so they are left alone too.
+    """
     removed = []
+    host = _host()
     for partial in folder.glob(f".*{_PARTIAL}"):
-        pid = partial.name[: -len(_PARTIAL)].rsplit(".", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        fields = partial.name[: -len(_PARTIAL)].rsplit(".", 1)[-1].split("~")
+        if len(fields) != 3 or fields[0] != host or not fields[1].isdigit():
+            continue
+        pid = int(fields[1])
+        if pid != os.getpid() and not _alive(pid) and not partial.is_symlink():
             partial.unlink(missing_ok=True)
             removed.append(partial)
     return removed
@@ -69,9 +97,9 @@ def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_partials(path.parent)
-    partial = _partial_path(path)
+    partial, fd = _open_partial(path)
     try:
-        with open(partial, "wb") as file:
+        with os.fdopen(fd, "wb") as file:
             torch.save(checkpoint, file)
             file.flush()
             os.fsync(file.fileno())
