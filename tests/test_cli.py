@@ -389,3 +389,32 @@ def test_plan_max_context_prints_the_longest_context_per_budget(capsys: pytest.C
     assert "'mlp_chunks'" in out and "predicted by the planner, not measured" in out
     assert main(["plan", *TINY, "--max-context", "--device=cpu"]) == 2  # no budget: a clear error
     assert "--max-context needs --budget" in capsys.readouterr().err
+
+
+def test_report_never_writes_its_input_even_on_a_full_disk(
+    tmp_path: Path, llama_factory: Any, datamodule_factory: Any, trainer_factory: Any, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 55: ``lightning-hbm report DIR`` on a nearly full disk rewrote ``hbm_profile.json`` in place, cut it to
+    8,192 B and ended in a traceback."""
+    import errno
+
+    run_dir = tmp_path / "run"
+    trainer = trainer_factory(max_steps=2, callbacks=[HBMProfiler(summary=False)], default_root_dir=run_dir)
+    trainer.fit(llama_factory(), datamodule=datamodule_factory())
+    source = run_dir / "hbm_profile.json"
+    before, mtime = source.read_bytes(), source.stat().st_mtime_ns
+    main(["report", str(run_dir)])
+    assert source.read_bytes() == before and source.stat().st_mtime_ns == mtime  # read, never written
+    capsys.readouterr()
+    real_fsync = os.fsync
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert main(["report", str(run_dir)]) == 2
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "No space left" in err and "is unchanged" in err
+    assert source.read_bytes() == before
+    assert not [p for p in run_dir.iterdir() if "partial" in p.name]  # no temp file left

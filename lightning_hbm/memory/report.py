@@ -21,7 +21,8 @@ from __future__ import annotations
 import csv
 import json
 import os
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -116,16 +117,24 @@ class MemoryReport:
         return text + (f" Next: {'; '.join(nexts)}." if nexts else "")
 
     # -- files ----------------------------------------------------------------------------------
-    def write(self, directory: Union[str, Path], stem: str) -> dict[str, str]:
-        """Write ``{stem}.csv``, ``{stem}.json`` and (matplotlib installed) ``{stem}.png``; return their paths."""
+    def write(self, directory: Union[str, Path], stem: str, keep: Optional[Union[str, Path]] = None) -> dict[str, str]:
+        """Write ``{stem}.csv``, ``{stem}.json`` and (matplotlib installed) ``{stem}.png``; return their paths.
+
+        Each file goes through a temp file beside it and a rename (:func:`atomic_write`): a full disk leaves the
+        previous file whole. ``keep``: a file never written (the report's own input, when re-rendered beside it).
+        """
         directory = str(directory)
         os.makedirs(directory, exist_ok=True)
         paths = {"csv": os.path.join(directory, f"{stem}.csv"), "json": os.path.join(directory, f"{stem}.json")}
+        kept = Path(keep).resolve() if keep is not None else None
         columns = list(self.columns or (self.rows[0] if self.rows else REQUIRED))
-        with open(paths["csv"], "w", newline="") as f:
+
+        def write_csv(f: Any) -> None:
             writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows({k: ("" if row.get(k) is None else row[k]) for k in columns} for row in self.rows)
+
+        atomic_write(paths["csv"], write_csv, newline="")
         peak, forward_end, step_peak = self.peak_row(), self.forward_end_peak(), self.step_peak()
         report = {
             "categories": list(CATEGORIES),
@@ -141,11 +150,12 @@ class MemoryReport:
             "diagnosis": self.diagnosis(),
             "snapshot": self.snapshot,
         }
-        with open(paths["json"], "w") as f:
-            json.dump(report, f, indent=1)
+        if kept is None or Path(paths["json"]).resolve() != kept:
+            atomic_write(paths["json"], lambda f: json.dump(report, f, indent=1))
         if _MATPLOTLIB_AVAILABLE and self.rows:
             paths["png"] = os.path.join(directory, f"{stem}.png")
-            plot(self.rows, paths["png"], self.used)
+            figure = plot(self.rows, None, self.used)
+            atomic_write(paths["png"], lambda f: figure.savefig(f, dpi=100, format="png"), binary=True)
         return paths
 
     @classmethod
@@ -226,6 +236,24 @@ def format_table(lines: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
+def atomic_write(path: Union[str, Path], write: Callable[[Any], Any], binary: bool = False, newline: Optional[str] = None) -> None:
+    """Call ``write(file)`` on a temp file beside ``path``, fsync it, then rename it over ``path`` in one step.
+
+    On any error the temp file is removed and ``path`` is as it was (a report's input is never cut half-way).
+    """
+    path = Path(path)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".lightning_hbm-partial")
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", newline=newline) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
 def find_report(path: Union[str, Path]) -> Path:
     """The report ``hbm_profile*.json`` at ``path`` (a file, or the newest one under a run directory)."""
     path = Path(path)
@@ -249,7 +277,11 @@ def render_report(path: Union[str, Path], out_dir: Optional[Union[str, Path]] = 
     """
     json_path = find_report(path)
     report = MemoryReport.load(json_path)
-    paths = report.write(out_dir or json_path.parent, json_path.stem)
+    out = Path(out_dir or json_path.parent)
+    try:
+        paths = report.write(out, json_path.stem, keep=json_path)  # the input is only read, never written
+    except OSError as err:  # a full disk, a read-only folder: one line; each file written is whole or as it was
+        raise ValueError(f"report: could not write the report under {str(out)!r} ({err}); {str(json_path)!r} is unchanged.") from err
     report.print_summary(paths)
     print(report.diagnosis())
     return paths
@@ -339,5 +371,6 @@ __all__ = [
     "find_report",
     "format_table",
     "plot",
+    "atomic_write",
     "render_report",
 ]
