@@ -15,7 +15,7 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING, Any
 
-import lightning_hbm.quiet  # noqa: F401  (first: filters library noise before peft/torchao are imported)
+from lightning_hbm.quiet import quieted  # no filter at import: only around the imports below (issue 55)
 
 #: public name -> the module defining it (imported by :func:`__getattr__` when the name is first read)
 _EXPORTS = {
@@ -65,8 +65,9 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         # the first public name read also registers the strategy names ("fsdp_qlora", "cpu_offload", ...) in
         # Lightning's StrategyRegistry, as importing this package did: Trainer(strategy="fsdp_qlora") keeps working
-        importlib.import_module("lightning_hbm.strategies")
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        with quieted():  # peft, torchao and bitsandbytes print at their import: nothing the user can act on
+            importlib.import_module("lightning_hbm.strategies")
+            value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value  # later reads skip this function
         return value
     if name in {info.name for info in pkgutil.iter_modules(__path__)}:

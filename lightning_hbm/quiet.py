@@ -1,8 +1,10 @@
 """Library log lines a lightning_hbm user can do nothing about, filtered at their own loggers, by message.
 
-Installed when ``lightning_hbm`` is imported (before it imports peft, which imports torchao). Each entry is
-one logger and the start of the messages dropped; every other record of that logger passes unchanged,
-and no log level is touched:
+Active only inside lightning_hbm's own work, never for the rest of the process (issue 55: a plain Trainer in the
+same environment must behave as without us): around the imports ``lightning_hbm``'s public names trigger (peft,
+torchao, bitsandbytes print at their import), and for the whole ``lightning-hbm`` command. Each entry is one logger
+and the start of the messages dropped; every other record of that logger passes unchanged, and no log level is
+touched:
 
 - ``torchao``: "Failed to load .../_C_mxfp8...so" (torchao's optional compiled kernels, absent from
   its CPU or mismatched builds; lightning_hbm calls none of them), and ``torchao.kernel.intmm``'s
@@ -15,13 +17,15 @@ and no log level is touched:
   litmodels on every run; and one warning, Lightning's own "`isinstance(treespec, LeafSpec)` is
   deprecated" (its code calling torch's pytree, fixed by Lightning, not by its user), matched by message.
 
-To see them again: ``logging.getLogger(name).removeFilter(lightning_hbm.quiet.FILTERS[name])``.
+``quieted()`` is the context manager; ``install()``/``uninstall()`` its two halves.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+from contextlib import contextmanager
+from typing import Iterator
 
 #: logger name -> the message prefixes dropped on it.
 NOISE: dict[str, tuple[str, ...]] = {
@@ -47,15 +51,43 @@ class DropMessages(logging.Filter):
 FILTERS: dict[str, DropMessages] = {name: DropMessages(prefixes) for name, prefixes in NOISE.items()}
 
 
+_LEAFSPEC = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+_depth = 0  # nested quieted() blocks: the outermost one removes the filters
+
+
 def install() -> None:
-    """Add each filter to its logger (idempotent)."""
+    """Add each filter to its logger and the warnings filter (idempotent)."""
     for name, noise_filter in FILTERS.items():
         logger = logging.getLogger(name)
         if noise_filter not in logger.filters:
             logger.addFilter(noise_filter)
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    warnings.filterwarnings("ignore", message=_LEAFSPEC)
 
 
-install()
+def uninstall() -> None:
+    """Remove what :func:`install` added, and nothing else."""
+    for name, noise_filter in FILTERS.items():
+        logging.getLogger(name).removeFilter(noise_filter)
+    kept = [f for f in warnings.filters if not (f[0] == "ignore" and f[1] is not None and f[1].pattern == _LEAFSPEC)]
+    warnings.filters[:] = kept  # type: ignore[index]  # a list at run time
+    mutated = getattr(warnings, "_filters_mutated", None)  # as warnings.filterwarnings does after a change (3.10-3.12)
+    if mutated is not None:
+        mutated()
 
-__all__ = ["FILTERS", "NOISE", "DropMessages", "install"]
+
+@contextmanager
+def quieted() -> Iterator[None]:
+    """The filters for the block only (nested blocks: the outermost removes them)."""
+    global _depth
+    if _depth == 0:
+        install()
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            uninstall()
+
+
+__all__ = ["FILTERS", "NOISE", "DropMessages", "install", "quieted", "uninstall"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_hbm.quiet import NOISE
+from lightning_hbm.quiet import NOISE, quieted
 
 NOISY = {
     "torchao": "Failed to load /venv/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load this library",
@@ -26,7 +26,7 @@ NOISY = {
 def test_every_noisy_message_is_dropped_and_others_pass(caplog: pytest.LogCaptureFixture) -> None:
     assert set(NOISY) == set(NOISE)
     caplog.set_level(logging.INFO, logger="bitsandbytes")  # tests/conftest.py raises it to ERROR
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO), quieted():
         for name, message in NOISY.items():
             logging.getLogger(name).warning(message, "x") if "%s" in message else logging.getLogger(name).warning(message)
             logging.getLogger(name).warning("a message the user needs")
@@ -39,9 +39,9 @@ def test_lightning_pytree_deprecation_is_dropped_and_other_warnings_pass() -> No
         warnings.simplefilter("default")
         import lightning_hbm.quiet
 
-        lightning_hbm.quiet.install()  # re-adds the filter on top of simplefilter
-        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec)`", UserWarning)
-        warnings.warn("Found 3 module(s) in eval mode", UserWarning)
+        with lightning_hbm.quiet.quieted():  # adds the filter on top of simplefilter
+            warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec)`", UserWarning)
+            warnings.warn("Found 3 module(s) in eval mode", UserWarning)
     assert [str(w.message) for w in caught] == ["Found 3 module(s) in eval mode"]
 
 
@@ -64,3 +64,47 @@ def test_a_qlora_cli_run_prints_no_library_noise_and_honest_parameter_counts(tmp
     from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
     assert f"frozen, {get_human_readable_count(total).strip()} total (4-bit weights counted unpacked)" in output
+
+
+_STATE = """
+import logging, warnings
+import lightning.pytorch as pl, peft, bitsandbytes, torchao  # their own filters, set at their import, in both runs
+names = {names!r}
+def state():
+    return [repr(f) for f in warnings.filters], {{n: list(map(repr, logging.getLogger(n).filters)) for n in names}}
+before = state()
+{body}
+assert before == state(), (before, state())
+trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+print(state(), [type(c).__name__ for c in trainer.callbacks])
+"""
+
+
+@pytest.mark.slow
+def test_a_plain_trainer_keeps_its_warnings_and_logging_state() -> None:
+    """Issue 55: ``import lightning_hbm`` installed global filters, so a plain run's own messages disappeared. With
+    and without importing lightning_hbm's public names first, a plain Trainer ends in the same state."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    outputs = []
+    for body in ("", "import lightning_hbm\nfrom lightning_hbm import LoRA, QuantizedPrecision"):
+        code = _STATE.format(names=sorted(NOISE), body=body)
+        proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outputs.append(proc.stdout.strip().splitlines()[-1])
+    assert outputs[0] == outputs[1]
+    assert "PluginAttach" not in outputs[1]
+
+
+def test_a_failing_factory_is_one_warning_and_the_trainer_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 55: a broken or stale lightning_hbm (``AttributeError: module 'lightning_hbm.surgery' has no attribute
+    'plugin_callbacks'``) made every plain ``Trainer()`` fail."""
+    import lightning.pytorch as pl
+
+    import lightning_hbm.surgery
+
+    monkeypatch.delattr(lightning_hbm.surgery, "plugin_callbacks")
+    with pytest.warns(UserWarning, match=r"callbacks factory failed \(AttributeError: .*Reinstall lightning_hbm") as caught:
+        trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert trainer.callbacks is not None
+    assert sum("callbacks factory failed" in str(w.message) for w in caught) == 1

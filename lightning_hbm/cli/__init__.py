@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
+from lightning_hbm.quiet import quieted
+
 _DESCRIPTION = (
     "lightning_hbm: Lightning's CLI with quantized precisions (--trainer.precision nf4-dq) and short class names "
     "for lightning_hbm's callbacks. Subcommands: fit, validate, test, predict; also `lightning-hbm plan` (same "
@@ -62,7 +64,8 @@ def main(args: Optional[list[str]] = None) -> int:
     """
     argv = list(sys.argv[1:] if args is None else args)
     if argv not in FAST_ARGS:
-        return importlib.import_module("lightning_hbm.cli._impl").main(argv)
+        with quieted():  # the library noise is filtered for our own command's run, and removed after it
+            return importlib.import_module("lightning_hbm.cli._impl").main(argv)
     try:
         top_level_parser().parse_args(argv)  # --help prints and exits 0, as the full CLI does
     except argparse.ArgumentError as err:  # no subcommand given: the full CLI's one line and status
