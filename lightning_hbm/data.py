@@ -157,6 +157,7 @@ class ResumableDataLoader(DataLoader):
             raise ValueError("ResumableDataLoader: shuffle=True draws its own order; give a sampler or shuffle, not both.")
         super().__init__(dataset, batch_size, False, sampler, batch_sampler, *args, **kwargs)
         self.seed = seed
+        self._shuffled = bool(shuffle)
         self._pass: Optional[_Pass] = None
         self._resume: Optional[tuple[Optional[int], int]] = None
         self._skipping = self._skipped = 0
@@ -191,16 +192,41 @@ class ResumableDataLoader(DataLoader):
         sampler = super()._index_sampler
         return _SkipFirst(sampler, self._skipping) if self._skipping else sampler
 
+    def settings(self) -> dict[str, Any]:
+        """What decides which samples a batch position holds: a resume with other settings would skip or repeat
+        samples, so :meth:`load_state_dict` compares them (issue 55)."""
+        return {
+            "batch_size": self.batch_size, "samples": len(self.dataset),  # type: ignore[arg-type]  # map-style (checked in __init__)
+            "shuffle": self._shuffled, "seed": self.seed if self._shuffled else None, "drop_last": self.drop_last,
+            "sampler": type(self.sampler).__name__,
+        }  # fmt: skip
+
     def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "batches"}`` of the pass under way (a pass not yet started counts 0 batches)."""
+        """``{"epoch", "batches"}`` of the pass under way (a pass not yet started counts 0 batches), and the loader's
+        :meth:`settings`."""
         current = self._pass if self._pass is not None and self._pass.inner is not None else None
         if current is None:
-            return {"version": 1, "epoch": self._sampler_epoch(), "batches": 0}
-        return {"version": 1, "epoch": current.epoch, "batches": current.yielded}
+            return {"version": 2, "epoch": self._sampler_epoch(), "batches": 0, "loader": self.settings()}
+        return {"version": 2, "epoch": current.epoch, "batches": current.yielded, "loader": self.settings()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume the pass ``state_dict`` describes at its next batch (on the next ``iter``)."""
-        epoch, batches = _check_loader_state(state_dict, len(self))
+        """Resume the pass ``state_dict`` describes at its next batch (on the next ``iter``).
+
+        Raises:
+            ValueError: the state is not a ResumableDataLoader's, or it was saved with other loader settings (batch
+                size, dataset length, shuffle, seed, drop_last, sampler): resuming would skip or repeat samples.
+                Nothing changes before it is raised.
+        """
+        if isinstance(state_dict, dict) and state_dict.get("version") == 2 and isinstance(state_dict.get("loader"), dict):
+            _check_settings(state_dict["loader"], self.settings())
+            state_dict = {k: v for k, v in state_dict.items() if k != "loader"}
+        elif isinstance(state_dict, dict) and state_dict.get("version") == 1:
+            warnings.warn(
+                "ResumableDataLoader: this checkpoint's loader state is of version 1, which does not record the loader's "
+                "settings: a changed batch size, dataset, shuffle or seed cannot be detected. Resume with the loader the "
+                "checkpoint was saved with.", UserWarning, stacklevel=2,
+            )  # fmt: skip
+        epoch, batches = _check_loader_state({**state_dict, "version": 1} if isinstance(state_dict, dict) else state_dict, len(self))
         if epoch is None and batches:
             warnings.warn(
                 f"ResumableDataLoader: the sampler ({type(self.sampler).__name__}) has no set_epoch/epoch, so the "
@@ -213,6 +239,17 @@ class ResumableDataLoader(DataLoader):
         for sampler in {id(s): s for s in (self.sampler, getattr(self.batch_sampler, "sampler", None))}.values():
             if epoch is not None and callable(getattr(sampler, "set_epoch", None)):
                 sampler.set_epoch(epoch)  # workers prefetch indices as soon as their iterator exists
+
+
+def _check_settings(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    changed = [f"{key} {saved.get(key)!r} -> {value!r}" for key, value in current.items() if saved.get(key) != value]
+    if changed:
+        raise ValueError(
+            f"ResumableDataLoader.load_state_dict: the checkpoint was saved with another training dataloader "
+            f"({', '.join(changed)}; saved -> now): resuming at its batch position would skip or repeat samples. "
+            "Resume with the dataloader settings the checkpoint was saved with, or start the epoch over (resume from "
+            "an epoch-end checkpoint, or drop the loader state: Trainer(...).fit(..., ckpt_path=...) with a plain DataLoader)."
+        )
 
 
 def _check_loader_state(state: Any, length: int) -> tuple[Optional[int], int]:
