@@ -73,3 +73,26 @@ def test_a_trainer_with_every_feature_pickles_and_deep_copies_after_fit(
         torch.testing.assert_close(loss, model.loss(batch))
         loss.backward()
         assert all(p.grad is not None for n, p in other.lightning_module.named_parameters() if "lora_" in n)
+
+
+@pytest.mark.parametrize("profiler", [False, True], ids=["library", "with-profiler"])
+def test_a_fitted_model_is_collected(
+    gpt_factory: Callable, trainer_factory: Callable, datamodule_factory: Callable, tmp_path: Path, profiler: bool
+) -> None:
+    """Issue 55: 200 fits in one process left 200 models alive (the plugin -> Trainer map held the Trainer strongly,
+    and the Trainer holds the plugin: its weak key never died)."""
+    import gc
+    import weakref
+
+    def fit() -> tuple[weakref.ref, weakref.ref]:
+        callbacks: list[Any] = [LoRA(r=2), ActivationCheckpointing()]
+        if profiler:
+            callbacks.append(HBMProfiler(summary=False, dirpath=str(tmp_path)))
+        trainer = trainer_factory(max_steps=1, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=callbacks)
+        model = gpt_factory()
+        trainer.fit(model, datamodule_factory())
+        return weakref.ref(model), weakref.ref(trainer)
+
+    model, trainer = fit()
+    gc.collect()
+    assert model() is None and trainer() is None

@@ -48,6 +48,7 @@ that need none of it. The resume checks themselves, the load hooks and the file 
 
 from __future__ import annotations
 
+import weakref
 from enum import IntEnum
 from typing import Any, Callable, Optional, Sequence, cast
 
@@ -358,10 +359,22 @@ def transform_optimizers(
 
 
 class _SpineState:
-    """What the spine keeps per precision plugin: the Trainer it serves (a plugin can be reused)."""
+    """What the spine keeps per precision plugin: the Trainer it serves (a plugin can be reused).
+
+    Weakly: the Trainer holds the plugin, so a strong reference here kept the plugin key of :data:`_STATES` alive,
+    and with it the Trainer and its model, after every fit (issue 55: 200 fits, 200 models alive).
+    """
 
     def __init__(self, trainer: pl.Trainer) -> None:
-        self.trainer = trainer
+        self._trainer = weakref.ref(trainer)
+
+    @property
+    def trainer(self) -> Optional[pl.Trainer]:
+        return self._trainer()
+
+    @trainer.setter
+    def trainer(self, trainer: pl.Trainer) -> None:
+        self._trainer = weakref.ref(trainer)
 
 
 # plugin -> its _SpineState; weak and by identity: nothing is set on the plugin, a copy of it starts without one
@@ -432,9 +445,9 @@ def _stage_batch(trainer: pl.Trainer) -> Any:
 
 def trainer_optimizers(plugin: Any, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> list[Optimizer]:
     state: Optional[_SpineState] = _STATES.get(plugin)
-    if state is None:
+    trainer = state.trainer if state is not None else None
+    if trainer is None:
         return optimizers
-    trainer = state.trainer
     return transform_optimizers(trainer.lightning_module, surgery_callbacks(trainer), optimizers, lr_schedulers)
 
 
