@@ -20,6 +20,8 @@ Mamba reads ``x_proj.weight`` only in its CUDA kernel branch. So:
 
 from __future__ import annotations
 
+import random
+import sys
 import warnings
 import weakref
 from contextlib import ExitStack, contextmanager
@@ -175,21 +177,46 @@ def _leaves(batch: Any) -> list[torch.Tensor]:
 @contextmanager
 def _quiet_logging(module: nn.Module) -> Iterator[None]:
     # training_step's self.log needs the fit loop's result collection, which does not exist yet at the surgery point:
-    # a no-op for the probe step only (instance attributes, removed after)
+    # a no-op for the probe step only (instance attributes, removed after; a user's own instance attribute of that
+    # name is put back as it was: issue 55, a `self.log = ...` of the user's was gone after the fit)
     patched = [name for name in ("log", "log_dict") if callable(getattr(module, name, None))]
+    missing = object()
+    own = {name: module.__dict__.get(name, missing) for name in patched}
     for name in patched:
         setattr(module, name, lambda *args, **kwargs: None)  # a plain callable: nn.Module keeps it in __dict__
     try:
         yield
     finally:
         for name in patched:
-            delattr(module, name)
+            if own[name] is missing:
+                delattr(module, name)
+            else:
+                module.__dict__[name] = own[name]
 
 
-def _step(module: nn.Module, batch: Any) -> tuple[Callable[[], Any], str]:
-    """The step that trains: the LightningModule's own ``training_step`` when it has one, else ``forward``."""
-    if isinstance(module, pl.LightningModule) and type(module).training_step is not pl.LightningModule.training_step:
-        return (lambda: module.training_step(batch, 0)), "training_step"
+@contextmanager
+def preserved_rngs() -> Iterator[None]:
+    """Python's, NumPy's and torch's (CPU) global RNG states as they were, after the block: the probe step runs the
+    user's code, which may draw from any of them (issue 55: the same seed trained on other draws with LoRA)."""
+    python_state = random.getstate()
+    numpy_random = sys.modules.get("numpy.random")  # only if the user's code has imported NumPy
+    numpy_state = numpy_random.get_state() if numpy_random is not None else None  # type: ignore[attr-defined]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy_random is not None:
+            numpy_random.set_state(numpy_state)  # type: ignore[attr-defined]
+
+
+def _step(module: nn.Module, batch: Any, step: str = "training_step") -> tuple[Callable[[], Any], str]:
+    """The step the stage runs (``training_step`` for fit; ``validation_step``, ``test_step``, ``predict_step`` for
+    the others: validate/predict never call the user's ``training_step``): the LightningModule's own when it has
+    one, else ``forward``."""
+    if isinstance(module, pl.LightningModule) and getattr(type(module), step, None) is not getattr(pl.LightningModule, step, None):
+        method = getattr(module, step)
+        return (lambda: method(batch, 0)), step
     return (lambda: _call(module, batch)), "forward"
 
 
@@ -202,7 +229,7 @@ def _call(module: nn.Module, batch: Any) -> Any:
     return module(**batch)
 
 
-def _run(module: nn.Module, batch: Any, watch: _Watch) -> tuple[dict[str, Read], str]:
+def _run(module: nn.Module, batch: Any, watch: _Watch, step_name: str = "training_step") -> tuple[dict[str, Read], str]:
     """Run the step under the recorder: fake tensors first, one real sample if the model's code needs values."""
     fake_already = any(_is_fake_or_meta(p) for p in module.parameters())
     attempts: list[tuple[str, Callable[[], Any]]] = []
@@ -214,10 +241,10 @@ def _run(module: nn.Module, batch: Any, watch: _Watch) -> tuple[dict[str, Read],
     failure: Optional[BaseException] = None
     for how, context in attempts:
         sample = batch if how != "on one real sample" else _first_sample(batch)
-        run, step = _step(module, sample)
+        run, step = _step(module, sample, step_name)
         recorder = _Recorder(watch, step)
         try:
-            with torch.random.fork_rng(devices=[]), torch.no_grad(), _quiet_logging(module), context(), watch.running, recorder:
+            with preserved_rngs(), torch.no_grad(), _quiet_logging(module), context(), watch.running, recorder:
                 run()
         except Exception as err:  # noqa: BLE001 - any failure of the user's step: try the next way, then report
             failure = err  # leaving watch.running emptied its stack
@@ -248,10 +275,11 @@ def _restoring_buffers(module: nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
-def observe(module: nn.Module, batch: Any, layers: dict[str, nn.Module]) -> Optional[Observation]:
+def observe(module: nn.Module, batch: Any, layers: dict[str, nn.Module], step: str = "training_step") -> Optional[Observation]:
     """Run one step of ``module`` on ``batch`` and record who reads the weight of each of ``layers`` (by name).
 
-    Nothing of the model changes (its values, buffers, the global RNG). Returns ``None`` and warns if the step
+    ``step``: the LightningModule method the stage runs (``training_step`` for fit, ``validation_step``, ...).
+    Nothing of the model changes (its values, buffers, the global RNGs of Python, NumPy and torch). Returns ``None`` and warns if the step
     cannot run at all (the decision then falls back to the model's source, named in the warning).
     """
     watch = _Watch(module, layers)
@@ -259,7 +287,7 @@ def observe(module: nn.Module, batch: Any, layers: dict[str, nn.Module]) -> Opti
     if not any(_is_fake_or_meta(p) for p in module.parameters()):
         batch = tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
     try:
-        reads, ran = _run(module, batch, watch)
+        reads, ran = _run(module, batch, watch, step)
     except RuntimeError as err:
         warnings.warn(
             f"lightning_hbm: could not run one step of {type(module).__qualname__} before changing it ({err}), so which "
@@ -367,4 +395,4 @@ def guard_unobserved(
     return sorted(by_reader)
 
 
-__all__ = ["Observation", "Read", "UnobservedRead", "guard_unobserved", "observation", "observe", "observed_readers"]
+__all__ = ["Observation", "Read", "UnobservedRead", "guard_unobserved", "observation", "observe", "observed_readers", "preserved_rngs"]

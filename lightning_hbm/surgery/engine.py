@@ -212,6 +212,7 @@ def run_surgery(
     checkpoint_path: Any = None,
     convert: Optional[Callable[[nn.Module], nn.Module]] = None,
     batch: Any = None,
+    step: str = "training_step",
 ) -> nn.Module:
     """Check, then change ``module`` in place: observe -> the plugin's conversion -> adapters -> ... .
 
@@ -226,6 +227,8 @@ def run_surgery(
         batch: a training batch (or a function returning one), run once through the model as built before any
             check, to see which layers its code reads directly (:mod:`lightning_hbm.layers.readers`); ``None``: the
             model's source decides instead.
+        step: the LightningModule method that ``batch`` is run through (the stage's own: ``validation_step`` for
+            ``trainer.validate``; ``training_step`` by default).
     """
     _check_distinct(transforms)
     # the modules LoRA trains in full: a QuantizedPrecision leaves them unquantized, with or without a Trainer (planner)
@@ -234,7 +237,7 @@ def run_surgery(
     set_modules_to_save(module, [n for names in saved for n in names or ()])
     pending = _pending(module, transforms)
     if batch is not None and (pending or convert is not None or plugin is not None) and not applied_transforms(module):
-        _observe(module, batch)
+        _observe(module, batch, step)
     if isinstance(plugin, SurgeryPlugin):
         plugin.check_model(module)
     for transform in pending:  # every check before the first change: nothing half-applied
@@ -284,14 +287,14 @@ def _verify_checkpoint(module: nn.Module, plugin: Any, transforms: Sequence[Surg
         raise ValueError(f"{str(err).replace('; nothing was loaded', '')}\n{resume.LOADED_ALREADY}") from None
 
 
-def _observe(module: nn.Module, batch: Any) -> None:
+def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None:
     """The probe step: who reads which layer's weight, seen on the model as built (before the first check)."""
     if readers.observation(module) is not None:
         return
     layers = {name: base_layer(layer) for name, layer, _ in find_layers(module)}
     if not layers:
         return
-    readers.observe(module, batch() if callable(batch) else batch, layers)
+    readers.observe(module, batch() if callable(batch) else batch, layers, step)
 
 
 def _guard(module: nn.Module) -> None:
@@ -428,7 +431,12 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
         checkpoint_path=trainer.ckpt_path,
         convert=convert,
         batch=lambda: _stage_batch(trainer),
+        step=_STAGE_STEPS.get(str(getattr(trainer.state.fn, "value", trainer.state.fn)), "training_step"),
     )
+
+
+# the LightningModule method each stage runs: its probe step runs that one (never training_step for validate/predict)
+_STAGE_STEPS = {"fit": "training_step", "validate": "validation_step", "test": "test_step", "predict": "predict_step"}
 
 
 def _stage_batch(trainer: pl.Trainer) -> Any:
@@ -436,11 +444,21 @@ def _stage_batch(trainer: pl.Trainer) -> Any:
     loader = lightning_compat.stage_dataloader(trainer)
     if loader is None:
         return None
-    with torch.random.fork_rng(devices=[]):
-        batches = iter(loader)
-        if batches is loader:  # a one-pass iterator (a generator): drawing from it would take a batch from training
-            return None
-        return next(batches, None)
+    # a DataLoader's (or its sampler's) own generator draws the epoch's order: the draw of this batch must not
+    # advance it, or epoch 0 trains in another order than without lightning_hbm (issue 55)
+    generators = [g for g in (getattr(loader, "generator", None), getattr(getattr(loader, "sampler", None), "generator", None),
+                              getattr(getattr(getattr(loader, "batch_sampler", None), "sampler", None), "generator", None))
+                  if isinstance(g, torch.Generator)]  # fmt: skip
+    states = [(g, g.get_state()) for g in {id(g): g for g in generators}.values()]
+    try:
+        with readers.preserved_rngs():  # Python's, NumPy's and torch's global RNGs too
+            batches = iter(loader)
+            if batches is loader:  # a one-pass iterator (a generator): drawing from it would take a batch from training
+                return None
+            return next(batches, None)
+    finally:
+        for generator, state in states:
+            generator.set_state(state)
 
 
 def trainer_optimizers(plugin: Any, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> list[Optimizer]:

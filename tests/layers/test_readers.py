@@ -377,3 +377,95 @@ def test_a_true_direct_read_of_a_quantized_conv_is_still_refused(tmp_path: Any) 
     module.patch_embed.exact = True
     with pytest.raises(readers.UnobservedRead, match=r"Exact.forward read the weight of 'patch_embed.proj' directly"):
         module.patch_embed(images(2)[0])
+
+
+# -------- issue 55, item 3: the probe step leaves the user's run as it was
+
+
+class Recording(Wrapped):
+    """A training_step that draws from Python's and NumPy's RNGs, and a user attribute named ``log``."""
+
+    def __init__(self) -> None:
+        super().__init__(Reads(), causal=False)
+        self.steps: list[str] = []
+        self.draws: list[tuple[float, float]] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        self.draws.append((random.random(), float(np.random.rand())))
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.steps.append("validation_step")
+        self.model(batch)
+
+
+def _draws(lora: bool, tmp_path: Any) -> list[tuple[float, float]]:
+    import random
+
+    import numpy as np
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    module = Recording()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+        **(dict(plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=4, alpha=8)]) if lora else {}),
+    )  # fmt: skip
+    trainer.fit(module, DataLoader([tokens(1), tokens(2)], batch_size=None))
+    return module.draws[-2:]  # the two training steps (the probe step, which draws too, came first)
+
+
+def test_the_probe_step_leaves_python_and_numpy_rngs_as_they_were(tmp_path: Any) -> None:
+    """Was: the same seed trained on other draws of Python's and NumPy's RNGs with lightning_hbm than without (a
+    plain Trainer: no probe step)."""
+    assert _draws(True, tmp_path / "lora") == _draws(False, tmp_path / "plain")
+
+
+def test_a_user_attribute_named_log_survives_the_probe() -> None:
+    module = Wrapped(Reads(), causal=False)
+    mine = module.__dict__["log"] = lambda *args, **kwargs: None  # the user's own self.log = ...
+    readers.observe(module, tokens(), {"model.c": module.model.c})
+    assert module.__dict__["log"] is mine
+    plain = Wrapped(Reads(), causal=False)
+    readers.observe(plain, tokens(), {"model.c": plain.model.c})
+    assert "log" not in plain.__dict__ and "log_dict" not in plain.__dict__
+
+
+def test_validate_probes_its_own_step_never_training_step(tmp_path: Any) -> None:
+    """Was: ``trainer.validate`` / ``trainer.predict`` called the user's ``training_step`` before anything ran."""
+    module = Recording()
+    trainer = pl.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=4, alpha=8)],
+    )  # fmt: skip
+    trainer.validate(module, DataLoader([tokens(1)], batch_size=None))
+    assert module.draws == []  # training_step never ran
+    seen = readers.observation(module)
+    assert seen is not None and seen.ran.startswith("Recording.validation_step")
+
+
+def test_drawing_the_probe_batch_leaves_the_loaders_generator_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: a DataLoader's own generator was advanced by the probe's draw, so epoch 0 trained in another order."""
+    from lightning_hbm.surgery import engine
+
+    generator = torch.Generator().manual_seed(7)
+    loader = DataLoader([tokens(i) for i in range(6)], batch_size=None, shuffle=True, generator=generator)
+    state = generator.get_state()
+
+    class Stage:
+        fn = "fit"
+
+    class FakeTrainer:  # only what _stage_batch reads: the stage's dataloader
+        state = Stage()
+
+    import lightning_hbm._compat.lightning as lightning_compat
+
+    monkeypatch.setattr(lightning_compat, "stage_dataloader", lambda trainer: loader)
+    assert engine._stage_batch(FakeTrainer()) is not None  # type: ignore[arg-type]
+    assert torch.equal(generator.get_state(), state)
