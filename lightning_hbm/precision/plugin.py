@@ -25,6 +25,7 @@ how (targets, sensitivity plan, GPTQ rounding, smoothing, resume settings) is it
 
 from __future__ import annotations
 
+import warnings
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Generator, Mapping, Optional, Sequence, Union
 
@@ -33,6 +34,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor  # as layers/readers.py: no public home
 from typing_extensions import override
 
 from lightning_hbm._compat import lightning as lightning_compat
@@ -40,6 +42,7 @@ from lightning_hbm._validate import check_args
 from lightning_hbm.layers import report_coverage
 from lightning_hbm.precision.compute_dtype import DtypeChoice, auto_dtype
 from lightning_hbm.precision.plan import QuantizationPlan
+from lightning_hbm.quiet import quieted
 from lightning_hbm.surgery import applied_transforms, mark_applied, pack_checkpoint, plugin_trainer, trainer_optimizers, trainer_surgery
 from lightning_hbm.surgery.protocol import SurgeryPlugin
 
@@ -92,7 +95,22 @@ class _TrueDtype(Precision):
 
     @override
     def convert_input(self, data: Any) -> Any:
-        return apply_to_collection(data, function=_cast_floating(self.dtype), dtype=Tensor)
+        """Every floating tensor of the batch in the compute dtype, but for integer-valued ones the cast would
+        change (box coordinates, prompts in pixels, diffusion timesteps: ``1001.`` is ``1000.`` in bf16): those stay
+        as they are, said once (issue 53: a detector's targets were moved by the cast)."""
+        kept: list[str] = []
+        data = apply_to_collection(data, function=_cast_floating(self.dtype, kept), dtype=Tensor)
+        if kept and not getattr(self, "_said_kept", False):
+            self._said_kept = True
+            warnings.warn(
+                f"lightning_hbm: {len(kept)} floating tensor(s) of the batch hold whole numbers that {self.dtype} does "
+                f"not represent exactly (e.g. {kept[0]}): left in their dtype instead of cast (box coordinates or "
+                "timesteps would move). If a model input needs the compute dtype, cast it in training_step; give "
+                "integer data as an integer tensor to avoid this check.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return data
 
     @override
     def convert_output(self, data: Any) -> Any:
@@ -177,10 +195,11 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             self.dtype_choice = auto_dtype()
             dtype = self.dtype_choice.dtype
         #: the settings, and what each surgery decides: targets, sensitivity plan, GPTQ rounding, smoothing
-        self.quantization = QuantizationPlan(
-            mode, dtype, ignore_modules, quantize_head, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch,
-            dict(layer_modes) if layer_modes else None, rounding, smoothing, owner=type(self).__qualname__,
-        )
+        with quieted():  # the mode's check loads bitsandbytes' CPU ops, which log an optional kernel's absence
+            self.quantization = QuantizationPlan(
+                mode, dtype, ignore_modules, quantize_head, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch,
+                dict(layer_modes) if layer_modes else None, rounding, smoothing, owner=type(self).__qualname__,
+            )
         self.precision = _LIGHTNING_NAMES[self.dtype]  # what trainer.precision reports
 
     # the settings (documented above) and what the surgery decided, read from the plan (QuantizationPlan's docs)
@@ -286,8 +305,16 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
         torch.set_default_dtype(previous)
 
 
-def _cast_floating(dtype: torch.dtype) -> Any:
+def _cast_floating(dtype: torch.dtype, kept: Optional[list[str]] = None) -> Any:
     def cast(tensor: Tensor) -> Tensor:
-        return tensor.to(dtype) if torch.is_floating_point(tensor) else tensor
+        if not torch.is_floating_point(tensor) or tensor.dtype == dtype:
+            return tensor
+        cast_ = tensor.to(dtype)
+        if kept is None or tensor.is_meta or isinstance(tensor, FakeTensor) or torch.finfo(dtype).bits >= torch.finfo(tensor.dtype).bits:
+            return cast_  # nothing to compare (fake/meta: the planner), or a widening cast: exact
+        if torch.equal(cast_.to(tensor.dtype), tensor) or not torch.equal(tensor, tensor.round()):
+            return cast_  # exact, or not whole numbers (features, images): cast as Lightning's true precisions do
+        kept.append(f"a {tuple(tensor.shape)} tensor with {tensor.flatten()[(cast_.to(tensor.dtype) != tensor).flatten()][0].item():g}")
+        return tensor
 
     return cast

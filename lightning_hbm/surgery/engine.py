@@ -67,6 +67,7 @@ from lightning_hbm.data import MidEpochResumeCheck
 from lightning_hbm.display import adopt_display
 from lightning_hbm.layers import base_layer, find_layers, is_adapted, readers, source_readers, stored_in
 from lightning_hbm.memory.storage import quantized_format
+from lightning_hbm.quiet import quieted
 from lightning_hbm.surgery.ranks import check_ranks
 from lightning_hbm.record import appliers, as_built, set_as_built, set_modules_to_save
 from lightning_hbm.surgery.protocol import SurgeryPlugin
@@ -422,6 +423,13 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
         set_as_built(module, resume.as_built_record(module))
     if fitting and not applied_transforms(module):
         check_ranks(module)  # every rank gets rank 0's model as built (before quantizing), then they are compared
+    with quieted():  # the libraries' noise while lightning_hbm works, and only then (lightning_hbm.quiet)
+        return _trainer_run_surgery(module, plugin, trainer, checkpoint, fitting, convert)
+
+
+def _trainer_run_surgery(
+    module: nn.Module, plugin: Any, trainer: pl.Trainer, checkpoint: Optional[dict[str, Any]], fitting: bool, convert: Callable[[nn.Module], nn.Module]
+) -> nn.Module:
     return run_surgery(
         module,
         plugin,

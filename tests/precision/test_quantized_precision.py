@@ -323,3 +323,20 @@ def test_a_4bit_layers_output_can_be_edited_in_place_as_models_do() -> None:
     layer = model.encoder.layers[0].feed_forward.output_dense  # shapes and values as before the hooks
     x = torch.randn(2, 3, layer.in_features)
     torch.testing.assert_close(layer(x), layer(x.reshape(-1, layer.in_features)).reshape(2, 3, -1), rtol=0, atol=0)
+
+
+def test_whole_numbers_the_compute_dtype_would_move_are_kept_and_said() -> None:
+    """Issue 53: under bf16 every float tensor of the batch was cast: box targets [101, 333, 777, 1001] became
+    [101, 332, 776, 1000]. Those stay as they are (one warning); features and small whole numbers are cast."""
+    import warnings as _warnings
+
+    plugin = QuantizedPrecision("nf4-dq", dtype="bfloat16")
+    boxes = torch.tensor([[101.0, 333.0, 777.0, 1001.0]])
+    batch = {"image": torch.randn(2, 3), "boxes": boxes, "pixels": torch.tensor([0.0, 17.0, 255.0]), "ids": torch.arange(3)}
+    with pytest.warns(UserWarning, match=r"1 floating tensor\(s\) of the batch hold whole numbers that torch.bfloat16 does not represent exactly .*cast it in training_step"):
+        out = plugin.convert_input(batch)
+    assert out["boxes"] is boxes and out["boxes"].tolist() == [[101.0, 333.0, 777.0, 1001.0]]
+    assert out["image"].dtype == out["pixels"].dtype == torch.bfloat16 and out["ids"].dtype == torch.int64
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("error")
+        plugin.convert_input(batch)  # said once
