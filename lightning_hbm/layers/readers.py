@@ -289,10 +289,17 @@ def observe(module: nn.Module, batch: Any, layers: dict[str, nn.Module], step: s
     try:
         reads, ran = _run(module, batch, watch, step)
     except RuntimeError as err:
+        manual = isinstance(module, pl.LightningModule) and not module.automatic_optimization and step == "training_step"
+        advice = (
+            "Its training_step uses manual optimization, which needs the optimizers, and they do not exist before the "
+            "model is changed: nothing to fix in your code."
+            if manual
+            else "Make training_step (or forward) run on the first training batch."
+        )
         warnings.warn(
             f"lightning_hbm: could not run one step of {type(module).__qualname__} before changing it ({err}), so which "
             "layers its code reads directly (and cannot be quantized or adapted) was read from its source code instead, "
-            "which also counts paths that never run. Make training_step (or forward) run on the first training batch.",
+            f"which also counts paths that never run. {advice}",
             UserWarning,
             stacklevel=2,
         )

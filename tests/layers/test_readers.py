@@ -469,3 +469,24 @@ def test_drawing_the_probe_batch_leaves_the_loaders_generator_as_it_was(monkeypa
     monkeypatch.setattr(lightning_compat, "stage_dataloader", lambda trainer: loader)
     assert engine._stage_batch(FakeTrainer()) is not None  # type: ignore[arg-type]
     assert torch.equal(generator.get_state(), state)
+
+
+def test_a_manual_optimization_module_is_not_told_to_fix_its_step() -> None:
+    """Was: "Make training_step run on the first training batch" for a valid manual-optimization module (its step
+    calls self.optimizers(), which do not exist when the probe runs)."""
+
+    class Manual(Wrapped):
+        def __init__(self) -> None:
+            super().__init__(Reads(), causal=False)
+            self.automatic_optimization = False
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            optimizer = self.optimizers()
+            loss = super().training_step(batch, batch_idx)
+            self.manual_backward(loss)
+            optimizer.step()
+
+    module = Manual()
+    with pytest.warns(UserWarning, match=r"uses manual optimization, which needs the optimizers.*nothing to fix in your code") as caught:
+        assert readers.observe(module, tokens(), {"model.c": module.model.c}) is None
+    assert not any("Make training_step" in str(w.message) for w in caught)
