@@ -26,6 +26,7 @@ import warnings
 import weakref
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Callable, Iterator, Optional
 
 import lightning.pytorch as pl
@@ -149,11 +150,27 @@ class _Recorder(TorchFunctionMode):
         if op not in HARMLESS:
             for name, holders in _weights_in(args, kwargs, self.watch.weights):
                 reader = self.watch.reader(holders, self.step)
+                if reader is not None and op in METADATA and _in_dtype_lookup():
+                    continue
                 if reader is not None:
                     earlier = self.reads.get(name)
                     if earlier is None or earlier.metadata and op not in METADATA:  # a real use wins
                         self.reads[name] = Read(reader, op, op in METADATA)
         return func(*args, **kwargs)
+
+
+def _in_dtype_lookup() -> bool:
+    """Is transformers' ``PreTrainedModel.dtype`` the caller? It returns the dtype of the first parameter for which
+    ``is_floating_point()`` is true: a packed quantized weight answers False and is skipped, so it is no read of the
+    weight (issue 53: a VLM's patch-embedding conv was kept for ``pixel_values.type(self.visual.dtype)``)."""
+    frame: Optional[FrameType] = sys._getframe(2)
+    for _ in range(6):  # the property, its generator expression, then the torch dispatch frames
+        if frame is None:
+            return False
+        if frame.f_code.co_name in ("dtype", "<genexpr>") and frame.f_code.co_filename.endswith(("transformers/modeling_utils.py", "transformers\\modeling_utils.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 # ----------------------------------------------------------------------------------- running one step

@@ -490,3 +490,33 @@ def test_a_manual_optimization_module_is_not_told_to_fix_its_step() -> None:
     with pytest.warns(UserWarning, match=r"uses manual optimization, which needs the optimizers.*nothing to fix in your code") as caught:
         assert readers.observe(module, tokens(), {"model.c": module.model.c}) is None
     assert not any("Make training_step" in str(w.message) for w in caught)
+
+
+def test_transformers_dtype_lookup_is_no_read_of_a_weight() -> None:
+    """Issue 53: a VLM calling ``self.dtype`` (``PreTrainedModel.dtype``: the first parameter whose
+    ``is_floating_point()`` is true, so a packed weight is skipped) kept its patch-embedding conv unquantized, with the
+    false reason "weight read directly by ...forward"."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class Config(PretrainedConfig):
+        model_type = "lightning_hbm_tiny_vision"
+
+    class Vision(PreTrainedModel):
+        config_class = Config
+
+        def __init__(self, config: Config) -> None:
+            super().__init__(config)
+            self.patch = nn.Conv2d(3, 32, 4, stride=4)  # the first parameter: the one .dtype looks at
+            self.proj = nn.Linear(32, 10)
+
+        def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+            return self.proj(self.patch(pixel_values.type(self.dtype)).flatten(2).mean(-1))
+
+    torch.manual_seed(0)
+    model = Vision(Config())
+    images = torch.randn(2, 3, 16, 16)
+    run_surgery(model, QuantizedPrecision("nf4-dq", dtype="float32"), [], batch=images)
+    assert conv_quantized(model, "patch")
+    seen = readers.observation(model)
+    assert seen is not None and "patch" not in seen.reads
+    assert model(images).dtype == torch.float32  # .dtype now answers from the next floating parameter
