@@ -503,6 +503,13 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
             row.reasons[reason] = row.reasons.get(reason, 0) + count
             row.undeliberate.append(name)
             row.unhandled += count
+        elif adapted and quantizing and not quantized:
+            # adapted but kept wide (ignore_modules, the head, the sensitivity plan): its reason too (issue 53: every
+            # layer kept wide has its reason in the table)
+            # (in the table only: an adapted layer trains, so it is not counted among those warned as left alone)
+            reason, _ = _left_alone_reason(layer, kind, quantizing, adapting, readers.get(name))
+            reason = f"{reason}; adapted by LoRA"
+            row.reasons[reason] = row.reasons.get(reason, 0) + count
     other = CoverageRow("other (embeddings, norms, ...)")
     adapters = CoverageRow("LoRA adapters (trained)")
     # its "layers": the adapted layers (peft LoRA layers), each holding one lora_A/lora_B pair

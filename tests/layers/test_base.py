@@ -167,3 +167,19 @@ def test_sensitivity_bytes_ask_each_kind_for_its_features() -> None:
     assert predict_parameter_bytes(model, {"c_fc": "int8", "fc": "nf4"}) == expected
     # int8 keeps one scale per output row: the Conv1D's [in, out] weight read the other way round would differ
     assert weight_bytes("int8", 32, 96, torch.bfloat16) != weight_bytes("int8", 96, 32, torch.bfloat16)
+
+
+def test_an_adapted_layer_kept_wide_has_its_reason() -> None:
+    """Issue 53: coverage() gave a reason only to layers neither quantized nor adapted; a layer kept wide but adapted
+    (here by ``ignore_modules``) had none in the table printed at fit start."""
+    import torch
+    from torch import nn
+
+    from lightning_hbm import LoRA, QuantizedPrecision
+    from lightning_hbm.layers import report_coverage
+    from lightning_hbm.surgery import run_surgery
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    run_surgery(model, QuantizedPrecision("nf4-dq", dtype="float32", ignore_modules=["2"]), [LoRA(r=2, target_modules=["0", "2"])], batch=torch.randn(2, 16))
+    rows = {r.kind: r for r in report_coverage(model, quantizing=True)}
+    assert rows["Linear"].reasons == {"QuantizedPrecision(ignore_modules=...); adapted by LoRA": 16 * 16 + 16}
