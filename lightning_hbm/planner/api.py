@@ -461,7 +461,9 @@ def plan(
             failures.append((candidate, f"{type(err).__name__}: {err}"))
     if not predictions:
         reasons = "; ".join(f"{c.name}: {r}" for c, r in failures[:5])
-        raise ValueError(f"No candidate could be planned for {type(model).__name__}: {reasons}")
+        # a factory (the class, a function) is named as itself: type(SomeClass) is "type" (issue 53: "for type:")
+        name = type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__qualname__", repr(model))
+        raise ValueError(f"No candidate could be planned for {name}: {reasons}")
     predictions.sort(key=lambda p: (p.cost, -p.candidate.fidelity(), p.total))
     return Plan(predictions=predictions, budget=budget_bytes, device=device, failures=failures)
 

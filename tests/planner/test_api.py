@@ -540,3 +540,14 @@ def test_lora_modules_to_save_as_configured_are_planned_unquantized() -> None:
     assert module.get_submodule(saved).weight.is_floating_point() and module.get_submodule(saved).weight.requires_grad
     assert prediction.trainable_params == sum(p.numel() for p in module.parameters() if p.requires_grad)
     assert prediction.categories["parameters"] == parameter_bytes(module)
+
+
+def test_a_factory_built_model_is_named_when_nothing_can_be_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 53: the error read "No candidate could be planned for type:" for a model given as its class."""
+
+    def replace(linear: torch.nn.Linear, dtype: torch.dtype, device: Any) -> torch.nn.Module:
+        raise RuntimeError("this layer cannot be built on fake tensors")
+
+    monkeypatch.setitem(registry._MODES, "test-opaque", QuantFormat("test-opaque", replace, (torch.float32,), "test"))
+    with pytest.raises(ValueError, match=r"No candidate could be planned for NanoGPT: "):
+        plan(NanoGPT, synthetic_batch(2, 16), candidates=[Candidate("test-opaque", dtype="float32", lora_r=4)])
