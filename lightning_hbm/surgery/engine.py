@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional, Sequence, cast
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
@@ -295,7 +296,12 @@ def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None
     layers = {name: base_layer(layer) for name, layer, _ in find_layers(module)}
     if not layers:
         return
-    readers.observe(module, batch() if callable(batch) else batch, layers, step)
+    seen = readers.observe(module, batch() if callable(batch) else batch, layers, step)
+    if seen is not None:  # said once per model, at the surgery (fit start): the user's code ran one more time
+        rank_zero_info(
+            f"lightning_hbm: ran {seen.ran} once before changing the model, to see which layers its code reads "
+            "directly (no gradient, no optimizer step; the model's values, the data order and the RNGs as they were)"
+        )
 
 
 def _guard(module: nn.Module) -> None:

@@ -520,3 +520,12 @@ def test_transformers_dtype_lookup_is_no_read_of_a_weight() -> None:
     seen = readers.observation(model)
     assert seen is not None and "patch" not in seen.reads
     assert model(images).dtype == torch.float32  # .dtype now answers from the next floating parameter
+
+
+def test_the_probe_step_is_said_at_fit_start(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        fit(Wrapped(Reads(), causal=False), tmp_path)
+    said = [r.getMessage() for r in caplog.records if "once before changing the model" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("lightning_hbm: ran Wrapped.training_step on fake tensors once")
