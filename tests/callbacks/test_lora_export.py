@@ -95,3 +95,53 @@ def test_merge_refuses_another_base(llama_factory: Callable) -> None:
         LoRA.merge(model, base_state_dict={k: v.to(torch.bfloat16) for k, v in base_sd.items()})
     forced = LoRA.merge(model, base_state_dict=other_sd, dtype="float32", allow_base_change=True)
     assert torch.equal(forced["model.model.layers.0.mlp.up_proj.weight"], other_sd["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_an_export_keeps_the_folders_links_mode_and_target(llama_factory: Callable, tmp_path: Path) -> None:
+    """Issue 55: the export replaced the whole folder: links became copies, a symlinked folder (latest -> run-17) was
+    replaced by a real folder, and the folder's mode became 0700 (a team's 02775 folder lost its access)."""
+    import os
+    import stat
+
+    run = tmp_path / "run-17"
+    run.mkdir()
+    os.chmod(run, 0o2775)
+    (run / "notes.txt").write_text("mine")
+    (run / "link.txt").symlink_to(run / "notes.txt")
+    latest = tmp_path / "latest"
+    latest.symlink_to(run)
+    LoRA.save_adapter(_adapted(llama_factory, alpha=8, seed=1), latest)
+    assert latest.is_symlink() and (run / "adapter_config.json").is_file() and (run / export.MANIFEST).is_file()
+    assert stat.S_IMODE(run.stat().st_mode) == 0o2775
+    assert (run / "link.txt").is_symlink() and (run / "link.txt").read_text() == "mine"
+    assert not [p for p in run.iterdir() if p.name.endswith(".partial")]
+    manifest = json.loads((run / export.MANIFEST).read_text())["files"]
+    assert set(manifest) >= {"adapter_config.json", "adapter_model.safetensors"}
+    assert all((run / name).stat().st_size == size for name, size in manifest.items())
+
+
+def test_an_export_into_a_read_only_folder_names_it(llama_factory: Callable, tmp_path: Path) -> None:
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    os.chmod(folder, 0o555)
+    try:
+        with pytest.raises(PermissionError, match=rf"cannot write into {folder}"):
+            LoRA.save_adapter(_adapted(llama_factory, alpha=8, seed=1), folder)
+    finally:
+        os.chmod(folder, 0o755)
+
+
+def test_concurrent_exports_into_one_folder_all_succeed(llama_factory: Callable, tmp_path: Path) -> None:
+    """Was: 3 of 160 concurrent exports failed with misleading messages (an exists()/is_dir() race)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = _adapted(llama_factory, alpha=8, seed=1)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: LoRA.save_adapter(model, tmp_path / "adapter"), range(8)))
+    names = {p.name for p in (tmp_path / "adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", export.MANIFEST} <= names
+    assert not [n for n in names if n.endswith(".partial")]

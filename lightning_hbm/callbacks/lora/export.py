@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
@@ -142,42 +143,80 @@ def _fsync_tree(folder: Path) -> None:
         resume.fsync_dir(sub)
 
 
-def write_folder(path: Path, write: Callable[[Path], Any]) -> None:
-    """Write the folder ``path`` as a unit: ``write(tmp)`` into a new folder beside it, fsync, rename over ``path``.
+MANIFEST = "lightning_hbm_export.json"  # written last: its absence or a size mismatch marks a save cut short
+_LOCK = ".lightning_hbm_export.lock"
 
-    A folder's files cannot be replaced together in one step: written in place, a failure between two files leaves
-    a new ``adapter_config.json`` beside the old weights (peft loads the pair silently). On any error the previous
-    ``path`` is left as it was (or restored) and the temporary folder removed. Other files already in ``path``
-    (a README, a tokenizer) are carried over.
+
+def write_folder(path: Path, write: Callable[[Path], Any]) -> None:
+    """Write the files of ``write(tmp)`` into the folder ``path``, each atomically, without replacing the folder.
+
+    ``write`` writes into a temporary folder inside ``path`` (same filesystem); each file is fsynced there and
+    renamed over its name in ``path`` (``os.replace``). The folder itself is left as it is: its mode (a 02775 team
+    folder), the user's other files and links, and a folder that is a symlink (``latest -> run-17``: written
+    through, into ``run-17``). Writers of one folder are serialised by a lock file in it. A manifest
+    (:data:`MANIFEST`: each file's size) is removed before the first file is replaced and written after the last:
+    a save cut short between two files leaves no manifest (issue 55: the folder was replaced by a renamed copy,
+    which lost links and modes and raced with other writers). A failure before the first replace (a full disk while
+    writing) leaves the previous adapter untouched.
     """
     if path.exists() and not path.is_dir():
         raise ValueError(f"LoRA.save_adapter: {path} is a file, not a folder. Pass a folder path (it is created).")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
-    old = None
+    try:
+        path.mkdir(parents=True, exist_ok=True)  # the user's umask decides a new folder's mode
+        folder = path.resolve()  # a symlinked folder: written through to its target
+        lock = os.open(folder / _LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except PermissionError as err:
+        raise PermissionError(
+            err.errno, f"LoRA.save_adapter cannot write into {path} (permission denied): save into a folder you can write to."
+        ) from err
+    try:
+        _lock(lock)
+        _write_locked(path, folder, write)
+    finally:
+        os.close(lock)  # releases the lock
+
+
+def _lock(fd: int) -> None:
+    try:
+        import fcntl  # POSIX only: on Windows the writers are not serialised
+    except ImportError:
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX)
+
+
+def _write_locked(path: Path, folder: Path, write: Callable[[Path], Any]) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=".lightning_hbm-export.", suffix=".partial", dir=folder))
+    replaced = False
     try:
         write(tmp)
-        for item in path.iterdir() if path.exists() else ():
-            if not (tmp / item.name).exists():  # the user's own files beside the adapter
-                (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+        files = sorted(f for f in tmp.rglob("*") if f.is_file())
         _fsync_tree(tmp)
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-            os.replace(path, old / path.name)  # the previous adapter, kept until the new one is in place
-        os.replace(tmp, path)
-        resume.fsync_dir(path.parent)
+        (folder / MANIFEST).unlink(missing_ok=True)
+        replaced = True
+        for file in files:
+            target = folder / file.relative_to(tmp)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(file, target)
+        manifest = {str(f.relative_to(tmp)): (folder / f.relative_to(tmp)).stat().st_size for f in files}
+        with open(tmp / MANIFEST, "w") as handle:
+            json.dump({"files": manifest}, handle, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp / MANIFEST, folder / MANIFEST)
+        resume.fsync_dir(folder)
     except BaseException as err:
-        if old is not None and (old / path.name).exists() and not path.exists():
-            os.replace(old / path.name, path)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
         if not isinstance(err, OSError):
             raise
-        previous = "the previous adapter there is untouched" if path.exists() else "nothing was left there"
+        if replaced:
+            previous = "some files were replaced: save again (the folder has no manifest until a save completes)"
+        else:
+            previous = "the previous adapter there is untouched"
+        if isinstance(err, PermissionError):
+            raise PermissionError(err.errno, f"LoRA.save_adapter cannot write into {path} ({err.strerror}); {previous}.") from err
         raise OSError(err.errno or 0, f"LoRA.save_adapter could not write {path} ({err}); {previous}. Free space on that disk or save elsewhere.") from err
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
 
 @torch.no_grad()
 def merge(
