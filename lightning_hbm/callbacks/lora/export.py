@@ -10,6 +10,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Union, cast
 
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
+
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from safetensors.torch import save_file
@@ -177,11 +182,8 @@ def write_folder(path: Path, write: Callable[[Path], Any]) -> None:
 
 
 def _lock(fd: int) -> None:
-    try:
-        import fcntl  # POSIX only: on Windows the writers are not serialised
-    except ImportError:
-        return
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    if fcntl is not None:  # POSIX only: on Windows the writers are not serialised
+        fcntl.flock(fd, fcntl.LOCK_EX)
 
 
 def _write_locked(path: Path, folder: Path, write: Callable[[Path], Any]) -> None:
