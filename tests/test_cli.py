@@ -418,3 +418,38 @@ def test_report_never_writes_its_input_even_on_a_full_disk(
     assert err.count("\n") == 1 and "Traceback" not in err and "No space left" in err and "is unchanged" in err
     assert source.read_bytes() == before
     assert not [p for p in run_dir.iterdir() if "partial" in p.name]  # no temp file left
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"rows": [{"step": 0, "mode": "light", "total": NaN}]}', r"holds NaN, which is no byte count"),
+        ("[" * 200_000 + "]" * 200_000, r"nested too deep to be an HBMProfiler report"),
+    ],
+    ids=["nan", "deep"],
+)
+def test_report_bad_input_is_one_line_and_untouched(tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture) -> None:
+    """Issue 55: a NaN-filled report, or one nested 200,000 deep: tracebacks (and the input file changed)."""
+    source = tmp_path / "hbm_profile.json"
+    source.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        render_report(source)
+    assert main(["report", str(source)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and str(source) in err
+    assert source.read_text() == text and sorted(p.name for p in tmp_path.iterdir()) == ["hbm_profile.json"]
+
+
+def test_report_strings_for_numbers_and_huge_files_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_hbm.memory import report as report_module
+    from lightning_hbm.memory.categories import CATEGORIES
+
+    row = {"step": 0, "mode": "light", **{c: 0 for c in CATEGORIES}, "total": 0}
+    source = tmp_path / "hbm_profile.json"
+    source.write_text(json.dumps({"rows": [{**row, "total": "12"}]}))
+    with pytest.raises(ValueError, match=r"rows\[0\] field 'total' is '12', not a number of bytes"):
+        render_report(source)
+    source.write_text(json.dumps({"rows": [row] * 100}))
+    monkeypatch.setattr(report_module, "MAX_INPUT_BYTES", 1000)
+    with pytest.raises(ValueError, match=r"over the 0 MiB an HBMProfiler report can be"):
+        render_report(source)

@@ -25,6 +25,7 @@ from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 from lightning_hbm.callbacks.step_timeline import BEFORE, Entry, RecordedStep
 from lightning_hbm.memory.categories import StorageKey, classify_records
+from lightning_hbm.memory.report import check_numbers, read_json
 from lightning_hbm.memory.terms import TERMS, category_terms, created_term, rest_term, scope_terms
 from lightning_hbm.memory.tracker import LOSS_SCOPE, scope_term_bytes
 
@@ -589,11 +590,32 @@ def load_figure(path: Union[str, Path]) -> ProfileFigure:
     Raises:
         ValueError: the file is not a figure record.
     """
+    data = read_json(path, "HBMProfiler figure record")
+    if not isinstance(data, dict):
+        raise ValueError(f"report: {str(path)!r} is not an HBMProfiler figure record (not an object).")
     try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{str(path)!r} is not an HBMProfiler figure record (not JSON: {err}).") from err
-    return ProfileFigure.from_dict(data)
+        figure = ProfileFigure.from_dict(data)
+    except ValueError as err:
+        raise ValueError(f"report: {str(path)!r}: {err}.") from err
+    _check_figure(path, figure)
+    return figure
+
+
+def _check_figure(path: Union[str, Path], figure: ProfileFigure) -> None:
+    """Numbers where numbers belong, series no longer than :data:`MAX_SAMPLES` (what the profiler writes), the peak
+    inside them: else one line naming the file and the field, before anything is drawn."""
+    n = len(figure.total) if isinstance(figure.total, list) else -1
+    if not 0 < n <= MAX_SAMPLES:
+        raise ValueError(f"report: {str(path)!r}: field 'total' holds {n} samples; a figure record holds 1 to {MAX_SAMPLES}.")
+    series = {"total": figure.total, **{f"terms.{k}": v for k, v in figure.terms.items()}}
+    series.update({f"parts.{t}.{k}": v for t, parts in figure.parts.items() for k, v in parts.items()})
+    for name, values in series.items():
+        if not isinstance(values, list) or len(values) > MAX_SAMPLES:
+            raise ValueError(f"report: {str(path)!r}: field {name!r} is not a series of at most {MAX_SAMPLES} samples.")
+        check_numbers(path, name, {str(i): v for i, v in enumerate(values)}, [str(i) for i in range(len(values))])
+    check_numbers(path, "peak", {"index": figure.peak.index, "bytes": figure.peak.bytes}, ("index", "bytes"))
+    if not 0 <= figure.peak.index < n:
+        raise ValueError(f"report: {str(path)!r}: field 'peak.index' is {figure.peak.index!r}, outside the {n} samples.")
 
 
 __all__ = [

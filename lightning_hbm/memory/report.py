@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -162,14 +163,16 @@ class MemoryReport:
     def load(cls, path: Union[str, Path]) -> "MemoryReport":
         """Read a report written by :meth:`write` (``path``: the JSON, or a run directory searched for the newest)."""
         json_path = find_report(path)
+        report = read_json(json_path, "HBMProfiler report")
         try:
-            report = json.loads(json_path.read_text())
             rows = report["rows"]
             modules = {int(step): m for step, m in report.get("modules", {}).items()}
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"report: {str(json_path)!r} is not an HBMProfiler report ({type(err).__name__}: {err}).") from err
-        if not rows or not all(isinstance(row, dict) and all(c in row for c in REQUIRED) for row in rows):
+        if not isinstance(rows, list) or not rows or not all(isinstance(row, dict) and all(c in row for c in REQUIRED) for row in rows):
             raise ValueError(f"report: {str(json_path)!r} holds no complete measured step; nothing to render.")
+        for i, row in enumerate(rows):
+            check_numbers(json_path, f"rows[{i}]", row, ("step", *CATEGORIES, "total"))
         return cls(rows, report.get("columns") or (), modules, report.get("snapshot"), report.get("used") or {})
 
     # -- console ----------------------------------------------------------------------------------
@@ -234,6 +237,42 @@ def format_table(lines: Sequence[Sequence[str]]) -> list[str]:
     return [
         "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))) for line in lines
     ]
+
+
+#: the largest report or figure file read (a run's report is kilobytes; a figure at most MAX_SAMPLES per series)
+MAX_INPUT_BYTES = 64 << 20
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"holds {name}, which is no byte count")
+
+
+def read_json(path: Union[str, Path], what: str) -> Any:
+    """The JSON in ``path``, read only (never written), as one clear ``ValueError`` naming the file when it is too
+    large, not JSON, nested too deep, or holds NaN/Infinity (issue 55: tracebacks, and 79 s / 4.7 GiB to draw)."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_INPUT_BYTES:
+        raise ValueError(f"report: {str(path)!r} is {size / 2**20:.0f} MiB, over the {MAX_INPUT_BYTES >> 20} MiB an {what} can be; it is not one.")
+    try:
+        return json.loads(path.read_text(), parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError(f"report: {str(path)!r} is nested too deep to be an {what}.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"report: {str(path)!r} is not an {what} (not JSON: {err}).") from err
+    except ValueError as err:
+        raise ValueError(f"report: {str(path)!r} is not an {what}: it {err}.") from err
+
+
+def check_numbers(path: Union[str, Path], where: str, values: Mapping[str, Any], fields: Sequence[str], optional: bool = False) -> None:
+    """Each of ``fields`` of ``values`` a finite int or float (``optional``: or None/absent), else a ``ValueError``
+    naming the file, the place and the field."""
+    for name in fields:
+        value = values.get(name)
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"report: {str(path)!r}: {where} field {name!r} is {value!r}, not a number of bytes.")
 
 
 def atomic_write(path: Union[str, Path], write: Callable[[Any], Any], binary: bool = False, newline: Optional[str] = None) -> None:
@@ -371,6 +410,9 @@ __all__ = [
     "find_report",
     "format_table",
     "plot",
+    "MAX_INPUT_BYTES",
     "atomic_write",
+    "check_numbers",
+    "read_json",
     "render_report",
 ]

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 
 from lightning_hbm import ActivationCheckpointing, FusedLoss, HBMProfiler
-from lightning_hbm.callbacks.profile_figure import ProfileFigure, draw_figure, load_figure
+from lightning_hbm.callbacks.profile_figure import ProfileFigure, draw_figure, figure_path, load_figure
 from lightning_hbm.callbacks.step_timeline import TRAINING_STEP
 from lightning_hbm.data import ByteTextDataModule
 from lightning_hbm.memory import CATEGORIES, TERMS
@@ -209,3 +209,37 @@ def test_the_report_command_redraws_the_picture(run: tuple[NanoGPT, HBMProfiler,
     main(["report", str(run[3] / "hbm_profile.json"), "--out", str(tmp_path)])
     png = (tmp_path / "hbm_profile.png").read_bytes()
     assert struct.unpack(">II", png[16:24]) == (1400, 800)  # the step's picture, not the forward ends over steps
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["total"].__setitem__(0, float("nan")), r"holds NaN, which is no byte count"),
+        (lambda d: d["total"].__setitem__(0, "12"), r"field '0' is '12', not a number of bytes"),
+        (lambda d: d["peak"].__setitem__("index", 10**12), r"field 'peak.index' is 1000000000000, outside the \d+ samples"),
+        (lambda d: d.__setitem__("total", [1] * 3_000_000), r"field 'total' holds 3000000 samples; a figure record holds 1 to 2000"),
+    ],
+    ids=["nan", "string", "peak-index", "3M-samples"],
+)
+def test_a_bad_figure_record_is_one_line_and_untouched(
+    run: tuple[NanoGPT, HBMProfiler, _Metrics, Path], tmp_path: Path, edit: Any, message: str, capsys: pytest.CaptureFixture
+) -> None:
+    """Issue 55: NaN, strings, a peak index of 1e12 gave tracebacks (matplotlib's "raster overflow"); 3,000,000 samples
+    took 79 s and 4.7 GiB to draw."""
+    import json
+    import shutil
+
+    from lightning_hbm.cli import main
+
+    shutil.copy(run[3] / "hbm_profile.json", tmp_path / "hbm_profile.json")
+    data = json.loads(figure_path(run[3] / "hbm_profile.json").read_text())
+    edit(data)
+    figure = figure_path(tmp_path / "hbm_profile.json")
+    figure.write_text(json.dumps(data))
+    before = figure.read_bytes()
+    with pytest.raises(ValueError, match=message):
+        load_figure(figure)
+    assert main(["report", str(tmp_path / "hbm_profile.json"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and str(figure) in err
+    assert figure.read_bytes() == before
