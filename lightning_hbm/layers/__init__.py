@@ -40,12 +40,14 @@ from lightning_hbm.layers.linear import LINEAR
 from lightning_hbm.layers.conv1d import CONV1D
 from lightning_hbm.layers.multihead_attention import MULTIHEAD_ATTENTION, ProjectedMultiheadAttention
 from lightning_hbm.layers.conv import CONV, QuantizedConv1d, QuantizedConv2d, QuantizedConv3d
+from lightning_hbm.layers.embedding import EMBEDDING, QuantizedEmbedding
 from lightning_hbm.layers.experts import EXPERTS, LinearExperts
 from lightning_hbm.layers.heads import hf_models, task_heads, task_type
 
 __all__ = [
     "CONV",
     "CONV1D",
+    "EMBEDDING",
     "EXPERTS",
     "LINEAR",
     "OUTSIDE_ROWS",
@@ -59,6 +61,7 @@ __all__ = [
     "QuantizedConv1d",
     "QuantizedConv2d",
     "QuantizedConv3d",
+    "QuantizedEmbedding",
     "adaptable_names",
     "base_layer",
     "converted_keys",

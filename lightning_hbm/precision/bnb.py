@@ -279,6 +279,29 @@ class Bnb4bitFormat(QuantFormat):
     def compute_dtype(self, module: nn.Module) -> Optional[torch.dtype]:
         return cast(Optional[torch.dtype], module.compute_dtype)  # a Linear4bit's plain attribute
 
+    def gather_rows(self, module: nn.Module, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # Only the rows asked for are unpacked: their packed bytes and their blocks' absmax are gathered, then
+        # bitsandbytes dequantizes that small tensor. bitsandbytes' own Embedding4bit does this too, but only without
+        # double quantization and with no state_dict; here the nested absmax (8-bit codes, one fp32 scale per 256)
+        # is decoded for the gathered blocks alone, so nf4-dq works and the storage stays the Linear4bit's.
+        from bitsandbytes.functional import QuantState, dequantize_4bit
+
+        state: Any = getattr(module.weight, "quant_state", None) or module.quant_state
+        rows, cols = (int(d) for d in state.shape)
+        if cols % state.blocksize:  # a row's values share blocks with the next row's: no row-wise unpacking
+            return super().gather_rows(module, index, dtype)
+        per_row = cols // state.blocksize
+        packed = cast(torch.Tensor, module.weight).data.view(torch.uint8).view(rows, cols // 2)[index]
+        blocks = (index[:, None] * per_row + torch.arange(per_row, device=index.device)).reshape(-1)
+        if state.nested:  # dequantize_blockwise(absmax, state2) + offset, for these blocks only
+            nested = state.state2
+            absmax = nested.code[state.absmax[blocks].long()] * nested.absmax[blocks // nested.blocksize] + state.offset
+        else:
+            absmax = state.absmax[blocks]
+        part = QuantState(absmax=absmax.float(), shape=torch.Size((index.numel(), cols)), code=state.code,
+                          blocksize=state.blocksize, quant_type=state.quant_type, dtype=dtype)
+        return dequantize_4bit(packed.reshape(-1, 1), part)
+
     def constants(self, module: nn.Module) -> list[torch.Tensor]:
         states = (getattr(module.weight, "quant_state", None), getattr(module, "quant_state", None))
         return [t for state in states if state is not None for t in _state_tensors(state)]
@@ -323,6 +346,11 @@ class Bnb8bitFormat(QuantFormat):
         # scales and breaks the layer's next forward. int8 rows scaled by absmax / 127.
         weight = cast(torch.Tensor, module.weight).data.float() * (cast(torch.Tensor, self._row_scales(module)).float()[:, None] / 127.0)  # a quantized layer has row scales
         return weight if dtype is None else weight.to(dtype)
+
+    def gather_rows(self, module: nn.Module, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # int8 rows with one scale each: gathered, then scaled (absmax / 127) as dequantize does for the whole weight
+        scales = cast(torch.Tensor, self._row_scales(module)).float()[index, None] / 127.0
+        return (cast(torch.Tensor, module.weight).data[index].float() * scales).to(dtype)
 
     def constants(self, module: nn.Module) -> list[torch.Tensor]:
         state = getattr(module, "state", None)

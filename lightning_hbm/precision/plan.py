@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from lightning_hbm import record, resume
 from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm.layers.embedding import is_plain_embedding
 from lightning_hbm.precision.bnb import import_bnb
 from lightning_hbm.precision.gptq import ROUNDINGS, digest, grid_of, input_hessians
 from lightning_hbm.precision.int4_asym import regrid_warning
@@ -167,12 +168,14 @@ class QuantizationPlan:
         rounding: str,
         smoothing: Optional[Union[float, str]],
         owner: str,
+        quantize_embeddings: bool = False,
     ) -> None:
         self.mode = get_format(mode)
         self.dtype = to_dtype(dtype)
         self.mode.check_dtype(self.dtype)
         self.ignore_modules = _checked_ignore(ignore_modules)
         self.quantize_head = bool(quantize_head)
+        self.quantize_embeddings = bool(quantize_embeddings)
         check_plan_args(self.mode.name, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch, layer_modes)
         if rounding not in ROUNDINGS:
             raise ValueError(f"QuantizedPrecision(rounding={rounding!r}): use one of {list(ROUNDINGS)}.")
@@ -240,7 +243,7 @@ class QuantizationPlan:
         keep = modules_to_save(module)
         cached = self._listing
         if fresh or cached is None or cached[0]() is not module or cached[1] != keep:
-            cached = (weakref.ref(module), keep, _quantizable_linears(module, self.ignore_modules, self.quantize_head, keep))
+            cached = (weakref.ref(module), keep, _quantizable_linears(module, self.ignore_modules, self.quantize_head, keep, self.quantize_embeddings))
             self._listing = cached
         return cached[2]
 
@@ -271,13 +274,30 @@ class QuantizationPlan:
         warning = regrid_warning(targets, self.mode.name)
         if warning is not None:
             rank_zero_warn(warning)
-        if self.gptq is not None:  # one forward on the model as built: every layer's input statistics
-            self.gptq.measure(module, [name for name, _ in targets], self.probe(trainer))
+        if self.quantize_embeddings:
+            self._say_embeddings_kept(module)
+        if self.gptq is not None:  # one forward on the model as built: every layer's input statistics (a lookup has none)
+            self.gptq.measure(module, [name for name, layer in targets if not isinstance(layer, nn.Embedding)], self.probe(trainer))
         if self.smoothing is not None:  # before the plan: the plan measures the smoothed layers
             self._smooth(module, self._linear_targets(module), trainer)
         if self.measures_plan:
             with self.attached_shifts(module):
                 self._choose_plan(module, self._linear_targets(module), trainer)
+
+    def _say_embeddings_kept(self, module: nn.Module) -> None:
+        """Warn (names, reasons) about input embeddings ``quantize_embeddings=True`` keeps in the compute dtype."""
+        targets, skipped = self.listing(module)
+        kept = {n: why for n, (why, deliberate) in skipped.items() if not deliberate and is_plain_embedding(module.get_submodule(n))}
+        if kept:
+            rank_zero_warn(
+                f"lightning_hbm: QuantizedPrecision(quantize_embeddings=True) keeps {len(kept)} input embedding(s) in "
+                f"{self.dtype}: " + "; ".join(f"{n}: {why}" for n, why in kept.items()) + "."
+            )
+        elif not any(isinstance(layer, nn.Embedding) for _, layer in targets):
+            rank_zero_warn(
+                f"lightning_hbm: QuantizedPrecision(quantize_embeddings=True): {type(module).__name__} has no nn.Embedding "
+                "to store quantized; the option changes nothing for this model."
+            )
 
     def convert(self, module: nn.Module, trainer: Any) -> list[str]:
         """Quantize the targets of ``module`` in place; returns their names.
@@ -379,6 +399,8 @@ class QuantizationPlan:
             config.update(targets, sensitive_mode=self.sensitive_mode)
         if self._pinned and self.layer_modes is not None:  # a plan the user gave: a setting like the others
             config["layer_modes"] = dict(self.layer_modes)
+        if self.quantize_embeddings:  # absent before this option existed
+            config["quantize_embeddings"] = True
         if self.rounding != "nearest":  # absent before this option existed
             config["rounding"] = self.rounding
         if self.smoothing is not None:

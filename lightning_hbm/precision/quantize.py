@@ -17,9 +17,10 @@ from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm import record
 from lightning_hbm.layers import (
-    LINEAR, LayerKind, base_layer, find_layers, kind_names, kind_of, output_heads, prepare_model,
+    EMBEDDING, LINEAR, LayerKind, base_layer, find_layers, kind_names, kind_of, output_heads, prepare_model,
     stored_in, weight_readers,
 )  # fmt: skip
+from lightning_hbm.layers.embedding import convertible, is_plain_embedding
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.naming import name_matches, under
 from lightning_hbm.precision.registry import QuantFormat, format_of, get_format, to_dtype
@@ -64,16 +65,52 @@ def _quantizable_linears(
     ignore_modules: Union[str, Sequence[str]],
     quantize_head: bool = False,
     keep_modules: Sequence[str] = (),
+    quantize_embeddings: bool = False,
 ) -> tuple[list[tuple[str, nn.Module]], dict[str, tuple[str, bool]]]:
     """(name, layer) pairs to quantize, and the layers left alone with (reason, deliberate).
 
     Layers of every registered kind with a ``to_linear`` (:mod:`lightning_hbm.layers`): Linear,
-    Conv1D, the projections of a prepared MultiheadAttention. ``keep_modules``: names (suffix
-    match, as LoRA's ``modules_to_save``) kept in full precision.
+    Conv1D, the projections of a prepared MultiheadAttention; the input embeddings too with
+    ``quantize_embeddings``. ``keep_modules``: names (suffix match, as LoRA's ``modules_to_save``)
+    kept in full precision.
     """
     owners: dict[int, int] = {}
     for _, param in module.named_parameters(remove_duplicate=False):
         owners[id(param)] = owners.get(id(param), 0) + 1
+    chosen, skipped = _listed_layers(module, ignore_modules, quantize_head, keep_modules, owners)
+    if quantize_embeddings:
+        embeddings, kept_wide = _quantizable_embeddings(module, ignore_modules, keep_modules, owners)
+        chosen, skipped = chosen + embeddings, {**skipped, **kept_wide}
+    return chosen, skipped
+
+
+def _quantizable_embeddings(
+    module: nn.Module, ignore_modules: Union[str, Sequence[str]], keep_modules: Sequence[str], owners: dict[int, int]
+) -> tuple[list[tuple[str, nn.Module]], dict[str, tuple[str, bool]]]:
+    """The input embeddings ``quantize_embeddings=True`` stores quantized, and those it keeps (reason, deliberate)."""
+    kept = [n for n, _ in module.named_modules() if n and name_matches(n, list(keep_modules))]
+    chosen: list[tuple[str, nn.Module]] = []
+    skipped: dict[str, tuple[str, bool]] = {}
+    for name, sub in module.named_modules():
+        if not is_plain_embedding(sub):
+            continue
+        why = convertible(name, sub, owners)
+        if _ignored(name, ignore_modules):
+            skipped[name] = ("QuantizedPrecision(ignore_modules=...)", True)
+        elif under(name, kept):
+            skipped[name] = ("LoRA modules_to_save: trained in full precision", True)
+        elif why is not None:
+            skipped[name] = (why, False)
+        else:
+            chosen.append((name, sub))
+    return chosen, skipped
+
+
+def _listed_layers(
+    module: nn.Module, ignore_modules: Union[str, Sequence[str]], quantize_head: bool, keep_modules: Sequence[str],
+    owners: dict[int, int],
+) -> tuple[list[tuple[str, nn.Module]], dict[str, tuple[str, bool]]]:
+    """:func:`_quantizable_linears` for the registered layer kinds."""
     heads = set() if quantize_head else output_heads(module)
     fp32 = keep_in_fp32_names(module)
     kept = [n for n, _ in module.named_modules() if n and name_matches(n, list(keep_modules))]
@@ -154,6 +191,7 @@ def quantize_model(
     keep_modules: Sequence[str] = (),
     layer_modes: Optional[Mapping[str, str]] = None,
     hessians: Optional[Mapping[str, Tensor]] = None,
+    quantize_embeddings: bool = False,
 ) -> list[str]:
     """Replace the Linear-like layers of ``module`` in place by quantized frozen layers.
 
@@ -166,14 +204,15 @@ def quantize_model(
     Validates everything before changing anything. ``layer_modes`` (``{layer name: mode name}``, e.g. a
     sensitivity-aware plan) overrides ``mode`` per layer; ``"none"`` keeps that layer in the compute
     dtype, frozen. ``hessians`` (``{layer name: 2 X^T X}``, :func:`~lightning_hbm.precision.gptq.input_hessians`)
-    GPTQ-rounds the 4-bit layers it names instead of rounding to nearest. Returns the names of the layers handled.
+    GPTQ-rounds the 4-bit layers it names instead of rounding to nearest. ``quantize_embeddings``: the input
+    embeddings too (:mod:`lightning_hbm.layers.embedding`). Returns the names of the layers handled.
     """
     quant_mode = get_format(mode) if isinstance(mode, str) else mode
     compute_dtype = to_dtype(dtype)
     _validate(module, quant_mode, compute_dtype, ignore_modules)
     return _quantize_listed(
         module, quant_mode, compute_dtype, ignore_modules, device, layer_modes, hessians,
-        lambda prepared: _quantizable_linears(module, ignore_modules, quantize_head, keep_modules),
+        lambda prepared: _quantizable_linears(module, ignore_modules, quantize_head, keep_modules, quantize_embeddings),
     )
 
 
@@ -206,13 +245,13 @@ def _quantize_listed(
     modes = _layer_modes(targets, quant_mode, layer_modes or {})
     for name, layer in targets:  # each format's own refusals, before the first layer changes
         if modes[name] is not None:
-            kind = cast(LayerKind, kind_of(layer))  # a target has a kind, with to_linear (_quantizable_linears)
+            kind = _target_kind(layer)
             cast(QuantFormat, modes[name]).check(name, cast(Callable[[nn.Module], nn.Linear], kind.to_linear)(layer) if kind.wrap is not None else layer)
     for name, layer in targets:
         if modes[name] is None:  # kept unquantized by the plan: frozen like every other base weight
             layer.weight.requires_grad_(False)
             continue
-        kind = cast(LayerKind, kind_of(layer))  # a target has a kind, with to_linear (_quantizable_linears)
+        kind = _target_kind(layer)
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         linear = cast(Callable[[nn.Module], nn.Linear], kind.to_linear)(layer)
@@ -240,6 +279,12 @@ def _quantize_listed(
     kinds = {m.peft_kind for m in modes.values() if m is not None}
     peft_compat.mark_quantized(module, cast(set[str], kinds & {"4bit", "8bit"}))  # strings only: None is in neither
     return [name for name, _ in targets]
+
+
+def _target_kind(layer: nn.Module) -> LayerKind:
+    """The kind of a target of :func:`_quantizable_linears` (a kind with ``to_linear``): a plain input embedding is
+    one of :data:`~lightning_hbm.layers.EMBEDDING` once quantized."""
+    return EMBEDDING if is_plain_embedding(layer) else cast(LayerKind, kind_of(layer))
 
 
 def _layer_modes(

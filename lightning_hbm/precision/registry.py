@@ -118,6 +118,12 @@ class QuantFormat:
         """The dtype ``module``'s forward multiplies in (``None``: the dtype of its input)."""
         return None
 
+    def gather_rows(self, module: nn.Module, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``index`` (1-d, int64) of the ``[out, in]`` weight, ``[len(index), in]`` in ``dtype``: a quantized
+        embedding's lookup and a head's vocabulary slices (``FusedLoss``). A format that can unpack single rows
+        overrides this; the default dequantizes the whole weight first (a transient as large as the weight)."""
+        return torch.nn.functional.embedding(index, self.dequantize(module, dtype))
+
     def constants(self, module: nn.Module) -> list[torch.Tensor]:
         """Tensors of ``module``'s quantization constants (scales, code books) that are not its parameters."""
         return []
