@@ -41,7 +41,7 @@ from lightning_hbm.precision.registry import format_of, get_format, to_dtype
 from lightning_hbm.layers import CONV
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, check_plan_args, choose_plan
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
-from lightning_hbm.probe import first_batch
+from lightning_hbm.probe import first_batch, has_forward
 from lightning_hbm.surgery import pending_checkpoint
 
 log = logging.getLogger(__name__)
@@ -354,12 +354,13 @@ class QuantizationPlan:
         """The convolutions' plan under a 4-bit mode (issue 53): each one's output error measured on the probe, the
         most sensitive widened (``sensitive_mode``) until the probe output cosine reaches ``min_cosine`` (default
         :data:`CONV_MIN_COSINE`); under it, a warning naming the figure. Not with a pinned plan, nor when resuming
-        with these settings (the checkpoint's plan is taken), nor without a probe batch (logged)."""
+        (the checkpoint's plan is taken), nor without a probe batch (logged); a probe the model cannot run: a warning."""
         if not names or self._pinned or self.mode.peft_kind != "4bit":
             return
-        saved = self.saved_plan(trainer)
-        if saved is not None:  # resuming: the plan the checkpoint was trained with (Linears' and convolutions')
-            self.layer_modes = saved
+        if trainer is not None and saved_meta(trainer).get("configs", {}).get(self.owner):
+            # resuming: the plan the checkpoint was trained with (Linears' and convolutions'); none saved (a checkpoint
+            # from before issue 53): every convolution in mode, as it was trained
+            self.layer_modes = self.saved_plan(trainer) or self.layer_modes
             return
         target = self.min_cosine if self.min_cosine is not None else CONV_MIN_COSINE
         try:
@@ -367,10 +368,21 @@ class QuantizationPlan:
         except ValueError:
             log.info("lightning_hbm: %d convolutions stored in %s without a measured plan: no probe_batch", len(names), self.mode.name)
             return
-        report = choose_plan(
-            module, names, self.mode.name, self.sensitive_mode, self.dtype, probe, min_cosine=target,
-            hessians=self.gptq.hessians if self.gptq is not None else None, strict=False,
-        )  # fmt: skip
+        try:  # on by default: a model or batch the probe cannot run is said, and the fit goes on as before issue 53
+            if not has_forward(module):
+                raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
+            report = choose_plan(
+                module, names, self.mode.name, self.sensitive_mode, self.dtype, probe, min_cosine=target,
+                hessians=self.gptq.hessians if self.gptq is not None else None, strict=False,
+            )  # fmt: skip
+        except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as error:
+            rank_zero_warn(
+                f"lightning_hbm: {len(names)} convolutions stored in {self.mode.name} without a measured plan ({error}). "
+                f"With BatchNorm statistics like a trained network's, uniform 4-bit convolutions can lose much of the "
+                "output (issue 53: ResNet18 cosine 0.91); pass QuantizedPrecision(probe_batch=...) the model's forward "
+                "takes, or mode='int8'."
+            )
+            return
         self.conv_report = report
         widened = {name: mode for name, mode in report.modes.items() if mode != self.mode.name}
         if widened:

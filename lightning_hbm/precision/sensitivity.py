@@ -134,7 +134,7 @@ class _Swapper:
     """Puts quantized copies of chosen layers into the model for one probe forward, then the originals back."""
 
     def __init__(
-        self, module: nn.Module, layers: dict[str, nn.Module], dtype: torch.dtype, hessians: Optional[Mapping[str, torch.Tensor]] = None
+        self, module: nn.Module, layers: Mapping[str, nn.Module], dtype: torch.dtype, hessians: Optional[Mapping[str, torch.Tensor]] = None
     ) -> None:
         self.module, self.layers, self.dtype, self.hessians = module, layers, dtype, hessians or {}
         self._variants: dict[tuple[str, str], nn.Module] = {}

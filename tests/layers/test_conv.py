@@ -394,3 +394,49 @@ def test_grouped_convolutions_left_by_lora_are_named_with_the_reason_and_fix(qua
     assert re.search(why, reason) and conv.reasons[reason] == conv.left_alone
     assert reason.startswith("frozen in full precision (no QuantizedPrecision);")
 
+
+
+class Detector(pl.LightningModule):
+    """A calibrated YOLO-style detector trained through its forward (the probe batch goes through it)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.model = calibrate(YoloDetector(), images(8, seed=10 + seed, batches=2, size=32)).train()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)[0]
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self(batch).float().square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def fit_detector(tmp_path: Any, seed: int, ckpt_path: Any = None) -> QuantizedPrecision:
+    plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=images(2, seed=2, size=32))
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1 if ckpt_path is None else 2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, plugins=[plugin],
+    )  # fmt: skip
+    trainer.fit(Detector(seed), DataLoader([images(2, seed=3, size=32)] * 2, batch_size=None), ckpt_path=ckpt_path)
+    if ckpt_path is None:
+        trainer.save_checkpoint(tmp_path / "detector.ckpt")
+    return plugin
+
+
+def test_the_conv_plan_is_saved_and_taken_back_on_resume(tmp_path: Any) -> None:
+    first = fit_detector(tmp_path, seed=0)
+    assert first.quantization.conv_report is not None and first.quantization.layer_modes, "the plan widens some convs"
+    resumed = fit_detector(tmp_path, seed=1, ckpt_path=tmp_path / "detector.ckpt")  # another init: measured, it would differ
+    assert resumed.quantization.conv_report is None  # not measured: the checkpoint's plan
+    assert resumed.quantization.layer_modes == first.quantization.layer_modes
+
+
+def test_a_model_the_probe_cannot_run_keeps_uniform_convolutions_with_a_warning() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+    plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch={"pixel_values": torch.randn(2, 3, 8, 8)})
+    with pytest.warns(UserWarning, match="without a measured plan"):
+        plugin.quantization.check(model, None)
+    assert plugin.quantization.layer_modes is None
