@@ -65,6 +65,7 @@ def centred_cosine(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(F.cosine_similarity(got.flatten() - mean, want.flatten() - mean, dim=0))
 
 
+@pytest.mark.slow
 def test_calibrated_batchnorm_resnet_keeps_its_output_at_the_default_plan() -> None:
     """Issue 53: with BatchNorm statistics like a trained network's, uniform nf4-dq convolutions gave ResNet18 a centred
     output cosine of 0.91 (64 px, benchmarks/conv_accuracy.py); QuantizedPrecision's default plans the convolutions
@@ -93,6 +94,7 @@ def test_calibrated_batchnorm_resnet_keeps_its_output_at_the_default_plan() -> N
     assert after >= 0.97 and after > before + 0.03 and per_param <= 0.65, (before, after, per_param)
 
 
+@pytest.mark.slow
 def test_a_conv_plan_that_misses_its_target_is_a_warning_naming_the_figure() -> None:
     torch.manual_seed(0)
     model = calibrate(YoloDetector(), images(8, seed=10, batches=2, size=32))
@@ -426,6 +428,7 @@ def fit_detector(tmp_path: Any, seed: int, ckpt_path: Any = None) -> QuantizedPr
     return plugin
 
 
+@pytest.mark.slow
 def test_the_conv_plan_is_saved_and_taken_back_on_resume(tmp_path: Any) -> None:
     first = fit_detector(tmp_path, seed=0)
     assert first.quantization.conv_report is not None and first.quantization.layer_modes, "the plan widens some convs"
