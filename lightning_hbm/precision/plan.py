@@ -39,9 +39,10 @@ from lightning_hbm.precision.gptq import ROUNDINGS, digest, grid_of, input_hessi
 from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.quantize import Listing, _layer_modes, _quantizable_linears, _quantize_listed, _validate
 from lightning_hbm.precision.registry import format_of, get_format, to_dtype
-from lightning_hbm.precision.sensitivity import SensitivityPlan, check_plan_args, choose_plan
+from lightning_hbm.layers import CONV
+from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, check_plan_args, choose_plan
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
-from lightning_hbm.probe import first_batch
+from lightning_hbm.probe import first_batch, has_forward
 from lightning_hbm.surgery import pending_checkpoint
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,8 @@ class QuantizationPlan:
         self._pinned = self.layer_modes is not None
         #: what the sensitivity-aware choice measured (``None`` without a target)
         self.report: Optional[SensitivityPlan] = None
+        #: what the convolutions' plan measured (``None``: no convolution in a 4-bit mode, or not measured)
+        self.conv_report: Optional[SensitivityPlan] = None
         sensitive = [sensitive_mode] if isinstance(sensitive_mode, str) else list(sensitive_mode)
         #: the smoothing of layers stored in ``int8-dynamic-smooth`` (``None`` when no layer may be)
         self.smoothing = Smoothing.configure(smoothing, [self.mode.name, *sensitive, *(layer_modes or {}).values()], self.mode.name)
@@ -267,6 +270,8 @@ class QuantizationPlan:
             ValueError: the model cannot be quantized with these settings, or a target cannot be met.
         """
         self._listing = None  # a new surgery: list the model as it is now
+        if not self._pinned:
+            self.layer_modes = self.conv_report = None  # a plugin reused by another Trainer measures again
         _validate(module, self.mode, self.dtype, self.ignore_modules)
         targets = self.targets(module)
         if self._pinned:
@@ -283,6 +288,7 @@ class QuantizationPlan:
         if self.measures_plan:
             with self.attached_shifts(module):
                 self._choose_plan(module, self._linear_targets(module), trainer)
+        self._plan_convs(module, [name for name, layer in targets if CONV.matches(layer)], trainer)
 
     def _say_embeddings_kept(self, module: nn.Module) -> None:
         """Warn (names, reasons) about input embeddings ``quantize_embeddings=True`` keeps in the compute dtype."""
@@ -364,6 +370,52 @@ class QuantizationPlan:
         self.layer_modes, self.report = report.modes, report
         log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.mode.name))
 
+    def _plan_convs(self, module: nn.Module, names: list[str], trainer: Any) -> None:
+        """The convolutions' plan under a 4-bit mode (issue 53): each one's output error measured on the probe, the
+        most sensitive widened (``sensitive_mode``) until the probe output cosine reaches ``min_cosine`` (default
+        :data:`CONV_MIN_COSINE`); under it, a warning naming the figure. Not with a pinned plan, nor when resuming
+        (the checkpoint's plan is taken), nor without a probe batch (logged); a probe the model cannot run: a warning."""
+        if not names or self._pinned or self.mode.peft_kind != "4bit":
+            return
+        if trainer is not None and saved_meta(trainer).get("configs", {}).get(self.owner):
+            # resuming: the plan the checkpoint was trained with (Linears' and convolutions'); none saved (a checkpoint
+            # from before issue 53): every convolution in mode, as it was trained
+            self.layer_modes = self.saved_plan(trainer) or self.layer_modes
+            return
+        target = self.min_cosine if self.min_cosine is not None else CONV_MIN_COSINE
+        try:
+            probe = self.probe(trainer)
+        except ValueError:
+            log.info("lightning_hbm: %d convolutions stored in %s without a measured plan: no probe_batch", len(names), self.mode.name)
+            return
+        try:  # on by default: a model or batch the probe cannot run is said, and the fit goes on as before issue 53
+            if not has_forward(module):
+                raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
+            report = choose_plan(
+                module, names, self.mode.name, self.sensitive_mode, self.dtype, probe, min_cosine=target,
+                hessians=self.gptq.hessians if self.gptq is not None else None, strict=False,
+            )  # fmt: skip
+        except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as error:
+            rank_zero_warn(
+                f"lightning_hbm: {len(names)} convolutions stored in {self.mode.name} without a measured plan ({error}). "
+                f"With BatchNorm statistics like a trained network's, uniform 4-bit convolutions can lose much of the "
+                "output (issue 53: ResNet18 cosine 0.91); pass QuantizedPrecision(probe_batch=...) the model's forward "
+                "takes, or mode='int8'."
+            )
+            return
+        self.conv_report = report
+        widened = {name: mode for name, mode in report.modes.items() if mode != self.mode.name}
+        if widened:
+            self.layer_modes = {**(self.layer_modes or {}), **widened}
+        log.info("lightning_hbm: convolutions' plan: %s", report.summary(self.mode.name).replace("Linear layers", "convolutions"))
+        if report.cosine < target:
+            rank_zero_warn(
+                f"lightning_hbm: the convolutions stored in {self.mode.name} (widest plan of sensitive_mode="
+                f"{self.sensitive_mode!r}: {report.bytes_per_param:.3f} bytes per conv weight) give a probe output cosine "
+                f"of {report.cosine:.4f} < {target} against the unquantized model (uniform {self.mode.name}: "
+                f"{report.uniform_cosine:.4f}). Fix: QuantizedPrecision(..., sensitive_mode=['int8', 'none']) or mode='int8'."
+            )
+
     # ------------------------------------------------------------------ resume
 
     def saved_plan(self, trainer: Any) -> Optional[dict[str, str]]:
@@ -379,7 +431,7 @@ class QuantizationPlan:
         """What a resumed run must share with the run that saved the checkpoint (``trainer``: the run's, or ``None``)."""
         config = self.settings()
         plan = self.layer_modes
-        if plan is None and "max_bytes_per_param" in config:
+        if plan is None and not self._pinned:
             # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same
             # settings the plan will be the checkpoint's own (_choose_plan), so that one is this run's
             plan = self.saved_plan(trainer)

@@ -1,4 +1,4 @@
-"""Sensitivity-aware mixed precision: which Linear layers to store in a wider mode under a byte budget.
+"""Sensitivity-aware mixed precision: which Linear (and conv) layers to store in a wider mode under a byte budget.
 
 What it shrinks: the **parameters** term, at a chosen quality. Quantizing every Linear the same
 way gives exactly the quality of plain bitsandbytes; on pretrained models a few layers carry most
@@ -53,6 +53,11 @@ from lightning_hbm.probe import compare_outputs, eval_no_grad, probe_output
 
 #: ``sensitive_mode`` (and plan entry) that keeps a layer unquantized in the compute dtype, frozen.
 UNQUANTIZED = "none"
+
+#: the probe output cosine the convolutions of a model stored in a 4-bit mode are planned to (issue 53: a conv net
+#: with BatchNorm statistics like a trained network's loses far more than a transformer does: ResNet18 0.91,
+#: EfficientNet-B0 0.59, a YOLO-style detector 0.10 in nf4-dq); a plan under it is a warning naming the figure
+CONV_MIN_COSINE = 0.98
 
 
 @lru_cache(maxsize=256)
@@ -129,7 +134,7 @@ class _Swapper:
     """Puts quantized copies of chosen layers into the model for one probe forward, then the originals back."""
 
     def __init__(
-        self, module: nn.Module, layers: dict[str, nn.Linear], dtype: torch.dtype, hessians: Optional[Mapping[str, torch.Tensor]] = None
+        self, module: nn.Module, layers: Mapping[str, nn.Module], dtype: torch.dtype, hessians: Optional[Mapping[str, torch.Tensor]] = None
     ) -> None:
         self.module, self.layers, self.dtype, self.hessians = module, layers, dtype, hessians or {}
         self._variants: dict[tuple[str, str], nn.Module] = {}
@@ -141,7 +146,8 @@ class _Swapper:
             return self.layers[name]  # the probe runs the model as built: unquantized is the reference
         key = (name, mode)
         if key not in self._variants:
-            linear = self.layers[name]
+            layer, kind = self.layers[name], cast(LayerKind, kind_of(self.layers[name]))
+            linear = cast(nn.Linear, layer if kind.wrap is None else cast(Any, kind.to_linear)(layer))  # a conv: its weight matrix
             # a copy holding a clone of the bias: bitsandbytes casts its layer's bias in place at the first
             # forward, and the mode's replace() shares the bias with the model's own Linear
             source = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
@@ -151,6 +157,10 @@ class _Swapper:
             quantized = get_format(mode).replace(source, self.dtype, None)
             if name in self.hessians and grid_of(quantized) is not None:  # measured as it will be stored: GPTQ-rounded
                 gptq_round_(quantized, linear.weight, self.hessians[name])
+            if kind.wrap is not None:  # a convolution around the stored matrix, its bias copied in the compute dtype
+                quantized = kind.wrap(layer, quantized, get_format(mode).dequantize, self.dtype)
+                if layer.bias is not None:
+                    quantized.bias = nn.Parameter(cast(torch.Tensor, layer.bias).detach().to(self.dtype), requires_grad=False)
             # eval, as the probe model: bitsandbytes' int8 layer computes LLM.int8 (8-bit activations) in eval and
             # a float matmul of its dequantized weight when training on CPU (on GPU always LLM.int8)
             variant = _SameDtype(quantized, self.dtype).eval()
@@ -267,13 +277,16 @@ def choose_plan(
     max_bytes_per_param: Optional[float] = None,
     min_cosine: Optional[float] = None,
     hessians: Optional[Mapping[str, torch.Tensor]] = None,
+    strict: bool = True,
 ) -> SensitivityPlan:
-    """Choose ``base`` or one of the ``sensitive`` modes for each Linear in ``names`` (changed back afterwards).
+    """Choose ``base`` or one of the ``sensitive`` modes for each layer in ``names`` (changed back afterwards): Linears,
+    and convolutions (their weight matrix, :mod:`lightning_hbm.layers.conv`).
 
     ``sensitive``: a mode, several (e.g. ``["nf4-dq-b32", "int8"]``) or ``"auto"`` (the base format's ``ladder``).
     With ``max_bytes_per_param`` alone the budget is filled; with ``min_cosine`` the cheapest plan of the
     sequence reaching it is taken. A budget that cannot be met raises a ``ValueError`` naming the best
-    reachable figure, before anything changes. ``hessians``: 4-bit layers are measured GPTQ-rounded
+    reachable figure, before anything changes (``strict=False``: the plan closest to ``min_cosine`` is returned, its
+    cosine said in the result). ``hessians``: 4-bit layers are measured GPTQ-rounded
     (``QuantizedPrecision(rounding="gptq")``). Deterministic for a fixed probe batch. Cost: one probe
     forward per layer (its error alone) and a few more (below), each with one layer or one plan swapped in.
     """
@@ -281,9 +294,10 @@ def choose_plan(
     # and the cosine closure over them; split, each step would take all of them as arguments.
     dtype, wider = to_dtype(dtype), ladder(base, sensitive)
     modes = (base, *wider)
-    layers = cast(dict[str, nn.Linear], {name: module.get_submodule(name) for name in names})
-    total_params = sum(layer.in_features * layer.out_features for layer in layers.values())
-    cost = {n: {m: weight_bytes(m, lay.in_features, lay.out_features, dtype) for m in modes} for n, lay in layers.items()}
+    layers = {name: module.get_submodule(name) for name in names}
+    features = {n: cast(LayerKind, kind_of(lay)).features(lay) for n, lay in layers.items()}  # a conv: its weight matrix
+    total_params = sum(math.prod(f) for f in features.values())
+    cost = {n: {m: weight_bytes(m, *features[n], dtype) for m in modes} for n in layers}
     uniform_bytes = sum(c[base] for c in cost.values())
     widest = sum(max(c.values()) for c in cost.values()) / total_params
     _check_budget(max_bytes_per_param, uniform_bytes / total_params, widest, base, wider)
@@ -303,7 +317,11 @@ def choose_plan(
         error = {n: {m: solo[n] * local[n][m] / max(local[n][base], 1e-30) for m in modes} for n in names}
         # 3. the best plan for each byte count under the additive model: moves up each layer's hull, in order
         plans, used, blocked = [({n: base for n in names}, uniform_bytes)], uniform_bytes, set()
-        for name, mode, extra in upgrade_moves(error, cost):
+        # a wider mode may take fewer bytes than the base on a small layer (nf4-dq's constants on a 3-channel conv):
+        # climbed from the base's bytes, it is the first move, its real bytes counted
+        floor = {n: {m: b if m == base else max(b, c[base] + 1) for m, b in c.items()} for n, c in cost.items()}
+        for name, mode, _ in upgrade_moves(error, floor):
+            extra = cost[name][mode] - cost[name][plans[-1][0][name]]
             if name in blocked or used + extra > budget:
                 blocked.add(name)  # a layer's later moves start where this one ends: skipped with it
                 continue
@@ -320,7 +338,7 @@ def choose_plan(
     result = SensitivityPlan(
         dict(sorted(plan.items())), uniform_cosine, current, uniform_bytes / total_params, used / total_params, solo
     )
-    if min_cosine is not None and current < min_cosine:
+    if strict and min_cosine is not None and current < min_cosine:
         reach = f"within max_bytes_per_param={max_bytes_per_param}" if max_bytes_per_param is not None else f"with the widest of {list(wider)}"
         widen = "" if UNQUANTIZED in wider else ", or add 'none' (the compute dtype) to sensitive_mode"
         raise ValueError(
