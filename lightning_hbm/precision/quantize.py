@@ -167,7 +167,8 @@ def _validate(module: nn.Module, quant_mode: QuantFormat, compute_dtype: torch.d
         )
     if not any(kind.to_linear is not None or kind.prepare is not None for _, _, kind in find_layers(module)):
         raise ValueError(
-            f"{type(module).__name__} has no layer of a kind a precision mode quantizes ({kind_names(quantized=True)}), "
+            f"{type(module).__name__} has no layer of a kind a precision mode quantizes "
+            f"({kind_names(quantized=True).replace('Embedding', 'Embedding with quantize_embeddings=True')}), "
             f"so precision mode {quant_mode.name!r} has nothing to quantize. Use Lightning's precision='bf16-true' (or '32-true') "
             "for this model instead."
         )
