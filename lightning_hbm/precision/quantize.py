@@ -154,6 +154,7 @@ def quantize_model(
     keep_modules: Sequence[str] = (),
     layer_modes: Optional[Mapping[str, str]] = None,
     hessians: Optional[Mapping[str, Tensor]] = None,
+    correct: Optional[Correct] = None,
 ) -> list[str]:
     """Replace the Linear-like layers of ``module`` in place by quantized frozen layers.
 
@@ -166,14 +167,17 @@ def quantize_model(
     Validates everything before changing anything. ``layer_modes`` (``{layer name: mode name}``, e.g. a
     sensitivity-aware plan) overrides ``mode`` per layer; ``"none"`` keeps that layer in the compute
     dtype, frozen. ``hessians`` (``{layer name: 2 X^T X}``, :func:`~lightning_hbm.precision.gptq.input_hessians`)
-    GPTQ-rounds the 4-bit layers it names instead of rounding to nearest. Returns the names of the layers handled.
+    GPTQ-rounds the 4-bit layers it names instead of rounding to nearest. ``correct`` (a
+    :class:`~lightning_hbm.precision.correction.CalibratedCorrection`) gives each quantized Linear-like layer its
+    calibrated correction (on fake tensors, as the planner counts bytes: zero factors of their shapes). Returns the
+    names of the layers handled.
     """
     quant_mode = get_format(mode) if isinstance(mode, str) else mode
     compute_dtype = to_dtype(dtype)
     _validate(module, quant_mode, compute_dtype, ignore_modules)
     return _quantize_listed(
         module, quant_mode, compute_dtype, ignore_modules, device, layer_modes, hessians,
-        lambda prepared: _quantizable_linears(module, ignore_modules, quantize_head, keep_modules),
+        lambda prepared: _quantizable_linears(module, ignore_modules, quantize_head, keep_modules), correct,
     )
 
 
