@@ -123,3 +123,16 @@ def test_a_resume_takes_the_factors_from_the_checkpoint_bit_for_bit(tmp_path: Pa
     want, got = straight.state_dict(), resumed.state_dict()
     for key in [k for k in want if ".lora_" in k or ".lowrank_correction." in k]:
         assert torch.equal(want[key], got[key]), key
+
+
+def test_the_weight_sqnr_reads_the_corrected_weight(gpt_factory: Any) -> None:
+    """QuantizationQuality's weight table: the weight a corrected layer multiplies with is Q + B_c A_c."""
+    from lightning_hbm.callbacks.quality import _dequantized_weight
+    from lightning_hbm.precision.registry import format_of
+
+    model = gpt_factory()
+    _quantized(model, correction_rank=4)
+    layer = model.get_submodule(corrected_layers(model)[0])
+    correction, fmt = correction_of(layer), format_of(layer)
+    assert correction is not None and fmt is not None
+    torch.testing.assert_close(_dequantized_weight(layer), fmt.dequantize(layer).float() + correction.weight())
