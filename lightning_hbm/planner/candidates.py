@@ -165,7 +165,8 @@ class Candidate:
         correction_rank: ``QuantizedPrecision(correction_rank=...)`` of a quantized ``precision``: each quantized
             Linear-like layer carries a frozen rank-``r`` correction in ``dtype`` (``r x (in + out)`` elements,
             :mod:`lightning_hbm.precision.correction`), planned at its exact bytes (zero factors on the fake trace:
-            the fit needs the probe batch, not the bytes). 0: none.
+            the fit needs the probe batch, not the bytes). 0: none. Costed as no step time (one rank-``r`` matmul
+            pair per layer; not measured).
 
     A new axis is a new field with a default meaning "unchanged", plus its lines in :meth:`callbacks`,
     :meth:`relative_cost` and :meth:`yaml`.
