@@ -25,6 +25,7 @@ from torchmetrics.functional.audio import signal_noise_ratio
 from typing_extensions import override
 
 from lightning_hbm._validate import check_args
+from lightning_hbm.layers.correction import correction_weight
 from lightning_hbm.precision.registry import format_of
 from lightning_hbm.probe import PREFIX, check_forward, compare_outputs, eval_no_grad, first_batch, probe_output  # public here too
 from lightning_hbm.surgery import Stage, SurgeryCallback
@@ -45,7 +46,9 @@ def _dequantized_weight(layer: nn.Module) -> Tensor:
     base: nn.Module = cast(Any, layer).get_base_layer() if hasattr(layer, "get_base_layer") else layer  # peft LoRA wrapper
     fmt = format_of(base)  # first: a quantized weight may look floating (torchao's NF4Tensor says bfloat16)
     if fmt is not None:
-        return fmt.dequantize(base).float()
+        weight = fmt.dequantize(base).float()
+        correction = correction_weight(base)  # QuantizedPrecision(correction_rank=...): multiplied with too
+        return weight if correction is None else weight + correction.to(weight.device)
     weight = cast(Tensor, base.weight)
     if weight.is_floating_point():
         return weight.detach().float()

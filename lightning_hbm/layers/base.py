@@ -33,6 +33,7 @@ from torch import nn
 from lightning_hbm import record
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm.layers.readers import observed_readers
+from lightning_hbm.layers.correction import correction_of
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.memory.storage import quantized_format
 
@@ -477,12 +478,18 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
         storage = kind.stored_in(layer) if kind.stored_in is not None else None
         if storage is not None:  # a wrapped quantized layer: its storage's tensors are its own
             own += list(storage.parameters())
-        has_children = storage is None and next(layer.children(), None) is not None
-        count = sum(p.numel() for p in own) if has_children else parameter_count(layer)
-        in_kinds.update(id(p) for p in own)
+        # a quantized layer's calibrated correction: part of its stored weight (its bytes), not more weights
+        correction = correction_of(layer)
+        factors = list(correction.parameters()) if correction is not None else []
+        has_children = storage is None and any(child is not correction for child in layer.children())
+        count = sum(p.numel() for p in own) if has_children else parameter_count(layer) - sum(p.numel() for p in factors)
+        in_kinds.update(id(p) for p in [*own, *factors])
         row.layers += 1
         row.params += count
-        row.bytes += sum(p.numel() * p.element_size() for p in own) if has_children else parameter_bytes(layer)
+        if has_children:
+            row.bytes += sum(p.numel() * p.element_size() for p in [*own, *factors])
+        else:
+            row.bytes += parameter_bytes(layer)
         quantized = storage is not None or any(not p.is_floating_point() for p in own) or quantized_format(layer) is not None
         adapted = bool(lora) and isinstance(sub, lora)
         row.quantized += count if quantized else 0

@@ -45,7 +45,8 @@ from lightning_hbm.planner.building import ModelLike, Template, _build, _fake_mo
 from lightning_hbm.planner.tracing import Trace, UntraceableModule
 from lightning_hbm.planner.tracing import trace as _trace
 from lightning_hbm.planner.realvalues import RealValues
-from lightning_hbm.precision import get_format, quantize_model
+from lightning_hbm.precision import get_format, quantize_model, to_dtype
+from lightning_hbm.precision.correction import CalibratedCorrection
 
 BatchLike = Union[Any, pl.LightningDataModule]
 
@@ -173,14 +174,17 @@ def quantized_parameter_bytes(
     dtype: str = "bfloat16",
     ignore_modules: Sequence[str] = (),
     layer_modes: Optional[Mapping[str, str]] = None,
+    correction_rank: int = 0,
 ) -> int:
     """Bytes of the **parameters** category after ``quantize_model(model, mode, dtype, ...)``, without allocating.
 
     Computed on a fake copy (or a fake build, for a factory) with each mode's own fake-tensor construction:
     packed weights, absmax, nested constants and row scales at their exact sizes. ``layer_modes``: a
-    mixed-precision plan ``{layer name: mode name}`` (``"none"``: kept in ``dtype``). The model is not changed.
+    mixed-precision plan ``{layer name: mode name}`` (``"none"``: kept in ``dtype``). ``correction_rank``:
+    ``QuantizedPrecision(correction_rank=...)``'s frozen factors included (``min(r, in, out) x (in + out)`` elements in
+    ``dtype`` per quantized Linear-like layer). The model is not changed.
     """
-    return _count_quantized(model, mode, dtype, ignore_modules, parameter_bytes, layer_modes)
+    return _count_quantized(model, mode, dtype, ignore_modules, parameter_bytes, layer_modes, correction_rank)
 
 
 def quantization_constant_bytes(
@@ -210,14 +214,17 @@ def _count_quantized(
     ignore_modules: Sequence[str],
     count: Callable[[nn.Module], int],
     layer_modes: Optional[Mapping[str, str]] = None,
+    correction_rank: int = 0,
 ) -> int:
+    correct = CalibratedCorrection(CalibratedCorrection.check_rank(correction_rank), to_dtype(dtype)) if correction_rank else None
     fake_mode = _fake_mode()
     with warnings.catch_warnings(), _quiet_logs():
         warnings.simplefilter("ignore")
         module = _build(model, fake_mode, RealValues(fake_mode))
         with fake_mode:
             module.configure_model()
-            quantize_model(module, get_format(mode).for_fake_tensors(), dtype, ignore_modules, layer_modes=layer_modes)
+            quantize_model(module, get_format(mode).for_fake_tensors(), dtype, ignore_modules, layer_modes=layer_modes,
+                           correct=correct)
             return count(module)
 
 

@@ -76,8 +76,9 @@ class AutoFit(Callback):
     over an 8-bit one). See :mod:`lightning_hbm.planner` for the stated cost assumptions.
 
     The Trainer's ``QuantizedPrecision`` is planned as configured, a pinned mixed-precision plan
-    (``layer_modes=``) included; one that measures its plan (``max_bytes_per_param=``/``min_cosine=``) is
-    planned as if every layer were in its ``mode``, with a warning saying so.
+    (``layer_modes=``) and the calibrated correction's factors (``correction_rank=``) included; one that
+    measures its plan (``max_bytes_per_param=``/``min_cosine=``) is planned as if every layer were in its
+    ``mode``, with a warning saying so.
 
     Not planned: model-changing callbacks AutoFit does not choose (e.g. ``AttentionKernel``) and the strategy
     (``Candidate(offload=True)`` exists in the planner, but a Trainer's strategy is fixed once it is built).
@@ -158,7 +159,8 @@ class AutoFit(Callback):
         precisions = [baseline[0], *(p for p in self.precisions if p != baseline[0])]
         fused = self.fused_loss if self.fused_loss is not None else _fused_loss_axis(pl_module)
         candidates = [  # the Trainer's own precision as configured: its dtype and its pinned mixed-precision plan
-            dataclasses.replace(c, dtype=baseline[1], layer_modes=baseline[2]) if c.precision == baseline[0] else c  # type: ignore[arg-type]  # __post_init__ normalises a dict plan
+            dataclasses.replace(c, dtype=baseline[1], layer_modes=baseline[2], correction_rank=baseline[3])  # type: ignore[arg-type]  # __post_init__ normalises a dict plan
+            if c.precision == baseline[0] else c
             for c in default_candidates(precisions, self.lora_ranks, self.checkpointing, self.optimizers, fused,
                                         mlp_chunks=self.mlp_chunks)
         ]
@@ -246,8 +248,9 @@ def _fused_loss_axis(pl_module: pl.LightningModule) -> list[bool]:
     return [False, True] if default_heads(pl_module) else [False]
 
 
-def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str, Optional[dict[str, str]]]:
-    """(precision name, dtype, pinned mixed-precision plan) of the Trainer: the candidate that changes nothing."""
+def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str, Optional[dict[str, str]], int]:
+    """(precision name, dtype, pinned mixed-precision plan, correction rank) of the Trainer: the candidate that changes
+    nothing."""
     plugin = trainer.strategy.precision_plugin
     if isinstance(plugin, QuantizedPrecision):
         if plugin.measures_plan:
@@ -257,14 +260,14 @@ def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str, Optional[dict[st
                 "parameters the wider layers add are not in the prediction. For an exact prediction, pin the plan "
                 "of an earlier run: QuantizedPrecision(mode, layer_modes=<that run's plugin.plan>)."
             )
-        return plugin.mode.name, str(plugin.dtype).removeprefix("torch."), plugin.pinned_plan
+        return plugin.mode.name, str(plugin.dtype).removeprefix("torch."), plugin.pinned_plan, plugin.correction_rank
     name = str(trainer.precision)
     if name not in PLANNED_LIGHTNING_PRECISIONS:
         raise ValueError(
             f"AutoFit cannot plan the Trainer's precision {name!r}. Use one of {list(PLANNED_LIGHTNING_PRECISIONS)} "
             "or a lightning_hbm QuantizedPrecision plugin."
         )
-    return name, "bfloat16", None
+    return name, "bfloat16", None, 0
 
 
 def _example_batch(trainer: pl.Trainer) -> Any:

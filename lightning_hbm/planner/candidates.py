@@ -162,6 +162,11 @@ class Candidate:
             ``max_bytes_per_param=``): the named layers are stored in their mode (``"none"``: kept in
             ``dtype``), the others in ``precision``. A dict is accepted and kept as sorted pairs (hashable).
             Layer names are checked against the model when the candidate is planned.
+        correction_rank: ``QuantizedPrecision(correction_rank=...)`` of a quantized ``precision``: each quantized
+            Linear-like layer carries a frozen rank-``r`` correction in ``dtype`` (``r x (in + out)`` elements,
+            :mod:`lightning_hbm.precision.correction`), planned at its exact bytes (zero factors on the fake trace:
+            the fit needs the probe batch, not the bytes). 0: none. Costed as no step time (one rank-``r`` matmul
+            pair per layer; not measured).
 
     A new axis is a new field with a default meaning "unchanged", plus its lines in :meth:`callbacks`,
     :meth:`relative_cost` and :meth:`yaml`.
@@ -178,6 +183,7 @@ class Candidate:
     layer_modes: Optional[LayerModes] = None
     mlp_chunks: int = 1
     offload_activations: bool = False
+    correction_rank: int = 0
     configured: Optional[tuple[Precision, tuple[Any, ...]]] = None
 
     @classmethod
@@ -216,8 +222,10 @@ class Candidate:
             elif kind == "FusedLoss":
                 axes["fused_loss"] = True
         offload = strategy == "cpu_offload" or type(strategy).__name__ == "CPUOffloadStrategy"
-        layer_modes = plugin.plan if isinstance(plugin, QuantizedPrecision) else None  # a fixed per-layer plan
-        return cls(precision, dtype, offload=offload, layer_modes=layer_modes, configured=(plugin, surgery), **axes)
+        if isinstance(plugin, QuantizedPrecision):
+            axes["layer_modes"] = plugin.plan  # a fixed per-layer plan
+            axes["correction_rank"] = plugin.correction_rank
+        return cls(precision, dtype, offload=offload, configured=(plugin, surgery), **axes)
 
     def __post_init__(self) -> None:
         if self.precision not in PLANNED_LIGHTNING_PRECISIONS and self.precision not in available_precisions():
@@ -235,6 +243,13 @@ class Candidate:
                     "e.g. blocks=['Block'] or blocks=['model.layers.0', 'model.layers.1']."
                 )
             object.__setattr__(self, "blocks", tuple(self.blocks))  # hashable: candidates are dict keys
+        if isinstance(self.correction_rank, bool) or not isinstance(self.correction_rank, int) or self.correction_rank < 0:
+            raise ValueError(f"Candidate correction_rank must be an int >= 0 (0 = none), got {self.correction_rank!r}.")
+        if self.correction_rank and not self.quantized:
+            raise ValueError(
+                f"Candidate correction_rank={self.correction_rank} corrects quantized layers, but precision "
+                f"{self.precision!r} quantizes nothing. Use a lightning_hbm mode, e.g. Candidate('nf4-dq', correction_rank=16)."
+            )
         if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r < 0:
             raise ValueError(f"Candidate lora_r must be an int >= 0 (0 = no LoRA), got {self.lora_r!r}.")
         if self.checkpointing not in _COST_CHECKPOINTING:
@@ -263,6 +278,8 @@ class Candidate:
     @property
     def name(self) -> str:
         parts = [self.precision + self._plan_tag()]
+        if self.correction_rank:
+            parts.append(f"corr{self.correction_rank}")
         if self.lora_r:
             parts.append(f"lora{self.lora_r}")
         if self.checkpointing != "none":
@@ -282,7 +299,8 @@ class Candidate:
             return copy.deepcopy(self.configured[0])
         if self.quantized:
             layer_modes = dict(self.layer_modes) if self.layer_modes else None
-            return QuantizedPrecision(self.precision, dtype=self.dtype, layer_modes=layer_modes)
+            return QuantizedPrecision(self.precision, dtype=self.dtype, layer_modes=layer_modes,
+                                      correction_rank=self.correction_rank or None)
         if self.precision == "32-true":
             return Precision()
         if self.precision == "bf16-mixed":
@@ -342,12 +360,14 @@ class Candidate:
 
     def _plugin_yaml(self) -> list[str]:
         lines = ["  plugins:", "    - class_path: lightning_hbm.QuantizedPrecision"]
+        correction = f", correction_rank: {self.correction_rank}" if self.correction_rank else ""
         if not self.layer_modes:
-            return [*lines, f"      init_args: {{mode: {self.precision}, dtype: {self.dtype}}}"]
+            return [*lines, f"      init_args: {{mode: {self.precision}, dtype: {self.dtype}{correction}}}"]
         # names and modes quoted (JSON strings are YAML strings): a layer named "0" or "1.2" must stay a string
         plan = [f"          {json.dumps(name)}: {json.dumps(mode)}" for name, mode in self.layer_modes]
-        init_args = ["      init_args:", f"        mode: {self.precision}", f"        dtype: {self.dtype}", "        layer_modes:"]
-        return [*lines, *init_args, *plan]
+        init_args = ["      init_args:", f"        mode: {self.precision}", f"        dtype: {self.dtype}"]
+        init_args += [f"        correction_rank: {self.correction_rank}"] if self.correction_rank else []
+        return [*lines, *init_args, "        layer_modes:", *plan]
 
     def _blocks_yaml(self) -> str:
         chunks = f", mlp_chunks: {self.mlp_chunks}" if self.mlp_chunks > 1 else ""

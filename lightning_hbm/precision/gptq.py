@@ -62,6 +62,12 @@ def input_hessians(module: nn.Module, names: Sequence[str], probe: Any) -> dict[
 
     Layers reading the same input tensor (q/k/v, gate/up) share one matrix.
     """
+    return input_statistics(module, names, probe)[0]
+
+
+def input_statistics(module: nn.Module, names: Sequence[str], probe: Any) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """:func:`input_hessians` and ``name -> rows`` (the input rows, tokens, each matrix was summed over): the
+    calibrated correction (:mod:`lightning_hbm.precision.correction`) refuses a probe with fewer rows than its rank."""
     sums: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (X^T X, rows), summed over every call
     # the last input and its X^T X: q/k/v (gate/up) run one after the other on the same tensor and share
     # it. Held, not keyed by id(): a freed input's id can come back for another tensor.
@@ -97,11 +103,12 @@ def input_hessians(module: nn.Module, names: Sequence[str], probe: Any) -> dict[
         # fewer input rows than inputs: H is singular, and GPTQ fits the probe instead of the layer (SmolLM2-135M
         # with 128 probe tokens for 576-1536 inputs: probe output cosine 0.997, held-out 0.984)
         log.warning(
-            "lightning_hbm: GPTQ statistics from fewer probe rows (tokens) than inputs for %d layers, e.g. %s (rows, "
-            "inputs): the rounding will fit the probe more than the data. Pass a probe_batch with at least %d tokens.",
+            "lightning_hbm: GPTQ / correction statistics from fewer probe rows (tokens) than inputs for %d layers, e.g. %s "
+            "(rows, inputs): the rounding and the calibrated correction will fit the probe more than the data. Pass a "
+            "probe_batch with at least %d tokens.",
             len(short), dict(list(short.items())[:3]), max(inputs for _, inputs in short.values()),
         )
-    return {name: normalized[id(total)] for name, (total, _) in sums.items()}
+    return {name: normalized[id(total)] for name, (total, _) in sums.items()}, {name: count for name, (_, count) in sums.items()}
 
 
 def gptq_indices(weight: torch.Tensor, hessian: torch.Tensor, grid: RoundingGrid, damp: float = DAMP) -> torch.Tensor:
@@ -165,4 +172,4 @@ def digest(module: nn.Module, names: Sequence[str]) -> str:
     return f"{crc:08x}"
 
 
-__all__ = ["DAMP", "ROUNDINGS", "digest", "gptq_indices", "gptq_round_", "grid_of", "input_hessians", "pack_indices"]
+__all__ = ["DAMP", "ROUNDINGS", "digest", "gptq_indices", "gptq_round_", "grid_of", "input_hessians", "input_statistics", "pack_indices"]

@@ -30,12 +30,14 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor  # as layers/readers.py: no public home
 
 from lightning_hbm import record, resume
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm.layers.embedding import is_plain_embedding
 from lightning_hbm.precision.bnb import import_bnb
-from lightning_hbm.precision.gptq import ROUNDINGS, digest, grid_of, input_hessians
+from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
+from lightning_hbm.precision.gptq import ROUNDINGS, digest, grid_of, input_statistics
 from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.quantize import Listing, _layer_modes, _quantizable_linears, _quantize_listed, _validate
 from lightning_hbm.precision.registry import format_of, get_format, to_dtype
@@ -62,6 +64,11 @@ def saved_meta(trainer: Any) -> dict[str, Any]:
     return checkpoint.get(resume.META_KEY) or {}
 
 
+def _on_fake_tensors(module: nn.Module) -> bool:
+    """Whether ``module`` holds fake tensors (the planner's trace): nothing to measure on."""
+    return any(isinstance(p, FakeTensor) for p in module.parameters())
+
+
 def modules_to_save(module: nn.Module) -> list[str]:
     """The modules the Trainer's callbacks train in full (``LoRA``'s ``modules_to_save``): they stay unquantized.
 
@@ -77,7 +84,8 @@ def modules_to_save(module: nn.Module) -> list[str]:
 class GPTQRounding:
     """The GPTQ rounding of one plan (``QuantizedPrecision(rounding="gptq")``).
 
-    :meth:`measure` in the checks (one probe forward: every target's input statistics), then :meth:`finish` after the
+    :attr:`hessians` set in the checks (``QuantizationPlan._measure_inputs``: one probe forward, every target's input
+    statistics), then :meth:`finish` after the
     quantization rounded the layers with them (frees them, takes the CRC of the rounded weights and compares it with
     the one of the checkpoint being resumed), :meth:`save` with each checkpoint.
     """
@@ -87,10 +95,6 @@ class GPTQRounding:
         self.hessians: Optional[dict[str, Tensor]] = None
         #: CRC32 of the GPTQ-rounded 4-bit weights (saved with checkpoints, compared on resume)
         self.digest: Optional[str] = None
-
-    def measure(self, module: nn.Module, names: Sequence[str], probe: Any) -> None:
-        """The input statistics of the layers ``names`` on the batch ``probe`` (one forward of the model as built)."""
-        self.hessians = input_hessians(module, list(names), probe)
 
     def finish(self, module: nn.Module, quantized: Sequence[str], layer_modes: Optional[dict[str, str]], trainer: Any) -> None:
         """After the quantization of ``quantized``: log what was rounded, keep its CRC, check it against the resumed one.
@@ -147,7 +151,7 @@ class QuantizationPlan:
 
     Args:
         mode, dtype, ignore_modules, quantize_head, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch,
-            layer_modes, rounding, smoothing: as :class:`~lightning_hbm.QuantizedPrecision`'s.
+            layer_modes, rounding, smoothing, correction_rank: as :class:`~lightning_hbm.QuantizedPrecision`'s.
         owner: the name the settings are saved under in a checkpoint's ``configs`` (the plugin's class name).
 
     Raises:
@@ -170,6 +174,7 @@ class QuantizationPlan:
         smoothing: Optional[Union[float, str]],
         owner: str,
         quantize_embeddings: bool = False,
+        correction_rank: Optional[int] = None,
     ) -> None:
         self.mode = get_format(mode)
         self.dtype = to_dtype(dtype)
@@ -182,6 +187,9 @@ class QuantizationPlan:
             raise ValueError(f"QuantizedPrecision(rounding={rounding!r}): use one of {list(ROUNDINGS)}.")
         self.rounding = rounding
         self.gptq = GPTQRounding() if rounding == "gptq" else None
+        self.correction_rank = CalibratedCorrection.check_rank(correction_rank)
+        #: the calibrated low-rank correction of each quantized layer (``None``: off)
+        self.correction = CalibratedCorrection(self.correction_rank, self.dtype) if self.correction_rank else None
         self.max_bytes_per_param, self.min_cosine = max_bytes_per_param, min_cosine
         # a list in the resume settings: the checkpoint stores lists (a tuple would compare unequal after a load)
         self.sensitive_mode = sensitive_mode if isinstance(sensitive_mode, str) else list(sensitive_mode)
@@ -220,6 +228,11 @@ class QuantizationPlan:
         return self.gptq.digest if self.gptq is not None else None
 
     @property
+    def correction_report(self) -> Optional[CorrectionReport]:
+        """What the last surgery's calibrated correction did (``None``: off, or not run yet)."""
+        return None if self.correction is None else self.correction.report
+
+    @property
     def smoothing_setting(self) -> Optional[Union[float, str]]:
         """The smoothing setting (``None`` when no layer is stored in ``int8-dynamic-smooth``)."""
         return None if self.smoothing is None else self.smoothing.setting
@@ -254,6 +267,10 @@ class QuantizationPlan:
         """``(name, layer)`` of every layer quantized in ``module``, before any change."""
         return self.listing(module)[0]
 
+    def _input_targets(self, module: nn.Module) -> list[str]:
+        # the targets whose inputs GPTQ and the correction measure: an embedding's input is token ids, no statistics
+        return [name for name, layer in self.targets(module) if not isinstance(layer, nn.Embedding)]
+
     def _linear_targets(self, module: nn.Module) -> list[str]:
         # measured per nn.Linear (other kinds, e.g. Conv1D or the projections a MultiheadAttention becomes, use mode)
         return [name for name, layer in self.targets(module) if isinstance(layer, nn.Linear)]
@@ -281,8 +298,7 @@ class QuantizationPlan:
             rank_zero_warn(warning)
         if self.quantize_embeddings:
             self._say_embeddings_kept(module)
-        if self.gptq is not None:  # one forward on the model as built: every layer's input statistics (a lookup has none)
-            self.gptq.measure(module, [name for name, layer in targets if not isinstance(layer, nn.Embedding)], self.probe(trainer))
+        self._measure_inputs(module, self._input_targets(module), trainer)
         if self.smoothing is not None:  # before the plan: the plan measures the smoothed layers
             self._smooth(module, self._linear_targets(module), trainer)
         if self.measures_plan:
@@ -313,12 +329,16 @@ class QuantizationPlan:
         """
         if self.smoothing is not None and self.smoothing.shifts is None:  # not checked first (a plain call)
             self._smooth(module, self._linear_targets(module), trainer)
+        if self.correction is not None and self.correction.hessians is None and self.correction.saved is None:
+            self._measure_inputs(module, self._input_targets(module), trainer)  # not checked first
         hessians = self.gptq.hessians if self.gptq is not None else None
+        if self.correction is not None:
+            self.correction.start()
         with self.attached_shifts(module):
             _validate(module, self.mode, self.dtype, self.ignore_modules)
             quantized = _quantize_listed(
                 module, self.mode, self.dtype, self.ignore_modules, self.device, self.layer_modes, hessians,
-                lambda prepared: self.listing(module, fresh=prepared),
+                lambda prepared: self.listing(module, fresh=prepared), self.correction,
             )
         self._listing = None  # the model changed: the next surgery lists it again
         log.info("lightning_hbm: %d layers stored as %s", len(quantized), self.mode.name)
@@ -326,7 +346,33 @@ class QuantizationPlan:
             self.smoothing.report_unsmoothed(module, quantized)
         if self.gptq is not None and hessians is not None:
             self.gptq.finish(module, quantized, self.layer_modes, trainer)
+        if self.correction is not None:
+            self.correction.finish(module)
         return quantized
+
+    def _measure_inputs(self, module: nn.Module, names: list[str], trainer: Any) -> None:
+        """One probe forward on the model as built for what needs each layer's input statistics: GPTQ rounding and the
+        correction (shared), unless the correction is taken back from the checkpoint being resumed. Not on fake tensors
+        (the planner): neither changes the bytes, and the correction's factors are then zeros of their shapes.
+
+        Raises:
+            ValueError: no probe batch, or one too small for ``correction_rank``.
+        """
+        correction = self.correction
+        if correction is not None:
+            correction.saved = correction.hessians = None
+            meta = saved_meta(trainer) if trainer is not None else {}
+            config = meta.get("configs", {}).get(self.owner) or {}
+            if meta and all(config.get(k) == v for k, v in self.settings().items() if k != "layer_modes"):
+                correction.take_saved(meta)  # resuming with these settings: the file's factors, bit for bit
+        fitting = correction is not None and correction.saved is None
+        if (self.gptq is None and not fitting) or _on_fake_tensors(module):
+            return
+        hessians, rows = input_statistics(module, names, self.probe(trainer))
+        if self.gptq is not None:
+            self.gptq.hessians = hessians
+        if correction is not None and fitting:
+            correction.measured(hessians, rows)
 
     def probe(self, trainer: Any) -> Any:
         """The batch the plan is measured on: ``probe_batch``, else the first of the Trainer's datamodule.
@@ -457,6 +503,8 @@ class QuantizationPlan:
             config["rounding"] = self.rounding
         if self.smoothing is not None:
             config["smoothing"] = self.smoothing_setting
+        if self.correction_rank:  # absent before this option existed
+            config["correction_rank"] = self.correction_rank
         return config
 
     def save(self, meta: dict[str, Any]) -> None:

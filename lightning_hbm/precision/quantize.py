@@ -8,7 +8,7 @@ tagged with its reason for the coverage table.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Mapping, Optional, Sequence, Union, cast
+from typing import Callable, Mapping, Optional, Protocol, Sequence, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -193,6 +193,7 @@ def quantize_model(
     layer_modes: Optional[Mapping[str, str]] = None,
     hessians: Optional[Mapping[str, Tensor]] = None,
     quantize_embeddings: bool = False,
+    correct: Optional[Correct] = None,
 ) -> list[str]:
     """Replace the Linear-like layers of ``module`` in place by quantized frozen layers.
 
@@ -205,16 +206,26 @@ def quantize_model(
     Validates everything before changing anything. ``layer_modes`` (``{layer name: mode name}``, e.g. a
     sensitivity-aware plan) overrides ``mode`` per layer; ``"none"`` keeps that layer in the compute
     dtype, frozen. ``hessians`` (``{layer name: 2 X^T X}``, :func:`~lightning_hbm.precision.gptq.input_hessians`)
-    GPTQ-rounds the 4-bit layers it names instead of rounding to nearest. ``quantize_embeddings``: the input
-    embeddings too (:mod:`lightning_hbm.layers.embedding`). Returns the names of the layers handled.
+    GPTQ-rounds the 4-bit layers it names instead of rounding to nearest. ``correct`` (a
+    :class:`~lightning_hbm.precision.correction.CalibratedCorrection`) gives each quantized Linear-like layer its
+    calibrated correction (on fake tensors, as the planner counts bytes: zero factors of their shapes). ``quantize_embeddings``:
+    the input embeddings too (:mod:`lightning_hbm.layers.embedding`). Returns the names of the layers handled.
     """
     quant_mode = get_format(mode) if isinstance(mode, str) else mode
     compute_dtype = to_dtype(dtype)
     _validate(module, quant_mode, compute_dtype, ignore_modules)
     return _quantize_listed(
         module, quant_mode, compute_dtype, ignore_modules, device, layer_modes, hessians,
-        lambda prepared: _quantizable_linears(module, ignore_modules, quantize_head, keep_modules, quantize_embeddings),
+        lambda prepared: _quantizable_linears(module, ignore_modules, quantize_head, keep_modules, quantize_embeddings), correct,
     )
+
+
+class Correct(Protocol):
+    """What :func:`_quantize_listed` calls for each quantized layer (:class:`~lightning_hbm.precision.correction.CalibratedCorrection`)."""
+
+    def fit(self, name: str, layer: nn.Module, weight: Tensor) -> None: ...
+
+    def skip(self, name: str, why: str) -> None: ...
 
 
 #: what :func:`_quantizable_linears` returns: the targets ``(name, layer)``, the layers left alone ``{name: (reason, deliberate)}``
@@ -230,11 +241,14 @@ def _quantize_listed(
     layer_modes: Optional[Mapping[str, str]],
     hessians: Optional[Mapping[str, Tensor]],
     listing: Callable[[bool], Listing],
+    correct: Optional[Correct] = None,
 ) -> list[str]:
     """:func:`quantize_model` after its checks, on the targets ``listing(prepared)`` gives.
 
     ``prepared``: preparing a layer kind (``nn.MultiheadAttention`` -> four Linears) replaced modules, so a listing
-    of the model before it is stale; otherwise a ``QuantizationPlan`` reuses the listing of its checks.
+    of the model before it is stale; otherwise a ``QuantizationPlan`` reuses the listing of its checks. ``correct``
+    (``QuantizedPrecision(correction_rank=...)``): called with each quantized Linear-like layer and the weight it was
+    built from, after any GPTQ rounding, while that weight still exists; ``correct.skip`` with a convolution's name.
     """
     prepared = prepare_model(module, skip=lambda n: _ignored(n, ignore_modules))  # MultiheadAttention -> four Linears
     targets, skipped = listing(bool(prepared))
@@ -259,6 +273,10 @@ def _quantize_listed(
         new = cast(QuantFormat, modes[name]).replace(linear, compute_dtype, target)  # not None: checked above
         if hessians is not None and name in hessians and grid_of(new) is not None:
             gptq_round_(new, linear.weight, hessians[name])
+        if correct is not None and kind.wrap is None:
+            correct.fit(name, new, linear.weight)
+        elif correct is not None:
+            correct.skip(name, f"a {kind.name} layer: the correction is written for Linear-like layers only")
         if kind.wrap is not None:  # a convolution: the mode's layer holds its weight matrix, the wrapper convolves
             new = kind.wrap(layer, new, cast(QuantFormat, modes[name]).dequantize, compute_dtype)
             record.set_converted(new, kind.name)  # resume maps its storage's keys to the conv's weight
@@ -267,19 +285,23 @@ def _quantize_listed(
         elif record.counted_as(layer) is not None:
             record.set_kind(new, record.counted_as(layer))
         setattr(parent, child_name, new)
-    # Everything that is not quantized storage computes in the compute dtype and stays trainable,
-    # except what the model declares must stay in fp32, and BatchNorm: its running statistics are fp32
-    # buffers, and batch_norm takes a 16-bit input only with fp32 weights and statistics (as in
-    # Lightning's mixed precision); 16-bit weights beside fp32 statistics fail at the first batch.
+    _cast_the_rest(module, compute_dtype)
+    # peft picks its quantization-aware LoRA layers (mergeable) only when the model says so.
+    kinds = {m.peft_kind for m in modes.values() if m is not None}
+    peft_compat.mark_quantized(module, cast(set[str], kinds & {"4bit", "8bit"}))  # strings only: None is in neither
+    return [name for name, _ in targets]
+
+
+def _cast_the_rest(module: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Everything that is not quantized storage computes in the compute dtype and stays trainable, except what the
+    model declares must stay in fp32, and BatchNorm: its running statistics are fp32 buffers, and batch_norm takes a
+    16-bit input only with fp32 weights and statistics (as in Lightning's mixed precision); 16-bit weights beside fp32
+    statistics fail at the first batch."""
     fp32 = keep_in_fp32_names(module) | {n for n, m in module.named_modules() if isinstance(m, torch_compat.BatchNormBase)}
     for name, param in module.named_parameters():
         wanted = torch.float32 if under(name.rpartition(".")[0], fp32) else compute_dtype
         if param.is_floating_point() and param.dtype != wanted:
             param.data = param.data.to(wanted)
-    # peft picks its quantization-aware LoRA layers (mergeable) only when the model says so.
-    kinds = {m.peft_kind for m in modes.values() if m is not None}
-    peft_compat.mark_quantized(module, cast(set[str], kinds & {"4bit", "8bit"}))  # strings only: None is in neither
-    return [name for name, _ in targets]
 
 
 def _target_kind(layer: nn.Module) -> LayerKind:

@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
+from lightning_hbm.layers.correction import KEY_MARK as CORRECTION_MARK
 from lightning_hbm.resume.keys import _canonical
 from lightning_hbm.resume.packing import META_KEY
 from lightning_hbm.resume.sealing import _damaged
@@ -96,7 +97,7 @@ def _unreadable(path: Any, err: Exception) -> ValueError:
 
 # key parts only a changed model writes: peft's adapters here; each quantized format adds the keys of its constants
 # (``QuantFormat.state_marks``, registered by lightning_hbm.precision, which sits above this level)
-_CHANGED_MARKS: list[str] = [".lora_A.", ".lora_B.", ".base_layer."]
+_CHANGED_MARKS: list[str] = [".lora_A.", ".lora_B.", ".base_layer.", CORRECTION_MARK]
 
 
 def register_changed_marks(marks: Iterable[str]) -> None:

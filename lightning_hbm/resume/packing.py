@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hbm.layers.correction import KEY_MARK as CORRECTION_MARK
 from lightning_hbm.resume.keys import KeyMap
 
 # 2: every tensor checksummed, the lightning_hbm part sealed by a digest, stronger fingerprints; 3: every value too
@@ -42,6 +43,9 @@ def pack(
         # statistics change while training; a 4-bit layer's constants are not buffers)
         keep = {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
         keep |= {n for n, b in module.named_buffers(remove_duplicate=False) if _fits(schema, n, b)}
+        # a quantized layer's calibrated correction: frozen, but measured on the probe, not rebuilt from the base
+        # (stored, so a resume takes it back bit for bit: lightning_hbm.precision.correction)
+        keep |= {n for n in full if CORRECTION_MARK in n}
         full = {k: v for k, v in full.items() if k in keep}
     fitting = {k: v for k, v in full.items() if _fits(schema, k, v)}
     changed = {k: v for k, v in full.items() if k not in fitting}

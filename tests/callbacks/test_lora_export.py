@@ -145,3 +145,43 @@ def test_concurrent_exports_into_one_folder_all_succeed(llama_factory: Callable,
     names = {p.name for p in (tmp_path / "adapter").iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", export.MANIFEST} <= names
     assert not [n for n in names if n.endswith(".partial")]
+
+
+def test_the_calibrated_correction_in_the_exports(llama_factory: Callable, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """QuantizedPrecision(correction_rank=...): merge() adds it to the dequantized base; save_adapter() leaves it out
+    (the adapter for the full-precision base, said) unless with_correction=True, which folds it into the adapter for
+    the plain quantized base (rank r_lora + r on q/v, a correction-only adapter on the other layers): same output."""
+    from peft import PeftModel
+
+    idx, _ = synthetic_batch(2, 16, seed=1)
+    probe, _ = synthetic_batch(4, 64, seed=2)  # 256 tokens: more than any layer's inputs
+    plugin = QuantizedPrecision("nf4", dtype="float32", probe_batch=probe, correction_rank=4)
+    model = _adapted(llama_factory, alpha=8, seed=1, plugin=plugin)  # adapters on q_proj and v_proj only
+    with torch.no_grad():
+        want = model(idx)
+    with pytest.warns(UserWarning, match="DEQUANTIZED"):
+        merged = LoRA.merge(model, dtype="float32")
+    plain = llama_factory().eval()
+    plain.load_state_dict(merged)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(idx), want, rtol=1e-4, atol=1e-4)
+
+    with caplog.at_level("INFO"):
+        full = LoRA.save_adapter(model, tmp_path / "for-full-precision")
+    assert "calibrated corrections" in caplog.text and "with_correction=True" in caplog.text
+    assert json.loads((full / "adapter_config.json").read_text())["rank_pattern"] == {}
+
+    folded = LoRA.save_adapter(model, tmp_path / "for-quantized", with_correction=True)
+    config = json.loads((folded / "adapter_config.json").read_text())
+    assert set(config["rank_pattern"].values()) == {4, 8}  # corrections alone; adapter + correction on q/v
+    assert {"q_proj", "k_proj", "down_proj"} <= set(config["target_modules"])
+    base = llama_factory()
+    QuantizedPrecision("nf4", dtype="float32").convert_module(base)  # the plain quantized base, no correction
+    reloaded = PeftModel.from_pretrained(base.model, str(folded)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=idx, use_cache=False).logits, want, rtol=1e-4, atol=1e-4)
+    base = llama_factory()
+    QuantizedPrecision("nf4", dtype="float32").convert_module(base)
+    without = PeftModel.from_pretrained(base.model, str(full)).eval()  # the correction mattered: it is not there
+    with torch.no_grad():
+        assert (without(input_ids=idx, use_cache=False).logits - want).abs().max() > 1e-2

@@ -551,3 +551,36 @@ def test_a_factory_built_model_is_named_when_nothing_can_be_planned(monkeypatch:
     monkeypatch.setitem(registry._MODES, "test-opaque", QuantFormat("test-opaque", replace, (torch.float32,), "test"))
     with pytest.raises(ValueError, match=r"No candidate could be planned for NanoGPT: "):
         plan(NanoGPT, synthetic_batch(2, 16), candidates=[Candidate("test-opaque", dtype="float32", lora_r=4)])
+
+
+def test_the_calibrated_correction_is_planned_at_its_bytes() -> None:
+    """QuantizedPrecision(correction_rank=16): r x (in + out) elements in the compute dtype per quantized Linear, in
+    plan(plugin=...), in a Candidate(correction_rank=...) and in quantized_parameter_bytes, as the real surgery stores."""
+    import copy
+
+    from lightning_hbm import LoRA, QuantizedPrecision
+    from lightning_hbm.precision.correction import corrected_layers
+
+    factory = partial(LlamaLM, **TINY_LLAMA)
+    batch = synthetic_batch(BATCH, SEQ)  # 128 tokens: enough for rank 16
+    plugin = QuantizedPrecision("nf4-dq", correction_rank=16, probe_batch=batch)
+    (planned,) = plan(factory, batch, plugin=plugin, callbacks=[LoRA(r=4)]).predictions
+    (without,) = plan(factory, batch, plugin=QuantizedPrecision("nf4-dq", probe_batch=batch), callbacks=[LoRA(r=4)]).predictions
+    torch.manual_seed(0)
+    module = factory()
+    run_surgery(module, copy.deepcopy(plugin), [LoRA(r=4)])
+    measured = parameter_bytes(module)
+    assert abs(planned.categories["parameters"] - measured) <= 0.03 * measured
+    corrected = {name.removesuffix(".base_layer") for name in corrected_layers(module)}  # peft's wrapper holds it
+    assert len(corrected) == 7 * TINY_LLAMA["num_hidden_layers"]  # q k v o gate up down: the head is not quantized
+    factors = sum(min(16, layer.in_features, layer.out_features) * (layer.in_features + layer.out_features) * 2
+                  for name, layer in module.named_modules() if name in corrected for layer in [layer.base_layer])
+    assert factors > 0 and planned.categories["parameters"] - without.categories["parameters"] == factors
+    # the same axis as a Candidate (AutoFit's baseline) and in the bytes-only count
+    candidate = Candidate("nf4-dq", lora_r=4, correction_rank=16)
+    assert "corr16" in candidate.name and "correction_rank: 16" in candidate.yaml()
+    assert predict(factory, batch, candidate).categories["parameters"] == planned.categories["parameters"]
+    assert Candidate.from_trainer(plugin).correction_rank == 16
+    assert quantized_parameter_bytes(factory, "nf4-dq", correction_rank=16) - quantized_parameter_bytes(factory, "nf4-dq") == factors
+    with pytest.raises(ValueError, match="correction_rank=16 corrects quantized layers"):
+        Candidate("bf16-true", correction_rank=16)

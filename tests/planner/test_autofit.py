@@ -235,3 +235,16 @@ def test_grid_choice_only_for_the_default_and_only_on_grid_weights(gpt_factory: 
     _onto_4bit_grid(model)
     assert _on_grid_mode(model) == "int4-g32"
     assert AutoFit()._default_precisions and not AutoFit(precisions=["nf4-dq"])._default_precisions
+
+
+def test_the_trainers_calibrated_correction_is_in_the_baseline_candidate() -> None:
+    """AutoFit plans the Trainer's QuantizedPrecision(correction_rank=...) with the correction's bytes."""
+    import lightning.pytorch as pl
+
+    from lightning_hbm.planner.autofit import _baseline_precision
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         plugins=[QuantizedPrecision("nf4-dq", correction_rank=16)])
+    assert _baseline_precision(trainer) == ("nf4-dq", "bfloat16", None, 16)
+    plain = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    assert _baseline_precision(plain)[3] == 0

@@ -87,7 +87,7 @@ def test_layers_reading_one_input_share_one_hessian(llama_factory: Any, gpt_fact
     assert "fewer probe rows" not in caplog.text  # 256 tokens for inputs of at most 256
     with caplog.at_level("WARNING", logger="lightning_hbm"):
         input_hessians(gpt, names_of(gpt), PROBE[:1, :8])
-    assert "GPTQ statistics from fewer probe rows (tokens) than inputs" in caplog.text and "at least 256 tokens" in caplog.text
+    assert "GPTQ / correction statistics from fewer probe rows (tokens) than inputs" in caplog.text and "at least 256 tokens" in caplog.text
 
 
 @pytest.mark.slow

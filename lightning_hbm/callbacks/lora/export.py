@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,6 +26,7 @@ from lightning_hbm import resume
 from lightning_hbm.callbacks.lora import variants
 from lightning_hbm.callbacks.lora.base import ADAPTER_NAME, _lora_layer_cls
 from lightning_hbm.layers import stored_in, task_heads, task_type
+from lightning_hbm.layers.correction import correction_of, correction_weight
 from lightning_hbm.naming import name_list, name_matches, under
 from lightning_hbm.precision.registry import format_of, to_dtype
 from lightning_hbm.surgery.record import as_built
@@ -58,6 +61,7 @@ def save_adapter(
     path: Union[str, Path],
     submodule: Optional[str] = None,
     base_model_name_or_path: Optional[str] = None,
+    with_correction: bool = False,
 ) -> Path:
     """Write the adapter in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``).
 
@@ -74,6 +78,16 @@ def save_adapter(
     possibly random head) is warned about. The folder is written as a unit: into a temporary folder beside
     it, fsynced, then renamed over it, so a failure (a full disk) leaves a previous adapter there intact.
     Returns ``path``.
+
+    The calibrated correction of ``QuantizedPrecision(correction_rank=r)`` (frozen factors ``L = B_c A_c`` beside each
+    quantized layer) is **left out** by default: the adapter is the one for the full-precision base, where the
+    original weights stand in for ``Q + L`` (said in one line when the model carries corrections).
+    ``with_correction=True`` writes the adapter for the plain quantized base instead (the same mode quantized again,
+    without ``correction_rank``): each corrected layer's correction is folded into its adapter, ``lora_A`` =
+    ``[A; A_c]`` and ``lora_B`` = ``[B, B_c / scaling]`` at rank ``r_lora + r`` with ``alpha`` keeping the scaling
+    (``rank_pattern``/``alpha_pattern``), so ``scaling * B A + B_c A_c`` is computed as before; a corrected layer
+    without an adapter gets one holding the correction alone. Not for DoRA (its magnitudes depend on the norm of the
+    whole update: a ``ValueError``).
     """
     config = getattr(module, "peft_config", {}).get(ADAPTER_NAME)
     if config is None:
@@ -105,9 +119,18 @@ def save_adapter(
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(getattr(hf_model, "config", None), "_name_or_path", None) or None
     ranks, alphas = variants.export_patterns(adapted, ADAPTER_NAME, config.r, config.lora_alpha)
+    targets = list(adapted)
+    if with_correction:
+        targets += _fold_corrections(module, prefix, adapted, tensors, config, ranks, alphas)
+    elif any(correction_of(sub) is not None for sub in module.modules()):
+        rank_zero_info(
+            "LoRA.save_adapter: the calibrated corrections (QuantizedPrecision(correction_rank=...)) are not in the "
+            "adapter: it is the one for the full-precision base. save_adapter(..., with_correction=True) folds them in, "
+            "for the plain quantized base."
+        )
     export = dataclasses.replace(
         config,
-        target_modules=_compact_targets(hf_model, list(adapted)),
+        target_modules=_compact_targets(hf_model, targets),
         rank_pattern=ranks,
         alpha_pattern=alphas,
         modules_to_save=sorted(saved) or None,
@@ -123,6 +146,49 @@ def save_adapter(
     path = Path(path)
     write_folder(path, write)
     return path
+
+
+def _fold_corrections(
+    module: nn.Module,
+    prefix: str,
+    adapted: dict[str, nn.Module],
+    tensors: dict[str, torch.Tensor],
+    config: Any,
+    ranks: dict[str, int],
+    alphas: dict[str, float],
+) -> list[str]:
+    """``save_adapter(with_correction=True)``: fold each layer's calibrated correction into the exported adapter
+    (``tensors``, ``ranks``, ``alphas`` changed in place; see :func:`save_adapter`). Returns the corrected layers that
+    had no adapter (new targets, names relative to the exported model)."""
+    if config.use_dora:
+        raise ValueError(
+            "LoRA.save_adapter(with_correction=True): a DoRA adapter's magnitudes depend on the norm of its whole "
+            "update, so the calibrated correction cannot be folded into it. Save without with_correction (the adapter "
+            "for the full-precision base), or merge: LoRA.merge(model) includes the correction."
+        )
+    added: list[str] = []
+    for name, sub in module.named_modules():
+        correction = correction_of(sub)
+        if correction is None or not name.startswith(prefix):
+            continue
+        rel = name[len(prefix) :].removesuffix(".base_layer")  # under peft's wrapper when the layer is adapted
+        lora = adapted.get(rel)
+        key = "base_model.model." + rel
+        right, left = correction.right.detach().float().cpu(), correction.left.detach().float().cpu()
+        if lora is None:
+            rank, scaling, dtype = correction.rank, 1.0, torch.float32
+            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = right, left
+            added.append(rel)
+        else:
+            rank = int(cast(dict[str, int], lora.r)[ADAPTER_NAME]) + correction.rank  # peft's per-adapter dicts
+            scaling = float(cast(dict[str, float], lora.scaling)[ADAPTER_NAME])
+            dtype = tensors[key + ".lora_A.weight"].dtype
+            a, b = tensors[key + ".lora_A.weight"].float(), tensors[key + ".lora_B.weight"].float()
+            tensors[key + ".lora_A.weight"] = torch.cat([a, right]).to(dtype).contiguous()
+            tensors[key + ".lora_B.weight"] = torch.cat([b, left / scaling], dim=1).to(dtype).contiguous()
+        ranks[re.escape(rel)] = rank
+        alphas[re.escape(rel)] = scaling * (math.sqrt(rank) if config.use_rslora else rank)  # peft: alpha / r (/ sqrt r)
+    return added
 
 
 def _warn_unsaved_heads(hf_model: nn.Module, saved: set[str], adapted: list[str]) -> None:
@@ -243,7 +309,9 @@ def merge(
       the first differing keys, before anything is merged; ``allow_base_change=True`` merges onto them anyway.
     - not given: a quantized base is dequantized (by its precision format's ``dequantize``)
       and its 4-bit rounding error is baked into the merged weights (a warning says so). Never
-      re-quantized.
+      re-quantized. A layer's calibrated correction (``QuantizedPrecision(correction_rank=...)``) is added to its
+      dequantized weight (it is part of the base the adapters trained on); onto ``base_state_dict`` it is left out
+      (the original weights stand in for the quantized weight plus its correction).
     """
     out_dtype = to_dtype(dtype)
     lora_cls: type[Any] = _lora_layer_cls()  # peft's LoraLayer, a mixin of the nn.Module layers it finds
@@ -285,7 +353,9 @@ def merge(
         dequantized.append(name)
         if fmt is None:  # a quantized convolution: its weight reads back dequantized, in the conv's shape
             return cast(torch.Tensor, layer.weight).float()
-        return fmt.dequantize(layer).float()  # e.g. int8 values times their per-row scales
+        weight = fmt.dequantize(layer).float()  # e.g. int8 values times their per-row scales
+        correction = correction_weight(layer)  # QuantizedPrecision(correction_rank=...): part of the base trained on
+        return weight if correction is None else weight + correction.to(weight.device)
 
     merged: dict[str, torch.Tensor] = {}
     done: list[str] = []

@@ -1,0 +1,123 @@
+"""The frozen low-rank correction a quantized layer may carry: ``out += (x @ A.T) @ B.T``, declared here only.
+
+``QuantizedPrecision(correction_rank=r)`` fits, per quantized layer, the rank-``r`` term that minimises the layer's
+output error on the probe batch (:mod:`lightning_hbm.precision.correction`) and attaches it with
+:func:`attach_correction`: a :class:`LowRankCorrection` child named :data:`CORRECTION` (``right`` = A ``[r, in]``,
+``left`` = B ``[out, r]``, frozen Parameters in the compute dtype) and one forward hook that adds its output to the
+layer's. The layer itself is unchanged (its class, its packed weight, its format), so peft wraps it as any quantized
+layer (the correction then sits under ``base_layer``) and every reader of the format still reads the weight.
+
+Everything that knows a quantized layer asks here for its correction: the storage count (frozen Parameters of the
+layer: the **parameters** term, in the coverage table's bytes of the layer), the planner (zero factors of the same
+shapes on fake tensors), ``QuantizationQuality``'s weight SQNR and ``LoRA.merge`` (:func:`correction_weight`),
+checkpoints (the factors are saved with the changed tensors, :data:`KEY_MARK`) and the adapter export for the
+quantized base.
+
+Why a custom autograd Function: the factors are frozen, so the backward needs only them (``grad @ B @ A``), never the
+input. torch's own matmuls would save ``A.T`` and ``B.T`` for backward; under activation checkpointing those saved
+tensors would move the order of the ones LoRA's adapter-first recompute relies on
+(:mod:`lightning_hbm.callbacks.lora.forward`). Held on the Function's context like bitsandbytes' ``MatMul4Bit`` holds its
+weight: nothing is saved, so the activations term is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, cast
+
+import torch
+from torch import Tensor, nn
+
+#: the child module name of a layer's correction (its state_dict keys: ``<layer>.lowrank_correction.left/right``)
+CORRECTION = "lowrank_correction"
+#: a part of every state_dict key of a correction (a checkpoint keeps these tensors with the changed ones)
+KEY_MARK = f".{CORRECTION}."
+
+
+class _LowRankProduct(torch.autograd.Function):
+    """``(x @ right.T) @ left.T`` with frozen factors: nothing saved for backward (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, right: Tensor, left: Tensor) -> Tensor:
+        ctx.factors = (right, left)  # frozen Parameters of the layer: alive anyway, not saved tensors
+        return (x @ right.t()) @ left.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None]:
+        right, left = ctx.factors
+        return (grad @ left) @ right, None, None
+
+
+class LowRankCorrection(nn.Module):
+    """A frozen rank-``r`` term ``x -> (x @ right.T) @ left.T`` added to a quantized layer's output.
+
+    Args:
+        right: ``A``, ``[r, in_features]``.
+        left: ``B``, ``[out_features, r]``.
+
+    Raises:
+        ValueError: factors whose shapes do not chain (``right.shape[0] != left.shape[1]``).
+    """
+
+    def __init__(self, right: Tensor, left: Tensor) -> None:
+        super().__init__()
+        if right.dim() != 2 or left.dim() != 2 or right.shape[0] != left.shape[1]:
+            raise ValueError(
+                f"LowRankCorrection: right must be [r, in] and left [out, r], got {tuple(right.shape)} and {tuple(left.shape)}."
+            )
+        self.right = nn.Parameter(right, requires_grad=False)
+        self.left = nn.Parameter(left, requires_grad=False)
+
+    @property
+    def rank(self) -> int:
+        return int(self.right.shape[0])
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The term for ``x`` (``[..., in]``), in the factors' dtype."""
+        flat = x.reshape(-1, x.shape[-1]).to(self.right.dtype)
+        return cast(Tensor, _LowRankProduct.apply(flat, self.right, self.left)).reshape(*x.shape[:-1], self.left.shape[0])
+
+    def weight(self) -> Tensor:
+        """``left @ right`` (``[out, in]``, fp32): the term as a weight, added to the layer's dequantized one."""
+        return self.left.detach().float() @ self.right.detach().float()
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, in={self.right.shape[1]}, out={self.left.shape[0]}, dtype={self.right.dtype}, frozen"
+
+
+def _add_correction(layer: nn.Module, args: tuple, output: Any) -> Any:
+    """The forward hook: the layer's output plus its correction of the layer's input (a module-level function:
+    a model with corrections pickles and deep-copies)."""
+    correction = correction_of(layer)
+    if correction is None or not args or not isinstance(output, Tensor):
+        return None
+    term = correction(args[0])  # a 4-bit layer's input was flattened by its pre-hook: the term follows its shape
+    return output + term.reshape(output.shape).to(output.dtype)
+
+
+def attach_correction(layer: nn.Module, right: Tensor, left: Tensor) -> LowRankCorrection:
+    """Give the quantized ``layer`` the frozen correction ``(right, left)`` (module docstring); returns it.
+
+    Raises:
+        ValueError: ``layer`` already has one, or the factors' shapes are not ``[r, in]`` and ``[out, r]``.
+    """
+    if correction_of(layer) is not None:
+        raise ValueError(f"{type(layer).__name__} already carries a low-rank correction: attach one per layer.")
+    correction = LowRankCorrection(right, left)
+    layer.add_module(CORRECTION, correction)
+    layer.register_forward_hook(_add_correction)
+    return correction
+
+
+def correction_of(layer: nn.Module) -> Optional[LowRankCorrection]:
+    """The correction ``layer`` carries (``None``: none)."""
+    found = getattr(layer, "_modules", {}).get(CORRECTION)
+    return found if isinstance(found, LowRankCorrection) else None
+
+
+def correction_weight(layer: nn.Module) -> Optional[Tensor]:
+    """The correction of ``layer`` as an ``[out, in]`` fp32 weight (``None``: none), to add to its dequantized weight."""
+    correction = correction_of(layer)
+    return None if correction is None else correction.weight()
+
+
+__all__ = ["CORRECTION", "KEY_MARK", "LowRankCorrection", "attach_correction", "correction_of", "correction_weight"]
