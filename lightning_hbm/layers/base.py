@@ -407,9 +407,17 @@ def adaptable_names(module: nn.Module) -> list[str]:
     return names
 
 
-def kind_names(quantized: bool = False) -> str:
-    """The registered kinds, for messages: ``"Linear, Conv1D, ..."`` (``quantized``: only those a mode quantizes)."""
-    return ", ".join(k.name for k in _KINDS.values() if not quantized or k.to_linear is not None)
+def no_names(layer: nn.Module) -> list[str]:
+    """``adaptable_names`` of a kind LoRA never adapts (quantized embeddings): none."""
+    return []
+
+
+def kind_names(quantized: bool = False, adapted: bool = False) -> str:
+    """The registered kinds, for messages: ``"Linear, Conv1D, ..."`` (``quantized``: only those a mode quantizes;
+    ``adapted``: only those LoRA adapts)."""
+    return ", ".join(
+        k.name for k in _KINDS.values() if (not quantized or k.to_linear is not None) and (not adapted or k.adaptable_names is not no_names)
+    )
 
 
 def kind_table() -> str:

@@ -20,7 +20,7 @@ from typing import Any, Optional, cast
 import torch
 from torch import nn
 
-from lightning_hbm.layers.base import LayerKind, register_kind
+from lightning_hbm.layers.base import LayerKind, no_names, register_kind
 from lightning_hbm.memory.storage import quantized_format
 
 
@@ -103,7 +103,7 @@ EMBEDDING = register_kind(
         modules="`nn.Embedding` (with `quantize_embeddings=True`)",
         found_in="every language model's token embedding",
         planned_as="the mode's layer built from the fake table's matrix",
-        adaptable_names=lambda layer: [],
+        adaptable_names=no_names,
         features=lambda layer: (cast(int, layer.embedding_dim), cast(int, layer.num_embeddings)),
         as_built_keys=lambda layer: {"quantized.weight": "weight"} if _stored_in(layer) is not None else {},
         wrap=QuantizedEmbedding.from_quantized,

@@ -234,7 +234,7 @@ class LoRA(SurgeryCallback):
         if not linears:
             raise ValueError(
                 f"LoRA found no torch.nn.Linear layer in {type(module).__name__}: there is nothing to put adapters on. "
-                f"LoRA adapts these layer kinds: {kind_names()} (quantized ones included; "
+                f"LoRA adapts these layer kinds: {kind_names(adapted=True)} (quantized ones included; "
                 "docs/adapters.md); train this model without the LoRA callback."
             )
         saved: list[str] = []
