@@ -48,6 +48,7 @@ that need none of it. The resume checks themselves, the load hooks and the file 
 
 from __future__ import annotations
 
+import os
 import weakref
 from enum import IntEnum
 from typing import Any, Callable, Optional, Sequence, cast
@@ -289,12 +290,25 @@ def _verify_checkpoint(module: nn.Module, plugin: Any, transforms: Sequence[Surg
         raise ValueError(f"{str(err).replace('; nothing was loaded', '')}\n{resume.LOADED_ALREADY}") from None
 
 
+#: ``LIGHTNING_HBM_PROBE_STEP=0`` turns the probe step off (issue 55): the user's step never runs an extra time
+PROBE_SWITCH = "LIGHTNING_HBM_PROBE_STEP"
+
+
 def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None:
     """The probe step: who reads which layer's weight, seen on the model as built (before the first check)."""
     if readers.observation(module) is not None:
         return
     layers = {name: base_layer(layer) for name, layer, _ in find_layers(module)}
     if not layers:
+        return
+    if os.environ.get(PROBE_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+        # no observation: weight_readers falls back to the source scan, which keeps every layer whose weight the
+        # model's code reads anywhere in the compute dtype (a read it cannot see, through a loop variable or code
+        # without source, would get the packed weight: the reason the probe exists)
+        rank_zero_info(
+            f"lightning_hbm: {PROBE_SWITCH}=0: {step} was not run before changing the model; layers whose weight the "
+            "model's source reads are kept in the compute dtype (a read the source does not show is not guarded)"
+        )
         return
     seen = readers.observe(module, batch() if callable(batch) else batch, layers, step)
     if seen is not None:  # said once per model, at the surgery (fit start): the user's code ran one more time

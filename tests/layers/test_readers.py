@@ -529,3 +529,26 @@ def test_the_probe_step_is_said_at_fit_start(tmp_path: Any, caplog: pytest.LogCa
         fit(Wrapped(Reads(), causal=False), tmp_path)
     said = [r.getMessage() for r in caplog.records if "once before changing the model" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("lightning_hbm: ran Wrapped.training_step on fake tensors once")
+
+
+def test_the_probe_step_can_be_turned_off(tmp_path: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LIGHTNING_HBM_PROBE_STEP=0`` (issue 55): the user's step runs only for training; the source scan decides, so
+    every layer whose weight the model's code reads (``c``, ``d``, ``e``) is kept in the compute dtype."""
+    import logging
+
+    calls: list[int] = []
+
+    class Counting(Wrapped):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            calls.append(batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    monkeypatch.setenv("LIGHTNING_HBM_PROBE_STEP", "0")
+    module = Counting(Reads(), causal=False)
+    with caplog.at_level(logging.INFO):
+        fit(module, tmp_path, steps=2)
+    assert calls == [0, 1]  # the two training steps, no probe call
+    assert any("LIGHTNING_HBM_PROBE_STEP=0: training_step was not run" in r.getMessage() for r in caplog.records)
+    assert not any("once before changing the model" in r.getMessage() for r in caplog.records)
+    kept = {name for name in ("c", "d", "e") if module.model.get_submodule(name).weight.is_floating_point()}
+    assert kept == {"c", "d", "e"} and not module.model.a.base_layer.weight.is_floating_point()
