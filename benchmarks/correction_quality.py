@@ -36,6 +36,10 @@ ARMS: dict[str, dict[str, Any]] = {
     "nf4-dq+gptq+c16": dict(mode="nf4-dq", rounding="gptq", correction_rank=16),
     "nf4-dq-b32+gptq": dict(mode="nf4-dq-b32", rounding="gptq"),
     "nf4-dq-b32+gptq+c16": dict(mode="nf4-dq-b32", rounding="gptq", correction_rank=16),
+    # issue 51: the embedding (and SmolLM2's head, tied to it) stored in the same mode
+    "nf4-dq+emb": dict(mode="nf4-dq", quantize_embeddings=True),
+    "nf4-dq+gptq+emb": dict(mode="nf4-dq", rounding="gptq", quantize_embeddings=True),
+    "nf4-dq-b32+gptq+c16+emb": dict(mode="nf4-dq-b32", rounding="gptq", correction_rank=16, quantize_embeddings=True),
 }
 
 

@@ -7,9 +7,10 @@ convolution's); a lookup unpacks only the rows it reads (:meth:`~lightning_hbm.p
 bitsandbytes 4-bit and int8 gather the packed rows and their scales; other formats dequantize the whole table first).
 
 Only what is exactly ``nn.Embedding`` is converted: a subclass has a forward of its own (Gemma's scaled embedding
-multiplies by ``sqrt(hidden)``) that a replacement would drop; it stays in the compute dtype with that reason. An
-embedding whose weight is tied to the output head stays too (the head would need the same quantized copy). The
-layers are not LoRA targets. A layer of this kind exists only once quantized: a plain embedding is counted with the
+multiplies by ``sqrt(hidden)``) that a replacement would drop; it stays in the compute dtype with that reason. A head
+tied to the embedding (a plain ``nn.Linear`` holding the same weight: SmolLM2, GPT-2) becomes a :class:`TiedHead` that
+computes with the embedding's one quantized copy, a vocabulary slice at a time; a weight shared with anything else
+keeps the embedding in the compute dtype. The layers are not LoRA targets. A layer of this kind exists only once quantized: a plain embedding is counted with the
 other parameters (embeddings, norms) in the coverage table.
 """
 
@@ -22,6 +23,51 @@ from torch import nn
 
 from lightning_hbm.layers.base import LayerKind, no_names, register_kind
 from lightning_hbm.memory.storage import quantized_format
+
+
+#: bytes of one unpacked slice of a quantized head's weight (the transient a sliced head adds beside its output)
+SLICE_BYTES = 32 * 2**20
+
+
+def slice_rows(in_features: int, dtype: torch.dtype) -> int:
+    """Output rows (vocabulary entries) per unpacked slice: :data:`SLICE_BYTES` of weight in ``dtype``."""
+    return max(1, SLICE_BYTES // (in_features * dtype.itemsize))
+
+
+class SlicedLinear(torch.autograd.Function):
+    """``x @ W.T`` of a frozen quantized layer, ``W`` unpacked a slice of output rows at a time, in the forward and
+    again in the backward (``QuantFormat.gather_rows``): never the whole ``[vocab, hidden]`` weight (1 GiB in bf16 for
+    Llama-3-8B's head). ``FusedLoss`` computes a 4-bit head this way; a head tied to a quantized embedding always does."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layer: nn.Module, fmt: Any, dtype: torch.dtype) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(dtype)
+        vocab = int(fmt.weight_shape(layer)[0])
+        rows = slice_rows(flat.shape[1], dtype)
+        # returned as allocated, not as a view: FusedLoss writes the gradient into the logits' storage in place
+        out = torch.empty(*x.shape[:-1], vocab, dtype=dtype, device=x.device)
+        rows_of_out = out.view(-1, vocab)
+        for start in range(0, vocab, rows):
+            stop = min(vocab, start + rows)
+            weight = fmt.gather_rows(layer, torch.arange(start, stop, device=x.device), dtype)
+            rows_of_out[:, start:stop] = flat @ weight.t()
+            del weight  # not beside the next slice's
+        ctx.layer, ctx.fmt, ctx.dtype, ctx.rows, ctx.x_dtype, ctx.x_shape = layer, fmt, dtype, rows, x.dtype, x.shape
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None]:
+        flat = grad.reshape(-1, grad.shape[-1])
+        vocab = flat.shape[1]
+        # fp32 sum over slices: each slice's product is accumulated in fp32 by the matmul, rounded once to the
+        # compute dtype, and the slices are added in fp32 (one bf16 sum would round once per slice)
+        total = torch.zeros(flat.shape[0], ctx.x_shape[-1], dtype=torch.float32, device=grad.device)
+        for start in range(0, vocab, ctx.rows):
+            stop = min(vocab, start + ctx.rows)
+            weight = ctx.fmt.gather_rows(ctx.layer, torch.arange(start, stop, device=grad.device), ctx.dtype)
+            total += flat[:, start:stop].to(ctx.dtype) @ weight
+            del weight
+        return total.to(ctx.x_dtype).view(ctx.x_shape), None, None, None
 
 
 class QuantizedEmbedding(nn.Embedding):
@@ -58,18 +104,63 @@ class QuantizedEmbedding(nn.Embedding):
         return new
 
 
-def convertible(name: str, embedding: nn.Module, owners: dict[int, int]) -> Optional[str]:
+class TiedHead(nn.Module):
+    """An output head whose weight was tied to an embedding now quantized: it computes with that embedding's one
+    quantized copy (:class:`SlicedLinear`, a vocabulary slice at a time), never a copy of its own. The embedding is
+    not a child (its table is saved once, under the embedding)."""
+
+    def __init__(self, embedding: QuantizedEmbedding, head: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = head.in_features, head.out_features
+        self.bias = head.bias
+        self.__dict__["embedding"] = embedding  # not registered: the table belongs to the embedding
+
+    @property
+    def weight(self) -> torch.Tensor:
+        # the table as the head multiplies with it, dequantized on each read (for code reading its shape or dtype)
+        return cast(torch.Tensor, self.__dict__["embedding"].weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        embedding = self.__dict__["embedding"]
+        storage = embedding.storage()
+        out = cast(torch.Tensor, SlicedLinear.apply(x, storage, quantized_format(storage), embedding.compute_dtype))
+        if self.bias is not None:
+            out = out + cast(torch.Tensor, self.bias).to(out.dtype)
+        return out.to(x.dtype) if x.is_floating_point() else out
+
+
+def tied_heads(module: nn.Module, embedding: nn.Module) -> Optional[list[str]]:
+    """Names of the modules besides ``embedding`` holding its weight, if every one is a plain ``nn.Linear`` (a tied
+    head that :class:`TiedHead` can replace); ``None`` if any other module holds it."""
+    holders = [(n, m) for n, m in module.named_modules() if m is not embedding and m._parameters.get("weight") is embedding.weight]
+    return [n for n, _ in holders] if all(type(m) is nn.Linear for _, m in holders) else None
+
+
+def tie_heads(module: nn.Module, embedding: nn.Module, quantized: QuantizedEmbedding) -> list[str]:
+    """Replace the plain Linear heads tied to ``embedding`` (before its quantization) by :class:`TiedHead` s of
+    ``quantized``; returns their names."""
+    names = tied_heads(module, embedding) or []
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, child, TiedHead(quantized, cast(nn.Linear, module.get_submodule(name))))
+    return names
+
+
+def convertible(name: str, embedding: nn.Module, owners: dict[int, int], tied_ok: bool = False) -> Optional[str]:
     """Why the input embedding ``embedding`` cannot be stored quantized (``None``: it can).
 
     Args:
         name: its module name (for the reason).
         embedding: an ``nn.Embedding`` (or subclass) with a floating weight.
         owners: how many modules hold each parameter (``id`` -> count): a tied weight is held twice.
+        tied_ok: every other holder of its weight is a plain ``nn.Linear`` head (:func:`tied_heads`): it computes with
+            the embedding's quantized copy (:class:`TiedHead`).
     """
     if type(embedding) is not nn.Embedding:
         return f"{type(embedding).__name__} has a forward of its own (not a plain nn.Embedding): kept in the compute dtype"
-    if owners.get(id(embedding.weight), 0) > 1:
-        return "weight tied to the output head: kept in the compute dtype (quantize_head=True without a tied head quantizes both)"
+    if owners.get(id(embedding.weight), 0) > 1 and not tied_ok:
+        return "weight shared with a module that is not a plain nn.Linear head: kept in the compute dtype"
     if embedding.max_norm is not None:
         return "nn.Embedding(max_norm=...) renormalises its rows in place at each lookup: kept in the compute dtype"
     return None
@@ -111,4 +202,4 @@ EMBEDDING = register_kind(
     )
 )
 
-__all__ = ["EMBEDDING", "QuantizedEmbedding", "convertible", "is_plain_embedding"]
+__all__ = ["EMBEDDING", "SLICE_BYTES", "QuantizedEmbedding", "SlicedLinear", "TiedHead", "convertible", "is_plain_embedding", "slice_rows", "tie_heads", "tied_heads"]

@@ -168,9 +168,9 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             The factors are measured before quantizing (logged: layers smoothed, alphas, probe output cosine
             before/after), saved in every checkpoint and taken back from it on resume. Other modes: must be None.
         quantize_embeddings: also store the input embeddings (each plain ``nn.Embedding``) in ``mode``
-            (:mod:`lightning_hbm.layers.embedding`): a lookup unpacks only the rows it reads. An embedding tied to
-            the output head, a subclass with its own forward, or one with ``max_norm`` stays in ``dtype`` (a
-            warning names it). With ``quantize_head=True`` and ``FusedLoss`` the head is dequantized a vocabulary
+            (:mod:`lightning_hbm.layers.embedding`): a lookup unpacks only the rows it reads; a head tied to it
+            computes with the same quantized copy. An embedding shared with anything else, a subclass with its own
+            forward, or one with ``max_norm`` stays in ``dtype`` (a warning names it). With ``quantize_head=True`` and ``FusedLoss`` the head is dequantized a vocabulary
             slice at a time, never whole: together they shrink Llama-3-8B's parameters by 1.43 GiB.
         correction_rank: ``r >= 1``: each quantized Linear-like layer gets the frozen rank-``r`` term that minimises
             its output error on ``probe_batch`` (:mod:`lightning_hbm.precision.correction`), fitted after any GPTQ

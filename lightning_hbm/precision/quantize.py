@@ -20,7 +20,7 @@ from lightning_hbm.layers import (
     EMBEDDING, LINEAR, LayerKind, base_layer, find_layers, kind_names, kind_of, output_heads, prepare_model,
     stored_in, weight_readers,
 )  # fmt: skip
-from lightning_hbm.layers.embedding import convertible, is_plain_embedding
+from lightning_hbm.layers.embedding import QuantizedEmbedding, convertible, is_plain_embedding, tie_heads, tied_heads
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.naming import name_matches, under
 from lightning_hbm.precision.registry import QuantFormat, format_of, get_format, to_dtype
@@ -94,7 +94,7 @@ def _quantizable_embeddings(
     for name, sub in module.named_modules():
         if not is_plain_embedding(sub):
             continue
-        why = convertible(name, sub, owners)
+        why = convertible(name, sub, owners, tied_ok=tied_heads(module, sub) is not None)
         if _ignored(name, ignore_modules):
             skipped[name] = ("QuantizedPrecision(ignore_modules=...)", True)
         elif under(name, kept):
@@ -285,6 +285,8 @@ def _quantize_listed(
         elif record.counted_as(layer) is not None:
             record.set_kind(new, record.counted_as(layer))
         setattr(parent, child_name, new)
+        if isinstance(new, QuantizedEmbedding):  # a head tied to it computes with its one quantized copy
+            tie_heads(module, layer, new)
     _cast_the_rest(module, compute_dtype)
     # peft picks its quantization-aware LoRA layers (mergeable) only when the model says so.
     kinds = {m.peft_kind for m in modes.values() if m is not None}

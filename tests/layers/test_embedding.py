@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision
-from lightning_hbm.callbacks.fused_loss import dequantize as head_slices
+from lightning_hbm.layers import embedding as head_slices
 from lightning_hbm.layers import QuantizedEmbedding, coverage
 from lightning_hbm.layers.embedding import convertible
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
@@ -97,13 +97,59 @@ def test_resume_rebuilds_the_quantized_embedding_bit_exact(
         other.fit(llama_factory(**VOCAB_LLAMA), datamodule_factory(), ckpt_path=path)
 
 
-def test_a_tied_embedding_is_kept_with_a_warning_naming_it(llama_factory: Any, trainer_factory: Any, datamodule_factory: Any) -> None:
-    plugin = QuantizedPrecision("nf4-dq", dtype="float32", quantize_embeddings=True)
-    trainer = trainer_factory(max_steps=1, plugins=[plugin], callbacks=[LoRA(r=4)])
+def test_a_tied_head_computes_with_the_embeddings_one_quantized_copy(
+    llama_factory: Any, trainer_factory: Any, datamodule_factory: Any, tmp_path: Any
+) -> None:
+    """SmolLM2-style tied embedding and head: one quantized table, saved once; the head computes with it a slice at a
+    time, as the dequantized table would; training and resume work."""
+    from lightning_hbm.layers.embedding import TiedHead
+    from lightning_hbm.precision import quantize_model
+
     model = llama_factory(tie_word_embeddings=True)
-    with pytest.warns(UserWarning, match=r"quantize_embeddings=True\) keeps 1 input embedding.*embed_tokens: weight tied"):
-        trainer.fit(model, datamodule_factory())
-    assert type(model.model.get_input_embeddings()) is nn.Embedding
+    reference = copy.deepcopy(model)
+    quantize_model(model, "nf4-dq", "float32", quantize_embeddings=True)
+    embedding, head = model.model.get_input_embeddings(), model.model.get_output_embeddings()
+    assert isinstance(embedding, QuantizedEmbedding) and isinstance(head, TiedHead)
+    assert not any("lm_head" in k for k in model.state_dict())  # the table is saved once, under the embedding
+    x = torch.randn(3, 5, embedding.embedding_dim)
+    table = get_format("nf4-dq").dequantize(embedding.storage(), torch.float32)
+    torch.testing.assert_close(head(x), x @ table.t())
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        ours, theirs = model.model(input_ids=ids).logits, reference.model(input_ids=ids).logits
+    assert torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0) > 0.95
+
+    def run(steps: int, ckpt: Any = None) -> tuple[Any, Any]:
+        fitted = llama_factory(tie_word_embeddings=True)
+        trainer = trainer_factory(max_steps=steps, plugins=[QuantizedPrecision("nf4-dq", dtype="float32", quantize_embeddings=True)],
+                                  callbacks=[LoRA(r=4), FusedLoss(chunk_size=16)])  # fmt: skip
+        trainer.fit(fitted, datamodule_factory(), ckpt_path=ckpt)
+        return fitted, trainer
+
+    _, first = run(1)
+    first.save_checkpoint(tmp_path / "tied.ckpt")
+    resumed, again = run(2, tmp_path / "tied.ckpt")
+    assert again.global_step == 2 and isinstance(resumed.model.get_output_embeddings(), TiedHead)
+
+
+def test_an_embedding_shared_with_anything_else_is_kept_with_a_warning(trainer_factory: Any) -> None:
+    from lightning_hbm.precision.quantize import _quantizable_linears
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(64, 16)
+            self.other = nn.Embedding(64, 16)
+            self.other.weight = self.embed.weight  # not a Linear head: TiedHead cannot stand in for it
+            self.proj = nn.Linear(16, 16)
+
+    model = Shared()
+    targets, skipped = _quantizable_linears(model, (), False, (), True)
+    assert not any(isinstance(layer, nn.Embedding) for _, layer in targets)
+    assert skipped["embed"] == ("weight shared with a module that is not a plain nn.Linear head: kept in the compute dtype", False)
+    plan = QuantizedPrecision("nf4-dq", dtype="float32", quantize_embeddings=True).quantization
+    with pytest.warns(UserWarning, match=r"quantize_embeddings=True\) keeps 2 input embedding\(s\) in torch.float32: embed: weight shared"):
+        plan._say_embeddings_kept(model)
 
 
 def test_what_cannot_be_converted_is_named() -> None:

@@ -11,56 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.layers.embedding import SlicedLinear
 from lightning_hbm.precision.registry import QuantFormat, format_of
-
-#: bytes of one dequantized slice of the head's weight (the transient a sliced head adds beside a chunk's logits)
-SLICE_BYTES = 32 * 2**20
-
-
-def slice_rows(in_features: int, dtype: torch.dtype) -> int:
-    """Output rows (vocabulary entries) per dequantized slice: :data:`SLICE_BYTES` of weight in ``dtype``."""
-    return max(1, SLICE_BYTES // (in_features * dtype.itemsize))
-
-
-class _SlicedLinear(torch.autograd.Function):
-    """``x @ W.T`` of a frozen quantized layer, ``W`` unpacked a slice of output rows at a time, in the forward and
-    again in the backward (``QuantFormat.gather_rows``): never the whole ``[vocab, hidden]`` weight (1 GiB in bf16 for
-    Llama-3-8B's head). Costs one more unpacking of the weight per chunk than dequantizing it once."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, layer: nn.Module, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(dtype)
-        vocab = fmt.weight_shape(layer)[0]
-        rows = slice_rows(flat.shape[1], dtype)
-        # returned as allocated, not as a view: FusedLoss writes the gradient into the logits' storage in place
-        out = torch.empty(*x.shape[:-1], vocab, dtype=dtype, device=x.device)
-        rows_of_out = out.view(-1, vocab)
-        for start in range(0, vocab, rows):
-            stop = min(vocab, start + rows)
-            weight = fmt.gather_rows(layer, torch.arange(start, stop, device=x.device), dtype)
-            rows_of_out[:, start:stop] = flat @ weight.t()
-            del weight  # not beside the next slice's
-        ctx.layer, ctx.fmt, ctx.dtype, ctx.rows, ctx.x_dtype, ctx.x_shape = layer, fmt, dtype, rows, x.dtype, x.shape
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None]:
-        flat = grad.reshape(-1, grad.shape[-1])
-        vocab = flat.shape[1]
-        # fp32 sum over slices: each slice's product is accumulated in fp32 by the matmul, rounded once to the
-        # compute dtype, and the slices are added in fp32 (one bf16 sum would round once per slice)
-        total = torch.zeros(flat.shape[0], ctx.x_shape[-1], dtype=torch.float32, device=grad.device)
-        for start in range(0, vocab, ctx.rows):
-            stop = min(vocab, start + ctx.rows)
-            weight = ctx.fmt.gather_rows(ctx.layer, torch.arange(start, stop, device=grad.device), ctx.dtype)
-            total += flat[:, start:stop].to(ctx.dtype) @ weight
-            del weight
-        return total.to(ctx.x_dtype).view(ctx.x_shape), None, None, None
-
 
 def _sliced_forward(layer: nn.Module, fmt: QuantFormat, dtype: torch.dtype) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
-        out = _SlicedLinear.apply(x, layer, fmt, dtype)
+        out = SlicedLinear.apply(x, layer, fmt, dtype)
         if layer.bias is not None:
             out = out + cast(torch.Tensor, layer.bias).to(dtype)
         return cast(torch.Tensor, out).to(x.dtype)
@@ -91,8 +47,8 @@ def _dequantized_once(head: Optional[nn.Module]) -> Iterator[None]:
     A 4-bit layer (bitsandbytes' ``Linear4bit``, any format with ``dense_forward``) dequantizes the whole
     ``[vocab, hidden]`` weight in every forward and again in every backward: per chunk, that transient is as
     large as the bf16 logits of ``hidden`` tokens (1 GiB for an 8B Llama's head), and it would be paid 2 x chunks
-    times. A format that can unpack rows (bitsandbytes 4-bit) computes slice by slice (:class:`_SlicedLinear`:
-    :data:`SLICE_BYTES` of weight at a time); any other keeps one dequantized copy while the chunks run and
+    times. A format that can unpack rows (bitsandbytes 4-bit) computes slice by slice (:class:`~lightning_hbm.layers.embedding.SlicedLinear`:
+    ``SLICE_BYTES`` of weight at a time); any other keeps one dequantized copy while the chunks run and
     computes ``F.linear`` with it, exactly what its forward does after dequantizing.
     """
     modules = head.modules() if head is not None else ()
