@@ -70,6 +70,15 @@ class SlicedLinear(torch.autograd.Function):
         return total.to(ctx.x_dtype).view(ctx.x_shape), None, None, None
 
 
+def sliced_linear(x: torch.Tensor, layer: nn.Module, fmt: Any, dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ W.T + bias`` of the frozen quantized ``layer`` (format ``fmt``) by :class:`SlicedLinear`, in ``x``'s dtype:
+    what a 4-bit head computes under ``FusedLoss`` and what a :class:`TiedHead` always computes."""
+    out = cast(torch.Tensor, SlicedLinear.apply(x, layer, fmt, dtype))
+    if bias is not None:
+        out = out + bias.to(dtype)
+    return out.to(x.dtype)
+
+
 class QuantizedEmbedding(nn.Embedding):
     """An ``nn.Embedding`` whose frozen weight a precision mode stores (module docstring); built by :meth:`from_quantized`."""
 
@@ -123,10 +132,7 @@ class TiedHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         embedding = self.__dict__["embedding"]
         storage = embedding.storage()
-        out = cast(torch.Tensor, SlicedLinear.apply(x, storage, quantized_format(storage), embedding.compute_dtype))
-        if self.bias is not None:
-            out = out + cast(torch.Tensor, self.bias).to(out.dtype)
-        return out.to(x.dtype) if x.is_floating_point() else out
+        return sliced_linear(x, storage, quantized_format(storage), embedding.compute_dtype, cast(Optional[torch.Tensor], self.bias))
 
 
 def tied_heads(module: nn.Module, embedding: nn.Module) -> Optional[list[str]]:
@@ -147,11 +153,10 @@ def tie_heads(module: nn.Module, embedding: nn.Module, quantized: QuantizedEmbed
     return names
 
 
-def convertible(name: str, embedding: nn.Module, owners: dict[int, int], tied_ok: bool = False) -> Optional[str]:
+def convertible(embedding: nn.Module, owners: dict[int, int], tied_ok: bool = False) -> Optional[str]:
     """Why the input embedding ``embedding`` cannot be stored quantized (``None``: it can).
 
     Args:
-        name: its module name (for the reason).
         embedding: an ``nn.Embedding`` (or subclass) with a floating weight.
         owners: how many modules hold each parameter (``id`` -> count): a tied weight is held twice.
         tied_ok: every other holder of its weight is a plain ``nn.Linear`` head (:func:`tied_heads`): it computes with
@@ -202,4 +207,4 @@ EMBEDDING = register_kind(
     )
 )
 
-__all__ = ["EMBEDDING", "SLICE_BYTES", "QuantizedEmbedding", "SlicedLinear", "TiedHead", "convertible", "is_plain_embedding", "slice_rows", "tie_heads", "tied_heads"]
+__all__ = ["EMBEDDING", "SLICE_BYTES", "QuantizedEmbedding", "SlicedLinear", "TiedHead", "convertible", "is_plain_embedding", "slice_rows", "sliced_linear", "tie_heads", "tied_heads"]

@@ -94,7 +94,7 @@ def _quantizable_embeddings(
     for name, sub in module.named_modules():
         if not is_plain_embedding(sub):
             continue
-        why = convertible(name, sub, owners, tied_ok=tied_heads(module, sub) is not None)
+        why = convertible(sub, owners, tied_ok=tied_heads(module, sub) is not None)
         if _ignored(name, ignore_modules):
             skipped[name] = ("QuantizedPrecision(ignore_modules=...)", True)
         elif under(name, kept):

@@ -11,17 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.layers.embedding import SlicedLinear
+from lightning_hbm.layers.embedding import sliced_linear
 from lightning_hbm.precision.registry import QuantFormat, format_of
 
 def _sliced_forward(layer: nn.Module, fmt: QuantFormat, dtype: torch.dtype) -> Any:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        out = SlicedLinear.apply(x, layer, fmt, dtype)
-        if layer.bias is not None:
-            out = out + cast(torch.Tensor, layer.bias).to(dtype)
-        return cast(torch.Tensor, out).to(x.dtype)
-
-    return forward
+    return lambda x: sliced_linear(x, layer, fmt, dtype, cast(Optional[torch.Tensor], layer.bias))
 
 
 def _once_forward(layer: nn.Module, fmt: QuantFormat, dtype: torch.dtype) -> Any:
@@ -47,7 +41,7 @@ def _dequantized_once(head: Optional[nn.Module]) -> Iterator[None]:
     A 4-bit layer (bitsandbytes' ``Linear4bit``, any format with ``dense_forward``) dequantizes the whole
     ``[vocab, hidden]`` weight in every forward and again in every backward: per chunk, that transient is as
     large as the bf16 logits of ``hidden`` tokens (1 GiB for an 8B Llama's head), and it would be paid 2 x chunks
-    times. A format that can unpack rows (bitsandbytes 4-bit) computes slice by slice (:class:`~lightning_hbm.layers.embedding.SlicedLinear`:
+    times. A format that can unpack rows (bitsandbytes 4-bit) computes slice by slice (:func:`~lightning_hbm.layers.embedding.sliced_linear`:
     ``SLICE_BYTES`` of weight at a time); any other keeps one dequantized copy while the chunks run and
     computes ``F.linear`` with it, exactly what its forward does after dequantizing.
     """
