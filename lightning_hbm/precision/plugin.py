@@ -171,7 +171,7 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             (:mod:`lightning_hbm.layers.embedding`): a lookup unpacks only the rows it reads; a head tied to it
             computes with the same quantized copy. An embedding shared with anything else, a subclass with its own
             forward, or one with ``max_norm`` stays in ``dtype`` (a warning names it). With ``quantize_head=True`` and ``FusedLoss`` the head is dequantized a vocabulary
-            slice at a time, never whole: together they shrink Llama-3-8B's parameters by 1.43 GiB.
+            slice at a time, never whole: together they shrink Llama-3-8B's parameters by 1.46 GiB (planned).
         correction_rank: ``r >= 1``: each quantized Linear-like layer gets the frozen rank-``r`` term that minimises
             its output error on ``probe_batch`` (:mod:`lightning_hbm.precision.correction`), fitted after any GPTQ
             rounding, stored in ``dtype`` beside the layer and added to its output (``2 r (in + out)`` bytes per layer:
