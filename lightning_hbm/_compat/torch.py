@@ -109,6 +109,21 @@ def is_fake(tensor: torch.Tensor) -> bool:
     return bool(_is_fake(tensor))
 
 
+def chunk_starts(stop: int, step: int, tensor: torch.Tensor) -> range | list[int]:
+    """``range(0, stop, step)``; on a fake ``tensor`` (the planner's trace) only the first two starts and the last.
+
+    Why: a loop over equal chunks (a fused loss's token chunks, a sliced head's vocabulary slices) allocates the same
+    bytes in each iteration and frees them before the next, so its peak is one iteration's and its outputs are
+    allocated before it; fake tensors have no values to compute. Tracing every iteration of a 128k-vocabulary head at
+    a long context was most of ``max_context``'s time. The first two show any state carried from one iteration to the
+    next, the last a shorter remainder (tests/planner/test_context.py checks the plan is the same to the byte).
+    """
+    starts = range(0, stop, step)
+    if len(starts) <= 3 or not is_fake(tensor):
+        return starts
+    return [starts[0], starts[1], starts[-1]]
+
+
 class FakeGroupedMM(TorchDispatchMode):
     """``aten._grouped_mm`` on fake tensors of any dtype its CPU kernel takes; enter it after ``FakeTensorMode``.
 

@@ -19,10 +19,13 @@ checkpoint packs its input only after the previous chunks ran, so the outer reco
 Which layers: decided by running, on the first training call of each layer of a checkpointed block
 (:func:`decide`): a layer is chunked when it is called with one tensor and no keyword arguments, gives an output
 with the same tokens, saves for backward at least twice its input and output bytes per token (measured on one and
-two tokens), is token-wise (changing one token's input changes no other token's output, bit for bit, and its
-chunked output equals its whole output), draws no random numbers, changes no buffer, and trains no parameter
-outside itself. Attention (keyword arguments, or tokens mixed), convolutions (tokens mixed) and norms (nothing to
-gain) stay as they are. On the planner's fake tensors, which have no values, the token-wise test follows the ops
+two tokens), or at least once when what it saves is a wider copy of its tokens than its input (a bf16 RMSNorm that
+computes in fp32, as transformers' Llama, Qwen and Mistral norms do: its backward then makes several fp32 copies of
+its tokens at once, the largest part of an 8B Llama block's recompute backward at long context before this rule), is
+token-wise (changing one token's input changes no other token's output, bit for bit, and its chunked output equals
+its whole output), draws no random numbers, changes no buffer, and trains no parameter outside itself. Attention
+(keyword arguments, or tokens mixed), convolutions (tokens mixed) and norms that compute in their input's width
+(nothing to gain) stay as they are. On the planner's fake tensors, which have no values, the token-wise test follows the ops
 instead (:mod:`lightning_hbm.callbacks.token_rows`), and that verdict is kept apart from the real one.
 """
 
@@ -38,6 +41,7 @@ from lightning_hbm.callbacks.token_rows import fake_rowwise_reason
 from lightning_hbm.memory.storage import tensor_storage_key
 
 WIDENING = 2.0  # chunk a layer that saves for backward at least this many times its input + output bytes per token
+UPCAST = 1.0  # ... or this many times, when what it saves is a wider copy of its tokens (its backward runs wide)
 
 
 class _Box:
@@ -65,7 +69,12 @@ class _ChunkedCall(torch.autograd.Function):
         if box is None:  # an input without a graph: nothing upstream to recompute it from, keep it here
             ctx.save_for_backward(x)
         # detached: tracers that hook module inputs (torch's MemTracker) need a tensor with a grad_fn or none
-        return join([call.inner(c) for c in call.split(x.detach())], x)
+        chunks = call.split(x.detach())
+        run = set(torch_compat.chunk_starts(len(chunks), 1, x))  # on fake tensors the others only allocate
+        parts: list[Tensor] = []
+        for i, c in enumerate(chunks):
+            parts.append(call.inner(c) if i in run else torch.empty_like(parts[-1]))
+        return join(parts, x)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
@@ -75,7 +84,13 @@ class _ChunkedCall(torch.autograd.Function):
         params = [p for p, needed in zip(ctx.params, wanted) if needed]
         grads_x: list[Tensor] = []
         grads_p: list[Optional[Tensor]] = [None] * len(params)
-        for chunk, grad_chunk in zip(call.split(x), call.split(grad)):
+        chunks = call.split(x)
+        run = set(torch_compat.chunk_starts(len(chunks), 1, x))  # on fake tensors the others only allocate
+        for i, (chunk, grad_chunk) in enumerate(zip(chunks, call.split(grad))):
+            if i not in run:
+                if wants_x:
+                    grads_x.append(torch.empty_like(grads_x[-1]))
+                continue
             chunk = chunk.detach().requires_grad_(wants_x)
             out = call.recompute(chunk)
             got = torch.autograd.grad(out, ([chunk] if wants_x else []) + params, grad_chunk, allow_unused=True)
@@ -215,10 +230,12 @@ def decide(
     if not isinstance(whole, Tensor) or whole.shape[:-1] != x.shape[:-1]:
         return "its output is not one tensor with the input's tokens"
     try:  # cheapest first (one and two tokens), each probe only if the one before passed
-        one, graph, leaf = _saved_bytes(inner, x, 1)
-        two, _, _ = _saved_bytes(inner, x, 2)
+        (one, _), graph, leaf = _saved_bytes(inner, x, 1)
+        (two, wide), _, _ = _saved_bytes(inner, x, 2)
         per_token = x[..., :1, :].numel() * x.element_size() + whole[..., :1, :].numel() * whole.element_size()
-        if two - one < WIDENING * per_token:
+        # a layer that saves a wider copy of its tokens than it was given (a bf16 RMSNorm computing in fp32) runs its
+        # backward in that width too: several such temporaries per token at once, whatever it saves
+        if two - one < (UPCAST if wide else WIDENING) * per_token:
             return (f"saves {(two - one) / per_token:.1f}x its input and output per token for backward (chunks pay "
                     f"from {WIDENING:g}x)")
         if fake:  # no values to compare: follow the ops instead (conservative: a refusal plans the whole recompute)
@@ -237,7 +254,7 @@ def decide(
     return f"trains {foreign} parameter(s) it does not own (their gradients would be lost)" if foreign else ""
 
 
-def _saved_bytes(inner: Any, x: Tensor, tokens: int) -> tuple[int, Any, Tensor]:
+def _saved_bytes(inner: Any, x: Tensor, tokens: int) -> tuple[tuple[int, bool], Any, Tensor]:
     """Bytes of the tensors the layer's forward on its first ``tokens`` tokens saves for backward (parameters left
     out, each tensor once), its output and its input leaf.
 
@@ -246,17 +263,20 @@ def _saved_bytes(inner: Any, x: Tensor, tokens: int) -> tuple[int, Any, Tensor]:
     of the whole input would count the whole batch.
     """
     saved: dict[Any, int] = {}
+    wider = [False]
 
     def pack(tensor: Tensor) -> Tensor:
         if not isinstance(tensor, nn.Parameter):
             key = (tensor_storage_key(tensor), tensor.storage_offset(), tensor.shape, tensor.stride())
             saved[key] = tensor.numel() * tensor.element_size()
+            if tensor.shape[:-1] == leaf.shape[:-1] and tensor.element_size() > leaf.element_size():
+                wider[0] = True
         return tensor
 
     leaf = x[..., :tokens, :].detach().contiguous().requires_grad_(x.is_floating_point())
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = inner(leaf)
-    return sum(saved.values()), out, leaf
+    return (sum(saved.values()), wider[0]), out, leaf
 
 
 def _close_in_chunks(parts: Tensor, whole: Tensor) -> bool:

@@ -21,6 +21,7 @@ from typing import Any, Optional, cast
 import torch
 from torch import nn
 
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers.base import LayerKind, no_names, register_kind
 from lightning_hbm.memory.storage import quantized_format
 
@@ -47,7 +48,7 @@ class SlicedLinear(torch.autograd.Function):
         # returned as allocated, not as a view: FusedLoss writes the gradient into the logits' storage in place
         out = torch.empty(*x.shape[:-1], vocab, dtype=dtype, device=x.device)
         rows_of_out = out.view(-1, vocab)
-        for start in range(0, vocab, rows):
+        for start in torch_compat.chunk_starts(vocab, rows, flat):
             stop = min(vocab, start + rows)
             weight = fmt.gather_rows(layer, torch.arange(start, stop, device=x.device), dtype)
             rows_of_out[:, start:stop] = flat @ weight.t()
@@ -62,7 +63,7 @@ class SlicedLinear(torch.autograd.Function):
         # fp32 sum over slices: each slice's product is accumulated in fp32 by the matmul, rounded once to the
         # compute dtype, and the slices are added in fp32 (one bf16 sum would round once per slice)
         total = torch.zeros(flat.shape[0], ctx.x_shape[-1], dtype=torch.float32, device=grad.device)
-        for start in range(0, vocab, ctx.rows):
+        for start in torch_compat.chunk_starts(vocab, ctx.rows, flat):
             stop = min(vocab, start + ctx.rows)
             weight = ctx.fmt.gather_rows(ctx.layer, torch.arange(start, stop, device=grad.device), ctx.dtype)
             total += flat[:, start:stop].to(ctx.dtype) @ weight

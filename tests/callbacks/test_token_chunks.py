@@ -277,3 +277,46 @@ def test_a_bf16_4bit_mlp_is_chunked_whatever_rows_the_matmul_kernel_blocks() -> 
         nn.init.normal_(layer.lora_B["default"].weight, std=0.05)
         assert compute_in_input_dtype(layer) and lora_forward(layer)
     assert decide(mlp, mlp, 2, (torch.randn(2, 512, 768, dtype=torch.bfloat16),), {}) == ""
+
+
+def _bf16_step_peak(llama_factory: Callable, trainer_factory: Callable) -> tuple[int, list[str], dict[str, Tensor]]:
+    """A bf16 QLoRA Llama with mlp_chunks=4 after one step: MemTracker's peak of a step at 4 x 256 tokens, the layers
+    chunked, and the trainable gradients of that step."""
+    module = llama_factory(hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+    callback = ActivationCheckpointing(mlp_chunks=4)
+    trainer = trainer_factory(max_steps=1, plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16")],
+                              callbacks=[LoRA(r=4), callback])
+    batch = synthetic_batch(batch_size=2, seq_len=SEQ, seed=1, vocab_size=module.hparams["vocab_size"])
+    trainer.fit(module, torch.utils.data.DataLoader([(x, y) for x, y in zip(*batch)], batch_size=2))
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=0.0)
+    big = synthetic_batch(batch_size=4, seq_len=256, seed=2, vocab_size=module.hparams["vocab_size"])
+
+    def step() -> None:
+        module.loss(big).backward()
+
+    peak = torch_peak_bytes(step, module, optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    step()
+    grads = {n: p.grad.detach().float().clone() for n, p in module.named_parameters() if p.grad is not None}
+    return peak, list(callback.chunked), grads
+
+
+def test_a_bf16_rmsnorm_that_computes_in_fp32_is_chunked_and_the_backward_peak_drops(
+    llama_factory: Callable, trainer_factory: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # transformers' LlamaRMSNorm upcasts a bf16 input to fp32: it saves an fp32 copy of its tokens and its backward
+    # makes several more at once (the largest part of a Llama block's recompute backward at long context). It saves
+    # only 1x its input and output per token, under WIDENING, so the old rule kept it whole.
+    from lightning_hbm.callbacks import token_chunks
+
+    peak, chunked, grads = _bf16_step_peak(llama_factory, trainer_factory)
+    assert sorted(chunked) == [f"model.model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm", "mlp", "post_attention_layernorm")]
+    monkeypatch.setattr(token_chunks, "UPCAST", token_chunks.WIDENING)  # the rule before: norms whole
+    old_peak, old_chunked, old_grads = _bf16_step_peak(llama_factory, trainer_factory)
+    assert old_chunked == [f"model.model.layers.{i}.mlp" for i in range(2)]
+    # 1024 tokens x 256 wide: one fp32 copy is 1 MiB; the norm's backward held several beside its saved copy
+    assert old_peak - peak >= 2 * 2**20, (old_peak, peak)
+    assert sorted(grads) == sorted(old_grads)
+    for name in grads:  # the same arithmetic per token: the gradients are the whole recompute's
+        torch.testing.assert_close(grads[name], old_grads[name], rtol=2e-2, atol=1e-3, msg=name)

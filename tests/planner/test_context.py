@@ -21,7 +21,9 @@ from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpoin
 from lightning_hbm.callbacks.fused_loss import FusedLoss
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.models import LlamaLM
-from lightning_hbm.planner import CUDA_CONTEXT_BYTES, Candidate, max_context
+from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.layers import embedding
+from lightning_hbm.planner import CUDA_CONTEXT_BYTES, Candidate, max_context, plan
 from lightning_hbm.planner.reference import memtracker_peak
 
 SMALL_LLAMA = partial(LlamaLM, vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
@@ -97,3 +99,30 @@ def test_bad_arguments_are_clear_errors() -> None:
         max_context(SMALL_LLAMA, "1GiB", multiple_of=0)
     with pytest.raises(ValueError, match=r"ambiguous"):
         max_context(SMALL_LLAMA, "24G")
+
+
+def test_a_fake_trace_runs_three_iterations_of_a_chunk_loop_and_plans_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # every loop of the step has more than three equal iterations: the sliced 4-bit head's vocabulary slices (slices
+    # made small here), the fused loss's token chunks and softmax rows, the MLP's token chunks (bf16: the norms too)
+    monkeypatch.setattr(embedding, "SLICE_BYTES", 16 * 2**10)  # 128 of the 512 vocabulary rows per slice
+    batch = tuple(t.contiguous() for t in synthetic_batch(1, 1024, vocab_size=512))
+
+    def planned() -> Any:
+        plugin = QuantizedPrecision("nf4-dq", dtype="bfloat16", quantize_head=True, quantize_embeddings=True)
+        callbacks = [LoRA(r=8), ActivationCheckpointing("full", mlp_chunks=8, offload=True), FusedLoss(chunk_size=128)]
+        return plan(SMALL_LLAMA, batch, device="cuda", plugin=plugin, callbacks=callbacks).predictions[0]
+
+    elided: list[int] = []
+    original = torch_compat.chunk_starts
+
+    def counting(stop: int, step: int, tensor: torch.Tensor) -> Any:
+        starts = original(stop, step, tensor)
+        elided.append(len(range(0, stop, step)) - len(starts))
+        return starts
+
+    monkeypatch.setattr(torch_compat, "chunk_starts", counting)
+    fast = planned()
+    assert sum(elided) > 100  # iterations not traced
+    monkeypatch.setattr(torch_compat, "chunk_starts", lambda stop, step, tensor: range(0, stop, step))
+    every = planned()
+    assert (fast.categories, fast.side, fast.host, fast.loss) == (every.categories, every.side, every.host, every.loss)

@@ -9,6 +9,7 @@ import torch
 from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.callbacks.fused_loss.cost import chunk_tokens, softmax_rows
 from lightning_hbm.callbacks.fused_loss.dequantize import _dequantized_once
 from lightning_hbm.memory.tracker import LOSS_SCOPE, memory_scope
@@ -47,7 +48,7 @@ def _chunk_pass(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params:
 def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Sequence[torch.Tensor],
             row_scale: Optional[torch.Tensor], need: Sequence[bool], want_grad: bool, losses: torch.Tensor,
             grad_hidden: Optional[torch.Tensor], grad_params: list[Optional[torch.Tensor]]) -> None:
-    for start in range(0, hidden.shape[0], spec.chunk):
+    for start in torch_compat.chunk_starts(hidden.shape[0], spec.chunk, hidden):
         stop = min(hidden.shape[0], start + spec.chunk)
         h = hidden[start:stop]
         if want_grad:
@@ -64,7 +65,7 @@ def _chunks(spec: _Spec, hidden: torch.Tensor, target: torch.Tensor, params: Seq
         in_place = detached.dtype == narrow == torch.float32
         # the fp32 rows of a narrower chunk, one buffer for all its blocks (was a fresh copy, and its page faults, each)
         buf = None if in_place else torch.empty(rows, detached.shape[1], dtype=torch.float32, device=detached.device)
-        for r0 in range(0, detached.shape[0], rows):
+        for r0 in torch_compat.chunk_starts(detached.shape[0], rows, detached):
             r1 = min(detached.shape[0], r0 + rows)
             scale = None
             if want_grad:
