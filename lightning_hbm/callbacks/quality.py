@@ -46,7 +46,7 @@ def _dequantized_weight(layer: nn.Module) -> Tensor:
     base: nn.Module = cast(Any, layer).get_base_layer() if hasattr(layer, "get_base_layer") else layer  # peft LoRA wrapper
     fmt = format_of(base)  # first: a quantized weight may look floating (torchao's NF4Tensor says bfloat16)
     if fmt is not None:
-        weight = fmt.dequantize(base).float()
+        weight = fmt.dequantize(base, torch.float32).float()
         correction = correction_weight(base)  # QuantizedPrecision(correction_rank=...): multiplied with too
         return weight if correction is None else weight + correction.to(weight.device)
     weight = cast(Tensor, base.weight)

@@ -353,7 +353,7 @@ def merge(
         dequantized.append(name)
         if fmt is None:  # a quantized convolution: its weight reads back dequantized, in the conv's shape
             return cast(torch.Tensor, layer.weight).float()
-        weight = fmt.dequantize(layer).float()  # e.g. int8 values times their per-row scales
+        weight = fmt.dequantize(layer, torch.float32).float()  # e.g. int8 values times their per-row scales
         correction = correction_weight(layer)  # QuantizedPrecision(correction_rank=...): part of the base trained on
         return weight if correction is None else weight + correction.to(weight.device)
 
