@@ -473,6 +473,8 @@ class ActivationCheckpointing(SurgeryCallback):
             _wrap(block, _BlockPlan(block, context_fn, self.offload))
             for _, layer in candidates(block) if self.mlp_chunks > 1 else ():
                 torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks))
+        for layer in _beside_blocks(module, [n for n, _ in chosen]) if self.mlp_chunks > 1 else ():
+            torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks))
         self._chunk_report_due = self.mlp_chunks > 1
         self._order_due = self.policy == "full"  # selective keeps the matmul outputs: no base matmul to skip
         self.checkpointed = [n for n, _ in chosen]
@@ -525,6 +527,22 @@ class ActivationCheckpointing(SurgeryCallback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored_order = state_dict.get("adapter_first")
+
+
+def _beside_blocks(module: nn.Module, blocks: Sequence[str]) -> list[nn.Module]:
+    """The other children of the module holding the blocks (a Llama's final ``norm``, its embedding): chunked as a
+    block's layers are, where :func:`~lightning_hbm.callbacks.token_chunks.decide` says yes on the first step.
+
+    Why: the final norm runs outside every checkpoint. A bf16 RMSNorm computing in fp32 then kept its fp32 copy and
+    made its backward's fp32 copies whole, the step's largest backward peak once the blocks' own norms were chunked.
+    """
+    lists = {name.rpartition(".")[0] for name in blocks}  # the container of the blocks (a ModuleList's path)
+    if len(lists) != 1:
+        return []
+    owner_name, _, list_name = lists.pop().rpartition(".")
+    owner = module.get_submodule(owner_name)
+    # leaves only: a sibling with children (a vision tower) is no token-wise layer to chunk as one
+    return [child for name, child in owner.named_children() if name != list_name and not list(child.children())]
 
 
 def _warn_unkept(unkept: dict[str, tuple[str, list[str]]]) -> None:

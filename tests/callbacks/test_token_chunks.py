@@ -279,9 +279,9 @@ def test_a_bf16_4bit_mlp_is_chunked_whatever_rows_the_matmul_kernel_blocks() -> 
     assert decide(mlp, mlp, 2, (torch.randn(2, 512, 768, dtype=torch.bfloat16),), {}) == ""
 
 
-def _bf16_step_peak(llama_factory: Callable, trainer_factory: Callable) -> tuple[int, list[str], dict[str, Tensor]]:
+def _bf16_step_peak(llama_factory: Callable, trainer_factory: Callable) -> tuple[int, list[str], dict[str, Tensor], Any]:
     """A bf16 QLoRA Llama with mlp_chunks=4 after one step: MemTracker's peak of a step at 4 x 256 tokens, the layers
-    chunked, and the trainable gradients of that step."""
+    chunked, the trainable gradients of that step and the final norm's verdict."""
     module = llama_factory(hidden_size=256, intermediate_size=512, num_hidden_layers=2)
     callback = ActivationCheckpointing(mlp_chunks=4)
     trainer = trainer_factory(max_steps=1, plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16")],
@@ -299,7 +299,8 @@ def _bf16_step_peak(llama_factory: Callable, trainer_factory: Callable) -> tuple
     optimizer.zero_grad(set_to_none=True)
     step()
     grads = {n: p.grad.detach().float().clone() for n, p in module.named_parameters() if p.grad is not None}
-    return peak, list(callback.chunked), grads
+    final = module.model.model.norm.__dict__.get("forward")
+    return peak, list(callback.chunked), grads, final.verdict if isinstance(final, ChunkedForward) else None
 
 
 def test_a_bf16_rmsnorm_that_computes_in_fp32_is_chunked_and_the_backward_peak_drops(
@@ -310,11 +311,12 @@ def test_a_bf16_rmsnorm_that_computes_in_fp32_is_chunked_and_the_backward_peak_d
     # only 1x its input and output per token, under WIDENING, so the old rule kept it whole.
     from lightning_hbm.callbacks import token_chunks
 
-    peak, chunked, grads = _bf16_step_peak(llama_factory, trainer_factory)
+    peak, chunked, grads, final_norm = _bf16_step_peak(llama_factory, trainer_factory)
     assert sorted(chunked) == [f"model.model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm", "mlp", "post_attention_layernorm")]
+    assert final_norm == ""  # outside every block too: the final norm (the embedding and rotary table are refused)
     monkeypatch.setattr(token_chunks, "UPCAST", token_chunks.WIDENING)  # the rule before: norms whole
-    old_peak, old_chunked, old_grads = _bf16_step_peak(llama_factory, trainer_factory)
-    assert old_chunked == [f"model.model.layers.{i}.mlp" for i in range(2)]
+    old_peak, old_chunked, old_grads, old_final = _bf16_step_peak(llama_factory, trainer_factory)
+    assert old_chunked == [f"model.model.layers.{i}.mlp" for i in range(2)] and old_final != ""
     # 1024 tokens x 256 wide: one fp32 copy is 1 MiB; the norm's backward held several beside its saved copy
     assert old_peak - peak >= 2 * 2**20, (old_peak, peak)
     assert sorted(grads) == sorted(old_grads)
