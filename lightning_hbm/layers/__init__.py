@@ -36,7 +36,7 @@ from lightning_hbm.layers import readers
 
 # The kinds, in matching order (the first that matches a module wins): Linear first, so that nn.MultiheadAttention's
 # out_proj is a Linear; the experts test last (any module holding 3-D Parameters).
-from lightning_hbm.layers.linear import LINEAR
+from lightning_hbm.layers.linear import LINEAR, Fp32ComputeLinear
 from lightning_hbm.layers.conv1d import CONV1D
 from lightning_hbm.layers.multihead_attention import MULTIHEAD_ATTENTION, ProjectedMultiheadAttention
 from lightning_hbm.layers.conv import CONV, QuantizedConv1d, QuantizedConv2d, QuantizedConv3d
@@ -55,6 +55,7 @@ __all__ = [
     "RAW_WEIGHTS",
     "WARN_SHARE",
     "CoverageRow",
+    "Fp32ComputeLinear",
     "LayerKind",
     "LinearExperts",
     "ProjectedMultiheadAttention",

@@ -254,6 +254,8 @@ def _weight_paths(cls: type) -> tuple[tuple[str, str, bool], ...]:
                 continue
             nodes = list(ast.walk(func))
             harmless = {id(n.value) for n in nodes if isinstance(n, ast.Attribute) and n.attr in _HARMLESS}
+            # isinstance(self.wo.weight, torch.Tensor) (T5's feed-forward) is a type check: true of any weight
+            harmless |= {id(n.args[0]) for n in nodes if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "isinstance" and n.args}
             metadata = {id(n.value) for n in nodes if isinstance(n, ast.Attribute) and n.attr in _METADATA}
             for node in nodes:
                 if not isinstance(node, ast.Attribute) or node.attr != "weight" or id(node) in harmless:
