@@ -587,7 +587,8 @@ _OUTSIDE: dict[str, tuple[str, bool, str]] = {
         "the layer's weight is recomputed from them at every call, so there is nothing fixed to quantize and LoRA "
         "does not reach them",
         False,
-        "factors of {names}. They stay at full size in the parameters term: remove the parametrization before training "
+        "factors of {names}. They stay at full size in the parameters term: QuantizedPrecision folds a convolution's "
+        "weight_norm into one quantized weight; else remove the parametrization before training "
         "(torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight') or torch.nn.utils.remove_weight_norm) to "
         "make each an ordinary layer, or exclude them knowingly",
     ),

@@ -8,7 +8,7 @@ tagged with its reason for the coverage table.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Mapping, Optional, Protocol, Sequence, Union, cast
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -142,10 +142,10 @@ def _listed_layers(
             skipped[name] = ("kept in fp32: the model's _keep_in_fp32_modules", True)
         elif under(name, kept):
             skipped[name] = ("LoRA modules_to_save: trained in full precision", True)
-        elif _parametrized(layer):
-            # weight_norm and other parametrizations compute the weight from their own tensors at each forward:
-            # quantizing the result would drop them (and the checkpoint keys that hold them)
-            skipped[name] = ("weight computed by a parametrization (e.g. weight_norm): kept in the compute dtype", False)
+        elif _parametrized(layer) and not (kind.wrap is not None and _weight_normed(layer)):
+            # other parametrizations (spectral_norm's power iteration, orthogonal) are part of what the layer computes;
+            # a weight_norm is folded on convolutions only, whose wrapper maps its keys back to the factors (resume)
+            skipped[name] = (_PARAMETRIZED if kind.wrap is not None else _PARAMETRIZED_LINEAR, False)
         elif name in (users if name in fp32 else readers):
             # the reader would get the packed integer weight (a low-level dtype/shape error): compute dtype
             skipped[name] = (f"weight read directly by {readers[name]}, not by calling the layer: kept in the compute dtype", False)
@@ -154,9 +154,48 @@ def _listed_layers(
     return chosen, skipped
 
 
+_PARAMETRIZED = "weight computed by a parametrization other than weight_norm: kept in the compute dtype"
+_PARAMETRIZED_LINEAR = (
+    "weight computed by a parametrization (weight_norm is folded into one quantized weight on convolutions only): "
+    "kept in the compute dtype"
+)
+
+
 def _parametrized(layer: nn.Module) -> bool:
     # torch.nn.utils.parametrizations.weight_norm (a parametrization) or the older hook-based weight_norm (weight_g/_v)
     return torch.nn.utils.parametrize.is_parametrized(layer) or isinstance(getattr(layer, "weight_g", None), nn.Parameter)
+
+
+def _weight_normed(layer: nn.Module) -> bool:
+    """Whether ``layer``'s only parametrization is a weight_norm of its weight (the new or the hook-based one)."""
+    if not torch.nn.utils.parametrize.is_parametrized(layer):
+        return _weight_norm_hook(layer) is not None
+    listed = cast(nn.ModuleDict, layer.parametrizations)
+    return list(listed.keys()) == ["weight"] and all(type(p).__name__ == "_WeightNorm" for p in cast(nn.ModuleList, listed["weight"]))
+
+
+def _weight_norm_hook(layer: nn.Module) -> Any:
+    """The hook-based weight_norm of ``layer``'s weight (``torch.nn.utils.weight_norm``), or ``None``."""
+    hooks: list[Any] = list(layer._forward_pre_hooks.values())
+    return next((h for h in hooks if type(h).__name__ == "WeightNorm" and h.name == "weight"), None)
+
+
+def fold_weight_norm(layer: nn.Module) -> bool:
+    """Make ``layer.weight`` the one plain weight its weight_norm computes now (the same numbers); ``False``: none.
+
+    A weight_norm's factors (``g``, ``v``) only differ from that weight while they are trained; the layers a precision
+    mode stores are frozen (LoRA adapts them from outside, ``modules_to_save`` and ``ignore_modules`` are no targets),
+    so the weight is fixed and is quantized like any other (Wav2Vec2 / HuBERT's ``pos_conv_embed.conv``: 29 % of a
+    small HuBERT, was kept in the compute dtype). The layer itself is replaced by its quantized form, factors and all.
+    A parametrized weight is computed at each read: nothing to do (``remove_parametrizations`` would delete the
+    property from the class that deep copies share: the planner's copy would break the user's model). The hook-based
+    one sets a plain attribute at each forward, stale after a load of its factors: recomputed as its hook does.
+    """
+    if not _weight_normed(layer):
+        return False
+    if not torch.nn.utils.parametrize.is_parametrized(layer):
+        setattr(layer, "weight", _weight_norm_hook(layer).compute_weight(layer))
+    return True
 
 
 def _validate(module: nn.Module, quant_mode: QuantFormat, compute_dtype: torch.dtype, ignore_modules: Union[str, Sequence[str]]) -> None:
@@ -294,6 +333,8 @@ def _replace_one(
     """The quantized replacement of the target ``layer`` in ``mode`` (``fp32``: one of the model's
     ``_keep_in_fp32_modules``, stored in ``mode`` and computed in fp32)."""
     kind = _target_kind(layer)
+    if fold_weight_norm(layer):
+        log.info("lightning_hbm: %s: weight_norm folded into one weight before quantization", name)
     linear = cast(Callable[[nn.Module], nn.Linear], kind.to_linear)(layer)
     new = mode.replace(linear, compute_dtype, target)
     if hessians is not None and name in hessians and grid_of(new) is not None:
