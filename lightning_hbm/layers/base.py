@@ -3,7 +3,7 @@
 A *layer kind* is a way real models store a big weight matrix. Each kind is one file of this package that builds
 one :class:`LayerKind` and registers it (:func:`register_kind`): ``linear.py`` (``nn.Linear`` and its subclasses),
 ``conv1d.py`` (transformers' GPT-2 ``Conv1D``), ``multihead_attention.py`` (``nn.MultiheadAttention``), ``conv.py``
-(``nn.Conv1d``/``2d``/``3d``) and ``experts.py`` (the 3-D expert Parameters of transformers-5 MoE layers).
+(``nn.Conv1d``/``2d``/``3d``), ``conv_transpose.py`` (``nn.ConvTranspose1d``/``2d``/``3d``), ``embedding.py`` and ``experts.py`` (the 3-D expert Parameters of transformers-5 MoE layers).
 
 A kind says how a layer of it is found (``matches``), rewritten first if it must be (``prepare``: an equivalent
 module made of Linears), quantized (``to_linear``: an equivalent ``nn.Linear`` handed to the precision mode's
