@@ -36,10 +36,11 @@ from lightning_hbm.layers import readers
 
 # The kinds, in matching order (the first that matches a module wins): Linear first, so that nn.MultiheadAttention's
 # out_proj is a Linear; the experts test last (any module holding 3-D Parameters).
-from lightning_hbm.layers.linear import LINEAR
+from lightning_hbm.layers.linear import LINEAR, Fp32ComputeLinear
 from lightning_hbm.layers.conv1d import CONV1D
 from lightning_hbm.layers.multihead_attention import MULTIHEAD_ATTENTION, ProjectedMultiheadAttention
 from lightning_hbm.layers.conv import CONV, QuantizedConv1d, QuantizedConv2d, QuantizedConv3d
+from lightning_hbm.layers.conv_transpose import CONV_TRANSPOSE, QuantizedConvTranspose1d, QuantizedConvTranspose2d, QuantizedConvTranspose3d
 from lightning_hbm.layers.embedding import EMBEDDING, QuantizedEmbedding
 from lightning_hbm.layers.experts import EXPERTS, LinearExperts
 from lightning_hbm.layers.heads import hf_models, task_heads, task_type
@@ -47,6 +48,7 @@ from lightning_hbm.layers.heads import hf_models, task_heads, task_type
 __all__ = [
     "CONV",
     "CONV1D",
+    "CONV_TRANSPOSE",
     "EMBEDDING",
     "EXPERTS",
     "LINEAR",
@@ -55,12 +57,16 @@ __all__ = [
     "RAW_WEIGHTS",
     "WARN_SHARE",
     "CoverageRow",
+    "Fp32ComputeLinear",
     "LayerKind",
     "LinearExperts",
     "ProjectedMultiheadAttention",
     "QuantizedConv1d",
     "QuantizedConv2d",
     "QuantizedConv3d",
+    "QuantizedConvTranspose1d",
+    "QuantizedConvTranspose2d",
+    "QuantizedConvTranspose3d",
     "QuantizedEmbedding",
     "adaptable_names",
     "base_layer",

@@ -3,7 +3,7 @@
 A *layer kind* is a way real models store a big weight matrix. Each kind is one file of this package that builds
 one :class:`LayerKind` and registers it (:func:`register_kind`): ``linear.py`` (``nn.Linear`` and its subclasses),
 ``conv1d.py`` (transformers' GPT-2 ``Conv1D``), ``multihead_attention.py`` (``nn.MultiheadAttention``), ``conv.py``
-(``nn.Conv1d``/``2d``/``3d``) and ``experts.py`` (the 3-D expert Parameters of transformers-5 MoE layers).
+(``nn.Conv1d``/``2d``/``3d``), ``conv_transpose.py`` (``nn.ConvTranspose1d``/``2d``/``3d``), ``embedding.py`` and ``experts.py`` (the 3-D expert Parameters of transformers-5 MoE layers).
 
 A kind says how a layer of it is found (``matches``), rewritten first if it must be (``prepare``: an equivalent
 module made of Linears), quantized (``to_linear``: an equivalent ``nn.Linear`` handed to the precision mode's
@@ -254,6 +254,8 @@ def _weight_paths(cls: type) -> tuple[tuple[str, str, bool], ...]:
                 continue
             nodes = list(ast.walk(func))
             harmless = {id(n.value) for n in nodes if isinstance(n, ast.Attribute) and n.attr in _HARMLESS}
+            # isinstance(self.wo.weight, torch.Tensor) (T5's feed-forward) is a type check: true of any weight
+            harmless |= {id(n.args[0]) for n in nodes if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "isinstance" and n.args}
             metadata = {id(n.value) for n in nodes if isinstance(n, ast.Attribute) and n.attr in _METADATA}
             for node in nodes:
                 if not isinstance(node, ast.Attribute) or node.attr != "weight" or id(node) in harmless:
@@ -585,7 +587,8 @@ _OUTSIDE: dict[str, tuple[str, bool, str]] = {
         "the layer's weight is recomputed from them at every call, so there is nothing fixed to quantize and LoRA "
         "does not reach them",
         False,
-        "factors of {names}. They stay at full size in the parameters term: remove the parametrization before training "
+        "factors of {names}. They stay at full size in the parameters term: QuantizedPrecision folds a convolution's "
+        "weight_norm into one quantized weight; else remove the parametrization before training "
         "(torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight') or torch.nn.utils.remove_weight_norm) to "
         "make each an ordinary layer, or exclude them knowingly",
     ),

@@ -6,6 +6,10 @@ mode's own Linear layer (every mode, its constants, resume and planner included)
 the compute dtype and convolves (:class:`QuantizedConv2d` and its 1-d/3-d siblings). What it shrinks: the
 **parameters** term; it costs one dequantization per forward (and per recompute), as a 4-bit Linear does.
 
+A convolution under ``weight_norm`` (Wav2Vec2 / HuBERT's positional convolution, HiFi-GAN) is quantized as the one
+weight its factors compute (the same numbers; the factors only differ from it while trained, and a stored weight is
+frozen); resume maps the storage's keys to the factor ``v`` (:attr:`_Quantized.as_built_weight`).
+
 Grouped and depthwise convolutions are quantized too (the same matrix, ``in / groups`` wide; a 3x3 depthwise one has
 9 weights per output channel, within one 64-value block), but they are not LoRA targets: peft needs ``r`` divisible
 by ``groups`` and cannot merge them.
@@ -35,6 +39,8 @@ class _Quantized:
     # set by :meth:`from_quantized` (plain attributes; ``quantized`` is a registered child module)
     _dequantize: Optional[Callable[..., torch.Tensor]]
     compute_dtype: torch.dtype
+    #: the as-built key of the weight the storage holds (local): ``weight``, or a folded weight_norm's direction ``v``
+    as_built_weight: str = "weight"
 
     def storage(self) -> Optional[nn.Module]:
         """The mode's layer holding the weight as a ``[out, in / groups * kernel]`` matrix (``None``: not quantized)."""
@@ -77,6 +83,7 @@ class _Quantized:
         new.bias = conv.bias  # the same Parameter, as a quantized Linear keeps its bias
         new.quantized = quantized
         new._dequantize, new.compute_dtype = dequantize, dtype
+        new.as_built_weight = _weight_source(conv)
         return new
 
 
@@ -94,6 +101,14 @@ class QuantizedConv3d(_Quantized, nn.Conv3d):  # type: ignore[override]  # weigh
 
 _QUANTIZED: dict[type[nn.Module], type[_Quantized]] = {nn.Conv1d: QuantizedConv1d, nn.Conv2d: QuantizedConv2d, nn.Conv3d: QuantizedConv3d}
 _PLAIN = {quantized: plain for plain, quantized in _QUANTIZED.items()}
+
+
+def _weight_source(conv: nn.Module) -> str:
+    """The as-built key of the tensor ``conv``'s weight comes from: a weight_norm's (folded into the stored weight
+    by the quantization) is its direction ``v``, which resume maps the storage's keys to; its norm ``g`` is dropped."""
+    if torch.nn.utils.parametrize.is_parametrized(conv, "weight"):
+        return "parametrizations.weight.original1"
+    return "weight_v" if isinstance(getattr(conv, "weight_v", None), nn.Parameter) else "weight"
 
 
 def _is_conv(module: nn.Module) -> bool:
@@ -128,7 +143,7 @@ def _features(conv: nn.Module) -> tuple[int, int]:
 
 
 def _as_built_keys(conv: nn.Module) -> dict[str, Any]:
-    return {"quantized.weight": "weight"} if _stored_in(conv) is not None else {}
+    return {"quantized.weight": cast(_Quantized, conv).as_built_weight} if _stored_in(conv) is not None else {}
 
 
 CONV = register_kind(
@@ -137,7 +152,8 @@ CONV = register_kind(
         matches=_is_conv,
         to_linear=_as_linear,
         quantized_as="the weight as its [out, in/groups x kernel] matrix in the mode's Linear layer, dequantized to "
-        "the compute dtype at each forward (bitsandbytes has no convolution kernel)",
+        "the compute dtype at each forward (bitsandbytes has no convolution kernel); a weight_norm (Wav2Vec2/HuBERT "
+        "positional conv) folded into the one frozen weight it computes",
         adapted_as="peft LoRA Conv layer (not grouped/depthwise convolutions: peft needs r divisible by groups and "
         "cannot merge them)",
         option="QuantizedPrecision(...) quantizes them; LoRA(target_modules='all-linear') adapts them",

@@ -8,8 +8,9 @@ biases stay trainable in the compute ``dtype``. Built on bitsandbytes directly r
 Lightning's ``BitsandbytesPrecision``, which refuses CPU, freezes biases and can only load fp32
 weights on CUDA (checked with Lightning 2.6: an isinstance check on the accelerator, a CUDA-only load path).
 
-Always left in full precision: Linears tied to another module, the modules a model declares in
-``_keep_in_fp32_modules`` (kept in fp32) and the ``modules_to_save`` of the Trainer's ``LoRA``.
+Always left in full precision: Linears tied to another module and the ``modules_to_save`` of the Trainer's ``LoRA``.
+The Linears a model declares in ``_keep_in_fp32_modules`` (T5's ``wo``) are stored in the mode and compute in fp32
+(:class:`~lightning_hbm.layers.linear.Fp32ComputeLinear`).
 At fit start (rank 0) the layer-kind coverage table is logged (:mod:`lightning_hbm.layers`):
 per kind, parameters quantized / adapted / checkpointed / left alone and why; a kind holding
 more than 5 % of the parameters that nothing handles is a warning naming it.

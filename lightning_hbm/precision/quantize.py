@@ -8,7 +8,7 @@ tagged with its reason for the coverage table.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Mapping, Optional, Protocol, Sequence, Union, cast
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +20,7 @@ from lightning_hbm.layers import (
     EMBEDDING, LINEAR, LayerKind, base_layer, find_layers, kind_names, kind_of, output_heads, prepare_model,
     stored_in, weight_readers,
 )  # fmt: skip
+from lightning_hbm.layers.linear import Fp32ComputeLinear
 from lightning_hbm.layers.embedding import QuantizedEmbedding, convertible, is_plain_embedding, tie_heads, tied_heads
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.naming import name_matches, under
@@ -45,7 +46,9 @@ def keep_in_fp32_names(module: nn.Module) -> set[str]:
 
     T5 declares ``wo``: its feed-forward casts the hidden states to ``wo.weight.dtype``, which is
     ``uint8`` for a packed 4-bit weight (a crash deep inside dropout). transformers' own quantizers
-    never convert them; matched as transformers does, by a component of the module name.
+    never convert them; here a Linear of them is stored in the mode and computes in fp32 (its weight reads as fp32:
+    :class:`~lightning_hbm.layers.linear.Fp32ComputeLinear`). Matched as transformers does, by a component of the
+    module name.
     """
     kept: set[str] = set()
     for root, sub in module.named_modules():
@@ -115,6 +118,9 @@ def _listed_layers(
     fp32 = keep_in_fp32_names(module)
     kept = [n for n, _ in module.named_modules() if n and name_matches(n, list(keep_modules))]
     readers = weight_readers(module)
+    # a layer computed in fp32 (_keep_in_fp32_modules) shows its weight dequantized in fp32: a read of its dtype or
+    # shape (T5's feed-forward casts to wo.weight.dtype) sees what it saw before
+    users = weight_readers(module, uses_only=True) if fp32 else {}
     chosen: list[tuple[str, nn.Module]] = []
     skipped: dict[str, tuple[str, bool]] = {}
     for name, layer, kind in find_layers(module):
@@ -131,15 +137,16 @@ def _listed_layers(
             skipped[name] = ("weight tied to another module", True)
         elif name in heads:
             skipped[name] = ("output head kept in full precision (quantize_head=True quantizes it)", True)
-        elif name in fp32:
+        elif name in fp32 and (kind is not LINEAR or record.counted_as(layer) is not None):
+            # the fp32-computing wrapper is an nn.Linear: for a plain Linear only (T5's wo), others stay as they were
             skipped[name] = ("kept in fp32: the model's _keep_in_fp32_modules", True)
         elif under(name, kept):
             skipped[name] = ("LoRA modules_to_save: trained in full precision", True)
-        elif _parametrized(layer):
-            # weight_norm and other parametrizations compute the weight from their own tensors at each forward:
-            # quantizing the result would drop them (and the checkpoint keys that hold them)
-            skipped[name] = ("weight computed by a parametrization (e.g. weight_norm): kept in the compute dtype", False)
-        elif name in readers:
+        elif _parametrized(layer) and not (kind.wrap is not None and _weight_normed(layer)):
+            # other parametrizations (spectral_norm's power iteration, orthogonal) are part of what the layer computes;
+            # a weight_norm is folded on convolutions only, whose wrapper maps its keys back to the factors (resume)
+            skipped[name] = (_PARAMETRIZED if kind.wrap is not None else _PARAMETRIZED_LINEAR, False)
+        elif name in (users if name in fp32 else readers):
             # the reader would get the packed integer weight (a low-level dtype/shape error): compute dtype
             skipped[name] = (f"weight read directly by {readers[name]}, not by calling the layer: kept in the compute dtype", False)
         else:
@@ -147,9 +154,48 @@ def _listed_layers(
     return chosen, skipped
 
 
+_PARAMETRIZED = "weight computed by a parametrization other than weight_norm: kept in the compute dtype"
+_PARAMETRIZED_LINEAR = (
+    "weight computed by a parametrization (weight_norm is folded into one quantized weight on convolutions only): "
+    "kept in the compute dtype"
+)
+
+
 def _parametrized(layer: nn.Module) -> bool:
     # torch.nn.utils.parametrizations.weight_norm (a parametrization) or the older hook-based weight_norm (weight_g/_v)
     return torch.nn.utils.parametrize.is_parametrized(layer) or isinstance(getattr(layer, "weight_g", None), nn.Parameter)
+
+
+def _weight_normed(layer: nn.Module) -> bool:
+    """Whether ``layer``'s only parametrization is a weight_norm of its weight (the new or the hook-based one)."""
+    if not torch.nn.utils.parametrize.is_parametrized(layer):
+        return _weight_norm_hook(layer) is not None
+    listed = cast(nn.ModuleDict, layer.parametrizations)
+    return list(listed.keys()) == ["weight"] and all(type(p).__name__ == "_WeightNorm" for p in cast(nn.ModuleList, listed["weight"]))
+
+
+def _weight_norm_hook(layer: nn.Module) -> Any:
+    """The hook-based weight_norm of ``layer``'s weight (``torch.nn.utils.weight_norm``), or ``None``."""
+    hooks: list[Any] = list(layer._forward_pre_hooks.values())
+    return next((h for h in hooks if type(h).__name__ == "WeightNorm" and h.name == "weight"), None)
+
+
+def fold_weight_norm(layer: nn.Module) -> bool:
+    """Make ``layer.weight`` the one plain weight its weight_norm computes now (the same numbers); ``False``: none.
+
+    A weight_norm's factors (``g``, ``v``) only differ from that weight while they are trained; the layers a precision
+    mode stores are frozen (LoRA adapts them from outside, ``modules_to_save`` and ``ignore_modules`` are no targets),
+    so the weight is fixed and is quantized like any other (Wav2Vec2 / HuBERT's ``pos_conv_embed.conv``: 29 % of a
+    small HuBERT, was kept in the compute dtype). The layer itself is replaced by its quantized form, factors and all.
+    A parametrized weight is computed at each read: nothing to do (``remove_parametrizations`` would delete the
+    property from the class that deep copies share: the planner's copy would break the user's model). The hook-based
+    one sets a plain attribute at each forward, stale after a load of its factors: recomputed as its hook does.
+    """
+    if not _weight_normed(layer):
+        return False
+    if not torch.nn.utils.parametrize.is_parametrized(layer):
+        setattr(layer, "weight", _weight_norm_hook(layer).compute_weight(layer))
+    return True
 
 
 def _validate(module: nn.Module, quant_mode: QuantFormat, compute_dtype: torch.dtype, ignore_modules: Union[str, Sequence[str]]) -> None:
@@ -200,8 +246,8 @@ def quantize_model(
     Every layer kind of :mod:`lightning_hbm.layers` that can be quantized is (``nn.Linear`` and its
     subclasses, transformers ``Conv1D``, ``nn.MultiheadAttention`` through its projections), except:
     ``ignore_modules``, Linears tied to another module, the output head (:func:`~lightning_hbm.layers.output_heads`)
-    (unless ``quantize_head``), the modules a model declares in ``_keep_in_fp32_modules`` (kept in
-    fp32) and ``keep_modules`` (LoRA's ``modules_to_save``). Each layer left alone is tagged with the
+    (unless ``quantize_head``) and ``keep_modules`` (LoRA's ``modules_to_save``); the Linears a model declares in
+    ``_keep_in_fp32_modules`` are stored in the mode and compute in fp32. Each layer left alone is tagged with the
     reason (the coverage table shows it). Works on a model that already holds its loaded weights.
     Validates everything before changing anything. ``layer_modes`` (``{layer name: mode name}``, e.g. a
     sensitivity-aware plan) overrides ``mode`` per layer; ``"none"`` keeps that layer in the compute
@@ -262,28 +308,14 @@ def _quantize_listed(
         if modes[name] is not None:
             kind = _target_kind(layer)
             cast(QuantFormat, modes[name]).check(name, cast(Callable[[nn.Module], nn.Linear], kind.to_linear)(layer) if kind.wrap is not None else layer)
+    fp32 = keep_in_fp32_names(module)
     for name, layer in targets:
         if modes[name] is None:  # kept unquantized by the plan: frozen like every other base weight
             layer.weight.requires_grad_(False)
             continue
-        kind = _target_kind(layer)
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        linear = cast(Callable[[nn.Module], nn.Linear], kind.to_linear)(layer)
-        new = cast(QuantFormat, modes[name]).replace(linear, compute_dtype, target)  # not None: checked above
-        if hessians is not None and name in hessians and grid_of(new) is not None:
-            gptq_round_(new, linear.weight, hessians[name])
-        if correct is not None and kind.wrap is None:
-            correct.fit(name, new, linear.weight)
-        elif correct is not None:
-            correct.skip(name, f"a {kind.name} layer: the correction is written for Linear-like layers only")
-        if kind.wrap is not None:  # a convolution: the mode's layer holds its weight matrix, the wrapper convolves
-            new = kind.wrap(layer, new, cast(QuantFormat, modes[name]).dequantize, compute_dtype)
-            record.set_converted(new, kind.name)  # resume maps its storage's keys to the conv's weight
-        if kind is not LINEAR:
-            record.set_kind(new, kind.name)  # a quantized Conv1D is still counted as one
-        elif record.counted_as(layer) is not None:
-            record.set_kind(new, record.counted_as(layer))
+        new = _replace_one(name, layer, cast(QuantFormat, modes[name]), compute_dtype, target, hessians, correct, name in fp32)
         setattr(parent, child_name, new)
         if isinstance(new, QuantizedEmbedding):  # a head tied to it computes with its one quantized copy
             tie_heads(module, layer, new)
@@ -292,6 +324,37 @@ def _quantize_listed(
     kinds = {m.peft_kind for m in modes.values() if m is not None}
     peft_compat.mark_quantized(module, cast(set[str], kinds & {"4bit", "8bit"}))  # strings only: None is in neither
     return [name for name, _ in targets]
+
+
+def _replace_one(
+    name: str, layer: nn.Module, mode: QuantFormat, compute_dtype: torch.dtype, target: Optional[torch.device],
+    hessians: Optional[Mapping[str, Tensor]], correct: Optional[Correct], fp32: bool,
+) -> nn.Module:
+    """The quantized replacement of the target ``layer`` in ``mode`` (``fp32``: one of the model's
+    ``_keep_in_fp32_modules``, stored in ``mode`` and computed in fp32)."""
+    kind = _target_kind(layer)
+    if fold_weight_norm(layer):
+        log.info("lightning_hbm: %s: weight_norm folded into one weight before quantization", name)
+    linear = cast(Callable[[nn.Module], nn.Linear], kind.to_linear)(layer)
+    new = mode.replace(linear, compute_dtype, target)
+    if hessians is not None and name in hessians and grid_of(new) is not None:
+        gptq_round_(new, linear.weight, hessians[name])
+    if correct is not None and kind.wrap is None and not fp32:
+        correct.fit(name, new, linear.weight)
+    elif correct is not None:
+        what = f"a {kind.name} layer" if kind.wrap is not None else "computed in fp32 (_keep_in_fp32_modules)"
+        correct.skip(name, f"{what}: the correction is written for Linear-like layers computing in the compute dtype only")
+    if kind.wrap is not None:  # a convolution: the mode's layer holds its weight matrix, the wrapper convolves
+        new = kind.wrap(layer, new, mode.dequantize, compute_dtype)
+        record.set_converted(new, kind.name)  # resume maps its storage's keys to the conv's weight
+    elif fp32:  # the mode's layer holds the weight; the wrapper computes in fp32, as the fp32 layer did
+        new = Fp32ComputeLinear.from_quantized(linear, new, mode.dequantize)
+        record.set_converted(new, LINEAR.name)  # resume maps its storage's keys to the layer's weight
+    if kind is not LINEAR:
+        record.set_kind(new, kind.name)  # a quantized Conv1D is still counted as one
+    elif record.counted_as(layer) is not None:
+        record.set_kind(new, record.counted_as(layer))
+    return new
 
 
 def _cast_the_rest(module: nn.Module, compute_dtype: torch.dtype) -> None:

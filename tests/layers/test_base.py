@@ -93,7 +93,7 @@ def test_the_docs_kind_table_is_the_registry() -> None:
         "docs/adapters.md's kind table differs from the registry: paste the output of "
         "python -c 'from lightning_hbm.layers import kind_table; print(kind_table())'"
     )
-    assert len(kind_table().splitlines()) == 2 + len(layer_kinds()) == 8
+    assert len(kind_table().splitlines()) == 2 + len(layer_kinds()) == 9
 
 
 def test_a_new_kind_is_one_registration(registry: dict[str, LayerKind], raw_model: nn.Module) -> None:

@@ -3,6 +3,7 @@ head, ``modules_to_save``, layers narrower than LoRA's r, Linear subclasses with
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -10,23 +11,98 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from kind_models import VOCAB, Wrapped, build, build_any, fit, fit_epochs_module, tokens
+from kind_models import VOCAB, GradientRecorder, Wrapped, build, build_any, fit, fit_epochs_module, tokens
 from torch import nn
 from torch.utils.data import DataLoader
+from transformers import T5Config, T5ForConditionalGeneration
 
-from lightning_hbm import LoRA, quantize_model
-from lightning_hbm.layers import base_layer, coverage
+from lightning_hbm import LoRA, QuantizedPrecision, quantize_model
+from lightning_hbm.layers import base_layer, coverage, stored_in
+from lightning_hbm.layers.linear import Fp32ComputeLinear
+from lightning_hbm.memory import parameter_bytes
+from lightning_hbm.precision.registry import get_format
 
 
-def test_t5_keep_in_fp32_modules_stay_fp32_and_nf4_runs() -> None:
-    module = build("t5")
+def t5_v11() -> nn.Module:
+    """A tiny T5-v1.1 / Flan-T5 (gated GELU feed-forward), whose ``wo`` transformers keeps in fp32."""
+    config = T5Config(
+        d_model=128, d_ff=256, num_layers=2, num_heads=2, d_kv=64, vocab_size=VOCAB, decoder_start_token_id=0,
+        feed_forward_proj="gated-gelu", dropout_rate=0.0,
+    )  # fmt: skip
+    return T5ForConditionalGeneration(config)
+
+
+WO = "model.encoder.block.0.layer.1.DenseReluDense.wo"
+
+
+def test_t5_wo_is_stored_in_the_mode_and_computes_in_fp32() -> None:
+    """Was: ``wo`` (``_keep_in_fp32_modules``) kept as an fp32 weight, 4 bytes a weight (2.0 GB at T5-v1.1-XL)."""
+    torch.manual_seed(0)
+    module = Wrapped(t5_v11(), "seq2seq")
     module.model.to(torch.bfloat16)
-    quantize_model(module, "nf4", dtype="bfloat16")
-    wo = module.model.encoder.block[0].layer[1].DenseReluDense.wo
-    assert type(wo) is nn.Linear and wo.weight.dtype == torch.float32
-    loss = module.loss(tokens())  # crashed in dropout: "result type BFloat16 can't be cast to ... Byte"
+    wos = [n for n, _ in module.named_modules() if n.endswith(".wo")]
+    quantize_model(module, "nf4-dq", dtype="bfloat16")
+    wo = module.get_submodule(WO)
+    assert isinstance(wo, Fp32ComputeLinear) and not stored_in(wo).weight.is_floating_point()
+    assert wo.weight.dtype == torch.float32 and wo.weight.shape == (128, 256)  # T5 casts its input to this dtype
+    # 0.53 B a weight (nf4-dq) instead of 4: a 256 x 128 wo is 17 KiB, not 128 KiB
+    assert all(parameter_bytes(module.get_submodule(n)) < 0.6 * 256 * 128 for n in wos)
+    seen: dict[str, torch.Tensor] = {}
+    wo.register_forward_hook(lambda layer, args, out: seen.update(x=args[0], out=out))
+    loss = module.loss(tokens())
     loss.backward()
-    assert math.isfinite(loss.item())
+    assert math.isfinite(loss.item()) and seen["x"].dtype == seen["out"].dtype == torch.float32
+    want = F.linear(seen["x"], get_format("nf4-dq").dequantize(stored_in(wo), torch.float32))
+    torch.testing.assert_close(seen["out"], want, rtol=0, atol=0)
+    rows = {r.kind: r for r in coverage(module, quantizing=True, adapting=False)}
+    assert not any("fp32" in why for why in rows["Linear"].reasons)
+    assert rows["Linear"].quantized == rows["Linear"].params - VOCAB * 128  # all but the head tied to the embedding
+
+
+def fit_t5(tmp_path: Any, epochs: int, ckpt_path: Any = None, save: bool = False) -> tuple[Wrapped, GradientRecorder]:
+    torch.manual_seed(0)
+    module, recorder = Wrapped(t5_v11(), "seq2seq"), GradientRecorder()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+        plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16")], callbacks=[LoRA(r=8, alpha=16), recorder],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader([tokens(1), tokens(2)], batch_size=None), ckpt_path=ckpt_path)
+    if save:
+        trainer.save_checkpoint(tmp_path / "half.ckpt")
+    return module, recorder
+
+
+@pytest.mark.slow
+def test_t5_wo_trains_with_lora_in_bf16_and_resumes_exactly(tmp_path: Any) -> None:
+    straight, recorder = fit_t5(tmp_path, 2)
+    assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
+    wo = straight.get_submodule(WO)
+    assert isinstance(base_layer(wo), Fp32ComputeLinear) and wo.lora_A["default"].weight.grad is not None
+    rows = {r.kind: r for r in straight.lightning_hbm_coverage}
+    assert not any("fp32" in why for why in rows["Linear"].reasons) and rows["Linear"].unhandled == 0
+    fit_t5(tmp_path, 1, save=True)
+    resumed, _ = fit_t5(tmp_path, 2, ckpt_path=tmp_path / "half.ckpt")
+    want, got = LoRA.adapter_state_dict(straight), LoRA.adapter_state_dict(resumed)
+    assert set(want) == set(got) and any(".wo." in k for k in want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_the_planner_counts_t5_wo_as_stored() -> None:
+    from lightning_hbm.planner import Candidate, predict, quantized_parameter_bytes
+
+    torch.manual_seed(0)
+    module = Wrapped(t5_v11(), "seq2seq")
+    planned = quantized_parameter_bytes(copy.deepcopy(module), "nf4-dq", "bfloat16")
+    prediction = predict(copy.deepcopy(module), tokens(), Candidate(precision="nf4-dq", dtype="bfloat16", lora_r=8))
+    quantize_model(module, "nf4-dq", dtype="bfloat16")
+    assert planned == parameter_bytes(module)
+    LoRA(r=8).transform_model(module)
+    assert isinstance(base_layer(module.get_submodule(WO)), Fp32ComputeLinear)
+    assert prediction.categories["parameters"] == parameter_bytes(module)
+    assert prediction.trainable_params == sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
 

@@ -228,7 +228,7 @@ def test_unsupported_dtype_for_mode() -> None:
 
 def test_model_without_linear_layers() -> None:
     model = nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4))
-    with pytest.raises(ValueError, match=r"Sequential has no layer of a kind a precision mode quantizes \(Linear, Conv1D, MultiheadAttention, Conv, Embedding with quantize_embeddings=True, Experts.*\), so precision mode 'nf4'.*precision='bf16-true'"):
+    with pytest.raises(ValueError, match=r"Sequential has no layer of a kind a precision mode quantizes \(Linear, Conv1D, MultiheadAttention, Conv, ConvTranspose, Embedding with quantize_embeddings=True, Experts.*\), so precision mode 'nf4'.*precision='bf16-true'"):
         quantize_model(model, "nf4")
 
 
