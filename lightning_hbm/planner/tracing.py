@@ -60,6 +60,7 @@ from lightning_hbm.planner.building import (
 from lightning_hbm.planner.candidates import Candidate
 from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.precision import QuantizedPrecision
+from lightning_hbm.running import RunningModules
 from lightning_hbm.surgery import SurgeryCallback, run_surgery, transform_optimizers
 
 PHASES = ("forward", "backward", "step")
@@ -80,6 +81,8 @@ class Trace:
     scopes: dict[str, dict[str, int]] = field(default_factory=dict)
     fallbacks: dict[str, str] = field(default_factory=dict)  # module name -> why it ran on real zeros
     host: int = 0  # bytes ActivationCheckpointing(offload=True) moved to host memory (device="cuda"), pinned footprint
+    # selections by a mask without values in the LightningModule's own code, planned at their largest: op -> what
+    selections: dict[str, str] = field(default_factory=dict)
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -104,7 +107,7 @@ class Trace:
         fallbacks = {**self.fallbacks, **deeper.fallbacks}
         host = line(self.host, deeper.host)
         return Trace(phases, trainable, total, depth, depth, self.block_bytes, max(self.guessed, deeper.guessed), scopes,
-                     fallbacks, host)
+                     fallbacks, host, {**self.selections, **deeper.selections})
 
     def peak_scopes(self) -> dict[str, int]:
         """Each scope term's bytes at the peak phase (the registry's scope terms, :func:`~lightning_hbm.memory.terms.scope_terms`)."""
@@ -152,6 +155,10 @@ def trace(
         stack.enter_context(fake_mode)
         stack.enter_context(values)
         stack.enter_context(torch_compat.FakeGroupedMM())  # transformers' MoE experts in float32
+        running = stack.enter_context(RunningModules())
+        # a selection by a mask without values in the LightningModule's own code (its loss) is planned at its largest
+        # size; inside a submodule it fails, and the module runs for real (real_types) as named by _name_untraceable
+        values.bound_selections = lambda: not any(m is not module and _part_of(m, module) for m in running.stack)
         with plugin.tensor_init_context():
             module.configure_model()
         _adopt_foreign_fakes(module, fake_mode)
@@ -180,7 +187,12 @@ def trace(
         block_bytes = max((parameter_bytes(block) for _, block in _blocks(module)), default=0)
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
-    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host)
+    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections)
+
+
+def _part_of(submodule: nn.Module, model: nn.Module) -> bool:
+    """Whether ``submodule`` is one of ``model``'s modules (asked only when a selection has no values: rare)."""
+    return any(m is submodule for m in model.modules())
 
 
 class _HostOffload(OffloadSavedTensors):
@@ -284,12 +296,18 @@ _FAKE_FAILURES = (DataDependentOutputException, DynamicOutputShapeException, Uns
 
 
 class UntraceableModule(RuntimeError):
-    """A submodule's forward cannot run on fake tensors; :attr:`module_name` names the innermost one."""
+    """A submodule's forward cannot run on fake tensors; :attr:`module_name` names the innermost one.
+
+    ``module_name`` ``"training_step"``: the LightningModule's own code (its ``training_step`` or ``forward``), which no
+    fallback runs for real (that would be the whole model): :attr:`runs_for_real` is False.
+    """
 
     def __init__(self, module_name: str, module_type: str, error: Exception) -> None:
         self.module_name, self.module_type = module_name, module_type
+        self.runs_for_real = module_name != "training_step"
+        where = f"the forward of {module_name} ({module_type})" if self.runs_for_real else f"{module_type}.training_step"
         super().__init__(
-            f"the forward of {module_name} ({module_type}) cannot run on fake tensors: {type(error).__name__}: {error}. "
+            f"{where} cannot run on fake tensors: {type(error).__name__}: {error}. "
             "Its Python reads values of a tensor too large for a real twin (more than "
             "lightning_hbm.planner.realvalues.MAX_TWIN_ELEMENTS elements) or calls an op with no fake kernel. Fix: "
             "write the branch without reading values (torch.where instead of `if tensor...:`, masks instead of "
@@ -307,7 +325,7 @@ def _name_untraceable(model: nn.Module) -> Iterator[None]:
     :class:`lightning_hbm.running.RunningModules` on purpose: its leaving hook also runs when a forward raises,
     which would empty the stack before the failure is named.
     """
-    names = {id(m): name or "the LightningModule" for name, m in model.named_modules()}
+    names = {id(m): name for name, m in model.named_modules() if m is not model}
     stack: list[nn.Module] = []
 
     def push(module: nn.Module, args: Any) -> None:
@@ -323,8 +341,8 @@ def _name_untraceable(model: nn.Module) -> Iterator[None]:
         yield
     except _FAKE_FAILURES as err:
         inner = next((m for m in reversed(stack) if id(m) in names), None)
-        if inner is None:
-            raise
+        if inner is None:  # the LightningModule's own code: no module to run for real but the whole model
+            raise UntraceableModule("training_step", type(model).__name__, err) from err
         raise UntraceableModule(names[id(inner)], type(inner).__name__, err) from err
     finally:
         pre.remove()
