@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
     unset_fake_temporarily,
 )
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
 from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt, _disable_current_modes
 from lightning_hbm._compat import torch as torch_compat
@@ -365,6 +365,10 @@ class _RealRun(torch.autograd.Function):
         return (None, None, *(torch.zeros(s, dtype=d) if n else None for (s, d), n in zip(ctx.inputs, needed)))
 
 
+#: Values besides tensors a forward that ran for real may return (they are the zeros' values, kept as they are).
+_PLAIN_VALUES = (bool, int, float, str, type(None))
+
+
 def _run_for_real(module: nn.Module, fallbacks: dict[str, str], reason: str, name: str) -> None:
     """Replace ``module``'s forward (in place) by a real run on zeros of the fake inputs' shapes, traced as
     :class:`_RealRun`; ``fallbacks[name]`` says so once it ran."""
@@ -390,16 +394,20 @@ def _run_for_real(module: nn.Module, fallbacks: dict[str, str], reason: str, nam
                     )
             finally:
                 torch_compat.override_forward(module, forward)
-            outs = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, tuple) else None
-            if outs is None or not all(isinstance(t, torch.Tensor) for t in outs):
-                raise TypeError(f"{name} returns {type(out).__name__}: the real-tensor fallback handles tensors and tuples")
+            # lists and dicts too: torchvision's RPN returns (a list of boxes per image, a dict of losses)
+            leaves, spec = tree_flatten(out)
+            other = next((t for t in leaves if not isinstance(t, (torch.Tensor, *_PLAIN_VALUES))), None)
+            if other is not None:
+                raise TypeError(f"{name} returns {type(out).__name__} holding {type(other).__name__}: the real-tensor "
+                                "fallback handles tensors, numbers and strings in tuples, lists and dicts")
+            outs = [t for t in leaves if isinstance(t, torch.Tensor)]
             # inputs, weights and outputs are in the trace already: only what the forward saved besides them
             known = {id(t.untyped_storage()) for t in (*real.values(), *real_weights.values(), *outs)}
             saved_bytes = sum(n for key, n in saved.items() if key not in known)
             shapes = [(t.shape, t.dtype) for t in outs]
-        result = _RealRun.apply(shapes, saved_bytes, *fakes, *weights.values())
+        result = iter(_RealRun.apply(shapes, saved_bytes, *fakes, *weights.values()))
         fallbacks[name] = reason
-        return result[0] if isinstance(out, torch.Tensor) else result
+        return tree_unflatten([next(result) if isinstance(t, torch.Tensor) else t for t in leaves], spec)
 
     torch_compat.override_forward(module, forward)
 
