@@ -57,7 +57,7 @@ from lightning_hbm.planner.building import (
     _quiet_logs,
     build_template,
 )
-from lightning_hbm.planner.candidates import Candidate
+from lightning_hbm.planner.candidates import Candidate, format_bytes
 from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.precision import QuantizedPrecision
 from lightning_hbm.running import RunningModules
@@ -369,6 +369,23 @@ class _RealRun(torch.autograd.Function):
 _PLAIN_VALUES = (bool, int, float, str, type(None))
 
 
+#: Most host memory the zeros of a module run for real may take (inputs and weights); beyond, the plan stops with the
+#: fix instead: a submodule that is most of a large model (a VLM's language model) would take the model's size for real.
+MAX_REAL_RUN_BYTES = 2 * 2**30
+
+
+def _check_real_run(name: str, module: nn.Module, reason: str, tensors: tuple[torch.Tensor, ...]) -> None:
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    if nbytes > MAX_REAL_RUN_BYTES:
+        raise RuntimeError(
+            f"the forward of {name} ({type(module).__name__}) cannot run on fake tensors ({reason}), and running it for "
+            f"real on zeros would take {format_bytes(nbytes)} of host memory (inputs and weights; more than "
+            f"lightning_hbm.planner.tracing.MAX_REAL_RUN_BYTES = {format_bytes(MAX_REAL_RUN_BYTES)}). Fix: write the "
+            "branch without reading values (torch.where instead of `if tensor...:`, masks instead of nonzero/boolean "
+            "indexing), or measure this configuration with a real step (lightning_hbm.planner.reference.memtracker_peak)."
+        )
+
+
 def _run_for_real(module: nn.Module, fallbacks: dict[str, str], reason: str, name: str) -> None:
     """Replace ``module``'s forward (in place) by a real run on zeros of the fake inputs' shapes, traced as
     :class:`_RealRun`; ``fallbacks[name]`` says so once it ran."""
@@ -377,6 +394,7 @@ def _run_for_real(module: nn.Module, fallbacks: dict[str, str], reason: str, nam
     def forward(*args: Any, **kwargs: Any) -> Any:
         fakes = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         weights = dict(itertools.chain(module.named_parameters(), module.named_buffers()))
+        _check_real_run(name, module, reason, (*fakes, *weights.values()))
         with _disable_current_modes(), torch.enable_grad():
             real = {id(t): torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad) for t in fakes}
             real_weights = {k: torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad) for k, t in weights.items()}
