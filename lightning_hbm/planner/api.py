@@ -42,7 +42,7 @@ from lightning_hbm.memory import (
 )
 from lightning_hbm.planner.candidates import Candidate, default_candidates, format_bytes, parse_bytes
 from lightning_hbm.planner.building import ModelLike, Template, _build, _fake_mode, _quiet_logs, build_template
-from lightning_hbm.planner.tracing import Trace, UntraceableModule
+from lightning_hbm.planner.tracing import Trace, UntraceableModule, _block_list
 from lightning_hbm.planner.tracing import trace as _trace
 from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.precision import get_format, quantize_model, to_dtype
@@ -58,6 +58,14 @@ CUDA_CONTEXT_BYTES = 768 * 2**20
 HOST_OFFLOAD = term("host_offload").name
 #: The host term the ``offload_activations`` axis predicts on CUDA: the checkpointed blocks' inputs, pinned.
 HOST_ACTIVATIONS = term("host_activations").name
+
+
+#: What the plan says of a selection by a mask without values (:attr:`Prediction.selections`).
+_SELECTED = (
+    "the LightningModule's own code (training_step, forward): planned with every element of the mask selected, the "
+    "largest size it can have (an upper bound; a mask of at most lightning_hbm.planner.realvalues.MAX_TWIN_ELEMENTS "
+    "elements is read exactly)"
+)
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,11 @@ class Prediction:
             shapes instead, with the reason (``"blocks.0.mixer (real tensors: DynamicOutputShapeException: ...)"``):
             their outputs and what they save for backward are counted; temporaries inside them are not, and a
             data-dependent size is the one zeros give.
+        uncut: why the trace with the repeated blocks cut failed (the model indexes a block beyond the cut: SAM's
+            ``output_hypernetworks_mlps[3]``), when the whole model was traced instead; ``""`` when the cut traced.
+        selections: selections by a boolean mask in the LightningModule's own code (a detection loss's ``boxes[fg]``)
+            whose mask fake tensors hold no values for (more than ``MAX_TWIN_ELEMENTS`` elements): planned with every
+            element selected, the largest size they can have (an upper bound), by op and mask size.
     """
 
     candidate: Candidate
@@ -98,6 +111,8 @@ class Prediction:
     loss: int = 0
     fallbacks: tuple[str, ...] = ()
     side: dict[str, int] = field(default_factory=dict)
+    uncut: str = ""
+    selections: tuple[str, ...] = ()
 
     def per_rank(self, world_size: int) -> dict[str, int]:
         """Bytes per category on each of ``world_size`` ranks under FSDP/ZeRO-3 (see :func:`shard_categories`).
@@ -283,21 +298,27 @@ def predict(
             try:
                 return _trace(model, batch, candidate, device, keep_blocks, real_types, probe_batch)
             except UntraceableModule as err:
-                if err.module_type in real_types:
+                if err.module_type in real_types or not err.runs_for_real:
                     raise
                 real_types[err.module_type] = f"{type(err.__cause__).__name__}: {err.__cause__}".splitlines()[0]
 
+    uncut = ""
     # named blocks: cutting the list would rename them; a mixed-precision plan differs block by block (no line)
     if extrapolate is False or candidate.blocks is not None or candidate.layer_modes is not None:
         result = trace(model, batch, candidate, device, keep_blocks=None)
     else:
-        result = trace(model, batch, candidate, device, keep_blocks=3)
-        depth = result.depth
-        if depth > 4 and (extrapolate is True or depth >= 8):
-            deeper = trace(model, batch, candidate, device, keep_blocks=4)
-            result = result.extrapolate(deeper, depth)
-        elif depth > 3:
-            result = trace(model, batch, candidate, device, keep_blocks=None)
+        try:
+            result = _cut_and_extend(trace, model, batch, candidate, device, extrapolate)
+        except Exception as err:
+            path, depth = _block_list(model.module)
+            if depth <= 3:
+                raise  # nothing was cut: the whole model fails the same way
+            result = trace(model, batch, candidate, device, keep_blocks=None)  # its own error if the whole fails too
+            reason = f"{type(err).__name__}: {err}".splitlines()[0]
+            uncut = f"{path or 'the blocks'} cut to 3 of {depth} blocks failed ({reason}); traced the whole model instead"
+            warnings.warn(f"lightning_hbm plan: {uncut} (exact, but slower to plan).", stacklevel=2)
+    for selection in result.selections.values():
+        warnings.warn(f"lightning_hbm plan: {selection} in {_SELECTED}", stacklevel=2)
     host = 0
     if candidate.offload:  # stated model: states leave the device, transfer buffers are not counted
         host = max(phase["optimizer_states"] for phase in result.phases.values())
@@ -317,8 +338,29 @@ def predict(
         guessed_reads=result.guessed,
         loss=scopes.get(LOSS_SCOPE, 0),
         fallbacks=tuple(f"{name} (real tensors: {reason})" for name, reason in sorted(result.fallbacks.items())),
+        uncut=uncut,
+        selections=tuple(result.selections.values()),
         side={**scopes, HOST_OFFLOAD: host, HOST_ACTIVATIONS: result.host},
     )
+
+
+def _cut_and_extend(
+    trace: Callable[[Any, Any, Candidate, str, Optional[int]], Trace],
+    model: Template,
+    batch: Any,
+    candidate: Candidate,
+    device: str,
+    extrapolate: Union[bool, Literal["auto"]],
+) -> Trace:
+    """The trace with the repeated blocks cut to 3 (and 4), extended to the real depth (see :func:`predict`)."""
+    result = trace(model, batch, candidate, device, 3)
+    depth = result.depth
+    if depth > 4 and (extrapolate is True or depth >= 8):
+        deeper = trace(model, batch, candidate, device, 4)
+        return result.extrapolate(deeper, depth)
+    if depth > 3:
+        return trace(model, batch, candidate, device, None)
+    return result
 
 
 @dataclass
@@ -406,6 +448,8 @@ class Plan:
                     f"{p.candidate.name}: fake tensors cannot run {', '.join(p.fallbacks)}; ran for real on zeros of "
                     "their inputs' shapes (outputs and saved tensors counted, temporaries inside them not)"
                 )
+        notes += [f"{p.candidate.name}: {p.uncut}" for p in self.predictions if p.uncut]
+        notes += [f"{p.candidate.name}: {s} in {_SELECTED}" for p in self.predictions for s in p.selections]
         for p in self.predictions:  # the host terms (lightning_hbm.memory.terms): off the device, not in the peak
             terms = p.terms
             for t in host_terms():

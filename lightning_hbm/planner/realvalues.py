@@ -21,6 +21,7 @@ construction; they are computed with every mode switched off, so the planner's t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -30,6 +31,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -56,6 +58,24 @@ class RealValues(TorchDispatchMode):
         # tensors in place (torch.utils.swap_tensors), which refuses a tensor something holds a weak reference to.
         self._twins: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.guessed: list[str] = []  # values read without a twin (op names), answered 0 / False
+        self._data_modes: list[_FakeDataAsValues] = []  # one per entry of this mode (see __enter__)
+        # where a selection by a mask without a twin may be answered by its largest size (None: nowhere), and
+        # {op: why} of those answered so (see _largest_selection)
+        self.bound_selections: Optional[Callable[[], bool]] = None
+        self.selections: dict[str, str] = {}
+
+    def __enter__(self) -> RealValues:
+        # torch.tensor(data) reads the data of tensors inside `data` directly, past this dispatch mode
+        data_mode = _FakeDataAsValues()
+        data_mode.__enter__()
+        self._data_modes.append(data_mode)
+        return super().__enter__()
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        try:
+            super().__exit__(exc_type, exc, traceback)
+        finally:
+            self._data_modes.pop().__exit__(exc_type, exc, traceback)
 
     def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         """Make ``real`` the twin of ``fake`` (e.g. the real example batch)."""
@@ -104,10 +124,37 @@ class RealValues(TorchDispatchMode):
         except (DataDependentOutputException, DynamicOutputShapeException):
             real = self._run_real(func, args, kwargs)
             if real is _FAILED:
-                raise
+                largest = self._largest_selection(func, args, kwargs)
+                if largest is _FAILED:
+                    raise
+                return largest
             out = tree_map(lambda t: self._fake_of(t) if isinstance(t, torch.Tensor) else t, real)
             return out
         self._twin(func, args, kwargs, out)
+        return out
+
+    def _largest_selection(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A selection by a boolean mask that has no twin (``boxes[fg]`` over the anchors of a detection loss), planned
+        with every element of the mask True: the largest size it can have, so the plan is an upper bound. Only where
+        :attr:`bound_selections` says so (the LightningModule's own code; a submodule runs for real instead, see
+        :mod:`lightning_hbm.planner.tracing`); ``_FAILED`` for any other op."""
+        if self.bound_selections is None or not self.bound_selections():
+            return _FAILED
+        if func is _aten.nonzero.default:
+            mask = args[0]
+            out = torch.empty((mask.numel(), mask.dim()), dtype=torch.long)
+        elif func is _aten.masked_select.default:
+            mask = args[1]
+            out = torch.empty(torch.broadcast_shapes(args[0].shape, mask.shape).numel(), dtype=args[0].dtype)
+        elif func is _aten.index.Tensor and any(_is_mask(i) for i in args[1]):
+            mask = next(i for i in args[1] if _is_mask(i))
+            # each mask of k dims selects with k index tensors, one entry per element (torch's own expansion)
+            indices = [idx for i in args[1] for idx in ([torch.empty(i.numel(), dtype=torch.long)] * i.dim()
+                                                         if _is_mask(i) else [i])]
+            out = func(args[0], indices)
+        else:
+            return _FAILED
+        self.selections[str(func)] = f"{str(func)} by a mask of {mask.numel():,} elements without real values"
         return out
 
     def _read(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -140,6 +187,36 @@ class RealValues(TorchDispatchMode):
         for fake, twin in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
             if isinstance(fake, FakeTensor) and isinstance(twin, torch.Tensor):
                 self.add(fake, twin)
+
+
+#: Factories that copy the values of their ``data`` (a nested list may hold tensors: read element by element).
+_DATA_FACTORIES = (torch.tensor, torch.as_tensor, torch.asarray)
+
+
+class _FakeDataAsValues(TorchFunctionMode):
+    """``torch.tensor(data)`` whose ``data`` is a list holding fake tensors reads their values through the dispatch.
+
+    torch copies a tensor element of such a list from its memory, which a fake tensor does not have ("its data is not
+    allocated yet"): transformers' Qwen2-VL ``get_rope_index`` builds ``torch.tensor([llm_positions.max() + 1 - n,
+    ...])``. Each fake element becomes its values (``tolist``: :class:`RealValues` answers from the real twin, or
+    guesses and counts it), in the elements' dtype when they share one, as torch would infer it.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _DATA_FACTORIES and args and isinstance(args[0], (list, tuple)):
+            leaves = tree_flatten(args[0])[0]
+            fakes = [t for t in leaves if isinstance(t, FakeTensor)]
+            if fakes:
+                dtypes = {t.dtype for t in fakes}
+                if "dtype" not in kwargs and len(dtypes) == 1 and len(fakes) == len(leaves):
+                    kwargs = {**kwargs, "dtype": dtypes.pop()}
+                args = (tree_map(lambda t: t.tolist() if isinstance(t, FakeTensor) else t, args[0]), *args[1:])
+        return func(*args, **kwargs)
+
+
+def _is_mask(index: Any) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
     unset_fake_temporarily,
 )
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
 from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt, _disable_current_modes
 from lightning_hbm._compat import torch as torch_compat
@@ -57,9 +57,10 @@ from lightning_hbm.planner.building import (
     _quiet_logs,
     build_template,
 )
-from lightning_hbm.planner.candidates import Candidate
+from lightning_hbm.planner.candidates import Candidate, format_bytes
 from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.precision import QuantizedPrecision
+from lightning_hbm.running import RunningModules
 from lightning_hbm.surgery import SurgeryCallback, run_surgery, transform_optimizers
 
 PHASES = ("forward", "backward", "step")
@@ -80,6 +81,8 @@ class Trace:
     scopes: dict[str, dict[str, int]] = field(default_factory=dict)
     fallbacks: dict[str, str] = field(default_factory=dict)  # module name -> why it ran on real zeros
     host: int = 0  # bytes ActivationCheckpointing(offload=True) moved to host memory (device="cuda"), pinned footprint
+    # selections by a mask without values in the LightningModule's own code, planned at their largest: op -> what
+    selections: dict[str, str] = field(default_factory=dict)
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -104,7 +107,7 @@ class Trace:
         fallbacks = {**self.fallbacks, **deeper.fallbacks}
         host = line(self.host, deeper.host)
         return Trace(phases, trainable, total, depth, depth, self.block_bytes, max(self.guessed, deeper.guessed), scopes,
-                     fallbacks, host)
+                     fallbacks, host, {**self.selections, **deeper.selections})
 
     def peak_scopes(self) -> dict[str, int]:
         """Each scope term's bytes at the peak phase (the registry's scope terms, :func:`~lightning_hbm.memory.terms.scope_terms`)."""
@@ -152,6 +155,10 @@ def trace(
         stack.enter_context(fake_mode)
         stack.enter_context(values)
         stack.enter_context(torch_compat.FakeGroupedMM())  # transformers' MoE experts in float32
+        running = stack.enter_context(RunningModules())
+        # a selection by a mask without values in the LightningModule's own code (its loss) is planned at its largest
+        # size; inside a submodule it fails, and the module runs for real (real_types) as named by _name_untraceable
+        values.bound_selections = lambda: not any(m is not module and _part_of(m, module) for m in running.stack)
         with plugin.tensor_init_context():
             module.configure_model()
         _adopt_foreign_fakes(module, fake_mode)
@@ -180,7 +187,12 @@ def trace(
         block_bytes = max((parameter_bytes(block) for _, block in _blocks(module)), default=0)
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
-    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host)
+    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections)
+
+
+def _part_of(submodule: nn.Module, model: nn.Module) -> bool:
+    """Whether ``submodule`` is one of ``model``'s modules (asked only when a selection has no values: rare)."""
+    return any(m is submodule for m in model.modules())
 
 
 class _HostOffload(OffloadSavedTensors):
@@ -284,12 +296,18 @@ _FAKE_FAILURES = (DataDependentOutputException, DynamicOutputShapeException, Uns
 
 
 class UntraceableModule(RuntimeError):
-    """A submodule's forward cannot run on fake tensors; :attr:`module_name` names the innermost one."""
+    """A submodule's forward cannot run on fake tensors; :attr:`module_name` names the innermost one.
+
+    ``module_name`` ``"training_step"``: the LightningModule's own code (its ``training_step`` or ``forward``), which no
+    fallback runs for real (that would be the whole model): :attr:`runs_for_real` is False.
+    """
 
     def __init__(self, module_name: str, module_type: str, error: Exception) -> None:
         self.module_name, self.module_type = module_name, module_type
+        self.runs_for_real = module_name != "training_step"
+        where = f"the forward of {module_name} ({module_type})" if self.runs_for_real else f"{module_type}.training_step"
         super().__init__(
-            f"the forward of {module_name} ({module_type}) cannot run on fake tensors: {type(error).__name__}: {error}. "
+            f"{where} cannot run on fake tensors: {type(error).__name__}: {error}. "
             "Its Python reads values of a tensor too large for a real twin (more than "
             "lightning_hbm.planner.realvalues.MAX_TWIN_ELEMENTS elements) or calls an op with no fake kernel. Fix: "
             "write the branch without reading values (torch.where instead of `if tensor...:`, masks instead of "
@@ -307,7 +325,7 @@ def _name_untraceable(model: nn.Module) -> Iterator[None]:
     :class:`lightning_hbm.running.RunningModules` on purpose: its leaving hook also runs when a forward raises,
     which would empty the stack before the failure is named.
     """
-    names = {id(m): name or "the LightningModule" for name, m in model.named_modules()}
+    names = {id(m): name for name, m in model.named_modules() if m is not model}
     stack: list[nn.Module] = []
 
     def push(module: nn.Module, args: Any) -> None:
@@ -323,8 +341,8 @@ def _name_untraceable(model: nn.Module) -> Iterator[None]:
         yield
     except _FAKE_FAILURES as err:
         inner = next((m for m in reversed(stack) if id(m) in names), None)
-        if inner is None:
-            raise
+        if inner is None:  # the LightningModule's own code: no module to run for real but the whole model
+            raise UntraceableModule("training_step", type(model).__name__, err) from err
         raise UntraceableModule(names[id(inner)], type(inner).__name__, err) from err
     finally:
         pre.remove()
@@ -347,6 +365,27 @@ class _RealRun(torch.autograd.Function):
         return (None, None, *(torch.zeros(s, dtype=d) if n else None for (s, d), n in zip(ctx.inputs, needed)))
 
 
+#: Values besides tensors a forward that ran for real may return (they are the zeros' values, kept as they are).
+_PLAIN_VALUES = (bool, int, float, str, type(None))
+
+
+#: Most host memory the zeros of a module run for real may take (inputs and weights); beyond, the plan stops with the
+#: fix instead: a submodule that is most of a large model (a VLM's language model) would take the model's size for real.
+MAX_REAL_RUN_BYTES = 2 * 2**30
+
+
+def _check_real_run(name: str, module: nn.Module, reason: str, tensors: tuple[torch.Tensor, ...]) -> None:
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    if nbytes > MAX_REAL_RUN_BYTES:
+        raise RuntimeError(
+            f"the forward of {name} ({type(module).__name__}) cannot run on fake tensors ({reason}), and running it for "
+            f"real on zeros would take {format_bytes(nbytes)} of host memory (inputs and weights; more than "
+            f"lightning_hbm.planner.tracing.MAX_REAL_RUN_BYTES = {format_bytes(MAX_REAL_RUN_BYTES)}). Fix: write the "
+            "branch without reading values (torch.where instead of `if tensor...:`, masks instead of nonzero/boolean "
+            "indexing), or measure this configuration with a real step (lightning_hbm.planner.reference.memtracker_peak)."
+        )
+
+
 def _run_for_real(module: nn.Module, fallbacks: dict[str, str], reason: str, name: str) -> None:
     """Replace ``module``'s forward (in place) by a real run on zeros of the fake inputs' shapes, traced as
     :class:`_RealRun`; ``fallbacks[name]`` says so once it ran."""
@@ -355,6 +394,7 @@ def _run_for_real(module: nn.Module, fallbacks: dict[str, str], reason: str, nam
     def forward(*args: Any, **kwargs: Any) -> Any:
         fakes = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         weights = dict(itertools.chain(module.named_parameters(), module.named_buffers()))
+        _check_real_run(name, module, reason, (*fakes, *weights.values()))
         with _disable_current_modes(), torch.enable_grad():
             real = {id(t): torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad) for t in fakes}
             real_weights = {k: torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad) for k, t in weights.items()}
@@ -372,16 +412,20 @@ def _run_for_real(module: nn.Module, fallbacks: dict[str, str], reason: str, nam
                     )
             finally:
                 torch_compat.override_forward(module, forward)
-            outs = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, tuple) else None
-            if outs is None or not all(isinstance(t, torch.Tensor) for t in outs):
-                raise TypeError(f"{name} returns {type(out).__name__}: the real-tensor fallback handles tensors and tuples")
+            # lists and dicts too: torchvision's RPN returns (a list of boxes per image, a dict of losses)
+            leaves, spec = tree_flatten(out)
+            other = next((t for t in leaves if not isinstance(t, (torch.Tensor, *_PLAIN_VALUES))), None)
+            if other is not None:
+                raise TypeError(f"{name} returns {type(out).__name__} holding {type(other).__name__}: the real-tensor "
+                                "fallback handles tensors, numbers and strings in tuples, lists and dicts")
+            outs = [t for t in leaves if isinstance(t, torch.Tensor)]
             # inputs, weights and outputs are in the trace already: only what the forward saved besides them
             known = {id(t.untyped_storage()) for t in (*real.values(), *real_weights.values(), *outs)}
             saved_bytes = sum(n for key, n in saved.items() if key not in known)
             shapes = [(t.shape, t.dtype) for t in outs]
-        result = _RealRun.apply(shapes, saved_bytes, *fakes, *weights.values())
+        result = iter(_RealRun.apply(shapes, saved_bytes, *fakes, *weights.values()))
         fallbacks[name] = reason
-        return result[0] if isinstance(out, torch.Tensor) else result
+        return tree_unflatten([next(result) if isinstance(t, torch.Tensor) else t for t in leaves], spec)
 
     torch_compat.override_forward(module, forward)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import lightning.pytorch as pl
@@ -261,9 +262,36 @@ def test_fallback_is_printed(capsys: pytest.CaptureFixture) -> None:
     assert "32-true: fake tensors cannot run blocks.0.1 (real tensors: DynamicOutputShapeException" in capsys.readouterr().out
 
 
-def test_fallback_refuses_other_outputs() -> None:
-    with pytest.raises(TypeError, match=r"blocks\.0\.1 returns dict: the real-tensor fallback handles tensors and tuples"):
-        predict(DataDependentDict, BATCH, Candidate("32-true"))
+def test_a_module_too_large_to_run_for_real_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_hbm.planner import tracing
+
+    monkeypatch.setattr(tracing, "MAX_REAL_RUN_BYTES", 2**10)  # a 1 KiB host: block 0's inputs and weights are larger
+    with pytest.raises(RuntimeError, match=r"the forward of blocks\.0\.1 \(_KeepPositive\) cannot run on fake tensors "
+                       r"\(DynamicOutputShapeException: aten\.nonzero\.default\), and running it for real on zeros would "
+                       r"take 512\.00 KiB of host memory .*MAX_REAL_RUN_BYTES = 1\.00 KiB\)\. Fix: write the branch"):
+        predict(DataDependentShape, BATCH, Candidate("32-true"))
+
+
+class _KeepPositiveObject(_KeepPositive):
+    def forward(self, h: torch.Tensor) -> Any:  # type: ignore[override]
+        return types.SimpleNamespace(h=super().forward(h))
+
+
+class DataDependentObject(DataDependentShape):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[0][1] = _KeepPositiveObject()
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0][2](self.blocks[0][1](self.blocks[0][0](h)).h)
+
+
+def test_fallback_takes_dicts_and_refuses_other_outputs() -> None:
+    prediction = predict(DataDependentDict, BATCH, Candidate("32-true"))  # a dict of tensors: planned, named
+    assert prediction.fallbacks == ("blocks.0.1 (real tensors: DynamicOutputShapeException: aten.nonzero.default)",)
+    with pytest.raises(TypeError, match=r"blocks\.0\.1 returns SimpleNamespace holding SimpleNamespace: the real-tensor "
+                       r"fallback handles tensors, numbers and strings in tuples, lists and dicts"):
+        predict(DataDependentObject, BATCH, Candidate("32-true"))
 
 
 class TinyMamba(pl.LightningModule):
