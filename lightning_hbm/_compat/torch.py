@@ -57,6 +57,11 @@ def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(a, b)
 
 
+def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``torch._foreach_norm``: the 2-norm of each tensor in a few fused kernels (what ``clip_grad_norm_`` uses)."""
+    return list(torch._foreach_norm(tensors))
+
+
 def make_wrapper_subclass(cls: type, shape: Any, **kwargs: Any) -> Any:
     """``torch.Tensor._make_wrapper_subclass``: a tensor subclass instance that owns no storage (torch's
     documented recipe for wrapper subclasses; no public name)."""

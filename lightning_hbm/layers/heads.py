@@ -83,7 +83,8 @@ def _head_on_backbone(module: nn.Module, hf_roots: list[str], lm_heads: list[str
     """A hand-written model's head: its last Linear outside the repeated blocks and Hugging Face models, on a backbone.
 
     A backbone is a Hugging Face model or an ``nn.ModuleList`` of blocks; the head narrows (``out_features <=
-    in_features``: classes, scores) and is not tied to another module. A plain MLP has no backbone: no head.
+    in_features``: classes, scores) and is not tied to another module. A plain MLP has no backbone: no head. The
+    Linears beside it (same parent, same ``in_features``, narrowing) are heads of the same predictor.
     """
     blocks = [f"{n}.{i}" if n else str(i) for n, m in module.named_modules() if isinstance(m, nn.ModuleList) for i in range(len(m))]
     if not hf_roots and not blocks:
@@ -99,10 +100,20 @@ def _head_on_backbone(module: nn.Module, hf_roots: list[str], lm_heads: list[str
     ]
     if not outside:
         return []
+    def narrows(name: str, layer: nn.Linear) -> bool:
+        return name not in lm_heads and owners.get(id(layer.weight), 0) <= 1 and layer.out_features <= layer.in_features
+
     name, layer = outside[-1]
-    if name in lm_heads or owners.get(id(layer.weight), 0) > 1 or layer.out_features > layer.in_features:
+    if not narrows(name, layer):
         return []
-    return [name]
+    # The heads of one predictor are one head (torchvision FastRCNNPredictor: cls_score beside bbox_pred): its other
+    # Linears on the same features, in the same parent, narrowing too. Found alone, the last one trained while its
+    # sibling, narrower than r, stayed frozen at its random init: a new-class detector never learnt its classes.
+    # Not in an nn.Sequential: its Linears run one after another (an MLP head's hidden layer is no sibling head).
+    parent = name.rpartition(".")[0]
+    if isinstance(module.get_submodule(parent), nn.Sequential):
+        return [name]
+    return [n for n, m in outside if n.rpartition(".")[0] == parent and m.in_features == layer.in_features and narrows(n, m)]
 
 
 def task_heads(module: nn.Module) -> list[str]:

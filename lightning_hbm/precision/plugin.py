@@ -26,6 +26,7 @@ how (targets, sensitivity plan, GPTQ rounding, smoothing, resume settings) is it
 
 from __future__ import annotations
 
+import re
 import warnings
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Generator, Mapping, Optional, Sequence, Union
@@ -92,7 +93,7 @@ class _TrueDtype(Precision):
 
     @override
     def forward_context(self) -> AbstractContextManager:
-        return self._dtype_context()
+        return nullcontext() if self.dtype == torch.float32 else _computing_in(self.dtype, type(self).__name__)
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -330,6 +331,29 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+#: torch's dispatch error for an op with no kernel in a dtype: ``"nms_kernel" not implemented for 'BFloat16'``
+_NO_KERNEL = re.compile(r"\"([^\"]+)\" not implemented for '(BFloat16|Half)'")
+
+
+@contextmanager
+def _computing_in(dtype: torch.dtype, plugin: str) -> Generator[None, None, None]:
+    """The forward in ``dtype``; an op with no kernel in it (torchvision's ``nms`` on CPU in bf16: Faster R-CNN under
+    ``QuantizedPrecision``'s default bf16) is an error naming the op and the fix, not torch's bare dispatch error."""
+    try:
+        with _default_dtype(dtype):
+            yield
+    except RuntimeError as err:  # NotImplementedError too, which torch raises for it
+        missing = _NO_KERNEL.search(str(err))
+        if missing is None:
+            raise
+        op, name = missing.group(1), str(dtype).removeprefix("torch.")
+        raise RuntimeError(
+            f"lightning_hbm: the op {op!r} has no {missing.group(2)} kernel here, and {plugin} computes the model in "
+            f"{name}. Pass {plugin}(..., dtype=\"float32\") (quantized weights stay quantized; the other weights and "
+            f"the activations take float32), or cast that op's inputs to float32 in your code. torch said: {err}"
+        ) from err
 
 
 def _cast_floating(dtype: torch.dtype, kept: Optional[list[str]] = None) -> Any:

@@ -65,6 +65,11 @@ def test_private_base_classes_cover_every_kind() -> None:
     assert not isinstance(nn.LayerNorm(2), compat.BatchNormBase) and not isinstance(nn.Linear(1, 1), compat.ConvNd)
 
 
+def test_foreach_norm_is_each_tensors_2_norm() -> None:
+    tensors = [torch.ones(3, 4), torch.zeros(5), torch.full((2,), 3.0)]
+    assert [float(n) for n in compat.foreach_norm(tensors)] == [pytest.approx(12**0.5), 0.0, pytest.approx(18**0.5)]
+
+
 def test_int_mm_multiplies_int8_into_int32() -> None:
     a = torch.randint(-128, 127, (32, 64), dtype=torch.int8)
     b = torch.randint(-128, 127, (64, 32), dtype=torch.int8)

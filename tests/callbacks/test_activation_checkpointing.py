@@ -375,7 +375,8 @@ def test_find_blocks_never_nests_a_stack_that_is_itself_a_block() -> None:
     model = nn.Module()
     model.blocks = nn.Sequential(nn.Sequential(Block(3, 8)), nn.Sequential(Block(8, 16), Block(16, 16)), nn.Sequential(Block(16, 24), Block(24, 24), Block(24, 24)))
     names = [n for n, _ in find_blocks(model)]
-    assert names == ["blocks.0", "blocks.1.0", "blocks.1.1", "blocks.2.0", "blocks.2.1", "blocks.2.2"], names
+    # the stage of one block gives way to it too: one level of blocks everywhere (issue 53: blocks.0 was the stage)
+    assert names == ["blocks.0.0", "blocks.1.0", "blocks.1.1", "blocks.2.0", "blocks.2.1", "blocks.2.2"], names
     callback = ActivationCheckpointing()
     callback.transform_model(model)
     assert callback.checkpointed == names
@@ -430,3 +431,21 @@ def test_offload_on_cuda_gives_the_same_gradients_and_frees_the_block_inputs(gpt
         torch.testing.assert_close(got[name], expected[name], msg=name)
     assert callback.offload is not None and callback.offload.copies == 2
     assert callback.offload.host_bytes == 2 * pinned_footprint(4 * 128 * 64 * 4)
+
+
+def test_segformer_is_checkpointed_per_layer_not_per_stage() -> None:
+    """transformers SegFormer keeps each stage's layers in a ModuleList inside its SegformerStage (issue 53: each whole
+    stage was wrapped, so a 40-layer stage kept all 40 layers' recompute alive at once). A stage of one layer beside
+    stages that gave way to their layers gives way to its layer too."""
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    config = SegformerConfig(num_encoder_blocks=3, depths=[1, 2, 3], sr_ratios=[4, 2, 1], hidden_sizes=[8, 16, 32],
+                             num_attention_heads=[1, 2, 4], decoder_hidden_size=16, num_labels=3)
+    model = SegformerForSemanticSegmentation(config)
+    layers = [n for n, m in model.named_modules() if type(m).__name__ == "SegformerLayer"]
+    assert len(layers) == 6
+    callback = ActivationCheckpointing()
+    callback.transform_model(model)
+    assert [n for n in callback.checkpointed if n.startswith("segformer.")] == layers
+    pixels = torch.randn(1, 3, 32, 32)
+    model(pixel_values=pixels, labels=torch.randint(0, 3, (1, 32, 32))).loss.backward()  # the recompute runs

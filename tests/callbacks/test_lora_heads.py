@@ -252,3 +252,57 @@ def test_an_adapted_but_not_saved_head_is_warned_at_export(tmp_path: Path) -> No
     assert "model.classifier" in lora.adapted_modules
     with pytest.warns(UserWarning, match=r"\['classifier'\] .* not in the adapter \(frozen; only the LoRA update of \['classifier'\] is\)"):
         LoRA.save_adapter(module, tmp_path / "adapter")
+
+
+class _FastRCNNPredictor(nn.Module):
+    """torchvision's ``FastRCNNPredictor`` written out (torchvision is not installed here): two heads on one input."""
+
+    def __init__(self, in_channels: int, num_classes: int) -> None:
+        super().__init__()
+        self.cls_score = nn.Linear(in_channels, num_classes)
+        self.bbox_pred = nn.Linear(in_channels, num_classes * 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cls_score(x), self.bbox_pred(x)
+
+
+class _Detector(pl.LightningModule):
+    """The shape of torchvision's Faster R-CNN box branch: a backbone of blocks, ``TwoMLPHead`` (fc6, fc7), then the
+    predictor; its class scores under cross-entropy, its boxes under a smooth L1 loss."""
+
+    def __init__(self, num_classes: int = 3) -> None:
+        super().__init__()
+        self.backbone = nn.ModuleList(nn.Sequential(nn.Conv2d(c, 16, 3, padding=1), nn.ReLU()) for c in (3, 16))
+        self.fc6, self.fc7 = nn.Linear(16 * 4 * 4, 1024), nn.Linear(1024, 1024)
+        self.box_predictor = _FastRCNNPredictor(1024, num_classes)
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        x, labels, boxes = batch
+        for block in self.backbone:
+            x = block(x)
+        x = F.relu(self.fc7(F.relu(self.fc6(F.adaptive_avg_pool2d(x, 4).flatten(1)))))
+        scores, deltas = self.box_predictor(x)
+        return F.cross_entropy(scores, labels) + F.smooth_l1_loss(deltas, boxes)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_the_heads_of_one_predictor_are_trained_together(tmp_path: Path) -> None:
+    """Was: bbox_pred (12 outputs) trained in full as the task head, cls_score (3 outputs, narrower than r) left out of
+    'all-linear' and frozen at its random init: a detector of new classes could not learn them."""
+    torch.manual_seed(0)
+    module = _Detector()
+    assert task_heads(module) == ["box_predictor.cls_score", "box_predictor.bbox_pred"]
+    before = module.box_predictor.cls_score.weight.detach().clone()
+    lora = LoRA(r=8)
+    batch = (torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 1]), torch.randn(4, 12))
+    _trainer(tmp_path, 2, lora).fit(module, DataLoader([batch], batch_size=None))
+    assert lora.modules_to_save == ["box_predictor.cls_score", "box_predictor.bbox_pred"]
+    assert "box_predictor.cls_score" not in lora.narrow_left_out
+    assert not torch.equal(module.box_predictor.cls_score.weight, before)  # trained: no longer its random init
+    # an MLP head in an nn.Sequential is one head at its end: its hidden layer runs before it, on other features
+    mlp_head = nn.Module()
+    mlp_head.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+    mlp_head.head = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    assert task_heads(mlp_head) == ["head.2"]

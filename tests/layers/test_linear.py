@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from typing import Any
 
 import lightning.pytorch as pl
@@ -237,3 +238,62 @@ def test_an_adapter_cut_from_the_graph_warns_naming_it_and_the_rest_trains(tmp_p
     # the cut adapter keeps its initial (zero) lora_B; the head's adapter trained
     assert not module.model.proj.lora_B.default.weight.any() and module.model.head.lora_B.default.weight.any()
 
+
+
+def test_adapters_whose_gradient_stays_all_zero_warn_naming_them(tmp_path: Any) -> None:
+    """transformers SAM under ``multimask_output=False``: all four hypernetwork MLPs run, masks 1-3 are sliced away.
+
+    Autograd sends them zeros, not ``None``: was silent (they sat in the optimizer, never trained). Now reported with
+    the cut adapters (the IoU head's, whose output this loss does not read), after the first three backward passes.
+    """
+    from transformers import SamConfig, SamModel
+
+    config = SamConfig(
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=16,
+                           output_channels=16, mlp_dim=64, global_attn_indexes=[0], window_size=0, num_pos_feats=8),
+        prompt_encoder_config=dict(hidden_size=16, image_size=64, patch_size=16, mask_input_channels=4),
+        mask_decoder_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, mlp_dim=32, iou_head_hidden_dim=16),
+    )
+
+    class Segmenter(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = SamModel(config)
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            masks = self.model(pixel_values=batch[0], input_points=batch[1], multimask_output=False).pred_masks
+            return F.binary_cross_entropy_with_logits(masks, torch.ones_like(masks))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    module = Segmenter()
+    data = [(torch.randn(1, 3, 64, 64), torch.rand(1, 1, 1, 2) * 64) for _ in range(4)]
+    lora = LoRA(r=4, target_modules=["proj_in"])  # the first Linear of each hypernetwork MLP and of the IoU head
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[lora],
+    )
+    zero = [f"model.mask_decoder.output_hypernetworks_mlps.{i}.proj_in" for i in (1, 2, 3)]
+    with pytest.warns(UserWarning, match=r"3 adapter\(s\) ran but their gradient was all zeros at each of the first 3 "
+                      r"backward pass\(es\).*" + re.escape(f"LoRA(exclude_modules={zero!r})")):
+        trainer.fit(module, DataLoader(data, batch_size=None))
+    assert lora.unused_modules == ["model.mask_decoder.iou_prediction_head.proj_in", *zero]
+    decoder = module.model.mask_decoder
+    assert decoder.output_hypernetworks_mlps[0].proj_in.lora_B.default.weight.any()  # mask 0's adapter trained
+    assert not decoder.output_hypernetworks_mlps[1].proj_in.lora_B.default.weight.any()
+
+
+def test_an_all_zero_gradient_is_watched_only_while_it_stays_zero() -> None:
+    """The check after the first pass looks only at the adapters still all-zero: an adapter with any gradient drops out."""
+    from lightning_hbm.callbacks.lora.watch import _all_zero
+
+    class Layer(nn.Module):
+        def __init__(self, grad: float) -> None:
+            super().__init__()
+            self.lora_A, self.lora_B = nn.ModuleDict({"default": nn.Linear(4, 2)}), nn.ModuleDict({"default": nn.Linear(2, 4)})
+            for p in self.parameters():
+                p.grad = torch.full_like(p, grad)
+
+    assert _all_zero({"a": Layer(0.0), "b": Layer(1e-30), "c": Layer(float("nan")), "d": Layer(0.0)}) == ["a", "d"]

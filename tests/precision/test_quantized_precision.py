@@ -340,3 +340,33 @@ def test_whole_numbers_the_compute_dtype_would_move_are_kept_and_said() -> None:
     with _warnings.catch_warnings():
         _warnings.simplefilter("error")
         plugin.convert_input(batch)  # said once
+
+
+def test_an_op_without_a_bf16_kernel_is_an_error_naming_it_and_the_fix(tmp_path: Any) -> None:
+    """torchvision's ``nms`` has no bf16 CPU kernel: Faster R-CNN under QuantizedPrecision (bf16 by default) failed at
+    its first step with torch's bare dispatch error. torchvision is not installed here: ``torch.linalg.cholesky``, which
+    has no bf16 CPU kernel either, stands in for it. Now: the op and ``dtype="float32"`` named, nothing trained."""
+    import lightning.pytorch as pl
+
+    class Whitened(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.head = nn.Linear(32, 32), nn.Linear(32, 2)
+
+        def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
+            x = self.proj(batch)
+            covariance = x.T @ x / len(x) + torch.eye(32, dtype=x.dtype)
+            return self.head(x @ torch.linalg.cholesky(covariance)).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    module = Whitened()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4", dtype="bfloat16")],
+    )
+    with pytest.raises(RuntimeError, match=r"the op 'cholesky_cpu' has no BFloat16 kernel here, and QuantizedPrecision "
+                       r"computes the model in bfloat16\. Pass QuantizedPrecision\(\.\.\., dtype=\"float32\"\)"):
+        trainer.fit(module, torch.utils.data.DataLoader([torch.randn(64, 32)], batch_size=None))
+    assert trainer.global_step == 0  # the first step's forward: no optimizer step was taken

@@ -86,7 +86,10 @@ class LoRA(SurgeryCallback):
     After the first backward of a fit, an adapter that received no gradient because its parent module ran but
     never called it (it reads the weight directly) is a ``RuntimeError`` naming it. One that ran but whose output
     never reaches the loss (a BERT pooler under mean pooling: the model's design) gets a warning naming it and
-    stays untrained (``lora_B = 0``, no optimizer state); its names are in ``unused_modules``.
+    stays untrained (``lora_B = 0``, no optimizer state); its names are in ``unused_modules``. So are (with a
+    warning too) adapters whose gradient is all zeros at each of the first three backward passes: their output is
+    computed, then dropped by an indexing (transformers SAM's ``output_hypernetworks_mlps`` 1-3 under
+    ``multimask_output=False``).
     Without ``QuantizedPrecision``, the layer-kind coverage table (``layers/...`` keys, see
     :func:`lightning_hbm.layers.report_coverage`) is logged at train start.
 
@@ -534,9 +537,18 @@ class LoRA(SurgeryCallback):
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        watch, self._watch = getattr(self, "_watch", None), None
+        watch = getattr(self, "_watch", None)
         if watch is not None:
-            self.unused_modules = watch.check()  # after the first backward of the fit only
+            over = watch.after_backward()  # the first few backward passes of the fit only
+            self.unused_modules = watch.unused
+            self._watch = None if over else watch
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        watch, self._watch = getattr(self, "_watch", None), None
+        if watch is not None and watch.passes:  # a fit shorter than the watch: report what it saw
+            watch.finish()
+            self.unused_modules = watch.unused
 
     # ------------------------------------------------------------ public helpers (lora/export.py)
 
