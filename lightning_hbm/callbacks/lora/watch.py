@@ -127,7 +127,9 @@ def _all_zero(layers: dict[str, Any]) -> list[str]:
             if g is not None:
                 owners.append(name)
                 grads.append(g.detach())
-    if not grads:
+    # a sharded gradient (FSDP2's DTensor) is one rank's part: all-zero here says nothing of the others' parts, and a
+    # verdict would need a collective every rank joins; the check is for single-device and DDP runs
+    if not grads or any(type(g) is not torch.Tensor and not isinstance(g, torch.nn.Parameter) for g in grads):
         return []
     norms = foreach_norm(grads)
     nonzero = torch.stack([n.to(norms[0].device, torch.float32) for n in norms]).ne(0).tolist()
