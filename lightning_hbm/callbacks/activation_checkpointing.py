@@ -377,7 +377,8 @@ class ActivationCheckpointing(SurgeryCallback):
             stream on CUDA, so the copy overlaps with compute).
         offload_device: where offloaded tensors go. ``"cpu"`` (host memory) is what a GPU run
             wants; on a CPU-only run the copy lands on the same device and saves nothing.
-        mlp_chunks: recompute each block's token-wise layers that save most for backward (the MLP) in this many chunks of tokens
+        mlp_chunks: recompute each block's token-wise layers that save most for backward (the MLP; a bf16 RMSNorm
+            that computes in fp32, in the blocks and beside them) in this many chunks of tokens
             in the backward, so that only one chunk's intermediates live at once (``policy="full"`` only). Which
             layers is decided by running them on the first training step
             (:func:`lightning_hbm.callbacks.token_chunks.decide`); a block none of whose layers qualifies is named
