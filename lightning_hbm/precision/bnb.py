@@ -131,7 +131,7 @@ def _unpack_in_compute_dtype(layer: nn.Module) -> None:
 
     Why: bitsandbytes' 4-bit backward (``MatMul4Bit``) dequantizes the weight into its ``QuantState``'s dtype and then
     casts it to the gradient's. A weight quantized from fp32 for a bf16 run was unpacked to fp32 first, beside the bf16
-    copy: 3x a bf16 copy of the largest projection alive at once (0.34 GiB for Llama-3-8B's MLP, 1.3 GiB at 70B). The
+    copy: 3x a bf16 copy of the largest projection alive at once (0.33 GiB for Llama-3-8B's MLP, 1.3 GiB at 70B). The
     values are the same either way: one rounding of the same fp32 products (tests/precision/test_bnb.py).
     """
     dtype = layer.compute_dtype
