@@ -235,9 +235,10 @@ def decide(
         per_token = x[..., :1, :].numel() * x.element_size() + whole[..., :1, :].numel() * whole.element_size()
         # a layer that saves a wider copy of its tokens than it was given (a bf16 RMSNorm computing in fp32) runs its
         # backward in that width too: several such temporaries per token at once, whatever it saves
-        if two - one < (UPCAST if wide else WIDENING) * per_token:
+        threshold = UPCAST if wide else WIDENING
+        if two - one < threshold * per_token:
             return (f"saves {(two - one) / per_token:.1f}x its input and output per token for backward (chunks pay "
-                    f"from {WIDENING:g}x)")
+                    f"from {threshold:g}x)")
         if fake:  # no values to compare: follow the ops instead (conservative: a refusal plans the whole recompute)
             reason = fake_rowwise_reason(layer, inner, x)
             if reason:
