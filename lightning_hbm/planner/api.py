@@ -42,7 +42,7 @@ from lightning_hbm.memory import (
 )
 from lightning_hbm.planner.candidates import Candidate, default_candidates, format_bytes, parse_bytes
 from lightning_hbm.planner.building import ModelLike, Template, _build, _fake_mode, _quiet_logs, build_template
-from lightning_hbm.planner.tracing import Trace, UntraceableModule, _block_list
+from lightning_hbm.planner.tracing import Decided, Trace, UntraceableModule, _block_list
 from lightning_hbm.planner.tracing import trace as _trace
 from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.precision import get_format, quantize_model, to_dtype
@@ -266,6 +266,7 @@ def predict(
     budget: Optional[int] = None,
     extrapolate: Union[bool, Literal["auto"]] = "auto",
     probe_batch: Any = None,
+    decided: Optional[Decided] = None,
 ) -> Prediction:
     """Predict the steady-state training peak of ``model`` on ``batch`` under ``candidate``, allocating no weights.
 
@@ -278,11 +279,15 @@ def predict(
     A candidate with named ``blocks`` or a mixed-precision plan (``layer_modes``) is always traced whole.
     ``probe_batch``: a shorter batch of the same structure for the forwards that only decide structure (the
     surgery's probe step, which parameters get gradients; :func:`~lightning_hbm.planner.tracing.trace`).
+    ``decided``: with ``probe_batch``, what those forwards decided in an earlier prediction of the same model and
+    candidate, reused (:class:`~lightning_hbm.planner.tracing.Decided`: ``max_context`` plans one model at many lengths).
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda' (the target of the prediction), got {device!r}.")
     if extrapolate not in (True, False, "auto"):
         raise ValueError(f"extrapolate must be True, False or 'auto', got {extrapolate!r}.")
+    if decided is not None and probe_batch is None:
+        raise ValueError("predict(decided=...) needs the probe_batch those decisions were made on.")
     if candidate.offload and device != "cuda":
         raise ValueError(
             f"{candidate.name}: offloading optimizer states to CPU memory only saves device memory on CUDA; "
@@ -296,10 +301,12 @@ def predict(
         # a module that fake tensors cannot run: every module of its class runs for real on zeros, retraced
         while True:
             try:
-                return _trace(model, batch, candidate, device, keep_blocks, real_types, probe_batch)
+                return _trace(model, batch, candidate, device, keep_blocks, real_types, probe_batch, decided)
             except UntraceableModule as err:
                 if err.module_type in real_types or not err.runs_for_real:
                     raise
+                if decided is not None:  # decided with that module on fake tensors: decide again
+                    decided.by_depth.pop(keep_blocks, None)
                 real_types[err.module_type] = f"{type(err.__cause__).__name__}: {err.__cause__}".splitlines()[0]
 
     uncut = ""

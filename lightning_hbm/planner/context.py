@@ -10,10 +10,13 @@ what trades step time for memory, and reports each choice (:attr:`ContextResult.
 * ``FusedLoss``: the loss chunk by chunk; its chunk is the automatic one (``FusedLoss.chunk_size=None``, reported).
 
 How, fast: the peak of a step is affine plus quadratic in the sequence length (attention may be quadratic where no
-fused kernel saves only a log-sum-exp), so :func:`plan` runs at three lengths, the quadratic through them is solved
-for each budget, and each answer is confirmed by one plan at that length (a miss is corrected from the confirmed
-point and planned again, up to :data:`_CONFIRMS` times). The answer is the longest multiple of ``multiple_of`` whose
-predicted total (peak + the CUDA context :func:`plan` adds) fits; these are predictions, not measurements.
+fused kernel saves only a log-sum-exp), so :func:`plan` runs at three lengths; each budget, shortest first, is solved
+on the quadratic through the three planned points nearest it, and the answer is confirmed by one plan at that length
+(a miss is corrected from the confirmed points and planned again, up to :data:`_CONFIRMS` times). What only decides
+structure (which parameters the loss reaches, which layers run in token chunks) is decided once, on a short batch, for
+every length (:class:`~lightning_hbm.planner.tracing.Decided`). The answer is a multiple of ``multiple_of`` whose
+predicted total (peak + the CUDA context :func:`plan` adds) fits, at most :data:`_SLACK` (0.1 %) short of the longest
+that does; these are predictions, not measurements. Seven budgets of the 8B shape: 13 plans (26 before the slack).
 """
 
 from __future__ import annotations
@@ -36,11 +39,15 @@ from lightning_hbm.planner.api import Prediction, predict
 from lightning_hbm.planner.building import ModelLike, Template, build_template
 from lightning_hbm.planner.candidates import Candidate, format_bytes, parse_bytes
 from lightning_hbm.planner.realvalues import MAX_TWIN_ELEMENTS
+from lightning_hbm.planner.tracing import Decided
 
 _log = logging.getLogger(__name__)
 
 #: Plans per budget after the fit at most: the confirmation, and corrections from confirmed points when it missed.
 _CONFIRMS = 4
+#: An answer may stop this much (a fraction of its tokens) short of the longest length that fits: each plan costs
+#: seconds, and chasing the last tokens took two or three more plans per budget (0.1 %: 223 tokens at 24 GiB on 8B).
+_SLACK = 1e-3
 #: Most token chunks of an MLP recompute max_context chooses (1 % of step time each, stated in candidates.py).
 _MAX_MLP_CHUNKS = 32
 #: Tokens of the batch the structure-deciding forwards run on (the surgery's probe, which parameters get gradients).
@@ -121,33 +128,40 @@ def max_context(
 
     candidate = Candidate.from_trainer(plugin, own, strategy)
     cache: dict[int, Prediction] = {}
+    decided = Decided()  # the probe's forwards decide the same at every length past _PROBE_TOKENS: run them once
 
     def predict_at(tokens: int) -> Prediction:
         if tokens not in cache:  # the forwards that only decide structure run on a short batch (predict's probe_batch)
             probe = make_batch(min(tokens, _PROBE_TOKENS)) if tokens > _PROBE_TOKENS else None
             start = time.perf_counter()
-            cache[tokens] = predict(template, make_batch(tokens), candidate, device=device, probe_batch=probe)
+            cache[tokens] = predict(template, make_batch(tokens), candidate, device=device, probe_batch=probe,
+                                    decided=decided if probe is not None else None)
             _log.info("max_context: %s tokens -> %s (planned in %.0f s)", f"{tokens:,}", format_bytes(cache[tokens].total),
                       time.perf_counter() - start)
         return cache[tokens]
 
-    # three lengths in the regime long contexts live in, the quadratic through them
-    lengths = [_round(n, multiple_of) for n in (2048, 8192, 32768)]
-    fit = _Quadratic([(n, predict_at(n).total) for n in lengths])
-    results = []
-    for limit in budgets:
-        results.append(_solve(limit, fit, predict_at, multiple_of, choices, template, batch_size))
+    # three lengths in the regime long contexts live in; then each budget, shortest first, from the planned points
+    # nearest it (each budget's confirmed lengths sharpen the next one's guess)
+    points = {n: predict_at(n).total for n in (_round(n, multiple_of) for n in (2048, 8192, 32768))}
+    solved = {}
+    for limit in sorted(set(budgets)):
+        solved[limit] = _solve(limit, points, predict_at, multiple_of, choices, template, batch_size)
+    results = [solved[limit] for limit in budgets]
     return results if isinstance(budget, (list, tuple)) else results[0]
 
 
 def _solve(
-    budget: int, fit: "_Quadratic", predict_at: Callable[[int], Prediction], step: int, choices: dict[str, Any],
+    budget: int, points: dict[int, int], predict_at: Callable[[int], Prediction], step: int, choices: dict[str, Any],
     template: Template, batch_size: int,
 ) -> ContextResult:
-    """The longest multiple of ``step`` whose plan fits ``budget``: the fit's answer, confirmed and corrected."""
-    points = dict(fit.points)
+    """The longest multiple of ``step`` whose plan fits ``budget``, within :data:`_SLACK`: the guess from the three
+    planned points nearest the budget, confirmed by one plan, corrected from the confirmed points while it misses.
+
+    ``points`` ({length: planned total}) gains every length planned here.
+    """
     fits, over = step, None  # the longest length planned to fit, the shortest planned over
-    guess = max(step, _round_down(fit.solve(budget), step))
+    # aimed a little short (half the slack): a guess just over the budget costs a second plan, one just short does not
+    guess = _aim(_Quadratic(_nearest(points, budget)).solve(budget), step)
     for _ in range(_CONFIRMS):
         points[guess] = predict_at(guess).total
         if points[guess] <= budget:
@@ -155,17 +169,43 @@ def _solve(
         else:
             over = guess if over is None else min(over, guess)
         # the line through the planned points on either side of the guess: where it says the budget is reached
-        again = _round_down(_Quadratic(_bracket(points, guess)).solve(budget), step)
+        reach = _Quadratic(_bracket(points, guess)).solve(budget)
         if over is not None:
-            again = min(again, over - step)
-        if again <= fits or (over is not None and over - fits <= step):
+            reach = min(reach, over - step)
+        if _round_down(reach, step) <= fits + _slack(fits, step) or (over is not None and over - fits <= step):
             break  # the confirmed length is the answer: the next one up is over (planned, or by the local fit)
-        guess = again
+        guess = _aim(reach, step)
     best = fits
     prediction = predict_at(best)
     if prediction.total > budget:  # not even the shortest length: say which term alone is over
         return ContextResult(budget, 0, prediction, _with_loss(choices, template, batch_size, step), _over(prediction, budget))
     return ContextResult(budget, best, prediction, _with_loss(choices, template, batch_size, best), _held_by(prediction))
+
+
+def _slack(tokens: int, step: int) -> int:
+    """How far below the longest fitting length an answer may stop (:data:`_SLACK` of it, whole steps)."""
+    return int(tokens * _SLACK) // step * step
+
+
+def _aim(reach: float, step: int) -> int:
+    """The length to plan for a budget the fit reaches at ``reach`` tokens: half the slack short of it."""
+    if not math.isfinite(reach):
+        return _round_down(reach, step)
+    return _round_down(reach - _slack(int(reach), step) / 2, step)
+
+
+def _nearest(points: dict[int, int], budget: int) -> list[tuple[int, int]]:
+    """Planned points whose totals are nearest ``budget``, at least 10 % apart in length (points closer than that
+    differ by allocator rounding as much as by length, and bend a curve through them anywhere), by length: three for a
+    budget between planned totals, the two longest for one past them all (a line: far from the short lengths the loss
+    chunk and the attention's blocks have stopped growing, and a quadratic from there bends the wrong way)."""
+    near: list[tuple[int, int]] = []
+    beyond = all(total < budget for total in points.values())
+    order = sorted(points.items(), reverse=True) if beyond else sorted(points.items(), key=lambda item: abs(item[1] - budget))
+    for n, total in order:
+        if all(abs(n - m) > 0.1 * max(n, m) for m, _ in near):
+            near.append((n, total))
+    return sorted(near[: 2 if beyond else 3])
 
 
 class _Quadratic:

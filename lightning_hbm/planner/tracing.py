@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_u
 from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt, _disable_current_modes
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.callbacks.activation_checkpointing import OffloadSavedTensors, find_blocks, pinned_footprint
+from lightning_hbm.callbacks.token_chunks import ChunkedForward
 from lightning_hbm.memory import CATEGORIES, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count, scope_term_bytes
 from lightning_hbm.memory.categories import buffer_tensors, classify_records, optimizer_state_tensors, parameter_tensors
 from lightning_hbm.planner.building import (
@@ -64,6 +65,38 @@ from lightning_hbm.running import RunningModules
 from lightning_hbm.surgery import SurgeryCallback, run_surgery, transform_optimizers
 
 PHASES = ("forward", "backward", "step")
+
+
+@dataclass
+class Decided:
+    """What the structure-deciding forward on a probe batch found, kept to trace the same model at other lengths.
+
+    That forward (:func:`_gradient_receivers`) costs as much as the traced step's own forward and decides the same at
+    every length when it runs on the same probe batch (``max_context`` plans one model at a dozen lengths): which
+    parameters the loss reaches, and each token-chunked layer's verdict (:class:`ChunkedForward`), both by name, per
+    number of blocks kept. Reused, the plan is equal to the byte (``tests/planner/test_context.py``).
+    """
+
+    by_depth: dict[Optional[int], tuple[Optional[frozenset[str]], dict[str, Optional[str]]]] = field(default_factory=dict)
+
+    def keep(self, module: nn.Module, keep_blocks: Optional[int], reached: Optional[set[int]]) -> None:
+        names = None if reached is None else frozenset(n for n, p in module.named_parameters() if id(p) in reached)
+        verdicts = {name: forward.fake_verdict for name, forward in _chunked_forwards(module)}
+        self.by_depth[keep_blocks] = (names, verdicts)
+
+    def restore(self, module: nn.Module, keep_blocks: Optional[int]) -> Optional[set[int]]:
+        """Set the kept verdicts on ``module``'s chunked layers; the ids of the parameters the loss reaches."""
+        names, verdicts = self.by_depth[keep_blocks]
+        for name, forward in _chunked_forwards(module):
+            forward.fake_verdict = verdicts.get(name)
+        return None if names is None else {id(p) for n, p in module.named_parameters() if n in names}
+
+
+def _chunked_forwards(module: nn.Module) -> Iterator[tuple[str, ChunkedForward]]:
+    for name, layer in module.named_modules():
+        forward = torch_compat.forward_override(layer)
+        if isinstance(forward, ChunkedForward):
+            yield name, forward
 
 
 @dataclass
@@ -127,6 +160,7 @@ def trace(
     keep_blocks: Optional[int],
     real_types: Optional[dict[str, str]] = None,
     probe_batch: Any = None,
+    decided: Optional[Decided] = None,
 ) -> Trace:
     """Trace one steady-state training step of ``model`` under ``candidate`` (repeated blocks cut to ``keep_blocks``).
 
@@ -171,7 +205,12 @@ def trace(
         offloads = _offload_to_host(module) if device == "cuda" else []
         fake_batch = plugin.convert_input(fake_batch)
         fake_probe = fake_batch if probe_batch is None else plugin.convert_input(fake_probe)
-        reached = _gradient_receivers(module, fake_probe, plugin)  # before the tracker: its storages are gone after
+        if decided is not None and keep_blocks in decided.by_depth:
+            reached = decided.restore(module, keep_blocks)
+        else:
+            reached = _gradient_receivers(module, fake_probe, plugin)  # before the tracker: its storages are gone after
+            if decided is not None:
+                decided.keep(module, keep_blocks, reached)
         stack.enter_context(tracker)
         tracker.phase = "setup"
         tracker.seed(itertools.chain(parameter_tensors(module), buffer_tensors(module), tree_leaves(fake_batch)), "setup")

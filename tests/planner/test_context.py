@@ -24,7 +24,10 @@ from lightning_hbm.models import LlamaLM
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import embedding
 from lightning_hbm.planner import CUDA_CONTEXT_BYTES, Candidate, max_context, plan
+from lightning_hbm.planner import tracing
+from lightning_hbm.planner.api import predict
 from lightning_hbm.planner.reference import memtracker_peak
+from lightning_hbm.planner.tracing import Decided
 
 SMALL_LLAMA = partial(LlamaLM, vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536)  # fmt: skip
@@ -126,3 +129,29 @@ def test_a_fake_trace_runs_three_iterations_of_a_chunk_loop_and_plans_the_same_b
     monkeypatch.setattr(torch_compat, "chunk_starts", lambda stop, step, tensor: range(0, stop, step))
     every = planned()
     assert (fast.categories, fast.side, fast.host, fast.loss) == (every.categories, every.side, every.host, every.loss)
+
+
+def test_the_structure_forwards_run_once_across_lengths_and_plan_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # max_context plans one model at a dozen lengths: what the probe batch decides (which parameters the loss reaches,
+    # each token-chunked layer's verdict) is decided once and reused, and each plan is the one a fresh trace makes
+    plugin = QuantizedPrecision("nf4-dq", dtype="bfloat16")
+    callbacks = [LoRA(r=8), ActivationCheckpointing("full", mlp_chunks=8, offload=True), FusedLoss()]
+    candidate = Candidate.from_trainer(plugin, callbacks)
+
+    def batch(tokens: int) -> Any:
+        return tuple(t.contiguous() for t in synthetic_batch(1, tokens, vocab_size=512))
+
+    probe = batch(256)
+    calls: list[int] = []
+    original = tracing._gradient_receivers
+    monkeypatch.setattr(tracing, "_gradient_receivers", lambda *args: calls.append(1) or original(*args))
+    decided = Decided()
+    for tokens in (512, 2048):
+        kept = predict(SMALL_LLAMA, batch(tokens), candidate, device="cuda", probe_batch=probe, decided=decided)
+        fresh = predict(SMALL_LLAMA, batch(tokens), candidate, device="cuda", probe_batch=probe)
+        assert (kept.categories, kept.side, kept.host, kept.loss) == (fresh.categories, fresh.side, fresh.host, fresh.loss)
+    assert len(calls) == 3  # the kept one's first plan, and each fresh plan
+    (_reached, verdicts), = decided.by_depth.values()
+    assert "" in verdicts.values()  # chunked layers were decided on the probe, and their verdicts restored
+    with pytest.raises(ValueError, match=r"decided=\.\.\.\) needs the probe_batch"):
+        predict(SMALL_LLAMA, probe, candidate, decided=decided)
