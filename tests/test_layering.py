@@ -10,7 +10,7 @@ Levels, bottom to top; a module imports only from its own level or lower ones:
    attention-caller recorder share it)
 1. layer kinds: ``layers`` (a package: ``base`` and one module per kind), ``models``; ``resume`` (a package: the
    checkpoint format, its checks, the atomic IO and the load hooks; it reads the layer kinds' key maps, and the
-   surgery spine hands it ``pack_checkpoint`` and ``check_resume`` instead of being imported)
+   surgery spine hands it ``check_resume`` and, as data, what checkpoints are packed with, instead of being imported)
 2. the surgery spine: ``surgery``
 3. ``precision`` (reads the callbacks it must know about by duck typing: ``modules_to_save``)
 4. ``callbacks``

@@ -223,7 +223,7 @@ def test_a_full_checkpoint_carries_crcs_of_the_real_size_tensors(
     # the embedding as built, and the 4-bit head's packed bytes (half its 28.3M values), each with a CRC of all its bytes
     assert meta["checksums"][EMBEDDING] == checksum(smollm2_shaped.state_dict()[EMBEDDING])
     assert meta["state_dict"][HEAD].numel() == VOCAB * HIDDEN // 2 and meta["checksums"][HEAD] is not None
-    verify({**checkpoint, "lightning_hbm": dict(meta)}, path)  # the file as saved passes (a copy: verify marks it)
+    verify({**checkpoint, "lightning_hbm": dict(meta)}, path)  # the file as saved passes
 
     checkpoint["state_dict"][EMBEDDING].view(-1).view(torch.uint8)[-1] ^= 1
     damaged = tmp_path / "damaged.ckpt"

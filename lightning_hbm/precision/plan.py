@@ -45,7 +45,6 @@ from lightning_hbm.layers import CONV
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, check_plan_args, choose_plan
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.probe import first_batch, has_forward
-from lightning_hbm.surgery import pending_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +52,13 @@ DIGEST_KEY = "gptq_digest"  # the CRC of the GPTQ-rounded base, in the checkpoin
 
 
 def saved_meta(trainer: Any) -> dict[str, Any]:
-    """The lightning_hbm part of the checkpoint ``trainer`` is resuming (empty when none), verified first.
+    """The lightning_hbm part of the checkpoint ``trainer`` is resuming (empty when none), as resume hands it over:
+    verified once by resume, never read from the file here.
 
     Raises:
-        ValueError: the checkpoint's structure, version or CRCs are wrong (:func:`lightning_hbm.resume.verify`).
+        ValueError: the checkpoint's structure, version or CRCs are wrong (:func:`lightning_hbm.resume.saved_part`).
     """
-    checkpoint = pending_checkpoint(trainer) or {}
-    if checkpoint:
-        resume.verify(checkpoint, trainer.ckpt_path)  # structure, version, CRCs: before this part is read
-    return checkpoint.get(resume.META_KEY) or {}
+    return resume.saved_part(trainer)
 
 
 def _on_fake_tensors(module: nn.Module) -> bool:

@@ -19,8 +19,8 @@ is written in two parts:
   scheduler and callback states; tensors in it by shape and dtype, their bytes by the CRCs), and a
   SHA-256 ``digest`` of this part itself (so a flipped bit in the tables cannot turn the checks off).
 
-Saves go through :class:`CheckedCheckpointIO`: sealed last, refused if a trained tensor is NaN/inf,
-written atomically beside the target. On resume, before the first change: the structure and version of
+Saves go through :class:`CheckedCheckpointIO`: packed with what the surgery handed down (:class:`Saves`: no call back
+up into it), sealed last, refused if a trained tensor is NaN/inf, written atomically beside the target. On resume, before the first change: the structure and version of
 the lightning_hbm part, its digest, every other value against its entry's SHA-256, and every tensor against
 its CRC (``torch.load`` does not verify the zip CRC of tensor data, so flipped bytes would load silently); the
 pickled metadata is bounded in size and must match its zip CRC before torch unpickles it; the configurations must be equal, and the
@@ -33,13 +33,18 @@ The package, one job per module (bottom to top; each imports only those above it
 
 * ``fingerprints``: fingerprints of the frozen base and the record of the model as built;
 * ``keys``: which as-built key a changed key is a form of (:class:`KeyMap`);
-* ``packing``: the two-part form (:func:`pack`, placeholders, ``META_KEY``, ``FORMAT_VERSION``);
+* ``packing``: the two-part form (:func:`pack`, placeholders, ``META_KEY``, ``FORMAT_VERSION``), and what a run's
+  checkpoints are packed with (:class:`Saves`, handed down by the surgery with :func:`expect_saves`; :func:`pack_for`);
 * ``sealing``: checksums and digests (:func:`seal`, :func:`verify`, :func:`validate_meta`);
+* ``pending``: the checkpoint being resumed (:func:`pending`), verified once by its one owner (:func:`opened`, the
+  only caller of :func:`verify`) and handed out verified (:func:`saved_part`: the precision plugin's saved plan);
 * ``checks``: the file, its layout and its tensors before anything loads (:func:`check_file`,
   :func:`check_layout`, :func:`check_contents`; the registered marks and checks);
 * ``restore``: the checkpoint against this run (:func:`check_settings`) and the changed tensors loaded
   after the surgery (:func:`load_changed`);
-* ``io``: atomic saves and :class:`CheckedCheckpointIO`;
+* ``io``: atomic saves, :class:`CheckedCheckpointIO` and :func:`read_file` (a strategy that restores its own file):
+  with ``checks`` (which reads a file's zip entries before torch does), the only modules of the package that open a
+  checkpoint file (``tests/test_resume_owner.py``);
 * ``hooks``: the load hooks a Trainer's restore goes through (:func:`add_resume_hooks`).
 
 This module is their face: ``from lightning_hbm import resume; resume.X`` for every name above.
@@ -63,9 +68,10 @@ from lightning_hbm.resume.checks import (
 )
 from lightning_hbm.resume.fingerprints import _SAMPLES, as_built_record, fingerprint, fingerprint_v1, spread_indices
 from lightning_hbm.resume.hooks import ChangedCheck, ResumeCheck, add_resume_hooks, has_resume_hook
-from lightning_hbm.resume.io import CheckedCheckpointIO, atomic_save, clean_partials, fsync_dir
+from lightning_hbm.resume.io import CheckedCheckpointIO, atomic_save, clean_partials, fsync_dir, read_file
 from lightning_hbm.resume.keys import KeyMap, covered
-from lightning_hbm.resume.packing import FORMAT_VERSION, META_KEY, is_placeholder, pack
+from lightning_hbm.resume.packing import FORMAT_VERSION, META_KEY, Saves, expect_saves, is_placeholder, pack, pack_for
+from lightning_hbm.resume.pending import is_verified, opened, pending, saved_part
 from lightning_hbm.resume.restore import (
     LOADED_ALREADY,
     adapter_misfits,
@@ -75,7 +81,7 @@ from lightning_hbm.resume.restore import (
     load_changed,
     unrestored_keys,
 )
-from lightning_hbm.resume.sealing import checksum, is_verified, meta_digest, seal, tensor_entries, validate_meta, value_digests, verify
+from lightning_hbm.resume.sealing import checksum, meta_digest, seal, tensor_entries, validate_meta, value_digests, verify
 
 # settings a user may change here (``lightning_hbm.resume.MAX_PICKLE_BYTES = ...``, as the error for an oversized file
 # says) that a module of the package reads: a write to the face is forwarded there

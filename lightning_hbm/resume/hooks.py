@@ -2,8 +2,8 @@
 
 The hooks need two answers only the surgery engine (a level above) has: whether the surgery already changed the
 model, and the resume checks with the Trainer's plugin and transforms. The engine hands them in
-(:func:`add_resume_hooks`), as it hands :class:`~lightning_hbm.resume.CheckedCheckpointIO` its ``pack``: module-level
-functions, so a model holding the hooks stays picklable.
+(:func:`add_resume_hooks`): module-level functions, so a model holding the hooks stays picklable. The checkpoint and
+its verified lightning_hbm part come from :mod:`lightning_hbm.resume.pending`, as for every other reader.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from torch import nn
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.resume.keys import KeyMap
-from lightning_hbm.resume.packing import META_KEY
-from lightning_hbm.resume.sealing import verify
+from lightning_hbm.resume.pending import opened, pending
 
 #: ``check(trainer, module, meta, path)``: the settings and frozen base of a checkpoint against the run resuming it,
 #: before Lightning copies a tensor into the model as built (``surgery.check_resume``)
@@ -63,12 +62,10 @@ class _ResumeHook:
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         self.omitted, self.placeholders = [], set()
         trainer = lightning_compat.attached_trainer(module)
-        loaded = lightning_compat.loaded_checkpoint(trainer)
+        loaded = pending(trainer)
         if trainer is None or loaded is None or prefix:
             return  # not Lightning restoring a checkpoint: nothing to check
-        meta = loaded.get(META_KEY)
-        if meta is not None:
-            verify(loaded, trainer.ckpt_path)
+        meta = opened(loaded, trainer.ckpt_path)  # verified by the checked IO that read it (or here, if another did)
         if trainer.state.fn == "fit" and not self.changed(module):
             # settings and frozen base, before Lightning copies a single tensor into the model as built
             self.check(trainer, module, meta, trainer.ckpt_path)

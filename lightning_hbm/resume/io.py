@@ -7,15 +7,16 @@ import re
 import secrets
 import socket
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
 from lightning_hbm.resume.checks import _unreadable, check_contents, check_file, check_layout
 from lightning_hbm.resume.fingerprints import _plain
-from lightning_hbm.resume.packing import META_KEY, is_placeholder
-from lightning_hbm.resume.sealing import seal, verify
+from lightning_hbm.resume.packing import META_KEY, is_placeholder, pack_for
+from lightning_hbm.resume.pending import opened
+from lightning_hbm.resume.sealing import seal
 
 _PARTIAL = ".lightning_hbm-partial"  # ``.{name}.{host}~{pid}~{token}.lightning_hbm-partial``: a save in progress
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)  # Windows has none; O_EXCL alone already refuses an existing link there
@@ -144,9 +145,7 @@ class CheckedCheckpointIO(CheckpointIO):
     def __init__(self, inner: Optional[CheckpointIO] = None, refuse_non_finite: bool = True) -> None:
         self.inner = inner if inner is not None else TorchCheckpointIO()
         self.refuse_non_finite = refuse_non_finite
-        self.trainer: Any = None  # set by lightning_hbm.surgery.check_saves
-        # set with it to lightning_hbm.surgery.pack_checkpoint: surgery sits above resume (tests/test_layering.py)
-        self.pack: Optional[Callable[[Any, dict[str, Any]], None]] = None
+        self.trainer: Any = None  # the Trainer whose strategy holds this IO (set by lightning_hbm.surgery.check_saves)
 
     def _writes_atomically(self, path: Any, storage_options: Optional[Any]) -> bool:
         # a user's own IO (async, cloud, ...) keeps its own way of writing
@@ -154,11 +153,10 @@ class CheckedCheckpointIO(CheckpointIO):
         return plain and storage_options is None and _is_local(path)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
-        if self.trainer is not None and META_KEY not in checkpoint:
-            # save_weights_only=True: Lightning calls no save hook, so the lightning_hbm part is packed here (the
-            # engine's pack_checkpoint adds the precision plugin's own part too)
-            if self.pack is not None:
-                self.pack(self.trainer, checkpoint)
+        if self.trainer is not None:
+            # save_weights_only=True: Lightning calls no save hook, so the lightning_hbm part is packed here, with what
+            # the surgery handed down (resume.expect_saves); a checkpoint a save hook packed already is left as it is
+            pack_for(self.trainer, checkpoint)
         if self.refuse_non_finite:
             self._refuse_non_finite(checkpoint, path)
         seal(checkpoint)
@@ -197,7 +195,7 @@ class CheckedCheckpointIO(CheckpointIO):
         module = getattr(self.trainer, "lightning_module", None)
         if isinstance(checkpoint, dict):
             check_layout(checkpoint, path, module.state_dict().keys() if module is not None else ())
-            verify(checkpoint, path)  # before Lightning loads anything from it
+            opened(checkpoint, path)  # verified here, before Lightning loads anything from it: once per resume
         state = getattr(self.trainer, "state", None)
         fitting = getattr(state, "fn", None) == "fit" and getattr(self.trainer.strategy, "lightning_restore_optimizer", True)
         check_contents(checkpoint, path, module, fitting)
@@ -208,3 +206,19 @@ class CheckedCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.inner.teardown()
+
+
+def read_file(path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """A checkpoint a strategy restores itself (not through its checkpoint IO), read and verified.
+
+    Args:
+        path: a local single-file checkpoint.
+        weights_only: passed to ``torch.load`` (Lightning's ``None``: torch's default, ``True``).
+
+    Raises:
+        ValueError: an empty or cut-short file (:func:`check_file`), or a damaged lightning_hbm part (:func:`opened`).
+    """
+    check_file(path)  # an empty or cut-short file is a clear error, as through the checked IO
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    opened(checkpoint, path)  # before the strategy reads a setting or copies a tensor
+    return checkpoint

@@ -3,12 +3,15 @@ and the lightning_hbm part with the changed tensors, the omitted keys and their 
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_hbm.layers.correction import KEY_MARK as CORRECTION_MARK
+from lightning_hbm.record import as_built
 from lightning_hbm.resume.keys import KeyMap
 
 # 2: every tensor checksummed, the lightning_hbm part sealed by a digest, stronger fingerprints; 3: every value too
@@ -71,3 +74,46 @@ def pack(
         "fingerprints": {k: record["fingerprints"].get(k) for k in omitted},
         "configs": configs,
     }  # the checksums and the digest are added last, by seal(), when the file is written (CheckedCheckpointIO)
+
+
+@dataclass
+class Saves:
+    """What every checkpoint of one Trainer's run is packed with, handed down by the surgery once it ran.
+
+    Data, not a callback: the checked IO (for ``save_weights_only``) and the save hooks pack with it without calling
+    back up into the surgery or the plugin.
+
+    Args:
+        configs: the settings a resume must share, by plugin or transform name (``surgery.resume_configs``).
+        trainable_only: the checkpoint keeps the trainable weights (and the as-built buffers) only.
+        extras: the precision plugin's own entries (e.g. the GPTQ CRC, the smoothing exponents), added after the rest.
+    """
+
+    configs: dict[str, Any]
+    trainable_only: bool
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+# Trainer -> its Saves; weak and by identity: nothing is set on the Trainer, and a finished run's entry goes with it
+_SAVES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def expect_saves(trainer: Any, saves: Saves) -> None:
+    """Pack ``trainer``'s checkpoints with ``saves`` from now on (the surgery calls it once the model is changed)."""
+    _SAVES[trainer] = saves
+
+
+def pack_for(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """Write ``checkpoint`` of ``trainer``'s run in the two-part form (once per checkpoint; see :func:`pack`).
+
+    The first save hook that runs packs (the plugin's, a surgery callback's, or the checked IO for
+    ``save_weights_only``); the later ones find the lightning_hbm part there and return. A run whose model the surgery
+    did not change (no :func:`expect_saves`) is saved as Lightning saves it.
+    """
+    module = getattr(trainer, "lightning_module", None)
+    saves: Optional[Saves] = _SAVES.get(trainer)
+    record = as_built(module) if module is not None else None
+    if META_KEY in checkpoint or module is None or saves is None or record is None or "state_dict" not in checkpoint:
+        return
+    pack(module, checkpoint, record, saves.configs, saves.trainable_only)
+    checkpoint[META_KEY].update(saves.extras)

@@ -15,7 +15,8 @@ from torch import nn
 from lightning_hbm.resume.fingerprints import _plain
 from lightning_hbm.resume.packing import FORMAT_VERSION, META_KEY, is_placeholder
 
-_NOT_SEALED = ("checksums", "digest", "verified")  # written by seal() / verify(): no tensors of their own
+VERIFIED_KEY = "verified"  # set by resume.pending.opened once it verified a loaded checkpoint (never in a file)
+_NOT_SEALED = ("checksums", "digest", VERIFIED_KEY)  # written by seal() / opened(): no tensors of their own
 
 
 def _damaged(path: Any, what: str) -> ValueError:
@@ -104,15 +105,11 @@ def seal(checkpoint: dict[str, Any]) -> None:
     if not isinstance(meta, dict):
         return
     meta.pop("digest", None)
-    meta.pop(_VERIFIED_KEY, None)
+    meta.pop(VERIFIED_KEY, None)
     meta["version"] = FORMAT_VERSION
     meta["checksums"] = {k: c for k, c in ((k, checksum(v)) for k, v in tensor_entries(checkpoint).items()) if c is not None}
     meta["values"] = value_digests(checkpoint)
     meta["digest"] = meta_digest(meta)
-
-
-_VERIFIED_KEY = "verified"
-_VERIFIED = object()  # meta[_VERIFIED_KEY] once checked in this process: a file (weights_only) cannot hold this object
 
 
 def validate_meta(meta: Any, path: Any) -> None:
@@ -159,10 +156,12 @@ def validate_meta(meta: Any, path: Any) -> None:
 def verify(checkpoint: dict[str, Any], path: Any) -> None:
     """Check a loaded checkpoint's lightning_hbm part and every tensor against its CRC, before anything loads.
 
-    Idempotent per loaded checkpoint. Version-1 checkpoints (weights checksummed, nothing else) load with a warning.
+    Checks every time it is called: a resume calls it once, through :func:`lightning_hbm.resume.pending.opened` (its
+    one caller), which hands the verified part to every later reader. Version-1 checkpoints (weights checksummed,
+    nothing else) load with a warning.
     """
     meta = checkpoint.get(META_KEY) if isinstance(checkpoint, dict) else None
-    if meta is None or (isinstance(meta, dict) and meta.get(_VERIFIED_KEY) is _VERIFIED):
+    if meta is None:
         return
     validate_meta(meta, path)
     sums = meta["checksums"]
@@ -184,7 +183,6 @@ def verify(checkpoint: dict[str, Any], path: Any) -> None:
             raise _damaged(path, f"tensor {key!r} has no checksum")
         if checksum(value) != sums[key]:
             raise _damaged(path, f"tensor {key!r} does not match the checksum written with it")
-    meta[_VERIFIED_KEY] = _VERIFIED
 
 
 def _check_values(checkpoint: dict[str, Any], meta: dict[str, Any], path: Any) -> None:
@@ -206,7 +204,3 @@ def _check_values(checkpoint: dict[str, Any], meta: dict[str, Any], path: Any) -
         if saved[key] != now[key]:
             raise _damaged(path, f"the values of its entry {key!r} (e.g. loop progress, epoch, learning rates, key names) "
                                  "do not match the digest written with them")
-
-
-def is_verified(meta: Any) -> bool:
-    return isinstance(meta, dict) and meta.get(_VERIFIED_KEY) is _VERIFIED

@@ -261,14 +261,13 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
                 f"ckpt_path={str(path)!r} is a directory (a sharded checkpoint). QuantizedFSDPStrategy reads the "
                 "single-file checkpoints it writes (gathered on rank 0): pass the .ckpt file."
             )
-        resume.check_file(path)  # an empty or cut-short file is a clear error, as on one device
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        checkpoint = resume.read_file(path, weights_only=weights_only)  # checked and verified by resume, as on one device
         assert self.model is not None
         if cast(pl.LightningModule, self.lightning_module).trainer.state.fn == TrainerFn.FITTING:
             # Lightning restores after this strategy's setup (the surgery already ran: trainer.ckpt_path is not known
             # before), so the settings and base fingerprints are checked here, before any tensor is loaded or step run
             surgery.check_resume(cast(pl.LightningModule, self.lightning_module).trainer, cast(pl.LightningModule, self.lightning_module), checkpoint.get(resume.META_KEY), path)
-        self._load_trainable(_trainable_part(checkpoint, path))
+        self._load_trainable(_trainable_part(checkpoint))
         optimizer_states = checkpoint.pop("optimizer_states", [])
         if cast(pl.LightningModule, self.lightning_module).trainer.state.fn == TrainerFn.FITTING and optimizer_states:
             for optimizer, full_state in zip(self.optimizers, optimizer_states):
@@ -302,15 +301,14 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
                 param.copy_(full)
 
 
-def _trainable_part(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The checkpoint's weights for :meth:`QuantizedFSDPStrategy._load_trainable`, CRCs verified.
+def _trainable_part(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's weights for :meth:`QuantizedFSDPStrategy._load_trainable` (CRCs verified by ``resume.read_file``).
 
     lightning_hbm writes checkpoints in two parts (:mod:`lightning_hbm.resume`): ``state_dict`` holds what
     fits the model as built (plus placeholders), ``checkpoint["lightning_hbm"]["state_dict"]`` the tensors
     of the changed model (the adapters). This strategy restores after its surgery, into the changed model:
     both parts, without the placeholders. A plain checkpoint (no second part) is read as it is.
     """
-    resume.verify(checkpoint, path)
     state_dict = checkpoint.pop("state_dict", {})
     meta = checkpoint.get(resume.META_KEY)
     if meta is None:

@@ -36,7 +36,9 @@ checkpoint keeps there only what fits the model as built; the changed tensors tr
 every tensor's CRC before anything is loaded, keep the placeholders out of the model and forgive
 exactly the keys the checkpoint says it left out; any other missing key is Lightning's usual strict
 error. With ``QuantizedPrecision`` alone, Lightning loads the placeholders, and the engine loads the
-real tensors right after quantizing.
+real tensors right after quantizing. Resume owns the file: it reads and verifies the checkpoint once
+(:mod:`lightning_hbm.resume.pending`) and hands this engine, the hooks and the plugin its verified part; once the
+model is changed, this engine hands resume what the run's checkpoints are packed with (:func:`_hand_saves`).
 
 The package: this module is the engine, the resume checks that need the transforms and the Trainer adapter (one
 import cycle by design: ``SurgeryCallback.setup`` installs the engine, which finds the ``SurgeryCallback`` s);
@@ -249,7 +251,7 @@ def run_surgery(
         set_as_built(module, resume.as_built_record(module))
     meta = (checkpoint or {}).get(resume.META_KEY)
     if checkpoint is not None:
-        _verify_checkpoint(module, plugin, transforms, checkpoint, checkpoint_path)
+        _check_checkpoint(module, plugin, transforms, checkpoint, checkpoint_path)
     apply_transforms(module, [t for t in pending if t.stage < Stage.QUANTIZE])
     if device is not None and isinstance(plugin, SurgeryPlugin):
         plugin.place_on(device)
@@ -277,12 +279,13 @@ def _mend_bitsandbytes_layers(module: nn.Module) -> None:
     bnb_compat.drop_kept_inputs(module)
 
 
-def _verify_checkpoint(module: nn.Module, plugin: Any, transforms: Sequence[SurgeryCallback],
-                       checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
-    """The checkpoint's seal, then its settings against this run's, before the first change."""
+def _check_checkpoint(module: nn.Module, plugin: Any, transforms: Sequence[SurgeryCallback],
+                      checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
+    """The checkpoint's settings against this run's, before the first change, on its part as resume hands it over
+    (verified by resume: by the checked IO that read it, or on this first sight of it)."""
     try:
-        resume.verify(checkpoint, checkpoint_path)  # once: a no-op if the IO or the load hook checked it
-        _check_resume(module, plugin, transforms, checkpoint.get(resume.META_KEY), checkpoint_path)
+        meta = resume.opened(checkpoint, checkpoint_path)
+        _check_resume(module, plugin, transforms, meta, checkpoint_path)
     except ValueError as err:
         if resume.has_resume_hook(module):
             raise  # checked before Lightning's load (resume.add_resume_hooks): the model is as it was
@@ -422,9 +425,9 @@ def plugin_trainer(plugin: Any) -> Optional[pl.Trainer]:
 def pending_checkpoint(trainer: Optional[pl.Trainer]) -> Optional[dict[str, Any]]:
     """The checkpoint Lightning is resuming from, between its weight restore and the end of setup.
 
-    Lightning 2.6 has no public accessor: see :func:`lightning_hbm._compat.lightning.loaded_checkpoint`.
+    Kept by :func:`lightning_hbm.resume.pending` (which verifies it once and hands its parts out).
     """
-    return lightning_compat.loaded_checkpoint(trainer)
+    return resume.pending(trainer)
 
 
 def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module], nn.Module]) -> nn.Module:
@@ -444,7 +447,9 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
     if fitting and not applied_transforms(module):
         check_ranks(module)  # every rank gets rank 0's model as built (before quantizing), then they are compared
     with quieted():  # the libraries' noise while lightning_hbm works, and only then (lightning_hbm.quiet)
-        return _trainer_run_surgery(module, plugin, trainer, checkpoint, fitting, convert)
+        module = _trainer_run_surgery(module, plugin, trainer, checkpoint, fitting, convert)
+    _hand_saves(trainer)
+    return module
 
 
 def _trainer_run_surgery(
@@ -575,7 +580,7 @@ def check_saves(trainer: pl.Trainer) -> resume.CheckedCheckpointIO:
     if not isinstance(io, resume.CheckedCheckpointIO):
         io = resume.CheckedCheckpointIO(io)
         trainer.strategy.checkpoint_io = io
-    io.trainer, io.pack = trainer, pack_checkpoint
+    io.trainer = trainer  # the IO packs with what the surgery handed resume (_hand_saves), nothing called back up
     if not any(isinstance(c, MidEpochResumeCheck) for c in trainer.callbacks):  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
         trainer.callbacks.append(MidEpochResumeCheck())  # type: ignore[attr-defined]  # undeclared on Trainer (CallbackConnector sets it); a mid-epoch resume with a loader Lightning restarts: warn
     return io
@@ -591,25 +596,23 @@ def _changed(module: nn.Module) -> bool:
     return bool(applied_transforms(module))
 
 
+def _hand_saves(trainer: pl.Trainer) -> None:
+    """Hand resume what this run's checkpoints are packed with, once the surgery changed the model: the settings a
+    resume must share, whether the frozen base is left out, and the precision plugin's own entries (its GPTQ CRC and
+    smoothing exponents, fixed by the quantization). Every save then packs from this data, never calling back here."""
+    plugin = trainer.strategy.precision_plugin
+    transforms = surgery_callbacks(trainer)
+    extras: dict[str, Any] = {}
+    if isinstance(plugin, SurgeryPlugin):
+        plugin.add_checkpoint_metadata(extras)
+    trainable_only = not all(t.saves_frozen_weights() for t in transforms)
+    resume.expect_saves(trainer, resume.Saves(resume_configs(plugin, transforms), trainable_only, extras))
+
+
 def pack_checkpoint(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
-    """Write ``checkpoint`` in lightning_hbm's two-part form (once per checkpoint; see :mod:`lightning_hbm.resume`).
+    """Write ``checkpoint`` in lightning_hbm's two-part form (once per checkpoint; see :func:`lightning_hbm.resume.pack_for`).
 
     The first save hook that runs packs (the plugin's, a :class:`SurgeryCallback`'s, or the checked IO for
-    ``save_weights_only``); the later ones find the lightning_hbm part there and return. A :class:`SurgeryPlugin`
-    then adds its own entries (e.g. the GPTQ CRC): once per checkpoint, in the call that packed it.
+    ``save_weights_only``); the later ones find the lightning_hbm part there and return.
     """
-    module = trainer.lightning_module
-    record = as_built(module)
-    if resume.META_KEY in checkpoint or record is None or "state_dict" not in checkpoint:
-        return
-    transforms = surgery_callbacks(trainer)
-    resume.pack(
-        module,
-        checkpoint,
-        record,
-        resume_configs(trainer.strategy.precision_plugin, transforms),
-        trainable_only=not all(t.saves_frozen_weights() for t in transforms),
-    )
-    plugin = trainer.strategy.precision_plugin
-    if isinstance(plugin, SurgeryPlugin):
-        plugin.add_checkpoint_metadata(checkpoint[resume.META_KEY])
+    resume.pack_for(trainer, checkpoint)

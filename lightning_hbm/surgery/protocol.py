@@ -43,9 +43,10 @@ class SurgeryPlugin(Protocol):
         name in the checkpoint's ``configs``; a difference is a resume error naming it)."""
 
     def add_checkpoint_metadata(self, meta: dict[str, Any]) -> None:
-        """Add this plugin's own entries to the lightning_hbm part ``meta`` of a checkpoint just packed.
+        """Add this plugin's own entries (e.g. the GPTQ CRC) to ``meta``, what every checkpoint's lightning_hbm part gets.
 
-        Called once per checkpoint, right after :func:`lightning_hbm.resume.pack` wrote ``meta``.
+        Called once per surgery, after the quantization: the engine hands the entries down to resume
+        (:class:`lightning_hbm.resume.Saves`), which adds them to each checkpoint it packs, after the rest.
         """
 
 

@@ -1,5 +1,6 @@
 """``QuantizedPrecision`` over its ``QuantizationPlan``: the engine reaches it through ``SurgeryPlugin`` only, the targets
-are listed once per surgery, and every checkpoint (``save_weights_only`` included) gets the plugin's part exactly once."""
+are listed once per surgery, and every checkpoint (``save_weights_only`` included) gets the plugin's part, taken once per
+surgery."""
 
 from __future__ import annotations
 
@@ -61,16 +62,17 @@ def _fit(trainer_factory: Any, llama_factory: Any, datamodule_factory: Any) -> t
 def test_every_checkpoint_gets_the_plugins_part_once(
     tmp_path: Any, trainer_factory: Any, llama_factory: Any, datamodule_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    trainer, plugin = _fit(trainer_factory, llama_factory, datamodule_factory)
     added = []
-    save = type(plugin).add_checkpoint_metadata
-    monkeypatch.setattr(type(plugin), "add_checkpoint_metadata", lambda self, meta: (added.append(1), save(self, meta)))
+    save = QuantizedPrecision.add_checkpoint_metadata
+    monkeypatch.setattr(QuantizedPrecision, "add_checkpoint_metadata", lambda self, meta: (added.append(1), save(self, meta)))
+    trainer, plugin = _fit(trainer_factory, llama_factory, datamodule_factory)
+    assert len(added) == 1  # once per surgery: handed down to resume as data, which packs every checkpoint with it
     parts = {}
     for weights_only in (False, True):  # save_weights_only: Lightning calls no save hook, the checked IO packs
         path = tmp_path / f"weights_only_{weights_only}.ckpt"
         trainer.save_checkpoint(path, weights_only=weights_only)
         parts[weights_only] = torch.load(path, weights_only=True)["lightning_hbm"]
-        assert len(added) == 1 + weights_only
+    assert len(added) == 1  # no save calls back up into the plugin
     assert plugin.rounding_digest is not None and plugin.input_shifts
     for meta in parts.values():
         assert meta["gptq_digest"] == plugin.rounding_digest
