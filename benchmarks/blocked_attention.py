@@ -19,7 +19,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from lightning_hbm.callbacks.blocked_attention import Router, Shapes, attention_callers, route, time_kernels, unroute
+from lightning_hbm.activations.attention.blocked import Router, Shapes, attention_callers, route, time_kernels, unroute
 from lightning_hbm.data import stdlib_text
 from lightning_hbm.pretrained import missing, smollm2_path
 

@@ -85,7 +85,7 @@ def chunks(rounds: int = 3) -> None:
     import torch.nn.functional as F
     from torch import nn
 
-    from lightning_hbm.callbacks.fused_loss import fused_linear_cross_entropy
+    from lightning_hbm.activations.loss import fused_linear_cross_entropy
 
     torch.manual_seed(0)
     hidden, vocab, tokens = 768, 32000, 1024
@@ -124,7 +124,7 @@ def large_vocab(dtype: str = "float32", rounds: int = 3, sizes: tuple = ("u", "0
     sys.path.insert(0, str(Path(__file__).parent))
     from planner import analytic_qlora_floor
 
-    import lightning_hbm.callbacks.fused_loss.cost as cost
+    import lightning_hbm.activations.loss.cost as cost
 
     config = dict(vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=1024)

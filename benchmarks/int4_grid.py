@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from lightning_hbm.callbacks.quality import probe_output
+from lightning_hbm.quality import probe_output
 from lightning_hbm.pretrained import smollm2_path
 from sensitivity import llama_case, measure, minilm_case  # benchmarks/sensitivity.py (this script's folder is on sys.path)
 

@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sensitivity import llama_case, measure, minilm_case  # noqa: E402  (the sibling benchmark)
 
 from lightning_hbm import quantize_model  # noqa: E402
-from lightning_hbm.callbacks.quality import compare_outputs, probe_output  # noqa: E402
+from lightning_hbm.quality import compare_outputs, probe_output  # noqa: E402
 from lightning_hbm.memory import module_parameter_tensors, unique_bytes  # noqa: E402
 from lightning_hbm.precision.quantize import _quantizable_linears  # noqa: E402
 from lightning_hbm.precision.registry import get_format, to_dtype  # noqa: E402

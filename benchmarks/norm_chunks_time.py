@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision
-from lightning_hbm.callbacks import token_chunks
+from lightning_hbm.activations import token_chunks
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.models import LlamaLM
 

@@ -23,7 +23,7 @@ import time
 import warnings
 import torch
 
-from lightning_hbm.callbacks.optimizer import _KINDS, MemoryEfficientOptimizer, optimizer_state_bytes
+from lightning_hbm.optim.optimizer import _KINDS, MemoryEfficientOptimizer, optimizer_state_bytes
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.models import NanoGPT
 from lightning_hbm.strategies.cpu_offload import OffloadedOptimizer, host_offload_bytes

@@ -70,7 +70,7 @@ import torch
 
 from lightning_hbm import ActivationCheckpointing, AttentionKernel, FusedLoss, LoRA, QuantizedPrecision
 from lightning_hbm._compat.torch import forward_override
-from lightning_hbm.callbacks.lora.forward import LoRAForward
+from lightning_hbm.adapters.lora.forward import LoRAForward
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
 from lightning_hbm.models import llama_config
 from lightning_hbm.precision.compute_dtype import auto_dtype
@@ -108,7 +108,7 @@ LORA_R, LORA_ALPHA = 8, 16
 # "-peftorder" takes the adapter-first order off the layers ActivationCheckpointing gave it (the A/B of that change: its
 # recompute runs each block's last base matmul again; opt-in); "-unfused" makes every LoRA layer add its adapter term
 # as peft does (base output cloned, B(A(x)) * scaling, +) instead of inside one addmm (the A/B of
-# lightning_hbm/callbacks/lora/forward.py; opt-in)
+# lightning_hbm/adapters/lora/forward.py; opt-in)
 STACKS = ("hf", "lhbm", "lhbm+fused", "lhbm+fused-noac", "torchtune", "litgpt", "litgpt+ac")
 
 

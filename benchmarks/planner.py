@@ -138,7 +138,7 @@ def accuracy() -> None:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
-    from lightning_hbm.callbacks.profiler import HBMProfiler
+    from lightning_hbm.profiling.profiler import HBMProfiler
 
     # the batch the run sees: contiguous, as the DataLoader collates it (synthetic_batch's views of one tensor cost
     # the model a copy in targets.reshape(-1) that the run does not make); the same as tests/planner/test_api.py

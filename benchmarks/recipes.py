@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from lightning_hbm.callbacks.profiler import HBMProfiler
+from lightning_hbm.profiling.profiler import HBMProfiler
 from lightning_hbm.cli import HBMCLI
 from lightning_hbm.memory.categories import CATEGORIES
 

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from lightning_hbm import quantize_model
-from lightning_hbm.callbacks.quality import compare_outputs, probe_output
+from lightning_hbm.quality import compare_outputs, probe_output
 from lightning_hbm.memory import module_parameter_tensors, unique_bytes
 from lightning_hbm.precision.gptq import input_hessians
 from lightning_hbm.precision.quantize import _quantizable_linears

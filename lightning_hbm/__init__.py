@@ -29,27 +29,25 @@ _EXPORTS = {
     "applied_transforms": "lightning_hbm.surgery",
     "run_surgery": "lightning_hbm.surgery",
     "QuantizedFSDPStrategy": "lightning_hbm.strategies",
-    "ActivationCheckpointing": "lightning_hbm.callbacks.activation_checkpointing",
-    "AttentionKernel": "lightning_hbm.callbacks.attention_kernel",
-    "LoRA": "lightning_hbm.callbacks.lora",
-    "MemoryEfficientOptimizer": "lightning_hbm.callbacks.optimizer",
+    "ActivationCheckpointing": "lightning_hbm.activations",
+    "AttentionKernel": "lightning_hbm.activations",
+    "LoRA": "lightning_hbm.adapters",
+    "MemoryEfficientOptimizer": "lightning_hbm.optim",
     "CPUOffloadStrategy": "lightning_hbm.strategies.cpu_offload",
-    "HBMProfiler": "lightning_hbm.callbacks.profiler",
-    "QuantizationQuality": "lightning_hbm.callbacks.quality",
+    "HBMProfiler": "lightning_hbm.profiling",
+    "QuantizationQuality": "lightning_hbm.quality",
     "Int8DynamicLinear": "lightning_hbm.precision.int8_dynamic",
     "plan": "lightning_hbm.planner",
     "AutoFit": "lightning_hbm.planner.autofit",
-    "FusedLoss": "lightning_hbm.callbacks.fused_loss",
+    "FusedLoss": "lightning_hbm.activations",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports them
-    from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing
-    from lightning_hbm.callbacks.attention_kernel import AttentionKernel
-    from lightning_hbm.callbacks.fused_loss import FusedLoss
-    from lightning_hbm.callbacks.lora import LoRA
-    from lightning_hbm.callbacks.optimizer import MemoryEfficientOptimizer
-    from lightning_hbm.callbacks.profiler import HBMProfiler
-    from lightning_hbm.callbacks.quality import QuantizationQuality
+    from lightning_hbm.activations import ActivationCheckpointing, AttentionKernel, FusedLoss
+    from lightning_hbm.adapters import LoRA
+    from lightning_hbm.optim import MemoryEfficientOptimizer
+    from lightning_hbm.profiling import HBMProfiler
+    from lightning_hbm.quality import QuantizationQuality
     from lightning_hbm.planner import plan
     from lightning_hbm.planner.autofit import AutoFit
     from lightning_hbm.precision import QuantizedPrecision, available_precisions, precision_plugin, quantize_model

@@ -2,7 +2,7 @@
 
 It sits below ``precision`` and ``callbacks`` (see ``tests/test_layering.py``) so that the quantization
 choices (sensitivity plan, smoothing, GPTQ) and the callback that reports their cost measure with the
-same code. ``lightning_hbm.callbacks.quality`` re-exports every name.
+same code. ``lightning_hbm.quality`` re-exports every name.
 """
 
 from __future__ import annotations

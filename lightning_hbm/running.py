@@ -2,7 +2,7 @@
 
 Several parts of the package ask "which module is running?" while a model runs: the layer-weight probe
 (``layers.readers``: who reads a layer's weight), the memory tracker's module attribution (``memory.tracker``: who
-allocated a storage) and the attention-caller recorder (``callbacks.blocked_attention``: who calls attention). They
+allocated a storage) and the attention-caller recorder (``activations.attention.blocked``: who calls attention). They
 share this one stack instead of three copies of the same hooks.
 """
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_hbm.callbacks.profiler import HBMProfiler
+from lightning_hbm.profiling.profiler import HBMProfiler
 from lightning_hbm.cli import HBMCLI
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,10 +13,18 @@ Levels, bottom to top; a module imports only from its own level or lower ones:
    surgery spine hands it ``check_resume`` and, as data, what checkpoints are packed with, instead of being imported)
 2. the surgery spine: ``surgery``
 3. ``precision`` (reads the callbacks it must know about by duck typing: ``modules_to_save``)
-4. ``callbacks``
-5. ``strategies`` (``CPUOffloadStrategy`` reuses ``callbacks.optimizer``)
-6. ``planner`` (builds candidates out of callbacks and strategies; ``HBMProfiler`` finds ``AutoFit`` by duck typing)
-7. entry points: ``cli``, ``planner.__main__``, the package's ``__init__``
+4. the jobs that need no other job: ``adapters`` (``LoRA``), ``optim`` (``MemoryEfficientOptimizer``), ``quality``
+   (``QuantizationQuality``)
+5. ``activations`` (``ActivationCheckpointing``, ``AttentionKernel``, ``FusedLoss``; the recompute keeps each block's
+   last adapted layer in order: ``adapters.lora.order``)
+6. ``profiling`` (``HBMProfiler``; its run facts read the settings of the callbacks above)
+7. ``strategies`` (``CPUOffloadStrategy`` reuses ``optim``)
+8. ``planner`` (builds candidates out of callbacks and strategies; ``HBMProfiler`` finds ``AutoFit`` by duck typing)
+9. entry points: ``cli``, ``planner.__main__``, the package's ``__init__``; ``callbacks`` (the callbacks' former
+   module paths, aliases of the jobs' modules: nothing in the package imports it)
+
+Each job's package has its callback class as its face (``lightning_hbm.activations.FusedLoss``); ``callbacks/``
+defines no function or class (``test_callbacks_only_re_export``).
 
 Modules of one level may import each other, but the module graph has no cycle.
 """
@@ -40,15 +48,17 @@ LEVELS = {
     "layers": 1, "resume": 1, "models": 1,
     "surgery": 2,
     "precision": 3,
-    "callbacks": 4,
-    "strategies": 5,
-    "planner": 6,
-    "cli": 7, "planner.__main__": 7, "": 7, "_factory": 7,
+    "adapters": 4, "optim": 4, "quality": 4,
+    "activations": 5,
+    "profiling": 6,
+    "strategies": 7,
+    "planner": 8,
+    "cli": 9, "planner.__main__": 9, "": 9, "_factory": 9, "callbacks": 9,
 }
 
 # Imports allowed inside functions: optional dependencies (extras in pyproject.toml, or only needed by one
 # feature), and two core ones imported on first use behind a RequirementCache check that turns a missing or
-# broken install into an install hint (``precision.bnb.import_bnb``, ``callbacks.lora._import_peft``):
+# broken install into an install hint (``precision.bnb.import_bnb``, ``adapters.lora._import_peft``):
 # bitsandbytes, whose import loads native libraries, and peft. ``torch.distributed``: absent from some builds.
 LAZY_ALLOWED = (
     "bitsandbytes", "peft", "transformers", "torchao", "matplotlib", "rich", "liger_kernel", "flash_attn",
@@ -150,6 +160,27 @@ def test_module_graph_has_no_cycle() -> None:
 
     for module in MODULES:
         visit(module)
+
+
+def test_callbacks_only_re_export() -> None:
+    """``lightning_hbm/callbacks/`` keeps the callbacks' former module paths importable and nothing else: no function
+    or class of its own (the code lives in the package of its job), and no module of the package imports it."""
+    callbacks = f"{PACKAGE}.callbacks"
+    own = [
+        f"{m}:{node.lineno} defines {node.name}"
+        for m in MODULES
+        if m == callbacks or m.startswith(callbacks + ".")
+        for node in ast.walk(_parse(MODULES[m]))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    ]
+    users = [
+        f"{m} imports {t}"
+        for m, targets in _edges().items()
+        if not (m == callbacks or m.startswith(callbacks + "."))
+        for t in targets
+        if t == callbacks or t.startswith(callbacks + ".")
+    ]
+    assert not own and not users, "callbacks/ only re-exports (move the code to its job's package):\n" + "\n".join(own + users)
 
 
 def _lazy_allowed(base: str) -> bool:
@@ -277,7 +308,7 @@ def test_private_attributes_of_libraries_come_through_compat() -> None:
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
-        ("from lightning_hbm.planner import plan\n", "lightning_hbm.precision.x:1 imports lightning_hbm.planner (level 3 -> 6)"),
+        ("from lightning_hbm.planner import plan\n", "lightning_hbm.precision.x:1 imports lightning_hbm.planner (level 3 -> 8)"),
         ("def f():\n    import yaml\n", "lightning_hbm.precision.x:2 imports yaml inside a function"),
         ("from lightning_hbm.surgery import _STATE_ATTR\n", "lightning_hbm.precision.x:1 imports lightning_hbm.surgery._STATE_ATTR"),
         ("from torch.nn.modules.module import _addindent\n", "lightning_hbm.precision.x:1 imports torch.nn.modules.module._addindent"),
@@ -303,3 +334,20 @@ def test_each_check_catches_its_case(source: str, expected: str, tmp_path: Path,
         except AssertionError as err:
             messages.append(str(err))
     assert any(expected in m for m in messages), messages
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        ("callbacks.x", "from lightning_hbm.adapters import LoRA\n\ndef helper():\n    pass\n", "lightning_hbm.callbacks.x:3 defines helper"),
+        ("profiling.x", "from lightning_hbm.callbacks import FORMER_PATHS\n", "lightning_hbm.profiling.x imports lightning_hbm.callbacks"),
+    ],
+)
+def test_callbacks_check_catches_its_case(module: str, source: str, expected: str, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Code under callbacks/, or a module of the package importing callbacks/, fails test_callbacks_only_re_export."""
+    fake = tmp_path / "x.py"
+    fake.write_text(source)
+    monkeypatch.setitem(MODULES, f"{PACKAGE}.{module}", fake)
+    with pytest.raises(AssertionError, match=expected):
+        test_callbacks_only_re_export()

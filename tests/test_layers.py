@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_hbm import FusedLoss, quantize_model
-from lightning_hbm.callbacks.fused_loss import default_heads
+from lightning_hbm.activations.loss import default_heads
 from lightning_hbm.layers import coverage, output_heads
 from lightning_hbm.models import GPT
 

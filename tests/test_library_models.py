@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision
-from lightning_hbm.callbacks.activation_checkpointing import find_blocks
+from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.layers import base_layer, find_layers
 from lightning_hbm.planner import Candidate, plan
 from lightning_hbm.planner.reference import memtracker_peak

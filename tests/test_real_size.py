@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lightning_hbm import FusedLoss, LoRA, QuantizedPrecision
-from lightning_hbm.callbacks.fused_loss import LazyLogits
+from lightning_hbm.activations.loss import LazyLogits
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.memory import parameter_count
 from lightning_hbm.models import LlamaLM

@@ -17,7 +17,7 @@ def test_floors_come_from_one_file_that_pyproject_reads() -> None:
     assert requirement("peft") == "peft>=0.15" and requirement("bitsandbytes") == "bitsandbytes>=0.50"
     assert requirement("torch") == "torch>=2.6"
 
-    from lightning_hbm.callbacks import lora
+    from lightning_hbm.adapters import lora
     from lightning_hbm.precision import bnb
 
     assert str(lora._PEFT_AVAILABLE.requirement) == requirement("peft")

@@ -31,7 +31,7 @@ def keep_input_dtype(layer: nn.Module) -> None:
 
 def cast_input(layer: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
     """peft's ``LoraLayer._cast_input_dtype``: ``x`` as its forward casts it for ``lora_A`` (it honours
-    :func:`keep_input_dtype`). :class:`~lightning_hbm.callbacks.lora.forward.LoRAForward` reproduces peft's forward."""
+    :func:`keep_input_dtype`). :class:`~lightning_hbm.adapters.lora.forward.LoRAForward` reproduces peft's forward."""
     return layer._cast_input_dtype(x, dtype)  # type: ignore[operator]  # a method of peft's LoraLayer
 
 
@@ -45,7 +45,7 @@ def is_4bit_lora(layer: nn.Module) -> bool:
 
 def is_plain_lora_linear(layer: nn.Module) -> bool:
     """Whether ``layer`` is exactly peft's plain LoRA ``Linear`` or its 4-bit one: the two forwards
-    :class:`~lightning_hbm.callbacks.lora.forward.LoRAForward` reproduces (``tests/_compat/test_peft.py`` compares them
+    :class:`~lightning_hbm.adapters.lora.forward.LoRAForward` reproduces (``tests/_compat/test_peft.py`` compares them
     with the installed peft's to the bit)."""
     from peft.tuners.lora.layer import Linear
 

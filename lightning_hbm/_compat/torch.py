@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch._subclasses.fake_tensor import is_fake as _is_fake  # callbacks.token_chunks
+from torch._subclasses.fake_tensor import is_fake as _is_fake  # activations.token_chunks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes  # planner.realvalues, planner.tracing
 

@@ -49,7 +49,7 @@ import lightning_hbm
 from lightning_hbm._compat import _PRECISION_INPUT_STR
 from lightning_hbm.cli import _DESCRIPTION, _EXTRA_SUBCOMMANDS  # shared with the fast top-level --help
 from lightning_hbm.display import default_model_summary, default_progress_bar
-from lightning_hbm.callbacks.profile_figure import redraw
+from lightning_hbm.profiling.figure import redraw
 from lightning_hbm.memory.report import find_report, render_report
 from lightning_hbm.naming import did_you_mean
 from lightning_hbm.planner import Candidate, default_candidates
@@ -73,7 +73,7 @@ def import_all_classes() -> list[str]:
 
     jsonargparse turns ``class_path: LoRA`` into a class by searching the *imported* subclasses of
     the expected base (``Callback``, ``Strategy``, ``Precision``). Features live in their own
-    modules (one callback per file) and are not all imported by ``lightning_hbm/__init__.py``.
+    modules (in the package of their job) and are not all imported by ``lightning_hbm/__init__.py``.
     Returns the module names imported.
     """
     names = []

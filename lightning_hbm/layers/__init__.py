@@ -3,6 +3,7 @@
 :mod:`~lightning_hbm.layers.base` holds the protocol, the registry and what is generic over kinds (finding,
 preparing, LoRA names, weight readers, the coverage table, the kind table of docs/adapters.md). Each other module is
 one kind, complete: how its layers are found, prepared, quantized, adapted, counted by the planner and documented.
+:mod:`~lightning_hbm.layers.blocks` finds a model's repeated blocks (what activation checkpointing wraps).
 Adding a kind is adding one file and importing it below (docs/extending.md).
 """
 

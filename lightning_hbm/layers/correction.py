@@ -16,7 +16,7 @@ quantized base.
 Why a custom autograd Function: the factors are frozen, so the backward needs only them (``grad @ B @ A``), never the
 input. torch's own matmuls would save ``A.T`` and ``B.T`` for backward; under activation checkpointing those saved
 tensors would move the order of the ones LoRA's adapter-first recompute relies on
-(:mod:`lightning_hbm.callbacks.lora.forward`). Held on the Function's context like bitsandbytes' ``MatMul4Bit`` holds its
+(:mod:`lightning_hbm.adapters.lora.forward`). Held on the Function's context like bitsandbytes' ``MatMul4Bit`` holds its
 weight: nothing is saved, so the activations term is unchanged.
 """
 

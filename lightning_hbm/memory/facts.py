@@ -2,7 +2,7 @@
 
 The advice for a term (:func:`lightning_hbm.memory.report.advice`) depends on what the run already uses: a QLoRA run
 is not told to quantize and add LoRA. Those facts are filled by whoever knows them (``HBMProfiler`` from the
-Trainer, in ``lightning_hbm.callbacks``) and passed down as this record: this level imports neither the precision
+Trainer, in ``lightning_hbm.profiling``) and passed down as this record: this level imports neither the precision
 formats nor the callbacks. The quantized base is read off the model itself (:func:`quantized_base`), through the
 format lookup :mod:`lightning_hbm.precision` registers with :mod:`lightning_hbm.memory.storage`.
 """

@@ -72,7 +72,7 @@ class MemoryReport:
     """Measured steps (``rows``, bytes), per-module breakdowns of detailed steps, CUDA snapshot path, and
     what the run used (``used``: ``transforms``, ``optimizers``, ``precision``, AutoFit's ``budget`` and
     ``predicted_peak``, and ``facts``, the :class:`~lightning_hbm.memory.facts.RunFacts` the advice reads, as
-    :meth:`RunFacts.as_dict` wrote it; see :func:`lightning_hbm.callbacks.profiler.run_setup`)."""
+    :meth:`RunFacts.as_dict` wrote it; see :func:`lightning_hbm.profiling.profiler.run_setup`)."""
 
     rows: list[dict[str, Any]]
     columns: Sequence[str] = ()  # CSV columns; default: the first row's keys

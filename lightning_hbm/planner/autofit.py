@@ -6,7 +6,7 @@ the fastest candidate whose predicted peak (+ CUDA overhead on GPU) fits ``budge
 through the same plugin and callbacks a user would configure by hand: it replaces the Trainer's
 precision plugin by a :class:`~lightning_hbm.QuantizedPrecision` when a quantized base is chosen, and
 appends :class:`~lightning_hbm.LoRA` / :class:`~lightning_hbm.ActivationCheckpointing` /
-:class:`~lightning_hbm.callbacks.optimizer.MemoryEfficientOptimizer` to ``trainer.callbacks``, before
+:class:`~lightning_hbm.optim.optimizer.MemoryEfficientOptimizer` to ``trainer.callbacks``, before
 lightning_hbm's surgery runs. If nothing fits, it raises before training, listing the closest candidates.
 """
 
@@ -25,8 +25,8 @@ from typing_extensions import override
 
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.callbacks.fused_loss import default_heads
-from lightning_hbm.callbacks.profiler import HBMProfiler
+from lightning_hbm.activations.loss import default_heads
+from lightning_hbm.profiling import HBMProfiler
 from lightning_hbm.memory.categories import CATEGORIES
 from lightning_hbm.memory.report import MemoryReport, format_table
 from lightning_hbm.planner.api import Plan, Prediction, plan
@@ -244,7 +244,7 @@ def _on_grid_mode(pl_module: nn.Module) -> Optional[str]:
 
 
 def _fused_loss_axis(pl_module: pl.LightningModule) -> list[bool]:
-    """Try FusedLoss only where it finds an output head (:func:`~lightning_hbm.callbacks.fused_loss.default_heads`)."""
+    """Try FusedLoss only where it finds an output head (:func:`~lightning_hbm.activations.loss.default_heads`)."""
     return [False, True] if default_heads(pl_module) else [False]
 
 

@@ -29,10 +29,9 @@ from typing import Any, Literal, Optional, Union, cast
 
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
-from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing
-from lightning_hbm.callbacks.fused_loss import FusedLoss
-from lightning_hbm.callbacks.lora import LoRA
-from lightning_hbm.callbacks.optimizer import MemoryEfficientOptimizer, OptimizerKind
+from lightning_hbm.activations import ActivationCheckpointing, FusedLoss
+from lightning_hbm.adapters import LoRA
+from lightning_hbm.optim import MemoryEfficientOptimizer, OptimizerKind
 from lightning_hbm.precision import QuantizedPrecision, available_precisions, get_format
 from lightning_hbm.surgery import SurgeryCallback
 
@@ -144,7 +143,7 @@ class Candidate:
             ``nn.Sequential``); None finds them (children of an ``nn.ModuleList`` of one class).
         mlp_chunks: ``ActivationCheckpointing(mlp_chunks=...)`` with ``checkpointing="full"``: each block's MLP
             recomputed in that many token chunks (1: whole). Planned as it runs: on the fake trace, which layers
-            qualify is decided by following their ops (:mod:`lightning_hbm.callbacks.token_rows`; a layer refused
+            qualify is decided by following their ops (:mod:`lightning_hbm.activations.token_rows`; a layer refused
             there but chunked by the real run, such as a MoE that gathers its tokens, is planned whole: an upper
             bound). Costed at 1 % of
             the step per chunk (measured +2-4 % at 2 chunks and +4-9 % at 4 at the 100M shape on CPU,
@@ -155,7 +154,7 @@ class Candidate:
         offload_activations: ``ActivationCheckpointing(offload=True)`` with ``checkpointing`` not ``"none"``: the
             checkpointed blocks' inputs go to pinned host memory. Planned on ``device="cuda"`` as leaving the device
             (the ``host_activations`` term; one block input in flight in the forward, two restored in the backward:
-            :class:`~lightning_hbm.callbacks.activation_checkpointing.OffloadSavedTensors`); on ``"cpu"`` the copies
+            :class:`~lightning_hbm.activations.checkpointing.OffloadSavedTensors`); on ``"cpu"`` the copies
             are in the same memory and counted there. Costed at +5 % (a stated assumption, not yet run on GPU).
         layer_modes: a fixed mixed-precision plan of a quantized ``precision``, ``{layer name: mode name}``
             (``QuantizedPrecision(layer_modes=...)``; e.g. ``plugin.plan`` of an earlier run with
@@ -438,10 +437,10 @@ def available_axes() -> dict[str, bool]:
     """Which optional axes this install can plan (the callbacks that apply them exist)."""
     axes = {}
     for axis, module in (
-        ("lora", "lightning_hbm.callbacks.lora"),
-        ("checkpointing", "lightning_hbm.callbacks.activation_checkpointing"),
-        ("optimizer", "lightning_hbm.callbacks.optimizer"),
-        ("fused_loss", "lightning_hbm.callbacks.fused_loss"),
+        ("lora", "lightning_hbm.adapters.lora"),
+        ("checkpointing", "lightning_hbm.activations.checkpointing"),
+        ("optimizer", "lightning_hbm.optim.optimizer"),
+        ("fused_loss", "lightning_hbm.activations.loss"),
     ):
         try:
             __import__(module)

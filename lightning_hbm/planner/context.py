@@ -30,10 +30,10 @@ from typing import Any, Callable, Literal, Optional, Union
 
 from torch import nn
 
-from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing, find_blocks
-from lightning_hbm.callbacks.fused_loss import FusedLoss
-from lightning_hbm.callbacks.fused_loss.cost import chunk_tokens
+from lightning_hbm.activations import ActivationCheckpointing, FusedLoss
+from lightning_hbm.activations.loss.cost import chunk_tokens
 from lightning_hbm.data import synthetic_batch
+from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.memory import CATEGORIES, host_terms
 from lightning_hbm.planner.api import Prediction, predict
 from lightning_hbm.planner.building import ModelLike, Template, build_template

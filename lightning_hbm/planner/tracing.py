@@ -43,8 +43,9 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_u
 
 from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt, _disable_current_modes
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.callbacks.activation_checkpointing import OffloadSavedTensors, find_blocks, pinned_footprint
-from lightning_hbm.callbacks.token_chunks import ChunkedForward
+from lightning_hbm.activations import OffloadSavedTensors, pinned_footprint
+from lightning_hbm.activations.token_chunks import ChunkedForward
+from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.memory import CATEGORIES, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count, scope_term_bytes
 from lightning_hbm.memory.categories import buffer_tensors, classify_records, optimizer_state_tensors, parameter_tensors
 from lightning_hbm.planner.building import (

@@ -64,7 +64,7 @@ def test_adapter_first_is_peft_forward_to_the_bit(kind: str, dtype: torch.dtype,
     (cast_input, is_4bit_lora): the output and every gradient equal to the bit (DoRA falls back to peft's own forward)."""
     import copy
 
-    from lightning_hbm.callbacks.lora.forward import lora_forward, recomputing
+    from lightning_hbm.adapters.lora.forward import lora_forward, recomputing
 
     reference = peft_lora_layer(kind, dtype, dora)
     changed = copy.deepcopy(reference)
@@ -91,7 +91,7 @@ def test_adapter_first_is_peft_forward_to_the_bit(kind: str, dtype: torch.dtype,
 def test_adapter_first_only_on_the_layers_it_reproduces() -> None:
     from peft.tuners.lora import bnb as lora_bnb
 
-    from lightning_hbm.callbacks.lora.order import adapter_first, is_adapter_first
+    from lightning_hbm.adapters.lora.order import adapter_first, is_adapter_first
 
     four = peft_lora_layer("4bit", torch.float32)
     assert adapter_first(four) and is_adapter_first(four)  # bitsandbytes' 4-bit matmul saves nothing for backward

@@ -9,7 +9,7 @@ from kind_models import MODELS, Stage, ViTLike, build, fit, tokens
 from torch import nn
 
 from lightning_hbm import ActivationCheckpointing, quantize_model
-from lightning_hbm.callbacks.activation_checkpointing import find_blocks
+from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.memory import saved_activation_bytes
 
 

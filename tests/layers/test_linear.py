@@ -287,7 +287,7 @@ def test_adapters_whose_gradient_stays_all_zero_warn_naming_them(tmp_path: Any) 
 
 def test_an_all_zero_gradient_is_watched_only_while_it_stays_zero() -> None:
     """The check after the first pass looks only at the adapters still all-zero: an adapter with any gradient drops out."""
-    from lightning_hbm.callbacks.lora.watch import _all_zero
+    from lightning_hbm.adapters.lora.watch import _all_zero
 
     class Layer(nn.Module):
         def __init__(self, grad: float) -> None:

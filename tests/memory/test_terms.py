@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_hbm.callbacks import profiler
-from lightning_hbm.callbacks.profiler import COLUMNS
+from lightning_hbm.profiling import profiler
+from lightning_hbm.profiling.profiler import COLUMNS
 from lightning_hbm.memory import CATEGORIES, TERMS, classify_records, term, terms_table
 from lightning_hbm.memory.report import REMEDIES, MemoryReport
 from lightning_hbm.memory.storage import storage_key
@@ -114,7 +114,7 @@ def test_profiler_and_planner_share_the_classifier() -> None:
 
 
 def test_host_activations_reads_the_offload_hooks_of_checkpointed_blocks(gpt_factory: Callable) -> None:
-    from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing
+    from lightning_hbm.activations.checkpointing import ActivationCheckpointing
 
     model = gpt_factory()
     callback = ActivationCheckpointing(offload=True)

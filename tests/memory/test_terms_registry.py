@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hbm import HBMProfiler
-from lightning_hbm.callbacks.run_facts import run_facts
+from lightning_hbm.profiling.run_facts import run_facts
 from lightning_hbm.memory import (
     CATEGORIES,
     TERMS,

@@ -12,8 +12,8 @@ import yaml
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.data import DataLoader
 
-from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing, pinned_footprint
-from lightning_hbm.callbacks.profiler import HBMProfiler
+from lightning_hbm.activations.checkpointing import ActivationCheckpointing, pinned_footprint
+from lightning_hbm.profiling.profiler import HBMProfiler
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.memory.storage import parameter_bytes
 from lightning_hbm.models import LlamaLM, NanoGPT
@@ -82,7 +82,7 @@ def test_prediction_matches_profiler(model: str, candidate: Candidate, tmp_path:
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama", "gpt"])
 def test_token_chunks_are_planned_from_the_ops(model: str, tmp_path: Any) -> None:
-    # On fake tensors the chunks are decided by following the layers' ops (callbacks/token_rows.py): the Llama's MLPs
+    # On fake tensors the chunks are decided by following the layers' ops (activations/token_rows.py): the Llama's MLPs
     # are chunked in the plan as in the run. nanoGPT's attention, called with one tensor, is refused by the ops
     # (a transpose of the tokens), not by values: an earlier plan that chunked every one-tensor layer predicted 10 %
     # under nanoGPT's measured peak.
@@ -474,7 +474,7 @@ def test_loss_term_at_a_128k_vocabulary_is_its_byte_budget() -> None:
     FusedLoss): one 96-token chunk with a whole fp32 copy was a 71 MiB loss term, 1.40x the QLoRA floor; the chunk's
     bf16 logits and 8 MiB of fp32 rows now are the loss term (MemTracker: 1.13x the floor, benchmarks/README.md)."""
     from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision
-    from lightning_hbm.callbacks.fused_loss import chunk_tokens, softmax_rows
+    from lightning_hbm.activations.loss import chunk_tokens, softmax_rows
 
     factory = partial(LlamaLM, vocab_size=128256, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_hbm import AutoFit
-from lightning_hbm.callbacks.profiler import HBMProfiler
+from lightning_hbm.profiling.profiler import HBMProfiler
 from lightning_hbm.precision import QuantizedPrecision
 from lightning_hbm.surgery import applied_transforms
 

@@ -17,8 +17,8 @@ from torch import nn
 
 from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm._compat import _disable_current_modes
-from lightning_hbm.callbacks.activation_checkpointing import ActivationCheckpointing, OffloadSavedTensors, pinned_footprint
-from lightning_hbm.callbacks.fused_loss import FusedLoss
+from lightning_hbm.activations.checkpointing import ActivationCheckpointing, OffloadSavedTensors, pinned_footprint
+from lightning_hbm.activations.loss import FusedLoss
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.models import LlamaLM
 from lightning_hbm._compat import torch as torch_compat

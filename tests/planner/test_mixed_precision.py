@@ -18,7 +18,7 @@ from planner_families import FAMILIES
 from torch.utils.data import DataLoader
 
 from lightning_hbm import AutoFit, QuantizedPrecision
-from lightning_hbm.callbacks.profiler import HBMProfiler
+from lightning_hbm.profiling.profiler import HBMProfiler
 from lightning_hbm.cli import HBMCLI
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.memory import parameter_bytes, quantization_tensors, tensor_bytes

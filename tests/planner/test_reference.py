@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from lightning_hbm.callbacks.fused_loss import chunk_tokens, softmax_rows
+from lightning_hbm.activations.loss import chunk_tokens, softmax_rows
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.planner import Candidate, predict
 from lightning_hbm.planner.reference import memtracker_peak

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hbm.callbacks.activation_checkpointing import find_blocks
+from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.planner import Candidate, predict
 from lightning_hbm.planner.reference import memtracker_peak
 from lightning_hbm.planner.tracing import _block_list

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hbm import LoRA, QuantizedPrecision
-from lightning_hbm.callbacks.quality import compare_outputs, probe_output
+from lightning_hbm.quality import compare_outputs, probe_output
 from lightning_hbm.layers import coverage
 from lightning_hbm.layers.correction import correction_of
 from lightning_hbm.memory import parameter_bytes
@@ -127,7 +127,7 @@ def test_a_resume_takes_the_factors_from_the_checkpoint_bit_for_bit(tmp_path: Pa
 
 def test_the_weight_sqnr_reads_the_corrected_weight(gpt_factory: Any) -> None:
     """QuantizationQuality's weight table: the weight a corrected layer multiplies with is Q + B_c A_c."""
-    from lightning_hbm.callbacks.quality import _dequantized_weight
+    from lightning_hbm.quality import _dequantized_weight
     from lightning_hbm.precision.registry import format_of
 
     model = gpt_factory()

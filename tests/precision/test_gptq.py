@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_hbm import LoRA, QuantizedPrecision, quantize_model
-from lightning_hbm.callbacks.quality import compare_outputs, probe_output
+from lightning_hbm.quality import compare_outputs, probe_output
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import input_hessians, pack_indices
 from lightning_hbm.precision.quantize import _quantizable_linears

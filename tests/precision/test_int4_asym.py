@@ -13,7 +13,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_hbm import QuantizedPrecision, available_precisions, quantize_model
-from lightning_hbm.callbacks.lora import LoRA
+from lightning_hbm.adapters.lora import LoRA
 from lightning_hbm.memory import parameter_bytes, quantization_tensors, unique_bytes
 from lightning_hbm.models import NanoGPT
 from lightning_hbm.planner import quantized_parameter_bytes

@@ -14,8 +14,8 @@ from torch import nn
 pytest.importorskip("torchao")
 
 from lightning_hbm import QuantizedPrecision, available_precisions, quantize_model  # noqa: E402
-from lightning_hbm.callbacks.lora import LoRA  # noqa: E402
-from lightning_hbm.callbacks.quality import QuantizationQuality  # noqa: E402
+from lightning_hbm.adapters.lora import LoRA  # noqa: E402
+from lightning_hbm.quality import QuantizationQuality  # noqa: E402
 from lightning_hbm.layers import report_coverage  # noqa: E402
 from lightning_hbm.memory import parameter_bytes, quantization_tensors, unique_bytes  # noqa: E402
 from lightning_hbm.models import NanoGPT  # noqa: E402

@@ -32,7 +32,7 @@ DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "N
 
 
 def _callbacks() -> list[Any]:
-    from lightning_hbm.callbacks.lora import LoRA
+    from lightning_hbm.adapters.lora import LoRA
 
     return [LoRA(r=4, alpha=8, dropout=0.0)]
 

@@ -1,0 +1,553 @@
+"""``ActivationCheckpointing``: recompute the activations of repeated blocks in backward.
+
+What it shrinks: the **activations** term. Without recompute, every transformer block keeps
+about ``s*b*h*(34 + 5*a*s/h)`` bytes alive for backward (Korthikanti et al.); with full recompute
+it keeps only its input (``2*s*b*h``) and runs its forward a second time in backward. Lightning
+offers this only inside FSDP; this callback gives it to any strategy (single device, DDP).
+
+How: the ``forward`` of each chosen block is wrapped in non-reentrant ``torch.utils.checkpoint``.
+Not ``checkpoint_wrapper``: a wrapper module prefixes every parameter name with
+``_checkpoint_wrapped_module.``, which changes the state_dict keys and makes peft's adapter
+state_dict silently empty (checked with peft 0.21). Wrapping ``forward`` keeps names,
+keys and the module tree exactly as the user built them. Non-reentrant, because the reentrant
+variant gives no gradients to adapters behind frozen embeddings (inputs without ``requires_grad``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal, Optional, cast
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from typing_extensions import override
+
+from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm._validate import check_args
+from lightning_hbm.layers.blocks import find_blocks
+from lightning_hbm.adapters.lora.order import LastAdapted, adapter_first, recomputing
+from lightning_hbm.activations.selective import SelectivePolicy, format_matmuls, unkept_formats
+from lightning_hbm.activations.token_chunks import ChunkedForward, candidates
+from lightning_hbm.naming import did_you_mean, has_submodule
+from lightning_hbm.record import CheckpointedForward, checkpoint_plan
+from lightning_hbm.surgery import Stage, SurgeryCallback
+
+
+
+def pinned_footprint(nbytes: int) -> int:
+    """Host bytes torch's pinned-memory allocator takes for a request of ``nbytes``: the next power of two.
+
+    torch's ``CachingHostAllocator`` rounds every pinned allocation up to a power of two (``PowerOf2Ceil`` in
+    ``ATen/core/CachingHostAllocator.h``, default ``pinned_max_round_threshold``): a 0.76 GiB block input takes 1 GiB.
+    """
+    return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
+
+
+class _Offloaded:
+    """One tensor moved off the device: where it came from, its host copy, the one packed before it (weakly: a
+    handle never keeps another step's copy alive) and, once prefetched, its device copy."""
+
+    __slots__ = ("__weakref__", "host", "previous", "ready", "source")
+
+    def __init__(self, source: torch.device, host: Tensor, previous: Optional["_Offloaded"]) -> None:
+        self.source, self.host = source, host
+        self.previous = weakref.ref(previous) if previous is not None else None
+        self.ready: Optional[Tensor] = None
+
+
+class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
+    """Move the tensors autograd saves for backward to ``device`` and bring them back in backward.
+
+    Written by hand instead of ``torch.autograd.graph.save_on_cpu`` because that one (a) always
+    targets CPU and leaves tensors already there in place, so its logic cannot be tested on a
+    CPU-only machine, (b) also copies parameters that autograd saves (weights of every Linear), which
+    live on the device anyway, and (c) copies synchronously. Here the target is injectable,
+    parameters are skipped, and on CUDA the device-to-host copy runs on a side stream into pinned
+    memory so that it overlaps with the forward compute.
+
+    What stays on the device, by construction (the planner counts exactly this): the last tensor packed, until the
+    next one is (its copy may still be reading it: at most one block input in flight in the forward); in the
+    backward, the tensor being restored and the one packed before it, prefetched when the later one is restored (on
+    CUDA on the side stream, overlapping the recompute of the block in between). On CUDA the overlap is untested on
+    a GPU (``benchmarks/gpu_checks.sh`` measures its step-time cost).
+
+    ``copies`` and ``copied_bytes`` count what was moved since the last :meth:`reset_counts`; ``host_bytes`` what
+    of it left the device's memory (0 when the target is the source's own device, as on a CPU-only run), at the size
+    the host allocator takes (pinned: :func:`pinned_footprint`).
+    """
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.copies = 0
+        self.copied_bytes = 0
+        self.host_bytes = 0
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._last: Optional[weakref.ref] = None  # the handle packed last (weak: it belongs to the graph)
+        self._in_flight: Optional[Tensor] = None  # the device tensor packed last: its copy may still read it
+        super().__init__(self._pack, self._unpack)
+
+    def reset_counts(self) -> None:
+        self.copies = 0
+        self.copied_bytes = 0
+        self.host_bytes = 0
+
+    def _side_stream(self, source: torch.device) -> Optional[torch.cuda.Stream]:
+        if source.type != "cuda" or self.device.type != "cpu":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(source)
+        return self._stream
+
+    def _host_copy(self, tensor: Tensor) -> Tensor:
+        """The copy on ``device`` (pinned host memory, on the side stream, from CUDA)."""
+        stream = self._side_stream(tensor.device)
+        if stream is None:
+            # torch.empty + copy_ (not .to): a real copy even when source == target device, which
+            # is what a CPU-only test can check.
+            packed = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+            packed.copy_(tensor)
+            return packed
+        packed = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            packed.copy_(tensor, non_blocking=True)
+        # The caching allocator must not hand the device memory to another tensor before the copy
+        # on the side stream has read it.
+        tensor.record_stream(stream)
+        return packed
+
+    def _footprint(self, tensor: Tensor) -> int:
+        """Host bytes the copy of ``tensor`` takes off its device (0: the target is the same memory)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.device == tensor.device or (self.device.type == "cpu" and tensor.device.type == "cpu"):
+            return 0
+        return pinned_footprint(nbytes) if self.device.type == "cpu" and tensor.device.type == "cuda" else nbytes
+
+    def _pack(self, tensor: Tensor) -> Any:
+        # Parameters (and frozen quantized weights) are saved by reference and live on the device for
+        # the whole step anyway: copying them would cost time and save nothing.
+        if isinstance(tensor, nn.Parameter) or tensor.numel() == 0:
+            return tensor
+        previous = self._last() if self._last is not None else None
+        handle = _Offloaded(tensor.device, self._host_copy(tensor), previous)
+        self._last = weakref.ref(handle)
+        self._in_flight = tensor  # released by the next pack or the first unpack
+        self.copies += 1
+        self.copied_bytes += tensor.numel() * tensor.element_size()
+        self.host_bytes += self._footprint(tensor)
+        return handle
+
+    def _restore(self, handle: _Offloaded, prefetch: bool) -> Tensor:
+        """``handle``'s tensor on its device again: on CUDA on the side stream when ``prefetch``, else on the
+        current stream after every pending copy of the side stream."""
+        source, host = handle.source, handle.host
+        if self._stream is not None and source.type == "cuda":
+            if not prefetch:
+                torch.cuda.current_stream(source).wait_stream(self._stream)
+                return host.to(source, non_blocking=True)
+            self._stream.wait_stream(torch.cuda.current_stream(source))
+            with torch.cuda.stream(self._stream):
+                return host.to(source, non_blocking=True)
+        restored = torch.empty(host.shape, dtype=host.dtype, device=source)
+        restored.copy_(host)
+        return restored
+
+    def _unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, Tensor):
+            return packed
+        self._in_flight = None  # the backward has begun: every forward copy was issued long before
+        handle = cast(_Offloaded, packed)
+        tensor, handle.ready = handle.ready, None
+        if tensor is None:
+            tensor = self._restore(handle, prefetch=False)
+        elif self._stream is not None and handle.source.type == "cuda":  # prefetched on the side stream
+            current = torch.cuda.current_stream(handle.source)
+            current.wait_stream(self._stream)
+            tensor.record_stream(current)
+        # the backward runs the blocks in reverse: the tensor packed before this one is the next one needed
+        previous = handle.previous() if handle.previous is not None else None
+        if previous is not None and previous.ready is None:
+            previous.ready = self._restore(previous, prefetch=True)
+        return tensor
+
+
+class _BlockPlan:
+    """What the wrapped ``forward`` of one block needs, kept in that forward object on the block (no closure)."""
+
+    def __init__(
+        self,
+        block: nn.Module,
+        context_fn: Optional[Callable[[], tuple[AbstractContextManager, AbstractContextManager]]],
+        offload: Optional[OffloadSavedTensors],
+    ) -> None:
+        # An instance-level forward someone set before us is kept (and put back by _unwrap); otherwise the
+        # class's forward is looked up at call time: a bound method stored here would not survive pickling.
+        self.own_forward: Optional[Callable[..., Any]] = torch_compat.forward_override(block)
+        self.context_fn = context_fn
+        self.offload = offload
+
+
+class _CheckpointedForward(CheckpointedForward):
+    """The block's new ``forward``: a picklable object (not a closure, not a bound method) holding the block and its
+    plan, copied with the block; being one marks the block checkpointed (:func:`lightning_hbm.record.checkpoint_plan`,
+    read by the coverage table)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _checkpointed_forward(self.block, self.plan, *args, **kwargs)
+
+
+def _wrap(block: nn.Module, plan: _BlockPlan) -> None:
+    torch_compat.override_forward(block, _CheckpointedForward(block, plan))
+
+
+def _unwrap(block: nn.Module) -> None:
+    plan = cast(_BlockPlan, checkpoint_plan(block))  # called on wrapped blocks only
+    torch_compat.override_forward(block, plan.own_forward)  # None: the class's forward again
+
+
+def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kwargs: Any) -> Any:
+    inner = plan.own_forward or functools.partial(type(self).forward, self)
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
+    extra: dict[str, Any] = {} if plan.context_fn is None else {"context_fn": plan.context_fn}
+    calls = itertools.count()
+
+    def run(*a: Any, **k: Any) -> Any:
+        # the first call is the forward; every later one is checkpoint's recompute, in the backward (lora.order)
+        with recomputing(next(calls) > 0):
+            return inner(*a, **k)
+
+    # The offload hooks are outside the checkpoint: what checkpoint itself saves (the block's
+    # inputs) goes through them; what it recomputes never does.
+    with plan.offload if plan.offload is not None else nullcontext():
+        return checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
+
+
+def _device_available(device: torch.device) -> bool:
+    backend = getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", None)
+    return bool(callable(available) and available())
+
+
+def _blocks_by_spec(module: nn.Module, spec: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    named = list(module.named_modules())
+    chosen: list[tuple[str, nn.Module]] = []
+    unknown: list[str] = []
+    for entry in spec:
+        matches = [(n, m) for n, m in named if n == entry or type(m).__name__ == entry]
+        if not matches:
+            unknown.append(entry)
+        chosen.extend(m for m in matches if m[0] not in {n for n, _ in chosen})
+    if unknown:
+        classes = sorted({type(m).__name__ for _, m in named if any(True for _ in m.children())})
+        hint = "".join(did_you_mean(u, [*classes, *(n for n, _ in named if n)]) for u in unknown[:3])
+        raise ValueError(
+            f"ActivationCheckpointing(blocks={list(spec)!r}): {unknown} name no submodule path and no module class "
+            f"of {type(module).__name__}.{hint} Use class names such as {classes[:12]} or module paths such as "
+            f"{[n for n, _ in named if n][:8]}, or leave blocks=None to find the repeated blocks automatically."
+        )
+    nested = [n for n, _ in chosen if any(n.startswith(o + ".") for o, _ in chosen)]
+    if nested:
+        raise ValueError(
+            f"ActivationCheckpointing(blocks={list(spec)!r}) selects modules nested inside other selected modules: "
+            f"{nested[:5]}. Checkpoint either the outer blocks or the inner ones, not both."
+        )
+    return chosen
+
+
+class ActivationCheckpointing(SurgeryCallback):
+    """Non-reentrant activation checkpointing of the model's repeated blocks, for any strategy.
+
+    Args:
+        policy: ``"full"`` recomputes the whole block in backward (keeps only its input);
+            ``"selective"`` keeps the outputs of attention kernels and of matmuls contracting 64
+            features or more, a quantized base's own matmul operators included
+            (:class:`lightning_hbm.activations.selective.SelectivePolicy`), and recomputes the rest (norms,
+            activations, residual adds, a LoRA adapter's low-rank products): less memory saved, less time spent.
+        blocks: class names (``"LlamaDecoderLayer"``) or module paths relative to the
+            LightningModule (``"model.h.0"``) to checkpoint. ``None`` finds the repeated blocks
+            automatically (children of an ``nn.ModuleList`` sharing one class).
+        every: checkpoint every ``every``-th block only (blocks 0, every, 2*every, ...): trades
+            memory for time.
+        offload: also move the tensors the checkpointed blocks save for backward (their inputs)
+            to ``offload_device`` and bring them back for backward (pinned memory and a side
+            stream on CUDA, so the copy overlaps with compute).
+        offload_device: where offloaded tensors go. ``"cpu"`` (host memory) is what a GPU run
+            wants; on a CPU-only run the copy lands on the same device and saves nothing.
+        mlp_chunks: recompute each block's token-wise layers that save most for backward (the MLP; a bf16 RMSNorm
+            that computes in fp32, in the blocks and beside them) in this many chunks of tokens
+            in the backward, so that only one chunk's intermediates live at once (``policy="full"`` only). Which
+            layers is decided by running them on the first training step
+            (:func:`lightning_hbm.activations.token_chunks.decide`); a block none of whose layers qualifies is named
+            in a warning with the reasons (the planner decides on its fake tensors by following the layers' ops:
+            :mod:`lightning_hbm.activations.token_rows`). Same arithmetic, but each chunk dequantizes a quantized base again:
+            measured on CPU at the 100M shape (1024 tokens), 2 chunks cost 4 % of the step and 4 chunks 9 %
+            (``benchmarks/README.md``). ``1`` (the default): no chunks.
+
+    Applied at lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`, stage
+    ``CHECKPOINTING``): after quantization and adapters, before the optimizer exists.
+    Parameter names and state_dict keys do not change.
+
+    Logged keys (only with ``offload=True``, every training step):
+        ``activations/offloaded_bytes``: bytes copied to ``offload_device`` in the step's forwards.
+
+    Example::
+
+        trainer = Trainer(callbacks=[ActivationCheckpointing("selective", every=2)])
+
+    YAML (LightningCLI)::
+
+        trainer:
+          callbacks:
+            - class_path: lightning_hbm.ActivationCheckpointing
+              init_args: {policy: full, offload: true}
+    """
+
+    stage = Stage.CHECKPOINTING
+    reapply = True  # a new instance re-wraps the blocks with its own settings (no parameter changes)
+
+    def __init__(
+        self,
+        policy: Literal["full", "selective"] = "full",
+        blocks: Optional[list[str]] = None,
+        every: int = 1,
+        offload: bool = False,
+        offload_device: str = "cpu",
+        mlp_chunks: int = 1,
+    ) -> None:
+        check_args(ActivationCheckpointing.__init__, locals())
+        if policy not in ("full", "selective"):
+            raise ValueError(f"ActivationCheckpointing(policy={policy!r}): choose 'full' or 'selective'.")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(
+                f"ActivationCheckpointing(every={every!r}): must be an int >= 1 (1 checkpoints every block, "
+                "2 every second block, ...)."
+            )
+        if isinstance(mlp_chunks, bool) or not isinstance(mlp_chunks, int) or mlp_chunks < 1:
+            raise ValueError(
+                f"ActivationCheckpointing(mlp_chunks={mlp_chunks!r}): must be an int >= 1 (1: no chunks; 2 or 4 split "
+                "each block's MLP recompute into that many chunks of tokens)."
+            )
+        if mlp_chunks > 1 and policy != "full":
+            raise ValueError(
+                f"ActivationCheckpointing(policy={policy!r}, mlp_chunks={mlp_chunks}): token chunks need policy='full' "
+                "(the selective policy keeps the matmul outputs a chunk would recompute). Use policy='full' or mlp_chunks=1."
+            )
+        if blocks is not None and (isinstance(blocks, str) or not all(isinstance(b, str) for b in blocks) or not blocks):
+            raise TypeError(
+                f"ActivationCheckpointing(blocks={blocks!r}): pass a non-empty list of class names or module paths, "
+                "e.g. ['Block'] or ['model.h.0', 'model.h.1'], or None for automatic detection."
+            )
+        try:
+            device = torch.device(offload_device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(
+                f"ActivationCheckpointing(offload_device={offload_device!r}) is not a torch device: use 'cpu'."
+            ) from err
+        self.policy = policy
+        self.blocks = list(blocks) if blocks is not None else None
+        self.every = every
+        self.mlp_chunks = mlp_chunks
+        self.offload: Optional[OffloadSavedTensors] = OffloadSavedTensors(device) if offload else None
+        self.checkpointed: list[str] = []
+        #: the layers recomputed in token chunks, decided on the first training step (``mlp_chunks > 1``)
+        self.chunked: list[str] = []
+        self._chunk_report_due = False
+        #: the LoRA layers that compute their adapter term first (the last one of each block, found on the first
+        #: training step under policy="full"): the recompute then stops before their base matmul
+        self.adapter_first: list[str] = []
+        self._order_due = False
+        self._order: Optional[LastAdapted] = None
+        self._restored_order: Optional[list[str]] = None  # a checkpoint's adapter_first: a resumed run starts with it
+        self._planned: Optional[list[str]] = None  # resolved by check_model on the model as built
+
+    def _resolve(self, module: nn.Module) -> list[str]:
+        """Names of the blocks to checkpoint; raises (changing nothing) if there are none."""
+        found = _blocks_by_spec(module, self.blocks) if self.blocks is not None else find_blocks(module)
+        if not found:
+            lists = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleList)]
+            raise ValueError(
+                f"ActivationCheckpointing found no repeated blocks in {type(module).__name__} (no nn.ModuleList or "
+                f"nn.Sequential whose children share one class; ModuleLists seen: {lists[:8]}). Pass blocks=[...] with the class names "
+                "or module paths of the layers to checkpoint."
+            )
+        hf_checkpointing = [n for n, m in found if getattr(m, "gradient_checkpointing", False)]
+        if hf_checkpointing:
+            raise ValueError(
+                f"Blocks {hf_checkpointing[:3]} already use transformers' own gradient checkpointing; doing it twice "
+                "recomputes every block twice. Call model.gradient_checkpointing_disable() or drop ActivationCheckpointing."
+            )
+        return [n for i, (n, _) in enumerate(found) if i % self.every == 0]
+
+    @override
+    def check_model(self, module: nn.Module) -> None:
+        """Resolve the blocks on the model as the user built it, before quantization and adapters.
+
+        Names, not module objects, are kept: a block that quantization or LoRA replaces (``blocks=["Linear"]``)
+        is checkpointed in its changed form, at the same path.
+        """
+        self._planned = self._resolve(module)
+        target = self.offload.device if self.offload is not None else None
+        if target is not None and target.type != "cpu" and not _device_available(target):
+            raise ValueError(
+                f"ActivationCheckpointing(offload_device={str(target)!r}): no {target.type} device here, so the first "
+                "training step would fail. Offload to host memory: offload_device='cpu' (the default)."
+            )
+
+    @override
+    def transform_model(self, module: nn.Module) -> None:
+        names = self._planned if self._planned is not None else self._resolve(module)
+        self._planned = None
+        chosen = [(n, module.get_submodule(n)) for n in names]
+        context_fn = None
+        if self.policy == "selective":  # the quantized layers' matmul operators are kept too (QuantFormat.matmul_ops)
+            matmuls = {op for _, block in chosen for op in format_matmuls(block)}
+            policy = SelectivePolicy(matmuls)
+            _warn_unkept(unkept_formats([b for _, b in chosen], policy))
+            context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        # A model checkpointed by an earlier Trainer's callback gets this callback's settings instead.
+        for block in module.modules():
+            if checkpoint_plan(block) is not None:
+                _unwrap(block)
+            chunked = torch_compat.forward_override(block)
+            if isinstance(chunked, ChunkedForward):
+                torch_compat.override_forward(block, chunked.own_forward)
+        for _, block in chosen:
+            _wrap(block, _BlockPlan(block, context_fn, self.offload))
+            for _, layer in candidates(block) if self.mlp_chunks > 1 else ():
+                torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks))
+        for layer in _beside_blocks(module, [n for n, _ in chosen]) if self.mlp_chunks > 1 else ():
+            torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks))
+        self._chunk_report_due = self.mlp_chunks > 1
+        self._order_due = self.policy == "full"  # selective keeps the matmul outputs: no base matmul to skip
+        self.checkpointed = [n for n, _ in chosen]
+        _disable_hf_cache(module)
+        rank_zero_info(
+            f"lightning_hbm: activation checkpointing ({self.policy}{', offload' if self.offload else ''}) "
+            f"on {len(chosen)} blocks ({', '.join(dict.fromkeys(type(b).__name__ for _, b in chosen))})"
+        )
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.offload is not None:
+            self.offload.reset_counts()
+        if self._order_due:
+            self._order_due = False
+            restored, self._restored_order = self._restored_order, None
+            if restored and all(has_submodule(pl_module, n) for n in restored):
+                # the run that saved it chose these: the same order from the first step, as uninterrupted
+                self.adapter_first = [n for n in restored if adapter_first(pl_module.get_submodule(n))]
+            else:
+                self._order = LastAdapted(pl_module, self.checkpointed)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._order is not None:
+            self._order.stop()  # the forward's order: the recompute may stop early
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._chunk_report_due:
+            self._chunk_report_due = False
+            self.chunked = report_chunks(pl_module, self.checkpointed, self.mlp_chunks)
+        if self._order is not None:
+            self.adapter_first, self._order = self._order.apply(pl_module), None
+            if self.adapter_first:
+                rank_zero_info(
+                    f"lightning_hbm: the recompute skips the base matmul of {len(self.adapter_first)} layers (the last "
+                    f"adapted layer of each block, e.g. {self.adapter_first[0]}): there their LoRA term is computed "
+                    "first, so checkpoint's early stop ends the recompute before it (the same saved tensors)"
+                )
+        if self.offload is not None:
+            pl_module.log("activations/offloaded_bytes", float(self.offload.copied_bytes), on_step=True, on_epoch=False)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"adapter_first": list(self.adapter_first)} if self.adapter_first else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored_order = state_dict.get("adapter_first")
+
+
+def _beside_blocks(module: nn.Module, blocks: Sequence[str]) -> list[nn.Module]:
+    """The other children of the module holding the blocks (a Llama's final ``norm``, its embedding): chunked as a
+    block's layers are, where :func:`~lightning_hbm.activations.token_chunks.decide` says yes on the first step.
+
+    Why: the final norm runs outside every checkpoint. A bf16 RMSNorm computing in fp32 then kept its fp32 copy and
+    made its backward's fp32 copies whole, the step's largest backward peak once the blocks' own norms were chunked.
+    """
+    lists = {name.rpartition(".")[0] for name in blocks}  # the container of the blocks (a ModuleList's path)
+    if len(lists) != 1:
+        return []
+    owner_name, _, list_name = lists.pop().rpartition(".")
+    owner = module.get_submodule(owner_name)
+    # leaves only: a sibling with children (a vision tower) is no token-wise layer to chunk as one
+    return [child for name, child in owner.named_children() if name != list_name and not list(child.children())]
+
+
+def _warn_unkept(unkept: dict[str, tuple[str, list[str]]]) -> None:
+    for kind, (layer, ops) in unkept.items():
+        rank_zero_warn(
+            f"lightning_hbm: ActivationCheckpointing('selective') keeps matmul outputs, but the quantized {kind} layers (e.g. "
+            f"{layer!r} in each block) run no matmul operator it knows (they ran {', '.join(ops) or 'no operator of their own'}), "
+            "so their matmuls are recomputed in backward as with 'full'. Name the operator in that format's "
+            "QuantFormat.matmul_ops, or use ActivationCheckpointing('full').",
+            category=UserWarning,
+        )
+
+
+def report_chunks(module: nn.Module, blocks: Sequence[str], chunks: int) -> list[str]:
+    """The layers recomputed in token chunks after the first step; warns naming the blocks that got none, and why."""
+    chunked: list[str] = []
+    left: dict[str, list[str]] = {}
+    for name in blocks:
+        verdicts = {
+            child: forward.verdict
+            for child, layer in candidates(module.get_submodule(name))
+            for forward in [torch_compat.forward_override(layer)]
+            if isinstance(forward, ChunkedForward) and forward.verdict is not None
+        }
+        chunked += [f"{name}.{n}" for n, v in verdicts.items() if v == ""]
+        if "" not in verdicts.values():
+            left[name] = [f"{n}: {v}" for n, v in verdicts.items()] or ["none of its layers ran with gradients"]
+    if left:
+        first = next(iter(left))
+        rank_zero_warn(
+            f"ActivationCheckpointing(mlp_chunks={chunks}) found no layer to recompute in token chunks in {len(left)} "
+            f"block(s), e.g. {first} ({'; '.join(left[first][:4])}); their recompute is whole, as with mlp_chunks=1. "
+            "A layer qualifies when it is called with one tensor of tokens, treats each token on its own, saves at "
+            "least 2x its input and output per token for backward and draws no random numbers: set the MLP's dropout "
+            "to 0, or pass mlp_chunks=1 to drop the request."
+        )
+    if chunked:
+        rank_zero_info(f"lightning_hbm: {len(chunked)} layers recomputed in {chunks} token chunks ({chunked[0]}, ...)")
+    return chunked
+
+
+def _disable_hf_cache(module: nn.Module) -> None:
+    """Turn off the key/value cache of the Hugging Face models inside ``module``, as their own
+    ``gradient_checkpointing_enable`` does.
+
+    With the cache on, a decoder (T5's) stores different tensors in the forward and in the
+    recomputation, and non-reentrant checkpointing fails ("a different number of tensors was saved").
+    Every ``config`` is changed (T5 gives its encoder and decoder stacks their own copies); generation
+    after training can pass ``use_cache=True`` explicitly.
+    """
+    configs: dict[int, Any] = {id(c): c for m in module.modules() for c in [getattr(m, "config", None)] if getattr(c, "use_cache", False)}
+    for config in configs.values():
+        config.use_cache = False
+    if configs:
+        rank_zero_info(f"lightning_hbm: use_cache=False on {len(configs)} Hugging Face config(s) (activation checkpointing)")
+
+
+__all__ = ["ActivationCheckpointing", "OffloadSavedTensors", "pinned_footprint"]

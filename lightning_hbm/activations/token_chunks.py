@@ -1,0 +1,355 @@
+"""Token-chunked recompute of a block's token-wise layers (``ActivationCheckpointing(mlp_chunks=k)``).
+
+What it shrinks: the **activations** term's working set in the backward. A checkpointed block recomputes its whole
+forward in the backward and holds every intermediate of it at once; in a transformer the MLP's are the widest
+(1024 tokens x intermediate 2048 x fp32 = 8 MiB per tensor, about 68 MiB for one Llama MLP's recompute and
+gradients at the 100M shape). A layer that treats each token on its own can be recomputed ``k`` tokens-chunks at a
+time instead: only one chunk's intermediates live at once, for the same arithmetic (the idea of DeepSpeed ALST's
+``TiledMLP``).
+
+How, and why by hand: two autograd Functions. ``_KeepInput`` saves the layer's input (through whatever saved-tensor
+hooks are active: the block's checkpoint discards it and recomputes it) and passes it on; ``_ChunkedCall`` runs the
+layer chunk by chunk under ``no_grad`` and, in the backward, recomputes each chunk with a graph, takes its gradients
+(input and the layer's trainable parameters, which are inputs of the Function so autograd accumulates them once)
+and frees it. The saved input is packed *before* the layer's compute, so the block's recompute stops there
+(torch's non-reentrant early stop) and the layer's forward runs once per step in the backward, as without chunks.
+Nesting ``torch.utils.checkpoint`` per chunk instead was measured to run the MLP 2.75 times per step: each inner
+checkpoint packs its input only after the previous chunks ran, so the outer recompute ran them again.
+
+Which layers: decided by running, on the first training call of each layer of a checkpointed block
+(:func:`decide`): a layer is chunked when it is called with one tensor and no keyword arguments, gives an output
+with the same tokens, saves for backward at least twice its input and output bytes per token (measured on one and
+two tokens), or at least once when what it saves is a wider copy of its tokens than its input (a bf16 RMSNorm that
+computes in fp32, as transformers' Llama, Qwen and Mistral norms do: its backward then makes several fp32 copies of
+its tokens at once, the largest part of an 8B Llama block's recompute backward at long context before this rule), is
+token-wise (changing one token's input changes no other token's output, bit for bit, and its chunked output equals
+its whole output), draws no random numbers, changes no buffer, and trains no parameter outside itself. Attention
+(keyword arguments, or tokens mixed), convolutions (tokens mixed) and norms that compute in their input's width
+(nothing to gain) stay as they are. On the planner's fake tensors, which have no values, the token-wise test follows the ops
+instead (:mod:`lightning_hbm.activations.token_rows`), and that verdict is kept apart from the real one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.activations.token_rows import fake_rowwise_reason
+from lightning_hbm.memory.storage import tensor_storage_key
+
+WIDENING = 2.0  # chunk a layer that saves for backward at least this many times its input + output bytes per token
+UPCAST = 1.0  # ... or this many times, when what it saves is a wider copy of its tokens (its backward runs wide)
+
+
+class _Box:
+    """Where ``_KeepInput`` leaves its context for ``_ChunkedCall``'s backward (which runs first) to unpack from."""
+
+    ctx: Any = None
+
+
+class _KeepInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, box: _Box) -> Tensor:
+        ctx.save_for_backward(x)
+        box.ctx = ctx
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class _ChunkedCall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, call: _Chunks, box: Optional[_Box], *params: Tensor) -> Tensor:
+        ctx.call, ctx.box, ctx.params = call, box, params
+        if box is None:  # an input without a graph: nothing upstream to recompute it from, keep it here
+            ctx.save_for_backward(x)
+        # detached: tracers that hook module inputs (torch's MemTracker) need a tensor with a grad_fn or none
+        chunks = call.split(x.detach())
+        run = set(torch_compat.chunk_starts(len(chunks), 1, x))  # on fake tensors the others only allocate
+        parts: list[Tensor] = []
+        for i, c in enumerate(chunks):
+            parts.append(call.inner(c) if i in run else torch.empty_like(parts[-1]))
+        return join(parts, x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        (x,) = ctx.box.ctx.saved_tensors if ctx.box is not None else ctx.saved_tensors
+        call: _Chunks = ctx.call
+        wants_x, wanted = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+        params = [p for p, needed in zip(ctx.params, wanted) if needed]
+        grads_x: list[Tensor] = []
+        grads_p: list[Optional[Tensor]] = [None] * len(params)
+        chunks = call.split(x)
+        run = set(torch_compat.chunk_starts(len(chunks), 1, x))  # on fake tensors the others only allocate
+        for i, (chunk, grad_chunk) in enumerate(zip(chunks, call.split(grad))):
+            if i not in run:
+                if wants_x:
+                    grads_x.append(torch.empty_like(grads_x[-1]))
+                continue
+            chunk = chunk.detach().requires_grad_(wants_x)
+            out = call.recompute(chunk)
+            got = torch.autograd.grad(out, ([chunk] if wants_x else []) + params, grad_chunk, allow_unused=True)
+            if wants_x:
+                grads_x.append(got[0] if got[0] is not None else torch.zeros_like(chunk))
+                got = got[1:]
+            grads_p = [a if b is None else b if a is None else a + b for a, b in zip(grads_p, got)]
+        rest = iter(grads_p)
+        return (join(grads_x, x) if wants_x else None, None, None, *(next(rest) if n else None for n in wanted))
+
+
+class _Chunks:
+    """One layer's own forward, how many token-chunks to run it in, and the autocast state of its forward.
+
+    The backward runs outside the forward's ``torch.autocast`` (the autograd engine does not carry it), so the
+    recompute enters it again, as ``torch.utils.checkpoint`` does: under ``bf16-mixed`` it computes in bfloat16 too.
+    """
+
+    def __init__(self, inner: Any, chunks: int, device_type: str) -> None:
+        self.inner, self.chunks, self.device_type = inner, chunks, device_type
+        self.autocast = torch.is_autocast_enabled(device_type)
+        self.autocast_dtype = torch.get_autocast_dtype(device_type)
+
+    def split(self, x: Tensor) -> list[Tensor]:
+        return split(x, self.chunks)
+
+    def recompute(self, chunk: Tensor) -> Any:
+        with torch.enable_grad(), torch.autocast(self.device_type, dtype=self.autocast_dtype, enabled=self.autocast):
+            return self.inner(chunk)
+
+
+class ChunkedForward:
+    """The ``forward`` of one layer inside a checkpointed block: chunked once :func:`decide` said yes.
+
+    A picklable object (not a closure) kept in the layer's ``__dict__``, like the block's own checkpointed forward.
+    ``verdict`` is ``None`` until the first training call, then ``""`` (chunked) or the reason it is not.
+    """
+
+    def __init__(self, layer: nn.Module, chunks: int) -> None:
+        self.layer, self.chunks = layer, chunks
+        self.own_forward = torch_compat.forward_override(layer)
+        self.verdict: Optional[str] = None
+        self.fake_verdict: Optional[str] = None  # the same, decided on the planner's fake tensors
+
+    def inner(self, *args: Any, **kwargs: Any) -> Any:
+        own = self.own_forward or type(self.layer).forward.__get__(self.layer)
+        return own(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
+        # the planner's trace (fake tensors) decides by following the ops (token_rows), apart from the real verdict,
+        # which the first real training step always makes
+        fake = any(torch_compat.is_fake(a) for a in args if isinstance(a, Tensor))
+        if (self.fake_verdict if fake else self.verdict) is None:
+            # identity hooks: what the test saves must not land in the block checkpoint's count of saved tensors
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                verdict = decide(self.layer, self.inner, self.chunks, args, kwargs)
+            if fake:
+                self.fake_verdict = verdict
+            else:
+                self.verdict = verdict
+        if self.fake_verdict if fake else self.verdict:
+            return self.inner(*args, **kwargs)
+        x = args[0]
+        params = tuple(p for p in self.layer.parameters() if p.requires_grad)
+        if not x.requires_grad and not params:
+            return self.inner(x)  # nothing to differentiate
+        box = _Box() if x.requires_grad else None
+        if box is not None:
+            x = _KeepInput.apply(x, box)
+        return _ChunkedCall.apply(x, _Chunks(self.inner, self.chunks, x.device.type), box, *params)
+
+
+def split(x: Tensor, chunks: int) -> list[Tensor]:
+    """``x``'s tokens (every position of every leading dimension) in ``chunks`` pieces, each a contiguous
+    ``(1, tokens, features)`` tensor (a 2-D ``x`` keeps its rank: row blocks).
+
+    Contiguous because a layer may ``view`` its input (Mixtral's sparse MLP does); flattened first because the
+    chunks of a contiguous ``(tokens, features)`` view are views too, where slicing a batch of sequences along its
+    sequence dimension would copy every chunk (3.7 MiB more at the 100M shape, measured).
+    """
+    if x.dim() == 2:
+        return list(x.contiguous().chunk(chunks, dim=0))
+    return list(x.reshape(1, -1, x.shape[-1]).chunk(chunks, dim=1))
+
+
+def join(parts: list[Tensor], like: Tensor) -> Tensor:
+    """The outputs of :func:`split`'s chunks as one tensor with ``like``'s leading dimensions.
+
+    Written into a new tensor, not reshaped: a custom Function's output that is a view cannot be changed in place,
+    and Falcon adds the attention output to its MLP's output in place.
+    """
+    if like.dim() == 2:
+        return torch.cat(parts, dim=0)
+    width = parts[0].shape[-1]
+    whole = parts[0].new_empty(*like.shape[:-1], width)
+    torch.cat([p.reshape(-1, width) for p in parts], dim=0, out=whole.view(-1, width))
+    return whole
+
+
+def candidates(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers of ``block`` that may be chunked: its children, and the items of a container child (T5's
+    ``layer`` ModuleList), which is never called itself."""
+    found = []
+    for name, child in block.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            found += [(f"{name}.{n}", c) for n, c in child.named_children()]
+        else:
+            found.append((name, child))
+    return found
+
+
+def decide(
+    layer: nn.Module, inner: Any, chunks: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str:
+    """``""`` if ``layer`` may be recomputed in ``chunks`` token-chunks, else why not (by running it).
+
+    Decided on the first training call, with the real input: a layer's code says nothing reliable about whether it
+    mixes tokens (attention does, a convolution does, a BatchNorm over tokens does in training mode), draws random
+    numbers, saves enough for backward to be worth chunking, or reaches parameters it does not own.
+    """
+    if kwargs or len(args) != 1 or not isinstance(args[0], Tensor) or args[0].dim() < 2:
+        return "not called with one tensor of tokens"
+    x = args[0]
+    fake = torch_compat.is_fake(x)
+    if x.shape[-2] < max(chunks, 2):
+        return f"{x.shape[-2]} tokens, fewer than mlp_chunks={chunks}"
+    versions = [b._version for b in layer.buffers()]
+    before = _rng_states(x.device) if not fake else []  # fake: random draws are found by their ops (token_rows)
+    with torch.no_grad():
+        whole = inner(x)
+    if before and _restore_rng(x.device, before):
+        return "draws random numbers (dropout in training mode)"
+    if [b._version for b in layer.buffers()] != versions:
+        return "changes its buffers in the forward"
+    if not isinstance(whole, Tensor) or whole.shape[:-1] != x.shape[:-1]:
+        return "its output is not one tensor with the input's tokens"
+    try:  # cheapest first (one and two tokens), each probe only if the one before passed
+        (one, _), graph, leaf = _saved_bytes(inner, x, 1)
+        (two, wide), _, _ = _saved_bytes(inner, x, 2)
+        per_token = x[..., :1, :].numel() * x.element_size() + whole[..., :1, :].numel() * whole.element_size()
+        # a layer that saves a wider copy of its tokens than it was given (a bf16 RMSNorm computing in fp32) runs its
+        # backward in that width too: several such temporaries per token at once, whatever it saves
+        threshold = UPCAST if wide else WIDENING
+        if two - one < threshold * per_token:
+            return (f"saves {(two - one) / per_token:.1f}x its input and output per token for backward (chunks pay "
+                    f"from {threshold:g}x)")
+        if fake:  # no values to compare: follow the ops instead (conservative: a refusal plans the whole recompute)
+            reason = fake_rowwise_reason(layer, inner, x)
+            if reason:
+                return f"may mix tokens: {reason}"
+        elif _mixes_tokens(inner, x, whole):
+            return "mixes tokens (changing one token's input changed another token's output)"
+        with torch.no_grad():
+            parts = join([inner(c) for c in split(x, chunks)], x)
+    except (RuntimeError, ValueError, IndexError) as err:  # fewer tokens than called with: a reshape to the count
+        return f"fails on part of its tokens ({type(err).__name__}: {str(err)[:120]})"
+    if not fake and not _close_in_chunks(parts, whole):
+        return "mixes tokens (its chunked output differs)"
+    foreign = _foreign_leaves(layer, graph, leaf)
+    return f"trains {foreign} parameter(s) it does not own (their gradients would be lost)" if foreign else ""
+
+
+def _saved_bytes(inner: Any, x: Tensor, tokens: int) -> tuple[tuple[int, bool], Any, Tensor]:
+    """Bytes of the tensors the layer's forward on its first ``tokens`` tokens saves for backward (parameters left
+    out, each tensor once), its output and its input leaf.
+
+    What chunks shrink is exactly this, per token: two token counts tell it apart from what every call saves
+    whatever its length (a weight's transpose, a dequantized weight). Tensor bytes, not storage bytes: a saved view
+    of the whole input would count the whole batch.
+    """
+    saved: dict[Any, int] = {}
+    wider = [False]
+
+    def pack(tensor: Tensor) -> Tensor:
+        if not isinstance(tensor, nn.Parameter):
+            key = (tensor_storage_key(tensor), tensor.storage_offset(), tensor.shape, tensor.stride())
+            saved[key] = tensor.numel() * tensor.element_size()
+            if tensor.shape[:-1] == leaf.shape[:-1] and tensor.element_size() > leaf.element_size():
+                wider[0] = True
+        return tensor
+
+    leaf = x[..., :tokens, :].detach().contiguous().requires_grad_(x.is_floating_point())
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = inner(leaf)
+    return (sum(saved.values()), wider[0]), out, leaf
+
+
+def _close_in_chunks(parts: Tensor, whole: Tensor) -> bool:
+    """Whether the chunks' output is the whole call's within two units of rounding of its dtype.
+
+    Not exact, unlike :func:`_mixes_tokens` (which has already shown, exactly, that no token's output depends on
+    another's): a matmul kernel may block fewer rows differently and round its sums differently. On the Dec 2 Intel CPU
+    with AMX the bf16 4-bit MLP of the 100M Llama came out one bf16 rounding apart (0.00195 at a largest 0.887) in
+    chunks of half the tokens, and fp32's tolerance (1e-3) refused it there.
+    """
+    eps = torch.finfo(whole.dtype).eps if whole.is_floating_point() else 0.0
+    tol = max(1e-3, 2 * eps)
+    return torch.allclose(parts, whole, rtol=tol, atol=max(1e-5, 2 * eps) * float(whole.abs().max()) + 1e-12)
+
+
+def _mixes_tokens(inner: Any, x: Tensor, whole: Tensor) -> bool:
+    """Whether changing the first (then the last) token's input, or the first sequence's, changes any other token's
+    output by any amount.
+
+    Exact on purpose: a token-wise layer computes each token's row on its own, so the other rows come out
+    bit-identical, while a layer that mixes a little (ConvNeXt's 7x7 convolution behind a layer scale of 1e-6) would
+    pass any tolerance at initialisation and then train differently in chunks. The first sequence too, because the
+    chunks run tokens of several sequences together.
+    """
+    changes = [(0, slice(1, None), -2), (-1, slice(None, -1), -2)] + ([(0, slice(1, None), 0)] if x.dim() > 2 else [])
+    for index, rest, dim in changes:
+        moved = x.clone()
+        moved.select(dim, index).add_(1.0 + float(x.abs().max()))
+        with torch.no_grad():
+            out = inner(moved)
+        if not isinstance(out, Tensor) or not torch.equal(out.narrow(dim, *_span(rest, x.shape[dim])),
+                                                         whole.narrow(dim, *_span(rest, x.shape[dim]))):
+            return True
+    return False
+
+
+def _span(rest: slice, size: int) -> tuple[int, int]:
+    start, stop, _ = rest.indices(size)
+    return start, stop - start
+
+
+def _rng_states(device: torch.device) -> list[Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _restore_rng(device: torch.device, before: list[Tensor]) -> bool:
+    """Put the random states back as ``before``; whether the call in between drew from them."""
+    after = _rng_states(device)
+    torch.set_rng_state(before[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(before[1], device)
+    return any(not torch.equal(a, b) for a, b in zip(after, before))
+
+
+def _foreign_leaves(layer: nn.Module, out: Any, leaf: Tensor) -> int:
+    """How many trained leaves other than ``layer``'s own parameters and its input ``leaf`` the graph of ``out``
+    (the layer's output) reaches."""
+    own = {id(p) for p in layer.parameters()} | {id(leaf)}
+    found, seen, nodes = 0, set(), [out.grad_fn] if isinstance(out, Tensor) else []
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it fills
+        if variable is not None and id(variable) not in own:
+            found += 1
+        nodes.extend(n for n, _ in node.next_functions)
+    return found
+
+
+__all__ = ["ChunkedForward", "candidates", "decide", "join", "split"]

@@ -1,0 +1,21 @@
+"""``LoRA``: train small adapters on a frozen (optionally quantized) base, on any LightningModule.
+
+What it shrinks: the **gradients** and **optimizer states** terms (and the checkpoint). Only the
+LoRA matrices (and the ``modules_to_save``) require grad, so the user's unchanged
+``AdamW(self.parameters())`` ends up holding states for them only (the surgery spine prunes the
+frozen parameters from the param groups). On top of :class:`~lightning_hbm.QuantizedPrecision`
+this is QLoRA: the base is 4-bit and frozen, the adapters stay in ``adapter_dtype``.
+
+The adapters are peft's own LoRA layers, injected with ``peft.inject_adapter_in_model`` into the
+LightningModule itself (plain torch models and Hugging Face models inside it alike), at
+lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`): after ``configure_model`` and the
+quantization, before ``configure_optimizers`` and activation checkpointing.
+
+The package, one job per module: ``base`` (peft import, name matching), ``callback`` (``LoRA``: arguments,
+target resolution, injection), ``export`` (``save_adapter``, ``merge``), ``watch`` (dead adapters).
+"""
+
+from lightning_hbm.adapters.lora.base import _PEFT_AVAILABLE, ADAPTER_NAME, ALL_LINEAR, _import_peft
+from lightning_hbm.adapters.lora.callback import LoRA
+
+__all__ = ["LoRA"]

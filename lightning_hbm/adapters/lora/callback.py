@@ -1,0 +1,583 @@
+"""The ``LoRA`` callback: its arguments, the layers it adapts, and the injection at the surgery point."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+import math
+import re
+from typing import Any, Literal, Optional, Union, cast
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import peft as peft_compat
+from lightning_hbm._validate import check_args
+from lightning_hbm.adapters.lora.base import ALL_LINEAR, ADAPTER_NAME, _import_peft, _lora_layer_cls, _width
+from lightning_hbm.adapters.lora.export import adapter_state_dict, is_quantized, merge, save_adapter
+from lightning_hbm.adapters.lora import variants
+from lightning_hbm.adapters.lora.compute import compute_in_input_dtype
+from lightning_hbm.adapters.lora.forward import lora_forward
+from lightning_hbm.adapters.lora.watch import _AdapterWatch
+from lightning_hbm.layers import adaptable_names, find_layers, kind_names, output_heads, prepare_model, report_coverage, task_heads, weight_readers
+from lightning_hbm.memory import parameter_bytes, parameter_count
+from lightning_hbm.precision.plugin import QuantizedPrecision
+from lightning_hbm.naming import did_you_mean, name_list, name_matches, under
+from lightning_hbm.precision.registry import format_of, to_dtype
+from lightning_hbm.record import leave_alone, left_alone
+from lightning_hbm.surgery import Stage, SurgeryCallback
+
+log = logging.getLogger(__name__)
+
+
+class LoRA(SurgeryCallback):
+    """Adapter-only training: inject peft LoRA layers, freeze everything else.
+
+    Args:
+        r: rank of the adapters (``> 0``).
+        alpha: LoRA scaling numerator (the update is scaled by ``alpha / r``).
+        dropout: dropout on the adapter input. Keep ``0.0`` for bit-exact resume (Lightning does not
+            checkpoint the RNG state).
+        target_modules: ``"all-linear"`` (every ``nn.Linear``, quantized or not, transformers ``Conv1D``,
+            the projections of ``nn.MultiheadAttention`` and each expert of a transformers-5 MoE layer,
+            which are first replaced by equal modules made of Linears (:mod:`lightning_hbm.layers`);
+            except the output head of Hugging Face models and Linears whose weight is tied to another module), a list of module names (a name matches itself and every
+            module whose name ends with ``.name``, e.g. ``["q_proj", "v_proj"]``) or a regex that must
+            match the full module name. Names are relative to the LightningModule
+            (``model.model.layers.0.self_attn.q_proj`` for :class:`~lightning_hbm.models.LlamaLM`).
+        exclude_modules: same forms (no ``"all-linear"``); matching Linears get no adapter.
+        modules_to_save: modules trained fully besides the adapters, e.g. a new classifier head.
+            Their parameters are made trainable in place (names unchanged, no second copy, unlike
+            peft's ``ModulesToSaveWrapper``); ``QuantizedPrecision`` leaves them unquantized; ``save_adapter``
+            saves them. ``None`` (default): the model's task heads (:func:`lightning_hbm.layers.task_heads`:
+            a transformers ``...ForSequenceClassification``'s ``classifier``, a CTC ``lm_head``, the last
+            Linear of a hand-written classifier), named at fit start. A list: exactly those; ``[]`` trains no
+            head (a task head left out is warned about at fit start).
+        adapter_dtype: storage dtype of the adapter weights (``"float32"`` default). On a bf16 model, plain fp32 LoRA
+            adapters compute in bf16, their weights cast at each forward (mixed precision, as ``torch.autocast``), not
+            on an fp32 copy of every input (:mod:`lightning_hbm.adapters.lora.compute`); elsewhere (fp32 and fp16
+            models, DoRA and the other peft variants) the input is cast to the adapter's dtype, as peft does.
+        full_checkpoint: ``False`` (default): Lightning checkpoints hold only the trainable weights
+            (adapters + ``modules_to_save``) and their optimizer states; resume rebuilds the frozen
+            base from the model's own init (same seed / same pretrained weights). ``True``: keep
+            every weight, quantized base included.
+        allow_base_change: on resume of an adapter-only checkpoint, the frozen base must be the one the
+            adapters were trained on (a fingerprint of it is saved; another seed or other weights are
+            an error). ``True`` accepts a different base on purpose.
+        use_dora: peft's DoRA: a trainable magnitude per output channel over the direction ``W + B A`` (QDoRA on a
+            bitsandbytes 4-bit/8-bit base). Refused on ``int8-dynamic`` and ``nf4-torchao`` Linears (peft cannot
+            read their weight norm); convolutions (quantized ones too) take it.
+        use_rslora: peft's rank-stabilised scaling ``alpha / sqrt(r)`` instead of ``alpha / r``.
+        init_lora_weights: peft's initialisation: ``True`` (default: ``B = 0``, A Kaiming), ``False`` (B random too:
+            the model changes at init), ``"gaussian"``, ``"pissa"`` / ``"olora"`` (A, B from the weight's SVD / QR,
+            the base rewritten to ``W - B A``: full-precision Linears only, refused on quantized layers and
+            convolutions). ``"eva"`` (needs data before the surgery) and ``"loftq"`` (quantizes the full-precision
+            weight itself) are refused with the reason.
+        bias: peft's ``bias``: ``"none"`` (default), ``"all"`` (every bias of the model trains) or ``"lora_only"``
+            (the biases of the adapted layers); the trained biases go into checkpoints and ``save_adapter``.
+        rank_pattern: per-layer ranks, ``{regex: rank}``, peft's rule (a key matches the end of a module name,
+            ``{"v_proj": 16}``); every key must match an adapted layer.
+        alpha_pattern: per-layer alphas, ``{regex: alpha}``, same rule.
+
+    After the first backward of a fit, an adapter that received no gradient because its parent module ran but
+    never called it (it reads the weight directly) is a ``RuntimeError`` naming it. One that ran but whose output
+    never reaches the loss (a BERT pooler under mean pooling: the model's design) gets a warning naming it and
+    stays untrained (``lora_B = 0``, no optimizer state); its names are in ``unused_modules``. So are (with a
+    warning too) adapters whose gradient is all zeros at each of the first three backward passes: their output is
+    computed, then dropped by an indexing (transformers SAM's ``output_hypernetworks_mlps`` 1-3 under
+    ``multimask_output=False``).
+    Without ``QuantizedPrecision``, the layer-kind coverage table (``layers/...`` keys, see
+    :func:`lightning_hbm.layers.report_coverage`) is logged at train start.
+
+    Logged once at fit start, through the Trainer's loggers (``log_metrics``):
+        ``lora/trainable_params``: parameters that require grad (adapters + ``modules_to_save``).
+        ``lora/total_params``: all parameters, a packed 4-bit weight counted by its real element count.
+        ``lora/trainable_percent``: ``100 * trainable / total``.
+        ``lora/trainable_bytes`` and ``lora/frozen_bytes``: storage bytes (quantization constants included).
+
+    Example::
+
+        trainer = Trainer(plugins=[QuantizedPrecision("nf4-dq")], callbacks=[LoRA(r=16, alpha=32)])
+        trainer.fit(model)
+        LoRA.save_adapter(model, "adapter/")         # peft format, PeftModel.from_pretrained loads it
+        merged = LoRA.merge(model)                   # plain bf16 state_dict of the original model
+    """
+
+    stage = Stage.ADAPTERS
+
+    def __init__(
+        self,
+        r: int = 8,
+        alpha: float = 16.0,
+        dropout: float = 0.0,
+        target_modules: Union[str, list[str]] = ALL_LINEAR,
+        exclude_modules: Optional[Union[str, list[str]]] = None,
+        modules_to_save: Optional[list[str]] = None,
+        adapter_dtype: Literal["float32", "bfloat16"] = "float32",
+        full_checkpoint: bool = False,
+        allow_base_change: bool = False,
+        use_dora: bool = False,
+        use_rslora: bool = False,
+        init_lora_weights: Union[bool, Literal["gaussian", "pissa", "olora", "loftq", "eva"]] = True,
+        bias: Literal["none", "all", "lora_only"] = "none",
+        rank_pattern: Optional[dict[str, int]] = None,
+        alpha_pattern: Optional[dict[str, float]] = None,
+        **unknown: Any,
+    ) -> None:
+        # taken only to refuse them with the close match (peft's names: lora_alpha -> alpha); Python's own
+        # TypeError names no alternative. The typed arguments above stay what the CLI parses.
+        if unknown:
+            _refuse_unknown(unknown)
+        check_args(LoRA.__init__, locals())
+        _import_peft()
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(f"LoRA r must be an int (the adapter rank), got {r!r} of type {type(r).__name__}.")
+        if r <= 0:
+            raise ValueError(f"LoRA r must be a positive rank, got r={r}. Typical values: 4, 8, 16, 64.")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+            raise ValueError(f"LoRA alpha must be a positive number, got alpha={alpha!r}. A common choice is 2 * r.")
+        if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got dropout={dropout!r}.")
+        self.target_modules = self._check_patterns("target_modules", target_modules, allow_all_linear=True)
+        self.exclude_modules = (
+            None if exclude_modules is None else self._check_patterns("exclude_modules", exclude_modules)
+        )
+        if modules_to_save is not None and (
+            isinstance(modules_to_save, str) or not all(isinstance(m, str) for m in modules_to_save)
+        ):
+            raise TypeError(
+                f"modules_to_save must be a list of module names, got {modules_to_save!r}; e.g. modules_to_save=['lm_head']."
+            )
+        if adapter_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"adapter_dtype must be 'float32' or 'bfloat16', got {adapter_dtype!r}.")
+        if bias not in ("none", "all", "lora_only"):
+            raise ValueError(f"LoRA bias must be 'none', 'all' or 'lora_only' (peft's values), got {bias!r}.")
+        if not isinstance(init_lora_weights, bool) and init_lora_weights not in ("gaussian", *variants.REWRITES_BASE, "loftq", "eva"):
+            raise ValueError(
+                f"LoRA init_lora_weights must be True, False, 'gaussian', 'pissa' or 'olora', got {init_lora_weights!r}."
+            )
+        variants.check_init(init_lora_weights)
+        self.rank_pattern = variants.check_pattern("rank_pattern", rank_pattern, integer=True)
+        self.alpha_pattern = variants.check_pattern("alpha_pattern", alpha_pattern, integer=False)
+        self.use_dora, self.use_rslora, self.init_lora_weights, self.bias = use_dora, use_rslora, init_lora_weights, bias
+        self.r = r
+        self.alpha = float(alpha)
+        self.dropout = float(dropout)
+        # None: the task heads found on the model as built (resolve_modules_to_save); a list: exactly it
+        self._modules_to_save = None if modules_to_save is None else list(modules_to_save)
+        self.task_heads: list[str] = []  # task heads of the model (layers.task_heads), trainable ones or not
+        self.heads_quantized: list[str] = []  # task heads quantized before lightning_hbm: cannot be trained
+        self.adapter_dtype = adapter_dtype
+        self.full_checkpoint = full_checkpoint
+        self.allow_base_change = allow_base_change
+        # filled at the surgery: what was adapted / made trainable (module names, LightningModule-relative)
+        self.adapted_modules: list[str] = []
+        self.narrow_left_out: list[str] = []  # all-linear layers narrower than r, left out (named at fit start)
+        self.heads_left_out: list[str] = []  # output heads (layers.output_heads) left out of all-linear
+        self.saved_modules: list[str] = []
+        self.unused_modules: list[str] = []  # adapters that ran but whose output never reaches the loss
+        self.summary: dict[str, float] = {}  # the metrics logged at fit start
+
+    @property
+    def modules_to_save(self) -> list[str]:
+        """The modules trained in full: the ``modules_to_save`` given, or (default) the trainable task heads found."""
+        if self._modules_to_save is not None:
+            return list(self._modules_to_save)
+        return [h for h in self.task_heads if h not in self.heads_quantized]
+
+    def resolve_modules_to_save(self, module: nn.Module) -> list[str]:
+        """Find the task heads of ``module`` as built and return :attr:`modules_to_save`; changes nothing.
+
+        The surgery calls it before any check, so that ``QuantizedPrecision`` keeps the heads unquantized.
+        """
+        self.task_heads = task_heads(module)
+        self.heads_quantized = [h for h in self.task_heads if is_quantized(module.get_submodule(h))]
+        return self.modules_to_save
+
+    @staticmethod
+    def _check_patterns(arg: str, value: Any, allow_all_linear: bool = False) -> Union[str, list[str]]:
+        if isinstance(value, str):
+            if value.lower() == ALL_LINEAR:
+                if allow_all_linear:
+                    return ALL_LINEAR
+                raise ValueError(f"{arg}={value!r} is not allowed; pass module names or a regex.")
+            try:
+                re.compile(value)
+            except re.error as err:
+                raise ValueError(f"{arg}={value!r} is not a valid regex ({err}). Pass a regex or a list of names.") from err
+            return value
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
+            return list(value)
+        raise TypeError(
+            f"{arg} must be 'all-linear', a regex string or a non-empty list of module names, got {value!r}."
+        )
+
+    # ------------------------------------------------------------------ surgery
+
+    def resolve(self, module: nn.Module, to_be_quantized: frozenset[str] = frozenset()) -> tuple[list[str], list[str]]:
+        """(Linears that get an adapter, modules made fully trainable), validated; changes nothing.
+
+        Raises ``ValueError`` when the model has no Linear, a target or ``modules_to_save`` entry
+        matches nothing (the message lists what is available), a target is not a Linear, or a
+        ``modules_to_save`` module is (or, per ``to_be_quantized``, is about to be) quantized.
+        """
+        named: dict[str, Optional[nn.Module]] = dict(module.named_modules())
+        self.narrow_left_out, self.heads_left_out = [], []
+        self.resolve_modules_to_save(module)  # the task heads: trained by default, warned about when left out
+        # Every layer kind LoRA reaches (lightning_hbm.layers): Linears (quantized or not), transformers
+        # Conv1D, and the Linears an nn.MultiheadAttention or a 3-D experts layer gets when it is
+        # prepared (names that exist only after prepare_model: None here).
+        linears = adaptable_names(module)
+        for n in linears:
+            named.setdefault(n, None)
+        if not linears:
+            raise ValueError(
+                f"LoRA found no torch.nn.Linear layer in {type(module).__name__}: there is nothing to put adapters on. "
+                f"LoRA adapts these layer kinds: {kind_names(adapted=True)} (quantized ones included; "
+                "docs/adapters.md); train this model without the LoRA callback."
+            )
+        saved: list[str] = []
+        for name in self.modules_to_save:
+            found = [n for n, m in named.items() if n and m is not None and name_matches(n, [name])]
+            if not found:
+                raise ValueError(
+                    f"modules_to_save entry {name!r} matches no submodule of {type(module).__name__}. "
+                    f"Top-level modules: {sorted(n for n in named if n and '.' not in n)}; Linears: {linears[:12]}."
+                )
+            for n in found:
+                if is_quantized(cast(nn.Module, named[n])) or any(under(q, [n]) for q in to_be_quantized):
+                    raise ValueError(
+                        f"modules_to_save entry {name!r} matches {n!r}, whose weights are quantized and cannot be "
+                        f"trained. Keep it in full precision with QuantizedPrecision(ignore_modules=[{n!r}])."
+                    )
+            saved.extend(n for n in found if not under(n, saved))
+        heads = output_heads(module)
+        adaptable = set(linears)
+        if self.target_modules == ALL_LINEAR:
+            # Also skip Linears whose weight is tied to another module (a head tied to the embedding):
+            # merging an adapter into a shared weight would silently untie or corrupt the other user.
+            owners: dict[int, int] = {}
+            for _, param in module.named_parameters(remove_duplicate=False):
+                owners[id(param)] = owners.get(id(param), 0) + 1
+            tied = {n for n in linears if named[n] is not None and owners.get(id(cast(nn.Module, named[n]).weight), 0) > 1}
+            # and layers whose weight a parent reads directly (Mamba's dt_proj): their adapter would never be called
+            readers = weight_readers(module, uses_only=True)
+            # (a module trained in full is no LoRA candidate: neither adapted nor "narrower than r")
+            candidates = [n for n in linears if n not in heads and n not in tied and n not in readers and not under(n, saved)]
+            # (a head in modules_to_save is trained, not left out)
+            self.heads_left_out = [n for n in linears if n in heads and n not in tied and n not in readers and not under(n, saved)]
+            # and layers narrower than r (Qwen2-MoE's shared_expert_gate, 1 output; routers): a rank above a
+            # layer's width adds parameters without capacity. An explicit target list keeps check_model's error.
+            narrow = [n for n in candidates if named[n] is not None and _width(named[n], self.r) < self.r]
+            if len(narrow) < len(candidates):  # all narrower: r itself is wrong (check_model's error)
+                candidates = [n for n in candidates if n not in narrow]
+                self.narrow_left_out = narrow
+        else:
+            if isinstance(self.target_modules, list):
+                self._check_each_matches(self.target_modules, [n for n in named if n], linears)
+            candidates = [n for n in named if n and name_matches(n, self.target_modules)]
+            wrong = [f"{n} ({type(named[n]).__name__})" for n in candidates if n not in adaptable]
+            if wrong:
+                raise ValueError(
+                    f"target_modules={self.target_modules!r} matches modules that are not Linear layers: {wrong[:8]}. "
+                    f"LoRA adapts Linear layers; available: {linears[:24]}."
+                )
+        if self.exclude_modules is not None:
+            candidates = [n for n in candidates if not name_matches(n, self.exclude_modules)]
+        targets = [n for n in candidates if not under(n, saved)]
+        if not targets:
+            wanted = [self.target_modules] if isinstance(self.target_modules, str) else list(self.target_modules or [])
+            hint = "".join(did_you_mean(w, [n.rsplit(".", 1)[-1] for n in linears]) for w in wanted[:3])
+            raise ValueError(
+                f"target_modules={self.target_modules!r} (exclude_modules={self.exclude_modules!r}, "
+                f"modules_to_save={self.modules_to_save!r}) selects no Linear layer of {type(module).__name__}.{hint} "
+                f"Available Linear layers: {name_list(linears)}."
+            )
+        return targets, saved
+
+    @staticmethod
+    def _check_each_matches(patterns: list[str], names: list[str], linears: list[str]) -> None:
+        """A target name that matches nothing is a typo (``v_projection``): an error, not a silently smaller LoRA."""
+        for pattern in patterns:
+            if any(name_matches(n, [pattern]) for n in names):
+                continue
+            # close matches among the short names and the full names of the adaptable layers
+            choices = list(dict.fromkeys([n.rpartition(".")[2] for n in linears] + linears))
+            close = difflib.get_close_matches(pattern, choices, n=3, cutoff=0.5)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(
+                f"target_modules={patterns!r}: the entry {pattern!r} matches no module of the model, so it would "
+                f"silently adapt fewer layers.{hint} Available Linear layers: {name_list(linears)}."
+            )
+
+    @override
+    def check_model(self, module: nn.Module) -> None:
+        """Validate against the model as built, before the precision plugin quantizes anything."""
+        lora_cls = _lora_layer_cls()
+        present = [n for n, m in module.named_modules() if isinstance(m, lora_cls)]
+        if present or getattr(module, "peft_config", None):
+            raise ValueError(
+                f"{type(module).__name__} already carries peft adapters ({present[:3]}{' ...' if len(present) > 3 else ''}): "
+                "lightning_hbm's LoRA would put a second set on top. Build the model without peft "
+                "(drop get_peft_model / inject_adapter_in_model) and let the LoRA callback add them, or train the "
+                "peft model without the LoRA callback."
+            )
+        self.resolve_modules_to_save(module)  # the heads first: the plugin plans around modules_to_save
+        planned = self._planned_quantization(module)
+        targets, _ = self.resolve(module, planned)
+        named = dict(module.named_modules())
+        self._check_variants(module, targets, {n: self._planned_mode(module, n) for n in planned})
+        narrow = []
+        for name in targets:
+            layer = named.get(name)  # None: a projection a layer-kind conversion creates (MultiheadAttention, experts)
+            rank = variants.layer_rank(self.r, self.rank_pattern, name)
+            width = _width(layer, rank)
+            if rank > width:
+                narrow.append(f"{name} ({width}{'' if rank == self.r else f', rank_pattern r={rank}'})")
+        if narrow:
+            raise ValueError(
+                f"LoRA r={self.r} is larger than the width of {len(narrow)} target layer(s): {narrow[:5]}. A rank above "
+                "a layer's smaller dimension adds parameters without adding capacity: use r <= the narrowest width, "
+                "or exclude those layers with exclude_modules=[...]."
+            )
+
+    @override
+    def resume_config(self) -> dict[str, Any]:
+        return {
+            "r": self.r,
+            "alpha": self.alpha,
+            "target_modules": self.target_modules,
+            "exclude_modules": self.exclude_modules,
+            # the argument (None: the task heads): known before the heads are found on the model (a resume check)
+            "modules_to_save": self._modules_to_save,
+            "adapter_dtype": self.adapter_dtype,
+            # peft's variants: each changes the adapters' shapes or arithmetic (dropout does not)
+            "use_dora": self.use_dora,
+            "use_rslora": self.use_rslora,
+            "init_lora_weights": self.init_lora_weights,
+            "bias": self.bias,
+            "rank_pattern": self.rank_pattern,
+            "alpha_pattern": self.alpha_pattern,
+        }
+
+    @override
+    def saves_frozen_weights(self) -> bool:
+        return self.full_checkpoint
+
+    @override
+    def allows_base_change(self) -> bool:
+        return self.allow_base_change
+
+    def _check_variants(self, module: nn.Module, targets: list[str], planned: dict[str, Optional[str]]) -> None:
+        """Refuse the variants the target layers cannot take, and pattern keys that match no target; changes nothing."""
+        variants.check_patterns_match("rank_pattern", self.rank_pattern, targets)
+        variants.check_patterns_match("alpha_pattern", self.alpha_pattern, targets)
+        named = dict(module.named_modules())
+        strategy = getattr(lightning_compat.attached_trainer(module), "strategy", None)
+        device = getattr(strategy, "root_device", None)  # where QuantizedPrecision is about to quantize
+        layers = {t: named.get(t) for t in targets}
+        reasons = variants.refusals(layers, planned, self.use_dora, self.init_lora_weights, device)
+        if reasons:
+            raise ValueError(
+                f"LoRA cannot apply its variants to {len(reasons)} target layer(s): " + "; ".join(reasons[:3])
+                + (" ..." if len(reasons) > 3 else "") + ". Leave those layers out (exclude_modules=[...] or "
+                "QuantizedPrecision(ignore_modules=[...])), or drop the option (use_dora=False / "
+                "init_lora_weights=True or 'gaussian')."
+            )
+
+    @staticmethod
+    def _planned_mode(module: nn.Module, name: str) -> Optional[str]:
+        """The mode the Trainer's QuantizedPrecision gives layer ``name`` (its per-layer plan first)."""
+        plugin = getattr(getattr(lightning_compat.attached_trainer(module), "strategy", None), "precision_plugin", None)
+        return (getattr(plugin, "plan", None) or {}).get(name, plugin.mode.name) if plugin is not None else None
+
+    @staticmethod
+    def _planned_quantization(module: nn.Module) -> frozenset[str]:
+        """Names of the Linears the Trainer's QuantizedPrecision is about to quantize (none without one)."""
+        trainer = lightning_compat.attached_trainer(module)
+        plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
+        if not isinstance(plugin, QuantizedPrecision):
+            return frozenset()
+        return frozenset(name for name, _ in plugin.quantization_targets(module))
+
+    @override
+    def transform_model(self, module: nn.Module) -> None:
+        """Inject the adapters into ``module`` in place and freeze everything else."""
+        peft = _import_peft()
+        targets, _ = self.resolve(module)  # every check before the first change
+        self._check_variants(module, targets, {})
+        # nn.MultiheadAttention -> an equal module with four Linear projections (else LoRA on out_proj is
+        # never called and the input projection is unreachable), transformers-5 3-D experts -> one Linear
+        # per expert (no-ops after QuantizedPrecision did it); excluded ones are left as they are.
+        excluded = self.exclude_modules
+        prepare_model(module, skip=lambda n: excluded is not None and name_matches(n, excluded))
+        targets, saved = self.resolve(module)
+        # peft picks its bitsandbytes-aware LoRA layers (which can merge) only if the model it is
+        # given says it is quantized; quantize_model sets this on the root, a user-quantized
+        # submodule may not have, so derive it from the layers themselves.
+        kinds = {fmt.peft_kind for fmt in map(format_of, module.modules()) if fmt is not None}
+        peft_compat.mark_quantized(module, [k for k in ("4bit", "8bit") if k in kinds])
+        config = peft.LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            # resolved exact names, as one anchored regex: peft applies our selection verbatim
+            target_modules="(?:" + "|".join(re.escape(t) for t in targets) + ")",
+            bias=self.bias,
+            use_dora=self.use_dora,
+            use_rslora=self.use_rslora,
+            init_lora_weights=self.init_lora_weights,
+            rank_pattern=dict(self.rank_pattern or {}),
+            alpha_pattern=dict(self.alpha_pattern or {}),
+        )
+        peft.inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
+        # peft froze every non-adapter parameter; modules_to_save train in place (stable names)
+        for name in saved:
+            for param in module.get_submodule(name).parameters():
+                param.requires_grad_(True)
+        dtype = to_dtype(self.adapter_dtype)
+        lora_cls = _lora_layer_cls()
+        for sub in module.modules():
+            if isinstance(sub, lora_cls):
+                # under Lightning's bf16-true the module is bf16 already, so peft made bf16 adapters
+                variants.cast_adapters(sub, dtype)
+                compute_in_input_dtype(sub)  # fp32 adapters on a bf16 model: bf16 matmuls, no fp32 input copies
+                lora_forward(sub)  # the adapter term added inside one addmm (plain layers; forward.py says when)
+                _expose_base_attributes(sub)
+        self.adapted_modules, self.saved_modules = targets, saved
+        self._tell_left_out(module)
+        self._tell_heads(module)
+        log.info("lightning_hbm: LoRA r=%d on %d Linear layers, %d modules_to_save", self.r, len(targets), len(saved))
+
+    def _tell_left_out(self, module: nn.Module) -> None:
+        """Name the layers 'all-linear' left out (narrower than r, output heads), in the coverage table and at fit start."""
+        for name in self.narrow_left_out:
+            layer = module.get_submodule(name)
+            if left_alone(layer) is None:  # the coverage table's reason when nothing else changed it
+                leave_alone(layer, f"narrower than LoRA r={self.r}: left out of 'all-linear'", True)
+        for name in self.heads_left_out:
+            layer = module.get_submodule(name)
+            if left_alone(layer) is None:  # no QuantizedPrecision reason: say why LoRA left it
+                leave_alone(layer, "output head: left out of LoRA 'all-linear' (name it in target_modules to adapt it)", True)
+        if self.narrow_left_out:
+            # an adapter of rank r on a layer narrower than r costs more than the layer itself: train it in full
+            names = self.narrow_left_out
+            rank_zero_info(
+                f"lightning_hbm: LoRA r={self.r} leaves out {len(names)} layer(s) narrower than r "
+                f"(target_modules='all-linear'): {names[:6]}{' ...' if len(names) > 6 else ''}; they stay frozen. "
+                f"To train them, train them in full (fewer parameters than an adapter of rank r): "
+                f"LoRA(modules_to_save={names[:6]}); exclude_modules=[...] leaves them out without this line."
+            )
+        if self.heads_left_out:  # named: a head left frozen and un-adapted is the biggest silent change to a loss
+            rank_zero_info(
+                f"lightning_hbm: LoRA target_modules='all-linear' leaves out the output head(s) {self.heads_left_out} "
+                f"(frozen, not adapted, as peft does). To train: LoRA(modules_to_save={self.heads_left_out}), or name "
+                "them in target_modules to adapt them."
+            )
+
+    def _tell_heads(self, module: nn.Module) -> None:
+        """Name the task heads trained in full, and warn about ones left frozen (a random head never trains)."""
+        for name in self.saved_modules:
+            for _, layer, _ in find_layers(module.get_submodule(name)):
+                if left_alone(layer) is None:  # the coverage table: trained, not "frozen"
+                    leave_alone(layer, f"LoRA modules_to_save ({name}): trained in full precision", True)
+        trained = [h for h in self.task_heads if under(h, self.saved_modules)]
+        if trained and self._modules_to_save is None:
+            rank_zero_info(
+                f"lightning_hbm: LoRA trains the task head(s) {trained} in full precision (modules_to_save, saved with "
+                "the adapter; QuantizedPrecision leaves them unquantized). LoRA(modules_to_save=[]) keeps them frozen; "
+                "LoRA(modules_to_save=[...]) chooses the modules yourself."
+            )
+        if self.heads_quantized:
+            rank_zero_warn(
+                f"lightning_hbm: the task head(s) {self.heads_quantized} of {type(module).__name__} were quantized before "
+                "lightning_hbm and cannot be trained: they stay frozen. Load the model without quantizing them (or "
+                "QuantizedPrecision(ignore_modules=[...])) to train them."
+            )
+        # an adapter on a random head is no fix: a reload onto a base checkpoint gets another random head under it
+        frozen = [h for h in self.task_heads if h not in self.heads_quantized and not under(h, self.saved_modules)]
+        if frozen:
+            rank_zero_warn(
+                f"lightning_hbm: LoRA(modules_to_save={self._modules_to_save!r}) leaves the task head(s) {frozen} of "
+                f"{type(module).__name__} frozen (at most adapted) and out of the adapter: a newly initialised head stays "
+                "random, and a reload gets another random one. Add them: "
+                f"LoRA(modules_to_save={sorted(set((self._modules_to_save or []) + frozen))}), or leave modules_to_save unset."
+            )
+
+    # --------------------------------------------------------------- Lightning hooks
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainable = parameter_count(pl_module, trainable=True)
+        total = parameter_count(pl_module)
+        metrics = {
+            "lora/trainable_params": float(trainable),
+            "lora/total_params": float(total),
+            "lora/trainable_percent": 100.0 * trainable / max(total, 1),
+            "lora/trainable_bytes": float(parameter_bytes(pl_module, trainable=True)),
+            "lora/frozen_bytes": float(parameter_bytes(pl_module, trainable=False)),
+        }
+        self.summary = metrics
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        rank_zero_info(
+            f"LoRA: {trainable:,} trainable of {total:,} parameters ({metrics['lora/trainable_percent']:.3f}%), "
+            f"trainable {metrics['lora/trainable_bytes'] / 2**20:.2f} MiB, frozen {metrics['lora/frozen_bytes'] / 2**20:.2f} MiB"
+        )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not isinstance(trainer.precision_plugin, QuantizedPrecision):
+            report_coverage(pl_module, quantizing=False)  # QuantizedPrecision reports it itself
+        self._watch: Optional[_AdapterWatch] = _AdapterWatch(pl_module)
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            over = watch.after_backward()  # the first few backward passes of the fit only
+            self.unused_modules = watch.unused
+            self._watch = None if over else watch
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        watch, self._watch = getattr(self, "_watch", None), None
+        if watch is not None and watch.passes:  # a fit shorter than the watch: report what it saw
+            watch.finish()
+            self.unused_modules = watch.unused
+
+    # ------------------------------------------------------------ public helpers (lora/export.py)
+
+    adapter_state_dict = staticmethod(adapter_state_dict)
+    save_adapter = staticmethod(save_adapter)
+    merge = staticmethod(merge)
+
+
+#: peft ``LoraConfig`` names (and the usual spelling ``rank``) -> LoRA's own argument
+_PEFT_NAMES = {"rank": "r", "lora_r": "r", "lora_rank": "r", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+
+
+def _refuse_unknown(unknown: dict[str, Any]) -> None:
+    """``TypeError`` for the first keyword argument LoRA does not take, with the argument meant."""
+    options = [n for n, p in inspect.signature(LoRA.__init__).parameters.items() if n != "self" and p.kind is not p.VAR_KEYWORD]
+    key, value = next(iter(unknown.items()))
+    meant = _PEFT_NAMES.get(key.lower())
+    hint = f" Did you mean {meant!r}?" if meant else did_you_mean(key, options)
+    raise TypeError(f"LoRA({key}={value!r}): LoRA has no argument {key!r}.{hint} Its arguments: {', '.join(options)}.")
+
+
+def _expose_base_attributes(layer: nn.Module) -> None:
+    """Give a peft LoRA layer the base layer's plain attributes it lacks (``stride``, ``padding``, ...).
+
+    A parent may read them (transformers Whisper: ``self.conv1.stride[0]``); peft's LoRA Conv layer does not forward
+    them ("'Conv1d' object has no attribute 'stride'"). Its own attributes (``in_features``, ``weight``) stay. Only
+    plain values are copied: a bitsandbytes layer's ``quant_state`` is an object that changes with the layer.
+    """
+    for name, value in vars(cast(Any, layer).get_base_layer()).items():  # a peft LoRA layer
+        plain = isinstance(value, (bool, int, float, str, tuple))
+        if plain and not name.startswith("_") and name not in vars(layer) and not hasattr(type(layer), name):
+            setattr(layer, name, value)  # a plain value: nn.Module keeps it in __dict__

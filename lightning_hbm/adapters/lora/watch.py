@@ -1,0 +1,140 @@
+"""Dead adapters found at the first backward; adapters whose gradient stays all-zero, over the first few."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from lightning_hbm._compat.torch import foreach_norm
+from lightning_hbm.adapters.lora.base import _lora_layer_cls
+from lightning_hbm.naming import name_list
+
+#: backward passes over which an adapter whose gradient was all-zero at the first is watched. Each costs one fused
+#: norm over the adapters still all-zero and one device sync (after the first pass usually none are: no cost).
+ZERO_STEPS = 3
+
+
+class _AdapterWatch:
+    """Finds dead adapters at the first backward: a LoRA layer that got no gradient is an error naming it.
+
+    Two ways an adapter dies, told apart by forward hooks on each LoRA layer and on its parent:
+    the layer ran but no gradient reached its ``lora_A``/``lora_B`` (the graph is cut), or the parent
+    ran and the layer did not (the parent reads the wrapped weight directly, as
+    ``nn.MultiheadAttention`` does with ``out_proj``). A layer whose parent did not run either (an
+    expert no token was routed to, a branch not taken) cannot be judged and is not an error.
+
+    A third kind gets a gradient that is all zeros: its output is computed, then dropped by an indexing (transformers
+    ``SamMaskDecoder`` runs all four ``output_hypernetworks_mlps`` and keeps mask 0 under ``multimask_output=False``),
+    so autograd sends back zeros, not ``None``. One all-zero first gradient can be chance; all-zero over the first
+    :data:`ZERO_STEPS` backward passes (or every pass of a shorter fit) is reported like a cut adapter.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        lora_cls = _lora_layer_cls()
+        # peft's LoraLayer modules (a class looked up at run time, typed `type`): their lora_A/lora_B are ModuleDicts
+        self.layers: dict[str, Any] = {n: m for n, m in module.named_modules() if isinstance(m, lora_cls)}
+        self.ran: set[int] = set()
+        self.handles: list[Any] = []
+        self.parents = {n: module.get_submodule(n.rpartition(".")[0]) if "." in n else module for n in self.layers}
+        watched = {id(m): m for m in [*self.layers.values(), *self.parents.values()]}
+        for sub in watched.values():
+            self.handles.append(sub.register_forward_pre_hook(self._ran))
+        self.passes = 0  # backward passes seen
+        self.zero: list[str] = []  # adapters whose gradient was all-zero at every pass seen
+        self.unused: list[str] = []  # adapters reported: cut from the graph, then all-zero ones
+
+    def _ran(self, module: nn.Module, args: Any) -> None:
+        self.ran.add(id(module))
+
+    def after_backward(self) -> bool:
+        """Check one backward pass; ``True`` once the watch is over (the callback drops it)."""
+        self.passes += 1
+        if self.passes == 1:
+            self.unused = self.check()
+            ran = [n for n in self.layers if id(self.layers[n]) in self.ran and n not in self.unused]
+            self.zero = _all_zero({n: self.layers[n] for n in ran})
+        else:
+            self.zero = _all_zero({n: self.layers[n] for n in self.zero})
+        if self.zero and self.passes < ZERO_STEPS:
+            return False
+        self.finish()
+        return True
+
+    def finish(self) -> None:
+        """Report the adapters still all-zero (also at the end of a fit shorter than :data:`ZERO_STEPS` passes)."""
+        zero, self.zero = self.zero, []
+        if not zero:
+            return
+        self.unused = [*self.unused, *zero]
+        rank_zero_warn(
+            f"LoRA: {len(zero)} adapter(s) ran but their gradient was all zeros at each of the first {self.passes} "
+            f"backward pass(es), so they are not trained: {name_list(zero)}. Their output is computed but does not change "
+            "the loss (dropped by an indexing: transformers SAM under multimask_output=False keeps the mask of "
+            "output_hypernetworks_mlps.0 only). They stay at their initial value (lora_B = 0, no effect). To not create them, pass "
+            f"LoRA(exclude_modules={sorted(zero)!r})."
+        )
+
+    def check(self) -> list[str]:
+        """Raise for dead adapters; warn for (and return) the ones whose output never reaches the loss."""
+        for handle in self.handles:
+            handle.remove()
+        dead, cut = [], []
+        for name, layer in self.layers.items():
+            grads = _grads(layer)
+            if not grads or any(g is not None for g in grads):
+                continue
+            if id(layer) in self.ran:
+                cut.append(name)
+            elif id(self.parents[name]) in self.ran:
+                dead.append(name)
+        if dead:
+            raise RuntimeError(
+                f"LoRA adapters received no gradient in the first backward: {dead} were never called although their "
+                "parent module ran (it reads their weight directly, so the adapter is dead); exclude them with "
+                "LoRA(exclude_modules=[...]) or report the model class to lightning_hbm."
+            )
+        if cut:
+            # The layer ran but its output never reaches the loss: the model's own design (a BERT pooler under
+            # mean pooling), not a lightning_hbm failure. They get no gradient, so no optimizer updates them or
+            # allocates state for them; they stay in the model (lora_B = 0: they change nothing) so checkpoints
+            # and resume see the same parameters.
+            rank_zero_warn(
+                f"LoRA: {len(cut)} adapter(s) ran but their output never reaches the loss, so they are not trained: "
+                f"{name_list(cut)}. They stay at their initial value (lora_B = 0, no effect). To not create them, pass "
+                f"LoRA(exclude_modules={sorted(cut)!r})."
+            )
+        return cut
+
+
+def _grads(layer: Any) -> list[Any]:
+    """The gradients of a peft LoRA layer's trainable adapter weights (``None`` where none arrived)."""
+    return [p.grad for c in (layer.lora_A, layer.lora_B) for p in c.parameters() if p.requires_grad]
+
+
+def _all_zero(layers: dict[str, Any]) -> list[str]:
+    """The names of ``layers`` that have gradients and all of them are zero.
+
+    One ``torch._foreach_norm`` (:func:`~lightning_hbm._compat.torch.foreach_norm`) over every gradient (grouped into a few kernels per device and dtype, as
+    ``clip_grad_norm_`` does) and one ``tolist`` sync, not one sync per layer. ``lora_A``'s gradient is zero
+    while ``lora_B`` is (peft's init), so ``lora_B``'s carries the decision. A NaN norm is not zero.
+    """
+    owners, grads = [], []
+    for name, layer in layers.items():
+        for g in _grads(layer):
+            if g is not None:
+                owners.append(name)
+                grads.append(g.detach())
+    # a sharded gradient (FSDP2's DTensor) is one rank's part: all-zero here says nothing of the others' parts, and a
+    # verdict would need a collective every rank joins; the check is for single-device and DDP runs
+    if not grads or any(type(g) is not torch.Tensor and not isinstance(g, torch.nn.Parameter) for g in grads):
+        return []
+    norms = foreach_norm(grads)
+    nonzero = torch.stack([n.to(norms[0].device, torch.float32) for n in norms]).ne(0).tolist()
+    alive = {o for o, nz in zip(owners, nonzero) if nz}
+    # a sum of squares underflows below |g| ~ 1e-19: the layers whose norms all read 0 (usually none) are checked again
+    # by their largest |g| (a max norm over every gradient would be exact but 14x slower on CPU)
+    alive |= {o for o, g in zip(owners, grads) if o not in alive and bool(g.abs().amax() != 0)}
+    return [n for n in dict.fromkeys(owners) if n not in alive]

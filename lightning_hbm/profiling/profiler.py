@@ -1,0 +1,643 @@
+"""``HBMProfiler``: where every byte of a training step goes, logged, plotted and explained on OOM.
+
+What it shrinks: nothing. It measures the five terms every other lightning_hbm feature shrinks
+(:data:`lightning_hbm.memory.CATEGORIES`), by what each tensor *is*:
+
+- light mode (the first 5 steps, then every ``every_n_steps`` steps, by default the Trainer's
+  ``log_every_n_steps``): a :class:`~lightning_hbm.memory.LiveStorageTracker` runs during the
+  forward only. At the forward's end (Lightning's ``on_before_zero_grad``, else
+  ``on_before_backward``) the graph holds every activation and the previous step's gradients are
+  still alive (Lightning zeroes them after the forward); activations are taken there. This is not
+  the step's peak (backward adds gradients and temporaries): detailed mode measures that.
+  Parameters, gradients and optimizer states are counted by owner there and again after the
+  optimizer step (their larger value is kept: on the first step gradients and states only exist
+  after it).
+- detailed mode (only the steps in ``detailed_steps``): the tracker runs over the whole step, seeded
+  with everything that already exists (the batch included), and reports the categories at the step's true tracked peak
+  (backward and optimizer temporaries included, as ``other``) and a per-module breakdown. Step 1
+  by default: its peak is what :func:`lightning_hbm.plan` predicts, so the two are comparable.
+
+Reports (CSV, JSON, console summary) are rendered by :mod:`lightning_hbm.memory.report`, which
+``lightning-hbm report`` uses as well. The PNG is the picture of a detailed step: a
+:class:`~lightning_hbm.profiling.timeline.StepRecorder` runs on top of its tracker and
+:mod:`lightning_hbm.profiling.figure` builds and draws every term over the step's ops (``hbm_figure.json``).
+
+On CUDA the allocator's own figures are added, so what the categories do not explain (CUDA
+context, allocator caching, fragmentation) is shown, not hidden.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import replace
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from typing_extensions import override
+
+from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm._validate import check_args
+from lightning_hbm.profiling.run_facts import run_facts
+from lightning_hbm.memory.categories import (
+    CATEGORIES,
+    MemoryBreakdown,
+    classify,
+    classify_records,
+    light_values,
+    owned_storages,
+    owned_tensors,
+    tensor_bytes,
+)
+from lightning_hbm.profiling.figure import (
+    PeakPrediction,
+    ProfileFigure,
+    build_figure,
+    draw_figure,
+    figure_path,
+    prediction_bytes,
+    write_figure,
+)
+from lightning_hbm.profiling.timeline import RecordedStep, StepRecorder
+from lightning_hbm.memory.report import REMEDIES, MemoryReport
+from lightning_hbm.memory.storage import module_parameter_tensors
+from lightning_hbm.memory.terms import SIDE_TERMS, host_terms, scope_terms, side_terms, term
+from lightning_hbm.memory.tracker import LiveStorageTracker, scope_term_bytes
+from lightning_hbm.surgery import applied_transforms
+
+log = logging.getLogger(__name__)
+
+_MIB = 2**20
+#: Steps measured whatever the cadence, so that a short run still draws a curve: memory settles here
+#: (optimizer states appear after step 0, the previous gradients are alive from step 1 on).
+FIRST_STEPS = 5
+
+_CUDA_FIELDS = (
+    "cuda_allocated",
+    "cuda_reserved",
+    "cuda_peak_allocated",
+    "cuda_fragmentation",
+    "cuda_capacity",
+    "cuda_headroom",
+    "cuda_unattributed",
+)
+#: Columns of the per-step CSV (bytes; CUDA columns empty on other devices).
+#: The terms outside the sum (``loss``, ``host_offload``: :data:`~lightning_hbm.memory.terms.SIDE_TERMS`) follow ``tracked_peak``.
+COLUMNS = ("step", "batch_idx", "mode", *CATEGORIES, "total", "tracked_peak", *SIDE_TERMS, *_CUDA_FIELDS)
+
+
+def columns() -> tuple[str, ...]:
+    """The CSV's columns now: :data:`COLUMNS` with the terms registered since (``register_term``) beside the sum."""
+    return ("step", "batch_idx", "mode", *CATEGORIES, "total", "tracked_peak", *side_terms(), *_CUDA_FIELDS)
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, found.append)
+    return found
+
+
+class HBMProfiler(Callback):
+    """Per-step memory breakdown by category, with a report at the end of fit and on out-of-memory.
+
+    Args:
+        every_n_steps: measure every n-th optimizer step (``global_step % every_n_steps == 0``), and
+            always the first :data:`FIRST_STEPS` (5) steps, so that a short run has a curve.
+            Default (None): the Trainer's ``log_every_n_steps``, when Lightning writes logs anyway.
+            A light measurement costs a fixed ~3 ms on the CPU dev machine (within noise for a ~200 ms
+            step, +17 % for a ~20 ms one; benchmarks/README.md): ``1`` suits short or large-step runs.
+        detailed_steps: global steps measured in detailed mode (whole-step peak, per-module
+            breakdown; ~2x slower for that step). Default ``(1,)``: the first step where gradients and
+            optimizer states already exist, so the summary shows the step peak the planner predicts.
+            Empty: none.
+        dirpath: directory of the report; default: the Trainer's ``log_dir`` (its
+            ``default_root_dir`` without a logger).
+        snapshot_steps: ``(start, stop)``: CUDA memory history is recorded from the start of global
+            step ``start`` to the end of step ``stop - 1``, then dumped to ``hbm_snapshot.pickle``
+            (``_rank{r}`` per rank under DDP; open it at pytorch.org/memory_viz; path printed).
+            Ignored with a warning off CUDA.
+        snapshot_max_entries: allocation events kept by the CUDA history recorder.
+        summary: print the summary table at the end of fit (with rich when installed).
+        max_rows: measured steps kept (the CSV/JSON/PNG rows). Past it the oldest forward-end rows are
+            dropped (detailed rows are kept), once announced, so a long run's profiler memory and files
+            stay bounded: 10,000 rows (~3 MB of JSON) is 500,000 steps at the default cadence of 50.
+        prediction: the planner's predicted step peak, drawn as a line on the picture: bytes, or a
+            :class:`~lightning_hbm.planner.Prediction` (``plan(...).chosen``). Default: AutoFit's, when it ran.
+        budget: the memory budget in bytes, drawn as a line on the picture. Default: AutoFit's, when it ran.
+
+    Logged keys (MiB, per measured step, max over ranks under DDP):
+        ``hbm/parameters``, ``hbm/gradients``, ``hbm/optimizer_states``, ``hbm/activations``,
+        ``hbm/other``, ``hbm/total`` (their sum); on detailed steps ``hbm/tracked_peak`` and ``hbm/loss`` (bytes
+        at the peak that ``FusedLoss`` allocated: chunk logits, fp32 rows, dequantized head; a term inside the
+        categories, not added to the total; 0 without FusedLoss); on CUDA
+        also ``hbm/cuda_allocated``, ``hbm/cuda_reserved``, ``hbm/cuda_peak_allocated`` (reset
+        every measured step), ``hbm/cuda_fragmentation`` (reserved - allocated),
+        ``hbm/cuda_capacity``, ``hbm/cuda_headroom`` (capacity - peak reserved) and
+        ``hbm/cuda_unattributed`` (peak allocated - total: CUDA context, workspaces, buffers of
+        the strategy). Under ``CPUOffloadStrategy`` also ``hbm/host_offload``: host memory its optimizer
+        holds (master copies, gradient buffers, states; none of it in the five terms, whose optimizer
+        states read 0 for an offloaded run), also the ``host_offload`` column of the CSV and JSON rows. What each term
+        is, when it is alive and what shrinks it: :data:`lightning_hbm.memory.terms.TERMS`.
+
+    Summary printed at the end of fit: each category at the largest forward-end step (light mode)
+    and at the step peak (the largest detailed step), each labelled with its step and what it is.
+
+    Files written by global rank 0 into ``dirpath``: ``hbm_profile.csv`` (one row per measured
+    step, bytes, columns :data:`COLUMNS`), ``hbm_profile.json`` (rows, peak step, per-module
+    breakdown of detailed steps, what the run used, diagnosis), ``hbm_profile.png`` and its data
+    ``hbm_figure.json``: the detailed step with the largest peak op by op (every term stacked over its
+    ops, ``other`` and ``activations`` in their parts, the phases forward / loss / zero_grad / backward /
+    optimizer, the peak marked with its op and module, each term at each phase's peak, the prediction and
+    budget as lines; :mod:`lightning_hbm.profiling.figure`). Without a detailed step the PNG is the
+    forward ends over steps and no ``hbm_figure.json`` is written. Each ``fit`` starts a new
+    report: an instance reused for a second fit does not mix the runs. On ``torch.OutOfMemoryError``/``MemoryError`` the rank that failed writes the
+    same files with an ``_oom`` suffix (``_oom_rank{r}`` when there are several ranks), a CUDA
+    snapshot, and the diagnosis; the error is re-raised by Lightning.
+
+    Example::
+
+        trainer = Trainer(callbacks=[HBMProfiler(detailed_steps=[3])])
+    """
+
+    def __init__(
+        self,
+        every_n_steps: Optional[int] = None,
+        detailed_steps: Sequence[int] = (1,),
+        dirpath: Optional[str] = None,
+        snapshot_steps: Optional[tuple[int, int]] = None,
+        snapshot_max_entries: int = 100_000,
+        summary: bool = True,
+        max_rows: int = 10_000,
+        prediction: Union[int, PeakPrediction, None] = None,
+        budget: Optional[int] = None,
+    ) -> None:
+        check_args(HBMProfiler.__init__, locals())
+        if every_n_steps is not None:
+            _check_int("every_n_steps", every_n_steps, minimum=1)
+        _check_int("snapshot_max_entries", snapshot_max_entries, minimum=1)
+        _check_int("max_rows", max_rows, minimum=1)
+        for name, value in (("budget", budget), ("prediction", prediction)):
+            if isinstance(value, int):
+                _check_int(name, value, minimum=1)
+        if isinstance(detailed_steps, (str, int)):
+            raise TypeError(
+                f"detailed_steps must be a list of global steps, got {detailed_steps!r}; e.g. detailed_steps=[3]."
+            )
+        for step in detailed_steps:
+            _check_int("each of detailed_steps", step, minimum=0)
+        if snapshot_steps is not None:
+            if len(snapshot_steps) != 2:
+                raise ValueError(f"snapshot_steps must be (start, stop), got {snapshot_steps!r}.")
+            start, stop = snapshot_steps
+            _check_int("snapshot_steps start", start, minimum=0)
+            _check_int("snapshot_steps stop", stop, minimum=0)
+            if stop <= start:
+                raise ValueError(
+                    f"snapshot_steps={tuple(snapshot_steps)!r}: stop must be after start, e.g. ({start}, {start + 2})."
+                )
+        self.every_n_steps = every_n_steps
+        self.detailed_steps = frozenset(detailed_steps)
+        self.dirpath = dirpath
+        self.snapshot_steps = tuple(snapshot_steps) if snapshot_steps is not None else None
+        self.snapshot_max_entries = snapshot_max_entries
+        self.summary = summary
+        self.max_rows = max_rows
+        self.prediction = prediction_bytes(prediction)
+        self.budget = budget
+        self.figure: Optional[ProfileFigure] = None  # the detailed step with the largest peak, drawn in the PNG
+        self._recorder: Optional[StepRecorder] = None
+        self.dropped_rows = 0  # forward-end rows dropped past max_rows
+        self.used: dict[str, Any] = {}  # what the run used (transforms, optimizers): the diagnosis advises from it
+        self.rows: list[dict[str, Any]] = []
+        self.modules: dict[int, dict[str, dict[str, int]]] = {}  # detailed step -> module -> category -> bytes
+        self.snapshot_path: Optional[str] = None
+        self._tracker: Optional[LiveStorageTracker] = None
+        self._tracking = False  # the tracker's dispatch mode is entered
+        self._forward_end: Optional[MemoryBreakdown] = None
+        self._forward_modules: dict[str, int] = {}
+        self._step = 0
+        self._batch_idx = 0
+        self._recording = False
+        self._every = every_n_steps or 1  # resolved in setup when None
+
+    # -- measuring -------------------------------------------------------------------------------
+    def _measured(self, step: int) -> bool:
+        return step < FIRST_STEPS or step % self._every == 0 or step in self.detailed_steps
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        self._maybe_start_history(pl_module, step)
+        if not self._measured(step):
+            return
+        self._step, self._batch_idx, self._forward_end = step, batch_idx, None
+        device = _cuda_device(pl_module)
+        if device is not None:
+            torch.cuda.reset_peak_memory_stats(device)
+        detailed = step in self.detailed_steps
+        tracker = LiveStorageTracker(track_peak=detailed)
+        if detailed:
+            # Everything that exists before the step counts towards its peak, by what it is now.
+            for category, tensors in owned_tensors(pl_module, trainer.optimizers).items():
+                tracker.seed(tensors, phase=category)
+            # the batch too (in ``other``): it is on the device through the step, and only a tensor an op reads
+            # through a view would be seen otherwise (the targets, not the input ids: 2 KiB short at 4 x 64 tokens)
+            tracker.seed(_tensors(batch), phase="batch")
+            tracker.attach_modules(pl_module)
+        self._tracker = tracker
+        tracker.__enter__()  # exited at the forward's end (light) or the batch's end (detailed)
+        self._tracking = True
+        if detailed:  # the step op by op, on top of the tracker: the picture (profile_figure.py)
+            self._recorder = StepRecorder(tracker, pl_module, trainer.optimizers, cuda_device=device)
+            self._recorder.start()
+
+    @override
+    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        self._enter_phase("zero_grad")
+        self._at_forward_end(trainer, pl_module)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._enter_phase("backward")
+        self._at_forward_end(trainer, pl_module)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        self._enter_phase("optimizer")
+
+    def _enter_phase(self, phase: str) -> None:
+        if self._recorder is not None:
+            self._recorder.enter_phase(phase)
+
+    def _at_forward_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        tracker = self._tracker
+        if tracker is None or self._forward_end is not None:
+            return
+        detailed = tracker.track_peak
+        if not detailed:
+            self._stop_tracking()  # light mode: the forward is all it pays for
+        activations = tracker.live_storages(phase="forward")
+        self._forward_end = classify(pl_module, trainer.optimizers, activations=activations, device=_device(pl_module))
+        if detailed:
+            tracker.phase = "after_forward"
+            owned = owned_storages(pl_module, trainer.optimizers)
+            per_module: dict[str, int] = {}
+            for key, record in tracker.live_records().items():
+                if record.phase == "forward" and key not in owned:
+                    per_module[record.module] = per_module.get(record.module, 0) + record.nbytes
+            self._forward_modules = per_module
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        tracker = self._tracker
+        if tracker is not None:
+            recorded = self._stop_tracking()
+            self._tracker = None
+            row = self._row(trainer, pl_module, tracker, recorded)
+            row = self._reduce_over_ranks(trainer, row)
+            self._append(row)
+            metrics = {f"hbm/{k}": row[k] / _MIB for k in (*CATEGORIES, "total", *_CUDA_FIELDS) if row[k] is not None}
+            if row["mode"] == "detailed":
+                metrics["hbm/tracked_peak"] = row["tracked_peak"] / _MIB
+            for name in side_terms():  # loss: measured on detailed steps; a host term: when memory moved there
+                if row[name] is not None and (row[name] or term(name).kind != "host"):
+                    metrics[f"hbm/{name}"] = row[name] / _MIB
+            # Straight to the loggers, as DeviceStatsMonitor does: self.log would cost more than the
+            # measurement and would only reach the loggers every log_every_n_steps anyway.
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=lightning_compat.batches_that_stepped(trainer))
+        self._maybe_stop_history(trainer, pl_module, trainer.global_step)
+
+    def _append(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        if len(self.rows) <= self.max_rows:
+            return
+        oldest_light = next((i for i, r in enumerate(self.rows) if r["mode"] == "light"), 0)
+        del self.rows[oldest_light]
+        if self.dropped_rows == 0:
+            log.warning(
+                "HBMProfiler: more than max_rows=%d measured steps; dropping the oldest forward-end rows from now on "
+                "(detailed rows are kept). Raise max_rows or every_n_steps to keep them all.", self.max_rows
+            )  # fmt: skip
+        self.dropped_rows += 1
+
+    def _stop_tracking(self) -> Optional[RecordedStep]:
+        """Exit the recorder (a detailed step), then the tracker; return what the recorder recorded."""
+        recorder, self._recorder = self._recorder, None
+        recorded = recorder.stop() if recorder is not None else None
+        if self._tracking and self._tracker is not None:
+            self._tracker.__exit__(None, None, None)
+            self._tracker.detach_modules()
+        self._tracking = False
+        return recorded
+
+    def _row(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, tracker: LiveStorageTracker,
+        recorded: Optional[RecordedStep] = None, mode: Optional[str] = None,
+    ) -> dict[str, Any]:
+        """The measured step's row: every term of the registry, the total, the tracked peak, the CUDA figures.
+
+        ``recorded``: the detailed step op by op (:class:`StepRecorder`), kept as :attr:`figure` when its peak is the
+        run's largest so far (always for an out-of-memory step, ``mode="oom"``).
+        """
+        device = _device(pl_module)
+        end = classify(pl_module, trainer.optimizers, device=device)
+        forward_end = self._forward_end if self._forward_end is not None else end
+        detailed = tracker.track_peak
+        side: dict[str, Optional[int]] = {t.name: None for t in scope_terms()}  # measured on detailed steps
+        # host terms: memory a feature moved off the device, not in the total
+        side.update({t.name: t.host(pl_module, trainer.optimizers) for t in host_terms() if t.host is not None})
+        tracked_peak: Optional[int] = None
+        if detailed:
+            tracker.finish_peak()
+            owned = owned_storages(pl_module, trainer.optimizers)
+            values = classify_records(tracker.peak_records, owned, device)
+            # scope terms (the loss: FusedLoss's chunk, fp32 rows, dequantized head) at the peak, inside the categories
+            side.update(scope_term_bytes(tracker.peak_records, owned))
+            self.modules[self._step] = _module_breakdown(pl_module, trainer.optimizers, self._forward_modules)
+            tracked_peak = tracker.peak_bytes
+        else:
+            values = light_values(forward_end, end)  # activations at the forward's end, owned terms at both ends
+        total = sum(values.values())
+        row: dict[str, Any] = {
+            "step": self._step,
+            "batch_idx": self._batch_idx,
+            "mode": mode or ("detailed" if detailed else "light"),
+            **values,
+            "total": total,
+            "tracked_peak": tracked_peak,
+            **{name: side[name] for name in side_terms()},
+        }
+        row.update(_cuda_stats(pl_module, total))
+        if detailed and recorded is not None and recorded.samples:
+            self._keep_figure(recorded, owned, row, str(device))
+        return row
+
+    def _keep_figure(self, recorded: RecordedStep, owned: Any, row: dict[str, Any], device: str) -> None:
+        """Keep the step's figure if it is the one to draw: the largest peak so far, or the step that ran out."""
+        host = {t.name: row[t.name] or 0 for t in host_terms()}
+        figure = build_figure(recorded, owned, step=self._step, device=device, host=host)
+        if row["mode"] == "oom" or self.figure is None or figure.peak.bytes > self.figure.peak.bytes:
+            self.figure = figure
+
+    def _reduce_over_ranks(self, trainer: pl.Trainer, row: dict[str, Any]) -> dict[str, Any]:
+        if trainer.world_size <= 1:
+            return row
+        # every rank measures the same steps, so this collective is matched on all ranks
+        keys = [k for k in (*CATEGORIES, "total", "tracked_peak", *side_terms(), *_CUDA_FIELDS) if row[k] is not None]
+        local = torch.tensor([row[k] for k in keys], dtype=torch.int64, device=trainer.strategy.root_device)
+        gathered = trainer.strategy.all_gather(local)
+        maxima = gathered.reshape(-1, len(keys)).max(dim=0).values.tolist()
+        return {**row, **dict(zip(keys, (int(v) for v in maxima)))}
+
+    # -- CUDA memory history -----------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._every = self.every_n_steps or max(int(trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's LoggerConnector sets it)
+        if stage == "fit":  # one report per fit: a reused instance would otherwise mix two runs' rows
+            self._check_directories(trainer)
+            self.rows, self.modules, self.used, self.snapshot_path, self.dropped_rows = [], {}, {}, None, 0
+            self.figure = None
+        if self.snapshot_steps is not None and trainer.strategy.root_device.type != "cuda":
+            rank_zero_warn("HBMProfiler: snapshot_steps records CUDA memory history; this run is not on CUDA, so no snapshot.")
+
+    def _check_directories(self, trainer: pl.Trainer) -> None:
+        """The report's and the checkpoints' directories must be writable: refused at fit start (before the model
+        is changed), not at the report after training or at the first checkpoint. Checked on every rank, so no
+        rank is left waiting in a collective for one that raised."""
+        _check_writable(self._dir(trainer), "HBMProfiler(dirpath=...): the report directory",
+                        "Pass a writable directory, e.g. HBMProfiler(dirpath='hbm_report').")  # fmt: skip
+        for callback in trainer.checkpoint_callbacks:
+            if not isinstance(callback, ModelCheckpoint) or (callback.save_top_k == 0 and not callback.save_last):
+                continue  # saves nothing
+            # dirpath None: ModelCheckpoint.setup (after this hook) puts it under the logger's save_dir
+            logger_dir = getattr(trainer.loggers[0], "save_dir", None) if trainer.loggers else None
+            directory = callback.dirpath or logger_dir or trainer.default_root_dir
+            _check_writable(str(directory), "ModelCheckpoint(dirpath=...): the checkpoint directory",
+                            "Pass ModelCheckpoint(dirpath=<a writable directory>) or Trainer(default_root_dir=...).")  # fmt: skip
+
+    def _maybe_start_history(self, pl_module: pl.LightningModule, step: int) -> None:
+        if self.snapshot_steps is None or self._recording or step != self.snapshot_steps[0]:
+            return
+        if _cuda_device(pl_module) is None:
+            return
+        torch_compat.record_memory_history(max_entries=self.snapshot_max_entries)
+        self._recording = True
+
+    def _maybe_stop_history(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        if not self._recording or self.snapshot_steps is None or step < self.snapshot_steps[1]:
+            return
+        self.snapshot_path = self._dump_snapshot(trainer, "hbm_snapshot")
+        torch_compat.record_memory_history(enabled=None)
+        self._recording = False
+
+    def _dump_snapshot(self, trainer: pl.Trainer, stem: str) -> Optional[str]:
+        if not torch.cuda.is_available():
+            return None
+        suffix = f"_rank{trainer.global_rank}" if trainer.world_size > 1 else ""
+        path = os.path.join(self._dir(trainer), f"{stem}{suffix}.pickle")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch_compat.dump_memory_snapshot(path)
+        print(f"HBMProfiler: CUDA memory snapshot written to {path} (open it at https://pytorch.org/memory_viz)")
+        return path
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.used = run_setup(trainer, pl_module)
+
+    # -- report ----------------------------------------------------------------------------------
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._recording:
+            self.snapshot_path = self._dump_snapshot(trainer, "hbm_snapshot")
+            torch_compat.record_memory_history(enabled=None)
+            self._recording = False
+        directory = self._dir(trainer)  # broadcast inside: call on every rank
+        if trainer.is_global_zero and self.rows:
+            paths = self.write_report(directory, "hbm_profile")
+            if self.summary:
+                self.print_summary(paths)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        recorded = self._stop_tracking()  # the dispatch modes must not outlive the failed step
+        tracker, self._tracker = self._tracker, None
+        if not isinstance(exception, (torch.OutOfMemoryError, MemoryError)):
+            return
+        try:
+            if tracker is not None and self._forward_end is not None:  # died after the forward: keep what it saw
+                self.rows.append(self._row(trainer, pl_module, tracker, recorded, mode="oom"))
+            suffix = f"_oom_rank{trainer.global_rank}" if trainer.world_size > 1 else "_oom"
+            # no collective here: the other ranks may not have failed; trainer.log_dir would broadcast
+            directory = self.dirpath or trainer.default_root_dir
+            if trainer.loggers and self.dirpath is None:
+                directory = getattr(trainer.loggers[0], "log_dir", None) or directory
+            paths = self.write_report(directory, "hbm_profile" + suffix)
+            if _cuda_device(pl_module) is not None:
+                path = os.path.join(directory, f"hbm_snapshot{suffix}.pickle")
+                torch_compat.dump_memory_snapshot(path)
+                paths["snapshot"] = path
+            print(f"HBMProfiler: out of memory. {self.diagnosis()}\nReport: {paths}")
+        except Exception as err:  # the report must never hide the out-of-memory error itself
+            log.error("HBMProfiler could not write the out-of-memory report: %s", err)
+
+    def report(self) -> MemoryReport:
+        """The measured steps as a :class:`~lightning_hbm.memory.report.MemoryReport` (what is written and printed)."""
+        return MemoryReport(self.rows, columns(), self.modules, self.snapshot_path, self.used)
+
+    def diagnosis(self) -> str:
+        """The category that dominated the last measured step, and the feature that shrinks it."""
+        return self.report().diagnosis()
+
+    def peak_row(self) -> Optional[dict[str, Any]]:
+        """The measured step with the largest category total."""
+        return self.report().peak_row()
+
+    def write_report(self, directory: str, stem: str) -> dict[str, str]:
+        """Write ``{stem}.csv``, ``{stem}.json`` and (matplotlib installed) ``{stem}.png``; return their paths.
+
+        With a detailed step measured, the PNG is that step's picture (:func:`~lightning_hbm.profiling.figure.
+        draw_figure`: every term over its ops, the phases, the peak attributed, prediction and budget) and its data is
+        written beside it as ``hbm_figure{suffix}.json`` (``figure`` in the returned paths); without one, the PNG is the
+        forward ends over the steps (:func:`lightning_hbm.memory.report.plot`).
+        """
+        paths = self.report().write(directory, stem)
+        figure = self.figure_data()
+        if figure is not None:
+            paths["figure"] = write_figure(figure, figure_path(paths["json"]))
+            if "png" in paths:  # matplotlib is installed: the report drew its figure; this one replaces it
+                draw_figure(figure, paths["png"])
+        return paths
+
+    def figure_data(self) -> Optional[ProfileFigure]:
+        """The picture's data: the detailed step with the largest peak (or the one that ran out of memory), with the
+        planner's prediction and the budget (given here, else AutoFit's); None when no detailed step ran."""
+        if self.figure is None:
+            return None
+        prediction = self.prediction if self.prediction is not None else self.used.get("predicted_peak")
+        budget = self.budget if self.budget is not None else self.used.get("budget")
+        return replace(self.figure, prediction=prediction, budget=budget)
+
+    def print_summary(self, paths: dict[str, str]) -> None:
+        """Console table: each category at the largest forward-end step and at the step peak (detailed step)."""
+        self.report().print_summary(paths)
+
+    def _dir(self, trainer: pl.Trainer) -> str:
+        return self.dirpath or trainer.log_dir or trainer.default_root_dir
+
+
+def run_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    """What the run used, for advice that is not already followed: transforms, optimizers, budget, plan."""
+    used: dict[str, Any] = {
+        "transforms": applied_transforms(pl_module),
+        "optimizers": [type(lightning_compat.unwrap_optimizer(opt)).__name__ for opt in trainer.optimizers],
+        "precision": str(trainer.precision),
+        "facts": run_facts(trainer, pl_module).as_dict(),  # what the advice reads (lightning_hbm.memory.facts.RunFacts)
+    }
+    # AutoFit: its budget and the chosen candidate's predicted step peak. Found by duck typing: the planner
+    # sits above the callbacks (tests/test_layering.py).
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
+        if hasattr(callback, "budget") and hasattr(callback, "chosen"):
+            used["budget"] = int(callback.budget)
+            if callback.chosen is not None:
+                used["predicted_peak"] = int(callback.chosen.peak)
+    return used
+
+
+def _check_writable(directory: str, what: str, fix: str) -> None:
+    """``ValueError`` unless ``directory`` is, or can be created as, a directory this process can write to.
+
+    Nothing is left behind: the nearest existing ancestor is checked (``os.access``, then a probe file created and
+    removed, which also catches read-only mounts and root-owned paths that ``os.access`` misjudges).
+    """
+    if "://" in directory:
+        return  # remote (fsspec) storage: no local permission to read
+    existing = os.path.abspath(os.path.expanduser(directory))
+    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{what} {directory!r} cannot be created: {existing!r} is a file, not a directory. {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {directory!r} is not writable: {existing!r} is read-only for this user. {fix}")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".hbm_write_check_", dir=existing)
+        os.close(handle)
+        os.remove(probe)
+    except OSError as err:
+        raise ValueError(f"{what} {directory!r} is not writable: creating a file in {existing!r} failed ({err}). {fix}") from err
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"HBMProfiler: {name} must be an int, got {value!r} ({type(value).__name__}).")
+    if value < minimum:
+        raise ValueError(f"HBMProfiler: {name} must be >= {minimum}, got {value}.")
+
+
+def _device(pl_module: pl.LightningModule) -> torch.device:
+    return pl_module.device
+
+
+def _cuda_device(pl_module: pl.LightningModule) -> Optional[torch.device]:
+    # On the CPU build torch.cuda.memory_allocated() silently returns 0: never ask unless on CUDA.
+    device = pl_module.device
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return device
+
+
+def _cuda_stats(pl_module: pl.LightningModule, total: int) -> dict[str, Optional[int]]:
+    device = _cuda_device(pl_module)
+    if device is None:
+        return dict.fromkeys(_CUDA_FIELDS)
+    allocated = torch.cuda.memory_allocated(device)
+    reserved = torch.cuda.memory_reserved(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    capacity = torch.cuda.get_device_properties(device).total_memory
+    return {
+        "cuda_allocated": allocated,
+        "cuda_reserved": reserved,
+        "cuda_peak_allocated": peak,
+        "cuda_fragmentation": reserved - allocated,
+        "cuda_capacity": capacity,
+        "cuda_headroom": capacity - torch.cuda.max_memory_reserved(device),
+        "cuda_unattributed": peak - total,
+    }
+
+
+def _module_breakdown(
+    pl_module: pl.LightningModule, optimizers: Sequence[torch.optim.Optimizer], activations: dict[str, int]
+) -> dict[str, dict[str, int]]:
+    """Per submodule: its own (non-recursive) parameters, gradients, optimizer states, and the activations
+    created while it was the innermost module running."""
+    states = [lightning_compat.unwrap_optimizer(opt).state for opt in optimizers]
+    result: dict[str, dict[str, int]] = {}
+    for name, module in pl_module.named_modules():
+        label = name or "<root>"
+        params = list(module.parameters(recurse=False))
+        entry = {
+            "parameters": tensor_bytes(module_parameter_tensors(module, recurse=False)),
+            "gradients": tensor_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer_states": tensor_bytes(t for state in states for p in params for t in _state_tensors(state.get(p))),
+            "activations": activations.get(label, 0),
+        }
+        if any(entry.values()):
+            result[label] = entry
+    return result
+
+
+def _state_tensors(state: Optional[dict[str, Any]]) -> list[torch.Tensor]:
+    """The tensors of one parameter's optimizer state (None: the parameter has no state yet)."""
+    return [v for v in (state or {}).values() if isinstance(v, torch.Tensor)]
+
+
+__all__ = ["COLUMNS", "FIRST_STEPS", "REMEDIES", "HBMProfiler"]
