@@ -11,23 +11,23 @@ from pathlib import Path
 from types import ModuleType
 
 
-def _current_target() -> ModuleType:
-    """The top-level ``_lightning_hbm_factory``: imported by name, or, where the install's import mapping predates it
-    (an editable install's finder maps only the names it knew), from its file beside this package."""
-    try:
-        import _lightning_hbm_factory
-
-        return _lightning_hbm_factory
-    except ImportError:
-        path = Path(__file__).resolve().parents[1] / "_lightning_hbm_factory.py"
-        spec = importlib.util.spec_from_file_location("_lightning_hbm_factory", path)
-        if spec is None or spec.loader is None:
-            raise
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return sys.modules.setdefault("_lightning_hbm_factory", module)
+def _from_file() -> ModuleType:
+    """``_lightning_hbm_factory`` from its file beside this package: an install whose import mapping predates the
+    module (an editable install's finder maps only the names it knew) cannot import it by name."""
+    path = Path(__file__).resolve().parents[1] / "_lightning_hbm_factory.py"
+    spec = importlib.util.spec_from_file_location("_lightning_hbm_factory", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"lightning_hbm: no callbacks factory module at {path}; reinstall lightning_hbm (pip install -e .)")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return sys.modules.setdefault("_lightning_hbm_factory", module)
 
 
-plugin_callbacks = _current_target().plugin_callbacks
+try:
+    import _lightning_hbm_factory as _target
+except ImportError:
+    _target = _from_file()
+
+plugin_callbacks = _target.plugin_callbacks
 
 __all__ = ["plugin_callbacks"]
