@@ -52,15 +52,15 @@ def test_the_callbacks_factory_entry_point_gives_only_plugin_alone_trainers_a_ca
     """QuantizedPrecision alone gets ``PluginAttach`` (its checkpoint checks run before Lightning restores); a plain
     Trainer or one that has a lightning_hbm callback gets nothing. The entry point is a standard-library module of its
     own, installed beside the package; the target older installs registered gives the same function."""
-    assert _declared_entry_point() == "_lightning_hbm_factory:plugin_callbacks"
-    assert '"_lightning_hbm_factory"' in _pyproject(r"\npy-modules = (\[[^\]]*\])")  # a fresh install maps it
+    assert _declared_entry_point() == "lightning_hbm_factory:plugin_callbacks"
+    assert '"lightning_hbm_factory"' in _pyproject(r"\npy-modules = (\[[^\]]*\])")  # a fresh install maps it
     installed = {ep.value for ep in entry_points(group=_GROUP) if ep.name == "lightning_hbm"}
     assert installed <= {_declared_entry_point(), "lightning_hbm._factory:plugin_callbacks"}, installed
-    import _lightning_hbm_factory
+    import lightning_hbm_factory
 
     from lightning_hbm import _factory
 
-    assert _factory.plugin_callbacks is _lightning_hbm_factory.plugin_callbacks
+    assert _factory.plugin_callbacks is lightning_hbm_factory.plugin_callbacks
     kinds = lambda trainer: [type(cb).__name__ for cb in trainer.callbacks]  # noqa: E731
     assert "PluginAttach" not in kinds(trainer_factory())
     assert kinds(trainer_factory(plugins=[QuantizedPrecision("nf4-dq")])).count("PluginAttach") == 1
@@ -76,7 +76,7 @@ def test_a_plain_trainer_imports_nothing_of_the_package(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "['_lightning_hbm_factory']"
+    assert proc.stdout.strip().splitlines()[-1] == "['lightning_hbm_factory']"
 
 
 def test_the_older_target_loads_the_factory_from_its_file_when_the_install_does_not_map_it() -> None:
@@ -87,14 +87,14 @@ def test_the_older_target_loads_the_factory_from_its_file_when_the_install_does_
         "class Unmapped:\n"
         "    @staticmethod\n"
         "    def find_spec(name, path=None, target=None):\n"
-        "        if name == '_lightning_hbm_factory': raise ModuleNotFoundError(name)\n"
+        "        if name == 'lightning_hbm_factory': raise ModuleNotFoundError(name)\n"
         f"sys.meta_path.insert(0, Unmapped); sys.path.insert(0, {str(ROOT)!r})\n"
         "from lightning_hbm._factory import plugin_callbacks\n"
-        "print(plugin_callbacks.__module__, sys.modules['_lightning_hbm_factory'].__file__, plugin_callbacks())"
+        "print(plugin_callbacks.__module__, sys.modules['lightning_hbm_factory'].__file__, plugin_callbacks())"
     )
     proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["_lightning_hbm_factory", str(ROOT / "_lightning_hbm_factory.py"), "[]"]
+    assert proc.stdout.split() == ["lightning_hbm_factory", str(ROOT / "lightning_hbm_factory.py"), "[]"]
 
 
 @pytest.mark.parametrize("error", [AttributeError, ImportError])
