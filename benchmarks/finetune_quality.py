@@ -237,6 +237,7 @@ class Before(pl.Callback):
 def exported_loss(adapter: Path, held_out: list[Any]) -> float:
     from peft import AutoPeftModelForCausalLM
 
+    LoRA.check_adapter_folder(adapter)  # its last save completed (peft does not read lightning_hbm's manifest)
     return held_out_loss(AutoPeftModelForCausalLM.from_pretrained(str(adapter), dtype=torch.float32), held_out)
 
 

@@ -100,6 +100,7 @@ def main(
     qlora = held_out_loss(module.model, held_out)  # the 4-bit base + adapter, as trained
 
     adapter = LoRA.save_adapter(module, Path(out) / "adapter")
+    LoRA.check_adapter_folder(adapter)  # its last save completed (peft does not read lightning_hbm's manifest)
     tuned = AutoPeftModelForCausalLM.from_pretrained(str(adapter), dtype=torch.float32)  # fp32 base + adapter
     after = held_out_loss(tuned, held_out)
     sample_after = continuation(tuned, tokenizer, prompt, new_tokens)

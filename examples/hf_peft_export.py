@@ -98,6 +98,7 @@ def main(steps: int = 30, out: str = "lightning_logs/hf_peft_export") -> dict[st
     # What a downstream user does, with peft alone: fresh pretrained base + the adapter file.
     from peft import PeftModel
 
+    LoRA.check_adapter_folder(adapter_path)  # its last save completed (peft does not read lightning_hbm's manifest)
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), str(adapter_path))
     trained = {n.replace(".default", ""): p for n, p in LoRA.adapter_state_dict(module).items()}
     loaded = {n.replace(".default", ""): p for n, p in reloaded.named_parameters() if "lora_" in n}

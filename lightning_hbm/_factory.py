@@ -1,32 +1,33 @@
-"""lightning_hbm's ``lightning.pytorch.callbacks_factory`` entry point (pyproject.toml). Lightning calls it in every
-``Trainer.__init__`` once lightning_hbm is installed, whether the Trainer uses lightning_hbm or not: it stays light
-(no import of the rest of lightning_hbm) and adds nothing to a Trainer without a lightning_hbm precision plugin."""
+"""The ``lightning.pytorch.callbacks_factory`` target of installs made before issue 55: their metadata names
+``lightning_hbm._factory:plugin_callbacks``, and an editable install updated by ``git pull`` keeps that metadata until
+``pip install -e .`` runs again. Deleting this module would make every ``Trainer()`` of such an install fail
+(``ModuleNotFoundError``). It gives what the current target, the top-level ``lightning_hbm_factory``, gives."""
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import sys
-import warnings
-from typing import Any
+from pathlib import Path
+from types import ModuleType
 
 
-def plugin_callbacks() -> list[Any]:
-    """``[PluginAttach()]`` for a Trainer built with a lightning_hbm precision plugin and no lightning_hbm callback
-    (:class:`lightning_hbm.surgery.PluginAttach`: the checkpoint checks before Lightning restores), else ``[]``.
+def _from_file() -> ModuleType:
+    """``lightning_hbm_factory`` from its file beside this package: an install whose import mapping predates the
+    module (an editable install's finder maps only the names it knew) cannot import it by name."""
+    path = Path(__file__).resolve().parents[1] / "lightning_hbm_factory.py"
+    spec = importlib.util.spec_from_file_location("lightning_hbm_factory", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"lightning_hbm: no callbacks factory module at {path}; reinstall lightning_hbm (pip install -e .)")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return sys.modules.setdefault("lightning_hbm_factory", module)
 
-    Never raises: Lightning calls this for every Trainer, so a broken or mismatched lightning_hbm (an older checkout
-    first on ``sys.path``) must not stop a Trainer that does not use it. A failure is one warning.
-    """
-    if "lightning_hbm.surgery" not in sys.modules:  # no lightning_hbm plugin exists without the surgery imported
-        return []
-    try:
-        return list(importlib.import_module("lightning_hbm.surgery").plugin_callbacks())  # imported already: free
-    except Exception as err:  # noqa: BLE001 - any failure: the Trainer goes on without our checks, and says so
-        warnings.warn(
-            f"lightning_hbm: its Trainer callbacks factory failed ({type(err).__name__}: {err}); this Trainer gets no "
-            "lightning_hbm callback from it. Reinstall lightning_hbm (pip install -e .) or remove the stale copy from "
-            "sys.path.",
-            UserWarning,
-            stacklevel=2,
-        )
-        return []
+
+try:
+    import lightning_hbm_factory as _target
+except ImportError:
+    _target = _from_file()
+
+plugin_callbacks = _target.plugin_callbacks
+
+__all__ = ["plugin_callbacks"]

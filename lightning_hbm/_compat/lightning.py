@@ -17,6 +17,7 @@ from lightning.pytorch.core.optimizer import (  # planner
     _configure_schedulers_automatic_opt,
 )
 from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector  # trainer_being_built
+from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader  # stage_dataloader
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table  # display
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
@@ -75,20 +76,53 @@ def train_dataloader(trainer: Any) -> Any:
     return trainer.fit_loop._data_source.dataloader()
 
 
+_STAGE_LOOPS = {"fit": "fit_loop", "validate": "validate_loop", "test": "test_loop", "predict": "predict_loop"}
+_STAGE_LIMITS = {"fit": "limit_train_batches", "validate": "limit_val_batches", "test": "limit_test_batches", "predict": "limit_predict_batches"}
+
+
 def stage_dataloader(trainer: Any) -> Any:
     """The dataloader of the stage the Trainer runs (fit: the train dataloader; validate/test/predict: theirs), before
-    its loop loads it; ``None`` if the stage has none. A list or dict of dataloaders gives its first."""
-    loops = {"fit": "fit_loop", "validate": "validate_loop", "test": "test_loop", "predict": "predict_loop"}
-    loop = getattr(trainer, loops.get(str(getattr(trainer.state.fn, "value", trainer.state.fn)), ""), None)
+    its loop loads it; ``None`` if the stage has none or reads no batch. A list or dict of dataloaders gives its first.
+
+    Requested as the loop requests it (``_request_dataloader``: the user's ``*_dataloader()`` hook, its arguments
+    recorded for a later re-instantiation with a distributed sampler), and handed to that loop: its next request gets
+    the same object, so the user's hook runs once per run as without lightning_hbm (issue 55: ``train_dataloader()``
+    was called twice, a stream opened twice).
+    """
+    stage = str(getattr(trainer.state.fn, "value", trainer.state.fn))
+    loop = getattr(trainer, _STAGE_LOOPS.get(stage, ""), None)
     source = getattr(loop, "_data_source", None)
-    if source is None or not source.is_defined():
-        return None
-    loader = source.dataloader()
+    if source is None or not source.is_defined() or getattr(trainer, _STAGE_LIMITS[stage]) == 0:
+        return None  # a loop that reads no batch does not call the hook either
+    loaders = _request_dataloader(source)
+    source.dataloader = _HandOver(source, loaders)  # an instance attribute over the dataclass's method, for one call
+    loader = loaders
     if isinstance(loader, dict):
         loader = next(iter(loader.values()), None)
     if isinstance(loader, (list, tuple)):
         loader = loader[0] if loader else None
     return loader
+
+
+class _HandOver:
+    """``source.dataloader`` for one call: what :func:`stage_dataloader` requested, given to the loop's own request
+    (``setup_data``), after which the source's own method is back. Picklable (a module-level class)."""
+
+    def __init__(self, source: Any, loaders: Any) -> None:
+        self.source, self.instance, self.loaders = source, source.instance, loaders
+
+    def __call__(self) -> Any:
+        vars(self.source).pop("dataloader", None)
+        if self.source.instance is not self.instance:  # the data was attached anew since: that data's own loader
+            return self.source.dataloader()
+        return self.loaders
+
+
+def drop_handed_over(trainer: Any) -> None:
+    """Forget a loader :func:`stage_dataloader` handed to a loop that never asked for it (a run that stopped before
+    its loop started): called before each run's probe, so no run gets another run's loader."""
+    for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+        vars(loop._data_source).pop("dataloader", None)
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

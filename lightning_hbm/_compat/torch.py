@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from functools import wraps
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -107,6 +108,29 @@ def track_step_called(optimizer: Optimizer) -> None:
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+@contextmanager
+def loader_as_it_was(loader: Any) -> Iterator[None]:
+    """The loader's attributes as they were after the block, a pass begun in it shut down.
+
+    With ``persistent_workers`` a pass keeps its iterator in ``DataLoader._iterator`` (its workers, and the index
+    sampler it was built with) for the next ``iter``, which only resets it: left there, the loader's next pass would
+    reuse it (a ResumableDataLoader's skip of restored batches lost). Other attributes a pass sets (a
+    ResumableDataLoader's pass counter) are put back too, by identity, bypassing ``DataLoader.__setattr__``.
+    """
+    attributes = getattr(loader, "__dict__", None)  # None: a generator, an object with slots
+    before = dict(attributes or {})
+    try:
+        yield
+    finally:
+        started = attributes.get("_iterator") if attributes is not None else None
+        if attributes is not None:
+            attributes.clear()
+            attributes.update(before)
+        shutdown = getattr(started, "_shutdown_workers", None)
+        if started is not before.get("_iterator") and callable(shutdown):
+            shutdown()
 
 
 def is_fake(tensor: torch.Tensor) -> bool:

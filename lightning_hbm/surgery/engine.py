@@ -51,14 +51,16 @@ that need none of it. The resume checks themselves, the load hooks and the file 
 from __future__ import annotations
 
 import os
+import threading
 import weakref
+from contextlib import contextmanager
 from enum import IntEnum
-from typing import Any, Callable, Optional, Sequence, cast
+from typing import Any, Callable, Iterator, Optional, Sequence, cast
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
@@ -67,6 +69,7 @@ from typing_extensions import override
 from lightning_hbm import resume
 from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.data import MidEpochResumeCheck
 from lightning_hbm.display import adopt_display
 from lightning_hbm.layers import base_layer, find_layers, is_adapted, readers, source_readers, stored_in
@@ -313,12 +316,37 @@ def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None
             "model's source reads are kept in the compute dtype (a read the source does not show is not guarded)"
         )
         return
-    seen = readers.observe(module, batch() if callable(batch) else batch, layers, step)
+    with _said_if_slow(type(module).__qualname__, step):
+        seen = readers.observe(module, batch() if callable(batch) else batch, layers, step)
     if seen is not None:  # said once per model, at the surgery (fit start): the user's code ran one more time
         rank_zero_info(
             f"lightning_hbm: ran {seen.ran} once before changing the model, to see which layers its code reads "
             "directly (no gradient, no optimizer step; the model's values, the data order and the RNGs as they were)"
         )
+
+
+#: seconds after which a probe step still running is said to the user (a step on fake tensors takes well under one)
+PROBE_PATIENCE_S = 60.0
+
+
+@contextmanager
+def _said_if_slow(model: str, step: str) -> Iterator[None]:
+    """A warning if the probe step is still running after :data:`PROBE_PATIENCE_S`: it runs in the strategy's setup,
+    before ``on_fit_start`` (the model must be changed before the optimizers exist), so a step that waits for
+    something ``on_fit_start`` starts never returns (issue 55). The user then sees why, and the two ways out."""
+    message = (
+        f"lightning_hbm: {model}.{step} has been running for {PROBE_PATIENCE_S:.0f} s in the probe step (run once before "
+        "the model is changed, to see which layers its code reads directly). The probe step runs before on_fit_start: a "
+        "step that waits for something on_fit_start starts never returns. Start it in setup() instead, or set "
+        f"{PROBE_SWITCH}=0 (the model's source then decides which layers are read directly)."
+    )
+    timer = threading.Timer(PROBE_PATIENCE_S, rank_zero_warn, args=(message,))
+    timer.daemon = True  # never keeps the process alive
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _guard(module: nn.Module) -> None:
@@ -439,6 +467,7 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
     if trainer is None:  # not attached to a Trainer (a plain call): the plugin's change alone
         return run_surgery(module, plugin, [], convert=convert)
     _state(plugin, trainer)
+    lightning_compat.drop_handed_over(trainer)  # a loader the probe of an earlier run handed over and no loop took
     check_saves(trainer)
     checkpoint = pending_checkpoint(trainer)
     fitting = trainer.state.fn == "fit"
@@ -484,7 +513,8 @@ def _stage_batch(trainer: pl.Trainer) -> Any:
                   if isinstance(g, torch.Generator)]  # fmt: skip
     states = [(g, g.get_state()) for g in {id(g): g for g in generators}.values()]
     try:
-        with readers.preserved_rngs():  # Python's, NumPy's and torch's global RNGs too
+        # the loop trains on this same loader object (lightning_compat.stage_dataloader): no pass begun here is left in it
+        with readers.preserved_rngs(), torch_compat.loader_as_it_was(loader):  # global RNGs too
             batches = iter(loader)
             if batches is loader:  # a one-pass iterator (a generator): drawing from it would take a batch from training
                 return None

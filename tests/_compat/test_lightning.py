@@ -76,6 +76,28 @@ def test_batches_that_stepped_and_train_dataloader(
     torch.testing.assert_close(record.seen["setup_batch"], expected)
 
 
+def test_stage_dataloader_hands_its_loader_to_the_loop(
+    gpt_factory: Callable[..., Any], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer]
+) -> None:
+    """The loader requested in setup is the one the fit loop trains on: Lightning's ``setup_data`` asks the source's
+    ``dataloader`` (an instance attribute shadows the dataclass's method) through ``_request_dataloader``."""
+    data = datamodule_factory()
+    calls: list[Any] = []
+    own = data.train_dataloader
+    data.train_dataloader = lambda: calls.append(own()) or calls[-1]  # type: ignore[method-assign]
+
+    class Request(pl.Callback):
+        def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+            calls.append(compat.stage_dataloader(trainer))
+
+    trainer = trainer_factory(max_steps=1, callbacks=[Request()])
+    trainer.fit(gpt_factory(), datamodule=data)
+    assert len(calls) == 2 and calls[1] is calls[0]  # one hook call; what it returned, as the probe saw it
+    assert trainer.train_dataloader is calls[0] and "dataloader" not in vars(trainer.fit_loop._data_source)
+    assert hasattr(calls[0], "__pl_saved_args")  # recorded as Lightning records it (re-instantiation with a sampler)
+    compat.drop_handed_over(trainer)
+
+
 def test_unwrap_optimizer() -> None:
     optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     assert compat.unwrap_optimizer(LightningOptimizer(optimizer)) is optimizer

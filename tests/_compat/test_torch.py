@@ -151,3 +151,18 @@ def test_grouped_mm_meta_refuses_float32_and_the_shim_gives_the_cpu_kernel_shape
             fake_batched = torch._grouped_mm(mode.from_tensor(torch.randn(3, 5, 8)), fw)
     assert isinstance(fake, FakeTensor) and fake.shape == real.shape and fake.dtype == real.dtype
     assert fake_batched.shape == batched.shape
+
+
+def test_loader_as_it_was_shuts_down_the_persistent_pass_torch_keeps_in_iterator() -> None:
+    """torch keeps a persistent-workers pass in ``DataLoader._iterator`` and resets it at the next ``iter``."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(list(range(4)), batch_size=2, num_workers=1, persistent_workers=True)
+    with compat.loader_as_it_was(loader):
+        assert next(iter(loader)).tolist() == [0, 1]
+        started = loader._iterator
+        assert started is not None and iter(loader) is started  # reused, only reset: what the context undoes
+    assert loader._iterator is None and not started._workers_status[0]  # its worker told to stop
+    assert next(iter(loader)).tolist() == [0, 1]
+    with compat.loader_as_it_was(iter([1, 2])):  # no attributes (a generator): nothing to put back
+        pass

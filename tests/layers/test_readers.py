@@ -552,3 +552,118 @@ def test_the_probe_step_can_be_turned_off(tmp_path: Any, caplog: pytest.LogCaptu
     assert not any("once before changing the model" in r.getMessage() for r in caplog.records)
     kept = {name for name in ("c", "d", "e") if module.model.get_submodule(name).weight.is_floating_point()}
     assert kept == {"c", "d", "e"} and not module.model.a.base_layer.weight.is_floating_point()
+
+
+class OwnLoaders(Wrapped):
+    """A module with its own dataloader hooks, counting their calls."""
+
+    def __init__(self) -> None:
+        super().__init__(Reads(), causal=False)
+        self.requested: list[str] = []
+        self.trained: list[torch.Tensor] = []
+
+    def train_dataloader(self) -> DataLoader:
+        self.requested.append("train")
+        return DataLoader([tokens(1), tokens(2)], batch_size=None)
+
+    def val_dataloader(self) -> DataLoader:
+        self.requested.append("val")
+        return DataLoader([tokens(3)], batch_size=None)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.trained.append(batch)
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.model(batch)
+
+
+def _trainer(tmp_path: Any, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+        callbacks=[LoRA(r=4, alpha=8)], **kwargs,
+    )  # fmt: skip
+
+
+def test_the_dataloader_hook_runs_once_per_run(tmp_path: Any) -> None:
+    """Was: the probe step called ``train_dataloader()`` (``val_dataloader()`` for validate) to draw its batch, and
+    the loop called it again (a stream opened twice, workers started twice). Now the loop gets the loader the probe
+    requested."""
+    module = OwnLoaders()
+    _trainer(tmp_path, max_steps=2, limit_val_batches=0).fit(module)
+    assert module.requested == ["train"] and len(module.trained) - 1 == 2  # the probe step's call, then two steps
+    assert readers.observation(module) is not None
+    validated = OwnLoaders()
+    _trainer(tmp_path).validate(validated)
+    assert validated.requested == ["val"]
+
+
+def test_a_run_that_stopped_before_its_loop_hands_nothing_to_the_next(tmp_path: Any) -> None:
+    """The loader the probe requested is for its own run's loop: a fit that stopped in ``on_fit_start`` leaves no
+    loader for the next fit, which calls the hook again as Lightning would."""
+
+    class StopsOnce(OwnLoaders):
+        stopped = False
+
+        def on_fit_start(self) -> None:
+            if not StopsOnce.stopped:
+                StopsOnce.stopped = True
+                raise RuntimeError("stopped in on_fit_start")
+
+    module = StopsOnce()
+    trainer = _trainer(tmp_path, max_steps=1, limit_val_batches=0)
+    with pytest.raises(RuntimeError, match="stopped in on_fit_start"):
+        trainer.fit(module)
+    assert module.requested == ["train"] and trainer.global_step == 0
+    trainer.fit(module)
+    assert module.requested == ["train", "train"] and trainer.global_step == 1
+
+
+def test_a_probe_step_waiting_for_on_fit_start_is_said(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: a ``training_step`` waiting for something started in ``on_fit_start`` hung with no word (the probe step
+    runs before that hook: the model must be changed before the optimizers exist). It still waits, and the user is
+    told why and the two ways out."""
+    import threading
+
+    from lightning_hbm.surgery import engine
+
+    class Waits(Wrapped):
+        def __init__(self) -> None:
+            super().__init__(Reads(), causal=False)
+            self.started = threading.Event()
+
+        def on_fit_start(self) -> None:
+            self.started.set()
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            self.started.wait(timeout=3)  # a real one would wait forever
+            return super().training_step(batch, batch_idx)
+
+    monkeypatch.setattr(engine, "PROBE_PATIENCE_S", 0.5)
+    with pytest.warns(UserWarning, match=r"Waits\.training_step has been running for 0 s in the probe step.*before on_fit_start.*setup\(\).*LIGHTNING_HBM_PROBE_STEP=0"):
+        fit(Waits(), tmp_path, steps=1)
+
+
+def test_drawing_the_probe_batch_leaves_no_pass_in_the_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop trains on the loader the probe drew from: a persistent-workers pass begun for the probe batch would
+    be reset, not rebuilt, by the loop's first ``iter`` (its index sampler kept: a ResumableDataLoader's skip of the
+    restored batches lost), and a ResumableDataLoader's pass counter would say one batch was trained."""
+    import lightning_hbm._compat.lightning as lightning_compat
+    from lightning_hbm.data import ResumableDataLoader
+    from lightning_hbm.surgery import engine
+
+    class Stage:
+        fn = "fit"
+
+    class FakeTrainer:  # only what _stage_batch reads: the stage's dataloader
+        state = Stage()
+
+    persistent = DataLoader([tokens(i) for i in range(4)], batch_size=None, num_workers=1, persistent_workers=True)
+    resumable = ResumableDataLoader([tokens(i) for i in range(4)], batch_size=2)
+    for loader in (persistent, resumable):
+        before = dict(vars(loader))
+        monkeypatch.setattr(lightning_compat, "stage_dataloader", lambda trainer: loader)
+        assert engine._stage_batch(FakeTrainer()) is not None  # type: ignore[arg-type]
+        assert vars(loader) == before
+    assert persistent._iterator is None and resumable.state_dict()["batches"] == 0

@@ -342,6 +342,32 @@ def test_whole_numbers_the_compute_dtype_would_move_are_kept_and_said() -> None:
         plugin.convert_input(batch)  # said once
 
 
+def test_the_whole_number_check_runs_on_a_positions_first_batch_only_unless_it_holds_whole_numbers() -> None:
+    """Issue 55: the check was a pass over every floating tensor at every step (+0.8 to +1.7 ms a step on a
+    16x3x224x224 image batch, benchmarks/README.md). A place of the batch seen holding fractions (an image) is cast
+    without it afterwards; whole-numbered ones (boxes) are checked, and kept, at every batch."""
+    from torch.overrides import TorchFunctionMode
+
+    class Ops(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    plugin = QuantizedPrecision("nf4-dq", dtype="bfloat16")
+    boxes = torch.tensor([[101.0, 333.0, 777.0, 1001.0]])
+    with pytest.warns(UserWarning, match="whole numbers"):
+        plugin.convert_input({"image": torch.randn(2, 3, 8, 8), "boxes": boxes})
+    for _ in range(2):
+        with Ops() as ops:
+            out = plugin.convert_input({"image": torch.randn(2, 3, 8, 8), "boxes": boxes})
+        assert ops.names.count("round") == 1  # the boxes' check; none for the image
+        assert out["boxes"] is boxes and out["image"].dtype == torch.bfloat16
+
+
 def test_an_op_without_a_bf16_kernel_is_an_error_naming_it_and_the_fix(tmp_path: Any) -> None:
     """torchvision's ``nms`` has no bf16 CPU kernel: Faster R-CNN under QuantizedPrecision (bf16 by default) failed at
     its first step with torch's bare dispatch error. torchvision is not installed here: ``torch.linalg.cholesky``, which

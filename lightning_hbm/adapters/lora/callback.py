@@ -18,7 +18,7 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.adapters.lora.base import ALL_LINEAR, ADAPTER_NAME, _import_peft, _lora_layer_cls, _width
-from lightning_hbm.adapters.lora.export import adapter_state_dict, is_quantized, merge, save_adapter
+from lightning_hbm.adapters.lora.export import adapter_state_dict, check_adapter_folder, is_quantized, merge, save_adapter
 from lightning_hbm.adapters.lora import variants
 from lightning_hbm.adapters.lora.compute import compute_in_input_dtype
 from lightning_hbm.adapters.lora.forward import lora_forward
@@ -554,6 +554,7 @@ class LoRA(SurgeryCallback):
 
     adapter_state_dict = staticmethod(adapter_state_dict)
     save_adapter = staticmethod(save_adapter)
+    check_adapter_folder = staticmethod(check_adapter_folder)
     merge = staticmethod(merge)
 
 

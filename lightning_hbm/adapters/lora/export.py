@@ -75,9 +75,9 @@ def save_adapter(
     :func:`lightning_hbm.layers.task_type`) and ``base_model_name_or_path`` (default: the folder the model
     was loaded from, ``config._name_or_path``), so ``peft.AutoPeftModelForCausalLM.from_pretrained(path)``
     finds the base by itself. A task head left out of the adapter (frozen, so a reload gets the base's own,
-    possibly random head) is warned about. The folder is written as a unit: into a temporary folder beside
-    it, fsynced, then renamed over it, so a failure (a full disk) leaves a previous adapter there intact.
-    Returns ``path``.
+    possibly random head) is warned about. Each file is written atomically into the folder (:func:`write_folder`:
+    the folder's other files, links and mode are left alone), a manifest last: :func:`check_adapter_folder` refuses
+    a folder whose save did not complete. Returns ``path``.
 
     The calibrated correction of ``QuantizedPrecision(correction_rank=r)`` (frozen factors ``L = B_c A_c`` beside each
     quantized layer) is **left out** by default: the adapter is the one for the full-precision base, where the
@@ -284,6 +284,43 @@ def _write_locked(path: Path, folder: Path, write: Callable[[Path], Any]) -> Non
         raise OSError(err.errno or 0, f"LoRA.save_adapter could not write {path} ({err}); {previous}. Free space on that disk or save elsewhere.") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_adapter_folder(path: Union[str, Path]) -> Path:
+    """Refuse an adapter folder whose last :func:`save_adapter` did not complete, before anything loads it.
+
+    ``save_adapter`` writes :data:`MANIFEST` (each file's size) after the last file and removes it before the first:
+    a folder without it, or whose files' sizes differ from it, holds a save cut short (a kill, a full disk between
+    two files): peft would load a new ``adapter_config.json`` with the old weights, or fail on truncated weights.
+    peft's own loaders do not read the manifest: call this before ``PeftModel.from_pretrained(base, path)``.
+    Returns ``path``.
+
+    Raises:
+        ValueError: no manifest, an unreadable one, or a listed file missing or of another size (named, with the fix).
+    """
+    folder = Path(path)
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise ValueError(
+            f"{folder} has no {MANIFEST}: a LoRA.save_adapter into it did not complete (or the folder was not written "
+            "by LoRA.save_adapter: a folder of peft's own save_pretrained, or of a lightning_hbm older than the "
+            "manifest, has none). Save the adapter again; a folder you know is complete loads with peft directly."
+        )
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+        sizes = {str(name): int(size) for name, size in files.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        raise ValueError(f"{manifest_path} cannot be read ({type(err).__name__}: {err}): save the adapter again.") from None
+    for name, size in sizes.items():
+        file = folder / name
+        actual = file.stat().st_size if file.is_file() else None
+        if actual != size:
+            found = "is missing" if actual is None else f"has {actual:,} bytes, not the {size:,} its save wrote"
+            raise ValueError(
+                f"{file} {found} ({MANIFEST}): the adapter in {folder} is not the one its last LoRA.save_adapter "
+                "completed (a file replaced or cut short since). Save the adapter again."
+            )
+    return folder
 
 
 @torch.no_grad()

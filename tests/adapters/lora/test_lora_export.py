@@ -185,3 +185,44 @@ def test_the_calibrated_correction_in_the_exports(llama_factory: Callable, tmp_p
     without = PeftModel.from_pretrained(base.model, str(full)).eval()  # the correction mattered: it is not there
     with torch.no_grad():
         assert (without(input_ids=idx, use_cache=False).logits - want).abs().max() > 1e-2
+
+
+def test_a_folder_whose_save_did_not_complete_is_refused_before_loading(
+    llama_factory: Callable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 55: ``save_adapter`` writes a manifest last, but nothing checked it: a save cut short between two files
+    (new config beside old weights) or a truncated weights file loaded, or failed inside peft. ``LoRA.check_adapter_folder``
+    refuses such a folder, naming the file and the fix; a complete one is returned as is."""
+    import os
+
+    model = _adapted(llama_factory, alpha=8, seed=1)
+    path = LoRA.save_adapter(model, tmp_path / "adapter")
+    assert LoRA.check_adapter_folder(path) == path and LoRA.check_adapter_folder(str(path)) == path
+
+    replace = os.replace
+
+    def cut_short(src: object, dst: object) -> None:  # the disk fills after the first file is in place
+        if Path(str(dst)).name == "adapter_model.safetensors":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        replace(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(export.os, "replace", cut_short)
+    with pytest.raises(OSError, match="some files were replaced"):
+        LoRA.save_adapter(_adapted(llama_factory, alpha=64, seed=2), path)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=rf"has no {export.MANIFEST}: a LoRA.save_adapter into it did not complete.*Save the adapter again"):
+        LoRA.check_adapter_folder(path)
+
+    LoRA.save_adapter(model, path)
+    weights = path / "adapter_model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as handle:
+        handle.truncate(size // 2)
+    with pytest.raises(ValueError, match=rf"adapter_model.safetensors has {size // 2:,} bytes, not the {size:,} its save wrote"):
+        LoRA.check_adapter_folder(path)
+    weights.unlink()
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors is missing"):
+        LoRA.check_adapter_folder(path)
+    (path / export.MANIFEST).write_text("{not json")
+    with pytest.raises(ValueError, match=rf"{export.MANIFEST} cannot be read \(JSONDecodeError"):
+        LoRA.check_adapter_folder(path)
