@@ -504,6 +504,9 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
         adapted = bool(lora) and isinstance(sub, lora)
         row.quantized += count if quantized else 0
         row.adapted += count if adapted else 0
+        note = getattr(layer, "coverage_note", None)  # stored small but not computed as the others (T5's fp32 `wo`)
+        if quantized and note:
+            row.reasons[note] = row.reasons.get(note, 0) + count
         if any(name == b or name.startswith(b + ".") for b in blocks):
             row.checkpointed += count
         if not quantized and not adapted:

@@ -27,6 +27,8 @@ class Fp32ComputeLinear(nn.Linear):
     fp32, as the fp32 layer it replaces gave. Built by :meth:`from_quantized` only."""
 
     _dequantize: Callable[..., torch.Tensor]
+    #: said in the coverage table's last column (a wider compute than its kind's other layers, issue 53)
+    coverage_note = "stored quantized, computed in fp32 (the model's `_keep_in_fp32_modules`)"
 
     def storage(self) -> nn.Module:
         """The mode's layer holding the ``[out, in]`` weight."""
