@@ -24,7 +24,9 @@ does: ``ScaleTuning``, script-side; no adapter-only export), the calibrated corr
 (``CalibratedError``, script-side: the rank-r term that minimises the output error on the first 4 training batches,
 as CLoQ computes it): ``+cloq`` starts the adapters on it (balanced split), ``+cloq-a`` too with A's rows at the
 norm of peft's own A init, ``+fixed16`` / ``+fixed32`` / ``+fixed64`` add it (rank 16, 32, 64), frozen and rounded to bf16, to the base layer's output
-beside adapters that start as usual (exported: the adapter alone, without the correction), and ``hf-qlora``: the Hugging Face recipe
+beside adapters that start as usual (exported: the adapter alone, without the correction), ``nf4-dq-b32+gptq+c16``: the
+library's own option ``QuantizedPrecision("nf4-dq-b32", rounding="gptq", correction_rank=16)`` (issue 52; fitted on the
+probe batch, here the first training batch; ``-p4``: the first 4, 2048 tokens, as the script-side ``+fixed16``), and ``hf-qlora``: the Hugging Face recipe
 (``BitsAndBytesConfig`` nf4 + double quant, ``prepare_model_for_kbit_training``, ``get_peft_model``) in a plain
 loop over the same batches. bitsandbytes' CPU repack is switched off on HF's 4-bit layers too (with it, the
 ``before`` evaluation would repack them and the adapters upstream would train on no gradient:
@@ -93,6 +95,10 @@ ARMS: dict[str, Optional[dict[str, Any]]] = {
     "nf4-dq+fixed16": dict(mode="nf4-dq", calibrated="fixed"),
     "nf4-dq-b32+gptq+fixed32": dict(mode="nf4-dq-b32", rounding="gptq", calibrated="fixed", rank=32),
     "nf4-dq-b32+gptq+fixed64": dict(mode="nf4-dq-b32", rounding="gptq", calibrated="fixed", rank=64),
+    # issue 52: the library option (precision/correction.py), fitted on the probe batch (the first training batch)
+    "nf4-dq-b32+gptq+c16": dict(mode="nf4-dq-b32", rounding="gptq", correction_rank=16),
+    # the same on a probe of the first 4 training batches (2048 tokens, as the script-side +fixed16 calibrated on)
+    "nf4-dq-b32+gptq+c16-p4": dict(mode="nf4-dq-b32", rounding="gptq", correction_rank=16, probe_batches=4),
     "nf4-dq+scales": dict(mode="nf4-dq", scale_lr=1e-5),
     "nf4-dq+scales-lr1e-4": dict(mode="nf4-dq", scale_lr=1e-4),
     "hf-qlora": None,
@@ -254,8 +260,10 @@ def lhbm_arm(path: str, data: ByteTextDataModule, held_out: list[Any], steps: in
     calibrated = quant.pop("calibrated", None)
     rank = quant.pop("rank", None)
     loftq += [CalibratedError(path, list(islice(data.train_dataloader(), 4)), calibrated, rank)] if calibrated else []
+    probes = quant.pop("probe_batches", 1)
     if quant and (len(quant) > 1 or "smooth" in quant["mode"]):  # GPTQ, the plan and smoothing measure on a batch: the first training batch
-        quant = dict(quant, probe_batch=next(iter(data.train_dataloader())))
+        batches = list(islice(data.train_dataloader(), probes))  # (or the first `probes` ones, concatenated)
+        quant = dict(quant, probe_batch=tuple(torch.cat(parts) for parts in zip(*batches)))
     plugins = [QuantizedPrecision(dtype="float32", **quant)] if quant else []
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
                          enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
