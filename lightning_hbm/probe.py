@@ -14,6 +14,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchmetrics import CosineSimilarity, KLDivergence, RelativeSquaredError
 
 PREFIX = "quant/"
@@ -77,6 +78,60 @@ def first_batch(trainer: Optional[pl.Trainer], who: str) -> Any:
         return next(iter(datamodule.train_dataloader()))
 
 
+def first_batches(trainer: Optional[pl.Trainer], who: str, min_tokens: int, most: int = 16) -> Any:
+    """The first batches of ``trainer``'s datamodule joined along the batch dimension until they hold ``min_tokens``
+    tokens (at most ``most`` batches; fewer when the loader ends first or the next batch cannot join the others:
+    another shape past the batch dimension). Drawn without touching the global RNG, as :func:`first_batch`.
+
+    Tokens: the first tensor's first two dimensions (batch x sequence), or its first for a 1-D tensor.
+    """
+    datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+    if datamodule is None:
+        return first_batch(trainer, who)  # its error
+    batches: list[Any] = []
+    with torch.random.fork_rng(devices=[]):
+        for batch in datamodule.train_dataloader():
+            if batches and _join(batches + [batch]) is None:
+                break
+            batches.append(batch)
+            if len(batches) >= most or _tokens(_join(batches)) >= min_tokens:
+                break
+    if not batches:
+        return first_batch(trainer, who)  # an empty loader: its error
+    return _join(batches)
+
+
+def _tokens(batch: Any) -> int:
+    leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)]
+    if not leaves or leaves[0].dim() == 0:
+        return 0
+    first = leaves[0]
+    return first.shape[0] * (first.shape[1] if first.dim() >= 2 else 1)
+
+
+def _join(batches: list[Any]) -> Any:
+    """``batches`` concatenated leaf by leaf along dimension 0; ``None`` where they do not join (structure, shapes past
+    the batch dimension, or other values than tensors that differ)."""
+    if len(batches) == 1:
+        return batches[0]
+    flat = [tree_flatten(b) for b in batches]
+    spec = flat[0][1]
+    if any(other != spec for _, other in flat[1:]):
+        return None
+    joined = []
+    for leaves in zip(*(leaves for leaves, _ in flat)):
+        first = leaves[0]
+        if isinstance(first, Tensor):
+            if first.dim() == 0 or any(not isinstance(t, Tensor) or t.shape[1:] != first.shape[1:] for t in leaves):
+                return None
+            joined.append(torch.cat(leaves))
+        elif any(leaf != first for leaf in leaves[1:]):
+            return None
+        else:
+            joined.append(first)
+    return tree_unflatten(joined, spec)
+
+
 def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, float]:
     """The metrics logged by :class:`QuantizationQuality` (and optimized by the sensitivity-aware plan).
 
@@ -111,4 +166,5 @@ def eval_no_grad(module: nn.Module) -> Generator[None, None, None]:
             m.training = training
 
 
-__all__ = ["PREFIX", "check_forward", "compare_outputs", "eval_no_grad", "first_batch", "has_forward", "probe_output"]
+__all__ = ["PREFIX", "check_forward", "compare_outputs", "eval_no_grad", "first_batch", "first_batches", "has_forward",
+           "probe_output"]
