@@ -142,7 +142,10 @@ def max_context(
 
     # three lengths in the regime long contexts live in; then each budget, shortest first, from the planned points
     # nearest it (each budget's confirmed lengths sharpen the next one's guess)
-    points = {n: predict_at(n).total for n in (_round(n, multiple_of) for n in (2048, 8192, 32768))}
+    lengths = sorted({_round(n, multiple_of) for n in (2048, 8192, 32768)})
+    while len(lengths) < 2:  # a multiple_of past 16k rounds them together: a line needs two lengths
+        lengths.append(4 * lengths[-1])
+    points = {n: predict_at(n).total for n in lengths}
     solved = {}
     for limit in sorted(set(budgets)):
         solved[limit] = _solve(limit, points, predict_at, multiple_of, choices, template, batch_size)

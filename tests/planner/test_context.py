@@ -155,3 +155,10 @@ def test_the_structure_forwards_run_once_across_lengths_and_plan_the_same_bytes(
     assert "" in verdicts.values()  # chunked layers were decided on the probe, and their verdicts restored
     with pytest.raises(ValueError, match=r"decided=\.\.\.\) needs the probe_batch"):
         predict(SMALL_LLAMA, probe, candidate, decided=decided)
+
+
+def test_a_multiple_of_past_the_planned_lengths_still_plans_two_lengths() -> None:
+    # 2k, 8k and 32k all round up to one multiple of 65536: the fit needs a second length (a crash before)
+    result = max_context(SMALL_LLAMA, CUDA_CONTEXT_BYTES + 2**30, callbacks=[LoRA(r=4)], multiple_of=65536)
+    assert isinstance(result, type(result)) and result.tokens > 0 and result.tokens % 65536 == 0
+    assert result.prediction.total <= CUDA_CONTEXT_BYTES + 2**30
