@@ -89,16 +89,17 @@ def first_batches(trainer: Optional[pl.Trainer], who: str, min_tokens: int, most
     if datamodule is None:
         return first_batch(trainer, who)  # its error
     batches: list[Any] = []
+    joined = None
     with torch.random.fork_rng(devices=[]):
         for batch in datamodule.train_dataloader():
-            if batches and _join(batches + [batch]) is None:
+            longer = _join(batches + [batch])
+            if longer is None:
                 break
             batches.append(batch)
-            if len(batches) >= most or _tokens(_join(batches)) >= min_tokens:
+            joined = longer
+            if len(batches) >= most or _tokens(joined) >= min_tokens:
                 break
-    if not batches:
-        return first_batch(trainer, who)  # an empty loader: its error
-    return _join(batches)
+    return joined if batches else first_batch(trainer, who)  # an empty loader: its error
 
 
 def _tokens(batch: Any) -> int:

@@ -11,12 +11,13 @@ what trades step time for memory, and reports each choice (:attr:`ContextResult.
 
 How, fast: the peak of a step is affine plus quadratic in the sequence length (attention may be quadratic where no
 fused kernel saves only a log-sum-exp), so :func:`plan` runs at three lengths; each budget, shortest first, is solved
-on the quadratic through the three planned points nearest it, and the answer is confirmed by one plan at that length
+on the quadratic through the three planned points nearest it (a line through the two longest for a budget past them
+all), and the answer is confirmed by one plan at that length
 (a miss is corrected from the confirmed points and planned again, up to :data:`_CONFIRMS` times). What only decides
 structure (which parameters the loss reaches, which layers run in token chunks) is decided once, on a short batch, for
 every length (:class:`~lightning_hbm.planner.tracing.Decided`). The answer is a multiple of ``multiple_of`` whose
 predicted total (peak + the CUDA context :func:`plan` adds) fits, at most :data:`_SLACK` (0.1 %) short of the longest
-that does; these are predictions, not measurements. Seven budgets of the 8B shape: 13 plans (26 before the slack).
+that does; these are predictions, not measurements. Seven budgets of the 8B shape: 12 plans (26 before the slack).
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ def _solve(
     budget: int, points: dict[int, int], predict_at: Callable[[int], Prediction], step: int, choices: dict[str, Any],
     template: Template, batch_size: int,
 ) -> ContextResult:
-    """The longest multiple of ``step`` whose plan fits ``budget``, within :data:`_SLACK`: the guess from the three
-    planned points nearest the budget, confirmed by one plan, corrected from the confirmed points while it misses.
+    """The longest multiple of ``step`` whose plan fits ``budget``, within :data:`_SLACK`: the guess from the planned
+    points nearest the budget (:func:`_nearest`), confirmed by one plan, corrected from the confirmed points while it
+    misses.
 
     ``points`` ({length: planned total}) gains every length planned here.
     """
