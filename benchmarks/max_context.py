@@ -8,7 +8,8 @@ CPU machine (fake tensors, nothing allocated), with the CUDA context it counts; 
 (``benchmarks/gpu_checks.sh`` trains at one predicted length on a real device).
 
     python benchmarks/max_context.py                     # 8B at 8..80 GiB, 70B at 48 and 80 GiB: the README table
-    python benchmarks/max_context.py --shape 8b --budgets 24GiB
+    python benchmarks/max_context.py --shape 8b --budgets 24
+    python benchmarks/max_context.py --shape 8b --host-budget 64   # a machine with 64 GiB of RAM for the offload
     python benchmarks/max_context.py --gpu-check         # CUDA: train 2 steps at the predicted 8B length for the device
     python benchmarks/max_context.py --offload-cost      # CUDA: step time with and without the activation offload
 
@@ -24,6 +25,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -62,20 +64,23 @@ def callbacks() -> list:
     return [LoRA(r=32, alpha=64.0, target_modules=PROJECTIONS), MemoryEfficientOptimizer(kind="adamw8bit")]
 
 
-def table(shape: str, budgets: list[int]) -> None:
+def table(shape: str, budgets: list[int], host_budget: Optional[int] = None) -> None:
     config, published = SHAPES[shape]
     start, cpu = time.perf_counter(), time.process_time()
-    results = max_context(partial(LlamaLM, **config), [f"{b}GiB" for b in budgets], plugin=plugin(), callbacks=callbacks())
+    results = max_context(partial(LlamaLM, **config), [f"{b}GiB" for b in budgets], plugin=plugin(), callbacks=callbacks(),
+                          host_budget=None if host_budget is None else f"{host_budget}GiB")
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     options = plugin()
-    print(f"\n{shape}: {options.name}, LoRA r=32 x 7 projections, adamw8bit, batch 1; choices {results[0].choices}; "
+    host = "" if host_budget is None else f"; host RAM at most {host_budget} GiB"
+    print(f"\n{shape}: {options.name}, LoRA r=32 x 7 projections, adamw8bit, batch 1{host}; choices {results[0].choices}; "
           f"{len(budgets)} budgets in {seconds:.0f} s ({cpu:.0f} s of CPU)")
     print("| budget | ours: longest context | host RAM (pinned) | device total | x Unsloth | Unsloth | HF + FA2 | what holds it |")
     print("|---|---|---|---|---|---|---|---|")
     for gib, result in zip(budgets, results):
         unsloth, hf = published.get(gib, (None, None))
         ratio = f"{result.tokens / unsloth:.2f}x" if unsloth else "-"
-        print(f"| {gib} GiB | {result.tokens:,} | {format_bytes(result.host)} | {format_bytes(result.prediction.total)} "
+        offload = "" if result.choices["offload"] else " (no offload)"
+        print(f"| {gib} GiB | {result.tokens:,}{offload} | {format_bytes(result.host)} | {format_bytes(result.prediction.total)} "
               f"| {ratio} | {unsloth and f'{unsloth:,}' or '-'} | {hf and f'{hf:,}' or 'OOM'} | {result.limit} |", flush=True)
 
 
@@ -150,6 +155,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=list(SHAPES), default=None, help="one shape (default: both)")
     parser.add_argument("--budgets", nargs="*", type=int, default=None, help="GiB (default: the published sizes)")
+    parser.add_argument("--host-budget", type=int, default=None, help="GiB of host RAM the offload may pin")
     parser.add_argument("--gpu-check", action="store_true")
     parser.add_argument("--offload-cost", action="store_true")
     args = parser.parse_args()
@@ -159,4 +165,4 @@ if __name__ == "__main__":
         gpu_check()
     else:
         for shape in [args.shape] if args.shape else list(SHAPES):
-            table(shape, args.budgets or sorted(SHAPES[shape][1]))
+            table(shape, args.budgets or sorted(SHAPES[shape][1]), args.host_budget)

@@ -387,6 +387,11 @@ def test_plan_max_context_prints_the_longest_context_per_budget(capsys: pytest.C
     out = capsys.readouterr().out
     assert "longest context (tokens)" in out and "host RAM (pinned)" in out and "3.00 MiB" in out and "6.00 MiB" in out
     assert "'mlp_chunks'" in out and "predicted by the planner, not measured" in out
+    # CUDA offloads the block inputs to pinned host RAM; a host budget of 1 byte turns the offload off
+    assert main(["plan", *TINY, "--trainer.precision=nf4-dq", "--max-context", "--budget=774MiB", "--device=cuda",
+                 "--host-budget=1"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("774.00 MiB"))
+    assert row.split()[5:8] == ["0", "B", "no"], row  # host RAM 0 B, offload no
     assert main(["plan", *TINY, "--max-context", "--device=cpu"]) == 2  # no budget: a clear error
     assert "--max-context needs --budget" in capsys.readouterr().err
 

@@ -423,7 +423,8 @@ class PlanCLI(HBMCLI):
 
     ``--max-context`` (with ``--budget``, several sizes comma-separated: ``--budget 24GiB,48GiB``): the longest
     sequence per sample that fits each budget with the recipe's precision and adapters
-    (:func:`lightning_hbm.planner.max_context`); :attr:`contexts` holds the results.
+    (:func:`lightning_hbm.planner.max_context`); :attr:`contexts` holds the results. ``--host-budget 64GiB``: the
+    host RAM its offloaded activations may pin.
     """
 
     def __init__(self, *args: Any, max_context: bool = False, **kwargs: Any) -> None:
@@ -435,6 +436,10 @@ class PlanCLI(HBMCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """The planner's arguments, next to the usual ``trainer``/``model``/``data`` groups."""
         parser.add_argument("--budget", type=Optional[str], default=None, help="device memory to fit in, e.g. 24GiB")
+        parser.add_argument(
+            "--host-budget", type=Optional[str], default=None,
+            help="with --max-context: host RAM the offloaded activations may pin, e.g. 64GiB (default: no limit)",
+        )
         parser.add_argument(
             "--device", type=Optional[Literal["cpu", "cuda"]], default=None, help="where training runs (default: cuda if available)"
         )
@@ -452,7 +457,8 @@ class PlanCLI(HBMCLI):
                 raise ValueError("lightning-hbm plan --max-context needs --budget, e.g. --budget 24GiB (or 24GiB,48GiB).")
             budgets = [b.strip() for b in str(self.config.budget).split(",") if b.strip()]
             plugin, callbacks, strategy = self._trainer_objects()
-            self.contexts = max_context_from_config(config, budgets, device, plugin, callbacks, strategy)
+            self.contexts = max_context_from_config(config, budgets, device, plugin, callbacks, strategy,
+                                                    host_budget=self.config.host_budget)
             return
         configured = self._configured_candidate()
         # a trainer section that sets a lightning_hbm plugin, callback or strategy is what fit would run: planned alone

@@ -96,6 +96,8 @@ class Prediction:
         selections: selections by a boolean mask in the LightningModule's own code (a detection loss's ``boxes[fg]``)
             whose mask fake tensors hold no values for (more than ``MAX_TWIN_ELEMENTS`` elements): planned with every
             element selected, the largest size they can have (an upper bound), by op and mask size.
+        host_sizes: bytes of each tensor ``ActivationCheckpointing(offload=True)`` moves to pinned host memory (device
+            ``"cuda"``), before the allocator rounds it up (``host_activations`` is their rounded sum).
     """
 
     candidate: Candidate
@@ -113,6 +115,7 @@ class Prediction:
     side: dict[str, int] = field(default_factory=dict)
     uncut: str = ""
     selections: tuple[str, ...] = ()
+    host_sizes: tuple[int, ...] = ()
 
     def per_rank(self, world_size: int) -> dict[str, int]:
         """Bytes per category on each of ``world_size`` ranks under FSDP/ZeRO-3 (see :func:`shard_categories`).
@@ -306,7 +309,7 @@ def predict(
                 if err.module_type in real_types or not err.runs_for_real:
                     raise
                 if decided is not None:  # decided with that module on fake tensors: decide again
-                    decided.by_depth.pop(keep_blocks, None)
+                    decided.forget(keep_blocks)
                 real_types[err.module_type] = f"{type(err.__cause__).__name__}: {err.__cause__}".splitlines()[0]
 
     uncut = ""
@@ -348,6 +351,7 @@ def predict(
         uncut=uncut,
         selections=tuple(result.selections.values()),
         side={**scopes, HOST_OFFLOAD: host, HOST_ACTIVATIONS: result.host},
+        host_sizes=result.host_sizes,
     )
 
 

@@ -102,9 +102,10 @@ def print_plan(result: Plan) -> None:
 
 def max_context_from_config(
     config: dict[str, Any], budgets: Sequence[str], device: str, plugin: Any = None, callbacks: Sequence[Any] = (),
-    strategy: Any = None,
+    strategy: Any = None, host_budget: Optional[str] = None,
 ) -> list[ContextResult]:
-    """:func:`~lightning_hbm.planner.max_context` of a LightningCLI config's model, one result per budget.
+    """:func:`~lightning_hbm.planner.max_context` of a LightningCLI config's model, one result per budget (and the
+    ``host_budget`` its offloaded activations may pin, if given).
 
     The batch size is the data section's ``batch_size`` (1 without one); the trainer section's plugin, callbacks and
     strategy are the fixed configuration (its ``ActivationCheckpointing``/``FusedLoss`` replaced by max_context's).
@@ -117,20 +118,24 @@ def max_context_from_config(
     data = (config.get("data") or {}).get("init_args") or {}
     batch_size = int(data.get("batch_size") or 1)
     results = max_context(factory, list(budgets), plugin=plugin, callbacks=list(callbacks), strategy=strategy,
-                          batch_size=batch_size, device=device)  # type: ignore[arg-type]  # "cpu" or "cuda", checked there
+                          batch_size=batch_size, device=device, host_budget=host_budget)  # type: ignore[arg-type]  # "cpu" or "cuda", checked there
     return cast(list[ContextResult], results)
 
 
 def print_max_context(results: Sequence[ContextResult]) -> None:
-    """The longest context per budget as a table: tokens, device total, host RAM needed, what holds it, the choices."""
-    rows = [("budget", "longest context (tokens)", "device total", "host RAM (pinned)", "what holds it")]
+    """The longest context per budget as a table: tokens, device total, host RAM needed, offload and the loss chunk
+    chosen, what holds it; then what max_context set the same for every budget."""
+    rows = [("budget", "longest context (tokens)", "device total", "host RAM (pinned)", "offload", "loss chunk",
+             "what holds it")]
     for r in results:
-        rows.append((format_bytes(r.budget), f"{r.tokens:,}", format_bytes(r.prediction.total), format_bytes(r.host), r.limit))
+        rows.append((format_bytes(r.budget), f"{r.tokens:,}", format_bytes(r.prediction.total), format_bytes(r.host),
+                     "yes" if r.choices.get("offload") else "no", f"{r.choices.get('loss_chunk_tokens') or '-'}", r.limit))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     if results:
-        print(f"set by max_context: {results[0].choices} (predicted by the planner, not measured)")
+        common = {k: v for k, v in results[0].choices.items() if k not in ("offload", "loss_chunk_tokens")}
+        print(f"set by max_context: {common} (predicted by the planner, not measured)")
 
 
 __all__ = ["max_context_from_config", "plan_from_config", "print_max_context", "print_plan"]

@@ -5,7 +5,8 @@ What it answers: "how long a context can I fine-tune on my 24 GiB card". The use
 what trades step time for memory, and reports each choice (:attr:`ContextResult.choices`):
 
 * ``ActivationCheckpointing(policy="full")``: each block keeps only its input;
-* ``offload=True`` on ``device="cuda"``: those inputs go to pinned host memory (the ``host_activations`` term);
+* ``offload=True`` on ``device="cuda"``: those inputs go to pinned host memory (the ``host_activations`` term),
+  unless a ``host_budget`` is too small for them and the length without offload is as long;
 * ``mlp_chunks``: each block's MLP recomputed in token chunks (a power of two near 4x its widening, at most 32);
 * ``FusedLoss``: the loss chunk by chunk; its chunk is the automatic one (``FusedLoss.chunk_size=None``, reported).
 
@@ -15,13 +16,15 @@ on the quadratic through the three planned points nearest it (a line through the
 all), and the answer is confirmed by one plan at that length
 (a miss is corrected from the confirmed points and planned again, up to :data:`_CONFIRMS` times). What only decides
 structure (which parameters the loss reaches, which layers run in token chunks) is decided once, on a short batch, for
-every length (:class:`~lightning_hbm.planner.tracing.Decided`). The answer is a multiple of ``multiple_of`` whose
-predicted total (peak + the CUDA context :func:`plan` adds) fits, at most :data:`_SLACK` (0.1 %) short of the longest
-that does; these are predictions, not measurements. Seven budgets of the 8B shape: 12 plans (26 before the slack).
+every length, and the model is built and its surgery run once, then stepped at each length
+(:class:`~lightning_hbm.planner.tracing.Decided`; half the time of a fresh plan). The answer is a multiple of
+``multiple_of`` whose predicted total (peak + the CUDA context :func:`plan` adds) fits, at most :data:`_SLACK` (0.1 %)
+short of the longest that does; these are predictions, not measurements. Seven budgets of the 8B shape: 11 plans.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -31,7 +34,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 from torch import nn
 
-from lightning_hbm.activations import ActivationCheckpointing, FusedLoss
+from lightning_hbm.activations import ActivationCheckpointing, FusedLoss, pinned_footprint
 from lightning_hbm.activations.loss.cost import chunk_tokens
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.layers.blocks import find_blocks
@@ -51,6 +54,9 @@ _CONFIRMS = 4
 _SLACK = 1e-3
 #: Most token chunks of an MLP recompute max_context chooses (1 % of step time each, stated in candidates.py).
 _MAX_MLP_CHUNKS = 32
+#: The lengths planned first, for every call: where long contexts live (each budget is then solved from the three
+#: planned lengths nearest it).
+_FIRST_LENGTHS = (2048, 32768, 131072)
 #: Tokens of the batch the structure-deciding forwards run on (the surgery's probe, which parameters get gradients).
 _PROBE_TOKENS = 256
 
@@ -94,6 +100,7 @@ def max_context(
     device: Literal["cpu", "cuda"] = "cuda",
     batch_fn: Optional[Callable[[int], Any]] = None,
     multiple_of: int = 1,
+    host_budget: Union[str, int, None] = None,
 ) -> Union[ContextResult, list[ContextResult]]:
     """The longest sequence length per sample that trains within ``budget`` (one size, or a list: one result each).
 
@@ -108,12 +115,16 @@ def max_context(
             ``(tokens, targets)`` (the default: ``synthetic_batch(batch_size, length, vocab_size)``, the vocabulary
             read from the model's ``vocab_size`` hyperparameter or its first ``nn.Embedding``).
         multiple_of: the answer is a multiple of this (e.g. 64); 1 by default.
+        host_budget: host RAM the run may take (``"64GiB"``), or None (no limit). The offloaded block inputs are
+            pinned, each rounded up to a power of two by torch's allocator; over this budget, the answer is the longer
+            of the longest offloaded length that fits it and the longest without offload (both planned).
 
     Returns:
         A :class:`ContextResult`, or a list of them in the order of ``budget``.
 
     Raises:
-        ValueError: a model with no token vocabulary and no ``batch_fn``; bad ``batch_size``/``multiple_of``/budget.
+        ValueError: a model with no token vocabulary and no ``batch_fn``; bad ``batch_size``/``multiple_of``/budget/
+            ``host_budget``.
     """
     budgets = [parse_bytes(b) for b in budget] if isinstance(budget, (list, tuple)) else [parse_bytes(budget)]  # type: ignore[arg-type]  # a str or int
     if not budgets:
@@ -123,52 +134,76 @@ def max_context(
             raise ValueError(f"max_context({name}={value!r}): must be an int >= 1.")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"max_context(device={device!r}): 'cpu' or 'cuda'.")
+    host_limit = None if host_budget is None else parse_bytes(host_budget)
     template = build_template(model)
     make_batch = batch_fn if batch_fn is not None else _token_batches(template, batch_size)
-    own, choices = _configuration(template, list(callbacks or ()), device)
 
-    candidate = Candidate.from_trainer(plugin, own, strategy)
-    cache: dict[int, Prediction] = {}
-    decided = Decided()  # the probe's forwards decide the same at every length past _PROBE_TOKENS: run them once
+    def lengths(offload: bool) -> _Lengths:
+        return _Lengths(template, plugin, list(callbacks or ()), strategy, make_batch, device, multiple_of, offload)
 
-    def predict_at(tokens: int) -> Prediction:
-        if tokens not in cache:  # the forwards that only decide structure run on a short batch (predict's probe_batch)
-            probe = make_batch(min(tokens, _PROBE_TOKENS)) if tokens > _PROBE_TOKENS else None
-            start = time.perf_counter()
-            cache[tokens] = predict(template, make_batch(tokens), candidate, device=device, probe_batch=probe,
-                                    decided=decided if probe is not None else None)
-            _log.info("max_context: %s tokens -> %s (planned in %.0f s)", f"{tokens:,}", format_bytes(cache[tokens].total),
-                      time.perf_counter() - start)
-        return cache[tokens]
-
-    # three lengths in the regime long contexts live in; then each budget, shortest first, from the planned points
-    # nearest it (each budget's confirmed lengths sharpen the next one's guess)
-    lengths = sorted({_round(n, multiple_of) for n in (2048, 8192, 32768)})
-    while len(lengths) < 2:  # a multiple_of past 16k rounds them together: a line needs two lengths
-        lengths.append(4 * lengths[-1])
-    points = {n: predict_at(n).total for n in lengths}
+    planned = lengths(device == "cuda")
+    unoffloaded = functools.cache(lambda: lengths(False))  # planned only when a host budget is too small for offload
     solved = {}
-    for limit in sorted(set(budgets)):
-        solved[limit] = _solve(limit, points, predict_at, multiple_of, choices, template, batch_size)
+    for limit in sorted(set(budgets)):  # shortest first: each budget's confirmed lengths sharpen the next one's guess
+        solved[limit] = _solve(limit, planned, batch_size)
+        if host_limit is not None and solved[limit].host > host_limit:
+            solved[limit] = _within_host(solved[limit], host_limit, planned, unoffloaded, batch_size)
     results = [solved[limit] for limit in budgets]
     return results if isinstance(budget, (list, tuple)) else results[0]
 
 
-def _solve(
-    budget: int, points: dict[int, int], predict_at: Callable[[int], Prediction], step: int, choices: dict[str, Any],
-    template: Template, batch_size: int,
-) -> ContextResult:
-    """The longest multiple of ``step`` whose plan fits ``budget``, within :data:`_SLACK`: the guess from the planned
-    points nearest the budget (:func:`_nearest`), confirmed by one plan, corrected from the confirmed points while it
-    misses.
+class _Lengths:
+    """One configuration planned at many lengths: every plan kept, what only decides structure decided once."""
 
-    ``points`` ({length: planned total}) gains every length planned here.
+    def __init__(self, template: Template, plugin: Any, callbacks: list[Any], strategy: Any,
+                 make_batch: Callable[[int], Any], device: str, step: int, offload: bool) -> None:
+        own, self.choices = _configuration(template, callbacks, device, offload)
+        self.candidate = Candidate.from_trainer(plugin, own, strategy)
+        self.template, self.make_batch, self.device, self.step = template, make_batch, device, step
+        self.cache: dict[int, Prediction] = {}
+        self.decided = Decided()  # the probe's forwards decide the same at every length past _PROBE_TOKENS
+        self._points: dict[int, int] = {}
+
+    def predict_at(self, tokens: int) -> Prediction:
+        if tokens not in self.cache:  # the forwards that only decide structure run on a short batch (probe_batch)
+            probe = self.make_batch(min(tokens, _PROBE_TOKENS)) if tokens > _PROBE_TOKENS else None
+            start = time.perf_counter()
+            self.cache[tokens] = predict(self.template, self.make_batch(tokens), self.candidate, device=self.device,
+                                         probe_batch=probe, decided=self.decided if probe is not None else None)
+            _log.info("max_context: %s tokens -> %s (planned in %.0f s)", f"{tokens:,}",
+                      format_bytes(self.cache[tokens].total), time.perf_counter() - start)
+        return self.cache[tokens]
+
+    @property
+    def points(self) -> dict[int, int]:
+        """{length: planned total}: :data:`_FIRST_LENGTHS` (planned on first use), and every length solved since."""
+        if not self._points:
+            lengths = sorted({_round(n, self.step) for n in _FIRST_LENGTHS})
+            while len(lengths) < 2:  # a multiple_of past 16k rounds them together: a line needs two lengths
+                lengths.append(4 * lengths[-1])
+            self._points.update({n: self.predict_at(n).total for n in lengths})
+        return self._points
+
+    def result(self, budget: int, tokens: int, batch_size: int, limit: str = "") -> ContextResult:
+        """The result at ``tokens`` (planned), with the loss chunk chosen there; ``limit``: what holds it."""
+        prediction = self.predict_at(max(tokens, self.step))
+        choices = _with_loss(self.choices, self.template, batch_size, max(tokens, self.step))
+        if tokens == 0:  # not even the shortest length: say which term alone is over
+            return ContextResult(budget, 0, prediction, choices, limit or _over(prediction, budget))
+        return ContextResult(budget, tokens, prediction, choices, limit or _held_by(prediction))
+
+
+def _solve(budget: int, lengths: _Lengths, batch_size: int) -> ContextResult:
+    """The longest multiple of the step whose plan fits ``budget``, within :data:`_SLACK`: the guess from the planned
+    points nearest the budget (:func:`_nearest`), confirmed by one plan, corrected from the confirmed points while it
+    misses. ``lengths.points`` gains every length planned here.
     """
+    points, step = lengths.points, lengths.step
     fits, over = step, None  # the longest length planned to fit, the shortest planned over
     # aimed a little short (half the slack): a guess just over the budget costs a second plan, one just short does not
     guess = _aim(_Quadratic(_nearest(points, budget)).solve(budget), step)
     for _ in range(_CONFIRMS):
-        points[guess] = predict_at(guess).total
+        points[guess] = lengths.predict_at(guess).total
         if points[guess] <= budget:
             fits = max(fits, guess)
         else:
@@ -180,11 +215,45 @@ def _solve(
         if _round_down(reach, step) <= fits + _slack(fits, step) or (over is not None and over - fits <= step):
             break  # the confirmed length is the answer: the next one up is over (planned, or by the local fit)
         guess = _aim(reach, step)
-    best = fits
-    prediction = predict_at(best)
-    if prediction.total > budget:  # not even the shortest length: say which term alone is over
-        return ContextResult(budget, 0, prediction, _with_loss(choices, template, batch_size, step), _over(prediction, budget))
-    return ContextResult(budget, best, prediction, _with_loss(choices, template, batch_size, best), _held_by(prediction))
+    return lengths.result(budget, fits if lengths.predict_at(fits).total <= budget else 0, batch_size)
+
+
+def _within_host(
+    result: ContextResult, host: int, lengths: _Lengths, unoffloaded: Callable[[], _Lengths], batch_size: int
+) -> ContextResult:
+    """``result`` (offloaded, over the ``host`` budget) made to fit it: the longer of the longest offloaded length
+    whose pinned block inputs fit ``host`` (:func:`_host_fit`, confirmed by a plan) and the longest without offload."""
+    budget, step = result.budget, lengths.step
+    tokens, prediction = result.tokens, result.prediction
+    for _ in range(_CONFIRMS):
+        shorter = min(_host_fit(prediction.host_sizes, tokens, host, step), tokens - step)
+        if shorter < step:
+            tokens = 0
+            break
+        tokens, prediction = shorter, lengths.predict_at(shorter)
+        if prediction.host <= host:
+            break
+    else:
+        tokens = 0
+    plain = _solve(budget, unoffloaded(), batch_size)
+    if plain.tokens >= tokens and plain.host <= host:  # as long without the offload: faster, and no host RAM
+        return plain
+    limit = f"host RAM {format_bytes(host)} (the pinned block inputs; without offload {plain.tokens:,} tokens)"
+    return lengths.result(budget, tokens, batch_size, limit)
+
+
+def _host_fit(sizes: Sequence[int], tokens: int, host: int, step: int) -> int:
+    """The longest multiple of ``step`` up to ``tokens`` whose offloaded tensors (``sizes`` bytes at ``tokens``, each
+    taken as proportional to the length) fit ``host`` once the pinned allocator rounds each up to a power of two."""
+
+    def pinned(length: int) -> int:
+        return sum(pinned_footprint(-(-size * length // tokens)) for size in sizes)
+
+    low, high = 0, tokens // step  # in steps: pinned(low * step) fits, (high + 1) * step need not
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if pinned(middle * step) <= host else (low, middle - 1)
+    return low * step
 
 
 def _slack(tokens: int, step: int) -> int:
@@ -313,13 +382,14 @@ def _mlp_chunks(template: Template) -> int:
     return int(min(_MAX_MLP_CHUNKS, max(1, 2 ** round(math.log2(max(1.0, 4 * ratio))))))
 
 
-def _configuration(template: Template, callbacks: list[Any], device: str) -> tuple[list[Any], dict[str, Any]]:
+def _configuration(
+    template: Template, callbacks: list[Any], device: str, offload: bool
+) -> tuple[list[Any], dict[str, Any]]:
     """The user's callbacks with max_context's ``ActivationCheckpointing`` and ``FusedLoss``; the choices made."""
     checkpointing = next((c for c in callbacks if isinstance(c, ActivationCheckpointing)), None)
     loss = next((c for c in callbacks if isinstance(c, FusedLoss)), None)
     kept = [c for c in callbacks if not isinstance(c, (ActivationCheckpointing, FusedLoss))]
     chunks = _mlp_chunks(template)
-    offload = device == "cuda"
     blocks = checkpointing.blocks if checkpointing is not None else None
     kept.append(ActivationCheckpointing("full", blocks=blocks, offload=offload, mlp_chunks=chunks))
     kept.append(FusedLoss(heads=loss.heads if loss is not None else None))

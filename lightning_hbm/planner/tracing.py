@@ -22,6 +22,7 @@ Hugging Face models are kept on their eager code paths, which they leave for fak
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensorMode,
     UnsupportedOperatorException,
     unset_fake_temporarily,
 )
@@ -79,6 +81,13 @@ class Decided:
     """
 
     by_depth: dict[Optional[int], tuple[Optional[frozenset[str]], dict[str, Optional[str]]]] = field(default_factory=dict)
+    #: the model set up at each depth (:class:`_Built`), stepped again at the next length
+    built: dict[Optional[int], _Built] = field(default_factory=dict)
+
+    def forget(self, keep_blocks: Optional[int]) -> None:
+        """Decide again at ``keep_blocks`` (a module found untraceable there now runs for real)."""
+        self.by_depth.pop(keep_blocks, None)
+        self.built.pop(keep_blocks, None)
 
     def keep(self, module: nn.Module, keep_blocks: Optional[int], reached: Optional[set[int]]) -> None:
         names = None if reached is None else frozenset(n for n, p in module.named_parameters() if id(p) in reached)
@@ -117,6 +126,7 @@ class Trace:
     host: int = 0  # bytes ActivationCheckpointing(offload=True) moved to host memory (device="cuda"), pinned footprint
     # selections by a mask without values in the LightningModule's own code, planned at their largest: op -> what
     selections: dict[str, str] = field(default_factory=dict)
+    host_sizes: tuple[int, ...] = ()  # bytes of each tensor in ``host`` before the pinned rounding, ascending
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -140,8 +150,11 @@ class Trace:
         scopes = {phase: _line_terms(self.scopes.get(phase, {}), deeper.scopes.get(phase, {}), line) for phase in phases}
         fallbacks = {**self.fallbacks, **deeper.fallbacks}
         host = line(self.host, deeper.host)
+        # the tensors one more block moved, once per block added
+        block = Counter(deeper.host_sizes) - Counter(self.host_sizes)
+        host_sizes = tuple(sorted((Counter(self.host_sizes) + Counter({s: n * extra for s, n in block.items()})).elements()))
         return Trace(phases, trainable, total, depth, depth, self.block_bytes, max(self.guessed, deeper.guessed), scopes,
-                     fallbacks, host, {**self.selections, **deeper.selections})
+                     fallbacks, host, {**self.selections, **deeper.selections}, host_sizes)
 
     def peak_scopes(self) -> dict[str, int]:
         """Each scope term's bytes at the peak phase (the registry's scope terms, :func:`~lightning_hbm.memory.terms.scope_terms`)."""
@@ -170,64 +183,115 @@ def trace(
     structure for the forwards that decide structure only (the surgery's probe step, which parameters the loss
     reaches): at a long sequence they cost as much as the traced step and decide the same (``max_context``).
     """
-    fallbacks: dict[str, str] = {}
-    plugin = _planning_plugin(candidate)
-    fake_mode = _fake_mode()
-    values = RealValues(fake_mode)
     tracker = LiveStorageTracker(track_peak=True)
+    built = decided.built.get(keep_blocks) if decided is not None else None
     with ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore")  # self.log without a Trainer, peft/bnb notices: noise during a dry run
         stack.enter_context(_quiet_logs())  # the callbacks' "applied to N blocks" lines, once per trace
         stack.enter_context(torch.random.fork_rng(devices=[]))  # twins draw random numbers: not the user's
-        # a template is copied with its blocks already cut: copying 32 layers of fakes to trace 3 costs seconds
-        with _blocks_cut(model.module, keep_blocks) if isinstance(model, Template) else nullcontext(0) as depth:
-            module = _build(model, fake_mode, values)
-        stack.enter_context(_eager_transformers())  # after the build: the model's import brings transformers in
-        fake_batch = tree_map_only(torch.Tensor, lambda t: _fake_like(t, fake_mode, values), batch)
-        fake_probe = fake_batch if probe_batch is None else tree_map_only(
-            torch.Tensor, lambda t: _fake_like(t, fake_mode, values), probe_batch)
-        stack.enter_context(fake_mode)
-        stack.enter_context(values)
-        stack.enter_context(torch_compat.FakeGroupedMM())  # transformers' MoE experts in float32
-        running = stack.enter_context(RunningModules())
-        # a selection by a mask without values in the LightningModule's own code (its loss) is planned at its largest
-        # size; inside a submodule it fails, and the module runs for real (real_types) as named by _name_untraceable
-        values.bound_selections = lambda: not any(m is not module and _part_of(m, module) for m in running.stack)
-        with plugin.tensor_init_context():
-            module.configure_model()
-        _adopt_foreign_fakes(module, fake_mode)
-        _forget_conversions(fake_mode)
-        depth = max(depth, _cut_blocks(module, keep_blocks))  # blocks built lazily exist only now
-        for name, submodule in list(module.named_modules()):
-            if type(submodule).__name__ in (real_types or {}):
-                _run_for_real(submodule, fallbacks, cast(dict[str, str], real_types)[type(submodule).__name__], name)
-        optimizers = apply_candidate(module, candidate, plugin, device, batch=fake_probe)
-        offloads = _offload_to_host(module) if device == "cuda" else []
-        fake_batch = plugin.convert_input(fake_batch)
-        fake_probe = fake_batch if probe_batch is None else plugin.convert_input(fake_probe)
-        if decided is not None and keep_blocks in decided.by_depth:
-            reached = decided.restore(module, keep_blocks)
-        else:
-            reached = _gradient_receivers(module, fake_probe, plugin)  # before the tracker: its storages are gone after
-            if decided is not None:
-                decided.keep(module, keep_blocks, reached)
+        if built is None:
+            built = _set_up(stack, model, candidate, device, keep_blocks, real_types, batch, probe_batch, decided)
+        else:  # the same model at another length: only the batch is new (what the last step left is a step's state)
+            fake_batch = tree_map_only(torch.Tensor, lambda t: _fake_like(t, built.fake_mode, built.values), batch)
+            built.enter(stack)
+            built.fake_batch = built.plugin.convert_input(fake_batch)
+            built.reached = cast(Decided, decided).restore(built.module, keep_blocks)
+        module, optimizers, values = built.module, built.optimizers, built.values
+        values.guessed, values.selections = list(built.guessed), dict(built.selections)
         stack.enter_context(tracker)
         tracker.phase = "setup"
-        tracker.seed(itertools.chain(parameter_tensors(module), buffer_tensors(module), tree_leaves(fake_batch)), "setup")
-        _first_step_state(optimizers, reached)
+        tracker.seed(itertools.chain(parameter_tensors(module), buffer_tensors(module), tree_leaves(built.fake_batch)), "setup")
+        _first_step_state(optimizers, built.reached)
         # states created outside the dispatch (e.g. bitsandbytes' real quantization maps)
         tracker.seed(optimizer_state_tensors(optimizers), "setup")
-        for offload in offloads:
+        for offload in built.offloads:
             offload.reset_counts()
-        phases, scopes = _steady_step(module, fake_batch, plugin, optimizers, tracker)
-        host = sum(offload.host_bytes for offload in offloads)
+        phases, scopes = _steady_step(module, built.fake_batch, built.plugin, optimizers, tracker)
+        built.fake_batch = None  # the next length's batch is new: this one need not stay alive
+        host = sum(offload.host_bytes for offload in built.offloads)
+        host_sizes = tuple(sorted(size for offload in built.offloads for size in cast(_HostOffload, offload).sizes))
         trainable = parameter_count(module, trainable=True)
         total = parameter_count(module)
         block_bytes = max((parameter_bytes(block) for _, block in _blocks(module)), default=0)
+    depth, fallbacks = built.depth, built.fallbacks
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
-    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections)
+    return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
+                 host_sizes)
+
+
+@dataclass
+class _Built:
+    """A model set up for tracing (built on fake tensors, configured, surgery applied, optimizers made): stepped at
+    one length, and kept in :class:`Decided` to step again at the next (the setup is a quarter of a trace)."""
+
+    module: pl.LightningModule
+    plugin: Precision
+    fake_mode: FakeTensorMode
+    values: RealValues
+    optimizers: list
+    offloads: list
+    depth: int
+    fallbacks: dict[str, str]
+    reached: Optional[set[int]]
+    fake_batch: Any
+    guessed: list[str] = field(default_factory=list)  # what the setup read without values (each step adds its own)
+    selections: dict[str, str] = field(default_factory=dict)
+
+    def enter(self, stack: ExitStack) -> None:
+        """Enter the modes a step of this model runs under."""
+        stack.enter_context(_eager_transformers())  # after the build: the model's import brings transformers in
+        stack.enter_context(self.fake_mode)
+        stack.enter_context(self.values)
+        stack.enter_context(torch_compat.FakeGroupedMM())  # transformers' MoE experts in float32
+        running = stack.enter_context(RunningModules())
+        module = self.module
+        # a selection by a mask without values in the LightningModule's own code (its loss) is planned at its largest
+        # size; inside a submodule it fails, and the module runs for real (real_types) as named by _name_untraceable
+        self.values.bound_selections = lambda: not any(m is not module and _part_of(m, module) for m in running.stack)
+
+
+def _set_up(
+    stack: ExitStack, model: Union[ModelLike, Template], candidate: Candidate, device: str, keep_blocks: Optional[int],
+    real_types: Optional[dict[str, str]], batch: Any, probe_batch: Any, decided: Optional[Decided],
+) -> _Built:
+    """Build ``model`` on fake tensors, run the surgery of ``candidate`` and make its optimizers; the modes entered
+    on ``stack``. Kept in ``decided`` (when given) for the same model at other lengths."""
+    fallbacks: dict[str, str] = {}
+    plugin = _planning_plugin(candidate)
+    fake_mode = _fake_mode()
+    values = RealValues(fake_mode)
+    # a template is copied with its blocks already cut: copying 32 layers of fakes to trace 3 costs seconds
+    with _blocks_cut(model.module, keep_blocks) if isinstance(model, Template) else nullcontext(0) as depth:
+        module = _build(model, fake_mode, values)
+    fake_batch = tree_map_only(torch.Tensor, lambda t: _fake_like(t, fake_mode, values), batch)
+    fake_probe = fake_batch if probe_batch is None else tree_map_only(
+        torch.Tensor, lambda t: _fake_like(t, fake_mode, values), probe_batch)
+    built = _Built(module, plugin, fake_mode, values, [], [], depth, fallbacks, None, fake_batch)
+    built.enter(stack)
+    with plugin.tensor_init_context():
+        module.configure_model()
+    _adopt_foreign_fakes(module, fake_mode)
+    _forget_conversions(fake_mode)
+    built.depth = max(depth, _cut_blocks(module, keep_blocks))  # blocks built lazily exist only now
+    for name, submodule in list(module.named_modules()):
+        if type(submodule).__name__ in (real_types or {}):
+            _run_for_real(submodule, fallbacks, cast(dict[str, str], real_types)[type(submodule).__name__], name)
+    built.optimizers = apply_candidate(module, candidate, plugin, device, batch=fake_probe)
+    built.offloads = _offload_to_host(module) if device == "cuda" else []
+    built.fake_batch = plugin.convert_input(fake_batch)
+    fake_probe = built.fake_batch if probe_batch is None else plugin.convert_input(fake_probe)
+    if decided is not None and keep_blocks in decided.by_depth:
+        built.reached = decided.restore(module, keep_blocks)
+    else:
+        built.reached = _gradient_receivers(module, fake_probe, plugin)  # before the tracker: its storages are gone after
+        if decided is not None:
+            decided.keep(module, keep_blocks, built.reached)
+    built.guessed, built.selections = list(values.guessed), dict(values.selections)
+    if decided is not None:
+        decided.built[keep_blocks] = built
+    return built
 
 
 def _part_of(submodule: nn.Module, model: nn.Module) -> bool:
@@ -243,8 +307,17 @@ class _HostOffload(OffloadSavedTensors):
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
+    def __init__(self, device: Union[str, torch.device]) -> None:
+        super().__init__(device)
+        self.sizes: list[int] = []  # bytes of each tensor moved, before the pinned rounding (max_context's host fit)
+
+    def reset_counts(self) -> None:
+        super().reset_counts()
+        self.sizes = []
+
     def _footprint(self, tensor: torch.Tensor) -> int:
-        return pinned_footprint(tensor.numel() * tensor.element_size())
+        self.sizes.append(tensor.numel() * tensor.element_size())
+        return pinned_footprint(self.sizes[-1])
 
 
 def _offload_to_host(module: nn.Module) -> list[OffloadSavedTensors]:

@@ -143,14 +143,19 @@ def test_the_structure_forwards_run_once_across_lengths_and_plan_the_same_bytes(
 
     probe = batch(256)
     calls: list[int] = []
-    original = tracing._gradient_receivers
+    setups: list[int] = []
+    original, set_up = tracing._gradient_receivers, tracing._set_up
     monkeypatch.setattr(tracing, "_gradient_receivers", lambda *args: calls.append(1) or original(*args))
+    monkeypatch.setattr(tracing, "_set_up", lambda *args: setups.append(1) or set_up(*args))
     decided = Decided()
-    for tokens in (512, 2048):
+    for tokens in (512, 2048, 1024):  # longer, then shorter: nothing of the longer step stays counted
         kept = predict(SMALL_LLAMA, batch(tokens), candidate, device="cuda", probe_batch=probe, decided=decided)
         fresh = predict(SMALL_LLAMA, batch(tokens), candidate, device="cuda", probe_batch=probe)
         assert (kept.categories, kept.side, kept.host, kept.loss) == (fresh.categories, fresh.side, fresh.host, fresh.loss)
-    assert len(calls) == 3  # the kept one's first plan, and each fresh plan
+        assert (kept.trainable_params, kept.total_params, kept.guessed_reads) == (
+            fresh.trainable_params, fresh.total_params, fresh.guessed_reads)
+    assert len(calls) == 4  # the kept one's first plan, and each fresh plan
+    assert len(setups) == 4  # the model is built and its surgery run once for the kept plans (and once per fresh one)
     (_reached, verdicts), = decided.by_depth.values()
     assert "" in verdicts.values()  # chunked layers were decided on the probe, and their verdicts restored
     with pytest.raises(ValueError, match=r"decided=\.\.\.\) needs the probe_batch"):
@@ -162,3 +167,23 @@ def test_a_multiple_of_past_the_planned_lengths_still_plans_two_lengths() -> Non
     result = max_context(SMALL_LLAMA, CUDA_CONTEXT_BYTES + 2**30, callbacks=[LoRA(r=4)], multiple_of=65536)
     assert isinstance(result, type(result)) and result.tokens > 0 and result.tokens % 65536 == 0
     assert result.prediction.total <= CUDA_CONTEXT_BYTES + 2**30
+
+
+@pytest.mark.slow
+def test_a_host_budget_bounds_the_pinned_block_inputs_or_turns_offload_off() -> None:
+    # the offloaded block inputs are pinned, each rounded up to a power of two: a machine with less host RAM than the
+    # offload needs gets the longest length whose pinned inputs fit, or the longest without offload if that is longer
+    deep = partial(LlamaLM, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=32,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2**20)
+    budget, host = CUDA_CONTEXT_BYTES + 32 * 2**20, 32 * 2**20
+    bounded = max_context(deep, budget, callbacks=[LoRA(r=4)], multiple_of=STEP, host_budget=host)
+    # unbounded, the answer is 7,424 tokens with 64 MiB pinned; 32 inputs of 64 fp32 values per token fit 32 MiB up
+    # to 4,096 tokens (1 MiB each), one step longer each takes 2 MiB; without offload 2,304 tokens fit the device
+    assert bounded.choices["offload"] and bounded.tokens == 4096 and bounded.host == host
+    assert bounded.prediction.host_sizes == (4096 * 64 * 4,) * 32 and bounded.prediction.total <= budget
+    assert bounded.limit == "host RAM 32.00 MiB (the pinned block inputs; without offload 2,304 tokens)"
+    # nothing may be pinned: the two-block model trains longer without offload than with 1 byte of inputs pinned
+    none = max_context(SMALL_LLAMA, CUDA_CONTEXT_BYTES + 12 * 2**20, callbacks=[LoRA(r=4)], multiple_of=STEP, host_budget=1)
+    assert not none.choices["offload"] and none.host == 0 and none.tokens == 3072
+    with pytest.raises(ValueError, match="lots"):
+        max_context(SMALL_LLAMA, "1GiB", host_budget="lots")
