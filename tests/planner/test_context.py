@@ -162,6 +162,23 @@ def test_the_structure_forwards_run_once_across_lengths_and_plan_the_same_bytes(
         predict(SMALL_LLAMA, probe, candidate, decided=decided)
 
 
+@pytest.mark.slow
+def test_a_model_stepped_again_at_another_length_plans_as_a_fresh_one_when_its_blocks_are_cut() -> None:
+    # eight blocks are traced cut to 3 and to 4 (two models kept, one per depth), and extended to 8
+    deep = partial(LlamaLM, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536)
+    candidate = Candidate.from_trainer(QuantizedPrecision("nf4-dq", dtype="bfloat16"),
+                                       [LoRA(r=8), ActivationCheckpointing("full", mlp_chunks=4, offload=True), FusedLoss()])
+    probe = tuple(t.contiguous() for t in synthetic_batch(1, 256, vocab_size=512))
+    decided = Decided()
+    for tokens in (2048, 1024):
+        batch = tuple(t.contiguous() for t in synthetic_batch(1, tokens, vocab_size=512))
+        kept = predict(deep, batch, candidate, device="cuda", probe_batch=probe, decided=decided)
+        fresh = predict(deep, batch, candidate, device="cuda", probe_batch=probe)
+        assert (kept.categories, kept.side, kept.host_sizes) == (fresh.categories, fresh.side, fresh.host_sizes)
+    assert sorted(decided.built) == [3, 4] and len(kept.host_sizes) == 8
+
+
 def test_a_multiple_of_past_the_planned_lengths_still_plans_two_lengths() -> None:
     # 2k, 8k and 32k all round up to one multiple of 65536: the fit needs a second length (a crash before)
     result = max_context(SMALL_LLAMA, CUDA_CONTEXT_BYTES + 2**30, callbacks=[LoRA(r=4)], multiple_of=65536)
