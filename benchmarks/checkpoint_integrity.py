@@ -37,7 +37,7 @@ def main() -> None:
     tensors = model.state_dict(keep_vars=True)
     print(f"model: {params / 1e6:.1f}M parameters, {len(tensors)} tensors")
     for name, fn in [("fingerprint v1 (64 samples)", resume.fingerprint_v1), ("fingerprint v2", resume.fingerprint)]:
-        print(f"{name}: {best_of(lambda: [fn(v) for v in tensors.values()]):.2f} s")
+        print(f"{name}: {best_of(lambda: [fn(v) for v in tensors.values()]):.2f} s")  # noqa: B023 - called at once, in this iteration
     weights = {k: v.detach() for k, v in tensors.items()}
     states = {i: {"step": torch.tensor(10.0), "exp_avg": torch.randn_like(v), "exp_avg_sq": torch.rand_like(v)} for i, v in enumerate(weights.values())}
     checkpoint = {"state_dict": weights, "optimizer_states": [{"state": states}], resume.META_KEY: {}}

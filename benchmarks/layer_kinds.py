@@ -81,7 +81,7 @@ def checkpointing(width: int, tokens: torch.Tensor) -> None:
         quantize_model(model, "nf4-dq", dtype="float32")
         model.train()
 
-        def loss() -> torch.Tensor:
+        def loss(model: nn.Module = model, task: str = task) -> torch.Tensor:  # this iteration's model, bound now (B023)
             if task == "classify":
                 return model(input_ids=tokens, labels=tokens[:, 0] % 3).loss
             return logits(model, task, tokens, width).float().pow(2).mean()

@@ -85,7 +85,7 @@ def offload_ratio(device: torch.device, n_embd: int, n_layer: int, steps: int) -
             torch.cuda.synchronize()
             peaks[name] = torch.cuda.max_memory_allocated() - baseline
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for name, (model, optimizer) in runs.items():
+    for model, optimizer in runs.values():
         train_step(model, optimizer, batch)  # warm-up: allocations, kernel selection
     for _ in range(steps):
         for name, (model, optimizer) in runs.items():
@@ -97,7 +97,7 @@ def offload_ratio(device: torch.device, n_embd: int, n_layer: int, steps: int) -
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)
     median = {name: statistics.median(t) for name, t in times.items()}
-    for name, (model, optimizer) in runs.items():
+    for name, (_model, optimizer) in runs.items():
         engine = getattr(optimizer, "engine", "-")
         peak = f"  step peak above weights {peaks[name]:,} B" if name in peaks else ""
         print(

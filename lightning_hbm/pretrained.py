@@ -179,10 +179,11 @@ def _cached(name: str, source: dict, build: Callable[[Path], None]) -> Path:
         if problem is None:
             return path
         stale = [_remove(p) for p in sorted(root.iterdir()) if p.name.startswith((f".{name}.partial-", f".{name}.old-"))]
+        # stacklevel=1 in this module's warnings: they are about the cache, not about the line that asked for a model
         if stale:  # only a dead process leaves them: every build holds the lock
-            warnings.warn(f"lightning_hbm: removed {len(stale)} stale temp folder(s) of a killed build of {path}: {stale}")
+            warnings.warn(f"lightning_hbm: removed {len(stale)} stale temp folder(s) of a killed build of {path}: {stale}", stacklevel=1)
         if problem != _ABSENT:
-            warnings.warn(f"lightning_hbm: the cached {path} {problem}; building it again from {source['file']}")
+            warnings.warn(f"lightning_hbm: the cached {path} {problem}; building it again from {source['file']}", stacklevel=1)
         partial = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=root))
         try:
             build(partial)
@@ -224,7 +225,7 @@ def _locked(lock: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            warnings.warn(f"lightning_hbm: another process is building {lock.parent}; waiting for it (lock file {lock})")
+            warnings.warn(f"lightning_hbm: another process is building {lock.parent}; waiting for it (lock file {lock})", stacklevel=1)
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:

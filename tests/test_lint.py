@@ -1,5 +1,7 @@
-"""ruff's pyflakes rules (``[tool.ruff.lint]`` in pyproject.toml) over the package, the tests, benchmarks and examples:
-an unused import or variable, or a name that does not exist (a call that would raise ``NameError`` only on its path)."""
+"""ruff (``[tool.ruff.lint]`` in pyproject.toml) over the package, the tests, benchmarks and examples. pyflakes: an
+unused import or variable, or a name that does not exist (a call that would raise ``NameError`` only on its path).
+bugbear: a closure that reads a loop variable after the loop moved on, a mutable default argument, an unused loop
+variable, a warning without a stacklevel. simplify: nested ifs and withs, repeated branches, needless booleans."""
 
 from __future__ import annotations
 

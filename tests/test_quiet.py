@@ -40,8 +40,8 @@ def test_lightning_pytree_deprecation_is_dropped_and_other_warnings_pass() -> No
         import lightning_hbm.quiet
 
         with lightning_hbm.quiet.quieted():  # adds the filter on top of simplefilter
-            warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec)`", UserWarning)
-            warnings.warn("Found 3 module(s) in eval mode", UserWarning)
+            warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec)`", UserWarning, stacklevel=1)
+            warnings.warn("Found 3 module(s) in eval mode", UserWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["Found 3 module(s) in eval mode"]
 
 

@@ -73,9 +73,9 @@ def _uses(tree: ast.AST) -> list[tuple[str, int]]:
     """``(what, line)`` for each use of a name that reads or verifies a checkpoint."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch" and node.attr == "load":
-            found.append(("torch.load", node.lineno))
-        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "load" for a in node.names):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch" and node.attr == "load") or (
+            isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "load" for a in node.names)
+        ):
             found.append(("torch.load", node.lineno))
         elif isinstance(node, ast.Call):
             func = node.func

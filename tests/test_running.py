@@ -115,10 +115,9 @@ def test_hooks_removed_and_stack_emptied_on_exit(root: bool) -> None:
     model, running = _model(root)
     before = _hooks(model)
     globals_before = _global_hooks()
-    with pytest.raises(RuntimeError):
-        with running:
-            running.stack.append(model)  # whatever is left at the exit
-            raise RuntimeError("the step failed")
+    with pytest.raises(RuntimeError), running:  # running exits first, on the error
+        running.stack.append(model)  # whatever is left at the exit
+        raise RuntimeError("the step failed")
     assert running.stack == []
     assert _hooks(model) == before and _global_hooks() == globals_before
     model(torch.zeros(1))

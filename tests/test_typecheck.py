@@ -2,7 +2,8 @@
 
 The package's annotations are checked against each other and against the libraries' own (torch, Lightning): a call
 with the wrong type, an ``Optional`` used without a check, a wrong return type. Every module of the package is
-checked (no module's errors are ignored), and a new module is checked from the start.
+checked (no module's errors are ignored), and a new module is checked from the start. Every function must be
+annotated (``disallow_untyped_defs``), so no function's body escapes the check (``check_untyped_defs`` for the rest).
 """
 
 from __future__ import annotations

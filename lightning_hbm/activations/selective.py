@@ -91,9 +91,9 @@ class SelectivePolicy:
         if func in ATTENTION:
             return CheckpointPolicy.MUST_SAVE
         index = self.ops.get(func)
-        if index is not None and index < len(args) and isinstance(args[index], torch.Tensor):
-            if args[index].shape[-1] >= MIN_SAVED_CONTRACTION:
-                return CheckpointPolicy.MUST_SAVE
+        tensor = args[index] if index is not None and index < len(args) else None
+        if isinstance(tensor, torch.Tensor) and tensor.shape[-1] >= MIN_SAVED_CONTRACTION:
+            return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
 

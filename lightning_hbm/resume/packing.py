@@ -54,7 +54,7 @@ def pack(
     changed = {k: v for k, v in full.items() if k not in fitting}
     placeholders, omitted = [], []
     saved_in_changed_form = KeyMap(module).any_form_of(changed) if trainable_only else None
-    for key, (shape, floating) in schema.items():
+    for key, (_shape, floating) in schema.items():
         if key in fitting:
             continue
         # a full checkpoint saved every tensor in some changed form (even one renamed by a layer-kind

@@ -241,7 +241,7 @@ def run_surgery(
     _check_distinct(transforms)
     # the modules LoRA trains in full: a QuantizedPrecision leaves them unquantized, with or without a Trainer (planner)
     # (LoRA finds a model's task heads on the model as built: resolve_modules_to_save, before any check)
-    saved = [getattr(t, "resolve_modules_to_save", lambda m: getattr(t, "modules_to_save", None))(module) for t in transforms]
+    saved = [getattr(t, "resolve_modules_to_save", lambda m: getattr(t, "modules_to_save", None))(module) for t in transforms]  # noqa: B023 - called at once
     set_modules_to_save(module, [n for names in saved for n in names or ()])
     pending = _pending(module, transforms)
     if batch is not None and (pending or convert is not None or plugin is not None) and not applied_transforms(module):

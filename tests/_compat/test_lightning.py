@@ -38,7 +38,7 @@ def test_attached_trainer(gpt_factory: Callable[..., Any], datamodule_factory: C
                           trainer_factory: Callable[..., pl.Trainer]) -> None:
     model = gpt_factory()
     with pytest.raises(RuntimeError, match="not attached"):
-        model.trainer  # the public property refuses: the reason for reading the field
+        model.trainer  # noqa: B018 - the public property refuses: the reason for reading the field
     assert compat.attached_trainer(model) is None
     assert compat.attached_trainer(nn.Linear(2, 2)) is None
     record, trainer = _Record(), trainer_factory(max_steps=1)

@@ -663,7 +663,7 @@ def test_drawing_the_probe_batch_leaves_no_pass_in_the_loader(monkeypatch: pytes
     resumable = ResumableDataLoader([tokens(i) for i in range(4)], batch_size=2)
     for loader in (persistent, resumable):
         before = dict(vars(loader))
-        monkeypatch.setattr(lightning_compat, "stage_dataloader", lambda trainer: loader)
+        monkeypatch.setattr(lightning_compat, "stage_dataloader", lambda trainer: loader)  # noqa: B023 - called in this iteration only
         assert engine._stage_batch(FakeTrainer()) is not None  # type: ignore[arg-type]
         assert vars(loader) == before
     assert persistent._iterator is None and resumable.state_dict()["batches"] == 0

@@ -145,7 +145,7 @@ def test_quantized_precision_warns_at_fit_start_on_a_4bit_checkpoint(
 ) -> None:
     model = gpt_factory()
     with torch.no_grad():
-        for name, layer in model.named_modules():
+        for layer in model.modules():
             if isinstance(layer, nn.Linear) and layer.in_features % 32 == 0:
                 layer.weight.copy_(q4_1_weight(*layer.weight.shape))
     trainer = trainer_factory(max_steps=1, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=4)])
