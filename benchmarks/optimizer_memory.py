@@ -23,7 +23,8 @@ import time
 import warnings
 import torch
 
-from lightning_hbm.optim.optimizer import _KINDS, MemoryEfficientOptimizer, optimizer_state_bytes
+from lightning_hbm.memory.storage import optimizer_state_bytes
+from lightning_hbm.optim import OPTIMIZER_KINDS, MemoryEfficientOptimizer
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.models import NanoGPT
 from lightning_hbm.strategies.cpu_offload import OffloadedOptimizer, host_offload_bytes
@@ -51,7 +52,7 @@ def state_bytes_table(device: torch.device, n_embd: int, n_layer: int) -> None:
     batch = tuple(t.to(device) for t in synthetic_batch(2, 64))
     print(f"{'optimizer':<18}{'state bytes':>14}{'B/param':>10}{'vs AdamW':>10}")
     base = None
-    for kind in ["torch AdamW", *_KINDS]:
+    for kind in ["torch AdamW", *OPTIMIZER_KINDS]:
         model = make_model(device, n_embd, n_layer)
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if kind != "torch AdamW":

@@ -40,6 +40,7 @@ _EXPORTS = {
     "plan": "lightning_hbm.planner",
     "AutoFit": "lightning_hbm.planner.autofit",
     "FusedLoss": "lightning_hbm.activations",
+    "coverage_of": "lightning_hbm.record",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports them
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_hbm.optim import MemoryEfficientOptimizer
     from lightning_hbm.profiling import HBMProfiler
     from lightning_hbm.quality import QuantizationQuality
+    from lightning_hbm.record import coverage_of
     from lightning_hbm.planner import plan
     from lightning_hbm.planner.autofit import AutoFit
     from lightning_hbm.precision import QuantizedPrecision, available_precisions, precision_plugin, quantize_model
@@ -96,6 +98,7 @@ __all__ = [
     "SurgeryCallback",
     "applied_transforms",
     "available_precisions",
+    "coverage_of",
     "plan",
     "precision_plugin",
     "quantize_model",

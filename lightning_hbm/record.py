@@ -39,7 +39,7 @@ class Record:
     applied: list[str] = field(default_factory=list)  # names of the transforms applied, in the order they ran
     appliers: dict[str, int] = field(default_factory=dict)  # transform name -> id() of the instance that applied it last
     modules_to_save: list[str] = field(default_factory=list)  # the transforms' modules_to_save, given to run_surgery
-    coverage: Optional[list[Any]] = None  # the last coverage table (``layers.CoverageRow`` s), also ``lightning_hbm_coverage``
+    coverage: Optional[list[Any]] = None  # the last coverage table (``layers.CoverageRow`` s): :func:`coverage_of`
 
 
 @dataclass
@@ -112,7 +112,12 @@ def set_modules_to_save(model: nn.Module, names: list[str]) -> None:
 
 
 def coverage_of(model: nn.Module) -> Optional[list[Any]]:
-    """The coverage table last reported for ``model`` (``layers.CoverageRow`` s), or ``None``."""
+    """The coverage table last reported for ``model`` (public as ``lightning_hbm.coverage_of``), or ``None``.
+
+    One :class:`lightning_hbm.layers.CoverageRow` per layer kind present, then the rows of weights outside any kind,
+    the LoRA adapters and ``other``: the table printed at fit start (docs/adapters.md). ``None`` for a model no
+    ``QuantizedPrecision`` or ``LoRA`` reported on (a plain copy of one included: see :func:`copy_record`).
+    """
     record = record_of(model)
     return record.coverage if record is not None else None
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision
+from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision, coverage_of
 from lightning_hbm.layers import OUTSIDE_ROWS, RAW_WEIGHTS, layer_kinds
 
 VOCAB, SEQ, BATCH, WIDTH = 128, 16, 4, 64
@@ -221,7 +221,7 @@ def fit(name: str, epochs: int, tmp_path: Any, ckpt_path: Any = None) -> tuple[T
 
 
 def check_coverage(family: Family, module: Task, caught: list[warnings.WarningMessage]) -> None:
-    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    rows = {r.kind: r for r in coverage_of(module)}
     assert set(rows) <= {k.name for k in layer_kinds()} | {OTHER, ADAPTERS, RAW_WEIGHTS, *OUTSIDE_ROWS}, set(rows)  # no unnamed kind
     experts = rows.get(EXPERTS)
     if family.experts == "converted":  # every expert converted, quantized and adapted

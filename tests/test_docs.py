@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 
-from lightning_hbm.layers import base as layers_base
+from lightning_hbm.layers import kinds as layer_registry
 from lightning_hbm.precision import registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def doc_names(gpt_factory: Callable[..., Any], llama_factory: Callable[..., Any]
     ``data``/``datamodule``/``batch`` feed it; ``Trainer`` (also ``pl.Trainer``) runs 2 quiet CPU steps. Snippets run in
     tmp_path; modes and layer kinds they register are dropped."""
     monkeypatch.setattr(registry, "_MODES", dict(registry._MODES))
-    monkeypatch.setattr(layers_base, "_KINDS", dict(layers_base._KINDS))
+    monkeypatch.setattr(layer_registry, "_KINDS", dict(layer_registry._KINDS))
     monkeypatch.chdir(tmp_path)
 
     def Trainer(**kwargs: Any) -> Any:  # noqa: N802 (the name the snippets use)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_hbm import quantize_model
-from lightning_hbm.layers import base, coverage, find_layers, kind_of, layer_kinds
+from lightning_hbm.layers import coverage, find_layers, kind_of, kinds, layer_kinds
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.planner import quantized_parameter_bytes
 from lightning_hbm.precision import available_precisions, format_of, get_format, registry
@@ -131,7 +131,7 @@ def load(name: str, path: Path, source: str) -> ModuleType:
 def registries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Copies of the format and kind registries for the test: what a toy registers is gone afterwards."""
     monkeypatch.setattr(registry, "_MODES", dict(registry._MODES))
-    monkeypatch.setattr(base, "_KINDS", dict(base._KINDS))
+    monkeypatch.setattr(kinds, "_KINDS", dict(kinds._KINDS))
 
 
 @pytest.mark.parametrize("module_name", ["lightning_hbm.precision.toy_format", "my_project.toy_format"])

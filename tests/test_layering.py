@@ -8,9 +8,11 @@ Levels, bottom to top; a module imports only from its own level or lower ones:
    on the model: the layer kinds write to it, the surgery, precision and callbacks read it), ``running`` (the stack
    of modules whose forward is running, kept by forward hooks: the layer-weight probe, the memory tracker and the
    attention-caller recorder share it)
-1. layer kinds: ``layers`` (a package: ``base`` and one module per kind), ``models``; ``resume`` (a package: the
+1. layer kinds: ``layers`` (a package: one module per job generic over kinds, ``kinds``, ``finding``, ``source_scan``,
+   ``heads``, ``outside``, ``coverage_table``, and one module per kind), ``models``; ``resume`` (a package: the
    checkpoint format, its checks, the atomic IO and the load hooks; it reads the layer kinds' key maps, and the
-   surgery spine hands it ``check_resume`` and, as data, what checkpoints are packed with, instead of being imported)
+   surgery spine registers how a run's settings are read (``register_run_settings``) and hands it, as data, what
+   checkpoints are packed with, instead of being imported)
 2. the surgery spine: ``surgery``
 3. ``precision`` (reads the callbacks it must know about by duck typing: ``modules_to_save``)
 4. the jobs that need no other job: ``adapters`` (``LoRA``), ``optim`` (``MemoryEfficientOptimizer``), ``quality``

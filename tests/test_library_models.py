@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision
+from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision, coverage_of
 from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.layers import base_layer, find_layers
 from lightning_hbm.planner import Candidate, plan
@@ -218,7 +218,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Clas
 
 
 def rows(module: nn.Module) -> dict[str, Any]:
-    return {r.kind: r for r in module.lightning_hbm_coverage}
+    return {r.kind: r for r in coverage_of(module)}
 
 
 # ------------------------------------------------------------------------ every model: fit, gradients, resume

@@ -114,3 +114,20 @@ def test_only_resume_opens_verifies_or_takes_a_checkpoint() -> None:
 def test_the_checked_io_holds_no_way_back_up_into_the_surgery() -> None:
     io = CheckedCheckpointIO()
     assert sorted(vars(io)) == ["inner", "refuse_non_finite", "trainer"]
+
+
+def test_the_load_hooks_hold_nothing_of_the_surgery() -> None:
+    """Issue 54 item 2: the hooks were handed the engine's ``check_resume`` and ``_changed``; they get the check from
+    resume (``resume.check_resume``) and what the surgery did from the model's record."""
+    from torch import nn
+
+    from lightning_hbm import resume, surgery
+    from lightning_hbm._compat import torch as torch_compat
+
+    model = nn.Linear(2, 2)
+    resume.add_resume_hooks(model)
+    hooks = [h for h in torch_compat.load_state_dict_pre_hooks(model) if type(h).__module__ == "lightning_hbm.resume.hooks"]
+    assert len(hooks) == 1
+    held = [value for value in vars(hooks[0]).values() if callable(value)]
+    assert held == []
+    assert not hasattr(surgery, "check_resume")  # resume's own, not the engine's

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, cast
 import torch
 from torch import nn
 
-from lightning_hbm.layers.base import LayerKind, itself, register_kind
+from lightning_hbm.layers.kinds import LayerKind, itself, register_kind
 
 
 class _Quantized:

@@ -11,7 +11,7 @@ from typing import Optional, cast
 
 from torch import Tensor, nn
 
-from lightning_hbm.layers.base import LayerKind, register_kind
+from lightning_hbm.layers.kinds import LayerKind, register_kind
 
 
 def _conv1d_class() -> Optional[type]:

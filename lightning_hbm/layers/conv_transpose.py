@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hbm.layers.base import LayerKind, no_names, register_kind
+from lightning_hbm.layers.kinds import LayerKind, no_names, register_kind
 
 _PLAIN = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _FUNCTIONS: dict[int, Callable[..., torch.Tensor]] = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}

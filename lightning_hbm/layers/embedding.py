@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.layers.base import LayerKind, no_names, register_kind
+from lightning_hbm.layers.kinds import LayerKind, no_names, register_kind
 from lightning_hbm.memory.storage import quantized_format
 
 

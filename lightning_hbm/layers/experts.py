@@ -31,7 +31,8 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._compat import transformers as transformers_compat
-from lightning_hbm.layers.base import LayerKind, expert_counts, register_kind
+from lightning_hbm.layers.finding import expert_counts
+from lightning_hbm.layers.kinds import LayerKind, register_kind
 
 
 def supported(module: nn.Module) -> bool:
@@ -147,7 +148,7 @@ def _is_experts(module: nn.Module) -> bool:
     # the one number transformers sizes them from. A leading dim > 1 alone is not enough: RecurrentGemma's RG-LRU
     # gates [heads, width, width] (a per-head batched matmul), torch weight_norm's `original1` [out, in, kernel]
     # (Wav2Vec2's pos_conv_embed) and stacked tables are 3-D as well; they get their own coverage rows
-    # (layers/base.py). Convolutions hold 3-D weights too and are another kind.
+    # (layers/outside.py). Convolutions hold 3-D weights too and are another kind.
     if isinstance(module, torch_compat.ConvNd):
         return False
     counts = expert_counts(module)

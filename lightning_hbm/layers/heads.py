@@ -1,9 +1,10 @@
-"""Task heads: the layers a model's task puts on its backbone (a classifier, a CTC projection, a QA span scorer).
+"""A model's heads: its output (vocabulary) heads (:func:`output_heads`) and its task heads, the layers a model's task
+puts on its backbone (a classifier, a CTC projection, a QA span scorer).
 
 Found by what the model is, not by class or module names: for a Hugging Face model, what lies outside its
 ``base_model`` (exactly what ``from_pretrained`` of a base checkpoint reports missing and initialises at random);
 for a hand-written model, the last Linear on top of a backbone that narrows the hidden width to a few outputs.
-A language model's vocabulary head (:func:`~lightning_hbm.layers.output_heads`: tied to or as wide as the
+A language model's vocabulary head (:func:`output_heads`: tied to or as wide as the
 embedding) is pretrained with the embeddings and is no task head. LoRA trains task heads in full precision
 (``modules_to_save``) and saves them with the adapter; ``QuantizedPrecision`` leaves them unquantized.
 """
@@ -14,7 +15,7 @@ from typing import Optional
 
 from torch import nn
 
-from lightning_hbm.layers.base import output_heads, stored_in
+from lightning_hbm.layers.kinds import stored_in
 
 # transformers' auto mappings (model class per config) -> peft's TaskType: the task is what the model class is
 _TASKS = (
@@ -24,6 +25,42 @@ _TASKS = (
     ("MODEL_FOR_CAUSAL_LM_MAPPING", "CAUSAL_LM"),
     ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING", "SEQ_2_SEQ_LM"),
 )
+
+
+def output_heads(module: nn.Module) -> list[str]:
+    """Names of the output heads inside ``module``, one rule for every model.
+
+    Per model: transformers' ``get_output_embeddings()``; else a Linear whose weight is an
+    ``nn.Embedding``'s (a tied head); else the last registered Linear whose ``out_features`` is the
+    vocabulary (the widest ``nn.Embedding``'s ``num_embeddings``): LitGPT's ``lm_head``, torchtune's
+    ``output``, nanoGPT's untied ``lm_head``. The precision plugin keeps them in the compute dtype,
+    LoRA leaves them alone and ``FusedLoss`` fuses them.
+    """
+    by_id = {id(m): n for n, m in module.named_modules()}
+    heads: list[str] = []
+    for sub in module.modules():
+        getter = getattr(sub, "get_output_embeddings", None)
+        head = getter() if callable(getter) else None
+        if isinstance(head, nn.Module) and id(head) in by_id and by_id[id(head)] not in heads:
+            heads.append(by_id[id(head)])
+    if heads:
+        return heads
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        return []
+    linears = [(n, m) for n, m in module.named_modules() if hasattr(m, "out_features") and isinstance(getattr(m, "weight", None), nn.Parameter)]
+    shared = {id(e.weight) for e in embeddings}
+    tied = [n for n, m in linears if id(m.weight) in shared]
+    if tied:
+        return tied
+    # the widest embedding is the vocabulary: narrower ones (positions, token types) would match classifiers
+    vocab = max(e.num_embeddings for e in embeddings)
+    wide = [n for n, m in linears if m.out_features == vocab]
+    # a Linear inside a repeated block (an nn.ModuleList's element) is no head, even if its width equals the
+    # vocabulary: LitGPT registers lm_head before its blocks, whose MLP may be as wide as a tiny vocabulary
+    in_blocks = {f"{n}.{i}" if n else str(i) for n, m in module.named_modules() if isinstance(m, nn.ModuleList) for i in range(len(m))}
+    outside = [n for n in wide if not any(n == b or n.startswith(b + ".") for b in in_blocks)]
+    return (outside or wide)[-1:]
 
 
 def _under(name: str, prefixes: list[str]) -> bool:
@@ -129,3 +166,6 @@ def task_heads(module: nn.Module) -> list[str]:
     if "" in roots:  # module is itself a transformers model: nothing of it is hand-written
         return heads
     return heads + [h for h in _head_on_backbone(module, roots, lm_heads) if not _under(h, heads)]
+
+
+__all__ = ["hf_models", "output_heads", "task_heads", "task_type"]

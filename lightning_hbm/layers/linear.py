@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hbm.layers.base import LayerKind, register_kind
+from lightning_hbm.layers.kinds import LayerKind, register_kind
 
 
 class Fp32ComputeLinear(nn.Linear):

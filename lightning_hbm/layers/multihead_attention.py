@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.layers.base import LayerKind, register_kind
+from lightning_hbm.layers.kinds import LayerKind, register_kind
 
 
 def _float_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:

@@ -196,6 +196,14 @@ def host_offload_bytes(optimizers: Union[torch.optim.Optimizer, Iterable[torch.o
     return unique_bytes(tensors)
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state`` (each storage once: bitsandbytes shares its code books)."""
+    tensors: list[torch.Tensor] = []
+    for state in optimizer.state.values():
+        tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return unique_bytes(tensors)
+
+
 def offloaded_activation_bytes(module: nn.Module) -> int:
     """Host bytes ``ActivationCheckpointing(offload=True)`` moved off the device in the last step (pinned, as the host
     allocator rounds them), each offload hook once; 0 when nothing is offloaded or the target is the same memory.

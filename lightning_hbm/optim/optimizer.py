@@ -24,11 +24,9 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.memory.storage import unique_bytes
 from lightning_hbm.precision.bnb import import_bnb
-from lightning_hbm.surgery import Stage, SurgeryCallback
+from lightning_hbm.surgery import Stage, SurgeryCallback, repoint_lr_schedulers
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +75,7 @@ class MemoryEfficientOptimizer(SurgeryCallback):
     Lion takes ``lr``, ``betas`` and ``weight_decay`` (it has no ``eps``); it is a different
     algorithm that usually wants a 3-10x lower lr than AdamW, so pick it knowingly.
 
-    Logs nothing (:func:`optimizer_state_bytes` counts the saving).
+    Logs nothing (:func:`lightning_hbm.memory.storage.optimizer_state_bytes` counts the saving).
 
     Example::
 
@@ -225,36 +223,3 @@ def _repage_state(optimizer: Optimizer) -> None:
                 buffer = optimizer.get_state_buffer(param, dtype=value.dtype)  # type: ignore[attr-defined]
                 buffer.copy_(value)
                 state[key] = buffer
-
-
-def repoint_lr_schedulers(lr_scheduler_configs: list[Any], old: Optimizer, new: Optimizer) -> None:
-    """Make every LR scheduler that drives ``old`` drive ``new`` (also used by ``CPUOffloadStrategy``).
-
-    A torch ``LRScheduler`` keeps ``self.optimizer`` and, at construction, wraps
-    ``optimizer.step`` to record that it ran (it warns when ``scheduler.step()`` comes first or
-    when ``step`` was replaced). Both are redone for ``new``; ``SequentialLR``/``ChainedScheduler``
-    hold their children in ``_schedulers``.
-    """
-    for config in lr_scheduler_configs:
-        scheduler = getattr(config, "scheduler", config)
-        if _repoint(scheduler, old, new):
-            torch_compat.track_step_called(new)
-
-
-def _repoint(scheduler: Any, old: Optimizer, new: Optimizer) -> bool:
-    found = False
-    if getattr(scheduler, "optimizer", None) is old:
-        scheduler.optimizer = new
-        found = True
-    for child in torch_compat.child_schedulers(scheduler):
-        found = _repoint(child, old, new) or found
-    return found
-
-
-def optimizer_state_bytes(optimizer: Optimizer) -> int:
-    """Bytes of every tensor in ``optimizer.state`` (each storage once: bitsandbytes shares its code books)."""
-    tensors: list[torch.Tensor] = []
-    for state in optimizer.state.values():
-        tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-    return unique_bytes(tensors)
-

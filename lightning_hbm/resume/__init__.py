@@ -40,12 +40,14 @@ The package, one job per module (bottom to top; each imports only those above it
   only caller of :func:`verify`) and handed out verified (:func:`saved_part`: the precision plugin's saved plan);
 * ``checks``: the file, its layout and its tensors before anything loads (:func:`check_file`,
   :func:`check_layout`, :func:`check_contents`; the registered marks and checks);
-* ``restore``: the checkpoint against this run (:func:`check_settings`) and the changed tensors loaded
-  after the surgery (:func:`load_changed`);
+* ``restore``: the checkpoint against this run (:func:`check_settings`; :func:`check_resume` with the run's settings
+  the surgery registers, :func:`register_run_settings`) and the changed tensors loaded after the surgery
+  (:func:`load_changed`);
 * ``io``: atomic saves, :class:`CheckedCheckpointIO` and :func:`read_file` (a strategy that restores its own file):
   with ``checks`` (which reads a file's zip entries before torch does), the only modules of the package that open a
   checkpoint file (``tests/test_resume_owner.py``);
-* ``hooks``: the load hooks a Trainer's restore goes through (:func:`add_resume_hooks`).
+* ``hooks``: the load hooks a Trainer's restore goes through (:func:`add_resume_hooks`: they check with
+  :func:`check_resume`).
 
 This module is their face: ``from lightning_hbm import resume; resume.X`` for every name above.
 """
@@ -67,18 +69,21 @@ from lightning_hbm.resume.checks import (
     stray_keys,
 )
 from lightning_hbm.resume.fingerprints import _SAMPLES, as_built_record, fingerprint, fingerprint_v1, spread_indices
-from lightning_hbm.resume.hooks import ChangedCheck, ResumeCheck, add_resume_hooks, has_resume_hook
+from lightning_hbm.resume.hooks import add_resume_hooks, has_resume_hook
 from lightning_hbm.resume.io import CheckedCheckpointIO, atomic_save, clean_partials, fsync_dir, read_file
 from lightning_hbm.resume.keys import KeyMap, covered
 from lightning_hbm.resume.packing import FORMAT_VERSION, META_KEY, Saves, expect_saves, is_placeholder, pack, pack_for
 from lightning_hbm.resume.pending import is_verified, opened, pending, saved_part
 from lightning_hbm.resume.restore import (
     LOADED_ALREADY,
+    RunSettings,
     adapter_misfits,
+    check_resume,
     check_settings,
     config_differences,
     fingerprint_differences,
     load_changed,
+    register_run_settings,
     unrestored_keys,
 )
 from lightning_hbm.resume.sealing import checksum, meta_digest, seal, tensor_entries, validate_meta, value_digests, verify

@@ -1,27 +1,24 @@
 """The load hooks that read a lightning_hbm checkpoint into the model when a Trainer resumes it.
 
-The hooks need two answers only the surgery engine (a level above) has: whether the surgery already changed the
-model, and the resume checks with the Trainer's plugin and transforms. The engine hands them in
-(:func:`add_resume_hooks`): module-level functions, so a model holding the hooks stays picklable. The checkpoint and
-its verified lightning_hbm part come from :mod:`lightning_hbm.resume.pending`, as for every other reader.
+Everything they need comes from this package: the checkpoint and its verified lightning_hbm part from
+:mod:`lightning_hbm.resume.pending` (as for every other reader), the settings check from
+:func:`~lightning_hbm.resume.restore.check_resume` (with the run's settings the surgery registered there), and
+whether the surgery already changed the model from the model's record. A hook holds no function of a level above, so
+a model holding it stays picklable.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any
 
 from torch import nn
 
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.record import applied_transforms
 from lightning_hbm.resume.keys import KeyMap
 from lightning_hbm.resume.pending import opened, pending
-
-#: ``check(trainer, module, meta, path)``: the settings and frozen base of a checkpoint against the run resuming it,
-#: before Lightning copies a tensor into the model as built (``surgery.check_resume``)
-ResumeCheck = Callable[[Any, nn.Module, Optional[dict[str, Any]], Any], None]
-#: ``changed(module)``: whether a surgery already changed ``module`` (then the changed tensors load right away)
-ChangedCheck = Callable[[nn.Module], bool]
+from lightning_hbm.resume.restore import check_resume
 
 
 def has_resume_hook(module: nn.Module) -> bool:
@@ -29,19 +26,22 @@ def has_resume_hook(module: nn.Module) -> bool:
     return any(isinstance(h, _ResumeHook) for h in torch_compat.load_state_dict_pre_hooks(module))
 
 
-def add_resume_hooks(module: nn.Module, check: ResumeCheck, changed: ChangedCheck) -> None:
+def add_resume_hooks(module: nn.Module) -> None:
     """Register (once per model) the load hooks that read lightning_hbm checkpoints; inert for other checkpoints.
 
     Args:
         module: the model a Trainer may restore a checkpoint into.
-        check: the resume checks of the surgery engine (see :data:`ResumeCheck`).
-        changed: whether the surgery already changed a model (see :data:`ChangedCheck`).
     """
     if has_resume_hook(module):
         return
-    hook = _ResumeHook(check, changed)
+    hook = _ResumeHook()
     module.register_load_state_dict_pre_hook(hook)
     module.register_load_state_dict_post_hook(hook.forgive)
+
+
+def _changed(module: nn.Module) -> bool:
+    """Whether a surgery already changed ``module`` (then the changed tensors load right away)."""
+    return bool(applied_transforms(module))
 
 
 class _ResumeHook:
@@ -54,8 +54,7 @@ class _ResumeHook:
     stays Lightning's strict error.
     """
 
-    def __init__(self, check: ResumeCheck, changed: ChangedCheck) -> None:
-        self.check, self.changed = check, changed
+    def __init__(self) -> None:
         self.omitted: list[str] = []
         self.placeholders: set[str] = set()
 
@@ -66,15 +65,15 @@ class _ResumeHook:
         if trainer is None or loaded is None or prefix:
             return  # not Lightning restoring a checkpoint: nothing to check
         meta = opened(loaded, trainer.ckpt_path)  # verified by the checked IO that read it (or here, if another did)
-        if trainer.state.fn == "fit" and not self.changed(module):
+        if trainer.state.fn == "fit" and not _changed(module):
             # settings and frozen base, before Lightning copies a single tensor into the model as built
-            self.check(trainer, module, meta, trainer.ckpt_path)
+            check_resume(trainer, module, meta, trainer.ckpt_path)
         if meta is None:
             return  # not a lightning_hbm checkpoint: Lightning's rules, unchanged
         self.placeholders = set(meta.get("placeholders", []))
         for key in self.placeholders:
             state_dict.pop(key, None)
-        if self.changed(module):
+        if _changed(module):
             state_dict.update(meta.get("state_dict", {}))
         self.omitted = list(meta.get("omitted", []))
 

@@ -1,15 +1,18 @@
 """The checkpoint against this run: its settings, adapter sizes and frozen base before the first change
-(:func:`check_settings`), and its changed tensors loaded into the changed model after the surgery (:func:`load_changed`)."""
+(:func:`check_settings`; :func:`check_resume` for a Trainer's run, with the settings the surgery registered), and its
+changed tensors loaded into the changed model after the surgery (:func:`load_changed`)."""
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
+from lightning_hbm.record import as_built, set_as_built
+from lightning_hbm.resume.fingerprints import as_built_record
 from lightning_hbm.resume.keys import KeyMap, _canonical
 
 log = logging.getLogger(__name__)
@@ -154,3 +157,30 @@ def check_settings(
             "pretrained weights as the run that saved it; to put these adapters on a different base on purpose, "
             "pass LoRA(allow_base_change=True)."
         )
+
+
+#: ``settings(trainer) -> (configs, allows_base_change)``: the settings of a Trainer's run that a checkpoint it resumes
+#: must share (by plugin or transform name), and whether a transform accepts another frozen base
+RunSettings = Callable[[Any], tuple[dict[str, Any], bool]]
+_RUN_SETTINGS: list[RunSettings] = []
+
+
+def register_run_settings(settings: RunSettings) -> None:
+    """Read a Trainer run's settings with ``settings`` (the surgery, which knows the plugin and the transforms,
+    registers it once at import, as the precision level registers its meta checks). Read when a resume is checked,
+    not before: the plugin's part depends on the checkpoint being resumed (its saved plan)."""
+    _RUN_SETTINGS[:] = [settings]
+
+
+def check_resume(trainer: Any, module: nn.Module, meta: Optional[dict[str, Any]], path: Any) -> None:
+    """:func:`check_settings` with the settings of ``trainer``'s run, for the load paths outside the surgery:
+    Lightning's weight restore (the load hook, before the surgery) and a strategy that restores after its setup (FSDP).
+
+    Raises:
+        ValueError: for settings that differ, adapters that do not fit, or a changed base; nothing was loaded.
+    """
+    if as_built(module) is None:  # before the surgery: the model is as the user built it
+        set_as_built(module, as_built_record(module))
+    # no surgery imported (no lightning_hbm plugin, callback or strategy in the run): nothing applied, nothing shared
+    configs, allows_base_change = _RUN_SETTINGS[0](trainer) if _RUN_SETTINGS else ({}, False)
+    check_settings(meta, configs, as_built(module), allows_base_change, path)

@@ -57,7 +57,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hbm import resume, surgery
+from lightning_hbm import resume
 from lightning_hbm._validate import check_args
 from lightning_hbm._compat import _PATH, _materialize_distributed_module, _optimizers_to_device
 from lightning_hbm._compat import lightning as lightning_compat
@@ -266,7 +266,7 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         if cast(pl.LightningModule, self.lightning_module).trainer.state.fn == TrainerFn.FITTING:
             # Lightning restores after this strategy's setup (the surgery already ran: trainer.ckpt_path is not known
             # before), so the settings and base fingerprints are checked here, before any tensor is loaded or step run
-            surgery.check_resume(cast(pl.LightningModule, self.lightning_module).trainer, cast(pl.LightningModule, self.lightning_module), checkpoint.get(resume.META_KEY), path)
+            resume.check_resume(cast(pl.LightningModule, self.lightning_module).trainer, cast(pl.LightningModule, self.lightning_module), checkpoint.get(resume.META_KEY), path)
         self._load_trainable(_trainable_part(checkpoint))
         optimizer_states = checkpoint.pop("optimizer_states", [])
         if cast(pl.LightningModule, self.lightning_module).trainer.state.fn == TrainerFn.FITTING and optimizer_states:

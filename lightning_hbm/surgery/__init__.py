@@ -7,6 +7,7 @@
 * :mod:`~lightning_hbm.surgery.record`: what the surgery knows of a model (kept in :mod:`lightning_hbm.record`,
   nothing set on the model).
 * :mod:`~lightning_hbm.surgery.ranks`: ranks that built different bases.
+* :mod:`~lightning_hbm.surgery.optimizers`: what whoever replaces an optimizer must do (:func:`repoint_lr_schedulers`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ from lightning_hbm.surgery.engine import (
     PluginAttach,
     Stage,
     SurgeryCallback,
-    add_resume_hooks,
     apply_transforms,
-    check_resume,
     check_saves,
     install,
     pack_checkpoint,
@@ -27,22 +26,22 @@ from lightning_hbm.surgery.engine import (
     plugin_trainer,
     prune_frozen_parameters,
     resume_configs,
+    run_settings,
     run_surgery,
     surgery_callbacks,
     trainer_optimizers,
     trainer_surgery,
     transform_optimizers,
 )
+from lightning_hbm.surgery.optimizers import repoint_lr_schedulers
 from lightning_hbm.surgery.record import applied_transforms, mark_applied
 
 __all__ = [
     "PluginAttach",
     "Stage",
     "SurgeryCallback",
-    "add_resume_hooks",
     "applied_transforms",
     "apply_transforms",
-    "check_resume",
     "check_saves",
     "install",
     "mark_applied",
@@ -52,7 +51,9 @@ __all__ = [
     "plugin_config",
     "plugin_trainer",
     "prune_frozen_parameters",
+    "repoint_lr_schedulers",
     "resume_configs",
+    "run_settings",
     "run_surgery",
     "surgery_callbacks",
     "trainer_optimizers",

@@ -38,14 +38,16 @@ exactly the keys the checkpoint says it left out; any other missing key is Light
 error. With ``QuantizedPrecision`` alone, Lightning loads the placeholders, and the engine loads the
 real tensors right after quantizing. Resume owns the file: it reads and verifies the checkpoint once
 (:mod:`lightning_hbm.resume.pending`) and hands this engine, the hooks and the plugin its verified part; once the
-model is changed, this engine hands resume what the run's checkpoints are packed with (:func:`_hand_saves`).
+model is changed, this engine hands resume what the run's checkpoints are packed with (:func:`_hand_saves`). The
+resume checks outside the surgery are resume's too (:func:`lightning_hbm.resume.check_resume`): this engine only
+registers how a Trainer run's settings are read (:func:`run_settings`).
 
-The package: this module is the engine, the resume checks that need the transforms and the Trainer adapter (one
+The package: this module is the engine, the settings of a run that a resume compares and the Trainer adapter (one
 import cycle by design: ``SurgeryCallback.setup`` installs the engine, which finds the ``SurgeryCallback`` s);
 ``record`` (a face over :mod:`lightning_hbm.record`, where what the surgery knows of a model is kept: nothing is set
 on the model), ``ranks`` (ranks that built different bases) are the parts
 that need none of it. The resume checks themselves, the load hooks and the file format live in
-:mod:`lightning_hbm.resume`; this module hands them the Trainer's plugin and transforms.
+:mod:`lightning_hbm.resume`; this module tells them the settings of the Trainer's plugin and transforms.
 """
 
 from __future__ import annotations
@@ -267,7 +269,7 @@ def run_surgery(
     if meta is not None:
         resume.load_changed(module, meta, cast(dict[str, Any], checkpoint), checkpoint_path)  # not None: meta came from it
     if applied_transforms(module):
-        add_resume_hooks(module)  # later loads into the changed model (trainer.test(ckpt_path=...))
+        resume.add_resume_hooks(module)  # later loads into the changed model (trainer.test(ckpt_path=...))
         _guard(module)
     return module
 
@@ -370,13 +372,16 @@ def _guard(module: nn.Module) -> None:
     readers.guard_unobserved(module, source_readers(module), changed)  # once per model
 
 
-def check_resume(trainer: pl.Trainer, module: nn.Module, meta: Optional[dict[str, Any]], path: Any) -> None:
-    """The resume checks of :func:`run_surgery` with the Trainer's plugin and transforms, for the load paths that run
-    outside it: Lightning's weight restore (before the surgery) and a strategy that restores after setup (FSDP)."""
-    if as_built(module) is None:  # before the surgery: the model is as the user built it
-        set_as_built(module, resume.as_built_record(module))
-    plugin = trainer.strategy.precision_plugin
-    _check_resume(module, plugin, surgery_callbacks(trainer), meta, path)
+def run_settings(trainer: pl.Trainer) -> tuple[dict[str, Any], bool]:
+    """The settings of ``trainer``'s run that a checkpoint it resumes must share, and whether a transform accepts
+    another frozen base: what :func:`lightning_hbm.resume.check_resume` checks a resume with, outside
+    :func:`run_surgery` (Lightning's weight restore before the surgery, a strategy that restores after its setup).
+    Registered with resume below; read when a resume is checked (the plugin's part depends on the checkpoint)."""
+    transforms = surgery_callbacks(trainer)
+    return resume_configs(trainer.strategy.precision_plugin, transforms), any(t.allows_base_change() for t in transforms)
+
+
+resume.register_run_settings(run_settings)
 
 
 def _check_resume(
@@ -572,7 +577,7 @@ def install(trainer: pl.Trainer) -> None:
         lightning_compat.override_plugin_hooks(plugin, _SpineConvert(plugin), _SpineConnect(plugin))
     check_saves(trainer)
     if trainer.lightning_module is not None:
-        add_resume_hooks(trainer.lightning_module)
+        resume.add_resume_hooks(trainer.lightning_module)
 
 
 class PluginAttach(Callback):
@@ -614,16 +619,6 @@ def check_saves(trainer: pl.Trainer) -> resume.CheckedCheckpointIO:
     if not any(isinstance(c, MidEpochResumeCheck) for c in trainer.callbacks):  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
         trainer.callbacks.append(MidEpochResumeCheck())  # type: ignore[attr-defined]  # undeclared on Trainer (CallbackConnector sets it); a mid-epoch resume with a loader Lightning restarts: warn
     return io
-
-
-def add_resume_hooks(module: nn.Module) -> None:
-    """:func:`lightning_hbm.resume.add_resume_hooks` with this engine's checks (once per model)."""
-    resume.add_resume_hooks(module, check_resume, _changed)
-
-
-def _changed(module: nn.Module) -> bool:
-    """Whether a surgery already changed ``module`` (the resume hooks then load the changed tensors right away)."""
-    return bool(applied_transforms(module))
 
 
 def _hand_saves(trainer: pl.Trainer) -> None:

@@ -1,9 +1,13 @@
-"""The layer-kind protocol (``lightning_hbm/layers/base.py``): a kind is one registration, and everything generic
-(quantization, LoRA names, coverage, the sensitivity byte prediction, the docs' kind table) follows it."""
+"""The layer-kind protocol (``lightning_hbm/layers/kinds.py``): a kind is one registration, and everything generic
+(quantization, LoRA names, coverage, the sensitivity byte prediction, the docs' kind table) follows it.
+
+``layers/base.py``, where all of it lived, is split by job (issue 54): it stays a face that defines nothing."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib
 import re
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +30,7 @@ from lightning_hbm.layers import (
     find_layers,
     format_coverage,
     kind_names,
+    kinds,
     kind_table,
     layer_kinds,
     prepare_model,
@@ -74,9 +79,9 @@ def raw_kind(**changes: object) -> LayerKind:
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, LayerKind]]:
     """A copy of the registry for the test: a kind registered here is gone afterwards."""
-    kinds = dict(base._KINDS)
-    monkeypatch.setattr(base, "_KINDS", kinds)
-    yield kinds
+    registered = dict(kinds._KINDS)
+    monkeypatch.setattr(kinds, "_KINDS", registered)
+    yield registered
 
 
 @pytest.fixture
@@ -169,17 +174,30 @@ def test_sensitivity_bytes_ask_each_kind_for_its_features() -> None:
     assert weight_bytes("int8", 32, 96, torch.bfloat16) != weight_bytes("int8", 96, 32, torch.bfloat16)
 
 
-def test_an_adapted_layer_kept_wide_has_its_reason() -> None:
-    """Issue 53: coverage() gave a reason only to layers neither quantized nor adapted; a layer kept wide but adapted
-    (here by ``ignore_modules``) had none in the table printed at fit start."""
-    import torch
-    from torch import nn
+LAYERS = Path(__file__).resolve().parents[2] / "lightning_hbm" / "layers"
+JOBS = ("kinds", "finding", "source_scan", "heads", "outside", "coverage_table")
 
-    from lightning_hbm import LoRA, QuantizedPrecision
-    from lightning_hbm.layers import report_coverage
-    from lightning_hbm.surgery import run_surgery
 
-    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
-    run_surgery(model, QuantizedPrecision("nf4-dq", dtype="float32", ignore_modules=["2"]), [LoRA(r=2, target_modules=["0", "2"])], batch=torch.randn(2, 16))
-    rows = {r.kind: r for r in report_coverage(model, quantizing=True)}
-    assert rows["Linear"].reasons == {"QuantizedPrecision(ignore_modules=...); adapted by LoRA": 16 * 16 + 16}
+def test_base_is_a_face_over_the_modules_split_by_job() -> None:
+    """What ``from lightning_hbm.layers.base import X`` gave still comes, the same object, from the module of its job;
+    ``base.py`` defines nothing, and nothing in the package imports it."""
+    tree = ast.parse((LAYERS / "base.py").read_text())
+    defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    defined += [t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name) and t.id != "__all__"]
+    assert defined == []
+    homes = [importlib.import_module(f"lightning_hbm.layers.{job}") for job in JOBS]
+    for name in base.__all__:
+        assert any(getattr(home, name, None) is getattr(base, name) and name in home.__all__ for home in homes), name
+    importers = [path.name for path in sorted(LAYERS.parent.rglob("*.py")) if _imports_base(ast.parse(path.read_text()))]
+    assert importers == []
+
+
+def _imports_base(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "lightning_hbm.layers.base":
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "lightning_hbm.layers" and any(a.name == "base" for a in node.names):
+            return True
+        if isinstance(node, ast.Import) and any(a.name == "lightning_hbm.layers.base" for a in node.names):
+            return True
+    return False

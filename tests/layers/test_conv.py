@@ -17,7 +17,7 @@ from kind_models import Classifier, fit_cnn
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_hbm import LoRA, QuantizedPrecision
+from lightning_hbm import LoRA, QuantizedPrecision, coverage_of
 from lightning_hbm.layers import QuantizedConv1d, QuantizedConv2d, QuantizedConv3d, coverage, stored_in
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision import quantize_model
@@ -189,7 +189,7 @@ def test_lora_on_quantized_convolutions_trains_and_the_base_stays_as_stored(tmp_
     assert grads and all(grads.values()), grads
     packed = stored_in(module.conv.base_layer).weight
     assert not packed.is_floating_point() and not packed.requires_grad
-    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    rows = {r.kind: r for r in coverage_of(module)}
     assert rows["Conv"].quantized == rows["Conv"].params and rows["Conv"].unhandled == 0
     assert parameter_bytes(module.conv) < 0.6 * 64 * 64 * 9 + parameter_bytes(module.conv, trainable=True)
 
@@ -301,7 +301,7 @@ def fit_speech(tmp_path: Any, epochs: int, ckpt_path: Any = None, save: bool = F
 def test_hubert_with_its_weight_norm_folded_trains_and_resumes_exactly(tmp_path: Any) -> None:
     straight = fit_speech(tmp_path, 2)
     assert isinstance(straight.model.encoder.pos_conv_embed.conv, QuantizedConv1d)
-    rows = {r.kind: r for r in straight.lightning_hbm_coverage}
+    rows = {r.kind: r for r in coverage_of(straight)}
     assert "parametrized weights" not in rows and rows["Conv"].quantized == rows["Conv"].params
     fit_speech(tmp_path, 1, save=True)
     resumed = fit_speech(tmp_path, 2, ckpt_path=tmp_path / "half.ckpt")
@@ -346,7 +346,7 @@ def test_diffusers_unet_attention_is_adapted_and_95_percent_quantized(tmp_path: 
     attention = module.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1
     for name in ("to_q", "to_k", "to_v"):
         assert hasattr(getattr(attention, name), "lora_A"), name
-    rows = [r for r in module.lightning_hbm_coverage if r.kind in ("Conv", "Linear")]
+    rows = [r for r in coverage_of(module) if r.kind in ("Conv", "Linear")]
     assert sum(r.quantized for r in rows) >= 0.95 * sum(r.params for r in rows)
 
 
@@ -406,7 +406,7 @@ def test_batchnorm_cnn_trains_in_bf16_with_convolutions_quantized_and_adapted(tm
     bn = module.model.layer1[0].bn1
     # as Lightning's mixed precision: BatchNorm weights and statistics in fp32 (batch_norm takes a bf16 input)
     assert bn.weight.dtype == bn.running_mean.dtype == torch.float32 and module.model.layer1[0].conv1.base_layer.weight.dtype == torch.bfloat16
-    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    rows = {r.kind: r for r in coverage_of(module)}
     assert rows["Conv"].adapted == rows["Conv"].quantized == rows["Conv"].params > 0.8 * sum(r.params for r in rows.values() if not r.kind.startswith("LoRA"))
     # nf4-dq: 4.127 bits a weight plus ~1 KiB of nested code book per layer, a lot for these 9k-weight convolutions
     # (0.65 B/weight here; ResNet18's sizes: tests/layers/test_conv.py)

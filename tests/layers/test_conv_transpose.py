@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_hbm import LoRA, QuantizedPrecision
+from lightning_hbm import LoRA, QuantizedPrecision, coverage_of
 from lightning_hbm.layers import QuantizedConvTranspose1d, QuantizedConvTranspose2d, QuantizedConvTranspose3d, coverage, stored_in
 from lightning_hbm.layers.conv_transpose import NOT_ADAPTED
 from lightning_hbm.memory import parameter_bytes
@@ -121,7 +121,7 @@ def test_an_upscaler_trains_in_bf16_with_its_transposed_convolutions_quantized_a
     straight, losses = fit_upscaler(tmp_path, 3)
     assert losses[-1] < losses[0] and isinstance(straight.up1, QuantizedConvTranspose2d)
     assert not stored_in(straight.up1).weight.is_floating_point() and straight.up1.bias.dtype == torch.bfloat16
-    rows = {r.kind: r for r in straight.lightning_hbm_coverage}
+    rows = {r.kind: r for r in coverage_of(straight)}
     assert rows["ConvTranspose"].quantized == rows["ConvTranspose"].params and rows["ConvTranspose"].unhandled == 0
     # a third of its bf16 size (4.1 bits a weight plus nf4-dq's ~1 KiB nested code book, a lot for 8k weights)
     assert parameter_bytes(straight.up1) < 0.4 * 2 * 64 * 32 * 4

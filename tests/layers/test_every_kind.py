@@ -15,7 +15,7 @@ import torch
 from kind_models import Classifier, MODELS, ViTClassifier, build, fit, fit_epochs, images, quantized_bytes_per_param, relative_error, tokens
 from torch import nn
 
-from lightning_hbm import LoRA, quantize_model
+from lightning_hbm import LoRA, coverage_of, quantize_model
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -31,12 +31,12 @@ def test_trains_with_nf4_dq_lora_and_checkpointing(name: str, tmp_path: Any) -> 
     assert not recorder.no_grad, f"adapters without gradient: {sorted(recorder.no_grad)[:6]}"
     per_param = quantized_bytes_per_param(module)
     assert per_param and all(v <= 0.6 for v in per_param.values()), per_param
-    kinds = [r for r in module.lightning_hbm_coverage if not r.kind.startswith(("other", "LoRA adapters"))]
+    kinds = [r for r in coverage_of(module) if not r.kind.startswith(("other", "LoRA adapters"))]
     # the blocks hold the bulk of every model's layers (heads and poolers sit outside them)
     assert sum(r.checkpointed for r in kinds) > 0.5 * sum(r.params for r in kinds), kinds
     assert not [w for w in caught if "layers left as they were" in str(w.message)]  # every kind is handled
     if name == "mixtral":
-        experts = next(r for r in module.lightning_hbm_coverage if r.kind.startswith("Experts"))
+        experts = next(r for r in coverage_of(module) if r.kind.startswith("Experts"))
         assert experts.quantized == experts.adapted == experts.params  # was: 77 % left in 16 bits, silently
 
 
@@ -63,7 +63,7 @@ def test_int8_dynamic_covers_the_same_kinds(name: str, tmp_path: Any) -> None:
     assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
     per_param = quantized_bytes_per_param(module)
     assert per_param and all(v <= 1.1 for v in per_param.values()), per_param
-    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    rows = {r.kind: r for r in coverage_of(module)}
     kind = {"gpt2": "Conv1D", "transformer_encoder": "MultiheadAttention", "bert": "Linear"}[name]
     assert rows[kind].quantized > 0 and rows[kind].adapted > 0
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import T5Config, T5ForConditionalGeneration
 
-from lightning_hbm import LoRA, QuantizedPrecision, quantize_model
+from lightning_hbm import LoRA, QuantizedPrecision, coverage_of, quantize_model
 from lightning_hbm.layers import base_layer, coverage, format_coverage, stored_in
 from lightning_hbm.layers.linear import Fp32ComputeLinear
 from lightning_hbm.memory import parameter_bytes
@@ -83,7 +83,7 @@ def test_t5_wo_trains_with_lora_in_bf16_and_resumes_exactly(tmp_path: Any) -> No
     assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
     wo = straight.get_submodule(WO)
     assert isinstance(base_layer(wo), Fp32ComputeLinear) and wo.lora_A["default"].weight.grad is not None
-    rows = {r.kind: r for r in straight.lightning_hbm_coverage}
+    rows = {r.kind: r for r in coverage_of(straight)}
     fp32 = [why for why in rows["Linear"].reasons if "fp32" in why]
     assert fp32 == [Fp32ComputeLinear.coverage_note]
     assert rows["Linear"].unhandled == 0
@@ -127,7 +127,7 @@ def test_bert_modules_to_save_stay_unquantized_and_train(tmp_path: Any) -> None:
     fit(module, "nf4-dq", steps=2, lora={"modules_to_save": ["classifier"]}, tmp_path=tmp_path)
     classifier = module.model.classifier
     assert type(classifier) is nn.Linear and classifier.weight.requires_grad and classifier.weight.grad is not None
-    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    rows = {r.kind: r for r in coverage_of(module)}
     assert "LoRA modules_to_save: trained in full precision" in rows["Linear"].reasons
 
 

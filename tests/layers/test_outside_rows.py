@@ -17,9 +17,9 @@ from kind_models import VOCAB, GradientRecorder, ViTClassifier, Wrapped, images
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision
+from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision, coverage_of
 from lightning_hbm.layers import coverage, coverage_warnings, kind_of, prepare_model
-from lightning_hbm.layers.base import GROUPED_WEIGHTS, PARAMETRIZED_WEIGHTS, POSITION_TABLES, RAW_WEIGHTS, ROUTER_WEIGHTS
+from lightning_hbm.layers.outside import GROUPED_WEIGHTS, PARAMETRIZED_WEIGHTS, POSITION_TABLES, RAW_WEIGHTS, ROUTER_WEIGHTS
 from lightning_hbm.precision import quantize_model
 
 EXPERTS = "Experts (3-D parameters)"
@@ -167,7 +167,7 @@ def test_vit_trains_and_its_tokens_are_not_called_experts(tmp_path: Any) -> None
         trainer.fit(module, DataLoader([images(1)] * 4, batch_size=None))
     assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
     assert not [w for w in caught if "Experts" in str(w.message)]
-    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    rows = {r.kind: r for r in coverage_of(module)}
     assert "Experts (3-D parameters)" not in rows  # was: "Experts (3-D parameters): this variant is not supported yet"
     assert rows["other (embeddings, norms, ...)"].params >= module.model.class_token.numel() + module.model.encoder.pos_embedding.numel()
     assert rows["MultiheadAttention"].quantized == rows["MultiheadAttention"].params > 0

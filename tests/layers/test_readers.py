@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from kind_models import build, build_any, fit_epochs_module
 
-from lightning_hbm import LoRA, QuantizedPrecision
+from lightning_hbm import LoRA, QuantizedPrecision, coverage_of
 from lightning_hbm.layers import base_layer, find_layers, readers, source_readers, weight_readers
 from lightning_hbm.surgery import run_surgery
 
@@ -162,7 +162,7 @@ def test_bloom_dense_layers_are_quantized_and_adapted(tmp_path: Any) -> None:
     for name in ("self_attention.dense", "mlp.dense_4h_to_h", "self_attention.query_key_value", "mlp.dense_h_to_4h"):
         layer = module.get_submodule(f"model.transformer.h.0.{name}")
         assert quantized(module, f"model.transformer.h.0.{name}") and hasattr(layer, "lora_A"), name
-    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    rows = {r.kind: r for r in coverage_of(module)}
     assert rows["Linear"].unhandled == 0
     module.model.config.pretraining_tp, module.model.config.slow_but_exact = 2, True
     for block in module.model.transformer.h:
@@ -182,7 +182,7 @@ def test_mamba_x_proj_and_out_proj_are_quantized_where_the_kernel_branch_does_no
         assert quantized(module, f"{mixer}.{name}"), name
     # dt_proj's weight is read by `self.dt_proj.weight @ time_step` on the path that trains: left alone, named
     assert not quantized(module, f"{mixer}.dt_proj")
-    row = {r.kind: r for r in module.lightning_hbm_coverage}["Linear"]
+    row = {r.kind: r for r in coverage_of(module)}["Linear"]
     assert row.undeliberate == [f"model.backbone.layers.{i}.mixer.dt_proj" for i in range(2)]
     assert any(why.startswith("weight read directly by MambaMixer.forward") for why in row.reasons)
 
@@ -232,7 +232,7 @@ def test_layers_whose_weight_is_read_directly_stay_in_compute_dtype_and_are_name
     assert recorder.losses[-1] < recorder.losses[0] and not recorder.no_grad
     for layer in read:
         assert type(module.get_submodule(layer)) is nn.Linear and module.get_submodule(layer).weight.is_floating_point()
-    rows = {r.kind: r for r in module.lightning_hbm_coverage}
+    rows = {r.kind: r for r in coverage_of(module)}
     assert rows["Linear"].quantized > 0 and set(read) == set(rows["Linear"].undeliberate)
     assert any(why.startswith(f"weight read directly by {reader}") for why in rows["Linear"].reasons)
 
@@ -301,7 +301,7 @@ class ConvViT(pl.LightningModule):
 
 
 def conv_quantized(module: nn.Module, name: str) -> bool:
-    from lightning_hbm.layers.base import stored_in
+    from lightning_hbm.layers.kinds import stored_in
 
     return stored_in(base_layer(module.get_submodule(name))) is not None
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_hbm import MemoryEfficientOptimizer
-from lightning_hbm.optim.optimizer import optimizer_state_bytes
+from lightning_hbm.memory.storage import optimizer_state_bytes
 from lightning_hbm.models import NanoGPT
 
 

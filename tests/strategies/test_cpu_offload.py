@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, StrategyRegistry
 
 from lightning_hbm import CPUOffloadStrategy, LoRA, MemoryEfficientOptimizer, QuantizedPrecision
-from lightning_hbm.optim.optimizer import optimizer_state_bytes
+from lightning_hbm.memory.storage import optimizer_state_bytes
 from lightning_hbm.models import NanoGPT
 from lightning_hbm.strategies.cpu_offload import OffloadedOptimizer, host_offload_bytes
 

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 from torch import nn
 
-from lightning_hbm import LoRA, QuantizedPrecision, applied_transforms, quantize_model
+from lightning_hbm import LoRA, QuantizedPrecision, applied_transforms, coverage_of, quantize_model
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.memory import parameter_count
 
@@ -116,9 +116,9 @@ def test_lazy_model_modules_to_save_and_explicit_targets(
     # the coverage table's adapter row counts the adapted layers (one peft LoRA layer each), not 0
     from lightning_hbm.layers import format_coverage
 
-    row = next(r for r in model.lightning_hbm_coverage if r.kind == "LoRA adapters (trained)")
+    row = next(r for r in coverage_of(model) if r.kind == "LoRA adapters (trained)")
     assert row.layers == 2 and row.params == sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
-    line = next(t for t in format_coverage(model.lightning_hbm_coverage).splitlines() if t.startswith("LoRA adapters"))
+    line = next(t for t in format_coverage(coverage_of(model)).splitlines() if t.startswith("LoRA adapters"))
     assert line.split()[3:5] == ["2", f"{row.params:,}"]
 
 
