@@ -308,7 +308,7 @@ def choose(result: Plan) -> Optional[Prediction]:
     ``nf4-dq`` +3 to +5 % (SmolLM2-135M, benchmarks/README.md), worth more than the step time a slower candidate costs."""
     fitting = [p for p in result.predictions if p.fits]
     accurate = [p for p in fitting if not p.candidate.quantized or p.candidate.correction_rank]
-    return (accurate or fitting or [None])[0]
+    return (accurate or fitting)[0] if fitting else None
 
 
 def _say_why(result: Plan, chosen: Prediction) -> Optional[str]:
