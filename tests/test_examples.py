@@ -25,6 +25,7 @@ import lightning_hbm
 from lightning_hbm import QuantizedPrecision, applied_transforms
 from lightning_hbm.cli import HBMCLI
 from lightning_hbm.precision import available_precisions
+from lightning_hbm.precision.correction import corrected_layers
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter:UserWarning")
 
@@ -86,6 +87,12 @@ def _check_recipe_applied(recipe: dict[str, Any], trainer: Any, model: Any) -> N
         assert any(isinstance(cb, cls) for cb in trainer.callbacks), f"{cls.__name__} missing"
         if issubclass(cls, lightning_hbm.SurgeryCallback):
             assert cls.__qualname__ in applied_transforms(model)
+    for spec in recipe["trainer"].get("plugins") or []:  # qlora-accurate.yaml: the plugin's options as written
+        if spec["class_path"].endswith("QuantizedPrecision"):
+            plugin = trainer.precision_plugin
+            assert isinstance(plugin, QuantizedPrecision)
+            assert {k: plugin.mode.name if k == "mode" else getattr(plugin, k) for k in spec["init_args"]} == spec["init_args"]
+            assert bool(corrected_layers(model)) == bool(spec["init_args"].get("correction_rank"))
     strategy = recipe["trainer"].get("strategy")
     if isinstance(strategy, dict):
         assert type(trainer.strategy).__name__ == strategy["class_path"].rsplit(".", 1)[-1]

