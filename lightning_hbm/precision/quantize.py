@@ -292,7 +292,7 @@ def _quantize_listed(
     """:func:`quantize_model` after its checks, on the targets ``listing(prepared)`` gives.
 
     ``prepared``: preparing a layer kind (``nn.MultiheadAttention`` -> four Linears) replaced modules, so a listing
-    of the model before it is stale; otherwise a ``QuantizationPlan`` reuses the listing of its checks. ``correct``
+    of the model before it is stale; otherwise a ``Quantization`` reuses the listing of its checks. ``correct``
     (``QuantizedPrecision(correction_rank=...)``): called with each quantized Linear-like layer and the weight it was
     built from, after any GPTQ rounding, while that weight still exists; ``correct.skip`` with a convolution's name.
     """
