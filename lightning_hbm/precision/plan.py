@@ -39,7 +39,7 @@ from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionR
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.gptq import digest, grid_of, input_statistics
 from lightning_hbm.precision.int4_asym import regrid_warning
-from lightning_hbm.precision.quantize import Listing, _layer_modes, _quantizable_linears, _quantize_listed, _validate
+from lightning_hbm.precision.quantize import Listing, TargetRule, _layer_modes, _validate, prepare_targets, quantize_targets
 from lightning_hbm.precision.registry import format_of
 from lightning_hbm.layers import CONV
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, choose_plan
@@ -154,8 +154,8 @@ class Quantization:
         #: where the quantized layers are built (the strategy's root device; ``None``: where the weights are)
         self.device: Optional[torch.device] = None
         self.owner = owner
-        # (model, its modules_to_save, the listing): the targets of the surgery under way
-        self._listing: Optional[tuple[weakref.ref, list[str], Listing]] = None
+        # (model, the rule, the listing): the targets of the surgery under way
+        self._listing: Optional[tuple[weakref.ref, TargetRule, Listing]] = None
 
     @property
     def rounding_digest(self) -> Optional[str]:
@@ -179,19 +179,19 @@ class Quantization:
 
     # ------------------------------------------------------------------ targets
 
-    def listing(self, module: nn.Module, fresh: bool = False) -> Listing:
-        """(targets, layers left alone with (reason, deliberate)) of ``module``, listed once per surgery.
+    def listing(self, module: nn.Module) -> Listing:
+        """(targets, layers left alone with (reason, deliberate)) of ``module``, listed once per surgery."""
+        return self._listed(module)[1]
 
-        Args:
-            module: the model of the surgery under way.
-            fresh: list again (the model changed since: a layer kind's preparation replaced modules).
-        """
-        keep = modules_to_save(module)
+    def _listed(self, module: nn.Module) -> tuple[TargetRule, Listing]:
+        """The rule of this surgery (settings and the modules trained in full) and its listing of ``module``: listed
+        again only when the model or the modules trained in full changed since."""
+        rule = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module)), self.config.quantize_embeddings)
         cached = self._listing
-        if fresh or cached is None or cached[0]() is not module or cached[1] != keep:
-            cached = (weakref.ref(module), keep, _quantizable_linears(module, self.config.ignore_modules, self.config.quantize_head, keep, self.config.quantize_embeddings))
+        if cached is None or cached[0]() is not module or cached[1] != rule:
+            cached = (weakref.ref(module), rule, rule.listing(module))
             self._listing = cached
-        return cached[2]
+        return cached[1], cached[2]
 
     def targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
         """``(name, layer)`` of every layer quantized in ``module``, before any change."""
@@ -252,33 +252,44 @@ class Quantization:
             )
 
     def convert(self, module: nn.Module, trainer: Any) -> list[str]:
-        """Quantize the targets of ``module`` in place; returns their names.
+        """Quantize the targets of ``module`` in place, one way: what the checks measured (measured now if they did
+        not run), the targets they listed, the layer modes, the quantization, then the record. Returns their names.
 
         Raises:
             ValueError: as :func:`~lightning_hbm.precision.quantize_model`, or a resumed GPTQ rounding that differs.
         """
-        if self.smoothing is not None and self.smoothing.shifts is None:  # not checked first (a plain call)
-            self._smooth(module, self._linear_targets(module), trainer)
-        if self.correction is not None and self.correction.hessians is None and self.correction.saved is None:
-            self._measure_inputs(module, self._input_targets(module), trainer)  # not checked first
+        self._measure_unchecked(module, trainer)
         hessians = self.gptq.hessians if self.gptq is not None else None
         if self.correction is not None:
             self.correction.start()
+        config = self.config
         with self.attached_shifts(module):
-            _validate(module, self.config.format, self.config.torch_dtype, self.config.ignore_modules)
-            quantized = _quantize_listed(
-                module, self.config.format, self.config.torch_dtype, self.config.ignore_modules, self.device, self.layer_modes, hessians,
-                lambda prepared: self.listing(module, fresh=prepared), self.correction,
-            )
+            _validate(module, config.format, config.torch_dtype, config.ignore_modules)
+            # the checks' targets, handed on (listed again only if preparing a layer kind replaced modules)
+            listing = prepare_targets(module, *self._listed(module))
+            modes = _layer_modes(listing[0], config.format, self.layer_modes or {})
+            quantized = quantize_targets(module, listing, modes, config.torch_dtype, self.device, hessians, self.correction)
         self._listing = None  # the model changed: the next surgery lists it again
+        self._record(module, quantized, hessians is not None, trainer)
+        return quantized
+
+    def _measure_unchecked(self, module: nn.Module, trainer: Any) -> None:
+        """What the checks measure before the quantization, for a plain call of :meth:`convert` that did not run them."""
+        if self.smoothing is not None and self.smoothing.shifts is None:
+            self._smooth(module, self._linear_targets(module), trainer)
+        if self.correction is not None and self.correction.hessians is None and self.correction.saved is None:
+            self._measure_inputs(module, self._input_targets(module), trainer)
+
+    def _record(self, module: nn.Module, quantized: list[str], rounded: bool, trainer: Any) -> None:
+        """What the quantization did, said and kept: the layers stored, those smoothing missed, the GPTQ CRC (checked
+        against the checkpoint being resumed), the correction's report."""
         log.info("lightning_hbm: %d layers stored as %s", len(quantized), self.config.format.name)
         if self.smoothing is not None:
             self.smoothing.report_unsmoothed(module, quantized)
-        if self.gptq is not None and hessians is not None:
+        if self.gptq is not None and rounded:
             self.gptq.finish(module, quantized, self.layer_modes, trainer)
         if self.correction is not None:
             self.correction.finish(module)
-        return quantized
 
     def _measure_inputs(self, module: nn.Module, names: list[str], trainer: Any) -> None:
         """One probe forward on the model as built for what needs each layer's input statistics: GPTQ rounding and the
