@@ -259,14 +259,14 @@ class Quantization:
             ValueError: as :func:`~lightning_hbm.precision.quantize_model`, or a resumed GPTQ rounding that differs.
         """
         self._measure_unchecked(module, trainer)
+        rule, listed = self._listed(module)  # the checks' targets, handed on
         hessians = self.gptq.hessians if self.gptq is not None else None
         if self.correction is not None:
             self.correction.start()
         config = self.config
         with self.attached_shifts(module):
             _validate(module, config.format, config.torch_dtype, config.ignore_modules)
-            # the checks' targets, handed on (listed again only if preparing a layer kind replaced modules)
-            listing = prepare_targets(module, *self._listed(module))
+            listing = prepare_targets(module, rule, listed)  # listed again only if preparing a layer kind replaced modules
             modes = _layer_modes(listing[0], config.format, self.layer_modes or {})
             quantized = quantize_targets(module, listing, modes, config.torch_dtype, self.device, hessians, self.correction)
         self._listing = None  # the model changed: the next surgery lists it again
