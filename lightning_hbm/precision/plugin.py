@@ -236,6 +236,15 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             return getattr(quantization.config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the settings are checked once and frozen: a write would otherwise be a plain attribute nothing reads (silent)
+        if name in _SETTINGS and not isinstance(getattr(type(self), name, None), property):
+            raise AttributeError(
+                f"QuantizedPrecision.{name} is a setting, checked when the plugin is built and read from plugin.config: "
+                f"build the plugin with {name}={value!r} instead of setting it afterwards."
+            )
+        super().__setattr__(name, value)
+
     @property
     def mode(self) -> QuantFormat:
         """The precision mode of the layers not planned otherwise (set by the planner to its fake-tensor twin)."""

@@ -56,6 +56,8 @@ def test_the_settings_are_one_frozen_config_checked_once() -> None:
     assert QuantizationPlan is Quantization  # the old name stays importable
     with pytest.raises(AttributeError):
         plugin.plan = {}  # type: ignore[misc]  # the old name of layer_modes: read-only
+    with pytest.raises(AttributeError, match=r"QuantizedPrecision.rounding is a setting.*build the plugin with rounding='gptq'"):
+        plugin.rounding = "gptq"  # would be read by nothing
     with pytest.raises(AttributeError, match="no attribute 'moed'"):
         plugin.moed  # noqa: B018
 
