@@ -31,7 +31,8 @@ from torch import nn
 
 from lightning_hbm import quantize_model
 from lightning_hbm.layers import coverage
-from lightning_hbm.precision.plan import QuantizationPlan
+from lightning_hbm.precision.config import QuantizationConfig
+from lightning_hbm.precision.plan import Quantization
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layers"))
 from conv_models import EfficientNetB0, MobileNetV3FPN, ResNet18, YoloDetector, calibrate, images  # noqa: E402
@@ -72,7 +73,7 @@ def measure(name: str, modes: list[str], calibrated: bool) -> None:
             print(f"| {name} | {stats} | {mode} | | 2.000 | {cosine(got, want):.4f} |")
             continue
         if mode.endswith("+plan"):  # as QuantizedPrecision(mode) at fit start: the convolutions' plan on a probe batch
-            plan = QuantizationPlan(mode[: -len("+plan")], "float32", (), False, None, None, "auto", probe, None, "nearest", None, "QuantizedPrecision")
+            plan = Quantization(QuantizationConfig(mode[: -len("+plan")], "float32", probe_batch=probe), "QuantizedPrecision")
             plan.check(model, None)
             plan.convert(model, None)
         else:

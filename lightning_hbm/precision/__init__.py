@@ -11,6 +11,7 @@ from typing import Any
 
 from lightning_hbm.precision import bnb as _bnb  # noqa: F401  (registers the bitsandbytes modes first)
 from lightning_hbm.precision import int8_dynamic as _int8_dynamic  # noqa: F401  (registers int8-dynamic)
+from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.plugin import QuantizedPrecision
 from lightning_hbm.precision.quantize import quantize_model
 from lightning_hbm.precision.registry import (
@@ -44,6 +45,7 @@ def precision_plugin(name: str, **kwargs: Any) -> QuantizedPrecision:
 
 __all__ = [
     "QuantFormat",
+    "QuantizationConfig",
     "QuantizedPrecision",
     "available_precisions",
     "format_of",

@@ -1,31 +1,31 @@
-"""``QuantizationPlan``: what one ``QuantizedPrecision`` stores quantized, in which mode and how it is rounded.
+"""``Quantization``: what one ``QuantizedPrecision`` stores quantized, in which mode and how it is rounded.
 
 :class:`~lightning_hbm.QuantizedPrecision` is the Lightning side of quantization (dtype hooks, the surgery entry,
 checkpoint hooks); this object is the rest, one per plugin:
 
-* its settings, checked at construction (the plugin's arguments: same errors, same messages);
+* its settings, a frozen :class:`~lightning_hbm.precision.config.QuantizationConfig` checked at construction (the
+  plugin's arguments: same errors, same messages);
 * the **targets**, the layers it quantizes and the ones it leaves alone (with why): listed once per surgery, in
-  :meth:`QuantizationPlan.check`; LoRA's checks (:meth:`QuantizationPlan.targets`) and the quantization reuse that
+  :meth:`Quantization.check`; LoRA's checks (:meth:`Quantization.targets`) and the quantization reuse that
   listing (listed again only when preparing a layer kind replaced modules, e.g. ``nn.MultiheadAttention``);
-* the **sensitivity plan** ``{layer name: mode name}`` (:mod:`lightning_hbm.precision.sensitivity`), pinned by the
+* the **layer modes** ``{layer name: mode name}`` (:mod:`lightning_hbm.precision.sensitivity`), pinned by the
   user (``layer_modes``), measured on the probe or taken from the checkpoint being resumed;
 * the **GPTQ rounding** (:class:`GPTQRounding`: input statistics, then the CRC of the rounded layers);
 * the **smoothing** (:class:`~lightning_hbm.precision.smoothing.Smoothing`);
-* the **resume metadata**: :meth:`QuantizationPlan.resume_config` (the settings a resume must share) and
-  :meth:`QuantizationPlan.save` (the GPTQ CRC and the smoothing exponents, into each checkpoint).
+* the **resume metadata**: :meth:`Quantization.resume_config` (the settings a resume must share) and
+  :meth:`Quantization.save` (the GPTQ CRC and the smoothing exponents, into each checkpoint).
 
-It is called at the surgery points: :meth:`~QuantizationPlan.check` in the checks (before any change),
-:meth:`~QuantizationPlan.convert` at the quantization point. Both take the Trainer of the run (or ``None``): the
+It is called at the surgery points: :meth:`~Quantization.check` in the checks (before any change),
+:meth:`~Quantization.convert` at the quantization point. Both take the Trainer of the run (or ``None``): the
 probe batch and the checkpoint being resumed are read from it.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import weakref
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -35,14 +35,14 @@ from torch._subclasses.fake_tensor import FakeTensor  # as layers/readers.py: no
 from lightning_hbm import record, resume
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm.layers.embedding import is_plain_embedding
-from lightning_hbm.precision.bnb import import_bnb
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
-from lightning_hbm.precision.gptq import ROUNDINGS, digest, grid_of, input_statistics
+from lightning_hbm.precision.config import QuantizationConfig
+from lightning_hbm.precision.gptq import digest, grid_of, input_statistics
 from lightning_hbm.precision.int4_asym import regrid_warning
-from lightning_hbm.precision.quantize import Listing, _layer_modes, _quantizable_linears, _quantize_listed, _validate
-from lightning_hbm.precision.registry import format_of, get_format, to_dtype
+from lightning_hbm.precision.quantize import Listing, TargetRule, _layer_modes, _validate, prepare_targets, quantize_targets
+from lightning_hbm.precision.registry import format_of
 from lightning_hbm.layers import CONV
-from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, check_plan_args, choose_plan
+from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, choose_plan
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.probe import first_batch, first_batches, has_forward
 
@@ -84,7 +84,7 @@ def modules_to_save(module: nn.Module) -> list[str]:
 class GPTQRounding:
     """The GPTQ rounding of one plan (``QuantizedPrecision(rounding="gptq")``).
 
-    :attr:`hessians` set in the checks (``QuantizationPlan._measure_inputs``: one probe forward, every target's input
+    :attr:`hessians` set in the checks (``Quantization._measure_inputs``: one probe forward, every target's input
     statistics), then :meth:`finish` after the
     quantization rounded the layers with them (frees them, takes the CRC of the rounded weights and compares it with
     the one of the checkpoint being resumed), :meth:`save` with each checkpoint.
@@ -128,99 +128,34 @@ class GPTQRounding:
             meta[DIGEST_KEY] = self.digest
 
 
-def _checked_ignore(ignore_modules: Union[str, Sequence[str]]) -> Union[str, tuple[str, ...]]:
-    """``ignore_modules`` as the plan keeps it (a regex string, or a tuple of names and globs).
-
-    Raises:
-        ValueError: a string that is not a valid regex.
-    """
-    if not isinstance(ignore_modules, str):
-        return tuple(ignore_modules)
-    try:
-        re.compile(ignore_modules)
-    except re.error as err:
-        raise ValueError(
-            f"ignore_modules={ignore_modules!r} is a string, read as a regex (full match, as LoRA's target_modules), "
-            f"but it is not a valid one: {err}. Pass a list of module names or glob patterns instead."
-        ) from err
-    return ignore_modules
-
-
-class QuantizationPlan:
-    """The settings of one ``QuantizedPrecision`` and what its surgeries decide (module docstring).
+class Quantization:
+    """What one ``QuantizedPrecision`` quantizes and how: its settings (a :class:`QuantizationConfig`) and what its
+    surgeries decide (module docstring).
 
     Args:
-        mode, dtype, ignore_modules, quantize_head, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch,
-            layer_modes, rounding, smoothing, correction_rank: as :class:`~lightning_hbm.QuantizedPrecision`'s.
+        config: the settings (the plugin's arguments, checked).
         owner: the name the settings are saved under in a checkpoint's ``configs`` (the plugin's class name).
-
-    Raises:
-        ValueError: an argument out of range or an unknown mode name (as ``QuantizedPrecision``).
-        TypeError: a ``probe_batch`` or ``layer_modes`` of the wrong type.
     """
 
-    def __init__(
-        self,
-        mode: str,
-        dtype: Union[str, torch.dtype],
-        ignore_modules: Union[str, Sequence[str]],
-        quantize_head: bool,
-        max_bytes_per_param: Optional[float],
-        min_cosine: Optional[float],
-        sensitive_mode: Union[str, list[str]],
-        probe_batch: Any,
-        layer_modes: Optional[dict[str, str]],
-        rounding: str,
-        smoothing: Optional[Union[float, str]],
-        owner: str,
-        quantize_embeddings: bool = False,
-        correction_rank: Optional[int] = None,
-    ) -> None:
-        self.mode = get_format(mode)
-        self.dtype = to_dtype(dtype)
-        self.mode.check_dtype(self.dtype)
-        self.ignore_modules = _checked_ignore(ignore_modules)
-        self.quantize_head = bool(quantize_head)
-        self.quantize_embeddings = bool(quantize_embeddings)
-        check_plan_args(self.mode.name, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch, layer_modes)
-        if rounding not in ROUNDINGS:
-            raise ValueError(f"QuantizedPrecision(rounding={rounding!r}): use one of {list(ROUNDINGS)}.")
-        self.rounding = rounding
-        self.gptq = GPTQRounding() if rounding == "gptq" else None
-        self.correction_rank = CalibratedCorrection.check_rank(correction_rank)
+    def __init__(self, config: QuantizationConfig, owner: str) -> None:
+        #: the settings (frozen; the planner swaps ``mode`` for its fake-tensor twin with ``dataclasses.replace``)
+        self.config = config
+        self.gptq = GPTQRounding() if config.rounding == "gptq" else None
         #: the calibrated low-rank correction of each quantized layer (``None``: off)
-        self.correction = CalibratedCorrection(self.correction_rank, self.dtype) if self.correction_rank else None
-        self.max_bytes_per_param, self.min_cosine = max_bytes_per_param, min_cosine
-        # a list in the resume settings: the checkpoint stores lists (a tuple would compare unequal after a load)
-        self.sensitive_mode = sensitive_mode if isinstance(sensitive_mode, str) else list(sensitive_mode)
-        self.probe_batch = probe_batch
-        #: the per-layer plan ``{layer name: mode name}`` (``None``: every layer in ``mode``)
-        self.layer_modes: Optional[dict[str, str]] = dict(layer_modes) if layer_modes else None
-        self._pinned = self.layer_modes is not None
+        self.correction = CalibratedCorrection(config.correction_rank, config.torch_dtype) if config.correction_rank else None
+        #: the per-layer modes ``{layer name: mode name}`` (``None``: every layer in ``mode``): pinned, measured or resumed
+        self.layer_modes: Optional[dict[str, str]] = config.pinned_plan
         #: what the sensitivity-aware choice measured (``None`` without a target)
         self.report: Optional[SensitivityPlan] = None
         #: what the convolutions' plan measured (``None``: no convolution in a 4-bit mode, or not measured)
         self.conv_report: Optional[SensitivityPlan] = None
-        sensitive = [sensitive_mode] if isinstance(sensitive_mode, str) else list(sensitive_mode)
         #: the smoothing of layers stored in ``int8-dynamic-smooth`` (``None`` when no layer may be)
-        self.smoothing = Smoothing.configure(smoothing, [self.mode.name, *sensitive, *(layer_modes or {}).values()], self.mode.name)
-        if self.mode.peft_kind is not None:  # bitsandbytes modes: fail now, not at fit time
-            import_bnb()
+        self.smoothing = None if config.smoothing is None else Smoothing(config.smoothing)
         #: where the quantized layers are built (the strategy's root device; ``None``: where the weights are)
         self.device: Optional[torch.device] = None
         self.owner = owner
-        # (model, its modules_to_save, the listing): the targets of the surgery under way
-        self._listing: Optional[tuple[weakref.ref, list[str], Listing]] = None
-
-    @property
-    def pinned_plan(self) -> Optional[dict[str, str]]:
-        """The plan the user gave (``layer_modes``), ``None`` when the plan is measured or every layer takes ``mode``."""
-        return dict(self.layer_modes) if self._pinned and self.layer_modes is not None else None
-
-    @property
-    def measures_plan(self) -> bool:
-        """Whether the per-layer plan is measured on the probe batch at the surgery (a byte or cosine target)."""
-        return not self._pinned and (self.max_bytes_per_param is not None or self.min_cosine is not None)
+        # (model, the rule, the listing): the targets of the surgery under way
+        self._listing: Optional[tuple[weakref.ref, TargetRule, Listing]] = None
 
     @property
     def rounding_digest(self) -> Optional[str]:
@@ -231,11 +166,6 @@ class QuantizationPlan:
     def correction_report(self) -> Optional[CorrectionReport]:
         """What the last surgery's calibrated correction did (``None``: off, or not run yet)."""
         return None if self.correction is None else self.correction.report
-
-    @property
-    def smoothing_setting(self) -> Optional[Union[float, str]]:
-        """The smoothing setting (``None`` when no layer is stored in ``int8-dynamic-smooth``)."""
-        return None if self.smoothing is None else self.smoothing.setting
 
     @property
     def input_shifts(self) -> Optional[dict[str, Tensor]]:
@@ -249,19 +179,19 @@ class QuantizationPlan:
 
     # ------------------------------------------------------------------ targets
 
-    def listing(self, module: nn.Module, fresh: bool = False) -> Listing:
-        """(targets, layers left alone with (reason, deliberate)) of ``module``, listed once per surgery.
+    def listing(self, module: nn.Module) -> Listing:
+        """(targets, layers left alone with (reason, deliberate)) of ``module``, listed once per surgery."""
+        return self._listed(module)[1]
 
-        Args:
-            module: the model of the surgery under way.
-            fresh: list again (the model changed since: a layer kind's preparation replaced modules).
-        """
-        keep = modules_to_save(module)
+    def _listed(self, module: nn.Module) -> tuple[TargetRule, Listing]:
+        """The rule of this surgery (settings and the modules trained in full) and its listing of ``module``: listed
+        again only when the model or the modules trained in full changed since."""
+        rule = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module)), self.config.quantize_embeddings)
         cached = self._listing
-        if fresh or cached is None or cached[0]() is not module or cached[1] != keep:
-            cached = (weakref.ref(module), keep, _quantizable_linears(module, self.ignore_modules, self.quantize_head, keep, self.quantize_embeddings))
+        if cached is None or cached[0]() is not module or cached[1] != rule:
+            cached = (weakref.ref(module), rule, rule.listing(module))
             self._listing = cached
-        return cached[2]
+        return cached[1], cached[2]
 
     def targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
         """``(name, layer)`` of every layer quantized in ``module``, before any change."""
@@ -287,21 +217,21 @@ class QuantizationPlan:
             ValueError: the model cannot be quantized with these settings, or a target cannot be met.
         """
         self._listing = None  # a new surgery: list the model as it is now
-        if not self._pinned:
+        if self.config.layer_modes is None:
             self.layer_modes = self.conv_report = None  # a plugin reused by another Trainer measures again
-        _validate(module, self.mode, self.dtype, self.ignore_modules)
+        _validate(module, self.config.format, self.config.torch_dtype, self.config.ignore_modules)
         targets = self.targets(module)
-        if self._pinned:
-            _layer_modes(targets, self.mode, self.layer_modes or {})
-        warning = regrid_warning(targets, self.mode.name)
+        if self.config.layer_modes is not None:
+            _layer_modes(targets, self.config.format, self.layer_modes or {})
+        warning = regrid_warning(targets, self.config.format.name)
         if warning is not None:
             rank_zero_warn(warning)
-        if self.quantize_embeddings:
+        if self.config.quantize_embeddings:
             self._say_embeddings_kept(module)
         self._measure_inputs(module, self._input_targets(module), trainer)
         if self.smoothing is not None:  # before the plan: the plan measures the smoothed layers
             self._smooth(module, self._linear_targets(module), trainer)
-        if self.measures_plan:
+        if self.config.measures_plan:
             with self.attached_shifts(module):
                 self._choose_plan(module, self._linear_targets(module), trainer)
         self._plan_convs(module, [name for name, layer in targets if CONV.matches(layer)], trainer)
@@ -313,7 +243,7 @@ class QuantizationPlan:
         if kept:
             rank_zero_warn(
                 f"lightning_hbm: QuantizedPrecision(quantize_embeddings=True) keeps {len(kept)} input embedding(s) in "
-                f"{self.dtype}: " + "; ".join(f"{n}: {why}" for n, why in kept.items()) + "."
+                f"{self.config.torch_dtype}: " + "; ".join(f"{n}: {why}" for n, why in kept.items()) + "."
             )
         elif not any(isinstance(layer, nn.Embedding) for _, layer in targets):
             rank_zero_warn(
@@ -322,33 +252,44 @@ class QuantizationPlan:
             )
 
     def convert(self, module: nn.Module, trainer: Any) -> list[str]:
-        """Quantize the targets of ``module`` in place; returns their names.
+        """Quantize the targets of ``module`` in place, one way: what the checks measured (measured now if they did
+        not run), the targets they listed, the layer modes, the quantization, then the record. Returns their names.
 
         Raises:
             ValueError: as :func:`~lightning_hbm.precision.quantize_model`, or a resumed GPTQ rounding that differs.
         """
-        if self.smoothing is not None and self.smoothing.shifts is None:  # not checked first (a plain call)
-            self._smooth(module, self._linear_targets(module), trainer)
-        if self.correction is not None and self.correction.hessians is None and self.correction.saved is None:
-            self._measure_inputs(module, self._input_targets(module), trainer)  # not checked first
+        self._measure_unchecked(module, trainer)
+        rule, listed = self._listed(module)  # the checks' targets, handed on
         hessians = self.gptq.hessians if self.gptq is not None else None
         if self.correction is not None:
             self.correction.start()
+        config = self.config
         with self.attached_shifts(module):
-            _validate(module, self.mode, self.dtype, self.ignore_modules)
-            quantized = _quantize_listed(
-                module, self.mode, self.dtype, self.ignore_modules, self.device, self.layer_modes, hessians,
-                lambda prepared: self.listing(module, fresh=prepared), self.correction,
-            )
+            _validate(module, config.format, config.torch_dtype, config.ignore_modules)
+            listing = prepare_targets(module, rule, listed)  # listed again only if preparing a layer kind replaced modules
+            modes = _layer_modes(listing[0], config.format, self.layer_modes or {})
+            quantized = quantize_targets(module, listing, modes, config.torch_dtype, self.device, hessians, self.correction)
         self._listing = None  # the model changed: the next surgery lists it again
-        log.info("lightning_hbm: %d layers stored as %s", len(quantized), self.mode.name)
+        self._record(module, quantized, hessians is not None, trainer)
+        return quantized
+
+    def _measure_unchecked(self, module: nn.Module, trainer: Any) -> None:
+        """What the checks measure before the quantization, for a plain call of :meth:`convert` that did not run them."""
+        if self.smoothing is not None and self.smoothing.shifts is None:
+            self._smooth(module, self._linear_targets(module), trainer)
+        if self.correction is not None and self.correction.hessians is None and self.correction.saved is None:
+            self._measure_inputs(module, self._input_targets(module), trainer)
+
+    def _record(self, module: nn.Module, quantized: list[str], rounded: bool, trainer: Any) -> None:
+        """What the quantization did, said and kept: the layers stored, those smoothing missed, the GPTQ CRC (checked
+        against the checkpoint being resumed), the correction's report."""
+        log.info("lightning_hbm: %d layers stored as %s", len(quantized), self.config.format.name)
         if self.smoothing is not None:
             self.smoothing.report_unsmoothed(module, quantized)
-        if self.gptq is not None and hessians is not None:
+        if self.gptq is not None and rounded:
             self.gptq.finish(module, quantized, self.layer_modes, trainer)
         if self.correction is not None:
             self.correction.finish(module)
-        return quantized
 
     def _measure_inputs(self, module: nn.Module, names: list[str], trainer: Any) -> None:
         """One probe forward on the model as built for what needs each layer's input statistics: GPTQ rounding and the
@@ -381,8 +322,8 @@ class QuantizationPlan:
         Raises:
             ValueError: no ``probe_batch`` and no datamodule to draw one from.
         """
-        if self.probe_batch is not None:
-            return self.probe_batch
+        if self.config.probe_batch is not None:
+            return self.config.probe_batch
         if self.correction is not None:
             return first_batches(trainer, "QuantizedPrecision", CORRECTION_PROBE_TOKENS)
         return first_batch(trainer, "QuantizedPrecision")
@@ -402,7 +343,7 @@ class QuantizationPlan:
             return meta if same else {}
 
         path = trainer.ckpt_path if trainer is not None else None  # named in a refusal of the saved exponents
-        self.smoothing.measure(module, names, self.dtype, lambda: self.probe(trainer), saved, path)
+        self.smoothing.measure(module, names, self.config.torch_dtype, lambda: self.probe(trainer), saved, path)
 
     def _choose_plan(self, module: nn.Module, names: list[str], trainer: Any) -> None:
         self.layer_modes = self.report = None  # a plugin reused by another Trainer measures again
@@ -412,56 +353,56 @@ class QuantizationPlan:
             log.info("lightning_hbm: mixed precision plan taken from the checkpoint being resumed")
             return
         report = choose_plan(
-            module, names, self.mode.name, self.sensitive_mode, self.dtype, self.probe(trainer),
-            max_bytes_per_param=self.max_bytes_per_param, min_cosine=self.min_cosine,
+            module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, self.probe(trainer),
+            max_bytes_per_param=self.config.max_bytes_per_param, min_cosine=self.config.min_cosine,
             hessians=self.gptq.hessians if self.gptq is not None else None,
         )
         self.layer_modes, self.report = report.modes, report
-        log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.mode.name))
+        log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.config.format.name))
 
     def _plan_convs(self, module: nn.Module, names: list[str], trainer: Any) -> None:
         """The convolutions' plan under a 4-bit mode (issue 53): each one's output error measured on the probe, the
         most sensitive widened (``sensitive_mode``) until the probe output cosine reaches ``min_cosine`` (default
         :data:`CONV_MIN_COSINE`); under it, a warning naming the figure. Not with a pinned plan, nor when resuming
         (the checkpoint's plan is taken), nor without a probe batch (logged); a probe the model cannot run: a warning."""
-        if not names or self._pinned or self.mode.peft_kind != "4bit":
+        if not names or self.config.layer_modes is not None or self.config.format.peft_kind != "4bit":
             return
         if trainer is not None and saved_meta(trainer).get("configs", {}).get(self.owner):
             # resuming: the plan the checkpoint was trained with (Linears' and convolutions'); none saved (a checkpoint
             # from before issue 53): every convolution in mode, as it was trained
             self.layer_modes = self.saved_plan(trainer) or self.layer_modes
             return
-        target = self.min_cosine if self.min_cosine is not None else CONV_MIN_COSINE
+        target = self.config.min_cosine if self.config.min_cosine is not None else CONV_MIN_COSINE
         try:
             probe = self.probe(trainer)
         except ValueError:
-            log.info("lightning_hbm: %d convolutions stored in %s without a measured plan: no probe_batch", len(names), self.mode.name)
+            log.info("lightning_hbm: %d convolutions stored in %s without a measured plan: no probe_batch", len(names), self.config.format.name)
             return
         try:  # on by default: a model or batch the probe cannot run is said, and the fit goes on as before issue 53
             if not has_forward(module):
                 raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
             report = choose_plan(
-                module, names, self.mode.name, self.sensitive_mode, self.dtype, probe, min_cosine=target,
+                module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, probe, min_cosine=target,
                 hessians=self.gptq.hessians if self.gptq is not None else None, strict=False,
             )  # fmt: skip
         except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as error:
             rank_zero_warn(
-                f"lightning_hbm: {len(names)} convolutions stored in {self.mode.name} without a measured plan ({error}). "
+                f"lightning_hbm: {len(names)} convolutions stored in {self.config.format.name} without a measured plan ({error}). "
                 f"With BatchNorm statistics like a trained network's, uniform 4-bit convolutions can lose much of the "
                 "output (issue 53: ResNet18 cosine 0.91); pass QuantizedPrecision(probe_batch=...) the model's forward "
                 "takes, or mode='int8'."
             )
             return
         self.conv_report = report
-        widened = {name: mode for name, mode in report.modes.items() if mode != self.mode.name}
+        widened = {name: mode for name, mode in report.modes.items() if mode != self.config.format.name}
         if widened:
             self.layer_modes = {**(self.layer_modes or {}), **widened}
-        log.info("lightning_hbm: convolutions' plan: %s", report.summary(self.mode.name).replace("Linear layers", "convolutions"))
+        log.info("lightning_hbm: convolutions' plan: %s", report.summary(self.config.format.name).replace("Linear layers", "convolutions"))
         if report.cosine < target:
             rank_zero_warn(
-                f"lightning_hbm: the convolutions stored in {self.mode.name} (widest plan of sensitive_mode="
-                f"{self.sensitive_mode!r}: {report.bytes_per_param:.3f} bytes per conv weight) give a probe output cosine "
-                f"of {report.cosine:.4f} < {target} against the unquantized model (uniform {self.mode.name}: "
+                f"lightning_hbm: the convolutions stored in {self.config.format.name} (widest plan of sensitive_mode="
+                f"{self.config.sensitive_mode!r}: {report.bytes_per_param:.3f} bytes per conv weight) give a probe output cosine "
+                f"of {report.cosine:.4f} < {target} against the unquantized model (uniform {self.config.format.name}: "
                 f"{report.uniform_cosine:.4f}). Fix: QuantizedPrecision(..., sensitive_mode=['int8', 'none']) or mode='int8'."
             )
 
@@ -480,7 +421,7 @@ class QuantizationPlan:
         """What a resumed run must share with the run that saved the checkpoint (``trainer``: the run's, or ``None``)."""
         config = self.settings()
         plan = self.layer_modes
-        if plan is None and not self._pinned:
+        if plan is None and self.config.layer_modes is None:
             # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same
             # settings the plan will be the checkpoint's own (_choose_plan), so that one is this run's
             plan = self.saved_plan(trainer)
@@ -488,26 +429,22 @@ class QuantizationPlan:
             config["layer_modes"] = dict(plan)
         return config
 
-    def ignore_list(self) -> Union[str, list[str]]:
-        """``ignore_modules`` as saved and shown (a list, or the regex string)."""
-        return self.ignore_modules if isinstance(self.ignore_modules, str) else list(self.ignore_modules)
-
     def settings(self) -> dict[str, Any]:
         """The settings a resume compares (an option at its default is left out: older checkpoints keep matching)."""
-        config: dict[str, Any] = {"mode": self.mode.name, "dtype": str(self.dtype), "ignore_modules": self.ignore_list(), "quantize_head": self.quantize_head}
-        targets = {"max_bytes_per_param": self.max_bytes_per_param, "min_cosine": self.min_cosine}
+        config: dict[str, Any] = {"mode": self.config.format.name, "dtype": str(self.config.torch_dtype), "ignore_modules": self.config.ignore_list(), "quantize_head": self.config.quantize_head}
+        targets = {"max_bytes_per_param": self.config.max_bytes_per_param, "min_cosine": self.config.min_cosine}
         if any(value is not None for value in targets.values()):
-            config.update(targets, sensitive_mode=self.sensitive_mode)
-        if self._pinned and self.layer_modes is not None:  # a plan the user gave: a setting like the others
-            config["layer_modes"] = dict(self.layer_modes)
-        if self.quantize_embeddings:  # absent before this option existed
+            config.update(targets, sensitive_mode=self.config.sensitive_mode)
+        if self.config.layer_modes is not None:  # a plan the user gave: a setting like the others
+            config["layer_modes"] = dict(self.config.layer_modes)
+        if self.config.quantize_embeddings:  # absent before this option existed
             config["quantize_embeddings"] = True
-        if self.rounding != "nearest":  # absent before this option existed
-            config["rounding"] = self.rounding
+        if self.config.rounding != "nearest":  # absent before this option existed
+            config["rounding"] = self.config.rounding
         if self.smoothing is not None:
-            config["smoothing"] = self.smoothing_setting
-        if self.correction_rank:  # absent before this option existed
-            config["correction_rank"] = self.correction_rank
+            config["smoothing"] = self.config.smoothing
+        if self.config.correction_rank:  # absent before this option existed
+            config["correction_rank"] = self.config.correction_rank
         return config
 
     def save(self, meta: dict[str, Any]) -> None:
@@ -518,4 +455,7 @@ class QuantizationPlan:
             self.smoothing.save(meta)
 
 
-__all__ = ["DIGEST_KEY", "GPTQRounding", "QuantizationPlan", "modules_to_save", "saved_meta"]
+#: the old name of :class:`Quantization` (kept importable: ``from lightning_hbm.precision.plan import QuantizationPlan``)
+QuantizationPlan = Quantization
+
+__all__ = ["DIGEST_KEY", "GPTQRounding", "Quantization", "QuantizationConfig", "QuantizationPlan", "modules_to_save", "saved_meta"]

@@ -15,17 +15,19 @@ At fit start (rank 0) the layer-kind coverage table is logged (:mod:`lightning_h
 per kind, parameters quantized / adapted / checkpointed / left alone and why; a kind holding
 more than 5 % of the parameters that nothing handles is a warning naming it.
 
-The mixed-precision plan (``plan``) is logged and saved with the plugin's settings (targets included)
+The per-layer modes (``layer_modes``, formerly ``plan``) are logged and saved with the plugin's settings (targets included)
 in every checkpoint; a resume with the same settings takes the saved plan (nothing measured, so a fresh
 model with another init resumes exactly), and other settings or another pinned plan are a resume error.
 
 The plugin is the Lightning side only (dtype hooks, the surgery entry, checkpoint hooks); what it quantizes and
 how (targets, sensitivity plan, GPTQ rounding, smoothing, resume settings) is its
-:class:`~lightning_hbm.precision.plan.QuantizationPlan`, ``plugin.quantization``.
+:class:`~lightning_hbm.precision.plan.Quantization`, ``plugin.quantization``; its settings are a frozen
+:class:`~lightning_hbm.precision.config.QuantizationConfig`, ``plugin.config``, built by the constructor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import warnings
@@ -44,33 +46,21 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.layers import report_coverage
 from lightning_hbm.precision.compute_dtype import DtypeChoice, auto_dtype
-from lightning_hbm.precision.plan import QuantizationPlan
+from lightning_hbm.precision.config import QuantizationConfig
+from lightning_hbm.precision.correction import CorrectionReport
+from lightning_hbm.precision.plan import Quantization
+from lightning_hbm.precision.registry import QuantFormat
+from lightning_hbm.precision.sensitivity import SensitivityPlan
+from lightning_hbm.precision.smoothing import SmoothingReport
 from lightning_hbm.quiet import quieted
 from lightning_hbm.surgery import applied_transforms, mark_applied, pack_checkpoint, plugin_trainer, trainer_optimizers, trainer_surgery
 from lightning_hbm.surgery.protocol import SurgeryPlugin
 
+#: the settings read on the plugin as its own (``plugin.rounding``): the fields of its config, and two it derives
+_SETTINGS = frozenset({f.name for f in dataclasses.fields(QuantizationConfig)} | {"pinned_plan", "measures_plan"})
+
 #: what ``trainer.precision`` reports for each compute dtype (values of Lightning's precision Literal)
 _LIGHTNING_NAMES: dict[torch.dtype, Any] = {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch.float32: "32-true"}
-
-
-class _FromPlan:
-    """A setting of ``QuantizedPrecision`` that its :class:`QuantizationPlan` holds, read (and set) as the plugin's own.
-
-    Kept readable on the plugin because users, callbacks and the planner read them there (``plugin.mode.name``,
-    ``plugin.plan``); the planner sets ``mode`` to its fake-tensor twin. Read-only where the plan's is a property.
-    """
-
-    def __init__(self, source: Optional[str] = None) -> None:
-        self.source = source  # the plan's name for it (default: the same name)
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.source or name
-
-    def __get__(self, plugin: Optional[QuantizedPrecision], owner: type) -> Any:
-        return self if plugin is None else getattr(plugin.quantization, self.name)
-
-    def __set__(self, plugin: QuantizedPrecision, value: Any) -> None:
-        setattr(plugin.quantization, self.name, value)
 
 
 class _TrueDtype(Precision):
@@ -163,7 +153,7 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
         probe_batch: the batch the plan is measured on (as for ``QuantizationQuality``); ``None``: the
             first batch of the datamodule's ``train_dataloader`` (with ``correction_rank``: its first batches
             joined until they hold 2048 tokens, ``CORRECTION_PROBE_TOKENS``).
-        layer_modes: an explicit plan ``{layer name: mode name}`` (e.g. ``plan`` of an earlier run);
+        layer_modes: explicit per-layer modes ``{layer name: mode name}`` (e.g. ``layer_modes`` of an earlier run);
             layers not named use ``mode``.
         rounding: ``"nearest"`` (the format's own) or ``"gptq"``: 4-bit layers are rounded by GPTQ
             (:mod:`lightning_hbm.precision.gptq`) with their inputs on ``probe_batch`` (one forward),
@@ -224,24 +214,86 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
         if isinstance(dtype, str) and dtype.lower() == "auto":
             self.dtype_choice = auto_dtype()
             dtype = self.dtype_choice.dtype
-        #: the settings, and what each surgery decides: targets, sensitivity plan, GPTQ rounding, smoothing
         with quieted():  # the mode's check loads bitsandbytes' CPU ops, which log an optional kernel's absence
-            self.quantization = QuantizationPlan(
+            config = QuantizationConfig(
                 mode, dtype, ignore_modules, quantize_head, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch,
-                dict(layer_modes) if layer_modes else None, rounding, smoothing, owner=type(self).__qualname__,
-                quantize_embeddings=quantize_embeddings,
-                correction_rank=correction_rank,
-            )
+                layer_modes, rounding, smoothing, quantize_embeddings, correction_rank,
+            )  # fmt: skip
+        #: the settings (``plugin.config``) and what each surgery decides: targets, layer modes, GPTQ rounding, smoothing
+        self.quantization = Quantization(config, owner=type(self).__qualname__)
         self.precision = _LIGHTNING_NAMES[self.dtype]  # what trainer.precision reports
 
-    # the settings (documented above) and what the surgery decided, read from the plan (QuantizationPlan's docs)
-    mode, dtype, ignore_modules, quantize_head = _FromPlan(), _FromPlan(), _FromPlan(), _FromPlan()
-    quantize_embeddings = _FromPlan()
-    max_bytes_per_param, min_cosine, sensitive_mode = _FromPlan(), _FromPlan(), _FromPlan()
-    probe_batch, rounding, pinned_plan, measures_plan = _FromPlan(), _FromPlan(), _FromPlan(), _FromPlan()
-    plan, plan_report, rounding_digest = _FromPlan("layer_modes"), _FromPlan("report"), _FromPlan()
-    smoothing, input_shifts, smoothing_report = _FromPlan("smoothing_setting"), _FromPlan(), _FromPlan()
-    correction_rank, correction_report = _FromPlan(), _FromPlan()
+    @property
+    def config(self) -> QuantizationConfig:
+        """The settings, checked and frozen (the constructor's arguments; read ``plugin.config.rounding``)."""
+        return self.quantization.config
+
+    def __getattr__(self, name: str) -> Any:
+        # a setting read as the plugin's own (plugin.rounding, plugin.quantize_head, plugin.pinned_plan): its config's.
+        # Only reached when normal lookup fails; __dict__ read directly, as unpickling runs this before __init__'s state
+        quantization = self.__dict__.get("quantization")
+        if quantization is not None and name in _SETTINGS:
+            return getattr(quantization.config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the settings are checked once and frozen: a write would otherwise be a plain attribute nothing reads (silent)
+        if name in _SETTINGS and not isinstance(getattr(type(self), name, None), property):
+            raise AttributeError(
+                f"QuantizedPrecision.{name} is a setting, checked when the plugin is built and read from plugin.config: "
+                f"build the plugin with {name}={value!r} instead of setting it afterwards."
+            )
+        super().__setattr__(name, value)
+
+    @property
+    def mode(self) -> QuantFormat:
+        """The precision mode of the layers not planned otherwise (set by the planner to its fake-tensor twin)."""
+        return self.config.format
+
+    @mode.setter
+    def mode(self, mode: QuantFormat) -> None:
+        self.quantization.config = dataclasses.replace(self.config, mode=mode)
+
+    @property
+    def dtype(self) -> torch.dtype:  # type: ignore[override]  # _TrueDtype declares the attribute; here it is the config's
+        """The compute dtype."""
+        return self.config.torch_dtype
+
+    @property
+    def layer_modes(self) -> Optional[dict[str, str]]:
+        """The per-layer modes ``{layer name: mode name}`` of the last surgery: pinned (``layer_modes=``), measured on
+        the probe or taken from the checkpoint being resumed; ``None``: every layer in ``mode``. Logged and saved."""
+        return self.quantization.layer_modes
+
+    @property
+    def plan(self) -> Optional[dict[str, str]]:
+        """The old name of :attr:`layer_modes` (read-only)."""
+        return self.layer_modes
+
+    @property
+    def plan_report(self) -> Optional[SensitivityPlan]:
+        """What the sensitivity-aware choice of the layer modes measured (``None`` without a target)."""
+        return self.quantization.report
+
+    @property
+    def rounding_digest(self) -> Optional[str]:
+        """CRC32 of the GPTQ-rounded 4-bit weights (``None``: not rounded)."""
+        return self.quantization.rounding_digest
+
+    @property
+    def input_shifts(self) -> Optional[dict[str, Tensor]]:
+        """``{layer name: int8 exponents}`` of the smoothing, measured (or resumed) at fit start."""
+        return self.quantization.input_shifts
+
+    @property
+    def smoothing_report(self) -> Optional[SmoothingReport]:
+        """What the smoothing measured (``None`` when resumed or not smoothed)."""
+        return self.quantization.smoothing_report
+
+    @property
+    def correction_report(self) -> Optional[CorrectionReport]:
+        """What the last surgery's calibrated correction did (``None``: off, or not run yet)."""
+        return self.quantization.correction_report
 
     @property
     def name(self) -> str:
@@ -254,7 +306,7 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
         return trainer_surgery(module, self, self.convert_base)
 
     def check_model(self, module: nn.Module) -> None:
-        """Raise before any change if ``module`` cannot be quantized with these settings (:meth:`QuantizationPlan.check`)."""
+        """Raise before any change if ``module`` cannot be quantized with these settings (:meth:`Quantization.check`)."""
         if self.name not in applied_transforms(module):
             trainer = self._trainer(module)
             self._check_dtype_choice(trainer)
@@ -321,7 +373,7 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
 
     def __repr__(self) -> str:
         return (
-            f"QuantizedPrecision(mode={self.mode.name!r}, dtype={self.dtype}, ignore_modules={self.quantization.ignore_list()!r}, "
+            f"QuantizedPrecision(mode={self.mode.name!r}, dtype={self.dtype}, ignore_modules={self.config.ignore_list()!r}, "
             f"quantize_head={self.quantize_head}"
             + (", quantize_embeddings=True" if self.quantize_embeddings else "")
             + (f", smoothing={self.smoothing!r}" if self.smoothing is not None else "")

@@ -1,13 +1,17 @@
 """Model-level quantization: which Linear-like layers a precision mode stores quantized, and the replacement.
 
 What it shrinks: the **parameters** term. :func:`quantize_model` is the one place a model's layers become quantized
-storage (``QuantizedPrecision`` calls it at the surgery point, the planner on fake tensors); each layer left alone is
-tagged with its reason for the coverage table.
+storage (the planner calls it on fake tensors); each layer left alone is tagged with its reason for the coverage table.
+It runs one way, each step handing its value to the next: the checks (:func:`_validate`), the targets
+(:func:`prepare_targets` under a :class:`TargetRule`), each target's mode (:func:`_layer_modes`), then the
+replacement (:func:`quantize_targets`). ``QuantizedPrecision`` (:class:`~lightning_hbm.precision.plan.Quantization`)
+runs the same steps at the surgery point, starting from the targets its checks listed.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union, cast
 
 import torch
@@ -260,14 +264,13 @@ def quantize_model(
     quant_mode = get_format(mode) if isinstance(mode, str) else mode
     compute_dtype = to_dtype(dtype)
     _validate(module, quant_mode, compute_dtype, ignore_modules)
-    return _quantize_listed(
-        module, quant_mode, compute_dtype, ignore_modules, device, layer_modes, hessians,
-        lambda prepared: _quantizable_linears(module, ignore_modules, quantize_head, keep_modules, quantize_embeddings), correct,
-    )
+    listing = prepare_targets(module, TargetRule(ignore_modules, quantize_head, tuple(keep_modules), quantize_embeddings), None)
+    modes = _layer_modes(listing[0], quant_mode, layer_modes or {})
+    return quantize_targets(module, listing, modes, compute_dtype, device, hessians, correct)
 
 
 class Correct(Protocol):
-    """What :func:`_quantize_listed` calls for each quantized layer (:class:`~lightning_hbm.precision.correction.CalibratedCorrection`)."""
+    """What :func:`quantize_targets` calls for each quantized layer (:class:`~lightning_hbm.precision.correction.CalibratedCorrection`)."""
 
     def fit(self, name: str, layer: nn.Module, weight: Tensor) -> None: ...
 
@@ -278,32 +281,57 @@ class Correct(Protocol):
 Listing = tuple[list[tuple[str, nn.Module]], dict[str, tuple[str, bool]]]
 
 
-def _quantize_listed(
+@dataclass(frozen=True)
+class TargetRule:
+    """Which layers of a model a precision mode stores quantized: the settings :func:`_quantizable_linears` reads.
+
+    A value, compared as one: a listing made under an equal rule on the same model is still the model's.
+    """
+
+    ignore_modules: Union[str, Sequence[str]] = ()
+    quantize_head: bool = False
+    keep_modules: tuple[str, ...] = ()  # LoRA's modules_to_save: trained in full precision
+    quantize_embeddings: bool = False
+
+    def listing(self, module: nn.Module) -> Listing:
+        """The targets of ``module`` under this rule, and the layers left alone with (reason, deliberate)."""
+        return _quantizable_linears(module, self.ignore_modules, self.quantize_head, self.keep_modules, self.quantize_embeddings)
+
+
+def prepare_targets(module: nn.Module, rule: TargetRule, listing: Optional[Listing]) -> Listing:
+    """The first step of :func:`quantize_model` after its checks: prepare the layer kinds that need it
+    (``nn.MultiheadAttention`` -> four Linears), then the targets of ``rule``.
+
+    ``listing``: the targets listed on this model before (a ``Quantization``'s checks), returned as they are unless
+    preparing replaced modules; ``None``: listed here, after preparing.
+    """
+    prepared = prepare_model(module, skip=lambda n: _ignored(n, rule.ignore_modules))
+    return rule.listing(module) if prepared or listing is None else listing
+
+
+def quantize_targets(
     module: nn.Module,
-    quant_mode: QuantFormat,
+    listing: Listing,
+    modes: Mapping[str, Optional[QuantFormat]],
     compute_dtype: torch.dtype,
-    ignore_modules: Union[str, Sequence[str]],
     device: Optional[Union[str, torch.device]],
-    layer_modes: Optional[Mapping[str, str]],
     hessians: Optional[Mapping[str, Tensor]],
-    listing: Callable[[bool], Listing],
     correct: Optional[Correct] = None,
 ) -> list[str]:
-    """:func:`quantize_model` after its checks, on the targets ``listing(prepared)`` gives.
+    """The last step of :func:`quantize_model`: each target of ``listing`` replaced in its mode of ``modes``
+    (:func:`_layer_modes`), the layers left alone tagged with why, the rest cast to ``compute_dtype``; returns the
+    names of the targets.
 
-    ``prepared``: preparing a layer kind (``nn.MultiheadAttention`` -> four Linears) replaced modules, so a listing
-    of the model before it is stale; otherwise a ``QuantizationPlan`` reuses the listing of its checks. ``correct``
-    (``QuantizedPrecision(correction_rank=...)``): called with each quantized Linear-like layer and the weight it was
-    built from, after any GPTQ rounding, while that weight still exists; ``correct.skip`` with a convolution's name.
+    ``correct`` (``QuantizedPrecision(correction_rank=...)``): called with each quantized Linear-like layer and the
+    weight it was built from, after any GPTQ rounding, while that weight still exists; ``correct.skip`` with a
+    convolution's name.
     """
-    prepared = prepare_model(module, skip=lambda n: _ignored(n, ignore_modules))  # MultiheadAttention -> four Linears
-    targets, skipped = listing(bool(prepared))
+    targets, skipped = listing
     for name, (reason, deliberate) in skipped.items():
         record.leave_alone(module.get_submodule(name), reason, deliberate)
     if skipped:
         log.info("lightning_hbm: not quantizing %s", {n: r for n, (r, _) in skipped.items()})
     target = torch.device(device) if device is not None else None
-    modes = _layer_modes(targets, quant_mode, layer_modes or {})
     for name, layer in targets:  # each format's own refusals, before the first layer changes
         if modes[name] is not None:
             kind = _target_kind(layer)
@@ -319,7 +347,7 @@ def _quantize_listed(
         setattr(parent, child_name, new)
         if isinstance(new, QuantizedEmbedding):  # a head tied to it computes with its one quantized copy
             tie_heads(module, layer, new)
-    _cast_the_rest(module, compute_dtype)
+    _cast_the_rest(module, compute_dtype, fp32)
     # peft picks its quantization-aware LoRA layers (mergeable) only when the model says so.
     kinds = {m.peft_kind for m in modes.values() if m is not None}
     peft_compat.mark_quantized(module, cast(set[str], kinds & {"4bit", "8bit"}))  # strings only: None is in neither
@@ -357,14 +385,14 @@ def _replace_one(
     return new
 
 
-def _cast_the_rest(module: nn.Module, compute_dtype: torch.dtype) -> None:
+def _cast_the_rest(module: nn.Module, compute_dtype: torch.dtype, fp32: set[str]) -> None:
     """Everything that is not quantized storage computes in the compute dtype and stays trainable, except what the
     model declares must stay in fp32, and BatchNorm: its running statistics are fp32 buffers, and batch_norm takes a
     16-bit input only with fp32 weights and statistics (as in Lightning's mixed precision); 16-bit weights beside fp32
-    statistics fail at the first batch."""
-    fp32 = keep_in_fp32_names(module) | {n for n, m in module.named_modules() if isinstance(m, torch_compat.BatchNormBase)}
+    statistics fail at the first batch. ``fp32``: the model's ``_keep_in_fp32_modules`` (:func:`keep_in_fp32_names`)."""
+    kept = fp32 | {n for n, m in module.named_modules() if isinstance(m, torch_compat.BatchNormBase)}
     for name, param in module.named_parameters():
-        wanted = torch.float32 if under(name.rpartition(".")[0], fp32) else compute_dtype
+        wanted = torch.float32 if under(name.rpartition(".")[0], kept) else compute_dtype
         if param.is_floating_point() and param.dtype != wanted:
             param.data = param.data.to(wanted)
 

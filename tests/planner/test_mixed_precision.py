@@ -73,7 +73,7 @@ def test_mixed_plan_bytes_equal_predicted_and_measured(family: str, tmp_path: Pa
     assert quantized_parameter_bytes(factory, "nf4-dq", layer_modes=plan) == expected  # fake build, no LoRA
 
     model, measured = _fit(factory, candidate, tmp_path)
-    assert model.trainer.precision_plugin.plan == plan  # the plugin trained the planned plan
+    assert model.trainer.precision_plugin.layer_modes == plan  # the plugin trained the planned plan
     adapters = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     assert adapters > 0 and parameter_bytes(model) - adapters == expected  # the base, after a real fit
     for category in ("parameters", "gradients", "optimizer_states"):
@@ -112,7 +112,7 @@ def test_candidate_names_costs_and_normalises_a_plan() -> None:
     assert Candidate("nf4-dq", layer_modes={}) == Candidate("nf4-dq")  # an empty plan is the uniform mode
     assert Candidate("nf4-dq", layer_modes={"a": "nf4-dq"}).name == "nf4-dq[mixed:all nf4-dq]"
     plugin = candidate.precision_plugin()
-    assert isinstance(plugin, QuantizedPrecision) and plugin.plan == plan and plugin.mode.name == "nf4-dq"
+    assert isinstance(plugin, QuantizedPrecision) and plugin.layer_modes == plan and plugin.mode.name == "nf4-dq"
     grid = default_candidates(precisions=("bf16-true", "nf4-dq"), lora_ranks=(8,), checkpointing=("none",),
                               optimizers=("user",), layer_modes=plan)  # fmt: skip
     assert [c.name for c in grid] == ["bf16-true+lora8", "nf4-dq[mixed:2 int8,1 none]+lora8"]
@@ -128,7 +128,7 @@ def test_mixed_candidate_yaml_configures_the_plan_in_the_cli(tmp_path: Path) -> 
     base = ["--trainer.accelerator=cpu", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"]
     cli = HBMCLI(args=["-c", str(config), *base, *tiny], run=False)
     plugin = cli.trainer.precision_plugin
-    assert isinstance(plugin, QuantizedPrecision) and plugin.mode.name == "nf4-dq" and plugin.plan == plan
+    assert isinstance(plugin, QuantizedPrecision) and plugin.mode.name == "nf4-dq" and plugin.layer_modes == plan
     # names a YAML reader would otherwise turn into numbers stay strings
     odd = yaml.safe_load(Candidate("int8", layer_modes={"0": "none", "1.2": "nf4"}).yaml())
     assert odd["trainer"]["plugins"][0]["init_args"]["layer_modes"] == {"0": "none", "1.2": "nf4"}

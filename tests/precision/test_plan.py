@@ -1,4 +1,4 @@
-"""``QuantizedPrecision`` over its ``QuantizationPlan``: the engine reaches it through ``SurgeryPlugin`` only, the targets
+"""``QuantizedPrecision`` over its ``Quantization``: the engine reaches it through ``SurgeryPlugin`` only, the targets
 are listed once per surgery, and every checkpoint (``save_weights_only`` included) gets the plugin's part, taken once per
 surgery."""
 
@@ -12,7 +12,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from torch import nn
 
 from lightning_hbm import LoRA, QuantizedPrecision, run_surgery
-from lightning_hbm.precision import plan as plan_module
+from lightning_hbm.precision import quantize as quantize_module
 from lightning_hbm.surgery.protocol import SurgeryPlugin
 
 PROBE = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -26,24 +26,51 @@ def test_only_lightning_hbms_plugins_are_surgery_plugins() -> None:
 
 def test_the_plugin_reads_and_sets_its_plans_settings() -> None:
     plugin = QuantizedPrecision("int8-dynamic", dtype="float32", layer_modes={"body.0": "none"})
-    assert plugin.mode is plugin.quantization.mode and plugin.dtype == torch.float32 and plugin.rounding == "nearest"
+    assert plugin.mode is plugin.config.mode and plugin.dtype == torch.float32 and plugin.rounding == "nearest"
     assert plugin.pinned_plan == {"body.0": "none"} and not plugin.measures_plan and plugin.name == "QuantizedPrecision(int8-dynamic)"
     fake = plugin.mode.for_fake_tensors()
     plugin.mode = fake  # the planner's fake-tensor twin
-    assert plugin.quantization.mode is fake
+    assert plugin.config.mode is fake and plugin.quantization.config is plugin.config
     measured = QuantizedPrecision("nf4", dtype="float32", max_bytes_per_param=1.0)
     assert measured.measures_plan and measured.pinned_plan is None
 
 
+def test_the_settings_are_one_frozen_config_checked_once() -> None:
+    import dataclasses
+
+    from lightning_hbm.precision import QuantizationConfig
+    from lightning_hbm.precision.plan import Quantization, QuantizationPlan
+
+    plugin = QuantizedPrecision("int8-dynamic", dtype="float32", ignore_modules=["0"], sensitive_mode=("none",), min_cosine=0.9)
+    config = plugin.config
+    assert isinstance(config, QuantizationConfig) and config.mode is plugin.mode and config.dtype == torch.float32
+    assert config.ignore_modules == ("0",) and config.sensitive_mode == ["none"] and config.correction_rank == 0
+    assert plugin.sensitive_mode == ["none"] and plugin.min_cosine == 0.9 and plugin.measures_plan  # read through
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.rounding = "gptq"  # type: ignore[misc]
+    # the config refuses what the plugin refuses, with the plugin's messages
+    with pytest.raises(ValueError, match=r"QuantizedPrecision\(rounding='fast'\): use one of"):
+        QuantizationConfig("int8-dynamic", "float32", rounding="fast")
+    with pytest.raises(ValueError, match=r"ignore_modules='\[' is a string, read as a regex"):
+        QuantizationConfig("int8-dynamic", "float32", ignore_modules="[")
+    assert QuantizationPlan is Quantization  # the old name stays importable
+    with pytest.raises(AttributeError):
+        plugin.plan = {}  # type: ignore[misc]  # the old name of layer_modes: read-only
+    with pytest.raises(AttributeError, match=r"QuantizedPrecision.rounding is a setting.*build the plugin with rounding='gptq'"):
+        plugin.rounding = "gptq"  # would be read by nothing
+    with pytest.raises(AttributeError, match="no attribute 'moed'"):
+        plugin.moed  # noqa: B018
+
+
 def test_the_targets_are_listed_once_per_surgery(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    listed = plan_module._quantizable_linears
+    listed = quantize_module._quantizable_linears
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return listed(*args, **kwargs)
 
-    monkeypatch.setattr(plan_module, "_quantizable_linears", counting)
+    monkeypatch.setattr(quantize_module, "_quantizable_linears", counting)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     plugin = QuantizedPrecision("int8-dynamic", dtype="float32", quantize_head=True)
     # the plugin's checks, LoRA's checks (quantization_targets) and the quantization share one listing

@@ -252,8 +252,8 @@ def test_the_sensitivity_plan_measures_the_smoothed_layers_and_its_bytes_are_exa
     assert plugin.smoothing_report.cosine_after != plugin.smoothing_report.cosine_before
     plugin.convert_base(model)
     smoothed = [m for m in model.modules() if isinstance(m, Int8DynamicLinear) and m.input_shift is not None]
-    assert len(smoothed) == len(plugin.plan) and all(m.input_shift.any() for m in smoothed)
-    assert parameter_bytes(model) == predict_parameter_bytes(TinyBert(), plugin.plan, "float32")
+    assert len(smoothed) == len(plugin.layer_modes) and all(m.input_shift.any() for m in smoothed)
+    assert parameter_bytes(model) == predict_parameter_bytes(TinyBert(), plugin.layer_modes, "float32")
 
 
 @pytest.mark.gpu

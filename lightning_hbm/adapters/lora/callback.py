@@ -391,9 +391,9 @@ class LoRA(SurgeryCallback):
 
     @staticmethod
     def _planned_mode(module: nn.Module, name: str) -> Optional[str]:
-        """The mode the Trainer's QuantizedPrecision gives layer ``name`` (its per-layer plan first)."""
+        """The mode the Trainer's QuantizedPrecision gives layer ``name`` (its ``layer_modes`` first)."""
         plugin = getattr(getattr(lightning_compat.attached_trainer(module), "strategy", None), "precision_plugin", None)
-        return (getattr(plugin, "plan", None) or {}).get(name, plugin.mode.name) if plugin is not None else None
+        return (getattr(plugin, "layer_modes", None) or {}).get(name, plugin.mode.name) if plugin is not None else None
 
     @staticmethod
     def _planned_quantization(module: nn.Module) -> frozenset[str]:

@@ -1,0 +1,128 @@
+"""``QuantizationConfig``: the settings of one ``QuantizedPrecision``, checked once, then fixed.
+
+Written as torchao's ``AOBaseConfig`` configs are: a frozen dataclass whose fields are the settings. Each field is
+documented on :class:`~lightning_hbm.QuantizedPrecision` (same name, same meaning); the plugin's constructor is the
+friendly face that builds one. Built here, at construction: an unknown mode, a dtype the mode cannot compute in, an
+invalid regex or a target out of range is refused before any model is seen, with the plugin's own messages. What a
+surgery decides (targets, the per-layer modes, GPTQ rounding, smoothing exponents) is not a setting: it lives on
+:class:`~lightning_hbm.precision.plan.Quantization`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+
+from lightning_hbm.precision.bnb import import_bnb
+from lightning_hbm.precision.correction import CalibratedCorrection
+from lightning_hbm.precision.gptq import ROUNDINGS
+from lightning_hbm.precision.registry import QuantFormat, get_format, to_dtype
+from lightning_hbm.precision.sensitivity import check_plan_args
+from lightning_hbm.precision.smoothing import SMOOTH_MODE, check_smoothing
+
+
+def _checked_ignore(ignore_modules: Union[str, Sequence[str]]) -> Union[str, tuple[str, ...]]:
+    """``ignore_modules`` as the config keeps it (a regex string, or a tuple of names and globs).
+
+    Raises:
+        ValueError: a string that is not a valid regex.
+    """
+    if not isinstance(ignore_modules, str):
+        return tuple(ignore_modules)
+    try:
+        re.compile(ignore_modules)
+    except re.error as err:
+        raise ValueError(
+            f"ignore_modules={ignore_modules!r} is a string, read as a regex (full match, as LoRA's target_modules), "
+            f"but it is not a valid one: {err}. Pass a list of module names or glob patterns instead."
+        ) from err
+    return ignore_modules
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: a probe batch is a tensor, whose == is elementwise
+class QuantizationConfig:
+    """The settings of one ``QuantizedPrecision`` (its arguments, same names; ``mode`` and ``dtype`` given by name or
+    as objects, held as a :class:`~lightning_hbm.precision.registry.QuantFormat` and a ``torch.dtype``).
+
+    ``dtype="auto"`` is the plugin's (it times the machine): a config takes the dtype it chose.
+
+    Raises:
+        ValueError: an unknown mode, a dtype the mode cannot compute in, an invalid ``ignore_modules`` regex, a target
+            out of range, an unknown ``rounding``, ``smoothing`` for modes that do not smooth, a negative
+            ``correction_rank`` (the messages of ``QuantizedPrecision``).
+        TypeError: a ``probe_batch`` or ``layer_modes`` of the wrong type.
+    """
+
+    mode: Union[str, QuantFormat] = "nf4-dq"
+    dtype: Union[str, torch.dtype] = "bfloat16"
+    ignore_modules: Union[str, Sequence[str]] = ()
+    quantize_head: bool = False
+    max_bytes_per_param: Optional[float] = None
+    min_cosine: Optional[float] = None
+    sensitive_mode: Union[str, Sequence[str]] = "auto"
+    probe_batch: Any = field(default=None, repr=False)  # a batch of tensors: not printed
+    #: the plan the user pins ``{layer name: mode name}`` (``None``: measured, or every layer in ``mode``)
+    layer_modes: Optional[Mapping[str, str]] = None
+    rounding: str = "nearest"
+    #: the smoothing setting: ``"auto"`` or an alpha where a layer may be stored in ``int8-dynamic-smooth``, else None
+    smoothing: Optional[Union[float, str]] = None
+    quantize_embeddings: bool = False
+    #: the rank of the calibrated correction (0: none)
+    correction_rank: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        # frozen: each setting is normalised once here, in the order the plugin always checked them (same first error)
+        mode = self.mode if isinstance(self.mode, QuantFormat) else get_format(self.mode)
+        dtype = to_dtype(self.dtype)
+        mode.check_dtype(dtype)
+        self._set(mode=mode, dtype=dtype, ignore_modules=_checked_ignore(self.ignore_modules))
+        self._set(quantize_head=bool(self.quantize_head), quantize_embeddings=bool(self.quantize_embeddings))
+        check_plan_args(mode.name, self.max_bytes_per_param, self.min_cosine, self.sensitive_mode, self.probe_batch, self.layer_modes)
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"QuantizedPrecision(rounding={self.rounding!r}): use one of {list(ROUNDINGS)}.")
+        self._set(correction_rank=CalibratedCorrection.check_rank(self.correction_rank))
+        # a list in the resume settings: the checkpoint stores lists (a tuple would compare unequal after a load)
+        self._set(sensitive_mode=self.sensitive_mode if isinstance(self.sensitive_mode, str) else list(self.sensitive_mode))
+        self._set(layer_modes=dict(self.layer_modes) if self.layer_modes else None)
+        sensitive = [self.sensitive_mode] if isinstance(self.sensitive_mode, str) else list(self.sensitive_mode)
+        modes = [mode.name, *sensitive, *(self.layer_modes or {}).values()]
+        self._set(smoothing=check_smoothing(self.smoothing, SMOOTH_MODE in modes, mode.name))
+        if mode.peft_kind is not None:  # bitsandbytes modes: fail now, not at fit time
+            import_bnb()
+
+    def _set(self, **values: Any) -> None:
+        for name, value in values.items():
+            object.__setattr__(self, name, value)  # the one way a frozen dataclass normalises its own fields
+
+    # mypy reads the fields as declared (str or object); after __post_init__ these two are always the objects
+    @property
+    def format(self) -> QuantFormat:
+        """``mode`` as the :class:`~lightning_hbm.precision.registry.QuantFormat` it always is once built."""
+        assert isinstance(self.mode, QuantFormat)
+        return self.mode
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as the ``torch.dtype`` it always is once built."""
+        assert isinstance(self.dtype, torch.dtype)
+        return self.dtype
+
+    @property
+    def pinned_plan(self) -> Optional[dict[str, str]]:
+        """The per-layer modes the user gave (``layer_modes``), ``None`` when they are measured or every layer takes ``mode``."""
+        return dict(self.layer_modes) if self.layer_modes is not None else None
+
+    @property
+    def measures_plan(self) -> bool:
+        """Whether the per-layer modes are measured on the probe batch at the surgery (a byte or cosine target)."""
+        return self.layer_modes is None and (self.max_bytes_per_param is not None or self.min_cosine is not None)
+
+    def ignore_list(self) -> Union[str, list[str]]:
+        """``ignore_modules`` as saved and shown (a list, or the regex string)."""
+        return self.ignore_modules if isinstance(self.ignore_modules, str) else list(self.ignore_modules)
+
+
+__all__ = ["QuantizationConfig"]
