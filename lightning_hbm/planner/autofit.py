@@ -289,7 +289,7 @@ def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str, Optional[dict[st
                 f"AutoFit plans {plugin.name} as if every layer were {plugin.mode.name}: its mixed-precision plan is "
                 "measured on the probe batch only when the model is quantized, after AutoFit has chosen, so the "
                 "parameters the wider layers add are not in the prediction. For an exact prediction, pin the plan "
-                "of an earlier run: QuantizedPrecision(mode, layer_modes=<that run's plugin.plan>)."
+                "of an earlier run: QuantizedPrecision(mode, layer_modes=<that run's plugin.layer_modes>)."
             )
         dtype = str(plugin.dtype).removeprefix("torch.")
         return plugin.mode.name, dtype, plugin.pinned_plan, plugin.correction_rank, plugin.rounding

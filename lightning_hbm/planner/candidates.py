@@ -165,7 +165,7 @@ class Candidate:
             :class:`~lightning_hbm.activations.checkpointing.OffloadSavedTensors`); on ``"cpu"`` the copies
             are in the same memory and counted there. Costed at +5 % (a stated assumption, not yet run on GPU).
         layer_modes: a fixed mixed-precision plan of a quantized ``precision``, ``{layer name: mode name}``
-            (``QuantizedPrecision(layer_modes=...)``; e.g. ``plugin.plan`` of an earlier run with
+            (``QuantizedPrecision(layer_modes=...)``; e.g. ``plugin.layer_modes`` of an earlier run with
             ``max_bytes_per_param=``): the named layers are stored in their mode (``"none"``: kept in
             ``dtype``), the others in ``precision``. A dict is accepted and kept as sorted pairs (hashable).
             Layer names are checked against the model when the candidate is planned.
@@ -234,7 +234,7 @@ class Candidate:
                 axes["fused_loss"] = True
         offload = strategy == "cpu_offload" or type(strategy).__name__ == "CPUOffloadStrategy"
         if isinstance(plugin, QuantizedPrecision):
-            axes["layer_modes"] = plugin.plan  # a fixed per-layer plan
+            axes["layer_modes"] = plugin.layer_modes  # a fixed per-layer plan
             axes["correction_rank"] = plugin.correction_rank
             axes["rounding"] = plugin.rounding
         return cls(precision, dtype, offload=offload, configured=(plugin, surgery), **axes)

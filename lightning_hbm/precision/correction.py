@@ -96,7 +96,7 @@ class CorrectionReport:
 
 
 class CalibratedCorrection:
-    """The correction of one ``QuantizationPlan`` (``QuantizedPrecision(correction_rank=r)``).
+    """The correction of one ``Quantization`` (``QuantizedPrecision(correction_rank=r)``).
 
     In the checks: :meth:`take_saved` (the checkpoint's factors, when resuming with the same settings), else
     :meth:`measured` (the input statistics of one probe forward, checked against the rank); during the quantization
