@@ -161,9 +161,9 @@ def input_statistics(module: nn.Module, names: Sequence[str], probe: Any) -> tup
         # fewer input rows than inputs: H is singular, and GPTQ fits the probe instead of the layer (SmolLM2-135M
         # with 128 probe tokens for 576-1536 inputs: probe output cosine 0.997, held-out 0.984)
         log.warning(
-            "lightning_hbm: GPTQ / correction statistics from fewer probe rows (tokens, or a convolution's input patches) "
-            "than inputs for %d layers, e.g. %s (rows, inputs): the rounding and the calibrated correction will fit the "
-            "probe more than the data. Pass a probe_batch with at least %d rows.",
+            "lightning_hbm: GPTQ / correction statistics from fewer probe rows (tokens) than inputs for %d layers, e.g. %s "
+            "(rows, inputs; a convolution's rows are its input patches): the rounding and the calibrated correction will "
+            "fit the probe more than the data. Pass a probe_batch with at least %d tokens (or patches).",
             len(short), dict(list(short.items())[:3]), max(inputs for _, inputs in short.values()),
         )
     return {name: normalized[id(total)] for name, (total, _) in sums.items()}, {name: count for name, (_, count) in sums.items()}
