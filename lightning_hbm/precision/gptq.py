@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.precision.registry import RoundingGrid, format_of
 from lightning_hbm.probe import eval_no_grad, probe_output
 
@@ -69,12 +70,12 @@ def grid_of(layer: nn.Module) -> Optional[RoundingGrid]:
 def conv_geometry(layer: nn.Module) -> Optional[tuple]:
     """What a convolution's input patches depend on (``None``: not a convolution, its input rows are its inputs).
     Transposed convolutions are not covered (their stored matrix is not a linear map of input patches)."""
-    if not isinstance(layer, nn.modules.conv._ConvNd) or layer.transposed:
+    if not isinstance(layer, torch_compat.ConvNd) or layer.transposed:
         return None
     return (layer.kernel_size, layer.stride, layer.dilation, layer._reversed_padding_repeated_twice, layer.padding_mode, layer.groups)
 
 
-def patches(layer: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
+def patches(layer: torch_compat.ConvNd, x: torch.Tensor) -> torch.Tensor:
     """``[groups, rows, in / groups * kernel]``: the input patches each output position of ``layer`` multiplies with its
     weight matrix (im2col; the columns in the order of the weight's ``[out, in / groups, *kernel]`` layout)."""
     spatial = len(layer.kernel_size)
@@ -97,7 +98,7 @@ def patch_gram(layer: nn.Module, x: torch.Tensor, chunk: int = 4096) -> tuple[to
     """``(P^T P, rows)`` of the input patches ``P`` of the convolution ``layer`` (:func:`patches`), in fp32 on the host:
     ``[K, K]``, or ``[groups, K, K]`` for a grouped (depthwise) one, whose groups see different inputs. Summed over
     chunks of the batch (a 640-pixel image has 100k patches per layer)."""
-    conv = cast(nn.modules.conv._ConvNd, layer)
+    conv = cast(torch_compat.ConvNd, layer)
     total: Optional[torch.Tensor] = None
     count = 0
     samples = x if x.dim() == len(conv.kernel_size) + 2 else x.unsqueeze(0)
