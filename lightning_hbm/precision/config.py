@@ -74,28 +74,28 @@ class QuantizationConfig:
     correction_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
+        def _set(**values: Any) -> None:
+            for name, value in values.items():
+                object.__setattr__(self, name, value)  # the one way a frozen dataclass normalises its own fields
+
         # frozen: each setting is normalised once here, in the order the plugin always checked them (same first error)
         mode = self.mode if isinstance(self.mode, QuantFormat) else get_format(self.mode)
         dtype = to_dtype(self.dtype)
         mode.check_dtype(dtype)
-        self._set(mode=mode, dtype=dtype, ignore_modules=_checked_ignore(self.ignore_modules))
-        self._set(quantize_head=bool(self.quantize_head), quantize_embeddings=bool(self.quantize_embeddings))
+        _set(mode=mode, dtype=dtype, ignore_modules=_checked_ignore(self.ignore_modules))
+        _set(quantize_head=bool(self.quantize_head), quantize_embeddings=bool(self.quantize_embeddings))
         check_plan_args(mode.name, self.max_bytes_per_param, self.min_cosine, self.sensitive_mode, self.probe_batch, self.layer_modes)
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"QuantizedPrecision(rounding={self.rounding!r}): use one of {list(ROUNDINGS)}.")
-        self._set(correction_rank=CalibratedCorrection.check_rank(self.correction_rank))
+        _set(correction_rank=CalibratedCorrection.check_rank(self.correction_rank))
         # a list in the resume settings: the checkpoint stores lists (a tuple would compare unequal after a load)
-        self._set(sensitive_mode=self.sensitive_mode if isinstance(self.sensitive_mode, str) else list(self.sensitive_mode))
-        self._set(layer_modes=dict(self.layer_modes) if self.layer_modes else None)
+        _set(sensitive_mode=self.sensitive_mode if isinstance(self.sensitive_mode, str) else list(self.sensitive_mode))
+        _set(layer_modes=dict(self.layer_modes) if self.layer_modes else None)
         sensitive = [self.sensitive_mode] if isinstance(self.sensitive_mode, str) else list(self.sensitive_mode)
         modes = [mode.name, *sensitive, *(self.layer_modes or {}).values()]
-        self._set(smoothing=check_smoothing(self.smoothing, SMOOTH_MODE in modes, mode.name))
+        _set(smoothing=check_smoothing(self.smoothing, SMOOTH_MODE in modes, mode.name))
         if mode.peft_kind is not None:  # bitsandbytes modes: fail now, not at fit time
             import_bnb()
-
-    def _set(self, **values: Any) -> None:
-        for name, value in values.items():
-            object.__setattr__(self, name, value)  # the one way a frozen dataclass normalises its own fields
 
     # mypy reads the fields as declared (str or object); after __post_init__ these two are always the objects
     @property
