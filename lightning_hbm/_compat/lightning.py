@@ -104,6 +104,22 @@ def stage_dataloader(trainer: Any) -> Any:
     return loader
 
 
+def hand_over_instead(trainer: Any, old: Any, new: Any) -> None:
+    """The loop of the stage the Trainer runs gets ``new`` where :func:`stage_dataloader` handed it ``old`` (a one-pass
+    iterator the probe drew its first batch from, given back with that batch in front)."""
+    loop = getattr(trainer, _STAGE_LOOPS.get(str(getattr(trainer.state.fn, "value", trainer.state.fn)), ""), None)
+    handed = vars(getattr(loop, "_data_source", None) or object()).get("dataloader") if loop is not None else None
+    if not isinstance(handed, _HandOver):
+        return
+    loaders = handed.loaders
+    if loaders is old:
+        handed.loaders = new
+    elif isinstance(loaders, dict):
+        handed.loaders = {key: new if value is old else value for key, value in loaders.items()}
+    elif isinstance(loaders, (list, tuple)):
+        handed.loaders = type(loaders)(new if value is old else value for value in loaders)
+
+
 class _HandOver:
     """``source.dataloader`` for one call: what :func:`stage_dataloader` requested, given to the loop's own request
     (``setup_data``), after which the source's own method is back. Picklable (a module-level class)."""

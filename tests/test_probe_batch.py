@@ -1,0 +1,150 @@
+"""The probe step's batch (issue 55): drawn once and trained first, so a loader read once loses nothing.
+
+Before, the probe step drew its batch from a pass of its own: a one-pass stream (a ``DataLoader`` over an
+``IterableDataset`` reading a socket or a queue) lost its first batch to the probe, and a module's own iterator was
+not probed at all (the model's source decided alone). Now the batch the probe drew is the loop's first, followed by
+the rest of the same pass.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "layers"))  # the probe-step models of test_readers
+
+from test_readers import Reads, Wrapped, tokens  # noqa: E402
+
+from lightning_hbm import LoRA, QuantizedPrecision  # noqa: E402
+from lightning_hbm._compat import torch as torch_compat  # noqa: E402
+from lightning_hbm.layers import readers  # noqa: E402
+
+
+def item(i: int) -> torch.Tensor:
+    """A batch that says which item it is (its first token)."""
+    batch = tokens(i + 10)
+    batch[0, 0] = i + 1
+    return batch
+
+
+class Stream(IterableDataset):
+    """A one-pass stream: each item is read once; a second ``iter`` continues where the first stopped (a socket)."""
+
+    def __init__(self, n: int) -> None:
+        self.items: Iterator[int] = iter(range(n))
+        self.opened = 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self.opened += 1
+        for i in self.items:
+            yield item(i)
+
+
+class Again(IterableDataset):
+    """A stream read anew at every ``iter`` (files read from the start each epoch)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (item(i) for i in range(self.n))
+
+
+class Recorded(Wrapped):
+    """Records the item of every batch the loop trains (``on_train_batch_start``: the probe step never calls it)."""
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__(Reads(), causal=False)
+        self.loader, self.requested, self.trained = loader, 0, []
+
+    def train_dataloader(self) -> Any:
+        self.requested += 1
+        return self.loader() if callable(self.loader) else self.loader
+
+    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.trained.append(int(batch[0, 0]) - 1)
+
+
+def fit(module: pl.LightningModule, tmp_path: Path, epochs: int = 1) -> pl.Trainer:
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+        plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=4, alpha=8)],
+    )  # fmt: skip
+    trainer.fit(module)
+    return trainer
+
+
+def test_a_one_pass_stream_loses_no_item_and_is_opened_once(tmp_path: Path) -> None:
+    """Was: the probe's own pass read item 0 from the stream, and the loop's pass began at item 1."""
+    stream = Stream(4)
+    module = Recorded(DataLoader(stream, batch_size=None))
+    fit(module, tmp_path)
+    assert module.trained == [0, 1, 2, 3] and stream.opened == 1 and module.requested == 1
+    assert readers.observation(module) is not None  # the probe step ran, on item 0
+
+
+def test_a_modules_own_iterator_is_probed_and_loses_no_item(tmp_path: Path) -> None:
+    """Was: a generator returned by ``train_dataloader()`` was not probed (drawing from it would have lost a batch):
+    the model's source decided alone. Now its first batch is probed and trained first."""
+    module = Recorded(lambda: (item(i) for i in range(3)))
+    fit(module, tmp_path)
+    assert module.trained == [0, 1, 2] and module.requested == 1
+    assert readers.observation(module) is not None
+
+
+def test_a_stream_with_persistent_workers_trains_every_epoch_whole(tmp_path: Path) -> None:
+    """The pass kept for the loop is its first epoch's; persistent workers reset that same pass for the next."""
+    module = Recorded(DataLoader(Again(3), batch_size=None, num_workers=1, persistent_workers=True))
+    fit(module, tmp_path, epochs=2)
+    assert module.trained == [0, 1, 2] * 2 and module.requested == 1
+    assert readers.observation(module) is not None
+
+
+def test_the_kept_pass_leaves_the_rngs_where_a_fresh_pass_leaves_them() -> None:
+    """Creating a pass draws its workers' base seed: undone at the probe's draw, made again when the loop takes the
+    pass, so every later draw (dropout, LoRA's initial values) is the one a run without the probe makes."""
+    torch.manual_seed(0)
+    start = torch.get_rng_state()
+    loader = DataLoader(Again(3), batch_size=None)
+    first, given = torch_compat.draw_keeping_the_pass(loader)  # type: ignore[misc]
+    assert torch.equal(torch.get_rng_state(), start) and given is loader
+    ours = [int(b[0, 0]) - 1 for b in loader]
+    after_ours = torch.get_rng_state()
+    torch.set_rng_state(start)
+    plain = [int(b[0, 0]) - 1 for b in DataLoader(Again(3), batch_size=None)]
+    assert ours == plain == [0, 1, 2] and int(first[0, 0]) == 1
+    assert torch.equal(torch.get_rng_state(), after_ours)
+    assert [int(b[0, 0]) - 1 for b in loader] == [0, 1, 2]  # the next pass is a fresh one
+
+
+def test_a_step_that_changes_its_batch_in_place_does_not_change_what_trains(tmp_path: Path) -> None:
+    """The probe step gets a copy of the batch the loop trains first."""
+
+    class Shifts(Recorded):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            batch.add_(1)  # after the forward: the next call of this step would see other tokens
+            return loss
+
+    module = Shifts(DataLoader(Stream(2), batch_size=None))
+    fit(module, tmp_path)
+    assert module.trained == [0, 1]
+
+
+@pytest.mark.parametrize("kind", ["map-style", "stateful"])
+def test_loaders_read_again_or_restored_are_not_kept(kind: str) -> None:
+    """A map-style loader's second pass reads the same indices (the probe's pass is separate, the order exact), and a
+    stateful loader may be restored before its loop iterates: neither keeps the probe's pass."""
+    from lightning_hbm.data import ResumableDataLoader
+
+    loader = DataLoader([item(i) for i in range(3)], batch_size=None) if kind == "map-style" else ResumableDataLoader(
+        [item(i) for i in range(3)], batch_size=None)  # fmt: skip
+    assert not torch_compat.passes_once(loader)
+    assert torch_compat.passes_once(DataLoader(Again(2), batch_size=None)) and torch_compat.passes_once(iter([1]))
