@@ -148,3 +148,22 @@ def test_loaders_read_again_or_restored_are_not_kept(kind: str) -> None:
         [item(i) for i in range(3)], batch_size=None)  # fmt: skip
     assert not torch_compat.passes_once(loader)
     assert torch_compat.passes_once(DataLoader(Again(2), batch_size=None)) and torch_compat.passes_once(iter([1]))
+
+
+@pytest.mark.parametrize("kind", ["map-style", "stream"])
+def test_autofit_requests_the_loader_once_and_loses_no_item(kind: str, tmp_path: Path) -> None:
+    """Was: AutoFit drew its planning batch from a ``train_dataloader()`` call of its own (the hook ran twice per fit)
+    and from a pass of its own (a one-pass stream lost item 0)."""
+    from lightning_hbm import AutoFit
+
+    data = [item(i) for i in range(3)]
+    stream = Stream(3)
+    module = Recorded(lambda: DataLoader(data if kind == "map-style" else stream, batch_size=None))
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+        callbacks=[AutoFit(budget="1GiB", precisions=["nf4-dq"], lora_ranks=[4], checkpointing=["none"], optimizers=["user"])],
+    )  # fmt: skip
+    trainer.fit(module)
+    assert module.requested == 1 and module.trained == [0, 1, 2]
+    assert readers.observation(module) is not None
