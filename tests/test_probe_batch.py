@@ -167,3 +167,36 @@ def test_autofit_requests_the_loader_once_and_loses_no_item(kind: str, tmp_path:
     trainer.fit(module)
     assert module.requested == 1 and module.trained == [0, 1, 2]
     assert readers.observation(module) is not None
+
+
+def test_predict_probes_its_own_step_never_training_step(tmp_path: Path) -> None:
+    """Issue 55: ``trainer.predict`` ran the user's ``training_step`` on a predict batch ("could not run one step ...
+    ValueError: not enough values to unpack"). It runs ``predict_step``, silently and once."""
+    import warnings
+
+    class Pairs(Wrapped):
+        def __init__(self) -> None:
+            super().__init__(Reads(), causal=False)
+            self.calls: list[str] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.calls.append("training_step")
+            inputs, targets = batch  # trains on (inputs, targets) pairs; predicts on inputs alone
+            return super().training_step(inputs, batch_idx)
+
+        def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            self.calls.append("predict_step")
+            return self.model(batch)
+
+    module = Pairs()
+    trainer = pl.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=4, alpha=8)],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not run one step.*")
+        out = trainer.predict(module, DataLoader([tokens(1), tokens(2)], batch_size=None))
+    assert len(out) == 2 and "training_step" not in module.calls
+    assert module.calls.count("predict_step") == 3  # the probe's (on fake tensors), then one per batch
+    seen = readers.observation(module)
+    assert seen is not None and "Pairs.predict_step on" in seen.ran
