@@ -200,3 +200,29 @@ def test_predict_probes_its_own_step_never_training_step(tmp_path: Path) -> None
     assert module.calls.count("predict_step") == 3  # the probe's (on fake tensors), then one per batch
     seen = readers.observation(module)
     assert seen is not None and "Pairs.predict_step on" in seen.ran
+
+
+@pytest.mark.parametrize("data", ["empty-stream", "no-batches"])
+def test_a_stage_without_a_batch_probes_nothing_and_says_no_wrong_advice(tmp_path: Path, data: str) -> None:
+    """A stage that reads no batch (an empty stream, ``limit_val_batches=0``) has no step to probe: the model's source
+    decides, without running the user's step on ``None`` and telling them to fix it."""
+    import warnings
+
+    class Validated(Recorded):
+        def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            self.model(batch)
+
+    module = Validated(DataLoader(Stream(0), batch_size=None))
+    trainer = pl.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=4, alpha=8)],
+        limit_val_batches=0 if data == "no-batches" else 1.0,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not run one step.*")
+        warnings.filterwarnings("ignore", message=".*(empty|no .*batches|num_workers|limit_val_batches).*")
+        if data == "empty-stream":
+            trainer.validate(module, DataLoader(Stream(0), batch_size=None))
+        else:
+            trainer.validate(module, DataLoader([tokens(1)], batch_size=None))
+    assert readers.observation(module) is None

@@ -317,8 +317,11 @@ def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None
             "model's source reads are kept in the compute dtype (a read the source does not show is not guarded)"
         )
         return
+    drawn = batch() if callable(batch) else batch
+    if drawn is None:  # the stage reads no batch (an empty loader, limit_*_batches=0): nothing to run; the source decides
+        return
     with _said_if_slow(type(module).__qualname__, step):
-        seen = readers.observe(module, batch() if callable(batch) else batch, layers, step)
+        seen = readers.observe(module, drawn, layers, step)
     if seen is not None:  # said once per model, at the surgery (fit start): the user's code ran one more time
         rank_zero_info(
             f"lightning_hbm: ran {seen.ran} once before changing the model, to see which layers its code reads "
