@@ -226,3 +226,20 @@ def test_a_stage_without_a_batch_probes_nothing_and_says_no_wrong_advice(tmp_pat
         else:
             trainer.validate(module, DataLoader([tokens(1)], batch_size=None))
     assert readers.observation(module) is None
+
+
+def test_predict_on_a_one_pass_stream_loses_no_item(tmp_path: Path) -> None:
+    """``trainer.predict`` rebuilds every DataLoader (Lightning's index-recording batch sampler): a pass kept on the
+    user's loader would never be iterated, and a one-pass stream would lose the probe's batch. The probe leaves such a
+    stream alone (the model's source decides)."""
+
+    class Predicts(Recorded):
+        def predict_step(self, batch: torch.Tensor, batch_idx: int) -> int:
+            return int(batch[0, 0]) - 1
+
+    module = Predicts(None)
+    trainer = pl.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=4, alpha=8)],
+    )  # fmt: skip
+    assert trainer.predict(module, DataLoader(Stream(3), batch_size=None)) == [0, 1, 2]

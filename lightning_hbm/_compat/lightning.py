@@ -124,6 +124,13 @@ def _first_loader(loaders: Any) -> Any:
     return loader
 
 
+def rebuilds_its_dataloader(trainer: Any) -> bool:
+    """Whether the loop of the stage the Trainer runs iterates a rebuilt copy of a ``DataLoader`` it is given, not that
+    object: the predict loop always does (``_DataConnector._prepare_dataloader``: ``_update_dataloader`` with an
+    index-recording sampler; training rebuilds only to inject a distributed sampler, never for an iterable dataset)."""
+    return str(getattr(trainer.state.fn, "value", trainer.state.fn)) == "predict"
+
+
 def hand_over_instead(trainer: Any, old: Any, new: Any) -> None:
     """The loop of the stage the Trainer runs gets ``new`` where :func:`stage_dataloader` handed it ``old`` (a one-pass
     iterator the probe drew its first batch from, given back with that batch in front)."""

@@ -65,6 +65,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 from torch.utils._pytree import tree_map_only
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_hbm import resume
@@ -511,6 +512,8 @@ def _stage_batch(trainer: pl.Trainer) -> Any:
     if loader is None:
         return None
     if torch_compat.passes_once(loader):  # a stream, an iterator: the batch drawn here is the loop's first (issue 55)
+        if isinstance(loader, DataLoader) and lightning_compat.rebuilds_its_dataloader(trainer):
+            return None  # its loop reads a rebuilt copy, from the stream again: a batch drawn here would be lost
         return _first_of_the_pass(trainer, loader)
     # a DataLoader's (or its sampler's) own generator draws the epoch's order: the draw of this batch must not
     # advance it, or epoch 0 trains in another order than without lightning_hbm (issue 55)
