@@ -243,3 +243,29 @@ def test_predict_on_a_one_pass_stream_loses_no_item(tmp_path: Path) -> None:
         default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=4, alpha=8)],
     )  # fmt: skip
     assert trainer.predict(module, DataLoader(Stream(3), batch_size=None)) == [0, 1, 2]
+
+
+def test_a_loader_autofit_handed_over_in_a_run_that_stopped_is_not_given_to_the_next_run(tmp_path: Path) -> None:
+    """AutoFit requests the train dataloader at ``Callback.setup``; a run that stops before its loop leaves that
+    hand-over behind. A next run without a lightning_hbm surgery (a plain Trainer reusing the data source's object)
+    calls the hook itself, as Lightning would."""
+    from lightning_hbm._compat import lightning as lightning_compat
+
+    class Stops(pl.Callback):
+        def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+            lightning_compat.train_dataloader(trainer)  # what AutoFit does at its setup
+            raise RuntimeError("stopped in setup")
+
+    module = Recorded(lambda: DataLoader([item(i) for i in range(2)], batch_size=None))
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+        callbacks=[Stops()],
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="stopped in setup"):
+        trainer.fit(module)
+    first = vars(trainer.fit_loop._data_source)["dataloader"].loaders  # the hand-over left behind
+    assert module.requested == 1
+    trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, Stops)]
+    trainer.fit(module)
+    assert module.requested == 2 and trainer.train_dataloader is not first and module.trained == [0, 1]

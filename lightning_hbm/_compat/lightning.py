@@ -153,11 +153,13 @@ class _HandOver:
 
     def __init__(self, source: Any, loaders: Any, trainer: Any) -> None:
         self.source, self.instance, self.loaders = source, source.instance, loaders
-        self.run = _run_of(trainer)
+        self.trainer_data, self.run = getattr(trainer, "_data_connector", None), _run_of(trainer)
 
     def __call__(self) -> Any:
         vars(self.source).pop("dataloader", None)
-        if self.source.instance is not self.instance:  # the data was attached anew since: that data's own loader
+        # the data was attached anew since, or this is another run (one that stopped before its loop handed it over,
+        # and no lightning_hbm surgery ran in this one to drop it): the source's own loader
+        if self.source.instance is not self.instance or getattr(self.trainer_data, "_datahook_selector", None) is not self.run:
             return self.source.dataloader()
         return self.loaders
 
