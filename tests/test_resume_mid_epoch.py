@@ -233,3 +233,24 @@ def test_an_older_loader_state_is_resumed_with_a_warning() -> None:
     with pytest.warns(UserWarning, match=r"version 1, which does not record the loader's settings"):
         dl.load_state_dict({"version": 1, "epoch": 0, "batches": 3})
     assert len(list(dl)) == 2
+
+
+@pytest.mark.parametrize(("changed", "message"), [(dict(batch_size=8), r"batch_size 4 -> 8"), (dict(shuffle=False), r"shuffle True -> False")],
+                         ids=["batch-size", "no-shuffle"])  # fmt: skip
+def test_a_trainer_resumed_with_another_loader_stops_before_training(tmp_path: Path, changed: dict[str, Any], message: str) -> None:
+    """Issue 55 item 2 through the Trainer: ``fit(ckpt_path=...)`` of a mid-epoch checkpoint with the loader changed
+    (batch size 8 instead of 4: 24 samples of the epoch never trained; shuffle off: samples trained twice) is refused
+    before any step, naming the setting."""
+    _fit(tmp_path / "first", _data(shuffle=True), 2, every=2)
+    settings = dict(seq_len=32, batch_size=4, train_samples=4 * BATCHES, val_samples=8, max_bytes=300_000, shuffle=True)
+    other = ByteTextDataModule(**{**settings, **changed})
+    seen = _Losses()
+    with pytest.raises(ValueError, match=r"saved with another training dataloader \(.*" + message):
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path / "resumed",
+            plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=2), seen],
+        )  # fmt: skip
+        torch.manual_seed(0)  # the base the checkpoint was trained on (as _fit)
+        trainer.fit(NanoGPT(**TINY_GPT), other, ckpt_path=tmp_path / "first" / "step=2.ckpt")
+    assert seen.losses == []  # not one step on the wrong samples

@@ -21,6 +21,8 @@ from lightning.pytorch.trainer.connectors.data_connector import _request_dataloa
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table  # display
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
+from lightning_hbm._compat import torch as torch_compat
+
 
 def attached_trainer(module: Any) -> Optional[Any]:
     """The Trainer ``module`` is attached to, or ``None`` (a plain ``nn.Module``, or a LightningModule outside a Trainer).
@@ -72,8 +74,22 @@ def trainer_being_built() -> Optional[Any]:
 
 
 def train_dataloader(trainer: Any) -> Any:
-    """The train dataloader Lightning will use (module's, datamodule's or ``fit``'s), before the fit loop loads it."""
-    return trainer.fit_loop._data_source.dataloader()
+    """The train dataloader Lightning will use (module's, datamodule's or ``fit``'s), before the fit loop loads it.
+
+    Requested and handed over as :func:`stage_dataloader` does (the user's hook runs once per fit: issue 55, AutoFit
+    called it once more); a loader read once (``torch_compat.passes_once``) has its first batch drawn and kept for
+    the loop, so a caller's ``next(iter(loader))`` gets that batch and reads nothing more.
+    """
+    source = trainer.fit_loop._data_source
+    loaders = _request_dataloader(source)
+    source.dataloader = _HandOver(source, loaders, trainer)
+    loader = _first_loader(loaders)
+    if loader is not None and torch_compat.passes_once(loader):
+        kept = torch_compat.draw_keeping_the_pass(loader)
+        if kept is not None and kept[1] is not loader:
+            hand_over_instead(trainer, loader, kept[1])
+            return kept[1]
+    return loader
 
 
 _STAGE_LOOPS = {"fit": "fit_loop", "validate": "validate_loop", "test": "test_loop", "predict": "predict_loop"}
@@ -94,8 +110,12 @@ def stage_dataloader(trainer: Any) -> Any:
     source = getattr(loop, "_data_source", None)
     if source is None or not source.is_defined() or getattr(trainer, _STAGE_LIMITS[stage]) == 0:
         return None  # a loop that reads no batch does not call the hook either
-    loaders = _request_dataloader(source)
-    source.dataloader = _HandOver(source, loaders)  # an instance attribute over the dataclass's method, for one call
+    loaders = _request_dataloader(source)  # a loader already handed over in this run (AutoFit's) is given again
+    source.dataloader = _HandOver(source, loaders, trainer)  # an instance attribute over the dataclass's method
+    return _first_loader(loaders)
+
+
+def _first_loader(loaders: Any) -> Any:
     loader = loaders
     if isinstance(loader, dict):
         loader = next(iter(loader.values()), None)
@@ -104,25 +124,61 @@ def stage_dataloader(trainer: Any) -> Any:
     return loader
 
 
+def rebuilds_its_dataloader(trainer: Any) -> bool:
+    """Whether the loop of the stage the Trainer runs iterates a rebuilt copy of a ``DataLoader`` it is given, not that
+    object: the predict loop always does (``_DataConnector._prepare_dataloader``: ``_update_dataloader`` with an
+    index-recording sampler; training rebuilds only to inject a distributed sampler, never for an iterable dataset)."""
+    return str(getattr(trainer.state.fn, "value", trainer.state.fn)) == "predict"
+
+
+def hand_over_instead(trainer: Any, old: Any, new: Any) -> None:
+    """The loop of the stage the Trainer runs gets ``new`` where :func:`stage_dataloader` handed it ``old`` (a one-pass
+    iterator the probe drew its first batch from, given back with that batch in front)."""
+    loop = getattr(trainer, _STAGE_LOOPS.get(str(getattr(trainer.state.fn, "value", trainer.state.fn)), ""), None)
+    handed = vars(getattr(loop, "_data_source", None) or object()).get("dataloader") if loop is not None else None
+    if not isinstance(handed, _HandOver):
+        return
+    loaders = handed.loaders
+    if loaders is old:
+        handed.loaders = new
+    elif isinstance(loaders, dict):
+        handed.loaders = {key: new if value is old else value for key, value in loaders.items()}
+    elif isinstance(loaders, (list, tuple)):
+        handed.loaders = type(loaders)(new if value is old else value for value in loaders)
+
+
 class _HandOver:
     """``source.dataloader`` for one call: what :func:`stage_dataloader` requested, given to the loop's own request
     (``setup_data``), after which the source's own method is back. Picklable (a module-level class)."""
 
-    def __init__(self, source: Any, loaders: Any) -> None:
+    def __init__(self, source: Any, loaders: Any, trainer: Any) -> None:
         self.source, self.instance, self.loaders = source, source.instance, loaders
+        self.trainer_data, self.run = getattr(trainer, "_data_connector", None), _run_of(trainer)
 
     def __call__(self) -> Any:
         vars(self.source).pop("dataloader", None)
-        if self.source.instance is not self.instance:  # the data was attached anew since: that data's own loader
+        # the data was attached anew since, or this is another run (one that stopped before its loop handed it over,
+        # and no lightning_hbm surgery ran in this one to drop it): the source's own loader
+        if self.source.instance is not self.instance or getattr(self.trainer_data, "_datahook_selector", None) is not self.run:
             return self.source.dataloader()
         return self.loaders
 
 
+def _run_of(trainer: Any) -> Any:
+    """What tells one run of ``trainer`` from another: Lightning builds a new ``_DataHookSelector`` each time a
+    ``fit``/``validate``/``test``/``predict`` attaches its data (``_DataConnector.attach_datamodule``)."""
+    return getattr(getattr(trainer, "_data_connector", None), "_datahook_selector", None)
+
+
 def drop_handed_over(trainer: Any) -> None:
-    """Forget a loader :func:`stage_dataloader` handed to a loop that never asked for it (a run that stopped before
-    its loop started): called before each run's probe, so no run gets another run's loader."""
+    """Forget a loader :func:`stage_dataloader` handed to a loop of an earlier run that never asked for it (a run that
+    stopped before its loop started): called before each run's probe, so no run gets another run's loader. A loader
+    handed over earlier in this run (AutoFit's, at ``Callback.setup``) is kept for this run's probe and loop."""
+    run = _run_of(trainer)
     for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
-        vars(loop._data_source).pop("dataloader", None)
+        handed = vars(loop._data_source).get("dataloader")
+        if isinstance(handed, _HandOver) and (handed.run is not run or run is None):
+            del vars(loop._data_source)["dataloader"]
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

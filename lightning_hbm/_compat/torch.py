@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader, IterableDataset
 from torch._subclasses.fake_tensor import is_fake as _is_fake  # activations.token_chunks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes  # planner.realvalues, planner.tracing
@@ -131,6 +132,117 @@ def loader_as_it_was(loader: Any) -> Iterator[None]:
         shutdown = getattr(started, "_shutdown_workers", None)
         if started is not before.get("_iterator") and callable(shutdown):
             shutdown()
+
+
+def passes_once(loader: Any) -> bool:
+    """Whether a batch drawn from ``loader`` must be the one its loop trains first: a one-pass iterator (``iter`` gives
+    the object itself: a generator) or a ``DataLoader`` over an ``IterableDataset`` that nothing restores (a stream
+    may be read once: a second pass would not start over, and the batch drawn first would be lost; issue 55).
+
+    A map-style ``DataLoader`` is not: a second pass reads the same indices (its batch 0 is loaded once more), and
+    a stateful loader (``load_state_dict``) may be restored to another position before its loop iterates.
+    """
+    if not isinstance(loader, DataLoader):
+        try:
+            return iter(loader) is loader
+        except TypeError:
+            return False
+    return (
+        isinstance(loader.dataset, IterableDataset)
+        and not callable(getattr(loader, "load_state_dict", None))
+        and type(loader).__iter__ is DataLoader.__iter__  # the pass comes from _get_iterator, where it is handed over
+    )
+
+
+_END = object()
+
+
+def draw_keeping_the_pass(loader: Any) -> Optional[tuple[Any, Any]]:
+    """The first batch of ``loader`` (see :func:`passes_once`) and what the loop must iterate instead of ``loader``
+    (``loader`` itself for a ``DataLoader``), so that it trains that same batch first and the rest of the same pass;
+    ``None`` when the loader is empty. Drawn once: asked again (AutoFit's planning batch, then the probe step's), the
+    batch already drawn is given, nothing more is read.
+
+    A ``DataLoader`` keeps the pass for its next ``iter`` (its ``_get_iterator``, an instance attribute until a pass
+    goes past that batch): no second pass, no stream opened twice, no worker started twice. Creating a pass draws its
+    workers' base seed from the loader's generator (or torch's global RNG): that draw is undone here and made at each
+    ``iter`` of the loader, as a new pass would. The first batch's own draws (a stream that draws random numbers as it
+    reads) are made here, once (restoring them would repeat them for batch 1).
+    """
+    if isinstance(loader, FirstAgain) and not loader._given:
+        return loader._first, loader
+    if not isinstance(loader, DataLoader):
+        first = next(loader, _END)
+        return None if first is _END else (first, FirstAgain(first, loader))
+    kept = vars(loader).get("_get_iterator")
+    if isinstance(kept, _KeptPass):
+        return kept.first, loader
+    generator = loader.generator
+    state = generator.get_state() if generator is not None else None
+    with torch.random.fork_rng(devices=[]):
+        started = iter(loader)
+    if generator is not None:
+        generator.set_state(state)
+    vars(loader)["_iterator"] = None  # persistent workers: the loop's iter must take this pass, not reset it
+    first = next(started, _END)
+    if first is _END:
+        return None
+    vars(loader)["_get_iterator"] = _KeptPass(loader, first, started)
+    return first, loader
+
+
+class _KeptPass:
+    """``DataLoader._get_iterator`` while the pass the probe batch was drawn from is at that batch: each ``iter`` of the
+    loader gets that batch first, then the rest of the same pass; once one goes past it, the loader's own method is
+    back (its next pass a new one). Picklable."""
+
+    def __init__(self, loader: DataLoader, first: Any, started: Any) -> None:
+        self.loader, self.first, self.started = loader, first, started
+
+    def __call__(self) -> "FirstAgain":
+        torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)  # the base seed a new pass draws
+        return FirstAgain(self.first, self.started, self)
+
+    def release(self) -> None:
+        if vars(self.loader).get("_get_iterator") is self:
+            del vars(self.loader)["_get_iterator"]
+
+
+class FirstAgain:
+    """Yields ``first``, then the rest of ``rest`` (the pass ``first`` was drawn from). Anything else is the pass's
+    (a ``DataLoader`` iterator's workers and length); ``_reset`` (persistent workers' next ``iter``) gives ``first``
+    again while the pass has not gone past it."""
+
+    def __init__(self, first: Any, rest: Any, kept: Optional[_KeptPass] = None) -> None:
+        self._first, self._rest, self._kept, self._given = first, rest, kept, False
+
+    def __iter__(self) -> "FirstAgain":
+        return self
+
+    def __next__(self) -> Any:
+        if self._given:
+            if self._kept is not None:
+                self._kept.release()  # the pass goes on: the loader's next pass is a new one
+                self._kept = None
+            self._first = None
+            return next(self._rest)
+        self._given = True
+        return self._first
+
+    def _reset(self, *args: Any, **kwargs: Any) -> None:
+        if self._kept is None:  # the pass went on: reset it as the loader would
+            self._rest._reset(*args, **kwargs)
+        else:
+            self._given = False
+
+    def __len__(self) -> int:
+        return len(self._rest)
+
+    def __getattr__(self, name: str) -> Any:
+        rest = self.__dict__.get("_rest")  # absent while unpickling: no recursion
+        if rest is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(rest, name)
 
 
 def is_fake(tensor: torch.Tensor) -> bool:

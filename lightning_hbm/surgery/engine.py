@@ -66,6 +66,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
+from torch.utils._pytree import tree_map_only
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_hbm import resume
@@ -318,8 +320,11 @@ def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None
             "model's source reads are kept in the compute dtype (a read the source does not show is not guarded)"
         )
         return
+    drawn = batch() if callable(batch) else batch
+    if drawn is None:  # the stage reads no batch (an empty loader, limit_*_batches=0): nothing to run; the source decides
+        return
     with _said_if_slow(type(module).__qualname__, step):
-        seen = readers.observe(module, batch() if callable(batch) else batch, layers, step)
+        seen = readers.observe(module, drawn, layers, step)
     if seen is not None:  # said once per model, at the surgery (fit start): the user's code ran one more time
         rank_zero_info(
             f"lightning_hbm: ran {seen.ran} once before changing the model, to see which layers its code reads "
@@ -511,6 +516,10 @@ def _stage_batch(trainer: pl.Trainer) -> Any:
     loader = lightning_compat.stage_dataloader(trainer)
     if loader is None:
         return None
+    if torch_compat.passes_once(loader):  # a stream, an iterator: the batch drawn here is the loop's first (issue 55)
+        if isinstance(loader, DataLoader) and lightning_compat.rebuilds_its_dataloader(trainer):
+            return None  # its loop reads a rebuilt copy, from the stream again: a batch drawn here would be lost
+        return _first_of_the_pass(trainer, loader)
     # a DataLoader's (or its sampler's) own generator draws the epoch's order: the draw of this batch must not
     # advance it, or epoch 0 trains in another order than without lightning_hbm (issue 55)
     generators = [g for g in (getattr(loader, "generator", None), getattr(getattr(loader, "sampler", None), "generator", None),
@@ -520,13 +529,23 @@ def _stage_batch(trainer: pl.Trainer) -> Any:
     try:
         # the loop trains on this same loader object (lightning_compat.stage_dataloader): no pass begun here is left in it
         with readers.preserved_rngs(), torch_compat.loader_as_it_was(loader):  # global RNGs too
-            batches = iter(loader)
-            if batches is loader:  # a one-pass iterator (a generator): drawing from it would take a batch from training
-                return None
-            return next(batches, None)
+            return next(iter(loader), None)
     finally:
         for generator, state in states:
             generator.set_state(state)
+
+
+def _first_of_the_pass(trainer: pl.Trainer, loader: Any) -> Any:
+    """The first batch of a loader read once (:func:`torch_compat.passes_once`), given back to its loop in front of
+    the rest of the same pass: no sample lost, no stream opened twice. The probe step gets its own copy (a step
+    that changes its batch in place must not change the batch the loop trains)."""
+    kept = torch_compat.draw_keeping_the_pass(loader)
+    if kept is None:
+        return None
+    first, loop_loader = kept
+    if loop_loader is not loader:
+        lightning_compat.hand_over_instead(trainer, loader, loop_loader)
+    return tree_map_only(torch.Tensor, torch.Tensor.clone, first)
 
 
 def trainer_optimizers(plugin: Any, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> list[Optimizer]:

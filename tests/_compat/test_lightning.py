@@ -161,3 +161,27 @@ def test_device_mesh_hidden_clears_the_field_model_parallel_writes() -> None:
     with pytest.raises(KeyError), compat.device_mesh_hidden(model):
         raise KeyError  # put back when the block raises too
     assert model.device_mesh is mesh
+
+
+def test_each_run_attaches_a_new_data_hook_selector_and_predict_rebuilds_its_loader(
+    gpt_factory: Callable[..., Any], trainer_factory: Callable[..., pl.Trainer]
+) -> None:
+    """``drop_handed_over`` tells this run's hand-over from an earlier run's by ``_DataConnector._datahook_selector``
+    (new at each ``attach_data``); the predict loop iterates a rebuilt copy of the DataLoader it is given."""
+    from torch.utils.data import DataLoader
+
+    seen: list[Any] = []
+
+    class Runs(pl.Callback):
+        def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+            seen.append(compat._run_of(trainer))
+            seen.append(compat.rebuilds_its_dataloader(trainer))
+
+    model = gpt_factory()
+    tokens = [torch.randint(0, 64, (1, 8)) for _ in range(2)]
+    trainer = trainer_factory(max_steps=1, callbacks=[Runs()])
+    trainer.fit(model, DataLoader([(t, t) for t in tokens], batch_size=None))
+    loader = DataLoader(tokens, batch_size=None)
+    trainer.predict(model, loader)
+    assert seen[0] is not None and seen[2] is not None and seen[0] is not seen[2]
+    assert seen[1] is False and seen[3] is True and trainer.predict_dataloaders is not loader

@@ -166,3 +166,20 @@ def test_loader_as_it_was_shuts_down_the_persistent_pass_torch_keeps_in_iterator
     assert next(iter(loader)).tolist() == [0, 1]
     with compat.loader_as_it_was(iter([1, 2])):  # no attributes (a generator): nothing to put back
         pass
+
+
+def test_a_kept_pass_is_what_the_loaders_next_iter_returns_and_persistent_workers_reset_it() -> None:
+    """``draw_keeping_the_pass`` relies on ``DataLoader.__iter__`` calling ``self._get_iterator()`` (an instance
+    attribute shadows it) and, with persistent workers, on ``_iterator`` being ``None`` for a new pass and reset after."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Numbers(IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(range(3))
+
+    for workers in (0, 1):
+        loader = DataLoader(Numbers(), batch_size=None, num_workers=workers, persistent_workers=workers > 0)
+        first, given = compat.draw_keeping_the_pass(loader)  # type: ignore[misc]
+        assert given is loader and int(first) == 0 and loader._iterator is None
+        assert [int(x) for x in loader] == [0, 1, 2] and "_get_iterator" not in vars(loader)
+        assert [int(x) for x in loader] == [0, 1, 2]  # the next epoch: a new pass (or the persistent one reset)

@@ -194,8 +194,8 @@ def test_the_planner_decides_on_the_same_probe(tmp_path: Any) -> None:
     assert quantized(module, "model.d") and not quantized(module, "model.c")
 
 
-def test_a_one_pass_iterator_is_not_drawn_from(tmp_path: Any) -> None:
-    """A generator given to fit cannot be read twice: the probe leaves it alone (the source decides), no batch lost."""
+def test_a_one_pass_iterator_loses_no_batch(tmp_path: Any) -> None:
+    """A generator given to fit cannot be read twice: the probe's batch is the loop's first (tests/test_probe_batch.py)."""
     module = Wrapped(Reads(), causal=False)
     seen: list[int] = []
 
@@ -209,7 +209,7 @@ def test_a_one_pass_iterator_is_not_drawn_from(tmp_path: Any) -> None:
         callbacks=[LoRA(r=4, target_modules=["a"]), Count()],
     )  # fmt: skip
     trainer.fit(module, (tokens(i) for i in range(3)))
-    assert seen == [0, 1, 2] and readers.observation(module) is None
+    assert seen == [0, 1, 2] and readers.observation(module) is not None
 
 
 # -------- layers of real models whose weight the parent reads

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -216,6 +217,10 @@ def _fsync_tree(folder: Path) -> None:
 
 MANIFEST = "lightning_hbm_export.json"  # written last: its absence or a size mismatch marks a save cut short
 _LOCK = ".lightning_hbm_export.lock"
+# a folder that cannot be written (no permission, a read-only filesystem: root gets EROFS too) is said so, never
+# "free space" (issue 55); a full disk or quota is
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
 def write_folder(path: Path, write: Callable[[Path], Any]) -> None:
@@ -236,9 +241,11 @@ def write_folder(path: Path, write: Callable[[Path], Any]) -> None:
         path.mkdir(parents=True, exist_ok=True)  # the user's umask decides a new folder's mode
         folder = path.resolve()  # a symlinked folder: written through to its target
         lock = os.open(folder / _LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    except PermissionError as err:
+    except OSError as err:
+        if err.errno not in _NOT_WRITABLE:
+            raise
         raise PermissionError(
-            err.errno, f"LoRA.save_adapter cannot write into {path} (permission denied): save into a folder you can write to."
+            err.errno, f"LoRA.save_adapter cannot write into {path} ({err.strerror}): save into a folder you can write to."
         ) from err
     try:
         _lock(lock)
@@ -279,9 +286,10 @@ def _write_locked(path: Path, folder: Path, write: Callable[[Path], Any]) -> Non
             previous = "some files were replaced: save again (the folder has no manifest until a save completes)"
         else:
             previous = "the previous adapter there is untouched"
-        if isinstance(err, PermissionError):
+        if isinstance(err, PermissionError) or err.errno in _NOT_WRITABLE:
             raise PermissionError(err.errno, f"LoRA.save_adapter cannot write into {path} ({err.strerror}); {previous}.") from err
-        raise OSError(err.errno or 0, f"LoRA.save_adapter could not write {path} ({err}); {previous}. Free space on that disk or save elsewhere.") from err
+        fix = " Free space on that disk or save elsewhere." if err.errno in _FULL else " Save elsewhere."
+        raise OSError(err.errno or 0, f"LoRA.save_adapter could not write {path} ({err}); {previous}.{fix}") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
