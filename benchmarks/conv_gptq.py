@@ -10,7 +10,7 @@ per conv weight and fit-start seconds (measuring and quantizing, on the model as
 - ``nf4-dq gptq (damp d)``: the same bytes, GPTQ-rounded with damping ``d`` (a fraction of ``diag(H)``'s mean; the
   library's :data:`~lightning_hbm.precision.gptq.DAMP` is 0.1);
 - ``plan``: ``QuantizedPrecision("nf4-dq")``'s default (the convolutions' plan to probe cosine 0.98,
-  :meth:`~lightning_hbm.precision.plan.QuantizationPlan._plan_convs`), nearest rounding;
+  :meth:`~lightning_hbm.precision.plan.Quantization._plan_convs`), nearest rounding;
 - ``plan measured gptq-rounded``: the plan measured with every 4-bit convolution GPTQ-rounded, and stored so (what
   ``rounding="gptq"`` would do if :func:`~lightning_hbm.precision.sensitivity.measured_rounded` said yes for them);
 - ``plan + gptq``: ``QuantizedPrecision("nf4-dq", rounding="gptq")``: the plan measured rounded to nearest (the
@@ -33,7 +33,8 @@ from torch import nn
 from lightning_hbm import quantize_model
 from lightning_hbm.layers import coverage
 from lightning_hbm.precision import gptq, sensitivity
-from lightning_hbm.precision.plan import QuantizationPlan
+from lightning_hbm.precision.config import QuantizationConfig
+from lightning_hbm.precision.plan import Quantization
 from lightning_hbm.precision.sensitivity import measured_rounded
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -65,7 +66,7 @@ def arms(reference: nn.Module, probe: torch.Tensor, damps: list[float]) -> list[
         built.append(("nf4-dq" if damp is None else f"nf4-dq gptq (damp {damp})", model, time.perf_counter() - start))
     for label, rounding in (("plan", "nearest"), ("plan measured gptq-rounded", "gptq"), ("plan + gptq", "gptq")):
         model, start = copy.deepcopy(reference), time.perf_counter()
-        plan = QuantizationPlan("nf4-dq", "float32", (), False, None, None, "auto", probe, None, rounding, None, "QuantizedPrecision")
+        plan = Quantization(QuantizationConfig("nf4-dq", "float32", probe_batch=probe, rounding=rounding), "QuantizedPrecision")
         if label == "plan measured gptq-rounded":
             sensitivity.measured_rounded = lambda kind: True  # type: ignore[assignment]
         try:

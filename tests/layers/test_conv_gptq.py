@@ -15,7 +15,8 @@ from torch import nn
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision import quantize_model
 from lightning_hbm.precision.gptq import input_hessians, input_statistics, patches
-from lightning_hbm.precision.plan import QuantizationPlan
+from lightning_hbm.precision.config import QuantizationConfig
+from lightning_hbm.precision.plan import Quantization
 
 CONVS: dict[str, Callable[[], nn.Module]] = {
     "2d, strided, padded": lambda: nn.Conv2d(8, 12, 3, stride=2, padding=1),
@@ -116,7 +117,7 @@ def test_rounding_gptq_plans_the_convolutions_rounded_to_nearest_and_stores_them
     for rounding in ("nearest", "gptq"):
         model = copy.deepcopy(reference)
         # as QuantizedPrecision("nf4-dq", rounding=...) at fit start: the convolutions' plan on the probe batch
-        plan = QuantizationPlan("nf4-dq", "float32", (), False, None, None, "auto", probe, None, rounding, None, "QuantizedPrecision")
+        plan = Quantization(QuantizationConfig("nf4-dq", "float32", probe_batch=probe, rounding=rounding), "QuantizedPrecision")
         plan.check(model, None)
         if rounding == "gptq":
             assert plan.gptq is not None and plan.gptq.hessians is not None
