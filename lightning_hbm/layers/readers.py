@@ -353,11 +353,13 @@ def observe(module: nn.Module, batch: Any, layers: dict[str, nn.Module], step: s
 
 def _served(recorder: _Recorder, layers: dict[str, nn.Module]) -> frozenset[str]:
     """The read layers whose weight, stored quantized, will compute for every read the probe saw (none writes to it,
-    the layer is a plain ``nn.Linear``): marked for the formats' ``replace`` (``read_weight.readable``)."""
+    the layer is a plain ``nn.Linear``): marked for the formats' ``replace`` (``read_weight.readable``). A layer whose
+    dtype or shape alone is read is left to what handles it today (T5's ``wo``, computed in fp32, shows an fp32
+    weight; any other stays in the compute dtype, named)."""
     served = set()
     for name, read in recorder.reads.items():
-        layer = layers.get(name)
-        if layer is not None and read_weight.servable(layer) and not any(read_weight.writes(op) for op in recorder.ops.get(name, ())):
+        layer, ops = layers.get(name), recorder.ops.get(name, set())
+        if layer is not None and not read.metadata and read_weight.servable(layer) and not any(read_weight.writes(op) for op in ops):
             read_weight.mark_served(layer, read.reader)
             served.add(name)
     return frozenset(served)

@@ -109,8 +109,8 @@ def test_the_probe_step_decides_and_the_source_is_only_a_hint() -> None:
     seen = readers.observe(module, tokens(), layers)
     assert seen is not None and seen.ran == "Wrapped.training_step on fake tensors"
     assert set(seen.reads) == {"model.c", "model.e"}  # d: not on this path
-    # c (a matmul) and e (its dtype) are read, never written: stored quantized they compute from their storage
-    assert seen.served == {"model.c", "model.e"} and weight_readers(module) == {}
+    # c: a matmul, never a write: stored quantized, it computes from its storage; e: its dtype only (kept, as before)
+    assert seen.served == {"model.c"} and weight_readers(module) == {"model.e": "Reads.forward"}
     # but LoRA alone leaves c as built, whose weight the reader takes without an adapter; e: its dtype only
     assert weight_readers(module, uses_only=True) == {"model.c": "Reads.forward"}
 
@@ -150,7 +150,7 @@ def test_a_step_that_cannot_run_falls_back_to_the_source_with_a_warning() -> Non
 def test_a_read_on_the_path_that_did_not_run_is_a_clear_error_never_wrong_numbers(tmp_path: Any) -> None:
     module = Wrapped(Reads(), causal=False)
     fit(module, tmp_path, target_modules=["a", "d", "e"])
-    assert quantized(module, "model.d") and served(module, "model.c") and served(module, "model.e")
+    assert quantized(module, "model.d") and served(module, "model.c") and not quantized(module, "model.e")
     module.model.exact = True  # the path the probe did not take
     with pytest.raises(readers.UnobservedRead, match=r"Reads.forward read the weight of 'model.d' directly \(linear\) .*"
                        r"QuantizedPrecision\(ignore_modules=\['model.d'\]\)"):
