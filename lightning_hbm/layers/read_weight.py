@@ -114,7 +114,7 @@ class ReadWeight(torch.Tensor):
             return func(*tree_map_only(ReadWeight, ReadWeight.dense, args), **tree_map_only(ReadWeight, ReadWeight.dense, kwargs))
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:  # type: ignore[override]  # torch declares a plain function
         # below autograd (an op __torch_function__ did not see): the dequantized weight, with no adapter
         def plain(w: ReadWeight) -> torch.Tensor:
             return w.dense(adapted=False)
@@ -205,7 +205,7 @@ class ReadableLinear(nn.Linear):
         storage = self.storage()
         with torch.no_grad():  # frozen storage
             weight = quantized_format(storage).dequantize(storage, self.weight_dtype())
-        outer = self.outer() if adapted else None
+        outer: Any = self.outer() if adapted else None  # peft's LoRA layer
         if outer is None or getattr(outer, "merged", False) or getattr(outer, "disable_adapters", False):
             return weight
         for name in outer.active_adapters:
@@ -245,7 +245,7 @@ class ReadableLinear(nn.Linear):
         nn.Module.__init__(new)  # not nn.Linear's: it would allocate a weight the storage holds
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.bias = linear.bias  # the same Parameter (trained as before); held here only: a read may pass another
-        quantized.bias = None
+        cast(Any, quantized).bias = None
         new.quantized = quantized
         return cast(ReadableLinear, new)
 
