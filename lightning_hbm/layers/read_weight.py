@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from lightning_hbm import record
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.memory.storage import quantized_format
 
 # ops a ReadWeight answers from its own metadata (its shape, dtype, device are the weight's)
@@ -70,9 +71,7 @@ class ReadWeight(torch.Tensor):
     @staticmethod
     def __new__(cls, layer: ReadableLinear, transposed: bool = False, adapted: bool = True, dtype: Optional[torch.dtype] = None) -> ReadWeight:
         shape = (layer.in_features, layer.out_features) if transposed else (layer.out_features, layer.in_features)
-        made = torch.Tensor._make_wrapper_subclass(  # no storage: the layer's child holds it
-            cls, shape, dtype=dtype or layer.weight_dtype(), device=layer.storage_device(), requires_grad=False
-        )
+        made = torch_compat.wrapper_tensor(cls, shape, dtype or layer.weight_dtype(), layer.storage_device())  # no storage
         made._layer, made._transposed, made._adapted = layer, transposed, adapted
         return cast(ReadWeight, made)
 
@@ -99,7 +98,7 @@ class ReadWeight(torch.Tensor):
         op = _op_name(func)
         first = args[0] if args else None
         if op in _METADATA or op in _SAME and isinstance(first, ReadWeight) and not (op == "requires_grad_" and _wants_grad(args, kwargs)):
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch_compat.subclass_functions_off():
                 result = func(*args, **kwargs)
             return first if op in _SAME else result
         if writes(op):
@@ -110,7 +109,7 @@ class ReadWeight(torch.Tensor):
         served = _serve(op, args, kwargs)
         if served is not NotImplemented:
             return served
-        with torch._C.DisableTorchFunctionSubclass():  # any other op: on the dequantized weight
+        with torch_compat.subclass_functions_off():  # any other op: on the dequantized weight
             return func(*tree_map_only(ReadWeight, ReadWeight.dense, args), **tree_map_only(ReadWeight, ReadWeight.dense, kwargs))
 
     @classmethod
@@ -141,7 +140,7 @@ def _serve(op: str, args: tuple, kwargs: dict) -> Any:
     if op in _TRANSPOSE and _swaps_the_two_dims(op, weight, args[1:], kwargs):
         return weight._like(transposed=not weight._transposed)
     if op == "to":
-        device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+        device, dtype, _, _ = torch_compat.parse_to(*args[1:], **kwargs)
         if device is None or torch.device(device) == weight.device:
             return weight if dtype is None or dtype == weight.dtype else weight._like(dtype=dtype)
     return NotImplemented
