@@ -24,6 +24,7 @@ is: an adapter around it would be skipped, so it is no target).
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Callable, Optional, cast
 
@@ -197,6 +198,11 @@ class ReadableLinear(nn.Linear):
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
+        # read through peft's LoRA layer (its `weight` property returns its base's): that layer is the one a read calls,
+        # so that the adapter runs, also where LoRA was applied outside the surgery (which links it: link_adapters)
+        caller = sys._getframe(1).f_locals.get("self")
+        if caller is not None and caller is not self and getattr(caller, "base_layer", None) is self:
+            self.__dict__["_outer"] = caller
         return ReadWeight(self)
 
     def dense(self, adapted: bool = True) -> torch.Tensor:

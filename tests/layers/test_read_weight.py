@@ -144,6 +144,9 @@ def test_the_planner_counts_the_read_layers_as_4bit() -> None:
     assert all(isinstance(base_layer(module.get_submodule(n)), ReadableLinear) for n in read_layers(module))
     assert prediction.categories["parameters"] == parameter_bytes(module)
     assert prediction.trainable_params == sum(p.numel() for p in module.parameters() if p.requires_grad)
+    # LoRA applied outside the surgery: a read through peft's layer still runs (and trains) its adapter
+    module.training_step(batch(), 0).backward()
+    assert all(module.get_submodule(n).lora_A["default"].weight.grad is not None for n in read_layers(module))
 
 
 class Writes(pl.LightningModule):
