@@ -198,12 +198,14 @@ class ReadableLinear(nn.Linear):
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
-        # read through peft's LoRA layer (its `weight` property returns its base's): that layer is the one a read calls,
-        # so that the adapter runs, also where LoRA was applied outside the surgery (which links it: link_adapters)
+        # read through peft's LoRA layer (its `weight` property returns its base's), as the model reads it: the weight
+        # with its adapter, whose reads call that layer (also where LoRA was applied outside the surgery, which links
+        # it: link_adapters). Read from the base layer itself (LoRA.merge, peft's own code): the base weight alone.
         caller = sys._getframe(1).f_locals.get("self")
-        if caller is not None and caller is not self and getattr(caller, "base_layer", None) is self:
+        through_lora = caller is not None and caller is not self and getattr(caller, "base_layer", None) is self
+        if through_lora:
             self.__dict__["_outer"] = caller
-        return ReadWeight(self)
+        return ReadWeight(self, adapted=through_lora)
 
     def dense(self, adapted: bool = True) -> torch.Tensor:
         """The dequantized ``[out, in]`` weight, plus the adapter's ``B @ A`` (differentiable) when ``adapted``."""

@@ -171,3 +171,23 @@ def test_a_layer_whose_weight_is_written_in_place_stays_as_built() -> None:
     assert not isinstance(module.a, ReadableLinear) and not module.a.weight.is_floating_point()  # called: as any other
     reasons = {r.kind: r for r in coverage(module, quantizing=True, adapting=False)}["Linear"].reasons
     assert reasons == {"weight read directly by Writes.forward, not by calling the layer: kept in the compute dtype": 32 * 32 + 32}
+
+
+def test_merge_folds_each_adapter_once_into_the_dequantized_weight() -> None:
+    """The base layer's own ``weight`` is the base weight (what ``LoRA.merge`` reads); the weight the model reads
+    through the LoRA layer includes the adapter (its ops run it)."""
+    from lightning_hbm.surgery import run_surgery
+
+    torch.manual_seed(0)
+    module = SmallSwin()
+    run_surgery(module, QuantizedPrecision("nf4-dq", dtype="float32"), [LoRA(r=4, alpha=8)], batch=batch())
+    name = read_layers(module)[0]
+    layer = module.get_submodule(name)
+    torch.nn.init.normal_(layer.lora_B["default"].weight)
+    base = get_format("nf4-dq").dequantize(stored_in(base_layer(layer)), torch.float32)
+    delta = layer.get_delta_weight("default")
+    with pytest.warns(UserWarning, match="DEQUANTIZED base weights"):
+        merged = LoRA.merge(module, dtype="float32")
+    torch.testing.assert_close(merged[f"{name}.weight"], base + delta, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(base_layer(layer).weight.float(), base, rtol=0, atol=0)
+    torch.testing.assert_close(layer.weight.float(), base + delta, rtol=1e-6, atol=1e-6)
