@@ -12,14 +12,18 @@ of the weight's shape and compute dtype with no storage of its own (as torchao's
 ``F.linear(x, w, b)``, ``x @ w.T``, ``torch.matmul(x, w.t())`` and ``w @ y`` on it call the layer, or the LoRA layer
 around it: the same bitsandbytes kernel as a called layer (no dense weight kept for the backward), and the adapter
 runs and trains. ``w.t()``, ``.T``, ``.detach()``, ``.data`` and a ``.to()`` of dtype only give another such tensor;
-any other op gets the dequantized weight (plus the adapter's ``B @ A``, so its gradient still flows). Writing to it
-is an error (the storage is frozen and packed).
+any other op gets the dequantized weight (plus the adapter's ``B @ A``, so its gradient still flows). That is the
+weight read through the LoRA layer, as the model reads it; the base layer's own ``weight`` (``LoRA.merge``) is the base
+weight alone. Writing to it is an error (the storage is frozen and packed).
 
-Which layers: those the probe step (:mod:`lightning_hbm.layers.readers`) saw read directly, by reads alone, on a
-plain ``nn.Linear``. The guard stays where this cannot work: a path the probe did not run (the layer was quantized
-as any other), an in-place write to the weight, a convolution, embedding or experts layer (no such tensor for them),
-a Linear subclass with its own forward, and a run without ``QuantizedPrecision`` (LoRA alone leaves the layer as it
-is: an adapter around it would be skipped, so it is no target).
+Which layers: a plain ``nn.Linear`` the probe step (:mod:`lightning_hbm.layers.readers`) saw used directly (not its
+dtype or shape alone) and never written, in a bitsandbytes (4-bit, int8), ``nf4-torchao``, ``int8-dynamic`` or
+``int4-g32`` mode. The guard and the compute dtype stay where this cannot work: a path the probe did not run (the layer
+was quantized as any other: a read there raises ``UnobservedRead``), an in-place write to the weight, a convolution,
+embedding or experts layer (no such tensor for them), a Linear subclass with its own forward, a layer whose dtype or
+shape alone is read (as before: T5's ``wo`` shows an fp32 weight), and a run without ``QuantizedPrecision`` (LoRA alone
+leaves the layer as built: an adapter around it would be skipped, so it is no target). Not covered yet: GPTQ rounding
+and the calibrated correction skip such a layer (named in their reports as having no readable format).
 """
 
 from __future__ import annotations
