@@ -22,8 +22,10 @@ dtype or shape alone) and never written, in a bitsandbytes (4-bit, int8), ``nf4-
 was quantized as any other: a read there raises ``UnobservedRead``), an in-place write to the weight, a convolution,
 embedding or experts layer (no such tensor for them), a Linear subclass with its own forward, a layer whose dtype or
 shape alone is read (as before: T5's ``wo`` shows an fp32 weight), and a run without ``QuantizedPrecision`` (LoRA alone
-leaves the layer as built: an adapter around it would be skipped, so it is no target). Not covered yet: GPTQ rounding
-and the calibrated correction skip such a layer (named in their reports as having no readable format).
+leaves the layer as built: an adapter around it would be skipped, so it is no target). Not covered yet: the formats
+wrap the layer inside their ``replace``, before ``quantize_model`` rounds (GPTQ) or corrects it, so ``rounding="gptq"``
+leaves such a layer at round-to-nearest and ``correction_rank`` names it without a correction ("its format cannot be
+read back"); wrapping it in ``quantize_model`` after those steps, as ``Fp32ComputeLinear`` is, would cover both.
 """
 
 from __future__ import annotations
