@@ -89,24 +89,29 @@ def observed_readers(module: nn.Module, uses_only: bool = False) -> Optional[dic
     """``{layer name: "Class.method"}`` the probe saw reading the layer's weight, or ``None`` if ``module`` was never
     observed. ``uses_only``: leave out metadata reads (``.dtype``/``.shape``: harmless for an adapter).
 
-    Reads a quantized layer serves (``Observation.served``) do not stop it being quantized: left out. For an adapter
-    (``uses_only``) they are left out only once the layer serves them (it is a ``ReadableLinear``, quantization ran
-    first): LoRA alone leaves the layer as built, whose weight a reader takes without the adapter."""
+    Reads a quantized layer serves (``Observation.served``) do not keep it out: left out once it serves them (it is a
+    ``ReadableLinear``), and, while the model is being changed, from the quantization's question (not ``uses_only``).
+    For an adapter (``uses_only``), and once the surgery is done, a layer still as built is read without its adapter:
+    LoRA alone leaves it out, and the coverage table names the read."""
     seen = _OBSERVED.get(module)
     if seen is None:
         return None
     return {
         name: read.reader for name, read in seen.reads.items()
-        if not (uses_only and read.metadata) and not (name in seen.served and (not uses_only or _serving(module, name)))
+        if not (uses_only and read.metadata) and not _served_now(module, seen, name, uses_only)
     }
 
 
-def _serving(module: nn.Module, name: str) -> bool:
+def _served_now(module: nn.Module, seen: Observation, name: str, uses_only: bool) -> bool:
+    if name not in seen.served:
+        return False
     try:
         layer = module.get_submodule(name)
     except AttributeError:
         return False
-    return isinstance(getattr(layer, "base_layer", layer), read_weight.ReadableLinear)
+    if isinstance(getattr(layer, "base_layer", layer), read_weight.ReadableLinear):
+        return True
+    return not uses_only and module not in _GUARDED  # the quantization will store it so (guarded: the surgery is done)
 
 
 def observation(module: nn.Module) -> Optional[Observation]:

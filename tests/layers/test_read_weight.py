@@ -191,3 +191,18 @@ def test_merge_folds_each_adapter_once_into_the_dequantized_weight() -> None:
     torch.testing.assert_close(merged[f"{name}.weight"], base + delta, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(base_layer(layer).weight.float(), base, rtol=0, atol=0)
     torch.testing.assert_close(layer.weight.float(), base + delta, rtol=1e-6, atol=1e-6)
+
+
+def test_lora_alone_leaves_a_read_layer_as_built_and_names_the_read(tmp_path: Any) -> None:
+    """Without ``QuantizedPrecision`` nothing stores the layer so: an adapter around it would be skipped by the read."""
+    torch.manual_seed(0)
+    module = SmallSwin()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[LoRA(r=4)],
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"Linear layers left as they were .*stage1.0.attn.qkv.*weight read directly by ShiftedWindowAttention"):
+        trainer.fit(module, DataLoader([batch(1)], batch_size=None))
+    read = read_layers(module)
+    assert all(type(module.get_submodule(n)) is nn.Linear for n in read)
+    assert set(read) <= set({r.kind: r for r in module.lightning_hbm_coverage}["Linear"].undeliberate)
