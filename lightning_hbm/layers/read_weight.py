@@ -116,8 +116,10 @@ class ReadWeight(torch.Tensor):
         served = _serve(op, args, kwargs)
         if served is not NotImplemented:
             return served
-        with torch_compat.subclass_functions_off():  # any other op: on the dequantized weight
-            return func(*tree_map_only(ReadWeight, ReadWeight.dense, args), **tree_map_only(ReadWeight, ReadWeight.dense, kwargs))
+        # any other op: on the dequantized weight (no ReadWeight left: the op runs as on any tensor; the storage's own
+        # tensor subclasses, torchao's NF4Tensor, keep their __torch_function__ while dequantizing)
+        dense_args, dense_kwargs = tree_map_only(ReadWeight, ReadWeight.dense, args), tree_map_only(ReadWeight, ReadWeight.dense, kwargs)
+        return func(*dense_args, **dense_kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:  # type: ignore[override]  # torch declares a plain function

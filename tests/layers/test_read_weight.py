@@ -58,10 +58,15 @@ def test_a_read_weight_computes_each_op_from_the_storage() -> None:
         weight.mul_(2)
 
 
-def test_int8_storage_serves_reads_too() -> None:
-    layer, dense = _readable("int8")
+@pytest.mark.parametrize(("mode", "tolerance"), [
+    ("int8", 0.02), ("nf4-torchao", 1e-6), ("int4-g32", 1e-6), ("int8-dynamic", 0.05),  # int8 activations: not exact
+])
+def test_every_format_serves_reads(mode: str, tolerance: float) -> None:
+    layer, dense = _readable(mode)
     x = torch.randn(4, 64)
-    torch.testing.assert_close(F.linear(x, layer.weight, layer.bias), F.linear(x, dense, layer.bias), rtol=0.02, atol=0.02)
+    want = F.linear(x, dense, layer.bias)
+    torch.testing.assert_close(F.linear(x, layer.weight, layer.bias), want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(layer.weight.sum(), dense.sum(), rtol=1e-6, atol=1e-5)  # a dequantizing op: exact
 
 
 def test_swin_attention_is_stored_4bit_and_computes_as_its_dequantized_weights() -> None:
