@@ -279,18 +279,22 @@ def test_vit_attention_is_quantized_and_adapted_patch_conv_adapted(runs: Any) ->
 
 
 @pytest.mark.slow
-def test_swin_qkv_and_proj_read_directly_stay_in_compute_dtype_and_are_named(runs: Any) -> None:
+def test_swin_qkv_and_proj_read_directly_are_stored_quantized_and_adapted(runs: Any) -> None:
+    """Was (issue 53 item 3): kept in the compute dtype, "weight read directly" (27 % of this Swin). Now stored in the
+    mode as ``ReadableLinear``: the weight torchvision passes to ``shifted_window_attention`` computes from the storage
+    and runs the adapter. Written in session 22 without torchvision (it does not import beside torch 2.13): not run yet."""
+    from lightning_hbm.layers.read_weight import ReadableLinear
+
     module, _, warned = runs("swin")
     read = linears(module, (".attn.qkv", ".attn.proj"))
     assert len(read) == 8  # 2 stages x 2 blocks x (qkv, proj): torchvision passes their weights to a function
     for name in read:
         layer = module.get_submodule(name)
-        assert type(layer) is nn.Linear and layer.weight.dtype == torch.float32 and not layer.weight.requires_grad
+        assert isinstance(base_layer(layer), ReadableLinear) and hasattr(layer, "lora_A")  # the recorder saw its gradient
     table = rows(module)
-    reason = "weight read directly by ShiftedWindowAttention.forward, not by calling the layer: kept in the compute dtype"
-    assert table["Linear"].reasons[reason] == sum(module.get_submodule(n).weight.numel() + module.get_submodule(n).bias.numel() for n in read)
-    assert set(read) <= set(table["Linear"].undeliberate)
-    assert any("Linear layers left as they were" in w and read[0] in w and "ShiftedWindowAttention.forward" in w for w in warned)
+    assert any("read directly by ShiftedWindowAttention.forward, computes from the storage" in why for why in table["Linear"].reasons)
+    assert not set(read) & set(table["Linear"].undeliberate)
+    assert not any("Linear layers left as they were" in w and read[0] in w for w in warned)
     mlp = linears(module, (".mlp.0", ".mlp.3", ".reduction"))
     assert len(mlp) == 9 and all(not base_layer(module.get_submodule(n)).weight.is_floating_point() for n in mlp)
     linear = table["Linear"]  # everything else: quantized and adapted (the head: modules_to_save)
@@ -360,7 +364,7 @@ def test_language_model_output_head_stays_in_full_precision_and_is_named(name: s
 @pytest.mark.parametrize("name", ["swin", "torchtune"])
 @pytest.mark.slow
 def test_plan_as_configured_within_3_percent_of_memtracker(name: str) -> None:
-    """Swin with its directly read qkv/proj left alone and its head trained in full; torchtune's llama3 with its
+    """Swin with its directly read qkv/proj stored quantized and its head trained in full; torchtune's llama3 with its
     ``output`` head fused (FusedLoss(heads=['model.output'])). Measured: benchmarks/README.md."""
     plugin, callbacks = trainer_parts(name)
     candidate = Candidate.from_trainer(plugin, callbacks)

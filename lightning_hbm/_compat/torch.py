@@ -285,3 +285,17 @@ class FakeGroupedMM(TorchDispatchMode):
                 shape = (a.shape[0], b.shape[-1]) if a.dim() == 2 else (a.shape[0], a.shape[1], b.shape[-1])
                 return torch.empty(shape, dtype=kwargs.get("out_dtype") or a.dtype, device=a.device)
         return func(*args, **kwargs)
+
+
+# ------------------------------------------------------------------ tensor subclasses (layers/read_weight.py)
+
+
+def wrapper_tensor(cls: type, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Any:
+    """A tensor of ``cls`` with this metadata and no storage of its own (torch's private
+    ``Tensor._make_wrapper_subclass``, as torchao's ``NF4Tensor`` is made); ``cls`` defines ``__torch_dispatch__``."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)  # type: ignore[attr-defined]
+
+
+def subclass_functions_off() -> Any:
+    """A context in which a subclass's ``__torch_function__`` is not called (torch's ``DisableTorchFunctionSubclass``)."""
+    return torch._C.DisableTorchFunctionSubclass()

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm.layers.kinds import LayerKind, register_kind
+from lightning_hbm.layers.read_weight import ReadableLinear
 
 
 class Fp32ComputeLinear(nn.Linear):
@@ -68,7 +69,7 @@ def _as_linear(module: nn.Module) -> nn.Linear:
 
 
 def _stored_in(layer: nn.Module) -> Optional[nn.Module]:
-    return layer.storage() if isinstance(layer, Fp32ComputeLinear) else None
+    return layer.storage() if isinstance(layer, (Fp32ComputeLinear, ReadableLinear)) else None
 
 
 LINEAR = register_kind(

@@ -16,6 +16,11 @@ Mamba reads ``x_proj.weight`` only in its CUDA kernel branch. So:
   :func:`lightning_hbm.layers.base.source_readers`, now only a hint) but the probe did not, and the layer was then
   quantized or adapted, the reading module gets a guard that raises a clear error naming the module and the fix if
   that path ever runs. Never wrong numbers from a packed weight.
+
+A plain ``nn.Linear`` whose weight the probe saw only read (``F.linear``, a matmul, any op that does not write to it)
+is no reader's problem once quantized: it is stored as a :class:`~lightning_hbm.layers.read_weight.ReadableLinear`,
+whose weight computes from its storage (and runs its LoRA adapter), so it is quantized and adapted like any other
+layer (:func:`observed_readers` leaves it out). Where that cannot work is said in that module.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.layers import read_weight
 from lightning_hbm.running import RunningModules
 
 
@@ -70,6 +76,8 @@ class Observation:
 
     reads: dict[str, Read] = field(default_factory=dict)
     ran: str = ""
+    # layers among ``reads`` whose weight, stored quantized, computes for these reads (read_weight.ReadableLinear)
+    served: frozenset[str] = frozenset()
 
 
 # held here, not stamped on the user's modules: what the probe saw, and the models whose guards are installed
@@ -79,11 +87,31 @@ _GUARDED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 def observed_readers(module: nn.Module, uses_only: bool = False) -> Optional[dict[str, str]]:
     """``{layer name: "Class.method"}`` the probe saw reading the layer's weight, or ``None`` if ``module`` was never
-    observed. ``uses_only``: leave out metadata reads (``.dtype``/``.shape``: harmless for an adapter)."""
+    observed. ``uses_only``: leave out metadata reads (``.dtype``/``.shape``: harmless for an adapter).
+
+    Reads a quantized layer serves (``Observation.served``) do not keep it out: left out once it serves them (it is a
+    ``ReadableLinear``), and, while the model is being changed, from the quantization's question (not ``uses_only``).
+    For an adapter (``uses_only``), and once the surgery is done, a layer still as built is read without its adapter:
+    LoRA alone leaves it out, and the coverage table names the read."""
     seen = _OBSERVED.get(module)
     if seen is None:
         return None
-    return {name: read.reader for name, read in seen.reads.items() if not (uses_only and read.metadata)}
+    return {
+        name: read.reader for name, read in seen.reads.items()
+        if not (uses_only and read.metadata) and not _served_now(module, seen, name, uses_only)
+    }
+
+
+def _served_now(module: nn.Module, seen: Observation, name: str, uses_only: bool) -> bool:
+    if name not in seen.served:
+        return False
+    try:
+        layer = module.get_submodule(name)
+    except AttributeError:
+        return False
+    if isinstance(getattr(layer, "base_layer", layer), read_weight.ReadableLinear):
+        return True
+    return not uses_only and module not in _GUARDED  # the quantization will store it so (guarded: the surgery is done)
 
 
 def observation(module: nn.Module) -> Optional[Observation]:
@@ -143,6 +171,7 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.watch, self.step = watch, step
         self.reads: dict[str, Read] = {}
+        self.ops: dict[str, set[str]] = {}  # every op each read layer's weight went through
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -153,6 +182,7 @@ class _Recorder(TorchFunctionMode):
                 if reader is not None and op in METADATA and _in_dtype_lookup():
                     continue
                 if reader is not None:
+                    self.ops.setdefault(name, set()).add(op)
                     earlier = self.reads.get(name)
                     if earlier is None or earlier.metadata and op not in METADATA:  # a real use wins
                         self.reads[name] = Read(reader, op, op in METADATA)
@@ -246,7 +276,7 @@ def _call(module: nn.Module, batch: Any) -> Any:
     return module(**batch)
 
 
-def _run(module: nn.Module, batch: Any, watch: _Watch, step_name: str = "training_step") -> tuple[dict[str, Read], str]:
+def _run(module: nn.Module, batch: Any, watch: _Watch, step_name: str = "training_step") -> tuple[_Recorder, str]:
     """Run the step under the recorder: fake tensors first, one real sample if the model's code needs values."""
     fake_already = any(_is_fake_or_meta(p) for p in module.parameters())
     attempts: list[tuple[str, Callable[[], Any]]] = []
@@ -266,7 +296,7 @@ def _run(module: nn.Module, batch: Any, watch: _Watch, step_name: str = "trainin
         except Exception as err:  # noqa: BLE001 - any failure of the user's step: try the next way, then report
             failure = err  # leaving watch.running emptied its stack
             continue
-        return recorder.reads, f"{type(module).__qualname__}.{step} {how}"
+        return recorder, f"{type(module).__qualname__}.{step} {how}"
     raise RuntimeError(f"{type(failure).__name__}: {failure}") from failure
 
 
@@ -304,7 +334,7 @@ def observe(module: nn.Module, batch: Any, layers: dict[str, nn.Module], step: s
     if not any(_is_fake_or_meta(p) for p in module.parameters()):
         batch = tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
     try:
-        reads, ran = _run(module, batch, watch, step)
+        recorder, ran = _run(module, batch, watch, step)
     except RuntimeError as err:
         manual = isinstance(module, pl.LightningModule) and not module.automatic_optimization and step == "training_step"
         advice = (
@@ -321,9 +351,23 @@ def observe(module: nn.Module, batch: Any, layers: dict[str, nn.Module], step: s
             stacklevel=2,
         )
         return None
-    seen = Observation(reads, ran)
+    seen = Observation(recorder.reads, ran, _served(recorder, layers))
     _OBSERVED[module] = seen
     return seen
+
+
+def _served(recorder: _Recorder, layers: dict[str, nn.Module]) -> frozenset[str]:
+    """The read layers whose weight, stored quantized, will compute for every read the probe saw (none writes to it,
+    the layer is a plain ``nn.Linear``): marked for the formats' ``replace`` (``read_weight.readable``). A layer whose
+    dtype or shape alone is read is left to what handles it today (T5's ``wo``, computed in fp32, shows an fp32
+    weight; any other stays in the compute dtype, named)."""
+    served = set()
+    for name, read in recorder.reads.items():
+        layer, ops = layers.get(name), recorder.ops.get(name, set())
+        if layer is not None and not read.metadata and read_weight.servable(layer) and not any(read_weight.writes(op) for op in ops):
+            read_weight.mark_served(layer, read.reader)
+            served.add(name)
+    return frozenset(served)
 
 
 # ------------------------------------------------------------------------------ guarding unrun paths
@@ -397,8 +441,10 @@ def guard_unobserved(
         changed: ``{layer name: (the layer a parent calls, the weight a reader would get, quantized)}`` for the
             layers now quantized or adapted. Whatever runs inside the layer a parent calls (peft's layer, its base
             layer, a quantized convolution dequantizing its storage) reads the weight as its own business.
-    Returns the guarded readers' names.
+    Returns the guarded readers' names. First, each quantized layer serving its reads learns the LoRA layer around it
+    (``read_weight.link_adapters``): a read of its weight then runs the adapter.
     """
+    read_weight.link_adapters(module)
     seen = _OBSERVED.get(module)
     if seen is None or module in _GUARDED:
         return []

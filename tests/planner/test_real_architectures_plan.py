@@ -3,8 +3,9 @@
 The configuration is the Trainer's own (``plan(plugin=, callbacks=)``): QLoRA (nf4-dq, fp32 compute on this CPU),
 LoRA r=8, full checkpointing, FusedLoss. Qwen2-MoE: ``shared_expert_gate`` (width 1) is narrower than r, so LoRA
 excludes it (the router is no Linear; the experts' 3-D weights become per-expert Linears, quantized and adapted).
-Mamba: on the path that trains (no CUDA kernels) ``MambaMixer.forward`` reads ``dt_proj.weight`` directly, so the
-probe step keeps it out of quantization and LoRA; ``x_proj``, read only by the kernel branch, is quantized. Both heads are fused. Tiny configs (random weights), batch 2 x 64.
+Mamba: on the path that trains (no CUDA kernels) ``MambaMixer.forward`` reads ``dt_proj.weight`` directly (a matmul),
+so it is stored quantized as a ``ReadableLinear`` whose weight computes from the storage (session 22; narrower than r:
+no adapter); ``x_proj``, read only by the kernel branch, is quantized. Both heads are fused. Tiny configs (random weights), batch 2 x 64.
 """
 
 from __future__ import annotations
