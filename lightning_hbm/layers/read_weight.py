@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map_only
 
 from lightning_hbm import record
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.layers.correction import correction_weight
 from lightning_hbm.memory.storage import quantized_format
 
 # ops a ReadWeight answers from its own metadata (its shape, dtype, device are the weight's)
@@ -218,8 +219,11 @@ class ReadableLinear(nn.Linear):
     def dense(self, adapted: bool = True) -> torch.Tensor:
         """The dequantized ``[out, in]`` weight, plus the adapter's ``B @ A`` (differentiable) when ``adapted``."""
         storage = self.storage()
-        with torch.no_grad():  # frozen storage
+        with torch.no_grad():  # frozen storage, and its calibrated correction (QuantizedPrecision(correction_rank=))
             weight = quantized_format(storage).dequantize(storage, self.weight_dtype())
+            correction = correction_weight(storage)
+            if correction is not None:
+                weight = weight + correction.to(weight.device, weight.dtype)
         outer: Any = self.outer() if adapted else None  # peft's LoRA layer
         if outer is None or getattr(outer, "merged", False) or getattr(outer, "disable_adapters", False):
             return weight

@@ -29,7 +29,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lightning_hbm._compat import bitsandbytes as bnb_compat
-from lightning_hbm.layers.read_weight import readable
 from lightning_hbm.precision.registry import QuantFormat, RoundingGrid, register_format
 from lightning_hbm.requirements import requirement
 
@@ -176,7 +175,7 @@ def _linear4bit(
     )
     with bnb_compat.fast_cpu_quantize_4bit() if torch.device(target).type == "cpu" else contextlib.nullcontext():  # the same bytes, ~2x faster
         layer.weight = weight.to(target)  # bitsandbytes quantizes here, on CPU or CUDA
-    return readable(linear, _finish4bit(layer, linear))  # a weight the model reads directly: computed from it
+    return _finish4bit(layer, linear)
 
 
 def _fake_linear4bit(
@@ -207,7 +206,7 @@ def _fake_linear4bit(
         setattr(weight, attr, value)
     layer.weight = weight
     layer.quant_state = quant_state
-    return readable(linear, _finish4bit(layer, linear))
+    return _finish4bit(layer, linear)
 
 
 def _layer8bit(linear: nn.Linear) -> nn.Module:
@@ -230,7 +229,7 @@ def _linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.de
     layer.weight = bnb.nn.Int8Params(
         linear.weight.data.detach().to(dtype), requires_grad=False, has_fp16_weights=False
     ).to(target)
-    return readable(linear, _finish8bit(layer, linear))
+    return _finish8bit(layer, linear)
 
 
 def _finish8bit(layer: nn.Module, linear: nn.Linear) -> nn.Module:
@@ -250,7 +249,7 @@ def _fake_linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[tor
     weight: Any = nn.Parameter(cb, requires_grad=False)  # given the attributes of bitsandbytes' Int8Params below
     weight.CB, weight.SCB, weight.has_fp16_weights = cb, scb, False
     layer.weight = weight
-    return readable(linear, _finish8bit(layer, linear))
+    return _finish8bit(layer, linear)
 
 
 def _fake4(quant_type: str, double_quant: bool, blocksize: int = 64) -> Any:

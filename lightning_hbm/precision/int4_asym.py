@@ -35,7 +35,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from typing_extensions import override
 
-from lightning_hbm.layers.read_weight import readable
 from lightning_hbm.precision.registry import QuantFormat, register_format
 
 GROUP = 32  # weights per (scale, minimum) pair: GGUF Q4_1's block
@@ -249,7 +248,7 @@ class Int4GroupFormat(QuantFormat):
 
 def _int4_g32(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
     # ``dtype`` is not needed: the layer dequantizes in its input's dtype (the plugin casts inputs to it)
-    return readable(linear, Int4GroupLinear.from_linear(linear, device))  # a weight read directly: computed from it
+    return Int4GroupLinear.from_linear(linear, device)
 
 
 register_format(Int4GroupFormat(

@@ -62,7 +62,6 @@ from typing_extensions import override
 
 from lightning_hbm import record
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.layers.read_weight import readable
 from lightning_hbm.precision.registry import QuantFormat, register_format
 
 _QMAX = 127  # symmetric range [-127, 127]: -128 is never used, so scales are the same both signs
@@ -262,7 +261,7 @@ class Int8DynamicFormat(QuantFormat):
 def _int8_dynamic(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
     # ``dtype`` is not needed here: outputs come back in the input's dtype (the plugin casts inputs,
     # biases and every other parameter to the compute dtype).
-    return readable(linear, Int8DynamicLinear.from_linear(linear, device))  # a weight read directly: computed from it
+    return Int8DynamicLinear.from_linear(linear, device)
 
 
 def _int8_dynamic_smooth(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
@@ -273,7 +272,7 @@ def _int8_dynamic_smooth(linear: nn.Linear, dtype: torch.dtype, device: Optional
     shift = record.input_shift(linear.weight)
     if shift is None:
         shift = torch.zeros(linear.in_features, dtype=torch.int8, device=linear.weight.device)
-    return readable(linear, Int8DynamicLinear.from_linear(linear, device, input_shift=shift))
+    return Int8DynamicLinear.from_linear(linear, device, input_shift=shift)
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -25,6 +25,7 @@ from lightning_hbm.layers import (
     stored_in, weight_readers,
 )  # fmt: skip
 from lightning_hbm.layers.linear import Fp32ComputeLinear
+from lightning_hbm.layers.read_weight import readable, served_reader
 from lightning_hbm.layers.embedding import QuantizedEmbedding, convertible, is_plain_embedding, tie_heads, tied_heads
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.naming import name_matches, under
@@ -368,7 +369,12 @@ def _replace_one(
     if hessians is not None and name in hessians and grid_of(new) is not None:
         gptq_round_(new, linear.weight, hessians[name])
     if correct is not None and kind.wrap is None and not fp32:
-        correct.fit(name, new, linear.weight)
+        reader = served_reader(linear)
+        if reader is not None and name not in (correct.hessians or {}):
+            correct.skip(name, f"its weight is read directly by {reader or 'the model'}, which never calls the layer: "
+                               "the probe saw none of its inputs")
+        else:
+            correct.fit(name, new, linear.weight)
     elif correct is not None:
         what = f"a {kind.name} layer" if kind.wrap is not None else "computed in fp32 (_keep_in_fp32_modules)"
         correct.skip(name, f"{what}: the correction is written for Linear-like layers computing in the compute dtype only")
@@ -378,6 +384,9 @@ def _replace_one(
     elif fp32:  # the mode's layer holds the weight; the wrapper computes in fp32, as the fp32 layer did
         new = Fp32ComputeLinear.from_quantized(linear, new, mode.dequantize)
         record.set_converted(new, LINEAR.name)  # resume maps its storage's keys to the layer's weight
+    else:  # a weight the model's code reads directly (the probe saw it): reads computed from the storage. Wrapped
+        # after the rounding and the correction, which work on the mode's layer itself (wrapped first, both skipped it)
+        new = readable(linear, new)
     if kind is not LINEAR:
         record.set_kind(new, kind.name)  # a quantized Conv1D is still counted as one
     elif record.counted_as(layer) is not None:

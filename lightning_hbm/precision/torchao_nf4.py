@@ -26,7 +26,6 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_hbm.layers.read_weight import readable
 from lightning_hbm.precision.registry import QuantFormat, RoundingGrid, register_format
 
 _BLOCK = 64  # weights per absmax block (QLoRA's and torchtune's)
@@ -116,7 +115,7 @@ def _quantize(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.devi
     layer.weight = nn.Parameter(nf4, requires_grad=False)
     if linear.bias is not None:
         layer.bias = linear.bias  # same Parameter: stays trainable
-    return readable(linear, layer)  # a weight the model reads directly: computed from the storage
+    return layer
 
 
 @dataclass(frozen=True)

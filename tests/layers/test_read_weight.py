@@ -19,8 +19,11 @@ from torch.utils.data import DataLoader
 
 from lightning_hbm import LoRA, QuantizedPrecision, coverage_of, quantize_model
 from lightning_hbm.layers import base_layer, coverage, find_layers, readers, stored_in
-from lightning_hbm.layers.read_weight import ReadableLinear, ReadWeight, mark_served
+from lightning_hbm.layers.correction import attach_correction
+from lightning_hbm.layers.read_weight import ReadableLinear, ReadWeight, mark_served, readable
 from lightning_hbm.memory import parameter_bytes, parameter_count
+from lightning_hbm.precision.correction import CalibratedCorrection
+from lightning_hbm.precision.gptq import input_hessians
 from lightning_hbm.precision.registry import get_format
 
 
@@ -34,7 +37,7 @@ def _readable(mode: str = "nf4-dq") -> tuple[ReadableLinear, torch.Tensor]:
     torch.manual_seed(0)
     linear = nn.Linear(64, 32)
     mark_served(linear, "Reader.forward")
-    layer = get_format(mode).replace(linear, torch.float32, None)
+    layer = readable(linear, get_format(mode).replace(linear, torch.float32, None))  # as the quantization wraps it
     assert isinstance(layer, ReadableLinear)
     return layer, get_format(mode).dequantize(stored_in(layer), torch.float32)
 
@@ -95,6 +98,28 @@ def test_swin_attention_is_stored_4bit_and_computes_as_its_dequantized_weights()
         setattr(reference.get_submodule(parent), child, plain)
     images, _ = batch(1)
     torch.testing.assert_close(module(images), reference(images), rtol=1e-5, atol=1e-5)
+
+
+def test_the_read_layers_say_why_they_get_no_correction_and_a_read_sees_the_correction() -> None:
+    # the layer is never called (its weight goes to F.linear), so the probe's statistics miss it: named, not "its
+    # format cannot be read back" (which the wrap made every format say when it came before the correction)
+    torch.manual_seed(0)
+    module = _observed(SmallSwin())
+    read = read_layers(module)
+    images, _ = batch(1, size=16)
+    hessians = input_hessians(module, [n for n, m in module.named_modules() if isinstance(m, nn.Linear)], images)
+    correct = CalibratedCorrection(4, torch.float32)
+    correct.hessians = dict(hessians)
+    quantize_model(module, "nf4-dq", dtype="float32", hessians=hessians, correct=correct)
+    report = correct.finish(module)
+    assert set(report.without) == set(read) and "stage1.0.mlp.0" in report.corrected
+    assert all(why.startswith("its weight is read directly by ShiftedWindowAttention.forward") for why in report.without.values())
+    # a correction on a read layer's storage: an op with no storage path sees it, as the layer's own forward does
+    layer = module.get_submodule(read[0])
+    attach_correction(stored_in(layer), torch.randn(2, layer.in_features) / 10, torch.randn(layer.out_features, 2) / 10)
+    x = torch.randn(3, layer.in_features)
+    torch.testing.assert_close(x @ layer.weight.clone().T + layer.bias, layer(x), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(F.linear(x, layer.weight, layer.bias), layer(x))
 
 
 def fit_swin(tmp_path: Any, epochs: int, ckpt_path: Any = None, save: bool = False) -> tuple[SmallSwin, list[float]]:
