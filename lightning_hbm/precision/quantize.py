@@ -273,6 +273,8 @@ def quantize_model(
 class Correct(Protocol):
     """What :func:`quantize_targets` calls for each quantized layer (:class:`~lightning_hbm.precision.correction.CalibratedCorrection`)."""
 
+    hessians: Optional[dict[str, Tensor]]  # the probe's input statistics by layer name (None: not measured)
+
     def fit(self, name: str, layer: nn.Module, weight: Tensor) -> None: ...
 
     def skip(self, name: str, why: str) -> None: ...
