@@ -39,7 +39,7 @@ from lightning_hbm.activations.loss.cost import chunk_tokens
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.memory import CATEGORIES, host_terms
-from lightning_hbm.planner.api import Prediction, predict
+from lightning_hbm.planner.api import HOST_ACTIVATIONS, Prediction, predict
 from lightning_hbm.planner.building import ModelLike, Template, build_template
 from lightning_hbm.planner.candidates import Candidate, format_bytes, parse_bytes
 from lightning_hbm.planner.realvalues import MAX_TWIN_ELEMENTS
@@ -225,8 +225,11 @@ def _within_host(
     whose pinned block inputs fit ``host`` (:func:`_host_fit`, confirmed by a plan) and the longest without offload."""
     budget, step = result.budget, lengths.step
     tokens, prediction = result.tokens, result.prediction
+    # what else the host holds (optimizer states a strategy offloads) does not shrink with the length: only the rest
+    # is the block inputs' (none left: no length fits, and no plan is spent finding that out)
+    inputs = host - (prediction.host - host_bytes(prediction)[HOST_ACTIVATIONS])
     for _ in range(_CONFIRMS):
-        shorter = min(_host_fit(prediction.host_sizes, tokens, host, step), tokens - step)
+        shorter = min(_host_fit(prediction.host_sizes, tokens, inputs, step), tokens - step) if inputs >= 0 else 0
         if shorter < step:
             tokens = 0
             break

@@ -24,6 +24,7 @@ from lightning_hbm.models import LlamaLM
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import embedding
 from lightning_hbm.planner import CUDA_CONTEXT_BYTES, Candidate, max_context, plan
+from lightning_hbm.planner import context as context_module
 from lightning_hbm.planner import tracing
 from lightning_hbm.planner.api import predict
 from lightning_hbm.planner.reference import memtracker_peak
@@ -204,3 +205,33 @@ def test_a_host_budget_bounds_the_pinned_block_inputs_or_turns_offload_off() -> 
     assert not none.choices["offload"] and none.host == 0 and none.tokens == 3072
     with pytest.raises(ValueError, match="lots"):
         max_context(SMALL_LLAMA, "1GiB", host_budget="lots")
+
+
+@pytest.mark.slow
+def test_a_host_budget_fits_the_block_inputs_to_what_the_offloaded_optimizer_states_leave() -> None:
+    # the states CPUOffloadStrategy keeps in host RAM do not shrink with the length: the pinned block inputs must fit
+    # what they leave of the budget. Fitted to the whole budget, each guess was over and planned again (four plans)
+    from lightning_hbm import CPUOffloadStrategy
+
+    def lengths_planned(**kwargs: Any) -> tuple[Any, set[int]]:
+        calls: list[tuple[int, int]] = []
+        original = context_module._Lengths.predict_at
+
+        def counted(self: Any, tokens: int) -> Any:
+            calls.append((id(self), tokens))
+            return original(self, tokens)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(context_module._Lengths, "predict_at", counted)
+            # rank 64: 0.94 MiB of states beside 2 x 1 MiB of pinned block inputs
+            result = max_context(SMALL_LLAMA, CUDA_CONTEXT_BYTES + 12 * 2**20, callbacks=[LoRA(r=64)],
+                                 strategy=CPUOffloadStrategy(), multiple_of=STEP, **kwargs)
+        return result, {tokens for owner, tokens in calls if owner == calls[0][0]}  # the offloaded configuration's
+
+    free, planned = lengths_planned()
+    inputs = context_module.host_bytes(free.prediction)["host_activations"]
+    states = free.host - inputs
+    assert free.tokens > 0 and states > 0 and inputs > 0
+    bounded, bounded_planned = lengths_planned(host_budget=inputs + states // 2)  # the inputs fit, not with the states
+    assert bounded.host <= inputs + states // 2
+    assert len(bounded_planned - planned) <= 1  # the one length whose inputs fit what the states leave, confirmed
