@@ -22,10 +22,11 @@ dtype or shape alone) and never written, in a bitsandbytes (4-bit, int8), ``nf4-
 was quantized as any other: a read there raises ``UnobservedRead``), an in-place write to the weight, a convolution,
 embedding or experts layer (no such tensor for them), a Linear subclass with its own forward, a layer whose dtype or
 shape alone is read (as before: T5's ``wo`` shows an fp32 weight), and a run without ``QuantizedPrecision`` (LoRA alone
-leaves the layer as built: an adapter around it would be skipped, so it is no target). Not covered yet: the formats
-wrap the layer inside their ``replace``, before ``quantize_model`` rounds (GPTQ) or corrects it, so ``rounding="gptq"``
-leaves such a layer at round-to-nearest and ``correction_rank`` names it without a correction ("its format cannot be
-read back"); wrapping it in ``quantize_model`` after those steps, as ``Fp32ComputeLinear`` is, would cover both.
+leaves the layer as built: an adapter around it would be skipped, so it is no target).
+
+GPTQ rounding and the calibrated correction (``rounding="gptq"``, ``correction_rank``) work on the mode's layer before
+it is wrapped (``precision/quantize.py``), from the inputs the probe forward saw the model's code multiply the weight
+with (:func:`lightning_hbm.precision.gptq.input_statistics`): such a layer is rounded and corrected like any Linear.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def writes(op: str) -> bool:
     return op.endswith("_") and not op.startswith("__") and op != "requires_grad_" or op in ("__setitem__", "__set__") or op.startswith("__i")
 
 
-def _op_name(func: Any) -> str:
+def op_name(func: Any) -> str:
+    """The name of the op ``func`` as ``__torch_function__`` gets it (a property's name for its descriptor)."""
     # properties (.T, .data, .shape) reach __torch_function__ as their descriptor's __get__ (or __set__)
     name = getattr(func, "__name__", str(func))
     if name == "__get__":
@@ -103,7 +105,7 @@ class ReadWeight(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        op = _op_name(func)
+        op = op_name(func)
         first = args[0] if args else None
         if op in _METADATA or op in _SAME and isinstance(first, ReadWeight) and not (op == "requires_grad_" and _wants_grad(args, kwargs)):
             with torch_compat.subclass_functions_off():
@@ -147,7 +149,7 @@ def _serve(op: str, args: tuple, kwargs: dict) -> Any:
         return NotImplemented
     if op in ("detach", "data"):
         return weight._like(adapted=False)  # no gradient to the weight: nor to its adapter
-    if op in _TRANSPOSE and _swaps_the_two_dims(op, weight, args[1:], kwargs):
+    if op in _TRANSPOSE and swaps_the_two_dims(op, args[1:], kwargs):
         return weight._like(transposed=not weight._transposed)
     if op == "to":
         device, dtype, _, _ = torch_compat.parse_to(*args[1:], **kwargs)
@@ -156,7 +158,8 @@ def _serve(op: str, args: tuple, kwargs: dict) -> Any:
     return NotImplemented
 
 
-def _swaps_the_two_dims(op: str, weight: ReadWeight, rest: tuple, kwargs: dict) -> bool:
+def swaps_the_two_dims(op: str, rest: tuple, kwargs: dict) -> bool:
+    """Whether the transposing ``op`` with the arguments ``rest`` (after the tensor) swaps a matrix's two dims."""
     if op in ("t", "T", "mT"):
         return True
     if op == "transpose":
@@ -317,4 +320,4 @@ def link_adapters(module: nn.Module) -> int:
     return linked
 
 
-__all__ = ["ReadWeight", "ReadableLinear", "link_adapters", "mark_served", "readable", "servable", "served_reader", "writes"]
+__all__ = ["ReadWeight", "ReadableLinear", "link_adapters", "mark_served", "op_name", "readable", "servable", "served_reader", "swaps_the_two_dims", "writes"]

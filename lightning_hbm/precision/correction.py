@@ -25,7 +25,7 @@ and a resume with the same settings takes them back from the file instead of fit
 probe. On fake tensors (the planner) each layer gets zero factors of the shapes it would have: the bytes, no fit.
 
 Ranks (DDP, ``QuantizedFSDPStrategy``): every rank fits from the statistics of all ranks' probe batches together
-(:func:`pooled_across_ranks`), so the factors (sharded like the weight under FSDP) are the ones a single process fits
+(:func:`~lightning_hbm.precision.gptq.pooled_across_ranks`, in the probe forward), so the factors (sharded like the weight under FSDP) are the ones a single process fits
 on the same samples (tests/strategies/test_fsdp_correction.py: 2 CPU ranks, losses equal to 1e-5).
 
 Cost: one probe forward (shared with GPTQ), then per layer a Cholesky of ``[in, in]`` and an SVD of ``[out, in]`` in
@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_hbm.layers.correction import KEY_MARK, attach_correction, correction_of
 from lightning_hbm.naming import name_list
+from lightning_hbm.precision.gptq import pooled_across_ranks
 from lightning_hbm.precision.registry import format_of
 
 log = logging.getLogger(__name__)
@@ -145,12 +146,13 @@ class CalibratedCorrection:
         return self.saved is not None
 
     def measured(self, hessians: dict[str, Tensor], rows: dict[str, int]) -> None:
-        """Keep the input statistics of the probe forward; refuse a probe too small for the rank (nothing changed yet).
+        """Keep the input statistics of the probe forward (:func:`~lightning_hbm.precision.gptq.input_statistics`,
+        pooled across ranks there: every rank decides on the same figures); refuse a probe too small for the rank
+        (nothing changed yet).
 
         Raises:
             ValueError: a layer saw fewer input rows (tokens) than the rank.
         """
-        rows = pooled_across_ranks(hessians, rows)  # before the check: every rank decides on the same figures
         # the rank a layer takes is at most its inputs (capped in fit): a narrow layer needs no more rows than that
         need = {name: min(self.rank, hessians[name].shape[0]) for name in rows if name in hessians}
         short = {name: (rows[name], n) for name, n in need.items() if rows[name] < n}
@@ -234,39 +236,6 @@ class CalibratedCorrection:
                 + ". Keep them in full precision with ignore_modules if their error matters."
             )
         return report
-
-
-def pooled_across_ranks(hessians: dict[str, Tensor], rows: dict[str, int]) -> dict[str, int]:
-    """Under a process group of 2 or more ranks, every rank's statistics become those of all ranks' probes together
-    (the row-weighted mean of each ``H``, in place), and the rows their sum; returned. Without this each rank fits its
-    own factors from its own probe batches (a datamodule that shards its data per rank gives each rank other ones) and
-    FSDP, which keeps each rank's shard of its own factors, would assemble a correction no rank fitted. In place
-    because GPTQ rounding holds the same tensors (one probe forward for both): the rounded weights agree as well.
-
-    A collective: every rank calls it, with the same layers (the model and the surgery are the same on every rank).
-    """
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        return rows
-    names = sorted(name for name in rows if name in hessians)
-    # NCCL sends device tensors only; gloo (and MPI) host ones
-    backend = str(dist.get_backend())
-    accelerator = None if "gloo" in backend or "mpi" in backend else torch.accelerator.current_accelerator()
-    wire = torch.device("cpu") if accelerator is None else torch.device(accelerator.type, torch.accelerator.current_device_index())
-    counts = torch.tensor([rows[name] for name in names], dtype=torch.float64, device=wire)
-    totals = counts.clone()
-    dist.all_reduce(totals)
-    done: set[int] = set()  # q/k/v (gate/up) share one tensor: pooled once
-    for name, count, total in zip(names, counts.tolist(), totals.tolist()):
-        tensor = hessians[name]
-        if id(tensor) in done:
-            continue
-        done.add(id(tensor))
-        weighted = tensor.to(wire, torch.float64) * count
-        dist.all_reduce(weighted)
-        tensor.copy_((weighted / max(total, 1.0)).to(tensor.device, tensor.dtype))
-    return {**rows, **{name: int(total) for name, total in zip(names, totals.tolist())}}
 
 
 def corrected_layers(module: nn.Module) -> list[str]:

@@ -18,6 +18,14 @@ statistics (``benchmarks/conv_gptq.py``): uniform nf4-dq ResNet18 0.912 -> 0.956
 4-image probe the late layers get fewer patches than inputs and GPTQ fits the probe (0.976 there), which is why a
 plan measures convolutions rounded to nearest (:func:`~lightning_hbm.precision.sensitivity.measured_rounded`).
 
+A Linear the model never calls but whose weight its code multiplies with (torchvision Swin's attention passes
+``self.qkv.weight`` to ``F.linear``) is rounded from the inputs of those reads (:class:`_ReadInputs`): on a Swin-like
+model the held-out logit error of nf4-dq + GPTQ went 0.178 -> 0.049 (0.162 -> 0.016 with a rank-16 correction,
+``benchmarks/read_layer_rounding.py``). Under DDP / FSDP every rank rounds from the statistics of all ranks' probes
+(:func:`pooled_across_ranks`): the copies (shards) of a weight are one process's rounding of the same rows. A quantized
+layer left rounded to nearest (a mode without a code grid, a transposed convolution, a layer the probe never ran) is
+named at the surgery with the reason and the fix (:func:`nearest_warning`).
+
 Measured on all-MiniLM-L6-v2 (``benchmarks/README.md``): held-out embedding cosine of uniform
 ``nf4-dq`` 0.97356 with nearest rounding, 0.98600 with this rounding (32 probe sentences), at 0.5196
 bytes per parameter both.
@@ -41,14 +49,19 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any, Optional, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.layers import stored_in
+from lightning_hbm.naming import name_list
+from lightning_hbm.layers.read_weight import op_name, served_reader, swaps_the_two_dims
 from lightning_hbm.precision.registry import RoundingGrid, format_of
 from lightning_hbm.probe import eval_no_grad, probe_output
 
@@ -62,9 +75,14 @@ DAMP = 0.1
 
 
 def grid_of(layer: nn.Module) -> Optional[RoundingGrid]:
-    """The code grid of ``layer``'s format, ``None`` if its format has none (or it is not a quantized layer)."""
-    fmt = format_of(layer)
-    return None if fmt is None else fmt.rounding_grid(layer)
+    """The code grid of ``layer``'s format, ``None`` if its format has none (or it is not a quantized layer).
+
+    A layer kind that wraps the mode's layer (a convolution, a Linear whose weight is read directly or computed in
+    fp32) answers for its storage: the grid its GPTQ rounding wrote, which the resume CRC (:func:`digest`) covers.
+    """
+    storage = stored_in(layer) or layer
+    fmt = format_of(storage)
+    return None if fmt is None else fmt.rounding_grid(storage)
 
 
 def conv_geometry(layer: nn.Module) -> Optional[tuple]:
@@ -122,42 +140,33 @@ def input_hessians(module: nn.Module, names: Sequence[str], probe: Any) -> dict[
 
 def input_statistics(module: nn.Module, names: Sequence[str], probe: Any) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """:func:`input_hessians` and ``name -> rows`` (the input rows, tokens, each matrix was summed over): the
-    calibrated correction (:mod:`lightning_hbm.precision.correction`) refuses a probe with fewer rows than its rank."""
-    sums: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (X^T X, rows), summed over every call
-    # the last input and its X^T X: q/k/v (gate/up) run one after the other on the same tensor and share
-    # it. Held, not keyed by id(): a freed input's id can come back for another tensor.
-    last: list[Any] = [None, None, None]
+    calibrated correction (:mod:`lightning_hbm.precision.correction`) refuses a probe with fewer rows than its rank.
 
-    def hook(name: str) -> Any:
-        def record(layer: nn.Module, args: tuple, output: Any) -> None:
-            x = args[0]
-            key = conv_geometry(layer)  # a convolution's inputs are its input's patches: same tensor, same geometry
-            if last[0] is not x or last[1] != key:
-                if key is None:
-                    rows = x.detach().reshape(-1, x.shape[-1]).float()
-                    # kept in host memory: a model's Hessians together outweigh its 4-bit weights (below)
-                    last[:] = [x, key, ((rows.t() @ rows).cpu(), rows.shape[0])]
-                else:
-                    last[:] = [x, key, patch_gram(layer, x.detach())]
-            if name in sums:  # a layer called twice in one forward: both inputs count
-                total, count = sums[name]
-                sums[name] = (total + last[2][0], count + last[2][1])
-            else:
-                sums[name] = last[2]
-
-        return record
-
-    handles = [module.get_submodule(name).register_forward_hook(hook(name)) for name in names]
+    A layer the model never calls but whose weight its code multiplies with (torchvision Swin's ``F.linear(x,
+    self.qkv.weight)``, Mamba's ``self.dt_proj.weight @ x``: stored as a
+    :class:`~lightning_hbm.layers.read_weight.ReadableLinear`, whose reads call the layer) gets the inputs of those
+    reads (:class:`_ReadInputs`), so it is GPTQ-rounded and corrected like any Linear. A transposed convolution gets
+    none (its stored matrix is no linear map of input patches). Under a process group of 2 or more ranks the
+    statistics are those of all ranks' probes together (:func:`pooled_across_ranks`; a collective).
+    """
+    sums = _Sums()
+    layers = {name: module.get_submodule(name) for name in names}
+    measured = {name: layer for name, layer in layers.items() if not _transposed_conv(layer)}
+    handles = [layer.register_forward_hook(sums.hook(name)) for name, layer in measured.items()]
+    # only the layers the probe step saw read and that will serve their reads (the others stay in the compute dtype)
+    read = {name: layer for name, layer in measured.items() if isinstance(layer, nn.Linear) and served_reader(layer) is not None}
+    reads = _ReadInputs(read, sums) if read else None
     try:
-        with eval_no_grad(module):
+        with eval_no_grad(module), reads if reads is not None else nullcontext():
             probe_output(module, probe)
     finally:
         for handle in handles:
             handle.remove()
-    normalized: dict[int, torch.Tensor] = {}  # shared sums stay shared
-    for total, count in sums.values():
-        normalized.setdefault(id(total), 2 * total / max(count, 1))
-    short = {name: (count, total.shape[-1]) for name, (total, count) in sums.items() if count < total.shape[-1]}
+        if reads is not None:
+            reads.close()
+    hessians, rows = sums.normalized()
+    rows = pooled_across_ranks(hessians, rows)  # before the check below: every rank decides on the same figures
+    short = {name: (count, hessians[name].shape[-1]) for name, count in rows.items() if count < hessians[name].shape[-1]}
     if short:
         # fewer input rows than inputs: H is singular, and GPTQ fits the probe instead of the layer (SmolLM2-135M
         # with 128 probe tokens for 576-1536 inputs: probe output cosine 0.997, held-out 0.984)
@@ -167,7 +176,159 @@ def input_statistics(module: nn.Module, names: Sequence[str], probe: Any) -> tup
             "fit the probe more than the data. Pass a probe_batch with at least %d tokens (or patches).",
             len(short), dict(list(short.items())[:3]), max(inputs for _, inputs in short.values()),
         )
-    return {name: normalized[id(total)] for name, (total, _) in sums.items()}, {name: count for name, (_, count) in sums.items()}
+    return hessians, rows
+
+
+def _transposed_conv(layer: nn.Module) -> bool:
+    # quantized or not (the quantized ones subclass these too)
+    return isinstance(layer, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d))
+
+
+class _Sums:
+    """``name -> (X^T X, rows)`` summed over every call (or read) of each layer on the probe, in fp32 on the host."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, tuple[torch.Tensor, int]] = {}
+        # the last input and its X^T X: q/k/v (gate/up) run one after the other on the same tensor and share
+        # it. Held, not keyed by id(): a freed input's id can come back for another tensor.
+        self.last: list[Any] = [None, None, None]
+
+    def add(self, name: str, layer: nn.Module, x: torch.Tensor) -> None:
+        """``x``: what ``layer`` multiplies its weight with (its input; a convolution's: its input's patches)."""
+        key = conv_geometry(layer)  # a convolution's inputs are its input's patches: same tensor, same geometry
+        if self.last[0] is not x or self.last[1] != key:
+            if key is None:
+                rows = x.detach().reshape(-1, x.shape[-1]).float()
+                # kept in host memory: a model's Hessians together outweigh its 4-bit weights (module docstring)
+                self.last[:] = [x, key, ((rows.t() @ rows).cpu(), rows.shape[0])]
+            else:
+                self.last[:] = [x, key, patch_gram(layer, x.detach())]
+        if name in self.sums:  # a layer called twice in one forward: both inputs count
+            total, count = self.sums[name]
+            self.sums[name] = (total + self.last[2][0], count + self.last[2][1])
+        else:
+            self.sums[name] = self.last[2]
+
+    def hook(self, name: str) -> Any:
+        def record(layer: nn.Module, args: tuple, output: Any) -> None:
+            self.add(name, layer, args[0])
+
+        return record
+
+    def normalized(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """``(name -> 2 X^T X / rows, name -> rows)``; layers that shared their sums share the matrix."""
+        self.last = [None, None, None]
+        shared: dict[int, torch.Tensor] = {}
+        for total, count in self.sums.values():
+            shared.setdefault(id(total), 2 * total / max(count, 1))
+        return {name: shared[id(total)] for name, (total, _) in self.sums.items()}, {name: count for name, (_, count) in self.sums.items()}
+
+
+# what a model's code does with a read weight: multiply (F.linear, x @ W.T, W @ y), or make another tensor of the
+# same values (a transpose, a cast, a copy) that it multiplies with next
+_PRODUCTS = frozenset({"linear", "matmul", "__matmul__", "mm", "bmm"})
+_TRANSPOSES = frozenset({"t", "T", "mT", "transpose", "permute"})
+_SAME_VALUES = frozenset({"detach", "data", "to", "contiguous", "clone", "float", "half", "bfloat16", "type_as"})
+
+
+class _ReadInputs(TorchFunctionMode):
+    """The inputs of the Linears ``layers`` where the model's code multiplies with their weight instead of calling
+    them, summed into ``sums`` as a call's input is.
+
+    Run on the model as built (the probe forward comes before any change): each weight is the layer's own Parameter,
+    recognised by identity, as are the tensors made from it by a transpose or a cast (held until :meth:`close`:
+    their ids are not reused meanwhile). A use inside the layer's own forward is that call (its forward hook counts
+    it). The products a :class:`~lightning_hbm.layers.read_weight.ReadWeight` serves by calling the layer are the
+    ones counted, so the statistics are of the inputs the stored layer will see.
+    """
+
+    def __init__(self, layers: dict[str, nn.Module], sums: _Sums) -> None:
+        super().__init__()
+        self.sums = sums
+        # id -> (tensor, name, layer, transposed)
+        self.watched: dict[int, tuple[torch.Tensor, str, nn.Module, bool]] = {
+            id(layer.weight): (cast(torch.Tensor, layer.weight), name, layer, False) for name, layer in layers.items()
+        }
+        self.running: set[int] = set()  # the watched layers whose own forward runs
+        self.handles = [h for layer in layers.values() for h in (
+            layer.register_forward_pre_hook(lambda m, args: self.running.add(id(m))),
+            layer.register_forward_hook(lambda m, args, out: self.running.discard(id(m)), always_call=True),
+        )]  # fmt: skip
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.watched.clear()
+
+    def _seen(self, tensor: Any) -> Optional[tuple[str, nn.Module, bool]]:
+        entry = self.watched.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+        if entry is None or entry[0] is not tensor or id(entry[2]) in self.running:
+            return None
+        return entry[1], entry[2], entry[3]
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        op = op_name(func)
+        if op in _PRODUCTS:
+            self._product(op, args, kwargs)
+        result = func(*args, **kwargs)
+        seen = self._seen(args[0]) if args and isinstance(result, torch.Tensor) else None
+        if seen is not None and (op in _SAME_VALUES or op in _TRANSPOSES and swaps_the_two_dims(op, args[1:], kwargs)):
+            name, layer, transposed = seen
+            self.watched[id(result)] = (result, name, layer, transposed != (op in _TRANSPOSES))
+        return result
+
+    def _product(self, op: str, args: tuple, kwargs: dict) -> None:
+        if op == "linear":  # F.linear(x, W, b): x W^T
+            x, weight = (args[0] if args else kwargs.get("input")), (args[1] if len(args) > 1 else kwargs.get("weight"))
+            seen = self._seen(weight)
+            if seen is not None and not seen[2] and isinstance(x, torch.Tensor):
+                self.sums.add(seen[0], seen[1], x)
+            return
+        if len(args) != 2 or not all(isinstance(a, torch.Tensor) for a in args):
+            return
+        left, right = args
+        seen = self._seen(right)
+        if seen is not None and seen[2] and left.dim() >= 1:  # x @ W^T
+            self.sums.add(seen[0], seen[1], left)
+            return
+        seen = self._seen(left)
+        if seen is not None and not seen[2] and right.dim() >= 2:  # W @ y = (y^T W^T)^T: the rows of y^T
+            self.sums.add(seen[0], seen[1], right.transpose(-1, -2))
+
+
+def pooled_across_ranks(hessians: dict[str, torch.Tensor], rows: dict[str, int]) -> dict[str, int]:
+    """Under a process group of 2 or more ranks, every rank's statistics become those of all ranks' probes together
+    (the row-weighted mean of each ``H``, in place), and the rows their sum; returned. Without this each rank fits its
+    own factors from its own probe batches (a datamodule that shards its data per rank gives each rank other ones) and
+    FSDP, which keeps each rank's shard of its own factors, would assemble a correction no rank fitted; and GPTQ would
+    round each rank's rows of a weight from another ``H``, so the shards (or DDP's copies) would differ from a
+    one-process rounding of the same samples. In place: shared matrices (q/k/v) stay shared.
+
+    A collective: every rank calls it, with the same layers (the model and the surgery are the same on every rank).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return rows
+    names = sorted(name for name in rows if name in hessians)
+    # NCCL sends device tensors only; gloo (and MPI) host ones
+    backend = str(dist.get_backend())
+    accelerator = None if "gloo" in backend or "mpi" in backend else torch.accelerator.current_accelerator()
+    wire = torch.device("cpu") if accelerator is None else torch.device(accelerator.type, torch.accelerator.current_device_index())
+    counts = torch.tensor([rows[name] for name in names], dtype=torch.float64, device=wire)
+    totals = counts.clone()
+    dist.all_reduce(totals)
+    done: set[int] = set()  # q/k/v (gate/up) share one tensor: pooled once
+    for name, count, total in zip(names, counts.tolist(), totals.tolist()):
+        tensor = hessians[name]
+        if id(tensor) in done:
+            continue
+        done.add(id(tensor))
+        weighted = tensor.to(wire, torch.float64) * count
+        dist.all_reduce(weighted)
+        tensor.copy_((weighted / max(total, 1.0)).to(tensor.device, tensor.dtype))
+    return {**rows, **{name: int(total) for name, total in zip(names, totals.tolist())}}
 
 
 def gptq_indices(weight: torch.Tensor, hessian: torch.Tensor, grid: RoundingGrid, damp: float = DAMP) -> torch.Tensor:
@@ -228,6 +389,57 @@ def gptq_round_(layer: nn.Module, weight: torch.Tensor, hessian: torch.Tensor) -
     packed.copy_(rounded.reshape(packed.shape).view(packed.dtype))
 
 
+# why a quantized layer keeps nearest rounding under rounding="gptq", and what a user can do about it
+_NO_GRID = ("its mode ({}) has no GPTQ code grid and rounds to nearest", "GPTQ rounds bitsandbytes' 4-bit modes and "
+            "nf4-torchao; 8-bit modes lose little to nearest rounding; pick a 4-bit mode for them with layer_modes "
+            "if their error matters")
+_TRANSPOSED = ("a transposed convolution, whose stored matrix is no linear map of its input patches", "keep them in "
+               "full precision with ignore_modules if their error matters")
+_LOOKUP = ("an input embedding, a lookup with no input to round against", "nothing to do; quantize_embeddings=False "
+           "keeps them in the compute dtype")
+_UNREACHED = ("the probe forward never ran it (no input statistics)", "pass a probe_batch whose forward(batch) runs "
+              "them, or keep them in full precision with ignore_modules")
+_UNREAD = ("its weight is read directly by {}, and the probe forward never reached that read", _UNREACHED[1])
+
+
+def nearest_reasons(module: nn.Module, names: Sequence[str], hessians: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, str]]:
+    """``{layer: (why, fix)}`` for each quantized layer of ``names`` that ``rounding="gptq"`` left rounded to nearest
+    (a layer kept unquantized is not one)."""
+    found: dict[str, tuple[str, str]] = {}
+    for name in names:
+        layer = module.get_submodule(name)
+        storage = stored_in(layer) or layer
+        fmt = format_of(storage)
+        if fmt is None or grid_of(layer) is not None and name in hessians:
+            continue  # not quantized (a plan's "none"), or rounded
+        if grid_of(layer) is None:
+            found[name] = (_NO_GRID[0].format(fmt.name), _NO_GRID[1])
+        elif _transposed_conv(layer):
+            found[name] = _TRANSPOSED
+        elif isinstance(layer, nn.Embedding):
+            found[name] = _LOOKUP
+        elif served_reader(layer) is not None:
+            found[name] = (_UNREAD[0].format(served_reader(layer) or "the model"), _UNREAD[1])
+        else:
+            found[name] = _UNREACHED
+    return found
+
+
+def nearest_warning(module: nn.Module, names: Sequence[str], hessians: Mapping[str, torch.Tensor]) -> Optional[str]:
+    """The warning at the surgery (fit start) naming the quantized layers of ``names`` that ``rounding="gptq"`` left
+    rounded to nearest, by reason, with the fix; ``None`` if GPTQ rounded them all."""
+    reasons: dict[tuple[str, str], list[str]] = {}
+    for name, why in nearest_reasons(module, names, hessians).items():
+        reasons.setdefault(why, []).append(name)
+    if not reasons:
+        return None
+    total = sum(len(n) for n in reasons.values())
+    return (
+        f"QuantizedPrecision(rounding='gptq'): {total} quantized layer(s) keep nearest rounding (more output error than "
+        "GPTQ's): " + "; ".join(f"{name_list(found)}: {why} (fix: {fix})" for (why, fix), found in reasons.items()) + "."
+    )
+
+
 def digest(module: nn.Module, names: Sequence[str]) -> str:
     """A CRC32 of the packed 4-bit weights of ``names`` (what a resume must rebuild bit for bit)."""
     crc = 0
@@ -238,4 +450,7 @@ def digest(module: nn.Module, names: Sequence[str]) -> str:
     return f"{crc:08x}"
 
 
-__all__ = ["DAMP", "ROUNDINGS", "conv_geometry", "digest", "gptq_indices", "gptq_round_", "grid_of", "input_hessians", "input_statistics", "pack_indices", "patch_gram", "patches"]
+__all__ = [
+    "DAMP", "ROUNDINGS", "conv_geometry", "digest", "gptq_indices", "gptq_round_", "grid_of", "input_hessians", "input_statistics",
+    "nearest_reasons", "nearest_warning", "pack_indices", "patch_gram", "patches", "pooled_across_ranks",
+]

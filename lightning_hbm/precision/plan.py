@@ -37,10 +37,9 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm.layers.embedding import is_plain_embedding
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.config import QuantizationConfig
-from lightning_hbm.precision.gptq import digest, grid_of, input_statistics
+from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
 from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.quantize import Listing, TargetRule, _layer_modes, _validate, prepare_targets, quantize_targets
-from lightning_hbm.precision.registry import format_of
 from lightning_hbm.layers import CONV
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, choose_plan
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
@@ -107,13 +106,10 @@ class GPTQRounding:
         nearest = [n for n in quantized if n not in rounded and (layer_modes or {}).get(n) != "none"]
         self.hessians = None  # in_features**2 floats per layer input: not kept for training
         self.digest = digest(module, rounded)
-        # by name and mode: a mode whose format has no code grid for GPTQ (QuantFormat.rounding_grid) says so here
-        modes = {n: getattr(format_of(module.get_submodule(n)), "name", "none") for n in nearest[:12]}
-        log.info(
-            "lightning_hbm: GPTQ rounding of %d 4-bit layers on the probe batch (CRC %s); nearest rounding kept for %d "
-            "layers whose mode has no GPTQ code grid or that the probe did not reach (layer: mode): %s",
-            len(rounded), self.digest, len(nearest), modes,
-        )
+        log.info("lightning_hbm: GPTQ rounding of %d 4-bit layers on the probe batch (CRC %s)", len(rounded), self.digest)
+        warning = nearest_warning(module, nearest, hessians)  # nothing silent: by name, reason and fix
+        if warning is not None:
+            rank_zero_warn(warning)
         saved = saved_meta(trainer).get(DIGEST_KEY)
         if saved is not None and saved != self.digest:
             raise ValueError(

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -171,10 +176,103 @@ def test_a_format_without_a_code_grid_keeps_nearest_rounding_and_is_named(gpt_fa
     names = names_of(model)
     weight = model.get_submodule(names[0]).weight.detach().clone()
     plugin = QuantizedPrecision("int8", dtype="float32", rounding="gptq", probe_batch=PROBE)
-    with caplog.at_level("INFO", logger="lightning_hbm"):
+    with caplog.at_level("INFO", logger="lightning_hbm"), pytest.warns(
+        UserWarning, match=rf"rounding='gptq'\): {len(names)} quantized layer\(s\) keep nearest rounding .*: .*"
+        r"its mode \(int8\) has no GPTQ code grid and rounds to nearest \(fix: GPTQ rounds bitsandbytes' 4-bit modes"
+    ):
         plugin.convert_module(model)
     layer = model.get_submodule(names[0])
     assert grid_of(layer) is None and plugin.rounding_digest == f"{0:08x}"
-    assert "GPTQ rounding of 0 4-bit layers" in caplog.text and f"'{names[0]}': 'int8'" in caplog.text
+    assert "GPTQ rounding of 0 4-bit layers" in caplog.text
     with pytest.raises(TypeError, match=r"GPTQ rounding: Linear8bitLt has no code grid"):
         gptq_round_(layer, weight, torch.eye(weight.shape[1]))
+
+
+class Mixed(nn.Module):
+    """A transposed convolution, a Linear the forward never calls, one the plan stores in int8, one GPTQ rounds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(4, 4, 2, stride=2)
+        self.a, self.b, self.unused = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(self.up(x).flatten(2)))
+
+
+def test_the_layers_gptq_leaves_at_nearest_rounding_are_named_at_the_surgery_with_the_reason_and_the_fix() -> None:
+    """Was: one log line (and a transposed convolution got its input's last dimension as statistics: a shape error
+    in the rounding). Each reason, its layers by name and count, and what to do."""
+    from lightning_hbm.precision.gptq import grid_of
+
+    torch.manual_seed(0)
+    model = Mixed()
+    plugin = QuantizedPrecision("nf4-dq", dtype="float32", rounding="gptq", probe_batch=torch.randn(32, 4, 4, 4),
+                                quantize_head=True, layer_modes={"b": "int8"})  # fmt: skip
+    with pytest.warns(UserWarning, match=r"rounding='gptq'\): 3 quantized layer\(s\) keep nearest rounding") as seen:
+        plugin.convert_module(model)
+    said = next(str(w.message) for w in seen if "keep nearest rounding" in str(w.message))
+    assert "): up: a transposed convolution, whose stored matrix is no linear map of its input patches (fix: keep them" in said
+    assert "; b: its mode (int8) has no GPTQ code grid" in said
+    assert "; unused: the probe forward never ran it (no input statistics) (fix: pass a probe_batch whose forward" in said
+    assert " a:" not in said and grid_of(model.a) is not None  # rounded: not named
+
+
+def _ranks_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.GELU(), nn.Linear(64, 32))
+
+
+# each rank's 48 rows are fewer than a layer's 64 or 96 inputs: its own H is singular, its rounding far from the pooled one
+RANKS_PROBE = torch.randn(96, 64, generator=torch.Generator().manual_seed(3))
+
+
+def _rounded(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """The packed 4-bit weights of :func:`_ranks_model` GPTQ-rounded on rank ``rank``'s share of the probe (rows
+    ``rank::world``): the statistics a rank's own batches give, pooled by :func:`input_statistics` under a group."""
+    from lightning_hbm.layers import stored_in
+    from lightning_hbm.precision.gptq import input_statistics
+
+    model = _ranks_model()
+    names = ["0", "2", "4"]
+    hessians, _ = input_statistics(model, names, RANKS_PROBE[rank::world])
+    quantize_model(model, "nf4-dq", "float32", quantize_head=True, hessians=hessians)
+    return {name: (stored_in(model.get_submodule(name)) or model.get_submodule(name)).weight.detach().clone() for name in names}
+
+
+def _rank_main(rank: int, port: int, out: Path) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.save(_rounded(rank, 2), out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_round_as_one_process_on_the_pooled_probe(tmp_path: Path) -> None:
+    """Was (issue 52): each rank GPTQ-rounded from the Hessian of its own probe rows, so the two ranks' copies of a
+    weight differed, and neither was the one-process rounding (here 49 % of the first layer's packed bytes differed
+    from it on rank 0, 59 % between the ranks). Pooled, both ranks store the one-process rounding of all the rows, bit
+    for bit (the pooled matrices equal to float rounding; no index fell on a tie)."""
+    import lightning_hbm
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(lightning_hbm.__file__).resolve().parents[1]), env.get("PYTHONPATH")) if p)
+    procs = [subprocess.Popen([sys.executable, __file__, "rank", str(rank), str(port), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]  # fmt: skip
+    outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), "\n".join(o[-3000:] for o in outputs)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    for name, packed in _rounded(0, 1).items():
+        assert torch.equal(ranks[0][name], packed) and torch.equal(ranks[1][name], packed), name
+
+
+if __name__ == "__main__" and sys.argv[1] == "rank":
+    _rank_main(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
