@@ -242,7 +242,7 @@ class _ReadInputs(TorchFunctionMode):
     ones counted, so the statistics are of the inputs the stored layer will see.
     """
 
-    def __init__(self, layers: dict[str, nn.Module], sums: _Sums) -> None:
+    def __init__(self, layers: Mapping[str, nn.Module], sums: _Sums) -> None:
         super().__init__()
         self.sums = sums
         # id -> (tensor, name, layer, transposed)
