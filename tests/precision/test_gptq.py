@@ -218,6 +218,37 @@ def test_the_layers_gptq_leaves_at_nearest_rounding_are_named_at_the_surgery_wit
     assert " a:" not in said and grid_of(model.a) is not None  # rounded: not named
 
 
+
+class Reads(nn.Module):
+    """Weights multiplied by the model's code: ``x @ W.T``, ``W @ y`` (Mamba's dt_proj), and a layer both called and read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.a.weight.T
+        z = (self.b.weight @ y.transpose(1, 2)).transpose(1, 2)
+        return self.c(z) + torch.nn.functional.linear(z, self.c.weight.to(torch.float32))
+
+
+def test_the_inputs_a_read_weight_is_multiplied_with_are_its_statistics() -> None:
+    from lightning_hbm.layers import find_layers, readers
+    from lightning_hbm.precision.gptq import input_statistics
+
+    torch.manual_seed(0)
+    model, x = Reads(), torch.randn(3, 5, 8)
+    readers.observe(model, x, {name: layer for name, layer, _ in find_layers(model)})  # the probe step marks them
+    hessians, rows = input_statistics(model, ["a", "b", "c"], x)
+    with torch.no_grad():
+        y = x @ model.a.weight.T
+        z = (model.b.weight @ y.transpose(1, 2)).transpose(1, 2)
+    assert rows == {"a": 15, "b": 15, "c": 30}  # c: its call and its read
+    for name, inputs in (("a", x), ("b", y), ("c", z)):
+        flat = inputs.reshape(-1, 8)
+        torch.testing.assert_close(hessians[name], 2 * flat.t() @ flat / 15, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _ranks_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.GELU(), nn.Linear(64, 32))
