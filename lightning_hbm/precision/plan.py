@@ -6,8 +6,9 @@ checkpoint hooks); this object is the rest, one per plugin:
 * its settings, a frozen :class:`~lightning_hbm.precision.config.QuantizationConfig` checked at construction (the
   plugin's arguments: same errors, same messages);
 * the **targets**, the layers it quantizes and the ones it leaves alone (with why): listed once per surgery, in
-  :meth:`Quantization.check`; LoRA's checks (:meth:`Quantization.targets`) and the quantization reuse that
-  listing (listed again only when preparing a layer kind replaced modules, e.g. ``nn.MultiheadAttention``);
+  :meth:`Quantization.check` (a :class:`~lightning_hbm.precision.targets.Listing`); LoRA's checks
+  (:meth:`Quantization.targets`) and the quantization reuse that listing (its Linear-like layers listed again only
+  when preparing a layer kind replaced modules, e.g. ``nn.MultiheadAttention``);
 * the **layer modes** ``{layer name: mode name}`` (:mod:`lightning_hbm.precision.sensitivity`), pinned by the
   user (``layer_modes``), measured on the probe or taken from the checkpoint being resumed;
 * the **GPTQ rounding** (:class:`GPTQRounding`: input statistics, then the CRC of the rounded layers);
@@ -15,9 +16,11 @@ checkpoint hooks); this object is the rest, one per plugin:
 * the **resume metadata**: :meth:`Quantization.resume_config` (the settings a resume must share) and
   :meth:`Quantization.save` (the GPTQ CRC and the smoothing exponents, into each checkpoint).
 
-It is called at the surgery points: :meth:`~Quantization.check` in the checks (before any change),
-:meth:`~Quantization.convert` at the quantization point. Both take the Trainer of the run (or ``None``): the
-probe batch and the checkpoint being resumed are read from it.
+It is called at the surgery points: :meth:`~Quantization.check` in the checks (before any change: the targets listed,
+then what the quantization needs measured, :meth:`Quantization._measure`, then the layer modes), and
+:meth:`~Quantization.convert` at the quantization point, one way: the targets and measures of the checks handed on,
+the quantization (:func:`~lightning_hbm.precision.targets.quantize_listed`), then the record. Both take the Trainer of
+the run (or ``None``): the probe batch and the checkpoint being resumed are read from it.
 """
 
 from __future__ import annotations
@@ -181,7 +184,7 @@ class Quantization:
     # ------------------------------------------------------------------ targets
 
     def listing(self, module: nn.Module) -> Listing:
-        """(targets, layers left alone with (reason, deliberate)) of ``module``, listed once per surgery."""
+        """The targets of ``module`` and the layers left alone with (reason, deliberate), listed once per surgery."""
         return self._listed(module)[1]
 
     def _listed(self, module: nn.Module) -> tuple[TargetRule, Listing]:

@@ -174,7 +174,7 @@ def _replace_one(
 
 
 def _target_kind(layer: nn.Module) -> LayerKind:
-    """The kind of a target of :func:`_quantizable_linears` (a kind with ``to_linear``): a plain input embedding is
+    """The kind of a target (:mod:`lightning_hbm.precision.targets`: a kind with ``to_linear``): a plain input embedding is
     one of :data:`~lightning_hbm.layers.EMBEDDING` once quantized."""
     return EMBEDDING if is_plain_embedding(layer) else cast(LayerKind, kind_of(layer))
 
