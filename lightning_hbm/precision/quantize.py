@@ -102,7 +102,7 @@ def quantize_targets(
         if modes[name] is not None:
             kind = _target_kind(layer)
             cast(QuantFormat, modes[name]).check(name, cast(Callable[[nn.Module], nn.Linear], kind.to_linear)(layer) if kind.wrap is not None else layer)
-    embeddings: list[tuple[nn.Module, nn.Module]] = []
+    embeddings: list[tuple[nn.Module, QuantizedEmbedding]] = []
     for name, layer in targets:
         if modes[name] is None:  # kept unquantized by the plan: frozen like every other base weight
             layer.weight.requires_grad_(False)
