@@ -209,7 +209,7 @@ class Quantization:
     # ------------------------------------------------------------------ the surgery points
 
     def check(self, module: nn.Module, trainer: Any) -> None:
-        """The checks of the surgery (nothing changes): validate, list the targets, measure what the plan needs.
+        """The checks of the surgery (nothing changes): list the targets, validate, measure what the plan needs.
 
         Measured here, before the first change: an unreachable target fails with the model untouched, and on resume
         the plan exists before the saved settings (the plan included) are compared with this run's.
@@ -254,7 +254,7 @@ class Quantization:
     def convert(self, module: nn.Module, trainer: Any) -> list[str]:
         """Quantize the targets of ``module`` in place, one way, each step handing its value to the next: the targets the
         checks listed, what they measured (both done now if the checks did not run), the quantization
-        (:func:`~lightning_hbm.precision.quantize.quantize_listed`) under the smoothing exponents, then the record:
+        (:func:`~lightning_hbm.precision.targets.quantize_listed`) under the smoothing exponents, then the record:
         what it did, said and kept. Returns the names of the layers quantized.
 
         Raises:
