@@ -60,7 +60,7 @@ from lightning_hbm import quantize_model
 from lightning_hbm.quality import compare_outputs, probe_output
 from lightning_hbm.memory import module_parameter_tensors, unique_bytes
 from lightning_hbm.precision.gptq import input_hessians
-from lightning_hbm.precision.quantize import _quantizable_linears
+from lightning_hbm.precision.targets import _quantizable_linears
 from lightning_hbm.precision.sensitivity import choose_plan, greedy_plan, predict_parameter_bytes, weight_bytes
 from lightning_hbm.precision.smoothing import SMOOTH_MODE, attached, choose_smoothing
 

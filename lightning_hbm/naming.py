@@ -2,7 +2,7 @@
 
 :func:`name_matches` is the rule of every option that names modules (LoRA's ``target_modules``,
 ``exclude_modules`` and ``modules_to_save``, ``QuantizedPrecision(ignore_modules=...)``); :func:`under` says
-whether a name is inside another. How messages list names: distinct short names first, then a few full paths.
+whether a name is inside another, :func:`selected` what an option covers in a whole model. How messages list names: distinct short names first, then a few full paths.
 A model with 28 Linear layers has 7 distinct names (``q_proj``, ``k_proj``, ...): those are what a user
 types (``target_modules: [q_proj]`` matches every ``...self_attn.q_proj``), so they come first and in
 full; full paths follow as examples only, so the message stays one readable line.
@@ -47,6 +47,21 @@ def name_matches(name: str, patterns: Union[str, Sequence[str]]) -> bool:
     return any(name == p or name.endswith("." + p) or fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def selected(names: Iterable[str], patterns: Union[str, Sequence[str]]) -> set[str]:
+    """The ``names`` that ``patterns`` select, each with every name under it (``a.b`` when ``a`` is selected): what an
+    option naming modules covers (``ignore_modules``, ``modules_to_save``), decided once for a whole model.
+
+    Args:
+        names: every module name of a model (:meth:`~torch.nn.Module.named_modules`: a name's parents are among them).
+        patterns: as :func:`name_matches`.
+    """
+    names = list(names)
+    matched = {n for n in names if name_matches(n, patterns)}
+    if not matched:
+        return set()
+    return {n for n in names if any(".".join(n.split(".")[:i]) in matched for i in range(1, n.count(".") + 2))}
+
+
 def name_list(paths: Iterable[str], max_short: int = 24, max_paths: int = 3) -> str:
     """``"q_proj, k_proj, ..., lm_head (15 in all, e.g. model.layers.0.self_attn.q_proj, ...)"``.
 
@@ -75,4 +90,4 @@ def did_you_mean(word: str, names: Any) -> str:
     return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
-__all__ = ["did_you_mean", "has_submodule", "name_list", "name_matches", "under"]
+__all__ = ["did_you_mean", "has_submodule", "name_list", "name_matches", "selected", "under"]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_hbm import LoRA, QuantizedPrecision, precision_plugin, quantize_model
-from lightning_hbm.naming import name_matches, under
+from lightning_hbm.naming import name_matches, selected, under
 from lightning_hbm.record import left_alone
 
 
@@ -40,6 +40,16 @@ def test_name_matches_names_suffixes_globs_and_one_regex(name: str, patterns: st
 
 def test_under_is_a_parent_relation_on_dotted_names() -> None:
     assert under("a.b", ["a"]) and under("a", ["a"]) and not under("ab", ["a"]) and not under("a", ["a.b"])
+
+
+def test_selected_is_each_match_with_everything_under_it_decided_once_for_a_model() -> None:
+    names = [n for n, _ in Tiny().named_modules()]
+    # a name is selected when it or a module it is under matches: the rule ignore_modules and modules_to_save follow
+    by_name = {n for n in names if any(name_matches(".".join(n.split(".")[:i]), ["0"]) for i in range(1, n.count(".") + 2))}
+    assert selected(names, ["0"]) == by_name == {"blocks.0", "blocks.0.fc1", "blocks.0.fc2"}
+    assert selected(names, r"blocks\.1") == {"blocks.1", "blocks.1.fc1", "blocks.1.fc2"}  # a regex: a full match
+    assert selected(names, ["*.fc2", "head"]) == {"blocks.0.fc2", "blocks.1.fc2", "head"}
+    assert selected(names, ["blocks.0.fc"]) == selected(names, []) == set()  # a part of a component is no name
 
 
 def test_lora_targets_and_ignore_modules_select_the_same_layers_with_a_glob() -> None:

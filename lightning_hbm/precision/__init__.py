@@ -13,7 +13,7 @@ from lightning_hbm.precision import bnb as _bnb  # noqa: F401  (registers the bi
 from lightning_hbm.precision import int8_dynamic as _int8_dynamic  # noqa: F401  (registers int8-dynamic)
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.plugin import QuantizedPrecision
-from lightning_hbm.precision.quantize import quantize_model
+from lightning_hbm.precision.targets import quantize_model
 from lightning_hbm.precision.registry import (
     QuantFormat,
     available_precisions,

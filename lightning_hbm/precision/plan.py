@@ -6,8 +6,9 @@ checkpoint hooks); this object is the rest, one per plugin:
 * its settings, a frozen :class:`~lightning_hbm.precision.config.QuantizationConfig` checked at construction (the
   plugin's arguments: same errors, same messages);
 * the **targets**, the layers it quantizes and the ones it leaves alone (with why): listed once per surgery, in
-  :meth:`Quantization.check`; LoRA's checks (:meth:`Quantization.targets`) and the quantization reuse that
-  listing (listed again only when preparing a layer kind replaced modules, e.g. ``nn.MultiheadAttention``);
+  :meth:`Quantization.check` (a :class:`~lightning_hbm.precision.targets.Listing`); LoRA's checks
+  (:meth:`Quantization.targets`) and the quantization reuse that listing (its Linear-like layers listed again only
+  when preparing a layer kind replaced modules, e.g. ``nn.MultiheadAttention``);
 * the **layer modes** ``{layer name: mode name}`` (:mod:`lightning_hbm.precision.sensitivity`), pinned by the
   user (``layer_modes``), measured on the probe or taken from the checkpoint being resumed;
 * the **GPTQ rounding** (:class:`GPTQRounding`: input statistics, then the CRC of the rounded layers);
@@ -15,16 +16,18 @@ checkpoint hooks); this object is the rest, one per plugin:
 * the **resume metadata**: :meth:`Quantization.resume_config` (the settings a resume must share) and
   :meth:`Quantization.save` (the GPTQ CRC and the smoothing exponents, into each checkpoint).
 
-It is called at the surgery points: :meth:`~Quantization.check` in the checks (before any change),
-:meth:`~Quantization.convert` at the quantization point. Both take the Trainer of the run (or ``None``): the
-probe batch and the checkpoint being resumed are read from it.
+It is called at the surgery points: :meth:`~Quantization.check` in the checks (before any change: the targets listed,
+then what the quantization needs measured, :meth:`Quantization._measure`, then the layer modes), and
+:meth:`~Quantization.convert` at the quantization point, one way: the targets and measures of the checks handed on,
+the quantization (:func:`~lightning_hbm.precision.targets.quantize_listed`), then the record. Both take the Trainer of
+the run (or ``None``): the probe batch and the checkpoint being resumed are read from it.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from typing import Any, Optional, Sequence
 
 import torch
@@ -39,7 +42,8 @@ from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionR
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
 from lightning_hbm.precision.int4_asym import regrid_warning
-from lightning_hbm.precision.quantize import Listing, TargetRule, _layer_modes, _validate, prepare_targets, quantize_targets
+from lightning_hbm.precision.quantize import _layer_modes
+from lightning_hbm.precision.targets import Listing, TargetRule, _validate, quantize_listed
 from lightning_hbm.layers import CONV
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, choose_plan
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
@@ -83,7 +87,7 @@ def modules_to_save(module: nn.Module) -> list[str]:
 class GPTQRounding:
     """The GPTQ rounding of one plan (``QuantizedPrecision(rounding="gptq")``).
 
-    :attr:`hessians` set in the checks (``Quantization._measure_inputs``: one probe forward, every target's input
+    :attr:`hessians` set in the checks (``Quantization._measure``: one probe forward, every target's input
     statistics), then :meth:`finish` after the
     quantization rounded the layers with them (frees them, takes the CRC of the rounded weights and compares it with
     the one of the checkpoint being resumed), :meth:`save` with each checkpoint.
@@ -95,8 +99,9 @@ class GPTQRounding:
         #: CRC32 of the GPTQ-rounded 4-bit weights (saved with checkpoints, compared on resume)
         self.digest: Optional[str] = None
 
-    def finish(self, module: nn.Module, quantized: Sequence[str], layer_modes: Optional[dict[str, str]], trainer: Any) -> None:
-        """After the quantization of ``quantized``: log what was rounded, keep its CRC, check it against the resumed one.
+    def finish(self, module: nn.Module, quantized: Sequence[str], layer_modes: Optional[dict[str, str]], saved: Optional[str]) -> None:
+        """After the quantization of ``quantized``: log what was rounded, keep its CRC, check it against ``saved`` (the CRC
+        of the checkpoint being resumed, ``None``: none).
 
         Raises:
             ValueError: the checkpoint being resumed was trained on a base rounded otherwise (another probe batch).
@@ -110,7 +115,6 @@ class GPTQRounding:
         warning = nearest_warning(module, nearest, hessians)  # nothing silent: by name, reason and fix
         if warning is not None:
             rank_zero_warn(warning)
-        saved = saved_meta(trainer).get(DIGEST_KEY)
         if saved is not None and saved != self.digest:
             raise ValueError(
                 f"The GPTQ rounding rebuilt for this resume (CRC {self.digest}) differs from the one the "
@@ -176,7 +180,7 @@ class Quantization:
     # ------------------------------------------------------------------ targets
 
     def listing(self, module: nn.Module) -> Listing:
-        """(targets, layers left alone with (reason, deliberate)) of ``module``, listed once per surgery."""
+        """The targets of ``module`` and the layers left alone with (reason, deliberate), listed once per surgery."""
         return self._listed(module)[1]
 
     def _listed(self, module: nn.Module) -> tuple[TargetRule, Listing]:
@@ -193,18 +197,15 @@ class Quantization:
         """``(name, layer)`` of every layer quantized in ``module``, before any change."""
         return self.listing(module)[0]
 
-    def _input_targets(self, module: nn.Module) -> list[str]:
-        # the targets whose inputs GPTQ and the correction measure: an embedding's input is token ids, no statistics
-        return [name for name, layer in self.targets(module) if not isinstance(layer, nn.Embedding)]
-
-    def _linear_targets(self, module: nn.Module) -> list[str]:
+    @staticmethod
+    def _linear_names(targets: list[tuple[str, nn.Module]]) -> list[str]:
         # measured per nn.Linear (other kinds, e.g. Conv1D or the projections a MultiheadAttention becomes, use mode)
-        return [name for name, layer in self.targets(module) if isinstance(layer, nn.Linear)]
+        return [name for name, layer in targets if isinstance(layer, nn.Linear)]
 
     # ------------------------------------------------------------------ the surgery points
 
     def check(self, module: nn.Module, trainer: Any) -> None:
-        """The checks of the surgery (nothing changes): validate, list the targets, measure what the plan needs.
+        """The checks of the surgery (nothing changes): list the targets, validate, measure what the plan needs.
 
         Measured here, before the first change: an unreachable target fails with the model untouched, and on resume
         the plan exists before the saved settings (the plan included) are compared with this run's.
@@ -215,8 +216,9 @@ class Quantization:
         self._listing = None  # a new surgery: list the model as it is now
         if self.config.layer_modes is None:
             self.layer_modes = self.conv_report = None  # a plugin reused by another Trainer measures again
-        _validate(module, self.config.format, self.config.torch_dtype, self.config.ignore_modules)
-        targets = self.targets(module)
+        rule, listing = self._listed(module)
+        _validate(module, rule, listing, self.config.format, self.config.torch_dtype)
+        targets = listing.targets
         if self.config.layer_modes is not None:
             _layer_modes(targets, self.config.format, self.layer_modes or {})
         warning = regrid_warning(targets, self.config.format.name)
@@ -224,17 +226,15 @@ class Quantization:
             rank_zero_warn(warning)
         if self.config.quantize_embeddings:
             self._say_embeddings_kept(module)
-        self._measure_inputs(module, self._input_targets(module), trainer)
-        if self.smoothing is not None:  # before the plan: the plan measures the smoothed layers
-            self._smooth(module, self._linear_targets(module), trainer)
+        self._measure(module, targets, trainer, inputs=True, smooth=True)  # smoothed before the plan, which measures it
         if self.config.measures_plan:
-            with self.attached_shifts(module):
-                self._choose_plan(module, self._linear_targets(module), trainer)
+            with self.smoothing.attached(module) if self.smoothing is not None else nullcontext():
+                self._choose_plan(module, self._linear_names(targets), trainer)
         self._plan_convs(module, [name for name, layer in targets if CONV.matches(layer)], trainer)
 
     def _say_embeddings_kept(self, module: nn.Module) -> None:
         """Warn (names, reasons) about input embeddings ``quantize_embeddings=True`` keeps in the compute dtype."""
-        targets, skipped = self.listing(module)
+        targets, skipped = self.listing(module)[:2]
         kept = {n: why for n, (why, deliberate) in skipped.items() if not deliberate and is_plain_embedding(module.get_submodule(n))}
         if kept:
             rank_zero_warn(
@@ -248,68 +248,73 @@ class Quantization:
             )
 
     def convert(self, module: nn.Module, trainer: Any) -> list[str]:
-        """Quantize the targets of ``module`` in place, one way: what the checks measured (measured now if they did
-        not run), the targets they listed, the layer modes, the quantization, then the record. Returns their names.
+        """Quantize the targets of ``module`` in place, one way, each step handing its value to the next: the targets the
+        checks listed, what they measured (both done now if the checks did not run), the quantization
+        (:func:`~lightning_hbm.precision.targets.quantize_listed`) under the smoothing exponents, then the record:
+        what it did, said and kept. Returns the names of the layers quantized.
 
         Raises:
             ValueError: as :func:`~lightning_hbm.precision.quantize_model`, or a resumed GPTQ rounding that differs.
         """
-        self._measure_unchecked(module, trainer)
         rule, listed = self._listed(module)  # the checks' targets, handed on
+        correction, smoothing = self.correction, self.smoothing
+        inputs = correction is not None and correction.hessians is None and correction.saved is None
+        smooth = smoothing is not None and smoothing.shifts is None
+        if inputs or smooth:  # a plain call that did not run the checks
+            self._measure(module, listed[0], trainer, inputs, smooth)
         hessians = self.gptq.hessians if self.gptq is not None else None
-        if self.correction is not None:
-            self.correction.start()
+        if correction is not None:
+            correction.start()
         config = self.config
-        with self.attached_shifts(module):
-            _validate(module, config.format, config.torch_dtype, config.ignore_modules)
-            listing = prepare_targets(module, rule, listed)  # listed again only if preparing a layer kind replaced modules
-            modes = _layer_modes(listing[0], config.format, self.layer_modes or {})
-            quantized = quantize_targets(module, listing, modes, config.torch_dtype, self.device, hessians, self.correction)
+        with smoothing.attached(module) if smoothing is not None else nullcontext():
+            quantized = quantize_listed(module, rule, listed, config.format, config.torch_dtype, self.layer_modes or {}, self.device, hessians, correction)
         self._listing = None  # the model changed: the next surgery lists it again
-        self._record(module, quantized, hessians is not None, trainer)
+        log.info("lightning_hbm: %d layers stored as %s", len(quantized), config.format.name)
+        if smoothing is not None:
+            smoothing.report_unsmoothed(module, quantized)
+        if self.gptq is not None and hessians is not None:  # the CRC checked against the checkpoint being resumed
+            self.gptq.finish(module, quantized, self.layer_modes, resume.saved_part(trainer).get(DIGEST_KEY))
+        if correction is not None:
+            correction.finish(module)
         return quantized
 
-    def _measure_unchecked(self, module: nn.Module, trainer: Any) -> None:
-        """What the checks measure before the quantization, for a plain call of :meth:`convert` that did not run them."""
-        if self.smoothing is not None and self.smoothing.shifts is None:
-            self._smooth(module, self._linear_targets(module), trainer)
-        if self.correction is not None and self.correction.hessians is None and self.correction.saved is None:
-            self._measure_inputs(module, self._input_targets(module), trainer)
-
-    def _record(self, module: nn.Module, quantized: list[str], rounded: bool, trainer: Any) -> None:
-        """What the quantization did, said and kept: the layers stored, those smoothing missed, the GPTQ CRC (checked
-        against the checkpoint being resumed), the correction's report."""
-        log.info("lightning_hbm: %d layers stored as %s", len(quantized), self.config.format.name)
-        if self.smoothing is not None:
-            self.smoothing.report_unsmoothed(module, quantized)
-        if self.gptq is not None and rounded:
-            self.gptq.finish(module, quantized, self.layer_modes, trainer)
-        if self.correction is not None:
-            self.correction.finish(module)
-
-    def _measure_inputs(self, module: nn.Module, names: list[str], trainer: Any) -> None:
-        """One probe forward on the model as built for what needs each layer's input statistics: GPTQ rounding and the
-        correction (shared), unless the correction is taken back from the checkpoint being resumed. Not on fake tensors
-        (the planner): neither changes the bytes, and the correction's factors are then zeros of their shapes.
+    def _measure(self, module: nn.Module, targets: list[tuple[str, nn.Module]], trainer: Any, inputs: bool, smooth: bool) -> None:
+        """What the quantization measures on the model as built, before any change: one probe forward for each target's
+        input statistics (``inputs``: GPTQ rounding and the correction share them; the correction's factors are taken
+        back from the checkpoint being resumed with these settings instead), then the smoothing exponents (``smooth``:
+        of the ``nn.Linear`` targets, or the checkpoint's). Not on fake tensors (the planner): neither changes the bytes
+        (the correction's factors are then zeros of their shapes, the exponents none).
 
         Raises:
             ValueError: no probe batch, or one too small for ``correction_rank``.
         """
+        fake = _on_fake_tensors(module)
+        resumed = self._resumed(trainer) if trainer is not None and (self.correction is not None or self.smoothing is not None) else {}
+        probe = lambda: self.probe(trainer)  # noqa: E731 - drawn only by what measures (a resume may measure nothing)
         correction = self.correction
-        if correction is not None:
+        if inputs and correction is not None:
             correction.saved = correction.hessians = None
-            meta = saved_meta(trainer) if trainer is not None else {}
-            config = meta.get("configs", {}).get(self.owner) or {}
-            if meta and all(config.get(k) == v for k, v in self.settings().items() if k != "layer_modes"):
-                correction.take_saved(meta)  # resuming with these settings: the file's factors, bit for bit
+            if resumed:
+                correction.take_saved(resumed)  # resuming with these settings: the file's factors, bit for bit
         fitting = correction is not None and correction.saved is None
-        if (self.gptq is None and not fitting) or _on_fake_tensors(module):
-            return
-        hessians, rows = input_statistics(module, names, self.probe(trainer))
-        if self.gptq is not None:
-            self.gptq.hessians = hessians
-        if correction is not None and fitting:
-            correction.measured(hessians, rows)
+        if inputs and (self.gptq is not None or fitting) and not fake:
+            # an embedding's input is token ids: no statistics
+            names = [name for name, layer in targets if not isinstance(layer, nn.Embedding)]
+            hessians, rows = input_statistics(module, names, probe())
+            if self.gptq is not None:
+                self.gptq.hessians = hessians
+            if correction is not None and fitting:
+                correction.measured(hessians, rows)
+        if smooth and self.smoothing is not None:
+            path = trainer.ckpt_path if trainer is not None else None  # named in a refusal of the saved exponents
+            self.smoothing.measure(module, self._linear_names(targets), self.config.torch_dtype, probe, lambda: resumed, path)
+
+    def _resumed(self, trainer: Any) -> dict[str, Any]:
+        """The lightning_hbm part of the checkpoint ``trainer`` is resuming when it was saved with these settings (its
+        layer modes aside), else empty: what the correction and the smoothing take back instead of measuring."""
+        meta = saved_meta(trainer)
+        config = meta.get("configs", {}).get(self.owner) or {}
+        return meta if meta and all(config.get(k) == v for k, v in self.settings().items() if k != "layer_modes") else {}
 
     def probe(self, trainer: Any) -> Any:
         """The batch the plan is measured on: ``probe_batch``, else the first of the Trainer's datamodule; with
@@ -323,23 +328,6 @@ class Quantization:
         if self.correction is not None:
             return first_batches(trainer, "QuantizedPrecision", CORRECTION_PROBE_TOKENS)
         return first_batch(trainer, "QuantizedPrecision")
-
-    def attached_shifts(self, module: nn.Module) -> AbstractContextManager:
-        """The smoothing exponents attached to ``module``'s weights inside the block (none without smoothing)."""
-        return self.smoothing.attached(module) if self.smoothing is not None else nullcontext()
-
-    def _smooth(self, module: nn.Module, names: list[str], trainer: Any) -> None:
-        """The smoothing exponents of the Linears ``names``: the checkpoint's when resuming with these settings."""
-        assert self.smoothing is not None
-
-        def saved() -> dict[str, Any]:
-            meta = saved_meta(trainer)
-            config = meta.get("configs", {}).get(self.owner) or {}
-            same = all(config.get(k) == v for k, v in self.settings().items() if k != "layer_modes")
-            return meta if same else {}
-
-        path = trainer.ckpt_path if trainer is not None else None  # named in a refusal of the saved exponents
-        self.smoothing.measure(module, names, self.config.torch_dtype, lambda: self.probe(trainer), saved, path)
 
     def _choose_plan(self, module: nn.Module, names: list[str], trainer: Any) -> None:
         self.layer_modes = self.report = None  # a plugin reused by another Trainer measures again

@@ -133,7 +133,7 @@ def test_a_tied_head_computes_with_the_embeddings_one_quantized_copy(
 
 
 def test_an_embedding_shared_with_anything_else_is_kept_with_a_warning(trainer_factory: Any) -> None:
-    from lightning_hbm.precision.quantize import _quantizable_linears
+    from lightning_hbm.precision.targets import _quantizable_linears
 
     class Shared(nn.Module):
         def __init__(self) -> None:

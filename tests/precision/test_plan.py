@@ -12,7 +12,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from torch import nn
 
 from lightning_hbm import LoRA, QuantizedPrecision, run_surgery
-from lightning_hbm.precision import quantize as quantize_module
+from lightning_hbm.precision import targets as targets_module
 from lightning_hbm.surgery.protocol import SurgeryPlugin
 
 PROBE = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -64,13 +64,13 @@ def test_the_settings_are_one_frozen_config_checked_once() -> None:
 
 def test_the_targets_are_listed_once_per_surgery(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    listed = quantize_module._quantizable_linears
+    listed = targets_module._linear_listing
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return listed(*args, **kwargs)
 
-    monkeypatch.setattr(quantize_module, "_quantizable_linears", counting)
+    monkeypatch.setattr(targets_module, "_linear_listing", counting)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     plugin = QuantizedPrecision("int8-dynamic", dtype="float32", quantize_head=True)
     # the plugin's checks, LoRA's checks (quantization_targets) and the quantization share one listing

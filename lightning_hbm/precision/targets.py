@@ -1,0 +1,285 @@
+"""The targets of a precision mode: which layers of a model it stores quantized, which it leaves alone and why.
+
+The first step of the quantization, and where it starts (:func:`quantize_model`, ``Quantization.convert``): each
+layer's reasons read once, the model's names matched against the settings once (:func:`~lightning_hbm.naming.selected`),
+and the result handed on as one value, a :class:`Listing`, to the checks (:func:`_validate`), to the preparation of
+the layer kinds that need it (:func:`prepare_targets`), then to the layer modes and the replacement
+(:mod:`lightning_hbm.precision.quantize`). One way: nothing here is called back by the later steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple, Optional, Sequence, Union, cast
+
+import torch
+from torch import Tensor, nn
+
+from lightning_hbm import record
+from lightning_hbm.layers import LINEAR, base_layer, find_layers, kind_names, output_heads, prepare_model, stored_in, weight_readers
+from lightning_hbm.layers.embedding import convertible, is_plain_embedding, tied_heads
+from lightning_hbm.naming import selected
+from lightning_hbm.precision.quantize import Correct, _layer_modes, _parametrized, _weight_normed, quantize_targets
+from lightning_hbm.precision.registry import QuantFormat, format_of, get_format, to_dtype
+
+#: why a layer is left alone, by name: ``(reason, deliberate)``
+Reason = tuple[str, bool]
+_IGNORED: Reason = ("QuantizedPrecision(ignore_modules=...)", True)
+_KEPT: Reason = ("LoRA modules_to_save: trained in full precision", True)
+_PARAMETRIZED = "weight computed by a parametrization other than weight_norm: kept in the compute dtype"
+_PARAMETRIZED_LINEAR = (
+    "weight computed by a parametrization (weight_norm is folded into one quantized weight on convolutions only): "
+    "kept in the compute dtype"
+)
+
+
+class Listing(NamedTuple):
+    """The targets of a model under a :class:`TargetRule`, and what the later steps read of the same pass."""
+
+    #: ``(name, layer)`` of every layer to store quantized
+    targets: list[tuple[str, nn.Module]]
+    #: the layers left alone ``{name: (reason, deliberate)}`` (the coverage table shows them)
+    skipped: dict[str, Reason]
+    #: the modules the model declares in ``_keep_in_fp32_modules`` (:func:`keep_in_fp32_names`)
+    fp32: set[str]
+    #: every module name under an ``ignore_modules`` entry
+    ignored: set[str]
+    #: every module name under a ``modules_to_save`` entry
+    kept: set[str]
+    #: the ``ignore_modules`` entries that match no module (an error of :func:`_validate`)
+    unmatched: list[str]
+    #: the input embeddings' part of ``targets`` and ``skipped`` (``quantize_embeddings``; a preparation keeps it)
+    embeddings: tuple[list[tuple[str, nn.Module]], dict[str, Reason]]
+
+
+@dataclass(frozen=True)
+class TargetRule:
+    """Which layers of a model a precision mode stores quantized: the settings a :class:`Listing` is made under.
+
+    A value, compared as one: a listing made under an equal rule on the same model is still the model's.
+    """
+
+    ignore_modules: Union[str, Sequence[str]] = ()
+    quantize_head: bool = False
+    keep_modules: tuple[str, ...] = ()  # LoRA's modules_to_save: trained in full precision
+    quantize_embeddings: bool = False
+
+    def listing(self, module: nn.Module) -> Listing:
+        """The targets of ``module`` under this rule (Linear-like layers of every registered kind with a
+        ``to_linear``: Linear, Conv1D, the projections of a prepared MultiheadAttention, convolutions; the input
+        embeddings too with ``quantize_embeddings``), and the layers left alone with (reason, deliberate)."""
+        owners = _owners(module)
+        listing = _linear_listing(module, self, owners)
+        if not self.quantize_embeddings:
+            return listing
+        chosen: list[tuple[str, nn.Module]] = []
+        skipped: dict[str, Reason] = {}
+        for name, sub in module.named_modules():
+            if not is_plain_embedding(sub):
+                continue
+            why = convertible(sub, owners, tied_ok=tied_heads(module, sub) is not None)
+            if name in listing.ignored:
+                skipped[name] = _IGNORED
+            elif name in listing.kept:
+                skipped[name] = _KEPT
+            elif why is not None:
+                skipped[name] = (why, False)
+            else:
+                chosen.append((name, sub))
+        return listing._replace(targets=listing.targets + chosen, skipped={**listing.skipped, **skipped}, embeddings=(chosen, skipped))
+
+
+def _owners(module: nn.Module) -> dict[int, int]:
+    """How many modules hold each parameter (a tied weight has two)."""
+    owners: dict[int, int] = {}
+    for _, param in module.named_parameters(remove_duplicate=False):
+        owners[id(param)] = owners.get(id(param), 0) + 1
+    return owners
+
+
+def _linear_listing(module: nn.Module, rule: TargetRule, owners: dict[int, int]) -> Listing:
+    """The Linear-like part of :meth:`TargetRule.listing`: each layer's reasons read, then the names matched once."""
+    fp32 = keep_in_fp32_names(module)
+    reasons = _linear_reasons(module, rule.quantize_head, owners, fp32)
+    names = [n for n, _ in module.named_modules()]
+    ignored, kept = selected(names, rule.ignore_modules), selected([n for n in names if n], list(rule.keep_modules))
+    entries = [rule.ignore_modules] if isinstance(rule.ignore_modules, str) else list(rule.ignore_modules)
+    unmatched = [e for e in entries if not selected([n for n in names if n], e if isinstance(rule.ignore_modules, str) else [e])]
+    chosen: list[tuple[str, nn.Module]] = []
+    skipped: dict[str, Reason] = {}
+    for name, layer, before, after in reasons:
+        # in the order the reasons are said: ignored, tied / head / fp32, modules_to_save, parametrized / read directly
+        why = _IGNORED if name in ignored else before or (_KEPT if name in kept else after)
+        if why is None:
+            chosen.append((name, layer))
+        else:
+            skipped[name] = why
+    return Listing(chosen, skipped, fp32, ignored, kept, unmatched, ([], {}))
+
+
+def _linear_reasons(
+    module: nn.Module, quantize_head: bool, owners: dict[int, int], fp32: set[str]
+) -> list[tuple[str, nn.Module, Optional[Reason], Optional[Reason]]]:
+    """``(name, layer, reason before modules_to_save, reason after it)`` of every quantizable layer not quantized yet
+    (``None``: no reason of that rank); the reasons that depend on names given to the settings are decided after."""
+    heads = set() if quantize_head else output_heads(module)
+    readers = weight_readers(module)
+    # a layer computed in fp32 (_keep_in_fp32_modules) shows its weight dequantized in fp32: a read of its dtype or
+    # shape (T5's feed-forward casts to wo.weight.dtype) sees what it saw before
+    users = weight_readers(module, uses_only=True) if fp32 else {}
+    found: list[tuple[str, nn.Module, Optional[Reason], Optional[Reason]]] = []
+    for name, layer, kind in find_layers(module):
+        if kind.to_linear is None or base_layer(layer) is not layer or kind.prepare is not None and kind.matches(layer):
+            # not quantizable (reported by the coverage table), already adapted by LoRA, or not prepared
+            # (an ignored MultiheadAttention)
+            continue
+        if stored_in(layer) is not None or not cast(Tensor, layer.weight).is_floating_point() or format_of(layer) is not None:
+            continue  # already quantized (an integer weight, or a tensor-subclass weight a format owns)
+        before: Optional[Reason] = None
+        if owners.get(id(layer.weight), 0) > 1:
+            before = ("weight tied to another module", True)  # e.g. lm_head tied to the embedding: quantizing would untie them
+        elif name in heads:
+            before = ("output head kept in full precision (quantize_head=True quantizes it)", True)
+        elif name in fp32 and (kind is not LINEAR or record.counted_as(layer) is not None):
+            # the fp32-computing wrapper is an nn.Linear: for a plain Linear only (T5's wo), others stay as they were
+            before = ("kept in fp32: the model's _keep_in_fp32_modules", True)
+        after: Optional[Reason] = None
+        if _parametrized(layer) and not (kind.wrap is not None and _weight_normed(layer)):
+            # other parametrizations (spectral_norm's power iteration, orthogonal) are part of what the layer computes;
+            # a weight_norm is folded on convolutions only, whose wrapper maps its keys back to the factors (resume)
+            after = (_PARAMETRIZED if kind.wrap is not None else _PARAMETRIZED_LINEAR, False)
+        elif name in (users if name in fp32 else readers):
+            # the reader would get the packed integer weight (a low-level dtype/shape error): compute dtype
+            after = (f"weight read directly by {readers[name]}, not by calling the layer: kept in the compute dtype", False)
+        found.append((name, layer, before, after))
+    return found
+
+
+def keep_in_fp32_names(module: nn.Module) -> set[str]:
+    """Modules that Hugging Face models inside ``module`` declare must stay in fp32 (``_keep_in_fp32_modules``).
+
+    T5 declares ``wo``: its feed-forward casts the hidden states to ``wo.weight.dtype``, which is
+    ``uint8`` for a packed 4-bit weight (a crash deep inside dropout). transformers' own quantizers
+    never convert them; here a Linear of them is stored in the mode and computes in fp32 (its weight reads as fp32:
+    :class:`~lightning_hbm.layers.linear.Fp32ComputeLinear`). Matched as transformers does, by a component of the
+    module name.
+    """
+    kept: set[str] = set()
+    for root, sub in module.named_modules():
+        declared = [*(getattr(sub, "_keep_in_fp32_modules", None) or ()), *(getattr(sub, "_keep_in_fp32_modules_strict", None) or ())]
+        if not declared:
+            continue
+        prefix = root + "." if root else ""
+        for name, _ in sub.named_modules(prefix=root):
+            rel = name[len(prefix) :] if prefix else name
+            if rel and any(entry in rel.split(".") or rel.endswith("." + entry) or rel == entry for entry in declared):
+                kept.add(name)
+    return kept
+
+
+def _quantizable_linears(
+    module: nn.Module,
+    ignore_modules: Union[str, Sequence[str]],
+    quantize_head: bool = False,
+    keep_modules: Sequence[str] = (),
+    quantize_embeddings: bool = False,
+) -> tuple[list[tuple[str, nn.Module]], dict[str, Reason]]:
+    """(name, layer) pairs to quantize, and the layers left alone with (reason, deliberate): :meth:`TargetRule.listing`
+    under these settings. ``keep_modules``: names (suffix match, as LoRA's ``modules_to_save``) kept in full precision."""
+    listing = TargetRule(ignore_modules, quantize_head, tuple(keep_modules), quantize_embeddings).listing(module)
+    return listing.targets, listing.skipped
+
+
+def _validate(module: nn.Module, rule: TargetRule, listing: Listing, quant_mode: QuantFormat, compute_dtype: torch.dtype) -> None:
+    """Every check of :func:`quantize_model`, changing nothing (run before the first change of the surgery), on the
+    ``listing`` of ``module`` under ``rule``."""
+    quant_mode.check_dtype(compute_dtype)
+    ignore_modules = rule.ignore_modules
+    if listing.unmatched:
+        sample = sorted(n for n, _ in module.named_modules() if n)[:12]
+        raise ValueError(
+            f"ignore_modules={ignore_modules if isinstance(ignore_modules, str) else list(ignore_modules)!r}: {listing.unmatched} match no "
+            f"submodule of {type(module).__name__}. Use module names (a name matches itself, what is under it and as a "
+            f"suffix), glob patterns ('*.mixer.dt_proj') or one regex string, such as {sample}."
+        )
+    if not any(kind.to_linear is not None or kind.prepare is not None for _, _, kind in find_layers(module)):
+        raise ValueError(
+            f"{type(module).__name__} has no layer of a kind a precision mode quantizes "
+            f"({kind_names(quantized=True).replace('Embedding', 'Embedding with quantize_embeddings=True')}), "
+            f"so precision mode {quant_mode.name!r} has nothing to quantize. Use Lightning's precision='bf16-true' (or '32-true') "
+            "for this model instead."
+        )
+    for name, layer, kind in find_layers(module):
+        if kind.to_linear is None and kind.prepare is None or name in listing.ignored:
+            continue
+        if any(p.is_meta for p in layer.parameters()):
+            raise ValueError(
+                f"Cannot quantize {name} ({type(layer).__name__}) whose weight is on the meta device: load or "
+                "initialize the weights before quantization (e.g. build them in configure_model)."
+            )
+
+
+def prepare_targets(module: nn.Module, rule: TargetRule, listing: Listing) -> Listing:
+    """The step after the checks: prepare the layer kinds that need it (``nn.MultiheadAttention`` -> four Linears),
+    then the targets of ``rule``: ``listing`` (made on this model before) as it is unless preparing replaced modules;
+    else the Linear-like layers listed again, beside the input embeddings ``listing`` holds (no preparation changes
+    one)."""
+    if not prepare_model(module, skip=listing.ignored.__contains__):
+        return listing
+    owners = _owners(module)
+    relisted = _linear_listing(module, rule, owners)
+    chosen, skipped = listing.embeddings
+    return relisted._replace(targets=relisted.targets + chosen, skipped={**relisted.skipped, **skipped}, embeddings=listing.embeddings)
+
+
+def quantize_model(
+    module: nn.Module,
+    mode: Union[str, QuantFormat],
+    dtype: Union[str, torch.dtype] = "bfloat16",
+    ignore_modules: Union[str, Sequence[str]] = (),
+    device: Optional[Union[str, torch.device]] = None,
+    quantize_head: bool = False,
+    keep_modules: Sequence[str] = (),
+    layer_modes: Optional[Mapping[str, str]] = None,
+    hessians: Optional[Mapping[str, Tensor]] = None,
+    quantize_embeddings: bool = False,
+    correct: Optional[Correct] = None,
+) -> list[str]:
+    """Replace the Linear-like layers of ``module`` in place by quantized frozen layers.
+
+    Every layer kind of :mod:`lightning_hbm.layers` that can be quantized is (``nn.Linear`` and its
+    subclasses, transformers ``Conv1D``, ``nn.MultiheadAttention`` through its projections), except:
+    ``ignore_modules``, Linears tied to another module, the output head (:func:`~lightning_hbm.layers.output_heads`)
+    (unless ``quantize_head``) and ``keep_modules`` (LoRA's ``modules_to_save``); the Linears a model declares in
+    ``_keep_in_fp32_modules`` are stored in the mode and compute in fp32. Each layer left alone is tagged with the
+    reason (the coverage table shows it). Works on a model that already holds its loaded weights.
+    Validates everything before changing anything. ``layer_modes`` (``{layer name: mode name}``, e.g. a
+    sensitivity-aware plan) overrides ``mode`` per layer; ``"none"`` keeps that layer in the compute
+    dtype, frozen. ``hessians`` (``{layer name: 2 X^T X}``, :func:`~lightning_hbm.precision.gptq.input_hessians`)
+    GPTQ-rounds the 4-bit layers it names instead of rounding to nearest. ``correct`` (a
+    :class:`~lightning_hbm.precision.correction.CalibratedCorrection`) gives each quantized Linear-like layer its
+    calibrated correction (on fake tensors, as the planner counts bytes: zero factors of their shapes). ``quantize_embeddings``:
+    the input embeddings too (:mod:`lightning_hbm.layers.embedding`). Returns the names of the layers handled.
+    """
+    quant_mode = get_format(mode) if isinstance(mode, str) else mode
+    compute_dtype = to_dtype(dtype)
+    rule = TargetRule(ignore_modules, quantize_head, tuple(keep_modules), quantize_embeddings)
+    return quantize_listed(module, rule, rule.listing(module), quant_mode, compute_dtype, layer_modes or {}, device, hessians, correct)
+
+
+def quantize_listed(
+    module: nn.Module, rule: TargetRule, listing: Listing, quant_mode: QuantFormat, compute_dtype: torch.dtype,
+    layer_modes: Mapping[str, str], device: Optional[Union[str, torch.device]], hessians: Optional[Mapping[str, Tensor]],
+    correct: Optional[Correct] = None,
+) -> list[str]:
+    """The quantization of :func:`quantize_model` from the ``listing`` of ``module`` under ``rule`` (a
+    ``Quantization``'s checks made it), one way: the checks (:func:`_validate`), the preparation
+    (:func:`prepare_targets`), each target's mode (:func:`~lightning_hbm.precision.quantize._layer_modes`), then the
+    replacement (:func:`~lightning_hbm.precision.quantize.quantize_targets`). Returns the names of the targets."""
+    _validate(module, rule, listing, quant_mode, compute_dtype)
+    listing = prepare_targets(module, rule, listing)
+    modes = _layer_modes(listing.targets, quant_mode, layer_modes)
+    return quantize_targets(module, listing.targets, listing.skipped, listing.fp32, modes, compute_dtype, device, hessians, correct)
+
+
+__all__ = ["Listing", "TargetRule", "keep_in_fp32_names", "prepare_targets", "quantize_listed", "quantize_model"]
