@@ -42,7 +42,7 @@ from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.quantize import Listing, TargetRule, _layer_modes, _validate, prepare_targets, quantize_targets
 from lightning_hbm.precision.registry import format_of
 from lightning_hbm.layers import CONV
-from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, choose_plan
+from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, choose_plan, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.probe import first_batch, first_batches, has_forward
 
@@ -376,6 +376,9 @@ class Quantization:
         try:
             probe = self.probe(trainer)
         except ValueError:
+            unplanned = unplanned_convs_warning(module, names, self.config.format.name)
+            if unplanned is not None:  # a BatchNorm conv net: the loss is measured, said (issue 53)
+                rank_zero_warn(unplanned)
             log.info("lightning_hbm: %d convolutions stored in %s without a measured plan: no probe_batch", len(names), self.config.format.name)
             return
         try:  # on by default: a model or batch the probe cannot run is said, and the fit goes on as before issue 53
