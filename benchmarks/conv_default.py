@@ -6,12 +6,13 @@ the plugin's own ``convert_module`` and forward context (bf16 compute, as in tra
 
 - ``probe batch``: a Trainer with a datamodule (the plan is measured on its first batch) or ``probe_batch=``: the
   convolutions' plan to a probe output cosine of 0.98;
-- ``no probe``: ``trainer.fit(model, train_dataloaders=...)``, no datamodule and no ``probe_batch``: nothing measured.
+- ``no probe``: ``trainer.fit(model, train_dataloaders=...)``, no datamodule and no ``probe_batch``: nothing measured;
+- the fixes the warnings name: ``min_cosine=0.985`` (a higher probe target), ``mode='int8'`` (bf16 and fp32 compute).
 
 Per arm: held-out cosine (centred, every output of the model), bytes per conv weight, fit-start seconds (plan and
 quantization), and the lightning_hbm warnings raised at conversion (their first words).
 
-    OMP_NUM_THREADS=1 python benchmarks/conv_default.py [--models ResNet18 ...] [--seeds 0 1]
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/conv_default.py [--models ResNet18 ...] [--seeds 0 1]
 """
 
 from __future__ import annotations
@@ -67,7 +68,13 @@ def main() -> None:
             calibrate(reference, images(8, seed=10, batches=4))
             reference.eval()
             probe, held = images(4, seed=2 + 10 * seed), images(4, seed=1 + 10 * seed)
-            for arm, plugin in (("probe batch", QuantizedPrecision(probe_batch=probe)), ("no probe", QuantizedPrecision())):
+            arms = (
+                ("probe batch", QuantizedPrecision(probe_batch=probe)), ("no probe", QuantizedPrecision()),
+                ("probe batch, min_cosine=0.985", QuantizedPrecision(probe_batch=probe, min_cosine=0.985)),
+                ("mode='int8'", QuantizedPrecision("int8", probe_batch=probe)),
+                ("mode='int8', dtype='float32'", QuantizedPrecision("int8", dtype="float32", probe_batch=probe)),
+            )  # fmt: skip
+            for arm, plugin in arms:
                 h, b, s, said = run(reference, plugin, held)
                 print(f"| {name} | {seed} | {arm} | {h:.4f} | {b:.3f} | {s:.1f} | {'; '.join(said) or 'none'} |", flush=True)
 
