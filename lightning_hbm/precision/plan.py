@@ -45,7 +45,7 @@ from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.quantize import _layer_modes
 from lightning_hbm.precision.targets import Listing, TargetRule, _validate, quantize_listed
 from lightning_hbm.layers import CONV
-from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, choose_plan
+from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, choose_plan, planned_convs_warning, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.probe import first_batch, first_batches, has_forward
 
@@ -348,7 +348,9 @@ class Quantization:
         """The convolutions' plan under a 4-bit mode (issue 53): each one's output error measured on the probe, the
         most sensitive widened (``sensitive_mode``) until the probe output cosine reaches ``min_cosine`` (default
         :data:`CONV_MIN_COSINE`); under it, a warning naming the figure. Not with a pinned plan, nor when resuming
-        (the checkpoint's plan is taken), nor without a probe batch (logged); a probe the model cannot run: a warning."""
+        (the checkpoint's plan is taken), nor without a probe batch (logged; a BatchNorm conv net: a warning, with the
+        figure); a probe the model cannot run: a warning. A BatchNorm conv net planned to the target: a warning that held
+        out such plans measured under it (:func:`~lightning_hbm.precision.sensitivity.planned_convs_warning`)."""
         if not names or self.config.layer_modes is not None or self.config.format.peft_kind != "4bit":
             return
         if trainer is not None and saved_meta(trainer).get("configs", {}).get(self.owner):
@@ -360,6 +362,9 @@ class Quantization:
         try:
             probe = self.probe(trainer)
         except ValueError:
+            unplanned = unplanned_convs_warning(module, names, self.config.format.name)
+            if unplanned is not None:  # a BatchNorm conv net: the loss is measured, said (issue 53)
+                rank_zero_warn(unplanned)
             log.info("lightning_hbm: %d convolutions stored in %s without a measured plan: no probe_batch", len(names), self.config.format.name)
             return
         try:  # on by default: a model or batch the probe cannot run is said, and the fit goes on as before issue 53
@@ -382,6 +387,9 @@ class Quantization:
         if widened:
             self.layer_modes = {**(self.layer_modes or {}), **widened}
         log.info("lightning_hbm: convolutions' plan: %s", report.summary(self.config.format.name).replace("Linear layers", "convolutions"))
+        gap = planned_convs_warning(module, report, self.config.format.name, target)
+        if gap is not None:  # reached on the probe only: held out, a BatchNorm conv net measured under it (issue 53)
+            rank_zero_warn(gap)
         if report.cosine < target:
             rank_zero_warn(
                 f"lightning_hbm: the convolutions stored in {self.config.format.name} (widest plan of sensitive_mode="
