@@ -7,7 +7,9 @@ same code. ``lightning_hbm.quality`` re-exports every name.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+import random
+import sys
+from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -16,6 +18,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchmetrics import CosineSimilarity, KLDivergence, RelativeSquaredError
+
+from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import torch as torch_compat
 
 PREFIX = "quant/"
 
@@ -66,40 +71,97 @@ def probe_output(module: nn.Module, batch: Any) -> Tensor:
 
 
 def first_batch(trainer: Optional[pl.Trainer], who: str) -> Any:
-    """The first batch of ``trainer``'s datamodule, drawn without touching the global RNG."""
-    datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-    if datamodule is None:
-        raise ValueError(
-            f"{who} found no probe batch: the Trainer has no LightningDataModule (got datamodule={datamodule!r}). "
-            f"Pass {who}(probe_batch=...) or fit with datamodule=..."
-        )
-    # Building and starting a (shuffling) DataLoader draws from the global RNG: keep the run's randomness intact.
-    with torch.random.fork_rng(devices=[]):
-        return next(iter(datamodule.train_dataloader()))
+    """The first batch of ``trainer``'s train dataloader, whatever gives it (a datamodule, the loader passed to
+    ``fit``, the LightningModule's own ``train_dataloader``), drawn leaving no trace (:func:`drawn_batches`).
+
+    Raises:
+        ValueError: the Trainer has no train dataloader, or it is empty.
+    """
+    return first_batches(trainer, who, 0, most=1)
 
 
 def first_batches(trainer: Optional[pl.Trainer], who: str, min_tokens: int, most: int = 16) -> Any:
-    """The first batches of ``trainer``'s datamodule joined along the batch dimension until they hold ``min_tokens``
-    tokens (at most ``most`` batches; fewer when the loader ends first or the next batch cannot join the others:
-    another shape past the batch dimension). Drawn without touching the global RNG, as :func:`first_batch`.
+    """The first batches of ``trainer``'s train dataloader (as :func:`first_batch`) joined along the batch dimension
+    until they hold ``min_tokens`` tokens (at most ``most`` batches; fewer when the loader ends first or the next batch
+    cannot join the others: another shape past the batch dimension). A loader read once (a stream, a generator) gives
+    its first batch only: the loop trains it first (``torch_compat.draw_keeping_the_pass``); more drawn here would be
+    taken from training.
 
     Tokens: the first tensor's first two dimensions (batch x sequence), or its first for a 1-D tensor.
+
+    Raises:
+        ValueError: the Trainer has no train dataloader, or it is empty.
     """
-    datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-    if datamodule is None:
-        return first_batch(trainer, who)  # its error
+    loader = _train_loader(trainer, who)
+    joined: list[Any] = [None]
+
+    def enough(batches: list[Any]) -> bool:
+        longer = _join(batches)
+        if longer is None:  # the last one does not join the others: stop before it
+            return True
+        joined[0] = longer
+        return len(batches) >= most or _tokens(longer) >= min_tokens
+
+    if torch_compat.passes_once(loader):
+        kept = torch_compat.draw_keeping_the_pass(loader)  # drawn once (the probe step's): given again, nothing read
+        batches = [] if kept is None else [kept[0]]
+        joined[0] = kept[0] if kept is not None else None
+    else:
+        batches = drawn_batches(loader, enough)
+    if not batches:
+        raise ValueError(f"{who} found no probe batch: the Trainer's train dataloader is empty. Pass {who}(probe_batch=...) or a loader with at least one batch.")
+    return joined[0]
+
+
+def _train_loader(trainer: Optional[pl.Trainer], who: str) -> Any:
+    """The train dataloader the fit loop will iterate, requested as that loop requests it and handed to it
+    (``lightning_compat.train_dataloader``: the user's hook runs once per fit, issue 55)."""
+    if not lightning_compat.has_train_dataloader(trainer):
+        raise ValueError(
+            f"{who} found no probe batch: the Trainer has no train dataloader (no datamodule, no train_dataloaders "
+            f"passed to fit, no train_dataloader() on the LightningModule). Pass {who}(probe_batch=...), or fit with "
+            "train_dataloaders=... or datamodule=..."
+        )
+    return lightning_compat.train_dataloader(trainer)
+
+
+@contextmanager
+def preserved_rngs() -> Iterator[None]:
+    """Python's, NumPy's and torch's (CPU) global RNG states as they were, after the block: the probe step runs the
+    user's code, which may draw from any of them (issue 55: the same seed trained on other draws with LoRA)."""
+    python_state = random.getstate()
+    numpy_random = sys.modules.get("numpy.random")  # only if the user's code has imported NumPy
+    numpy_state = numpy_random.get_state() if numpy_random is not None else None  # type: ignore[attr-defined]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy_random is not None:
+            numpy_random.set_state(numpy_state)  # type: ignore[attr-defined]
+
+
+def drawn_batches(loader: Any, enough: Callable[[list[Any]], bool]) -> list[Any]:
+    """The batches of a new pass of ``loader`` (a map-style one: a second pass reads the same indices) from its first
+    until ``enough(batches)``, drawn leaving no trace: the global RNGs, the loader's (and its samplers') own
+    generators and its attributes as they were, the pass shut down. A DataLoader's generator draws the epoch's order:
+    advanced here, epoch 0 would train in another order than without lightning_hbm (issue 55)."""
+    generators = [g for g in (getattr(loader, "generator", None), getattr(getattr(loader, "sampler", None), "generator", None),
+                              getattr(getattr(getattr(loader, "batch_sampler", None), "sampler", None), "generator", None))
+                  if isinstance(g, torch.Generator)]  # fmt: skip
+    states = [(g, g.get_state()) for g in {id(g): g for g in generators}.values()]
     batches: list[Any] = []
-    joined = None
-    with torch.random.fork_rng(devices=[]):
-        for batch in datamodule.train_dataloader():
-            longer = _join(batches + [batch])
-            if longer is None:
-                break
-            batches.append(batch)
-            joined = longer
-            if len(batches) >= most or _tokens(joined) >= min_tokens:
-                break
-    return joined if batches else first_batch(trainer, who)  # an empty loader: its error
+    try:
+        # the loop trains on this same loader object (lightning_compat.stage_dataloader): no pass begun here is left in it
+        with preserved_rngs(), torch_compat.loader_as_it_was(loader):
+            for batch in loader:
+                batches.append(batch)
+                if enough(batches):
+                    break
+    finally:
+        for generator, state in states:
+            generator.set_state(state)
+    return batches
 
 
 def _tokens(batch: Any) -> int:
@@ -167,5 +229,5 @@ def eval_no_grad(module: nn.Module) -> Generator[None, None, None]:
             m.training = training
 
 
-__all__ = ["PREFIX", "check_forward", "compare_outputs", "eval_no_grad", "first_batch", "first_batches", "has_forward",
-           "probe_output"]
+__all__ = ["PREFIX", "check_forward", "compare_outputs", "drawn_batches", "eval_no_grad", "first_batch", "first_batches",
+           "has_forward", "preserved_rngs", "probe_output"]

@@ -71,11 +71,11 @@ class Recorded(Wrapped):
         self.trained.append(int(batch[0, 0]) - 1)
 
 
-def fit(module: pl.LightningModule, tmp_path: Path, epochs: int = 1) -> pl.Trainer:
+def fit(module: pl.LightningModule, tmp_path: Path, epochs: int = 1, plugin: Any = None) -> pl.Trainer:
     trainer = pl.Trainer(
         accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
-        plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=4, alpha=8)],
+        plugins=[plugin or QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=4, alpha=8)],
     )  # fmt: skip
     trainer.fit(module)
     return trainer
@@ -88,6 +88,28 @@ def test_a_one_pass_stream_loses_no_item_and_is_opened_once(tmp_path: Path) -> N
     fit(module, tmp_path)
     assert module.trained == [0, 1, 2, 3] and stream.opened == 1 and module.requested == 1
     assert readers.observation(module) is not None  # the probe step ran, on item 0
+
+
+@pytest.mark.parametrize("settings", [{"rounding": "gptq"}, {"correction_rank": 2}], ids=["gptq", "correction"])
+@pytest.mark.parametrize("kind", ["stream", "generator", "map-style"])
+def test_the_quantization_probe_is_the_loaders_first_batch_and_loses_no_item(kind: str, settings: dict, tmp_path: Path) -> None:
+    """The batches GPTQ and the correction are fitted on come from the train dataloader whatever gives it (was: only a
+    datamodule; ``fit(model)`` with the module's own loader raised "found no probe batch"). Requested once; a loader
+    read once gives its first batch only, trained first; a map-style one is read in a pass left as it was."""
+    loaders = {
+        "stream": lambda: DataLoader(Stream(4), batch_size=None),
+        "generator": lambda: (item(i) for i in range(4)),
+        "map-style": lambda: DataLoader([item(i) for i in range(4)], batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(0)),
+    }
+    class Forward(Recorded):  # the quantization probe runs the model's forward
+        def forward(self, batch: torch.Tensor) -> torch.Tensor:
+            return self.model(batch)
+
+    module, plain = Forward(loaders[kind]), Forward(loaders[kind])
+    fit(module, tmp_path, plugin=QuantizedPrecision("nf4-dq", dtype="float32", **settings))
+    fit(plain, tmp_path)
+    assert module.requested == 1 and sorted(module.trained) == [0, 1, 2, 3]
+    assert module.trained == plain.trained  # the same order as a run whose quantization draws nothing
 
 
 def test_a_modules_own_iterator_is_probed_and_loses_no_item(tmp_path: Path) -> None:

@@ -209,12 +209,23 @@ def test_generic_model_with_given_probe_batch_has_no_kl(trainer_factory: Any) ->
 
 
 def test_missing_probe_batch_is_an_error_before_training(gpt_factory: Any, trainer_factory: Any) -> None:
+    """No probe batch and no train dataloader to draw one from (``validate`` of a module without one)."""
     model = gpt_factory()
     inputs, targets = synthetic_batch(8, 16)
+    model.validation_step = lambda batch, batch_idx: None
     trainer = trainer_factory(max_steps=1, callbacks=[QuantizationQuality()])
-    with pytest.raises(ValueError, match=r"found no probe batch: the Trainer has no LightningDataModule \(got datamodule=None\)"):
-        trainer.fit(model, DataLoader(TensorDataset(inputs, targets), batch_size=4))
-    assert trainer.global_step == 0
+    with pytest.raises(ValueError, match=r"found no probe batch: the Trainer has no train dataloader \(no datamodule, no train_dataloaders passed to fit"):
+        trainer.validate(model, DataLoader(TensorDataset(inputs, targets), batch_size=4))
+
+
+def test_the_probe_batch_is_the_first_of_the_loader_passed_to_fit(gpt_factory: Any, trainer_factory: Any) -> None:
+    """Was: "found no probe batch: the Trainer has no LightningDataModule" for ``fit(model, loader)``."""
+    model = gpt_factory()
+    inputs, targets = synthetic_batch(8, 16)
+    quality = QuantizationQuality()
+    trainer = trainer_factory(max_steps=1, callbacks=[quality])
+    trainer.fit(model, DataLoader(TensorDataset(inputs, targets), batch_size=4))
+    assert quality._reference is not None and set(quality.metrics) >= {"quant/cosine_similarity"}
 
 
 @pytest.mark.parametrize(

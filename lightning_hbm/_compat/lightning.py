@@ -73,6 +73,13 @@ def trainer_being_built() -> Optional[Any]:
     return None
 
 
+def has_train_dataloader(trainer: Any) -> bool:
+    """Whether the Trainer's fit loop has a train dataloader to request: a datamodule's, one passed to ``fit``, or the
+    LightningModule's own ``train_dataloader`` (Lightning's ``_DataConnector`` attached it; nothing is requested)."""
+    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+    return source is not None and source.is_defined()
+
+
 def train_dataloader(trainer: Any) -> Any:
     """The train dataloader Lightning will use (module's, datamodule's or ``fit``'s), before the fit loop loads it.
 

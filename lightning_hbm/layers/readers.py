@@ -25,7 +25,6 @@ layer (:func:`observed_readers` leaves it out). Where that cannot work is said i
 
 from __future__ import annotations
 
-import random
 import sys
 import warnings
 import weakref
@@ -43,6 +42,7 @@ from torch.utils._pytree import tree_map_only
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import read_weight
+from lightning_hbm.probe import preserved_rngs  # re-exported: its home before the probe batches used it too
 from lightning_hbm.running import RunningModules
 
 
@@ -239,22 +239,6 @@ def _quiet_logging(module: nn.Module) -> Iterator[None]:
                 delattr(module, name)
             else:
                 module.__dict__[name] = own[name]
-
-
-@contextmanager
-def preserved_rngs() -> Iterator[None]:
-    """Python's, NumPy's and torch's (CPU) global RNG states as they were, after the block: the probe step runs the
-    user's code, which may draw from any of them (issue 55: the same seed trained on other draws with LoRA)."""
-    python_state = random.getstate()
-    numpy_random = sys.modules.get("numpy.random")  # only if the user's code has imported NumPy
-    numpy_state = numpy_random.get_state() if numpy_random is not None else None  # type: ignore[attr-defined]
-    try:
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        random.setstate(python_state)
-        if numpy_random is not None:
-            numpy_random.set_state(numpy_state)  # type: ignore[attr-defined]
 
 
 def _step(module: nn.Module, batch: Any, step: str = "training_step") -> tuple[Callable[[], Any], str]:

@@ -212,16 +212,17 @@ class AutoFit(Callback):
     def _accurate_candidates(self, trainer: pl.Trainer, candidates: list[Candidate], baseline: str) -> list[Candidate]:
         """The accurate 4-bit base (:data:`~lightning_hbm.planner.candidates.ACCURATE_4BIT`) beside each default
         ``nf4-dq`` candidate: only for the default precisions on a Trainer whose own precision quantizes nothing (a
-        user's ``QuantizedPrecision`` is kept as configured), and only with a datamodule, whose first batches are the
-        probe the rounding and the correction are fitted on (said otherwise)."""
+        user's ``QuantizedPrecision`` is kept as configured), and only with a train dataloader (a datamodule's, the
+        loader passed to ``fit``, the module's own), whose first batches are the probe the rounding and the correction
+        are fitted on (said otherwise)."""
         if not self._default_precisions or baseline not in PLANNED_LIGHTNING_PRECISIONS:
             return []
         plain = [c for c in candidates if c.precision == "nf4-dq" and c.correction_rank == 0]
-        if plain and getattr(trainer, "datamodule", None) is None:
+        if plain and not lightning_compat.has_train_dataloader(trainer):
             rank_zero_info(
-                "AutoFit: no datamodule, so no probe batch to fit GPTQ rounding and the calibrated correction on: the "
-                "quantized candidates are plain nf4-dq. Fit with datamodule=... to let AutoFit try the accurate 4-bit "
-                "base (nf4-dq-b32, rounding='gptq', correction_rank=16)."
+                "AutoFit: no train dataloader, so no probe batch to fit GPTQ rounding and the calibrated correction on: "
+                "the quantized candidates are plain nf4-dq. Fit with train_dataloaders=... or datamodule=... to let "
+                "AutoFit try the accurate 4-bit base (nf4-dq-b32, rounding='gptq', correction_rank=16)."
             )
             return []
         return [dataclasses.replace(c, **ACCURATE_4BIT) for c in plain]  # type: ignore[arg-type]  # the fields' own types

@@ -317,11 +317,12 @@ class Quantization:
         return meta if meta and all(config.get(k) == v for k, v in self.settings().items() if k != "layer_modes") else {}
 
     def probe(self, trainer: Any) -> Any:
-        """The batch the plan is measured on: ``probe_batch``, else the first of the Trainer's datamodule; with
+        """The batch the plan is measured on: ``probe_batch``, else the first of the Trainer's train dataloader (a
+        datamodule's, the loader passed to ``fit``, the module's own: :func:`~lightning_hbm.probe.first_batch`); with
         ``correction_rank``, its first batches joined up to :data:`CORRECTION_PROBE_TOKENS` tokens.
 
         Raises:
-            ValueError: no ``probe_batch`` and no datamodule to draw one from.
+            ValueError: no ``probe_batch`` and no train dataloader to draw one from.
         """
         if self.config.probe_batch is not None:
             return self.config.probe_batch

@@ -63,7 +63,7 @@ CONV_MIN_COSINE = 0.98
 
 def unplanned_convs_warning(module: nn.Module, names: Sequence[str], mode: str) -> Optional[str]:
     """The fit-start warning for convolutions stored in the 4-bit ``mode`` with no probe batch to plan them on (a
-    ``trainer.fit(model, train_dataloaders)`` without ``probe_batch`` nor a datamodule), or ``None``.
+    ``trainer.validate`` of a model with no train dataloader, without ``probe_batch``), or ``None``.
 
     Said for a model with BatchNorm layers, where the loss was measured: with statistics like a trained network's,
     uniform 4-bit convolutions collapse the output (issue 53; ``benchmarks/conv_default.py``, the library's default
@@ -75,12 +75,12 @@ def unplanned_convs_warning(module: nn.Module, names: Sequence[str], mode: str) 
         return None
     return (
         f"lightning_hbm: the {len(names)} convolutions of this BatchNorm conv net are stored in {mode} without a "
-        "measured plan: no probe batch (no QuantizedPrecision(probe_batch=...) and no datamodule to draw one from). "
+        "measured plan: no probe batch (no QuantizedPrecision(probe_batch=...) and no train dataloader to draw one from). "
         "With BatchNorm statistics like a trained network's, uniform 4-bit convolutions lose much of the output "
         "(measured, held-out output cosine against the unquantized model: ResNet18 0.91, EfficientNet-B0 0.59, a "
         f"YOLO-style detector 0.10; the planned convolutions reach about {CONV_MIN_COSINE} on the probe at 0.55-0.95 "
         "bytes per conv weight, 0.960-0.978 held out). Fix: QuantizedPrecision(probe_batch=<one training batch>) or "
-        "trainer.fit(model, datamodule=...) to plan them, or QuantizedPrecision(mode='int8', dtype='float32') (held out "
+        "a train dataloader (trainer.fit(model, train_dataloaders=...)) to plan them, or QuantizedPrecision(mode='int8', dtype='float32') (held out "
         "0.989-0.9996 at about 1 byte per weight)."
     )
 

@@ -74,6 +74,7 @@ from lightning_hbm import resume
 from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm import probe
 from lightning_hbm.data import MidEpochResumeCheck
 from lightning_hbm.display import adopt_display
 from lightning_hbm.layers import base_layer, find_layers, is_adapted, readers, source_readers, stored_in
@@ -520,19 +521,8 @@ def _stage_batch(trainer: pl.Trainer) -> Any:
         if isinstance(loader, DataLoader) and lightning_compat.rebuilds_its_dataloader(trainer):
             return None  # its loop reads a rebuilt copy, from the stream again: a batch drawn here would be lost
         return _first_of_the_pass(trainer, loader)
-    # a DataLoader's (or its sampler's) own generator draws the epoch's order: the draw of this batch must not
-    # advance it, or epoch 0 trains in another order than without lightning_hbm (issue 55)
-    generators = [g for g in (getattr(loader, "generator", None), getattr(getattr(loader, "sampler", None), "generator", None),
-                              getattr(getattr(getattr(loader, "batch_sampler", None), "sampler", None), "generator", None))
-                  if isinstance(g, torch.Generator)]  # fmt: skip
-    states = [(g, g.get_state()) for g in {id(g): g for g in generators}.values()]
-    try:
-        # the loop trains on this same loader object (lightning_compat.stage_dataloader): no pass begun here is left in it
-        with readers.preserved_rngs(), torch_compat.loader_as_it_was(loader):  # global RNGs too
-            return next(iter(loader), None)
-    finally:
-        for generator, state in states:
-            generator.set_state(state)
+    # a map-style loader: a new pass, left as it was (its generators draw epoch 0's order: issue 55)
+    return next(iter(probe.drawn_batches(loader, lambda batches: True)), None)
 
 
 def _first_of_the_pass(trainer: pl.Trainer, loader: Any) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import lightning.pytorch as pl
 import pytest
@@ -120,31 +120,59 @@ class _Classify(pl.LightningModule):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-3)
 
 
-def _fit_without_probe(model: nn.Module, tmp_path: Any) -> None:
-    trainer = pl.Trainer(
+def _trainer(tmp_path: Any) -> pl.Trainer:
+    return pl.Trainer(
         accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision()],
     )  # fmt: skip
-    trainer.fit(_Classify(model), DataLoader([images(2, seed=3, size=32)], batch_size=None))
 
 
-def test_a_batchnorm_conv_net_fit_without_a_probe_batch_is_warned_with_the_figure_and_the_fix(tmp_path: Any) -> None:
-    """Issue 53: ``trainer.fit(model, train_dataloaders)`` with the default ``QuantizedPrecision()`` has no probe batch
-    (no ``probe_batch``, no datamodule), so the convolutions stayed uniform nf4-dq with a log line only: held out,
-    ResNet18 0.91, a YOLO-style detector 0.10 (benchmarks/conv_default.py). Now a warning names the figure and the fix."""
+def _validate_without_probe(model: nn.Module, tmp_path: Any) -> None:
+    """A run with no train dataloader (``validate`` of a module without ``train_dataloader``): no probe batch."""
+    class Validated(_Classify):
+        def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.training_step(batch, batch_idx)
+
+    _trainer(tmp_path).validate(Validated(model), DataLoader([images(2, seed=3, size=32)], batch_size=None))
+
+
+def test_a_batchnorm_conv_net_fit_with_a_loader_plans_its_convolutions_on_the_loaders_first_batch(tmp_path: Any) -> None:
+    """``trainer.fit(model, train_dataloaders)`` with the default ``QuantizedPrecision()``: the probe batch is the
+    loader's first (was: only a datamodule gave one, so the convolutions stayed uniform nf4-dq: held out ResNet18 0.91,
+    a YOLO-style detector 0.10, benchmarks/conv_default.py). The loader is requested once."""
+    torch.manual_seed(0)
+    model = calibrate(ResNet18(), images(4, seed=10, size=32))
+    trainer, requests = _trainer(tmp_path), []
+
+    class Counted(_Classify):
+        def train_dataloader(self) -> DataLoader:
+            requests.append(1)
+            return DataLoader([images(2, seed=3, size=32)], batch_size=None)
+
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        trainer.fit(Counted(model))
+    assert not [w for w in warned if "without a measured plan" in str(w.message)]
+    plugin = cast(QuantizedPrecision, trainer.precision_plugin)
+    assert plugin.quantization.conv_report is not None and plugin.quantization.conv_report.cosine >= 0.98
+    assert requests == [1]
+
+
+def test_a_batchnorm_conv_net_without_a_probe_batch_is_warned_with_the_figure_and_the_fix(tmp_path: Any) -> None:
+    """Issue 53: no probe batch (no ``probe_batch``, no train dataloader) left the convolutions uniform nf4-dq with a
+    log line only. Now a warning names the figure and the fix."""
     torch.manual_seed(0)
     model = calibrate(ResNet18(), images(4, seed=10, size=32))
     with pytest.warns(UserWarning, match=r"20 convolutions of this BatchNorm conv net are stored in nf4-dq without a measured plan: no probe batch.*ResNet18 0\.91.*Fix: QuantizedPrecision\(probe_batch=.*mode='int8', dtype='float32'\)"):
-        _fit_without_probe(model, tmp_path)
+        _validate_without_probe(model, tmp_path)
 
 
-def test_a_conv_net_without_batchnorm_fit_without_a_probe_batch_is_not_warned(tmp_path: Any) -> None:
+def test_a_conv_net_without_batchnorm_without_a_probe_batch_is_not_warned(tmp_path: Any) -> None:
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 28 * 28, 4))
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
-        _fit_without_probe(model, tmp_path)
+        _validate_without_probe(model, tmp_path)
     assert not [w for w in warned if "without a measured plan" in str(w.message)]
-
 
 
 def test_the_held_out_gap_is_said_for_batchnorm_conv_nets_the_plan_widened_only() -> None:
