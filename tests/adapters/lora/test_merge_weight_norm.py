@@ -155,3 +155,60 @@ def test_the_hook_based_weight_norm_merges_into_weight_g_and_weight_v() -> None:
     plain.load_state_dict(merged)
     with torch.no_grad():
         torch.testing.assert_close(plain(x), want, rtol=1e-4, atol=1e-4)
+
+
+class Vocoder(pl.LightningModule):
+    """HiFi-GAN's shape: a weight_norm on every convolution, the upsampler a transposed one (not adaptable by peft)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        with pytest.warns(FutureWarning):  # the hook-based weight_norm, as transformers' SpeechT5HifiGan applies it
+            self.up = nn.utils.weight_norm(nn.ConvTranspose1d(16, 16, 4, stride=2, padding=1))
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(16, 16, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.tanh(self.up(x)))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self(batch).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def fit_vocoder(tmp_path: Any, epochs: int, ckpt_path: Any = None, save: bool = False) -> Vocoder:
+    module = Vocoder()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+        plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=4, target_modules=["conv"])],
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    trainer.fit(module, DataLoader([torch.randn(2, 16, 8, generator=generator) for _ in range(2)], batch_size=None), ckpt_path=ckpt_path)
+    if save:
+        trainer.save_checkpoint(tmp_path / "half.ckpt")
+    return module.eval()
+
+
+@pytest.mark.slow
+def test_a_weight_normed_transposed_conv_resumes_and_merges_into_its_factors(tmp_path: Any) -> None:
+    """Was: its storage mapped to an as-built ``weight`` the model does not have (resume), merged as ``up.weight``."""
+    from lightning_hbm.layers import QuantizedConvTranspose1d
+
+    straight = fit_vocoder(tmp_path, 2)
+    assert isinstance(straight.up, QuantizedConvTranspose1d)
+    fit_vocoder(tmp_path, 1, save=True)
+    resumed = fit_vocoder(tmp_path, 2, ckpt_path=tmp_path / "half.ckpt")
+    want, got = LoRA.adapter_state_dict(straight), LoRA.adapter_state_dict(resumed)
+    assert set(want) == set(got) and want
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
+    x = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(2))
+    with pytest.warns(UserWarning, match="DEQUANTIZED"):
+        merged = LoRA.merge(straight, dtype="float32")
+    assert {"up.weight_g", "up.weight_v", "conv.parametrizations.weight.original0"} <= set(merged)
+    plain = Vocoder()
+    plain.load_state_dict(merged)
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(x), straight(x), rtol=1e-4, atol=1e-4)
