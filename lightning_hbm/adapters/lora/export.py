@@ -111,7 +111,8 @@ def save_adapter(
         rel = name[len(prefix) :]
         trained_bias = config.bias != "none" and rel.endswith(".bias")  # peft's bias="all"/"lora_only": saved as is
         if ".lora_" not in rel and not trained_bias:
-            saved.add(rel.rsplit(".", 1)[0])
+            # a parametrized weight's factors (weight_norm's ...parametrizations.weight.original0) belong to their layer
+            saved.add(re.sub(r"\.parametrizations\.[^.]+$", "", rel.rsplit(".", 1)[0]))
         # peft's file format drops the adapter name: ...q_proj.lora_A.weight, and DoRA's ...q_proj.lora_magnitude_vector
         key = "base_model.model." + rel.replace(f".{ADAPTER_NAME}.", ".")
         key = key[: -len(".weight")] if key.endswith(".lora_magnitude_vector.weight") else key

@@ -212,3 +212,29 @@ def test_a_weight_normed_transposed_conv_resumes_and_merges_into_its_factors(tmp
     plain.load_state_dict(merged)
     with torch.no_grad():
         torch.testing.assert_close(plain.eval()(x), straight(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_weight_norm_trained_in_full_is_saved_as_its_layer_and_reloads_in_peft(tmp_path: Any) -> None:
+    """``modules_to_save``: the factors train (no folding); was: ``modules_to_save`` also named the
+    ``parametrizations.weight`` list inside the layer."""
+    import json
+
+    from peft import PeftModel
+
+    module = Speech(hubert, 4)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+        callbacks=[LoRA(r=4, target_modules=["q_proj"], modules_to_save=["pos_conv_embed.conv"])],
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    trainer.fit(module, DataLoader([torch.randn(2, 400, generator=generator) for _ in range(2)], batch_size=None))
+    assert type(module.model.encoder.pos_conv_embed.conv).__name__ == "ParametrizedConv1d"
+    LoRA.save_adapter(module, tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["modules_to_save"] == ["encoder.pos_conv_embed.conv"]
+    reloaded = PeftModel.from_pretrained(hubert(4), tmp_path)
+    onto = hubert(4)
+    onto.load_state_dict(as_built(LoRA.merge(module.eval(), dtype="float32", base_state_dict=hubert(4).state_dict())))
+    x = torch.randn(1, 400, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(outputs(reloaded, x), outputs(onto, x), rtol=1e-4, atol=1e-4)
