@@ -16,6 +16,8 @@ from typing import Any, Optional, cast
 import torch
 from torch import nn
 
+from lightning_hbm._compat import torch as torch_compat
+
 
 @dataclass(frozen=True)
 class WeightNorm:
@@ -27,7 +29,7 @@ class WeightNorm:
 
     def weight(self, g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The weight the factors compute, by torch's own kernel (bit-exact with the layer's forward)."""
-        return torch._weight_norm(v, g, self.dim)
+        return torch_compat.weight_norm(v, g, self.dim)
 
     def factors(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """``weight`` as factors the weight_norm computes back (``v`` = the weight, ``g`` = its norm: torch's own
@@ -39,7 +41,7 @@ def weight_norm_of(layer: nn.Module) -> Optional[WeightNorm]:
     """The weight_norm that computes ``layer.weight`` (the only parametrization of it, or the hook), else ``None``."""
     if torch.nn.utils.parametrize.is_parametrized(layer):
         listed = cast(nn.ModuleDict, layer.parametrizations)
-        chain = cast(nn.ModuleList, listed["weight"]) if "weight" in listed else []
+        chain: list[Any] = list(cast(nn.ModuleList, listed["weight"])) if "weight" in listed else []
         if list(listed.keys()) != ["weight"] or len(chain) != 1 or type(chain[0]).__name__ != "_WeightNorm":
             return None  # another parametrization (spectral_norm, orthogonal), or a chain: no factors g and v
         return WeightNorm("parametrizations.weight.original0", "parametrizations.weight.original1", int(chain[0].dim))
