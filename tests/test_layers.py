@@ -101,6 +101,20 @@ def test_a_vocabulary_wide_linear_inside_a_block_is_no_head() -> None:
     assert output_heads(HeadFirst()) == ["lm_head"]
 
 
+def test_a_classifier_whose_blocks_are_as_wide_as_its_vocabulary_has_no_head() -> None:
+    """Was: BERT's last ``intermediate.dense`` (1024 wide, vocabulary 1024) kept unquantized as "the output head"
+    (benchmarks/layer_kinds.py: BERT's saved bytes 3,417,392 -> 3,482,928, issue 54)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=VOCAB,
+                        vocab_size=VOCAB, max_position_embeddings=16, num_labels=3)
+    model = BertForSequenceClassification(config)
+    assert output_heads(model) == []
+    quantize_model(model, "nf4", dtype="float32")
+    assert isinstance(model.bert.encoder.layer[1].intermediate.dense, bnb.nn.Linear4bit)
+
+
 def test_only_the_vocabulary_counts() -> None:
     # a Linear as wide as the position table (block_size 64 == MLP width 4 * 16) is no head; no embedding: no head
     torch.manual_seed(0)

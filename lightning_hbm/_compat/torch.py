@@ -59,6 +59,11 @@ def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(a, b)
 
 
+def weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch's own weight_norm kernel, the one its parametrization and hook call (layers.weight_norm)."""
+    return torch._weight_norm(v, g, dim)
+
+
 def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``torch._foreach_norm``: the 2-norm of each tensor in a few fused kernels (what ``clip_grad_norm_`` uses)."""
     return list(torch._foreach_norm(tensors))

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_hbm.layers.kinds import LayerKind, itself, register_kind
+from lightning_hbm.layers.weight_norm import WeightNorm, weight_norm_of
 
 
 class _Quantized:
@@ -41,6 +42,8 @@ class _Quantized:
     compute_dtype: torch.dtype
     #: the as-built key of the weight the storage holds (local): ``weight``, or a folded weight_norm's direction ``v``
     as_built_weight: str = "weight"
+    #: a folded weight_norm's factors (keys, dim): ``LoRA.merge`` writes a merged weight back as them; ``None``: none
+    weight_norm: Optional[WeightNorm] = None
 
     def storage(self) -> Optional[nn.Module]:
         """The mode's layer holding the weight as a ``[out, in / groups * kernel]`` matrix (``None``: not quantized)."""
@@ -83,7 +86,8 @@ class _Quantized:
         new.bias = conv.bias  # the same Parameter, as a quantized Linear keeps its bias
         new.quantized = quantized
         new._dequantize, new.compute_dtype = dequantize, dtype
-        new.as_built_weight = _weight_source(conv)
+        new.weight_norm = weight_norm_of(conv)
+        new.as_built_weight = "weight" if new.weight_norm is None else new.weight_norm.v
         return new
 
 
@@ -101,14 +105,6 @@ class QuantizedConv3d(_Quantized, nn.Conv3d):  # type: ignore[override]  # weigh
 
 _QUANTIZED: dict[type[nn.Module], type[_Quantized]] = {nn.Conv1d: QuantizedConv1d, nn.Conv2d: QuantizedConv2d, nn.Conv3d: QuantizedConv3d}
 _PLAIN = {quantized: plain for plain, quantized in _QUANTIZED.items()}
-
-
-def _weight_source(conv: nn.Module) -> str:
-    """The as-built key of the tensor ``conv``'s weight comes from: a weight_norm's (folded into the stored weight
-    by the quantization) is its direction ``v``, which resume maps the storage's keys to; its norm ``g`` is dropped."""
-    if torch.nn.utils.parametrize.is_parametrized(conv, "weight"):
-        return "parametrizations.weight.original1"
-    return "weight_v" if isinstance(getattr(conv, "weight_v", None), nn.Parameter) else "weight"
 
 
 def _is_conv(module: nn.Module) -> bool:

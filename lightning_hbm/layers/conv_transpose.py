@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm.layers.kinds import LayerKind, no_names, register_kind
+from lightning_hbm.layers.weight_norm import WeightNorm, weight_norm_of
 
 _PLAIN = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _FUNCTIONS: dict[int, Callable[..., torch.Tensor]] = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -30,6 +31,8 @@ class _QuantizedTranspose:
 
     _dequantize: Callable[..., torch.Tensor]
     compute_dtype: torch.dtype
+    #: a folded weight_norm (HiFi-GAN's upsamplers): resume maps the storage to its ``v``, ``LoRA.merge`` writes its factors
+    weight_norm: Optional[WeightNorm] = None
 
     def storage(self) -> nn.Module:
         """The mode's layer holding the weight as an ``[in, out / groups * kernel]`` matrix."""
@@ -67,6 +70,7 @@ class _QuantizedTranspose:
         new.bias = conv.bias  # the same Parameter, as a quantized Linear keeps its bias
         new.quantized = quantized
         new._dequantize, new.compute_dtype = dequantize, dtype
+        new.weight_norm = weight_norm_of(conv)
         return cast(nn.Module, new)
 
 
@@ -113,6 +117,13 @@ def _features(conv: nn.Module) -> tuple[int, int]:
     return width, cast(int, conv.in_channels)
 
 
+def _as_built_keys(layer: nn.Module) -> dict[str, Any]:
+    if _stored_in(layer) is None:
+        return {}
+    norm = cast(_QuantizedTranspose, layer).weight_norm
+    return {"quantized.weight": "weight" if norm is None else norm.v}  # a folded weight_norm's direction v
+
+
 NOT_ADAPTED = (
     "not adapted: peft's LoRA has no transposed-convolution layer. To train them: LoRA(modules_to_save=[their names]) "
     "trains them fully; else they stay frozen"
@@ -133,7 +144,7 @@ CONV_TRANSPOSE = register_kind(
         planned_as="the mode's layer built from the fake weight's matrix",
         adaptable_names=no_names,
         features=_features,
-        as_built_keys=lambda layer: {"quantized.weight": "weight"} if _stored_in(layer) is not None else {},
+        as_built_keys=_as_built_keys,
         wrap=_wrap,
         stored_in=_stored_in,
         not_adapted=NOT_ADAPTED,

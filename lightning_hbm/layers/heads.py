@@ -57,10 +57,12 @@ def output_heads(module: nn.Module) -> list[str]:
     vocab = max(e.num_embeddings for e in embeddings)
     wide = [n for n, m in linears if m.out_features == vocab]
     # a Linear inside a repeated block (an nn.ModuleList's element) is no head, even if its width equals the
-    # vocabulary: LitGPT registers lm_head before its blocks, whose MLP may be as wide as a tiny vocabulary
+    # vocabulary: LitGPT registers lm_head before its blocks, whose MLP may be as wide as a tiny vocabulary; and a
+    # model with no head outside them has none (was: the last block's one, e.g. a BERT classifier's last
+    # intermediate.dense when intermediate_size == vocab_size, kept unquantized as "the output head")
     in_blocks = {f"{n}.{i}" if n else str(i) for n, m in module.named_modules() if isinstance(m, nn.ModuleList) for i in range(len(m))}
     outside = [n for n in wide if not any(n == b or n.startswith(b + ".") for b in in_blocks)]
-    return (outside or wide)[-1:]
+    return outside[-1:]
 
 
 def _under(name: str, prefixes: list[str]) -> bool:

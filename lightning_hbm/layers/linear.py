@@ -22,6 +22,27 @@ from lightning_hbm.layers.kinds import LayerKind, register_kind
 from lightning_hbm.layers.read_weight import ReadableLinear
 
 
+class _Fp32Matmul(torch.autograd.Function):
+    """``x @ W.T`` with ``W`` the layer's stored weight dequantized into fp32 in the forward and again in the backward,
+    as bitsandbytes' 4-bit matmul does: the fp32 weight is not kept for backward. Was ``F.linear``, which saved it:
+    4 bytes a weight of saved activations per layer until the backward, the bytes its 4-bit storage saved (T5 at
+    width 256, nf4-dq: 14.6 -> 20.9 MB saved by one training forward, ``benchmarks/layer_kinds.py --checkpointing``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: Optional[torch.Tensor], layer: Fp32ComputeLinear) -> torch.Tensor:
+        ctx.layer = layer
+        return F.linear(x, layer._dequantize(layer.storage(), torch.float32), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], None]:
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ ctx.layer._dequantize(ctx.layer.storage(), torch.float32)
+        if ctx.needs_input_grad[1]:  # a trained bias (LoRA(bias="all"))
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_x, grad_bias, None
+
+
 class Fp32ComputeLinear(nn.Linear):
     """An ``nn.Linear`` whose frozen weight a precision mode stores (the child ``quantized``) and which computes in
     fp32: the input is cast to fp32, multiplied with the weight dequantized straight into fp32, and the output is
@@ -44,9 +65,8 @@ class Fp32ComputeLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # frozen: the dequantized weight needs no gradient; the input's flows through the matmul
-        weight = self._dequantize(self.storage(), torch.float32).detach()
         bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), weight, bias)
+        return cast(torch.Tensor, _Fp32Matmul.apply(x.float(), bias, self))
 
     @classmethod
     def from_quantized(cls, linear: nn.Linear, quantized: nn.Module, dequantize: Callable[..., torch.Tensor]) -> Fp32ComputeLinear:

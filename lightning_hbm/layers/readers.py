@@ -150,9 +150,14 @@ class _Watch:
             for param in sub.parameters(recurse=False):
                 holders.setdefault(id(param), set()).add(id(sub))
         self.weights: dict[int, tuple[str, set[int]]] = {}
+        # held while watched: a weight computed at each read (a weight_norm's, a parametrization's) is a temporary,
+        # and a freed tensor's id is reused by the next one made (was: HuBERT's pos_conv_embed.conv, now and then,
+        # "read directly by HubertFeatureEncoder.forward" when one of its tensors got that id, and left unquantized)
+        self.alive: list[torch.Tensor] = []
         for name, layer in layers.items():
             weight = getattr(layer, "weight", None)
             if isinstance(weight, torch.Tensor):
+                self.alive.append(weight)
                 self.weights[id(weight)] = (name, holders.get(id(weight), {id(layer)}) | {id(layer)})
 
     def reader(self, holders: set[int], step: str) -> Optional[str]:

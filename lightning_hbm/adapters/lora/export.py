@@ -28,6 +28,7 @@ from lightning_hbm.adapters.lora import variants
 from lightning_hbm.adapters.lora.base import ADAPTER_NAME, _lora_layer_cls
 from lightning_hbm.layers import stored_in, task_heads, task_type
 from lightning_hbm.layers.correction import correction_of, correction_weight
+from lightning_hbm.layers.weight_norm import WeightNorm, weight_norm_of
 from lightning_hbm.naming import name_list, name_matches, under
 from lightning_hbm.precision.registry import format_of, to_dtype
 from lightning_hbm.surgery.record import as_built
@@ -110,7 +111,8 @@ def save_adapter(
         rel = name[len(prefix) :]
         trained_bias = config.bias != "none" and rel.endswith(".bias")  # peft's bias="all"/"lora_only": saved as is
         if ".lora_" not in rel and not trained_bias:
-            saved.add(rel.rsplit(".", 1)[0])
+            # a parametrized weight's factors (weight_norm's ...parametrizations.weight.original0) belong to their layer
+            saved.add(re.sub(r"\.parametrizations\.[^.]+$", "", rel.rsplit(".", 1)[0]))
         # peft's file format drops the adapter name: ...q_proj.lora_A.weight, and DoRA's ...q_proj.lora_magnitude_vector
         key = "base_model.model." + rel.replace(f".{ADAPTER_NAME}.", ".")
         key = key[: -len(".weight")] if key.endswith(".lora_magnitude_vector.weight") else key
@@ -357,6 +359,11 @@ def merge(
       re-quantized. A layer's calibrated correction (``QuantizedPrecision(correction_rank=...)``) is added to its
       dequantized weight (it is part of the base the adapters trained on); onto ``base_state_dict`` it is left out
       (the original weights stand in for the quantized weight plus its correction).
+
+    A layer under ``weight_norm`` (Wav2Vec2 / HuBERT's positional convolution; quantized, its weight_norm was folded
+    into one weight) comes back as the factors the model as built holds (``parametrizations.weight.original0`` /
+    ``original1``, or ``weight_g`` / ``weight_v``): ``v`` the merged weight, ``g`` its norm, so the model's weight_norm
+    computes the merged weight; from ``base_state_dict`` its weight is computed from the factors given there.
     """
     out_dtype = to_dtype(dtype)
     lora_cls: type[Any] = _lora_layer_cls()  # peft's LoraLayer, a mixin of the nn.Module layers it finds
@@ -394,7 +401,10 @@ def merge(
         if fmt is None and stored_in(layer) is None:
             return cast(torch.Tensor, layer.weight).float()
         if base_state_dict is not None:
-            return original(name, "weight", layer)
+            norm = _weight_norm(layer)
+            if norm is None:
+                return original(name, "weight", layer)
+            return norm.weight(original(name, norm.g, layer), original(name, norm.v, layer))  # a folded weight_norm's
         dequantized.append(name)
         if fmt is None:  # a quantized convolution: its weight reads back dequantized, in the conv's shape
             return cast(torch.Tensor, layer.weight).float()
@@ -413,13 +423,13 @@ def merge(
             weight = dense(name, base)
             if ADAPTER_NAME in sub.lora_A:
                 weight = variants.merged_weight(sub, ADAPTER_NAME, weight)  # W + delta; DoRA's rescaled direction
-            merged[prefix + "weight"] = weight
+            merged.update(_as_built_weight(prefix, base, weight))
             if getattr(base, "bias", None) is not None:
                 merged[prefix + "bias"] = base.bias
             done.append(name)
             continue
         if format_of(sub) is not None or stored_in(sub) is not None:
-            merged[prefix + "weight"] = dense(name, sub)
+            merged.update(_as_built_weight(prefix, sub, dense(name, sub)))
             if sub.bias is not None:
                 merged[prefix + "bias"] = sub.bias
             done.append(name)
@@ -439,6 +449,23 @@ def merge(
     elif base_state_dict is not None:
         rank_zero_info("LoRA.merge: adapters merged onto the original full-precision weights (base_state_dict).")
     return {k: v.detach().to(out_dtype) if v.is_floating_point() else v.detach().clone() for k, v in merged.items()}
+
+
+def _weight_norm(layer: nn.Module) -> Optional[WeightNorm]:
+    """The weight_norm ``layer``'s weight comes from in the model as built: folded into a quantized convolution
+    (which keeps it: ``layers/conv.py``), or still computing it (an unquantized layer), else ``None``."""
+    folded = getattr(layer, "weight_norm", None)
+    return folded if isinstance(folded, WeightNorm) else weight_norm_of(layer)
+
+
+def _as_built_weight(prefix: str, layer: nn.Module, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``weight`` (merged) under the keys the model as built holds it: a weight_norm's factors ``g`` and ``v``, which
+    its weight_norm computes back into ``weight`` (was: one ``weight`` key the model as built does not have, so a
+    strict load failed and a non-strict one kept the random or old factors), else ``weight``."""
+    norm = _weight_norm(layer)
+    if norm is None:
+        return {prefix + "weight": weight}
+    return {prefix + key: tensor for key, tensor in norm.factors(weight).items()}
 
 
 def _check_base(module: nn.Module, base_state_dict: dict[str, torch.Tensor], root: str) -> None:
