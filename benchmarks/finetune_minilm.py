@@ -39,7 +39,6 @@ import random
 import re
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -76,13 +75,13 @@ MODULES = (
     "keyword linecache mailbox netrc plistlib poplib pstats py_compile pyclbr quopri reprlib runpy shelve stat "
     "stringprep symtable sysconfig tabnanny token trace tracemalloc wave xml.dom.minidom xmlrpc.client zipapp "
     "zipimport zoneinfo"
-).split()
+)
 
 
 def docstring_pairs() -> list[list[tuple[str, str]]]:
     """Per docstring (deduplicated, in a fixed order), its pairs of consecutive sentences of 40-300 characters."""
     docs: dict[str, None] = {}
-    for name in MODULES:
+    for name in MODULES.split():
         module = importlib.import_module(name)
         for obj in [module] + [getattr(module, a, None) for a in sorted(dir(module)) if not a.startswith("_")]:
             doc = inspect.getdoc(obj) if obj is not None else None
