@@ -22,7 +22,7 @@ Face QLoRA recipe), ``nf4-dq+gptq`` (``rounding="gptq"``), ``accurate`` (``Quant
 rounding="gptq", correction_rank=16)``, what AutoFit prefers), and optionally ``nf4-dq+loftq1`` (one LoftQ step done by
 this script at fit start, as finetune_quality.py's arm: peft's own ``init_lora_weights="loftq"`` needs CUDA and
 lightning_hbm's ``LoRA`` refuses it, see the README). The seed sets the LoRA A draws, the dropout and the order of the
-training pairs; every arm of a seed sees the same batches.
+training pairs (``--data-seed``: one order for every seed); every arm of a seed sees the same batches.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/finetune_minilm.py --steps 150 --seeds 0,1
 """
@@ -229,6 +229,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--data-seed", type=int, default=None,
+                        help="the training pairs' order for every seed (default: each seed's own), to see the noise of the init alone")
     args = parser.parse_args()
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     for arm in args.arms.split(","):
@@ -241,7 +243,8 @@ def main() -> None:
     print(f"{len(train_pairs)} train pairs, {len(held_pairs)} held out", flush=True)
     rows: list[tuple[str, int, dict[str, float]]] = []
     for seed in [int(s) for s in args.seeds.split(",")]:
-        order = random.Random(seed).sample(train_pairs, len(train_pairs))
+        data_seed = seed if args.data_seed is None else args.data_seed
+        order = random.Random(data_seed).sample(train_pairs, len(train_pairs))
         train = [encode(order[i * args.batch : (i + 1) * args.batch]) for i in range(args.steps)]
         ceiling: Optional[Tensor] = None
         for arm in args.arms.split(","):
