@@ -20,7 +20,7 @@ import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Literal, Optional, cast
+from typing import Any, Literal, Optional, Union, cast
 
 import lightning.pytorch as pl
 import torch
@@ -97,6 +97,11 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self.copies = 0
         self.copied_bytes = 0
         self.host_bytes = 0
+
+    def settle(self) -> None:
+        """Stop holding the device tensor packed last: a block whose inputs stay on the device runs next (partial
+        offload), and on CUDA ``record_stream`` keeps its memory from reuse until the side stream's copy is done."""
+        self._in_flight = None
 
     def _side_stream(self, source: torch.device) -> Optional[torch.cuda.Stream]:
         if source.type != "cuda" or self.device.type != "cpu":
@@ -186,12 +191,16 @@ class _BlockPlan:
         block: nn.Module,
         context_fn: Optional[Callable[[], tuple[AbstractContextManager, AbstractContextManager]]],
         offload: Optional[OffloadSavedTensors],
+        moves: bool = True,
     ) -> None:
         # An instance-level forward someone set before us is kept (and put back by _unwrap); otherwise the
         # class's forward is looked up at call time: a bound method stored here would not survive pickling.
         self.own_forward: Optional[Callable[..., Any]] = torch_compat.forward_override(block)
         self.context_fn = context_fn
         self.offload = offload
+        #: whether this block's inputs go through ``offload`` (partial offload: the first blocks only); a block that
+        #: keeps them on the device still holds ``offload`` to end the previous block's copy in flight
+        self.moves = moves
 
 
 class _CheckpointedForward(CheckpointedForward):
@@ -224,9 +233,11 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
         with recomputing(next(calls) > 0):
             return inner(*a, **k)
 
+    if plan.offload is not None and not plan.moves:
+        plan.offload.settle()  # the offloaded blocks are behind: the last one's copy had this whole block to finish
     # The offload hooks are outside the checkpoint: what checkpoint itself saves (the block's
     # inputs) goes through them; what it recomputes never does.
-    with plan.offload if plan.offload is not None else nullcontext():
+    with plan.offload if plan.offload is not None and plan.moves else nullcontext():
         return checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
 
 
@@ -278,7 +289,13 @@ class ActivationCheckpointing(SurgeryCallback):
             memory for time.
         offload: also move the tensors the checkpointed blocks save for backward (their inputs)
             to ``offload_device`` and bring them back for backward (pinned memory and a side
-            stream on CUDA, so the copy overlaps with compute).
+            stream on CUDA, so the copy overlaps with compute). ``True``: every checkpointed block; an int ``k``:
+            the first ``k`` checkpointed blocks only (partial offload, for a host that cannot hold every input;
+            ``0``: none), the rest keep their inputs on the device. A number of blocks, not a byte budget: the set
+            offloaded is then the same at every sequence length (a byte budget would offload fewer blocks on a longer
+            batch, so the device peak would grow past what was planned for it), as Megatron-Core's
+            ``cpu_offloading_num_layers``; the bytes a host budget allows are turned into a count by
+            :func:`lightning_hbm.planner.max_context` (``host_budget=``, reported in its choices).
         offload_device: where offloaded tensors go. ``"cpu"`` (host memory) is what a GPU run
             wants; on a CPU-only run the copy lands on the same device and saves nothing.
         mlp_chunks: recompute each block's token-wise layers that save most for backward (the MLP; a bf16 RMSNorm
@@ -318,11 +335,16 @@ class ActivationCheckpointing(SurgeryCallback):
         policy: Literal["full", "selective"] = "full",
         blocks: Optional[list[str]] = None,
         every: int = 1,
-        offload: bool = False,
+        offload: Union[bool, int] = False,
         offload_device: str = "cpu",
         mlp_chunks: int = 1,
     ) -> None:
         check_args(ActivationCheckpointing.__init__, locals())
+        if not isinstance(offload, bool) and offload < 0:
+            raise ValueError(
+                f"ActivationCheckpointing(offload={offload!r}): a number of blocks must be >= 0 (the first {offload!r} "
+                "blocks cannot be offloaded). Pass True for every block, an int k for the first k, or False."
+            )
         if policy not in ("full", "selective"):
             raise ValueError(f"ActivationCheckpointing(policy={policy!r}): choose 'full' or 'selective'.")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -356,6 +378,10 @@ class ActivationCheckpointing(SurgeryCallback):
         self.every = every
         self.mlp_chunks = mlp_chunks
         self.offload: Optional[OffloadSavedTensors] = OffloadSavedTensors(device) if offload else None
+        #: how many of the checkpointed blocks (the first ones) offload their inputs; None: every one (offload=True)
+        self.offload_blocks: Optional[int] = None if isinstance(offload, bool) else offload
+        #: the blocks whose inputs were offloaded (the first ``offload_blocks`` of :attr:`checkpointed`)
+        self.offloaded: list[str] = []
         self.checkpointed: list[str] = []
         #: the layers recomputed in token chunks, decided on the first training step (``mlp_chunks > 1``)
         self.chunked: list[str] = []
@@ -394,6 +420,7 @@ class ActivationCheckpointing(SurgeryCallback):
         is checkpointed in its changed form, at the same path.
         """
         self._planned = self._resolve(module)
+        check_offload_blocks(self.offload_blocks, len(self._planned))
         target = self.offload.device if self.offload is not None else None
         if target is not None and target.type != "cpu" and not _device_available(target):
             raise ValueError(
@@ -405,6 +432,7 @@ class ActivationCheckpointing(SurgeryCallback):
     def transform_model(self, module: nn.Module) -> None:
         names = self._planned if self._planned is not None else self._resolve(module)
         self._planned = None
+        check_offload_blocks(self.offload_blocks, len(names))
         chosen = [(n, module.get_submodule(n)) for n in names]
         context_fn = None
         if self.policy == "selective":  # the quantized layers' matmul operators are kept too (QuantFormat.matmul_ops)
@@ -419,8 +447,14 @@ class ActivationCheckpointing(SurgeryCallback):
             chunked = torch_compat.forward_override(block)
             if isinstance(chunked, ChunkedForward):
                 torch_compat.override_forward(block, chunked.own_forward)
-        for _, block in chosen:
-            _wrap(block, _BlockPlan(block, context_fn, self.offload))
+        # Partial offload moves the FIRST blocks' inputs: an input lives from its block's forward to its block's
+        # backward, and backward runs the blocks in reverse, so block 0's input is alive for the whole step and the
+        # last block's is freed as soon as backward starts. At the peak (the start of backward) the first k inputs
+        # off the device free k inputs; the last k would free k - 2 there (the last block's input is back on the
+        # device to be used, and the one before it prefetched), and k - 1 at the end of the forward (one in flight).
+        moved = len(chosen) if self.offload_blocks is None else self.offload_blocks
+        for index, (_, block) in enumerate(chosen):
+            _wrap(block, _BlockPlan(block, context_fn, self.offload, moves=index < moved))
             for _, layer in candidates(block) if self.mlp_chunks > 1 else ():
                 torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks))
         for layer in _beside_blocks(module, [n for n, _ in chosen]) if self.mlp_chunks > 1 else ():
@@ -428,9 +462,11 @@ class ActivationCheckpointing(SurgeryCallback):
         self._chunk_report_due = self.mlp_chunks > 1
         self._order_due = self.policy == "full"  # selective keeps the matmul outputs: no base matmul to skip
         self.checkpointed = [n for n, _ in chosen]
+        self.offloaded = self.checkpointed[:moved] if self.offload is not None else []
         _disable_hf_cache(module)
+        offloaded = "" if self.offload is None else ", offload" if self.offload_blocks is None else f", offload of the first {moved}"
         rank_zero_info(
-            f"lightning_hbm: activation checkpointing ({self.policy}{', offload' if self.offload else ''}) "
+            f"lightning_hbm: activation checkpointing ({self.policy}{offloaded}) "
             f"on {len(chosen)} blocks ({', '.join(dict.fromkeys(type(b).__name__ for _, b in chosen))})"
         )
 
@@ -477,6 +513,16 @@ class ActivationCheckpointing(SurgeryCallback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored_order = state_dict.get("adapter_first")
+
+
+def check_offload_blocks(count: Optional[int], blocks: int) -> None:
+    """Raise ``ValueError`` when ``ActivationCheckpointing(offload=count)`` names more blocks than the ``blocks``
+    checkpointed (``count`` None: every block)."""
+    if count is not None and count > blocks:
+        raise ValueError(
+            f"ActivationCheckpointing(offload={count}): the model has {blocks} checkpointed blocks, so the first {count} "
+            f"cannot be offloaded. Pass offload={blocks} or offload=True (every block), or fewer blocks."
+        )
 
 
 def _beside_blocks(module: nn.Module, blocks: Sequence[str]) -> list[nn.Module]:

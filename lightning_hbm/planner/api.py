@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from lightning_hbm.activations import ActivationCheckpointing
+from lightning_hbm.activations.checkpointing import check_offload_blocks
 from lightning_hbm.memory import (
     CATEGORIES,
     LOSS_SCOPE,
@@ -98,6 +100,8 @@ class Prediction:
             element selected, the largest size they can have (an upper bound), by op and mask size.
         host_sizes: bytes of each tensor ``ActivationCheckpointing(offload=True)`` moves to pinned host memory (device
             ``"cuda"``), before the allocator rounds it up (``host_activations`` is their rounded sum).
+        offloaded_blocks: checkpointed blocks whose inputs ``ActivationCheckpointing(offload=...)`` moves (all of
+            them for ``True``, the first ``k`` for ``offload=k``; 0 without offload).
     """
 
     candidate: Candidate
@@ -116,6 +120,7 @@ class Prediction:
     uncut: str = ""
     selections: tuple[str, ...] = ()
     host_sizes: tuple[int, ...] = ()
+    offloaded_blocks: int = 0
 
     def per_rank(self, world_size: int) -> dict[str, int]:
         """Bytes per category on each of ``world_size`` ranks under FSDP/ZeRO-3 (see :func:`shard_categories`).
@@ -299,12 +304,14 @@ def predict(
     batch = example_batch(batch)
     model = build_template(model)  # built once, copied for each trace
     real_types: dict[str, str] = {}
+    count = offload_blocks(candidate)
 
-    def trace(model: Any, batch: Any, candidate: Candidate, device: str, keep_blocks: Optional[int]) -> Trace:
+    def trace(model: Any, batch: Any, candidate: Candidate, device: str, keep_blocks: Optional[int],
+              offload: Optional[int] = count) -> Trace:
         # a module that fake tensors cannot run: every module of its class runs for real on zeros, retraced
         while True:
             try:
-                return _trace(model, batch, candidate, device, keep_blocks, real_types, probe_batch, decided)
+                return _trace(model, batch, candidate, device, keep_blocks, real_types, probe_batch, decided, offload)
             except UntraceableModule as err:
                 if err.module_type in real_types or not err.runs_for_real:
                     raise
@@ -314,11 +321,14 @@ def predict(
 
     uncut = ""
     # named blocks: cutting the list would rename them; a mixed-precision plan differs block by block (no line)
-    if extrapolate is False or candidate.blocks is not None or candidate.layer_modes is not None:
+    # (and a partial offload of every other block: no line through cut models draws it)
+    if extrapolate is False or candidate.blocks is not None or candidate.layer_modes is not None or (
+        count is not None and _every(candidate) > 1
+    ):
         result = trace(model, batch, candidate, device, keep_blocks=None)
     else:
         try:
-            result = _cut_and_extend(trace, model, batch, candidate, device, extrapolate)
+            result = _cut_and_extend(trace, model, batch, candidate, device, extrapolate, count)
         except Exception as err:
             path, depth = _block_list(model.module)
             if depth <= 3:
@@ -352,26 +362,84 @@ def predict(
         selections=tuple(result.selections.values()),
         side={**scopes, HOST_OFFLOAD: host, HOST_ACTIVATIONS: result.host},
         host_sizes=result.host_sizes,
+        offloaded_blocks=result.offloaded,
     )
 
 
 def _cut_and_extend(
-    trace: Callable[[Any, Any, Candidate, str, Optional[int]], Trace],
+    trace: Callable[..., Trace],
     model: Template,
     batch: Any,
     candidate: Candidate,
     device: str,
     extrapolate: Union[bool, Literal["auto"]],
+    count: Optional[int] = None,
 ) -> Trace:
-    """The trace with the repeated blocks cut to 3 (and 4), extended to the real depth (see :func:`predict`)."""
-    result = trace(model, batch, candidate, device, 3)
+    """The trace with the repeated blocks cut to 3 (and 4), extended to the real depth (see :func:`predict`).
+
+    ``count``: ``ActivationCheckpointing(offload=count)`` offloads the first ``count`` blocks' inputs only
+    (:func:`_partial_offload`)."""
+    hint = _block_list(model.module)[1]  # 0: blocks built in configure_model, known from the first trace
+    if count is not None and count >= hint > 0:
+        check_offload_blocks(count, hint)
+        count = None  # every block
+    if count is not None:
+        return _partial_offload(trace, model, batch, candidate, device, extrapolate, count)
+    result = trace(model, batch, candidate, device, 3, None)
     depth = result.depth
     if depth > 4 and (extrapolate is True or depth >= 8):
-        deeper = trace(model, batch, candidate, device, 4)
+        deeper = trace(model, batch, candidate, device, 4, None)
         return result.extrapolate(deeper, depth)
     if depth > 3:
-        return trace(model, batch, candidate, device, None)
+        return trace(model, batch, candidate, device, None, None)
     return result
+
+
+def _partial_offload(
+    trace: Callable[..., Trace],
+    model: Template,
+    batch: Any,
+    candidate: Candidate,
+    device: str,
+    extrapolate: Union[bool, Literal["auto"]],
+    count: int,
+) -> Trace:
+    """``count`` of ``depth`` blocks offload their inputs (the first ones): the line through cut models, per kind of block.
+
+    A block that offloads and one that keeps its input add different bytes, and where the kinds meet (the last input
+    offloaded is in flight until the next block starts) is one more difference: each cut model keeps that meeting
+    point. Cut to 3 with 2 offloading (A), to 4 with 3 (B: one offloading block more) and to 4 with 2 (C: one keeping
+    block more): ``A + (count - 2) (B - A) + (depth - count - 1) (C - A)``, a third trace. A count of 1 or 2 is in
+    both cut models (only keeping blocks are added), and ``depth - 1`` needs no C: two traces, as a plain line.
+    """
+    first = trace(model, batch, candidate, device, 3, min(count, 2))
+    depth = first.depth
+    check_offload_blocks(count, depth)
+    if depth <= 3 and count <= 2:
+        return first  # the whole model
+    if not (depth > 4 and (extrapolate is True or depth >= 8)):
+        return trace(model, batch, candidate, device, None, count)
+    if count == depth:  # every block, known only now (built in configure_model): the plain line
+        return trace(model, batch, candidate, device, 3, None).extrapolate(trace(model, batch, candidate, device, 4, None), depth)
+    if count <= 2:
+        return first.extrapolate(trace(model, batch, candidate, device, 4, count), depth)
+    offloading = trace(model, batch, candidate, device, 4, 3)
+    if count == depth - 1:
+        return first.extrapolate(offloading, depth)
+    keeping = trace(model, batch, candidate, device, 4, 2)
+    return first.combine([(offloading, count - 2), (keeping, depth - count - 1)], depth)
+
+
+def offload_blocks(candidate: Candidate) -> Optional[int]:
+    """The ``k`` of a configured ``ActivationCheckpointing(offload=k)`` (None: ``True``, ``False`` or no such callback)."""
+    configured = candidate.configured[1] if candidate.configured is not None else ()
+    return next((c.offload_blocks for c in configured if isinstance(c, ActivationCheckpointing) and c.offload is not None),
+                None)
+
+
+def _every(candidate: Candidate) -> int:
+    configured = candidate.configured[1] if candidate.configured is not None else ()
+    return next((c.every for c in configured if isinstance(c, ActivationCheckpointing)), 1)
 
 
 @dataclass

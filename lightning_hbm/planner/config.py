@@ -129,13 +129,20 @@ def print_max_context(results: Sequence[ContextResult]) -> None:
              "what holds it")]
     for r in results:
         rows.append((format_bytes(r.budget), f"{r.tokens:,}", format_bytes(r.prediction.total), format_bytes(r.host),
-                     "yes" if r.choices.get("offload") else "no", f"{r.choices.get('loss_chunk_tokens') or '-'}", r.limit))
+                     _offload_cell(r.choices.get("offload")), f"{r.choices.get('loss_chunk_tokens') or '-'}", r.limit))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     if results:
         common = {k: v for k, v in results[0].choices.items() if k not in ("offload", "loss_chunk_tokens")}
         print(f"set by max_context: {common} (predicted by the planner, not measured)")
+
+
+def _offload_cell(offload: object) -> str:
+    """``yes``, ``no``, or ``first k blocks`` (a partial offload a host budget chose)."""
+    if isinstance(offload, bool) or offload is None:
+        return "yes" if offload else "no"
+    return f"first {offload} blocks"
 
 
 __all__ = ["max_context_from_config", "plan_from_config", "print_max_context", "print_plan"]

@@ -160,19 +160,33 @@ class _Lengths:
         own, self.choices = _configuration(template, callbacks, device, offload)
         self.candidate = Candidate.from_trainer(plugin, own, strategy)
         self.template, self.make_batch, self.device, self.step = template, make_batch, device, step
-        self.cache: dict[int, Prediction] = {}
+        self._trainer = (plugin, callbacks, strategy)
+        self._partial: dict[int, Candidate] = {}
+        self.cache: dict[Any, Prediction] = {}
         self.decided = Decided()  # the probe's forwards decide the same at every length past _PROBE_TOKENS
         self._points: dict[int, int] = {}
 
-    def predict_at(self, tokens: int) -> Prediction:
-        if tokens not in self.cache:  # the forwards that only decide structure run on a short batch (probe_batch)
+    def predict_at(self, tokens: int, offload: Optional[int] = None) -> Prediction:
+        """The plan at ``tokens``; ``offload``: only the first ``offload`` blocks offload their inputs (the same
+        models set up, :func:`~lightning_hbm.planner.tracing.trace` sets the count per step)."""
+        key = tokens if offload is None else (tokens, offload)
+        if key not in self.cache:  # the forwards that only decide structure run on a short batch (probe_batch)
             probe = self.make_batch(min(tokens, _PROBE_TOKENS)) if tokens > _PROBE_TOKENS else None
             start = time.perf_counter()
-            self.cache[tokens] = predict(self.template, self.make_batch(tokens), self.candidate, device=self.device,
-                                         probe_batch=probe, decided=self.decided if probe is not None else None)
-            _log.info("max_context: %s tokens -> %s (planned in %.0f s)", f"{tokens:,}",
-                      format_bytes(self.cache[tokens].total), time.perf_counter() - start)
-        return self.cache[tokens]
+            self.cache[key] = predict(self.template, self.make_batch(tokens), self._candidate(offload), device=self.device,
+                                      probe_batch=probe, decided=self.decided if probe is not None else None)
+            _log.info("max_context: %s tokens (offload %s) -> %s (planned in %.0f s)", f"{tokens:,}", offload,
+                      format_bytes(self.cache[key].total), time.perf_counter() - start)
+        return self.cache[key]
+
+    def _candidate(self, offload: Optional[int]) -> Candidate:
+        if offload is None:
+            return self.candidate
+        if offload not in self._partial:
+            plugin, callbacks, strategy = self._trainer
+            own, _ = _configuration(self.template, callbacks, self.device, offload)
+            self._partial[offload] = Candidate.from_trainer(plugin, own, strategy)
+        return self._partial[offload]
 
     @property
     def points(self) -> dict[int, int]:
@@ -184,10 +198,13 @@ class _Lengths:
             self._points.update({n: self.predict_at(n).total for n in lengths})
         return self._points
 
-    def result(self, budget: int, tokens: int, batch_size: int, limit: str = "") -> ContextResult:
-        """The result at ``tokens`` (planned), with the loss chunk chosen there; ``limit``: what holds it."""
-        prediction = self.predict_at(max(tokens, self.step))
+    def result(self, budget: int, tokens: int, batch_size: int, limit: str = "", offload: Optional[int] = None) -> ContextResult:
+        """The result at ``tokens`` (planned), with the loss chunk chosen there; ``limit``: what holds it;
+        ``offload``: the first ``offload`` blocks only offload their inputs."""
+        prediction = self.predict_at(max(tokens, self.step), offload)
         choices = _with_loss(self.choices, self.template, batch_size, max(tokens, self.step))
+        if offload is not None:
+            choices["offload"] = offload
         if tokens == 0:  # not even the shortest length: say which term alone is over
             return ContextResult(budget, 0, prediction, choices, limit or _over(prediction, budget))
         return ContextResult(budget, tokens, prediction, choices, limit or _held_by(prediction))
@@ -221,8 +238,9 @@ def _solve(budget: int, lengths: _Lengths, batch_size: int) -> ContextResult:
 def _within_host(
     result: ContextResult, host: int, lengths: _Lengths, unoffloaded: Callable[[], _Lengths], batch_size: int
 ) -> ContextResult:
-    """``result`` (offloaded, over the ``host`` budget) made to fit it: the longer of the longest offloaded length
-    whose pinned block inputs fit ``host`` (:func:`_host_fit`, confirmed by a plan) and the longest without offload."""
+    """``result`` (offloaded, over the ``host`` budget) made to fit it: the longest of the longest offloaded length
+    whose pinned block inputs fit ``host`` (:func:`_host_fit`, confirmed by a plan), the longest with only as many
+    blocks offloaded as ``host`` holds (:func:`_partial_fit`) and the longest without offload."""
     budget, step = result.budget, lengths.step
     tokens, prediction = result.tokens, result.prediction
     # what else the host holds (optimizer states a strategy offloads) does not shrink with the length: only the rest
@@ -238,13 +256,60 @@ def _within_host(
             break
     else:
         tokens = 0
+    partial, count = _partial_fit(result, inputs, host, tokens, lengths) if inputs > 0 else (0, 0)
     plain = _solve(budget, unoffloaded(), batch_size)
-    if plain.tokens >= tokens and plain.host <= host:  # as long without the offload: faster, and no host RAM
+    if plain.tokens >= max(tokens, partial) and plain.host <= host:  # as long without the offload: faster, no host RAM
         return plain
+    if partial > tokens:
+        blocks = result.prediction.offloaded_blocks
+        limit = (f"host RAM {format_bytes(host)} (the pinned inputs of {count} of {blocks} blocks; all offloaded "
+                 f"{tokens:,} tokens, without offload {plain.tokens:,})")
+        return lengths.result(budget, partial, batch_size, limit, offload=count)
     limit = f"host RAM {format_bytes(host)} (the pinned block inputs; without offload {plain.tokens:,} tokens)"
     return lengths.result(budget, tokens, batch_size, limit)
 
 
+def _partial_fit(result: ContextResult, inputs: int, host: int, shortest: int, lengths: _Lengths) -> tuple[int, int]:
+    """(length, blocks): the longest length longer than ``shortest`` at which the first ``blocks`` offloaded block
+    inputs fit ``inputs`` bytes of host RAM (as many as fit: each one offloaded frees its bytes on the device) and
+    the plan fits the budget, with that count; (0, 0) when none is longer.
+
+    Solved on a model, confirmed by plans (each one three traces): the device total of every block offloaded (the
+    quadratic through the planned points) plus, per block kept, its input's bytes; a miss shifts the model by it.
+    """
+    budget, step, full = result.budget, lengths.step, result.prediction
+    blocks, at = full.offloaded_blocks, max(result.tokens, step)
+    if blocks < 2 or not full.host_sizes:
+        return 0, 0
+    curve = _Quadratic(_nearest(lengths.points, budget))
+
+    def count(length: int) -> int:  # the blocks whose pinned inputs fit, each block's inputs alike
+        pinned = sum(pinned_footprint(-(-size * length // at)) for size in full.host_sizes) / blocks
+        return int(min(blocks, inputs // max(pinned, 1)))
+
+    def modelled(length: int) -> float:
+        kept = (blocks - count(length)) * sum(full.host_sizes) * length / at / blocks
+        return curve.a + curve.b * length + curve.c * length * length + kept
+
+    best, best_count, low, high, shift = 0, 0, shortest // step, result.tokens // step, 0.0
+    for _ in range(_CONFIRMS):
+        while low < high:  # the longest length the shifted model fits (it grows with the length)
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if modelled(middle * step) + shift <= budget else (low, middle - 1)
+        guess = low * step
+        if guess <= max(best, shortest) or count(guess) < 1:
+            break
+        prediction = lengths.predict_at(guess, count(guess))
+        if prediction.total <= budget and prediction.host <= host:
+            best, best_count = guess, count(guess)
+            high = result.tokens // step
+        else:
+            high = low - 1
+        low = best // step if best else shortest // step
+        shift = prediction.total - modelled(guess)
+        if high - low <= max(1, _slack(best, step) // step):
+            break
+    return best, best_count
 def _host_fit(sizes: Sequence[int], tokens: int, host: int, step: int) -> int:
     """The longest multiple of ``step`` up to ``tokens`` whose offloaded tensors (``sizes`` bytes at ``tokens``, each
     taken as proportional to the length) fit ``host`` once the pinned allocator rounds each up to a power of two."""
@@ -386,7 +451,7 @@ def _mlp_chunks(template: Template) -> int:
 
 
 def _configuration(
-    template: Template, callbacks: list[Any], device: str, offload: bool
+    template: Template, callbacks: list[Any], device: str, offload: Union[bool, int]
 ) -> tuple[list[Any], dict[str, Any]]:
     """The user's callbacks with max_context's ``ActivationCheckpointing`` and ``FusedLoss``; the choices made."""
     checkpointing = next((c for c in callbacks if isinstance(c, ActivationCheckpointing)), None)

@@ -25,7 +25,7 @@ import itertools
 from collections import Counter
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, cast
@@ -45,7 +45,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_u
 
 from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt, _disable_current_modes
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.activations import OffloadSavedTensors, pinned_footprint
+from lightning_hbm.activations import ActivationCheckpointing, OffloadSavedTensors, pinned_footprint
+from lightning_hbm.activations.checkpointing import check_offload_blocks
 from lightning_hbm.activations.token_chunks import ChunkedForward
 from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.memory import CATEGORIES, LiveStorageTracker, owned_storages, parameter_bytes, parameter_count, scope_term_bytes
@@ -64,6 +65,7 @@ from lightning_hbm.planner.building import (
 from lightning_hbm.planner.candidates import Candidate, format_bytes
 from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.precision import QuantizedPrecision
+from lightning_hbm.record import checkpoint_plan
 from lightning_hbm.running import RunningModules
 from lightning_hbm.surgery import SurgeryCallback, run_surgery, transform_optimizers
 
@@ -127,6 +129,7 @@ class Trace:
     # selections by a mask without values in the LightningModule's own code, planned at their largest: op -> what
     selections: dict[str, str] = field(default_factory=dict)
     host_sizes: tuple[int, ...] = ()  # bytes of each tensor in ``host`` before the pinned rounding, ascending
+    offloaded: int = 0  # checkpointed blocks whose inputs went through the offload hooks
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -136,34 +139,55 @@ class Trace:
 
     def extrapolate(self, deeper: Trace, depth: int) -> Trace:
         """Extend linearly from ``self`` (k blocks) and ``deeper`` (k+1 blocks) to ``depth`` blocks."""
-        extra = depth - self.kept
+        return self.combine([(deeper, depth - self.kept)], depth)
 
-        def line(a: int, b: int) -> int:
-            return max(0, a + extra * (b - a))
+    def combine(self, steps: Sequence[tuple[Trace, int]], depth: int) -> Trace:
+        """``self`` plus, for each ``(other, n)`` of ``steps``, ``n`` times what ``other`` adds to it (one block more of
+        its kind: a block that keeps its input, or one that offloads it), every figure line by line, at ``depth``."""
 
+        def line(value: Callable[[Trace], int]) -> int:
+            base = value(self)
+            return max(0, base + sum(n * (value(other) - base) for other, n in steps))
+
+        others = [other for other, _ in steps]
         phases: dict[str, dict[str, int]] = {
-            phase: {c: line(cats[c], deeper.phases[phase][c]) for c in CATEGORIES}
-            for phase, cats in self.phases.items()
-            if phase in deeper.phases
+            phase: {c: line(_phase_value(phase, c)) for c in CATEGORIES}
+            for phase in self.phases
+            if all(phase in other.phases for other in others)
         }
-        trainable, total = line(self.trainable, deeper.trainable), line(self.total, deeper.total)
-        scopes = {phase: _line_terms(self.scopes.get(phase, {}), deeper.scopes.get(phase, {}), line) for phase in phases}
-        fallbacks = {**self.fallbacks, **deeper.fallbacks}
-        host = line(self.host, deeper.host)
+        scopes = {phase: {name: line(_scope_value(phase, name)) for name in _scope_names(phase, [self, *others])}
+                  for phase in phases}
+        fallbacks: dict[str, str] = {}
+        selections: dict[str, str] = {}
+        for each in (self, *others):
+            fallbacks.update(each.fallbacks)
+            selections.update(each.selections)
         # the tensors one more block moved, once per block added
-        block = Counter(deeper.host_sizes) - Counter(self.host_sizes)
-        host_sizes = tuple(sorted((Counter(self.host_sizes) + Counter({s: n * extra for s, n in block.items()})).elements()))
-        return Trace(phases, trainable, total, depth, depth, self.block_bytes, max(self.guessed, deeper.guessed), scopes,
-                     fallbacks, host, {**self.selections, **deeper.selections}, host_sizes)
-
+        sizes = Counter(self.host_sizes)
+        for other, n in steps:
+            sizes.update({size: count * n for size, count in (Counter(other.host_sizes) - Counter(self.host_sizes)).items()})
+        return Trace(phases, line(_field("trainable")), line(_field("total")), depth, depth, self.block_bytes,
+                     max(t.guessed for t in (self, *others)), scopes, fallbacks, line(_field("host")), selections,
+                     tuple(sorted(sizes.elements())), line(_field("offloaded")))
     def peak_scopes(self) -> dict[str, int]:
         """Each scope term's bytes at the peak phase (the registry's scope terms, :func:`~lightning_hbm.memory.terms.scope_terms`)."""
         return dict(self.scopes.get(self.peak_phase(), {}))
 
 
-def _line_terms(a: dict[str, int], b: dict[str, int], line: Callable[[int, int], int]) -> dict[str, int]:
-    """Per term, the line through ``a`` (k blocks) and ``b`` (k+1 blocks) at the real depth."""
-    return {name: line(a.get(name, 0), b.get(name, 0)) for name in {**a, **b}}
+def _phase_value(phase: str, category: str) -> Callable[[Trace], int]:
+    return lambda trace: trace.phases[phase][category]
+
+
+def _scope_value(phase: str, name: str) -> Callable[[Trace], int]:
+    return lambda trace: trace.scopes.get(phase, {}).get(name, 0)
+
+
+def _scope_names(phase: str, traces: Sequence[Trace]) -> dict[str, None]:
+    return {name: None for trace in traces for name in trace.scopes.get(phase, {})}
+
+
+def _field(name: str) -> Callable[[Trace], int]:
+    return lambda trace: int(getattr(trace, name))
 
 
 def trace(
@@ -175,8 +199,14 @@ def trace(
     real_types: Optional[dict[str, str]] = None,
     probe_batch: Any = None,
     decided: Optional[Decided] = None,
+    offload: Optional[int] = None,
 ) -> Trace:
     """Trace one steady-state training step of ``model`` under ``candidate`` (repeated blocks cut to ``keep_blocks``).
+
+    ``offload``: with ``ActivationCheckpointing(offload=...)``, how many of the checkpointed blocks (the first ones)
+    offload their inputs in this step; None: every one. The surgery gives every checkpointed block the offload hooks
+    whatever the configured count (a cut model has fewer blocks than it names), and the count is set per step: one
+    model set up serves each pattern the line through cut models needs (:func:`~lightning_hbm.planner.api.predict`).
 
     ``real_types``: {module class name: reason}; modules of those classes run for real on zeros
     (:func:`_run_for_real`), named in :attr:`Trace.fallbacks`. ``probe_batch``: a shorter batch of the same
@@ -205,12 +235,13 @@ def trace(
         _first_step_state(optimizers, built.reached)
         # states created outside the dispatch (e.g. bitsandbytes' real quantization maps)
         tracker.seed(optimizer_state_tensors(optimizers), "setup")
-        for offload in built.offloads:
-            offload.reset_counts()
-        phases, scopes = _steady_step(module, built.fake_batch, built.plugin, optimizers, tracker)
+        for hooks in built.offloads:
+            hooks.reset_counts()
+        offloaded, boundary = _offload_first(module, offload)
+        phases, scopes = _steady_step(module, built.fake_batch, built.plugin, optimizers, tracker, boundary)
         built.fake_batch = None  # the next length's batch is new: this one need not stay alive
-        host = sum(offload.host_bytes for offload in built.offloads)
-        host_sizes = tuple(sorted(size for offload in built.offloads for size in cast(_HostOffload, offload).sizes))
+        host = sum(hooks.host_bytes for hooks in built.offloads)
+        host_sizes = tuple(sorted(size for hooks in built.offloads for size in cast(_HostOffload, hooks).sizes))
         trainable = parameter_count(module, trainable=True)
         total = parameter_count(module)
         block_bytes = max((parameter_bytes(block) for _, block in _blocks(module)), default=0)
@@ -218,7 +249,7 @@ def trace(
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
-                 host_sizes)
+                 host_sizes, offloaded)
 
 
 @dataclass
@@ -278,7 +309,7 @@ def _set_up(
     for name, submodule in list(module.named_modules()):
         if type(submodule).__name__ in (real_types or {}):
             _run_for_real(submodule, fallbacks, cast(dict[str, str], real_types)[type(submodule).__name__], name)
-    built.optimizers = apply_candidate(module, candidate, plugin, device, batch=fake_probe)
+    built.optimizers = apply_candidate(module, candidate, plugin, device, batch=fake_probe, offload_every=True)
     built.offloads = _offload_to_host(module) if device == "cuda" else []
     built.fake_batch = plugin.convert_input(fake_batch)
     fake_probe = built.fake_batch if probe_batch is None else plugin.convert_input(fake_probe)
@@ -334,6 +365,19 @@ def _offload_to_host(module: nn.Module) -> list[OffloadSavedTensors]:
     return list(replaced.values())
 
 
+def _offload_first(module: nn.Module, count: Optional[int]) -> tuple[int, Optional[tuple[nn.Module, nn.Module]]]:
+    """Make the first ``count`` checkpointed blocks with offload hooks offload their inputs, the rest keep them (None:
+    every one). Returns how many offload, and (the last that offloads, the first that keeps) when both kinds run.
+    Raises ``ValueError`` (the callback's own) for more than there are."""
+    blocks = [(block, plan) for block in module.modules() for plan in [checkpoint_plan(block)]
+              if plan is not None and getattr(plan, "offload", None) is not None]
+    check_offload_blocks(count, len(blocks))
+    moved = len(blocks) if count is None else count
+    for index, (_, plan) in enumerate(blocks):
+        plan.moves = index < moved
+    return moved, (blocks[moved - 1][0], blocks[moved][0]) if 0 < moved < len(blocks) else None
+
+
 def _gradient_receivers(module: pl.LightningModule, batch: Any, plugin: Precision) -> Optional[set[int]]:
     """``id``s of the parameters the traced step's loss reaches (they get a gradient), from one forward's graph.
 
@@ -374,34 +418,66 @@ def _first_step_state(optimizers: list[torch.optim.Optimizer], reached: Optional
 
 
 def _steady_step(
-    module: pl.LightningModule, batch: Any, plugin: Precision, optimizers: list, tracker: LiveStorageTracker
+    module: pl.LightningModule, batch: Any, plugin: Precision, optimizers: list, tracker: LiveStorageTracker,
+    boundary: Optional[tuple[nn.Module, nn.Module]] = None,
 ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
     """Forward, zero_grad, backward, optimizer step, as Lightning runs them; each phase's peak by category, and
-    each scope term at it (:func:`~lightning_hbm.memory.scope_term_bytes`; ``loss``: what ``FusedLoss`` allocated)."""
+    each scope term at it (:func:`~lightning_hbm.memory.scope_term_bytes`; ``loss``: what ``FusedLoss`` allocated).
+
+    ``boundary``: (the last block that offloads its input, the first that keeps it) under a partial offload. The
+    forward and the backward then each have two peaks, recorded apart (``"forward (offloaded blocks)"``, ``"backward
+    (offloaded blocks)"``): one grows with the blocks that keep their inputs, the other with those that offload them,
+    and the line through cut models extends each peak, not their maximum (which moves from one to the other)."""
     phases: dict[str, dict[str, int]] = {}
     scopes: dict[str, dict[str, int]] = {}
-    loss: Any = None
-    for phase in PHASES:
-        tracker.phase = phase
-        tracker.reset_peak()
-        if phase == "forward":
-            with plugin.forward_context(), _name_untraceable(module):
-                loss, _kept = _closure_loss(module.training_step(batch, 1))
-        elif phase == "backward":
-            for optimizer in optimizers:  # Lightning zeroes gradients after the forward, before backward
-                optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            loss = None
-        else:
-            for optimizer in optimizers:
-                optimizer.step()
+
+    def close(name: str) -> None:
         tracker.finish_peak()
         # classified now, while what the phase's peak held is still owned (the previous step's
         # gradients, alive during the forward, are gone once backward starts)
         owned = owned_storages(module, optimizers)
-        phases[phase] = classify_records(tracker.peak_records, owned)
-        scopes[phase] = scope_term_bytes(tracker.peak_records, owned)
+        phases[name] = classify_records(tracker.peak_records, owned)
+        scopes[name] = scope_term_bytes(tracker.peak_records, owned)
+        tracker.reset_peak()
+
+    loss: Any = None
+    with _peaks_apart(boundary, close) if boundary is not None else nullcontext():
+        for phase in PHASES:
+            tracker.phase = phase
+            tracker.reset_peak()
+            if phase == "forward":
+                with plugin.forward_context(), _name_untraceable(module):
+                    loss, _kept = _closure_loss(module.training_step(batch, 1))
+            elif phase == "backward":
+                for optimizer in optimizers:  # Lightning zeroes gradients after the forward, before backward
+                    optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                loss = None
+            else:
+                for optimizer in optimizers:
+                    optimizer.step()
+            close(phase if phase != "backward" or boundary is None else f"{phase} (offloaded blocks)")
     return phases, scopes
+
+
+@contextmanager
+def _peaks_apart(boundary: tuple[nn.Module, nn.Module], close: Callable[[str], None]) -> Iterator[None]:
+    """Close the forward's first peak when the first block that keeps its input starts, and the backward's first
+    peak when the gradient reaches the last block that offloads its input (a hook on its output)."""
+    last, first = boundary
+
+    def reached(module: nn.Module, args: Any, output: Any) -> None:
+        grad_out = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if grad_out is not None:
+            grad_out.register_hook(lambda grad: close("backward"))
+
+    handles = [first.register_forward_pre_hook(lambda module, args: close("forward (offloaded blocks)")),
+               last.register_forward_hook(reached)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 #: What FakeTensorMode raises when an op needs values (or a kernel) a fake tensor does not have.
@@ -552,11 +628,16 @@ def _planning_plugin(candidate: Candidate) -> Precision:
 
 
 def apply_candidate(
-    module: pl.LightningModule, candidate: Candidate, plugin: Precision, device: str, batch: Any = None
+    module: pl.LightningModule, candidate: Candidate, plugin: Precision, device: str, batch: Any = None,
+    offload_every: bool = False,
 ) -> list[torch.optim.Optimizer]:
     """The surgery a Trainer runs after ``configure_model`` (its probe step on ``batch`` included), then the
-    optimizers it builds and transforms."""
+    optimizers it builds and transforms. ``offload_every``: an ``ActivationCheckpointing(offload=k)`` gives every
+    checkpointed block the offload hooks (the trace sets how many offload per step: :func:`trace`)."""
     transforms: list[SurgeryCallback] = candidate.callbacks()
+    for transform in transforms if offload_every else ():
+        if isinstance(transform, ActivationCheckpointing):
+            transform.offload_blocks = None
     run_surgery(module, plugin, transforms, batch=batch)
     module.train()
     optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())  # type: ignore[arg-type]  # Lightning's helper is typed narrower than the hook

@@ -450,3 +450,47 @@ def test_segformer_is_checkpointed_per_layer_not_per_stage() -> None:
     assert [n for n in callback.checkpointed if n.startswith("segformer.")] == layers
     pixels = torch.randn(1, 3, 32, 32)
     model(pixel_values=pixels, labels=torch.randint(0, 3, (1, 32, 32))).loss.backward()  # the recompute runs
+
+
+def test_partial_offload_moves_the_first_blocks_inputs_and_keeps_the_gradients(gpt_factory: Callable) -> None:
+    """offload=k: only the first k checkpointed blocks' inputs go to the offload target (the rest stay on the device),
+    the gradients are those of plain checkpointing, and the last offloaded input is not held in flight once a block
+    that keeps its input runs (it would stay on the device through the backward's peak)."""
+    reference, model = gpt_factory(n_layer=4), gpt_factory(n_layer=4)
+    ActivationCheckpointing().transform_model(reference)
+    callback = ActivationCheckpointing(offload=1)
+    callback.transform_model(model)
+    hooks = callback.offload
+    assert hooks is not None and callback.offloaded == ["model.h.0"] and len(callback.checkpointed) == 4
+    in_flight: list[bool] = []
+    block = model.model.h[1]
+    block.register_forward_pre_hook(lambda m, a: in_flight.append(hooks._in_flight is not None))
+    batch = _batch(seq=32)
+    expected, got = _grads(reference, batch), _grads(model, batch)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+    assert hooks.copies == 1 and hooks.copied_bytes == 4 * 32 * 64 * 4  # block 0's input only (fp32, hidden 64)
+    assert hooks._in_flight is None and in_flight == [True]  # held until block 1 (which keeps its input) started
+    every = ActivationCheckpointing(offload=4)  # as many as the blocks: every one, as offload=True
+    every.transform_model(gpt_factory(n_layer=4))
+    assert every.offloaded == every.checkpointed
+    none = ActivationCheckpointing(offload=0)
+    assert none.offload is None and none.offload_blocks == 0
+
+
+def test_partial_offload_refuses_bad_counts_before_the_model_changes(
+    gpt_factory: Any, trainer_factory: Any, datamodule_factory: Any, snapshot: Any
+) -> None:
+    with pytest.raises(ValueError, match=r"offload=-1\): a number of blocks must be >= 0.*True for every block"):
+        ActivationCheckpointing(offload=-1)
+    with pytest.raises(TypeError, match=r"offload=2\.5\): wrong type float; pass True or False or an int"):
+        ActivationCheckpointing(offload=2.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"offload='2'\): wrong type str; pass True or False or an int"):
+        ActivationCheckpointing(offload="2")  # type: ignore[arg-type]
+    model = gpt_factory()  # two blocks
+    before = snapshot(model)
+    trainer = trainer_factory(max_steps=1, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+                              callbacks=[LoRA(r=2), ActivationCheckpointing(offload=3)])
+    with pytest.raises(ValueError, match=r"offload=3\): the model has 2 checkpointed blocks.*offload=2 or offload=True"):
+        trainer.fit(model, datamodule_factory())
+    assert snapshot(model) == before and trainer.global_step == 0

@@ -584,3 +584,49 @@ def test_the_calibrated_correction_is_planned_at_its_bytes() -> None:
     assert quantized_parameter_bytes(factory, "nf4-dq", correction_rank=16) - quantized_parameter_bytes(factory, "nf4-dq") == factors
     with pytest.raises(ValueError, match="correction_rank=16 corrects quantized layers"):
         Candidate("bf16-true", correction_rank=16)
+
+
+def _partial(offload: Any) -> Candidate:
+    from lightning_hbm import LoRA
+
+    return Candidate.from_trainer(None, [LoRA(r=4), ActivationCheckpointing("full", offload=offload)])
+
+
+def test_a_partial_activation_offload_is_planned_as_the_whole_model_traces_it() -> None:
+    """ActivationCheckpointing(offload=k): the first k blocks' inputs leave the device. Cut to 3 and 4 blocks, the two
+    kinds of block are two lines (a third trace when both kinds are in the middle), and the forward's and backward's
+    two peaks are extended apart: equal to the byte to the whole 8 blocks traced, device and host."""
+    factory = partial(LlamaLM, **{**TINY_LLAMA, "num_hidden_layers": 8, "intermediate_size": 128})
+    batch = tuple(t.contiguous() for t in synthetic_batch(1, 1024))
+    block_input = 1024 * 64 * 4
+    peaks = {}
+    for k in (0, 2, 5):
+        cut = predict(factory, batch, _partial(k), device="cuda")
+        whole = predict(factory, batch, _partial(k), device="cuda", extrapolate=False)
+        assert (cut.categories, cut.side, cut.host_sizes) == (whole.categories, whole.side, whole.host_sizes), k
+        assert cut.offloaded_blocks == k and cut.host == k * pinned_footprint(block_input)
+        peaks[k] = cut.peak
+    assert peaks[0] - peaks[2] == 2 * block_input and peaks[2] - peaks[5] == 3 * block_input  # one input each
+    assert predict(factory, batch, _partial(True), device="cuda").peak < peaks[5]
+    with pytest.raises(ValueError, match=r"offload=9\): the model has 8 checkpointed blocks"):
+        predict(factory, batch, _partial(9), device="cuda")
+
+
+@pytest.mark.slow
+def test_a_partial_activation_offload_frees_what_memtracker_measures() -> None:
+    # the offload target injected outside torch's dispatch (pinned host memory is outside the GPU allocator too)
+    from tests.planner.test_context import _HostOutsideTorch
+    from lightning_hbm import LoRA
+    from lightning_hbm.planner.reference import memtracker_peak
+
+    factory = partial(LlamaLM, **{**TINY_LLAMA, "num_hidden_layers": 8, "intermediate_size": 128})
+    batch = tuple(t.contiguous() for t in synthetic_batch(1, 1024))
+    measured, planned = {}, {}
+    for k in (0, 3):
+        checkpointing = ActivationCheckpointing("full", offload=k)
+        checkpointing.offload = _HostOutsideTorch("cpu")
+        candidate = Candidate.from_trainer(None, [LoRA(r=4), checkpointing])
+        measured[k] = memtracker_peak(factory, batch, candidate)
+        planned[k] = predict(factory, batch, _partial(k), device="cuda").peak
+        assert measured[k] == pytest.approx(planned[k], rel=0.03)
+    assert measured[0] - measured[3] == planned[0] - planned[3] == 3 * 1024 * 64 * 4

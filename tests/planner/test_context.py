@@ -217,9 +217,9 @@ def test_a_host_budget_fits_the_block_inputs_to_what_the_offloaded_optimizer_sta
         calls: list[tuple[int, int]] = []
         original = context_module._Lengths.predict_at
 
-        def counted(self: Any, tokens: int) -> Any:
+        def counted(self: Any, tokens: int, offload: Any = None) -> Any:
             calls.append((id(self), tokens))
-            return original(self, tokens)
+            return original(self, tokens, offload)
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(context_module._Lengths, "predict_at", counted)
@@ -235,3 +235,22 @@ def test_a_host_budget_fits_the_block_inputs_to_what_the_offloaded_optimizer_sta
     bounded, bounded_planned = lengths_planned(host_budget=inputs + states // 2)  # the inputs fit, not with the states
     assert bounded.host <= inputs + states // 2
     assert len(bounded_planned - planned) <= 1  # the one length whose inputs fit what the states leave, confirmed
+
+
+@pytest.mark.slow
+def test_a_host_budget_that_holds_some_block_inputs_offloads_only_those_and_trains_longer() -> None:
+    # 48 MiB of host RAM: every pinned input fits up to 4,096 tokens (32 x 1 MiB); one step longer each takes 2 MiB,
+    # so all 32 no longer fit, but 24 do. Offloading those 24 (the first blocks) and keeping 8 on the device is
+    # longer than both options before: all offloaded (4,096 tokens) and none (2,304)
+    deep = partial(LlamaLM, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=32,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2**20)
+    budget, host = CUDA_CONTEXT_BYTES + 32 * 2**20, 48 * 2**20
+    result = max_context(deep, budget, callbacks=[LoRA(r=4)], multiple_of=STEP, host_budget=host)
+    assert result.tokens > 4096 and result.choices["offload"] == 24 and result.prediction.offloaded_blocks == 24
+    assert result.host == 24 * 2 * 2**20 <= host and result.prediction.total <= budget
+    assert "the pinned inputs of 24 of 32 blocks; all offloaded 4,096 tokens, without offload 2,304" in result.limit
+    # the next length up does not fit with as many blocks offloaded as the host holds there (24 again)
+    longer = result.tokens + STEP
+    callbacks = [LoRA(r=4), ActivationCheckpointing("full", mlp_chunks=result.choices["mlp_chunks"], offload=24), FusedLoss()]
+    batch = tuple(t.contiguous() for t in synthetic_batch(1, longer, vocab_size=512))
+    assert predict(deep, batch, Candidate.from_trainer(None, callbacks), device="cuda").total > budget
