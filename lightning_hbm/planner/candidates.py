@@ -160,7 +160,7 @@ class Candidate:
             the full ``[tokens, vocab]`` logits. Assumed to cost no step time (measured 0.50x to 0.93x of the
             unfused step on CPU, benchmarks/README.md; not yet run on GPU).
         offload_activations: ``ActivationCheckpointing(offload=True)`` with ``checkpointing`` not ``"none"``: the
-            checkpointed blocks' inputs go to pinned host memory. Planned on ``device="cuda"`` as leaving the device
+            checkpointed blocks' inputs go to pinned host memory (a number ``k``: the first ``k`` blocks' only). Planned on ``device="cuda"`` as leaving the device
             (the ``host_activations`` term; one block input in flight in the forward, two restored in the backward:
             :class:`~lightning_hbm.activations.checkpointing.OffloadSavedTensors`); on ``"cpu"`` the copies
             are in the same memory and counted there. Costed at +5 % (a stated assumption, not yet run on GPU).
@@ -192,7 +192,7 @@ class Candidate:
     fused_loss: bool = False
     layer_modes: Optional[LayerModes] = None
     mlp_chunks: int = 1
-    offload_activations: bool = False
+    offload_activations: Union[bool, int] = False
     correction_rank: int = 0
     rounding: str = "nearest"
     configured: Optional[tuple[Precision, tuple[Any, ...]]] = None
@@ -227,7 +227,9 @@ class Candidate:
             elif kind == "ActivationCheckpointing":
                 axes["checkpointing"] = cast(ActivationCheckpointing, callback).policy
                 axes["mlp_chunks"] = cast(ActivationCheckpointing, callback).mlp_chunks
-                axes["offload_activations"] = cast(ActivationCheckpointing, callback).offload is not None
+                checkpointing = cast(ActivationCheckpointing, callback)
+                # partial offload (offload=k: the first k blocks) keeps its count: the name, the YAML and the plan say it
+                axes["offload_activations"] = checkpointing.offload is not None if checkpointing.offload_blocks is None else checkpointing.offload_blocks
             elif kind == "MemoryEfficientOptimizer":
                 axes["optimizer"] = cast(MemoryEfficientOptimizer, callback).kind
             elif kind == "FusedLoss":
@@ -303,7 +305,7 @@ class Candidate:
             parts.append(f"lora{self.lora_r}")
         if self.checkpointing != "none":
             parts.append(f"ac-{self.checkpointing}" + (f"-mlp{self.mlp_chunks}" if self.mlp_chunks > 1 else "")
-                         + ("-offload" if self.offload_activations else ""))
+                         + ("-offload" if self.offload_activations is True else f"-offload{self.offload_activations}" if self.offload_activations else ""))
         if self.optimizer != "user":
             parts.append(self.optimizer)
         if self.offload:
@@ -392,7 +394,7 @@ class Candidate:
 
     def _blocks_yaml(self) -> str:
         chunks = f", mlp_chunks: {self.mlp_chunks}" if self.mlp_chunks > 1 else ""
-        chunks += ", offload: true" if self.offload_activations else ""
+        chunks += f", offload: {str(self.offload_activations).lower()}" if self.offload_activations else ""
         return chunks + ("" if self.blocks is None else f", blocks: [{', '.join(self.blocks)}]")
 
     def yaml(self) -> str:

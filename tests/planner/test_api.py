@@ -401,6 +401,14 @@ def test_activation_offload_leaves_the_device_on_cuda_as_a_host_term() -> None:
         Candidate("32-true", offload_activations=True)
 
 
+def test_a_configured_partial_offload_keeps_its_count_in_the_name_and_the_yaml() -> None:
+    """Was: ``ActivationCheckpointing(offload=2)`` became a candidate named ``-offload`` whose YAML said ``offload: true``
+    (every block)."""
+    candidate = Candidate.from_trainer(None, [ActivationCheckpointing(policy="full", offload=2)])
+    assert candidate.offload_activations == 2
+    assert "ac-full-offload2" in candidate.name and "offload: 2" in candidate.yaml()
+
+
 @pytest.mark.slow
 def test_cuda_target_traces_the_foreach_optimizer(gpt_factory: Callable[..., Any]) -> None:
     batch = synthetic_batch(1, 8)  # tiny activations: the optimizer step is the peak
