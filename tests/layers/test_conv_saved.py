@@ -31,18 +31,19 @@ CONVS: list[Callable[[], nn.Module]] = [
 ]
 
 
-def frozen_convs(quantized: bool) -> nn.Sequential:
+def frozen_convs(quantized: bool, kind: type[nn.Module] = nn.Conv2d) -> nn.Sequential:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(256, 256, 3, padding=1), nn.ReLU(), nn.Conv2d(256, 256, 3, padding=1))
+    model = nn.Sequential(kind(256, 256, 3, padding=1), nn.ReLU(), kind(256, 256, 3, padding=1))
     model.requires_grad_(False)
     if quantized:
         quantize_model(model, "nf4-dq", dtype="float32")
     return model
 
 
-def test_quantized_convolutions_save_no_more_for_backward_than_unquantized_ones() -> None:
+@pytest.mark.parametrize("kind", [nn.Conv2d, nn.ConvTranspose2d])
+def test_quantized_convolutions_save_no_more_for_backward_than_unquantized_ones(kind: type[nn.Module]) -> None:
     x = torch.randn(1, 256, 8, 8, requires_grad=True)
-    plain, quantized = frozen_convs(False), frozen_convs(True)
+    plain, quantized = frozen_convs(False, kind), frozen_convs(True, kind)
     saved = saved_activation_bytes(lambda: quantized(x).pow(2).mean(), quantized)
     # was 4,849,668: each convolution's 256 x 256 x 3 x 3 dequantized fp32 weight (2,359,296 bytes) besides
     assert saved <= saved_activation_bytes(lambda: plain(x).pow(2).mean(), plain) < 256 * 256 * 9 * 4
