@@ -2,9 +2,10 @@
 
 SAM's mask decoder upscales with two ``ConvTranspose2d``; UNet and GAN decoders, vocoders upsample with them. As a
 convolution (:mod:`lightning_hbm.layers.conv`), the weight is stored by the mode's own Linear layer as a matrix and
-dequantized to the compute dtype at each forward (:class:`QuantizedConvTranspose2d` and its 1-d/3-d siblings). The
-weight's layout is ``[in, out / groups, *kernel]`` (not ``[out, in / groups, *kernel]``): the matrix is
-``[in, out / groups * kernel]``, ``in`` rows. What it shrinks: the **parameters** term.
+dequantized to the compute dtype at each forward and again in the backward (:class:`QuantizedConvTranspose2d` and its
+1-d/3-d siblings; the dequantized weight is not kept for backward). The weight's layout is ``[in, out / groups,
+*kernel]`` (not ``[out, in / groups, *kernel]``): the matrix is ``[in, out / groups * kernel]``, ``in`` rows. What it
+shrinks: the **parameters** term.
 
 peft's LoRA has no transposed-convolution layer (0.21: Linear, Embedding, Conv1d/2d/3d, MultiheadAttention), so these
 layers are not LoRA targets; ``LoRA(modules_to_save=[...])`` trains one fully instead.
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_hbm.layers.conv import FrozenConvolution, Geometry
 from lightning_hbm.layers.kinds import LayerKind, no_names, register_kind
 from lightning_hbm.layers.weight_norm import WeightNorm, weight_norm_of
 
@@ -54,8 +56,14 @@ class _QuantizedTranspose:
         conv: Any = self
         spatial = len(conv.kernel_size)
         output_padding = conv._output_padding(x, output_size, conv.stride, conv.padding, conv.kernel_size, spatial, conv.dilation)
-        weight = self.dequantized().detach()
-        return _FUNCTIONS[spatial](x.to(self.compute_dtype), weight, conv.bias, conv.stride, conv.padding, output_padding, conv.groups, conv.dilation)
+        geometry = Geometry(conv.stride, conv.padding, conv.dilation, True, tuple(output_padding), conv.groups)
+        convolve = _FUNCTIONS[spatial]
+
+        def run(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+            return convolve(x, weight, bias, conv.stride, conv.padding, output_padding, conv.groups, conv.dilation)
+
+        # the dequantized weight is not saved for backward (FrozenConvolution): dequantized again there
+        return cast(torch.Tensor, FrozenConvolution.apply(x.to(self.compute_dtype), conv.bias, self.dequantized, run, geometry))
 
     @classmethod
     def from_quantized(cls, conv: nn.Module, quantized: nn.Module, dequantize: Callable[..., torch.Tensor], dtype: torch.dtype) -> nn.Module:
