@@ -2,12 +2,18 @@
 
 python benchmarks/fused_loss_softcap.py  (CPU, ~1 min; see benchmarks/README.md)
 """
-import torch, logging
+import logging
+
+import torch
+
 logging.basicConfig(level=logging.INFO)  # shows FusedLoss's soft-capping line
-from transformers import Gemma2Config, Gemma2ForCausalLM
-from lightning_hbm import FusedLoss, LoRA, quantize_model, ActivationCheckpointing
-from lightning_hbm.memory.torch_tracker import torch_peak_bytes
 from torch import nn
+from transformers import Gemma2Config, Gemma2ForCausalLM
+
+from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, quantize_model
+from lightning_hbm.memory.torch_tracker import torch_peak_bytes
+
+
 class W(nn.Module):
     def __init__(s, m): super().__init__(); s.model = m
 V=16000

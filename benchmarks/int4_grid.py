@@ -15,10 +15,10 @@ import argparse
 import os
 
 import torch
-
-from lightning_hbm.quality import probe_output
-from lightning_hbm.pretrained import smollm2_path
 from sensitivity import llama_case, measure, minilm_case  # benchmarks/sensitivity.py (this script's folder is on sys.path)
+
+from lightning_hbm.pretrained import smollm2_path
+from lightning_hbm.quality import probe_output
 
 MODES = ("nf4-dq", "nf4-dq-b32", "nf4-b32", "int4-g32", "int8-dynamic")
 

@@ -51,11 +51,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sensitivity import llama_case, measure, minilm_case  # noqa: E402  (the sibling benchmark)
 
 from lightning_hbm import quantize_model  # noqa: E402
-from lightning_hbm.quality import compare_outputs, probe_output  # noqa: E402
 from lightning_hbm.memory import module_parameter_tensors, unique_bytes  # noqa: E402
-from lightning_hbm.precision.targets import _quantizable_linears  # noqa: E402
 from lightning_hbm.precision.registry import get_format, to_dtype  # noqa: E402
 from lightning_hbm.precision.sensitivity import choose_plan  # noqa: E402
+from lightning_hbm.precision.targets import _quantizable_linears  # noqa: E402
+from lightning_hbm.quality import compare_outputs, probe_output  # noqa: E402
 
 BASE, SENSITIVE = "nf4-dq", "int8"
 ADAPTER_DTYPE = torch.bfloat16

@@ -88,11 +88,11 @@ def offload_cost(tokens: int = 8192, steps: int = 4) -> None:
     """CUDA: step time and max_memory_allocated of the ~1B shape (benchmarks/planner.py) with and without
     ``ActivationCheckpointing(offload=True)`` (side-stream copies, backward prefetch), same length, QLoRA."""
     import lightning.pytorch as pl
+    from planner import LLAMA_1B
     from torch.utils.data import DataLoader
 
     from lightning_hbm import ActivationCheckpointing, FusedLoss
     from lightning_hbm.data import synthetic_batch
-    from planner import LLAMA_1B
 
     batch = synthetic_batch(1, tokens, vocab_size=LLAMA_1B["vocab_size"])
     for offload in (False, True):

@@ -21,12 +21,13 @@ import logging
 import statistics
 import time
 import warnings
+
 import torch
 
-from lightning_hbm.memory.storage import optimizer_state_bytes
-from lightning_hbm.optim import OPTIMIZER_KINDS, MemoryEfficientOptimizer
 from lightning_hbm.data import synthetic_batch
+from lightning_hbm.memory.storage import optimizer_state_bytes
 from lightning_hbm.models import NanoGPT
+from lightning_hbm.optim import OPTIMIZER_KINDS, MemoryEfficientOptimizer
 from lightning_hbm.strategies.cpu_offload import OffloadedOptimizer, host_offload_bytes
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

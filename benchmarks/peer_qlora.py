@@ -67,6 +67,7 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
+from planner import analytic_qlora_floor  # benchmarks/planner.py (this script's folder is on sys.path)
 
 from lightning_hbm import ActivationCheckpointing, AttentionKernel, FusedLoss, LoRA, QuantizedPrecision
 from lightning_hbm._compat.torch import forward_override
@@ -74,7 +75,6 @@ from lightning_hbm.adapters.lora.forward import LoRAForward
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
 from lightning_hbm.models import llama_config
 from lightning_hbm.precision.compute_dtype import auto_dtype
-from planner import analytic_qlora_floor  # benchmarks/planner.py (this script's folder is on sys.path)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # config fields of lightning_hbm.models.llama_config, plus batch and sequence length

@@ -24,9 +24,9 @@ from typing import Any
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from lightning_hbm.profiling.profiler import HBMProfiler
 from lightning_hbm.cli import HBMCLI
 from lightning_hbm.memory.categories import CATEGORIES
+from lightning_hbm.profiling.profiler import HBMProfiler
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MIB = 2**20

@@ -57,12 +57,12 @@ import torch
 from torch import nn
 
 from lightning_hbm import quantize_model
-from lightning_hbm.quality import compare_outputs, probe_output
 from lightning_hbm.memory import module_parameter_tensors, unique_bytes
 from lightning_hbm.precision.gptq import input_hessians
-from lightning_hbm.precision.targets import _quantizable_linears
 from lightning_hbm.precision.sensitivity import choose_plan, greedy_plan, predict_parameter_bytes, weight_bytes
 from lightning_hbm.precision.smoothing import SMOOTH_MODE, attached, choose_smoothing
+from lightning_hbm.precision.targets import _quantizable_linears
+from lightning_hbm.quality import compare_outputs, probe_output
 
 # (base mode, sensitive mode, max_bytes_per_param, min_cosine): the sensitivity-aware rows
 CASES = [
@@ -90,7 +90,18 @@ class SentenceEmbedding(nn.Module):
 
 
 def stdlib_sentences() -> list[str]:
-    import argparse as a, collections, csv, email, heapq, http.client, itertools, json, pathlib, subprocess, typing, unittest
+    import argparse as a
+    import collections
+    import csv
+    import email
+    import heapq
+    import http.client
+    import itertools
+    import json
+    import pathlib
+    import subprocess
+    import typing
+    import unittest
 
     modules = [json, a, collections, email, http.client, logging, pathlib, subprocess, typing, unittest, csv, heapq, itertools, os, re]
     objects = [obj for mod in modules for obj in [mod] + [getattr(mod, n) for n in sorted(dir(mod)) if not n.startswith("_")]]

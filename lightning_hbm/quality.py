@@ -30,7 +30,6 @@ from lightning_hbm.precision.registry import format_of
 from lightning_hbm.probe import PREFIX, check_forward, compare_outputs, eval_no_grad, first_batch, probe_output  # public here too
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
-
 #: keys of the comparison after training has stepped: the distance from the full-precision model as built
 DRIFT_PREFIX = "drift/"
 

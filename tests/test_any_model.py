@@ -22,9 +22,9 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from lightning.pytorch.callbacks import ModelCheckpoint
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 

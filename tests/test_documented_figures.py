@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_hbm.profiling.profiler import HBMProfiler
 from lightning_hbm.cli import HBMCLI
+from lightning_hbm.profiling.profiler import HBMProfiler
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20

@@ -6,9 +6,9 @@ import copy
 import io
 import json
 import os
+import re
 import subprocess
 import sys
-import re
 import warnings
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -19,7 +19,6 @@ import torch
 from lightning.pytorch.trainer.connectors import callback_connector
 
 from lightning_hbm import ActivationCheckpointing, HBMProfiler, LoRA, QuantizedPrecision
-
 
 ROOT = Path(__file__).resolve().parents[1]
 _GROUP = "lightning.pytorch.callbacks_factory"
@@ -57,7 +56,6 @@ def test_the_callbacks_factory_entry_point_gives_only_plugin_alone_trainers_a_ca
     installed = {ep.value for ep in entry_points(group=_GROUP) if ep.name == "lightning_hbm"}
     assert installed <= {_declared_entry_point(), "lightning_hbm._factory:plugin_callbacks"}, installed
     import lightning_hbm_factory
-
     from lightning_hbm import _factory
 
     assert _factory.plugin_callbacks is lightning_hbm_factory.plugin_callbacks

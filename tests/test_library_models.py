@@ -25,8 +25,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision, coverage_of
-from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.layers import base_layer, find_layers
+from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.planner import Candidate, plan
 from lightning_hbm.planner.reference import memtracker_peak
 

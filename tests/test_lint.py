@@ -1,7 +1,8 @@
 """ruff (``[tool.ruff.lint]`` in pyproject.toml) over the package, the tests, benchmarks and examples. pyflakes: an
 unused import or variable, or a name that does not exist (a call that would raise ``NameError`` only on its path).
 bugbear: a closure that reads a loop variable after the loop moved on, a mutable default argument, an unused loop
-variable, a warning without a stacklevel. simplify: nested ifs and withs, repeated branches, needless booleans."""
+variable, a warning without a stacklevel. simplify: nested ifs and withs, repeated branches, needless booleans. isort:
+imports in three sorted groups (standard library, third party, lightning_hbm), except in the ``__init__.py`` faces."""
 
 from __future__ import annotations
 

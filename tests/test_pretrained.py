@@ -38,10 +38,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_hbm import LoRA, QuantizedPrecision
+from lightning_hbm import LoRA, QuantizedPrecision, pretrained
 from lightning_hbm.data import ByteTextDataModule, stdlib_text
 from lightning_hbm.models import HFCausalLM
-from lightning_hbm import pretrained
 from lightning_hbm.pretrained import INSTALL, SMOLLM2_GGUF, cache_dir, minilm_path, missing, resolve, smollm2_path
 
 _REAL_RUN = pretrained._run_converter  # before a fixture replaces it

@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lightning_hbm import QuantizedPrecision, applied_transforms, quantize_model
-from lightning_hbm.quality import QuantizationQuality
 from lightning_hbm.data import synthetic_batch
+from lightning_hbm.quality import QuantizationQuality
 
 START_KEYS = {
     "quant/cosine_similarity",

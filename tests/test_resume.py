@@ -18,9 +18,9 @@ import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import lightning.pytorch as pl
 import pytest
 import torch
-import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hbm import LoRA, QuantizedPrecision, resume

@@ -14,8 +14,8 @@ for rank 1); each rank fits the cases in turn and writes what each raised, or wh
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -210,8 +210,8 @@ def tensor_worker(rank: int, port: str, out: Path) -> None:
     from torch import nn
 
     from lightning_hbm import resume
-    from lightning_hbm.surgery.ranks import _tensors, check_ranks
     from lightning_hbm.record import as_built, set_as_built
+    from lightning_hbm.surgery.ranks import _tensors, check_ranks
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -23,8 +23,8 @@ from lightning_hbm import (
     QuantizationQuality,
     QuantizedPrecision,
     applied_transforms,
+    resume,
 )
-from lightning_hbm import resume
 from lightning_hbm.surgery import pending_checkpoint
 
 F32 = dict(dtype="float32")

@@ -18,8 +18,8 @@ from lightning.pytorch.core.optimizer import (  # planner
 )
 from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector  # trainer_being_built
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader  # stage_dataloader
-from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table  # display
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table  # display
 
 from lightning_hbm._compat import torch as torch_compat
 

@@ -9,11 +9,13 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.optim import Optimizer
-from torch.utils.data import DataLoader, IterableDataset
 from torch._subclasses.fake_tensor import is_fake as _is_fake  # activations.token_chunks
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._python_dispatch import _disable_current_modes  # planner.realvalues, planner.tracing
+from torch.optim import Optimizer
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,  # planner.realvalues, planner.tracing
+)
+from torch.utils.data import DataLoader, IterableDataset
 
 
 def forward_override(module: nn.Module) -> Optional[Callable[..., Any]]:

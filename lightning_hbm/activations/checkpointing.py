@@ -31,14 +31,13 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.layers.blocks import find_blocks
-from lightning_hbm.adapters.lora.order import LastAdapted, adapter_first, recomputing
 from lightning_hbm.activations.selective import SelectivePolicy, format_matmuls, unkept_formats
 from lightning_hbm.activations.token_chunks import ChunkedForward, candidates
+from lightning_hbm.adapters.lora.order import LastAdapted, adapter_first, recomputing
+from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.naming import did_you_mean, has_submodule
 from lightning_hbm.record import CheckpointedForward, checkpoint_plan
 from lightning_hbm.surgery import Stage, SurgeryCallback
-
 
 
 def pinned_footprint(nbytes: int) -> int:

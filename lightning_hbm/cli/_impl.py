@@ -28,11 +28,11 @@ import importlib
 import inspect
 import linecache
 import os
+import pkgutil
 import re
 import sys
 import warnings
 from pathlib import Path
-import pkgutil
 from typing import Any, Literal, Optional, Union, cast, get_args
 
 import torch
@@ -49,7 +49,6 @@ import lightning_hbm
 from lightning_hbm._compat import _PRECISION_INPUT_STR
 from lightning_hbm.cli import _DESCRIPTION, _EXTRA_SUBCOMMANDS  # shared with the fast top-level --help
 from lightning_hbm.display import default_model_summary, default_progress_bar
-from lightning_hbm.profiling.figure import redraw
 from lightning_hbm.memory.report import find_report, render_report
 from lightning_hbm.naming import did_you_mean
 from lightning_hbm.planner import Candidate, default_candidates
@@ -57,6 +56,7 @@ from lightning_hbm.planner.candidates import PLANNED_LIGHTNING_PRECISIONS
 from lightning_hbm.planner.config import max_context_from_config, plan_from_config, print_max_context, print_plan
 from lightning_hbm.precision import QuantizedPrecision, available_precisions
 from lightning_hbm.precision.registry import get_format
+from lightning_hbm.profiling.figure import redraw
 from lightning_hbm.surgery import SurgeryCallback
 
 # Every value Lightning's Trainer accepts for ``precision`` (ints, their string forms, the long names).

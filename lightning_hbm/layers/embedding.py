@@ -25,7 +25,6 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers.kinds import LayerKind, no_names, register_kind
 from lightning_hbm.memory.storage import quantized_format
 
-
 #: bytes of one unpacked slice of a quantized head's weight (the transient a sliced head adds beside its output)
 SLICE_BYTES = 32 * 2**20
 

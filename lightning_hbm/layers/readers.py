@@ -45,7 +45,6 @@ from lightning_hbm.layers import read_weight
 from lightning_hbm.probe import preserved_rngs  # re-exported: its home before the probe batches used it too
 from lightning_hbm.running import RunningModules
 
-
 # Reading these of a weight is harmless once the layer is quantized or adapted; "metadata" is wrong on a packed
 # quantized weight and harmless for an adapter (peft's layer shows its base's weight); anything else is a use.
 # Introspection (memory trackers, hooks, printing) counts as harmless too: it computes nothing with the values.

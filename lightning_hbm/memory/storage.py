@@ -19,7 +19,6 @@ from torch import nn
 
 from lightning_hbm._compat import lightning as lightning_compat
 
-
 StorageKey = tuple[str, int]
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
 

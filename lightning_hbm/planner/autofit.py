@@ -13,7 +13,6 @@ lightning_hbm's surgery runs. If nothing fits, it raises before training, listin
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from typing import Any, Literal, Optional, Union
 
@@ -26,7 +25,6 @@ from typing_extensions import override
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.activations.loss import default_heads
-from lightning_hbm.profiling import HBMProfiler
 from lightning_hbm.memory.categories import CATEGORIES
 from lightning_hbm.memory.report import MemoryReport, format_table
 from lightning_hbm.planner.api import Plan, Prediction, plan
@@ -42,6 +40,7 @@ from lightning_hbm.planner.candidates import (
 )
 from lightning_hbm.precision import QuantizedPrecision
 from lightning_hbm.precision.int4_asym import on_4bit_grid
+from lightning_hbm.profiling import HBMProfiler
 from lightning_hbm.surgery import install
 
 log = logging.getLogger(__name__)

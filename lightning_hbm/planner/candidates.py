@@ -18,12 +18,12 @@ so that AutoFit never trades what is trained for speed alone.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-import copy
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union, cast
 

@@ -22,9 +22,9 @@ Hugging Face models are kept on their eager code paths, which they leave for fak
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field

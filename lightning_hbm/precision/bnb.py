@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from collections.abc import Iterator
 from typing import Any, Optional, cast
 
 import torch

@@ -60,8 +60,8 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import stored_in
-from lightning_hbm.naming import name_list
 from lightning_hbm.layers.read_weight import op_name, served_reader, swaps_the_two_dims
+from lightning_hbm.naming import name_list
 from lightning_hbm.precision.registry import RoundingGrid, format_of
 from lightning_hbm.probe import eval_no_grad, probe_output
 

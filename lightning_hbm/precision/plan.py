@@ -37,16 +37,16 @@ from torch._subclasses.fake_tensor import FakeTensor  # as layers/readers.py: no
 
 from lightning_hbm import record, resume
 from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm.layers import CONV
 from lightning_hbm.layers.embedding import is_plain_embedding
-from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.config import QuantizationConfig
+from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
 from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.quantize import _layer_modes
-from lightning_hbm.precision.targets import Listing, TargetRule, _validate, quantize_listed
-from lightning_hbm.layers import CONV
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, choose_plan, planned_convs_warning, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
+from lightning_hbm.precision.targets import Listing, TargetRule, _validate, quantize_listed
 from lightning_hbm.probe import first_batch, first_batches, has_forward
 
 log = logging.getLogger(__name__)

@@ -16,15 +16,15 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Union, cast
 import torch
 from torch import Tensor, nn
 
+from lightning_hbm import record
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm import record
 from lightning_hbm.layers import EMBEDDING, LINEAR, LayerKind, kind_of
+from lightning_hbm.layers.embedding import QuantizedEmbedding, is_plain_embedding, tie_heads
 from lightning_hbm.layers.linear import Fp32ComputeLinear
 from lightning_hbm.layers.read_weight import readable, served_reader
-from lightning_hbm.layers.embedding import QuantizedEmbedding, is_plain_embedding, tie_heads
-from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.naming import under
+from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.precision.registry import QuantFormat, get_format
 
 log = logging.getLogger(__name__)

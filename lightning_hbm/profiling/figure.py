@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Protocol, Union, runtime_checkable
 
-from lightning_hbm.profiling.timeline import BEFORE, Entry, RecordedStep
 from lightning_hbm.memory.categories import StorageKey, classify_records
 from lightning_hbm.memory.report import check_numbers, read_json
 from lightning_hbm.memory.terms import TERMS, category_terms, created_term, rest_term, scope_terms
 from lightning_hbm.memory.tracker import LOSS_SCOPE, scope_term_bytes
+from lightning_hbm.profiling.timeline import BEFORE, Entry, RecordedStep
 
 #: What each part of the ``rest`` category (``other``) is: the keys of ``ProfileFigure.parts["other"]`` and their
 #: legend labels, in stacking order.

@@ -31,8 +31,8 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -45,7 +45,6 @@ from typing_extensions import override
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.profiling.run_facts import run_facts
 from lightning_hbm.memory.categories import (
     CATEGORIES,
     MemoryBreakdown,
@@ -56,6 +55,10 @@ from lightning_hbm.memory.categories import (
     owned_tensors,
     tensor_bytes,
 )
+from lightning_hbm.memory.report import REMEDIES, MemoryReport
+from lightning_hbm.memory.storage import module_parameter_tensors
+from lightning_hbm.memory.terms import SIDE_TERMS, host_terms, scope_terms, side_terms, term
+from lightning_hbm.memory.tracker import LiveStorageTracker, scope_term_bytes
 from lightning_hbm.profiling.figure import (
     PeakPrediction,
     ProfileFigure,
@@ -65,11 +68,8 @@ from lightning_hbm.profiling.figure import (
     prediction_bytes,
     write_figure,
 )
+from lightning_hbm.profiling.run_facts import run_facts
 from lightning_hbm.profiling.timeline import RecordedStep, StepRecorder
-from lightning_hbm.memory.report import REMEDIES, MemoryReport
-from lightning_hbm.memory.storage import module_parameter_tensors
-from lightning_hbm.memory.terms import SIDE_TERMS, host_terms, scope_terms, side_terms, term
-from lightning_hbm.memory.tracker import LiveStorageTracker, scope_term_bytes
 from lightning_hbm.surgery import applied_transforms
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,6 @@ from lightning_hbm.resume.keys import _canonical
 from lightning_hbm.resume.packing import META_KEY
 from lightning_hbm.resume.sealing import _damaged
 
-
 # torch.save(..., _use_new_zipfile_serialization=False): a pickle (protocol 2) starting with torch's magic number
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 

@@ -39,9 +39,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hbm._validate import check_args
-from lightning_hbm.surgery import repoint_lr_schedulers
 from lightning_hbm.memory.storage import host_offload_bytes, nested_tensors  # host_offload_bytes: public here too
 from lightning_hbm.resume import CheckedCheckpointIO
+from lightning_hbm.surgery import repoint_lr_schedulers
 
 log = logging.getLogger(__name__)
 

@@ -58,11 +58,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hbm import resume
-from lightning_hbm._validate import check_args
 from lightning_hbm._compat import _PATH, _materialize_distributed_module, _optimizers_to_device
 from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._validate import check_args
 from lightning_hbm.optim import OPTIMIZER_KINDS, MemoryEfficientOptimizer
-
 
 log = logging.getLogger(__name__)
 

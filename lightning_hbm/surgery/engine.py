@@ -65,24 +65,23 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.weak import WeakIdKeyDictionary
 from torch.utils._pytree import tree_map_only
 from torch.utils.data import DataLoader
+from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
-from lightning_hbm import resume
+from lightning_hbm import probe, resume
 from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm import probe
 from lightning_hbm.data import MidEpochResumeCheck
 from lightning_hbm.display import adopt_display
 from lightning_hbm.layers import base_layer, find_layers, is_adapted, readers, source_readers, stored_in
 from lightning_hbm.memory.storage import quantized_format
 from lightning_hbm.quiet import quieted
-from lightning_hbm.surgery.ranks import check_ranks
 from lightning_hbm.record import appliers, as_built, set_as_built, set_modules_to_save
 from lightning_hbm.surgery.protocol import SurgeryPlugin
+from lightning_hbm.surgery.ranks import check_ranks
 from lightning_hbm.surgery.record import applied_transforms, mark_applied
 
 

@@ -6,8 +6,8 @@ import bitsandbytes as bnb
 import peft
 import pytest
 import torch
-from peft.tuners.lora import bnb as lora_bnb
 from conftest import peft_lora_layer
+from peft.tuners.lora import bnb as lora_bnb
 from torch import nn
 
 from lightning_hbm._compat import peft as compat

@@ -11,10 +11,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hbm import ActivationCheckpointing, QuantizedPrecision, applied_transforms, quantize_model
-from lightning_hbm.adapters.lora import LoRA
 from lightning_hbm.activations.checkpointing import OffloadSavedTensors, pinned_footprint
-from lightning_hbm.layers.blocks import find_blocks
+from lightning_hbm.adapters.lora import LoRA
 from lightning_hbm.data import synthetic_batch
+from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.memory.activations import saved_activation_bytes
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
 from lightning_hbm.record import checkpoint_plan, checkpointed_blocks

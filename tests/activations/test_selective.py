@@ -19,7 +19,6 @@ from lightning_hbm.data import synthetic_batch
 from lightning_hbm.memory.activations import saved_activation_bytes
 from lightning_hbm.precision.registry import get_format
 
-
 _BNB_MATMULS = ("bitsandbytes::gemm_4bit", "bitsandbytes::int8_scaled_mm", "bitsandbytes::int8_mixed_scaled_mm")
 
 

@@ -14,8 +14,8 @@ from torch import nn
 
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision import quantize_model
-from lightning_hbm.precision.gptq import input_hessians, input_statistics, patches
 from lightning_hbm.precision.config import QuantizationConfig
+from lightning_hbm.precision.gptq import input_hessians, input_statistics, patches
 from lightning_hbm.precision.plan import Quantization
 
 CONVS: dict[str, Callable[[], nn.Module]] = {

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision
-from lightning_hbm.layers import embedding as head_slices
 from lightning_hbm.layers import QuantizedEmbedding, coverage
+from lightning_hbm.layers import embedding as head_slices
 from lightning_hbm.layers.embedding import convertible
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
 from lightning_hbm.planner import plan

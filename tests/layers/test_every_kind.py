@@ -12,7 +12,7 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 import pytest
 import torch
-from kind_models import Classifier, MODELS, ViTClassifier, build, fit, fit_epochs, images, quantized_bytes_per_param, relative_error, tokens
+from kind_models import MODELS, Classifier, ViTClassifier, build, fit, fit_epochs, images, quantized_bytes_per_param, relative_error, tokens
 from torch import nn
 
 from lightning_hbm import LoRA, coverage_of, quantize_model

@@ -15,8 +15,7 @@ from lightning_hbm import LoRA, quantize_model
 
 
 def test_mixtral_experts_become_linears_with_equal_outputs_and_gradients() -> None:
-    from lightning_hbm.layers import LinearExperts
-    from lightning_hbm.layers import prepare_model
+    from lightning_hbm.layers import LinearExperts, prepare_model
 
     module = build("mixtral")
     reference = copy.deepcopy(module)

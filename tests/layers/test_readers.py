@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from kind_models import build, build_any, fit_epochs_module
 from torch import nn
 from torch.utils.data import DataLoader
-
-from kind_models import build, build_any, fit_epochs_module
 
 from lightning_hbm import LoRA, QuantizedPrecision, coverage_of
 from lightning_hbm.layers import base_layer, find_layers, readers, source_readers, stored_in, weight_readers

@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_hbm.profiling import profiler
-from lightning_hbm.profiling.profiler import COLUMNS
 from lightning_hbm.memory import CATEGORIES, TERMS, classify_records, term, terms_table
 from lightning_hbm.memory.report import REMEDIES, MemoryReport
 from lightning_hbm.memory.storage import storage_key
 from lightning_hbm.memory.terms import SIDE_TERMS, MemoryTerm, split_terms
 from lightning_hbm.memory.tracker import StorageRecord
-from lightning_hbm.planner import Candidate, Plan, Prediction, shard_categories
-from lightning_hbm.planner import tracing
+from lightning_hbm.planner import Candidate, Plan, Prediction, shard_categories, tracing
+from lightning_hbm.profiling import profiler
+from lightning_hbm.profiling.profiler import COLUMNS
 
 ROOT = Path(__file__).resolve().parents[2]
 

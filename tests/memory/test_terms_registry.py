@@ -17,7 +17,6 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hbm import HBMProfiler
-from lightning_hbm.profiling.run_facts import run_facts
 from lightning_hbm.memory import (
     CATEGORIES,
     TERMS,
@@ -37,6 +36,7 @@ from lightning_hbm.memory import (
 from lightning_hbm.memory.report import REMEDIES, MemoryReport, advice
 from lightning_hbm.memory.terms import created_term, rest_term
 from lightning_hbm.planner import Candidate, Plan, Prediction, predict
+from lightning_hbm.profiling.run_facts import run_facts
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = "toy"

@@ -178,8 +178,9 @@ def test_paged_resume_repages_after_lightning_restored_and_moved_the_state(
 
     On CPU there is no paging, so this checks the point it runs at; where the memory lives is the GPU test's.
     """
-    import lightning_hbm.optim.optimizer as module
     from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    import lightning_hbm.optim.optimizer as module
 
     events: list[Any] = []
     load = SingleDeviceStrategy.load_optimizer_state_dict

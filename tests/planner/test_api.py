@@ -13,7 +13,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.data import DataLoader
 
 from lightning_hbm.activations.checkpointing import ActivationCheckpointing, pinned_footprint
-from lightning_hbm.profiling.profiler import HBMProfiler
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.memory.storage import parameter_bytes
 from lightning_hbm.models import LlamaLM, NanoGPT
@@ -28,6 +27,7 @@ from lightning_hbm.planner import (
     shard_categories,
 )
 from lightning_hbm.precision import QuantFormat, quantize_model, registry
+from lightning_hbm.profiling.profiler import HBMProfiler
 from lightning_hbm.surgery import applied_transforms, run_surgery
 
 TINY_GPT = dict(n_layer=2, n_head=2, n_embd=64, block_size=128)
@@ -623,9 +623,9 @@ def test_a_partial_activation_offload_is_planned_as_the_whole_model_traces_it() 
 @pytest.mark.slow
 def test_a_partial_activation_offload_frees_what_memtracker_measures() -> None:
     # the offload target injected outside torch's dispatch (pinned host memory is outside the GPU allocator too)
-    from tests.planner.test_context import _HostOutsideTorch
     from lightning_hbm import LoRA
     from lightning_hbm.planner.reference import memtracker_peak
+    from tests.planner.test_context import _HostOutsideTorch
 
     factory = partial(LlamaLM, **{**TINY_LLAMA, "num_hidden_layers": 8, "intermediate_size": 128})
     batch = tuple(t.contiguous() for t in synthetic_batch(1, 1024))

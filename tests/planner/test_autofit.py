@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_hbm import AutoFit
-from lightning_hbm.profiling.profiler import HBMProfiler
 from lightning_hbm.precision import QuantizedPrecision
+from lightning_hbm.profiling.profiler import HBMProfiler
 from lightning_hbm.surgery import applied_transforms
 
 
@@ -155,8 +155,8 @@ def test_conflicting_callbacks_are_an_error(
 
 
 def test_comparison_without_a_profiler_says_how_to_measure() -> None:
-    from lightning_hbm.planner.autofit import compare_with_measured
     from lightning_hbm.planner import Candidate, Prediction
+    from lightning_hbm.planner.autofit import compare_with_measured
 
     prediction = Prediction(Candidate("nf4-dq", lora_r=16), categories={"parameters": 2**20, "activations": 3 * 2**20})
     text = compare_with_measured(prediction, None)

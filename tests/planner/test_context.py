@@ -17,15 +17,14 @@ from torch import nn
 
 from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm._compat import _disable_current_modes
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.activations.checkpointing import ActivationCheckpointing, OffloadSavedTensors, pinned_footprint
 from lightning_hbm.activations.loss import FusedLoss
 from lightning_hbm.data import synthetic_batch
-from lightning_hbm.models import LlamaLM
-from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import embedding
-from lightning_hbm.planner import CUDA_CONTEXT_BYTES, Candidate, max_context, plan
+from lightning_hbm.models import LlamaLM
+from lightning_hbm.planner import CUDA_CONTEXT_BYTES, Candidate, max_context, plan, tracing
 from lightning_hbm.planner import context as context_module
-from lightning_hbm.planner import tracing
 from lightning_hbm.planner.api import predict
 from lightning_hbm.planner.reference import memtracker_peak
 from lightning_hbm.planner.tracing import Decided

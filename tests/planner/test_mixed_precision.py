@@ -18,7 +18,6 @@ from planner_families import FAMILIES
 from torch.utils.data import DataLoader
 
 from lightning_hbm import AutoFit, QuantizedPrecision
-from lightning_hbm.profiling.profiler import HBMProfiler
 from lightning_hbm.cli import HBMCLI
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.memory import parameter_bytes, quantization_tensors, tensor_bytes
@@ -32,6 +31,7 @@ from lightning_hbm.planner import (
 )
 from lightning_hbm.precision import quantize_model
 from lightning_hbm.precision.sensitivity import predict_parameter_bytes
+from lightning_hbm.profiling.profiler import HBMProfiler
 
 BATCH, SEQ = 2, 16
 

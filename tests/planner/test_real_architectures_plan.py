@@ -14,12 +14,12 @@ from functools import partial
 from typing import Any, Callable
 
 import pytest
+from planner_families import HFCausalLM
 
 from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.planner import plan
 from lightning_hbm.planner.reference import memtracker_peak
-from planner_families import HFCausalLM
 
 VOCAB = 512
 BATCH = synthetic_batch(2, 64, vocab_size=VOCAB)

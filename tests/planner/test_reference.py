@@ -11,12 +11,12 @@ import sys
 
 import pytest
 import torch
+from planner_families import FAMILIES, FAMILIES_32K, MEMTRACKER_CASES, VOCAB_32K
 
 from lightning_hbm.activations.loss import chunk_tokens, softmax_rows
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.planner import Candidate, predict
 from lightning_hbm.planner.reference import memtracker_peak
-from planner_families import FAMILIES, FAMILIES_32K, MEMTRACKER_CASES, VOCAB_32K
 
 # contiguous, as a DataLoader collates it and as the reference's step clones it (with synthetic_batch's views of one
 # tensor the planner read 1,072 B high: benchmarks/README.md)

@@ -11,11 +11,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hbm import LoRA, QuantizedPrecision
-from lightning_hbm.quality import compare_outputs, probe_output
 from lightning_hbm.layers import coverage
 from lightning_hbm.layers.correction import correction_of
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.correction import corrected_layers
+from lightning_hbm.quality import compare_outputs, probe_output
 
 PROBE = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
 HELD_OUT = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
@@ -93,10 +93,10 @@ def test_a_negative_rank_is_an_error_at_construction() -> None:
 
 
 def _fit(root: Path, max_steps: int, probe: torch.Tensor, ckpt_path: Any = None) -> Any:
+    import lightning.pytorch as pl
+
     from lightning_hbm.data import ByteTextDataModule
     from lightning_hbm.models import NanoGPT
-
-    import lightning.pytorch as pl
 
     torch.manual_seed(0)
     model = NanoGPT(n_layer=2, n_head=2, n_embd=64, block_size=128)
@@ -127,8 +127,8 @@ def test_a_resume_takes_the_factors_from_the_checkpoint_bit_for_bit(tmp_path: Pa
 
 def test_the_weight_sqnr_reads_the_corrected_weight(gpt_factory: Any) -> None:
     """QuantizationQuality's weight table: the weight a corrected layer multiplies with is Q + B_c A_c."""
-    from lightning_hbm.quality import _dequantized_weight
     from lightning_hbm.precision.registry import format_of
+    from lightning_hbm.quality import _dequantized_weight
 
     model = gpt_factory()
     _quantized(model, correction_rank=4)

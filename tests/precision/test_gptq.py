@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from lightning_hbm import LoRA, QuantizedPrecision, quantize_model
-from lightning_hbm.quality import compare_outputs, probe_output
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import input_hessians, pack_indices
 from lightning_hbm.precision.targets import _quantizable_linears
+from lightning_hbm.quality import compare_outputs, probe_output
 
 PROBE = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
 HELD_OUT = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))

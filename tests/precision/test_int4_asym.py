@@ -19,7 +19,11 @@ from lightning_hbm.models import NanoGPT
 from lightning_hbm.planner import quantized_parameter_bytes
 from lightning_hbm.precision import format_of, get_format
 from lightning_hbm.precision.int4_asym import (
-    Int4GroupLinear, dequantize_groups, on_4bit_grid, quantize_groups, regrid_warning,
+    Int4GroupLinear,
+    dequantize_groups,
+    on_4bit_grid,
+    quantize_groups,
+    regrid_warning,
 )
 
 MODE = "int4-g32"

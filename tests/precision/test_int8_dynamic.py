@@ -17,9 +17,9 @@ from torch.utils.checkpoint import checkpoint
 from lightning_hbm import QuantizedPrecision, available_precisions, precision_plugin, quantize_model
 from lightning_hbm.activations.checkpointing import ActivationCheckpointing
 from lightning_hbm.adapters.lora import LoRA
-from lightning_hbm.quality import QuantizationQuality
 from lightning_hbm.memory import parameter_bytes, quantization_tensors, unique_bytes
 from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear, quantize_rowwise, uses_integer_kernel
+from lightning_hbm.quality import QuantizationQuality
 
 
 def linear_stack(seed: int = 0, width: int = 256, depth: int = 3) -> nn.Sequential:

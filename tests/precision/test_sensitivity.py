@@ -10,8 +10,8 @@ from torch import nn
 
 from lightning_hbm import QuantizationQuality, QuantizedPrecision, quantize_model
 from lightning_hbm.memory import parameter_bytes
-from lightning_hbm.precision.targets import _quantizable_linears
 from lightning_hbm.precision.sensitivity import choose_plan, predict_parameter_bytes, upgrade_moves, weight_bytes
+from lightning_hbm.precision.targets import _quantizable_linears
 
 PROBE = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 

@@ -15,9 +15,9 @@ from torch import nn
 from lightning_hbm import LoRA, QuantizedPrecision, quantize_model
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
-from lightning_hbm.precision.targets import _quantizable_linears
 from lightning_hbm.precision.sensitivity import predict_parameter_bytes, weight_bytes
 from lightning_hbm.precision.smoothing import attached, choose_smoothing
+from lightning_hbm.precision.targets import _quantizable_linears
 from lightning_hbm.record import input_shift
 
 PROBE = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))

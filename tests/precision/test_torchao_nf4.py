@@ -15,7 +15,6 @@ pytest.importorskip("torchao")
 
 from lightning_hbm import QuantizedPrecision, available_precisions, quantize_model  # noqa: E402
 from lightning_hbm.adapters.lora import LoRA  # noqa: E402
-from lightning_hbm.quality import QuantizationQuality  # noqa: E402
 from lightning_hbm.layers import report_coverage  # noqa: E402
 from lightning_hbm.memory import parameter_bytes, quantization_tensors, unique_bytes  # noqa: E402
 from lightning_hbm.models import NanoGPT  # noqa: E402
@@ -23,6 +22,7 @@ from lightning_hbm.planner import quantized_parameter_bytes  # noqa: E402
 from lightning_hbm.precision import format_of, get_format  # noqa: E402
 from lightning_hbm.precision.sensitivity import ladder  # noqa: E402
 from lightning_hbm.precision.torchao_nf4 import NF4Linear, TorchaoNF4Format, scaler_block_size  # noqa: E402
+from lightning_hbm.quality import QuantizationQuality  # noqa: E402
 
 MODE = "nf4-torchao"
 TINY_GPT = dict(n_layer=2, n_head=2, n_embd=64, block_size=128)

@@ -13,11 +13,11 @@ import torch
 from lightning.pytorch.loggers import Logger
 
 from lightning_hbm import ActivationCheckpointing, FusedLoss, HBMProfiler
-from lightning_hbm.profiling.figure import ProfileFigure, draw_figure, figure_path, load_figure
-from lightning_hbm.profiling.timeline import TRAINING_STEP
 from lightning_hbm.data import ByteTextDataModule
 from lightning_hbm.memory import CATEGORIES, TERMS
 from lightning_hbm.models import NanoGPT
+from lightning_hbm.profiling.figure import ProfileFigure, draw_figure, figure_path, load_figure
+from lightning_hbm.profiling.timeline import TRAINING_STEP
 
 TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=128)
 BUDGET, PREDICTION = 6 * 2**20, 4 * 2**20

@@ -15,10 +15,10 @@ from torch.utils._python_dispatch import _len_torch_dispatch_stack
 from torch.utils.data import DataLoader
 
 from lightning_hbm import HBMProfiler, QuantizedPrecision
-from lightning_hbm.profiling.profiler import COLUMNS, REMEDIES
 from lightning_hbm.memory import CATEGORIES, parameter_bytes
 from lightning_hbm.memory.report import FORWARD_END, STEP_PEAK, MemoryReport, plot
 from lightning_hbm.models import NanoGPT
+from lightning_hbm.profiling.profiler import COLUMNS, REMEDIES
 
 
 def _fit(model: pl.LightningModule, trainer_factory: Callable[..., pl.Trainer], datamodule: Any, **kwargs: Any) -> HBMProfiler:

@@ -47,11 +47,11 @@ from typing_extensions import override
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.activations.attention.blocked import (
+    CallerRecorder,
     Router,
     Signature,
     Timing,
     attention,
-    CallerRecorder,
     route,
     time_kernels,
     unroute,

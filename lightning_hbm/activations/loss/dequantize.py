@@ -14,6 +14,7 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers.embedding import sliced_linear
 from lightning_hbm.precision.registry import QuantFormat, format_of
 
+
 def _sliced_forward(layer: nn.Module, fmt: QuantFormat, dtype: torch.dtype) -> Any:
     return lambda x: sliced_linear(x, layer, fmt, dtype, cast(Optional[torch.Tensor], layer.bias))
 

@@ -17,16 +17,16 @@ from typing_extensions import override
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.adapters.lora.base import ALL_LINEAR, ADAPTER_NAME, _import_peft, _lora_layer_cls, _width
-from lightning_hbm.adapters.lora.export import adapter_state_dict, check_adapter_folder, is_quantized, merge, save_adapter
 from lightning_hbm.adapters.lora import variants
+from lightning_hbm.adapters.lora.base import ADAPTER_NAME, ALL_LINEAR, _import_peft, _lora_layer_cls, _width
 from lightning_hbm.adapters.lora.compute import compute_in_input_dtype
+from lightning_hbm.adapters.lora.export import adapter_state_dict, check_adapter_folder, is_quantized, merge, save_adapter
 from lightning_hbm.adapters.lora.forward import lora_forward
 from lightning_hbm.adapters.lora.watch import _AdapterWatch
 from lightning_hbm.layers import adaptable_names, find_layers, kind_names, output_heads, prepare_model, report_coverage, task_heads, weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
-from lightning_hbm.precision.plugin import QuantizedPrecision
 from lightning_hbm.naming import did_you_mean, name_list, name_matches, under
+from lightning_hbm.precision.plugin import QuantizedPrecision
 from lightning_hbm.precision.registry import format_of, to_dtype
 from lightning_hbm.record import leave_alone, left_alone
 from lightning_hbm.surgery import Stage, SurgeryCallback

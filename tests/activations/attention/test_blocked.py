@@ -18,12 +18,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import StepOps
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import lightning_hbm.activations.attention.kernel as attention_kernel
 import lightning_hbm.activations.attention.blocked as blocked
-from conftest import StepOps
+import lightning_hbm.activations.attention.kernel as attention_kernel
 from lightning_hbm import ActivationCheckpointing, AttentionKernel
 from lightning_hbm.activations.attention.blocked import RoutedForward, Timing, attention, resolve
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes

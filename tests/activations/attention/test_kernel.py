@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import pytest
 import torch
-
 from conftest import StepOps
+
 from lightning_hbm import ActivationCheckpointing, AttentionKernel, QuantizedPrecision
 
 FLASH_CPU_OP = "aten::_scaled_dot_product_flash_attention_for_cpu"

@@ -16,7 +16,13 @@ from torch import nn
 
 from lightning_hbm import ActivationCheckpointing, FusedLoss, LoRA, QuantizedPrecision, applied_transforms, quantize_model
 from lightning_hbm.activations.loss import (
-    CHUNK_BYTES, MIN_CHUNK_TOKENS, SOFTMAX_BYTES, LazyLogits, chunk_tokens, fused_linear_cross_entropy, softmax_rows,
+    CHUNK_BYTES,
+    MIN_CHUNK_TOKENS,
+    SOFTMAX_BYTES,
+    LazyLogits,
+    chunk_tokens,
+    fused_linear_cross_entropy,
+    softmax_rows,
 )
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
 from lightning_hbm.models import NanoGPT, llama_config

@@ -13,9 +13,9 @@ from conftest import peft_lora_layer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision
+from lightning_hbm._compat.torch import forward_override
 from lightning_hbm.adapters.lora.compute import compute_in_input_dtype
 from lightning_hbm.adapters.lora.forward import LoRAForward, lora_forward, recomputing
-from lightning_hbm._compat.torch import forward_override
 
 
 class _Ops(TorchDispatchMode):
