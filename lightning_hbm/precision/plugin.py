@@ -160,8 +160,9 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
         rounding: ``"nearest"`` (the format's own) or ``"gptq"``: 4-bit layers are rounded by GPTQ
             (:mod:`lightning_hbm.precision.gptq`) with their inputs on ``probe_batch`` (one forward),
             stored in their own format at the same bytes, less output error. Layers whose format has no
-            code grid (``QuantFormat.rounding_grid``: int8 modes) and the projections of an
-            ``nn.MultiheadAttention`` keep nearest rounding (logged, with their modes).
+            code grid (``QuantFormat.rounding_grid``: int8 modes), transposed convolutions, input embeddings and
+            layers the probe never reached keep nearest rounding: named at fit start in a warning, by reason, with
+            the fix (:func:`~lightning_hbm.precision.gptq.nearest_warning`).
             A resume rebuilds the rounding from the probe and checks it against the checkpoint's CRC.
         smoothing: for layers stored in ``"int8-dynamic-smooth"`` (``mode``, ``sensitive_mode`` or in
             ``layer_modes``): the SmoothQuant migration strength ``alpha`` in [0, 1], or ``"auto"`` (the
