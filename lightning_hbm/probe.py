@@ -7,9 +7,7 @@ same code. ``lightning_hbm.quality`` re-exports every name.
 
 from __future__ import annotations
 
-import random
-import sys
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -72,7 +70,7 @@ def probe_output(module: nn.Module, batch: Any) -> Tensor:
 
 def first_batch(trainer: Optional[pl.Trainer], who: str) -> Any:
     """The first batch of ``trainer``'s train dataloader, whatever gives it (a datamodule, the loader passed to
-    ``fit``, the LightningModule's own ``train_dataloader``), drawn leaving no trace (:func:`drawn_batches`).
+    ``fit``, the LightningModule's own ``train_dataloader``), drawn leaving no trace (:func:`first_batches`).
 
     Raises:
         ValueError: the Trainer has no train dataloader, or it is empty.
@@ -81,87 +79,38 @@ def first_batch(trainer: Optional[pl.Trainer], who: str) -> Any:
 
 
 def first_batches(trainer: Optional[pl.Trainer], who: str, min_tokens: int, most: int = 16) -> Any:
-    """The first batches of ``trainer``'s train dataloader (as :func:`first_batch`) joined along the batch dimension
-    until they hold ``min_tokens`` tokens (at most ``most`` batches; fewer when the loader ends first or the next batch
-    cannot join the others: another shape past the batch dimension). A loader read once (a stream, a generator) gives
-    its first batch only: the loop trains it first (``torch_compat.draw_keeping_the_pass``); more drawn here would be
-    taken from training.
+    """The first batches of ``trainer``'s train dataloader (a datamodule's, the loader passed to ``fit``, the
+    LightningModule's own) joined along the batch dimension until they hold ``min_tokens`` tokens (at most ``most``
+    batches; fewer when the loader ends first or the next batch cannot join the others: another shape past the batch
+    dimension). The loader is requested as the fit loop requests it and handed to it (the user's hook runs once per fit,
+    issue 55); its batches are drawn leaving no trace (``torch_compat.leading_batches``: a loader read once gives its
+    first batch only, the one the loop trains first; a map-style one is read in a pass left as it was).
 
     Tokens: the first tensor's first two dimensions (batch x sequence), or its first for a 1-D tensor.
 
     Raises:
         ValueError: the Trainer has no train dataloader, or it is empty.
     """
-    loader = _train_loader(trainer, who)
-    joined: list[Any] = [None]
-
-    def enough(batches: list[Any]) -> bool:
-        longer = _join(batches)
-        if longer is None:  # the last one does not join the others: stop before it
-            return True
-        joined[0] = longer
-        return len(batches) >= most or _tokens(longer) >= min_tokens
-
-    if torch_compat.passes_once(loader):
-        kept = torch_compat.draw_keeping_the_pass(loader)  # drawn once (the probe step's): given again, nothing read
-        batches = [] if kept is None else [kept[0]]
-        joined[0] = kept[0] if kept is not None else None
-    else:
-        batches = drawn_batches(loader, enough)
-    if not batches:
-        raise ValueError(f"{who} found no probe batch: the Trainer's train dataloader is empty. Pass {who}(probe_batch=...) or a loader with at least one batch.")
-    return joined[0]
-
-
-def _train_loader(trainer: Optional[pl.Trainer], who: str) -> Any:
-    """The train dataloader the fit loop will iterate, requested as that loop requests it and handed to it
-    (``lightning_compat.train_dataloader``: the user's hook runs once per fit, issue 55)."""
-    if not lightning_compat.has_train_dataloader(trainer):
+    loader = lightning_compat.train_dataloader(trainer) if lightning_compat.has_train_dataloader(trainer) else None
+    if loader is None:
         raise ValueError(
             f"{who} found no probe batch: the Trainer has no train dataloader (no datamodule, no train_dataloaders "
             f"passed to fit, no train_dataloader() on the LightningModule). Pass {who}(probe_batch=...), or fit with "
             "train_dataloaders=... or datamodule=..."
         )
-    return lightning_compat.train_dataloader(trainer)
+    joined: list[Any] = []  # the longest run of first batches that join
 
+    def enough(drawn: list[Any]) -> bool:
+        longer = _join(drawn)
+        if longer is None:  # the last one does not join the others: stop before it
+            return True
+        joined[:] = [longer]
+        return len(drawn) >= most or _tokens(longer) >= min_tokens
 
-@contextmanager
-def preserved_rngs() -> Iterator[None]:
-    """Python's, NumPy's and torch's (CPU) global RNG states as they were, after the block: the probe step runs the
-    user's code, which may draw from any of them (issue 55: the same seed trained on other draws with LoRA)."""
-    python_state = random.getstate()
-    numpy_random = sys.modules.get("numpy.random")  # only if the user's code has imported NumPy
-    numpy_state = numpy_random.get_state() if numpy_random is not None else None  # type: ignore[attr-defined]
-    try:
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        random.setstate(python_state)
-        if numpy_random is not None:
-            numpy_random.set_state(numpy_state)  # type: ignore[attr-defined]
-
-
-def drawn_batches(loader: Any, enough: Callable[[list[Any]], bool]) -> list[Any]:
-    """The batches of a new pass of ``loader`` (a map-style one: a second pass reads the same indices) from its first
-    until ``enough(batches)``, drawn leaving no trace: the global RNGs, the loader's (and its samplers') own
-    generators and its attributes as they were, the pass shut down. A DataLoader's generator draws the epoch's order:
-    advanced here, epoch 0 would train in another order than without lightning_hbm (issue 55)."""
-    generators = [g for g in (getattr(loader, "generator", None), getattr(getattr(loader, "sampler", None), "generator", None),
-                              getattr(getattr(getattr(loader, "batch_sampler", None), "sampler", None), "generator", None))
-                  if isinstance(g, torch.Generator)]  # fmt: skip
-    states = [(g, g.get_state()) for g in {id(g): g for g in generators}.values()]
-    batches: list[Any] = []
-    try:
-        # the loop trains on this same loader object (lightning_compat.stage_dataloader): no pass begun here is left in it
-        with preserved_rngs(), torch_compat.loader_as_it_was(loader):
-            for batch in loader:
-                batches.append(batch)
-                if enough(batches):
-                    break
-    finally:
-        for generator, state in states:
-            generator.set_state(state)
-    return batches
+    batches = torch_compat.leading_batches(loader, enough)  # a loader read once: its first batch, enough not asked
+    if not batches:
+        raise ValueError(f"{who} found no probe batch: the Trainer's train dataloader is empty. Pass {who}(probe_batch=...) or a loader with at least one batch.")
+    return joined[0] if joined else batches[0]
 
 
 def _tokens(batch: Any) -> int:
@@ -229,5 +178,5 @@ def eval_no_grad(module: nn.Module) -> Generator[None, None, None]:
             m.training = training
 
 
-__all__ = ["PREFIX", "check_forward", "compare_outputs", "drawn_batches", "eval_no_grad", "first_batch", "first_batches",
-           "has_forward", "preserved_rngs", "probe_output"]
+__all__ = ["PREFIX", "check_forward", "compare_outputs", "eval_no_grad", "first_batch", "first_batches", "has_forward",
+           "probe_output"]

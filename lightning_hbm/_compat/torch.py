@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+import sys
 import weakref
 from contextlib import contextmanager
 from functools import wraps
@@ -306,3 +308,49 @@ def wrapper_tensor(cls: type, shape: tuple[int, ...], dtype: torch.dtype, device
 def subclass_functions_off() -> Any:
     """A context in which a subclass's ``__torch_function__`` is not called (torch's ``DisableTorchFunctionSubclass``)."""
     return torch._C.DisableTorchFunctionSubclass()
+
+
+@contextmanager
+def preserved_rngs() -> Iterator[None]:
+    """Python's, NumPy's and torch's (CPU) global RNG states as they were, after the block: the probe step runs the
+    user's code, which may draw from any of them (issue 55: the same seed trained on other draws with LoRA)."""
+    python_state = random.getstate()
+    numpy_random = sys.modules.get("numpy.random")  # only if the user's code has imported NumPy
+    numpy_state = numpy_random.get_state() if numpy_random is not None else None  # type: ignore[attr-defined]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy_random is not None:
+            numpy_random.set_state(numpy_state)  # type: ignore[attr-defined]
+
+
+def leading_batches(loader: Any, enough: Callable[[list[Any]], bool]) -> list[Any]:
+    """The first batches of ``loader`` until ``enough(batches)``, drawn leaving no trace.
+
+    A loader read once (:func:`passes_once`: a stream, a generator) gives its first batch only, drawn once and kept
+    for its loop (:func:`draw_keeping_the_pass`): more drawn here would be taken from training. A map-style one is
+    read in a new pass (a second pass reads the same indices) with the global RNGs, the loader's (and its samplers')
+    own generators and its attributes as they were, the pass shut down: a DataLoader's generator draws the epoch's
+    order, and advanced here epoch 0 would train in another order than without lightning_hbm (issue 55).
+    """
+    if passes_once(loader):
+        kept = draw_keeping_the_pass(loader)
+        return [] if kept is None else [kept[0]]
+    generators = [g for g in (getattr(loader, "generator", None), getattr(getattr(loader, "sampler", None), "generator", None),
+                              getattr(getattr(getattr(loader, "batch_sampler", None), "sampler", None), "generator", None))
+                  if isinstance(g, torch.Generator)]  # fmt: skip
+    states = [(g, g.get_state()) for g in {id(g): g for g in generators}.values()]
+    batches: list[Any] = []
+    try:
+        # the loop trains on this same loader object (lightning_compat.stage_dataloader): no pass begun here is left in it
+        with preserved_rngs(), loader_as_it_was(loader):
+            for batch in loader:
+                batches.append(batch)
+                if enough(batches):
+                    break
+    finally:
+        for generator, state in states:
+            generator.set_state(state)
+    return batches

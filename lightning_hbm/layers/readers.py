@@ -41,8 +41,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm._compat.torch import preserved_rngs  # re-exported: its home before the probe batches used it too
 from lightning_hbm.layers import read_weight
-from lightning_hbm.probe import preserved_rngs  # re-exported: its home before the probe batches used it too
 from lightning_hbm.running import RunningModules
 
 # Reading these of a weight is harmless once the layer is quantized or adapted; "metadata" is wrong on a packed

@@ -47,7 +47,7 @@ from lightning_hbm.precision.quantize import _layer_modes
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, choose_plan, planned_convs_warning, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.precision.targets import Listing, TargetRule, _validate, quantize_listed
-from lightning_hbm.probe import first_batch, first_batches, has_forward
+from lightning_hbm.probe import first_batches, has_forward
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +72,13 @@ def _on_fake_tensors(module: nn.Module) -> bool:
     return any(isinstance(p, FakeTensor) for p in module.parameters())
 
 
-def modules_to_save(module: nn.Module) -> list[str]:
+def modules_to_save(module: nn.Module, trainer: Any) -> list[str]:
     """The modules the Trainer's callbacks train in full (``LoRA``'s ``modules_to_save``): they stay unquantized.
 
-    Those of the callbacks of the Trainer ``module`` is attached to, read by duck typing (any callback with the
+    Those of the callbacks of ``trainer`` (the Trainer ``module`` is attached to), read by duck typing (any callback with the
     attribute: the precision level sits below the callbacks, ``tests/test_layering.py``), then, without a Trainer
     (the planner's surgery), those :func:`~lightning_hbm.surgery.run_surgery` recorded from its transforms.
     """
-    trainer = lightning_compat.attached_trainer(module)
     names = [name for cb in getattr(trainer, "callbacks", []) for name in getattr(cb, "modules_to_save", None) or ()]
     return names + [n for n in record.modules_to_save(module) if n not in names]
 
@@ -181,12 +180,12 @@ class Quantization:
 
     def listing(self, module: nn.Module) -> Listing:
         """The targets of ``module`` and the layers left alone with (reason, deliberate), listed once per surgery."""
-        return self._listed(module)[1]
+        return self._listed(module, lightning_compat.attached_trainer(module))[1]
 
-    def _listed(self, module: nn.Module) -> tuple[TargetRule, Listing]:
+    def _listed(self, module: nn.Module, trainer: Any) -> tuple[TargetRule, Listing]:
         """The rule of this surgery (settings and the modules trained in full) and its listing of ``module``: listed
         again only when the model or the modules trained in full changed since."""
-        rule = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module)), self.config.quantize_embeddings)
+        rule = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module, trainer)), self.config.quantize_embeddings)
         cached = self._listing
         if cached is None or cached[0]() is not module or cached[1] != rule:
             cached = (weakref.ref(module), rule, rule.listing(module))
@@ -216,7 +215,7 @@ class Quantization:
         self._listing = None  # a new surgery: list the model as it is now
         if self.config.layer_modes is None:
             self.layer_modes = self.conv_report = None  # a plugin reused by another Trainer measures again
-        rule, listing = self._listed(module)
+        rule, listing = self._listed(module, trainer)
         _validate(module, rule, listing, self.config.format, self.config.torch_dtype)
         targets = listing.targets
         if self.config.layer_modes is not None:
@@ -256,7 +255,7 @@ class Quantization:
         Raises:
             ValueError: as :func:`~lightning_hbm.precision.quantize_model`, or a resumed GPTQ rounding that differs.
         """
-        rule, listed = self._listed(module)  # the checks' targets, handed on
+        rule, listed = self._listed(module, trainer)  # the checks' targets, handed on
         correction, smoothing = self.correction, self.smoothing
         inputs = correction is not None and correction.hessians is None and correction.saved is None
         smooth = smoothing is not None and smoothing.shifts is None
@@ -326,9 +325,8 @@ class Quantization:
         """
         if self.config.probe_batch is not None:
             return self.config.probe_batch
-        if self.correction is not None:
-            return first_batches(trainer, "QuantizedPrecision", CORRECTION_PROBE_TOKENS)
-        return first_batch(trainer, "QuantizedPrecision")
+        correcting = self.correction is not None
+        return first_batches(trainer, "QuantizedPrecision", CORRECTION_PROBE_TOKENS if correcting else 0, most=16 if correcting else 1)
 
     def _choose_plan(self, module: nn.Module, names: list[str], trainer: Any) -> None:
         self.layer_modes = self.report = None  # a plugin reused by another Trainer measures again

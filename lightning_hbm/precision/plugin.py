@@ -337,7 +337,8 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
     def convert_base(self, module: nn.Module) -> nn.Module:
         """Quantize ``module``'s layers in place (once per model), and nothing else."""
         if self.name not in applied_transforms(module):
-            self.quantization.convert(module, self._trainer(module))
+            trainer = self._trainer(module)  # looked up once, handed on (the modules trained in full, the probe)
+            self.quantization.convert(module, trainer)
             mark_applied(module, self.name)
         return module
 

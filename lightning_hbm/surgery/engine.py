@@ -70,7 +70,7 @@ from torch.utils.data import DataLoader
 from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
-from lightning_hbm import probe, resume
+from lightning_hbm import resume
 from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
@@ -521,7 +521,7 @@ def _stage_batch(trainer: pl.Trainer) -> Any:
             return None  # its loop reads a rebuilt copy, from the stream again: a batch drawn here would be lost
         return _first_of_the_pass(trainer, loader)
     # a map-style loader: a new pass, left as it was (its generators draw epoch 0's order: issue 55)
-    return next(iter(probe.drawn_batches(loader, lambda batches: True)), None)
+    return next(iter(torch_compat.leading_batches(loader, lambda batches: True)), None)
 
 
 def _first_of_the_pass(trainer: pl.Trainer, loader: Any) -> Any:
