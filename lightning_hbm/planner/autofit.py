@@ -175,7 +175,7 @@ class AutoFit(Callback):
             for c in default_candidates(precisions, self.lora_ranks, self.checkpointing, self.optimizers, fused,
                                         mlp_chunks=self.mlp_chunks)
         ]
-        candidates += self._accurate_candidates(trainer, candidates, baseline[0])
+        candidates += self._accurate_candidates(candidates, baseline[0])
         device: Literal["cpu", "cuda"] = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
         self.plan = plan(pl_module, _example_batch(trainer), budget=self.budget, candidates=candidates, device=device)
         rank_zero_info(f"AutoFit plan (budget {self._budget_text}):\n{self.plan}")
@@ -208,22 +208,15 @@ class AutoFit(Callback):
         profilers = [cb for cb in trainer.callbacks if isinstance(cb, HBMProfiler)]  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
         print(compare_with_measured(self.chosen, profilers[0].report() if profilers else None))
 
-    def _accurate_candidates(self, trainer: pl.Trainer, candidates: list[Candidate], baseline: str) -> list[Candidate]:
+    def _accurate_candidates(self, candidates: list[Candidate], baseline: str) -> list[Candidate]:
         """The accurate 4-bit base (:data:`~lightning_hbm.planner.candidates.ACCURATE_4BIT`) beside each default
         ``nf4-dq`` candidate: only for the default precisions on a Trainer whose own precision quantizes nothing (a
-        user's ``QuantizedPrecision`` is kept as configured), and only with a train dataloader (a datamodule's, the
-        loader passed to ``fit``, the module's own), whose first batches are the probe the rounding and the correction
-        are fitted on (said otherwise)."""
+        user's ``QuantizedPrecision`` is kept as configured). The rounding and the correction are fitted on the first
+        batches of the fit's train dataloader, which a fit always has (Lightning refuses one without before
+        ``Callback.setup``): a datamodule's, the loader passed to ``fit``, or the module's own."""
         if not self._default_precisions or baseline not in PLANNED_LIGHTNING_PRECISIONS:
             return []
         plain = [c for c in candidates if c.precision == "nf4-dq" and c.correction_rank == 0]
-        if plain and not lightning_compat.has_train_dataloader(trainer):
-            rank_zero_info(
-                "AutoFit: no train dataloader, so no probe batch to fit GPTQ rounding and the calibrated correction on: "
-                "the quantized candidates are plain nf4-dq. Fit with train_dataloaders=... or datamodule=... to let "
-                "AutoFit try the accurate 4-bit base (nf4-dq-b32, rounding='gptq', correction_rank=16)."
-            )
-            return []
         return [dataclasses.replace(c, **ACCURATE_4BIT) for c in plain]  # type: ignore[arg-type]  # the fields' own types
 
     def _apply(self, trainer: pl.Trainer, candidate: Candidate, baseline: str) -> None:

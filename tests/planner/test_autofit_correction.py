@@ -79,12 +79,10 @@ def test_a_loader_passed_to_fit_is_the_probe_of_the_accurate_candidates(
 
 
 def test_a_users_explicit_precisions_get_no_accurate_candidates() -> None:
-    import lightning.pytorch as pl
-
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     plain = [Candidate("nf4-dq", lora_r=8)]
-    assert AutoFit(precisions=["nf4-dq"])._accurate_candidates(trainer, plain, "32-true") == []
-    assert AutoFit()._accurate_candidates(trainer, plain, "nf4-dq") == []  # the Trainer's own QuantizedPrecision
+    assert AutoFit(precisions=["nf4-dq"])._accurate_candidates(plain, "32-true") == []
+    assert AutoFit()._accurate_candidates(plain, "nf4-dq") == []  # the Trainer's own QuantizedPrecision
+    assert [c.correction_rank for c in AutoFit()._accurate_candidates(plain, "32-true")] == [16]  # the default: offered
 
 
 def test_the_rounding_axis_of_a_candidate() -> None:
