@@ -11,7 +11,13 @@ One job per module, the callback class as the package's face:
 """
 
 from lightning_hbm.activations.attention import AttentionKernel
-from lightning_hbm.activations.checkpointing import ActivationCheckpointing, OffloadSavedTensors, pinned_footprint
+from lightning_hbm.activations.checkpointing import (
+    ActivationCheckpointing,
+    OffloadSavedTensors,
+    host_footprint,
+    pinned_footprint,
+)
 from lightning_hbm.activations.loss import FusedLoss
 
-__all__ = ["ActivationCheckpointing", "AttentionKernel", "FusedLoss", "OffloadSavedTensors", "pinned_footprint"]
+__all__ = ["ActivationCheckpointing", "AttentionKernel", "FusedLoss", "OffloadSavedTensors", "host_footprint",
+           "pinned_footprint"]

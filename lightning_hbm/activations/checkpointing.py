@@ -39,14 +39,94 @@ from lightning_hbm.naming import did_you_mean, has_submodule
 from lightning_hbm.record import CheckpointedForward, checkpoint_plan
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
+#: the smallest pinned piece of a large host copy (see :func:`pinned_pieces`): a copy wastes less than this to rounding.
+PIECE_BYTES = 2 << 20
 
-def pinned_footprint(nbytes: int) -> int:
-    """Host bytes torch's pinned-memory allocator takes for a request of ``nbytes``: the next power of two.
+
+def pinned_pieces(nbytes: int) -> list[int]:
+    """Byte sizes of the pinned pieces a host copy of ``nbytes`` is stored in: powers of two, largest first.
 
     torch's ``CachingHostAllocator`` rounds every pinned allocation up to a power of two (``PowerOf2Ceil`` in
-    ``ATen/core/CachingHostAllocator.h``, default ``pinned_max_round_threshold``): a 0.76 GiB block input takes 1 GiB.
+    ``ATen/core/CachingHostAllocator.h``, unless the process sets ``pinned_max_round_threshold_mb``): one 6.8 GiB
+    block input would pin 8 GiB, 32 of them 256 GiB instead of 218. So a copy larger than :data:`PIECE_BYTES` is
+    stored as the binary decomposition of its size (rounded up to a multiple of :data:`PIECE_BYTES`): every piece is
+    a power of two the allocator takes as asked, at most one per bit of the size (13 for 8 GiB), and the waste is
+    under 2 MiB a copy. Written by hand because the allocator's threshold is a process-wide setting: setting it would
+    change every other pinned allocation of the user's process. A copy of at most :data:`PIECE_BYTES` is one piece,
+    rounded as the allocator rounds it.
     """
-    return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
+    if nbytes <= 0:
+        return []
+    if nbytes <= PIECE_BYTES:
+        return [1 << (nbytes - 1).bit_length()]
+    total = -(-nbytes // PIECE_BYTES) * PIECE_BYTES
+    return [1 << bit for bit in reversed(range(total.bit_length())) if total >> bit & 1]
+
+
+def pinned_footprint(nbytes: int) -> int:
+    """Host bytes a pinned host copy of ``nbytes`` takes: the sum of its :func:`pinned_pieces` (within 2 MiB of
+    ``nbytes`` above :data:`PIECE_BYTES`; the next power of two up to it)."""
+    return sum(pinned_pieces(int(nbytes)))
+
+
+class _Pieces:
+    """A host copy stored as pinned pieces (:func:`pinned_pieces`): flat tensors of the copy's dtype, in order; the
+    last may hold a few elements more than the copy."""
+
+    __slots__ = ("dtype", "pieces", "shape")
+
+    def __init__(self, tensor: Tensor, device: torch.device, pin: bool) -> None:
+        self.shape, self.dtype = tensor.shape, tensor.dtype
+        size = tensor.element_size()
+        sizes = pinned_pieces(tensor.numel() * size)
+        self.pieces = [torch.empty(max(1, n // size), dtype=tensor.dtype, device=device, pin_memory=pin) for n in sizes]
+
+    def spans(self) -> list[tuple[int, int, Tensor]]:
+        """(start, end, piece) of each piece over the flat copy."""
+        numel, start, spans = self.shape.numel(), 0, []
+        for piece in self.pieces:
+            end = min(numel, start + piece.numel())
+            spans.append((start, end, piece))
+            start = end
+        return spans
+
+    def fill(self, tensor: Tensor, non_blocking: bool = False) -> None:
+        flat = tensor.reshape(-1)
+        for start, end, piece in self.spans():
+            piece[: end - start].copy_(flat[start:end], non_blocking=non_blocking)
+
+    def restore(self, device: torch.device, non_blocking: bool = False) -> Tensor:
+        restored = torch.empty(self.shape, dtype=self.dtype, device=device)
+        flat = restored.view(-1)
+        for start, end, piece in self.spans():
+            flat[start:end].copy_(piece[: end - start], non_blocking=non_blocking)
+        return restored
+
+
+def host_footprint(tensor: Tensor) -> int:
+    """Pinned host bytes the offload's copy of ``tensor`` takes: :func:`pinned_footprint` of its bytes when it is
+    contiguous (stored in pieces); the next power of two otherwise (one pinned tensor: splitting a strided tensor
+    would need a contiguous device copy first)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return pinned_footprint(nbytes) if tensor.is_contiguous() else 1 << max(0, nbytes - 1).bit_length()
+
+
+def _pinned_copy(tensor: Tensor, device: torch.device) -> Union[Tensor, _Pieces]:
+    """``tensor`` copied (asynchronously) into pinned memory on ``device``, as :func:`host_footprint` counts it."""
+    if tensor.is_contiguous():
+        pieces = _Pieces(tensor, device, pin=True)
+        pieces.fill(tensor, non_blocking=True)
+        return pieces
+    packed = torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=True)
+    packed.copy_(tensor, non_blocking=True)
+    return packed
+
+
+def _on_device(host: Union[Tensor, _Pieces], device: torch.device) -> Tensor:
+    """A pinned host copy back on ``device`` (asynchronously, on the current stream)."""
+    if isinstance(host, _Pieces):
+        return host.restore(device, non_blocking=True)
+    return host.to(device, non_blocking=True)
 
 
 class _Offloaded:
@@ -55,7 +135,7 @@ class _Offloaded:
 
     __slots__ = ("__weakref__", "host", "previous", "ready", "source")
 
-    def __init__(self, source: torch.device, host: Tensor, previous: Optional["_Offloaded"]) -> None:
+    def __init__(self, source: torch.device, host: Union[Tensor, _Pieces], previous: Optional["_Offloaded"]) -> None:
         self.source, self.host = source, host
         self.previous = weakref.ref(previous) if previous is not None else None
         self.ready: Optional[Tensor] = None
@@ -109,19 +189,18 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
             self._stream = torch.cuda.Stream(source)
         return self._stream
 
-    def _host_copy(self, tensor: Tensor) -> Tensor:
-        """The copy on ``device`` (pinned host memory, on the side stream, from CUDA)."""
+    def _host_copy(self, tensor: Tensor) -> Union[Tensor, _Pieces]:
+        """The copy on ``device`` (from CUDA: pinned host memory in :func:`pinned_pieces`, on the side stream)."""
         stream = self._side_stream(tensor.device)
         if stream is None:
             # torch.empty + copy_ (not .to): a real copy even when source == target device, which
             # is what a CPU-only test can check.
-            packed = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
-            packed.copy_(tensor)
-            return packed
-        packed = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device, pin_memory=True)
+            plain = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+            plain.copy_(tensor)
+            return plain
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(stream):
-            packed.copy_(tensor, non_blocking=True)
+            packed = _pinned_copy(tensor, self.device)
         # The caching allocator must not hand the device memory to another tensor before the copy
         # on the side stream has read it.
         tensor.record_stream(stream)
@@ -132,7 +211,7 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         nbytes = tensor.numel() * tensor.element_size()
         if self.device == tensor.device or (self.device.type == "cpu" and tensor.device.type == "cpu"):
             return 0
-        return pinned_footprint(nbytes) if self.device.type == "cpu" and tensor.device.type == "cuda" else nbytes
+        return host_footprint(tensor) if self.device.type == "cpu" and tensor.device.type == "cuda" else nbytes
 
     def _pack(self, tensor: Tensor) -> Any:
         # Parameters (and frozen quantized weights) are saved by reference and live on the device for
@@ -155,10 +234,12 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         if self._stream is not None and source.type == "cuda":
             if not prefetch:
                 torch.cuda.current_stream(source).wait_stream(self._stream)
-                return host.to(source, non_blocking=True)
+                return _on_device(host, source)
             self._stream.wait_stream(torch.cuda.current_stream(source))
             with torch.cuda.stream(self._stream):
-                return host.to(source, non_blocking=True)
+                return _on_device(host, source)
+        if isinstance(host, _Pieces):
+            return host.restore(source)
         restored = torch.empty(host.shape, dtype=host.dtype, device=source)
         restored.copy_(host)
         return restored
@@ -595,4 +676,4 @@ def _disable_hf_cache(module: nn.Module) -> None:
         rank_zero_info(f"lightning_hbm: use_cache=False on {len(configs)} Hugging Face config(s) (activation checkpointing)")
 
 
-__all__ = ["ActivationCheckpointing", "OffloadSavedTensors", "pinned_footprint"]
+__all__ = ["ActivationCheckpointing", "OffloadSavedTensors", "host_footprint", "pinned_footprint", "pinned_pieces"]

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_u
 
 from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt, _disable_current_modes
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.activations import ActivationCheckpointing, OffloadSavedTensors, pinned_footprint
+from lightning_hbm.activations import ActivationCheckpointing, OffloadSavedTensors, host_footprint
 from lightning_hbm.activations.checkpointing import check_offload_blocks
 from lightning_hbm.activations.token_chunks import ChunkedForward
 from lightning_hbm.layers.blocks import find_blocks
@@ -332,7 +332,7 @@ def _part_of(submodule: nn.Module, model: nn.Module) -> bool:
 
 class _HostOffload(OffloadSavedTensors):
     """``OffloadSavedTensors`` planned for a CUDA device: the host copies are fake tensors on the meta device, which
-    the tracker does not count as device memory; their host bytes are what pinned memory would take. Everything the
+    the tracker does not count as device memory; their host bytes are what the run's pinned pieces take (:func:`host_footprint`). Everything the
     hooks keep on the device (the tensor in flight, the restored and prefetched inputs) is traced as it runs."""
 
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -348,7 +348,7 @@ class _HostOffload(OffloadSavedTensors):
 
     def _footprint(self, tensor: torch.Tensor) -> int:
         self.sizes.append(tensor.numel() * tensor.element_size())
-        return pinned_footprint(self.sizes[-1])
+        return host_footprint(tensor)
 
 
 def _offload_to_host(module: nn.Module) -> list[OffloadSavedTensors]:

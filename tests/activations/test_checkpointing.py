@@ -11,7 +11,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hbm import ActivationCheckpointing, QuantizedPrecision, applied_transforms, quantize_model
-from lightning_hbm.activations.checkpointing import OffloadSavedTensors, pinned_footprint
+from lightning_hbm.activations import checkpointing
+from lightning_hbm.activations.checkpointing import (
+    OffloadSavedTensors,
+    host_footprint,
+    pinned_footprint,
+    pinned_pieces,
+)
 from lightning_hbm.adapters.lora import LoRA
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.layers.blocks import find_blocks
@@ -412,14 +418,10 @@ def test_offload_restores_each_input_once_and_prefetches_the_one_before(gpt_fact
     assert hooks.host_bytes == 0  # CPU to CPU: the same memory, nothing left the device
 
 
-def test_pinned_footprint_is_the_next_power_of_two() -> None:
-    assert [pinned_footprint(n) for n in (0, 1, 4096, 4097, 3 * 2**30)] == [0, 1, 4096, 8192, 4 * 2**30]
-
-
 @pytest.mark.gpu
 def test_offload_on_cuda_gives_the_same_gradients_and_frees_the_block_inputs(gpt_factory: Callable) -> None:
     """Untested here (no GPU this session): side-stream copies to pinned memory, the backward prefetch, the same
-    gradients as plain checkpointing, and the inputs off the device (host_bytes: pinned, powers of two)."""
+    gradients as plain checkpointing, and the inputs off the device (host_bytes: pinned, in power-of-two pieces)."""
     torch.manual_seed(0)
     reference, model = gpt_factory().cuda(), gpt_factory().cuda()
     model.load_state_dict(reference.state_dict())
@@ -494,3 +496,34 @@ def test_partial_offload_refuses_bad_counts_before_the_model_changes(
     with pytest.raises(ValueError, match=r"offload=3\): the model has 2 checkpointed blocks.*offload=2 or offload=True"):
         trainer.fit(model, datamodule_factory())
     assert snapshot(model) == before and trainer.global_step == 0
+
+
+def test_pinned_pieces_are_powers_of_two_within_two_mib_of_the_copy() -> None:
+    """torch's pinned allocator rounds a request up to a power of two: one 6.8 GiB block input pinned 8 GiB. Stored in
+    power-of-two pieces, a copy over 2 MiB pins less than 2 MiB more than its bytes."""
+    mib, gib = 1 << 20, 1 << 30
+    assert pinned_pieces(0) == [] and pinned_footprint(0) == 0
+    assert pinned_pieces(1) == [1] and pinned_pieces(3) == [4] and pinned_pieces(3 * mib // 2) == [2 * mib]
+    assert pinned_pieces(2 * mib) == [2 * mib] and pinned_pieces(2 * mib + 1) == [4 * mib]
+    assert pinned_pieces(7 * gib) == [4 * gib, 2 * gib, gib]
+    for nbytes in (int(6.8 * gib), 223_076 * 4096 * 2, 3 * mib + 5):
+        pieces = pinned_pieces(nbytes)
+        assert all(p & (p - 1) == 0 for p in pieces) and pieces == sorted(pieces, reverse=True)
+        assert nbytes <= pinned_footprint(nbytes) < nbytes + 2 * mib
+    assert pinned_footprint(int(6.8 * gib)) < 7 * gib  # was 8 GiB: the next power of two
+
+
+def test_pinned_pieces_round_trip_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offload's host copy in pieces (the CUDA path without pinning or streams) gives back the same tensor."""
+    monkeypatch.setattr(checkpointing, "PIECE_BYTES", 64)
+    tensor = torch.randn(8, 124, dtype=torch.bfloat16)  # 1,984 B: pieces of 1024, 512, 256, 128, 64 B
+    copy = checkpointing._Pieces(tensor, torch.device("cpu"), pin=False)
+    assert [p.numel() * 2 for p in copy.pieces] == [1024, 512, 256, 128, 64]
+    copy.fill(tensor)
+    restored = copy.restore(torch.device("cpu"))
+    assert restored.shape == tensor.shape and torch.equal(restored, tensor)
+    assert host_footprint(tensor) == 1984
+    odd = torch.randn(999)  # 3,996 B: rounded up to 4,032 (63 x 64), one piece per bit
+    assert [p.numel() * 4 for p in checkpointing._Pieces(odd, torch.device('cpu'), pin=False).pieces] == [2048, 1024, 512, 256, 128, 64]
+    strided = torch.randn(100, 10).T  # split only contiguous copies: a strided one is one power-of-two tensor
+    assert host_footprint(strided) == 4096
