@@ -116,7 +116,7 @@ def max_context(
             read from the model's ``vocab_size`` hyperparameter or its first ``nn.Embedding``).
         multiple_of: the answer is a multiple of this (e.g. 64); 1 by default.
         host_budget: host RAM the run may take (``"64GiB"``), or None (no limit). The offloaded block inputs are
-            pinned, each rounded up to a power of two by torch's allocator; over this budget, the answer is the longer
+            pinned in power-of-two pieces (:func:`~lightning_hbm.activations.pinned_footprint`); over this budget, the answer is the longer
             of the longest offloaded length that fits it and the longest without offload (both planned).
 
     Returns:
@@ -312,7 +312,7 @@ def _partial_fit(result: ContextResult, inputs: int, host: int, shortest: int, l
     return best, best_count
 def _host_fit(sizes: Sequence[int], tokens: int, host: int, step: int) -> int:
     """The longest multiple of ``step`` up to ``tokens`` whose offloaded tensors (``sizes`` bytes at ``tokens``, each
-    taken as proportional to the length) fit ``host`` once the pinned allocator rounds each up to a power of two."""
+    taken as proportional to the length) fit ``host`` as pinned (:func:`~lightning_hbm.activations.pinned_footprint`)."""
 
     def pinned(length: int) -> int:
         return sum(pinned_footprint(-(-size * length // tokens)) for size in sizes)
