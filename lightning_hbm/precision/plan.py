@@ -43,7 +43,6 @@ from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
 from lightning_hbm.precision.int4_asym import regrid_warning
-from lightning_hbm.precision.output_check import OutputCheck, checked
 from lightning_hbm.precision.quantize import _layer_modes
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, choose_plan, planned_convs_warning, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
@@ -149,8 +148,6 @@ class Quantization:
         self.report: Optional[SensitivityPlan] = None
         #: what the convolutions' plan measured (``None``: no convolution in a 4-bit mode, or not measured)
         self.conv_report: Optional[SensitivityPlan] = None
-        #: the model as built's probe output, for the final model's fit-start check (``None``: not measured)
-        self.output_check: Optional[OutputCheck] = None
         #: the smoothing of layers stored in ``int8-dynamic-smooth`` (``None`` when no layer may be)
         self.smoothing = None if config.smoothing is None else Smoothing(config.smoothing)
         #: where the quantized layers are built (the strategy's root device; ``None``: where the weights are)
@@ -232,24 +229,7 @@ class Quantization:
         if self.config.measures_plan:
             with self.smoothing.attached(module) if self.smoothing is not None else nullcontext():
                 self._choose_plan(module, self._linear_names(targets), trainer)
-        convs = [name for name, layer in targets if CONV.matches(layer)]
-        self._plan_convs(module, convs, trainer)
-        self.output_check = self._output_reference(module, convs, trainer)
-
-    def _output_reference(self, module: nn.Module, convs: list[str], trainer: Any) -> Optional[OutputCheck]:
-        """The model as built on the probe, for the final model's check (:mod:`~lightning_hbm.precision.output_check`):
-        a BatchNorm conv net in a mode without the conv plan (a 4-bit mode plans and says what it cannot reach), in a
-        fit that starts fresh (a resume's model as built is not the one that trains), not on fake tensors."""
-        fitting = trainer is not None and getattr(trainer.state.fn, "value", trainer.state.fn) == "fit"
-        if not fitting or self.config.format.peft_kind == "4bit" or not checked(module, convs) or _on_fake_tensors(module):
-            return None
-        if saved_meta(trainer):
-            return None
-        try:
-            return OutputCheck.measure(module, self.probe(trainer), convs)
-        except (ValueError, TypeError) as error:  # no probe batch, or a forward the probe cannot run: nothing measured
-            log.info("lightning_hbm: the conv net's output check skipped: %s", error)
-            return None
+        self._plan_convs(module, [name for name, layer in targets if CONV.matches(layer)], trainer)
 
     def _say_embeddings_kept(self, module: nn.Module) -> None:
         """Warn (names, reasons) about input embeddings ``quantize_embeddings=True`` keeps in the compute dtype."""

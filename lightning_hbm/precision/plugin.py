@@ -37,7 +37,7 @@ from typing import Any, Generator, Mapping, Optional, Sequence, Union
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor  # as layers/readers.py: no public home
 from typing_extensions import override
@@ -50,7 +50,7 @@ from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CorrectionReport
 from lightning_hbm.precision.plan import Quantization
 from lightning_hbm.precision.registry import QuantFormat
-from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan
+from lightning_hbm.precision.sensitivity import SensitivityPlan
 from lightning_hbm.precision.smoothing import SmoothingReport
 from lightning_hbm.quiet import quieted
 from lightning_hbm.surgery import applied_transforms, mark_applied, pack_checkpoint, plugin_trainer, trainer_optimizers, trainer_surgery
@@ -373,20 +373,7 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
         trainer = lightning_compat.attached_trainer(model)
         if trainer is not None and trainer.state.fn == "fit":
             report_coverage(model, quantizing=True)
-            self._check_output(model, trainer)
         return result
-
-    def _check_output(self, model: nn.Module, trainer: Any) -> None:
-        """The final model's probe output against the model as built (a BatchNorm conv net in a mode without the conv
-        plan, :mod:`~lightning_hbm.precision.output_check`): under the threshold, a warning with the figure and the fix."""
-        check, self.quantization.output_check = self.quantization.output_check, None
-        if check is None or trainer.world_size > 1:  # one rank's eval forward would stall a sharded model's collectives
-            return
-        cosine = check.cosine(model, self.forward_context, self.convert_input)
-        target = self.config.min_cosine if self.config.min_cosine is not None else CONV_MIN_COSINE
-        warning = None if cosine is None else check.warning(cosine, self.mode.name, self.dtype, target)
-        if warning is not None:
-            rank_zero_warn(warning)
 
     def __repr__(self) -> str:
         return (

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from conv_models import EfficientNetB0, MobileNetV3FPN, ResNet18, YoloDetector, calibrate, images
+from conv_models import EfficientNetB0, ResNet18, YoloDetector, calibrate, images
 from kind_models import Classifier, fit_cnn
 from torch import nn
 from torch.utils.data import DataLoader
@@ -624,45 +624,3 @@ def test_a_model_the_probe_cannot_run_keeps_uniform_convolutions_with_a_warning(
     with pytest.warns(UserWarning, match="without a measured plan"):
         plugin.quantization.check(model, None)
     assert plugin.quantization.layer_modes is None
-
-
-class _Backbone(_Classify):
-    """A backbone's several outputs (FPN levels), each in the loss."""
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return sum(out.float().square().mean() for out in self(batch))
-
-
-def _fit_int8(model: nn.Module, dtype: str, tmp_path: Any) -> list[str]:
-    """The lightning_hbm warnings of a 1-step fit of ``model`` in int8 (the probe: the loader's first batch)."""
-    trainer = pl.Trainer(
-        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("int8", dtype=dtype)],
-    )  # fmt: skip
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(_Backbone(model), DataLoader([images(4, seed=2)], batch_size=None))
-    return [str(w.message) for w in caught if "probe output cosine" in str(w.message)]
-
-
-def test_int8_in_bfloat16_on_a_batchnorm_conv_net_is_said_at_fit_start(tmp_path: Any) -> None:
-    """Issue 53, nothing silent: int8 computing in bfloat16 gave the MobileNetV3-FPN backbone (calibrated BatchNorm) a
-    probe output cosine of 0.9585 against the model as built, and no mode but the 4-bit ones measured it. Now the final
-    model is measured on the probe at fit start; float32 compute (0.985) is quiet."""
-    torch.manual_seed(0)
-    reference = calibrate(MobileNetV3FPN(), images(8, seed=10, batches=4)).eval()
-    said = _fit_int8(copy.deepcopy(reference), "bfloat16", tmp_path)
-    assert len(said) == 1 and re.search(r"stored in int8 and computing in bfloat16, gives a probe output cosine of 0\.9[0-7]\d+ "
-                                        r"against the model as built, under 0\.98.*dtype='float32', ignore_modules=\['model\.", said[0])
-    assert _fit_int8(copy.deepcopy(reference), "float32", tmp_path) == []
-
-
-def test_the_output_check_leaves_a_net_without_batchnorm_alone(tmp_path: Any) -> None:
-    """A conv net without BatchNorm is not measured (its loss is small; a warning on every model would be noise)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
-    plugin = QuantizedPrecision("int8", probe_batch=images(2, seed=2))
-    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path, plugins=[plugin])
-    trainer.fit(_Classify(model), DataLoader([images(2, seed=2)], batch_size=None))
-    assert plugin.quantization.output_check is None
