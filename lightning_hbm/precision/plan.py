@@ -37,7 +37,9 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor  # as layers/readers.py: no public home
 
 from lightning_hbm import record, resume
+from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
 from lightning_hbm.layers.embedding import is_plain_embedding
 from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, accuracy_warning
@@ -299,11 +301,11 @@ class Quantization:
             if not has_forward(module):
                 raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
             probe = self.probe(trainer)
-            with eval_no_grad(module), reference.recording(module):
+            with eval_no_grad(module), reference.recording(module), torch_compat.preserved_rngs():  # the user's RNG draws as they were
                 probe_output(module, probe)
-        except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as error:
+        except Exception as error:  # noqa: BLE001 - a measurement never stops a healthy model: said in the log
             self._reference = None  # the 4-bit plan warns for its own part; nothing else was measured before either
-            log.info("lightning_hbm: the output of the model with quantized convolutions is not measured at fit start: %s", error)
+            log.info("lightning_hbm: the output of the model with quantized convolutions is not measured at fit start: %r", error)
 
     def _check_accuracy(self, module: nn.Module, quantized: Sequence[str]) -> None:
         """The quantized model's output on the probe against the model as built (:mod:`~lightning_hbm.precision.accuracy`):
@@ -314,11 +316,15 @@ class Quantization:
         convs = {name: (self.layer_modes or {}).get(name, self.config.format.name) for name in reference.names if name in quantized}
         if not convs:
             return
+        # before the first forward of its bitsandbytes 4-bit layers, as the surgery does after the quantization: an
+        # eval forward on an AVX512-BF16 CPU would repack them for a kernel that bypasses autograd
+        bnb_compat.disable_cpu_repacks(module)
         start = time.perf_counter()
         try:
-            cosine = reference.quantized_cosine(module, self.config.torch_dtype, quantized)
-        except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as error:  # the model ran as built: said, not raised
-            log.info("lightning_hbm: the quantized model's output could not be measured on the probe batch: %s", error)
+            with torch_compat.preserved_rngs():
+                cosine = reference.quantized_cosine(module, self.config.torch_dtype, quantized)
+        except Exception as error:  # noqa: BLE001 - the model ran as built: a measurement that fails is said in the log, not raised
+            log.info("lightning_hbm: the quantized model's output could not be measured on the probe batch: %r", error)
             return
         threshold = self.config.min_cosine if self.config.min_cosine is not None else CONV_MIN_COSINE
         self.conv_accuracy = ConvAccuracy(cosine, threshold, time.perf_counter() - start)

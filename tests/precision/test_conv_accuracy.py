@@ -13,9 +13,13 @@ import sys
 import warnings
 from pathlib import Path
 
+from typing import Any, cast
+
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_hbm import QuantizedPrecision
 from lightning_hbm.layers.read_weight import ReadableLinear
@@ -25,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "layers"))
 from conv_models import MobileNetV3FPN, calibrate, images  # noqa: E402
 from swin_models import SmallSwin, batch, read_layers  # noqa: E402
 
-WARNED = r"with its 66 convolutions stored quantized \(66 in int8; mode 'int8'\) and computing in bfloat16, this model's output on the probe batch has a cosine of 0\.97\d\d against the model as built \(centred, every output\), under 0\.98 .*Fix: QuantizedPrecision\(\.\.\., dtype='float32'\)"
+WARNED = r"with its 66 convolutions stored quantized \(66 in int8; mode .int8.; its other quantized layers as planned\) and computing in bfloat16, this model's output on the probe batch has a cosine of 0\.97\d\d against the model as built \(centred, every output\), under 0\.98 .*Fix: QuantizedPrecision\(\.\.\., dtype='float32'\)"
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +53,33 @@ def test_int8_in_bf16_on_a_batchnorm_conv_net_is_warned_with_the_figure_and_the_
         plugin.convert_module(copy.deepcopy(backbone))
     measured = plugin.quantization.conv_accuracy
     assert measured is not None and 0.97 < measured.cosine < 0.98 and measured.threshold == 0.98
+
+
+class _Backbone(pl.LightningModule):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return self.model(x)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return sum(level.float().square().mean() for level in self(batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def test_a_fit_measures_on_the_loaders_first_batch_and_warns_at_fit_start(backbone: nn.Module, tmp_path: Any) -> None:
+    """The Trainer's own path: the probe is the train loader's first batch; the RNGs are as they were after it."""
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("int8")],
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=WARNED):
+        trainer.fit(_Backbone(copy.deepcopy(backbone)), DataLoader([images(4, seed=2)], batch_size=None))
+    measured = cast(QuantizedPrecision, trainer.precision_plugin).quantization.conv_accuracy
+    assert measured is not None and measured.cosine < 0.98
 
 
 def test_the_fix_named_is_quiet_and_measured_above_the_threshold(backbone: nn.Module) -> None:
@@ -96,3 +127,13 @@ def test_the_plan_measures_and_widens_layers_whose_weight_is_read_directly() -> 
     widened = [name for name in read if report.modes[name] != "nf4-dq"]
     assert widened and all(isinstance(module.get_submodule(name), ReadableLinear) for name in widened)
     assert torch.isfinite(module.training_step(batch(7), 0))  # the widened read layers serve the attention's reads
+
+
+def test_the_figure_keeps_a_bounded_strided_subset_of_large_outputs() -> None:
+    """A language model with a convolution (Mamba's conv1d) gives logits of hundreds of millions of values."""
+    from lightning_hbm.precision.accuracy import KEPT_VALUES, outputs
+
+    big = {"logits": torch.arange(3 * KEPT_VALUES + 5, dtype=torch.float32), "steps": torch.arange(4)}
+    kept = outputs(big)
+    assert kept.numel() <= KEPT_VALUES and torch.equal(kept[:3], torch.tensor([0.0, 4.0, 8.0]))
+    assert outputs([torch.ones(2, 3), torch.zeros(4, dtype=torch.bfloat16)]).tolist() == [1.0] * 6 + [0.0] * 4
