@@ -12,7 +12,6 @@ import copy
 import sys
 import warnings
 from pathlib import Path
-
 from typing import Any, cast
 
 import lightning.pytorch as pl
