@@ -26,6 +26,7 @@ the run (or ``None``): the probe batch and the checkpoint being resumed are read
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from contextlib import nullcontext
 from typing import Any, Optional, Sequence
@@ -36,9 +37,12 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor  # as layers/readers.py: no public home
 
 from lightning_hbm import record, resume
+from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
 from lightning_hbm.layers.embedding import is_plain_embedding
+from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, accuracy_warning
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
@@ -47,7 +51,7 @@ from lightning_hbm.precision.quantize import _layer_modes
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, choose_plan, planned_convs_warning, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.precision.targets import Listing, TargetRule, _validate, quantize_listed
-from lightning_hbm.probe import first_batches, has_forward
+from lightning_hbm.probe import eval_no_grad, first_batches, has_forward, probe_output
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +152,11 @@ class Quantization:
         self.report: Optional[SensitivityPlan] = None
         #: what the convolutions' plan measured (``None``: no convolution in a 4-bit mode, or not measured)
         self.conv_report: Optional[SensitivityPlan] = None
+        #: the quantized model's output cosine on the probe, any mode (:mod:`~lightning_hbm.precision.accuracy`;
+        #: ``None``: no quantized convolution, or not measured)
+        self.conv_accuracy: Optional[ConvAccuracy] = None
+        # the model as built on the probe (recorded in the checks, compared and dropped at the quantization)
+        self._reference: Optional[Reference] = None
         #: the smoothing of layers stored in ``int8-dynamic-smooth`` (``None`` when no layer may be)
         self.smoothing = None if config.smoothing is None else Smoothing(config.smoothing)
         #: where the quantized layers are built (the strategy's root device; ``None``: where the weights are)
@@ -229,7 +238,11 @@ class Quantization:
         if self.config.measures_plan:
             with self.smoothing.attached(module) if self.smoothing is not None else nullcontext():
                 self._choose_plan(module, self._linear_names(targets), trainer)
-        self._plan_convs(module, [name for name, layer in targets if CONV.matches(layer)], trainer)
+        convs = [name for name, layer in targets if CONV.matches(layer)]
+        self.conv_accuracy, self._reference = None, Reference(convs) if convs and not _on_fake_tensors(module) else None
+        with self._reference.recording(module) if self._reference is not None else nullcontext():
+            self._plan_convs(module, convs, trainer)  # its first forward is the model as built: the reference
+        self._record_reference(module, trainer)
 
     def _say_embeddings_kept(self, module: nn.Module) -> None:
         """Warn (names, reasons) about input embeddings ``quantize_embeddings=True`` keeps in the compute dtype."""
@@ -275,7 +288,50 @@ class Quantization:
             self.gptq.finish(module, quantized, self.layer_modes, resume.saved_part(trainer).get(DIGEST_KEY))
         if correction is not None:
             correction.finish(module)
+        self._check_accuracy(module, quantized)
         return quantized
+
+    def _record_reference(self, module: nn.Module, trainer: Any) -> None:
+        """The model as built on the probe, for :meth:`_check_accuracy`, where the convolutions' plan did not record it:
+        one forward (none without a quantized convolution; without a probe batch or a forward: logged, not measured)."""
+        reference = self._reference
+        if reference is None or reference.output is not None:
+            return
+        try:
+            if not has_forward(module):
+                raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
+            probe = self.probe(trainer)
+            with eval_no_grad(module), reference.recording(module), torch_compat.preserved_rngs():  # the user's RNG draws as they were
+                probe_output(module, probe)
+        except Exception as error:  # noqa: BLE001 - a measurement never stops a healthy model: said in the log
+            self._reference = None  # the 4-bit plan warns for its own part; nothing else was measured before either
+            log.info("lightning_hbm: the output of the model with quantized convolutions is not measured at fit start: %r", error)
+
+    def _check_accuracy(self, module: nn.Module, quantized: Sequence[str]) -> None:
+        """The quantized model's output on the probe against the model as built (:mod:`~lightning_hbm.precision.accuracy`):
+        under the threshold, a warning with the figure, the threshold and the fix."""
+        reference, self._reference = self._reference, None
+        if reference is None or reference.output is None:
+            return
+        convs = {name: (self.layer_modes or {}).get(name, self.config.format.name) for name in reference.names if name in quantized}
+        if not convs:
+            return
+        # before the first forward of its bitsandbytes 4-bit layers, as the surgery does after the quantization: an
+        # eval forward on an AVX512-BF16 CPU would repack them for a kernel that bypasses autograd
+        bnb_compat.disable_cpu_repacks(module)
+        start = time.perf_counter()
+        try:
+            with torch_compat.preserved_rngs():
+                cosine = reference.quantized_cosine(module, self.config.torch_dtype, quantized)
+        except Exception as error:  # noqa: BLE001 - the model ran as built: a measurement that fails is said in the log, not raised
+            log.info("lightning_hbm: the quantized model's output could not be measured on the probe batch: %r", error)
+            return
+        threshold = self.config.min_cosine if self.config.min_cosine is not None else CONV_MIN_COSINE
+        self.conv_accuracy = ConvAccuracy(cosine, threshold, time.perf_counter() - start)
+        log.info("lightning_hbm: output cosine of the quantized model on the probe batch: %.4f (threshold %s)", cosine, threshold)
+        warning = accuracy_warning(self.conv_accuracy, convs, self.config.torch_dtype, self.config.format.name, self.config.format.peft_kind == "4bit")
+        if warning is not None:
+            rank_zero_warn(warning)
 
     def _measure(self, module: nn.Module, targets: list[tuple[str, nn.Module]], trainer: Any, inputs: bool, smooth: bool) -> None:
         """What the quantization measures on the model as built, before any change: one probe forward for each target's

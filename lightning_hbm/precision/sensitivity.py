@@ -49,6 +49,7 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import LayerKind, kind_of
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
+from lightning_hbm.precision.read_plan import as_rows, is_read, read_local_errors, read_variant
 from lightning_hbm.precision.registry import get_format, to_dtype
 from lightning_hbm.probe import compare_outputs, eval_no_grad, probe_output
 
@@ -192,7 +193,7 @@ class _SameDtype(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the layer sees the compute dtype, as under QuantizedPrecision; the model as built gets its dtype back
-        return self.layer(x.to(self.dtype)).to(x.dtype)
+        return as_rows(self.layer, x.to(self.dtype)).to(x.dtype)
 
 
 class _Swapper:
@@ -228,7 +229,8 @@ class _Swapper:
                     quantized.bias = nn.Parameter(cast(torch.Tensor, layer.bias).detach().to(self.dtype), requires_grad=False)
             # eval, as the probe model: bitsandbytes' int8 layer computes LLM.int8 (8-bit activations) in eval and
             # a float matmul of its dequantized weight when training on CPU (on GPU always LLM.int8)
-            variant = _SameDtype(quantized, self.dtype).eval()
+            # a layer whose weight the model's code reads (Swin's qkv): a copy serving reads (precision/read_plan.py)
+            variant = read_variant(source, quantized) if is_read(layer) else _SameDtype(quantized, self.dtype).eval()
             if not keep:
                 return variant
             self._variants[key] = variant
@@ -382,6 +384,9 @@ def choose_plan(
         # 2. the other modes of a layer, by how much they shrink its own output error on the probe (one
         #    forward for all layers and modes): a layer's end-to-end error scales with its local error
         local = _local_errors(swapper, modes, probe)
+        missed = {n: swapper.layers[n] for n in names if n not in local}  # read, never called (precision/read_plan.py)
+        if missed:
+            local.update(read_local_errors(module, missed, modes, probe, lambda n, m: swapper.variant(n, m, keep=False)))
         error = {n: {m: solo[n] * local[n][m] / max(local[n][base], 1e-30) for m in modes} for n in names}
         # 3. the best plan for each byte count under the additive model: moves up each layer's hull, in order
         plans, used, blocked = [({n: base for n in names}, uniform_bytes)], uniform_bytes, set()

@@ -1,0 +1,166 @@
+"""The fit-start accuracy check of a model with quantized convolutions, in any mode (issue 53, session 24).
+
+The convolutions' plan (:func:`~lightning_hbm.precision.sensitivity.choose_plan`, 4-bit modes only) measures each
+convolution stored in its mode inside the model as built, the rest of the model in float32. What the user trains is
+the model as ``QuantizedPrecision`` computes it: every layer in the compute dtype (bf16 by default), BatchNorm on
+16-bit activations. On BatchNorm conv nets that costs on its own about what the plan saves: ``mode="int8"`` in bf16
+gave the MobileNetV3-FPN backbone a held-out output cosine of 0.974-0.979 and a YOLO-style detector 0.978, under
+:data:`~lightning_hbm.precision.sensitivity.CONV_MIN_COSINE`, and nothing said so (``benchmarks/conv_default.py``).
+
+So for every model with a quantized convolution, whatever the mode: the model as built is run once on the probe batch
+before any change (the reference; :class:`Reference` records it, from the plan's own first forward where the plan
+runs: no forward added), then once more right after the quantization, as the plugin computes (the batch's floating
+tensors and the default dtype in the compute dtype, eval, no grad). The figure: the cosine of every floating output
+tensor of the forward, flattened and centred on the reference's mean (the figure of the tables in
+``benchmarks/README.md``; the plan's own row cosine of the first output flagged ``mode="int8", dtype="float32"`` on the
+MobileNetV3 backbone, 0.978, and an uncentred cosine per sample missed int8 in bf16 there, 0.985). Under the threshold
+(``min_cosine``, default ``CONV_MIN_COSINE``): a warning naming the figure, the threshold and the fix measured to meet
+it. A model without quantized convolutions is not measured here (today's behaviour); nor on fake tensors (the planner).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from lightning_hbm.probe import eval_no_grad
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ConvAccuracy:
+    """What the check measured: the centred output cosine of the quantized model against the model as built."""
+
+    cosine: float
+    threshold: float
+    #: seconds of the quantized model's forward (the reference's is the plan's own, or one forward more)
+    seconds: float
+
+
+#: the most output values kept for the figure (16 MiB in fp32): a language model with a convolution (Mamba's conv1d)
+#: gives logits of hundreds of millions of values on the probe; above this, every k-th value, the same on both sides
+KEPT_VALUES = 1 << 22
+
+
+def outputs(output: Any) -> Tensor:
+    """Every floating tensor of a forward's output (a tensor, a list of a detector's heads, a dict, a ModelOutput),
+    flattened, in fp32, on the host; above :data:`KEPT_VALUES` values, an evenly strided subset of them."""
+    leaves = [t.detach().flatten() for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+    step = -(-sum(t.numel() for t in leaves) // KEPT_VALUES)  # ceil: 1 for a conv net's outputs
+    return torch.cat([t[::step].float().cpu() for t in leaves]) if leaves else torch.zeros(0)
+
+
+def centred_cosine(got: Tensor, want: Tensor) -> float:
+    """Cosine of ``got`` and ``want`` centred on ``want``'s mean (a constant output offset does not count)."""
+    mean = want.mean()
+    return float(F.cosine_similarity(got - mean, want - mean, dim=0))
+
+
+class Reference:
+    """The model as built on the probe batch: the arguments its forward was called with and its outputs.
+
+    Recorded by :meth:`recording` from the first forward of the root module while every layer in ``names`` (the
+    convolutions to quantize) is the model's own (the plan swaps quantized copies in for its other forwards): the
+    plan's reference forward when the plan runs, else a forward of the probe made for it.
+    """
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = list(names)
+        self.args: Optional[tuple] = None
+        self.kwargs: dict[str, Any] = {}
+        self.output: Optional[Tensor] = None
+
+    @contextmanager
+    def recording(self, module: nn.Module) -> Generator[None, None, None]:
+        own = {name: module.get_submodule(name) for name in self.names}
+
+        def record(root: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self.output is None and all(module.get_submodule(n) is layer for n, layer in own.items()):
+                self.args, self.kwargs, self.output = args, dict(kwargs), outputs(output)
+
+        handle = module.register_forward_hook(record, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def quantized_cosine(self, module: nn.Module, dtype: torch.dtype, quantized: Sequence[str]) -> float:
+        """The cosine of ``module`` (quantized since) on the recorded arguments, computed as ``QuantizedPrecision``
+        computes: floating inputs and the default dtype in ``dtype``, eval, no grad. Layers quantized on another device
+        than the rest (a GPU, before the strategy moves the model) get their inputs there and give their outputs back."""
+        assert self.args is not None and self.output is not None
+        cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731 - as the plugin's convert_input
+        args, kwargs = tree_map_only(Tensor, cast, self.args), tree_map_only(Tensor, cast, self.kwargs)
+        previous = torch.get_default_dtype()
+        with eval_no_grad(module), _on_their_devices(module, quantized):
+            torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
+            try:
+                got = outputs(module(*args, **kwargs))
+            finally:
+                torch.set_default_dtype(previous)
+        return centred_cosine(got, self.output) if got.shape == self.output.shape else float("nan")
+
+
+@contextmanager
+def _on_their_devices(module: nn.Module, names: Sequence[str]) -> Generator[None, None, None]:
+    devices = {t.device for t in (*module.parameters(), *module.buffers())}
+    handles, homes = [], []  # homes: the device each running layer's caller computes on
+    if len(devices) > 1:  # quantized on the strategy's device, the rest where it was built
+
+        def there(layer: nn.Module, args: tuple) -> tuple:
+            where = next(t.device for t in (*layer.parameters(), *layer.buffers()))
+            homes.append(next((t.device for t in tree_flatten(args)[0] if isinstance(t, Tensor)), where))
+            return tree_map_only(Tensor, lambda t: t.to(where), args)
+
+        def back(layer: nn.Module, args: tuple, out: Any) -> Any:
+            home = homes.pop()
+            return tree_map_only(Tensor, lambda t: t.to(home), out)
+
+        for name in names:
+            layer = module.get_submodule(name)
+            if [*layer.parameters(), *layer.buffers()]:
+                handles += [layer.register_forward_pre_hook(there), layer.register_forward_hook(back)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def accuracy_warning(measured: ConvAccuracy, modes: Mapping[str, str], dtype: torch.dtype, base: str, four_bit: bool) -> Optional[str]:
+    """The fit-start warning for a model whose quantized output on the probe measured under its threshold, or ``None``.
+
+    ``modes``: ``{convolution: mode}``. The fix named is the one measured to meet the threshold on the nets of issue 53
+    (``benchmarks/README.md``, session 23/24): computing in float32 (int8 in float32: 0.989-0.9996 held out on all
+    eight runs); already in float32, a 4-bit mode: ``mode="int8"``; int8 in float32: the convolutions kept unquantized.
+    """
+    if not measured.cosine < measured.threshold:  # NaN (outputs of another shape): not a figure, logged by the caller
+        return None
+    split = ", ".join(f"{count} in {mode}" for mode, count in sorted(Counter(modes.values()).items()))
+    name = str(dtype).removeprefix("torch.")
+    if dtype != torch.float32:
+        fix = f"QuantizedPrecision(..., dtype='float32'{', mode=' + repr('int8') if four_bit else ''})"
+        why = f"computing in {name} loses about 0.01 on its own on BatchNorm conv nets; int8 computed in float32 measured 0.989-0.9996 held out"
+    elif four_bit:
+        fix, why = "QuantizedPrecision(..., mode='int8', dtype='float32')", "measured 0.989-0.9996 held out on the nets of issue 53"
+    else:
+        fix, why = "QuantizedPrecision(..., ignore_modules=[<the most sensitive convolutions>])", "keeps them as built"
+    return (
+        f"lightning_hbm: with its {len(modes)} convolutions stored quantized ({split}; mode {base!r}; its other quantized "
+        f"layers as planned) and computing in {name}, this model's output on the probe batch has a cosine of {measured.cosine:.4f} against the model as "
+        f"built (centred, every output), under {measured.threshold} (min_cosine; default CONV_MIN_COSINE). Fix: {fix} "
+        f"({why}; benchmarks/README.md)."
+    )
+
+
+__all__ = ["KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_warning", "centred_cosine", "outputs"]
