@@ -157,6 +157,8 @@ class Quantization:
         self.conv_accuracy: Optional[ConvAccuracy] = None
         # the model as built on the probe (recorded in the checks, compared and dropped at the quantization)
         self._reference: Optional[Reference] = None
+        # the convolutions' plan's warning that held out such plans measured under the target (said at the quantization)
+        self._planned_gap: Optional[str] = None
         #: the smoothing of layers stored in ``int8-dynamic-smooth`` (``None`` when no layer may be)
         self.smoothing = None if config.smoothing is None else Smoothing(config.smoothing)
         #: where the quantized layers are built (the strategy's root device; ``None``: where the weights are)
@@ -239,6 +241,7 @@ class Quantization:
             with self.smoothing.attached(module) if self.smoothing is not None else nullcontext():
                 self._choose_plan(module, self._linear_names(targets), trainer)
         convs = [name for name, layer in targets if CONV.matches(layer)]
+        self._planned_gap = None
         self.conv_accuracy, self._reference = None, Reference(convs) if convs and not _on_fake_tensors(module) else None
         with self._reference.recording(module) if self._reference is not None else nullcontext():
             self._plan_convs(module, convs, trainer)  # its first forward is the model as built: the reference
@@ -288,7 +291,10 @@ class Quantization:
             self.gptq.finish(module, quantized, self.layer_modes, resume.saved_part(trainer).get(DIGEST_KEY))
         if correction is not None:
             correction.finish(module)
-        self._check_accuracy(module, quantized)
+        warned = self._check_accuracy(module, quantized)
+        gap, self._planned_gap = self._planned_gap, None
+        if gap is not None and not warned:  # the plan's warning, when the measured figure did not say more
+            rank_zero_warn(gap)
         return quantized
 
     def _record_reference(self, module: nn.Module, trainer: Any) -> None:
@@ -307,15 +313,15 @@ class Quantization:
             self._reference = None  # the 4-bit plan warns for its own part; nothing else was measured before either
             log.info("lightning_hbm: the output of the model with quantized convolutions is not measured at fit start: %r", error)
 
-    def _check_accuracy(self, module: nn.Module, quantized: Sequence[str]) -> None:
+    def _check_accuracy(self, module: nn.Module, quantized: Sequence[str]) -> bool:
         """The quantized model's output on the probe against the model as built (:mod:`~lightning_hbm.precision.accuracy`):
-        under the threshold, a warning with the figure, the threshold and the fix."""
+        under the threshold, a warning with the figure, the threshold and the fix. Returns whether it warned."""
         reference, self._reference = self._reference, None
         if reference is None or reference.output is None:
-            return
+            return False
         convs = {name: (self.layer_modes or {}).get(name, self.config.format.name) for name in reference.names if name in quantized}
         if not convs:
-            return
+            return False
         # before the first forward of its bitsandbytes 4-bit layers, as the surgery does after the quantization: an
         # eval forward on an AVX512-BF16 CPU would repack them for a kernel that bypasses autograd
         bnb_compat.disable_cpu_repacks(module)
@@ -325,13 +331,14 @@ class Quantization:
                 cosine = reference.quantized_cosine(module, self.config.torch_dtype, quantized)
         except Exception as error:  # noqa: BLE001 - the model ran as built: a measurement that fails is said in the log, not raised
             log.info("lightning_hbm: the quantized model's output could not be measured on the probe batch: %r", error)
-            return
+            return False
         threshold = self.config.min_cosine if self.config.min_cosine is not None else CONV_MIN_COSINE
         self.conv_accuracy = ConvAccuracy(cosine, threshold, time.perf_counter() - start)
         log.info("lightning_hbm: output cosine of the quantized model on the probe batch: %.4f (threshold %s)", cosine, threshold)
         warning = accuracy_warning(self.conv_accuracy, convs, self.config.torch_dtype, self.config.format.name, self.config.format.peft_kind == "4bit")
         if warning is not None:
             rank_zero_warn(warning)
+        return warning is not None
 
     def _measure(self, module: nn.Module, targets: list[tuple[str, nn.Module]], trainer: Any, inputs: bool, smooth: bool) -> None:
         """What the quantization measures on the model as built, before any change: one probe forward for each target's
@@ -442,9 +449,9 @@ class Quantization:
         if widened:
             self.layer_modes = {**(self.layer_modes or {}), **widened}
         log.info("lightning_hbm: convolutions' plan: %s", report.summary(self.config.format.name).replace("Linear layers", "convolutions"))
-        gap = planned_convs_warning(module, report, self.config.format.name, target)
-        if gap is not None:  # reached on the probe only: held out, a BatchNorm conv net measured under it (issue 53)
-            rank_zero_warn(gap)
+        # reached on the probe only: held out, a BatchNorm conv net measured under it (issue 53); said at the quantization
+        # unless the quantized model's own figure is under the threshold there (one warning, the measured one)
+        self._planned_gap = planned_convs_warning(module, report, self.config.format.name, target)
         if report.cosine < target:
             rank_zero_warn(
                 f"lightning_hbm: the convolutions stored in {self.config.format.name} (widest plan of sensitive_mode="
