@@ -31,7 +31,9 @@ run fsdp        benchmarks/fsdp_qlora.py --strategy fsdp_qlora --devices 1 --siz
 run profiler    benchmarks/profiler_overhead.py --accelerator cuda
 run lora        benchmarks/lora_memory.py --accelerator cuda
 # ActivationCheckpointing(offload=True): step time with and without (side-stream copies, backward prefetch; untested on
-# GPU), then max_context's 8B answer for this device trained for 2 steps (predicted vs max_memory_allocated)
+# GPU), then max_context's 8B answer for this device and 70 % of the free host RAM trained for 2 steps (predicted vs
+# max_memory_allocated; pinned bytes, each block input in power-of-two pieces, vs host_memory_stats: not yet run on GPU;
+# the marked test test_offload_on_cuda_pins_the_block_inputs_in_pieces_without_rounding in step 1 checks the same)
 run offload_cost benchmarks/max_context.py --offload-cost
 timeout 240 python3 benchmarks/max_context.py --gpu-check 2>&1 | tee "$OUT/max_context.log" | tail -4
 # FusedLoss vs the Hugging Face QLoRA recipe (random-weight Llama saved once; 3 stacks in one process).

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from functools import partial
@@ -123,7 +124,9 @@ def offload_cost(tokens: int = 8192, steps: int = 4) -> None:
 
 
 def gpu_check() -> None:
-    """Train 2 steps of the 8B shape (random weights) at the length predicted for this device's free memory."""
+    """Train 2 steps of the 8B shape (random weights) at the length predicted for this device's free memory and 70 %
+    of the host's free RAM (the pinned block inputs), and compare the pinned bytes torch's host allocator handed out
+    (its own count, ``torch.cuda.host_memory_stats``) with the planned host bytes (the pieces: not yet run on GPU)."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
@@ -133,8 +136,8 @@ def gpu_check() -> None:
     if not torch.cuda.is_available():
         sys.exit("--gpu-check needs a CUDA device")
     free, _ = torch.cuda.mem_get_info()
-    budget = int(free * 0.9)
-    result = max_context(partial(LlamaLM, **LLAMA_8B_LONG), budget, plugin=plugin(), callbacks=callbacks())
+    budget, host = int(free * 0.9), int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") * 0.7)
+    result = max_context(partial(LlamaLM, **LLAMA_8B_LONG), budget, plugin=plugin(), callbacks=callbacks(), host_budget=host)
     print(f"predicted for {format_bytes(budget)}: {result}")
     tokens, choices = result.tokens, result.choices
     cbs = [*callbacks(), ActivationCheckpointing("full", offload=choices["offload"], mlp_chunks=choices["mlp_chunks"]), FusedLoss()]
@@ -148,6 +151,9 @@ def gpu_check() -> None:
     trainer.fit(model, DataLoader([tuple(t[0] for t in batch)] * 2, batch_size=1))
     print(f"trained 2 steps at {tokens:,} tokens in {time.perf_counter() - start:.0f} s: max_memory_allocated "
           f"{format_bytes(torch.cuda.max_memory_allocated())}, predicted peak {format_bytes(result.prediction.peak)}")
+    pinned = torch.cuda.host_memory_stats().get("active_bytes.peak", 0)
+    print(f"pinned (host allocator's active_bytes.peak) {format_bytes(pinned)}, planned host {format_bytes(result.host)} "
+          f"(host budget {format_bytes(host)})")
 
 
 if __name__ == "__main__":

@@ -227,8 +227,8 @@ TERMS: list[MemoryTerm] = [
     ),
     MemoryTerm(
         "host_activations", "host",
-        owner="`ActivationCheckpointing(offload=True)`: the checkpointed blocks' inputs in pinned host RAM (each rounded "
-        "up to a power of two by torch's pinned allocator)",
+        owner="`ActivationCheckpointing(offload=True)`: the checkpointed blocks' inputs in pinned host RAM (each as "
+        "power-of-two pieces, less than 2 MiB over its bytes)",
         alive="from each block's forward to its backward",
         sharding="host",
         remedy="a shorter sequence or batch; fewer checkpointed blocks offloaded",

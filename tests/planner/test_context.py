@@ -18,6 +18,7 @@ from torch import nn
 from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm._compat import _disable_current_modes
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.activations import checkpointing
 from lightning_hbm.activations.checkpointing import ActivationCheckpointing, OffloadSavedTensors, pinned_footprint
 from lightning_hbm.activations.loss import FusedLoss
 from lightning_hbm.data import synthetic_batch
@@ -184,6 +185,29 @@ def test_a_multiple_of_past_the_planned_lengths_still_plans_two_lengths() -> Non
     result = max_context(SMALL_LLAMA, CUDA_CONTEXT_BYTES + 2**30, callbacks=[LoRA(r=4)], multiple_of=65536)
     assert isinstance(result, type(result)) and result.tokens > 0 and result.tokens % 65536 == 0
     assert result.prediction.total <= CUDA_CONTEXT_BYTES + 2**30
+
+
+def test_the_host_fit_counts_pinned_pieces_not_a_power_of_two_per_input() -> None:
+    # four offloaded inputs of 5 MiB at 4,096 tokens pin 6 MiB each (pieces of 4 + 2 MiB): 24 MiB holds all 4,096
+    # tokens; pinned in one request each (8 MiB), 24 MiB held 3,072 tokens (3.75 MiB each, 4 MiB pinned)
+    mib = 2**20
+    assert context_module._host_fit([5 * mib] * 4, 4096, 24 * mib, STEP) == 4096
+    assert context_module._host_fit([5 * mib] * 4, 4096, 24 * mib - 1, STEP) == 3072  # 3,328 tokens: 4.06 MiB, 6 pinned
+
+
+def test_the_planned_host_bytes_are_the_pinned_pieces_the_run_takes() -> None:
+    """The host_activations term of an offloaded plan is what the run's copies allocate: the pinned pieces of each block
+    input (:func:`pinned_pieces`, 4 + 2 MiB for 5 MiB), not the power of two one request would take (8 MiB)."""
+    factory = partial(LlamaLM, vocab_size=512, hidden_size=320, intermediate_size=640, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    batch = tuple(t.contiguous() for t in synthetic_batch(1, 4096, vocab_size=512))
+    candidate = Candidate("32-true", lora_r=4, checkpointing="full", offload_activations=True)
+    prediction = predict(factory, batch, candidate, device="cuda")
+    block_input = 4096 * 320 * 4  # fp32 hidden states: 5 MiB
+    assert prediction.host_sizes == (block_input,) * 4
+    run = checkpointing._Pieces(torch.zeros(1, 4096, 320), torch.device("cpu"), pin=False)  # one block input's copy
+    pieces = sum(piece.untyped_storage().nbytes() for piece in run.pieces)
+    assert prediction.host == prediction.terms["host_activations"] == 4 * pieces == 4 * 6 * 2**20
 
 
 @pytest.mark.slow
