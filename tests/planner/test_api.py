@@ -699,3 +699,18 @@ def test_the_cut_traces_place_each_peak_at_corresponding_points() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not predict(partial(_WideStem, 12), torch.randn(256, 32), Candidate("32-true")).uncut
+
+
+def test_checkpointing_every_other_block_is_not_extended_by_the_line() -> None:
+    """ActivationCheckpointing(every=2): cut to 3 blocks the last one is checkpointed (the backward peaks in its
+    recompute), cut to 4 it is not (the backward peaks at the head). The line through them planned 33,374,920 B for
+    22,610,700 (+48 %); the check sees the peaks apart and the whole model is traced, to the byte."""
+    from lightning_hbm import LoRA
+
+    factory = partial(LlamaLM, **{**TINY_LLAMA, "num_hidden_layers": 8, "intermediate_size": 128})
+    batch = tuple(t.contiguous() for t in synthetic_batch(1, 1024))
+    candidate = Candidate.from_trainer(None, [LoRA(r=4), ActivationCheckpointing("full", every=2)])
+    with pytest.warns(UserWarning, match=r"backward: block -1 with 3 blocks, after block -1 with 4"):
+        cut = predict(factory, batch, candidate, device="cuda")
+    whole = predict(factory, batch, candidate, device="cuda", extrapolate=False)
+    assert cut.categories == whole.categories and cut.peak == 22_610_700
