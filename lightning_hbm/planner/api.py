@@ -94,7 +94,9 @@ class Prediction:
             their outputs and what they save for backward are counted; temporaries inside them are not, and a
             data-dependent size is the one zeros give.
         uncut: why the trace with the repeated blocks cut failed (the model indexes a block beyond the cut: SAM's
-            ``output_hypernetworks_mlps[3]``), when the whole model was traced instead; ``""`` when the cut traced.
+            ``output_hypernetworks_mlps[3]``), or why the line through the cut traces is not the model's (they peak at
+            points that do not correspond, :class:`PeaksApart`), when the whole model was traced instead; ``""`` when
+            the cut traced and its line holds.
         selections: selections by a boolean mask in the LightningModule's own code (a detection loss's ``boxes[fg]``)
             whose mask fake tensors hold no values for (more than ``MAX_TWIN_ELEMENTS`` elements): planned with every
             element selected, the largest size they can have (an upper bound), by op and mask size.
@@ -335,7 +337,8 @@ def predict(
                 raise  # nothing was cut: the whole model fails the same way
             result = trace(model, batch, candidate, device, keep_blocks=None)  # its own error if the whole fails too
             reason = f"{type(err).__name__}: {err}".splitlines()[0]
-            uncut = f"{path or 'the blocks'} cut to 3 of {depth} blocks failed ({reason}); traced the whole model instead"
+            uncut = str(err) if isinstance(err, PeaksApart) else (
+                f"{path or 'the blocks'} cut to 3 of {depth} blocks failed ({reason}); traced the whole model instead")
             warnings.warn(f"lightning_hbm plan: {uncut} (exact, but slower to plan).", stacklevel=2)
     for selection in result.selections.values():
         warnings.warn(f"lightning_hbm plan: {selection} in {_SELECTED}", stacklevel=2)
@@ -389,6 +392,11 @@ def _cut_and_extend(
     depth = result.depth
     if depth > 4 and (extrapolate is True or depth >= 8):
         deeper = trace(model, batch, candidate, device, 4, None)
+        apart = result.peaks_apart(deeper, depth)
+        if apart:  # the line's premise fails: decided by these two traces, at no cost beyond them
+            raise PeaksApart(f"{_block_list(model.module)[0] or 'the blocks'} cut to 3 and 4 of {depth} blocks peak at "
+                             f"points that do not correspond ({'; '.join(apart)}): the line through them is not the "
+                             "model's, traced the whole model instead")
         return result.extrapolate(deeper, depth)
     if depth > 3:
         return trace(model, batch, candidate, device, None, None)
@@ -428,6 +436,11 @@ def _partial_offload(
         return first.extrapolate(offloading, depth)
     keeping = trace(model, batch, candidate, device, 4, 2)
     return first.combine([(offloading, count - 2), (keeping, depth - count - 1)], depth)
+
+
+class PeaksApart(Exception):
+    """The traces cut to 3 and 4 blocks peak at points of the step that do not correspond (:meth:`Trace.peaks_apart`):
+    the line through them is not the model's, and :func:`predict` traces the whole model instead, saying so."""
 
 
 def offload_blocks(candidate: Candidate) -> Optional[int]:

@@ -130,6 +130,9 @@ class Trace:
     selections: dict[str, str] = field(default_factory=dict)
     host_sizes: tuple[int, ...] = ()  # bytes of each tensor in ``host`` before the pinned rounding, ascending
     offloaded: int = 0  # checkpointed blocks whose inputs went through the offload hooks
+    # per phase: where its peak was reached, relative to the cut list of blocks (:class:`_PeakPoints`)
+    where: dict[str, str] = field(default_factory=dict)
+    regions: dict[str, dict[str, int]] = field(default_factory=dict)  # per phase: each region's peak bytes
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -169,6 +172,29 @@ class Trace:
         return Trace(phases, line(_field("trainable")), line(_field("total")), depth, depth, self.block_bytes,
                      max(t.guessed for t in (self, *others)), scopes, fallbacks, line(_field("host")), selections,
                      tuple(sorted(sizes.elements())), line(_field("offloaded")))
+
+    def peaks_apart(self, deeper: Trace, depth: int) -> list[str]:
+        """Why the line from ``self`` (k blocks) and ``deeper`` (k+1) to ``depth`` blocks is not the model's, per phase
+        (empty: it holds): the two peak at points that do not correspond (one before the blocks, the other after the
+        last), or another region of the step, extended to ``depth`` as the peak is, holds more than the peak's.
+
+        A line through two peaks extends one point of the step only when both are that point and stay the largest: a
+        peak that moves is the max of two lines, under its real value beyond the cut (session 20: 11.16 GiB planned by
+        the line, 6.17 the model's). Regions: :class:`_PeakPoints`; those of one cut only are not compared."""
+        apart = []
+        for phase, point in self.where.items():
+            other = deeper.where.get(phase, point)
+            if other != point:
+                apart.append(f"{phase}: {point} with {self.kept} blocks, {other} with {deeper.kept}")
+                continue
+            mine, theirs = self.regions.get(phase, {}), deeper.regions.get(phase, {})
+            lines = {r: mine[r] + (depth - self.kept) * (theirs[r] - mine[r]) for r in mine if r in theirs}
+            over = max(lines, key=lambda r: lines[r], default=point)
+            if point in lines and lines[over] > lines[point]:
+                apart.append(f"{phase}: {point} with {self.kept} and {deeper.kept} blocks, but {over} extended to {depth} "
+                             f"blocks holds {format_bytes(lines[over])} against {format_bytes(lines[point])}")
+        return apart
+
     def peak_scopes(self) -> dict[str, int]:
         """Each scope term's bytes at the peak phase (the registry's scope terms, :func:`~lightning_hbm.memory.terms.scope_terms`)."""
         return dict(self.scopes.get(self.peak_phase(), {}))
@@ -238,7 +264,7 @@ def trace(
         for hooks in built.offloads:
             hooks.reset_counts()
         offloaded, boundary = _offload_first(module, offload)
-        phases, scopes = _steady_step(module, built.fake_batch, built.plugin, optimizers, tracker, boundary)
+        phases, scopes, where, regions = _steady_step(module, built.fake_batch, built.plugin, optimizers, tracker, boundary)
         built.fake_batch = None  # the next length's batch is new: this one need not stay alive
         host = sum(hooks.host_bytes for hooks in built.offloads)
         host_sizes = tuple(sorted(size for hooks in built.offloads for size in cast(_HostOffload, hooks).sizes))
@@ -249,7 +275,7 @@ def trace(
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
-                 host_sizes, offloaded)
+                 host_sizes, offloaded, where, regions)
 
 
 @dataclass
@@ -420,9 +446,10 @@ def _first_step_state(optimizers: list[torch.optim.Optimizer], reached: Optional
 def _steady_step(
     module: pl.LightningModule, batch: Any, plugin: Precision, optimizers: list, tracker: LiveStorageTracker,
     boundary: Optional[tuple[nn.Module, nn.Module]] = None,
-) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
-    """Forward, zero_grad, backward, optimizer step, as Lightning runs them; each phase's peak by category, and
-    each scope term at it (:func:`~lightning_hbm.memory.scope_term_bytes`; ``loss``: what ``FusedLoss`` allocated).
+) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]], dict[str, str], dict[str, dict[str, int]]]:
+    """Forward, zero_grad, backward, optimizer step, as Lightning runs them; each phase's peak by category, each
+    scope term at it (:func:`~lightning_hbm.memory.scope_term_bytes`; ``loss``: what ``FusedLoss`` allocated), and
+    where it was reached with each region's peak (:class:`_PeakPoints`).
 
     ``boundary``: (the last block that offloads its input, the first that keeps it) under a partial offload. The
     forward and the backward then each have two peaks, recorded apart (``"forward (offloaded blocks)"``, ``"backward
@@ -430,21 +457,27 @@ def _steady_step(
     and the line through cut models extends each peak, not their maximum (which moves from one to the other)."""
     phases: dict[str, dict[str, int]] = {}
     scopes: dict[str, dict[str, int]] = {}
+    points = _PeakPoints(tracker)
 
     def close(name: str) -> None:
-        tracker.finish_peak()
+        records = points.close(name)
         # classified now, while what the phase's peak held is still owned (the previous step's
         # gradients, alive during the forward, are gone once backward starts)
         owned = owned_storages(module, optimizers)
-        phases[name] = classify_records(tracker.peak_records, owned)
-        scopes[name] = scope_term_bytes(tracker.peak_records, owned)
+        phases[name] = classify_records(records, owned)
+        scopes[name] = scope_term_bytes(records, owned)
         tracker.reset_peak()
+        points.restart()
 
     loss: Any = None
-    with _peaks_apart(boundary, close) if boundary is not None else nullcontext():
+    with ExitStack() as stack:
+        stack.enter_context(points.watching(_cut_list(module)))
+        if boundary is not None:
+            stack.enter_context(_peaks_apart(boundary, close))
         for phase in PHASES:
             tracker.phase = phase
             tracker.reset_peak()
+            points.restart({"forward": "before the blocks", "backward": "after block -1"}.get(phase, phase))
             if phase == "forward":
                 with plugin.forward_context(), _name_untraceable(module):
                     loss, _kept = _closure_loss(module.training_step(batch, 1))
@@ -457,7 +490,79 @@ def _steady_step(
                 for optimizer in optimizers:
                     optimizer.step()
             close(phase if phase != "backward" or boundary is None else f"{phase} (offloaded blocks)")
-    return phases, scopes
+    return phases, scopes, points.where, points.peaks
+
+
+def _cut_list(module: nn.Module) -> list[nn.Module]:
+    """The blocks of the list the planner cuts (:func:`_block_list`), as the traced model holds them."""
+    parent, _ = _block_list(module)
+    return [block for name, block in _blocks(module) if name.rpartition(".")[0] == parent]
+
+
+class _PeakPoints:
+    """Where each phase's peak is reached, relative to the list of blocks the planner cuts, and the peak of each
+    region of the step (decided by running: the tracker's peak is read and restarted at each region's end).
+
+    Regions: ``before the blocks``, ``block i`` (its forward; in the backward, from its output's gradient on),
+    ``after block i`` (the forward between it and the next block, or the head and loss after the last), each block
+    named from the start below :data:`_ALIKE_FROM` and from the end from there on (``block -1``: the last kept), so
+    that a region of a cut to 3 blocks is one of a cut to 4 (:meth:`Trace.peaks_apart`). The optimizer step is one
+    region. A phase's peak is its regions' largest (the first reached on a tie, as one peak over the phase had it)."""
+
+    def __init__(self, tracker: LiveStorageTracker) -> None:
+        self.tracker = tracker
+        self.where: dict[str, str] = {}  # per closed phase: the region of its peak
+        self.peaks: dict[str, dict[str, int]] = {}  # per closed phase: each region's peak bytes
+        self.region = ""
+        self.restart()
+
+    def restart(self, region: Optional[str] = None) -> None:
+        """A new phase starts here (``tracker.reset_peak`` ran), in ``region`` (None: the current one)."""
+        self.region = self.region if region is None else region
+        self.regions: dict[str, int] = {}
+        self.best, self.found, self.records = -1, self.region, self.tracker.peak_records
+
+    def mark(self, region: str) -> None:
+        """The current region ends (its peak kept, the phase's if larger), ``region`` starts."""
+        tracker = self.tracker
+        tracker.finish_peak()
+        self.regions[self.region] = max(self.regions.get(self.region, 0), tracker.peak_bytes)
+        if tracker.peak_bytes > self.best:  # the tracker rebinds its records at each peak: this dict stays as it is
+            self.best, self.found, self.records = tracker.peak_bytes, self.region, tracker.peak_records
+        tracker.reset_peak()
+        self.region = region
+
+    def close(self, name: str) -> dict:
+        """The phase ``name`` ends: its peak's live records (the tracker's ``peak_records`` over the phase)."""
+        self.mark(self.region)
+        self.where[name], self.peaks[name] = self.found, self.regions
+        return self.records
+
+    @contextmanager
+    def watching(self, blocks: Sequence[nn.Module]) -> Iterator[None]:
+        """Mark the regions as ``blocks`` run forward (hooks) and their outputs' gradients arrive (tensor hooks)."""
+        tracker, handles = self.tracker, []
+        for index, block in enumerate(blocks):
+            name = str(index) if index < _ALIKE_FROM else str(index - len(blocks))
+
+            def enter(module: nn.Module, args: Any, name: str = name) -> None:
+                if tracker.phase == "forward":  # not a checkpoint's recomputation in the backward
+                    self.mark(f"block {name}")
+
+            def leave(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
+                if tracker.phase != "forward":
+                    return
+                self.mark(f"after block {name}")
+                out = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+                if out is not None:
+                    out.register_hook(lambda grad: self.mark(f"block {name}"))
+
+            handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from typing import Any, Callable
 
@@ -638,3 +639,78 @@ def test_a_partial_activation_offload_frees_what_memtracker_measures() -> None:
         planned[k] = predict(factory, batch, _partial(k), device="cuda").peak
         assert measured[k] == pytest.approx(planned[k], rel=0.03)
     assert measured[0] - measured[3] == planned[0] - planned[3] == 3 * 1024 * 64 * 4
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.linear(x))
+
+
+class _WideStem(pl.LightningModule):
+    """Eight blocks after a stem whose transient (``spread`` copies of the stream, freed at once) is the forward's peak
+    with few blocks: the blocks' saved activations overtake it from 4 blocks on (spread 14) or beyond the cut (16)."""
+
+    def __init__(self, spread: int, width: int = 32, depth: int = 8) -> None:
+        super().__init__()
+        self.spread = spread
+        self.stem = torch.nn.Linear(width, width)
+        self.blocks = torch.nn.ModuleList(_Block(width) for _ in range(depth))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        h = self.stem(batch)
+        h = h + h.repeat(1, self.spread).mean(-1, keepdim=True)  # mean saves no input: a transient
+        for block in self.blocks:
+            h = block(h)
+        h = h + h.repeat(1, 8).mean(-1, keepdim=True)  # one beside the loss, so that the forward is the step's peak
+        return h.square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("spread", [14, 16])
+def test_a_peak_that_moves_between_the_cut_traces_is_traced_whole(spread: int) -> None:
+    """The 3- and 4-block traces peak at points that do not correspond (spread 14: before the blocks, then after them;
+    the line overshot by 45 %), or at one point that another overtakes beyond the cut (16: the line was 25 % under):
+    the plan traces the whole model instead, equal to it to the byte, and says why."""
+    batch = torch.randn(256, 32)
+    with pytest.warns(UserWarning, match="peak at points that do not correspond") as caught:
+        cut = predict(partial(_WideStem, spread), batch, Candidate("32-true"))
+    whole = predict(partial(_WideStem, spread), batch, Candidate("32-true"), extrapolate=False)
+    assert (cut.categories, cut.side) == (whole.categories, whole.side)
+    where = "before the blocks with 3 blocks, after block -1 with 4" if spread == 14 else "after block -1 extended to 8"
+    assert where in cut.uncut and where in str(caught[0].message) and not whole.uncut
+    assert "blocks cut to 3 and 4 of 8 blocks" in cut.uncut
+
+
+def test_the_cut_traces_place_each_peak_at_corresponding_points() -> None:
+    """A step whose peaks stay where they are: the line holds (no whole trace), and the regions say where they are."""
+    from lightning_hbm.planner.tracing import build_template, trace
+
+    template = build_template(partial(_WideStem, 12))
+    three, four = (trace(template, torch.randn(256, 32), Candidate("32-true"), "cpu", k) for k in (3, 4))
+    assert three.where == four.where == {"forward": "after block -1", "backward": "after block -1", "step": "step"}
+    assert {"before the blocks", "block 0", "block 1", "block -1", "after block -1"} <= set(four.regions["forward"])
+    assert three.peaks_apart(four, 8) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not predict(partial(_WideStem, 12), torch.randn(256, 32), Candidate("32-true")).uncut
+
+
+def test_checkpointing_every_other_block_is_not_extended_by_the_line() -> None:
+    """ActivationCheckpointing(every=2): cut to 3 blocks the last one is checkpointed (the backward peaks in its
+    recompute), cut to 4 it is not (the backward peaks at the head). The line through them planned 33,374,920 B for
+    22,610,700 (+48 %); the check sees the peaks apart and the whole model is traced, to the byte."""
+    from lightning_hbm import LoRA
+
+    factory = partial(LlamaLM, **{**TINY_LLAMA, "num_hidden_layers": 8, "intermediate_size": 128})
+    batch = tuple(t.contiguous() for t in synthetic_batch(1, 1024))
+    candidate = Candidate.from_trainer(None, [LoRA(r=4), ActivationCheckpointing("full", every=2)])
+    with pytest.warns(UserWarning, match=r"backward: block -1 with 3 blocks, after block -1 with 4"):
+        cut = predict(factory, batch, candidate, device="cuda")
+    whole = predict(factory, batch, candidate, device="cuda", extrapolate=False)
+    assert cut.categories == whole.categories and cut.peak == 22_610_700
