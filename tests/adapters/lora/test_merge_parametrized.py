@@ -148,12 +148,12 @@ class Discriminator(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _fit(tmp_path: Any, epochs: int, ckpt_path: Any = None, save: bool = False) -> Discriminator:
+def _fit(tmp_path: Any, epochs: int, ckpt_path: Any = None, save: bool = False, checkpointing: bool = True) -> Discriminator:
     module = Discriminator()
     trainer = pl.Trainer(
         accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
-        callbacks=[LoRA(r=4, target_modules=["p", "lin"], modules_to_save=[]), ActivationCheckpointing()],
+        callbacks=[LoRA(r=4, target_modules=["p", "lin"], modules_to_save=[]), *([ActivationCheckpointing()] if checkpointing else [])],
     )  # fmt: skip
     generator = torch.Generator().manual_seed(1)
     trainer.fit(module, DataLoader([torch.randn(4, 32, generator=generator) for _ in range(2)], batch_size=None), ckpt_path=ckpt_path)
@@ -174,4 +174,16 @@ def test_a_spectral_norm_model_resumes_bit_exact_with_its_power_iteration(tmp_pa
     buffers = dict(resumed.named_buffers())
     assert any(name.endswith("._u") for name in buffers)
     for name, buffer in straight.named_buffers():
+        torch.testing.assert_close(buffers[name], buffer, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_a_spectral_norm_model_trains_the_same_with_activation_checkpointing(tmp_path: Any) -> None:
+    """The recompute runs from the power iteration's state the forward started from (``activations.replay``)."""
+    plain, checkpointed = _fit(tmp_path, 2, checkpointing=False), _fit(tmp_path, 2)
+    want, got = LoRA.adapter_state_dict(plain), LoRA.adapter_state_dict(checkpointed)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
+    buffers = dict(checkpointed.named_buffers())
+    for name, buffer in plain.named_buffers():
         torch.testing.assert_close(buffers[name], buffer, rtol=0, atol=0, msg=name)
