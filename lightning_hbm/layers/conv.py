@@ -47,7 +47,10 @@ class FrozenConvolution(torch.autograd.Function):
     only the weight; the frozen weight gets none). Was ``F.conv2d`` on the detached dequantized weight, which saved
     both: the whole weight in the compute dtype per layer until the backward, the bytes its 4-bit storage saved (two
     frozen 256->256 3x3 convolutions: 4,849,668 saved bytes against 131,076 unquantized). Tested on CPU; the
-    input-shaped stand-in in the backward is what ``torch.nn.grad.conv2d_input`` passes, not yet run with cuDNN."""
+    input-shaped stand-in in the backward is what ``torch.nn.grad.conv2d_input`` passes, not yet run with cuDNN. A second
+    derivative (a gradient penalty: ``autograd.grad(..., create_graph=True)``) is right: under ``create_graph`` autograd
+    records this backward, and ``aten.convolution_backward`` is differentiable in the gradient it takes (equal to the
+    dequantized weight's reference on CPU, ``tests/layers/test_double_backward.py``)."""
 
     @staticmethod
     def forward(

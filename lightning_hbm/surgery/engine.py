@@ -52,6 +52,7 @@ that need none of it. The resume checks themselves, the load hooks and the file 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -215,6 +216,38 @@ def resume_configs(plugin: Any, transforms: Sequence[SurgeryCallback]) -> dict[s
     return configs
 
 
+def _parametrization_state(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer of a parametrization with a copy of its value, to put back once the surgery is done.
+
+    A parametrized weight is computed at each read, and spectral_norm's computation in training mode advances its
+    power iteration (its buffers ``_u``, ``_v``) in place: the surgery's reads of ``layer.weight`` (the checks, the
+    fingerprints, peft's dispatch) advanced it some sixty steps, a number that depends on lightning_hbm's internals,
+    and again after a resume had restored them (a resumed run was not the run it continued)."""
+    return [
+        (buffer, buffer.detach().clone())
+        for owner in module.modules() if isinstance(owner, torch.nn.utils.parametrize.ParametrizationList)
+        for buffer in owner.buffers()
+    ]  # fmt: skip
+
+
+def _keeps_parametrization_state(surgery: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """``surgery`` (its first argument the model), putting back the parametrizations' buffers after it
+    (:func:`_parametrization_state`)."""
+
+    @functools.wraps(surgery)
+    def run(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        kept = _parametrization_state(module)
+        try:
+            return surgery(module, *args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in kept:
+                    buffer.copy_(value)
+
+    return run
+
+
+@_keeps_parametrization_state
 def run_surgery(
     module: nn.Module,
     plugin: Any,
@@ -243,7 +276,6 @@ def run_surgery(
             ``trainer.validate``; ``training_step`` by default).
     """
     _check_distinct(transforms)
-    kept = _parametrization_state(module)
     # the modules LoRA trains in full: a QuantizedPrecision leaves them unquantized, with or without a Trainer (planner)
     # (LoRA finds a model's task heads on the model as built: resolve_modules_to_save, before any check)
     saved = [getattr(t, "resolve_modules_to_save", lambda m: getattr(t, "modules_to_save", None))(module) for t in transforms]  # noqa: B023 - called at once
@@ -274,24 +306,8 @@ def run_surgery(
     if applied_transforms(module):
         resume.add_resume_hooks(module)  # later loads into the changed model (trainer.test(ckpt_path=...))
         _guard(module)
-    for buffer, value in kept:
-        buffer.copy_(value)
     return module
 
-
-@torch.no_grad()
-def _parametrization_state(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each buffer of a parametrization with a copy of its value, to put back once the surgery is done.
-
-    A parametrized weight is computed at each read, and spectral_norm's computation in training mode advances its
-    power iteration (its buffers ``_u``, ``_v``) in place: the surgery's reads of ``layer.weight`` (the checks, the
-    fingerprints, peft's dispatch) advanced it some sixty steps, a number that depends on lightning_hbm's internals,
-    and again after a resume had restored them (a resumed run was not the run it continued)."""
-    return [
-        (buffer, buffer.clone())
-        for owner in module.modules() if isinstance(owner, torch.nn.utils.parametrize.ParametrizationList)
-        for buffer in owner.buffers()
-    ]  # fmt: skip
 
 
 def _mend_bitsandbytes_layers(module: nn.Module) -> None:
