@@ -309,7 +309,6 @@ def run_surgery(
     return module
 
 
-
 def _mend_bitsandbytes_layers(module: nn.Module) -> None:
     """bitsandbytes layers, whoever quantized them (lightning_hbm, transformers, the user)."""
     # 4-bit: on an AVX512-BF16 CPU their first no-grad eval forward would repack them for a kernel that bypasses
