@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm.layers.kinds import LayerKind, itself, register_kind
-from lightning_hbm.layers.weight_norm import WeightNorm, weight_norm_of
+from lightning_hbm.layers.weight_norm import WeightNorm, floating_weight, weight_norm_of
 
 
 class Geometry(NamedTuple):
@@ -181,7 +181,7 @@ _PLAIN = {quantized: plain for plain, quantized in _QUANTIZED.items()}
 def _is_conv(module: nn.Module) -> bool:
     if isinstance(module, _Quantized):
         return True
-    return isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.weight.is_floating_point()
+    return isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and floating_weight(module)
 
 
 def _adaptable(conv: nn.Module) -> list[str]:

@@ -135,9 +135,9 @@ def test_an_unadapted_parametrized_layer_merges_as_its_own_state() -> None:
 class Discriminator(pl.LightningModule):
     """Spectral-norm blocks (SNGAN / BigGAN discriminators), checkpointed."""
 
-    def __init__(self) -> None:
+    def __init__(self, conv: bool) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([Net(parametrizations.spectral_norm), Net(parametrizations.spectral_norm)])
+        self.blocks = nn.ModuleList([Net(parametrizations.spectral_norm, conv), Net(parametrizations.spectral_norm, conv)])
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         for block in self.blocks:
@@ -148,8 +148,8 @@ class Discriminator(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _fit(tmp_path: Any, epochs: int, ckpt_path: Any = None, save: bool = False, checkpointing: bool = True) -> Discriminator:
-    module = Discriminator()
+def _fit(tmp_path: Any, epochs: int, ckpt_path: Any = None, save: bool = False, checkpointing: bool = True, conv: bool = False) -> Discriminator:
+    module = Discriminator(conv)
     trainer = pl.Trainer(
         accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
@@ -163,10 +163,12 @@ def _fit(tmp_path: Any, epochs: int, ckpt_path: Any = None, save: bool = False, 
 
 
 @pytest.mark.slow
-def test_a_spectral_norm_model_resumes_bit_exact_with_its_power_iteration(tmp_path: Any) -> None:
-    straight = _fit(tmp_path, 2)
-    _fit(tmp_path, 1, save=True)
-    resumed = _fit(tmp_path, 2, ckpt_path=tmp_path / "half.ckpt")
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
+def test_a_spectral_norm_model_resumes_bit_exact_with_its_power_iteration(tmp_path: Any, conv: bool) -> None:
+    """conv: was also moved at fit start by the layer-kind check of the weight's dtype (``floating_weight``)."""
+    straight = _fit(tmp_path, 2, conv=conv)
+    _fit(tmp_path, 1, save=True, conv=conv)
+    resumed = _fit(tmp_path, 2, ckpt_path=tmp_path / "half.ckpt", conv=conv)
     want, got = LoRA.adapter_state_dict(straight), LoRA.adapter_state_dict(resumed)
     assert set(want) == set(got) and want
     for key in want:
