@@ -227,7 +227,7 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
         return inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
     extra: dict[str, Any] = {} if plan.context_fn is None else {"context_fn": plan.context_fn}
     calls = itertools.count()
-    state = ForwardState(self)  # its parametrizations' buffers (spectral_norm's u, v) as the forward finds them
+    state = ForwardState(self)  # the buffers its forward changes (BatchNorm statistics, spectral_norm's u, v)
 
     def run(*a: Any, **k: Any) -> Any:
         # the first call is the forward; every later one is checkpoint's recompute, in the backward (lora.order)

@@ -1,12 +1,15 @@
-"""A checkpointed block's recompute sees the state its forward saw: the buffers of its parametrizations.
+"""A checkpointed block's recompute sees the state its forward saw: the buffers a training forward changes in place.
 
-spectral_norm computes its weight in training mode by one step of a power iteration that updates its buffers ``_u``,
-``_v`` in place. Recomputed in the backward, the block ran that step a second time: the recompute divided by another
-estimate of the largest singular value than the forward did (the gradients were not those of the loss computed), and
-the estimate moved two steps per training step. Measured: LoRA on a two-block spectral_norm model, 4 AdamW steps at
-lr 1e-2, adapters up to 0.015 apart with and without checkpointing (0 for a parametrization without state). Here the
-recompute starts from the values the forward started from and leaves the values the forward left: the run is the
-one without checkpointing, bit for bit (``tests/adapters/lora/test_merge_parametrized.py``).
+Two kinds of layer change buffers in a training forward. BatchNorm updates its running statistics
+(``running_mean``, ``running_var``, ``num_batches_tracked``); spectral_norm computes its weight by one step of a
+power iteration that updates its buffers ``_u``, ``_v``. Recomputed in the backward, the block did it a second time:
+BatchNorm's momentum was applied twice per step (a two-block Conv-BN LoRA net, 4 steps: ``num_batches_tracked`` 8
+instead of 4, ``running_var`` 0.18 away from the run without checkpointing, so the eval-mode model differed), and
+spectral_norm's recompute divided by another estimate of the largest singular value than its forward (the gradients
+were not those of the loss computed: adapters up to 0.015 apart after 4 AdamW steps at lr 1e-2). Here the recompute
+starts from the values the forward started from, and the values the forward left are put back after it: the run is
+the one without checkpointing, bit for bit (``tests/activations/test_replay.py``,
+``tests/adapters/lora/test_merge_parametrized.py``).
 """
 
 from __future__ import annotations
@@ -17,13 +20,27 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from lightning_hbm._compat import _disable_current_modes
+from lightning_hbm._compat import torch as torch_compat
+
+
+def _changes_buffers(module: nn.Module) -> bool:
+    """Whether a training forward of ``module`` changes its buffers in place (tracked BatchNorm statistics, a
+    parametrization's state: spectral_norm's ``u``, ``v``)."""
+    if isinstance(module, torch.nn.utils.parametrize.ParametrizationList):
+        return True
+    return isinstance(module, torch_compat.BatchNormBase) and module.track_running_stats
+
 
 class ForwardState:
-    """The parametrization buffers of ``block`` as its forward is about to find them (none: nothing is copied)."""
+    """The buffers of ``block`` that its training forward changes, as the forward is about to find them (none:
+    nothing is copied)."""
 
     def __init__(self, block: nn.Module) -> None:
         # looked up at each forward: a move to another device replaces the buffers
-        self.buffers = [b for m in block.modules() if isinstance(m, torch.nn.utils.parametrize.ParametrizationList) for b in m.buffers()]
+        # a parametrization's state lives in its modules (spectral_norm's: parametrizations.weight.0._u), under the list
+        lists = torch.nn.utils.parametrize.ParametrizationList
+        self.buffers = [b for m in block.modules() if _changes_buffers(m) for b in m.buffers(recurse=isinstance(m, lists))]
         self.before = [b.detach().clone() for b in self.buffers]
 
     @contextmanager
@@ -33,14 +50,15 @@ class ForwardState:
         if not recompute or not self.buffers:
             yield
             return
-        after = [b.detach().clone() for b in self.buffers]
-        with torch.no_grad():
+        # outside the recompute's dispatch modes: the selective policy's would find copies its forward never made
+        with _disable_current_modes(), torch.no_grad():
+            after = [b.detach().clone() for b in self.buffers]
             for buffer, value in zip(self.buffers, self.before):
                 buffer.copy_(value)
         try:
             yield
         finally:
-            with torch.no_grad():
+            with _disable_current_modes(), torch.no_grad():
                 for buffer, value in zip(self.buffers, after):
                     buffer.copy_(value)
 

@@ -148,12 +148,12 @@ class Discriminator(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _fit(tmp_path: Any, epochs: int, ckpt_path: Any = None, save: bool = False, checkpointing: bool = True, conv: bool = False) -> Discriminator:
+def _fit(tmp_path: Any, epochs: int, ckpt_path: Any = None, save: bool = False, checkpointing: bool = True, conv: bool = False, policy: str = "full") -> Discriminator:
     module = Discriminator(conv)
     trainer = pl.Trainer(
         accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
-        callbacks=[LoRA(r=4, target_modules=["p", "lin"], modules_to_save=[]), *([ActivationCheckpointing()] if checkpointing else [])],
+        callbacks=[LoRA(r=4, target_modules=["p", "lin"], modules_to_save=[]), *([ActivationCheckpointing(policy=policy)] if checkpointing else [])],
     )  # fmt: skip
     generator = torch.Generator().manual_seed(1)
     trainer.fit(module, DataLoader([torch.randn(4, 32, generator=generator) for _ in range(2)], batch_size=None), ckpt_path=ckpt_path)
@@ -180,9 +180,11 @@ def test_a_spectral_norm_model_resumes_bit_exact_with_its_power_iteration(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_spectral_norm_model_trains_the_same_with_activation_checkpointing(tmp_path: Any) -> None:
-    """The recompute runs from the power iteration's state the forward started from (``activations.replay``)."""
-    plain, checkpointed = _fit(tmp_path, 2, checkpointing=False), _fit(tmp_path, 2)
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_a_spectral_norm_model_trains_the_same_with_activation_checkpointing(tmp_path: Any, policy: str) -> None:
+    """The recompute runs from the power iteration's state the forward started from (``activations.replay``; under
+    the selective policy its copies are made outside the policy's dispatch mode)."""
+    plain, checkpointed = _fit(tmp_path, 2, checkpointing=False), _fit(tmp_path, 2, policy=policy)
     want, got = LoRA.adapter_state_dict(plain), LoRA.adapter_state_dict(checkpointed)
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
