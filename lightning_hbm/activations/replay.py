@@ -24,23 +24,13 @@ from lightning_hbm._compat import _disable_current_modes
 from lightning_hbm._compat import torch as torch_compat
 
 
-def _changes_buffers(module: nn.Module) -> bool:
-    """Whether a training forward of ``module`` changes its buffers in place (tracked BatchNorm statistics, a
-    parametrization's state: spectral_norm's ``u``, ``v``)."""
-    if isinstance(module, torch.nn.utils.parametrize.ParametrizationList):
-        return True
-    return isinstance(module, torch_compat.BatchNormBase) and module.track_running_stats
-
-
 class ForwardState:
     """The buffers of ``block`` that its training forward changes, as the forward is about to find them (none:
     nothing is copied)."""
 
     def __init__(self, block: nn.Module) -> None:
         # looked up at each forward: a move to another device replaces the buffers
-        # a parametrization's state lives in its modules (spectral_norm's: parametrizations.weight.0._u), under the list
-        lists = torch.nn.utils.parametrize.ParametrizationList
-        self.buffers = [b for m in block.modules() if _changes_buffers(m) for b in m.buffers(recurse=isinstance(m, lists))]
+        self.buffers = torch_compat.buffers_changed_in_training(block)
         self.before = [b.detach().clone() for b in self.buffers]
 
     @contextmanager

@@ -217,17 +217,14 @@ def resume_configs(plugin: Any, transforms: Sequence[SurgeryCallback]) -> dict[s
 
 
 def _parametrization_state(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each buffer of a parametrization with a copy of its value, to put back once the surgery is done.
+    """Each buffer a training forward changes with a copy of its value, to put back once the surgery is done.
 
     A parametrized weight is computed at each read, and spectral_norm's computation in training mode advances its
     power iteration (its buffers ``_u``, ``_v``) in place: the surgery's reads of ``layer.weight`` (the checks, the
     fingerprints, peft's dispatch) advanced it some sixty steps, a number that depends on lightning_hbm's internals,
-    and again after a resume had restored them (a resumed run was not the run it continued)."""
-    return [
-        (buffer, buffer.detach().clone())
-        for owner in module.modules() if isinstance(owner, torch.nn.utils.parametrize.ParametrizationList)
-        for buffer in owner.buffers()
-    ]  # fmt: skip
+    and again after a resume had restored them (a resumed run was not the run it continued). The probe step on fake
+    tensors counted one batch in each BatchNorm's ``num_batches_tracked``."""
+    return [(buffer, buffer.detach().clone()) for buffer in torch_compat.buffers_changed_in_training(module)]
 
 
 def _keeps_parametrization_state(surgery: Callable[..., nn.Module]) -> Callable[..., nn.Module]:

@@ -62,3 +62,17 @@ def test_a_checkpointed_batchnorm_updates_its_statistics_once_per_step(policy: s
     want, got = LoRA.adapter_state_dict(plain), LoRA.adapter_state_dict(checkpointed)
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
+
+
+def test_the_surgery_leaves_batchnorm_statistics_as_they_were() -> None:
+    """Was: the probe step (``layers.readers.observe``, on fake tensors) counted one batch in ``num_batches_tracked``."""
+    module = ConvBN()
+    before = {name: buffer.clone() for name, buffer in module.named_buffers()}
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+        callbacks=[LoRA(r=4, target_modules=["conv"], modules_to_save=[]), ActivationCheckpointing()],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader([torch.randn(4, 8, 4, 4)], batch_size=None))
+    for name, buffer in module.named_buffers():
+        torch.testing.assert_close(buffer, before[name], rtol=0, atol=0, msg=name)
