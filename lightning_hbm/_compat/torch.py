@@ -58,6 +58,18 @@ ConvNd = nn.modules.conv._ConvNd
 BatchNormBase = nn.modules.batchnorm._BatchNorm
 
 
+def buffers_changed_in_training(module: nn.Module) -> list[torch.Tensor]:
+    """The buffers of ``module`` (and its submodules) that a training-mode forward changes in place: tracked
+    BatchNorm statistics, and a parametrization's state (spectral_norm's power iteration ``_u``, ``_v``, kept in the
+    modules under its ``ParametrizationList``)."""
+    lists = torch.nn.utils.parametrize.ParametrizationList
+    found: list[torch.Tensor] = []
+    for sub in module.modules():
+        if isinstance(sub, lists) or isinstance(sub, BatchNormBase) and sub.track_running_stats:
+            found.extend(sub.buffers(recurse=isinstance(sub, lists)))
+    return found
+
+
 def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch._int_mm``: int8 x int8 -> int32 matrix product (cuBLASLt / CPU), torch's only integer GEMM."""
     return torch._int_mm(a, b)

@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
+from lightning_hbm.activations.replay import ForwardState
 from lightning_hbm.activations.selective import SelectivePolicy, format_matmuls, unkept_formats
 from lightning_hbm.activations.token_chunks import ChunkedForward, candidates
 from lightning_hbm.adapters.lora.order import LastAdapted, adapter_first, recomputing
@@ -307,10 +308,12 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
         return inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
     extra: dict[str, Any] = {} if plan.context_fn is None else {"context_fn": plan.context_fn}
     calls = itertools.count()
+    state = ForwardState(self)  # the buffers its forward changes (BatchNorm statistics, spectral_norm's u, v)
 
     def run(*a: Any, **k: Any) -> Any:
         # the first call is the forward; every later one is checkpoint's recompute, in the backward (lora.order)
-        with recomputing(next(calls) > 0):
+        again = next(calls) > 0
+        with recomputing(again), state.replayed(again):
             return inner(*a, **k)
 
     if plan.offload is not None and not plan.moves:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm.layers.kinds import LayerKind, itself, register_kind
-from lightning_hbm.layers.weight_norm import WeightNorm, weight_norm_of
+from lightning_hbm.layers.weight_norm import WeightNorm, floating_weight, weight_norm_of
 
 
 class Geometry(NamedTuple):
@@ -47,7 +47,10 @@ class FrozenConvolution(torch.autograd.Function):
     only the weight; the frozen weight gets none). Was ``F.conv2d`` on the detached dequantized weight, which saved
     both: the whole weight in the compute dtype per layer until the backward, the bytes its 4-bit storage saved (two
     frozen 256->256 3x3 convolutions: 4,849,668 saved bytes against 131,076 unquantized). Tested on CPU; the
-    input-shaped stand-in in the backward is what ``torch.nn.grad.conv2d_input`` passes, not yet run with cuDNN."""
+    input-shaped stand-in in the backward is what ``torch.nn.grad.conv2d_input`` passes, not yet run with cuDNN. A second
+    derivative (a gradient penalty: ``autograd.grad(..., create_graph=True)``) is right: under ``create_graph`` autograd
+    records this backward, and ``aten.convolution_backward`` is differentiable in the gradient it takes (equal to the
+    dequantized weight's reference on CPU, ``tests/layers/test_double_backward.py``)."""
 
     @staticmethod
     def forward(
@@ -178,7 +181,7 @@ _PLAIN = {quantized: plain for plain, quantized in _QUANTIZED.items()}
 def _is_conv(module: nn.Module) -> bool:
     if isinstance(module, _Quantized):
         return True
-    return isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.weight.is_floating_point()
+    return isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and floating_weight(module)
 
 
 def _adaptable(conv: nn.Module) -> list[str]:

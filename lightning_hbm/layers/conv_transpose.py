@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_hbm.layers.conv import FrozenConvolution, Geometry
 from lightning_hbm.layers.kinds import LayerKind, no_names, register_kind
-from lightning_hbm.layers.weight_norm import WeightNorm, weight_norm_of
+from lightning_hbm.layers.weight_norm import WeightNorm, floating_weight, weight_norm_of
 
 _PLAIN = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _FUNCTIONS: dict[int, Callable[..., torch.Tensor]] = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -100,7 +100,7 @@ _QUANTIZED: dict[type[nn.Module], type[_QuantizedTranspose]] = {nn.ConvTranspose
 def _is_transpose(module: nn.Module) -> bool:
     if isinstance(module, _QuantizedTranspose):
         return True
-    return isinstance(module, _PLAIN) and module.weight.is_floating_point()
+    return isinstance(module, _PLAIN) and floating_weight(module)
 
 
 def _as_linear(conv: nn.Module) -> nn.Linear:

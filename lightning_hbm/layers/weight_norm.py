@@ -50,4 +50,14 @@ def weight_norm_of(layer: nn.Module) -> Optional[WeightNorm]:
     return None if hook is None else WeightNorm("weight_g", "weight_v", int(hook.dim))
 
 
-__all__ = ["WeightNorm", "weight_norm_of"]
+def floating_weight(layer: nn.Module) -> bool:
+    """Whether ``layer``'s weight is floating point, told without computing a parametrized one: spectral_norm's
+    computation in training mode advances its power iteration (buffers ``_u``, ``_v``) in place, so each such check
+    at fit start moved it, and a resumed run was not the one it continued (the factors' dtypes tell)."""
+    if torch.nn.utils.parametrize.is_parametrized(layer, "weight"):
+        listed = cast(nn.ModuleDict, layer.parametrizations)["weight"]
+        return all(t.is_floating_point() for t in (*listed.parameters(recurse=False), *listed.buffers(recurse=False)))
+    return cast(torch.Tensor, layer.weight).is_floating_point()
+
+
+__all__ = ["WeightNorm", "floating_weight", "weight_norm_of"]

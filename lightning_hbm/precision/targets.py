@@ -26,11 +26,18 @@ from lightning_hbm.precision.registry import QuantFormat, format_of, get_format,
 Reason = tuple[str, bool]
 _IGNORED: Reason = ("QuantizedPrecision(ignore_modules=...)", True)
 _KEPT: Reason = ("LoRA modules_to_save: trained in full precision", True)
-_PARAMETRIZED = "weight computed by a parametrization other than weight_norm: kept in the compute dtype"
-_PARAMETRIZED_LINEAR = (
-    "weight computed by a parametrization (weight_norm is folded into one quantized weight on convolutions only): "
-    "kept in the compute dtype"
-)
+
+
+def _parametrized_reason(layer: nn.Module, convolution: bool) -> str:
+    """Why a parametrized layer is kept in the compute dtype, naming its parametrizations (the coverage table's reason)."""
+    listed = cast(nn.ModuleDict, layer.parametrizations) if torch.nn.utils.parametrize.is_parametrized(layer) else nn.ModuleDict()
+    names = sorted({type(p).__name__ for chain in listed.values() for p in cast(nn.ModuleList, chain)}) or ["weight_norm"]
+    if "_SpectralNorm" in names:
+        # not a function of frozen tensors: folding it would freeze its estimate of the largest singular value
+        why = "spectral_norm's power iteration (its buffers u, v) changes the weight at each training forward"
+    else:
+        why = "only a weight_norm alone is folded into one quantized weight" + ("" if convolution else ", on convolutions")
+    return f"weight computed by a parametrization ({', '.join(names)}): {why}; kept in the compute dtype"
 
 
 class Listing(NamedTuple):
@@ -147,7 +154,7 @@ def _linear_reasons(
         if _parametrized(layer) and not (kind.wrap is not None and _weight_normed(layer)):
             # other parametrizations (spectral_norm's power iteration, orthogonal) are part of what the layer computes;
             # a weight_norm is folded on convolutions only, whose wrapper maps its keys back to the factors (resume)
-            after = (_PARAMETRIZED if kind.wrap is not None else _PARAMETRIZED_LINEAR, False)
+            after = (_parametrized_reason(layer, kind.wrap is not None), False)
         elif name in (users if name in fp32 else readers):
             # the reader would get the packed integer weight (a low-level dtype/shape error): compute dtype
             after = (f"weight read directly by {readers[name]}, not by calling the layer: kept in the compute dtype", False)

@@ -12,7 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_hbm.layers.correction import KEY_MARK as CORRECTION_MARK
 from lightning_hbm.record import as_built
-from lightning_hbm.resume.keys import KeyMap
+from lightning_hbm.resume.keys import KeyMap, _canonical
 
 # 2: every tensor checksummed, the lightning_hbm part sealed by a digest, stronger fingerprints; 3: every value too
 FORMAT_VERSION = 3
@@ -46,10 +46,14 @@ def pack(
         # statistics change while training; a 4-bit layer's constants are not buffers)
         keep = {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
         keep |= {n for n, b in module.named_buffers(remove_duplicate=False) if _fits(schema, n, b)}
+        # an as-built buffer of a layer peft wrapped (spectral_norm's power-iteration u and v, which change while
+        # training, under ...base_layer...): kept under its as-built name, restored before the surgery as the others
+        # (was: dropped, so a resume restarted the power iteration from the model as built)
+        renamed = {n: _canonical(n) for n, b in module.named_buffers(remove_duplicate=False) if n not in keep and _fits(schema, _canonical(n), b)}
         # a quantized layer's calibrated correction: frozen, but measured on the probe, not rebuilt from the base
         # (stored, so a resume takes it back bit for bit: lightning_hbm.precision.correction)
         keep |= {n for n in full if CORRECTION_MARK in n}
-        full = {k: v for k, v in full.items() if k in keep}
+        full = {renamed.get(k, k): v for k, v in full.items() if k in keep or k in renamed}
     fitting = {k: v for k, v in full.items() if _fits(schema, k, v)}
     changed = {k: v for k, v in full.items() if k not in fitting}
     placeholders, omitted = [], []

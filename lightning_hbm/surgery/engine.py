@@ -52,6 +52,7 @@ that need none of it. The resume checks themselves, the load hooks and the file 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -215,6 +216,35 @@ def resume_configs(plugin: Any, transforms: Sequence[SurgeryCallback]) -> dict[s
     return configs
 
 
+def _parametrization_state(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer a training forward changes with a copy of its value, to put back once the surgery is done.
+
+    A parametrized weight is computed at each read, and spectral_norm's computation in training mode advances its
+    power iteration (its buffers ``_u``, ``_v``) in place: the surgery's reads of ``layer.weight`` (the checks, the
+    fingerprints, peft's dispatch) advanced it some sixty steps, a number that depends on lightning_hbm's internals,
+    and again after a resume had restored them (a resumed run was not the run it continued). The probe step on fake
+    tensors counted one batch in each BatchNorm's ``num_batches_tracked``."""
+    return [(buffer, buffer.detach().clone()) for buffer in torch_compat.buffers_changed_in_training(module)]
+
+
+def _keeps_parametrization_state(surgery: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """``surgery`` (its first argument the model), putting back the parametrizations' buffers after it
+    (:func:`_parametrization_state`)."""
+
+    @functools.wraps(surgery)
+    def run(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        kept = _parametrization_state(module)
+        try:
+            return surgery(module, *args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in kept:
+                    buffer.copy_(value)
+
+    return run
+
+
+@_keeps_parametrization_state
 def run_surgery(
     module: nn.Module,
     plugin: Any,

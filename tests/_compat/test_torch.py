@@ -183,3 +183,16 @@ def test_a_kept_pass_is_what_the_loaders_next_iter_returns_and_persistent_worker
         assert given is loader and int(first) == 0 and loader._iterator is None
         assert [int(x) for x in loader] == [0, 1, 2] and "_get_iterator" not in vars(loader)
         assert [int(x) for x in loader] == [0, 1, 2]  # the next epoch: a new pass (or the persistent one reset)
+
+
+def test_buffers_changed_in_training_are_the_ones_a_training_forward_changes() -> None:
+    """BatchNorm's tracked statistics and spectral_norm's ``_u``/``_v`` (kept below its ParametrizationList)."""
+    model = nn.Sequential(
+        nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)), nn.BatchNorm1d(4), nn.BatchNorm1d(4, track_running_stats=False),
+        nn.LayerNorm(4),
+    )  # fmt: skip
+    found = compat.buffers_changed_in_training(model)
+    values = {id(b): b.clone() for b in model.buffers()}  # by value: BatchNorm's kernel does not bump _version
+    model.train()(torch.randn(3, 4))
+    changed = {id(b) for b in model.buffers() if not torch.equal(b, values[id(b)])}
+    assert {id(b) for b in found} == changed and len(found) == 5  # u, v; running_mean, running_var, num_batches_tracked

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import errno
 import json
@@ -399,7 +400,7 @@ def merge(
     def dense(name: str, layer: nn.Module) -> torch.Tensor:
         fmt = format_of(layer)
         if fmt is None and stored_in(layer) is None:
-            return cast(torch.Tensor, layer.weight).float()
+            return _eval_weight(layer)
         if base_state_dict is not None:
             norm = _weight_norm(layer)
             if norm is None:
@@ -463,9 +464,52 @@ def _as_built_weight(prefix: str, layer: nn.Module, weight: torch.Tensor) -> dic
     its weight_norm computes back into ``weight`` (was: one ``weight`` key the model as built does not have, so a
     strict load failed and a non-strict one kept the random or old factors), else ``weight``."""
     norm = _weight_norm(layer)
-    if norm is None:
-        return {prefix + "weight": weight}
-    return {prefix + key: tensor for key, tensor in norm.factors(weight).items()}
+    if norm is not None:
+        return {prefix + key: tensor for key, tensor in norm.factors(weight).items()}
+    if torch.nn.utils.parametrize.is_parametrized(layer, "weight"):
+        return {prefix + key: tensor for key, tensor in _parametrized_factors(prefix[:-1], layer, weight).items()}
+    return {prefix + "weight": weight}
+
+
+def _eval_weight(layer: nn.Module) -> torch.Tensor:
+    """``layer.weight`` as the model computes it in eval mode, without changing ``layer``: a parametrization runs on a
+    copy (spectral_norm's power iteration advances its ``u``, ``v`` at each read in training mode)."""
+    if not torch.nn.utils.parametrize.is_parametrized(layer, "weight"):
+        return cast(torch.Tensor, layer.weight).float()
+    return cast(torch.Tensor, copy.deepcopy(layer).eval().weight).float()
+
+
+def _parametrized_factors(name: str, layer: nn.Module, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``weight`` (merged) as the state of ``layer``'s parametrization (``parametrizations.weight.original`` and the
+    parametrizations' own tensors, local keys), found by its ``right_inverse`` and proven by computing the weight
+    back from it (eval mode, on a copy).
+
+    Raises:
+        ValueError: the parametrization cannot compute ``weight`` (spectral_norm divides any weight by its largest
+            singular value, orthogonal gives orthogonal weights only, a symmetric one symmetric weights: a LoRA update
+            leaves their range), naming the layer and the fixes; raised before anything is merged.
+    """
+    built = copy.deepcopy(layer).eval()
+    listed = cast(Any, built).parametrizations.weight
+    kinds = [type(p).__name__ for p in listed]
+    error = "its right_inverse failed"
+    try:
+        with torch.no_grad():
+            setattr(built, "weight", weight.to(listed.original.dtype))  # torch calls right_inverse, last first
+        back = cast(torch.Tensor, built.weight).float()
+        error = f"it computes a weight {float((back - weight).norm() / weight.norm()):.2e} (relative) away from it"
+        if torch.allclose(back, weight, rtol=1e-5, atol=1e-6 * float(weight.abs().max())):
+            return dict(built.state_dict())
+    except (RuntimeError, ValueError, NotImplementedError) as err:
+        error = f"its right_inverse failed ({err})"
+    raise ValueError(
+        f"LoRA.merge: the weight of {name} is computed by the parametrization(s) {kinds}, and its merged weight is "
+        f"not one they compute: set as the parametrization's input (right_inverse), {error}. Nothing was merged. "
+        f"Load the adapter onto the model as built instead (LoRA.save_adapter, then peft.PeftModel.from_pretrained: "
+        f"peft adapts the parametrized layer), or leave the layer out of the adapters (LoRA(exclude_modules=[{name!r}])), "
+        f"or remove the parametrization before training "
+        f"(torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight')) so the merged weight is a plain one."
+    )
 
 
 def _check_base(module: nn.Module, base_state_dict: dict[str, torch.Tensor], root: str) -> None:
