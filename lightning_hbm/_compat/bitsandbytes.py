@@ -60,13 +60,44 @@ def drop_int8_kept_input(module: nn.Module, args: tuple, output: Any) -> None:
 _DROPPING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+# each int8 layer's input flattened by _flatten_input (the tensor its forward gets) and the input's shape, until its
+# output is shaped back (a Linear's forward does not call itself: one at a time per layer)
+_FLATTENED: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, torch.Size]] = weakref.WeakKeyDictionary()
+
+
+def _flatten_input(module: nn.Module, args: tuple) -> Optional[tuple]:
+    """A ``Linear8bitLt`` forward pre-hook: an input of more than 3 dimensions as one of 2 (its leading ones as rows).
+
+    bitsandbytes 0.50's LLM.int8 forward (eval, or any forward on CUDA) indexes the input's outlier columns as if it
+    had at most 3 dimensions: a Swin's ``[batch, windows, tokens, channels]`` failed with "The size of tensor a (4)
+    must match the size of tensor b (16)" (``tests/_compat/test_bitsandbytes.py`` fails when that is fixed). A Linear
+    acts on the last dimension alone, so the rows are the same computation."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or x.dim() <= 3:
+        return None
+    flat = x.reshape(-1, x.shape[-1])
+    _FLATTENED[module] = (flat, x.shape)
+    return (flat, *args[1:])
+
+
+def _shape_output(module: nn.Module, args: tuple, output: Any) -> Any:
+    """A ``Linear8bitLt`` forward hook: the output of :func:`_flatten_input`'s rows with the input's leading dimensions."""
+    flat, shape = _FLATTENED.pop(module, (None, None))
+    if flat is None or shape is None or not args or args[0] is not flat or not isinstance(output, torch.Tensor):
+        return None
+    return output.reshape(*shape[:-1], output.shape[-1])
+
+
 def drop_kept_inputs(module: nn.Module) -> int:
     """:func:`drop_int8_kept_input` as a forward hook of every ``Linear8bitLt`` in ``module`` (once each), whoever
-    made it (lightning_hbm's ``int8`` mode, transformers' ``load_in_8bit``); returns how many layers have it."""
+    made it (lightning_hbm's ``int8`` mode, transformers' ``load_in_8bit``), with :func:`_flatten_input` and
+    :func:`_shape_output` around its forward; returns how many layers have them."""
     layers = [m for m in module.modules() if type(m).__name__ == "Linear8bitLt" and type(m).__module__.startswith("bitsandbytes")]
     for layer in layers:
         if layer not in _DROPPING:
-            layer.register_forward_hook(drop_int8_kept_input)
+            layer.register_forward_pre_hook(_flatten_input)
+            layer.register_forward_hook(drop_int8_kept_input)  # first: it reads the matmul's own grad_fn
+            layer.register_forward_hook(_shape_output)
             _DROPPING.add(layer)
     return len(layers)
 

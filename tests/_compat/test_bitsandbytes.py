@@ -170,5 +170,29 @@ def test_drop_kept_inputs_hooks_every_int8_layer_once() -> None:
     model = torch.nn.Sequential(bnb.nn.Linear8bitLt(8, 4, has_fp16_weights=False), torch.nn.Linear(4, 4))
     assert compat.drop_kept_inputs(model) == 1
     assert compat.drop_kept_inputs(model) == 1
-    assert list(model[0]._forward_hooks.values()) == [compat.drop_int8_kept_input]  # once, not twice
+    assert list(model[0]._forward_hooks.values()) == [compat.drop_int8_kept_input, compat._shape_output]  # once, not twice
+    assert list(model[0]._forward_pre_hooks.values()) == [compat._flatten_input]
     assert not model[1]._forward_hooks
+
+
+def test_int8_matmul_fails_on_inputs_of_more_than_3_dimensions_in_eval() -> None:
+    """bitsandbytes 0.50's LLM.int8 forward (eval on CPU) fails on a 4-D input (a Swin's windows): when this test fails,
+    bitsandbytes has fixed it and ``_flatten_input`` / ``_shape_output`` can go."""
+    layer = _layer8bit().eval()
+    with pytest.raises(RuntimeError, match="must match the size of tensor"):
+        layer(torch.randn(2, 3, 4, 64))
+
+
+def test_lightning_hbm_int8_layers_take_inputs_of_any_rank() -> None:
+    """Issue 53 (found with a Swin stored in int8: its eval forward failed): the int8 layer on a 4-D or 5-D input gives
+    the rows of the same input as 2-D, in eval and in training, and gradients flow to the input."""
+    layer = get_format("int8").replace(torch.nn.Linear(64, 32), torch.float32, torch.device("cpu"))
+    for training in (False, True):
+        layer.train(training)
+        for shape in ((2, 3, 4, 64), (2, 1, 3, 2, 64)):
+            x = torch.randn(*shape, requires_grad=True)
+            out = layer(x)
+            assert out.shape == (*shape[:-1], 32)
+            torch.testing.assert_close(out, layer(x.detach().reshape(-1, 64)).reshape(*shape[:-1], 32), rtol=0, atol=0)
+            out.square().sum().backward()
+            assert x.grad is not None and x.grad.shape == x.shape
