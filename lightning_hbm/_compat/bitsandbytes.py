@@ -68,7 +68,7 @@ _FLATTENED: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, torch.Size]
 def _flatten_input(module: nn.Module, args: tuple) -> Optional[tuple]:
     """A ``Linear8bitLt`` forward pre-hook: an input of more than 3 dimensions as one of 2 (its leading ones as rows).
 
-    bitsandbytes 0.50's LLM.int8 forward (eval, or any forward on CUDA) indexes the input's outlier columns as if it
+    bitsandbytes 0.50's LLM.int8 forward (eval on CPU; on CUDA, where every forward takes it, untested) indexes the input's outlier columns as if it
     had at most 3 dimensions: a Swin's ``[batch, windows, tokens, channels]`` failed with "The size of tensor a (4)
     must match the size of tensor b (16)" (``tests/_compat/test_bitsandbytes.py`` fails when that is fixed). A Linear
     acts on the last dimension alone, so the rows are the same computation."""
