@@ -21,6 +21,7 @@ it. A model without quantized convolutions is not measured here (today's behavio
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
@@ -29,10 +30,12 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from lightning_hbm.probe import eval_no_grad
+from lightning_hbm._compat import bitsandbytes as bnb_compat
+from lightning_hbm._compat import torch as torch_compat
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,8 @@ class ConvAccuracy:
     threshold: float
     #: seconds of the quantized model's forward (the reference's is the plan's own, or one forward more)
     seconds: float
+    #: whether the fit-start warning was said (under the threshold)
+    warned: bool = False
 
 
 #: the most output values kept for the figure (16 MiB in fp32): a language model with a convolution (Mamba's conv1d)
@@ -102,12 +107,17 @@ class Reference:
         cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731 - as the plugin's convert_input
         args, kwargs = tree_map_only(Tensor, cast, self.args), tree_map_only(Tensor, cast, self.kwargs)
         previous = torch.get_default_dtype()
-        with eval_no_grad(module), _on_their_devices(module, quantized):
-            torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
-            try:
+        # eval and no grad as probe.eval_no_grad, written here: the quantization's walk enters probe.py twice already
+        flags = [(m, m.training) for m in module.modules()]
+        module.eval()
+        try:
+            with torch.no_grad(), _on_their_devices(module, quantized):
+                torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
                 got = outputs(module(*args, **kwargs))
-            finally:
-                torch.set_default_dtype(previous)
+        finally:
+            torch.set_default_dtype(previous)
+            for m, training in flags:
+                m.training = training
         return centred_cosine(got, self.output) if got.shape == self.output.shape else float("nan")
 
 
@@ -163,4 +173,39 @@ def accuracy_warning(measured: ConvAccuracy, modes: Mapping[str, str], dtype: to
     )
 
 
-__all__ = ["KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_warning", "centred_cosine", "outputs"]
+def check_accuracy(
+    module: nn.Module, reference: Optional[Reference], quantized: Sequence[str], modes: Mapping[str, str], config: Any, threshold: float
+) -> Optional[ConvAccuracy]:
+    """The quantized ``module``'s output on the probe against ``reference`` (the model as built), said under
+    ``threshold`` as a warning with the figure, the threshold and the fix; ``None`` when not measured (no reference, no
+    convolution quantized, or a forward that fails: logged, never raised, the model ran as built).
+
+    ``modes``: the layer modes of the plan (a layer not in it is in ``config.format``); ``config``: the
+    :class:`~lightning_hbm.precision.config.QuantizationConfig`.
+    """
+    if reference is None or reference.output is None:
+        return None
+    base = config.format.name
+    convs = {name: modes.get(name, base) for name in reference.names if name in quantized}
+    if not convs:
+        return None
+    # before the first forward of its bitsandbytes 4-bit layers, as the surgery does after the quantization: an eval
+    # forward on an AVX512-BF16 CPU would repack them for a kernel that bypasses autograd
+    bnb_compat.disable_cpu_repacks(module)
+    start = time.perf_counter()
+    try:
+        with torch_compat.preserved_rngs():
+            cosine = reference.quantized_cosine(module, config.torch_dtype, quantized)
+    except Exception as error:  # noqa: BLE001 - the model ran as built: a measurement that fails is said in the log
+        log.info("lightning_hbm: the quantized model's output could not be measured on the probe batch: %r", error)
+        return None
+    measured = ConvAccuracy(cosine, threshold, time.perf_counter() - start)
+    log.info("lightning_hbm: output cosine of the quantized model on the probe batch: %.4f (threshold %s)", cosine, threshold)
+    warning = accuracy_warning(measured, convs, config.torch_dtype, base, config.format.peft_kind == "4bit")
+    if warning is not None:
+        rank_zero_warn(warning)
+        measured.warned = True
+    return measured
+
+
+__all__ = ["KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_warning", "centred_cosine", "check_accuracy", "outputs"]

@@ -26,7 +26,6 @@ the run (or ``None``): the probe batch and the checkpoint being resumed are read
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from contextlib import nullcontext
 from typing import Any, Optional, Sequence
@@ -37,12 +36,11 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor  # as layers/readers.py: no public home
 
 from lightning_hbm import record, resume
-from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
 from lightning_hbm.layers.embedding import is_plain_embedding
-from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, accuracy_warning
+from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, check_accuracy
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
@@ -291,14 +289,18 @@ class Quantization:
             self.gptq.finish(module, quantized, self.layer_modes, resume.saved_part(trainer).get(DIGEST_KEY))
         if correction is not None:
             correction.finish(module)
-        warned = self._check_accuracy(module, quantized)
+        # the quantized model's output on the probe against the model as built (any mode): the reference handed on
+        reference, self._reference = self._reference, None
+        threshold = config.min_cosine if config.min_cosine is not None else CONV_MIN_COSINE
+        self.conv_accuracy = check_accuracy(module, reference, quantized, self.layer_modes or {}, config, threshold)
+        warned = self.conv_accuracy is not None and self.conv_accuracy.warned
         gap, self._planned_gap = self._planned_gap, None
         if gap is not None and not warned:  # the plan's warning, when the measured figure did not say more
             rank_zero_warn(gap)
         return quantized
 
     def _record_reference(self, module: nn.Module, trainer: Any) -> None:
-        """The model as built on the probe, for :meth:`_check_accuracy`, where the convolutions' plan did not record it:
+        """The model as built on the probe, for :func:`~lightning_hbm.precision.accuracy.check_accuracy`, where the convolutions' plan did not record it:
         one forward (none without a quantized convolution; without a probe batch or a forward: logged, not measured)."""
         reference = self._reference
         if reference is None or reference.output is not None:
@@ -312,33 +314,6 @@ class Quantization:
         except Exception as error:  # noqa: BLE001 - a measurement never stops a healthy model: said in the log
             self._reference = None  # the 4-bit plan warns for its own part; nothing else was measured before either
             log.info("lightning_hbm: the output of the model with quantized convolutions is not measured at fit start: %r", error)
-
-    def _check_accuracy(self, module: nn.Module, quantized: Sequence[str]) -> bool:
-        """The quantized model's output on the probe against the model as built (:mod:`~lightning_hbm.precision.accuracy`):
-        under the threshold, a warning with the figure, the threshold and the fix. Returns whether it warned."""
-        reference, self._reference = self._reference, None
-        if reference is None or reference.output is None:
-            return False
-        convs = {name: (self.layer_modes or {}).get(name, self.config.format.name) for name in reference.names if name in quantized}
-        if not convs:
-            return False
-        # before the first forward of its bitsandbytes 4-bit layers, as the surgery does after the quantization: an
-        # eval forward on an AVX512-BF16 CPU would repack them for a kernel that bypasses autograd
-        bnb_compat.disable_cpu_repacks(module)
-        start = time.perf_counter()
-        try:
-            with torch_compat.preserved_rngs():
-                cosine = reference.quantized_cosine(module, self.config.torch_dtype, quantized)
-        except Exception as error:  # noqa: BLE001 - the model ran as built: a measurement that fails is said in the log, not raised
-            log.info("lightning_hbm: the quantized model's output could not be measured on the probe batch: %r", error)
-            return False
-        threshold = self.config.min_cosine if self.config.min_cosine is not None else CONV_MIN_COSINE
-        self.conv_accuracy = ConvAccuracy(cosine, threshold, time.perf_counter() - start)
-        log.info("lightning_hbm: output cosine of the quantized model on the probe batch: %.4f (threshold %s)", cosine, threshold)
-        warning = accuracy_warning(self.conv_accuracy, convs, self.config.torch_dtype, self.config.format.name, self.config.format.peft_kind == "4bit")
-        if warning is not None:
-            rank_zero_warn(warning)
-        return warning is not None
 
     def _measure(self, module: nn.Module, targets: list[tuple[str, nn.Module]], trainer: Any, inputs: bool, smooth: bool) -> None:
         """What the quantization measures on the model as built, before any change: one probe forward for each target's
