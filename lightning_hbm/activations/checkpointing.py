@@ -44,6 +44,11 @@ from lightning_hbm.surgery import Stage, SurgeryCallback
 PIECE_BYTES = 2 << 20
 
 
+def _one_request(nbytes: int) -> int:
+    """Host bytes torch's pinned allocator takes for one request of ``nbytes`` (> 0): the next power of two."""
+    return 1 << (nbytes - 1).bit_length()
+
+
 def pinned_pieces(nbytes: int) -> list[int]:
     """Byte sizes of the pinned pieces a host copy of ``nbytes`` is stored in: powers of two, largest first.
 
@@ -59,7 +64,7 @@ def pinned_pieces(nbytes: int) -> list[int]:
     if nbytes <= 0:
         return []
     if nbytes <= PIECE_BYTES:
-        return [1 << (nbytes - 1).bit_length()]
+        return [_one_request(nbytes)]
     total = -(-nbytes // PIECE_BYTES) * PIECE_BYTES
     return [1 << bit for bit in reversed(range(total.bit_length())) if total >> bit & 1]
 
@@ -109,7 +114,7 @@ def host_footprint(tensor: Tensor) -> int:
     contiguous (stored in pieces); the next power of two otherwise (one pinned tensor: splitting a strided tensor
     would need a contiguous device copy first)."""
     nbytes = tensor.numel() * tensor.element_size()
-    return pinned_footprint(nbytes) if tensor.is_contiguous() else 1 << max(0, nbytes - 1).bit_length()
+    return pinned_footprint(nbytes) if tensor.is_contiguous() else _one_request(nbytes)
 
 
 def _pinned_copy(tensor: Tensor, device: torch.device) -> Union[Tensor, _Pieces]:

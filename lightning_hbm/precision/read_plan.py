@@ -32,18 +32,7 @@ class _ReadSameDtype(ReadableLinear):
         return super().read(x, bias, adapted, dtype).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return as_rows(super().forward, x.to(self.weight_dtype())).to(x.dtype)
-
-
-def as_rows(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)`` for a Linear-like ``layer`` (or a ReadableLinear's own forward), with ``x``'s leading dimensions
-    flattened into rows and given back: in eval bitsandbytes' int8 layer takes 2-D and 3-D inputs only (a Swin's
-    patch embedding and MLP get ``[batch, height, width, channels]``: the plan failed there in ``int8``); a
-    convolution as it is."""
-    linear = isinstance(getattr(layer, "__self__", layer), nn.Linear)
-    if not linear or x.dim() <= 3:
-        return layer(x)
-    return layer(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        return super().forward(x.to(self.weight_dtype())).to(x.dtype)
 
 
 def is_read(layer: nn.Module) -> bool:
@@ -84,4 +73,4 @@ def read_local_errors(
     return errors
 
 
-__all__ = ["as_rows", "is_read", "read_local_errors", "read_variant"]
+__all__ = ["is_read", "read_local_errors", "read_variant"]

@@ -49,7 +49,7 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import LayerKind, kind_of
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
-from lightning_hbm.precision.read_plan import as_rows, is_read, read_local_errors, read_variant
+from lightning_hbm.precision.read_plan import is_read, read_local_errors, read_variant
 from lightning_hbm.precision.registry import get_format, to_dtype
 from lightning_hbm.probe import compare_outputs, eval_no_grad, probe_output
 
@@ -193,7 +193,7 @@ class _SameDtype(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the layer sees the compute dtype, as under QuantizedPrecision; the model as built gets its dtype back
-        return as_rows(self.layer, x.to(self.dtype)).to(x.dtype)
+        return self.layer(x.to(self.dtype)).to(x.dtype)
 
 
 class _Swapper:
