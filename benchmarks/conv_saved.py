@@ -1,5 +1,5 @@
 """A quantized convolution's saved activations and step time, with the dequantized weight saved for backward (before)
-and dequantized again in the backward (now, ``lightning_hbm.layers.conv.FrozenConvolution``).
+and dequantized again in the backward (now, ``lightning_hbm.layers.frozen_weight.FrozenWeight``).
 
 ResNet18 (``tests/layers/conv_models.py``, torchvision's layers and sizes, random weights), nf4-dq, fp32 compute,
 LoRA r=8 on its (non-grouped) convolutions, batch 8 x 3 x 64 x 64, one training step = forward, cross-entropy,
@@ -33,7 +33,7 @@ from lightning_hbm.precision import quantize_model  # noqa: E402
 
 
 def _old_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    # the forward before FrozenConvolution: autograd saves the dequantized weight (and the input) for backward
+    # the forward before FrozenWeight (FrozenConvolution then): autograd saves the dequantized weight (and the input) for backward
     weight = self.dequantized(self.storage()).detach()
     return self._conv_forward(x.to(self.compute_dtype), weight, self.bias)
 

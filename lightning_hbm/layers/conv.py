@@ -5,7 +5,7 @@ bitsandbytes (and int8-dynamic) have no convolution kernel, so a convolution is 
 mode's own Linear layer (every mode, its constants, resume and planner included), and each forward dequantizes it to
 the compute dtype and convolves (:class:`QuantizedConv2d` and its 1-d/3-d siblings). What it shrinks: the
 **parameters** term; it costs one dequantization per forward (and per recompute), and one more per backward: the
-dequantized weight is not kept for backward, the backward dequantizes it again (:class:`FrozenConvolution`, as
+dequantized weight is not kept for backward, the backward dequantizes it again (:class:`~lightning_hbm.layers.frozen_weight.FrozenWeight`, as
 bitsandbytes' 4-bit matmul does).
 
 A convolution under ``weight_norm`` (Wav2Vec2 / HuBERT's positional convolution, HiFi-GAN) is quantized as the one
@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_hbm.layers.frozen_weight import Backward, FrozenWeight, InputGradient
 from lightning_hbm.layers.kinds import LayerKind, itself, register_kind
 from lightning_hbm.layers.weight_norm import WeightNorm, floating_weight, weight_norm_of
 
@@ -41,40 +42,23 @@ class Geometry(NamedTuple):
     groups: int
 
 
-class FrozenConvolution(torch.autograd.Function):
-    """A convolution with a frozen weight that ``weight_of()`` dequantizes from its storage, in the forward and again
-    in the backward: the dequantized weight is not saved for backward, nor is the input (the input's gradient needs
-    only the weight; the frozen weight gets none). Was ``F.conv2d`` on the detached dequantized weight, which saved
-    both: the whole weight in the compute dtype per layer until the backward, the bytes its 4-bit storage saved (two
-    frozen 256->256 3x3 convolutions: 4,849,668 saved bytes against 131,076 unquantized). Tested on CPU; the
-    input-shaped stand-in in the backward is what ``torch.nn.grad.conv2d_input`` passes, not yet run with cuDNN. A second
-    derivative (a gradient penalty: ``autograd.grad(..., create_graph=True)``) is right: under ``create_graph`` autograd
-    records this backward, and ``aten.convolution_backward`` is differentiable in the gradient it takes (equal to the
-    dequantized weight's reference on CPU, ``tests/layers/test_double_backward.py``)."""
+def convolution_backward(geometry: Geometry, bias: Optional[torch.Tensor]) -> Backward:
+    """The input's (and a trained bias's) gradient of the convolution ``geometry`` describes, for
+    :class:`~lightning_hbm.layers.frozen_weight.FrozenWeight`. Tested on CPU; the input-shaped stand-in is what
+    ``torch.nn.grad.conv2d_input`` passes, not yet run with cuDNN."""
+    bias_sizes = None if bias is None else list(bias.shape)
 
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, bias: Optional[torch.Tensor], weight_of: Callable[[], torch.Tensor],
-        convolve: Callable[..., torch.Tensor], geometry: Geometry,
-    ) -> torch.Tensor:  # fmt: skip
-        ctx.weight_of, ctx.geometry, ctx.x_shape, ctx.x_dtype = weight_of, geometry, x.shape, x.dtype
-        ctx.bias = None if bias is None else (list(bias.shape), bias.dtype)
-        return convolve(x, weight_of(), bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], None, None, None]:
-        g: Geometry = ctx.geometry
-        needs_x, needs_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # the forward's convolution ran in grad's dtype (autocast may have cast x and the weight); the input's values
-        # are not read for its own gradient: a stride-0 stand-in of its shape, as torch.nn.grad.conv2d_input does
-        stand_in = grad.new_empty(1).expand(ctx.x_shape)
+    def backward(asked: InputGradient) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        g = geometry
+        # the input's values are not read for its own gradient: a stride-0 stand-in of its shape
+        stand_in = asked.grad.new_empty(1).expand(asked.x_shape)
         grad_x, _, grad_bias = torch.ops.aten.convolution_backward(
-            grad, stand_in, ctx.weight_of().to(grad.dtype), None if ctx.bias is None else ctx.bias[0], g.stride,
-            g.padding, g.dilation, g.transposed, g.output_padding, g.groups, [needs_x, False, needs_bias],
+            asked.grad, stand_in, asked.weight, bias_sizes, g.stride, g.padding, g.dilation, g.transposed,
+            g.output_padding, g.groups, [asked.needs_x, False, asked.needs_bias],
         )  # fmt: skip
-        grad_x = grad_x.to(ctx.x_dtype) if needs_x else None
-        grad_bias = grad_bias.to(ctx.bias[1]) if needs_bias else None
-        return grad_x, grad_bias, None, None, None
+        return grad_x, grad_bias
+
+    return backward
 
 
 class _Quantized:
@@ -130,7 +114,10 @@ class _Quantized:
         def run(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
             return convolve(x, weight, bias, conv.stride, padding, conv.dilation, conv.groups)
 
-        return cast(torch.Tensor, FrozenConvolution.apply(x, conv.bias, lambda: self.dequantized(storage), run, geometry))
+        return cast(
+            torch.Tensor,
+            FrozenWeight.apply(x, conv.bias, lambda: self.dequantized(storage), run, convolution_backward(geometry, conv.bias)),
+        )
 
     @classmethod
     def from_quantized(cls, conv: nn.Module, quantized: nn.Module, dequantize: Callable[..., torch.Tensor], dtype: torch.dtype) -> nn.Module:

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hbm.layers.conv import FrozenConvolution, Geometry
+from lightning_hbm.layers.conv import Geometry, convolution_backward
+from lightning_hbm.layers.frozen_weight import FrozenWeight
 from lightning_hbm.layers.kinds import LayerKind, no_names, register_kind
 from lightning_hbm.layers.weight_norm import WeightNorm, floating_weight, weight_norm_of
 
@@ -62,8 +63,9 @@ class _QuantizedTranspose:
         def run(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
             return convolve(x, weight, bias, conv.stride, conv.padding, output_padding, conv.groups, conv.dilation)
 
-        # the dequantized weight is not saved for backward (FrozenConvolution): dequantized again there
-        return cast(torch.Tensor, FrozenConvolution.apply(x.to(self.compute_dtype), conv.bias, self.dequantized, run, geometry))
+        # the dequantized weight is not saved for backward (FrozenWeight): dequantized again there
+        backward = convolution_backward(geometry, conv.bias)
+        return cast(torch.Tensor, FrozenWeight.apply(x.to(self.compute_dtype), conv.bias, self.dequantized, run, backward))
 
     @classmethod
     def from_quantized(cls, conv: nn.Module, quantized: nn.Module, dequantize: Callable[..., torch.Tensor], dtype: torch.dtype) -> nn.Module:

@@ -18,29 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_hbm.layers.frozen_weight import FrozenWeight, InputGradient
 from lightning_hbm.layers.kinds import LayerKind, register_kind
 from lightning_hbm.layers.read_weight import ReadableLinear
 
 
-class _Fp32Matmul(torch.autograd.Function):
-    """``x @ W.T`` with ``W`` the layer's stored weight dequantized into fp32 in the forward and again in the backward,
-    as bitsandbytes' 4-bit matmul does: the fp32 weight is not kept for backward. Was ``F.linear``, which saved it:
-    4 bytes a weight of saved activations per layer until the backward, the bytes its 4-bit storage saved (T5 at
-    width 256, nf4-dq: 14.6 -> 20.9 MB saved by one training forward, ``benchmarks/layer_kinds.py --checkpointing``)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, bias: Optional[torch.Tensor], layer: Fp32ComputeLinear) -> torch.Tensor:
-        ctx.layer = layer
-        return F.linear(x, layer._dequantize(layer.storage(), torch.float32), bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], None]:
-        grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad @ ctx.layer._dequantize(ctx.layer.storage(), torch.float32)
-        if ctx.needs_input_grad[1]:  # a trained bias (LoRA(bias="all"))
-            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
-        return grad_x, grad_bias, None
+def _linear_backward(asked: InputGradient) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``x @ W.T``'s input gradient (and a trained bias's, ``LoRA(bias="all")``), for
+    :class:`~lightning_hbm.layers.frozen_weight.FrozenWeight`."""
+    grad_x = asked.grad @ asked.weight if asked.needs_x else None
+    grad_bias = asked.grad.reshape(-1, asked.grad.shape[-1]).sum(0) if asked.needs_bias else None
+    return grad_x, grad_bias
 
 
 class Fp32ComputeLinear(nn.Linear):
@@ -66,7 +54,13 @@ class Fp32ComputeLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # frozen: the dequantized weight needs no gradient; the input's flows through the matmul
         bias = None if self.bias is None else self.bias.float()
-        return cast(torch.Tensor, _Fp32Matmul.apply(x.float(), bias, self))
+        # dequantized straight into fp32 in the forward and again in the backward, as bitsandbytes' 4-bit matmul
+        # does: the fp32 weight is not kept for backward (F.linear kept it: T5 at width 256, nf4-dq, 14.6 -> 20.9 MB
+        # saved by one training forward, ``benchmarks/layer_kinds.py --checkpointing``)
+        def weight_of() -> torch.Tensor:
+            return self._dequantize(self.storage(), torch.float32)
+
+        return cast(torch.Tensor, FrozenWeight.apply(x.float(), bias, weight_of, F.linear, _linear_backward))
 
     @classmethod
     def from_quantized(cls, linear: nn.Linear, quantized: nn.Module, dequantize: Callable[..., torch.Tensor]) -> Fp32ComputeLinear:

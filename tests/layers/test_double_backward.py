@@ -1,7 +1,7 @@
 """A second derivative through a quantized layer (issue 53 item 3, session 24): a gradient penalty (WGAN-GP, R1 in
 StyleGAN-like discriminators) takes ``torch.autograd.grad(out, x, create_graph=True)`` and backpropagates a function
-of it. The frozen-weight autograd Functions (:class:`~lightning_hbm.layers.conv.FrozenConvolution`, which also runs
-the transposed convolutions, and ``_Fp32Matmul`` of T5's ``wo``) compute the input gradient in their backward: with
+of it. The frozen-weight autograd Function (:class:`~lightning_hbm.layers.frozen_weight.FrozenWeight`, which runs the
+convolutions, the transposed convolutions and T5's fp32-computed ``wo``) computes the input gradient in its backward: with
 ``create_graph`` that backward is recorded by autograd (``aten.convolution_backward`` and a matmul are differentiable
 in the gradient they take), so the penalty's gradient is the one of the same model with the dequantized weight held
 as a plain frozen weight, to the bit on CPU. Checked here against that exact reference, for every quantized layer kind
@@ -89,7 +89,7 @@ def test_a_gradient_penalty_through_a_quantized_convolution_equals_the_dequantiz
 
 
 def test_a_gradient_penalty_through_a_linear_computed_in_fp32_equals_the_dequantized_reference() -> None:
-    """T5's ``wo`` (``_keep_in_fp32_modules``): ``_Fp32Matmul`` dequantizes into fp32 again in its backward."""
+    """T5's ``wo`` (``_keep_in_fp32_modules``): ``FrozenWeight`` dequantizes into fp32 again in its backward."""
     torch.manual_seed(0)
     plain = nn.Linear(8, 8)
     model = nn.Sequential(copy.deepcopy(plain))
