@@ -46,7 +46,7 @@ from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionR
 from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
 from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.quantize import _layer_modes
-from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityPlan, choose_plan, planned_convs_warning, unplanned_convs_warning
+from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_PLAN_TARGET, SensitivityPlan, choose_plan, planned_convs_warning, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.precision.targets import Listing, TargetRule, _validate, quantize_listed
 from lightning_hbm.probe import eval_no_grad, first_batches, has_forward, probe_output
@@ -384,7 +384,7 @@ class Quantization:
     def _plan_convs(self, module: nn.Module, names: list[str], trainer: Any) -> None:
         """The convolutions' plan under a 4-bit mode (issue 53): each one's output error measured on the probe, the
         most sensitive widened (``sensitive_mode``) until the probe output cosine reaches ``min_cosine`` (default
-        :data:`CONV_MIN_COSINE`); under it, a warning naming the figure. Not with a pinned plan, nor when resuming
+        :data:`CONV_PLAN_TARGET`, above the threshold held out because the probe reads high); under it, a warning naming the figure. Not with a pinned plan, nor when resuming
         (the checkpoint's plan is taken), nor without a probe batch (logged; a BatchNorm conv net: a warning, with the
         figure); a probe the model cannot run: a warning. A BatchNorm conv net planned to the target: a warning that held
         out such plans measured under it (:func:`~lightning_hbm.precision.sensitivity.planned_convs_warning`)."""
@@ -395,7 +395,7 @@ class Quantization:
             # from before issue 53): every convolution in mode, as it was trained
             self.layer_modes = self.saved_plan(trainer) or self.layer_modes
             return
-        target = self.config.min_cosine if self.config.min_cosine is not None else CONV_MIN_COSINE
+        target = self.config.min_cosine if self.config.min_cosine is not None else CONV_PLAN_TARGET
         try:
             probe = self.probe(trainer)
         except ValueError:
@@ -426,7 +426,8 @@ class Quantization:
         log.info("lightning_hbm: convolutions' plan: %s", report.summary(self.config.format.name).replace("Linear layers", "convolutions"))
         # reached on the probe only: held out, a BatchNorm conv net measured under it (issue 53); said at the quantization
         # unless the quantized model's own figure is under the threshold there (one warning, the measured one)
-        self._planned_gap = planned_convs_warning(module, report, self.config.format.name, target)
+        threshold = self.config.min_cosine if self.config.min_cosine is not None else CONV_MIN_COSINE
+        self._planned_gap = planned_convs_warning(module, report, self.config.format.name, target, threshold)
         if report.cosine < target:
             rank_zero_warn(
                 f"lightning_hbm: the convolutions stored in {self.config.format.name} (widest plan of sensitive_mode="

@@ -22,6 +22,7 @@ from lightning_hbm.layers import QuantizedConv1d, QuantizedConv2d, QuantizedConv
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision import quantize_model
 from lightning_hbm.precision.registry import format_of
+from lightning_hbm.precision.sensitivity import CONV_PLAN_TARGET
 
 MODES = ("nf4", "nf4-dq", "int8", "int8-dynamic")
 
@@ -79,7 +80,8 @@ def test_calibrated_batchnorm_resnet_keeps_its_output_at_the_default_plan() -> N
     uniform = copy.deepcopy(reference)
     quantize_model(uniform, "nf4-dq", dtype="float32")
     planned = copy.deepcopy(reference)
-    plan = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=probe).quantization
+    # planned to 0.98 on the probe (the default before session 25: CONV_PLAN_TARGET is 0.985 now, the test below)
+    plan = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=probe, min_cosine=0.98).quantization
     # the plan reaches its target on the probe (row cosine); the quantized model's own centred figure is under it: said
     # once at the quantization, with the figure and the fix (the plan's "held out measured under it" is then not said too)
     plan.check(planned, None)
@@ -91,7 +93,8 @@ def test_calibrated_batchnorm_resnet_keeps_its_output_at_the_default_plan() -> N
                                         r"Fix: QuantizedPrecision\(\.\.\., mode='int8', dtype='float32'\)", said[0]), said
     report = plan.conv_report
     assert report is not None and report.cosine >= 0.98 and report.uniform_cosine < 0.95, report
-    assert plan.layer_modes and set(plan.layer_modes.values()) <= {"nf4-dq-b32", "int8"}
+    # min_cosine given: the Linear head is planned too (it may stay in the mode)
+    assert plan.layer_modes and {m for n, m in plan.layer_modes.items() if n != "fc"} <= {"nf4-dq-b32", "int8"}
     assert sum(isinstance(m, QuantizedConv2d) for m in planned.modules()) == 20  # every convolution stays stored
     with torch.no_grad():
         before, after = centred_cosine(uniform(x), want), centred_cosine(planned(x), want)
@@ -99,12 +102,34 @@ def test_calibrated_batchnorm_resnet_keeps_its_output_at_the_default_plan() -> N
     assert after >= 0.97 and after > before + 0.03 and per_param <= 0.65, (before, after, per_param)
 
 
+def test_the_default_conv_plan_aims_above_the_threshold_the_probe_reads_high() -> None:
+    """Session 25: planned to 0.98 on the probe, ResNet18 measured 0.977 held out (the plan stops at the first plan
+    that measures its target on the probe it was chosen on); the default target is now ``CONV_PLAN_TARGET`` (0.985):
+    0.982 held out on both seeds at 0.567 bytes per conv weight (``benchmarks/conv_default.py``). Here (32 px) the
+    quantized model's own figure is then over the threshold 0.98, and the one warning is the plan's (held out may be
+    lower), naming the threshold, not the target."""
+    torch.manual_seed(0)
+    reference = calibrate(ResNet18(), images(8, seed=10, batches=2, size=32))
+    probe = images(4, seed=2, size=32)
+    plan = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=probe).quantization
+    planned = copy.deepcopy(reference)
+    plan.check(planned, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan.convert(planned, None)
+    said = [str(w.message) for w in caught if "lightning_hbm" in str(w.message)]
+    assert plan.conv_report is not None and plan.conv_report.cosine >= CONV_PLAN_TARGET == 0.985
+    assert plan.conv_accuracy is not None and plan.conv_accuracy.cosine >= 0.98 and not plan.conv_accuracy.warned
+    assert len(said) == 1 and re.search(r"planned to a probe output cosine of 0\.98[5-9]\d* .*around 0\.98\. Fix for at "
+                                        r"least 0\.98 on new data", said[0]), said
+
+
 @pytest.mark.slow
 def test_a_conv_plan_that_misses_its_target_is_a_warning_naming_the_figure() -> None:
     torch.manual_seed(0)
     model = calibrate(YoloDetector(), images(8, seed=10, batches=2, size=32))
     plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=images(2, seed=2, size=32), sensitive_mode="nf4-dq-b32")
-    with pytest.warns(UserWarning, match=r"probe output cosine of 0\.\d+ < 0\.98 against the unquantized model"):
+    with pytest.warns(UserWarning, match=r"probe output cosine of 0\.\d+ < 0\.985 against the unquantized model"):
         plugin.quantization.check(model, None)
     assert plugin.quantization.conv_report is not None and plugin.quantization.conv_report.cosine < 0.98
 
