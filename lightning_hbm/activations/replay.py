@@ -35,7 +35,7 @@ class ForwardState:
         self.buffers = [*found.read, *found.updated]
         # Only what the forward reads is copied here: a BatchNorm in training normalizes by the batch's statistics,
         # so its recompute needs no restart, only its second update undone (half the copies: the replay's own time
-        # inside an EfficientNet-B0's CPU step, 144 buffers, went from 1.6 % to 0.7 %, benchmarks/README.md).
+        # inside an EfficientNet-B0's CPU step, 144 buffers, went from 1.8-2.0 % to 1.2-1.3 %, benchmarks/README.md).
         self.read = found.read
         with torch.no_grad():
             self.before = [b.clone() for b in self.read]
