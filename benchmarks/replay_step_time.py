@@ -113,9 +113,7 @@ class ConvNet(pl.LightningModule):
 MODELS: dict[str, Callable[[], tuple[pl.LightningModule, torch.Tensor, Any, str]]] = {
     "llama": lambda: (Llama(), torch.randint(0, 2000, (2, 128)), "all-linear", "LlamaDecoderLayer"),
     "resnet18": lambda: (ConvNet(ResNet18(classes=10)), torch.randn(8, 3, 64, 64), ["conv1", "conv2"], "BasicBlock"),
-    "efficientnet-b0": lambda: (
-        ConvNet(EfficientNetB0(classes=10)), torch.randn(8, 3, 64, 64), ["conv_pw", "conv_pwl"], "InvertedResidual"
-    ),
+    "efficientnet-b0": lambda: (ConvNet(EfficientNetB0(classes=10)), torch.randn(8, 3, 64, 64), ["conv_pw", "conv_pwl"], "InvertedResidual"),
 }
 
 
