@@ -5,12 +5,13 @@ from __future__ import annotations
 import random
 import sys
 import weakref
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import wraps
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch import nn
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch._subclasses.fake_tensor import is_fake as _is_fake  # activations.token_chunks
 from torch.optim import Optimizer
 from torch.utils._python_dispatch import (
@@ -58,16 +59,65 @@ ConvNd = nn.modules.conv._ConvNd
 BatchNormBase = nn.modules.batchnorm._BatchNorm
 
 
+NormBase = nn.modules.batchnorm._NormBase  # BatchNorm and InstanceNorm
+# torch's own norms, these classes exactly: a training forward normalizes by the batch's statistics and only updates
+# the running ones (a subclass may read them too: Batch Renormalization's corrections do)
+_STATISTICS_ONLY = (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyInstanceNorm1d,
+    nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d,
+)  # fmt: skip
+
+
+class TrainingBuffers(NamedTuple):
+    """The buffers a training-mode forward changes in place, in two kinds."""
+
+    #: read into the forward's output too: a parametrization's state (spectral_norm's power iteration ``_u``, ``_v``,
+    #: kept in the modules under its ``ParametrizationList``), a norm subclass's running statistics
+    read: list[torch.Tensor]
+    #: only updated, never read in training: the running statistics of torch's own BatchNorm / InstanceNorm layers
+    updated: list[torch.Tensor]
+
+
+def training_buffers(module: nn.Module) -> TrainingBuffers:
+    """The buffers of ``module`` (and its submodules) that a training-mode forward changes in place (norms' tracked
+    statistics, parametrizations' state), each list in no particular order.
+
+    Called at every checkpointed block's training forward (:mod:`lightning_hbm.activations.replay`): the walk goes
+    over ``_modules`` by hand, each module once as in ``module.modules()``, which yields every submodule through one
+    generator per level of nesting: 52 µs against 21 µs for a LoRA'd nf4 Llama block of 83 modules in a loop, about
+    140 against 125 µs inside a CPU training step, where the modules are no longer in the caches
+    (``benchmarks/replay_step_time.py``)."""
+    lists = torch.nn.utils.parametrize.ParametrizationList
+    found = TrainingBuffers([], [])
+    todo, seen = [module], {module}
+    while todo:
+        sub = todo.pop()
+        if isinstance(sub, lists):
+            found.read.extend(sub.buffers())
+        elif isinstance(sub, NormBase) and sub.track_running_stats:
+            (found.updated if type(sub) in _STATISTICS_ONLY else found.read).extend(sub.buffers(recurse=False))
+        for child in sub._modules.values():
+            if child is not None and child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return found
+
+
+def dispatch_modes_off() -> AbstractContextManager[Any]:
+    """``_disable_current_modes()`` where a dispatch mode is on, and nothing to enter where none is: the context
+    costs 5 µs a call (its imports), twice per checkpointed block and step in the replay
+    (:mod:`lightning_hbm.activations.replay`), where only the selective policy's recompute has a mode on."""
+    if torch._C._len_torch_dispatch_stack() == 0 and _len_torch_dispatch_stack_pre_dispatch() == 0:
+        return nullcontext()
+    return _disable_current_modes()
+
+
 def buffers_changed_in_training(module: nn.Module) -> list[torch.Tensor]:
     """The buffers of ``module`` (and its submodules) that a training-mode forward changes in place: tracked
-    BatchNorm statistics, and a parametrization's state (spectral_norm's power iteration ``_u``, ``_v``, kept in the
-    modules under its ``ParametrizationList``)."""
-    lists = torch.nn.utils.parametrize.ParametrizationList
-    found: list[torch.Tensor] = []
-    for sub in module.modules():
-        if isinstance(sub, lists) or isinstance(sub, BatchNormBase) and sub.track_running_stats:
-            found.extend(sub.buffers(recurse=isinstance(sub, lists)))
-    return found
+    BatchNorm / InstanceNorm statistics, and a parametrization's state (:func:`training_buffers`, both kinds)."""
+    read, updated = training_buffers(module)
+    return [*read, *updated]
 
 
 def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

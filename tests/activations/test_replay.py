@@ -7,6 +7,8 @@ trained without checkpointing. The spectral_norm case: ``tests/adapters/lora/tes
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -76,3 +78,83 @@ def test_the_surgery_leaves_batchnorm_statistics_as_they_were() -> None:
     trainer.fit(module, DataLoader([torch.randn(4, 8, 4, 4)], batch_size=None))
     for name, buffer in module.named_buffers():
         torch.testing.assert_close(buffer, before[name], rtol=0, atol=0, msg=name)
+
+
+class Stack(nn.Module):
+    def __init__(self, norm: Callable[[], nn.Module] = lambda: nn.BatchNorm2d(8)) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        # a layer after the norm saves a tensor for backward: the recompute does not stop before the norm's update
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), norm(), nn.SiLU()) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _spectral_norm(model: nn.Module) -> None:
+    torch.manual_seed(2)  # its power iteration's first u, v
+    nn.utils.parametrizations.spectral_norm(model.blocks[1][0])  # type: ignore[index]
+
+
+def _train(change: Callable[[nn.Module], object], checkpointed: bool, model: Optional[nn.Module] = None) -> nn.Module:
+    model = model or Stack()
+    if checkpointed:
+        ActivationCheckpointing().transform_model(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        if step == 1:
+            change(model)
+        x = torch.randn(4, 8, 4, 4, generator=generator).to(next(model.parameters()).dtype)
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+    return model
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda m: m.double(), id="buffers-replaced-by-a-conversion"),
+        pytest.param(lambda m: m.blocks[0].insert(1, nn.BatchNorm2d(8)), id="batchnorm-inserted"),
+        pytest.param(lambda m: m.blocks[1].append(nn.BatchNorm2d(8)), id="batchnorm-appended"),
+        pytest.param(_spectral_norm, id="spectral-norm-registered"),
+    ],
+)
+def test_a_block_changed_after_its_first_forward_still_replays_its_own_buffers(change: Callable[[nn.Module], object]) -> None:
+    """The buffers to replay are looked up at each forward (``ForwardState``): after the first step a conversion
+    replaces every buffer, ``Sequential.insert`` adds a BatchNorm without calling torch's module registration hooks
+    (so a list kept from an earlier forward and dropped on those hooks would miss it), ``append`` and spectral_norm
+    through them. The checkpointed run stays the plain one, bit for bit."""
+    plain, checkpointed = _train(change, False), _train(change, True)
+    got = dict(checkpointed.state_dict())
+    assert list(got) == list(plain.state_dict())
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+class Renorm(nn.BatchNorm2d):
+    """A BatchNorm subclass whose training output reads its running statistics, as Batch Renormalization's
+    corrections do: its recompute must start from the forward's statistics, not only leave them as they were."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shift = self.running_mean.view(1, -1, 1, 1).clone()
+        return super().forward(x) + shift
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [
+        pytest.param(lambda: nn.InstanceNorm2d(8, affine=True, track_running_stats=True), id="instance-norm"),
+        pytest.param(lambda: Renorm(8), id="batchnorm-subclass-reading-its-statistics"),
+        pytest.param(lambda: nn.SyncBatchNorm(8), id="sync-batchnorm"),
+    ],
+)
+def test_norms_with_running_statistics_replay_bit_for_bit(norm: Callable[[], nn.Module]) -> None:
+    """Was: an InstanceNorm tracking its statistics was not replayed (only BatchNorm was looked for): its recompute
+    updated them a second time. A subclass of torch's BatchNorm is replayed from its forward's statistics."""
+    plain, checkpointed = _train(lambda m: None, False, Stack(norm)), _train(lambda m: None, True, Stack(norm))
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(checkpointed.state_dict()[name], value, rtol=0, atol=0, msg=name)
