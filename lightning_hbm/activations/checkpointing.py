@@ -79,7 +79,8 @@ def _memory_order(tensor: Tensor) -> Optional[list[int]]:
     """The order of ``tensor``'s dimensions in memory, outermost first, when its elements fill their span once (contiguous,
     channels-last, a transpose: the permutation is a contiguous view); ``None`` for overlapping (expanded) or gapped
     (sliced) ones."""
-    order = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+    strides = tensor.stride()
+    order = sorted(range(tensor.dim()), key=lambda d: -strides[d])
     return order if tensor.permute(order).is_contiguous() else None
 
 
