@@ -15,10 +15,13 @@ import copy
 import warnings
 
 import bitsandbytes as bnb
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
+from lightning_hbm import QuantizedPrecision
 from lightning_hbm._compat import bitsandbytes as compat
 from lightning_hbm.precision import quantize_model
 
@@ -94,3 +97,37 @@ def test_a_forward_that_raised_leaves_nothing_for_the_next() -> None:
     with pytest.raises(RuntimeError):
         model(torch.randn(2, 3, 5, 8))  # the wrong width: raised inside the matmul, after the pre-hook
     assert model(torch.randn(30, 16)).shape == (30, 24)  # not shaped as the failed call's input
+
+
+class PerSample(pl.LightningModule):
+    """A head applied to one sample's vector at a time (1-D inputs); QuantizedPrecision alone trains the biases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.head(torch.relu(self.body(v))) for v in x])
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self(batch).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+@pytest.mark.parametrize("mode", ["int8", "nf4-dq"])
+def test_a_fit_with_1d_inputs_trains_and_evaluates(mode: str) -> None:
+    """Was: the first step failed (bitsandbytes' bias gradient of a 1-D input), and int8's eval forward."""
+    module = PerSample()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[QuantizedPrecision(mode, dtype="float32")],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, DataLoader([torch.randn(3, 16) for _ in range(2)], batch_size=None))
+    assert trainer.global_step == 2 and module.head.bias.grad is not None
+    with torch.no_grad():
+        assert module.eval()(torch.randn(3, 16)).shape == (3, 4)
