@@ -189,6 +189,9 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self.host_bytes = 0
         self._stream: Optional[torch.cuda.Stream] = None
         self._last: Optional[weakref.ref] = None  # the handle packed last (weak: it belongs to the graph)
+        # id(tensor) -> (the tensor, its version, its handle), all weak: a tensor every block gets (an attention mask,
+        # T5's position bias) is copied once, its later handles share that copy (see _pack)
+        self._copied: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
         self._in_flight: Optional[Tensor] = None  # the device tensor packed last: its copy may still read it
         super().__init__(self._pack, self._unpack)
 
@@ -239,13 +242,30 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         if isinstance(tensor, nn.Parameter) or tensor.numel() == 0:
             return tensor
         previous = self._last() if self._last is not None else None
-        handle = _Offloaded(tensor.device, self._host_copy(tensor), previous)
+        shared = self._copy_of(tensor)
+        handle = _Offloaded(tensor.device, shared if shared is not None else self._host_copy(tensor), previous)
         self._last = weakref.ref(handle)
+        if shared is not None:  # nothing copied: the earlier copy's bytes are counted, its copy is in flight or done
+            return handle
+        self._copied[id(tensor)] = (weakref.ref(tensor), tensor._version, weakref.ref(handle))
         self._in_flight = tensor  # released by the next pack or the first unpack
         self.copies += 1
         self.copied_bytes += tensor.numel() * tensor.element_size()
         self.host_bytes += self._footprint(tensor)
         return handle
+
+    def _copy_of(self, tensor: Tensor) -> Optional[Union[Tensor, _Pieces]]:
+        """The host copy of ``tensor`` made for an earlier block, if that very tensor (alive since: its storage was not
+        reused) is unchanged since (its version) and the earlier handle is alive. Every block's input that the model
+        passes to each block (BERT's extended attention mask ``[B, 1, S, S]``, T5's position bias ``[1, H, S, S]``) was
+        copied once per block: the host held one copy per layer, several times the hidden states' bytes."""
+        if len(self._copied) > 256:  # forget the dead (a run packs a few tensors per block)
+            self._copied = {k: v for k, v in self._copied.items() if v[0]() is not None and v[2]() is not None}
+        earlier = self._copied.get(id(tensor))
+        if earlier is None or earlier[0]() is not tensor or earlier[1] != tensor._version:
+            return None
+        handle = cast(Optional[_Offloaded], earlier[2]())
+        return handle.host if handle is not None and handle.source == tensor.device else None
 
     def _restore(self, handle: _Offloaded, prefetch: bool) -> Tensor:
         """``handle``'s tensor on its device again: on CUDA on the side stream when ``prefetch``, else on the
