@@ -22,6 +22,9 @@ def disable_cpu_repack(layer: nn.Module) -> None:
     lightning_hbm saw it) is unpacked as bitsandbytes' own ``state_dict`` does.
     """
     cast(Any, layer).support_avx512bf16_for_cpu = False  # a plain attribute: nn.Module's __setattr__ is typed for tensors and modules
+    if _flatten_input not in layer._forward_pre_hooks.values():  # a 1-D input as one row (see there); once, copies too
+        layer.register_forward_pre_hook(_flatten_input)
+        layer.register_forward_hook(_shape_output)
     weight: Any = getattr(layer, "weight", None)  # set whenever state is
     state: Any = getattr(weight, "quant_state", None)
     if getattr(state, "packing_format_for_cpu", False):
@@ -56,36 +59,39 @@ def drop_int8_kept_input(module: nn.Module, args: tuple, output: Any) -> None:
         node.tensors = (node.tensors[0], node.tensors[1], None)
 
 
-# the int8 layers given drop_int8_kept_input, whoever built them (not an attribute stamped on the layer)
-_DROPPING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-# each int8 layer's input flattened by _flatten_input (the tensor its forward gets) and the input's shape, until its
-# output is shaped back (a Linear's forward does not call itself: one at a time per layer)
-_FLATTENED: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, torch.Size]] = weakref.WeakKeyDictionary()
+# each layer's flattened input shape and the input's own, until its output is shaped back (a Linear's forward does not
+# call itself: one at a time per layer). Shapes, not the tensor: a pre-hook registered later may hand the forward
+# another tensor of the same shape (a copy on another device, as the accuracy check's layers quantized on a GPU get),
+# and the output kept the 2-D shape.
+_FLATTENED: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Size, torch.Size]] = weakref.WeakKeyDictionary()
 
 
 def _flatten_input(module: nn.Module, args: tuple) -> Optional[tuple]:
-    """A ``Linear8bitLt`` forward pre-hook: an input of more than 3 dimensions as one of 2 (its leading ones as rows).
+    """A bitsandbytes Linear's forward pre-hook: a 1-D input as one row; into an int8 layer, an input of more than 3
+    dimensions as one of 2 (its leading ones as rows). A Linear acts on the last dimension alone: the same computation.
 
-    bitsandbytes 0.50's LLM.int8 forward (eval on CPU; on CUDA, where every forward takes it, untested) indexes the input's outlier columns as if it
-    had at most 3 dimensions: a Swin's ``[batch, windows, tokens, channels]`` failed with "The size of tensor a (4)
-    must match the size of tensor b (16)" (``tests/_compat/test_bitsandbytes.py`` fails when that is fixed). A Linear
-    acts on the last dimension alone, so the rows are the same computation."""
+    - bitsandbytes 0.50's 4-bit and int8 matmuls fail on a 1-D input, which ``nn.Linear`` takes (a head applied to one
+      pooled vector): "MatMul4BitBackward returned an invalid gradient at index 2" in backward, int8's eval forward
+      "Dimension out of range".
+    - its LLM.int8 forward (eval on CPU; on CUDA, where every forward takes it, untested) indexes the input's outlier
+      columns as if it had at most 3 dimensions: a Swin's ``[batch, windows, tokens, channels]`` failed with "The size
+      of tensor a (4) must match the size of tensor b (16)".
+    ``tests/_compat/test_bitsandbytes.py`` (4-D) and ``test_bitsandbytes_battery.py`` (1-D) fail when bitsandbytes fixes them."""
+    _FLATTENED.pop(module, None)  # a forward that raised left its entry
     x = args[0] if args else None
-    if not isinstance(x, torch.Tensor) or x.dim() <= 3:
+    if not isinstance(x, torch.Tensor) or not (x.dim() == 1 or (x.dim() > 3 and type(module).__name__ == "Linear8bitLt")):
         return None
     flat = x.reshape(-1, x.shape[-1])
-    _FLATTENED[module] = (flat, x.shape)
+    _FLATTENED[module] = (flat.shape, x.shape)
     return (flat, *args[1:])
 
 
 def _shape_output(module: nn.Module, args: tuple, output: Any) -> Any:
-    """A ``Linear8bitLt`` forward hook: the output of :func:`_flatten_input`'s rows with the input's leading dimensions."""
+    """A forward hook: the output of :func:`_flatten_input`'s rows with the input's leading dimensions."""
     flat, shape = _FLATTENED.pop(module, (None, None))
-    if flat is None or shape is None or not args or args[0] is not flat or not isinstance(output, torch.Tensor):
+    if flat is None or shape is None or not args or not isinstance(args[0], torch.Tensor) or args[0].shape != flat:
         return None
-    return output.reshape(*shape[:-1], output.shape[-1])
+    return output.reshape(*shape[:-1], output.shape[-1]) if isinstance(output, torch.Tensor) else None
 
 
 def drop_kept_inputs(module: nn.Module) -> int:
@@ -94,11 +100,12 @@ def drop_kept_inputs(module: nn.Module) -> int:
     :func:`_shape_output` around its forward; returns how many layers have them."""
     layers = [m for m in module.modules() if type(m).__name__ == "Linear8bitLt" and type(m).__module__.startswith("bitsandbytes")]
     for layer in layers:
-        if layer not in _DROPPING:
+        # once, told by the hooks themselves: a deep copy of a hooked layer (an EMA copy, a reference model) keeps them,
+        # where a set of the layers hooked did not know the copy and hooked it twice
+        if _flatten_input not in layer._forward_pre_hooks.values():
             layer.register_forward_pre_hook(_flatten_input)
             layer.register_forward_hook(drop_int8_kept_input)  # first: it reads the matmul's own grad_fn
             layer.register_forward_hook(_shape_output)
-            _DROPPING.add(layer)
     return len(layers)
 
 

@@ -75,14 +75,28 @@ def pinned_footprint(nbytes: int) -> int:
     return sum(pinned_pieces(int(nbytes)))
 
 
+def _memory_order(tensor: Tensor) -> Optional[list[int]]:
+    """The order of ``tensor``'s dimensions in memory, outermost first, when its elements fill their span once (contiguous,
+    channels-last, a transpose: the permutation is a contiguous view); ``None`` for overlapping (expanded) or gapped
+    (sliced) ones."""
+    strides = tensor.stride()
+    order = sorted(range(tensor.dim()), key=lambda d: -strides[d])
+    return order if tensor.permute(order).is_contiguous() else None
+
+
 class _Pieces:
     """A host copy stored as pinned pieces (:func:`pinned_pieces`): flat tensors of the copy's dtype, in order; the
-    last may hold a few elements more than the copy."""
+    last may hold a few elements more than the copy. The elements are stored in the tensor's memory order and restored
+    with its strides: a channels-last block input (a conv net's, on a GPU) came back contiguous, and was pinned in
+    one power-of-two request (up to twice its bytes)."""
 
-    __slots__ = ("dtype", "pieces", "shape")
+    __slots__ = ("dtype", "order", "pieces", "shape", "stride")
 
     def __init__(self, tensor: Tensor, device: torch.device, pin: bool) -> None:
-        self.shape, self.dtype = tensor.shape, tensor.dtype
+        order = _memory_order(tensor)
+        if order is None:
+            raise ValueError(f"a tensor of shape {tuple(tensor.shape)} and strides {tensor.stride()} overlaps or has gaps: copy it whole")
+        self.shape, self.dtype, self.stride, self.order = tensor.shape, tensor.dtype, tensor.stride(), order
         size = tensor.element_size()
         sizes = pinned_pieces(tensor.numel() * size)
         self.pieces = [torch.empty(max(1, n // size), dtype=tensor.dtype, device=device, pin_memory=pin) for n in sizes]
@@ -97,29 +111,29 @@ class _Pieces:
         return spans
 
     def fill(self, tensor: Tensor, non_blocking: bool = False) -> None:
-        flat = tensor.reshape(-1)
+        flat = tensor.permute(self.order).reshape(-1)  # a view: the permutation is contiguous
         for start, end, piece in self.spans():
             piece[: end - start].copy_(flat[start:end], non_blocking=non_blocking)
 
     def restore(self, device: torch.device, non_blocking: bool = False) -> Tensor:
-        restored = torch.empty(self.shape, dtype=self.dtype, device=device)
-        flat = restored.view(-1)
+        restored = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+        flat = restored.permute(self.order).view(-1)
         for start, end, piece in self.spans():
             flat[start:end].copy_(piece[: end - start], non_blocking=non_blocking)
         return restored
 
 
 def host_footprint(tensor: Tensor) -> int:
-    """Pinned host bytes the offload's copy of ``tensor`` takes: :func:`pinned_footprint` of its bytes when it is
-    contiguous (stored in pieces); the next power of two otherwise (one pinned tensor: splitting a strided tensor
-    would need a contiguous device copy first)."""
+    """Pinned host bytes the offload's copy of ``tensor`` takes: :func:`pinned_footprint` of its bytes when its
+    elements fill their span once (stored in pieces, in memory order); the next power of two otherwise (an expanded or
+    sliced tensor: one pinned tensor, splitting it would need a contiguous device copy first)."""
     nbytes = tensor.numel() * tensor.element_size()
-    return pinned_footprint(nbytes) if tensor.is_contiguous() else _one_request(nbytes)
+    return pinned_footprint(nbytes) if _memory_order(tensor) is not None else _one_request(nbytes)
 
 
 def _pinned_copy(tensor: Tensor, device: torch.device) -> Union[Tensor, _Pieces]:
     """``tensor`` copied (asynchronously) into pinned memory on ``device``, as :func:`host_footprint` counts it."""
-    if tensor.is_contiguous():
+    if _memory_order(tensor) is not None:
         pieces = _Pieces(tensor, device, pin=True)
         pieces.fill(tensor, non_blocking=True)
         return pieces
@@ -175,6 +189,9 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self.host_bytes = 0
         self._stream: Optional[torch.cuda.Stream] = None
         self._last: Optional[weakref.ref] = None  # the handle packed last (weak: it belongs to the graph)
+        # id(tensor) -> (the tensor, its version, its handle), all weak: a tensor every block gets (an attention mask,
+        # T5's position bias) is copied once, its later handles share that copy (see _pack)
+        self._copied: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
         self._in_flight: Optional[Tensor] = None  # the device tensor packed last: its copy may still read it
         super().__init__(self._pack, self._unpack)
 
@@ -225,13 +242,30 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         if isinstance(tensor, nn.Parameter) or tensor.numel() == 0:
             return tensor
         previous = self._last() if self._last is not None else None
-        handle = _Offloaded(tensor.device, self._host_copy(tensor), previous)
+        shared = self._copy_of(tensor)
+        handle = _Offloaded(tensor.device, shared if shared is not None else self._host_copy(tensor), previous)
         self._last = weakref.ref(handle)
+        if shared is not None:  # nothing copied: the earlier copy's bytes are counted, its copy is in flight or done
+            return handle
+        self._copied[id(tensor)] = (weakref.ref(tensor), tensor._version, weakref.ref(handle))
         self._in_flight = tensor  # released by the next pack or the first unpack
         self.copies += 1
         self.copied_bytes += tensor.numel() * tensor.element_size()
         self.host_bytes += self._footprint(tensor)
         return handle
+
+    def _copy_of(self, tensor: Tensor) -> Optional[Union[Tensor, _Pieces]]:
+        """The host copy of ``tensor`` made for an earlier block, if that very tensor (alive since: its storage was not
+        reused) is unchanged since (its version) and the earlier handle is alive. Every block's input that the model
+        passes to each block (BERT's extended attention mask ``[B, 1, S, S]``, T5's position bias ``[1, H, S, S]``) was
+        copied once per block: the host held one copy per layer, several times the hidden states' bytes."""
+        if len(self._copied) > 256:  # forget the dead (a run packs a few tensors per block)
+            self._copied = {k: v for k, v in self._copied.items() if v[0]() is not None and v[2]() is not None}
+        earlier = self._copied.get(id(tensor))
+        if earlier is None or earlier[0]() is not tensor or earlier[1] != tensor._version:
+            return None
+        handle = cast(Optional[_Offloaded], earlier[2]())
+        return handle.host if handle is not None and handle.source == tensor.device else None
 
     def _restore(self, handle: _Offloaded, prefetch: bool) -> Tensor:
         """``handle``'s tensor on its device again: on CUDA on the side stream when ``prefetch``, else on the

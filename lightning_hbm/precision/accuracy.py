@@ -21,6 +21,8 @@ it. A model without quantized convolutions is not measured here (today's behavio
 from __future__ import annotations
 
 import logging
+import random
+import sys
 import time
 from collections import Counter
 from collections.abc import Generator, Mapping, Sequence
@@ -50,6 +52,8 @@ class ConvAccuracy:
     seconds: float
     #: whether the fit-start warning was said (under the threshold)
     warned: bool = False
+    #: output values finite in the model as built and inf or NaN as the plugin computes it (float16 past 65504)
+    nonfinite: int = 0
 
 
 #: the most output values kept for the figure (16 MiB in fp32): a language model with a convolution (Mamba's conv1d)
@@ -66,9 +70,69 @@ def outputs(output: Any) -> Tensor:
 
 
 def centred_cosine(got: Tensor, want: Tensor) -> float:
-    """Cosine of ``got`` and ``want`` centred on ``want``'s mean (a constant output offset does not count)."""
+    """Cosine of ``got`` and ``want`` centred on ``want``'s mean (a constant output offset does not count), in float64:
+    in float32 the squares of outputs past about 1e19 overflowed and the figure read 0.0.
+
+    A constant ``want`` has no centred direction (diffusers' ControlNet at init: its zero convolutions give exact zeros;
+    the figure read 0.0 and the check warned on a healthy model): 1.0 when ``got`` equals it, else the uncentred cosine
+    (NaN against all zeros: no figure). No values: NaN.
+    """
+    got, want = got.double(), want.double()
+    if not want.numel():
+        return float("nan")
+    if bool((want == want[0]).all()):
+        if torch.equal(got, want):
+            return 1.0
+        return float(F.cosine_similarity(got, want, dim=0)) if bool(want.any()) else float("nan")
     mean = want.mean()
     return float(F.cosine_similarity(got - mean, want - mean, dim=0))
+
+
+def forward_on(module: nn.Module, batch: Any) -> Any:
+    """``module``'s output on ``batch``, whatever it is (a ModelOutput without logits, a UNet's ``.sample``): called as
+    :func:`~lightning_hbm.probe.probe_output` calls it (``forward(x)``, the inputs of a pair, ``forward(**dict)``),
+    which wants a tensor or ``logits`` and made the reference of a Wav2Vec2Model, a ConvNextModel or a UNet2DModel
+    fail, so int8 went unmeasured with no word."""
+    if isinstance(batch, Tensor):
+        return module(batch)
+    if isinstance(batch, (tuple, list)):
+        return module(batch[0])
+    return module(**batch)
+
+
+def _rng_states() -> dict[str, Any]:
+    """The global RNG states a forward may draw from: Python's, NumPy's (if imported), torch's CPU and CUDA (if begun)."""
+    numpy_random = sys.modules.get("numpy.random")
+    return {
+        "python": random.getstate(),
+        "numpy": numpy_random.get_state() if numpy_random is not None else None,  # type: ignore[attr-defined]
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+    }
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None and states["numpy"] is not None:
+        numpy_random.set_state(states["numpy"])  # type: ignore[attr-defined]
+    torch.set_rng_state(states["cpu"])
+    if states["cuda"] is not None:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+@contextmanager
+def _drawing_as(states: Optional[dict[str, Any]]) -> Generator[None, None, None]:
+    """Within: the global RNGs at ``states`` (those of the reference's forward); after: as they were."""
+    if states is None:
+        yield
+        return
+    before = _rng_states()
+    _set_rng_states(states)
+    try:
+        yield
+    finally:
+        _set_rng_states(before)
 
 
 class Reference:
@@ -84,25 +148,39 @@ class Reference:
         self.args: Optional[tuple] = None
         self.kwargs: dict[str, Any] = {}
         self.output: Optional[Tensor] = None
+        #: the global RNG states the recorded forward began with: a forward that draws (a diffusion step's noise) draws
+        #: the same again when measured; else the figure compared two noises (0.01 on a healthy model)
+        self.rngs: Optional[dict[str, Any]] = None
 
     @contextmanager
     def recording(self, module: nn.Module) -> Generator[None, None, None]:
         own = {name: module.get_submodule(name) for name in self.names}
+        pending: list[tuple[tuple, dict[str, Any], dict[str, Any]]] = []
+
+        def as_built() -> bool:
+            return self.output is None and all(module.get_submodule(n) is layer for n, layer in own.items())
+
+        def before(root: nn.Module, args: tuple, kwargs: dict) -> None:
+            if as_built():  # copies: a forward that changes its input in place (x.mul_) left the batch changed
+                copy = lambda t: t.detach().clone()  # noqa: E731
+                pending[:] = [(tree_map_only(Tensor, copy, args), tree_map_only(Tensor, copy, dict(kwargs)), _rng_states())]
 
         def record(root: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self.output is None and all(module.get_submodule(n) is layer for n, layer in own.items()):
-                self.args, self.kwargs, self.output = args, dict(kwargs), outputs(output)
+            if as_built() and pending:
+                (self.args, self.kwargs, self.rngs), self.output = pending.pop(), outputs(output)
 
-        handle = module.register_forward_hook(record, with_kwargs=True)
+        handles = [module.register_forward_pre_hook(before, with_kwargs=True), module.register_forward_hook(record, with_kwargs=True)]
         try:
             yield
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
 
-    def quantized_cosine(self, module: nn.Module, dtype: torch.dtype, quantized: Sequence[str]) -> float:
-        """The cosine of ``module`` (quantized since) on the recorded arguments, computed as ``QuantizedPrecision``
-        computes: floating inputs and the default dtype in ``dtype``, eval, no grad. Layers quantized on another device
-        than the rest (a GPU, before the strategy moves the model) get their inputs there and give their outputs back."""
+    def quantized_output(self, module: nn.Module, dtype: torch.dtype, quantized: Sequence[str]) -> Tensor:
+        """The outputs (:func:`outputs`) of ``module`` (quantized since) on the recorded arguments, computed as
+        ``QuantizedPrecision`` computes: floating inputs and the default dtype in ``dtype``, eval, no grad, with the
+        random draws of the recorded forward. Layers quantized on another device than the rest (a GPU, before the
+        strategy moves the model) get their inputs there and give their outputs back."""
         assert self.args is not None and self.output is not None
         cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731 - as the plugin's convert_input
         args, kwargs = tree_map_only(Tensor, cast, self.args), tree_map_only(Tensor, cast, self.kwargs)
@@ -111,14 +189,13 @@ class Reference:
         flags = [(m, m.training) for m in module.modules()]
         module.eval()
         try:
-            with torch.no_grad(), _on_their_devices(module, quantized):
+            with torch.no_grad(), _on_their_devices(module, quantized), _drawing_as(self.rngs):
                 torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
-                got = outputs(module(*args, **kwargs))
+                return outputs(module(*args, **kwargs))
         finally:
             torch.set_default_dtype(previous)
             for m, training in flags:
                 m.training = training
-        return centred_cosine(got, self.output) if got.shape == self.output.shape else float("nan")
 
 
 @contextmanager
@@ -153,11 +230,21 @@ def accuracy_warning(measured: ConvAccuracy, modes: Mapping[str, str], dtype: to
     ``modes``: ``{convolution: mode}``. The fix named is the one measured to meet the threshold on the nets of issue 53
     (``benchmarks/README.md``, session 23/24): computing in float32 (int8 in float32: 0.989-0.9996 held out on all
     eight runs); already in float32, a 4-bit mode: ``mode="int8"``; int8 in float32: the convolutions kept unquantized.
+    Outputs finite as built and inf or NaN as computed (no cosine: NaN) are said with their count; the fix: a dtype
+    with float32's range.
     """
-    if not measured.cosine < measured.threshold:  # NaN (outputs of another shape): not a figure, logged by the caller
+    if not measured.cosine < measured.threshold and not measured.nonfinite:  # NaN (another shape): logged by the caller
         return None
     split = ", ".join(f"{count} in {mode}" for mode, count in sorted(Counter(modes.values()).items()))
     name = str(dtype).removeprefix("torch.")
+    stored = f"with its {len(modes)} convolutions stored quantized ({split}; mode {base!r}; its other quantized layers as planned) and computing in {name}"
+    if measured.nonfinite:
+        wider = "dtype='bfloat16' (float16 overflows past 65504; bfloat16 has float32's range)" if dtype == torch.float16 else "dtype='float32'"
+        fix = f"QuantizedPrecision(..., {wider})" if dtype != torch.float32 else "QuantizedPrecision(..., ignore_modules=[<the convolutions>])"
+        return (
+            f"lightning_hbm: {stored}, this model's output on the probe batch has {measured.nonfinite} values that are inf "
+            f"or NaN where the model as built gives finite ones: its loss and gradients would be too. Fix: {fix}."
+        )
     if dtype != torch.float32:
         fix = f"QuantizedPrecision(..., dtype='float32'{', mode=' + repr('int8') if four_bit else ''})"
         why = f"computing in {name} loses about 0.01 on its own on BatchNorm conv nets; int8 computed in float32 measured 0.989-0.9996 held out"
@@ -166,8 +253,7 @@ def accuracy_warning(measured: ConvAccuracy, modes: Mapping[str, str], dtype: to
     else:
         fix, why = "QuantizedPrecision(..., ignore_modules=[<the most sensitive convolutions>])", "keeps them as built"
     return (
-        f"lightning_hbm: with its {len(modes)} convolutions stored quantized ({split}; mode {base!r}; its other quantized "
-        f"layers as planned) and computing in {name}, this model's output on the probe batch has a cosine of {measured.cosine:.4f} against the model as "
+        f"lightning_hbm: {stored}, this model's output on the probe batch has a cosine of {measured.cosine:.4f} against the model as "
         f"built (centred, every output), under {measured.threshold} (min_cosine; default CONV_MIN_COSINE). Fix: {fix} "
         f"({why}; benchmarks/README.md)."
     )
@@ -195,12 +281,16 @@ def check_accuracy(
     start = time.perf_counter()
     try:
         with torch_compat.preserved_rngs():
-            cosine = reference.quantized_cosine(module, config.torch_dtype, quantized)
+            got = reference.quantized_output(module, config.torch_dtype, quantized)
     except Exception as error:  # noqa: BLE001 - the model ran as built: a measurement that fails is said in the log
         log.info("lightning_hbm: the quantized model's output could not be measured on the probe batch: %r", error)
         return None
-    measured = ConvAccuracy(cosine, threshold, time.perf_counter() - start)
-    log.info("lightning_hbm: output cosine of the quantized model on the probe batch: %.4f (threshold %s)", cosine, threshold)
+    want = reference.output
+    same = got.shape == want.shape
+    cosine = centred_cosine(got, want) if same else float("nan")  # another shape: no figure, logged
+    nonfinite = int((want.isfinite() & ~got.isfinite()).sum()) if same else 0
+    measured = ConvAccuracy(cosine, threshold, time.perf_counter() - start, nonfinite=nonfinite)
+    log.info("lightning_hbm: output cosine of the quantized model on the probe batch: %.4f (threshold %s; %d values not finite)", cosine, threshold, nonfinite)
     warning = accuracy_warning(measured, convs, config.torch_dtype, base, config.format.peft_kind == "4bit")
     if warning is not None:
         rank_zero_warn(warning)
@@ -208,4 +298,4 @@ def check_accuracy(
     return measured
 
 
-__all__ = ["KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_warning", "centred_cosine", "check_accuracy", "outputs"]
+__all__ = ["KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_warning", "centred_cosine", "check_accuracy", "forward_on", "outputs"]

@@ -40,7 +40,7 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
 from lightning_hbm.layers.embedding import is_plain_embedding
-from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, check_accuracy
+from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, check_accuracy, forward_on
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
@@ -49,7 +49,7 @@ from lightning_hbm.precision.quantize import _layer_modes
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_PLAN_TARGET, SensitivityPlan, choose_plan, planned_convs_warning, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.precision.targets import Listing, TargetRule, _validate, quantize_listed
-from lightning_hbm.probe import eval_no_grad, first_batches, has_forward, probe_output
+from lightning_hbm.probe import eval_no_grad, first_batches, has_forward
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ class Quantization:
                 raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
             probe = self.probe(trainer)
             with eval_no_grad(module), reference.recording(module), torch_compat.preserved_rngs():  # the user's RNG draws as they were
-                probe_output(module, probe)
+                forward_on(module, probe)  # any output: every floating tensor of it is the reference
         except Exception as error:  # noqa: BLE001 - a measurement never stops a healthy model: said in the log
             self._reference = None  # the 4-bit plan warns for its own part; nothing else was measured before either
             log.info("lightning_hbm: the output of the model with quantized convolutions is not measured at fit start: %r", error)

@@ -525,7 +525,9 @@ def test_pinned_pieces_round_trip_bit_exact(monkeypatch: pytest.MonkeyPatch) -> 
     assert host_footprint(tensor) == 1984
     odd = torch.randn(999)  # 3,996 B: rounded up to 4,032 (63 x 64), one piece per bit
     assert [p.numel() * 4 for p in checkpointing._Pieces(odd, torch.device('cpu'), pin=False).pieces] == [2048, 1024, 512, 256, 128, 64]
-    strided = torch.randn(100, 10).T  # split only contiguous copies: a strided one is one power-of-two tensor
+    transposed = torch.randn(100, 10).T  # dense in another order: pieces in memory order (session 25)
+    assert host_footprint(transposed) == 4032
+    strided = torch.randn(100, 20)[:, ::2]  # gaps: split only dense copies, a gapped one is one power-of-two tensor
     assert host_footprint(strided) == 4096
 
 

@@ -492,16 +492,19 @@ def _parametrized_factors(name: str, layer: nn.Module, weight: torch.Tensor) -> 
     built = copy.deepcopy(layer).eval()
     listed = cast(Any, built).parametrizations.weight
     kinds = [type(p).__name__ for p in listed]
+    # the first parametrization's input: ``original``, or ``original0``, ``original1``... where its right_inverse gives
+    # several tensors (a weight_norm first in a chain: a raw AttributeError "no attribute 'original'" was raised)
+    original = cast(torch.Tensor, listed.original if hasattr(listed, "original") else listed.original0)
     error = "its right_inverse failed"
     try:
         with torch.no_grad():
-            setattr(built, "weight", weight.to(listed.original.dtype))  # torch calls right_inverse, last first
+            setattr(built, "weight", weight.to(original.dtype))  # torch calls right_inverse, last first
         back = cast(torch.Tensor, built.weight).float()
         error = f"it computes a weight {float((back - weight).norm() / weight.norm()):.2e} (relative) away from it"
         if torch.allclose(back, weight, rtol=1e-5, atol=1e-6 * float(weight.abs().max())):
             return dict(built.state_dict())
-    except (RuntimeError, ValueError, NotImplementedError) as err:
-        error = f"its right_inverse failed ({err})"
+    except Exception as err:  # noqa: BLE001 - a user's right_inverse may raise anything: said in the refusal, as a ValueError
+        error = f"its right_inverse failed ({type(err).__name__}: {(str(err).splitlines() or [''])[0]})"  # one line
     raise ValueError(
         f"LoRA.merge: the weight of {name} is computed by the parametrization(s) {kinds}, and its merged weight is "
         f"not one they compute: set as the parametrization's input (right_inverse), {error}. Nothing was merged. "
