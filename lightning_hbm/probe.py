@@ -14,7 +14,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from torchmetrics import CosineSimilarity, KLDivergence, RelativeSquaredError
 
 from lightning_hbm._compat import lightning as lightning_compat
@@ -49,6 +49,9 @@ def check_forward(module: nn.Module, who: str) -> None:
 def probe_output(module: nn.Module, batch: Any) -> Tensor:
     """The module's output tensor for ``batch``: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets) pair, or ``forward(**dict)``."""
     check_forward(module, "lightning_hbm")  # QuantizationQuality checks at setup; the plugin's probes land here
+    # on a copy: a forward that changes its input in place (``x /= 255``) ran on the user's batch once per probe
+    # forward, and the probe batch is the first batch training gets
+    batch = tree_map_only(Tensor, torch.clone, batch)
     if isinstance(batch, Tensor):
         out = module(batch)
     elif isinstance(batch, (tuple, list)):

@@ -388,6 +388,43 @@ def preserved_rngs() -> Iterator[None]:
             numpy_random.set_state(numpy_state)  # type: ignore[attr-defined]
 
 
+def rng_states() -> dict[str, Any]:
+    """The global RNG states a forward may draw from: Python's, NumPy's (if imported), torch's CPU and CUDA (if begun)."""
+    numpy_random = sys.modules.get("numpy.random")
+    return {
+        "python": random.getstate(),
+        "numpy": numpy_random.get_state() if numpy_random is not None else None,  # type: ignore[attr-defined]
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+    }
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """The global RNGs at ``states`` (:func:`rng_states`)."""
+    random.setstate(states["python"])
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None and states["numpy"] is not None:
+        numpy_random.set_state(states["numpy"])  # type: ignore[attr-defined]
+    torch.set_rng_state(states["cpu"])
+    if states["cuda"] is not None:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+@contextmanager
+def drawing_as(states: Optional[dict[str, Any]]) -> Iterator[None]:
+    """Within: the global RNGs at ``states`` (a recorded forward's: a forward that draws, a diffusion step's noise,
+    draws the same again when measured); after: as they were. ``None``: nothing changed."""
+    if states is None:
+        yield
+        return
+    before = rng_states()
+    set_rng_states(states)
+    try:
+        yield
+    finally:
+        set_rng_states(before)
+
+
 def leading_batches(loader: Any, enough: Callable[[list[Any]], bool]) -> list[Any]:
     """The first batches of ``loader`` until ``enough(batches)``, drawn leaving no trace.
 

@@ -21,8 +21,6 @@ it. A model without quantized convolutions is not measured here (today's behavio
 from __future__ import annotations
 
 import logging
-import random
-import sys
 import time
 from collections import Counter
 from collections.abc import Generator, Mapping, Sequence
@@ -93,46 +91,12 @@ def forward_on(module: nn.Module, batch: Any) -> Any:
     :func:`~lightning_hbm.probe.probe_output` calls it (``forward(x)``, the inputs of a pair, ``forward(**dict)``),
     which wants a tensor or ``logits`` and made the reference of a Wav2Vec2Model, a ConvNextModel or a UNet2DModel
     fail, so int8 went unmeasured with no word."""
+    batch = tree_map_only(Tensor, torch.clone, batch)  # a forward that changes its input in place leaves the batch as it was
     if isinstance(batch, Tensor):
         return module(batch)
     if isinstance(batch, (tuple, list)):
         return module(batch[0])
     return module(**batch)
-
-
-def _rng_states() -> dict[str, Any]:
-    """The global RNG states a forward may draw from: Python's, NumPy's (if imported), torch's CPU and CUDA (if begun)."""
-    numpy_random = sys.modules.get("numpy.random")
-    return {
-        "python": random.getstate(),
-        "numpy": numpy_random.get_state() if numpy_random is not None else None,  # type: ignore[attr-defined]
-        "cpu": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
-    }
-
-
-def _set_rng_states(states: dict[str, Any]) -> None:
-    random.setstate(states["python"])
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None and states["numpy"] is not None:
-        numpy_random.set_state(states["numpy"])  # type: ignore[attr-defined]
-    torch.set_rng_state(states["cpu"])
-    if states["cuda"] is not None:
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-@contextmanager
-def _drawing_as(states: Optional[dict[str, Any]]) -> Generator[None, None, None]:
-    """Within: the global RNGs at ``states`` (those of the reference's forward); after: as they were."""
-    if states is None:
-        yield
-        return
-    before = _rng_states()
-    _set_rng_states(states)
-    try:
-        yield
-    finally:
-        _set_rng_states(before)
 
 
 class Reference:
@@ -163,7 +127,7 @@ class Reference:
         def before(root: nn.Module, args: tuple, kwargs: dict) -> None:
             if as_built():  # copies: a forward that changes its input in place (x.mul_) left the batch changed
                 copy = lambda t: t.detach().clone()  # noqa: E731
-                pending[:] = [(tree_map_only(Tensor, copy, args), tree_map_only(Tensor, copy, dict(kwargs)), _rng_states())]
+                pending[:] = [(tree_map_only(Tensor, copy, args), tree_map_only(Tensor, copy, dict(kwargs)), torch_compat.rng_states())]
 
         def record(root: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if as_built() and pending:
@@ -189,7 +153,7 @@ class Reference:
         flags = [(m, m.training) for m in module.modules()]
         module.eval()
         try:
-            with torch.no_grad(), _on_their_devices(module, quantized), _drawing_as(self.rngs):
+            with torch.no_grad(), _on_their_devices(module, quantized), torch_compat.drawing_as(self.rngs):
                 torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
                 return outputs(module(*args, **kwargs))
         finally:

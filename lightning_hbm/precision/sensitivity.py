@@ -214,6 +214,14 @@ class _Swapper:
     ) -> None:
         self.module, self.layers, self.dtype, self.hessians = module, layers, dtype, hessians or {}
         self._variants: dict[tuple[str, str], nn.Module] = {}
+        # every probe forward draws what the first drew (a forward that draws noise, a diffusion training step, was
+        # measured against other draws: 0.03 and every convolution widened), and the user's RNGs are left as they were
+        self.rngs = torch_compat.rng_states()
+
+    def forward(self, probe: Any) -> torch.Tensor:
+        """The model's output on ``probe`` with the first forward's random draws."""
+        with torch_compat.drawing_as(self.rngs):
+            return probe_output(self.module, probe)
 
     def variant(self, name: str, mode: str, keep: bool = True) -> nn.Module:
         """``name`` quantized in ``mode``; ``keep=False``: built for one use, not cached (every layer's
@@ -254,7 +262,7 @@ class _Swapper:
         try:
             for name, mode in plan.items():
                 self._put(name, self.variant(name, mode))
-            return probe_output(self.module, probe).float()
+            return self.forward(probe).float()
         finally:
             for name in plan:
                 self._put(name, self.layers[name])
@@ -337,7 +345,7 @@ def _local_errors(swapper: _Swapper, modes: Sequence[str], probe: Any) -> dict[s
 
     handles = [layer.register_forward_hook(hook(name)) for name, layer in swapper.layers.items()]
     try:
-        probe_output(swapper.module, probe)
+        swapper.forward(probe)
     finally:
         for handle in handles:
             handle.remove()

@@ -206,13 +206,7 @@ def _state(model: nn.Module) -> tuple:
     )
 
 
-PLAN_DRAWS = pytest.mark.xfail(strict=True, reason=(
-    "precision/sensitivity.py choose_plan (the 4-bit convolutions' plan, not owned here) restores torch's RNG but not "
-    "Python's or NumPy's: a forward that draws from them (random.random(), np.random) moves the user's seeds (issue 55)"
-))
-
-
-@pytest.mark.parametrize("mode", ["int8", pytest.param("nf4-dq", marks=PLAN_DRAWS)])
+@pytest.mark.parametrize("mode", ["int8", "nf4-dq"])
 def test_the_check_leaves_buffers_modes_requires_grad_and_every_rng_as_they_were(mode: str) -> None:
     model = Trained().train()
     model.frozen.eval()
@@ -224,10 +218,6 @@ def test_the_check_leaves_buffers_modes_requires_grad_and_every_rng_as_they_were
     assert before[1:3] == after[1:3] and torch.equal(before[3], after[3]) and before[4:] == after[4:]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "precision/sensitivity.py choose_plan (not owned here) runs each of its forwards on other random draws: a "
-    "diffusion step's forward measured 0.03 and every convolution was widened to int8, with a warning"
-))
 def test_the_convolutions_plan_measures_a_forward_that_draws_noise_on_the_same_draws() -> None:
     plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=X)
     with warnings.catch_warnings():
@@ -236,10 +226,6 @@ def test_the_convolutions_plan_measures_a_forward_that_draws_noise_on_the_same_d
     assert plugin.quantization.conv_report is not None and plugin.quantization.conv_report.cosine > 0.95
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "precision/plan.py _record_reference and sensitivity.py's plan (not owned here) run the user's forward on the probe "
-    "batch itself, the first batch training gets: a forward that changes its input in place changes it once per probe forward"
-))
 @pytest.mark.parametrize("mode", ["int8", "nf4-dq"])
 def test_the_probe_forwards_leave_the_users_batch_as_it_was(mode: str) -> None:
     batch = X.clone()
