@@ -63,10 +63,14 @@ def probe_output(module: nn.Module, batch: Any) -> Tensor:
     logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
     if logits is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
         logits = out[0]
+    if logits is None:  # no logits (a UNet's ``.sample``, an encoder's ``last_hidden_state``, a dict of features): the
+        # first floating tensor, as ModelOutput.to_tuple()[0]; before, the 4-bit conv plan of such a model was skipped
+        values = out.to_tuple() if hasattr(out, "to_tuple") else list(out.values()) if isinstance(out, Mapping) else out
+        logits = next((t for t in tree_flatten(values)[0] if isinstance(t, Tensor) and t.is_floating_point()), None)
     if not isinstance(logits, Tensor):
         raise TypeError(
-            f"QuantizationQuality needs the model's forward to return a tensor (or an object with a `logits` tensor), "
-            f"got {type(out).__name__}. Make forward return the output tensor for the probe batch."
+            f"QuantizationQuality needs the model's forward to return a tensor (or an object with a `logits` tensor, or "
+            f"any floating tensor), got {type(out).__name__}. Make forward return the output tensor for the probe batch."
         )
     return logits
 

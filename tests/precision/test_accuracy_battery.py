@@ -231,3 +231,15 @@ def test_the_probe_forwards_leave_the_users_batch_as_it_was(mode: str) -> None:
     batch = X.clone()
     _convert(InPlace(), batch, mode)
     assert torch.equal(batch, X)
+
+
+def test_the_4bit_convolutions_plan_measures_models_whose_output_has_no_logits() -> None:
+    """A dict of features, a transformers ModelOutput without ``logits``, a diffusers UNet's ``.sample``: the plan measures
+    their first floating tensor (was: "without a measured plan", every convolution uniform)."""
+    for name, (model, batch) in {**_models(), "dict": (Features(), X)}.items():
+        plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=batch)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plugin.convert_module(model)
+        assert plugin.quantization.conv_report is not None, name
+        assert not any("without a measured plan" in str(w.message) for w in caught), name
