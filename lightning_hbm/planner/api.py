@@ -286,6 +286,9 @@ def predict(
     traces 7 blocks instead of 32); ``False`` always traces the whole model. Cut to 2 and 3 instead, the
     line overshot by up to 34 % (the first and last blocks differ from the middle ones); from 3 and 4 it
     equals the full trace byte for byte on the 6- and 12-block test models (``tests/planner/test_api.py``).
+    ``ActivationCheckpointing(every=n)``: cut in units of ``n`` blocks instead (:func:`_cuts`), each cut ending with the
+    model's pattern of checkpointed blocks. Every line is checked by its own traces (:meth:`Trace.lines_apart`): where
+    they peak at points that do not correspond, the whole model is traced instead, said in ``Prediction.uncut``.
     A candidate with named ``blocks`` or a mixed-precision plan (``layer_modes``) is always traced whole.
     ``probe_batch``: a shorter batch of the same structure for the forwards that only decide structure (the
     surgery's probe step, which parameters get gradients; :func:`~lightning_hbm.planner.tracing.trace`).
@@ -322,10 +325,10 @@ def predict(
                 real_types[err.module_type] = f"{type(err.__cause__).__name__}: {err.__cause__}".splitlines()[0]
 
     uncut = ""
-    # named blocks: cutting the list would rename them; a mixed-precision plan differs block by block (no line)
-    # (and a partial offload of every other block: no line through cut models draws it)
+    # named blocks: cutting the list would rename them; a mixed-precision plan differs block by block (no line);
+    # checkpointing every n-th block of a list built in configure_model: the cuts depend on its length (_cuts)
     if extrapolate is False or candidate.blocks is not None or candidate.layer_modes is not None or (
-        count is not None and _every(candidate) > 1
+        _every(candidate) > 1 and _block_list(model.module)[1] == 0
     ):
         result = trace(model, batch, candidate, device, keep_blocks=None)
     else:
@@ -378,29 +381,60 @@ def _cut_and_extend(
     extrapolate: Union[bool, Literal["auto"]],
     count: Optional[int] = None,
 ) -> Trace:
-    """The trace with the repeated blocks cut to 3 (and 4), extended to the real depth (see :func:`predict`).
+    """The trace with the repeated blocks cut to 3 (and 4) units of ``every`` blocks (:func:`_cuts`), extended to the
+    real depth (see :func:`predict`).
 
-    ``count``: ``ActivationCheckpointing(offload=count)`` offloads the first ``count`` blocks' inputs only
+    ``count``: ``ActivationCheckpointing(offload=count)`` offloads the first ``count`` checkpointed blocks' inputs only
     (:func:`_partial_offload`)."""
+    every = _every(candidate)
     hint = _block_list(model.module)[1]  # 0: blocks built in configure_model, known from the first trace
-    if count is not None and count >= hint > 0:
-        check_offload_blocks(count, hint)
-        count = None  # every block
+    if count is not None and count >= -(-hint // every) > 0:
+        check_offload_blocks(count, -(-hint // every))
+        count = None  # every checkpointed block
+    first, second = _cuts(hint, every)
+    if every > 1 and not _extends(hint, first, second, extrapolate):
+        return trace(model, batch, candidate, device, None, count)  # (predict traces every > 1 whole without a hint)
     if count is not None:
         return _partial_offload(trace, model, batch, candidate, device, extrapolate, count)
-    result = trace(model, batch, candidate, device, 3, None)
+    result = trace(model, batch, candidate, device, first, None)
     depth = result.depth
-    if depth > 4 and (extrapolate is True or depth >= 8):
-        deeper = trace(model, batch, candidate, device, 4, None)
-        apart = result.peaks_apart(deeper, depth)
-        if apart:  # the line's premise fails: decided by these two traces, at no cost beyond them
-            raise PeaksApart(f"{_block_list(model.module)[0] or 'the blocks'} cut to 3 and 4 of {depth} blocks peak at "
-                             f"points that do not correspond ({'; '.join(apart)}): the line through them is not the "
-                             "model's, traced the whole model instead")
-        return result.extrapolate(deeper, depth)
-    if depth > 3:
+    if _extends(depth, first, second, extrapolate):
+        deeper = trace(model, batch, candidate, device, second, None)
+        return _checked_line(result, [(deeper, (depth - first) // every)], depth, model)
+    if depth > first:
         return trace(model, batch, candidate, device, None, None)
     return result
+
+
+def _cuts(depth: int, every: int) -> tuple[int, int]:
+    """The two lengths the repeated blocks are cut to: 3 and 4 units of ``every`` blocks (checkpointing every
+    ``every``-th one), the last unit as long as the model's (``depth % every`` blocks when that is not 0). Each cut
+    model then ends with the real one's pattern of checkpointed blocks, and the second adds a whole unit to the first:
+    cut to 3 and 4 blocks, ``every=2`` checkpointed the last block at 3 and not at 4, and the line through them planned
+    48 % over the model. ``every=1``: 3 and 4 blocks, whatever the depth."""
+    first = 2 * every + (depth % every or every)
+    return first, first + every
+
+
+def _extends(depth: int, first: int, second: int, extrapolate: Union[bool, Literal["auto"]]) -> bool:
+    """Whether the traces cut to ``first`` and ``second`` blocks are extended to ``depth`` (``"auto"``: when they trace
+    fewer blocks than the model has; 3 + 4 < 8 blocks for ``every=1``)."""
+    return depth > second and (extrapolate is True or first + second < depth)
+
+
+def _checked_line(first: Trace, steps: list[tuple[Trace, int]], depth: int, model: Template,
+                  count: Optional[int] = None) -> Trace:
+    """``first`` combined with ``steps`` (:meth:`Trace.combine`) to ``depth`` blocks, once the traces say that the line
+    through them is the model's (:meth:`Trace.lines_apart`: decided by these traces, at no cost beyond them).
+
+    Raises :class:`PeaksApart` where they peak at points that do not correspond. ``count``: a partial offload's count."""
+    apart = first.lines_apart(steps, depth, offloading=count is not None)
+    if apart:
+        offloading = "" if count is None else f", the first {count} checkpointed offloading their inputs,"
+        raise PeaksApart(f"{_block_list(model.module)[0] or 'the blocks'} cut to {first.kept} and {steps[0][0].kept} of "
+                         f"{depth} blocks{offloading} peak at points that do not correspond ({'; '.join(apart)}): the line "
+                         "through them is not the model's, traced the whole model instead")
+    return first.combine(steps, depth)
 
 
 def _partial_offload(
@@ -412,30 +446,37 @@ def _partial_offload(
     extrapolate: Union[bool, Literal["auto"]],
     count: int,
 ) -> Trace:
-    """``count`` of ``depth`` blocks offload their inputs (the first ones): the line through cut models, per kind of block.
+    """``count`` of the ``units`` checkpointed blocks offload their inputs (the first ones): the line through cut models,
+    per kind of block (a unit: ``every`` blocks, the first checkpointed, :func:`_cuts`).
 
-    A block that offloads and one that keeps its input add different bytes, and where the kinds meet (the last input
+    A unit that offloads and one that keeps its input add different bytes, and where the kinds meet (the last input
     offloaded is in flight until the next block starts) is one more difference: each cut model keeps that meeting
-    point. Cut to 3 with 2 offloading (A), to 4 with 3 (B: one offloading block more) and to 4 with 2 (C: one keeping
-    block more): ``A + (count - 2) (B - A) + (depth - count - 1) (C - A)``, a third trace. A count of 1 or 2 is in
-    both cut models (only keeping blocks are added), and ``depth - 1`` needs no C: two traces, as a plain line.
+    point. Cut to 3 units with 2 offloading (A), to 4 with 3 (B: one offloading unit more) and to 4 with 2 (C: one
+    keeping unit more): ``A + (count - 2) (B - A) + (units - count - 1) (C - A)``, a third trace. A count of 1 or 2 is in
+    both cut models (only keeping units are added), and ``units - 1`` needs no C: two traces, as a plain line. Checked
+    as the plain line is (:func:`_checked_line`): where the three traces peak at points that do not correspond, the
+    whole model is traced instead.
     """
-    first = trace(model, batch, candidate, device, 3, min(count, 2))
+    every = _every(candidate)
+    cut, deeper = _cuts(_block_list(model.module)[1], every)
+    first = trace(model, batch, candidate, device, cut, min(count, 2))
     depth = first.depth
-    check_offload_blocks(count, depth)
-    if depth <= 3 and count <= 2:
+    units = -(-depth // every)
+    check_offload_blocks(count, units)
+    if depth <= cut and count <= 2:
         return first  # the whole model
-    if not (depth > 4 and (extrapolate is True or depth >= 8)):
+    if not _extends(depth, cut, deeper, extrapolate):
         return trace(model, batch, candidate, device, None, count)
-    if count == depth:  # every block, known only now (built in configure_model): the plain line
-        return trace(model, batch, candidate, device, 3, None).extrapolate(trace(model, batch, candidate, device, 4, None), depth)
-    if count <= 2:
-        return first.extrapolate(trace(model, batch, candidate, device, 4, count), depth)
-    offloading = trace(model, batch, candidate, device, 4, 3)
-    if count == depth - 1:
-        return first.extrapolate(offloading, depth)
-    keeping = trace(model, batch, candidate, device, 4, 2)
-    return first.combine([(offloading, count - 2), (keeping, depth - count - 1)], depth)
+    if count == units:  # every block, known only now (built in configure_model): the plain line
+        first = trace(model, batch, candidate, device, cut, None)
+        steps = [(trace(model, batch, candidate, device, deeper, None), units - 3)]
+    elif count <= 2:
+        steps = [(trace(model, batch, candidate, device, deeper, count), units - 3)]
+    else:
+        steps = [(trace(model, batch, candidate, device, deeper, 3), count - 2)]
+        if count < units - 1:
+            steps.append((trace(model, batch, candidate, device, deeper, 2), units - count - 1))
+    return _checked_line(first, steps, depth, model, None if count == units else count)
 
 
 class PeaksApart(Exception):

@@ -181,18 +181,34 @@ class Trace:
         A line through two peaks extends one point of the step only when both are that point and stay the largest: a
         peak that moves is the max of two lines, under its real value beyond the cut (session 20: 11.16 GiB planned by
         the line, 6.17 the model's). Regions: :class:`_PeakPoints`; those of one cut only are not compared."""
+        return self.lines_apart([(deeper, depth - self.kept)], depth)
+
+    def lines_apart(self, steps: Sequence[tuple[Trace, int]], depth: int, offloading: bool = False) -> list[str]:
+        """:meth:`peaks_apart` for the combination :meth:`combine` draws (``self`` plus ``n`` times what each ``other``
+        adds): every trace must peak, phase by phase, in the same region, and no region of all of them, combined as the
+        peak is, may hold more at ``depth`` than the peak's. ``offloading``: name each trace with its offloading blocks
+        (a partial offload's traces have the same lengths)."""
+
+        def name(trace: Trace, first: bool) -> str:
+            return f"{trace.kept}{' blocks' if first else ''}{f' ({trace.offloaded} offloading)' if offloading else ''}"
+
+        traces = [self, *(other for other, _ in steps)]
         apart = []
         for phase, point in self.where.items():
-            other = deeper.where.get(phase, point)
-            if other != point:
-                apart.append(f"{phase}: {point} with {self.kept} blocks, {other} with {deeper.kept}")
+            moved = [f"{other.where[phase]} with {name(other, False)}" for other in traces[1:]
+                     if other.where.get(phase, point) != point]
+            if moved:
+                apart.append(f"{phase}: {point} with {name(self, True)}, {', '.join(moved)}")
                 continue
-            mine, theirs = self.regions.get(phase, {}), deeper.regions.get(phase, {})
-            lines = {r: mine[r] + (depth - self.kept) * (theirs[r] - mine[r]) for r in mine if r in theirs}
+            regions = [trace.regions.get(phase, {}) for trace in traces]
+            mine = regions[0]
+            lines = {r: mine[r] + sum(n * (theirs[r] - mine[r]) for theirs, (_, n) in zip(regions[1:], steps))
+                     for r in mine if all(r in theirs for theirs in regions[1:])}
             over = max(lines, key=lambda r: lines[r], default=point)
             if point in lines and lines[over] > lines[point]:
-                apart.append(f"{phase}: {point} with {self.kept} and {deeper.kept} blocks, but {over} extended to {depth} "
-                             f"blocks holds {format_bytes(lines[over])} against {format_bytes(lines[point])}")
+                cuts = [name(trace, False) for trace in traces]
+                apart.append(f"{phase}: {point} with {', '.join(cuts[:-1])} and {cuts[-1]} blocks, but {over} extended to "
+                             f"{depth} blocks holds {format_bytes(lines[over])} against {format_bytes(lines[point])}")
         return apart
 
     def peak_scopes(self) -> dict[str, int]:
@@ -471,7 +487,9 @@ def _steady_step(
 
     loss: Any = None
     with ExitStack() as stack:
-        stack.enter_context(points.watching(_cut_list(module)))
+        blocks = _cut_list(module)
+        kept_from = next((i for i, block in enumerate(blocks) if boundary is not None and block is boundary[1]), None)
+        stack.enter_context(points.watching(blocks, kept_from))
         if boundary is not None:
             stack.enter_context(_peaks_apart(boundary, close))
         for phase in PHASES:
@@ -539,11 +557,17 @@ class _PeakPoints:
         return self.records
 
     @contextmanager
-    def watching(self, blocks: Sequence[nn.Module]) -> Iterator[None]:
-        """Mark the regions as ``blocks`` run forward (hooks) and their outputs' gradients arrive (tensor hooks)."""
+    def watching(self, blocks: Sequence[nn.Module], kept_from: Optional[int] = None) -> Iterator[None]:
+        """Mark the regions as ``blocks`` run forward (hooks) and their outputs' gradients arrive (tensor hooks).
+
+        ``kept_from``: under a partial offload, the index of the first block of the part that keeps its inputs; the
+        blocks before it from :data:`_ALIKE_FROM` on are named from the end of the offloading part (``offloading -1``:
+        the last), as the cuts that draw its line add blocks in the middle of each part (``Trace.combine``)."""
         tracker, handles = self.tracker, []
         for index, block in enumerate(blocks):
             name = str(index) if index < _ALIKE_FROM else str(index - len(blocks))
+            if kept_from is not None and _ALIKE_FROM <= index < kept_from:
+                name = f"offloading {index - kept_from}"
 
             def enter(module: nn.Module, args: Any, name: str = name) -> None:
                 if tracker.phase == "forward":  # not a checkpoint's recomputation in the backward

@@ -704,13 +704,20 @@ def test_the_cut_traces_place_each_peak_at_corresponding_points() -> None:
 def test_checkpointing_every_other_block_is_not_extended_by_the_line() -> None:
     """ActivationCheckpointing(every=2): cut to 3 blocks the last one is checkpointed (the backward peaks in its
     recompute), cut to 4 it is not (the backward peaks at the head). The line through them planned 33,374,920 B for
-    22,610,700 (+48 %); the check sees the peaks apart and the whole model is traced, to the byte."""
+    22,610,700 (+48 %); the check sees the peaks apart. The plan now cuts in units of 2 blocks
+    (``tests/planner/test_partial_offload_line.py``), which 8 blocks are too few for: traced whole, to the byte."""
     from lightning_hbm import LoRA
+    from lightning_hbm.planner.tracing import build_template, trace
 
     factory = partial(LlamaLM, **{**TINY_LLAMA, "num_hidden_layers": 8, "intermediate_size": 128})
     batch = tuple(t.contiguous() for t in synthetic_batch(1, 1024))
     candidate = Candidate.from_trainer(None, [LoRA(r=4), ActivationCheckpointing("full", every=2)])
-    with pytest.warns(UserWarning, match=r"backward: block -1 with 3 blocks, after block -1 with 4"):
+    template = build_template(factory)
+    three, four = (trace(template, batch, candidate, "cuda", k) for k in (3, 4))
+    assert "backward: block -1 with 3 blocks, after block -1 with 4" in three.peaks_apart(four, 8)
+    assert sum(three.extrapolate(four, 8).peak_categories().values()) == 33_374_920
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="lightning_hbm plan")
         cut = predict(factory, batch, candidate, device="cuda")
     whole = predict(factory, batch, candidate, device="cuda", extrapolate=False)
-    assert cut.categories == whole.categories and cut.peak == 22_610_700
+    assert cut.categories == whole.categories and cut.peak == 22_610_700 and not cut.uncut
