@@ -82,14 +82,16 @@ class _ChunkedCall(torch.autograd.Function):
         call: _Chunks = ctx.call
         wants_x, wanted = ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
         params = [p for p, needed in zip(ctx.params, wanted) if needed]
-        grads_x: list[Tensor] = []
         grads_p: list[Optional[Tensor]] = [None] * len(params)
         chunks = _input_chunks(ctx)
+        # the input's gradient is written chunk by chunk into one tensor: gathering the chunks' gradients and joining
+        # them held the input's gradient twice at the end (the peak of an 8B block's backward at long context)
+        grad_x: Optional[Tensor] = None
         run = set(torch_compat.chunk_starts(len(chunks), 1, grad))  # on fake tensors the others only allocate
+        row = 0
         for i, (chunk, grad_chunk) in enumerate(zip(chunks, call.split(grad))):
+            rows, row = row, row + chunk.numel() // chunk.shape[-1]
             if i not in run:
-                if wants_x:
-                    grads_x.append(torch.empty_like(grads_x[-1]))
                 continue
             if ctx.source is not None:  # the chunk of the input, remade from the source's kept input
                 chunk = ctx.source.call.rerun(chunk)
@@ -97,11 +99,17 @@ class _ChunkedCall(torch.autograd.Function):
             out = call.recompute(chunk)
             got = torch.autograd.grad(out, ([chunk] if wants_x else []) + params, grad_chunk, allow_unused=True)
             if wants_x:
-                grads_x.append(got[0] if got[0] is not None else torch.zeros_like(chunk))
+                if grad_x is None:
+                    grad_x = chunk.new_empty(*grad.shape[:-1], chunk.shape[-1])
+                part = grad_x.view(-1, chunk.shape[-1])[rows:row]
+                if got[0] is not None:
+                    part.copy_(got[0].reshape(part.shape))
+                else:
+                    part.zero_()
                 got = got[1:]
             grads_p = [a if b is None else b if a is None else a + b for a, b in zip(grads_p, got)]
         rest = iter(grads_p)
-        return (join(grads_x, grad) if wants_x else None, None, None, None, *(next(rest) if n else None for n in wanted))
+        return (grad_x, None, None, None, *(next(rest) if n else None for n in wanted))
 
 
 def _kept_input(ctx: Any) -> Tensor:
