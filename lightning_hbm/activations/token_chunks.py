@@ -143,10 +143,10 @@ def _source(x: Tensor, chunks: int) -> Any:
     (the recompute stops at the first layer's kept input). The chunk boundaries are the same, so each remade chunk is
     the forward's, bit for bit.
     """
-    node = x.grad_fn
-    if not isinstance(node, _ChunkedCall._backward_cls) or node.call.chunks != chunks:  # type: ignore[attr-defined]
-        return None
-    return node if node.source is None else None  # a source keeps its own input (no chains of three)
+    node: Any = x.grad_fn  # a custom Function's node is its ctx: the attributes its forward set
+    chunked = isinstance(node, _ChunkedCall._backward_cls)  # type: ignore[attr-defined]  # torch sets it on every Function
+    # a source keeps its own input: a layer that remakes its input is no source (no chains of three)
+    return node if chunked and node.call.chunks == chunks and node.source is None else None
 
 
 class _Chunks:
