@@ -16,6 +16,12 @@ and frees it. The saved input is packed *before* the layer's compute, so the blo
 Nesting ``torch.utils.checkpoint`` per chunk instead was measured to run the MLP 2.75 times per step: each inner
 checkpoint packs its input only after the previous chunks ran, so the outer recompute ran them again.
 
+A chunked layer fed straight by another (a Llama block's ``post_attention_layernorm`` -> ``mlp``) keeps no input of its
+own: its backward remakes each chunk of its input from the first layer's kept input (same chunk boundaries: the
+forward's values bit for bit), so the first layer's whole output is neither made by the block's recompute nor held
+during the second's backward; and each backward writes its input's gradient chunk by chunk into one tensor. At the 8B
+Llama shape the two took 89.0 -> 84.9 KB per token off the recomputed block's backward (``benchmarks/README.md``).
+
 Which layers: decided by running, on the first training call of each layer of a checkpointed block
 (:func:`decide`): a layer is chunked when it is called with one tensor and no keyword arguments, gives an output
 with the same tokens, saves for backward at least twice its input and output bytes per token (measured on one and
