@@ -16,6 +16,12 @@ and frees it. The saved input is packed *before* the layer's compute, so the blo
 Nesting ``torch.utils.checkpoint`` per chunk instead was measured to run the MLP 2.75 times per step: each inner
 checkpoint packs its input only after the previous chunks ran, so the outer recompute ran them again.
 
+A chunked layer fed straight by another (a Llama block's ``post_attention_layernorm`` -> ``mlp``) keeps no input of its
+own: its backward remakes each chunk of its input from the first layer's kept input (same chunk boundaries: the
+forward's values bit for bit), so the first layer's whole output is neither made by the block's recompute nor held
+during the second's backward; and each backward writes its input's gradient chunk by chunk into one tensor. At the 8B
+Llama shape the two took 89.0 -> 84.9 KB per token off the recomputed block's backward (``benchmarks/README.md``).
+
 Which layers: decided by running, on the first training call of each layer of a checkpointed block
 (:func:`decide`): a layer is chunked when it is called with one tensor and no keyword arguments, gives an output
 with the same tokens, saves for backward at least twice its input and output bytes per token (measured on one and
@@ -64,9 +70,10 @@ class _KeepInput(torch.autograd.Function):
 
 class _ChunkedCall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, call: _Chunks, box: Optional[_Box], *params: Tensor) -> Tensor:
-        ctx.call, ctx.box, ctx.params = call, box, params
-        if box is None:  # an input without a graph: nothing upstream to recompute it from, keep it here
+    def forward(ctx: Any, x: Tensor, call: _Chunks, box: Optional[_Box], source: Any, *params: Tensor) -> Tensor:
+        ctx.call, ctx.box, ctx.source, ctx.params = call, box, source, params
+        ctx.stash = None  # the kept input, when a later chunked call unpacked it first (:func:`_kept_input`)
+        if box is None and source is None:  # an input without a graph: nothing upstream to recompute it from
             ctx.save_for_backward(x)
         # detached: tracers that hook module inputs (torch's MemTracker) need a tensor with a grad_fn or none
         chunks = call.split(x.detach())
@@ -78,28 +85,74 @@ class _ChunkedCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
-        (x,) = ctx.box.ctx.saved_tensors if ctx.box is not None else ctx.saved_tensors
         call: _Chunks = ctx.call
-        wants_x, wanted = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+        wants_x, wanted = ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
         params = [p for p, needed in zip(ctx.params, wanted) if needed]
-        grads_x: list[Tensor] = []
         grads_p: list[Optional[Tensor]] = [None] * len(params)
-        chunks = call.split(x)
-        run = set(torch_compat.chunk_starts(len(chunks), 1, x))  # on fake tensors the others only allocate
+        chunks = _input_chunks(ctx)
+        # the input's gradient is written chunk by chunk into one tensor: gathering the chunks' gradients and joining
+        # them held the input's gradient twice at the end (the peak of an 8B block's backward at long context)
+        grad_x: Optional[Tensor] = None
+        run = set(torch_compat.chunk_starts(len(chunks), 1, grad))  # on fake tensors the others only allocate
+        row = 0
         for i, (chunk, grad_chunk) in enumerate(zip(chunks, call.split(grad))):
+            rows, row = row, row + chunk.numel() // chunk.shape[-1]
             if i not in run:
-                if wants_x:
-                    grads_x.append(torch.empty_like(grads_x[-1]))
                 continue
+            if ctx.source is not None:  # the chunk of the input, remade from the source's kept input
+                chunk = ctx.source.call.rerun(chunk)
             chunk = chunk.detach().requires_grad_(wants_x)
             out = call.recompute(chunk)
             got = torch.autograd.grad(out, ([chunk] if wants_x else []) + params, grad_chunk, allow_unused=True)
             if wants_x:
-                grads_x.append(got[0] if got[0] is not None else torch.zeros_like(chunk))
+                if grad_x is None:
+                    grad_x = chunk.new_empty(*grad.shape[:-1], chunk.shape[-1])
+                part = grad_x.view(-1, chunk.shape[-1])[rows:row]
+                if got[0] is not None:
+                    part.copy_(got[0].reshape(part.shape))
+                else:
+                    part.zero_()
                 got = got[1:]
             grads_p = [a if b is None else b if a is None else a + b for a, b in zip(grads_p, got)]
         rest = iter(grads_p)
-        return (join(grads_x, x) if wants_x else None, None, None, *(next(rest) if n else None for n in wanted))
+        return (grad_x, None, None, None, *(next(rest) if n else None for n in wanted))
+
+
+def _kept_input(ctx: Any) -> Tensor:
+    """The input a ``_ChunkedCall`` kept (through its ``_KeepInput``, or itself), unpacked once: a checkpoint's saved
+    tensor may be unpacked only once per backward, and the chunked call after it (:func:`_source`) reads it first."""
+    if ctx.stash is not None:
+        x, ctx.stash = ctx.stash, None
+        return x
+    (x,) = ctx.box.ctx.saved_tensors if ctx.box is not None else ctx.saved_tensors
+    return x
+
+
+def _input_chunks(ctx: Any) -> list[Tensor]:
+    """The chunks of a ``_ChunkedCall``'s input in its backward; with a ``source``, the chunks of the source's input
+    (each remade into this call's input chunk by the source's layer, one at a time): the source's input is left
+    stashed for the source's own backward, which runs next."""
+    if ctx.source is None:
+        return ctx.call.split(_kept_input(ctx))
+    kept = _kept_input(ctx.source)
+    ctx.source.stash = kept
+    return ctx.source.call.split(kept)
+
+
+def _source(x: Tensor, chunks: int) -> Any:
+    """The backward node (its context) of the chunked token-wise layer whose output ``x`` is, in ``chunks`` chunks
+    alike, or None.
+
+    Why: a chunked layer fed straight by another (a Llama block's ``post_attention_layernorm`` -> ``mlp``) then keeps
+    nothing of its own: its backward remakes each chunk of its input from the first layer's kept input, so the
+    first layer's output (8 KiB per token for Llama 8B) is neither kept by the checkpoint's recompute nor made by it
+    (the recompute stops at the first layer's kept input). The chunk boundaries are the same, so each remade chunk is
+    the forward's, bit for bit.
+    """
+    node: Any = x.grad_fn  # a custom Function's node is its ctx: the attributes its forward set
+    chunked = isinstance(node, _ChunkedCall._backward_cls)  # type: ignore[attr-defined]  # torch sets it on every Function
+    # a source keeps its own input: a layer that remakes its input is no source (no chains of three)
+    return node if chunked and node.call.chunks == chunks and node.source is None else None
 
 
 class _Chunks:
@@ -119,6 +172,11 @@ class _Chunks:
 
     def recompute(self, chunk: Tensor) -> Any:
         with torch.enable_grad(), torch.autocast(self.device_type, dtype=self.autocast_dtype, enabled=self.autocast):
+            return self.inner(chunk)
+
+    def rerun(self, chunk: Tensor) -> Tensor:
+        """The forward's output of ``chunk`` again, without a graph (the chunk of the next layer's input)."""
+        with torch.no_grad(), torch.autocast(self.device_type, dtype=self.autocast_dtype, enabled=self.autocast):
             return self.inner(chunk)
 
 
@@ -159,10 +217,11 @@ class ChunkedForward:
         params = tuple(p for p in self.layer.parameters() if p.requires_grad)
         if not x.requires_grad and not params:
             return self.inner(x)  # nothing to differentiate
-        box = _Box() if x.requires_grad else None
+        source = _source(x, self.chunks)
+        box = _Box() if x.requires_grad and source is None else None
         if box is not None:
             x = _KeepInput.apply(x, box)
-        return _ChunkedCall.apply(x, _Chunks(self.inner, self.chunks, x.device.type), box, *params)
+        return _ChunkedCall.apply(x, _Chunks(self.inner, self.chunks, x.device.type), box, source, *params)
 
 
 def split(x: Tensor, chunks: int) -> list[Tensor]:

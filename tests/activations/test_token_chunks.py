@@ -279,10 +279,12 @@ def test_a_bf16_4bit_mlp_is_chunked_whatever_rows_the_matmul_kernel_blocks() -> 
     assert decide(mlp, mlp, 2, (torch.randn(2, 512, 768, dtype=torch.bfloat16),), {}) == ""
 
 
-def _bf16_step_peak(llama_factory: Callable, trainer_factory: Callable) -> tuple[int, list[str], dict[str, Tensor], Any]:
-    """A bf16 QLoRA Llama with mlp_chunks=4 after one step: MemTracker's peak of a step at 4 x 256 tokens, the layers
-    chunked, the trainable gradients of that step and the final norm's verdict."""
-    module = llama_factory(hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+def _bf16_step_peak(
+    llama_factory: Callable, trainer_factory: Callable, intermediate: int = 512
+) -> tuple[int, list[str], dict[str, Tensor], Any]:
+    """A bf16 QLoRA Llama (hidden 256) with mlp_chunks=4 after one step: MemTracker's peak of a step at 4 x 256
+    tokens, the layers chunked, the trainable gradients of that step and the final norm's verdict."""
+    module = llama_factory(hidden_size=256, intermediate_size=intermediate, num_hidden_layers=2)
     callback = ActivationCheckpointing(mlp_chunks=4)
     trainer = trainer_factory(max_steps=1, plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16")],
                               callbacks=[LoRA(r=4), callback])
@@ -322,3 +324,27 @@ def test_a_bf16_rmsnorm_that_computes_in_fp32_is_chunked_and_the_backward_peak_d
     assert sorted(grads) == sorted(old_grads)
     for name in grads:  # the same arithmetic per token: the gradients are the whole recompute's
         torch.testing.assert_close(grads[name], old_grads[name], rtol=2e-2, atol=1e-3, msg=name)
+
+
+def test_an_mlp_fed_by_a_chunked_norm_remakes_its_input_chunks_and_the_norm_output_is_not_kept(
+    llama_factory: Callable, trainer_factory: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Llama block's post_attention_layernorm (chunked: bf16 computing in fp32) feeds its chunked MLP. The MLP's
+    # backward remakes each chunk of its input from the norm's kept input, so the block's recompute stops there and
+    # the norm's output (8 KiB per token at the 8B shape) is neither made nor held while the MLP's backward runs.
+    from lightning_hbm.activations import token_chunks
+
+    fused: list[bool] = []
+    source = getattr(token_chunks, "_source", lambda x, chunks: None)
+    monkeypatch.setattr(token_chunks, "_source", lambda x, chunks: fused.append(source(x, chunks) is not None) or source(x, chunks),
+                        raising=False)
+    # an MLP 4x wide: its backward is the step's peak, as at the 8B shape
+    peak, chunked, grads, _ = _bf16_step_peak(llama_factory, trainer_factory, intermediate=1024)
+    monkeypatch.setattr(token_chunks, "_source", lambda x, chunks: None, raising=False)  # before: the MLP kept the norm's output
+    old_peak, old_chunked, old_grads, _ = _bf16_step_peak(llama_factory, trainer_factory, intermediate=1024)
+    # 1024 tokens x 256 wide in bf16: the norm's output is 0.5 MiB; one remade chunk of it (a quarter) is live instead
+    assert old_peak - peak >= 3 * 2**17, (old_peak, peak)
+    assert any(fused) and chunked == old_chunked  # the MLPs (the norms' inputs come from an add: not fused)
+    assert sorted(grads) == sorted(old_grads)
+    for name in grads:  # each remade chunk is the forward's, bit for bit: the same gradients exactly
+        assert torch.equal(grads[name], old_grads[name]), name
