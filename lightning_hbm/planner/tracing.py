@@ -718,8 +718,12 @@ def _run_for_real(module: nn.Module, fallbacks: dict[str, str], reason: str, nam
             real_weights = {k: torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad) for k, t in weights.items()}
             saved: dict[int, int] = {}
 
+            # storages told apart by their data pointer (every one here is alive until the sum below): the id() of
+            # ``untyped_storage()``, a new Python object at each call, could be reused by the next one, so the sum
+            # depended on the heap and a checkpointed block's recompute could count other bytes than its forward
+            # (torch's CheckpointError "different metadata", seen once in the full suite)
             def pack(t: torch.Tensor) -> torch.Tensor:
-                saved[id(t.untyped_storage())] = t.untyped_storage().nbytes()
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
                 return t
 
             torch_compat.override_forward(module, fake_forward)  # the module's own forward, on real tensors
@@ -738,7 +742,7 @@ def _run_for_real(module: nn.Module, fallbacks: dict[str, str], reason: str, nam
                                 "fallback handles tensors, numbers and strings in tuples, lists and dicts")
             outs = [t for t in leaves if isinstance(t, torch.Tensor)]
             # inputs, weights and outputs are in the trace already: only what the forward saved besides them
-            known = {id(t.untyped_storage()) for t in (*real.values(), *real_weights.values(), *outs)}
+            known = {t.untyped_storage().data_ptr() for t in (*real.values(), *real_weights.values(), *outs)}
             saved_bytes = sum(n for key, n in saved.items() if key not in known)
             shapes = [(t.shape, t.dtype) for t in outs]
         result = iter(_RealRun.apply(shapes, saved_bytes, *fakes, *weights.values()))
