@@ -211,3 +211,38 @@ def test_a_fused_layer_copies_and_pickles_with_its_forward() -> None:
         forward = forward_override(copied)
         assert isinstance(forward, LoRAForward) and forward.layer is copied  # its own layer, not the original
         assert torch.equal(copied(x), layer(x))
+
+
+def test_the_longest_context_configuration_takes_the_fused_sum_in_forward_and_recompute(
+    llama_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """benchmarks/max_context.py's configuration (bf16 nf4-dq with the embedding and head quantized, LoRA on the 7
+    projections, full recompute with offload and MLP chunks, FusedLoss): no layer falls back to peft's sum, in the forward
+    or in the block's recompute (benchmarks/README.md had said o_proj's recompute took peft's sum)."""
+    from lightning_hbm import FusedLoss, MemoryEfficientOptimizer
+    from lightning_hbm.adapters.lora import forward as forward_module
+
+    peft_sums: list[bool] = []
+    fused: list[bool] = []  # one per fused addmm, True in a recompute
+    real_sum, real_weight = forward_module._peft_sum, forward_module._fused_weight
+
+    def peft_sum(*args: Any) -> torch.Tensor:
+        peft_sums.append(forward_module._RECOMPUTING.get())
+        return real_sum(*args)
+
+    def fused_weight(*args: Any) -> Any:
+        weight = real_weight(*args)
+        if weight is not None:
+            fused.append(forward_module._RECOMPUTING.get())
+        return weight
+
+    monkeypatch.setattr(forward_module, "_peft_sum", peft_sum)
+    monkeypatch.setattr(forward_module, "_fused_weight", fused_weight)
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    plugin = QuantizedPrecision("nf4-dq", dtype="bfloat16", quantize_embeddings=True, quantize_head=True)
+    callbacks = [LoRA(r=8, alpha=16.0, target_modules=projections), MemoryEfficientOptimizer(kind="adamw8bit"),
+                 ActivationCheckpointing("full", offload=True, mlp_chunks=4), FusedLoss()]
+    trainer_factory(max_steps=1, plugins=[plugin], callbacks=callbacks).fit(
+        llama_factory(num_hidden_layers=2), datamodule_factory(seq_len=64, batch_size=1))
+    assert peft_sums == []
+    assert any(fused) and not all(fused)  # in the forward and in the recompute
