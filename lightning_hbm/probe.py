@@ -46,18 +46,22 @@ def check_forward(module: nn.Module, who: str) -> None:
     )
 
 
+def forward_on(module: nn.Module, batch: Any) -> Any:
+    """``module``'s output on ``batch``, whatever it is: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets)
+    pair, or ``forward(**dict)``, on a copy of the batch: a forward that changes its input in place (``x /= 255``) ran
+    on the user's batch once per probe forward, and the probe batch is the first batch training gets."""
+    batch = tree_map_only(Tensor, torch.clone, batch)
+    if isinstance(batch, Tensor):
+        return module(batch)
+    if isinstance(batch, (tuple, list)):
+        return module(batch[0])
+    return module(**batch)
+
+
 def probe_output(module: nn.Module, batch: Any) -> Tensor:
     """The module's output tensor for ``batch``: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets) pair, or ``forward(**dict)``."""
     check_forward(module, "lightning_hbm")  # QuantizationQuality checks at setup; the plugin's probes land here
-    # on a copy: a forward that changes its input in place (``x /= 255``) ran on the user's batch once per probe
-    # forward, and the probe batch is the first batch training gets
-    batch = tree_map_only(Tensor, torch.clone, batch)
-    if isinstance(batch, Tensor):
-        out = module(batch)
-    elif isinstance(batch, (tuple, list)):
-        out = module(batch[0])
-    else:
-        out = module(**batch)
+    out = forward_on(module, batch)
     if isinstance(out, Tensor):
         return out
     logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
@@ -185,5 +189,5 @@ def eval_no_grad(module: nn.Module) -> Generator[None, None, None]:
             m.training = training
 
 
-__all__ = ["PREFIX", "check_forward", "compare_outputs", "eval_no_grad", "first_batch", "first_batches", "has_forward",
+__all__ = ["PREFIX", "check_forward", "compare_outputs", "eval_no_grad", "first_batch", "first_batches", "forward_on", "has_forward",
            "probe_output"]

@@ -372,25 +372,9 @@ def subclass_functions_off() -> Any:
     return torch._C.DisableTorchFunctionSubclass()
 
 
-@contextmanager
-def preserved_rngs() -> Iterator[None]:
-    """Python's, NumPy's and torch's (CPU) global RNG states as they were, after the block: the probe step runs the
-    user's code, which may draw from any of them (issue 55: the same seed trained on other draws with LoRA)."""
-    python_state = random.getstate()
-    numpy_random = sys.modules.get("numpy.random")  # only if the user's code has imported NumPy
-    numpy_state = numpy_random.get_state() if numpy_random is not None else None  # type: ignore[attr-defined]
-    try:
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        random.setstate(python_state)
-        if numpy_random is not None:
-            numpy_random.set_state(numpy_state)  # type: ignore[attr-defined]
-
-
 def rng_states() -> dict[str, Any]:
     """The global RNG states a forward may draw from: Python's, NumPy's (if imported), torch's CPU and CUDA (if begun)."""
-    numpy_random = sys.modules.get("numpy.random")
+    numpy_random = sys.modules.get("numpy.random")  # only if the user's code has imported NumPy
     return {
         "python": random.getstate(),
         "numpy": numpy_random.get_state() if numpy_random is not None else None,  # type: ignore[attr-defined]
@@ -411,18 +395,26 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 @contextmanager
+def preserved_rngs() -> Iterator[None]:
+    """Python's, NumPy's and torch's global RNG states as they were, after the block: the probe step runs the
+    user's code, which may draw from any of them (issue 55: the same seed trained on other draws with LoRA)."""
+    before = rng_states()
+    try:
+        yield
+    finally:
+        set_rng_states(before)
+
+
+@contextmanager
 def drawing_as(states: Optional[dict[str, Any]]) -> Iterator[None]:
     """Within: the global RNGs at ``states`` (a recorded forward's: a forward that draws, a diffusion step's noise,
     draws the same again when measured); after: as they were. ``None``: nothing changed."""
     if states is None:
         yield
         return
-    before = rng_states()
-    set_rng_states(states)
-    try:
+    with preserved_rngs():
+        set_rng_states(states)
         yield
-    finally:
-        set_rng_states(before)
 
 
 def leading_batches(loader: Any, enough: Callable[[list[Any]], bool]) -> list[Any]:

@@ -86,19 +86,6 @@ def centred_cosine(got: Tensor, want: Tensor) -> float:
     return float(F.cosine_similarity(got - mean, want - mean, dim=0))
 
 
-def forward_on(module: nn.Module, batch: Any) -> Any:
-    """``module``'s output on ``batch``, whatever it is (a ModelOutput without logits, a UNet's ``.sample``): called as
-    :func:`~lightning_hbm.probe.probe_output` calls it (``forward(x)``, the inputs of a pair, ``forward(**dict)``),
-    which wants a tensor or ``logits`` and made the reference of a Wav2Vec2Model, a ConvNextModel or a UNet2DModel
-    fail, so int8 went unmeasured with no word."""
-    batch = tree_map_only(Tensor, torch.clone, batch)  # a forward that changes its input in place leaves the batch as it was
-    if isinstance(batch, Tensor):
-        return module(batch)
-    if isinstance(batch, (tuple, list)):
-        return module(batch[0])
-    return module(**batch)
-
-
 class Reference:
     """The model as built on the probe batch: the arguments its forward was called with and its outputs.
 
@@ -262,4 +249,4 @@ def check_accuracy(
     return measured
 
 
-__all__ = ["KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_warning", "centred_cosine", "check_accuracy", "forward_on", "outputs"]
+__all__ = ["KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_warning", "centred_cosine", "check_accuracy", "outputs"]
