@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 import inspect
 import logging
-import math
-import re
 from typing import Any, Literal, Optional, Union, cast
 
 import lightning.pytorch as pl
@@ -20,18 +18,24 @@ from lightning_hbm._validate import check_args
 from lightning_hbm.adapters.lora import variants
 from lightning_hbm.adapters.lora.base import ADAPTER_NAME, ALL_LINEAR, _import_peft, _lora_layer_cls, _width
 from lightning_hbm.adapters.lora.compute import compute_in_input_dtype
+from lightning_hbm.adapters.lora.config import LoRAConfig
 from lightning_hbm.adapters.lora.export import adapter_state_dict, check_adapter_folder, is_quantized, merge, save_adapter
 from lightning_hbm.adapters.lora.forward import lora_forward
+from lightning_hbm.adapters.lora.targets import select
 from lightning_hbm.adapters.lora.watch import _AdapterWatch
-from lightning_hbm.layers import adaptable_names, find_layers, kind_names, output_heads, prepare_model, report_coverage, task_heads, weight_readers
+from lightning_hbm.layers import find_layers, prepare_model, report_coverage, task_heads
 from lightning_hbm.memory import parameter_bytes, parameter_count
-from lightning_hbm.naming import did_you_mean, name_list, name_matches, under
+from lightning_hbm.naming import did_you_mean, name_matches, under
 from lightning_hbm.precision.plugin import QuantizedPrecision
 from lightning_hbm.precision.registry import format_of, to_dtype
 from lightning_hbm.record import leave_alone, left_alone
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 log = logging.getLogger(__name__)
+
+#: the settings read on the callback as its own (``lora.r``): the fields of its config but ``modules_to_save``, a
+#: property (the argument, or the task heads found at the surgery)
+_SETTINGS = frozenset(f.name for f in dataclasses.fields(LoRAConfig)) - {"modules_to_save"}
 
 
 class LoRA(SurgeryCallback):
@@ -134,46 +138,13 @@ class LoRA(SurgeryCallback):
             _refuse_unknown(unknown)
         check_args(LoRA.__init__, locals())
         _import_peft()
-        if isinstance(r, bool) or not isinstance(r, int):
-            raise TypeError(f"LoRA r must be an int (the adapter rank), got {r!r} of type {type(r).__name__}.")
-        if r <= 0:
-            raise ValueError(f"LoRA r must be a positive rank, got r={r}. Typical values: 4, 8, 16, 64.")
-        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
-            raise ValueError(f"LoRA alpha must be a positive number, got alpha={alpha!r}. A common choice is 2 * r.")
-        if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"LoRA dropout must be in [0, 1), got dropout={dropout!r}.")
-        self.target_modules = self._check_patterns("target_modules", target_modules, allow_all_linear=True)
-        self.exclude_modules = (
-            None if exclude_modules is None else self._check_patterns("exclude_modules", exclude_modules)
-        )
-        if modules_to_save is not None and (
-            isinstance(modules_to_save, str) or not all(isinstance(m, str) for m in modules_to_save)
-        ):
-            raise TypeError(
-                f"modules_to_save must be a list of module names, got {modules_to_save!r}; e.g. modules_to_save=['lm_head']."
-            )
-        if adapter_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"adapter_dtype must be 'float32' or 'bfloat16', got {adapter_dtype!r}.")
-        if bias not in ("none", "all", "lora_only"):
-            raise ValueError(f"LoRA bias must be 'none', 'all' or 'lora_only' (peft's values), got {bias!r}.")
-        if not isinstance(init_lora_weights, bool) and init_lora_weights not in ("gaussian", *variants.REWRITES_BASE, "loftq", "eva"):
-            raise ValueError(
-                f"LoRA init_lora_weights must be True, False, 'gaussian', 'pissa' or 'olora', got {init_lora_weights!r}."
-            )
-        variants.check_init(init_lora_weights)
-        self.rank_pattern = variants.check_pattern("rank_pattern", rank_pattern, integer=True)
-        self.alpha_pattern = variants.check_pattern("alpha_pattern", alpha_pattern, integer=False)
-        self.use_dora, self.use_rslora, self.init_lora_weights, self.bias = use_dora, use_rslora, init_lora_weights, bias
-        self.r = r
-        self.alpha = float(alpha)
-        self.dropout = float(dropout)
-        # None: the task heads found on the model as built (resolve_modules_to_save); a list: exactly it
-        self._modules_to_save = None if modules_to_save is None else list(modules_to_save)
+        #: the settings, checked and frozen (the arguments above; read ``lora.config.r`` or ``lora.r``)
+        self.config = LoRAConfig(
+            r, alpha, dropout, target_modules, exclude_modules, modules_to_save, adapter_dtype, full_checkpoint,
+            allow_base_change, use_dora, use_rslora, init_lora_weights, bias, rank_pattern, alpha_pattern,
+        )  # fmt: skip
         self.task_heads: list[str] = []  # task heads of the model (layers.task_heads), trainable ones or not
         self.heads_quantized: list[str] = []  # task heads quantized before lightning_hbm: cannot be trained
-        self.adapter_dtype = adapter_dtype
-        self.full_checkpoint = full_checkpoint
-        self.allow_base_change = allow_base_change
         # filled at the surgery: what was adapted / made trainable (module names, LightningModule-relative)
         self.adapted_modules: list[str] = []
         self.narrow_left_out: list[str] = []  # all-linear layers narrower than r, left out (named at fit start)
@@ -182,11 +153,28 @@ class LoRA(SurgeryCallback):
         self.unused_modules: list[str] = []  # adapters that ran but whose output never reaches the loss
         self.summary: dict[str, float] = {}  # the metrics logged at fit start
 
+    def __getattr__(self, name: str) -> Any:
+        # a setting read as the callback's own (lora.r, lora.target_modules): its config's. Only reached when normal
+        # lookup fails; __dict__ read directly, as unpickling and deepcopy run this before __init__'s state exists
+        config = self.__dict__.get("config")
+        if config is not None and name in _SETTINGS:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the settings are checked once and frozen: a write would otherwise be a plain attribute nothing reads (silent)
+        if name in _SETTINGS:
+            raise AttributeError(
+                f"LoRA.{name} is a setting, checked when the callback is built and read from lora.config: build the "
+                f"callback with LoRA({name}={value!r}) instead of setting it afterwards."
+            )
+        super().__setattr__(name, value)
+
     @property
     def modules_to_save(self) -> list[str]:
         """The modules trained in full: the ``modules_to_save`` given, or (default) the trainable task heads found."""
-        if self._modules_to_save is not None:
-            return list(self._modules_to_save)
+        if self.config.modules_to_save is not None:
+            return list(self.config.modules_to_save)
         return [h for h in self.task_heads if h not in self.heads_quantized]
 
     def resolve_modules_to_save(self, module: nn.Module) -> list[str]:
@@ -198,121 +186,18 @@ class LoRA(SurgeryCallback):
         self.heads_quantized = [h for h in self.task_heads if is_quantized(module.get_submodule(h))]
         return self.modules_to_save
 
-    @staticmethod
-    def _check_patterns(arg: str, value: Any, allow_all_linear: bool = False) -> Union[str, list[str]]:
-        if isinstance(value, str):
-            if value.lower() == ALL_LINEAR:
-                if allow_all_linear:
-                    return ALL_LINEAR
-                raise ValueError(f"{arg}={value!r} is not allowed; pass module names or a regex.")
-            try:
-                re.compile(value)
-            except re.error as err:
-                raise ValueError(f"{arg}={value!r} is not a valid regex ({err}). Pass a regex or a list of names.") from err
-            return value
-        if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
-            return list(value)
-        raise TypeError(
-            f"{arg} must be 'all-linear', a regex string or a non-empty list of module names, got {value!r}."
-        )
-
     # ------------------------------------------------------------------ surgery
 
     def resolve(self, module: nn.Module, to_be_quantized: frozenset[str] = frozenset()) -> tuple[list[str], list[str]]:
         """(Linears that get an adapter, modules made fully trainable), validated; changes nothing.
 
-        Raises ``ValueError`` when the model has no Linear, a target or ``modules_to_save`` entry
-        matches nothing (the message lists what is available), a target is not a Linear, or a
-        ``modules_to_save`` module is (or, per ``to_be_quantized``, is about to be) quantized.
+        The selection is :func:`~lightning_hbm.adapters.lora.targets.select`'s (its ``ValueError`` when a target or a
+        ``modules_to_save`` entry is wrong); the layers 'all-linear' left out are kept to be named at fit start.
         """
-        named: dict[str, Optional[nn.Module]] = dict(module.named_modules())
-        self.narrow_left_out, self.heads_left_out = [], []
         self.resolve_modules_to_save(module)  # the task heads: trained by default, warned about when left out
-        # Every layer kind LoRA reaches (lightning_hbm.layers): Linears (quantized or not), transformers
-        # Conv1D, and the Linears an nn.MultiheadAttention or a 3-D experts layer gets when it is
-        # prepared (names that exist only after prepare_model: None here).
-        linears = adaptable_names(module)
-        for n in linears:
-            named.setdefault(n, None)
-        if not linears:
-            raise ValueError(
-                f"LoRA found no torch.nn.Linear layer in {type(module).__name__}: there is nothing to put adapters on. "
-                f"LoRA adapts these layer kinds: {kind_names(adapted=True)} (quantized ones included; "
-                "docs/adapters.md); train this model without the LoRA callback."
-            )
-        saved: list[str] = []
-        for name in self.modules_to_save:
-            found = [n for n, m in named.items() if n and m is not None and name_matches(n, [name])]
-            if not found:
-                raise ValueError(
-                    f"modules_to_save entry {name!r} matches no submodule of {type(module).__name__}. "
-                    f"Top-level modules: {sorted(n for n in named if n and '.' not in n)}; Linears: {linears[:12]}."
-                )
-            for n in found:
-                if is_quantized(cast(nn.Module, named[n])) or any(under(q, [n]) for q in to_be_quantized):
-                    raise ValueError(
-                        f"modules_to_save entry {name!r} matches {n!r}, whose weights are quantized and cannot be "
-                        f"trained. Keep it in full precision with QuantizedPrecision(ignore_modules=[{n!r}])."
-                    )
-            saved.extend(n for n in found if not under(n, saved))
-        heads = output_heads(module)
-        adaptable = set(linears)
-        if self.target_modules == ALL_LINEAR:
-            # Also skip Linears whose weight is tied to another module (a head tied to the embedding):
-            # merging an adapter into a shared weight would silently untie or corrupt the other user.
-            owners: dict[int, int] = {}
-            for _, param in module.named_parameters(remove_duplicate=False):
-                owners[id(param)] = owners.get(id(param), 0) + 1
-            tied = {n for n in linears if named[n] is not None and owners.get(id(cast(nn.Module, named[n]).weight), 0) > 1}
-            # and layers whose weight a parent reads directly (Mamba's dt_proj): their adapter would never be called
-            readers = weight_readers(module, uses_only=True)
-            # (a module trained in full is no LoRA candidate: neither adapted nor "narrower than r")
-            candidates = [n for n in linears if n not in heads and n not in tied and n not in readers and not under(n, saved)]
-            # (a head in modules_to_save is trained, not left out)
-            self.heads_left_out = [n for n in linears if n in heads and n not in tied and n not in readers and not under(n, saved)]
-            # and layers narrower than r (Qwen2-MoE's shared_expert_gate, 1 output; routers): a rank above a
-            # layer's width adds parameters without capacity. An explicit target list keeps check_model's error.
-            narrow = [n for n in candidates if named[n] is not None and _width(named[n], self.r) < self.r]
-            if len(narrow) < len(candidates):  # all narrower: r itself is wrong (check_model's error)
-                candidates = [n for n in candidates if n not in narrow]
-                self.narrow_left_out = narrow
-        else:
-            if isinstance(self.target_modules, list):
-                self._check_each_matches(self.target_modules, [n for n in named if n], linears)
-            candidates = [n for n in named if n and name_matches(n, self.target_modules)]
-            wrong = [f"{n} ({type(named[n]).__name__})" for n in candidates if n not in adaptable]
-            if wrong:
-                raise ValueError(
-                    f"target_modules={self.target_modules!r} matches modules that are not Linear layers: {wrong[:8]}. "
-                    f"LoRA adapts Linear layers; available: {linears[:24]}."
-                )
-        if self.exclude_modules is not None:
-            candidates = [n for n in candidates if not name_matches(n, self.exclude_modules)]
-        targets = [n for n in candidates if not under(n, saved)]
-        if not targets:
-            wanted = [self.target_modules] if isinstance(self.target_modules, str) else list(self.target_modules or [])
-            hint = "".join(did_you_mean(w, [n.rsplit(".", 1)[-1] for n in linears]) for w in wanted[:3])
-            raise ValueError(
-                f"target_modules={self.target_modules!r} (exclude_modules={self.exclude_modules!r}, "
-                f"modules_to_save={self.modules_to_save!r}) selects no Linear layer of {type(module).__name__}.{hint} "
-                f"Available Linear layers: {name_list(linears)}."
-            )
-        return targets, saved
-
-    @staticmethod
-    def _check_each_matches(patterns: list[str], names: list[str], linears: list[str]) -> None:
-        """A target name that matches nothing is a typo (``v_projection``): an error, not a silently smaller LoRA."""
-        for pattern in patterns:
-            if any(name_matches(n, [pattern]) for n in names):
-                continue
-            # close matches among the short names and the full names of the adaptable layers
-            choices = list(dict.fromkeys([n.rpartition(".")[2] for n in linears] + linears))
-            close = difflib.get_close_matches(pattern, choices, n=3, cutoff=0.5)
-            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-            raise ValueError(
-                f"target_modules={patterns!r}: the entry {pattern!r} matches no module of the model, so it would "
-                f"silently adapt fewer layers.{hint} Available Linear layers: {name_list(linears)}."
-            )
+        selection = select(module, self.config, self.modules_to_save, to_be_quantized)
+        self.narrow_left_out, self.heads_left_out = selection.narrow, selection.heads_left_out
+        return selection.targets, selection.saved
 
     @override
     def check_model(self, module: nn.Module) -> None:
@@ -334,53 +219,38 @@ class LoRA(SurgeryCallback):
         narrow = []
         for name in targets:
             layer = named.get(name)  # None: a projection a layer-kind conversion creates (MultiheadAttention, experts)
-            rank = variants.layer_rank(self.r, self.rank_pattern, name)
+            rank = variants.layer_rank(self.config.r, self.config.rank_pattern, name)
             width = _width(layer, rank)
             if rank > width:
-                narrow.append(f"{name} ({width}{'' if rank == self.r else f', rank_pattern r={rank}'})")
+                narrow.append(f"{name} ({width}{'' if rank == self.config.r else f', rank_pattern r={rank}'})")
         if narrow:
             raise ValueError(
-                f"LoRA r={self.r} is larger than the width of {len(narrow)} target layer(s): {narrow[:5]}. A rank above "
+                f"LoRA r={self.config.r} is larger than the width of {len(narrow)} target layer(s): {narrow[:5]}. A rank above "
                 "a layer's smaller dimension adds parameters without adding capacity: use r <= the narrowest width, "
                 "or exclude those layers with exclude_modules=[...]."
             )
 
     @override
     def resume_config(self) -> dict[str, Any]:
-        return {
-            "r": self.r,
-            "alpha": self.alpha,
-            "target_modules": self.target_modules,
-            "exclude_modules": self.exclude_modules,
-            # the argument (None: the task heads): known before the heads are found on the model (a resume check)
-            "modules_to_save": self._modules_to_save,
-            "adapter_dtype": self.adapter_dtype,
-            # peft's variants: each changes the adapters' shapes or arithmetic (dropout does not)
-            "use_dora": self.use_dora,
-            "use_rslora": self.use_rslora,
-            "init_lora_weights": self.init_lora_weights,
-            "bias": self.bias,
-            "rank_pattern": self.rank_pattern,
-            "alpha_pattern": self.alpha_pattern,
-        }
+        return self.config.resume_config()
 
     @override
     def saves_frozen_weights(self) -> bool:
-        return self.full_checkpoint
+        return self.config.full_checkpoint
 
     @override
     def allows_base_change(self) -> bool:
-        return self.allow_base_change
+        return self.config.allow_base_change
 
     def _check_variants(self, module: nn.Module, targets: list[str], planned: dict[str, Optional[str]]) -> None:
         """Refuse the variants the target layers cannot take, and pattern keys that match no target; changes nothing."""
-        variants.check_patterns_match("rank_pattern", self.rank_pattern, targets)
-        variants.check_patterns_match("alpha_pattern", self.alpha_pattern, targets)
+        variants.check_patterns_match("rank_pattern", self.config.rank_pattern, targets)
+        variants.check_patterns_match("alpha_pattern", self.config.alpha_pattern, targets)
         named = dict(module.named_modules())
         strategy = getattr(lightning_compat.attached_trainer(module), "strategy", None)
         device = getattr(strategy, "root_device", None)  # where QuantizedPrecision is about to quantize
         layers = {t: named.get(t) for t in targets}
-        reasons = variants.refusals(layers, planned, self.use_dora, self.init_lora_weights, device)
+        reasons = variants.refusals(layers, planned, self.config.use_dora, self.config.init_lora_weights, device)
         if reasons:
             raise ValueError(
                 f"LoRA cannot apply its variants to {len(reasons)} target layer(s): " + "; ".join(reasons[:3])
@@ -413,7 +283,7 @@ class LoRA(SurgeryCallback):
         # nn.MultiheadAttention -> an equal module with four Linear projections (else LoRA on out_proj is
         # never called and the input projection is unreachable), transformers-5 3-D experts -> one Linear
         # per expert (no-ops after QuantizedPrecision did it); excluded ones are left as they are.
-        excluded = self.exclude_modules
+        excluded = self.config.exclude_modules
         prepare_model(module, skip=lambda n: excluded is not None and name_matches(n, excluded))
         targets, saved = self.resolve(module)
         # peft picks its bitsandbytes-aware LoRA layers (which can merge) only if the model it is
@@ -421,25 +291,13 @@ class LoRA(SurgeryCallback):
         # submodule may not have, so derive it from the layers themselves.
         kinds = {fmt.peft_kind for fmt in map(format_of, module.modules()) if fmt is not None}
         peft_compat.mark_quantized(module, [k for k in ("4bit", "8bit") if k in kinds])
-        config = peft.LoraConfig(
-            r=self.r,
-            lora_alpha=self.alpha,
-            lora_dropout=self.dropout,
-            # resolved exact names, as one anchored regex: peft applies our selection verbatim
-            target_modules="(?:" + "|".join(re.escape(t) for t in targets) + ")",
-            bias=self.bias,
-            use_dora=self.use_dora,
-            use_rslora=self.use_rslora,
-            init_lora_weights=self.init_lora_weights,
-            rank_pattern=dict(self.rank_pattern or {}),
-            alpha_pattern=dict(self.alpha_pattern or {}),
-        )
+        config = self.config.peft_config(peft, targets)
         peft.inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
         # peft froze every non-adapter parameter; modules_to_save train in place (stable names)
         for name in saved:
             for param in module.get_submodule(name).parameters():
                 param.requires_grad_(True)
-        dtype = to_dtype(self.adapter_dtype)
+        dtype = to_dtype(self.config.adapter_dtype)
         lora_cls = _lora_layer_cls()
         for sub in module.modules():
             if isinstance(sub, lora_cls):
@@ -451,14 +309,14 @@ class LoRA(SurgeryCallback):
         self.adapted_modules, self.saved_modules = targets, saved
         self._tell_left_out(module)
         self._tell_heads(module)
-        log.info("lightning_hbm: LoRA r=%d on %d Linear layers, %d modules_to_save", self.r, len(targets), len(saved))
+        log.info("lightning_hbm: LoRA r=%d on %d Linear layers, %d modules_to_save", self.config.r, len(targets), len(saved))
 
     def _tell_left_out(self, module: nn.Module) -> None:
         """Name the layers 'all-linear' left out (narrower than r, output heads), in the coverage table and at fit start."""
         for name in self.narrow_left_out:
             layer = module.get_submodule(name)
             if left_alone(layer) is None:  # the coverage table's reason when nothing else changed it
-                leave_alone(layer, f"narrower than LoRA r={self.r}: left out of 'all-linear'", True)
+                leave_alone(layer, f"narrower than LoRA r={self.config.r}: left out of 'all-linear'", True)
         for name in self.heads_left_out:
             layer = module.get_submodule(name)
             if left_alone(layer) is None:  # no QuantizedPrecision reason: say why LoRA left it
@@ -467,7 +325,7 @@ class LoRA(SurgeryCallback):
             # an adapter of rank r on a layer narrower than r costs more than the layer itself: train it in full
             names = self.narrow_left_out
             rank_zero_info(
-                f"lightning_hbm: LoRA r={self.r} leaves out {len(names)} layer(s) narrower than r "
+                f"lightning_hbm: LoRA r={self.config.r} leaves out {len(names)} layer(s) narrower than r "
                 f"(target_modules='all-linear'): {names[:6]}{' ...' if len(names) > 6 else ''}; they stay frozen. "
                 f"To train them, train them in full (fewer parameters than an adapter of rank r): "
                 f"LoRA(modules_to_save={names[:6]}); exclude_modules=[...] leaves them out without this line."
@@ -486,7 +344,7 @@ class LoRA(SurgeryCallback):
                 if left_alone(layer) is None:  # the coverage table: trained, not "frozen"
                     leave_alone(layer, f"LoRA modules_to_save ({name}): trained in full precision", True)
         trained = [h for h in self.task_heads if under(h, self.saved_modules)]
-        if trained and self._modules_to_save is None:
+        if trained and self.config.modules_to_save is None:
             rank_zero_info(
                 f"lightning_hbm: LoRA trains the task head(s) {trained} in full precision (modules_to_save, saved with "
                 "the adapter; QuantizedPrecision leaves them unquantized). LoRA(modules_to_save=[]) keeps them frozen; "
@@ -502,10 +360,10 @@ class LoRA(SurgeryCallback):
         frozen = [h for h in self.task_heads if h not in self.heads_quantized and not under(h, self.saved_modules)]
         if frozen:
             rank_zero_warn(
-                f"lightning_hbm: LoRA(modules_to_save={self._modules_to_save!r}) leaves the task head(s) {frozen} of "
+                f"lightning_hbm: LoRA(modules_to_save={self.config.modules_to_save!r}) leaves the task head(s) {frozen} of "
                 f"{type(module).__name__} frozen (at most adapted) and out of the adapter: a newly initialised head stays "
                 "random, and a reload gets another random one. Add them: "
-                f"LoRA(modules_to_save={sorted(set((self._modules_to_save or []) + frozen))}), or leave modules_to_save unset."
+                f"LoRA(modules_to_save={sorted(set((self.config.modules_to_save or []) + frozen))}), or leave modules_to_save unset."
             )
 
     # --------------------------------------------------------------- Lightning hooks
