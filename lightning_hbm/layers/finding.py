@@ -43,7 +43,7 @@ def find_layers(module: nn.Module) -> Iterator[tuple[str, nn.Module, LayerKind]]
     # ancestor is O(depth); scanning a list of every skipped name was O(layers) per module (seconds at 200+ LoRA layers)
     skip: set[str] = set()
     for name, sub in module.named_modules():
-        if skip and _under(name, skip):
+        if skip and _inside_any(name, skip):
             continue
         if lora and isinstance(sub, lora):
             skip.add(name)
@@ -58,11 +58,12 @@ def find_layers(module: nn.Module) -> Iterator[tuple[str, nn.Module, LayerKind]]
             yield name, sub, kind
 
 
-def _under(name: str, prefixes: set[str]) -> bool:
-    """Whether a strict ancestor of the module ``name`` (dotted) is in ``prefixes``."""
+def _inside_any(name: str, ancestors: set[str]) -> bool:
+    """Whether a strict ancestor of the module ``name`` (dotted) is in ``ancestors``: ``naming.under`` for a set,
+    looked up once per ancestor (O(depth), where ``under`` scans every prefix)."""
     end = name.rfind(".")
     while end > 0:
-        if name[:end] in prefixes:
+        if name[:end] in ancestors:
             return True
         end = name.rfind(".", 0, end)
     return False

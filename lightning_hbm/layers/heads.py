@@ -16,6 +16,7 @@ from typing import Optional
 from torch import nn
 
 from lightning_hbm.layers.kinds import stored_in
+from lightning_hbm.naming import under
 
 # transformers' auto mappings (model class per config) -> peft's TaskType: the task is what the model class is
 _TASKS = (
@@ -65,14 +66,11 @@ def output_heads(module: nn.Module) -> list[str]:
     return outside[-1:]
 
 
-def _under(name: str, prefixes: list[str]) -> bool:
-    return any(name == p or name.startswith(p + ".") or not p for p in prefixes)
-
-
 def hf_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost Hugging Face models inside ``module`` (``module`` itself if it is one), with their names."""
     found = [(n, m) for n, m in module.named_modules() if hasattr(getattr(m, "config", None), "model_type")]
-    return [(n, m) for n, m in found if not any(o != n and _under(n, [o]) for o, _ in found)]
+    # (a model found at the root, name "", holds every other)
+    return [(n, m) for n, m in found if not any(o != n and (not o or under(n, [o])) for o, _ in found)]
 
 
 def task_type(model: nn.Module) -> Optional[str]:
@@ -112,7 +110,7 @@ def _hf_task_heads(root: str, model: nn.Module, lm_heads: list[str]) -> list[str
     heads = []
     for child_name, child in model.named_children():
         name = prefix + child_name
-        if child is base or not _has_parameters(child) or any(_under(h, [name]) for h in lm_heads):
+        if child is base or not _has_parameters(child) or any(under(h, [name]) for h in lm_heads):
             continue
         heads.append(name)
     return heads
@@ -135,7 +133,7 @@ def _head_on_backbone(module: nn.Module, hf_roots: list[str], lm_heads: list[str
     outside = [
         (n, m)
         for n, m in module.named_modules()
-        if isinstance(m, nn.Linear) and n and id(m) not in storages and not _under(n, blocks) and not (hf_roots and _under(n, hf_roots))
+        if isinstance(m, nn.Linear) and n and id(m) not in storages and not under(n, blocks) and not (hf_roots and under(n, hf_roots))
     ]
     if not outside:
         return []
@@ -167,7 +165,7 @@ def task_heads(module: nn.Module) -> list[str]:
     roots = [root for root, _ in models]
     if "" in roots:  # module is itself a transformers model: nothing of it is hand-written
         return heads
-    return heads + [h for h in _head_on_backbone(module, roots, lm_heads) if not _under(h, heads)]
+    return heads + [h for h in _head_on_backbone(module, roots, lm_heads) if not under(h, heads)]
 
 
 __all__ = ["hf_models", "output_heads", "task_heads", "task_type"]

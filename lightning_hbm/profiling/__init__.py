@@ -1,5 +1,5 @@
 """Every memory term measured: :class:`HBMProfiler` (``profiler``: the Lightning callback, its CSV, report and
-figure files) over ``timeline`` (``StepRecorder``: one step's storages over its ops), ``figure`` (the step's terms
+figure files) over ``steps`` (``StepMemory``: one step measured, term by term, and the rows kept), ``timeline`` (``StepRecorder``: one step's storages over its ops), ``figure`` (the step's terms
 over its ops, built, drawn and redrawn: ``lightning-hbm figure``) and ``run_facts`` (what the run was set up with,
 for the report)."""
 

@@ -39,7 +39,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from lightning_hbm._compat import lightning as lightning_compat
@@ -47,29 +46,19 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.memory.categories import (
     CATEGORIES,
-    MemoryBreakdown,
-    classify,
-    classify_records,
-    light_values,
-    owned_storages,
-    owned_tensors,
-    tensor_bytes,
 )
 from lightning_hbm.memory.report import REMEDIES, MemoryReport
-from lightning_hbm.memory.storage import module_parameter_tensors
-from lightning_hbm.memory.terms import SIDE_TERMS, host_terms, scope_terms, side_terms, term
-from lightning_hbm.memory.tracker import LiveStorageTracker, scope_term_bytes
+from lightning_hbm.memory.terms import side_terms, term
 from lightning_hbm.profiling.figure import (
     PeakPrediction,
     ProfileFigure,
-    build_figure,
     draw_figure,
     figure_path,
     prediction_bytes,
     write_figure,
 )
 from lightning_hbm.profiling.run_facts import run_facts
-from lightning_hbm.profiling.timeline import RecordedStep, StepRecorder
+from lightning_hbm.profiling.steps import COLUMNS, CUDA_FIELDS, StepMemory, columns, cuda_device
 from lightning_hbm.surgery import applied_transforms
 
 log = logging.getLogger(__name__)
@@ -78,31 +67,6 @@ _MIB = 2**20
 #: Steps measured whatever the cadence, so that a short run still draws a curve: memory settles here
 #: (optimizer states appear after step 0, the previous gradients are alive from step 1 on).
 FIRST_STEPS = 5
-
-_CUDA_FIELDS = (
-    "cuda_allocated",
-    "cuda_reserved",
-    "cuda_peak_allocated",
-    "cuda_fragmentation",
-    "cuda_capacity",
-    "cuda_headroom",
-    "cuda_unattributed",
-)
-#: Columns of the per-step CSV (bytes; CUDA columns empty on other devices).
-#: The terms outside the sum (``loss``, ``host_offload``: :data:`~lightning_hbm.memory.terms.SIDE_TERMS`) follow ``tracked_peak``.
-COLUMNS = ("step", "batch_idx", "mode", *CATEGORIES, "total", "tracked_peak", *SIDE_TERMS, *_CUDA_FIELDS)
-
-
-def columns() -> tuple[str, ...]:
-    """The CSV's columns now: :data:`COLUMNS` with the terms registered since (``register_term``) beside the sum."""
-    return ("step", "batch_idx", "mode", *CATEGORIES, "total", "tracked_peak", *side_terms(), *_CUDA_FIELDS)
-
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    apply_to_collection(batch, torch.Tensor, found.append)
-    return found
-
 
 class HBMProfiler(Callback):
     """Per-step memory breakdown by category, with a report at the end of fit and on out-of-memory.
@@ -211,19 +175,10 @@ class HBMProfiler(Callback):
         self.max_rows = max_rows
         self.prediction = prediction_bytes(prediction)
         self.budget = budget
-        self.figure: Optional[ProfileFigure] = None  # the detailed step with the largest peak, drawn in the PNG
-        self._recorder: Optional[StepRecorder] = None
-        self.dropped_rows = 0  # forward-end rows dropped past max_rows
+        #: the measured steps (rows, per-module breakdowns, the picture's step): the domain object under this callback
+        self.steps = StepMemory(max_rows)
         self.used: dict[str, Any] = {}  # what the run used (transforms, optimizers): the diagnosis advises from it
-        self.rows: list[dict[str, Any]] = []
-        self.modules: dict[int, dict[str, dict[str, int]]] = {}  # detailed step -> module -> category -> bytes
         self.snapshot_path: Optional[str] = None
-        self._tracker: Optional[LiveStorageTracker] = None
-        self._tracking = False  # the tracker's dispatch mode is entered
-        self._forward_end: Optional[MemoryBreakdown] = None
-        self._forward_modules: dict[str, int] = {}
-        self._step = 0
-        self._batch_idx = 0
         self._recording = False
         self._every = every_n_steps or 1  # resolved in setup when None
 
@@ -235,77 +190,32 @@ class HBMProfiler(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         self._maybe_start_history(pl_module, step)
-        if not self._measured(step):
-            return
-        self._step, self._batch_idx, self._forward_end = step, batch_idx, None
-        device = _cuda_device(pl_module)
-        if device is not None:
-            torch.cuda.reset_peak_memory_stats(device)
-        detailed = step in self.detailed_steps
-        tracker = LiveStorageTracker(track_peak=detailed)
-        if detailed:
-            # Everything that exists before the step counts towards its peak, by what it is now.
-            for category, tensors in owned_tensors(pl_module, trainer.optimizers).items():
-                tracker.seed(tensors, phase=category)
-            # the batch too (in ``other``): it is on the device through the step, and only a tensor an op reads
-            # through a view would be seen otherwise (the targets, not the input ids: 2 KiB short at 4 x 64 tokens)
-            tracker.seed(_tensors(batch), phase="batch")
-            tracker.attach_modules(pl_module)
-        self._tracker = tracker
-        tracker.__enter__()  # exited at the forward's end (light) or the batch's end (detailed)
-        self._tracking = True
-        if detailed:  # the step op by op, on top of the tracker: the picture (profile_figure.py)
-            self._recorder = StepRecorder(tracker, pl_module, trainer.optimizers, cuda_device=device)
-            self._recorder.start()
+        if self._measured(step):
+            self.steps.start(step, batch_idx, pl_module, trainer.optimizers, batch, detailed=step in self.detailed_steps)
 
     @override
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
-        self._enter_phase("zero_grad")
-        self._at_forward_end(trainer, pl_module)
+        self.steps.enter_phase("zero_grad")
+        self.steps.at_forward_end(pl_module, trainer.optimizers)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self._enter_phase("backward")
-        self._at_forward_end(trainer, pl_module)
+        self.steps.enter_phase("backward")
+        self.steps.at_forward_end(pl_module, trainer.optimizers)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
-        self._enter_phase("optimizer")
-
-    def _enter_phase(self, phase: str) -> None:
-        if self._recorder is not None:
-            self._recorder.enter_phase(phase)
-
-    def _at_forward_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        tracker = self._tracker
-        if tracker is None or self._forward_end is not None:
-            return
-        detailed = tracker.track_peak
-        if not detailed:
-            self._stop_tracking()  # light mode: the forward is all it pays for
-        activations = tracker.live_storages(phase="forward")
-        self._forward_end = classify(pl_module, trainer.optimizers, activations=activations, device=_device(pl_module))
-        if detailed:
-            tracker.phase = "after_forward"
-            owned = owned_storages(pl_module, trainer.optimizers)
-            per_module: dict[str, int] = {}
-            for key, record in tracker.live_records().items():
-                if record.phase == "forward" and key not in owned:
-                    per_module[record.module] = per_module.get(record.module, 0) + record.nbytes
-            self._forward_modules = per_module
+        self.steps.enter_phase("optimizer")
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        tracker = self._tracker
-        if tracker is not None:
-            recorded = self._stop_tracking()
-            self._tracker = None
-            row = self._row(trainer, pl_module, tracker, recorded)
+        row = self.steps.finish(pl_module, trainer.optimizers)
+        if row is not None:
             row = self._reduce_over_ranks(trainer, row)
-            self._append(row)
-            metrics = {f"hbm/{k}": row[k] / _MIB for k in (*CATEGORIES, "total", *_CUDA_FIELDS) if row[k] is not None}
+            self.steps.append(row)
+            metrics = {f"hbm/{k}": row[k] / _MIB for k in (*CATEGORIES, "total", *CUDA_FIELDS) if row[k] is not None}
             if row["mode"] == "detailed":
                 metrics["hbm/tracked_peak"] = row["tracked_peak"] / _MIB
             for name in side_terms():  # loss: measured on detailed steps; a host term: when memory moved there
@@ -317,83 +227,32 @@ class HBMProfiler(Callback):
                 logger.log_metrics(metrics, step=lightning_compat.batches_that_stepped(trainer))
         self._maybe_stop_history(trainer, pl_module, trainer.global_step)
 
-    def _append(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-        if len(self.rows) <= self.max_rows:
-            return
-        oldest_light = next((i for i, r in enumerate(self.rows) if r["mode"] == "light"), 0)
-        del self.rows[oldest_light]
-        if self.dropped_rows == 0:
-            log.warning(
-                "HBMProfiler: more than max_rows=%d measured steps; dropping the oldest forward-end rows from now on "
-                "(detailed rows are kept). Raise max_rows or every_n_steps to keep them all.", self.max_rows
-            )  # fmt: skip
-        self.dropped_rows += 1
+    # the measured steps, read as the profiler's own (``profiler.rows``, ``profiler.modules[1]``)
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """The measured steps' rows (bytes, columns :data:`COLUMNS`)."""
+        return self.steps.rows
 
-    def _stop_tracking(self) -> Optional[RecordedStep]:
-        """Exit the recorder (a detailed step), then the tracker; return what the recorder recorded."""
-        recorder, self._recorder = self._recorder, None
-        recorded = recorder.stop() if recorder is not None else None
-        if self._tracking and self._tracker is not None:
-            self._tracker.__exit__(None, None, None)
-            self._tracker.detach_modules()
-        self._tracking = False
-        return recorded
+    @property
+    def modules(self) -> dict[int, dict[str, dict[str, int]]]:
+        """Per detailed step: module -> category -> bytes."""
+        return self.steps.modules
 
-    def _row(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, tracker: LiveStorageTracker,
-        recorded: Optional[RecordedStep] = None, mode: Optional[str] = None,
-    ) -> dict[str, Any]:
-        """The measured step's row: every term of the registry, the total, the tracked peak, the CUDA figures.
+    @property
+    def figure(self) -> Optional[ProfileFigure]:
+        """The detailed step with the largest peak (or the one that ran out of memory), drawn in the PNG."""
+        return self.steps.figure
 
-        ``recorded``: the detailed step op by op (:class:`StepRecorder`), kept as :attr:`figure` when its peak is the
-        run's largest so far (always for an out-of-memory step, ``mode="oom"``).
-        """
-        device = _device(pl_module)
-        end = classify(pl_module, trainer.optimizers, device=device)
-        forward_end = self._forward_end if self._forward_end is not None else end
-        detailed = tracker.track_peak
-        side: dict[str, Optional[int]] = {t.name: None for t in scope_terms()}  # measured on detailed steps
-        # host terms: memory a feature moved off the device, not in the total
-        side.update({t.name: t.host(pl_module, trainer.optimizers) for t in host_terms() if t.host is not None})
-        tracked_peak: Optional[int] = None
-        if detailed:
-            tracker.finish_peak()
-            owned = owned_storages(pl_module, trainer.optimizers)
-            values = classify_records(tracker.peak_records, owned, device)
-            # scope terms (the loss: FusedLoss's chunk, fp32 rows, dequantized head) at the peak, inside the categories
-            side.update(scope_term_bytes(tracker.peak_records, owned))
-            self.modules[self._step] = _module_breakdown(pl_module, trainer.optimizers, self._forward_modules)
-            tracked_peak = tracker.peak_bytes
-        else:
-            values = light_values(forward_end, end)  # activations at the forward's end, owned terms at both ends
-        total = sum(values.values())
-        row: dict[str, Any] = {
-            "step": self._step,
-            "batch_idx": self._batch_idx,
-            "mode": mode or ("detailed" if detailed else "light"),
-            **values,
-            "total": total,
-            "tracked_peak": tracked_peak,
-            **{name: side[name] for name in side_terms()},
-        }
-        row.update(_cuda_stats(pl_module, total))
-        if detailed and recorded is not None and recorded.samples:
-            self._keep_figure(recorded, owned, row, str(device))
-        return row
-
-    def _keep_figure(self, recorded: RecordedStep, owned: Any, row: dict[str, Any], device: str) -> None:
-        """Keep the step's figure if it is the one to draw: the largest peak so far, or the step that ran out."""
-        host = {t.name: row[t.name] or 0 for t in host_terms()}
-        figure = build_figure(recorded, owned, step=self._step, device=device, host=host)
-        if row["mode"] == "oom" or self.figure is None or figure.peak.bytes > self.figure.peak.bytes:
-            self.figure = figure
+    @property
+    def dropped_rows(self) -> int:
+        """Forward-end rows dropped past ``max_rows``."""
+        return self.steps.dropped_rows
 
     def _reduce_over_ranks(self, trainer: pl.Trainer, row: dict[str, Any]) -> dict[str, Any]:
         if trainer.world_size <= 1:
             return row
         # every rank measures the same steps, so this collective is matched on all ranks
-        keys = [k for k in (*CATEGORIES, "total", "tracked_peak", *side_terms(), *_CUDA_FIELDS) if row[k] is not None]
+        keys = [k for k in (*CATEGORIES, "total", "tracked_peak", *side_terms(), *CUDA_FIELDS) if row[k] is not None]
         local = torch.tensor([row[k] for k in keys], dtype=torch.int64, device=trainer.strategy.root_device)
         gathered = trainer.strategy.all_gather(local)
         maxima = gathered.reshape(-1, len(keys)).max(dim=0).values.tolist()
@@ -405,8 +264,8 @@ class HBMProfiler(Callback):
         self._every = self.every_n_steps or max(int(trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's LoggerConnector sets it)
         if stage == "fit":  # one report per fit: a reused instance would otherwise mix two runs' rows
             self._check_directories(trainer)
-            self.rows, self.modules, self.used, self.snapshot_path, self.dropped_rows = [], {}, {}, None, 0
-            self.figure = None
+            self.steps.reset()
+            self.used, self.snapshot_path = {}, None
         if self.snapshot_steps is not None and trainer.strategy.root_device.type != "cuda":
             rank_zero_warn("HBMProfiler: snapshot_steps records CUDA memory history; this run is not on CUDA, so no snapshot.")
 
@@ -428,7 +287,7 @@ class HBMProfiler(Callback):
     def _maybe_start_history(self, pl_module: pl.LightningModule, step: int) -> None:
         if self.snapshot_steps is None or self._recording or step != self.snapshot_steps[0]:
             return
-        if _cuda_device(pl_module) is None:
+        if cuda_device(pl_module) is None:
             return
         torch_compat.record_memory_history(max_entries=self.snapshot_max_entries)
         self._recording = True
@@ -469,20 +328,18 @@ class HBMProfiler(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        recorded = self._stop_tracking()  # the dispatch modes must not outlive the failed step
-        tracker, self._tracker = self._tracker, None
+        self.steps.abandon()  # the dispatch modes must not outlive the failed step
         if not isinstance(exception, (torch.OutOfMemoryError, MemoryError)):
             return
         try:
-            if tracker is not None and self._forward_end is not None:  # died after the forward: keep what it saw
-                self.rows.append(self._row(trainer, pl_module, tracker, recorded, mode="oom"))
+            self.steps.keep_failed_step(pl_module, trainer.optimizers)  # died after the forward: keep what it saw
             suffix = f"_oom_rank{trainer.global_rank}" if trainer.world_size > 1 else "_oom"
             # no collective here: the other ranks may not have failed; trainer.log_dir would broadcast
             directory = self.dirpath or trainer.default_root_dir
             if trainer.loggers and self.dirpath is None:
                 directory = getattr(trainer.loggers[0], "log_dir", None) or directory
             paths = self.write_report(directory, "hbm_profile" + suffix)
-            if _cuda_device(pl_module) is not None:
+            if cuda_device(pl_module) is not None:
                 path = os.path.join(directory, f"hbm_snapshot{suffix}.pickle")
                 torch_compat.dump_memory_snapshot(path)
                 paths["snapshot"] = path
@@ -583,61 +440,4 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"HBMProfiler: {name} must be >= {minimum}, got {value}.")
 
 
-def _device(pl_module: pl.LightningModule) -> torch.device:
-    return pl_module.device
-
-
-def _cuda_device(pl_module: pl.LightningModule) -> Optional[torch.device]:
-    # On the CPU build torch.cuda.memory_allocated() silently returns 0: never ask unless on CUDA.
-    device = pl_module.device
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return device
-
-
-def _cuda_stats(pl_module: pl.LightningModule, total: int) -> dict[str, Optional[int]]:
-    device = _cuda_device(pl_module)
-    if device is None:
-        return dict.fromkeys(_CUDA_FIELDS)
-    allocated = torch.cuda.memory_allocated(device)
-    reserved = torch.cuda.memory_reserved(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    capacity = torch.cuda.get_device_properties(device).total_memory
-    return {
-        "cuda_allocated": allocated,
-        "cuda_reserved": reserved,
-        "cuda_peak_allocated": peak,
-        "cuda_fragmentation": reserved - allocated,
-        "cuda_capacity": capacity,
-        "cuda_headroom": capacity - torch.cuda.max_memory_reserved(device),
-        "cuda_unattributed": peak - total,
-    }
-
-
-def _module_breakdown(
-    pl_module: pl.LightningModule, optimizers: Sequence[torch.optim.Optimizer], activations: dict[str, int]
-) -> dict[str, dict[str, int]]:
-    """Per submodule: its own (non-recursive) parameters, gradients, optimizer states, and the activations
-    created while it was the innermost module running."""
-    states = [lightning_compat.unwrap_optimizer(opt).state for opt in optimizers]
-    result: dict[str, dict[str, int]] = {}
-    for name, module in pl_module.named_modules():
-        label = name or "<root>"
-        params = list(module.parameters(recurse=False))
-        entry = {
-            "parameters": tensor_bytes(module_parameter_tensors(module, recurse=False)),
-            "gradients": tensor_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer_states": tensor_bytes(t for state in states for p in params for t in _state_tensors(state.get(p))),
-            "activations": activations.get(label, 0),
-        }
-        if any(entry.values()):
-            result[label] = entry
-    return result
-
-
-def _state_tensors(state: Optional[dict[str, Any]]) -> list[torch.Tensor]:
-    """The tensors of one parameter's optimizer state (None: the parameter has no state yet)."""
-    return [v for v in (state or {}).values() if isinstance(v, torch.Tensor)]
-
-
-__all__ = ["COLUMNS", "FIRST_STEPS", "REMEDIES", "HBMProfiler"]
+__all__ = ["COLUMNS", "FIRST_STEPS", "REMEDIES", "HBMProfiler", "columns"]

@@ -16,7 +16,7 @@ from lightning_hbm.memory.storage import storage_key
 from lightning_hbm.memory.terms import SIDE_TERMS, MemoryTerm, split_terms
 from lightning_hbm.memory.tracker import StorageRecord
 from lightning_hbm.planner import Candidate, Plan, Prediction, shard_categories, tracing
-from lightning_hbm.profiling import profiler
+from lightning_hbm.profiling import steps as profiler  # the step measurement: StepMemory (HBMProfiler is its face)
 from lightning_hbm.profiling.profiler import COLUMNS
 
 ROOT = Path(__file__).resolve().parents[2]
