@@ -93,6 +93,10 @@ class _ChunkedCall(torch.autograd.Function):
         # the input's gradient is written chunk by chunk into one tensor: gathering the chunks' gradients and joining
         # them held the input's gradient twice at the end (the peak of an 8B block's backward at long context)
         grad_x: Optional[Tensor] = None
+        # under create_graph (a gradient penalty's second derivative) this backward is recorded: each chunk stays tied
+        # to the kept input's graph and its gradients are taken with a graph (detached, they were constants: the
+        # second derivative came out silently wrong, or failed where the chunked layer was the input's only path)
+        create = torch.is_grad_enabled()
         run = set(torch_compat.chunk_starts(len(chunks), 1, grad))  # on fake tensors the others only allocate
         row = 0
         for i, (chunk, grad_chunk) in enumerate(zip(chunks, call.split(grad))):
@@ -100,10 +104,12 @@ class _ChunkedCall(torch.autograd.Function):
             if i not in run:
                 continue
             if ctx.source is not None:  # the chunk of the input, remade from the source's kept input
-                chunk = ctx.source.call.rerun(chunk)
-            chunk = chunk.detach().requires_grad_(wants_x)
+                chunk = ctx.source.call.recompute(chunk) if create else ctx.source.call.rerun(chunk)
+            if not create or not chunk.requires_grad:
+                chunk = chunk.detach().requires_grad_(wants_x)
             out = call.recompute(chunk)
-            got = torch.autograd.grad(out, ([chunk] if wants_x else []) + params, grad_chunk, allow_unused=True)
+            asked = ([chunk] if wants_x else []) + params
+            got = torch.autograd.grad(out, asked, grad_chunk, allow_unused=True, create_graph=create)
             if wants_x:
                 if grad_x is None:
                     grad_x = chunk.new_empty(*grad.shape[:-1], chunk.shape[-1])
@@ -364,7 +370,7 @@ def _mixes_tokens(inner: Any, x: Tensor, whole: Tensor) -> bool:
     changes = [(0, slice(1, None), -2), (-1, slice(None, -1), -2)] + ([(0, slice(1, None), 0)] if x.dim() > 2 else [])
     for index, rest, dim in changes:
         moved = x.clone()
-        moved.select(dim, index).add_(1.0 + float(x.abs().max()))
+        moved.select(dim, index).add_(1.0 + float(x.detach().abs().max()))
         with torch.no_grad():
             out = inner(moved)
         if not isinstance(out, Tensor) or not torch.equal(out.narrow(dim, *_span(rest, x.shape[dim])),
