@@ -59,24 +59,42 @@ def forward_on(module: nn.Module, batch: Any) -> Any:
 
 
 def probe_output(module: nn.Module, batch: Any) -> Tensor:
-    """The module's output tensor for ``batch``: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets) pair, or ``forward(**dict)``."""
+    """The module's output tensor for ``batch``: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets) pair, or
+    ``forward(**dict)``. Of an output that is not one tensor: its floating ``logits``, else its first floating tensor
+    that is not one of the batch's own handed back (:func:`_measured`)."""
     check_forward(module, "lightning_hbm")  # QuantizationQuality checks at setup; the plugin's probes land here
     out = forward_on(module, batch)
     if isinstance(out, Tensor):
-        return out
-    logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
-    if logits is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
-        logits = out[0]
-    if logits is None:  # no logits (a UNet's ``.sample``, an encoder's ``last_hidden_state``, a dict of features): the
-        # first floating tensor, as ModelOutput.to_tuple()[0]; before, the 4-bit conv plan of such a model was skipped
-        values = out.to_tuple() if hasattr(out, "to_tuple") else list(out.values()) if isinstance(out, Mapping) else out
-        logits = next((t for t in tree_flatten(values)[0] if isinstance(t, Tensor) and t.is_floating_point()), None)
-    if not isinstance(logits, Tensor):
+        logits: Any = out
+    else:
+        logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
+        if not (isinstance(logits, Tensor) and logits.is_floating_point()):
+            logits = _measured(out, batch)
+    if not (isinstance(logits, Tensor) and logits.is_floating_point()):
+        got = f"a {logits.dtype} tensor" if isinstance(out, Tensor) else type(out).__name__
         raise TypeError(
-            f"QuantizationQuality needs the model's forward to return a tensor (or an object with a `logits` tensor, or "
-            f"any floating tensor), got {type(out).__name__}. Make forward return the output tensor for the probe batch."
+            f"QuantizationQuality needs the model's forward to return a floating tensor (or an object with a `logits` "
+            f"tensor, or any floating tensor other than its input), got {got}. Make forward return the output tensor "
+            "for the probe batch."
         )
     return logits
+
+
+def _measured(out: Any, batch: Any) -> Optional[Tensor]:
+    """The first floating tensor of ``out`` (no logits: a UNet's ``.sample``, an encoder's ``last_hidden_state``, a dict
+    of features; as ``ModelOutput.to_tuple()[0]``) that is not a tensor of ``batch`` handed back.
+
+    Floating: an integer tensor first (a prediction's ``argmax`` beside the logits) was measured, and the 4-bit conv
+    plan widened layers to keep class indices equal. Not the batch's: a forward returning ``(x, features)`` was
+    measured on its input, the same whatever the quantization (cosine 1.0: every convolution kept in the base mode).
+    """
+    values = out.to_tuple() if hasattr(out, "to_tuple") else list(out.values()) if isinstance(out, Mapping) else out
+    given = [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)]
+
+    def echoed(t: Tensor) -> bool:
+        return any(t.shape == b.shape and t.dtype == b.dtype and t.device == b.device and torch.equal(t, b) for b in given)
+
+    return next((t for t in tree_flatten(values)[0] if isinstance(t, Tensor) and t.is_floating_point() and not echoed(t)), None)
 
 
 def first_batch(trainer: Optional[pl.Trainer], who: str) -> Any:
