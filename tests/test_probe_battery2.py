@@ -4,7 +4,8 @@ Was: an output whose first tensor is an integer one (a prediction's ``argmax`` b
 the 4-bit conv plan widened every convolution to int8 to keep class indices equal (planned 0.9547 -> 0.9985 on the
 indices; the features measure 0.9904 uniform); a forward returning ``(x, features)`` was measured on its own input
 (cosine 1.0 whatever the quantization: no convolution could be widened); a forward returning only an integer tensor
-was planned on it.
+was planned on it; an output holding -inf where the model as built masks (a head masking classes) measured NaN: the
+conv plan was chosen on NaN ("planned to a probe output cosine of nan") and the accuracy check went unmeasured, silently.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 from torch import nn
 
 from lightning_hbm import QuantizedPrecision
-from lightning_hbm.probe import probe_output
+from lightning_hbm.precision.accuracy import centred_cosine
+from lightning_hbm.probe import compare_outputs, probe_output
 
 X = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
 
@@ -42,6 +44,7 @@ class ConvNet(nn.Module):
             "input-first": (x, features),
             "dict": {"index": features.argmax(1), "out": {"features": features}},
             "argmax-only": features.argmax(1),
+            "masked": torch.cat([features.flatten(1), torch.full((x.shape[0], 4), float("-inf"))], 1),
         }[self.kind]
 
 
@@ -68,3 +71,22 @@ def test_an_integer_output_is_not_measured_and_the_plan_says_so() -> None:
     assert any("without a measured plan" in s and "a torch.int64 tensor" in s for s in said), said
     with pytest.raises(TypeError, match="return a floating tensor .* got a torch.int64 tensor"):
         probe_output(ConvNet("argmax-only"), X)
+
+
+def test_an_inf_both_outputs_give_is_left_out_of_the_figures() -> None:
+    want, _ = _plan("features")
+    plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=X)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plugin.convert_module(ConvNet("masked"))
+    got, measured = plugin.quantization.conv_report, plugin.quantization.conv_accuracy
+    assert got is not None and measured is not None
+    assert 0.9 < got.uniform_cosine <= got.cosine and got.modes == want.modes  # rows of other widths: another figure
+    assert measured.cosine == measured.cosine and measured.cosine > 0.9  # a figure, not NaN
+    assert not any("nan" in str(w.message) for w in seen)
+    reference = torch.tensor([[1.0, 2.0, float("-inf")], [3.0, -1.0, float("-inf")]])
+    assert compare_outputs(reference.clone(), reference, lm=False)["quant/cosine_similarity"] == pytest.approx(1.0)
+    assert centred_cosine(reference.flatten(), reference.flatten()) == pytest.approx(1.0)
+    worse = reference.clone()
+    worse[0, 2] = 0.0  # finite where the reference is -inf: not agreeing, no figure (NaN), as before
+    assert centred_cosine(worse.flatten(), reference.flatten()) != centred_cosine(worse.flatten(), reference.flatten())
