@@ -7,7 +7,8 @@ same code. ``lightning_hbm.quality`` re-exports every name.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+import copy
+from collections.abc import Generator, Mapping, MutableMapping
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -50,12 +51,33 @@ def forward_on(module: nn.Module, batch: Any) -> Any:
     """``module``'s output on ``batch``, whatever it is: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets)
     pair, or ``forward(**dict)``, on a copy of the batch: a forward that changes its input in place (``x /= 255``) ran
     on the user's batch once per probe forward, and the probe batch is the first batch training gets."""
-    batch = tree_map_only(Tensor, torch.clone, batch)
     if isinstance(batch, Tensor):
-        return module(batch)
+        return module(batch.clone())
     if isinstance(batch, (tuple, list)):
-        return module(batch[0])
-    return module(**batch)
+        return module(_copied(batch[0]))
+    return module(**_copied(batch))
+
+
+def _copied(batch: Any) -> Any:
+    """``batch`` with its tensors cloned, in its own containers. A mapping torch's pytree does not know (transformers'
+    ``BatchEncoding`` from a tokenizer or ``DataCollatorWithPadding``, ``BatchFeature`` from an image processor, a
+    ``UserDict``) is one leaf to it: copied key by key here, else its tensors were the user's own."""
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        if not isinstance(batch, MutableMapping):
+            return {key: _copied(value) for key, value in batch.items()}
+        new = copy.copy(batch)
+        for key, value in batch.items():
+            new[key] = _copied(value)
+        return new
+    return tree_map_only(Tensor, torch.clone, batch)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    """The leaves of ``tree`` as torch's pytree flattens it, a mapping it does not know (``BatchEncoding``) opened."""
+    found: list[Any] = []
+    for leaf in tree_flatten(tree)[0]:
+        found += _leaves(dict(leaf)) if isinstance(leaf, Mapping) else [leaf]
+    return found
 
 
 def probe_output(module: nn.Module, batch: Any) -> Tensor:
@@ -89,7 +111,7 @@ def _measured(out: Any, batch: Any) -> Optional[Tensor]:
     measured on its input, the same whatever the quantization (cosine 1.0: every convolution kept in the base mode).
     """
     values = out.to_tuple() if hasattr(out, "to_tuple") else list(out.values()) if isinstance(out, Mapping) else out
-    given = [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)]
+    given = [t for t in _leaves(batch) if isinstance(t, Tensor)]
 
     def echoed(t: Tensor) -> bool:
         return any(t.shape == b.shape and t.dtype == b.dtype and t.device == b.device and torch.equal(t, b) for b in given)
@@ -143,7 +165,7 @@ def first_batches(trainer: Optional[pl.Trainer], who: str, min_tokens: int, most
 
 
 def _tokens(batch: Any) -> int:
-    leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)]
+    leaves = [t for t in _leaves(batch) if isinstance(t, Tensor)]  # a BatchEncoding's too (it counted 0)
     if not leaves or leaves[0].dim() == 0:
         return 0
     first = leaves[0]
@@ -166,11 +188,27 @@ def _join(batches: list[Any]) -> Any:
             if first.dim() == 0 or any(not isinstance(t, Tensor) or t.shape[1:] != first.shape[1:] for t in leaves):
                 return None
             joined.append(torch.cat(leaves))
+        elif isinstance(first, Mapping):  # one leaf to the pytree (a BatchEncoding): joined key by key, in its type
+            # (compared with != instead, its tensors raised "Boolean value of Tensor ... is ambiguous" at fit start)
+            inner = _join([dict(leaf) if isinstance(leaf, Mapping) else leaf for leaf in leaves])
+            if inner is None or not isinstance(inner, dict):
+                return None
+            joined.append(_rewrapped(first, inner))
         elif any(leaf != first for leaf in leaves[1:]):
             return None
         else:
             joined.append(first)
     return tree_unflatten(joined, spec)
+
+
+def _rewrapped(like: Mapping, values: dict[Any, Any]) -> Any:
+    """``values`` in a mapping of ``like``'s type where it can be copied and written (a BatchEncoding), else a dict."""
+    if not isinstance(like, MutableMapping):
+        return values
+    new = copy.copy(like)
+    for key, value in values.items():
+        new[key] = value
+    return new
 
 
 def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, float]:

@@ -90,3 +90,67 @@ def test_an_inf_both_outputs_give_is_left_out_of_the_figures() -> None:
     worse = reference.clone()
     worse[0, 2] = 0.0  # finite where the reference is -inf: not agreeing, no figure (NaN), as before
     assert centred_cosine(worse.flatten(), reference.flatten()) != centred_cosine(worse.flatten(), reference.flatten())
+
+
+class _InPlace(nn.Module):
+    def forward(self, pixel_values: Any) -> torch.Tensor:
+        if not isinstance(pixel_values, torch.Tensor):  # forward(inputs) of an (inputs, targets) pair
+            pixel_values = pixel_values["pixel_values"]
+        pixel_values.mul_(2)  # x /= 255 in the user's forward
+        return pixel_values.sum()
+
+
+def test_a_transformers_batch_encoding_is_copied_counted_and_joined() -> None:
+    """A tokenizer's / ``DataCollatorWithPadding``'s ``BatchEncoding`` (an image processor's ``BatchFeature``) is one
+    leaf to torch's pytree: the probe forward edited the user's batch in place, it counted 0 tokens, and joining two
+    raised "Boolean value of Tensor with more than one value is ambiguous" (``!=`` on the mappings)."""
+    from transformers import BatchEncoding, BatchFeature
+
+    from lightning_hbm.probe import _join, _tokens, forward_on
+
+    for kind in (BatchEncoding, BatchFeature):
+        pixels = torch.ones(2, 3)
+        forward_on(_InPlace(), kind({"pixel_values": pixels}))
+        forward_on(_InPlace(), (kind({"pixel_values": pixels}), torch.zeros(2)))
+        assert bool((pixels == 1).all()), kind.__name__
+    first = BatchEncoding({"input_ids": torch.ones(2, 8, dtype=torch.long), "attention_mask": torch.ones(2, 8, dtype=torch.long)})
+    second = BatchEncoding({"input_ids": torch.zeros(2, 8, dtype=torch.long), "attention_mask": torch.ones(2, 8, dtype=torch.long)})
+    assert _tokens(first) == 16
+    joined = _join([first, second])
+    assert isinstance(joined, BatchEncoding) and torch.equal(joined["input_ids"], torch.cat([first["input_ids"], second["input_ids"]]))
+    assert _join([(first, torch.ones(2)), (second, torch.ones(2))])[0]["attention_mask"].shape == (4, 8)
+    assert _join([first, BatchEncoding({"input_ids": torch.zeros(2, 9, dtype=torch.long), "attention_mask": torch.ones(2, 9)})]) is None
+
+
+def test_a_correction_probe_joins_batch_encodings_at_fit_start(tmp_path: Any) -> None:
+    """QuantizedPrecision(correction_rank=r) joins the first batches up to 2048 tokens: with a HF collator's batches
+    the fit stopped at its start with the ambiguous-boolean RuntimeError."""
+    import lightning.pytorch as pl
+    from transformers import BatchEncoding, LlamaConfig, LlamaForCausalLM
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                      num_attention_heads=2, num_key_value_heads=2))
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(**batch, labels=batch["input_ids"]).loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.0)
+
+    rows = [torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=lambda items: BatchEncoding(
+        {"input_ids": torch.stack(items), "attention_mask": torch.ones(len(items), 16, dtype=torch.long)}))
+    plugin = QuantizedPrecision("nf4-dq", dtype="float32", correction_rank=2)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=tmp_path, plugins=[plugin])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Tiny(), loader)
+    assert trainer.global_step == 1 and plugin.quantization.correction_report is not None
