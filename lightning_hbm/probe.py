@@ -15,7 +15,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchmetrics import CosineSimilarity, KLDivergence, RelativeSquaredError
 
 from lightning_hbm._compat import lightning as lightning_compat
@@ -50,34 +50,13 @@ def check_forward(module: nn.Module, who: str) -> None:
 def forward_on(module: nn.Module, batch: Any) -> Any:
     """``module``'s output on ``batch``, whatever it is: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets)
     pair, or ``forward(**dict)``, on a copy of the batch: a forward that changes its input in place (``x /= 255``) ran
-    on the user's batch once per probe forward, and the probe batch is the first batch training gets."""
+    on the user's batch once per probe forward, and the probe batch is the first batch training gets (a
+    ``BatchEncoding``'s tensors too, :func:`~lightning_hbm._compat.torch.map_tensors`)."""
     if isinstance(batch, Tensor):
         return module(batch.clone())
     if isinstance(batch, (tuple, list)):
-        return module(_copied(batch[0]))
-    return module(**_copied(batch))
-
-
-def _copied(batch: Any) -> Any:
-    """``batch`` with its tensors cloned, in its own containers. A mapping torch's pytree does not know (transformers'
-    ``BatchEncoding`` from a tokenizer or ``DataCollatorWithPadding``, ``BatchFeature`` from an image processor, a
-    ``UserDict``) is one leaf to it: copied key by key here, else its tensors were the user's own."""
-    if isinstance(batch, Mapping) and not isinstance(batch, dict):
-        if not isinstance(batch, MutableMapping):
-            return {key: _copied(value) for key, value in batch.items()}
-        new = copy.copy(batch)
-        for key, value in batch.items():
-            new[key] = _copied(value)
-        return new
-    return tree_map_only(Tensor, torch.clone, batch)
-
-
-def _leaves(tree: Any) -> list[Any]:
-    """The leaves of ``tree`` as torch's pytree flattens it, a mapping it does not know (``BatchEncoding``) opened."""
-    found: list[Any] = []
-    for leaf in tree_flatten(tree)[0]:
-        found += _leaves(dict(leaf)) if isinstance(leaf, Mapping) else [leaf]
-    return found
+        return module(torch_compat.map_tensors(torch.clone, batch[0]))
+    return module(**torch_compat.map_tensors(torch.clone, batch))
 
 
 def probe_output(module: nn.Module, batch: Any) -> Tensor:
@@ -111,7 +90,7 @@ def _measured(out: Any, batch: Any) -> Optional[Tensor]:
     measured on its input, the same whatever the quantization (cosine 1.0: every convolution kept in the base mode).
     """
     values = out.to_tuple() if hasattr(out, "to_tuple") else list(out.values()) if isinstance(out, Mapping) else out
-    given = [t for t in _leaves(batch) if isinstance(t, Tensor)]
+    given = torch_compat.tensor_leaves(batch)
 
     def echoed(t: Tensor) -> bool:
         return any(t.shape == b.shape and t.dtype == b.dtype and t.device == b.device and torch.equal(t, b) for b in given)
@@ -165,7 +144,7 @@ def first_batches(trainer: Optional[pl.Trainer], who: str, min_tokens: int, most
 
 
 def _tokens(batch: Any) -> int:
-    leaves = [t for t in _leaves(batch) if isinstance(t, Tensor)]  # a BatchEncoding's too (it counted 0)
+    leaves = torch_compat.tensor_leaves(batch)  # a BatchEncoding's too (it counted 0)
     if not leaves or leaves[0].dim() == 0:
         return 0
     first = leaves[0]

@@ -67,7 +67,7 @@ def echoes(output: Any, given: Any) -> list[int]:
     """Positions among the floating tensors of ``output`` (as :func:`outputs` walks them) of the inputs ``given``
     handed back unchanged (a forward returning ``(x, features)``): the same whatever the quantization, they raised the
     figure (a two-convolution BatchNorm net in nf4-dq: 0.9919, its features alone 0.9899)."""
-    inputs = [t for t in tree_flatten(given)[0] if isinstance(t, Tensor)]
+    inputs = torch_compat.tensor_leaves(given)
     return [i for i, t in enumerate(_floating(output))
             if any(t.shape == g.shape and t.dtype == g.dtype and t.device == g.device and torch.equal(t, g) for g in inputs)]
 
@@ -133,7 +133,7 @@ class Reference:
         def before(root: nn.Module, args: tuple, kwargs: dict) -> None:
             if as_built():  # copies: a forward that changes its input in place (x.mul_) left the batch changed
                 copy = lambda t: t.detach().clone()  # noqa: E731
-                pending[:] = [(tree_map_only(Tensor, copy, args), tree_map_only(Tensor, copy, dict(kwargs)), torch_compat.rng_states())]
+                pending[:] = [(torch_compat.map_tensors(copy, args), torch_compat.map_tensors(copy, dict(kwargs)), torch_compat.rng_states())]
 
         def record(root: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if as_built() and pending:
@@ -155,7 +155,7 @@ class Reference:
         strategy moves the model) get their inputs there and give their outputs back."""
         assert self.args is not None and self.output is not None
         cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731 - as the plugin's convert_input
-        args, kwargs = tree_map_only(Tensor, cast, self.args), tree_map_only(Tensor, cast, self.kwargs)
+        args, kwargs = torch_compat.map_tensors(cast, self.args), torch_compat.map_tensors(cast, self.kwargs)
         previous = torch.get_default_dtype()
         # eval and no grad as probe.eval_no_grad, written here: the quantization's walk enters probe.py twice already
         flags = [(m, m.training) for m in module.modules()]
