@@ -88,6 +88,7 @@ def _measured(out: Any, batch: Any) -> Optional[Tensor]:
     Floating: an integer tensor first (a prediction's ``argmax`` beside the logits) was measured, and the 4-bit conv
     plan widened layers to keep class indices equal. Not the batch's: a forward returning ``(x, features)`` was
     measured on its input, the same whatever the quantization (cosine 1.0: every convolution kept in the base mode).
+    Not a 0-dim one while there is another: ``(loss, logits)`` was measured on the loss, whose cosine is 1.0.
     """
     values = out.to_tuple() if hasattr(out, "to_tuple") else list(out.values()) if isinstance(out, Mapping) else out
     given = torch_compat.tensor_leaves(batch)
@@ -95,7 +96,9 @@ def _measured(out: Any, batch: Any) -> Optional[Tensor]:
     def echoed(t: Tensor) -> bool:
         return any(t.shape == b.shape and t.dtype == b.dtype and t.device == b.device and torch.equal(t, b) for b in given)
 
-    return next((t for t in tree_flatten(values)[0] if isinstance(t, Tensor) and t.is_floating_point() and not echoed(t)), None)
+    found = [t for t in tree_flatten(values)[0] if isinstance(t, Tensor) and t.is_floating_point() and not echoed(t)]
+    # a number (a loss returned first: ``(loss, logits)``) only if nothing else: the cosine of one value is its sign
+    return next((t for t in found if t.dim() > 0), found[0] if found else None)
 
 
 def first_batch(trainer: Optional[pl.Trainer], who: str) -> Any:

@@ -4,7 +4,7 @@ Was: an output whose first tensor is an integer one (a prediction's ``argmax`` b
 the 4-bit conv plan widened every convolution to int8 to keep class indices equal (planned 0.9547 -> 0.9985 on the
 indices; the features measure 0.9904 uniform); a forward returning ``(x, features)`` was measured on its own input
 (cosine 1.0 whatever the quantization: no convolution could be widened); a forward returning only an integer tensor
-was planned on it; an output holding -inf where the model as built masks (a head masking classes) measured NaN: the
+was planned on it; ``(loss, features)`` was measured on the loss (one value: cosine 1.0); an output holding -inf where the model as built masks (a head masking classes) measured NaN: the
 conv plan was chosen on NaN ("planned to a probe output cosine of nan") and the accuracy check went unmeasured, silently.
 """
 
@@ -44,6 +44,7 @@ class ConvNet(nn.Module):
             "input-first": (x, features),
             "dict": {"index": features.argmax(1), "out": {"features": features}},
             "argmax-only": features.argmax(1),
+            "loss-first": (features.square().mean(), features),
             "masked": torch.cat([features.flatten(1), torch.full((x.shape[0], 4), float("-inf"))], 1),
         }[self.kind]
 
@@ -56,7 +57,7 @@ def _plan(kind: str) -> tuple[Any, list[str]]:
     return plugin.quantization.conv_report, [str(w.message) for w in seen]
 
 
-@pytest.mark.parametrize("kind", ["argmax-first", "input-first", "dict"])
+@pytest.mark.parametrize("kind", ["argmax-first", "input-first", "dict", "loss-first"])
 def test_the_plan_measures_the_floating_output_not_indices_or_the_input(kind: str) -> None:
     want, _ = _plan("features")
     got, _ = _plan(kind)
