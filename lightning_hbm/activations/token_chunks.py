@@ -16,8 +16,8 @@ and frees it. The saved input is packed *before* the layer's compute, so the blo
 Nesting ``torch.utils.checkpoint`` per chunk instead was measured to run the MLP 2.75 times per step: each inner
 checkpoint packs its input only after the previous chunks ran, so the outer recompute ran them again.
 
-A chunked layer fed straight by another (a Llama block's ``post_attention_layernorm`` -> ``mlp``) keeps no input of its
-own: its backward remakes each chunk of its input from the first layer's kept input (same chunk boundaries: the
+A chunked layer fed straight by another of its block (a Llama block's ``post_attention_layernorm`` -> ``mlp``) keeps no
+input of its own: its backward remakes each chunk of its input from the first layer's kept input (same chunk boundaries: the
 forward's values bit for bit), so the first layer's whole output is neither made by the block's recompute nor held
 during the second's backward; and each backward writes its input's gradient chunk by chunk into one tensor. At the 8B
 Llama shape the two took 89.0 -> 84.9 KB per token off the recomputed block's backward (``benchmarks/README.md``).
@@ -168,8 +168,8 @@ class _Chunks:
     recompute enters it again, as ``torch.utils.checkpoint`` does: under ``bf16-mixed`` it computes in bfloat16 too.
     """
 
-    def __init__(self, inner: Any, chunks: int, device_type: str) -> None:
-        self.inner, self.chunks, self.device_type = inner, chunks, device_type
+    def __init__(self, inner: Any, chunks: int, device_type: str, block: Optional[int] = None) -> None:
+        self.inner, self.chunks, self.device_type, self.block = inner, chunks, device_type, block
         self.autocast = torch.is_autocast_enabled(device_type)
         self.autocast_dtype = torch.get_autocast_dtype(device_type)
 
@@ -193,8 +193,11 @@ class ChunkedForward:
     ``verdict`` is ``None`` until the first training call, then ``""`` (chunked) or the reason it is not.
     """
 
-    def __init__(self, layer: nn.Module, chunks: int) -> None:
+    def __init__(self, layer: nn.Module, chunks: int, block: Optional[int] = None) -> None:
         self.layer, self.chunks = layer, chunks
+        #: the checkpointed block the layer is in (a number per block; ``None``: outside every block, the final norm):
+        #: a layer remakes its input only from a source in its own block (:meth:`__call__`)
+        self.block = block
         self.own_forward = torch_compat.forward_override(layer)
         self.verdict: Optional[str] = None
         self.fake_verdict: Optional[str] = None  # the same, decided on the planner's fake tensors
@@ -224,10 +227,15 @@ class ChunkedForward:
         if not x.requires_grad and not params:
             return self.inner(x)  # nothing to differentiate
         source = _source(x, self.chunks)
+        if source is not None and (self.block is None or source.call.block != self.block):
+            # remade from another block's layer (T5's final norm from the last block's whole feed-forward), the input
+            # cost a rerun of that layer per step for nothing: outside the source's block it is kept anyway (the final
+            # norm's own saved input, or the next block's checkpointed input)
+            source = None
         box = _Box() if x.requires_grad and source is None else None
         if box is not None:
             x = _KeepInput.apply(x, box)
-        return _ChunkedCall.apply(x, _Chunks(self.inner, self.chunks, x.device.type), box, source, *params)
+        return _ChunkedCall.apply(x, _Chunks(self.inner, self.chunks, x.device.type, self.block), box, source, *params)
 
 
 def split(x: Tensor, chunks: int) -> list[Tensor]:

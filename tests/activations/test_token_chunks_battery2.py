@@ -82,3 +82,29 @@ def test_a_gradient_penalty_through_chunked_layers_equals_the_unchunked_model(ki
     for index, (a, b) in enumerate(zip(got, want)):
         error = float((a.float() - b.float()).norm() / b.float().norm())
         assert error < tol, (index, error)
+
+
+def test_a_layer_outside_the_sources_block_keeps_its_input_instead_of_rerunning_the_source() -> None:
+    # transformers' T5EncoderModel in bf16 (dropout 0): the final norm (chunked, outside every block) is fed straight
+    # by the last block's chunked feed-forward. It remade its input from it: the whole feed-forward ran once more per
+    # step (3 times, 2 without), to spare an input the final norm would keep anyway (no checkpoint recomputes it).
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=64, d_model=64, d_ff=256, num_layers=2, num_heads=4, d_kv=16, dropout_rate=0.0)
+    model = transformers.T5EncoderModel(config).bfloat16()
+    callback = ActivationCheckpointing(mlp_chunks=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        callback.check_model(model)
+        callback.transform_model(model)
+    rows = [0]
+    last = model.encoder.block[-1].layer[1]
+    last.DenseReluDense.wo.register_forward_hook(lambda _m, _i, out: rows.__setitem__(0, rows[0] + out.numel() // out.shape[-1]))
+    ids = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # the first step decides what is chunked
+        rows[0] = 0
+        model(input_ids=ids).last_hidden_state.float().square().mean().backward()
+    chunked = {n for n, m in model.named_modules() for f in [m.__dict__.get("forward")] if isinstance(f, ChunkedForward) and f.verdict == ""}
+    assert {"encoder.final_layer_norm", "encoder.block.1.layer.1"} <= chunked, chunked
+    assert rows[0] == 2 * ids.numel()  # the forward and the chunked backward's recompute, no rerun for the final norm
