@@ -7,14 +7,15 @@ same code. ``lightning_hbm.quality`` re-exports every name.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+import copy
+from collections.abc import Generator, Mapping, MutableMapping
 from contextlib import contextmanager
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchmetrics import CosineSimilarity, KLDivergence, RelativeSquaredError
 
 from lightning_hbm._compat import lightning as lightning_compat
@@ -49,34 +50,55 @@ def check_forward(module: nn.Module, who: str) -> None:
 def forward_on(module: nn.Module, batch: Any) -> Any:
     """``module``'s output on ``batch``, whatever it is: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets)
     pair, or ``forward(**dict)``, on a copy of the batch: a forward that changes its input in place (``x /= 255``) ran
-    on the user's batch once per probe forward, and the probe batch is the first batch training gets."""
-    batch = tree_map_only(Tensor, torch.clone, batch)
+    on the user's batch once per probe forward, and the probe batch is the first batch training gets (a
+    ``BatchEncoding``'s tensors too, :func:`~lightning_hbm._compat.torch.map_tensors`)."""
     if isinstance(batch, Tensor):
-        return module(batch)
+        return module(batch.clone())
     if isinstance(batch, (tuple, list)):
-        return module(batch[0])
-    return module(**batch)
+        return module(torch_compat.map_tensors(torch.clone, batch[0]))
+    return module(**torch_compat.map_tensors(torch.clone, batch))
 
 
 def probe_output(module: nn.Module, batch: Any) -> Tensor:
-    """The module's output tensor for ``batch``: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets) pair, or ``forward(**dict)``."""
+    """The module's output tensor for ``batch``: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets) pair, or
+    ``forward(**dict)``. Of an output that is not one tensor: its floating ``logits``, else its first floating tensor
+    that is not one of the batch's own handed back (:func:`_measured`)."""
     check_forward(module, "lightning_hbm")  # QuantizationQuality checks at setup; the plugin's probes land here
     out = forward_on(module, batch)
     if isinstance(out, Tensor):
-        return out
-    logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
-    if logits is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
-        logits = out[0]
-    if logits is None:  # no logits (a UNet's ``.sample``, an encoder's ``last_hidden_state``, a dict of features): the
-        # first floating tensor, as ModelOutput.to_tuple()[0]; before, the 4-bit conv plan of such a model was skipped
-        values = out.to_tuple() if hasattr(out, "to_tuple") else list(out.values()) if isinstance(out, Mapping) else out
-        logits = next((t for t in tree_flatten(values)[0] if isinstance(t, Tensor) and t.is_floating_point()), None)
-    if not isinstance(logits, Tensor):
+        logits: Any = out
+    else:
+        logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
+        if not (isinstance(logits, Tensor) and logits.is_floating_point()):
+            logits = _measured(out, batch)
+    if not (isinstance(logits, Tensor) and logits.is_floating_point()):
+        got = f"a {logits.dtype} tensor" if isinstance(out, Tensor) else type(out).__name__
         raise TypeError(
-            f"QuantizationQuality needs the model's forward to return a tensor (or an object with a `logits` tensor, or "
-            f"any floating tensor), got {type(out).__name__}. Make forward return the output tensor for the probe batch."
+            f"QuantizationQuality needs the model's forward to return a floating tensor (or an object with a `logits` "
+            f"tensor, or any floating tensor other than its input), got {got}. Make forward return the output tensor "
+            "for the probe batch."
         )
     return logits
+
+
+def _measured(out: Any, batch: Any) -> Optional[Tensor]:
+    """The first floating tensor of ``out`` (no logits: a UNet's ``.sample``, an encoder's ``last_hidden_state``, a dict
+    of features; as ``ModelOutput.to_tuple()[0]``) that is not a tensor of ``batch`` handed back.
+
+    Floating: an integer tensor first (a prediction's ``argmax`` beside the logits) was measured, and the 4-bit conv
+    plan widened layers to keep class indices equal. Not the batch's: a forward returning ``(x, features)`` was
+    measured on its input, the same whatever the quantization (cosine 1.0: every convolution kept in the base mode).
+    Not a 0-dim one while there is another: ``(loss, logits)`` was measured on the loss, whose cosine is 1.0.
+    """
+    values = out.to_tuple() if hasattr(out, "to_tuple") else list(out.values()) if isinstance(out, Mapping) else out
+    given = torch_compat.tensor_leaves(batch)
+
+    def echoed(t: Tensor) -> bool:
+        return any(t.shape == b.shape and t.dtype == b.dtype and t.device == b.device and torch.equal(t, b) for b in given)
+
+    found = [t for t in tree_flatten(values)[0] if isinstance(t, Tensor) and t.is_floating_point() and not echoed(t)]
+    # a number (a loss returned first: ``(loss, logits)``) only if nothing else: the cosine of one value is its sign
+    return next((t for t in found if t.dim() > 0), found[0] if found else None)
 
 
 def first_batch(trainer: Optional[pl.Trainer], who: str) -> Any:
@@ -125,7 +147,7 @@ def first_batches(trainer: Optional[pl.Trainer], who: str, min_tokens: int, most
 
 
 def _tokens(batch: Any) -> int:
-    leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, Tensor)]
+    leaves = torch_compat.tensor_leaves(batch)  # a BatchEncoding's too (it counted 0)
     if not leaves or leaves[0].dim() == 0:
         return 0
     first = leaves[0]
@@ -148,11 +170,27 @@ def _join(batches: list[Any]) -> Any:
             if first.dim() == 0 or any(not isinstance(t, Tensor) or t.shape[1:] != first.shape[1:] for t in leaves):
                 return None
             joined.append(torch.cat(leaves))
+        elif isinstance(first, Mapping):  # one leaf to the pytree (a BatchEncoding): joined key by key, in its type
+            # (compared with != instead, its tensors raised "Boolean value of Tensor ... is ambiguous" at fit start)
+            inner = _join([dict(leaf) if isinstance(leaf, Mapping) else leaf for leaf in leaves])
+            if inner is None or not isinstance(inner, dict):
+                return None
+            joined.append(_rewrapped(first, inner))
         elif any(leaf != first for leaf in leaves[1:]):
             return None
         else:
             joined.append(first)
     return tree_unflatten(joined, spec)
+
+
+def _rewrapped(like: Mapping, values: dict[Any, Any]) -> Any:
+    """``values`` in a mapping of ``like``'s type where it can be copied and written (a BatchEncoding), else a dict."""
+    if not isinstance(like, MutableMapping):
+        return values
+    new = copy.copy(like)
+    for key, value in values.items():
+        new[key] = value
+    return new
 
 
 def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, float]:
@@ -163,14 +201,17 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
     """
     output, reference = output.float(), reference.float()
     width = reference.shape[-1] if reference.dim() >= 2 else reference.numel()
-    rows, ref_rows = output.reshape(-1, width), reference.reshape(-1, width)
+    # an inf both give (a head that masks classes with -inf) agrees: left in, every row holding one measured NaN, and
+    # the conv plan was chosen on NaN (planned 'to a probe output cosine of nan')
+    same = ~reference.isfinite() & (output == reference)
+    measured, wanted = (output.masked_fill(same, 0.0), reference.masked_fill(same, 0.0)) if bool(same.any()) else (output, reference)
     metrics = {
-        PREFIX + "cosine_similarity": float(CosineSimilarity(reduction="mean")(rows, ref_rows)),
-        PREFIX + "relative_error": float(RelativeSquaredError(squared=False)(output.flatten(), reference.flatten())),
+        PREFIX + "cosine_similarity": float(CosineSimilarity(reduction="mean")(measured.reshape(-1, width), wanted.reshape(-1, width))),
+        PREFIX + "relative_error": float(RelativeSquaredError(squared=False)(measured.flatten(), wanted.flatten())),
     }
     if lm:
         kl = KLDivergence(log_prob=True, reduction="mean")  # KL(p || q) with p the full-precision model
-        metrics[PREFIX + "kl_divergence"] = float(kl(ref_rows.log_softmax(-1), rows.log_softmax(-1)))
+        metrics[PREFIX + "kl_divergence"] = float(kl(reference.reshape(-1, width).log_softmax(-1), output.reshape(-1, width).log_softmax(-1)))
     return metrics
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import sys
 import weakref
+from collections.abc import Mapping, MutableMapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import wraps
 from typing import Any, Callable, Iterator, NamedTuple, Optional
@@ -18,6 +20,7 @@ from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _disable_current_modes,  # planner.realvalues, planner.tracing
 )
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.data import DataLoader, IterableDataset
 
 
@@ -118,6 +121,39 @@ def buffers_changed_in_training(module: nn.Module) -> list[torch.Tensor]:
     BatchNorm / InstanceNorm statistics, and a parametrization's state (:func:`training_buffers`, both kinds)."""
     read, updated = training_buffers(module)
     return [*read, *updated]
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """``tree_map_only(Tensor, fn, tree)``, inside the mappings torch's pytree takes as one leaf too (transformers'
+    ``BatchEncoding`` from a tokenizer or ``DataCollatorWithPadding``, ``BatchFeature`` from an image processor, a
+    ``UserDict``): copied in their type, each value mapped. Left as leaves, their tensors were not faked for the
+    planner's trace, not copied for the probe step, not cast for the accuracy check."""
+
+    def one(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return fn(leaf)
+        if not isinstance(leaf, Mapping):
+            return leaf
+        values = {key: map_tensors(fn, value) for key, value in leaf.items()}
+        if not isinstance(leaf, MutableMapping):
+            return values
+        new = copy.copy(leaf)
+        for key, value in values.items():
+            new[key] = value
+        return new
+
+    return tree_map(one, tree)
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensors of ``tree``, inside the mappings torch's pytree takes as one leaf too (:func:`map_tensors`)."""
+    found: list[torch.Tensor] = []
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif isinstance(leaf, Mapping):
+            found += tensor_leaves(dict(leaf))
+    return found
 
 
 def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -578,7 +578,7 @@ class ActivationCheckpointing(SurgeryCallback):
         for index, (_, block) in enumerate(chosen):
             _wrap(block, _BlockPlan(block, context_fn, self.offload, moves=index < moved))
             for _, layer in candidates(block) if self.mlp_chunks > 1 else ():
-                torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks))
+                torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks, block=index))
         for layer in _beside_blocks(module, [n for n, _ in chosen]) if self.mlp_chunks > 1 else ():
             torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks))
         self._chunk_report_due = self.mlp_chunks > 1

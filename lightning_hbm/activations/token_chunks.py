@@ -16,8 +16,8 @@ and frees it. The saved input is packed *before* the layer's compute, so the blo
 Nesting ``torch.utils.checkpoint`` per chunk instead was measured to run the MLP 2.75 times per step: each inner
 checkpoint packs its input only after the previous chunks ran, so the outer recompute ran them again.
 
-A chunked layer fed straight by another (a Llama block's ``post_attention_layernorm`` -> ``mlp``) keeps no input of its
-own: its backward remakes each chunk of its input from the first layer's kept input (same chunk boundaries: the
+A chunked layer fed straight by another of its block (a Llama block's ``post_attention_layernorm`` -> ``mlp``) keeps no
+input of its own: its backward remakes each chunk of its input from the first layer's kept input (same chunk boundaries: the
 forward's values bit for bit), so the first layer's whole output is neither made by the block's recompute nor held
 during the second's backward; and each backward writes its input's gradient chunk by chunk into one tensor. At the 8B
 Llama shape the two took 89.0 -> 84.9 KB per token off the recomputed block's backward (``benchmarks/README.md``).
@@ -93,6 +93,10 @@ class _ChunkedCall(torch.autograd.Function):
         # the input's gradient is written chunk by chunk into one tensor: gathering the chunks' gradients and joining
         # them held the input's gradient twice at the end (the peak of an 8B block's backward at long context)
         grad_x: Optional[Tensor] = None
+        # under create_graph (a gradient penalty's second derivative) this backward is recorded: each chunk stays tied
+        # to the kept input's graph and its gradients are taken with a graph (detached, they were constants: the
+        # second derivative came out silently wrong, or failed where the chunked layer was the input's only path)
+        create = torch.is_grad_enabled()
         run = set(torch_compat.chunk_starts(len(chunks), 1, grad))  # on fake tensors the others only allocate
         row = 0
         for i, (chunk, grad_chunk) in enumerate(zip(chunks, call.split(grad))):
@@ -100,10 +104,12 @@ class _ChunkedCall(torch.autograd.Function):
             if i not in run:
                 continue
             if ctx.source is not None:  # the chunk of the input, remade from the source's kept input
-                chunk = ctx.source.call.rerun(chunk)
-            chunk = chunk.detach().requires_grad_(wants_x)
+                chunk = ctx.source.call.recompute(chunk) if create else ctx.source.call.rerun(chunk)
+            if not create or not chunk.requires_grad:
+                chunk = chunk.detach().requires_grad_(wants_x)
             out = call.recompute(chunk)
-            got = torch.autograd.grad(out, ([chunk] if wants_x else []) + params, grad_chunk, allow_unused=True)
+            asked = ([chunk] if wants_x else []) + params
+            got = torch.autograd.grad(out, asked, grad_chunk, allow_unused=True, create_graph=create)
             if wants_x:
                 if grad_x is None:
                     grad_x = chunk.new_empty(*grad.shape[:-1], chunk.shape[-1])
@@ -162,8 +168,8 @@ class _Chunks:
     recompute enters it again, as ``torch.utils.checkpoint`` does: under ``bf16-mixed`` it computes in bfloat16 too.
     """
 
-    def __init__(self, inner: Any, chunks: int, device_type: str) -> None:
-        self.inner, self.chunks, self.device_type = inner, chunks, device_type
+    def __init__(self, inner: Any, chunks: int, device_type: str, block: Optional[int] = None) -> None:
+        self.inner, self.chunks, self.device_type, self.block = inner, chunks, device_type, block
         self.autocast = torch.is_autocast_enabled(device_type)
         self.autocast_dtype = torch.get_autocast_dtype(device_type)
 
@@ -187,8 +193,11 @@ class ChunkedForward:
     ``verdict`` is ``None`` until the first training call, then ``""`` (chunked) or the reason it is not.
     """
 
-    def __init__(self, layer: nn.Module, chunks: int) -> None:
+    def __init__(self, layer: nn.Module, chunks: int, block: Optional[int] = None) -> None:
         self.layer, self.chunks = layer, chunks
+        #: the checkpointed block the layer is in (a number per block; ``None``: outside every block, the final norm):
+        #: a layer remakes its input only from a source in its own block (:meth:`__call__`)
+        self.block = block
         self.own_forward = torch_compat.forward_override(layer)
         self.verdict: Optional[str] = None
         self.fake_verdict: Optional[str] = None  # the same, decided on the planner's fake tensors
@@ -218,10 +227,15 @@ class ChunkedForward:
         if not x.requires_grad and not params:
             return self.inner(x)  # nothing to differentiate
         source = _source(x, self.chunks)
+        if source is not None and (self.block is None or source.call.block != self.block):
+            # remade from another block's layer (T5's final norm from the last block's whole feed-forward), the input
+            # cost a rerun of that layer per step for nothing: outside the source's block it is kept anyway (the final
+            # norm's own saved input, or the next block's checkpointed input)
+            source = None
         box = _Box() if x.requires_grad and source is None else None
         if box is not None:
             x = _KeepInput.apply(x, box)
-        return _ChunkedCall.apply(x, _Chunks(self.inner, self.chunks, x.device.type), box, source, *params)
+        return _ChunkedCall.apply(x, _Chunks(self.inner, self.chunks, x.device.type, self.block), box, source, *params)
 
 
 def split(x: Tensor, chunks: int) -> list[Tensor]:
@@ -364,7 +378,7 @@ def _mixes_tokens(inner: Any, x: Tensor, whole: Tensor) -> bool:
     changes = [(0, slice(1, None), -2), (-1, slice(None, -1), -2)] + ([(0, slice(1, None), 0)] if x.dim() > 2 else [])
     for index, rest, dim in changes:
         moved = x.clone()
-        moved.select(dim, index).add_(1.0 + float(x.abs().max()))
+        moved.select(dim, index).add_(1.0 + float(x.detach().abs().max()))
         with torch.no_grad():
             out = inner(moved)
         if not isinstance(out, Tensor) or not torch.equal(out.narrow(dim, *_span(rest, x.shape[dim])),

@@ -27,8 +27,8 @@ from typing import Any, Callable, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.activations import ActivationCheckpointing
 from lightning_hbm.activations.checkpointing import check_offload_blocks
 from lightning_hbm.memory import (
@@ -263,7 +263,7 @@ def example_batch(batch: BatchLike) -> Any:
         batch.prepare_data()
         batch.setup("fit")
         return next(iter(batch.train_dataloader()))
-    if not any(isinstance(t, torch.Tensor) for t in tree_leaves(batch)):
+    if not torch_compat.tensor_leaves(batch):  # a BatchEncoding's too
         raise ValueError(f"The example batch holds no tensor (got {type(batch).__name__}); pass one training batch.")
     return batch
 

@@ -31,8 +31,8 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
-from torch.utils._pytree import tree_leaves, tree_map_only
 
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.memory import quantization_tensors
 from lightning_hbm.planner.candidates import Candidate
 from lightning_hbm.planner.tracing import _closure_loss, apply_candidate
@@ -55,7 +55,7 @@ def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candi
     with plugin.tensor_init_context():
         module.configure_model()
     optimizers = apply_candidate(module, candidate, plugin, device="cpu", batch=batch)
-    batch = plugin.convert_input(tree_map_only(torch.Tensor, lambda t: t.clone(), batch))
+    batch = plugin.convert_input(torch_compat.map_tensors(lambda t: t.clone(), batch))
     _step(module, batch, plugin, optimizers)  # the first step: gradients and optimizer states now exist
     tracker = _FrozenSafeMemTracker()
     constants = [t for m in module.modules() for t in quantization_tensors(m)]
@@ -79,7 +79,7 @@ def _step(module: pl.LightningModule, batch: Any, plugin: Any, optimizers: list)
 
 
 def _leaves(batch: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    return torch_compat.tensor_leaves(batch)
 
 
 __all__ = ["memtracker_peak"]

@@ -59,10 +59,24 @@ class ConvAccuracy:
 KEPT_VALUES = 1 << 22
 
 
-def outputs(output: Any) -> Tensor:
-    """Every floating tensor of a forward's output (a tensor, a list of a detector's heads, a dict, a ModelOutput),
-    flattened, in fp32, on the host; above :data:`KEPT_VALUES` values, an evenly strided subset of them."""
-    leaves = [t.detach().flatten() for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+def _floating(output: Any) -> list[Tensor]:
+    return [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+
+
+def echoes(output: Any, given: Any) -> list[int]:
+    """Positions among the floating tensors of ``output`` (as :func:`outputs` walks them) of the inputs ``given``
+    handed back unchanged (a forward returning ``(x, features)``): the same whatever the quantization, they raised the
+    figure (a two-convolution BatchNorm net in nf4-dq: 0.9919, its features alone 0.9899)."""
+    inputs = torch_compat.tensor_leaves(given)
+    return [i for i, t in enumerate(_floating(output))
+            if any(t.shape == g.shape and t.dtype == g.dtype and t.device == g.device and torch.equal(t, g) for g in inputs)]
+
+
+def outputs(output: Any, left_out: Sequence[int] = ()) -> Tensor:
+    """Every floating tensor of a forward's output (a tensor, a list of a detector's heads, a dict, a ModelOutput) but
+    those at ``left_out`` (:func:`echoes`), flattened, in fp32, on the host; above :data:`KEPT_VALUES` values, an evenly
+    strided subset of them."""
+    leaves = [t.detach().flatten() for i, t in enumerate(_floating(output)) if i not in left_out]
     step = -(-sum(t.numel() for t in leaves) // KEPT_VALUES)  # ceil: 1 for a conv net's outputs
     return torch.cat([t[::step].float().cpu() for t in leaves]) if leaves else torch.zeros(0)
 
@@ -76,6 +90,9 @@ def centred_cosine(got: Tensor, want: Tensor) -> float:
     (NaN against all zeros: no figure). No values: NaN.
     """
     got, want = got.double(), want.double()
+    agree = ~want.isfinite() & (got == want)  # an inf both give (a head masking classes with -inf): no figure of its own
+    if bool(agree.any()):  # left in, the mean was inf and the figure NaN: the model went unmeasured, nothing said
+        got, want = got[~agree], want[~agree]
     if not want.numel():
         return float("nan")
     if bool((want == want[0]).all()):
@@ -102,6 +119,8 @@ class Reference:
         #: the global RNG states the recorded forward began with: a forward that draws (a diffusion step's noise) draws
         #: the same again when measured; else the figure compared two noises (0.01 on a healthy model)
         self.rngs: Optional[dict[str, Any]] = None
+        #: the output tensors that are inputs handed back (:func:`echoes`), left out on both sides
+        self.echoed: list[int] = []
 
     @contextmanager
     def recording(self, module: nn.Module) -> Generator[None, None, None]:
@@ -114,11 +133,13 @@ class Reference:
         def before(root: nn.Module, args: tuple, kwargs: dict) -> None:
             if as_built():  # copies: a forward that changes its input in place (x.mul_) left the batch changed
                 copy = lambda t: t.detach().clone()  # noqa: E731
-                pending[:] = [(tree_map_only(Tensor, copy, args), tree_map_only(Tensor, copy, dict(kwargs)), torch_compat.rng_states())]
+                pending[:] = [(torch_compat.map_tensors(copy, args), torch_compat.map_tensors(copy, dict(kwargs)), torch_compat.rng_states())]
 
         def record(root: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if as_built() and pending:
-                (self.args, self.kwargs, self.rngs), self.output = pending.pop(), outputs(output)
+                self.args, self.kwargs, self.rngs = pending.pop()
+                self.echoed = echoes(output, (self.args, self.kwargs))
+                self.output = outputs(output, self.echoed)
 
         handles = [module.register_forward_pre_hook(before, with_kwargs=True), module.register_forward_hook(record, with_kwargs=True)]
         try:
@@ -134,7 +155,7 @@ class Reference:
         strategy moves the model) get their inputs there and give their outputs back."""
         assert self.args is not None and self.output is not None
         cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731 - as the plugin's convert_input
-        args, kwargs = tree_map_only(Tensor, cast, self.args), tree_map_only(Tensor, cast, self.kwargs)
+        args, kwargs = torch_compat.map_tensors(cast, self.args), torch_compat.map_tensors(cast, self.kwargs)
         previous = torch.get_default_dtype()
         # eval and no grad as probe.eval_no_grad, written here: the quantization's walk enters probe.py twice already
         flags = [(m, m.training) for m in module.modules()]
@@ -142,7 +163,7 @@ class Reference:
         try:
             with torch.no_grad(), _on_their_devices(module, quantized), torch_compat.drawing_as(self.rngs):
                 torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
-                return outputs(module(*args, **kwargs))
+                return outputs(module(*args, **kwargs), self.echoed)
         finally:
             torch.set_default_dtype(previous)
             for m, training in flags:
@@ -249,4 +270,4 @@ def check_accuracy(
     return measured
 
 
-__all__ = ["KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_warning", "centred_cosine", "check_accuracy", "outputs"]
+__all__ = ["KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_warning", "centred_cosine", "check_accuracy", "echoes", "outputs"]

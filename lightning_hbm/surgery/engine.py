@@ -66,7 +66,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_map_only
 from torch.utils.data import DataLoader
 from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
@@ -564,7 +563,7 @@ def _first_of_the_pass(trainer: pl.Trainer, loader: Any) -> Any:
     first, loop_loader = kept
     if loop_loader is not loader:
         lightning_compat.hand_over_instead(trainer, loader, loop_loader)
-    return tree_map_only(torch.Tensor, torch.Tensor.clone, first)
+    return torch_compat.map_tensors(torch.Tensor.clone, first)
 
 
 def trainer_optimizers(plugin: Any, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> list[Optimizer]:
