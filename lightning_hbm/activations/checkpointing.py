@@ -33,7 +33,7 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.activations.replay import ForwardState
 from lightning_hbm.activations.selective import SelectivePolicy, format_matmuls, unkept_formats
-from lightning_hbm.activations.token_chunks import ChunkedForward, candidates
+from lightning_hbm.activations.token_chunks import ChunkedForward, candidates, inner_candidates
 from lightning_hbm.adapters.lora.order import LastAdapted, adapter_first, recomputing
 from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.naming import did_you_mean, has_submodule
@@ -422,7 +422,9 @@ class ActivationCheckpointing(SurgeryCallback):
             wants; on a CPU-only run the copy lands on the same device and saves nothing.
         mlp_chunks: recompute each block's token-wise layers that save most for backward (the MLP; a bf16 RMSNorm
             that computes in fp32, in the blocks and beside them) in this many chunks of tokens
-            in the backward, so that only one chunk's intermediates live at once (``policy="full"`` only). Which
+            in the backward, so that only one chunk's intermediates live at once (``policy="full"`` only); the
+            layers fed straight by a chunked one that keep a copy of their input (q/k/v behind ``input_layernorm``)
+            then keep nothing and remake it in the backward (whole, the same gradients bit for bit). Which
             layers is decided by running them on the first training step
             (:func:`lightning_hbm.activations.token_chunks.decide`); a block none of whose layers qualifies is named
             in a warning with the reasons (the planner decides on its fake tensors by following the layers' ops:
@@ -579,6 +581,8 @@ class ActivationCheckpointing(SurgeryCallback):
             _wrap(block, _BlockPlan(block, context_fn, self.offload, moves=index < moved))
             for _, layer in candidates(block) if self.mlp_chunks > 1 else ():
                 torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks, block=index))
+            for _, layer in inner_candidates(block) if self.mlp_chunks > 1 else ():
+                torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks, block=index, fed_only=True))
         for layer in _beside_blocks(module, [n for n, _ in chosen]) if self.mlp_chunks > 1 else ():
             torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks))
         self._chunk_report_due = self.mlp_chunks > 1
@@ -681,7 +685,7 @@ def report_chunks(module: nn.Module, blocks: Sequence[str], chunks: int) -> list
     for name in blocks:
         verdicts = {
             child: forward.verdict
-            for child, layer in candidates(module.get_submodule(name))
+            for child, layer in candidates(module.get_submodule(name)) + inner_candidates(module.get_submodule(name))
             for forward in [torch_compat.forward_override(layer)]
             if isinstance(forward, ChunkedForward) and forward.verdict is not None
         }

@@ -22,6 +22,15 @@ forward's values bit for bit), so the first layer's whole output is neither made
 during the second's backward; and each backward writes its input's gradient chunk by chunk into one tensor. At the 8B
 Llama shape the two took 89.0 -> 84.9 KB per token off the recomputed block's backward (``benchmarks/README.md``).
 
+The layers one level inside a block's layers (:func:`inner_candidates`: q/k/v inside the attention) are taken only when
+fed straight by a chunked layer and keeping a copy of their input (a LoRA projection keeps it for ``lora_A``'s
+gradient): they run whole as before but keep nothing; in the backward, once the last of the layers one chunked layer
+feeds has its output's gradient, their input is remade chunk by chunk from the chunked layer's kept input, each is
+recomputed on it whole in the forward's order and one backward runs through them all, so the gradients are the code
+before's bit for bit (summed over chunks they would round differently). At 8B the ``input_layernorm`` output is then not
+held through the block's backward: 84.9 -> 76.5 KB per token (Dec 5 2026), for one more forward of q/k/v per block
+(step time 1.00x to 1.04x on CPU, ``benchmarks/fed_projections_time.py``).
+
 Which layers: decided by running, on the first training call of each layer of a checkpointed block
 (:func:`decide`): a layer is chunked when it is called with one tensor and no keyword arguments, gives an output
 with the same tokens, saves for backward at least twice its input and output bytes per token (measured on one and
@@ -56,6 +65,16 @@ class _Box:
     ctx: Any = None
 
 
+class _Fed:
+    """One whole layer fed by a chunked source (kept in the source's context, in the forward's order): its call and,
+    in the backward, its output's gradient until the last of them arrives. Not the layer's context: the source's
+    context and its consumers' would then hold each other, and a graph the checkpoint recomputed (with the block's
+    input restored in it) would live until the garbage collector ran, one block's input more per block."""
+
+    def __init__(self, call: _Chunks) -> None:
+        self.call, self.grad = call, None
+
+
 class _KeepInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, box: _Box) -> Tensor:
@@ -75,6 +94,12 @@ class _ChunkedCall(torch.autograd.Function):
         ctx.stash = None  # the kept input, when a later chunked call unpacked it first (:func:`_kept_input`)
         if box is None and source is None:  # an input without a graph: nothing upstream to recompute it from
             ctx.save_for_backward(x)
+        ctx.fed = []  # as a source: the whole layers it feeds, in the forward's order (:class:`_Fed`)
+        if call.whole:  # called as the code before calls it: the same output, bit for bit
+            ctx.member = _Fed(call)
+            source.fed.append(ctx.member)
+            out = call.inner(x.detach())
+            return out.clone() if tensor_storage_key(out) == tensor_storage_key(x) else out
         # detached: tracers that hook module inputs (torch's MemTracker) need a tensor with a grad_fn or none
         chunks = call.split(x.detach())
         run = set(torch_compat.chunk_starts(len(chunks), 1, x))  # on fake tensors the others only allocate
@@ -85,6 +110,11 @@ class _ChunkedCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
+        if ctx.call.whole:  # its parameters' gradients are accumulated by _fed_backward's backward (None here)
+            return (_whole_backward(ctx, grad), None, None, None, *(None for _ in ctx.params))
+        if any(c.grad is not None for c in ctx.fed):  # a whole layer it feeds whose partners' backward never ran
+            flushed = _fed_backward(ctx)
+            grad = flushed if grad is None else grad + flushed
         call: _Chunks = ctx.call
         wants_x, wanted = ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
         params = [p for p, needed in zip(ctx.params, wanted) if needed]
@@ -124,6 +154,58 @@ class _ChunkedCall(torch.autograd.Function):
         return (grad_x, None, None, None, *(next(rest) if n else None for n in wanted))
 
 
+def _whole_backward(ctx: Any, grad: Tensor) -> Optional[Tensor]:
+    """The backward of a layer run whole, fed by a chunked source (:class:`_Chunks`' ``whole``: q/k/v fed by the
+    ``input_layernorm``): its output's gradient is kept until every layer the source feeds has its own; the last one
+    to arrive runs them all together (:func:`_fed_backward`) and returns the source output's gradient, the others
+    None (nothing to add)."""
+    ctx.member.grad = grad
+    return _fed_backward(ctx.source) if all(m.grad is not None for m in ctx.source.fed) else None
+
+
+def _fed_backward(source: Any) -> Tensor:
+    """The gradient of ``source``'s output through the whole layers it feeds whose output gradients arrived, taken as
+    the code before took it: their input remade (each chunk by the source's layer, the forward's values bit for bit),
+    each layer recomputed on it in the forward's order, and one backward through them all, so that the six
+    contributions of q/k/v's base and LoRA paths add up in the order they did; their parameters' gradients are
+    accumulated by autograd as before (hooks included)."""
+    members = [c for c in source.fed if c.grad is not None]
+    x = _remade_input(source).detach().requires_grad_(True)
+    edges, grads = [], []
+    for member in members:
+        out = member.call.recompute(x)
+        # the output's gradient edge, not the output: its bytes (8 KiB per token for q_proj at 8B) go at once
+        edges.append(torch.autograd.graph.get_gradient_edge(out))
+        grads.append(member.grad)
+        member.grad = None
+        del out
+    params = [p for member in members for p in member.call.params]
+    torch.autograd.backward(edges, grads, inputs=[x, *params])
+    return x.grad if x.grad is not None else torch.zeros_like(x)
+
+
+def _remade_input(source: Any) -> Tensor:
+    """The output of ``source`` (a chunked layer) in the backward of the whole layers it feeds: remade chunk by chunk
+    from its kept input, each chunk written into one tensor (the chunks gathered and joined would hold it twice); the
+    source's input is left stashed for the source's own backward."""
+    kept = _kept_input(source)
+    source.stash = kept
+    chunks = source.call.split(kept)
+    run = set(torch_compat.chunk_starts(len(chunks), 1, kept))  # on fake tensors the others only allocate
+    whole: Optional[Tensor] = None
+    row = 0
+    for i, chunk in enumerate(chunks):
+        rows, row = row, row + chunk.numel() // chunk.shape[-1]
+        if i not in run:
+            continue
+        part = source.call.rerun(chunk)
+        if whole is None:
+            whole = part.new_empty(*kept.shape[:-1], part.shape[-1])
+        whole.view(-1, part.shape[-1])[rows:row].copy_(part.reshape(-1, part.shape[-1]))
+    assert whole is not None  # split gives at least one chunk, and chunk_starts runs the first
+    return whole
+
+
 def _kept_input(ctx: Any) -> Tensor:
     """The input a ``_ChunkedCall`` kept (through its ``_KeepInput``, or itself), unpacked once: a checkpoint's saved
     tensor may be unpacked only once per backward, and the chunked call after it (:func:`_source`) reads it first."""
@@ -158,18 +240,24 @@ def _source(x: Tensor, chunks: int) -> Any:
     node: Any = x.grad_fn  # a custom Function's node is its ctx: the attributes its forward set
     chunked = isinstance(node, _ChunkedCall._backward_cls)  # type: ignore[attr-defined]  # torch sets it on every Function
     # a source keeps its own input: a layer that remakes its input is no source (no chains of three)
-    return node if chunked and node.call.chunks == chunks and node.source is None else None
+    return node if chunked and node.call.chunks == chunks and node.source is None and not node.call.whole else None
 
 
 class _Chunks:
     """One layer's own forward, how many token-chunks to run it in, and the autocast state of its forward.
 
+    ``whole``: the layer runs whole in the forward and its backward (a layer fed by a chunked source whose gradients must
+    stay the code before's: summed over chunks they would round differently); only its input is remade in chunks.
+
     The backward runs outside the forward's ``torch.autocast`` (the autograd engine does not carry it), so the
     recompute enters it again, as ``torch.utils.checkpoint`` does: under ``bf16-mixed`` it computes in bfloat16 too.
     """
 
-    def __init__(self, inner: Any, chunks: int, device_type: str, block: Optional[int] = None) -> None:
-        self.inner, self.chunks, self.device_type, self.block = inner, chunks, device_type, block
+    def __init__(
+        self, inner: Any, chunks: int, device_type: str, block: Optional[int] = None, whole: bool = False, params: tuple = ()
+    ) -> None:
+        self.inner, self.chunks, self.device_type, self.block, self.whole = inner, chunks, device_type, block, whole
+        self.params = params  # a whole layer's trainable parameters (their gradients: see _fed_backward)
         self.autocast = torch.is_autocast_enabled(device_type)
         self.autocast_dtype = torch.get_autocast_dtype(device_type)
 
@@ -191,10 +279,12 @@ class ChunkedForward:
 
     A picklable object (not a closure) kept in the layer's ``__dict__``, like the block's own checkpointed forward.
     ``verdict`` is ``None`` until the first training call, then ``""`` (chunked) or the reason it is not.
+    ``fed_only``: a layer inside one of the block's layers (:func:`inner_candidates`: q/k/v inside the attention),
+    chunked only when fed straight by a chunked layer and it keeps a copy of its input (:func:`decide`'s ``fed``).
     """
 
-    def __init__(self, layer: nn.Module, chunks: int, block: Optional[int] = None) -> None:
-        self.layer, self.chunks = layer, chunks
+    def __init__(self, layer: nn.Module, chunks: int, block: Optional[int] = None, fed_only: bool = False) -> None:
+        self.layer, self.chunks, self.fed_only = layer, chunks, fed_only
         #: the checkpointed block the layer is in (a number per block; ``None``: outside every block, the final norm):
         #: a layer remakes its input only from a source in its own block (:meth:`__call__`)
         self.block = block
@@ -211,11 +301,15 @@ class ChunkedForward:
             return self.inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
         # the planner's trace (fake tensors) decides by following the ops (token_rows), apart from the real verdict,
         # which the first real training step always makes
+        if self.fed_only and not (args and isinstance(args[0], Tensor) and _source(args[0], self.chunks) is not None):
+            # not fed straight by a chunked layer (block 0's q/k/v behind a norm that gets no gradient, or a call from
+            # its parent's decide): as before; no verdict either, the next fed call decides
+            return self.inner(*args, **kwargs)
         fake = any(torch_compat.is_fake(a) for a in args if isinstance(a, Tensor))
         if (self.fake_verdict if fake else self.verdict) is None:
             # identity hooks: what the test saves must not land in the block checkpoint's count of saved tensors
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                verdict = decide(self.layer, self.inner, self.chunks, args, kwargs)
+                verdict = decide(self.layer, self.inner, self.chunks, args, kwargs, fed=self.fed_only)
             if fake:
                 self.fake_verdict = verdict
             else:
@@ -232,6 +326,9 @@ class ChunkedForward:
             # cost a rerun of that layer per step for nothing: outside the source's block it is kept anyway (the final
             # norm's own saved input, or the next block's checkpointed input)
             source = None
+        if self.fed_only and source is not None:  # run whole, its input remade from the source in the backward
+            call = _Chunks(self.inner, self.chunks, x.device.type, block=self.block, whole=True, params=params)
+            return _ChunkedCall.apply(x, call, None, source, *params)
         box = _Box() if x.requires_grad and source is None else None
         if box is not None:
             x = _KeepInput.apply(x, box)
@@ -265,6 +362,14 @@ def join(parts: list[Tensor], like: Tensor) -> Tensor:
     return whole
 
 
+def inner_candidates(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers one level inside :func:`candidates` (a Llama attention's q/k/v/o projections, the MLP's), chunked only
+    when fed straight by a chunked layer (``ChunkedForward(fed_only=True)``): q/k/v, fed by the chunked
+    ``input_layernorm``, then keep nothing and remake their input chunk by chunk from the norm's kept input."""
+    return [(f"{name}.{n}", c) for name, layer in candidates(block) for n, c in layer.named_children()
+            if not isinstance(c, (nn.ModuleList, nn.ModuleDict))]
+
+
 def candidates(block: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers of ``block`` that may be chunked: its children, and the items of a container child (T5's
     ``layer`` ModuleList), which is never called itself."""
@@ -278,13 +383,16 @@ def candidates(block: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def decide(
-    layer: nn.Module, inner: Any, chunks: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    layer: nn.Module, inner: Any, chunks: int, args: tuple[Any, ...], kwargs: dict[str, Any], fed: bool = False
 ) -> str:
     """``""`` if ``layer`` may be recomputed in ``chunks`` token-chunks, else why not (by running it).
 
     Decided on the first training call, with the real input: a layer's code says nothing reliable about whether it
     mixes tokens (attention does, a convolution does, a BatchNorm over tokens does in training mode), draws random
     numbers, saves enough for backward to be worth chunking, or reaches parameters it does not own.
+    ``fed``: the layer's input comes straight from a chunked layer; it then pays when the layer keeps at least its
+    input's bytes per token (a LoRA projection keeps its input for ``lora_A``'s gradient): chunked, it keeps nothing and
+    its input, the chunked layer's output, is neither kept nor made again whole (:func:`_source`).
     """
     if kwargs or len(args) != 1 or not isinstance(args[0], Tensor) or args[0].dim() < 2:
         return "not called with one tensor of tokens"
@@ -309,9 +417,11 @@ def decide(
         # a layer that saves a wider copy of its tokens than it was given (a bf16 RMSNorm computing in fp32) runs its
         # backward in that width too: several such temporaries per token at once, whatever it saves
         threshold = UPCAST if wide else WIDENING
+        if fed:  # what pays is the copy of the input it keeps: chunked, it keeps none (the source remakes it)
+            threshold, per_token = 1.0, x[..., :1, :].numel() * x.element_size()
         if two - one < threshold * per_token:
-            return (f"saves {(two - one) / per_token:.1f}x its input and output per token for backward (chunks pay "
-                    f"from {threshold:g}x)")
+            what = "its input" if fed else "its input and output"
+            return f"saves {(two - one) / per_token:.1f}x {what} per token for backward (chunks pay from {threshold:g}x)"
         if fake:  # no values to compare: follow the ops instead (conservative: a refusal plans the whole recompute)
             reason = fake_rowwise_reason(layer, inner, x)
             if reason:
@@ -425,4 +535,4 @@ def _foreign_leaves(layer: nn.Module, out: Any, leaf: Tensor) -> int:
     return found
 
 
-__all__ = ["ChunkedForward", "candidates", "decide", "join", "split"]
+__all__ = ["ChunkedForward", "candidates", "decide", "inner_candidates", "join", "split"]

@@ -97,6 +97,22 @@ def test_token_chunks_are_planned_from_the_ops(model: str, tmp_path: Any) -> Non
     assert predicted.peak < whole.peak and predicted.cost > whole.cost
 
 
+def test_q_k_v_fed_by_the_chunked_norm_are_planned_to_the_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16 QLoRA Llama, 4 x 256 tokens: the chunked input_layernorm feeds q/k/v, which then keep nothing (their input
+    # remade in the backward): the plan follows it to MemTracker's byte, below the plan of the code before
+    from lightning_hbm.activations import checkpointing
+    from lightning_hbm.planner.reference import memtracker_peak
+
+    factory = partial(LlamaLM, **{**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2})
+    batch = tuple(t.contiguous() for t in synthetic_batch(4, 256))
+    chunked = Candidate("nf4-dq", lora_r=8, checkpointing="full", mlp_chunks=4)
+    predicted = predict(factory, batch, chunked)
+    assert predicted.peak == memtracker_peak(factory, batch, chunked)
+    monkeypatch.setattr(checkpointing, "inner_candidates", lambda block: [])  # the code before: q/k/v keep the norm's output
+    # the norm's output is 0.5 MiB (1024 tokens x 256 wide in bf16): 356,352 B less at the step's peak (Dec 5 2026)
+    assert predict(factory, batch, chunked).peak - predicted.peak >= 2**18
+
+
 @pytest.mark.parametrize("mode", ["nf4", "nf4-dq", "fp4-dq", "int8", "int8-dynamic"])
 def test_planned_quantized_storage_equals_real(mode: str) -> None:
     torch.manual_seed(0)
