@@ -292,7 +292,7 @@ def _remade(
     ``n`` up to ``most`` whose kept inputs fit ``host`` at ``result.tokens`` (each input alike; confirmed by a plan:
     the device holds what it held, the remade input taking the place of the restored one), else ``most`` at the
     longest length whose kept inputs fit (:func:`_host_fit`, confirmed)."""
-    prediction, tokens = result.prediction, result.tokens
+    prediction, tokens, at = result.prediction, result.tokens, result.tokens
     inputs = host - (prediction.host - host_bytes(prediction)[HOST_ACTIVATIONS])
     sizes, blocks = prediction.host_sizes, prediction.offloaded_blocks
     none = dataclasses.replace(result, tokens=0)  # no length: the caller keeps its own answer
@@ -301,19 +301,22 @@ def _remade(
     each = sum(sizes) / len(sizes)  # one block's inputs at tokens
 
     def kept(n: int, length: int) -> int:  # pinned bytes of the inputs every n-th block keeps
-        return -(-blocks // n) * pinned_footprint(-(-int(each) * length // tokens))
+        return -(-blocks // n) * pinned_footprint(-(-int(each) * length // at))
 
     n = next((n for n in range(2, most + 1) if kept(n, tokens) <= inputs), most)
-    planned = lengths(n)
+    planned, by_host = lengths(n), False
     for _ in range(_CONFIRMS):
         if kept(n, tokens) > inputs:
-            tokens = _host_fit([int(each)] * -(-blocks // n), tokens, inputs, planned.step) if tokens else 0
+            by_host = True
+            tokens = _host_fit([int(each)] * -(-blocks // n), at, inputs, planned.step) if tokens else 0
+            tokens = min(tokens, at)
         if tokens < planned.step:
             return none
         remade = planned.predict_at(tokens)
         if remade.total <= result.budget and remade.host <= host:
-            limit = (f"{_held_by(remade)}; the input of one block in {n} kept, the others remade "
-                     f"(host RAM {format_bytes(host)})")
+            held = f"host RAM {format_bytes(host)}" if by_host else _held_by(remade)
+            limit = f"{held}; the input of one block in {n} kept, the others remade" + (
+                "" if by_host else f" (host RAM {format_bytes(host)})")
             return planned.result(result.budget, tokens, batch_size, limit)
         tokens -= max(planned.step, _slack(tokens, planned.step))
     return none
