@@ -10,6 +10,7 @@ CPU machine (fake tensors, nothing allocated), with the CUDA context it counts; 
     python benchmarks/max_context.py                     # 8B at 8..80 GiB, 70B at 48 and 80 GiB: the README table
     python benchmarks/max_context.py --shape 8b --budgets 24
     python benchmarks/max_context.py --shape 8b --host-budget 64   # a machine with 64 GiB of RAM for the offload
+    python benchmarks/max_context.py --shape 8b --host-budget 64 --max-regenerate 4  # and block inputs remade
     python benchmarks/max_context.py --gpu-check         # CUDA: train 2 steps at the predicted 8B length for the device
     python benchmarks/max_context.py --offload-cost      # CUDA: step time with and without the activation offload
 
@@ -65,11 +66,11 @@ def callbacks() -> list:
     return [LoRA(r=32, alpha=64.0, target_modules=PROJECTIONS), MemoryEfficientOptimizer(kind="adamw8bit")]
 
 
-def table(shape: str, budgets: list[int], host_budget: Optional[int] = None) -> None:
+def table(shape: str, budgets: list[int], host_budget: Optional[int] = None, max_regenerate: int = 1) -> None:
     config, published = SHAPES[shape]
     start, cpu = time.perf_counter(), time.process_time()
     results = max_context(partial(LlamaLM, **config), [f"{b}GiB" for b in budgets], plugin=plugin(), callbacks=callbacks(),
-                          host_budget=None if host_budget is None else f"{host_budget}GiB")
+                          host_budget=None if host_budget is None else f"{host_budget}GiB", max_regenerate=max_regenerate)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     options = plugin()
     host = "" if host_budget is None else f"; host RAM at most {host_budget} GiB"
@@ -81,6 +82,7 @@ def table(shape: str, budgets: list[int], host_budget: Optional[int] = None) -> 
         unsloth, hf = published.get(gib, (None, None))
         ratio = f"{result.tokens / unsloth:.2f}x" if unsloth else "-"
         offload = "" if result.choices["offload"] else " (no offload)"
+        offload += f" (regenerate={result.choices['regenerate']})" if result.choices["regenerate"] > 1 else ""
         print(f"| {gib} GiB | {result.tokens:,}{offload} | {format_bytes(result.host)} | {format_bytes(result.prediction.total)} "
               f"| {ratio} | {unsloth and f'{unsloth:,}' or '-'} | {hf and f'{hf:,}' or 'OOM'} | {result.limit} |", flush=True)
 
@@ -162,6 +164,8 @@ if __name__ == "__main__":
     parser.add_argument("--shape", choices=list(SHAPES), default=None, help="one shape (default: both)")
     parser.add_argument("--budgets", nargs="*", type=int, default=None, help="GiB (default: the published sizes)")
     parser.add_argument("--host-budget", type=int, default=None, help="GiB of host RAM the offload may pin")
+    parser.add_argument("--max-regenerate", type=int, default=1,
+                        help="with --host-budget: the most blocks per kept input max_context may choose (the others remade)")
     parser.add_argument("--gpu-check", action="store_true")
     parser.add_argument("--offload-cost", action="store_true")
     args = parser.parse_args()
@@ -171,4 +175,4 @@ if __name__ == "__main__":
         gpu_check()
     else:
         for shape in [args.shape] if args.shape else list(SHAPES):
-            table(shape, args.budgets or sorted(SHAPES[shape][1]), args.host_budget)
+            table(shape, args.budgets or sorted(SHAPES[shape][1]), args.host_budget, args.max_regenerate)

@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
+from lightning_hbm.activations.regenerate import InputHooks, Record, Remade, inner_forward
 from lightning_hbm.activations.replay import ForwardState
 from lightning_hbm.activations.selective import SelectivePolicy, format_matmuls, unkept_formats
 from lightning_hbm.activations.token_chunks import ChunkedForward, candidates, inner_candidates
@@ -321,6 +322,13 @@ class _BlockPlan:
         #: whether this block's inputs go through ``offload`` (partial offload: the first blocks only); a block that
         #: keeps them on the device still holds ``offload`` to end the previous block's copy in flight
         self.moves = moves
+        #: ``regenerate=n``: the plan of the block before, whose forward remakes this block's input in the backward
+        #: (:mod:`lightning_hbm.activations.regenerate`), and whether this block's forward is recorded for the next one
+        self.remade_from: Optional[_BlockPlan] = None
+        self.feeds = False
+        self.pending: Optional[Record] = None  # the record of this block's last forward, until the next block takes it
+        self.counts: Optional[Remade] = None
+        self.name = ""
 
 
 class _CheckpointedForward(CheckpointedForward):
@@ -342,7 +350,7 @@ def _unwrap(block: nn.Module) -> None:
 
 
 def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kwargs: Any) -> Any:
-    inner = plan.own_forward or functools.partial(type(self).forward, self)
+    inner = inner_forward(self, plan.own_forward)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
     extra: dict[str, Any] = {} if plan.context_fn is None else {"context_fn": plan.context_fn}
@@ -359,8 +367,26 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
         plan.offload.settle()  # the offloaded blocks are behind: the last one's copy had this whole block to finish
     # The offload hooks are outside the checkpoint: what checkpoint itself saves (the block's
     # inputs) goes through them; what it recomputes never does.
-    with plan.offload if plan.offload is not None and plan.moves else nullcontext():
-        return checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
+    hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = plan.offload if plan.offload is not None and plan.moves else None
+    record = None
+    if plan.counts is not None and (plan.feeds or plan.remade_from is not None):  # regenerate=n
+        source, record = None, None
+        if plan.remade_from is not None:
+            source, plan.remade_from.pending = plan.remade_from.pending, None
+        if plan.feeds:
+            unpack = hooks.unpack_hook if hooks is not None else _same
+            record = Record(self, inner, args, kwargs, state, unpack)
+        hooks = InputHooks(hooks, source, record, plan.counts, plan.name)
+    with hooks if hooks is not None else nullcontext():
+        out = checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
+    if record is not None:
+        record.returned(out)
+        plan.pending = record
+    return out
+
+
+def _same(tensor: Tensor) -> Tensor:
+    return tensor
 
 
 def _device_available(device: torch.device) -> bool:
@@ -431,6 +457,11 @@ class ActivationCheckpointing(SurgeryCallback):
             :mod:`lightning_hbm.activations.token_rows`). Same arithmetic, but each chunk dequantizes a quantized base again:
             measured on CPU at the 100M shape (1024 tokens), 2 chunks cost 4 % of the step and 4 chunks 9 %
             (``benchmarks/README.md``). ``1`` (the default): no chunks.
+        regenerate: keep the input of every ``regenerate``-th checkpointed block only (blocks 0, n, 2n, ...: offloaded
+            or on the device as ``offload`` says); each block between remakes its input in the backward by running the
+            blocks before it forward again from the kept one (:mod:`lightning_hbm.activations.regenerate`): ``1/n`` of
+            the inputs' memory (the host's, offloaded) for ``(n-1)/2`` more block forwards per block, the same
+            gradients. ``policy="full"`` and ``every=1`` only. ``1`` (the default): every input kept.
 
     Applied at lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`, stage
     ``CHECKPOINTING``): after quantization and adapters, before the optimizer exists.
@@ -462,8 +493,10 @@ class ActivationCheckpointing(SurgeryCallback):
         offload: Union[bool, int] = False,
         offload_device: str = "cpu",
         mlp_chunks: int = 1,
+        regenerate: int = 1,
     ) -> None:
         check_args(ActivationCheckpointing.__init__, locals())
+        _check_regenerate(regenerate, policy, every)
         if not isinstance(offload, bool) and offload < 0:
             raise ValueError(
                 f"ActivationCheckpointing(offload={offload!r}): a number of blocks must be >= 0 (the first {offload!r} "
@@ -501,6 +534,10 @@ class ActivationCheckpointing(SurgeryCallback):
         self.blocks = list(blocks) if blocks is not None else None
         self.every = every
         self.mlp_chunks = mlp_chunks
+        self.regenerate = regenerate
+        #: inputs remade in the step's backward (``regenerate > 1``), and the blocks that could not remake theirs
+        self.remade = Remade()
+        self._remade_warned: set[str] = set()
         self.offload: Optional[OffloadSavedTensors] = OffloadSavedTensors(device) if offload else None
         #: how many of the checkpointed blocks (the first ones) offload their inputs; None: every one (offload=True)
         self.offload_blocks: Optional[int] = None if isinstance(offload, bool) else offload
@@ -577,8 +614,10 @@ class ActivationCheckpointing(SurgeryCallback):
         # off the device free k inputs; the last k would free k - 2 there (the last block's input is back on the
         # device to be used, and the one before it prefetched), and k - 1 at the end of the forward (one in flight).
         moved = len(chosen) if self.offload_blocks is None else self.offload_blocks
-        for index, (_, block) in enumerate(chosen):
-            _wrap(block, _BlockPlan(block, context_fn, self.offload, moves=index < moved))
+        plans = [_BlockPlan(block, context_fn, self.offload, moves=index < moved) for index, (_, block) in enumerate(chosen)]
+        self._link(plans, [n for n, _ in chosen])
+        for plan, (_, block) in zip(plans, chosen):
+            _wrap(block, plan)
             for _, layer in candidates(block) if self.mlp_chunks > 1 else ():
                 torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks, block=index))
             for _, layer in inner_candidates(block) if self.mlp_chunks > 1 else ():
@@ -591,15 +630,28 @@ class ActivationCheckpointing(SurgeryCallback):
         self.offloaded = self.checkpointed[:moved] if self.offload is not None else []
         _disable_hf_cache(module)
         offloaded = "" if self.offload is None else ", offload" if self.offload_blocks is None else f", offload of the first {moved}"
+        remade = "" if self.regenerate == 1 else f", the input of one block in {self.regenerate} kept, the others remade"
         rank_zero_info(
-            f"lightning_hbm: activation checkpointing ({self.policy}{offloaded}) "
+            f"lightning_hbm: activation checkpointing ({self.policy}{offloaded}{remade}) "
             f"on {len(chosen)} blocks ({', '.join(dict.fromkeys(type(b).__name__ for _, b in chosen))})"
         )
+
+    def _link(self, plans: list[_BlockPlan], names: list[str]) -> None:
+        """``regenerate=n``: each block but every n-th remakes its input from the block before (chained)."""
+        self.remade = Remade()
+        if self.regenerate == 1:
+            return
+        for index, (plan, name) in enumerate(zip(plans, names)):
+            plan.counts, plan.name = self.remade, name
+            if index % self.regenerate:
+                plan.remade_from = plans[index - 1]
+                plans[index - 1].feeds = True
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.offload is not None:
             self.offload.reset_counts()
+        self.remade.reset()
         if self._order_due:
             self._order_due = False
             restored, self._restored_order = self._restored_order, None
@@ -631,6 +683,20 @@ class ActivationCheckpointing(SurgeryCallback):
                 )
         if self.offload is not None:
             pl_module.log("activations/offloaded_bytes", float(self.offload.copied_bytes), on_step=True, on_epoch=False)
+        self.warn_unremade()
+
+    def warn_unremade(self) -> None:
+        """Warn (once per block) about blocks ``regenerate`` chose to remake the input of that kept it instead."""
+        new = [n for n in self.remade.unmatched if n not in self._remade_warned]
+        if new:
+            self._remade_warned.update(new)
+            rank_zero_warn(
+                f"lightning_hbm: ActivationCheckpointing(regenerate={self.regenerate}) could not remake the input of "
+                f"{len(new)} block(s) ({new[:3]}): it is not the output of the block before as that block returned it "
+                "(the model changes the hidden states between blocks), so they keep their inputs as without "
+                "regenerate (more memory than planned that way). Use regenerate=1, or checkpoint blocks that feed "
+                "each other directly."
+            )
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -639,6 +705,20 @@ class ActivationCheckpointing(SurgeryCallback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored_order = state_dict.get("adapter_first")
+
+
+def _check_regenerate(regenerate: int, policy: str, every: int) -> None:
+    if isinstance(regenerate, bool) or not isinstance(regenerate, int) or regenerate < 1:
+        raise ValueError(
+            f"ActivationCheckpointing(regenerate={regenerate!r}): must be an int >= 1 (1 keeps every block's input, "
+            "2 every second one, the others remade in the backward)."
+        )
+    if regenerate > 1 and (policy != "full" or every != 1):
+        raise ValueError(
+            f"ActivationCheckpointing(regenerate={regenerate}, policy={policy!r}, every={every}): remade inputs need "
+            "policy='full' and every=1 (a block's input is remade from the checkpointed block just before it). Use "
+            "policy='full', every=1, or regenerate=1."
+        )
 
 
 def check_offload_blocks(count: Optional[int], blocks: int) -> None:

@@ -327,9 +327,10 @@ def predict(
     uncut = ""
     # named blocks: cutting the list would rename them; a mixed-precision plan differs block by block (no line);
     # checkpointing every n-th block of a list built in configure_model: the cuts depend on its length (_cuts)
+    # a partial offload with remade inputs: its count is of blocks, not of units (no line is built for it)
     if extrapolate is False or candidate.blocks is not None or candidate.layer_modes is not None or (
         _every(candidate) > 1 and _block_list(model.module)[1] == 0
-    ):
+    ) or (count is not None and _remakes(candidate)):
         result = trace(model, batch, candidate, device, keep_blocks=None)
     else:
         try:
@@ -492,8 +493,15 @@ def offload_blocks(candidate: Candidate) -> Optional[int]:
 
 
 def _every(candidate: Candidate) -> int:
+    """The blocks of one unit the cuts count in: ``every`` (one checkpointed block, the rest not), or ``regenerate``
+    (one block keeping its input, the rest remaking theirs)."""
     configured = candidate.configured[1] if candidate.configured is not None else ()
-    return next((c.every for c in configured if isinstance(c, ActivationCheckpointing)), 1)
+    return next((c.every * c.regenerate for c in configured if isinstance(c, ActivationCheckpointing)), 1)
+
+
+def _remakes(candidate: Candidate) -> bool:
+    configured = candidate.configured[1] if candidate.configured is not None else ()
+    return any(isinstance(c, ActivationCheckpointing) and c.regenerate > 1 for c in configured)
 
 
 @dataclass

@@ -8,7 +8,10 @@ what trades step time for memory, and reports each choice (:attr:`ContextResult.
 * ``offload=True`` on ``device="cuda"``: those inputs go to pinned host memory (the ``host_activations`` term),
   unless a ``host_budget`` is too small for them and the length without offload is as long;
 * ``mlp_chunks``: each block's MLP recomputed in token chunks (a power of two near 4x its widening, at most 32);
-* ``FusedLoss``: the loss chunk by chunk; its chunk is the automatic one (``FusedLoss.chunk_size=None``, reported).
+* ``FusedLoss``: the loss chunk by chunk; its chunk is the automatic one (``FusedLoss.chunk_size=None``, reported);
+* ``regenerate``: with ``max_regenerate > 1`` and a ``host_budget`` the offloaded inputs overflow, only every n-th
+  block keeps its input, the others remade in the backward (:mod:`lightning_hbm.activations.regenerate`; the smallest
+  n that fits the host, at most ``max_regenerate``: ``(n-1)/2`` more block forwards per block).
 
 How, fast: the peak of a step is affine plus quadratic in the sequence length (attention may be quadratic where no
 fused kernel saves only a log-sum-exp), so :func:`plan` runs at three lengths; each budget, shortest first, is solved
@@ -24,6 +27,7 @@ short of the longest that does; these are predictions, not measurements. Seven b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -69,7 +73,8 @@ class ContextResult:
         budget: bytes the total (peak + CUDA context) must fit in.
         tokens: the longest sequence length per sample that fits (0: not even ``multiple_of`` tokens).
         prediction: the plan at ``tokens`` (host terms included: :attr:`host`); at ``multiple_of`` when nothing fits.
-        choices: what max_context set: ``checkpointing``, ``offload``, ``mlp_chunks``, ``loss_chunk_tokens``.
+        choices: what max_context set: ``checkpointing``, ``offload``, ``mlp_chunks``, ``loss_chunk_tokens``,
+            ``regenerate``.
         limit: why not longer: the largest device term at ``tokens``; when nothing fits, the term that alone is over.
     """
 
@@ -101,6 +106,7 @@ def max_context(
     batch_fn: Optional[Callable[[int], Any]] = None,
     multiple_of: int = 1,
     host_budget: Union[str, int, None] = None,
+    max_regenerate: int = 1,
 ) -> Union[ContextResult, list[ContextResult]]:
     """The longest sequence length per sample that trains within ``budget`` (one size, or a list: one result each).
 
@@ -118,6 +124,10 @@ def max_context(
         host_budget: host RAM the run may take (``"64GiB"``), or None (no limit). The offloaded block inputs are
             pinned in power-of-two pieces (:func:`~lightning_hbm.activations.pinned_footprint`); over this budget, the answer is the longer
             of the longest offloaded length that fits it and the longest without offload (both planned).
+        max_regenerate: with a ``host_budget`` the offloaded inputs overflow, ``ActivationCheckpointing(regenerate=n)``
+            for the smallest ``n`` up to this whose kept inputs fit it (each other block remakes its input in the
+            backward: ``(n-1)/2`` more block forwards per block); the answer is the longer of that and the one without.
+            ``1`` (the default): every block keeps its input.
 
     Returns:
         A :class:`ContextResult`, or a list of them in the order of ``budget``.
@@ -129,7 +139,7 @@ def max_context(
     budgets = [parse_bytes(b) for b in budget] if isinstance(budget, (list, tuple)) else [parse_bytes(budget)]  # type: ignore[arg-type]  # a str or int
     if not budgets:
         raise ValueError("max_context(budget=[]): give at least one size, e.g. '24GiB'.")
-    for name, value in (("batch_size", batch_size), ("multiple_of", multiple_of)):
+    for name, value in (("batch_size", batch_size), ("multiple_of", multiple_of), ("max_regenerate", max_regenerate)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"max_context({name}={value!r}): must be an int >= 1.")
     if device not in ("cpu", "cuda"):
@@ -138,8 +148,9 @@ def max_context(
     template = build_template(model)
     make_batch = batch_fn if batch_fn is not None else _token_batches(template, batch_size)
 
-    def lengths(offload: bool) -> _Lengths:
-        return _Lengths(template, plugin, list(callbacks or ()), strategy, make_batch, device, multiple_of, offload)
+    def lengths(offload: bool, regenerate: int = 1) -> _Lengths:
+        return _Lengths(template, plugin, list(callbacks or ()), strategy, make_batch, device, multiple_of, offload,
+                        regenerate)
 
     planned = lengths(device == "cuda")
     unoffloaded = functools.cache(lambda: lengths(False))  # planned only when a host budget is too small for offload
@@ -147,7 +158,11 @@ def max_context(
     for limit in sorted(set(budgets)):  # shortest first: each budget's confirmed lengths sharpen the next one's guess
         solved[limit] = _solve(limit, planned, batch_size)
         if host_limit is not None and solved[limit].host > host_limit:
-            solved[limit] = _within_host(solved[limit], host_limit, planned, unoffloaded, batch_size)
+            device_bound = solved[limit]
+            solved[limit] = _within_host(device_bound, host_limit, planned, unoffloaded, batch_size)
+            if max_regenerate > 1:
+                remade = _remade(device_bound, host_limit, max_regenerate, functools.partial(lengths, True), batch_size)
+                solved[limit] = max(solved[limit], remade, key=lambda r: r.tokens)
     results = [solved[limit] for limit in budgets]
     return results if isinstance(budget, (list, tuple)) else results[0]
 
@@ -156,8 +171,9 @@ class _Lengths:
     """One configuration planned at many lengths: every plan kept, what only decides structure decided once."""
 
     def __init__(self, template: Template, plugin: Any, callbacks: list[Any], strategy: Any,
-                 make_batch: Callable[[int], Any], device: str, step: int, offload: bool) -> None:
-        own, self.choices = _configuration(template, callbacks, device, offload)
+                 make_batch: Callable[[int], Any], device: str, step: int, offload: bool, regenerate: int = 1) -> None:
+        own, self.choices = _configuration(template, callbacks, device, offload, regenerate)
+        self.regenerate = regenerate
         self.candidate = Candidate.from_trainer(plugin, own, strategy)
         self.template, self.make_batch, self.device, self.step = template, make_batch, device, step
         self._trainer = (plugin, callbacks, strategy)
@@ -184,7 +200,7 @@ class _Lengths:
             return self.candidate
         if offload not in self._partial:
             plugin, callbacks, strategy = self._trainer
-            own, _ = _configuration(self.template, callbacks, self.device, offload)
+            own, _ = _configuration(self.template, callbacks, self.device, offload, self.regenerate)
             self._partial[offload] = Candidate.from_trainer(plugin, own, strategy)
         return self._partial[offload]
 
@@ -267,6 +283,43 @@ def _within_host(
         return lengths.result(budget, partial, batch_size, limit, offload=count)
     limit = f"host RAM {format_bytes(host)} (the pinned block inputs; without offload {plain.tokens:,} tokens)"
     return lengths.result(budget, tokens, batch_size, limit)
+
+
+def _remade(
+    result: ContextResult, host: int, most: int, lengths: Callable[[int], _Lengths], batch_size: int
+) -> ContextResult:
+    """``result`` (every input offloaded, over ``host``) with only every n-th block keeping its input: the smallest
+    ``n`` up to ``most`` whose kept inputs fit ``host`` at ``result.tokens`` (each input alike; confirmed by a plan:
+    the device holds what it held, the remade input taking the place of the restored one), else ``most`` at the
+    longest length whose kept inputs fit (:func:`_host_fit`, confirmed)."""
+    prediction, tokens, at = result.prediction, result.tokens, result.tokens
+    inputs = host - (prediction.host - host_bytes(prediction)[HOST_ACTIVATIONS])
+    sizes, blocks = prediction.host_sizes, prediction.offloaded_blocks
+    none = dataclasses.replace(result, tokens=0)  # no length: the caller keeps its own answer
+    if inputs <= 0 or not sizes or blocks < 2:
+        return none
+    each = sum(sizes) / len(sizes)  # one block's inputs at tokens
+
+    def kept(n: int, length: int) -> int:  # pinned bytes of the inputs every n-th block keeps
+        return -(-blocks // n) * pinned_footprint(-(-int(each) * length // at))
+
+    n = next((n for n in range(2, most + 1) if kept(n, tokens) <= inputs), most)
+    planned, by_host = lengths(n), False
+    for _ in range(_CONFIRMS):
+        if kept(n, tokens) > inputs:
+            by_host = True
+            tokens = _host_fit([int(each)] * -(-blocks // n), at, inputs, planned.step) if tokens else 0
+            tokens = min(tokens, at)
+        if tokens < planned.step:
+            return none
+        remade = planned.predict_at(tokens)
+        if remade.total <= result.budget and remade.host <= host:
+            held = f"host RAM {format_bytes(host)}" if by_host else _held_by(remade)
+            limit = f"{held}; the input of one block in {n} kept, the others remade" + (
+                "" if by_host else f" (host RAM {format_bytes(host)})")
+            return planned.result(result.budget, tokens, batch_size, limit)
+        tokens -= max(planned.step, _slack(tokens, planned.step))
+    return none
 
 
 def _partial_fit(result: ContextResult, inputs: int, host: int, shortest: int, lengths: _Lengths) -> tuple[int, int]:
@@ -451,7 +504,7 @@ def _mlp_chunks(template: Template) -> int:
 
 
 def _configuration(
-    template: Template, callbacks: list[Any], device: str, offload: Union[bool, int]
+    template: Template, callbacks: list[Any], device: str, offload: Union[bool, int], regenerate: int = 1
 ) -> tuple[list[Any], dict[str, Any]]:
     """The user's callbacks with max_context's ``ActivationCheckpointing`` and ``FusedLoss``; the choices made."""
     checkpointing = next((c for c in callbacks if isinstance(c, ActivationCheckpointing)), None)
@@ -459,9 +512,10 @@ def _configuration(
     kept = [c for c in callbacks if not isinstance(c, (ActivationCheckpointing, FusedLoss))]
     chunks = _mlp_chunks(template)
     blocks = checkpointing.blocks if checkpointing is not None else None
-    kept.append(ActivationCheckpointing("full", blocks=blocks, offload=offload, mlp_chunks=chunks))
+    kept.append(ActivationCheckpointing("full", blocks=blocks, offload=offload, mlp_chunks=chunks, regenerate=regenerate))
     kept.append(FusedLoss(heads=loss.heads if loss is not None else None))
-    choices = {"checkpointing": "full", "offload": offload, "mlp_chunks": chunks, "loss_chunk_tokens": None}
+    choices = {"checkpointing": "full", "offload": offload, "mlp_chunks": chunks, "loss_chunk_tokens": None,
+               "regenerate": regenerate}
     return kept, choices
 
 

@@ -1,0 +1,68 @@
+"""Remade block inputs (``ActivationCheckpointing(regenerate=n)``) planned: the line cut in units of ``n`` blocks equals
+the whole model traced, MemTracker measures the planned peak, and ``max_context(max_regenerate=...)`` uses them where
+a host budget cannot hold every offloaded input."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Union
+
+import pytest
+
+from lightning_hbm import LoRA
+from lightning_hbm.activations.checkpointing import ActivationCheckpointing, pinned_footprint
+from lightning_hbm.data import synthetic_batch
+from lightning_hbm.models import LlamaLM
+from lightning_hbm.planner import CUDA_CONTEXT_BYTES, Candidate, max_context
+from lightning_hbm.planner.api import predict
+from lightning_hbm.planner.reference import memtracker_peak
+from tests.planner.test_context import _HostOutsideTorch
+
+STEP = 256
+
+
+def _llama(layers: int, positions: int = 2048) -> Any:
+    return partial(LlamaLM, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions)  # fmt: skip
+
+
+def _candidate(offload: Union[bool, int], regenerate: int) -> Candidate:
+    return Candidate.from_trainer(None, [LoRA(r=4), ActivationCheckpointing("full", offload=offload, regenerate=regenerate)])
+
+
+def test_remade_inputs_are_planned_by_a_line_cut_in_units_and_free_the_host_not_the_device() -> None:
+    # 16 blocks, regenerate=3: the units 0-2, 3-5, ..., 15; cut to 7 and 10 blocks, the line is the whole model's
+    factory, batch = _llama(16), tuple(t.contiguous() for t in synthetic_batch(1, 512, vocab_size=512))
+    cut = predict(factory, batch, _candidate(True, 3), device="cuda")
+    whole = predict(factory, batch, _candidate(True, 3), device="cuda", extrapolate=False)
+    assert (cut.categories, cut.side, cut.host_sizes) == (whole.categories, whole.side, whole.host_sizes) and not cut.uncut
+    kept = predict(factory, batch, _candidate(True, 1), device="cuda")
+    block_input = 512 * 64 * 4
+    assert cut.host_sizes == (block_input,) * 6 and kept.host_sizes == (block_input,) * 16  # blocks 0, 3, ..., 15 keep
+    assert cut.peak == kept.peak  # the remade input takes the place of the restored one
+
+
+@pytest.mark.slow
+def test_remade_inputs_free_on_the_device_what_memtracker_measures() -> None:
+    # a partial offload: the first 3 checkpointed blocks offload (0 and 2 keep theirs there), the others keep theirs
+    # on the device, one in two remade; MemTracker's peak is the plan's to the byte: three block inputs (blocks 3, 5
+    # and 7 remade, 4 and 6 kept on the device) less than without
+    factory, batch = _llama(8), tuple(t.contiguous() for t in synthetic_batch(1, 1024, vocab_size=512))
+    checkpointing = ActivationCheckpointing("full", offload=3, regenerate=2)
+    checkpointing.offload = _HostOutsideTorch("cpu")
+    measured = memtracker_peak(factory, batch, Candidate.from_trainer(None, [LoRA(r=4), checkpointing]))
+    planned = predict(factory, batch, _candidate(3, 2), device="cuda")
+    assert measured == planned.peak and planned.host == 2 * pinned_footprint(1024 * 64 * 4)
+    assert predict(factory, batch, _candidate(3, 1), device="cuda").peak - planned.peak == 3 * 1024 * 64 * 4
+
+
+@pytest.mark.slow
+def test_a_host_budget_too_small_for_every_input_remakes_half_of_them() -> None:
+    # 16 blocks, 24 MiB beside the CUDA context: 6,144 tokens without a host limit, 16 inputs of 1.5 MiB pinned as 2 MiB each (32 MiB).
+    # With 16 MiB of host RAM and one input in two remade, the 8 kept fit at that length, on the same device total
+    deep, budget, host = _llama(16, 2**20), CUDA_CONTEXT_BYTES + 24 * 2**20, 16 * 2**20
+    result = max_context(deep, budget, callbacks=[LoRA(r=4)], multiple_of=STEP, host_budget=host, max_regenerate=2)
+    assert isinstance(result, type(result))
+    assert result.tokens == 6144 and result.choices["regenerate"] == 2 and result.choices["offload"] is True
+    assert result.host == 8 * 2 * 2**20 <= host and result.prediction.total <= budget
+    assert result.limit.endswith("; the input of one block in 2 kept, the others remade (host RAM 16.00 MiB)")
