@@ -8,7 +8,7 @@ same code. ``lightning_hbm.quality`` re-exports every name.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Generator, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -213,30 +213,25 @@ def call_values(output: Any, keep: int) -> Tensor:
 
 
 @contextmanager
-def recording_calls(
-    module: nn.Module, names: Optional[Collection[str]] = None, keep: int = 0, active: Callable[[], bool] = lambda: True
-) -> Generator[list[Call], None, None]:
+def recording_calls(module: nn.Module, names: Optional[Collection[str]] = None, keep: int = 0) -> Generator[list[Call], None, None]:
     """The calls of ``module``'s submodules (``names``: only those; default all, the root included) during the
-    forwards inside while ``active()`` (asked as each call starts), in the order they returned (a parent after its
-    children), each a :class:`Call`."""
+    forwards inside, in the order they returned (a parent after its children), each a :class:`Call`."""
     calls: list[Call] = []
-    stack: list[Optional[tuple[str, int]]] = []  # None: a call not recorded
+    stack: list[tuple[str, int]] = []
     counts: Counter[str] = Counter()
 
     def enter(name: str) -> Any:
         def push(layer: nn.Module, args: tuple) -> None:
-            stack.append((name, counts[name]) if active() else None)
-            counts[name] += stack[-1] is not None
+            stack.append((name, counts[name]))
+            counts[name] += 1
 
         return push
 
     def leave(layer: nn.Module, args: tuple, output: Any) -> None:
         key = stack.pop()
-        if key is None:
-            return
         leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
         values = call_values(leaves, keep) if keep and leaves else None
-        calls.append(Call(key, next((k for k in reversed(stack) if k is not None), None), tuple(tuple(t.shape) for t in leaves), values))
+        calls.append(Call(key, stack[-1] if stack else None, tuple(tuple(t.shape) for t in leaves), values))
 
     chosen = [(name, layer) for name, layer in module.named_modules() if names is None or name in names]
     handles = [h for name, layer in chosen for h in (layer.register_forward_pre_hook(enter(name)), layer.register_forward_hook(leave))]

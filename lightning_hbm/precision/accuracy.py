@@ -24,7 +24,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Generator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional, cast
 
@@ -130,20 +130,26 @@ class Reference:
             if as_built():  # copies: a forward that changes its input in place (x.mul_) left the batch changed
                 copy = lambda t: t.detach().clone()  # noqa: E731
                 pending[:] = [(tree_map_only(Tensor, copy, args), tree_map_only(Tensor, copy, dict(kwargs)), torch_compat.rng_states())]
+                calls.close()  # every module call of this forward, hooked for it only (not the plan's other forwards)
+                self.calls = calls.enter_context(recording_calls(module, names, self.keep))
 
         def record(root: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if as_built() and pending:
                 (self.args, self.kwargs, self.rngs), self.output = pending.pop(), outputs(output)
+                calls.close()
+                shapes = tuple(tuple(t.shape) for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point())
+                self.calls.append(Call(("", 0), None, shapes))  # the root's call, for the shapes
 
+        names = {name for name, _ in module.named_modules() if name}
+        self.keep = max(CALL_VALUES, KEPT_VALUES // max(1, len(names)))
         handles = [module.register_forward_pre_hook(before, with_kwargs=True), module.register_forward_hook(record, with_kwargs=True)]
-        self.keep = max(CALL_VALUES, KEPT_VALUES // max(1, sum(1 for _ in module.modules())))
-        try:  # the hooks above first: every call of the recorded forward, and only of it (the plan's run swapped)
-            with recording_calls(module, keep=self.keep, active=lambda: bool(pending) and self.output is None) as calls:
+        with ExitStack() as calls:
+            try:
                 yield
-        finally:
-            self.calls = calls if self.output is not None else []
-            for handle in handles:
-                handle.remove()
+            finally:
+                self.calls = self.calls if self.output is not None else []
+                for handle in handles:
+                    handle.remove()
 
     def quantized_output(self, module: nn.Module, dtype: torch.dtype, quantized: Sequence[str]) -> tuple[Tensor, list[Call]]:
         """The outputs (:func:`outputs`) of ``module`` (quantized since) on the recorded arguments, computed as
@@ -159,7 +165,7 @@ class Reference:
         flags = [(m, m.training) for m in module.modules()]
         module.eval()
         try:
-            names = {call.key[0] for call in self.calls}
+            names = {call.key[0] for call in self.calls}  # the root's own call included ("")
             with torch.no_grad(), _on_their_devices(module, quantized), torch_compat.drawing_as(self.rngs), recording_calls(module, names, self.keep) as calls:
                 torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
                 return outputs(module(*args, **kwargs)), calls
