@@ -182,13 +182,14 @@ def _changed(reference: Sequence[Call], calls: Sequence[Call], got: Tensor, want
     if ours is not None and theirs is not None:
         if ours.shapes == theirs.shapes:
             return None
-        return f"its floating outputs' shapes {_shapes(ours.shapes)} as built, {_shapes(theirs.shapes)} as computed"
+        first = next((i for i, (a, b) in enumerate(zip(ours.shapes, theirs.shapes)) if a != b), min(len(ours.shapes), len(theirs.shapes)))
+        return f"from its floating output {first + 1}: shapes {_shapes(ours.shapes, first)} as built, {_shapes(theirs.shapes, first)} as computed"
     return None if got.shape == want.shape else f"{want.numel()} output values as built, {got.numel()} as computed"
 
 
-def _shapes(shapes: Sequence[tuple[int, ...]], most: int = 4) -> str:
-    listed = ", ".join(str(list(shape)) for shape in shapes[:most])
-    return f"[{listed}{', ...' if len(shapes) > most else ''}] ({len(shapes)} tensors)"
+def _shapes(shapes: Sequence[tuple[int, ...]], first: int, most: int = 4) -> str:
+    listed = ", ".join(str(list(shape)) for shape in shapes[first : first + most])
+    return f"[{listed}{', ...' if len(shapes) > first + most else ''}] (of {len(shapes)})"
 
 
 def _at_agreeing_calls(reference: Sequence[Call], calls: Sequence[Call], threshold: float, changed: str) -> ConvAccuracy:
