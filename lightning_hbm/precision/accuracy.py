@@ -16,6 +16,11 @@ tensor of the forward, flattened and centred on the reference's mean (the figure
 MobileNetV3 backbone, 0.978, and an uncentred cosine per sample missed int8 in bf16 there, 0.985). Under the threshold
 (``min_cosine``, default ``CONV_MIN_COSINE``): a warning naming the figure, the threshold and the fix measured to meet
 it. A model without quantized convolutions is not measured here (today's behaviour); nor on fake tensors (the planner).
+
+An output that changes shape as computed (a detector's post-processing in forward: boxes kept by score, NMS; masks
+above a threshold) is measured at the outermost module calls returned before the first call whose outputs changed
+shape (the heads; :func:`~lightning_hbm.probe.agreeing_calls`), the lowest figure, named; none: a warning that the
+accuracy could not be measured, with the fix (session 26; was a NaN in the log).
 """
 
 from __future__ import annotations
