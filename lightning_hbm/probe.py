@@ -8,8 +8,10 @@ same code. ``lightning_hbm.quality`` re-exports every name.
 from __future__ import annotations
 
 import copy
-from collections.abc import Generator, Mapping, MutableMapping
+from collections import Counter
+from collections.abc import Collection, Generator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -230,5 +232,71 @@ def eval_no_grad(module: nn.Module) -> Generator[None, None, None]:
             m.training = training
 
 
-__all__ = ["PREFIX", "check_forward", "compare_outputs", "eval_no_grad", "first_batch", "first_batches", "forward_on", "has_forward",
-           "probe_output"]
+@dataclass
+class Call:
+    """One call of a submodule during a forward: its floating outputs' shapes and (``keep`` > 0) an evenly strided
+    subset of at most ``keep`` of their values, flattened, in fp32 on the host."""
+
+    #: the module's name (``""``: the root) and how many times it had been called before in this forward
+    key: tuple[str, int]
+    #: the call it ran inside (``None``: the root's)
+    parent: Optional[tuple[str, int]]
+    shapes: tuple[tuple[int, ...], ...]
+    values: Optional[Tensor] = None
+
+
+def call_values(output: Any, keep: int) -> Tensor:
+    """Every floating tensor of ``output``, flattened and joined, every k-th value (the fewest k leaving at most
+    ``keep``), in fp32 on the host: two outputs of the same shapes keep the same positions."""
+    leaves = [t.detach().flatten() for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+    step = max(-(-sum(t.numel() for t in leaves) // max(keep, 1)), 1)
+    return torch.cat([t[::step].float().cpu() for t in leaves]) if leaves else torch.zeros(0)
+
+
+@contextmanager
+def recording_calls(module: nn.Module, names: Optional[Collection[str]] = None, keep: int = 0) -> Generator[list[Call], None, None]:
+    """The calls of ``module``'s submodules (``names``: only those; default all, the root included) during the
+    forwards inside, in the order they returned (a parent after its children), each a :class:`Call`."""
+    calls: list[Call] = []
+    stack: list[tuple[str, int]] = []
+    counts: Counter[str] = Counter()
+
+    def enter(name: str) -> Any:
+        def push(layer: nn.Module, args: tuple) -> None:
+            stack.append((name, counts[name]))
+            counts[name] += 1
+
+        return push
+
+    def leave(layer: nn.Module, args: tuple, output: Any) -> None:
+        key = stack.pop()
+        leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+        values = call_values(leaves, keep) if keep and leaves else None
+        calls.append(Call(key, stack[-1] if stack else None, tuple(tuple(t.shape) for t in leaves), values))
+
+    chosen = [(name, layer) for name, layer in module.named_modules() if names is None or name in names]
+    handles = [h for name, layer in chosen for h in (layer.register_forward_pre_hook(enter(name)), layer.register_forward_hook(leave))]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def agreeing_calls(reference: Sequence[Call], got: Sequence[Call]) -> list[tuple[Call, Call]]:
+    """Where two forwards of one model still compute the same things: the calls of the longest common prefix of the
+    two call sequences (same module, same floating output shapes, in the same order) that no call of that prefix ran
+    inside (the outermost: a parent returns after its children), as ``(reference call, its counterpart)``.
+
+    Everything after the first call whose outputs changed shape (post-processing that keeps a score-dependent number
+    of boxes, masks or tokens) may depend on that selection and is not compared.
+    """
+    prefix = 0
+    while prefix < min(len(reference), len(got)) and (reference[prefix].key, reference[prefix].shapes) == (got[prefix].key, got[prefix].shapes):
+        prefix += 1
+    inside = {call.key for call in reference[:prefix] if call.shapes}  # inside a call without floating outputs: its own
+    return [(want, got[i]) for i, want in enumerate(reference[:prefix]) if want.parent not in inside and want.shapes]
+
+
+__all__ = ["PREFIX", "Call", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "eval_no_grad", "first_batch", "first_batches", "forward_on", "has_forward",
+           "probe_output", "recording_calls"]

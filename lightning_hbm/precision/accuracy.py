@@ -16,6 +16,11 @@ tensor of the forward, flattened and centred on the reference's mean (the figure
 MobileNetV3 backbone, 0.978, and an uncentred cosine per sample missed int8 in bf16 there, 0.985). Under the threshold
 (``min_cosine``, default ``CONV_MIN_COSINE``): a warning naming the figure, the threshold and the fix measured to meet
 it. A model without quantized convolutions is not measured here (today's behaviour); nor on fake tensors (the planner).
+
+An output that changes shape as computed (a detector's post-processing in forward: boxes kept by score, NMS; masks
+above a threshold) is measured at the outermost module calls returned before the first call whose outputs changed
+shape (the heads; :func:`~lightning_hbm.probe.agreeing_calls`), the lowest figure, named; none: a warning that the
+accuracy could not be measured, with the fix (session 26; was a NaN in the log).
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Generator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.probe import Call, agreeing_calls, recording_calls
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +58,21 @@ class ConvAccuracy:
     warned: bool = False
     #: output values finite in the model as built and inf or NaN as the plugin computes it (float16 past 65504)
     nonfinite: int = 0
+    #: the output changed shape (a detector's boxes after score thresholding and NMS): how (``None``: it did not)
+    changed: Optional[str] = None
+    #: then, the module whose output gave the figure (the lowest of the last ones that kept their shapes: the heads
+    #: before post-processing), and how many were compared; ``None`` with a NaN cosine: nothing comparable was found
+    measured_at: Optional[str] = None
+    compared: int = 0
 
 
 #: the most output values kept for the figure (16 MiB in fp32): a language model with a convolution (Mamba's conv1d)
 #: gives logits of hundreds of millions of values on the probe; above this, every k-th value, the same on both sides
 KEPT_VALUES = 1 << 22
+
+#: the fewest values kept of each module call's outputs (for a model whose output changes shape): the budget is
+#: :data:`KEPT_VALUES` shared by the model's modules, at least this many each
+CALL_VALUES = 1 << 12
 
 
 def _floating(output: Any) -> list[Tensor]:
@@ -116,6 +132,10 @@ class Reference:
         self.args: Optional[tuple] = None
         self.kwargs: dict[str, Any] = {}
         self.output: Optional[Tensor] = None
+        #: every module call of the recorded forward (:class:`~lightning_hbm.probe.Call`, a strided subset of its
+        #: outputs): where the quantized model's output changes shape, the figure is taken from the last that agree
+        self.calls: list[Call] = []
+        self.keep = CALL_VALUES
         #: the global RNG states the recorded forward began with: a forward that draws (a diffusion step's noise) draws
         #: the same again when measured; else the figure compared two noises (0.01 on a healthy model)
         self.rngs: Optional[dict[str, Any]] = None
@@ -134,25 +154,35 @@ class Reference:
             if as_built():  # copies: a forward that changes its input in place (x.mul_) left the batch changed
                 copy = lambda t: t.detach().clone()  # noqa: E731
                 pending[:] = [(torch_compat.map_tensors(copy, args), torch_compat.map_tensors(copy, dict(kwargs)), torch_compat.rng_states())]
+                calls.close()  # every module call of this forward, hooked for it only (not the plan's other forwards)
+                self.calls = calls.enter_context(recording_calls(module, names, self.keep))
 
         def record(root: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if as_built() and pending:
                 self.args, self.kwargs, self.rngs = pending.pop()
                 self.echoed = echoes(output, (self.args, self.kwargs))
                 self.output = outputs(output, self.echoed)
+                calls.close()
+                shapes = tuple(tuple(t.shape) for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point())
+                self.calls.append(Call(("", 0), None, shapes))  # the root's call, for the shapes
 
+        names = {name for name, _ in module.named_modules() if name}
+        self.keep = max(CALL_VALUES, KEPT_VALUES // max(1, len(names)))
         handles = [module.register_forward_pre_hook(before, with_kwargs=True), module.register_forward_hook(record, with_kwargs=True)]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+        with ExitStack() as calls:
+            try:
+                yield
+            finally:
+                self.calls = self.calls if self.output is not None else []
+                for handle in handles:
+                    handle.remove()
 
-    def quantized_output(self, module: nn.Module, dtype: torch.dtype, quantized: Sequence[str]) -> Tensor:
+    def quantized_output(self, module: nn.Module, dtype: torch.dtype, quantized: Sequence[str]) -> tuple[Tensor, list[Call]]:
         """The outputs (:func:`outputs`) of ``module`` (quantized since) on the recorded arguments, computed as
         ``QuantizedPrecision`` computes: floating inputs and the default dtype in ``dtype``, eval, no grad, with the
-        random draws of the recorded forward. Layers quantized on another device than the rest (a GPU, before the
-        strategy moves the model) get their inputs there and give their outputs back."""
+        random draws of the recorded forward, and the calls of the modules the recorded forward called (those of the
+        model as built: a quantized layer's own submodules are not). Layers quantized on another device than the rest
+        (a GPU, before the strategy moves the model) get their inputs there and give their outputs back."""
         assert self.args is not None and self.output is not None
         cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731 - as the plugin's convert_input
         args, kwargs = torch_compat.map_tensors(cast, self.args), torch_compat.map_tensors(cast, self.kwargs)
@@ -161,13 +191,46 @@ class Reference:
         flags = [(m, m.training) for m in module.modules()]
         module.eval()
         try:
-            with torch.no_grad(), _on_their_devices(module, quantized), torch_compat.drawing_as(self.rngs):
+            names = {call.key[0] for call in self.calls}  # the root's own call included ("")
+            with torch.no_grad(), _on_their_devices(module, quantized), torch_compat.drawing_as(self.rngs), recording_calls(module, names, self.keep) as calls:
                 torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
-                return outputs(module(*args, **kwargs), self.echoed)
+                return outputs(module(*args, **kwargs), self.echoed), calls
         finally:
             torch.set_default_dtype(previous)
             for m, training in flags:
                 m.training = training
+
+
+def _changed(reference: Sequence[Call], calls: Sequence[Call], got: Tensor, want: Tensor) -> Optional[str]:
+    """How the quantized model's output differs in shape from the model as built's, or ``None`` (the same shapes)."""
+    ours = next((c for c in reversed(reference) if c.key == ("", 0)), None)
+    theirs = next((c for c in reversed(calls) if c.key == ("", 0)), None)
+    if ours is not None and theirs is not None:
+        if ours.shapes == theirs.shapes:
+            return None
+        first = next((i for i, (a, b) in enumerate(zip(ours.shapes, theirs.shapes)) if a != b), min(len(ours.shapes), len(theirs.shapes)))
+        return f"from its floating output {first + 1}: shapes {_shapes(ours.shapes, first)} as built, {_shapes(theirs.shapes, first)} as computed"
+    return None if got.shape == want.shape else f"{want.numel()} output values as built, {got.numel()} as computed"
+
+
+def _shapes(shapes: Sequence[tuple[int, ...]], first: int, most: int = 4) -> str:
+    listed = ", ".join(str(list(shape)) for shape in shapes[first : first + most])
+    return f"[{listed}{', ...' if len(shapes) > first + most else ''}] (of {len(shapes)})"
+
+
+def _at_agreeing_calls(reference: Sequence[Call], calls: Sequence[Call], threshold: float, changed: str) -> ConvAccuracy:
+    """The figure of a model whose output changed shape: the centred cosine of each outermost module call before the
+    first call whose outputs changed shape (:func:`~lightning_hbm.probe.agreeing_calls`), the lowest; NaN when none."""
+    figures = []
+    for want, got in agreeing_calls(reference, calls):
+        if want.values is not None and got.values is not None and want.values.numel():
+            name = want.key[0] + (f" (call {want.key[1] + 1})" if want.key[1] else "")
+            figures.append((centred_cosine(got.values, want.values), name))
+    figures = [(cosine, name) for cosine, name in figures if cosine == cosine]  # NaN: no figure
+    if not figures:
+        return ConvAccuracy(float("nan"), threshold, 0.0, changed=changed)
+    cosine, name = min(figures)
+    return ConvAccuracy(cosine, threshold, 0.0, changed=changed, measured_at=name, compared=len(figures))
 
 
 @contextmanager
@@ -203,13 +266,17 @@ def accuracy_warning(measured: ConvAccuracy, modes: Mapping[str, str], dtype: to
     (``benchmarks/README.md``, session 23/24): computing in float32 (int8 in float32: 0.989-0.9996 held out on all
     eight runs); already in float32, a 4-bit mode: ``mode="int8"``; int8 in float32: the convolutions kept unquantized.
     Outputs finite as built and inf or NaN as computed (no cosine: NaN) are said with their count; the fix: a dtype
-    with float32's range.
+    with float32's range. An output that changed shape (post-processing: boxes kept by score, NMS, masks above a
+    threshold) is measured at the last modules that kept theirs and said so; none found: said as not measured.
     """
-    if not measured.cosine < measured.threshold and not measured.nonfinite:  # NaN (another shape): logged by the caller
+    unmeasured = measured.changed is not None and measured.measured_at is None
+    if not measured.cosine < measured.threshold and not measured.nonfinite and not unmeasured:  # NaN: no figure
         return None
     split = ", ".join(f"{count} in {mode}" for mode, count in sorted(Counter(modes.values()).items()))
     name = str(dtype).removeprefix("torch.")
     stored = f"with its {len(modes)} convolutions stored quantized ({split}; mode {base!r}; its other quantized layers as planned) and computing in {name}"
+    if unmeasured:
+        return _unmeasured_warning(stored, cast(str, measured.changed))
     if measured.nonfinite:
         wider = "dtype='bfloat16' (float16 overflows past 65504; bfloat16 has float32's range)" if dtype == torch.float16 else "dtype='float32'"
         fix = f"QuantizedPrecision(..., {wider})" if dtype != torch.float32 else "QuantizedPrecision(..., ignore_modules=[<the convolutions>])"
@@ -224,10 +291,33 @@ def accuracy_warning(measured: ConvAccuracy, modes: Mapping[str, str], dtype: to
         fix, why = "QuantizedPrecision(..., mode='int8', dtype='float32')", "measured 0.989-0.9996 held out on the nets of issue 53"
     else:
         fix, why = "QuantizedPrecision(..., ignore_modules=[<the most sensitive convolutions>])", "keeps them as built"
+    what = "this model's output on the probe batch has"
+    where = "every output"
+    if measured.changed is not None:  # measured where both still compute the same things
+        what = (
+            f"this model's output on the probe batch changes shape against the model as built ({measured.changed}: "
+            "post-processing that keeps a number of boxes, masks or tokens that depends on the scores), so it is measured "
+            f"at the outputs of the last modules that keep their shapes, before the first that changes: the lowest of "
+            f"{measured.compared}, the output of {measured.measured_at!r}, has"
+        )
+        where = f"the output of {measured.measured_at!r}"
     return (
-        f"lightning_hbm: {stored}, this model's output on the probe batch has a cosine of {measured.cosine:.4f} against the model as "
-        f"built (centred, every output), under {measured.threshold} (min_cosine; default CONV_MIN_COSINE). Fix: {fix} "
+        f"lightning_hbm: {stored}, {what} a cosine of {measured.cosine:.4f} against the model as "
+        f"built (centred, {where}), under {measured.threshold} (min_cosine; default CONV_MIN_COSINE). Fix: {fix} "
         f"({why}; benchmarks/README.md)."
+    )
+
+
+def _unmeasured_warning(stored: str, changed: str) -> str:
+    return (
+        f"lightning_hbm: {stored}, the accuracy of this model as it computes could not be measured at fit start: its "
+        f"output on the probe batch changes shape against the model as built ({changed}: post-processing that keeps a "
+        "number of boxes, masks or tokens that depends on the scores) and no module's output before that change could "
+        "be compared (the first module call already differs, or none has floating outputs). The loss of 4-bit or 16-bit "
+        "convolutions is unknown here (issue 53: a YOLO-style detector's heads 0.10 in uniform nf4-dq). Fix: have the "
+        "forward the probe batch goes through return the outputs before the post-processing (the heads' maps; the "
+        "thresholding and NMS in predict_step), or QuantizedPrecision(..., mode='int8', dtype='float32') (0.989-0.9996 "
+        "held out on the nets of issue 53; benchmarks/README.md)."
     )
 
 
@@ -253,16 +343,19 @@ def check_accuracy(
     start = time.perf_counter()
     try:
         with torch_compat.preserved_rngs():
-            got = reference.quantized_output(module, config.torch_dtype, quantized)
+            got, calls = reference.quantized_output(module, config.torch_dtype, quantized)
     except Exception as error:  # noqa: BLE001 - the model ran as built: a measurement that fails is said in the log
         log.info("lightning_hbm: the quantized model's output could not be measured on the probe batch: %r", error)
         return None
-    want = reference.output
-    same = got.shape == want.shape
-    cosine = centred_cosine(got, want) if same else float("nan")  # another shape: no figure, logged
-    nonfinite = int((want.isfinite() & ~got.isfinite()).sum()) if same else 0
-    measured = ConvAccuracy(cosine, threshold, time.perf_counter() - start, nonfinite=nonfinite)
-    log.info("lightning_hbm: output cosine of the quantized model on the probe batch: %.4f (threshold %s; %d values not finite)", cosine, threshold, nonfinite)
+    want, changed = reference.output, _changed(reference.calls, calls, got, reference.output)
+    if changed is None:
+        cosine, nonfinite = centred_cosine(got, want), int((want.isfinite() & ~got.isfinite()).sum())
+        measured = ConvAccuracy(cosine, threshold, time.perf_counter() - start, nonfinite=nonfinite)
+    else:  # a post-processed output (boxes kept by score, masks above a threshold): the last modules that agree
+        measured = _at_agreeing_calls(reference.calls, calls, threshold, changed)
+        measured.seconds = time.perf_counter() - start
+    log.info("lightning_hbm: output cosine of the quantized model on the probe batch: %.4f (threshold %s; %d values not finite; %s)",
+             measured.cosine, threshold, measured.nonfinite, measured.measured_at or "every output")  # fmt: skip
     warning = accuracy_warning(measured, convs, config.torch_dtype, base, config.format.peft_kind == "4bit")
     if warning is not None:
         rank_zero_warn(warning)

@@ -44,6 +44,7 @@ from typing import Any, Optional, cast
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import LayerKind, kind_of
@@ -51,7 +52,7 @@ from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.precision.read_plan import is_read, read_local_errors, read_variant
 from lightning_hbm.precision.registry import get_format, to_dtype
-from lightning_hbm.probe import compare_outputs, eval_no_grad, probe_output
+from lightning_hbm.probe import Call, agreeing_calls, compare_outputs, eval_no_grad, forward_on, probe_output, recording_calls
 
 #: ``sensitive_mode`` (and plan entry) that keeps a layer unquantized in the compute dtype, frozen.
 UNQUANTIZED = "none"
@@ -168,6 +169,9 @@ class SensitivityPlan:
     bytes_per_param: float
     #: ``name -> 1 - cosine`` with only that layer quantized in the base mode (its sensitivity)
     solo_error: dict[str, float] = field(default_factory=dict)
+    #: the module whose output the figures measure, where the model's own output changed shape (a detector's boxes
+    #: after score thresholding and NMS: :meth:`_Swapper.measuring_point`); ``None``: the model's output
+    measured_at: Optional[str] = None
 
     def summary(self, base: str) -> str:
         counts = Counter(self.modes.values())
@@ -217,11 +221,50 @@ class _Swapper:
         # every probe forward draws what the first drew (a forward that draws noise, a diffusion training step, was
         # measured against other draws: 0.03 and every convolution widened), and the user's RNGs are left as they were
         self.rngs = torch_compat.rng_states()
+        #: the module whose output is measured instead of the model's (:meth:`measuring_point`); ``None``: the model's
+        self.tap: Optional[str] = None
+        self.built = {name for name, _ in module.named_modules()}
 
     def forward(self, probe: Any) -> torch.Tensor:
-        """The model's output on ``probe`` with the first forward's random draws."""
+        """The model's output on ``probe`` (or the :attr:`tap`'s, each sample's outputs one row) with the first forward's
+        random draws."""
         with torch_compat.drawing_as(self.rngs):
-            return probe_output(self.module, probe)
+            if self.tap is None:
+                return probe_output(self.module, probe)
+            taken: list[Any] = []
+            handle = self.module.get_submodule(self.tap).register_forward_hook(lambda m, a, out: taken.append(out))
+            try:
+                forward_on(self.module, probe)
+            finally:
+                handle.remove()
+            leaves = [t for t in tree_flatten(taken[0])[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            rows = len({t.shape[0] if t.dim() else 0 for t in leaves}) == 1 and leaves[0].dim() > 0
+            return torch.cat([t.reshape(t.shape[0], -1) if rows else t.reshape(1, -1) for t in leaves], 1)
+
+    def measuring_point(self, names: Sequence[str], base: str, probe: Any, reference: torch.Tensor) -> torch.Tensor:
+        """The reference output to plan on. A model whose output changes shape with its layers in ``base`` (a detector's
+        boxes after score thresholding and NMS: a number that depends on the scores) is measured at the outputs of the
+        last module call before the first whose outputs change shape (the heads, before the post-processing); every
+        candidate is then measured there (one forward more, three for such a model).
+
+        Raises:
+            ValueError: the output changes shape and no module's output before that keeps its shape.
+        """
+        uniform = self.output({name: base for name in names}, probe)
+        if uniform.shape == reference.shape:
+            return reference
+        want: list[Call] = []
+        got: list[Call] = []
+        self.output({}, probe, want)
+        self.output({name: base for name in names}, probe, got)
+        agreeing = [call for call, _ in agreeing_calls(want, got) if call.key[0]]
+        if not agreeing:
+            raise ValueError(
+                f"the model's output changes shape with its layers in {base} ({list(reference.shape)} as built, {list(uniform.shape)}: "
+                "post-processing that keeps a score-dependent number of boxes or masks) and no module's output before that keeps its shape"
+            )
+        self.tap = agreeing[-1].key[0]  # the last to return: the closest to the output
+        return self.output({}, probe)
 
     def variant(self, name: str, mode: str, keep: bool = True) -> nn.Module:
         """``name`` quantized in ``mode``; ``keep=False``: built for one use, not cached (every layer's
@@ -258,11 +301,18 @@ class _Swapper:
         parent_name, _, child = name.rpartition(".")
         setattr(self.module.get_submodule(parent_name) if parent_name else self.module, child, layer)
 
-    def output(self, plan: Mapping[str, str], probe: Any) -> torch.Tensor:
+    def output(self, plan: Mapping[str, str], probe: Any, calls: Optional[list[Call]] = None) -> torch.Tensor:
+        """The output with ``plan`` swapped in; ``calls``: filled with the calls of the modules of the model as built
+        (a swapped layer under its name, not its own submodules)."""
         try:
             for name, mode in plan.items():
                 self._put(name, self.variant(name, mode))
-            return self.forward(probe).float()
+            if calls is None:
+                return self.forward(probe).float()
+            with recording_calls(self.module, {name for name, _ in self.module.named_modules()} & self.built) as recorded:
+                output = self.forward(probe).float()
+            calls[:] = recorded
+            return output
         finally:
             for name in plan:
                 self._put(name, self.layers[name])
@@ -392,7 +442,7 @@ def choose_plan(
     budget = math.inf if max_bytes_per_param is None else max_bytes_per_param * total_params
     swapper = _Swapper(module, layers, dtype, hessians)
     with eval_no_grad(module):
-        reference = swapper.output({}, probe)
+        reference = swapper.measuring_point(names, base, probe, swapper.output({}, probe))
 
         def cosine(plan: Mapping[str, str]) -> float:
             return compare_outputs(swapper.output(plan, probe), reference, lm=False)["quant/cosine_similarity"]
@@ -427,7 +477,7 @@ def choose_plan(
             if greedy_cosine > current:
                 plan, used, current = greedy, greedy_used, greedy_cosine
     result = SensitivityPlan(
-        dict(sorted(plan.items())), uniform_cosine, current, uniform_bytes / total_params, used / total_params, solo
+        dict(sorted(plan.items())), uniform_cosine, current, uniform_bytes / total_params, used / total_params, solo, swapper.tap
     )
     if strict and min_cosine is not None and current < min_cosine:
         reach = f"within max_bytes_per_param={max_bytes_per_param}" if max_bytes_per_param is not None else f"with the widest of {list(wider)}"
