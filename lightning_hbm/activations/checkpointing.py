@@ -616,7 +616,7 @@ class ActivationCheckpointing(SurgeryCallback):
         moved = len(chosen) if self.offload_blocks is None else self.offload_blocks
         plans = [_BlockPlan(block, context_fn, self.offload, moves=index < moved) for index, (_, block) in enumerate(chosen)]
         self._link(plans, [n for n, _ in chosen])
-        for plan, (_, block) in zip(plans, chosen):
+        for index, (plan, (_, block)) in enumerate(zip(plans, chosen)):
             _wrap(block, plan)
             for _, layer in candidates(block) if self.mlp_chunks > 1 else ():
                 torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks, block=index))
