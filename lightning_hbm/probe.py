@@ -7,9 +7,8 @@ same code. ``lightning_hbm.quality`` re-exports every name.
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
-from collections.abc import Collection, Generator, Mapping, MutableMapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -177,22 +176,12 @@ def _join(batches: list[Any]) -> Any:
             inner = _join([dict(leaf) if isinstance(leaf, Mapping) else leaf for leaf in leaves])
             if inner is None or not isinstance(inner, dict):
                 return None
-            joined.append(_rewrapped(first, inner))
+            joined.append(torch_compat.rewrapped(first, inner))
         elif any(leaf != first for leaf in leaves[1:]):
             return None
         else:
             joined.append(first)
     return tree_unflatten(joined, spec)
-
-
-def _rewrapped(like: Mapping, values: dict[Any, Any]) -> Any:
-    """``values`` in a mapping of ``like``'s type where it can be copied and written (a BatchEncoding), else a dict."""
-    if not isinstance(like, MutableMapping):
-        return values
-    new = copy.copy(like)
-    for key, value in values.items():
-        new[key] = value
-    return new
 
 
 def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, float]:

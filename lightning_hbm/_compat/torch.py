@@ -134,15 +134,19 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
             return fn(leaf)
         if not isinstance(leaf, Mapping):
             return leaf
-        values = {key: map_tensors(fn, value) for key, value in leaf.items()}
-        if not isinstance(leaf, MutableMapping):
-            return values
-        new = copy.copy(leaf)
-        for key, value in values.items():
-            new[key] = value
-        return new
+        return rewrapped(leaf, {key: map_tensors(fn, value) for key, value in leaf.items()})
 
     return tree_map(one, tree)
+
+
+def rewrapped(like: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
+    """``values`` in a mapping of ``like``'s type where it can be copied and written (a BatchEncoding), else a dict."""
+    if not isinstance(like, MutableMapping):
+        return values
+    new = copy.copy(like)
+    for key, value in values.items():
+        new[key] = value
+    return new
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
