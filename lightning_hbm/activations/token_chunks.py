@@ -159,6 +159,14 @@ def _whole_backward(ctx: Any, grad: Tensor) -> Optional[Tensor]:
     ``input_layernorm``): its output's gradient is kept until every layer the source feeds has its own; the last one
     to arrive runs them all together (:func:`_fed_backward`) and returns the source output's gradient, the others
     None (nothing to add)."""
+    if torch.is_grad_enabled():  # a second derivative (create_graph): this path remakes the input without a graph
+        raise RuntimeError(
+            "lightning_hbm: a second derivative (autograd.grad(..., create_graph=True), a gradient penalty) runs "
+            "through a layer fed by a token-"
+            "chunked norm, whose input is remade without a graph here: the result would be wrong. Use "
+            "ActivationCheckpointing(mlp_chunks=1) for this model (the attention projections fed by a chunked norm "
+            "do not yet take a second derivative)."
+        )
     ctx.member.grad = grad
     return _fed_backward(ctx.source) if all(m.grad is not None for m in ctx.source.fed) else None
 

@@ -108,3 +108,41 @@ def test_a_layer_outside_the_sources_block_keeps_its_input_instead_of_rerunning_
     chunked = {n for n, m in model.named_modules() for f in [m.__dict__.get("forward")] if isinstance(f, ChunkedForward) and f.verdict == ""}
     assert {"encoder.final_layer_norm", "encoder.block.1.layer.1"} <= chunked, chunked
     assert rows[0] == 2 * ids.numel()  # the forward and the chunked backward's recompute, no rerun for the final norm
+
+
+class _Mixer(nn.Module):
+    """Two projections fed by the block's chunked norm, mixed along the tokens (as q/k in an attention: not chunkable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (self.q(h) * self.k(h)).cumsum(1) / 10
+
+
+class _AttentionBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm, self.attn, self.norm2, self.mlp = LlamaRMSNorm(WIDTH), _Mixer(), LlamaRMSNorm(WIDTH), _MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.input_layernorm(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def test_a_second_derivative_through_projections_fed_by_a_chunked_norm_is_refused_not_wrong() -> None:
+    # q/k fed by the chunked norm run whole and their input is remade without a graph in the backward: under
+    # create_graph the penalty's gradient came out 64 % off (bf16, this model), silently. Refused until it is built.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_AttentionBlock() for _ in range(3))).to(torch.bfloat16)
+    callback = ActivationCheckpointing(mlp_chunks=3, blocks=["_AttentionBlock"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        callback.check_model(model)
+        callback.transform_model(model)
+    x = torch.randn(2, 10, WIDTH, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_(True)
+    model(x).float().pow(2).sum().backward()  # a first derivative takes the path as before
+    assert isinstance(model[1].attn.q.__dict__.get("forward"), ChunkedForward) and model[1].attn.q.forward.verdict == ""
+    with pytest.raises(RuntimeError, match=r"second derivative.*fed by a token-chunked norm.*mlp_chunks=1"):
+        torch.autograd.grad(model(x).float().pow(2).sum(), x, create_graph=True)
