@@ -5,32 +5,12 @@ quantization, it raised the cosine (0.9919 where the features alone measure 0.98
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
-from torch import nn
 
 from lightning_hbm import QuantizedPrecision
 from lightning_hbm.precision import accuracy
-
-X = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
-
-
-class ConvNet(nn.Module):
-    """Two convolutions around a BatchNorm with a trained network's statistics; ``(x, features)`` or the features."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.kind = kind
-        self.c1, self.bn, self.c2 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Conv2d(16, 16, 3, padding=1)
-        with torch.no_grad():
-            self.bn.running_mean.normal_(0, 0.5)
-            self.bn.running_var.uniform_(0.05, 0.2)
-
-    def forward(self, x: torch.Tensor) -> Any:
-        features = self.c2(torch.relu(self.bn(self.c1(x))))
-        return (x, features) if self.kind == "input-first" else features
+from tests.test_probe_battery2 import ConvNet, X  # the same BatchNorm ConvNet, one definition
 
 
 def _measured(kind: str) -> float:
