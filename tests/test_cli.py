@@ -396,6 +396,22 @@ def test_plan_max_context_prints_the_longest_context_per_budget(capsys: pytest.C
     assert "--max-context needs --budget" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("args", "max_context", "match"), [
+    (["--max-regenerate=0"], True, r"--max-regenerate 0: must be an int >= 1 .*e\.g\. --max-regenerate 4"),
+    (["--max-regenerate=-2", "--host-budget=64GiB"], True, r"--max-regenerate -2: must be an int >= 1"),
+    (["--max-regenerate=4"], True, r"--max-regenerate 4 needs --max-context and --host-budget \(e\.g\. --host-budget 64GiB\)"),
+    (["--max-regenerate=2", "--host-budget=64GiB"], False, r"--max-regenerate 2 needs --max-context and --host-budget"),
+])  # fmt: skip
+def test_plan_max_regenerate_refuses_bad_values_before_planning(args: list[str], max_context: bool, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PlanCLI(args=[*TINY, "--budget=24GiB", "--device=cuda", *args], max_context=max_context, run=False)
+
+
+def test_plan_max_regenerate_bad_value_is_a_one_line_error(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", *TINY, "--max-context", "--budget=24GiB", "--max-regenerate=0"]) == 2
+    assert "lightning-hbm: error: lightning-hbm plan --max-regenerate 0: must be an int >= 1" in capsys.readouterr().err
+
+
 def test_report_never_writes_its_input_even_on_a_full_disk(
     tmp_path: Path, llama_factory: Any, datamodule_factory: Any, trainer_factory: Any, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
