@@ -66,11 +66,12 @@ def test_remade_inputs_free_on_the_device_what_memtracker_measures() -> None:
 
 @pytest.mark.slow
 def test_a_host_budget_too_small_for_every_input_remakes_half_of_them() -> None:
-    # 16 blocks, 24 MiB beside the CUDA context: 6,144 tokens without a host limit, 16 inputs of 1.5 MiB pinned as 2 MiB each (32 MiB).
-    # With 16 MiB of host RAM and one input in two remade, the 8 kept fit at that length, on the same device total
-    deep, budget, host = _llama(16, 2**20), CUDA_CONTEXT_BYTES + 24 * 2**20, 16 * 2**20
+    # 8 blocks, 24 MiB beside the CUDA context: 6,400 tokens without a host limit, 8 inputs of 1.56 MiB pinned as 2 MiB
+    # each (16 MiB). With 8 MiB of host RAM and one input in two remade, the 4 kept fit at that length, on the same
+    # device total; offloading only the first 4 blocks reaches 5,376 tokens, no offload 4,352
+    deep, budget, host = _llama(8, 2**20), CUDA_CONTEXT_BYTES + 24 * 2**20, 8 * 2**20
     result = max_context(deep, budget, callbacks=[LoRA(r=4)], multiple_of=STEP, host_budget=host, max_regenerate=2)
     assert isinstance(result, type(result))
-    assert result.tokens == 6144 and result.choices["regenerate"] == 2 and result.choices["offload"] is True
-    assert result.host == 8 * 2 * 2**20 <= host and result.prediction.total <= budget
-    assert result.limit.endswith("; the input of one block in 2 kept, the others remade (host RAM 16.00 MiB)")
+    assert result.tokens == 6400 and result.choices["regenerate"] == 2 and result.choices["offload"] is True
+    assert result.host == 4 * 2 * 2**20 <= host and result.prediction.total <= budget
+    assert result.limit.endswith("; the input of one block in 2 kept, the others remade (host RAM 8.00 MiB)")
