@@ -27,6 +27,7 @@ from lightning_hbm import HBMProfiler, LoRA, QuantizedPrecision, available_preci
 from lightning_hbm.cli import HBMCLI, PlanCLI, main, render_report, resolve_precision
 from lightning_hbm.data import ByteTextDataModule
 from lightning_hbm.models import LlamaLM
+from lightning_hbm.planner.config import _offload_cell
 
 # pytest's own argv is in sys.argv while the tests hand LightningCLI its args: Lightning warns about both
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter:UserWarning")
@@ -394,6 +395,28 @@ def test_plan_max_context_prints_the_longest_context_per_budget(capsys: pytest.C
     assert row.split()[5:8] == ["0", "B", "no"], row  # host RAM 0 B, offload no
     assert main(["plan", *TINY, "--max-context", "--device=cpu"]) == 2  # no budget: a clear error
     assert "--max-context needs --budget" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "max_context", "match"), [
+    (["--max-regenerate=0"], True, r"--max-regenerate 0: must be an int >= 1 .*e\.g\. --max-regenerate 4"),
+    (["--max-regenerate=-2", "--host-budget=64GiB"], True, r"--max-regenerate -2: must be an int >= 1"),
+    (["--max-regenerate=4"], True, r"--max-regenerate 4 needs --max-context and --host-budget \(e\.g\. --host-budget 64GiB\)"),
+    (["--max-regenerate=2", "--host-budget=64GiB"], False, r"--max-regenerate 2 needs --max-context and --host-budget"),
+])  # fmt: skip
+def test_plan_max_regenerate_refuses_bad_values_before_planning(args: list[str], max_context: bool, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PlanCLI(args=[*TINY, "--budget=24GiB", "--device=cuda", *args], max_context=max_context, run=False)
+
+
+def test_plan_max_context_offload_cell_names_the_inputs_kept_per_budget() -> None:
+    # regenerate is chosen per budget (the 8B: 1 up to 24 GiB, 2, 3 and 4 above): said in each row's offload cell
+    assert _offload_cell(True, 2) == "yes, 1 in 2 kept" and _offload_cell(True, 1) == "yes"
+    assert _offload_cell(3, None) == "first 3 blocks" and _offload_cell(False) == "no"
+
+
+def test_plan_max_regenerate_bad_value_is_a_one_line_error(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", *TINY, "--max-context", "--budget=24GiB", "--max-regenerate=0"]) == 2
+    assert "lightning-hbm: error: lightning-hbm plan --max-regenerate 0: must be an int >= 1" in capsys.readouterr().err
 
 
 def test_report_never_writes_its_input_even_on_a_full_disk(

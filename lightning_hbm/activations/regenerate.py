@@ -136,6 +136,11 @@ class InputHooks(torch.autograd.graph.saved_tensors_hooks):
         super().__exit__(*args)
         if not self.matched:
             self.counts.unmatched[self.name] = None
+        # packing is over; the backward unpacks through ``_unpack``, a bound method that keeps this object alive (a
+        # cycle: this object holds its own hooks): holding the record here would keep its saved input (an offload
+        # handle and the tensor it restored) until Python's cycle collector ran, one block input longer at a point
+        # set by the collector's thresholds (the 8B-style plan of 10 blocks, regenerate=2: 512 KiB off the line)
+        self.source = self.record = None
 
 
 def inner_forward(block: nn.Module, own: Optional[Callable[..., Any]]) -> Callable[..., Any]:

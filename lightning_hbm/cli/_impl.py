@@ -424,7 +424,9 @@ class PlanCLI(HBMCLI):
     ``--max-context`` (with ``--budget``, several sizes comma-separated: ``--budget 24GiB,48GiB``): the longest
     sequence per sample that fits each budget with the recipe's precision and adapters
     (:func:`lightning_hbm.planner.max_context`); :attr:`contexts` holds the results. ``--host-budget 64GiB``: the
-    host RAM its offloaded activations may pin.
+    host RAM its offloaded activations may pin. ``--max-regenerate n`` (with ``--host-budget``): where the offloaded
+    inputs overflow the host, only one block input in at most ``n`` is kept, the others remade in the backward
+    (``ActivationCheckpointing(regenerate=...)``: ``(n-1)/2`` more block forwards per block; default 1, off).
     """
 
     def __init__(self, *args: Any, max_context: bool = False, **kwargs: Any) -> None:
@@ -441,6 +443,11 @@ class PlanCLI(HBMCLI):
             help="with --max-context: host RAM the offloaded activations may pin, e.g. 64GiB (default: no limit)",
         )
         parser.add_argument(
+            "--max-regenerate", type=int, default=1,
+            help="with --max-context and --host-budget: keep one block input in at most n where the offloaded inputs "
+                 "overflow the host, the others remade in the backward ((n-1)/2 more block forwards per block; default 1: off)",
+        )
+        parser.add_argument(
             "--device", type=Optional[Literal["cpu", "cuda"]], default=None, help="where training runs (default: cuda if available)"
         )
         # the candidate grid: default_candidates' own arguments, so its defaults stay in one place
@@ -452,13 +459,14 @@ class PlanCLI(HBMCLI):
         self.model, self.datamodule, self.trainer = None, None, None  # type: ignore[assignment]  # plan builds no Trainer: LightningCLI declares it set
         config = {"model": self.config.model.as_dict(), "data": self.config.data.as_dict()}
         device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        regenerate = _checked_regenerate(self.config.max_regenerate, self.max_context, self.config.host_budget)
         if self.max_context:
             if not self.config.budget:
                 raise ValueError("lightning-hbm plan --max-context needs --budget, e.g. --budget 24GiB (or 24GiB,48GiB).")
             budgets = [b.strip() for b in str(self.config.budget).split(",") if b.strip()]
             plugin, callbacks, strategy = self._trainer_objects()
             self.contexts = max_context_from_config(config, budgets, device, plugin, callbacks, strategy,
-                                                    host_budget=self.config.host_budget)
+                                                    host_budget=self.config.host_budget, max_regenerate=regenerate)
             return
         configured = self._configured_candidate()
         # a trainer section that sets a lightning_hbm plugin, callback or strategy is what fit would run: planned alone
@@ -485,6 +493,18 @@ class PlanCLI(HBMCLI):
         if plugin is None and not any(isinstance(c, SurgeryCallback) for c in callbacks) and strategy != "cpu_offload":
             return None
         return Candidate.from_trainer(plugin, callbacks, strategy)
+
+
+def _checked_regenerate(value: Any, max_context: bool, host_budget: Optional[str]) -> int:
+    """``--max-regenerate``: an int >= 1; above 1 only with ``--max-context`` and ``--host-budget`` (remade inputs are
+    chosen only where the offloaded inputs overflow the host), refused before anything is built."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"lightning-hbm plan --max-regenerate {value!r}: must be an int >= 1 (1: every block keeps its "
+                         "input; n: one in at most n kept, the others remade in the backward), e.g. --max-regenerate 4.")
+    if value > 1 and not (max_context and host_budget):
+        raise ValueError(f"lightning-hbm plan --max-regenerate {value} needs --max-context and --host-budget (e.g. "
+                         "--host-budget 64GiB): inputs are remade only where the offloaded ones overflow the host RAM.")
+    return value
 
 
 def main(args: Optional[list[str]] = None) -> int:

@@ -102,10 +102,11 @@ def print_plan(result: Plan) -> None:
 
 def max_context_from_config(
     config: dict[str, Any], budgets: Sequence[str], device: str, plugin: Any = None, callbacks: Sequence[Any] = (),
-    strategy: Any = None, host_budget: Optional[str] = None,
+    strategy: Any = None, host_budget: Optional[str] = None, max_regenerate: int = 1,
 ) -> list[ContextResult]:
     """:func:`~lightning_hbm.planner.max_context` of a LightningCLI config's model, one result per budget (and the
-    ``host_budget`` its offloaded activations may pin, if given).
+    ``host_budget`` its offloaded activations may pin, if given; ``max_regenerate``: at most one block input in that
+    many kept where the offloaded inputs overflow it).
 
     The batch size is the data section's ``batch_size`` (1 without one); the trainer section's plugin, callbacks and
     strategy are the fixed configuration (its ``ActivationCheckpointing``/``FusedLoss`` replaced by max_context's).
@@ -118,7 +119,8 @@ def max_context_from_config(
     data = (config.get("data") or {}).get("init_args") or {}
     batch_size = int(data.get("batch_size") or 1)
     results = max_context(factory, list(budgets), plugin=plugin, callbacks=list(callbacks), strategy=strategy,
-                          batch_size=batch_size, device=device, host_budget=host_budget)  # type: ignore[arg-type]  # "cpu" or "cuda", checked there
+                          batch_size=batch_size, device=device,  # type: ignore[arg-type]  # "cpu" or "cuda", checked there
+                          host_budget=host_budget, max_regenerate=max_regenerate)
     return cast(list[ContextResult], results)
 
 
@@ -129,20 +131,21 @@ def print_max_context(results: Sequence[ContextResult]) -> None:
              "what holds it")]
     for r in results:
         rows.append((format_bytes(r.budget), f"{r.tokens:,}", format_bytes(r.prediction.total), format_bytes(r.host),
-                     _offload_cell(r.choices.get("offload")), f"{r.choices.get('loss_chunk_tokens') or '-'}", r.limit))
+                     _offload_cell(r.choices.get("offload"), r.choices.get("regenerate")),
+                     f"{r.choices.get('loss_chunk_tokens') or '-'}", r.limit))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     if results:
-        common = {k: v for k, v in results[0].choices.items() if k not in ("offload", "loss_chunk_tokens")}
+        common = {k: v for k, v in results[0].choices.items() if k not in ("offload", "loss_chunk_tokens", "regenerate")}
         print(f"set by max_context: {common} (predicted by the planner, not measured)")
 
 
-def _offload_cell(offload: object) -> str:
-    """``yes``, ``no``, or ``first k blocks`` (a partial offload a host budget chose)."""
-    if isinstance(offload, bool) or offload is None:
-        return "yes" if offload else "no"
-    return f"first {offload} blocks"
+def _offload_cell(offload: object, regenerate: object = None) -> str:
+    """``yes``, ``no``, or ``first k blocks`` (a partial offload a host budget chose); ``, 1 in n kept`` where only one
+    block input in ``n`` is kept, the others remade (``--max-regenerate``; chosen per budget)."""
+    cell = ("yes" if offload else "no") if isinstance(offload, bool) or offload is None else f"first {offload} blocks"
+    return cell + (f", 1 in {regenerate} kept" if isinstance(regenerate, int) and regenerate > 1 else "")
 
 
 __all__ = ["max_context_from_config", "plan_from_config", "print_max_context", "print_plan"]

@@ -280,7 +280,8 @@ def trace(
         for hooks in built.offloads:
             hooks.reset_counts()
         offloaded, boundary = _offload_first(module, offload)
-        phases, scopes, where, regions = _steady_step(module, built.fake_batch, built.plugin, optimizers, tracker, boundary)
+        phases, scopes, where, regions = _steady_step(module, built.fake_batch, built.plugin, optimizers, tracker, boundary,
+                                                      remade_unit(candidate))
         built.fake_batch = None  # the next length's batch is new: this one need not stay alive
         host = sum(hooks.host_bytes for hooks in built.offloads)
         host_sizes = tuple(sorted(size for hooks in built.offloads for size in cast(_HostOffload, hooks).sizes))
@@ -461,7 +462,7 @@ def _first_step_state(optimizers: list[torch.optim.Optimizer], reached: Optional
 
 def _steady_step(
     module: pl.LightningModule, batch: Any, plugin: Precision, optimizers: list, tracker: LiveStorageTracker,
-    boundary: Optional[tuple[nn.Module, nn.Module]] = None,
+    boundary: Optional[tuple[nn.Module, nn.Module]] = None, unit: int = 1,
 ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]], dict[str, str], dict[str, dict[str, int]]]:
     """Forward, zero_grad, backward, optimizer step, as Lightning runs them; each phase's peak by category, each
     scope term at it (:func:`~lightning_hbm.memory.scope_term_bytes`; ``loss``: what ``FusedLoss`` allocated), and
@@ -470,7 +471,8 @@ def _steady_step(
     ``boundary``: (the last block that offloads its input, the first that keeps it) under a partial offload. The
     forward and the backward then each have two peaks, recorded apart (``"forward (offloaded blocks)"``, ``"backward
     (offloaded blocks)"``): one grows with the blocks that keep their inputs, the other with those that offload them,
-    and the line through cut models extends each peak, not their maximum (which moves from one to the other)."""
+    and the line through cut models extends each peak, not their maximum (which moves from one to the other).
+    ``unit``: the regions are named by units of that many blocks (:meth:`_PeakPoints.watching`)."""
     phases: dict[str, dict[str, int]] = {}
     scopes: dict[str, dict[str, int]] = {}
     points = _PeakPoints(tracker)
@@ -489,7 +491,7 @@ def _steady_step(
     with ExitStack() as stack:
         blocks = _cut_list(module)
         kept_from = next((i for i, block in enumerate(blocks) if boundary is not None and block is boundary[1]), None)
-        stack.enter_context(points.watching(blocks, kept_from))
+        stack.enter_context(points.watching(blocks, kept_from, unit))
         if boundary is not None:
             stack.enter_context(_peaks_apart(boundary, close))
         for phase in PHASES:
@@ -509,6 +511,14 @@ def _steady_step(
                     optimizer.step()
             close(phase if phase != "backward" or boundary is None else f"{phase} (offloaded blocks)")
     return phases, scopes, points.where, points.peaks
+
+
+def remade_unit(candidate: Candidate) -> int:
+    """The blocks of one unit of ``ActivationCheckpointing(regenerate=n)`` (``every * n``: one block keeping its input,
+    the rest remaking theirs); 1 without remade inputs."""
+    configured = candidate.configured[1] if candidate.configured is not None else ()
+    return next((c.every * c.regenerate for c in configured if isinstance(c, ActivationCheckpointing) and c.regenerate > 1),
+                1)
 
 
 def _cut_list(module: nn.Module) -> list[nn.Module]:
@@ -557,17 +567,26 @@ class _PeakPoints:
         return self.records
 
     @contextmanager
-    def watching(self, blocks: Sequence[nn.Module], kept_from: Optional[int] = None) -> Iterator[None]:
+    def watching(self, blocks: Sequence[nn.Module], kept_from: Optional[int] = None, unit: int = 1) -> Iterator[None]:
         """Mark the regions as ``blocks`` run forward (hooks) and their outputs' gradients arrive (tensor hooks).
 
         ``kept_from``: under a partial offload, the index of the first block of the part that keeps its inputs; the
         blocks before it from :data:`_ALIKE_FROM` on are named from the end of the offloading part (``offloading -1``:
-        the last), as the cuts that draw its line add blocks in the middle of each part (``Trace.combine``)."""
+        the last), as the cuts that draw its line add blocks in the middle of each part (``Trace.combine``).
+
+        ``unit`` > 1 (``ActivationCheckpointing(regenerate=n)``, the cuts in units of ``n`` blocks): each block is named
+        by its place in its unit and the unit's number (``block 1 of unit -1``), the units below :data:`_ALIKE_FROM`
+        from the start, the others from the end. Every unit then holds the same at the same place once nothing
+        accumulates, and the phase's peak, the first reached on a tie, is in the same named region of each cut (by
+        blocks, block 3 of a cut to 6 was ``-3``, of a cut to 8 ``-5``: the 8B plans were refused and traced whole)."""
         tracker, handles = self.tracker, []
         for index, block in enumerate(blocks):
             name = str(index) if index < _ALIKE_FROM else str(index - len(blocks))
             if kept_from is not None and _ALIKE_FROM <= index < kept_from:
                 name = f"offloading {index - kept_from}"
+            elif unit > 1:
+                number = index // unit
+                name = f"{index % unit} of unit {number if number < _ALIKE_FROM else number - -(-len(blocks) // unit)}"
 
             def enter(module: nn.Module, args: Any, name: str = name) -> None:
                 if tracker.phase == "forward":  # not a checkpoint's recomputation in the backward

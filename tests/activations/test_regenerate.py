@@ -6,6 +6,7 @@ states and buffers); a block fed something else than the block before's output k
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Union
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hbm import ActivationCheckpointing, LoRA
+from lightning_hbm.activations.regenerate import Record
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.models import LlamaLM
 
@@ -100,6 +102,22 @@ def test_a_remade_input_draws_as_its_forward_did_and_updates_no_statistics_twice
     for ours, theirs in zip(model.blocks, reference.blocks):
         assert torch.equal(ours.norm.running_mean, theirs.norm.running_mean)
         assert ours.norm.num_batches_tracked == theirs.norm.num_batches_tracked == 1
+
+
+def test_a_kept_input_is_freed_after_its_backward_without_the_cycle_collector() -> None:
+    # a block's saved-tensor hooks are a reference cycle (they hold their own bound methods); holding the record of the
+    # forward they packed, they kept its saved input (an offload handle and what it restored) alive until Python's
+    # collector ran: in the planner, one block input more or less at a point set by the collector's thresholds
+    model, callback = _stack(2)
+    x = torch.randn(8, 16)
+    gc.collect()
+    gc.disable()
+    try:
+        model(x).sum().backward()
+        alive = [o for o in gc.get_objects() if isinstance(o, Record)]
+    finally:
+        gc.enable()
+    assert callback.remade.inputs == 2 and alive == []
 
 
 def test_a_block_fed_something_else_keeps_its_input_and_is_named_in_a_warning() -> None:
