@@ -413,6 +413,7 @@ def choose_plan(
     min_cosine: Optional[float] = None,
     hessians: Optional[Mapping[str, torch.Tensor]] = None,
     strict: bool = True,
+    tap: Optional[str] = None,
 ) -> SensitivityPlan:
     """Choose ``base`` or one of the ``sensitive`` modes for each layer in ``names`` (changed back afterwards): Linears,
     and convolutions (their weight matrix, :mod:`lightning_hbm.layers.conv`).
@@ -425,6 +426,7 @@ def choose_plan(
     (``QuantizedPrecision(rounding="gptq")``), convolutions rounded to nearest (:func:`measured_rounded`).
     Deterministic for a fixed probe batch. Cost: one probe
     forward per layer (its error alone) and a few more (below), each with one layer or one plan swapped in.
+    ``tap``: the module whose output is measured instead of the model's (``QuantizedPrecision(accuracy_at=...)``).
     """
     # One function on purpose (about 70 lines): the three measuring steps below share the swapper, the reference output
     # and the cosine closure over them; split, each step would take all of them as arguments.
@@ -442,7 +444,8 @@ def choose_plan(
     budget = math.inf if max_bytes_per_param is None else max_bytes_per_param * total_params
     swapper = _Swapper(module, layers, dtype, hessians)
     with eval_no_grad(module):
-        reference = swapper.measuring_point(names, base, probe, swapper.output({}, probe))
+        swapper.tap = tap
+        reference = swapper.output({}, probe) if tap else swapper.measuring_point(names, base, probe, swapper.output({}, probe))
 
         def cosine(plan: Mapping[str, str]) -> float:
             return compare_outputs(swapper.output(plan, probe), reference, lm=False)["quant/cosine_similarity"]
