@@ -309,8 +309,9 @@ class Selection:
 
 
 def _picked(name: str, args: tuple, kwargs: Mapping[str, Any], out: Any) -> list[Tensor]:
-    if name in MASKING:  # the masks it selects by
-        return [t for t in tree_flatten((args, dict(kwargs)))[0] if isinstance(t, Tensor) and t.dtype == torch.bool]
+    if name in MASKING:  # the masks it selects by (not the tensor indexed: ``suppressed[i]`` of a boolean tensor)
+        given = [a for arg in (*args[1:], *kwargs.values()) for a in (arg if isinstance(arg, (tuple, list)) else (arg,))]
+        return [t for t in given if isinstance(t, Tensor) and t.dtype == torch.bool]
     return [t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and not t.is_floating_point()]
 
 

@@ -20,7 +20,12 @@ it. A model without quantized convolutions is not measured here (today's behavio
 An output that changes shape as computed (a detector's post-processing in forward: boxes kept by score, NMS; masks
 above a threshold) is measured at the outermost module calls returned before the first call whose outputs changed
 shape (the heads; :func:`~lightning_hbm.probe.agreeing_calls`), the lowest figure, named; none: a warning that the
-accuracy could not be measured, with the fix (session 26; was a NaN in the log).
+accuracy could not be measured, with the fix (session 26; was a NaN in the log). The same where the shapes agree but a
+data-dependent selection (sort, top-k, a boolean mask, NMS: :func:`~lightning_hbm.probe.recording_selections`) picks
+other elements or another order than the model as built's: measured at the last module calls returned before it
+(session 27; was: the boxes compared in score order, a healthy int8/bf16 detector warned at 0.976, its heads 0.990).
+``accuracy_at`` names the module measured instead. A forward that fails, as built or as computed: a warning with the
+error and the fix (was: a log line).
 """
 
 from __future__ import annotations
