@@ -302,7 +302,8 @@ class Selection:
             return f"{other.op} ran where the model as built ran {self.op}"
         if self.shapes != other.shapes:
             return f"{self.op} picked shapes {[list(s) for s in other.shapes]}, {[list(s) for s in self.shapes]} as built"
-        if self.checksum == other.checksum and torch.equal(self.values, other.values):
+        unread = not self.values.numel() or not other.values.numel()  # fake or meta tensors: the shapes only
+        if unread or (self.checksum == other.checksum and torch.equal(self.values, other.values)):
             return None
         seen = int((self.values != other.values).sum())
         return f"{self.op} picked other elements or another order ({seen} of {self.values.numel()} compared positions differ)"
@@ -328,13 +329,21 @@ class _Selections(TorchFunctionMode):
         if name in SELECTING or name in MASKING:
             picked = [t.detach() for t in _picked(name, args, kwargs, out)]
             if picked:
-                flat = torch.cat([t.flatten().long() for t in picked])
-                weights = torch.arange(1, flat.numel() + 1, device=flat.device) % 1000003
-                step = max(-(-flat.numel() // 4096), 1)
                 after = self.calls[-1].key if self.calls else None
-                self.seen.append(Selection(name.strip("_"), len(self.calls), after, tuple(tuple(t.shape) for t in picked),
-                                           int((flat * weights).sum()), flat[::step].cpu()))
+                shapes = tuple(tuple(t.shape) for t in picked)
+                self.seen.append(Selection(name.strip("_"), len(self.calls), after, shapes, *_fingerprint(picked)))
         return out
+
+
+def _fingerprint(picked: Sequence[Tensor]) -> tuple[int, Tensor]:
+    """A checksum of every value picked and an evenly strided subset of at most 4096; values that cannot be read
+    (fake or meta tensors: the planner's trace) give none: compared by their shapes only."""
+    try:
+        flat = torch.cat([t.flatten().long() for t in picked])
+        weights = torch.arange(1, flat.numel() + 1, device=flat.device) % 1000003
+        return int((flat * weights).sum()), flat[:: max(-(-flat.numel() // 4096), 1)].cpu()
+    except RuntimeError:  # a fake tensor's data-dependent output, a meta tensor's copy (NotImplementedError): subclasses
+        return 0, torch.zeros(0, dtype=torch.long)
 
 
 @contextmanager

@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_hbm import QuantizedPrecision
 from lightning_hbm.precision.sensitivity import choose_plan
+from lightning_hbm.probe import Call, Selection, diverging, recording_selections
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "layers"))
 from conv_models import YoloDetector, calibrate, images  # noqa: E402
@@ -162,3 +163,27 @@ def test_the_conv_plan_of_a_detector_whose_boxes_are_reordered_is_measured_at_it
     assert report.measured_at == "model"
     tapped = choose_plan(net, heads[:1], "nf4-dq", "auto", torch.float32, images(4, seed=2), min_cosine=0.99, strict=False, tap="model.heads.1")
     assert tapped.measured_at == "model.heads.1"
+
+
+def test_selections_are_compared_by_what_they_pick() -> None:
+    """The record the rule rests on: the same picks agree, another order differs (named, with where it ran), a boolean
+    tensor indexed by an integer is no selection, and unreadable values (meta tensors) are compared by shape only."""
+    scores = torch.tensor([0.9, 0.5, 0.51, 0.1])
+    flags = torch.tensor([True, False])
+
+    def picks(x: torch.Tensor) -> list[Selection]:
+        calls: list[Call] = []
+        with recording_selections(calls) as seen:
+            x.topk(2)
+            x[x > 0.3]
+            flags[0]  # noqa: B018 - an integer index of a boolean tensor: not recorded
+        return seen
+
+    built = picks(scores)
+    assert [s.op for s in built] == ["topk", "getitem"] and diverging(built, picks(scores.clone())) is None
+    reordered = diverging(built, picks(torch.tensor([0.9, 0.51, 0.5, 0.1])))
+    assert reordered is not None and reordered[0] == 0 and "topk picked other elements or another order (1 of 2" in reordered[1]
+    calls: list[Call] = []
+    with recording_selections(calls) as unread:
+        torch.empty(4, device="meta").topk(2)
+    assert unread[0].values.numel() == 0 and diverging(unread, unread) is None
