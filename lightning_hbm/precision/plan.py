@@ -228,7 +228,8 @@ class Quantization:
             self.layer_modes = self.conv_report = None  # a plugin reused by another Trainer measures again
         rule, listing = self._listed(module, trainer)
         _validate(module, rule, listing, self.config.format, self.config.torch_dtype)
-        check_accuracy_at(module, self.config.accuracy_at)
+        fake = _on_fake_tensors(module)  # the planner's trace (a model cut to fewer blocks): nothing is measured there
+        check_accuracy_at(module, None if fake else self.config.accuracy_at)
         targets = listing.targets
         if self.config.layer_modes is not None:
             _layer_modes(targets, self.config.format, self.layer_modes or {})
@@ -243,11 +244,11 @@ class Quantization:
                 self._choose_plan(module, self._linear_names(targets), trainer)
         convs = [name for name, layer in targets if CONV.matches(layer)]
         self._planned_gap, self._said_unmeasured = None, False
-        self.conv_accuracy, self._reference = None, Reference(convs) if convs and not _on_fake_tensors(module) else None
+        self.conv_accuracy, self._reference = None, Reference(convs) if convs and not fake else None
         with self._reference.recording(module) if self._reference is not None else nullcontext():
             self._plan_convs(module, convs, trainer)  # its first forward is the model as built: the reference
         self._record_reference(module, trainer)
-        said = accuracy_at_unused(module, self.config.accuracy_at, self._reference, convs)  # never called: raised
+        said = accuracy_at_unused(module, None if fake else self.config.accuracy_at, self._reference, convs)  # never called: raised
         if said is not None:
             rank_zero_warn(said)
 
