@@ -145,8 +145,8 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             at fit start each one's error is measured on the probe batch and the most sensitive are widened until the
             probe output cosine reaches ``min_cosine`` (default 0.985, ``CONV_PLAN_TARGET``: the probe reads 0.002-0.02
             above held out; ResNet18 then measured 0.982 held out at 0.567 bytes per conv weight); a plan under it is a
-            warning naming the figure. Not with ``layer_modes``, nor without a probe batch (logged; for a BatchNorm
-            conv net a warning with the figure and the fix). A BatchNorm conv net's plan is measured on the probe only:
+            warning naming the figure. Not with ``layer_modes``, nor without a probe batch (a warning: for a BatchNorm
+            conv net with the figure and the fix, else that the accuracy went unmeasured, with the fix). A BatchNorm conv net's plan is measured on the probe only:
             held out such plans measured 0.96-0.982 (issue 53), said at fit start with the fix (``mode="int8"``).
             In any mode, a model with quantized convolutions is run on the probe batch once more after the quantization,
             as this plugin computes it: a centred output cosine against the model as built under ``min_cosine`` (default

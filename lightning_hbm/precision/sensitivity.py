@@ -77,7 +77,8 @@ def unplanned_convs_warning(module: nn.Module, names: Sequence[str], mode: str) 
     uniform 4-bit convolutions collapse the output (issue 53; ``benchmarks/conv_default.py``, the library's default
     on four conv nets, held-out centred cosine: ResNet18 0.91, EfficientNet-B0 0.59-0.72, a YOLO-style detector
     0.10-0.20, a MobileNetV3-FPN backbone 0.24-0.38). Without BatchNorm the measured loss is smaller (a UNet or Wav2Vec2
-    0.96, a ViT's single patch embedding less): logged only, as a warning on every such model would mostly be noise.
+    0.96, a ViT's single patch embedding less): not this warning; the fit-start accuracy check says that it measured
+    nothing (:func:`~lightning_hbm.precision.accuracy.unmeasured_reference_warning`, session 27; was a log line).
     """
     if not names or not _has_batchnorm(module):
         return None
