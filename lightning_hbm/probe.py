@@ -16,6 +16,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchmetrics import CosineSimilarity, KLDivergence, RelativeSquaredError
 
@@ -272,6 +273,101 @@ def recording_calls(module: nn.Module, names: Optional[Collection[str]] = None, 
             handle.remove()
 
 
+#: the ops whose result depends on the order or the size of values (data-dependent selection: a detector's
+#: post-processing sorts, keeps the top-k, thresholds, suppresses): what comes after one that selects otherwise holds
+#: other elements, or the same ones in another order, and is not compared element by element (issue 53, session 27)
+SELECTING = frozenset({"sort", "argsort", "msort", "topk", "nonzero", "argwhere", "masked_select", "argmax", "argmin",
+                       "unique", "unique_consecutive", "nms", "batched_nms"})
+#: ops that select by a boolean mask among their arguments (``boxes[scores > 0.5]``)
+MASKING = frozenset({"__getitem__", "index", "masked_select"})
+
+
+@dataclass
+class Selection:
+    """One data-dependent selection during a forward (:data:`SELECTING`): the op, where it ran, what it picked."""
+
+    op: str
+    #: how many module calls had returned when it ran (the calls of :func:`recording_calls` before it), and the last
+    returned: int
+    after: Optional[tuple[str, int]]
+    #: what it picked (its integer outputs, or the boolean masks it was given): shapes, a checksum of every value,
+    #: and an evenly strided subset of at most 4096 of them, on the host
+    shapes: tuple[tuple[int, ...], ...]
+    checksum: int
+    values: Tensor
+
+    def differs(self, other: Selection) -> Optional[str]:
+        """How ``other`` picked otherwise (``None``: the same op picked the same)."""
+        if self.op != other.op:
+            return f"{other.op} ran where the model as built ran {self.op}"
+        if self.shapes != other.shapes:
+            return f"{self.op} picked shapes {[list(s) for s in other.shapes]}, {[list(s) for s in self.shapes]} as built"
+        unread = not self.values.numel() or not other.values.numel()  # fake or meta tensors: the shapes only
+        if unread or (self.checksum == other.checksum and torch.equal(self.values, other.values)):
+            return None
+        seen = int((self.values != other.values).sum())
+        return f"{self.op} picked other elements or another order ({seen} of {self.values.numel()} compared positions differ)"
+
+
+def _picked(name: str, args: tuple, kwargs: Mapping[str, Any], out: Any) -> list[Tensor]:
+    if name in MASKING:  # the masks it selects by (not the tensor indexed: ``suppressed[i]`` of a boolean tensor)
+        given = [a for arg in (*args[1:], *kwargs.values()) for a in (arg if isinstance(arg, (tuple, list)) else (arg,))]
+        return [t for t in given if isinstance(t, Tensor) and t.dtype == torch.bool]
+    return [t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and not t.is_floating_point()]
+
+
+class _Selections(TorchFunctionMode):
+    def __init__(self, calls: list[Call]) -> None:
+        super().__init__()
+        self.calls = calls
+        self.seen: list[Selection] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "").split(".")[0]
+        if name in SELECTING or name in MASKING:
+            picked = [t.detach() for t in _picked(name, args, kwargs, out)]
+            if picked:
+                after = self.calls[-1].key if self.calls else None
+                shapes = tuple(tuple(t.shape) for t in picked)
+                self.seen.append(Selection(name.strip("_"), len(self.calls), after, shapes, *_fingerprint(picked)))
+        return out
+
+
+def _fingerprint(picked: Sequence[Tensor]) -> tuple[int, Tensor]:
+    """A checksum of every value picked and an evenly strided subset of at most 4096; values that cannot be read
+    (fake or meta tensors: the planner's trace) give none: compared by their shapes only."""
+    try:
+        flat = torch.cat([t.flatten().long() for t in picked])
+        weights = torch.arange(1, flat.numel() + 1, device=flat.device) % 1000003
+        return int((flat * weights).sum()), flat[:: max(-(-flat.numel() // 4096), 1)].cpu()
+    except RuntimeError:  # a fake tensor's data-dependent output, a meta tensor's copy (NotImplementedError): subclasses
+        return 0, torch.zeros(0, dtype=torch.long)
+
+
+@contextmanager
+def recording_selections(calls: list[Call]) -> Generator[list[Selection], None, None]:
+    """The data-dependent selections (:data:`SELECTING`, boolean masks) of the forwards inside, in order, each with
+    how many of ``calls`` (filled by :func:`recording_calls`) had returned when it ran."""
+    with _Selections(calls) as mode:
+        yield mode.seen
+
+
+def diverging(reference: Sequence[Selection], got: Sequence[Selection]) -> Optional[tuple[int, str]]:
+    """Where a forward first selects otherwise than the reference: how many module calls had returned before (the
+    calls to compare are those) and how, naming the module it ran after; ``None``: every selection picked the same."""
+    for want, have in zip(reference, got):
+        how = want.differs(have)
+        if how is not None:
+            after = f" after {want.after[0]!r}" if want.after and want.after[0] else " before any module returned"
+            return min(want.returned, have.returned), how + f" (its selection{after})"
+    if len(reference) != len(got):
+        extra = (reference if len(reference) > len(got) else got)[min(len(reference), len(got))]
+        return extra.returned, f"{extra.op}: one forward ran {len(got)} selections, the model as built {len(reference)}"
+    return None
+
+
 def agreeing_calls(reference: Sequence[Call], got: Sequence[Call]) -> list[tuple[Call, Call]]:
     """Where two forwards of one model still compute the same things: the calls of the longest common prefix of the
     two call sequences (same module, same floating output shapes, in the same order) that no call of that prefix ran
@@ -287,5 +383,5 @@ def agreeing_calls(reference: Sequence[Call], got: Sequence[Call]) -> list[tuple
     return [(want, got[i]) for i, want in enumerate(reference[:prefix]) if want.parent not in inside and want.shapes]
 
 
-__all__ = ["PREFIX", "Call", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "eval_no_grad", "first_batch", "first_batches", "forward_on", "has_forward",
-           "probe_output", "recording_calls"]
+__all__ = ["MASKING", "PREFIX", "SELECTING", "Call", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "forward_on",
+           "has_forward", "probe_output", "recording_calls", "recording_selections"]

@@ -72,6 +72,8 @@ class QuantizationConfig:
     quantize_embeddings: bool = False
     #: the rank of the calibrated correction (0: none)
     correction_rank: Optional[int] = None
+    #: the module whose output the fit-start accuracy check and the convolutions' plan measure (``None``: the output)
+    accuracy_at: Optional[str] = None
 
     def __post_init__(self) -> None:
         def _set(**values: Any) -> None:
@@ -88,6 +90,11 @@ class QuantizationConfig:
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"QuantizedPrecision(rounding={self.rounding!r}): use one of {list(ROUNDINGS)}.")
         _set(correction_rank=CalibratedCorrection.check_rank(self.correction_rank))
+        if self.accuracy_at is not None and (not isinstance(self.accuracy_at, str) or not self.accuracy_at):
+            raise ValueError(
+                f"QuantizedPrecision(accuracy_at={self.accuracy_at!r}): pass the name of a submodule as named_modules() "
+                "names it (e.g. 'model.head'), or None to measure the model's output."
+            )
         # a list in the resume settings: the checkpoint stores lists (a tuple would compare unequal after a load)
         _set(sensitive_mode=self.sensitive_mode if isinstance(self.sensitive_mode, str) else list(self.sensitive_mode))
         _set(layer_modes=dict(self.layer_modes) if self.layer_modes else None)

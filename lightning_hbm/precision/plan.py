@@ -40,7 +40,7 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
 from lightning_hbm.layers.embedding import is_plain_embedding
-from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, check_accuracy
+from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, unmeasured_reference_warning
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
@@ -157,6 +157,8 @@ class Quantization:
         self._reference: Optional[Reference] = None
         # the convolutions' plan's warning that held out such plans measured under the target (said at the quantization)
         self._planned_gap: Optional[str] = None
+        # the convolutions' plan said the model went unmeasured (no probe batch, a probe it cannot run): not said twice
+        self._said_unmeasured = False
         #: the smoothing of layers stored in ``int8-dynamic-smooth`` (``None`` when no layer may be)
         self.smoothing = None if config.smoothing is None else Smoothing(config.smoothing)
         #: where the quantized layers are built (the strategy's root device; ``None``: where the weights are)
@@ -226,6 +228,8 @@ class Quantization:
             self.layer_modes = self.conv_report = None  # a plugin reused by another Trainer measures again
         rule, listing = self._listed(module, trainer)
         _validate(module, rule, listing, self.config.format, self.config.torch_dtype)
+        fake = _on_fake_tensors(module)  # the planner's trace (a model cut to fewer blocks): nothing is measured there
+        check_accuracy_at(module, None if fake else self.config.accuracy_at)
         targets = listing.targets
         if self.config.layer_modes is not None:
             _layer_modes(targets, self.config.format, self.layer_modes or {})
@@ -239,11 +243,14 @@ class Quantization:
             with self.smoothing.attached(module) if self.smoothing is not None else nullcontext():
                 self._choose_plan(module, self._linear_names(targets), trainer)
         convs = [name for name, layer in targets if CONV.matches(layer)]
-        self._planned_gap = None
-        self.conv_accuracy, self._reference = None, Reference(convs) if convs and not _on_fake_tensors(module) else None
+        self._planned_gap, self._said_unmeasured = None, False
+        self.conv_accuracy, self._reference = None, Reference(convs) if convs and not fake else None
         with self._reference.recording(module) if self._reference is not None else nullcontext():
             self._plan_convs(module, convs, trainer)  # its first forward is the model as built: the reference
         self._record_reference(module, trainer)
+        said = accuracy_at_unused(module, None if fake else self.config.accuracy_at, self._reference, convs)  # never called: raised
+        if said is not None:
+            rank_zero_warn(said)
 
     def _say_embeddings_kept(self, module: nn.Module) -> None:
         """Warn (names, reasons) about input embeddings ``quantize_embeddings=True`` keeps in the compute dtype."""
@@ -311,9 +318,10 @@ class Quantization:
             probe = self.probe(trainer)
             with eval_no_grad(module), reference.recording(module), torch_compat.preserved_rngs():  # the user's RNG draws as they were
                 forward_on(module, probe)  # any output: every floating tensor of it is the reference
-        except Exception as error:  # noqa: BLE001 - a measurement never stops a healthy model: said in the log
-            self._reference = None  # the 4-bit plan warns for its own part; nothing else was measured before either
-            log.info("lightning_hbm: the output of the model with quantized convolutions is not measured at fit start: %r", error)
+        except Exception as error:  # noqa: BLE001 - a measurement never stops a healthy model: said, with the fix
+            self._reference = None
+            if not self._said_unmeasured:  # the 4-bit plan said it already (no probe batch, a probe it cannot run)
+                rank_zero_warn(unmeasured_reference_warning(module, reference.names, error))
 
     def _measure(self, module: nn.Module, targets: list[tuple[str, nn.Module]], trainer: Any, inputs: bool, smooth: bool) -> None:
         """What the quantization measures on the model as built, before any change: one probe forward for each target's
@@ -402,6 +410,7 @@ class Quantization:
             unplanned = unplanned_convs_warning(module, names, self.config.format.name)
             if unplanned is not None:  # a BatchNorm conv net: the loss is measured, said (issue 53)
                 rank_zero_warn(unplanned)
+                self._said_unmeasured = True
             log.info("lightning_hbm: %d convolutions stored in %s without a measured plan: no probe_batch", len(names), self.config.format.name)
             return
         try:  # on by default: a model or batch the probe cannot run is said, and the fit goes on as before issue 53
@@ -409,9 +418,10 @@ class Quantization:
                 raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
             report = choose_plan(
                 module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, probe, min_cosine=target,
-                hessians=self.gptq.hessians if self.gptq is not None else None, strict=False,
+                hessians=self.gptq.hessians if self.gptq is not None else None, strict=False, tap=self.config.accuracy_at,
             )  # fmt: skip
         except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as error:
+            self._said_unmeasured = True
             rank_zero_warn(
                 f"lightning_hbm: {len(names)} convolutions stored in {self.config.format.name} without a measured plan ({error}). "
                 f"With BatchNorm statistics like a trained network's, uniform 4-bit convolutions can lose much of the "

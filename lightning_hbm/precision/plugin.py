@@ -145,13 +145,21 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             at fit start each one's error is measured on the probe batch and the most sensitive are widened until the
             probe output cosine reaches ``min_cosine`` (default 0.985, ``CONV_PLAN_TARGET``: the probe reads 0.002-0.02
             above held out; ResNet18 then measured 0.982 held out at 0.567 bytes per conv weight); a plan under it is a
-            warning naming the figure. Not with ``layer_modes``, nor without a probe batch (logged; for a BatchNorm
-            conv net a warning with the figure and the fix). A BatchNorm conv net's plan is measured on the probe only:
+            warning naming the figure. Not with ``layer_modes``, nor without a probe batch (a warning: for a BatchNorm
+            conv net with the figure and the fix, else that the accuracy went unmeasured, with the fix). A BatchNorm conv net's plan is measured on the probe only:
             held out such plans measured 0.96-0.982 (issue 53), said at fit start with the fix (``mode="int8"``).
             In any mode, a model with quantized convolutions is run on the probe batch once more after the quantization,
             as this plugin computes it: a centred output cosine against the model as built under ``min_cosine`` (default
             0.98) is a warning naming the figure and the fix (:mod:`lightning_hbm.precision.accuracy`; ``int8`` in bf16
-            gave the MobileNetV3-FPN backbone 0.975, ``dtype="float32"`` 0.993).
+            gave the MobileNetV3-FPN backbone 0.975, ``dtype="float32"`` 0.993). An output selected by its values
+            (a detector's post-processing: another number of boxes, or the same number picked or ordered otherwise by
+            a sort, top-k, threshold or NMS) is measured at the last module calls returned before the first selection
+            that differs (the heads).
+        accuracy_at: the name of the module (as ``named_modules()`` of the module the plugin quantizes names it, e.g.
+            ``"model.heads"``) whose output the fit-start accuracy check above, and the convolutions' plan, measure
+            instead of the model's output (its lowest call). ``None`` (default): the output, or the heads where it is
+            post-processed. A name that is no submodule, or one the probe forward never calls, is a ``ValueError``
+            before anything changes; on a model without quantized convolutions (nothing measured), a warning.
         sensitive_mode: the wider mode(s) a sensitive layer may take instead of ``mode``: one name, a
             list (e.g. ``["nf4-dq-b32", "int8"]``: chosen per layer) or ``"auto"`` (default): for
             ``nf4-dq`` (``nf4``) its 32-weight blocks ``nf4-dq-b32`` (``nf4-b32``) and ``int8``; for
@@ -215,6 +223,7 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
         smoothing: Optional[Union[float, str]] = None,
         quantize_embeddings: bool = False,
         correction_rank: Optional[int] = None,
+        accuracy_at: Optional[str] = None,
     ) -> None:
         check_args(QuantizedPrecision.__init__, locals())
         #: what ``dtype="auto"`` chose and why (None for a named dtype)
@@ -225,7 +234,7 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
         with quieted():  # the mode's check loads bitsandbytes' CPU ops, which log an optional kernel's absence
             config = QuantizationConfig(
                 mode, dtype, ignore_modules, quantize_head, max_bytes_per_param, min_cosine, sensitive_mode, probe_batch,
-                layer_modes, rounding, smoothing, quantize_embeddings, correction_rank,
+                layer_modes, rounding, smoothing, quantize_embeddings, correction_rank, accuracy_at,
             )  # fmt: skip
         #: the settings (``plugin.config``) and what each surgery decides: targets, layer modes, GPTQ rounding, smoothing
         self.quantization = Quantization(config, owner=type(self).__qualname__)

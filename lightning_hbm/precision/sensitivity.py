@@ -52,7 +52,7 @@ from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.precision.read_plan import is_read, read_local_errors, read_variant
 from lightning_hbm.precision.registry import get_format, to_dtype
-from lightning_hbm.probe import Call, agreeing_calls, compare_outputs, eval_no_grad, forward_on, probe_output, recording_calls
+from lightning_hbm.probe import Call, Selection, agreeing_calls, compare_outputs, diverging, eval_no_grad, forward_on, probe_output, recording_calls, recording_selections
 
 #: ``sensitive_mode`` (and plan entry) that keeps a layer unquantized in the compute dtype, frozen.
 UNQUANTIZED = "none"
@@ -77,7 +77,8 @@ def unplanned_convs_warning(module: nn.Module, names: Sequence[str], mode: str) 
     uniform 4-bit convolutions collapse the output (issue 53; ``benchmarks/conv_default.py``, the library's default
     on four conv nets, held-out centred cosine: ResNet18 0.91, EfficientNet-B0 0.59-0.72, a YOLO-style detector
     0.10-0.20, a MobileNetV3-FPN backbone 0.24-0.38). Without BatchNorm the measured loss is smaller (a UNet or Wav2Vec2
-    0.96, a ViT's single patch embedding less): logged only, as a warning on every such model would mostly be noise.
+    0.96, a ViT's single patch embedding less): not this warning; the fit-start accuracy check says that it measured
+    nothing (:func:`~lightning_hbm.precision.accuracy.unmeasured_reference_warning`, session 27; was a log line).
     """
     if not names or not _has_batchnorm(module):
         return None
@@ -243,25 +244,33 @@ class _Swapper:
 
     def measuring_point(self, names: Sequence[str], base: str, probe: Any, reference: torch.Tensor) -> torch.Tensor:
         """The reference output to plan on. A model whose output changes shape with its layers in ``base`` (a detector's
-        boxes after score thresholding and NMS: a number that depends on the scores) is measured at the outputs of the
-        last module call before the first whose outputs change shape (the heads, before the post-processing); every
-        candidate is then measured there (one forward more, three for such a model).
+        boxes after score thresholding and NMS: a number that depends on the scores), or whose data-dependent selections
+        (sort, top-k, a boolean mask, NMS: :func:`~lightning_hbm.probe.recording_selections`) pick otherwise (the same
+        number of boxes, other ones or in another order), is measured at the outputs of the last module call before the
+        first whose outputs change shape or the first selection that differs (the heads, before the post-processing);
+        every candidate is then measured there. Cost: one forward more for a model that selects, two when it is tapped.
 
         Raises:
-            ValueError: the output changes shape and no module's output before that keeps its shape.
+            ValueError: the output changes or selects otherwise and no module's output before that keeps its shape.
         """
-        uniform = self.output({name: base for name in names}, probe)
-        if uniform.shape == reference.shape:
-            return reference
         want: list[Call] = []
         got: list[Call] = []
-        self.output({}, probe, want)
-        self.output({name: base for name in names}, probe, got)
-        agreeing = [call for call, _ in agreeing_calls(want, got) if call.key[0]]
+        picked: list[Selection] = []
+        uniform = self.output({name: base for name in names}, probe, got, picked)
+        if uniform.shape == reference.shape and not picked:
+            return reference
+        as_built: list[Selection] = []
+        self.output({}, probe, want, as_built)
+        diverged = diverging(as_built, picked)
+        if uniform.shape == reference.shape and diverged is None:
+            return reference
+        cut = diverged[0] if diverged is not None else len(want)
+        agreeing = [call for call, _ in agreeing_calls(want[:cut], got[:cut]) if call.key[0]]
         if not agreeing:
+            how = f"{diverged[1]}" if diverged is not None else "post-processing that keeps a score-dependent number of boxes or masks"
             raise ValueError(
-                f"the model's output changes shape with its layers in {base} ({list(reference.shape)} as built, {list(uniform.shape)}: "
-                "post-processing that keeps a score-dependent number of boxes or masks) and no module's output before that keeps its shape"
+                f"the model's output changes with its layers in {base} ({list(reference.shape)} as built, {list(uniform.shape)}: "
+                f"{how}) and no module's output before that keeps its shape; QuantizedPrecision(accuracy_at=<the heads' module>) names one"
             )
         self.tap = agreeing[-1].key[0]  # the last to return: the closest to the output
         return self.output({}, probe)
@@ -301,17 +310,19 @@ class _Swapper:
         parent_name, _, child = name.rpartition(".")
         setattr(self.module.get_submodule(parent_name) if parent_name else self.module, child, layer)
 
-    def output(self, plan: Mapping[str, str], probe: Any, calls: Optional[list[Call]] = None) -> torch.Tensor:
+    def output(self, plan: Mapping[str, str], probe: Any, calls: Optional[list[Call]] = None, selections: Optional[list[Selection]] = None) -> torch.Tensor:
         """The output with ``plan`` swapped in; ``calls``: filled with the calls of the modules of the model as built
-        (a swapped layer under its name, not its own submodules)."""
+        (a swapped layer under its name, not its own submodules), and ``selections`` with its data-dependent selections."""
         try:
             for name, mode in plan.items():
                 self._put(name, self.variant(name, mode))
             if calls is None:
                 return self.forward(probe).float()
-            with recording_calls(self.module, {name for name, _ in self.module.named_modules()} & self.built) as recorded:
+            with recording_calls(self.module, {name for name, _ in self.module.named_modules()} & self.built) as recorded, recording_selections(recorded) as picked:
                 output = self.forward(probe).float()
             calls[:] = recorded
+            if selections is not None:
+                selections[:] = picked
             return output
         finally:
             for name in plan:
@@ -413,6 +424,7 @@ def choose_plan(
     min_cosine: Optional[float] = None,
     hessians: Optional[Mapping[str, torch.Tensor]] = None,
     strict: bool = True,
+    tap: Optional[str] = None,
 ) -> SensitivityPlan:
     """Choose ``base`` or one of the ``sensitive`` modes for each layer in ``names`` (changed back afterwards): Linears,
     and convolutions (their weight matrix, :mod:`lightning_hbm.layers.conv`).
@@ -425,6 +437,7 @@ def choose_plan(
     (``QuantizedPrecision(rounding="gptq")``), convolutions rounded to nearest (:func:`measured_rounded`).
     Deterministic for a fixed probe batch. Cost: one probe
     forward per layer (its error alone) and a few more (below), each with one layer or one plan swapped in.
+    ``tap``: the module whose output is measured instead of the model's (``QuantizedPrecision(accuracy_at=...)``).
     """
     # One function on purpose (about 70 lines): the three measuring steps below share the swapper, the reference output
     # and the cosine closure over them; split, each step would take all of them as arguments.
@@ -442,7 +455,8 @@ def choose_plan(
     budget = math.inf if max_bytes_per_param is None else max_bytes_per_param * total_params
     swapper = _Swapper(module, layers, dtype, hessians)
     with eval_no_grad(module):
-        reference = swapper.measuring_point(names, base, probe, swapper.output({}, probe))
+        swapper.tap = tap
+        reference = swapper.output({}, probe) if tap else swapper.measuring_point(names, base, probe, swapper.output({}, probe))
 
         def cosine(plan: Mapping[str, str]) -> float:
             return compare_outputs(swapper.output(plan, probe), reference, lm=False)["quant/cosine_similarity"]
