@@ -20,6 +20,7 @@ states between blocks) keeps its input as without ``regenerate``, and the callba
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable
@@ -56,6 +57,10 @@ class Record:
         self.args: list[Any] = list(args)
         self.saved: dict[int, Any] = {}
         self.rng = torch_compat.rng_states()
+        #: the forward's autocast (a bf16-mixed run's ``torch.autocast``), which the backward, where the input is
+        #: remade, runs outside of: per device type of its tensors (and the CPU's), whether on and to which dtype
+        types = dict.fromkeys(["cpu", *(a.device.type for a in (*args, *kwargs.values()) if isinstance(a, Tensor))])
+        self.autocast = [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types]
         self.output: Optional[weakref.ref[Tensor]] = None
         self.first = False  # the output is the first element of a tuple the block returned
 
@@ -97,9 +102,11 @@ def remake(packed: Remake) -> Tensor:
     for index, saved in source.saved.items():
         args[index] = remake(saved) if isinstance(saved, Remake) else source.unpack(saved)
     # as its forward ran: gradients on (a layer may choose its kernels by it), nothing saved for a backward, the RNG
-    # states and the buffers it read as they were, the forward's LoRA order (recomputing(False))
+    # states and the buffers it read as they were, the forward's LoRA order (recomputing(False)) and autocast
     with torch_compat.drawing_as(source.rng), recomputing(False), source.state.replayed(True), torch.enable_grad(), \
-            torch.autograd.graph.saved_tensors_hooks(_drop, _never):
+            torch.autograd.graph.saved_tensors_hooks(_drop, _never), contextlib.ExitStack() as stack:
+        for device_type, enabled, dtype in source.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
         out = source.inner(*args, **source.kwargs)
     packed.counts.inputs += 1
     result: Tensor = (out[0] if source.first else out).detach()
