@@ -62,6 +62,7 @@ class Record:
         types = dict.fromkeys(["cpu", *(a.device.type for a in (*args, *kwargs.values()) if isinstance(a, Tensor))])
         self.autocast = [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types]
         self.output: Optional[weakref.ref[Tensor]] = None
+        self.version = 0  # the output's version counter as returned: changed in place since, it is not what remake makes
         self.first = False  # the output is the first element of a tuple the block returned
 
     def keep(self, tensor: Tensor, packed: Any) -> None:
@@ -74,10 +75,12 @@ class Record:
         first = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor) else out
         self.first = first is not out
         self.output = weakref.ref(first) if isinstance(first, Tensor) else None
+        self.version = first._version if isinstance(first, Tensor) else 0
 
     def gave(self, tensor: Tensor) -> bool:
-        """Whether ``tensor`` is the output this forward returned."""
-        return self.output is not None and self.output() is tensor
+        """Whether ``tensor`` is the output this forward returned, unchanged since (a forward hook or the model's code
+        that scales it in place, ``x.mul_(0.5)`` between blocks, leaves it another input than the remade one)."""
+        return self.output is not None and self.output() is tensor and tensor._version == self.version
 
 
 class Remake:

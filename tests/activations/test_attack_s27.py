@@ -3,12 +3,14 @@ the token chunks' projections fed by a chunked norm, on the cases a user's run b
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import Tensor, nn
 
 from lightning_hbm.data import synthetic_batch
-from tests.activations.test_regenerate import _assert_equal, _grads, _llama
+from tests.activations.test_regenerate import _assert_equal, _grads, _llama, _stack
 
 
 @pytest.mark.slow  # 2 s: two LoRA Llamas
@@ -26,3 +28,23 @@ def test_a_remade_input_is_made_under_the_forwards_autocast() -> None:
     model, callback = _llama(False, 2)
     _assert_equal(_grads(model, loss), expected)
     assert callback.remade.inputs == 2
+
+
+def test_a_block_output_changed_in_place_is_not_remade() -> None:
+    # a forward hook (or the model's code) scaling a block's output in place before the next block takes it: the
+    # remade input (the block's forward again, without the hook) was the unscaled one, gradients 5x off silently
+    x = torch.randn(8, 16)
+
+    def scaled(regenerate: int) -> tuple[nn.Module, Any]:
+        model, callback = _stack(regenerate)
+        for block in model.blocks[::2]:
+            block.register_forward_hook(lambda _module, _args, out: out.mul_(0.5))
+        return model, callback
+
+    reference, _ = scaled(1)
+    torch.manual_seed(1)
+    expected = _grads(reference, lambda m: m(x).square().sum())
+    model, callback = scaled(2)
+    torch.manual_seed(1)
+    _assert_equal(_grads(model, lambda m: m(x).square().sum()), expected)
+    assert callback.remade.inputs == 0 and list(callback.remade.unmatched) == ["blocks.1", "blocks.3"]  # kept, named
