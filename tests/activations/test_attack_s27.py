@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from lightning_hbm.activations.checkpointing import OffloadSavedTensors
 from lightning_hbm.data import synthetic_batch
 from tests.activations.test_regenerate import _assert_equal, _grads, _llama, _stack
 
@@ -48,3 +49,14 @@ def test_a_block_output_changed_in_place_is_not_remade() -> None:
     torch.manual_seed(1)
     _assert_equal(_grads(model, lambda m: m(x).square().sum()), expected)
     assert callback.remade.inputs == 0 and list(callback.remade.unmatched) == ["blocks.1", "blocks.3"]  # kept, named
+
+
+def test_an_offloaded_tensor_comes_back_with_its_strides_on_the_cpu_path() -> None:
+    # The CUDA path (pinned pieces) restored a channels-last input with its strides; the copy to another device of
+    # the same kind (the CPU path, and what the CPU tests check) made it contiguous: a conv's backward then ran in
+    # another memory format, and a diffusers UNet2DModel's conv_in gradient came out 1e-8 off with offload=True
+    # (with or without regenerate; equal once the strides are kept)
+    offload = OffloadSavedTensors("cpu")
+    x = torch.randn(2, 8, 4, 4).to(memory_format=torch.channels_last)
+    back = offload.unpack_hook(offload.pack_hook(x))
+    assert back.stride() == x.stride() and torch.equal(back, x)
