@@ -3,15 +3,18 @@ the token chunks' projections fed by a chunked norm, on the cases a user's run b
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from typing import Any, Optional
 
 import pytest
 import torch
 from torch import Tensor, nn
 
+from lightning_hbm import ActivationCheckpointing
 from lightning_hbm.activations.checkpointing import OffloadSavedTensors
 from lightning_hbm.data import synthetic_batch
 from tests.activations.test_regenerate import _assert_equal, _grads, _llama, _stack
+from tests.activations.test_token_chunks_battery2 import WIDTH, _AttentionBlock
 
 
 @pytest.mark.slow  # 2 s: two LoRA Llamas
@@ -60,3 +63,44 @@ def test_an_offloaded_tensor_comes_back_with_its_strides_on_the_cpu_path() -> No
     x = torch.randn(2, 8, 4, 4).to(memory_format=torch.channels_last)
     back = offload.unpack_hook(offload.pack_hook(x))
     assert back.stride() == x.stride() and torch.equal(back, x)
+
+
+def _fed_model() -> nn.Module:
+    """Three bf16 blocks whose q/k are fed by the chunked input norm (run whole, input remade), after a first step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_AttentionBlock() for _ in range(3))).to(torch.bfloat16)
+    callback = ActivationCheckpointing(mlp_chunks=3, blocks=["_AttentionBlock"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        callback.check_model(model)
+        callback.transform_model(model)
+    model(_fed_input()).float().pow(2).sum().backward()  # the first step decides what is chunked
+    assert model[1].attn.q.forward.verdict == "" and model[1].attn.q.forward.fed_only
+    model.zero_grad(set_to_none=True)
+    return model
+
+
+def _fed_input() -> Tensor:
+    return torch.randn(2, 10, WIDTH, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_(True)
+
+
+def _close(got: Optional[Tensor], want: Tensor) -> bool:  # bf16: the input gradient summed in another order
+    return got is not None and float((got.float() - want.float()).norm() / want.float().norm()) < 2e-2
+
+
+def test_autograd_grad_through_projections_fed_by_a_chunked_norm_returns_their_gradients() -> None:
+    # q/k's parameter gradients were accumulated by a backward of their own, into .grad: autograd.grad(loss, params)
+    # got None for them (an error without allow_unused) and found them in .grad; backward(inputs=[...]) filled the
+    # .grad of parameters it leaves out
+    model = _fed_model()
+    x = _fed_input()
+    model(x).float().pow(2).sum().backward()
+    named = dict(model.named_parameters())
+    want = {n: p.grad.clone() for n, p in named.items() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    got = torch.autograd.grad(model(x).float().pow(2).sum(), list(named.values()), allow_unused=True)
+    assert all(p.grad is None for p in named.values())
+    assert [n for n, g in zip(named, got) if not _close(g, want[n])] == []
+    model(x).float().pow(2).sum().backward(inputs=[named["1.attn.q.weight"]])
+    assert [n for n, p in named.items() if p.grad is not None] == ["1.attn.q.weight"]
+    assert _close(named["1.attn.q.weight"].grad, want["1.attn.q.weight"])
