@@ -60,6 +60,7 @@ class Record:
         #: the forward's autocast (a bf16-mixed run's ``torch.autocast``), which the backward, where the input is
         #: remade, runs outside of: per device type of its tensors (and the CPU's), whether on and to which dtype
         types = dict.fromkeys(["cpu", *(a.device.type for a in (*args, *kwargs.values()) if isinstance(a, Tensor))])
+        types = {t: None for t in types if torch.amp.is_autocast_available(t)}  # not "meta" (the planner's tensors)
         self.autocast = [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types]
         self.output: Optional[weakref.ref[Tensor]] = None
         self.version = 0  # the output's version counter as returned: changed in place since, it is not what remake makes

@@ -12,6 +12,8 @@ from torch import Tensor, nn
 
 from lightning_hbm import ActivationCheckpointing
 from lightning_hbm.activations.checkpointing import OffloadSavedTensors
+from lightning_hbm.activations.regenerate import Record
+from lightning_hbm.activations.replay import ForwardState
 from lightning_hbm.data import synthetic_batch
 from tests.activations.test_regenerate import _assert_equal, _grads, _llama, _stack
 from tests.activations.test_token_chunks_battery2 import WIDTH, _AttentionBlock
@@ -104,3 +106,10 @@ def test_autograd_grad_through_projections_fed_by_a_chunked_norm_returns_their_g
     model(x).float().pow(2).sum().backward(inputs=[named["1.attn.q.weight"]])
     assert [n for n, p in named.items() if p.grad is not None] == ["1.attn.q.weight"]
     assert _close(named["1.attn.q.weight"].grad, want["1.attn.q.weight"])
+
+
+def test_a_record_of_a_forward_on_meta_tensors_has_no_autocast_to_read() -> None:
+    # (the autocast fix above first asked torch for the "meta" device's autocast: a RuntimeError)
+    block = nn.Linear(4, 4)
+    record = Record(block, block, (torch.empty(2, 4, device="meta"),), {}, ForwardState(block), lambda t: t)
+    assert [t for t, _, _ in record.autocast] == ["cpu"]
