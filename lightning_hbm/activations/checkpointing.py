@@ -196,6 +196,12 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self._in_flight: Optional[Tensor] = None  # the device tensor packed last: its copy may still read it
         super().__init__(self._pack, self._unpack)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # what a step leaves behind (weak references to its handles and tensors, the device tensor in flight, the CUDA
+        # side stream) belongs to that step, not to the model: a model pickled after a step (torch.save(model)) failed
+        # with "cannot pickle 'weakref.ReferenceType' object"
+        return {**self.__dict__, "_stream": None, "_last": None, "_copied": {}, "_in_flight": None}
+
     def reset_counts(self) -> None:
         self.copies = 0
         self.copied_bytes = 0

@@ -3,6 +3,7 @@ the token chunks' projections fed by a chunked norm, on the cases a user's run b
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from typing import Any, Optional
 
@@ -113,3 +114,17 @@ def test_a_record_of_a_forward_on_meta_tensors_has_no_autocast_to_read() -> None
     block = nn.Linear(4, 4)
     record = Record(block, block, (torch.empty(2, 4, device="meta"),), {}, ForwardState(block), lambda t: t)
     assert [t for t, _, _ in record.autocast] == ["cpu"]
+
+
+def test_a_model_with_offloaded_inputs_pickles_after_a_step() -> None:
+    # the offload hooks kept weak references to the last step's handles: torch.save(model) after training failed
+    x = torch.randn(8, 16)
+    model, _ = _stack(2)
+    model(x).sum().backward()
+    copied = pickle.loads(pickle.dumps(model))  # the same weights, BatchNorm statistics and RNG draws next
+    model.zero_grad(set_to_none=True)
+    copied.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    expected = _grads(model, lambda m: m(x).square().sum())
+    torch.manual_seed(1)
+    _assert_equal(_grads(copied, lambda m: m(x).square().sum()), expected)
