@@ -336,6 +336,11 @@ class _BlockPlan:
         self.counts: Optional[Remade] = None
         self.name = ""
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a record no block took (the block after this one did not run: a block called on its own, a skipped layer)
+        # belongs to that forward: it holds weak references (pickle refused the model) and the forward's saved input
+        return {**self.__dict__, "pending": None}
+
 
 class _CheckpointedForward(CheckpointedForward):
     """The block's new ``forward``: a picklable object (not a closure, not a bound method) holding the block and its

@@ -128,3 +128,11 @@ def test_a_model_with_offloaded_inputs_pickles_after_a_step() -> None:
     expected = _grads(model, lambda m: m(x).square().sum())
     torch.manual_seed(1)
     _assert_equal(_grads(copied, lambda m: m(x).square().sum()), expected)
+
+
+def test_a_model_pickles_after_a_block_ran_on_its_own() -> None:
+    # regenerate: the forward of a block that feeds the next one waits (a record) for that block's call; called on
+    # its own, the record stayed on the block, and its weak reference made the model unpicklable
+    model, _ = _stack(2)
+    model.blocks[0](torch.randn(8, 16))
+    assert pickle.loads(pickle.dumps(model)) is not model
