@@ -332,7 +332,10 @@ class _BlockPlan:
         #: (:mod:`lightning_hbm.activations.regenerate`), and whether this block's forward is recorded for the next one
         self.remade_from: Optional[_BlockPlan] = None
         self.feeds = False
-        self.pending: Optional[Record] = None  # the record of this block's last forward, until the next block takes it
+        #: the record of this block's last forward, until the next block takes it; weak: the record lives as long as
+        #: the output it describes (:meth:`Record.returned`), a record no block takes (the next block called before
+        #: this one, a block called on its own) held that forward's saved input past its step
+        self.pending: Optional[weakref.ref[Record]] = None
         self.counts: Optional[Remade] = None
         self.name = ""
 
@@ -383,7 +386,10 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
     if plan.counts is not None and (plan.feeds or plan.remade_from is not None):  # regenerate=n
         source, record = None, None
         if plan.remade_from is not None:
-            source, plan.remade_from.pending = plan.remade_from.pending, None
+            pending, plan.remade_from.pending = plan.remade_from.pending, None
+            source = pending() if pending is not None else None
+            if pending is not None and source is None:  # the block before ran, its output is gone: not this input
+                plan.counts.unmatched[plan.name] = None
         if plan.feeds:
             unpack = hooks.unpack_hook if hooks is not None else _same
             record = Record(self, inner, args, kwargs, state, unpack)
@@ -392,7 +398,7 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
         out = checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
     if record is not None:
         record.returned(out)
-        plan.pending = record
+        plan.pending = weakref.ref(record)
     return out
 
 

@@ -33,6 +33,8 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.activations.replay import ForwardState
 from lightning_hbm.adapters.lora.order import recomputing
 
+_RECORD = "_lightning_hbm_record"  # the attribute of a block's output that holds the record of its forward
+
 
 class Remade:
     """Counts of one callback's remade inputs since the last :meth:`reset`, and the blocks that could not remake theirs."""
@@ -77,6 +79,8 @@ class Record:
         self.first = first is not out
         self.output = weakref.ref(first) if isinstance(first, Tensor) else None
         self.version = first._version if isinstance(first, Tensor) else 0
+        if isinstance(first, Tensor):  # the record lives as long as that output (the block's plan holds it weakly)
+            setattr(first, _RECORD, self)  # noqa: B010 - a tensor's Python attribute, not a field of a class
 
     def gave(self, tensor: Tensor) -> bool:
         """Whether ``tensor`` is the output this forward returned, unchanged since (a forward hook or the model's code
@@ -147,6 +151,10 @@ class InputHooks(torch.autograd.graph.saved_tensors_hooks):
         super().__exit__(*args)
         if not self.matched:
             self.counts.unmatched[self.name] = None
+        # the backward needs only ``base`` (what was packed holds the rest): these hooks are their own reference cycle
+        # (pack_hook is a method of theirs), and the records held here kept the forward's inputs past the step
+        # until the garbage collector ran
+        self.source = self.record = None
 
 
 def inner_forward(block: nn.Module, own: Optional[Callable[..., Any]]) -> Callable[..., Any]:

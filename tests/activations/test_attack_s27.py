@@ -3,8 +3,10 @@ the token chunks' projections fed by a chunked norm, on the cases a user's run b
 
 from __future__ import annotations
 
+import gc
 import pickle
 import warnings
+import weakref
 from typing import Any, Optional
 
 import pytest
@@ -16,7 +18,7 @@ from lightning_hbm.activations.checkpointing import OffloadSavedTensors
 from lightning_hbm.activations.regenerate import Record
 from lightning_hbm.activations.replay import ForwardState
 from lightning_hbm.data import synthetic_batch
-from tests.activations.test_regenerate import _assert_equal, _grads, _llama, _stack
+from tests.activations.test_regenerate import _assert_equal, _grads, _llama, _Stack, _stack
 from tests.activations.test_token_chunks_battery2 import WIDTH, _AttentionBlock
 
 
@@ -136,3 +138,40 @@ def test_a_model_pickles_after_a_block_ran_on_its_own() -> None:
     model, _ = _stack(2)
     model.blocks[0](torch.randn(8, 16))
     assert pickle.loads(pickle.dumps(model)) is not model
+
+
+def _plain_stack(regenerate: int) -> nn.Module:  # inputs kept on the device (no offload)
+    torch.manual_seed(0)
+    model = _Stack()
+    ActivationCheckpointing("full", regenerate=regenerate).transform_model(model)
+    return model
+
+
+def test_a_block_input_is_freed_with_its_step_not_by_the_garbage_collector() -> None:
+    # regenerate's records of block inputs lived in a reference cycle (the saved-tensor hooks' own methods): the
+    # block inputs of a step outlived it, on the device, until the garbage collector ran
+    model = _plain_stack(2)
+    inputs: list[weakref.ref[Tensor]] = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda _module, args: inputs.append(weakref.ref(args[0])))
+    gc.disable()
+    try:
+        model(torch.randn(8, 16, requires_grad=True)).sum().backward()
+        assert len(inputs) == 4 and [ref() for ref in inputs] == [None] * 4
+    finally:
+        gc.enable()
+
+
+def test_the_input_of_a_block_called_on_its_own_is_not_kept_past_its_forward() -> None:
+    # the record of a forward that feeds the next block stayed on the block until its next forward when no block took
+    # it (the block called on its own; in a UNet, the next block in module order called before it), holding the input
+    model = _plain_stack(2)
+    gc.disable()
+    try:
+        h = torch.randn(8, 16, requires_grad=True) * 1.0
+        ref = weakref.ref(h)
+        out = model.blocks[0](h)
+        del h, out
+        assert ref() is None
+    finally:
+        gc.enable()
