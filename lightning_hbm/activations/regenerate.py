@@ -24,7 +24,7 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +33,7 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.activations.replay import ForwardState
 from lightning_hbm.adapters.lora.order import recomputing
 
-_RECORD = "_lightning_hbm_record"  # the attribute of a block's output that holds the record of its forward
+_RECORD = "lightning_hbm.regenerate"  # the key of a block output's grad_fn metadata holding its forward's record
 
 
 class Remade:
@@ -79,8 +79,10 @@ class Record:
         self.first = first is not out
         self.output = weakref.ref(first) if isinstance(first, Tensor) else None
         self.version = first._version if isinstance(first, Tensor) else 0
-        if isinstance(first, Tensor):  # the record lives as long as that output (the block's plan holds it weakly)
-            setattr(first, _RECORD, self)  # noqa: B010 - a tensor's Python attribute, not a field of a class
+        if isinstance(first, Tensor) and first.grad_fn is not None:
+            # the record lives as long as that output's graph (the block's plan holds it weakly); none: no backward
+            # reaches it, nothing to remake. On the node, not the tensor: a tensor's attribute is pickled with it
+            cast(dict[str, Any], first.grad_fn.metadata)[_RECORD] = self  # a dict (typed as a method in torch's stubs)
 
     def gave(self, tensor: Tensor) -> bool:
         """Whether ``tensor`` is the output this forward returned, unchanged since (a forward hook or the model's code
