@@ -1,5 +1,7 @@
-"""Outside-style attack on session 26's activation code (session 27): ``ActivationCheckpointing(regenerate=n)`` and
-the token chunks' projections fed by a chunked norm, on the cases a user's run brings (mixed precision, ...)."""
+"""Outside-style attack on session 26's activation code (session 27): ``ActivationCheckpointing(regenerate=n)``, the
+token chunks' projections fed by a chunked norm and the offload they run with, on what a user's run brings: mixed
+precision, hooks that change a block's output in place, ``autograd.grad``, channels-last inputs, pickling after a step,
+and how long a step's block inputs live. Each test failed on the code before its fix."""
 
 from __future__ import annotations
 
