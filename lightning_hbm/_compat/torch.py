@@ -149,6 +149,16 @@ def rewrapped(like: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
     return new
 
 
+def accumulates_into(params: list[torch.Tensor]) -> bool:
+    """Whether the backward running now (call only inside one) adds into the ``.grad`` of each of ``params``: a plain
+    ``backward()`` does; ``autograd.grad`` does not (it returns them), nor ``backward(inputs=...)`` for one it leaves
+    out (``torch._C._will_engine_execute_node`` on their ``AccumulateGrad`` nodes; no public name)."""
+    try:
+        return all(bool(torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node)) for p in params)
+    except RuntimeError:  # autograd.grad naming one of them: its gradient is captured, never accumulated
+        return False
+
+
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     """The tensors of ``tree``, inside the mappings torch's pytree takes as one leaf too (:func:`map_tensors`)."""
     found: list[torch.Tensor] = []

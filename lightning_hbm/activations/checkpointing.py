@@ -196,6 +196,12 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self._in_flight: Optional[Tensor] = None  # the device tensor packed last: its copy may still read it
         super().__init__(self._pack, self._unpack)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # what a step leaves behind (weak references to its handles and tensors, the device tensor in flight, the CUDA
+        # side stream) belongs to that step, not to the model: a model pickled after a step (torch.save(model)) failed
+        # with "cannot pickle 'weakref.ReferenceType' object"
+        return {**self.__dict__, "_stream": None, "_last": None, "_copied": {}, "_in_flight": None}
+
     def reset_counts(self) -> None:
         self.copies = 0
         self.copied_bytes = 0
@@ -217,9 +223,9 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         """The copy on ``device`` (from CUDA: pinned host memory in :func:`pinned_pieces`, on the side stream)."""
         stream = self._side_stream(tensor.device)
         if stream is None:
-            # torch.empty + copy_ (not .to): a real copy even when source == target device, which
-            # is what a CPU-only test can check.
-            plain = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+            # torch.empty_like + copy_ (not .to): a real copy even when source == target device, which
+            # is what a CPU-only test can check; with the tensor's strides, as the pinned pieces keep them
+            plain = torch.empty_like(tensor, device=self.device)
             plain.copy_(tensor)
             return plain
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
@@ -281,7 +287,7 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
                 return _on_device(host, source)
         if isinstance(host, _Pieces):
             return host.restore(source)
-        restored = torch.empty(host.shape, dtype=host.dtype, device=source)
+        restored = torch.empty_like(host, device=source)
         restored.copy_(host)
         return restored
 
@@ -326,9 +332,17 @@ class _BlockPlan:
         #: (:mod:`lightning_hbm.activations.regenerate`), and whether this block's forward is recorded for the next one
         self.remade_from: Optional[_BlockPlan] = None
         self.feeds = False
-        self.pending: Optional[Record] = None  # the record of this block's last forward, until the next block takes it
+        #: the record of this block's last forward, until the next block takes it; weak: the record lives as long as
+        #: the output it describes (:meth:`Record.returned`), a record no block takes (the next block called before
+        #: this one, a block called on its own) held that forward's saved input past its step
+        self.pending: Optional[weakref.ref[Record]] = None
         self.counts: Optional[Remade] = None
         self.name = ""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a record no block took (the block after this one did not run: a block called on its own, a skipped layer)
+        # belongs to that forward: it holds weak references (pickle refused the model) and the forward's saved input
+        return {**self.__dict__, "pending": None}
 
 
 class _CheckpointedForward(CheckpointedForward):
@@ -372,7 +386,10 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
     if plan.counts is not None and (plan.feeds or plan.remade_from is not None):  # regenerate=n
         source, record = None, None
         if plan.remade_from is not None:
-            source, plan.remade_from.pending = plan.remade_from.pending, None
+            pending, plan.remade_from.pending = plan.remade_from.pending, None
+            source = pending() if pending is not None else None
+            if pending is not None and source is None:  # the block before ran, its output is gone: not this input
+                plan.counts.unmatched[plan.name] = None
         if plan.feeds:
             unpack = hooks.unpack_hook if hooks is not None else _same
             record = Record(self, inner, args, kwargs, state, unpack)
@@ -381,7 +398,7 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
         out = checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
     if record is not None:
         record.returned(out)
-        plan.pending = record
+        plan.pending = weakref.ref(record)
     return out
 
 

@@ -20,10 +20,11 @@ states between blocks) keeps its input as without ``regenerate``, and the callba
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +32,8 @@ from torch import Tensor, nn
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.activations.replay import ForwardState
 from lightning_hbm.adapters.lora.order import recomputing
+
+_RECORD = "lightning_hbm.regenerate"  # the key of a block output's grad_fn metadata holding its forward's record
 
 
 class Remade:
@@ -56,7 +59,13 @@ class Record:
         self.args: list[Any] = list(args)
         self.saved: dict[int, Any] = {}
         self.rng = torch_compat.rng_states()
+        #: the forward's autocast (a bf16-mixed run's ``torch.autocast``), which the backward, where the input is
+        #: remade, runs outside of: per device type of its tensors (and the CPU's), whether on and to which dtype
+        types = dict.fromkeys(["cpu", *(a.device.type for a in (*args, *kwargs.values()) if isinstance(a, Tensor))])
+        types = {t: None for t in types if torch.amp.is_autocast_available(t)}  # not "meta" (the planner's tensors)
+        self.autocast = [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types]
         self.output: Optional[weakref.ref[Tensor]] = None
+        self.version = 0  # the output's version counter as returned: changed in place since, it is not what remake makes
         self.first = False  # the output is the first element of a tuple the block returned
 
     def keep(self, tensor: Tensor, packed: Any) -> None:
@@ -69,10 +78,16 @@ class Record:
         first = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor) else out
         self.first = first is not out
         self.output = weakref.ref(first) if isinstance(first, Tensor) else None
+        self.version = first._version if isinstance(first, Tensor) else 0
+        if isinstance(first, Tensor) and first.grad_fn is not None:
+            # the record lives as long as that output's graph (the block's plan holds it weakly); none: no backward
+            # reaches it, nothing to remake. On the node, not the tensor: a tensor's attribute is pickled with it
+            cast(dict[str, Any], first.grad_fn.metadata)[_RECORD] = self  # a dict (typed as a method in torch's stubs)
 
     def gave(self, tensor: Tensor) -> bool:
-        """Whether ``tensor`` is the output this forward returned."""
-        return self.output is not None and self.output() is tensor
+        """Whether ``tensor`` is the output this forward returned, unchanged since (a forward hook or the model's code
+        that scales it in place, ``x.mul_(0.5)`` between blocks, leaves it another input than the remade one)."""
+        return self.output is not None and self.output() is tensor and tensor._version == self.version
 
 
 class Remake:
@@ -97,9 +112,11 @@ def remake(packed: Remake) -> Tensor:
     for index, saved in source.saved.items():
         args[index] = remake(saved) if isinstance(saved, Remake) else source.unpack(saved)
     # as its forward ran: gradients on (a layer may choose its kernels by it), nothing saved for a backward, the RNG
-    # states and the buffers it read as they were, the forward's LoRA order (recomputing(False))
+    # states and the buffers it read as they were, the forward's LoRA order (recomputing(False)) and autocast
     with torch_compat.drawing_as(source.rng), recomputing(False), source.state.replayed(True), torch.enable_grad(), \
-            torch.autograd.graph.saved_tensors_hooks(_drop, _never):
+            torch.autograd.graph.saved_tensors_hooks(_drop, _never), contextlib.ExitStack() as stack:
+        for device_type, enabled, dtype in source.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
         out = source.inner(*args, **source.kwargs)
     packed.counts.inputs += 1
     result: Tensor = (out[0] if source.first else out).detach()

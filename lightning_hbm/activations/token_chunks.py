@@ -110,8 +110,8 @@ class _ChunkedCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
-        if ctx.call.whole:  # its parameters' gradients are accumulated by _fed_backward's backward (None here)
-            return (_whole_backward(ctx, grad), None, None, None, *(None for _ in ctx.params))
+        if ctx.call.whole:  # its parameters' gradients: accumulated by _fed_backward's backward, or returned
+            return _whole_backward(ctx, grad)
         if any(c.grad is not None for c in ctx.fed):  # a whole layer it feeds whose partners' backward never ran
             flushed = _fed_backward(ctx)
             grad = flushed if grad is None else grad + flushed
@@ -154,11 +154,15 @@ class _ChunkedCall(torch.autograd.Function):
         return (grad_x, None, None, None, *(next(rest) if n else None for n in wanted))
 
 
-def _whole_backward(ctx: Any, grad: Tensor) -> Optional[Tensor]:
+def _whole_backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
     """The backward of a layer run whole, fed by a chunked source (:class:`_Chunks`' ``whole``: q/k/v fed by the
     ``input_layernorm``): its output's gradient is kept until every layer the source feeds has its own; the last one
     to arrive runs them all together (:func:`_fed_backward`) and returns the source output's gradient, the others
-    None (nothing to add)."""
+    None (nothing to add); their parameters' gradients are accumulated by that backward (None here).
+
+    Where this backward accumulates into no ``.grad`` of theirs (``autograd.grad(loss, params)``,
+    ``backward(inputs=...)`` leaving one out), each layer's own gradients are returned instead (:func:`_own_backward`):
+    accumulated, they went into ``.grad`` and the caller got None for them."""
     if torch.is_grad_enabled():  # a second derivative (create_graph): this path remakes the input without a graph
         raise RuntimeError(
             "lightning_hbm: a second derivative (autograd.grad(..., create_graph=True), a gradient penalty) runs "
@@ -167,8 +171,22 @@ def _whole_backward(ctx: Any, grad: Tensor) -> Optional[Tensor]:
             "ActivationCheckpointing(mlp_chunks=1) for this model (the attention projections fed by a chunked norm "
             "do not yet take a second derivative)."
         )
+    if not torch_compat.accumulates_into([p for member in ctx.source.fed for p in member.call.params]):
+        return _own_backward(ctx, grad)
     ctx.member.grad = grad
-    return _fed_backward(ctx.source) if all(m.grad is not None for m in ctx.source.fed) else None
+    grad_x = _fed_backward(ctx.source) if all(m.grad is not None for m in ctx.source.fed) else None
+    return (grad_x, None, None, None, *(None for _ in ctx.params))
+
+
+def _own_backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+    """One whole layer's gradients (input and parameters) returned by its own node, for a backward that accumulates
+    into no ``.grad`` (:func:`_whole_backward`): its input remade from the source, the layer recomputed on it. The
+    input's gradient is summed layer by layer, not in the order of one backward through them all: within rounding
+    of :func:`_fed_backward`'s, not bit for bit (each layer remakes the input: one source forward more per layer)."""
+    x = _remade_input(ctx.source).detach().requires_grad_(True)
+    out = ctx.call.recompute(x)
+    got = torch.autograd.grad(out, [x, *ctx.params], grad, allow_unused=True)
+    return (got[0], None, None, None, *got[1:])
 
 
 def _fed_backward(source: Any) -> Tensor:
