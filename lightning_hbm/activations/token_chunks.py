@@ -110,6 +110,8 @@ class _ChunkedCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
+        if ctx.call.whole and torch.is_grad_enabled():  # a second derivative (create_graph): see _whole_graph_backward
+            return _whole_graph_backward(ctx, grad)
         if ctx.call.whole:  # its parameters' gradients are accumulated by _fed_backward's backward (None here)
             return (_whole_backward(ctx, grad), None, None, None, *(None for _ in ctx.params))
         if any(c.grad is not None for c in ctx.fed):  # a whole layer it feeds whose partners' backward never ran
@@ -159,16 +161,30 @@ def _whole_backward(ctx: Any, grad: Tensor) -> Optional[Tensor]:
     ``input_layernorm``): its output's gradient is kept until every layer the source feeds has its own; the last one
     to arrive runs them all together (:func:`_fed_backward`) and returns the source output's gradient, the others
     None (nothing to add)."""
-    if torch.is_grad_enabled():  # a second derivative (create_graph): this path remakes the input without a graph
-        raise RuntimeError(
-            "lightning_hbm: a second derivative (autograd.grad(..., create_graph=True), a gradient penalty) runs "
-            "through a layer fed by a token-"
-            "chunked norm, whose input is remade without a graph here: the result would be wrong. Use "
-            "ActivationCheckpointing(mlp_chunks=1) for this model (the attention projections fed by a chunked norm "
-            "do not yet take a second derivative)."
-        )
     ctx.member.grad = grad
     return _fed_backward(ctx.source) if all(m.grad is not None for m in ctx.source.fed) else None
+
+
+def _whole_graph_backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+    """The backward of a layer run whole, fed by a chunked source, under create_graph (a gradient penalty's second
+    derivative): recorded, so that autograd can differentiate it again. Its input is remade with a graph (each chunk
+    recomputed by the source's layer from the source's kept input, which keeps its own graph), the layer recomputed on
+    it, and its gradients (input and parameters) taken with a graph and returned through the Function, each layer on
+    its own as its gradient arrives: accumulating the parameters' gradients straight into ``.grad``, as the
+    first-order :func:`_fed_backward` does, would lose them for ``autograd.grad(..., params)`` and for the second
+    derivative. Remade input and recompute are paid once per fed layer (three norm recomputes for q/k/v instead of
+    one), only in this rare mode; the first-order path is left as it is (bit for bit, same memory)."""
+    wants_x, wanted = ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
+    params = [p for p, needed in zip(ctx.params, wanted) if needed]
+    x = _remade_input(ctx.source, graph=True)
+    if not x.requires_grad:  # the kept input came back without a graph (and the source trains nothing): a leaf
+        x = x.detach().requires_grad_(wants_x)
+    out = ctx.call.recompute(x)
+    asked = ([x] if wants_x else []) + params
+    got = list(torch.autograd.grad(out, asked, grad, allow_unused=True, create_graph=True)) if asked else []
+    grad_x = got.pop(0) if wants_x else None
+    rest = iter(got)
+    return (grad_x, None, None, None, *(next(rest) if needed else None for needed in wanted))
 
 
 def _fed_backward(source: Any) -> Tensor:
@@ -192,13 +208,18 @@ def _fed_backward(source: Any) -> Tensor:
     return x.grad if x.grad is not None else torch.zeros_like(x)
 
 
-def _remade_input(source: Any) -> Tensor:
+def _remade_input(source: Any, graph: bool = False) -> Tensor:
     """The output of ``source`` (a chunked layer) in the backward of the whole layers it feeds: remade chunk by chunk
     from its kept input, each chunk written into one tensor (the chunks gathered and joined would hold it twice); the
-    source's input is left stashed for the source's own backward."""
+    source's input is left stashed for the source's own backward. ``graph`` (create_graph): each chunk recomputed with
+    a graph back to the kept input and the chunks joined by a differentiable ``cat``."""
     kept = _kept_input(source)
     source.stash = kept
     chunks = source.call.split(kept)
+    if graph:
+        parts = [source.call.recompute(chunk) for chunk in chunks]
+        width = parts[0].shape[-1]
+        return torch.cat([p.reshape(-1, width) for p in parts]).reshape(*kept.shape[:-1], width)
     run = set(torch_compat.chunk_starts(len(chunks), 1, kept))  # on fake tensors the others only allocate
     whole: Optional[Tensor] = None
     row = 0
