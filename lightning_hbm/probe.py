@@ -7,6 +7,7 @@ same code. ``lightning_hbm.quality`` re-exports every name.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Collection, Generator, Mapping, Sequence
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torchmetrics import CosineSimilarity, KLDivergence, RelativeSquaredError
+from torchmetrics import CosineSimilarity, RelativeSquaredError
 
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
@@ -202,9 +203,31 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
         PREFIX + "relative_error": float(RelativeSquaredError(squared=False)(measured.flatten(), wanted.flatten())),
     }
     if lm:
-        kl = KLDivergence(log_prob=True, reduction="mean")  # KL(p || q) with p the full-precision model
-        metrics[PREFIX + "kl_divergence"] = float(kl(reference.reshape(-1, width).log_softmax(-1), output.reshape(-1, width).log_softmax(-1)))
+        metrics[PREFIX + "kl_divergence"] = _kl_divergence(output.reshape(-1, width), reference.reshape(-1, width))
     return metrics
+
+
+def _kl_divergence(output: Tensor, reference: Tensor) -> float:
+    """Mean over rows of ``KL(p || q)``, ``p`` the softmax of ``reference`` (the full-precision model's logits), ``q``
+    of ``output``: torchmetrics ``KLDivergence``'s figure, with masked entries handled.
+
+    A token the reference gives no mass (``-inf`` logit: a masked vocabulary entry) adds 0, whatever ``output`` gives
+    it (torchmetrics: ``0 * (-inf - x)`` = NaN, the whole figure NaN when both models mask the same entries). A token
+    the reference gives mass to and ``output`` -inf adds inf: the quantized model rules out what the model as built
+    predicts, and the figure says so (with a warning naming how many), not NaN.
+    """
+    p_log, q_log = reference.float().log_softmax(-1), output.float().log_softmax(-1)
+    masked, ruled_out = p_log == float("-inf"), (q_log == float("-inf")) & (p_log > float("-inf"))
+    terms = (p_log.exp() * (p_log - q_log)).masked_fill(masked, 0.0).masked_fill(ruled_out, float("inf"))
+    if bool(ruled_out.any()):
+        warnings.warn(
+            f"lightning_hbm: KL divergence is inf: the quantized model gives -inf (no probability) to "
+            f"{int(ruled_out.sum())} token(s) the full-precision model gives probability to, in "
+            f"{int(ruled_out.any(-1).sum())} of {ruled_out.shape[0]} rows (the quantized logits overflowed, or mask "
+            f"differently): compare the two models' masks, or quantize fewer layers (skip=...).",
+            stacklevel=2,
+        )
+    return float(terms.sum(-1).mean())
 
 
 @contextmanager

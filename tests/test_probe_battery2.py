@@ -155,3 +155,25 @@ def test_a_correction_probe_joins_batch_encodings_at_fit_start(tmp_path: Any) ->
         warnings.simplefilter("ignore")
         trainer.fit(Tiny(), loader)
     assert trainer.global_step == 1 and plugin.quantization.correction_report is not None
+
+
+def test_kl_leaves_out_tokens_both_models_mask_and_is_inf_where_only_the_quantized_one_does() -> None:
+    # A vocabulary masked with -inf in both models made KL NaN (torchmetrics: 0 * (-inf + inf)); a token only the
+    # quantized model rules out must read as what it is: inf, with a warning, not NaN.
+    from torchmetrics import KLDivergence
+
+    generator = torch.Generator().manual_seed(0)
+    reference = torch.randn(2, 3, 8, generator=generator)
+    output = reference + 0.1 * torch.randn(2, 3, 8, generator=generator)
+    want = float(KLDivergence(log_prob=True)(reference.reshape(-1, 8).log_softmax(-1), output.reshape(-1, 8).log_softmax(-1)))
+    assert compare_outputs(output, reference, lm=True)["quant/kl_divergence"] == pytest.approx(want, rel=1e-6)
+    masked_ref, masked_out = torch.cat([reference, torch.full((2, 3, 2), float("-inf"))], -1), torch.cat([output, torch.full((2, 3, 2), float("-inf"))], -1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # both mask the same entries: no warning, the unmasked figure
+        assert compare_outputs(masked_out, masked_ref, lm=True)["quant/kl_divergence"] == pytest.approx(want, rel=1e-6)
+    masked_out[0, 0, -1] = 5.0  # mass where the reference has none: no term (p = 0), a finite figure
+    assert 0 < compare_outputs(masked_out, masked_ref, lm=True)["quant/kl_divergence"] < float("inf")
+    ruled_out = masked_out.clone()
+    ruled_out[1, 2, 0] = float("-inf")  # the quantized model rules out a token the reference gives mass to
+    with pytest.warns(UserWarning, match=r"KL divergence is inf.*1 token\(s\).*in 1 of 6 rows"):
+        assert compare_outputs(ruled_out, masked_ref, lm=True)["quant/kl_divergence"] == float("inf")

@@ -223,8 +223,9 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         """The copy on ``device`` (from CUDA: pinned host memory in :func:`pinned_pieces`, on the side stream)."""
         stream = self._side_stream(tensor.device)
         if stream is None:
-            # torch.empty_like + copy_ (not .to): a real copy even when source == target device, which
-            # is what a CPU-only test can check; with the tensor's strides, as the pinned pieces keep them
+            # empty_like + copy_ (not .to): a real copy even when source == target device, which
+            # is what a CPU-only test can check; empty_like keeps a dense tensor's strides (a channels-last conv
+            # activation came back contiguous from torch.empty(shape): its backward then ran on another layout)
             plain = torch.empty_like(tensor, device=self.device)
             plain.copy_(tensor)
             return plain
@@ -287,7 +288,7 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
                 return _on_device(host, source)
         if isinstance(host, _Pieces):
             return host.restore(source)
-        restored = torch.empty_like(host, device=source)
+        restored = torch.empty_like(host, device=source)  # the host copy's strides: the forward's layout
         restored.copy_(host)
         return restored
 

@@ -15,36 +15,95 @@ without checkpointing, bit for bit (``tests/activations/test_replay.py``,
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_hbm._compat import torch as torch_compat
+
+#: bytes up to which a buffer outside torch's norms is copied on a block's first training forward, before it is known
+#: whether the forward writes it
+PROBE_BYTES = 1 << 20
+
+#: block -> names of the buffers outside torch's norms and parametrizations its training forward writes in place,
+#: learnt on its first training forward (:class:`ForwardState`); weak, a dropped model takes its entry with it
+_WRITTEN: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
 
 
 class ForwardState:
     """The buffers of ``block`` that its training forward changes, those it also reads as the forward is about to
-    find them (none: nothing is copied)."""
+    find them (none: nothing is copied).
+
+    Torch's norms and parametrizations are known by their type (:func:`training_buffers`). Any other buffer a
+    forward writes in place (a norm from another library or the user's own, keeping running statistics with
+    ``register_buffer``: its statistics were updated twice per step, and the recompute read other values than the
+    forward, gradients 8.6 apart in ``tests/activations/test_replay.py``) is found by running: on the block's first
+    training forward every other buffer is copied and the ones whose version moved are kept, by name, for the later
+    steps (treated as read: the recompute starts from the forward's values, the forward's end values are put back).
+    A buffer the forward replaces (``self.count = self.count + 1``) is warned about by name: it cannot be replayed.
+    """
 
     def __init__(self, block: nn.Module) -> None:
         # Looked up at each forward, not kept from the last one: a move to another device or dtype replaces the
         # buffers, and a block can gain a BatchNorm through ``Sequential.insert``, which no registration hook sees.
         found = torch_compat.training_buffers(block)
-        self.buffers = [*found.read, *found.updated]
+        self.block = block
+        known = _WRITTEN.get(block)
+        self.probe: Optional[list[tuple[str, Tensor, int]]] = None
+        if known is None:  # the first training forward: which other buffers does it write? (see replayed)
+            typed = {id(b) for b in (*found.read, *found.updated)}
+            self.probe = [(name, b, b._version) for name, b in block.named_buffers() if id(b) not in typed]
+            # copied only up to PROBE_BYTES each (a running statistic is a few KiB): a large buffer the first forward
+            # writes is put back after that step's recompute, and replayed exactly from the next step on
+            extra = [b for _, b, _ in self.probe if b.numel() * b.element_size() <= PROBE_BYTES]
+        else:
+            extra = [b for name in known for b in [_buffer(block, name)] if b is not None]
+        self.updated = found.updated
         # Only what the forward reads is copied here: a BatchNorm in training normalizes by the batch's statistics,
         # so its recompute needs no restart, only its second update undone (half the copies: the replay's own time
         # inside an EfficientNet-B0's CPU step, 144 buffers, went from 1.8-2.0 % to 1.2-1.3 %, benchmarks/README.md).
-        self.read = found.read
+        self.read = [*found.read, *extra]
+        self.buffers = [*self.read, *found.updated]
         with torch.no_grad():
             self.before = [b.clone() for b in self.read]
+
+    def _learn(self) -> None:
+        """After the first training forward: keep only the probed buffers it wrote; warn about those it replaced."""
+        assert self.probe is not None
+        written = [(name, b) for name, b, version in self.probe if b._version != version]
+        replaced = [name for name, b, _ in self.probe if _buffer(self.block, name) is not b]
+        if replaced:
+            warnings.warn(
+                f"lightning_hbm: {type(self.block).__name__}'s training forward replaces its buffer(s) "
+                f"{', '.join(replaced[:5])} (a new tensor assigned): the checkpoint's recompute in the backward "
+                f"updates them a second time, and cannot replay them. Update them in place "
+                f"(self.{replaced[0].rsplit('.', 1)[-1]}.copy_(...) or add_), or leave {type(self.block).__name__} "
+                f"out of ActivationCheckpointing(blocks=...).",
+                stacklevel=4,
+            )
+        _WRITTEN[self.block] = [name for name, _ in written]
+        keep, probed = {id(b) for _, b in written}, {id(b) for _, b, _ in self.probe}
+        pairs = [(b, v) for b, v in zip(self.read, self.before) if id(b) not in probed or id(b) in keep]
+        self.read, self.before = [b for b, _ in pairs], [v for _, v in pairs]
+        copied = {id(b) for b in self.read}
+        self.updated = [*self.updated, *(b for _, b in written if id(b) not in copied)]  # large: only put back
+        self.buffers, self.probe = [*self.read, *self.updated], None
 
     @contextmanager
     def replayed(self, recompute: bool) -> Iterator[None]:
         """Around a call of the block: the recompute (``recompute``) runs from the forward's starting values of what
         it reads, and the values the forward left are put back after it."""
-        if not recompute or not self.buffers:
+        if not recompute:
+            yield
+            if self.probe is not None:
+                self._learn()
+            return
+        if not self.buffers:
             yield
             return
         # outside the recompute's dispatch modes: the selective policy's would find copies its forward never made
@@ -58,6 +117,12 @@ class ForwardState:
             with torch_compat.dispatch_modes_off(), torch.no_grad():
                 for buffer, value in zip(self.buffers, after):
                     buffer.copy_(value)
+
+
+def _buffer(block: nn.Module, name: str) -> Optional[Tensor]:
+    module, _, leaf = name.rpartition(".")
+    owner = block.get_submodule(module) if module else block
+    return owner._buffers.get(leaf)
 
 
 __all__ = ["ForwardState"]

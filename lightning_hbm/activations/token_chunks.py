@@ -110,6 +110,8 @@ class _ChunkedCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
+        if ctx.call.whole and torch.is_grad_enabled():  # a second derivative (create_graph): see _whole_graph_backward
+            return _whole_graph_backward(ctx, grad)
         if ctx.call.whole:  # its parameters' gradients: accumulated by _fed_backward's backward, or returned
             return _whole_backward(ctx, grad)
         if any(c.grad is not None for c in ctx.fed):  # a whole layer it feeds whose partners' backward never ran
@@ -162,15 +164,8 @@ def _whole_backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
 
     Where this backward accumulates into no ``.grad`` of theirs (``autograd.grad(loss, params)``,
     ``backward(inputs=...)`` leaving one out), each layer's own gradients are returned instead (:func:`_own_backward`):
-    accumulated, they went into ``.grad`` and the caller got None for them."""
-    if torch.is_grad_enabled():  # a second derivative (create_graph): this path remakes the input without a graph
-        raise RuntimeError(
-            "lightning_hbm: a second derivative (autograd.grad(..., create_graph=True), a gradient penalty) runs "
-            "through a layer fed by a token-"
-            "chunked norm, whose input is remade without a graph here: the result would be wrong. Use "
-            "ActivationCheckpointing(mlp_chunks=1) for this model (the attention projections fed by a chunked norm "
-            "do not yet take a second derivative)."
-        )
+    accumulated, they went into ``.grad`` and the caller got None for them. A second derivative takes
+    :func:`_whole_graph_backward` instead (:meth:`_ChunkedCall.backward`)."""
     if not torch_compat.accumulates_into([p for member in ctx.source.fed for p in member.call.params]):
         return _own_backward(ctx, grad)
     ctx.member.grad = grad
@@ -187,6 +182,28 @@ def _own_backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
     out = ctx.call.recompute(x)
     got = torch.autograd.grad(out, [x, *ctx.params], grad, allow_unused=True)
     return (got[0], None, None, None, *got[1:])
+
+
+def _whole_graph_backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+    """The backward of a layer run whole, fed by a chunked source, under create_graph (a gradient penalty's second
+    derivative): recorded, so that autograd can differentiate it again. Its input is remade with a graph (each chunk
+    recomputed by the source's layer from the source's kept input, which keeps its own graph), the layer recomputed on
+    it, and its gradients (input and parameters) taken with a graph and returned through the Function, each layer on
+    its own as its gradient arrives: accumulating the parameters' gradients straight into ``.grad``, as the
+    first-order :func:`_fed_backward` does, would lose them for ``autograd.grad(..., params)`` and for the second
+    derivative. Remade input and recompute are paid once per fed layer (three norm recomputes for q/k/v instead of
+    one), only in this rare mode; the first-order path is left as it is (bit for bit, same memory)."""
+    wants_x, wanted = ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
+    params = [p for p, needed in zip(ctx.params, wanted) if needed]
+    x = _remade_input(ctx.source, graph=True)
+    if not x.requires_grad:  # the kept input came back without a graph (and the source trains nothing): a leaf
+        x = x.detach().requires_grad_(wants_x)
+    out = ctx.call.recompute(x)
+    asked = ([x] if wants_x else []) + params
+    got = list(torch.autograd.grad(out, asked, grad, allow_unused=True, create_graph=True)) if asked else []
+    grad_x = got.pop(0) if wants_x else None
+    rest = iter(got)
+    return (grad_x, None, None, None, *(next(rest) if needed else None for needed in wanted))
 
 
 def _fed_backward(source: Any) -> Tensor:
@@ -210,13 +227,18 @@ def _fed_backward(source: Any) -> Tensor:
     return x.grad if x.grad is not None else torch.zeros_like(x)
 
 
-def _remade_input(source: Any) -> Tensor:
+def _remade_input(source: Any, graph: bool = False) -> Tensor:
     """The output of ``source`` (a chunked layer) in the backward of the whole layers it feeds: remade chunk by chunk
     from its kept input, each chunk written into one tensor (the chunks gathered and joined would hold it twice); the
-    source's input is left stashed for the source's own backward."""
+    source's input is left stashed for the source's own backward. ``graph`` (create_graph): each chunk recomputed with
+    a graph back to the kept input and the chunks joined by a differentiable ``cat``."""
     kept = _kept_input(source)
     source.stash = kept
     chunks = source.call.split(kept)
+    if graph:
+        parts = [source.call.recompute(chunk) for chunk in chunks]
+        width = parts[0].shape[-1]
+        return torch.cat([p.reshape(-1, width) for p in parts]).reshape(*kept.shape[:-1], width)
     run = set(torch_compat.chunk_starts(len(chunks), 1, kept))  # on fake tensors the others only allocate
     whole: Optional[Tensor] = None
     row = 0

@@ -176,3 +176,23 @@ def test_a_tensor_changed_in_place_since_its_copy_is_copied_again() -> None:
     (first + again + second).sum().backward()
     assert x.grad is not None and torch.equal(x.grad, torch.full((4,), 3.0))
     assert hooks.copies == 2  # scale twice (mul saves only what the gradient of x needs)
+
+
+@pytest.mark.parametrize("layout", ["channels-last", "transposed"])
+def test_a_cpu_offload_keeps_the_memory_format_of_what_it_copies(layout: str) -> None:
+    """The offload without a CUDA stream (target and source on the CPU) copied into ``torch.empty(shape)`` and
+    restored the same way: a channels-last conv activation came back contiguous (its backward on another layout)."""
+    conv = torch.nn.Conv2d(8, 8, 3, padding=1).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 8, 6, 6).to(memory_format=torch.channels_last)
+    tensor = conv(x).detach() if layout == "channels-last" else torch.randn(16, 12).T
+    assert not tensor.is_contiguous()
+    offload = checkpointing.OffloadSavedTensors("cpu")
+    with torch.no_grad():  # as autograd runs the pack hook
+        packed = offload._pack(tensor)
+    assert packed.host.stride() == tensor.stride()
+    restored = offload._unpack(packed)
+    assert restored.stride() == tensor.stride() and torch.equal(restored, tensor)
+    with offload:  # and through autograd: a conv's saved channels-last input, its gradients as without the offload
+        y = conv(x.requires_grad_(True))
+    (grad,) = torch.autograd.grad(y.square().sum(), x)
+    assert grad.stride() == x.stride() and torch.equal(grad, torch.autograd.grad(conv(x).square().sum(), x)[0])

@@ -7,6 +7,7 @@ trained without checkpointing. The spectral_norm case: ``tests/adapters/lora/tes
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional
 
 import lightning.pytorch as pl
@@ -158,3 +159,64 @@ def test_norms_with_running_statistics_replay_bit_for_bit(norm: Callable[[], nn.
     plain, checkpointed = _train(lambda m: None, False, Stack(norm)), _train(lambda m: None, True, Stack(norm))
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(checkpointed.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
+class _RunningNorm(nn.Module):
+    """A norm from another library (or the user's): running statistics in buffers it updates in its training forward,
+    in place (``replace``: assigned anew, which cannot be replayed)."""
+
+    def __init__(self, width: int, replace: bool = False) -> None:
+        super().__init__()
+        self.replace = replace
+        self.register_buffer("running_mean", torch.zeros(width))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.replace:
+            self.steps = self.steps + 1
+        elif self.training:
+            self.running_mean.mul_(0.9).add_(0.1 * x.detach().mean((0, 1)))
+            self.steps.add_(1)
+        return x - self.running_mean
+
+
+class _UserBlock(nn.Module):
+    def __init__(self, replace: bool = False) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(8, 8), _RunningNorm(8, replace)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.lin(x)) * self.norm.running_mean.sum()  # the statistics also reach the loss
+
+
+def _user_run(checkpointing: bool, replace: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(_UserBlock(replace), _UserBlock(replace))
+    if checkpointing:
+        callback = ActivationCheckpointing(blocks=["_UserBlock"])
+        callback.check_model(model)
+        callback.transform_model(model)
+    for step in range(3):
+        model(torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
+    return model
+
+
+def test_buffers_a_foreign_norm_writes_in_its_forward_are_replayed_found_by_running() -> None:
+    # Only torch's norms and parametrizations were replayed: a norm keeping running statistics in its own buffers had
+    # them updated twice per step under checkpointing (steps 6 instead of 3) and its recompute read the updated
+    # statistics (the Linear's gradient 8.6 away from the run without checkpointing).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # in place: replayed, nothing to warn about
+        checkpointed = _user_run(True)
+    plain = _user_run(False)
+    for a, b in zip(plain.modules(), checkpointed.modules()):
+        if isinstance(a, _RunningNorm):
+            assert int(b.steps) == int(a.steps) == 3
+            assert torch.equal(b.running_mean, a.running_mean)
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad), name
+
+
+def test_a_buffer_the_forward_replaces_is_warned_about_by_name() -> None:
+    with pytest.warns(UserWarning, match=r"_UserBlock's training forward replaces its buffer\(s\) norm\.steps.*in place.*blocks="):
+        _user_run(True, replace=True)
