@@ -110,6 +110,29 @@ def test_a_layer_outside_the_sources_block_keeps_its_input_instead_of_rerunning_
     assert rows[0] == 2 * ids.numel()  # the forward and the chunked backward's recompute, no rerun for the final norm
 
 
+class _Mixer(nn.Module):
+    """Two projections fed by the same chunked norm (q/k), mixed across tokens: the fed path (run whole, input remade)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (self.q(h) * self.k(h)).cumsum(1) / 10
+
+
+class _AttentionBlock(nn.Module):
+    """A pre-norm block whose q/k take the fed path (tests/activations/test_attack_s27.py builds on it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm, self.attn, self.norm2, self.mlp = LlamaRMSNorm(WIDTH), _Mixer(), LlamaRMSNorm(WIDTH), _MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.input_layernorm(x))
+        return x + self.mlp(self.norm2(x))
+
+
 class _WideNorm(LlamaRMSNorm):
     """Llama's RMSNorm computing in float64: in an fp32 model it saves a wider copy of its tokens, so it is chunked and
     feeds q/k/v through the fed path (Llama's own fp32 norm saves too little to be chunked)."""
