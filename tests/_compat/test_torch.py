@@ -196,3 +196,27 @@ def test_buffers_changed_in_training_are_the_ones_a_training_forward_changes() -
     model.train()(torch.randn(3, 4))
     changed = {id(b) for b in model.buffers() if not torch.equal(b, values[id(b)])}
     assert {id(b) for b in found} == changed and len(found) == 5  # u, v; running_mean, running_var, num_batches_tracked
+
+
+def test_accumulates_into_tells_a_plain_backward_from_autograd_grad_and_inputs() -> None:
+    # torch._C._will_engine_execute_node has no public name: this fails when torch renames or changes it
+    a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    seen: list[tuple[bool, bool]] = []
+
+    class _Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+            seen.append((compat.accumulates_into([a]), compat.accumulates_into([a, b])))
+            return grad
+
+    def loss() -> torch.Tensor:
+        return _Probe.apply(a * b).sum()
+
+    loss().backward()
+    torch.autograd.grad(loss(), [a])
+    loss().backward(inputs=[a])
+    assert seen == [(True, True), (False, False), (True, False)]
