@@ -88,16 +88,19 @@ def _stack(regenerate: int, between: bool = False) -> tuple[nn.Module, Activatio
     return model, callback
 
 
+def _seeded_grads(model: nn.Module, x: Tensor) -> list[Tensor]:
+    """The gradients of ``model(x).square().sum()``, its draws from seed 1 (dropout: the same draws in both runs)."""
+    torch.manual_seed(1)
+    return _grads(model, lambda m: m(x).square().sum())
+
+
 def test_a_remade_input_draws_as_its_forward_did_and_updates_no_statistics_twice() -> None:
     # dropout in training: the remade input needs the forward's RNG states; BatchNorm: its running statistics are
     # updated by the forward only, not again when an input is remade (nor when the block is recomputed)
     x = torch.randn(8, 16)
     reference, _ = _stack(1)
-    torch.manual_seed(1)
-    expected = _grads(reference, lambda m: m(x).square().sum())
     model, callback = _stack(2)
-    torch.manual_seed(1)
-    _assert_equal(_grads(model, lambda m: m(x).square().sum()), expected)
+    _assert_equal(_seeded_grads(model, x), _seeded_grads(reference, x))
     assert callback.remade.inputs == 2
     for ours, theirs in zip(model.blocks, reference.blocks):
         assert torch.equal(ours.norm.running_mean, theirs.norm.running_mean)
