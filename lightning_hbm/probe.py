@@ -300,7 +300,12 @@ def recording_calls(module: nn.Module, names: Optional[Collection[str]] = None, 
 #: post-processing sorts, keeps the top-k, thresholds, suppresses): what comes after one that selects otherwise holds
 #: other elements, or the same ones in another order, and is not compared element by element (issue 53, session 27)
 SELECTING = frozenset({"sort", "argsort", "msort", "topk", "nonzero", "argwhere", "masked_select", "argmax", "argmin",
-                       "unique", "unique_consecutive", "nms", "batched_nms"})
+                       "unique", "unique_consecutive", "nms", "batched_nms", *("max", "min", "kthvalue", "mode", "median",
+                       "nanmedian", "cummax", "cummin", "where")})
+#: of :data:`SELECTING`, the ops that select only in some forms: ``max``/``min`` and the others giving ``(values,
+#: indices)`` along a dimension (``scores.max(-1)``: the labels, as ``argmax``; not a full reduction nor an elementwise
+#: maximum), ``where`` given the condition alone (``nonzero``'s indices; not ``where(mask, a, b)``)
+INDEXED = frozenset({"max", "min", "kthvalue", "mode", "median", "nanmedian", "cummax", "cummin"})
 #: ops that select by a boolean mask among their arguments (``boxes[scores > 0.5]``)
 MASKING = frozenset({"__getitem__", "index", "masked_select"})
 
@@ -333,6 +338,8 @@ class Selection:
 
 
 def _picked(name: str, args: tuple, kwargs: Mapping[str, Any], out: Any) -> list[Tensor]:
+    if (name in INDEXED and not isinstance(out, tuple)) or (name == "where" and len(args) + len(kwargs) > 1):
+        return []  # a full reduction, an elementwise maximum, a where choosing between two tensors: no selection
     if name in MASKING:  # the masks it selects by (not the tensor indexed: ``suppressed[i]`` of a boolean tensor)
         given = [a for arg in (*args[1:], *kwargs.values()) for a in (arg if isinstance(arg, (tuple, list)) else (arg,))]
         return [t for t in given if isinstance(t, Tensor) and t.dtype == torch.bool]
@@ -344,18 +351,36 @@ class _Selections(TorchFunctionMode):
         super().__init__()
         self.calls = calls
         self.seen: list[Selection] = []
+        #: id of the indices an :data:`INDEXED` op gave -> (those indices, its selection): a selection once an op
+        #: takes them (``boxes.gather(..., label)``); unused (PointNet's ``x.max(2)[0]``, a global max pool), none
+        self.pending: dict[int, tuple[Tensor, Selection]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if self.pending:
+            self._take(args, kwargs)
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "").split(".")[0]
         if name in SELECTING or name in MASKING:
-            picked = [t.detach() for t in _picked(name, args, kwargs, out)]
-            if picked:
+            found = _picked(name, args, kwargs, out)
+            if found:
+                picked = [t.detach() for t in found]
                 after = self.calls[-1].key if self.calls else None
                 shapes = tuple(tuple(t.shape) for t in picked)
-                self.seen.append(Selection(name.strip("_"), len(self.calls), after, shapes, *_fingerprint(picked)))
+                selection = Selection(name.strip("_"), len(self.calls), after, shapes, *_fingerprint(picked))
+                if name in INDEXED:
+                    self.pending[id(found[0])] = (found[0], selection)
+                else:
+                    self.seen.append(selection)
         return out
+
+    def _take(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
+        """The pending selections whose indices this op takes become selections, in the order they are taken."""
+        for arg in (*args, *kwargs.values()):
+            for t in arg if isinstance(arg, (tuple, list)) else (arg,):
+                entry = self.pending.get(id(t)) if isinstance(t, Tensor) else None
+                if entry is not None and entry[0] is t:
+                    self.seen.append(self.pending.pop(id(t))[1])
 
 
 def _fingerprint(picked: Sequence[Tensor]) -> tuple[int, Tensor]:
@@ -406,5 +431,5 @@ def agreeing_calls(reference: Sequence[Call], got: Sequence[Call]) -> list[tuple
     return [(want, got[i]) for i, want in enumerate(reference[:prefix]) if want.parent not in inside and want.shapes]
 
 
-__all__ = ["MASKING", "PREFIX", "SELECTING", "Call", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "forward_on",
+__all__ = ["INDEXED", "MASKING", "PREFIX", "SELECTING", "Call", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "forward_on",
            "has_forward", "probe_output", "recording_calls", "recording_selections"]
