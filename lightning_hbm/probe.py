@@ -211,13 +211,16 @@ def _kl_divergence(output: Tensor, reference: Tensor) -> float:
     """Mean over rows of ``KL(p || q)``, ``p`` the softmax of ``reference`` (the full-precision model's logits), ``q``
     of ``output``: torchmetrics ``KLDivergence``'s figure, with masked entries handled.
 
-    A token the reference gives no mass (``-inf`` logit: a masked vocabulary entry) adds 0, whatever ``output`` gives
-    it (torchmetrics: ``0 * (-inf - x)`` = NaN, the whole figure NaN when both models mask the same entries). A token
-    the reference gives mass to and ``output`` -inf adds inf: the quantized model rules out what the model as built
-    predicts, and the figure says so (with a warning naming how many), not NaN.
+    A token the reference gives no mass (``-inf`` logit: a masked vocabulary entry; or a probability that underflows to
+    0 in float32: a mask of ``-1e9`` or ``torch.finfo(torch.float32).min``, which float16 or bfloat16 round to
+    ``-inf``) adds 0, whatever ``output`` gives it (torchmetrics: ``0 * (-inf - x)`` = NaN, the whole figure NaN when
+    both models mask the same entries). A token the reference gives mass to and ``output`` -inf adds inf: the
+    quantized model rules out what the model as built predicts, and the figure says so (with a warning naming how
+    many), not NaN.
     """
     p_log, q_log = reference.float().log_softmax(-1), output.float().log_softmax(-1)
-    masked, ruled_out = p_log == float("-inf"), (q_log == float("-inf")) & (p_log > float("-inf"))
+    masked = p_log.exp() == 0  # no mass in float32 (the figure's own p * (log p - log q) is 0 there)
+    ruled_out = (q_log == float("-inf")) & ~masked
     terms = (p_log.exp() * (p_log - q_log)).masked_fill(masked, 0.0).masked_fill(ruled_out, float("inf"))
     if bool(ruled_out.any()):
         warnings.warn(

@@ -99,8 +99,9 @@ class QuantizationQuality(SurgeryCallback):
         ``quant/relative_error``: root relative squared error ``||y_q - y|| / ||y - mean(y)||``,
             torchmetrics ``RelativeSquaredError(squared=False)``.
         ``quant/kl_divergence``: mean over tokens of ``KL(p_fp || p_quant)`` of the next-token
-            distributions, torchmetrics ``KLDivergence``'s figure (``task="lm"`` only); a token both models mask (-inf)
-            adds 0, one only the changed model masks adds inf (with a warning).
+            distributions, torchmetrics ``KLDivergence``'s figure (``task="lm"`` only); a token the model as built gives
+            no probability (masked with -inf, or -1e9 that float16 makes -inf) adds 0, one only the changed model
+            masks adds inf (with a warning).
         ``quant/weight_sqnr_db_min`` and ``quant/weight_sqnr_db_mean``: weight signal-to-quantization-noise
             ratio over the Linear layers, dB (torchmetrics ``signal_noise_ratio``; fit start only). The whole
             table, worst layers first, is in :attr:`layer_sqnr` and printed at fit start.

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_hbm import QuantizedPrecision
-from lightning_hbm.probe import Call, recording_selections
+from lightning_hbm.probe import PREFIX, Call, compare_outputs, recording_selections
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "layers"))
 from conv_models import YoloDetector, calibrate, images  # noqa: E402
@@ -70,3 +70,21 @@ def test_a_healthy_detector_picking_boxes_by_max_is_measured_before_the_pick() -
     assert measured.measured_at == "model" and 0.985 < measured.cosine < 1.0 and not measured.warned
     assert not [w for w in seen if "lightning_hbm" in str(w.message)]
 
+
+
+@pytest.mark.parametrize("mask", [-1e9, torch.finfo(torch.float32).min])
+def test_a_mask_that_rounds_to_minus_inf_in_half_precision_adds_no_kl(mask: float) -> None:
+    # a vocabulary masked with -1e9 (or float32's lowest) as built: float16 (and bfloat16, for float32's lowest) round
+    # it to -inf, a token of probability 0 either way. Was: KL inf, warned "the quantized model gives -inf (no
+    # probability) to 200 token(s) the full-precision model gives probability to"
+    torch.manual_seed(0)
+    reference = torch.randn(4, 10, 32)
+    reference[..., :5] = mask
+    computed = (reference + 0.01 * torch.randn_like(reference)).half()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kl = compare_outputs(computed, reference, lm=True)[PREFIX + "kl_divergence"]
+    assert 0 < kl < 1e-3
+    computed[0, 0, 7] = float("-inf")  # one token the model as built gives mass to, ruled out: still inf, warned
+    with pytest.warns(UserWarning, match=r"KL divergence is inf: .* -inf \(no probability\) to 1 token\(s\)"):
+        assert compare_outputs(computed, reference, lm=True)[PREFIX + "kl_divergence"] == float("inf")
