@@ -55,6 +55,11 @@ class ForwardState:
         self.block = block
         known = _WRITTEN.get(block)
         self.probe: Optional[list[tuple[str, Tensor, int]]] = None
+        # Learnt from the first training forward only, not from a forward in eval mode with gradients before it (a
+        # saliency map, a gradient penalty measured first): a norm updates its statistics only in training, "writes
+        # none" was learnt there and its statistics were then updated twice per training step. An eval forward before
+        # it is probed for itself.
+        self.training = any(m.training for m in block.modules())
         if known is None:  # the first training forward: which other buffers does it write? (see replayed)
             typed = {id(b) for b in (*found.read, *found.updated)}
             self.probe = [(name, b, b._version) for name, b in block.named_buffers() if id(b) not in typed]
@@ -86,7 +91,8 @@ class ForwardState:
                 f"out of ActivationCheckpointing(blocks=...).",
                 stacklevel=4,
             )
-        _WRITTEN[self.block] = [name for name, _ in written]
+        if self.training:
+            _WRITTEN[self.block] = [name for name, _ in written]
         keep, probed = {id(b) for _, b in written}, {id(b) for _, b, _ in self.probe}
         pairs = [(b, v) for b, v in zip(self.read, self.before) if id(b) not in probed or id(b) in keep]
         self.read, self.before = [b for b, _ in pairs], [v for _, v in pairs]
