@@ -144,6 +144,14 @@ def max_context(
             raise ValueError(f"max_context({name}={value!r}): must be an int >= 1.")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"max_context(device={device!r}): 'cpu' or 'cuda'.")
+    if max_regenerate > 1 and (host_budget is None or device != "cuda"):
+        # was ignored silently: remade inputs are chosen only where the offloaded inputs overflow the host budget
+        raise ValueError(
+            f"max_context(max_regenerate={max_regenerate}, host_budget={host_budget!r}, device={device!r}): remade "
+            "inputs are planned only where the inputs offloaded to the host overflow host_budget, so max_regenerate "
+            "needs host_budget='64GiB' (say) and device='cuda' (on 'cpu' nothing is offloaded). Fix: give both, or "
+            "max_regenerate=1."
+        )
     host_limit = None if host_budget is None else parse_bytes(host_budget)
     template = build_template(model)
     make_batch = batch_fn if batch_fn is not None else _token_batches(template, batch_size)

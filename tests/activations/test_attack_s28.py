@@ -5,12 +5,14 @@ what users' runs do. Each test failed on the code before its fix."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 from lightning_hbm import ActivationCheckpointing
+from lightning_hbm.planner import max_context
 
 
 class _RunningNorm(nn.Module):
@@ -69,3 +71,19 @@ def test_a_gradient_in_eval_mode_first_does_not_teach_the_replay_that_nothing_is
     assert [int(b.norm.steps) for b in model.blocks] == [int(b.norm.steps) for b in reference.blocks] == [3, 3, 3]
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
         assert ours.grad is not None and theirs.grad is not None and torch.equal(ours.grad, theirs.grad), name
+
+
+@pytest.mark.parametrize(("options", "shown"), [({}, "host_budget=None, device='cuda'"), ({"host_budget": "64GiB", "device": "cpu"}, "host_budget='64GiB', device='cpu'")])
+def test_max_context_refuses_a_max_regenerate_it_would_ignore(options: dict[str, str], shown: str) -> None:
+    # remade inputs are planned only where the offloaded inputs overflow host_budget: without one (or on 'cpu', where
+    # nothing is offloaded) max_regenerate=4 was ignored silently (the CLI refuses the same), now refused before any
+    # model is built
+    built: list[int] = []
+
+    def factory() -> nn.Module:
+        built.append(1)
+        return nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match=rf"max_context\(max_regenerate=4, {re.escape(shown)}\): .*Fix: give both, or max_regenerate=1"):
+        max_context(factory, "24GiB", max_regenerate=4, **options)  # type: ignore[arg-type]
+    assert not built
