@@ -8,6 +8,7 @@ same code. ``lightning_hbm.quality`` re-exports every name.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Collection, Generator, Mapping, Sequence
 from contextlib import contextmanager
@@ -354,9 +355,10 @@ class _Selections(TorchFunctionMode):
         super().__init__()
         self.calls = calls
         self.seen: list[Selection] = []
-        #: id of the indices an :data:`INDEXED` op gave -> (those indices, its selection): a selection once an op
-        #: takes them (``boxes.gather(..., label)``); unused (PointNet's ``x.max(2)[0]``, a global max pool), none
-        self.pending: dict[int, tuple[Tensor, Selection]] = {}
+        #: id of the indices an :data:`INDEXED` op gave -> (those indices, weakly: unused ones are freed as without the
+        #: record; its selection): a selection once an op takes them (``boxes.gather(..., label)``); unused
+        #: (PointNet's ``x.max(2)[0]``, a global max pool), none
+        self.pending: dict[int, tuple[weakref.ref[Tensor], Selection]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -372,7 +374,7 @@ class _Selections(TorchFunctionMode):
                 shapes = tuple(tuple(t.shape) for t in picked)
                 selection = Selection(name.strip("_"), len(self.calls), after, shapes, *_fingerprint(picked))
                 if name in INDEXED:
-                    self.pending[id(found[0])] = (found[0], selection)
+                    self.pending[id(found[0])] = (weakref.ref(found[0]), selection)
                 else:
                     self.seen.append(selection)
         return out
@@ -382,7 +384,7 @@ class _Selections(TorchFunctionMode):
         for arg in (*args, *kwargs.values()):
             for t in arg if isinstance(arg, (tuple, list)) else (arg,):
                 entry = self.pending.get(id(t)) if isinstance(t, Tensor) else None
-                if entry is not None and entry[0] is t:
+                if entry is not None and entry[0]() is t:
                     self.seen.append(self.pending.pop(id(t))[1])
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +38,11 @@ def test_a_max_along_a_dimension_whose_indices_are_used_is_a_selection() -> None
     assert _ops(lambda: scores.min(dim=0).indices + 1) == ["min"]
     assert _ops(lambda: (scores.max(1)[0], scores.max(), torch.max(scores, scores), torch.where(scores > 0.5, scores, 0.0))) == []
     assert _ops(lambda: torch.where(scores > 0.5)) == ["where"]
+    with recording_selections([]) as seen:  # unused indices are not held for the rest of the forward
+        labels = scores.max(1).indices
+        held = weakref.ref(labels)
+        del labels
+        assert held() is None and seen == []
 
 
 class PerClass(nn.Module):
