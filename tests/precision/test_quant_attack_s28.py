@@ -94,3 +94,16 @@ def test_a_mask_that_rounds_to_minus_inf_in_half_precision_adds_no_kl(mask: floa
     computed[0, 0, 7] = float("-inf")  # one token the model as built gives mass to, ruled out: still inf, warned
     with pytest.warns(UserWarning, match=r"KL divergence is inf: .* -inf \(no probability\) to 1 token\(s\)"):
         assert compare_outputs(computed, reference, lm=True)[PREFIX + "kl_divergence"] == float("inf")
+
+
+def test_a_mask_of_the_lowest_float_both_models_give_is_agreement_not_nan() -> None:
+    # logits masked with torch.finfo(dtype).min (float32's as built; bfloat16 rounds it to -inf): its square overflows,
+    # the cosine and relative error of identical outputs were NaN (QuantizationQuality then reported a crossed
+    # threshold on a model that agrees)
+    torch.manual_seed(0)
+    reference = torch.randn(4, 10, 32)
+    reference[..., :5] = torch.finfo(torch.float32).min
+    same = compare_outputs(reference.clone(), reference, lm=True)
+    assert same[PREFIX + "cosine_similarity"] == pytest.approx(1.0) and same[PREFIX + "relative_error"] == 0.0
+    rounded = compare_outputs((reference + 0.01 * torch.randn_like(reference)).bfloat16(), reference, lm=True)
+    assert 0.999 < rounded[PREFIX + "cosine_similarity"] <= 1.0 and 0 < rounded[PREFIX + "relative_error"] < 0.05
