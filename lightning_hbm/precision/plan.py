@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor  # as layers/readers.py: no public home
 
 from lightning_hbm import record, resume
+from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
@@ -49,7 +50,8 @@ from lightning_hbm.precision.quantize import _layer_modes
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_PLAN_TARGET, SensitivityPlan, choose_plan, planned_convs_warning, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.precision.targets import Listing, TargetRule, _validate, quantize_listed
-from lightning_hbm.probe import eval_no_grad, first_batches, forward_on, has_forward
+from lightning_hbm.probe import eval_no_grad, forward_on, has_forward
+from lightning_hbm.probe_batch import first_batches
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +300,9 @@ class Quantization:
             correction.finish(module)
         # the quantized model's output on the probe against the model as built (any mode): the reference handed on
         reference, self._reference = self._reference, None
+        if reference is not None:  # before the check's first forward of bitsandbytes 4-bit layers, as the surgery does
+            # after the quantization: an eval forward on an AVX512-BF16 CPU would repack them for a kernel that bypasses autograd
+            bnb_compat.disable_cpu_repacks(module)
         threshold = config.min_cosine if config.min_cosine is not None else CONV_MIN_COSINE
         self.conv_accuracy = check_accuracy(module, reference, quantized, self.layer_modes or {}, config, threshold)
         warned = self.conv_accuracy is not None and self.conv_accuracy.warned
@@ -363,7 +368,7 @@ class Quantization:
 
     def probe(self, trainer: Any) -> Any:
         """The batch the plan is measured on: ``probe_batch``, else the first of the Trainer's train dataloader (a
-        datamodule's, the loader passed to ``fit``, the module's own: :func:`~lightning_hbm.probe.first_batch`); with
+        datamodule's, the loader passed to ``fit``, the module's own: :func:`~lightning_hbm.probe_batch.first_batch`); with
         ``correction_rank``, its first batches joined up to :data:`CORRECTION_PROBE_TOKENS` tokens.
 
         Raises:
