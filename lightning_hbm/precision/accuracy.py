@@ -1,6 +1,6 @@
 """The fit-start accuracy check of a model with quantized convolutions, in any mode (issue 53, session 24).
 
-The convolutions' plan (:func:`~lightning_hbm.precision.sensitivity.choose_plan`, 4-bit modes only) measures each
+The convolutions' plan (:func:`~lightning_hbm.precision.sensitivity.choose_layer_modes`, 4-bit modes only) measures each
 convolution stored in its mode inside the model as built, the rest of the model in float32. What the user trains is
 the model as ``QuantizedPrecision`` computes it: every layer in the compute dtype (bf16 by default), BatchNorm on
 16-bit activations. On BatchNorm conv nets that costs on its own about what the plan saves: ``mode="int8"`` in bf16
