@@ -1,7 +1,7 @@
 """Two questions left by issue 53 item 2 (conv nets at <= 0.6 bytes per conv weight, held-out cosine >= 0.98):
 
 - **ordering ceiling**: is the miss the probe's ranking of the layers? The plan under ``max_bytes_per_param=0.6``
-  chosen on the held-out batch itself (``choose_plan``'s knapsack fed the very images it is scored on: the best any
+  chosen on the held-out batch itself (``choose_layer_modes``'s knapsack fed the very images it is scored on: the best any
   sensitivity estimate could do with nf4-dq / nf4-dq-b32 / int8), against the plan chosen on the probe;
 - **compute in float32**: the library's default (``QuantizedPrecision(probe_batch=...)``: nf4-dq, bf16 compute, the
   convolutions planned to ``CONV_PLAN_TARGET``) against the same with ``dtype="float32"`` (the plan measured and the
@@ -30,7 +30,7 @@ from torch import nn
 
 from lightning_hbm import QuantizedPrecision, quantize_model
 from lightning_hbm.layers import kind_of
-from lightning_hbm.precision.sensitivity import choose_plan, weight_bytes
+from lightning_hbm.precision.sensitivity import choose_layer_modes, weight_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layers"))
@@ -50,7 +50,7 @@ def stored(reference: nn.Module, modes: dict[str, str]) -> nn.Module:
 
 
 def planned(reference: nn.Module, names: list[str], probe: torch.Tensor, budget: float) -> dict[str, str]:
-    plan = choose_plan(reference, names, "nf4-dq", "auto", "float32", probe, max_bytes_per_param=budget, strict=False)
+    plan = choose_layer_modes(reference, names, "nf4-dq", "auto", "float32", probe, max_bytes_per_param=budget, strict=False)
     return dict(plan.modes)
 
 

@@ -2,7 +2,7 @@
 bytes per conv weight on the four conv nets of ``conv_accuracy.py``)?
 
 Session 22's lead: int8 costs 1 B a weight, a blockwise 5/6-bit format 0.66 / 0.78 B, so the plan's widened layers
-would cost less. Here the convolutions' plan (:func:`~lightning_hbm.precision.sensitivity.choose_plan`, the knapsack the
+would cost less. Here the convolutions' plan (:func:`~lightning_hbm.precision.sensitivity.choose_layer_modes`, the knapsack the
 library runs at fit start, probe batch of 4 images) is given ``int5-b64`` / ``int6-b64`` next to ``int8``, and the
 held-out cosine (centred, every output, another batch of 4) and bytes per conv weight (constants included, counted on
 the stored model) are measured per model and seed (seed 0: ``conv_gptq.py``'s batches), float32 compute.
@@ -32,7 +32,7 @@ from torch import nn
 from lightning_hbm import quantize_model
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.registry import QuantFormat, register_format
-from lightning_hbm.precision.sensitivity import choose_plan
+from lightning_hbm.precision.sensitivity import choose_layer_modes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layers"))
@@ -133,7 +133,7 @@ def main() -> None:
             convs = [n for n, m in reference.named_modules() if isinstance(m, nn.Conv2d)]
             for label, ladder, target in ARMS:
                 start = time.perf_counter()
-                report = choose_plan(reference, convs, "nf4-dq", ladder, "float32", probe, strict=False, **target)  # type: ignore[arg-type]
+                report = choose_layer_modes(reference, convs, "nf4-dq", ladder, "float32", probe, strict=False, **target)  # type: ignore[arg-type]
                 seconds = time.perf_counter() - start
                 h, b = held_out(reference, report.modes, held)
                 print(f"| {name} | {seed} | {label} | {report.cosine:.4f} | {h:.4f} | {b:.3f} | {seconds:.1f} |", flush=True)

@@ -4,7 +4,7 @@ Issue 53's goal, measured lever by lever on the same four models (BatchNorm stat
 of 4 images, cosine held out on another), each figure a plan's probe cosine, its held-out cosine and bytes per conv
 weight:
 
-- ``plan``: the library's convolutions' plan (:func:`~lightning_hbm.precision.sensitivity.choose_plan`, ``nf4-dq``
+- ``plan``: the library's convolutions' plan (:func:`~lightning_hbm.precision.sensitivity.choose_layer_modes`, ``nf4-dq``
   widened to ``nf4-dq-b32`` / ``int8`` by error removed per byte) to other probe targets (``min_cosine``), under a byte
   budget (``max_bytes_per_param``), and measured on a probe of 8 images;
 - ``greedy``: the gains re-measured after each step (every layer's cosine gain per extra byte, in the plan as it stands,
@@ -35,7 +35,7 @@ from lightning_hbm import quantize_model
 from lightning_hbm.layers import coverage
 from lightning_hbm.precision.correction import fit_factors
 from lightning_hbm.precision.registry import get_format
-from lightning_hbm.precision.sensitivity import choose_plan
+from lightning_hbm.precision.sensitivity import choose_layer_modes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layers"))
@@ -70,7 +70,7 @@ def plan_levers(name: str) -> None:
         ("budget 0.65 B", probe, {"max_bytes_per_param": 0.65}), ("target 0.98, probe of 8", images(8, seed=2), {"min_cosine": 0.98}),
     ]  # fmt: skip
     for label, batch, target in arms:
-        report = choose_plan(reference, list(convs), "nf4-dq", "auto", "float32", batch, strict=False, **target)  # type: ignore[arg-type]
+        report = choose_layer_modes(reference, list(convs), "nf4-dq", "auto", "float32", batch, strict=False, **target)  # type: ignore[arg-type]
         held, per_weight = held_out(reference, report.modes, x)
         print(f"| {name} | plan, {label} | {report.cosine:.4f} | {held:.4f} | {per_weight:.3f} |", flush=True)
 

@@ -6,7 +6,7 @@ Same four nets as ``conv_accuracy.py`` / ``conv_gptq.py`` (BatchNorm statistics 
 Float32 compute, as ``conv_levers.py`` / ``conv_gptq.py``. Arms per probe size:
 
 - ``gptq``: every convolution nf4-dq, GPTQ-rounded with the probe's patches (``H = 2 P^T P``);
-- ``plan``: the library's convolutions' plan (``choose_plan``, ladder ``nf4-dq-b32`` / ``int8``) to probe cosine 0.98,
+- ``plan``: the library's convolutions' plan (``choose_layer_modes``, ladder ``nf4-dq-b32`` / ``int8``) to probe cosine 0.98,
   rounded to nearest; ``plan + gptq``: the same plan stored GPTQ-rounded (``rounding="gptq"`` today);
 - ``plan measured gptq``: measured with every 4-bit convolution GPTQ-rounded (``sensitivity.measured_rounded`` said
   yes), stored so; ``plan measured gptq, rows >= c x inputs``: only the convolutions whose probe gives at least
@@ -44,7 +44,7 @@ from lightning_hbm import quantize_model
 from lightning_hbm.layers import coverage
 from lightning_hbm.precision import sensitivity
 from lightning_hbm.precision.gptq import input_statistics
-from lightning_hbm.precision.sensitivity import choose_plan, measured_rounded
+from lightning_hbm.precision.sensitivity import choose_layer_modes, measured_rounded
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layers"))
@@ -130,7 +130,7 @@ def planned(
     if measure is not None:
         sensitivity.measured_rounded = lambda kind: True  # type: ignore[assignment]
     try:
-        report = choose_plan(reference, convs, "nf4-dq", "auto", "float32", probe, strict=False, hessians=measure, **target)  # type: ignore[arg-type]
+        report = choose_layer_modes(reference, convs, "nf4-dq", "auto", "float32", probe, strict=False, hessians=measure, **target)  # type: ignore[arg-type]
     finally:
         sensitivity.measured_rounded = measured_rounded
     model = copy.deepcopy(reference)

@@ -11,7 +11,7 @@ Rows per model and rank r (adapters on every quantized Linear, stored in bf16: 2
 * ``nf4-dq`` + LoRA, LoftQ init with 1 and 5 alternating iterations; the quantized base is
   ``Q(W - B A)`` of the last iteration, stored by the very ``nf4-dq`` mode the Trainer uses (the
   script checks the stored base dequantizes to what the iteration used);
-* the sensitivity plan (``choose_plan``, ``nf4-dq`` + ``int8``, chosen on the probe batch) with
+* the sensitivity plan (``choose_layer_modes``, ``nf4-dq`` + ``int8``, chosen on the probe batch) with
   ``max_bytes_per_param`` = the LoftQ rows' bytes (quantized base + adapters) per quantizable parameter;
 * that plan plus LoRA r (default init, and LoftQ on its ``nf4-dq`` layers): a QLoRA run trains
   adapters anyway, so there LoftQ costs no byte at all.
@@ -53,7 +53,7 @@ from sensitivity import llama_case, measure, minilm_case  # noqa: E402  (the sib
 from lightning_hbm import quantize_model  # noqa: E402
 from lightning_hbm.memory import module_parameter_tensors, unique_bytes  # noqa: E402
 from lightning_hbm.precision.registry import get_format, to_dtype  # noqa: E402
-from lightning_hbm.precision.sensitivity import choose_plan  # noqa: E402
+from lightning_hbm.precision.sensitivity import choose_layer_modes  # noqa: E402
 from lightning_hbm.precision.targets import _quantizable_linears  # noqa: E402
 from lightning_hbm.quality import compare_outputs, probe_output  # noqa: E402
 
@@ -93,7 +93,7 @@ def lora_model(make: Callable[[], nn.Module], rank: int, iters: int, dtype: str,
     """``make()`` quantized (``nf4-dq``, or ``plan``) with peft LoRA adapters in bf16 on every quantized Linear.
 
     ``iters=0``: peft's default init (``B = 0``); else LoftQ on each ``nf4-dq`` layer (the others keep ``B = 0``).
-    The new layers stay in training mode, as in ``sensitivity.py``'s ``measure`` and ``choose_plan`` (the
+    The new layers stay in training mode, as in ``sensitivity.py``'s ``measure`` and ``choose_layer_modes`` (the
     model as built is in eval mode: no dropout). That matters for int8 only: on CPU bitsandbytes runs an
     int8 layer in training mode as a float matmul of the dequantized weight, in eval mode as LLM.int8
     (int8 activations, fp16 outlier columns), the path it takes on GPU in both modes.
@@ -177,7 +177,7 @@ def run_case(make: Callable[[], nn.Module], probe: Any, held_out: Any, ranks: li
         model = make()
         names = [name for name, _ in _quantizable_linears(model, ())[0]]
         start = time.perf_counter()
-        plan = choose_plan(model, names, BASE, SENSITIVE, dtype, probe, max_bytes_per_param=total).modes
+        plan = choose_layer_modes(model, names, BASE, SENSITIVE, dtype, probe, max_bytes_per_param=total).modes
         seconds = time.perf_counter() - start
         metrics = measure(make, plan, BASE, dtype, held_out, reference)
         kept = sum(mode == SENSITIVE for mode in plan.values())

@@ -1,6 +1,6 @@
 """Naive (every Linear in one mode) vs sensitivity-aware mixed precision, at the same or fewer bytes.
 
-For each mode the plan is chosen on a probe batch (:func:`lightning_hbm.precision.sensitivity.choose_plan`,
+For each mode the plan is chosen on a probe batch (:func:`lightning_hbm.precision.sensitivity.choose_layer_modes`,
 what ``QuantizedPrecision(mode, max_bytes_per_param=..., min_cosine=...)`` runs before quantizing)
 and measured on *held-out* inputs against the fp32 model: output cosine per row, relative error,
 KL of next-token distributions (language model), and bytes of the quantizable weights per
@@ -59,7 +59,7 @@ from torch import nn
 from lightning_hbm import quantize_model
 from lightning_hbm.memory import module_parameter_tensors, unique_bytes
 from lightning_hbm.precision.gptq import input_hessians
-from lightning_hbm.precision.sensitivity import choose_plan, greedy_plan, predict_parameter_bytes, weight_bytes
+from lightning_hbm.precision.sensitivity import choose_layer_modes, greedy_plan, predict_parameter_bytes, weight_bytes
 from lightning_hbm.precision.smoothing import SMOOTH_MODE, attached, choose_smoothing
 from lightning_hbm.precision.targets import _quantizable_linears
 from lightning_hbm.quality import compare_outputs, probe_output
@@ -274,7 +274,7 @@ def main() -> None:
                 names = [name for name, _ in _quantizable_linears(model, ())[0]]
                 start = time.perf_counter()
                 try:
-                    report = choose_plan(model, names, base, sensitive, args.dtype, probe, max_bytes_per_param=max_bytes,
+                    report = choose_layer_modes(model, names, base, sensitive, args.dtype, probe, max_bytes_per_param=max_bytes,
                                          min_cosine=min_cosine, hessians=hessians)
                 except ValueError as err:
                     print(f"| `{base}` + `{sensitive}` (max {max_bytes}, min cos {min_cosine}) | unreachable: {err} |||||")

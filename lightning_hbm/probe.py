@@ -2,7 +2,8 @@
 
 It sits below ``precision`` and ``callbacks`` (see ``tests/test_layering.py``) so that the quantization
 choices (sensitivity plan, smoothing, GPTQ) and the callback that reports their cost measure with the
-same code. ``lightning_hbm.quality`` re-exports every name.
+same code. ``lightning_hbm.quality`` re-exports every name. The probe batch is drawn by :mod:`lightning_hbm.probe_batch`
+(:func:`first_batch`, :func:`first_batches`, re-exported here).
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 from torchmetrics import CosineSimilarity, RelativeSquaredError
 
-from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.probe_batch import first_batch, first_batches  # public here too (drawn by probe_batch)
 
 PREFIX = "quant/"
 
@@ -66,7 +67,18 @@ def forward_on(module: nn.Module, batch: Any) -> Any:
 def probe_output(module: nn.Module, batch: Any) -> Tensor:
     """The module's output tensor for ``batch``: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets) pair, or
     ``forward(**dict)``. Of an output that is not one tensor: its floating ``logits``, else its first floating tensor
-    that is not one of the batch's own handed back (:func:`_measured`)."""
+    that is not one of the batch's own handed back.
+
+    No logits (a UNet's ``.sample``, an encoder's ``last_hidden_state``, a dict of features; as
+    ``ModelOutput.to_tuple()[0]``): floating, because an integer tensor first (a prediction's ``argmax`` beside the
+    logits) was measured, and the 4-bit conv plan widened layers to keep class indices equal; not the batch's, because
+    a forward returning ``(x, features)`` was measured on its input, the same whatever the quantization (cosine 1.0:
+    every convolution kept in the base mode); not a 0-dim one while there is another, because ``(loss, logits)`` was
+    measured on the loss, whose cosine is 1.0 (the cosine of one value is its sign).
+
+    One way, in this function: the forward on a copy of the batch, then the batch's own tensors, then the pick (a helper
+    of this module called after the copy sent the quantization's walk back and forth between here and ``_compat.torch``).
+    """
     check_forward(module, "lightning_hbm")  # QuantizationQuality checks at setup; the plugin's probes land here
     out = forward_on(module, batch)
     if isinstance(out, Tensor):
@@ -74,7 +86,14 @@ def probe_output(module: nn.Module, batch: Any) -> Tensor:
     else:
         logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
         if not (isinstance(logits, Tensor) and logits.is_floating_point()):
-            logits = _measured(out, batch)
+            values = out.to_tuple() if hasattr(out, "to_tuple") else list(out.values()) if isinstance(out, Mapping) else out
+            given = torch_compat.tensor_leaves(batch)
+
+            def echoed(t: Tensor) -> bool:
+                return any(t.shape == b.shape and t.dtype == b.dtype and t.device == b.device and torch.equal(t, b) for b in given)
+
+            found = [t for t in tree_flatten(values)[0] if isinstance(t, Tensor) and t.is_floating_point() and not echoed(t)]
+            logits = next((t for t in found if t.dim() > 0), found[0] if found else None)
     if not (isinstance(logits, Tensor) and logits.is_floating_point()):
         got = f"a {logits.dtype} tensor" if isinstance(out, Tensor) else type(out).__name__
         raise TypeError(
@@ -83,108 +102,6 @@ def probe_output(module: nn.Module, batch: Any) -> Tensor:
             "for the probe batch."
         )
     return logits
-
-
-def _measured(out: Any, batch: Any) -> Optional[Tensor]:
-    """The first floating tensor of ``out`` (no logits: a UNet's ``.sample``, an encoder's ``last_hidden_state``, a dict
-    of features; as ``ModelOutput.to_tuple()[0]``) that is not a tensor of ``batch`` handed back.
-
-    Floating: an integer tensor first (a prediction's ``argmax`` beside the logits) was measured, and the 4-bit conv
-    plan widened layers to keep class indices equal. Not the batch's: a forward returning ``(x, features)`` was
-    measured on its input, the same whatever the quantization (cosine 1.0: every convolution kept in the base mode).
-    Not a 0-dim one while there is another: ``(loss, logits)`` was measured on the loss, whose cosine is 1.0.
-    """
-    values = out.to_tuple() if hasattr(out, "to_tuple") else list(out.values()) if isinstance(out, Mapping) else out
-    given = torch_compat.tensor_leaves(batch)
-
-    def echoed(t: Tensor) -> bool:
-        return any(t.shape == b.shape and t.dtype == b.dtype and t.device == b.device and torch.equal(t, b) for b in given)
-
-    found = [t for t in tree_flatten(values)[0] if isinstance(t, Tensor) and t.is_floating_point() and not echoed(t)]
-    # a number (a loss returned first: ``(loss, logits)``) only if nothing else: the cosine of one value is its sign
-    return next((t for t in found if t.dim() > 0), found[0] if found else None)
-
-
-def first_batch(trainer: Optional[pl.Trainer], who: str) -> Any:
-    """The first batch of ``trainer``'s train dataloader, whatever gives it (a datamodule, the loader passed to
-    ``fit``, the LightningModule's own ``train_dataloader``), drawn leaving no trace (:func:`first_batches`).
-
-    Raises:
-        ValueError: the Trainer has no train dataloader, or it is empty.
-    """
-    return first_batches(trainer, who, 0, most=1)
-
-
-def first_batches(trainer: Optional[pl.Trainer], who: str, min_tokens: int, most: int = 16) -> Any:
-    """The first batches of ``trainer``'s train dataloader (a datamodule's, the loader passed to ``fit``, the
-    LightningModule's own) joined along the batch dimension until they hold ``min_tokens`` tokens (at most ``most``
-    batches; fewer when the loader ends first or the next batch cannot join the others: another shape past the batch
-    dimension). The loader is requested as the fit loop requests it and handed to it (the user's hook runs once per fit,
-    issue 55); its batches are drawn leaving no trace (``torch_compat.leading_batches``: a loader read once gives its
-    first batch only, the one the loop trains first; a map-style one is read in a pass left as it was).
-
-    Tokens: the first tensor's first two dimensions (batch x sequence), or its first for a 1-D tensor.
-
-    Raises:
-        ValueError: the Trainer has no train dataloader, or it is empty.
-    """
-    loader = lightning_compat.train_dataloader(trainer) if lightning_compat.has_train_dataloader(trainer) else None
-    if loader is None:
-        raise ValueError(
-            f"{who} found no probe batch: the Trainer has no train dataloader (no datamodule, no train_dataloaders "
-            f"passed to fit, no train_dataloader() on the LightningModule). Pass {who}(probe_batch=...), or fit with "
-            "train_dataloaders=... or datamodule=..."
-        )
-    joined: list[Any] = []  # the longest run of first batches that join
-
-    def enough(drawn: list[Any]) -> bool:
-        longer = _join(drawn)
-        if longer is None:  # the last one does not join the others: stop before it
-            return True
-        joined[:] = [longer]
-        return len(drawn) >= most or _tokens(longer) >= min_tokens
-
-    batches = torch_compat.leading_batches(loader, enough)  # a loader read once: its first batch, enough not asked
-    if not batches:
-        raise ValueError(f"{who} found no probe batch: the Trainer's train dataloader is empty. Pass {who}(probe_batch=...) or a loader with at least one batch.")
-    return joined[0] if joined else batches[0]
-
-
-def _tokens(batch: Any) -> int:
-    leaves = torch_compat.tensor_leaves(batch)  # a BatchEncoding's too (it counted 0)
-    if not leaves or leaves[0].dim() == 0:
-        return 0
-    first = leaves[0]
-    return first.shape[0] * (first.shape[1] if first.dim() >= 2 else 1)
-
-
-def _join(batches: list[Any]) -> Any:
-    """``batches`` concatenated leaf by leaf along dimension 0; ``None`` where they do not join (structure, shapes past
-    the batch dimension, or other values than tensors that differ)."""
-    if len(batches) == 1:
-        return batches[0]
-    flat = [tree_flatten(b) for b in batches]
-    spec = flat[0][1]
-    if any(other != spec for _, other in flat[1:]):
-        return None
-    joined = []
-    for leaves in zip(*(leaves for leaves, _ in flat)):
-        first = leaves[0]
-        if isinstance(first, Tensor):
-            if first.dim() == 0 or any(not isinstance(t, Tensor) or t.shape[1:] != first.shape[1:] for t in leaves):
-                return None
-            joined.append(torch.cat(leaves))
-        elif isinstance(first, Mapping):  # one leaf to the pytree (a BatchEncoding): joined key by key, in its type
-            # (compared with != instead, its tensors raised "Boolean value of Tensor ... is ambiguous" at fit start)
-            inner = _join([dict(leaf) if isinstance(leaf, Mapping) else leaf for leaf in leaves])
-            if inner is None or not isinstance(inner, dict):
-                return None
-            joined.append(torch_compat.rewrapped(first, inner))
-        elif any(leaf != first for leaf in leaves[1:]):
-            return None
-        else:
-            joined.append(first)
-    return tree_unflatten(joined, spec)
 
 
 def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, float]:
@@ -411,6 +328,14 @@ def recording_selections(calls: list[Call]) -> Generator[list[Selection], None, 
         yield mode.seen
 
 
+def recorded_forward(module: nn.Module, args: tuple, kwargs: Mapping[str, Any], names: Optional[Collection[str]], keep: int) -> tuple[Any, list[Call], list[Selection]]:
+    """``module(*args, **kwargs)`` in eval mode without grad (:func:`eval_no_grad`), with the calls of its submodules
+    ``names`` (:func:`recording_calls`, ``keep`` values each) and its data-dependent selections
+    (:func:`recording_selections`): the output, the calls, the selections, in one pass."""
+    with eval_no_grad(module), recording_calls(module, names, keep) as calls, recording_selections(calls) as selections:
+        return module(*args, **kwargs), calls, selections
+
+
 def diverging(reference: Sequence[Selection], got: Sequence[Selection]) -> Optional[tuple[int, str]]:
     """Where a forward first selects otherwise than the reference: how many module calls had returned before (the
     calls to compare are those) and how, naming the module it ran after; ``None``: every selection picked the same."""
@@ -441,4 +366,4 @@ def agreeing_calls(reference: Sequence[Call], got: Sequence[Call]) -> list[tuple
 
 
 __all__ = ["INDEXED", "MASKING", "PREFIX", "SELECTING", "Call", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "forward_on",
-           "has_forward", "probe_output", "recording_calls", "recording_selections"]
+           "has_forward", "probe_output", "recorded_forward", "recording_calls", "recording_selections"]

@@ -60,7 +60,7 @@ def _dequantized_weight(layer: nn.Module) -> Tensor:
 def _plan_metrics(plugin: Any) -> dict[str, float]:
     """The figures a sensitivity-aware plan or ``int8-dynamic-smooth`` measured while choosing (none without)."""
     metrics = {}
-    report = getattr(plugin, "plan_report", None)
+    report = getattr(plugin, "sensitivity_report", None)
     if report is not None:
         metrics[PREFIX + "uniform_cosine_similarity"] = report.uniform_cosine
         metrics[PREFIX + "plan_cosine_similarity"] = report.cosine

@@ -291,3 +291,14 @@ def test_a_loader_autofit_handed_over_in_a_run_that_stopped_is_not_given_to_the_
     trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, Stops)]
     trainer.fit(module)
     assert module.requested == 2 and trainer.train_dataloader is not first and module.trained == [0, 1]
+
+
+def test_the_probe_batch_has_its_own_module_and_keeps_its_former_import_paths() -> None:
+    """Drawing the probe batch moved out of ``lightning_hbm.probe`` (running a model on it) into
+    ``lightning_hbm.probe_batch`` (issue 54: the quantization's walk entered probe.py once per job); the former paths
+    still import the same functions."""
+    from lightning_hbm import probe, probe_batch, quality
+
+    assert probe.first_batch is probe_batch.first_batch is quality.first_batch
+    assert probe.first_batches is probe_batch.first_batches
+    assert {"first_batch", "first_batches"} <= set(probe.__all__)

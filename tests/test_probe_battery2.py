@@ -107,7 +107,8 @@ def test_a_transformers_batch_encoding_is_copied_counted_and_joined() -> None:
     raised "Boolean value of Tensor with more than one value is ambiguous" (``!=`` on the mappings)."""
     from transformers import BatchEncoding, BatchFeature
 
-    from lightning_hbm.probe import _join, _tokens, forward_on
+    from lightning_hbm.probe import forward_on
+    from lightning_hbm.probe_batch import _join, _tokens
 
     for kind in (BatchEncoding, BatchFeature):
         pixels = torch.ones(2, 3)

@@ -1,6 +1,6 @@
 """The fit-start accuracy check of a model with quantized convolutions, in any mode (issue 53, session 24).
 
-The convolutions' plan (:func:`~lightning_hbm.precision.sensitivity.choose_plan`, 4-bit modes only) measures each
+The convolutions' plan (:func:`~lightning_hbm.precision.sensitivity.choose_layer_modes`, 4-bit modes only) measures each
 convolution stored in its mode inside the model as built, the rest of the model in float32. What the user trains is
 the model as ``QuantizedPrecision`` computes it: every layer in the compute dtype (bf16 by default), BatchNorm on
 16-bit activations. On BatchNorm conv nets that costs on its own about what the plan saves: ``mode="int8"`` in bf16
@@ -45,9 +45,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.probe import Call, Selection, agreeing_calls, diverging, recording_calls, recording_selections
+from lightning_hbm.probe import Call, Selection, agreeing_calls, diverging, recorded_forward, recording_calls, recording_selections
 
 log = logging.getLogger(__name__)
 
@@ -203,23 +202,14 @@ class Reference:
         cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731 - as the plugin's convert_input
         args, kwargs = torch_compat.map_tensors(cast, self.args), torch_compat.map_tensors(cast, self.kwargs)
         previous = torch.get_default_dtype()
-        # eval and no grad as probe.eval_no_grad, written here: the quantization's walk enters probe.py twice already
-        flags = [(m, m.training) for m in module.modules()]
-        module.eval()
+        names = {call.key[0] for call in self.calls}  # the root's own call included ("")
         try:
-            names = {call.key[0] for call in self.calls}  # the root's own call included ("")
-            with ExitStack() as stack:
-                stack.enter_context(torch.no_grad())
-                stack.enter_context(_on_their_devices(module, quantized))
-                stack.enter_context(torch_compat.drawing_as(self.rngs))
-                calls = stack.enter_context(recording_calls(module, names, self.keep))
-                selections = stack.enter_context(recording_selections(calls))
+            with _on_their_devices(module, quantized), torch_compat.drawing_as(self.rngs):
                 torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
-                return outputs(module(*args, **kwargs), self.echoed), calls, selections
+                output, calls, selections = recorded_forward(module, args, kwargs, names, self.keep)  # eval, no grad
         finally:
             torch.set_default_dtype(previous)
-            for m, training in flags:
-                m.training = training
+        return outputs(output, self.echoed), calls, selections
 
 
 def _changed(reference: Sequence[Call], calls: Sequence[Call], got: Tensor, want: Tensor) -> Optional[str]:
@@ -476,9 +466,6 @@ def check_accuracy(
     convs = {name: modes.get(name, base) for name in reference.names if name in quantized}
     if not convs:
         return None
-    # before the first forward of its bitsandbytes 4-bit layers, as the surgery does after the quantization: an eval
-    # forward on an AVX512-BF16 CPU would repack them for a kernel that bypasses autograd
-    bnb_compat.disable_cpu_repacks(module)
     start = time.perf_counter()
     try:
         with torch_compat.preserved_rngs():

@@ -26,6 +26,7 @@ the run (or ``None``): the probe batch and the checkpoint being resumed are read
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from contextlib import nullcontext
 from typing import Any, Optional, Sequence
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor  # as layers/readers.py: no public home
 
 from lightning_hbm import record, resume
+from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
@@ -46,10 +48,11 @@ from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionR
 from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
 from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.quantize import _layer_modes
-from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_PLAN_TARGET, SensitivityPlan, choose_plan, planned_convs_warning, unplanned_convs_warning
+from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_PLAN_TARGET, SensitivityReport, choose_layer_modes, planned_convs_warning, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.precision.targets import Listing, TargetRule, _validate, quantize_listed
-from lightning_hbm.probe import eval_no_grad, first_batches, forward_on, has_forward
+from lightning_hbm.probe import eval_no_grad, forward_on, has_forward
+from lightning_hbm.probe_batch import first_batches
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +150,9 @@ class Quantization:
         #: the per-layer modes ``{layer name: mode name}`` (``None``: every layer in ``mode``): pinned, measured or resumed
         self.layer_modes: Optional[dict[str, str]] = config.pinned_plan
         #: what the sensitivity-aware choice measured (``None`` without a target)
-        self.report: Optional[SensitivityPlan] = None
+        self.report: Optional[SensitivityReport] = None
         #: what the convolutions' plan measured (``None``: no convolution in a 4-bit mode, or not measured)
-        self.conv_report: Optional[SensitivityPlan] = None
+        self.conv_report: Optional[SensitivityReport] = None
         #: the quantized model's output cosine on the probe, any mode (:mod:`~lightning_hbm.precision.accuracy`;
         #: ``None``: no quantized convolution, or not measured)
         self.conv_accuracy: Optional[ConvAccuracy] = None
@@ -241,7 +244,7 @@ class Quantization:
         self._measure(module, targets, trainer, inputs=True, smooth=True)  # smoothed before the plan, which measures it
         if self.config.measures_plan:
             with self.smoothing.attached(module) if self.smoothing is not None else nullcontext():
-                self._choose_plan(module, self._linear_names(targets), trainer)
+                self._choose_layer_modes(module, self._linear_names(targets), trainer)
         convs = [name for name, layer in targets if CONV.matches(layer)]
         self._planned_gap, self._said_unmeasured = None, False
         self.conv_accuracy, self._reference = None, Reference(convs) if convs and not fake else None
@@ -298,6 +301,9 @@ class Quantization:
             correction.finish(module)
         # the quantized model's output on the probe against the model as built (any mode): the reference handed on
         reference, self._reference = self._reference, None
+        if reference is not None:  # before the check's first forward of bitsandbytes 4-bit layers, as the surgery does
+            # after the quantization: an eval forward on an AVX512-BF16 CPU would repack them for a kernel that bypasses autograd
+            bnb_compat.disable_cpu_repacks(module)
         threshold = config.min_cosine if config.min_cosine is not None else CONV_MIN_COSINE
         self.conv_accuracy = check_accuracy(module, reference, quantized, self.layer_modes or {}, config, threshold)
         warned = self.conv_accuracy is not None and self.conv_accuracy.warned
@@ -363,7 +369,7 @@ class Quantization:
 
     def probe(self, trainer: Any) -> Any:
         """The batch the plan is measured on: ``probe_batch``, else the first of the Trainer's train dataloader (a
-        datamodule's, the loader passed to ``fit``, the module's own: :func:`~lightning_hbm.probe.first_batch`); with
+        datamodule's, the loader passed to ``fit``, the module's own: :func:`~lightning_hbm.probe_batch.first_batch`); with
         ``correction_rank``, its first batches joined up to :data:`CORRECTION_PROBE_TOKENS` tokens.
 
         Raises:
@@ -374,14 +380,14 @@ class Quantization:
         correcting = self.correction is not None
         return first_batches(trainer, "QuantizedPrecision", CORRECTION_PROBE_TOKENS if correcting else 0, most=16 if correcting else 1)
 
-    def _choose_plan(self, module: nn.Module, names: list[str], trainer: Any) -> None:
+    def _choose_layer_modes(self, module: nn.Module, names: list[str], trainer: Any) -> None:
         self.layer_modes = self.report = None  # a plugin reused by another Trainer measures again
         saved = self.saved_plan(trainer)
         if saved is not None:  # resuming: rebuild the plan the checkpoint was trained with (a fresh model may differ)
             self.layer_modes = saved
             log.info("lightning_hbm: mixed precision plan taken from the checkpoint being resumed")
             return
-        report = choose_plan(
+        report = choose_layer_modes(
             module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, self.probe(trainer),
             max_bytes_per_param=self.config.max_bytes_per_param, min_cosine=self.config.min_cosine,
             hessians=self.gptq.hessians if self.gptq is not None else None,
@@ -416,7 +422,7 @@ class Quantization:
         try:  # on by default: a model or batch the probe cannot run is said, and the fit goes on as before issue 53
             if not has_forward(module):
                 raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
-            report = choose_plan(
+            report = choose_layer_modes(
                 module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, probe, min_cosine=target,
                 hessians=self.gptq.hessians if self.gptq is not None else None, strict=False, tap=self.config.accuracy_at,
             )  # fmt: skip
@@ -463,7 +469,7 @@ class Quantization:
         plan = self.layer_modes
         if plan is None and self.config.layer_modes is None:
             # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same
-            # settings the plan will be the checkpoint's own (_choose_plan), so that one is this run's
+            # settings the plan will be the checkpoint's own (_choose_layer_modes), so that one is this run's
             plan = self.saved_plan(trainer)
         if plan is not None:
             config["layer_modes"] = dict(plan)
@@ -495,7 +501,12 @@ class Quantization:
             self.smoothing.save(meta)
 
 
-#: the old name of :class:`Quantization` (kept importable: ``from lightning_hbm.precision.plan import QuantizationPlan``)
-QuantizationPlan = Quantization
+def __getattr__(name: str) -> Any:
+    # the old name of Quantization ("plan" names the planner's, issue 54): importable, with a warning naming the new one
+    if name == "QuantizationPlan":
+        warnings.warn("lightning_hbm.precision.plan.QuantizationPlan is deprecated: use Quantization (the same class).", DeprecationWarning, stacklevel=2)
+        return Quantization
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = ["DIGEST_KEY", "GPTQRounding", "Quantization", "QuantizationConfig", "QuantizationPlan", "modules_to_save", "saved_meta"]
+
+__all__ = ["DIGEST_KEY", "GPTQRounding", "Quantization", "QuantizationConfig", "modules_to_save", "saved_meta"]

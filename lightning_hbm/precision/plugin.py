@@ -50,7 +50,7 @@ from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CorrectionReport
 from lightning_hbm.precision.plan import Quantization
 from lightning_hbm.precision.registry import QuantFormat
-from lightning_hbm.precision.sensitivity import SensitivityPlan
+from lightning_hbm.precision.sensitivity import SensitivityReport
 from lightning_hbm.precision.smoothing import SmoothingReport
 from lightning_hbm.quiet import quieted
 from lightning_hbm.surgery import applied_transforms, mark_applied, pack_checkpoint, plugin_trainer, trainer_optimizers, trainer_surgery
@@ -284,13 +284,20 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
 
     @property
     def plan(self) -> Optional[dict[str, str]]:
-        """The old name of :attr:`layer_modes` (read-only)."""
+        """Deprecated: the old name of :attr:`layer_modes` (read-only; warns)."""
+        warnings.warn("QuantizedPrecision.plan is deprecated: read plugin.layer_modes (the same dict).", DeprecationWarning, stacklevel=2)
         return self.layer_modes
 
     @property
-    def plan_report(self) -> Optional[SensitivityPlan]:
+    def sensitivity_report(self) -> Optional[SensitivityReport]:
         """What the sensitivity-aware choice of the layer modes measured (``None`` without a target)."""
         return self.quantization.report
+
+    @property
+    def plan_report(self) -> Optional[SensitivityReport]:
+        """Deprecated: the old name of :attr:`sensitivity_report` (read-only; warns)."""
+        warnings.warn("QuantizedPrecision.plan_report is deprecated: read plugin.sensitivity_report (the same report).", DeprecationWarning, stacklevel=2)
+        return self.sensitivity_report
 
     @property
     def rounding_digest(self) -> Optional[str]:

@@ -2,7 +2,7 @@
 
 torchvision Swin's attention never calls ``self.qkv`` / ``self.proj``: it passes their weights to ``F.linear``
 (stored as a :class:`~lightning_hbm.layers.read_weight.ReadableLinear`, whose reads call the storage). The plan
-(:func:`~lightning_hbm.precision.sensitivity.choose_plan`) measures a layer by swapping a quantized copy in: a copy with
+(:func:`~lightning_hbm.precision.sensitivity.choose_layer_modes`) measures a layer by swapping a quantized copy in: a copy with
 no ``weight`` failed the plan on such a model (``AttributeError: '_SameDtype' object has no attribute 'weight'``), and
 its forward hooks, which measure each layer's own output error, never fire for a read layer. Here:
 

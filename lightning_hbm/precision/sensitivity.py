@@ -36,6 +36,7 @@ measures afterwards), for a planner to call before any quantization.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -99,7 +100,7 @@ def _has_batchnorm(module: nn.Module) -> bool:
 
 
 def planned_convs_warning(
-    module: nn.Module, report: SensitivityPlan, mode: str, target: float, threshold: Optional[float] = None
+    module: nn.Module, report: SensitivityReport, mode: str, target: float, threshold: Optional[float] = None
 ) -> Optional[str]:
     """The fit-start warning for a BatchNorm conv net whose convolutions' plan reached ``target`` on the probe batch
     only by widening some of them, or ``None`` (no BatchNorm, or uniform ``mode`` already at the target).
@@ -158,8 +159,9 @@ def predict_parameter_bytes(module: nn.Module, plan: Mapping[str, str], dtype: A
 
 
 @dataclass
-class SensitivityPlan:
-    """The chosen per-layer plan and what was measured to choose it (probe-batch figures)."""
+class SensitivityReport:
+    """The chosen per-layer modes and what was measured to choose them (probe-batch figures); formerly
+    ``SensitivityPlan`` ("plan" names the planner's)."""
 
     modes: dict[str, str]
     #: output cosine with every layer in the base mode ("before") and with the plan ("after")
@@ -413,7 +415,7 @@ def _local_errors(swapper: _Swapper, modes: Sequence[str], probe: Any) -> dict[s
     return errors
 
 
-def choose_plan(
+def choose_layer_modes(
     module: nn.Module,
     names: Sequence[str],
     base: str,
@@ -425,7 +427,7 @@ def choose_plan(
     hessians: Optional[Mapping[str, torch.Tensor]] = None,
     strict: bool = True,
     tap: Optional[str] = None,
-) -> SensitivityPlan:
+) -> SensitivityReport:
     """Choose ``base`` or one of the ``sensitive`` modes for each layer in ``names`` (changed back afterwards): Linears,
     and convolutions (their weight matrix, :mod:`lightning_hbm.layers.conv`).
 
@@ -443,7 +445,7 @@ def choose_plan(
     # and the cosine closure over them; split, each step would take all of them as arguments.
     dtype, wider = to_dtype(dtype), ladder(base, sensitive)
     if not names:  # nothing to plan (a conv net's Linear plan under min_cosine): was a ZeroDivisionError
-        return SensitivityPlan({}, 1.0, 1.0, 0.0, 0.0)
+        return SensitivityReport({}, 1.0, 1.0, 0.0, 0.0)
     modes = (base, *wider)
     layers = {name: module.get_submodule(name) for name in names}
     features = {n: cast(LayerKind, kind_of(lay)).features(lay) for n, lay in layers.items()}  # a conv: its weight matrix
@@ -490,7 +492,7 @@ def choose_plan(
             greedy_cosine = cosine(greedy)
             if greedy_cosine > current:
                 plan, used, current = greedy, greedy_used, greedy_cosine
-    result = SensitivityPlan(
+    result = SensitivityReport(
         dict(sorted(plan.items())), uniform_cosine, current, uniform_bytes / total_params, used / total_params, solo, swapper.tap
     )
     if strict and min_cosine is not None and current < min_cosine:
@@ -577,3 +579,19 @@ def check_plan_args(
         for layer_mode in layer_modes.values():
             if layer_mode != UNQUANTIZED:
                 get_format(layer_mode)
+
+
+#: the former names (issue 54: "plan" names the planner's), importable with a DeprecationWarning naming the new one
+_RENAMED = {"SensitivityPlan": "SensitivityReport", "choose_plan": "choose_layer_modes"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(
+            f"lightning_hbm.precision.sensitivity.{name} is deprecated: use {new} (the same {'class' if name[0].isupper() else 'function'}).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -206,11 +206,11 @@ def test_a_conv_net_without_batchnorm_without_a_probe_batch_is_not_warned(tmp_pa
 
 
 def test_the_held_out_gap_is_said_for_batchnorm_conv_nets_the_plan_widened_only() -> None:
-    from lightning_hbm.precision.sensitivity import SensitivityPlan, planned_convs_warning
+    from lightning_hbm.precision.sensitivity import SensitivityReport, planned_convs_warning
 
     plain = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
     normed = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3))
-    widened, uniform = SensitivityPlan({}, 0.9, 0.981, 0.52, 0.6), SensitivityPlan({}, 0.99, 0.99, 0.52, 0.52)
+    widened, uniform = SensitivityReport({}, 0.9, 0.981, 0.52, 0.6), SensitivityReport({}, 0.99, 0.99, 0.52, 0.52)
     assert planned_convs_warning(plain, widened, "nf4-dq", 0.98) is None
     assert planned_convs_warning(normed, uniform, "nf4-dq", 0.98) is None  # nothing widened: nothing the probe chose
     assert "0.9810 (uniform nf4-dq: 0.9000) at 0.600 bytes" in str(planned_convs_warning(normed, widened, "nf4-dq", 0.98))

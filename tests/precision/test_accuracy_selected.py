@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lightning_hbm import QuantizedPrecision
-from lightning_hbm.precision.sensitivity import choose_plan
+from lightning_hbm.precision.sensitivity import choose_layer_modes
 from lightning_hbm.probe import Call, Selection, diverging, recording_selections
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "layers"))
@@ -159,9 +159,9 @@ def test_the_conv_plan_of_a_detector_whose_boxes_are_reordered_is_measured_at_it
     convolutions planned here: a few forwards)."""
     heads = [f"model.heads.{i}.2" for i in range(3)]
     net = copy.deepcopy(model)
-    report = choose_plan(net, heads, "nf4-dq", "auto", torch.float32, images(4, seed=2), min_cosine=0.99, strict=False)
+    report = choose_layer_modes(net, heads, "nf4-dq", "auto", torch.float32, images(4, seed=2), min_cosine=0.99, strict=False)
     assert report.measured_at == "model"
-    tapped = choose_plan(net, heads[:1], "nf4-dq", "auto", torch.float32, images(4, seed=2), min_cosine=0.99, strict=False, tap="model.heads.1")
+    tapped = choose_layer_modes(net, heads[:1], "nf4-dq", "auto", torch.float32, images(4, seed=2), min_cosine=0.99, strict=False, tap="model.heads.1")
     assert tapped.measured_at == "model.heads.1"
 
 

@@ -120,7 +120,7 @@ def test_the_plan_measures_and_widens_layers_whose_weight_is_read_directly() -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run_surgery(module, plugin, [], batch=batch())
-    report, read = plugin.plan_report, read_layers(module)
+    report, read = plugin.sensitivity_report, read_layers(module)
     assert report is not None and report.cosine >= 0.999 > report.uniform_cosine
     assert all(report.solo_error[name] > 0 for name in read)
     widened = [name for name in read if report.modes[name] != "nf4-dq"]

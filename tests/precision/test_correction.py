@@ -169,7 +169,7 @@ def test_the_default_probe_with_a_correction_joins_the_first_batches_up_to_2048_
 
 
 def test_batches_that_do_not_join_stop_the_probe_where_they_differ() -> None:
-    from lightning_hbm.probe import _join
+    from lightning_hbm.probe_batch import _join
 
     a, b = (torch.zeros(2, 8), torch.ones(2)), (torch.zeros(3, 8), torch.ones(3))
     assert _join([a, b])[0].shape == (5, 8)

@@ -137,7 +137,7 @@ def test_gptq_measures_the_plan_on_rounded_layers(gpt_factory: Any, trainer_fact
     trainer_factory(max_steps=1, plugins=[plugin]).fit(gpt_factory(), datamodule_factory())
     nearest = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=PROBE, max_bytes_per_param=0.7)
     trainer_factory(max_steps=1, plugins=[nearest]).fit(gpt_factory(), datamodule_factory())
-    assert plugin.plan_report.uniform_cosine > nearest.plan_report.uniform_cosine
+    assert plugin.sensitivity_report.uniform_cosine > nearest.sensitivity_report.uniform_cosine
 
 
 def test_unknown_rounding_is_an_error_at_construction() -> None:

@@ -39,7 +39,7 @@ def test_the_settings_are_one_frozen_config_checked_once() -> None:
     import dataclasses
 
     from lightning_hbm.precision import QuantizationConfig
-    from lightning_hbm.precision.plan import Quantization, QuantizationPlan
+    from lightning_hbm.precision.plan import Quantization
 
     plugin = QuantizedPrecision("int8-dynamic", dtype="float32", ignore_modules=["0"], sensitive_mode=("none",), min_cosine=0.9)
     config = plugin.config
@@ -53,9 +53,7 @@ def test_the_settings_are_one_frozen_config_checked_once() -> None:
         QuantizationConfig("int8-dynamic", "float32", rounding="fast")
     with pytest.raises(ValueError, match=r"ignore_modules='\[' is a string, read as a regex"):
         QuantizationConfig("int8-dynamic", "float32", ignore_modules="[")
-    assert QuantizationPlan is Quantization  # the old name stays importable
-    with pytest.raises(AttributeError):
-        plugin.plan = {}  # type: ignore[misc]  # the old name of layer_modes: read-only
+    assert isinstance(plugin.quantization, Quantization)
     with pytest.raises(AttributeError, match=r"QuantizedPrecision.rounding is a setting.*build the plugin with rounding='gptq'"):
         plugin.rounding = "gptq"  # would be read by nothing
     with pytest.raises(AttributeError, match="no attribute 'moed'"):
@@ -107,3 +105,26 @@ def test_every_checkpoint_gets_the_plugins_part_once(
         assert all(torch.equal(meta["input_shifts"][k], v) for k, v in plugin.input_shifts.items())
         keys = list(meta)
         assert keys.index("gptq_digest") + 1 == keys.index("input_shifts") > keys.index("configs")  # after the packing
+
+
+def test_the_former_plan_names_warn_naming_the_new_ones_and_give_the_same_thing() -> None:
+    """"plan" names the planner's (issue 54): ``SensitivityPlan`` -> ``SensitivityReport``, ``choose_plan`` ->
+    ``choose_layer_modes``, ``plugin.plan_report`` -> ``plugin.sensitivity_report``, ``QuantizationPlan`` ->
+    ``Quantization``, ``plugin.plan`` -> ``plugin.layer_modes``: the old names still work, with a DeprecationWarning
+    naming the new one; the attributes stay read-only."""
+    from lightning_hbm.precision import plan, sensitivity
+
+    for module, old, new in ((sensitivity, "SensitivityPlan", "SensitivityReport"), (sensitivity, "choose_plan", "choose_layer_modes"),
+                             (plan, "QuantizationPlan", "Quantization")):
+        with pytest.warns(DeprecationWarning, match=rf"{module.__name__}\.{old} is deprecated: use {new} "):
+            assert getattr(module, old) is getattr(module, new)
+    with pytest.warns(DeprecationWarning, match="use SensitivityReport"):
+        from lightning_hbm.precision.sensitivity import SensitivityPlan  # noqa: F401  # the import form warns too
+    with pytest.raises(AttributeError, match="has no attribute 'choose_plans'"):
+        sensitivity.choose_plans  # noqa: B018
+    plugin = QuantizedPrecision("int8-dynamic", dtype="float32", layer_modes={"0": "none"})
+    for old, new in (("plan_report", "sensitivity_report"), ("plan", "layer_modes")):
+        with pytest.warns(DeprecationWarning, match=rf"QuantizedPrecision\.{old} is deprecated: read plugin\.{new} "):
+            assert getattr(plugin, old) == getattr(plugin, new)
+        with pytest.raises(AttributeError):
+            setattr(plugin, old, None)  # read-only, as the new name

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_hbm import QuantizationQuality, QuantizedPrecision, quantize_model
 from lightning_hbm.memory import parameter_bytes
-from lightning_hbm.precision.sensitivity import choose_plan, predict_parameter_bytes, upgrade_moves, weight_bytes
+from lightning_hbm.precision.sensitivity import choose_layer_modes, predict_parameter_bytes, upgrade_moves, weight_bytes
 from lightning_hbm.precision.targets import _quantizable_linears
 
 PROBE = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -21,7 +21,7 @@ def linear_names(model: nn.Module) -> list[str]:
 
 
 def plan_of(model: nn.Module, **targets: Any) -> Any:
-    return choose_plan(model, linear_names(model), "nf4-dq", "int8", "float32", PROBE, **targets)
+    return choose_layer_modes(model, linear_names(model), "nf4-dq", "int8", "float32", PROBE, **targets)
 
 
 def test_plan_is_deterministic_meets_the_budget_and_leaves_the_model_alone(gpt_factory: Any) -> None:
@@ -41,7 +41,7 @@ def test_plan_is_deterministic_meets_the_budget_and_leaves_the_model_alone(gpt_f
 
 def test_bf16_plan_on_an_fp32_model_leaves_it_fp32(gpt_factory: Any) -> None:
     model = gpt_factory(bias=True)
-    report = choose_plan(model, linear_names(model), "nf4-dq", "int8", "bfloat16", PROBE, max_bytes_per_param=0.75)
+    report = choose_layer_modes(model, linear_names(model), "nf4-dq", "int8", "bfloat16", PROBE, max_bytes_per_param=0.75)
     assert "int8" in report.modes.values() and report.cosine > report.uniform_cosine
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # bitsandbytes casts biases in place: not ours
 
@@ -212,19 +212,19 @@ def test_blocks_of_32_cut_the_error_for_exactly_the_predicted_bytes(gpt_factory:
 
 def test_auto_ladder_mixes_smaller_blocks_and_int8_within_the_budget(gpt_factory: Any) -> None:
     model = gpt_factory()
-    report = choose_plan(model, linear_names(model), "nf4-dq", "auto", "float32", PROBE, max_bytes_per_param=0.75)
+    report = choose_layer_modes(model, linear_names(model), "nf4-dq", "auto", "float32", PROBE, max_bytes_per_param=0.75)
     assert set(report.modes.values()) <= {"nf4-dq", "nf4-dq-b32", "int8"}
     assert report.uniform_bytes_per_param < report.bytes_per_param <= 0.75
     assert report.cosine > report.uniform_cosine
     assert report.bytes_per_param == pytest.approx(predict_parameter_bytes_per_param(model, report.modes), abs=1e-12)
     # the smallest step first: with a budget one b32 step wide, blocks of 32 and no int8 layer
-    tight = choose_plan(model, linear_names(model), "nf4-dq", "auto", "float32", PROBE,
+    tight = choose_layer_modes(model, linear_names(model), "nf4-dq", "auto", "float32", PROBE,
                         max_bytes_per_param=report.uniform_bytes_per_param + 0.02)
     assert "nf4-dq-b32" in tight.modes.values() and "int8" not in tight.modes.values()
 
 
 def predict_parameter_bytes_per_param(model: nn.Module, plan: dict[str, str]) -> float:
-    """Bytes of the planned Linear weights per planned parameter (what SensitivityPlan reports)."""
+    """Bytes of the planned Linear weights per planned parameter (what SensitivityReport reports)."""
     layers = [model.get_submodule(name) for name in plan]
     nbytes = sum(weight_bytes(mode, layer.in_features, layer.out_features, torch.float32) for mode, layer in zip(plan.values(), layers))
     return nbytes / sum(layer.in_features * layer.out_features for layer in layers)

@@ -248,7 +248,7 @@ def test_the_sensitivity_plan_measures_the_smoothed_layers_and_its_bytes_are_exa
     model = TinyBert().eval()
     plugin.check_model(model)
     # the plan's "every layer in the base mode" is the smoothed model: the same probe cosine as the smoothing's own
-    assert plugin.plan_report.uniform_cosine == pytest.approx(plugin.smoothing_report.cosine_after, abs=1e-7)
+    assert plugin.sensitivity_report.uniform_cosine == pytest.approx(plugin.smoothing_report.cosine_after, abs=1e-7)
     assert plugin.smoothing_report.cosine_after != plugin.smoothing_report.cosine_before
     plugin.convert_base(model)
     smoothed = [m for m in model.modules() if isinstance(m, Int8DynamicLinear) and m.input_shift is not None]

@@ -360,10 +360,10 @@ class LoRA(SurgeryCallback):
         frozen = [h for h in self.task_heads if h not in self.heads_quantized and not under(h, self.saved_modules)]
         if frozen:
             rank_zero_warn(
-                f"lightning_hbm: LoRA(modules_to_save={self.config.modules_to_save!r}) leaves the task head(s) {frozen} of "
+                f"lightning_hbm: LoRA(modules_to_save={self.config.argument('modules_to_save')!r}) leaves the task head(s) {frozen} of "
                 f"{type(module).__name__} frozen (at most adapted) and out of the adapter: a newly initialised head stays "
                 "random, and a reload gets another random one. Add them: "
-                f"LoRA(modules_to_save={sorted(set((self.config.modules_to_save or []) + frozen))}), or leave modules_to_save unset."
+                f"LoRA(modules_to_save={sorted({*(self.config.modules_to_save or ()), *frozen})}), or leave modules_to_save unset."
             )
 
     # --------------------------------------------------------------- Lightning hooks

@@ -22,8 +22,9 @@ from lightning_hbm.adapters.lora.base import ALL_LINEAR
 _INITS = ("gaussian", *variants.REWRITES_BASE, "loftq", "eva")
 
 
-def checked_patterns(arg: str, value: Any, allow_all_linear: bool = False) -> Union[str, list[str]]:
-    """``target_modules`` / ``exclude_modules`` as kept: ``"all-linear"``, a regex string, or a list of names.
+def checked_patterns(arg: str, value: Any, allow_all_linear: bool = False) -> Union[str, tuple[str, ...]]:
+    """``target_modules`` / ``exclude_modules`` as kept: ``"all-linear"``, a regex string, or a tuple of names (a list
+    or tuple given, copied: the settings cannot change after the check).
 
     Raises:
         ValueError: ``"all-linear"`` where it is not allowed, or a string that is not a valid regex.
@@ -40,7 +41,7 @@ def checked_patterns(arg: str, value: Any, allow_all_linear: bool = False) -> Un
             raise ValueError(f"{arg}={value!r} is not a valid regex ({err}). Pass a regex or a list of names.") from err
         return value
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
-        return list(value)
+        return tuple(value)
     raise TypeError(f"{arg} must be 'all-linear', a regex string or a non-empty list of module names, got {value!r}.")
 
 
@@ -58,10 +59,11 @@ class LoRAConfig:
     r: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
+    #: ``"all-linear"``, a regex, or names (a list or tuple given; kept as a tuple: frozen, as the other fields)
     target_modules: Union[str, Sequence[str]] = ALL_LINEAR
     exclude_modules: Optional[Union[str, Sequence[str]]] = None
-    #: the argument: ``None`` (the task heads found on the model) or exactly these modules
-    modules_to_save: Optional[list[str]] = None
+    #: the argument: ``None`` (the task heads found on the model) or exactly these modules (kept as a tuple)
+    modules_to_save: Optional[Sequence[str]] = None
     adapter_dtype: Literal["float32", "bfloat16"] = "float32"
     full_checkpoint: bool = False
     allow_base_change: bool = False
@@ -94,7 +96,7 @@ class LoRAConfig:
         saved = self.modules_to_save
         if saved is not None and (isinstance(saved, str) or not all(isinstance(m, str) for m in saved)):
             raise TypeError(f"modules_to_save must be a list of module names, got {saved!r}; e.g. modules_to_save=['lm_head'].")
-        _set(modules_to_save=None if saved is None else list(saved))
+        _set(modules_to_save=None if saved is None else tuple(saved))
         if self.adapter_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"adapter_dtype must be 'float32' or 'bfloat16', got {self.adapter_dtype!r}.")
         if self.bias not in ("none", "all", "lora_only"):
@@ -107,15 +109,21 @@ class LoRAConfig:
         _set(rank_pattern=variants.check_pattern("rank_pattern", self.rank_pattern, integer=True))
         _set(alpha_pattern=variants.check_pattern("alpha_pattern", self.alpha_pattern, integer=False))
 
+    def argument(self, name: str) -> Any:
+        """The setting ``name`` as the callback's argument is written (names as a list, as YAML and checkpoints hold
+        them): what a checkpoint records and a message shows."""
+        value = getattr(self, name)
+        return list(value) if isinstance(value, tuple) else value
+
     def resume_config(self) -> dict[str, Any]:
         """The settings a checkpoint records and a resume must find again (``dropout`` and the checkpoint flags may change)."""
         return {
             "r": self.r,
             "alpha": self.alpha,
-            "target_modules": self.target_modules,
-            "exclude_modules": self.exclude_modules,
+            "target_modules": self.argument("target_modules"),
+            "exclude_modules": self.argument("exclude_modules"),
             # the argument (None: the task heads): known before the heads are found on the model (a resume check)
-            "modules_to_save": self.modules_to_save,
+            "modules_to_save": self.argument("modules_to_save"),
             "adapter_dtype": self.adapter_dtype,
             # peft's variants: each changes the adapters' shapes or arithmetic (dropout does not)
             "use_dora": self.use_dora,

@@ -69,7 +69,7 @@ def select(
         wanted = [config.target_modules] if isinstance(config.target_modules, str) else list(config.target_modules or [])
         hint = "".join(did_you_mean(w, [n.rsplit(".", 1)[-1] for n in linears]) for w in wanted[:3])
         raise ValueError(
-            f"target_modules={config.target_modules!r} (exclude_modules={config.exclude_modules!r}, "
+            f"target_modules={config.argument('target_modules')!r} (exclude_modules={config.argument('exclude_modules')!r}, "
             f"modules_to_save={modules_to_save!r}) selects no Linear layer of {type(module).__name__}.{hint} "
             f"Available Linear layers: {name_list(linears)}."
         )
@@ -127,14 +127,14 @@ def _all_linear(
 
 def _listed(config: LoRAConfig, named: dict[str, Optional[nn.Module]], linears: list[str]) -> list[str]:
     """The layers a list of names or a regex selects, each name matching something and every match adaptable."""
-    if isinstance(config.target_modules, list):
-        _check_each_matches(config.target_modules, [n for n in named if n], linears)
+    if not isinstance(config.target_modules, str):
+        _check_each_matches(config.argument("target_modules"), [n for n in named if n], linears)
     candidates = [n for n in named if n and name_matches(n, config.target_modules)]
     adaptable = set(linears)
     wrong = [f"{n} ({type(named[n]).__name__})" for n in candidates if n not in adaptable]
     if wrong:
         raise ValueError(
-            f"target_modules={config.target_modules!r} matches modules that are not Linear layers: {wrong[:8]}. "
+            f"target_modules={config.argument('target_modules')!r} matches modules that are not Linear layers: {wrong[:8]}. "
             f"LoRA adapts Linear layers; available: {linears[:24]}."
         )
     return candidates

@@ -15,10 +15,11 @@ from lightning_hbm.adapters.lora import LoRAConfig
 def test_the_callback_builds_its_config_from_its_arguments() -> None:
     lora = LoRA(r=16, alpha=32, target_modules=("q_proj", "v_proj"), rank_pattern={"v_proj": 8})
     assert lora.config == LoRAConfig(r=16, alpha=32.0, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 8})
-    # normalised once: a tuple of names kept as a list (what a checkpoint stores), alpha a float
-    assert lora.config.target_modules == ["q_proj", "v_proj"] and isinstance(lora.config.alpha, float)
+    # normalised once: names kept as a tuple (frozen; a checkpoint stores a list), alpha a float
+    assert lora.config.target_modules == ("q_proj", "v_proj") and isinstance(lora.config.alpha, float)
+    assert lora.resume_config()["target_modules"] == ["q_proj", "v_proj"]
     # read as the callback's own, as before
-    assert (lora.r, lora.alpha, lora.target_modules, lora.rank_pattern) == (16, 32.0, ["q_proj", "v_proj"], {"v_proj": 8})
+    assert (lora.r, lora.alpha, lora.target_modules, lora.rank_pattern) == (16, 32.0, ("q_proj", "v_proj"), {"v_proj": 8})
 
 
 def test_resume_settings_are_the_configs() -> None:
@@ -39,7 +40,7 @@ def test_a_setting_written_afterwards_is_refused() -> None:
 def test_copies_and_pickles_keep_the_settings() -> None:
     lora = LoRA(r=8, exclude_modules=["lm_head"])
     for twin in (copy.deepcopy(lora), pickle.loads(pickle.dumps(lora))):
-        assert twin.config == lora.config and twin.exclude_modules == ["lm_head"]
+        assert twin.config == lora.config and twin.exclude_modules == ("lm_head",)
     with pytest.raises(AttributeError, match="no attribute 'not_a_setting'"):
         _ = lora.not_a_setting
 
@@ -66,3 +67,22 @@ def test_the_config_refuses_what_the_callback_refuses(kwargs: dict, error: type,
     # the callback checks the argument types first (check_args: "LoRA(r=2.0): wrong type float"), then builds the config
     with pytest.raises(error, match=next(iter(kwargs))):
         LoRA(**kwargs)
+
+
+def test_the_names_cannot_be_appended_to_and_the_users_list_is_copied() -> None:
+    """A frozen config held lists: ``lora.config.target_modules.append(...)`` changed the settings after the check
+    (and after a checkpoint recorded them), and so did the user's own list, which the config kept."""
+    names, saved = ["q_proj", "v_proj"], ["lm_head"]
+    config = LoRAConfig(target_modules=names, exclude_modules=("k_proj",), modules_to_save=saved)
+    for field in ("target_modules", "exclude_modules", "modules_to_save"):
+        value = getattr(config, field)
+        assert isinstance(value, tuple), field
+        with pytest.raises(AttributeError, match="append"):
+            value.append("o_proj")
+    names.append("o_proj")
+    saved.clear()
+    assert config.target_modules == ("q_proj", "v_proj") and config.modules_to_save == ("lm_head",)
+    # a checkpoint records (and a resume compares) the arguments as written, lists: older checkpoints still match
+    assert config.resume_config()["target_modules"] == ["q_proj", "v_proj"] and config.resume_config()["exclude_modules"] == ["k_proj"]
+    assert LoRA(modules_to_save=["head"]).modules_to_save == ["head"]  # the callback's resolved list, as before
+    assert dataclasses.replace(config, r=4).target_modules == ("q_proj", "v_proj")  # a tuple given back is accepted

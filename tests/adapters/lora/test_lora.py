@@ -442,7 +442,7 @@ def test_cli_parses_typed_arguments() -> None:
     parser.add_class_arguments(LoRA, "lora")
     cfg = parser.parse_args(["--lora.r=16", "--lora.target_modules=[q_proj, v_proj]", "--lora.adapter_dtype=bfloat16"])
     lora = parser.instantiate_classes(cfg).lora
-    assert (lora.r, lora.target_modules, lora.adapter_dtype) == (16, ["q_proj", "v_proj"], "bfloat16")
+    assert (lora.r, lora.target_modules, lora.adapter_dtype) == (16, ("q_proj", "v_proj"), "bfloat16")
     with pytest.raises(SystemExit):
         parser.parse_args(["--lora.adapter_dtype=int4"])
 

@@ -1,0 +1,105 @@
+"""The probe batch: the first batches of the Trainer's train dataloader, drawn leaving no trace.
+
+Drawing the batch is a job of its own, apart from running a model on it (:mod:`lightning_hbm.probe`): the precision
+plugin draws it once per surgery, then its measures (GPTQ statistics, the calibrated correction, the smoothing, the
+plans, the accuracy check) run the model on it. ``lightning_hbm.probe`` and ``lightning_hbm.quality`` re-export
+:func:`first_batch` and :func:`first_batches`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import torch as torch_compat
+
+
+def first_batch(trainer: Optional[pl.Trainer], who: str) -> Any:
+    """The first batch of ``trainer``'s train dataloader, whatever gives it (a datamodule, the loader passed to
+    ``fit``, the LightningModule's own ``train_dataloader``), drawn leaving no trace (:func:`first_batches`).
+
+    Raises:
+        ValueError: the Trainer has no train dataloader, or it is empty.
+    """
+    return first_batches(trainer, who, 0, most=1)
+
+
+def first_batches(trainer: Optional[pl.Trainer], who: str, min_tokens: int, most: int = 16) -> Any:
+    """The first batches of ``trainer``'s train dataloader (a datamodule's, the loader passed to ``fit``, the
+    LightningModule's own) joined along the batch dimension until they hold ``min_tokens`` tokens (at most ``most``
+    batches; fewer when the loader ends first or the next batch cannot join the others: another shape past the batch
+    dimension). The loader is requested as the fit loop requests it and handed to it (the user's hook runs once per fit,
+    issue 55); its batches are drawn leaving no trace (``torch_compat.leading_batches``: a loader read once gives its
+    first batch only, the one the loop trains first; a map-style one is read in a pass left as it was).
+
+    Tokens: the first tensor's first two dimensions (batch x sequence), or its first for a 1-D tensor.
+
+    Raises:
+        ValueError: the Trainer has no train dataloader, or it is empty.
+    """
+    loader = lightning_compat.train_dataloader(trainer) if lightning_compat.has_train_dataloader(trainer) else None
+    if loader is None:
+        raise ValueError(
+            f"{who} found no probe batch: the Trainer has no train dataloader (no datamodule, no train_dataloaders "
+            f"passed to fit, no train_dataloader() on the LightningModule). Pass {who}(probe_batch=...), or fit with "
+            "train_dataloaders=... or datamodule=..."
+        )
+    joined: list[Any] = []  # the longest run of first batches that join
+
+    def enough(drawn: list[Any]) -> bool:
+        longer = _join(drawn)
+        if longer is None:  # the last one does not join the others: stop before it
+            return True
+        joined[:] = [longer]
+        return len(drawn) >= most or _tokens(longer) >= min_tokens
+
+    batches = torch_compat.leading_batches(loader, enough)  # a loader read once: its first batch, enough not asked
+    if not batches:
+        raise ValueError(f"{who} found no probe batch: the Trainer's train dataloader is empty. Pass {who}(probe_batch=...) or a loader with at least one batch.")
+    return joined[0] if joined else batches[0]
+
+
+def _tokens(batch: Any) -> int:
+    leaves = torch_compat.tensor_leaves(batch)  # a BatchEncoding's too (it counted 0)
+    if not leaves or leaves[0].dim() == 0:
+        return 0
+    first = leaves[0]
+    return first.shape[0] * (first.shape[1] if first.dim() >= 2 else 1)
+
+
+def _join(batches: list[Any]) -> Any:
+    """``batches`` concatenated leaf by leaf along dimension 0; ``None`` where they do not join (structure, shapes past
+    the batch dimension, or other values than tensors that differ)."""
+    if len(batches) == 1:
+        return batches[0]
+    flat = [tree_flatten(b) for b in batches]
+    spec = flat[0][1]
+    if any(other != spec for _, other in flat[1:]):
+        return None
+    joined = []
+    for leaves in zip(*(leaves for leaves, _ in flat)):
+        first = leaves[0]
+        if isinstance(first, Tensor):
+            if first.dim() == 0 or any(not isinstance(t, Tensor) or t.shape[1:] != first.shape[1:] for t in leaves):
+                return None
+            joined.append(torch.cat(leaves))
+        elif isinstance(first, Mapping):  # one leaf to the pytree (a BatchEncoding): joined key by key, in its type
+            # (compared with != instead, its tensors raised "Boolean value of Tensor ... is ambiguous" at fit start)
+            inner = _join([dict(leaf) if isinstance(leaf, Mapping) else leaf for leaf in leaves])
+            if inner is None or not isinstance(inner, dict):
+                return None
+            joined.append(torch_compat.rewrapped(first, inner))
+        elif any(leaf != first for leaf in leaves[1:]):
+            return None
+        else:
+            joined.append(first)
+    return tree_unflatten(joined, spec)
+
+
+__all__ = ["first_batch", "first_batches"]
