@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.activations.regenerate import InputHooks, Record, Remade, inner_forward
+from lightning_hbm.activations.regenerate import InputHooks, Record, Remade, inner_forward, size
 from lightning_hbm.activations.replay import ForwardState
 from lightning_hbm.activations.selective import SelectivePolicy, format_matmuls, unkept_formats
 from lightning_hbm.activations.token_chunks import ChunkedForward, candidates, inner_candidates
@@ -329,21 +329,10 @@ class _BlockPlan:
         #: whether this block's inputs go through ``offload`` (partial offload: the first blocks only); a block that
         #: keeps them on the device still holds ``offload`` to end the previous block's copy in flight
         self.moves = moves
-        #: ``regenerate=n``: the plan of the block before, whose forward remakes this block's input in the backward
-        #: (:mod:`lightning_hbm.activations.regenerate`), and whether this block's forward is recorded for the next one
-        self.remade_from: Optional[_BlockPlan] = None
-        self.feeds = False
-        #: the record of this block's last forward, until the next block takes it; weak: the record lives as long as
-        #: the output it describes (:meth:`Record.returned`), a record no block takes (the next block called before
-        #: this one, a block called on its own) held that forward's saved input past its step
-        self.pending: Optional[weakref.ref[Record]] = None
+        #: ``regenerate=n``: the callback's counts, which link each forward to the checkpointed block called just
+        #: before it (:mod:`lightning_hbm.activations.regenerate`); None: every input kept
         self.counts: Optional[Remade] = None
         self.name = ""
-
-    def __getstate__(self) -> dict[str, Any]:
-        # a record no block took (the block after this one did not run: a block called on its own, a skipped layer)
-        # belongs to that forward: it holds weak references (pickle refused the model) and the forward's saved input
-        return {**self.__dict__, "pending": None}
 
 
 class _CheckpointedForward(CheckpointedForward):
@@ -383,23 +372,18 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
     # The offload hooks are outside the checkpoint: what checkpoint itself saves (the block's
     # inputs) goes through them; what it recomputes never does.
     hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = plan.offload if plan.offload is not None and plan.moves else None
-    record = None
-    if plan.counts is not None and (plan.feeds or plan.remade_from is not None):  # regenerate=n
-        source, record = None, None
-        if plan.remade_from is not None:
-            pending, plan.remade_from.pending = plan.remade_from.pending, None
-            source = pending() if pending is not None else None
-            if pending is not None and source is None:  # the block before ran, its output is gone: not this input
-                plan.counts.unmatched[plan.name] = None
-        if plan.feeds:
-            unpack = hooks.unpack_hook if hooks is not None else _same
-            record = Record(self, inner, args, kwargs, state, unpack)
-        hooks = InputHooks(hooks, source, record, plan.counts, plan.name)
+    record, call = None, functools.partial(checkpoint, run)
+    if plan.counts is not None:  # regenerate=n: linked to the block called before by data flow (regenerate.Link)
+        link = plan.counts.link(plan.name, args, kwargs)
+        args, kwargs, call = link.args, link.kwargs, functools.partial(checkpoint, link.call(run))
+        unpack = hooks.unpack_hook if hooks is not None else _same
+        record = Record(self, link.call(inner), args, kwargs, state, unpack, plan.name, link.position)
+        hooks = InputHooks(hooks, link.source, record, plan.counts, plan.name)
     with hooks if hooks is not None else nullcontext():
-        out = checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
-    if record is not None:
+        out = call(*args, use_reentrant=False, **extra, **kwargs)
+    if record is not None and plan.counts is not None:
         record.returned(out)
-        plan.pending = weakref.ref(record)
+        plan.counts.last = weakref.ref(record)
     return out
 
 
@@ -655,15 +639,13 @@ class ActivationCheckpointing(SurgeryCallback):
         )
 
     def _link(self, plans: list[_BlockPlan], names: list[str]) -> None:
-        """``regenerate=n``: each block but every n-th remakes its input from the block before (chained)."""
-        self.remade = Remade()
+        """``regenerate=n``: every block's forward is linked to the block called before it by what it is fed
+        (:meth:`Remade.link`), not by module order."""
+        self.remade = Remade(self.regenerate)
         if self.regenerate == 1:
             return
-        for index, (plan, name) in enumerate(zip(plans, names)):
+        for plan, name in zip(plans, names):
             plan.counts, plan.name = self.remade, name
-            if index % self.regenerate:
-                plan.remade_from = plans[index - 1]
-                plans[index - 1].feeds = True
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -704,17 +686,27 @@ class ActivationCheckpointing(SurgeryCallback):
         self.warn_unremade()
 
     def warn_unremade(self) -> None:
-        """Warn (once per block) about blocks ``regenerate`` chose to remake the input of that kept it instead."""
-        new = [n for n in self.remade.unmatched if n not in self._remade_warned]
-        if new:
-            self._remade_warned.update(new)
-            rank_zero_warn(
-                f"lightning_hbm: ActivationCheckpointing(regenerate={self.regenerate}) could not remake the input of "
-                f"{len(new)} block(s) ({new[:3]}): it is not the output of the block before as that block returned it "
-                "(the model changes the hidden states between blocks), so they keep their inputs as without "
-                "regenerate (more memory than planned that way). Use regenerate=1, or checkpoint blocks that feed "
-                "each other directly."
-            )
+        """Warn (once per block) about blocks that keep their input under ``regenerate`` because it is not the output of
+        the checkpointed block called just before them: each by name with the bytes it keeps and that block, then what
+        is remade and what is kept as every n-th link (the whole picture of the step, in call order)."""
+        counts = self.remade
+        new = [n for n in counts.unmatched if n not in self._remade_warned]
+        if not new:
+            return
+        self._remade_warned.update(new)
+        unmatched = list(counts.unmatched.items())
+        kept = "; ".join(f"{n} ({size(b)}, the block called before it: {before})" for n, (b, before) in unmatched[:12])
+        kept += f"; and {len(unmatched) - 12} more" if len(unmatched) > 12 else ""
+        rank_zero_warn(
+            f"lightning_hbm: ActivationCheckpointing(regenerate={self.regenerate}) could not remake the input of "
+            f"{len(unmatched)} block(s), which keep it as without regenerate ({size(sum(b for _, (b, _) in unmatched))}"
+            f" in all): {kept}. A block's input is remade only when it is exactly the output of the checkpointed "
+            "block called just before it (as that block returned it); these are fed something else (layers between "
+            "the blocks: a downsampler, a skip connection concatenated, the hidden states scaled or changed in place). "
+            f"Remade: {_named_sizes(counts.made)}; kept as one block in {self.regenerate} of a chain: "
+            f"{_named_sizes(counts.kept)}. Use regenerate=1 (the same memory for these blocks, no block forward run "
+            "again), or checkpoint blocks that feed each other directly."
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -723,6 +715,15 @@ class ActivationCheckpointing(SurgeryCallback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored_order = state_dict.get("adapter_first")
+
+
+def _named_sizes(named: dict[str, int]) -> str:
+    """``2 block(s), 4.00 KiB: a (2.00 KiB), b (2.00 KiB)`` (the first 8 named)."""
+    if not named:
+        return "none"
+    listed = ", ".join(f"{n} ({size(b)})" for n, b in list(named.items())[:8])
+    more = f", and {len(named) - 8} more" if len(named) > 8 else ""
+    return f"{len(named)} block(s), {size(sum(named.values()))}: {listed}{more}"
 
 
 def _check_regenerate(regenerate: int, policy: str, every: int) -> None:
