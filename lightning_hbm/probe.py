@@ -198,8 +198,9 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
     # the conv plan was chosen on NaN (planned 'to a probe output cosine of nan')
     same = ~reference.isfinite() & (output == reference)
     measured, wanted = (output.masked_fill(same, 0.0), reference.masked_fill(same, 0.0)) if bool(same.any()) else (output, reference)
+    rows = ~same.reshape(-1, width).all(-1)  # a row both mask whole (-inf everywhere) has no direction: left out
     metrics = {
-        PREFIX + "cosine_similarity": float(CosineSimilarity(reduction="mean")(measured.reshape(-1, width), wanted.reshape(-1, width))),
+        PREFIX + "cosine_similarity": float(CosineSimilarity(reduction="mean")(measured.reshape(-1, width)[rows], wanted.reshape(-1, width)[rows])),
         PREFIX + "relative_error": float(RelativeSquaredError(squared=False)(measured.flatten(), wanted.flatten())),
     }
     if lm:
@@ -214,9 +215,25 @@ def _kl_divergence(output: Tensor, reference: Tensor) -> float:
     A token the reference gives no mass (``-inf`` logit: a masked vocabulary entry) adds 0, whatever ``output`` gives
     it (torchmetrics: ``0 * (-inf - x)`` = NaN, the whole figure NaN when both models mask the same entries). A token
     the reference gives mass to and ``output`` -inf adds inf: the quantized model rules out what the model as built
-    predicts, and the figure says so (with a warning naming how many), not NaN.
+    predicts, and the figure says so (with a warning naming how many), not NaN; a row ``output`` masks whole (every
+    entry -inf) rules out every token, inf. A row the reference masks whole (every entry -inf: a padded position
+    masked entirely) has no distribution to compare with: it is left out of the mean, whatever ``output`` gives it,
+    and a warning counts such rows (counting it 0 would lower the mean by the share of such rows; its softmax is NaN,
+    which made the whole figure NaN). If every row is left out there is no figure: NaN, with that warning.
     """
     p_log, q_log = reference.float().log_softmax(-1), output.float().log_softmax(-1)
+    empty, none_left = reference.eq(float("-inf")).all(-1), output.eq(float("-inf")).all(-1)
+    q_log = q_log.masked_fill(none_left.unsqueeze(-1), float("-inf"))  # its softmax is NaN: no mass anywhere
+    p_log, q_log = p_log[~empty], q_log[~empty]
+    if bool(empty.any()):
+        warnings.warn(
+            f"lightning_hbm: KL divergence leaves out {int(empty.sum())} of {empty.shape[0]} rows the full-precision "
+            f"model masks whole (-inf for every entry: no next-token distribution to compare with; "
+            f"{int((empty & none_left).sum())} of them the quantized model masks whole too): the figure is the mean "
+            f"over the other {int((~empty).sum())} rows{' (none: NaN)' if bool(empty.all()) else ''}. Probe on rows "
+            "the model predicts (no fully masked positions) for a figure over every row.",
+            stacklevel=2,
+        )
     masked, ruled_out = p_log == float("-inf"), (q_log == float("-inf")) & (p_log > float("-inf"))
     terms = (p_log.exp() * (p_log - q_log)).masked_fill(masked, 0.0).masked_fill(ruled_out, float("inf"))
     if bool(ruled_out.any()):
@@ -227,7 +244,7 @@ def _kl_divergence(output: Tensor, reference: Tensor) -> float:
             f"differently): compare the two models' masks, or quantize fewer layers (skip=...).",
             stacklevel=2,
         )
-    return float(terms.sum(-1).mean())
+    return float(terms.sum(-1).mean()) if terms.shape[0] else float("nan")
 
 
 @contextmanager

@@ -100,7 +100,10 @@ class QuantizationQuality(SurgeryCallback):
             torchmetrics ``RelativeSquaredError(squared=False)``.
         ``quant/kl_divergence``: mean over tokens of ``KL(p_fp || p_quant)`` of the next-token
             distributions, torchmetrics ``KLDivergence``'s figure (``task="lm"`` only); a token both models mask (-inf)
-            adds 0, one only the changed model masks adds inf (with a warning).
+            adds 0, one only the changed model masks adds inf (with a warning), as does a row the changed model masks
+            whole. A row the full-precision model masks whole (every entry -inf: no distribution to compare with) is
+            left out of the mean, with a warning counting such rows (NaN if every row is); the cosine leaves out rows
+            both models mask whole.
         ``quant/weight_sqnr_db_min`` and ``quant/weight_sqnr_db_mean``: weight signal-to-quantization-noise
             ratio over the Linear layers, dB (torchmetrics ``signal_noise_ratio``; fit start only). The whole
             table, worst layers first, is in :attr:`layer_sqnr` and printed at fit start.
