@@ -194,6 +194,9 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         # T5's position bias) is copied once, its later handles share that copy (see _pack)
         self._copied: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
         self._in_flight: Optional[Tensor] = None  # the device tensor packed last: its copy may still read it
+        #: blocks called with a keyword tensor at least as large as their largest positional one: checkpoint holds
+        #: keyword tensors in its closure, never through these hooks, so they stay on the device (name -> (key, bytes))
+        self.keywords_kept: dict[str, list[tuple[str, int]]] = {}
         super().__init__(self._pack, self._unpack)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -379,6 +382,8 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
         unpack = hooks.unpack_hook if hooks is not None else _same
         record = Record(self, link.call(inner), args, kwargs, state, unpack, plan.name, link.position)
         hooks = InputHooks(hooks, link.source, record, plan.counts, plan.name)
+    if plan.offload is not None and plan.moves and kwargs:
+        _note_keywords(plan.offload, plan.name, args, kwargs)
     with hooks if hooks is not None else nullcontext():
         out = call(*args, use_reentrant=False, **extra, **kwargs)
     if record is not None and plan.counts is not None:
@@ -389,6 +394,16 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
 
 def _same(tensor: Tensor) -> Tensor:
     return tensor
+
+
+def _note_keywords(offload: OffloadSavedTensors, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Note the keyword tensors the offload never sees that are at least as large as the block's largest positional
+    tensor (its hidden states passed as ``hidden_states=h``; not a position-id or a small mask beside them)."""
+    largest = max((a.numel() * a.element_size() for a in args if isinstance(a, Tensor)), default=0)
+    kept = [(k, v.numel() * v.element_size()) for k, v in kwargs.items() if isinstance(v, Tensor) and not isinstance(v, nn.Parameter)]
+    kept = [(k, b) for k, b in kept if b and b >= largest]
+    if kept:
+        offload.keywords_kept[name] = kept
 
 
 def _device_available(device: torch.device) -> bool:
@@ -540,6 +555,7 @@ class ActivationCheckpointing(SurgeryCallback):
         #: inputs remade in the step's backward (``regenerate > 1``), and the blocks that could not remake theirs
         self.remade = Remade()
         self._remade_warned: set[str] = set()
+        self._keywords_warned: set[str] = set()
         self.offload: Optional[OffloadSavedTensors] = OffloadSavedTensors(device) if offload else None
         #: how many of the checkpointed blocks (the first ones) offload their inputs; None: every one (offload=True)
         self.offload_blocks: Optional[int] = None if isinstance(offload, bool) else offload
@@ -617,6 +633,8 @@ class ActivationCheckpointing(SurgeryCallback):
         # device to be used, and the one before it prefetched), and k - 1 at the end of the forward (one in flight).
         moved = len(chosen) if self.offload_blocks is None else self.offload_blocks
         plans = [_BlockPlan(block, context_fn, self.offload, moves=index < moved) for index, (_, block) in enumerate(chosen)]
+        for plan, (name, _) in zip(plans, chosen):
+            plan.name = name
         self._link(plans, [n for n, _ in chosen])
         for index, (plan, (_, block)) in enumerate(zip(plans, chosen)):
             _wrap(block, plan)
@@ -684,6 +702,23 @@ class ActivationCheckpointing(SurgeryCallback):
         if self.offload is not None:
             pl_module.log("activations/offloaded_bytes", float(self.offload.copied_bytes), on_step=True, on_epoch=False)
         self.warn_unremade()
+        self.warn_keywords_kept()
+
+    def warn_keywords_kept(self) -> None:
+        """Warn (once per block) about offloaded blocks called with a large tensor as a keyword: it stays on the device."""
+        kept = self.offload.keywords_kept if self.offload is not None else {}
+        new = [n for n in kept if n not in self._keywords_warned]
+        if not new:
+            return
+        self._keywords_warned.update(new)
+        named = "; ".join(f"{n}: {', '.join(f'{k} ({size(b)})' for k, b in kept[n])}" for n in new[:12])
+        rank_zero_warn(
+            f"lightning_hbm: ActivationCheckpointing(offload=...) keeps on the device the keyword tensor inputs of "
+            f"{len(new)} block(s): {named}{'; ...' if len(new) > 12 else ''}. torch's checkpoint saves only positional "
+            "tensors through the saved-tensor hooks that offload; a tensor passed as a keyword stays in its closure, on "
+            "the device, until the block's backward (what regenerate remakes, the output of the block called just "
+            "before, is moved and offloaded). Call the blocks with it positionally (block(h), not block(hidden_states=h))."
+        )
 
     def warn_unremade(self) -> None:
         """Warn (once per block) about blocks that keep their input under ``regenerate`` because it is not the output of

@@ -121,14 +121,18 @@ class Record:
     """One forward of a block that feeds a block which remakes its input: how to run that forward again.
 
     ``saved``: the position of each tensor argument and what the checkpoint saved for it (an offload handle, the
-    tensor itself on the device, or a :class:`Remake` of its own input); ``output``: the tensor the next block gets."""
+    tensor itself on the device, or a :class:`Remake` of its own input), held weakly: the checkpoint holds it until
+    this block's backward, which runs after the backward of the block it feeds (that block's output gradient comes
+    first), so it is there when that block remakes its input; held by the record, which lives as long as the step's
+    graph, a kept input outlived its block's backward (every block records: the next block called is known only then);
+    ``output``: the tensor the next block gets."""
 
     def __init__(self, block: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                  state: ForwardState, unpack: Callable[[Any], Tensor], name: str = "", position: int = 0) -> None:
         self.block, self.inner, self.kwargs, self.state, self.unpack = block, inner, kwargs, state, unpack
         self.name, self.position = name, position  # the block's name; its link in the chain (:class:`Link`)
         self.args: list[Any] = list(args)
-        self.saved: dict[int, Any] = {}
+        self.saved: dict[int, Callable[[], Any]] = {}
         self.rng = torch_compat.rng_states()
         #: the forward's autocast (a bf16-mixed run's ``torch.autocast``), which the backward, where the input is
         #: remade, runs outside of: per device type of its tensors (and the CPU's), whether on and to which dtype
@@ -142,8 +146,8 @@ class Record:
     def keep(self, tensor: Tensor, packed: Any) -> None:
         for index, arg in enumerate(self.args):
             if arg is tensor:
-                self.saved[index] = packed
-                self.args[index] = None  # held by ``packed`` (or elsewhere: an offload handle), not by the record
+                self.saved[index] = weakref.ref(packed)  # a tensor, an offload handle or a Remake
+                self.args[index] = None  # held by the checkpoint until this block's backward, not by the record
 
     def returned(self, out: Any) -> None:
         first = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor) else out
@@ -180,7 +184,14 @@ def remake(packed: Remake) -> Tensor:
     """The input ``packed`` stands for: its source block's forward run again from that block's own saved inputs."""
     source = packed.source
     args = list(source.args)
-    for index, saved in source.saved.items():
+    for index, held in source.saved.items():
+        saved = held()
+        if saved is None:
+            raise RuntimeError(
+                f"lightning_hbm: regenerate: the input {source.name} saved was freed (its backward ran) before the block "
+                "it feeds remade its input from it: a graph where the block fed runs its backward after the block "
+                "feeding it. Use ActivationCheckpointing(regenerate=1)."
+            )
         args[index] = remake(saved) if isinstance(saved, Remake) else source.unpack(saved)
     # as its forward ran: gradients on (a layer may choose its kernels by it), nothing saved for a backward, the RNG
     # states and the buffers it read as they were, the forward's LoRA order (recomputing(False)) and autocast

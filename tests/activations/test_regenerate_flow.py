@@ -6,7 +6,9 @@ hooks)."""
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -43,6 +45,7 @@ def _unet_loss(model: nn.Module) -> Tensor:
     return model(x, torch.tensor([3, 7])).sample.square().sum()
 
 
+@pytest.mark.slow  # 2 s: diffusers' first model built (its lazy imports), two UNets
 def test_a_unet_remakes_the_inputs_its_blocks_feed_each_other_in_call_order() -> None:
     # module order linked down_blocks.1.attentions.1 to attentions.0 (called resnet, attention, resnet, attention) and
     # up_blocks.0.resnets.0 to down_blocks.1.resnets.1: 1 input remade of 17, and a warning blaming "the model changes
@@ -70,7 +73,7 @@ def test_a_unet_remakes_the_inputs_its_blocks_feed_each_other_in_call_order() ->
     assert "kept as one block in 2 of a chain: 3 block(s), 8.00 KiB: down_blocks.0.resnets.0 (4.00 KiB)" in text
 
 
-@pytest.mark.slow  # 1 s: two conditional UNets
+@pytest.mark.slow  # 2 s when it runs first (diffusers' lazy imports): two conditional UNets
 def test_a_conditional_unet_remakes_its_inputs_with_the_gradients_of_plain_checkpointing() -> None:
     def build(regenerate: int) -> tuple[nn.Module, ActivationCheckpointing]:
         torch.manual_seed(0)
@@ -132,3 +135,53 @@ def test_a_block_input_passed_as_a_keyword_is_remade(offload: bool) -> None:
     assert not callback.remade.unmatched
     if callback.offload is not None:  # blocks.2 keeps its (keyword) input: offloaded; blocks.0's is the model's input
         assert callback.offload.copies == 1
+
+
+def test_an_offloaded_block_called_with_its_input_as_a_keyword_is_named_in_a_warning() -> None:
+    # offload=True offloaded nothing of block(hidden_states=h) (checkpoint holds keyword tensors in its closure), and
+    # said nothing. Moving every keyword tensor to the hooks was tried: it also offloads a Llama's position_ids, whose
+    # pinned allocation moved the planner's longest contexts (tests/planner/test_remade_inputs.py: 6,400 -> 5,120)
+    torch.manual_seed(0)
+    model = _KeywordStack()
+    callback = _checkpointed(model, 1, offload=True)
+    model(torch.randn(8, 16)).sum().backward()
+    assert callback.offload is not None and callback.offload.copies == 0  # still on the device: named below
+    with pytest.warns(UserWarning, match=r"keeps on the device the keyword tensor inputs of 4 block\(s\): blocks.0: "
+                      r"hidden_states \(512 B\); blocks.1: hidden_states \(512 B\);.*block\(hidden_states=h\)\)"):
+        callback.warn_keywords_kept()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        callback.warn_keywords_kept()  # once per block
+
+
+def test_a_llama_with_offload_is_not_warned_about_its_small_keyword_tensors() -> None:
+    # transformers' decoder layers get hidden_states positionally, position_ids (and a mask) as keywords
+    from tests.activations.test_regenerate import _llama
+
+    x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    model, callback = _llama(True, 2)
+    model(x).float().square().mean().backward()
+    assert callback.offload is not None and not callback.offload.keywords_kept
+    assert callback.remade.inputs == 2 and list(callback.remade.made) == [
+        "model.model.layers.1", "model.model.layers.3"] and not callback.remade.unmatched  # fmt: skip
+
+
+def test_a_kept_input_is_freed_at_its_blocks_backward_not_at_the_end_of_the_step() -> None:
+    # the record of a block's forward held what the checkpoint saved for its input (here the input itself, on the
+    # device) as long as the step's graph: blocks.2's kept input outlived its backward (blocks.4's too, once every
+    # block recorded its forward for data-flow linking)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_KeywordBlock() for _ in range(5)))
+    callback = _checkpointed(model, 2, blocks=["_KeywordBlock"])
+    inputs: list[Any] = []
+    for block in model:
+        block.register_forward_pre_hook(lambda _module, args: inputs.append(weakref.ref(args[0])))
+    alive: list[list[bool]] = []
+    model[0].linear.weight.register_hook(lambda grad: alive.append([ref() is not None for ref in inputs]))
+    gc.disable()
+    try:
+        model(torch.randn(8, 16, requires_grad=True) * 1.0).sum().backward()
+    finally:
+        gc.enable()
+    assert callback.remade.inputs == 2 and list(callback.remade.kept) == ["0", "2", "4"]
+    assert len(alive) == 1 and alive[0][1:] == [False] * 4  # at blocks.0's backward: every later input freed
