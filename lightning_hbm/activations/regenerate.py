@@ -118,14 +118,14 @@ def size(nbytes: int) -> str:
 
 
 class Record:
-    """One forward of a block that feeds a block which remakes its input: how to run that forward again.
+    """One forward of a checkpointed block under ``regenerate=n``: how to run it again, for the block called next if
+    that block remakes its input from it (every block records: which block is called next is known only then).
 
     ``saved``: the position of each tensor argument and what the checkpoint saved for it (an offload handle, the
     tensor itself on the device, or a :class:`Remake` of its own input), held weakly: the checkpoint holds it until
     this block's backward, which runs after the backward of the block it feeds (that block's output gradient comes
     first), so it is there when that block remakes its input; held by the record, which lives as long as the step's
-    graph, a kept input outlived its block's backward (every block records: the next block called is known only then);
-    ``output``: the tensor the next block gets."""
+    graph, a kept input outlived its block's backward; ``output``: the tensor the next block gets."""
 
     def __init__(self, block: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                  state: ForwardState, unpack: Callable[[Any], Tensor], name: str = "", position: int = 0) -> None:
@@ -188,9 +188,9 @@ def remake(packed: Remake) -> Tensor:
         saved = held()
         if saved is None:
             raise RuntimeError(
-                f"lightning_hbm: regenerate: the input {source.name} saved was freed (its backward ran) before the block "
-                "it feeds remade its input from it: a graph where the block fed runs its backward after the block "
-                "feeding it. Use ActivationCheckpointing(regenerate=1)."
+                f"lightning_hbm: regenerate: the saved input of {source.name} was freed (its backward ran) before the "
+                "block it feeds remade its input from it: a graph where the block fed runs its backward after the "
+                "block feeding it. Use ActivationCheckpointing(regenerate=1)."
             )
         args[index] = remake(saved) if isinstance(saved, Remake) else source.unpack(saved)
     # as its forward ran: gradients on (a layer may choose its kernels by it), nothing saved for a backward, the RNG

@@ -185,3 +185,16 @@ def test_a_kept_input_is_freed_at_its_blocks_backward_not_at_the_end_of_the_step
         gc.enable()
     assert callback.remade.inputs == 2 and list(callback.remade.kept) == ["0", "2", "4"]
     assert len(alive) == 1 and alive[0][1:] == [False] * 4  # at blocks.0's backward: every later input freed
+
+
+def test_a_remake_after_the_feeding_blocks_backward_is_a_clear_error() -> None:
+    # the records hold the saved inputs weakly: a backward through the feeding block first (autograd.grad on its own
+    # output) frees what the remake needs; the error says so instead of a remake from nothing
+    torch.manual_seed(0)
+    model = nn.Sequential(_KeywordBlock(), _KeywordBlock())
+    _checkpointed(model, 2, blocks=["_KeywordBlock"])
+    h = model[0](torch.randn(8, 16, requires_grad=True) * 1.0)
+    out = model[1](h)
+    torch.autograd.grad(h.sum(), model[0].linear.weight)
+    with pytest.raises(RuntimeError, match=r"regenerate: the saved input of 0 was freed \(its backward ran\) before"):
+        out.sum().backward()
