@@ -120,8 +120,9 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
     huge = 2.0**63
     same |= (reference.abs() > huge) & (output.abs() > huge) & (reference.sign() == output.sign())
     measured, wanted = (output.masked_fill(same, 0.0), reference.masked_fill(same, 0.0)) if bool(same.any()) else (output, reference)
+    rows = ~same.reshape(-1, width).all(-1)  # a row both mask whole (-inf everywhere) has no direction: left out
     metrics = {
-        PREFIX + "cosine_similarity": float(CosineSimilarity(reduction="mean")(measured.reshape(-1, width), wanted.reshape(-1, width))),
+        PREFIX + "cosine_similarity": float(CosineSimilarity(reduction="mean")(measured.reshape(-1, width)[rows], wanted.reshape(-1, width)[rows])),
         PREFIX + "relative_error": float(RelativeSquaredError(squared=False)(measured.flatten(), wanted.flatten())),
     }
     if lm:
@@ -135,12 +136,27 @@ def _kl_divergence(output: Tensor, reference: Tensor) -> float:
 
     A token the reference gives no mass (``-inf`` logit: a masked vocabulary entry; or a probability that underflows to
     0 in float32: a mask of ``-1e9`` or ``torch.finfo(torch.float32).min``, which float16 or bfloat16 round to
-    ``-inf``) adds 0, whatever ``output`` gives it (torchmetrics: ``0 * (-inf - x)`` = NaN, the whole figure NaN when
-    both models mask the same entries). A token the reference gives mass to and ``output`` -inf adds inf: the
-    quantized model rules out what the model as built predicts, and the figure says so (with a warning naming how
-    many), not NaN.
+    ``-inf``) adds 0, whatever ``output`` gives it (torchmetrics: ``0 * (-inf - x)`` = NaN, the whole figure NaN when both models mask the same entries). A token
+    the reference gives mass to and ``output`` -inf adds inf: the quantized model rules out what the model as built
+    predicts, and the figure says so (with a warning naming how many), not NaN; a row ``output`` masks whole (every
+    entry -inf) rules out every token, inf. A row the reference masks whole (every entry -inf: a padded position
+    masked entirely) has no distribution to compare with: it is left out of the mean, whatever ``output`` gives it,
+    and a warning counts such rows (counting it 0 would lower the mean by the share of such rows; its softmax is NaN,
+    which made the whole figure NaN). If every row is left out there is no figure: NaN, with that warning.
     """
     p_log, q_log = reference.float().log_softmax(-1), output.float().log_softmax(-1)
+    empty, none_left = reference.eq(float("-inf")).all(-1), output.eq(float("-inf")).all(-1)
+    q_log = q_log.masked_fill(none_left.unsqueeze(-1), float("-inf"))  # its softmax is NaN: no mass anywhere
+    p_log, q_log = p_log[~empty], q_log[~empty]
+    if bool(empty.any()):
+        warnings.warn(
+            f"lightning_hbm: KL divergence leaves out {int(empty.sum())} of {empty.shape[0]} rows the full-precision "
+            f"model masks whole (-inf for every entry: no next-token distribution to compare with; "
+            f"{int((empty & none_left).sum())} of them the quantized model masks whole too): the figure is the mean "
+            f"over the other {int((~empty).sum())} rows{' (none: NaN)' if bool(empty.all()) else ''}. Probe on rows "
+            "the model predicts (no fully masked positions) for a figure over every row.",
+            stacklevel=2,
+        )
     masked = p_log.exp() == 0  # no mass in float32 (the figure's own p * (log p - log q) is 0 there)
     ruled_out = (q_log == float("-inf")) & ~masked
     terms = (p_log.exp() * (p_log - q_log)).masked_fill(masked, 0.0).masked_fill(ruled_out, float("inf"))
@@ -152,7 +168,7 @@ def _kl_divergence(output: Tensor, reference: Tensor) -> float:
             f"differently): compare the two models' masks, or quantize fewer layers (skip=...).",
             stacklevel=2,
         )
-    return float(terms.sum(-1).mean())
+    return float(terms.sum(-1).mean()) if terms.shape[0] else float("nan")
 
 
 @contextmanager

@@ -101,7 +101,9 @@ class QuantizationQuality(SurgeryCallback):
         ``quant/kl_divergence``: mean over tokens of ``KL(p_fp || p_quant)`` of the next-token
             distributions, torchmetrics ``KLDivergence``'s figure (``task="lm"`` only); a token the model as built gives
             no probability (masked with -inf, or -1e9 that float16 makes -inf) adds 0, one only the changed model
-            masks adds inf (with a warning).
+            masks adds inf (with a warning), as does a row the changed model masks whole. A row the full-precision model masks whole (every entry -inf: no distribution to compare with) is
+            left out of the mean, with a warning counting such rows (NaN if every row is); the cosine leaves out rows
+            both models mask whole.
         ``quant/weight_sqnr_db_min`` and ``quant/weight_sqnr_db_mean``: weight signal-to-quantization-noise
             ratio over the Linear layers, dB (torchmetrics ``signal_noise_ratio``; fit start only). The whole
             table, worst layers first, is in :attr:`layer_sqnr` and printed at fit start.

@@ -178,3 +178,35 @@ def test_kl_leaves_out_tokens_both_models_mask_and_is_inf_where_only_the_quantiz
     ruled_out[1, 2, 0] = float("-inf")  # the quantized model rules out a token the reference gives mass to
     with pytest.warns(UserWarning, match=r"KL divergence is inf.*1 token\(s\).*in 1 of 6 rows"):
         assert compare_outputs(ruled_out, masked_ref, lm=True)["quant/kl_divergence"] == float("inf")
+
+
+def test_kl_leaves_out_rows_the_reference_masks_whole_and_says_how_many() -> None:
+    # (session 28) a row the full-precision model masks whole (every entry -inf: a padded position) has a NaN softmax:
+    # the whole KL figure read NaN, and the cosine too when both models masked it; a row only the quantized model
+    # masks whole read NaN instead of inf
+    from torchmetrics import KLDivergence
+
+    generator = torch.Generator().manual_seed(0)
+    reference = torch.randn(2, 3, 8, generator=generator)
+    output = reference + 0.1 * torch.randn(2, 3, 8, generator=generator)
+    keep = torch.ones(6, dtype=torch.bool)
+    keep[1] = False  # row (0, 1)
+    want = float(KLDivergence(log_prob=True)(reference.reshape(-1, 8)[keep].log_softmax(-1), output.reshape(-1, 8)[keep].log_softmax(-1)))
+    cosine = compare_outputs(output.reshape(-1, 8)[keep], reference.reshape(-1, 8)[keep], lm=True)["quant/cosine_similarity"]
+    masked_ref, masked_out = reference.clone(), output.clone()
+    masked_ref[0, 1], masked_out[0, 1] = float("-inf"), float("-inf")
+    with pytest.warns(UserWarning, match=r"leaves out 1 of 6 rows the full-precision model masks whole .*1 of them the "
+                      r"quantized model masks whole too\): the figure is the mean over the other 5 rows\."):
+        both = compare_outputs(masked_out, masked_ref, lm=True)
+    assert both["quant/kl_divergence"] == pytest.approx(want, rel=1e-6)
+    assert both["quant/cosine_similarity"] == pytest.approx(cosine, rel=1e-6)  # the row both mask: left out too
+    masked_out[0, 1] = 1.0  # only the reference masks it: still no distribution to compare with, left out
+    with pytest.warns(UserWarning, match=r"leaves out 1 of 6 rows .*0 of them the quantized model masks whole too"):
+        assert compare_outputs(masked_out, masked_ref, lm=True)["quant/kl_divergence"] == pytest.approx(want, rel=1e-6)
+    ruled_out = output.clone()
+    ruled_out[1, 2] = float("-inf")  # the quantized model masks a row the reference predicts: every token ruled out
+    with pytest.warns(UserWarning, match=r"KL divergence is inf.*8 token\(s\).*in 1 of 6 rows"):
+        assert compare_outputs(ruled_out, reference, lm=True)["quant/kl_divergence"] == float("inf")
+    with pytest.warns(UserWarning, match=r"leaves out 6 of 6 rows .*over the other 0 rows \(none: NaN\)"):
+        nothing = compare_outputs(output, torch.full_like(reference, float("-inf")), lm=True)["quant/kl_divergence"]
+    assert nothing != nothing

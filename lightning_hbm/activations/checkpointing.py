@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.activations.regenerate import InputHooks, Record, Remade, inner_forward
+from lightning_hbm.activations.regenerate import InputHooks, Record, Remade, inner_forward, size
 from lightning_hbm.activations.replay import ForwardState
 from lightning_hbm.activations.selective import SelectivePolicy, format_matmuls, unkept_formats
 from lightning_hbm.activations.token_chunks import ChunkedForward, candidates, inner_candidates
@@ -194,6 +194,9 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         # T5's position bias) is copied once, its later handles share that copy (see _pack)
         self._copied: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
         self._in_flight: Optional[Tensor] = None  # the device tensor packed last: its copy may still read it
+        #: blocks called with a keyword tensor at least as large as their largest positional one: checkpoint holds
+        #: keyword tensors in its closure, never through these hooks, so they stay on the device (name -> (key, bytes))
+        self.keywords_kept: dict[str, list[tuple[str, int]]] = {}
         super().__init__(self._pack, self._unpack)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -329,21 +332,10 @@ class _BlockPlan:
         #: whether this block's inputs go through ``offload`` (partial offload: the first blocks only); a block that
         #: keeps them on the device still holds ``offload`` to end the previous block's copy in flight
         self.moves = moves
-        #: ``regenerate=n``: the plan of the block before, whose forward remakes this block's input in the backward
-        #: (:mod:`lightning_hbm.activations.regenerate`), and whether this block's forward is recorded for the next one
-        self.remade_from: Optional[_BlockPlan] = None
-        self.feeds = False
-        #: the record of this block's last forward, until the next block takes it; weak: the record lives as long as
-        #: the output it describes (:meth:`Record.returned`), a record no block takes (the next block called before
-        #: this one, a block called on its own) held that forward's saved input past its step
-        self.pending: Optional[weakref.ref[Record]] = None
+        #: ``regenerate=n``: the callback's counts, which link each forward to the checkpointed block called just
+        #: before it (:mod:`lightning_hbm.activations.regenerate`); None: every input kept
         self.counts: Optional[Remade] = None
         self.name = ""
-
-    def __getstate__(self) -> dict[str, Any]:
-        # a record no block took (the block after this one did not run: a block called on its own, a skipped layer)
-        # belongs to that forward: it holds weak references (pickle refused the model) and the forward's saved input
-        return {**self.__dict__, "pending": None}
 
 
 class _CheckpointedForward(CheckpointedForward):
@@ -383,28 +375,35 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
     # The offload hooks are outside the checkpoint: what checkpoint itself saves (the block's
     # inputs) goes through them; what it recomputes never does.
     hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = plan.offload if plan.offload is not None and plan.moves else None
-    record = None
-    if plan.counts is not None and (plan.feeds or plan.remade_from is not None):  # regenerate=n
-        source, record = None, None
-        if plan.remade_from is not None:
-            pending, plan.remade_from.pending = plan.remade_from.pending, None
-            source = pending() if pending is not None else None
-            if pending is not None and source is None:  # the block before ran, its output is gone: not this input
-                plan.counts.unmatched[plan.name] = None
-        if plan.feeds:
-            unpack = hooks.unpack_hook if hooks is not None else _same
-            record = Record(self, inner, args, kwargs, state, unpack)
-        hooks = InputHooks(hooks, source, record, plan.counts, plan.name)
+    record, call = None, functools.partial(checkpoint, run)
+    if plan.counts is not None:  # regenerate=n: linked to the block called before by data flow (regenerate.Link)
+        link = plan.counts.link(plan.name, args, kwargs)
+        args, kwargs, call = link.args, link.kwargs, functools.partial(checkpoint, link.call(run))
+        unpack = hooks.unpack_hook if hooks is not None else _same
+        record = Record(self, link.call(inner), args, kwargs, state, unpack, plan.name, link.position)
+        hooks = InputHooks(hooks, link.source, record, plan.counts, plan.name)
+    if plan.offload is not None and plan.moves and kwargs:
+        _note_keywords(plan.offload, plan.name, args, kwargs)
     with hooks if hooks is not None else nullcontext():
-        out = checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
-    if record is not None:
+        out = call(*args, use_reentrant=False, **extra, **kwargs)
+    if record is not None and plan.counts is not None:
         record.returned(out)
-        plan.pending = weakref.ref(record)
+        plan.counts.last = weakref.ref(record)
     return out
 
 
 def _same(tensor: Tensor) -> Tensor:
     return tensor
+
+
+def _note_keywords(offload: OffloadSavedTensors, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Note the keyword tensors the offload never sees that are at least as large as the block's largest positional
+    tensor (its hidden states passed as ``hidden_states=h``; not a position-id or a small mask beside them)."""
+    largest = max((a.numel() * a.element_size() for a in args if isinstance(a, Tensor)), default=0)
+    kept = [(k, v.numel() * v.element_size()) for k, v in kwargs.items() if isinstance(v, Tensor) and not isinstance(v, nn.Parameter)]
+    kept = [(k, b) for k, b in kept if b and b >= largest]
+    if kept:
+        offload.keywords_kept[name] = kept
 
 
 def _device_available(device: torch.device) -> bool:
@@ -556,6 +555,7 @@ class ActivationCheckpointing(SurgeryCallback):
         #: inputs remade in the step's backward (``regenerate > 1``), and the blocks that could not remake theirs
         self.remade = Remade()
         self._remade_warned: set[str] = set()
+        self._keywords_warned: set[str] = set()
         self.offload: Optional[OffloadSavedTensors] = OffloadSavedTensors(device) if offload else None
         #: how many of the checkpointed blocks (the first ones) offload their inputs; None: every one (offload=True)
         self.offload_blocks: Optional[int] = None if isinstance(offload, bool) else offload
@@ -633,6 +633,8 @@ class ActivationCheckpointing(SurgeryCallback):
         # device to be used, and the one before it prefetched), and k - 1 at the end of the forward (one in flight).
         moved = len(chosen) if self.offload_blocks is None else self.offload_blocks
         plans = [_BlockPlan(block, context_fn, self.offload, moves=index < moved) for index, (_, block) in enumerate(chosen)]
+        for plan, (name, _) in zip(plans, chosen):
+            plan.name = name
         self._link(plans, [n for n, _ in chosen])
         for index, (plan, (_, block)) in enumerate(zip(plans, chosen)):
             _wrap(block, plan)
@@ -655,15 +657,13 @@ class ActivationCheckpointing(SurgeryCallback):
         )
 
     def _link(self, plans: list[_BlockPlan], names: list[str]) -> None:
-        """``regenerate=n``: each block but every n-th remakes its input from the block before (chained)."""
-        self.remade = Remade()
+        """``regenerate=n``: every block's forward is linked to the block called before it by what it is fed
+        (:meth:`Remade.link`), not by module order."""
+        self.remade = Remade(self.regenerate)
         if self.regenerate == 1:
             return
-        for index, (plan, name) in enumerate(zip(plans, names)):
+        for plan, name in zip(plans, names):
             plan.counts, plan.name = self.remade, name
-            if index % self.regenerate:
-                plan.remade_from = plans[index - 1]
-                plans[index - 1].feeds = True
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -702,19 +702,46 @@ class ActivationCheckpointing(SurgeryCallback):
         if self.offload is not None:
             pl_module.log("activations/offloaded_bytes", float(self.offload.copied_bytes), on_step=True, on_epoch=False)
         self.warn_unremade()
+        self.warn_keywords_kept()
+
+    def warn_keywords_kept(self) -> None:
+        """Warn (once per block) about offloaded blocks called with a large tensor as a keyword: it stays on the device."""
+        kept = self.offload.keywords_kept if self.offload is not None else {}
+        new = [n for n in kept if n not in self._keywords_warned]
+        if not new:
+            return
+        self._keywords_warned.update(new)
+        named = "; ".join(f"{n}: {', '.join(f'{k} ({size(b)})' for k, b in kept[n])}" for n in new[:12])
+        rank_zero_warn(
+            f"lightning_hbm: ActivationCheckpointing(offload=...) keeps on the device the keyword tensor inputs of "
+            f"{len(new)} block(s): {named}{'; ...' if len(new) > 12 else ''}. torch's checkpoint saves only positional "
+            "tensors through the saved-tensor hooks that offload; a tensor passed as a keyword stays in its closure, on "
+            "the device, until the block's backward (what regenerate remakes, the output of the block called just "
+            "before, is moved and offloaded). Call the blocks with it positionally (block(h), not block(hidden_states=h))."
+        )
 
     def warn_unremade(self) -> None:
-        """Warn (once per block) about blocks ``regenerate`` chose to remake the input of that kept it instead."""
-        new = [n for n in self.remade.unmatched if n not in self._remade_warned]
-        if new:
-            self._remade_warned.update(new)
-            rank_zero_warn(
-                f"lightning_hbm: ActivationCheckpointing(regenerate={self.regenerate}) could not remake the input of "
-                f"{len(new)} block(s) ({new[:3]}): it is not the output of the block before as that block returned it "
-                "(the model changes the hidden states between blocks), so they keep their inputs as without "
-                "regenerate (more memory than planned that way). Use regenerate=1, or checkpoint blocks that feed "
-                "each other directly."
-            )
+        """Warn (once per block) about blocks that keep their input under ``regenerate`` because it is not the output of
+        the checkpointed block called just before them: each by name with the bytes it keeps and that block, then what
+        is remade and what is kept as every n-th link (the whole picture of the step, in call order)."""
+        counts = self.remade
+        new = [n for n in counts.unmatched if n not in self._remade_warned]
+        if not new:
+            return
+        self._remade_warned.update(new)
+        unmatched = list(counts.unmatched.items())
+        kept = "; ".join(f"{n} ({size(b)}, the block called before it: {before})" for n, (b, before) in unmatched[:12])
+        kept += f"; and {len(unmatched) - 12} more" if len(unmatched) > 12 else ""
+        rank_zero_warn(
+            f"lightning_hbm: ActivationCheckpointing(regenerate={self.regenerate}) could not remake the input of "
+            f"{len(unmatched)} block(s), which keep it as without regenerate ({size(sum(b for _, (b, _) in unmatched))}"
+            f" in all): {kept}. A block's input is remade only when it is exactly the output of the checkpointed "
+            "block called just before it (as that block returned it); these are fed something else (layers between "
+            "the blocks: a downsampler, a skip connection concatenated, the hidden states scaled or changed in place). "
+            f"Remade: {_named_sizes(counts.made)}; kept as one block in {self.regenerate} of a chain: "
+            f"{_named_sizes(counts.kept)}. Use regenerate=1 (the same memory for these blocks, no block forward run "
+            "again), or checkpoint blocks that feed each other directly."
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -723,6 +750,15 @@ class ActivationCheckpointing(SurgeryCallback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored_order = state_dict.get("adapter_first")
+
+
+def _named_sizes(named: dict[str, int]) -> str:
+    """``2 block(s), 4.00 KiB: a (2.00 KiB), b (2.00 KiB)`` (the first 8 named)."""
+    if not named:
+        return "none"
+    listed = ", ".join(f"{n} ({size(b)})" for n, b in list(named.items())[:8])
+    more = f", and {len(named) - 8} more" if len(named) > 8 else ""
+    return f"{len(named)} block(s), {size(sum(named.values()))}: {listed}{more}"
 
 
 def _check_regenerate(regenerate: int, policy: str, every: int) -> None:

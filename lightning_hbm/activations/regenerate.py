@@ -14,8 +14,15 @@ not measured on a GPU). The remade input is the forward's, bit for bit: the bloc
 nothing saved, the forward's RNG states and the buffers it read as they were, LoRA's forward order), so the gradients
 are those of plain checkpointing (``tests/activations/test_regenerate.py``).
 
-A block whose input is not the block before's output as that block returned it (a model that changes the hidden
-states between blocks) keeps its input as without ``regenerate``, and the callback warns, naming it.
+Which block remakes which input is decided by data flow, on every forward: a block's input is remade only when it is
+exactly the output of the checkpointed block called just before it, as that block returned it (unchanged since), and
+it is then one link further down that chain (the chain's blocks 0, n, 2n, ... keep their inputs). Module order plays no
+part: a diffusers UNet calls its blocks in another order than it registers them, and most of its blocks are fed
+something else (a downsampler's output, a skip connection concatenated), so they start a chain of their own and keep
+their input, as without ``regenerate``; the callback warns after the step, naming each with the bytes it keeps, the
+block called before it, and the blocks remade. A block called with that output as a keyword (``block(hidden_states=h)``)
+is linked the same way: the keyword tensor goes through the checkpoint as a positional one (a keyword tensor checkpoint
+never saves through the saved-tensor hooks: it is held by its closure, neither remade nor offloaded).
 """
 
 from __future__ import annotations
@@ -37,27 +44,95 @@ _RECORD = "lightning_hbm.regenerate"  # the key of a block output's grad_fn meta
 
 
 class Remade:
-    """Counts of one callback's remade inputs since the last :meth:`reset`, and the blocks that could not remake theirs."""
+    """Counts of one callback's remade inputs since the last :meth:`reset`, and what each block did with its input.
 
-    def __init__(self) -> None:
+    ``made``: the blocks whose input is remade, with its bytes; ``kept``: the blocks keeping theirs as every n-th link
+    of a chain (its first one: the first block called, fed by the embedding); ``unmatched``: the blocks keeping theirs
+    because it is not the output of the checkpointed block called just before them, with its bytes and that block's
+    name. Blocks by name, in the order they were first called."""
+
+    def __init__(self, regenerate: int = 2) -> None:
+        self.regenerate = regenerate
         self.inputs = 0
-        self.unmatched: dict[str, None] = {}  # blocks whose input was not the block before's output (ordered set)
+        self.made: dict[str, int] = {}
+        self.kept: dict[str, int] = {}
+        self.unmatched: dict[str, tuple[int, str]] = {}
+        self.last: Optional[weakref.ref[Record]] = None  # the record of the checkpointed block called last (weak)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "last": None}  # a step's record belongs to that step's graph
 
     def reset(self) -> None:
         self.inputs = 0
+        self.last = None  # a new step: the first block called starts a chain
+
+    def link(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Link:
+        """This forward of block ``name``, linked to the checkpointed block called just before it if one of its inputs
+        (positional or keyword) is exactly that block's output, unchanged; what it does with its input, noted."""
+        previous = self.last() if self.last is not None else None
+        self.last = None
+        link = Link(previous, self.regenerate, args, kwargs)
+        for seen in (self.made, self.kept, self.unmatched):
+            seen.pop(name, None)  # what it did on its last forward
+        if link.source is not None:
+            self.made[name] = link.nbytes
+        elif link.position or previous is None:
+            self.kept[name] = link.nbytes
+        else:
+            self.unmatched[name] = (link.nbytes, previous.name)
+        return link
+
+
+class Link:
+    """One forward of a block under ``regenerate=n``: ``position``: its link in the chain of blocks each fed the output
+    of the one called before it (0: it starts one); ``source``: the record whose forward remakes its input (None: it
+    keeps its input); ``args``/``kwargs``: what the checkpoint gets, the keyword tensors that are ``previous``'s output
+    (``names``) moved to the end of the positional arguments, where the checkpoint saves them through the hooks."""
+
+    def __init__(self, previous: Optional[Record], regenerate: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        fed = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+        given = [t for t in fed if previous is not None and previous.gave(t)]
+        self.position = previous.position + 1 if previous is not None and given else 0
+        self.source = previous if self.position % regenerate else None
+        self.names = tuple(k for k, v in kwargs.items() if any(v is t for t in given))
+        self.args = (*args, *(kwargs[k] for k in self.names))
+        self.kwargs = {k: v for k, v in kwargs.items() if k not in self.names}
+        self.nbytes = sum(t.numel() * t.element_size() for t in given) or max((t.numel() * t.element_size() for t in fed), default=0)
+
+    def call(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` called with the flat ``args``: the moved keyword tensors given back their names."""
+        return functools.partial(_with_keywords, fn, self.names) if self.names else fn
+
+
+def _with_keywords(fn: Callable[..., Any], names: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
+    head = len(args) - len(names)
+    return fn(*args[:head], **kwargs, **dict(zip(names, args[head:])))
+
+
+def size(nbytes: int) -> str:
+    """``2.00 KiB``: the largest binary unit that keeps the number at 1 or more."""
+    for scale, unit in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.2f} {unit}"
+    return f"{nbytes} B"
 
 
 class Record:
-    """One forward of a block that feeds a block which remakes its input: how to run that forward again.
+    """One forward of a checkpointed block under ``regenerate=n``: how to run it again, for the block called next if
+    that block remakes its input from it (every block records: which block is called next is known only then).
 
     ``saved``: the position of each tensor argument and what the checkpoint saved for it (an offload handle, the
-    tensor itself on the device, or a :class:`Remake` of its own input); ``output``: the tensor the next block gets."""
+    tensor itself on the device, or a :class:`Remake` of its own input), held weakly: the checkpoint holds it until
+    this block's backward, which runs after the backward of the block it feeds (that block's output gradient comes
+    first), so it is there when that block remakes its input; held by the record, which lives as long as the step's
+    graph, a kept input outlived its block's backward; ``output``: the tensor the next block gets."""
 
     def __init__(self, block: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 state: ForwardState, unpack: Callable[[Any], Tensor]) -> None:
+                 state: ForwardState, unpack: Callable[[Any], Tensor], name: str = "", position: int = 0) -> None:
         self.block, self.inner, self.kwargs, self.state, self.unpack = block, inner, kwargs, state, unpack
+        self.name, self.position = name, position  # the block's name; its link in the chain (:class:`Link`)
         self.args: list[Any] = list(args)
-        self.saved: dict[int, Any] = {}
+        self.saved: dict[int, Callable[[], Any]] = {}
         self.rng = torch_compat.rng_states()
         #: the forward's autocast (a bf16-mixed run's ``torch.autocast``), which the backward, where the input is
         #: remade, runs outside of: per device type of its tensors (and the CPU's), whether on and to which dtype
@@ -71,8 +146,8 @@ class Record:
     def keep(self, tensor: Tensor, packed: Any) -> None:
         for index, arg in enumerate(self.args):
             if arg is tensor:
-                self.saved[index] = packed
-                self.args[index] = None  # held by ``packed`` (or elsewhere: an offload handle), not by the record
+                self.saved[index] = weakref.ref(packed)  # a tensor, an offload handle or a Remake
+                self.args[index] = None  # held by the checkpoint until this block's backward, not by the record
 
     def returned(self, out: Any) -> None:
         first = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor) else out
@@ -109,7 +184,14 @@ def remake(packed: Remake) -> Tensor:
     """The input ``packed`` stands for: its source block's forward run again from that block's own saved inputs."""
     source = packed.source
     args = list(source.args)
-    for index, saved in source.saved.items():
+    for index, held in source.saved.items():
+        saved = held()
+        if saved is None:
+            raise RuntimeError(
+                f"lightning_hbm: regenerate: the saved input of {source.name} was freed (its backward ran) before the "
+                "block it feeds remade its input from it: a graph where the block fed runs its backward after the "
+                "block feeding it. Use ActivationCheckpointing(regenerate=1)."
+            )
         args[index] = remake(saved) if isinstance(saved, Remake) else source.unpack(saved)
     # as its forward ran: gradients on (a layer may choose its kernels by it), nothing saved for a backward, the RNG
     # states and the buffers it read as they were, the forward's LoRA order (recomputing(False)) and autocast
@@ -131,12 +213,10 @@ class InputHooks(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, base: Optional[torch.autograd.graph.saved_tensors_hooks], source: Optional[Record],
                  record: Optional[Record], counts: Remade, name: str) -> None:
         self.base, self.source, self.record, self.counts, self.name = base, source, record, counts, name
-        self.matched = source is None
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor: Tensor) -> Any:
         if self.source is not None and self.source.gave(tensor):
-            self.matched = True
             packed: Any = Remake(self.source, self.counts)
         else:
             packed = self.base.pack_hook(tensor) if self.base is not None else tensor
@@ -151,8 +231,6 @@ class InputHooks(torch.autograd.graph.saved_tensors_hooks):
 
     def __exit__(self, *args: object) -> None:
         super().__exit__(*args)
-        if not self.matched:
-            self.counts.unmatched[self.name] = None
         # packing is over; the backward unpacks through ``_unpack``, a bound method that keeps this object alive (a
         # cycle: this object holds its own hooks): holding the record here would keep its saved input (an offload
         # handle and the tensor it restored) until Python's cycle collector ran, one block input longer at a point
@@ -164,4 +242,4 @@ def inner_forward(block: nn.Module, own: Optional[Callable[..., Any]]) -> Callab
     return own or functools.partial(type(block).forward, block)
 
 
-__all__ = ["InputHooks", "Record", "Remade", "Remake", "inner_forward", "remake"]
+__all__ = ["InputHooks", "Link", "Record", "Remade", "Remake", "inner_forward", "remake", "size"]

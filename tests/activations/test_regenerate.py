@@ -131,9 +131,11 @@ def test_a_block_fed_something_else_keeps_its_input_and_is_named_in_a_warning() 
     model, callback = _stack(2, between=True)
     torch.manual_seed(1)
     _assert_equal(_grads(model, lambda m: m(x).sum()), expected)
-    assert callback.remade.inputs == 0 and list(callback.remade.unmatched) == ["blocks.1", "blocks.3"]
+    # no block is fed the one before's output (each gets it times 1.0): every one starts a chain of its own
+    assert callback.remade.inputs == 0 and list(callback.remade.unmatched) == ["blocks.1", "blocks.2", "blocks.3"]
     assert callback.offload is not None and callback.offload.copies == 4  # kept, as without regenerate
-    with pytest.warns(UserWarning, match=r"regenerate=2\) could not remake the input of 2 block\(s\) \(\['blocks.1', 'blocks.3'\]\)"):
+    with pytest.warns(UserWarning, match=r"regenerate=2\) could not remake the input of 3 block\(s\), which keep it as "
+                      r"without regenerate \(1.50 KiB in all\): blocks.1 \(512 B, the block called before it: blocks.0\);"):
         callback.warn_unremade()
 
 
