@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.memory.categories import StorageKey, plain_tensors
 from lightning_hbm.memory.storage import storage_key
 from lightning_hbm.memory.terms import scope_terms, term
@@ -99,6 +100,9 @@ class LiveStorageTracker(TorchDispatchMode):
 
     # -- recording -----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        device = torch_compat.fake_device(func, args)  # a device query, most calls on fake tensors: nothing created
+        if device is not None:
+            return device
         out = func(*args, **(kwargs or {}))
         if type(out) is torch.Tensor:  # the common case, without pytree's cost
             self._record_plain(out, self.phase)

@@ -162,6 +162,9 @@ def max_context(
 
     planned = lengths(device == "cuda")
     unoffloaded = functools.cache(lambda: lengths(False))  # planned only when a host budget is too small for offload
+    # one per regenerate=n, shared by every budget: each budget that remade inputs with a fresh one built, set up and
+    # planned the model again at lengths another budget had planned (the same plans: a call's own, never stale)
+    remaking = functools.cache(functools.partial(lengths, True))
     solved = {}
     for limit in sorted(set(budgets)):  # shortest first: each budget's confirmed lengths sharpen the next one's guess
         solved[limit] = _solve(limit, planned, batch_size)
@@ -169,7 +172,7 @@ def max_context(
             device_bound = solved[limit]
             solved[limit] = _within_host(device_bound, host_limit, planned, unoffloaded, batch_size)
             if max_regenerate > 1:
-                remade = _remade(device_bound, host_limit, max_regenerate, functools.partial(lengths, True), batch_size)
+                remade = _remade(device_bound, host_limit, max_regenerate, remaking, batch_size)
                 solved[limit] = max(solved[limit], remade, key=lambda r: r.tokens)
     results = [solved[limit] for limit in budgets]
     return results if isinstance(budget, (list, tuple)) else results[0]

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_hbm._compat import _disable_current_modes
+from lightning_hbm._compat import torch as torch_compat
 
 #: Largest fake tensor (elements) that gets a real twin: 64 Ki elements, at most 512 KiB in fp64.
 MAX_TWIN_ELEMENTS = 2**16
@@ -116,6 +117,9 @@ class RealValues(TorchDispatchMode):
             return _FAILED
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        device = torch_compat.fake_device(func, args)  # a device query: no value, no tensor (most calls)
+        if device is not None:
+            return device
         kwargs = kwargs or {}
         if func in _VALUE_READS:
             return self._read(func, args, kwargs)

@@ -220,3 +220,34 @@ def test_accumulates_into_tells_a_plain_backward_from_autograd_grad_and_inputs()
     torch.autograd.grad(loss(), [a])
     loss().backward(inputs=[a])
     assert seen == [(True, True), (False, False), (True, False)]
+
+
+def test_fake_device_answers_the_device_queries_fake_tensors_send_through_every_mode() -> None:
+    """torch's C++ asks a FakeTensor its device through the dispatch (``prim.device``), past every Python mode above the
+    fake mode, at nearly every op: ``fake_device`` gives the fake mode's own answer, and None for anything else."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self, answer: bool) -> None:
+            super().__init__()
+            self.answer, self.queries, self.ops = answer, 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            device = compat.fake_device(func, args) if self.answer else None
+            if device is not None:
+                self.queries += 1
+                return device
+            self.ops += func is not compat.PRIM_DEVICE
+            return func(*args, **(kwargs or {}))
+
+    outputs = []
+    for answer in (False, True):
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, Seen(answer) as seen:
+            x = mode.from_tensor(torch.randn(4, 8)).requires_grad_()
+            y = (torch.nn.functional.linear(x, torch.ones(3, 8)) * 2).sum()
+            y.backward()
+            outputs.append((y.shape, y.device, x.grad.shape, x.grad.device, x.grad.is_meta, seen.ops))
+        assert not answer or seen.queries > seen.ops  # most calls a mode sees on fake tensors are the device's
+    assert outputs[0] == outputs[1]  # the same ops reach the fake mode, with the same devices
+    assert compat.fake_device(torch.ops.aten.add.Tensor, (x, x)) is None  # another op
+    assert compat.fake_device(compat.PRIM_DEVICE, (torch.ones(1),)) is None  # a real tensor (never asked so)

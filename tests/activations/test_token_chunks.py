@@ -209,6 +209,32 @@ def test_decide_needs_one_tensor_of_enough_tokens() -> None:
     assert torch.equal(torch.get_rng_state(), before)  # the test put the random state back: the run's stream is intact
 
 
+def test_decide_on_fake_tensors_runs_the_first_two_chunks_and_the_last_and_decides_as_all_of_them() -> None:
+    """On fake tensors (the planner) the chunked pass of the decision runs the first two chunks and the last, as the
+    traced forward does (a middle chunk has the second's shape and no values); on real tensors every chunk. The
+    verdicts are the same: chunked, and a layer that fails on fewer tokens than it was called with refused."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Counted(_Widen):
+        def forward(self, x: Tensor) -> Tensor:
+            calls.append(x.shape[-2])
+            return super().forward(x)
+
+    layer, fixed = Counted(), Counted(fixed=16)  # reshapes to the token count it was built for: fails on part of them
+    x = torch.randn(2, 16, 8)
+    calls: list[int] = []
+    assert decide(layer, layer.forward, 8, (x,), {}) == ""
+    real_calls, calls = calls, []
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor(x)
+        assert decide(layer, layer.forward, 8, (fake,), {}) == ""
+        fake_calls, calls = calls, []
+        assert decide(fixed, fixed.forward, 8, (fake,), {}).startswith("fails on part of its tokens (RuntimeError")
+    assert decide(fixed, fixed.forward, 8, (x,), {}).startswith("fails on part of its tokens (RuntimeError")
+    # the chunks of 4 tokens come last: all 8 of them, or 3 (after the whole 16 tokens the fake check follows)
+    assert real_calls[-9:] == [16] + [4] * 8 and fake_calls[-4:] == [16] + [4] * 3
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
