@@ -94,3 +94,25 @@ def test_a_dgcnn_with_every_convolution_in_nf4_dq_is_warned_with_its_output_figu
     assert measured is not None and measured.warned and measured.measured_at is None and measured.cosine < 0.98
     assert len(said) == 1 and "(3 of 4 selections differed; measured with the full-precision model's selections: " in said[0]
     assert f"has a cosine of {measured.cosine:.4f} against the model as built (centred, every output)" in said[0]
+
+
+def test_a_mixtral_in_bfloat16_follows_the_experts_the_model_as_built_picked() -> None:
+    """transformers' MoE routing (``topk`` of the router's probabilities, then the tokens per expert): in bfloat16 a
+    near-tie picks another expert for some tokens (4 of the 8 selections here); followed, every one is given the float32
+    model's experts, its own router weights at them, and runs to the end (the conv check does not run on a model
+    without convolutions: this is the mechanism it relies on)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), recording_selections([], budget=1 << 24) as reference:
+        want = model(input_ids=ids).logits
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    with torch.no_grad(), recording_selections([]) as own:
+        low(input_ids=ids)
+    with torch.no_grad(), following([], reference) as followed:
+        got = low(input_ids=ids).logits
+    assert diverging(reference, own) is not None and followed.stopped is None and diverging(reference, followed.selections) is None
+    assert 0 < followed.differed < len(reference) and got.shape == want.shape
