@@ -13,7 +13,7 @@ import weakref
 from collections import Counter
 from collections.abc import Collection, Generator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -264,6 +264,10 @@ class Selection:
     shapes: tuple[tuple[int, ...], ...]
     checksum: int
     values: Tensor
+    #: the shapes of the tensors it was given, and (recorded with a budget: :func:`recording_selections`) a copy of
+    #: every value it picked, on the host: what a forward that follows this one's selections is given instead
+    given: tuple[tuple[int, ...], ...] = ()
+    route: tuple[Tensor, ...] = ()
 
     def differs(self, other: Selection) -> Optional[str]:
         """How ``other`` picked otherwise (``None``: the same op picked the same)."""
@@ -287,42 +291,136 @@ def _picked(name: str, args: tuple, kwargs: Mapping[str, Any], out: Any) -> list
     return [t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and not t.is_floating_point()]
 
 
+def _given(args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(t.shape) for arg in (*args, *kwargs.values()) for t in (arg if isinstance(arg, (tuple, list)) else (arg,)) if isinstance(t, Tensor))
+
+
+def _swapped(tree: Any, swaps: Mapping[int, Tensor]) -> Any:
+    """``tree`` (arguments: a tuple, a dict, their tuples and lists) with the tensors whose id is in ``swaps`` swapped."""
+    if isinstance(tree, Tensor):
+        return swaps.get(id(tree), tree)
+    if isinstance(tree, dict):
+        return {k: _swapped(v, swaps) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)) and not hasattr(tree, "_fields"):
+        return type(tree)(_swapped(v, swaps) for v in tree)
+    return tree
+
+
 class _Selections(TorchFunctionMode):
-    def __init__(self, calls: list[Call]) -> None:
+    """Records the selections (:func:`recording_selections`); given those of another forward (``follow``), this one
+    picks what that one picked wherever it ran the same op on tensors of the same shapes (:func:`following`)."""
+
+    def __init__(self, calls: list[Call], budget: int = 0, follow: Optional[Sequence[Selection]] = None) -> None:
         super().__init__()
-        self.calls = calls
+        self.calls, self.budget, self.follow = calls, budget, follow or None
         self.seen: list[Selection] = []
         #: id of the indices an :data:`INDEXED` op gave -> (those indices, weakly: unused ones are freed as without the
         #: record; its selection): a selection once an op takes them (``boxes.gather(..., label)``); unused
         #: (PointNet's ``x.max(2)[0]``, a global max pool), none
         self.pending: dict[int, tuple[weakref.ref[Tensor], Selection]] = {}
+        #: following: indices of this forward -> those followed instead (every later op taking them), how many
+        #: selections picked otherwise and were followed, and why following stopped (``None``: it did not)
+        self.swaps: dict[int, tuple[weakref.ref[Tensor], Tensor]] = {}
+        self.differed = 0
+        self.stopped: Optional[str] = None
+        self.first: Optional[tuple[int, str]] = None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if self.pending:
-            self._take(args, kwargs)
-        out = func(*args, **kwargs)
+        if self.pending or self.swaps:
+            args, kwargs = self._take(args, kwargs)
         name = getattr(func, "__name__", "").split(".")[0]
-        if name in SELECTING or name in MASKING:
-            found = _picked(name, args, kwargs, out)
-            if found:
-                picked = [t.detach() for t in found]
-                after = self.calls[-1].key if self.calls else None
-                shapes = tuple(tuple(t.shape) for t in picked)
-                selection = Selection(name.strip("_"), len(self.calls), after, shapes, *_fingerprint(picked))
-                if name in INDEXED:
-                    self.pending[id(found[0])] = (weakref.ref(found[0]), selection)
-                else:
-                    self.seen.append(selection)
+        masks = _picked(name, args, kwargs, None) if name in MASKING else []
+        if masks:  # the masks are replaced before the op runs: it keeps as many elements as the one followed
+            routed = self._route(name, masks, _given(args, kwargs))
+            if routed is not None:
+                swaps = {id(a): b for a, b in zip(masks, routed)}
+                args, kwargs, masks = _swapped(args, swaps), _swapped(kwargs, swaps), list(routed)
+            self._record(name, masks, args, kwargs)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        found = _picked(name, args, kwargs, out) if name in SELECTING else []
+        if found and name in INDEXED:  # a selection once its indices are taken: followed then (:meth:`_take`)
+            self.pending[id(found[0])] = (weakref.ref(found[0]), self._selection(name, found, args, kwargs))
+        elif found:
+            routed = self._route(name, found, _given(args, kwargs), out)
+            if routed is not None:
+                out, found = _rebuilt(name, out, routed, args, kwargs), list(routed)
+            self._record(name, found, args, kwargs)
         return out
 
-    def _take(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
-        """The pending selections whose indices this op takes become selections, in the order they are taken."""
+    def _selection(self, name: str, found: Sequence[Tensor], args: tuple, kwargs: Mapping[str, Any]) -> Selection:
+        picked = [t.detach() for t in found]
+        after = self.calls[-1].key if self.calls else None
+        route: tuple[Tensor, ...] = ()
+        size = sum(t.numel() * t.element_size() for t in picked)
+        if self.budget >= size and not any(torch_compat.is_fake(t) or t.is_meta for t in picked):
+            self.budget -= size
+            route = tuple(t.cpu().clone() for t in picked)
+        shapes = tuple(tuple(t.shape) for t in picked)
+        return Selection(name.strip("_"), len(self.calls), after, shapes, *_fingerprint(picked), _given(args, kwargs), route)
+
+    def _record(self, name: str, found: Sequence[Tensor], args: tuple, kwargs: Mapping[str, Any]) -> None:
+        self.seen.append(self._selection(name, found, args, kwargs))
+
+    def _route(self, name: str, found: Sequence[Tensor], given: tuple, out: Any = None) -> Optional[tuple[Tensor, ...]]:
+        """What the forward followed picked at this selection (the next), on ``found``'s devices, when this forward
+        picks otherwise and it can be given instead; else ``None`` (the same picks, or following stopped here)."""
+        if self.follow is None or self.stopped is not None:
+            return None
+        want = self.follow[len(self.seen)] if len(self.seen) < len(self.follow) else None
+        shapes = tuple(tuple(t.shape) for t in found)
+        same = want is not None and want.op == name.strip("_") and want.shapes == shapes
+        if same and want is not None and (all(torch.equal(a.cpu(), b) for a, b in zip(found, want.route)) if want.route else want.differs(
+                Selection(want.op, 0, None, shapes, *_fingerprint(found))) is None):  # fmt: skip
+            return None
+        floating = any(t.is_floating_point() for t in tree_flatten(out)[0] if isinstance(t, Tensor)) and name not in ("sort", "topk")
+        if want is None or not want.route or want.op != name.strip("_") or want.given != given or (floating and not same):
+            self.stopped = f"{name.strip('_')} (selection {len(self.seen) + 1}) " + ("ran where the forward followed ran none" if want is None else
+                           "could not be given the picks followed (another op, other shapes or none kept)")  # fmt: skip
+            return None
+        self.differed += 1
+        if self.first is None:  # where the two forwards' routes first part (as :func:`diverging` says it)
+            how = want.differs(Selection(want.op, 0, None, shapes, *_fingerprint(found))) or f"{want.op} picked otherwise"
+            after = f" after {want.after[0]!r}" if want.after and want.after[0] else " before any module returned"
+            self.first = (min(want.returned, len(self.calls)), how + f" (its selection{after})")
+        return tuple(b.to(a.device) for a, b in zip(found, want.route))
+
+    def _take(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The pending selections whose indices this op takes become selections, in the order they are taken;
+        following, the indices followed are given instead (here and to every later op taking them)."""
+        swaps: dict[int, Tensor] = {}
         for arg in (*args, *kwargs.values()):
             for t in arg if isinstance(arg, (tuple, list)) else (arg,):
-                entry = self.pending.get(id(t)) if isinstance(t, Tensor) else None
+                if not isinstance(t, Tensor):
+                    continue
+                swap = self.swaps.get(id(t))
+                if swap is not None and swap[0]() is t:
+                    swaps[id(t)] = swap[1]
+                entry = self.pending.get(id(t))
                 if entry is not None and entry[0]() is t:
-                    self.seen.append(self.pending.pop(id(t))[1])
+                    selection = self.pending.pop(id(t))[1]
+                    routed = self._route(selection.op, [t], selection.given, (t,))
+                    if routed is not None:
+                        checksum, values = _fingerprint(routed)
+                        swaps[id(t)], selection = routed[0], replace(selection, checksum=checksum, values=values)
+                        self.swaps[id(t)] = (weakref.ref(t), routed[0])
+                    self.seen.append(selection)
+        return (_swapped(args, swaps), _swapped(kwargs, swaps)) if swaps else (args, kwargs)
+
+
+def _rebuilt(name: str, out: Any, routed: Sequence[Tensor], args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    """``out`` of a selecting op with its integer outputs replaced by ``routed``; a sort's or top-k's values are those
+    of its input at the indices given (the values the forward followed picked, as this forward computes them)."""
+    if isinstance(out, Tensor):
+        return routed[0]
+    given = iter(routed)
+    items = [next(given) if isinstance(t, Tensor) and not t.is_floating_point() else t for t in out]
+    if name in ("sort", "topk") and len(items) == 2:
+        dim = kwargs.get("dim", args[2 if name == "topk" else 1] if len(args) > (2 if name == "topk" else 1) else -1)
+        dim = dim if isinstance(dim, int) and not isinstance(dim, bool) else -1
+        items[0] = args[0].gather(dim, items[1])
+    return type(out)(items)
 
 
 def _fingerprint(picked: Sequence[Tensor]) -> tuple[int, Tensor]:
@@ -337,19 +435,52 @@ def _fingerprint(picked: Sequence[Tensor]) -> tuple[int, Tensor]:
 
 
 @contextmanager
-def recording_selections(calls: list[Call]) -> Generator[list[Selection], None, None]:
+def recording_selections(calls: list[Call], budget: int = 0) -> Generator[list[Selection], None, None]:
     """The data-dependent selections (:data:`SELECTING`, boolean masks) of the forwards inside, in order, each with
-    how many of ``calls`` (filled by :func:`recording_calls`) had returned when it ran."""
-    with _Selections(calls) as mode:
+    how many of ``calls`` (filled by :func:`recording_calls`) had returned when it ran; with a ``budget`` (bytes), a
+    copy of what each picked (:attr:`Selection.route`) while the copies fit in it: a later forward can follow them."""
+    with _Selections(calls, budget) as mode:
         yield mode.seen
 
 
-def recorded_forward(module: nn.Module, args: tuple, kwargs: Mapping[str, Any], names: Optional[Collection[str]], keep: int) -> tuple[Any, list[Call], list[Selection]]:
+@dataclass
+class Followed:
+    """What a forward that followed another's selections (:func:`following`) picked: its selections (as followed), how
+    many picked otherwise and were given the other forward's picks instead, and why following stopped, if it did (the
+    selections from there are its own: compared as :func:`diverging` says)."""
+
+    selections: list[Selection]
+    differed: int = 0
+    stopped: Optional[str] = None
+    #: the first selection followed: how many module calls had returned before it, and how it picked otherwise
+    first: Optional[tuple[int, str]] = None
+
+
+@contextmanager
+def following(calls: list[Call], follow: Sequence[Selection]) -> Generator[Followed, None, None]:
+    """The forwards inside pick what the forward that recorded ``follow`` (with a budget: :func:`recording_selections`)
+    picked at each of its selections, in order, wherever one picks otherwise: a sort's or top-k's indices (its values
+    those of this forward's input there), an argmax's, a max's indices once taken, a boolean mask (as many elements
+    kept), NMS's, nonzero's. The two then take the same routes (a kNN graph, experts, boxes), and their outputs compare
+    element by element. Where the op, the shapes given or (values besides) the shapes picked differ, or no copy was
+    kept, following stops: from there this forward picks its own (today's comparison before that selection)."""
+    with _Selections(calls, follow=follow) as mode:
+        followed = Followed(mode.seen)
+        try:
+            yield followed
+        finally:
+            followed.differed, followed.stopped, followed.first = mode.differed, mode.stopped, mode.first
+
+
+def recorded_forward(
+    module: nn.Module, args: tuple, kwargs: Mapping[str, Any], names: Optional[Collection[str]], keep: int, follow: Sequence[Selection] = ()
+) -> tuple[Any, list[Call], Followed]:
     """``module(*args, **kwargs)`` in eval mode without grad (:func:`eval_no_grad`), with the calls of its submodules
     ``names`` (:func:`recording_calls`, ``keep`` values each) and its data-dependent selections
-    (:func:`recording_selections`): the output, the calls, the selections, in one pass."""
-    with eval_no_grad(module), recording_calls(module, names, keep) as calls, recording_selections(calls) as selections:
-        return module(*args, **kwargs), calls, selections
+    (:func:`recording_selections`), following those of ``follow`` (:func:`following`; none: its own): the output, the
+    calls, the selections, in one pass."""
+    with eval_no_grad(module), recording_calls(module, names, keep) as calls, following(calls, follow) as followed:
+        return module(*args, **kwargs), calls, followed
 
 
 def diverging(reference: Sequence[Selection], got: Sequence[Selection]) -> Optional[tuple[int, str]]:
@@ -381,5 +512,5 @@ def agreeing_calls(reference: Sequence[Call], got: Sequence[Call]) -> list[tuple
     return [(want, got[i]) for i, want in enumerate(reference[:prefix]) if want.parent not in inside and want.shapes]
 
 
-__all__ = ["INDEXED", "MASKING", "PREFIX", "SELECTING", "Call", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "forward_on",
+__all__ = ["INDEXED", "MASKING", "PREFIX", "SELECTING", "Call", "Followed", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
            "has_forward", "probe_output", "recorded_forward", "recording_calls", "recording_selections"]

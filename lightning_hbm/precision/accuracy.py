@@ -24,7 +24,14 @@ accuracy could not be measured, with the fix (session 26; was a NaN in the log).
 data-dependent selection (sort, top-k, a boolean mask, NMS: :func:`~lightning_hbm.probe.recording_selections`) picks
 other elements or another order than the model as built's: measured at the last module calls returned before it
 (session 27; was: the boxes compared in score order, a healthy int8/bf16 detector warned at 0.976, its heads 0.990).
-``accuracy_at`` names the module measured instead. A forward that fails, as built or as computed: a warning with the
+Since session 28 the quantized forward follows the model as built's selections
+(:func:`~lightning_hbm.probe.following`): where it picks otherwise it is given the model as built's picks (indices,
+masks), so both take the same routes and every output is compared, the figure then the lowest of that and of the module
+calls before the first selection followed (a detector's heads), said with how many selections differed (a DGCNN, kNN by
+``topk`` in every layer, in bfloat16: NaN and "could not be measured" before, 0.9998 now; every convolution in nf4-dq,
+measured after its first convolution only: 0.9945 and quiet before, 0.968 and warned now). Where a selection cannot be
+followed (another op, other shapes given, no copy kept) or Python branches on values (an NMS written as a loop), the
+comparison stops there as before. ``accuracy_at`` names the module measured instead. A forward that fails, as built or as computed: a warning with the
 error and the fix (was: a log line).
 """
 
@@ -46,7 +53,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.probe import Call, Selection, agreeing_calls, diverging, recorded_forward, recording_calls, recording_selections
+from lightning_hbm.probe import Call, Followed, Selection, agreeing_calls, diverging, recorded_forward, recording_calls, recording_selections
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +82,25 @@ class ConvAccuracy:
     selected: Optional[str] = None
     #: measured at the module the user named (``QuantizedPrecision(accuracy_at=...)``)
     chosen: bool = False
+    #: the selections of the model as built, how many of them the quantized model picked otherwise and was given the
+    #: model as built's picks instead (:func:`~lightning_hbm.probe.following`: the same routes, the figure the loss
+    #: of the quantization alone), and why following stopped where it did (``None``: it did not)
+    selections: int = 0
+    followed: int = 0
+    unfollowed: Optional[str] = None
+    #: then, the cosine of every output so computed (the figure unless the calls before the first selection followed,
+    #: compared as ever, gave a lower one: :func:`measure`)
+    routed: Optional[float] = None
 
 
 #: the most output values kept for the figure (16 MiB in fp32): a language model with a convolution (Mamba's conv1d)
 #: gives logits of hundreds of millions of values on the probe; above this, every k-th value, the same on both sides
 KEPT_VALUES = 1 << 22
+
+#: the most bytes of the model as built's selections (indices, masks) kept on the host for the quantized model to
+#: follow (:func:`~lightning_hbm.probe.following`): a DGCNN's kNN graphs, an MoE's experts, a detector's boxes; past it,
+#: the quantized model picks its own from there
+ROUTE_BYTES = 1 << 27
 
 #: the fewest values kept of each module call's outputs (for a model whose output changes shape): the budget is
 #: :data:`KEPT_VALUES` shared by the model's modules, at least this many each
@@ -169,7 +190,7 @@ class Reference:
                 pending[:] = [(torch_compat.map_tensors(copy, args), torch_compat.map_tensors(copy, dict(kwargs)), torch_compat.rng_states())]
                 calls.close()  # every module call of this forward, hooked for it only (not the plan's other forwards)
                 self.calls = calls.enter_context(recording_calls(module, names, self.keep))
-                self.selections = calls.enter_context(recording_selections(self.calls))
+                self.selections = calls.enter_context(recording_selections(self.calls, ROUTE_BYTES))
 
         def record(root: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if as_built() and pending:
@@ -192,11 +213,12 @@ class Reference:
                 for handle in handles:
                     handle.remove()
 
-    def quantized_output(self, module: nn.Module, dtype: torch.dtype, quantized: Sequence[str]) -> tuple[Tensor, list[Call], list[Selection]]:
+    def quantized_output(self, module: nn.Module, dtype: torch.dtype, quantized: Sequence[str]) -> tuple[Tensor, list[Call], Followed]:
         """The outputs (:func:`outputs`) of ``module`` (quantized since) on the recorded arguments, computed as
         ``QuantizedPrecision`` computes: floating inputs and the default dtype in ``dtype``, eval, no grad, with the
         random draws of the recorded forward, and the calls of the modules the recorded forward called (those of the
-        model as built: a quantized layer's own submodules are not) and its data-dependent selections. Layers quantized on another device than the rest
+        model as built: a quantized layer's own submodules are not) and its data-dependent selections, following those
+        of the model as built (:func:`~lightning_hbm.probe.following`). Layers quantized on another device than the rest
         (a GPU, before the strategy moves the model) get their inputs there and give their outputs back."""
         assert self.args is not None and self.output is not None
         cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731 - as the plugin's convert_input
@@ -206,10 +228,10 @@ class Reference:
         try:
             with _on_their_devices(module, quantized), torch_compat.drawing_as(self.rngs):
                 torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
-                output, calls, selections = recorded_forward(module, args, kwargs, names, self.keep)  # eval, no grad
+                output, calls, followed = recorded_forward(module, args, kwargs, names, self.keep, self.selections)  # eval, no grad
         finally:
             torch.set_default_dtype(previous)
-        return outputs(output, self.echoed), calls, selections
+        return outputs(output, self.echoed), calls, followed
 
 
 def _changed(reference: Sequence[Call], calls: Sequence[Call], got: Tensor, want: Tensor) -> Optional[str]:
@@ -266,17 +288,28 @@ def _at_module(reference: Sequence[Call], calls: Sequence[Call], threshold: floa
     return ConvAccuracy(cosine, threshold, 0.0, measured_at=at, compared=len(figures), chosen=True)
 
 
-def measure(reference: Reference, got: Tensor, calls: Sequence[Call], selections: Sequence[Selection], threshold: float, at: Optional[str] = None) -> ConvAccuracy:
-    """The figure of the quantized model (its outputs ``got``, its module ``calls`` and data-dependent ``selections``)
-    against ``reference``: at the module named ``at`` (``accuracy_at``) when given; else every output where the shapes
-    agree and every selection picked the same; else (post-processing: another number of boxes, or the same boxes
-    picked or ordered otherwise) at the last module calls before the first change (:func:`_at_agreeing_calls`)."""
+def measure(reference: Reference, got: Tensor, calls: Sequence[Call], followed: Followed, threshold: float, at: Optional[str] = None) -> ConvAccuracy:
+    """The figure of the quantized model (its outputs ``got``, its module ``calls`` and data-dependent selections,
+    ``followed``: :func:`~lightning_hbm.probe.following`) against ``reference``: at the module named ``at``
+    (``accuracy_at``) when given; else every output where the shapes agree and every selection picked the same or was
+    given the model as built's picks (a healthy bf16 DGCNN's kNN graph, an MoE's near-tied experts: were NaN or one
+    layer), the lowest of that and of the last module calls before the first selection followed (a detector's heads,
+    more sensitive than its kept boxes: int8/bf16 0.990 at the heads, 0.9995 on the boxes); else (another number of
+    boxes, or the same boxes picked or ordered otherwise, not followed) at the last module calls before the first
+    change (:func:`_at_agreeing_calls`)."""
     if at is not None:
         return _at_module(reference.calls, calls, threshold, at)
     want = cast(Tensor, reference.output)
-    changed, diverged = _changed(reference.calls, calls, got, want), diverging(reference.selections, selections)
+    changed, diverged = _changed(reference.calls, calls, got, want), diverging(reference.selections, followed.selections)
     if changed is None and diverged is None:
-        return ConvAccuracy(centred_cosine(got, want), threshold, 0.0, nonfinite=int((want.isfinite() & ~got.isfinite()).sum()))
+        whole = ConvAccuracy(centred_cosine(got, want), threshold, 0.0, nonfinite=int((want.isfinite() & ~got.isfinite()).sum()))
+        if followed.first is None:
+            return whole
+        cut, how = followed.first
+        before = _at_agreeing_calls(reference.calls[:cut], calls[:cut], threshold, None)
+        measured = before if before.measured_at is not None and not before.cosine >= whole.cosine and not whole.nonfinite else whole
+        measured.selected, measured.routed = (how if measured is before else None), whole.cosine
+        return measured
     cut = diverged[0] if diverged is not None else len(reference.calls)
     measured = _at_agreeing_calls(reference.calls[:cut], calls[:cut], threshold, changed)
     measured.selected = diverged[1] if diverged is not None else None
@@ -355,8 +388,23 @@ def accuracy_warning(measured: ConvAccuracy, modes: Mapping[str, str], dtype: to
     )
 
 
+def _routes(measured: ConvAccuracy) -> str:
+    """What the log and the warning say of the selections followed: ``""`` where none picked otherwise."""
+    if not measured.followed:
+        return ""
+    stopped = f"; followed up to {measured.unfollowed}" if measured.unfollowed else ""
+    routed = f" (every output so: {measured.routed:.4f})" if measured.routed is not None and measured.measured_at is not None else ""
+    return f"; {measured.followed} of {measured.selections} selections differed; measured with the full-precision model's selections{routed}{stopped}"
+
+
 def _where(measured: ConvAccuracy) -> tuple[str, str]:
     """What the warning says was measured, and where: every output, or (post-processed; ``accuracy_at``) a module's."""
+    if measured.measured_at is None and measured.followed:  # the same routes (kNN graph, experts, boxes) as built
+        return (
+            f"this model's output on the probe batch ({_routes(measured)[2:]}: sort, top-k, argmax, a mask or NMS "
+            "picked otherwise as computed and was given the picks of the model as built, so the figure is the "
+            "quantization's loss on the same routes) has"
+        ), "every output"
     if measured.measured_at is None:
         return "this model's output on the probe batch has", "every output"
     where = f"the output of {measured.measured_at!r}"
@@ -370,7 +418,7 @@ def _where(measured: ConvAccuracy) -> tuple[str, str]:
     if measured.selected is not None:  # the same shapes, other boxes or another order: measured before the selection
         return (
             "this model's output on the probe batch is selected by its values (post-processing: sort, top-k, a "
-            f"threshold, NMS) and the quantized model selects otherwise ({measured.selected}), so its boxes are not "
+            f"threshold, NMS) and the quantized model selects otherwise ({measured.selected}{_routes(measured)}), so its boxes are not "
             "compared in order: it is measured at the outputs of the last modules returned before that selection: the "
             f"lowest of {measured.compared}, {where}, has"
         ), where
@@ -469,7 +517,7 @@ def check_accuracy(
     start = time.perf_counter()
     try:
         with torch_compat.preserved_rngs():
-            got, calls, selections = reference.quantized_output(module, config.torch_dtype, quantized)
+            got, calls, followed = reference.quantized_output(module, config.torch_dtype, quantized)
     except Exception as error:  # noqa: BLE001 - the model ran as built: a measurement that fails is said, never raised
         rank_zero_warn(
             f"lightning_hbm: the accuracy of {type(module).__name__} with its {len(convs)} convolutions stored quantized (mode {base!r}, "
@@ -480,10 +528,11 @@ def check_accuracy(
             "dtype='float32')."
         )
         return None
-    measured = measure(reference, got, calls, selections, threshold, getattr(config, "accuracy_at", None))
+    measured = measure(reference, got, calls, followed, threshold, getattr(config, "accuracy_at", None))
     measured.seconds = time.perf_counter() - start
-    log.info("lightning_hbm: output cosine of the quantized model on the probe batch: %.4f (threshold %s; %d values not finite; %s)",
-             measured.cosine, threshold, measured.nonfinite, measured.measured_at or "every output")  # fmt: skip
+    measured.selections, measured.followed, measured.unfollowed = len(reference.selections), followed.differed, followed.stopped
+    log.info("lightning_hbm: output cosine of the quantized model on the probe batch: %.4f (threshold %s; %d values not finite; %s%s)",
+             measured.cosine, threshold, measured.nonfinite, measured.measured_at or "every output", _routes(measured))  # fmt: skip
     warning = accuracy_warning(measured, convs, config.torch_dtype, base, config.format.peft_kind == "4bit")
     if warning is not None:
         rank_zero_warn(warning)
