@@ -336,6 +336,8 @@ class _BlockPlan:
         #: before it (:mod:`lightning_hbm.activations.regenerate`); None: every input kept
         self.counts: Optional[Remade] = None
         self.name = ""
+        #: whether the block's keyword tensors were looked at (:func:`_note_keywords`): on its first training forward only
+        self.keywords_noted = False
 
 
 class _CheckpointedForward(CheckpointedForward):
@@ -380,15 +382,15 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
         link = plan.counts.link(plan.name, args, kwargs)
         args, kwargs, call = link.args, link.kwargs, functools.partial(checkpoint, link.call(run))
         unpack = hooks.unpack_hook if hooks is not None else _same
-        record = Record(self, link.call(inner), args, kwargs, state, unpack, plan.name, link.position)
+        record = Record(self, link.call(inner), args, kwargs, state, unpack, plan.name, link.position, plan.counts)
         hooks = InputHooks(hooks, link.source, record, plan.counts, plan.name)
-    if plan.offload is not None and plan.moves and kwargs:
+    if plan.offload is not None and plan.moves and not plan.keywords_noted:
+        plan.keywords_noted = True  # the warning names a block once: its later steps are not looked at again
         _note_keywords(plan.offload, plan.name, args, kwargs)
     with hooks if hooks is not None else nullcontext():
         out = call(*args, use_reentrant=False, **extra, **kwargs)
-    if record is not None and plan.counts is not None:
-        record.returned(out)
-        plan.counts.last = weakref.ref(record)
+    if record is not None:
+        record.returned(out)  # and the record is the one the next block called links to
     return out
 
 

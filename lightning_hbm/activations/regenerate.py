@@ -128,9 +128,11 @@ class Record:
     graph, a kept input outlived its block's backward; ``output``: the tensor the next block gets."""
 
     def __init__(self, block: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 state: ForwardState, unpack: Callable[[Any], Tensor], name: str = "", position: int = 0) -> None:
+                 state: ForwardState, unpack: Callable[[Any], Tensor], name: str = "", position: int = 0,
+                 counts: Optional[Remade] = None) -> None:
         self.block, self.inner, self.kwargs, self.state, self.unpack = block, inner, kwargs, state, unpack
         self.name, self.position = name, position  # the block's name; its link in the chain (:class:`Link`)
+        self.counts = counts  # whose ``last`` this record becomes when its forward returns (None: no one's)
         self.args: list[Any] = list(args)
         self.saved: dict[int, Callable[[], Any]] = {}
         self.rng = torch_compat.rng_states()
@@ -150,6 +152,9 @@ class Record:
                 self.args[index] = None  # held by the checkpoint until this block's backward, not by the record
 
     def returned(self, out: Any) -> None:
+        """The forward returned ``out``: its output noted, and this record the last one of ``counts``."""
+        if self.counts is not None:
+            self.counts.last = weakref.ref(self)
         first = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor) else out
         self.first = first is not out
         self.output = weakref.ref(first) if isinstance(first, Tensor) else None
