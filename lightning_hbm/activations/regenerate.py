@@ -135,7 +135,12 @@ class Record:
         self.counts = counts  # whose ``last`` this record becomes when its forward returns (None: no one's)
         self.args: list[Any] = list(args)
         self.saved: dict[int, Callable[[], Any]] = {}
-        self.rng = torch_compat.rng_states()
+        #: the global RNG states the forward starts from, which its remake draws as (dropout's masks): only where the
+        #: block called next may remake its input from this record, its link in the chain not being one before a
+        #: multiple of n (:class:`Link`; the chain's arithmetic, whatever the blocks do). Python's and NumPy's states
+        #: are most of a snapshot's cost (~60 us of ~100 on the CPU dev machine, benchmarks/regenerate_rng_cost.py)
+        feeds = counts is None or (position + 1) % counts.regenerate != 0
+        self.rng = torch_compat.rng_states() if feeds else None
         #: the forward's autocast (a bf16-mixed run's ``torch.autocast``), which the backward, where the input is
         #: remade, runs outside of: per device type of its tensors (and the CPU's), whether on and to which dtype
         types = dict.fromkeys(["cpu", *(a.device.type for a in (*args, *kwargs.values()) if isinstance(a, Tensor))])
