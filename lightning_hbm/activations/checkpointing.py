@@ -555,7 +555,7 @@ class ActivationCheckpointing(SurgeryCallback):
         self.mlp_chunks = mlp_chunks
         self.regenerate = regenerate
         #: inputs remade in the step's backward (``regenerate > 1``), and the blocks that could not remake theirs
-        self.remade = Remade()
+        self.remade = Remade(regenerate)
         self._remade_warned: set[str] = set()
         self._keywords_warned: set[str] = set()
         self.offload: Optional[OffloadSavedTensors] = OffloadSavedTensors(device) if offload else None
@@ -637,7 +637,7 @@ class ActivationCheckpointing(SurgeryCallback):
         plans = [_BlockPlan(block, context_fn, self.offload, moves=index < moved) for index, (_, block) in enumerate(chosen)]
         for plan, (name, _) in zip(plans, chosen):
             plan.name = name
-        self._link(plans, [n for n, _ in chosen])
+        self._link(plans)
         for index, (plan, (_, block)) in enumerate(zip(plans, chosen)):
             _wrap(block, plan)
             for _, layer in candidates(block) if self.mlp_chunks > 1 else ():
@@ -658,14 +658,14 @@ class ActivationCheckpointing(SurgeryCallback):
             f"on {len(chosen)} blocks ({', '.join(dict.fromkeys(type(b).__name__ for _, b in chosen))})"
         )
 
-    def _link(self, plans: list[_BlockPlan], names: list[str]) -> None:
+    def _link(self, plans: list[_BlockPlan]) -> None:
         """``regenerate=n``: every block's forward is linked to the block called before it by what it is fed
         (:meth:`Remade.link`), not by module order."""
         self.remade = Remade(self.regenerate)
         if self.regenerate == 1:
             return
-        for plan, name in zip(plans, names):
-            plan.counts, plan.name = self.remade, name
+        for plan in plans:
+            plan.counts = self.remade
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

@@ -51,7 +51,7 @@ class Remade:
     because it is not the output of the checkpointed block called just before them, with its bytes and that block's
     name. Blocks by name, in the order they were first called."""
 
-    def __init__(self, regenerate: int = 2) -> None:
+    def __init__(self, regenerate: int) -> None:
         self.regenerate = regenerate
         self.inputs = 0
         self.made: dict[str, int] = {}

@@ -107,3 +107,9 @@ def test_only_the_forwards_a_remake_may_run_again_keep_their_rng_states(p: float
     assert all(torch.equal(got[k], expected[k]) for k in expected)  # bit for bit, with dropout and without
     # blocks 0..5 in one chain: the block after position k remakes its input unless k + 1 is a multiple of n
     assert [s is not None for s in snapshots] == [(k + 1) % regenerate != 0 for k in range(6)]
+
+
+@pytest.mark.parametrize("regenerate", [1, 3])
+def test_the_counts_of_remade_inputs_know_the_callbacks_n_before_the_model_is_changed(regenerate: int) -> None:
+    # the callback's counts were made with n = 2 whatever it was given, until transform_model made them again
+    assert ActivationCheckpointing(regenerate=regenerate).remade.regenerate == regenerate
