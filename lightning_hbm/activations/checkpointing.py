@@ -194,8 +194,9 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         # T5's position bias) is copied once, its later handles share that copy (see _pack)
         self._copied: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
         self._in_flight: Optional[Tensor] = None  # the device tensor packed last: its copy may still read it
-        #: blocks called with a keyword tensor at least as large as their largest positional one: checkpoint holds
-        #: keyword tensors in its closure, never through these hooks, so they stay on the device (name -> (key, bytes))
+        #: blocks called with a keyword tensor at least as large as their largest positional one (looked at on each
+        #: block's first training forward): checkpoint holds keyword tensors in its closure, never through these hooks,
+        #: so they stay on the device (name -> (key, bytes))
         self.keywords_kept: dict[str, list[tuple[str, int]]] = {}
         super().__init__(self._pack, self._unpack)
 

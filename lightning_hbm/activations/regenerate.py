@@ -124,8 +124,8 @@ class Record:
     ``saved``: the position of each tensor argument and what the checkpoint saved for it (an offload handle, the
     tensor itself on the device, or a :class:`Remake` of its own input), held weakly: the checkpoint holds it until
     this block's backward, which runs after the backward of the block it feeds (that block's output gradient comes
-    first), so it is there when that block remakes its input; held by the record, which lives as long as the step's
-    graph, a kept input outlived its block's backward; ``output``: the tensor the next block gets."""
+    first), so it is there when that block remakes its input (held strongly, by a record that lives as long as the
+    step's graph, a kept input outlived its block's backward); ``output``: the tensor the next block gets."""
 
     def __init__(self, block: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                  state: ForwardState, unpack: Callable[[Any], Tensor], name: str = "", position: int = 0,
