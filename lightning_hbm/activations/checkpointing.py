@@ -194,8 +194,9 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         # T5's position bias) is copied once, its later handles share that copy (see _pack)
         self._copied: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
         self._in_flight: Optional[Tensor] = None  # the device tensor packed last: its copy may still read it
-        #: blocks called with a keyword tensor at least as large as their largest positional one: checkpoint holds
-        #: keyword tensors in its closure, never through these hooks, so they stay on the device (name -> (key, bytes))
+        #: blocks called with a keyword tensor at least as large as their largest positional one (looked at on each
+        #: block's first training forward): checkpoint holds keyword tensors in its closure, never through these hooks,
+        #: so they stay on the device (name -> (key, bytes))
         self.keywords_kept: dict[str, list[tuple[str, int]]] = {}
         super().__init__(self._pack, self._unpack)
 
@@ -336,6 +337,8 @@ class _BlockPlan:
         #: before it (:mod:`lightning_hbm.activations.regenerate`); None: every input kept
         self.counts: Optional[Remade] = None
         self.name = ""
+        #: whether the block's keyword tensors were looked at (:func:`_note_keywords`): on its first training forward only
+        self.keywords_noted = False
 
 
 class _CheckpointedForward(CheckpointedForward):
@@ -380,15 +383,15 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
         link = plan.counts.link(plan.name, args, kwargs)
         args, kwargs, call = link.args, link.kwargs, functools.partial(checkpoint, link.call(run))
         unpack = hooks.unpack_hook if hooks is not None else _same
-        record = Record(self, link.call(inner), args, kwargs, state, unpack, plan.name, link.position)
+        record = Record(self, link.call(inner), args, kwargs, state, unpack, plan.name, link.position, plan.counts)
         hooks = InputHooks(hooks, link.source, record, plan.counts, plan.name)
-    if plan.offload is not None and plan.moves and kwargs:
+    if plan.offload is not None and plan.moves and not plan.keywords_noted:
+        plan.keywords_noted = True  # the warning names a block once: its later steps are not looked at again
         _note_keywords(plan.offload, plan.name, args, kwargs)
     with hooks if hooks is not None else nullcontext():
         out = call(*args, use_reentrant=False, **extra, **kwargs)
-    if record is not None and plan.counts is not None:
-        record.returned(out)
-        plan.counts.last = weakref.ref(record)
+    if record is not None:
+        record.returned(out)  # and the record is the one the next block called links to
     return out
 
 
@@ -553,7 +556,7 @@ class ActivationCheckpointing(SurgeryCallback):
         self.mlp_chunks = mlp_chunks
         self.regenerate = regenerate
         #: inputs remade in the step's backward (``regenerate > 1``), and the blocks that could not remake theirs
-        self.remade = Remade()
+        self.remade = Remade(regenerate)
         self._remade_warned: set[str] = set()
         self._keywords_warned: set[str] = set()
         self.offload: Optional[OffloadSavedTensors] = OffloadSavedTensors(device) if offload else None
@@ -635,7 +638,7 @@ class ActivationCheckpointing(SurgeryCallback):
         plans = [_BlockPlan(block, context_fn, self.offload, moves=index < moved) for index, (_, block) in enumerate(chosen)]
         for plan, (name, _) in zip(plans, chosen):
             plan.name = name
-        self._link(plans, [n for n, _ in chosen])
+        self._link(plans)
         for index, (plan, (_, block)) in enumerate(zip(plans, chosen)):
             _wrap(block, plan)
             for _, layer in candidates(block) if self.mlp_chunks > 1 else ():
@@ -656,14 +659,14 @@ class ActivationCheckpointing(SurgeryCallback):
             f"on {len(chosen)} blocks ({', '.join(dict.fromkeys(type(b).__name__ for _, b in chosen))})"
         )
 
-    def _link(self, plans: list[_BlockPlan], names: list[str]) -> None:
+    def _link(self, plans: list[_BlockPlan]) -> None:
         """``regenerate=n``: every block's forward is linked to the block called before it by what it is fed
         (:meth:`Remade.link`), not by module order."""
         self.remade = Remade(self.regenerate)
         if self.regenerate == 1:
             return
-        for plan, name in zip(plans, names):
-            plan.counts, plan.name = self.remade, name
+        for plan in plans:
+            plan.counts = self.remade
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

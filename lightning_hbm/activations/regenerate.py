@@ -51,7 +51,7 @@ class Remade:
     because it is not the output of the checkpointed block called just before them, with its bytes and that block's
     name. Blocks by name, in the order they were first called."""
 
-    def __init__(self, regenerate: int = 2) -> None:
+    def __init__(self, regenerate: int) -> None:
         self.regenerate = regenerate
         self.inputs = 0
         self.made: dict[str, int] = {}
@@ -124,16 +124,23 @@ class Record:
     ``saved``: the position of each tensor argument and what the checkpoint saved for it (an offload handle, the
     tensor itself on the device, or a :class:`Remake` of its own input), held weakly: the checkpoint holds it until
     this block's backward, which runs after the backward of the block it feeds (that block's output gradient comes
-    first), so it is there when that block remakes its input; held by the record, which lives as long as the step's
-    graph, a kept input outlived its block's backward; ``output``: the tensor the next block gets."""
+    first), so it is there when that block remakes its input (held strongly, by a record that lives as long as the
+    step's graph, a kept input outlived its block's backward); ``output``: the tensor the next block gets."""
 
     def __init__(self, block: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 state: ForwardState, unpack: Callable[[Any], Tensor], name: str = "", position: int = 0) -> None:
+                 state: ForwardState, unpack: Callable[[Any], Tensor], name: str = "", position: int = 0,
+                 counts: Optional[Remade] = None) -> None:
         self.block, self.inner, self.kwargs, self.state, self.unpack = block, inner, kwargs, state, unpack
         self.name, self.position = name, position  # the block's name; its link in the chain (:class:`Link`)
+        self.counts = counts  # whose ``last`` this record becomes when its forward returns (None: no one's)
         self.args: list[Any] = list(args)
         self.saved: dict[int, Callable[[], Any]] = {}
-        self.rng = torch_compat.rng_states()
+        #: the global RNG states the forward starts from, which its remake draws as (dropout's masks): only where the
+        #: block called next may remake its input from this record, its link in the chain not being one before a
+        #: multiple of n (:class:`Link`; the chain's arithmetic, whatever the blocks do). Python's and NumPy's states
+        #: are most of a snapshot's cost (~60 us of ~100 on the CPU dev machine, benchmarks/regenerate_rng_cost.py)
+        feeds = counts is None or (position + 1) % counts.regenerate != 0
+        self.rng = torch_compat.rng_states() if feeds else None
         #: the forward's autocast (a bf16-mixed run's ``torch.autocast``), which the backward, where the input is
         #: remade, runs outside of: per device type of its tensors (and the CPU's), whether on and to which dtype
         types = dict.fromkeys(["cpu", *(a.device.type for a in (*args, *kwargs.values()) if isinstance(a, Tensor))])
@@ -150,6 +157,9 @@ class Record:
                 self.args[index] = None  # held by the checkpoint until this block's backward, not by the record
 
     def returned(self, out: Any) -> None:
+        """The forward returned ``out``: its output noted, and this record the last one of ``counts``."""
+        if self.counts is not None:
+            self.counts.last = weakref.ref(self)
         first = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor) else out
         self.first = first is not out
         self.output = weakref.ref(first) if isinstance(first, Tensor) else None

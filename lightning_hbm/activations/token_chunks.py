@@ -46,6 +46,7 @@ instead (:mod:`lightning_hbm.activations.token_rows`), and that verdict is kept 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -101,12 +102,7 @@ class _ChunkedCall(torch.autograd.Function):
             out = call.inner(x.detach())
             return out.clone() if tensor_storage_key(out) == tensor_storage_key(x) else out
         # detached: tracers that hook module inputs (torch's MemTracker) need a tensor with a grad_fn or none
-        chunks = call.split(x.detach())
-        run = set(torch_compat.chunk_starts(len(chunks), 1, x))  # on fake tensors the others only allocate
-        parts: list[Tensor] = []
-        for i, c in enumerate(chunks):
-            parts.append(call.inner(c) if i in run else torch.empty_like(parts[-1]))
-        return join(parts, x)
+        return run_chunks(call.inner, call.split(x.detach()), x)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
@@ -477,14 +473,7 @@ def decide(
         elif _mixes_tokens(inner, x, whole):
             return "mixes tokens (changing one token's input changed another token's output)"
         with torch.no_grad():
-            pieces = split(x, chunks)
-            # fake: the first two chunks and the last run, as in the traced forward (each middle one has the second's
-            # shape, and no values): running all 16 chunks of each 8B MLP layer was 73 of a plan's 203 s
-            run = set(torch_compat.chunk_starts(len(pieces), 1, x))
-            parts_list: list[Tensor] = []
-            for i, piece in enumerate(pieces):
-                parts_list.append(inner(piece) if i in run else torch.empty_like(parts_list[-1]))
-            parts = join(parts_list, x)
+            parts = run_chunks(inner, split(x, chunks), x)
     except (RuntimeError, ValueError, IndexError) as err:  # fewer tokens than called with: a reshape to the count
         return f"fails on part of its tokens ({type(err).__name__}: {str(err)[:120]})"
     if not fake and not _close_in_chunks(parts, whole):
@@ -552,6 +541,19 @@ def _mixes_tokens(inner: Any, x: Tensor, whole: Tensor) -> bool:
     return False
 
 
+def run_chunks(inner: Callable[[Tensor], Tensor], chunks: list[Tensor], like: Tensor) -> Tensor:
+    """``inner`` of each of :func:`split`'s ``chunks`` of ``like``, in order, joined (:func:`join`).
+
+    On fake tensors (the planner's trace) only the first two chunks and the last run, as in the traced forward: each
+    middle one has the second's shape and no values, so its output is only allocated (running all 16 chunks of each
+    8B MLP layer was 73 of a plan's 203 s)."""
+    run = set(torch_compat.chunk_starts(len(chunks), 1, like))
+    outputs: list[Tensor] = []
+    for i, chunk in enumerate(chunks):
+        outputs.append(inner(chunk) if i in run else torch.empty_like(outputs[-1]))
+    return join(outputs, like)
+
+
 def _span(rest: slice, size: int) -> tuple[int, int]:
     start, stop, _ = rest.indices(size)
     return start, stop - start
@@ -590,4 +592,4 @@ def _foreign_leaves(layer: nn.Module, out: Any, leaf: Tensor) -> int:
     return found
 
 
-__all__ = ["ChunkedForward", "candidates", "decide", "inner_candidates", "join", "split"]
+__all__ = ["ChunkedForward", "candidates", "decide", "inner_candidates", "join", "run_chunks", "split"]
