@@ -110,6 +110,7 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
     Cosine similarity per output row (per token for a language model, per sample otherwise),
     root relative squared error over all outputs, and for a language model ``KL(p_fp || p_q)``.
     """
+    limit = torch.finfo(output.dtype).max if output.is_floating_point() else float("inf")  # its dtype's range
     output, reference = output.float(), reference.float()
     width = reference.shape[-1] if reference.dim() >= 2 else reference.numel()
     # an inf both give (a head that masks classes with -inf) agrees: left in, every row holding one measured NaN, and
@@ -119,6 +120,10 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
     # row holding one measured NaN (identical outputs read cosine NaN); agrees like an inf both give
     huge = 2.0**63
     same |= (reference.abs() > huge) & (output.abs() > huge) & (reference.sign() == output.sign())
+    # a mask (at most -1e9 as built) beyond the range of the dtype ``output`` was computed in that it gives as -inf
+    # (float16, lowest -65504): the same mask; was cosine NaN, relative error inf (session 29). Not an overflowing
+    # value of the output's own (-1e5 or +1e5 as built): those stay NaN and inf, its loss would be inf too
+    same |= (reference <= min(-1e9, -limit)) & (output == float("-inf"))
     measured, wanted = (output.masked_fill(same, 0.0), reference.masked_fill(same, 0.0)) if bool(same.any()) else (output, reference)
     rows = ~same.reshape(-1, width).all(-1)  # a row both mask whole (-inf everywhere) has no direction: left out
     metrics = {

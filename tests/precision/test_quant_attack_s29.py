@@ -1,0 +1,71 @@
+"""Session 29 attacks on the fit-start accuracy check and the probe's metrics (issue 53: never warn a healthy model,
+never miss a broken one): masks beyond float16's range, and the selections followed (session 28) on real shapes."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hbm import QuantizedPrecision
+from lightning_hbm.probe import PREFIX, compare_outputs
+
+
+class MaskedHead(nn.Module):
+    """A conv classifier whose forward masks the classes not allowed with -1e9 (as many heads do): float16 rounds the
+    mask to -inf, the same mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(16, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.body(x))
+        allowed = torch.arange(12, device=x.device) < 8
+        return torch.where(allowed, logits, -1e9)  # masked_fill(-1e9) refuses float16 (overflow); where rounds to -inf
+
+
+def test_a_mask_beyond_float16s_range_is_agreement_in_cosine_and_relative_error() -> None:
+    # was: cosine NaN and relative error inf for a float16 output that is the reference plus rounding
+    torch.manual_seed(0)
+    reference = torch.randn(4, 10, 32)
+    reference[..., :5] = -1e9
+    computed = (reference + 0.01 * torch.randn_like(reference)).half()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = compare_outputs(computed, reference, lm=True)
+    assert 0.999 < got[PREFIX + "cosine_similarity"] <= 1.0 and 0 < got[PREFIX + "relative_error"] < 0.01
+    assert 0 < got[PREFIX + "kl_divergence"] < 1e-3
+    flipped = computed.clone()
+    flipped[0, 0, 0] = float("inf")  # +inf where the reference masks with -1e9: not the same mask
+    assert compare_outputs(flipped, reference, lm=False)[PREFIX + "relative_error"] == float("inf")
+    overflowing = reference.clone()
+    overflowing[..., :5] = -1e5  # a value of the output's own, -inf in float16: not a mask, no figure (its loss is inf)
+    assert compare_outputs(overflowing.half(), overflowing, lm=False)[PREFIX + "relative_error"] == float("inf")
+
+
+def test_a_healthy_float16_conv_net_masking_with_minus_1e9_is_measured_and_not_warned() -> None:
+    # was: cosine NaN and "its output on the probe batch has 32 values that are inf or NaN where the model as built
+    # gives finite ones: its loss and gradients would be too" (the -1e9 mask, -inf in float16: the same mask)
+    model = MaskedHead().eval()
+    plugin = QuantizedPrecision("int8", dtype="float16", probe_batch=torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1)))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plugin.convert_module(copy.deepcopy(model))
+    measured = plugin.quantization.conv_accuracy
+    said = [str(w.message) for w in seen if "lightning_hbm" in str(w.message)]
+    assert measured is not None and measured.nonfinite == 0 and 0.99 < measured.cosine <= 1.0 and not measured.warned, said
+
+
+def test_a_float16_conv_net_whose_own_output_overflows_is_still_warned() -> None:
+    # -1e5 as built is no mask: float16 gives -inf, its loss would be inf; the check must still say so
+    model = MaskedHead().eval()
+    model.forward = lambda x: model.head(model.body(x)) * 0 - 1e5  # type: ignore[method-assign]
+    plugin = QuantizedPrecision("int8", dtype="float16", probe_batch=torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1)))
+    with pytest.warns(UserWarning, match=r"96 values that are inf or NaN where the model as built gives finite ones"):
+        plugin.convert_module(model)
