@@ -242,16 +242,24 @@ def recording_calls(module: nn.Module, names: Optional[Collection[str]] = None, 
             handle.remove()
 
 
+#: max pooling that gives the position of each maximum (``return_indices=True``): a SegNet's decoder puts its values
+#: back there (``max_unpool2d``); a near-tie in a window (bfloat16, a quantized convolution before) moves a value to
+#: another pixel, and the output compared pixel by pixel read that as the quantization's loss (a small SegNet in int8:
+#: 0.9955 against 0.9998 with the same convolutions and upsampling instead, session 29). Followed once taken, as
+#: :data:`INDEXED` (the pooled values stay this forward's own), and recorded only where a forward can follow them (a
+#: budget to keep them, or a forward to follow): the sensitivity plan, which does not follow, measured only before the
+#: first pool where the indices moved, and chose 4-bit for every convolution after it
+POOLED = frozenset({f"{kind}max_pool{n}d_with_indices" for kind in ("", "adaptive_", "fractional_") for n in (1, 2, 3)})
 #: the ops whose result depends on the order or the size of values (data-dependent selection: a detector's
 #: post-processing sorts, keeps the top-k, thresholds, suppresses): what comes after one that selects otherwise holds
 #: other elements, or the same ones in another order, and is not compared element by element (issue 53, session 27)
 SELECTING = frozenset({"sort", "argsort", "msort", "topk", "nonzero", "argwhere", "masked_select", "argmax", "argmin",
                        "unique", "unique_consecutive", "nms", "batched_nms", *("max", "min", "kthvalue", "mode", "median",
-                       "nanmedian", "cummax", "cummin", "where")})
+                       "nanmedian", "cummax", "cummin", "where"), *POOLED})
 #: of :data:`SELECTING`, the ops that select only in some forms: ``max``/``min`` and the others giving ``(values,
 #: indices)`` along a dimension (``scores.max(-1)``: the labels, as ``argmax``; not a full reduction nor an elementwise
 #: maximum), ``where`` given the condition alone (``nonzero``'s indices; not ``where(mask, a, b)``)
-INDEXED = frozenset({"max", "min", "kthvalue", "mode", "median", "nanmedian", "cummax", "cummin"})
+INDEXED = frozenset({"max", "min", "kthvalue", "mode", "median", "nanmedian", "cummax", "cummin", *POOLED})
 #: ops that select by a boolean mask among their arguments (``boxes[scores > 0.5]``)
 MASKING = frozenset({"__getitem__", "index", "masked_select"})
 
@@ -318,6 +326,7 @@ class _Selections(TorchFunctionMode):
     def __init__(self, calls: list[Call], budget: int = 0, follow: Optional[Sequence[Selection]] = None) -> None:
         super().__init__()
         self.calls, self.budget, self.follow = calls, budget, follow or None
+        self.pools = budget > 0 or follow is not None  # pooling indices (:data:`POOLED`) only where they can be followed
         self.seen: list[Selection] = []
         #: id of the indices an :data:`INDEXED` op gave -> (those indices, weakly: unused ones are freed as without the
         #: record; its selection): a selection once an op takes them (``boxes.gather(..., label)``); unused
@@ -344,7 +353,7 @@ class _Selections(TorchFunctionMode):
             self._record(name, masks, args, kwargs)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        found = _picked(name, args, kwargs, out) if name in SELECTING else []
+        found = _picked(name, args, kwargs, out) if name in SELECTING and (self.pools or name not in POOLED) else []
         if found and name in INDEXED:  # a selection once its indices are taken: followed then (:meth:`_take`)
             self.pending[id(found[0])] = (weakref.ref(found[0]), self._selection(name, found, args, kwargs))
         elif found:
@@ -517,5 +526,5 @@ def agreeing_calls(reference: Sequence[Call], got: Sequence[Call]) -> list[tuple
     return [(want, got[i]) for i, want in enumerate(reference[:prefix]) if want.parent not in inside and want.shapes]
 
 
-__all__ = ["INDEXED", "MASKING", "PREFIX", "SELECTING", "Call", "Followed", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
+__all__ = ["INDEXED", "MASKING", "POOLED", "PREFIX", "SELECTING", "Call", "Followed", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
            "has_forward", "probe_output", "recorded_forward", "recording_calls", "recording_selections"]
