@@ -238,8 +238,25 @@ class Reference:
         random draws of the recorded forward, and the calls of the modules the recorded forward called (those of the
         model as built: a quantized layer's own submodules are not) and its data-dependent selections, following those
         of the model as built (:func:`~lightning_hbm.probe.following`). Layers quantized on another device than the rest
-        (a GPU, before the strategy moves the model) get their inputs there and give their outputs back."""
+        (a GPU, before the strategy moves the model) get their inputs there and give their outputs back.
+
+        A forward that fails given the picks followed (post-processing that counts its boxes by its own mask,
+        ``int(keep.sum())``, and fills them from the mask followed: a size mismatch) runs again with its own picks,
+        following stopped there and said why (session 29: the check warned a healthy detector that its forward fails
+        as the plugin computes it, naming the compute dtype, and measured nothing)."""
         assert self.args is not None and self.output is not None
+        try:
+            return self._computed(module, dtype, quantized, self.selections)
+        except Exception as error:
+            if not self.selections:
+                raise
+            failed = f"{type(error).__name__}: {str(error)[:200]}"
+        got, calls, followed = self._computed(module, dtype, quantized, ())
+        followed.stopped = f"none: the forward failed when given the model as built's picks ({failed}), measured with its own"
+        return got, calls, followed
+
+    def _computed(self, module: nn.Module, dtype: torch.dtype, quantized: Sequence[str], follow: Sequence[Selection]) -> tuple[Tensor, list[Call], Followed]:
+        assert self.args is not None
         cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731 - as the plugin's convert_input
         args, kwargs = torch_compat.map_tensors(cast, self.args), torch_compat.map_tensors(cast, self.kwargs)
         previous = torch.get_default_dtype()
@@ -247,7 +264,7 @@ class Reference:
         try:
             with _on_their_devices(module, quantized), torch_compat.drawing_as(self.rngs):
                 torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
-                output, calls, followed = recorded_forward(module, args, kwargs, names, self.keep, self.selections)  # eval, no grad
+                output, calls, followed = recorded_forward(module, args, kwargs, names, self.keep, follow)  # eval, no grad
         finally:
             torch.set_default_dtype(previous)
         return outputs(output, self.echoed), calls, followed
@@ -415,7 +432,7 @@ def accuracy_warning(measured: ConvAccuracy, modes: Mapping[str, str], dtype: to
 def _routes(measured: ConvAccuracy) -> str:
     """What the log and the warning say of the selections followed: ``""`` where none picked otherwise."""
     if not measured.followed:
-        return ""
+        return f"; the model as built's selections not followed: {measured.unfollowed}" if measured.unfollowed else ""
     stopped = f"; followed up to {measured.unfollowed}" if measured.unfollowed else ""
     routed = f" (every output so: {measured.routed:.4f})" if measured.routed is not None and measured.measured_at is not None else ""
     return f"; {measured.followed} of {measured.selections} selections differed; measured with the full-precision model's selections{routed}{stopped}"

@@ -115,3 +115,39 @@ def test_max_pooling_indices_a_segnet_unpools_at_are_followed() -> None:
         plugin.convert_module(_segnet())
     measured = plugin.quantization.conv_accuracy
     assert measured is not None and (measured.followed, measured.selections) == (2, 2) and measured.cosine > 0.999 and not measured.warned
+
+
+class CountingDetector(nn.Module):
+    """Convolution heads, then the cells whose score passes 0.5, counted by their own mask (``int(keep.sum())``) and
+    filled from the mask indexed: given the mask followed, the two counts differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
+        self.head = nn.Conv2d(16, 5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cells = self.head(self.body(x)).flatten(2).transpose(1, 2).reshape(-1, 5)
+        scores = cells[:, 0].sigmoid()
+        keep = scores > 0.5
+        out = cells.new_zeros(int(keep.sum()), 5)
+        out[:, :4] = cells[keep][:, 1:]
+        out[:, 4] = scores[keep]
+        return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_detector_whose_forward_fails_given_the_picks_followed_is_measured_with_its_own(dtype: str) -> None:
+    # following gave the model as built's mask to cells[keep] while its own count sized the output: a size mismatch,
+    # and the check warned a healthy int8 detector "its forward on the probe batch failed as the plugin computes it
+    # ... make the forward run with ... the compute dtype", measuring nothing. Now measured at its heads, as before
+    # following, and the log says why the selections were not followed
+    plugin = QuantizedPrecision("int8", dtype=dtype, probe_batch=torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1)))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plugin.convert_module(CountingDetector().eval())
+    measured = plugin.quantization.conv_accuracy
+    assert not [w for w in seen if "lightning_hbm" in str(w.message)]
+    assert measured is not None and measured.measured_at is not None and measured.cosine > 0.999 and not measured.warned
+    assert measured.unfollowed is not None and measured.unfollowed.startswith("none: the forward failed when given the model as built's picks (RuntimeError")
