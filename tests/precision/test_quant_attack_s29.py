@@ -151,3 +151,29 @@ def test_a_detector_whose_forward_fails_given_the_picks_followed_is_measured_wit
     assert not [w for w in seen if "lightning_hbm" in str(w.message)]
     assert measured is not None and measured.measured_at is not None and measured.cosine > 0.999 and not measured.warned
     assert measured.unfollowed is not None and measured.unfollowed.startswith("none: the forward failed when given the model as built's picks (RuntimeError")
+
+
+@pytest.mark.slow  # about 1 s: three forwards of a tiny Qwen2-MoE
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qwen2_moe_in_half_precision_is_given_the_experts_the_float32_model_routed_to(dtype: torch.dtype) -> None:
+    # held (session 29): transformers' Qwen2-MoE routes by topk of the router's probabilities, then sorts the tokens
+    # per expert; in 16 bits a near-tie picks another expert (own routes diverge); followed, every selection is the
+    # float32 model's and the logits stay close
+    transformers = pytest.importorskip("transformers")
+    from lightning_hbm.probe import diverging, following, recording_selections
+
+    config = transformers.Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2MoeForCausalLM(config).eval()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), recording_selections([], budget=1 << 24) as reference:
+        want = model(input_ids=ids).logits
+    low = copy.deepcopy(model).to(dtype)
+    with torch.no_grad(), recording_selections([]) as own:
+        low(input_ids=ids)
+    with torch.no_grad(), following([], reference) as followed:
+        got = low(input_ids=ids).logits.float()
+    assert diverging(reference, own) is not None and followed.stopped is None and followed.differed > 0
+    assert diverging(reference, followed.selections) is None
+    assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), 0) > 0.9999
