@@ -398,7 +398,9 @@ class _Selections(TorchFunctionMode):
             how = want.differs(Selection(want.op, 0, None, shapes, *_fingerprint(found))) or f"{want.op} picked otherwise"
             after = f" after {want.after[0]!r}" if want.after and want.after[0] else " before any module returned"
             self.first = (min(want.returned, len(self.calls)), how + f" (its selection{after})")
-        return tuple(b.to(a.device) for a, b in zip(found, want.route))
+        # copies: a forward that changes its picks in place (``idx += offset``) changed the record on the host (the
+        # same tensor there), and a second forward following it was given those (an index out of bounds; session 29)
+        return tuple(b.to(a.device, copy=True) for a, b in zip(found, want.route))
 
     def _take(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The pending selections whose indices this op takes become selections, in the order they are taken;

@@ -177,3 +177,24 @@ def test_qwen2_moe_in_half_precision_is_given_the_experts_the_float32_model_rout
     assert diverging(reference, own) is not None and followed.stopped is None and followed.differed > 0
     assert diverging(reference, followed.selections) is None
     assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), 0) > 0.9999
+
+
+def _offset_picks(x: torch.Tensor) -> torch.Tensor:
+    picks = x.topk(2, dim=-1)[1]
+    picks += torch.arange(x.shape[0])[:, None] * x.shape[1]  # in place on the picks: flat indices
+    return x.flatten()[picks.flatten()]
+
+
+def test_a_forward_changing_the_picks_followed_in_place_leaves_the_record_as_recorded() -> None:
+    # the picks followed were the record's own tensor on the host: a forward adding an offset in place changed the
+    # record, and a second forward following it was given the changed picks (index 6 out of bounds for size 4)
+    from lightning_hbm.probe import following, recording_selections
+
+    with recording_selections([], budget=1 << 20) as reference:
+        want = _offset_picks(torch.tensor([[0.9, 0.5, 0.51, 0.1], [0.2, 0.3, 0.31, 0.0]]))
+    recorded = reference[0].route[0].clone()
+    for _ in range(2):
+        with following([], reference) as followed:
+            got = _offset_picks(torch.tensor([[0.9, 0.51, 0.5, 0.95], [0.2, 0.31, 0.3, 0.0]]))
+        assert followed.differed == 1 and torch.equal(reference[0].route[0], recorded)
+        assert got.tolist() == pytest.approx([0.9, 0.5, 0.3, 0.31]) and want.tolist() == pytest.approx([0.9, 0.51, 0.31, 0.3])
