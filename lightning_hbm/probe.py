@@ -120,10 +120,10 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
     # row holding one measured NaN (identical outputs read cosine NaN); agrees like an inf both give
     huge = 2.0**63
     same |= (reference.abs() > huge) & (output.abs() > huge) & (reference.sign() == output.sign())
-    # a mask (at most -1e9 as built) beyond the range of the dtype ``output`` was computed in that it gives as -inf
-    # (float16, lowest -65504): the same mask; was cosine NaN, relative error inf (session 29). Not an overflowing
-    # value of the output's own (-1e5 or +1e5 as built): those stay NaN and inf, its loss would be inf too
-    same |= (reference <= min(-1e9, -limit)) & (output == float("-inf"))
+    # a mask (at most -1e9 as built) that the output gives as a mask in its own dtype (at most -1e9, or that dtype's
+    # lowest: -inf, float16's -65504 from torch.finfo(dtype).min): the same mask; was cosine NaN, relative error inf
+    # (session 29). Not an overflowing value of the output's own (-1e5 or +1e5 as built): those stay NaN and inf
+    same |= (reference <= -1e9) & (output <= max(-1e9, -limit))
     measured, wanted = (output.masked_fill(same, 0.0), reference.masked_fill(same, 0.0)) if bool(same.any()) else (output, reference)
     rows = ~same.reshape(-1, width).all(-1)  # a row both mask whole (-inf everywhere) has no direction: left out
     metrics = {

@@ -136,11 +136,13 @@ MASK_VALUE = -1e9
 
 
 def overflowed(got: Tensor, want: Tensor, limit: float) -> Tensor:
-    """Where ``want`` is a mask (at most :data:`MASK_VALUE`) beyond ``-limit`` (the lowest value of the dtype ``got`` was
-    computed in) and ``got`` is ``-inf``: a mask of ``-1e9`` as built that float16 (lowest -65504) rounds to ``-inf``, the
-    same mask. Not a value of the output's own that overflows (``-1e5`` or ``+1e5`` as built, inf in float16: its loss
-    is inf): that is said as not finite."""
-    return (want <= min(MASK_VALUE, -limit)) & (got == float("-inf"))
+    """Where ``want`` is a mask (at most :data:`MASK_VALUE`) and ``got`` is one too in the dtype it was computed in (at
+    most :data:`MASK_VALUE`, or at most ``-limit``: that dtype's lowest, or ``-inf``): a mask of ``-1e9`` as built that
+    float16 (lowest -65504) rounds to ``-inf``; ``torch.finfo(dtype).min`` as transformers masks, float32's as built and
+    float16's (-65504) as computed (the centred cosine read 0.0000 there, and the check warned a healthy float16 model).
+    Not a value of the output's own that overflows (``-1e5`` or ``+1e5`` as built, inf in float16: its loss is inf):
+    that is said as not finite."""
+    return (want <= MASK_VALUE) & (got <= max(MASK_VALUE, -limit))
 
 
 def centred_cosine(got: Tensor, want: Tensor, limit: float = math.inf) -> float:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lightning_hbm import QuantizedPrecision
+from lightning_hbm.precision.accuracy import centred_cosine
 from lightning_hbm.probe import PREFIX, compare_outputs
 
 
@@ -18,15 +19,18 @@ class MaskedHead(nn.Module):
     """A conv classifier whose forward masks the classes not allowed with -1e9 (as many heads do): float16 rounds the
     mask to -inf, the same mask."""
 
-    def __init__(self) -> None:
+    def __init__(self, finfo: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.finfo = finfo
         self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
         self.head = nn.Linear(16, 12)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.body(x))
         allowed = torch.arange(12, device=x.device) < 8
+        if self.finfo:  # as transformers masks: the lowest value of the dtype computed in (float16's: -65504)
+            return logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
         return torch.where(allowed, logits, -1e9)  # masked_fill(-1e9) refuses float16 (overflow); where rounds to -inf
 
 
@@ -44,15 +48,24 @@ def test_a_mask_beyond_float16s_range_is_agreement_in_cosine_and_relative_error(
     flipped = computed.clone()
     flipped[0, 0, 0] = float("inf")  # +inf where the reference masks with -1e9: not the same mask
     assert compare_outputs(flipped, reference, lm=False)[PREFIX + "relative_error"] == float("inf")
+    finfo = reference.clone()
+    finfo[..., :5] = torch.finfo(torch.float32).min  # transformers' torch.finfo(dtype).min: float32's as built,
+    computed = (reference + 0.01 * torch.randn_like(reference)).half()  # float16's (-65504) as computed
+    computed[..., :5] = torch.finfo(torch.float16).min
+    got = compare_outputs(computed, finfo, lm=False)  # was: NaN and NaN
+    assert 0.999 < got[PREFIX + "cosine_similarity"] <= 1.0 and 0 < got[PREFIX + "relative_error"] < 0.01
+    assert 0.999 < centred_cosine(computed.float(), finfo, torch.finfo(torch.float16).max) <= 1.0  # was: 1.7e-16
     overflowing = reference.clone()
     overflowing[..., :5] = -1e5  # a value of the output's own, -inf in float16: not a mask, no figure (its loss is inf)
     assert compare_outputs(overflowing.half(), overflowing, lm=False)[PREFIX + "relative_error"] == float("inf")
 
 
-def test_a_healthy_float16_conv_net_masking_with_minus_1e9_is_measured_and_not_warned() -> None:
+@pytest.mark.parametrize("finfo", [False, True])
+def test_a_healthy_float16_conv_net_masking_with_minus_1e9_is_measured_and_not_warned(finfo: bool) -> None:
     # was: cosine NaN and "its output on the probe batch has 32 values that are inf or NaN where the model as built
-    # gives finite ones: its loss and gradients would be too" (the -1e9 mask, -inf in float16: the same mask)
-    model = MaskedHead().eval()
+    # gives finite ones: its loss and gradients would be too" (the -1e9 mask, -inf in float16: the same mask); with
+    # torch.finfo(dtype).min (float32's as built, float16's as computed): cosine 0.0000, warned
+    model = MaskedHead(finfo).eval()
     plugin = QuantizedPrecision("int8", dtype="float16", probe_batch=torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1)))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -121,9 +134,10 @@ class CountingDetector(nn.Module):
     """Convolution heads, then the cells whose score passes 0.5, counted by their own mask (``int(keep.sum())``) and
     filled from the mask indexed: given the mask followed, the two counts differ."""
 
-    def __init__(self) -> None:
+    def __init__(self, finfo: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.finfo = finfo
         self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
         self.head = nn.Conv2d(16, 5, 1)
 
