@@ -232,3 +232,31 @@ def test_regenerate_on_albert_whose_one_layer_is_called_six_times_is_bit_exact_w
     assert callback.remade.inputs == 3
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
         assert (ours.grad is None) == (theirs.grad is None) and (ours.grad is None or torch.equal(ours.grad, theirs.grad)), name
+
+
+class _SharedAfterSkip(nn.Module):
+    """``blocks.1``'s weights shared by two calls: first fed something else than ``blocks.0``'s output (its input kept,
+    unmatched), then its own output (remade)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Residual() for _ in range(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.blocks[0](x)
+        side = self.blocks[1](x * 2.0)  # not blocks.0's output: kept
+        return h + self.blocks[1](side)  # its own call before's output: remade
+
+
+def test_a_shared_block_that_keeps_its_input_on_one_call_is_named_in_the_warning() -> None:
+    # the notes were by block name: the second call (remade) took away the first call's note (kept, unmatched) and
+    # the warning naming it was never said
+    torch.manual_seed(0)
+    model = _SharedAfterSkip()
+    callback = ActivationCheckpointing("full", blocks=["blocks.0", "blocks.1"], regenerate=2)
+    callback.transform_model(model)
+    callback.remade.reset()
+    model(_batch(0).repeat(1, 2)).sum().backward()
+    assert callback.remade.unmatched == {"blocks.1": (256, "blocks.0")} and list(callback.remade.made) == ["blocks.1 (call 2)"]
+    with pytest.warns(UserWarning, match=r"could not remake the input of 1 block\(s\).*blocks\.1 \(256 B, the block called before it: blocks\.0\).*Remade: 1 block\(s\).*blocks\.1 \(call 2\)"):
+        callback.warn_unremade()
