@@ -110,6 +110,7 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
     Cosine similarity per output row (per token for a language model, per sample otherwise),
     root relative squared error over all outputs, and for a language model ``KL(p_fp || p_q)``.
     """
+    limit = torch.finfo(output.dtype).max if output.is_floating_point() else float("inf")  # its dtype's range
     output, reference = output.float(), reference.float()
     width = reference.shape[-1] if reference.dim() >= 2 else reference.numel()
     # an inf both give (a head that masks classes with -inf) agrees: left in, every row holding one measured NaN, and
@@ -119,6 +120,10 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
     # row holding one measured NaN (identical outputs read cosine NaN); agrees like an inf both give
     huge = 2.0**63
     same |= (reference.abs() > huge) & (output.abs() > huge) & (reference.sign() == output.sign())
+    # a mask (at most -1e9 as built) that the output gives as a mask in its own dtype (at most -1e9, or that dtype's
+    # lowest: -inf, float16's -65504 from torch.finfo(dtype).min): the same mask; was cosine NaN, relative error inf
+    # (session 29). Not an overflowing value of the output's own (-1e5 or +1e5 as built): those stay NaN and inf
+    same |= (reference <= -1e9) & (output <= max(-1e9, -limit))
     measured, wanted = (output.masked_fill(same, 0.0), reference.masked_fill(same, 0.0)) if bool(same.any()) else (output, reference)
     rows = ~same.reshape(-1, width).all(-1)  # a row both mask whole (-inf everywhere) has no direction: left out
     metrics = {
@@ -237,16 +242,24 @@ def recording_calls(module: nn.Module, names: Optional[Collection[str]] = None, 
             handle.remove()
 
 
+#: max pooling that gives the position of each maximum (``return_indices=True``): a SegNet's decoder puts its values
+#: back there (``max_unpool2d``); a near-tie in a window (bfloat16, a quantized convolution before) moves a value to
+#: another pixel, and the output compared pixel by pixel read that as the quantization's loss (a small SegNet in int8:
+#: 0.9955 against 0.9998 with the same convolutions and upsampling instead, session 29). Followed once taken, as
+#: :data:`INDEXED` (the pooled values stay this forward's own), and recorded only where a forward can follow them (a
+#: budget to keep them, or a forward to follow): the sensitivity plan, which does not follow, measured only before the
+#: first pool where the indices moved, and chose 4-bit for every convolution after it
+POOLED = frozenset({f"{kind}max_pool{n}d_with_indices" for kind in ("", "adaptive_", "fractional_") for n in (1, 2, 3)})
 #: the ops whose result depends on the order or the size of values (data-dependent selection: a detector's
 #: post-processing sorts, keeps the top-k, thresholds, suppresses): what comes after one that selects otherwise holds
 #: other elements, or the same ones in another order, and is not compared element by element (issue 53, session 27)
 SELECTING = frozenset({"sort", "argsort", "msort", "topk", "nonzero", "argwhere", "masked_select", "argmax", "argmin",
                        "unique", "unique_consecutive", "nms", "batched_nms", *("max", "min", "kthvalue", "mode", "median",
-                       "nanmedian", "cummax", "cummin", "where")})
+                       "nanmedian", "cummax", "cummin", "where"), *POOLED})
 #: of :data:`SELECTING`, the ops that select only in some forms: ``max``/``min`` and the others giving ``(values,
 #: indices)`` along a dimension (``scores.max(-1)``: the labels, as ``argmax``; not a full reduction nor an elementwise
 #: maximum), ``where`` given the condition alone (``nonzero``'s indices; not ``where(mask, a, b)``)
-INDEXED = frozenset({"max", "min", "kthvalue", "mode", "median", "nanmedian", "cummax", "cummin"})
+INDEXED = frozenset({"max", "min", "kthvalue", "mode", "median", "nanmedian", "cummax", "cummin", *POOLED})
 #: ops that select by a boolean mask among their arguments (``boxes[scores > 0.5]``)
 MASKING = frozenset({"__getitem__", "index", "masked_select"})
 
@@ -313,6 +326,7 @@ class _Selections(TorchFunctionMode):
     def __init__(self, calls: list[Call], budget: int = 0, follow: Optional[Sequence[Selection]] = None) -> None:
         super().__init__()
         self.calls, self.budget, self.follow = calls, budget, follow or None
+        self.pools = budget > 0 or follow is not None  # pooling indices (:data:`POOLED`) only where they can be followed
         self.seen: list[Selection] = []
         #: id of the indices an :data:`INDEXED` op gave -> (those indices, weakly: unused ones are freed as without the
         #: record; its selection): a selection once an op takes them (``boxes.gather(..., label)``); unused
@@ -339,7 +353,7 @@ class _Selections(TorchFunctionMode):
             self._record(name, masks, args, kwargs)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        found = _picked(name, args, kwargs, out) if name in SELECTING else []
+        found = _picked(name, args, kwargs, out) if name in SELECTING and (self.pools or name not in POOLED) else []
         if found and name in INDEXED:  # a selection once its indices are taken: followed then (:meth:`_take`)
             self.pending[id(found[0])] = (weakref.ref(found[0]), self._selection(name, found, args, kwargs))
         elif found:
@@ -384,7 +398,9 @@ class _Selections(TorchFunctionMode):
             how = want.differs(Selection(want.op, 0, None, shapes, *_fingerprint(found))) or f"{want.op} picked otherwise"
             after = f" after {want.after[0]!r}" if want.after and want.after[0] else " before any module returned"
             self.first = (min(want.returned, len(self.calls)), how + f" (its selection{after})")
-        return tuple(b.to(a.device) for a, b in zip(found, want.route))
+        # copies: a forward that changes its picks in place (``idx += offset``) changed the record on the host (the
+        # same tensor there), and a second forward following it was given those (an index out of bounds; session 29)
+        return tuple(b.to(a.device, copy=True) for a, b in zip(found, want.route))
 
     def _take(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The pending selections whose indices this op takes become selections, in the order they are taken;
@@ -512,5 +528,5 @@ def agreeing_calls(reference: Sequence[Call], got: Sequence[Call]) -> list[tuple
     return [(want, got[i]) for i, want in enumerate(reference[:prefix]) if want.parent not in inside and want.shapes]
 
 
-__all__ = ["INDEXED", "MASKING", "PREFIX", "SELECTING", "Call", "Followed", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
+__all__ = ["INDEXED", "MASKING", "POOLED", "PREFIX", "SELECTING", "Call", "Followed", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
            "has_forward", "probe_output", "recorded_forward", "recording_calls", "recording_selections"]

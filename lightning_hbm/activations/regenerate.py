@@ -58,20 +58,31 @@ class Remade:
         self.kept: dict[str, int] = {}
         self.unmatched: dict[str, tuple[int, str]] = {}
         self.last: Optional[weakref.ref[Record]] = None  # the record of the checkpointed block called last (weak)
+        #: this step's calls of each block: a block called again (weights shared: ALBERT's one layer) is noted as
+        #: ``name (call k)``; under one name, its later call that remade its input took away the note that an
+        #: earlier one kept it, unmatched, and the warning naming it was never said (session 29)
+        self.calls: dict[str, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "last": None}  # a step's record belongs to that step's graph
+        return {**self.__dict__, "last": None, "calls": {}}  # a step's record belongs to that step's graph
 
     def reset(self) -> None:
         self.inputs = 0
         self.last = None  # a new step: the first block called starts a chain
+        self.calls = {}
 
     def link(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Link:
         """This forward of block ``name``, linked to the checkpointed block called just before it if one of its inputs
         (positional or keyword) is exactly that block's output, unchanged; what it does with its input, noted."""
         previous = self.last() if self.last is not None else None
+        # no block called before in this graph (a step without reset(): a loop of plain torch), or a graph kept from
+        # step to step by the caller: the notes do not grow without end
+        if previous is None or len(self.made) + len(self.kept) + len(self.unmatched) > 4096:
+            self.calls = {}
         self.last = None
         link = Link(previous, self.regenerate, args, kwargs)
+        called = self.calls[name] = self.calls.get(name, 0) + 1
+        name = name if called == 1 else f"{name} (call {called})"
         for seen in (self.made, self.kept, self.unmatched):
             seen.pop(name, None)  # what it did on its last forward
         if link.source is not None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Generator, Mapping, Sequence
@@ -129,9 +130,28 @@ def outputs(output: Any, left_out: Sequence[int] = ()) -> Tensor:
     return torch.cat([t[::step].float().cpu() for t in leaves]) if leaves else torch.zeros(0)
 
 
-def centred_cosine(got: Tensor, want: Tensor) -> float:
+#: a value as built at most this (``-1e9``, ``-1e30``, ``torch.finfo(torch.float32).min``) is a mask (no probability
+#: after a softmax): given as ``-inf`` by a dtype whose range it lies beyond, it is the same mask (:func:`overflowed`)
+MASK_VALUE = -1e9
+
+
+def overflowed(got: Tensor, want: Tensor, limit: float) -> Tensor:
+    """Where ``want`` is a mask (at most :data:`MASK_VALUE`) and ``got`` is one too in the dtype it was computed in (at
+    most :data:`MASK_VALUE`, or at most ``-limit``: that dtype's lowest, or ``-inf``): a mask of ``-1e9`` as built that
+    float16 (lowest -65504) rounds to ``-inf``; ``torch.finfo(dtype).min`` as transformers masks, float32's as built and
+    float16's (-65504) as computed (the centred cosine read 0.0000 there, and the check warned a healthy float16 model).
+    Not a value of the output's own that overflows (``-1e5`` or ``+1e5`` as built, inf in float16: its loss is inf):
+    that is said as not finite."""
+    return (want <= MASK_VALUE) & (got <= max(MASK_VALUE, -limit))
+
+
+def centred_cosine(got: Tensor, want: Tensor, limit: float = math.inf) -> float:
     """Cosine of ``got`` and ``want`` centred on ``want``'s mean (a constant output offset does not count), in float64:
     in float32 the squares of outputs past about 1e19 overflowed and the figure read 0.0.
+
+    ``limit``: the largest value of the dtype ``got`` was computed in; a value of ``want`` beyond it that ``got`` gives
+    as the inf of its sign (a mask of ``-1e9`` as built, ``-inf`` in float16: :func:`overflowed`) agrees, as an inf
+    both give (was: NaN, and the check warned of values not finite on a healthy float16 model).
 
     A constant ``want`` has no centred direction (diffusers' ControlNet at init: its zero convolutions give exact zeros;
     the figure read 0.0 and the check warned on a healthy model): 1.0 when ``got`` equals it, else the uncentred cosine
@@ -139,6 +159,7 @@ def centred_cosine(got: Tensor, want: Tensor) -> float:
     """
     got, want = got.double(), want.double()
     agree = ~want.isfinite() & (got == want)  # an inf both give (a head masking classes with -inf): no figure of its own
+    agree |= overflowed(got, want, limit)
     if bool(agree.any()):  # left in, the mean was inf and the figure NaN: the model went unmeasured, nothing said
         got, want = got[~agree], want[~agree]
     if not want.numel():
@@ -219,8 +240,25 @@ class Reference:
         random draws of the recorded forward, and the calls of the modules the recorded forward called (those of the
         model as built: a quantized layer's own submodules are not) and its data-dependent selections, following those
         of the model as built (:func:`~lightning_hbm.probe.following`). Layers quantized on another device than the rest
-        (a GPU, before the strategy moves the model) get their inputs there and give their outputs back."""
+        (a GPU, before the strategy moves the model) get their inputs there and give their outputs back.
+
+        A forward that fails given the picks followed (post-processing that counts its boxes by its own mask,
+        ``int(keep.sum())``, and fills them from the mask followed: a size mismatch) runs again with its own picks,
+        following stopped there and said why (session 29: the check warned a healthy detector that its forward fails
+        as the plugin computes it, naming the compute dtype, and measured nothing)."""
         assert self.args is not None and self.output is not None
+        try:
+            return self._computed(module, dtype, quantized, self.selections)
+        except Exception as error:
+            if not self.selections:
+                raise
+            failed = f"{type(error).__name__}: {str(error)[:200]}"
+        got, calls, followed = self._computed(module, dtype, quantized, ())
+        followed.stopped = f"none: the forward failed when given the model as built's picks ({failed}), measured with its own"
+        return got, calls, followed
+
+    def _computed(self, module: nn.Module, dtype: torch.dtype, quantized: Sequence[str], follow: Sequence[Selection]) -> tuple[Tensor, list[Call], Followed]:
+        assert self.args is not None
         cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731 - as the plugin's convert_input
         args, kwargs = torch_compat.map_tensors(cast, self.args), torch_compat.map_tensors(cast, self.kwargs)
         previous = torch.get_default_dtype()
@@ -228,7 +266,7 @@ class Reference:
         try:
             with _on_their_devices(module, quantized), torch_compat.drawing_as(self.rngs):
                 torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
-                output, calls, followed = recorded_forward(module, args, kwargs, names, self.keep, self.selections)  # eval, no grad
+                output, calls, followed = recorded_forward(module, args, kwargs, names, self.keep, follow)  # eval, no grad
         finally:
             torch.set_default_dtype(previous)
         return outputs(output, self.echoed), calls, followed
@@ -251,14 +289,14 @@ def _shapes(shapes: Sequence[tuple[int, ...]], first: int, most: int = 4) -> str
     return f"[{listed}{', ...' if len(shapes) > first + most else ''}] (of {len(shapes)})"
 
 
-def _at_agreeing_calls(reference: Sequence[Call], calls: Sequence[Call], threshold: float, changed: Optional[str]) -> ConvAccuracy:
+def _at_agreeing_calls(reference: Sequence[Call], calls: Sequence[Call], threshold: float, changed: Optional[str], limit: float = math.inf) -> ConvAccuracy:
     """The figure of a model whose output changed shape or selects otherwise: the centred cosine of each outermost
     module call before the first call whose outputs changed shape (:func:`~lightning_hbm.probe.agreeing_calls`; the
     callers cut both sequences before the first selection that differs), the lowest; NaN when none."""
     figures = []
     for want, got in agreeing_calls(reference, calls):
         if want.values is not None and got.values is not None and want.values.numel():
-            figures.append((centred_cosine(got.values, want.values), _call_name(want)))
+            figures.append((centred_cosine(got.values, want.values, limit), _call_name(want)))
     figures = [(cosine, name) for cosine, name in figures if cosine == cosine]  # NaN: no figure
     if not figures:
         return ConvAccuracy(float("nan"), threshold, 0.0, changed=changed)
@@ -270,7 +308,7 @@ def _call_name(call: Call) -> str:
     return call.key[0] + (f" (call {call.key[1] + 1})" if call.key[1] else "")
 
 
-def _at_module(reference: Sequence[Call], calls: Sequence[Call], threshold: float, name: str) -> ConvAccuracy:
+def _at_module(reference: Sequence[Call], calls: Sequence[Call], threshold: float, name: str, limit: float = math.inf) -> ConvAccuracy:
     """The figure at the module the user named (``accuracy_at``): the centred cosine of each of its calls, the lowest;
     a call whose outputs changed shape (after a selection) or that did not run: NaN, with how in ``changed``."""
     theirs = {call.key: call for call in calls}
@@ -280,7 +318,7 @@ def _at_module(reference: Sequence[Call], calls: Sequence[Call], threshold: floa
         if got is None or got.shapes != want.shapes:
             differ.append(f"{_call_name(want)}: shapes {[list(s) for s in want.shapes]} as built, {[list(s) for s in got.shapes] if got else 'no call'} as computed")
         elif want.values is not None and got.values is not None and want.values.numel():
-            figures.append((centred_cosine(got.values, want.values), _call_name(want)))
+            figures.append((centred_cosine(got.values, want.values, limit), _call_name(want)))
     if differ or not figures:
         how = "; ".join(differ) or "no floating output"
         return ConvAccuracy(float("nan"), threshold, 0.0, changed=f"accuracy_at={name!r}: {how}", chosen=True)
@@ -288,7 +326,9 @@ def _at_module(reference: Sequence[Call], calls: Sequence[Call], threshold: floa
     return ConvAccuracy(cosine, threshold, 0.0, measured_at=at, compared=len(figures), chosen=True)
 
 
-def measure(reference: Reference, got: Tensor, calls: Sequence[Call], followed: Followed, threshold: float, at: Optional[str] = None) -> ConvAccuracy:
+def measure(
+    reference: Reference, got: Tensor, calls: Sequence[Call], followed: Followed, threshold: float, at: Optional[str] = None, dtype: torch.dtype = torch.float32
+) -> ConvAccuracy:
     """The figure of the quantized model (its outputs ``got``, its module ``calls`` and data-dependent selections,
     ``followed``: :func:`~lightning_hbm.probe.following`) against ``reference``: at the module named ``at``
     (``accuracy_at``) when given; else every output where the shapes agree and every selection picked the same or was
@@ -296,22 +336,25 @@ def measure(reference: Reference, got: Tensor, calls: Sequence[Call], followed: 
     layer), the lowest of that and of the last module calls before the first selection followed (a detector's heads,
     more sensitive than its kept boxes: int8/bf16 0.990 at the heads, 0.9995 on the boxes); else (another number of
     boxes, or the same boxes picked or ordered otherwise, not followed) at the last module calls before the first
-    change (:func:`_at_agreeing_calls`)."""
+    change (:func:`_at_agreeing_calls`). ``dtype``: the one the quantized model computes in (a value as built beyond its
+    range that it gives as the inf of its sign agrees: :func:`overflowed`)."""
+    limit = torch.finfo(dtype).max
     if at is not None:
-        return _at_module(reference.calls, calls, threshold, at)
+        return _at_module(reference.calls, calls, threshold, at, limit)
     want = cast(Tensor, reference.output)
     changed, diverged = _changed(reference.calls, calls, got, want), diverging(reference.selections, followed.selections)
     if changed is None and diverged is None:
-        whole = ConvAccuracy(centred_cosine(got, want), threshold, 0.0, nonfinite=int((want.isfinite() & ~got.isfinite()).sum()))
+        nonfinite = int((want.isfinite() & ~got.isfinite() & ~overflowed(got, want, limit)).sum())
+        whole = ConvAccuracy(centred_cosine(got, want, limit), threshold, 0.0, nonfinite=nonfinite)
         if followed.first is None:
             return whole
         cut, how = followed.first
-        before = _at_agreeing_calls(reference.calls[:cut], calls[:cut], threshold, None)
+        before = _at_agreeing_calls(reference.calls[:cut], calls[:cut], threshold, None, limit)
         measured = before if before.measured_at is not None and not before.cosine >= whole.cosine and not whole.nonfinite else whole
         measured.selected, measured.routed = (how if measured is before else None), whole.cosine
         return measured
     cut = diverged[0] if diverged is not None else len(reference.calls)
-    measured = _at_agreeing_calls(reference.calls[:cut], calls[:cut], threshold, changed)
+    measured = _at_agreeing_calls(reference.calls[:cut], calls[:cut], threshold, changed, limit)
     measured.selected = diverged[1] if diverged is not None else None
     return measured
 
@@ -391,7 +434,7 @@ def accuracy_warning(measured: ConvAccuracy, modes: Mapping[str, str], dtype: to
 def _routes(measured: ConvAccuracy) -> str:
     """What the log and the warning say of the selections followed: ``""`` where none picked otherwise."""
     if not measured.followed:
-        return ""
+        return f"; the model as built's selections not followed: {measured.unfollowed}" if measured.unfollowed else ""
     stopped = f"; followed up to {measured.unfollowed}" if measured.unfollowed else ""
     routed = f" (every output so: {measured.routed:.4f})" if measured.routed is not None and measured.measured_at is not None else ""
     return f"; {measured.followed} of {measured.selections} selections differed; measured with the full-precision model's selections{routed}{stopped}"
@@ -528,7 +571,7 @@ def check_accuracy(
             "dtype='float32')."
         )
         return None
-    measured = measure(reference, got, calls, followed, threshold, getattr(config, "accuracy_at", None))
+    measured = measure(reference, got, calls, followed, threshold, getattr(config, "accuracy_at", None), config.torch_dtype)
     measured.seconds = time.perf_counter() - start
     measured.selections, measured.followed, measured.unfollowed = len(reference.selections), followed.differed, followed.stopped
     log.info("lightning_hbm: output cosine of the quantized model on the probe batch: %.4f (threshold %s; %d values not finite; %s%s)",
@@ -540,4 +583,4 @@ def check_accuracy(
     return measured
 
 
-__all__ = ["KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_at_unused", "accuracy_warning", "centred_cosine", "check_accuracy", "check_accuracy_at", "echoes", "measure", "outputs", "unmeasured_reference_warning"]
+__all__ = ["KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_at_unused", "accuracy_warning", "centred_cosine", "check_accuracy", "check_accuracy_at", "echoes", "measure", "MASK_VALUE", "outputs", "overflowed", "unmeasured_reference_warning"]
