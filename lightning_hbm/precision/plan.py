@@ -41,6 +41,7 @@ from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
+from lightning_hbm.layers.correction import saved_factors
 from lightning_hbm.layers.embedding import is_plain_embedding
 from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, unmeasured_reference_warning
 from lightning_hbm.precision.config import QuantizationConfig
@@ -344,9 +345,10 @@ class Quantization:
         probe = lambda: self.probe(trainer)  # noqa: E731 - drawn only by what measures (a resume may measure nothing)
         correction = self.correction
         if inputs and correction is not None:
-            correction.saved = correction.hessians = None
-            if resumed:
-                correction.take_saved(resumed)  # resuming with these settings: the file's factors, bit for bit
+            correction.hessians = None
+            # resuming with these settings: the file's factors, bit for bit (read where the layer declares its keys:
+            # the correction's own module is entered once here, with the statistics, and once after the quantization)
+            correction.saved = saved_factors(resumed.get("state_dict") or {}) if resumed else None
         fitting = correction is not None and correction.saved is None
         if inputs and (self.gptq is not None or fitting) and not fake:
             # an embedding's input is token ids: no statistics
