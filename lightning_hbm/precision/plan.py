@@ -48,6 +48,7 @@ from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
 from lightning_hbm.precision.int4_asym import regrid_warning
+from lightning_hbm.precision.int8_dynamic import report_unsmoothed
 from lightning_hbm.precision.quantize import _layer_modes
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_PLAN_TARGET, SensitivityReport, choose_layer_modes, planned_convs_warning, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
@@ -294,8 +295,8 @@ class Quantization:
             quantized = quantize_listed(module, rule, listed, config.format, config.torch_dtype, self.layer_modes or {}, self.device, hessians, correction)
         self._listing = None  # the model changed: the next surgery lists it again
         log.info("lightning_hbm: %d layers stored as %s", len(quantized), config.format.name)
-        if smoothing is not None:
-            smoothing.report_unsmoothed(module, quantized)
+        if smoothing is not None:  # read where the layer is defined: the smoothing's module is not entered again
+            report_unsmoothed(module, quantized, smoothing.shifts)
         if self.gptq is not None and hessians is not None:  # the CRC checked against the checkpoint being resumed
             self.gptq.finish(module, quantized, self.layer_modes, resume.saved_part(trainer).get(DIGEST_KEY))
         if correction is not None:
