@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from lightning_hbm._validate import frozen
 from lightning_hbm.precision.bnb import import_bnb
 from lightning_hbm.precision.correction import CalibratedCorrection
 from lightning_hbm.precision.gptq import ROUNDINGS
@@ -62,9 +63,11 @@ class QuantizationConfig:
     quantize_head: bool = False
     max_bytes_per_param: Optional[float] = None
     min_cosine: Optional[float] = None
+    #: ``"auto"``, a mode, or modes (a list or tuple given; kept as a tuple: frozen, saved as a list)
     sensitive_mode: Union[str, Sequence[str]] = "auto"
     probe_batch: Any = field(default=None, repr=False)  # a batch of tensors: not printed
-    #: the plan the user pins ``{layer name: mode name}`` (``None``: measured, or every layer in ``mode``)
+    #: the per-layer modes the user pins ``{layer name: mode name}`` (``None``: measured, or every layer in ``mode``;
+    #: a dict given, kept as a read-only :class:`~lightning_hbm._validate.FrozenDict`)
     layer_modes: Optional[Mapping[str, str]] = None
     rounding: str = "nearest"
     #: the smoothing setting: ``"auto"`` or an alpha where a layer may be stored in ``int8-dynamic-smooth``, else None
@@ -95,9 +98,9 @@ class QuantizationConfig:
                 f"QuantizedPrecision(accuracy_at={self.accuracy_at!r}): pass the name of a submodule as named_modules() "
                 "names it (e.g. 'model.head'), or None to measure the model's output."
             )
-        # a list in the resume settings: the checkpoint stores lists (a tuple would compare unequal after a load)
-        _set(sensitive_mode=self.sensitive_mode if isinstance(self.sensitive_mode, str) else list(self.sensitive_mode))
-        _set(layer_modes=dict(self.layer_modes) if self.layer_modes else None)
+        # frozen as the other fields (the resume settings hold them as a list and a dict: sensitive_argument, settings)
+        _set(sensitive_mode=self.sensitive_mode if isinstance(self.sensitive_mode, str) else tuple(self.sensitive_mode))
+        _set(layer_modes=frozen(self.layer_modes) if self.layer_modes else None)
         sensitive = [self.sensitive_mode] if isinstance(self.sensitive_mode, str) else list(self.sensitive_mode)
         modes = [mode.name, *sensitive, *(self.layer_modes or {}).values()]
         _set(smoothing=check_smoothing(self.smoothing, SMOOTH_MODE in modes, mode.name))
@@ -126,6 +129,11 @@ class QuantizationConfig:
     def measures_plan(self) -> bool:
         """Whether the per-layer modes are measured on the probe batch at the surgery (a byte or cosine target)."""
         return self.layer_modes is None and (self.max_bytes_per_param is not None or self.min_cosine is not None)
+
+    def sensitive_argument(self) -> Union[str, list[str]]:
+        """``sensitive_mode`` as saved and shown (a list, or the one name): the checkpoint stores lists (a tuple would
+        compare unequal after a load)."""
+        return self.sensitive_mode if isinstance(self.sensitive_mode, str) else list(self.sensitive_mode)
 
     def ignore_list(self) -> Union[str, list[str]]:
         """``ignore_modules`` as saved and shown (a list, or the regex string)."""

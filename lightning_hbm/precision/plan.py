@@ -450,7 +450,7 @@ class Quantization:
         if report.cosine < target:
             rank_zero_warn(
                 f"lightning_hbm: the convolutions stored in {self.config.format.name} (widest plan of sensitive_mode="
-                f"{self.config.sensitive_mode!r}: {report.bytes_per_param:.3f} bytes per conv weight) give a probe output cosine "
+                f"{self.config.sensitive_argument()!r}: {report.bytes_per_param:.3f} bytes per conv weight) give a probe output cosine "
                 f"of {report.cosine:.4f} < {target} against the unquantized model (uniform {self.config.format.name}: "
                 f"{report.uniform_cosine:.4f}). Fix: QuantizedPrecision(..., sensitive_mode=['int8', 'none']) or mode='int8'."
             )
@@ -483,7 +483,7 @@ class Quantization:
         config: dict[str, Any] = {"mode": self.config.format.name, "dtype": str(self.config.torch_dtype), "ignore_modules": self.config.ignore_list(), "quantize_head": self.config.quantize_head}
         targets = {"max_bytes_per_param": self.config.max_bytes_per_param, "min_cosine": self.config.min_cosine}
         if any(value is not None for value in targets.values()):
-            config.update(targets, sensitive_mode=self.config.sensitive_mode)
+            config.update(targets, sensitive_mode=self.config.sensitive_argument())
         if self.config.layer_modes is not None:  # a plan the user gave: a setting like the others
             config["layer_modes"] = dict(self.config.layer_modes)
         if self.config.quantize_embeddings:  # absent before this option existed

@@ -44,8 +44,8 @@ def test_the_settings_are_one_frozen_config_checked_once() -> None:
     plugin = QuantizedPrecision("int8-dynamic", dtype="float32", ignore_modules=["0"], sensitive_mode=("none",), min_cosine=0.9)
     config = plugin.config
     assert isinstance(config, QuantizationConfig) and config.mode is plugin.mode and config.dtype == torch.float32
-    assert config.ignore_modules == ("0",) and config.sensitive_mode == ["none"] and config.correction_rank == 0
-    assert plugin.sensitive_mode == ["none"] and plugin.min_cosine == 0.9 and plugin.measures_plan  # read through
+    assert config.ignore_modules == ("0",) and config.sensitive_mode == ("none",) and config.correction_rank == 0
+    assert plugin.sensitive_mode == ("none",) and plugin.min_cosine == 0.9 and plugin.measures_plan  # read through
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.rounding = "gptq"  # type: ignore[misc]
     # the config refuses what the plugin refuses, with the plugin's messages
