@@ -5,12 +5,13 @@ documented on :class:`~lightning_hbm.QuantizedPrecision` (same name, same meanin
 friendly face that builds one. Built here, at construction: an unknown mode, a dtype the mode cannot compute in, an
 invalid regex or a target out of range is refused before any model is seen, with the plugin's own messages. What a
 surgery decides (targets, the per-layer modes, GPTQ rounding, smoothing exponents) is not a setting: it lives on
-:class:`~lightning_hbm.precision.plan.Quantization`.
+:class:`~lightning_hbm.precision.quantization.Quantization`.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -121,14 +122,27 @@ class QuantizationConfig:
         return self.dtype
 
     @property
-    def pinned_plan(self) -> Optional[dict[str, str]]:
-        """The per-layer modes the user gave (``layer_modes``), ``None`` when they are measured or every layer takes ``mode``."""
+    def pinned_layer_modes(self) -> Optional[dict[str, str]]:
+        """The per-layer modes the user gave (``layer_modes``, a dict copy), ``None`` when they are measured or every
+        layer takes ``mode``."""
         return dict(self.layer_modes) if self.layer_modes is not None else None
 
     @property
-    def measures_plan(self) -> bool:
+    def measures_layer_modes(self) -> bool:
         """Whether the per-layer modes are measured on the probe batch at the surgery (a byte or cosine target)."""
         return self.layer_modes is None and (self.max_bytes_per_param is not None or self.min_cosine is not None)
+
+    @property
+    def pinned_plan(self) -> Optional[dict[str, str]]:
+        """Deprecated: the old name of :attr:`pinned_layer_modes` ("plan" names the planner's, issue 54)."""
+        warnings.warn("QuantizationConfig.pinned_plan is deprecated: read pinned_layer_modes (the same dict).", DeprecationWarning, stacklevel=2)
+        return self.pinned_layer_modes
+
+    @property
+    def measures_plan(self) -> bool:
+        """Deprecated: the old name of :attr:`measures_layer_modes` ("plan" names the planner's, issue 54)."""
+        warnings.warn("QuantizationConfig.measures_plan is deprecated: read measures_layer_modes (the same value).", DeprecationWarning, stacklevel=2)
+        return self.measures_layer_modes
 
     def sensitive_argument(self) -> Union[str, list[str]]:
         """``sensitive_mode`` as saved and shown (a list, or the one name): the checkpoint stores lists (a tuple would

@@ -47,7 +47,7 @@ class _SameDtype(nn.Module):
         return self.layer(x.to(self.dtype)).to(x.dtype)
 
 
-def plan_copy(layer: nn.Module, source: nn.Linear, quantized: nn.Module, dtype: torch.dtype) -> nn.Module:
+def swapped_copy(layer: nn.Module, source: nn.Linear, quantized: nn.Module, dtype: torch.dtype) -> nn.Module:
     """The quantized copy the plan swaps in for the model's ``layer`` (``quantized``, the mode's layer built from
     ``source``): served reads (:func:`read_variant`) when the model's code reads its weight, else computing in
     ``dtype`` (:class:`_SameDtype`), in eval mode as the probe model (bitsandbytes' int8 layer computes LLM.int8 in eval)."""
@@ -92,4 +92,4 @@ def read_local_errors(
     return errors
 
 
-__all__ = ["plan_copy", "is_read", "read_local_errors", "read_variant"]
+__all__ = ["is_read", "read_local_errors", "read_variant", "swapped_copy"]

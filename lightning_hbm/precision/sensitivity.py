@@ -52,7 +52,7 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import LayerKind, kind_of
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
-from lightning_hbm.precision.read_plan import plan_copy, read_local_errors
+from lightning_hbm.precision.read_plan import read_local_errors, swapped_copy
 from lightning_hbm.precision.registry import get_format, to_dtype
 from lightning_hbm.probe import Call, Selection, agreeing_calls, compare_outputs, diverging, eval_no_grad, forward_on, probe_output, recording_calls, recording_selections
 
@@ -292,7 +292,7 @@ class _Swapper:
             # eval, as the probe model: bitsandbytes' int8 layer computes LLM.int8 (8-bit activations) in eval and
             # a float matmul of its dequantized weight when training on CPU (on GPU always LLM.int8)
             # a layer whose weight the model's code reads (Swin's qkv): a copy serving reads (precision/read_plan.py)
-            variant = plan_copy(layer, source, quantized, self.dtype)
+            variant = swapped_copy(layer, source, quantized, self.dtype)
             if not keep:
                 return variant
             self._variants[key] = variant
