@@ -128,7 +128,7 @@ class FrozenDict(Mapping[_K, _V]):
     _items: dict[_K, _V]
 
     def __init__(self, items: Mapping[_K, _V]) -> None:
-        object.__setattr__(self, "_items", dict(items))
+        self._items = dict(items)  # a copy: the caller's dict may change, this one does not
 
     def __getitem__(self, key: _K) -> _V:
         return self._items[key]
@@ -141,9 +141,6 @@ class FrozenDict(Mapping[_K, _V]):
 
     def __repr__(self) -> str:
         return repr(self._items)  # printed as the dict it was given as (messages name the argument as written)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"{type(self).__name__} cannot be changed")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self._items,))
