@@ -75,3 +75,12 @@ def test_copies_and_pickles_keep_the_frozen_settings() -> None:
     assert dataclasses.replace(lora_config, r=8).rank_pattern == {"0": 8}
     # a config built from another's frozen values is the same config
     assert LoRAConfig(r=4, rank_pattern=lora_config.rank_pattern, alpha_pattern=lora_config.alpha_pattern) == lora_config
+
+
+def test_the_friendly_constructors_take_the_frozen_values_of_another_config() -> None:
+    lora = LoRA(r=4, rank_pattern={"0": 8}, alpha_pattern={"2": 16.0})
+    again = LoRA(r=4, rank_pattern=lora.rank_pattern, alpha_pattern=lora.alpha_pattern)
+    assert again.config == lora.config
+    plugin = QuantizedPrecision("int8-dynamic", dtype="float32", layer_modes={"2": "none"}, sensitive_mode=["none"])
+    other = QuantizedPrecision("int8-dynamic", dtype="float32", layer_modes=plugin.config.layer_modes, sensitive_mode=plugin.config.sensitive_mode)
+    assert other.resume_config() == plugin.resume_config()
