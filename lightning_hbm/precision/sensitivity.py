@@ -308,7 +308,7 @@ class _Swapper:
         try:
             for name, mode in plan.items():
                 self._put(name, self.variant(name, mode))
-            with ExitStack() as stack:  # one forward, recorded when asked (the swapper's module entered once per output)
+            with ExitStack() as stack:  # one forward call, its module calls and selections recorded when asked
                 recorded = stack.enter_context(recording_calls(self.module, {n for n, _ in self.module.named_modules()} & self.built)) if calls is not None else None
                 picked = stack.enter_context(recording_selections(recorded)) if recorded is not None else None
                 output = self.forward(probe).float()
