@@ -32,7 +32,7 @@ from torch import nn
 from lightning_hbm import quantize_model
 from lightning_hbm.layers import coverage
 from lightning_hbm.precision.config import QuantizationConfig
-from lightning_hbm.precision.plan import Quantization
+from lightning_hbm.precision.quantization import Quantization
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layers"))
 from conv_models import EfficientNetB0, MobileNetV3FPN, ResNet18, YoloDetector, calibrate, images  # noqa: E402

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections.abc
 import inspect
 import typing
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping, Optional, TypeVar
 
 _NAMES = {bool: "True or False", int: "an int", float: "a number", str: "a str"}
 
@@ -109,3 +109,44 @@ def _what(value: Any, hint: Any) -> str:
     if isinstance(value, bool):
         return "a bool, and True/False is not a number here"
     return f"wrong type {type(value).__name__}"
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class FrozenDict(Mapping[_K, _V]):
+    """A mapping that cannot change once built: the dict-valued settings of a frozen config (``LoRAConfig.rank_pattern``,
+    ``QuantizationConfig.layer_modes``), so that a config checked once stays what was checked.
+
+    Reads as a dict does (``[]``, ``get``, ``in``, ``items``, equal to a dict with the same items, printed as one;
+    ``dict(it)``: a plain copy), and has no method that writes (``it[k] = v``: ``TypeError``). Unlike
+    ``types.MappingProxyType`` it pickles and deep-copies (a plugin travels with the Trainer it is pickled with).
+    """
+
+    __slots__ = ("_items",)
+    _items: dict[_K, _V]
+
+    def __init__(self, items: Mapping[_K, _V]) -> None:
+        self._items = dict(items)  # a copy: the caller's dict may change, this one does not
+
+    def __getitem__(self, key: _K) -> _V:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[_K]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return repr(self._items)  # printed as the dict it was given as (messages name the argument as written)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self._items,))
+
+
+def frozen(items: Optional[Mapping[_K, _V]]) -> Optional[FrozenDict[_K, _V]]:
+    """``items`` as a :class:`FrozenDict` (``None`` stays ``None``)."""
+    return None if items is None else FrozenDict(items)
+

@@ -104,6 +104,28 @@ def probe_output(module: nn.Module, batch: Any) -> Tensor:
     return logits
 
 
+def input_absmax(module: nn.Module, layers: Mapping[str, nn.Module], batch: Any) -> tuple[dict[str, Tensor], Tensor]:
+    """Per-channel ``max|x|`` (float32) of the input of each of ``layers`` over one forward of ``batch`` (all its
+    calls), and the module's output (:func:`probe_output`, as float32). A layer the forward never calls is absent."""
+    absmax: dict[str, Tensor] = {}
+
+    def record(name: str) -> Any:
+        def hook(layer: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0].detach()
+            seen = x.abs().reshape(-1, x.shape[-1]).amax(dim=0).float()
+            absmax[name] = seen if name not in absmax else torch.maximum(absmax[name], seen)
+
+        return hook
+
+    handles = [layer.register_forward_pre_hook(record(name)) for name, layer in layers.items()]
+    try:
+        output = probe_output(module, batch).float()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return absmax, output
+
+
 def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, float]:
     """The metrics logged by :class:`QuantizationQuality` (and optimized by the sensitivity-aware plan).
 
@@ -529,4 +551,4 @@ def agreeing_calls(reference: Sequence[Call], got: Sequence[Call]) -> list[tuple
 
 
 __all__ = ["INDEXED", "MASKING", "POOLED", "PREFIX", "SELECTING", "Call", "Followed", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
-           "has_forward", "probe_output", "recorded_forward", "recording_calls", "recording_selections"]
+           "has_forward", "input_absmax", "probe_output", "recorded_forward", "recording_calls", "recording_selections"]

@@ -57,7 +57,7 @@ def _dequantized_weight(layer: nn.Module) -> Tensor:
     )
 
 
-def _plan_metrics(plugin: Any) -> dict[str, float]:
+def _layer_mode_metrics(plugin: Any) -> dict[str, float]:
     """The figures a sensitivity-aware plan or ``int8-dynamic-smooth`` measured while choosing (none without)."""
     metrics = {}
     report = getattr(plugin, "sensitivity_report", None)
@@ -291,7 +291,7 @@ class QuantizationQuality(SurgeryCallback):
         metrics = self.measure(trainer, pl_module)
         if self._fp_weights:
             metrics.update(self._weight_table(pl_module))
-        metrics.update(_plan_metrics(trainer.strategy.precision_plugin))
+        metrics.update(_layer_mode_metrics(trainer.strategy.precision_plugin))
         self.metrics = metrics
         # self.log is not allowed in on_fit_start: log through the loggers, and expose to other callbacks.
         for logger in trainer.loggers:

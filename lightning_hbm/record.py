@@ -21,8 +21,10 @@ nobody changed (``tests/test_record.py`` pins this).
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -220,6 +222,21 @@ def set_input_shift(weight: torch.Tensor, shift: Optional[torch.Tensor]) -> None
         _SHIFTS[weight] = shift
 
 
+@contextmanager
+def attached_input_shifts(module: nn.Module, shifts: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Attach ``shifts`` (``{layer name: int8 exponents}``) to the weights of ``module``'s Linears for the duration of
+    the block (read by mode ``int8-dynamic-smooth``'s ``replace``), then detach them."""
+    weights = [cast(torch.Tensor, module.get_submodule(name).weight) for name in shifts]
+    try:
+        for weight, shift in zip(weights, shifts.values()):
+            set_input_shift(weight, shift)
+        yield
+    finally:
+        for weight in weights:
+            set_input_shift(weight, None)
+
+
+
 # ------------------------------------------------------------------------------------------ copies
 
 
@@ -256,6 +273,7 @@ __all__ = [
     "copy_record",
     "counted_as",
     "coverage_of",
+    "attached_input_shifts",
     "input_shift",
     "leave_alone",
     "left_alone",

@@ -22,6 +22,7 @@ weight: nothing is saved, so the activations term is unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional, cast
 
 import torch
@@ -120,4 +121,15 @@ def correction_weight(layer: nn.Module) -> Optional[Tensor]:
     return None if correction is None else correction.weight()
 
 
-__all__ = ["CORRECTION", "KEY_MARK", "LowRankCorrection", "attach_correction", "correction_of", "correction_weight"]
+def saved_factors(state_dict: Mapping[str, Any]) -> Optional[dict[str, tuple[Tensor, Tensor]]]:
+    """The factors ``{layer name: (right, left)}`` a checkpoint's ``state_dict`` holds under :data:`KEY_MARK` (a layer
+    wrapped by peft under its own name: the key's ``.base_layer.`` left out); ``None``: none."""
+    found: dict[str, dict[str, Tensor]] = {}
+    for key, tensor in state_dict.items():
+        if KEY_MARK in key and isinstance(tensor, Tensor):
+            layer, _, factor = key.replace(".base_layer.", ".").rpartition(KEY_MARK)  # peft's wrapper, saved with it
+            found.setdefault(layer, {})[factor] = tensor
+    return {name: (f["right"], f["left"]) for name, f in found.items() if {"right", "left"} <= set(f)} or None
+
+
+__all__ = ["CORRECTION", "KEY_MARK", "LowRankCorrection", "attach_correction", "correction_of", "correction_weight", "saved_factors"]

@@ -277,7 +277,7 @@ def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str, Optional[dict[st
     changes nothing."""
     plugin = trainer.strategy.precision_plugin
     if isinstance(plugin, QuantizedPrecision):
-        if plugin.measures_plan:
+        if plugin.measures_layer_modes:
             rank_zero_warn(
                 f"AutoFit plans {plugin.name} as if every layer were {plugin.mode.name}: its mixed-precision plan is "
                 "measured on the probe batch only when the model is quantized, after AutoFit has chosen, so the "
@@ -285,7 +285,7 @@ def _baseline_precision(trainer: pl.Trainer) -> tuple[str, str, Optional[dict[st
                 "of an earlier run: QuantizedPrecision(mode, layer_modes=<that run's plugin.layer_modes>)."
             )
         dtype = str(plugin.dtype).removeprefix("torch.")
-        return plugin.mode.name, dtype, plugin.pinned_plan, plugin.correction_rank, plugin.rounding
+        return plugin.mode.name, dtype, plugin.pinned_layer_modes, plugin.correction_rank, plugin.rounding
     name = str(trainer.precision)
     if name not in PLANNED_LIGHTNING_PRECISIONS:
         raise ValueError(

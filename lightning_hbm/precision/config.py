@@ -5,17 +5,19 @@ documented on :class:`~lightning_hbm.QuantizedPrecision` (same name, same meanin
 friendly face that builds one. Built here, at construction: an unknown mode, a dtype the mode cannot compute in, an
 invalid regex or a target out of range is refused before any model is seen, with the plugin's own messages. What a
 surgery decides (targets, the per-layer modes, GPTQ rounding, smoothing exponents) is not a setting: it lives on
-:class:`~lightning_hbm.precision.plan.Quantization`.
+:class:`~lightning_hbm.precision.quantization.Quantization`.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from lightning_hbm._validate import frozen
 from lightning_hbm.precision.bnb import import_bnb
 from lightning_hbm.precision.correction import CalibratedCorrection
 from lightning_hbm.precision.gptq import ROUNDINGS
@@ -62,9 +64,11 @@ class QuantizationConfig:
     quantize_head: bool = False
     max_bytes_per_param: Optional[float] = None
     min_cosine: Optional[float] = None
+    #: ``"auto"``, a mode, or modes (a list or tuple given; kept as a tuple: frozen, saved as a list)
     sensitive_mode: Union[str, Sequence[str]] = "auto"
     probe_batch: Any = field(default=None, repr=False)  # a batch of tensors: not printed
-    #: the plan the user pins ``{layer name: mode name}`` (``None``: measured, or every layer in ``mode``)
+    #: the per-layer modes the user pins ``{layer name: mode name}`` (``None``: measured, or every layer in ``mode``;
+    #: a dict given, kept as a read-only :class:`~lightning_hbm._validate.FrozenDict`)
     layer_modes: Optional[Mapping[str, str]] = None
     rounding: str = "nearest"
     #: the smoothing setting: ``"auto"`` or an alpha where a layer may be stored in ``int8-dynamic-smooth``, else None
@@ -95,9 +99,9 @@ class QuantizationConfig:
                 f"QuantizedPrecision(accuracy_at={self.accuracy_at!r}): pass the name of a submodule as named_modules() "
                 "names it (e.g. 'model.head'), or None to measure the model's output."
             )
-        # a list in the resume settings: the checkpoint stores lists (a tuple would compare unequal after a load)
-        _set(sensitive_mode=self.sensitive_mode if isinstance(self.sensitive_mode, str) else list(self.sensitive_mode))
-        _set(layer_modes=dict(self.layer_modes) if self.layer_modes else None)
+        # frozen as the other fields (the resume settings hold them as a list and a dict: sensitive_argument, settings)
+        _set(sensitive_mode=self.sensitive_mode if isinstance(self.sensitive_mode, str) else tuple(self.sensitive_mode))
+        _set(layer_modes=frozen(self.layer_modes) if self.layer_modes else None)
         sensitive = [self.sensitive_mode] if isinstance(self.sensitive_mode, str) else list(self.sensitive_mode)
         modes = [mode.name, *sensitive, *(self.layer_modes or {}).values()]
         _set(smoothing=check_smoothing(self.smoothing, SMOOTH_MODE in modes, mode.name))
@@ -118,14 +122,32 @@ class QuantizationConfig:
         return self.dtype
 
     @property
-    def pinned_plan(self) -> Optional[dict[str, str]]:
-        """The per-layer modes the user gave (``layer_modes``), ``None`` when they are measured or every layer takes ``mode``."""
+    def pinned_layer_modes(self) -> Optional[dict[str, str]]:
+        """The per-layer modes the user gave (``layer_modes``, a dict copy), ``None`` when they are measured or every
+        layer takes ``mode``."""
         return dict(self.layer_modes) if self.layer_modes is not None else None
 
     @property
-    def measures_plan(self) -> bool:
+    def measures_layer_modes(self) -> bool:
         """Whether the per-layer modes are measured on the probe batch at the surgery (a byte or cosine target)."""
         return self.layer_modes is None and (self.max_bytes_per_param is not None or self.min_cosine is not None)
+
+    @property
+    def pinned_plan(self) -> Optional[dict[str, str]]:
+        """Deprecated: the old name of :attr:`pinned_layer_modes` ("plan" names the planner's, issue 54)."""
+        warnings.warn("QuantizationConfig.pinned_plan is deprecated: read pinned_layer_modes (the same dict).", DeprecationWarning, stacklevel=2)
+        return self.pinned_layer_modes
+
+    @property
+    def measures_plan(self) -> bool:
+        """Deprecated: the old name of :attr:`measures_layer_modes` ("plan" names the planner's, issue 54)."""
+        warnings.warn("QuantizationConfig.measures_plan is deprecated: read measures_layer_modes (the same value).", DeprecationWarning, stacklevel=2)
+        return self.measures_layer_modes
+
+    def sensitive_argument(self) -> Union[str, list[str]]:
+        """``sensitive_mode`` as saved and shown (a list, or the one name): the checkpoint stores lists (a tuple would
+        compare unequal after a load)."""
+        return self.sensitive_mode if isinstance(self.sensitive_mode, str) else list(self.sensitive_mode)
 
     def ignore_list(self) -> Union[str, list[str]]:
         """``ignore_modules`` as saved and shown (a list, or the regex string)."""

@@ -44,7 +44,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from lightning_hbm.layers.correction import KEY_MARK, attach_correction, correction_of
+from lightning_hbm.layers.correction import attach_correction, correction_of, saved_factors
 from lightning_hbm.naming import name_list
 from lightning_hbm.precision.gptq import pooled_across_ranks
 from lightning_hbm.precision.registry import format_of
@@ -99,7 +99,8 @@ class CorrectionReport:
 class CalibratedCorrection:
     """The correction of one ``Quantization`` (``QuantizedPrecision(correction_rank=r)``).
 
-    In the checks: :meth:`take_saved` (the checkpoint's factors, when resuming with the same settings), else
+    In the checks: :attr:`saved` (the checkpoint's factors, when resuming with the same settings:
+    :func:`~lightning_hbm.layers.correction.saved_factors`), else
     :meth:`measured` (the input statistics of one probe forward, checked against the rank); during the quantization
     :meth:`fit` per layer; after it :meth:`finish`.
 
@@ -136,13 +137,9 @@ class CalibratedCorrection:
     # ------------------------------------------------------------------ the checks
 
     def take_saved(self, meta: dict[str, Any]) -> bool:
-        """Keep the factors of the checkpoint part ``meta`` (already verified); whether it held any."""
-        found: dict[str, dict[str, Tensor]] = {}
-        for key, tensor in (meta.get("state_dict") or {}).items():
-            if KEY_MARK in key and isinstance(tensor, Tensor):
-                layer, _, factor = key.replace(".base_layer.", ".").rpartition(KEY_MARK)  # peft's wrapper, saved with it
-                found.setdefault(layer, {})[factor] = tensor
-        self.saved = {name: (f["right"], f["left"]) for name, f in found.items() if {"right", "left"} <= set(f)} or None
+        """Keep the factors of the checkpoint part ``meta`` (already verified,
+        :func:`~lightning_hbm.layers.correction.saved_factors`); whether it held any."""
+        self.saved = saved_factors(meta.get("state_dict") or {})
         return self.saved is not None
 
     def measured(self, hessians: dict[str, Tensor], rows: dict[str, int]) -> None:

@@ -52,6 +52,8 @@ layer's callers see (LoRA included) exactly the unsmoothed input and its gradien
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union, cast
 
@@ -63,6 +65,13 @@ from typing_extensions import override
 from lightning_hbm import record
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.precision.registry import QuantFormat, register_format
+from lightning_hbm.probe import probe_output
+
+log = logging.getLogger(__name__)
+
+# Smoothing exponents are clamped to +-24: 2**24 ~ 1.7e7 keeps W * s and x / s far inside bf16/fp32 range for any sane
+# weight and activation, and factors beyond it only appear for channels that are (almost) always zero.
+MAX_SHIFT = 24
 
 _QMAX = 127  # symmetric range [-127, 127]: -128 is never used, so scales are the same both signs
 # The smallest normal fp32: an all-zero row gets this scale (stays zero instead of dividing by 0), and any
@@ -286,4 +295,67 @@ register_format(Int8DynamicFormat(
 ))
 
 
-__all__ = ["Int8DynamicLinear", "quantize_rowwise", "uses_integer_kernel"]
+# ------------------------------------------------------------------ the exponents of int8-dynamic-smooth
+# (chosen by lightning_hbm.precision.smoothing: the layer's own measures live with the layer, so that the smoothing's
+# choice calls here once and hands the values on, instead of going back and forth between its module and this one)
+
+
+def shifts_for(input_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """int8 exponents of ``s = max|X_j|**alpha / max|W[:, j]|**(1 - alpha)`` rounded to powers of two."""
+    weight_absmax = weight.detach().abs().amax(dim=0).float()
+    x_absmax = input_absmax.float().to(weight_absmax.device)
+    log_s = alpha * torch.log2(x_absmax) - (1 - alpha) * torch.log2(weight_absmax)
+    # a channel that is always zero (or a zero weight column) says nothing: left alone
+    log_s = torch.where((x_absmax > 0) & (weight_absmax > 0), log_s, torch.zeros_like(log_s))
+    return torch.round(log_s).clamp(-MAX_SHIFT, MAX_SHIFT).to(torch.int8)
+
+
+def candidate_errors(
+    module: nn.Module, layers: Mapping[str, nn.Linear], candidates: Mapping[str, Mapping[Optional[float], torch.Tensor]],
+    dtype: torch.dtype, probe: Any,
+) -> dict[str, dict[Optional[float], float]]:
+    """Squared error of each layer's own output (bias left out) stored with each candidate's exponents, on its real
+    inputs over one forward of ``probe`` (each candidate layer built and dropped inside the hook: no activation kept)."""
+    errors: dict[str, dict[Optional[float], float]] = {name: {} for name in layers}
+
+    def measure(name: str) -> Any:
+        def hook(layer: nn.Linear, args: tuple[Any, ...]) -> None:
+            x = args[0].detach()
+            reference = (x.float() @ layer.weight.detach().float().t()).float()
+            source = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
+            source.weight = layer.weight
+            for alpha, shift in candidates[name].items():
+                # the layer the mode builds, computing in the compute dtype: the arithmetic of training
+                quantized = Int8DynamicLinear.from_linear(source, input_shift=None if alpha is None else shift)
+                error = (quantized(x.to(dtype)).float() - reference).pow(2).sum().item()
+                errors[name][alpha] = errors[name].get(alpha, 0.0) + error
+
+        return hook
+
+    handles = [layer.register_forward_pre_hook(measure(name)) for name, layer in layers.items()]
+    try:
+        probe_output(module, probe)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return errors
+
+
+def report_unsmoothed(module: nn.Module, quantized: Sequence[str], shifts: Optional[Mapping[str, torch.Tensor]]) -> None:
+    """Warn about layers stored in ``int8-dynamic-smooth`` that got no exponents in ``shifts`` (only ``nn.Linear``
+    inputs are measured); an empty ``shifts``: the planner's shape-only model, nothing measured, nothing said."""
+    missed = [
+        name for name in quantized
+        if isinstance(module.get_submodule(name), Int8DynamicLinear)
+        and module.get_submodule(name).input_shift is not None and name not in (shifts or {})
+    ]
+    if missed and shifts:
+        log.warning(
+            "lightning_hbm: %d layers stored as int8-dynamic-smooth without smoothing (only nn.Linear inputs are "
+            "measured; these are other layer kinds, e.g. Conv1D or MultiheadAttention projections): %s. They cost "
+            "1 byte per input channel for nothing: pin them with layer_modes={name: 'int8-dynamic'}.",
+            len(missed), missed,
+        )
+
+
+__all__ = ["MAX_SHIFT", "Int8DynamicLinear", "candidate_errors", "quantize_rowwise", "report_unsmoothed", "shifts_for", "uses_integer_kernel"]

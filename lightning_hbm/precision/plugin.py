@@ -21,7 +21,7 @@ model with another init resumes exactly), and other settings or another pinned p
 
 The plugin is the Lightning side only (dtype hooks, the surgery entry, checkpoint hooks); what it quantizes and
 how (targets, sensitivity plan, GPTQ rounding, smoothing, resume settings) is its
-:class:`~lightning_hbm.precision.plan.Quantization`, ``plugin.quantization``; its settings are a frozen
+:class:`~lightning_hbm.precision.quantization.Quantization`, ``plugin.quantization``; its settings are a frozen
 :class:`~lightning_hbm.precision.config.QuantizationConfig`, ``plugin.config``, built by the constructor.
 """
 
@@ -48,7 +48,7 @@ from lightning_hbm.layers import report_coverage
 from lightning_hbm.precision.compute_dtype import DtypeChoice, auto_dtype
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CorrectionReport
-from lightning_hbm.precision.plan import Quantization
+from lightning_hbm.precision.quantization import Quantization
 from lightning_hbm.precision.registry import QuantFormat
 from lightning_hbm.precision.sensitivity import SensitivityReport
 from lightning_hbm.precision.smoothing import SmoothingReport
@@ -57,7 +57,8 @@ from lightning_hbm.surgery import applied_transforms, mark_applied, pack_checkpo
 from lightning_hbm.surgery.protocol import SurgeryPlugin
 
 #: the settings read on the plugin as its own (``plugin.rounding``): the fields of its config, and two it derives
-_SETTINGS = frozenset({f.name for f in dataclasses.fields(QuantizationConfig)} | {"pinned_plan", "measures_plan"})
+#: (and their former names, which warn: "plan" names the planner's, issue 54)
+_SETTINGS = frozenset({f.name for f in dataclasses.fields(QuantizationConfig)} | {"pinned_layer_modes", "measures_layer_modes", "pinned_plan", "measures_plan"})
 
 #: what ``trainer.precision`` reports for each compute dtype (values of Lightning's precision Literal)
 _LIGHTNING_NAMES: dict[torch.dtype, Any] = {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch.float32: "32-true"}
@@ -246,7 +247,7 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
         return self.quantization.config
 
     def __getattr__(self, name: str) -> Any:
-        # a setting read as the plugin's own (plugin.rounding, plugin.quantize_head, plugin.pinned_plan): its config's.
+        # a setting read as the plugin's own (plugin.rounding, plugin.quantize_head, plugin.pinned_layer_modes): its config's.
         # Only reached when normal lookup fails; __dict__ read directly, as unpickling runs this before __init__'s state
         quantization = self.__dict__.get("quantization")
         if quantization is not None and name in _SETTINGS:

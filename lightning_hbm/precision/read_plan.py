@@ -35,6 +35,25 @@ class _ReadSameDtype(ReadableLinear):
         return super().forward(x.to(self.weight_dtype())).to(x.dtype)
 
 
+class _SameDtype(nn.Module):
+    """A called layer's quantized copy (a quantized layer inside the model as built (e.g. fp32) that computes in the plan's dtype (e.g. bf16)."""
+
+    def __init__(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer, self.dtype = layer, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the layer sees the compute dtype, as under QuantizedPrecision; the model as built gets its dtype back
+        return self.layer(x.to(self.dtype)).to(x.dtype)
+
+
+def swapped_copy(layer: nn.Module, source: nn.Linear, quantized: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The quantized copy the plan swaps in for the model's ``layer`` (``quantized``, the mode's layer built from
+    ``source``): served reads (:func:`read_variant`) when the model's code reads its weight, else computing in
+    ``dtype`` (:class:`_SameDtype`), in eval mode as the probe model (bitsandbytes' int8 layer computes LLM.int8 in eval)."""
+    return read_variant(source, quantized) if is_read(layer) else _SameDtype(quantized, dtype).eval()
+
+
 def is_read(layer: nn.Module) -> bool:
     """Whether the probe step saw the model's code read ``layer``'s weight (a plain Linear, as built), so that its
     quantized copy must serve reads (:func:`read_variant`)."""
@@ -73,4 +92,4 @@ def read_local_errors(
     return errors
 
 
-__all__ = ["is_read", "read_local_errors", "read_variant"]
+__all__ = ["is_read", "read_local_errors", "read_variant", "swapped_copy"]

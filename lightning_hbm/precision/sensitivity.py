@@ -39,6 +39,7 @@ import math
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Optional, cast
@@ -51,7 +52,7 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import LayerKind, kind_of
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
-from lightning_hbm.precision.read_plan import is_read, read_local_errors, read_variant
+from lightning_hbm.precision.read_plan import read_local_errors, swapped_copy
 from lightning_hbm.precision.registry import get_format, to_dtype
 from lightning_hbm.probe import Call, Selection, agreeing_calls, compare_outputs, diverging, eval_no_grad, forward_on, probe_output, recording_calls, recording_selections
 
@@ -201,18 +202,6 @@ def measured_rounded(kind: LayerKind) -> bool:
     return kind.wrap is None
 
 
-class _SameDtype(nn.Module):
-    """A quantized layer inside the model as built (e.g. fp32) that computes in the plan's dtype (e.g. bf16)."""
-
-    def __init__(self, layer: nn.Module, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.layer, self.dtype = layer, dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the layer sees the compute dtype, as under QuantizedPrecision; the model as built gets its dtype back
-        return self.layer(x.to(self.dtype)).to(x.dtype)
-
-
 class _Swapper:
     """Puts quantized copies of chosen layers into the model for one probe forward, then the originals back."""
 
@@ -292,17 +281,18 @@ class _Swapper:
             source.weight = linear.weight
             if linear.bias is not None:
                 source.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-            quantized = get_format(mode).replace(source, self.dtype, None)
+            fmt = get_format(mode)
+            quantized = fmt.replace(source, self.dtype, None)
             if name in self.hessians and grid_of(quantized) is not None and measured_rounded(kind):
                 gptq_round_(quantized, linear.weight, self.hessians[name])  # measured as it will be stored
             if kind.wrap is not None:  # a convolution around the stored matrix, its bias copied in the compute dtype
-                quantized = kind.wrap(layer, quantized, get_format(mode).dequantize, self.dtype)
+                quantized = kind.wrap(layer, quantized, fmt.dequantize, self.dtype)
                 if layer.bias is not None:
                     quantized.bias = nn.Parameter(cast(torch.Tensor, layer.bias).detach().to(self.dtype), requires_grad=False)
             # eval, as the probe model: bitsandbytes' int8 layer computes LLM.int8 (8-bit activations) in eval and
             # a float matmul of its dequantized weight when training on CPU (on GPU always LLM.int8)
             # a layer whose weight the model's code reads (Swin's qkv): a copy serving reads (precision/read_plan.py)
-            variant = read_variant(source, quantized) if is_read(layer) else _SameDtype(quantized, self.dtype).eval()
+            variant = swapped_copy(layer, source, quantized, self.dtype)
             if not keep:
                 return variant
             self._variants[key] = variant
@@ -318,12 +308,13 @@ class _Swapper:
         try:
             for name, mode in plan.items():
                 self._put(name, self.variant(name, mode))
-            if calls is None:
-                return self.forward(probe).float()
-            with recording_calls(self.module, {name for name, _ in self.module.named_modules()} & self.built) as recorded, recording_selections(recorded) as picked:
+            with ExitStack() as stack:  # one forward call, its module calls and selections recorded when asked
+                recorded = stack.enter_context(recording_calls(self.module, {n for n, _ in self.module.named_modules()} & self.built)) if calls is not None else None
+                picked = stack.enter_context(recording_selections(recorded)) if recorded is not None else None
                 output = self.forward(probe).float()
-            calls[:] = recorded
-            if selections is not None:
+            if calls is not None and recorded is not None:
+                calls[:] = recorded
+            if selections is not None and picked is not None:
                 selections[:] = picked
             return output
         finally:

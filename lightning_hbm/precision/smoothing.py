@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, cast
 
@@ -41,12 +41,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from lightning_hbm import resume
-from lightning_hbm.naming import has_submodule
-from lightning_hbm.precision.int8_dynamic import Int8DynamicLinear
+from lightning_hbm.precision.int8_dynamic import MAX_SHIFT as _MAX_SHIFT
+from lightning_hbm.precision.int8_dynamic import candidate_errors, report_unsmoothed, shifts_for
 from lightning_hbm.precision.registry import to_dtype
 from lightning_hbm.precision.sensitivity import _Swapper
-from lightning_hbm.probe import compare_outputs, eval_no_grad, probe_output
-from lightning_hbm.record import set_input_shift
+from lightning_hbm.probe import compare_outputs, eval_no_grad, input_absmax
+from lightning_hbm.record import attached_input_shifts as attached  # public here too (the exponents ride on the weights)
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +59,6 @@ AUTO_ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 #: the unsmoothed error: gains of a few percent per layer (the random-weight test Llama has no outlier channels:
 #: 9 of 28 layers at 0.92-1.0) did not survive end to end (probe cosine 0.99976 -> 0.99975), clear ones do
 _MAX_ERROR_RATIO = 0.9
-# Exponents are clamped to +-24: 2**24 ~ 1.7e7 keeps W * s and x / s far inside bf16/fp32 range for any sane
-# weight and activation, and factors beyond it only appear for channels that are (almost) always zero.
-_MAX_SHIFT = 24
 
 
 @dataclass
@@ -119,16 +116,6 @@ def check_smoothing(smoothing: Any, smooths: bool, mode: str) -> Union[float, st
     return float(smoothing)
 
 
-def shifts_for(input_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
-    """int8 exponents of ``s = max|X_j|**alpha / max|W[:, j]|**(1 - alpha)`` rounded to powers of two."""
-    weight_absmax = weight.detach().abs().amax(dim=0).float()
-    x_absmax = input_absmax.float().to(weight_absmax.device)
-    log_s = alpha * torch.log2(x_absmax) - (1 - alpha) * torch.log2(weight_absmax)
-    # a channel that is always zero (or a zero weight column) says nothing: left alone
-    log_s = torch.where((x_absmax > 0) & (weight_absmax > 0), log_s, torch.zeros_like(log_s))
-    return torch.round(log_s).clamp(-_MAX_SHIFT, _MAX_SHIFT).to(torch.int8)
-
-
 def check_saved_shifts(
     shifts: Any, path: Any, module: nn.Module, names: Optional[Sequence[str]] = None
 ) -> dict[str, torch.Tensor]:
@@ -143,7 +130,8 @@ def check_saved_shifts(
 
     if not isinstance(shifts, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in shifts.items()):
         raise refuse("are not a dict of layer names to tensors")
-    unknown = [n for n in shifts if (n not in names if names is not None else not has_submodule(module, n))]
+    known = set(names) if names is not None else {n for n, _ in module.named_modules(remove_duplicate=False)}
+    unknown = [n for n in shifts if n not in known]
     if unknown:
         raise refuse(f"name {len(unknown)} layer(s) this model does not smooth ({unknown[:5]})")
     if names is not None and set(names) - set(shifts):
@@ -167,72 +155,6 @@ def _check_meta(meta: dict[str, Any], path: Any, module: nn.Module) -> None:
 resume.register_meta_check(_check_meta)
 
 
-@contextmanager
-def attached(module: nn.Module, shifts: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """Attach ``shifts`` to the weights of ``module``'s Linears for mode ``int8-dynamic-smooth``, then detach."""
-    weights = [cast(torch.Tensor, module.get_submodule(name).weight) for name in shifts]
-    try:
-        for weight, shift in zip(weights, shifts.values()):
-            set_input_shift(weight, shift)  # read by the format's replace (int8_dynamic)
-        yield
-    finally:
-        for weight in weights:
-            set_input_shift(weight, None)
-
-
-def _input_absmax(
-    module: nn.Module, layers: Mapping[str, nn.Linear], probe: Any
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Per-channel ``max|x|`` of every layer's input over the probe (all calls), and the model's output."""
-    absmax: dict[str, torch.Tensor] = {}
-
-    def record(name: str) -> Any:
-        def hook(layer: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0].detach()
-            seen = x.abs().reshape(-1, x.shape[-1]).amax(dim=0).float()
-            absmax[name] = seen if name not in absmax else torch.maximum(absmax[name], seen)
-
-        return hook
-
-    handles = [layer.register_forward_pre_hook(record(name)) for name, layer in layers.items()]
-    try:
-        output = probe_output(module, probe).float()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return absmax, output
-
-
-def _layer_errors(
-    module: nn.Module, layers: Mapping[str, nn.Linear], candidates: Mapping[str, Mapping[Optional[float], torch.Tensor]],
-    dtype: torch.dtype, probe: Any,
-) -> dict[str, dict[Optional[float], float]]:
-    """Squared error of each layer's own output (bias left out) for each candidate, on its real probe inputs."""
-    errors: dict[str, dict[Optional[float], float]] = {name: {} for name in layers}
-
-    def measure(name: str) -> Any:
-        def hook(layer: nn.Linear, args: tuple[Any, ...]) -> None:
-            x = args[0].detach()
-            reference = (x.float() @ layer.weight.detach().float().t()).float()
-            source = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
-            source.weight = layer.weight
-            for alpha, shift in candidates[name].items():
-                # the layer the mode builds, computing in the compute dtype: the arithmetic of training
-                quantized = Int8DynamicLinear.from_linear(source, input_shift=None if alpha is None else shift)
-                error = (quantized(x.to(dtype)).float() - reference).pow(2).sum().item()
-                errors[name][alpha] = errors[name].get(alpha, 0.0) + error
-
-        return hook
-
-    handles = [layer.register_forward_pre_hook(measure(name)) for name, layer in layers.items()]
-    try:
-        probe_output(module, probe)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return errors
-
-
 def choose_smoothing(
     module: nn.Module, names: Sequence[str], alpha: Union[float, str], dtype: Any, probe: Any
 ) -> SmoothingReport:
@@ -242,11 +164,17 @@ def choose_smoothing(
     :data:`AUTO_ALPHAS` or no smoothing with the smallest error of the layer's own output). Deterministic
     for a fixed probe batch. Costs 2 forwards of the probe with a fixed alpha, 3 with ``"auto"``, plus
     the layer candidates computed inside the hooks.
+
+    One way, each step handing its value to the next: the inputs' ranges (:func:`~lightning_hbm.probe.input_absmax`),
+    the candidate exponents and their errors (:mod:`~lightning_hbm.precision.int8_dynamic`, the layer that stores
+    them), the choice, then the probe outputs unsmoothed and smoothed (one swapper, the exponents attached for both:
+    only ``int8-dynamic-smooth`` reads them).
     """
     dtype = to_dtype(dtype)
     layers = cast(dict[str, nn.Linear], {name: module.get_submodule(name) for name in names})  # the Linears named
+    alphas = AUTO_ALPHAS if alpha == "auto" else (float(alpha),)
     with eval_no_grad(module):
-        absmax, reference = _input_absmax(module, layers, probe)
+        absmax, reference = input_absmax(module, layers, probe)
         unseen = sorted(set(layers) - set(absmax))
         if unseen:
             raise ValueError(
@@ -254,25 +182,19 @@ def choose_smoothing(
                 "(QuantizedPrecision(ignore_modules=[...]) or layer_modes={name: 'int8-dynamic'}) or use a probe "
                 "batch that reaches them."
             )
-        alphas = AUTO_ALPHAS if alpha == "auto" else (float(alpha),)
         candidates: dict[str, dict[Optional[float], torch.Tensor]] = {n: {a: shifts_for(absmax[n], layer.weight, a) for a in alphas} for n, layer in layers.items()}
+        zero = {n: torch.zeros(layer.in_features, dtype=torch.int8) for n, layer in layers.items()}
         errors: dict[str, dict[Optional[float], float]] = {}
+        chosen: dict[str, Optional[float]] = {n: float(alpha) for n in layers} if alpha != "auto" else {}
         if alpha == "auto":
-            zero: dict[str, dict[Optional[float], torch.Tensor]] = {n: {None: torch.zeros(layer.in_features, dtype=torch.int8)} for n, layer in layers.items()}
-            errors = _layer_errors(module, layers, {n: {**zero[n], **candidates[n]} for n in layers}, dtype, probe)
+            errors = candidate_errors(module, layers, {n: {None: zero[n], **candidates[n]} for n in layers}, dtype, probe)
             # the smallest error (ties: the smaller alpha, deterministic), if it is a clear gain over no smoothing
             best = {n: min(alphas, key=lambda a: (errors[n][a], a)) for n in layers}
             chosen = {n: a if errors[n][a] < _MAX_ERROR_RATIO * errors[n][None] else None for n, a in best.items()}
-        else:
-            chosen = {n: float(alpha) for n in layers}
-        shifts = {
-            n: candidates[n][a] if a is not None else torch.zeros(layers[n].in_features, dtype=torch.int8)
-            for n, a in chosen.items()
-        }
+        shifts = {n: candidates[n][a] if a is not None else zero[n] for n, a in chosen.items()}
         swapper = _Swapper(module, layers, dtype)
-        before = swapper.output({n: "int8-dynamic" for n in names}, probe)
-        with attached(module, shifts):
-            after = swapper.output({n: SMOOTH_MODE for n in names}, probe)
+        with attached(module, shifts):  # read by int8-dynamic-smooth's layers only: the unsmoothed plan ignores them
+            before, after = (swapper.output({n: mode for n in names}, probe) for mode in ("int8-dynamic", SMOOTH_MODE))
     cosine = lambda out: compare_outputs(out, reference, lm=False)["quant/cosine_similarity"]  # noqa: E731
     report = SmoothingReport(shifts, chosen, cosine(before), cosine(after), errors)
     if alpha == "auto" and report.cosine_after < report.cosine_before:
@@ -287,9 +209,10 @@ class Smoothing:
     """The smoothing of one ``QuantizedPrecision``: its setting, and the exponents measured (or resumed) at fit start.
 
     The plugin holds one when a layer may be stored in :data:`SMOOTH_MODE` (its mode, a sensitive mode or the plan)
-    and calls it at four points: :meth:`measure` in the checks (before the sensitivity plan, which measures the
-    smoothed layers), :meth:`attached` around the quantization, :meth:`report_unsmoothed` after it and :meth:`save`
-    with each checkpoint.
+    and calls it at three points: :meth:`measure` in the checks (before the sensitivity plan, which measures the
+    smoothed layers), :meth:`attached` around the quantization and :meth:`save` with each checkpoint. After the
+    quantization it hands :attr:`shifts` to :func:`~lightning_hbm.precision.int8_dynamic.report_unsmoothed`
+    (:meth:`report_unsmoothed` does the same), so that this module is entered once more only, not twice.
     """
 
     def __init__(self, setting: Union[float, str]) -> None:
@@ -328,19 +251,9 @@ class Smoothing:
         return attached(module, self.shifts or {})
 
     def report_unsmoothed(self, module: nn.Module, quantized: Sequence[str]) -> None:
-        """Warn about layers stored in :data:`SMOOTH_MODE` that got no exponents (only ``nn.Linear`` inputs are measured)."""
-        missed = [
-            name for name in quantized
-            if isinstance(module.get_submodule(name), Int8DynamicLinear)
-            and module.get_submodule(name).input_shift is not None and name not in (self.shifts or {})
-        ]
-        if missed and self.shifts:  # an empty dict: the planner's shape-only model, nothing measured
-            log.warning(
-                "lightning_hbm: %d layers stored as int8-dynamic-smooth without smoothing (only nn.Linear inputs are "
-                "measured; these are other layer kinds, e.g. Conv1D or MultiheadAttention projections): %s. They cost "
-                "1 byte per input channel for nothing: pin them with layer_modes={name: 'int8-dynamic'}.",
-                len(missed), missed,
-            )
+        """Warn about layers stored in :data:`SMOOTH_MODE` that got no exponents (only ``nn.Linear`` inputs are measured):
+        :func:`~lightning_hbm.precision.int8_dynamic.report_unsmoothed` with these exponents."""
+        report_unsmoothed(module, quantized, self.shifts)
 
     def save(self, meta: dict[str, Any]) -> None:
         """Into a checkpoint's lightning_hbm part: next to the settings, not in the state_dict, because an adapter-only

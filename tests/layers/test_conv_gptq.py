@@ -16,7 +16,7 @@ from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision import quantize_model
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.gptq import input_hessians, input_statistics, patches
-from lightning_hbm.precision.plan import Quantization
+from lightning_hbm.precision.quantization import Quantization
 
 CONVS: dict[str, Callable[[], nn.Module]] = {
     "2d, strided, padded": lambda: nn.Conv2d(8, 12, 3, stride=2, padding=1),

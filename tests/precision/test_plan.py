@@ -27,25 +27,25 @@ def test_only_lightning_hbms_plugins_are_surgery_plugins() -> None:
 def test_the_plugin_reads_and_sets_its_plans_settings() -> None:
     plugin = QuantizedPrecision("int8-dynamic", dtype="float32", layer_modes={"body.0": "none"})
     assert plugin.mode is plugin.config.mode and plugin.dtype == torch.float32 and plugin.rounding == "nearest"
-    assert plugin.pinned_plan == {"body.0": "none"} and not plugin.measures_plan and plugin.name == "QuantizedPrecision(int8-dynamic)"
+    assert plugin.pinned_layer_modes == {"body.0": "none"} and not plugin.measures_layer_modes and plugin.name == "QuantizedPrecision(int8-dynamic)"
     fake = plugin.mode.for_fake_tensors()
     plugin.mode = fake  # the planner's fake-tensor twin
     assert plugin.config.mode is fake and plugin.quantization.config is plugin.config
     measured = QuantizedPrecision("nf4", dtype="float32", max_bytes_per_param=1.0)
-    assert measured.measures_plan and measured.pinned_plan is None
+    assert measured.measures_layer_modes and measured.pinned_layer_modes is None
 
 
 def test_the_settings_are_one_frozen_config_checked_once() -> None:
     import dataclasses
 
     from lightning_hbm.precision import QuantizationConfig
-    from lightning_hbm.precision.plan import Quantization
+    from lightning_hbm.precision.quantization import Quantization
 
     plugin = QuantizedPrecision("int8-dynamic", dtype="float32", ignore_modules=["0"], sensitive_mode=("none",), min_cosine=0.9)
     config = plugin.config
     assert isinstance(config, QuantizationConfig) and config.mode is plugin.mode and config.dtype == torch.float32
-    assert config.ignore_modules == ("0",) and config.sensitive_mode == ["none"] and config.correction_rank == 0
-    assert plugin.sensitive_mode == ["none"] and plugin.min_cosine == 0.9 and plugin.measures_plan  # read through
+    assert config.ignore_modules == ("0",) and config.sensitive_mode == ("none",) and config.correction_rank == 0
+    assert plugin.sensitive_mode == ("none",) and plugin.min_cosine == 0.9 and plugin.measures_layer_modes  # read through
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.rounding = "gptq"  # type: ignore[misc]
     # the config refuses what the plugin refuses, with the plugin's messages
@@ -112,10 +112,10 @@ def test_the_former_plan_names_warn_naming_the_new_ones_and_give_the_same_thing(
     ``choose_layer_modes``, ``plugin.plan_report`` -> ``plugin.sensitivity_report``, ``QuantizationPlan`` ->
     ``Quantization``, ``plugin.plan`` -> ``plugin.layer_modes``: the old names still work, with a DeprecationWarning
     naming the new one; the attributes stay read-only."""
-    from lightning_hbm.precision import plan, sensitivity
+    from lightning_hbm.precision import quantization, sensitivity
 
     for module, old, new in ((sensitivity, "SensitivityPlan", "SensitivityReport"), (sensitivity, "choose_plan", "choose_layer_modes"),
-                             (plan, "QuantizationPlan", "Quantization")):
+                             (quantization, "QuantizationPlan", "Quantization")):
         with pytest.warns(DeprecationWarning, match=rf"{module.__name__}\.{old} is deprecated: use {new} "):
             assert getattr(module, old) is getattr(module, new)
     with pytest.warns(DeprecationWarning, match="use SensitivityReport"):
@@ -128,3 +128,30 @@ def test_the_former_plan_names_warn_naming_the_new_ones_and_give_the_same_thing(
             assert getattr(plugin, old) == getattr(plugin, new)
         with pytest.raises(AttributeError):
             setattr(plugin, old, None)  # read-only, as the new name
+
+
+def test_the_former_plan_names_of_session_29_warn_and_give_the_same_thing() -> None:
+    """Issue 54, continued: the module ``precision.plan`` -> ``precision.quantization``, ``pinned_plan`` ->
+    ``pinned_layer_modes``, ``measures_plan`` -> ``measures_layer_modes``, ``Quantization.saved_plan`` ->
+    ``saved_layer_modes``: the old names still work, each with a DeprecationWarning naming the new one."""
+    import importlib
+
+    from lightning_hbm.precision import quantization
+
+    old_module = importlib.import_module("lightning_hbm.precision.plan")  # importing it alone says nothing
+    for name in ("Quantization", "GPTQRounding", "saved_meta", "DIGEST_KEY"):
+        with pytest.warns(DeprecationWarning, match=rf"lightning_hbm\.precision\.plan is deprecated: import {name} from lightning_hbm\.precision\.quantization"):
+            assert getattr(old_module, name) is getattr(quantization, name)
+    with pytest.warns(DeprecationWarning, match=r"QuantizationPlan is deprecated: use lightning_hbm\.precision\.quantization\.Quantization"):
+        from lightning_hbm.precision.plan import QuantizationPlan  # noqa: F401  # the import form warns too
+    with pytest.raises(AttributeError, match="has no attribute 'Quantizaton'"):
+        old_module.Quantizaton  # noqa: B018
+    plugin = QuantizedPrecision("int8-dynamic", dtype="float32", layer_modes={"0": "none"})
+    for old, new in (("pinned_plan", "pinned_layer_modes"), ("measures_plan", "measures_layer_modes")):
+        with pytest.warns(DeprecationWarning, match=rf"QuantizationConfig\.{old} is deprecated: read {new} "):
+            assert getattr(plugin.config, old) == getattr(plugin.config, new)
+        with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated: read {new} "):
+            assert getattr(plugin, old) == getattr(plugin, new)  # read through the plugin as before
+    with pytest.warns(DeprecationWarning, match=r"Quantization\.saved_plan is deprecated: use Quantization\.saved_layer_modes "):
+        assert plugin.quantization.saved_plan(None) is None and plugin.quantization.saved_layer_modes(None) is None
+

@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
+from lightning_hbm._validate import frozen
 from lightning_hbm.adapters.lora import variants
 from lightning_hbm.adapters.lora.base import ALL_LINEAR
 
@@ -71,8 +72,10 @@ class LoRAConfig:
     use_rslora: bool = False
     init_lora_weights: Union[bool, str] = True
     bias: Literal["none", "all", "lora_only"] = "none"
-    rank_pattern: Optional[dict[str, int]] = None
-    alpha_pattern: Optional[dict[str, float]] = None
+    #: ``{regex: rank}`` (a dict given; kept as a read-only :class:`~lightning_hbm._validate.FrozenDict`: frozen, as the other fields)
+    rank_pattern: Optional[Mapping[str, int]] = None
+    #: ``{regex: alpha}``, kept as ``rank_pattern``
+    alpha_pattern: Optional[Mapping[str, float]] = None
 
     def __post_init__(self) -> None:
         def _set(**values: Any) -> None:
@@ -106,14 +109,14 @@ class LoRAConfig:
                 f"LoRA init_lora_weights must be True, False, 'gaussian', 'pissa' or 'olora', got {self.init_lora_weights!r}."
             )
         variants.check_init(self.init_lora_weights)
-        _set(rank_pattern=variants.check_pattern("rank_pattern", self.rank_pattern, integer=True))
-        _set(alpha_pattern=variants.check_pattern("alpha_pattern", self.alpha_pattern, integer=False))
+        _set(rank_pattern=frozen(variants.check_pattern("rank_pattern", self.rank_pattern, integer=True)))
+        _set(alpha_pattern=frozen(variants.check_pattern("alpha_pattern", self.alpha_pattern, integer=False)))
 
     def argument(self, name: str) -> Any:
-        """The setting ``name`` as the callback's argument is written (names as a list, as YAML and checkpoints hold
-        them): what a checkpoint records and a message shows."""
+        """The setting ``name`` as the callback's argument is written (names as a list, patterns as a dict, as YAML and
+        checkpoints hold them): what a checkpoint records and a message shows."""
         value = getattr(self, name)
-        return list(value) if isinstance(value, tuple) else value
+        return list(value) if isinstance(value, tuple) else dict(value) if isinstance(value, Mapping) else value
 
     def resume_config(self) -> dict[str, Any]:
         """The settings a checkpoint records and a resume must find again (``dropout`` and the checkpoint flags may change)."""
@@ -130,8 +133,8 @@ class LoRAConfig:
             "use_rslora": self.use_rslora,
             "init_lora_weights": self.init_lora_weights,
             "bias": self.bias,
-            "rank_pattern": self.rank_pattern,
-            "alpha_pattern": self.alpha_pattern,
+            "rank_pattern": self.argument("rank_pattern"),
+            "alpha_pattern": self.argument("alpha_pattern"),
         }
 
     def peft_config(self, peft: Any, targets: list[str]) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Optional, Union, cast
+from typing import Any, Callable, Mapping, Optional, Union, cast
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ def check_init(init_lora_weights: Union[bool, str]) -> None:
         )
 
 
-def check_pattern(arg: str, pattern: Optional[dict[str, Any]], integer: bool) -> Optional[dict[str, Any]]:
+def check_pattern(arg: str, pattern: Optional[Mapping[str, Any]], integer: bool) -> Optional[dict[str, Any]]:
     """``rank_pattern`` / ``alpha_pattern``: keys valid regexes, values positive (ints for ranks)."""
     if pattern is None:
         return None
@@ -75,7 +75,7 @@ def pattern_matches(key: str, name: str) -> bool:
     return re.match(rf"(.*\.)?({key})$", name) is not None
 
 
-def check_patterns_match(arg: str, pattern: Optional[dict[str, Any]], targets: list[str]) -> None:
+def check_patterns_match(arg: str, pattern: Optional[Mapping[str, Any]], targets: list[str]) -> None:
     """A pattern key that matches no adapted layer is a typo: an error, not a silently uniform rank."""
     for key in pattern or {}:
         if not any(pattern_matches(key, t) for t in targets):
@@ -87,7 +87,7 @@ def check_patterns_match(arg: str, pattern: Optional[dict[str, Any]], targets: l
             )
 
 
-def layer_rank(r: int, rank_pattern: Optional[dict[str, int]], name: str) -> int:
+def layer_rank(r: int, rank_pattern: Optional[Mapping[str, int]], name: str) -> int:
     """The rank peft gives layer ``name``: the first matching ``rank_pattern`` key's, else ``r``."""
     for key, value in (rank_pattern or {}).items():
         if pattern_matches(key, name):

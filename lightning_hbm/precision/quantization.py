@@ -1,0 +1,520 @@
+"""``Quantization``: what one ``QuantizedPrecision`` stores quantized, in which mode and how it is rounded.
+
+:class:`~lightning_hbm.QuantizedPrecision` is the Lightning side of quantization (dtype hooks, the surgery entry,
+checkpoint hooks); this object is the rest, one per plugin:
+
+* its settings, a frozen :class:`~lightning_hbm.precision.config.QuantizationConfig` checked at construction (the
+  plugin's arguments: same errors, same messages);
+* the **targets**, the layers it quantizes and the ones it leaves alone (with why): listed once per surgery, in
+  :meth:`Quantization.check` (a :class:`~lightning_hbm.precision.targets.Listing`); LoRA's checks
+  (:meth:`Quantization.targets`) and the quantization reuse that listing (its Linear-like layers listed again only
+  when preparing a layer kind replaced modules, e.g. ``nn.MultiheadAttention``);
+* the **layer modes** ``{layer name: mode name}`` (:mod:`lightning_hbm.precision.sensitivity`), pinned by the
+  user (``layer_modes``), measured on the probe or taken from the checkpoint being resumed;
+* the **GPTQ rounding** (:class:`GPTQRounding`: input statistics, then the CRC of the rounded layers);
+* the **smoothing** (:class:`~lightning_hbm.precision.smoothing.Smoothing`);
+* the **resume metadata**: :meth:`Quantization.resume_config` (the settings a resume must share) and
+  :meth:`Quantization.save` (the GPTQ CRC and the smoothing exponents, into each checkpoint).
+
+It is called at the surgery points: :meth:`~Quantization.check` in the checks (before any change: the targets listed,
+then what the quantization needs measured, :meth:`Quantization._measure`, then the layer modes), and
+:meth:`~Quantization.convert` at the quantization point, one way: the targets and measures of the checks handed on,
+the quantization (:func:`~lightning_hbm.precision.targets.quantize_listed`), then the record. Both take the Trainer of
+the run (or ``None``): the probe batch and the checkpoint being resumed are read from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from contextlib import nullcontext
+from typing import Any, Optional, Sequence
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor  # as layers/readers.py: no public home
+
+from lightning_hbm import record, resume
+from lightning_hbm._compat import bitsandbytes as bnb_compat
+from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.layers import CONV
+from lightning_hbm.layers.correction import saved_factors
+from lightning_hbm.layers.embedding import is_plain_embedding
+from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, unmeasured_reference_warning
+from lightning_hbm.precision.config import QuantizationConfig
+from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
+from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
+from lightning_hbm.precision.int4_asym import regrid_warning
+from lightning_hbm.precision.int8_dynamic import report_unsmoothed
+from lightning_hbm.precision.quantize import _layer_modes
+from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_PLAN_TARGET, SensitivityReport, choose_layer_modes, planned_convs_warning, unplanned_convs_warning
+from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
+from lightning_hbm.precision.targets import Listing, TargetRule, _validate, quantize_listed
+from lightning_hbm.probe import eval_no_grad, forward_on, has_forward
+from lightning_hbm.probe_batch import first_batches
+
+log = logging.getLogger(__name__)
+
+#: Tokens the default probe holds when ``correction_rank`` is set (the first training batches, joined): on the real
+#: SmolLM2 after 150 LoRA steps a 512-token probe ended +1.49 % above 16-bit LoRA, a 2048-token one +0.74 % (issue 52).
+CORRECTION_PROBE_TOKENS = 2048
+DIGEST_KEY = "gptq_digest"  # the CRC of the GPTQ-rounded base, in the checkpoint's lightning_hbm part
+
+
+def saved_meta(trainer: Any) -> dict[str, Any]:
+    """The lightning_hbm part of the checkpoint ``trainer`` is resuming (empty when none), as resume hands it over:
+    verified once by resume, never read from the file here.
+
+    Raises:
+        ValueError: the checkpoint's structure, version or CRCs are wrong (:func:`lightning_hbm.resume.saved_part`).
+    """
+    return resume.saved_part(trainer)
+
+
+def _on_fake_tensors(module: nn.Module) -> bool:
+    """Whether ``module`` holds fake tensors (the planner's trace): nothing to measure on."""
+    return any(isinstance(p, FakeTensor) for p in module.parameters())
+
+
+def modules_to_save(module: nn.Module, trainer: Any) -> list[str]:
+    """The modules the Trainer's callbacks train in full (``LoRA``'s ``modules_to_save``): they stay unquantized.
+
+    Those of the callbacks of ``trainer`` (the Trainer ``module`` is attached to), read by duck typing (any callback with the
+    attribute: the precision level sits below the callbacks, ``tests/test_layering.py``), then, without a Trainer
+    (the planner's surgery), those :func:`~lightning_hbm.surgery.run_surgery` recorded from its transforms.
+    """
+    names = [name for cb in getattr(trainer, "callbacks", []) for name in getattr(cb, "modules_to_save", None) or ()]
+    return names + [n for n in record.modules_to_save(module) if n not in names]
+
+
+class GPTQRounding:
+    """The GPTQ rounding of one plan (``QuantizedPrecision(rounding="gptq")``).
+
+    :attr:`hessians` set in the checks (``Quantization._measure``: one probe forward, every target's input
+    statistics), then :meth:`finish` after the
+    quantization rounded the layers with them (frees them, takes the CRC of the rounded weights and compares it with
+    the one of the checkpoint being resumed), :meth:`save` with each checkpoint.
+    """
+
+    def __init__(self) -> None:
+        #: ``{layer name: 2 X^T X}`` on the probe (measured in the checks, freed after the quantization)
+        self.hessians: Optional[dict[str, Tensor]] = None
+        #: CRC32 of the GPTQ-rounded 4-bit weights (saved with checkpoints, compared on resume)
+        self.digest: Optional[str] = None
+
+    def finish(self, module: nn.Module, quantized: Sequence[str], layer_modes: Optional[dict[str, str]], saved: Optional[str]) -> None:
+        """After the quantization of ``quantized``: log what was rounded, keep its CRC, check it against ``saved`` (the CRC
+        of the checkpoint being resumed, ``None``: none).
+
+        Raises:
+            ValueError: the checkpoint being resumed was trained on a base rounded otherwise (another probe batch).
+        """
+        hessians = self.hessians or {}
+        rounded = [n for n in quantized if n in hessians and grid_of(module.get_submodule(n)) is not None]
+        nearest = [n for n in quantized if n not in rounded and (layer_modes or {}).get(n) != "none"]
+        self.hessians = None  # in_features**2 floats per layer input: not kept for training
+        self.digest = digest(module, rounded)
+        log.info("lightning_hbm: GPTQ rounding of %d 4-bit layers on the probe batch (CRC %s)", len(rounded), self.digest)
+        warning = nearest_warning(module, nearest, hessians)  # nothing silent: by name, reason and fix
+        if warning is not None:
+            rank_zero_warn(warning)
+        if saved is not None and saved != self.digest:
+            raise ValueError(
+                f"The GPTQ rounding rebuilt for this resume (CRC {self.digest}) differs from the one the "
+                f"checkpoint was trained with (CRC {saved}): the probe batch differs (or the weights on another device). "
+                "Resume with the same probe_batch (or datamodule) as the run that saved it; nothing has been trained yet."
+            )
+
+    def save(self, meta: dict[str, Any]) -> None:
+        """Into a checkpoint's lightning_hbm part: the CRC a resume compares its own rounding with."""
+        if self.digest is not None:
+            meta[DIGEST_KEY] = self.digest
+
+
+class Quantization:
+    """What one ``QuantizedPrecision`` quantizes and how: its settings (a :class:`QuantizationConfig`) and what its
+    surgeries decide (module docstring).
+
+    Args:
+        config: the settings (the plugin's arguments, checked).
+        owner: the name the settings are saved under in a checkpoint's ``configs`` (the plugin's class name).
+    """
+
+    def __init__(self, config: QuantizationConfig, owner: str) -> None:
+        #: the settings (frozen; the planner swaps ``mode`` for its fake-tensor twin with ``dataclasses.replace``)
+        self.config = config
+        self.gptq = GPTQRounding() if config.rounding == "gptq" else None
+        #: the calibrated low-rank correction of each quantized layer (``None``: off)
+        self.correction = CalibratedCorrection(config.correction_rank, config.torch_dtype) if config.correction_rank else None
+        #: the per-layer modes ``{layer name: mode name}`` (``None``: every layer in ``mode``): pinned, measured or resumed
+        self.layer_modes: Optional[dict[str, str]] = config.pinned_layer_modes
+        #: what the sensitivity-aware choice measured (``None`` without a target)
+        self.report: Optional[SensitivityReport] = None
+        #: what the convolutions' plan measured (``None``: no convolution in a 4-bit mode, or not measured)
+        self.conv_report: Optional[SensitivityReport] = None
+        #: the quantized model's output cosine on the probe, any mode (:mod:`~lightning_hbm.precision.accuracy`;
+        #: ``None``: no quantized convolution, or not measured)
+        self.conv_accuracy: Optional[ConvAccuracy] = None
+        # the model as built on the probe (recorded in the checks, compared and dropped at the quantization)
+        self._reference: Optional[Reference] = None
+        # the convolutions' plan's warning that held out such plans measured under the target (said at the quantization)
+        self._conv_gap: Optional[str] = None
+        # the convolutions' plan said the model went unmeasured (no probe batch, a probe it cannot run): not said twice
+        self._said_unmeasured = False
+        #: the smoothing of layers stored in ``int8-dynamic-smooth`` (``None`` when no layer may be)
+        self.smoothing = None if config.smoothing is None else Smoothing(config.smoothing)
+        #: where the quantized layers are built (the strategy's root device; ``None``: where the weights are)
+        self.device: Optional[torch.device] = None
+        self.owner = owner
+        # (model, the rule, the listing): the targets of the surgery under way
+        self._listing: Optional[tuple[weakref.ref, TargetRule, Listing]] = None
+
+    @property
+    def rounding_digest(self) -> Optional[str]:
+        """CRC32 of the GPTQ-rounded 4-bit weights (saved with checkpoints, compared on resume; ``None``: not rounded)."""
+        return self.gptq.digest if self.gptq is not None else None
+
+    @property
+    def correction_report(self) -> Optional[CorrectionReport]:
+        """What the last surgery's calibrated correction did (``None``: off, or not run yet)."""
+        return None if self.correction is None else self.correction.report
+
+    @property
+    def input_shifts(self) -> Optional[dict[str, Tensor]]:
+        """``{layer name: int8 exponents}`` measured (or resumed) at fit start."""
+        return None if self.smoothing is None else self.smoothing.shifts
+
+    @property
+    def smoothing_report(self) -> Optional[SmoothingReport]:
+        """What the smoothing measured (``None`` when resumed or not smoothed)."""
+        return None if self.smoothing is None else self.smoothing.report
+
+    # ------------------------------------------------------------------ targets
+
+    def listing(self, module: nn.Module) -> Listing:
+        """The targets of ``module`` and the layers left alone with (reason, deliberate), listed once per surgery."""
+        return self._listed(module, lightning_compat.attached_trainer(module))[1]
+
+    def _listed(self, module: nn.Module, trainer: Any) -> tuple[TargetRule, Listing]:
+        """The rule of this surgery (settings and the modules trained in full) and its listing of ``module``: listed
+        again only when the model or the modules trained in full changed since."""
+        rule = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module, trainer)), self.config.quantize_embeddings)
+        cached = self._listing
+        if cached is None or cached[0]() is not module or cached[1] != rule:
+            cached = (weakref.ref(module), rule, rule.listing(module))
+            self._listing = cached
+        return cached[1], cached[2]
+
+    def targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``(name, layer)`` of every layer quantized in ``module``, before any change."""
+        return self.listing(module)[0]
+
+    @staticmethod
+    def _linear_names(targets: list[tuple[str, nn.Module]]) -> list[str]:
+        # measured per nn.Linear (other kinds, e.g. Conv1D or the projections a MultiheadAttention becomes, use mode)
+        return [name for name, layer in targets if isinstance(layer, nn.Linear)]
+
+    # ------------------------------------------------------------------ the surgery points
+
+    def check(self, module: nn.Module, trainer: Any) -> None:
+        """The checks of the surgery (nothing changes): list the targets, validate, measure what the plan needs.
+
+        Measured here, before the first change: an unreachable target fails with the model untouched, and on resume
+        the plan exists before the saved settings (the plan included) are compared with this run's.
+
+        Raises:
+            ValueError: the model cannot be quantized with these settings, or a target cannot be met.
+        """
+        self._listing = None  # a new surgery: list the model as it is now
+        if self.config.layer_modes is None:
+            self.layer_modes = self.conv_report = None  # a plugin reused by another Trainer measures again
+        rule, listing = self._listed(module, trainer)
+        _validate(module, rule, listing, self.config.format, self.config.torch_dtype)
+        fake = _on_fake_tensors(module)  # the planner's trace (a model cut to fewer blocks): nothing is measured there
+        check_accuracy_at(module, None if fake else self.config.accuracy_at)
+        targets = listing.targets
+        if self.config.layer_modes is not None:
+            _layer_modes(targets, self.config.format, self.layer_modes or {})
+        warning = regrid_warning(targets, self.config.format.name)
+        if warning is not None:
+            rank_zero_warn(warning)
+        if self.config.quantize_embeddings:
+            self._say_embeddings_kept(module)
+        self._measure(module, targets, trainer, inputs=True, smooth=True)  # smoothed before the plan, which measures it
+        if self.config.measures_layer_modes:
+            with self.smoothing.attached(module) if self.smoothing is not None else nullcontext():
+                self._choose_layer_modes(module, self._linear_names(targets), trainer)
+        convs = [name for name, layer in targets if CONV.matches(layer)]
+        self._conv_gap, self._said_unmeasured = None, False
+        self.conv_accuracy, self._reference = None, Reference(convs) if convs and not fake else None
+        with self._reference.recording(module) if self._reference is not None else nullcontext():
+            self._choose_conv_modes(module, convs, trainer)  # its first forward is the model as built: the reference
+        self._record_reference(module, trainer)
+        said = accuracy_at_unused(module, None if fake else self.config.accuracy_at, self._reference, convs)  # never called: raised
+        if said is not None:
+            rank_zero_warn(said)
+
+    def _say_embeddings_kept(self, module: nn.Module) -> None:
+        """Warn (names, reasons) about input embeddings ``quantize_embeddings=True`` keeps in the compute dtype."""
+        targets, skipped = self.listing(module)[:2]
+        kept = {n: why for n, (why, deliberate) in skipped.items() if not deliberate and is_plain_embedding(module.get_submodule(n))}
+        if kept:
+            rank_zero_warn(
+                f"lightning_hbm: QuantizedPrecision(quantize_embeddings=True) keeps {len(kept)} input embedding(s) in "
+                f"{self.config.torch_dtype}: " + "; ".join(f"{n}: {why}" for n, why in kept.items()) + "."
+            )
+        elif not any(isinstance(layer, nn.Embedding) for _, layer in targets):
+            rank_zero_warn(
+                f"lightning_hbm: QuantizedPrecision(quantize_embeddings=True): {type(module).__name__} has no nn.Embedding "
+                "to store quantized; the option changes nothing for this model."
+            )
+
+    def convert(self, module: nn.Module, trainer: Any) -> list[str]:
+        """Quantize the targets of ``module`` in place, one way, each step handing its value to the next: the targets the
+        checks listed, what they measured (both done now if the checks did not run), the quantization
+        (:func:`~lightning_hbm.precision.targets.quantize_listed`) under the smoothing exponents, then the record:
+        what it did, said and kept. Returns the names of the layers quantized.
+
+        Raises:
+            ValueError: as :func:`~lightning_hbm.precision.quantize_model`, or a resumed GPTQ rounding that differs.
+        """
+        rule, listed = self._listed(module, trainer)  # the checks' targets, handed on
+        correction, smoothing = self.correction, self.smoothing
+        inputs = correction is not None and correction.hessians is None and correction.saved is None
+        smooth = smoothing is not None and smoothing.shifts is None
+        if inputs or smooth:  # a plain call that did not run the checks
+            self._measure(module, listed[0], trainer, inputs, smooth)
+        hessians = self.gptq.hessians if self.gptq is not None else None
+        if correction is not None:
+            correction.start()
+        config = self.config
+        with smoothing.attached(module) if smoothing is not None else nullcontext():
+            quantized = quantize_listed(module, rule, listed, config.format, config.torch_dtype, self.layer_modes or {}, self.device, hessians, correction)
+        self._listing = None  # the model changed: the next surgery lists it again
+        log.info("lightning_hbm: %d layers stored as %s", len(quantized), config.format.name)
+        if smoothing is not None:  # read where the layer is defined: the smoothing's module is not entered again
+            report_unsmoothed(module, quantized, smoothing.shifts)
+        if self.gptq is not None and hessians is not None:  # the CRC checked against the checkpoint being resumed
+            self.gptq.finish(module, quantized, self.layer_modes, resume.saved_part(trainer).get(DIGEST_KEY))
+        if correction is not None:
+            correction.finish(module)
+        # the quantized model's output on the probe against the model as built (any mode): the reference handed on
+        reference, self._reference = self._reference, None
+        if reference is not None:  # before the check's first forward of bitsandbytes 4-bit layers, as the surgery does
+            # after the quantization: an eval forward on an AVX512-BF16 CPU would repack them for a kernel that bypasses autograd
+            bnb_compat.disable_cpu_repacks(module)
+        threshold = config.min_cosine if config.min_cosine is not None else CONV_MIN_COSINE
+        self.conv_accuracy = check_accuracy(module, reference, quantized, self.layer_modes or {}, config, threshold)
+        warned = self.conv_accuracy is not None and self.conv_accuracy.warned
+        gap, self._conv_gap = self._conv_gap, None
+        if gap is not None and not warned:  # the plan's warning, when the measured figure did not say more
+            rank_zero_warn(gap)
+        return quantized
+
+    def _record_reference(self, module: nn.Module, trainer: Any) -> None:
+        """The model as built on the probe, for :func:`~lightning_hbm.precision.accuracy.check_accuracy`, where the convolutions' plan did not record it:
+        one forward (none without a quantized convolution; without a probe batch or a forward: logged, not measured)."""
+        reference = self._reference
+        if reference is None or reference.output is not None:
+            return
+        try:
+            if not has_forward(module):
+                raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
+            probe = self.probe(trainer)
+            with eval_no_grad(module), reference.recording(module), torch_compat.preserved_rngs():  # the user's RNG draws as they were
+                forward_on(module, probe)  # any output: every floating tensor of it is the reference
+        except Exception as error:  # noqa: BLE001 - a measurement never stops a healthy model: said, with the fix
+            self._reference = None
+            if not self._said_unmeasured:  # the 4-bit plan said it already (no probe batch, a probe it cannot run)
+                rank_zero_warn(unmeasured_reference_warning(module, reference.names, error))
+
+    def _measure(self, module: nn.Module, targets: list[tuple[str, nn.Module]], trainer: Any, inputs: bool, smooth: bool) -> None:
+        """What the quantization measures on the model as built, before any change: one probe forward for each target's
+        input statistics (``inputs``: GPTQ rounding and the correction share them; the correction's factors are taken
+        back from the checkpoint being resumed with these settings instead), then the smoothing exponents (``smooth``:
+        of the ``nn.Linear`` targets, or the checkpoint's). Not on fake tensors (the planner): neither changes the bytes
+        (the correction's factors are then zeros of their shapes, the exponents none).
+
+        Raises:
+            ValueError: no probe batch, or one too small for ``correction_rank``.
+        """
+        fake = _on_fake_tensors(module)
+        resumed = self._resumed(trainer) if trainer is not None and (self.correction is not None or self.smoothing is not None) else {}
+        probe = lambda: self.probe(trainer)  # noqa: E731 - drawn only by what measures (a resume may measure nothing)
+        correction = self.correction
+        if inputs and correction is not None:
+            correction.hessians = None
+            # resuming with these settings: the file's factors, bit for bit (read where the layer declares its keys:
+            # the correction's own module is entered once here, with the statistics, and once after the quantization)
+            correction.saved = saved_factors(resumed.get("state_dict") or {}) if resumed else None
+        fitting = correction is not None and correction.saved is None
+        if inputs and (self.gptq is not None or fitting) and not fake:
+            # an embedding's input is token ids: no statistics
+            names = [name for name, layer in targets if not isinstance(layer, nn.Embedding)]
+            hessians, rows = input_statistics(module, names, probe())
+            if self.gptq is not None:
+                self.gptq.hessians = hessians
+            if correction is not None and fitting:
+                correction.measured(hessians, rows)
+        if smooth and self.smoothing is not None:
+            path = trainer.ckpt_path if trainer is not None else None  # named in a refusal of the saved exponents
+            self.smoothing.measure(module, self._linear_names(targets), self.config.torch_dtype, probe, lambda: resumed, path)
+
+    def _resumed(self, trainer: Any) -> dict[str, Any]:
+        """The lightning_hbm part of the checkpoint ``trainer`` is resuming when it was saved with these settings (its
+        layer modes aside), else empty: what the correction and the smoothing take back instead of measuring."""
+        meta = saved_meta(trainer)
+        config = meta.get("configs", {}).get(self.owner) or {}
+        return meta if meta and all(config.get(k) == v for k, v in self.settings().items() if k != "layer_modes") else {}
+
+    def probe(self, trainer: Any) -> Any:
+        """The batch the plan is measured on: ``probe_batch``, else the first of the Trainer's train dataloader (a
+        datamodule's, the loader passed to ``fit``, the module's own: :func:`~lightning_hbm.probe_batch.first_batch`); with
+        ``correction_rank``, its first batches joined up to :data:`CORRECTION_PROBE_TOKENS` tokens.
+
+        Raises:
+            ValueError: no ``probe_batch`` and no train dataloader to draw one from.
+        """
+        if self.config.probe_batch is not None:
+            return self.config.probe_batch
+        correcting = self.correction is not None
+        return first_batches(trainer, "QuantizedPrecision", CORRECTION_PROBE_TOKENS if correcting else 0, most=16 if correcting else 1)
+
+    def _choose_layer_modes(self, module: nn.Module, names: list[str], trainer: Any) -> None:
+        self.layer_modes = self.report = None  # a plugin reused by another Trainer measures again
+        saved = self.saved_layer_modes(trainer)
+        if saved is not None:  # resuming: rebuild the plan the checkpoint was trained with (a fresh model may differ)
+            self.layer_modes = saved
+            log.info("lightning_hbm: mixed precision plan taken from the checkpoint being resumed")
+            return
+        report = choose_layer_modes(
+            module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, self.probe(trainer),
+            max_bytes_per_param=self.config.max_bytes_per_param, min_cosine=self.config.min_cosine,
+            hessians=self.gptq.hessians if self.gptq is not None else None,
+        )
+        self.layer_modes, self.report = report.modes, report
+        log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.config.format.name))
+
+    def _choose_conv_modes(self, module: nn.Module, names: list[str], trainer: Any) -> None:
+        """The convolutions' plan under a 4-bit mode (issue 53): each one's output error measured on the probe, the
+        most sensitive widened (``sensitive_mode``) until the probe output cosine reaches ``min_cosine`` (default
+        :data:`CONV_PLAN_TARGET`, above the threshold held out because the probe reads high); under it, a warning naming the figure. Not with a pinned plan, nor when resuming
+        (the checkpoint's plan is taken), nor without a probe batch (logged; a BatchNorm conv net: a warning, with the
+        figure); a probe the model cannot run: a warning. A BatchNorm conv net planned to the target: a warning that held
+        out such plans measured under it (:func:`~lightning_hbm.precision.sensitivity.planned_convs_warning`)."""
+        if not names or self.config.layer_modes is not None or self.config.format.peft_kind != "4bit":
+            return
+        if trainer is not None and saved_meta(trainer).get("configs", {}).get(self.owner):
+            # resuming: the plan the checkpoint was trained with (Linears' and convolutions'); none saved (a checkpoint
+            # from before issue 53): every convolution in mode, as it was trained
+            self.layer_modes = self.saved_layer_modes(trainer) or self.layer_modes
+            return
+        target = self.config.min_cosine if self.config.min_cosine is not None else CONV_PLAN_TARGET
+        try:
+            probe = self.probe(trainer)
+        except ValueError:
+            unplanned = unplanned_convs_warning(module, names, self.config.format.name)
+            if unplanned is not None:  # a BatchNorm conv net: the loss is measured, said (issue 53)
+                rank_zero_warn(unplanned)
+                self._said_unmeasured = True
+            log.info("lightning_hbm: %d convolutions stored in %s without a measured plan: no probe_batch", len(names), self.config.format.name)
+            return
+        try:  # on by default: a model or batch the probe cannot run is said, and the fit goes on as before issue 53
+            if not has_forward(module):
+                raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
+            report = choose_layer_modes(
+                module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, probe, min_cosine=target,
+                hessians=self.gptq.hessians if self.gptq is not None else None, strict=False, tap=self.config.accuracy_at,
+            )  # fmt: skip
+        except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as error:
+            self._said_unmeasured = True
+            rank_zero_warn(
+                f"lightning_hbm: {len(names)} convolutions stored in {self.config.format.name} without a measured plan ({error}). "
+                f"With BatchNorm statistics like a trained network's, uniform 4-bit convolutions can lose much of the "
+                "output (issue 53: ResNet18 cosine 0.91); pass QuantizedPrecision(probe_batch=...) the model's forward "
+                "takes, or mode='int8'."
+            )
+            return
+        self.conv_report = report
+        widened = {name: mode for name, mode in report.modes.items() if mode != self.config.format.name}
+        if widened:
+            self.layer_modes = {**(self.layer_modes or {}), **widened}
+        log.info("lightning_hbm: convolutions' plan: %s", report.summary(self.config.format.name).replace("Linear layers", "convolutions"))
+        # reached on the probe only: held out, a BatchNorm conv net measured under it (issue 53); said at the quantization
+        # unless the quantized model's own figure is under the threshold there (one warning, the measured one)
+        threshold = self.config.min_cosine if self.config.min_cosine is not None else CONV_MIN_COSINE
+        self._conv_gap = planned_convs_warning(module, report, self.config.format.name, target, threshold)
+        if report.cosine < target:
+            rank_zero_warn(
+                f"lightning_hbm: the convolutions stored in {self.config.format.name} (widest plan of sensitive_mode="
+                f"{self.config.sensitive_argument()!r}: {report.bytes_per_param:.3f} bytes per conv weight) give a probe output cosine "
+                f"of {report.cosine:.4f} < {target} against the unquantized model (uniform {self.config.format.name}: "
+                f"{report.uniform_cosine:.4f}). Fix: QuantizedPrecision(..., sensitive_mode=['int8', 'none']) or mode='int8'."
+            )
+
+    # ------------------------------------------------------------------ resume
+
+    def saved_layer_modes(self, trainer: Any) -> Optional[dict[str, str]]:
+        """The layer modes in the checkpoint ``trainer`` is resuming, if it was saved with these settings (else ``None``)."""
+        if trainer is None:
+            return None
+        saved = saved_meta(trainer).get("configs", {}).get(self.owner) or {}
+        if any(saved.get(key) != value for key, value in self.settings().items()):
+            return None  # other settings: measure, and the resume check lists every difference
+        return saved.get("layer_modes")
+
+    def saved_plan(self, trainer: Any) -> Optional[dict[str, str]]:
+        """Deprecated: the old name of :meth:`saved_layer_modes` ("plan" names the planner's, issue 54)."""
+        warnings.warn("Quantization.saved_plan is deprecated: use Quantization.saved_layer_modes (the same result).", DeprecationWarning, stacklevel=2)
+        return self.saved_layer_modes(trainer)
+
+    def resume_config(self, trainer: Any) -> dict[str, Any]:
+        """What a resumed run must share with the run that saved the checkpoint (``trainer``: the run's, or ``None``)."""
+        config = self.settings()
+        plan = self.layer_modes
+        if plan is None and self.config.layer_modes is None:
+            # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same
+            # settings the plan will be the checkpoint's own (_choose_layer_modes), so that one is this run's
+            plan = self.saved_layer_modes(trainer)
+        if plan is not None:
+            config["layer_modes"] = dict(plan)
+        return config
+
+    def settings(self) -> dict[str, Any]:
+        """The settings a resume compares (an option at its default is left out: older checkpoints keep matching)."""
+        config: dict[str, Any] = {"mode": self.config.format.name, "dtype": str(self.config.torch_dtype), "ignore_modules": self.config.ignore_list(), "quantize_head": self.config.quantize_head}
+        targets = {"max_bytes_per_param": self.config.max_bytes_per_param, "min_cosine": self.config.min_cosine}
+        if any(value is not None for value in targets.values()):
+            config.update(targets, sensitive_mode=self.config.sensitive_argument())
+        if self.config.layer_modes is not None:  # a plan the user gave: a setting like the others
+            config["layer_modes"] = dict(self.config.layer_modes)
+        if self.config.quantize_embeddings:  # absent before this option existed
+            config["quantize_embeddings"] = True
+        if self.config.rounding != "nearest":  # absent before this option existed
+            config["rounding"] = self.config.rounding
+        if self.smoothing is not None:
+            config["smoothing"] = self.config.smoothing
+        if self.config.correction_rank:  # absent before this option existed
+            config["correction_rank"] = self.config.correction_rank
+        return config
+
+    def save(self, meta: dict[str, Any]) -> None:
+        """Into the lightning_hbm part ``meta`` of a checkpoint: the GPTQ CRC, then the smoothing exponents."""
+        if self.gptq is not None:
+            self.gptq.save(meta)
+        if self.smoothing is not None:
+            self.smoothing.save(meta)
+
+
+def __getattr__(name: str) -> Any:
+    # the old name of Quantization ("plan" names the planner's, issue 54): importable, with a warning naming the new one
+    if name == "QuantizationPlan":
+        warnings.warn(f"{__name__}.QuantizationPlan is deprecated: use Quantization (the same class).", DeprecationWarning, stacklevel=2)
+        return Quantization
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["DIGEST_KEY", "GPTQRounding", "Quantization", "QuantizationConfig", "modules_to_save", "saved_meta"]
