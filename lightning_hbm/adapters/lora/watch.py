@@ -37,6 +37,7 @@ class _AdapterWatch:
         # peft's LoraLayer modules (a class looked up at run time, typed `type`): their lora_A/lora_B are ModuleDicts
         self.layers: dict[str, Any] = {n: m for n, m in module.named_modules() if isinstance(m, lora_cls)}
         self.ran: set[int] = set()
+        self.gradless: set[int] = set()  # ran in a training forward with gradients off (inside an autograd.Function)
         self.handles: list[Any] = []
         self.parents = {n: module.get_submodule(n.rpartition(".")[0]) if "." in n else module for n in self.layers}
         watched = {id(m): m for m in [*self.layers.values(), *self.parents.values()]}
@@ -48,6 +49,31 @@ class _AdapterWatch:
 
     def _ran(self, module: nn.Module, args: Any) -> None:
         self.ran.add(id(module))
+        if module.training and not torch.is_grad_enabled():
+            self.gradless.add(id(module))
+
+    def check_loss(self, loss: Any) -> None:
+        """At the first backward: a loss that does not require grad is an error naming why (was: torch's "element 0
+        of tensors does not require grad"), before any optimizer step. transformers Reformer runs its layers inside a
+        ``torch.autograd.Function`` (reversible layers, recomputed in its backward): the adapters run with gradients
+        off, and the backward reaches them only when the layers' input requires grad, which frozen embeddings'
+        output does not."""
+        if self.passes or not isinstance(loss, torch.Tensor) or loss.requires_grad:
+            return
+        gradless = [n for n, m in self.layers.items() if id(m) in self.gradless]
+        if gradless:
+            raise RuntimeError(
+                f"LoRA: the loss of the first training step does not require grad: the adapters {name_list(gradless)} "
+                "ran with gradients off (inside a torch.autograd.Function's forward, as transformers Reformer's "
+                "reversible layers run them), so the backward can reach them only through the layers' input, and the "
+                "frozen embeddings' output does not require grad. Make it require grad: call "
+                "model.enable_input_require_grads() on the transformers model in your LightningModule's __init__ "
+                "(or register a forward hook on the input embedding that returns output.requires_grad_())."
+            )
+        raise RuntimeError(
+            "LoRA: the loss of the first training step does not require grad: no adapter reaches it (a .detach(), "
+            "torch.no_grad() or .item() in training_step?). Return a loss computed from the model's output."
+        )
 
     def after_backward(self) -> bool:
         """Check one backward pass; ``True`` once the watch is over (the callback drops it)."""
