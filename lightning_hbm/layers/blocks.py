@@ -26,7 +26,9 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     and norm) is then not checkpointed, as in the other stages. Leaf modules (a list of ``nn.Linear`` heads) are not
     blocks: recomputing one matmul saves nothing. A model with no such stack may be a hybrid (transformers Jamba,
     Zamba2: Mamba and attention layers in one ``nn.ModuleList``): the outermost ``nn.ModuleList`` whose children are
-    all composite modules is its stack.
+    all composite modules is its stack. Failing that, a stack of one: the innermost ``nn.ModuleList`` holding a single
+    composite module (a model built with one layer; transformers ALBERT, whose one shared ``AlbertLayer`` runs
+    ``num_hidden_layers`` times: was "found no repeated blocks").
     """
     blocks: dict[str, nn.Module] = {}
     stack_of: dict[str, str] = {}  # block -> the stack it is an item of
@@ -52,7 +54,7 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
             del blocks[outer]
             blocks.update(inner)
     if not blocks:
-        blocks = _hybrid_blocks(module)
+        blocks = _hybrid_blocks(module) or _lone_blocks(module)
     order = {n: i for i, (n, _) in enumerate(module.named_modules())}
     return sorted(blocks.items(), key=lambda item: order[item[0]])
 
@@ -101,6 +103,20 @@ def _hybrid_blocks(module: nn.Module) -> dict[str, nn.Module]:
         items = list(child.named_children())
         if all(any(True for _ in c.children()) for _, c in items):
             blocks.update({f"{name}.{n}" if name else n: c for n, c in items})
+    return blocks
+
+
+def _lone_blocks(module: nn.Module) -> dict[str, nn.Module]:
+    # Only when no stack of two exists: an nn.ModuleList of one composite module, the innermost (ALBERT's one
+    # AlbertLayerGroup holds a list of one AlbertLayer: the layer). A list of one leaf (a Linear) is no block.
+    blocks: dict[str, nn.Module] = {}
+    for name, child in module.named_modules():
+        items = _stack_items(name, child, 1) if isinstance(child, nn.ModuleList) else None
+        if items is None:
+            continue
+        for outer in [b for b in blocks if name.startswith(b + ".")]:
+            del blocks[outer]
+        blocks.update(items)
     return blocks
 
 

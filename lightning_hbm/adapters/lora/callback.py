@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional, Union, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_hbm._compat import lightning as lightning_compat
@@ -392,6 +392,12 @@ class LoRA(SurgeryCallback):
         if not isinstance(trainer.precision_plugin, QuantizedPrecision):
             report_coverage(pl_module, quantizing=False)  # QuantizedPrecision reports it itself
         self._watch: Optional[_AdapterWatch] = _AdapterWatch(pl_module)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.check_loss(loss)  # the first backward only
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

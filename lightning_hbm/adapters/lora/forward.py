@@ -17,7 +17,8 @@ and base output in one dtype (``lora_B``'s fp32 weight is cast to a bf16 input's
 In a checkpointed block's recompute (:func:`recomputing`, entered by ``ActivationCheckpointing``) a layer marked
 ``first`` (the block's last adapted layer, :mod:`~lightning_hbm.adapters.lora.order`) computes its adapter term before
 its base layer: the term's saved tensors are then the block's last ones, torch's checkpoint stops there (early stop), and
-the base matmul is not run again. Should the recompute go on, the base output and the sum follow with the same values.
+the base matmul is not run again. Should the recompute go on (layers after it save tensors: JetMoE's attention and
+experts after its ``kv_proj``), the base output and the sum follow with the same values, requiring grad as in the forward.
 """
 
 from __future__ import annotations
@@ -85,10 +86,13 @@ class LoRAForward:
                 term = lora_b(a) * scaling
                 return _peft_sum(layer.base_layer(x), term, four_bit, convert)
             a2, wt = a.reshape(-1, a.shape[-1]), weight.t()
-            torch.addmm(a2.new_zeros(()), a2, wt, alpha=scaling)  # saves what the forward's addmm saved
+            term = torch.addmm(a2.new_zeros(()), a2, wt, alpha=scaling)  # saves what the forward's addmm saved
             result = layer.base_layer(x)  # reached only if the recompute goes on: the forward's values, nothing saved
-            return torch.addmm(result.reshape(-1, result.shape[-1]), a2.detach(), wt.detach(),
-                               alpha=scaling).view(result.shape)
+            fused = torch.addmm(result.reshape(-1, result.shape[-1]), a2.detach(), wt.detach(), alpha=scaling)
+            # and requiring grad as the forward's output did (term - term.detach() is exactly 0; neither op saves):
+            # what the block computes after this layer saves its tensors again (transformers JetMoE: kv_proj is the
+            # last adapted layer, its attention and experts follow; was "a different number of tensors was saved")
+            return (fused + (term - term.detach())).view(result.shape)
         result = layer.base_layer(x)  # peft's order: the base layer first
         a = lora_a(layer.lora_dropout[name](term_input))
         weight = None if torch.is_autocast_enabled() else _fused_weight(lora_b, a, result.dtype)

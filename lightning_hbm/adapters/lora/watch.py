@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_hbm._compat.torch import foreach_norm
 from lightning_hbm.adapters.lora.base import _lora_layer_cls
+from lightning_hbm.layers import weight_readers
 from lightning_hbm.naming import name_list
 
 #: backward passes over which an adapter whose gradient was all-zero at the first is watched. Each costs one fused
@@ -33,10 +34,12 @@ class _AdapterWatch:
     """
 
     def __init__(self, module: nn.Module) -> None:
+        self.module = module
         lora_cls = _lora_layer_cls()
         # peft's LoraLayer modules (a class looked up at run time, typed `type`): their lora_A/lora_B are ModuleDicts
         self.layers: dict[str, Any] = {n: m for n, m in module.named_modules() if isinstance(m, lora_cls)}
         self.ran: set[int] = set()
+        self.gradless: set[int] = set()  # ran in a training forward with gradients off (inside an autograd.Function)
         self.handles: list[Any] = []
         self.parents = {n: module.get_submodule(n.rpartition(".")[0]) if "." in n else module for n in self.layers}
         watched = {id(m): m for m in [*self.layers.values(), *self.parents.values()]}
@@ -48,6 +51,31 @@ class _AdapterWatch:
 
     def _ran(self, module: nn.Module, args: Any) -> None:
         self.ran.add(id(module))
+        if module.training and not torch.is_grad_enabled():
+            self.gradless.add(id(module))
+
+    def check_loss(self, loss: Any) -> None:
+        """At the first backward: a loss that does not require grad is an error naming why (was: torch's "element 0
+        of tensors does not require grad"), before any optimizer step. transformers Reformer runs its layers inside a
+        ``torch.autograd.Function`` (reversible layers, recomputed in its backward): the adapters run with gradients
+        off, and the backward reaches them only when the layers' input requires grad, which frozen embeddings'
+        output does not."""
+        if self.passes or not isinstance(loss, torch.Tensor) or loss.requires_grad:
+            return
+        gradless = [n for n, m in self.layers.items() if id(m) in self.gradless]
+        if gradless:
+            raise RuntimeError(
+                f"LoRA: the loss of the first training step does not require grad: the adapters {name_list(gradless)} "
+                "ran with gradients off (inside a torch.autograd.Function's forward, as transformers Reformer's "
+                "reversible layers run them), so the backward can reach them only through the layers' input, and the "
+                "frozen embeddings' output does not require grad. Make it require grad: call "
+                "model.enable_input_require_grads() on the transformers model in your LightningModule's __init__ "
+                "(or register a forward hook on the input embedding that returns output.requires_grad_())."
+            )
+        raise RuntimeError(
+            "LoRA: the loss of the first training step does not require grad: no adapter reaches it (a .detach(), "
+            "torch.no_grad() or .item() in training_step?). Return a loss computed from the model's output."
+        )
 
     def after_backward(self) -> bool:
         """Check one backward pass; ``True`` once the watch is over (the callback drops it)."""
@@ -91,6 +119,8 @@ class _AdapterWatch:
             elif id(self.parents[name]) in self.ran:
                 dead.append(name)
         if dead:
+            dead = self._branches_not_taken(dead)
+        if dead:
             raise RuntimeError(
                 f"LoRA adapters received no gradient in the first backward: {dead} were never called although their "
                 "parent module ran (it reads their weight directly, so the adapter is dead); exclude them with "
@@ -107,6 +137,24 @@ class _AdapterWatch:
                 f"LoRA(exclude_modules={sorted(cut)!r})."
             )
         return cut
+
+    def _branches_not_taken(self, dead: list[str]) -> list[str]:
+        """Of the adapters not called although their parent ran, the ones whose weight the parent reads (the probe
+        step saw it, or the source shows it): returned, an error. The others sit on a branch of the parent's forward
+        the first batch did not take (transformers Longformer's ``query_global``/``key_global``/``value_global`` run
+        only for tokens with global attention; was: this error, stopping a model that trains): warned by name, and
+        trained on the steps that take it."""
+        readers = weight_readers(self.module, uses_only=True)
+        branch = [n for n in dead if n not in readers]
+        if branch:
+            rank_zero_warn(
+                f"LoRA: {len(branch)} adapter(s) were not called in the first training step although their parent module "
+                f"ran, and no code reads their weight: {name_list(branch)}. They sit on a branch of the parent's forward "
+                "this batch did not take (transformers Longformer's query_global/key_global/value_global run only for "
+                "tokens with global attention): they get a gradient on the steps that take it. If no batch does, "
+                f"LoRA(exclude_modules={sorted(branch)!r}) leaves them out."
+            )
+        return [n for n in dead if n in readers]
 
 
 def _grads(layer: Any) -> list[Any]:
