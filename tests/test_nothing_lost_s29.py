@@ -1,0 +1,108 @@
+"""Issue 55, round four ("Nothing lost"): cases written as an outside reviewer would, before the next battery.
+
+Each test names what it found on the code of session 28 ("Was: ..."); the ones that held are kept as guards.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_hbm import LoRA, QuantizedPrecision, quiet
+from lightning_hbm.layers import readers
+
+# -------- a plain Trainer in a process where lightning_hbm worked: the same warnings filters
+
+
+def test_filters_the_libraries_add_at_their_import_inside_our_work_are_removed_after_it() -> None:
+    """Was: a fit with lightning_hbm imported accelerate (through peft) and torchao, which add process-wide filters
+    at their import ("ignore every UserWarning of torch.optim.lr_scheduler", torchao's NumPy one): a plain Trainer
+    run after it in the same process no longer showed torch's "lr_scheduler.step() before optimizer.step()"."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="the user's own, set before")
+        before = list(warnings.filters)
+        with quiet.quieted():
+            warnings.filterwarnings("ignore", category=UserWarning, module="torch.optim.lr_scheduler")  # as accelerate's import does
+            warnings.filterwarnings("ignore", message="the user's own, set before")  # added again: moved to the front
+            with quiet.quieted():  # nested: the outer block decides
+                pass
+            assert any(f[3] is not None and f[3].pattern == "torch.optim.lr_scheduler" for f in warnings.filters)
+        assert warnings.filters == before
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.body(batch).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _trainer(tmp_path: Path, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, **kwargs,
+    )  # fmt: skip
+
+
+def test_a_lightning_hbm_fit_leaves_the_process_warnings_filters_as_they_were(tmp_path: Path) -> None:
+    """The same through a fit (alone in a process it imports accelerate and torchao for the first time)."""
+    before = list(warnings.filters)
+    trainer = _trainer(tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=4)])
+    trainer.fit(_Tiny(), DataLoader([torch.randn(2, 64)], batch_size=None))
+    assert [f for f in warnings.filters if f not in before] == []
+
+
+# -------- the fit-start probe step: runs where the user's step runs, changes nothing
+
+
+class _Normed(pl.LightningModule):
+    """A BatchNorm net whose step logs ``loss.item()``: fake tensors cannot run it, one sample cannot either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 16), nn.Linear(16, 1))
+        self.items: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.body(batch).pow(2).mean()
+        self.items.append(loss.item())
+        return loss
+
+
+def test_a_step_that_needs_more_than_one_sample_is_probed_on_the_batch_and_its_statistics_stay() -> None:
+    """Was: the probe cut the batch to one sample ("Expected more than 1 value per channel when training"), fell back
+    to the source scan and told the user to "make training_step run on the first training batch", which it does."""
+    torch.manual_seed(0)
+    module = _Normed()
+    norm = module.body[1]
+    stats = [b.clone() for b in norm.buffers()]
+    batch = torch.randn(8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "could not run one step" warning
+        seen = readers.observe(module, batch, {"body.0": module.body[0], "body.2": module.body[2]})
+    assert seen is not None and seen.ran.endswith("on the real batch")
+    assert all(torch.equal(a, b) for a, b in zip(stats, norm.buffers()))  # running statistics and count as they were
+    assert module.training
+
+
+def test_the_probe_on_fake_tensors_leaves_batchnorms_count_of_batches() -> None:
+    """Was: the fake-tensor probe step reached the real ``num_batches_tracked`` (``add_(1)``): every lightning_hbm run
+    counted one batch more than it trained (the count saved in its checkpoints differed from the same run without
+    lightning_hbm)."""
+    torch.manual_seed(0)
+    module = _Normed()
+    module.training_step = lambda batch, batch_idx: module.body(batch).pow(2).mean()  # type: ignore[method-assign]
+    seen = readers.observe(module, torch.randn(8, 16), {"body.0": module.body[0], "body.2": module.body[2]})
+    assert seen is not None and seen.ran.endswith("on fake tensors")
+    assert int(module.body[1].num_batches_tracked) == 0
