@@ -5,11 +5,13 @@ Each test names what it found on the code of session 28 ("Was: ..."); the ones t
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -106,3 +108,46 @@ def test_the_probe_on_fake_tensors_leaves_batchnorms_count_of_batches() -> None:
     seen = readers.observe(module, torch.randn(8, 16), {"body.0": module.body[0], "body.2": module.body[2]})
     assert seen is not None and seen.ran.endswith("on fake tensors")
     assert int(module.body[1].num_batches_tracked) == 0
+
+
+# -------- `lightning-hbm report` replaces nothing that is not the report's own
+
+
+def _report_rows(step: int) -> list[dict[str, Any]]:
+    from lightning_hbm.memory.report import CATEGORIES
+
+    return [{"step": step, "mode": "light", **{c: 1000 for c in CATEGORIES}, "total": 1000 * len(CATEGORIES)}]
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_re_rendering_a_copy_of_a_report_never_replaces_the_live_one(tmp_path: Path) -> None:
+    """Was: ``lightning-hbm report hbm_profile.orig`` (a copy the user kept) wrote its stem's ``hbm_profile.json``,
+    ``.csv`` and ``.png``: the live run's report, beside it, was replaced by the copy's."""
+    from lightning_hbm.memory.report import MemoryReport, render_report
+
+    MemoryReport(_report_rows(7)).write(tmp_path, "hbm_profile")
+    (tmp_path / "hbm_profile.orig").write_text(json.dumps({"rows": _report_rows(1)}))
+    before = _files(tmp_path)
+    with pytest.raises(ValueError, match=r"would replace .*hbm_profile.json', which holds another report.*nothing was written"):
+        render_report(tmp_path / "hbm_profile.orig")
+    assert _files(tmp_path) == before
+
+
+def test_re_rendering_an_input_of_another_name_keeps_the_users_files_beside_it(tmp_path: Path) -> None:
+    """Was: re-rendering ``results.json`` replaced the user's own ``results.csv`` beside it."""
+    from lightning_hbm.memory.report import MemoryReport, render_report
+
+    MemoryReport(_report_rows(3)).write(tmp_path / "run", "results")
+    source = tmp_path / "results.json"
+    source.write_bytes((tmp_path / "run" / "results.json").read_bytes())
+    (tmp_path / "results.csv").write_text("mine\n")
+    before = _files(tmp_path / "run") | {"input": source.read_bytes()}
+    with pytest.raises(ValueError, match=r"would replace .*results.csv', a file that is not the profiler's.*nothing was written"):
+        render_report(source)
+    assert (tmp_path / "results.csv").read_text() == "mine\n" and source.read_bytes() == before["input"]
+    render_report(tmp_path / "run" / "results.json")  # its own CSV (an earlier render's): re-rendered as before
+    for _ in range(2):  # into another folder, twice: the same report, replaced
+        render_report(tmp_path / "run" / "results.json", tmp_path / "copies")
