@@ -151,3 +151,56 @@ def test_re_rendering_an_input_of_another_name_keeps_the_users_files_beside_it(t
     render_report(tmp_path / "run" / "results.json")  # its own CSV (an earlier render's): re-rendered as before
     for _ in range(2):  # into another folder, twice: the same report, replaced
         render_report(tmp_path / "run" / "results.json", tmp_path / "copies")
+
+
+# -------- resume: a loader state saved by another number of processes
+
+
+def _distributed_loader(processes: int, rank: int = 0, seed: int = 0) -> Any:
+    from torch.utils.data import DistributedSampler
+
+    from lightning_hbm.data import ResumableDataLoader
+
+    data = [torch.full((4,), float(i)) for i in range(16)]
+    return ResumableDataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=processes, rank=rank, seed=seed))
+
+
+@pytest.mark.parametrize(("processes", "seed"), [(4, 0), (2, 5)], ids=["more-processes", "sampler-seed"])
+def test_a_loader_state_of_another_distributed_share_is_refused_before_anything_changes(processes: int, seed: int) -> None:
+    """Was: a mid-epoch checkpoint of a 2-process run resumed on 4 processes (or with the DistributedSampler's seed
+    changed) was accepted: batch size, dataset length, sampler class and the loader's shuffle were the same, but each
+    batch position held other samples, so the resumed epoch skipped some and trained others twice."""
+    first = _distributed_loader(2)
+    it = iter(first)
+    next(it)
+    state = first.state_dict()
+    other = _distributed_loader(processes, seed=seed)
+    before = other.state_dict()
+    with pytest.raises(ValueError, match=r"another training dataloader \(distributed .*as many processes, devices x num_nodes"):
+        other.load_state_dict(state)
+    assert other.state_dict() == before and other._resume is None
+    same = _distributed_loader(2, rank=1)  # every rank loads the state rank 0 saved
+    same.load_state_dict(state)
+    assert len(list(same)) == len(same) - 1
+    older = {**state, "loader": {k: v for k, v in state["loader"].items() if k != "distributed"}}  # saved before it was recorded
+    _distributed_loader(4).load_state_dict(older)
+
+
+# -------- LoRA.save_adapter: a path that cannot be a folder
+
+
+@pytest.mark.parametrize("kind", ["file-parent", "broken-link"])
+def test_an_adapter_path_through_a_file_or_a_broken_link_is_a_clear_error_and_nothing_is_written(tmp_path: Path, kind: str) -> None:
+    """Was: a raw ``NotADirectoryError`` / ``FileExistsError`` from ``mkdir`` (a path under a file, a link to a folder
+    that is gone). Now a ValueError naming the part and the fix; nothing is created."""
+    from lightning_hbm.adapters.lora.export import write_folder
+
+    (tmp_path / "notes").write_text("mine")
+    path = tmp_path / "notes" / "adapter"
+    if kind == "broken-link":
+        path = tmp_path / "latest"
+        path.symlink_to(tmp_path / "run-gone")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ValueError, match=r"cannot be a folder .*a part of the path is a file or a broken link.*nothing was written"):
+        write_folder(path, lambda folder: (folder / "adapter_config.json").write_text("{}"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and (tmp_path / "notes").read_text() == "mine"
