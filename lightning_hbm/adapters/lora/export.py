@@ -245,6 +245,11 @@ def write_folder(path: Path, write: Callable[[Path], Any]) -> None:
         folder = path.resolve()  # a symlinked folder: written through to its target
         lock = os.open(folder / _LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as err:
+        if err.errno in (errno.ENOTDIR, errno.EEXIST):  # a file on the way, or a link to nowhere: nothing written
+            raise ValueError(
+                f"LoRA.save_adapter: {path} cannot be a folder ({err.strerror}: {err.filename}): a part of the path is a "
+                "file or a broken link. Pass a folder path whose parents are folders; nothing was written."
+            ) from err
         if err.errno not in _NOT_WRITABLE:
             raise
         raise PermissionError(
