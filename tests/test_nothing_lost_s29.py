@@ -51,9 +51,10 @@ class _Tiny(pl.LightningModule):
 
 
 def _trainer(tmp_path: Path, **kwargs: Any) -> pl.Trainer:
+    settings: dict[str, Any] = dict(max_steps=1, enable_checkpointing=False)
     return pl.Trainer(
-        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path, **kwargs,
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        **{**settings, **kwargs},
     )  # fmt: skip
 
 
@@ -204,3 +205,55 @@ def test_an_adapter_path_through_a_file_or_a_broken_link_is_a_clear_error_and_no
     with pytest.raises(ValueError, match=r"cannot be a folder .*a part of the path is a file or a broken link.*nothing was written"):
         write_folder(path, lambda folder: (folder / "adapter_config.json").write_text("{}"))
     assert sorted(p.name for p in tmp_path.iterdir()) == before and (tmp_path / "notes").read_text() == "mine"
+
+
+# -------- checkpoints into a read-only folder: said at fit start, before the model changes
+
+
+@pytest.fixture
+def read_only_folder(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """``ck`` on a real read-only filesystem (root is refused there too)."""
+    import subprocess
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a filesystem here (not root, or no CAP_SYS_ADMIN)")
+    try:
+        (mount / "ck").mkdir()
+        (mount / "ck" / "notes.txt").write_text("mine")
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True, capture_output=True)
+        yield mount / "ck"
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_a_read_only_checkpoint_folder_stops_the_fit_before_the_model_changes(tmp_path: Path, read_only_folder: Path) -> None:
+    """Was: the run trained until its first save, then died on the raw ``OSError: [Errno 30] Read-only file system:
+    '.../.epoch=0-step=2.ckpt.<host>~<pid>~<token>.lightning_hbm-partial'`` (a file the user never named)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    trained: list[int] = []
+
+    class Count(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            trained.append(trainer.global_step)
+
+    module = _Tiny()
+    weights = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer = _trainer(
+        tmp_path, max_steps=3, enable_checkpointing=True, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+        callbacks=[LoRA(r=4), Count(), ModelCheckpoint(dirpath=read_only_folder, every_n_train_steps=2)],
+    )  # fmt: skip
+    with pytest.raises(PermissionError, match=rf"Cannot save checkpoints into {read_only_folder} \(Read-only file system\): pass ModelCheckpoint\(dirpath="):
+        trainer.fit(module, DataLoader([torch.randn(2, 64)] * 4, batch_size=None))
+    assert trained == [] and module.state_dict().keys() == weights.keys()  # not quantized, no adapters
+    assert all(torch.equal(v, weights[k]) for k, v in module.state_dict().items())
+    assert [p.name for p in read_only_folder.iterdir()] == ["notes.txt"]
+
+
+def test_a_save_into_a_folder_that_became_read_only_names_the_folder(read_only_folder: Path) -> None:
+    from lightning_hbm.resume import atomic_save
+
+    with pytest.raises(PermissionError, match=rf"Cannot save checkpoints into {read_only_folder} \(Read-only file system\)"):
+        atomic_save({"state_dict": {}}, read_only_folder / "last.ckpt")
