@@ -257,3 +257,27 @@ def test_a_save_into_a_folder_that_became_read_only_names_the_folder(read_only_f
 
     with pytest.raises(PermissionError, match=rf"Cannot save checkpoints into {read_only_folder} \(Read-only file system\)"):
         atomic_save({"state_dict": {}}, read_only_folder / "last.ckpt")
+
+
+# -------- HBMProfiler's figure data: never written through a link planted at its name
+
+
+class _FigureData:
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": 1}
+
+
+def test_the_figure_data_replaces_a_link_at_its_name_and_never_writes_through_it(tmp_path: Path) -> None:
+    """Was: ``hbm_figure.json`` was opened for writing in place: a symlink at that name in a shared run folder
+    (``hbm_figure.json -> ~/notes.txt``) had its target truncated and overwritten by the report."""
+    from lightning_hbm.profiling.figure import write_figure
+
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    (tmp_path / "run").mkdir()
+    link = tmp_path / "run" / "hbm_figure.json"
+    link.symlink_to(target)
+    write_figure(_FigureData(), link)  # type: ignore[arg-type]  # only as_dict() is read
+    assert target.read_text() == "mine"
+    assert not link.is_symlink() and json.loads(link.read_text()) == {"step": 1}
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["hbm_figure.json"]  # no temp file left
