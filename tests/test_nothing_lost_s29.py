@@ -58,6 +58,7 @@ def _trainer(tmp_path: Path, **kwargs: Any) -> pl.Trainer:
     )  # fmt: skip
 
 
+@pytest.mark.slow  # ~2 s alone: the first fit of the process imports peft, accelerate and torchao
 def test_a_lightning_hbm_fit_leaves_the_process_warnings_filters_as_they_were(tmp_path: Path) -> None:
     """The same through a fit (alone in a process it imports accelerate and torchao for the first time)."""
     before = list(warnings.filters)
@@ -281,3 +282,61 @@ def test_the_figure_data_replaces_a_link_at_its_name_and_never_writes_through_it
     assert target.read_text() == "mine"
     assert not link.is_symlink() and json.loads(link.read_text()) == {"step": 1}
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["hbm_figure.json"]  # no temp file left
+
+
+# -------- guards: what held in this round
+
+
+def test_the_probe_leaves_each_modules_mode_grad_mode_and_default_dtype() -> None:
+    torch.manual_seed(0)
+    module = _Normed()
+    module.body[1].eval()  # a frozen BatchNorm inside a model that trains
+    module.training_step = lambda batch, batch_idx: module.body(batch).pow(2).mean()  # type: ignore[method-assign]
+    modes = [m.training for m in module.modules()]
+    batch = torch.randn(8, 16)
+    state = torch.get_rng_state()
+    readers.observe(module, batch, {"body.0": module.body[0], "body.2": module.body[2]})
+    assert [m.training for m in module.modules()] == modes
+    assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32 and torch.equal(torch.get_rng_state(), state)
+    assert all(p.grad is None for p in module.parameters())
+
+
+@pytest.mark.parametrize("stop", ["error", "interrupt"])
+def test_a_fit_stopped_mid_way_keeps_the_users_files_and_lets_the_model_go(tmp_path: Path, stop: str) -> None:
+    """A user error or a KeyboardInterrupt (Lightning's graceful shutdown, then SystemExit) at step 2: the user's
+    file in the checkpoint folder is intact, the checkpoint saved before is whole, and once the Trainer is dropped
+    the model is collected (no lightning_hbm state keeps it)."""
+    import gc
+    import weakref
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_hbm.resume import read_file
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+
+    class Stop(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 2:
+                raise RuntimeError("user bug") if stop == "error" else KeyboardInterrupt
+
+    def run() -> weakref.ref:
+        module = _Tiny()
+        trainer = _trainer(
+            tmp_path, max_steps=4, enable_checkpointing=True, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+            callbacks=[LoRA(r=4), Stop(), ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1)],
+        )  # fmt: skip
+        with pytest.raises(RuntimeError if stop == "error" else SystemExit):
+            trainer.fit(module, DataLoader([torch.randn(2, 64)] * 4, batch_size=None))
+        assert module.body[0](torch.randn(2, 64)).isfinite().all()  # the changed model still computes
+        return weakref.ref(module)
+
+    model = run()
+    gc.collect()
+    assert model() is None
+    assert (folder / "notes.txt").read_text() == "mine"
+    saved = sorted(p.name for p in folder.iterdir() if p.suffix == ".ckpt")
+    assert saved and not [p for p in folder.iterdir() if "partial" in p.name]
+    assert "state_dict" in read_file(folder / saved[0])
