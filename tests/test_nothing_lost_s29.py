@@ -340,3 +340,23 @@ def test_a_fit_stopped_mid_way_keeps_the_users_files_and_lets_the_model_go(tmp_p
     saved = sorted(p.name for p in folder.iterdir() if p.suffix == ".ckpt")
     assert saved and not [p for p in folder.iterdir() if "partial" in p.name]
     assert "state_dict" in read_file(folder / saved[0])
+
+
+def test_an_adapter_save_leaves_no_lock_file_in_the_users_folder(tmp_path: Path) -> None:
+    """Was: every save left ``.lightning_hbm_export.lock`` in the adapter folder (uploaded with it to a hub, copied
+    with it); the writers are now serialised by a lock on the folder itself."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning_hbm.adapters.lora.export import MANIFEST, write_folder
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "README.md").write_text("mine")
+
+    def save(i: int) -> None:
+        write_folder(folder, lambda tmp: (tmp / "adapter_config.json").write_text(json.dumps({"i": i})))
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(save, range(8)))
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "adapter_config.json", MANIFEST]
+    assert (folder / "README.md").read_text() == "mine"
