@@ -198,8 +198,18 @@ class ResumableDataLoader(DataLoader):
         return {
             "batch_size": self.batch_size, "samples": len(self.dataset),  # type: ignore[arg-type]  # map-style (checked in __init__)
             "shuffle": self._shuffled, "seed": self.seed if self._shuffled else None, "drop_last": self.drop_last,
-            "sampler": type(self.sampler).__name__,
+            "sampler": type(self.sampler).__name__, "distributed": self._distributed(),
         }  # fmt: skip
+
+    def _distributed(self) -> Optional[dict[str, Any]]:
+        """A DistributedSampler's share of the samples: the number of processes, its own shuffle, seed and drop_last
+        (a resume on 4 processes of a 2-process checkpoint puts other samples at each batch position)."""
+        sampler: Any
+        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            if hasattr(sampler, "num_replicas"):
+                return {"processes": int(sampler.num_replicas), "shuffle": bool(getattr(sampler, "shuffle", False)),
+                        "seed": getattr(sampler, "seed", None), "drop_last": bool(getattr(sampler, "drop_last", False))}  # fmt: skip
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """``{"epoch", "batches"}`` of the pass under way (a pass not yet started counts 0 batches), and the loader's
@@ -242,12 +252,14 @@ class ResumableDataLoader(DataLoader):
 
 
 def _check_settings(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    changed = [f"{key} {saved.get(key)!r} -> {value!r}" for key, value in current.items() if saved.get(key) != value]
+    # a setting an older checkpoint did not record ("distributed") is not compared
+    changed = [f"{key} {saved.get(key)!r} -> {value!r}" for key, value in current.items() if key in saved and saved[key] != value]
     if changed:
         raise ValueError(
             f"ResumableDataLoader.load_state_dict: the checkpoint was saved with another training dataloader "
             f"({', '.join(changed)}; saved -> now): resuming at its batch position would skip or repeat samples. "
-            "Resume with the dataloader settings the checkpoint was saved with, or start the epoch over (resume from "
+            "Resume with the dataloader settings the checkpoint was saved with (and as many processes, devices x "
+            "num_nodes, when it was saved by a distributed run), or start the epoch over (resume from "
             "an epoch-end checkpoint, or drop the loader state: Trainer(...).fit(..., ckpt_path=...) with a plain DataLoader)."
         )
 

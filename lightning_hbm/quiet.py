@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import warnings
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional
 
 #: logger name -> the message prefixes dropped on it.
 NOISE: dict[str, tuple[str, ...]] = {
@@ -53,6 +53,7 @@ FILTERS: dict[str, DropMessages] = {name: DropMessages(prefixes) for name, prefi
 
 _LEAFSPEC = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 _depth = 0  # nested quieted() blocks: the outermost one removes the filters
+_before: list = []  # warnings.filters when the outermost quieted() block began
 
 
 def install() -> None:
@@ -64,11 +65,17 @@ def install() -> None:
     warnings.filterwarnings("ignore", message=_LEAFSPEC)
 
 
-def uninstall() -> None:
-    """Remove what :func:`install` added, and nothing else."""
+def uninstall(before: Optional[list] = None) -> None:
+    """Remove what :func:`install` added, and nothing else; with ``before`` (``warnings.filters`` as it was), also
+    the process-wide filters the libraries imported meanwhile added at their import (accelerate's "ignore every
+    UserWarning of torch.optim.lr_scheduler", torchao's NumPy one): imported by lightning_hbm's work, they silenced
+    a plain Trainer's own warnings for the rest of the process (issue 55)."""
     for name, noise_filter in FILTERS.items():
         logging.getLogger(name).removeFilter(noise_filter)
-    kept = [f for f in warnings.filters if not (f[0] == "ignore" and f[1] is not None and f[1].pattern == _LEAFSPEC)]
+    kept = [
+        f for f in warnings.filters
+        if not (f[0] == "ignore" and f[1] is not None and f[1].pattern == _LEAFSPEC) and (before is None or f in before)
+    ]  # fmt: skip
     warnings.filters[:] = kept  # type: ignore[index]  # a list at run time
     mutated = getattr(warnings, "_filters_mutated", None)  # as warnings.filterwarnings does after a change (3.10-3.12)
     if mutated is not None:
@@ -78,8 +85,9 @@ def uninstall() -> None:
 @contextmanager
 def quieted() -> Iterator[None]:
     """The filters for the block only (nested blocks: the outermost removes them)."""
-    global _depth
+    global _depth, _before
     if _depth == 0:
+        _before = list(warnings.filters)
         install()
     _depth += 1
     try:
@@ -87,7 +95,7 @@ def quieted() -> Iterator[None]:
     finally:
         _depth -= 1
         if _depth == 0:
-            uninstall()
+            uninstall(_before)
 
 
 __all__ = ["FILTERS", "NOISE", "DropMessages", "install", "quieted", "uninstall"]

@@ -271,11 +271,14 @@ def _run(module: nn.Module, batch: Any, watch: _Watch, step_name: str = "trainin
     if fake_already:  # the planner's fake model: as it is
         attempts.append(("on the planner's fake tensors", lambda: ExitStack()))
     else:
-        attempts.append(("on fake tensors", _fake_tensors))
+        # buffers restored on fake tensors too: BatchNorm's num_batches_tracked.add_(1) reached the real buffer
+        attempts.append(("on fake tensors", lambda: _fake_tensors(module)))
         attempts.append(("on one real sample", lambda: _restoring_buffers(module)))
+        if _first_sample(batch) is not batch:  # a step that needs more than one sample (BatchNorm in training mode)
+            attempts.append(("on the real batch", lambda: _restoring_buffers(module)))
     failure: Optional[BaseException] = None
     for how, context in attempts:
-        sample = batch if how != "on one real sample" else _first_sample(batch)
+        sample = _first_sample(batch) if how == "on one real sample" else batch
         run, step = _step(module, sample, step_name)
         recorder = _Recorder(watch, step)
         try:
@@ -289,8 +292,8 @@ def _run(module: nn.Module, batch: Any, watch: _Watch, step_name: str = "trainin
 
 
 @contextmanager
-def _fake_tensors() -> Iterator[None]:
-    with FakeTensorMode(allow_non_fake_inputs=True), torch_compat.FakeGroupedMM():  # transformers' MoE experts
+def _fake_tensors(module: nn.Module) -> Iterator[None]:
+    with _restoring_buffers(module), FakeTensorMode(allow_non_fake_inputs=True), torch_compat.FakeGroupedMM():  # MoE experts
         yield
 
 

@@ -317,6 +317,7 @@ def render_report(path: Union[str, Path], out_dir: Optional[Union[str, Path]] = 
     json_path = find_report(path)
     report = MemoryReport.load(json_path)
     out = Path(out_dir or json_path.parent)
+    _refuse_replacing(out, json_path, report)
     try:
         paths = report.write(out, json_path.stem, keep=json_path)  # the input is only read, never written
     except OSError as err:  # a full disk, a read-only folder: one line; each file written is whole or as it was
@@ -324,6 +325,47 @@ def render_report(path: Union[str, Path], out_dir: Optional[Union[str, Path]] = 
     report.print_summary(paths)
     print(report.diagnosis())
     return paths
+
+
+def _refuse_replacing(out: Path, json_path: Path, report: MemoryReport) -> None:
+    """A ``ValueError`` before anything is written when re-rendering ``json_path`` into ``out`` would replace a file
+    that is not this report's: another report's JSON (``hbm_profile.orig`` re-rendered beside the live
+    ``hbm_profile.json``), or a user's file beside an input not named ``hbm_profile*`` (``results.json``'s
+    ``results.csv``). Issue 55: both were replaced without a word."""
+    stem, kept = json_path.stem, json_path.resolve()
+    target = out / f"{stem}.json"
+    if target.is_file() and target.resolve() != kept:
+        try:
+            same = read_json(target, "HBMProfiler report").get("rows") == report.rows
+        except (OSError, ValueError, AttributeError):
+            same = False
+        if not same:
+            raise ValueError(
+                f"report: re-rendering {str(json_path)!r} would replace {str(target)!r}, which holds another report "
+                f"(or no report), and nothing was written. Pass --out to another folder, or rename the input "
+                f"hbm_profile_<name>.json."
+            )
+    if stem.startswith("hbm_profile") or _written_here(out / f"{stem}.csv", report):
+        return  # its CSV and PNG are the report's own files (or an earlier re-render's): replaced as before
+    for suffix in (".csv", ".png"):
+        other = out / f"{stem}{suffix}"
+        if other.exists() or other.is_symlink():
+            raise ValueError(
+                f"report: re-rendering {str(json_path)!r} would replace {str(other)!r}, a file that is not the "
+                f"profiler's (its name does not start with hbm_profile), and nothing was written. Pass --out to "
+                f"another folder, or rename the input hbm_profile_<name>.json."
+            )
+
+
+def _written_here(csv_path: Path, report: MemoryReport) -> bool:
+    """Is ``csv_path`` a report's CSV (an earlier re-render of this input wrote it): its first line the header
+    :meth:`MemoryReport.write` writes."""
+    columns = list(report.columns or (report.rows[0] if report.rows else REQUIRED))
+    try:
+        with open(csv_path, newline="") as f:
+            return f.readline().rstrip("\r\n") == ",".join(columns)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _ranges(steps: list[int]) -> str:

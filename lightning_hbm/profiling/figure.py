@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 from lightning_hbm.memory.categories import StorageKey, classify_records
-from lightning_hbm.memory.report import check_numbers, read_json
+from lightning_hbm.memory.report import atomic_write, check_numbers, read_json
 from lightning_hbm.memory.terms import TERMS, category_terms, created_term, rest_term, scope_terms
 from lightning_hbm.memory.tracker import LOSS_SCOPE, scope_term_bytes
 from lightning_hbm.profiling.timeline import BEFORE, Entry, RecordedStep
@@ -450,8 +450,9 @@ def draw_figure(figure: ProfileFigure, path: Optional[Union[str, Path]] = None) 
     handles, labels = ax.get_legend_handles_labels()
     canvas.legend(handles[::-1], labels[::-1], loc="outside right upper", fontsize="small")  # top of the stack first
     canvas.supxlabel("\n".join(figure.notes), fontsize="x-small", color="dimgray", x=0.01, ha="left")
-    if path is not None:
-        canvas.savefig(path, dpi=100)
+    if path is not None:  # as write_figure: renamed over the name, never written through a link there
+        suffix = Path(path).suffix[1:].lower() or "png"
+        atomic_write(path, lambda f: canvas.savefig(f, dpi=100, format=suffix), binary=True)
     return canvas
 
 
@@ -579,8 +580,9 @@ def redraw(report: Union[str, Path], png: Union[str, Path]) -> Optional[str]:
 
 def write_figure(figure: ProfileFigure, path: Union[str, Path]) -> str:
     """Write the figure's data as JSON (``hbm_figure.json``); return its path."""
-    with open(path, "w") as f:
-        json.dump(figure.as_dict(), f)
+    # a temp file renamed over the name: a link planted there (hbm_figure.json -> a file elsewhere) is replaced, never
+    # written through, and a kill mid-write leaves the previous file whole (issue 55)
+    atomic_write(path, lambda f: json.dump(figure.as_dict(), f))
     return str(path)
 
 

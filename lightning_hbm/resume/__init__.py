@@ -70,7 +70,7 @@ from lightning_hbm.resume.checks import (
 )
 from lightning_hbm.resume.fingerprints import _SAMPLES, as_built_record, fingerprint, fingerprint_v1, spread_indices
 from lightning_hbm.resume.hooks import add_resume_hooks, has_resume_hook
-from lightning_hbm.resume.io import CheckedCheckpointIO, atomic_save, clean_partials, fsync_dir, read_file
+from lightning_hbm.resume.io import CheckedCheckpointIO, atomic_save, check_checkpoint_dirs, clean_partials, fsync_dir, read_file
 from lightning_hbm.resume.keys import KeyMap, covered
 from lightning_hbm.resume.packing import FORMAT_VERSION, META_KEY, Saves, expect_saves, is_placeholder, pack, pack_for
 from lightning_hbm.resume.pending import is_verified, opened, pending, saved_part

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hbm.resume.checks import _unreadable, check_contents, check_file, check_layout
 from lightning_hbm.resume.fingerprints import _plain
@@ -85,6 +88,41 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _not_writable(folder: Path, err: OSError) -> PermissionError:
+    return PermissionError(
+        err.errno, f"Cannot save checkpoints into {folder} ({err.strerror}): pass ModelCheckpoint(dirpath=<a folder you "
+        "can write to>) or Trainer(default_root_dir=...)."
+    )
+
+
+def check_checkpoint_dirs(trainer: Any) -> None:
+    """A ``PermissionError`` at fit start, before the model is changed, when a ``ModelCheckpoint`` that saves would
+    write into a folder this process cannot write to (no permission, a read-only filesystem): was the raw ``[Errno
+    30]`` of a hidden partial file at the first save, the steps before it lost. The folder, or its nearest existing
+    parent, gets a probe file created and removed (``os.access`` misjudges read-only mounts and root)."""
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        if not isinstance(callback, ModelCheckpoint) or (callback.save_top_k == 0 and not callback.save_last):
+            continue  # saves nothing
+        # dirpath is resolved in ModelCheckpoint.setup (before the surgery); else where that setup would put it
+        loggers = getattr(trainer, "loggers", None)
+        folder = callback.dirpath or (getattr(loggers[0], "save_dir", None) if loggers else None) or trainer.default_root_dir
+        if folder is None or not _is_local(folder):
+            continue  # a remote store (s3://...): its own IO answers
+        existing = Path(os.path.abspath(os.path.expanduser(str(folder))))
+        while not existing.exists() and existing.parent != existing:
+            existing = existing.parent
+        try:
+            handle, probe = tempfile.mkstemp(prefix=".lightning_hbm-write-check.", dir=existing)
+            os.close(handle)
+            os.remove(probe)
+        except OSError as err:
+            if err.errno in _NOT_WRITABLE:
+                raise _not_writable(Path(str(folder)), err) from err  # a file on the way: Lightning's own error later
+
+
 def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
     """``torch.save`` that never leaves a partial file under ``path``, nor replaces a good one by it.
 
@@ -98,7 +136,12 @@ def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_partials(path.parent)
-    partial, fd = _open_partial(path)
+    try:
+        partial, fd = _open_partial(path)
+    except OSError as err:
+        if err.errno in _NOT_WRITABLE:
+            raise _not_writable(path.parent, err) from err
+        raise
     try:
         with os.fdopen(fd, "wb") as file:
             torch.save(checkpoint, file)

@@ -510,6 +510,8 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
     check_saves(trainer)
     checkpoint = pending_checkpoint(trainer)
     fitting = trainer.state.fn == "fit"
+    if fitting:
+        resume.check_checkpoint_dirs(trainer)  # a read-only checkpoint folder: said now, not after the first steps
     if as_built(module) is None and not applied_transforms(module):
         set_as_built(module, resume.as_built_record(module))
     if fitting and not applied_transforms(module):

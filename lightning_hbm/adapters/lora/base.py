@@ -7,6 +7,7 @@ from typing import Any, Optional
 from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 
+from lightning_hbm.quiet import quieted
 from lightning_hbm.requirements import requirement
 
 _PEFT_AVAILABLE = RequirementCache(requirement("peft"))
@@ -23,7 +24,8 @@ def _import_peft() -> Any:
             f"lightning_hbm.LoRA needs {requirement('peft')} ({_PEFT_AVAILABLE.message}). "
             f"Install it with `pip install -U '{requirement('peft')}'`."
         )
-    import peft
+    with quieted():  # peft imports accelerate, whose import adds process-wide warnings filters (lightning_hbm.quiet)
+        import peft
 
     return peft
 

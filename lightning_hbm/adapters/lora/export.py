@@ -232,7 +232,7 @@ def write_folder(path: Path, write: Callable[[Path], Any]) -> None:
     ``write`` writes into a temporary folder inside ``path`` (same filesystem); each file is fsynced there and
     renamed over its name in ``path`` (``os.replace``). The folder itself is left as it is: its mode (a 02775 team
     folder), the user's other files and links, and a folder that is a symlink (``latest -> run-17``: written
-    through, into ``run-17``). Writers of one folder are serialised by a lock file in it. A manifest
+    through, into ``run-17``). Writers of one folder are serialised by a lock on the folder (:func:`_lock_folder`). A manifest
     (:data:`MANIFEST`: each file's size) is removed before the first file is replaced and written after the last:
     a save cut short between two files leaves no manifest (issue 55: the folder was replaced by a renamed copy,
     which lost links and modes and raced with other writers). A failure before the first replace (a full disk while
@@ -243,18 +243,26 @@ def write_folder(path: Path, write: Callable[[Path], Any]) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)  # the user's umask decides a new folder's mode
         folder = path.resolve()  # a symlinked folder: written through to its target
-        lock = os.open(folder / _LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        tmp = Path(tempfile.mkdtemp(prefix=".lightning_hbm-export.", suffix=".partial", dir=folder))  # can we write?
     except OSError as err:
+        if err.errno in (errno.ENOTDIR, errno.EEXIST):  # a file on the way, or a link to nowhere: nothing written
+            raise ValueError(
+                f"LoRA.save_adapter: {path} cannot be a folder ({err.strerror}: {err.filename}): a part of the path is a "
+                "file or a broken link. Pass a folder path whose parents are folders; nothing was written."
+            ) from err
         if err.errno not in _NOT_WRITABLE:
             raise
         raise PermissionError(
             err.errno, f"LoRA.save_adapter cannot write into {path} ({err.strerror}): save into a folder you can write to."
         ) from err
     try:
-        _lock(lock)
-        _write_locked(path, folder, write)
+        lock = _lock_folder(folder)
+        try:
+            _write_locked(path, folder, tmp, write)
+        finally:
+            os.close(lock)  # releases the lock
     finally:
-        os.close(lock)  # releases the lock
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _lock(fd: int) -> None:
@@ -262,8 +270,23 @@ def _lock(fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX)
 
 
-def _write_locked(path: Path, folder: Path, write: Callable[[Path], Any]) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=".lightning_hbm-export.", suffix=".partial", dir=folder))
+def _lock_folder(folder: Path) -> int:
+    """A descriptor holding the lock that serialises the writers of ``folder``: the folder's own (nothing is left in
+    it: was a ``.lightning_hbm_export.lock`` file in every adapter folder, uploaded with it), or, where a folder
+    cannot be locked (NFS maps ``flock`` to POSIX locks, which need a file open for writing; Windows), a lock file."""
+    if fcntl is not None:
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return fd
+        except OSError:
+            os.close(fd)
+    fd = os.open(folder / _LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    _lock(fd)
+    return fd
+
+
+def _write_locked(path: Path, folder: Path, tmp: Path, write: Callable[[Path], Any]) -> None:
     replaced = False
     try:
         write(tmp)
@@ -293,8 +316,6 @@ def _write_locked(path: Path, folder: Path, write: Callable[[Path], Any]) -> Non
             raise PermissionError(err.errno, f"LoRA.save_adapter cannot write into {path} ({err.strerror}); {previous}.") from err
         fix = " Free space on that disk or save elsewhere." if err.errno in _FULL else " Save elsewhere."
         raise OSError(err.errno or 0, f"LoRA.save_adapter could not write {path} ({err}); {previous}.{fix}") from err
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_adapter_folder(path: Union[str, Path]) -> Path:
