@@ -31,7 +31,6 @@ def _cosine(model: Any, reference: Any, ids: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0).item()
 
 
-@pytest.mark.slow
 def test_int8_embedding_is_stored_in_8_bits_and_computes_closer_than_the_4bit_one(llama_factory: Any) -> None:
     reference = llama_factory(**TIED)
     emb8, emb4 = copy.deepcopy(reference), copy.deepcopy(reference)
