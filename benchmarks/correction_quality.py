@@ -40,6 +40,9 @@ ARMS: dict[str, dict[str, Any]] = {
     "nf4-dq+emb": dict(mode="nf4-dq", quantize_embeddings=True),
     "nf4-dq+gptq+emb": dict(mode="nf4-dq", rounding="gptq", quantize_embeddings=True),
     "nf4-dq-b32+gptq+c16+emb": dict(mode="nf4-dq-b32", rounding="gptq", correction_rank=16, quantize_embeddings=True),
+    # the embedding and tied head in int8 (a per-layer mode), the Linears in NF4
+    "nf4-dq+emb8": dict(mode="nf4-dq", quantize_embeddings=True, layer_modes={"model.embed_tokens": "int8"}),
+    "nf4-dq+gptq+emb8": dict(mode="nf4-dq", rounding="gptq", quantize_embeddings=True, layer_modes={"model.embed_tokens": "int8"}),
 }
 
 

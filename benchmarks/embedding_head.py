@@ -7,7 +7,7 @@ recomputed in 16 token chunks (``mlp_chunks=16``, as ``max_context`` chooses: th
 in fp32). Predictions of the
 planner on this CPU (fake tensors), with the CUDA context it counts; not GPU measurements.
 
-    python benchmarks/embedding_head.py
+    python benchmarks/embedding_head.py            # every arm; or arms whose names hold a given part: ... "int8"
 """
 
 from __future__ import annotations
@@ -25,20 +25,26 @@ from lightning_hbm.data import synthetic_batch  # noqa: E402
 from lightning_hbm.models import LlamaLM  # noqa: E402
 from lightning_hbm.planner import format_bytes, plan  # noqa: E402
 
+EMB8 = {"model.model.embed_tokens": "int8"}  # the embedding's name inside LlamaLM
 ARMS = {
     "nf4-dq, bf16 embedding and head": ({}, False),
     "+ quantize_head": ({"quantize_head": True}, False),
     "+ quantize_embeddings": ({"quantize_head": True, "quantize_embeddings": True}, False),
     "+ offload": ({"quantize_head": True, "quantize_embeddings": True}, True),
     "+ mlp_chunks=16 (the MLP and the fp32 norms in token chunks)": ({"quantize_head": True, "quantize_embeddings": True}, 16),
+    # the embedding in int8 (a per-layer mode), the head and the Linears in NF4
+    "+ quantize_embeddings, embedding int8": ({"quantize_head": True, "quantize_embeddings": True, "layer_modes": EMB8}, False),
+    "+ mlp_chunks=16, embedding int8": ({"quantize_head": True, "quantize_embeddings": True, "layer_modes": EMB8}, 16),
 }
 
 
 def main() -> None:
+    chosen = [name for name in ARMS if not sys.argv[1:] or any(part in name for part in sys.argv[1:])]  # substrings
     batch = synthetic_batch(2, 2048, vocab_size=LLAMA_8B["vocab_size"])
     print("| configuration | device peak | + CUDA context | parameters | activations | loss | host (pinned) | planned in |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, (options, offload) in ARMS.items():
+    for name in chosen:
+        options, offload = ARMS[name]
         start = time.perf_counter()
         plugin = QuantizedPrecision("nf4-dq", dtype="bfloat16", **options)
         chunks = offload if offload > 1 else 1  # an int above 1: offload too, and that many token chunks

