@@ -90,10 +90,12 @@ def test_a_plain_trainer_keeps_its_warnings_logging_and_console() -> None:
     (Lightning's "💡 Tip" line). With and without importing lightning_hbm's public names first, a plain Trainer's fit
     prints the same lines and ends with the same callbacks, warnings filters and logging filters."""
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     runs = []
     for body in ("", "import lightning_hbm\nfrom lightning_hbm import LoRA, QuantizedPrecision"):
-        code = _STATE.format(names=sorted(NOISE), body=body)
+        # ``-I`` ignores PYTHONPATH: the checkout under test goes first on sys.path by hand (otherwise the
+        # subprocess imports whatever lightning_hbm the environment has installed, another checkout's)
+        code = f"import sys; sys.path.insert(0, {str(root)!r})\n" + _STATE.format(names=sorted(NOISE), body=body)
         proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         runs.append((proc.stdout.split("--- fit ---\n", 1)[1], proc.stderr.split("--- fit ---\n", 1)[1]))
