@@ -24,6 +24,7 @@ from lightning_hbm.precision.gptq import ROUNDINGS
 from lightning_hbm.precision.registry import QuantFormat, get_format, to_dtype
 from lightning_hbm.precision.sensitivity import check_plan_args
 from lightning_hbm.precision.smoothing import SMOOTH_MODE, check_smoothing
+from lightning_hbm.precision.targets import checked_embeddings
 
 
 def _checked_ignore(ignore_modules: Union[str, Sequence[str]]) -> Union[str, tuple[str, ...]]:
@@ -54,7 +55,8 @@ class QuantizationConfig:
     Raises:
         ValueError: an unknown mode, a dtype the mode cannot compute in, an invalid ``ignore_modules`` regex, a target
             out of range, an unknown ``rounding``, ``smoothing`` for modes that do not smooth, a negative
-            ``correction_rank`` (the messages of ``QuantizedPrecision``).
+            ``correction_rank``, a ``quantize_embeddings`` that is neither a bool nor a mode name (the messages of
+            ``QuantizedPrecision``).
         TypeError: a ``probe_batch`` or ``layer_modes`` of the wrong type.
     """
 
@@ -73,7 +75,8 @@ class QuantizationConfig:
     rounding: str = "nearest"
     #: the smoothing setting: ``"auto"`` or an alpha where a layer may be stored in ``int8-dynamic-smooth``, else None
     smoothing: Optional[Union[float, str]] = None
-    quantize_embeddings: bool = False
+    #: ``True``/``False``, or the mode name the input embeddings are stored in (``"int8"``; the run's ``mode``: ``True``)
+    quantize_embeddings: Union[bool, str] = False
     #: the rank of the calibrated correction (0: none)
     correction_rank: Optional[int] = None
     #: the module whose output the fit-start accuracy check and the convolutions' plan measure (``None``: the output)
@@ -89,7 +92,8 @@ class QuantizationConfig:
         dtype = to_dtype(self.dtype)
         mode.check_dtype(dtype)
         _set(mode=mode, dtype=dtype, ignore_modules=_checked_ignore(self.ignore_modules))
-        _set(quantize_head=bool(self.quantize_head), quantize_embeddings=bool(self.quantize_embeddings))
+        embeddings = self.quantize_embeddings if isinstance(self.quantize_embeddings, str) else bool(self.quantize_embeddings)
+        _set(quantize_head=bool(self.quantize_head), quantize_embeddings=checked_embeddings(embeddings, mode.name, dtype))
         check_plan_args(mode.name, self.max_bytes_per_param, self.min_cosine, self.sensitive_mode, self.probe_batch, self.layer_modes)
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"QuantizedPrecision(rounding={self.rounding!r}): use one of {list(ROUNDINGS)}.")
@@ -103,7 +107,7 @@ class QuantizationConfig:
         _set(sensitive_mode=self.sensitive_mode if isinstance(self.sensitive_mode, str) else tuple(self.sensitive_mode))
         _set(layer_modes=frozen(self.layer_modes) if self.layer_modes else None)
         sensitive = [self.sensitive_mode] if isinstance(self.sensitive_mode, str) else list(self.sensitive_mode)
-        modes = [mode.name, *sensitive, *(self.layer_modes or {}).values()]
+        modes = [mode.name, *sensitive, *(self.layer_modes or {}).values(), *([self.quantize_embeddings] if isinstance(self.quantize_embeddings, str) else [])]
         _set(smoothing=check_smoothing(self.smoothing, SMOOTH_MODE in modes, mode.name))
         if mode.peft_kind is not None:  # bitsandbytes modes: fail now, not at fit time
             import_bnb()

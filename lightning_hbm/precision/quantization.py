@@ -236,8 +236,8 @@ class Quantization:
         fake = _on_fake_tensors(module)  # the planner's trace (a model cut to fewer blocks): nothing is measured there
         check_accuracy_at(module, None if fake else self.config.accuracy_at)
         targets = listing.targets
-        if self.config.layer_modes is not None:
-            _layer_modes(targets, self.config.format, self.layer_modes or {})
+        if self.config.layer_modes is not None or isinstance(self.config.quantize_embeddings, str):
+            _layer_modes(targets, self.config.format, rule.embedding_modes(listing, self.layer_modes or {}))
         warning = regrid_warning(targets, self.config.format.name)
         if warning is not None:
             rank_zero_warn(warning)
@@ -263,12 +263,12 @@ class Quantization:
         kept = {n: why for n, (why, deliberate) in skipped.items() if not deliberate and is_plain_embedding(module.get_submodule(n))}
         if kept:
             rank_zero_warn(
-                f"lightning_hbm: QuantizedPrecision(quantize_embeddings=True) keeps {len(kept)} input embedding(s) in "
+                f"lightning_hbm: QuantizedPrecision(quantize_embeddings={self.config.quantize_embeddings!r}) keeps {len(kept)} input embedding(s) in "
                 f"{self.config.torch_dtype}: " + "; ".join(f"{n}: {why}" for n, why in kept.items()) + "."
             )
         elif not any(isinstance(layer, nn.Embedding) for _, layer in targets):
             rank_zero_warn(
-                f"lightning_hbm: QuantizedPrecision(quantize_embeddings=True): {type(module).__name__} has no nn.Embedding "
+                f"lightning_hbm: QuantizedPrecision(quantize_embeddings={self.config.quantize_embeddings!r}): {type(module).__name__} has no nn.Embedding "
                 "to store quantized; the option changes nothing for this model."
             )
 
@@ -491,8 +491,8 @@ class Quantization:
             config.update(targets, sensitive_mode=self.config.sensitive_argument())
         if self.config.layer_modes is not None:  # a plan the user gave: a setting like the others
             config["layer_modes"] = dict(self.config.layer_modes)
-        if self.config.quantize_embeddings:  # absent before this option existed
-            config["quantize_embeddings"] = True
+        if self.config.quantize_embeddings:  # absent before this option existed; True, or the embeddings' mode
+            config["quantize_embeddings"] = self.config.quantize_embeddings
         if self.config.rounding != "nearest":  # absent before this option existed
             config["rounding"] = self.config.rounding
         if self.smoothing is not None:

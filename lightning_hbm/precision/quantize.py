@@ -190,7 +190,7 @@ def _layer_modes(
         raise ValueError(
             f"layer_modes names {unknown}, which are not quantizable Linear layers of this model (quantizable: "
             f"{names[:12]}{' ...' if len(names) > 12 else ''}). Plan only those layers, by their module names (an "
-            "input embedding is one with quantize_embeddings=True: layer_modes={'<its name>': 'int8'} stores it in int8)."
+            "input embedding is one with quantize_embeddings=True; quantize_embeddings='int8' stores each one in int8)."
         )
     # the planner's fake-tensor variant, or a fake model (int8-dynamic has no variant): plan with fake layers too
     fake = quant_mode != get_format(quant_mode.name) or any(

@@ -20,7 +20,7 @@ from lightning_hbm.layers import LINEAR, base_layer, find_layers, kind_names, ou
 from lightning_hbm.layers.embedding import convertible, is_plain_embedding, tied_heads
 from lightning_hbm.naming import selected
 from lightning_hbm.precision.quantize import Correct, _layer_modes, _parametrized, _weight_normed, quantize_targets
-from lightning_hbm.precision.registry import QuantFormat, format_of, get_format, to_dtype
+from lightning_hbm.precision.registry import QuantFormat, available_precisions, format_of, get_format, to_dtype
 
 #: why a layer is left alone, by name: ``(reason, deliberate)``
 Reason = tuple[str, bool]
@@ -69,7 +69,27 @@ class TargetRule:
     ignore_modules: Union[str, Sequence[str]] = ()
     quantize_head: bool = False
     keep_modules: tuple[str, ...] = ()  # LoRA's modules_to_save: trained in full precision
-    quantize_embeddings: bool = False
+    #: ``True``: the input embeddings in the mode; a mode name: in that mode (:func:`checked_embeddings`)
+    quantize_embeddings: Union[bool, str] = False
+
+    def embedding_modes(self, listing: Listing, layer_modes: Mapping[str, str]) -> dict[str, str]:
+        """``layer_modes`` with the mode of each input embedding ``listing`` quantizes when ``quantize_embeddings``
+        names one (``"int8"``): the per-layer modes the quantization stores them in, as if ``layer_modes`` named them.
+
+        Raises:
+            ValueError: ``layer_modes`` names one of them in another mode (changing nothing).
+        """
+        if not isinstance(self.quantize_embeddings, str):
+            return dict(layer_modes)
+        chosen = {name: self.quantize_embeddings for name, _ in listing.embeddings[0]}
+        clash = {n: m for n, m in layer_modes.items() if n in chosen and m != self.quantize_embeddings}
+        if clash:
+            raise ValueError(
+                f"quantize_embeddings={self.quantize_embeddings!r} stores the input embeddings in {self.quantize_embeddings}, "
+                f"but layer_modes names {clash}: drop them from layer_modes, or pass quantize_embeddings=True to take "
+                "each embedding's mode from layer_modes."
+            )
+        return {**chosen, **layer_modes}
 
     def listing(self, module: nn.Module) -> Listing:
         """The targets of ``module`` under this rule (Linear-like layers of every registered kind with a
@@ -94,6 +114,26 @@ class TargetRule:
             else:
                 chosen.append((name, sub))
         return listing._replace(targets=listing.targets + chosen, skipped={**listing.skipped, **skipped}, embeddings=(chosen, skipped))
+
+
+def checked_embeddings(value: Union[bool, str], mode: str, dtype: torch.dtype, owner: str = "QuantizedPrecision") -> Union[bool, str]:
+    """``quantize_embeddings`` as a rule holds it: ``True``/``False`` as given, a mode name checked (``mode`` itself:
+    ``True``, the same setting).
+
+    Raises:
+        ValueError: a string that is not a mode name (``"none"`` included: ``False`` keeps them), or a mode that
+            cannot compute in ``dtype``; the message names the value and the allowed ones.
+    """
+    if isinstance(value, bool):
+        return value
+    if value not in available_precisions():
+        raise ValueError(
+            f"{owner}(quantize_embeddings={value!r}): pass True (the input embeddings stored in the run's mode), False "
+            f"(kept in the compute dtype) or the mode to store them in, one of {available_precisions()} (e.g. 'int8', "
+            "beside 4-bit Linears)."
+        )
+    get_format(value).check_dtype(dtype)
+    return True if value == mode else value
 
 
 def _owners(module: nn.Module) -> dict[int, int]:
@@ -189,7 +229,7 @@ def _quantizable_linears(
     ignore_modules: Union[str, Sequence[str]],
     quantize_head: bool = False,
     keep_modules: Sequence[str] = (),
-    quantize_embeddings: bool = False,
+    quantize_embeddings: Union[bool, str] = False,
 ) -> tuple[list[tuple[str, nn.Module]], dict[str, Reason]]:
     """(name, layer) pairs to quantize, and the layers left alone with (reason, deliberate): :meth:`TargetRule.listing`
     under these settings. ``keep_modules``: names (suffix match, as LoRA's ``modules_to_save``) kept in full precision."""
@@ -249,7 +289,7 @@ def quantize_model(
     keep_modules: Sequence[str] = (),
     layer_modes: Optional[Mapping[str, str]] = None,
     hessians: Optional[Mapping[str, Tensor]] = None,
-    quantize_embeddings: bool = False,
+    quantize_embeddings: Union[bool, str] = False,
     correct: Optional[Correct] = None,
 ) -> list[str]:
     """Replace the Linear-like layers of ``module`` in place by quantized frozen layers.
@@ -266,10 +306,12 @@ def quantize_model(
     GPTQ-rounds the 4-bit layers it names instead of rounding to nearest. ``correct`` (a
     :class:`~lightning_hbm.precision.correction.CalibratedCorrection`) gives each quantized Linear-like layer its
     calibrated correction (on fake tensors, as the planner counts bytes: zero factors of their shapes). ``quantize_embeddings``:
-    the input embeddings too (:mod:`lightning_hbm.layers.embedding`). Returns the names of the layers handled.
+    the input embeddings too (:mod:`lightning_hbm.layers.embedding`): ``True`` in ``mode``, or a mode name (``"int8"``)
+    they are stored in. Returns the names of the layers handled.
     """
     quant_mode = get_format(mode) if isinstance(mode, str) else mode
     compute_dtype = to_dtype(dtype)
+    quantize_embeddings = checked_embeddings(quantize_embeddings, quant_mode.name, compute_dtype, owner="quantize_model")
     rule = TargetRule(ignore_modules, quantize_head, tuple(keep_modules), quantize_embeddings)
     return quantize_listed(module, rule, rule.listing(module), quant_mode, compute_dtype, layer_modes or {}, device, hessians, correct)
 
@@ -284,9 +326,10 @@ def quantize_listed(
     (:func:`prepare_targets`), each target's mode (:func:`~lightning_hbm.precision.quantize._layer_modes`), then the
     replacement (:func:`~lightning_hbm.precision.quantize.quantize_targets`). Returns the names of the targets."""
     _validate(module, rule, listing, quant_mode, compute_dtype)
+    layer_modes = rule.embedding_modes(listing, layer_modes)  # a preparation changes no embedding: resolved before it
     listing = prepare_targets(module, rule, listing)
     modes = _layer_modes(listing.targets, quant_mode, layer_modes)
     return quantize_targets(module, listing.targets, listing.skipped, listing.fp32, modes, compute_dtype, device, hessians, correct)
 
 
-__all__ = ["Listing", "TargetRule", "keep_in_fp32_names", "prepare_targets", "quantize_listed", "quantize_model"]
+__all__ = ["Listing", "TargetRule", "checked_embeddings", "keep_in_fp32_names", "prepare_targets", "quantize_listed", "quantize_model"]
