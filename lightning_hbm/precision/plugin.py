@@ -284,7 +284,8 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
     @property
     def layer_modes(self) -> Optional[dict[str, str]]:
         """The per-layer modes ``{layer name: mode name}`` of the last surgery: pinned (``layer_modes=``), measured on
-        the probe or taken from the checkpoint being resumed; ``None``: every layer in ``mode``. Logged and saved."""
+        the probe or taken from the checkpoint being resumed; ``None``: every layer in ``mode``. Logged and saved. The
+        input embeddings of ``quantize_embeddings="int8"`` are not listed: their mode is that setting (saved too)."""
         return self.quantization.layer_modes
 
     @property
