@@ -61,6 +61,17 @@ def _left_alone_reason(layer: nn.Module, kind: LayerKind, quantizing: bool, adap
     return "frozen in full precision (no QuantizedPrecision" + (", not a LoRA target)" if adapting else ")"), True
 
 
+def _not_adapted_reason(layer: nn.Module, kind: LayerKind) -> str:
+    """Why a quantized layer has no adapter while LoRA adapts others: its kind's (LoRA cannot adapt it), else LoRA's
+    tag (an output head left out of 'all-linear'), else it was not a LoRA target."""
+    if not kind.adaptable_names(layer):
+        return kind.not_adapted or kind.adapted_as
+    tagged = record.left_alone(layer)
+    if tagged is not None:
+        return tagged[0]
+    return "not adapted: not a LoRA target (LoRA(target_modules=[...]) names the layers it adapts)"
+
+
 def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[CoverageRow]:
     """One row per registered kind present in ``module``, the LoRA adapters, and ``other`` (embeddings, norms, ...).
 
@@ -121,6 +132,11 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
             # (in the table only: an adapted layer trains, so it is not counted among those warned as left alone)
             reason, _ = _left_alone_reason(layer, kind, quantizing, adapting, readers.get(name))
             reason = f"{reason}; adapted by LoRA"
+            row.reasons[reason] = row.reasons.get(reason, 0) + count
+        elif quantized and not adapted and adapting:
+            # quantized, but no adapter while LoRA trains others (a transposed or grouped convolution, an embedding, a
+            # layer not named in target_modules): its reason too, as every layer left unadapted has one
+            reason = _not_adapted_reason(layer, kind)
             row.reasons[reason] = row.reasons.get(reason, 0) + count
     other = CoverageRow("other (embeddings, norms, ...)")
     adapters = CoverageRow("LoRA adapters (trained)")

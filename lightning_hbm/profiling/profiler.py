@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
@@ -67,6 +68,9 @@ _MIB = 2**20
 #: Steps measured whatever the cadence, so that a short run still draws a curve: memory settles here
 #: (optimizer states appear after step 0, the previous gradients are alive from step 1 on).
 FIRST_STEPS = 5
+#: what a fit writes into its report directory: the report and its figure data (``_oom``/``_oom_rank{r}`` on
+#: out-of-memory) and CUDA snapshots; another run's are named at fit start, never deleted
+REPORT_FILES = re.compile(r"hbm_(profile(_oom(_rank\d+)?)?\.(csv|json|png)|figure(_oom(_rank\d+)?)?\.json|snapshot(_oom)?(_rank\d+)?\.pickle)")
 
 class HBMProfiler(Callback):
     """Per-step memory breakdown by category, with a report at the end of fit and on out-of-memory.
@@ -121,7 +125,9 @@ class HBMProfiler(Callback):
     optimizer, the peak marked with its op and module, each term at each phase's peak, the prediction and
     budget as lines; :mod:`lightning_hbm.profiling.figure`). Without a detailed step the PNG is the
     forward ends over steps and no ``hbm_figure.json`` is written. Each ``fit`` starts a new
-    report: an instance reused for a second fit does not mix the runs. On ``torch.OutOfMemoryError``/``MemoryError`` the rank that failed writes the
+    report: an instance reused for a second fit does not mix the runs. Another run's report files already in
+    ``dirpath`` are named in a warning at fit start (with the fix: a fresh ``dirpath``); nothing is deleted, and this
+    fit's report replaces them when it is written. On ``torch.OutOfMemoryError``/``MemoryError`` the rank that failed writes the
     same files with an ``_oom`` suffix (``_oom_rank{r}`` when there are several ranks), a CUDA
     snapshot, and the diagnosis; the error is re-raised by Lightning.
 
@@ -263,17 +269,20 @@ class HBMProfiler(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._every = self.every_n_steps or max(int(trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's LoggerConnector sets it)
         if stage == "fit":  # one report per fit: a reused instance would otherwise mix two runs' rows
-            self._check_directories(trainer)
+            directory = self._check_directories(trainer)
+            if trainer.is_global_zero:
+                self._warn_earlier_report(directory)
             self.steps.reset()
             self.used, self.snapshot_path = {}, None
         if self.snapshot_steps is not None and trainer.strategy.root_device.type != "cuda":
             rank_zero_warn("HBMProfiler: snapshot_steps records CUDA memory history; this run is not on CUDA, so no snapshot.")
 
-    def _check_directories(self, trainer: pl.Trainer) -> None:
+    def _check_directories(self, trainer: pl.Trainer) -> str:
         """The report's and the checkpoints' directories must be writable: refused at fit start (before the model
         is changed), not at the report after training or at the first checkpoint. Checked on every rank, so no
-        rank is left waiting in a collective for one that raised."""
-        _check_writable(self._dir(trainer), "HBMProfiler(dirpath=...): the report directory",
+        rank is left waiting in a collective for one that raised. Returns the report's directory."""
+        report_dir = self._dir(trainer)  # broadcast inside: called on every rank
+        _check_writable(report_dir, "HBMProfiler(dirpath=...): the report directory",
                         "Pass a writable directory, e.g. HBMProfiler(dirpath='hbm_report').")  # fmt: skip
         for callback in trainer.checkpoint_callbacks:
             if not isinstance(callback, ModelCheckpoint) or (callback.save_top_k == 0 and not callback.save_last):
@@ -283,6 +292,26 @@ class HBMProfiler(Callback):
             directory = callback.dirpath or logger_dir or trainer.default_root_dir
             _check_writable(str(directory), "ModelCheckpoint(dirpath=...): the checkpoint directory",
                             "Pass ModelCheckpoint(dirpath=<a writable directory>) or Trainer(default_root_dir=...).")  # fmt: skip
+        return report_dir
+
+    def _warn_earlier_report(self, directory: str) -> None:
+        """Another run's report in ``directory`` (an earlier fit, this instance's included): named with the fix, as
+        Lightning's ModelCheckpoint warns of a checkpoint directory that is not empty. Nothing is deleted; this fit's
+        report replaces those files when it is written (the ``_oom`` ones only if this fit runs out of memory)."""
+        if "://" in directory or not os.path.isdir(directory):
+            return  # remote (fsspec) storage: not listed; a directory still to be created holds nothing
+        found = sorted(name for name in os.listdir(directory) if REPORT_FILES.fullmatch(name))
+        if not found:
+            return
+        if self.dirpath is not None:
+            fix = f"pass a fresh directory, e.g. HBMProfiler(dirpath={os.path.join(self.dirpath, 'run2')!r})"
+        else:
+            fix = "pass HBMProfiler(dirpath=<a fresh directory>) or use a logger (each run gets its own version_N folder)"
+        rank_zero_warn(
+            f"HBMProfiler: the report directory {directory!r} already holds another run's report: {', '.join(found)}. "
+            f"This fit replaces them when it writes its own (the _oom files only if it runs out of memory, snapshots only "
+            f"with snapshot_steps on CUDA); nothing was deleted. To keep them, {fix}, or move them away before fitting."
+        )
 
     def _maybe_start_history(self, pl_module: pl.LightningModule, step: int) -> None:
         if self.snapshot_steps is None or self._recording or step != self.snapshot_steps[0]:
