@@ -1,4 +1,4 @@
-"""LoRA's target selection reads no quantized convolution's weight (issue 53, session 29: planner speed).
+"""LoRA dequantizes no quantized convolution needlessly (issue 53, session 29: planner speed).
 
 A quantized convolution's ``weight`` property dequantizes a new tensor at each read. The tied-weight check of
 ``target_modules="all-linear"`` read it once per layer, three times per planner trace (about 2.4 s of a 28 s profiled
@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_hbm import LoRA
 from lightning_hbm.adapters.lora.config import LoRAConfig
 from lightning_hbm.adapters.lora.targets import select
 from lightning_hbm.layers import QuantizedConv2d
@@ -42,3 +43,24 @@ def test_all_linear_selection_dequantizes_no_convolution_and_still_finds_tied_we
     calls.clear()
     selection = select(model, LoRAConfig(r=8, alpha=16), [])
     assert calls == [] and selection.targets == ["0", "1", "5"], (calls, selection.targets)
+
+
+@pytest.mark.slow
+def test_peft_building_the_adapters_dequantizes_each_convolution_once() -> None:
+    """peft read each quantized convolution's weight ~10 times while building its adapter (a dequantize each, ~2 s of
+    the MobileViT plan); inside LoRA's injection a repeated read returns the last read's tensor: one dequantize per
+    layer, and the adapted model computes what the quantized one did (lora_B starts at zero)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 64, 3), nn.Conv2d(64, 64, 1), nn.Conv2d(64, 32, 1))
+    quantize_model(model, "nf4", dtype="float32")
+    x = torch.randn(2, 16, 6, 6)
+    want = model(x)
+    calls: list[int] = []
+    convs = [m for m in model.modules() if isinstance(m, QuantizedConv2d)]
+    for conv in convs:
+        conv._dequantize = counted(calls, conv._dequantize)
+    LoRA(r=8, alpha=16).transform_model(model)
+    assert len(calls) == len(convs) == 3, len(calls)
+    torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+    calls.clear()
+    assert convs[0].weight is not convs[0].weight and len(calls) == 2  # outside the injection: a new tensor per read
