@@ -22,7 +22,7 @@ from lightning_hbm.layers import readers
 from lightning_hbm.layers.linear import LINEAR, Fp32ComputeLinear
 from lightning_hbm.layers.conv1d import CONV1D
 from lightning_hbm.layers.multihead_attention import MULTIHEAD_ATTENTION, ProjectedMultiheadAttention
-from lightning_hbm.layers.conv import CONV, QuantizedConv1d, QuantizedConv2d, QuantizedConv3d
+from lightning_hbm.layers.conv import CONV, QuantizedConv1d, QuantizedConv2d, QuantizedConv3d, repeated_reads_dequantize_once
 from lightning_hbm.layers.conv_transpose import CONV_TRANSPOSE, QuantizedConvTranspose1d, QuantizedConvTranspose2d, QuantizedConvTranspose3d
 from lightning_hbm.layers.embedding import EMBEDDING, QuantizedEmbedding
 from lightning_hbm.layers.experts import EXPERTS, LinearExperts
@@ -66,6 +66,7 @@ __all__ = [
     "output_heads",
     "prepare_model",
     "register_kind",
+    "repeated_reads_dequantize_once",
     "report_coverage",
     "task_heads",
     "task_type",

@@ -20,6 +20,8 @@ by ``groups`` and cannot merge them.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, NamedTuple, Optional, cast
 
 import torch
@@ -61,6 +63,26 @@ def convolution_backward(geometry: Geometry, bias: Optional[torch.Tensor]) -> Ba
     return backward
 
 
+#: inside :func:`repeated_reads_dequantize_once`: the last quantized convolution whose ``weight`` was read (layer,
+#: storage, weight), or None
+_LAST_READ: list[Optional[tuple[object, nn.Module, torch.Tensor]]] = []
+
+
+@contextmanager
+def repeated_reads_dequantize_once() -> Iterator[None]:
+    """Inside, reading a quantized convolution's ``weight`` again, with no other one's read in between, returns the
+    tensor the previous read dequantized (the same values) instead of dequantizing anew.
+
+    peft reads ``base_layer.weight`` about ten times per layer while it builds the layer's adapter (its device, its
+    dtype); each read of a quantized convolution's weight dequantizes it. At most one weight is held past its read.
+    """
+    _LAST_READ.append(None)
+    try:
+        yield
+    finally:
+        _LAST_READ.pop()
+
+
 class _Quantized:
     """What the quantized 1-d/2-d/3-d convolutions share. Only :meth:`from_quantized` builds one: called like a
     convolution (peft builds its adapters' ``lora_A``/``lora_B`` with ``type(base_layer)(...)``), the class gives
@@ -93,8 +115,14 @@ class _Quantized:
         storage = self.storage()
         if storage is None:
             raise AttributeError("weight")
+        last = _LAST_READ[-1] if _LAST_READ else None
+        if last is not None and last[0] is self and last[1] is storage:
+            return last[2]
         with torch.no_grad():
-            return self.dequantized(storage)
+            weight = self.dequantized(storage)
+        if _LAST_READ:
+            _LAST_READ[-1] = (self, storage, weight)
+        return weight
 
     def dequantized(self, storage: nn.Module) -> torch.Tensor:
         shape = (self.out_channels, self.in_channels // self.groups, *self.kernel_size)  # type: ignore[attr-defined]

@@ -397,6 +397,8 @@ def _cut_and_extend(
         return trace(model, batch, candidate, device, None, count)  # (predict traces every > 1 whole without a hint)
     if count is not None:
         return _partial_offload(trace, model, batch, candidate, device, extrapolate, count)
+    if hint > first and not _extends(hint, first, second, extrapolate):  # 4-7 blocks: the cut trace would be followed
+        return trace(model, batch, candidate, device, None, None)  # by the whole one (a tiny MobileViT: half its plan)
     result = trace(model, batch, candidate, device, first, None)
     depth = result.depth
     if _extends(depth, first, second, extrapolate):

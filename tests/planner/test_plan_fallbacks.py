@@ -24,7 +24,8 @@ FP32 = Candidate("32-true")
 
 
 class TinySam(pl.LightningModule):
-    """transformers' SamModel: its mask decoder reads ``output_hypernetworks_mlps[i]`` for i < 4, the largest list."""
+    """transformers' SamModel: its mask decoder reads ``output_hypernetworks_mlps[i]`` for i < 8, the largest list (8:
+    enough blocks to cut and extend; a list of 4 to 7 is traced whole at once)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,7 +37,7 @@ class TinySam(pl.LightningModule):
                                  num_pos_feats=8)  # fmt: skip
         prompt = SamPromptEncoderConfig(hidden_size=16, image_size=64, patch_size=8, mask_input_channels=4)
         decoder = SamMaskDecoderConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, mlp_dim=32,
-                                       iou_head_hidden_dim=16)  # fmt: skip
+                                       iou_head_hidden_dim=16, num_multimask_outputs=7)  # fmt: skip
         self.model = SamModel(SamConfig(vision_config=vision, prompt_encoder_config=prompt, mask_decoder_config=decoder))
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -49,18 +50,18 @@ class TinySam(pl.LightningModule):
 
 def sam_batch() -> dict:
     g = torch.Generator().manual_seed(0)
-    masks = (torch.rand(2, 1, 3, 32, 32, generator=g) > 0.5).float()  # 3 masks per point at the decoder's 4x upscale
+    masks = (torch.rand(2, 1, 7, 32, 32, generator=g) > 0.5).float()  # 7 masks per point at the decoder's 4x upscale
     return {"pixel_values": torch.randn(2, 3, 64, 64, generator=g), "points": torch.rand(2, 1, 1, 2, generator=g) * 64,
             "masks": masks}  # fmt: skip
 
 
 def test_a_cut_that_fails_plans_the_whole_model_and_says_so() -> None:
     batch = sam_batch()
-    with pytest.warns(UserWarning, match=r"model\.mask_decoder\.output_hypernetworks_mlps cut to 3 of 4 blocks failed "
+    with pytest.warns(UserWarning, match=r"model\.mask_decoder\.output_hypernetworks_mlps cut to 3 of 8 blocks failed "
                       r"\(IndexError: index 3 is out of range\); traced the whole model instead"):  # fmt: skip
         result = plan(TinySam, batch, candidates=[FP32])
     prediction = result.predictions[0]
-    assert "output_hypernetworks_mlps cut to 3 of 4 blocks failed" in prediction.uncut
+    assert "output_hypernetworks_mlps cut to 3 of 8 blocks failed" in prediction.uncut
     assert any("traced the whole model instead" in note for note in result.notes())
     reference = memtracker_peak(TinySam, batch, FP32)  # a real training step of the same model
     assert abs(prediction.peak / reference - 1) < 0.03, (prediction.peak, reference)

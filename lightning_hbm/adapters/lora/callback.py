@@ -23,7 +23,7 @@ from lightning_hbm.adapters.lora.export import adapter_state_dict, check_adapter
 from lightning_hbm.adapters.lora.forward import lora_forward
 from lightning_hbm.adapters.lora.targets import select
 from lightning_hbm.adapters.lora.watch import _AdapterWatch
-from lightning_hbm.layers import find_layers, prepare_model, report_coverage, task_heads
+from lightning_hbm.layers import find_layers, prepare_model, repeated_reads_dequantize_once, report_coverage, task_heads
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.naming import did_you_mean, name_matches, under
 from lightning_hbm.precision.plugin import QuantizedPrecision
@@ -292,7 +292,8 @@ class LoRA(SurgeryCallback):
         kinds = {fmt.peft_kind for fmt in map(format_of, module.modules()) if fmt is not None}
         peft_compat.mark_quantized(module, [k for k in ("4bit", "8bit") if k in kinds])
         config = self.config.peft_config(peft, targets)
-        peft.inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
+        with repeated_reads_dequantize_once():  # peft reads each base layer's weight ~10 times: one dequantize
+            peft.inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
         # peft froze every non-adapter parameter; modules_to_save train in place (stable names)
         for name in saved:
             for param in module.get_submodule(name).parameters():

@@ -16,7 +16,18 @@ from torch import nn
 from lightning_hbm.adapters.lora.base import ALL_LINEAR, _width
 from lightning_hbm.adapters.lora.config import LoRAConfig
 from lightning_hbm.adapters.lora.export import is_quantized
-from lightning_hbm.layers import adaptable_names, kind_names, output_heads, weight_readers
+from lightning_hbm.layers import (
+    QuantizedConv1d,
+    QuantizedConv2d,
+    QuantizedConv3d,
+    QuantizedConvTranspose1d,
+    QuantizedConvTranspose2d,
+    QuantizedConvTranspose3d,
+    adaptable_names,
+    kind_names,
+    output_heads,
+    weight_readers,
+)
 from lightning_hbm.naming import did_you_mean, name_list, name_matches, under
 
 
@@ -98,6 +109,9 @@ def _saved(
         saved.extend(n for n in found if not under(n, saved))
     return saved
 
+#: layers whose ``weight`` property dequantizes a fresh tensor (see :func:`_weight_identity`)
+_DEQUANTIZING = (QuantizedConv1d, QuantizedConv2d, QuantizedConv3d, QuantizedConvTranspose1d, QuantizedConvTranspose2d, QuantizedConvTranspose3d)
+
 
 def _all_linear(
     module: nn.Module, config: LoRAConfig, named: dict[str, Optional[nn.Module]], linears: list[str], saved: list[str]
@@ -110,7 +124,7 @@ def _all_linear(
     owners: dict[int, int] = {}
     for _, param in module.named_parameters(remove_duplicate=False):
         owners[id(param)] = owners.get(id(param), 0) + 1
-    tied = {n for n in linears if named[n] is not None and owners.get(id(cast(nn.Module, named[n]).weight), 0) > 1}
+    tied = {n for n in linears if named[n] is not None and owners.get(id(_weight_identity(cast(nn.Module, named[n]))), 0) > 1}
     # and layers whose weight a parent reads directly (Mamba's dt_proj): their adapter would never be called
     readers = weight_readers(module, uses_only=True)
     # (a module trained in full is no LoRA candidate: neither adapted nor "narrower than r")
@@ -123,6 +137,15 @@ def _all_linear(
     if len(narrow) < len(candidates):  # all narrower: r itself is wrong (check_model's error)
         return Selection([n for n in candidates if n not in narrow], saved, narrow, heads_left_out)
     return Selection(candidates, saved, [], heads_left_out)
+
+
+def _weight_identity(layer: nn.Module) -> object:
+    """What ``layer.weight`` is, for the tied-weight check: a quantized convolution's ``weight`` property dequantizes
+    a new tensor at each read (never a registered parameter, so never tied; ~3-20 ms on fake tensors, dozens of
+    convolutions in a MobileViT), so its registered ``weight`` parameter (None) is looked up instead."""
+    if isinstance(layer, _DEQUANTIZING):
+        return layer._parameters.get("weight")
+    return layer.weight
 
 
 def _listed(config: LoRAConfig, named: dict[str, Optional[nn.Module]], linears: list[str]) -> list[str]:

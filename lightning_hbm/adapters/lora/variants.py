@@ -126,7 +126,8 @@ def refusals(
             )
         if use_dora and not conv and mode in _DORA_BROKEN:
             reasons.append(f"{name}: use_dora=True on {mode}: {_DORA_BROKEN[mode]}")
-        weight = getattr(layer, "weight", None) if name not in planned else None
+        # read only where a DoRA check needs it: a quantized convolution's weight dequantizes at each read
+        weight = getattr(layer, "weight", None) if use_dora and not conv and name not in planned else None
         if use_dora and not conv and isinstance(weight, FakeTensor) and mode in _BNB_MODES:
             reasons.append(
                 f"{name}: use_dora=True on {mode} in the planner's trace: peft finds a bitsandbytes weight to dequantize "
