@@ -40,6 +40,7 @@ from lightning_hbm.layers import OUTSIDE_ROWS, RAW_WEIGHTS, layer_kinds
 from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.planner import Candidate, plan
 from lightning_hbm.planner.reference import memtracker_peak
+from tests.test_any_model import Recorder  # the same recorder: losses, adapters trained, adapters after each epoch
 
 VOCAB, SEQ, BATCH, WIDTH = 128, 16, 2, 64
 IDS = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -210,32 +211,6 @@ class Task(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
-class Recorder(pl.Callback):
-    """Losses; adapters whose gradient was nonzero at some step; adapters after each epoch. Seeds every step from its
-    index, so a resumed run draws the uninterrupted run's masks and noise."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-        self.adapters: list[str] = []
-        self.trained: set[str] = set()
-        self.after_epoch: list[dict[str, torch.Tensor]] = []
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.adapters = [n for n, _ in pl_module.named_parameters() if ".lora_" in n]
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        torch.manual_seed(trainer.global_step)
-
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.trained |= {n for n, p in pl_module.named_parameters() if ".lora_" in n and p.grad is not None and p.grad.any()}
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.losses.append(float(outputs["loss"]))
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.after_epoch.append(LoRA.adapter_state_dict(pl_module))
 
 
 def recipe(name: str) -> tuple[QuantizedPrecision, list[pl.Callback]]:
