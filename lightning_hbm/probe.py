@@ -12,7 +12,7 @@ import warnings
 import weakref
 from collections import Counter
 from collections.abc import Collection, Generator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -211,6 +211,38 @@ def eval_no_grad(module: nn.Module) -> Generator[None, None, None]:
     finally:
         for m, training in flags:
             m.training = training
+
+
+@dataclass
+class Probe:
+    """A model and its probe batch, as the measurements of one quantization run them: built once by their owner
+    (``Quantization._measure``, ``choose_layer_modes``) and handed down, so that each measurement (the smoothing, its
+    candidates' errors, the swapped-in outputs of the plans) asks it for a forward instead of taking the model and
+    the batch apart again. Each method is the function of this module of the same name on :attr:`module` and
+    :attr:`batch`."""
+
+    module: nn.Module
+    batch: Any
+
+    def eval_no_grad(self) -> AbstractContextManager[None]:
+        """:func:`eval_no_grad` of the model."""
+        return eval_no_grad(self.module)
+
+    def output(self) -> Tensor:
+        """:func:`probe_output`: the model's output tensor on the batch."""
+        return probe_output(self.module, self.batch)
+
+    def forward(self) -> Any:
+        """:func:`forward_on`: the model's output on (a copy of) the batch, as it returns it."""
+        return forward_on(self.module, self.batch)
+
+    def input_absmax(self, layers: Mapping[str, nn.Module]) -> tuple[dict[str, Tensor], Tensor]:
+        """:func:`input_absmax` of ``layers`` over one forward, and the output."""
+        return input_absmax(self.module, layers, self.batch)
+
+    def recording_calls(self, names: Optional[Collection[str]] = None, keep: int = 0) -> AbstractContextManager[list["Call"]]:
+        """:func:`recording_calls` of the model's submodules ``names``."""
+        return recording_calls(self.module, names, keep)
 
 
 @dataclass
@@ -550,5 +582,5 @@ def agreeing_calls(reference: Sequence[Call], got: Sequence[Call]) -> list[tuple
     return [(want, got[i]) for i, want in enumerate(reference[:prefix]) if want.parent not in inside and want.shapes]
 
 
-__all__ = ["INDEXED", "MASKING", "POOLED", "PREFIX", "SELECTING", "Call", "Followed", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
+__all__ = ["INDEXED", "MASKING", "POOLED", "PREFIX", "SELECTING", "Call", "Followed", "Probe", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
            "has_forward", "input_absmax", "probe_output", "recorded_forward", "recording_calls", "recording_selections"]

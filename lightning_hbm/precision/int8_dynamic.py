@@ -65,7 +65,7 @@ from typing_extensions import override
 from lightning_hbm import record
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.precision.registry import QuantFormat, register_format
-from lightning_hbm.probe import probe_output
+from lightning_hbm.probe import Probe
 
 log = logging.getLogger(__name__)
 
@@ -311,11 +311,11 @@ def shifts_for(input_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -
 
 
 def candidate_errors(
-    module: nn.Module, layers: Mapping[str, nn.Linear], candidates: Mapping[str, Mapping[Optional[float], torch.Tensor]],
-    dtype: torch.dtype, probe: Any,
+    probe: Probe, layers: Mapping[str, nn.Linear], candidates: Mapping[str, Mapping[Optional[float], torch.Tensor]], dtype: torch.dtype
 ) -> dict[str, dict[Optional[float], float]]:
     """Squared error of each layer's own output (bias left out) stored with each candidate's exponents, on its real
-    inputs over one forward of ``probe`` (each candidate layer built and dropped inside the hook: no activation kept)."""
+    inputs over one forward of ``probe`` (the model and its batch; each candidate layer built and dropped inside the
+    hook: no activation kept)."""
     errors: dict[str, dict[Optional[float], float]] = {name: {} for name in layers}
 
     def measure(name: str) -> Any:
@@ -334,7 +334,7 @@ def candidate_errors(
 
     handles = [layer.register_forward_pre_hook(measure(name)) for name, layer in layers.items()]
     try:
-        probe_output(module, probe)
+        probe.output()
     finally:
         for handle in handles:
             handle.remove()

@@ -25,6 +25,7 @@ the run (or ``None``): the probe batch and the checkpoint being resumed are read
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 import weakref
@@ -53,7 +54,7 @@ from lightning_hbm.precision.quantize import _layer_modes
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_PLAN_TARGET, SensitivityReport, choose_layer_modes, planned_convs_warning, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.precision.targets import Listing, TargetRule, _validate, quantize_listed
-from lightning_hbm.probe import eval_no_grad, forward_on, has_forward
+from lightning_hbm.probe import Probe, eval_no_grad, forward_on, has_forward
 from lightning_hbm.probe_batch import first_batches
 
 log = logging.getLogger(__name__)
@@ -343,7 +344,9 @@ class Quantization:
         """
         fake = _on_fake_tensors(module)
         resumed = self._resumed(trainer) if trainer is not None and (self.correction is not None or self.smoothing is not None) else {}
-        probe = lambda: self.probe(trainer)  # noqa: E731 - drawn only by what measures (a resume may measure nothing)
+        # the model and its probe batch, built once and handed to each measure; drawn only by what measures (a resume
+        # may measure nothing)
+        probe = functools.cache(lambda: Probe(module, self.probe(trainer)))
         correction = self.correction
         if inputs and correction is not None:
             correction.hessians = None
@@ -354,7 +357,7 @@ class Quantization:
         if inputs and (self.gptq is not None or fitting) and not fake:
             # an embedding's input is token ids: no statistics
             names = [name for name, layer in targets if not isinstance(layer, nn.Embedding)]
-            hessians, rows = input_statistics(module, names, probe())
+            hessians, rows = input_statistics(module, names, probe().batch)
             if self.gptq is not None:
                 self.gptq.hessians = hessians
             if correction is not None and fitting:

@@ -54,7 +54,7 @@ from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.precision.read_plan import read_local_errors, swapped_copy
 from lightning_hbm.precision.registry import get_format, to_dtype
-from lightning_hbm.probe import Call, Selection, agreeing_calls, compare_outputs, diverging, eval_no_grad, forward_on, probe_output, recording_calls, recording_selections
+from lightning_hbm.probe import Call, Probe, Selection, agreeing_calls, compare_outputs, diverging, eval_no_grad, recording_selections
 
 #: ``sensitive_mode`` (and plan entry) that keeps a layer unquantized in the compute dtype, frozen.
 UNQUANTIZED = "none"
@@ -203,37 +203,38 @@ def measured_rounded(kind: LayerKind) -> bool:
 
 
 class _Swapper:
-    """Puts quantized copies of chosen layers into the model for one probe forward, then the originals back."""
+    """Puts quantized copies of chosen layers into the model of ``probe`` for one probe forward, then the originals
+    back."""
 
     def __init__(
-        self, module: nn.Module, layers: Mapping[str, nn.Module], dtype: torch.dtype, hessians: Optional[Mapping[str, torch.Tensor]] = None
+        self, probe: Probe, layers: Mapping[str, nn.Module], dtype: torch.dtype, hessians: Optional[Mapping[str, torch.Tensor]] = None
     ) -> None:
-        self.module, self.layers, self.dtype, self.hessians = module, layers, dtype, hessians or {}
+        self.probe, self.module, self.layers, self.dtype, self.hessians = probe, probe.module, layers, dtype, hessians or {}
         self._variants: dict[tuple[str, str], nn.Module] = {}
         # every probe forward draws what the first drew (a forward that draws noise, a diffusion training step, was
         # measured against other draws: 0.03 and every convolution widened), and the user's RNGs are left as they were
         self.rngs = torch_compat.rng_states()
         #: the module whose output is measured instead of the model's (:meth:`measuring_point`); ``None``: the model's
         self.tap: Optional[str] = None
-        self.built = {name for name, _ in module.named_modules()}
+        self.built = {name for name, _ in self.module.named_modules()}
 
-    def forward(self, probe: Any) -> torch.Tensor:
-        """The model's output on ``probe`` (or the :attr:`tap`'s, each sample's outputs one row) with the first forward's
-        random draws."""
+    def forward(self) -> torch.Tensor:
+        """The model's output on the probe batch (or the :attr:`tap`'s, each sample's outputs one row) with the first
+        forward's random draws."""
         with torch_compat.drawing_as(self.rngs):
             if self.tap is None:
-                return probe_output(self.module, probe)
+                return self.probe.output()
             taken: list[Any] = []
             handle = self.module.get_submodule(self.tap).register_forward_hook(lambda m, a, out: taken.append(out))
             try:
-                forward_on(self.module, probe)
+                self.probe.forward()
             finally:
                 handle.remove()
             leaves = [t for t in tree_flatten(taken[0])[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
             rows = len({t.shape[0] if t.dim() else 0 for t in leaves}) == 1 and leaves[0].dim() > 0
             return torch.cat([t.reshape(t.shape[0], -1) if rows else t.reshape(1, -1) for t in leaves], 1)
 
-    def measuring_point(self, names: Sequence[str], base: str, probe: Any, reference: torch.Tensor) -> torch.Tensor:
+    def measuring_point(self, names: Sequence[str], base: str, reference: torch.Tensor) -> torch.Tensor:
         """The reference output to plan on. A model whose output changes shape with its layers in ``base`` (a detector's
         boxes after score thresholding and NMS: a number that depends on the scores), or whose data-dependent selections
         (sort, top-k, a boolean mask, NMS: :func:`~lightning_hbm.probe.recording_selections`) pick otherwise (the same
@@ -247,11 +248,11 @@ class _Swapper:
         want: list[Call] = []
         got: list[Call] = []
         picked: list[Selection] = []
-        uniform = self.output({name: base for name in names}, probe, got, picked)
+        uniform = self.output({name: base for name in names}, got, picked)
         if uniform.shape == reference.shape and not picked:
             return reference
         as_built: list[Selection] = []
-        self.output({}, probe, want, as_built)
+        self.output({}, want, as_built)
         diverged = diverging(as_built, picked)
         if uniform.shape == reference.shape and diverged is None:
             return reference
@@ -264,7 +265,7 @@ class _Swapper:
                 f"{how}) and no module's output before that keeps its shape; QuantizedPrecision(accuracy_at=<the heads' module>) names one"
             )
         self.tap = agreeing[-1].key[0]  # the last to return: the closest to the output
-        return self.output({}, probe)
+        return self.output({})
 
     def variant(self, name: str, mode: str, keep: bool = True) -> nn.Module:
         """``name`` quantized in ``mode``; ``keep=False``: built for one use, not cached (every layer's
@@ -302,16 +303,16 @@ class _Swapper:
         parent_name, _, child = name.rpartition(".")
         setattr(self.module.get_submodule(parent_name) if parent_name else self.module, child, layer)
 
-    def output(self, plan: Mapping[str, str], probe: Any, calls: Optional[list[Call]] = None, selections: Optional[list[Selection]] = None) -> torch.Tensor:
+    def output(self, plan: Mapping[str, str], calls: Optional[list[Call]] = None, selections: Optional[list[Selection]] = None) -> torch.Tensor:
         """The output with ``plan`` swapped in; ``calls``: filled with the calls of the modules of the model as built
         (a swapped layer under its name, not its own submodules), and ``selections`` with its data-dependent selections."""
         try:
             for name, mode in plan.items():
                 self._put(name, self.variant(name, mode))
             with ExitStack() as stack:  # one forward call, its module calls and selections recorded when asked
-                recorded = stack.enter_context(recording_calls(self.module, {n for n, _ in self.module.named_modules()} & self.built)) if calls is not None else None
+                recorded = stack.enter_context(self.probe.recording_calls({n for n, _ in self.module.named_modules()} & self.built)) if calls is not None else None
                 picked = stack.enter_context(recording_selections(recorded)) if recorded is not None else None
-                output = self.forward(probe).float()
+                output = self.forward().float()
             if calls is not None and recorded is not None:
                 calls[:] = recorded
             if selections is not None and picked is not None:
@@ -384,7 +385,7 @@ def upgrade_moves(
     return [(name, mode, extra) for name, mode, extra, _ in moves]
 
 
-def _local_errors(swapper: _Swapper, modes: Sequence[str], probe: Any) -> dict[str, dict[str, float]]:
+def _local_errors(swapper: _Swapper, modes: Sequence[str]) -> dict[str, dict[str, float]]:
     """``name -> mode -> |layer_mode(x) - layer(x)|^2`` on each layer's own probe input, in one forward."""
     errors: dict[str, dict[str, float]] = {}
 
@@ -399,7 +400,7 @@ def _local_errors(swapper: _Swapper, modes: Sequence[str], probe: Any) -> dict[s
 
     handles = [layer.register_forward_hook(hook(name)) for name, layer in swapper.layers.items()]
     try:
-        swapper.forward(probe)
+        swapper.forward()
     finally:
         for handle in handles:
             handle.remove()
@@ -446,19 +447,19 @@ def choose_layer_modes(
     widest = sum(max(c.values()) for c in cost.values()) / total_params
     _check_budget(max_bytes_per_param, uniform_bytes / total_params, widest, base, wider)
     budget = math.inf if max_bytes_per_param is None else max_bytes_per_param * total_params
-    swapper = _Swapper(module, layers, dtype, hessians)
+    swapper = _Swapper(Probe(module, probe), layers, dtype, hessians)  # the model and its batch, handed down once
     with eval_no_grad(module):
         swapper.tap = tap
-        reference = swapper.output({}, probe) if tap else swapper.measuring_point(names, base, probe, swapper.output({}, probe))
+        reference = swapper.output({}) if tap else swapper.measuring_point(names, base, swapper.output({}))
 
         def cosine(plan: Mapping[str, str]) -> float:
-            return compare_outputs(swapper.output(plan, probe), reference, lm=False)["quant/cosine_similarity"]
+            return compare_outputs(swapper.output(plan), reference, lm=False)["quant/cosine_similarity"]
 
         # 1. sensitivity: the output error each layer causes alone in the base mode (one forward each)
         solo = {n: 1 - cosine({n: base}) for n in names}
         # 2. the other modes of a layer, by how much they shrink its own output error on the probe (one
         #    forward for all layers and modes): a layer's end-to-end error scales with its local error
-        local = _local_errors(swapper, modes, probe)
+        local = _local_errors(swapper, modes)
         missed = {n: swapper.layers[n] for n in names if n not in local}  # read, never called (precision/read_plan.py)
         if missed:
             local.update(read_local_errors(module, missed, modes, probe, lambda n, m: swapper.variant(n, m, keep=False)))

@@ -45,7 +45,7 @@ from lightning_hbm.precision.int8_dynamic import MAX_SHIFT as _MAX_SHIFT
 from lightning_hbm.precision.int8_dynamic import candidate_errors, report_unsmoothed, shifts_for
 from lightning_hbm.precision.registry import to_dtype
 from lightning_hbm.precision.sensitivity import _Swapper
-from lightning_hbm.probe import compare_outputs, eval_no_grad, input_absmax
+from lightning_hbm.probe import Probe, compare_outputs
 from lightning_hbm.record import attached_input_shifts as attached  # public here too (the exponents ride on the weights)
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,8 @@ resume.register_meta_check(_check_meta)
 def choose_smoothing(
     module: nn.Module, names: Sequence[str], alpha: Union[float, str], dtype: Any, probe: Any
 ) -> SmoothingReport:
-    """The smoothing exponents of the Linears ``names`` of ``module`` (left unchanged), measured on ``probe``.
+    """The smoothing exponents of the Linears ``names`` of ``module`` (left unchanged), measured on ``probe``: the probe
+    batch, or the :class:`~lightning_hbm.probe.Probe` of ``module`` its caller built once.
 
     ``alpha``: a number in [0, 1] for every layer, or ``"auto"`` (per layer, the candidate of
     :data:`AUTO_ALPHAS` or no smoothing with the smallest error of the layer's own output). Deterministic
@@ -173,8 +174,9 @@ def choose_smoothing(
     dtype = to_dtype(dtype)
     layers = cast(dict[str, nn.Linear], {name: module.get_submodule(name) for name in names})  # the Linears named
     alphas = AUTO_ALPHAS if alpha == "auto" else (float(alpha),)
-    with eval_no_grad(module):
-        absmax, reference = input_absmax(module, layers, probe)
+    measured = probe if isinstance(probe, Probe) else Probe(module, probe)  # handed down to every forward below
+    with measured.eval_no_grad():
+        absmax, reference = measured.input_absmax(layers)
         unseen = sorted(set(layers) - set(absmax))
         if unseen:
             raise ValueError(
@@ -187,14 +189,14 @@ def choose_smoothing(
         errors: dict[str, dict[Optional[float], float]] = {}
         chosen: dict[str, Optional[float]] = {n: float(alpha) for n in layers} if alpha != "auto" else {}
         if alpha == "auto":
-            errors = candidate_errors(module, layers, {n: {None: zero[n], **candidates[n]} for n in layers}, dtype, probe)
+            errors = candidate_errors(measured, layers, {n: {None: zero[n], **candidates[n]} for n in layers}, dtype)
             # the smallest error (ties: the smaller alpha, deterministic), if it is a clear gain over no smoothing
             best = {n: min(alphas, key=lambda a: (errors[n][a], a)) for n in layers}
             chosen = {n: a if errors[n][a] < _MAX_ERROR_RATIO * errors[n][None] else None for n, a in best.items()}
         shifts = {n: candidates[n][a] if a is not None else zero[n] for n, a in chosen.items()}
-        swapper = _Swapper(module, layers, dtype)
+        swapper = _Swapper(measured, layers, dtype)
         with attached(module, shifts):  # read by int8-dynamic-smooth's layers only: the unsmoothed plan ignores them
-            before, after = (swapper.output({n: mode for n in names}, probe) for mode in ("int8-dynamic", SMOOTH_MODE))
+            before, after = (swapper.output({n: mode for n in names}) for mode in ("int8-dynamic", SMOOTH_MODE))
     cosine = lambda out: compare_outputs(out, reference, lm=False)["quant/cosine_similarity"]  # noqa: E731
     report = SmoothingReport(shifts, chosen, cosine(before), cosine(after), errors)
     if alpha == "auto" and report.cosine_after < report.cosine_before:
@@ -229,10 +231,11 @@ class Smoothing:
         setting = check_smoothing(smoothing, SMOOTH_MODE in modes, mode)
         return None if setting is None else cls(setting)
 
-    def measure(self, module: nn.Module, names: Sequence[str], dtype: Any, probe: Callable[[], Any],
+    def measure(self, module: nn.Module, names: Sequence[str], dtype: Any, probe: Callable[[], Probe],
                 saved: Callable[[], Mapping[str, Any]], path: Any = None) -> None:
         """The exponents of the Linears ``names``: those of ``saved()`` (the lightning_hbm part of the checkpoint
-        ``path`` being resumed with these settings, or empty), else measured on ``probe()``."""
+        ``path`` being resumed with these settings, or empty), else measured on ``probe()`` (the model and its probe
+        batch, drawn at the first call)."""
         self.shifts = self.report = None  # a plugin reused by another Trainer measures again
         if any(is_fake(module.get_submodule(name).weight) for name in names):
             self.shifts = {}  # the planner's shape-only model: the exponents change no byte
