@@ -59,7 +59,7 @@ from torch import nn
 from lightning_hbm import quantize_model
 from lightning_hbm.memory import module_parameter_tensors, unique_bytes
 from lightning_hbm.precision.gptq import input_hessians
-from lightning_hbm.precision.sensitivity import choose_layer_modes, greedy_plan, predict_parameter_bytes, weight_bytes
+from lightning_hbm.precision.sensitivity import choose_layer_modes, greedy_layer_modes, predict_parameter_bytes, weight_bytes
 from lightning_hbm.precision.smoothing import SMOOTH_MODE, attached, choose_smoothing
 from lightning_hbm.precision.targets import _quantizable_linears
 from lightning_hbm.quality import compare_outputs, probe_output
@@ -209,7 +209,7 @@ def baseline(model: nn.Module, solo: dict[str, float], base: str, sensitive: str
     """The baseline to beat: the layers that cause the largest error alone, in ``sensitive``, while the budget allows."""
     layers = {name: model.get_submodule(name) for name in solo}
     cost = {n: {m: weight_bytes(m, l.in_features, l.out_features, getattr(torch, dtype)) for m in (base, sensitive)} for n, l in layers.items()}
-    return greedy_plan(solo, cost, base, sensitive, max_bytes * sum(l.in_features * l.out_features for l in layers.values()))[0]
+    return greedy_layer_modes(solo, cost, base, sensitive, max_bytes * sum(l.in_features * l.out_features for l in layers.values()))[0]
 
 
 def row(label: str, metrics: dict[str, float], extra: str = "") -> str:

@@ -57,14 +57,22 @@ def _dequantized_weight(layer: nn.Module) -> Tensor:
     )
 
 
+#: the former metric keys of the sensitivity-aware choice -> their names since issue 54 ("plan" names the planner's):
+#: both are logged while the former are deprecated
+RENAMED_KEYS = {PREFIX + "plan_cosine_similarity": PREFIX + "layer_modes_cosine_similarity",
+                PREFIX + "plan_bytes_per_param": PREFIX + "layer_modes_bytes_per_param"}
+
+
 def _layer_mode_metrics(plugin: Any) -> dict[str, float]:
     """The figures a sensitivity-aware plan or ``int8-dynamic-smooth`` measured while choosing (none without)."""
     metrics = {}
     report = getattr(plugin, "sensitivity_report", None)
     if report is not None:
         metrics[PREFIX + "uniform_cosine_similarity"] = report.uniform_cosine
-        metrics[PREFIX + "plan_cosine_similarity"] = report.cosine
-        metrics[PREFIX + "plan_bytes_per_param"] = report.bytes_per_param
+        metrics[PREFIX + "layer_modes_cosine_similarity"] = report.cosine
+        metrics[PREFIX + "layer_modes_bytes_per_param"] = report.bytes_per_param
+        for old, new in RENAMED_KEYS.items():  # the former keys, logged beside the new ones while deprecated
+            metrics[old] = metrics[new]
     smoothing = getattr(plugin, "smoothing_report", None)
     if smoothing is not None:
         metrics[PREFIX + "unsmoothed_cosine_similarity"] = smoothing.cosine_before
@@ -113,9 +121,11 @@ class QuantizationQuality(SurgeryCallback):
         random init is training, not a broken quantization. The error against the quantized start is ``quant/*``
         at fit start.
         With a sensitivity-aware ``QuantizedPrecision`` plan (``max_bytes_per_param``/``min_cosine``), at fit
-        start: ``quant/uniform_cosine_similarity`` and ``quant/plan_cosine_similarity``, the same cosine on the
-        plugin's probe batch with every layer in the base mode (before) and with the plan (after), and
-        ``quant/plan_bytes_per_param`` (quantizable weights, constants included). With
+        start: ``quant/uniform_cosine_similarity`` and ``quant/layer_modes_cosine_similarity``, the same cosine on
+        the plugin's probe batch with every layer in the base mode (before) and in its chosen mode (after), and
+        ``quant/layer_modes_bytes_per_param`` (quantizable weights, constants included); until a later release also
+        under their former keys ``quant/plan_cosine_similarity`` and ``quant/plan_bytes_per_param`` (deprecated:
+        "plan" names the planner's, issue 54; :data:`RENAMED_KEYS`). With
         ``int8-dynamic-smooth``, at fit start: ``quant/unsmoothed_cosine_similarity`` and
         ``quant/smoothed_cosine_similarity``, the probe output cosine before and after smoothing.
 

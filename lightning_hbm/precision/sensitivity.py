@@ -52,7 +52,7 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import LayerKind, kind_of
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
-from lightning_hbm.precision.read_plan import read_local_errors, swapped_copy
+from lightning_hbm.precision.read_layers import read_local_errors, swapped_copy
 from lightning_hbm.precision.registry import get_format, to_dtype
 from lightning_hbm.probe import Call, Probe, Selection, agreeing_calls, compare_outputs, diverging, eval_no_grad, recording_selections
 
@@ -292,7 +292,7 @@ class _Swapper:
                     quantized.bias = nn.Parameter(cast(torch.Tensor, layer.bias).detach().to(self.dtype), requires_grad=False)
             # eval, as the probe model: bitsandbytes' int8 layer computes LLM.int8 (8-bit activations) in eval and
             # a float matmul of its dequantized weight when training on CPU (on GPU always LLM.int8)
-            # a layer whose weight the model's code reads (Swin's qkv): a copy serving reads (precision/read_plan.py)
+            # a layer whose weight the model's code reads (Swin's qkv): a copy serving reads (precision/read_layers.py)
             variant = swapped_copy(layer, source, quantized, self.dtype)
             if not keep:
                 return variant
@@ -343,7 +343,7 @@ def _check_budget(
         )
 
 
-def greedy_plan(
+def greedy_layer_modes(
     solo: Mapping[str, float], cost: Mapping[str, Mapping[str, int]], base: str, sensitive: str, budget: float
 ) -> tuple[dict[str, str], int]:
     """The baseline: the layers with the largest error alone in ``sensitive`` while ``budget`` bytes allow."""
@@ -460,7 +460,7 @@ def choose_layer_modes(
         # 2. the other modes of a layer, by how much they shrink its own output error on the probe (one
         #    forward for all layers and modes): a layer's end-to-end error scales with its local error
         local = _local_errors(swapper, modes)
-        missed = {n: swapper.layers[n] for n in names if n not in local}  # read, never called (precision/read_plan.py)
+        missed = {n: swapper.layers[n] for n in names if n not in local}  # read, never called (precision/read_layers.py)
         if missed:
             local.update(read_local_errors(module, missed, modes, probe, lambda n, m: swapper.variant(n, m, keep=False)))
         error = {n: {m: solo[n] * local[n][m] / max(local[n][base], 1e-30) for m in modes} for n in names}
@@ -480,7 +480,7 @@ def choose_layer_modes(
         if min_cosine is None and max_bytes_per_param is not None and "int8" in wider:
             # one more forward: the plain ranking by error alone in int8 (the issue's baseline), kept if it
             # measures better on the probe
-            greedy, greedy_used = greedy_plan(solo, cost, base, "int8", budget)
+            greedy, greedy_used = greedy_layer_modes(solo, cost, base, "int8", budget)
             greedy_cosine = cosine(greedy)
             if greedy_cosine > current:
                 plan, used, current = greedy, greedy_used, greedy_cosine
@@ -574,7 +574,7 @@ def check_plan_args(
 
 
 #: the former names (issue 54: "plan" names the planner's), importable with a DeprecationWarning naming the new one
-_RENAMED = {"SensitivityPlan": "SensitivityReport", "choose_plan": "choose_layer_modes"}
+_RENAMED = {"SensitivityPlan": "SensitivityReport", "choose_plan": "choose_layer_modes", "greedy_plan": "greedy_layer_modes"}
 
 
 def __getattr__(name: str) -> Any:

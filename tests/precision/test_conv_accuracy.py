@@ -1,5 +1,5 @@
 """The fit-start accuracy check of a model with quantized convolutions, in any mode (``precision/accuracy.py``), and
-the sensitivity plan on layers whose weight the model's code reads directly (``precision/read_plan.py``), session 24.
+the sensitivity plan on layers whose weight the model's code reads directly (``precision/read_layers.py``), session 24.
 
 Was: ``QuantizedPrecision(mode="int8")`` computing in bf16 gave the MobileNetV3-FPN backbone a held-out output cosine
 of 0.974-0.979 (benchmarks/README.md, session 23) with no word at fit start; and a plan with a target failed on a
