@@ -2,7 +2,8 @@
 
 It sits below ``precision`` and ``callbacks`` (see ``tests/test_layering.py``) so that the quantization
 choices (sensitivity plan, smoothing, GPTQ) and the callback that reports their cost measure with the
-same code. ``lightning_hbm.quality`` re-exports every name. The probe batch is drawn by :mod:`lightning_hbm.probe_batch`
+same code; those of one quantization are handed a :class:`Probe` (the model and its batch, built once) and run their
+forwards through it. ``lightning_hbm.quality`` re-exports every name. The probe batch is drawn by :mod:`lightning_hbm.probe_batch`
 (:func:`first_batch`, :func:`first_batches`, re-exported here).
 """
 

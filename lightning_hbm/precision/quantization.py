@@ -30,7 +30,7 @@ import logging
 import warnings
 import weakref
 from contextlib import nullcontext
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -244,16 +244,17 @@ class Quantization:
             rank_zero_warn(warning)
         if self.config.quantize_embeddings:
             self._say_embeddings_kept(module)
-        self._measure(module, targets, trainer, inputs=True, smooth=True)  # smoothed before the plan, which measures it
+        probe = self._probe_once(module, trainer)  # drawn at the first measure, then handed to each
+        self._measure(module, targets, trainer, inputs=True, smooth=True, probe=probe)  # smoothed before the plan, which measures it
         if self.config.measures_layer_modes:
             with self.smoothing.attached(module) if self.smoothing is not None else nullcontext():
-                self._choose_layer_modes(module, self._linear_names(targets), trainer)
+                self._choose_layer_modes(module, self._linear_names(targets), trainer, probe)
         convs = [name for name, layer in targets if CONV.matches(layer)]
         self._conv_gap, self._said_unmeasured = None, False
         self.conv_accuracy, self._reference = None, Reference(convs) if convs and not fake else None
         with self._reference.recording(module) if self._reference is not None else nullcontext():
-            self._choose_conv_modes(module, convs, trainer)  # its first forward is the model as built: the reference
-        self._record_reference(module, trainer)
+            self._choose_conv_modes(module, convs, trainer, probe)  # its first forward is the model as built: the reference
+        self._record_reference(module, probe)
         said = accuracy_at_unused(module, None if fake else self.config.accuracy_at, self._reference, convs)  # never called: raised
         if said is not None:
             rank_zero_warn(said)
@@ -315,7 +316,7 @@ class Quantization:
             rank_zero_warn(gap)
         return quantized
 
-    def _record_reference(self, module: nn.Module, trainer: Any) -> None:
+    def _record_reference(self, module: nn.Module, probe: Callable[[], Probe]) -> None:
         """The model as built on the probe, for :func:`~lightning_hbm.precision.accuracy.check_accuracy`, where the convolutions' plan did not record it:
         one forward (none without a quantized convolution; without a probe batch or a forward: logged, not measured)."""
         reference = self._reference
@@ -324,29 +325,30 @@ class Quantization:
         try:
             if not has_forward(module):
                 raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
-            probe = self.probe(trainer)
+            batch = probe().batch
             with eval_no_grad(module), reference.recording(module), torch_compat.preserved_rngs():  # the user's RNG draws as they were
-                forward_on(module, probe)  # any output: every floating tensor of it is the reference
+                forward_on(module, batch)  # any output: every floating tensor of it is the reference
         except Exception as error:  # noqa: BLE001 - a measurement never stops a healthy model: said, with the fix
             self._reference = None
             if not self._said_unmeasured:  # the 4-bit plan said it already (no probe batch, a probe it cannot run)
                 rank_zero_warn(unmeasured_reference_warning(module, reference.names, error))
 
-    def _measure(self, module: nn.Module, targets: list[tuple[str, nn.Module]], trainer: Any, inputs: bool, smooth: bool) -> None:
+    def _measure(
+        self, module: nn.Module, targets: list[tuple[str, nn.Module]], trainer: Any, inputs: bool, smooth: bool, probe: Optional[Callable[[], Probe]] = None
+    ) -> None:
         """What the quantization measures on the model as built, before any change: one probe forward for each target's
         input statistics (``inputs``: GPTQ rounding and the correction share them; the correction's factors are taken
         back from the checkpoint being resumed with these settings instead), then the smoothing exponents (``smooth``:
         of the ``nn.Linear`` targets, or the checkpoint's). Not on fake tensors (the planner): neither changes the bytes
-        (the correction's factors are then zeros of their shapes, the exponents none).
+        (the correction's factors are then zeros of their shapes, the exponents none). ``probe``: the model and its
+        probe batch of the surgery's checks (:meth:`_probe_once`; ``None``: this call's own).
 
         Raises:
             ValueError: no probe batch, or one too small for ``correction_rank``.
         """
         fake = _on_fake_tensors(module)
         resumed = self._resumed(trainer) if trainer is not None and (self.correction is not None or self.smoothing is not None) else {}
-        # the model and its probe batch, built once and handed to each measure; drawn only by what measures (a resume
-        # may measure nothing)
-        probe = functools.cache(lambda: Probe(module, self.probe(trainer)))
+        probe = probe or self._probe_once(module, trainer)
         correction = self.correction
         if inputs and correction is not None:
             correction.hessians = None
@@ -386,7 +388,13 @@ class Quantization:
         correcting = self.correction is not None
         return first_batches(trainer, "QuantizedPrecision", CORRECTION_PROBE_TOKENS if correcting else 0, most=16 if correcting else 1)
 
-    def _choose_layer_modes(self, module: nn.Module, names: list[str], trainer: Any) -> None:
+    def _probe_once(self, module: nn.Module, trainer: Any) -> Callable[[], Probe]:
+        """The model and its probe batch (:meth:`probe`) for the measures of one surgery, handed to each: drawn at the
+        first call (a resume may measure nothing), the same :class:`~lightning_hbm.probe.Probe` after (a batch that
+        cannot be drawn raises at every call, as :meth:`probe`)."""
+        return functools.cache(lambda: Probe(module, self.probe(trainer)))
+
+    def _choose_layer_modes(self, module: nn.Module, names: list[str], trainer: Any, probe: Callable[[], Probe]) -> None:
         self.layer_modes = self.report = None  # a plugin reused by another Trainer measures again
         saved = self.saved_layer_modes(trainer)
         if saved is not None:  # resuming: rebuild the plan the checkpoint was trained with (a fresh model may differ)
@@ -394,14 +402,14 @@ class Quantization:
             log.info("lightning_hbm: mixed precision plan taken from the checkpoint being resumed")
             return
         report = choose_layer_modes(
-            module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, self.probe(trainer),
+            module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, probe().batch,
             max_bytes_per_param=self.config.max_bytes_per_param, min_cosine=self.config.min_cosine,
             hessians=self.gptq.hessians if self.gptq is not None else None,
         )
         self.layer_modes, self.report = report.modes, report
         log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.config.format.name))
 
-    def _choose_conv_modes(self, module: nn.Module, names: list[str], trainer: Any) -> None:
+    def _choose_conv_modes(self, module: nn.Module, names: list[str], trainer: Any, probe: Callable[[], Probe]) -> None:
         """The convolutions' plan under a 4-bit mode (issue 53): each one's output error measured on the probe, the
         most sensitive widened (``sensitive_mode``) until the probe output cosine reaches ``min_cosine`` (default
         :data:`CONV_PLAN_TARGET`, above the threshold held out because the probe reads high); under it, a warning naming the figure. Not with a pinned plan, nor when resuming
@@ -417,7 +425,7 @@ class Quantization:
             return
         target = self.config.min_cosine if self.config.min_cosine is not None else CONV_PLAN_TARGET
         try:
-            probe = self.probe(trainer)
+            batch = probe().batch
         except ValueError:
             unplanned = unplanned_convs_warning(module, names, self.config.format.name)
             if unplanned is not None:  # a BatchNorm conv net: the loss is measured, said (issue 53)
@@ -429,7 +437,7 @@ class Quantization:
             if not has_forward(module):
                 raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
             report = choose_layer_modes(
-                module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, probe, min_cosine=target,
+                module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, batch, min_cosine=target,
                 hessians=self.gptq.hessians if self.gptq is not None else None, strict=False, tap=self.config.accuracy_at,
             )  # fmt: skip
         except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as error:

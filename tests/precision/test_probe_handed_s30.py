@@ -32,6 +32,19 @@ def test_the_measures_of_one_surgery_draw_the_probe_batch_once(monkeypatch: pyte
     assert len(drawn) == 1
 
 
+@pytest.mark.parametrize("settings", [dict(rounding="gptq", max_bytes_per_param=4.0), dict(correction_rank=2, min_cosine=0.9)])
+def test_the_checks_and_the_layer_modes_choice_share_the_one_draw(monkeypatch: pytest.MonkeyPatch, settings: dict) -> None:
+    # GPTQ statistics or the correction's, then the sensitivity-aware choice: one draw per surgery (was two)
+    drawn: list[Any] = []
+    real = Quantization.probe
+    monkeypatch.setattr(Quantization, "probe", lambda self, trainer: drawn.append(trainer) or real(self, trainer))
+    model = _model()
+    plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=torch.randn(64, 16), **settings)
+    plugin.convert_module(model)
+    assert plugin.sensitivity_report is not None
+    assert len(drawn) == 1
+
+
 def test_a_probe_runs_the_functions_it_names_on_its_model_and_batch() -> None:
     model, batch = _model(), torch.randn(8, 16)
     probe = Probe(model, batch)
