@@ -303,11 +303,20 @@ def _is_fake_or_meta(tensor: torch.Tensor) -> bool:
 
 @contextmanager
 def _restoring_buffers(module: nn.Module) -> Iterator[None]:
-    # training mode (the path that trains), but BatchNorm's running statistics must not move for the probe
+    # training mode (the path that trains), but BatchNorm's running statistics must not move for the probe; and each
+    # module's buffer slots as they were: a buffer the step creates (``self.mean = ...`` where None was registered, or
+    # ``register_buffer`` on the first batch) or replaces (``self.steps = self.steps + 1``) was left in the model, a
+    # FakeTensor after the fake-tensor attempt (session 30)
+    slots = [(m, dict(m._buffers), set(m._non_persistent_buffers_set)) for m in module.modules()]
     saved = [(b, b.detach().clone()) for b in module.buffers()]
     try:
         yield
     finally:
+        for owner, buffers, non_persistent in slots:
+            owner._buffers.clear()
+            owner._buffers.update(buffers)
+            owner._non_persistent_buffers_set.clear()
+            owner._non_persistent_buffers_set.update(non_persistent)
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
