@@ -237,7 +237,7 @@ class _SharedAfterSkip(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.blocks[0](x)
-        side = self.blocks[1](x * 2.0)  # not blocks.0's output: kept
+        side = self.blocks[1](h * 2.0)  # not blocks.0's output (computed from it): kept, named
         return h + self.blocks[1](side)  # its own call before's output: remade
 
 
