@@ -4,6 +4,7 @@ buffers as it found them: the buffers a forward creates or replaces too, not onl
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -59,3 +60,22 @@ def test_a_buffer_the_probe_registers_is_removed() -> None:
     assert "scale" not in module._buffers and "scale" not in module._non_persistent_buffers_set
     out = module(torch.randn(3, 4))  # the model's own first forward creates it, real
     assert type(module.scale) is torch.Tensor and type(out) is torch.Tensor
+
+
+class _Lazy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(4, 4), nn.LazyLinear(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(x))
+
+
+def test_a_model_with_lazy_layers_is_not_probed_and_still_builds_them_itself() -> None:
+    """Was: the fake-tensor attempt built the lazy layer's weight as a fake tensor (the layer became a Linear), the
+    real attempts then failed, and so did every later forward of the model: "Cannot copy out of meta tensor"."""
+    module = _Lazy()
+    with pytest.warns(UserWarning, match=r"has lazy layers whose parameters are not built yet \(head\).*run one forward"):
+        assert readers.observe(module, torch.randn(3, 4), {"fc": module.fc}) is None
+    assert isinstance(module.head, nn.LazyLinear)
+    assert type(module(torch.randn(2, 4))) is torch.Tensor and module.head.weight.shape == (3, 4)
