@@ -127,6 +127,16 @@ def input_absmax(module: nn.Module, layers: Mapping[str, nn.Module], batch: Any)
     return absmax, output
 
 
+#: a value as built at most this (``-1e9``, ``-1e30``, ``torch.finfo(torch.float32).min``) is a mask (no probability
+#: after a softmax), and so is a value computed at most :data:`MASK_AS_COMPUTED` (or the computing dtype's lowest, -inf)
+#: where the model as built has one
+MASK_VALUE = -1e9
+#: :data:`MASK_VALUE` as a computing dtype may round it: bfloat16 (8 significant bits) gives ``-1e9`` as
+#: ``-998,244,352``, above ``-1e9`` (was read as no mask, and the mask then dominated the figures: ~1.0 for a model
+#: whose every other output was wrong, session 30); the 1 in 128 allowed is twice bfloat16's rounding
+MASK_AS_COMPUTED = MASK_VALUE * (1 - 2**-7)
+
+
 def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, float]:
     """The metrics logged by :class:`QuantizationQuality` (and optimized by the sensitivity-aware plan).
 
@@ -143,10 +153,10 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
     # row holding one measured NaN (identical outputs read cosine NaN); agrees like an inf both give
     huge = 2.0**63
     same |= (reference.abs() > huge) & (output.abs() > huge) & (reference.sign() == output.sign())
-    # a mask (at most -1e9 as built) that the output gives as a mask in its own dtype (at most -1e9, or that dtype's
-    # lowest: -inf, float16's -65504 from torch.finfo(dtype).min): the same mask; was cosine NaN, relative error inf
+    # a mask (at most -1e9 as built) that the output gives as a mask in its own dtype (-1e9 as that dtype rounds it, or
+    # that dtype's lowest: -inf, float16's -65504 from torch.finfo(dtype).min): the same mask; was cosine NaN, relative error inf
     # (session 29). Not an overflowing value of the output's own (-1e5 or +1e5 as built): those stay NaN and inf
-    same |= (reference <= -1e9) & (output <= max(-1e9, -limit))
+    same |= (reference <= MASK_VALUE) & (output <= max(MASK_AS_COMPUTED, -limit))
     measured, wanted = (output.masked_fill(same, 0.0), reference.masked_fill(same, 0.0)) if bool(same.any()) else (output, reference)
     rows = ~same.reshape(-1, width).all(-1)  # a row both mask whole (-inf everywhere) has no direction: left out
     metrics = {
@@ -583,5 +593,5 @@ def agreeing_calls(reference: Sequence[Call], got: Sequence[Call]) -> list[tuple
     return [(want, got[i]) for i, want in enumerate(reference[:prefix]) if want.parent not in inside and want.shapes]
 
 
-__all__ = ["INDEXED", "MASKING", "POOLED", "PREFIX", "SELECTING", "Call", "Followed", "Probe", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
+__all__ = ["INDEXED", "MASKING", "MASK_AS_COMPUTED", "MASK_VALUE", "POOLED", "PREFIX", "SELECTING", "Call", "Followed", "Probe", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
            "has_forward", "input_absmax", "probe_output", "recorded_forward", "recording_calls", "recording_selections"]

@@ -223,3 +223,22 @@ def peft_lora_layer(kind: str, model_dtype: torch.dtype, dora: bool = False) -> 
     peft.inject_adapter_in_model(peft.LoraConfig(r=8, lora_alpha=16, target_modules=["0"], use_dora=dora), model)
     nn.init.normal_(model[0].lora_B["default"].weight, std=0.05)
     return model[0]
+
+
+@pytest.fixture
+def read_only_mount(tmp_path: Any) -> Iterator[Any]:
+    """A real read-only filesystem (a tmpfs remounted read-only: root is refused there too, EROFS not EACCES) holding
+    a folder ``folder`` with a user's ``notes.txt`` ("mine"); skipped where no filesystem can be mounted."""
+    import subprocess
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a filesystem here (not root, or no CAP_SYS_ADMIN)")
+    try:
+        (mount / "folder").mkdir()
+        (mount / "folder" / "notes.txt").write_text("mine")
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True, capture_output=True)
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)

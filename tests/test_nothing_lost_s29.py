@@ -212,21 +212,9 @@ def test_an_adapter_path_through_a_file_or_a_broken_link_is_a_clear_error_and_no
 
 
 @pytest.fixture
-def read_only_folder(tmp_path: Path):  # type: ignore[no-untyped-def]
-    """``ck`` on a real read-only filesystem (root is refused there too)."""
-    import subprocess
-
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a filesystem here (not root, or no CAP_SYS_ADMIN)")
-    try:
-        (mount / "ck").mkdir()
-        (mount / "ck" / "notes.txt").write_text("mine")
-        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True, capture_output=True)
-        yield mount / "ck"
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True)
+def read_only_folder(read_only_mount: Path) -> Path:
+    """A folder holding the user's ``notes.txt`` on a real read-only filesystem (tests/conftest.py)."""
+    return read_only_mount / "folder"
 
 
 def test_a_read_only_checkpoint_folder_stops_the_fit_before_the_model_changes(tmp_path: Path, read_only_folder: Path) -> None:

@@ -87,11 +87,33 @@ class Remade:
             seen.pop(name, None)  # what it did on its last forward
         if link.source is not None:
             self.made[name] = link.nbytes
-        elif link.position or previous is None:
-            self.kept[name] = link.nbytes
+        elif link.position or previous is None or not _made_by_a_block((*args, *kwargs.values())):
+            self.kept[name] = link.nbytes  # a chain's start (a second forward of the model in the step included)
         else:
             self.unmatched[name] = (link.nbytes, previous.name)
         return link
+
+
+def _made_by_a_block(fed: tuple[Any, ...], most: int = 256) -> bool:
+    """Whether a tensor of ``fed`` was computed from a checkpointed block's output in this graph (a node holding a
+    :class:`Record` within ``most`` nodes of its autograd graph): a block fed something else than the output of the
+    block called before it (a downsampler's output, a skip connection) is named; one fed by the input (the first block
+    of a second forward of the model in the step: a contrastive pair, DPO's chosen and rejected answers) starts a chain
+    as the first forward's does (was: named "unmatched", warned to use regenerate=1, session 30). A graph larger than
+    ``most`` nodes is not looked through: named, as before."""
+    todo: list[Any] = [t.grad_fn for t in fed if isinstance(t, Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        if len(seen) >= most:
+            return True
+        seen.add(node)
+        if _RECORD in cast(dict[str, Any], node.metadata):
+            return True
+        todo.extend(following for following, _ in node.next_functions)
+    return False
 
 
 class Link:

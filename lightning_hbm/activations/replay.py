@@ -163,7 +163,10 @@ class ForwardState:
         moved = [(name, b) for name, b, version in self.watched if b._version != version]
         if not (self.training and (moved or self.created)):
             return
-        _WRITTEN.setdefault(self.block, []).extend([*(name for name, _ in moved), *(c[3] for c in self.created)])
+        written = _WRITTEN.setdefault(self.block, [])
+        # each name once: a buffer slot a forward fills and empties at every step (a scratch space) is created again
+        # at each (was: its name appended at every step, the list, read at every forward, growing without end)
+        written.extend(dict.fromkeys(n for n in [*(name for name, _ in moved), *(c[3] for c in self.created)] if n not in written))
         _UNWRITTEN[self.block] = [name for name in _UNWRITTEN.get(self.block, ()) if name not in {n for n, _ in moved}]
         self.updated = [*self.updated, *(b for _, b in moved)]
         self.buffers = [*self.read, *self.updated]

@@ -37,6 +37,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # as planner/building.py: no public home
+from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
@@ -303,11 +304,20 @@ def _is_fake_or_meta(tensor: torch.Tensor) -> bool:
 
 @contextmanager
 def _restoring_buffers(module: nn.Module) -> Iterator[None]:
-    # training mode (the path that trains), but BatchNorm's running statistics must not move for the probe
+    # training mode (the path that trains), but BatchNorm's running statistics must not move for the probe; and each
+    # module's buffer slots as they were: a buffer the step creates (``self.mean = ...`` where None was registered, or
+    # ``register_buffer`` on the first batch) or replaces (``self.steps = self.steps + 1``) was left in the model, a
+    # FakeTensor after the fake-tensor attempt (session 30)
+    slots = [(m, dict(m._buffers), set(m._non_persistent_buffers_set)) for m in module.modules()]
     saved = [(b, b.detach().clone()) for b in module.buffers()]
     try:
         yield
     finally:
+        for owner, buffers, non_persistent in slots:
+            owner._buffers.clear()
+            owner._buffers.update(buffers)
+            owner._non_persistent_buffers_set.clear()
+            owner._non_persistent_buffers_set.update(non_persistent)
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
@@ -318,8 +328,21 @@ def observe(module: nn.Module, batch: Any, layers: dict[str, nn.Module], step: s
 
     ``step``: the LightningModule method the stage runs (``training_step`` for fit, ``validation_step``, ...).
     Nothing of the model changes (its values, buffers, the global RNGs of Python, NumPy and torch). Returns ``None`` and warns if the step
-    cannot run at all (the decision then falls back to the model's source, named in the warning).
+    cannot run at all (the decision then falls back to the model's source, named in the warning), or if the model
+    has lazy layers not built yet (their parameters would be built by the probe, fake on fake tensors: the model was
+    left with a fake weight, every later forward failing; session 30).
     """
+    lazy = [name for name, sub in module.named_modules() if any(map(is_lazy, [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]))]
+    if lazy:
+        warnings.warn(
+            f"lightning_hbm: {type(module).__qualname__} has lazy layers whose parameters are not built yet "
+            f"({', '.join(lazy[:5])}{', ...' if len(lazy) > 5 else ''}): its step was not run before changing it, so which "
+            "layers its code reads directly was read from its source code instead. Build them first: run one forward "
+            "of the model on a batch before fit (torch's advice for lazy modules).",
+            UserWarning,
+            stacklevel=2,
+        )
+        return None
     watch = _Watch(module, layers)
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     if not any(_is_fake_or_meta(p) for p in module.parameters()):

@@ -22,6 +22,7 @@ import csv
 import json
 import math
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -283,6 +284,7 @@ def atomic_write(path: Union[str, Path], write: Callable[[Any], Any], binary: bo
     path = Path(path)
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".lightning_hbm-partial")
     try:
+        os.fchmod(fd, _mode_of(path))  # mkstemp's 0600, as open() would give it instead (session 30)
         with os.fdopen(fd, "wb" if binary else "w", newline=newline) as f:
             write(f)
             f.flush()
@@ -291,6 +293,21 @@ def atomic_write(path: Union[str, Path], write: Callable[[Any], Any], binary: bo
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
+
+
+def _mode_of(path: Path) -> int:
+    """The mode ``open(path, "w")`` gives the file: a regular file's own (it is truncated in place), else a new file's
+    (0666 less the umask; a link there is replaced, its target's mode not taken). Was: mkstemp's 0600, the report and
+    figure files unreadable by the group sharing the run folder."""
+    try:
+        info = path.lstat()
+        if stat.S_ISREG(info.st_mode):
+            return stat.S_IMODE(info.st_mode)
+    except OSError:
+        pass
+    umask = os.umask(0o022)  # read by setting it (no call only reads it), then put back at once
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def find_report(path: Union[str, Path]) -> Path:

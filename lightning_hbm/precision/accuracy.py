@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.probe import Call, Followed, Selection, agreeing_calls, diverging, recorded_forward, recording_calls, recording_selections
+from lightning_hbm.probe import MASK_AS_COMPUTED, MASK_VALUE, Call, Followed, Selection, agreeing_calls, diverging, recorded_forward, recording_calls, recording_selections
 
 log = logging.getLogger(__name__)
 
@@ -130,19 +130,16 @@ def outputs(output: Any, left_out: Sequence[int] = ()) -> Tensor:
     return torch.cat([t[::step].float().cpu() for t in leaves]) if leaves else torch.zeros(0)
 
 
-#: a value as built at most this (``-1e9``, ``-1e30``, ``torch.finfo(torch.float32).min``) is a mask (no probability
-#: after a softmax): given as ``-inf`` by a dtype whose range it lies beyond, it is the same mask (:func:`overflowed`)
-MASK_VALUE = -1e9
-
-
 def overflowed(got: Tensor, want: Tensor, limit: float) -> Tensor:
-    """Where ``want`` is a mask (at most :data:`MASK_VALUE`) and ``got`` is one too in the dtype it was computed in (at
-    most :data:`MASK_VALUE`, or at most ``-limit``: that dtype's lowest, or ``-inf``): a mask of ``-1e9`` as built that
-    float16 (lowest -65504) rounds to ``-inf``; ``torch.finfo(dtype).min`` as transformers masks, float32's as built and
+    """Where ``want`` is a mask (at most :data:`~lightning_hbm.probe.MASK_VALUE`) and ``got`` is one too in the dtype it
+    was computed in (at most :data:`~lightning_hbm.probe.MASK_AS_COMPUTED`: ``-1e9`` as bfloat16 rounds it, or at most
+    ``-limit``: that dtype's lowest, or ``-inf``): a mask of ``-1e9`` as built that float16 (lowest -65504) rounds to
+    ``-inf`` and bfloat16 to ``-998,244,352`` (read as no mask, the figure was ~1.0 whatever the other outputs were,
+    session 30); ``torch.finfo(dtype).min`` as transformers masks, float32's as built and
     float16's (-65504) as computed (the centred cosine read 0.0000 there, and the check warned a healthy float16 model).
     Not a value of the output's own that overflows (``-1e5`` or ``+1e5`` as built, inf in float16: its loss is inf):
     that is said as not finite."""
-    return (want <= MASK_VALUE) & (got <= max(MASK_VALUE, -limit))
+    return (want <= MASK_VALUE) & (got <= max(MASK_AS_COMPUTED, -limit))
 
 
 def centred_cosine(got: Tensor, want: Tensor, limit: float = math.inf) -> float:

@@ -59,6 +59,8 @@ from lightning_hbm.surgery.protocol import SurgeryPlugin
 #: the settings read on the plugin as its own (``plugin.rounding``): the fields of its config, and two it derives
 #: (and their former names, which warn: "plan" names the planner's, issue 54)
 _SETTINGS = frozenset({f.name for f in dataclasses.fields(QuantizationConfig)} | {"pinned_layer_modes", "measures_layer_modes", "pinned_plan", "measures_plan"})
+#: the former names among them -> the current ones
+_FORMER = {"pinned_plan": "pinned_layer_modes", "measures_plan": "measures_layer_modes"}
 
 #: what ``trainer.precision`` reports for each compute dtype (values of Lightning's precision Literal)
 _LIGHTNING_NAMES: dict[torch.dtype, Any] = {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch.float32: "32-true"}
@@ -254,6 +256,11 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
         # a setting read as the plugin's own (plugin.rounding, plugin.quantize_head, plugin.pinned_layer_modes): its config's.
         # Only reached when normal lookup fails; __dict__ read directly, as unpickling runs this before __init__'s state
         quantization = self.__dict__.get("quantization")
+        if quantization is not None and name in _FORMER:
+            # warned here, at the caller's line: the config's own warning named this line, which Python's default
+            # filters hide (a DeprecationWarning is shown only where it is the running script's; session 30)
+            warnings.warn(f"QuantizedPrecision.{name} is deprecated: read {_FORMER[name]} (plugin.{_FORMER[name]}, the same value).", DeprecationWarning, stacklevel=2)
+            return getattr(quantization.config, _FORMER[name])
         if quantization is not None and name in _SETTINGS:
             return getattr(quantization.config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

@@ -284,7 +284,7 @@ class HBMProfiler(Callback):
         report_dir = self._dir(trainer)  # broadcast inside: called on every rank
         _check_writable(report_dir, "HBMProfiler(dirpath=...): the report directory",
                         "Pass a writable directory, e.g. HBMProfiler(dirpath='hbm_report').")  # fmt: skip
-        for callback in trainer.checkpoint_callbacks:
+        for callback in [] if getattr(trainer, "fast_dev_run", False) else trainer.checkpoint_callbacks:  # it saves none
             if not isinstance(callback, ModelCheckpoint) or (callback.save_top_k == 0 and not callback.save_last):
                 continue  # saves nothing
             # dirpath None: ModelCheckpoint.setup (after this hook) puts it under the logger's save_dir

@@ -16,17 +16,22 @@ from lightning_hbm.planner import max_context
 
 
 class _RunningNorm(nn.Module):
-    """A user's norm keeping a running mean with ``register_buffer``, updated in training only (as BatchNorm)."""
+    """A user's norm keeping a running mean with ``register_buffer``, updated in training only (as BatchNorm).
 
-    def __init__(self, width: int) -> None:
+    ``warmup``: training steps before the mean is first written (its counter is written from the first; reused by
+    test_attack_s29's norm started after a warm-up)."""
+
+    def __init__(self, width: int, momentum: float = 0.1, warmup: int = 0) -> None:
         super().__init__()
+        self.momentum, self.warmup = momentum, warmup
         self.register_buffer("mean", torch.zeros(width))
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.training:
             with torch.no_grad():
-                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+                if not self.warmup or int(self.steps) >= self.warmup:
+                    self.mean.mul_(1 - self.momentum).add_(self.momentum * x.mean(0))
                 self.steps.add_(1)
         return x - self.mean
 

@@ -4,6 +4,8 @@ model, nothing silent): gradients compared with the plain model's on what users'
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -11,6 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hbm import ActivationCheckpointing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the running norm of test_attack_s28
+from test_attack_s28 import _RunningNorm  # noqa: E402
 
 
 class _LazyNorm(nn.Module):
@@ -33,21 +38,9 @@ class _LazyNorm(nn.Module):
         return x - self.mean
 
 
-class _WarmNorm(nn.Module):
+def _WarmNorm(width: int) -> nn.Module:
     """A user's norm whose running mean is first written after a warm-up step (its counter is written from the first)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.register_buffer("mean", torch.zeros(width))
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.training:
-            with torch.no_grad():
-                if int(self.steps) >= 1:
-                    self.mean.mul_(0.5).add_(0.5 * x.mean(0))
-                self.steps.add_(1)
-        return x - self.mean
+    return _RunningNorm(width, momentum=0.5, warmup=1)
 
 
 class _Block(nn.Module):
@@ -244,7 +237,7 @@ class _SharedAfterSkip(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.blocks[0](x)
-        side = self.blocks[1](x * 2.0)  # not blocks.0's output: kept
+        side = self.blocks[1](h * 2.0)  # not blocks.0's output (computed from it): kept, named
         return h + self.blocks[1](side)  # its own call before's output: remade
 
 

@@ -78,17 +78,23 @@ def test_plan_counts_the_int8_embedding_within_3_percent(llama_factory: Any) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [dict(mode="int8"), dict(mode="nf4-dq", quantize_embeddings=True, layer_modes=EMB8)])
+@pytest.mark.parametrize(
+    "options",
+    [dict(mode="int8"), dict(mode="nf4-dq", quantize_embeddings=True, layer_modes=EMB8), dict(mode="nf4-dq", quantize_embeddings="int8")],
+    ids=["int8", "per-layer-route", "mode-name"],
+)
 def test_an_adapter_only_int8_checkpoint_resumes_bit_exact(
     options: dict[str, Any], llama_factory: Any, trainer_factory: Any, datamodule_factory: Any, tmp_path: Any
 ) -> None:
     """bitsandbytes' int8 layer writes its row scales beside the weight (``x.SCB``, ``x.weight_format``): an
     adapter-only checkpoint omits them with the base weight, and the resume rebuilds them (was: refused, "does not
-    hold these tensors ... SCB")."""
+    hold these tensors ... SCB"); an int8 table beside 4-bit Linears, by its layer name or by the mode name
+    (``quantize_embeddings="int8"``), rebuilt bit for bit too, and another embedding setting refused."""
 
-    def run(steps: int, ckpt: Any = None) -> tuple[Any, Any]:
-        model = llama_factory(**TIED)
-        trainer = trainer_factory(max_steps=steps, plugins=[QuantizedPrecision(dtype="float32", **options)], callbacks=[LoRA(r=4)])
+    def run(steps: int, ckpt: Any = None, **changed: Any) -> tuple[Any, Any]:
+        model = llama_factory(**TIED, num_hidden_layers=1)  # one block: fast, the same path
+        plugin = QuantizedPrecision(dtype="float32", **{**options, **changed})
+        trainer = trainer_factory(max_steps=steps, plugins=[plugin], callbacks=[LoRA(r=4)])
         trainer.fit(model, datamodule_factory(train_samples=16), ckpt_path=ckpt)
         return model, trainer
 
@@ -98,6 +104,10 @@ def test_an_adapter_only_int8_checkpoint_resumes_bit_exact(
     resumed, again = run(2, tmp_path / "int8.ckpt")
     assert again.global_step == 2
     ours, theirs = straight.state_dict(), resumed.state_dict()
-    assert ours.keys() == theirs.keys() and any(k.endswith(".SCB") for k in ours)
-    for name in (k for k in ours if "lora_" not in k):  # the int8 base and its scales rebuilt bit for bit
+    assert ours.keys() == theirs.keys()
+    assert any(k.endswith(".SCB") for k in ours) if options["mode"] == "int8" else ours[f"{EMBEDDING}.quantized.weight"].dtype == torch.int8
+    for name in (k for k in ours if "lora_" not in k):  # the int8 base and its scales, the int8 table, rebuilt bit for bit
         assert torch.equal(ours[name], theirs[name]), name
+    if options.get("quantize_embeddings") == "int8":
+        with pytest.raises(ValueError, match="quantize_embeddings"):  # another embedding setting: refused, said
+            run(2, tmp_path / "int8.ckpt", quantize_embeddings=True)

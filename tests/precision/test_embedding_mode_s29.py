@@ -1,7 +1,8 @@
 """``quantize_embeddings="int8"``: the input embeddings (and a head tied to one) in a mode of their own, named by the
 mode, not by the layer (issue 51): the same stored bytes and outputs as the per-layer route
 ``quantize_embeddings=True, layer_modes={"model.model.embed_tokens": "int8"}`` (tests/layers/test_embedding_int8_s29.py),
-whatever the wrapping names the embedding, with a measured plan too."""
+whatever the wrapping names the embedding, with a measured plan too. Its resume from an adapter-only checkpoint:
+tests/layers/test_embedding_int8_s29.py (mode-name)."""
 
 from __future__ import annotations
 
@@ -108,27 +109,3 @@ def test_the_planner_counts_the_mode_name_as_the_per_layer_route(llama_factory: 
         plugin = QuantizedPrecision("nf4-dq", dtype="float32", **options)  # type: ignore[arg-type]
         predicted[name] = plan(lambda: llama_factory(**TIED), (ids[:, :-1], ids[:, 1:]), plugin=plugin, callbacks=[LoRA(r=4)]).predictions[0]
     assert predicted["named"].categories["parameters"] == predicted["routed"].categories["parameters"]
-
-
-@pytest.mark.slow
-def test_an_adapter_only_checkpoint_of_the_mode_name_resumes_bit_exact(
-    llama_factory: Any, trainer_factory: Any, datamodule_factory: Any, tmp_path: Any
-) -> None:
-    def run(steps: int, ckpt: Any = None, embeddings: Any = "int8") -> tuple[Any, Any]:
-        model = llama_factory(**TIED)
-        plugin = QuantizedPrecision("nf4-dq", dtype="float32", quantize_embeddings=embeddings)
-        trainer = trainer_factory(max_steps=steps, plugins=[plugin], callbacks=[LoRA(r=4)])
-        trainer.fit(model, datamodule_factory(train_samples=16), ckpt_path=ckpt)
-        return model, trainer
-
-    straight, _ = run(2)
-    _, first = run(1)
-    first.save_checkpoint(tmp_path / "emb8.ckpt")
-    resumed, again = run(2, tmp_path / "emb8.ckpt")
-    assert again.global_step == 2
-    ours, theirs = straight.state_dict(), resumed.state_dict()
-    assert ours.keys() == theirs.keys() and ours["model.model.embed_tokens.quantized.weight"].dtype == torch.int8
-    for name in (k for k in ours if "lora_" not in k):  # the int8 table and the 4-bit base rebuilt bit for bit
-        assert torch.equal(ours[name], theirs[name]), name
-    with pytest.raises(ValueError, match="quantize_embeddings"):  # another embedding setting: refused, said
-        run(2, tmp_path / "emb8.ckpt", embeddings=True)

@@ -411,9 +411,17 @@ class LoRA(SurgeryCallback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         watch, self._watch = getattr(self, "_watch", None), None
+        if watch is not None:
+            watch.close()  # a fit that ended before its first backward: the hooks are still there
         if watch is not None and watch.passes:  # a fit shorter than the watch: report what it saw
             watch.finish()
             self.unused_modules = watch.unused
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        watch, self._watch = getattr(self, "_watch", None), None
+        if watch is not None:
+            watch.close()  # a fit that failed before its first backward's check: no hook left on the model
 
     # ------------------------------------------------------------ public helpers (lora/export.py)
 

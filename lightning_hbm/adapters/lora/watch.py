@@ -62,6 +62,7 @@ class _AdapterWatch:
         output does not."""
         if self.passes or not isinstance(loss, torch.Tensor) or loss.requires_grad:
             return
+        self.close()  # raised below: the fit ends here, its hooks must not stay on the model
         gradless = [n for n, m in self.layers.items() if id(m) in self.gradless]
         if gradless:
             raise RuntimeError(
@@ -105,10 +106,16 @@ class _AdapterWatch:
             f"LoRA(exclude_modules={sorted(zero)!r})."
         )
 
+    def close(self) -> None:
+        """Remove the forward pre-hooks (at the first backward's check, or when the fit ends or fails before it: they
+        held the watch, and through it the model, on the model for the rest of the process; session 30)."""
+        handles, self.handles = self.handles, []
+        for handle in handles:
+            handle.remove()
+
     def check(self) -> list[str]:
         """Raise for dead adapters; warn for (and return) the ones whose output never reaches the loss."""
-        for handle in self.handles:
-            handle.remove()
+        self.close()
         dead, cut = [], []
         for name, layer in self.layers.items():
             grads = _grads(layer)

@@ -135,34 +135,16 @@ def test_an_export_into_a_read_only_folder_names_it(llama_factory: Callable, tmp
         os.chmod(folder, 0o755)
 
 
-@pytest.fixture
-def read_only_mount(tmp_path: Path):  # type: ignore[no-untyped-def]
-    """A real read-only filesystem holding a folder ``adapter`` (root is refused there too: EROFS, not EACCES)."""
-    import subprocess
-
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a filesystem here (not root, or no CAP_SYS_ADMIN)")
-    try:
-        (mount / "adapter").mkdir()
-        (mount / "adapter" / "notes.txt").write_text("mine")
-        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True, capture_output=True)
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True)
-
-
 @pytest.mark.parametrize("where", ["folder", "new-folder-under-it"])
 def test_an_export_onto_a_read_only_filesystem_names_the_folder_not_free_space(
     llama_factory: Callable, read_only_mount: Path, where: str
 ) -> None:
     """Issue 55: a read-only folder was told to "free space on that disk"; on a read-only filesystem the raw
     ``OSError: [Errno 30] Read-only file system: '.../.lightning_hbm_export.lock'`` came out."""
-    folder = read_only_mount / "adapter" if where == "folder" else read_only_mount / "new" / "adapter"
+    folder = read_only_mount / "folder" if where == "folder" else read_only_mount / "new" / "adapter"  # (conftest)
     with pytest.raises(PermissionError, match=rf"cannot write into {folder} \(Read-only file system\): save into a folder you can write to"):
         LoRA.save_adapter(_adapted(llama_factory, alpha=8, seed=1), folder)
-    assert sorted(p.name for p in (read_only_mount / "adapter").iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in (read_only_mount / "folder").iterdir()) == ["notes.txt"]
 
 
 def test_concurrent_exports_into_one_folder_all_succeed(llama_factory: Callable, tmp_path: Path) -> None:
