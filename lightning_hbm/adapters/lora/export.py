@@ -30,6 +30,7 @@ from lightning_hbm.adapters.lora.base import ADAPTER_NAME, _lora_layer_cls
 from lightning_hbm.layers import stored_in, task_heads, task_type
 from lightning_hbm.layers.correction import correction_of, correction_weight
 from lightning_hbm.layers.weight_norm import WeightNorm, weight_norm_of
+from lightning_hbm.memory.report import plain_file_mode, set_mode
 from lightning_hbm.naming import name_list, name_matches, under
 from lightning_hbm.precision.registry import format_of, to_dtype
 from lightning_hbm.surgery.record import as_built
@@ -297,6 +298,7 @@ def _write_locked(path: Path, folder: Path, tmp: Path, write: Callable[[Path], A
         for file in files:
             target = folder / file.relative_to(tmp)
             target.parent.mkdir(parents=True, exist_ok=True)
+            set_mode(None, file, plain_file_mode(target))  # safetensors writes 0600: the team could not read the weights
             os.replace(file, target)
         manifest = {str(f.relative_to(tmp)): (folder / f.relative_to(tmp)).stat().st_size for f in files}
         with open(tmp / MANIFEST, "w") as handle:
