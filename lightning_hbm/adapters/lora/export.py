@@ -93,6 +93,12 @@ def save_adapter(
     without an adapter gets one holding the correction alone. Not for DoRA (its magnitudes depend on the norm of the
     whole update: a ``ValueError``).
     """
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+        # was: "" wrote the adapter into the working directory (an unset variable, say), None a TypeError from pathlib
+        raise ValueError(
+            f"LoRA.save_adapter(path={path!r}): give the folder to write the adapter into, e.g. "
+            "'checkpoints/adapter' (it is created). Nothing was written."
+        )
     config = getattr(module, "peft_config", {}).get(ADAPTER_NAME)
     if config is None:
         raise ValueError(
