@@ -198,3 +198,239 @@ def test_resuming_into_a_model_with_more_layers_is_a_clear_error_before_anything
         _fit(tmp_path, wider, 2, ckpt_path=tmp_path / "two.ckpt")
     after = wider.state_dict()  # type: ignore[attr-defined]
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)  # as built
+
+
+# -------- cases that held on the code of session 29, kept as guards (each well under a second)
+
+
+@pytest.mark.parametrize(("budget", "match"), [
+    ("0", r"must be positive, got '0'"),
+    ("-1GiB", r"Cannot read the memory size '-1GiB'.*e.g. '24GiB'"),
+    ("1e30", r"larger than any machine"),
+    ("abc", r"Cannot read the memory size 'abc'"),
+    ("24 G", r"ambiguous"),
+    ([], r"give at least one size"),
+    (["1GiB", None], r"got NoneType"),
+])  # fmt: skip
+def test_max_context_refuses_a_bad_budget_before_building_anything(budget: object, match: str) -> None:
+    from lightning_hbm.planner import max_context
+
+    def factory() -> object:
+        raise AssertionError("built before the budget was checked")
+
+    with pytest.raises((ValueError, TypeError), match=match):
+        max_context(factory, budget, device="cpu")  # type: ignore[arg-type]
+
+
+def test_max_context_of_a_model_with_no_token_input_asks_for_a_batch_fn() -> None:
+    import lightning.pytorch as pl
+
+    from lightning_hbm.planner import max_context
+
+    class Regressor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(8, 1)
+
+    with pytest.raises(ValueError, match=r"Regressor has no token vocabulary.*Pass batch_fn=lambda length"):
+        max_context(Regressor, "1GiB", device="cpu")
+
+
+def _report(folder: Path) -> Path:
+    from lightning_hbm.memory.report import CATEGORIES, MemoryReport
+
+    rows = [{"step": s, "mode": "light", **{c: 1000 for c in CATEGORIES}, "total": 1000 * len(CATEGORIES)} for s in (1, 2)]
+    MemoryReport(rows).write(folder, "hbm_profile")
+    return folder / "hbm_profile.json"
+
+
+@pytest.mark.parametrize("cut", [0, 1, 200])
+def test_a_truncated_report_is_one_clear_error_and_stays_as_it_was(tmp_path: Path, cut: int) -> None:
+    from lightning_hbm.memory.report import render_report
+
+    source = _report(tmp_path)
+    source.write_bytes(source.read_bytes()[:cut])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=r"is not an HBMProfiler report \(not JSON"):
+        render_report(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_report_out_path_that_is_a_file_is_refused_and_the_report_stays(tmp_path: Path) -> None:
+    from lightning_hbm.memory.report import render_report
+
+    source = _report(tmp_path / "run")
+    (tmp_path / "out").write_text("mine")
+    with pytest.raises(ValueError, match=r"could not write the report under .*out.*hbm_profile.json' is unchanged"):
+        render_report(source, tmp_path / "out")
+    assert (tmp_path / "out").read_text() == "mine"
+
+
+def test_a_report_under_a_unicode_path_with_spaces_renders(tmp_path: Path) -> None:
+    from lightning_hbm.memory.report import render_report
+
+    source = _report(tmp_path / "run ü 日本")
+    paths = render_report(source, tmp_path / "out é")
+    assert Path(paths["csv"]).parent == tmp_path / "out é" and Path(paths["csv"]).read_text().startswith("step")
+
+
+def test_a_report_read_while_it_is_rewritten_is_always_whole(tmp_path: Path) -> None:
+    """A reader (``lightning-hbm report`` during a run) never sees a half-written file: each write is a rename."""
+    import json
+    import threading
+
+    from lightning_hbm.memory.report import atomic_write
+
+    path = tmp_path / "hbm_profile.json"
+    atomic_write(path, lambda f: json.dump({"rows": []}, f))
+    done = threading.Event()
+
+    def writer() -> None:
+        for i in range(40):
+            atomic_write(path, lambda f, i=i: json.dump({"rows": list(range(i * 50))}, f))
+        done.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    reads = 0
+    while not done.is_set() or reads == 0:
+        json.loads(path.read_text())  # never a JSONDecodeError
+        reads += 1
+    thread.join()
+    assert [p.name for p in tmp_path.iterdir()] == ["hbm_profile.json"]  # no partial file left
+
+
+def _global_state() -> dict[str, object]:
+    import logging
+    import random
+    import warnings
+
+    import numpy as np
+
+    names = ("", "lightning", "lightning.pytorch", "torch", "bitsandbytes", "peft", "torchao", "transformers")
+    return {
+        "filters": list(warnings.filters), "dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(), "cudnn": torch.backends.cudnn.deterministic,
+        "matmul": torch.get_float32_matmul_precision(), "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state()[1].tolist(), "disable": logging.root.manager.disable,
+        "levels": {n: (logging.getLogger(n).level, len(logging.getLogger(n).handlers)) for n in names},
+    }  # fmt: skip
+
+
+class _Counted(nn.Module):
+    """The user's own hooks and attributes, to see that they are left as they were."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+
+
+@pytest.mark.slow  # ~3 s: three fits and a validate
+def test_fit_validate_fit_on_one_module_leaves_the_process_and_the_users_hooks_as_they_were(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _Counted()
+            self.seen: list[int] = []
+            self.net.register_forward_hook(lambda *_: self.seen.append(1))
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.net.body(batch).pow(2).mean()
+
+        def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            self.net.body(batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    module = Module()
+    hooks = dict(module.net._forward_hooks)
+    before = _global_state()
+    data = DataLoader([torch.randn(2, 16)] * 4, batch_size=None)
+    first = _fit(tmp_path, module, 2)
+    first.validate(module, data, verbose=False)  # type: ignore[attr-defined]
+    # the first fit adds what LoRA's adapters are (peft's peft_config, is_loaded_in_4bit: read by save_adapter)
+    names, attributes = sorted(n for n, _ in module.named_parameters()), set(vars(module))
+    _fit(tmp_path, module, 2)  # a second fit of the same, already changed module: changed once, not twice
+    _fit(tmp_path, module, 0)  # max_steps=0
+    assert sorted(n for n, _ in module.named_parameters()) == names
+    assert dict(module.net._forward_hooks) == hooks and set(vars(module)) == attributes
+    assert _global_state() == before
+
+
+@pytest.mark.slow  # ~3 s: two fits
+def test_a_keyboard_interrupt_at_step_2_saves_nothing_half_way_and_resumes(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from lightning_hbm import LoRA, QuantizedPrecision
+
+    class Interrupted(pl.LightningModule):
+        def __init__(self, stop: bool) -> None:
+            super().__init__()
+            self.net = _Counted()
+            self.stop = stop
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            if self.stop and self.global_step == 2:
+                raise KeyboardInterrupt
+            return self.net.body(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def trainer(callbacks: list) -> pl.Trainer:
+        return pl.Trainer(
+            accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, max_steps=4,
+            default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4-dq", dtype="float32")],
+            callbacks=[LoRA(r=2), *callbacks],
+        )  # fmt: skip
+
+    before = _global_state()
+    data = DataLoader([torch.randn(2, 16)] * 4, batch_size=None)
+    torch.manual_seed(0)
+    stopped = trainer([ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_last=True)])
+    with pytest.raises(SystemExit):  # Lightning's graceful shutdown of a KeyboardInterrupt (exit status 1)
+        stopped.fit(Interrupted(stop=True), data)
+    assert stopped.interrupted and sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    torch.manual_seed(0)
+    resumed = trainer([])
+    resumed.fit(Interrupted(stop=False), data, ckpt_path=tmp_path / "ck" / "last.ckpt")
+    assert resumed.global_step == 4
+    assert _global_state() == before
+
+
+_RECIPE = """\
+trainer:
+  precision: nf4-dq
+  callbacks:
+    - class_path: LoRA
+      init_args: {r: 4}
+model:
+  class_path: lightning_hbm.models.NanoGPT
+  init_args: {n_layer: 1, n_head: 2, n_embd: 32, block_size: 64}
+"""
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (("precision: nf4-dq", "precision: nf4-dq\n  bogus_key: 3"), r"unknown option 'bogus_key'"),
+    (("r: 4", "r: four"), r"recipe.yaml:5: trainer.callbacks: LoRA init_args.r: Expected an int. Got value: four"),
+    (("trainer:", "trainer: [1, 2\n"), r"recipe.yaml:.*Fix the YAML syntax there"),
+])  # fmt: skip
+def test_a_broken_recipe_is_one_line_naming_the_field_before_anything_is_planned(
+    tmp_path: Path, capsys: pytest.CaptureFixture, edit: tuple[str, str], match: str
+) -> None:
+    import re
+
+    from lightning_hbm.cli import main
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(_RECIPE.replace(*edit, 1))
+    assert main(["plan", "-c", str(recipe), "--max-context", "--budget", "1GiB", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err) and err.count("\n") == 1 and "Traceback" not in err
