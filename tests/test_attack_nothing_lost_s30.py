@@ -434,3 +434,20 @@ def test_a_broken_recipe_is_one_line_naming_the_field_before_anything_is_planned
     assert main(["plan", "-c", str(recipe), "--max-context", "--budget", "1GiB", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert re.search(match, err) and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_an_adapter_file_name_taken_by_a_folder_is_refused_before_any_file_is_replaced(tmp_path: Path) -> None:
+    """Was: the manifest removed and adapter_config.json replaced, then ``IsADirectoryError`` at the weights with
+    "some files were replaced: save again", which failed the same way: a half-written adapter folder."""
+    from lightning_hbm import LoRA
+
+    module = _adapted()
+    folder = LoRA.save_adapter(module, tmp_path / "adapter")
+    (folder / "adapter_model.safetensors").unlink()
+    (folder / "adapter_model.safetensors").mkdir()
+    (folder / "adapter_model.safetensors" / "notes.txt").write_text("mine")
+    before = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors is a folder, where the adapter's file of that name "
+                                         r"goes.*nothing was written"):
+        LoRA.save_adapter(module, folder)
+    assert {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before

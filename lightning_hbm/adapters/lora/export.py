@@ -298,6 +298,7 @@ def _write_locked(path: Path, folder: Path, tmp: Path, write: Callable[[Path], A
     try:
         write(tmp)
         files = sorted(f for f in tmp.rglob("*") if f.is_file())
+        _check_targets(path, [folder / f.relative_to(tmp) for f in files])
         _fsync_tree(tmp)
         (folder / MANIFEST).unlink(missing_ok=True)
         replaced = True
@@ -324,6 +325,18 @@ def _write_locked(path: Path, folder: Path, tmp: Path, write: Callable[[Path], A
             raise PermissionError(err.errno, f"LoRA.save_adapter cannot write into {path} ({err.strerror}); {previous}.") from err
         fix = " Free space on that disk or save elsewhere." if err.errno in _FULL else " Save elsewhere."
         raise OSError(err.errno or 0, f"LoRA.save_adapter could not write {path} ({err}); {previous}.{fix}") from err
+
+
+def _check_targets(path: Path, targets: list[Path]) -> None:
+    """A ``ValueError`` before the first file is replaced when a file's name in the folder is a folder (``os.replace``
+    cannot put a file there). Was: the manifest removed and the config replaced, then ``IsADirectoryError`` at the
+    weights, saying "save again", which failed the same way: a half-written adapter folder."""
+    blocked = [t for t in targets if t.is_dir() and not t.is_symlink()]
+    if blocked:
+        raise ValueError(
+            f"LoRA.save_adapter: {blocked[0]} is a folder, where the adapter's file of that name goes. Move or rename "
+            f"it, or save into another folder ({path} is unchanged: nothing was written)."
+        )
 
 
 def check_adapter_folder(path: Union[str, Path]) -> Path:
