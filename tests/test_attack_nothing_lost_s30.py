@@ -451,3 +451,60 @@ def test_an_adapter_file_name_taken_by_a_folder_is_refused_before_any_file_is_re
                                          r"goes.*nothing was written"):
         LoRA.save_adapter(module, folder)
     assert {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
+# -------- HBMProfiler's report: refused at fit start where it cannot go, never the end of a trained run
+
+
+def _profiled_fit(tmp_path: Path, dirpath: Path) -> tuple[object, list[int]]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_hbm import HBMProfiler
+
+    steps: list[int] = []
+
+    class Count(pl.Callback):
+        def on_train_batch_end(self, *args: object) -> None:
+            steps.append(1)
+
+    module = _stack_module(2)
+    trainer = pl.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=tmp_path, max_steps=2, callbacks=[HBMProfiler(every_n_steps=1, dirpath=str(dirpath)), Count()],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader([torch.randn(2, 16)] * 4, batch_size=None))  # type: ignore[arg-type]
+    return module, steps
+
+
+def test_a_report_name_taken_by_a_folder_is_refused_before_the_first_step(tmp_path: Path) -> None:
+    """Was: the run trained, then ``IsADirectoryError`` from the report's rename ended ``fit()``."""
+    (tmp_path / "report" / "hbm_profile.json").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"hbm_profile.json' is a folder, where the report's file of that name goes"):
+        _profiled_fit(tmp_path, tmp_path / "report")
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A folder on a 16 KiB tmpfs: room for the run's CSV, not for its JSON or picture (skip where nothing mounts)."""
+    import subprocess
+
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a filesystem here (not root, or no CAP_SYS_ADMIN)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+@pytest.mark.slow  # ~1 s: a fit that draws its report
+def test_a_full_disk_at_the_report_warns_and_the_trained_run_ends_normally(tmp_path: Path, full_disk: Path) -> None:
+    """Was: ``OSError: [Errno 28] No space left on device`` ended ``fit()`` after training: the user's next line
+    (``LoRA.save_adapter(model, ...)``, saving the model) never ran."""
+    with pytest.warns(UserWarning, match=r"HBMProfiler could not write its report into .*full \(No space left on device\); "
+                                         r"the training is complete and not affected.*dirpath=<another folder>"):
+        _, steps = _profiled_fit(tmp_path, full_disk)
+    assert len(steps) == 2
+    assert not [p for p in full_disk.iterdir() if "partial" in p.name]  # no temp file left on the full disk
