@@ -508,3 +508,21 @@ def test_a_full_disk_at_the_report_warns_and_the_trained_run_ends_normally(tmp_p
         _, steps = _profiled_fit(tmp_path, full_disk)
     assert len(steps) == 2
     assert not [p for p in full_disk.iterdir() if "partial" in p.name]  # no temp file left on the full disk
+
+
+@pytest.mark.slow  # ~2 s: two fits
+def test_a_checkpoint_with_a_tensor_deleted_is_refused_before_the_model_changes(tmp_path: Path) -> None:
+    """Was: only the tensors present were checked against the checksum table, so a deleted adapter tensor was found
+    after the surgery ("does not hold these tensors of the model after lightning_hbm's changes"): the user's model
+    was already quantized and adapted when the error came."""
+    trainer = _fit(tmp_path, _stack_module(2), 1)
+    trainer.save_checkpoint(tmp_path / "full.ckpt")  # type: ignore[attr-defined]
+    checkpoint = torch.load(tmp_path / "full.ckpt", weights_only=False)
+    del checkpoint["lightning_hbm"]["state_dict"]["net.body.0.lora_A.default.weight"]
+    torch.save(checkpoint, tmp_path / "edited.ckpt")
+    module = _stack_module(2)
+    kinds = [type(m) for m in module.modules()]  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"is damaged: tensor 'net.body.0.lora_A.default.weight' written with it is "
+                                         r"missing.*nothing was loaded"):
+        _fit(tmp_path, module, 2, ckpt_path=tmp_path / "edited.ckpt")
+    assert [type(m) for m in module.modules()] == kinds  # type: ignore[attr-defined]  # as built: nothing changed
