@@ -22,7 +22,6 @@ import csv
 import json
 import math
 import os
-import stat
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -276,15 +275,55 @@ def check_numbers(path: Union[str, Path], where: str, values: Mapping[str, Any],
             raise ValueError(f"report: {str(path)!r}: {where} field {name!r} is {value!r}, not a number of bytes.")
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where the system says it (Linux ``/proc``)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and put back at once (the only portable way to read it)
+    os.umask(mask)
+    return mask
+
+
+def plain_file_mode(path: Union[str, Path]) -> int:
+    """The permission bits ``open(path, "w")`` would leave ``path`` with: those of the regular file there (a
+    replaced file keeps its mode), else ``0o666`` less the umask. A file written through a temp file (``mkstemp``:
+    0600) and renamed into place gets these, so a run's files in a team folder stay readable as a plain Lightning
+    run's are (were 0600: the team lost access to every checkpoint, report and adapter weights file)."""
+    try:
+        stat = os.lstat(path)
+        if (stat.st_mode & 0o170000) == 0o100000:  # a regular file, not a link or a folder
+            return stat.st_mode & 0o7777
+    except OSError:
+        pass
+    return 0o666 & ~_umask()
+
+
+def set_mode(fd: Optional[int], path: Union[str, Path], mode: int) -> None:
+    """Give the file open as ``fd`` (or, without one, at ``path``) the permission bits ``mode``; where the system
+    refuses (a filesystem without modes), the file keeps the one it has."""
+    try:
+        if fd is not None and hasattr(os, "fchmod"):
+            os.fchmod(fd, mode)
+        else:
+            os.chmod(path, mode)
+    except OSError:
+        pass
+
+
 def atomic_write(path: Union[str, Path], write: Callable[[Any], Any], binary: bool = False, newline: Optional[str] = None) -> None:
     """Call ``write(file)`` on a temp file beside ``path``, fsync it, then rename it over ``path`` in one step.
 
     On any error the temp file is removed and ``path`` is as it was (a report's input is never cut half-way).
     """
     path = Path(path)
+    mode = plain_file_mode(path)
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".lightning_hbm-partial")
     try:
-        os.fchmod(fd, _mode_of(path))  # mkstemp's 0600, as open() would give it instead (session 30)
+        set_mode(fd, temp, mode)
         with os.fdopen(fd, "wb" if binary else "w", newline=newline) as f:
             write(f)
             f.flush()
@@ -293,21 +332,6 @@ def atomic_write(path: Union[str, Path], write: Callable[[Any], Any], binary: bo
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
-
-
-def _mode_of(path: Path) -> int:
-    """The mode ``open(path, "w")`` gives the file: a regular file's own (it is truncated in place), else a new file's
-    (0666 less the umask; a link there is replaced, its target's mode not taken). Was: mkstemp's 0600, the report and
-    figure files unreadable by the group sharing the run folder."""
-    try:
-        info = path.lstat()
-        if stat.S_ISREG(info.st_mode):
-            return stat.S_IMODE(info.st_mode)
-    except OSError:
-        pass
-    umask = os.umask(0o022)  # read by setting it (no call only reads it), then put back at once
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def find_report(path: Union[str, Path]) -> Path:
@@ -468,7 +492,9 @@ __all__ = [
     "advice",
     "find_report",
     "format_table",
+    "plain_file_mode",
     "plot",
+    "set_mode",
     "MAX_INPUT_BYTES",
     "atomic_write",
     "check_numbers",

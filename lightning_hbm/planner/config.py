@@ -117,7 +117,13 @@ def max_context_from_config(
     model_cls, model_args = model_section
     factory: Callable[[], pl.LightningModule] = lambda: model_cls(**model_args)  # noqa: E731  (built fake)
     data = (config.get("data") or {}).get("init_args") or {}
-    batch_size = int(data.get("batch_size") or 1)
+    batch_size = 1 if data.get("batch_size") is None else data["batch_size"]  # none given: one sample
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        # was int(batch_size or 1): a recipe's batch_size 0 was answered for batch 1, 2.5 for 2, with no word
+        raise ValueError(
+            f"The config's data.init_args.batch_size is {batch_size!r}: the longest context is per sample of a batch "
+            "of batch_size samples, so it must be an int >= 1 (e.g. batch_size: 4). Fix the data section."
+        )
     results = max_context(factory, list(budgets), plugin=plugin, callbacks=list(callbacks), strategy=strategy,
                           batch_size=batch_size, device=device,  # type: ignore[arg-type]  # "cpu" or "cuda", checked there
                           host_budget=host_budget, max_regenerate=max_regenerate)

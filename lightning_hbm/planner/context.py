@@ -155,10 +155,11 @@ def max_context(
     host_limit = None if host_budget is None else parse_bytes(host_budget)
     template = build_template(model)
     make_batch = batch_fn if batch_fn is not None else _token_batches(template, batch_size)
+    longest = _position_limit(template.module, multiple_of) if batch_fn is None else None  # batch_fn: its own lengths
 
     def lengths(offload: bool, regenerate: int = 1) -> _Lengths:
         return _Lengths(template, plugin, list(callbacks or ()), strategy, make_batch, device, multiple_of, offload,
-                        regenerate)
+                        regenerate, longest)
 
     planned = lengths(device == "cuda")
     unoffloaded = functools.cache(lambda: lengths(False))  # planned only when a host budget is too small for offload
@@ -182,9 +183,11 @@ class _Lengths:
     """One configuration planned at many lengths: every plan kept, what only decides structure decided once."""
 
     def __init__(self, template: Template, plugin: Any, callbacks: list[Any], strategy: Any,
-                 make_batch: Callable[[int], Any], device: str, step: int, offload: bool, regenerate: int = 1) -> None:
+                 make_batch: Callable[[int], Any], device: str, step: int, offload: bool, regenerate: int = 1,
+                 longest: Optional[tuple[int, str]] = None) -> None:
         own, self.choices = _configuration(template, callbacks, device, offload, regenerate)
         self.regenerate = regenerate
+        self.longest = longest  # (tokens, why): the model's own longest sequence (its position table), a multiple of step
         self.candidate = Candidate.from_trainer(plugin, own, strategy)
         self.template, self.make_batch, self.device, self.step = template, make_batch, device, step
         self._trainer = (plugin, callbacks, strategy)
@@ -220,7 +223,10 @@ class _Lengths:
         """{length: planned total}: :data:`_FIRST_LENGTHS` (planned on first use), and every length solved since."""
         if not self._points:
             lengths = sorted({_round(n, self.step) for n in _FIRST_LENGTHS})
-            while len(lengths) < 2:  # a multiple_of past 16k rounds them together: a line needs two lengths
+            if self.longest is not None:  # never past the model's own longest sequence (it cannot run there)
+                cap = self.longest[0]
+                lengths = sorted({n for n in lengths if n < cap} | {cap, max(self.step, _round_down(cap // 4, self.step))})
+            while len(lengths) < 2 and self.longest is None:  # a multiple_of past 16k rounds them together: a line needs two lengths
                 lengths.append(4 * lengths[-1])
             self._points.update({n: self.predict_at(n).total for n in lengths})
         return self._points
@@ -242,10 +248,16 @@ def _solve(budget: int, lengths: _Lengths, batch_size: int) -> ContextResult:
     points nearest the budget (:func:`_nearest`), confirmed by one plan, corrected from the confirmed points while it
     misses. ``lengths.points`` gains every length planned here.
     """
-    points, step = lengths.points, lengths.step
+    step = lengths.step
+    if lengths.longest is not None:
+        cap, why = lengths.longest
+        if lengths.predict_at(cap).total <= budget or cap == step:  # the whole table fits, or no shorter length is left
+            fits = cap if lengths.predict_at(cap).total <= budget else 0
+            return lengths.result(budget, fits, batch_size, why if fits else "")
+    points = lengths.points
     fits, over = step, None  # the longest length planned to fit, the shortest planned over
     # aimed a little short (half the slack): a guess just over the budget costs a second plan, one just short does not
-    guess = _aim(_Quadratic(_nearest(points, budget)).solve(budget), step)
+    guess = _capped(_aim(_Quadratic(_nearest(points, budget)).solve(budget), step), lengths)
     for _ in range(_CONFIRMS):
         points[guess] = lengths.predict_at(guess).total
         if points[guess] <= budget:
@@ -258,7 +270,7 @@ def _solve(budget: int, lengths: _Lengths, batch_size: int) -> ContextResult:
             reach = min(reach, over - step)
         if _round_down(reach, step) <= fits + _slack(fits, step) or (over is not None and over - fits <= step):
             break  # the confirmed length is the answer: the next one up is over (planned, or by the local fit)
-        guess = _aim(reach, step)
+        guess = _capped(_aim(reach, step), lengths)
     return lengths.result(budget, fits if lengths.predict_at(fits).total <= budget else 0, batch_size)
 
 
@@ -386,6 +398,40 @@ def _host_fit(sizes: Sequence[int], tokens: int, host: int, step: int) -> int:
         middle = (low + high + 1) // 2
         low, high = (middle, high) if pinned(middle * step) <= host else (low, middle - 1)
     return low * step
+
+
+def _capped(guess: int, lengths: _Lengths) -> int:
+    """``guess``, below the model's longest sequence (planned first: it was over the budget)."""
+    if lengths.longest is None:
+        return guess
+    return min(guess, max(lengths.step, lengths.longest[0] - lengths.step))
+
+
+#: Leaf names of a learned position table (``nn.Embedding``): GPT-2/nanoGPT ``wpe``, BERT ``position_embeddings``,
+#: OPT ``embed_positions`` (with an ``offset``), ``pos_emb``: the model cannot run a longer sequence.
+_POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions", "pos_emb", "pos_embedding", "position_embedding")
+
+
+def _position_limit(module: nn.Module, step: int) -> Optional[tuple[int, str]]:
+    """(tokens, why): the longest sequence ``module``'s learned position table holds, as a multiple of ``step``;
+    ``None`` without one (rotary or relative positions: no table bounds the length).
+
+    Was: ``max_context`` planned 2,048 tokens first whatever the model, so any model with a position table shorter
+    than that (nanoGPT's ``block_size``, GPT-2's 1,024, BERT's 512) failed with its own error ("Sequence length 2048
+    exceeds block_size 256", an ``IndexError``), and past the lengths planned with real values (on meta tensors) a
+    table that no index can reach was planned as if the model ran there.
+    """
+    tables = [(sub.num_embeddings - int(getattr(sub, "offset", 0) or 0), name) for name, sub in module.named_modules()
+              if isinstance(sub, nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES]
+    if not tables:
+        return None
+    tokens, name = min(tables)
+    if tokens < step:
+        raise ValueError(
+            f"max_context(multiple_of={step}): {type(module).__name__} runs at most {tokens:,} tokens (its position "
+            f"table {name} has {tokens:,} rows), fewer than one multiple of {step}. Fix: multiple_of <= {tokens}."
+        )
+    return tokens // step * step, f"the model's longest sequence ({tokens:,} rows in its position table {name})"
 
 
 def _slack(tokens: int, step: int) -> int:

@@ -284,6 +284,7 @@ class HBMProfiler(Callback):
         report_dir = self._dir(trainer)  # broadcast inside: called on every rank
         _check_writable(report_dir, "HBMProfiler(dirpath=...): the report directory",
                         "Pass a writable directory, e.g. HBMProfiler(dirpath='hbm_report').")  # fmt: skip
+        _check_report_names(report_dir)
         for callback in [] if getattr(trainer, "fast_dev_run", False) else trainer.checkpoint_callbacks:  # it saves none
             if not isinstance(callback, ModelCheckpoint) or (callback.save_top_k == 0 and not callback.save_last):
                 continue  # saves nothing
@@ -351,7 +352,17 @@ class HBMProfiler(Callback):
             self._recording = False
         directory = self._dir(trainer)  # broadcast inside: call on every rank
         if trainer.is_global_zero and self.rows:
-            paths = self.write_report(directory, "hbm_profile")
+            try:
+                paths = self.write_report(directory, "hbm_profile")
+            except OSError as err:
+                # was: the OSError ended fit() after training (a full disk): the user's next line (saving the
+                # adapters, the model) never ran. The report is what failed, so it is what is given up, said once.
+                paths = {}
+                rank_zero_warn(
+                    f"HBMProfiler could not write its report into {directory} ({err.strerror or err}); the training is "
+                    "complete and not affected, and the table below is the report. Free space there, or pass "
+                    "HBMProfiler(dirpath=<another folder>) next time."
+                )
             if self.summary:
                 self.print_summary(paths)
 
@@ -460,6 +471,24 @@ def _check_writable(directory: str, what: str, fix: str) -> None:
         os.remove(probe)
     except OSError as err:
         raise ValueError(f"{what} {directory!r} is not writable: creating a file in {existing!r} failed ({err}). {fix}") from err
+
+
+#: The files a fit's report writes into its directory (``{stem}.csv/json/png`` and the figure's data).
+REPORT_NAMES = ("hbm_profile.csv", "hbm_profile.json", "hbm_profile.png", "hbm_figure.json")
+
+
+def _check_report_names(directory: str) -> None:
+    """A ``ValueError`` at fit start when a name the report writes is taken by a folder (a file cannot replace it).
+    Was: the run trained, then ``IsADirectoryError`` ended ``fit()`` at its report."""
+    if "://" in directory:
+        return
+    for name in REPORT_NAMES:
+        path = os.path.join(directory, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            raise ValueError(
+                f"HBMProfiler(dirpath=...): {path!r} is a folder, where the report's file of that name goes. Move or "
+                "rename it, or pass another folder, e.g. HBMProfiler(dirpath='hbm_report')."
+            )
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

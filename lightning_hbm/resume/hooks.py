@@ -76,6 +76,24 @@ class _ResumeHook:
         if _changed(module):
             state_dict.update(meta.get("state_dict", {}))
         self.omitted = list(meta.get("omitted", []))
+        strict = bool(args[1]) if len(args) > 1 else True  # (local_metadata, strict, ...): Lightning's strict_loading
+        if strict and trainer.state.fn == "fit" and not _changed(module):
+            self._check_nothing_absent(module, state_dict, trainer.ckpt_path)
+
+    def _check_nothing_absent(self, module: nn.Module, state_dict: dict[str, Any], path: Any) -> None:
+        """A ``ValueError`` before a single tensor is copied when the model has tensors the checkpoint neither holds
+        nor left out (a model with more layers than the one that saved it). Was Lightning's strict error, raised by
+        torch after the tensors the checkpoint does hold had been copied in: ``RuntimeError: Error(s) in loading
+        state_dict ... Missing key(s)``, with no word of what to do."""
+        keys = KeyMap(module)
+        absent = [k for k in module.state_dict() if k not in state_dict and k not in self.placeholders
+                  and not keys.covered(k, self.omitted)]
+        if absent:
+            raise ValueError(
+                f"Checkpoint {path} holds nothing for {len(absent)} tensor(s) of this model (first: {absent[:5]}): "
+                "neither saved nor left out as a frozen base of the run that saved it, so that run's model had no such "
+                "layers. Build the model of the run that saved it (the same architecture and config); nothing was loaded."
+            )
 
     def forgive(self, module: nn.Module, incompatible_keys: Any) -> None:
         missing = incompatible_keys.missing_keys

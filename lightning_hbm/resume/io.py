@@ -15,6 +15,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_hbm.memory.report import plain_file_mode, set_mode
 from lightning_hbm.resume.checks import _unreadable, check_contents, check_file, check_layout
 from lightning_hbm.resume.fingerprints import _plain
 from lightning_hbm.resume.packing import META_KEY, is_placeholder, pack_for
@@ -31,7 +32,8 @@ def _host() -> str:
 
 
 def _open_partial(path: Path) -> tuple[Path, int]:
-    """A new partial file beside ``path``, created by us alone (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600).
+    """A new partial file beside ``path``, created by us alone (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600 until
+    :func:`atomic_save` gives it the mode a plain save would).
 
     The name is predictable in part (a killed save is found by it), so in a folder others can write to someone may
     plant a symlink or file there: exclusive creation never writes through it, and a random token picks a new name.
@@ -140,6 +142,7 @@ def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_partials(path.parent)
+    mode = plain_file_mode(path)  # what Lightning's own save leaves: the umask's, or the replaced file's
     try:
         partial, fd = _open_partial(path)
     except OSError as err:
@@ -147,6 +150,7 @@ def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
             raise _not_writable(path.parent, err) from err
         raise
     try:
+        set_mode(fd, partial, mode)
         with os.fdopen(fd, "wb") as file:
             torch.save(checkpoint, file)
             file.flush()

@@ -178,6 +178,9 @@ def verify(checkpoint: dict[str, Any], path: Any) -> None:
             raise _damaged(path, f"its {META_KEY!r} part (settings, fingerprints, checksum table) does not match its digest")
         _check_values(checkpoint, meta, path)
         entries = tensor_entries(checkpoint)
+        gone = [key for key in sums if key not in entries]
+        if gone:  # was: only the tensors present were checked, so a deleted one was found after the model changed
+            raise _damaged(path, f"tensor {gone[0]!r} written with it is missing ({len(gone)} missing)")
     for key, value in entries.items():
         if key not in sums:
             raise _damaged(path, f"tensor {key!r} has no checksum")

@@ -30,6 +30,7 @@ from lightning_hbm.adapters.lora.base import ADAPTER_NAME, _lora_layer_cls
 from lightning_hbm.layers import stored_in, task_heads, task_type
 from lightning_hbm.layers.correction import correction_of, correction_weight
 from lightning_hbm.layers.weight_norm import WeightNorm, weight_norm_of
+from lightning_hbm.memory.report import plain_file_mode, set_mode
 from lightning_hbm.naming import name_list, name_matches, under
 from lightning_hbm.precision.registry import format_of, to_dtype
 from lightning_hbm.surgery.record import as_built
@@ -92,6 +93,12 @@ def save_adapter(
     without an adapter gets one holding the correction alone. Not for DoRA (its magnitudes depend on the norm of the
     whole update: a ``ValueError``).
     """
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+        # was: "" wrote the adapter into the working directory (an unset variable, say), None a TypeError from pathlib
+        raise ValueError(
+            f"LoRA.save_adapter(path={path!r}): give the folder to write the adapter into, e.g. "
+            "'checkpoints/adapter' (it is created). Nothing was written."
+        )
     config = getattr(module, "peft_config", {}).get(ADAPTER_NAME)
     if config is None:
         raise ValueError(
@@ -291,12 +298,14 @@ def _write_locked(path: Path, folder: Path, tmp: Path, write: Callable[[Path], A
     try:
         write(tmp)
         files = sorted(f for f in tmp.rglob("*") if f.is_file())
+        _check_targets(path, [folder / f.relative_to(tmp) for f in files])
         _fsync_tree(tmp)
         (folder / MANIFEST).unlink(missing_ok=True)
         replaced = True
         for file in files:
             target = folder / file.relative_to(tmp)
             target.parent.mkdir(parents=True, exist_ok=True)
+            set_mode(None, file, plain_file_mode(target))  # safetensors writes 0600: the team could not read the weights
             os.replace(file, target)
         manifest = {str(f.relative_to(tmp)): (folder / f.relative_to(tmp)).stat().st_size for f in files}
         with open(tmp / MANIFEST, "w") as handle:
@@ -316,6 +325,18 @@ def _write_locked(path: Path, folder: Path, tmp: Path, write: Callable[[Path], A
             raise PermissionError(err.errno, f"LoRA.save_adapter cannot write into {path} ({err.strerror}); {previous}.") from err
         fix = " Free space on that disk or save elsewhere." if err.errno in _FULL else " Save elsewhere."
         raise OSError(err.errno or 0, f"LoRA.save_adapter could not write {path} ({err}); {previous}.{fix}") from err
+
+
+def _check_targets(path: Path, targets: list[Path]) -> None:
+    """A ``ValueError`` before the first file is replaced when a file's name in the folder is a folder (``os.replace``
+    cannot put a file there). Was: the manifest removed and the config replaced, then ``IsADirectoryError`` at the
+    weights, saying "save again", which failed the same way: a half-written adapter folder."""
+    blocked = [t for t in targets if t.is_dir() and not t.is_symlink()]
+    if blocked:
+        raise ValueError(
+            f"LoRA.save_adapter: {blocked[0]} is a folder, where the adapter's file of that name goes. Move or rename "
+            f"it, or save into another folder ({path} is unchanged: nothing was written)."
+        )
 
 
 def check_adapter_folder(path: Union[str, Path]) -> Path:
