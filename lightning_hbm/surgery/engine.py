@@ -228,13 +228,17 @@ def _parametrization_state(module: nn.Module) -> list[tuple[torch.Tensor, torch.
 
 def _keeps_parametrization_state(surgery: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     """``surgery`` (its first argument the model), putting back the parametrizations' buffers after it
-    (:func:`_parametrization_state`)."""
+    (:func:`_parametrization_state`), and the global RNGs (Python's, NumPy's, torch's CPU and CUDA) as they were before
+    it: peft's adapter init, the probe step and calibration draw from them in the strategy's setup, before the fit
+    loop's shuffled DataLoader draws its order there (issue 55: with LoRA, ``seed_everything(0)`` trained on other
+    batches than without). The adapters stay what the seed gives: they draw from the state the surgery began with."""
 
     @functools.wraps(surgery)
     def run(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         kept = _parametrization_state(module)
         try:
-            return surgery(module, *args, **kwargs)
+            with torch_compat.preserved_rngs():  # the user's draws as they were (_keeps_parametrization_state)
+                return surgery(module, *args, **kwargs)
         finally:
             with torch.no_grad():
                 for buffer, value in kept:
