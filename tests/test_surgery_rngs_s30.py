@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision, run_surgery
+from lightning_hbm import ActivationCheckpointing, LoRA, QuantizationQuality, QuantizedPrecision, run_surgery
 from lightning_hbm._compat import torch as torch_compat
 
 WIDTH, ITEMS = 32, 12
@@ -59,7 +59,7 @@ class Model(pl.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
-        return self.head(x)
+        return self.head(x) + 0 * torch.rand((), device=x.device)  # a forward that draws (noise, sampling)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.looping = True  # the fit loop's steps, not the probe step (which never calls this hook)
@@ -79,8 +79,9 @@ def _fit(tmp_path: Path, ours: bool) -> Model:
     pl.seed_everything(0, verbose=False)
     module = Model()
     extra: dict[str, Any] = (
-        dict(plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[LoRA(r=4, alpha=8), ActivationCheckpointing()])
-        if ours else {}
+        dict(plugins=[QuantizedPrecision("nf4-dq", dtype="float32")], callbacks=[
+            LoRA(r=4, alpha=8), ActivationCheckpointing(), QuantizationQuality(probe_batch=torch.randn(3, WIDTH, generator=torch.Generator()))
+        ]) if ours else {}
     )  # fmt: skip
     trainer = pl.Trainer(
         accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -93,7 +94,8 @@ def _fit(tmp_path: Path, ours: bool) -> Model:
 @pytest.mark.slow
 def test_lora_quantization_and_checkpointing_leave_the_batch_order_and_draws_as_they_were(tmp_path: Path) -> None:
     """Was: with nf4-dq + LoRA + checkpointing, epoch 0 saw another order of the same items than the plain run
-    (peft's init had drawn from torch's RNG before the loader drew its order), and other draws in training_step."""
+    (peft's init had drawn from torch's RNG before the loader drew its order), and other draws in training_step; and
+    QuantizationQuality's measure at fit start ran a forward that draws."""
     plain = _fit(tmp_path / "plain", ours=False)
     ours = _fit(tmp_path / "ours", ours=True)
     assert sorted(i for batch in plain.seen for i in batch) == list(range(ITEMS))
@@ -132,3 +134,30 @@ def test_the_same_seed_gives_bit_identical_adapters_and_leaves_the_rngs_as_they_
     assert all(torch.equal(first[name], second[name]) for name in first)
     assert any(not torch.equal(first[name], other[name]) for name in first if "lora_A" in name)  # drawn from the seed
     assert _same_states(before, after)
+
+
+_CUDA_DRAWS = """
+import sys, torch
+from lightning_hbm._compat import torch as torch_compat
+torch.manual_seed(0)
+if sys.argv[1] == "inside":
+    with torch_compat.preserved_rngs():  # CUDA begins inside the block, with a draw there (an adapter init on the GPU)
+        torch.rand(8, device="cuda")
+print(torch.rand(4, device="cuda").tolist())
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's generators: needs a GPU")
+def test_cuda_begun_inside_the_surgery_draws_as_if_it_began_after() -> None:
+    """A draw that began CUDA inside the block leaves its generators at the seed and offset a run without the block
+    finds when it begins CUDA itself (fresh processes: CUDA begins once per process)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    outputs = [
+        subprocess.run([sys.executable, "-c", _CUDA_DRAWS, how], env=env, capture_output=True, text=True, check=True).stdout
+        for how in ("plain", "inside")
+    ]
+    assert outputs[0] == outputs[1]
