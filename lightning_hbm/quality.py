@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torchmetrics.functional.audio import signal_noise_ratio
 from typing_extensions import override
 
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.layers.correction import correction_weight
 from lightning_hbm.precision.registry import format_of
@@ -247,7 +248,9 @@ class QuantizationQuality(SurgeryCallback):
             )
         plugin = trainer.strategy.precision_plugin
         batch = plugin.convert_input(move_data_to_device(self._probe, _module_device(pl_module)))
-        with eval_no_grad(pl_module), plugin.forward_context():
+        # at fit start, before the loop draws its loader's order: a forward that draws (noise, sampling) leaves the
+        # user's RNGs as they were (issue 55), as the reference forward inside the surgery does
+        with eval_no_grad(pl_module), plugin.forward_context(), torch_compat.preserved_rngs():
             output = probe_output(pl_module, batch).float().cpu()
         reference = self._reference
         if output.shape != reference.shape:

@@ -16,6 +16,7 @@ from lightning.pytorch.core.optimizer import (  # planner
     _configure_optimizers,
     _configure_schedulers_automatic_opt,
 )
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector  # trainer_being_built
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader  # stage_dataloader
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
@@ -203,6 +204,17 @@ def override_plugin_hooks(plugin: Any, convert_module: Callable[..., Any], conne
     """
     plugin.convert_module = convert_module
     plugin.connect = connect
+
+
+# Lightning's precision plugins that only cast the model or run it under autocast: none replaces a layer (exact types:
+# a subclass may do more)
+_CASTING_PLUGINS = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
+
+
+def casts_only(plugin: Any) -> bool:
+    """Whether ``plugin`` is one of Lightning's precision plugins that replace no layer (``32-true``, ``16-mixed``,
+    ``bf16-mixed``, ``bf16-true``, ``16-true``, ``64-true``), not a subclass of one."""
+    return type(plugin) in _CASTING_PLUGINS
 
 
 def plugin_hook_override(plugin: Any, name: str) -> Optional[Callable[..., Any]]:

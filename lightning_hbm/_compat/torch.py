@@ -468,13 +468,19 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 @contextmanager
 def preserved_rngs() -> Iterator[None]:
-    """Python's, NumPy's and torch's global RNG states as they were, after the block: the probe step runs the
-    user's code, which may draw from any of them (issue 55: the same seed trained on other draws with LoRA)."""
+    """Python's, NumPy's and torch's (CPU and CUDA) global RNG states as they were, after the block: the probe step
+    runs the user's code, which may draw from any of them, and the surgery initializes adapters (issue 55: the same
+    seed trained on other draws, and a shuffled DataLoader in another order, with LoRA than without)."""
     before = rng_states()
     try:
         yield
     finally:
         set_rng_states(before)
+        if before["cuda"] is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            # CUDA began inside the block (a draw on the GPU started it): its generators as a run without the block
+            # finds them when it begins CUDA itself, at their seed (the one torch.manual_seed queued) and offset 0
+            for generator in torch.cuda.default_generators:
+                generator.manual_seed(generator.initial_seed())
 
 
 @contextmanager

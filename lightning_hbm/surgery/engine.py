@@ -111,6 +111,10 @@ class SurgeryCallback(Callback):
     # instance already changed (fit with one Trainer, then test with another). Transforms that add
     # parameters (LoRA) leave it False: their parameters must not be re-created.
     reapply: bool = False
+    # True for transforms that ask which layers the model's code reads directly (``weight_readers``: LoRA leaves them
+    # out): the probe step runs the user's step once before the surgery for them. A run whose transforms do not ask,
+    # under a plugin that replaces no layer, skips it (issue 55: the user's step runs only for the loop's steps).
+    reads_layers: bool = False
 
     def transform_model(self, module: nn.Module) -> None:
         """Change ``module`` in place. Called once, at the surgery point. Default: no change."""
@@ -228,13 +232,17 @@ def _parametrization_state(module: nn.Module) -> list[tuple[torch.Tensor, torch.
 
 def _keeps_parametrization_state(surgery: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     """``surgery`` (its first argument the model), putting back the parametrizations' buffers after it
-    (:func:`_parametrization_state`)."""
+    (:func:`_parametrization_state`), and the global RNGs (Python's, NumPy's, torch's CPU and CUDA) as they were before
+    it: peft's adapter init, the probe step and calibration draw from them in the strategy's setup, before the fit
+    loop's shuffled DataLoader draws its order there (issue 55: with LoRA, ``seed_everything(0)`` trained on other
+    batches than without). The adapters stay what the seed gives: they draw from the state the surgery began with."""
 
     @functools.wraps(surgery)
     def run(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         kept = _parametrization_state(module)
         try:
-            return surgery(module, *args, **kwargs)
+            with torch_compat.preserved_rngs():  # the user's draws as they were (_keeps_parametrization_state)
+                return surgery(module, *args, **kwargs)
         finally:
             with torch.no_grad():
                 for buffer, value in kept:
@@ -277,7 +285,7 @@ def run_surgery(
     saved = [getattr(t, "resolve_modules_to_save", lambda m: getattr(t, "modules_to_save", None))(module) for t in transforms]  # noqa: B023 - called at once
     set_modules_to_save(module, [n for names in saved for n in names or ()])
     pending = _pending(module, transforms)
-    if batch is not None and (pending or convert is not None or plugin is not None) and not applied_transforms(module):
+    if batch is not None and _asks_readers(plugin, pending, convert) and not applied_transforms(module):
         _observe(module, batch, step)
     if isinstance(plugin, SurgeryPlugin):
         plugin.check_model(module)
@@ -329,6 +337,19 @@ def _check_checkpoint(module: nn.Module, plugin: Any, transforms: Sequence[Surge
         raise ValueError(f"{str(err).replace('; nothing was loaded', '')}\n{resume.LOADED_ALREADY}") from None
 
 
+def _asks_readers(plugin: Any, pending: Sequence[SurgeryCallback], convert: Optional[Callable[[nn.Module], nn.Module]]) -> bool:
+    """Whether this surgery asks which layers the model's code reads directly (the probe step's answer): a pending
+    transform that says so (:attr:`SurgeryCallback.reads_layers`: LoRA), lightning_hbm's plugin (it quantizes), or any
+    other conversion that may replace layers (its quantized layers get the probe's guards). Lightning's plugins that
+    only cast the model (``32-true``, ``bf16-true``, ``16-mixed``, ...) with checkpointing, kernels or an optimizer do
+    not: the probe step is skipped and the user's step runs only for the loop's steps (issue 55)."""
+    if any(t.reads_layers for t in pending) or isinstance(plugin, SurgeryPlugin):
+        return True
+    if plugin is None:
+        return convert is not None
+    return not lightning_compat.casts_only(plugin)
+
+
 #: ``LIGHTNING_HBM_PROBE_STEP=0`` turns the probe step off (issue 55): the user's step never runs an extra time
 PROBE_SWITCH = "LIGHTNING_HBM_PROBE_STEP"
 
@@ -357,7 +378,9 @@ def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None
     if seen is not None:  # said once per model, at the surgery (fit start): the user's code ran one more time
         rank_zero_info(
             f"lightning_hbm: ran {seen.ran} once before changing the model, to see which layers its code reads "
-            "directly (no gradient, no optimizer step; the model's values, the data order and the RNGs as they were)"
+            "directly (no gradient, no optimizer step; the model's values, the data order and the RNGs as they were). "
+            f"{PROBE_SWITCH}=0 skips it: the model's source then decides, and a layer read where the source does not "
+            "show it is named by hand (QuantizedPrecision(ignore_modules=[...]), LoRA(exclude_modules=[...]))"
         )
 
 

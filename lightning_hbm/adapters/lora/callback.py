@@ -112,6 +112,7 @@ class LoRA(SurgeryCallback):
     """
 
     stage = Stage.ADAPTERS
+    reads_layers = True  # layers whose weight the model's code reads directly are left out (the probe step says which)
 
     def __init__(
         self,
