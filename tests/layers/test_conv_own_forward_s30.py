@@ -76,3 +76,14 @@ def test_bit_trains_a_step() -> None:
     out = model(pixel_values=x, labels=labels)  # was: RuntimeError (the dynamic SAME padding dropped)
     out.loss.backward()
     assert F.cosine_similarity(out.logits.flatten(), want.flatten(), dim=0) > 0.98  # every conv kept as built (the head quantized)
+
+
+def test_a_model_of_such_convolutions_only_is_refused_by_lora_saying_why() -> None:
+    """BiT's every convolution is a ``WeightStandardizedConv2d`` and its classifier is trained in full: 'all-linear' finds
+    nothing to adapt. Was: the error listed exactly those convolutions as "available"; now it says why they are not."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BitConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=3, layer_type="preactivation",
+                                    global_padding="SAME", num_groups=4)  # fmt: skip
+    with pytest.raises(ValueError, match=r"selects no Linear layer of BitForImageClassification.* 9 are no target: .*own forward.*"
+                       r"WeightStandardizedConv2d\.forward .*train it without the LoRA callback"):  # fmt: skip
+        LoRA(r=4, modules_to_save=["classifier"]).transform_model(transformers.BitForImageClassification(config))
