@@ -115,3 +115,17 @@ def test_without_an_embedding_to_hook_the_error_stays() -> None:
     with pytest.raises(RuntimeError, match=r"does not require grad: the adapters .*blocks\.0\.0.*ran with gradients off .*no input "
                        r"embedding .*Make that input require grad"):  # fmt: skip
         trainer.fit(Model(embed=False), DataLoader([torch.randn(4, 6, 32)], batch_size=None))
+
+
+def test_a_manual_optimization_step_is_never_run_twice() -> None:
+    """Its training_step steps the optimizers itself: a second run would step twice. No wrapper; its loss without
+    gradient keeps the error naming the fix."""
+    from lightning_hbm.adapters.lora.input_grads import watch_first_step
+
+    manual = Model()
+    manual.automatic_optimization = False
+    watch_first_step(manual, list, print)
+    assert "training_step" not in vars(manual)
+    automatic = Model()
+    watch_first_step(automatic, list, print)
+    assert "training_step" in vars(automatic)

@@ -100,8 +100,11 @@ class _State:
 def watch_first_step(module: pl.LightningModule, gradless: Callable[[], list[str]], fixed: Callable[[list[str]], None]) -> None:
     """Wrap ``module.training_step`` for its next call (then unwrapped): when ``gradless()`` names adapters that ran
     with gradients off and the loss has no gradient or an input embedding's output did not require grad, hook the
-    input embeddings, warn, and run the step again. ``fixed`` gets the embeddings hooked (the error for a loss still
+    input embeddings, warn, and run the step again (automatic optimization only: a manual step is not run twice; its
+    loss without gradient gets ``check_loss``'s error naming the fix). ``fixed`` gets the embeddings hooked (the error for a loss still
     without gradient names them)."""
+    if not module.automatic_optimization:  # its training_step steps the optimizers itself: never run it twice
+        return
     own = vars(module).get("training_step")  # an instance attribute of the user's, put back after
 
     def first_step(*args: Any, **kwargs: Any) -> Any:
