@@ -3,19 +3,21 @@
 The probe step (:mod:`lightning_hbm.layers.readers`) runs the user's real model under ``FakeTensorMode``. Its values
 are restored (buffers, RNGs), but a model may also remember what it computed: transformers' BEiT, Data2Vec-Vision,
 DINOv3, DETR, RT-DETR, Mask2Former, SAM 2 and others cache their relative-position index or position embeddings with
-``compile_compatible_method_lru_cache`` (a ``functools.lru_cache`` on the method, keyed by the module), and some
+``compile_compatible_method_lru_cache`` (a ``functools.lru_cache`` on the method, keyed by the module, or on a function
+of their Python module, keyed by sizes, dtype and device), and some
 modules keep a tensor in a plain attribute (``self._cached_mask = ...``). A fake tensor cached by the probe was handed
 back to every real forward after it: BEiT's gradients came out as fake tensors, and the first read of one stopped
 the fit (``DataDependentOutputException: aten._local_scalar_dense.default``).
 
 :func:`dropping_fake_leftovers` empties, when the step ends, each ``lru_cache`` on the model's classes that gained an
-entry during it (a miss; a cache is pure by contract: it fills again on the next real call), and puts back each module
+entry during it (a miss; a cache of the model's classes or of their Python modules; a cache is pure by contract: it fills again on the next real call), and puts back each module
 attribute the step set to something holding a fake tensor.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -53,15 +55,23 @@ def _filled(cell: Any) -> bool:
 
 
 def model_caches(module: nn.Module) -> list[Any]:
-    """Every ``lru_cache`` on the classes of ``module``'s submodules (their methods and properties), each once."""
+    """Every ``lru_cache`` on the classes of ``module``'s submodules (their methods and properties) and among the
+    functions of the Python modules defining them (DINOv3's ``get_patches_center_coordinates``, cached by its sizes,
+    dtype and device: a fake result there reached every model of that shape), each once."""
     found: dict[int, Any] = {}
+    namespaces: dict[int, dict[str, Any]] = {}
     for cls in {type(m) for m in module.modules()}:
         for klass in cls.__mro__:
             if klass.__module__.startswith(("torch.", "builtins")):
                 continue
-            for value in vars(klass).values():
-                for cache in _caches_in(value):
-                    found.setdefault(id(cache), cache)
+            namespaces.setdefault(id(klass), dict(vars(klass)))
+            home = sys.modules.get(klass.__module__)
+            if home is not None:
+                namespaces.setdefault(id(home), dict(vars(home)))
+    for namespace in namespaces.values():
+        for value in namespace.values():
+            for cache in _caches_in(value):
+                found.setdefault(id(cache), cache)
     return list(found.values())
 
 
