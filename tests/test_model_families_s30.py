@@ -8,7 +8,8 @@ outside the registry, and ``planner.plan(...)`` with no fallback.
 
 What they found, each fixed and kept here: transformers BEiT (its relative position index cached by an ``lru_cache``
 on the module: the probe step on fake tensors left a fake index there, the fit's gradients came out fake and the first
-read stopped it; 26 transformers model folders cache this way, DETR, DINOv3, Mask2Former, SAM 2 among them); BiT
+read stopped it; 26 transformers model folders cache this way, DETR, Mask2Former, SAM 2 among them) and DINOv3 (the
+same with a cached function of its Python module, keyed by sizes, dtype and device); BiT
 (``WeightStandardizedConv2d``, a convolution subclass that standardizes its weight and pads "SAME" itself, was quantized
 as a plain convolution: a shape error, or where shapes agree a silently different model; now kept as built, named, and
 LoRA's error for a model with nothing else to adapt says why: ``tests/layers/test_conv_own_forward_s30.py``);
@@ -21,7 +22,8 @@ Held when tried, the same way, left out to keep this file short (session 30, 2-c
 per-layer relative bias), SqueezeBERT (grouped Conv1d projections; its pooler warned as never reaching the loss),
 ConvBERT (span-based dynamic convolution), ESM (rotary, token dropout), Perceiver (latent cross-attention),
 ConvNeXt V2 (GRN), DPT (depth: reassemble with ConvTranspose2d, fusion), Speech2Text (conv subsampler, seq2seq),
-PatchTST (time series, patching), BLIP (vision + text decoder), HF ResNet and MobileNetV2 (BatchNorm calibrated on
+PatchTST (time series, patching), BLIP (vision + text decoder), Hiera, PVTv2 (spatial-reduction attention),
+Data2Vec-Vision (BEiT's cache, fixed with it), TimeSformer (divided space-time attention), FocalNet, HF ResNet and MobileNetV2 (BatchNorm calibrated on
 data-like inputs first), diffusers PixArt-alpha transformer, ControlNet (zero convolutions) and UNet1DModel.
 HF EfficientNet at its own initialisation gives logits of 1e-36 in fp32 already (no signal to train): the library
 named its 12 all-zero squeeze-excite adapters, which is right.
@@ -50,6 +52,10 @@ def ae_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:  # its forward 
     return torch.nn.functional.mse_loss(model.decode(model.encode(batch).latents).sample, batch)
 
 
+def pooled_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:  # the user's classifier: 5 of the pooled features
+    return torch.nn.functional.cross_entropy(model(pixel_values=batch[0]).pooler_output[:, :5], batch[1])
+
+
 def sequence_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return model(input_ids=batch, labels=(batch[:, 0] % 3).contiguous()).loss
 
@@ -70,6 +76,9 @@ CASES: dict[str, Case] = {
     "beit": Case(Family(transformers_model("BeitForImageClassification", "BeitConfig", hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4,
                                            intermediate_size=128, image_size=32, patch_size=8, num_labels=5, use_relative_position_bias=True,
                                            layer_scale_init_value=0.1), classifier_loss, labelled)),
+    # rotary patch coordinates from a function of its Python module, cached by sizes, dtype and device; register tokens
+    "dinov3": Case(Family(transformers_model("DINOv3ViTModel", "DINOv3ViTConfig", hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4,
+                                             intermediate_size=128, image_size=32, patch_size=8, num_register_tokens=2), pooled_loss, labelled)),
     # blocks interleaved with strided convolutions in one nn.Sequential, a clamped tanh latent
     "autoencoder_tiny": Case(Family(diffusers_model("AutoencoderTiny", encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
                                                     num_encoder_blocks=(1, 1), num_decoder_blocks=(1, 1), latent_channels=4), ae_loss,
