@@ -129,3 +129,22 @@ def test_a_manual_optimization_step_is_never_run_twice() -> None:
     automatic = Model()
     watch_first_step(automatic, list, print)
     assert "training_step" in vars(automatic)
+
+
+def test_a_fit_that_runs_no_training_step_leaves_no_wrapper() -> None:
+    module = Model()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, callbacks=[LoRA(r=4, target_modules=r"blocks\.\d\.0")])  # fmt: skip
+    trainer.fit(module, DataLoader([tokens(1)], batch_size=None))
+    assert "training_step" not in vars(module)  # removed by the first step
+    stopped = Model()
+
+    class Stop(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+            raise RuntimeError("stopped before the first training step")
+
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, callbacks=[LoRA(r=4, target_modules=r"blocks\.\d\.0"), Stop()])  # fmt: skip
+    with pytest.raises(RuntimeError, match="stopped before"):
+        trainer.fit(stopped, DataLoader([tokens(1)], batch_size=None))
+    assert "training_step" not in vars(stopped)  # no step ran: removed when the fit stopped

@@ -21,7 +21,7 @@ from lightning_hbm.adapters.lora.compute import compute_in_input_dtype
 from lightning_hbm.adapters.lora.config import LoRAConfig
 from lightning_hbm.adapters.lora.export import adapter_state_dict, check_adapter_folder, is_quantized, merge, save_adapter
 from lightning_hbm.adapters.lora.forward import lora_forward
-from lightning_hbm.adapters.lora.input_grads import watch_first_step
+from lightning_hbm.adapters.lora.input_grads import unwatch_first_step, watch_first_step
 from lightning_hbm.adapters.lora.targets import select
 from lightning_hbm.adapters.lora.watch import _AdapterWatch
 from lightning_hbm.layers import find_layers, prepare_model, repeated_reads_dequantize_once, report_coverage, task_heads
@@ -411,6 +411,16 @@ class LoRA(SurgeryCallback):
             over = watch.after_backward()  # the first few backward passes of the fit only
             self.unused_modules = watch.unused
             self._watch = None if over else watch
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        unwatch_first_step(pl_module)  # a fit that ran no training step (or stopped) leaves no wrapper behind
+        super().teardown(trainer, pl_module, stage)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        unwatch_first_step(pl_module)
+        super().on_exception(trainer, pl_module, exception)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

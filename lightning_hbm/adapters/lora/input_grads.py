@@ -141,7 +141,24 @@ def watch_first_step(module: pl.LightningModule, gradless: Callable[[], list[str
         state.restore()
         return module.training_step(*again[0], **again[1])
 
+    first_step.__dict__[_OWN] = own
     vars(module)["training_step"] = first_step
+
+
+#: the attribute of the wrapper holding the user's own ``training_step`` instance attribute (``None``: none)
+_OWN = "_lightning_hbm_own_step"
+
+
+def unwatch_first_step(module: nn.Module) -> None:
+    """Put ``module.training_step`` back if the wrapper is still there (a fit that ran no training step, or stopped)."""
+    step = vars(module).get("training_step")
+    if step is None or not hasattr(step, _OWN):
+        return
+    own = getattr(step, _OWN)
+    if own is None:
+        del vars(module)["training_step"]
+    else:
+        vars(module)["training_step"] = own
 
 
 def _recorder(frozen: list[str], name: str) -> Callable[[nn.Module, Any, Any], None]:
