@@ -113,7 +113,10 @@ def watch_first_step(module: pl.LightningModule, gradless: Callable[[], list[str
         else:
             vars(module)["training_step"] = own
         state = _State(module)
-        again = torch_compat.map_tensors(torch.clone, (args, kwargs))  # the step may change its batch in place
+        # the step may change its batch in place: a copy for the second run, in host memory (no second batch on the
+        # accelerator at the first step's peak; one device-to-host copy per fit)
+        homes: dict[int, torch.device] = {}
+        again = torch_compat.map_tensors(lambda t: _away(t, homes), (args, kwargs))
         frozen: list[str] = []  # input embeddings whose output did not require grad
         handles = [e.register_forward_hook(_recorder(frozen, n)) for n, e in input_embeddings(module)]
         try:
@@ -139,7 +142,8 @@ def watch_first_step(module: pl.LightningModule, gradless: Callable[[], list[str
         )
         del output
         state.restore()
-        return module.training_step(*again[0], **again[1])
+        args, kwargs = torch_compat.map_tensors(lambda t: t.to(homes[id(t)]), again)
+        return module.training_step(*args, **kwargs)
 
     first_step.__dict__[_OWN] = own
     vars(module)["training_step"] = first_step
@@ -159,6 +163,12 @@ def unwatch_first_step(module: nn.Module) -> None:
         del vars(module)["training_step"]
     else:
         vars(module)["training_step"] = own
+
+
+def _away(tensor: torch.Tensor, homes: dict[int, torch.device]) -> torch.Tensor:
+    copy = tensor.detach().to("cpu", copy=True)
+    homes[id(copy)] = tensor.device
+    return copy
 
 
 def _recorder(frozen: list[str], name: str) -> Callable[[nn.Module, Any, Any], None]:
