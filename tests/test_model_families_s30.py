@@ -24,7 +24,8 @@ ConvBERT (span-based dynamic convolution), ESM (rotary, token dropout), Perceive
 ConvNeXt V2 (GRN), DPT (depth: reassemble with ConvTranspose2d, fusion), Speech2Text (conv subsampler, seq2seq),
 PatchTST (time series, patching), BLIP (vision + text decoder), Hiera, PVTv2 (spatial-reduction attention),
 Data2Vec-Vision (BEiT's cache, fixed with it), TimeSformer (divided space-time attention), FocalNet, HF ResNet and MobileNetV2 (BatchNorm calibrated on
-data-like inputs first), diffusers PixArt-alpha transformer, ControlNet (zero convolutions) and UNet1DModel.
+data-like inputs first), diffusers PixArt-alpha transformer, ControlNet (zero convolutions) and UNet1DModel; RT-DETR under a loss on its raw
+outputs (its detached box-refinement heads warned as never reaching the loss, as they get no gradient in fp32 either).
 HF EfficientNet at its own initialisation gives logits of 1e-36 in fp32 already (no signal to train): the library
 named its 12 all-zero squeeze-excite adapters, which is right.
 """
