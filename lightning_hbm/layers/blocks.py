@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional
 
 from torch import nn
@@ -28,7 +29,9 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     Zamba2: Mamba and attention layers in one ``nn.ModuleList``): the outermost ``nn.ModuleList`` whose children are
     all composite modules is its stack. Failing that, a stack of one: the innermost ``nn.ModuleList`` holding a single
     composite module (a model built with one layer; transformers ALBERT, whose one shared ``AlbertLayer`` runs
-    ``num_hidden_layers`` times: was "found no repeated blocks").
+    ``num_hidden_layers`` times: was "found no repeated blocks"). Before that, an ``nn.Sequential`` whose composite
+    modules of one class recur between leaf layers (diffusers ``AutoencoderTiny``: a convolution, a block, a strided
+    convolution, a block, ...): those modules (was: "found no repeated blocks", the default recipe refused the model).
     """
     blocks: dict[str, nn.Module] = {}
     stack_of: dict[str, str] = {}  # block -> the stack it is an item of
@@ -54,7 +57,7 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
             del blocks[outer]
             blocks.update(inner)
     if not blocks:
-        blocks = _hybrid_blocks(module) or _lone_blocks(module)
+        blocks = _hybrid_blocks(module) or _interleaved_blocks(module) or _lone_blocks(module)
     order = {n: i for i, (n, _) in enumerate(module.named_modules())}
     return sorted(blocks.items(), key=lambda item: order[item[0]])
 
@@ -103,6 +106,19 @@ def _hybrid_blocks(module: nn.Module) -> dict[str, nn.Module]:
         items = list(child.named_children())
         if all(any(True for _ in c.children()) for _, c in items):
             blocks.update({f"{name}.{n}" if name else n: c for n, c in items})
+    return blocks
+
+
+def _interleaved_blocks(module: nn.Module) -> dict[str, nn.Module]:
+    # Only when no stack exists: in an nn.Sequential, the composite children of a class that occurs at least twice (the
+    # leaf layers between them, a strided convolution or an upsampling, stay outside); the outermost such Sequential.
+    blocks: dict[str, nn.Module] = {}
+    for name, child in module.named_modules():
+        if not isinstance(child, nn.Sequential) or any(name.startswith(b + ".") for b in blocks):
+            continue
+        composite = [(n, c) for n, c in child.named_children() if any(True for _ in c.children())]
+        counts = Counter(type(c) for _, c in composite)
+        blocks.update({f"{name}.{n}" if name else n: c for n, c in composite if counts[type(c)] >= 2})
     return blocks
 
 

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_map_only
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._compat.torch import preserved_rngs  # re-exported: its home before the probe batches used it too
 from lightning_hbm.layers import read_weight
+from lightning_hbm.layers.fake_leftovers import dropping_fake_leftovers
 from lightning_hbm.running import RunningModules
 
 # Reading these of a weight is harmless once the layer is quantized or adapted; "metadata" is wrong on a packed
@@ -294,7 +295,8 @@ def _run(module: nn.Module, batch: Any, watch: _Watch, step_name: str = "trainin
 
 @contextmanager
 def _fake_tensors(module: nn.Module) -> Iterator[None]:
-    with _restoring_buffers(module), FakeTensorMode(allow_non_fake_inputs=True), torch_compat.FakeGroupedMM():  # MoE experts
+    # and nothing fake left cached in the model (BEiT's relative position index: fake gradients in the real fit)
+    with dropping_fake_leftovers(module), _restoring_buffers(module), FakeTensorMode(allow_non_fake_inputs=True), torch_compat.FakeGroupedMM():
         yield
 
 

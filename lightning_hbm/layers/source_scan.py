@@ -1,7 +1,7 @@
 """The source scan: what the code of a model's classes does with its layers' weights, read from their source.
 
 Which layers' weights an enclosing module's code reads directly (:func:`source_readers`, a hint beside the probe step
-of :mod:`lightning_hbm.layers.readers`; :func:`weight_readers`, the decision), which ``nn.Linear`` subclasses compute
+of :mod:`lightning_hbm.layers.readers`; :func:`weight_readers`, the decision), which ``nn.Linear`` and convolution subclasses compute
 something else in their own forward, and how a module's code uses each of its own attributes (:func:`attribute_uses`:
 the coverage table's rows for weights outside any layer kind). Code without source is not seen.
 """
@@ -11,8 +11,9 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import math
 import textwrap
-from typing import Union
+from typing import Callable, Union
 
 import torch
 import torch.nn.functional as F
@@ -67,13 +68,19 @@ def _weight_paths(cls: type) -> tuple[tuple[str, str, bool], ...]:
 
 
 def _own_forward(layer: nn.Module) -> bool:
-    """Whether ``layer`` is an ``nn.Linear`` subclass whose forward computes something else than ``F.linear``.
+    """Whether ``layer`` is an ``nn.Linear`` (or convolution) subclass whose forward computes something else than
+    ``F.linear`` (the convolution's).
 
     transformers' Llama4Router returns ``(scores, logits)``: the mode's layer or peft's would replace that forward.
-    FalconLinear computes the same product in its own code: it is an ordinary Linear. Told apart by one call on a
-    fixed 2-row input (no random numbers drawn); on meta or fake weights only the output's type and shape count.
+    FalconLinear computes the same product in its own code: it is an ordinary Linear. transformers' BiT
+    ``WeightStandardizedConv2d`` standardizes its weight and pads the input itself ("SAME"): was quantized as a plain
+    convolution, which dropped both (a shape error in the next residual sum, or, where the shapes agree, a silently
+    different model). Told apart by one call on a fixed input (no random numbers drawn); on meta or fake weights only
+    the output's type and shape count.
     """
     cls = type(layer)
+    if isinstance(layer, _CONVS):
+        return _own_conv_forward(layer)
     if not isinstance(layer, nn.Linear) or cls.forward is nn.Linear.forward or cls.__module__.startswith(_KNOWN):
         return False
     if quantized_format(layer) is not None:  # a registered format's own layer (one defined outside this package too)
@@ -82,12 +89,31 @@ def _own_forward(layer: nn.Module) -> bool:
     x = torch.arange(2 * layer.in_features, dtype=weight.dtype, device=weight.device).reshape(2, -1).sin()
     with torch.no_grad():
         out = layer(x)
-        if not isinstance(out, torch.Tensor) or out.shape != (2, layer.out_features):
-            return True
-        if weight.device.type == "meta" or type(weight.data) is not torch.Tensor:  # no values to compare (planner)
-            return False
-        return not torch.allclose(out, F.linear(x, weight, layer.bias), rtol=1e-3, atol=1e-5)
+        return _differs(out, (2, layer.out_features), weight, lambda: F.linear(x, weight, layer.bias))
 
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _own_conv_forward(conv: Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]) -> bool:
+    base = next(c for c in _CONVS if isinstance(conv, c))
+    if type(conv).forward is base.forward or type(conv).__module__.startswith(_KNOWN) or quantized_format(conv) is not None:
+        return False
+    weight = conv.weight
+    # room for the kernel, two strides and any padding mode (reflect needs an input wider than its pad)
+    size = [(k - 1) * d + 1 + 2 * s for k, d, s in zip(conv.kernel_size, conv.dilation, conv.stride)]
+    x = torch.arange(conv.in_channels * math.prod(size), dtype=weight.dtype, device=weight.device).reshape(1, -1, *size).sin()
+    with torch.no_grad():
+        expected = base._conv_forward(conv, x, weight, conv.bias)  # type: ignore[operator, arg-type]  # nn.ConvNd's own computation
+        return _differs(conv(x), tuple(expected.shape), weight, lambda: expected)
+
+
+def _differs(out: object, shape: tuple[int, ...], weight: torch.Tensor, expected: Callable[[], torch.Tensor]) -> bool:
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
+        return True
+    if weight.device.type == "meta" or type(weight.data) is not torch.Tensor:  # no values to compare (planner)
+        return False
+    return not torch.allclose(out, expected(), rtol=1e-3, atol=1e-5)
 
 
 def source_readers(module: nn.Module, uses_only: bool = False) -> list[tuple[str, str, str]]:
@@ -130,7 +156,8 @@ def weight_readers(module: nn.Module, uses_only: bool = False) -> dict[str, str]
     layer: Union[nn.Module, str]  # a layer here, a layer's name below
     for name, layer, _ in find_layers(module):
         if _own_forward(base_layer(layer)):
-            readers[name] = f"{type(base_layer(layer)).__name__}.forward (an nn.Linear subclass with its own forward)"
+            base = next(c for c in (*_CONVS, nn.Linear) if isinstance(base_layer(layer), c))
+            readers[name] = f"{type(base_layer(layer)).__name__}.forward (an nn.{base.__name__} subclass with its own forward)"
     seen = observed_readers(module, uses_only)
     if seen is not None:
         layers = {name for name, _, _ in find_layers(module)}

@@ -21,6 +21,7 @@ from lightning_hbm.adapters.lora.compute import compute_in_input_dtype
 from lightning_hbm.adapters.lora.config import LoRAConfig
 from lightning_hbm.adapters.lora.export import adapter_state_dict, check_adapter_folder, is_quantized, merge, save_adapter
 from lightning_hbm.adapters.lora.forward import lora_forward
+from lightning_hbm.adapters.lora.input_grads import unwatch_first_step, watch_first_step
 from lightning_hbm.adapters.lora.targets import select
 from lightning_hbm.adapters.lora.watch import _AdapterWatch
 from lightning_hbm.layers import find_layers, prepare_model, repeated_reads_dequantize_once, report_coverage, task_heads
@@ -394,6 +395,9 @@ class LoRA(SurgeryCallback):
         if not isinstance(trainer.precision_plugin, QuantizedPrecision):
             report_coverage(pl_module, quantizing=False)  # QuantizedPrecision reports it itself
         self._watch: Optional[_AdapterWatch] = _AdapterWatch(pl_module)
+        # a loss without gradient because the adapters ran with gradients off (Reformer): the first step hooks the input
+        # embeddings and runs again, warned (only when the first run shows it)
+        watch_first_step(pl_module, self._watch.gradless_adapters, self._watch.fix_applied)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -410,6 +414,11 @@ class LoRA(SurgeryCallback):
             self._watch = None if over else watch
 
     @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        unwatch_first_step(pl_module)  # a fit that ran no training step (or stopped) leaves no wrapper behind
+        super().teardown(trainer, pl_module, stage)
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         watch, self._watch = getattr(self, "_watch", None), None
         if watch is not None:
@@ -423,6 +432,8 @@ class LoRA(SurgeryCallback):
         watch, self._watch = getattr(self, "_watch", None), None
         if watch is not None:
             watch.close()  # a fit that failed before its first backward's check: no hook left on the model
+        unwatch_first_step(pl_module)  # nor the first step's wrapper
+        super().on_exception(trainer, pl_module, exception)
 
     # ------------------------------------------------------------ public helpers (lora/export.py)
 

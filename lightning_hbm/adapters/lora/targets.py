@@ -82,9 +82,23 @@ def select(
         raise ValueError(
             f"target_modules={config.argument('target_modules')!r} (exclude_modules={config.argument('exclude_modules')!r}, "
             f"modules_to_save={modules_to_save!r}) selects no Linear layer of {type(module).__name__}.{hint} "
-            f"Available Linear layers: {name_list(linears)}."
+            f"Available Linear layers: {name_list(linears)}.{_readers_left_out(module, linears)}"
         )
     return selection
+
+
+def _readers_left_out(module: nn.Module, linears: list[str]) -> str:
+    """Why the layers whose weight their own forward or a parent reads are no target (BiT: every convolution is a
+    ``WeightStandardizedConv2d``), for the error of a selection left empty."""
+    readers = weight_readers(module, uses_only=True)
+    left = [f"{n} ({readers[n]})" for n in linears if n in readers]
+    if not left:
+        return ""
+    return (
+        f" Of them, {len(left)} are no target: their weight is read by code other than a plain call of the layer (their "
+        f"own forward, or a parent's code), so an adapter around them would not add to what they compute, e.g. "
+        f"{left[:3]}. With nothing else to adapt, LoRA cannot train this model: train it without the LoRA callback."
+    )
 
 
 def _saved(

@@ -41,6 +41,7 @@ class _AdapterWatch:
         self.ran: set[int] = set()
         self.gradless: set[int] = set()  # ran in a training forward with gradients off (inside an autograd.Function)
         self.handles: list[Any] = []
+        self.fixed: list[str] = []  # input embeddings made to require grad at the first step (input_grads.py)
         self.parents = {n: module.get_submodule(n.rpartition(".")[0]) if "." in n else module for n in self.layers}
         watched = {id(m): m for m in [*self.layers.values(), *self.parents.values()]}
         for sub in watched.values():
@@ -54,24 +55,41 @@ class _AdapterWatch:
         if module.training and not torch.is_grad_enabled():
             self.gradless.add(id(module))
 
+    def gradless_adapters(self) -> list[str]:
+        """The adapters that ran in a training forward with gradients off (so far)."""
+        return [n for n, m in self.layers.items() if id(m) in self.gradless]
+
+    def fix_applied(self, embeddings: list[str]) -> None:
+        self.fixed = embeddings
+
     def check_loss(self, loss: Any) -> None:
         """At the first backward: a loss that does not require grad is an error naming why (was: torch's "element 0
         of tensors does not require grad"), before any optimizer step. transformers Reformer runs its layers inside a
         ``torch.autograd.Function`` (reversible layers, recomputed in its backward): the adapters run with gradients
         off, and the backward reaches them only when the layers' input requires grad, which frozen embeddings'
-        output does not."""
+        output does not. The first step makes it require grad where it can (:mod:`.input_grads`): this error is for
+        a model with no input embedding to hook, or one whose loss still has no gradient after."""
         if self.passes or not isinstance(loss, torch.Tensor) or loss.requires_grad:
             return
         self.close()  # raised below: the fit ends here, its hooks must not stay on the model
-        gradless = [n for n, m in self.layers.items() if id(m) in self.gradless]
+        gradless = self.gradless_adapters()
+        if gradless and self.fixed:
+            raise RuntimeError(
+                f"LoRA: the loss of the first training step does not require grad: the adapters {name_list(gradless)} "
+                "ran with gradients off (inside a torch.autograd.Function's forward), and making the output of the "
+                f"input embeddings {name_list(self.fixed)} require grad (what transformers' enable_input_require_grads() "
+                "does) did not give the loss a gradient: the Function's input does not come from them. Make that input "
+                "require grad (a forward hook on the module computing it that returns output.requires_grad_())."
+            )
         if gradless:
             raise RuntimeError(
                 f"LoRA: the loss of the first training step does not require grad: the adapters {name_list(gradless)} "
                 "ran with gradients off (inside a torch.autograd.Function's forward, as transformers Reformer's "
-                "reversible layers run them), so the backward can reach them only through the layers' input, and the "
-                "frozen embeddings' output does not require grad. Make it require grad: call "
-                "model.enable_input_require_grads() on the transformers model in your LightningModule's __init__ "
-                "(or register a forward hook on the input embedding that returns output.requires_grad_())."
+                "reversible layers run them), so the backward can reach them only through the layers' input, which "
+                "does not require grad, and the model has no input embedding (get_input_embeddings() or nn.Embedding) "
+                "whose output lightning_hbm could make require grad, as transformers' enable_input_require_grads() "
+                "does. Make that input require grad: a forward hook on the module computing it that returns "
+                "output.requires_grad_(), or x.requires_grad_() on a float input in training_step."
             )
         raise RuntimeError(
             "LoRA: the loss of the first training step does not require grad: no adapter reaches it (a .detach(), "
