@@ -16,6 +16,7 @@ embedding to hook, or the loss still has no gradient), ``_AdapterWatch.check_los
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
@@ -27,8 +28,9 @@ from torch import nn
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.naming import name_list
 
-#: the attribute holding the forward hook this module added to an embedding (one per embedding, however many fits)
-HOOKS = "_lightning_hbm_input_grads_hooks"
+#: the forward hook this module added to each embedding (one per embedding, however many fits), held beside the
+#: module in a weak map, not stamped on it as an attribute (the house rule of record.py)
+HOOKS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
 def input_embeddings(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -61,8 +63,8 @@ def require_input_grads(module: nn.Module) -> list[str]:
     """Hook every input embedding of ``module`` so that its output requires grad; the names of those hooked."""
     hooked = []
     for name, embedding in input_embeddings(module):
-        if getattr(embedding, HOOKS, None) is None:
-            setattr(embedding, HOOKS, embedding.register_forward_hook(_require_grad))
+        if embedding not in HOOKS:
+            HOOKS[embedding] = embedding.register_forward_hook(_require_grad)
         hooked.append(name)
     return hooked
 
@@ -145,20 +147,22 @@ def watch_first_step(module: pl.LightningModule, gradless: Callable[[], list[str
         args, kwargs = torch_compat.map_tensors(lambda t: t.to(homes[id(t)]), again)
         return module.training_step(*args, **kwargs)
 
-    first_step.__dict__[_OWN] = own
+    _OWN[first_step] = own
     vars(module)["training_step"] = first_step
 
 
-#: the attribute of the wrapper holding the user's own ``training_step`` instance attribute (``None``: none)
-_OWN = "_lightning_hbm_own_step"
+#: each wrapper -> the user's own ``training_step`` instance attribute it replaced (``None``: none); a weak map, not
+#: an attribute stamped on the function (record.py's rule)
+_OWN: "weakref.WeakKeyDictionary[Callable[..., Any], Optional[Callable[..., Any]]]" = weakref.WeakKeyDictionary()
 
 
 def unwatch_first_step(module: nn.Module) -> None:
     """Put ``module.training_step`` back if the wrapper is still there (a fit that ran no training step, or stopped)."""
     step = vars(module).get("training_step")
-    if step is None or not hasattr(step, _OWN):
+    try:
+        own = _OWN.pop(step)
+    except (KeyError, TypeError):  # not our wrapper (none, or the user's own: maybe not weakly referable)
         return
-    own = getattr(step, _OWN)
     if own is None:
         del vars(module)["training_step"]
     else:
