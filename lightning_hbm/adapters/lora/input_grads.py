@@ -160,7 +160,7 @@ def unwatch_first_step(module: nn.Module) -> None:
     """Put ``module.training_step`` back if the wrapper is still there (a fit that ran no training step, or stopped)."""
     step = vars(module).get("training_step")
     try:
-        own = _OWN.pop(step)
+        own = _OWN.pop(step)  # type: ignore[arg-type]  # any object: a non-key is the KeyError below
     except (KeyError, TypeError):  # not our wrapper (none, or the user's own: maybe not weakly referable)
         return
     if own is None:
