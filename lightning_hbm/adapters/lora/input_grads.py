@@ -129,6 +129,8 @@ def watch_first_step(module: pl.LightningModule, gradless: Callable[[], list[str
         loss = _loss_of(output)
         cut = loss is not None and not loss.requires_grad
         adapters = gradless() if torch.is_grad_enabled() and (cut or frozen) else []
+        if adapters and not cut:  # a Function given the adapters' parameters (token chunks) returns their gradients
+            adapters = _unreached(loss if loss is not None else output, module, adapters)
         hooked = require_input_grads(module) if adapters else []
         if not hooked:
             return output
@@ -167,6 +169,33 @@ def unwatch_first_step(module: nn.Module) -> None:
         del vars(module)["training_step"]
     else:
         vars(module)["training_step"] = own
+
+
+def _unreached(output: Any, module: nn.Module, names: list[str]) -> list[str]:
+    """Those of the adapters ``names`` whose trainable parameters the autograd graph of ``output`` does not reach.
+    An adapter run with gradients off inside an autograd Function that takes its parameters as inputs
+    (lightning_hbm's own token chunks, ``_ChunkedCall``) gets its gradient from that Function's backward: it is
+    reached, nothing to fix. Reformer's reversible Function takes only the hidden states: its adapters are not."""
+    reached: set[int] = set()
+    seen: set[int] = set()
+    outputs: list[torch.Tensor] = []
+    torch_compat.map_tensors(outputs.append, output)
+    todo: list[Any] = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
+        if isinstance(variable, torch.Tensor):
+            reached.add(id(variable))
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    kept = []
+    for name in names:
+        params = [p for p in module.get_submodule(name).parameters() if p.requires_grad]
+        if params and not any(id(p) in reached for p in params):
+            kept.append(name)
+    return kept
 
 
 def _away(tensor: torch.Tensor, homes: dict[int, torch.device]) -> torch.Tensor:
