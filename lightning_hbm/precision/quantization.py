@@ -151,6 +151,9 @@ class Quantization:
         self.correction = CalibratedCorrection(config.correction_rank, config.torch_dtype) if config.correction_rank else None
         #: the per-layer modes ``{layer name: mode name}`` (``None``: every layer in ``mode``): pinned, measured or resumed
         self.layer_modes: Optional[dict[str, str]] = config.pinned_layer_modes
+        #: the input embeddings ``quantize_embeddings`` stores in another mode than ``mode`` ``{name: mode}`` (the
+        #: setting's, so neither saved with the plan nor compared on resume; ``plugin.layer_modes`` lists them)
+        self.embedding_modes: dict[str, str] = {}
         #: what the sensitivity-aware choice measured (``None`` without a target)
         self.report: Optional[SensitivityReport] = None
         #: what the convolutions' plan measured (``None``: no convolution in a 4-bit mode, or not measured)
@@ -236,6 +239,7 @@ class Quantization:
         fake = _on_fake_tensors(module)  # the planner's trace (a model cut to fewer blocks): nothing is measured there
         check_accuracy_at(module, None if fake else self.config.accuracy_at)
         targets = listing.targets
+        self.embedding_modes = rule.embedding_modes(listing, {})
         if self.config.layer_modes is not None or isinstance(self.config.quantize_embeddings, str):
             _layer_modes(targets, self.config.format, rule.embedding_modes(listing, self.layer_modes or {}))
         warning = regrid_warning(targets, self.config.format.name)
@@ -258,17 +262,19 @@ class Quantization:
             rank_zero_warn(said)
 
     def _say_embeddings_kept(self, module: nn.Module) -> None:
-        """Warn (names, reasons) about input embeddings ``quantize_embeddings=True`` keeps in the compute dtype."""
+        """Warn (names, reasons) about input embeddings ``quantize_embeddings`` keeps in the compute dtype; a model with
+        none to store is said only when the user asked for them (the default leaves such a model as it was)."""
         targets, skipped = self.listing(module)[:2]
         kept = {n: why for n, (why, deliberate) in skipped.items() if not deliberate and is_plain_embedding(module.get_submodule(n))}
+        setting = f"quantize_embeddings={self.config.quantize_embeddings!r}" + (" (the default, 'auto')" if self.config.embeddings_by_default else "")
         if kept:
             rank_zero_warn(
-                f"lightning_hbm: QuantizedPrecision(quantize_embeddings={self.config.quantize_embeddings!r}) keeps {len(kept)} input embedding(s) in "
+                f"lightning_hbm: QuantizedPrecision({setting}) keeps {len(kept)} input embedding(s) in "
                 f"{self.config.torch_dtype}: " + "; ".join(f"{n}: {why}" for n, why in kept.items()) + "."
             )
-        elif not any(isinstance(layer, nn.Embedding) for _, layer in targets):
+        elif not self.config.embeddings_by_default and not any(isinstance(layer, nn.Embedding) for _, layer in targets):
             rank_zero_warn(
-                f"lightning_hbm: QuantizedPrecision(quantize_embeddings={self.config.quantize_embeddings!r}): {type(module).__name__} has no nn.Embedding "
+                f"lightning_hbm: QuantizedPrecision({setting}): {type(module).__name__} has no nn.Embedding "
                 "to store quantized; the option changes nothing for this model."
             )
 
@@ -282,6 +288,7 @@ class Quantization:
             ValueError: as :func:`~lightning_hbm.precision.quantize_model`, or a resumed GPTQ rounding that differs.
         """
         rule, listed = self._listed(module, trainer)  # the checks' targets, handed on
+        self.embedding_modes = rule.embedding_modes(listed, {})
         correction, smoothing = self.correction, self.smoothing
         inputs = correction is not None and correction.hessians is None and correction.saved is None
         smooth = smoothing is not None and smoothing.shifts is None

@@ -128,8 +128,9 @@ def checked_embeddings(value: Union[bool, str], mode: str, dtype: torch.dtype, o
         return value
     if value not in available_precisions():
         raise ValueError(
-            f"{owner}(quantize_embeddings={value!r}): pass True (the input embeddings stored in the run's mode), False "
-            f"(kept in the compute dtype) or the mode to store them in, one of {available_precisions()} (e.g. 'int8', "
+            f"{owner}(quantize_embeddings={value!r}): pass " + ("'auto' (the default: int8), " if owner == "QuantizedPrecision" else "")
+            + "True (the input embeddings stored in the run's mode), False "
+            + f"(kept in the compute dtype) or the mode to store them in, one of {available_precisions()} (e.g. 'int8', "
             "beside 4-bit Linears)."
         )
     get_format(value).check_dtype(dtype)
