@@ -64,7 +64,7 @@ def _converted(model: nn.Module, **options: Any) -> tuple[QuantizedPrecision, li
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plugin.convert_module(model)
-    return plugin, [str(w.message) for w in caught if "lightning_hbm" in str(w.message)]
+    return plugin, [str(w.message) for w in caught if "lightning_hbm" in str(w.message) or "QuantizedPrecision" in str(w.message)]
 
 
 def test_by_default_the_embedding_and_its_tied_head_are_int8_and_every_view_says_so() -> None:
@@ -183,3 +183,13 @@ def test_merge_of_a_tied_int8_head_gives_both_keys_as_the_model_as_built() -> No
         assert set(merged) == set(original)  # was: AttributeError (an embedding has no bias), then no net.head.weight
         assert torch.equal(merged["net.head.weight"], merged["net.emb.weight"])
     assert torch.equal(merged["net.emb.weight"], original["net.emb.weight"])  # onto the original table, exactly
+
+
+def test_gptq_says_nothing_of_the_default_int8_table_and_names_a_4bit_one() -> None:
+    model = nn.Sequential(nn.Embedding(128, 64), nn.Linear(64, 64))
+    probe = torch.randint(0, 128, (4, 32))
+    _, said = _converted(model, rounding="gptq", probe_batch=probe)  # GPTQ rounds no 8-bit layer: nothing lost to say
+    assert not [message for message in said if "nearest rounding" in message]
+    model = nn.Sequential(nn.Embedding(128, 64), nn.Linear(64, 64))
+    _, said = _converted(model, rounding="gptq", probe_batch=probe, quantize_embeddings=True)
+    assert any("0: an input embedding, a lookup with no input to round against" in message for message in said)
