@@ -193,3 +193,19 @@ def test_gptq_says_nothing_of_the_default_int8_table_and_names_a_4bit_one() -> N
     model = nn.Sequential(nn.Embedding(128, 64), nn.Linear(64, 64))
     _, said = _converted(model, rounding="gptq", probe_batch=probe, quantize_embeddings=True)
     assert any("0: an input embedding, a lookup with no input to round against" in message for message in said)
+
+
+def test_under_fsdp_the_default_keeps_the_embeddings_wide_and_says_so() -> None:
+    from types import SimpleNamespace
+
+    from lightning_hbm.strategies import QuantizedFSDPStrategy
+
+    model, plugin = Tied(), QuantizedPrecision("nf4-dq", dtype="float32")
+    trainer = SimpleNamespace(strategy=QuantizedFSDPStrategy(), callbacks=[])  # what the listing reads of a Trainer
+    with pytest.warns(UserWarning, match=r"keeps the input embeddings in torch.float32 under QuantizedFSDPStrategy: the "
+                      r"default int8 table .* not sharded by FSDP2 yet.*quantize_embeddings=False"):
+        targets = plugin.quantization._listed(model, trainer)[1].targets
+    assert "emb" not in dict(targets) and "mid" in dict(targets)  # the Linears as ever; an asked-for table stays asked for
+    assert "quantize_embeddings" not in plugin.quantization.settings()  # saved as kept: a resume elsewhere must say False
+    asked = QuantizedPrecision("nf4-dq", dtype="float32", quantize_embeddings=True).quantization._listed(Tied(), trainer)[1]
+    assert "emb" in dict(asked.targets)
