@@ -111,6 +111,10 @@ class QuantizedEmbedding(nn.Embedding):
             setattr(new, attribute, getattr(embedding, attribute))
         new.quantized = quantized
         new.compute_dtype = dtype
+        # the hooks the user put on the embedding go on with it (transformers' enable_input_require_grads() hooks the
+        # input embedding's output: Reformer's reversible layers need it to reach their adapters)
+        for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
+            getattr(new, hooks).update(getattr(embedding, hooks))
         return new
 
 

@@ -209,3 +209,10 @@ def test_under_fsdp_the_default_keeps_the_embeddings_wide_and_says_so() -> None:
     assert "quantize_embeddings" not in plugin.quantization.settings()  # saved as kept: a resume elsewhere must say False
     asked = QuantizedPrecision("nf4-dq", dtype="float32", quantize_embeddings=True).quantization._listed(Tied(), trainer)[1]
     assert "emb" in dict(asked.targets)
+
+
+def test_a_hook_on_the_embedding_goes_on_with_its_int8_table() -> None:
+    model, ids = Tied(), torch.randint(0, 128, (2, 9))
+    model.emb.register_forward_hook(lambda module, args, output: output.requires_grad_())  # enable_input_require_grads()
+    _converted(model)
+    assert isinstance(model.emb, QuantizedEmbedding) and model.emb(ids).requires_grad  # was dropped with the module (Reformer)
