@@ -10,6 +10,9 @@ batch (GPTQ's statistics and the correction's fit), the next ``--held-out`` ones
 ``gap closed``: ``(1 - cos(nf4-dq)) - (1 - cos(arm))`` over ``1 - cos(nf4-dq)``.
 
     OMP_NUM_THREADS=2 PYTHONPATH=. python benchmarks/correction_minilm.py --seeds 0 1
+
+``+emb8``: the input embeddings (word, position, token type) stored in int8 (``quantize_embeddings="int8"``, the default
+since session 30); the other arms keep them in fp32 (``quantize_embeddings=False``), as measured before.
 """
 
 from __future__ import annotations
@@ -33,12 +36,17 @@ from lightning_hbm.pretrained import minilm_path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sensitivity import SentenceEmbedding, stdlib_sentences  # noqa: E402  (the sibling benchmark)
 
+# the embeddings kept in fp32 (quantize_embeddings=False) as measured before int8 became the default, except +emb8
 ARMS: dict[str, dict[str, Any]] = {
-    "nf4-dq": dict(mode="nf4-dq"),
-    "nf4-dq+gptq": dict(mode="nf4-dq", rounding="gptq"),
-    "nf4-dq+c16": dict(mode="nf4-dq", correction_rank=16),
-    "nf4-dq-b32+gptq": dict(mode="nf4-dq-b32", rounding="gptq"),
-    "nf4-dq-b32+gptq+c16": dict(mode="nf4-dq-b32", rounding="gptq", correction_rank=16),
+    "nf4-dq": dict(mode="nf4-dq", quantize_embeddings=False),
+    "nf4-dq+emb8": dict(mode="nf4-dq", quantize_embeddings="int8"),
+    "nf4-dq+gptq": dict(mode="nf4-dq", rounding="gptq", quantize_embeddings=False),
+    "nf4-dq+gptq+emb8": dict(mode="nf4-dq", rounding="gptq", quantize_embeddings="int8"),
+    "nf4-dq+c16": dict(mode="nf4-dq", correction_rank=16, quantize_embeddings=False),
+    "nf4-dq-b32+gptq": dict(mode="nf4-dq-b32", rounding="gptq", quantize_embeddings=False),
+    "nf4-dq-b32+gptq+c16": dict(mode="nf4-dq-b32", rounding="gptq", correction_rank=16, quantize_embeddings=False),
+    "int8": dict(mode="int8", quantize_embeddings=False),
+    "int8+emb8": dict(mode="int8", quantize_embeddings="int8"),
 }
 
 

@@ -27,8 +27,9 @@ from lightning_hbm.planner import format_bytes, plan  # noqa: E402
 
 EMB8 = {"model.model.embed_tokens": "int8"}  # the embedding's name inside LlamaLM
 ARMS = {
-    "nf4-dq, bf16 embedding and head": ({}, False),
-    "+ quantize_head": ({"quantize_head": True}, False),
+    # quantize_embeddings=False: the bf16 embedding of these rows (int8 is the default since session 30: the "int8" rows)
+    "nf4-dq, bf16 embedding and head": ({"quantize_embeddings": False}, False),
+    "+ quantize_head": ({"quantize_head": True, "quantize_embeddings": False}, False),
     "+ quantize_embeddings": ({"quantize_head": True, "quantize_embeddings": True}, False),
     "+ offload": ({"quantize_head": True, "quantize_embeddings": True}, True),
     "+ mlp_chunks=16 (the MLP and the fp32 norms in token chunks)": ({"quantize_head": True, "quantize_embeddings": True}, 16),

@@ -108,6 +108,9 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
         row.quantized += count if quantized else 0
         row.adapted += count if adapted else 0
         note = getattr(layer, "coverage_note", None)  # stored small but not computed as the others (T5's fp32 `wo`)
+        if storage is not None and kind.name == "Embedding" and quantized_format(storage) is not None:
+            # the input embeddings' mode is a setting of its own (quantize_embeddings, int8 by default): said here
+            note = f"stored in {quantized_format(storage).name} (QuantizedPrecision(quantize_embeddings=...))"
         if quantized and note:
             row.reasons[note] = row.reasons.get(note, 0) + count
         if any(name == b or name.startswith(b + ".") for b in blocks):

@@ -1,4 +1,5 @@
-"""Input embeddings (``nn.Embedding``) stored in the precision mode's format: ``QuantizedPrecision(quantize_embeddings=True)``.
+"""Input embeddings (``nn.Embedding``) stored quantized: ``QuantizedPrecision(quantize_embeddings=...)``, int8 by default
+(``"auto"``, since session 30), ``True`` for the run's own mode.
 
 What it shrinks: the **parameters** term. A language model's token embedding is ``vocabulary x hidden`` weights: 0.53 B
 of Llama-3-8B's 8.03 B, 21 % of SmolLM2-135M. The weight, a ``[num_embeddings, embedding_dim]`` matrix, is stored by
@@ -110,6 +111,10 @@ class QuantizedEmbedding(nn.Embedding):
             setattr(new, attribute, getattr(embedding, attribute))
         new.quantized = quantized
         new.compute_dtype = dtype
+        # the hooks the user put on the embedding go on with it (transformers' enable_input_require_grads() hooks the
+        # input embedding's output: Reformer's reversible layers need it to reach their adapters)
+        for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
+            getattr(new, hooks).update(getattr(embedding, hooks))
         return new
 
 
@@ -193,10 +198,10 @@ EMBEDDING = register_kind(
         matches=lambda module: isinstance(module, QuantizedEmbedding),
         to_linear=_as_linear,
         quantized_as="the table as its [vocabulary, hidden] matrix in the mode's Linear layer; a lookup unpacks only "
-        "the rows it reads (QuantizedPrecision(quantize_embeddings=True))",
+        "the rows it reads (QuantizedPrecision(quantize_embeddings=...): int8 by default)",
         adapted_as="not adapted (frozen; LoRA adapts the Linear-like layers)",
-        option="QuantizedPrecision(quantize_embeddings=True) stores them quantized",
-        modules="`nn.Embedding` (with `quantize_embeddings=True`)",
+        option="QuantizedPrecision stores them in int8 by default (quantize_embeddings='auto'; True: in the run's mode)",
+        modules="`nn.Embedding` (int8 by default: `quantize_embeddings`)",
         found_in="every language model's token embedding",
         planned_as="the mode's layer built from the fake table's matrix",
         adaptable_names=no_names,

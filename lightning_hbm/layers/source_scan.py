@@ -116,6 +116,26 @@ def _differs(out: object, shape: tuple[int, ...], weight: torch.Tensor, expected
     return not torch.allclose(out, expected(), rtol=1e-3, atol=1e-5)
 
 
+def embedding_readers(module: nn.Module) -> dict[str, str]:
+    """``{name: "Class.method"}``: the plain ``nn.Embedding`` s whose table the source of an enclosing module's class
+    reads (``self.<path>.weight``, its values: not ``.dtype``/``.shape``) instead of calling the embedding (CLIP's
+    ``position_embedding``, DeBERTa-v2's ``rel_embeddings``). The quantization keeps them in the compute dtype with
+    that reason: a read on a path the probe step did not take would be refused as a quantized layer's."""
+    embeddings = {id(sub): name for name, sub in module.named_modules() if type(sub) is nn.Embedding}
+    found: dict[str, str] = {}
+    for _, sub in module.named_modules():
+        for path, reader, metadata in _weight_paths(type(sub)):  # type: ignore[arg-type]  # as in source_readers
+            if metadata:
+                continue
+            try:
+                target = sub.get_submodule(path)
+            except AttributeError:
+                continue
+            if id(target) in embeddings:
+                found.setdefault(embeddings[id(target)], reader)
+    return found
+
+
 def source_readers(module: nn.Module, uses_only: bool = False) -> list[tuple[str, str, str]]:
     """``(reader module name, "Class.method", layer name)`` for each layer whose weight the source of an enclosing
     module's class reads (``self.<path>.weight`` outside ``init``/``reset`` methods and ``.weight.device`` reads).

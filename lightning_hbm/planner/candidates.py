@@ -33,6 +33,7 @@ from lightning_hbm.activations import ActivationCheckpointing, FusedLoss
 from lightning_hbm.adapters import LoRA
 from lightning_hbm.optim import MemoryEfficientOptimizer, OptimizerKind
 from lightning_hbm.precision import QuantizedPrecision, available_precisions, get_format
+from lightning_hbm.precision.config import DEFAULT_EMBEDDINGS_MODE, EMBEDDINGS_AUTO
 from lightning_hbm.surgery import SurgeryCallback
 
 Checkpointing = Literal["none", "selective", "full"]
@@ -177,6 +178,11 @@ class Candidate:
         rounding: ``QuantizedPrecision(rounding=...)`` of a quantized ``precision``: ``"nearest"`` or ``"gptq"``
             (each 4-bit weight rounded against its input statistics on the probe batch: the same bytes, a one-off
             cost at the surgery, none per step).
+        quantize_embeddings: ``QuantizedPrecision(quantize_embeddings=...)`` of a quantized ``precision``: ``"auto"``
+            (the plugin's default: the input embeddings, and a head tied to one, in int8), ``False`` (kept in
+            ``dtype``), ``True`` (in ``precision``) or a mode name. Held as ``"auto"`` when it stores them as the
+            default does (``"int8"``; ``True`` of ``"int8"``), ``False``, or the mode; the name shows any other than
+            the default's: ``nf4-dq[emb:none]`` (kept in ``dtype``), ``nf4-dq[emb:nf4-dq]``.
 
     A new axis is a new field with a default meaning "unchanged", plus its lines in :meth:`callbacks`,
     :meth:`relative_cost` and :meth:`yaml`.
@@ -195,6 +201,7 @@ class Candidate:
     offload_activations: Union[bool, int] = False
     correction_rank: int = 0
     rounding: str = "nearest"
+    quantize_embeddings: Union[bool, str] = "auto"
     configured: Optional[tuple[Precision, tuple[Any, ...]]] = None
 
     @classmethod
@@ -239,6 +246,7 @@ class Candidate:
             axes["layer_modes"] = plugin.layer_modes  # a fixed per-layer plan
             axes["correction_rank"] = plugin.correction_rank
             axes["rounding"] = plugin.rounding
+            axes["quantize_embeddings"] = EMBEDDINGS_AUTO if plugin.config.embeddings_by_default else plugin.quantize_embeddings
         return cls(precision, dtype, offload=offload, configured=(plugin, surgery), **axes)
 
     def __post_init__(self) -> None:
@@ -250,6 +258,7 @@ class Candidate:
         # object.__setattr__ on self: how a frozen dataclass normalises its own fields (the dataclasses docs' idiom);
         # the only one left in the package (tests/test_record.py), never a mark on someone else's object
         object.__setattr__(self, "layer_modes", _normalised_plan(self.precision, self.layer_modes))
+        object.__setattr__(self, "quantize_embeddings", _normalised_embeddings(self.precision, self.quantize_embeddings))
         if self.blocks is not None:
             if isinstance(self.blocks, str) or not self.blocks or not all(isinstance(b, str) for b in self.blocks):
                 raise ValueError(
@@ -321,7 +330,8 @@ class Candidate:
         if self.quantized:
             layer_modes = dict(self.layer_modes) if self.layer_modes else None
             return QuantizedPrecision(self.precision, dtype=self.dtype, layer_modes=layer_modes,
-                                      correction_rank=self.correction_rank or None, rounding=self.rounding)
+                                      correction_rank=self.correction_rank or None, rounding=self.rounding,
+                                      quantize_embeddings=self.quantize_embeddings)
         if self.precision == "32-true":
             return Precision()
         if self.precision == "bf16-mixed":
@@ -369,20 +379,23 @@ class Candidate:
         return score
 
     def _plan_tag(self) -> str:
-        """``[mixed:3 int8,1 none]``: how many layers the plan stores in each mode other than ``precision``."""
+        """``[mixed:3 int8,1 none]``: how many layers the plan stores in each mode other than ``precision``; then
+        ``[emb:none]`` (``[emb:<mode>]``) where the input embeddings are stored otherwise than the default's int8."""
+        embeddings = "" if self.quantize_embeddings == EMBEDDINGS_AUTO else f"[emb:{self.quantize_embeddings or UNQUANTIZED}]"
         if not self.layer_modes:
-            return ""
+            return embeddings
         counts: dict[str, int] = {}
         for _, mode in self.layer_modes:
             if mode != self.precision:
                 counts[mode] = counts.get(mode, 0) + 1
         changed = ",".join(f"{n} {mode}" for mode, n in sorted(counts.items()))
-        return f"[mixed:{changed or 'all ' + self.precision}]"  # a plan naming only base-mode layers is still a plan
+        return f"[mixed:{changed or 'all ' + self.precision}]" + embeddings  # a plan naming only base-mode layers is still a plan
 
     def _plugin_yaml(self) -> list[str]:
         lines = ["  plugins:", "    - class_path: lightning_hbm.QuantizedPrecision"]
         correction = f", rounding: {self.rounding}" if self.rounding != "nearest" else ""
         correction += f", correction_rank: {self.correction_rank}" if self.correction_rank else ""
+        correction += "" if self.quantize_embeddings == EMBEDDINGS_AUTO else f", quantize_embeddings: {json.dumps(self.quantize_embeddings)}"
         if not self.layer_modes:
             return [*lines, f"      init_args: {{mode: {self.precision}, dtype: {self.dtype}{correction}}}"]
         # names and modes quoted (JSON strings are YAML strings): a layer named "0" or "1.2" must stay a string
@@ -390,6 +403,7 @@ class Candidate:
         init_args = ["      init_args:", f"        mode: {self.precision}", f"        dtype: {self.dtype}"]
         init_args += [f"        rounding: {self.rounding}"] if self.rounding != "nearest" else []
         init_args += [f"        correction_rank: {self.correction_rank}"] if self.correction_rank else []
+        init_args += [] if self.quantize_embeddings == EMBEDDINGS_AUTO else [f"        quantize_embeddings: {json.dumps(self.quantize_embeddings)}"]
         return [*lines, *init_args, "        layer_modes:", *plan]
 
     def _blocks_yaml(self) -> str:
@@ -427,6 +441,24 @@ class Candidate:
         if callback_lines:
             lines += ["  callbacks:", *callback_lines]
         return "\n".join(lines) + "\n"
+
+
+def _normalised_embeddings(precision: str, value: Any) -> Union[bool, str]:
+    """``quantize_embeddings`` as a candidate holds it: ``"auto"`` where it stores them as the default does (and for a
+    precision that quantizes nothing), else ``False`` or the mode name.
+
+    Raises:
+        ValueError: neither a bool, ``"auto"`` nor a mode name.
+    """
+    if value != EMBEDDINGS_AUTO and not isinstance(value, bool) and value not in available_precisions():
+        raise ValueError(
+            f"Candidate quantize_embeddings={value!r}: use 'auto' (int8, the default), False (kept in the compute "
+            f"dtype), True (in the candidate's precision) or a mode, one of {available_precisions()}."
+        )
+    if precision in PLANNED_LIGHTNING_PRECISIONS:
+        return EMBEDDINGS_AUTO  # nothing quantized: no embedding either
+    mode = precision if value is True else value
+    return EMBEDDINGS_AUTO if mode in (EMBEDDINGS_AUTO, DEFAULT_EMBEDDINGS_MODE) else mode
 
 
 def _normalised_plan(precision: str, layer_modes: Any) -> Optional[LayerModes]:

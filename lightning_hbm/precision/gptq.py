@@ -412,12 +412,14 @@ def nearest_reasons(module: nn.Module, names: Sequence[str], hessians: Mapping[s
         fmt = format_of(storage)
         if fmt is None or grid_of(layer) is not None and name in hessians:
             continue  # not quantized (a plan's "none"), or rounded
-        if grid_of(layer) is None:
+        if isinstance(layer, nn.Embedding):
+            if grid_of(layer) is not None:  # a 4-bit table: rounded to nearest where a Linear would not be
+                found[name] = _LOOKUP
+            # an 8-bit table (int8, the default's): GPTQ rounds no 8-bit layer, so nothing is lost to say
+        elif grid_of(layer) is None:
             found[name] = (_NO_GRID[0].format(fmt.name), _NO_GRID[1])
         elif _transposed_conv(layer):
             found[name] = _TRANSPOSED
-        elif isinstance(layer, nn.Embedding):
-            found[name] = _LOOKUP
         elif served_reader(layer) is not None:
             found[name] = (_UNREAD[0].format(served_reader(layer) or "the model"), _UNREAD[1])
         else:

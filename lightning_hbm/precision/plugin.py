@@ -185,15 +185,19 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             default there: chosen per layer on ``probe_batch``); see :mod:`lightning_hbm.precision.smoothing`.
             The factors are measured before quantizing (logged: layers smoothed, alphas, probe output cosine
             before/after), saved in every checkpoint and taken back from it on resume. Other modes: must be None.
-        quantize_embeddings: also store the input embeddings (each plain ``nn.Embedding``) in ``mode``
-            (:mod:`lightning_hbm.layers.embedding`): a lookup unpacks only the rows it reads; a head tied to it
-            computes with the same quantized copy. An embedding shared with anything else, a subclass with its own
-            forward, or one with ``max_norm`` stays in ``dtype`` (a warning names it). With ``quantize_head=True`` and ``FusedLoss`` the head is dequantized a vocabulary
-            slice at a time, never whole: together they shrink Llama-3-8B's parameters by 1.46 GiB (planned). A mode
-            name instead of ``True`` stores them in that mode, whatever the model's wrapping names them:
-            ``QuantizedPrecision("nf4-dq", quantize_embeddings="int8")`` keeps the table (and a tied head) in int8
-            beside 4-bit Linears (on SmolLM2-135M: -0.01 % held-out loss where the 4-bit table costs +5.3 %), with a
-            measured plan too; ``layer_modes`` naming an embedding in another mode is an error.
+        quantize_embeddings: how the input embeddings (each plain ``nn.Embedding``) are stored
+            (:mod:`lightning_hbm.layers.embedding`): a lookup unpacks only the rows it reads; a head tied to one
+            computes with the same quantized copy. ``"auto"`` (the default): in int8, whatever ``mode`` (the issue-51
+            rule, a default where it costs under 0.3 %: on SmolLM2-135M -0.01 % held-out loss before training and no
+            worse than the bf16 table after 150 steps, two seeds; on all-MiniLM-L6-v2 at most -0.017 % sentence cosine,
+            two seeds; the 4-bit table costs +3.5 % after training: benchmarks/README.md); ``plugin.quantize_embeddings``
+            reads what it chose. ``False``: kept in ``dtype`` (trainable, as before session 30). ``True``: in ``mode``.
+            A mode name: in that mode, whatever the model's wrapping names them. An embedding shared with anything
+            else, a subclass with its own forward, or one with ``max_norm`` stays in ``dtype`` (a warning names it and
+            why; the coverage table too). With ``quantize_head=True`` and ``FusedLoss`` a 4-bit head is dequantized a
+            vocabulary slice at a time, never whole. ``layer_modes`` naming an embedding in another mode than a named
+            one is an error. Listed in :attr:`layer_modes` when stored in another mode than ``mode``. Under an FSDP
+            strategy the default keeps them in ``dtype`` (a warning says why: int8 tables are not sharded yet).
         correction_rank: ``r >= 1``: each quantized Linear-like layer gets the frozen rank-``r`` term that minimises
             its output error on ``probe_batch`` (:mod:`lightning_hbm.precision.correction`), fitted after any GPTQ
             rounding, stored in ``dtype`` beside the layer and added to its output (``2 r (in + out)`` bytes per layer:
@@ -228,7 +232,7 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
         layer_modes: Optional[Mapping[str, str]] = None,
         rounding: str = "nearest",
         smoothing: Optional[Union[float, str]] = None,
-        quantize_embeddings: Union[bool, str] = False,
+        quantize_embeddings: Union[bool, str] = "auto",
         correction_rank: Optional[int] = None,
         accuracy_at: Optional[str] = None,
     ) -> None:
@@ -291,9 +295,11 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
     @property
     def layer_modes(self) -> Optional[dict[str, str]]:
         """The per-layer modes ``{layer name: mode name}`` of the last surgery: pinned (``layer_modes=``), measured on
-        the probe or taken from the checkpoint being resumed; ``None``: every layer in ``mode``. Logged and saved. The
-        input embeddings of ``quantize_embeddings="int8"`` are not listed: their mode is that setting (saved too)."""
-        return self.quantization.layer_modes
+        the probe or taken from the checkpoint being resumed, and the input embeddings ``quantize_embeddings`` stores
+        in another mode than ``mode`` (``"int8"``, the default's choice: ``{"model.embed_tokens": "int8"}``); ``None``:
+        every layer in ``mode``. Logged and saved (the embeddings' mode as the ``quantize_embeddings`` setting)."""
+        listed = {**self.quantization.embedding_modes, **(self.quantization.layer_modes or {})}
+        return listed if listed or self.quantization.layer_modes is not None else None
 
     @property
     def plan(self) -> Optional[dict[str, str]]:
@@ -413,7 +419,7 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
         return (
             f"QuantizedPrecision(mode={self.mode.name!r}, dtype={self.dtype}, ignore_modules={self.config.ignore_list()!r}, "
             f"quantize_head={self.quantize_head}"
-            + (f", quantize_embeddings={self.quantize_embeddings!r}" if self.quantize_embeddings else "")
+            + f", quantize_embeddings={self.quantize_embeddings!r}"
             + (f", smoothing={self.smoothing!r}" if self.smoothing is not None else "")
             + (f", rounding={self.rounding!r}" if self.rounding != "nearest" else "")
             + (f", correction_rank={self.correction_rank}" if self.correction_rank else "")

@@ -152,6 +152,11 @@ class Quantization:
         self.correction = CalibratedCorrection(config.correction_rank, config.torch_dtype) if config.correction_rank else None
         #: the per-layer modes ``{layer name: mode name}`` (``None``: every layer in ``mode``): pinned, measured or resumed
         self.layer_modes: Optional[dict[str, str]] = config.pinned_layer_modes
+        #: the input embeddings ``quantize_embeddings`` stores in another mode than ``mode`` ``{name: mode}`` (the
+        #: setting's, so neither saved with the plan nor compared on resume; ``plugin.layer_modes`` lists them)
+        self.embedding_modes: dict[str, str] = {}
+        # the default's int8 embeddings kept wide by this run's strategy (FSDP): the settings saved say so
+        self._embeddings_kept = False
         #: what the sensitivity-aware choice measured (``None`` without a target)
         self.report: Optional[SensitivityReport] = None
         #: what the convolutions' plan measured (``None``: no convolution in a 4-bit mode, or not measured)
@@ -202,9 +207,22 @@ class Quantization:
     def _listed(self, module: nn.Module, trainer: Any) -> tuple[TargetRule, Listing]:
         """The rule of this surgery (settings and the modules trained in full) and its listing of ``module``: listed
         again only when the model or the modules trained in full changed since."""
-        rule = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module, trainer)), self.config.quantize_embeddings)
+        embeddings = self.config.quantize_embeddings
+        sharding = _sharding_strategy(trainer)
+        if self.config.embeddings_by_default and sharding is not None:
+            embeddings = False  # the default's int8 table is not sharded yet (said below, once per listing)
+        self._embeddings_kept = embeddings is False and self.config.embeddings_by_default  # saved as they are: kept
+        rule = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module, trainer)), embeddings)
         cached = self._listing
         if cached is None or cached[0]() is not module or cached[1] != rule:
+            if embeddings is False and self.config.embeddings_by_default and any(is_plain_embedding(m) for m in module.modules()):
+                rank_zero_warn(
+                    f"lightning_hbm: QuantizedPrecision keeps the input embeddings in {self.config.torch_dtype} under {sharding}: "
+                    "the default int8 table (quantize_embeddings='auto') is not sharded by FSDP2 yet (bitsandbytes' int8 row "
+                    "scales are not restored on the all-gathered table). Pass quantize_embeddings=False to keep them so "
+                    "without this warning, or quantize_embeddings=True to store them in the run's 4-bit mode (sharded as "
+                    "its Linears are)."
+                )
             cached = (weakref.ref(module), rule, rule.listing(module))
             self._listing = cached
         return cached[1], cached[2]
@@ -237,6 +255,7 @@ class Quantization:
         fake = _on_fake_tensors(module)  # the planner's trace (a model cut to fewer blocks): nothing is measured there
         check_accuracy_at(module, None if fake else self.config.accuracy_at)
         targets = listing.targets
+        self.embedding_modes = rule.embedding_modes(listing, {})
         if self.config.layer_modes is not None or isinstance(self.config.quantize_embeddings, str):
             _layer_modes(targets, self.config.format, rule.embedding_modes(listing, self.layer_modes or {}))
         warning = regrid_warning(targets, self.config.format.name)
@@ -260,17 +279,19 @@ class Quantization:
             rank_zero_warn(said)
 
     def _say_embeddings_kept(self, module: nn.Module) -> None:
-        """Warn (names, reasons) about input embeddings ``quantize_embeddings=True`` keeps in the compute dtype."""
+        """Warn (names, reasons) about input embeddings ``quantize_embeddings`` keeps in the compute dtype; a model with
+        none to store is said only when the user asked for them (the default leaves such a model as it was)."""
         targets, skipped = self.listing(module)[:2]
         kept = {n: why for n, (why, deliberate) in skipped.items() if not deliberate and is_plain_embedding(module.get_submodule(n))}
+        setting = f"quantize_embeddings={self.config.quantize_embeddings!r}" + (" (the default, 'auto')" if self.config.embeddings_by_default else "")
         if kept:
             rank_zero_warn(
-                f"lightning_hbm: QuantizedPrecision(quantize_embeddings={self.config.quantize_embeddings!r}) keeps {len(kept)} input embedding(s) in "
+                f"lightning_hbm: QuantizedPrecision({setting}) keeps {len(kept)} input embedding(s) in "
                 f"{self.config.torch_dtype}: " + "; ".join(f"{n}: {why}" for n, why in kept.items()) + "."
             )
-        elif not any(isinstance(layer, nn.Embedding) for _, layer in targets):
+        elif not self.config.embeddings_by_default and not any(isinstance(layer, nn.Embedding) for _, layer in targets):
             rank_zero_warn(
-                f"lightning_hbm: QuantizedPrecision(quantize_embeddings={self.config.quantize_embeddings!r}): {type(module).__name__} has no nn.Embedding "
+                f"lightning_hbm: QuantizedPrecision({setting}): {type(module).__name__} has no nn.Embedding "
                 "to store quantized; the option changes nothing for this model."
             )
 
@@ -284,6 +305,7 @@ class Quantization:
             ValueError: as :func:`~lightning_hbm.precision.quantize_model`, or a resumed GPTQ rounding that differs.
         """
         rule, listed = self._listed(module, trainer)  # the checks' targets, handed on
+        self.embedding_modes = rule.embedding_modes(listed, {})
         correction, smoothing = self.correction, self.smoothing
         inputs = correction is not None and correction.hessians is None and correction.saved is None
         smooth = smoothing is not None and smoothing.shifts is None
@@ -502,7 +524,7 @@ class Quantization:
             config.update(targets, sensitive_mode=self.config.sensitive_argument())
         if self.config.layer_modes is not None:  # a plan the user gave: a setting like the others
             config["layer_modes"] = dict(self.config.layer_modes)
-        if self.config.quantize_embeddings:  # absent before this option existed; True, or the embeddings' mode
+        if self.config.quantize_embeddings and not self._embeddings_kept:  # absent before this option existed, and when kept
             config["quantize_embeddings"] = self.config.quantize_embeddings
         if self.config.rounding != "nearest":  # absent before this option existed
             config["rounding"] = self.config.rounding
@@ -518,6 +540,15 @@ class Quantization:
             self.gptq.save(meta)
         if self.smoothing is not None:
             self.smoothing.save(meta)
+
+
+def _sharding_strategy(trainer: Any) -> Optional[str]:
+    """The name of ``trainer``'s strategy if it shards parameters with FSDP (Lightning's ``FSDPStrategy`` or
+    ``ModelParallelStrategy``, ``QuantizedFSDPStrategy`` included), else ``None``."""
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is None or not any(c.__name__ in ("FSDPStrategy", "ModelParallelStrategy") for c in type(strategy).__mro__):
+        return None
+    return type(strategy).__name__
 
 
 def __getattr__(name: str) -> Any:

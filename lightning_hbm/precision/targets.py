@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hbm import record
-from lightning_hbm.layers import LINEAR, base_layer, find_layers, kind_names, output_heads, prepare_model, stored_in, weight_readers
+from lightning_hbm.layers import LINEAR, base_layer, embedding_readers, find_layers, kind_names, output_heads, prepare_model, stored_in, weight_readers
 from lightning_hbm.layers.embedding import convertible, is_plain_embedding, tied_heads
 from lightning_hbm.naming import selected
 from lightning_hbm.precision.quantize import Correct, _layer_modes, _parametrized, _weight_normed, quantize_targets
@@ -101,10 +101,13 @@ class TargetRule:
             return listing
         chosen: list[tuple[str, nn.Module]] = []
         skipped: dict[str, Reason] = {}
+        read = embedding_readers(module)
         for name, sub in module.named_modules():
             if not is_plain_embedding(sub):
                 continue
             why = convertible(sub, owners, tied_ok=tied_heads(module, sub) is not None)
+            if why is None and name in read:
+                why = f"weight read directly by {read[name]}, not by calling the embedding: kept in the compute dtype"
             if name in listing.ignored:
                 skipped[name] = _IGNORED
             elif name in listing.kept:
@@ -128,8 +131,9 @@ def checked_embeddings(value: Union[bool, str], mode: str, dtype: torch.dtype, o
         return value
     if value not in available_precisions():
         raise ValueError(
-            f"{owner}(quantize_embeddings={value!r}): pass True (the input embeddings stored in the run's mode), False "
-            f"(kept in the compute dtype) or the mode to store them in, one of {available_precisions()} (e.g. 'int8', "
+            f"{owner}(quantize_embeddings={value!r}): pass " + ("'auto' (the default: int8), " if owner == "QuantizedPrecision" else "")
+            + "True (the input embeddings stored in the run's mode), False "
+            + f"(kept in the compute dtype) or the mode to store them in, one of {available_precisions()} (e.g. 'int8', "
             "beside 4-bit Linears)."
         )
     get_format(value).check_dtype(dtype)

@@ -77,6 +77,7 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.data import MidEpochResumeCheck
 from lightning_hbm.display import adopt_display
 from lightning_hbm.layers import base_layer, find_layers, is_adapted, readers, source_readers, stored_in
+from lightning_hbm.layers.embedding import QuantizedEmbedding
 from lightning_hbm.memory.storage import quantized_format
 from lightning_hbm.quiet import quieted
 from lightning_hbm.record import appliers, as_built, set_as_built, set_modules_to_save
@@ -415,6 +416,8 @@ def _guard(module: nn.Module) -> None:
     changed: dict[str, tuple[nn.Module, torch.Tensor, bool]] = {}
     for name, layer, _ in find_layers(module):
         base = base_layer(layer)
+        if isinstance(base, QuantizedEmbedding):
+            continue  # its .weight serves the dequantized table: a read (CLIP's .weight.shape) gets the right values
         storage = stored_in(base)  # a quantized convolution: its storage's weight is what a reader would get
         holder = storage if storage is not None else base
         weight = getattr(holder, "weight", None)

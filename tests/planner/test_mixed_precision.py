@@ -65,7 +65,7 @@ def _fit(factory: Callable[[], pl.LightningModule], candidate: Candidate, tmp_pa
 def test_mixed_plan_bytes_equal_predicted_and_measured(family: str, tmp_path: Path) -> None:
     factory = FAMILIES[family]
     plan, names = _plan(factory)
-    candidate = Candidate("nf4-dq", lora_r=4, layer_modes=plan)
+    candidate = Candidate("nf4-dq", lora_r=4, layer_modes=plan, quantize_embeddings=False)  # as quantize_model's bytes
     full_plan = {name: plan.get(name, "nf4-dq") for name in names}
 
     predicted = predict(factory, synthetic_batch(BATCH, SEQ), candidate)
@@ -186,5 +186,5 @@ def test_deep_model_with_a_plan_is_traced_whole() -> None:
     factory = partial(NanoGPT, n_layer=8, n_head=2, n_embd=32, block_size=32)
     names = quantize_model(factory(), "nf4-dq")
     plan = {"model.h.7.mlp.c_fc": "int8", names[0]: "none"}
-    predicted = predict(factory, synthetic_batch(2, 8), Candidate("nf4-dq", layer_modes=plan))
+    predicted = predict(factory, synthetic_batch(2, 8), Candidate("nf4-dq", layer_modes=plan, quantize_embeddings=False))
     assert predicted.categories["parameters"] == quantized_parameter_bytes(factory, "nf4-dq", layer_modes=plan)

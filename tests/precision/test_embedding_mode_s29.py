@@ -58,7 +58,9 @@ def test_true_and_the_run_mode_are_the_same_setting(llama_factory: Any) -> None:
     assert plugin.quantization.settings()["quantize_embeddings"] == "int8"  # saved, compared on resume
     same = QuantizedPrecision("nf4-dq", dtype="float32", quantize_embeddings="nf4-dq")
     assert same.quantize_embeddings is True and "quantize_embeddings=True" in repr(same)
-    assert "quantize_embeddings" not in repr(QuantizedPrecision("nf4-dq", dtype="float32"))
+    # the default (session 30): int8, said in the repr as the setting it chose; False said too
+    assert "quantize_embeddings='int8'" in repr(QuantizedPrecision("nf4-dq", dtype="float32"))
+    assert "quantize_embeddings=False" in repr(QuantizedPrecision("nf4-dq", dtype="float32", quantize_embeddings=False))
     model, routed = llama_factory(**TIED), llama_factory(**TIED)
     quantize_model(model, "nf4-dq", "float32", quantize_embeddings="nf4-dq")
     quantize_model(routed, "nf4-dq", "float32", quantize_embeddings=True)
@@ -67,7 +69,7 @@ def test_true_and_the_run_mode_are_the_same_setting(llama_factory: Any) -> None:
 
 def test_a_bad_value_is_refused_naming_it_and_the_allowed_ones_before_any_change(llama_factory: Any) -> None:
     for bad in ("int9", "none", "INT8", "False"):
-        with pytest.raises(ValueError, match=rf"QuantizedPrecision\(quantize_embeddings={bad!r}\): pass True .*False .*one of \[.*'int8'"):
+        with pytest.raises(ValueError, match=rf"QuantizedPrecision\(quantize_embeddings={bad!r}\): pass 'auto' \(the default: int8\), True .*False .*one of \[.*'int8'"):
             QuantizedPrecision("nf4-dq", dtype="float32", quantize_embeddings=bad)
     with pytest.raises(TypeError, match=r"QuantizedPrecision\(quantize_embeddings=8\): wrong type int; pass True or False or a str"):
         QuantizedPrecision("nf4-dq", quantize_embeddings=8)  # type: ignore[arg-type]
@@ -95,8 +97,9 @@ def test_with_a_measured_plan_the_embedding_takes_its_mode_and_the_linears_the_p
     model = llama_factory(**TIED)
     plugin.check_model(model)
     plugin.convert_base(model)
-    modes = plugin.layer_modes or {}
-    assert modes and "model.model.embed_tokens" not in modes and set(modes.values()) <= {"nf4-dq", "int8"}  # the Linears' plan
+    plan = plugin.quantization.layer_modes or {}  # the Linears' plan (saved as the plan); the embedding's is the setting's
+    assert plan and "model.model.embed_tokens" not in plan and set(plan.values()) <= {"nf4-dq", "int8"}
+    assert plugin.layer_modes == {"model.model.embed_tokens": "int8", **plan}  # listed beside it (session 30)
     assert isinstance(model.model.get_input_embeddings().storage(), Linear8bitLt)
     assert isinstance(model.model.get_output_embeddings(), TiedHead)
 

@@ -128,8 +128,10 @@ def test_plan_is_logged_saved_and_rebuilt_on_resume(
     first = plugin()
     trainer = trainer_factory(max_steps=2, plugins=[first], callbacks=[quality])
     trainer.fit(gpt_factory(), datamodule_factory())
-    plan = first.layer_modes
+    plan = first.quantization.layer_modes  # the Linears' plan, saved; the embeddings' int8 is the setting's (session 30)
     assert plan is not None and "int8" in plan.values()
+    listed = first.layer_modes
+    assert listed == {"model.wte": "int8", "model.wpe": "int8", **plan}  # plugin.layer_modes lists both
     # QuantizationQuality reports the metric the plan optimized, before (uniform) and after (the plan)
     assert quality.metrics["quant/plan_cosine_similarity"] > quality.metrics["quant/uniform_cosine_similarity"]
     assert quality.metrics["quant/plan_bytes_per_param"] <= 0.75
@@ -141,7 +143,7 @@ def test_plan_is_logged_saved_and_rebuilt_on_resume(
     again = plugin()
     resumed = trainer_factory(max_steps=3, plugins=[again])
     resumed.fit(gpt_factory(seed=1), datamodule_factory(), ckpt_path=path)
-    assert again.layer_modes == plan and resumed.global_step == 3
+    assert again.layer_modes == listed and resumed.global_step == 3
     # another plan (or another budget) is a resume error listing the difference
     other = {name: "nf4-dq" for name in plan}
     with pytest.raises(ValueError, match=r"other lightning_hbm settings(.|\n)*layer_modes"):

@@ -122,9 +122,10 @@ def test_planner_bytes_equal_the_plugin_s_smoothed_model(llama_factory: Any, tra
 
     # the planner's fake-tensor model: the plugin measures nothing there (the exponents change no byte)
     planned = quantized_parameter_bytes(llama_factory(), "int8-dynamic-smooth", "float32")
-    prediction = predict(partial(llama_factory), synthetic_batch(2, 16), Candidate("int8-dynamic-smooth", dtype="float32"))
+    # the embeddings kept (quantize_embeddings=False), as quantize_model keeps them: the smoothed Linears' bytes compared
+    prediction = predict(partial(llama_factory), synthetic_batch(2, 16), Candidate("int8-dynamic-smooth", dtype="float32", quantize_embeddings=False))
     model = llama_factory()
-    trainer_factory(max_steps=1, plugins=[QuantizedPrecision("int8-dynamic-smooth", dtype="float32", probe_batch=PROBE)]).fit(
+    trainer_factory(max_steps=1, plugins=[QuantizedPrecision("int8-dynamic-smooth", dtype="float32", probe_batch=PROBE, quantize_embeddings=False)]).fit(
         model, datamodule_factory()
     )
     assert planned == prediction.categories["parameters"] == parameter_bytes(model)
@@ -243,7 +244,8 @@ def test_adapter_only_checkpoint_of_an_int8_dynamic_base_resumes(
 
 def test_the_sensitivity_plan_measures_the_smoothed_layers_and_its_bytes_are_exact() -> None:
     plugin = QuantizedPrecision(
-        "int8-dynamic-smooth", dtype="float32", smoothing=0.5, probe_batch=PROBE, min_cosine=0.99, sensitive_mode="none"
+        "int8-dynamic-smooth", dtype="float32", smoothing=0.5, probe_batch=PROBE, min_cosine=0.99, sensitive_mode="none",
+        quantize_embeddings=False,  # the Linears' plan and bytes alone
     )
     model = TinyBert().eval()
     plugin.check_model(model)

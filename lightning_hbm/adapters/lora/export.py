@@ -29,6 +29,7 @@ from lightning_hbm.adapters.lora import variants
 from lightning_hbm.adapters.lora.base import ADAPTER_NAME, _lora_layer_cls
 from lightning_hbm.layers import stored_in, task_heads, task_type
 from lightning_hbm.layers.correction import correction_of, correction_weight
+from lightning_hbm.layers.embedding import TiedHead
 from lightning_hbm.layers.weight_norm import WeightNorm, weight_norm_of
 from lightning_hbm.memory.report import plain_file_mode, set_mode
 from lightning_hbm.naming import name_list, name_matches, under
@@ -473,7 +474,7 @@ def merge(
             continue
         if format_of(sub) is not None or stored_in(sub) is not None:
             merged.update(_as_built_weight(prefix, sub, dense(name, sub)))
-            if sub.bias is not None:
+            if getattr(sub, "bias", None) is not None:  # an embedding stored quantized has none
                 merged[prefix + "bias"] = sub.bias
             done.append(name)
             continue
@@ -483,6 +484,7 @@ def merge(
         for bname, buf in sub._buffers.items():
             if buf is not None and bname not in sub._non_persistent_buffers_set:
                 merged[prefix + bname] = buf
+    merged.update(_tied_head_weights(module, merged))
     if dequantized:
         rank_zero_warn(
             f"LoRA.merge: {len(dequantized)} layer(s) merged into their DEQUANTIZED base weights "
@@ -492,6 +494,19 @@ def merge(
     elif base_state_dict is not None:
         rank_zero_info("LoRA.merge: adapters merged onto the original full-precision weights (base_state_dict).")
     return {k: v.detach().to(out_dtype) if v.is_floating_point() else v.detach().clone() for k, v in merged.items()}
+
+
+def _tied_head_weights(module: nn.Module, merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{head.weight: the merged embedding's weight}`` of each head tied to a quantized embedding (:class:`TiedHead`,
+    which holds no weight of its own): the merged state_dict has both keys, as the tied model as built does."""
+    names = {id(sub): name for name, sub in module.named_modules()}
+    tied = {}
+    for name, sub in module.named_modules():
+        embedding = sub.__dict__.get("embedding") if isinstance(sub, TiedHead) else None
+        key = f"{names.get(id(embedding), '')}.weight".lstrip(".")
+        if embedding is not None and key in merged:
+            tied[f"{name}.weight"] = merged[key]
+    return tied
 
 
 def _weight_norm(layer: nn.Module) -> Optional[WeightNorm]:
