@@ -197,7 +197,8 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             why; the coverage table too). With ``quantize_head=True`` and ``FusedLoss`` a 4-bit head is dequantized a
             vocabulary slice at a time, never whole. ``layer_modes`` naming an embedding in another mode than a named
             one is an error. Listed in :attr:`layer_modes` when stored in another mode than ``mode``. Under an FSDP
-            strategy the default keeps them in ``dtype`` (a warning says why: int8 tables are not sharded yet).
+            strategy the default keeps them in ``dtype`` (a warning says why: int8 tables are not sharded yet), and so
+            does a resume under the default of a checkpoint saved with them wide (the default before session 30; warned).
         correction_rank: ``r >= 1``: each quantized Linear-like layer gets the frozen rank-``r`` term that minimises
             its output error on ``probe_batch`` (:mod:`lightning_hbm.precision.correction`), fitted after any GPTQ
             rounding, stored in ``dtype`` beside the layer and added to its output (``2 r (in + out)`` bytes per layer:

@@ -211,6 +211,9 @@ class Quantization:
         sharding = _sharding_strategy(trainer)
         if self.config.embeddings_by_default and sharding is not None:
             embeddings = False  # the default's int8 table is not sharded yet (said below, once per listing)
+        resumed = self._resumed_with_wide_embeddings(trainer)
+        if resumed:
+            embeddings = False  # the run being resumed kept them (the default before session 30): it goes on so
         self._embeddings_kept = embeddings is False and self.config.embeddings_by_default  # saved as they are: kept
         rule = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module, trainer)), embeddings)
         cached = self._listing
@@ -223,9 +226,26 @@ class Quantization:
                     "without this warning, or quantize_embeddings=True to store them in the run's 4-bit mode (sharded as "
                     "its Linears are)."
                 )
+            if resumed and any(is_plain_embedding(m) for m in module.modules()):
+                rank_zero_warn(
+                    f"lightning_hbm: QuantizedPrecision keeps the input embeddings in {self.config.torch_dtype}: the checkpoint "
+                    "being resumed was saved with them so (quantize_embeddings=False, the default before lightning_hbm "
+                    "stored them in int8 by default), and a resume goes on as that run was. A new run stores them in int8; "
+                    "pass quantize_embeddings=False to keep them wide without this warning."
+                )
             cached = (weakref.ref(module), rule, rule.listing(module))
             self._listing = cached
         return cached[1], cached[2]
+
+    def _resumed_with_wide_embeddings(self, trainer: Any) -> bool:
+        """Whether the default (``quantize_embeddings="auto"``) meets a checkpoint being resumed whose settings do not
+        list ``quantize_embeddings``: saved with the embeddings kept wide (the default before session 30, or kept
+        under FSDP). Such a resume keeps them wide (was: refused, "quantize_embeddings" differs, for every run saved
+        before the default changed)."""
+        if not self.config.embeddings_by_default or trainer is None:
+            return False
+        saved = saved_meta(trainer).get("configs", {}).get(self.owner)
+        return isinstance(saved, dict) and "quantize_embeddings" not in saved
 
     def targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
         """``(name, layer)`` of every layer quantized in ``module``, before any change."""
@@ -507,6 +527,8 @@ class Quantization:
     def resume_config(self, trainer: Any) -> dict[str, Any]:
         """What a resumed run must share with the run that saved the checkpoint (``trainer``: the run's, or ``None``)."""
         config = self.settings()
+        if self._resumed_with_wide_embeddings(trainer):  # compared before the surgery lists them: kept as saved
+            config.pop("quantize_embeddings", None)
         plan = self.layer_modes
         if plan is None and self.config.layer_modes is None:
             # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same

@@ -216,3 +216,32 @@ def test_a_hook_on_the_embedding_goes_on_with_its_int8_table() -> None:
     model.emb.register_forward_hook(lambda module, args, output: output.requires_grad_())  # enable_input_require_grads()
     _converted(model)
     assert isinstance(model.emb, QuantizedEmbedding) and model.emb(ids).requires_grad  # was dropped with the module (Reformer)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_with_wide_embeddings_resumes_under_the_default_with_them_wide(
+    llama_factory: Any, trainer_factory: Any, datamodule_factory: Any, tmp_path: Any
+) -> None:
+    """A run saved before the default changed (``quantize_embeddings=False`` then) resumes under the new default: the
+    resume goes on as that run was, the embeddings wide, and says so (was: refused, "quantize_embeddings" differs, for
+    every checkpoint saved before session 30). Another explicit setting is still refused."""
+    from lightning_hbm import LoRA
+
+    def run(steps: int, ckpt: Any = None, **options: Any) -> tuple[Any, Any]:
+        model = llama_factory(vocab_size=1000, tie_word_embeddings=True, num_hidden_layers=1)
+        trainer = trainer_factory(max_steps=steps, plugins=[QuantizedPrecision("nf4-dq", dtype="float32", **options)], callbacks=[LoRA(r=4)])
+        trainer.fit(model, datamodule_factory(train_samples=16), ckpt_path=ckpt)
+        return model, trainer
+
+    straight, _ = run(2, quantize_embeddings=False)
+    _, first = run(1, quantize_embeddings=False)
+    first.save_checkpoint(tmp_path / "wide.ckpt")
+    with pytest.warns(UserWarning, match=r"keeps the input embeddings in torch.float32: the checkpoint being resumed was saved with them so"):
+        resumed, again = run(2, tmp_path / "wide.ckpt")
+    assert again.global_step == 2
+    assert type(resumed.model.get_input_embeddings()) is nn.Embedding
+    ours, theirs = straight.state_dict(), resumed.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert [k for k in ours if "lora_" not in k and not torch.equal(ours[k], theirs[k])] == []  # the wide table and the base
+    with pytest.raises(ValueError, match="quantize_embeddings"):
+        run(2, tmp_path / "wide.ckpt", quantize_embeddings="int8")
