@@ -15,22 +15,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hbm import ActivationCheckpointing, LoRA, MemoryEfficientOptimizer, QuantizedPrecision
-
-WIDTH = 16
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
+from tests.test_surgery_rngs_s30 import WIDTH, Block  # the same residual MLP block
 
 
 class Counting(pl.LightningModule):
