@@ -34,7 +34,8 @@ def _trainer(devices: int, strategy: str, root: str, probe: Any, callbacks: list
         accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
         use_distributed_sampler=False, default_root_dir=root,
-        plugins=[QuantizedPrecision("nf4", dtype="float32", correction_rank=RANK, probe_batch=probe)],
+        plugins=[QuantizedPrecision("nf4", dtype="float32", correction_rank=RANK, probe_batch=probe,
+                                    quantize_embeddings=False)],
         callbacks=[LoRA(r=4, alpha=8, dropout=0.0), *callbacks],
     )  # fmt: skip
 
