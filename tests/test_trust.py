@@ -299,13 +299,15 @@ def test_quantized_precision_alone_refuses_a_damaged_file_before_the_model_holds
     path = tmp_path / "q.ckpt"
     first.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=False)
-    checkpoint["state_dict"]["model.wte.weight"].view(-1)[0] += 1  # a flipped value under an unchanged CRC
+    # a flipped value under an unchanged CRC (the head: a real tensor; the int8 embedding's "model.wte.weight" is
+    # a placeholder beside its packed table)
+    checkpoint["state_dict"]["model.lm_head.weight"].view(-1)[0] += 1
     torch.save(checkpoint, path)
     model = gpt_factory()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = trainer_factory(max_steps=2, plugins=[QuantizedPrecision("nf4-dq", **F32)])
     assert [type(cb).__name__ for cb in trainer.callbacks].count("PluginAttach") == 1
-    with pytest.raises(ValueError, match=r"(?s)is damaged: tensor 'model.wte.weight'.*nothing was loaded"):
+    with pytest.raises(ValueError, match=r"(?s)is damaged: tensor 'model.lm_head.weight'.*nothing was loaded"):
         trainer.fit(model, datamodule_factory(), ckpt_path=path)
     assert trainer.global_step == 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the model never held the file
