@@ -525,19 +525,22 @@ def test_smollm2_adapter_reloads_in_plain_peft_and_merges_onto_fp32(smollm2: Pat
     # quality: a pretrained model on held-out Python source (a random init of this config: ~10.8 = ln 49152)
     assert loss < 3.5, loss
 
-    with pytest.warns(UserWarning, match=r"210 layer\(s\) merged into their DEQUANTIZED base weights"):
+    # 210 Linears and the int8 embedding (the default: its tied head takes the same merged table)
+    with pytest.warns(UserWarning, match=r"211 layer\(s\) merged into their DEQUANTIZED base weights"):
         LoRA.merge(module, dtype="float32")
 
 
 @slow
 def test_merge_base_state_dict_errors(smollm2_run: dict) -> None:
     module = smollm2_run["straight"]
-    with pytest.raises(ValueError, match=r"base_state_dict has no model\.model\.layers\.0\.self_attn\.q_proj\.weight \(nor model\.layers\.0\.self_attn\.q_proj\.weight\)"):
+    with pytest.raises(ValueError, match=r"base_state_dict has no model\.model\.embed_tokens\.weight \(nor model\.embed_tokens\.weight\)"):
         LoRA.merge(module, base_state_dict={})
     # either key form (relative to the HF model or to the LightningModule) is read, and its shape checked
     for key in ("model.layers.0.self_attn.q_proj.weight", "model.model.layers.0.self_attn.q_proj.weight"):
         with pytest.raises(ValueError, match=r"base_state_dict\[model\.model\.layers\.0\.self_attn\.q_proj\.weight\] has shape \(3, 3\), the layer \(576, 576\)"):
-            LoRA.merge(module, base_state_dict={key: torch.zeros(3, 3)})
+            # the embedding (the int8 default, merged first) given right: the shape check of the next layer speaks
+            embedding = {"model.embed_tokens.weight": torch.zeros(module.model.model.embed_tokens.num_embeddings, 576)}
+            LoRA.merge(module, base_state_dict={**embedding, key: torch.zeros(3, 3)}, allow_base_change=True)
 
 
 # --------------------------------------------------------------------------------- all-MiniLM-L6-v2
