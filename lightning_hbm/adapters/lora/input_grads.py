@@ -77,12 +77,13 @@ def _loss_of(output: Any) -> Optional[torch.Tensor]:
 
 
 class _State:
-    """The random state and the BatchNorm running statistics before the first step (a second run draws and counts as
-    the first did, so the step is the one it would have been with the hooks there from the start)."""
+    """The random state (Python's, NumPy's, torch's CPU and CUDA global RNGs) and the BatchNorm running statistics
+    before the first step (a second run draws and counts as the first did, so the step is the one it would have been
+    with the hooks there from the start; was torch's alone: a step drawing from ``random`` or NumPy drew other numbers
+    in the rerun, session 31)."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.rngs = torch_compat.rng_states()
         self.buffers = [
             (b, b.detach().clone())
             for m in module.modules()
@@ -91,9 +92,7 @@ class _State:
         ]
 
     def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
+        torch_compat.set_rng_states(self.rngs)
         with torch.no_grad():
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)
