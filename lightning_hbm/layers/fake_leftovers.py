@@ -10,8 +10,9 @@ back to every real forward after it: BEiT's gradients came out as fake tensors, 
 the fit (``DataDependentOutputException: aten._local_scalar_dense.default``).
 
 :func:`dropping_fake_leftovers` empties, when the step ends, each ``lru_cache`` on the model's classes that gained an
-entry during it (a miss; a cache of the model's classes or of their Python modules; a cache is pure by contract: it fills again on the next real call), and puts back each module
-attribute the step set to something holding a fake tensor.
+entry during it (a miss; a cache of the model's classes or of their Python modules; a cache is pure by contract: it fills again on the next real call), puts back each module
+attribute the step set to something holding a fake tensor, and gives a dict, list or set attribute the step filled in
+place with one (``self._cache[n] = ...``) its items of before.
 """
 
 from __future__ import annotations
@@ -88,11 +89,29 @@ def holds_fake(value: Any, depth: int = 3) -> bool:
     return False
 
 
+#: the attribute types whose items are kept (shallow copies) across the step: a plain dict, list or set (a module's
+#: own cache); a container nested in one is not looked into
+_CONTAINERS = (dict, list, set)
+
+
+def _put_back(container: Any, items: Any) -> None:
+    """``container`` (a dict, list or set) holding ``items`` again, the same object (a reference to it stays valid)."""
+    if isinstance(container, list):
+        container[:] = items
+    else:
+        container.clear()
+        container.update(items)
+
+
 @contextmanager
 def dropping_fake_leftovers(module: nn.Module) -> Iterator[None]:
-    """Inside, ``module`` may run on fake tensors; at the end nothing fake is left cached in it (module docstring)."""
+    """Inside, ``module`` may run on fake tensors; at the end nothing fake is left cached in it (module docstring):
+    an attribute the step set to something holding a fake tensor is put back (or removed), and a dict, list or set
+    attribute the step filled in place with one (``self._cache[n] = ...``) gets its items of before back (was: left
+    holding the fake tensor, handed to every real forward after; session 31)."""
     caches = [(cache, cache.cache_info().misses) for cache in model_caches(module)]
     before = {id(m): (m, dict(vars(m))) for m in module.modules()}
+    items = {id(value): value.copy() for _, attributes in before.values() for value in attributes.values() if type(value) in _CONTAINERS}
     try:
         yield
     finally:
@@ -102,12 +121,14 @@ def dropping_fake_leftovers(module: nn.Module) -> Iterator[None]:
         for sub, attributes in before.values():
             own = vars(sub)
             for key, value in list(own.items()):
-                if attributes.get(key, _MISSING) is not value and holds_fake(value):
-                    old = attributes.get(key, _MISSING)
+                old = attributes.get(key, _MISSING)
+                if old is not value and holds_fake(value):
                     if old is _MISSING:
                         del own[key]
                     else:
                         own[key] = old
+                elif old is value and id(value) in items and holds_fake(value):  # filled in place during the step
+                    _put_back(value, items[id(value)])
 
 
 __all__ = ["dropping_fake_leftovers", "holds_fake", "model_caches"]
