@@ -527,8 +527,13 @@ class Quantization:
     def resume_config(self, trainer: Any) -> dict[str, Any]:
         """What a resumed run must share with the run that saved the checkpoint (``trainer``: the run's, or ``None``)."""
         config = self.settings()
-        if self._resumed_with_wide_embeddings(trainer):  # compared before the surgery lists them: kept as saved
+        if trainer is not None and saved_meta(trainer):
+            # resuming, compared before this run's surgery lists them: kept or not as THIS run will (its strategy, the
+            # checkpoint), not as the last surgery did (a plugin reused by another Trainer: was read stale, session 31)
+            kept = self.config.embeddings_by_default and (_sharding_strategy(trainer) is not None or self._resumed_with_wide_embeddings(trainer))
             config.pop("quantize_embeddings", None)
+            if self.config.quantize_embeddings and not kept:
+                config["quantize_embeddings"] = self.config.quantize_embeddings
         plan = self.layer_modes
         if plan is None and self.config.layer_modes is None:
             # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same
