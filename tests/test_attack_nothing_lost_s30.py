@@ -131,7 +131,7 @@ def test_max_context_of_a_model_with_a_position_table_stops_at_its_last_row() ->
     from lightning_hbm.planner import max_context
 
     roomy, tight = max_context(_short_gpt, ["1GiB", "600KiB"], device="cpu")  # type: ignore[arg-type]
-    assert roomy.tokens == 128 and "the model's longest sequence (128 rows in its position table model.wpe)" in roomy.limit
+    assert roomy.tokens == 128 and "the model's longest sequence (128 positions in its position table model.wpe)" in roomy.limit
     assert 0 < tight.tokens < 128 and tight.prediction.total <= tight.budget
 
 

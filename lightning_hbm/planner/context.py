@@ -421,7 +421,7 @@ def _position_limit(module: nn.Module, step: int) -> Optional[tuple[int, str]]:
     exceeds block_size 256", an ``IndexError``), and past the lengths planned with real values (on meta tensors) a
     table that no index can reach was planned as if the model ran there.
     """
-    tables = [(sub.num_embeddings - int(getattr(sub, "offset", 0) or 0), name) for name, sub in module.named_modules()
+    tables = [(_position_rows(sub), name) for name, sub in module.named_modules()
               if isinstance(sub, nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES]
     if not tables:
         return None
@@ -429,9 +429,18 @@ def _position_limit(module: nn.Module, step: int) -> Optional[tuple[int, str]]:
     if tokens < step:
         raise ValueError(
             f"max_context(multiple_of={step}): {type(module).__name__} runs at most {tokens:,} tokens (its position "
-            f"table {name} has {tokens:,} rows), fewer than one multiple of {step}. Fix: multiple_of <= {tokens}."
+            f"table {name} indexes {tokens:,} positions), fewer than one multiple of {step}. Fix: multiple_of <= {tokens}."
         )
-    return tokens // step * step, f"the model's longest sequence ({tokens:,} rows in its position table {name})"
+    return tokens // step * step, f"the model's longest sequence ({tokens:,} positions in its position table {name})"
+
+
+def _position_rows(table: nn.Embedding) -> int:
+    """How many positions a learned position table indexes: its rows less OPT's ``offset``, and with a
+    ``padding_idx`` only the rows on the longer side of it (RoBERTa, XLM-R, ESM number positions from
+    ``padding_idx + 1``: 514 rows run 512 tokens; was 514, planned past the model's own ``IndexError``, session 31)."""
+    padding = table.padding_idx
+    rows = table.num_embeddings if padding is None else max(padding, table.num_embeddings - padding - 1)
+    return rows - int(getattr(table, "offset", 0) or 0)
 
 
 def _slack(tokens: int, step: int) -> int:
