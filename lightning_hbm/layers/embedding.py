@@ -112,10 +112,17 @@ class QuantizedEmbedding(nn.Embedding):
         new.quantized = quantized
         new.compute_dtype = dtype
         # the hooks the user put on the embedding go on with it (transformers' enable_input_require_grads() hooks the
-        # input embedding's output: Reformer's reversible layers need it to reach their adapters)
-        for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
-            getattr(new, hooks).update(getattr(embedding, hooks))
+        # input embedding's output: Reformer's reversible layers need it to reach their adapters): the same dicts, not
+        # copies, so that a handle taken before (disable_input_require_grads()) still removes its hook (session 31)
+        for hooks in _MODULE_HOOKS:
+            new.__dict__[hooks] = getattr(embedding, hooks)
+        new._is_full_backward_hook = embedding._is_full_backward_hook
         return new
+
+
+#: the per-module hook dicts of ``nn.Module`` (forward, forward pre-, backward and backward pre-hooks)
+_MODULE_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+                 "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
 
 
 class TiedHead(nn.Module):
