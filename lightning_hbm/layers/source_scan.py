@@ -88,8 +88,21 @@ def _own_forward(layer: nn.Module) -> bool:
     weight = layer.weight
     x = torch.arange(2 * layer.in_features, dtype=weight.dtype, device=weight.device).reshape(2, -1).sin()
     with torch.no_grad():
-        out = layer(x)
+        out = _called(layer, x)
         return _differs(out, (2, layer.out_features), weight, lambda: F.linear(x, weight, layer.bias))
+
+
+_FAILED = object()
+
+
+def _called(layer: nn.Module, x: torch.Tensor) -> object:
+    """``layer(x)``, or a marker where a call on one input tensor fails (a forward that takes more arguments, or
+    another input: ``forward(x, scale)``): not the plain layer's forward, so its own (was: the ``TypeError`` stopped
+    the surgery of the whole model, session 31)."""
+    try:
+        return layer(x)
+    except Exception:  # noqa: BLE001 - any failure of the subclass's own forward on the plain layer's input
+        return _FAILED
 
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -105,7 +118,7 @@ def _own_conv_forward(conv: Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]) -> bool:
     x = torch.arange(conv.in_channels * math.prod(size), dtype=weight.dtype, device=weight.device).reshape(1, -1, *size).sin()
     with torch.no_grad():
         expected = base._conv_forward(conv, x, weight, conv.bias)  # type: ignore[operator, arg-type]  # nn.ConvNd's own computation
-        return _differs(conv(x), tuple(expected.shape), weight, lambda: expected)
+        return _differs(_called(conv, x), tuple(expected.shape), weight, lambda: expected)
 
 
 def _differs(out: object, shape: tuple[int, ...], weight: torch.Tensor, expected: Callable[[], torch.Tensor]) -> bool:
