@@ -243,7 +243,9 @@ class Candidate:
                 axes["fused_loss"] = True
         offload = strategy == "cpu_offload" or type(strategy).__name__ == "CPUOffloadStrategy"
         if isinstance(plugin, QuantizedPrecision):
-            axes["layer_modes"] = plugin.layer_modes  # a fixed per-layer plan
+            # a fixed per-layer plan (pinned, or measured by an earlier fit); not the embeddings' mode, which
+            # plugin.layer_modes lists after a surgery (quantize_embeddings' own axis: was read as a plan, session 31)
+            axes["layer_modes"] = plugin.quantization.layer_modes
             axes["correction_rank"] = plugin.correction_rank
             axes["rounding"] = plugin.rounding
             axes["quantize_embeddings"] = EMBEDDINGS_AUTO if plugin.config.embeddings_by_default else plugin.quantize_embeddings
