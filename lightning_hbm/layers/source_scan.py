@@ -96,11 +96,12 @@ _FAILED = object()
 
 
 def _called(layer: nn.Module, x: torch.Tensor) -> object:
-    """``layer(x)``, or a marker where a call on one input tensor fails (a forward that takes more arguments, or
-    another input: ``forward(x, scale)``): not the plain layer's forward, so its own (was: the ``TypeError`` stopped
-    the surgery of the whole model, session 31)."""
+    """``layer.forward(x)`` (not ``layer(x)``: the user's hooks on the layer see no call of this check; was one extra
+    call with a made-up input, session 31), or a marker where a call on one input tensor fails (a forward that takes
+    more arguments, or another input: ``forward(x, scale)``): not the plain layer's forward, so its own (was: the
+    ``TypeError`` stopped the surgery of the whole model, session 31)."""
     try:
-        return layer(x)
+        return layer.forward(x)
     except Exception:  # noqa: BLE001 - any failure of the subclass's own forward on the plain layer's input
         return _FAILED
 

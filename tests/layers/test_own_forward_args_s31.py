@@ -46,3 +46,18 @@ def test_a_subclass_whose_forward_takes_more_is_kept_wide_and_the_rest_quantized
     QuantizedPrecision("int8", dtype="float32").convert_module(model)
     assert type(model.own) in (ScaledConv, ScaledLinear) and type(model.head) is not nn.Linear  # the head quantized
     assert model(x).shape == (2, 4)
+
+
+class SameProduct(nn.Linear):
+    """FalconLinear's way: the plain product computed in its own forward (an ordinary Linear)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
+def test_the_check_does_not_call_the_users_hooks_on_the_layer() -> None:
+    model = nn.Sequential(SameProduct(8, 16), nn.Linear(16, 4))
+    seen: list[torch.Tensor] = []
+    model[0].register_forward_hook(lambda module, args, output: seen.append(args[0]))  # e.g. an activation recorder
+    assert "0" not in weight_readers(model)  # the same product: an ordinary Linear
+    assert seen == []  # was: one call with the check's made-up input
