@@ -353,6 +353,25 @@ def _asks_readers(plugin: Any, pending: Sequence[SurgeryCallback], convert: Opti
 
 #: ``LIGHTNING_HBM_PROBE_STEP=0`` turns the probe step off (issue 55): the user's step never runs an extra time
 PROBE_SWITCH = "LIGHTNING_HBM_PROBE_STEP"
+_PROBE_ON, _PROBE_OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def probe_step_on() -> bool:
+    """Whether ``LIGHTNING_HBM_PROBE_STEP`` (unset: on) lets the probe step run.
+
+    Raises:
+        ValueError: a value it does not know (``""``, ``"2"``, a typo of ``off``): was read as "on" without a word,
+            so a user who meant to turn the probe off had it run (session 31). Raised at fit start, before any change.
+    """
+    value = os.environ.get(PROBE_SWITCH)
+    if value is None or value.strip().lower() in _PROBE_ON:
+        return True
+    if value.strip().lower() in _PROBE_OFF:
+        return False
+    raise ValueError(
+        f"{PROBE_SWITCH}={value!r} is not one of {', '.join(_PROBE_ON)} (run the probe step, the default when unset) "
+        f"or {', '.join(_PROBE_OFF)} (skip it). Set one of these, or unset it (unset {PROBE_SWITCH}); nothing was changed."
+    )
 
 
 def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None:
@@ -362,7 +381,7 @@ def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None
     layers = {name: base_layer(layer) for name, layer, _ in find_layers(module)}
     if not layers:
         return
-    if os.environ.get(PROBE_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+    if not probe_step_on():
         # no observation: weight_readers falls back to the source scan, which keeps every layer whose weight the
         # model's code reads anywhere in the compute dtype (a read it cannot see, through a loop variable or code
         # without source, would get the packed weight: the reason the probe exists)
@@ -533,6 +552,7 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
         return run_surgery(module, plugin, [], convert=convert)
     _state(plugin, trainer)
     lightning_compat.drop_handed_over(trainer)  # a loader the probe of an earlier run handed over and no loop took
+    probe_step_on()  # a switch value it does not know: refused before any check or change
     check_saves(trainer)
     checkpoint = pending_checkpoint(trainer)
     fitting = trainer.state.fn == "fit"
