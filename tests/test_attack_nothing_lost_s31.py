@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -130,6 +131,18 @@ def test_a_surgery_that_fails_half_way_leaves_every_rng_as_it_was(tmp_path: Path
         pl.seed_everything(0, verbose=False)
         trainer.fit(model, _data())
     assert _rngs() == before, "the failed surgery consumed the user's random draws"
+
+
+def test_a_change_that_fails_after_others_says_what_the_model_keeps(tmp_path: Path) -> None:
+    """Was: the user's error alone, with the model quantized and adapted without a word (the weights as built are gone:
+    quantization cannot be undone without a copy)."""
+    model = Net()
+    with pytest.raises(RuntimeError, match="boom") as info:
+        _fit(tmp_path, ours=True, model=model, extra=(Boom(),))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert applied_transforms(model) == ["QuantizedPrecision(nf4)", "LoRA"]
+    assert re.search(r"Boom failed while changing the model, after QuantizedPrecision\(nf4\), LoRA changed it: the model "
+                     r"keeps those changes .*Rebuild the model", notes, re.S), notes  # fmt: skip
 
 
 def test_the_rngs_of_each_step_are_a_plain_runs(tmp_path: Path, plain: Any) -> None:
@@ -288,3 +301,25 @@ def test_a_plain_trainer_after_a_lightning_hbm_fit_behaves_as_without_us(tmp_pat
         _, _, second, second_after = _fit(tmp_path / "after", ours=False)
     assert second.states == first.states and second.losses == first.losses and second_after == first_after
     assert "lightning_hbm" not in caplog.text
+
+
+class CtrlCInTheProbe(Net):
+    """A Ctrl-C while lightning_hbm changes the model: its training_step is interrupted the first time it runs."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        raise KeyboardInterrupt
+
+
+@pytest.mark.slow  # ~2 s: three fits
+@pytest.mark.parametrize("failure", ["late-transform", "ctrl-c-in-the-probe-step"])
+def test_a_failed_lightning_hbm_fit_leaves_a_plain_trainer_as_without_us(tmp_path: Path, plain: Any, failure: str) -> None:
+    state = _process_state()
+    if failure == "late-transform":
+        with pytest.raises(RuntimeError, match="boom"):
+            _fit(tmp_path / "ours", ours=True, extra=(Boom(),))
+    else:
+        with pytest.raises(SystemExit):  # Lightning 2.6 ends the process after a Ctrl-C's graceful shutdown
+            _fit(tmp_path / "ours", ours=True, model=CtrlCInTheProbe())
+    assert _process_state() == state
+    _, _, recorder, after = _fit(tmp_path / "after", ours=False)
+    assert recorder.states == plain[0].states and recorder.losses == plain[0].losses and after == plain[1]

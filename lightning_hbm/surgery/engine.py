@@ -187,10 +187,28 @@ def apply_transforms(module: nn.Module, transforms: Sequence[SurgeryCallback]) -
     done = set(applied_transforms(module))
     for transform in pending:
         name = _transform_name(transform)
-        transform.transform_model(module)
+        try:
+            transform.transform_model(module)
+        except Exception as err:
+            _note_half_applied(err, name, applied_transforms(module))
+            raise
         last[name] = id(transform)
         if name not in done:
             mark_applied(module, name)
+
+
+def _note_half_applied(err: Exception, failed: str, applied: list[str]) -> None:
+    """Say on ``err`` what the model now holds: a change that fails after the checks (a user's transform, an error of
+    a library) leaves the ones before it in place (quantization cannot be undone without a copy of the weights as
+    built; was: the error alone, the model changed without a word, session 31)."""
+    add_note = getattr(err, "add_note", None)  # Python >= 3.11
+    if not applied or add_note is None:
+        return
+    add_note(
+        f"lightning_hbm: {failed} failed while changing the model, after {', '.join(applied)} changed it: the model "
+        "keeps those changes (a new fit of it goes on from them, without applying them again). Rebuild the model (or "
+        "reload its weights) to start from the model as built."
+    )
 
 
 def _check_distinct(transforms: Sequence[SurgeryCallback]) -> None:
