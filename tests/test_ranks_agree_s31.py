@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -57,7 +57,7 @@ def _loader() -> Any:
     return ResumableDataLoader(data, batch_size=2, shuffle=True, seed=0)
 
 
-def _trainer(devices: int, folder: Path, max_steps: int, every: int = 0) -> Any:
+def _trainer(devices: int, folder: Path, max_steps: int, every: int = 0, extra: Any = ()) -> Any:
     from datetime import timedelta
 
     import lightning.pytorch as pl
@@ -72,7 +72,7 @@ def _trainer(devices: int, folder: Path, max_steps: int, every: int = 0) -> Any:
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=folder,
         # a rank left waiting gives up after 40 s (gloo's default is 30 min): the old behaviour fails, not hangs
         strategy=DDPStrategy(timeout=timedelta(seconds=40)) if devices > 1 else "auto",
-        callbacks=[LoRA(r=2), checkpoint],
+        callbacks=[LoRA(r=2), checkpoint, *extra],
     )  # fmt: skip
 
 
@@ -82,18 +82,22 @@ def worker(out: Path, ckpt: str, folder: str) -> None:
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    results = {"resume": _case(out / "resumed", ckpt), "folder": _case(Path(folder), None)}
+    results = {
+        "resume": _case(out / "resumed", ckpt),
+        "folder": _case(Path(folder), None),
+        "report": _case(out / f"report-run{rank}", None, report=Path(folder) / "report"),
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _case(folder: Path, ckpt: Any) -> dict[str, Any]:
-    from lightning_hbm import applied_transforms
+def _case(folder: Path, ckpt: Any, report: Optional[Path] = None) -> dict[str, Any]:
+    from lightning_hbm import HBMProfiler, applied_transforms
 
     model = _module()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = _trainer(2, folder, max_steps=BATCHES)
+    trainer = _trainer(2, folder, max_steps=BATCHES, extra=[HBMProfiler(dirpath=str(report))] if report else [])
     try:
         trainer.fit(model, _loader(), ckpt_path=ckpt)
         error = None
@@ -199,5 +203,22 @@ def test_a_checkpoint_folder_one_rank_cannot_write_is_refused_on_every_rank(rank
     assert results[0]["folder"]["error"] == results[1]["folder"]["error"] and results[0]["folder"]["written"] == []
 
 
+@pytest.mark.slow
+def test_a_report_folder_one_rank_cannot_write_is_refused_on_every_rank(ranks: Any) -> None:
+    """HBMProfiler's own fit-start check of its report folder: was the same (rank 1 raised alone, in the callbacks'
+    setup, rank 0 went on)."""
+    _, folder, isolated, results = ranks
+    if not isolated:
+        pytest.skip("cannot mount a filesystem in a new mount namespace here (not root, or no CAP_SYS_ADMIN)")
+    for rank, result in enumerate(r["report"] for r in results):
+        error = result["error"]
+        assert error is not None, f"rank {rank} went on"
+        assert error.startswith(f"ValueError: HBMProfiler: on rank 1 of 2: HBMProfiler(dirpath=...): the report directory "
+                                f"'{folder / 'report'}' is not writable"), error  # fmt: skip
+        assert result["untouched"] and result["steps"] == 0, result
+    assert results[0]["report"]["error"] == results[1]["report"]["error"]
+
+
 if __name__ == "__main__":
     worker(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+

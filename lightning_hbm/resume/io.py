@@ -112,7 +112,7 @@ def check_checkpoint_dirs(trainer: Any) -> None:
     the rank(s) that cannot write (was: a node whose folder was read-only raised alone, the others waited in the next
     collective until the timeout, issue 55)."""
     failure = None if getattr(trainer, "fast_dev_run", False) else _unwritable_checkpoint_dir(trainer)
-    failures = _gathered(trainer, failure)
+    failures = gather_from_ranks(trainer, failure)
     if failures is None:  # one process
         if failure is not None:
             raise _not_writable(Path(failure[0]), OSError(failure[1], failure[2]))
@@ -156,7 +156,7 @@ def _unwritable_checkpoint_dir(trainer: Any) -> Optional[tuple[str, int, str]]:
     return None
 
 
-def _gathered(trainer: Any, mine: Any) -> Optional[list[Any]]:
+def gather_from_ranks(trainer: Any, mine: Any) -> Optional[list[Any]]:
     """Every rank's ``mine``, by rank, in a distributed run (a collective: every rank calls it); ``None`` in one process."""
     import torch.distributed as dist
 
