@@ -270,12 +270,13 @@ def check_resume_processes(trainer: Any, checkpoint: Optional[dict[str, Any]]) -
     after the strategy's setup, so :meth:`ResumableDataLoader.load_state_dict` alone refused it with the model already
     changed. Decided here only where this run's share is known before the loader exists: Lightning gives a
     distributed run's loader a ``DistributedSampler`` of ``world_size`` processes (``use_distributed_sampler``, the
-    default); other cases are left to ``load_state_dict``. Every rank reads the same checkpoint, so every rank raises
+    default), and one process none (a state saved by several processes is refused); other cases are left to
+    ``load_state_dict``. Every rank reads the same checkpoint, so every rank raises
     the same error."""
     world = int(getattr(trainer, "world_size", 1) or 1)
     connector = getattr(trainer, "_accelerator_connector", None)  # Lightning 2.6: where use_distributed_sampler is kept
-    if not checkpoint or world < 2 or not getattr(connector, "use_distributed_sampler", False):
-        return
+    if not checkpoint or (world > 1 and not getattr(connector, "use_distributed_sampler", False)):
+        return  # one process: no sampler added (a share saved by several is refused); else the loader's own sampler
     fit_loop = ((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("state_dict") or {}
     states = fit_loop.get("combined_loader") if isinstance(fit_loop, dict) else None
     for state in states if isinstance(states, list) else []:
@@ -290,8 +291,8 @@ def check_resume_processes(trainer: Any, checkpoint: Optional[dict[str, Any]]) -
             continue
         raise ValueError(
             f"ResumableDataLoader: the checkpoint {getattr(trainer, 'ckpt_path', None)} was saved by {saved} "
-            f"process(es) sharing each epoch, this run has {world} (devices x num_nodes, each given its share by a "
-            f"DistributedSampler): at the saved batch position (epoch {state.get('epoch')!r}, batch "
+            f"process(es) sharing each epoch, this run has {world} (devices x num_nodes"
+            f"{', each given its share by a DistributedSampler' if world > 1 else ''}): at the saved batch position (epoch {state.get('epoch')!r}, batch "
             f"{state.get('batches')!r}) each process would hold other samples, so the resumed epoch would skip some "
             f"and train others twice. Nothing was changed. Resume on {saved} process(es), or from a checkpoint saved "
             "at an epoch end with a plain DataLoader, or start a new run from the weights (load them, no ckpt_path)."

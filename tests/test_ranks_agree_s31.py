@@ -149,6 +149,26 @@ def _can_mount_in_a_namespace(path: Path) -> bool:
     return shutil.which("unshare") is not None and subprocess.run(command, capture_output=True).returncode == 0
 
 
+@pytest.mark.slow  # ~1 s of fits (and the first imports)
+def test_a_checkpoint_of_two_processes_resumed_on_one_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    """The other way, in one process (rank 0's share of a 2-process epoch, its DistributedSampler given by hand):
+    was refused by the loader's own check in Lightning's fit loop, with LoRA already in the model."""
+    from torch.utils.data import DistributedSampler
+
+    from lightning_hbm import applied_transforms
+    from lightning_hbm.data import ResumableDataLoader
+
+    data = _loader().dataset
+    share = ResumableDataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0, seed=0))
+    _trainer(1, tmp_path / "saved", max_steps=3, every=2).fit(_module(), share)  # step=2.ckpt: 2 of its 4 batches
+    model = _module()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"was saved by 2 process\(es\) sharing each epoch, this run has 1 \(devices x "
+                       r"num_nodes\): at the saved batch position \(epoch 0, batch 2\).*Nothing was changed"):  # fmt: skip
+        _trainer(1, tmp_path / "resumed", max_steps=4).fit(model, _loader(), ckpt_path=tmp_path / "saved" / "step=2.ckpt")
+    assert applied_transforms(model) == [] and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def _read_only_for_rank1(folder: Path) -> Any:
     def wrap(command: list[str]) -> list[str]:
         mount = f"mount -t tmpfs -o ro,size=1m tmpfs {folder}"
