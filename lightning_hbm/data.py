@@ -264,6 +264,32 @@ def _check_settings(saved: dict[str, Any], current: dict[str, Any]) -> None:
         )
 
 
+def check_resume_loader(trainer: Any, checkpoint: Optional[dict[str, Any]], loader: Any) -> None:
+    """Refuse, at fit start and before the model is changed, a one-process resume whose ``ResumableDataLoader``
+    state was saved with other loader settings (batch size, dataset length, shuffle, seed, sampler) than this run's
+    loader: the check :meth:`ResumableDataLoader.load_state_dict` makes in Lightning's fit loop, after the strategy's
+    setup, made before the model changes (was: refused with LoRA already in the model, session 31). ``loader``: a
+    function giving this run's training dataloader (the one the loop will get). Several processes: Lightning rebuilds
+    the loader with a distributed sampler, so only the number of processes is compared here
+    (:func:`check_resume_processes`)."""
+    states = _saved_loader_states(checkpoint)
+    if int(getattr(trainer, "world_size", 1) or 1) != 1 or len(states) != 1 or "loader" not in states[0]:
+        return
+    current = loader()
+    if isinstance(current, ResumableDataLoader):
+        _check_settings(states[0]["loader"], current.settings())
+
+
+def _saved_loader_states(checkpoint: Optional[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ResumableDataLoader states (version 2, with their settings) of the checkpoint's training loaders."""
+    fit_loop = (((checkpoint or {}).get("loops") or {}).get("fit_loop") or {}).get("state_dict") or {}
+    states = fit_loop.get("combined_loader") if isinstance(fit_loop, dict) else None
+    return [
+        state for state in (states if isinstance(states, list) else [])
+        if isinstance(state, dict) and state.get("version") == 2 and isinstance(state.get("loader"), dict)
+    ]  # fmt: skip
+
+
 def check_resume_processes(trainer: Any, checkpoint: Optional[dict[str, Any]]) -> None:
     """Refuse, at fit start and before the model is changed, a resume whose ``ResumableDataLoader`` state was saved by
     another number of processes than this run's (issue 55): Lightning restores the loader's state in its fit loop,
@@ -277,11 +303,7 @@ def check_resume_processes(trainer: Any, checkpoint: Optional[dict[str, Any]]) -
     connector = getattr(trainer, "_accelerator_connector", None)  # Lightning 2.6: where use_distributed_sampler is kept
     if not checkpoint or (world > 1 and not getattr(connector, "use_distributed_sampler", False)):
         return  # one process: no sampler added (a share saved by several is refused); else the loader's own sampler
-    fit_loop = ((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("state_dict") or {}
-    states = fit_loop.get("combined_loader") if isinstance(fit_loop, dict) else None
-    for state in states if isinstance(states, list) else []:
-        if not (isinstance(state, dict) and state.get("version") == 2 and isinstance(state.get("loader"), dict)):
-            continue  # another loader's state, or one that records no settings: its own load_state_dict decides
+    for state in _saved_loader_states(checkpoint):  # (another loader's state: its own load_state_dict decides)
         loader = state["loader"]
         if "distributed" not in loader:
             continue  # saved before the share was recorded: not compared (as load_state_dict)
@@ -461,6 +483,6 @@ def _check_batch_sizes(batch_size: Any, seq_len: Any, vocab_size: Any) -> None:
 
 __all__ = [
     "MAX_BATCH_BYTES", "VOCAB_SIZE", "ByteTextDataModule", "ByteWindows", "EpochSampler", "MidEpochResumeCheck",
-    "check_resume_processes",
+    "check_resume_loader", "check_resume_processes",
     "ResumableDataLoader", "stdlib_text", "synthetic_batch", "warn_if_resume_restarts_data",
 ]

@@ -169,6 +169,23 @@ def test_a_checkpoint_of_two_processes_resumed_on_one_is_refused_before_anything
     assert applied_transforms(model) == [] and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow  # ~1 s of fits
+@pytest.mark.parametrize("change", ["batch_size", "seed"])
+def test_a_one_process_resume_with_another_loader_is_refused_before_anything_changes(tmp_path: Path, change: str) -> None:
+    """Was: refused by the loader's own check in Lightning's fit loop, after the strategy's setup: LoRA in the model."""
+    from lightning_hbm import applied_transforms
+    from lightning_hbm.data import ResumableDataLoader
+
+    _trainer(1, tmp_path / "saved", max_steps=3, every=2).fit(_module(), _loader())  # step=2.ckpt: mid-epoch 0
+    data = _loader().dataset
+    other = ResumableDataLoader(data, batch_size=4 if change == "batch_size" else 2, shuffle=True, seed=1 if change == "seed" else 0)
+    model = _module()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"another training dataloader \({change} .*skip or repeat samples"):
+        _trainer(1, tmp_path / "resumed", max_steps=4).fit(model, other, ckpt_path=tmp_path / "saved" / "step=2.ckpt")
+    assert applied_transforms(model) == [] and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def _read_only_for_rank1(folder: Path) -> Any:
     def wrap(command: list[str]) -> list[str]:
         mount = f"mount -t tmpfs -o ro,size=1m tmpfs {folder}"

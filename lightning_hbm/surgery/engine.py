@@ -74,7 +74,7 @@ from lightning_hbm import resume
 from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.data import MidEpochResumeCheck, check_resume_processes
+from lightning_hbm.data import MidEpochResumeCheck, check_resume_loader, check_resume_processes
 from lightning_hbm.display import adopt_display
 from lightning_hbm.layers import base_layer, find_layers, is_adapted, readers, source_readers, stored_in
 from lightning_hbm.layers.embedding import QuantizedEmbedding
@@ -577,6 +577,7 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
     if fitting:
         resume.check_checkpoint_dirs(trainer)  # a read-only checkpoint folder: said now, not after the first steps
         check_resume_processes(trainer, checkpoint)  # a loader state of another number of processes: before any change
+        check_resume_loader(trainer, checkpoint, lambda: lightning_compat.stage_dataloader(trainer))  # or other settings
     if as_built(module) is None and not applied_transforms(module):
         set_as_built(module, resume.as_built_record(module))
     if fitting and not applied_transforms(module):
