@@ -264,6 +264,63 @@ def _check_settings(saved: dict[str, Any], current: dict[str, Any]) -> None:
         )
 
 
+def check_resume_loader(trainer: Any, checkpoint: Optional[dict[str, Any]], loader: Any) -> None:
+    """Refuse, at fit start and before the model is changed, a one-process resume whose ``ResumableDataLoader``
+    state was saved with other loader settings (batch size, dataset length, shuffle, seed, sampler) than this run's
+    loader: the check :meth:`ResumableDataLoader.load_state_dict` makes in Lightning's fit loop, after the strategy's
+    setup, made before the model changes (was: refused with LoRA already in the model, session 31). ``loader``: a
+    function giving this run's training dataloader (the one the loop will get). Several processes: Lightning rebuilds
+    the loader with a distributed sampler, so only the number of processes is compared here
+    (:func:`check_resume_processes`)."""
+    states = _saved_loader_states(checkpoint)
+    if int(getattr(trainer, "world_size", 1) or 1) != 1 or len(states) != 1 or "loader" not in states[0]:
+        return
+    current = loader()
+    if isinstance(current, ResumableDataLoader):
+        _check_settings(states[0]["loader"], current.settings())
+
+
+def _saved_loader_states(checkpoint: Optional[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ResumableDataLoader states (version 2, with their settings) of the checkpoint's training loaders."""
+    fit_loop = (((checkpoint or {}).get("loops") or {}).get("fit_loop") or {}).get("state_dict") or {}
+    states = fit_loop.get("combined_loader") if isinstance(fit_loop, dict) else None
+    return [
+        state for state in (states if isinstance(states, list) else [])
+        if isinstance(state, dict) and state.get("version") == 2 and isinstance(state.get("loader"), dict)
+    ]  # fmt: skip
+
+
+def check_resume_processes(trainer: Any, checkpoint: Optional[dict[str, Any]]) -> None:
+    """Refuse, at fit start and before the model is changed, a resume whose ``ResumableDataLoader`` state was saved by
+    another number of processes than this run's (issue 55): Lightning restores the loader's state in its fit loop,
+    after the strategy's setup, so :meth:`ResumableDataLoader.load_state_dict` alone refused it with the model already
+    changed. Decided here only where this run's share is known before the loader exists: Lightning gives a
+    distributed run's loader a ``DistributedSampler`` of ``world_size`` processes (``use_distributed_sampler``, the
+    default), and one process none (a state saved by several processes is refused); other cases are left to
+    ``load_state_dict``. Every rank reads the same checkpoint, so every rank raises
+    the same error."""
+    world = int(getattr(trainer, "world_size", 1) or 1)
+    connector = getattr(trainer, "_accelerator_connector", None)  # Lightning 2.6: where use_distributed_sampler is kept
+    if not checkpoint or (world > 1 and not getattr(connector, "use_distributed_sampler", False)):
+        return  # one process: no sampler added (a share saved by several is refused); else the loader's own sampler
+    for state in _saved_loader_states(checkpoint):  # (another loader's state: its own load_state_dict decides)
+        loader = state["loader"]
+        if "distributed" not in loader:
+            continue  # saved before the share was recorded: not compared (as load_state_dict)
+        shared = loader["distributed"]
+        saved = shared.get("processes") if isinstance(shared, dict) else 1
+        if saved == world:
+            continue
+        raise ValueError(
+            f"ResumableDataLoader: the checkpoint {getattr(trainer, 'ckpt_path', None)} was saved by {saved} "
+            f"process(es) sharing each epoch, this run has {world} (devices x num_nodes"
+            f"{', each given its share by a DistributedSampler' if world > 1 else ''}): at the saved batch position (epoch {state.get('epoch')!r}, batch "
+            f"{state.get('batches')!r}) each process would hold other samples, so the resumed epoch would skip some "
+            f"and train others twice. Nothing was changed. Resume on {saved} process(es), or from a checkpoint saved "
+            "at an epoch end with a plain DataLoader, or start a new run from the weights (load them, no ckpt_path)."
+        )
+
+
 def _check_loader_state(state: Any, length: int) -> tuple[Optional[int], int]:
     if not isinstance(state, dict) or state.get("version") != 1 or set(state) != {"version", "epoch", "batches"}:
         raise ValueError(
@@ -426,5 +483,6 @@ def _check_batch_sizes(batch_size: Any, seq_len: Any, vocab_size: Any) -> None:
 
 __all__ = [
     "MAX_BATCH_BYTES", "VOCAB_SIZE", "ByteTextDataModule", "ByteWindows", "EpochSampler", "MidEpochResumeCheck",
+    "check_resume_loader", "check_resume_processes",
     "ResumableDataLoader", "stdlib_text", "synthetic_batch", "warn_if_resume_restarts_data",
 ]

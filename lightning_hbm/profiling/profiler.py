@@ -60,6 +60,7 @@ from lightning_hbm.profiling.figure import (
 )
 from lightning_hbm.profiling.run_facts import run_facts
 from lightning_hbm.profiling.steps import COLUMNS, CUDA_FIELDS, StepMemory, columns, cuda_device
+from lightning_hbm.resume.io import gather_from_ranks
 from lightning_hbm.surgery import applied_transforms
 
 log = logging.getLogger(__name__)
@@ -279,9 +280,29 @@ class HBMProfiler(Callback):
 
     def _check_directories(self, trainer: pl.Trainer) -> str:
         """The report's and the checkpoints' directories must be writable: refused at fit start (before the model
-        is changed), not at the report after training or at the first checkpoint. Checked on every rank, so no
-        rank is left waiting in a collective for one that raised. Returns the report's directory."""
+        is changed), not at the report after training or at the first checkpoint. Checked on every rank and the
+        results gathered, so every rank raises the same error naming the rank(s) that cannot write (was: that rank
+        raised alone, the others waited in the next collective, session 31). Returns the report's directory."""
         report_dir = self._dir(trainer)  # broadcast inside: called on every rank
+        try:
+            self._check_local_directories(trainer, report_dir)
+            failure = None
+        except ValueError as err:
+            failure = str(err)
+            if trainer.world_size < 2:
+                raise
+        failures = gather_from_ranks(trainer, failure)  # a collective: every rank gets here
+        if failures is None:  # no process group (yet): this rank's answer alone
+            if failure is not None:
+                raise ValueError(failure)
+            return report_dir
+        refused = [rank for rank, f in enumerate(failures) if f is not None]
+        if refused:
+            ranks = f"rank{'s' if len(refused) > 1 else ''} {', '.join(map(str, refused))} of {len(failures)}"
+            raise ValueError(f"HBMProfiler: on {ranks}: {failures[refused[0]]}")
+        return report_dir
+
+    def _check_local_directories(self, trainer: pl.Trainer, report_dir: str) -> None:
         _check_writable(report_dir, "HBMProfiler(dirpath=...): the report directory",
                         "Pass a writable directory, e.g. HBMProfiler(dirpath='hbm_report').")  # fmt: skip
         _check_report_names(report_dir)
@@ -293,7 +314,6 @@ class HBMProfiler(Callback):
             directory = callback.dirpath or logger_dir or trainer.default_root_dir
             _check_writable(str(directory), "ModelCheckpoint(dirpath=...): the checkpoint directory",
                             "Pass ModelCheckpoint(dirpath=<a writable directory>) or Trainer(default_root_dir=...).")  # fmt: skip
-        return report_dir
 
     def _warn_earlier_report(self, directory: str) -> None:
         """Another run's report in ``directory`` (an earlier fit, this instance's included): named with the fix, as

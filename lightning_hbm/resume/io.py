@@ -106,9 +106,35 @@ def check_checkpoint_dirs(trainer: Any) -> None:
     30]`` of a hidden partial file at the first save, the steps before it lost. The folder, or its nearest existing
     parent, gets a probe file created and removed (``os.access`` misjudges read-only mounts and root). Not under
     ``fast_dev_run``, where Lightning's ``ModelCheckpoint`` saves nothing (was: a smoke test from a read-only folder
-    refused, session 30)."""
-    if getattr(trainer, "fast_dev_run", False):
+    refused, session 30).
+
+    In a distributed run every rank checks and the results are gathered: every rank raises the same error, naming
+    the rank(s) that cannot write (was: a node whose folder was read-only raised alone, the others waited in the next
+    collective until the timeout, issue 55)."""
+    failure = None if getattr(trainer, "fast_dev_run", False) else _unwritable_checkpoint_dir(trainer)
+    failures = gather_from_ranks(trainer, failure)
+    if failures is None:  # one process
+        if failure is not None:
+            raise _not_writable(Path(failure[0]), OSError(failure[1], failure[2]))
         return
+    refused = [(rank, f) for rank, f in enumerate(failures) if f is not None]
+    if not refused:
+        return
+    parts = []
+    for folder in sorted({f[0] for _, f in refused}):
+        ranks = [rank for rank, f in refused if f[0] == folder]
+        reason = next(f[2] for _, f in refused if f[0] == folder)
+        plural = "s" if len(ranks) > 1 else ""
+        parts.append(f"{folder} on rank{plural} {', '.join(map(str, ranks))} of {len(failures)} ({reason})")
+    raise PermissionError(
+        refused[0][1][1], f"Cannot save checkpoints into {'; '.join(parts)}: every rank saves through its own filesystem (a node's "
+        "scratch may be read-only where another's is not); pass ModelCheckpoint(dirpath=<a folder every rank can write "
+        "to>) or Trainer(default_root_dir=...). No rank changed the model."
+    )
+
+
+def _unwritable_checkpoint_dir(trainer: Any) -> Optional[tuple[str, int, str]]:
+    """``(folder, errno, reason)`` of the first saving ``ModelCheckpoint`` folder this process cannot write, else ``None``."""
     for callback in getattr(trainer, "checkpoint_callbacks", []):
         if not isinstance(callback, ModelCheckpoint) or (callback.save_top_k == 0 and not callback.save_last):
             continue  # saves nothing
@@ -126,7 +152,20 @@ def check_checkpoint_dirs(trainer: Any) -> None:
             os.remove(probe)
         except OSError as err:
             if err.errno in _NOT_WRITABLE:
-                raise _not_writable(Path(str(folder)), err) from err  # a file on the way: Lightning's own error later
+                return str(folder), int(err.errno), str(err.strerror)  # a file on the way: Lightning's own error later
+    return None
+
+
+def gather_from_ranks(trainer: Any, mine: Any) -> Optional[list[Any]]:
+    """Every rank's ``mine``, by rank, in a distributed run (a collective: every rank calls it); ``None`` in one process."""
+    import torch.distributed as dist
+
+    world = int(getattr(trainer, "world_size", 1) or 1)
+    if world < 2 or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() != world:
+        return None
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return gathered
 
 
 def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:

@@ -30,8 +30,17 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
             for key in sorted(set(saved[name]) | set(current[name])):
                 old, new = saved[name].get(key), current[name].get(key)
                 if old != new:
-                    lines.append(f"{name}.{key}: checkpoint {old!r}, this run {new!r}")
+                    lines.append(f"{name}.{key}: checkpoint {_shown(saved[name], key)}, this run {_shown(current[name], key)}")
     return lines
+
+
+#: what a setting left out of a run's settings means (saved only when it differs from what runs did before it existed)
+_UNRECORDED = {"quantize_embeddings": "False (not recorded: the embeddings kept wide)"}
+
+
+def _shown(settings: dict[str, Any], key: str) -> str:
+    # was "checkpoint None" for a setting a run does not record at its old value (session 31): None was never set
+    return repr(settings[key]) if key in settings else _UNRECORDED.get(key, "not recorded (the run's default then)")
 
 
 def fingerprint_differences(meta: dict[str, Any], record: dict[str, Any]) -> list[str]:

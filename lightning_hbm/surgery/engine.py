@@ -74,7 +74,7 @@ from lightning_hbm import resume
 from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.data import MidEpochResumeCheck
+from lightning_hbm.data import MidEpochResumeCheck, check_resume_loader, check_resume_processes
 from lightning_hbm.display import adopt_display
 from lightning_hbm.layers import base_layer, find_layers, is_adapted, readers, source_readers, stored_in
 from lightning_hbm.layers.embedding import QuantizedEmbedding
@@ -187,10 +187,28 @@ def apply_transforms(module: nn.Module, transforms: Sequence[SurgeryCallback]) -
     done = set(applied_transforms(module))
     for transform in pending:
         name = _transform_name(transform)
-        transform.transform_model(module)
+        try:
+            transform.transform_model(module)
+        except Exception as err:
+            _note_half_applied(err, name, applied_transforms(module))
+            raise
         last[name] = id(transform)
         if name not in done:
             mark_applied(module, name)
+
+
+def _note_half_applied(err: Exception, failed: str, applied: list[str]) -> None:
+    """Say on ``err`` what the model now holds: a change that fails after the checks (a user's transform, an error of
+    a library) leaves the ones before it in place (quantization cannot be undone without a copy of the weights as
+    built; was: the error alone, the model changed without a word, session 31)."""
+    add_note = getattr(err, "add_note", None)  # Python >= 3.11
+    if not applied or add_note is None:
+        return
+    add_note(
+        f"lightning_hbm: {failed} failed while changing the model, after {', '.join(applied)} changed it: the model "
+        "keeps those changes (a new fit of it goes on from them, without applying them again). Rebuild the model (or "
+        "reload its weights) to start from the model as built."
+    )
 
 
 def _check_distinct(transforms: Sequence[SurgeryCallback]) -> None:
@@ -353,6 +371,25 @@ def _asks_readers(plugin: Any, pending: Sequence[SurgeryCallback], convert: Opti
 
 #: ``LIGHTNING_HBM_PROBE_STEP=0`` turns the probe step off (issue 55): the user's step never runs an extra time
 PROBE_SWITCH = "LIGHTNING_HBM_PROBE_STEP"
+_PROBE_ON, _PROBE_OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def probe_step_on() -> bool:
+    """Whether ``LIGHTNING_HBM_PROBE_STEP`` (unset: on) lets the probe step run.
+
+    Raises:
+        ValueError: a value it does not know (``""``, ``"2"``, a typo of ``off``): was read as "on" without a word,
+            so a user who meant to turn the probe off had it run (session 31). Raised at fit start, before any change.
+    """
+    value = os.environ.get(PROBE_SWITCH)
+    if value is None or value.strip().lower() in _PROBE_ON:
+        return True
+    if value.strip().lower() in _PROBE_OFF:
+        return False
+    raise ValueError(
+        f"{PROBE_SWITCH}={value!r} is not one of {', '.join(_PROBE_ON)} (run the probe step, the default when unset) "
+        f"or {', '.join(_PROBE_OFF)} (skip it). Set one of these, or unset it (unset {PROBE_SWITCH}); nothing was changed."
+    )
 
 
 def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None:
@@ -362,7 +399,7 @@ def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None
     layers = {name: base_layer(layer) for name, layer, _ in find_layers(module)}
     if not layers:
         return
-    if os.environ.get(PROBE_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+    if not probe_step_on():
         # no observation: weight_readers falls back to the source scan, which keeps every layer whose weight the
         # model's code reads anywhere in the compute dtype (a read it cannot see, through a loop variable or code
         # without source, would get the packed weight: the reason the probe exists)
@@ -533,11 +570,14 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
         return run_surgery(module, plugin, [], convert=convert)
     _state(plugin, trainer)
     lightning_compat.drop_handed_over(trainer)  # a loader the probe of an earlier run handed over and no loop took
+    probe_step_on()  # a switch value it does not know: refused before any check or change
     check_saves(trainer)
     checkpoint = pending_checkpoint(trainer)
     fitting = trainer.state.fn == "fit"
     if fitting:
         resume.check_checkpoint_dirs(trainer)  # a read-only checkpoint folder: said now, not after the first steps
+        check_resume_processes(trainer, checkpoint)  # a loader state of another number of processes: before any change
+        check_resume_loader(trainer, checkpoint, lambda: lightning_compat.stage_dataloader(trainer))  # or other settings
     if as_built(module) is None and not applied_transforms(module):
         set_as_built(module, resume.as_built_record(module))
     if fitting and not applied_transforms(module):
