@@ -119,6 +119,29 @@ def test_two_rank_int8_tables_train_resume_and_count_as_one_process(two_rank_run
     assert [rank["param_bytes"] for rank in ranks] == [per_rank["parameters"]] * 2
 
 
+def test_a_tied_head_outside_its_embeddings_unit_is_refused_before_sharding() -> None:
+    """The strategy's own check (the plugin refuses or keeps wide the usual case earlier): a :class:`TiedHead` whose
+    embedding lies in another FSDP unit would multiply with a shard of the table; refused, naming the head."""
+    from torch import nn
+
+    from lightning_hbm.layers.embedding import TiedHead
+    from lightning_hbm.precision import quantize_model
+    from lightning_hbm.strategies.fsdp_qlora import _check_tied_heads
+
+    def tied() -> nn.Module:
+        model = nn.Module()
+        model.emb, model.head = nn.Embedding(128, 64), nn.Linear(64, 128, bias=False)
+        model.head.weight = model.emb.weight
+        quantize_model(model, "nf4", "float32", quantize_embeddings="int8")
+        assert isinstance(model.head, TiedHead)
+        return model
+
+    with pytest.raises(ValueError, match=r"head is tied to a quantized input embedding, but QuantizedFSDPStrategy puts "
+                       r"them in different FSDP units.*quantize_embeddings=False"):
+        _check_tied_heads(tied(), [])  # emb and head: two top-level children, two units
+    _check_tied_heads(nn.Sequential(tied()), [])  # one submodule holds both: one unit, the table gathered for both
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "fsdp":
         worker(Path(sys.argv[2]))
