@@ -119,6 +119,7 @@ def test_two_rank_int8_tables_train_resume_and_count_as_one_process(two_rank_run
     assert [rank["param_bytes"] for rank in ranks] == [per_rank["parameters"]] * 2
 
 
+@pytest.mark.slow  # ~1-2 s: bitsandbytes and the strategy's imports
 def test_a_tied_head_outside_its_embeddings_unit_is_refused_before_sharding() -> None:
     """The strategy's own check (the plugin refuses or keeps wide the usual case earlier): a :class:`TiedHead` whose
     embedding lies in another FSDP unit would multiply with a shard of the table; refused, naming the head."""
