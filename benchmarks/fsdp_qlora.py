@@ -8,6 +8,9 @@ One configuration per run (Lightning re-runs this script for the other ranks):
     # CPU dev machine, 2 processes (gloo), tiny model: bytes per rank are exact storage counts
     python benchmarks/fsdp_qlora.py --strategy fsdp_qlora --devices 2 --size tiny
     python benchmarks/fsdp_qlora.py --strategy auto --devices 1 --size tiny
+    # the int8 embedding tables sharded (session 31): a vocabulary-dominated Llama (vocabulary 32000, hidden 256,
+    # 2 layers), the default int8 tables against tables kept wide, untied and tied
+    python benchmarks/fsdp_qlora.py --strategy fsdp_qlora --devices 2 --size small --vocab 32000 [--wide-embeddings] [--tie]
 
 Prints, per rank: parameter bytes this rank holds (local shards + quantization constants),
 optimizer-state bytes, trainable parameters; on CUDA also the peak allocated memory and tokens/s
@@ -34,6 +37,9 @@ SIZES: dict[str, dict[str, int]] = {
     # hidden, intermediate, layers, heads, kv heads
     "tiny": dict(
         hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "small": dict(  # the issue-51 vocabulary-dominated shape (with --vocab 32000)
+        hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     ),
     "1b": dict(  # TinyLlama-1.1B's shape
         hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4
@@ -89,10 +95,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="per-rank batch size")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the model's)")
+    parser.add_argument("--tie", action="store_true", help="head tied to the token embedding")
+    parser.add_argument("--wide-embeddings", action="store_true", help="quantize_embeddings=False (default: int8)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    if not cuda and args.size != "tiny":
-        parser.error("without CUDA use --size tiny (the CPU path counts bytes; it does not time)")
+    if not cuda and args.size not in ("tiny", "small"):
+        parser.error("without CUDA use --size tiny or small (the CPU path counts bytes; it does not time)")
     seq = args.seq if cuda else 32
 
     from lightning_hbm.data import synthetic_batch
@@ -104,7 +113,8 @@ def main() -> None:
         accelerator="gpu" if cuda else "cpu",
         devices=args.devices,
         strategy=args.strategy,
-        plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16" if cuda else "float32")],
+        plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16" if cuda else "float32",
+                                    **({"quantize_embeddings": False} if args.wide_embeddings else {}))],
         callbacks=[LoRA(r=16, alpha=32), timer],
         max_steps=args.steps,
         logger=False,
@@ -113,13 +123,18 @@ def main() -> None:
         enable_model_summary=False,
     )
     with trainer.init_module(empty_init=False):
-        model = LlamaLM(**SIZES[args.size], max_position_embeddings=max(seq, 512))
+        shape: dict[str, Any] = dict(SIZES[args.size], tie_word_embeddings=args.tie)
+        if args.vocab is not None:
+            shape["vocab_size"] = args.vocab
+        model = LlamaLM(**shape, max_position_embeddings=max(seq, 512))
     trainer.fit(model, train_dataloaders=data)
 
     figures = {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
         "strategy": args.strategy,
+        "embeddings": "wide" if args.wide_embeddings else "int8 (default)",
+        "tied": args.tie,
         "param_bytes_this_rank": parameter_bytes(model),
         "optimizer_bytes_this_rank": optimizer_bytes(trainer),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),

@@ -48,6 +48,7 @@ from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.planner.tracing import Decided, Trace, UntraceableModule, _block_list
 from lightning_hbm.planner.tracing import trace as _trace
 from lightning_hbm.precision import get_format, quantize_model, to_dtype
+from lightning_hbm.precision.config import DEFAULT_EMBEDDINGS_MODE, EMBEDDINGS_AUTO
 from lightning_hbm.precision.correction import CalibratedCorrection
 
 BatchLike = Union[Any, pl.LightningDataModule]
@@ -218,18 +219,21 @@ def quantization_constant_bytes(
     dtype: str = "bfloat16",
     ignore_modules: Sequence[str] = (),
     layer_modes: Optional[Mapping[str, str]] = None,
+    quantize_embeddings: Union[bool, str] = EMBEDDINGS_AUTO,
 ) -> int:
     """Bytes of the quantization constants alone (absmax, code books, row scales) after ``quantize_model``
     (with the mixed-precision plan ``layer_modes``, if any).
 
-    Sharding keeps these whole on every rank (FSDP2 shards only the packed weights): pass them as
-    ``shard_categories(..., replicated_parameter_bytes=...)``.
+    Sharding keeps these whole on every rank (FSDP2 shards only the packed weights and int8 tables): pass them as
+    ``shard_categories(..., replicated_parameter_bytes=...)``. ``quantize_embeddings``: as ``QuantizedPrecision``'s
+    (``"auto"``, its default: the input embeddings in int8, their row scales counted here; ``False``: kept wide).
     """
 
     def constants(module: nn.Module) -> int:
         return tensor_bytes(t for m in module.modules() for t in quantization_tensors(m))
 
-    return _count_quantized(model, mode, dtype, ignore_modules, constants, layer_modes)
+    embeddings = DEFAULT_EMBEDDINGS_MODE if quantize_embeddings == EMBEDDINGS_AUTO else quantize_embeddings
+    return _count_quantized(model, mode, dtype, ignore_modules, constants, layer_modes, embeddings=embeddings)
 
 
 def _count_quantized(
@@ -240,6 +244,7 @@ def _count_quantized(
     count: Callable[[nn.Module], int],
     layer_modes: Optional[Mapping[str, str]] = None,
     correction_rank: int = 0,
+    embeddings: Union[bool, str] = False,
 ) -> int:
     correct = CalibratedCorrection(CalibratedCorrection.check_rank(correction_rank), to_dtype(dtype)) if correction_rank else None
     fake_mode = _fake_mode()
@@ -249,7 +254,7 @@ def _count_quantized(
         with fake_mode:
             module.configure_model()
             quantize_model(module, get_format(mode).for_fake_tensors(), dtype, ignore_modules, layer_modes=layer_modes,
-                           correct=correct)
+                           correct=correct, quantize_embeddings=embeddings)
             return count(module)
 
 

@@ -235,6 +235,9 @@ def _linear8bit(linear: nn.Linear, dtype: torch.dtype, device: Optional[torch.de
 def _finish8bit(layer: nn.Module, linear: nn.Linear) -> nn.Module:
     if linear.bias is not None:
         layer.bias = linear.bias
+    # the row scales on the layer too (bitsandbytes moves them there at the first forward): the only copy once FSDP2
+    # has swapped the weight for a DTensor shard (an int8 embedding table, gathered for the lookup, needs them)
+    cast(Any, layer).state.SCB = getattr(layer.weight, "SCB", None)
     bnb_compat.drop_kept_inputs(layer)  # else checkpointing keeps every input (see there)
     return layer
 

@@ -197,8 +197,11 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             why; the coverage table too). With ``quantize_head=True`` and ``FusedLoss`` a 4-bit head is dequantized a
             vocabulary slice at a time, never whole. ``layer_modes`` naming an embedding in another mode than a named
             one is an error. Listed in :attr:`layer_modes` when stored in another mode than ``mode``. Under an FSDP
-            strategy the default keeps them in ``dtype`` (a warning says why: int8 tables are not sharded yet), and so
-            does a resume under the default of a checkpoint saved with them wide (the default before session 30; warned).
+            strategy the tables are sharded as the 4-bit weights are (packed rows sharded, row scales whole on every
+            rank, gathered for the lookup with the unit): the same model as one process. The default keeps them in
+            ``dtype`` there only when a head tied to one sits in another top-level submodule (another FSDP unit, where
+            it would read a shard; warned, naming them; an explicit setting is refused), and so does a resume under the
+            default of a checkpoint saved with them wide (the default before session 30, or kept under FSDP; warned).
         correction_rank: ``r >= 1``: each quantized Linear-like layer gets the frozen rank-``r`` term that minimises
             its output error on ``probe_batch`` (:mod:`lightning_hbm.precision.correction`), fitted after any GPTQ
             rounding, stored in ``dtype`` beside the layer and added to its output (``2 r (in + out)`` bytes per layer:

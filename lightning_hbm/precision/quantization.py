@@ -43,7 +43,7 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
 from lightning_hbm.layers.correction import saved_factors
-from lightning_hbm.layers.embedding import is_plain_embedding
+from lightning_hbm.layers.embedding import is_plain_embedding, tied_heads
 from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, unmeasured_reference_warning
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
@@ -155,7 +155,7 @@ class Quantization:
         #: the input embeddings ``quantize_embeddings`` stores in another mode than ``mode`` ``{name: mode}`` (the
         #: setting's, so neither saved with the plan nor compared on resume; ``plugin.layer_modes`` lists them)
         self.embedding_modes: dict[str, str] = {}
-        # the default's int8 embeddings kept wide by this run's strategy (FSDP): the settings saved say so
+        # the default's int8 embeddings kept wide (FSDP with a tied head in another unit, a wide resume): the settings saved say so
         self._embeddings_kept = False
         #: what the sensitivity-aware choice measured (``None`` without a target)
         self.report: Optional[SensitivityReport] = None
@@ -209,8 +209,16 @@ class Quantization:
         again only when the model or the modules trained in full changed since."""
         embeddings = self.config.quantize_embeddings
         sharding = _sharding_strategy(trainer)
-        if self.config.embeddings_by_default and sharding is not None:
-            embeddings = False  # the default's int8 table is not sharded yet (said below, once per listing)
+        apart = _tied_apart(module) if sharding is not None and embeddings else {}
+        if apart and not self.config.embeddings_by_default:
+            raise ValueError(
+                f"quantize_embeddings={embeddings!r} under {sharding}: the input embedding(s) {sorted(apart)} are tied to "
+                f"head(s) {sorted(h for heads in apart.values() for h in heads)} in another top-level submodule, another "
+                "FSDP unit, where the head would read a shard of the quantized table. Hold both in one submodule (as a "
+                "causal LM's model does), or pass quantize_embeddings=False to keep the tied table wide."
+            )
+        if apart:
+            embeddings = False  # the default keeps them wide here (said below, once per listing)
         resumed = self._resumed_with_wide_embeddings(trainer)
         if resumed:
             embeddings = False  # the run being resumed kept them (the default before session 30): it goes on so
@@ -218,13 +226,13 @@ class Quantization:
         rule = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module, trainer)), embeddings)
         cached = self._listing
         if cached is None or cached[0]() is not module or cached[1] != rule:
-            if embeddings is False and self.config.embeddings_by_default and any(is_plain_embedding(m) for m in module.modules()):
+            if apart:
                 rank_zero_warn(
                     f"lightning_hbm: QuantizedPrecision keeps the input embeddings in {self.config.torch_dtype} under {sharding}: "
-                    "the default int8 table (quantize_embeddings='auto') is not sharded by FSDP2 yet (bitsandbytes' int8 row "
-                    "scales are not restored on the all-gathered table). Pass quantize_embeddings=False to keep them so "
-                    "without this warning, or quantize_embeddings=True to store them in the run's 4-bit mode (sharded as "
-                    "its Linears are)."
+                    f"{sorted(apart)} are tied to the head(s) {sorted(h for heads in apart.values() for h in heads)} in another "
+                    "top-level submodule of the LightningModule, which FSDP2 shards as another unit: the head would read a "
+                    "shard of the int8 table (quantize_embeddings='auto'). Hold both in one submodule (as a causal LM's "
+                    "model does) to store them in int8, or pass quantize_embeddings=False to keep them wide without this warning."
                 )
             if resumed and any(is_plain_embedding(m) for m in module.modules()):
                 rank_zero_warn(
@@ -567,6 +575,18 @@ class Quantization:
             self.gptq.save(meta)
         if self.smoothing is not None:
             self.smoothing.save(meta)
+
+
+def _tied_apart(module: nn.Module) -> dict[str, list[str]]:
+    """``{input embedding: the heads tied to it in another top-level submodule}``: an FSDP strategy shards each
+    top-level submodule as its own unit, so such a head would run where the quantized table is not gathered."""
+    apart = {}
+    for name, sub in module.named_modules():
+        if is_plain_embedding(sub):
+            heads = [h for h in tied_heads(module, sub) or [] if h.split(".")[0] != name.split(".")[0]]
+            if heads:
+                apart[name] = heads
+    return apart
 
 
 def _sharding_strategy(trainer: Any) -> Optional[str]:

@@ -17,6 +17,11 @@ Why not Lightning's ``FSDPStrategy``: it rejects every precision plugin that is 
   nf4-dq, ~12.5% with nf4: each rank holds payload / N + all constants);
   bitsandbytes restores them on the all-gathered weight in every forward
   (``fix_4bit_weight_quant_state_from_module``).
+* Input embeddings stored in int8 (``QuantizedPrecision``'s default) or 4-bit shard the same way: the table is the
+  storage layer's weight (``lightning_hbm.layers.embedding``), its packed rows sharded along dim 0, its row scales (or
+  4-bit constants) whole on every rank, gathered with the unit for the lookup. A head tied to it
+  (``TiedHead``) multiplies with that one gathered copy, so it must run inside the embedding's unit (a causal LM's
+  top-level model holding both): checked before sharding (``_check_tied_heads``).
 * It runs on CPU with gloo (``init_device_mesh("cpu")``), so the same
   ``Trainer(strategy="fsdp_qlora")`` is tested on two CPU processes and used unchanged on GPUs.
 * The user's model is not touched: ``ModelParallelStrategy`` asks the user to call
@@ -61,6 +66,7 @@ from lightning_hbm import resume
 from lightning_hbm._compat import _PATH, _materialize_distributed_module, _optimizers_to_device
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._validate import check_args
+from lightning_hbm.layers.embedding import TiedHead
 from lightning_hbm.optim import OPTIMIZER_KINDS, MemoryEfficientOptimizer
 
 log = logging.getLogger(__name__)
@@ -210,6 +216,7 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()
         mesh = self.device_mesh["data_parallel"]
         kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward, offload_policy=offload)
+        _check_tied_heads(module, units)  # before any module is sharded
         for unit in units:
             fully_shard(unit, **kwargs)
         # One more unit per top-level child holding the remaining parameters (embeddings, head).
@@ -359,6 +366,31 @@ def _remainder_units(module: nn.Module) -> list[nn.Module]:
             continue
         units += _remainder_units(child) if _is_container(child) else [child]
     return units
+
+
+def _check_tied_heads(module: nn.Module, units: list[nn.Module]) -> None:
+    """A head tied to a quantized embedding (:class:`~lightning_hbm.layers.embedding.TiedHead`: no weight of its own,
+    it multiplies with the embedding's table) must run inside the embedding's FSDP unit, where FSDP2 has gathered the
+    table (forward, and backward through the unit's output): a causal LM's top-level model holding both. Elsewhere it
+    would read a shard. ``QuantizedPrecision``'s default keeps such tables wide under FSDP (warned); this refuses
+    the rest (an explicit ``quantize_embeddings``) before any module is sharded."""
+    remainder = _remainder_units(module)
+    for name, head in module.named_modules():
+        if not isinstance(head, TiedHead):
+            continue
+        embedding = head.__dict__["embedding"]
+        unit = next((u for u in units + remainder if _holds(u, embedding)), None)
+        if unit is None or not _holds(unit, head):
+            raise ValueError(
+                f"{name} is tied to a quantized input embedding, but QuantizedFSDPStrategy puts them in different FSDP "
+                "units (units are the shard_modules and the top-level children of the LightningModule): the head would "
+                "read a shard of the table. Hold both in one submodule (as a causal LM's model does), or pass "
+                "QuantizedPrecision(quantize_embeddings=False) to keep the tied table wide."
+            )
+
+
+def _holds(module: nn.Module, target: nn.Module) -> bool:
+    return any(m is target for m in module.modules())
 
 
 def _choose_units(module: nn.Module, shard_modules: Optional[list[str]]) -> list[nn.Module]:

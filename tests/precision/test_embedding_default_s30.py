@@ -195,20 +195,33 @@ def test_gptq_says_nothing_of_the_default_int8_table_and_names_a_4bit_one() -> N
     assert any("0: an input embedding, a lookup with no input to round against" in message for message in said)
 
 
-def test_under_fsdp_the_default_keeps_the_embeddings_wide_and_says_so() -> None:
+def test_under_fsdp_the_default_stores_int8_unless_the_tied_head_is_in_another_unit() -> None:
+    """Session 31 (h2): FSDP shards the int8 table as the 4-bit weights (tests/strategies/test_fsdp_int8_embedding_s31.py),
+    so the default stores it there too. Only a head tied to it in another top-level submodule (another FSDP unit: it
+    would read a shard of the table) keeps the tables wide, named in a warning; an explicit setting is refused there
+    (was: every table kept wide under FSDP, "not sharded by FSDP2 yet")."""
+    import warnings
     from types import SimpleNamespace
 
     from lightning_hbm.strategies import QuantizedFSDPStrategy
 
-    model, plugin = Tied(), QuantizedPrecision("nf4-dq", dtype="float32")
     trainer = SimpleNamespace(strategy=QuantizedFSDPStrategy(), callbacks=[])  # what the listing reads of a Trainer
-    with pytest.warns(UserWarning, match=r"keeps the input embeddings in torch.float32 under QuantizedFSDPStrategy: the "
-                      r"default int8 table .* not sharded by FSDP2 yet.*quantize_embeddings=False"):
+    wrapped, plugin = nn.Sequential(Tied()), QuantizedPrecision("nf4-dq", dtype="float32")  # emb and head in one unit
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        targets = plugin.quantization._listed(wrapped, trainer)[1].targets
+    assert "0.emb" in dict(targets) and plugin.quantization.settings()["quantize_embeddings"] == "int8"
+    model, plugin = Tied(), QuantizedPrecision("nf4-dq", dtype="float32")  # emb and head: two top-level submodules
+    with pytest.warns(UserWarning, match=r"keeps the input embeddings in torch.float32 under QuantizedFSDPStrategy: "
+                      r"\['emb'\] are tied to the head\(s\) \['head'\] in another top-level submodule.*quantize_embeddings=False"):
         targets = plugin.quantization._listed(model, trainer)[1].targets
-    assert "emb" not in dict(targets) and "mid" in dict(targets)  # the Linears as ever; an asked-for table stays asked for
+    assert "emb" not in dict(targets) and "mid" in dict(targets)  # the Linears as ever
     assert "quantize_embeddings" not in plugin.quantization.settings()  # saved as kept: a resume elsewhere must say False
-    asked = QuantizedPrecision("nf4-dq", dtype="float32", quantize_embeddings=True).quantization._listed(Tied(), trainer)[1]
-    assert "emb" in dict(asked.targets)
+    asked = QuantizedPrecision("nf4-dq", dtype="float32", quantize_embeddings=True)
+    with pytest.raises(ValueError, match=r"quantize_embeddings=True under QuantizedFSDPStrategy: the input embedding\(s\) "
+                       r"\['emb'\] are tied to head\(s\) \['head'\] in another top-level submodule"):
+        asked.quantization._listed(Tied(), trainer)
+    assert "0.emb" in dict(asked.quantization._listed(nn.Sequential(Tied()), trainer)[1].targets)
 
 
 def test_a_hook_on_the_embedding_goes_on_with_its_int8_table() -> None:

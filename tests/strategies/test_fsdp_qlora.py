@@ -37,7 +37,7 @@ def _callbacks() -> list[Any]:
     return [LoRA(r=4, alpha=8, dropout=0.0)]
 
 
-def _trainer(devices: int, strategy: Any, root: str, max_epochs: int, callbacks: list[Any]) -> Any:
+def _trainer(devices: int, strategy: Any, root: str, max_epochs: int, callbacks: list[Any], **plugin: Any) -> Any:
     import lightning.pytorch as pl
 
     from lightning_hbm import QuantizedPrecision
@@ -46,9 +46,9 @@ def _trainer(devices: int, strategy: Any, root: str, max_epochs: int, callbacks:
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
-        # the 2-rank run takes the default, which keeps the embeddings in fp32 under FSDP (said); the single-process
-        # reference keeps them so too (quantize_embeddings=False), as it must to give the same losses
-        plugins=[QuantizedPrecision("nf4", dtype="float32", **({} if devices > 1 else {"quantize_embeddings": False}))],
+        # both sides take the default: the input embeddings in int8, sharded under FSDP as the 4-bit weights are
+        # (row scales whole on every rank), so the 2-rank run trains the model the single process trains
+        plugins=[QuantizedPrecision("nf4", dtype="float32", **plugin)],
         callbacks=callbacks,
         max_epochs=max_epochs,
         logger=False,
@@ -220,7 +220,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     losses, trainer, model = _single_process(tmp_path_factory.mktemp("reference"), epochs=2)
     import bitsandbytes as bnb
 
-    constants = [t for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) for t in quantization_tensors(m)]
+    # the 4-bit Linears' constants and the int8 embedding tables' row scales (Linear8bitLt storage)
+    constants = [t for m in model.modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) for t in quantization_tensors(m)]
+    assert any(isinstance(m, bnb.nn.Linear8bitLt) for m in model.modules())  # the int8 tables are there
     return {
         "losses": losses,
         "model": model,
@@ -288,7 +290,7 @@ def test_planner_per_rank_prediction_matches_two_rank_measurement(
     from lightning_hbm.planner import Candidate, predict, quantization_constant_bytes, shard_categories
 
     batch = synthetic_batch(GLOBAL_BATCH // 2, DATA["seq_len"])  # what one rank computes on
-    prediction = predict(_model, batch, Candidate("nf4", "float32", lora_r=4, quantize_embeddings=False))  # as FSDP keeps them
+    prediction = predict(_model, batch, Candidate("nf4", "float32", lora_r=4))  # int8 tables, as FSDP now stores them
     assert prediction.categories["parameters"] == reference["param_bytes"]  # exact on one rank
     constants = quantization_constant_bytes(_model, "nf4", "float32")
     assert constants == reference["constant_bytes"]
@@ -401,7 +403,8 @@ def test_quantized_base_without_lora_trains_norms_and_embeddings(tmp_path: Path,
     losses, checkpoints, trainable = {}, {}, {}
     for strategy in ("auto", "fsdp_qlora"):
         recorder = _global_losses()
-        trainer = _trainer(1, strategy, str(tmp_path / strategy), 1, [recorder])
+        # the embeddings kept wide (trained): the default stores them in int8, frozen
+        trainer = _trainer(1, strategy, str(tmp_path / strategy), 1, [recorder], quantize_embeddings=False)
         model = _model()
         trainer.fit(model, datamodule=_datamodule(1))
         trainer.save_checkpoint(tmp_path / f"{strategy}.ckpt")
