@@ -147,6 +147,7 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
     adapters.layers = sum(1 for m in module.modules() if isinstance(m, lora)) if lora else 0
     outside = {kind: CoverageRow(kind) for kind in OUTSIDE_ROWS}
     owners = {id(p): n for n, m in module.named_modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+    tables = {id(m.weight): m for m in module.modules() if type(m) is nn.Embedding}
     kinds = outside_kinds(module, {id(p) for p in module.parameters() if id(p) not in in_kinds})
     holders: dict[str, list[str]] = {kind: [] for kind in OUTSIDE_ROWS}
     for name, param in module.named_parameters():
@@ -168,6 +169,9 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
                 holders[row.kind].append(owner)
         else:
             other.params += param.numel()
+            tagged = record.left_alone(tables[id(param)]) if id(param) in tables else None
+            if tagged is not None:  # an input embedding the precision plugin kept wide (too small to gain, ...): why
+                other.reasons[tagged[0]] = other.reasons.get(tagged[0], 0) + param.numel()
     other.left_alone = other.params
     for row in outside.values():
         row.layers = len(holders[row.kind])

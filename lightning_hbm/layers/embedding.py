@@ -26,13 +26,28 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers.kinds import LayerKind, no_names, register_kind
 from lightning_hbm.memory.storage import quantized_format
 
-#: bytes of one unpacked slice of a quantized head's weight (the transient a sliced head adds beside its output)
+#: most bytes of one unpacked slice of a quantized head's weight (the transient a sliced head adds beside its output)
 SLICE_BYTES = 32 * 2**20
+#: a slice's unpacked weight is at most this share of the output it computes (the call's logits: one fused-loss chunk's,
+#: or the whole batch's): a fixed 32 MiB slice beside a 96-token chunk of SmolLM2's 49k vocabulary (18 MiB of fp32
+#: logits) made the loss term 82.8 MiB where the fp32 head's was 18.6 (planned, Dec 5 2026)
+SLICE_SHARE = 8
+#: fewest bytes of a slice (unless :data:`SLICE_BYTES` is smaller): a few tokens' call (a 16-token chunk, one token
+#: generated) would otherwise loop over thousands of tiny slices; 1 MiB is 455 rows of a 576-wide fp32 table
+MIN_SLICE_BYTES = 2**20
 
 
-def slice_rows(in_features: int, dtype: torch.dtype) -> int:
-    """Output rows (vocabulary entries) per unpacked slice: :data:`SLICE_BYTES` of weight in ``dtype``."""
-    return max(1, SLICE_BYTES // (in_features * dtype.itemsize))
+def slice_rows(in_features: int, dtype: torch.dtype, tokens: Optional[int] = None, out_features: int = 0) -> int:
+    """Output rows (vocabulary entries) per unpacked slice, for a call on ``tokens`` rows of input: what one slice
+    holds (its unpacked weight and its ``[tokens, rows]`` product, both in ``dtype``) at most 1/:data:`SLICE_SHARE` of
+    the ``[tokens, out_features]`` output (at least :data:`MIN_SLICE_BYTES`), its weight never over
+    :data:`SLICE_BYTES` (``tokens=None``: that alone)."""
+    size = dtype.itemsize
+    rows = SLICE_BYTES // (in_features * size)
+    if tokens is not None:
+        share = max(MIN_SLICE_BYTES, tokens * out_features * size // SLICE_SHARE)
+        rows = min(rows, share // ((in_features + tokens) * size))
+    return max(1, rows)
 
 
 class SlicedLinear(torch.autograd.Function):
@@ -44,7 +59,7 @@ class SlicedLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, layer: nn.Module, fmt: Any, dtype: torch.dtype) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).to(dtype)
         vocab = int(fmt.weight_shape(layer)[0])
-        rows = slice_rows(flat.shape[1], dtype)
+        rows = slice_rows(flat.shape[1], dtype, flat.shape[0], vocab)
         # returned as allocated, not as a view: FusedLoss writes the gradient into the logits' storage in place
         out = torch.empty(*x.shape[:-1], vocab, dtype=dtype, device=x.device)
         rows_of_out = out.view(-1, vocab)

@@ -366,9 +366,10 @@ class Bnb8bitFormat(QuantFormat):
         return weight if dtype is None else weight.to(dtype)
 
     def gather_rows(self, module: nn.Module, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        # int8 rows with one scale each: gathered, then scaled (absmax / 127) as dequantize does for the whole weight
+        # int8 rows with one scale each: gathered, then scaled (absmax / 127) as dequantize does for the whole weight;
+        # scaled in place in the fresh fp32 copy (a product beside it doubled a head slice's transient)
         scales = cast(torch.Tensor, self._row_scales(module)).float()[index, None] / 127.0
-        return (cast(torch.Tensor, module.weight).data[index].float() * scales).to(dtype)
+        return cast(torch.Tensor, module.weight).data[index].float().mul_(scales).to(dtype)
 
     def constants(self, module: nn.Module) -> list[torch.Tensor]:
         state = getattr(module, "state", None)

@@ -24,15 +24,7 @@ from lightning_hbm.precision.gptq import ROUNDINGS
 from lightning_hbm.precision.registry import QuantFormat, get_format, to_dtype
 from lightning_hbm.precision.sensitivity import check_plan_args
 from lightning_hbm.precision.smoothing import SMOOTH_MODE, check_smoothing
-from lightning_hbm.precision.targets import checked_embeddings
-
-#: the default of ``quantize_embeddings``: the input embeddings (and a head tied to one) stored in
-#: :data:`DEFAULT_EMBEDDINGS_MODE` whatever the run's mode
-EMBEDDINGS_AUTO = "auto"
-#: the mode ``quantize_embeddings="auto"`` stores them in: int8 costs under 0.3 % where measured (SmolLM2-135M held-out
-#: loss -0.01 % before training, no worse after 150 steps on two seeds; all-MiniLM-L6-v2 sentence cosine, two seeds:
-#: benchmarks/README.md), where the 4-bit table costs +3.5 % after training
-DEFAULT_EMBEDDINGS_MODE = "int8"
+from lightning_hbm.precision.targets import DEFAULT_EMBEDDINGS_MODE, EMBEDDINGS_AUTO, checked_embeddings
 
 
 def _checked_ignore(ignore_modules: Union[str, Sequence[str]]) -> Union[str, tuple[str, ...]]:

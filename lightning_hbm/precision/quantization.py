@@ -53,7 +53,7 @@ from lightning_hbm.precision.int8_dynamic import report_unsmoothed
 from lightning_hbm.precision.quantize import _layer_modes
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_PLAN_TARGET, SensitivityReport, choose_layer_modes, planned_convs_warning, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
-from lightning_hbm.precision.targets import Listing, TargetRule, _validate, quantize_listed
+from lightning_hbm.precision.targets import SMALL_EMBEDDING_VALUES, Listing, TargetRule, _validate, quantize_listed
 from lightning_hbm.probe import Probe, eval_no_grad, forward_on, has_forward
 from lightning_hbm.probe_batch import first_batches
 
@@ -223,7 +223,8 @@ class Quantization:
         if resumed:
             embeddings = False  # the run being resumed kept them (the default before session 30): it goes on so
         self._embeddings_kept = embeddings is False and self.config.embeddings_by_default  # saved as they are: kept
-        rule = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module, trainer)), embeddings)
+        small = SMALL_EMBEDDING_VALUES if self.config.embeddings_by_default else 0  # "auto" alone keeps tiny tables wide
+        rule = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module, trainer)), embeddings, small)
         cached = self._listing
         if cached is None or cached[0]() is not module or cached[1] != rule:
             if apart:

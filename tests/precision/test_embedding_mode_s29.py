@@ -75,7 +75,7 @@ def test_a_bad_value_is_refused_naming_it_and_the_allowed_ones_before_any_change
         QuantizedPrecision("nf4-dq", quantize_embeddings=8)  # type: ignore[arg-type]
     model = llama_factory(**TIED)
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match=r"quantize_model\(quantize_embeddings='int9'\): pass True"):
+    with pytest.raises(ValueError, match=r"quantize_model\(quantize_embeddings='int9'\): pass 'auto' \(int8, as QuantizedPrecision's default\), True"):
         quantize_model(model, "nf4-dq", "float32", quantize_embeddings="int9")
     clash = {"model.model.embed_tokens": "nf4"}
     with pytest.raises(ValueError, match=r"quantize_embeddings='int8' stores the input embeddings in int8, but layer_modes names \{'model\.model\.embed_tokens': 'nf4'\}"):

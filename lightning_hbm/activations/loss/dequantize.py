@@ -43,7 +43,7 @@ def _dequantized_once(head: Optional[nn.Module]) -> Iterator[None]:
     ``[vocab, hidden]`` weight in every forward and again in every backward: per chunk, that transient is as
     large as the bf16 logits of ``hidden`` tokens (1 GiB for an 8B Llama's head), and it would be paid 2 x chunks
     times. A format that can unpack rows (bitsandbytes 4-bit) computes slice by slice (:func:`~lightning_hbm.layers.embedding.sliced_linear`:
-    ``SLICE_BYTES`` of weight at a time); any other keeps one dequantized copy while the chunks run and
+    slices sized from the chunk's logits, ``slice_rows``); any other keeps one dequantized copy while the chunks run and
     computes ``F.linear`` with it, exactly what its forward does after dequantizing.
     """
     modules = head.modules() if head is not None else ()
