@@ -92,6 +92,11 @@ def _own_forward(layer: nn.Module) -> bool:
         return _differs(out, (2, layer.out_features), weight, lambda: F.linear(x, weight, layer.bias))
 
 
+def own_forward(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a Linear or convolution subclass whose own forward computes something else with its weight."""
+    return _own_forward(layer)
+
+
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
