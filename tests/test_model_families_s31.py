@@ -9,9 +9,9 @@ families that held.
 What they found, fixed: transformers BiT (every convolution a ``WeightStandardizedConv2d``, kept as built since session
 30) could not be trained with LoRA at all ("selects no Linear layer"): a convolution with its own forward is now adapted
 by a delta of its weight (``tests/adapters/lora/test_weight_delta_s31.py``, with diffusers Wan's ``WanCausalConv3d``,
-whose ``__init__`` peft could not call); BiT trains, resumes bit-exact and plans below. Found, not fixed (xfail below,
-or the report): DeepSeek-V2 through ``quantize_model`` + ``LoRA.transform_model`` outside a Trainer (peft: "Target
-module DeepseekV2DecoderLayer is not supported", Ernie-4.5-MoE alike; the Trainer path trains both).
+whose ``__init__`` peft could not call); BiT trains, resumes bit-exact and plans below. And DeepSeek-V2 and
+Ernie-4.5-MoE through ``quantize_model`` + ``LoRA.transform_model`` outside a Trainer stopped in peft ("Target module
+DeepseekV2DecoderLayer(...) is not supported": peft rewrites an MoE transformers model's target names), below.
 """
 
 from __future__ import annotations
@@ -95,15 +95,12 @@ HELD: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.Tenso
 }  # fmt: skip
 
 
-# peft matches the dense first layer itself ("model.layers.0") to the anchored regex of the targets: "Target module
-# DeepseekV2DecoderLayer(...) is not supported" (Ernie-4.5-MoE alike; not fixed, the Trainer path trains both)
-OUTSIDE_A_TRAINER_FAILS = {"deepseek_v2", "ernie45_moe"}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(raises=ValueError, strict=True)) if n in OUTSIDE_A_TRAINER_FAILS else n
-                                  for n in HELD])  # fmt: skip
+@pytest.mark.parametrize("name", list(HELD))
 def test_held_family_quantizes_adapts_and_trains_a_step(name: str) -> None:
+    """Outside a Trainer, the transformers model itself the root. Was, for DeepSeek-V2 and Ernie-4.5-MoE: peft rewrote
+    the selected names of an MoE model to their last parts ('0', 'q_proj', ...): "Target module
+    DeepseekV2DecoderLayer(...) is not supported" ('0' matched ``model.layers.0``)."""
     build, loss = HELD[name]
     torch.manual_seed(0)
     model = build()

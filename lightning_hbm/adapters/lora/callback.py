@@ -296,7 +296,9 @@ class LoRA(SurgeryCallback):
         peft_compat.mark_quantized(module, [k for k in ("4bit", "8bit") if k in kinds])
         config = self.config.peft_config(peft, targets)
         # (a convolution with its own forward gets plain convolutions as its adapter: weight_delta.py)
-        with repeated_reads_dequantize_once(), as_plain_convolutions(module, own_forward_convs(module) & set(targets)):
+        # (the names are exact: peft's rewrite of an MoE transformers model's targets is kept out, _compat/peft.py)
+        own_convs = own_forward_convs(module) & set(targets)
+        with repeated_reads_dequantize_once(), as_plain_convolutions(module, own_convs), peft_compat.exact_targets(module):
             peft.inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
         # peft froze every non-adapter parameter; modules_to_save train in place (stable names)
         for name in saved:
