@@ -13,6 +13,10 @@ standardization apply to the adapted weight, and ``LoRA.merge`` (peft's merge, t
 that very function. The cost: the delta, one weight-sized tensor per adapted layer, is built in each forward (these
 layers are kept wide, so it is no larger than the weight). Without dropout only (dropout acts on the input, which a
 weight delta cannot): with ``LoRA(dropout>0)`` such layers are left out as before, with their reason.
+
+A plain convolution that is dilated or pads other than with zeros gets the same forward: peft builds its ``lora_A``
+without the dilation and padding mode, so its term was another function, or another length (descript DAC's dilated
+residual convolutions: "The size of tensor a (256) must match the size of tensor b (268)"; issue 53, session 31).
 """
 
 from __future__ import annotations
@@ -82,10 +86,18 @@ def weight_delta_forward(layer: nn.Module) -> bool:
         return False
     if isinstance(torch_compat.forward_override(layer), WeightDeltaForward):
         return True
-    if not own_forward(base):
+    dropout = any(not isinstance(d, nn.Identity) for d in layer.lora_dropout.values())
+    if dropout or not (own_forward(base) or _peft_term_differs(base)):
         return False
     torch_compat.override_forward(layer, WeightDeltaForward(layer))
     return True
+
+
+def _peft_term_differs(conv: nn.Module) -> bool:
+    """Whether peft's term ``lora_B(lora_A(x))`` is not the convolution of ``x`` by the delta weight: peft builds
+    ``lora_A`` with the layer's kernel, stride and padding but not its dilation nor padding mode (descript DAC's
+    dilated residual convolutions: "The size of tensor a (256) must match the size of tensor b (268)")."""
+    return any(d != 1 for d in conv.dilation) or conv.padding_mode != "zeros"  # type: ignore[union-attr]
 
 
 __all__ = ["WeightDeltaForward", "as_plain_convolutions", "own_forward_convs", "weight_delta_forward"]

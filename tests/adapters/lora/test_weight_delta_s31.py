@@ -93,6 +93,21 @@ def test_a_subclass_whose_init_peft_cannot_call_is_adapted() -> None:
     torch.testing.assert_close(model[0](x), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("conv", [nn.Conv1d(4, 8, 3, dilation=3, padding=3), nn.Conv1d(4, 8, 3, padding=1, padding_mode="reflect")])
+def test_a_dilated_or_reflect_padded_convolution_is_adapted_by_its_weight(conv: nn.Conv1d) -> None:
+    """Was: peft's adapter term has no dilation nor padding mode: descript DAC's dilated residual convolutions stopped
+    at the first step ("The size of tensor a (256) must match the size of tensor b (268)"); a reflect-padded one
+    silently added a zero-padded term."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(conv, nn.ReLU(), nn.Conv1d(8, 2, 1)), torch.randn(2, 4, 16)
+    built = copy.deepcopy(model)
+    LoRA(r=2).transform_model(model)
+    _train(model, x)
+    delta = model[0].get_delta_weight("default")
+    want = built[0]._conv_forward(x, built[0].weight + delta, built[0].bias)
+    torch.testing.assert_close(model[0](x), want, rtol=1e-5, atol=1e-5)
+
+
 def test_with_dropout_it_is_left_out_saying_why() -> None:
     """Dropout acts on the input, which a weight delta cannot: such a layer is left out then, as before."""
     lora = LoRA(r=4, dropout=0.1)
