@@ -86,7 +86,8 @@ def weight_delta_forward(layer: nn.Module) -> bool:
         return False
     if isinstance(torch_compat.forward_override(layer), WeightDeltaForward):
         return True
-    dropout = any(not isinstance(d, nn.Identity) for d in layer.lora_dropout.values())
+    peft_layer: Any = layer
+    dropout = any(not isinstance(d, nn.Identity) for d in peft_layer.lora_dropout.values())
     if dropout or not (own_forward(base) or _peft_term_differs(base)):
         return False
     torch_compat.override_forward(layer, WeightDeltaForward(layer))
