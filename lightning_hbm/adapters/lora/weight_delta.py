@@ -74,6 +74,9 @@ class WeightDeltaForward:
         for name in layer.active_adapters:
             if name in layer.lora_A:
                 weight = weight + layer.get_delta_weight(name).to(weight.dtype)
+        if not own_forward(base):  # dilated or other padding: the convolution itself (a quantized one's weight dequantized)
+            plain: Tensor = base._conv_forward(x, weight, base.bias)
+            return plain
         out: Tensor = torch.func.functional_call(base, {"weight": weight}, (x, *args), kwargs)
         return out
 

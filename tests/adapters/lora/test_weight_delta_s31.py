@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm import LoRA
+from lightning_hbm.precision import quantize_model
 from tests.layers.test_conv_own_forward_s30 import Standardized
 
 
@@ -106,6 +107,20 @@ def test_a_dilated_or_reflect_padded_convolution_is_adapted_by_its_weight(conv: 
     delta = model[0].get_delta_weight("default")
     want = built[0]._conv_forward(x, built[0].weight + delta, built[0].bias)
     torch.testing.assert_close(model[0](x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_dilated_convolution_is_adapted_by_its_weight() -> None:
+    """Under QuantizedPrecision the dilated convolution is stored in 4 bits: its delta goes onto the dequantized weight
+    (was, with the weight delta first tried: "property 'weight' of 'QuantizedConv1d' object has no setter")."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Conv1d(4, 64, 3, dilation=3, padding=3), nn.ReLU(), nn.Conv1d(64, 2, 1)), torch.randn(2, 4, 16)
+    quantize_model(model, "nf4-dq", dtype="float32")
+    LoRA(r=2).transform_model(model)
+    _train(model, x)
+    layer = model[0]
+    assert type(layer.base_layer).__name__ == "QuantizedConv1d"
+    want = F.conv1d(x, layer.base_layer.weight + layer.get_delta_weight("default"), layer.base_layer.bias, dilation=3, padding=3)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
 
 def test_with_dropout_it_is_left_out_saying_why() -> None:
