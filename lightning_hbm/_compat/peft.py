@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+import contextlib
+from typing import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
+
+
+@contextlib.contextmanager
+def exact_targets(model: nn.Module) -> Iterator[None]:
+    """Inside, peft injects into ``model`` the targets it is given, verbatim.
+
+    peft 0.21 (transformers >= 5) rewrites the ``LoraConfig`` of a model whose root has ``config.model_type`` of an MoE
+    family it converts from transformers v4 (DeepSeek-V2, Ernie-4.5-MoE, Mixtral, ...): our anchored regex of exact
+    names becomes their last parts (``{'0', '1', 'q_proj', ...}``) and ``target_parameters``, so ``'0'`` matched the
+    dense first decoder layer ``model.layers.0``: "Target module DeepseekV2DecoderLayer(...) is not supported" (where
+    the names do not reach such a module, other layers than those selected would be adapted). The names are resolved
+    here already, so the root's config is hidden for the injection, as in a Trainer (the root is the LightningModule).
+    """
+    config = model.__dict__.get("config")
+    if config is None or not hasattr(config, "model_type"):
+        yield
+        return
+    del model.__dict__["config"]
+    try:
+        yield
+    finally:
+        model.__dict__["config"] = config
 
 
 def mark_quantized(model: nn.Module, kinds: Iterable[str]) -> None:

@@ -12,7 +12,7 @@ checkpointing wraps). Adding a kind is adding one file and importing it below (d
 
 from lightning_hbm.layers.kinds import LayerKind, kind_names, kind_of, kind_table, layer_kinds, register_kind, stored_in
 from lightning_hbm.layers.finding import adaptable_names, base_layer, converted_keys, find_layers, is_adapted, prepare_model
-from lightning_hbm.layers.source_scan import embedding_readers, source_readers, weight_readers
+from lightning_hbm.layers.source_scan import embedding_readers, own_forward, source_readers, weight_readers
 from lightning_hbm.layers.outside import OUTSIDE_ROWS, RAW_WEIGHTS
 from lightning_hbm.layers.coverage_table import WARN_SHARE, CoverageRow, coverage, coverage_warnings, format_coverage, report_coverage
 from lightning_hbm.layers import readers
@@ -65,6 +65,7 @@ __all__ = [
     "kind_table",
     "layer_kinds",
     "output_heads",
+    "own_forward",
     "prepare_model",
     "register_kind",
     "repeated_reads_dequantize_once",

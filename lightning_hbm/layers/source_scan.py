@@ -106,6 +106,11 @@ def _called(layer: nn.Module, x: torch.Tensor) -> object:
         return _FAILED
 
 
+def own_forward(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a Linear or convolution subclass whose own forward computes something else with its weight."""
+    return _own_forward(layer)
+
+
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 

@@ -57,9 +57,11 @@ def test_a_convolution_computing_something_else_is_kept_as_built() -> None:
     assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.95  # was 0.81: no standardization
 
 
-def test_lora_leaves_it_out() -> None:
+def test_lora_leaves_it_out_with_dropout() -> None:
+    """Session 31: adapted by a delta of its weight (``tests/adapters/lora/test_weight_delta_s31.py``), except with
+    dropout (it acts on the input, which a weight delta cannot)."""
     model = net()
-    lora = LoRA(r=4)
+    lora = LoRA(r=4, dropout=0.1)
     lora.transform_model(model)
     assert "0" not in lora.adapted_modules and "2" in lora.adapted_modules
 
@@ -79,11 +81,12 @@ def test_bit_trains_a_step() -> None:
 
 
 def test_a_model_of_such_convolutions_only_is_refused_by_lora_saying_why() -> None:
-    """BiT's every convolution is a ``WeightStandardizedConv2d`` and its classifier is trained in full: 'all-linear' finds
-    nothing to adapt. Was: the error listed exactly those convolutions as "available"; now it says why they are not."""
+    """BiT's every convolution is a ``WeightStandardizedConv2d`` and its classifier is trained in full: with dropout
+    (session 31: without, they are adapted by their weight) 'all-linear' finds nothing to adapt. Was: the error listed
+    exactly those convolutions as "available"; now it says why they are not, and the fix."""
     transformers = pytest.importorskip("transformers")
     config = transformers.BitConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=3, layer_type="preactivation",
                                     global_padding="SAME", num_groups=4)  # fmt: skip
     with pytest.raises(ValueError, match=r"selects no Linear layer of BitForImageClassification.* 9 are no target: .*own forward.*"
-                       r"WeightStandardizedConv2d\.forward .*train it without the LoRA callback"):  # fmt: skip
-        LoRA(r=4, modules_to_save=["classifier"]).transform_model(transformers.BitForImageClassification(config))
+                       r"WeightStandardizedConv2d\.forward .*LoRA\(dropout=0\.0\) adapts 9 of them.*train it without the LoRA callback"):  # fmt: skip
+        LoRA(r=4, dropout=0.1, modules_to_save=["classifier"]).transform_model(transformers.BitForImageClassification(config))

@@ -24,6 +24,7 @@ from lightning_hbm.adapters.lora.forward import lora_forward
 from lightning_hbm.adapters.lora.input_grads import unwatch_first_step, watch_first_step
 from lightning_hbm.adapters.lora.targets import select
 from lightning_hbm.adapters.lora.watch import _AdapterWatch
+from lightning_hbm.adapters.lora.weight_delta import as_plain_convolutions, own_forward_convs, weight_delta_forward
 from lightning_hbm.layers import find_layers, prepare_model, repeated_reads_dequantize_once, report_coverage, task_heads
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.naming import did_you_mean, name_matches, under
@@ -294,7 +295,10 @@ class LoRA(SurgeryCallback):
         kinds = {fmt.peft_kind for fmt in map(format_of, module.modules()) if fmt is not None}
         peft_compat.mark_quantized(module, [k for k in ("4bit", "8bit") if k in kinds])
         config = self.config.peft_config(peft, targets)
-        with repeated_reads_dequantize_once():  # peft reads each base layer's weight ~10 times: one dequantize
+        # (a convolution with its own forward gets plain convolutions as its adapter: weight_delta.py)
+        # (the names are exact: peft's rewrite of an MoE transformers model's targets is kept out, _compat/peft.py)
+        own_convs = own_forward_convs(module) & set(targets)
+        with repeated_reads_dequantize_once(), as_plain_convolutions(module, own_convs), peft_compat.exact_targets(module):
             peft.inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
         # peft froze every non-adapter parameter; modules_to_save train in place (stable names)
         for name in saved:
@@ -308,6 +312,7 @@ class LoRA(SurgeryCallback):
                 variants.cast_adapters(sub, dtype)
                 compute_in_input_dtype(sub)  # fp32 adapters on a bf16 model: bf16 matmuls, no fp32 input copies
                 lora_forward(sub)  # the adapter term added inside one addmm (plain layers; forward.py says when)
+                weight_delta_forward(sub)  # a convolution with its own forward: its weight adapted (weight_delta.py)
                 _expose_base_attributes(sub)
         self.adapted_modules, self.saved_modules = targets, saved
         self._tell_left_out(module)

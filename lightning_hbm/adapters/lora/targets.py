@@ -16,6 +16,7 @@ from torch import nn
 from lightning_hbm.adapters.lora.base import ALL_LINEAR, _width
 from lightning_hbm.adapters.lora.config import LoRAConfig
 from lightning_hbm.adapters.lora.export import is_quantized
+from lightning_hbm.adapters.lora.weight_delta import own_forward_convs
 from lightning_hbm.layers import (
     QuantizedConv1d,
     QuantizedConv2d,
@@ -94,10 +95,12 @@ def _readers_left_out(module: nn.Module, linears: list[str]) -> str:
     left = [f"{n} ({readers[n]})" for n in linears if n in readers]
     if not left:
         return ""
+    convs = own_forward_convs(module) & set(readers)
+    fix = f" LoRA(dropout=0.0) adapts {len(convs)} of them, convolutions with their own forward, by a delta of their weight." if convs else ""
     return (
         f" Of them, {len(left)} are no target: their weight is read by code other than a plain call of the layer (their "
         f"own forward, or a parent's code), so an adapter around them would not add to what they compute, e.g. "
-        f"{left[:3]}. With nothing else to adapt, LoRA cannot train this model: train it without the LoRA callback."
+        f"{left[:3]}.{fix} With nothing else to adapt, LoRA cannot train this model: train it without the LoRA callback."
     )
 
 
@@ -139,8 +142,13 @@ def _all_linear(
     for _, param in module.named_parameters(remove_duplicate=False):
         owners[id(param)] = owners.get(id(param), 0) + 1
     tied = {n for n in linears if named[n] is not None and owners.get(id(_weight_identity(cast(nn.Module, named[n]))), 0) > 1}
-    # and layers whose weight a parent reads directly (Mamba's dt_proj): their adapter would never be called
+    # and layers whose weight a parent reads directly (Mamba's dt_proj): their adapter would never be called. A
+    # convolution whose own forward computes with its weight (BiT's WeightStandardizedConv2d) is adapted by a weight
+    # delta instead (weight_delta.py; no dropout there: it acts on the input)
     readers = weight_readers(module, uses_only=True)
+    if config.dropout == 0.0:
+        convs = own_forward_convs(module)
+        readers = {n: why for n, why in readers.items() if n not in convs}
     # (a module trained in full is no LoRA candidate: neither adapted nor "narrower than r")
     candidates = [n for n in linears if n not in heads and n not in tied and n not in readers and not under(n, saved)]
     # (a head in modules_to_save is trained, not left out)
