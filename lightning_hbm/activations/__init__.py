@@ -3,7 +3,7 @@
 One job per module, the callback class as the package's face:
 
 - ``checkpointing``: :class:`ActivationCheckpointing` (recompute the repeated blocks in backward, optionally
-  offloading what they save); ``selective`` (the matmuls a selective recompute keeps), ``token_chunks`` and
+  offloading what they save: ``offload``, the hooks that move it off the device and back); ``selective`` (the matmuls a selective recompute keeps), ``token_chunks`` and
   ``token_rows`` (running a block's token-wise layers in chunks of tokens, and telling which layers are token-wise)
 - ``attention/``: :class:`AttentionKernel` (``kernel``: which attention kernel runs) and lightning_hbm's own
   ``blocked`` attention
@@ -11,12 +11,8 @@ One job per module, the callback class as the package's face:
 """
 
 from lightning_hbm.activations.attention import AttentionKernel
-from lightning_hbm.activations.checkpointing import (
-    ActivationCheckpointing,
-    OffloadSavedTensors,
-    host_footprint,
-    pinned_footprint,
-)
+from lightning_hbm.activations.checkpointing import ActivationCheckpointing
+from lightning_hbm.activations.offload import OffloadSavedTensors, host_footprint, pinned_footprint
 from lightning_hbm.activations.loss import FusedLoss
 
 __all__ = ["ActivationCheckpointing", "AttentionKernel", "FusedLoss", "OffloadSavedTensors", "host_footprint",

@@ -1,7 +1,9 @@
 """The HBM planner: predict every configuration's peak memory before training, and pick one that fits.
 
 One job per module: :mod:`~lightning_hbm.planner.candidates` (the configurations and their step-time
-costs), :mod:`~lightning_hbm.planner.tracing` (one training step traced on fake tensors) with
+costs), :mod:`~lightning_hbm.planner.tracing` (one training step traced on fake tensors; its parts
+:mod:`~lightning_hbm.planner.trace_result`, :mod:`~lightning_hbm.planner.peaks`, :mod:`~lightning_hbm.planner.block_cuts`,
+:mod:`~lightning_hbm.planner.fallbacks`, :mod:`~lightning_hbm.planner.host_offload`) with
 :mod:`~lightning_hbm.planner.realvalues` (data-dependent Python), :mod:`~lightning_hbm.planner.api`
 (:func:`predict`, :func:`plan`), :mod:`~lightning_hbm.planner.context` (:func:`max_context`), :mod:`~lightning_hbm.planner.config` (planning a LightningCLI config:
 ``lightning-hbm plan``, alias ``python -m lightning_hbm.planner``) and :mod:`~lightning_hbm.planner.autofit`.

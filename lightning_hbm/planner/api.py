@@ -42,10 +42,13 @@ from lightning_hbm.memory import (
     tensor_bytes,
     term,
 )
+from lightning_hbm.planner.block_cuts import _block_list
 from lightning_hbm.planner.building import ModelLike, Template, _build, _fake_mode, _quiet_logs, build_template
 from lightning_hbm.planner.candidates import Candidate, default_candidates, format_bytes, parse_bytes
+from lightning_hbm.planner.fallbacks import UntraceableModule
 from lightning_hbm.planner.realvalues import RealValues
-from lightning_hbm.planner.tracing import Decided, Trace, UntraceableModule, _block_list
+from lightning_hbm.planner.trace_result import Trace
+from lightning_hbm.planner.tracing import Decided
 from lightning_hbm.planner.tracing import trace as _trace
 from lightning_hbm.precision import get_format, quantize_model, to_dtype
 from lightning_hbm.precision.config import DEFAULT_EMBEDDINGS_MODE, EMBEDDINGS_AUTO

@@ -163,7 +163,7 @@ class Candidate:
         offload_activations: ``ActivationCheckpointing(offload=True)`` with ``checkpointing`` not ``"none"``: the
             checkpointed blocks' inputs go to pinned host memory (a number ``k``: the first ``k`` blocks' only). Planned on ``device="cuda"`` as leaving the device
             (the ``host_activations`` term; one block input in flight in the forward, two restored in the backward:
-            :class:`~lightning_hbm.activations.checkpointing.OffloadSavedTensors`); on ``"cpu"`` the copies
+            :class:`~lightning_hbm.activations.offload.OffloadSavedTensors`); on ``"cpu"`` the copies
             are in the same memory and counted there. Costed at +5 % (a stated assumption, not yet run on GPU).
         layer_modes: a fixed mixed-precision plan of a quantized ``precision``, ``{layer name: mode name}``
             (``QuantizedPrecision(layer_modes=...)``; e.g. ``plugin.layer_modes`` of an earlier run with

@@ -3,6 +3,8 @@
 * :mod:`~lightning_hbm.surgery.engine`: the engine (:func:`run_surgery`, in a fixed stage order, every check before
   the first change) and its Trainer adapter (:class:`SurgeryCallback`, :func:`install`, the plugin's convert/connect
   path). Why it runs where it runs, and how resume fits in, is that module's docstring.
+* :mod:`~lightning_hbm.surgery.probe_step`: the probe step (the user's step run once on the model as built, to see
+  which layers its code reads directly) and the guards on the paths it did not take.
 * :mod:`~lightning_hbm.surgery.protocol`: what the engine asks a precision plugin (:class:`SurgeryPlugin`).
 * :mod:`~lightning_hbm.surgery.record`: what the surgery knows of a model (kept in :mod:`lightning_hbm.record`,
   nothing set on the model).

@@ -45,7 +45,7 @@ registers how a Trainer run's settings are read (:func:`run_settings`).
 The package: this module is the engine, the settings of a run that a resume compares and the Trainer adapter (one
 import cycle by design: ``SurgeryCallback.setup`` installs the engine, which finds the ``SurgeryCallback`` s);
 ``record`` (a face over :mod:`lightning_hbm.record`, where what the surgery knows of a model is kept: nothing is set
-on the model), ``ranks`` (ranks that built different bases) are the parts
+on the model), ``ranks`` (ranks that built different bases), ``probe_step`` (the probe step and its guards) are the parts
 that need none of it. The resume checks themselves, the load hooks and the file format live in
 :mod:`lightning_hbm.resume`; this module tells them the settings of the Trainer's plugin and transforms.
 """
@@ -53,17 +53,13 @@ that need none of it. The resume checks themselves, the load hooks and the file 
 from __future__ import annotations
 
 import functools
-import os
-import threading
 import weakref
-from contextlib import contextmanager
 from enum import IntEnum
-from typing import Any, Callable, Iterator, Optional, Sequence, cast
+from typing import Any, Callable, Optional, Sequence, cast
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -76,11 +72,11 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.data import MidEpochResumeCheck, check_resume_loader, check_resume_processes
 from lightning_hbm.display import adopt_display
-from lightning_hbm.layers import base_layer, find_layers, is_adapted, readers, source_readers, stored_in
-from lightning_hbm.layers.embedding import QuantizedEmbedding
-from lightning_hbm.memory.storage import quantized_format
 from lightning_hbm.quiet import quieted
 from lightning_hbm.record import appliers, as_built, set_as_built, set_modules_to_save
+from lightning_hbm.surgery.probe_step import PROBE_PATIENCE_S as PROBE_PATIENCE_S  # its former home
+from lightning_hbm.surgery.probe_step import PROBE_SWITCH as PROBE_SWITCH  # its former home
+from lightning_hbm.surgery.probe_step import _guard, _observe, probe_step_on
 from lightning_hbm.surgery.protocol import SurgeryPlugin
 from lightning_hbm.surgery.ranks import check_ranks
 from lightning_hbm.surgery.record import applied_transforms, mark_applied
@@ -367,106 +363,6 @@ def _asks_readers(plugin: Any, pending: Sequence[SurgeryCallback], convert: Opti
     if plugin is None:
         return convert is not None
     return not lightning_compat.casts_only(plugin)
-
-
-#: ``LIGHTNING_HBM_PROBE_STEP=0`` turns the probe step off (issue 55): the user's step never runs an extra time
-PROBE_SWITCH = "LIGHTNING_HBM_PROBE_STEP"
-_PROBE_ON, _PROBE_OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
-
-
-def probe_step_on() -> bool:
-    """Whether ``LIGHTNING_HBM_PROBE_STEP`` (unset: on) lets the probe step run.
-
-    Raises:
-        ValueError: a value it does not know (``""``, ``"2"``, a typo of ``off``): was read as "on" without a word,
-            so a user who meant to turn the probe off had it run (session 31). Raised at fit start, before any change.
-    """
-    value = os.environ.get(PROBE_SWITCH)
-    if value is None or value.strip().lower() in _PROBE_ON:
-        return True
-    if value.strip().lower() in _PROBE_OFF:
-        return False
-    raise ValueError(
-        f"{PROBE_SWITCH}={value!r} is not one of {', '.join(_PROBE_ON)} (run the probe step, the default when unset) "
-        f"or {', '.join(_PROBE_OFF)} (skip it). Set one of these, or unset it (unset {PROBE_SWITCH}); nothing was changed."
-    )
-
-
-def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None:
-    """The probe step: who reads which layer's weight, seen on the model as built (before the first check)."""
-    if readers.observation(module) is not None:
-        return
-    layers = {name: base_layer(layer) for name, layer, _ in find_layers(module)}
-    if not layers:
-        return
-    if not probe_step_on():
-        # no observation: weight_readers falls back to the source scan, which keeps every layer whose weight the
-        # model's code reads anywhere in the compute dtype (a read it cannot see, through a loop variable or code
-        # without source, would get the packed weight: the reason the probe exists)
-        rank_zero_info(
-            f"lightning_hbm: {PROBE_SWITCH}=0: {step} was not run before changing the model; layers whose weight the "
-            "model's source reads are kept in the compute dtype (a read the source does not show is not guarded)"
-        )
-        return
-    drawn = batch() if callable(batch) else batch
-    if drawn is None:  # the stage reads no batch (an empty loader, limit_*_batches=0): nothing to run; the source decides
-        return
-    with _said_if_slow(type(module).__qualname__, step):
-        seen = readers.observe(module, drawn, layers, step)
-    if seen is not None:  # said once per model, at the surgery (fit start): the user's code ran one more time
-        rank_zero_info(
-            f"lightning_hbm: ran {seen.ran} once before changing the model, to see which layers its code reads "
-            "directly (no gradient, no optimizer step; the model's values, the data order and the RNGs as they were). "
-            f"{PROBE_SWITCH}=0 skips it: the model's source then decides, and a layer read where the source does not "
-            "show it is named by hand (QuantizedPrecision(ignore_modules=[...]), LoRA(exclude_modules=[...]))"
-        )
-
-
-#: seconds after which a probe step still running is said to the user (a step on fake tensors takes well under one)
-PROBE_PATIENCE_S = 60.0
-
-
-@contextmanager
-def _said_if_slow(model: str, step: str) -> Iterator[None]:
-    """A warning if the probe step is still running after :data:`PROBE_PATIENCE_S`: it runs in the strategy's setup,
-    before ``on_fit_start`` (the model must be changed before the optimizers exist), so a step that waits for
-    something ``on_fit_start`` starts never returns (issue 55). The user then sees why, and the two ways out."""
-    message = (
-        f"lightning_hbm: {model}.{step} has been running for {PROBE_PATIENCE_S:.0f} s in the probe step (run once before "
-        "the model is changed, to see which layers its code reads directly). The probe step runs before on_fit_start: a "
-        "step that waits for something on_fit_start starts never returns. Start it in setup() instead, or set "
-        f"{PROBE_SWITCH}=0 (the model's source then decides which layers are read directly)."
-    )
-    timer = threading.Timer(PROBE_PATIENCE_S, rank_zero_warn, args=(message,))
-    timer.daemon = True  # never keeps the process alive
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-
-
-def _guard(module: nn.Module) -> None:
-    """Guards on the paths the probe step did not take, where the model's source reads a layer now changed."""
-    if readers.observation(module) is None:
-        return
-    changed: dict[str, tuple[nn.Module, torch.Tensor, bool]] = {}
-    for name, layer, _ in find_layers(module):
-        base = base_layer(layer)
-        if isinstance(base, QuantizedEmbedding):
-            continue  # its .weight serves the dequantized table: a read (CLIP's .weight.shape) gets the right values
-        storage = stored_in(base)  # a quantized convolution: its storage's weight is what a reader would get
-        holder = storage if storage is not None else base
-        weight = getattr(holder, "weight", None)
-        if not isinstance(weight, torch.Tensor):
-            continue
-        quantized = not weight.is_floating_point() or quantized_format(holder) is not None
-        if quantized or is_adapted(layer):
-            # the guard watches the stored weight, but "inside the layer" is the layer a parent calls (peft's layer
-            # or the quantized convolution): a quantized convolution's own forward reads its storage's weight
-            # without calling the storage (issue 53: timm PatchEmbed, RecurrentGemma's conv_1d were refused)
-            changed[name] = (layer, weight, quantized)
-    readers.guard_unobserved(module, source_readers(module), changed)  # once per model
 
 
 def run_settings(trainer: pl.Trainer) -> tuple[dict[str, Any], bool]:

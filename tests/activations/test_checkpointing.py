@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from lightning_hbm import ActivationCheckpointing, QuantizedPrecision, applied_transforms, quantize_model
 from lightning_hbm.activations import checkpointing
+from lightning_hbm.activations import offload as offload_hooks
 from lightning_hbm.activations.checkpointing import (
     OffloadSavedTensors,
     host_footprint,
@@ -515,7 +516,7 @@ def test_pinned_pieces_are_powers_of_two_within_two_mib_of_the_copy() -> None:
 
 def test_pinned_pieces_round_trip_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """The offload's host copy in pieces (the CUDA path without pinning or streams) gives back the same tensor."""
-    monkeypatch.setattr(checkpointing, "PIECE_BYTES", 64)
+    monkeypatch.setattr(offload_hooks, "PIECE_BYTES", 64)  # read where the offload hooks live
     tensor = torch.randn(8, 124, dtype=torch.bfloat16)  # 1,984 B: pieces of 1024, 512, 256, 128, 64 B
     copy = checkpointing._Pieces(tensor, torch.device("cpu"), pin=False)
     assert [p.numel() * 2 for p in copy.pieces] == [1024, 512, 256, 128, 64]

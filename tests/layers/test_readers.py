@@ -632,7 +632,7 @@ def test_a_probe_step_waiting_for_on_fit_start_is_said(tmp_path: Any, monkeypatc
     told why and the two ways out."""
     import threading
 
-    from lightning_hbm.surgery import engine
+    from lightning_hbm.surgery import probe_step
 
     class Waits(Wrapped):
         def __init__(self) -> None:
@@ -646,7 +646,7 @@ def test_a_probe_step_waiting_for_on_fit_start_is_said(tmp_path: Any, monkeypatc
             self.started.wait(timeout=3)  # a real one would wait forever
             return super().training_step(batch, batch_idx)
 
-    monkeypatch.setattr(engine, "PROBE_PATIENCE_S", 0.5)
+    monkeypatch.setattr(probe_step, "PROBE_PATIENCE_S", 0.5)  # read where the probe step lives
     with pytest.warns(UserWarning, match=r"Waits\.training_step has been running for 0 s in the probe step.*before on_fit_start.*setup\(\).*LIGHTNING_HBM_PROBE_STEP=0"):
         fit(Waits(), tmp_path, steps=1)
 

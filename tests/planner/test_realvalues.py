@@ -263,9 +263,9 @@ def test_fallback_is_printed(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_a_module_too_large_to_run_for_real_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_hbm.planner import tracing
+    from lightning_hbm.planner import fallbacks
 
-    monkeypatch.setattr(tracing, "MAX_REAL_RUN_BYTES", 2**10)  # a 1 KiB host: block 0's inputs and weights are larger
+    monkeypatch.setattr(fallbacks, "MAX_REAL_RUN_BYTES", 2**10)  # a 1 KiB host: block 0's inputs and weights are larger
     with pytest.raises(RuntimeError, match=r"the forward of blocks\.0\.1 \(_KeepPositive\) cannot run on fake tensors "
                        r"\(DynamicOutputShapeException: aten\.nonzero\.default\), and running it for real on zeros would "
                        r"take 512\.00 KiB of host memory .*MAX_REAL_RUN_BYTES = 1\.00 KiB\)\. Fix: write the branch"):

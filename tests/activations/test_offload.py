@@ -1,4 +1,4 @@
-"""The offload's host copy in pinned pieces (``activations/checkpointing.py``: ``_Pieces``, ``pinned_pieces``,
+"""The offload's host copy in pinned pieces (``activations/offload.py``: ``_Pieces``, ``pinned_pieces``,
 ``host_footprint``), attacked from outside (session 25) on CPU: the pieces without pinning (``pin=False``; pinning
 needs a CUDA build), every dtype at and around ``PIECE_BYTES``, special float bit patterns, empty and 0-dim tensors,
 views sharing storage, strided layouts, tensors that require grad. Restored values must be bit-exact.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_hbm.activations import checkpointing
-from lightning_hbm.activations.checkpointing import PIECE_BYTES, host_footprint, pinned_footprint
+from lightning_hbm.activations import offload as offload_hooks
+from lightning_hbm.activations.offload import PIECE_BYTES, host_footprint, pinned_footprint
 
 CPU = torch.device("cpu")
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
@@ -37,8 +37,8 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return (torch.view_as_real(flat) if flat.is_complex() else flat).contiguous().view(torch.uint8)
 
 
-def _round_trip(tensor: torch.Tensor) -> tuple[torch.Tensor, checkpointing._Pieces]:
-    pieces = checkpointing._Pieces(tensor, CPU, pin=False)
+def _round_trip(tensor: torch.Tensor) -> tuple[torch.Tensor, offload_hooks._Pieces]:
+    pieces = offload_hooks._Pieces(tensor, CPU, pin=False)
     with torch.no_grad():  # as the pack hook runs (test_the_pack_hook_runs_without_grad)
         pieces.fill(tensor)
     return pieces.restore(CPU), pieces
@@ -102,18 +102,18 @@ def test_overlapping_or_gapped_inputs_are_one_request(make: object) -> None:
     nbytes = tensor.numel() * 4
     assert host_footprint(tensor) == 1 << (nbytes - 1).bit_length()
     with pytest.raises(ValueError, match="overlaps or has gaps"):
-        checkpointing._Pieces(tensor, CPU, pin=False)
+        offload_hooks._Pieces(tensor, CPU, pin=False)
 
 
 def test_the_pack_hook_runs_without_grad_so_pieces_of_a_tensor_that_requires_grad_hold_no_graph() -> None:
     """The pieces are filled inside the offload's pack hook: torch runs it with grad disabled, so ``copy_`` from a
     tensor that requires grad records nothing (the restored tensor is a plain one, as autograd's unpack wants)."""
     seen: list[tuple[bool, bool]] = []
-    pieces: list[checkpointing._Pieces] = []
+    pieces: list[offload_hooks._Pieces] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         seen.append((torch.is_grad_enabled(), tensor.requires_grad))
-        copy = checkpointing._Pieces(tensor, CPU, pin=False)
+        copy = offload_hooks._Pieces(tensor, CPU, pin=False)
         copy.fill(tensor)
         pieces.append(copy)
         return tensor
@@ -186,7 +186,7 @@ def test_a_cpu_offload_keeps_the_memory_format_of_what_it_copies(layout: str) ->
     x = torch.randn(2, 8, 6, 6).to(memory_format=torch.channels_last)
     tensor = conv(x).detach() if layout == "channels-last" else torch.randn(16, 12).T
     assert not tensor.is_contiguous()
-    offload = checkpointing.OffloadSavedTensors("cpu")
+    offload = offload_hooks.OffloadSavedTensors("cpu")
     with torch.no_grad():  # as autograd runs the pack hook
         packed = offload._pack(tensor)
     assert packed.host.stride() == tensor.stride()

@@ -1,0 +1,79 @@
+"""Cutting a model's largest list of repeated blocks to the few the planner traces.
+
+The planner traces a deep model cut to 3 and 4 blocks and extends the line (:mod:`lightning_hbm.planner.api`): only a
+list whose blocks are alike from :data:`_ALIKE_FROM` on can be cut so (:func:`_block_list`); it is cut in place
+(:func:`_cut_blocks`) or inside a context (:func:`_blocks_cut`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Optional, cast
+
+from torch import nn
+
+from lightning_hbm.layers.blocks import find_blocks
+
+
+def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks as ``ActivationCheckpointing`` finds them (children of a ModuleList of one class)."""
+    return find_blocks(module)
+
+
+#: The planner cuts a list of blocks to 3 and to 4 (api.py): from the third block on (index 2, the last one a cut to 3
+#: keeps) every block must be alike, else the cut model computes other shapes than the real one.
+_ALIKE_FROM = 2
+
+
+def _signature(block: nn.Module) -> tuple:
+    """What makes two blocks alike for the cut: the module tree as printed (classes, widths, strides, kernels) and every
+    parameter's and buffer's name, shape and dtype (Parameters a repr does not show)."""
+    tensors = itertools.chain(block.named_parameters(), block.named_buffers())
+    return repr(block), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors)
+
+
+def _block_list(module: nn.Module) -> tuple[str, int]:
+    """(path, length) of the largest list of repeated blocks that can be cut and extended; ("", 0) when there is none.
+
+    Only a list whose blocks are alike from index 2 on (:data:`_ALIKE_FROM`): cut to 3 or 4, the model still runs
+    with the shapes of the full one (timm EfficientNet's stages change channel counts: cut after stage 3, its head
+    got 16 channels instead of 80), and the line from 3 to 4 blocks is what each further block adds. A list of
+    unlike blocks is traced whole.
+    """
+    lists: dict[str, list[nn.Module]] = {}
+    for name, block in _blocks(module):
+        lists.setdefault(name.rpartition(".")[0], []).append(block)
+    alike = {path: len(items) for path, items in lists.items() if len({_signature(b) for b in items[_ALIKE_FROM:]}) <= 1}
+    return max(alike.items(), key=lambda item: item[1]) if alike else ("", 0)
+
+
+def _cut_blocks(module: nn.Module, keep: Optional[int]) -> int:
+    """Cut the largest list of repeated blocks to ``keep`` (in place); returns its full length (0: none)."""
+    parent, depth = _block_list(module)
+    if keep is not None and depth > keep:
+        del cast(nn.ModuleList, module.get_submodule(parent) if parent else module)[keep:]  # a ModuleList or Sequential
+    return depth
+
+
+@contextmanager
+def _blocks_cut(module: nn.Module, keep: Optional[int]) -> Iterator[int]:
+    """The largest list of repeated blocks cut to ``keep`` inside the context, restored after; yields its length."""
+    parent, depth = _block_list(module)
+    if keep is None or depth <= keep:
+        yield depth
+        return
+    blocks = cast(nn.ModuleList, module.get_submodule(parent) if parent else module)  # a ModuleList or Sequential
+    removed = list(blocks)[keep:]
+    del blocks[keep:]
+    try:
+        yield depth
+    finally:
+        blocks.extend(removed)
+
+
+def _cut_list(module: nn.Module) -> list[nn.Module]:
+    """The blocks of the list the planner cuts (:func:`_block_list`), as the traced model holds them."""
+    parent, _ = _block_list(module)
+    return [block for name, block in _blocks(module) if name.rpartition(".")[0] == parent]

@@ -1,0 +1,121 @@
+"""Where each phase of a traced step peaks: the regions of the step relative to the list of blocks the planner cuts.
+
+The live-storage tracker's peak is read and restarted at each region's end (:class:`_PeakPoints`), so a trace says
+in which region each phase peaked and what each region held at its own peak; under a partial offload each phase's
+two peaks are recorded apart (:func:`_peaks_apart`). :meth:`lightning_hbm.planner.trace_result.Trace.peaks_apart`
+compares them across cuts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from lightning_hbm.memory import LiveStorageTracker
+from lightning_hbm.planner.block_cuts import _ALIKE_FROM
+
+
+class _PeakPoints:
+    """Where each phase's peak is reached, relative to the list of blocks the planner cuts, and the peak of each
+    region of the step (decided by running: the tracker's peak is read and restarted at each region's end).
+
+    Regions: ``before the blocks``, ``block i`` (its forward; in the backward, from its output's gradient on),
+    ``after block i`` (the forward between it and the next block, or the head and loss after the last), each block
+    named from the start below :data:`_ALIKE_FROM` and from the end from there on (``block -1``: the last kept), so
+    that a region of a cut to 3 blocks is one of a cut to 4 (:meth:`Trace.peaks_apart`). The optimizer step is one
+    region. A phase's peak is its regions' largest (the first reached on a tie, as one peak over the phase had it)."""
+
+    def __init__(self, tracker: LiveStorageTracker) -> None:
+        self.tracker = tracker
+        self.where: dict[str, str] = {}  # per closed phase: the region of its peak
+        self.peaks: dict[str, dict[str, int]] = {}  # per closed phase: each region's peak bytes
+        self.region = ""
+        self.restart()
+
+    def restart(self, region: Optional[str] = None) -> None:
+        """A new phase starts here (``tracker.reset_peak`` ran), in ``region`` (None: the current one)."""
+        self.region = self.region if region is None else region
+        self.regions: dict[str, int] = {}
+        self.best, self.found, self.records = -1, self.region, self.tracker.peak_records
+
+    def mark(self, region: str) -> None:
+        """The current region ends (its peak kept, the phase's if larger), ``region`` starts."""
+        tracker = self.tracker
+        tracker.finish_peak()
+        self.regions[self.region] = max(self.regions.get(self.region, 0), tracker.peak_bytes)
+        if tracker.peak_bytes > self.best:  # the tracker rebinds its records at each peak: this dict stays as it is
+            self.best, self.found, self.records = tracker.peak_bytes, self.region, tracker.peak_records
+        tracker.reset_peak()
+        self.region = region
+
+    def close(self, name: str) -> dict:
+        """The phase ``name`` ends: its peak's live records (the tracker's ``peak_records`` over the phase)."""
+        self.mark(self.region)
+        self.where[name], self.peaks[name] = self.found, self.regions
+        return self.records
+
+    @contextmanager
+    def watching(self, blocks: Sequence[nn.Module], kept_from: Optional[int] = None, unit: int = 1) -> Iterator[None]:
+        """Mark the regions as ``blocks`` run forward (hooks) and their outputs' gradients arrive (tensor hooks).
+
+        ``kept_from``: under a partial offload, the index of the first block of the part that keeps its inputs; the
+        blocks before it from :data:`_ALIKE_FROM` on are named from the end of the offloading part (``offloading -1``:
+        the last), as the cuts that draw its line add blocks in the middle of each part (``Trace.combine``).
+
+        ``unit`` > 1 (``ActivationCheckpointing(regenerate=n)``, the cuts in units of ``n`` blocks): each block is named
+        by its place in its unit and the unit's number (``block 1 of unit -1``), the units below :data:`_ALIKE_FROM`
+        from the start, the others from the end. Every unit then holds the same at the same place once nothing
+        accumulates, and the phase's peak, the first reached on a tie, is in the same named region of each cut (by
+        blocks, block 3 of a cut to 6 was ``-3``, of a cut to 8 ``-5``: the 8B plans were refused and traced whole)."""
+        tracker, handles = self.tracker, []
+        for index, block in enumerate(blocks):
+            name = str(index) if index < _ALIKE_FROM else str(index - len(blocks))
+            if kept_from is not None and _ALIKE_FROM <= index < kept_from:
+                name = f"offloading {index - kept_from}"
+            elif unit > 1:
+                number = index // unit
+                name = f"{index % unit} of unit {number if number < _ALIKE_FROM else number - -(-len(blocks) // unit)}"
+
+            def enter(module: nn.Module, args: Any, name: str = name) -> None:
+                if tracker.phase == "forward":  # not a checkpoint's recomputation in the backward
+                    self.mark(f"block {name}")
+
+            def leave(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
+                if tracker.phase != "forward":
+                    return
+                self.mark(f"after block {name}")
+                out = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+                if out is not None:
+                    out.register_hook(lambda grad: self.mark(f"block {name}"))
+
+            handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+@contextmanager
+def _peaks_apart(boundary: tuple[nn.Module, nn.Module], close: Callable[[str], None]) -> Iterator[None]:
+    """Close the forward's first peak when the first block that keeps its input starts, and the backward's first
+    peak when the gradient reaches the last block that offloads its input (a hook on its output)."""
+    last, first = boundary
+
+    def reached(module: nn.Module, args: Any, output: Any) -> None:
+        grad_out = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if grad_out is not None:
+            grad_out.register_hook(lambda grad: close("backward"))
+
+    handles = [first.register_forward_pre_hook(lambda module, args: close("forward (offloaded blocks)")),
+               last.register_forward_hook(reached)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

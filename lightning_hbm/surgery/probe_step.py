@@ -1,0 +1,124 @@
+"""The probe step: the user's step run once on the model as built, to see which layers its code reads directly.
+
+Before the first check, :func:`_observe` runs the stage's step once (no gradient, no optimizer step) and records who
+reads which layer's weight (:func:`lightning_hbm.layers.readers.observe`); ``LIGHTNING_HBM_PROBE_STEP=0``
+(:data:`PROBE_SWITCH`) leaves it to the model's source, and a step still running after :data:`PROBE_PATIENCE_S` is
+said with the ways out (:func:`_said_if_slow`). After the change, :func:`_guard` guards the paths the probe step did
+not take where the source reads a layer now changed. :func:`lightning_hbm.surgery.engine.run_surgery` decides
+whether to run it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightning_hbm.layers import base_layer, find_layers, is_adapted, readers, source_readers, stored_in
+from lightning_hbm.layers.embedding import QuantizedEmbedding
+from lightning_hbm.memory.storage import quantized_format
+
+#: ``LIGHTNING_HBM_PROBE_STEP=0`` turns the probe step off (issue 55): the user's step never runs an extra time
+PROBE_SWITCH = "LIGHTNING_HBM_PROBE_STEP"
+_PROBE_ON, _PROBE_OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def probe_step_on() -> bool:
+    """Whether ``LIGHTNING_HBM_PROBE_STEP`` (unset: on) lets the probe step run.
+
+    Raises:
+        ValueError: a value it does not know (``""``, ``"2"``, a typo of ``off``): was read as "on" without a word,
+            so a user who meant to turn the probe off had it run (session 31). Raised at fit start, before any change.
+    """
+    value = os.environ.get(PROBE_SWITCH)
+    if value is None or value.strip().lower() in _PROBE_ON:
+        return True
+    if value.strip().lower() in _PROBE_OFF:
+        return False
+    raise ValueError(
+        f"{PROBE_SWITCH}={value!r} is not one of {', '.join(_PROBE_ON)} (run the probe step, the default when unset) "
+        f"or {', '.join(_PROBE_OFF)} (skip it). Set one of these, or unset it (unset {PROBE_SWITCH}); nothing was changed."
+    )
+
+
+def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None:
+    """The probe step: who reads which layer's weight, seen on the model as built (before the first check)."""
+    if readers.observation(module) is not None:
+        return
+    layers = {name: base_layer(layer) for name, layer, _ in find_layers(module)}
+    if not layers:
+        return
+    if not probe_step_on():
+        # no observation: weight_readers falls back to the source scan, which keeps every layer whose weight the
+        # model's code reads anywhere in the compute dtype (a read it cannot see, through a loop variable or code
+        # without source, would get the packed weight: the reason the probe exists)
+        rank_zero_info(
+            f"lightning_hbm: {PROBE_SWITCH}=0: {step} was not run before changing the model; layers whose weight the "
+            "model's source reads are kept in the compute dtype (a read the source does not show is not guarded)"
+        )
+        return
+    drawn = batch() if callable(batch) else batch
+    if drawn is None:  # the stage reads no batch (an empty loader, limit_*_batches=0): nothing to run; the source decides
+        return
+    with _said_if_slow(type(module).__qualname__, step):
+        seen = readers.observe(module, drawn, layers, step)
+    if seen is not None:  # said once per model, at the surgery (fit start): the user's code ran one more time
+        rank_zero_info(
+            f"lightning_hbm: ran {seen.ran} once before changing the model, to see which layers its code reads "
+            "directly (no gradient, no optimizer step; the model's values, the data order and the RNGs as they were). "
+            f"{PROBE_SWITCH}=0 skips it: the model's source then decides, and a layer read where the source does not "
+            "show it is named by hand (QuantizedPrecision(ignore_modules=[...]), LoRA(exclude_modules=[...]))"
+        )
+
+
+#: seconds after which a probe step still running is said to the user (a step on fake tensors takes well under one)
+PROBE_PATIENCE_S = 60.0
+
+
+@contextmanager
+def _said_if_slow(model: str, step: str) -> Iterator[None]:
+    """A warning if the probe step is still running after :data:`PROBE_PATIENCE_S`: it runs in the strategy's setup,
+    before ``on_fit_start`` (the model must be changed before the optimizers exist), so a step that waits for
+    something ``on_fit_start`` starts never returns (issue 55). The user then sees why, and the two ways out."""
+    message = (
+        f"lightning_hbm: {model}.{step} has been running for {PROBE_PATIENCE_S:.0f} s in the probe step (run once before "
+        "the model is changed, to see which layers its code reads directly). The probe step runs before on_fit_start: a "
+        "step that waits for something on_fit_start starts never returns. Start it in setup() instead, or set "
+        f"{PROBE_SWITCH}=0 (the model's source then decides which layers are read directly)."
+    )
+    timer = threading.Timer(PROBE_PATIENCE_S, rank_zero_warn, args=(message,))
+    timer.daemon = True  # never keeps the process alive
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _guard(module: nn.Module) -> None:
+    """Guards on the paths the probe step did not take, where the model's source reads a layer now changed."""
+    if readers.observation(module) is None:
+        return
+    changed: dict[str, tuple[nn.Module, torch.Tensor, bool]] = {}
+    for name, layer, _ in find_layers(module):
+        base = base_layer(layer)
+        if isinstance(base, QuantizedEmbedding):
+            continue  # its .weight serves the dequantized table: a read (CLIP's .weight.shape) gets the right values
+        storage = stored_in(base)  # a quantized convolution: its storage's weight is what a reader would get
+        holder = storage if storage is not None else base
+        weight = getattr(holder, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            continue
+        quantized = not weight.is_floating_point() or quantized_format(holder) is not None
+        if quantized or is_adapted(layer):
+            # the guard watches the stored weight, but "inside the layer" is the layer a parent calls (peft's layer
+            # or the quantized convolution): a quantized convolution's own forward reads its storage's weight
+            # without calling the storage (issue 53: timm PatchEmbed, RecurrentGemma's conv_1d were refused)
+            changed[name] = (layer, weight, quantized)
+    readers.guard_unobserved(module, source_readers(module), changed)  # once per model
