@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.adapters.lora.compute import Bf16ComputeLinear
+from lightning_hbm.running import changing_hooks
 
 _RECOMPUTING: ContextVar[bool] = ContextVar("lightning_hbm_recomputing", default=False)
 
@@ -122,7 +123,8 @@ def _one_plain_adapter(layer: Any) -> Optional[str]:
 def _fused_weight(lora_b: nn.Module, a: Tensor, out_dtype: torch.dtype) -> Optional[Tensor]:
     """``lora_B``'s weight as its forward would multiply ``a`` by it, or None where an ``addmm`` into an ``out_dtype``
     output would not be that forward and peft's sum."""
-    if type(lora_b) is not nn.Linear or lora_b.bias is not None or lora_b._forward_hooks or lora_b._forward_pre_hooks:
+    # hooks that only observe (the profiler's) are not called on a fused lora_B: it must not change the path it measures
+    if type(lora_b) is not nn.Linear or lora_b.bias is not None or changing_hooks(lora_b):
         return None
     override = torch_compat.forward_override(lora_b)
     if override is not None and not isinstance(override, Bf16ComputeLinear):
