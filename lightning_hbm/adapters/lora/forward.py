@@ -10,9 +10,11 @@ so in bf16 it is not peft's to the bit (``tests/adapters/lora/test_lora_forward.
 rounding, and to an fp64 reference; in fp32 the real SmolLM2 fine-tune still gave the Hugging Face recipe's floats).
 
 Only where it adds up to the same function: one plain adapter (no DoRA or other variant), not merged or disabled, no
-extra arguments, no autocast, a ``lora_B`` that is a bias-free ``nn.Linear`` with no hooks, and input, adapter compute
-and base output in one dtype (``lora_B``'s fp32 weight is cast to a bf16 input's dtype, as
-:class:`~lightning_hbm.adapters.lora.compute.Bf16ComputeLinear` computes it). Anything else runs peft's sum.
+extra arguments, no autocast, a ``lora_B`` that is a bias-free ``nn.Linear`` with no hooks (hooks that only observe,
+:func:`lightning_hbm.running.observing`, aside: the profiler's detailed step hooks every submodule, and must measure the
+path an unwatched step runs), and input, adapter compute and base output in one dtype (``lora_B``'s fp32 weight is cast
+to a bf16 input's dtype, as :class:`~lightning_hbm.adapters.lora.compute.Bf16ComputeLinear` computes it). Anything else
+runs peft's sum.
 
 In a checkpointed block's recompute (:func:`recomputing`, entered by ``ActivationCheckpointing``) a layer marked
 ``first`` (the block's last adapted layer, :mod:`~lightning_hbm.adapters.lora.order`) computes its adapter term before
