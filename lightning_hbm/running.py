@@ -8,10 +8,28 @@ share this one stack instead of three copies of the same hooks.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+_OBSERVING = "_lightning_hbm_observing"
+
+
+def observing(hook: _Hook) -> _Hook:
+    """Mark a forward hook as one that only observes (it changes no value and nothing the model reads): code that takes
+    another path for a module with hooks ignores it (:func:`changing_hooks`), so that watching a step (the profiler's
+    module attribution and its step recorder) does not change what the step runs."""
+    setattr(hook, _OBSERVING, True)
+    return hook
+
+
+def changing_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has a forward (pre-)hook of its own that is not :func:`observing` (process-wide hooks are not
+    looked at). A bound method is marked through its function."""
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    return any(not getattr(hook, _OBSERVING, False) for hook in hooks)
 
 
 class RunningModules:
@@ -51,12 +69,14 @@ class RunningModules:
         self._handles = []
         self.stack.clear()
 
+    @observing
     def _enter(self, module: nn.Module, args: Any) -> None:
         self.stack.append(module)
 
+    @observing
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.stack and self.stack[-1] is module:
             self.stack.pop()
 
 
-__all__ = ["RunningModules"]
+__all__ = ["RunningModules", "changing_hooks", "observing"]

@@ -35,6 +35,7 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm.memory.categories import StorageKey, plain_tensors
 from lightning_hbm.memory.storage import storage_key, storages, tensor_storage_key
 from lightning_hbm.memory.tracker import LiveStorageTracker, StorageRecord
+from lightning_hbm.running import observing
 
 #: The phases of a training step, in Lightning's order under automatic optimization (the loss is the forward's
 #: tail, split off after the step: :func:`lightning_hbm.profiling.figure.build_figure`).
@@ -225,6 +226,7 @@ class StepRecorder(TorchDispatchMode):
 
     # -- module scope --------------------------------------------------------------------------------
     def _push(self, label: str) -> Callable[..., None]:
+        @observing  # LoRAForward still fuses a lora_B the recorder watches: the recorded step is the step unrecorded
         def hook(module: nn.Module, args: Any) -> None:
             if self._phase == "forward" and torch.is_grad_enabled():
                 # the node that made this module's input is the caller's own code (a functional op between two
@@ -235,6 +237,7 @@ class StepRecorder(TorchDispatchMode):
         return hook
 
     def _pop(self, leaf: bool) -> Callable[..., None]:
+        @observing
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             label = self._stack.pop() if self._stack else ""
             if leaf and self._phase == "forward":

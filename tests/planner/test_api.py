@@ -58,6 +58,10 @@ ACCURACY_CASES = [
     ("gpt", Candidate("bf16-true", checkpointing="full", optimizer="adamw8bit")),
     ("llama", Candidate("int8", lora_r=8, checkpointing="selective")),
     ("llama", Candidate("nf4-dq", lora_r=8, checkpointing="selective")),  # keeps gemm_4bit's outputs (QuantFormat.matmul_ops)
+    # LoRA + full recompute: the peak is inside the last block's recompute, in a LoRA layer's transients, so the only
+    # case where the profiler's own hooks on lora_B (which made LoRAForward run peft's unfused sum) showed: measured
+    # 852,720 B for 827,500 planned here before session 31 (MemTracker, process-wide hooks: the plan's figure)
+    ("llama", Candidate("nf4", lora_r=8, checkpointing="full", optimizer="adamw8bit")),
 ]
 
 

@@ -10,9 +10,11 @@ so in bf16 it is not peft's to the bit (``tests/adapters/lora/test_lora_forward.
 rounding, and to an fp64 reference; in fp32 the real SmolLM2 fine-tune still gave the Hugging Face recipe's floats).
 
 Only where it adds up to the same function: one plain adapter (no DoRA or other variant), not merged or disabled, no
-extra arguments, no autocast, a ``lora_B`` that is a bias-free ``nn.Linear`` with no hooks, and input, adapter compute
-and base output in one dtype (``lora_B``'s fp32 weight is cast to a bf16 input's dtype, as
-:class:`~lightning_hbm.adapters.lora.compute.Bf16ComputeLinear` computes it). Anything else runs peft's sum.
+extra arguments, no autocast, a ``lora_B`` that is a bias-free ``nn.Linear`` with no hooks (hooks that only observe,
+:func:`lightning_hbm.running.observing`, aside: the profiler's detailed step hooks every submodule, and must measure the
+path an unwatched step runs), and input, adapter compute and base output in one dtype (``lora_B``'s fp32 weight is cast
+to a bf16 input's dtype, as :class:`~lightning_hbm.adapters.lora.compute.Bf16ComputeLinear` computes it). Anything else
+runs peft's sum.
 
 In a checkpointed block's recompute (:func:`recomputing`, entered by ``ActivationCheckpointing``) a layer marked
 ``first`` (the block's last adapted layer, :mod:`~lightning_hbm.adapters.lora.order`) computes its adapter term before
@@ -33,6 +35,7 @@ from torch import Tensor, nn
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.adapters.lora.compute import Bf16ComputeLinear
+from lightning_hbm.running import changing_hooks
 
 _RECOMPUTING: ContextVar[bool] = ContextVar("lightning_hbm_recomputing", default=False)
 
@@ -122,7 +125,8 @@ def _one_plain_adapter(layer: Any) -> Optional[str]:
 def _fused_weight(lora_b: nn.Module, a: Tensor, out_dtype: torch.dtype) -> Optional[Tensor]:
     """``lora_B``'s weight as its forward would multiply ``a`` by it, or None where an ``addmm`` into an ``out_dtype``
     output would not be that forward and peft's sum."""
-    if type(lora_b) is not nn.Linear or lora_b.bias is not None or lora_b._forward_hooks or lora_b._forward_pre_hooks:
+    # hooks that only observe (the profiler's) are not called on a fused lora_B: it must not change the path it measures
+    if type(lora_b) is not nn.Linear or lora_b.bias is not None or changing_hooks(lora_b):
         return None
     override = torch_compat.forward_override(lora_b)
     if override is not None and not isinstance(override, Bf16ComputeLinear):
