@@ -51,7 +51,7 @@ from lightning_hbm.planner.trace_result import Trace
 from lightning_hbm.planner.tracing import Decided
 from lightning_hbm.planner.tracing import trace as _trace
 from lightning_hbm.precision import get_format, quantize_model, to_dtype
-from lightning_hbm.precision.config import DEFAULT_EMBEDDINGS_MODE, EMBEDDINGS_AUTO
+from lightning_hbm.precision.config import EMBEDDINGS_AUTO
 from lightning_hbm.precision.correction import CalibratedCorrection
 
 BatchLike = Union[Any, pl.LightningDataModule]
@@ -235,8 +235,9 @@ def quantization_constant_bytes(
     def constants(module: nn.Module) -> int:
         return tensor_bytes(t for m in module.modules() for t in quantization_tensors(m))
 
-    embeddings = DEFAULT_EMBEDDINGS_MODE if quantize_embeddings == EMBEDDINGS_AUTO else quantize_embeddings
-    return _count_quantized(model, mode, dtype, ignore_modules, constants, layer_modes, embeddings=embeddings)
+    # "auto" as the plugin reads it: tables under SMALL_EMBEDDING_VALUES stay wide, without row scales (was: every
+    # table counted in int8: 256 B over a two-rank run with a 64-row table, session 31)
+    return _count_quantized(model, mode, dtype, ignore_modules, constants, layer_modes, embeddings=quantize_embeddings)
 
 
 def _count_quantized(
