@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_fsdp_qlora import DIST_ENV, GLOBAL_BATCH, STEPS_PER_EPOCH, TINY, _callbacks, _datamodule, _global_losses  # noqa: E402
+from test_fsdp_qlora import GLOBAL_BATCH, STEPS_PER_EPOCH, TINY, _callbacks, _datamodule, _global_losses, run_script_on_two_ranks  # noqa: E402
 
 
 def _model() -> Any:
@@ -76,17 +75,7 @@ def worker(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("fsdp_int8_embedding")
-    import lightning_hbm
-
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    package_root = str(Path(lightning_hbm.__file__).resolve().parents[1])  # the ranks import this lightning_hbm
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "fsdp", str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return out
+    return run_script_on_two_ranks(__file__, tmp_path_factory.mktemp("fsdp_int8_embedding"), timeout=300)
 
 
 @pytest.mark.slow

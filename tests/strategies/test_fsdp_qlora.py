@@ -190,9 +190,8 @@ def worker(out: Path) -> None:
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
 
 
-@pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("fsdp_qlora")
+def run_script_on_two_ranks(script: str, out: Path, timeout: int = 240) -> Path:
+    """Run ``script``'s ``fsdp`` worker on 2 gloo ranks (Lightning's launcher) writing into ``out``; assert it ended well."""
     import lightning_hbm
 
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
@@ -201,15 +200,15 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # so they would otherwise import whatever copy is installed in the environment).
     package_root = str(Path(lightning_hbm.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "fsdp", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = subprocess.run([sys.executable, str(Path(script).resolve()), "fsdp", str(out)], env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return run_script_on_two_ranks(__file__, tmp_path_factory.mktemp("fsdp_qlora"))
 
 
 @pytest.fixture(scope="module")
