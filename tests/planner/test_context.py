@@ -54,6 +54,31 @@ def _measured(tokens: int, choices: dict[str, Any]) -> int:
     return memtracker_peak(SMALL_LLAMA, batch, candidate)
 
 
+DEEP_LLAMA = partial(LlamaLM, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=32,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2**20)  # fmt: skip
+_SHARED_PLANS: dict[tuple[Any, ...], Any] = {}
+
+
+@pytest.fixture
+def shared_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_context's plans shared between calls, keyed by model, configuration, length and offloaded count. The two
+    host-budget tests of DEEP_LLAMA solve one device budget: each call plans the same configurations at the same lengths
+    (offloaded: 2k, 32k, 128k, 7,680, 7,424, 4,096 tokens; without offload: 2k, 32k, 128k, 2,304), ten of the second
+    test's twelve plans; SMALL_LLAMA with LoRA(r=4) on CUDA, offloaded, is planned at 2k, 32k and 128k tokens by three
+    tests (the 128k plan by a fourth). A plan depends on nothing else (a call's own cache keeps them the same way, and
+    a model stepped again plans as a fresh one: test_the_structure_forwards_run_once_across_lengths_and_plan_the_same_bytes),
+    so what the tests check of max_context's choices is unchanged; run alone, each test plans everything itself."""
+    original = context_module._Lengths.predict_at
+
+    def shared(self: Any, tokens: int, offload: Any = None) -> Any:
+        key = (str(self.template.module), self.candidate.yaml(), self.regenerate, self.device, tokens, offload)
+        if key not in _SHARED_PLANS:
+            _SHARED_PLANS[key] = original(self, tokens, offload)
+        return _SHARED_PLANS[key]
+
+    monkeypatch.setattr(context_module._Lengths, "predict_at", shared)
+
+
 @pytest.mark.slow
 def test_predicted_longest_context_matches_a_measured_step() -> None:
     budget = CUDA_CONTEXT_BYTES + 12 * 2**20
@@ -69,6 +94,7 @@ def test_predicted_longest_context_matches_a_measured_step() -> None:
     assert _measured(result.tokens + STEP, result.choices) + CUDA_CONTEXT_BYTES > budget  # the next length up is over
 
 
+@pytest.mark.usefixtures("shared_plans")
 def test_several_budgets_give_one_result_each_and_a_hopeless_one_names_its_term() -> None:
     tiny, roomy = 2**20, CUDA_CONTEXT_BYTES + 6 * 2**20
     results = max_context(SMALL_LLAMA, [tiny, roomy], callbacks=[LoRA(r=4)], multiple_of=64)
@@ -180,6 +206,7 @@ def test_a_model_stepped_again_at_another_length_plans_as_a_fresh_one_when_its_b
     assert sorted(decided.built) == [3, 4] and len(kept.host_sizes) == 8
 
 
+@pytest.mark.usefixtures("shared_plans")
 def test_a_multiple_of_past_the_planned_lengths_still_plans_two_lengths() -> None:
     # 2k, 8k and 32k all round up to one multiple of 65536: the fit needs a second length (a crash before)
     result = max_context(SMALL_LLAMA, CUDA_CONTEXT_BYTES + 2**30, callbacks=[LoRA(r=4)], multiple_of=65536)
@@ -211,11 +238,11 @@ def test_the_planned_host_bytes_are_the_pinned_pieces_the_run_takes() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("shared_plans")
 def test_a_host_budget_bounds_the_pinned_block_inputs_or_turns_offload_off() -> None:
     # the offloaded block inputs are pinned, each rounded up to a power of two: a machine with less host RAM than the
     # offload needs gets the longest length whose pinned inputs fit, or the longest without offload if that is longer
-    deep = partial(LlamaLM, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=32,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2**20)
+    deep = DEEP_LLAMA
     budget, host = CUDA_CONTEXT_BYTES + 32 * 2**20, 32 * 2**20
     bounded = max_context(deep, budget, callbacks=[LoRA(r=4)], multiple_of=STEP, host_budget=host)
     # unbounded, the answer is 7,424 tokens with 64 MiB pinned; 32 inputs of 64 fp32 values per token fit 32 MiB up
@@ -261,12 +288,12 @@ def test_a_host_budget_fits_the_block_inputs_to_what_the_offloaded_optimizer_sta
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("shared_plans")
 def test_a_host_budget_that_holds_some_block_inputs_offloads_only_those_and_trains_longer() -> None:
     # 48 MiB of host RAM: every pinned input fits up to 4,096 tokens (32 x 1 MiB); one step longer each takes 2 MiB,
     # so all 32 no longer fit, but 24 do. Offloading those 24 (the first blocks) and keeping 8 on the device is
     # longer than both options before: all offloaded (4,096 tokens) and none (2,304)
-    deep = partial(LlamaLM, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=32,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2**20)
+    deep = DEEP_LLAMA
     budget, host = CUDA_CONTEXT_BYTES + 32 * 2**20, 48 * 2**20
     result = max_context(deep, budget, callbacks=[LoRA(r=4)], multiple_of=STEP, host_budget=host)
     assert result.tokens > 4096 and result.choices["offload"] == 24 and result.prediction.offloaded_blocks == 24
