@@ -128,7 +128,7 @@ def _time_stages() -> None:
     import transformers
 
     import lightning_hbm.precision.plugin as plugin
-    import lightning_hbm.surgery as surgery
+    import lightning_hbm.surgery.engine as surgery_engine
     from lightning_hbm import resume
     from lightning_hbm.layers import readers
 
@@ -156,7 +156,7 @@ def _time_stages() -> None:
     wrap(LoRA, "check_model", "  LoRA.check_model")
     wrap(LoRA, "transform_model", "  LoRA.transform_model")
     wrap(peft, "inject_adapter_in_model", "    peft inject_adapter_in_model")
-    wrap(surgery, "_guard", "  guards (unobserved reads)")
+    wrap(surgery_engine, "_guard", "  guards (unobserved reads)")  # where the engine looks it up (was: lightning_hbm.surgery, which never had it)
     wrap(plugin, "report_coverage", "lhbm: coverage table (connect)")
     wrap(LoRA, "on_fit_start", "lhbm: LoRA.on_fit_start")
     wrap(resume, "pack", "lhbm: resume.pack (--trainer-defaults: the save)")
