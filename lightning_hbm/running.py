@@ -8,20 +8,22 @@ share this one stack instead of three copies of the same hooks.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional, TypeVar
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
-_OBSERVING = "_lightning_hbm_observing"
+#: the functions marked by :func:`observing` (a weak set, not an attribute stamped on them: tests/test_record.py)
+_OBSERVING: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def observing(hook: _Hook) -> _Hook:
     """Mark a forward hook as one that only observes (it changes no value and nothing the model reads): code that takes
     another path for a module with hooks ignores it (:func:`changing_hooks`), so that watching a step (the profiler's
     module attribution and its step recorder) does not change what the step runs."""
-    setattr(hook, _OBSERVING, True)
+    _OBSERVING.add(getattr(hook, "__func__", hook))
     return hook
 
 
@@ -29,7 +31,7 @@ def changing_hooks(module: nn.Module) -> bool:
     """Whether ``module`` has a forward (pre-)hook of its own that is not :func:`observing` (process-wide hooks are not
     looked at). A bound method is marked through its function."""
     hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
-    return any(not getattr(hook, _OBSERVING, False) for hook in hooks)
+    return any(getattr(hook, "__func__", hook) not in _OBSERVING for hook in hooks)
 
 
 class RunningModules:
