@@ -8,23 +8,13 @@ from typing import Any
 
 import torch
 from conftest import peft_lora_layer
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_lora_forward import _Ops  # the aten ops a call runs (pytest puts this folder on sys.path)
 
 from lightning_hbm.adapters.lora.compute import compute_in_input_dtype
 from lightning_hbm.adapters.lora.forward import lora_forward
 from lightning_hbm.memory import LiveStorageTracker
 from lightning_hbm.profiling.timeline import StepRecorder
 from lightning_hbm.running import RunningModules, changing_hooks, observing
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def _fused_4bit_layer() -> Any:
