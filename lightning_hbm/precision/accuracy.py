@@ -19,13 +19,13 @@ it. A model without quantized convolutions is not measured here (today's behavio
 
 An output that changes shape as computed (a detector's post-processing in forward: boxes kept by score, NMS; masks
 above a threshold) is measured at the outermost module calls returned before the first call whose outputs changed
-shape (the heads; :func:`~lightning_hbm.probe.agreeing_calls`), the lowest figure, named; none: a warning that the
+shape (the heads; :func:`~lightning_hbm.probe_record.agreeing_calls`), the lowest figure, named; none: a warning that the
 accuracy could not be measured, with the fix (session 26; was a NaN in the log). The same where the shapes agree but a
-data-dependent selection (sort, top-k, a boolean mask, NMS: :func:`~lightning_hbm.probe.recording_selections`) picks
+data-dependent selection (sort, top-k, a boolean mask, NMS: :func:`~lightning_hbm.probe_record.recording_selections`) picks
 other elements or another order than the model as built's: measured at the last module calls returned before it
 (session 27; was: the boxes compared in score order, a healthy int8/bf16 detector warned at 0.976, its heads 0.990).
 Since session 28 the quantized forward follows the model as built's selections
-(:func:`~lightning_hbm.probe.following`): where it picks otherwise it is given the model as built's picks (indices,
+(:func:`~lightning_hbm.probe_record.following`): where it picks otherwise it is given the model as built's picks (indices,
 masks), so both take the same routes and every output is compared, the figure then the lowest of that and of the module
 calls before the first selection followed (a detector's heads), said with how many selections differed (a DGCNN, kNN by
 ``topk`` in every layer, in bfloat16: NaN and "could not be measured" before, 0.9998 now; every convolution in nf4-dq,
@@ -54,7 +54,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.probe import MASK_AS_COMPUTED, MASK_VALUE, Call, Followed, Selection, agreeing_calls, diverging, recorded_forward, recording_calls, recording_selections
+from lightning_hbm.probe import MASK_AS_COMPUTED, MASK_VALUE, recorded_forward
+from lightning_hbm.probe_record import Call, Followed, Selection, agreeing_calls, diverging, recording_calls, recording_selections
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +79,13 @@ class ConvAccuracy:
     measured_at: Optional[str] = None
     compared: int = 0
     #: the output is selected by the values (post-processing: sort, top-k, a threshold, NMS) and the quantized model
-    #: first selects otherwise there (:func:`~lightning_hbm.probe.diverging`): how (``None``: every selection agreed);
+    #: first selects otherwise there (:func:`~lightning_hbm.probe_record.diverging`): how (``None``: every selection agreed);
     #: then measured as for a changed shape, at the last module calls returned before that selection
     selected: Optional[str] = None
     #: measured at the module the user named (``QuantizedPrecision(accuracy_at=...)``)
     chosen: bool = False
     #: the selections of the model as built, how many of them the quantized model picked otherwise and was given the
-    #: model as built's picks instead (:func:`~lightning_hbm.probe.following`: the same routes, the figure the loss
+    #: model as built's picks instead (:func:`~lightning_hbm.probe_record.following`: the same routes, the figure the loss
     #: of the quantization alone), and why following stopped where it did (``None``: it did not)
     selections: int = 0
     followed: int = 0
@@ -99,7 +100,7 @@ class ConvAccuracy:
 KEPT_VALUES = 1 << 22
 
 #: the most bytes of the model as built's selections (indices, masks) kept on the host for the quantized model to
-#: follow (:func:`~lightning_hbm.probe.following`): a DGCNN's kNN graphs, an MoE's experts, a detector's boxes; past it,
+#: follow (:func:`~lightning_hbm.probe_record.following`): a DGCNN's kNN graphs, an MoE's experts, a detector's boxes; past it,
 #: the quantized model picks its own from there
 ROUTE_BYTES = 1 << 27
 
@@ -182,10 +183,10 @@ class Reference:
         self.args: Optional[tuple] = None
         self.kwargs: dict[str, Any] = {}
         self.output: Optional[Tensor] = None
-        #: every module call of the recorded forward (:class:`~lightning_hbm.probe.Call`, a strided subset of its
+        #: every module call of the recorded forward (:class:`~lightning_hbm.probe_record.Call`, a strided subset of its
         #: outputs): where the quantized model's output changes shape, the figure is taken from the last that agree
         self.calls: list[Call] = []
-        #: the data-dependent selections of the recorded forward (:func:`~lightning_hbm.probe.recording_selections`)
+        #: the data-dependent selections of the recorded forward (:func:`~lightning_hbm.probe_record.recording_selections`)
         self.selections: list[Selection] = []
         self.keep = CALL_VALUES
         #: the global RNG states the recorded forward began with: a forward that draws (a diffusion step's noise) draws
@@ -236,7 +237,7 @@ class Reference:
         ``QuantizedPrecision`` computes: floating inputs and the default dtype in ``dtype``, eval, no grad, with the
         random draws of the recorded forward, and the calls of the modules the recorded forward called (those of the
         model as built: a quantized layer's own submodules are not) and its data-dependent selections, following those
-        of the model as built (:func:`~lightning_hbm.probe.following`). Layers quantized on another device than the rest
+        of the model as built (:func:`~lightning_hbm.probe_record.following`). Layers quantized on another device than the rest
         (a GPU, before the strategy moves the model) get their inputs there and give their outputs back.
 
         A forward that fails given the picks followed (post-processing that counts its boxes by its own mask,
@@ -288,7 +289,7 @@ def _shapes(shapes: Sequence[tuple[int, ...]], first: int, most: int = 4) -> str
 
 def _at_agreeing_calls(reference: Sequence[Call], calls: Sequence[Call], threshold: float, changed: Optional[str], limit: float = math.inf) -> ConvAccuracy:
     """The figure of a model whose output changed shape or selects otherwise: the centred cosine of each outermost
-    module call before the first call whose outputs changed shape (:func:`~lightning_hbm.probe.agreeing_calls`; the
+    module call before the first call whose outputs changed shape (:func:`~lightning_hbm.probe_record.agreeing_calls`; the
     callers cut both sequences before the first selection that differs), the lowest; NaN when none."""
     figures = []
     for want, got in agreeing_calls(reference, calls):
@@ -327,7 +328,7 @@ def measure(
     reference: Reference, got: Tensor, calls: Sequence[Call], followed: Followed, threshold: float, at: Optional[str] = None, dtype: torch.dtype = torch.float32
 ) -> ConvAccuracy:
     """The figure of the quantized model (its outputs ``got``, its module ``calls`` and data-dependent selections,
-    ``followed``: :func:`~lightning_hbm.probe.following`) against ``reference``: at the module named ``at``
+    ``followed``: :func:`~lightning_hbm.probe_record.following`) against ``reference``: at the module named ``at``
     (``accuracy_at``) when given; else every output where the shapes agree and every selection picked the same or was
     given the model as built's picks (a healthy bf16 DGCNN's kNN graph, an MoE's near-tied experts: were NaN or one
     layer), the lowest of that and of the last module calls before the first selection followed (a detector's heads,

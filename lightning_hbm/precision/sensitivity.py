@@ -54,7 +54,8 @@ from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.precision.read_layers import read_local_errors, swapped_copy
 from lightning_hbm.precision.registry import get_format, to_dtype
-from lightning_hbm.probe import Call, Probe, Selection, agreeing_calls, compare_outputs, diverging, eval_no_grad, recording_selections
+from lightning_hbm.probe import Probe, compare_outputs, eval_no_grad
+from lightning_hbm.probe_record import Call, Selection, agreeing_calls, diverging, recording_selections
 
 #: ``sensitive_mode`` (and plan entry) that keeps a layer unquantized in the compute dtype, frozen.
 UNQUANTIZED = "none"
@@ -237,7 +238,7 @@ class _Swapper:
     def measuring_point(self, names: Sequence[str], base: str, reference: torch.Tensor) -> torch.Tensor:
         """The reference output to plan on. A model whose output changes shape with its layers in ``base`` (a detector's
         boxes after score thresholding and NMS: a number that depends on the scores), or whose data-dependent selections
-        (sort, top-k, a boolean mask, NMS: :func:`~lightning_hbm.probe.recording_selections`) pick otherwise (the same
+        (sort, top-k, a boolean mask, NMS: :func:`~lightning_hbm.probe_record.recording_selections`) pick otherwise (the same
         number of boxes, other ones or in another order), is measured at the outputs of the last module call before the
         first whose outputs change shape or the first selection that differs (the heads, before the post-processing);
         every candidate is then measured there. Cost: one forward more for a model that selects, two when it is tapped.

@@ -133,8 +133,8 @@ def test_plan_is_logged_saved_and_rebuilt_on_resume(
     listed = first.layer_modes
     assert listed == {"model.wte": "int8", "model.wpe": "int8", **plan}  # plugin.layer_modes lists both
     # QuantizationQuality reports the metric the plan optimized, before (uniform) and after (the plan)
-    assert quality.metrics["quant/plan_cosine_similarity"] > quality.metrics["quant/uniform_cosine_similarity"]
-    assert quality.metrics["quant/plan_bytes_per_param"] <= 0.75
+    assert quality.metrics["quant/layer_modes_cosine_similarity"] > quality.metrics["quant/uniform_cosine_similarity"]
+    assert quality.metrics["quant/layer_modes_bytes_per_param"] <= 0.75
     path = tmp_path / "mixed.ckpt"
     trainer.save_checkpoint(path)
     assert torch.load(path, weights_only=False)["lightning_hbm"]["configs"]["QuantizedPrecision"]["layer_modes"] == plan
