@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -135,6 +136,19 @@ def _edges() -> dict[str, set[str]]:
 def test_every_module_has_a_level() -> None:
     for module in MODULES:
         _level(module)
+
+
+def test_the_docs_draw_the_levels_of_the_test() -> None:
+    """docs/extending.md's "Layering, bottom to top" line names every entry of ``LEVELS`` at its level (the groups
+    between its ``<-``), and nothing the test does not know: the map drawn for contributors is the one enforced."""
+    text = (ROOT.parent / "docs" / "extending.md").read_text()
+    line = text.split("Layering, bottom to top:", 1)[1].split("A module imports only", 1)[0]
+    drawn = {name: level for level, group in enumerate(line.split("<-")) for name in re.findall(r"`([\w.]+)`", group)}
+    drawn = {("" if name == "__init__" else name): level for name, level in drawn.items()}
+    missing = sorted(name or "the package __init__" for name in LEVELS if name not in drawn)
+    wrong = sorted(f"{name or '__init__'}: docs {drawn.get(name)}, test {level}" for name, level in LEVELS.items() if name in drawn and drawn[name] != level)
+    unknown = sorted(name for name in drawn if name not in LEVELS)
+    assert not missing and not wrong and not unknown, f"docs/extending.md's layering line: missing {missing}, wrong level {wrong}, unknown {unknown}"
 
 
 def test_no_import_goes_up_a_level() -> None:
