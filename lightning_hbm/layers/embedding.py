@@ -169,6 +169,15 @@ def tied_heads(module: nn.Module, embedding: nn.Module) -> Optional[list[str]]:
     return [n for n, _ in holders] if all(type(m) is nn.Linear for _, m in holders) else None
 
 
+def too_small(table: nn.Module, below: int) -> Optional[str]:
+    """Why a table of fewer than ``below`` values is kept in the compute dtype (``None``: it is not that small)."""
+    weight = cast(torch.Tensor, table.weight)
+    if weight.numel() >= below:
+        return None
+    size = weight.numel() * weight.element_size() / 2**10
+    return f"too small to gain: {size:.1f} KiB (quantize_embeddings='auto' keeps tables under {below:,} values wide)"
+
+
 def tie_heads(module: nn.Module, embedding: nn.Module, quantized: QuantizedEmbedding) -> list[str]:
     """Replace the plain Linear heads tied to ``embedding`` (before its quantization) by :class:`TiedHead` s of
     ``quantized``; returns their names."""
@@ -234,4 +243,4 @@ EMBEDDING = register_kind(
     )
 )
 
-__all__ = ["EMBEDDING", "SLICE_BYTES", "QuantizedEmbedding", "SlicedLinear", "TiedHead", "convertible", "is_plain_embedding", "slice_rows", "sliced_linear", "tie_heads", "tied_heads"]
+__all__ = ["EMBEDDING", "SLICE_BYTES", "QuantizedEmbedding", "SlicedLinear", "TiedHead", "convertible", "is_plain_embedding", "slice_rows", "sliced_linear", "tie_heads", "tied_heads", "too_small"]

@@ -25,6 +25,7 @@ the run (or ``None``): the probe batch and the checkpoint being resumed are read
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import warnings
@@ -43,7 +44,7 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
 from lightning_hbm.layers.correction import saved_factors
-from lightning_hbm.layers.embedding import is_plain_embedding, tied_heads
+from lightning_hbm.layers.embedding import is_plain_embedding
 from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, unmeasured_reference_warning
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
@@ -175,8 +176,8 @@ class Quantization:
         #: where the quantized layers are built (the strategy's root device; ``None``: where the weights are)
         self.device: Optional[torch.device] = None
         self.owner = owner
-        # (model, the rule, the listing): the targets of the surgery under way
-        self._listing: Optional[tuple[weakref.ref, TargetRule, Listing]] = None
+        # (model, (the rule asked, the sharding strategy, resumed wide), the rule, its listing): the targets of the surgery under way
+        self._listing: Optional[tuple[weakref.ref, tuple[TargetRule, Optional[str], bool], TargetRule, Listing]] = None
 
     @property
     def rounding_digest(self) -> Optional[str]:
@@ -206,45 +207,55 @@ class Quantization:
 
     def _listed(self, module: nn.Module, trainer: Any) -> tuple[TargetRule, Listing]:
         """The rule of this surgery (settings and the modules trained in full) and its listing of ``module``: listed
-        again only when the model or the modules trained in full changed since."""
+        again only when the model, the modules trained in full, the strategy or the checkpoint being resumed changed
+        since. One pass over the model's embeddings: the FSDP units check reads the tied heads the listing found."""
         embeddings = self.config.quantize_embeddings
         sharding = _sharding_strategy(trainer)
-        apart = _tied_apart(module) if sharding is not None and embeddings else {}
-        if apart and not self.config.embeddings_by_default:
-            raise ValueError(
-                f"quantize_embeddings={embeddings!r} under {sharding}: the input embedding(s) {sorted(apart)} are tied to "
-                f"head(s) {sorted(h for heads in apart.values() for h in heads)} in another top-level submodule, another "
-                "FSDP unit, where the head would read a shard of the quantized table. Hold both in one submodule (as a "
-                "causal LM's model does), or pass quantize_embeddings=False to keep the tied table wide."
-            )
-        if apart:
-            embeddings = False  # the default keeps them wide here (said below, once per listing)
-        resumed = self._resumed_with_wide_embeddings(trainer)
-        if resumed:
-            embeddings = False  # the run being resumed kept them (the default before session 30): it goes on so
-        self._embeddings_kept = embeddings is False and self.config.embeddings_by_default  # saved as they are: kept
+        resumed = self._resumed_with_wide_embeddings(trainer)  # read only under the default, which never raises below
         small = SMALL_EMBEDDING_VALUES if self.config.embeddings_by_default else 0  # "auto" alone keeps tiny tables wide
-        rule = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module, trainer)), embeddings, small)
+        asked = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module, trainer)), embeddings, small)
         cached = self._listing
-        if cached is None or cached[0]() is not module or cached[1] != rule:
-            if apart:
-                rank_zero_warn(
-                    f"lightning_hbm: QuantizedPrecision keeps the input embeddings in {self.config.torch_dtype} under {sharding}: "
-                    f"{sorted(apart)} are tied to the head(s) {sorted(h for heads in apart.values() for h in heads)} in another "
-                    "top-level submodule of the LightningModule, which FSDP2 shards as another unit: the head would read a "
-                    "shard of the int8 table (quantize_embeddings='auto'). Hold both in one submodule (as a causal LM's "
-                    "model does) to store them in int8, or pass quantize_embeddings=False to keep them wide without this warning."
+        if cached is None or cached[0]() is not module or cached[1] != (asked, sharding, resumed):
+            units = sharding is not None and bool(embeddings)  # a head tied in another FSDP unit: asked of the model
+            # the run being resumed kept them wide (the default before session 30): it goes on so
+            first: TargetRule = asked if units or not resumed else dataclasses.replace(asked, quantize_embeddings=False)
+            listing = first.listing(module)
+            apart = {n: [h for h in heads if h.split(".")[0] != n.split(".")[0]] for n, heads in listing.tied.items()} if units else {}
+            apart = {n: heads for n, heads in apart.items() if heads}
+            if apart and not self.config.embeddings_by_default:
+                raise ValueError(
+                    f"quantize_embeddings={embeddings!r} under {sharding}: the input embedding(s) {sorted(apart)} are tied to "
+                    f"head(s) {sorted(h for heads in apart.values() for h in heads)} in another top-level submodule, another "
+                    "FSDP unit, where the head would read a shard of the quantized table. Hold both in one submodule (as a "
+                    "causal LM's model does), or pass quantize_embeddings=False to keep the tied table wide."
                 )
-            if resumed and any(is_plain_embedding(m) for m in module.modules()):
-                rank_zero_warn(
-                    f"lightning_hbm: QuantizedPrecision keeps the input embeddings in {self.config.torch_dtype}: the checkpoint "
-                    "being resumed was saved with them so (quantize_embeddings=False, the default before lightning_hbm "
-                    "stored them in int8 by default), and a resume goes on as that run was. A new run stores them in int8; "
-                    "pass quantize_embeddings=False to keep them wide without this warning."
-                )
-            cached = (weakref.ref(module), rule, rule.listing(module))
+            rule = dataclasses.replace(asked, quantize_embeddings=False) if apart or resumed else asked  # the default keeps them wide
+            if rule != first:
+                listing = rule.listing(module)  # listed as asked to see the units: again, without the embeddings
+            self._say_kept_wide(module, sharding, apart, resumed)
+            cached = (weakref.ref(module), (asked, sharding, resumed), rule, listing)
             self._listing = cached
-        return cached[1], cached[2]
+        self._embeddings_kept = cached[2].quantize_embeddings is False and self.config.embeddings_by_default  # saved as they are: kept
+        return cached[2], cached[3]
+
+    def _say_kept_wide(self, module: nn.Module, sharding: Optional[str], apart: dict[str, list[str]], resumed: bool) -> None:
+        """Warn, once per listing, that the default keeps the input embeddings wide: a head tied to one in another FSDP
+        unit (``apart``), or a resume of a run that kept them wide."""
+        if apart:
+            rank_zero_warn(
+                f"lightning_hbm: QuantizedPrecision keeps the input embeddings in {self.config.torch_dtype} under {sharding}: "
+                f"{sorted(apart)} are tied to the head(s) {sorted(h for heads in apart.values() for h in heads)} in another "
+                "top-level submodule of the LightningModule, which FSDP2 shards as another unit: the head would read a "
+                "shard of the int8 table (quantize_embeddings='auto'). Hold both in one submodule (as a causal LM's "
+                "model does) to store them in int8, or pass quantize_embeddings=False to keep them wide without this warning."
+            )
+        if resumed and any(is_plain_embedding(m) for m in module.modules()):
+            rank_zero_warn(
+                f"lightning_hbm: QuantizedPrecision keeps the input embeddings in {self.config.torch_dtype}: the checkpoint "
+                "being resumed was saved with them so (quantize_embeddings=False, the default before lightning_hbm "
+                "stored them in int8 by default), and a resume goes on as that run was. A new run stores them in int8; "
+                "pass quantize_embeddings=False to keep them wide without this warning."
+            )
 
     def _resumed_with_wide_embeddings(self, trainer: Any) -> bool:
         """Whether the default (``quantize_embeddings="auto"``) meets a checkpoint being resumed whose settings do not
@@ -576,18 +587,6 @@ class Quantization:
             self.gptq.save(meta)
         if self.smoothing is not None:
             self.smoothing.save(meta)
-
-
-def _tied_apart(module: nn.Module) -> dict[str, list[str]]:
-    """``{input embedding: the heads tied to it in another top-level submodule}``: an FSDP strategy shards each
-    top-level submodule as its own unit, so such a head would run where the quantized table is not gathered."""
-    apart = {}
-    for name, sub in module.named_modules():
-        if is_plain_embedding(sub):
-            heads = [h for h in tied_heads(module, sub) or [] if h.split(".")[0] != name.split(".")[0]]
-            if heads:
-                apart[name] = heads
-    return apart
 
 
 def _sharding_strategy(trainer: Any) -> Optional[str]:

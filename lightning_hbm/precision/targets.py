@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from lightning_hbm import record
 from lightning_hbm.layers import LINEAR, base_layer, embedding_readers, find_layers, kind_names, output_heads, prepare_model, stored_in, weight_readers
-from lightning_hbm.layers.embedding import convertible, is_plain_embedding, tied_heads
+from lightning_hbm.layers.embedding import convertible, is_plain_embedding, tied_heads, too_small
 from lightning_hbm.naming import selected
 from lightning_hbm.precision.quantize import Correct, _layer_modes, _parametrized, _weight_normed, quantize_targets
 from lightning_hbm.precision.registry import QuantFormat, available_precisions, format_of, get_format, to_dtype
@@ -57,6 +57,9 @@ class Listing(NamedTuple):
     unmatched: list[str]
     #: the input embeddings' part of ``targets`` and ``skipped`` (``quantize_embeddings``; a preparation keeps it)
     embeddings: tuple[list[tuple[str, nn.Module]], dict[str, Reason]]
+    #: every plain input embedding's tied heads (:func:`~lightning_hbm.layers.embedding.tied_heads`, ``[]``: none or
+    #: not plain Linears), read in the same pass (``quantize_embeddings``; empty without): the FSDP units check reads them
+    tied: Mapping[str, list[str]] = {}
 
 
 #: ``quantize_embeddings="auto"``: the default of ``QuantizedPrecision`` (``quantize_model`` takes it too)
@@ -72,15 +75,6 @@ DEFAULT_EMBEDDINGS_MODE = "int8"
 #: 2 x 1024) and no token or position table of a real model (the smallest seen, BERT-tiny's 512 x 128 positions, is
 #: 8x over it).
 SMALL_EMBEDDING_VALUES = 8192
-
-
-def _too_small(table: nn.Module, below: int) -> Optional[Reason]:
-    """The reason a table of fewer than ``below`` values is kept (deliberate: said in the coverage table, not warned)."""
-    weight = cast(Tensor, table.weight)
-    if weight.numel() >= below:
-        return None
-    size = weight.numel() * weight.element_size() / 2**10
-    return (f"too small to gain: {size:.1f} KiB (quantize_embeddings='auto' keeps tables under {below:,} values wide)", True)
 
 
 @dataclass(frozen=True)
@@ -128,25 +122,28 @@ class TargetRule:
             return listing
         chosen: list[tuple[str, nn.Module]] = []
         skipped: dict[str, Reason] = {}
+        tied: dict[str, list[str]] = {}
         read = embedding_readers(module)
         for name, sub in module.named_modules():
             if not is_plain_embedding(sub):
                 continue
-            why = convertible(sub, owners, tied_ok=tied_heads(module, sub) is not None)
+            heads = tied_heads(module, sub)
+            tied[name] = heads or []
+            why = convertible(sub, owners, tied_ok=heads is not None)
             if why is None and name in read:
                 why = f"weight read directly by {read[name]}, not by calling the embedding: kept in the compute dtype"
-            small = _too_small(sub, self.min_embedding_values)
+            small = too_small(sub, self.min_embedding_values)  # deliberate: said in the coverage table, not warned
             if name in listing.ignored:
                 skipped[name] = _IGNORED
             elif name in listing.kept:
                 skipped[name] = _KEPT
             elif small is not None:
-                skipped[name] = small
+                skipped[name] = (small, True)
             elif why is not None:
                 skipped[name] = (why, False)
             else:
                 chosen.append((name, sub))
-        return listing._replace(targets=listing.targets + chosen, skipped={**listing.skipped, **skipped}, embeddings=(chosen, skipped))
+        return listing._replace(targets=listing.targets + chosen, skipped={**listing.skipped, **skipped}, embeddings=(chosen, skipped), tied=tied)
 
 
 def checked_embeddings(value: Union[bool, str], mode: str, dtype: torch.dtype, owner: str = "QuantizedPrecision") -> Union[bool, str]:
