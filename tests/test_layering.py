@@ -28,7 +28,8 @@ Levels, bottom to top; a module imports only from its own level or lower ones:
    module paths, aliases of the jobs' modules: nothing in the package imports it)
 
 Each job's package has its callback class as its face (``lightning_hbm.activations.FusedLoss``); ``callbacks/``
-defines no function or class (``test_callbacks_only_re_export``).
+defines no function or class (``test_callbacks_only_re_export``), and a callback's module is imported only from above
+it or by the package re-exporting it (``test_nothing_below_a_callback_imports_it``).
 
 Modules of one level may import each other, but the module graph has no cycle.
 """
@@ -201,6 +202,31 @@ def test_callbacks_only_re_export() -> None:
     assert not own and not users, "callbacks/ only re-exports (move the code to its job's package):\n" + "\n".join(own + users)
 
 
+def _callback_modules() -> dict[str, list[str]]:
+    """``{module: the Lightning callback classes it defines}`` (a base named ``Callback`` or ``...Callback``)."""
+    found: dict[str, list[str]] = {}
+    for m, path in MODULES.items():
+        for node in _parse(path).body:
+            if isinstance(node, ast.ClassDef) and any(ast.unparse(b).rpartition(".")[2].endswith("Callback") for b in node.bases):
+                found.setdefault(m, []).append(node.name)
+    return found
+
+
+def test_nothing_below_a_callback_imports_it() -> None:
+    """A callback class is a face: only a level above it (the planner, the strategies, the CLI), the packages that
+    re-export it (its own package's ``__init__.py``) and ``callbacks/`` import its module; the code beside and below it
+    (kernels, figures, the domain) never does, so none of it depends on the Lightning adapter (issue 54)."""
+    callbacks, edges = f"{PACKAGE}.callbacks", _edges()
+    wrong = [
+        f"{m} imports {face} ({', '.join(classes)})"
+        for face, classes in _callback_modules().items()
+        for m, targets in edges.items()
+        if face in targets and _level(m) <= _level(face)
+        and not face.startswith(m + ".") and not (m == callbacks or m.startswith(callbacks + "."))
+    ]
+    assert not wrong, "only what stands above a callback imports its module (move the shared code out of it):\n" + "\n".join(wrong)
+
+
 def _lazy_allowed(base: str) -> bool:
     return any(base == root or base.startswith(root + ".") for root in LAZY_ALLOWED)
 
@@ -369,3 +395,12 @@ def test_callbacks_check_catches_its_case(module: str, source: str, expected: st
     monkeypatch.setitem(MODULES, f"{PACKAGE}.{module}", fake)
     with pytest.raises(AssertionError, match=expected):
         test_callbacks_only_re_export()
+
+
+def test_the_callback_face_check_catches_its_case(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel beside ``ActivationCheckpointing`` importing its module fails test_nothing_below_a_callback_imports_it."""
+    fake = tmp_path / "x.py"
+    fake.write_text("from lightning_hbm.activations.checkpointing import check_offload_blocks\n")
+    monkeypatch.setitem(MODULES, f"{PACKAGE}.activations.x", fake)
+    with pytest.raises(AssertionError, match=r"lightning_hbm.activations.x imports lightning_hbm.activations.checkpointing \(ActivationCheckpointing\)"):
+        test_nothing_below_a_callback_imports_it()
