@@ -51,10 +51,9 @@ from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionR
 from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
 from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.int8_dynamic import report_unsmoothed
-from lightning_hbm.precision.quantize import _layer_modes
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_PLAN_TARGET, SensitivityReport, choose_layer_modes, planned_convs_warning, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
-from lightning_hbm.precision.targets import SMALL_EMBEDDING_VALUES, Listing, TargetRule, _validate, quantize_listed
+from lightning_hbm.precision.targets import SMALL_EMBEDDING_VALUES, Listing, TargetRule, _validate, layer_modes_of, quantize_listed
 from lightning_hbm.probe import Probe, eval_no_grad, forward_on, has_forward
 from lightning_hbm.probe_batch import first_batches
 
@@ -229,9 +228,13 @@ class Quantization:
                     "FSDP unit, where the head would read a shard of the quantized table. Hold both in one submodule (as a "
                     "causal LM's model does), or pass quantize_embeddings=False to keep the tied table wide."
                 )
-            rule = dataclasses.replace(asked, quantize_embeddings=False) if apart or resumed else asked  # the default keeps them wide
-            if rule != first:
-                listing = rule.listing(module)  # listed as asked to see the units: again, without the embeddings
+            rule: TargetRule = dataclasses.replace(asked, quantize_embeddings=False) if apart or resumed else asked  # the default keeps them wide
+            if rule != first:  # listed as asked to see the units, kept wide: its embeddings' part dropped (the rest does not depend on it)
+                chosen, left = {n for n, _ in listing.embeddings[0]}, listing.embeddings[1]
+                listing = listing._replace(
+                    targets=[(n, m) for n, m in listing.targets if n not in chosen], skipped={n: r for n, r in listing.skipped.items() if n not in left},
+                    embeddings=([], {}), tied={},
+                )
             self._say_kept_wide(module, sharding, apart, resumed)
             cached = (weakref.ref(module), (asked, sharding, resumed), rule, listing)
             self._listing = cached
@@ -297,7 +300,7 @@ class Quantization:
         targets = listing.targets
         self.embedding_modes = rule.embedding_modes(listing, {})
         if self.config.layer_modes is not None or isinstance(self.config.quantize_embeddings, str):
-            _layer_modes(targets, self.config.format, rule.embedding_modes(listing, self.layer_modes or {}))
+            layer_modes_of(targets, self.config.format, rule.embedding_modes(listing, self.layer_modes or {}))
         warning = regrid_warning(targets, self.config.format.name)
         if warning is not None:
             rank_zero_warn(warning)

@@ -1,8 +1,9 @@
-"""The replacement step of the quantization: each target's mode, then each target replaced by its quantized layer.
+"""The replacement step of the quantization: each target replaced by its quantized layer, in its mode.
 
 What it shrinks: the **parameters** term. :func:`quantize_targets` is the one place a model's layers become quantized
 storage; it takes the targets as a value (a :class:`~lightning_hbm.precision.targets.Listing`'s parts: the targets,
-the layers left alone with why, the model's fp32 modules) and each target's mode (:func:`_layer_modes`), and ends with
+the layers left alone with why, the model's fp32 modules) and each target's mode
+(:func:`~lightning_hbm.precision.targets.layer_modes_of`), and ends with
 the record: each layer left alone tagged with its reason for the coverage table. The flow that leads here, the same
 for :func:`~lightning_hbm.precision.quantize_model` and ``QuantizedPrecision``, is
 :func:`~lightning_hbm.precision.targets.quantize_listed`.
@@ -25,7 +26,7 @@ from lightning_hbm.layers.linear import Fp32ComputeLinear
 from lightning_hbm.layers.read_weight import readable, served_reader
 from lightning_hbm.naming import under
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
-from lightning_hbm.precision.registry import QuantFormat, get_format
+from lightning_hbm.precision.registry import QuantFormat
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def quantize_targets(
     hessians: Optional[Mapping[str, Tensor]],
     correct: Optional[Correct] = None,
 ) -> list[str]:
-    """The last step of the quantization: each of ``targets`` replaced in its mode of ``modes`` (:func:`_layer_modes`),
+    """The last step of the quantization: each of ``targets`` replaced in its mode of ``modes`` (:func:`~lightning_hbm.precision.targets.layer_modes_of`),
     the rest cast to ``compute_dtype``, then the record: the layers left alone (``skipped``: ``{name: (reason,
     deliberate)}``) tagged with why. Returns the names of the targets.
 
@@ -179,25 +180,3 @@ def _target_kind(layer: nn.Module) -> LayerKind:
     return EMBEDDING if is_plain_embedding(layer) else cast(LayerKind, kind_of(layer))
 
 
-def _layer_modes(
-    targets: list[tuple[str, nn.Module]], quant_mode: QuantFormat, layer_modes: Mapping[str, str]
-) -> dict[str, Optional[QuantFormat]]:
-    """The mode of every target (``None``: kept unquantized); a plan naming other layers is an error. Each mode
-    named in ``layer_modes`` is looked up once."""
-    names = [name for name, _ in targets]
-    unknown = sorted(set(layer_modes) - set(names))
-    if unknown:
-        raise ValueError(
-            f"layer_modes names {unknown}, which are not quantizable Linear layers of this model (quantizable: "
-            f"{names[:12]}{' ...' if len(names) > 12 else ''}). Plan only those layers, by their module names (an "
-            "input embedding is one with quantize_embeddings=True; quantize_embeddings='int8' stores each one in int8)."
-        )
-    # the planner's fake-tensor variant, or a fake model (int8-dynamic has no variant): plan with fake layers too
-    fake = quant_mode != get_format(quant_mode.name) or any(
-        isinstance(p, torch._subclasses.fake_tensor.FakeTensor) for _, layer in targets for p in layer.parameters()
-    )
-    formats: dict[Any, Optional[QuantFormat]] = {None: quant_mode, "none": None}
-    for chosen in dict.fromkeys(layer_modes.values()):
-        if chosen not in formats:
-            formats[chosen] = get_format(chosen).for_fake_tensors() if fake else get_format(chosen)
-    return {n: formats[layer_modes.get(n)] for n in names}

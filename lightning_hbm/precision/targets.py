@@ -10,7 +10,7 @@ the layer kinds that need it (:func:`prepare_targets`), then to the layer modes 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Optional, Sequence, Union, cast
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,7 @@ from lightning_hbm import record
 from lightning_hbm.layers import LINEAR, base_layer, embedding_readers, find_layers, kind_names, output_heads, prepare_model, stored_in, weight_readers
 from lightning_hbm.layers.embedding import convertible, is_plain_embedding, tied_heads, too_small
 from lightning_hbm.naming import selected
-from lightning_hbm.precision.quantize import Correct, _layer_modes, _parametrized, _weight_normed, quantize_targets
+from lightning_hbm.precision.quantize import Correct, _parametrized, _weight_normed, quantize_targets
 from lightning_hbm.precision.registry import QuantFormat, available_precisions, format_of, get_format, to_dtype
 
 #: why a layer is left alone, by name: ``(reason, deliberate)``
@@ -310,6 +310,30 @@ def prepare_targets(module: nn.Module, rule: TargetRule, listing: Listing) -> Li
     return relisted._replace(targets=relisted.targets + chosen, skipped={**relisted.skipped, **skipped}, embeddings=listing.embeddings)
 
 
+def layer_modes_of(
+    targets: list[tuple[str, nn.Module]], quant_mode: QuantFormat, layer_modes: Mapping[str, str]
+) -> dict[str, Optional[QuantFormat]]:
+    """The mode of every target (``None``: kept unquantized); a plan naming other layers is an error. Each mode
+    named in ``layer_modes`` is looked up once."""
+    names = [name for name, _ in targets]
+    unknown = sorted(set(layer_modes) - set(names))
+    if unknown:
+        raise ValueError(
+            f"layer_modes names {unknown}, which are not quantizable Linear layers of this model (quantizable: "
+            f"{names[:12]}{' ...' if len(names) > 12 else ''}). Plan only those layers, by their module names (an "
+            "input embedding is one with quantize_embeddings=True; quantize_embeddings='int8' stores each one in int8)."
+        )
+    # the planner's fake-tensor variant, or a fake model (int8-dynamic has no variant): plan with fake layers too
+    fake = quant_mode != get_format(quant_mode.name) or any(
+        isinstance(p, torch._subclasses.fake_tensor.FakeTensor) for _, layer in targets for p in layer.parameters()
+    )
+    formats: dict[Any, Optional[QuantFormat]] = {None: quant_mode, "none": None}
+    for chosen in dict.fromkeys(layer_modes.values()):
+        if chosen not in formats:
+            formats[chosen] = get_format(chosen).for_fake_tensors() if fake else get_format(chosen)
+    return {n: formats[layer_modes.get(n)] for n in names}
+
+
 def quantize_model(
     module: nn.Module,
     mode: Union[str, QuantFormat],
@@ -359,13 +383,13 @@ def quantize_listed(
 ) -> list[str]:
     """The quantization of :func:`quantize_model` from the ``listing`` of ``module`` under ``rule`` (a
     ``Quantization``'s checks made it), one way: the checks (:func:`_validate`), the preparation
-    (:func:`prepare_targets`), each target's mode (:func:`~lightning_hbm.precision.quantize._layer_modes`), then the
+    (:func:`prepare_targets`), each target's mode (:func:`layer_modes_of`), then the
     replacement (:func:`~lightning_hbm.precision.quantize.quantize_targets`). Returns the names of the targets."""
     _validate(module, rule, listing, quant_mode, compute_dtype)
     layer_modes = rule.embedding_modes(listing, layer_modes)  # a preparation changes no embedding: resolved before it
     listing = prepare_targets(module, rule, listing)
-    modes = _layer_modes(listing.targets, quant_mode, layer_modes)
+    modes = layer_modes_of(listing.targets, quant_mode, layer_modes)
     return quantize_targets(module, listing.targets, listing.skipped, listing.fp32, modes, compute_dtype, device, hessians, correct)
 
 
-__all__ = ["DEFAULT_EMBEDDINGS_MODE", "EMBEDDINGS_AUTO", "SMALL_EMBEDDING_VALUES", "Listing", "TargetRule", "checked_embeddings", "keep_in_fp32_names", "prepare_targets", "quantize_listed", "quantize_model"]
+__all__ = ["DEFAULT_EMBEDDINGS_MODE", "EMBEDDINGS_AUTO", "SMALL_EMBEDDING_VALUES", "Listing", "TargetRule", "checked_embeddings", "keep_in_fp32_names", "layer_modes_of", "prepare_targets", "quantize_listed", "quantize_model"]

@@ -66,7 +66,8 @@ def test_the_listing_keeps_each_embeddings_tied_heads_and_the_apart_case_lists_a
     assert rule.quantize_embeddings is False  # the default keeps them wide there, and saves them so
     plain = dataclasses.replace(rule, quantize_embeddings=False).listing(model)
     assert [n for n, _ in listing.targets] == [n for n, _ in plain.targets] == ["mid"]
-    assert listing.skipped == plain.skipped and listing.embeddings == ([], {})
+    assert listing.skipped == plain.skipped and listing.embeddings == plain.embeddings == ([], {}) and listing.tied == plain.tied
+    assert (listing.fp32, listing.ignored, listing.kept, listing.unmatched) == (plain.fp32, plain.ignored, plain.kept, plain.unmatched)
     assert "quantize_embeddings" not in plugin.quantization.settings()
 
 
