@@ -152,6 +152,9 @@ class Quantization:
         self.correction = CalibratedCorrection(config.correction_rank, config.torch_dtype) if config.correction_rank else None
         #: the per-layer modes ``{layer name: mode name}`` (``None``: every layer in ``mode``): pinned, measured or resumed
         self.layer_modes: Optional[dict[str, str]] = config.pinned_layer_modes
+        # the Trainer whose surgery measured or took ``layer_modes`` (weakly): a plugin reused by another Trainer compares
+        # that run's plan at its resume, not the last fit's (session 32: a sweep's plugin refused its own checkpoint)
+        self._modes_run: Optional[weakref.ref] = None
         #: the input embeddings ``quantize_embeddings`` stores in another mode than ``mode`` ``{name: mode}`` (the
         #: setting's, so neither saved with the plan nor compared on resume; ``plugin.layer_modes`` lists them)
         self.embedding_modes: dict[str, str] = {}
@@ -279,6 +282,7 @@ class Quantization:
         self._listing = None  # a new surgery: list the model as it is now
         if self.config.layer_modes is None:
             self.layer_modes = self.conv_report = None  # a plugin reused by another Trainer measures again
+        self._modes_run = weakref.ref(trainer) if trainer is not None else None
         rule, listing = self._listed(module, trainer)
         _validate(module, rule, listing, self.config.format, self.config.torch_dtype)
         fake = _on_fake_tensors(module)  # the planner's trace (a model cut to fewer blocks): nothing is measured there
@@ -543,7 +547,7 @@ class Quantization:
             config.pop("quantize_embeddings", None)
             if self.config.quantize_embeddings and not kept:
                 config["quantize_embeddings"] = self.config.quantize_embeddings
-        plan = self.layer_modes
+        plan = self.layer_modes if self.config.layer_modes is not None or self._planned_for(trainer) else None
         if plan is None and self.config.layer_modes is None:
             # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same
             # settings the plan will be the checkpoint's own (_choose_layer_modes), so that one is this run's
@@ -551,6 +555,11 @@ class Quantization:
         if plan is not None:
             config["layer_modes"] = dict(plan)
         return config
+
+    def _planned_for(self, trainer: Any) -> bool:
+        """Whether ``layer_modes`` is ``trainer``'s run's (its surgery measured or took it): a reused plugin's resume
+        check runs before that run's surgery, when ``layer_modes`` is still the last fit's (another model's plan)."""
+        return trainer is None or (self._modes_run is not None and self._modes_run() is trainer)
 
     def settings(self) -> dict[str, Any]:
         """The settings a resume compares (an option at its default is left out: older checkpoints keep matching)."""
