@@ -172,3 +172,76 @@ def test_an_adapter_saved_with_weight_deltas_says_plain_peft_computes_another_fu
     plain.load_state_dict(LoRA.merge(model, dtype="float32"))
     with torch.no_grad():
         torch.testing.assert_close(plain(x), want, rtol=1e-5, atol=1e-5)
+
+
+class Tables(pl.LightningModule):
+    """A token table at 8,192 values (converted by 'auto') and BERT's 2-row token-type table (kept wide by 'auto')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok, self.typ = torch.nn.Embedding(128, 64), torch.nn.Embedding(2, 64)
+        self.body, self.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.head(self.body(self.tok(batch) + self.typ(torch.zeros_like(batch)))).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def _fit_tables(tmp_path: Any, steps: int, ckpt: Any = None, **settings: Any) -> Tables:
+    model = Tables()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=tmp_path,
+                         plugins=[QuantizedPrecision("nf4-dq", dtype="float32", **settings)], callbacks=[LoRA(r=2, target_modules=["body"])])  # fmt: skip
+    batches = [torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    trainer.fit(model, DataLoader(batches, batch_size=None), ckpt_path=ckpt)
+    if ckpt is None:
+        trainer.save_checkpoint(tmp_path / "tables.ckpt")
+    return model
+
+
+@pytest.mark.parametrize(("saved", "resumed", "figures"), [({}, {"quantize_embeddings": "int8"}, "checkpoint 8192, this run 0"),
+                                                           ({"quantize_embeddings": "int8"}, {}, "checkpoint 0, this run 8192")])  # fmt: skip
+def test_a_resume_that_changes_which_small_tables_are_int8_is_refused(tmp_path: Any, saved: dict, resumed: dict, figures: str) -> None:
+    """Was: 'auto' (the 2-row table kept wide) and an explicit 'int8' (converted) saved the same settings, so a resume
+    with the other went on silently on another frozen table (its int8 rounding added or dropped)."""
+    _fit_tables(tmp_path, 1, **saved)
+    with pytest.raises(ValueError, match=r"other lightning_hbm settings.*\n  - QuantizedPrecision.embeddings_kept_under: " + figures):
+        _fit_tables(tmp_path, 2, tmp_path / "tables.ckpt", **resumed)
+
+
+def test_a_checkpoint_that_does_not_record_it_is_resumed_saying_so(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint saved before the setting was recorded (here: lightning_hbm before session 31, every table in int8):
+    the resume says it cannot tell, by name, what it does and how to resume as that run did; that way goes on."""
+    from lightning_hbm.layers.embedding import QuantizedEmbedding
+    from lightning_hbm.precision import quantization
+
+    settings = quantization.Quantization.settings
+    with monkeypatch.context() as old:
+        old.setattr(quantization, "SMALL_EMBEDDING_VALUES", 0)
+        old.setattr(quantization.Quantization, "settings", lambda self: {k: v for k, v in settings(self).items() if k != quantization.KEPT_UNDER})
+        assert isinstance(_fit_tables(tmp_path, 1).typ, QuantizedEmbedding)
+    with pytest.warns(UserWarning, match=r"does not record whether its input embeddings under 8,192 values \(typ\) were stored in int8.*"
+                      r"This run keeps them wide.*resume with quantize_embeddings='int8'"):  # fmt: skip
+        assert not isinstance(_fit_tables(tmp_path, 2, tmp_path / "tables.ckpt").typ, QuantizedEmbedding)
+    assert isinstance(_fit_tables(tmp_path, 2, tmp_path / "tables.ckpt", quantize_embeddings="int8").typ, QuantizedEmbedding)
+
+
+def test_layer_modes_naming_a_table_auto_keeps_wide_says_why_and_how() -> None:
+    """Was: "layer_modes names ['1'], which are not quantizable Linear layers": the 2-row table is an embedding 'auto'
+    keeps wide as too small; the error now says so, and the setting that converts it (which then takes the plan)."""
+    from lightning_hbm.layers.embedding import QuantizedEmbedding
+    from lightning_hbm.precision import quantize_model
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Embedding(128, 64), torch.nn.Embedding(2, 64), torch.nn.Linear(64, 64))
+
+    with pytest.raises(ValueError, match=r"layer_modes names \['1'\].*left alone: 1: too small to gain: 0.5 KiB.*quantize_embeddings='int8'"):
+        quantize_model(model(), "nf4-dq", "float32", quantize_embeddings="auto", layer_modes={"1": "int8"})
+    with pytest.raises(ValueError, match=r"left alone: 1: too small to gain"):  # the plugin's checks: the same words
+        QuantizedPrecision("nf4-dq", dtype="float32", layer_modes={"1": "int8"}).convert_module(model())
+    converted = model()
+    quantize_model(converted, "nf4-dq", "float32", quantize_embeddings=True, layer_modes={"1": "int8"})
+    assert isinstance(converted[1], QuantizedEmbedding)

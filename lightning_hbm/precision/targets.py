@@ -367,7 +367,7 @@ def quantize_listed(
     _validate(module, rule, listing, quant_mode, compute_dtype)
     layer_modes = rule.embedding_modes(listing, layer_modes)  # a preparation changes no embedding: resolved before it
     listing = prepare_targets(module, rule, listing)
-    modes = _layer_modes(listing.targets, quant_mode, layer_modes)
+    modes = _layer_modes(listing.targets, quant_mode, layer_modes, listing.skipped)
     return quantize_targets(module, listing.targets, listing.skipped, listing.fp32, modes, compute_dtype, device, hessians, correct)
 
 
