@@ -264,20 +264,40 @@ def _check_settings(saved: dict[str, Any], current: dict[str, Any]) -> None:
         )
 
 
-def check_resume_loader(trainer: Any, checkpoint: Optional[dict[str, Any]], loader: Any) -> None:
-    """Refuse, at fit start and before the model is changed, a one-process resume whose ``ResumableDataLoader``
-    state was saved with other loader settings (batch size, dataset length, shuffle, seed, sampler) than this run's
-    loader: the check :meth:`ResumableDataLoader.load_state_dict` makes in Lightning's fit loop, after the strategy's
-    setup, made before the model changes (was: refused with LoRA already in the model, session 31). ``loader``: a
-    function giving this run's training dataloader (the one the loop will get). Several processes: Lightning rebuilds
-    the loader with a distributed sampler, so only the number of processes is compared here
-    (:func:`check_resume_processes`)."""
+def check_resume_loader(
+    trainer: Any, checkpoint: Optional[dict[str, Any]], loader: Any, gather: Optional[Any] = None
+) -> None:
+    """Refuse, at fit start and before the model is changed, a resume whose ``ResumableDataLoader`` state was saved
+    with other loader settings (batch size, dataset length, shuffle, seed, sampler) than this run's loader: the check
+    :meth:`ResumableDataLoader.load_state_dict` makes in Lightning's fit loop, after the strategy's setup, made before
+    the model changes (was: refused with LoRA already in the model, session 31). ``loader``: a function giving this
+    run's training dataloader as the loop will iterate it (on several processes, rebuilt with its
+    ``DistributedSampler``: ``lightning_compat.loader_as_trained``; was: only the number of processes was compared
+    there, any other change refused after the model changed, session 32). ``gather``: every rank's refusal, by rank
+    (a collective, ``resume.io.gather_from_ranks``): every rank raises the same error, also when only some ranks'
+    loaders differ from the checkpoint's."""
     states = _saved_loader_states(checkpoint)
-    if int(getattr(trainer, "world_size", 1) or 1) != 1 or len(states) != 1 or "loader" not in states[0]:
-        return
+    if len(states) != 1 or "loader" not in states[0]:
+        return  # the same checkpoint on every rank: every rank returns here, or every rank reaches the gather
     current = loader()
+    refusal = None
     if isinstance(current, ResumableDataLoader):
-        _check_settings(states[0]["loader"], current.settings())
+        try:
+            _check_settings(states[0]["loader"], current.settings())
+        except ValueError as err:
+            refusal = str(err)
+    refusals = gather(refusal) if gather is not None else None
+    if refusals is None:  # one process
+        if refusal is not None:
+            raise ValueError(refusal)
+        return
+    refused = [(rank, text) for rank, text in enumerate(refusals) if text is not None]
+    if not refused:
+        return
+    if len({text for _, text in refused}) == 1 and len(refused) == len(refusals):
+        raise ValueError(refused[0][1])  # every rank's loader differs alike: the message a one-process run gets
+    ranks = ", ".join(str(rank) for rank, _ in refused)
+    raise ValueError(f"On rank(s) {ranks} of {len(refusals)}: {refused[0][1]} No rank changed the model.")
 
 
 def _saved_loader_states(checkpoint: Optional[dict[str, Any]]) -> list[dict[str, Any]]:

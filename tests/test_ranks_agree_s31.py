@@ -50,11 +50,17 @@ def _module() -> Any:
     return Tiny()
 
 
-def _loader() -> Any:
+def _loader(batch_size: int = 2, samples: int = 2 * BATCHES, shuffle: bool = True) -> Any:
     from lightning_hbm.data import ResumableDataLoader
 
-    data = [torch.randn(16, generator=torch.Generator().manual_seed(i)) for i in range(2 * BATCHES)]
-    return ResumableDataLoader(data, batch_size=2, shuffle=True, seed=0)
+    data = [torch.randn(16, generator=torch.Generator().manual_seed(i)) for i in range(samples)]
+    return ResumableDataLoader(data, batch_size=batch_size, shuffle=shuffle, seed=0)
+
+
+#: session 32: a 2-process checkpoint resumed on 2 processes with another loader (each, one fit attempt on the 2 ranks)
+#: (the seed: the DistributedSampler's, from seed_everything; the loader's own shuffle is not one: Lightning's training
+#: DistributedSampler shuffles whatever the loader's shuffle, so a resume with shuffle=False trains the same samples)
+LOADER_CHANGES = {"batch_size": {"batch_size": 4}, "samples": {"samples": 2 * BATCHES + 4}, "seed": {}}
 
 
 def _trainer(devices: int, folder: Path, max_steps: int, every: int = 0, extra: Any = ()) -> Any:
@@ -87,19 +93,25 @@ def worker(out: Path, ckpt: str, folder: str) -> None:
         "folder": _case(Path(folder), None),
         "report": _case(out / f"report-run{rank}", None, report=Path(folder) / "report"),
     }
+    _trainer(2, out / "saved2", max_steps=3, every=2).fit(_module(), _loader())  # step=2.ckpt: mid-epoch, 2 processes
+    for change, settings in LOADER_CHANGES.items():
+        if change == "seed":
+            os.environ["PL_GLOBAL_SEED"] = "1"  # what seed_everything(1) sets, read by Lightning's DistributedSampler
+        results[change] = _case(out / f"resumed-{change}", str(out / "saved2" / "step=2.ckpt"), loader=_loader(**settings))
+        os.environ.pop("PL_GLOBAL_SEED", None)
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _case(folder: Path, ckpt: Any, report: Optional[Path] = None) -> dict[str, Any]:
+def _case(folder: Path, ckpt: Any, report: Optional[Path] = None, loader: Any = None) -> dict[str, Any]:
     from lightning_hbm import HBMProfiler, applied_transforms
 
     model = _module()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = _trainer(2, folder, max_steps=BATCHES, extra=[HBMProfiler(dirpath=str(report))] if report else [])
     try:
-        trainer.fit(model, _loader(), ckpt_path=ckpt)
+        trainer.fit(model, loader if loader is not None else _loader(), ckpt_path=ckpt)
         error = None
     except Exception as err:  # noqa: BLE001 - the test reads the message
         error = f"{type(err).__name__}: {err}"
@@ -221,6 +233,22 @@ def test_a_checkpoint_of_one_process_resumed_on_two_is_refused_on_every_rank_bef
         # refused it there with the LoRA layers already in the model (and the checkpoint's step restored)
         assert result["untouched"], f"rank {rank}: the model was changed before the refusal"
     assert results[0]["resume"]["error"] == results[1]["resume"]["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", list(LOADER_CHANGES))
+def test_a_two_process_resume_with_another_loader_is_refused_on_every_rank_before_anything_changes(ranks: Any, change: str) -> None:
+    """Was (session 31): on several processes only the number of processes was compared at fit start; another batch
+    size, dataset length or sampler seed was refused by the loader's own check in Lightning's fit loop, with LoRA already in
+    the model (the checkpoint's step restored)."""
+    results = [r[change] for r in ranks[3]]
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert error is not None, f"rank {rank} resumed with another loader without a word"
+        assert error.startswith("ValueError: ResumableDataLoader.load_state_dict: the checkpoint was saved with another "
+                                f"training dataloader ({'distributed' if change == 'seed' else change} "), error  # fmt: skip
+        assert result["untouched"] and result["steps"] == 0 and result["written"] == [], (rank, result)
+    assert results[0]["error"] == results[1]["error"]
 
 
 @pytest.mark.slow

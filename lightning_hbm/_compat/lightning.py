@@ -19,8 +19,10 @@ from lightning.pytorch.core.optimizer import (  # planner
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector  # trainer_being_built
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader  # stage_dataloader
+from lightning.pytorch.trainer.states import RunningStage  # loader_as_trained
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table  # display
+from torchmetrics import Metric  # Lightning's own dependency (its _ResultMetric is one): logged_values
 
 from lightning_hbm._compat import torch as torch_compat
 
@@ -121,6 +123,19 @@ def stage_dataloader(trainer: Any) -> Any:
     loaders = _request_dataloader(source)  # a loader already handed over in this run (AutoFit's) is given again
     source.dataloader = _HandOver(source, loaders, trainer)  # an instance attribute over the dataclass's method
     return _first_loader(loaders)
+
+
+def loader_as_trained(trainer: Any, loader: Any) -> Any:
+    """``loader`` as the fit loop will iterate it: on several processes Lightning rebuilds a ``DataLoader`` with a
+    ``DistributedSampler`` (``_DataConnector._prepare_dataloader``, ``use_distributed_sampler``); else ``loader`` itself.
+    A loader Lightning cannot rebuild is given as it is (the loop raises its own error later)."""
+    connector = getattr(trainer, "_data_connector", None)
+    if connector is None or int(getattr(trainer, "world_size", 1) or 1) < 2:
+        return loader
+    try:
+        return connector._prepare_dataloader(loader, shuffle=True, mode=RunningStage.TRAINING)
+    except Exception:  # noqa: BLE001 - any failure to rebuild: the loop's own, later
+        return loader
 
 
 def _first_loader(loaders: Any) -> Any:
@@ -252,3 +267,32 @@ def device_mesh_hidden(module: Any) -> Iterator[None]:
         yield
     finally:
         module._device_mesh = mesh
+
+
+def logged_values(module: Any) -> Callable[[], None]:
+    """What a step run that is then discarded may have counted, and the function that puts it back.
+
+    ``self.log`` adds to the result collection of the Trainer's active loop (``trainer._results``: one
+    ``_ResultMetric`` per key, a torchmetrics ``Metric`` holding the running sum and batch count), and the user's own
+    torchmetrics metrics count every ``update``. The first step's rerun (``adapters/lora/input_grads.py``) discards a
+    run of ``training_step``: without this its values reached the epoch's mean (the first batch counted twice).
+    Keys the discarded run added are removed; the states of the others, and of every ``Metric`` among ``module``'s
+    modules, are put back as they were.
+    """
+    results = getattr(attached_trainer(module), "_results", None)
+    keys = set(results) if results is not None else set()
+    metrics = [m for m in module.modules() if isinstance(m, Metric)]
+    metrics += [m for m in (results.values() if results is not None else ()) if isinstance(m, Metric)]
+    saved = [(m, m._copy_state_dict(), m._update_count, m._computed, m._forward_cache, vars(m).get("has_reset")) for m in metrics]
+
+    def restore() -> None:
+        for key in [key for key in (results or {}) if key not in keys]:
+            del results[key]  # type: ignore[union-attr]  # results is not None here
+        for metric, states, count, computed, cache, has_reset in saved:
+            for name, value in states.items():
+                setattr(metric, name, value)
+            metric._update_count, metric._computed, metric._forward_cache = count, computed, cache
+            if has_reset is not None:
+                metric.has_reset = has_reset
+
+    return restore

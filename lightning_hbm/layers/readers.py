@@ -41,6 +41,7 @@ from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
+from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._compat.torch import preserved_rngs  # re-exported: its home before the probe batches used it too
 from lightning_hbm.layers import read_weight
@@ -284,13 +285,24 @@ def _run(module: nn.Module, batch: Any, watch: _Watch, step_name: str = "trainin
         run, step = _step(module, sample, step_name)
         recorder = _Recorder(watch, step)
         try:
-            with preserved_rngs(), torch.no_grad(), _quiet_logging(module), context(), watch.running, recorder:
+            with preserved_rngs(), torch.no_grad(), _quiet_logging(module), _counting_nothing(module), context(), watch.running, recorder:
                 run()
         except Exception as err:  # noqa: BLE001 - any failure of the user's step: try the next way, then report
             failure = err  # leaving watch.running emptied its stack
             continue
         return recorder, f"{type(module).__qualname__}.{step} {how}"
     raise RuntimeError(f"{type(failure).__name__}: {failure}") from failure
+
+
+@contextmanager
+def _counting_nothing(module: nn.Module) -> Iterator[None]:
+    # the user's torchmetrics metrics as they were: the probe's update was counted in the epoch's value (the first
+    # batch twice), and on fake tensors left a fake state in the metric (session 32)
+    restore = lightning_compat.logged_values(module)
+    try:
+        yield
+    finally:
+        restore()
 
 
 @contextmanager

@@ -31,7 +31,7 @@ import logging
 import warnings
 import weakref
 from contextlib import nullcontext
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -56,6 +56,9 @@ from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.precision.targets import SMALL_EMBEDDING_VALUES, Listing, TargetRule, _validate, layer_modes_of, quantize_listed
 from lightning_hbm.probe import Probe, eval_no_grad, forward_on, has_forward
 from lightning_hbm.probe_batch import first_batches
+
+#: the settings key recording which input embeddings were kept wide while the others were converted (session 32)
+KEPT_UNDER = "embeddings_kept_under"
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +155,9 @@ class Quantization:
         self.correction = CalibratedCorrection(config.correction_rank, config.torch_dtype) if config.correction_rank else None
         #: the per-layer modes ``{layer name: mode name}`` (``None``: every layer in ``mode``): pinned, measured or resumed
         self.layer_modes: Optional[dict[str, str]] = config.pinned_layer_modes
+        # the Trainer whose surgery measured or took ``layer_modes`` (weakly): a plugin reused by another Trainer compares
+        # that run's plan at its resume, not the last fit's (session 32: a sweep's plugin refused its own checkpoint)
+        self._modes_run: Optional[weakref.ref] = None
         #: the input embeddings ``quantize_embeddings`` stores in another mode than ``mode`` ``{name: mode}`` (the
         #: setting's, so neither saved with the plan nor compared on resume; ``plugin.layer_modes`` lists them)
         self.embedding_modes: dict[str, str] = {}
@@ -238,6 +244,8 @@ class Quantization:
             self._say_kept_wide(module, sharding, apart, resumed)
             cached = (weakref.ref(module), (asked, sharding, resumed), rule, listing)
             self._listing = cached
+            if embeddings and self._kept_under_unrecorded(trainer):
+                self._say_small_tables_unrecorded(cached[3])
         self._embeddings_kept = cached[2].quantize_embeddings is False and self.config.embeddings_by_default  # saved as they are: kept
         return cached[2], cached[3]
 
@@ -259,6 +267,24 @@ class Quantization:
                 "stored them in int8 by default), and a resume goes on as that run was. A new run stores them in int8; "
                 "pass quantize_embeddings=False to keep them wide without this warning."
             )
+
+    def _say_small_tables_unrecorded(self, listing: Listing) -> None:
+        """The checkpoint being resumed does not say whether its tables under :data:`SMALL_EMBEDDING_VALUES` values were
+        converted (:meth:`_kept_under_unrecorded`): said, with what this run does and the other way, where the model has
+        such a table (session 32: a resume that changed it went on silently on another frozen table)."""
+        chosen, skipped = listing.embeddings
+        small = [n for n, t in chosen if cast(Tensor, t.weight).numel() < SMALL_EMBEDDING_VALUES]
+        small += [n for n, (why, _) in skipped.items() if why.startswith("too small to gain")]
+        if not small:
+            return
+        now, other = ("keeps them wide", "quantize_embeddings='int8'") if self.config.embeddings_by_default else ("stores them in int8", "the default (quantize_embeddings='auto')")
+        rank_zero_warn(
+            f"lightning_hbm: the checkpoint being resumed does not record whether its input embeddings under "
+            f"{SMALL_EMBEDDING_VALUES:,} values ({', '.join(sorted(small))}) were stored in int8 (saved before lightning_hbm "
+            "recorded it: 'auto' kept them wide, an explicit setting and lightning_hbm before session 31 converted them). "
+            f"This run {now}, as its setting does; if the run that saved it did otherwise, resume with {other} to go on "
+            "on the same frozen tables."
+        )
 
     def _resumed_with_wide_embeddings(self, trainer: Any) -> bool:
         """Whether the default (``quantize_embeddings="auto"``) meets a checkpoint being resumed whose settings do not
@@ -293,6 +319,7 @@ class Quantization:
         self._listing = None  # a new surgery: list the model as it is now
         if self.config.layer_modes is None:
             self.layer_modes = self.conv_report = None  # a plugin reused by another Trainer measures again
+        self._modes_run = weakref.ref(trainer) if trainer is not None else None
         rule, listing = self._listed(module, trainer)
         _validate(module, rule, listing, self.config.format, self.config.torch_dtype)
         fake = _on_fake_tensors(module)  # the planner's trace (a model cut to fewer blocks): nothing is measured there
@@ -300,7 +327,7 @@ class Quantization:
         targets = listing.targets
         self.embedding_modes = rule.embedding_modes(listing, {})
         if self.config.layer_modes is not None or isinstance(self.config.quantize_embeddings, str):
-            layer_modes_of(targets, self.config.format, rule.embedding_modes(listing, self.layer_modes or {}))
+            layer_modes_of(targets, self.config.format, rule.embedding_modes(listing, self.layer_modes or {}), listing.skipped)
         warning = regrid_warning(targets, self.config.format.name)
         if warning is not None:
             rank_zero_warn(warning)
@@ -538,7 +565,7 @@ class Quantization:
         if trainer is None:
             return None
         saved = saved_meta(trainer).get("configs", {}).get(self.owner) or {}
-        if any(saved.get(key) != value for key, value in self.settings().items()):
+        if any(saved.get(key) != value for key, value in self._run_settings(trainer).items()):
             return None  # other settings: measure, and the resume check lists every difference
         return saved.get("layer_modes")
 
@@ -549,15 +576,8 @@ class Quantization:
 
     def resume_config(self, trainer: Any) -> dict[str, Any]:
         """What a resumed run must share with the run that saved the checkpoint (``trainer``: the run's, or ``None``)."""
-        config = self.settings()
-        if trainer is not None and saved_meta(trainer):
-            # resuming, compared before this run's surgery lists them: kept or not as THIS run will (its strategy, the
-            # checkpoint), not as the last surgery did (a plugin reused by another Trainer: was read stale, session 31)
-            kept = self.config.embeddings_by_default and (_sharding_strategy(trainer) is not None or self._resumed_with_wide_embeddings(trainer))
-            config.pop("quantize_embeddings", None)
-            if self.config.quantize_embeddings and not kept:
-                config["quantize_embeddings"] = self.config.quantize_embeddings
-        plan = self.layer_modes
+        config = self._run_settings(trainer)
+        plan = self.layer_modes if self.config.layer_modes is not None or self._planned_for(trainer) else None
         if plan is None and self.config.layer_modes is None:
             # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same
             # settings the plan will be the checkpoint's own (_choose_layer_modes), so that one is this run's
@@ -565,6 +585,40 @@ class Quantization:
         if plan is not None:
             config["layer_modes"] = dict(plan)
         return config
+
+    def _run_settings(self, trainer: Any) -> dict[str, Any]:
+        """:meth:`settings` as this run will have them when it resumes the checkpoint of ``trainer`` (compared before
+        its surgery, so not read from the last one)."""
+        config = self.settings()
+        if trainer is None or not saved_meta(trainer):
+            return config
+        # resuming, compared before this run's surgery lists them: kept or not as THIS run will (its strategy, the
+        # checkpoint), not as the last surgery did (a plugin reused by another Trainer: was read stale, session 31)
+        kept = self.config.embeddings_by_default and (_sharding_strategy(trainer) is not None or self._resumed_with_wide_embeddings(trainer))
+        config.pop("quantize_embeddings", None)
+        config.pop(KEPT_UNDER, None)
+        if self.config.quantize_embeddings and not kept:
+            config["quantize_embeddings"] = self.config.quantize_embeddings
+            if not self._kept_under_unrecorded(trainer):
+                config[KEPT_UNDER] = self._kept_under()
+        return config
+
+    def _kept_under(self) -> int:
+        """The tables of fewer values kept wide while the others are converted: ``"auto"``'s
+        :data:`SMALL_EMBEDDING_VALUES`, 0 for an explicit setting (it converts every one)."""
+        return SMALL_EMBEDDING_VALUES if self.config.embeddings_by_default else 0
+
+    def _kept_under_unrecorded(self, trainer: Any) -> bool:
+        """Whether the checkpoint ``trainer`` resumes converted its embeddings without recording which tables it kept
+        wide (saved before session 32: ``"auto"`` and an explicit ``"int8"`` saved the same settings, though the first
+        kept the tables under :data:`SMALL_EMBEDDING_VALUES` values wide and the second converted them)."""
+        saved = saved_meta(trainer).get("configs", {}).get(self.owner) if trainer is not None else None
+        return isinstance(saved, dict) and bool(saved.get("quantize_embeddings")) and KEPT_UNDER not in saved
+
+    def _planned_for(self, trainer: Any) -> bool:
+        """Whether ``layer_modes`` is ``trainer``'s run's (its surgery measured or took it): a reused plugin's resume
+        check runs before that run's surgery, when ``layer_modes`` is still the last fit's (another model's plan)."""
+        return trainer is None or (self._modes_run is not None and self._modes_run() is trainer)
 
     def settings(self) -> dict[str, Any]:
         """The settings a resume compares (an option at its default is left out: older checkpoints keep matching)."""
@@ -576,6 +630,7 @@ class Quantization:
             config["layer_modes"] = dict(self.config.layer_modes)
         if self.config.quantize_embeddings and not self._embeddings_kept:  # absent before this option existed, and when kept
             config["quantize_embeddings"] = self.config.quantize_embeddings
+            config[KEPT_UNDER] = self._kept_under()
         if self.config.rounding != "nearest":  # absent before this option existed
             config["rounding"] = self.config.rounding
         if self.smoothing is not None:

@@ -311,17 +311,21 @@ def prepare_targets(module: nn.Module, rule: TargetRule, listing: Listing) -> Li
 
 
 def layer_modes_of(
-    targets: list[tuple[str, nn.Module]], quant_mode: QuantFormat, layer_modes: Mapping[str, str]
+    targets: list[tuple[str, nn.Module]], quant_mode: QuantFormat, layer_modes: Mapping[str, str],
+    skipped: Optional[Mapping[str, tuple[str, bool]]] = None,
 ) -> dict[str, Optional[QuantFormat]]:
-    """The mode of every target (``None``: kept unquantized); a plan naming other layers is an error. Each mode
-    named in ``layer_modes`` is looked up once."""
+    """The mode of every target (``None``: kept unquantized); a plan naming other layers is an error, with the reason
+    each named layer the listing left alone has (``skipped``: was left out, so a table ``"auto"`` keeps wide as too
+    small read as "not quantizable", session 32). Each mode named in ``layer_modes`` is looked up once."""
     names = [name for name, _ in targets]
     unknown = sorted(set(layer_modes) - set(names))
     if unknown:
+        why = "; ".join(f"{n}: {skipped[n][0]}" for n in unknown if skipped is not None and n in skipped)
         raise ValueError(
             f"layer_modes names {unknown}, which are not quantizable Linear layers of this model (quantizable: "
-            f"{names[:12]}{' ...' if len(names) > 12 else ''}). Plan only those layers, by their module names (an "
-            "input embedding is one with quantize_embeddings=True; quantize_embeddings='int8' stores each one in int8)."
+            f"{names[:12]}{' ...' if len(names) > 12 else ''}{f'; left alone: {why}' if why else ''}). Plan only those "
+            "layers, by their module names (an input embedding is one with quantize_embeddings=True; "
+            "quantize_embeddings='int8' stores each one in int8, the tables 'auto' keeps wide as too small included)."
         )
     # the planner's fake-tensor variant, or a fake model (int8-dynamic has no variant): plan with fake layers too
     fake = quant_mode != get_format(quant_mode.name) or any(
@@ -388,7 +392,7 @@ def quantize_listed(
     _validate(module, rule, listing, quant_mode, compute_dtype)
     layer_modes = rule.embedding_modes(listing, layer_modes)  # a preparation changes no embedding: resolved before it
     listing = prepare_targets(module, rule, listing)
-    modes = layer_modes_of(listing.targets, quant_mode, layer_modes)
+    modes = layer_modes_of(listing.targets, quant_mode, layer_modes, listing.skipped)
     return quantize_targets(module, listing.targets, listing.skipped, listing.fp32, modes, compute_dtype, device, hessians, correct)
 
 

@@ -74,6 +74,7 @@ from lightning_hbm.data import MidEpochResumeCheck, check_resume_loader, check_r
 from lightning_hbm.display import adopt_display
 from lightning_hbm.quiet import quieted
 from lightning_hbm.record import appliers, as_built, set_as_built, set_modules_to_save
+from lightning_hbm.resume.io import gather_from_ranks
 from lightning_hbm.surgery.probe_step import PROBE_PATIENCE_S as PROBE_PATIENCE_S  # its former home
 from lightning_hbm.surgery.probe_step import PROBE_SWITCH as PROBE_SWITCH  # its former home
 from lightning_hbm.surgery.probe_step import _guard, _observe, probe_step_on
@@ -473,7 +474,10 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
     if fitting:
         resume.check_checkpoint_dirs(trainer)  # a read-only checkpoint folder: said now, not after the first steps
         check_resume_processes(trainer, checkpoint)  # a loader state of another number of processes: before any change
-        check_resume_loader(trainer, checkpoint, lambda: lightning_compat.stage_dataloader(trainer))  # or other settings
+        check_resume_loader(  # or other settings, on every rank: the loader as the loop will iterate it
+            trainer, checkpoint, lambda: lightning_compat.loader_as_trained(trainer, lightning_compat.stage_dataloader(trainer)),
+            lambda mine: gather_from_ranks(trainer, mine),
+        )
     if as_built(module) is None and not applied_transforms(module):
         set_as_built(module, resume.as_built_record(module))
     if fitting and not applied_transforms(module):

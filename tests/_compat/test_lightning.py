@@ -185,3 +185,26 @@ def test_each_run_attaches_a_new_data_hook_selector_and_predict_rebuilds_its_loa
     trainer.predict(model, loader)
     assert seen[0] is not None and seen[2] is not None and seen[0] is not seen[2]
     assert seen[1] is False and seen[3] is True and trainer.predict_dataloaders is not loader
+
+
+def test_logged_values_puts_back_what_a_discarded_step_logged_and_counted() -> None:
+    import torchmetrics
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mean = torchmetrics.MeanMetric()
+
+    module = Module()
+    results = _ResultCollection(training=True)
+    results.log("training_step", "kept", torch.tensor(1.0), batch_size=2)
+    module._trainer = type("Trainer", (), {"_results": results})()  # what attached_trainer and trainer._results read
+    module.mean(torch.tensor(3.0))
+    restore = compat.logged_values(module)
+    results.log("training_step", "kept", torch.tensor(5.0), batch_size=2)
+    results.log("training_step", "new", torch.tensor(5.0), batch_size=2)
+    module.mean(torch.tensor(7.0))
+    restore()
+    assert set(results) == {"training_step.kept"}
+    assert float(results["training_step.kept"].compute()) == 1.0 and float(module.mean.compute()) == 3.0

@@ -25,8 +25,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lightning_hbm import resume
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.adapters.lora import variants
 from lightning_hbm.adapters.lora.base import ADAPTER_NAME, _lora_layer_cls
+from lightning_hbm.adapters.lora.weight_delta import WeightDeltaForward
 from lightning_hbm.layers import stored_in, task_heads, task_type
 from lightning_hbm.layers.correction import correction_of, correction_weight
 from lightning_hbm.layers.embedding import TiedHead
@@ -128,6 +130,7 @@ def save_adapter(
         tensors[key] = param.contiguous().cpu()
     hf_model = module.get_submodule(root) if root else module
     _warn_unsaved_heads(hf_model, saved, list(adapted))
+    _warn_weight_deltas(adapted)
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(getattr(hf_model, "config", None), "_name_or_path", None) or None
     ranks, alphas = variants.export_patterns(adapted, ADAPTER_NAME, config.r, config.lora_alpha)
@@ -214,6 +217,22 @@ def _warn_unsaved_heads(hf_model: nn.Module, saved: set[str], adapted: list[str]
             + "): a reload onto a base checkpoint gets that checkpoint's own head, randomly initialised when it has "
             "none (a classifier), so its outputs differ from this model's. Train them with LoRA() (the default "
             f"modules_to_save) or LoRA(modules_to_save={lost}), or save the whole model."
+        )
+
+
+def _warn_weight_deltas(adapted: dict[str, nn.Module]) -> None:
+    """A convolution adapted by a delta of its weight (``weight_delta.py``: its own forward, a dilation, a padding mode
+    other than zeros) computes ``conv(x, W + scaling * B @ A)``; plain peft, loading the file, computes its term
+    ``lora_B(lora_A(x))`` instead: another function (a shape error for a dilated one). Said by name, with the ways
+    that give the trained function (session 32: was silent, the reloaded model's outputs differed by up to 1e23)."""
+    names = [name for name, layer in adapted.items() if isinstance(torch_compat.forward_override(layer), WeightDeltaForward)]
+    if names:
+        rank_zero_warn(
+            f"LoRA.save_adapter: {len(names)} convolution(s) {name_list(names)} are adapted by a low-rank delta of their "
+            "weight (their own forward, a dilation or a padding mode other than zeros runs on W + scaling * B @ A); "
+            "plain peft (PeftModel.from_pretrained) computes lora_B(lora_A(x)) for them instead, another function, or a "
+            "shape error. For the trained function: LoRA.merge(model) (the delta added to the weights, a plain state "
+            "dict), or LoRA(...).transform_model(base) with lightning_hbm before loading this adapter's weights."
         )
 
 

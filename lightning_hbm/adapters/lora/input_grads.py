@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.naming import name_list
 
@@ -80,10 +81,12 @@ class _State:
     """The random state (Python's, NumPy's, torch's CPU and CUDA global RNGs) and the BatchNorm running statistics
     before the first step (a second run draws and counts as the first did, so the step is the one it would have been
     with the hooks there from the start; was torch's alone: a step drawing from ``random`` or NumPy drew other numbers
-    in the rerun, session 31)."""
+    in the rerun, session 31), and what ``self.log`` and the module's torchmetrics metrics counted (the discarded run's
+    values reached the epoch's mean: the first batch counted twice, session 32)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.rngs = torch_compat.rng_states()
+        self.logged = lightning_compat.logged_values(module)
         self.buffers = [
             (b, b.detach().clone())
             for m in module.modules()
@@ -93,6 +96,7 @@ class _State:
 
     def restore(self) -> None:
         torch_compat.set_rng_states(self.rngs)
+        self.logged()
         with torch.no_grad():
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)
