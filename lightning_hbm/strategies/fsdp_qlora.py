@@ -64,6 +64,7 @@ from typing_extensions import override
 
 from lightning_hbm import resume
 from lightning_hbm._compat import _PATH, _materialize_distributed_module, _optimizers_to_device
+from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.layers.embedding import TiedHead
@@ -217,6 +218,7 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         mesh = self.device_mesh["data_parallel"]
         kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward, offload_policy=offload)
         _check_tied_heads(module, units)  # before any module is sharded
+        bnb_compat.shard_int8_layers(module)  # int8 Linears: row scales whole on the layer, the gathered rows handed over
         for unit in units:
             fully_shard(unit, **kwargs)
         # One more unit per top-level child holding the remaining parameters (embeddings, head).
