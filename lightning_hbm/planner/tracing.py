@@ -52,6 +52,7 @@ from lightning_hbm.memory import (
     parameter_count,
     quantization_tensors,
     scope_term_bytes,
+    tensor_bytes,
     tensor_storage_key,
     unique_bytes,
 )
@@ -175,13 +176,16 @@ def trace(
         host_sizes = tuple(sorted(size for hooks in built.offloads for size in cast(_HostOffload, hooks).sizes))
         trainable = parameter_count(module, trainable=True)
         total = parameter_count(module)
-        block_bytes = max((parameter_bytes(block) for _, block in _blocks(module)), default=0)
+        blocks = [block for _, block in _blocks(module)]
+        block_bytes = max((parameter_bytes(block) for block in blocks), default=0)
         replicated = _replicated_bytes(module)
+        inside = {id(p) for block in blocks for p in block.parameters()}
+        remainder = tensor_bytes(p for p in module.parameters() if id(p) not in inside)
     depth, fallbacks = built.depth, built.fallbacks
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
-                 host_sizes, offloaded, where, regions, replicated)
+                 host_sizes, offloaded, where, regions, replicated, remainder)
 
 
 def _replicated_bytes(module: nn.Module) -> int:
