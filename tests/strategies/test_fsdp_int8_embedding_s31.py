@@ -7,6 +7,10 @@ are sharded as the 4-bit weights are, its row scales kept whole on every rank, a
 table its unit gathered. One 2-rank run of a tied nanoGPT (this file run as a script, as in test_fsdp_qlora.py):
 epoch 1, a checkpoint, then epoch 2 resumed from it on the same 2 ranks. fp32 compute: the losses agree with one
 process to 1e-5 (only the order of the gradient sum differs).
+
+Session 32: the same worker then fits ``QuantizedPrecision("int8")`` (every Linear a bitsandbytes ``Linear8bitLt``, the
+rows sharded, the row scales whole on each rank), an epoch, a checkpoint and the resumed epoch, and the planner's
+``Prediction.per_rank`` is checked against both runs' per-rank parameter bytes.
 """
 
 from __future__ import annotations
