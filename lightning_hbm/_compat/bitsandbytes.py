@@ -109,6 +109,43 @@ def drop_kept_inputs(module: nn.Module) -> int:
     return len(layers)
 
 
+def _int8_gathered_weight(module: nn.Module, args: tuple) -> None:
+    """A ``Linear8bitLt`` forward pre-hook under FSDP2: hand bitsandbytes the weight FSDP2 gathered.
+
+    bitsandbytes 0.50's ``Linear8bitLt.forward`` reads ``self.weight.CB`` (the int8 rows, an ``Int8Params``
+    attribute) and computes with ``self.state.CB`` / ``state.SCB``. FSDP2 replaces the weight by a DTensor shard and,
+    for each forward, by a plain ``Parameter`` over the all-gathered rows: ``weight.CB`` is gone
+    (``AttributeError``). Here the layer's state takes the gathered rows (a view: no copy) and the gathered weight
+    says it holds no rows of its own (``CB = None``, as an ``Int8Params`` after its first forward). The row scales
+    stay whole on the layer (``state.SCB``, kept there at quantization). FSDP2 frees and refills that same storage
+    between forward and backward, so the backward (``grad_A`` from ``state.CB``) reads the rows it gathers again.
+    """
+    weight: Any = module._parameters.get("weight")
+    if weight is None or type(weight).__name__ == "DTensor":
+        return None  # not gathered: this layer is not inside an FSDP unit's forward
+    cast(Any, module).state.CB = weight.data
+    weight.CB = None  # the gathered Parameter FSDP2 reuses at every all-gather (bitsandbytes reads the attribute)
+    return None
+
+
+def shard_int8_layers(module: nn.Module) -> int:
+    """Prepare every bitsandbytes ``Linear8bitLt`` in ``module`` for FSDP2 sharding (before ``fully_shard``);
+    returns how many. A row-scale copy kept only on the weight moves to the layer (``state.SCB``), a full copy of the
+    rows kept by an earlier forward (``state.CB``) is dropped (it would stay whole on every rank), and
+    :func:`_int8_gathered_weight` runs before each forward (once per layer)."""
+    layers = [m for m in module.modules() if type(m).__name__ == "Linear8bitLt" and type(m).__module__.startswith("bitsandbytes")]
+    for layer in layers:
+        state: Any = cast(Any, layer).state
+        weight: Any = layer.weight
+        if getattr(state, "SCB", None) is None:
+            state.SCB = getattr(weight, "SCB", None)
+        state.CB = None
+        if _int8_gathered_weight not in layer._forward_pre_hooks.values():
+            # first: the int8 layer's other pre-hooks (_flatten_input) do not read the weight
+            layer.register_forward_pre_hook(_int8_gathered_weight, prepend=True)
+    return len(layers)
+
+
 def ensure_nested_code() -> None:
     """Build double quantization's code book into bitsandbytes' module-wide cache, as its first real call would.
 

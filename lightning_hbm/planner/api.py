@@ -108,6 +108,11 @@ class Prediction:
             ``"cuda"``), before the allocator rounds it up (``host_activations`` is their rounded sum).
         offloaded_blocks: checkpointed blocks whose inputs ``ActivationCheckpointing(offload=...)`` moves (all of
             them for ``True``, the first ``k`` for ``offload=k``; 0 without offload).
+        replicated_bytes: the parameter bytes FSDP2 keeps whole on every rank, inside ``categories["parameters"]``: the
+            quantization constants (absmax, code books, int8 row scales; :func:`quantization_constant_bytes`).
+        remainder_bytes: the parameter bytes outside the repeated blocks (embeddings, final norm, head; quantization
+            constants excluded): ``QuantizedFSDPStrategy`` shards them as the remainder unit(s), FSDP2's root, which
+            stays gathered from the forward's start to the backward's end.
     """
 
     candidate: Candidate
@@ -127,14 +132,20 @@ class Prediction:
     selections: tuple[str, ...] = ()
     host_sizes: tuple[int, ...] = ()
     offloaded_blocks: int = 0
+    replicated_bytes: int = 0
+    remainder_bytes: int = 0
 
     def per_rank(self, world_size: int) -> dict[str, int]:
         """Bytes per category on each of ``world_size`` ranks under FSDP/ZeRO-3 (see :func:`shard_categories`).
 
-        Predict with the per-rank batch; the largest repeated block's parameters (:attr:`block_bytes`) are
-        what each rank all-gathers at once.
+        Predict with the per-rank batch. Each rank all-gathers the largest repeated block's parameters
+        (:attr:`block_bytes`) while it computes, beside the parameters outside the blocks (:attr:`remainder_bytes`:
+        FSDP2's root unit, gathered from the forward's start to the backward's end). The quantization constants
+        (:attr:`replicated_bytes`) stay whole on every rank (``QuantizedFSDPStrategy``): the parameters term is exact,
+        and so is the root's gathered term (both checked against a 2-rank run).
         """
-        return shard_categories(self.categories, world_size, gathered_bytes=self.block_bytes)
+        return shard_categories(self.categories, world_size, gathered_bytes=self.block_bytes + self.remainder_bytes,
+                                replicated_parameter_bytes=self.replicated_bytes)
 
     @property
     def terms(self) -> dict[str, int]:
@@ -379,6 +390,8 @@ def predict(
         side={**scopes, HOST_OFFLOAD: host, HOST_ACTIVATIONS: result.host},
         host_sizes=result.host_sizes,
         offloaded_blocks=result.offloaded,
+        replicated_bytes=result.replicated,
+        remainder_bytes=result.remainder,
     )
 
 

@@ -40,6 +40,10 @@ class Trace:
     # per phase: where its peak was reached, relative to the cut list of blocks (:class:`_PeakPoints`)
     where: dict[str, str] = field(default_factory=dict)
     regions: dict[str, dict[str, int]] = field(default_factory=dict)  # per phase: each region's peak bytes
+    # parameter bytes FSDP2 keeps whole on every rank: the quantization constants (absmax, code books, row scales)
+    replicated: int = 0
+    # parameter bytes outside the repeated blocks, constants excluded: what FSDP2's remainder unit(s) gather
+    remainder: int = 0
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -78,7 +82,8 @@ class Trace:
             sizes.update({size: count * n for size, count in (Counter(other.host_sizes) - Counter(self.host_sizes)).items()})
         return Trace(phases, line(_field("trainable")), line(_field("total")), depth, depth, self.block_bytes,
                      max(t.guessed for t in (self, *others)), scopes, fallbacks, line(_field("host")), selections,
-                     tuple(sorted(sizes.elements())), line(_field("offloaded")))
+                     tuple(sorted(sizes.elements())), line(_field("offloaded")), replicated=line(_field("replicated")),
+                     remainder=self.remainder)
 
     def peaks_apart(self, deeper: Trace, depth: int) -> list[str]:
         """Why the line from ``self`` (k blocks) and ``deeper`` (k+1) to ``depth`` blocks is not the model's, per phase

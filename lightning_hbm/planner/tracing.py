@@ -45,7 +45,17 @@ from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_a
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.activations import ActivationCheckpointing
 from lightning_hbm.activations.token_chunks import ChunkedForward
-from lightning_hbm.memory import LiveStorageTracker, owned_storages, parameter_bytes, parameter_count, scope_term_bytes
+from lightning_hbm.memory import (
+    LiveStorageTracker,
+    owned_storages,
+    parameter_bytes,
+    parameter_count,
+    quantization_tensors,
+    scope_term_bytes,
+    tensor_bytes,
+    tensor_storage_key,
+    unique_bytes,
+)
 from lightning_hbm.memory.categories import buffer_tensors, classify_records, optimizer_state_tensors, parameter_tensors
 from lightning_hbm.planner.block_cuts import _block_list as _block_list  # its former home (api, tests)
 from lightning_hbm.planner.block_cuts import _blocks, _blocks_cut, _cut_blocks, _cut_list
@@ -166,12 +176,24 @@ def trace(
         host_sizes = tuple(sorted(size for hooks in built.offloads for size in cast(_HostOffload, hooks).sizes))
         trainable = parameter_count(module, trainable=True)
         total = parameter_count(module)
-        block_bytes = max((parameter_bytes(block) for _, block in _blocks(module)), default=0)
+        blocks = [block for _, block in _blocks(module)]
+        block_bytes = max((parameter_bytes(block) for block in blocks), default=0)
+        replicated = _replicated_bytes(module)
+        inside = {id(p) for block in blocks for p in block.parameters()}
+        remainder = tensor_bytes(p for p in module.parameters() if id(p) not in inside)
     depth, fallbacks = built.depth, built.fallbacks
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
-                 host_sizes, offloaded, where, regions)
+                 host_sizes, offloaded, where, regions, replicated, remainder)
+
+
+def _replicated_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s quantization constants (absmax, code books, row scales), which FSDP2 keeps whole on every
+    rank; not the rows a bitsandbytes int8 layer's state points at after a forward (``state.CB``: the weight's own
+    storage, sharded)."""
+    seen = {key for key in map(tensor_storage_key, module.parameters()) if key is not None}
+    return unique_bytes((t for m in module.modules() for t in quantization_tensors(m)), seen)
 
 
 @dataclass

@@ -22,6 +22,10 @@ Why not Lightning's ``FSDPStrategy``: it rejects every precision plugin that is 
   4-bit constants) whole on every rank, gathered with the unit for the lookup. A head tied to it
   (``TiedHead``) multiplies with that one gathered copy, so it must run inside the embedding's unit (a causal LM's
   top-level model holding both): checked before sharding (``_check_tied_heads``).
+* int8 Linears (``QuantizedPrecision("int8")``: bitsandbytes ``Linear8bitLt``) shard the same way, rows along dim 0,
+  row scales whole on the layer; bitsandbytes' forward reads the rows from ``weight.CB``, which FSDP2's gathered weight
+  lacks, so each layer's state is handed the gathered rows before its forward
+  (``lightning_hbm._compat.bitsandbytes.shard_int8_layers``).
 * It runs on CPU with gloo (``init_device_mesh("cpu")``), so the same
   ``Trainer(strategy="fsdp_qlora")`` is tested on two CPU processes and used unchanged on GPUs.
 * The user's model is not touched: ``ModelParallelStrategy`` asks the user to call
@@ -64,6 +68,7 @@ from typing_extensions import override
 
 from lightning_hbm import resume
 from lightning_hbm._compat import _PATH, _materialize_distributed_module, _optimizers_to_device
+from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.layers.embedding import TiedHead
@@ -217,6 +222,7 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         mesh = self.device_mesh["data_parallel"]
         kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward, offload_policy=offload)
         _check_tied_heads(module, units)  # before any module is sharded
+        bnb_compat.shard_int8_layers(module)  # int8 Linears: row scales whole on the layer, the gathered rows handed over
         for unit in units:
             fully_shard(unit, **kwargs)
         # One more unit per top-level child holding the remaining parameters (embeddings, head).

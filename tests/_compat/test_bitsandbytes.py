@@ -196,3 +196,40 @@ def test_lightning_hbm_int8_layers_take_inputs_of_any_rank() -> None:
             torch.testing.assert_close(out, layer(x.detach().reshape(-1, 64)).reshape(*shape[:-1], 32), rtol=0, atol=0)
             out.square().sum().backward()
             assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_int8_forward_reads_weight_cb_which_a_gathered_weight_lacks() -> None:
+    """bitsandbytes 0.50's ``Linear8bitLt.forward`` reads ``self.weight.CB``: FSDP2's gathered weight, a plain
+    ``Parameter`` over the all-gathered int8 rows, has no such attribute. When this test fails, bitsandbytes reads the
+    rows another way and ``shard_int8_layers``' hook may change."""
+    assert "self.weight.CB" in inspect.getsource(bnb.nn.Linear8bitLt.forward)
+    layer = get_format("int8").replace(torch.nn.Linear(64, 32), torch.float32, torch.device("cpu"))
+    layer.weight = torch.nn.Parameter(layer.weight.data.clone(), requires_grad=False)  # what FSDP2 puts there
+    with pytest.raises(AttributeError, match="CB"):
+        layer(torch.randn(2, 64))
+
+
+def test_shard_int8_layers_computes_with_the_gathered_rows_forward_and_backward() -> None:
+    """Issue 51: after ``shard_int8_layers`` an int8 layer whose weight FSDP2 replaced (a plain ``Parameter`` over the
+    gathered rows, reused at each all-gather, its storage freed and refilled in between) gives the same output and
+    input gradient as before sharding, the row scales kept on the layer, no full copy of the rows left on its state."""
+    layer = get_format("int8").replace(torch.nn.Linear(64, 32), torch.float32, torch.device("cpu"))
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    expected = layer(x)
+    (expected_grad,) = torch.autograd.grad(expected.square().sum(), x)
+    rows, scales = layer.state.CB, layer.state.SCB
+    model = torch.nn.Sequential(layer)
+    assert compat.shard_int8_layers(model) == compat.shard_int8_layers(model) == 1  # hooked once
+    assert layer.state.CB is None and layer.state.SCB is scales  # the whole rows (a forward kept them) dropped
+    gathered = torch.nn.Parameter(rows.clone(), requires_grad=False)  # FSDP2's unsharded parameter
+    layer.weight = gathered
+    for _ in range(2):  # the second forward: the same gathered Parameter, refilled
+        out = layer(x)
+        storage = gathered.untyped_storage()
+        storage.resize_(0)  # FSDP2 frees it after the forward (reshard_after_forward) ...
+        storage.resize_(rows.numel())  # ... and gathers into it again before the backward
+        gathered.data.copy_(rows)
+        (grad,) = torch.autograd.grad(out.square().sum(), x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
+    assert layer.state.CB.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr()  # a view, not a copy

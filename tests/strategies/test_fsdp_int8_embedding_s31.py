@@ -7,6 +7,10 @@ are sharded as the 4-bit weights are, its row scales kept whole on every rank, a
 table its unit gathered. One 2-rank run of a tied nanoGPT (this file run as a script, as in test_fsdp_qlora.py):
 epoch 1, a checkpoint, then epoch 2 resumed from it on the same 2 ranks. fp32 compute: the losses agree with one
 process to 1e-5 (only the order of the gradient sum differs).
+
+Session 32: the same worker then fits ``QuantizedPrecision("int8")`` (every Linear a bitsandbytes ``Linear8bitLt``, the
+rows sharded, the row scales whole on each rank), an epoch, a checkpoint and the resumed epoch, and the planner's
+``Prediction.per_rank`` is checked against both runs' per-rank parameter bytes.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def _model() -> Any:
     return model
 
 
-def _fit(devices: int, root: Path, epochs: int, ckpt: Any = None) -> tuple[list[float], Any, Any]:
+def _fit(devices: int, root: Path, epochs: int, ckpt: Any = None, mode: str = "nf4") -> tuple[list[float], Any, Any]:
     import lightning.pytorch as pl
 
     from lightning_hbm import QuantizedPrecision
@@ -42,7 +46,7 @@ def _fit(devices: int, root: Path, epochs: int, ckpt: Any = None) -> tuple[list[
     recorder = _global_losses()
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy="fsdp_qlora" if devices > 1 else "auto", max_epochs=epochs,
-        plugins=[QuantizedPrecision("nf4", dtype="float32")], callbacks=_callbacks() + [recorder], logger=False,
+        plugins=[QuantizedPrecision(mode, dtype="float32")], callbacks=_callbacks() + [recorder], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         num_sanity_val_steps=0, use_distributed_sampler=False, default_root_dir=str(root),
     )  # fmt: skip
@@ -69,8 +73,26 @@ def worker(out: Path) -> None:
         "tied_head": isinstance(model.model.lm_head, TiedHead),
         "table": [type(table).__name__, str(table.dtype), table.to_local().numel(), table.numel()],
         "resumed": _fit(2, out / "resumed", 2, out / "fsdp.ckpt")[0],
+        "int8": _int8_linears(out),
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
+
+
+def _int8_linears(out: Path) -> dict[str, Any]:
+    """The same run in ``QuantizedPrecision("int8")``: every Linear a bitsandbytes ``Linear8bitLt`` (LoRA on them),
+    session 32. bitsandbytes' forward read ``weight.CB``, which FSDP2's gathered weight lacks (``AttributeError`` at
+    the first step); its rows are now sharded, the row scales whole on the layer."""
+    from lightning_hbm.memory import parameter_bytes
+
+    losses, trainer, model = _fit(2, out / "int8", 1, mode="int8")
+    trainer.save_checkpoint(out / "int8.ckpt")
+    weight = model.model.h[0].attn.c_attn.base_layer.weight
+    return {
+        "losses": losses,
+        "param_bytes": parameter_bytes(model),
+        "weight": [type(weight).__name__, str(weight.dtype), weight.to_local().numel(), weight.numel()],
+        "resumed": _fit(2, out / "int8-resumed", 2, out / "int8.ckpt", mode="int8")[0],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +129,32 @@ def test_two_rank_int8_tables_train_resume_and_count_as_one_process(two_rank_run
     assert constants - quantization_constant_bytes(_model, "nf4", "float32", quantize_embeddings=False) == 4 * 256  # wte's row scales
     per_rank = shard_categories(prediction.categories, world_size=2, replicated_parameter_bytes=constants)
     assert [rank["param_bytes"] for rank in ranks] == [per_rank["parameters"]] * 2
+    # Prediction.per_rank knows the constants itself (before session 32 it split them too: half of them under the measured)
+    assert prediction.per_rank(2)["parameters"] == per_rank["parameters"]
+    assert prediction.replicated_bytes == constants
+
+
+@pytest.mark.slow
+def test_two_rank_int8_linears_train_resume_and_count_as_one_process(two_rank_run: Path, tmp_path: Path) -> None:
+    """``QuantizedPrecision("int8")`` under ``fsdp_qlora`` (issue 51): losses and the resumed epoch as one process to
+    1e-5, the int8 rows sharded, and each rank's parameter bytes the planner's (rows split, row scales whole)."""
+    import bitsandbytes as bnb
+
+    from lightning_hbm.data import synthetic_batch
+    from lightning_hbm.planner import Candidate, predict, quantization_constant_bytes
+
+    ranks = [json.loads((two_rank_run / f"rank{r}.json").read_text())["int8"] for r in (0, 1)]
+    reference, _, model = _fit(1, tmp_path, 2, mode="int8")
+    assert sum(isinstance(m, bnb.nn.Linear8bitLt) for m in model.modules()) == 9  # 8 block Linears + wte (the head stays wide)
+    kind, dtype, local, total = ranks[0]["weight"]
+    assert (kind, dtype) == ("DTensor", "torch.int8") and local * 2 == total == 3 * TINY["n_embd"] ** 2  # rows sharded
+    for rank in ranks:
+        torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(reference[:STEPS_PER_EPOCH]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(rank["resumed"]), torch.tensor(reference[STEPS_PER_EPOCH:]), atol=1e-5, rtol=0)
+    # the planner's per-rank parameters, exact: the int8 rows split over the ranks, their fp32 row scales whole on each
+    prediction = predict(_model, synthetic_batch(GLOBAL_BATCH // 2, 32), Candidate("int8", "float32", lora_r=4))
+    assert [rank["param_bytes"] for rank in ranks] == [prediction.per_rank(2)["parameters"]] * 2
+    assert prediction.replicated_bytes == quantization_constant_bytes(_model, "int8", "float32") > 0
 
 
 @pytest.mark.slow  # ~1-2 s: bitsandbytes and the strategy's imports

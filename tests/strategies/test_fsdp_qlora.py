@@ -299,10 +299,21 @@ def test_planner_per_rank_prediction_matches_two_rank_measurement(
         # Adam states: sharded like their parameters (the planner also counts the 0-dim step tensors)
         assert abs(rank["optimizer_bytes"] - per_rank["optimizer_states"]) <= 0.01 * per_rank["optimizer_states"]
     # the profiler's measurement (rank 0 writes the max over ranks)
-    rows = json.loads((two_rank_run / "profile" / "hbm_profile.json").read_text())["rows"]
+    profile = json.loads((two_rank_run / "profile" / "hbm_profile.json").read_text())
+    rows = profile["rows"]
     assert rows and all(row["parameters"] == per_rank["parameters"] for row in rows)
     measured_states = rows[-1]["optimizer_states"]
     assert abs(measured_states - per_rank["optimizer_states"]) <= 0.01 * per_rank["optimizer_states"]
+    # Prediction.per_rank (session 32): the constants whole on each rank, and the parameters outside the blocks (wte's
+    # int8 rows, wpe, ln_f, lm_head: 98,816 B) gathered at the step's peak, FSDP2's root unit gathered through forward
+    # and backward (the profiler finds it allocated by the root's pre-forward all-gather, outside every module)
+    planned = prediction.per_rank(2)
+    assert planned["parameters"] == per_rank["parameters"]
+    assert profile["modules"]["1"]["<root>"]["activations"] == prediction.remainder_bytes == 98_816
+    assert planned["other"] == prediction.categories["other"] + prediction.block_bytes + prediction.remainder_bytes
+    # (the step's whole peak is not compared: the profiler's tracker has no rule for a storage resize, which is how FSDP2
+    # frees and refills the blocks' gathered storages; it measured 1,777,744 and 1,826,896 B in two runs of this test,
+    # 1,747,036 planned)
 
 
 def _saved(checkpoint: dict[str, Any]) -> dict[str, Any]:
