@@ -9,9 +9,15 @@ BatchNorm's statistics, the model's ``_keep_in_fp32_modules``, float64 buffers a
 
 from __future__ import annotations
 
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
+from lightning_hbm import QuantizedPrecision
 from lightning_hbm.precision import quantize_model
 from tests.test_model_families_s29 import IDS, WIDTH, tokens, transformers_model
 
@@ -83,3 +89,28 @@ def test_a_llama_keeps_its_rotary_frequencies() -> None:
     quantize_model(model, "nf4-dq", dtype="bfloat16")
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     assert model(input_ids=tokens(1)).logits.dtype == torch.bfloat16
+
+
+def test_a_float32_tensor_the_model_makes_is_a_clear_error_naming_the_fix(tmp_path: Any) -> None:
+    """What the cast cannot reach, a tensor the model's code makes in float32 (here a LayerNorm's input), was torch's
+    bare "mixed dtype (CPU): expect parameter to have scalar type of Float" deep in the forward."""
+
+    class MakesFloat32(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.norm, self.head = nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 2)
+
+        def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
+            x = self.proj(batch) * torch.ones(32, dtype=torch.float32)  # promoted to float32
+            return self.head(self.norm(x)).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4")])  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"an op of the model got a float32 tensor beside bfloat16 ones, and QuantizedPrecision computes the "
+                       r"model in bfloat16 .*Pass QuantizedPrecision\(\.\.\., dtype=\"float32\"\).*model\.to\(torch\.bfloat16\).*torch said: "
+                       r"mixed dtype"):  # fmt: skip
+        trainer.fit(MakesFloat32(), DataLoader([torch.randn(8, 32)], batch_size=None))
+    assert trainer.global_step == 0
