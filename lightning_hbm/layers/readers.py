@@ -46,10 +46,12 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._compat.torch import preserved_rngs  # re-exported: its home before the probe batches used it too
 from lightning_hbm.layers import read_weight
 from lightning_hbm.layers.fake_leftovers import dropping_fake_leftovers
+from lightning_hbm.memory.storage import quantized_format
 from lightning_hbm.running import RunningModules
 
-# Reading these of a weight is harmless once the layer is quantized or adapted; "metadata" is wrong on a packed
-# quantized weight and harmless for an adapter (peft's layer shows its base's weight); anything else is a use.
+# Reading these of a weight is harmless once the layer is quantized or adapted; "metadata" reads no value either: the
+# guard answers it for a packed quantized weight as the layer computes (see_as), and it is harmless for an adapter
+# (peft's layer shows its base's weight); anything else is a use.
 # Introspection (memory trackers, hooks, printing) counts as harmless too: it computes nothing with the values.
 HARMLESS = frozenset({
     "device", "requires_grad", "is_cuda", "is_meta", "is_sparse", "layout", "grad", "is_leaf", "names", "__hash__",
@@ -413,10 +415,12 @@ class _Guard(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         op = _descriptor_name(func)
+        if op in METADATA:  # .dtype, .shape, .size(): no value read; a quantized weight answers as the layer computes
+            seen = self.guarded.seen_as.get(id(args[0])) if args and isinstance(args[0], torch.Tensor) else None
+            return func(seen, *args[1:], **kwargs) if seen is not None and not self.guarded.inside else func(*args, **kwargs)
         if op not in HARMLESS and not self.guarded.inside:
             for name, quantized in _weights_in(args, kwargs, self.guarded.weights):
-                if quantized or op not in METADATA:
-                    self.guarded.refuse(name, op, quantized)
+                self.guarded.refuse(name, op, quantized)
         return func(*args, **kwargs)
 
 
@@ -425,14 +429,17 @@ class GuardHook:
 
     def __init__(self, reader: str, ran: str) -> None:
         self.reader, self.ran = reader, ran
-        # the weights themselves, not their ids: a copied model's hooks then follow the copy's weights
-        self.tensors: list[tuple[torch.Tensor, str, bool]] = []
+        # the weights themselves, not their ids: a copied model's hooks then follow the copy's weights; each with
+        # what a metadata read of it answers (a quantized weight: see_as; None: as it is)
+        self.tensors: list[tuple[torch.Tensor, str, Optional[torch.Tensor]]] = []
         self.weights: dict[int, tuple[str, bool]] = {}
+        self.seen_as: dict[int, torch.Tensor] = {}
         self.inside = 0  # > 0 while one of the guarded layers itself runs (its own reads are its business)
         self._modes: list[_Guard] = []
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        self.weights = {id(tensor): (name, quantized) for tensor, name, quantized in self.tensors}
+        self.weights = {id(tensor): (name, seen is not None) for tensor, name, seen in self.tensors}
+        self.seen_as = {id(tensor): seen for tensor, _, seen in self.tensors if seen is not None}
         mode = _Guard(self)
         mode.__enter__()
         self._modes.append(mode)
@@ -459,16 +466,32 @@ class GuardHook:
         )
 
 
+def see_as(holder: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """What a metadata read (``.dtype``, ``.shape``, ``.size()``, ``.ndim``, ...) of ``weight``, stored quantized by
+    ``holder`` (the mode's layer), answers under the guard: a storage-less meta tensor of the shape the layer
+    multiplies as, in the dtype it computes in. Such a read is no use of the values, and the model's code asks it to
+    cast its input (Switch Transformers: ``hidden_states.to(self.wo.weight.dtype)``, with a packed ``uint8`` weight
+    otherwise); it was refused as an ``UnobservedRead`` in an expert the probe batch did not route to (issue 53)."""
+    fmt = quantized_format(holder)
+    shape = fmt.weight_shape(holder) if fmt is not None else weight.shape
+    dtype = (fmt.compute_dtype(holder) if fmt is not None else None) or getattr(holder, "compute_dtype", None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        dtype = torch.get_default_dtype()  # computes in its input's dtype: the model's
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
 def guard_unobserved(
-    module: nn.Module, hinted: list[tuple[str, str, str]], changed: dict[str, tuple[nn.Module, torch.Tensor, bool]]
+    module: nn.Module, hinted: list[tuple[str, str, str]], changed: dict[str, tuple[nn.Module, torch.Tensor, Optional[torch.Tensor]]]
 ) -> list[str]:
     """Guard each reader the source scan found but the probe did not see, for layers that were changed.
 
     Args:
         hinted: ``(reader module name, "Class.method", layer name)`` from the source scan.
-        changed: ``{layer name: (the layer a parent calls, the weight a reader would get, quantized)}`` for the
-            layers now quantized or adapted. Whatever runs inside the layer a parent calls (peft's layer, its base
-            layer, a quantized convolution dequantizing its storage) reads the weight as its own business.
+        changed: ``{layer name: (the layer a parent calls, the weight a reader would get, what a metadata read of a
+            quantized weight answers (:func:`see_as`); None: not quantized, only adapted)}`` for the layers now
+            quantized or adapted. Whatever runs inside the layer a parent calls (peft's layer, its base layer, a
+            quantized convolution dequantizing its storage) reads the weight as its own business. A metadata read
+            (``.dtype``, ``.shape``) is never refused.
     Returns the guarded readers' names. First, each quantized layer serving its reads learns the LoRA layer around it
     (``read_weight.link_adapters``): a read of its weight then runs the adapter.
     """
@@ -477,14 +500,14 @@ def guard_unobserved(
     if seen is None or module in _GUARDED:
         return []
     _GUARDED.add(module)
-    by_reader: dict[str, tuple[str, dict[str, tuple[nn.Module, torch.Tensor, bool]]]] = {}
+    by_reader: dict[str, tuple[str, dict[str, tuple[nn.Module, torch.Tensor, Optional[torch.Tensor]]]]] = {}
     for reader_name, reader, layer_name in hinted:
         if layer_name in changed and layer_name not in seen.reads:
             by_reader.setdefault(reader_name, (reader, {}))[1][layer_name] = changed[layer_name]
     for reader_name, (reader, layers) in by_reader.items():
         hook = GuardHook(reader, seen.ran)
-        for layer_name, (layer, weight, quantized) in layers.items():
-            hook.tensors.append((weight, layer_name, quantized))
+        for layer_name, (layer, weight, answer) in layers.items():
+            hook.tensors.append((weight, layer_name, answer))
             layer.register_forward_pre_hook(hook.layer_in)
             layer.register_forward_hook(hook.layer_out, always_call=True)
         sub = module.get_submodule(reader_name) if reader_name else module
@@ -493,4 +516,4 @@ def guard_unobserved(
     return sorted(by_reader)
 
 
-__all__ = ["Observation", "Read", "UnobservedRead", "guard_unobserved", "observation", "observe", "observed_readers", "preserved_rngs"]
+__all__ = ["Observation", "Read", "UnobservedRead", "guard_unobserved", "observation", "observe", "observed_readers", "preserved_rngs", "see_as"]

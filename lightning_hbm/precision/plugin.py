@@ -443,6 +443,10 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
 
 #: torch's dispatch error for an op with no kernel in a dtype: ``"nms_kernel" not implemented for 'BFloat16'``
 _NO_KERNEL = re.compile(r"\"([^\"]+)\" not implemented for '(BFloat16|Half)'")
+#: torch's errors for an op given float32 and 16-bit tensors together (a matmul, a convolution, a norm, a fill)
+_MIXED = re.compile(
+    r"to have the same dtype|mixed dtype|should be the same|expected scalar type|found dtype|cannot be converted to type c10::(BFloat16|Half)"
+)
 
 
 @contextmanager
@@ -453,15 +457,30 @@ def _computing_in(dtype: torch.dtype, plugin: str) -> Generator[None, None, None
         with _default_dtype(dtype):
             yield
     except RuntimeError as err:  # NotImplementedError too, which torch raises for it
-        missing = _NO_KERNEL.search(str(err))
+        missing, name = _NO_KERNEL.search(str(err)), str(dtype).removeprefix("torch.")
+        if missing is None and _MIXED.search(str(err)) and re.search(r"BFloat16|Half|bfloat16|float16|mixed dtype", str(err)):
+            raise RuntimeError(_mixed_message(name, plugin, err)) from err
         if missing is None:
             raise
-        op, name = missing.group(1), str(dtype).removeprefix("torch.")
+        op = missing.group(1)
         raise RuntimeError(
             f"lightning_hbm: the op {op!r} has no {missing.group(2)} kernel here, and {plugin} computes the model in "
             f"{name}. Pass {plugin}(..., dtype=\"float32\") (quantized weights stay quantized; the other weights and "
             f"the activations take float32), or cast that op's inputs to float32 in your code. torch said: {err}"
         ) from err
+
+
+def _mixed_message(name: str, plugin: str, err: BaseException) -> str:
+    """An op met float32 and ``name`` tensors under ``plugin``: what it means and the ways out (issue 53: four models
+    stopped so under bf16, each on a float32 buffer the cast left as built; now cast, this names what is left)."""
+    return (
+        f"lightning_hbm: an op of the model got a float32 tensor beside {name} ones, and {plugin} computes the model in "
+        f"{name} (its weights, buffers and the batch's floating inputs are cast to it). The float32 one was made by the "
+        "model's own code (an explicit dtype=torch.float32, a .float(), a module it casts itself), or is an input of the "
+        f"batch kept as given. Pass {plugin}(..., dtype=\"float32\") (quantized weights stay quantized; the rest "
+        f"computes in float32), or cast that tensor to the model's dtype in your code. If the model fails the same way "
+        f"after model.to(torch.{name}) without lightning_hbm, the mixing is the model's own. torch said: {err}"
+    )
 
 
 def _cast_floating(dtype: torch.dtype, kept: Optional[list[str]] = None, continuous: Optional[set[tuple]] = None) -> Any:

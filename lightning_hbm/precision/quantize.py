@@ -120,19 +120,42 @@ def quantize_targets(
         log.info("lightning_hbm: not quantizing %s", {n: r for n, (r, _) in skipped.items()})
     for layer, new in embeddings:  # a head tied to it computes with its one quantized copy (the heads are no targets)
         tie_heads(module, layer, new)
-    # Everything that is not quantized storage computes in the compute dtype and stays trainable, except what the
-    # model declares must stay in fp32, and BatchNorm: its running statistics are fp32 buffers, and batch_norm takes a
-    # 16-bit input only with fp32 weights and statistics (as in Lightning's mixed precision); 16-bit weights beside fp32
-    # statistics fail at the first batch.
+    cast_the_rest(module, fp32, compute_dtype, stored={name for name, _ in targets if modes[name] is not None})
+    # peft picks its quantization-aware LoRA layers (mergeable) only when the model says so.
+    kinds = {m.peft_kind for m in modes.values() if m is not None}
+    peft_compat.mark_quantized(module, cast(set[str], kinds & {"4bit", "8bit"}))  # strings only: None is in neither
+    return [name for name, _ in targets]
+
+
+def cast_the_rest(module: nn.Module, fp32: set[str], compute_dtype: torch.dtype, stored: Optional[set[str]] = None) -> None:
+    """Everything that is not quantized storage computes in ``compute_dtype`` (parameters stay trainable), except what
+    the model declares must stay in fp32 (``fp32``), and BatchNorm: its running statistics are fp32 buffers, and
+    batch_norm takes a 16-bit input only with fp32 weights and statistics (as in Lightning's mixed precision); 16-bit
+    weights beside fp32 statistics fail at the first batch.
+
+    Float32 buffers take the compute dtype too, as ``model.to(dtype)`` and Lightning's true precisions cast them, and
+    as ``from_pretrained(dtype=...)`` builds those the model makes in the default dtype. Left fp32, they turned the
+    activations fp32 at their first use: NLLB-MoE's and Kosmos-2's sinusoidal position tables, Swin2SR's
+    ``relative_coords_table`` (its code casts it to "the same dtype as mlp weight" when built) and input ``mean``,
+    diffusers ``ConsistencyDecoderVAE``'s latent ``means``/``stds``: each stopped at its first step under bf16 (issue
+    53). Kept as built: the quantized layers' own (``stored``: their names; ``int8-dynamic``'s fp32 row scales),
+    float64 buffers (a deliberate choice), and the frequencies of rotary embeddings (a module whose class name has
+    "Rotary", transformers' own convention: their code computes the angles from them in fp32, and a bf16 frequency
+    moves the angle at position p by up to p * 2**-9 radians)."""
     wide = fp32 | {n for n, m in module.named_modules() if isinstance(m, torch_compat.BatchNormBase)}
     for name, param in module.named_parameters():
         wanted = torch.float32 if under(name.rpartition(".")[0], wide) else compute_dtype
         if param.is_floating_point() and param.dtype != wanted:
             param.data = param.data.to(wanted)
-    # peft picks its quantization-aware LoRA layers (mergeable) only when the model says so.
-    kinds = {m.peft_kind for m in modes.values() if m is not None}
-    peft_compat.mark_quantized(module, cast(set[str], kinds & {"4bit", "8bit"}))  # strings only: None is in neither
-    return [name for name, _ in targets]
+    if compute_dtype == torch.float32:
+        return
+    kept = wide | (stored or set())
+    for owner_name, owner in module.named_modules():
+        if under(owner_name, kept) or "Rotary" in type(owner).__name__:
+            continue
+        for buffer in owner.buffers(recurse=False):
+            if buffer.dtype == torch.float32:
+                buffer.data = buffer.data.to(compute_dtype)
 
 
 def _replace_one(

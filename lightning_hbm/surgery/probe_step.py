@@ -14,7 +14,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -105,7 +105,7 @@ def _guard(module: nn.Module) -> None:
     """Guards on the paths the probe step did not take, where the model's source reads a layer now changed."""
     if readers.observation(module) is None:
         return
-    changed: dict[str, tuple[nn.Module, torch.Tensor, bool]] = {}
+    changed: dict[str, tuple[nn.Module, torch.Tensor, Optional[torch.Tensor]]] = {}
     for name, layer, _ in find_layers(module):
         base = base_layer(layer)
         if isinstance(base, QuantizedEmbedding):
@@ -120,5 +120,5 @@ def _guard(module: nn.Module) -> None:
             # the guard watches the stored weight, but "inside the layer" is the layer a parent calls (peft's layer
             # or the quantized convolution): a quantized convolution's own forward reads its storage's weight
             # without calling the storage (issue 53: timm PatchEmbed, RecurrentGemma's conv_1d were refused)
-            changed[name] = (layer, weight, quantized)
+            changed[name] = (layer, weight, readers.see_as(holder, weight) if quantized else None)
     readers.guard_unobserved(module, source_readers(module), changed)  # once per model
