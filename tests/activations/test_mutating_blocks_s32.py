@@ -40,7 +40,7 @@ def _checkpointed(model: nn.Module) -> ActivationCheckpointing:
 
 
 def test_wan_vae_blocks_that_change_their_cache_are_left_unchecked_by_name_and_train_as_without() -> None:
-    x = torch.randn(1, 3, 5, 16, 16, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(1, 3, 5, 8, 8, generator=torch.Generator().manual_seed(1))
     want = _gradients(_wan(), x)
     model = _wan()
     assert "decoder.up_blocks.0" in _checkpointed(model).checkpointed
