@@ -2,8 +2,8 @@
 
 Since session 32 the check (``precision/accuracy.py``) runs on every model the plugin quantizes: one forward of the
 model as built on the probe batch before the quantization (the reference) and one of the quantized model after it.
-Here the real SmolLM2-135M (``smollm2_path()``) in a LightningModule with a ``forward`` (without one nothing is
-measured: the check needs the forward the probe batch goes through), ``Trainer(max_steps=1)`` with
+Here the real SmolLM2-135M (``smollm2_path()``) in a LightningModule with a ``forward`` (without one the check measures
+the call its ``training_step`` makes first, at the same cost), ``Trainer(max_steps=1)`` with
 ``QuantizedPrecision("nf4-dq")`` + ``LoRA(r=16)`` + ``ActivationCheckpointing()``, batch 1 x 128, in one process,
 interleaved: ``on`` as shipped, ``off`` with the check's reference never built (what the library did before for a
 model without convolutions). Reported: process CPU seconds of each fit (fit start to the end of the first step), the

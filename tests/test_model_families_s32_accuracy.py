@@ -8,10 +8,14 @@ layers losing the most and the fix; a model at or above it stays quiet. Real cla
 
 from __future__ import annotations
 
+import re
 import warnings
+from typing import Any, cast
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from lightning_hbm import QuantizedPrecision
 
@@ -75,3 +79,58 @@ def test_a_healthy_llama_is_measured_and_stays_quiet() -> None:
     assert not [str(w.message) for w in seen if "lightning_hbm" in str(w.message)]
     measured = plugin.quantization.conv_accuracy
     assert measured is not None and measured.cosine >= measured.threshold == 0.98 and not measured.warned
+
+
+# ---------------------------------------------------- a LightningModule without forward: the model its training_step calls
+
+
+class _Task(pl.LightningModule):
+    """What a user writes: no ``forward``, ``training_step`` calls the model and logs the loss."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        output = self.model(**batch)
+        loss = sum(t.float().square().mean() for t in output.to_tuple() if isinstance(t, torch.Tensor) and t.is_floating_point())
+        self.log("loss", loss)
+        return cast(torch.Tensor, loss)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def _fit(model: torch.nn.Module, batch: dict[str, torch.Tensor], tmp_path: Any) -> tuple[QuantizedPrecision, list[str]]:
+    plugin = QuantizedPrecision("nf4-dq")
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, plugins=[plugin])  # fmt: skip
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(_Task(model), DataLoader([batch], batch_size=None))
+    return plugin, [str(w.message) for w in seen]
+
+
+def test_a_lightning_module_without_forward_is_measured_on_the_call_its_training_step_makes(tmp_path: Any) -> None:
+    """Was: not measured (the probe batch had no way in); session 31's Pix2Struct 0.965 went unsaid."""
+    model, batch = pix2struct()
+    plugin, said = _fit(model, batch, tmp_path)
+    assert any(re.search(WARNED.replace("'encoder", "'model.encoder"), s) for s in said), said
+    measured = plugin.quantization.conv_accuracy
+    assert measured is not None and measured.warned and 0.97 < measured.cosine < 0.98
+
+
+def test_a_conv_model_without_forward_is_warned_with_its_figure_not_only_that_it_has_no_plan(tmp_path: Any) -> None:
+    """transformers' DAC (34 weight-normed convolutions): was warned only "without a measured plan (Task defines no
+    forward ...)", no figure; now also the figure, measured where its quantizer's argmax still agrees."""
+    torch.manual_seed(0)
+    config = transformers.DacConfig(encoder_hidden_size=8, downsampling_ratios=[2, 4], decoder_hidden_size=32, n_codebooks=2, codebook_size=32,
+                                    codebook_dim=4, hidden_size=16, upsampling_ratios=[4, 2])  # fmt: skip
+    batch = dict(input_values=torch.randn(2, 1, 256, generator=torch.Generator().manual_seed(1)))
+    plugin, said = _fit(transformers.DacModel(config), batch, tmp_path)
+    assert any("without a measured plan (_Task defines no forward" in s for s in said)
+    pattern = (r"with its 34 convolutions stored quantized .* the output of 'model\.encoder', has a cosine of 0\.9\d\d\d against the "
+               r"model as built .* under 0\.98 .*The layers losing the most .*Fix: QuantizedPrecision\(\.\.\., dtype='float32', mode='int8'\)")  # fmt: skip
+    assert any(re.search(pattern, s) for s in said), said
+    measured = plugin.quantization.conv_accuracy
+    assert measured is not None and measured.warned and measured.cosine < 0.98
