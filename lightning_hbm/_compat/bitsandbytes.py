@@ -41,6 +41,24 @@ def disable_cpu_repacks(module: nn.Module) -> int:
     return len(layers)
 
 
+def undo_int8_states(module: nn.Module) -> int:
+    """Put the int8 rows and row scales of every ``Linear8bitLt`` in ``module`` that ran a forward back on its weight, as
+    they were when it was made; returns how many. Its first forward moves them to the layer's matmul state
+    (``init_8bit_state``: ``weight.CB``/``weight.SCB`` to ``state.CB``/``state.SCB``, the weight's set to ``None``), and
+    its ``load_state_dict`` then refuses a checkpoint ("Loading a quantized checkpoint into non-quantized Linear8bitLt"):
+    the fit-start accuracy check's forward (session 32) broke every int8 resume. The next forward moves them again."""
+    undone = 0
+    for layer in module.modules():
+        state, weight = getattr(layer, "state", None), getattr(layer, "weight", None)
+        if type(layer).__name__ != "Linear8bitLt" or state is None or weight is None:
+            continue
+        if getattr(weight, "SCB", None) is None and getattr(state, "SCB", None) is not None:
+            weight.CB, weight.SCB = state.CB, state.SCB
+            state.CB, state.SCB = None, None
+            undone += 1
+    return undone
+
+
 def drop_int8_kept_input(module: nn.Module, args: tuple, output: Any) -> None:
     """A ``Linear8bitLt`` forward hook: free the input that bitsandbytes' int8 matmul keeps for a frozen weight.
 

@@ -68,6 +68,9 @@ class _BlockPlan:
         self.name = ""
         #: whether the block's keyword tensors were looked at (:func:`_note_keywords`): on its first training forward only
         self.keywords_noted = False
+        #: what its first training forward changed in a list or dict it was given (:func:`mutated_arguments`; ``""``:
+        #: nothing; ``None``: not looked at yet): such a block runs without checkpoint (session 32)
+        self.mutates: Optional[str] = None
 
 
 class _CheckpointedForward(CheckpointedForward):
@@ -92,6 +95,10 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
     inner = inner_forward(self, plan.own_forward)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
+    if plan.mutates is None or plan.mutates:
+        looked = _looked_at(self, plan, inner, args, kwargs)
+        if looked is not None:  # its first training forward, given a list or dict, or a forward that changes one
+            return looked[0]
     extra: dict[str, Any] = {} if plan.context_fn is None else {"context_fn": plan.context_fn}
     calls = itertools.count()
     state = ForwardState(self)  # the buffers its forward changes (BatchNorm statistics, spectral_norm's u, v)
@@ -126,6 +133,58 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
 
 def _same(tensor: Tensor) -> Tensor:
     return tensor
+
+
+def _containers(args: tuple, kwargs: dict[str, Any]) -> list[tuple[str, Union[list, dict]]]:
+    named = [(f"argument {i + 1}", a) for i, a in enumerate(args)] + [(f"{k!r}", v) for k, v in kwargs.items()]
+    return [(name, value) for name, value in named if isinstance(value, (list, dict))]
+
+
+def _items(container: Union[list, dict]) -> list[tuple[Any, Any]]:
+    return list(container.items()) if isinstance(container, dict) else list(enumerate(container))
+
+
+def _same_item(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is type(b) and isinstance(a, (int, float, str, bool)) and a == b)
+
+
+def mutated_arguments(before: list[tuple[str, list[tuple[Any, Any]]]], given: list[tuple[str, Union[list, dict]]]) -> str:
+    """What a forward changed in the lists and dicts it was given (``before``: their items as it began), or ``""``."""
+    said = []
+    for (name, old), (_, container) in zip(before, given):
+        new = _items(container)
+        changed = sum(1 for (k, a), (j, b) in zip(old, new) if k != j or not _same_item(a, b)) + abs(len(new) - len(old))
+        if changed:
+            what = "dict" if isinstance(container, dict) else "list"
+            said.append(f"the {what} given as {name} ({changed} of {max(len(old), len(new))} items replaced, added or removed)")
+    return "; ".join(said)
+
+
+def _looked_at(block: nn.Module, plan: _BlockPlan, inner: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Optional[tuple[Any]]:
+    """A block whose forward changes a list or dict it is given (diffusers' Wan VAE: ``feat_cache`` and ``feat_idx``,
+    appended to and indexed by a counter the forward moves on) cannot be recomputed: the recompute in backward sees
+    other values (Wan: ``IndexError``, or other cached frames). Decided by running: its first training forward given a
+    list or dict runs without checkpoint, those compared before and after; changed, the block is never checkpointed,
+    warned by name with what changed; unchanged, it is checkpointed from its next call (this one keeps its activations
+    once). Returns ``(output,)`` when the block ran here, ``None`` when it is to be checkpointed now."""
+    given = _containers(args, kwargs)
+    if plan.mutates is None and not given:
+        plan.mutates = ""  # nothing it could change: checkpointed as ever
+        return None
+    if plan.mutates:
+        return (inner(*args, **kwargs),)
+    before = [(name, _items(container)) for name, container in given]
+    out = inner(*args, **kwargs)
+    plan.mutates = mutated_arguments(before, given)
+    if plan.mutates:
+        rank_zero_warn(
+            f"lightning_hbm: ActivationCheckpointing leaves {plan.name or type(block).__name__!r} ({type(block).__name__}) "
+            f"without checkpoint: its forward changes {plan.mutates}, measured on its first training forward, so a "
+            "recompute in backward would run on other values than the forward did (diffusers' AutoencoderKLWan: "
+            "IndexError). Its activations are kept, as without checkpointing. Fix: ActivationCheckpointing(blocks=[...]) "
+            "naming modules inside it whose forward takes and changes no list or dict."
+        )
+    return (out,)
 
 
 def _note_keywords(offload: OffloadSavedTensors, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

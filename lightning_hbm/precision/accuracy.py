@@ -33,6 +33,15 @@ measured after its first convolution only: 0.9945 and quiet before, 0.968 and wa
 followed (another op, other shapes given, no copy kept) or Python branches on values (an NMS written as a loop), the
 comparison stops there as before. ``accuracy_at`` names the module measured instead. A forward that fails, as built or as computed: a warning with the
 error and the fix (was: a log line).
+
+Since session 32 every model the plugin quantizes is measured, not only those with quantized convolutions (a
+Pix2Struct in nf4-dq lost its output, 0.965, unsaid): the same two forwards, the same threshold; the warning of a model
+without convolutions names the layers losing the most (:mod:`~lightning_hbm.precision.accuracy_layers`) and the fix
+that widens them (``min_cosine``, ``ignore_modules``). A LightningModule without ``forward`` is measured on the call
+its ``training_step`` makes first (``self.model(...)``), the step stopped when that call returns (:attr:`Reference.entry`);
+one whose output cannot be recorded is logged (no convolution) or warned (convolutions), as before. Cost: the quantized
+forward and the reference (one forward of the model as built where no plan ran one): on SmolLM2-135M, 128 tokens,
+2-core CPU, 1.34x the time to the first step (``benchmarks/accuracy_check_cost.py``, benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ import time
 from collections import Counter
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, cast
 
 import torch
@@ -54,6 +63,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.precision.accuracy_layers import layers_fix, layers_stored, named, recording_inputs, responsible
 from lightning_hbm.probe import MASK_AS_COMPUTED, MASK_VALUE, recorded_forward
 from lightning_hbm.probe_record import Call, Followed, Selection, agreeing_calls, diverging, recording_calls, recording_selections
 
@@ -93,6 +103,9 @@ class ConvAccuracy:
     #: then, the cosine of every output so computed (the figure unless the calls before the first selection followed,
     #: compared as ever, gave a lower one: :func:`measure`)
     routed: Optional[float] = None
+    #: the quantized layers by how much output cosine each loses, ``(name, input cosine, output cosine)``, the most
+    #: first (:func:`~lightning_hbm.precision.accuracy_layers.responsible`; session 32)
+    layers: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 #: the most output values kept for the figure (16 MiB in fp32): a language model with a convolution (Mamba's conv1d)
@@ -103,6 +116,9 @@ KEPT_VALUES = 1 << 22
 #: follow (:func:`~lightning_hbm.probe_record.following`): a DGCNN's kNN graphs, an MoE's experts, a detector's boxes; past it,
 #: the quantized model picks its own from there
 ROUTE_BYTES = 1 << 27
+
+#: the first input of each quantized layer at each call, keyed as a :class:`~lightning_hbm.probe.Call` (strided values)
+Inputs = dict[tuple[str, int], Tensor]
 
 #: the fewest values kept of each module call's outputs (for a model whose output changes shape): the budget is
 #: :data:`KEPT_VALUES` shared by the model's modules, at least this many each
@@ -178,8 +194,16 @@ class Reference:
     plan's reference forward when the plan runs, else a forward of the probe made for it.
     """
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], convs: Optional[Sequence[str]] = None) -> None:
         self.names = list(names)
+        #: the convolutions among them (the warning's wording and fix); default all (before session 32 the check measured
+        #: only models with quantized convolutions, and only those)
+        self.convs = list(names if convs is None else convs)
+        #: the first input of each layer ``names`` at each call of the recorded forward (strided: the layers' share)
+        self.inputs: dict[tuple[str, int], Tensor] = {}
+        #: the submodule whose call is recorded and measured (``""``: the module's own forward; a LightningModule without
+        #: one: the model its ``training_step`` calls first, session 32)
+        self.entry = ""
         self.args: Optional[tuple] = None
         self.kwargs: dict[str, Any] = {}
         self.output: Optional[Tensor] = None
@@ -209,6 +233,7 @@ class Reference:
                 pending[:] = [(torch_compat.map_tensors(copy, args), torch_compat.map_tensors(copy, dict(kwargs)), torch_compat.rng_states())]
                 calls.close()  # every module call of this forward, hooked for it only (not the plan's other forwards)
                 self.calls = calls.enter_context(recording_calls(module, names, self.keep))
+                self.inputs = calls.enter_context(recording_inputs(module, self.names, self.keep))
                 self.selections = calls.enter_context(recording_selections(self.calls, ROUTE_BYTES))
 
         def record(root: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -222,17 +247,19 @@ class Reference:
 
         names = {name for name, _ in module.named_modules() if name}
         self.keep = max(CALL_VALUES, KEPT_VALUES // max(1, len(names)))
-        handles = [module.register_forward_pre_hook(before, with_kwargs=True), module.register_forward_hook(record, with_kwargs=True)]
+        entry = module.get_submodule(self.entry)
+        handles = [entry.register_forward_pre_hook(before, with_kwargs=True), entry.register_forward_hook(record, with_kwargs=True)]
         with ExitStack() as calls:
             try:
                 yield
             finally:
                 self.calls = self.calls if self.output is not None else []
                 self.selections = self.selections if self.output is not None else []
+                self.inputs = self.inputs if self.output is not None else {}
                 for handle in handles:
                     handle.remove()
 
-    def quantized_output(self, module: nn.Module, dtype: torch.dtype, quantized: Sequence[str]) -> tuple[Tensor, list[Call], Followed]:
+    def quantized_output(self, module: nn.Module, dtype: torch.dtype, quantized: Sequence[str]) -> tuple[Tensor, list[Call], Followed, Inputs]:
         """The outputs (:func:`outputs`) of ``module`` (quantized since) on the recorded arguments, computed as
         ``QuantizedPrecision`` computes: floating inputs and the default dtype in ``dtype``, eval, no grad, with the
         random draws of the recorded forward, and the calls of the modules the recorded forward called (those of the
@@ -251,23 +278,23 @@ class Reference:
             if not self.selections:
                 raise
             failed = f"{type(error).__name__}: {str(error)[:200]}"
-        got, calls, followed = self._computed(module, dtype, quantized, ())
+        got, calls, followed, inputs = self._computed(module, dtype, quantized, ())
         followed.stopped = f"none: the forward failed when given the model as built's picks ({failed}), measured with its own"
-        return got, calls, followed
+        return got, calls, followed, inputs
 
-    def _computed(self, module: nn.Module, dtype: torch.dtype, quantized: Sequence[str], follow: Sequence[Selection]) -> tuple[Tensor, list[Call], Followed]:
+    def _computed(self, module: nn.Module, dtype: torch.dtype, quantized: Sequence[str], follow: Sequence[Selection]) -> tuple[Tensor, list[Call], Followed, Inputs]:
         assert self.args is not None
         cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731 - as the plugin's convert_input
         args, kwargs = torch_compat.map_tensors(cast, self.args), torch_compat.map_tensors(cast, self.kwargs)
         previous = torch.get_default_dtype()
         names = {call.key[0] for call in self.calls}  # the root's own call included ("")
         try:
-            with _on_their_devices(module, quantized), torch_compat.drawing_as(self.rngs):
+            with _on_their_devices(module, quantized), torch_compat.drawing_as(self.rngs), recording_inputs(module, self.names, self.keep) as inputs:
                 torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
-                output, calls, followed = recorded_forward(module, args, kwargs, names, self.keep, follow)  # eval, no grad
+                output, calls, followed = recorded_forward(module, args, kwargs, names, self.keep, follow, self.entry)  # eval, no grad
         finally:
             torch.set_default_dtype(previous)
-        return outputs(output, self.echoed), calls, followed
+        return outputs(output, self.echoed), calls, followed, inputs
 
 
 def _changed(reference: Sequence[Call], calls: Sequence[Call], got: Tensor, want: Tensor) -> Optional[str]:
@@ -383,10 +410,14 @@ def _on_their_devices(module: nn.Module, names: Sequence[str]) -> Generator[None
             handle.remove()
 
 
-def accuracy_warning(measured: ConvAccuracy, modes: Mapping[str, str], dtype: torch.dtype, base: str, four_bit: bool) -> Optional[str]:
+def accuracy_warning(
+    measured: ConvAccuracy, modes: Mapping[str, str], dtype: torch.dtype, base: str, four_bit: bool, convs: Optional[Sequence[str]] = None
+) -> Optional[str]:
     """The fit-start warning for a model whose quantized output on the probe measured under its threshold, or ``None``.
 
-    ``modes``: ``{convolution: mode}``. The fix named is the one measured to meet the threshold on the nets of issue 53
+    ``modes``: ``{quantized layer: mode}``; ``convs``: the convolutions among them (default: all). A model without
+    quantized convolutions (session 32) is said by its layers, the layers losing the most named
+    (:attr:`ConvAccuracy.layers`), the fix :func:`~lightning_hbm.precision.accuracy_layers.layers_fix`. The fix named is the one measured to meet the threshold on the nets of issue 53
     (``benchmarks/README.md``, session 23/24): computing in float32 (int8 in float32: 0.989-0.9996 held out on all
     eight runs); already in float32, a 4-bit mode: ``mode="int8"``; int8 in float32: the convolutions kept unquantized.
     Outputs finite as built and inf or NaN as computed (no cosine: NaN) are said with their count; the fix: a dtype
@@ -396,9 +427,11 @@ def accuracy_warning(measured: ConvAccuracy, modes: Mapping[str, str], dtype: to
     unmeasured = (measured.changed is not None or measured.selected is not None) and measured.measured_at is None
     if not measured.cosine < measured.threshold and not measured.nonfinite and not unmeasured:  # NaN: no figure
         return None
-    split = ", ".join(f"{count} in {mode}" for mode, count in sorted(Counter(modes.values()).items()))
     name = str(dtype).removeprefix("torch.")
-    stored = f"with its {len(modes)} convolutions stored quantized ({split}; mode {base!r}; its other quantized layers as planned) and computing in {name}"
+    convs = list(modes) if convs is None else [c for c in convs if c in modes]
+    split = ", ".join(f"{count} in {mode}" for mode, count in sorted(Counter(modes[c] for c in convs).items()))
+    stored = f"with its {len(convs)} convolutions stored quantized ({split}; mode {base!r}; its other quantized layers as planned) and computing in {name}"
+    stored = stored if convs else layers_stored(modes, base, name)
     if unmeasured and measured.chosen:
         return (
             f"lightning_hbm: {stored}, the accuracy of this model as it computes could not be measured at fit start at the "
@@ -409,11 +442,22 @@ def accuracy_warning(measured: ConvAccuracy, modes: Mapping[str, str], dtype: to
         return _unmeasured_warning(stored, cast(str, measured.changed or measured.selected))
     if measured.nonfinite:
         wider = "dtype='bfloat16' (float16 overflows past 65504; bfloat16 has float32's range)" if dtype == torch.float16 else "dtype='float32'"
-        fix = f"QuantizedPrecision(..., {wider})" if dtype != torch.float32 else "QuantizedPrecision(..., ignore_modules=[<the convolutions>])"
+        fix = f"QuantizedPrecision(..., {wider})" if dtype != torch.float32 else f"QuantizedPrecision(..., ignore_modules=[<the {'convolutions' if convs else 'layers'}>])"
         return (
             f"lightning_hbm: {stored}, this model's output on the probe batch has {measured.nonfinite} values that are inf "
             f"or NaN where the model as built gives finite ones: its loss and gradients would be too. Fix: {fix}."
         )
+    what, where = _where(measured)
+    return (
+        f"lightning_hbm: {stored}, {what} a cosine of {measured.cosine:.4f} against the model as "
+        f"built (centred, {where}), under {measured.threshold} (min_cosine; default CONV_MIN_COSINE).{named(measured.layers)} "
+        + (_convs_fix(dtype, four_bit) if convs else layers_fix(measured.threshold, measured.layers, four_bit, base))
+    )
+
+
+def _convs_fix(dtype: torch.dtype, four_bit: bool) -> str:
+    """The fix of a model with quantized convolutions under the threshold: measured on the nets of issue 53."""
+    name = str(dtype).removeprefix("torch.")
     if dtype != torch.float32:
         fix = f"QuantizedPrecision(..., dtype='float32'{', mode=' + repr('int8') if four_bit else ''})"
         why = f"computing in {name} loses about 0.01 on its own on BatchNorm conv nets; int8 computed in float32 measured 0.989-0.9996 held out"
@@ -421,12 +465,7 @@ def accuracy_warning(measured: ConvAccuracy, modes: Mapping[str, str], dtype: to
         fix, why = "QuantizedPrecision(..., mode='int8', dtype='float32')", "measured 0.989-0.9996 held out on the nets of issue 53"
     else:
         fix, why = "QuantizedPrecision(..., ignore_modules=[<the most sensitive convolutions>])", "keeps them as built"
-    what, where = _where(measured)
-    return (
-        f"lightning_hbm: {stored}, {what} a cosine of {measured.cosine:.4f} against the model as "
-        f"built (centred, {where}), under {measured.threshold} (min_cosine; default CONV_MIN_COSINE). Fix: {fix} "
-        f"({why}; benchmarks/README.md)."
-    )
+    return f"Fix: {fix} ({why}; benchmarks/README.md)."
 
 
 def _routes(measured: ConvAccuracy) -> str:
@@ -501,7 +540,8 @@ def check_accuracy_at(module: nn.Module, name: Optional[str]) -> None:
 
 def accuracy_at_unused(module: nn.Module, name: Optional[str], reference: Optional[Reference], convs: Sequence[str]) -> Optional[str]:
     """After the model as built was recorded, before any change: the warning that ``accuracy_at`` measures nothing (no
-    quantized convolution: the check does not run), or ``None``.
+    quantized layer: the check does not run), or ``None``. ``convs``: the layers to quantize (every kind since session
+    32; the name kept).
 
     Raises:
         ValueError: the probe forward never called the module named.
@@ -511,8 +551,8 @@ def accuracy_at_unused(module: nn.Module, name: Optional[str], reference: Option
     if not convs:
         return (
             f"lightning_hbm: QuantizedPrecision(accuracy_at={name!r}) changes nothing for {type(module).__name__}: the "
-            "fit-start accuracy check measures models with quantized convolutions, and it has none to quantize. Fix: "
-            "accuracy_at=None, or QuantizationQuality to measure its Linears."
+            "fit-start accuracy check measures models with quantized layers, and it has none to quantize. Fix: "
+            "accuracy_at=None."
         )
     if reference is not None and reference.output is not None and not any(call.key[0] == name for call in reference.calls):
         called = sorted({call.key[0] for call in reference.calls if call.key[0]})
@@ -552,16 +592,18 @@ def check_accuracy(
     if reference is None or reference.output is None:
         return None
     base = config.format.name
-    convs = {name: modes.get(name, base) for name in reference.names if name in quantized}
-    if not convs:
+    layers = {name: modes.get(name, base) for name in reference.names if name in quantized}
+    convs = [name for name in reference.convs if name in layers]
+    if not layers:
         return None
     start = time.perf_counter()
     try:
         with torch_compat.preserved_rngs():
-            got, calls, followed = reference.quantized_output(module, config.torch_dtype, quantized)
+            got, calls, followed, inputs = reference.quantized_output(module, config.torch_dtype, quantized)
     except Exception as error:  # noqa: BLE001 - the model ran as built: a measurement that fails is said, never raised
+        what = f"{len(convs)} convolutions" if convs else f"{len(layers)} layers"
         rank_zero_warn(
-            f"lightning_hbm: the accuracy of {type(module).__name__} with its {len(convs)} convolutions stored quantized (mode {base!r}, "
+            f"lightning_hbm: the accuracy of {type(module).__name__} with its {what} stored quantized (mode {base!r}, "
             f"computing in {str(config.torch_dtype).removeprefix('torch.')}) could not be measured at fit start: its forward "
             f"on the probe batch failed as the plugin computes it ({type(error).__name__}: {error}); the loss of the "
             "quantization is unknown, the fit goes on. Fix: make the forward run with its floating inputs and the default "
@@ -572,9 +614,10 @@ def check_accuracy(
     measured = measure(reference, got, calls, followed, threshold, getattr(config, "accuracy_at", None), config.torch_dtype)
     measured.seconds = time.perf_counter() - start
     measured.selections, measured.followed, measured.unfollowed = len(reference.selections), followed.differed, followed.stopped
+    measured.layers = responsible(reference.calls, calls, reference.inputs, inputs, centred_cosine)
     log.info("lightning_hbm: output cosine of the quantized model on the probe batch: %.4f (threshold %s; %d values not finite; %s%s)",
              measured.cosine, threshold, measured.nonfinite, measured.measured_at or "every output", _routes(measured))  # fmt: skip
-    warning = accuracy_warning(measured, convs, config.torch_dtype, base, config.format.peft_kind == "4bit")
+    warning = accuracy_warning(measured, layers, config.torch_dtype, base, config.format.peft_kind == "4bit", convs)
     if warning is not None:
         rank_zero_warn(warning)
         measured.warned = True

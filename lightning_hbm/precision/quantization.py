@@ -46,6 +46,7 @@ from lightning_hbm.layers import CONV
 from lightning_hbm.layers.correction import saved_factors
 from lightning_hbm.layers.embedding import is_plain_embedding
 from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, unmeasured_reference_warning
+from lightning_hbm.precision.accuracy_layers import entry_child, run_to_return
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
@@ -340,11 +341,14 @@ class Quantization:
                 self._choose_layer_modes(module, self._linear_names(targets), trainer, probe)
         convs = [name for name, layer in targets if CONV.matches(layer)]
         self._conv_gap, self._said_unmeasured = None, False
-        self.conv_accuracy, self._reference = None, Reference(convs) if convs and not fake else None
+        # every model quantized is measured (session 32; was: only those with a quantized convolution, and a Pix2Struct
+        # lost its output in nf4-dq, cosine 0.965, unsaid): the reference records every quantized layer's input
+        names = [name for name, _ in targets]
+        self.conv_accuracy, self._reference = None, Reference(names, convs) if names and not fake else None
         with self._reference.recording(module) if self._reference is not None else nullcontext():
             self._choose_conv_modes(module, convs, trainer, probe)  # its first forward is the model as built: the reference
         self._record_reference(module, probe)
-        said = accuracy_at_unused(module, None if fake else self.config.accuracy_at, self._reference, convs)  # never called: raised
+        said = accuracy_at_unused(module, None if fake else self.config.accuracy_at, self._reference, names)  # never called: raised
         if said is not None:
             rank_zero_warn(said)
 
@@ -402,6 +406,8 @@ class Quantization:
             bnb_compat.disable_cpu_repacks(module)
         threshold = config.min_cosine if config.min_cosine is not None else CONV_MIN_COSINE
         self.conv_accuracy = check_accuracy(module, reference, quantized, self.layer_modes or {}, config, threshold)
+        if reference is not None:  # as quantized: a checkpoint being resumed loads into it next
+            bnb_compat.undo_int8_states(module)
         warned = self.conv_accuracy is not None and self.conv_accuracy.warned
         gap, self._conv_gap = self._conv_gap, None
         if gap is not None and not warned:  # the plan's warning, when the measured figure did not say more
@@ -415,15 +421,18 @@ class Quantization:
         if reference is None or reference.output is not None:
             return
         try:
-            if not has_forward(module):
-                raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
             batch = probe().batch
+            if not has_forward(module):
+                _record_from_training_step(module, reference, batch)
+                return
             with eval_no_grad(module), reference.recording(module), torch_compat.preserved_rngs():  # the user's RNG draws as they were
                 forward_on(module, batch)  # any output: every floating tensor of it is the reference
         except Exception as error:  # noqa: BLE001 - a measurement never stops a healthy model: said, with the fix
             self._reference = None
-            if not self._said_unmeasured:  # the 4-bit plan said it already (no probe batch, a probe it cannot run)
-                rank_zero_warn(unmeasured_reference_warning(module, reference.names, error))
+            if not reference.convs:  # no convolution: a LightningModule without forward (the usual one) is no warning
+                log.info("lightning_hbm: the output accuracy of the quantized model is not measured at fit start (%s: %s)", type(error).__name__, error)
+            elif not self._said_unmeasured:  # the 4-bit plan said it already (no probe batch, a probe it cannot run)
+                rank_zero_warn(unmeasured_reference_warning(module, reference.convs, error))
 
     def _measure(
         self, module: nn.Module, targets: list[tuple[str, nn.Module]], trainer: Any, inputs: bool, smooth: bool, probe: Optional[Callable[[], Probe]] = None
@@ -645,6 +654,31 @@ class Quantization:
             self.gptq.save(meta)
         if self.smoothing is not None:
             self.smoothing.save(meta)
+
+
+def _record_from_training_step(module: nn.Module, reference: Reference, batch: Any) -> None:
+    """A LightningModule without ``forward`` (``training_step`` calls ``self.model(...)`` and computes the loss): the
+    reference is the call of the first submodule its ``training_step`` calls on the probe batch, run up to that call's
+    return (the loss, ``self.log`` and the rest of the step are not run; eval, no grad, the RNGs as they were), and the
+    quantized model is measured on the same call (session 32: was not measured, and DAC, CogVideoX's VAE and UperNet
+    were warned only that their convolutions had no measured plan, without a figure; a Pix2Struct not at all).
+
+    Raises:
+        TypeError: no ``training_step``, or one that calls no submodule.
+    """
+    step = getattr(module, "training_step", None)
+    if not callable(step):
+        raise TypeError(f"{type(module).__name__} defines no forward and no training_step for the probe batch")
+    run = lambda: step(torch_compat.map_tensors(torch.clone, batch), 0)  # noqa: E731 - a copy: a step that changes its batch
+    with eval_no_grad(module), torch_compat.preserved_rngs():
+        entry = entry_child(module, run)
+    if entry is None:
+        raise TypeError(f"{type(module).__name__} defines no forward and its training_step calls none of its submodules")
+    reference.entry = entry
+    with eval_no_grad(module), reference.recording(module), torch_compat.preserved_rngs():
+        run_to_return(module.get_submodule(entry), run)
+    if reference.output is None:
+        raise TypeError(f"{type(module).__name__}.training_step did not return from its call of {entry!r}")
 
 
 def _sharding_strategy(trainer: Any) -> Optional[str]:

@@ -129,9 +129,12 @@ def test_a_bad_accuracy_at_is_refused_before_anything_changes(model: TopK, name:
         QuantizedPrecision("int8", accuracy_at="")
 
 
-def test_accuracy_at_on_a_model_without_convolutions_is_warned() -> None:
-    with pytest.warns(UserWarning, match=r"accuracy_at='0'\) changes nothing for Sequential: .*has none to quantize"):
-        QuantizedPrecision("int8", dtype="float32", probe_batch=torch.randn(2, 8), accuracy_at="0").convert_module(nn.Sequential(nn.Linear(8, 8)))
+def test_accuracy_at_on_a_model_without_convolutions_measures_there() -> None:
+    """Since session 32 a model without convolutions is measured too (was: warned that accuracy_at changes nothing)."""
+    plugin = QuantizedPrecision("int8", dtype="float32", probe_batch=torch.randn(2, 8), accuracy_at="0")
+    plugin.convert_module(nn.Sequential(nn.Linear(8, 8)))
+    measured = plugin.quantization.conv_accuracy
+    assert measured is not None and measured.chosen and measured.measured_at == "0"
 
 
 def test_a_quantized_forward_that_fails_is_warned_not_logged(model: TopK) -> None:
