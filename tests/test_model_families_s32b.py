@@ -112,3 +112,25 @@ def test_mobilenet_v2_same_padding_reads_its_conv_attributes_during_the_plan() -
     report = plugin.quantization.conv_report
     assert report is not None and 0 < report.uniform_cosine < report.cosine <= 1, report
 
+
+def test_qwen2_vl_patch_embedding_conv_is_stored_quantized_and_adapted(tmp_path: Any) -> None:
+    """Was: kept in the compute dtype, "weight read directly by PatchEmbed.forward" (it reads ``proj.weight.dtype``
+    only, and a quantized convolution's weight reads as its dequantized weight in the compute dtype)."""
+    from lightning_hbm import ActivationCheckpointing, LoRA
+    from lightning_hbm.layers import base_layer, coverage, stored_in
+    from tests.planner.test_plan_fallbacks import TinyQwen2VL, qwen2_vl_batch
+
+    torch.manual_seed(0)
+    module, batch = TinyQwen2VL(), qwen2_vl_batch()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision()],
+        callbacks=[LoRA(r=8, alpha=16), ActivationCheckpointing()],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader([batch, batch], batch_size=None))
+    assert trainer.global_step == 2
+    proj = module.get_submodule("model.model.visual.patch_embed.proj")
+    assert stored_in(base_layer(proj)) is not None and hasattr(proj, "lora_A")
+    assert proj.lora_B["default"].weight.abs().sum() > 0  # trained
+    (conv,) = [r for r in coverage(module, quantizing=True, adapting=True) if r.kind == "Conv"]
+    assert conv.quantized == conv.params and conv.reasons == {}, conv
