@@ -7,8 +7,8 @@ takes": there is no forward). transformers' ResNetForImageClassification (ResNet
 batches of 64 px images) so measured 0.78 output cosine held out against fp32 in the library's default
 (``QuantizedPrecision()`` + LoRA + checkpointing). Now the training_step runs once on the probe batch and the submodule
 it calls that holds every layer measured is planned and measured on the inputs the step gave it: 0.971 held out at
-0.620 bytes per conv weight, and the plan's warning with the figure and the fix (``/tmp/h8``-style battery in the
-session's report).
+0.620 bytes per conv weight, and the plan's warning with the figure and the fix (measured from outside in session 32,
+figures in its report).
 """
 
 from __future__ import annotations
