@@ -148,3 +148,25 @@ def test_recurrent_gemma_trains_resumes_bit_exact_and_plans(tmp_path: Any, monke
                         s29.lm_loss, s29.tokens, causal=True)  # fmt: skip
     monkeypatch.setitem(s29.FAMILIES, "recurrent_gemma", family)
     s29.test_family_trains_resumes_and_plans_with_the_default_recipe("recurrent_gemma", tmp_path)
+
+
+class Manual(Classify):
+    """No forward, manual optimization: its step needs the optimizers, which the probe batch's measurement has not."""
+
+    def __init__(self) -> None:
+        super().__init__(resnet())
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        loss = self.model(pixel_values=batch[0], labels=batch[1]).loss
+        self.manual_backward(loss)
+        optimizer.step()
+
+
+def test_a_step_that_cannot_run_to_its_end_before_the_fit_is_measured_on_the_calls_it_made() -> None:
+    """Its manual_backward fails on the measurement's no-grad run: the model's call before it is measured, the fit runs."""
+    module, plugin = Manual(), QuantizedPrecision("nf4-dq", dtype="float32")
+    said = fit(module, plugin)
+    assert plugin.quantization.conv_report is not None and not [s for s in said if "without a measured plan" in s], said
+    assert "forward" not in vars(module)
