@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Collection, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -64,6 +64,104 @@ def check_forward(module: nn.Module, who: str) -> None:
         f"`def forward(self, **batch): return self.model(**batch)` for a dict batch or `def forward(self, x): return "
         f"self.model(x)`."
     )
+
+
+@contextmanager
+def quiet_logging(module: nn.Module) -> Generator[None, None, None]:
+    """``self.log``/``self.log_dict`` as no-ops while a probe runs the user's step (they need the fit loop's result
+    collection, which does not exist yet at the surgery point): instance attributes, removed after; a user's own
+    instance attribute of that name is put back as it was (issue 55)."""
+    patched = [name for name in ("log", "log_dict") if callable(getattr(module, name, None))]
+    missing = object()
+    own = {name: module.__dict__.get(name, missing) for name in patched}
+    for name in patched:
+        setattr(module, name, lambda *args, **kwargs: None)  # a plain callable: nn.Module keeps it in __dict__
+    try:
+        yield
+    finally:
+        for name in patched:
+            if own[name] is missing:
+                delattr(module, name)
+            else:
+                module.__dict__[name] = own[name]
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """A LightningModule without ``forward`` measured through its ``training_step`` (issue 53): the direct submodule
+    ``child`` the step calls that holds every layer measured, and the inputs of its last such call, as
+    :func:`forward_on` takes a batch (a tensor, or a dict of keyword inputs)."""
+
+    child: str
+    batch: Any
+
+
+def stepped_inputs(module: nn.Module, batch: Any, names: Collection[str]) -> Optional[Stepped]:
+    """The :class:`Stepped` of ``module`` on ``batch``: its ``training_step`` run once (eval, no grad, ``self.log`` a
+    no-op, the RNGs as they were), the inputs of the last call of a direct submodule holding every layer of ``names``
+    (a backbone, the wrapped model) whose output has a floating tensor. For a module without ``forward`` (the
+    caller's check); ``None`` where it has no ``training_step`` of its own, no such submodule, or only a call of it
+    with a positional input beside others."""
+    if not isinstance(module, pl.LightningModule) or type(module).training_step is pl.LightningModule.training_step:
+        return None
+    holders = {n: c for n, c in module.named_children() if names and all(x == n or x.startswith(n + ".") for x in names)}
+    seen: list[tuple[str, tuple, dict[str, Any]]] = []
+
+    def record(name: str) -> Any:
+        def hook(child: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if any(isinstance(t, Tensor) and t.is_floating_point() and t.dim() > 0 for t in torch_compat.tensor_leaves(output)):
+                seen.append((name, *pending.pop()))
+            else:
+                pending.pop()
+
+        return hook
+
+    pending: list[tuple[tuple, dict[str, Any]]] = []
+    copy = lambda t: t.detach().clone()  # noqa: E731 - a forward that changes its input in place
+    handles = [c.register_forward_pre_hook(lambda c, a, k: pending.append((torch_compat.map_tensors(copy, a), torch_compat.map_tensors(copy, dict(k)))), with_kwargs=True) for c in holders.values()]
+    handles += [c.register_forward_hook(record(n), with_kwargs=True) for n, c in holders.items()]
+    try:
+        with eval_no_grad(module), quiet_logging(module), torch_compat.preserved_rngs():
+            module.training_step(torch_compat.map_tensors(torch.clone, batch), 0)
+    except Exception:  # noqa: BLE001, S110 - a step that cannot run to its end here (manual optimization: no optimizers
+        pass  # yet): the calls it made before are measured, and without one the measurements say so (never raised)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not seen:
+        return None
+    name, args, kwargs = seen[-1]
+    if not args:
+        return Stepped(name, kwargs)
+    return Stepped(name, args[0]) if len(args) == 1 and not kwargs and isinstance(args[0], Tensor) else None
+
+
+@contextmanager
+def forwarding(module: nn.Module, stepped: Callable[[], Optional[Stepped]]) -> Generator[None, None, None]:
+    """While measuring a LightningModule without ``forward``: its ``forward`` is the call of the submodule
+    ``stepped()`` names (:func:`stepped_inputs`, drawn with the probe batch; an instance attribute, removed after),
+    so the probes, the reference and the quantized output measure that submodule on the inputs the step gave it, the
+    layer names as in the LightningModule. Nothing where ``module`` has a ``forward``; where ``stepped()`` finds none,
+    a call is the ``TypeError`` the measurements say (with the fix: define ``forward``)."""
+    if has_forward(module):
+        yield
+        return
+    name = type(module).__name__
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        found = stepped()
+        if found is None:
+            raise TypeError(
+                f"{name} defines no forward for the probe batch, and its training_step calls no one submodule holding "
+                f"every layer measured with the batch as its only positional input or as keywords; define {name}.forward"
+            )
+        return module.get_submodule(found.child)(*args, **kwargs)
+
+    module.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        del module.__dict__["forward"]
 
 
 def forward_on(module: nn.Module, batch: Any) -> Any:
@@ -159,6 +257,8 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
     limit = torch.finfo(output.dtype).max if output.is_floating_point() else float("inf")  # its dtype's range
     output, reference = output.float(), reference.float()
     width = reference.shape[-1] if reference.dim() >= 2 else reference.numel()
+    if width == 1 and reference.dim() >= 2:  # [N, C, 1, 1] (a pooled feature map): rows of one value were NaN where 0 (MobileNetV2)
+        width = reference[0].numel()
     # an inf both give (a head that masks classes with -inf) agrees: left in, every row holding one measured NaN, and
     # the conv plan was chosen on NaN (planned 'to a probe output cosine of nan')
     same = ~reference.isfinite() & (output == reference)
@@ -282,5 +382,5 @@ def recorded_forward(
         return module.get_submodule(entry)(*args, **kwargs), calls, followed
 
 
-__all__ = ["INDEXED", "MASKING", "MASK_AS_COMPUTED", "MASK_VALUE", "POOLED", "PREFIX", "SELECTING", "Call", "Followed", "Probe", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
-           "has_forward", "input_absmax", "probe_output", "recorded_forward", "recording_calls", "recording_selections"]
+__all__ = ["INDEXED", "MASKING", "MASK_AS_COMPUTED", "MASK_VALUE", "POOLED", "PREFIX", "SELECTING", "Call", "Stepped", "Followed", "Probe", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
+           "has_forward", "input_absmax", "probe_output", "recorded_forward", "quiet_logging", "recording_calls", "recording_selections", "stepped_inputs", "forwarding"]

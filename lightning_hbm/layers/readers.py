@@ -47,6 +47,7 @@ from lightning_hbm._compat.torch import preserved_rngs  # re-exported: its home 
 from lightning_hbm.layers import read_weight
 from lightning_hbm.layers.fake_leftovers import dropping_fake_leftovers
 from lightning_hbm.memory.storage import quantized_format
+from lightning_hbm.probe import quiet_logging
 from lightning_hbm.running import RunningModules
 
 # Reading these of a weight is harmless once the layer is quantized or adapted; "metadata" reads no value either: the
@@ -230,26 +231,6 @@ def _leaves(batch: Any) -> list[torch.Tensor]:
     return found
 
 
-@contextmanager
-def _quiet_logging(module: nn.Module) -> Iterator[None]:
-    # training_step's self.log needs the fit loop's result collection, which does not exist yet at the surgery point:
-    # a no-op for the probe step only (instance attributes, removed after; a user's own instance attribute of that
-    # name is put back as it was: issue 55, a `self.log = ...` of the user's was gone after the fit)
-    patched = [name for name in ("log", "log_dict") if callable(getattr(module, name, None))]
-    missing = object()
-    own = {name: module.__dict__.get(name, missing) for name in patched}
-    for name in patched:
-        setattr(module, name, lambda *args, **kwargs: None)  # a plain callable: nn.Module keeps it in __dict__
-    try:
-        yield
-    finally:
-        for name in patched:
-            if own[name] is missing:
-                delattr(module, name)
-            else:
-                module.__dict__[name] = own[name]
-
-
 def _step(module: nn.Module, batch: Any, step: str = "training_step") -> tuple[Callable[[], Any], str]:
     """The step the stage runs (``training_step`` for fit; ``validation_step``, ``test_step``, ``predict_step`` for
     the others: validate/predict never call the user's ``training_step``): the LightningModule's own when it has
@@ -287,7 +268,7 @@ def _run(module: nn.Module, batch: Any, watch: _Watch, step_name: str = "trainin
         run, step = _step(module, sample, step_name)
         recorder = _Recorder(watch, step)
         try:
-            with preserved_rngs(), torch.no_grad(), _quiet_logging(module), _counting_nothing(module), context(), watch.running, recorder:
+            with preserved_rngs(), torch.no_grad(), quiet_logging(module), _counting_nothing(module), context(), watch.running, recorder:
                 run()
         except Exception as err:  # noqa: BLE001 - any failure of the user's step: try the next way, then report
             failure = err  # leaving watch.running emptied its stack

@@ -55,7 +55,7 @@ from lightning_hbm.precision.int8_dynamic import report_unsmoothed
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_PLAN_TARGET, SensitivityReport, choose_layer_modes, planned_convs_warning, unplanned_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.precision.targets import SMALL_EMBEDDING_VALUES, Listing, TargetRule, _validate, layer_modes_of, quantize_listed
-from lightning_hbm.probe import Probe, eval_no_grad, forward_on, has_forward
+from lightning_hbm.probe import Probe, Stepped, eval_no_grad, forward_on, forwarding, has_forward, stepped_inputs
 from lightning_hbm.probe_batch import first_batches
 
 #: the settings key recording which input embeddings were kept wide while the others were converted (session 32)
@@ -175,6 +175,8 @@ class Quantization:
         self._reference: Optional[Reference] = None
         # the convolutions' plan's warning that held out such plans measured under the target (said at the quantization)
         self._conv_gap: Optional[str] = None
+        # a LightningModule without forward: the submodule its training_step calls, measured instead (issue 53)
+        self._stepped: Optional[Stepped] = None
         # the convolutions' plan said the model went unmeasured (no probe batch, a probe it cannot run): not said twice
         self._said_unmeasured = False
         #: the smoothing of layers stored in ``int8-dynamic-smooth`` (``None`` when no layer may be)
@@ -334,20 +336,24 @@ class Quantization:
             rank_zero_warn(warning)
         if self.config.quantize_embeddings:
             self._say_embeddings_kept(module)
-        probe = self._probe_once(module, trainer)  # drawn at the first measure, then handed to each
-        self._measure(module, targets, trainer, inputs=True, smooth=True, probe=probe)  # smoothed before the plan, which measures it
-        if self.config.measures_layer_modes:
-            with self.smoothing.attached(module) if self.smoothing is not None else nullcontext():
-                self._choose_layer_modes(module, self._linear_names(targets), trainer, probe)
-        convs = [name for name, layer in targets if CONV.matches(layer)]
-        self._conv_gap, self._said_unmeasured = None, False
-        # every model quantized is measured (session 32; was: only those with a quantized convolution, and a Pix2Struct
-        # lost its output in nf4-dq, cosine 0.965, unsaid): the reference records every quantized layer's input
-        names = [name for name, _ in targets]
-        self.conv_accuracy, self._reference = None, Reference(names, convs) if names and not fake else None
-        with self._reference.recording(module) if self._reference is not None else nullcontext():
-            self._choose_conv_modes(module, convs, trainer, probe)  # its first forward is the model as built: the reference
-        self._record_reference(module, probe)
+        # a LightningModule without forward: measured through the submodule its training_step calls (issue 53)
+        self._stepped = None
+        stepping = [name for name, _ in targets] if not fake and not has_forward(module) else None
+        probe = self._probe_once(module, trainer, stepping)  # drawn at the first measure, then handed to each
+        with forwarding(module, lambda: self._stepped):
+            self._measure(module, targets, trainer, inputs=True, smooth=True, probe=probe)  # smoothed before the plan, which measures it
+            if self.config.measures_layer_modes:
+                with self.smoothing.attached(module) if self.smoothing is not None else nullcontext():
+                    self._choose_layer_modes(module, self._linear_names(targets), trainer, probe)
+            convs = [name for name, layer in targets if CONV.matches(layer)]
+            self._conv_gap, self._said_unmeasured = None, False
+            # every model quantized is measured (session 32; was: only those with a quantized convolution, and a Pix2Struct
+            # lost its output in nf4-dq, cosine 0.965, unsaid): the reference records every quantized layer's input
+            names = [name for name, _ in targets]
+            self.conv_accuracy, self._reference = None, Reference(names, convs) if names and not fake else None
+            with self._reference.recording(module) if self._reference is not None else nullcontext():
+                self._choose_conv_modes(module, convs, trainer, probe)  # its first forward is the model as built: the reference
+            self._record_reference(module, probe)
         said = accuracy_at_unused(module, None if fake else self.config.accuracy_at, self._reference, names)  # never called: raised
         if said is not None:
             rank_zero_warn(said)
@@ -405,7 +411,9 @@ class Quantization:
             # after the quantization: an eval forward on an AVX512-BF16 CPU would repack them for a kernel that bypasses autograd
             bnb_compat.disable_cpu_repacks(module)
         threshold = config.min_cosine if config.min_cosine is not None else CONV_MIN_COSINE
-        self.conv_accuracy = check_accuracy(module, reference, quantized, self.layer_modes or {}, config, threshold)
+        stepped, self._stepped = self._stepped, None
+        with forwarding(module, lambda: stepped):  # measured where the checks measured (a LightningModule without forward)
+            self.conv_accuracy = check_accuracy(module, reference, quantized, self.layer_modes or {}, config, threshold)
         if reference is not None:  # as quantized: a checkpoint being resumed loads into it next
             bnb_compat.undo_int8_states(module)
         warned = self.conv_accuracy is not None and self.conv_accuracy.warned
@@ -489,11 +497,20 @@ class Quantization:
         correcting = self.correction is not None
         return first_batches(trainer, "QuantizedPrecision", CORRECTION_PROBE_TOKENS if correcting else 0, most=16 if correcting else 1)
 
-    def _probe_once(self, module: nn.Module, trainer: Any) -> Callable[[], Probe]:
+    def _probe_once(self, module: nn.Module, trainer: Any, stepping: Optional[list[str]] = None) -> Callable[[], Probe]:
         """The model and its probe batch (:meth:`probe`) for the measures of one surgery, handed to each: drawn at the
         first call (a resume may measure nothing), the same :class:`~lightning_hbm.probe.Probe` after (a batch that
-        cannot be drawn raises at every call, as :meth:`probe`)."""
-        return functools.cache(lambda: Probe(module, self.probe(trainer)))
+        cannot be drawn raises at every call, as :meth:`probe`). ``stepping``: the layers measured of a LightningModule
+        without forward; its probe batch is then the inputs its training_step gives the submodule holding them
+        (:func:`~lightning_hbm.probe.stepped_inputs`, kept for :func:`~lightning_hbm.probe.forwarding`)."""
+
+        def drawn() -> Probe:
+            batch = self.probe(trainer)
+            if stepping is not None:
+                self._stepped = stepped_inputs(module, batch, stepping)
+            return Probe(module, batch if self._stepped is None else self._stepped.batch)
+
+        return functools.cache(drawn)
 
     def _choose_layer_modes(self, module: nn.Module, names: list[str], trainer: Any, probe: Callable[[], Probe]) -> None:
         self.layer_modes = self.report = None  # a plugin reused by another Trainer measures again

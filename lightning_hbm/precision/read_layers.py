@@ -42,6 +42,14 @@ class _SameDtype(nn.Module):
         super().__init__()
         self.layer, self.dtype = layer, dtype
 
+    def __getattr__(self, name: str) -> Any:
+        # the layer's own attributes, as the model's code reads them beside the call (transformers MobileNetV2's "SAME"
+        # padding reads the conv's stride, kernel_size and dilation): was AttributeError, the fit stopped at its start
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["layer"], name)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the layer sees the compute dtype, as under QuantizedPrecision; the model as built gets its dtype back
         return self.layer(x.to(self.dtype)).to(x.dtype)

@@ -14,9 +14,10 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union, cast
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor  # as precision/quantization.py: no public home
 
 from lightning_hbm import record
-from lightning_hbm.layers import LINEAR, base_layer, embedding_readers, find_layers, kind_names, output_heads, prepare_model, stored_in, weight_readers
+from lightning_hbm.layers import CONV, LINEAR, base_layer, embedding_readers, find_layers, kind_names, output_heads, prepare_model, stored_in, weight_readers
 from lightning_hbm.layers.embedding import convertible, is_plain_embedding, tied_heads, too_small
 from lightning_hbm.naming import selected
 from lightning_hbm.precision.quantize import Correct, _parametrized, _weight_normed, quantize_targets
@@ -204,7 +205,10 @@ def _linear_reasons(
     readers = weight_readers(module)
     # a layer computed in fp32 (_keep_in_fp32_modules) shows its weight dequantized in fp32: a read of its dtype or
     # shape (T5's feed-forward casts to wo.weight.dtype) sees what it saw before
-    users = weight_readers(module, uses_only=True) if fp32 else {}
+    users = weight_readers(module, uses_only=True) if fp32 or readers else {}
+    # not in the planner's trace: a module it runs for real on zeros reads its weights' shapes (fallbacks.py), and a
+    # bitsandbytes layer's quantization state stays fake there (the real run then fails): kept as before
+    planning = any(isinstance(p, FakeTensor) for p in module.parameters())
     found: list[tuple[str, nn.Module, Optional[Reason], Optional[Reason]]] = []
     for name, layer, kind in find_layers(module):
         if kind.to_linear is None or base_layer(layer) is not layer or kind.prepare is not None and kind.matches(layer):
@@ -226,7 +230,10 @@ def _linear_reasons(
             # other parametrizations (spectral_norm's power iteration, orthogonal) are part of what the layer computes;
             # a weight_norm is folded on convolutions only, whose wrapper maps its keys back to the factors (resume)
             after = (_parametrized_reason(layer, kind.wrap is not None), False)
-        elif name in (users if name in fp32 else readers):
+        elif name in (users if name in fp32 or kind is CONV and not planning else readers):
+            # a quantized convolution's weight reads as its dequantized weight in the compute dtype (``layers/conv.py``):
+            # a read of its dtype or shape alone (Qwen2-VL's patch embedding casts to ``proj.weight.dtype``) sees what
+            # it saw before, so only a use of its values keeps it (issue 53: was kept, "weight read directly")
             # the reader would get the packed integer weight (a low-level dtype/shape error): compute dtype
             after = (f"weight read directly by {readers[name]}, not by calling the layer: kept in the compute dtype", False)
         found.append((name, layer, before, after))
