@@ -122,15 +122,14 @@ def test_a_lightning_module_without_forward_is_measured_on_the_call_its_training
 
 def test_a_conv_model_without_forward_is_warned_with_its_figure_not_only_that_it_has_no_plan(tmp_path: Any) -> None:
     """transformers' DAC (34 weight-normed convolutions): was warned only "without a measured plan (Task defines no
-    forward ...)", no figure; now also the figure, measured where its quantizer's argmax still agrees."""
+    forward ...)", no figure; now measured through the submodule its training_step calls, planned, and over 0.98."""
     torch.manual_seed(0)
     config = transformers.DacConfig(encoder_hidden_size=8, downsampling_ratios=[2, 4], decoder_hidden_size=32, n_codebooks=2, codebook_size=32,
                                     codebook_dim=4, hidden_size=16, upsampling_ratios=[4, 2])  # fmt: skip
     batch = dict(input_values=torch.randn(2, 1, 256, generator=torch.Generator().manual_seed(1)))
     plugin, said = _fit(transformers.DacModel(config), batch, tmp_path)
-    assert any("without a measured plan (_Task defines no forward" in s for s in said)
-    pattern = (r"with its 34 convolutions stored quantized .* the output of 'model\.encoder', has a cosine of 0\.9\d\d\d against the "
-               r"model as built .* under 0\.98 .*The layers losing the most .*Fix: QuantizedPrecision\(\.\.\., dtype='float32', mode='int8'\)")  # fmt: skip
-    assert any(re.search(pattern, s) for s in said), said
+    # measured through the submodule its training_step calls (the model's own forward on the inputs the step gave
+    # it): the conv plan widens what it must, and the figure is over the threshold, so nothing is warned
+    assert not any("without a measured plan" in s or "has a cosine of" in s for s in said), said
     measured = plugin.quantization.conv_accuracy
-    assert measured is not None and measured.warned and measured.cosine < 0.98
+    assert measured is not None and not measured.warned and measured.cosine >= 0.98, measured
