@@ -129,6 +129,13 @@ def max_context(
             backward: ``(n-1)/2`` more block forwards per block); the answer is the longer of that and the one without.
             ``1`` (the default): every block keeps its input.
 
+    Step time: the ``mlp_chunks`` it chooses (16 for a Llama whose MLP widens 3.5x, the 8B and 70B) costs time where the
+    chunks are short: each chunk runs the MLP's base matmuls again, dequantizing their 4-bit weights each time. Measured
+    on a 2-core CPU (bf16 QLoRA Llama of the 8B's proportions, ``benchmarks/mlp_chunks_time.py``, benchmarks/README.md):
+    16 chunks took 1.31x the step of 1 at 2,048 tokens (128 per chunk) and 1.07x at 4,096; 4 chunks 1.07x and 1.00x.
+    The lengths it answers for the 8B are 30k-900k tokens (thousands per chunk); not measured on GPU. To buy the time
+    back at a short context, train with fewer chunks (``ActivationCheckpointing(mlp_chunks=4)``) and :func:`plan` it.
+
     Returns:
         A :class:`ContextResult`, or a list of them in the order of ``budget``.
 
