@@ -14,15 +14,19 @@ what trades step time for memory, and reports each choice (:attr:`ContextResult.
   n that fits the host, at most ``max_regenerate``: ``(n-1)/2`` more block forwards per block).
 
 How, fast: the peak of a step is affine plus quadratic in the sequence length (attention may be quadratic where no
-fused kernel saves only a log-sum-exp), so :func:`plan` runs at three lengths; each budget, shortest first, is solved
-on the quadratic through the three planned points nearest it (a line through the two longest for a budget past them
-all), and the answer is confirmed by one plan at that length
+fused kernel saves only a log-sum-exp), so :func:`plan` runs at up to three lengths (2k, 32k, 128k tokens, shortest
+first, stopping at the first one over the budget: a short answer plans no 128k step); each budget, shortest first, is
+solved on the quadratic through the three planned points nearest it (a line through two), and the answer is
+confirmed by one plan at that length
 (a miss is corrected from the confirmed points and planned again, up to :data:`_CONFIRMS` times). What only decides
 structure (which parameters the loss reaches, which layers run in token chunks) is decided once, on a short batch, for
 every length, and the model is built and its surgery run once, then stepped at each length
 (:class:`~lightning_hbm.planner.tracing.Decided`; half the time of a fresh plan). The answer is a multiple of
 ``multiple_of`` whose predicted total (peak + the CUDA context :func:`plan` adds) fits, at most :data:`_SLACK` (0.1 %)
-short of the longest that does; these are predictions, not measurements. Seven budgets of the 8B shape: 11 plans.
+short of the longest that does; these are predictions, not measurements. Seven budgets of the 8B shape: 11 plans
+(all three first lengths fit under 8 GiB or bracket it: as before). A small Llama's answers of 512 to 6,912 tokens
+(tests/planner/test_context_plans_s32.py): 6 plans, 7 before (the same answers); a host budget with regenerate
+(tests/planner/test_remade_inputs.py): 12, 14 before (131k tokens planned for nothing, once per configuration).
 """
 
 from __future__ import annotations
@@ -58,8 +62,8 @@ _CONFIRMS = 4
 _SLACK = 1e-3
 #: Most token chunks of an MLP recompute max_context chooses (1 % of step time each, stated in candidates.py).
 _MAX_MLP_CHUNKS = 32
-#: The lengths planned first, for every call: where long contexts live (each budget is then solved from the three
-#: planned lengths nearest it).
+#: The lengths planned first, shortest first up to the first one over the budget (:meth:`_Lengths.points`): where
+#: long contexts live (each budget is then solved from the three planned lengths nearest it).
 _FIRST_LENGTHS = (2048, 32768, 131072)
 #: Tokens of the batch the structure-deciding forwards run on (the surgery's probe, which parameters get gradients).
 _PROBE_TOKENS = 256
@@ -225,18 +229,31 @@ class _Lengths:
             self._partial[offload] = Candidate.from_trainer(plugin, own, strategy)
         return self._partial[offload]
 
-    @property
-    def points(self) -> dict[int, int]:
-        """{length: planned total}: :data:`_FIRST_LENGTHS` (planned on first use), and every length solved since."""
-        if not self._points:
-            lengths = sorted({_round(n, self.step) for n in _FIRST_LENGTHS})
-            if self.longest is not None:  # never past the model's own longest sequence (it cannot run there)
-                cap = self.longest[0]
-                lengths = sorted({n for n in lengths if n < cap} | {cap, max(self.step, _round_down(cap // 4, self.step))})
-            while len(lengths) < 2 and self.longest is None:  # a multiple_of past 16k rounds them together: a line needs two lengths
-                lengths.append(4 * lengths[-1])
-            self._points.update({n: self.predict_at(n).total for n in lengths})
+    def points(self, budget: int) -> dict[int, int]:
+        """{length: planned total}: :data:`_FIRST_LENGTHS` planned shortest first up to the first one over ``budget``
+        (at least two), and every length solved since (the same dict).
+
+        Was: all three planned for every call, 131,072 tokens too where 2,048 or 32,768 is already over the largest
+        budget (a small model's answer of a few thousand tokens planned 131k for nothing, once per configuration).
+        Past the longest planned, a later (larger) budget plans the next of them: the 8B's seven budgets plan all three,
+        as before. The fit reads the points nearest the budget, and the first one over it bounds them."""
+        for n in self._first_lengths():
+            if n in self._points:
+                continue
+            if len(self._points) >= 2 and any(total >= budget for total in self._points.values()):
+                break  # one planned length is over: the budget is bracketed, longer ones only cost plans
+            self._points[n] = self.predict_at(n).total
         return self._points
+
+    def _first_lengths(self) -> list[int]:
+        """:data:`_FIRST_LENGTHS` as multiples of the step, below the model's longest sequence, at least two."""
+        lengths = sorted({_round(n, self.step) for n in _FIRST_LENGTHS})
+        if self.longest is not None:  # never past the model's own longest sequence (it cannot run there)
+            cap = self.longest[0]
+            lengths = sorted({n for n in lengths if n < cap} | {cap, max(self.step, _round_down(cap // 4, self.step))})
+        while len(lengths) < 2 and self.longest is None:  # a multiple_of past 16k rounds them together: a line needs two lengths
+            lengths.append(4 * lengths[-1])
+        return lengths
 
     def result(self, budget: int, tokens: int, batch_size: int, limit: str = "", offload: Optional[int] = None) -> ContextResult:
         """The result at ``tokens`` (planned), with the loss chunk chosen there; ``limit``: what holds it;
@@ -253,7 +270,7 @@ class _Lengths:
 def _solve(budget: int, lengths: _Lengths, batch_size: int) -> ContextResult:
     """The longest multiple of the step whose plan fits ``budget``, within :data:`_SLACK`: the guess from the planned
     points nearest the budget (:func:`_nearest`), confirmed by one plan, corrected from the confirmed points while it
-    misses. ``lengths.points`` gains every length planned here.
+    misses. ``lengths.points(budget)`` gains every length planned here.
     """
     step = lengths.step
     if lengths.longest is not None:
@@ -261,7 +278,7 @@ def _solve(budget: int, lengths: _Lengths, batch_size: int) -> ContextResult:
         if lengths.predict_at(cap).total <= budget or cap == step:  # the whole table fits, or no shorter length is left
             fits = cap if lengths.predict_at(cap).total <= budget else 0
             return lengths.result(budget, fits, batch_size, why if fits else "")
-    points = lengths.points
+    points = lengths.points(budget)
     fits, over = step, None  # the longest length planned to fit, the shortest planned over
     # aimed a little short (half the slack): a guess just over the budget costs a second plan, one just short does not
     guess = _capped(_aim(_Quadratic(_nearest(points, budget)).solve(budget), step), lengths)
@@ -364,7 +381,7 @@ def _partial_fit(result: ContextResult, inputs: int, host: int, shortest: int, l
     blocks, at = full.offloaded_blocks, max(result.tokens, step)
     if blocks < 2 or not full.host_sizes:
         return 0, 0
-    curve = _Quadratic(_nearest(lengths.points, budget))
+    curve = _Quadratic(_nearest(lengths.points(budget), budget))
 
     def count(length: int) -> int:  # the blocks whose pinned inputs fit, each block's inputs alike
         pinned = sum(pinned_footprint(-(-size * length // at)) for size in full.host_sizes) / blocks

@@ -63,9 +63,9 @@ _SHARED_PLANS: dict[tuple[Any, ...], Any] = {}
 def shared_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     """max_context's plans shared between calls, keyed by model, configuration, length and offloaded count. The two
     host-budget tests of DEEP_LLAMA solve one device budget: each call plans the same configurations at the same lengths
-    (offloaded: 2k, 32k, 128k, 7,680, 7,424, 4,096 tokens; without offload: 2k, 32k, 128k, 2,304), ten of the second
-    test's twelve plans; SMALL_LLAMA with LoRA(r=4) on CUDA, offloaded, is planned at 2k, 32k and 128k tokens by three
-    tests (the 128k plan by a fourth). A plan depends on nothing else (a call's own cache keeps them the same way, and
+    (offloaded: 2k, 32k, 7,680, 7,424, 4,096 tokens; without offload: 2k, 32k, 2,304), eight of the second test's ten
+    plans; SMALL_LLAMA with LoRA(r=4) on CUDA, offloaded, is planned at 2k and 32k tokens by two tests; the two calls of
+    the CPU-offloaded-states test share three of their ten plans (2k, 32k, 2,816). A plan depends on nothing else (a call's own cache keeps them the same way, and
     a model stepped again plans as a fresh one: test_the_structure_forwards_run_once_across_lengths_and_plan_the_same_bytes),
     so what the tests check of max_context's choices is unchanged; run alone, each test plans everything itself."""
     original = context_module._Lengths.predict_at
@@ -258,6 +258,7 @@ def test_a_host_budget_bounds_the_pinned_block_inputs_or_turns_offload_off() -> 
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("shared_plans")
 def test_a_host_budget_fits_the_block_inputs_to_what_the_offloaded_optimizer_states_leave() -> None:
     # the states CPUOffloadStrategy keeps in host RAM do not shrink with the length: the pinned block inputs must fit
     # what they leave of the budget. Fitted to the whole budget, each guess was over and planned again (four plans)
