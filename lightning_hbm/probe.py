@@ -370,16 +370,14 @@ class Probe:
 
 
 def recorded_forward(
-    module: nn.Module, args: tuple, kwargs: Mapping[str, Any], names: Optional[Collection[str]], keep: int, follow: Sequence[Selection] = (),
-    entry: str = "",
+    module: nn.Module, args: tuple, kwargs: Mapping[str, Any], names: Optional[Collection[str]], keep: int, follow: Sequence[Selection] = ()
 ) -> tuple[Any, list[Call], Followed]:
     """``module(*args, **kwargs)`` in eval mode without grad (:func:`eval_no_grad`), with the calls of its submodules
     ``names`` (:func:`recording_calls`, ``keep`` values each) and its data-dependent selections
     (:func:`recording_selections`), following those of ``follow`` (:func:`following`; none: its own): the output, the
-    calls, the selections, in one pass. ``entry``: the submodule called instead of ``module`` (a LightningModule
-    without ``forward``: the model its ``training_step`` calls)."""
+    calls, the selections, in one pass."""
     with eval_no_grad(module), recording_calls(module, names, keep) as calls, following(calls, follow) as followed:
-        return module.get_submodule(entry)(*args, **kwargs), calls, followed
+        return module(*args, **kwargs), calls, followed
 
 
 __all__ = ["INDEXED", "MASKING", "MASK_AS_COMPUTED", "MASK_VALUE", "POOLED", "PREFIX", "SELECTING", "Call", "Stepped", "Followed", "Probe", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",

@@ -37,9 +37,9 @@ error and the fix (was: a log line).
 Since session 32 every model the plugin quantizes is measured, not only those with quantized convolutions (a
 Pix2Struct in nf4-dq lost its output, 0.965, unsaid): the same two forwards, the same threshold; the warning of a model
 without convolutions names the layers losing the most (:mod:`~lightning_hbm.precision.accuracy_layers`) and the fix
-that widens them (``min_cosine``, ``ignore_modules``). A LightningModule without ``forward`` is measured on the call
-its ``training_step`` makes first (``self.model(...)``), the step stopped when that call returns (:attr:`Reference.entry`);
-one whose output cannot be recorded is logged (no convolution) or warned (convolutions), as before. Cost: the quantized
+that widens them (``min_cosine``, ``ignore_modules``). A LightningModule without ``forward`` is measured through the
+submodule its ``training_step`` calls (:func:`~lightning_hbm.probe.forwarding`, on the inputs the step gave it); one
+whose output cannot be recorded is logged (no convolution) or warned (convolutions), as before. Cost: the quantized
 forward and the reference (one forward of the model as built where no plan ran one): on SmolLM2-135M, 128 tokens,
 2-core CPU, 1.34x the time to the first step (``benchmarks/accuracy_check_cost.py``, benchmarks/README.md).
 """
@@ -201,9 +201,6 @@ class Reference:
         self.convs = list(names if convs is None else convs)
         #: the first input of each layer ``names`` at each call of the recorded forward (strided: the layers' share)
         self.inputs: dict[tuple[str, int], Tensor] = {}
-        #: the submodule whose call is recorded and measured (``""``: the module's own forward; a LightningModule without
-        #: one: the model its ``training_step`` calls first, session 32)
-        self.entry = ""
         self.args: Optional[tuple] = None
         self.kwargs: dict[str, Any] = {}
         self.output: Optional[Tensor] = None
@@ -247,8 +244,7 @@ class Reference:
 
         names = {name for name, _ in module.named_modules() if name}
         self.keep = max(CALL_VALUES, KEPT_VALUES // max(1, len(names)))
-        entry = module.get_submodule(self.entry)
-        handles = [entry.register_forward_pre_hook(before, with_kwargs=True), entry.register_forward_hook(record, with_kwargs=True)]
+        handles = [module.register_forward_pre_hook(before, with_kwargs=True), module.register_forward_hook(record, with_kwargs=True)]
         with ExitStack() as calls:
             try:
                 yield
@@ -291,7 +287,7 @@ class Reference:
         try:
             with _on_their_devices(module, quantized), torch_compat.drawing_as(self.rngs), recording_inputs(module, self.names, self.keep) as inputs:
                 torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
-                output, calls, followed = recorded_forward(module, args, kwargs, names, self.keep, follow, self.entry)  # eval, no grad
+                output, calls, followed = recorded_forward(module, args, kwargs, names, self.keep, follow)  # eval, no grad
         finally:
             torch.set_default_dtype(previous)
         return outputs(output, self.echoed), calls, followed, inputs

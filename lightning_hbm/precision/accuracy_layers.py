@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Callable, Optional
+from typing import Callable
 
 from torch import Tensor, nn
 
@@ -113,52 +113,4 @@ def layers_stored(modes: Mapping[str, str], base: str, dtype_name: str) -> str:
 
 
 
-class _Reached(BaseException):
-    """Raised by a hook to stop ``training_step`` at the model's call (a ``BaseException``: a ``training_step`` that
-    catches ``Exception`` does not swallow it)."""
-
-
-def entry_child(module: nn.Module, step: Callable[[], object]) -> Optional[str]:
-    """The name of the first direct submodule of ``module`` that ``step`` (its ``training_step`` on the probe batch)
-    calls, stopped there before that submodule computes anything; ``None``: none is called (``step``'s own errors
-    raise)."""
-    reached: list[str] = []
-
-    def stop(name: str) -> Callable[..., None]:
-        def hook(layer: nn.Module, args: tuple) -> None:
-            reached.append(name)
-            raise _Reached
-
-        return hook
-
-    handles = [child.register_forward_pre_hook(stop(name)) for name, child in module.named_children()]
-    try:
-        step()
-    except _Reached:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    return reached[0] if reached else None
-
-
-def run_to_return(child: nn.Module, step: Callable[[], object]) -> bool:
-    """Run ``step`` until ``child``'s first call returns (its forward hooks, registered before, have run), the rest of
-    ``step`` (the loss, ``self.log``) not run; whether it returned."""
-    returned: list[bool] = []
-
-    def hook(layer: nn.Module, args: tuple, output: object) -> None:
-        returned.append(True)
-        raise _Reached
-
-    handle = child.register_forward_hook(hook)
-    try:
-        step()
-    except _Reached:
-        pass
-    finally:
-        handle.remove()
-    return bool(returned)
-
-
-__all__ = ["NAMED", "entry_child", "layers_fix", "layers_stored", "named", "recording_inputs", "responsible", "run_to_return"]
+__all__ = ["NAMED", "layers_fix", "layers_stored", "named", "recording_inputs", "responsible"]

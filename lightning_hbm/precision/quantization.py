@@ -46,7 +46,6 @@ from lightning_hbm.layers import CONV
 from lightning_hbm.layers.correction import saved_factors
 from lightning_hbm.layers.embedding import is_plain_embedding
 from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, unmeasured_reference_warning
-from lightning_hbm.precision.accuracy_layers import entry_child, run_to_return
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
@@ -430,9 +429,6 @@ class Quantization:
             return
         try:
             batch = probe().batch
-            if not has_forward(module):
-                _record_from_training_step(module, reference, batch)
-                return
             with eval_no_grad(module), reference.recording(module), torch_compat.preserved_rngs():  # the user's RNG draws as they were
                 forward_on(module, batch)  # any output: every floating tensor of it is the reference
         except Exception as error:  # noqa: BLE001 - a measurement never stops a healthy model: said, with the fix
@@ -671,31 +667,6 @@ class Quantization:
             self.gptq.save(meta)
         if self.smoothing is not None:
             self.smoothing.save(meta)
-
-
-def _record_from_training_step(module: nn.Module, reference: Reference, batch: Any) -> None:
-    """A LightningModule without ``forward`` (``training_step`` calls ``self.model(...)`` and computes the loss): the
-    reference is the call of the first submodule its ``training_step`` calls on the probe batch, run up to that call's
-    return (the loss, ``self.log`` and the rest of the step are not run; eval, no grad, the RNGs as they were), and the
-    quantized model is measured on the same call (session 32: was not measured, and DAC, CogVideoX's VAE and UperNet
-    were warned only that their convolutions had no measured plan, without a figure; a Pix2Struct not at all).
-
-    Raises:
-        TypeError: no ``training_step``, or one that calls no submodule.
-    """
-    step = getattr(module, "training_step", None)
-    if not callable(step):
-        raise TypeError(f"{type(module).__name__} defines no forward and no training_step for the probe batch")
-    run = lambda: step(torch_compat.map_tensors(torch.clone, batch), 0)  # noqa: E731 - a copy: a step that changes its batch
-    with eval_no_grad(module), torch_compat.preserved_rngs():
-        entry = entry_child(module, run)
-    if entry is None:
-        raise TypeError(f"{type(module).__name__} defines no forward and its training_step calls none of its submodules")
-    reference.entry = entry
-    with eval_no_grad(module), reference.recording(module), torch_compat.preserved_rngs():
-        run_to_return(module.get_submodule(entry), run)
-    if reference.output is None:
-        raise TypeError(f"{type(module).__name__}.training_step did not return from its call of {entry!r}")
 
 
 def _sharding_strategy(trainer: Any) -> Optional[str]:
