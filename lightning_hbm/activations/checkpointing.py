@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Optional, Union, cast
 
 import lightning.pytorch as pl
@@ -474,22 +474,6 @@ class ActivationCheckpointing(SurgeryCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._order is not None:
             self._order.stop()  # the forward's order: the recompute may stop early
-
-    @contextmanager
-    def first_forward(self, pl_module: nn.Module) -> Iterator[None]:
-        """A first training forward run without a Trainer (the planner's traced model, its MemTracker reference): what
-        this callback decides on a Trainer's first step is decided on it (each block's last adapted layer, then
-        :attr:`adapter_first`), so the steps after it run as a Trainer's second step does. Nothing decided when the
-        forward raises."""
-        order = LastAdapted(pl_module, self.checkpointed) if self._order_due else None
-        self._order_due = False
-        try:
-            yield
-        finally:
-            if order is not None:
-                order.stop()
-        if order is not None:
-            self.adapter_first = order.apply(pl_module)
 
     @override
     def on_train_batch_end(

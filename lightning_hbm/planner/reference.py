@@ -8,8 +8,7 @@ found by running it (torch 2.13), decide how it is used here:
 * Inside Lightning it labels everything OPT (forward and backward run inside
   ``optimizer.step(closure)``), so the step is run by hand: the candidate applied by the same
   surgery a Trainer runs (:func:`~lightning_hbm.planner.tracing.apply_candidate`), one first step
-  (its gradients and optimizer states exist afterwards, as in steady state, and what the callbacks decide on a first
-  step is decided on it: :func:`~lightning_hbm.planner.tracing.first_forward`), then the measured step
+  (its gradients and optimizer states exist afterwards, as in steady state), then the measured step
   in Lightning's order: forward, ``zero_grad(set_to_none=True)``, backward, optimizer step.
 * It registers a gradient hook on every parameter of every module it enters, which raises for a
   frozen parameter ("cannot register a hook on a tensor that doesn't require gradient"): frozen
@@ -28,7 +27,6 @@ it is missing.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -37,7 +35,7 @@ import torch
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.memory import quantization_tensors
 from lightning_hbm.planner.candidates import Candidate
-from lightning_hbm.planner.tracing import _closure_loss, apply_candidate, first_forward
+from lightning_hbm.planner.tracing import _closure_loss, apply_candidate
 
 
 def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candidate: Candidate, seed: int = 0) -> int:
@@ -56,11 +54,9 @@ def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candi
     module = factory()
     with plugin.tensor_init_context():
         module.configure_model()
-    transforms = candidate.callbacks()
-    optimizers = apply_candidate(module, candidate, plugin, device="cpu", batch=batch, transforms=transforms)
+    optimizers = apply_candidate(module, candidate, plugin, device="cpu", batch=batch)
     batch = plugin.convert_input(torch_compat.map_tensors(lambda t: t.clone(), batch))
-    # the first step: gradients and optimizer states now exist, and what the callbacks decide on it is decided
-    _step(module, batch, plugin, optimizers, first=lambda: first_forward(module, transforms))
+    _step(module, batch, plugin, optimizers)  # the first step: gradients and optimizer states now exist
     tracker = _FrozenSafeMemTracker()
     constants = [t for m in module.modules() for t in quantization_tensors(m)]
     tracker.track_external(module, *optimizers, *constants, *[t for t in _leaves(batch)])
@@ -71,12 +67,8 @@ def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candi
     return sum(snapshot["Total"] for device, snapshot in peaks.items() if torch.device(device).type != "meta")
 
 
-def _step(
-    module: pl.LightningModule, batch: Any, plugin: Any, optimizers: list,
-    first: Callable[[], AbstractContextManager[None]] = nullcontext,
-) -> None:
-    """One step in Lightning's order; ``first``: around the forward of a first step (:func:`first_forward`)."""
-    with plugin.forward_context(), first():
+def _step(module: pl.LightningModule, batch: Any, plugin: Any, optimizers: list) -> None:
+    with plugin.forward_context():
         loss, _kept = _closure_loss(module.training_step(batch, 1))
     for optimizer in optimizers:  # Lightning zeroes gradients after the forward, before backward
         optimizer.zero_grad(set_to_none=True)

@@ -253,17 +253,14 @@ def _set_up(
     for name, submodule in list(module.named_modules()):
         if type(submodule).__name__ in (real_types or {}):
             _run_for_real(submodule, fallbacks, cast(dict[str, str], real_types)[type(submodule).__name__], name)
-    transforms = candidate.callbacks()
-    built.optimizers = apply_candidate(module, candidate, plugin, device, batch=fake_probe, offload_every=True,
-                                       transforms=transforms)
+    built.optimizers = apply_candidate(module, candidate, plugin, device, batch=fake_probe, offload_every=True)
     built.offloads = _offload_to_host(module) if device == "cuda" else []
     built.fake_batch = plugin.convert_input(fake_batch)
     fake_probe = built.fake_batch if probe_batch is None else plugin.convert_input(fake_probe)
     if decided is not None and keep_blocks in decided.by_depth:
         built.reached = decided.restore(module, keep_blocks)
     else:
-        with first_forward(module, transforms):  # the traced step is a Trainer's second: decided on the first
-            built.reached = _gradient_receivers(module, fake_probe, plugin)  # before the tracker: its storages are gone after
+        built.reached = _gradient_receivers(module, fake_probe, plugin)  # before the tracker: its storages are gone after
         if decided is not None:
             decided.keep(module, keep_blocks, built.reached)
     built.guessed, built.selections = list(values.guessed), dict(values.selections)
@@ -387,14 +384,12 @@ def _planning_plugin(candidate: Candidate) -> Precision:
 
 def apply_candidate(
     module: pl.LightningModule, candidate: Candidate, plugin: Precision, device: str, batch: Any = None,
-    offload_every: bool = False, transforms: Optional[list[SurgeryCallback]] = None,
+    offload_every: bool = False,
 ) -> list[torch.optim.Optimizer]:
     """The surgery a Trainer runs after ``configure_model`` (its probe step on ``batch`` included), then the
     optimizers it builds and transforms. ``offload_every``: an ``ActivationCheckpointing(offload=k)`` gives every
-    checkpointed block the offload hooks (the trace sets how many offload per step: :func:`trace`). ``transforms``:
-    the candidate's callbacks (:meth:`Candidate.callbacks`) made by the caller, who keeps them (:func:`first_forward`);
-    None: made here."""
-    transforms = candidate.callbacks() if transforms is None else transforms
+    checkpointed block the offload hooks (the trace sets how many offload per step: :func:`trace`)."""
+    transforms: list[SurgeryCallback] = candidate.callbacks()
     for transform in transforms if offload_every else ():
         if isinstance(transform, ActivationCheckpointing):
             transform.offload_blocks = None
@@ -415,18 +410,6 @@ def apply_candidate(
                 if "foreach" in group and group["foreach"] is None and not group.get("fused"):
                     group["foreach"] = True
     return optimizers
-
-
-@contextmanager
-def first_forward(module: nn.Module, transforms: list[SurgeryCallback]) -> Iterator[None]:
-    """Run inside it the forward of a first training step taken by hand: what the callbacks decide on a Trainer's first
-    step is decided on it (:meth:`ActivationCheckpointing.first_forward`: each block's recompute ends before the base
-    matmul of its last adapted layer), so the planner traces, and its reference measures, a Trainer's later step."""
-    with ExitStack() as stack:
-        for transform in transforms:
-            if isinstance(transform, ActivationCheckpointing):
-                stack.enter_context(transform.first_forward(module))
-        yield
 
 
 @contextmanager
@@ -476,4 +459,4 @@ def _closure_loss(output: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return loss, loss.detach().clone()
 
 
-__all__ = ["PHASES", "Template", "Trace", "UntraceableModule", "apply_candidate", "build_template", "first_forward", "trace"]
+__all__ = ["PHASES", "Template", "Trace", "UntraceableModule", "apply_candidate", "build_template", "trace"]
