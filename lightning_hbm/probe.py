@@ -88,52 +88,26 @@ def quiet_logging(module: nn.Module) -> Generator[None, None, None]:
 
 @dataclass(frozen=True)
 class Stepped:
-    """A LightningModule without ``forward`` measured through its ``training_step`` (issue 53): the direct submodule
-    ``child`` the step calls that holds every layer measured, and the inputs of its last such call, as
-    :func:`forward_on` takes a batch (a tensor, or a dict of keyword inputs)."""
+    """A LightningModule without ``forward`` measured through the one direct submodule ``child`` holding every layer
+    measured (issue 53), called on ``batch`` as :func:`forward_on` takes a batch (a tensor, an (inputs, targets) pair,
+    or a dict of keyword inputs)."""
 
     child: str
     batch: Any
 
 
 def stepped_inputs(module: nn.Module, batch: Any, names: Collection[str]) -> Optional[Stepped]:
-    """The :class:`Stepped` of ``module`` on ``batch``: its ``training_step`` run once (eval, no grad, ``self.log`` a
-    no-op, the RNGs as they were), the inputs of the last call of a direct submodule holding every layer of ``names``
-    (a backbone, the wrapped model) whose output has a floating tensor. For a module without ``forward`` (the
-    caller's check); ``None`` where it has no ``training_step`` of its own, no such submodule, or only a call of it
-    with a positional input beside others."""
-    if not isinstance(module, pl.LightningModule) or type(module).training_step is pl.LightningModule.training_step:
-        return None
-    holders = {n: c for n, c in module.named_children() if names and all(x == n or x.startswith(n + ".") for x in names)}
-    seen: list[tuple[str, tuple, dict[str, Any]]] = []
+    """The :class:`Stepped` of ``module`` on ``batch``: the one direct submodule holding every layer of ``names`` (a
+    backbone, the wrapped model: ``training_step`` calls ``self.model(...)``), given the probe batch as a forward is.
+    ``None`` where no one submodule holds them all (the measurements then say to define ``forward``).
 
-    def record(name: str) -> Any:
-        def hook(child: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if any(isinstance(t, Tensor) and t.is_floating_point() and t.dim() > 0 for t in torch_compat.tensor_leaves(output)):
-                seen.append((name, *pending.pop()))
-            else:
-                pending.pop()
-
-        return hook
-
-    pending: list[tuple[tuple, dict[str, Any]]] = []
-    copy = lambda t: t.detach().clone()  # noqa: E731 - a forward that changes its input in place
-    handles = [c.register_forward_pre_hook(lambda c, a, k: pending.append((torch_compat.map_tensors(copy, a), torch_compat.map_tensors(copy, dict(k)))), with_kwargs=True) for c in holders.values()]
-    handles += [c.register_forward_hook(record(n), with_kwargs=True) for n, c in holders.items()]
-    try:
-        with eval_no_grad(module), quiet_logging(module), torch_compat.preserved_rngs():
-            module.training_step(torch_compat.map_tensors(torch.clone, batch), 0)
-    except Exception:  # noqa: BLE001, S110 - a step that cannot run to its end here (manual optimization: no optimizers
-        pass  # yet): the calls it made before are measured, and without one the measurements say so (never raised)
-    finally:
-        for handle in handles:
-            handle.remove()
-    if not seen:
-        return None
-    name, args, kwargs = seen[-1]
-    if not args:
-        return Stepped(name, kwargs)
-    return Stepped(name, args[0]) if len(args) == 1 and not kwargs and isinstance(args[0], Tensor) else None
+    The user's ``training_step`` is not run for this: a second run of the user's code before the fit is a call the
+    user sees (a counter, a service called, a stream read; issue 55: the probe step is the one run, said once and
+    switched off by ``LIGHTNING_HBM_PROBE_STEP=0``). A step that transforms the batch before that call (a head of its
+    own first) gives the submodule other inputs than here: the figure is then the submodule's on the raw batch, or,
+    where it does not run on it, "not measured" with the fix (define ``forward``)."""
+    holders = [n for n, _ in module.named_children() if names and all(x == n or x.startswith(n + ".") for x in names)]
+    return Stepped(holders[0], batch) if len(holders) == 1 else None
 
 
 @contextmanager
@@ -152,8 +126,8 @@ def forwarding(module: nn.Module, stepped: Callable[[], Optional[Stepped]]) -> G
         found = stepped()
         if found is None:
             raise TypeError(
-                f"{name} defines no forward for the probe batch, and its training_step calls no one submodule holding "
-                f"every layer measured with the batch as its only positional input or as keywords; define {name}.forward"
+                f"{name} defines no forward for the probe batch, and no one of its submodules holds every layer "
+                f"measured; define {name}.forward"
             )
         return module.get_submodule(found.child)(*args, **kwargs)
 

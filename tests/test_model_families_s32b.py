@@ -93,7 +93,7 @@ def test_a_step_calling_two_submodules_that_hold_convolutions_is_said_with_the_f
     plugin = QuantizedPrecision("nf4-dq", dtype="float32")
     said = fit(module, plugin)
     assert plugin.quantization.conv_report is None
-    why = "without a measured plan (TwoParts defines no forward for the probe batch, and its training_step calls no one submodule"
+    why = "without a measured plan (TwoParts defines no forward for the probe batch, and no one of its submodules holds every layer"
     assert any(why in s and "define TwoParts.forward" in s for s in said), said
     assert "forward" not in vars(module)
 

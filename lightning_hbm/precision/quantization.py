@@ -348,7 +348,9 @@ class Quantization:
             self._conv_gap, self._said_unmeasured = None, False
             # every model quantized is measured (session 32; was: only those with a quantized convolution, and a Pix2Struct
             # lost its output in nf4-dq, cosine 0.965, unsaid): the reference records every quantized layer's input
-            names = [name for name, _ in targets]
+            # (a validate/predict/test run measures only models with convolutions, as before: a model of Linears alone
+            # is not worth opening the train loader, which such a run never asked for)
+            names = [name for name, _ in targets] if convs or trainer is None or trainer.state.fn == "fit" else []
             self.conv_accuracy, self._reference = None, Reference(names, convs) if names and not fake else None
             with self._reference.recording(module) if self._reference is not None else nullcontext():
                 self._choose_conv_modes(module, convs, trainer, probe)  # its first forward is the model as built: the reference
@@ -497,7 +499,7 @@ class Quantization:
         """The model and its probe batch (:meth:`probe`) for the measures of one surgery, handed to each: drawn at the
         first call (a resume may measure nothing), the same :class:`~lightning_hbm.probe.Probe` after (a batch that
         cannot be drawn raises at every call, as :meth:`probe`). ``stepping``: the layers measured of a LightningModule
-        without forward; its probe batch is then the inputs its training_step gives the submodule holding them
+        without forward; its probe batch is then given to the one submodule holding them
         (:func:`~lightning_hbm.probe.stepped_inputs`, kept for :func:`~lightning_hbm.probe.forwarding`)."""
 
         def drawn() -> Probe:
@@ -641,6 +643,12 @@ class Quantization:
         """Whether ``layer_modes`` is ``trainer``'s run's (its surgery measured or took it): a reused plugin's resume
         check runs before that run's surgery, when ``layer_modes`` is still the last fit's (another model's plan)."""
         return trainer is None or (self._modes_run is not None and self._modes_run() is trainer)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the weak references to this run's Trainer and model are this process's, not the plugin's settings: a Trainer
+        # pickled or deep-copied after fit failed with "cannot pickle 'weakref.ReferenceType' object" (session 32); the
+        # copy then compares the checkpoint's plan at a resume, as a plugin of no run does
+        return {**self.__dict__, "_modes_run": None, "_listing": None}
 
     def settings(self) -> dict[str, Any]:
         """The settings a resume compares (an option at its default is left out: older checkpoints keep matching)."""
