@@ -107,7 +107,15 @@ def stepped_inputs(module: nn.Module, batch: Any, names: Collection[str]) -> Opt
     own first) gives the submodule other inputs than here: the figure is then the submodule's on the raw batch, or,
     where it does not run on it, "not measured" with the fix (define ``forward``)."""
     holders = [n for n, _ in module.named_children() if names and all(x == n or x.startswith(n + ".") for x in names)]
-    return Stepped(holders[0], batch) if len(holders) == 1 else None
+    if len(holders) != 1:
+        return None
+    child = module.get_submodule(holders[0])
+    try:  # the submodule's own forward on the raw batch (no user code): one that does not take it is not measured so
+        with eval_no_grad(child), torch_compat.preserved_rngs():
+            forward_on(child, batch)
+    except Exception:  # noqa: BLE001 - a step that prepares the batch first (CLIP, DiT, SD3 in the s29 families)
+        return None
+    return Stepped(holders[0], batch)
 
 
 @contextmanager
