@@ -89,11 +89,10 @@ def quiet_logging(module: nn.Module) -> Generator[None, None, None]:
 @dataclass(frozen=True)
 class Stepped:
     """A LightningModule without ``forward`` measured through the one direct submodule ``child`` holding every layer
-    measured (issue 53), called on ``batch`` as :func:`forward_on` takes a batch (a tensor, an (inputs, targets) pair,
-    or a dict of keyword inputs)."""
+    measured (issue 53), called on the probe batch as :func:`forward_on` takes a batch (a tensor, an (inputs, targets)
+    pair, or a dict of keyword inputs)."""
 
     child: str
-    batch: Any
 
 
 def stepped_inputs(module: nn.Module, batch: Any, names: Collection[str]) -> Optional[Stepped]:
@@ -115,7 +114,7 @@ def stepped_inputs(module: nn.Module, batch: Any, names: Collection[str]) -> Opt
             forward_on(child, batch)
     except Exception:  # noqa: BLE001 - a step that prepares the batch first (CLIP, DiT, SD3 in the s29 families)
         return None
-    return Stepped(holders[0], batch)
+    return Stepped(holders[0])
 
 
 @contextmanager

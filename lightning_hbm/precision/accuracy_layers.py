@@ -111,6 +111,4 @@ def layers_stored(modes: Mapping[str, str], base: str, dtype_name: str) -> str:
     return f"with its {len(modes)} layers stored quantized ({split}; mode {base!r}; no convolution) and computing in {dtype_name}"
 
 
-
-
 __all__ = ["NAMED", "layers_fix", "layers_stored", "named", "recording_inputs", "responsible"]

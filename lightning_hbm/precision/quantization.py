@@ -506,7 +506,7 @@ class Quantization:
             batch = self.probe(trainer)
             if stepping is not None:
                 self._stepped = stepped_inputs(module, batch, stepping)
-            return Probe(module, batch if self._stepped is None else self._stepped.batch)
+            return Probe(module, batch)
 
         return functools.cache(drawn)
 
