@@ -45,7 +45,7 @@ The package, one job per module (bottom to top; each imports only those above it
   (:func:`load_changed`);
 * ``io``: atomic saves, :class:`CheckedCheckpointIO` and :func:`read_file` (a strategy that restores its own file):
   with ``checks`` (which reads a file's zip entries before torch does), the only modules of the package that open a
-  checkpoint file (``tests/test_resume_owner.py``);
+  checkpoint file (``tests/resume/test_resume_owner.py``);
 * ``hooks``: the load hooks a Trainer's restore goes through (:func:`add_resume_hooks`: they check with
   :func:`check_resume`).
 

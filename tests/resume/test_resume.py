@@ -30,7 +30,7 @@ from lightning_hbm.resume import CheckedCheckpointIO
 
 TINY_GPT = dict(n_layer=2, n_head=2, n_embd=64, block_size=128)  # as tests/conftest.py's gpt_factory
 F32 = dict(dtype="float32")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _digest(path: Path) -> str:

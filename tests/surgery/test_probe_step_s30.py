@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hbm import ActivationCheckpointing, LoRA, MemoryEfficientOptimizer, QuantizedPrecision
-from tests.test_surgery_rngs_s30 import WIDTH, Block  # the same residual MLP block
+from tests.surgery.test_surgery_rngs_s30 import WIDTH, Block  # the same residual MLP block
 
 
 class Counting(pl.LightningModule):

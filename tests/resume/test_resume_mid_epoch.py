@@ -19,7 +19,7 @@ from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm.data import ByteTextDataModule, ByteWindows, EpochSampler, ResumableDataLoader
 from lightning_hbm.models import NanoGPT
 
-TINY_GPT = dict(n_layer=2, n_head=2, n_embd=64, block_size=128)  # as tests/test_resume.py
+TINY_GPT = dict(n_layer=2, n_head=2, n_embd=64, block_size=128)  # as tests/resume/test_resume.py
 BATCHES = 8  # per epoch: train_samples=32, batch_size=4
 
 

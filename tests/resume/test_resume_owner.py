@@ -15,7 +15,7 @@ import torch
 from lightning_hbm import CheckedCheckpointIO, LoRA, QuantizedPrecision
 from lightning_hbm.resume import sealing
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_hbm"
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_hbm"
 PROBE = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 
 

@@ -155,7 +155,7 @@ def test_cuda_begun_inside_the_surgery_draws_as_if_it_began_after() -> None:
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     outputs = [
         subprocess.run([sys.executable, "-c", _CUDA_DRAWS, how], env=env, capture_output=True, text=True, check=True).stdout
         for how in ("plain", "inside")
