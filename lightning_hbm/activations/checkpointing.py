@@ -40,12 +40,13 @@ from lightning_hbm.activations.token_chunks import ChunkedForward, candidates, i
 from lightning_hbm.adapters.lora.order import LastAdapted, adapter_first, recomputing
 from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.naming import did_you_mean, has_submodule
-from lightning_hbm.record import CheckpointedForward, checkpoint_plan
+from lightning_hbm.record import CheckpointedForward, checkpoint_setup
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 
-class _BlockPlan:
-    """What the wrapped ``forward`` of one block needs, kept in that forward object on the block (no closure)."""
+class _BlockSetup:
+    """A block's checkpoint setup: what its wrapped ``forward`` needs, kept in that forward object on the block (no
+    closure). Formerly ``_BlockPlan`` ("plan" names the planner's, issue 54): a pickled model holds it by class path."""
 
     def __init__(
         self,
@@ -75,23 +76,29 @@ class _BlockPlan:
 
 class _CheckpointedForward(CheckpointedForward):
     """The block's new ``forward``: a picklable object (not a closure, not a bound method) holding the block and its
-    plan, copied with the block; being one marks the block checkpointed (:func:`lightning_hbm.record.checkpoint_plan`,
+    setup, copied with the block; being one marks the block checkpointed (:func:`lightning_hbm.record.checkpoint_setup`,
     read by the coverage table)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _checkpointed_forward(self.block, self.plan, *args, **kwargs)
+        return _checkpointed_forward(self.block, self.setup, *args, **kwargs)
 
 
-def _wrap(block: nn.Module, plan: _BlockPlan) -> None:
+#: the former name of :class:`_BlockSetup` (issue 54, session 33), kept only so that a model pickled before the rename
+#: (``torch.save(model)``, a deep-copied Trainer's pickle) still loads: pickle finds a class by module and name, and
+#: such a file names this one. Not used by the package; ``CheckpointedForward.__setstate__`` reads its former key.
+_BlockPlan = _BlockSetup
+
+
+def _wrap(block: nn.Module, plan: _BlockSetup) -> None:
     torch_compat.override_forward(block, _CheckpointedForward(block, plan))
 
 
 def _unwrap(block: nn.Module) -> None:
-    plan = cast(_BlockPlan, checkpoint_plan(block))  # called on wrapped blocks only
+    plan = cast(_BlockSetup, checkpoint_setup(block))  # called on wrapped blocks only
     torch_compat.override_forward(block, plan.own_forward)  # None: the class's forward again
 
 
-def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kwargs: Any) -> Any:
+def _checkpointed_forward(self: nn.Module, plan: _BlockSetup, /, *args: Any, **kwargs: Any) -> Any:
     inner = inner_forward(self, plan.own_forward)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
@@ -160,7 +167,7 @@ def mutated_arguments(before: list[tuple[str, list[tuple[Any, Any]]]], given: li
     return "; ".join(said)
 
 
-def _looked_at(block: nn.Module, plan: _BlockPlan, inner: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Optional[tuple[Any]]:
+def _looked_at(block: nn.Module, plan: _BlockSetup, inner: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Optional[tuple[Any]]:
     """A block whose forward changes a list or dict it is given (diffusers' Wan VAE: ``feat_cache`` and ``feat_idx``,
     appended to and indexed by a counter the forward moves on) cannot be recomputed: the recompute in backward sees
     other values (Wan: ``IndexError``, or other cached frames). Decided by running: its first training forward given a
@@ -412,7 +419,7 @@ class ActivationCheckpointing(SurgeryCallback):
             context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
         # A model checkpointed by an earlier Trainer's callback gets this callback's settings instead.
         for block in module.modules():
-            if checkpoint_plan(block) is not None:
+            if checkpoint_setup(block) is not None:
                 _unwrap(block)
             chunked = torch_compat.forward_override(block)
             if isinstance(chunked, ChunkedForward):
@@ -423,7 +430,7 @@ class ActivationCheckpointing(SurgeryCallback):
         # off the device free k inputs; the last k would free k - 2 there (the last block's input is back on the
         # device to be used, and the one before it prefetched), and k - 1 at the end of the forward (one in flight).
         moved = len(chosen) if self.offload_blocks is None else self.offload_blocks
-        plans = [_BlockPlan(block, context_fn, self.offload, moves=index < moved) for index, (_, block) in enumerate(chosen)]
+        plans = [_BlockSetup(block, context_fn, self.offload, moves=index < moved) for index, (_, block) in enumerate(chosen)]
         for plan, (name, _) in zip(plans, chosen):
             plan.name = name
         self._link(plans)
@@ -447,7 +454,7 @@ class ActivationCheckpointing(SurgeryCallback):
             f"on {len(chosen)} blocks ({', '.join(dict.fromkeys(type(b).__name__ for _, b in chosen))})"
         )
 
-    def _link(self, plans: list[_BlockPlan]) -> None:
+    def _link(self, plans: list[_BlockSetup]) -> None:
         """``regenerate=n``: every block's forward is linked to the block called before it by what it is fed
         (:meth:`Remade.link`), not by module order."""
         self.remade = Remade(self.regenerate)
