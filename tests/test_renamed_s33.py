@@ -117,6 +117,7 @@ def _former_names() -> list[tuple[str, str, Callable[[], Any]]]:
         ("SensitivityPlan", r"sensitivity\.SensitivityPlan is deprecated", lambda: sensitivity.SensitivityPlan),
         ("choose_plan", r"sensitivity\.choose_plan is deprecated", lambda: sensitivity.choose_plan),
         ("greedy_plan", r"sensitivity\.greedy_plan is deprecated", lambda: sensitivity.greedy_plan),
+        ("check_plan_args", r"sensitivity\.check_plan_args is deprecated: use check_layer_mode_args", lambda: sensitivity.check_plan_args),
         ("lightning_hbm.record.checkpoint_plan", r"record\.checkpoint_plan is deprecated", lambda: record.checkpoint_plan),  # type: ignore[attr-defined]
         ("CheckpointedForward.plan", r"CheckpointedForward\.plan is deprecated", lambda: forward.plan),
     ]
