@@ -21,6 +21,7 @@ nobody changed (``tests/test_record.py`` pins this).
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -183,21 +184,35 @@ def leave_alone(layer: nn.Module, reason: str, deliberate: bool) -> None:
 
 
 class CheckpointedForward:
-    """Base of the ``forward`` ``ActivationCheckpointing`` sets on a block instance: the block and its plan.
+    """Base of the ``forward`` ``ActivationCheckpointing`` sets on a block instance: the block and its checkpoint
+    setup (what the wrapped forward needs: :func:`checkpoint_setup`).
 
     The object itself is the block's mark: it lives in the block's ``__dict__``, so ``copy.deepcopy`` and pickle
     carry it (rebound to the copy, through the memo) and a copy of a checkpointed model is checkpointed and says so.
     """
 
-    def __init__(self, block: nn.Module, plan: Any) -> None:
+    def __init__(self, block: nn.Module, setup: Any) -> None:
         self.block = block
-        self.plan = plan
+        self.setup = setup
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a model pickled before session 33 holds the setup under its former key "plan" ("plan" names the planner's,
+        # issue 54): read back under the new one, so torch.load of such a model keeps its checkpointed blocks working
+        if "plan" in state and "setup" not in state:
+            state = {("setup" if key == "plan" else key): value for key, value in state.items()}
+        self.__dict__.update(state)
+
+    @property
+    def plan(self) -> Any:
+        """Deprecated: the old name of :attr:`setup` (read-only; warns)."""
+        warnings.warn("CheckpointedForward.plan is deprecated: read its setup (the same object).", DeprecationWarning, stacklevel=2)
+        return self.setup
 
 
-def checkpoint_plan(block: nn.Module) -> Optional[Any]:
-    """The checkpoint plan of ``block`` (``None``: not checkpointed)."""
+def checkpoint_setup(block: nn.Module) -> Optional[Any]:
+    """The checkpoint setup of ``block``: what its checkpointed ``forward`` needs (``None``: not checkpointed)."""
     forward = torch_compat.forward_override(block)
-    return forward.plan if isinstance(forward, CheckpointedForward) else None
+    return forward.setup if isinstance(forward, CheckpointedForward) else None
 
 
 def checkpointed_blocks(model: nn.Module) -> list[str]:
@@ -267,7 +282,7 @@ __all__ = [
     "applied_transforms",
     "appliers",
     "as_built",
-    "checkpoint_plan",
+    "checkpoint_setup",
     "checkpointed_blocks",
     "converted_from",
     "copy_record",
@@ -287,3 +302,14 @@ __all__ = [
     "set_input_shift",
     "set_kind",
 ]
+
+
+#: the former names (issue 54: "plan" names the planner's), importable with a DeprecationWarning naming the new one
+_RENAMED = {"checkpoint_plan": "checkpoint_setup"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        warnings.warn(f"lightning_hbm.record.{name} is deprecated: use {_RENAMED[name]} (the same function).", DeprecationWarning, stacklevel=2)
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -100,7 +100,7 @@ def test_copies_keep_the_checkpointed_blocks_and_take_the_rest_only_through_copy
     head = record.left_alone(model.model.lm_head)
     for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert record.checkpointed_blocks(twin) == record.checkpointed_blocks(model) != []
-        assert record.checkpoint_plan(twin.model.h[0]) is not record.checkpoint_plan(model.model.h[0])
+        assert record.checkpoint_setup(twin.model.h[0]) is not record.checkpoint_setup(model.model.h[0])
         assert record.applied_transforms(twin) == [] and record.left_alone(twin.model.lm_head) is None
     twin = copy.deepcopy(model)
     record.copy_record(model, twin)

@@ -40,12 +40,13 @@ from lightning_hbm.activations.token_chunks import ChunkedForward, candidates, i
 from lightning_hbm.adapters.lora.order import LastAdapted, adapter_first, recomputing
 from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.naming import did_you_mean, has_submodule
-from lightning_hbm.record import CheckpointedForward, checkpoint_plan
+from lightning_hbm.record import CheckpointedForward, checkpoint_setup
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 
-class _BlockPlan:
-    """What the wrapped ``forward`` of one block needs, kept in that forward object on the block (no closure)."""
+class _BlockSetup:
+    """A block's checkpoint setup: what its wrapped ``forward`` needs, kept in that forward object on the block (no
+    closure). Formerly ``_BlockPlan`` ("plan" names the planner's, issue 54): a pickled model holds it by class path."""
 
     def __init__(
         self,
@@ -75,31 +76,37 @@ class _BlockPlan:
 
 class _CheckpointedForward(CheckpointedForward):
     """The block's new ``forward``: a picklable object (not a closure, not a bound method) holding the block and its
-    plan, copied with the block; being one marks the block checkpointed (:func:`lightning_hbm.record.checkpoint_plan`,
+    setup, copied with the block; being one marks the block checkpointed (:func:`lightning_hbm.record.checkpoint_setup`,
     read by the coverage table)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _checkpointed_forward(self.block, self.plan, *args, **kwargs)
+        return _checkpointed_forward(self.block, self.setup, *args, **kwargs)
 
 
-def _wrap(block: nn.Module, plan: _BlockPlan) -> None:
-    torch_compat.override_forward(block, _CheckpointedForward(block, plan))
+#: the former name of :class:`_BlockSetup` (issue 54, session 33), kept only so that a model pickled before the rename
+#: (``torch.save(model)``, a deep-copied Trainer's pickle) still loads: pickle finds a class by module and name, and
+#: such a file names this one. Not used by the package; ``CheckpointedForward.__setstate__`` reads its former key.
+_BlockPlan = _BlockSetup
+
+
+def _wrap(block: nn.Module, setup: _BlockSetup) -> None:
+    torch_compat.override_forward(block, _CheckpointedForward(block, setup))
 
 
 def _unwrap(block: nn.Module) -> None:
-    plan = cast(_BlockPlan, checkpoint_plan(block))  # called on wrapped blocks only
-    torch_compat.override_forward(block, plan.own_forward)  # None: the class's forward again
+    setup = cast(_BlockSetup, checkpoint_setup(block))  # called on wrapped blocks only
+    torch_compat.override_forward(block, setup.own_forward)  # None: the class's forward again
 
 
-def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kwargs: Any) -> Any:
-    inner = inner_forward(self, plan.own_forward)
+def _checkpointed_forward(self: nn.Module, setup: _BlockSetup, /, *args: Any, **kwargs: Any) -> Any:
+    inner = inner_forward(self, setup.own_forward)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
-    if plan.mutates is None or plan.mutates:
-        looked = _looked_at(self, plan, inner, args, kwargs)
+    if setup.mutates is None or setup.mutates:
+        looked = _looked_at(self, setup, inner, args, kwargs)
         if looked is not None:  # its first training forward, given a list or dict, or a forward that changes one
             return looked[0]
-    extra: dict[str, Any] = {} if plan.context_fn is None else {"context_fn": plan.context_fn}
+    extra: dict[str, Any] = {} if setup.context_fn is None else {"context_fn": setup.context_fn}
     calls = itertools.count()
     state = ForwardState(self)  # the buffers its forward changes (BatchNorm statistics, spectral_norm's u, v)
 
@@ -109,21 +116,21 @@ def _checkpointed_forward(self: nn.Module, plan: _BlockPlan, /, *args: Any, **kw
         with recomputing(again), state.replayed(again):
             return inner(*a, **k)
 
-    if plan.offload is not None and not plan.moves:
-        plan.offload.settle()  # the offloaded blocks are behind: the last one's copy had this whole block to finish
+    if setup.offload is not None and not setup.moves:
+        setup.offload.settle()  # the offloaded blocks are behind: the last one's copy had this whole block to finish
     # The offload hooks are outside the checkpoint: what checkpoint itself saves (the block's
     # inputs) goes through them; what it recomputes never does.
-    hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = plan.offload if plan.offload is not None and plan.moves else None
+    hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = setup.offload if setup.offload is not None and setup.moves else None
     record, call = None, functools.partial(checkpoint, run)
-    if plan.counts is not None:  # regenerate=n: linked to the block called before by data flow (regenerate.Link)
-        link = plan.counts.link(plan.name, args, kwargs)
+    if setup.counts is not None:  # regenerate=n: linked to the block called before by data flow (regenerate.Link)
+        link = setup.counts.link(setup.name, args, kwargs)
         args, kwargs, call = link.args, link.kwargs, functools.partial(checkpoint, link.call(run))
         unpack = hooks.unpack_hook if hooks is not None else _same
-        record = Record(self, link.call(inner), args, kwargs, state, unpack, plan.name, link.position, plan.counts)
-        hooks = InputHooks(hooks, link.source, record, plan.counts, plan.name)
-    if plan.offload is not None and plan.moves and not plan.keywords_noted:
-        plan.keywords_noted = True  # the warning names a block once: its later steps are not looked at again
-        _note_keywords(plan.offload, plan.name, args, kwargs)
+        record = Record(self, link.call(inner), args, kwargs, state, unpack, setup.name, link.position, setup.counts)
+        hooks = InputHooks(hooks, link.source, record, setup.counts, setup.name)
+    if setup.offload is not None and setup.moves and not setup.keywords_noted:
+        setup.keywords_noted = True  # the warning names a block once: its later steps are not looked at again
+        _note_keywords(setup.offload, setup.name, args, kwargs)
     with hooks if hooks is not None else nullcontext():
         out = call(*args, use_reentrant=False, **extra, **kwargs)
     if record is not None:
@@ -160,7 +167,7 @@ def mutated_arguments(before: list[tuple[str, list[tuple[Any, Any]]]], given: li
     return "; ".join(said)
 
 
-def _looked_at(block: nn.Module, plan: _BlockPlan, inner: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Optional[tuple[Any]]:
+def _looked_at(block: nn.Module, setup: _BlockSetup, inner: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Optional[tuple[Any]]:
     """A block whose forward changes a list or dict it is given (diffusers' Wan VAE: ``feat_cache`` and ``feat_idx``,
     appended to and indexed by a counter the forward moves on) cannot be recomputed: the recompute in backward sees
     other values (Wan: ``IndexError``, or other cached frames). Decided by running: its first training forward given a
@@ -168,18 +175,18 @@ def _looked_at(block: nn.Module, plan: _BlockPlan, inner: Callable[..., Any], ar
     warned by name with what changed; unchanged, it is checkpointed from its next call (this one keeps its activations
     once). Returns ``(output,)`` when the block ran here, ``None`` when it is to be checkpointed now."""
     given = _containers(args, kwargs)
-    if plan.mutates is None and not given:
-        plan.mutates = ""  # nothing it could change: checkpointed as ever
+    if setup.mutates is None and not given:
+        setup.mutates = ""  # nothing it could change: checkpointed as ever
         return None
-    if plan.mutates:
+    if setup.mutates:
         return (inner(*args, **kwargs),)
     before = [(name, _items(container)) for name, container in given]
     out = inner(*args, **kwargs)
-    plan.mutates = mutated_arguments(before, given)
-    if plan.mutates:
+    setup.mutates = mutated_arguments(before, given)
+    if setup.mutates:
         rank_zero_warn(
-            f"lightning_hbm: ActivationCheckpointing leaves {plan.name or type(block).__name__!r} ({type(block).__name__}) "
-            f"without checkpoint: its forward changes {plan.mutates}, measured on its first training forward, so a "
+            f"lightning_hbm: ActivationCheckpointing leaves {setup.name or type(block).__name__!r} ({type(block).__name__}) "
+            f"without checkpoint: its forward changes {setup.mutates}, measured on its first training forward, so a "
             "recompute in backward would run on other values than the forward did (diffusers' AutoencoderKLWan: "
             "IndexError). Its activations are kept, as without checkpointing. Fix: ActivationCheckpointing(blocks=[...]) "
             "naming modules inside it whose forward takes and changes no list or dict."
@@ -362,7 +369,7 @@ class ActivationCheckpointing(SurgeryCallback):
         self._order_due = False
         self._order: Optional[LastAdapted] = None
         self._restored_order: Optional[list[str]] = None  # a checkpoint's adapter_first: a resumed run starts with it
-        self._planned: Optional[list[str]] = None  # resolved by check_model on the model as built
+        self._resolved: Optional[list[str]] = None  # resolved by check_model on the model as built
 
     def _resolve(self, module: nn.Module) -> list[str]:
         """Names of the blocks to checkpoint; raises (changing nothing) if there are none."""
@@ -389,8 +396,8 @@ class ActivationCheckpointing(SurgeryCallback):
         Names, not module objects, are kept: a block that quantization or LoRA replaces (``blocks=["Linear"]``)
         is checkpointed in its changed form, at the same path.
         """
-        self._planned = self._resolve(module)
-        check_offload_blocks(self.offload_blocks, len(self._planned))
+        self._resolved = self._resolve(module)
+        check_offload_blocks(self.offload_blocks, len(self._resolved))
         target = self.offload.device if self.offload is not None else None
         if target is not None and target.type != "cpu" and not _device_available(target):
             raise ValueError(
@@ -400,8 +407,8 @@ class ActivationCheckpointing(SurgeryCallback):
 
     @override
     def transform_model(self, module: nn.Module) -> None:
-        names = self._planned if self._planned is not None else self._resolve(module)
-        self._planned = None
+        names = self._resolved if self._resolved is not None else self._resolve(module)
+        self._resolved = None
         check_offload_blocks(self.offload_blocks, len(names))
         chosen = [(n, module.get_submodule(n)) for n in names]
         context_fn = None
@@ -412,7 +419,7 @@ class ActivationCheckpointing(SurgeryCallback):
             context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
         # A model checkpointed by an earlier Trainer's callback gets this callback's settings instead.
         for block in module.modules():
-            if checkpoint_plan(block) is not None:
+            if checkpoint_setup(block) is not None:
                 _unwrap(block)
             chunked = torch_compat.forward_override(block)
             if isinstance(chunked, ChunkedForward):
@@ -423,12 +430,12 @@ class ActivationCheckpointing(SurgeryCallback):
         # off the device free k inputs; the last k would free k - 2 there (the last block's input is back on the
         # device to be used, and the one before it prefetched), and k - 1 at the end of the forward (one in flight).
         moved = len(chosen) if self.offload_blocks is None else self.offload_blocks
-        plans = [_BlockPlan(block, context_fn, self.offload, moves=index < moved) for index, (_, block) in enumerate(chosen)]
-        for plan, (name, _) in zip(plans, chosen):
-            plan.name = name
-        self._link(plans)
-        for index, (plan, (_, block)) in enumerate(zip(plans, chosen)):
-            _wrap(block, plan)
+        setups = [_BlockSetup(block, context_fn, self.offload, moves=index < moved) for index, (_, block) in enumerate(chosen)]
+        for setup, (name, _) in zip(setups, chosen):
+            setup.name = name
+        self._link(setups)
+        for index, (setup, (_, block)) in enumerate(zip(setups, chosen)):
+            _wrap(block, setup)
             for _, layer in candidates(block) if self.mlp_chunks > 1 else ():
                 torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks, block=index))
             for _, layer in inner_candidates(block) if self.mlp_chunks > 1 else ():
@@ -447,14 +454,14 @@ class ActivationCheckpointing(SurgeryCallback):
             f"on {len(chosen)} blocks ({', '.join(dict.fromkeys(type(b).__name__ for _, b in chosen))})"
         )
 
-    def _link(self, plans: list[_BlockPlan]) -> None:
+    def _link(self, setups: list[_BlockSetup]) -> None:
         """``regenerate=n``: every block's forward is linked to the block called before it by what it is fed
         (:meth:`Remade.link`), not by module order."""
         self.remade = Remade(self.regenerate)
         if self.regenerate == 1:
             return
-        for plan in plans:
-            plan.counts = self.remade
+        for setup in setups:
+            setup.counts = self.remade
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

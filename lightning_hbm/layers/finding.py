@@ -75,8 +75,8 @@ def prepare_model(module: nn.Module, skip: Callable[[str], bool] = lambda name: 
     Checks every layer first (an unsupported one raises before anything changes); idempotent.
     Modules for which ``skip(name)`` is true stay as they are. Returns the names of the replaced modules.
     """
-    planned = [(n, m, k) for n, m in module.named_modules() for k in [kind_of(m)] if k is not None and k.prepare and k.matches(m) and not skip(n)]
-    replacements = [(name, kind, kind.prepare(sub)) for name, sub, kind in planned]  # type: ignore[misc]
+    to_prepare = [(n, m, k) for n, m in module.named_modules() for k in [kind_of(m)] if k is not None and k.prepare and k.matches(m) and not skip(n)]
+    replacements = [(name, kind, kind.prepare(sub)) for name, sub, kind in to_prepare]  # type: ignore[misc]
     replacements = [(name, kind, new) for name, kind, new in replacements if new is not None]
     for name, kind, new in replacements:
         # the replacement's Linears count as layers of the kind they replace (coverage, quantize_model's tags)

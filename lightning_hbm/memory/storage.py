@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm.record import checkpoint_setup
 
 StorageKey = tuple[str, int]
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
@@ -207,12 +208,12 @@ def offloaded_activation_bytes(module: nn.Module) -> int:
     """Host bytes ``ActivationCheckpointing(offload=True)`` moved off the device in the last step (pinned, as the host
     allocator rounds them), each offload hook once; 0 when nothing is offloaded or the target is the same memory.
 
-    Read by duck typing (memory sits below callbacks, tests/test_layering.py): a checkpointed block's ``forward``
-    object holds a ``plan`` whose ``offload`` counts ``host_bytes``.
+    Read by duck typing (memory sits below the activations package, tests/test_layering.py): a checkpointed block's
+    setup (:func:`~lightning_hbm.record.checkpoint_setup`) holds an ``offload`` that counts ``host_bytes``.
     """
     hooks: dict[int, int] = {}
     for sub in module.modules():
-        offload = getattr(getattr(sub.__dict__.get("forward"), "plan", None), "offload", None)
+        offload = getattr(checkpoint_setup(sub), "offload", None)
         host = getattr(offload, "host_bytes", None)
         if isinstance(host, int):
             hooks[id(offload)] = host

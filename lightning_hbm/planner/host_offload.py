@@ -12,10 +12,9 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.activations import OffloadSavedTensors, host_footprint
 from lightning_hbm.activations.checkpointing import check_offload_blocks
-from lightning_hbm.record import checkpoint_plan
+from lightning_hbm.record import checkpoint_setup
 
 
 class _HostOffload(OffloadSavedTensors):
@@ -44,12 +43,12 @@ def _offload_to_host(module: nn.Module) -> list[OffloadSavedTensors]:
     (one per original hooks object, shared as the original was); returns them."""
     replaced: dict[int, OffloadSavedTensors] = {}
     for block in module.modules():
-        plan = getattr(torch_compat.forward_override(block), "plan", None)
-        offload = getattr(plan, "offload", None)
+        setup = checkpoint_setup(block)
+        offload = getattr(setup, "offload", None)
         if isinstance(offload, OffloadSavedTensors) and offload.device.type == "cpu":
             if id(offload) not in replaced:
                 replaced[id(offload)] = _HostOffload(offload.device)
-            plan.offload = replaced[id(offload)]  # type: ignore[union-attr]  # a _BlockPlan, found by its offload
+            setup.offload = replaced[id(offload)]  # type: ignore[union-attr]  # a _BlockSetup, found by its offload
     return list(replaced.values())
 
 
@@ -57,10 +56,10 @@ def _offload_first(module: nn.Module, count: Optional[int]) -> tuple[int, Option
     """Make the first ``count`` checkpointed blocks with offload hooks offload their inputs, the rest keep them (None:
     every one). Returns how many offload, and (the last that offloads, the first that keeps) when both kinds run.
     Raises ``ValueError`` (the callback's own) for more than there are."""
-    blocks = [(block, plan) for block in module.modules() for plan in [checkpoint_plan(block)]
-              if plan is not None and getattr(plan, "offload", None) is not None]
+    blocks = [(block, setup) for block in module.modules() for setup in [checkpoint_setup(block)]
+              if setup is not None and getattr(setup, "offload", None) is not None]
     check_offload_blocks(count, len(blocks))
     moved = len(blocks) if count is None else count
-    for index, (_, plan) in enumerate(blocks):
-        plan.moves = index < moved
+    for index, (_, setup) in enumerate(blocks):
+        setup.moves = index < moved
     return moved, (blocks[moved - 1][0], blocks[moved][0]) if 0 < moved < len(blocks) else None

@@ -22,7 +22,7 @@ from lightning_hbm.precision.bnb import import_bnb
 from lightning_hbm.precision.correction import CalibratedCorrection
 from lightning_hbm.precision.gptq import ROUNDINGS
 from lightning_hbm.precision.registry import QuantFormat, get_format, to_dtype
-from lightning_hbm.precision.sensitivity import check_plan_args
+from lightning_hbm.precision.sensitivity import check_layer_mode_args
 from lightning_hbm.precision.smoothing import SMOOTH_MODE, check_smoothing
 from lightning_hbm.precision.targets import DEFAULT_EMBEDDINGS_MODE, EMBEDDINGS_AUTO, checked_embeddings
 
@@ -100,7 +100,7 @@ class QuantizationConfig:
             embeddings = DEFAULT_EMBEDDINGS_MODE
             _set(embeddings_by_default=True)
         _set(quantize_head=bool(self.quantize_head), quantize_embeddings=checked_embeddings(embeddings, mode.name, dtype))
-        check_plan_args(mode.name, self.max_bytes_per_param, self.min_cosine, self.sensitive_mode, self.probe_batch, self.layer_modes)
+        check_layer_mode_args(mode.name, self.max_bytes_per_param, self.min_cosine, self.sensitive_mode, self.probe_batch, self.layer_modes)
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"QuantizedPrecision(rounding={self.rounding!r}): use one of {list(ROUNDINGS)}.")
         _set(correction_rank=CalibratedCorrection.check_rank(self.correction_rank))

@@ -523,7 +523,7 @@ def _pick(
     return (*plans[high], measured[high], uniform_cosine)
 
 
-def check_plan_args(
+def check_layer_mode_args(
     mode: str,
     max_bytes_per_param: Any,
     min_cosine: Any,
@@ -575,7 +575,8 @@ def check_plan_args(
 
 
 #: the former names (issue 54: "plan" names the planner's), importable with a DeprecationWarning naming the new one
-_RENAMED = {"SensitivityPlan": "SensitivityReport", "choose_plan": "choose_layer_modes", "greedy_plan": "greedy_layer_modes"}
+_RENAMED = {"SensitivityPlan": "SensitivityReport", "choose_plan": "choose_layer_modes", "greedy_plan": "greedy_layer_modes",
+            "check_plan_args": "check_layer_mode_args"}
 
 
 def __getattr__(name: str) -> Any:

@@ -24,7 +24,7 @@ from lightning_hbm.data import synthetic_batch
 from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.memory.activations import saved_activation_bytes
 from lightning_hbm.memory.torch_tracker import torch_peak_bytes
-from lightning_hbm.record import checkpoint_plan, checkpointed_blocks
+from lightning_hbm.record import checkpoint_setup, checkpointed_blocks
 
 SEQ = 128  # long enough that the blocks' activations dominate the logits of the tiny LM
 
@@ -148,7 +148,7 @@ def test_blocks_by_class_name_and_path(gpt_factory: Callable) -> None:
     by_path = ActivationCheckpointing(blocks=["model.h.1"])
     by_path.transform_model(model)
     assert by_path.checkpointed == ["model.h.1"]
-    assert checkpoint_plan(model.model.h[0]) is None
+    assert checkpoint_setup(model.model.h[0]) is None
 
 
 def test_lazy_model_through_trainer(lazy_gpt_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable) -> None:
@@ -273,7 +273,7 @@ def test_bad_blocks_leave_the_model_untouched(gpt_factory: Callable) -> None:
         ActivationCheckpointing(blocks=["Block", "Bock"]).transform_model(model)
     with pytest.raises(ValueError, match=r"nested inside other selected modules: \['model.h.0.mlp'"):
         ActivationCheckpointing(blocks=["Block", "MLP"]).transform_model(model)
-    assert all(checkpoint_plan(b) is None for b in model.model.h)
+    assert all(checkpoint_setup(b) is None for b in model.model.h)
 
 
 class _NoBlocks(pl.LightningModule):

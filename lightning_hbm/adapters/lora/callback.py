@@ -214,11 +214,11 @@ class LoRA(SurgeryCallback):
                 "(drop get_peft_model / inject_adapter_in_model) and let the LoRA callback add them, or train the "
                 "peft model without the LoRA callback."
             )
-        self.resolve_modules_to_save(module)  # the heads first: the plugin plans around modules_to_save
-        planned = self._planned_quantization(module)
-        targets, _ = self.resolve(module, planned)
+        self.resolve_modules_to_save(module)  # the heads first: the plugin leaves modules_to_save unquantized
+        to_be_quantized = self._to_be_quantized(module)
+        targets, _ = self.resolve(module, to_be_quantized)
         named = dict(module.named_modules())
-        self._check_variants(module, targets, {n: self._planned_mode(module, n) for n in planned})
+        self._check_variants(module, targets, {n: self._quantized_mode(module, n) for n in to_be_quantized})
         narrow = []
         for name in targets:
             layer = named.get(name)  # None: a projection a layer-kind conversion creates (MultiheadAttention, experts)
@@ -245,7 +245,7 @@ class LoRA(SurgeryCallback):
     def allows_base_change(self) -> bool:
         return self.config.allow_base_change
 
-    def _check_variants(self, module: nn.Module, targets: list[str], planned: dict[str, Optional[str]]) -> None:
+    def _check_variants(self, module: nn.Module, targets: list[str], to_be_quantized: dict[str, Optional[str]]) -> None:
         """Refuse the variants the target layers cannot take, and pattern keys that match no target; changes nothing."""
         variants.check_patterns_match("rank_pattern", self.config.rank_pattern, targets)
         variants.check_patterns_match("alpha_pattern", self.config.alpha_pattern, targets)
@@ -253,7 +253,7 @@ class LoRA(SurgeryCallback):
         strategy = getattr(lightning_compat.attached_trainer(module), "strategy", None)
         device = getattr(strategy, "root_device", None)  # where QuantizedPrecision is about to quantize
         layers = {t: named.get(t) for t in targets}
-        reasons = variants.refusals(layers, planned, self.config.use_dora, self.config.init_lora_weights, device)
+        reasons = variants.refusals(layers, to_be_quantized, self.config.use_dora, self.config.init_lora_weights, device)
         if reasons:
             raise ValueError(
                 f"LoRA cannot apply its variants to {len(reasons)} target layer(s): " + "; ".join(reasons[:3])
@@ -263,13 +263,13 @@ class LoRA(SurgeryCallback):
             )
 
     @staticmethod
-    def _planned_mode(module: nn.Module, name: str) -> Optional[str]:
+    def _quantized_mode(module: nn.Module, name: str) -> Optional[str]:
         """The mode the Trainer's QuantizedPrecision gives layer ``name`` (its ``layer_modes`` first)."""
         plugin = getattr(getattr(lightning_compat.attached_trainer(module), "strategy", None), "precision_plugin", None)
         return (getattr(plugin, "layer_modes", None) or {}).get(name, plugin.mode.name) if plugin is not None else None
 
     @staticmethod
-    def _planned_quantization(module: nn.Module) -> frozenset[str]:
+    def _to_be_quantized(module: nn.Module) -> frozenset[str]:
         """Names of the Linears the Trainer's QuantizedPrecision is about to quantize (none without one)."""
         trainer = lightning_compat.attached_trainer(module)
         plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)

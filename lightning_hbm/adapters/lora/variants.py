@@ -103,19 +103,19 @@ def is_quantized(module: nn.Module) -> bool:
 
 def refusals(
     layers: dict[str, Optional[nn.Module]],
-    planned: dict[str, Optional[str]],
+    to_be_quantized: dict[str, Optional[str]],
     use_dora: bool,
     init: Union[bool, str],
-    planned_device: Optional[torch.device] = None,
+    quantize_device: Optional[torch.device] = None,
 ) -> list[str]:
-    """Why each target layer cannot take the variants asked for (``[]``: all can). ``planned``: name -> the mode
-    QuantizedPrecision is about to quantize it in (on ``planned_device``). Checked before any change: peft raises
+    """Why each target layer cannot take the variants asked for (``[]``: all can). ``to_be_quantized``: name -> the
+    mode QuantizedPrecision is about to quantize it in (on ``quantize_device``). Checked before any change: peft raises
     only mid-injection, or at the first forward."""
     reasons = []
     for name, layer in layers.items():
         conv = isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d))  # lightning_hbm's quantized ones subclass these
-        mode = planned.get(name) if name in planned else _format_name(layer)
-        quantized = name in planned or (layer is not None and is_quantized(layer))
+        mode = to_be_quantized.get(name) if name in to_be_quantized else _format_name(layer)
+        quantized = name in to_be_quantized or (layer is not None and is_quantized(layer))
         if init in REWRITES_BASE and conv:
             reasons.append(f"{name}: init_lora_weights={init!r} is not implemented by peft for convolutions")
         elif init in REWRITES_BASE and quantized:
@@ -127,14 +127,14 @@ def refusals(
         if use_dora and not conv and mode in _DORA_BROKEN:
             reasons.append(f"{name}: use_dora=True on {mode}: {_DORA_BROKEN[mode]}")
         # read only where a DoRA check needs it: a quantized convolution's weight dequantizes at each read
-        weight = getattr(layer, "weight", None) if use_dora and not conv and name not in planned else None
+        weight = getattr(layer, "weight", None) if use_dora and not conv and name not in to_be_quantized else None
         if use_dora and not conv and isinstance(weight, FakeTensor) and mode in _BNB_MODES:
             reasons.append(
                 f"{name}: use_dora=True on {mode} in the planner's trace: peft finds a bitsandbytes weight to dequantize "
                 "for DoRA's norm by its class, and the planner's fake 4-bit/8-bit weights are plain tensors. Plan with "
                 "use_dora=False and add one trainable element per output channel (fp32: 4 bytes + 8 of AdamW states)"
             )
-        device = planned_device if name in planned else getattr(weight, "device", None)
+        device = quantize_device if name in to_be_quantized else getattr(weight, "device", None)
         if use_dora and not conv and mode == "int8" and getattr(device, "type", "cpu") == "cpu":
             reasons.append(
                 f"{name}: use_dora=True on int8 (bitsandbytes Linear8bitLt) on CPU: peft's DoRA dequantizes the weight "
