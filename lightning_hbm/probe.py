@@ -229,16 +229,25 @@ MASK_VALUE = -1e9
 MASK_AS_COMPUTED = MASK_VALUE * (1 - 2**-7)
 
 
+#: the fewest values a row of :func:`compare_outputs`' cosine holds outside a language model: an output whose last axis is
+#: narrower (a feature map of 2x2, 4x4) is measured per sample, its every value one row
+MIN_ROW = 8
+
+
 def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, float]:
     """The metrics logged by :class:`QuantizationQuality` (and optimized by the sensitivity-aware plan).
 
-    Cosine similarity per output row (per token for a language model, per sample otherwise),
+    Cosine similarity per output row (per token for a language model, per sample otherwise: the last axis, or the
+    sample's every value where the last axis holds fewer than :data:`MIN_ROW`),
     root relative squared error over all outputs, and for a language model ``KL(p_fp || p_q)``.
     """
     limit = torch.finfo(output.dtype).max if output.is_floating_point() else float("inf")  # its dtype's range
     output, reference = output.float(), reference.float()
     width = reference.shape[-1] if reference.dim() >= 2 else reference.numel()
-    if width == 1 and reference.dim() >= 2:  # [N, C, 1, 1] (a pooled feature map): rows of one value were NaN where 0 (MobileNetV2)
+    # [N, C, 1, 1] (a pooled feature map): rows of one value were NaN where 0 (MobileNetV2); a feature map's last axis
+    # narrower than MIN_ROW outside a language model: per sample (issue 53, session 33: MobileNetV2's [N, 1280, 2, 2]
+    # at 64 px gave rows of 2 ReLU6 values, NaN where both are 0; the conv plan measured NaN and widened nothing)
+    if reference.dim() >= 2 and (width == 1 or (not lm and width < MIN_ROW)):
         width = reference[0].numel()
     # an inf both give (a head that masks classes with -inf) agrees: left in, every row holding one measured NaN, and
     # the conv plan was chosen on NaN (planned 'to a probe output cosine of nan')
@@ -361,5 +370,5 @@ def recorded_forward(
         return module(*args, **kwargs), calls, followed
 
 
-__all__ = ["INDEXED", "MASKING", "MASK_AS_COMPUTED", "MASK_VALUE", "POOLED", "PREFIX", "SELECTING", "Call", "Stepped", "Followed", "Probe", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
+__all__ = ["INDEXED", "MASKING", "MASK_AS_COMPUTED", "MASK_VALUE", "MIN_ROW", "POOLED", "PREFIX", "SELECTING", "Call", "Stepped", "Followed", "Probe", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
            "has_forward", "input_absmax", "probe_output", "recorded_forward", "quiet_logging", "recording_calls", "recording_selections", "stepped_inputs", "forwarding"]
