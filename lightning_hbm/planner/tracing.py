@@ -220,6 +220,7 @@ class _Built:
         stack.enter_context(self.fake_mode)
         stack.enter_context(self.values)
         stack.enter_context(torch_compat.FakeGroupedMM())  # transformers' MoE experts in float32
+        stack.enter_context(torch_compat.fake_parameters_as_real_ones())  # a quantized router cast by its model
         running = stack.enter_context(RunningModules())
         module = self.module
         # a selection by a mask without values in the LightningModule's own code (its loss) is planned at its largest
