@@ -29,9 +29,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
+from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision, coverage_of
 from lightning_hbm.planner import plan
 from lightning_hbm.planner.reference import memtracker_peak
 from tests import test_model_families_s29 as s29
@@ -57,3 +61,60 @@ def families(monkeypatch: pytest.MonkeyPatch) -> Any:
     """s29's Task on s32's families (the same set-up as their training test)."""
     for name, family in s32.FAMILIES.items():
         monkeypatch.setitem(s29.FAMILIES, name, family)
+
+
+# ------------------------------------------------------------- diffusers' Wan VAE: blocks left unchecked, said
+
+
+class Wan(pl.LightningModule):
+    """diffusers' ``AutoencoderKLWan`` (tests/activations/test_mutating_blocks_s32.py's config): every block it
+    checkpoints changes the ``feat_cache`` / ``feat_idx`` lists it is given, so none is checkpointed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        diffusers = pytest.importorskip("diffusers")
+        self.model = diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                                                latents_mean=[0.0] * 4, latents_std=[1.0] * 4)  # fmt: skip
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return F.mse_loss(self.model(batch).sample, batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _wan_recipe() -> tuple[QuantizedPrecision, list[pl.Callback]]:
+    return QuantizedPrecision("nf4-dq", dtype="float32"), [LoRA(r=4, alpha=8), ActivationCheckpointing()]
+
+
+VIDEO = torch.randn(1, 3, 5, 8, 8, generator=torch.Generator().manual_seed(1))
+UNCHECKED = "model.decoder.up_blocks.0"
+
+
+def test_wan_vae_blocks_left_unchecked_are_in_the_coverage_table_after_the_first_step(tmp_path: Any) -> None:
+    """Was: the table kept in the record (``coverage_of``) counted them as checkpointed, with no word."""
+    torch.manual_seed(0)
+    module, (plugin, callbacks) = Wan(), _wan_recipe()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=tmp_path, plugins=[plugin], callbacks=callbacks)  # fmt: skip
+    with pytest.warns(UserWarning, match=f"leaves '{UNCHECKED}'"):
+        trainer.fit(module, DataLoader([VIDEO], batch_size=None))
+    rows = coverage_of(module)
+    assert rows is not None
+    assert sum(r.checkpointed for r in rows) == 0, [(r.kind, r.checkpointed) for r in rows]  # was: every block's layers
+    reasons = [why for r in rows for why in r.reasons]
+    assert any(why.startswith(f"not checkpointed: '{UNCHECKED}' (WanUpBlock) changes the list given as 'feat_cache'") for why in reasons), reasons
+
+
+@pytest.mark.slow
+def test_wan_vae_plan_says_the_blocks_unchecked_and_equals_memtracker() -> None:
+    """The planner runs the same engine: its first training forward leaves the same blocks unchecked, their activations
+    counted as kept, and the plan names them (was: a plan equal to MemTracker, +0.00 %, saying nothing)."""
+    plugin, callbacks = _wan_recipe()
+    planned = plan(Wan, VIDEO, plugin=plugin, callbacks=callbacks)
+    (predicted,) = planned.predictions
+    assert predicted.fallbacks == () and any(u.startswith(f"{UNCHECKED} (its forward changes the list given as 'feat_cache'") for u in predicted.unchecked), predicted.unchecked
+    assert any("not checkpointed, activations kept: " in note and UNCHECKED in note for note in planned.notes())
+    measured = memtracker_peak(Wan, VIDEO, predicted.candidate)
+    print(f"wan vae: planned {predicted.peak:,} B, MemTracker {measured:,} B ({100 * (predicted.peak / measured - 1):+.2f} %)")
+    assert predicted.peak == pytest.approx(measured, rel=0.03)
