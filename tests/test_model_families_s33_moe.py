@@ -23,6 +23,12 @@ so at seed 0 its probe step reached fewer NLLB experts than the real first step 
 fewer expert adapters (196,800 B against MemTracker's 295,200 B: the whole gap but 9 KB). A long run routes tokens to
 every expert; the planner counts the experts one step reaches. Held here: Switch within 3 %, NLLB-MoE within 12 %.
 Both are slow (a plan of a per-expert loop on fake tensors: 30-70 s on this machine).
+
+diffusers' Wan VAE (issue 53, session 32 left it): every block ``ActivationCheckpointing`` chooses changes the
+``feat_cache`` / ``feat_idx`` lists it is given, so its first training forward leaves it unchecked (warned). The
+planner's trace runs the same code and already counted their activations as kept (plan = MemTracker, +0.00 %), but
+neither the plan nor the coverage table said so: now ``Prediction.unchecked`` and a plan note name them, and the table
+kept in the record is counted again after the first step (no layer counted checkpointed, each with its reason).
 """
 
 from __future__ import annotations
