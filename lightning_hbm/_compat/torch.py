@@ -430,6 +430,76 @@ class FakeGroupedMM(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+@contextmanager
+def fake_parameters_as_real_ones() -> Iterator[None]:
+    """``module.to(...)`` (``Module._apply``) on fake parameters as on real ones: the Parameter keeps what it carries.
+
+    On a real parameter ``_apply`` sets ``param.data``: the Parameter keeps its ``__dict__`` and may be referenced
+    anywhere. On a FakeTensor it swaps the parameter with a fresh one (``torch.utils.swap_tensors``), which swaps the
+    ``__dict__`` too and refuses a tensor an autograd graph holds. A model that casts a quantized router in every
+    forward (Switch Transformers' ``self.classifier = self.classifier.to(self.dtype)``, NLLB-MoE's
+    ``_cast_classifier``) lost bitsandbytes' ``quant_state`` of the 4-bit weight (its forward then tried to wrap the
+    fake weight in a ``Params4bit`` and failed), and, in a checkpointed block's recompute, could not swap at all.
+    Here a swap that changes nothing (the fresh tensor is the same view of the same storage: a uint8 weight "cast" to
+    float32, an fp32 bias cast again) is skipped, as ``param.data = param`` changes nothing; any other swap sets back
+    the attributes the fresh tensor lacks. For the planner's fake steps only (:class:`~lightning_hbm.planner.tracing._Built`);
+    ``tests/_compat/test_torch.py`` checks that torch still swaps fake parameters.
+    """
+    swap = torch.utils.swap_tensors
+
+    @wraps(swap)
+    def as_real(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        if not (isinstance(t1, FakeTensor) and isinstance(t2, FakeTensor)):
+            return swap(t1, t2)
+        if _same_view(t1, t2):
+            return None
+        kept = {k: v for k, v in vars(t1).items() if k not in vars(t2)}
+        swap(t1, t2)
+        for key, value in kept.items():
+            setattr(t1, key, value)
+        return None
+
+    torch.utils.swap_tensors = as_real
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = swap
+
+
+@contextmanager
+def fake_scalars_format_as_values() -> Iterator[None]:
+    """``format(t)`` / ``f"{t}"`` of a 0-d fake tensor reads its value (``t.item()``), as a real 0-d tensor formats.
+
+    ``Tensor.__format__`` formats a 0-d tensor as its value only when its type is exactly ``Tensor``; a ``FakeTensor``
+    formats as ``"FakeTensor(..., size=())"``. Switch Transformers and NLLB-MoE pick an expert by name
+    (``self[f"expert_{expert_idx[0]}"]``): ``KeyError`` on fake tensors. The value comes from the planner's real
+    twins (:class:`~lightning_hbm.planner.realvalues.RealValues`, which must be entered for it). Set on torch's
+    ``FakeTensor`` class while entered: a torch function mode is not active inside ``Tensor.backward``, where a
+    checkpointed block's recompute formats the same index again.
+    """
+    before: Any = vars(FakeTensor).get("__format__")  # None: inherited from Tensor (torch 2.13)
+
+    def as_value(self: torch.Tensor, spec: str) -> str:
+        if self.dim() == 0:
+            return format(self.detach().item(), spec)
+        return object.__format__(self, spec)
+
+    FakeTensor.__format__ = as_value  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if before is not None:
+            FakeTensor.__format__ = before  # type: ignore[method-assign]
+        else:
+            del FakeTensor.__format__
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+            and a.requires_grad == b.requires_grad)
+
+
 # ------------------------------------------------------------------ tensor subclasses (layers/read_weight.py)
 
 

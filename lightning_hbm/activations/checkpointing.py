@@ -39,8 +39,10 @@ from lightning_hbm.activations.selective import SelectivePolicy, format_matmuls,
 from lightning_hbm.activations.token_chunks import ChunkedForward, candidates, inner_candidates
 from lightning_hbm.adapters.lora.order import LastAdapted, adapter_first, recomputing
 from lightning_hbm.layers.blocks import find_blocks
+from lightning_hbm.layers.coverage_table import coverage
+from lightning_hbm.layers.finding import lora_layer_classes
 from lightning_hbm.naming import did_you_mean, has_submodule
-from lightning_hbm.record import CheckpointedForward, checkpoint_setup
+from lightning_hbm.record import CheckpointedForward, checkpoint_setup, coverage_of, set_coverage
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 
@@ -192,6 +194,18 @@ def _looked_at(block: nn.Module, setup: _BlockSetup, inner: Callable[..., Any], 
             "naming modules inside it whose forward takes and changes no list or dict."
         )
     return (out,)
+
+
+def _recount_coverage(module: nn.Module) -> None:
+    """The coverage table printed at fit start counted every chosen block as checkpointed; a block its first training
+    forward found changing a list or dict (:func:`_looked_at`) runs without: the table kept in the model's record
+    (``coverage_of``) is counted again, naming it, as the warning did."""
+    rows = coverage_of(module)
+    if rows is None or not any(getattr(checkpoint_setup(m), "mutates", None) for m in module.modules()):
+        return
+    quantizing = any(r.quantized for r in rows)
+    lora = lora_layer_classes()
+    set_coverage(module, coverage(module, quantizing, bool(lora) and any(isinstance(m, lora) for m in module.modules())))
 
 
 def _note_keywords(offload: OffloadSavedTensors, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -363,6 +377,7 @@ class ActivationCheckpointing(SurgeryCallback):
         #: the layers recomputed in token chunks, decided on the first training step (``mlp_chunks > 1``)
         self.chunked: list[str] = []
         self._chunk_report_due = False
+        self._coverage_due = False  # the coverage table told of blocks the first training forward left unchecked
         #: the LoRA layers that compute their adapter term first (the last one of each block, found on the first
         #: training step under policy="full"): the recompute then stops before their base matmul
         self.adapter_first: list[str] = []
@@ -443,6 +458,7 @@ class ActivationCheckpointing(SurgeryCallback):
         for layer in _beside_blocks(module, [n for n, _ in chosen]) if self.mlp_chunks > 1 else ():
             torch_compat.override_forward(layer, ChunkedForward(layer, self.mlp_chunks))
         self._chunk_report_due = self.mlp_chunks > 1
+        self._coverage_due = True
         self._order_due = self.policy == "full"  # selective keeps the matmul outputs: no base matmul to skip
         self.checkpointed = [n for n, _ in chosen]
         self.offloaded = self.checkpointed[:moved] if self.offload is not None else []
@@ -489,6 +505,9 @@ class ActivationCheckpointing(SurgeryCallback):
         if self._chunk_report_due:
             self._chunk_report_due = False
             self.chunked = report_chunks(pl_module, self.checkpointed, self.mlp_chunks)
+        if self._coverage_due:
+            self._coverage_due = False
+            _recount_coverage(pl_module)
         if self._order is not None:
             self.adapter_first, self._order = self._order.apply(pl_module), None
             if self.adapter_first:

@@ -78,7 +78,8 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
     ``quantizing``/``adapting``: whether a QuantizedPrecision / LoRA took part (for the reasons).
     """
     lora = lora_layer_classes()
-    blocks = record.checkpointed_blocks(module)
+    unchecked = _unchecked_blocks(module)
+    blocks = [b for b in record.checkpointed_blocks(module) if b not in unchecked]
     rows: dict[str, CoverageRow] = {}
     in_kinds: set[int] = set()
     readers, users = weight_readers(module), weight_readers(module, uses_only=True)
@@ -115,6 +116,9 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
             row.reasons[note] = row.reasons.get(note, 0) + count
         if any(name == b or name.startswith(b + ".") for b in blocks):
             row.checkpointed += count
+        inside = next((b for b in unchecked if name == b or name.startswith(b + ".")), None)
+        if inside is not None:  # a block ActivationCheckpointing chose and runs without checkpoint: its layers say why
+            row.reasons[unchecked[inside]] = row.reasons.get(unchecked[inside], 0) + count
         if not quantized and not adapted:
             reader = (readers if kind.to_linear is not None else users).get(name)  # a convolution is never quantized
             reason, deliberate = _left_alone_reason(layer, kind, quantizing, adapting, reader)
@@ -178,6 +182,18 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
         row.undeliberate = [] if OUTSIDE[row.kind][1] else holders[row.kind]
     present = [row for row in outside.values() if row.params]
     return [*rows.values(), *present, *([adapters] if adapters.params else []), other]
+
+
+def _unchecked_blocks(module: nn.Module) -> dict[str, str]:
+    """Checkpointed blocks whose first training forward changed a list or dict it was given (they run without
+    checkpoint, :mod:`lightning_hbm.activations.checkpointing`): block name -> the reason their layers are given."""
+    found = {}
+    for name, block in module.named_modules():
+        changes = getattr(record.checkpoint_setup(block), "mutates", None)
+        if changes:
+            found[name] = (f"not checkpointed: {name!r} ({type(block).__name__}) changes {changes.split(' (')[0]} in its "
+                           "forward (activations kept)")
+    return found
 
 
 def format_coverage(rows: list[CoverageRow]) -> str:

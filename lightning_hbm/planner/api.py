@@ -113,6 +113,9 @@ class Prediction:
         remainder_bytes: the parameter bytes outside the repeated blocks (embeddings, final norm, head; quantization
             constants excluded): ``QuantizedFSDPStrategy`` shards them as the remainder unit(s), FSDP2's root, which
             stays gathered from the forward's start to the backward's end.
+        unchecked: blocks ``ActivationCheckpointing`` chose but runs without checkpoint, their activations kept (and
+            counted so): their forward changes a list or dict it is given (diffusers' Wan VAE ``feat_cache``), found on
+            the first training forward of the trace as in training, with what changed.
     """
 
     candidate: Candidate
@@ -134,6 +137,7 @@ class Prediction:
     offloaded_blocks: int = 0
     replicated_bytes: int = 0
     remainder_bytes: int = 0
+    unchecked: tuple[str, ...] = ()
 
     def per_rank(self, world_size: int) -> dict[str, int]:
         """Bytes per category on each of ``world_size`` ranks under FSDP/ZeRO-3 (see :func:`shard_categories`).
@@ -392,6 +396,7 @@ def predict(
         offloaded_blocks=result.offloaded,
         replicated_bytes=result.replicated,
         remainder_bytes=result.remainder,
+        unchecked=tuple(f"{name} (its forward changes {what})" for name, what in sorted(result.unchecked.items())),
     )
 
 
@@ -614,6 +619,10 @@ class Plan:
                     "their inputs' shapes (outputs and saved tensors counted, temporaries inside them not)"
                 )
         notes += [f"{p.candidate.name}: {p.uncut}" for p in self.predictions if p.uncut]
+        notes += [
+            f"{p.candidate.name}: not checkpointed, activations kept: {'; '.join(p.unchecked)}"
+            for p in self.predictions if p.unchecked
+        ]  # fmt: skip
         notes += [f"{p.candidate.name}: {s} in {_SELECTED}" for p in self.predictions for s in p.selections]
         for p in self.predictions:  # the host terms (lightning_hbm.memory.terms): off the device, not in the peak
             terms = p.terms

@@ -59,7 +59,7 @@ class RealValues(TorchDispatchMode):
         # tensors in place (torch.utils.swap_tensors), which refuses a tensor something holds a weak reference to.
         self._twins: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.guessed: list[str] = []  # values read without a twin (op names), answered 0 / False
-        self._data_modes: list[_FakeDataAsValues] = []  # one per entry of this mode (see __enter__)
+        self._data_modes: list[tuple[_FakeDataAsValues, Any]] = []  # one per entry of this mode (see __enter__)
         # where a selection by a mask without a twin may be answered by its largest size (None: nowhere), and
         # {op: why} of those answered so (see _largest_selection)
         self.bound_selections: Optional[Callable[[], bool]] = None
@@ -69,14 +69,20 @@ class RealValues(TorchDispatchMode):
         # torch.tensor(data) reads the data of tensors inside `data` directly, past this dispatch mode
         data_mode = _FakeDataAsValues()
         data_mode.__enter__()
-        self._data_modes.append(data_mode)
+        # f"expert_{idx}" (Switch Transformers, NLLB-MoE pick an expert module by name) reads idx's value, as a real
+        # 0-d tensor formats; a function mode does not see it in a checkpoint's recompute (run inside Tensor.backward)
+        formats = torch_compat.fake_scalars_format_as_values()
+        formats.__enter__()
+        self._data_modes.append((data_mode, formats))
         return super().__enter__()
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
         try:
             super().__exit__(exc_type, exc, traceback)
         finally:
-            self._data_modes.pop().__exit__(exc_type, exc, traceback)
+            data_mode, formats = self._data_modes.pop()
+            formats.__exit__(exc_type, exc, traceback)
+            data_mode.__exit__(exc_type, exc, traceback)
 
     def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         """Make ``real`` the twin of ``fake`` (e.g. the real example batch)."""

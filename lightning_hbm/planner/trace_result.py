@@ -44,6 +44,9 @@ class Trace:
     replicated: int = 0
     # parameter bytes outside the repeated blocks, constants excluded: what FSDP2's remainder unit(s) gather
     remainder: int = 0
+    # checkpointed blocks run without checkpoint, their activations kept: their forward changes a list or dict it is
+    # given (ActivationCheckpointing's first training forward decides it, here too): block name -> what it changes
+    unchecked: dict[str, str] = field(default_factory=dict)
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -73,9 +76,11 @@ class Trace:
                   for phase in phases}
         fallbacks: dict[str, str] = {}
         selections: dict[str, str] = {}
+        unchecked: dict[str, str] = {}
         for each in (self, *others):
             fallbacks.update(each.fallbacks)
             selections.update(each.selections)
+            unchecked.update(each.unchecked)
         # the tensors one more block moved, once per block added
         sizes = Counter(self.host_sizes)
         for other, n in steps:
@@ -83,7 +88,7 @@ class Trace:
         return Trace(phases, line(_field("trainable")), line(_field("total")), depth, depth, self.block_bytes,
                      max(t.guessed for t in (self, *others)), scopes, fallbacks, line(_field("host")), selections,
                      tuple(sorted(sizes.elements())), line(_field("offloaded")), replicated=line(_field("replicated")),
-                     remainder=self.remainder)
+                     remainder=self.remainder, unchecked=unchecked)
 
     def peaks_apart(self, deeper: Trace, depth: int) -> list[str]:
         """Why the line from ``self`` (k blocks) and ``deeper`` (k+1) to ``depth`` blocks is not the model's, per phase

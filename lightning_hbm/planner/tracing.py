@@ -41,6 +41,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from lightning_hbm import record
 from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_automatic_opt
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.activations import ActivationCheckpointing
@@ -185,7 +186,18 @@ def trace(
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
-                 host_sizes, offloaded, where, regions, replicated, remainder)
+                 host_sizes, offloaded, where, regions, replicated, remainder, unchecked_blocks(module))
+
+
+def unchecked_blocks(module: nn.Module) -> dict[str, str]:
+    """The blocks ``ActivationCheckpointing`` chose but runs without checkpoint (their forward changes a list or dict it
+    is given, decided on their first training forward: the planner's steps run the same code), and what they change."""
+    found = {}
+    for name, block in module.named_modules():
+        changes = getattr(record.checkpoint_setup(block), "mutates", None)
+        if changes:
+            found[name] = changes
+    return found
 
 
 def _replicated_bytes(module: nn.Module) -> int:
@@ -220,6 +232,7 @@ class _Built:
         stack.enter_context(self.fake_mode)
         stack.enter_context(self.values)
         stack.enter_context(torch_compat.FakeGroupedMM())  # transformers' MoE experts in float32
+        stack.enter_context(torch_compat.fake_parameters_as_real_ones())  # a quantized router cast by its model
         running = stack.enter_context(RunningModules())
         module = self.module
         # a selection by a mask without values in the LightningModule's own code (its loss) is planned at its largest

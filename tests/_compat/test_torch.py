@@ -251,3 +251,43 @@ def test_fake_device_answers_the_device_queries_fake_tensors_send_through_every_
     assert outputs[0] == outputs[1]  # the same ops reach the fake mode, with the same devices
     assert compat.fake_device(torch.ops.aten.add.Tensor, (x, x)) is None  # another op
     assert compat.fake_device(compat.PRIM_DEVICE, (torch.ones(1),)) is None  # a real tensor (never asked so)
+
+
+def test_module_to_swaps_a_fake_parameter_and_the_shim_keeps_it_as_a_real_one_is_kept() -> None:
+    """torch 2.13's ``Module._apply`` swaps a FakeTensor parameter (``torch.utils.swap_tensors``: its ``__dict__`` too)
+    where it sets ``.data`` of a real one: the attributes a quantized weight carries (bitsandbytes' ``quant_state``)
+    were lost at a model's own ``layer.to(float32)``. When torch keeps them, ``fake_parameters_as_real_ones`` can go."""
+    from lightning_hbm.planner.building import _fake_mode  # the planner's (no memo: torch swaps no weakly held tensor)
+
+    with _fake_mode():
+        layer = nn.Linear(4, 4)
+        layer.weight.requires_grad_(False)
+        layer.weight.quant_state = "state"
+        layer.to(torch.float32)
+        assert not hasattr(layer.weight, "quant_state")  # torch's own behaviour
+        layer.weight.quant_state = "state"
+        with compat.fake_parameters_as_real_ones():
+            kept = layer.weight
+            layer.to(torch.float32)  # the same view: nothing swapped
+            assert layer.weight is kept and layer.weight.quant_state == "state"
+            other = nn.Linear(4, 4)
+            other.weight.quant_state = "state"
+            other.to(torch.float64)  # a new storage: swapped, the attribute set back
+            assert other.weight.dtype == torch.float64 and other.weight.quant_state == "state"
+    assert torch.utils.swap_tensors is not None and torch.utils.swap_tensors.__name__ == "swap_tensors"
+
+
+def test_a_fake_scalar_formats_as_its_value_inside_the_shim_only() -> None:
+    """``Tensor.__format__`` gives a 0-d tensor's value only when its type is exactly ``Tensor``."""
+    assert f"expert_{torch.tensor(3)}" == "expert_3"
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor(torch.tensor(3))
+        assert f"{fake}".startswith("FakeTensor")
+    from lightning_hbm.planner.realvalues import RealValues
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    values = RealValues(mode)
+    with mode, values:
+        index = torch.tensor([5, 3])[1]  # a small tensor: its real twin has the value
+        assert f"expert_{index}" == "expert_3" and f"{torch.ones(2)}".startswith("FakeTensor")
+    assert "__format__" not in vars(FakeTensor)
