@@ -40,8 +40,9 @@ without convolutions names the layers losing the most (:mod:`~lightning_hbm.prec
 that widens them (``min_cosine``, ``ignore_modules``). A LightningModule without ``forward`` is measured through the
 submodule its ``training_step`` calls (:func:`~lightning_hbm.probe.forwarding`, on the inputs the step gave it); one
 whose output cannot be recorded is logged (no convolution) or warned (convolutions), as before. Cost: the quantized
-forward and the reference (one forward of the model as built where no plan ran one): on SmolLM2-135M, 128 tokens,
-2-core CPU, 1.34x the time to the first step (``benchmarks/accuracy_check_cost.py``, benchmarks/README.md).
+forward and the reference (one forward of the model as built where no plan ran one), the per-layer cosines only under
+the threshold (where the warning names the layers): on SmolLM2-135M, 128 tokens, 2-core CPU, 1.25x the time to the
+first step (session 33; 1.34x in session 32: ``benchmarks/accuracy_check_cost.py``, benchmarks/README.md).
 """
 
 from __future__ import annotations
