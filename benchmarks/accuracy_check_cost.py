@@ -10,11 +10,17 @@ model without convolutions). Reported: process CPU seconds of each fit (fit star
 median over rounds 1.. (round 0 pays first imports), and the ratio.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/accuracy_check_cost.py --rounds 4
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/accuracy_check_cost.py --rounds 3 --breakdown
+
+``--breakdown`` prints, per fit, the CPU seconds of the check's parts (counters around the functions, no profiler):
+the reference forward, the quantized forward, the figure, the per-layer cosines, ``undo_int8_states``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import statistics
 import time
 import warnings
@@ -23,8 +29,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+import lightning_hbm.precision.accuracy as accuracy
 import lightning_hbm.precision.quantization as quantization
 from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision
+from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm.pretrained import smollm2_path
 
 
@@ -66,11 +74,37 @@ def first_step(path: str, dtype: str, batch: torch.Tensor, check: bool) -> tuple
     return time.process_time() - start, measured.cosine if measured is not None else float("nan")
 
 
+#: CPU seconds of the check's parts in the fit under way (``--breakdown``)
+PARTS: collections.Counter[str] = collections.Counter()
+
+
+def count(owner: Any, name: str, label: str) -> None:
+    """``owner.name`` timed into :data:`PARTS` under ``label``."""
+    function = getattr(owner, name)
+
+    @functools.wraps(function)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.process_time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            PARTS[label] += time.process_time() - start
+
+    setattr(owner, name, timed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--breakdown", action="store_true", help="the CPU seconds of the check's parts, per fit")
     args = parser.parse_args()
+    if args.breakdown:
+        count(quantization.Quantization, "_record_reference", "reference forward")
+        count(accuracy.Reference, "_computed", "quantized forward")
+        count(accuracy, "measure", "the figure (measure)")
+        count(accuracy, "responsible", "per-layer cosines (responsible)")
+        count(bnb_compat, "undo_int8_states", "undo_int8_states")
     path = smollm2_path()
     batch = torch.randint(0, 49152, (1, 128), generator=torch.Generator().manual_seed(0))
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -79,6 +113,9 @@ def main() -> None:
             seconds, cosine = first_step(path, args.dtype, batch, check)
             times[check].append(seconds)
             print(f"round {round_} check {'on ' if check else 'off'}: {seconds:.2f} s CPU, output cosine {cosine:.4f}", flush=True)
+            for label, spent in PARTS.items() if check else ():
+                print(f"    {label:<32} {spent:.2f} s", flush=True)
+            PARTS.clear()
     on, off = statistics.median(times[True][1:]), statistics.median(times[False][1:])
     print(f"median (rounds 1-{args.rounds - 1}): on {on:.2f} s, off {off:.2f} s, ratio {on / off:.3f}")
 

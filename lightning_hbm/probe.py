@@ -360,13 +360,15 @@ class Probe:
 
 
 def recorded_forward(
-    module: nn.Module, args: tuple, kwargs: Mapping[str, Any], names: Optional[Collection[str]], keep: int, follow: Sequence[Selection] = ()
+    module: nn.Module, args: tuple, kwargs: Mapping[str, Any], names: Optional[Collection[str]], keep: int, follow: Sequence[Selection] = (),
+    stepped: Optional[Stepped] = None,
 ) -> tuple[Any, list[Call], Followed]:
     """``module(*args, **kwargs)`` in eval mode without grad (:func:`eval_no_grad`), with the calls of its submodules
     ``names`` (:func:`recording_calls`, ``keep`` values each) and its data-dependent selections
     (:func:`recording_selections`), following those of ``follow`` (:func:`following`; none: its own): the output, the
-    calls, the selections, in one pass."""
-    with eval_no_grad(module), recording_calls(module, names, keep) as calls, following(calls, follow) as followed:
+    calls, the selections, in one pass. A LightningModule without ``forward`` runs through the submodule ``stepped``
+    names (:func:`forwarding`: as the model as built was recorded)."""
+    with forwarding(module, lambda: stepped), eval_no_grad(module), recording_calls(module, names, keep) as calls, following(calls, follow) as followed:
         return module(*args, **kwargs), calls, followed
 
 

@@ -40,8 +40,9 @@ without convolutions names the layers losing the most (:mod:`~lightning_hbm.prec
 that widens them (``min_cosine``, ``ignore_modules``). A LightningModule without ``forward`` is measured through the
 submodule its ``training_step`` calls (:func:`~lightning_hbm.probe.forwarding`, on the inputs the step gave it); one
 whose output cannot be recorded is logged (no convolution) or warned (convolutions), as before. Cost: the quantized
-forward and the reference (one forward of the model as built where no plan ran one): on SmolLM2-135M, 128 tokens,
-2-core CPU, 1.34x the time to the first step (``benchmarks/accuracy_check_cost.py``, benchmarks/README.md).
+forward and the reference (one forward of the model as built where no plan ran one), the per-layer cosines only under
+the threshold (where the warning names the layers): on SmolLM2-135M, 128 tokens, 2-core CPU, 1.25x the time to the
+first step (session 33; 1.34x in session 32: ``benchmarks/accuracy_check_cost.py``, benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.precision.accuracy_layers import layers_fix, layers_stored, named, recording_inputs, responsible
-from lightning_hbm.probe import MASK_AS_COMPUTED, MASK_VALUE, recorded_forward
+from lightning_hbm.probe import MASK_AS_COMPUTED, MASK_VALUE, Stepped, recorded_forward
 from lightning_hbm.probe_record import Call, Followed, Selection, agreeing_calls, diverging, recording_calls, recording_selections
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,8 @@ class ConvAccuracy:
     #: compared as ever, gave a lower one: :func:`measure`)
     routed: Optional[float] = None
     #: the quantized layers by how much output cosine each loses, ``(name, input cosine, output cosine)``, the most
-    #: first (:func:`~lightning_hbm.precision.accuracy_layers.responsible`; session 32)
+    #: first (:func:`~lightning_hbm.precision.accuracy_layers.responsible`; session 32); measured only under the
+    #: threshold, where the warning names them (empty at or above it: session 33, the check's cost)
     layers: list[tuple[str, float, float]] = field(default_factory=list)
 
 
@@ -215,6 +217,9 @@ class Reference:
         self.rngs: Optional[dict[str, Any]] = None
         #: the output tensors that are inputs handed back (:func:`echoes`), left out on both sides
         self.echoed: list[int] = []
+        #: a LightningModule without ``forward``: the submodule the recorded forward ran through
+        #: (:func:`~lightning_hbm.probe.stepped_inputs`), the quantized model's forward runs through it too
+        self.stepped: Optional[Stepped] = None
 
     @contextmanager
     def recording(self, module: nn.Module) -> Generator[None, None, None]:
@@ -287,7 +292,7 @@ class Reference:
         try:
             with _on_their_devices(module, quantized), torch_compat.drawing_as(self.rngs), recording_inputs(module, self.names, self.keep) as inputs:
                 torch.set_default_dtype(dtype if dtype != torch.float32 else previous)  # the plugin's forward context
-                output, calls, followed = recorded_forward(module, args, kwargs, names, self.keep, follow)  # eval, no grad
+                output, calls, followed = recorded_forward(module, args, kwargs, names, self.keep, follow, self.stepped)  # eval, no grad
         finally:
             torch.set_default_dtype(previous)
         return outputs(output, self.echoed), calls, followed, inputs
@@ -620,7 +625,8 @@ def check_accuracy(
     measured = measure(reference, got, calls, followed, threshold, getattr(config, "accuracy_at", None), config.torch_dtype)
     measured.seconds = time.perf_counter() - start
     measured.selections, measured.followed, measured.unfollowed = len(reference.selections), followed.differed, followed.stopped
-    measured.layers = responsible(reference.calls, calls, reference.inputs, inputs, centred_cosine)
+    if measured.cosine < threshold:  # the layers are named only in the warning under it (NaN: no figure, none named)
+        measured.layers = responsible(reference.calls, calls, reference.inputs, inputs, centred_cosine)
     log.info("lightning_hbm: output cosine of the quantized model on the probe batch: %.4f (threshold %s; %d values not finite; %s%s)",
              measured.cosine, threshold, measured.nonfinite, measured.measured_at or "every output", _routes(measured))  # fmt: skip
     warning = accuracy_warning(measured, layers, config.torch_dtype, base, config.format.peft_kind == "4bit", convs)

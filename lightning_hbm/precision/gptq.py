@@ -55,6 +55,7 @@ from typing import Any, Optional, cast
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -452,7 +453,63 @@ def digest(module: nn.Module, names: Sequence[str]) -> str:
     return f"{crc:08x}"
 
 
+def rounded_digest(module: nn.Module, names: Sequence[str]) -> tuple[list[str], str]:
+    """The layers of ``names`` stored on a code grid (those GPTQ rounded) and their :func:`digest`, in one pass."""
+    rounded, crc = [], 0
+    for name in names:
+        grid = grid_of(module.get_submodule(name))
+        if grid is not None:
+            rounded.append(name)
+            crc = zlib.crc32(grid.packed.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return rounded, f"{crc:08x}"
+
+
+DIGEST_KEY = "gptq_digest"  # the CRC of the GPTQ-rounded base, in the checkpoint's lightning_hbm part
+
+
+class GPTQRounding:
+    """The GPTQ rounding of one plan (``QuantizedPrecision(rounding="gptq")``).
+
+    :attr:`hessians` set in the checks (``Quantization._measure``: one probe forward, every target's input
+    statistics), then :meth:`finish` after the
+    quantization rounded the layers with them (frees them, takes the CRC of the rounded weights and compares it with
+    the one of the checkpoint being resumed), :meth:`save` with each checkpoint.
+    """
+
+    def __init__(self) -> None:
+        #: ``{layer name: 2 X^T X}`` on the probe (measured in the checks, freed after the quantization)
+        self.hessians: Optional[dict[str, torch.Tensor]] = None
+        #: CRC32 of the GPTQ-rounded 4-bit weights (saved with checkpoints, compared on resume)
+        self.digest: Optional[str] = None
+
+    def finish(self, module: nn.Module, quantized: Sequence[str], layer_modes: Optional[dict[str, str]], saved: Optional[str]) -> None:
+        """After the quantization of ``quantized``: log what was rounded, keep its CRC, check it against ``saved`` (the CRC
+        of the checkpoint being resumed, ``None``: none).
+
+        Raises:
+            ValueError: the checkpoint being resumed was trained on a base rounded otherwise (another probe batch).
+        """
+        hessians = self.hessians or {}
+        self.hessians = None  # in_features**2 floats per layer input: not kept for training
+        rounded, self.digest = rounded_digest(module, [n for n in quantized if n in hessians])  # one pass: which, and their CRC
+        warning = nearest_warning(module, [n for n in quantized if n not in rounded and (layer_modes or {}).get(n) != "none"], hessians)
+        log.info("lightning_hbm: GPTQ rounding of %d 4-bit layers on the probe batch (CRC %s)", len(rounded), self.digest)
+        if warning is not None:  # nothing silent: by name, reason and fix
+            rank_zero_warn(warning)
+        if saved is not None and saved != self.digest:
+            raise ValueError(
+                f"The GPTQ rounding rebuilt for this resume (CRC {self.digest}) differs from the one the "
+                f"checkpoint was trained with (CRC {saved}): the probe batch differs (or the weights on another device). "
+                "Resume with the same probe_batch (or datamodule) as the run that saved it; nothing has been trained yet."
+            )
+
+    def save(self, meta: dict[str, Any]) -> None:
+        """Into a checkpoint's lightning_hbm part: the CRC a resume compares its own rounding with."""
+        if self.digest is not None:
+            meta[DIGEST_KEY] = self.digest
+
+
 __all__ = [
-    "DAMP", "ROUNDINGS", "conv_geometry", "digest", "gptq_indices", "gptq_round_", "grid_of", "input_hessians", "input_statistics",
+    "DAMP", "DIGEST_KEY", "GPTQRounding", "rounded_digest", "ROUNDINGS", "conv_geometry", "digest", "gptq_indices", "gptq_round_", "grid_of", "input_hessians", "input_statistics",
     "nearest_reasons", "nearest_warning", "pack_indices", "patch_gram", "patches", "pooled_across_ranks",
 ]

@@ -31,7 +31,7 @@ import logging
 import warnings
 import weakref
 from contextlib import nullcontext
-from typing import Any, Callable, Optional, Sequence, cast
+from typing import Any, Callable, Optional, cast
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -48,7 +48,7 @@ from lightning_hbm.layers.embedding import is_plain_embedding
 from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, unmeasured_reference_warning
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
-from lightning_hbm.precision.gptq import digest, grid_of, input_statistics, nearest_warning
+from lightning_hbm.precision.gptq import DIGEST_KEY, GPTQRounding, input_statistics
 from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.int8_dynamic import report_unsmoothed
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_PLAN_TARGET, SensitivityReport, choose_layer_modes, planned_convs_warning, unplanned_convs_warning
@@ -65,7 +65,6 @@ log = logging.getLogger(__name__)
 #: Tokens the default probe holds when ``correction_rank`` is set (the first training batches, joined): on the real
 #: SmolLM2 after 150 LoRA steps a 512-token probe ended +1.49 % above 16-bit LoRA, a 2048-token one +0.74 % (issue 52).
 CORRECTION_PROBE_TOKENS = 2048
-DIGEST_KEY = "gptq_digest"  # the CRC of the GPTQ-rounded base, in the checkpoint's lightning_hbm part
 
 
 def saved_meta(trainer: Any) -> dict[str, Any]:
@@ -92,50 +91,6 @@ def modules_to_save(module: nn.Module, trainer: Any) -> list[str]:
     """
     names = [name for cb in getattr(trainer, "callbacks", []) for name in getattr(cb, "modules_to_save", None) or ()]
     return names + [n for n in record.modules_to_save(module) if n not in names]
-
-
-class GPTQRounding:
-    """The GPTQ rounding of one plan (``QuantizedPrecision(rounding="gptq")``).
-
-    :attr:`hessians` set in the checks (``Quantization._measure``: one probe forward, every target's input
-    statistics), then :meth:`finish` after the
-    quantization rounded the layers with them (frees them, takes the CRC of the rounded weights and compares it with
-    the one of the checkpoint being resumed), :meth:`save` with each checkpoint.
-    """
-
-    def __init__(self) -> None:
-        #: ``{layer name: 2 X^T X}`` on the probe (measured in the checks, freed after the quantization)
-        self.hessians: Optional[dict[str, Tensor]] = None
-        #: CRC32 of the GPTQ-rounded 4-bit weights (saved with checkpoints, compared on resume)
-        self.digest: Optional[str] = None
-
-    def finish(self, module: nn.Module, quantized: Sequence[str], layer_modes: Optional[dict[str, str]], saved: Optional[str]) -> None:
-        """After the quantization of ``quantized``: log what was rounded, keep its CRC, check it against ``saved`` (the CRC
-        of the checkpoint being resumed, ``None``: none).
-
-        Raises:
-            ValueError: the checkpoint being resumed was trained on a base rounded otherwise (another probe batch).
-        """
-        hessians = self.hessians or {}
-        rounded = [n for n in quantized if n in hessians and grid_of(module.get_submodule(n)) is not None]
-        nearest = [n for n in quantized if n not in rounded and (layer_modes or {}).get(n) != "none"]
-        self.hessians = None  # in_features**2 floats per layer input: not kept for training
-        self.digest = digest(module, rounded)
-        log.info("lightning_hbm: GPTQ rounding of %d 4-bit layers on the probe batch (CRC %s)", len(rounded), self.digest)
-        warning = nearest_warning(module, nearest, hessians)  # nothing silent: by name, reason and fix
-        if warning is not None:
-            rank_zero_warn(warning)
-        if saved is not None and saved != self.digest:
-            raise ValueError(
-                f"The GPTQ rounding rebuilt for this resume (CRC {self.digest}) differs from the one the "
-                f"checkpoint was trained with (CRC {saved}): the probe batch differs (or the weights on another device). "
-                "Resume with the same probe_batch (or datamodule) as the run that saved it; nothing has been trained yet."
-            )
-
-    def save(self, meta: dict[str, Any]) -> None:
-        """Into a checkpoint's lightning_hbm part: the CRC a resume compares its own rounding with."""
-        if self.digest is not None:
-            meta[DIGEST_KEY] = self.digest
 
 
 class Quantization:
@@ -338,7 +293,8 @@ class Quantization:
         # a LightningModule without forward: measured through the submodule its training_step calls (issue 53)
         self._stepped = None
         stepping = [name for name, _ in targets] if not fake and not has_forward(module) else None
-        probe = self._probe_once(module, trainer, stepping)  # drawn at the first measure, then handed to each
+        drawn = self._probe_once(module, trainer)  # drawn at the first measure, then handed to each
+        probe = drawn if stepping is None else functools.cache(lambda: self._stepping(drawn(), stepping))
         with forwarding(module, lambda: self._stepped):
             self._measure(module, targets, trainer, inputs=True, smooth=True, probe=probe)  # smoothed before the plan, which measures it
             if self.config.measures_layer_modes:
@@ -355,6 +311,9 @@ class Quantization:
             with self._reference.recording(module) if self._reference is not None else nullcontext():
                 self._choose_conv_modes(module, convs, trainer, probe)  # its first forward is the model as built: the reference
             self._record_reference(module, probe)
+            if self._reference is not None:  # the quantized model's forward runs where the model as built's ran
+                self._reference.stepped = self._stepped
+        self._stepped = None
         said = accuracy_at_unused(module, None if fake else self.config.accuracy_at, self._reference, names)  # never called: raised
         if said is not None:
             rank_zero_warn(said)
@@ -412,9 +371,8 @@ class Quantization:
             # after the quantization: an eval forward on an AVX512-BF16 CPU would repack them for a kernel that bypasses autograd
             bnb_compat.disable_cpu_repacks(module)
         threshold = config.min_cosine if config.min_cosine is not None else CONV_MIN_COSINE
-        stepped, self._stepped = self._stepped, None
-        with forwarding(module, lambda: stepped):  # measured where the checks measured (a LightningModule without forward)
-            self.conv_accuracy = check_accuracy(module, reference, quantized, self.layer_modes or {}, config, threshold)
+        # measured where the checks measured (a LightningModule without forward: the reference's submodule)
+        self.conv_accuracy = check_accuracy(module, reference, quantized, self.layer_modes or {}, config, threshold)
         if reference is not None:  # as quantized: a checkpoint being resumed loads into it next
             bnb_compat.undo_int8_states(module)
         warned = self.conv_accuracy is not None and self.conv_accuracy.warned
@@ -495,20 +453,18 @@ class Quantization:
         correcting = self.correction is not None
         return first_batches(trainer, "QuantizedPrecision", CORRECTION_PROBE_TOKENS if correcting else 0, most=16 if correcting else 1)
 
-    def _probe_once(self, module: nn.Module, trainer: Any, stepping: Optional[list[str]] = None) -> Callable[[], Probe]:
+    def _probe_once(self, module: nn.Module, trainer: Any) -> Callable[[], Probe]:
         """The model and its probe batch (:meth:`probe`) for the measures of one surgery, handed to each: drawn at the
         first call (a resume may measure nothing), the same :class:`~lightning_hbm.probe.Probe` after (a batch that
-        cannot be drawn raises at every call, as :meth:`probe`). ``stepping``: the layers measured of a LightningModule
-        without forward; its probe batch is then given to the one submodule holding them
-        (:func:`~lightning_hbm.probe.stepped_inputs`, kept for :func:`~lightning_hbm.probe.forwarding`)."""
+        cannot be drawn raises at every call, as :meth:`probe`)."""
+        return functools.cache(lambda: Probe(module, self.probe(trainer)))
 
-        def drawn() -> Probe:
-            batch = self.probe(trainer)
-            if stepping is not None:
-                self._stepped = stepped_inputs(module, batch, stepping)
-            return Probe(module, batch)
-
-        return functools.cache(drawn)
+    def _stepping(self, probe: Probe, names: list[str]) -> Probe:
+        """``probe``, once the submodule of a LightningModule without forward holding every layer ``names`` is found on
+        its batch (:func:`~lightning_hbm.probe.stepped_inputs`; kept for :func:`~lightning_hbm.probe.forwarding`, then
+        handed to the reference): at the draw, before any measuring forward (the checks' only)."""
+        self._stepped = stepped_inputs(probe.module, probe.batch, names)
+        return probe
 
     def _choose_layer_modes(self, module: nn.Module, names: list[str], trainer: Any, probe: Callable[[], Probe]) -> None:
         self.layer_modes = self.report = None  # a plugin reused by another Trainer measures again

@@ -194,8 +194,9 @@ def mode_table(in_features: int = 768, out_features: int = 3072, dtype: torch.dt
     return "\n".join(lines)
 
 
-def get_format(name: str) -> QuantFormat:
-    """The format registered under the mode name ``name``.
+def get_format(name: str, fake: bool = False) -> QuantFormat:
+    """The format registered under the mode name ``name`` (``fake``: its fake-tensor twin, the planner's:
+    :meth:`QuantFormat.for_fake_tensors`).
 
     Names are exact (lower case, as the CLI's ``trainer.precision`` and YAML files spell them): ``"NF4-DQ"`` is
     refused, with the lower-case name suggested, rather than accepted under a second spelling.
@@ -203,14 +204,13 @@ def get_format(name: str) -> QuantFormat:
     Raises:
         ValueError: ``name`` is not registered (the message lists the valid names and the closest one).
     """
-    if not isinstance(name, str) or name not in _MODES:
-        # difflib compares case-sensitively: "NF4-DQ" is close to no name, so the lower-case spelling comes first
-        same = [m for m in _MODES if m.lower() == str(name).lower()]
-        hint = f" Did you mean {same[0]!r}? Mode names are lower case." if same else did_you_mean(str(name).lower(), _MODES)
-        raise ValueError(
-            f"Unknown lightning_hbm precision mode {name!r}.{hint} Valid modes: {', '.join(available_precisions())}."
-        )
-    return _MODES[name]
+    if isinstance(name, str) and name in _MODES:
+        return _MODES[name].for_fake_tensors() if fake else _MODES[name]
+    # difflib compares case-sensitively: "NF4-DQ" is close to no name, so the lower-case spelling comes first
+    unknown, valid = f"Unknown lightning_hbm precision mode {name!r}.", f" Valid modes: {', '.join(available_precisions())}."
+    same = [m for m in _MODES if m.lower() == str(name).lower()]
+    hint = f" Did you mean {same[0]!r}? Mode names are lower case." if same else did_you_mean(str(name).lower(), _MODES)
+    raise ValueError(unknown + hint + valid)
 
 
 def to_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:

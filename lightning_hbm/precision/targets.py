@@ -341,7 +341,7 @@ def layer_modes_of(
     formats: dict[Any, Optional[QuantFormat]] = {None: quant_mode, "none": None}
     for chosen in dict.fromkeys(layer_modes.values()):
         if chosen not in formats:
-            formats[chosen] = get_format(chosen).for_fake_tensors() if fake else get_format(chosen)
+            formats[chosen] = get_format(chosen, fake)
     return {n: formats[layer_modes.get(n)] for n in names}
 
 
