@@ -624,16 +624,36 @@ def _partial(offload: Any) -> Candidate:
     return Candidate.from_trainer(None, [LoRA(r=4), ActivationCheckpointing("full", offload=offload)])
 
 
-def test_a_partial_activation_offload_is_planned_as_the_whole_model_traces_it() -> None:
+_EIGHT_BLOCKS = partial(LlamaLM, **{**TINY_LLAMA, "num_hidden_layers": 8, "intermediate_size": 128})
+
+
+@pytest.fixture(scope="module")
+def partial_plans() -> Callable[[Any], Any]:
+    """``partial_plans(k)``: the cut plan of ``_EIGHT_BLOCKS`` at 1,024 tokens under ``_partial(k)`` on CUDA, made once per
+    module (read only). The two partial-offload tests below both plan ``k=0`` (two traces, cut to 3 and 4 blocks); a
+    plan depends on nothing but its arguments (tests/planner/test_context.py::shared_plans says why), so what each test
+    checks is unchanged; run alone, each plans everything itself."""
+    plans: dict[Any, Any] = {}
+    batch = tuple(t.contiguous() for t in synthetic_batch(1, 1024))
+
+    def planned(k: Any) -> Any:
+        if k not in plans:
+            plans[k] = predict(_EIGHT_BLOCKS, batch, _partial(k), device="cuda")
+        return plans[k]
+
+    return planned
+
+
+def test_a_partial_activation_offload_is_planned_as_the_whole_model_traces_it(partial_plans: Callable[[Any], Any]) -> None:
     """ActivationCheckpointing(offload=k): the first k blocks' inputs leave the device. Cut to 3 and 4 blocks, the two
     kinds of block are two lines (a third trace when both kinds are in the middle), and the forward's and backward's
     two peaks are extended apart: equal to the byte to the whole 8 blocks traced, device and host."""
-    factory = partial(LlamaLM, **{**TINY_LLAMA, "num_hidden_layers": 8, "intermediate_size": 128})
+    factory = _EIGHT_BLOCKS
     batch = tuple(t.contiguous() for t in synthetic_batch(1, 1024))
     block_input = 1024 * 64 * 4
     peaks = {}
     for k in (0, 2, 5):
-        cut = predict(factory, batch, _partial(k), device="cuda")
+        cut = partial_plans(k)
         whole = predict(factory, batch, _partial(k), device="cuda", extrapolate=False)
         assert (cut.categories, cut.side, cut.host_sizes) == (whole.categories, whole.side, whole.host_sizes), k
         assert cut.offloaded_blocks == k and cut.host == k * pinned_footprint(block_input)
@@ -645,13 +665,13 @@ def test_a_partial_activation_offload_is_planned_as_the_whole_model_traces_it() 
 
 
 @pytest.mark.slow
-def test_a_partial_activation_offload_frees_what_memtracker_measures() -> None:
+def test_a_partial_activation_offload_frees_what_memtracker_measures(partial_plans: Callable[[Any], Any]) -> None:
     # the offload target injected outside torch's dispatch (pinned host memory is outside the GPU allocator too)
     from lightning_hbm import LoRA
     from lightning_hbm.planner.reference import memtracker_peak
     from tests.planner.test_context import _HostOutsideTorch
 
-    factory = partial(LlamaLM, **{**TINY_LLAMA, "num_hidden_layers": 8, "intermediate_size": 128})
+    factory = _EIGHT_BLOCKS
     batch = tuple(t.contiguous() for t in synthetic_batch(1, 1024))
     measured, planned = {}, {}
     for k in (0, 3):
@@ -659,7 +679,7 @@ def test_a_partial_activation_offload_frees_what_memtracker_measures() -> None:
         checkpointing.offload = _HostOutsideTorch("cpu")
         candidate = Candidate.from_trainer(None, [LoRA(r=4), checkpointing])
         measured[k] = memtracker_peak(factory, batch, candidate)
-        planned[k] = predict(factory, batch, _partial(k), device="cuda").peak
+        planned[k] = partial_plans(k).peak
         assert measured[k] == pytest.approx(planned[k], rel=0.03)
     assert measured[0] - measured[3] == planned[0] - planned[3] == 3 * 1024 * 64 * 4
 
