@@ -69,3 +69,37 @@ def test_resize_listeners_are_called_with_the_storage_before_and_the_method_is_p
         torch_compat.remove_resize_listener(listener)
     assert seen == [(pointer, 32, 0), (0, 0, 16)]
     assert torch.UntypedStorage.resize_ is before and "resize_" not in torch.UntypedStorage.__dict__
+
+
+def test_the_step_picture_follows_the_resizes_the_tracker_follows() -> None:
+    """``StepRecorder`` (the profiler's picture) replays the tracker's live bytes: a resize releases the storage's entry
+    and a growth adds one, so its peak is the tracker's (under FSDP2 it drew 1,846,352 B for 1,658,960 before)."""
+    from torch import nn
+
+    from lightning_hbm.profiling.timeline import StepRecorder
+
+    tracker = LiveStorageTracker(track_peak=True)
+    module = nn.Linear(4, 4)
+    tracker.seed(module.parameters(), "parameters")
+    gathered = torch.empty(1000)  # 4,000 B made before the step, empty once the forward is over
+    storage = gathered.untyped_storage()
+    storage.resize_(0)
+    tracker.__enter__()
+    recorder = StepRecorder(tracker, module)
+    recorder.start()
+    try:
+        storage.resize_(4000)  # gathered for the forward
+        storage.resize_(0)  # resharded
+        out = module(torch.ones(8, 4))
+        storage.resize_(4000)  # gathered again
+        del out
+        storage.resize_(0)
+    finally:
+        recorded = recorder.stop()
+        tracker.__exit__(None, None, None)
+    live, peak = 0, 0
+    for event in recorded.events:
+        live += recorded.entries[event].record.nbytes if event >= 0 else -recorded.entries[~event].record.nbytes
+        peak = max(peak, live)
+    assert peak == tracker.peak_bytes and live == tracker.live_bytes
+    assert sum(1 for e in recorded.entries if e.record.nbytes == 4000) == 2  # each gather an entry of its own

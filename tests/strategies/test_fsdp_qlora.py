@@ -327,6 +327,9 @@ def test_planner_per_rank_prediction_matches_two_rank_measurement(
     # unit around the blocks, with nothing gathered.
     detailed = [row for row in rows if row["mode"] == "detailed"]
     assert detailed and all(row["tracked_peak"] == row["total"] == 1_658_960 for row in detailed)
+    # the step's picture follows the resizes too: its peak is the row's (it drew 1,846,352 B before)
+    figure = json.loads((two_rank_run / "profile" / "hbm_figure.json").read_text())
+    assert figure["peak"]["bytes"] == 1_658_960 and figure["peak"]["phase"] == "backward"
     assert abs(sum(planned.values()) - 1_658_960) <= 0.03 * 1_658_960  # the house tolerance
     assert sum(planned.values()) == 1_658_972  # 12 B over (0.001 %)
 
