@@ -593,3 +593,47 @@ def leading_batches(loader: Any, enough: Callable[[list[Any]], bool]) -> list[An
         for generator, state in states:
             generator.set_state(state)
     return batches
+
+
+#: ``listener(storage, data_ptr, nbytes)`` called after each ``UntypedStorage.resize_`` with the address and size the
+#: storage had before (:func:`add_resize_listener`)
+ResizeListener = Callable[[torch.UntypedStorage, int, int], None]
+_RESIZE_LISTENERS: list[ResizeListener] = []
+_RESIZE_SAVED: list[Any] = []  # what ``UntypedStorage.__dict__`` held for ``resize_`` before the wrapper (absent: [])
+_NATIVE_RESIZE = torch.UntypedStorage.resize_
+
+
+def _resize_telling(storage: torch.UntypedStorage, size: int) -> Any:
+    before = storage.data_ptr(), storage.nbytes()
+    out = (_RESIZE_SAVED[0] if _RESIZE_SAVED else _NATIVE_RESIZE)(storage, size)
+    for listener in list(_RESIZE_LISTENERS):
+        listener(storage, *before)
+    return out
+
+
+def add_resize_listener(listener: ResizeListener) -> None:
+    """Call ``listener(storage, old_data_ptr, old_nbytes)`` after every ``UntypedStorage.resize_`` until
+    :func:`remove_resize_listener`.
+
+    ``resize_`` of a storage is no op a ``TorchDispatchMode`` sees, and it is how FSDP2 frees a unit's gathered
+    parameters (``resize_(0)`` after the forward and the backward, ``_fsdp_param.free_storage``) and allocates them
+    again for the next all-gather (``alloc_storage``): torch's own ``MemTracker`` wraps the method for the same reason.
+    The wrapper is on the class only while a listener is registered; the last one removed puts back what was there.
+    """
+    if not _RESIZE_LISTENERS:
+        saved = torch.UntypedStorage.__dict__.get("resize_")  # another wrapper (torch's MemTracker), or none
+        _RESIZE_SAVED[:] = [] if saved is None else [saved]
+        torch.UntypedStorage.resize_ = _resize_telling  # type: ignore[method-assign,assignment]
+    _RESIZE_LISTENERS.append(listener)
+
+
+def remove_resize_listener(listener: ResizeListener) -> None:
+    """Stop calling ``listener`` (:func:`add_resize_listener`); a listener never added is ignored."""
+    if listener in _RESIZE_LISTENERS:
+        _RESIZE_LISTENERS.remove(listener)
+    if _RESIZE_LISTENERS or torch.UntypedStorage.__dict__.get("resize_") is not _resize_telling:
+        return
+    if _RESIZE_SAVED:
+        torch.UntypedStorage.resize_ = _RESIZE_SAVED.pop()  # type: ignore[method-assign]
+    else:
+        del torch.UntypedStorage.resize_

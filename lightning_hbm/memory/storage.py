@@ -67,6 +67,13 @@ def storage_key(storage: torch.UntypedStorage) -> StorageKey:
     return str(storage.device), storage.data_ptr()
 
 
+def storage_key_at(storage: torch.UntypedStorage, data_ptr: int) -> StorageKey:
+    """:func:`storage_key` of ``storage`` when it was at ``data_ptr`` (before a ``resize_`` moved it)."""
+    if storage.device.type == "meta":
+        return "fake", id(storage)
+    return str(storage.device), data_ptr
+
+
 def tensor_storage_key(tensor: torch.Tensor) -> StorageKey | None:
     """Identity (device, data pointer) of the storage behind a plain tensor; None if it holds no bytes."""
     return next((key for key, _ in storages([tensor])), None)

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.memory.categories import StorageKey, plain_tensors
-from lightning_hbm.memory.storage import storage_key
+from lightning_hbm.memory.storage import storage_key, storage_key_at
 from lightning_hbm.memory.terms import scope_terms, term
 from lightning_hbm.running import RunningModules
 
@@ -124,7 +124,9 @@ class LiveStorageTracker(TorchDispatchMode):
     def _record_plain(self, tensor: torch.Tensor, phase: str) -> None:
         if tensor.is_meta or tensor.is_sparse:
             return
-        storage = tensor.untyped_storage()
+        self._record_storage(tensor.untyped_storage(), phase)
+
+    def _record_storage(self, storage: torch.UntypedStorage, phase: str) -> None:
         nbytes = storage.nbytes()
         if nbytes == 0:
             return
@@ -150,17 +152,46 @@ class LiveStorageTracker(TorchDispatchMode):
             self._peak_pending = True
 
     def _released(self, key: StorageKey) -> Callable[[Any], None]:
-        def callback(_: Any) -> None:
+        def callback(ref: Any) -> None:
             record = self.live.get(key)
-            if record is None:
-                return
+            if record is not None and record.ref is ref:  # not a storage resized away from ``key`` since
+                self._forget(key, record)
+
+        return callback
+
+    def _forget(self, key: StorageKey, record: StorageRecord) -> None:
+        """``record``'s bytes are released now."""
+        if self.track_peak:
             if self._peak_pending:  # the live set just before the first release after a new peak
                 self.peak_records = dict(self.live)
                 self._peak_pending = False
-            del self.live[key]
             self.live_bytes -= record.nbytes
+        del self.live[key]
 
-        return callback
+    def _resized(self, storage: torch.UntypedStorage, data_ptr: int, nbytes: int) -> None:
+        """``storage.resize_`` ran (FSDP2 frees a unit's gathered parameters with ``resize_(0)`` and allocates them
+        again with ``resize_(n)``; no dispatch mode sees it): its bytes at ``data_ptr`` are released, and the new ones,
+        if any, are a storage created now, in the phase, module and scope running."""
+        if nbytes:
+            key = storage_key_at(storage, data_ptr)
+            record = self.live.get(key)
+            if record is not None and record.ref() is storage:
+                self._forget(key, record)
+        self._record_storage(storage, self.phase)
+
+    def __enter__(self) -> LiveStorageTracker:
+        torch_compat.add_resize_listener(self._resized)
+        try:
+            return super().__enter__()
+        except BaseException:
+            torch_compat.remove_resize_listener(self._resized)
+            raise
+
+    def __exit__(self, *args: Any) -> None:
+        try:
+            super().__exit__(*args)
+        finally:
+            torch_compat.remove_resize_listener(self._resized)
 
     def finish_peak(self) -> None:
         """Copy the live set if the peak is now (no storage released since it was reached)."""

@@ -86,7 +86,8 @@ class Prediction:
         cost: relative step time (:meth:`Candidate.relative_cost`).
         budget: the budget it was checked against, or None.
         host_bytes: bytes moved to CPU memory by ``offload`` (not part of ``peak``).
-        block_bytes: parameter bytes of the largest repeated block (transformer layer), after the transforms.
+        block_bytes: bytes FSDP2 gathers for the largest repeated block (transformer layer), after the transforms: its
+            parameters without its quantization constants (those stay whole on every rank: :attr:`replicated_bytes`).
         guessed_reads: values the traced code read that the planner could not know (``loss.item()``, a
             check over a large tensor), answered 0 / ``False`` (:mod:`lightning_hbm.planner.realvalues`).
         loss: bytes of the peak that ``FusedLoss`` holds (chunk logits, the fp32 rows softmaxed, the dequantized head,
@@ -111,11 +112,14 @@ class Prediction:
         replicated_bytes: the parameter bytes FSDP2 keeps whole on every rank, inside ``categories["parameters"]``: the
             quantization constants (absmax, code books, int8 row scales; :func:`quantization_constant_bytes`).
         remainder_bytes: the parameter bytes outside the repeated blocks (embeddings, final norm, head; quantization
-            constants excluded): ``QuantizedFSDPStrategy`` shards them as the remainder unit(s), FSDP2's root, which
-            stays gathered from the forward's start to the backward's end.
+            constants excluded): ``QuantizedFSDPStrategy`` shards them as the remainder unit(s), gathered while
+            their forward and their backward run.
         unchecked: blocks ``ActivationCheckpointing`` chose but runs without checkpoint, their activations kept (and
             counted so): their forward changes a list or dict it is given (diffusers' Wan VAE ``feat_cache``), found on
             the first training forward of the trace as in training, with what changed.
+        regions: per phase of the step, each region's peak bytes (``"before the blocks"``, ``"block 0"``, ``"after block
+            -1"``, ...; :class:`~lightning_hbm.planner.peaks._PeakPoints`): where :meth:`per_rank` finds the peak of
+            a rank, whose gathered parameters change from region to region.
     """
 
     candidate: Candidate
@@ -138,18 +142,31 @@ class Prediction:
     replicated_bytes: int = 0
     remainder_bytes: int = 0
     unchecked: tuple[str, ...] = ()
+    regions: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def per_rank(self, world_size: int) -> dict[str, int]:
-        """Bytes per category on each of ``world_size`` ranks under FSDP/ZeRO-3 (see :func:`shard_categories`).
+        """Bytes per category at the peak of each of ``world_size`` ranks under FSDP2 (``QuantizedFSDPStrategy``).
 
-        Predict with the per-rank batch. Each rank all-gathers the largest repeated block's parameters
-        (:attr:`block_bytes`) while it computes, beside the parameters outside the blocks (:attr:`remainder_bytes`:
-        FSDP2's root unit, gathered from the forward's start to the backward's end). The quantization constants
-        (:attr:`replicated_bytes`) stay whole on every rank (``QuantizedFSDPStrategy``): the parameters term is exact,
-        and so is the root's gathered term (both checked against a 2-rank run).
+        Predict with the per-rank batch. Parameters (the quantization constants, :attr:`replicated_bytes`, whole on
+        every rank), gradients and optimizer states are split (:func:`shard_categories`), activations are the
+        single-device peak's, and ``other`` holds the rest of the rank's peak: the step's other bytes and the
+        parameters gathered there. The peak is the largest region of the step (:attr:`regions`) less what sharding
+        saves of the parameters and states, plus what FSDP2 holds gathered in it (:func:`fsdp2_gathered_bytes`). On 2
+        gloo ranks it is the measured peak to 12 B (1,658,972 planned, 1,658,960 measured by ``HBMProfiler``, in the
+        backward of the last block: ``tests/strategies/test_fsdp_qlora.py``). Without regions (a Prediction built by hand) the peak's own categories gather the largest block and the
+        remainder at once.
         """
-        return shard_categories(self.categories, world_size, gathered_bytes=self.block_bytes + self.remainder_bytes,
-                                replicated_parameter_bytes=self.replicated_bytes)
+        per_rank = shard_categories(self.categories, world_size, gathered_bytes=self.block_bytes + self.remainder_bytes,
+                                    replicated_parameter_bytes=self.replicated_bytes)
+        if world_size == 1 or not self.regions:
+            return per_rank
+        # parameters and optimizer states are the same all through the step: what sharding saves of them, saved everywhere
+        saved = sum(self.categories[c] - per_rank[c] for c in ("parameters", "optimizer_states"))
+        peak = max(value - saved + fsdp2_gathered_bytes(phase, region, self.block_bytes, self.remainder_bytes)
+                   for phase, regions in self.regions.items() for region, value in regions.items())
+        rest = peak - sum(per_rank[c] for c in CATEGORIES if c != "other")
+        per_rank["other"] = max(rest, self.categories["other"])
+        return per_rank
 
     @property
     def terms(self) -> dict[str, int]:
@@ -179,6 +196,28 @@ class Prediction:
     @property
     def fits(self) -> Optional[bool]:
         return None if self.budget is None else self.total <= self.budget
+
+
+def fsdp2_gathered_bytes(phase: str, region: str, block: int, remainder: int) -> int:
+    """Bytes FSDP2 (``reshard_after_forward=True``, 2 ranks or more) holds gathered in ``region`` of ``phase`` (the
+    planner's regions, :class:`~lightning_hbm.planner.peaks._PeakPoints`) beyond the sharded parameters, for blocks of
+    ``block`` gathered bytes and ``remainder`` bytes outside them (the remainder unit(s), gathered through the forward
+    and the backward).
+
+    Read from torch 2.13's ``_fsdp_param_group`` and measured on 2 gloo ranks: besides a unit's unsharded parameters,
+    the flat buffer its all-gather filled stays alive in the forward until the next unit's all-gather (freed after the
+    copy-out only then, to overlap them), and in the backward each block's pre-backward prefetches the next block's
+    all-gather (its flat buffer alive while the block's backward runs). So a block's region holds the remainder and two
+    blocks, the forward before the blocks the remainder twice, every other region of the forward and the backward the
+    remainder and one block's buffer; the loss and its backward outside the unit holding the blocks (``after the
+    model``: the root's post-forward frees the last buffer and reshards) and the optimizer step nothing."""
+    if phase == "step" or region == "after the model":  # the loss and its backward, outside the units
+        return 0
+    if region.startswith("block "):
+        return remainder + 2 * block
+    if region == "before the blocks" and phase.startswith("forward"):
+        return 2 * remainder
+    return remainder + block
 
 
 def shard_categories(
@@ -397,6 +436,7 @@ def predict(
         replicated_bytes=result.replicated,
         remainder_bytes=result.remainder,
         unchecked=tuple(f"{name} (its forward changes {what})" for name, what in sorted(result.unchecked.items())),
+        regions=result.regions,
     )
 
 

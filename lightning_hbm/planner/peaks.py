@@ -60,7 +60,8 @@ class _PeakPoints:
         return self.records
 
     @contextmanager
-    def watching(self, blocks: Sequence[nn.Module], kept_from: Optional[int] = None, unit: int = 1) -> Iterator[None]:
+    def watching(self, blocks: Sequence[nn.Module], kept_from: Optional[int] = None, unit: int = 1,
+                 model: Optional[nn.Module] = None) -> Iterator[None]:
         """Mark the regions as ``blocks`` run forward (hooks) and their outputs' gradients arrive (tensor hooks).
 
         ``kept_from``: under a partial offload, the index of the first block of the part that keeps its inputs; the
@@ -71,8 +72,23 @@ class _PeakPoints:
         by its place in its unit and the unit's number (``block 1 of unit -1``), the units below :data:`_ALIKE_FROM`
         from the start, the others from the end. Every unit then holds the same at the same place once nothing
         accumulates, and the phase's peak, the first reached on a tie, is in the same named region of each cut (by
-        blocks, block 3 of a cut to 6 was ``-3``, of a cut to 8 ``-5``: the 8B plans were refused and traced whole)."""
+        blocks, block 3 of a cut to 6 was ``-3``, of a cut to 8 ``-5``: the 8B plans were refused and traced whole).
+
+        ``model``: the LightningModule's submodule holding the blocks (a causal LM's ``model``), when the loss is
+        computed outside it: the step from its forward's end to its output's gradient (the loss and its backward) is
+        the region ``after the model``, where FSDP2 holds none of its parameters gathered (``Prediction.per_rank``)."""
         tracker, handles = self.tracker, []
+        if model is not None:
+
+            def model_done(module: nn.Module, args: Any, output: Any) -> None:
+                if tracker.phase != "forward":
+                    return
+                self.mark("after the model")
+                out = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+                if out is not None:
+                    out.register_hook(lambda grad: self.mark("after block -1"))
+
+            handles.append(model.register_forward_hook(model_done))
         for index, block in enumerate(blocks):
             name = str(index) if index < _ALIKE_FROM else str(index - len(blocks))
             if kept_from is not None and _ALIKE_FROM <= index < kept_from:

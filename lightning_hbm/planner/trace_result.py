@@ -27,7 +27,7 @@ class Trace:
     total: int
     depth: int  # number of repeated blocks of the full model (0: none found)
     kept: int  # blocks traced
-    block_bytes: int = 0  # parameter bytes of the largest repeated block (what FSDP gathers at once)
+    block_bytes: int = 0  # what FSDP2 gathers for the largest repeated block: its parameters, constants excluded
     guessed: int = 0  # values read without a real twin (answered 0 / False)
     # per phase: each scope term's bytes at its peak (loss: what FusedLoss allocated; inside the categories)
     scopes: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -87,8 +87,18 @@ class Trace:
             sizes.update({size: count * n for size, count in (Counter(other.host_sizes) - Counter(self.host_sizes)).items()})
         return Trace(phases, line(_field("trainable")), line(_field("total")), depth, depth, self.block_bytes,
                      max(t.guessed for t in (self, *others)), scopes, fallbacks, line(_field("host")), selections,
-                     tuple(sorted(sizes.elements())), line(_field("offloaded")), replicated=line(_field("replicated")),
-                     remainder=self.remainder, unchecked=unchecked)
+                     tuple(sorted(sizes.elements())), line(_field("offloaded")), regions=self._region_lines(steps),
+                     replicated=line(_field("replicated")), remainder=self.remainder, unchecked=unchecked)
+
+    def _region_lines(self, steps: Sequence[tuple[Trace, int]]) -> dict[str, dict[str, int]]:
+        """Each region's peak, phase by phase, drawn as :meth:`combine` draws every figure (the regions of every trace
+        only: a region of one cut names no point of the model)."""
+        lines: dict[str, dict[str, int]] = {}
+        for phase, mine in self.regions.items():
+            theirs = [other.regions.get(phase, {}) for other, _ in steps]
+            lines[phase] = {region: max(0, value + sum(n * (other[region] - value) for other, (_, n) in zip(theirs, steps)))
+                            for region, value in mine.items() if all(region in other for other in theirs)}
+        return lines
 
     def peaks_apart(self, deeper: Trace, depth: int) -> list[str]:
         """Why the line from ``self`` (k blocks) and ``deeper`` (k+1) to ``depth`` blocks is not the model's, per phase

@@ -178,7 +178,9 @@ def trace(
         trainable = parameter_count(module, trainable=True)
         total = parameter_count(module)
         blocks = [block for _, block in _blocks(module)]
-        block_bytes = max((parameter_bytes(block) for block in blocks), default=0)
+        # what FSDP2 gathers for a block: its parameters, not its quantization constants (whole on every rank, in
+        # ``replicated``; before session 33 counted here too: +3,328 B a block on the 2-rank nanoGPT)
+        block_bytes = max((parameter_bytes(block) - _replicated_bytes(block) for block in blocks), default=0)
         replicated = _replicated_bytes(module)
         inside = {id(p) for block in blocks for p in block.parameters()}
         remainder = tensor_bytes(p for p in module.parameters() if id(p) not in inside)
@@ -357,13 +359,15 @@ def _steady_step(
     with ExitStack() as stack:
         blocks = _cut_list(module)
         kept_from = next((i for i, block in enumerate(blocks) if boundary is not None and block is boundary[1]), None)
-        stack.enter_context(points.watching(blocks, kept_from, unit))
+        model = _model_holding(module, blocks)
+        stack.enter_context(points.watching(blocks, kept_from, unit, model))
         if boundary is not None:
             stack.enter_context(_peaks_apart(boundary, close))
         for phase in PHASES:
             tracker.phase = phase
             tracker.reset_peak()
-            points.restart({"forward": "before the blocks", "backward": "after block -1"}.get(phase, phase))
+            first = {"forward": "before the blocks", "backward": "after the model" if model is not None else "after block -1"}
+            points.restart(first.get(phase, phase))
             if phase == "forward":
                 with plugin.forward_context(), _name_untraceable(module):
                     loss, _kept = _closure_loss(module.training_step(batch, 1))
@@ -377,6 +381,16 @@ def _steady_step(
                     optimizer.step()
             close(phase if phase != "backward" or boundary is None else f"{phase} (offloaded blocks)")
     return phases, scopes, points.where, points.peaks
+
+
+def _model_holding(module: nn.Module, blocks: list[nn.Module]) -> Optional[nn.Module]:
+    """The child of the LightningModule holding the blocks (a causal LM's ``model``; None: the blocks or their list
+    are its children, or there are none): ``QuantizedFSDPStrategy``'s unit around the blocks."""
+    if not blocks:
+        return None
+    return next((child for child in module.children()
+                 if child is not blocks[0] and not isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential))
+                 and any(sub is blocks[0] for sub in child.modules())), None)
 
 
 def remade_unit(candidate: Candidate) -> int:

@@ -32,8 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.memory.categories import StorageKey, plain_tensors
-from lightning_hbm.memory.storage import storage_key, storages, tensor_storage_key
+from lightning_hbm.memory.storage import storage_key, storage_key_at, storages, tensor_storage_key
 from lightning_hbm.memory.tracker import LiveStorageTracker, StorageRecord
 from lightning_hbm.running import observing
 
@@ -110,6 +111,8 @@ class StepRecorder(TorchDispatchMode):
         self.cuda_device = cuda_device
         self.recorded = RecordedStep(cuda_allocated=[] if cuda_device is not None else None)
         self._known: dict[StorageKey, StorageRecord] = {}
+        self._entry_at: dict[StorageKey, int] = {}  # the entry of each known storage, by key
+        self._gone: set[int] = set()  # entries released by a resize (their storage lives on, resized)
         self._refs: list[weakref.ref] = []  # kept alive so that their callbacks fire
         self._names: dict[StorageKey, str] = {}  # parameter, gradient, state storages -> a name (the optimizer's ops)
         self._stack: list[str] = []  # modules running now (forward, or a recomputation in backward)
@@ -133,6 +136,7 @@ class StepRecorder(TorchDispatchMode):
             self._handles.append(sub.register_forward_hook(self._pop(leaf), always_call=True))
         self._open = True
         self.enter_phase("forward")
+        torch_compat.add_resize_listener(self._resized)  # after the tracker's: it has recorded the new size
         self.__enter__()
 
     def enter_phase(self, phase: str) -> None:
@@ -150,6 +154,7 @@ class StepRecorder(TorchDispatchMode):
         if self._open:
             self._sample("", "", -1)
             self.__exit__(None, None, None)
+            torch_compat.remove_resize_listener(self._resized)
             self._open = False
         for handle in self._handles:
             handle.remove()
@@ -191,16 +196,36 @@ class StepRecorder(TorchDispatchMode):
         recomputed = phase == "backward" and bool(self._stack)
         entries.append(Entry(key, record, phase, recomputed, len(self.recorded.samples)))
         self._known[key] = record
+        self._entry_at[key] = index
         self._refs.append(weakref.ref(storage, self._released(index)))
         self.recorded.events.append(index)
         return index
 
     def _released(self, index: int) -> Callable[[Any], None]:
         def callback(_: Any) -> None:
-            if self._open:
+            if self._open and index not in self._gone:
                 self.recorded.events.append(~index)
 
         return callback
+
+    def _resized(self, storage: torch.UntypedStorage, data_ptr: int, nbytes: int) -> None:
+        """A storage was resized (FSDP2's reshard and all-gather, as the tracker follows them): its entry is released,
+        the new size, if any, is a new entry; a sample marks it."""
+        if not self._open:
+            return
+        old = storage_key_at(storage, data_ptr)
+        index = self._entry_at.get(old) if nbytes else None
+        if index is not None and index not in self._gone:
+            self._gone.add(index)
+            self.recorded.events.append(~index)
+            self._known.pop(old, None)
+            self._entry_at.pop(old, None)
+        created = -1
+        key = storage_key(storage)
+        record = self.tracker.live.get(key) if storage.nbytes() else None
+        if record is not None and self._known.get(key) is not record:
+            created = self._add(key, record, storage, self._phase)
+        self._sample("resize_", self._where(()), created)
 
     def _sample(self, op: str, where: str, created: int) -> None:
         recorded = self.recorded

@@ -27,6 +27,7 @@ from lightning_hbm.planner import (
     quantized_parameter_bytes,
     shard_categories,
 )
+from lightning_hbm.planner.api import fsdp2_gathered_bytes
 from lightning_hbm.precision import QuantFormat, quantize_model, registry
 from lightning_hbm.profiling.profiler import HBMProfiler
 from lightning_hbm.surgery import applied_transforms, run_surgery
@@ -451,7 +452,19 @@ def test_per_rank_prediction_gathers_one_block(gpt_factory: Callable[..., Any]) 
     # beside it, the parameters outside the blocks: FSDP2's root unit, gathered through forward and backward
     remainder = prediction.remainder_bytes
     assert remainder == prediction.categories["parameters"] - 2 * block > 0  # 32-true: no constants, 2 blocks alike
-    assert two["other"] == prediction.categories["other"] + block + remainder
+    # the rank's peak: the largest region of the step, less what sharding saves, plus what FSDP2 holds gathered there
+    # (session 33: a block's region two blocks, its unsharded parameters and the next one's prefetched all-gather)
+    assert set(prediction.regions) == {"forward", "backward", "step"}
+    # the loss and its backward run outside NanoGPT's model, the unit around the blocks: a region of their own
+    assert "after the model" in prediction.regions["forward"] and "after the model" in prediction.regions["backward"]
+    assert fsdp2_gathered_bytes("backward", "after the model", block, remainder) == 0
+    saved = sum(prediction.categories[c] - two[c] for c in ("parameters", "optimizer_states"))
+    rank_peak = max(value - saved + fsdp2_gathered_bytes(phase, region, block, remainder)
+                    for phase, regions in prediction.regions.items() for region, value in regions.items())
+    assert sum(two.values()) == rank_peak >= prediction.peak - saved
+    assert fsdp2_gathered_bytes("backward", "block -1", block, remainder) == remainder + 2 * block
+    assert fsdp2_gathered_bytes("forward", "before the blocks", block, remainder) == 2 * remainder
+    assert fsdp2_gathered_bytes("step", "step", block, remainder) == 0
 
 
 class _DictMLP(pl.LightningModule):
@@ -757,7 +770,7 @@ def test_checkpointing_every_other_block_is_not_extended_by_the_line() -> None:
     candidate = Candidate.from_trainer(None, [LoRA(r=4), ActivationCheckpointing("full", every=2)])
     template = build_template(factory)
     three, four = (trace(template, batch, candidate, "cuda", k) for k in (3, 4))
-    assert "backward: block -1 with 3 blocks, after block -1 with 4" in three.peaks_apart(four, 8)
+    assert "backward: block -1 with 3 blocks, after the model with 4" in three.peaks_apart(four, 8)  # the loss's backward
     assert sum(three.extrapolate(four, 8).peak_categories().values()) == 33_374_920
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="lightning_hbm plan")
