@@ -1,28 +1,25 @@
-"""The smallest reproduction found of the planner's heap corruption on transformers' Mimi (issue 53, session 33; not fixed).
+"""The smallest reproduction found of the planner's heap corruption on transformers' Mimi (issue 53, session 33; fixed).
 
 ``python benchmarks/mimi_plan_crash.py [repeats]`` predicts the plain fp32 candidate (``32-true``: no quantization, no
 LoRA, no checkpointing) of a LightningModule holding transformers' ``MimiEncoderModel`` (SEANet convolutions, the
 encoder transformer, the strided downsample) followed by ``MimiSplitResidualVectorQuantizer`` (the codebooks),
-``repeats`` times (default 6) in one process, each a fresh ``lightning_hbm.planner.api.predict``. Each prediction
-returns a peak, then the process dies: "Fatal Python error: Segmentation fault" (at the 2nd-3rd prediction, or at
-interpreter exit), with ``LD_PRELOAD=libc_malloc_debug.so MALLOC_CHECK_=3`` glibc's "corrupted double-linked list".
-Exit status 0 means it no longer crashes.
+``repeats`` times (default 6) in one process, each a fresh ``lightning_hbm.planner.api.predict``; "no crash" and exit
+status 0 when it holds. Before the fix each prediction returned a peak, then the process died: "Segmentation fault"
+(at the 1st-4th prediction, or at interpreter exit), with ``LD_PRELOAD=libc_malloc_debug.so MALLOC_CHECK_=3`` glibc's
+"corrupted double-linked list" (every run of 6 by the 4th prediction, session 33, 2-core CPU dev machine).
 
-What session 33 (h4) established on the 2-core CPU dev machine (torch 2.13.0+cpu, transformers 5.25.0):
-- the whole ``MimiModel`` (the families tests' wrapper, loss on ``audio_values``) crashes the same way: ``plan()``'s
-  default grid at its 13th candidate, ``bf16-true`` predicted 3 times, and a candidate that fails inside the trace
-  (``bf16-true`` + LoRA 16: "Input type (float) and bias type (c10::BFloat16) should be the same", a second finding)
-  predicted 3 times; one plan of the library's default recipe (nf4-dq, LoRA, checkpointing) returned and exited
-  cleanly twice (one prediction is often not enough to show it);
-- none of these crashes in 4-6 predictions: ``MimiEncoder`` (convolutions only), ``MimiTransformerModel``,
-  ``MimiDecoder``, ``MimiEncoderModel``, ``MimiDecoderModel``, the quantizer alone (with and without random
-  codebooks, at the same frame count), ``MimiEncoder`` + quantizer, transformer + quantizer, the strided downsample
-  conv + quantizer. Only the encoder model (SEANet + transformer + downsample) followed by the quantizer does;
-- ``build_template`` alone (the model built on fake tensors, no trace) 8 times does not crash: the trace does;
-- not the fake-tensor dispatch cache (``torch._dynamo.config.fake_tensor_cache_enabled = False``: still crashes);
-- not the twins' size (``RealValues`` with at most 1, 64 or 1,024 elements per twin: still crashes, flaky);
-- ``PYTHONMALLOC=debug`` hides it (3 predictions, no crash, nothing reported); valgrind memcheck over one
-  prediction ran past 25 min without reporting an invalid write before it was stopped.
+The cause: each ``MimiConv1d`` holds ``padding_left``/``padding_right`` as plain tensor attributes (neither parameters
+nor buffers). The template's copy for each trace (``planner/building.py`` ``_fake_copy``) made fresh fakes of
+parameters and buffers only; ``copy.deepcopy`` copied those attributes as fakes of the template's mode onto a CPU
+storage never allocated for them (a deepcopy of such a fake under a fake mode raises torch's "Attempted to set the
+storage of a tensor on device 'meta' to a storage on different device 'cpu'"). Every tensor attribute is now made a
+fresh fake of the copy's mode, as parameters and buffers are (``tests/test_model_families_s33.py``).
+
+Ruled out on the way: ``build_template`` alone (8 builds, no trace); the fake-tensor dispatch cache
+(``torch._dynamo.config.fake_tensor_cache_enabled = False``); the twins' size (``RealValues`` at most 1, 64 or 1,024
+elements); the tracker's weak-reference callbacks on storages; the same model under ``FakeTensorMode`` + ``RealValues``
+without the planner's copy (8 forwards and backwards). Only ``MimiEncoderModel`` followed by the quantizer crashed of
+the parts tried; each part alone did not (its attributes were not read after the copy).
 """
 
 from __future__ import annotations
