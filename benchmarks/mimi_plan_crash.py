@@ -10,9 +10,8 @@ status 0 when it holds. Before the fix each prediction returned a peak, then the
 
 The cause: each ``MimiConv1d`` holds ``padding_left``/``padding_right`` as plain tensor attributes (neither parameters
 nor buffers). The template's copy for each trace (``planner/building.py`` ``_fake_copy``) made fresh fakes of
-parameters and buffers only; ``copy.deepcopy`` copied those attributes as fakes of the template's mode onto a CPU
-storage never allocated for them (a deepcopy of such a fake under a fake mode raises torch's "Attempted to set the
-storage of a tensor on device 'meta' to a storage on different device 'cpu'"). Every tensor attribute is now made a
+parameters and buffers only; ``copy.deepcopy`` made each of those attributes a FakeTensor of a copy of the template's
+fake mode (the mode object itself deep-copied; which freed object then corrupts the heap was not pinned down). Every tensor attribute is now made a
 fresh fake of the copy's mode, as parameters and buffers are (``tests/test_model_families_s33.py``).
 
 Ruled out on the way: ``build_template`` alone (8 builds, no trace); the fake-tensor dispatch cache

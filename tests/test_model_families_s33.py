@@ -3,8 +3,8 @@
 transformers' Mimi: the planner's trace corrupted the heap (found in session 32). Each ``MimiConv1d`` holds
 ``padding_left``/``padding_right`` as plain tensor attributes (neither parameters nor buffers), and each codebook
 caches ``_embed`` so. The template's copy for each trace (``planner/building.py`` ``_fake_copy``) made fresh fakes of
-parameters and buffers only: ``copy.deepcopy`` copied those attributes as fakes of the template's mode onto a CPU
-storage never allocated for them, and a few plans later the process died with a segmentation fault (glibc:
+parameters and buffers only: ``copy.deepcopy`` made each a FakeTensor of a copy of the template's fake mode (the mode object
+itself deep-copied), and a few plans later the process died with a segmentation fault (glibc:
 "corrupted double-linked list"). Now every tensor attribute is made a fresh fake of the copy's mode, as parameters
 and buffers are. ``benchmarks/mimi_plan_crash.py`` is the smallest reproduction (run here in a subprocess, so a
 regression fails this test instead of killing the suite).
@@ -44,7 +44,7 @@ class _Conv(pl.LightningModule):
 
 
 def test_a_tensor_held_as_a_plain_attribute_is_a_fresh_fake_of_each_copy() -> None:
-    """Was: the copy's ``padding_left`` a FakeTensor of the template's mode (or a tensor on an unallocated storage)."""
+    """Was: the copy's ``padding_left`` a FakeTensor of a deep copy of the template's fake mode."""
     template = build_template(_Conv)
     fake_mode = _fake_mode()
     copied = _build(template, fake_mode, RealValues(fake_mode))

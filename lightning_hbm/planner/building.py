@@ -148,11 +148,10 @@ def _fake_copy(
 
 def _tensor_attributes(module: nn.Module) -> Iterator[torch.Tensor]:
     """Tensors a module holds as plain attributes, neither parameters nor buffers (transformers' Mimi: each
-    ``MimiConv1d``'s ``padding_left``/``padding_right``, its codebooks' cached ``_embed``). ``copy.deepcopy`` of such
-    a fake tensor outside its fake mode builds a tensor on a CPU storage that was never allocated for it (torch
-    2.13: "Attempted to set the storage of a tensor on device 'meta' to a storage on different device 'cpu'", or no
-    error at all): the first write through it corrupted the heap (a segmentation fault a few plans later). Each is
-    made a fresh fake of the copy's mode, as parameters and buffers are."""
+    ``MimiConv1d``'s ``padding_left``/``padding_right``, its codebooks' cached ``_embed``). Left to ``copy.deepcopy``,
+    such a fake became a FakeTensor of a *copy* of the template's fake mode (the mode object deep-copied with it, torch
+    2.13), and the process died a few plans later with a corrupted heap (segmentation fault; glibc "corrupted
+    double-linked list"). Each is made a fresh fake of the copy's mode, as parameters and buffers are."""
     for sub in module.modules():
         for value in vars(sub).values():
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
