@@ -131,7 +131,9 @@ def _fake_copy(
     so that a trace changing its twins (an optimizer step) changes neither the user's model nor the template.
     """
     memo: dict[int, Any] = {}
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
+    for tensor in itertools.chain(module.parameters(), module.buffers(), _tensor_attributes(module)):
+        if id(tensor) in memo:
+            continue
         fake = _fake_like(tensor, fake_mode)
         real = source.twin(tensor) if isinstance(tensor, FakeTensor) and source is not None else tensor
         if real is not None and not isinstance(real, FakeTensor) and real.numel() <= values.max_elements:
@@ -142,6 +144,18 @@ def _fake_copy(
         copied = copy.deepcopy(module, memo)
     record.copy_record(module, copied)  # what lightning_hbm knows of the model (kept outside it) holds for the copy
     return copied
+
+
+def _tensor_attributes(module: nn.Module) -> Iterator[torch.Tensor]:
+    """Tensors a module holds as plain attributes, neither parameters nor buffers (transformers' Mimi: each
+    ``MimiConv1d``'s ``padding_left``/``padding_right``, its codebooks' cached ``_embed``). Left to ``copy.deepcopy``,
+    such a fake became a FakeTensor of a *copy* of the template's fake mode (the mode object deep-copied with it, torch
+    2.13), and the process died a few plans later with a corrupted heap (segmentation fault; glibc "corrupted
+    double-linked list"). Each is made a fresh fake of the copy's mode, as parameters and buffers are."""
+    for sub in module.modules():
+        for value in vars(sub).values():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                yield value
 
 
 def _build(model: Union[ModelLike, Template], fake_mode: FakeTensorMode, values: RealValues) -> pl.LightningModule:
