@@ -15,6 +15,11 @@ from lightning_hbm.data import ByteTextDataModule
 from lightning_hbm.models import LazyNanoGPT, LlamaLM, NanoGPT
 from lightning_hbm.pretrained import INSTALL
 
+# pytest-xdist (pyproject addopts `-n 2`): each worker gets its share of the cores, so two workers do not run four
+# torch threads on two cores.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 # bitsandbytes logs a harmless line about an optional kernel hub at import; Lightning tips are noise.
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
