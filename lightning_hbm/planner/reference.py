@@ -18,6 +18,12 @@ found by running it (torch 2.13), decide how it is used here:
 * Its module hooks (torch's ``ModTracker``) change what they watch: with ``FusedLoss`` on a quantized, LoRA-adapted
   head they keep the head's chunk input alive through the backward (+15,360 B, 60 tokens x 64 fp32, on torchtune's
   llama3 at 4 x 16 tokens; the same step without ``ModTracker`` peaks 15,360 B lower, at the planner's figure).
+  Where a module's output never reaches the loss they keep its whole graph alive through the backward and the
+  optimizer step (held by the hooks' autograd nodes; ``gc.collect()`` does not free it): transformers' ``MimiModel``,
+  whose encoder's latents become integer codes (``argmin``), measured 1,036,302 B, 263,048 B of them the encoder's
+  activations, which a step without ``ModTracker`` frees at the end of the forward (773,254 B, the planner's figure;
+  ``tests/test_model_families_s33_mimi_plan.py``). ``module_hooks=False`` measures without them (only the total is
+  meant then: the per-module figures and labels are not kept).
 
 Quantization constants live outside the parameters (bitsandbytes ``quant_state``, int8 row scales):
 they are handed to MemTracker as external tensors, as it asks for tensors created before it.
@@ -38,8 +44,12 @@ from lightning_hbm.planner.candidates import Candidate
 from lightning_hbm.planner.tracing import _closure_loss, apply_candidate
 
 
-def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candidate: Candidate, seed: int = 0) -> int:
-    """Peak bytes of one steady-state training step of ``factory()`` under ``candidate``, measured by MemTracker."""
+def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candidate: Candidate, seed: int = 0,
+                    module_hooks: bool = True) -> int:
+    """Peak bytes of one steady-state training step of ``factory()`` under ``candidate``, measured by MemTracker.
+
+    ``module_hooks=False``: MemTracker without its ``ModTracker`` module hooks, which keep alive the graph of a module
+    whose output never reaches the loss (see the module's docstring); its total counts the same storages."""
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
     except ImportError as err:
@@ -58,6 +68,8 @@ def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candi
     batch = plugin.convert_input(torch_compat.map_tensors(lambda t: t.clone(), batch))
     _step(module, batch, plugin, optimizers)  # the first step: gradients and optimizer states now exist
     tracker = _FrozenSafeMemTracker()
+    if not module_hooks:
+        tracker._mod_tracker = _NoModuleHooks()  # type: ignore[assignment]  # private torch API, duck-typed
     constants = [t for m in module.modules() for t in quantization_tensors(m)]
     tracker.track_external(module, *optimizers, *constants, *[t for t in _leaves(batch)])
     with tracker:
@@ -65,6 +77,28 @@ def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candi
     peaks = tracker.get_tracker_snapshot("peak")
     # meta tensors hold no memory (FusedLoss's LazyLogits computes view shapes on one the size of the logits)
     return sum(snapshot["Total"] for device, snapshot in peaks.items() if torch.device(device).type != "meta")
+
+
+class _NoModuleHooks:
+    """What ``MemTracker`` asks of its ``ModTracker`` (torch 2.13), installing no hook: no module is ever running."""
+
+    parents: set[str] = set()
+    is_bw = False
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def get_known_fqn(self, module: torch.nn.Module) -> None:
+        return None
+
+    def __enter__(self) -> _NoModuleHooks:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
 
 
 def _step(module: pl.LightningModule, batch: Any, plugin: Any, optimizers: list) -> None:
