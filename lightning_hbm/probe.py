@@ -149,12 +149,45 @@ def forward_on(module: nn.Module, batch: Any) -> Any:
     """``module``'s output on ``batch``, whatever it is: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets)
     pair, or ``forward(**dict)``, on a copy of the batch: a forward that changes its input in place (``x /= 255``) ran
     on the user's batch once per probe forward, and the probe batch is the first batch training gets (a
-    ``BatchEncoding``'s tensors too, :func:`~lightning_hbm._compat.torch.map_tensors`)."""
-    if isinstance(batch, Tensor):
-        return module(batch.clone())
-    if isinstance(batch, (tuple, list)):
-        return module(torch_compat.map_tensors(torch.clone, batch[0]))
-    return module(**torch_compat.map_tensors(torch.clone, batch))
+    ``BatchEncoding``'s tensors too, :func:`~lightning_hbm._compat.torch.map_tensors`). Nothing cached by it is left
+    in the model (:func:`caching_nothing`)."""
+    with caching_nothing(module):
+        if isinstance(batch, Tensor):
+            return module(batch.clone())
+        if isinstance(batch, (tuple, list)):
+            return module(torch_compat.map_tensors(torch.clone, batch[0]))
+        return module(**torch_compat.map_tensors(torch.clone, batch))
+
+
+@contextmanager
+def caching_nothing(module: nn.Module) -> Generator[None, None, None]:
+    """Each module attribute a probe forward set to a tensor (or a list, tuple or dict of them) put back as it was, or
+    removed: a model caching a tensor on its first forward (transformers' Mimi codebook: ``self._embed = ...``) kept the
+    one computed by a probe on the model as built, in float32, and the cast to the compute dtype does not reach a plain
+    attribute (the fit's first step: "expected scalar type Float but found BFloat16"; its resume not bit-exact; issue
+    53, session 33). Parameters, buffers and submodules are not attributes here (their own dicts)."""
+    before = [(vars(m), dict(vars(m))) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for own, attributes in before:
+            for key, value in list(own.items()):
+                old = attributes.get(key, _MISSING)
+                if old is not value and _holds_tensor(value):
+                    if old is _MISSING:
+                        del own[key]
+                    else:
+                        own[key] = old
+
+
+_MISSING = object()
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return True
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
+    return any(isinstance(item, Tensor) for item in items)
 
 
 def probe_output(module: nn.Module, batch: Any) -> Tensor:

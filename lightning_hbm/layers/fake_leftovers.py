@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor  # as readers.py: no public home
 
@@ -78,14 +79,23 @@ def model_caches(module: nn.Module) -> list[Any]:
 
 def holds_fake(value: Any, depth: int = 3) -> bool:
     """Whether ``value`` is a fake tensor or a list, tuple, set or mapping holding one (``depth`` levels down)."""
-    if isinstance(value, FakeTensor):
+    return _holds(value, FakeTensor, depth)
+
+
+def holds_tensor(value: Any, depth: int = 3) -> bool:
+    """Whether ``value`` is a tensor (real or fake) or a list, tuple, set or mapping holding one (``depth`` levels down)."""
+    return _holds(value, torch.Tensor, depth)
+
+
+def _holds(value: Any, kind: type, depth: int) -> bool:
+    if isinstance(value, kind):
         return True
     if depth == 0:
         return False
     if isinstance(value, Mapping):
-        return any(holds_fake(v, depth - 1) for v in value.values())
+        return any(_holds(v, kind, depth - 1) for v in value.values())
     if isinstance(value, (list, tuple, set, frozenset)):
-        return any(holds_fake(v, depth - 1) for v in value)
+        return any(_holds(v, kind, depth - 1) for v in value)
     return False
 
 
@@ -104,11 +114,16 @@ def _put_back(container: Any, items: Any) -> None:
 
 
 @contextmanager
-def dropping_fake_leftovers(module: nn.Module) -> Iterator[None]:
+def dropping_fake_leftovers(module: nn.Module, holds: Callable[[Any], bool] = holds_fake) -> Iterator[None]:
     """Inside, ``module`` may run on fake tensors; at the end nothing fake is left cached in it (module docstring):
     an attribute the step set to something holding a fake tensor is put back (or removed), and a dict, list or set
     attribute the step filled in place with one (``self._cache[n] = ...``) gets its items of before back (was: left
-    holding the fake tensor, handed to every real forward after; session 31)."""
+    holding the fake tensor, handed to every real forward after; session 31).
+
+    ``holds=holds_tensor``: the same for any tensor, for a step run on the real model (the probe's real attempts):
+    transformers' Mimi codebook caches ``_embed`` on its first decode; computed by the probe in float32, before the
+    cast to bf16, it stayed float32 and stopped the first step ("expected scalar type Float but found BFloat16",
+    issue 53, session 33)."""
     caches = [(cache, cache.cache_info().misses) for cache in model_caches(module)]
     before = {id(m): (m, dict(vars(m))) for m in module.modules()}
     items = {id(value): value.copy() for _, attributes in before.values() for value in attributes.values() if type(value) in _CONTAINERS}
@@ -122,13 +137,13 @@ def dropping_fake_leftovers(module: nn.Module) -> Iterator[None]:
             own = vars(sub)
             for key, value in list(own.items()):
                 old = attributes.get(key, _MISSING)
-                if old is not value and holds_fake(value):
+                if old is not value and holds(value):
                     if old is _MISSING:
                         del own[key]
                     else:
                         own[key] = old
-                elif old is value and id(value) in items and holds_fake(value):  # filled in place during the step
+                elif old is value and id(value) in items and holds(value):  # filled in place during the step
                     _put_back(value, items[id(value)])
 
 
-__all__ = ["dropping_fake_leftovers", "holds_fake", "model_caches"]
+__all__ = ["dropping_fake_leftovers", "holds_fake", "holds_tensor", "model_caches"]

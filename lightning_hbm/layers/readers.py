@@ -28,7 +28,7 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Callable, Iterator, Optional
@@ -45,7 +45,7 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._compat.torch import preserved_rngs  # re-exported: its home before the probe batches used it too
 from lightning_hbm.layers import read_weight
-from lightning_hbm.layers.fake_leftovers import dropping_fake_leftovers
+from lightning_hbm.layers.fake_leftovers import dropping_fake_leftovers, holds_tensor
 from lightning_hbm.memory.storage import quantized_format
 from lightning_hbm.probe import quiet_logging
 from lightning_hbm.running import RunningModules
@@ -255,13 +255,13 @@ def _run(module: nn.Module, batch: Any, watch: _Watch, step_name: str = "trainin
     fake_already = any(_is_fake_or_meta(p) for p in module.parameters())
     attempts: list[tuple[str, Callable[[], Any]]] = []
     if fake_already:  # the planner's fake model: as it is
-        attempts.append(("on the planner's fake tensors", lambda: ExitStack()))
+        attempts.append(("on the planner's fake tensors", lambda: dropping_fake_leftovers(module)))
     else:
         # buffers restored on fake tensors too: BatchNorm's num_batches_tracked.add_(1) reached the real buffer
         attempts.append(("on fake tensors", lambda: _fake_tensors(module)))
-        attempts.append(("on one real sample", lambda: _restoring_buffers(module)))
+        attempts.append(("on one real sample", lambda: _real_values(module)))
         if _first_sample(batch) is not batch:  # a step that needs more than one sample (BatchNorm in training mode)
-            attempts.append(("on the real batch", lambda: _restoring_buffers(module)))
+            attempts.append(("on the real batch", lambda: _real_values(module)))
     failure: Optional[BaseException] = None
     for how, context in attempts:
         sample = _first_sample(batch) if how == "on one real sample" else batch
@@ -292,6 +292,14 @@ def _counting_nothing(module: nn.Module) -> Iterator[None]:
 def _fake_tensors(module: nn.Module) -> Iterator[None]:
     # and nothing fake left cached in the model (BEiT's relative position index: fake gradients in the real fit)
     with dropping_fake_leftovers(module), _restoring_buffers(module), FakeTensorMode(allow_non_fake_inputs=True), torch_compat.FakeGroupedMM():
+        yield
+
+
+@contextmanager
+def _real_values(module: nn.Module) -> Iterator[None]:
+    # nothing cached either: a tensor the step keeps in a plain attribute (Mimi's codebook ``_embed``) was computed
+    # in the dtype as built, and the cast to the compute dtype does not reach it (issue 53, session 33)
+    with dropping_fake_leftovers(module, holds_tensor), _restoring_buffers(module):
         yield
 
 
