@@ -170,17 +170,25 @@ def caching_nothing(module: nn.Module) -> Generator[None, None, None]:
     try:
         yield
     finally:
-        for own, attributes in before:
-            for key, value in list(own.items()):
-                old = attributes.get(key, _MISSING)
-                if old is not value and _holds_tensor(value):
-                    if old is _MISSING:
-                        del own[key]
-                    else:
-                        own[key] = old
+        put_back_attributes(before, _holds_tensor)
 
 
 _MISSING = object()
+
+
+def put_back_attributes(before: list[tuple[dict[str, Any], dict[str, Any]]], holds: Callable[[Any], bool]) -> None:
+    """Each attribute dict of ``before`` (a module's ``vars`` and a copy of it taken earlier) with every key set since
+    to a new value ``holds`` accepts put back as it was, or removed where it was not there. Shared with
+    :func:`~lightning_hbm.layers.fake_leftovers.dropping_fake_leftovers` (a level above: it also restores the caches a
+    step filled in place)."""
+    for own, attributes in before:
+        for key, value in list(own.items()):
+            old = attributes.get(key, _MISSING)
+            if old is not value and holds(value):
+                if old is _MISSING:
+                    del own[key]
+                else:
+                    own[key] = old
 
 
 def _holds_tensor(value: Any) -> bool:
@@ -405,5 +413,5 @@ def recorded_forward(
         return module(*args, **kwargs), calls, followed
 
 
-__all__ = ["INDEXED", "MASKING", "MASK_AS_COMPUTED", "MASK_VALUE", "MIN_ROW", "POOLED", "PREFIX", "SELECTING", "Call", "Stepped", "Followed", "Probe", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on",
+__all__ = ["INDEXED", "MASKING", "MASK_AS_COMPUTED", "MASK_VALUE", "MIN_ROW", "POOLED", "PREFIX", "SELECTING", "Call", "Stepped", "Followed", "Probe", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on", "put_back_attributes",
            "has_forward", "input_absmax", "probe_output", "recorded_forward", "quiet_logging", "recording_calls", "recording_selections", "stepped_inputs", "forwarding"]

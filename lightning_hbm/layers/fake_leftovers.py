@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor  # as readers.py: no public home
 
+from lightning_hbm.probe import put_back_attributes
+
 _LRU = type(functools.lru_cache(maxsize=None)(lambda: None))
 _MISSING = object()
 
@@ -134,16 +136,10 @@ def dropping_fake_leftovers(module: nn.Module, holds: Callable[[Any], bool] = ho
             if cache.cache_info().misses != misses:  # computed (and stored) an entry during the step
                 cache.cache_clear()
         for sub, attributes in before.values():
-            own = vars(sub)
-            for key, value in list(own.items()):
-                old = attributes.get(key, _MISSING)
-                if old is not value and holds(value):
-                    if old is _MISSING:
-                        del own[key]
-                    else:
-                        own[key] = old
-                elif old is value and id(value) in items and holds(value):  # filled in place during the step
+            for key, value in vars(sub).items():
+                if attributes.get(key, _MISSING) is value and id(value) in items and holds(value):  # filled in place
                     _put_back(value, items[id(value)])
+        put_back_attributes([(vars(sub), attributes) for sub, attributes in before.values()], holds)
 
 
 __all__ = ["dropping_fake_leftovers", "holds_fake", "holds_tensor", "model_caches"]
