@@ -69,7 +69,7 @@ def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candi
     _step(module, batch, plugin, optimizers)  # the first step: gradients and optimizer states now exist
     tracker = _FrozenSafeMemTracker()
     if not module_hooks:
-        tracker._mod_tracker = _NoModuleHooks()  # type: ignore[assignment]  # private torch API, duck-typed
+        torch_compat.without_module_hooks(tracker)
     constants = [t for m in module.modules() for t in quantization_tensors(m)]
     tracker.track_external(module, *optimizers, *constants, *[t for t in _leaves(batch)])
     with tracker:
@@ -77,28 +77,6 @@ def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candi
     peaks = tracker.get_tracker_snapshot("peak")
     # meta tensors hold no memory (FusedLoss's LazyLogits computes view shapes on one the size of the logits)
     return sum(snapshot["Total"] for device, snapshot in peaks.items() if torch.device(device).type != "meta")
-
-
-class _NoModuleHooks:
-    """What ``MemTracker`` asks of its ``ModTracker`` (torch 2.13), installing no hook: no module is ever running."""
-
-    parents: set[str] = set()
-    is_bw = False
-
-    def register_user_hooks(self, *hooks: Any) -> None:
-        pass
-
-    def clear_user_hooks(self) -> None:
-        pass
-
-    def get_known_fqn(self, module: torch.nn.Module) -> None:
-        return None
-
-    def __enter__(self) -> _NoModuleHooks:
-        return self
-
-    def __exit__(self, *args: Any) -> None:
-        pass
 
 
 def _step(module: pl.LightningModule, batch: Any, plugin: Any, optimizers: list) -> None:

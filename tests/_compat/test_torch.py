@@ -291,3 +291,21 @@ def test_a_fake_scalar_formats_as_its_value_inside_the_shim_only() -> None:
         index = torch.tensor([5, 3])[1]  # a small tensor: its real twin has the value
         assert f"expert_{index}" == "expert_3" and f"{torch.ones(2)}".startswith("FakeTensor")
     assert "__format__" not in vars(FakeTensor)
+
+
+def test_memtracker_without_module_hooks_still_counts_a_step() -> None:
+    """``without_module_hooks`` swaps MemTracker's private ``_mod_tracker``; fails when torch renames it or asks its
+    ModTracker for something ``_NoModuleHooks`` does not answer (planner/reference.py's ``module_hooks=False``)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    tracker = MemTracker()
+    assert isinstance(tracker._mod_tracker, ModTracker)
+    for name in ("parents", "is_bw", "register_user_hooks", "clear_user_hooks", "get_known_fqn"):
+        assert hasattr(tracker._mod_tracker, name) and hasattr(compat._NoModuleHooks, name)
+    compat.without_module_hooks(tracker)
+    layer = torch.nn.Linear(64, 64)
+    with tracker:
+        layer(torch.ones(8, 64)).sum().backward()
+    peaks = tracker.get_tracker_snapshot("peak")
+    assert sum(snapshot["Total"] for snapshot in peaks.values()) > 64 * 64 * 4
