@@ -1,6 +1,6 @@
 """Step time and gradients of q/k/v fed by the chunked ``input_layernorm`` (issue 51): a bf16 QLoRA Llama with
 ``mlp_chunks=4``, q/k/v keeping nothing (their input remade from the norm's kept input in the backward, Dec 5 2026)
-against the code before (they keep the norm's output: ``checkpointing.inner_candidates`` returning none), interleaved
+against the code before (they keep the norm's output: ``recompute.inner_candidates`` returning none), interleaved
 in one process, median of the steady steps; then ``torch.equal`` on every trainable gradient of one more step.
 
     OMP_NUM_THREADS=1 python benchmarks/fed_projections_time.py
@@ -18,15 +18,15 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision
-from lightning_hbm.activations import checkpointing
+from lightning_hbm.activations import recompute
 from lightning_hbm.data import synthetic_batch
 from lightning_hbm.models import LlamaLM
 
-FED = checkpointing.inner_candidates
+FED = recompute.inner_candidates
 
 
 def build(fed: bool) -> tuple[Any, torch.optim.Optimizer, Any]:
-    checkpointing.inner_candidates = FED if fed else (lambda block: [])  # read when the Trainer sets the blocks up
+    recompute.inner_candidates = FED if fed else (lambda block: [])  # read when the Trainer sets the blocks up
     torch.manual_seed(0)
     model = LlamaLM(vocab_size=4096, hidden_size=512, intermediate_size=1792, num_hidden_layers=4, num_attention_heads=8,
                     num_key_value_heads=2)
@@ -35,7 +35,7 @@ def build(fed: bool) -> tuple[Any, torch.optim.Optimizer, Any]:
                          callbacks=[LoRA(r=16), ActivationCheckpointing("full", mlp_chunks=4)])
     batch = synthetic_batch(1, 2048, vocab_size=4096)
     trainer.fit(model, torch.utils.data.DataLoader(list(zip(*batch)), batch_size=1))
-    checkpointing.inner_candidates = FED
+    recompute.inner_candidates = FED
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     return model, optimizer, batch
 

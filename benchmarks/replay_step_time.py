@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision
-from lightning_hbm.activations import checkpointing
+from lightning_hbm.activations import block_forward
 from lightning_hbm.activations.replay import ForwardState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layers"))
@@ -133,7 +133,7 @@ class Alternate(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.replay = self.arm(trainer.global_step)
-        checkpointing.ForwardState = Timed if self.replay else NoReplay  # type: ignore[misc]
+        block_forward.ForwardState = Timed if self.replay else NoReplay  # type: ignore[misc]
         Timed.spent = 0.0
         self.start = time.perf_counter()
 
@@ -171,7 +171,7 @@ def measure(name: str, pairs: int) -> None:
         callbacks=[timer, LoRA(r=8, target_modules=targets, modules_to_save=[]), ActivationCheckpointing(blocks=[block_class])],
     )  # fmt: skip
     trainer.fit(module, DataLoader([batch] * (WARMUP + 2 * pairs), batch_size=None))
-    checkpointing.ForwardState = ForwardState  # type: ignore[misc]
+    block_forward.ForwardState = ForwardState  # type: ignore[misc]
     with_, without = timer.times[True], timer.times[False]
     ratios = [w / o for w, o in zip(with_, without)]
     blocks, buffers, us = replay_us(module, block_class)

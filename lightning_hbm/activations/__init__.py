@@ -3,7 +3,9 @@
 One job per module, the callback class as the package's face:
 
 - ``checkpointing``: :class:`ActivationCheckpointing` (recompute the repeated blocks in backward, optionally
-  offloading what they save: ``offload``, the hooks that move it off the device and back); ``selective`` (the matmuls a selective recompute keeps), ``token_chunks`` and
+  offloading what they save), the Lightning face over ``recompute`` (the blocks chosen and wrapped, what the first
+  step tells) and ``block_forward`` (one block's checkpointed forward); ``offload`` (the hooks that move what the
+  blocks save off the device and back); ``selective`` (the matmuls a selective recompute keeps), ``token_chunks`` and
   ``token_rows`` (running a block's token-wise layers in chunks of tokens, and telling which layers are token-wise)
 - ``attention/``: :class:`AttentionKernel` (``kernel``: which attention kernel runs) and lightning_hbm's own
   ``blocked`` attention

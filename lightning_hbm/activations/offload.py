@@ -4,7 +4,7 @@
 in the forward and brings them back in the backward, prefetching the next one; from CUDA the host copy is pinned and
 made on a side stream, stored in power-of-two pieces (:func:`pinned_pieces`, :class:`_Pieces`) so that torch's pinned
 allocator rounds it by less than :data:`PIECE_BYTES`; :func:`host_footprint` is what such a copy takes (the planner
-counts it). :mod:`lightning_hbm.activations.checkpointing` gives a block these hooks.
+counts it). :mod:`lightning_hbm.activations.recompute` gives a block these hooks.
 """
 
 from __future__ import annotations

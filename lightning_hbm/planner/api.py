@@ -30,7 +30,7 @@ from torch import nn
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.activations import ActivationCheckpointing
-from lightning_hbm.activations.checkpointing import check_offload_blocks
+from lightning_hbm.activations.recompute import check_offload_blocks
 from lightning_hbm.memory import (
     CATEGORIES,
     LOSS_SCOPE,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_hbm.activations import OffloadSavedTensors, host_footprint
-from lightning_hbm.activations.checkpointing import check_offload_blocks
+from lightning_hbm.activations.recompute import check_offload_blocks
 from lightning_hbm.record import checkpoint_setup
 
 

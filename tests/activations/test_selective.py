@@ -112,9 +112,9 @@ def test_a_format_whose_matmul_selective_does_not_know_is_named_at_fit_start(
     qlora_factory: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a format that does not declare its operator (here nf4-dq with its gemm_4bit left out): found by running a layer
-    from lightning_hbm.activations import checkpointing as activation_checkpointing
+    from lightning_hbm.activations import recompute
 
-    monkeypatch.setattr(activation_checkpointing, "format_matmuls", lambda block: set())
+    monkeypatch.setattr(recompute, "format_matmuls", lambda block: set())
     with pytest.warns(UserWarning, match=r"the quantized Linear4bit layers \(e\.g\. '[\w.]+' in each block\) run no matmul operator "
                       r"it knows \(they ran bitsandbytes\.gemm_4bit\.default\).*QuantFormat\.matmul_ops, or use "
                       r"ActivationCheckpointing\('full'\)"):

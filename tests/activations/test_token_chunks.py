@@ -394,10 +394,10 @@ def test_q_k_v_fed_by_the_chunked_input_norm_keep_nothing_and_the_gradients_are_
     # q/k/v's LoRA kept the chunked input_layernorm's output (lora_A's input) through the whole block backward (8 KiB
     # per token at 8B). Now they run whole in the forward and, in the backward, remake it chunk by chunk from the norm's
     # kept input and take their gradients together, in the order the code before added them: the same bits.
-    from lightning_hbm.activations import checkpointing
+    from lightning_hbm.activations import recompute
 
     peak, chunked, grads, _ = _bf16_step_peak(llama_factory, trainer_factory, intermediate=1024)
-    monkeypatch.setattr(checkpointing, "inner_candidates", lambda block: [], raising=False)  # the code before
+    monkeypatch.setattr(recompute, "inner_candidates", lambda block: [])  # the code before
     old_peak, old_chunked, old_grads, _ = _bf16_step_peak(llama_factory, trainer_factory, intermediate=1024)
     # 1024 tokens x 256 wide in bf16: the norm's output is 0.5 MiB (530,432 B less measured, Dec 5 2026)
     assert old_peak - peak >= 7 * 2**16, (old_peak, peak)
@@ -434,12 +434,12 @@ def test_a_fed_layer_whose_partner_gets_no_gradient_still_trains_as_before(
 ) -> None:
     # the layers fed by one chunked layer take their gradients together when the last one's arrives; one that gets
     # none (its output unused) never arrives, and the chunked layer's own backward takes the others' then
-    from lightning_hbm.activations import checkpointing
+    from lightning_hbm.activations import recompute
 
     data, params, chunked = torch.randn(4, 16, 8), {}, {}
     for fed in (True, False):
         if not fed:
-            monkeypatch.setattr(checkpointing, "inner_candidates", lambda block: [])
+            monkeypatch.setattr(recompute, "inner_candidates", lambda block: [])
         torch.manual_seed(0)
         module = _Toy()
         module.blocks = nn.ModuleList(_FedBlock() for _ in range(2))

@@ -105,7 +105,7 @@ def test_token_chunks_are_planned_from_the_ops(model: str, tmp_path: Any) -> Non
 def test_q_k_v_fed_by_the_chunked_norm_are_planned_to_the_byte(monkeypatch: pytest.MonkeyPatch) -> None:
     # bf16 QLoRA Llama, 4 x 256 tokens: the chunked input_layernorm feeds q/k/v, which then keep nothing (their input
     # remade in the backward): the plan follows it to MemTracker's byte, below the plan of the code before
-    from lightning_hbm.activations import checkpointing
+    from lightning_hbm.activations import recompute
     from lightning_hbm.planner.reference import memtracker_peak
 
     factory = partial(LlamaLM, **{**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2})
@@ -113,7 +113,7 @@ def test_q_k_v_fed_by_the_chunked_norm_are_planned_to_the_byte(monkeypatch: pyte
     chunked = Candidate("nf4-dq", lora_r=8, checkpointing="full", mlp_chunks=4)
     predicted = predict(factory, batch, chunked)
     assert predicted.peak == memtracker_peak(factory, batch, chunked)
-    monkeypatch.setattr(checkpointing, "inner_candidates", lambda block: [])  # the code before: q/k/v keep the norm's output
+    monkeypatch.setattr(recompute, "inner_candidates", lambda block: [])  # the code before: q/k/v keep the norm's output
     # the norm's output is 0.5 MiB (1024 tokens x 256 wide in bf16): 356,352 B less at the step's peak (Dec 5 2026)
     assert predict(factory, batch, chunked).peak - predicted.peak >= 2**18
 
