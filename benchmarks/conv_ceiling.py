@@ -4,7 +4,7 @@
   chosen on the held-out batch itself (``choose_layer_modes``'s knapsack fed the very images it is scored on: the best any
   sensitivity estimate could do with nf4-dq / nf4-dq-b32 / int8), against the plan chosen on the probe;
 - **compute in float32**: the library's default (``QuantizedPrecision(probe_batch=...)``: nf4-dq, bf16 compute, the
-  convolutions planned to ``CONV_PLAN_TARGET``) against the same with ``dtype="float32"`` (the plan measured and the
+  convolutions planned to ``CONV_TARGET_COSINE``) against the same with ``dtype="float32"`` (the plan measured and the
   model run in float32), through the plugin's ``convert_module`` and forward context as ``conv_default.py``;
 - **depthwise convolutions**: their share of the conv weights' bytes against their share of the error (only they in
   nf4-dq, the rest float32), and the 0.6 B plan with every depthwise conv in int8 and the rest planned to the bytes

@@ -5,7 +5,7 @@ batch of 4 images, a held-out batch of 4 the probe never saw; seed 0: ``conv_gpt
 the plugin's own ``convert_module`` and forward context (bf16 compute, as in training):
 
 - ``probe batch``: a Trainer with a datamodule (the plan is measured on its first batch) or ``probe_batch=``: the
-  convolutions' plan to a probe output cosine of 0.985 (``CONV_PLAN_TARGET``; 0.98 before session 25);
+  convolutions' plan to a probe output cosine of 0.985 (``CONV_TARGET_COSINE``; 0.98 before session 25);
 - ``no probe``: ``trainer.fit(model, train_dataloaders=...)``, no datamodule and no ``probe_batch``: nothing measured;
 - ``min_cosine=0.98`` (the default target before session 25) and ``min_cosine=0.985`` (these also plan the Linears);
 - the fixes the warnings name: ``mode='int8'`` (bf16 and fp32 compute).

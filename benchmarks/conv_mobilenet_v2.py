@@ -7,7 +7,7 @@ plugin's own ``convert_module`` and forward context (as in training): the held-o
 (``last_hidden_state``, ``[4, 1280, 2, 2]``) against the model as built, the bytes per conv weight (constants included,
 exact), the plan's probe figures (uniform -> planned) and its modes.
 
-Arms: ``default`` (``QuantizedPrecision()``: nf4-dq, bfloat16 compute, the plan to ``CONV_PLAN_TARGET``);
+Arms: ``default`` (``QuantizedPrecision()``: nf4-dq, bfloat16 compute, the plan to ``CONV_TARGET_COSINE``);
 ``bf16, none quantized`` (the compute dtype's own loss: every convolution kept); ``int8, float32``;
 ``float32, 'none' in the ladder`` (``sensitive_mode=['nf4-dq-b32', 'int8', 'none']``, to the default target, and to
 ``min_cosine=0.99``). Sensitivity of the model as built (``#`` lines): the held-out cosine after every conv weight is

@@ -14,7 +14,7 @@ Install into a throw-away folder, never beside the project:
 Per model and seed: BatchNorm calibrated on 4 batches of 8 image-like 64 px inputs (``tests/layers/conv_models.py``),
 a probe batch of 4, a held-out batch of 4 it never saw (as ``conv_mobilenet_v2.py``). Arms, through the plugin's own
 ``convert_module`` and forward context: the default (``QuantizedPrecision()``: nf4-dq, bf16, the plan to
-``CONV_PLAN_TARGET``), ``mode="int8", dtype="float32"``, and ``dtype="float32", sensitive_mode=["nf4-dq-b32", "int8",
+``CONV_TARGET_COSINE``), ``mode="int8", dtype="float32"``, and ``dtype="float32", sensitive_mode=["nf4-dq-b32", "int8",
 "none"], min_cosine=0.99``. Per arm: held-out centred cosine of the logits, bytes per conv weight, the plan's probe
 figures, the fit-start check's figure (on the probe; "warned" under its threshold: 0.98, or ``min_cosine``).
 """

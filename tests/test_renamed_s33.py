@@ -121,6 +121,15 @@ def _former_names() -> list[tuple[str, str, Callable[[], Any]]]:
         ("check_plan_args", r"sensitivity\.check_plan_args is deprecated: use check_layer_mode_args", lambda: sensitivity.check_plan_args),
         ("lightning_hbm.record.checkpoint_plan", r"record\.checkpoint_plan is deprecated", lambda: record.checkpoint_plan),  # type: ignore[attr-defined]
         ("CheckpointedForward.plan", r"CheckpointedForward\.plan is deprecated", lambda: forward.plan),
+        # session 34: the convolutions' mode choice, and predict_parameter_bytes's argument (a {layer: mode} dict)
+        ("CONV_PLAN_TARGET", r"sensitivity\.CONV_PLAN_TARGET is deprecated: use CONV_TARGET_COSINE \(the same value\)",
+         lambda: sensitivity.CONV_PLAN_TARGET),
+        ("unplanned_convs_warning", r"sensitivity\.unplanned_convs_warning is deprecated: use unmeasured_convs_warning",
+         lambda: sensitivity.unplanned_convs_warning),
+        ("planned_convs_warning", r"sensitivity\.planned_convs_warning is deprecated: use widened_convs_warning",
+         lambda: sensitivity.planned_convs_warning),
+        ("predict_parameter_bytes(module, plan=", r"predict_parameter_bytes\(plan=\.\.\.\) is deprecated: pass layer_modes=",
+         lambda: sensitivity.predict_parameter_bytes(torch.nn.Linear(2, 2), plan={})),
     ]
 
 

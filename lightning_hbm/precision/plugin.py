@@ -146,7 +146,7 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             Convolutions under a 4-bit mode are planned by default (issue 53: with BatchNorm statistics like a
             trained network's, uniform ``nf4-dq`` gave ResNet18 an output cosine of 0.91, a YOLO-style detector 0.10):
             at fit start each one's error is measured on the probe batch and the most sensitive are widened until the
-            probe output cosine reaches ``min_cosine`` (default 0.985, ``CONV_PLAN_TARGET``: the probe reads 0.002-0.02
+            probe output cosine reaches ``min_cosine`` (default 0.985, ``CONV_TARGET_COSINE``: the probe reads 0.002-0.02
             above held out; ResNet18 then measured 0.982 held out at 0.567 bytes per conv weight); a plan under it is a
             warning naming the figure. Not with ``layer_modes``, nor without a probe batch (a warning: for a BatchNorm
             conv net with the figure and the fix, else that the accuracy went unmeasured, with the fix). A BatchNorm conv net's plan is measured on the probe only:

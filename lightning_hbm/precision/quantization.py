@@ -51,7 +51,7 @@ from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionR
 from lightning_hbm.precision.gptq import DIGEST_KEY, GPTQRounding, input_statistics
 from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.int8_dynamic import report_unsmoothed
-from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_PLAN_TARGET, SensitivityReport, choose_layer_modes, planned_convs_warning, unplanned_convs_warning
+from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_TARGET_COSINE, SensitivityReport, choose_layer_modes, unmeasured_convs_warning, widened_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.precision.targets import SMALL_EMBEDDING_VALUES, Listing, TargetRule, _validate, layer_modes_of, quantize_listed
 from lightning_hbm.probe import Probe, Stepped, eval_no_grad, forward_on, forwarding, has_forward, stepped_inputs
@@ -120,18 +120,18 @@ class Quantization:
         self._embeddings_kept = False
         #: what the sensitivity-aware choice measured (``None`` without a target)
         self.report: Optional[SensitivityReport] = None
-        #: what the convolutions' plan measured (``None``: no convolution in a 4-bit mode, or not measured)
+        #: what the convolutions' mode choice measured (``None``: no convolution in a 4-bit mode, or not measured)
         self.conv_report: Optional[SensitivityReport] = None
         #: the quantized model's output cosine on the probe, any mode (:mod:`~lightning_hbm.precision.accuracy`;
         #: ``None``: no quantized convolution, or not measured)
         self.conv_accuracy: Optional[ConvAccuracy] = None
         # the model as built on the probe (recorded in the checks, compared and dropped at the quantization)
         self._reference: Optional[Reference] = None
-        # the convolutions' plan's warning that held out such plans measured under the target (said at the quantization)
+        # the convolutions' mode choice's warning that held out such choices measured under the target (said at the quantization)
         self._conv_gap: Optional[str] = None
         # a LightningModule without forward: the submodule its training_step calls, measured instead (issue 53)
         self._stepped: Optional[Stepped] = None
-        # the convolutions' plan said the model went unmeasured (no probe batch, a probe it cannot run): not said twice
+        # the convolutions' mode choice said the model went unmeasured (no probe batch, a probe it cannot run): not said twice
         self._said_unmeasured = False
         #: the smoothing of layers stored in ``int8-dynamic-smooth`` (``None`` when no layer may be)
         self.smoothing = None if config.smoothing is None else Smoothing(config.smoothing)
@@ -377,12 +377,12 @@ class Quantization:
             bnb_compat.undo_int8_states(module)
         warned = self.conv_accuracy is not None and self.conv_accuracy.warned
         gap, self._conv_gap = self._conv_gap, None
-        if gap is not None and not warned:  # the plan's warning, when the measured figure did not say more
+        if gap is not None and not warned:  # the mode choice's warning, when the measured figure did not say more
             rank_zero_warn(gap)
         return quantized
 
     def _record_reference(self, module: nn.Module, probe: Callable[[], Probe]) -> None:
-        """The model as built on the probe, for :func:`~lightning_hbm.precision.accuracy.check_accuracy`, where the convolutions' plan did not record it:
+        """The model as built on the probe, for :func:`~lightning_hbm.precision.accuracy.check_accuracy`, where the convolutions' mode choice did not record it:
         one forward (none without a quantized convolution; without a probe batch or a forward: logged, not measured)."""
         reference = self._reference
         if reference is None or reference.output is not None:
@@ -395,7 +395,7 @@ class Quantization:
             self._reference = None
             if not reference.convs:  # no convolution: a LightningModule without forward (the usual one) is no warning
                 log.info("lightning_hbm: the output accuracy of the quantized model is not measured at fit start (%s: %s)", type(error).__name__, error)
-            elif not self._said_unmeasured:  # the 4-bit plan said it already (no probe batch, a probe it cannot run)
+            elif not self._said_unmeasured:  # the 4-bit mode choice said it already (no probe batch, a probe it cannot run)
                 rank_zero_warn(unmeasured_reference_warning(module, reference.convs, error))
 
     def _measure(
@@ -482,12 +482,12 @@ class Quantization:
         log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.config.format.name))
 
     def _choose_conv_modes(self, module: nn.Module, names: list[str], trainer: Any, probe: Callable[[], Probe]) -> None:
-        """The convolutions' plan under a 4-bit mode (issue 53): each one's output error measured on the probe, the
+        """The convolutions' mode choice under a 4-bit mode (issue 53): each one's output error measured on the probe, the
         most sensitive widened (``sensitive_mode``) until the probe output cosine reaches ``min_cosine`` (default
-        :data:`CONV_PLAN_TARGET`, above the threshold held out because the probe reads high); under it, a warning naming the figure. Not with a pinned plan, nor when resuming
-        (the checkpoint's plan is taken), nor without a probe batch (logged; a BatchNorm conv net: a warning, with the
-        figure); a probe the model cannot run: a warning. A BatchNorm conv net planned to the target: a warning that held
-        out such plans measured under it (:func:`~lightning_hbm.precision.sensitivity.planned_convs_warning`)."""
+        :data:`CONV_TARGET_COSINE`, above the threshold held out because the probe reads high); under it, a warning naming the figure. Not with a pinned plan, nor when resuming
+        (the checkpoint's modes are taken), nor without a probe batch (logged; a BatchNorm conv net: a warning, with the
+        figure); a probe the model cannot run: a warning. A BatchNorm conv net chosen to the target: a warning that held
+        out such choices measured under it (:func:`~lightning_hbm.precision.sensitivity.widened_convs_warning`)."""
         if not names or self.config.layer_modes is not None or self.config.format.peft_kind != "4bit":
             return
         if trainer is not None and saved_meta(trainer).get("configs", {}).get(self.owner):
@@ -495,13 +495,13 @@ class Quantization:
             # from before issue 53): every convolution in mode, as it was trained
             self.layer_modes = self.saved_layer_modes(trainer) or self.layer_modes
             return
-        target = self.config.min_cosine if self.config.min_cosine is not None else CONV_PLAN_TARGET
+        target = self.config.min_cosine if self.config.min_cosine is not None else CONV_TARGET_COSINE
         try:
             batch = probe().batch
         except ValueError:
-            unplanned = unplanned_convs_warning(module, names, self.config.format.name)
-            if unplanned is not None:  # a BatchNorm conv net: the loss is measured, said (issue 53)
-                rank_zero_warn(unplanned)
+            unmeasured = unmeasured_convs_warning(module, names, self.config.format.name)
+            if unmeasured is not None:  # a BatchNorm conv net: the loss is measured, said (issue 53)
+                rank_zero_warn(unmeasured)
                 self._said_unmeasured = True
             log.info("lightning_hbm: %d convolutions stored in %s without a measured plan: no probe_batch", len(names), self.config.format.name)
             return
@@ -529,9 +529,9 @@ class Quantization:
         # reached on the probe only: held out, a BatchNorm conv net measured under it (issue 53); said at the quantization
         # unless the quantized model's own figure is under the threshold there (one warning, the measured one)
         threshold = self.config.min_cosine if self.config.min_cosine is not None else CONV_MIN_COSINE
-        self._conv_gap = planned_convs_warning(module, report, self.config.format.name, target, threshold)
+        self._conv_gap = widened_convs_warning(module, report, self.config.format.name, target, threshold)
         if report.cosine < target:
-            rank_zero_warn(_missed_plan_warning(self.config, report, target))
+            rank_zero_warn(_missed_target_warning(self.config, report, target))
 
     # ------------------------------------------------------------------ resume
 
@@ -646,9 +646,9 @@ def __getattr__(name: str) -> Any:
 
 
 
-def _missed_plan_warning(config: Any, report: SensitivityReport, target: float) -> str:
-    """The fit-start warning for a convolutions' plan that misses ``target`` at the widest of its ladder, with the fix;
-    computing in a 16-bit dtype, the float32 the plan measures the rest of the model in (session 33: transformers'
+def _missed_target_warning(config: Any, report: SensitivityReport, target: float) -> str:
+    """The fit-start warning for a convolutions' mode choice that misses ``target`` at the widest of its ladder, with the fix;
+    computing in a 16-bit dtype, the float32 the choice measures the rest of the model in (session 33: transformers'
     MobileNetV2, calibrated, 0.923-0.942 held out in bfloat16 with no convolution quantized)."""
     mode, dtype = config.format.name, config.torch_dtype
     wider = "" if dtype == torch.float32 else (

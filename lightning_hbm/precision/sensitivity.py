@@ -19,7 +19,7 @@ How it chooses:
    that ratio (blocks of 32 cut a layer's error by ~20 % for 3 % more bytes, int8 by ~98 % for
    twice the bytes);
 3. the choice is a multiple-choice knapsack: each layer's modes on the lower convex hull of
-   (bytes, error), moves taken best error removed per byte first (every prefix is the best plan
+   (bytes, error), moves taken best error removed per byte first (every prefix is the best choice
    for its bytes if errors add up). Under a budget the moves that fit are taken; with
    ``min_cosine`` the cheapest prefix that measures at the target (binary search, a forward each);
 4. under a byte budget, the plain ranking by error alone in int8 (the issue's baseline) is
@@ -28,7 +28,7 @@ How it chooses:
 Cost: one probe forward per Linear plus about four, on the model as built (layers are swapped in
 and back; nothing stays changed).
 
-The plan is a ``{layer name: mode name}`` map; :func:`predict_parameter_bytes` turns it into the
+The choice is a ``{layer name: mode name}`` map (``layer_modes``); :func:`predict_parameter_bytes` turns it into the
 exact parameter bytes of the quantized model (what :func:`lightning_hbm.memory.parameter_bytes`
 measures afterwards), for a planner to call before any quantization.
 """
@@ -60,20 +60,20 @@ from lightning_hbm.probe_record import Call, Selection, agreeing_calls, divergin
 #: ``sensitive_mode`` (and plan entry) that keeps a layer unquantized in the compute dtype, frozen.
 UNQUANTIZED = "none"
 
-#: the probe output cosine the convolutions of a model stored in a 4-bit mode are planned to (issue 53: a conv net
+#: the probe output cosine the convolutions of a model stored in a 4-bit mode are chosen to (issue 53: a conv net
 #: with BatchNorm statistics like a trained network's loses far more than a transformer does: ResNet18 0.91,
-#: EfficientNet-B0 0.59, a YOLO-style detector 0.10 in nf4-dq); a plan under it is a warning naming the figure
+#: EfficientNet-B0 0.59, a YOLO-style detector 0.10 in nf4-dq); a choice under it is a warning naming the figure
 CONV_MIN_COSINE = 0.98
 
-#: the probe output cosine the convolutions are planned to by default: above :data:`CONV_MIN_COSINE`, because the plan
-#: stops at the first plan that measures its target on the probe it was chosen on, and held out the same plans measured
-#: 0.002-0.02 less (issue 53, ``benchmarks/conv_default.py``, four BatchNorm conv nets, two seeds: planned to 0.98,
-#: 0.9605-0.9785 held out; planned to 0.985, ResNet18 0.982 on both seeds at 0.567 bytes per conv weight)
-CONV_PLAN_TARGET = 0.985
+#: the probe output cosine the convolutions' modes are chosen to by default (formerly ``CONV_PLAN_TARGET``): above
+#: :data:`CONV_MIN_COSINE`, because the choice stops at the first set of modes that measures its target on the probe it
+#: was chosen on, and held out the same modes measured 0.002-0.02 less (issue 53, ``benchmarks/conv_default.py``, four
+#: BatchNorm conv nets, two seeds: chosen to 0.98, 0.9605-0.9785 held out; chosen to 0.985, ResNet18 0.982 on both seeds at 0.567 bytes per conv weight)
+CONV_TARGET_COSINE = 0.985
 
 
-def unplanned_convs_warning(module: nn.Module, names: Sequence[str], mode: str) -> Optional[str]:
-    """The fit-start warning for convolutions stored in the 4-bit ``mode`` with no probe batch to plan them on (a
+def unmeasured_convs_warning(module: nn.Module, names: Sequence[str], mode: str) -> Optional[str]:
+    """The fit-start warning for convolutions stored in the 4-bit ``mode`` with no probe batch to choose their modes on (a
     ``trainer.validate`` of a model with no train dataloader, without ``probe_batch``), or ``None``.
 
     Said for a model with BatchNorm layers, where the loss was measured: with statistics like a trained network's,
@@ -90,7 +90,7 @@ def unplanned_convs_warning(module: nn.Module, names: Sequence[str], mode: str) 
         "measured plan: no probe batch (no QuantizedPrecision(probe_batch=...) and no train dataloader to draw one from). "
         "With BatchNorm statistics like a trained network's, uniform 4-bit convolutions lose much of the output "
         "(measured, held-out output cosine against the unquantized model: ResNet18 0.91, EfficientNet-B0 0.59, a "
-        f"YOLO-style detector 0.10; the planned convolutions reach {CONV_PLAN_TARGET} on the probe at 0.57-0.95 "
+        f"YOLO-style detector 0.10; the planned convolutions reach {CONV_TARGET_COSINE} on the probe at 0.57-0.95 "
         "bytes per conv weight, 0.960-0.982 held out). Fix: QuantizedPrecision(probe_batch=<one training batch>) or "
         "a train dataloader (trainer.fit(model, train_dataloaders=...)) to plan them, or QuantizedPrecision(mode='int8', dtype='float32') (held out "
         "0.989-0.9996 at about 1 byte per weight)."
@@ -101,21 +101,21 @@ def _has_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, torch_compat.BatchNormBase) for m in module.modules())
 
 
-def planned_convs_warning(
+def widened_convs_warning(
     module: nn.Module, report: SensitivityReport, mode: str, target: float, threshold: Optional[float] = None
 ) -> Optional[str]:
-    """The fit-start warning for a BatchNorm conv net whose convolutions' plan reached ``target`` on the probe batch
+    """The fit-start warning for a BatchNorm conv net whose convolutions' mode choice reached ``target`` on the probe batch
     only by widening some of them, or ``None`` (no BatchNorm, or uniform ``mode`` already at the target).
 
-    The plan stops at the first plan that measures ``target`` on the probe it was chosen on; on images the probe never
-    saw the same plans measured less (issue 53, the library's default on the four conv nets, two seeds each,
-    ``benchmarks/conv_default.py``: planned to 0.98, 0.9605-0.9785 held out; planned to :data:`CONV_PLAN_TARGET`,
+    The choice stops at the first set of modes that measures ``target`` on the probe it was chosen on; on images the
+    probe never saw the same modes measured less (issue 53, the library's default on the four conv nets, two seeds each,
+    ``benchmarks/conv_default.py``: chosen to 0.98, 0.9605-0.9785 held out; chosen to :data:`CONV_TARGET_COSINE`,
     0.9605-0.9822), so the model as trained may be under ``threshold`` (default: ``target``) on new data. The fix
     named is the one measured at 0.98 or more held out on all eight: ``int8`` computed in float32 (int8 in bfloat16
     0.974-0.9993).
     """
     if not _has_batchnorm(module) or report.uniform_cosine >= target or report.cosine < target:
-        return None  # under the target the plan's own warning names the figure
+        return None  # under the target the choice's own warning names the figure
     threshold = target if threshold is None else threshold
     return (
         f"lightning_hbm: the convolutions of this BatchNorm conv net are planned to a probe output cosine of "
@@ -142,22 +142,50 @@ def weight_bytes(mode: str, in_features: int, out_features: int, dtype: torch.dt
     return parameter_bytes(get_format(mode).replace(linear, dtype, torch.device("cpu")))
 
 
-def predict_parameter_bytes(module: nn.Module, plan: Mapping[str, str], dtype: Any = "bfloat16") -> int:
-    """Parameter bytes of ``module`` once quantized with ``plan``, computed on the unquantized model.
+def predict_parameter_bytes(
+    module: nn.Module, layer_modes: Optional[Mapping[str, str]] = None, dtype: Any = "bfloat16", *,
+    plan: Optional[Mapping[str, str]] = None,
+) -> int:
+    """Parameter bytes of ``module`` once quantized with ``layer_modes`` (``{layer name: mode name}``, as
+    ``QuantizedPrecision(layer_modes=...)`` takes), computed on the unquantized model.
 
-    Every planned Linear weight takes :func:`weight_bytes` of its mode; every other floating
+    Every named layer's weight takes :func:`weight_bytes` of its mode; every other floating
     parameter (biases, embeddings, norms) is cast to ``dtype``, as ``QuantizedPrecision`` does.
+    ``plan``: the former name of ``layer_modes`` (issue 54: "plan" names the planner's), accepted with a warning.
     """
+    layer_modes = _layer_modes_argument(layer_modes, plan)
     dtype = to_dtype(dtype)
-    planned = {id(module.get_submodule(name).weight) for name in plan}
+    quantized = {id(module.get_submodule(name).weight) for name in layer_modes}
     total = 0
     for param in module.parameters():  # deduplicated: a tied weight is counted once
-        if id(param) not in planned:
+        if id(param) not in quantized:
             total += param.numel() * (dtype.itemsize if param.is_floating_point() else param.element_size())
-    for name, mode in plan.items():
+    for name, mode in layer_modes.items():
         layer = module.get_submodule(name)
-        total += weight_bytes(mode, *cast(LayerKind, kind_of(layer)).features(layer), dtype)  # e.g. Conv1D stores [in, out]; a planned layer has a kind
+        total += weight_bytes(mode, *cast(LayerKind, kind_of(layer)).features(layer), dtype)  # e.g. Conv1D stores [in, out]; a named layer has a kind
     return total
+
+
+def _layer_modes_argument(layer_modes: Optional[Mapping[str, str]], plan: Optional[Mapping[str, str]]) -> Mapping[str, str]:
+    """``predict_parameter_bytes``'s ``layer_modes``, given under its former keyword ``plan`` (warned) or its own."""
+    if plan is not None:
+        if layer_modes is not None:
+            raise TypeError(
+                "predict_parameter_bytes(layer_modes=..., plan=...): plan is the former name of layer_modes; pass the "
+                "{layer name: mode name} dict once, as layer_modes."
+            )
+        warnings.warn(
+            "predict_parameter_bytes(plan=...) is deprecated: pass layer_modes=... (the same {layer name: mode name} dict).",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return plan
+    if layer_modes is None:
+        raise TypeError(
+            "predict_parameter_bytes() needs layer_modes, the {layer name: mode name} dict of the layers to quantize "
+            "(e.g. {'fc1': 'nf4'}; {} for none)."
+        )
+    return layer_modes
 
 
 @dataclass
@@ -576,16 +604,21 @@ def check_layer_mode_args(
 
 #: the former names (issue 54: "plan" names the planner's), importable with a DeprecationWarning naming the new one
 _RENAMED = {"SensitivityPlan": "SensitivityReport", "choose_plan": "choose_layer_modes", "greedy_plan": "greedy_layer_modes",
-            "check_plan_args": "check_layer_mode_args"}
+            "check_plan_args": "check_layer_mode_args", "CONV_PLAN_TARGET": "CONV_TARGET_COSINE",
+            "unplanned_convs_warning": "unmeasured_convs_warning", "planned_convs_warning": "widened_convs_warning"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _RENAMED:
         new = _RENAMED[name]
         warnings.warn(
-            f"lightning_hbm.precision.sensitivity.{name} is deprecated: use {new} (the same {'class' if name[0].isupper() else 'function'}).",
+            f"lightning_hbm.precision.sensitivity.{name} is deprecated: use {new} (the same {_kind(name)}).",
             DeprecationWarning,
             stacklevel=2,
         )
         return globals()[new]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _kind(name: str) -> str:
+    return "value" if name.isupper() else "class" if name[0].isupper() else "function"

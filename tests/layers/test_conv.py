@@ -22,7 +22,7 @@ from lightning_hbm.layers import QuantizedConv1d, QuantizedConv2d, QuantizedConv
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.precision import quantize_model
 from lightning_hbm.precision.registry import format_of
-from lightning_hbm.precision.sensitivity import CONV_PLAN_TARGET
+from lightning_hbm.precision.sensitivity import CONV_TARGET_COSINE
 
 MODES = ("nf4", "nf4-dq", "int8", "int8-dynamic")
 
@@ -80,7 +80,7 @@ def test_calibrated_batchnorm_resnet_keeps_its_output_at_the_default_plan() -> N
     uniform = copy.deepcopy(reference)
     quantize_model(uniform, "nf4-dq", dtype="float32")
     planned = copy.deepcopy(reference)
-    # planned to 0.98 on the probe (the default before session 25: CONV_PLAN_TARGET is 0.985 now, the test below)
+    # planned to 0.98 on the probe (the default before session 25: CONV_TARGET_COSINE is 0.985 now, the test below)
     plan = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=probe, min_cosine=0.98).quantization
     # the plan reaches its target on the probe (row cosine); the quantized model's own centred figure is under it: said
     # once at the quantization, with the figure and the fix (the plan's "held out measured under it" is then not said too)
@@ -104,7 +104,7 @@ def test_calibrated_batchnorm_resnet_keeps_its_output_at_the_default_plan() -> N
 
 def test_the_default_conv_plan_aims_above_the_threshold_the_probe_reads_high() -> None:
     """Session 25: planned to 0.98 on the probe, ResNet18 measured 0.977 held out (the plan stops at the first plan
-    that measures its target on the probe it was chosen on); the default target is now ``CONV_PLAN_TARGET`` (0.985):
+    that measures its target on the probe it was chosen on); the default target is now ``CONV_TARGET_COSINE`` (0.985):
     0.982 held out on both seeds at 0.567 bytes per conv weight (``benchmarks/conv_default.py``). Here (32 px) the
     quantized model's own figure is then over the threshold 0.98, and the one warning is the plan's (held out may be
     lower), naming the threshold, not the target."""
@@ -118,7 +118,7 @@ def test_the_default_conv_plan_aims_above_the_threshold_the_probe_reads_high() -
         warnings.simplefilter("always")
         plan.convert(planned, None)
     said = [str(w.message) for w in caught if "lightning_hbm" in str(w.message)]
-    assert plan.conv_report is not None and plan.conv_report.cosine >= CONV_PLAN_TARGET == 0.985
+    assert plan.conv_report is not None and plan.conv_report.cosine >= CONV_TARGET_COSINE == 0.985
     assert plan.conv_accuracy is not None and plan.conv_accuracy.cosine >= 0.98 and not plan.conv_accuracy.warned
     assert len(said) == 1 and re.search(r"planned to a probe output cosine of 0\.98[5-9]\d* .*around 0\.98\. Fix for at "
                                         r"least 0\.98 on new data", said[0]), said
@@ -206,14 +206,14 @@ def test_a_conv_net_without_batchnorm_without_a_probe_batch_is_not_warned(tmp_pa
 
 
 def test_the_held_out_gap_is_said_for_batchnorm_conv_nets_the_plan_widened_only() -> None:
-    from lightning_hbm.precision.sensitivity import SensitivityReport, planned_convs_warning
+    from lightning_hbm.precision.sensitivity import SensitivityReport, widened_convs_warning
 
     plain = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
     normed = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3))
     widened, uniform = SensitivityReport({}, 0.9, 0.981, 0.52, 0.6), SensitivityReport({}, 0.99, 0.99, 0.52, 0.52)
-    assert planned_convs_warning(plain, widened, "nf4-dq", 0.98) is None
-    assert planned_convs_warning(normed, uniform, "nf4-dq", 0.98) is None  # nothing widened: nothing the probe chose
-    assert "0.9810 (uniform nf4-dq: 0.9000) at 0.600 bytes" in str(planned_convs_warning(normed, widened, "nf4-dq", 0.98))
+    assert widened_convs_warning(plain, widened, "nf4-dq", 0.98) is None
+    assert widened_convs_warning(normed, uniform, "nf4-dq", 0.98) is None  # nothing widened: nothing the probe chose
+    assert "0.9810 (uniform nf4-dq: 0.9000) at 0.600 bytes" in str(widened_convs_warning(normed, widened, "nf4-dq", 0.98))
 
 def test_a_conv_net_without_linears_plans_to_a_cosine_target() -> None:
     """Was: ``ZeroDivisionError`` in the (empty) Linear plan of a model whose only layers are convolutions."""
