@@ -23,7 +23,11 @@ found by running it (torch 2.13), decide how it is used here:
   whose encoder's latents become integer codes (``argmin``), measured 1,036,302 B, 263,048 B of them the encoder's
   activations, which a step without ``ModTracker`` frees at the end of the forward (773,254 B, the planner's figure;
   ``tests/test_model_families_s33_mimi_plan.py``). ``module_hooks=False`` measures without them (only the total is
-  meant then: the per-module figures and labels are not kept).
+  meant then: the per-module figures and labels are not kept). Of 53 steps measured both ways (session 34: every
+  ``memtracker_peak`` call of the tests that ran here, and Mimi under ``bf16-true``) three read more with the hooks:
+  Mimi under nf4-dq (+261,000 B) and ``bf16-true`` (+543,176 B), transformers' Mamba at ``32-true`` (+41,472 B);
+  without them each equals its plan. The FusedLoss case above did not recur on lightning_hbm's ``LlamaLM`` with the
+  head quantized and adapted (the same peak both ways).
 
 Quantization constants live outside the parameters (bitsandbytes ``quant_state``, int8 row scales):
 they are handed to MemTracker as external tensors, as it asks for tensors created before it.

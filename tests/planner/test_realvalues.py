@@ -312,7 +312,12 @@ class TinyMamba(pl.LightningModule):
 
 
 def test_mamba_plans_without_fallback() -> None:
+    """Measured without MemTracker's module hooks (``module_hooks=False``, planner/reference.py): 7,848,036 B, the plan
+    to the byte; with them 7,889,508 B (+41,472 B, -0.53 % for the plan: tensors the hooks keep alive, not the step's;
+    2-core CPU dev machine, session 34, Dec 6 2026)."""
     batch = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     prediction = predict(TinyMamba, batch, Candidate("32-true"))
     assert prediction.fallbacks == ()  # fake tensors run its scan: nothing needs real tensors
-    assert abs(prediction.peak / memtracker_peak(TinyMamba, batch, Candidate("32-true")) - 1) < 0.03
+    measured = memtracker_peak(TinyMamba, batch, Candidate("32-true"), module_hooks=False)
+    assert abs(prediction.peak / measured - 1) < 0.03
+    assert abs(prediction.peak - measured) <= 8, (prediction.peak, measured)

@@ -93,9 +93,9 @@ class LoRA(SurgeryCallback):
     never called it (it reads the weight directly) is a ``RuntimeError`` naming it. One that ran but whose output
     never reaches the loss (a BERT pooler under mean pooling: the model's design) gets a warning naming it and
     stays untrained (``lora_B = 0``, no optimizer state); its names are in ``unused_modules``. So are (with a
-    warning too) adapters whose gradient is all zeros at each of the first three backward passes: their output is
-    computed, then dropped by an indexing (transformers SAM's ``output_hypernetworks_mlps`` 1-3 under
-    ``multimask_output=False``).
+    warning too) adapters whose gradient is all zeros at each of the first three backward passes: their input was
+    all zeros in the first step (measured, named apart: an empty codebook before them, a layer initialised to zero),
+    or their output is computed, then dropped (an indexing, a mask, a scale at zero).
     Without ``QuantizedPrecision``, the layer-kind coverage table (``layers/...`` keys, see
     :func:`lightning_hbm.layers.report_coverage`) is logged at train start.
 

@@ -27,10 +27,13 @@ class _AdapterWatch:
     ``nn.MultiheadAttention`` does with ``out_proj``). A layer whose parent did not run either (an
     expert no token was routed to, a branch not taken) cannot be judged and is not an error.
 
-    A third kind gets a gradient that is all zeros: its output is computed, then dropped by an indexing (transformers
-    ``SamMaskDecoder`` runs all four ``output_hypernetworks_mlps`` and keeps mask 0 under ``multimask_output=False``),
-    so autograd sends back zeros, not ``None``. One all-zero first gradient can be chance; all-zero over the first
-    :data:`ZERO_STEPS` backward passes (or every pass of a shorter fit) is reported like a cut adapter.
+    A third kind gets a gradient that is all zeros, not ``None``: its output is computed, then dropped by an indexing
+    or a mask, or its input is all zeros (a LoRA gradient is its input times its output's gradient: a vector
+    quantizer whose codebook is still all zeros, as a freshly built codec's, decodes every code to a zero vector and
+    the layers after it see zeros). One all-zero first gradient can be chance; all-zero over the first
+    :data:`ZERO_STEPS` backward passes (or every pass of a shorter fit) is reported like a cut adapter, and the
+    adapters whose input was all zeros in the first step (measured by the same pre-hooks: the largest ``|input|``,
+    kept on the device, read only for the adapters reported) are named apart.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -40,6 +43,8 @@ class _AdapterWatch:
         self.layers: dict[str, Any] = {n: m for n, m in module.named_modules() if isinstance(m, lora_cls)}
         self.ran: set[int] = set()
         self.gradless: set[int] = set()  # ran in a training forward with gradients off (inside an autograd.Function)
+        self.inputs: dict[int, torch.Tensor] = {}  # each LoRA layer's largest |input| in the first step (no sync)
+        self.layer_ids = {id(m) for m in self.layers.values()}
         self.handles: list[Any] = []
         self.fixed: list[str] = []  # input embeddings made to require grad at the first step (input_grads.py)
         self.parents = {n: module.get_submodule(n.rpartition(".")[0]) if "." in n else module for n in self.layers}
@@ -54,6 +59,11 @@ class _AdapterWatch:
         self.ran.add(id(module))
         if module.training and not torch.is_grad_enabled():
             self.gradless.add(id(module))
+        x = args[0] if args else None
+        if id(module) in self.layer_ids and type(x) is torch.Tensor and x.is_floating_point() and x.numel():
+            peak = x.detach().abs().amax().float()
+            seen = self.inputs.get(id(module))
+            self.inputs[id(module)] = peak if seen is None else torch.maximum(seen, peak)
 
     def gradless_adapters(self) -> list[str]:
         """The adapters that ran in a training forward with gradients off (so far)."""
@@ -113,14 +123,15 @@ class _AdapterWatch:
     def finish(self) -> None:
         """Report the adapters still all-zero (also at the end of a fit shorter than :data:`ZERO_STEPS` passes)."""
         zero, self.zero = self.zero, []
+        inputs, self.inputs = self.inputs, {}
         if not zero:
             return
         self.unused = [*self.unused, *zero]
+        fed_zeros = [n for n in zero if id(self.layers[n]) in inputs and not bool(inputs[id(self.layers[n])] != 0)]
         rank_zero_warn(
             f"LoRA: {len(zero)} adapter(s) ran but their gradient was all zeros at each of the first {self.passes} "
-            f"backward pass(es), so they are not trained: {name_list(zero)}. Their output is computed but does not change "
-            "the loss (dropped by an indexing: transformers SAM under multimask_output=False keeps the mask of "
-            "output_hypernetworks_mlps.0 only). They stay at their initial value (lora_B = 0, no effect). To not create them, pass "
+            f"backward pass(es), so they are not trained: {name_list(zero)}. {_zero_causes(zero, fed_zeros)} They stay "
+            "at their initial value (lora_B = 0, no effect). To not create them, pass "
             f"LoRA(exclude_modules={sorted(zero)!r})."
         )
 
@@ -158,8 +169,10 @@ class _AdapterWatch:
             # and resume see the same parameters.
             rank_zero_warn(
                 f"LoRA: {len(cut)} adapter(s) ran but their output never reaches the loss, so they are not trained: "
-                f"{name_list(cut)}. They stay at their initial value (lora_B = 0, no effect). To not create them, pass "
-                f"LoRA(exclude_modules={sorted(cut)!r})."
+                f"{name_list(cut)}. No gradient path leads back to them: an op without a gradient in between (an "
+                "argmin or argmax, as a vector quantizer's codes; a comparison; a cast to an integer), a .detach() or "
+                "torch.no_grad(), or an output the loss does not use. They stay at their initial value (lora_B = 0, no "
+                f"effect). To not create them, pass LoRA(exclude_modules={sorted(cut)!r})."
             )
         return cut
 
@@ -180,6 +193,27 @@ class _AdapterWatch:
                 f"LoRA(exclude_modules={sorted(branch)!r}) leaves them out."
             )
         return [n for n in dead if n in readers]
+
+
+def _zero_causes(zero: list[str], fed_zeros: list[str]) -> str:
+    """Why ``zero`` got all-zero gradients: measured for ``fed_zeros`` (their input was all zeros), general for the rest."""
+    said = []
+    if fed_zeros:
+        who = "Their input was" if len(fed_zeros) == len(zero) else f"The input of {len(fed_zeros)} of them ({name_list(fed_zeros)}) was"
+        said.append(
+            f"{who} all zeros in the first training step (measured): a LoRA gradient is its input times its output's "
+            "gradient, so it is zero whatever the loss. Something before them outputs zeros: e.g. a vector quantizer "
+            "whose codebook is still all zeros (built, not loaded from a trained checkpoint) decodes every code to a "
+            "zero vector, or a layer or gate initialised to zero feeds them."
+        )
+    if len(fed_zeros) < len(zero):
+        who = "Their output is" if not fed_zeros else "The others' output is"
+        said.append(
+            f"{who} computed but does not change the loss: dropped by an indexing or a mask, a torch.where branch not "
+            "taken, scaled by a gate or a scale at zero, or passed through an op whose gradient is zero (rounding, a "
+            "step function)."
+        )
+    return " ".join(said)
 
 
 def _grads(layer: Any) -> list[Any]:
