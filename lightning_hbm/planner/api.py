@@ -143,6 +143,8 @@ class Prediction:
     remainder_bytes: int = 0
     unchecked: tuple[str, ...] = ()
     regions: dict[str, dict[str, int]] = field(default_factory=dict)
+    units: dict[str, int] = field(default_factory=dict)
+    forward_gradients: int = 0
 
     def per_rank(self, world_size: int) -> dict[str, int]:
         """Bytes per category at the peak of each of ``world_size`` ranks under FSDP2 (``QuantizedFSDPStrategy``).
@@ -156,13 +158,18 @@ class Prediction:
         backward of the last block: ``tests/strategies/test_fsdp_qlora.py``). Without regions (a Prediction built by hand) the peak's own categories gather the largest block and the
         remainder at once.
         """
-        per_rank = shard_categories(self.categories, world_size, gathered_bytes=self.block_bytes + self.remainder_bytes,
+        gathered = self.block_bytes + self.remainder_bytes + max(self.units.values(), default=0)
+        per_rank = shard_categories(self.categories, world_size, gathered_bytes=gathered,
                                     replicated_parameter_bytes=self.replicated_bytes)
         if world_size == 1 or not self.regions:
             return per_rank
         # parameters and optimizer states are the same all through the step: what sharding saves of them, saved everywhere
         saved = sum(self.categories[c] - per_rank[c] for c in ("parameters", "optimizer_states"))
-        peak = max(value - saved + fsdp2_gathered_bytes(phase, region, self.block_bytes, self.remainder_bytes)
+        # the previous step's gradients, alive through the forward (Lightning sets them to None before the backward):
+        # FSDP2 keeps each rank's shard of them
+        grads = self.forward_gradients - -(-self.forward_gradients // world_size)
+        peak = max(value - saved - (grads if phase.startswith("forward") else 0)
+                   + fsdp2_gathered_bytes(phase, region, self.block_bytes, self.remainder_bytes, self.units)
                    for phase, regions in self.regions.items() for region, value in regions.items())
         rest = peak - sum(per_rank[c] for c in CATEGORIES if c != "other")
         per_rank["other"] = max(rest, self.categories["other"])
@@ -198,7 +205,8 @@ class Prediction:
         return None if self.budget is None else self.total <= self.budget
 
 
-def fsdp2_gathered_bytes(phase: str, region: str, block: int, remainder: int) -> int:
+def fsdp2_gathered_bytes(phase: str, region: str, block: int, remainder: int,
+                         units: Optional[Mapping[str, int]] = None) -> int:
     """Bytes FSDP2 (``reshard_after_forward=True``, 2 ranks or more) holds gathered in ``region`` of ``phase`` (the
     planner's regions, :class:`~lightning_hbm.planner.peaks._PeakPoints`) beyond the sharded parameters, for blocks of
     ``block`` gathered bytes and ``remainder`` bytes outside them (the remainder unit(s), gathered through the forward
@@ -210,7 +218,13 @@ def fsdp2_gathered_bytes(phase: str, region: str, block: int, remainder: int) ->
     all-gather (its flat buffer alive while the block's backward runs). So a block's region holds the remainder and two
     blocks, the forward before the blocks the remainder twice, every other region of the forward and the backward the
     remainder and one block's buffer; the loss and its backward outside the unit holding the blocks (``after the
-    model``: the root's post-forward frees the last buffer and reshards) and the optimizer step nothing."""
+    model``: the root's post-forward frees the last buffer and reshards) and the optimizer step nothing.
+
+    ``units``: the units outside the blocks apart from the one around them (``remainder`` is that one's), by name: a
+    head beside the backbone (session 34). Each is its own FSDP2 root, gathered in its region ``unit <name>`` alone:
+    twice in the forward (its all-gather buffer is freed at its own post-forward), once in the backward."""
+    if units and region.startswith("unit ") and region[5:] in units:
+        return units[region[5:]] * (2 if phase.startswith("forward") else 1)
     if phase == "step" or region == "after the model":  # the loss and its backward, outside the units
         return 0
     if region.startswith("block "):
@@ -437,6 +451,8 @@ def predict(
         remainder_bytes=result.remainder,
         unchecked=tuple(f"{name} (its forward changes {what})" for name, what in sorted(result.unchecked.items())),
         regions=result.regions,
+        units=result.units,
+        forward_gradients=result.phases.get("forward", {}).get("gradients", 0),
     )
 
 
