@@ -184,11 +184,12 @@ def trace(
         block_bytes = max((parameter_bytes(block) - _replicated_bytes(block) for block in blocks), default=0)
         replicated = _replicated_bytes(module)
         remainder, apart = _remainder_unit_bytes(module, blocks)
+        rooted = bool(blocks) and _model_holding(module, blocks) is None
     depth, fallbacks = built.depth, built.fallbacks
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
-                 host_sizes, offloaded, where, regions, replicated, remainder, unchecked_blocks(module), apart)
+                 host_sizes, offloaded, where, regions, replicated, remainder, unchecked_blocks(module), apart, rooted)
 
 
 def _remainder_unit_bytes(module: nn.Module, blocks: list[nn.Module]) -> tuple[int, dict[str, int]]:
