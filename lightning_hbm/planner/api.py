@@ -111,15 +111,22 @@ class Prediction:
             them for ``True``, the first ``k`` for ``offload=k``; 0 without offload).
         replicated_bytes: the parameter bytes FSDP2 keeps whole on every rank, inside ``categories["parameters"]``: the
             quantization constants (absmax, code books, int8 row scales; :func:`quantization_constant_bytes`).
-        remainder_bytes: the parameter bytes outside the repeated blocks (embeddings, final norm, head; quantization
-            constants excluded): ``QuantizedFSDPStrategy`` shards them as the remainder unit(s), gathered while
-            their forward and their backward run.
+        remainder_bytes: the parameter bytes outside the repeated blocks in ``QuantizedFSDPStrategy``'s unit around
+            them (a causal LM's ``model``: embeddings, final norm, a head inside it; quantization constants excluded),
+            gathered while its forward and its backward run; 0 when no child of the LightningModule holds the blocks.
         unchecked: blocks ``ActivationCheckpointing`` chose but runs without checkpoint, their activations kept (and
             counted so): their forward changes a list or dict it is given (diffusers' Wan VAE ``feat_cache``), found on
             the first training forward of the trace as in training, with what changed.
         regions: per phase of the step, each region's peak bytes (``"before the blocks"``, ``"block 0"``, ``"after block
             -1"``, ...; :class:`~lightning_hbm.planner.peaks._PeakPoints`): where :meth:`per_rank` finds the peak of
             a rank, whose gathered parameters change from region to region.
+        units: the strategy's other units outside the blocks (children of the LightningModule beside the one around
+            the blocks: a head beside a backbone; :func:`~lightning_hbm.strategies.fsdp_qlora.remainder_units`), by
+            name: the parameter bytes each gathers (constants excluded), only in its own region ``unit <name>``.
+        forward_gradients: the gradient bytes alive through the forward (the previous step's, set to None before the
+            backward): sharded per rank under FSDP2.
+        rooted_blocks: no child of the LightningModule holds the blocks (its own ``nn.ModuleList`` of them): each block
+            is an FSDP2 root of its own, its all-gather buffer freed at its own forward's end, nothing prefetched.
     """
 
     candidate: Candidate
@@ -143,6 +150,9 @@ class Prediction:
     remainder_bytes: int = 0
     unchecked: tuple[str, ...] = ()
     regions: dict[str, dict[str, int]] = field(default_factory=dict)
+    units: dict[str, int] = field(default_factory=dict)
+    forward_gradients: int = 0
+    rooted_blocks: bool = False
 
     def per_rank(self, world_size: int) -> dict[str, int]:
         """Bytes per category at the peak of each of ``world_size`` ranks under FSDP2 (``QuantizedFSDPStrategy``).
@@ -151,18 +161,28 @@ class Prediction:
         every rank), gradients and optimizer states are split (:func:`shard_categories`), activations are the
         single-device peak's, and ``other`` holds the rest of the rank's peak: the step's other bytes and the
         parameters gathered there. The peak is the largest region of the step (:attr:`regions`) less what sharding
-        saves of the parameters and states, plus what FSDP2 holds gathered in it (:func:`fsdp2_gathered_bytes`). On 2
+        saves of the parameters and states (and in the forward of the previous step's gradients), plus what FSDP2 holds gathered in it (:func:`fsdp2_gathered_bytes`). On 2
         gloo ranks it is the measured peak to 12 B (1,658,972 planned, 1,658,960 measured by ``HBMProfiler``, in the
-        backward of the last block: ``tests/strategies/test_fsdp_qlora.py``). Without regions (a Prediction built by hand) the peak's own categories gather the largest block and the
+        backward of the last block: ``tests/strategies/test_fsdp_qlora.py``). It follows the units the strategy makes
+        (:attr:`remainder_bytes`, :attr:`units`, :attr:`rooted_blocks`): a transformers ``LlamaModel`` with an untied
+        head beside it, a tied ``LlamaForCausalLM``, and Llama layers in the LightningModule's own list beside its
+        embedding, norm and head, each to 12 B or less on 2 gloo ranks (``tests/strategies/test_fsdp_remainder_units_s34.py``).
+        Without regions (a Prediction built by hand) the peak's own categories gather the largest block and the
         remainder at once.
         """
-        per_rank = shard_categories(self.categories, world_size, gathered_bytes=self.block_bytes + self.remainder_bytes,
+        gathered = self.block_bytes + self.remainder_bytes + max(self.units.values(), default=0)
+        per_rank = shard_categories(self.categories, world_size, gathered_bytes=gathered,
                                     replicated_parameter_bytes=self.replicated_bytes)
         if world_size == 1 or not self.regions:
             return per_rank
         # parameters and optimizer states are the same all through the step: what sharding saves of them, saved everywhere
         saved = sum(self.categories[c] - per_rank[c] for c in ("parameters", "optimizer_states"))
-        peak = max(value - saved + fsdp2_gathered_bytes(phase, region, self.block_bytes, self.remainder_bytes)
+        # the previous step's gradients, alive through the forward (Lightning sets them to None before the backward):
+        # FSDP2 keeps each rank's shard of them
+        grads = self.forward_gradients - -(-self.forward_gradients // world_size)
+        peak = max(value - saved - (grads if phase.startswith("forward") else 0)
+                   + fsdp2_gathered_bytes(phase, region, self.block_bytes, self.remainder_bytes, self.units,
+                                          self.rooted_blocks)
                    for phase, regions in self.regions.items() for region, value in regions.items())
         rest = peak - sum(per_rank[c] for c in CATEGORIES if c != "other")
         per_rank["other"] = max(rest, self.categories["other"])
@@ -198,7 +218,8 @@ class Prediction:
         return None if self.budget is None else self.total <= self.budget
 
 
-def fsdp2_gathered_bytes(phase: str, region: str, block: int, remainder: int) -> int:
+def fsdp2_gathered_bytes(phase: str, region: str, block: int, remainder: int,
+                         units: Optional[Mapping[str, int]] = None, rooted_blocks: bool = False) -> int:
     """Bytes FSDP2 (``reshard_after_forward=True``, 2 ranks or more) holds gathered in ``region`` of ``phase`` (the
     planner's regions, :class:`~lightning_hbm.planner.peaks._PeakPoints`) beyond the sharded parameters, for blocks of
     ``block`` gathered bytes and ``remainder`` bytes outside them (the remainder unit(s), gathered through the forward
@@ -210,7 +231,20 @@ def fsdp2_gathered_bytes(phase: str, region: str, block: int, remainder: int) ->
     all-gather (its flat buffer alive while the block's backward runs). So a block's region holds the remainder and two
     blocks, the forward before the blocks the remainder twice, every other region of the forward and the backward the
     remainder and one block's buffer; the loss and its backward outside the unit holding the blocks (``after the
-    model``: the root's post-forward frees the last buffer and reshards) and the optimizer step nothing."""
+    model``: the root's post-forward frees the last buffer and reshards) and the optimizer step nothing.
+
+    ``units``: the units outside the blocks apart from the one around them (``remainder`` is that one's), by name: a
+    head beside the backbone (session 34). Each is its own FSDP2 root, gathered in its region ``unit <name>`` alone:
+    twice in the forward (its all-gather buffer is freed at its own post-forward), once in the backward.
+
+    ``rooted_blocks``: no unit around the blocks (the LightningModule holds their list): each block is a root of its
+    own, so the same in its region (twice in the forward, once in the backward: nothing prefetched) and nothing
+    elsewhere (``remainder`` is 0)."""
+    forward = phase.startswith("forward")
+    if units and region.startswith("unit ") and region[5:] in units:
+        return units[region[5:]] * (2 if forward else 1)
+    if rooted_blocks:
+        return block * (2 if forward else 1) if region.startswith("block ") else 0
     if phase == "step" or region == "after the model":  # the loss and its backward, outside the units
         return 0
     if region.startswith("block "):
@@ -437,6 +471,9 @@ def predict(
         remainder_bytes=result.remainder,
         unchecked=tuple(f"{name} (its forward changes {what})" for name, what in sorted(result.unchecked.items())),
         regions=result.regions,
+        units=result.units,
+        forward_gradients=result.phases.get("forward", {}).get("gradients", 0),
+        rooted_blocks=result.rooted_blocks,
     )
 
 

@@ -61,7 +61,7 @@ class _PeakPoints:
 
     @contextmanager
     def watching(self, blocks: Sequence[nn.Module], kept_from: Optional[int] = None, unit: int = 1,
-                 model: Optional[nn.Module] = None) -> Iterator[None]:
+                 model: Optional[nn.Module] = None, apart: Sequence[tuple[str, nn.Module]] = ()) -> Iterator[None]:
         """Mark the regions as ``blocks`` run forward (hooks) and their outputs' gradients arrive (tensor hooks).
 
         ``kept_from``: under a partial offload, the index of the first block of the part that keeps its inputs; the
@@ -76,8 +76,12 @@ class _PeakPoints:
 
         ``model``: the LightningModule's submodule holding the blocks (a causal LM's ``model``), when the loss is
         computed outside it: the step from its forward's end to its output's gradient (the loss and its backward) is
-        the region ``after the model``, where FSDP2 holds none of its parameters gathered (``Prediction.per_rank``)."""
-        tracker, handles = self.tracker, []
+        the region ``after the model``, where FSDP2 holds none of its parameters gathered (``Prediction.per_rank``).
+
+        ``apart``: FSDP2's other units outside the blocks, by name (a head beside the backbone: ``remainder_units``):
+        each one's forward, and its backward from its output's gradient to its input's, is the region ``unit <name>``,
+        where FSDP2 holds that unit gathered and no other (:meth:`_watch_apart`)."""
+        tracker, handles = self.tracker, [h for name, module in apart for h in self._watch_apart(name, module)]
         if model is not None:
 
             def model_done(module: nn.Module, args: Any, output: Any) -> None:
@@ -115,6 +119,41 @@ class _PeakPoints:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+    def _watch_apart(self, name: str, module: nn.Module) -> list[Any]:
+        """Hooks marking ``unit <name>`` while ``module`` runs forward, and in the backward from its output's gradient
+        until its input's gradient (or the backward's end: an input without gradient, token ids), the region left
+        then taken up again unless another region started meanwhile (the backbone's output is the head's input)."""
+        tracker, region = self.tracker, f"unit {name}"
+        left: dict[str, str] = {}  # per pass: the region the unit's own one interrupted
+
+        def back(grad: Any) -> None:
+            if self.region == region:
+                self.mark(left["backward"])
+
+        def output_grad(grad: Any) -> None:
+            left["backward"] = self.region
+            self.mark(region)
+
+        def enter(module: nn.Module, args: Any) -> None:
+            if tracker.phase != "forward":
+                return
+            left["forward"] = self.region
+            self.mark(region)
+            inp = next((t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+            if inp is not None:
+                inp.register_hook(back)
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            if tracker.phase != "forward":
+                return
+            self.mark(left["forward"])
+            out = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+            if out is not None:
+                out.register_hook(output_grad)
+
+        return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
 
 
 @contextmanager

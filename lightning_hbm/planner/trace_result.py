@@ -47,6 +47,11 @@ class Trace:
     # checkpointed blocks run without checkpoint, their activations kept: their forward changes a list or dict it is
     # given (ActivationCheckpointing's first training forward decides it, here too): block name -> what it changes
     unchecked: dict[str, str] = field(default_factory=dict)
+    # FSDP2's units outside the blocks apart from the one around them (a head beside the backbone), by name: the
+    # parameter bytes each gathers (constants excluded), in its own region (``unit <name>``) of the step
+    units: dict[str, int] = field(default_factory=dict)
+    # no unit around the blocks (the LightningModule holds their list): each block an FSDP2 root of its own
+    rooted_blocks: bool = False
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -88,7 +93,8 @@ class Trace:
         return Trace(phases, line(_field("trainable")), line(_field("total")), depth, depth, self.block_bytes,
                      max(t.guessed for t in (self, *others)), scopes, fallbacks, line(_field("host")), selections,
                      tuple(sorted(sizes.elements())), line(_field("offloaded")), regions=self._region_lines(steps),
-                     replicated=line(_field("replicated")), remainder=self.remainder, unchecked=unchecked)
+                     replicated=line(_field("replicated")), remainder=self.remainder, unchecked=unchecked,
+                     units=self.units, rooted_blocks=self.rooted_blocks)
 
     def _region_lines(self, steps: Sequence[tuple[Trace, int]]) -> dict[str, dict[str, int]]:
         """Each region's peak, phase by phase, drawn as :meth:`combine` draws every figure (the regions of every trace

@@ -80,6 +80,7 @@ from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.planner.trace_result import PHASES, Trace
 from lightning_hbm.precision import QuantizedPrecision
 from lightning_hbm.running import RunningModules
+from lightning_hbm.strategies.fsdp_qlora import remainder_units
 from lightning_hbm.surgery import SurgeryCallback, run_surgery, transform_optimizers
 
 
@@ -182,13 +183,27 @@ def trace(
         # ``replicated``; before session 33 counted here too: +3,328 B a block on the 2-rank nanoGPT)
         block_bytes = max((parameter_bytes(block) - _replicated_bytes(block) for block in blocks), default=0)
         replicated = _replicated_bytes(module)
-        inside = {id(p) for block in blocks for p in block.parameters()}
-        remainder = tensor_bytes(p for p in module.parameters() if id(p) not in inside)
+        remainder, apart = _remainder_unit_bytes(module, blocks)
+        rooted = bool(blocks) and _model_holding(module, blocks) is None
     depth, fallbacks = built.depth, built.fallbacks
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
-                 host_sizes, offloaded, where, regions, replicated, remainder, unchecked_blocks(module))
+                 host_sizes, offloaded, where, regions, replicated, remainder, unchecked_blocks(module), apart, rooted)
+
+
+def _remainder_unit_bytes(module: nn.Module, blocks: list[nn.Module]) -> tuple[int, dict[str, int]]:
+    """What ``QuantizedFSDPStrategy``'s units outside the blocks gather (parameters outside the blocks, quantization
+    constants excluded): the unit around the blocks (a causal LM's ``model``; 0 without one), and by name each unit
+    apart from it (a head or an embedding side by side with the backbone: :func:`remainder_units`)."""
+    inside = {id(p) for block in blocks for p in block.parameters()}
+    holder = _model_holding(module, blocks)
+
+    def outside(unit: nn.Module) -> int:
+        return tensor_bytes(p for p in unit.parameters() if id(p) not in inside)
+
+    apart = {name: outside(unit) for name, unit in remainder_units(module, blocks) if unit is not holder}
+    return (outside(holder) if holder is not None else 0), apart
 
 
 def unchecked_blocks(module: nn.Module) -> dict[str, str]:
@@ -360,7 +375,8 @@ def _steady_step(
         blocks = _cut_list(module)
         kept_from = next((i for i, block in enumerate(blocks) if boundary is not None and block is boundary[1]), None)
         model = _model_holding(module, blocks)
-        stack.enter_context(points.watching(blocks, kept_from, unit, model))
+        apart = [(name, unit) for name, unit in remainder_units(module, blocks) if unit is not model]
+        stack.enter_context(points.watching(blocks, kept_from, unit, model, apart))
         if boundary is not None:
             stack.enter_context(_peaks_apart(boundary, close))
         for phase in PHASES:

@@ -51,7 +51,7 @@ Example::
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, cast
@@ -364,14 +364,23 @@ def _remainder_units(module: nn.Module) -> list[nn.Module]:
     A container (``self.blocks = nn.ModuleList(...)`` on the LightningModule) cannot be a unit: the
     members it holds are, each on its own.
     """
+    return [unit for _, unit in remainder_units(module)]
+
+
+def remainder_units(module: nn.Module, units: Sequence[nn.Module] = ()) -> list[tuple[str, nn.Module]]:
+    """The units :class:`QuantizedFSDPStrategy` makes of the parameters outside ``units`` (the repeated blocks) and
+    outside any module already sharded, by name: each child of ``module`` holding parameters (a container's members,
+    each on its own). The planner reads them before any sharding (``Prediction.per_rank``): a causal LM's ``model``
+    around the blocks, or a backbone and a head side by side, each gathered while its own forward and backward run."""
     from torch.distributed.fsdp import FSDPModule
 
-    units: list[nn.Module] = []
-    for child in module.children():
-        if isinstance(child, FSDPModule) or not any(True for _ in child.parameters()):
+    found: list[tuple[str, nn.Module]] = []
+    for name, child in module.named_children():
+        if isinstance(child, FSDPModule) or any(child is u for u in units) or not any(True for _ in child.parameters()):
             continue
-        units += _remainder_units(child) if _is_container(child) else [child]
-    return units
+        inner = [(f"{name}.{n}", m) for n, m in remainder_units(child, units)] if _is_container(child) else [(name, child)]
+        found += inner
+    return found
 
 
 def _check_tied_heads(module: nn.Module, units: list[nn.Module]) -> None:
@@ -447,4 +456,4 @@ def register(registry: Any = StrategyRegistry) -> None:
         )
 
 
-__all__ = ["QuantizedFSDPStrategy", "register"]
+__all__ = ["QuantizedFSDPStrategy", "register", "remainder_units"]
