@@ -17,7 +17,10 @@ time from the start of the load to the end of the first optimizer step, and the 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/time_to_first_step.py --stack lhbm --profile /tmp/ttfs.prof
 
 ``--breakdown`` prints the CPU seconds of each stage (counters around the functions, no profiler: cProfile inflates
-Python-heavy stages several times over, so its cumulative times rank hot spots but do not measure them).
+Python-heavy stages several times over, so its cumulative times rank hot spots but do not measure them). Nested
+stages are indented under the one that runs them; Lightning runs the step's forward and backward inside the
+optimizer's ``step`` (its closure), so "optimizer step" holds them (session 34: the checks, the accuracy check's two
+forwards, the quantization, the step and the whole ``Trainer.fit`` separated; HF's step forward and backward too).
 ``--trainer-defaults`` gives the lhbm Trainer Lightning's defaults (logger, a checkpoint saved at the end, model summary).
 """
 
@@ -85,8 +88,12 @@ def hf_first_step(path: str, dtype: str, batch: torch.Tensor) -> float:
                                              task_type="CAUSAL_LM"))
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    start = time.process_time()
     loss = model(input_ids=batch, labels=batch).loss
+    forward = time.process_time()
     loss.backward()
+    STAGES["hf: step forward"] = forward - start
+    STAGES["hf: step backward"] = time.process_time() - forward
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(loss.detach())
@@ -131,6 +138,7 @@ def _time_stages() -> None:
     import lightning_hbm.surgery.engine as surgery_engine
     from lightning_hbm import resume
     from lightning_hbm.layers import readers
+    from lightning_hbm.precision import quantization
 
     def wrap(owner: Any, attr: str, label: str) -> None:
         inner = getattr(owner, attr)
@@ -160,6 +168,20 @@ def _time_stages() -> None:
     wrap(plugin, "report_coverage", "lhbm: coverage table (connect)")
     wrap(LoRA, "on_fit_start", "lhbm: LoRA.on_fit_start")
     wrap(resume, "pack", "lhbm: resume.pack (--trainer-defaults: the save)")
+    # session 34: the rest of the surgery and of the fit, separated
+    wrap(pl.Trainer, "fit", "lhbm: Trainer.fit (all)")
+    wrap(surgery_engine, "check_ranks", "  check_ranks")
+    wrap(quantization.Quantization, "check", "  quantization checks (Quantization.check)")
+    wrap(quantization, "stepped_inputs", "    forward-less module: stepped_inputs")
+    wrap(quantization.Quantization, "_record_reference", "    accuracy check: reference forward")
+    wrap(quantization, "quantize_listed", "    quantize_listed (the layers replaced)")
+    wrap(quantization, "check_accuracy", "    accuracy check: quantized forward + figure")
+    wrap(ActivationCheckpointing, "transform_model", "  ActivationCheckpointing.transform_model")
+    from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
+
+    wrap(_AutomaticOptimization, "_training_step", "lhbm: step forward (the loop's training_step)")
+    wrap(pl.LightningModule, "backward", "lhbm: step backward")
+    wrap(torch.optim.AdamW, "step", "  optimizer step (both)")
 
 
 def main() -> None:

@@ -86,13 +86,59 @@ def quiet_logging(module: nn.Module) -> Generator[None, None, None]:
                 module.__dict__[name] = own[name]
 
 
-@dataclass(frozen=True)
 class Stepped:
     """A LightningModule without ``forward`` measured through the one direct submodule ``child`` holding every layer
     measured (issue 53), called on the probe batch as :func:`forward_on` takes a batch (a tensor, an (inputs, targets)
-    pair, or a dict of keyword inputs)."""
+    pair, or a dict of keyword inputs).
 
-    child: str
+    Whether ``child`` takes the raw probe batch is seen at its first call through :func:`forwarding` (the first
+    measuring forward, the reference's in the default recipe): one that returns says yes. Only where that call raises
+    is ``child`` run on the probe batch alone, as it was before every measurement until session 34 (one forward of the
+    model more at every fit start of a LightningModule without ``forward``: 0.5 s of SmolLM2-135M's on a CPU), to tell
+    a submodule that does not take the batch (then :attr:`takes_batch` is False: every measurement says "define
+    forward") from a measurement that failed on its own (its error is raised as it was)."""
+
+    def __init__(self, child: str, batch: Any = None, tried: bool = True) -> None:
+        self.child = child
+        #: whether ``child`` takes the raw probe batch (``None``: no call through it has returned or raised yet)
+        self.takes_batch: Optional[bool] = True if tried else None
+        self._batch = None if tried else batch
+
+    def call(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """``child``'s output on the arguments of ``module``'s forward (``TypeError`` naming the fix: see :meth:`_untaken`)."""
+        child = module.get_submodule(self.child)
+        if self.takes_batch:
+            return child(*args, **kwargs)
+        if self.takes_batch is None:
+            try:
+                output = child(*args, **kwargs)
+            except Exception:
+                if self._tried(child):
+                    raise  # it takes the batch: the measurement's own error, as before session 34
+            else:
+                self.takes_batch, self._batch = True, None
+                return output
+        raise self._untaken(module)
+
+    def _tried(self, child: nn.Module) -> bool:
+        """Whether ``child`` takes the probe batch, run on it alone (no user code), as :func:`stepped_inputs` ran it."""
+        batch, self._batch = self._batch, None
+        try:
+            with eval_no_grad(child), torch_compat.preserved_rngs():
+                forward_on(child, batch)
+        except Exception:  # noqa: BLE001 - a step that prepares the batch first (CLIP, DiT, SD3 in the s29 families)
+            self.takes_batch = False
+            return False
+        self.takes_batch = True
+        return True
+
+    @staticmethod
+    def _untaken(module: nn.Module) -> TypeError:
+        name = type(module).__name__
+        return TypeError(
+            f"{name} defines no forward for the probe batch, and no one of its submodules holds every layer "
+            f"measured; define {name}.forward"
+        )
 
 
 def stepped_inputs(module: nn.Module, batch: Any, names: Collection[str]) -> Optional[Stepped]:
@@ -104,17 +150,12 @@ def stepped_inputs(module: nn.Module, batch: Any, names: Collection[str]) -> Opt
     user sees (a counter, a service called, a stream read; issue 55: the probe step is the one run, said once and
     switched off by ``LIGHTNING_HBM_PROBE_STEP=0``). A step that transforms the batch before that call (a head of its
     own first) gives the submodule other inputs than here: the figure is then the submodule's on the raw batch, or,
-    where it does not run on it, "not measured" with the fix (define ``forward``)."""
+    where it does not run on it, "not measured" with the fix (define ``forward``). Whether it runs on it is seen at
+    the first measuring forward (:class:`Stepped`: no forward is run here)."""
     holders = [n for n, _ in module.named_children() if names and all(x == n or x.startswith(n + ".") for x in names)]
     if len(holders) != 1:
         return None
-    child = module.get_submodule(holders[0])
-    try:  # the submodule's own forward on the raw batch (no user code): one that does not take it is not measured so
-        with eval_no_grad(child), torch_compat.preserved_rngs():
-            forward_on(child, batch)
-    except Exception:  # noqa: BLE001 - a step that prepares the batch first (CLIP, DiT, SD3 in the s29 families)
-        return None
-    return Stepped(holders[0])
+    return Stepped(holders[0], batch, tried=False)
 
 
 @contextmanager
@@ -123,20 +164,17 @@ def forwarding(module: nn.Module, stepped: Callable[[], Optional[Stepped]]) -> G
     ``stepped()`` names (:func:`stepped_inputs`, drawn with the probe batch; an instance attribute, removed after),
     so the probes, the reference and the quantized output measure that submodule on the inputs the step gave it, the
     layer names as in the LightningModule. Nothing where ``module`` has a ``forward``; where ``stepped()`` finds none,
-    a call is the ``TypeError`` the measurements say (with the fix: define ``forward``)."""
+    or one that does not take the probe batch, a call is the ``TypeError`` the measurements say (with the fix: define
+    ``forward``)."""
     if has_forward(module):
         yield
         return
-    name = type(module).__name__
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         found = stepped()
         if found is None:
-            raise TypeError(
-                f"{name} defines no forward for the probe batch, and no one of its submodules holds every layer "
-                f"measured; define {name}.forward"
-            )
-        return module.get_submodule(found.child)(*args, **kwargs)
+            raise Stepped._untaken(module)
+        return found.call(module, args, kwargs)
 
     module.__dict__["forward"] = forward
     try:

@@ -460,9 +460,10 @@ class Quantization:
         return functools.cache(lambda: Probe(module, self.probe(trainer)))
 
     def _stepping(self, probe: Probe, names: list[str]) -> Probe:
-        """``probe``, once the submodule of a LightningModule without forward holding every layer ``names`` is found on
-        its batch (:func:`~lightning_hbm.probe.stepped_inputs`; kept for :func:`~lightning_hbm.probe.forwarding`, then
-        handed to the reference): at the draw, before any measuring forward (the checks' only)."""
+        """``probe``, once the submodule of a LightningModule without forward holding every layer ``names`` is found
+        (:func:`~lightning_hbm.probe.stepped_inputs`; kept for :func:`~lightning_hbm.probe.forwarding`, then handed to
+        the reference): at the draw, before any measuring forward (the checks' only); whether it takes the batch is seen
+        at the first of them (:class:`~lightning_hbm.probe.Stepped`)."""
         self._stepped = stepped_inputs(probe.module, probe.batch, names)
         return probe
 
