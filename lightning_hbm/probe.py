@@ -312,12 +312,20 @@ MASK_AS_COMPUTED = MASK_VALUE * (1 - 2**-7)
 #: narrower (a feature map of 2x2, 4x4) is measured per sample, its every value one row
 MIN_ROW = 8
 
+#: the fewest values a sample's row holds for :func:`compare_outputs` to take a cosine per sample outside a language
+#: model: a classifier's few logits (``[N, C]``, ``C`` under this) are measured over the whole batch, flattened and
+#: centred on the reference's mean (issue 53, session 34: a 2-class head's rows of 2 logits read 0.993 on the probe,
+#: dominated by the logits' common offset, while held out the quantized model measured 0.76 centred, 84 % top-1
+#: agreement; planned on the batch's figure, 0.954 and 97 %; ``benchmarks/conv_few_classes.py``)
+FEW_VALUES = 16
+
 
 def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, float]:
     """The metrics logged by :class:`QuantizationQuality` (and optimized by the sensitivity-aware plan).
 
     Cosine similarity per output row (per token for a language model, per sample otherwise: the last axis, or the
-    sample's every value where the last axis holds fewer than :data:`MIN_ROW`),
+    sample's every value where the last axis holds fewer than :data:`MIN_ROW`; a sample of fewer than
+    :data:`FEW_VALUES` values, a classifier's few logits: the whole batch as one row, centred on the reference's mean),
     root relative squared error over all outputs, and for a language model ``KL(p_fp || p_q)``.
     """
     limit = torch.finfo(output.dtype).max if output.is_floating_point() else float("inf")  # its dtype's range
@@ -328,6 +336,9 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
     # at 64 px gave rows of 2 ReLU6 values, NaN where both are 0; the conv plan measured NaN and widened nothing)
     if reference.dim() >= 2 and (width == 1 or (not lm and width < MIN_ROW)):
         width = reference[0].numel()
+    few = not lm and width < FEW_VALUES  # a few logits a sample: rows of 2-10 values, uncentred, read their offset
+    if few:
+        width = reference.numel()
     # an inf both give (a head that masks classes with -inf) agrees: left in, every row holding one measured NaN, and
     # the conv plan was chosen on NaN (planned 'to a probe output cosine of nan')
     same = ~reference.isfinite() & (output == reference)
@@ -341,13 +352,25 @@ def compare_outputs(output: Tensor, reference: Tensor, lm: bool) -> dict[str, fl
     same |= (reference <= MASK_VALUE) & (output <= max(MASK_AS_COMPUTED, -limit))
     measured, wanted = (output.masked_fill(same, 0.0), reference.masked_fill(same, 0.0)) if bool(same.any()) else (output, reference)
     rows = ~same.reshape(-1, width).all(-1)  # a row both mask whole (-inf everywhere) has no direction: left out
+    cosine = _centred if few else lambda got, want: float(CosineSimilarity(reduction="mean")(got, want))
     metrics = {
-        PREFIX + "cosine_similarity": float(CosineSimilarity(reduction="mean")(measured.reshape(-1, width)[rows], wanted.reshape(-1, width)[rows])),
+        PREFIX + "cosine_similarity": cosine(measured.reshape(-1, width)[rows], wanted.reshape(-1, width)[rows]),
         PREFIX + "relative_error": float(RelativeSquaredError(squared=False)(measured.flatten(), wanted.flatten())),
     }
     if lm:
         metrics[PREFIX + "kl_divergence"] = _kl_divergence(output.reshape(-1, width), reference.reshape(-1, width))
     return metrics
+
+
+def _centred(got: Tensor, want: Tensor) -> float:
+    """The cosine of a batch's few values a sample (:data:`FEW_VALUES`; one row), centred on ``want``'s mean: a constant
+    offset of the logits does not count (uncentred, a 2-class head's rows read 0.99 whatever its outputs did). A constant
+    ``want`` has no centred direction: uncentred then (NaN against all zeros: no figure)."""
+    got, want = got.double().flatten(), want.double().flatten()
+    if want.numel() and not bool((want == want[0]).all()):
+        mean = want.mean()
+        got, want = got - mean, want - mean
+    return float(torch.nn.functional.cosine_similarity(got, want, dim=0)) if want.numel() else float("nan")
 
 
 def _kl_divergence(output: Tensor, reference: Tensor) -> float:
@@ -451,5 +474,5 @@ def recorded_forward(
         return module(*args, **kwargs), calls, followed
 
 
-__all__ = ["INDEXED", "MASKING", "MASK_AS_COMPUTED", "MASK_VALUE", "MIN_ROW", "POOLED", "PREFIX", "SELECTING", "Call", "Stepped", "Followed", "Probe", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on", "put_back_attributes",
+__all__ = ["FEW_VALUES", "INDEXED", "MASKING", "MASK_AS_COMPUTED", "MASK_VALUE", "MIN_ROW", "POOLED", "PREFIX", "SELECTING", "Call", "Stepped", "Followed", "Probe", "Selection", "agreeing_calls", "call_values", "check_forward", "compare_outputs", "diverging", "eval_no_grad", "first_batch", "first_batches", "following", "forward_on", "put_back_attributes",
            "has_forward", "input_absmax", "probe_output", "recorded_forward", "quiet_logging", "recording_calls", "recording_selections", "stepped_inputs", "forwarding"]
