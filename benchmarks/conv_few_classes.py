@@ -1,6 +1,6 @@
 """A classifier with few classes: the conv plan measured on its logits as a batch, not per row (issue 53, session 34).
 
-``compare_outputs`` (the figure the convolutions' plan reaches, ``CONV_PLAN_TARGET``) took one cosine per row of the
+``compare_outputs`` (the figure the convolutions' mode choice reaches, ``CONV_TARGET_COSINE``) took one cosine per row of the
 last axis: a head of 2-10 classes gave rows of 2-10 logits, uncentred, which read their common offset (a 2-class
 ResNet18 plan at 0.993 on the probe while its quantized model measured 0.76 held out). Now a sample of fewer than
 ``FEW_VALUES`` (16) values is measured over the whole batch, flattened, centred on the reference's mean. Per model,
