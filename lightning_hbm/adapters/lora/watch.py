@@ -43,7 +43,7 @@ class _AdapterWatch:
         self.layers: dict[str, Any] = {n: m for n, m in module.named_modules() if isinstance(m, lora_cls)}
         self.ran: set[int] = set()
         self.gradless: set[int] = set()  # ran in a training forward with gradients off (inside an autograd.Function)
-        self.inputs: dict[int, torch.Tensor] = {}  # each LoRA layer's largest |input| in the first step (no sync)
+        self.inputs: dict[int, list[torch.Tensor]] = {}  # each LoRA layer's largest |input| per call, first step (no sync)
         self.layer_ids = {id(m) for m in self.layers.values()}
         self.handles: list[Any] = []
         self.fixed: list[str] = []  # input embeddings made to require grad at the first step (input_grads.py)
@@ -60,10 +60,11 @@ class _AdapterWatch:
         if module.training and not torch.is_grad_enabled():
             self.gradless.add(id(module))
         x = args[0] if args else None
-        if id(module) in self.layer_ids and type(x) is torch.Tensor and x.is_floating_point() and x.numel():
-            peak = x.detach().abs().amax().float()
-            seen = self.inputs.get(id(module))
-            self.inputs[id(module)] = peak if seen is None else torch.maximum(seen, peak)
+        # the same ops at every call of the first step, its recompute under checkpointing included: selective
+        # checkpointing replays the forward's ops and refuses one the forward did not run (a torch.maximum with
+        # the peak already seen ran only in the recompute: "aten.maximum.default encountered during backward")
+        if self.passes == 0 and id(module) in self.layer_ids and type(x) is torch.Tensor and x.is_floating_point() and x.numel():
+            self.inputs.setdefault(id(module), []).append(x.detach().abs().amax())
 
     def gradless_adapters(self) -> list[str]:
         """The adapters that ran in a training forward with gradients off (so far)."""
@@ -127,7 +128,7 @@ class _AdapterWatch:
         if not zero:
             return
         self.unused = [*self.unused, *zero]
-        fed_zeros = [n for n in zero if id(self.layers[n]) in inputs and not bool(inputs[id(self.layers[n])] != 0)]
+        fed_zeros = [n for n in zero if id(self.layers[n]) in inputs and not any(bool(p != 0) for p in inputs[id(self.layers[n])])]
         rank_zero_warn(
             f"LoRA: {len(zero)} adapter(s) ran but their gradient was all zeros at each of the first {self.passes} "
             f"backward pass(es), so they are not trained: {name_list(zero)}. {_zero_causes(zero, fed_zeros)} They stay "
