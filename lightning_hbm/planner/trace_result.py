@@ -47,6 +47,9 @@ class Trace:
     # checkpointed blocks run without checkpoint, their activations kept: their forward changes a list or dict it is
     # given (ActivationCheckpointing's first training forward decides it, here too): block name -> what it changes
     unchecked: dict[str, str] = field(default_factory=dict)
+    # MoE expert containers some of whose experts the traced step did not route to, their optimizer states counted
+    # (a long run updates every expert; :mod:`lightning_hbm.planner.routed`): container name -> how many
+    routed: dict[str, str] = field(default_factory=dict)
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -77,10 +80,12 @@ class Trace:
         fallbacks: dict[str, str] = {}
         selections: dict[str, str] = {}
         unchecked: dict[str, str] = {}
+        routed: dict[str, str] = {}
         for each in (self, *others):
             fallbacks.update(each.fallbacks)
             selections.update(each.selections)
             unchecked.update(each.unchecked)
+            routed.update(each.routed)
         # the tensors one more block moved, once per block added
         sizes = Counter(self.host_sizes)
         for other, n in steps:
@@ -88,7 +93,7 @@ class Trace:
         return Trace(phases, line(_field("trainable")), line(_field("total")), depth, depth, self.block_bytes,
                      max(t.guessed for t in (self, *others)), scopes, fallbacks, line(_field("host")), selections,
                      tuple(sorted(sizes.elements())), line(_field("offloaded")), regions=self._region_lines(steps),
-                     replicated=line(_field("replicated")), remainder=self.remainder, unchecked=unchecked)
+                     replicated=line(_field("replicated")), remainder=self.remainder, unchecked=unchecked, routed=routed)
 
     def _region_lines(self, steps: Sequence[tuple[Trace, int]]) -> dict[str, dict[str, int]]:
         """Each region's peak, phase by phase, drawn as :meth:`combine` draws every figure (the regions of every trace
