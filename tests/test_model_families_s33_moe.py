@@ -24,6 +24,12 @@ fewer expert adapters (196,800 B against MemTracker's 295,200 B: the whole gap b
 every expert; the planner counts the experts one step reaches. Held here: Switch within 3 %, NLLB-MoE within 12 %.
 Both are slow (a plan of a per-expert loop on fake tensors: 30-70 s on this machine).
 
+Session 34: the plan counts the optimizer states of every expert a long run updates, and of every layer LayerDrop may
+run (:mod:`lightning_hbm.planner.routed`; NLLB-MoE's gap at seed 0 was its probe step dropping the whole decoder layer
+1, ``decoder_layerdrop=0.05``, not only fewer experts), so it is now over this one-step measurement, which holds the
+states of one step's experts: Switch +7.7 %, NLLB-MoE +5.9 % (seed 0). Held here: at least the one step, at most 10 %
+over; ``tests/test_model_families_s34_moe.py`` compares Switch with the steady state where every expert has states.
+
 diffusers' Wan VAE (issue 53, session 32 left it): every block ``ActivationCheckpointing`` chooses changes the
 ``feat_cache`` / ``feat_idx`` lists it is given, so its first training forward leaves it unchecked (warned). The
 planner's trace runs the same code and already counted their activations as kept (plan = MemTracker, +0.00 %), but
@@ -49,8 +55,8 @@ from tests import test_model_families_s32 as s32
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "within"), [("nllb_moe", 0.12), ("switch", 0.03)])
-def test_moe_router_cast_in_its_forward_plans_near_memtracker(name: str, within: float, families: None) -> None:
+@pytest.mark.parametrize("name", ["nllb_moe", "switch"])
+def test_moe_router_cast_in_its_forward_plans_near_memtracker(name: str, families: None) -> None:
     family = s32.FAMILIES[name]
     plugin, callbacks = s32.recipe(name)
     torch.manual_seed(0)
@@ -59,7 +65,7 @@ def test_moe_router_cast_in_its_forward_plans_near_memtracker(name: str, within:
     assert not planned.failures and predicted.fallbacks == (), predicted.fallbacks
     measured = memtracker_peak(lambda: s29.Task(name), family.batch(1), predicted.candidate, seed=0)
     print(f"{name}: planned {predicted.peak:,} B, MemTracker {measured:,} B ({100 * (predicted.peak / measured - 1):+.2f} %)")
-    assert predicted.peak == pytest.approx(measured, rel=within)
+    assert measured <= predicted.peak <= measured * 1.10  # every expert's states against one step's (session 34)
 
 
 @pytest.fixture

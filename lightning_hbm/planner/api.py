@@ -117,6 +117,12 @@ class Prediction:
         unchecked: blocks ``ActivationCheckpointing`` chose but runs without checkpoint, their activations kept (and
             counted so): their forward changes a list or dict it is given (diffusers' Wan VAE ``feat_cache``), found on
             the first training forward of the trace as in training, with what changed.
+        routed: lists of modules some of which the traced step did not run while it ran others of their class (the
+            experts a router did not pick, layers LayerDrop skipped), with how many (``"model.encoder.block.1.layer.1.
+            mlp.experts (4 of 16 SwitchTransformersDenseActDense not run by the traced step)"``): their trainable
+            parameters' optimizer states are counted all the same, as a long run runs every one and Adam keeps the
+            states of each it has updated; their gradients are not (at the peak they are one step's).
+            :mod:`lightning_hbm.planner.routed` says which modules count.
         regions: per phase of the step, each region's peak bytes (``"before the blocks"``, ``"block 0"``, ``"after block
             -1"``, ...; :class:`~lightning_hbm.planner.peaks._PeakPoints`): where :meth:`per_rank` finds the peak of
             a rank, whose gathered parameters change from region to region.
@@ -153,6 +159,7 @@ class Prediction:
     units: dict[str, int] = field(default_factory=dict)
     forward_gradients: int = 0
     rooted_blocks: bool = False
+    routed: tuple[str, ...] = ()
 
     def per_rank(self, world_size: int) -> dict[str, int]:
         """Bytes per category at the peak of each of ``world_size`` ranks under FSDP2 (``QuantizedFSDPStrategy``).
@@ -474,6 +481,7 @@ def predict(
         units=result.units,
         forward_gradients=result.phases.get("forward", {}).get("gradients", 0),
         rooted_blocks=result.rooted_blocks,
+        routed=tuple(f"{name} ({what})" for name, what in sorted(result.routed.items())),
     )
 
 
@@ -699,6 +707,12 @@ class Plan:
         notes += [
             f"{p.candidate.name}: not checkpointed, activations kept: {'; '.join(p.unchecked)}"
             for p in self.predictions if p.unchecked
+        ]  # fmt: skip
+        notes += [
+            f"{p.candidate.name}: optimizer states counted for every expert (or dropped layer) a long run updates, "
+            "run by the traced step or not: "
+            f"{'; '.join(p.routed)}"
+            for p in self.predictions if p.routed
         ]  # fmt: skip
         notes += [f"{p.candidate.name}: {s} in {_SELECTED}" for p in self.predictions for s in p.selections]
         for p in self.predictions:  # the host terms (lightning_hbm.memory.terms): off the device, not in the peak

@@ -37,6 +37,7 @@ it is missing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -49,11 +50,14 @@ from lightning_hbm.planner.tracing import _closure_loss, apply_candidate
 
 
 def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candidate: Candidate, seed: int = 0,
-                    module_hooks: bool = True) -> int:
+                    module_hooks: bool = True, first_batches: Sequence[Any] = ()) -> int:
     """Peak bytes of one steady-state training step of ``factory()`` under ``candidate``, measured by MemTracker.
 
     ``module_hooks=False``: MemTracker without its ``ModTracker`` module hooks, which keep alive the graph of a module
-    whose output never reaches the loss (see the module's docstring); its total counts the same storages."""
+    whose output never reaches the loss (see the module's docstring); its total counts the same storages.
+    ``first_batches``: the batches of the steps run before the measured one (default: one step on ``batch``). A
+    mixture of experts routes a batch to a few experts, and its optimizer keeps the states of every expert a run has
+    updated: steps on batches that route to every expert give the steady state of a long run."""
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
     except ImportError as err:
@@ -70,7 +74,9 @@ def memtracker_peak(factory: Callable[[], pl.LightningModule], batch: Any, candi
         module.configure_model()
     optimizers = apply_candidate(module, candidate, plugin, device="cpu", batch=batch)
     batch = plugin.convert_input(torch_compat.map_tensors(lambda t: t.clone(), batch))
-    _step(module, batch, plugin, optimizers)  # the first step: gradients and optimizer states now exist
+    for first in first_batches or [batch]:  # the first steps: gradients and optimizer states now exist
+        first = first if first is batch else plugin.convert_input(torch_compat.map_tensors(lambda t: t.clone(), first))
+        _step(module, first, plugin, optimizers)
     tracker = _FrozenSafeMemTracker()
     if not module_hooks:
         torch_compat.without_module_hooks(tracker)

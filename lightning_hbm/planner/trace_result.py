@@ -52,6 +52,9 @@ class Trace:
     units: dict[str, int] = field(default_factory=dict)
     # no unit around the blocks (the LightningModule holds their list): each block an FSDP2 root of its own
     rooted_blocks: bool = False
+    # MoE expert containers some of whose experts the traced step did not route to, their optimizer states counted
+    # (a long run updates every expert; :mod:`lightning_hbm.planner.routed`): container name -> how many
+    routed: dict[str, str] = field(default_factory=dict)
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -82,10 +85,12 @@ class Trace:
         fallbacks: dict[str, str] = {}
         selections: dict[str, str] = {}
         unchecked: dict[str, str] = {}
+        routed: dict[str, str] = {}
         for each in (self, *others):
             fallbacks.update(each.fallbacks)
             selections.update(each.selections)
             unchecked.update(each.unchecked)
+            routed.update(each.routed)
         # the tensors one more block moved, once per block added
         sizes = Counter(self.host_sizes)
         for other, n in steps:
@@ -94,7 +99,7 @@ class Trace:
                      max(t.guessed for t in (self, *others)), scopes, fallbacks, line(_field("host")), selections,
                      tuple(sorted(sizes.elements())), line(_field("offloaded")), regions=self._region_lines(steps),
                      replicated=line(_field("replicated")), remainder=self.remainder, unchecked=unchecked,
-                     units=self.units, rooted_blocks=self.rooted_blocks)
+                     units=self.units, rooted_blocks=self.rooted_blocks, routed=routed)
 
     def _region_lines(self, steps: Sequence[tuple[Trace, int]]) -> dict[str, dict[str, int]]:
         """Each region's peak, phase by phase, drawn as :meth:`combine` draws every figure (the regions of every trace

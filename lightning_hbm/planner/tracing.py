@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, cast
@@ -77,6 +77,7 @@ from lightning_hbm.planner.fallbacks import UntraceableModule, _name_untraceable
 from lightning_hbm.planner.host_offload import _HostOffload, _offload_first, _offload_to_host
 from lightning_hbm.planner.peaks import _PeakPoints, _peaks_apart
 from lightning_hbm.planner.realvalues import RealValues
+from lightning_hbm.planner.routed import Routed, modules_run, routed_away
 from lightning_hbm.planner.trace_result import PHASES, Trace
 from lightning_hbm.precision import QuantizedPrecision
 from lightning_hbm.running import RunningModules
@@ -95,6 +96,8 @@ class Decided:
     """
 
     by_depth: dict[Optional[int], tuple[Optional[frozenset[str]], dict[str, Optional[str]]]] = field(default_factory=dict)
+    #: per number of blocks kept: the experts' parameters the probe step did not route to, by name, and their containers
+    routed: dict[Optional[int], tuple[frozenset[str], dict[str, str]]] = field(default_factory=dict)
     #: the model set up at each depth (:class:`_Built`), stepped again at the next length
     built: dict[Optional[int], _Built] = field(default_factory=dict)
 
@@ -102,18 +105,24 @@ class Decided:
         """Decide again at ``keep_blocks`` (a module found untraceable there now runs for real)."""
         self.by_depth.pop(keep_blocks, None)
         self.built.pop(keep_blocks, None)
+        self.routed.pop(keep_blocks, None)
 
-    def keep(self, module: nn.Module, keep_blocks: Optional[int], reached: Optional[set[int]]) -> None:
+    def keep(self, module: nn.Module, keep_blocks: Optional[int], reached: Optional[set[int]], routed: Routed) -> None:
         names = None if reached is None else frozenset(n for n, p in module.named_parameters() if id(p) in reached)
         verdicts = {name: forward.fake_verdict for name, forward in _chunked_forwards(module)}
         self.by_depth[keep_blocks] = (names, verdicts)
+        away = frozenset(n for n, p in module.named_parameters() if id(p) in routed.ids)
+        self.routed[keep_blocks] = (away, dict(routed.containers))
 
-    def restore(self, module: nn.Module, keep_blocks: Optional[int]) -> Optional[set[int]]:
-        """Set the kept verdicts on ``module``'s chunked layers; the ids of the parameters the loss reaches."""
+    def restore(self, module: nn.Module, keep_blocks: Optional[int]) -> tuple[Optional[set[int]], Routed]:
+        """Set the kept verdicts on ``module``'s chunked layers; the ids of the parameters the loss reaches, and the
+        experts' the probe step did not route to."""
         names, verdicts = self.by_depth[keep_blocks]
         for name, forward in _chunked_forwards(module):
             forward.fake_verdict = verdicts.get(name)
-        return None if names is None else {id(p) for n, p in module.named_parameters() if n in names}
+        away, containers = self.routed.get(keep_blocks, (frozenset(), {}))
+        routed = Routed({id(p) for n, p in module.named_parameters() if n in away}, dict(containers))
+        return None if names is None else {id(p) for n, p in module.named_parameters() if n in names}, routed
 
 
 def _chunked_forwards(module: nn.Module) -> Iterator[tuple[str, ChunkedForward]]:
@@ -159,13 +168,13 @@ def trace(
             fake_batch = torch_compat.map_tensors(lambda t: _fake_like(t, built.fake_mode, built.values), batch)
             built.enter(stack)
             built.fake_batch = built.plugin.convert_input(fake_batch)
-            built.reached = cast(Decided, decided).restore(built.module, keep_blocks)
+            built.reached, built.routed = cast(Decided, decided).restore(built.module, keep_blocks)
         module, optimizers, values = built.module, built.optimizers, built.values
         values.guessed, values.selections = list(built.guessed), dict(built.selections)
         stack.enter_context(tracker)
         tracker.phase = "setup"
         tracker.seed(itertools.chain(parameter_tensors(module), buffer_tensors(module), torch_compat.tensor_leaves(built.fake_batch)), "setup")
-        _first_step_state(optimizers, built.reached)
+        _first_step_state(optimizers, built.reached, built.routed.ids)
         # states created outside the dispatch (e.g. bitsandbytes' real quantization maps)
         tracker.seed(optimizer_state_tensors(optimizers), "setup")
         for hooks in built.offloads:
@@ -189,7 +198,8 @@ def trace(
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
-                 host_sizes, offloaded, where, regions, replicated, remainder, unchecked_blocks(module), apart, rooted)
+                 host_sizes, offloaded, where, regions, replicated, remainder, unchecked_blocks(module), apart, rooted,
+                 dict(built.routed.containers))
 
 
 def _remainder_unit_bytes(module: nn.Module, blocks: list[nn.Module]) -> tuple[int, dict[str, int]]:
@@ -240,6 +250,7 @@ class _Built:
     fallbacks: dict[str, str]
     reached: Optional[set[int]]
     fake_batch: Any
+    routed: Routed = field(default_factory=Routed)  # the experts' parameters the probe step did not route to
     guessed: list[str] = field(default_factory=list)  # what the setup read without values (each step adds its own)
     selections: dict[str, str] = field(default_factory=dict)
 
@@ -288,11 +299,12 @@ def _set_up(
     built.fake_batch = plugin.convert_input(fake_batch)
     fake_probe = built.fake_batch if probe_batch is None else plugin.convert_input(fake_probe)
     if decided is not None and keep_blocks in decided.by_depth:
-        built.reached = decided.restore(module, keep_blocks)
+        built.reached, built.routed = decided.restore(module, keep_blocks)
     else:
-        built.reached = _gradient_receivers(module, fake_probe, plugin)  # before the tracker: its storages are gone after
+        # before the tracker: its storages are gone after
+        built.reached, built.routed = _gradient_receivers(module, fake_probe, plugin)
         if decided is not None:
-            decided.keep(module, keep_blocks, built.reached)
+            decided.keep(module, keep_blocks, built.reached, built.routed)
     built.guessed, built.selections = list(values.guessed), dict(values.selections)
     if decided is not None:
         decided.built[keep_blocks] = built
@@ -304,15 +316,17 @@ def _part_of(submodule: nn.Module, model: nn.Module) -> bool:
     return any(m is submodule for m in model.modules())
 
 
-def _gradient_receivers(module: pl.LightningModule, batch: Any, plugin: Precision) -> Optional[set[int]]:
-    """``id``s of the parameters the traced step's loss reaches (they get a gradient), from one forward's graph.
+def _gradient_receivers(module: pl.LightningModule, batch: Any, plugin: Precision) -> tuple[Optional[set[int]], Routed]:
+    """``id``s of the parameters the traced step's loss reaches (they get a gradient), from one forward's graph; and the
+    trainable parameters of the experts that forward did not route to (:mod:`~lightning_hbm.planner.routed`).
 
     A trainable parameter the loss never reaches (LLaVA's last vision layer and its adapters under
     ``vision_feature_layer=-2``) gets no gradient, and an optimizer keeps no state for it: counting one for every
     trainable parameter overshot LLaVA's peak by 8 %. ``None`` (count every trainable parameter) when a reentrant
-    checkpoint hides the parameters of its blocks from the graph (they do get gradients).
+    checkpoint hides the parameters of its blocks from the graph (they do get gradients). An expert a long run routes
+    to keeps its optimizer states in every later step, routed to or not: the experts this forward skipped get states.
     """
-    with plugin.forward_context(), _name_untraceable(module):
+    with plugin.forward_context(), _name_untraceable(module), modules_run() as ran:
         loss, _kept = _closure_loss(module.training_step(batch, 1))
     found: set[int] = set()
     seen: set[int] = set()
@@ -323,24 +337,30 @@ def _gradient_receivers(module: pl.LightningModule, batch: Any, plugin: Precisio
             continue
         seen.add(id(node))
         if type(node).__name__ == "CheckpointFunctionBackward":  # reentrant: its forward ran without a graph
-            return None
+            return None, Routed()
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it fills
         if variable is not None:
             found.add(id(variable))
         nodes.extend(next_node for next_node, _ in node.next_functions)
-    return found
+    return found, routed_away(module, ran, found)
 
 
-def _first_step_state(optimizers: list[torch.optim.Optimizer], reached: Optional[set[int]] = None) -> None:
-    """The state a first step leaves behind, without tracing its backward: a gradient for every trained parameter
-    the loss reaches (``reached``: ids, see :func:`_gradient_receivers`; ``None``: every one), and the optimizer
-    states a step with those gradients creates."""
+def _first_step_state(optimizers: list[torch.optim.Optimizer], reached: Optional[set[int]] = None,
+                      routed: Collection[int] = ()) -> None:
+    """The state the steps before a steady one leave behind, without tracing their backward: a gradient for every
+    trained parameter the loss reaches (``reached``: ids, see :func:`_gradient_receivers`; ``None``: every one), and
+    the optimizer states a step with those gradients creates; states, but no gradient, for the experts' parameters
+    the step did not route to (``routed``: an earlier step of a long run did)."""
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if param.requires_grad and (reached is None or id(param) in reached):
+                if param.requires_grad and (reached is None or id(param) in reached or id(param) in routed):
                     param.grad = torch.zeros_like(param)
         optimizer.step()
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in routed and (reached is None or id(param) not in reached):
+                    param.grad = None  # the gradients alive at the next step's start are one step's
 
 
 def _steady_step(
