@@ -19,6 +19,7 @@ Assumptions (stated, not measured here):
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -399,12 +400,23 @@ def predict(
     ``decided``: with ``probe_batch``, what those forwards decided in an earlier prediction of the same model and
     candidate, reused (:class:`~lightning_hbm.planner.tracing.Decided`: ``max_context`` plans one model at many lengths).
     """
+    if decided is not None and probe_batch is None:
+        raise ValueError("predict(decided=...) needs the probe_batch those decisions were made on.")
+    # a Decided of this prediction alone: its batch is the one these decisions are made on (a partial offload traces one
+    # cut model at two offload counts: set up once)
+    return _predict(model, batch, candidate, device, budget, extrapolate, probe_batch,
+                    decided if decided is not None else Decided())
+
+
+def _predict(
+    model: Union[ModelLike, Template], batch: BatchLike, candidate: Candidate, device: str, budget: Optional[int],
+    extrapolate: Union[bool, Literal["auto"]], probe_batch: Any, decided: Decided,
+) -> Prediction:
+    """:func:`predict`, ``decided`` made on ``probe_batch`` or, without one, on ``batch`` (:func:`plan`)."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda' (the target of the prediction), got {device!r}.")
     if extrapolate not in (True, False, "auto"):
         raise ValueError(f"extrapolate must be True, False or 'auto', got {extrapolate!r}.")
-    if decided is not None and probe_batch is None:
-        raise ValueError("predict(decided=...) needs the probe_batch those decisions were made on.")
     if candidate.offload and device != "cuda":
         raise ValueError(
             f"{candidate.name}: offloading optimizer states to CPU memory only saves device memory on CUDA; "
@@ -424,8 +436,7 @@ def predict(
             except UntraceableModule as err:
                 if err.module_type in real_types or not err.runs_for_real:
                     raise
-                if decided is not None:  # decided with that module on fake tensors: decide again
-                    decided.forget(keep_blocks)
+                decided.forget(keep_blocks)  # decided with that module on fake tensors: decide again
                 real_types[err.module_type] = f"{type(err.__cause__).__name__}: {err.__cause__}".splitlines()[0]
 
     uncut = ""
@@ -592,6 +603,19 @@ def _partial_offload(
         if count < units - 1:
             steps.append((trace(model, batch, candidate, device, deeper, 2), units - count - 1))
     return _checked_line(first, steps, depth, model, None if count == units else count)
+
+
+def _set_ups_for(candidate: Candidate, last: tuple[Optional[Candidate], Decided]) -> tuple[Optional[Candidate], Decided]:
+    """The models set up (:class:`~lightning_hbm.planner.tracing.Decided`) that ``candidate`` traces again: the last
+    candidate's, where the two differ only by the optimizer (the grid of :func:`default_candidates` lists each
+    configuration with ``"user"`` and ``"adamw8bit"`` side by side; the surgery, the probe step and the structure-deciding
+    forward of the second were the first's again, a third of its plan), else new ones. Only the grid's own candidates
+    with a transform besides the optimizer share (one configured by hand copies the user's callbacks; without another
+    transform the optimizer's own is the model's only change, which prunes its frozen parameters from the optimizer)."""
+    key = dataclasses.replace(candidate, optimizer="user") if candidate.configured is None else None
+    if key is None or not key.callbacks():
+        return None, Decided()
+    return (key, last[1]) if key == last[0] else (key, Decided())
 
 
 class PeaksApart(Exception):
@@ -768,9 +792,11 @@ def plan(
     batch = example_batch(batch)
     template = build_template(model)  # the model is wrong (TypeError) or built once for every candidate
     predictions, failures = [], []
+    shared: tuple[Optional[Candidate], Decided] = (None, Decided())
     for candidate in candidates:
+        shared = _set_ups_for(candidate, shared)
         try:
-            predictions.append(predict(template, batch, candidate, device=device, budget=budget_bytes))
+            predictions.append(_predict(template, batch, candidate, device, budget_bytes, "auto", None, shared[1]))
         except Exception as err:  # one candidate that cannot be traced must not hide the others
             if configured and candidate is candidates[0]:
                 raise  # the user's own configuration: the error fit would raise, not a row of the table

@@ -82,7 +82,7 @@ from lightning_hbm.planner.trace_result import PHASES, Trace
 from lightning_hbm.precision import QuantizedPrecision
 from lightning_hbm.running import RunningModules
 from lightning_hbm.strategies.fsdp_qlora import remainder_units
-from lightning_hbm.surgery import SurgeryCallback, run_surgery, transform_optimizers
+from lightning_hbm.surgery import SurgeryCallback, applied_transforms, run_surgery, transform_optimizers
 
 
 @dataclass
@@ -93,6 +93,11 @@ class Decided:
     every length when it runs on the same probe batch (``max_context`` plans one model at a dozen lengths): which
     parameters the loss reaches, and each token-chunked layer's verdict (:class:`ChunkedForward`), both by name, per
     number of blocks kept. Reused, the plan is equal to the byte (``tests/planner/test_context.py``).
+
+    Also kept for one prediction (the same batch: a partial offload traces one cut model with two offload counts) and, in
+    :func:`~lightning_hbm.planner.api.plan`, for the next candidate that differs only by its optimizer (the same model
+    set up: only the optimizers are made again, :func:`_remade_optimizers`). Equal to the byte
+    (``tests/planner/test_set_up_reuse_s34.py``).
     """
 
     by_depth: dict[Optional[int], tuple[Optional[frozenset[str]], dict[str, Optional[str]]]] = field(default_factory=dict)
@@ -157,7 +162,7 @@ def trace(
     """
     tracker = LiveStorageTracker(track_peak=True)
     built = decided.built.get(keep_blocks) if decided is not None else None
-    with ExitStack() as stack:
+    with _dropped_if_failed(decided, keep_blocks), ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore")  # self.log without a Trainer, peft/bnb notices: noise during a dry run
         stack.enter_context(_quiet_logs())  # the callbacks' "applied to N blocks" lines, once per trace
@@ -169,6 +174,8 @@ def trace(
             built.enter(stack)
             built.fake_batch = built.plugin.convert_input(fake_batch)
             built.reached, built.routed = cast(Decided, decided).restore(built.module, keep_blocks)
+            if built.optimizer != candidate.optimizer:  # the next candidate of a plan: another optimizer, the same model
+                built.optimizers, built.optimizer = _remade_optimizers(built.module, candidate, device), candidate.optimizer
         module, optimizers, values = built.module, built.optimizers, built.values
         values.guessed, values.selections = list(built.guessed), dict(built.selections)
         stack.enter_context(tracker)
@@ -216,6 +223,31 @@ def _remainder_unit_bytes(module: nn.Module, blocks: list[nn.Module]) -> tuple[i
     return (outside(holder) if holder is not None else 0), apart
 
 
+@contextmanager
+def _dropped_if_failed(decided: Optional[Decided], keep_blocks: Optional[int]) -> Iterator[None]:
+    """A trace that failed half-way leaves its model set up in a state no later trace may step again: forgotten."""
+    try:
+        yield
+    except BaseException:
+        if decided is not None:
+            decided.built.pop(keep_blocks, None)
+        raise
+
+
+def _remade_optimizers(module: pl.LightningModule, candidate: Candidate, device: str) -> list[torch.optim.Optimizer]:
+    """The optimizers of ``candidate`` for ``module``, set up (and stepped) for a candidate that differs from it only by
+    its optimizer (:func:`~lightning_hbm.planner.api.plan`): the model is the same, the optimizers are made as
+    :func:`apply_candidate` makes them, after the checks of the transforms the model has not seen (the optimizer's)."""
+    transforms: list[SurgeryCallback] = candidate.callbacks()
+    applied = set(applied_transforms(module))
+    for transform in transforms:
+        if type(transform).__qualname__ not in applied:
+            transform.check_model(module)
+    for param in module.parameters():  # what the last trace's step left: each trace's first step makes its own
+        param.grad = None
+    return _optimizers(module, transforms, device)
+
+
 def unchecked_blocks(module: nn.Module) -> dict[str, str]:
     """The blocks ``ActivationCheckpointing`` chose but runs without checkpoint (their forward changes a list or dict it
     is given, decided on their first training forward: the planner's steps run the same code), and what they change."""
@@ -253,6 +285,7 @@ class _Built:
     routed: Routed = field(default_factory=Routed)  # the experts' parameters the probe step did not route to
     guessed: list[str] = field(default_factory=list)  # what the setup read without values (each step adds its own)
     selections: dict[str, str] = field(default_factory=dict)
+    optimizer: str = "user"  # the candidate's optimizer (Candidate.optimizer) its optimizers were made for
 
     def enter(self, stack: ExitStack) -> None:
         """Enter the modes a step of this model runs under."""
@@ -295,6 +328,7 @@ def _set_up(
         if type(submodule).__name__ in (real_types or {}):
             _run_for_real(submodule, fallbacks, cast(dict[str, str], real_types)[type(submodule).__name__], name)
     built.optimizers = apply_candidate(module, candidate, plugin, device, batch=fake_probe, offload_every=True)
+    built.optimizer = candidate.optimizer
     built.offloads = _offload_to_host(module) if device == "cuda" else []
     built.fake_batch = plugin.convert_input(fake_batch)
     fake_probe = built.fake_batch if probe_batch is None else plugin.convert_input(fake_probe)
@@ -458,6 +492,11 @@ def apply_candidate(
             transform.offload_blocks = None
     run_surgery(module, plugin, transforms, batch=batch)
     module.train()
+    return _optimizers(module, transforms, device)
+
+
+def _optimizers(module: pl.LightningModule, transforms: list[SurgeryCallback], device: str) -> list[torch.optim.Optimizer]:
+    """The optimizers ``configure_optimizers`` returns for the changed ``module``, transformed by ``transforms``."""
     optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())  # type: ignore[arg-type]  # Lightning's helper is typed narrower than the hook
     configs = _configure_schedulers_automatic_opt(schedulers, monitor)
     # Outside the fake mode: bitsandbytes' 8-bit optimizers build their quantization maps from Python
