@@ -20,7 +20,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,20 +32,10 @@ from lightning_hbm.precision.accuracy import centred_cosine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layers"))
 import conv_models  # noqa: E402
-from conv_models import calibrate, images  # noqa: E402
+from conv_models import Pixels, calibrate, images  # noqa: E402
 
 SIZE = 64
 
-
-class Pixels(nn.Module):
-    """A transformers image classifier called on a tensor (its forward takes ``pixel_values=``), giving its logits."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> Any:
-        return self.model(pixel_values=x).logits
 
 
 def builders() -> dict[str, Callable[[int], nn.Module]]:

@@ -12,27 +12,13 @@ import pickle
 from pathlib import Path
 
 import torch
-import transformers
 
 from lightning_hbm import ActivationCheckpointing, record
 from lightning_hbm.activations import block_forward, recompute
 from lightning_hbm.layers.blocks import find_blocks as moved_find_blocks
+from tests.test_renamed_s33 import _llama, _loss_and_grads  # the same Llama and step, one definition
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _llama() -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
-
-
-def _loss_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    model.train()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
 def test_the_callback_module_holds_the_callback_only() -> None:

@@ -3,6 +3,8 @@ the CPU torch this project tests with): torchvision's resnet18, timm's Efficient
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -191,6 +193,17 @@ class MobileNetV3FPN(nn.Module):
         top = self.inner[1](c5)
         low = self.inner[0](c4) + F.interpolate(top, size=c4.shape[-2:])
         return [self.outer[0](low), self.outer[1](top)]
+
+
+class Pixels(nn.Module):
+    """A transformers image classifier called on a tensor (its forward takes ``pixel_values=``), giving its logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.model(pixel_values=x).logits
 
 
 def images(batch: int, seed: int, batches: int = 1, size: int = 64) -> list[torch.Tensor] | torch.Tensor:
