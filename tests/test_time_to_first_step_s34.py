@@ -23,13 +23,7 @@ from lightning_hbm.probe import Stepped, forwarding, stepped_inputs
 
 transformers = pytest.importorskip("transformers")
 
-
-def llama() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                      max_position_embeddings=64)  # fmt: skip
-    batch = dict(input_ids=torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(1)))
-    return transformers.LlamaForCausalLM(config), batch
+from tests.test_accuracy_check_cost_s33 import llama  # noqa: E402  (the same tiny Llama and batch, one definition)
 
 
 class NoForward(pl.LightningModule):
