@@ -23,18 +23,7 @@ from lightning_hbm.probe import Stepped, forwarding, stepped_inputs
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_accuracy_check_cost_s33 import llama  # noqa: E402  (the same tiny Llama and batch, one definition)
-
-
-class NoForward(pl.LightningModule):
-    """What a user writes: no ``forward``, ``training_step`` calls the model."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.model, self.batch = llama()
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.model(**batch).logits.float().mean()
+from tests.test_accuracy_check_cost_s33 import NoForward, llama  # noqa: E402  (one definition of each)
 
 
 class WithForward(NoForward):
