@@ -125,8 +125,9 @@ def offload_cost(tokens: int = 8192, steps: int = 4) -> None:
         torch.cuda.empty_cache()
 
 
-def gpu_check() -> None:
-    """Train 2 steps of the 8B shape (random weights) at the length predicted for this device's free memory and 70 %
+def gpu_check(budget_gib: Optional[float] = None) -> None:
+    """Train 2 steps of the 8B shape (random weights) at the length predicted for ``budget_gib`` (default: 90 % of this
+    device's free memory) and 70 %
     of the host's free RAM (the pinned block inputs), and compare the pinned bytes torch's host allocator handed out
     (its own count, ``torch.cuda.host_memory_stats``) with the planned host bytes (the pieces: not yet run on GPU)."""
     import lightning.pytorch as pl
@@ -138,7 +139,8 @@ def gpu_check() -> None:
     if not torch.cuda.is_available():
         sys.exit("--gpu-check needs a CUDA device")
     free, _ = torch.cuda.mem_get_info()
-    budget, host = int(free * 0.9), int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") * 0.7)
+    budget = int(free * 0.9) if budget_gib is None else int(budget_gib * 2**30)
+    host = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") * 0.7)
     result = max_context(partial(LlamaLM, **LLAMA_8B_LONG), budget, plugin=plugin(), callbacks=callbacks(), host_budget=host)
     print(f"predicted for {format_bytes(budget)}: {result}")
     tokens, choices = result.tokens, result.choices
@@ -148,11 +150,29 @@ def gpu_check() -> None:
     with torch.device("cuda"):
         model = LlamaLM(**LLAMA_8B_LONG)
     batch = synthetic_batch(1, tokens, vocab_size=LLAMA_8B["vocab_size"])
+    steps: list[tuple[float, int]] = []
+
+    class _StepPeak(pl.Callback):
+        # each step's own peak: the fp32 model built on the device before the fit is not the step's
+        def on_train_batch_start(self, *args: object) -> None:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *args: object) -> None:
+            torch.cuda.synchronize()
+            steps.append((time.perf_counter() - self.start, torch.cuda.max_memory_allocated()))
+
+    trainer.callbacks.append(_StepPeak())  # type: ignore[attr-defined]  # Lightning's list of callbacks
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     trainer.fit(model, DataLoader([tuple(t[0] for t in batch)] * 2, batch_size=1))
     print(f"trained 2 steps at {tokens:,} tokens in {time.perf_counter() - start:.0f} s: max_memory_allocated "
           f"{format_bytes(torch.cuda.max_memory_allocated())}, predicted peak {format_bytes(result.prediction.peak)}")
+    for i, (seconds, peak) in enumerate(steps):
+        print(f"step {i}: {seconds:.1f} s, step peak (max_memory_allocated) {format_bytes(peak)} = {peak:,} B; predicted "
+              f"{result.prediction.peak:,} B ({100 * (result.prediction.peak / peak - 1):+.2f} %), budget {budget:,} B")
+    print(f"prediction terms: {result.prediction.terms if hasattr(result.prediction, 'terms') else ''}")
     pinned = torch.cuda.host_memory_stats().get("active_bytes.peak", 0)
     print(f"pinned (host allocator's active_bytes.peak) {format_bytes(pinned)}, planned host {format_bytes(result.host)} "
           f"(host budget {format_bytes(host)})")
@@ -167,12 +187,13 @@ if __name__ == "__main__":
     parser.add_argument("--max-regenerate", type=int, default=1,
                         help="with --host-budget: the most blocks per kept input max_context may choose (the others remade)")
     parser.add_argument("--gpu-check", action="store_true")
+    parser.add_argument("--gpu-budget", type=float, default=None, help="GiB for --gpu-check (default: 90 %% of free)")
     parser.add_argument("--offload-cost", action="store_true")
     args = parser.parse_args()
     if args.offload_cost:
         offload_cost()
     elif args.gpu_check:
-        gpu_check()
+        gpu_check(args.gpu_budget)
     else:
         for shape in [args.shape] if args.shape else list(SHAPES):
             table(shape, args.budgets or sorted(SHAPES[shape][1]), args.host_budget, args.max_regenerate)
