@@ -30,7 +30,8 @@ run() { local limit=$1 name=$2; shift 2; echo "== $name: $*" >> "$OUT/$name.log"
 
 if [ "$PART" = memory ]; then
   # 1. the marked GPU tests (precision, profiler, LoRA, activations, optimizer, int8-dynamic, planner, FSDP)
-  run 300 pytest_gpu -m pytest -q -m gpu -p no:cacheprovider -n 4 --durations=10 &
+  # (only the files that hold one: collecting the whole suite in 4 workers takes minutes of the lease)
+  run 300 pytest_gpu -m pytest -q -m gpu -p no:cacheprovider -n 4 --durations=10 $(grep -rl "mark.gpu" tests | sort) &
   # 2. max_context's answer for the 8B shape at 8 GiB (Unsloth's 8 GB row: 2,972 tokens), trained 2 steps there:
   #    each step's max_memory_allocated against the prediction, the pinned host bytes against the planned host bytes
   run 330 max_context -u benchmarks/max_context.py --gpu-check --gpu-budget 8 &
