@@ -1,7 +1,8 @@
 """``StepMemory``: one training step's memory measured, term by term, and the measured steps kept as rows.
 
-The domain object under :class:`~lightning_hbm.profiling.profiler.HBMProfiler`, as Lightning's ``Throughput`` is under
-``ThroughputMonitor``: it knows trackers, terms and rows, not Trainers. The callback decides which steps are measured
+The step-level domain object under :class:`~lightning_hbm.profiling.memory_profile.MemoryProfile` (and so under
+:class:`~lightning_hbm.profiling.profiler.HBMProfiler`), as Lightning's ``Throughput`` is under
+``ThroughputMonitor``: it knows trackers, terms and rows, not Trainers. Its caller decides which steps are measured
 and when a step's forward ends; this module measures them (light: the forward's activations; detailed: the whole
 step's tracked peak, a per-module breakdown and, op by op, the picture) and keeps at most ``max_rows`` rows.
 """
