@@ -19,12 +19,20 @@ metric). The times are ratios against the plan on 4 measured in the same process
         --models "torchvision mobilenet_v2" "torchvision resnet18" "timm efficientnet_b0"
 
 (the second: ``pip install --target /tmp/h2site --no-deps torchvision==0.28.0 timm``, a throw-away folder).
+
+``--fit``: the time to the first step through the Trainer (a loader of 10 batches of 4 images, the default plugin),
+the check on 32 samples (now) against the first batch (``CHECK_SAMPLES = 0``: before), interleaved, median of 3:
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/conv_probe_samples.py --fit --models ResNet18 "MobileNetV3-FPN backbone" \
+        "transformers ResNet (10 classes)" "transformers ConvNeXt (10 classes)" --seeds 0
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import logging
+import statistics
 import sys
 import time
 import warnings
@@ -37,10 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layers"))
 from conv_check_heldout import SIZE, builders, computed  # noqa: E402 - first: its --schema-shim runs before lightning
 from conv_models import calibrate, images  # noqa: E402
+from lightning.pytorch import LightningModule, Trainer  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_hbm import QuantizedPrecision  # noqa: E402
 from lightning_hbm.layers import coverage  # noqa: E402
+from lightning_hbm.precision import quantization  # noqa: E402
 from lightning_hbm.precision.accuracy import centred_cosine, outputs  # noqa: E402
 
 
@@ -93,6 +104,52 @@ def run(name: str, build: Any, seed: int, plans: list[int], checks: list[int]) -
                       f"{got['bytes']:.3f} | +{seconds:.2f} s ({(got['seconds'] + seconds) / base_s:.2f}x) |", flush=True)
 
 
+class _Net(LightningModule):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.model(x)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        out = self(batch)
+        return sum(t.float().square().mean() for t in (out if isinstance(out, list) else [out]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def fit_seconds(reference: nn.Module, samples: int, seed: int) -> float:
+    """Wall seconds of ``trainer.fit`` to its first step (``max_steps=1``, the default plugin) on a loader of 10 batches
+    of 4 images, the check on ``samples`` (0: the first batch, as before session 35)."""
+    quantization.CHECK_SAMPLES = samples
+    trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, plugins=[QuantizedPrecision()])  # fmt: skip
+    loader = DataLoader([images(4, seed=300 + 10 * seed + j, size=SIZE) for j in range(10)], batch_size=None)
+    start = time.perf_counter()
+    trainer.fit(_Net(copy.deepcopy(reference)), loader)
+    return time.perf_counter() - start
+
+
+def fits(names: list[str], seeds: list[int], repeats: int) -> None:
+    """``--fit``: the time to the first step with the check on 32 samples against the first batch, interleaved."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    print("| model | seed | time to the first step: first batch (before) / 32 samples (now), median of each | ratio |")
+    print("|---|---:|---|---:|")
+    for name, build in builders().items():
+        for seed in seeds if not names or name in names else ():
+            torch.manual_seed(seed)
+            reference = calibrate(build(), images(8, seed=10 + seed, batches=4, size=SIZE))
+            fit_seconds(reference, 0, seed)  # warm-up
+            times: dict[int, list[float]] = {0: [], 32: []}
+            for _ in range(repeats):
+                for samples in (0, 32):
+                    times[samples].append(fit_seconds(reference, samples, seed))
+            before, now = (statistics.median(times[k]) for k in (0, 32))
+            print(f"| {name} | {seed} | {before:.1f} s / {now:.1f} s | {now / before:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
@@ -100,8 +157,13 @@ def main() -> None:
     parser.add_argument("--plans", nargs="+", type=int, default=[4, 16])
     parser.add_argument("--checks", nargs="+", type=int, default=[8, 16, 32])
     parser.add_argument("--schema-shim", action="store_true", help="torchvision / timm: see conv_check_heldout.py")
+    parser.add_argument("--fit", action="store_true", help="the time to the first step, check on 32 samples vs the first batch")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    if args.fit:
+        fits(args.models or [], args.seeds, args.repeats)
+        return
     print("| model | seed | arm | check | held out 16 | held out 64 | B/conv weight | fit start (x plan on 4) |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for name, build in builders().items():

@@ -101,7 +101,7 @@ def test_a_probe_batch_the_user_gives_is_measured_as_given(backbone: nn.Module, 
 
 def test_the_modes_are_chosen_on_the_first_batch_and_the_check_adds_two_forwards_of_32(tmp_path: Any) -> None:
     """A transformers ResNet in nf4-dq: every forward of the mode choice on the first batch of 4, the reference and the
-    quantized model's forward on the first 32 images (the cost: those two forwards, 1.02-1.14x the conversion)."""
+    quantized model's forward on the first 32 images (the cost: those two forwards)."""
     torch.manual_seed(0)
     config = tf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 32, 64], depths=[1, 1, 1, 1], num_labels=10)
     model = calibrate(Pixels(tf.ResNetForImageClassification(config)), images(8, seed=10, batches=2, size=32))

@@ -123,7 +123,8 @@ class ConvAccuracy:
 #: the fewest samples the fit-start check of a model with quantized convolutions measures where the plugin draws its
 #: probe (no ``probe_batch``): the first training batches joined up to this many, the convolutions' modes still chosen on
 #: the first (session 35, ``benchmarks/conv_probe_samples.py``: on 4 images the check was quiet at 0.986 where 64 held-out
-#: images read 0.975; on 32, no run of 20 quiet under 0.98 held out, for 1.02-1.14x the conversion's time)
+#: images read 0.975; on 32, no run of 20 quiet under 0.98 held out; the time to the first step 0.93-1.57x, noise to two
+#: forwards on 32 images)
 CHECK_SAMPLES = 32
 
 #: the most output values kept for the figure (16 MiB in fp32): a language model with a convolution (Mamba's conv1d)
