@@ -43,6 +43,19 @@ def first_batches(trainer: Optional[pl.Trainer], who: str, min_tokens: int, most
     Raises:
         ValueError: the Trainer has no train dataloader, or it is empty.
     """
+    return first_and_joined(trainer, who, min_tokens, 0, most)[1]
+
+
+def first_and_joined(trainer: Optional[pl.Trainer], who: str, min_tokens: int, min_samples: int, most: int = 16) -> tuple[Any, Any]:
+    """The first batch of ``trainer``'s train dataloader, and its first batches joined as :func:`first_batches` joins
+    them until they hold ``min_tokens`` tokens and ``min_samples`` samples (the first tensor's first dimension), from
+    one pass: the fit-start accuracy check of a conv net measures more images than the convolutions' modes are chosen
+    on (:data:`~lightning_hbm.precision.accuracy.CHECK_SAMPLES`, session 35). The same object twice where one batch
+    is enough (or the loader gives one).
+
+    Raises:
+        ValueError: the Trainer has no train dataloader, or it is empty.
+    """
     loader = lightning_compat.train_dataloader(trainer) if lightning_compat.has_train_dataloader(trainer) else None
     if loader is None:
         raise ValueError(
@@ -57,12 +70,18 @@ def first_batches(trainer: Optional[pl.Trainer], who: str, min_tokens: int, most
         if longer is None:  # the last one does not join the others: stop before it
             return True
         joined[:] = [longer]
-        return len(drawn) >= most or _tokens(longer) >= min_tokens
+        return len(drawn) >= most or (_tokens(longer) >= min_tokens and samples(longer) >= min_samples)
 
     batches = torch_compat.leading_batches(loader, enough)  # a loader read once: its first batch, enough not asked
     if not batches:
         raise ValueError(f"{who} found no probe batch: the Trainer's train dataloader is empty. Pass {who}(probe_batch=...) or a loader with at least one batch.")
-    return joined[0] if joined else batches[0]
+    return batches[0], joined[0] if joined else batches[0]
+
+
+def samples(batch: Any) -> int:
+    """The samples of ``batch``: its first tensor's first dimension (0: no tensor, or a 0-d one)."""
+    leaves = torch_compat.tensor_leaves(batch)
+    return leaves[0].shape[0] if leaves and leaves[0].dim() else 0
 
 
 def _tokens(batch: Any) -> int:
@@ -102,4 +121,4 @@ def _join(batches: list[Any]) -> Any:
     return tree_unflatten(joined, spec)
 
 
-__all__ = ["first_batch", "first_batches"]
+__all__ = ["first_and_joined", "first_batch", "first_batches", "samples"]

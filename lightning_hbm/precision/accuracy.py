@@ -43,6 +43,13 @@ whose output cannot be recorded is logged (no convolution) or warned (convolutio
 forward and the reference (one forward of the model as built where no plan ran one), the per-layer cosines only under
 the threshold (where the warning names the layers): on SmolLM2-135M, 128 tokens, 2-core CPU, 1.25x the time to the
 first step (session 33; 1.34x in session 32: ``benchmarks/accuracy_check_cost.py``, benchmarks/README.md).
+
+Since session 35 a model with quantized convolutions whose probe the plugin draws (no ``probe_batch``) is checked on
+the first training batches joined up to :data:`CHECK_SAMPLES` samples, its 4-bit modes still chosen on the first batch
+(``Quantization._probes_once``; the reference then one forward of the model as built on those samples): the figure of
+a batch of 4 images is the figure of those 4 (batches of 4 read up to 0.04 apart under one quantized model), quiet at
+0.983-0.986 where 64 held-out images read 0.915-0.975; on 32, no run of 20 on the wrong side of the threshold
+(``benchmarks/conv_probe_samples.py``). :attr:`ConvAccuracy.samples` says how many were measured.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.precision.accuracy_layers import layers_fix, layers_stored, named, recording_inputs, responsible
 from lightning_hbm.probe import MASK_AS_COMPUTED, MASK_VALUE, Stepped, recorded_forward
+from lightning_hbm.probe_batch import samples
 from lightning_hbm.probe_record import Call, Followed, Selection, agreeing_calls, diverging, recording_calls, recording_selections
 
 log = logging.getLogger(__name__)
@@ -108,7 +116,16 @@ class ConvAccuracy:
     #: first (:func:`~lightning_hbm.precision.accuracy_layers.responsible`; session 32); measured only under the
     #: threshold, where the warning names them (empty at or above it: session 33, the check's cost)
     layers: list[tuple[str, float, float]] = field(default_factory=list)
+    #: the samples measured (the first tensor's first dimension of the batch the forward was given; 0: none)
+    samples: int = 0
 
+
+#: the fewest samples the fit-start check of a model with quantized convolutions measures where the plugin draws its
+#: probe (no ``probe_batch``): the first training batches joined up to this many, the convolutions' modes still chosen on
+#: the first (session 35, ``benchmarks/conv_probe_samples.py``: on 4 images the check was quiet at 0.986 where 64 held-out
+#: images read 0.975; on 32, no run of 20 quiet under 0.98 held out; the time to the first step 0.93-1.57x, noise to two
+#: forwards on 32 images)
+CHECK_SAMPLES = 32
 
 #: the most output values kept for the figure (16 MiB in fp32): a language model with a convolution (Mamba's conv1d)
 #: gives logits of hundreds of millions of values on the probe; above this, every k-th value, the same on both sides
@@ -625,10 +642,11 @@ def check_accuracy(
     measured = measure(reference, got, calls, followed, threshold, getattr(config, "accuracy_at", None), config.torch_dtype)
     measured.seconds = time.perf_counter() - start
     measured.selections, measured.followed, measured.unfollowed = len(reference.selections), followed.differed, followed.stopped
+    measured.samples = samples((reference.args, reference.kwargs))
     if measured.cosine < threshold:  # the layers are named only in the warning under it (NaN: no figure, none named)
         measured.layers = responsible(reference.calls, calls, reference.inputs, inputs, centred_cosine)
-    log.info("lightning_hbm: output cosine of the quantized model on the probe batch: %.4f (threshold %s; %d values not finite; %s%s)",
-             measured.cosine, threshold, measured.nonfinite, measured.measured_at or "every output", _routes(measured))  # fmt: skip
+    log.info("lightning_hbm: output cosine of the quantized model on the probe batch (%d samples): %.4f (threshold %s; %d values not finite; %s%s)",
+             measured.samples, measured.cosine, threshold, measured.nonfinite, measured.measured_at or "every output", _routes(measured))  # fmt: skip
     warning = accuracy_warning(measured, layers, config.torch_dtype, base, config.format.peft_kind == "4bit", convs)
     if warning is not None:
         rank_zero_warn(warning)
@@ -636,4 +654,4 @@ def check_accuracy(
     return measured
 
 
-__all__ = ["KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_at_unused", "accuracy_warning", "centred_cosine", "check_accuracy", "check_accuracy_at", "echoes", "measure", "MASK_VALUE", "outputs", "overflowed", "unmeasured_reference_warning"]
+__all__ = ["CHECK_SAMPLES", "KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_at_unused", "accuracy_warning", "centred_cosine", "check_accuracy", "check_accuracy_at", "echoes", "measure", "MASK_VALUE", "outputs", "overflowed", "unmeasured_reference_warning"]

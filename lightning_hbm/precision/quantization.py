@@ -45,7 +45,7 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
 from lightning_hbm.layers.correction import saved_factors
 from lightning_hbm.layers.embedding import is_plain_embedding
-from lightning_hbm.precision.accuracy import ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, unmeasured_reference_warning
+from lightning_hbm.precision.accuracy import CHECK_SAMPLES, ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, unmeasured_reference_warning
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.gptq import DIGEST_KEY, GPTQRounding, input_statistics
@@ -55,7 +55,7 @@ from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_TARGET_COS
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
 from lightning_hbm.precision.targets import SMALL_EMBEDDING_VALUES, Listing, TargetRule, _validate, layer_modes_of, quantize_listed
 from lightning_hbm.probe import Probe, Stepped, eval_no_grad, forward_on, forwarding, has_forward, stepped_inputs
-from lightning_hbm.probe_batch import first_batches
+from lightning_hbm.probe_batch import first_and_joined, first_batches
 
 #: the settings key recording which input embeddings were kept wide while the others were converted (session 32)
 KEPT_UNDER = "embeddings_kept_under"
@@ -293,7 +293,9 @@ class Quantization:
         # a LightningModule without forward: measured through the submodule its training_step calls (issue 53)
         self._stepped = None
         stepping = [name for name, _ in targets] if not fake and not has_forward(module) else None
-        drawn = self._probe_once(module, trainer)  # drawn at the first measure, then handed to each
+        # drawn at the first measure, then handed to each; a conv net's accuracy check measures more samples (session 35)
+        conv_net = stepping is None and not fake and any(CONV.matches(layer) for _, layer in targets)
+        drawn, checked = self._probes_once(module, trainer, CHECK_SAMPLES if conv_net else 0)
         probe = drawn if stepping is None else functools.cache(lambda: self._stepping(drawn(), stepping))
         with forwarding(module, lambda: self._stepped):
             self._measure(module, targets, trainer, inputs=True, smooth=True, probe=probe)  # smoothed before the plan, which measures it
@@ -308,9 +310,10 @@ class Quantization:
             # is not worth opening the train loader, which such a run never asked for)
             names = [name for name, _ in targets] if convs or trainer is None or trainer.state.fn == "fit" else []
             self.conv_accuracy, self._reference = None, Reference(names, convs) if names and not fake else None
-            with self._reference.recording(module) if self._reference is not None else nullcontext():
-                self._choose_conv_modes(module, convs, trainer, probe)  # its first forward is the model as built: the reference
-            self._record_reference(module, probe)
+            # the mode choice's first forward is the model as built: the reference, where the check measures its batch
+            with self._reference.recording(module) if self._reference is not None and _one_batch(drawn, checked) else nullcontext():
+                self._choose_conv_modes(module, convs, trainer, probe)
+            self._record_reference(module, probe if checked is drawn else checked, None if checked is drawn else drawn)
             if self._reference is not None:  # the quantized model's forward runs where the model as built's ran
                 self._reference.stepped = self._stepped
         self._stepped = None
@@ -381,16 +384,22 @@ class Quantization:
             rank_zero_warn(gap)
         return quantized
 
-    def _record_reference(self, module: nn.Module, probe: Callable[[], Probe]) -> None:
+    def _record_reference(self, module: nn.Module, probe: Callable[[], Probe], first: Optional[Callable[[], Probe]] = None) -> None:
         """The model as built on the probe, for :func:`~lightning_hbm.precision.accuracy.check_accuracy`, where the convolutions' mode choice did not record it:
-        one forward (none without a quantized convolution; without a probe batch or a forward: logged, not measured)."""
+        one forward (none without a quantized convolution; without a probe batch or a forward: logged, not measured).
+        ``first``: the first training batch, measured instead where ``probe`` (a conv net's first batches joined up to
+        :data:`~lightning_hbm.precision.accuracy.CHECK_SAMPLES` samples) runs out of memory (a batch size chosen for memory)."""
         reference = self._reference
         if reference is None or reference.output is not None:
             return
         try:
-            batch = probe().batch
-            with eval_no_grad(module), reference.recording(module), torch_compat.preserved_rngs():  # the user's RNG draws as they were
-                forward_on(module, batch)  # any output: every floating tensor of it is the reference
+            try:
+                _recorded_forward(module, reference, probe().batch)
+            except torch.OutOfMemoryError as error:
+                if first is None:
+                    raise
+                log.info("lightning_hbm: the accuracy check measures the first training batch: the first %d samples ran out of memory (%s)", CHECK_SAMPLES, error)
+                _recorded_forward(module, reference, first().batch)
         except Exception as error:  # noqa: BLE001 - a measurement never stops a healthy model: said, with the fix
             self._reference = None
             if not reference.convs:  # no convolution: a LightningModule without forward (the usual one) is no warning
@@ -458,6 +467,20 @@ class Quantization:
         first call (a resume may measure nothing), the same :class:`~lightning_hbm.probe.Probe` after (a batch that
         cannot be drawn raises at every call, as :meth:`probe`)."""
         return functools.cache(lambda: Probe(module, self.probe(trainer)))
+
+    def _probes_once(self, module: nn.Module, trainer: Any, samples: int) -> tuple[Callable[[], Probe], Callable[[], Probe]]:
+        """The probe of the surgery's measures (:meth:`_probe_once`) and the one its accuracy check measures: the same,
+        but where ``samples`` (a conv net's :data:`~lightning_hbm.precision.accuracy.CHECK_SAMPLES`) is more than the
+        first training batch holds and the plugin draws its probe itself (no ``probe_batch``, no ``correction_rank``):
+        then the first batches joined up to ``samples``, from the same pass (:func:`~lightning_hbm.probe_batch.first_and_joined`).
+        The measures choose on the first batch as before; the check reads what held-out data reads (a probe of 4 images
+        read 0.986 where 64 held-out images read 0.975, and was quiet: ``benchmarks/conv_probe_samples.py``)."""
+        if not samples or self.config.probe_batch is not None or self.correction is not None:
+            drawn = self._probe_once(module, trainer)
+            return drawn, drawn
+        both = functools.cache(lambda: first_and_joined(trainer, "QuantizedPrecision", 0, samples, most=samples))
+        first = functools.cache(lambda: Probe(module, both()[0]))
+        return first, functools.cache(lambda: first() if both()[1] is both()[0] else Probe(module, both()[1]))
 
     def _stepping(self, probe: Probe, names: list[str]) -> Probe:
         """``probe``, once the submodule of a LightningModule without forward holding every layer ``names`` is found
@@ -627,6 +650,24 @@ class Quantization:
             self.gptq.save(meta)
         if self.smoothing is not None:
             self.smoothing.save(meta)
+
+
+def _recorded_forward(module: nn.Module, reference: Reference, batch: Any) -> None:
+    """One forward of the model as built on ``batch``, recorded as the accuracy check's reference."""
+    with eval_no_grad(module), reference.recording(module), torch_compat.preserved_rngs():  # the user's RNG draws as they were
+        forward_on(module, batch)  # any output: every floating tensor of it is the reference
+
+
+def _one_batch(drawn: Callable[[], Probe], checked: Callable[[], Probe]) -> bool:
+    """Whether the accuracy check measures the batch the measures choose on (:meth:`Quantization._probes_once`): then
+    the mode choice's first forward records the reference; else one forward more on the check's batch. No batch to
+    draw: ``True`` (nothing is recorded either way; the mode choice says why)."""
+    if checked is drawn:
+        return True
+    try:
+        return checked() is drawn()
+    except ValueError:
+        return True
 
 
 def _sharding_strategy(trainer: Any) -> Optional[str]:
