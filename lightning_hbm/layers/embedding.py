@@ -52,7 +52,7 @@ def slice_rows(in_features: int, dtype: torch.dtype, tokens: Optional[int] = Non
 
 class SlicedLinear(torch.autograd.Function):
     """``x @ W.T`` of a frozen quantized layer, ``W`` unpacked a slice of output rows at a time, in the forward and
-    again in the backward (``QuantFormat.gather_rows``): never the whole ``[vocab, hidden]`` weight (1 GiB in bf16 for
+    again in the backward (``QuantFormat.gather_range``: views of the stored rows where the format can): never the whole ``[vocab, hidden]`` weight (1 GiB in bf16 for
     Llama-3-8B's head). ``FusedLoss`` computes a 4-bit head this way; a head tied to a quantized embedding always does."""
 
     @staticmethod
@@ -65,7 +65,7 @@ class SlicedLinear(torch.autograd.Function):
         rows_of_out = out.view(-1, vocab)
         for start in torch_compat.chunk_starts(vocab, rows, flat):
             stop = min(vocab, start + rows)
-            weight = fmt.gather_rows(layer, torch.arange(start, stop, device=x.device), dtype)
+            weight = fmt.gather_range(layer, start, stop, dtype, x.device)
             rows_of_out[:, start:stop] = flat @ weight.t()
             del weight  # not beside the next slice's
         ctx.layer, ctx.fmt, ctx.dtype, ctx.rows, ctx.x_dtype, ctx.x_shape = layer, fmt, dtype, rows, x.dtype, x.shape
@@ -80,7 +80,7 @@ class SlicedLinear(torch.autograd.Function):
         total = torch.zeros(flat.shape[0], ctx.x_shape[-1], dtype=torch.float32, device=grad.device)
         for start in torch_compat.chunk_starts(vocab, ctx.rows, flat):
             stop = min(vocab, start + ctx.rows)
-            weight = ctx.fmt.gather_rows(ctx.layer, torch.arange(start, stop, device=grad.device), ctx.dtype)
+            weight = ctx.fmt.gather_range(ctx.layer, start, stop, ctx.dtype, grad.device)
             total += flat[:, start:stop].to(ctx.dtype) @ weight
             del weight
         return total.to(ctx.x_dtype).view(ctx.x_shape), None, None, None

@@ -375,6 +375,15 @@ def observe(module: nn.Module, batch: Any, layers: dict[str, nn.Module], step: s
     return seen
 
 
+def adopt(module: nn.Module, seen: Observation, layers: dict[str, nn.Module]) -> None:
+    """``seen``, what the probe step saw on a model set up as ``module`` is (the same classes, names, dtypes and shapes,
+    the same ``layers`` by name, the same batch), as ``module``'s own: its served layers marked as :func:`observe` marks
+    them. The planner's set-ups of one cut model for several candidates step it once."""
+    for name in seen.served:
+        read_weight.mark_served(layers[name], seen.reads[name].reader)
+    _OBSERVED[module] = seen
+
+
 def _served(recorder: _Recorder, layers: dict[str, nn.Module]) -> frozenset[str]:
     """The read layers whose weight, stored quantized, will compute for every read the probe saw (none writes to it,
     the layer is a plain ``nn.Linear``): marked for the formats' ``replace`` (``read_weight.readable``). A layer whose
@@ -505,4 +514,4 @@ def guard_unobserved(
     return sorted(by_reader)
 
 
-__all__ = ["Observation", "Read", "UnobservedRead", "guard_unobserved", "observation", "observe", "observed_readers", "preserved_rngs", "see_as"]
+__all__ = ["Observation", "Read", "UnobservedRead", "adopt", "guard_unobserved", "observation", "observe", "observed_readers", "preserved_rngs", "see_as"]

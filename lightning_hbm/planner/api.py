@@ -605,17 +605,19 @@ def _partial_offload(
     return _checked_line(first, steps, depth, model, None if count == units else count)
 
 
-def _set_ups_for(candidate: Candidate, last: tuple[Optional[Candidate], Decided]) -> tuple[Optional[Candidate], Decided]:
+def _set_ups_for(candidate: Candidate, last: tuple[Optional[Candidate], Decided],
+                 probes: dict[tuple, Any]) -> tuple[Optional[Candidate], Decided]:
     """The models set up (:class:`~lightning_hbm.planner.tracing.Decided`) that ``candidate`` traces again: the last
     candidate's, where the two differ only by the optimizer (the grid of :func:`default_candidates` lists each
     configuration with ``"user"`` and ``"adamw8bit"`` side by side; the surgery, the probe step and the structure-deciding
     forward of the second were the first's again, a third of its plan), else new ones. Only the grid's own candidates
     with a transform besides the optimizer share (one configured by hand copies the user's callbacks; without another
-    transform the optimizer's own is the model's only change, which prunes its frozen parameters from the optimizer)."""
+    transform the optimizer's own is the model's only change, which prunes its frozen parameters from the optimizer).
+    Every set-up of the plan shares ``probes``: the probe step of a cut model set up alike, whatever the candidate."""
     key = dataclasses.replace(candidate, optimizer="user") if candidate.configured is None else None
     if key is None or not key.callbacks():
-        return None, Decided()
-    return (key, last[1]) if key == last[0] else (key, Decided())
+        return None, Decided(probes=probes)
+    return (key, last[1]) if key == last[0] else (key, Decided(probes=probes))
 
 
 class PeaksApart(Exception):
@@ -792,9 +794,10 @@ def plan(
     batch = example_batch(batch)
     template = build_template(model)  # the model is wrong (TypeError) or built once for every candidate
     predictions, failures = [], []
-    shared: tuple[Optional[Candidate], Decided] = (None, Decided())
+    probes: dict[tuple, Any] = {}  # the probe steps of the cut models, shared by every candidate's set-up
+    shared: tuple[Optional[Candidate], Decided] = (None, Decided(probes=probes))
     for candidate in candidates:
-        shared = _set_ups_for(candidate, shared)
+        shared = _set_ups_for(candidate, shared, probes)
         try:
             predictions.append(_predict(template, batch, candidate, device, budget_bytes, "auto", None, shared[1]))
         except Exception as err:  # one candidate that cannot be traced must not hide the others

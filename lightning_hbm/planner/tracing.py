@@ -46,6 +46,7 @@ from lightning_hbm._compat import _configure_optimizers, _configure_schedulers_a
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.activations import ActivationCheckpointing
 from lightning_hbm.activations.token_chunks import ChunkedForward
+from lightning_hbm.layers import readers
 from lightning_hbm.memory import (
     LiveStorageTracker,
     owned_storages,
@@ -83,6 +84,7 @@ from lightning_hbm.precision import QuantizedPrecision
 from lightning_hbm.running import RunningModules
 from lightning_hbm.strategies.fsdp_qlora import remainder_units
 from lightning_hbm.surgery import SurgeryCallback, applied_transforms, run_surgery, transform_optimizers
+from lightning_hbm.surgery.probe_step import SharedProbe
 
 
 @dataclass
@@ -105,6 +107,9 @@ class Decided:
     routed: dict[Optional[int], tuple[frozenset[str], dict[str, str]]] = field(default_factory=dict)
     #: the model set up at each depth (:class:`_Built`), stepped again at the next length
     built: dict[Optional[int], _Built] = field(default_factory=dict)
+    #: what the surgery's probe step saw on a model set up alike (:class:`_SharedProbe`); :func:`~lightning_hbm.planner.api.plan`
+    #: hands one dict to the set-ups of all its candidates (another precision or checkpointing, the same cut model)
+    probes: dict[tuple, tuple[Any, readers.Observation, list[str], dict[str, str]]] = field(default_factory=dict)
 
     def forget(self, keep_blocks: Optional[int]) -> None:
         """Decide again at ``keep_blocks`` (a module found untraceable there now runs for real)."""
@@ -327,7 +332,9 @@ def _set_up(
     for name, submodule in list(module.named_modules()):
         if type(submodule).__name__ in (real_types or {}):
             _run_for_real(submodule, fallbacks, cast(dict[str, str], real_types)[type(submodule).__name__], name)
-    built.optimizers = apply_candidate(module, candidate, plugin, device, batch=fake_probe, offload_every=True)
+    shared = _SharedProbe(fake_probe, decided, (keep_blocks, tuple(sorted((real_types or {}).items()))),
+                          batch if probe_batch is None else probe_batch, values) if decided is not None else fake_probe
+    built.optimizers = apply_candidate(module, candidate, plugin, device, batch=shared, offload_every=True)
     built.optimizer = candidate.optimizer
     built.offloads = _offload_to_host(module) if device == "cuda" else []
     built.fake_batch = plugin.convert_input(fake_batch)
@@ -343,6 +350,42 @@ def _set_up(
     if decided is not None:
         decided.built[keep_blocks] = built
     return built
+
+
+class _SharedProbe(SharedProbe):
+    """The surgery's probe step (who reads which layer's weight, :mod:`lightning_hbm.layers.readers`), run once for every
+    set-up of one cut model in a plan: its answer depends on the model as built (classes, names, dtypes, shapes: the
+    candidates' precisions build it in their own dtype), the layers asked about, ``modules_to_save``, the modules run
+    for real, and the batch, all in the key; the reads it made without values (:class:`RealValues`) are replayed, so
+    each prediction is the one a set-up of its own makes (``tests/planner/test_set_up_reuse_s35.py``)."""
+
+    def __init__(self, batch: Any, decided: Decided, key: tuple, raw: Any, values: RealValues) -> None:
+        super().__init__(batch)
+        self.decided, self.key, self.raw, self.values = decided, key, raw, values
+
+    def observe(self, module: nn.Module, batch: Any, layers: dict[str, nn.Module], step: str) -> Optional[readers.Observation]:
+        key = (*self.key, step, tuple((name, type(layer)) for name, layer in layers.items()),
+               tuple(record.modules_to_save(module)), _as_built_signature(module))
+        kept = self.decided.probes.get(key)
+        if kept is not None and kept[0] is self.raw:
+            _, seen, guessed, selections = kept
+            readers.adopt(module, seen, layers)
+            self.values.guessed.extend(guessed)
+            self.values.selections.update(selections)
+            return seen
+        count, before = len(self.values.guessed), dict(self.values.selections)
+        found = readers.observe(module, batch, layers, step)
+        if found is not None:
+            made = {op: why for op, why in self.values.selections.items() if before.get(op) != why}
+            self.decided.probes[key] = (self.raw, found, self.values.guessed[count:], made)
+        return found
+
+
+def _as_built_signature(module: nn.Module) -> tuple:
+    """Each module's class and each parameter's and buffer's dtype, shape and ``requires_grad``, by name."""
+    return (tuple((name, type(sub)) for name, sub in module.named_modules()),
+            tuple((name, t.dtype, tuple(t.shape), t.requires_grad)
+                  for name, t in itertools.chain(module.named_parameters(), module.named_buffers())))
 
 
 def _part_of(submodule: nn.Module, model: nn.Module) -> bool:

@@ -302,8 +302,6 @@ class Bnb4bitFormat(QuantFormat):
         # bitsandbytes dequantizes that small tensor. bitsandbytes' own Embedding4bit does this too, but only without
         # double quantization and with no state_dict; here the nested absmax (8-bit codes, one fp32 scale per 256)
         # is decoded for the gathered blocks alone, so nf4-dq works and the storage stays the Linear4bit's.
-        from bitsandbytes.functional import QuantState, dequantize_4bit
-
         state: Any = getattr(module.weight, "quant_state", None) or module.quant_state
         rows, cols = (int(d) for d in state.shape)
         if cols % state.blocksize:  # a row's values share blocks with the next row's: no row-wise unpacking
@@ -311,12 +309,28 @@ class Bnb4bitFormat(QuantFormat):
         per_row = cols // state.blocksize
         packed = cast(torch.Tensor, module.weight).data.view(torch.uint8).view(rows, cols // 2)[index]
         blocks = (index[:, None] * per_row + torch.arange(per_row, device=index.device)).reshape(-1)
+        return self._unpacked(state, packed, blocks, state.absmax[blocks], dtype)
+
+    def gather_range(self, module: nn.Module, start: int, stop: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # gather_rows on views: the packed rows start:stop and their blocks' absmax are contiguous (the same values)
+        state: Any = getattr(module.weight, "quant_state", None) or module.quant_state
+        rows, cols = (int(d) for d in state.shape)
+        if cols % state.blocksize:
+            return super().gather_range(module, start, stop, dtype, device)
+        per_row = cols // state.blocksize
+        packed = cast(torch.Tensor, module.weight).data.view(torch.uint8).view(rows, cols // 2)[start:stop]
+        blocks = torch.arange(start * per_row, stop * per_row, device=device)
+        return self._unpacked(state, packed, blocks, state.absmax[start * per_row:stop * per_row], dtype)
+
+    @staticmethod
+    def _unpacked(state: Any, packed: torch.Tensor, blocks: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The ``[len(packed), in]`` rows of ``packed`` (4-bit pairs), whose ``blocks`` have ``absmax`` (as stored)."""
+        from bitsandbytes.functional import QuantState, dequantize_4bit
+
         if state.nested:  # dequantize_blockwise(absmax, state2) + offset, for these blocks only
             nested = state.state2
-            absmax = nested.code[state.absmax[blocks].long()] * nested.absmax[blocks // nested.blocksize] + state.offset
-        else:
-            absmax = state.absmax[blocks]
-        part = QuantState(absmax=absmax.float(), shape=torch.Size((index.numel(), cols)), code=state.code,
+            absmax = nested.code[absmax.long()] * nested.absmax[blocks // nested.blocksize] + state.offset
+        part = QuantState(absmax=absmax.float(), shape=torch.Size((packed.shape[0], int(state.shape[1]))), code=state.code,
                           blocksize=state.blocksize, quant_type=state.quant_type, dtype=dtype)
         return dequantize_4bit(packed.reshape(-1, 1), part)
 
@@ -370,6 +384,11 @@ class Bnb8bitFormat(QuantFormat):
         # scaled in place in the fresh fp32 copy (a product beside it doubled a head slice's transient)
         scales = cast(torch.Tensor, self._row_scales(module)).float()[index, None] / 127.0
         return cast(torch.Tensor, module.weight).data[index].float().mul_(scales).to(dtype)
+
+    def gather_range(self, module: nn.Module, start: int, stop: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # gather_rows' arithmetic on views of the rows and their scales: the same values, no index gather
+        scales = cast(torch.Tensor, self._row_scales(module))[start:stop, None].float() / 127.0
+        return cast(torch.Tensor, module.weight).data[start:stop].float().mul_(scales).to(dtype)
 
     def constants(self, module: nn.Module) -> list[torch.Tensor]:
         state = getattr(module, "state", None)

@@ -124,6 +124,13 @@ class QuantFormat:
         overrides this; the default dequantizes the whole weight first (a transient as large as the weight)."""
         return torch.nn.functional.embedding(index, self.dequantize(module, dtype))
 
+    def gather_range(self, module: nn.Module, start: int, stop: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Rows ``start:stop`` of the ``[out, in]`` weight, as :meth:`gather_rows` gives them (a head's vocabulary
+        slices, :class:`~lightning_hbm.layers.embedding.SlicedLinear`). A format whose rows are stored in order
+        overrides this to read them as views of its storage (no index gather: 0.03 s of SmolLM2's tied int8 head's
+        0.09 s forward on a CPU); the default gathers them by index (an ``arange`` on ``device``)."""
+        return self.gather_rows(module, torch.arange(start, stop, device=device), dtype)
+
     def constants(self, module: nn.Module) -> list[torch.Tensor]:
         """Tensors of ``module``'s quantization constants (scales, code books) that are not its parameters."""
         return []

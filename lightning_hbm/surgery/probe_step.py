@@ -47,6 +47,21 @@ def probe_step_on() -> bool:
     )
 
 
+class SharedProbe:
+    """A probe batch (called for it, as a function returning the batch is) whose step's answer the caller may share
+    between models set up alike: :meth:`observe` runs the probe step, or adopts the one it saw on such a model (the
+    planner: :mod:`lightning_hbm.planner.tracing`, one cut model set up for several candidates)."""
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+
+    def __call__(self) -> Any:
+        return self.batch
+
+    def observe(self, module: nn.Module, batch: Any, layers: dict[str, nn.Module], step: str) -> Optional[readers.Observation]:
+        return readers.observe(module, batch, layers, step)
+
+
 def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None:
     """The probe step: who reads which layer's weight, seen on the model as built (before the first check)."""
     if readers.observation(module) is not None:
@@ -66,8 +81,9 @@ def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None
     drawn = batch() if callable(batch) else batch
     if drawn is None:  # the stage reads no batch (an empty loader, limit_*_batches=0): nothing to run; the source decides
         return
+    observe = batch.observe if isinstance(batch, SharedProbe) else readers.observe
     with _said_if_slow(type(module).__qualname__, step):
-        seen = readers.observe(module, drawn, layers, step)
+        seen = observe(module, drawn, layers, step)
     if seen is not None:  # said once per model, at the surgery (fit start): the user's code ran one more time
         rank_zero_info(
             f"lightning_hbm: ran {seen.ran} once before changing the model, to see which layers its code reads "
