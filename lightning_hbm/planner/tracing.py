@@ -187,8 +187,8 @@ def trace(
         for hooks in built.offloads:
             hooks.reset_counts()
         offloaded, boundary = _offload_first(module, offload)
-        phases, scopes, where, regions = _steady_step(module, built.fake_batch, built.plugin, optimizers, tracker, boundary,
-                                                      remade_unit(candidate))
+        phases, scopes, where, regions, held = _steady_step(module, built.fake_batch, built.plugin, optimizers, tracker,
+                                                            boundary, remade_unit(candidate))
         built.fake_batch = None  # the next length's batch is new: this one need not stay alive
         host = sum(hooks.host_bytes for hooks in built.offloads)
         host_sizes = tuple(sorted(size for hooks in built.offloads for size in cast(_HostOffload, hooks).sizes))
@@ -200,7 +200,7 @@ def trace(
         block_bytes = max((parameter_bytes(block) - _replicated_bytes(block) for block in blocks), default=0)
         replicated = _replicated_bytes(module)
         remainder, apart = _remainder_unit_bytes(module, blocks)
-        rooted = bool(blocks) and _model_holding(module, blocks) is None
+        rooted = bool(blocks) and not held
     depth, fallbacks = built.depth, built.fallbacks
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
@@ -400,10 +400,12 @@ def _first_step_state(optimizers: list[torch.optim.Optimizer], reached: Optional
 def _steady_step(
     module: pl.LightningModule, batch: Any, plugin: Precision, optimizers: list, tracker: LiveStorageTracker,
     boundary: Optional[tuple[nn.Module, nn.Module]] = None, unit: int = 1,
-) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]], dict[str, str], dict[str, dict[str, int]]]:
+) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]], dict[str, str], dict[str, dict[str, int]], bool]:
     """Forward, zero_grad, backward, optimizer step, as Lightning runs them; each phase's peak by category, each
-    scope term at it (:func:`~lightning_hbm.memory.scope_term_bytes`; ``loss``: what ``FusedLoss`` allocated), and
-    where it was reached with each region's peak (:class:`~lightning_hbm.planner.peaks._PeakPoints`).
+    scope term at it (:func:`~lightning_hbm.memory.scope_term_bytes`; ``loss``: what ``FusedLoss`` allocated),
+    where it was reached with each region's peak (:class:`~lightning_hbm.planner.peaks._PeakPoints`), and whether a
+    child of the LightningModule holding the blocks ran its forward around them (:func:`_model_holding`; else each block
+    is an FSDP2 root of its own: an ``nn.Sequential`` of blocks the LightningModule iterates, session 35).
 
     ``boundary``: (the last block that offloads its input, the first that keeps it) under a partial offload. The
     forward and the backward then each have two peaks, recorded apart (``"forward (offloaded blocks)"``, ``"backward
@@ -450,7 +452,7 @@ def _steady_step(
                 for optimizer in optimizers:
                     optimizer.step()
             close(phase if phase != "backward" or boundary is None else f"{phase} (offloaded blocks)")
-    return phases, scopes, points.where, points.peaks
+    return phases, scopes, points.where, points.peaks, points.model_ran
 
 
 def _model_holding(module: nn.Module, blocks: list[nn.Module]) -> Optional[nn.Module]:
@@ -459,7 +461,7 @@ def _model_holding(module: nn.Module, blocks: list[nn.Module]) -> Optional[nn.Mo
     if not blocks:
         return None
     return next((child for child in module.children()
-                 if child is not blocks[0] and not isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential))
+                 if child is not blocks[0] and not isinstance(child, (nn.ModuleList, nn.ModuleDict))
                  and any(sub is blocks[0] for sub in child.modules())), None)
 
 
