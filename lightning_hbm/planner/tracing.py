@@ -195,9 +195,7 @@ def trace(
         trainable = parameter_count(module, trainable=True)
         total = parameter_count(module)
         blocks = [block for _, block in _blocks(module)]
-        # what FSDP2 gathers for a block: its parameters, not its quantization constants (whole on every rank, in
-        # ``replicated``; before session 33 counted here too: +3,328 B a block on the 2-rank nanoGPT)
-        block_bytes = max((parameter_bytes(block) - _replicated_bytes(block) for block in blocks), default=0)
+        block_bytes, block_gradients = _block_unit_bytes(blocks)
         replicated = _replicated_bytes(module)
         remainder, apart = _remainder_unit_bytes(module, blocks)
         rooted = bool(blocks) and not held
@@ -206,7 +204,16 @@ def trace(
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
                  host_sizes, offloaded, where, regions, replicated, remainder, unchecked_blocks(module), apart, rooted,
-                 dict(built.routed.containers))
+                 dict(built.routed.containers), block_gradients)
+
+
+def _block_unit_bytes(blocks: list[nn.Module]) -> tuple[int, int]:
+    """What FSDP2 gathers for the largest block: its parameters, not its quantization constants (whole on every rank,
+    in ``replicated``; before session 33 counted here too: +3,328 B a block on the 2-rank nanoGPT); and the gradient
+    bytes the largest block's backward makes (its trainable parameters'), reduce-scattered to shards by FSDP2."""
+    gathered = max((parameter_bytes(block) - _replicated_bytes(block) for block in blocks), default=0)
+    gradients = max((tensor_bytes(p for p in block.parameters() if p.requires_grad) for block in blocks), default=0)
+    return gathered, gradients
 
 
 def _remainder_unit_bytes(module: nn.Module, blocks: list[nn.Module]) -> tuple[int, dict[str, int]]:

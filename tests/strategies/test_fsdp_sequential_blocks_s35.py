@@ -12,8 +12,15 @@ backward was named so, planned one gathered block short). A LightningModule that
 the holder's forward did not run), and before session 35 the fit failed at the first block ("aten.native_layer_norm
 got mixed torch.Tensor and DTensor": the stack's one unit was never gathered).
 
-One 2-rank gloo run (this file run as a script, as in test_fsdp_remainder_units_s34.py) fits both models for one epoch
-with the ``HBMProfiler`` in detailed mode (the per-rank peak, max over ranks).
+The gradients in the backward, per rank (``fsdp2_gradient_bytes``): the trace keeps every gradient the backward made,
+whole; FSDP2 keeps a shard of each block's once its backward ends, and the reduce-scatter's input (that block's
+gradients, whole) until the next reduce-scatter of the same root, or to the backward's end when each block is a root of
+its own. Six checkpointed blocks with LoRA r=128 put the rank's peak in the backward, late, where that counts: called,
+planned 10.1 % over before; iterated, 11.7 % under. Also: the last block of the backward (``block 0``) has no block to
+prefetch (one block gathered, not two).
+
+One 2-rank gloo run (this file run as a script, as in test_fsdp_remainder_units_s34.py) fits the four models for one
+epoch with the ``HBMProfiler`` in detailed mode (the per-rank peak, max over ranks).
 """
 
 from __future__ import annotations
@@ -27,12 +34,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_fsdp_qlora import DATA, GLOBAL_BATCH, _callbacks, _datamodule, run_script_on_two_ranks  # noqa: E402
+from test_fsdp_qlora import DATA, GLOBAL_BATCH, _datamodule, run_script_on_two_ranks  # noqa: E402
 
 HIDDEN = 256
 
 
-def _sequential_stack(iterated: bool = False) -> Any:
+def _sequential_stack(iterated: bool = False, depth: int = 2) -> Any:
     """An embedding, two residual MLP blocks in ``self.blocks = nn.Sequential(...)``, a norm and an untied head, each a
     child of the LightningModule; the stack called (``self.blocks(x)``) or iterated (``for block in self.blocks``)."""
     from torch import nn
@@ -53,7 +60,7 @@ def _sequential_stack(iterated: bool = False) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.embed = nn.Embedding(256, HIDDEN)
-            self.blocks = nn.Sequential(*(Block() for _ in range(2)))
+            self.blocks = nn.Sequential(*(Block() for _ in range(depth)))
             self.norm = nn.LayerNorm(HIDDEN)
             self.lm_head = nn.Linear(HIDDEN, 256, bias=False)
 
@@ -78,18 +85,36 @@ def _iterated() -> Any:
     return _sequential_stack(iterated=True)
 
 
-MODELS = {"called": _called, "iterated": _iterated}
+def _called_deep() -> Any:
+    return _sequential_stack(depth=6)
+
+
+def _iterated_deep() -> Any:
+    return _sequential_stack(iterated=True, depth=6)
+
+
+MODELS = {"called": _called, "iterated": _iterated, "called_deep": _called_deep, "iterated_deep": _iterated_deep}
+# the deep stacks: LoRA r=128 and every block checkpointed, so the gradients grow through the backward past the forward
+DEEP = dict(lora_r=128, checkpointing="full")
+
+
+def _setting(name: str) -> dict[str, Any]:
+    return DEEP if name.endswith("_deep") else dict(lora_r=4, checkpointing="none")
 
 
 def _fit(name: str, out: Path) -> dict[str, Any]:
     import lightning.pytorch as pl
 
-    from lightning_hbm import HBMProfiler, QuantizedPrecision
+    from lightning_hbm import ActivationCheckpointing, HBMProfiler, QuantizedPrecision
+    from lightning_hbm.adapters.lora import LoRA
 
+    setting = _setting(name)
     profiler = HBMProfiler(every_n_steps=1, dirpath=str(out / name), summary=False)
+    checkpointing = [] if setting["checkpointing"] == "none" else [ActivationCheckpointing(policy=setting["checkpointing"])]
+    callbacks = [LoRA(r=setting["lora_r"], alpha=8, dropout=0.0), profiler, *checkpointing]
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="fsdp_qlora", max_epochs=1, logger=False,
-        plugins=[QuantizedPrecision("nf4", dtype="float32")], callbacks=_callbacks() + [profiler],
+        plugins=[QuantizedPrecision("nf4", dtype="float32")], callbacks=callbacks,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         num_sanity_val_steps=0, use_distributed_sampler=False, default_root_dir=str(out / name),
     )  # fmt: skip
@@ -125,20 +150,24 @@ def _planned(name: str) -> Any:
     from lightning_hbm.planner import Candidate, predict
 
     batch = synthetic_batch(GLOBAL_BATCH // 2, DATA["seq_len"])  # what one rank computes on
-    return predict(MODELS[name], batch, Candidate("nf4", "float32", lora_r=4))
+    return predict(MODELS[name], batch, Candidate("nf4", "float32", **_setting(name)))
 
 
-UNITS = ["blocks", "blocks.0", "blocks.1", "embed", "lm_head", "norm"]
+def _units(name: str) -> list[str]:
+    depth = 6 if name.endswith("_deep") else 2
+    return sorted(["blocks", *(f"blocks.{i}" for i in range(depth)), "embed", "lm_head", "norm"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_per_rank_plan_of_blocks_in_a_sequential(two_rank_run: Path, name: str) -> None:
-    """The planned per-rank step peak within 0.1 % of the measured one (28 B over, Dec 6 2026: called 3,111,244 planned
-    for 3,111,216 measured, iterated 2,950,476 for 2,950,448). Before session 35: called planned 2,805,056 for 3,111,216
-    (-9.8 %: the stack one unit, the blocks planned as roots); iterated did not fit (the stack's unit never gathered)."""
+    """The planned per-rank step peak within 0.1 % of the measured one (28 B over or less, Dec 6 2026: called 3,111,244
+    planned for 3,111,216 measured, iterated 2,950,476 for 2,950,448, called_deep 14,252,908 for 14,252,912,
+    iterated_deep 16,737,132 for 16,737,136). Before session 35: called planned 2,805,056 (-9.8 %: the stack one unit,
+    the blocks planned as roots); iterated did not fit (the stack's unit never gathered); with the units right,
+    called_deep 15,693,676 (+10.1 %) and iterated_deep 14,771,052 (-11.7 %): the backward's gradients counted whole."""
     ranks = [json.loads((two_rank_run / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0][name]["units"] == ranks[1][name]["units"] == UNITS  # each block a unit, as the plan has it
+    assert ranks[0][name]["units"] == ranks[1][name]["units"] == _units(name)  # each block a unit, as the plan has it
     measured = _measured(two_rank_run, name)
     planned = sum(_planned(name).per_rank(2).values())
     print(name, "measured", measured, "planned", planned, f"{(planned - measured) / measured:+.4%}")
@@ -166,6 +195,21 @@ def test_plan_of_blocks_in_a_sequential() -> None:
     backward = called.regions["backward"]
     assert "after block -1" not in backward and max(backward, key=backward.__getitem__) == "block 1"
     assert _planned("iterated").rooted_blocks
+
+
+def test_gradients_of_the_blocks_done_per_rank() -> None:
+    """In a block's backward region, with k blocks done after it (k gradients whole in the trace): k shards and one
+    whole reduce-scatter input under a unit around the blocks; k shards and k whole inputs, each block a root."""
+    from lightning_hbm.planner.api import fsdp2_gradient_bytes
+
+    g = 1000
+    assert fsdp2_gradient_bytes("backward", "block -1", g, 6, 2) == 0  # the first block of the backward: none done
+    assert fsdp2_gradient_bytes("backward", "block -2", g, 6, 2) == 500 - 1000  # one shard and its input: more
+    assert fsdp2_gradient_bytes("backward", "block 0", g, 6, 2) == 5 * 500 - 1000
+    assert fsdp2_gradient_bytes("backward", "block 1", g, 6, 2) == 4 * 500 - 1000
+    assert fsdp2_gradient_bytes("backward", "block 0", g, 6, 2, rooted_blocks=True) == -5 * 500
+    assert fsdp2_gradient_bytes("forward", "block 0", g, 6, 2) == fsdp2_gradient_bytes("backward", "unit lm_head", g, 6, 2) == 0
+    assert _planned("called_deep").block_gradient_bytes == 4 * 128 * (256 + 512) * 2  # LoRA A and B of up and down
 
 
 if __name__ == "__main__":
