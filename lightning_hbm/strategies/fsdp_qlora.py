@@ -85,9 +85,10 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         shard_modules: class names of the submodules that become one FSDP unit each (one
             all-gather per unit in forward and backward), e.g. ``["LlamaDecoderLayer"]``. Default
             (``None``): every module held in an ``nn.ModuleList`` (the transformer blocks of
-            nanoGPT, Llama, ...) and the repeated blocks held in an ``nn.Sequential`` (torchvision's ViT, timm,
-            a LightningModule's own ``nn.Sequential(*blocks)``: :func:`sequential_blocks`). The rest of each top-level submodule (embeddings, final norm,
-            head) forms one more unit. A name that matches no submodule is an error.
+            nanoGPT, Llama, ...) and the repeated blocks held in an ``nn.Sequential`` (torchvision's
+            ViT, timm, a LightningModule's own ``nn.Sequential(*blocks)``: :func:`sequential_blocks`).
+            The rest of each top-level submodule (embeddings, final norm, head) forms one more unit.
+            A name that matches no submodule is an error.
         cpu_offload: keep the parameter shards, their gradients and the optimizer states in CPU
             memory (FSDP2 ``CPUOffloadPolicy``); the optimizer steps on the CPU. Shrinks the
             device's parameters/gradients/optimizer-states terms to the unit being computed.
