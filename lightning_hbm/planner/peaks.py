@@ -8,6 +8,7 @@ compares them across cuts.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -35,6 +36,7 @@ class _PeakPoints:
         self.where: dict[str, str] = {}  # per closed phase: the region of its peak
         self.peaks: dict[str, dict[str, int]] = {}  # per closed phase: each region's peak bytes
         self.region = ""
+        self.model_ran = False  # the ``model`` of :meth:`watching` ran its forward (around the blocks)
         self.restart()
 
     def restart(self, region: Optional[str] = None) -> None:
@@ -82,14 +84,19 @@ class _PeakPoints:
         each one's forward, and its backward from its output's gradient to its input's, is the region ``unit <name>``,
         where FSDP2 holds that unit gathered and no other (:meth:`_watch_apart`)."""
         tracker, handles = self.tracker, [h for name, module in apart for h in self._watch_apart(name, module)]
+        last_out: list[Callable[[], Optional[torch.Tensor]]] = [lambda: None]  # the last block's output, weakly
         if model is not None:
 
             def model_done(module: nn.Module, args: Any, output: Any) -> None:
                 if tracker.phase != "forward":
                     return
+                self.model_ran = True
                 self.mark("after the model")
                 out = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
-                if out is not None:
+                # a model whose output is its last block's (an nn.Sequential of blocks) has nothing after that block:
+                # its gradient starts the block's backward, whose hook on that tensor runs first (session 35: the
+                # block's backward was named "after block -1", one gathered block short under FSDP2)
+                if out is not None and out is not last_out[0]():
                     out.register_hook(lambda grad: self.mark("after block -1"))
 
             handles.append(model.register_forward_hook(model_done))
@@ -112,6 +119,7 @@ class _PeakPoints:
                 out = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
                 if out is not None:
                     out.register_hook(lambda grad: self.mark(f"block {name}"))
+                    last_out[0] = weakref.ref(out)
 
             handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
         try:

@@ -55,6 +55,8 @@ class Trace:
     # MoE expert containers some of whose experts the traced step did not route to, their optimizer states counted
     # (a long run updates every expert; :mod:`lightning_hbm.planner.routed`): container name -> how many
     routed: dict[str, str] = field(default_factory=dict)
+    # the gradient bytes the largest block's backward makes (its trainable parameters'): FSDP2 keeps a shard of each
+    block_gradients: int = 0
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -99,7 +101,8 @@ class Trace:
                      max(t.guessed for t in (self, *others)), scopes, fallbacks, line(_field("host")), selections,
                      tuple(sorted(sizes.elements())), line(_field("offloaded")), regions=self._region_lines(steps),
                      replicated=line(_field("replicated")), remainder=self.remainder, unchecked=unchecked,
-                     units=self.units, rooted_blocks=self.rooted_blocks, routed=routed)
+                     units=self.units, rooted_blocks=self.rooted_blocks, routed=routed,
+                     block_gradients=self.block_gradients)
 
     def _region_lines(self, steps: Sequence[tuple[Trace, int]]) -> dict[str, dict[str, int]]:
         """Each region's peak, phase by phase, drawn as :meth:`combine` draws every figure (the regions of every trace

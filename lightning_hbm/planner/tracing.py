@@ -192,26 +192,33 @@ def trace(
         for hooks in built.offloads:
             hooks.reset_counts()
         offloaded, boundary = _offload_first(module, offload)
-        phases, scopes, where, regions = _steady_step(module, built.fake_batch, built.plugin, optimizers, tracker, boundary,
-                                                      remade_unit(candidate))
+        phases, scopes, where, regions, held = _steady_step(module, built.fake_batch, built.plugin, optimizers, tracker,
+                                                            boundary, remade_unit(candidate))
         built.fake_batch = None  # the next length's batch is new: this one need not stay alive
         host = sum(hooks.host_bytes for hooks in built.offloads)
         host_sizes = tuple(sorted(size for hooks in built.offloads for size in cast(_HostOffload, hooks).sizes))
         trainable = parameter_count(module, trainable=True)
         total = parameter_count(module)
         blocks = [block for _, block in _blocks(module)]
-        # what FSDP2 gathers for a block: its parameters, not its quantization constants (whole on every rank, in
-        # ``replicated``; before session 33 counted here too: +3,328 B a block on the 2-rank nanoGPT)
-        block_bytes = max((parameter_bytes(block) - _replicated_bytes(block) for block in blocks), default=0)
+        block_bytes, block_gradients = _block_unit_bytes(blocks)
         replicated = _replicated_bytes(module)
         remainder, apart = _remainder_unit_bytes(module, blocks)
-        rooted = bool(blocks) and _model_holding(module, blocks) is None
+        rooted = bool(blocks) and not held
     depth, fallbacks = built.depth, built.fallbacks
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
                  host_sizes, offloaded, where, regions, replicated, remainder, unchecked_blocks(module), apart, rooted,
-                 dict(built.routed.containers))
+                 dict(built.routed.containers), block_gradients)
+
+
+def _block_unit_bytes(blocks: list[nn.Module]) -> tuple[int, int]:
+    """What FSDP2 gathers for the largest block: its parameters, not its quantization constants (whole on every rank,
+    in ``replicated``; before session 33 counted here too: +3,328 B a block on the 2-rank nanoGPT); and the gradient
+    bytes the largest block's backward makes (its trainable parameters'), reduce-scattered to shards by FSDP2."""
+    gathered = max((parameter_bytes(block) - _replicated_bytes(block) for block in blocks), default=0)
+    gradients = max((tensor_bytes(p for p in block.parameters() if p.requires_grad) for block in blocks), default=0)
+    return gathered, gradients
 
 
 def _remainder_unit_bytes(module: nn.Module, blocks: list[nn.Module]) -> tuple[int, dict[str, int]]:
@@ -443,10 +450,12 @@ def _first_step_state(optimizers: list[torch.optim.Optimizer], reached: Optional
 def _steady_step(
     module: pl.LightningModule, batch: Any, plugin: Precision, optimizers: list, tracker: LiveStorageTracker,
     boundary: Optional[tuple[nn.Module, nn.Module]] = None, unit: int = 1,
-) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]], dict[str, str], dict[str, dict[str, int]]]:
+) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]], dict[str, str], dict[str, dict[str, int]], bool]:
     """Forward, zero_grad, backward, optimizer step, as Lightning runs them; each phase's peak by category, each
-    scope term at it (:func:`~lightning_hbm.memory.scope_term_bytes`; ``loss``: what ``FusedLoss`` allocated), and
-    where it was reached with each region's peak (:class:`~lightning_hbm.planner.peaks._PeakPoints`).
+    scope term at it (:func:`~lightning_hbm.memory.scope_term_bytes`; ``loss``: what ``FusedLoss`` allocated),
+    where it was reached with each region's peak (:class:`~lightning_hbm.planner.peaks._PeakPoints`), and whether a
+    child of the LightningModule holding the blocks ran its forward around them (:func:`_model_holding`; else each block
+    is an FSDP2 root of its own: an ``nn.Sequential`` of blocks the LightningModule iterates, session 35).
 
     ``boundary``: (the last block that offloads its input, the first that keeps it) under a partial offload. The
     forward and the backward then each have two peaks, recorded apart (``"forward (offloaded blocks)"``, ``"backward
@@ -493,7 +502,7 @@ def _steady_step(
                 for optimizer in optimizers:
                     optimizer.step()
             close(phase if phase != "backward" or boundary is None else f"{phase} (offloaded blocks)")
-    return phases, scopes, points.where, points.peaks
+    return phases, scopes, points.where, points.peaks, points.model_ran
 
 
 def _model_holding(module: nn.Module, blocks: list[nn.Module]) -> Optional[nn.Module]:
@@ -502,7 +511,7 @@ def _model_holding(module: nn.Module, blocks: list[nn.Module]) -> Optional[nn.Mo
     if not blocks:
         return None
     return next((child for child in module.children()
-                 if child is not blocks[0] and not isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential))
+                 if child is not blocks[0] and not isinstance(child, (nn.ModuleList, nn.ModuleDict))
                  and any(sub is blocks[0] for sub in child.modules())), None)
 
 

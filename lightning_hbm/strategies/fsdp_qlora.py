@@ -51,7 +51,7 @@ Example::
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, cast
@@ -71,6 +71,7 @@ from lightning_hbm._compat import _PATH, _materialize_distributed_module, _optim
 from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._validate import check_args
+from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.layers.embedding import TiedHead
 from lightning_hbm.optim import OPTIMIZER_KINDS, MemoryEfficientOptimizer
 
@@ -84,8 +85,10 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         shard_modules: class names of the submodules that become one FSDP unit each (one
             all-gather per unit in forward and backward), e.g. ``["LlamaDecoderLayer"]``. Default
             (``None``): every module held in an ``nn.ModuleList`` (the transformer blocks of
-            nanoGPT, Llama, ...). The rest of each top-level submodule (embeddings, final norm,
-            head) forms one more unit. A name that matches no submodule is an error.
+            nanoGPT, Llama, ...) and the repeated blocks held in an ``nn.Sequential`` (torchvision's
+            ViT, timm, a LightningModule's own ``nn.Sequential(*blocks)``: :func:`sequential_blocks`).
+            The rest of each top-level submodule (embeddings, final norm, head) forms one more unit.
+            A name that matches no submodule is an error.
         cpu_offload: keep the parameter shards, their gradients and the optimizer states in CPU
             memory (FSDP2 ``CPUOffloadPolicy``); the optimizer steps on the CPU. Shrinks the
             device's parameters/gradients/optimizer-states terms to the unit being computed.
@@ -425,6 +428,7 @@ def _choose_units(module: nn.Module, shard_modules: Optional[list[str]]) -> list
             for n, m in named
             if n and n.rpartition(".")[0] in lists and not _is_container(m) and any(True for _ in m.parameters())
         ]
+        units += sequential_blocks(module, exclude={n for n, _ in units})
     else:
         found = {type(m).__name__ for _, m in named}
         unknown = [n for n in shard_modules if n not in found]
@@ -446,6 +450,20 @@ def _choose_units(module: nn.Module, shard_modules: Optional[list[str]]) -> list
     return [m for _, m in units]
 
 
+def sequential_blocks(module: nn.Module, exclude: Collection[str] = ()) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks held in an ``nn.Sequential`` (:func:`~lightning_hbm.layers.blocks.find_blocks`: a
+    LightningModule's ``self.blocks = nn.Sequential(*blocks)``, torchvision's ViT ``encoder.layers``, timm's ``blocks``),
+    by name, holding parameters: one unit each by default, as the members of an ``nn.ModuleList`` are, so the planner's
+    blocks (the same ``find_blocks``) are the units FSDP2 gathers one by one. Before session 35 such a stack was one unit
+    (all its blocks gathered at once: a 2-block MLP stack planned 9.8 % under the measured per-rank peak)."""
+    found = []
+    for name, block in find_blocks(module):
+        parent = module.get_submodule(name.rpartition(".")[0])
+        if name not in exclude and isinstance(parent, nn.Sequential) and any(True for _ in block.parameters()):
+            found.append((name, block))
+    return found
+
+
 def register(registry: Any = StrategyRegistry) -> None:
     """Register ``strategy="fsdp_qlora"`` with Lightning (idempotent)."""
     if QuantizedFSDPStrategy.strategy_name not in registry:
@@ -456,4 +474,4 @@ def register(registry: Any = StrategyRegistry) -> None:
         )
 
 
-__all__ = ["QuantizedFSDPStrategy", "register", "remainder_units"]
+__all__ = ["QuantizedFSDPStrategy", "register", "remainder_units", "sequential_blocks"]

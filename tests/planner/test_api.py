@@ -27,7 +27,7 @@ from lightning_hbm.planner import (
     quantized_parameter_bytes,
     shard_categories,
 )
-from lightning_hbm.planner.api import fsdp2_gathered_bytes
+from lightning_hbm.planner.api import fsdp2_gathered_bytes, fsdp2_gradient_bytes
 from lightning_hbm.precision import QuantFormat, quantize_model, registry
 from lightning_hbm.profiling.profiler import HBMProfiler
 from lightning_hbm.surgery import applied_transforms, run_surgery
@@ -459,15 +459,20 @@ def test_per_rank_prediction_gathers_one_block(gpt_factory: Callable[..., Any]) 
     assert "after the model" in prediction.regions["forward"] and "after the model" in prediction.regions["backward"]
     assert fsdp2_gathered_bytes("backward", "after the model", block, remainder) == 0
     saved = sum(prediction.categories[c] - two[c] for c in ("parameters", "optimizer_states"))
-    # session 34: the previous step's gradients, alive through the forward, are sharded too (each rank its half)
+    # session 34: the previous step's gradients, alive through the forward, are sharded too (each rank its half); session
+    # 35: in the optimizer step too, and in the backward each block done is a shard plus one whole reduce-scatter input
     grads = prediction.forward_gradients // 2
     assert grads > 0  # 32-true: every parameter trains
-    rank_peak = max(value - saved - (grads if phase == "forward" else 0) + fsdp2_gathered_bytes(phase, region, block, remainder)
+    assert prediction.block_gradient_bytes > 0 and prediction.depth == 2
+    rank_peak = max(value - saved - (grads if phase in ("forward", "step") else 0)
+                    - fsdp2_gradient_bytes(phase, region, prediction.block_gradient_bytes, prediction.depth, 2)
+                    + fsdp2_gathered_bytes(phase, region, block, remainder)
                     for phase, regions in prediction.regions.items() for region, value in regions.items())
     assert sum(two.values()) == rank_peak >= prediction.peak - saved
     assert fsdp2_gathered_bytes("backward", "block -1", block, remainder) == remainder + 2 * block
     assert fsdp2_gathered_bytes("forward", "before the blocks", block, remainder) == 2 * remainder
     assert fsdp2_gathered_bytes("step", "step", block, remainder) == 0
+    assert fsdp2_gathered_bytes("backward", "block 0", block, remainder) == remainder + block  # nothing to prefetch
 
 
 class _DictMLP(pl.LightningModule):
