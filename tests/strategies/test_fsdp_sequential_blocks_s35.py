@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_fsdp_qlora import DATA, GLOBAL_BATCH, _datamodule, run_script_on_two_ranks  # noqa: E402
+from test_fsdp_remainder_units_s34 import plan_matches  # noqa: E402
 
 HIDDEN = 256
 
@@ -169,9 +170,10 @@ def test_per_rank_plan_of_blocks_in_a_sequential(two_rank_run: Path, name: str) 
     ranks = [json.loads((two_rank_run / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0][name]["units"] == ranks[1][name]["units"] == _units(name)  # each block a unit, as the plan has it
     measured = _measured(two_rank_run, name)
-    planned = sum(_planned(name).per_rank(2).values())
+    prediction = _planned(name)
+    planned = sum(prediction.per_rank(2).values())
     print(name, "measured", measured, "planned", planned, f"{(planned - measured) / measured:+.4%}")
-    assert abs(planned - measured) <= 0.001 * measured
+    assert plan_matches(prediction, measured)  # the rooted ones: one block more accepted (see plan_matches)
 
 
 def test_blocks_in_a_sequential_are_units() -> None:
