@@ -65,7 +65,7 @@ from lightning_hbm.planner.building import (
     Template,
     _adopt_foreign_fakes,
     _build,
-    _fake_like,
+    _fake_batch_like,
     _fake_mode,
     _forget_conversions,
     _quiet_logs,
@@ -170,7 +170,7 @@ def trace(
         if built is None:
             built = _set_up(stack, model, candidate, device, keep_blocks, real_types, batch, probe_batch, decided)
         else:  # the same model at another length: only the batch is new (what the last step left is a step's state)
-            fake_batch = torch_compat.map_tensors(lambda t: _fake_like(t, built.fake_mode, built.values), batch)
+            fake_batch = torch_compat.map_tensors(lambda t: _fake_batch_like(t, built.fake_mode, built.values), batch)
             built.enter(stack)
             built.fake_batch = built.plugin.convert_input(fake_batch)
             built.reached, built.routed = cast(Decided, decided).restore(built.module, keep_blocks)
@@ -314,9 +314,9 @@ def _set_up(
     # a template is copied with its blocks already cut: copying 32 layers of fakes to trace 3 costs seconds
     with _blocks_cut(model.module, keep_blocks) if isinstance(model, Template) else nullcontext(0) as depth:
         module = _build(model, fake_mode, values)
-    fake_batch = torch_compat.map_tensors(lambda t: _fake_like(t, fake_mode, values), batch)
+    fake_batch = torch_compat.map_tensors(lambda t: _fake_batch_like(t, fake_mode, values), batch)
     fake_probe = fake_batch if probe_batch is None else torch_compat.map_tensors(
-        lambda t: _fake_like(t, fake_mode, values), probe_batch)
+        lambda t: _fake_batch_like(t, fake_mode, values), probe_batch)
     built = _Built(module, plugin, fake_mode, values, [], [], depth, fallbacks, None, fake_batch)
     built.enter(stack)
     with plugin.tensor_init_context():
