@@ -55,6 +55,8 @@ class Trace:
     # MoE expert containers some of whose experts the traced step did not route to, their optimizer states counted
     # (a long run updates every expert; :mod:`lightning_hbm.planner.routed`): container name -> how many
     routed: dict[str, str] = field(default_factory=dict)
+    # optimizer-state bytes FSDP2 keeps whole on every rank: the 0-dim states (Adam's ``step``), not DTensor shards
+    replicated_states: int = 0
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -99,6 +101,7 @@ class Trace:
                      max(t.guessed for t in (self, *others)), scopes, fallbacks, line(_field("host")), selections,
                      tuple(sorted(sizes.elements())), line(_field("offloaded")), regions=self._region_lines(steps),
                      replicated=line(_field("replicated")), remainder=self.remainder, unchecked=unchecked,
+                     replicated_states=line(_field("replicated_states")),
                      units=self.units, rooted_blocks=self.rooted_blocks, routed=routed)
 
     def _region_lines(self, steps: Sequence[tuple[Trace, int]]) -> dict[str, dict[str, int]]:

@@ -184,6 +184,8 @@ def trace(
         _first_step_state(optimizers, built.reached, built.routed.ids)
         # states created outside the dispatch (e.g. bitsandbytes' real quantization maps)
         tracker.seed(optimizer_state_tensors(optimizers), "setup")
+        # 0-dim states (Adam's step): whole on every FSDP2 rank, not sharded with the others
+        replicated_states = unique_bytes(t for t in optimizer_state_tensors(optimizers) if t.dim() == 0)
         for hooks in built.offloads:
             hooks.reset_counts()
         offloaded, boundary = _offload_first(module, offload)
@@ -206,7 +208,7 @@ def trace(
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
                  host_sizes, offloaded, where, regions, replicated, remainder, unchecked_blocks(module), apart, rooted,
-                 dict(built.routed.containers))
+                 dict(built.routed.containers), replicated_states)
 
 
 def _remainder_unit_bytes(module: nn.Module, blocks: list[nn.Module]) -> tuple[int, dict[str, int]]:

@@ -152,7 +152,9 @@ UNITS = {"head_apart": ["backbone", "backbone.layers.0", "backbone.layers.1", "l
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_per_rank_plan_follows_the_units(two_rank_run: Path, name: str) -> None:
-    """The planned per-rank step peak within 0.1 % of the measured one (12 B under or less, Dec 6 2026). Before session
+    """The planned per-rank step peak within 8 B of the measured one (4 B under or equal since session 35: the batch as
+    the DataLoader collates it, Adam's 0-dim step tensors whole on each rank; 8-12 B under before, with 48 B of
+    synthetic_batch's views hiding 56-60 B of step tensors split by the world size). Before session
     34: head_apart planned 6,569,204 B for 6,307,072 measured (+4.2 %: the head counted gathered in every block's
     region), tied 1,552,296 B for 1,535,920 (+1.1 %: the previous step's gradients counted whole in the forward),
     layers_on_module 6,569,204 B for 5,878,016 (+11.8 %: the blocks planned as one root's, prefetching each other, the
@@ -163,6 +165,7 @@ def test_per_rank_plan_follows_the_units(two_rank_run: Path, name: str) -> None:
     planned = sum(_planned(name).per_rank(2).values())
     print(name, "measured", measured, "planned", planned, f"{(planned - measured) / measured:+.4%}")
     assert abs(planned - measured) <= 0.001 * measured
+    assert abs(planned - measured) <= 8, (planned, measured)
 
 
 def test_plan_names_each_unit_apart_and_its_region() -> None:
