@@ -112,6 +112,10 @@ class Prediction:
             them for ``True``, the first ``k`` for ``offload=k``; 0 without offload).
         replicated_bytes: the parameter bytes FSDP2 keeps whole on every rank, inside ``categories["parameters"]``: the
             quantization constants (absmax, code books, int8 row scales; :func:`quantization_constant_bytes`).
+        replicated_state_bytes: the optimizer-state bytes FSDP2 keeps whole on every rank, inside
+            ``categories["optimizer_states"]``: the 0-dim states (Adam's ``step``, 4 B per trainable parameter), plain
+            tensors beside the sharded ones (:meth:`per_rank`; before session 35 split with them: 56-60 B per rank
+            under on the 2-rank Llama layouts).
         remainder_bytes: the parameter bytes outside the repeated blocks in ``QuantizedFSDPStrategy``'s unit around
             them (a causal LM's ``model``: embeddings, final norm, a head inside it; quantization constants excluded),
             gathered while its forward and its backward run; 0 when no child of the LightningModule holds the blocks.
@@ -158,6 +162,7 @@ class Prediction:
     offloaded_blocks: int = 0
     replicated_bytes: int = 0
     remainder_bytes: int = 0
+    replicated_state_bytes: int = 0
     unchecked: tuple[str, ...] = ()
     regions: dict[str, dict[str, int]] = field(default_factory=dict)
     units: dict[str, int] = field(default_factory=dict)
@@ -175,8 +180,9 @@ class Prediction:
         single-device peak's, and ``other`` holds the rest of the rank's peak: the step's other bytes and the
         parameters gathered there. The peak is the largest region of the step (:attr:`regions`) less what sharding
         saves of the parameters and states (and in the forward of the previous step's gradients), plus what FSDP2 holds gathered in it (:func:`fsdp2_gathered_bytes`). On 2
-        gloo ranks it is the measured peak to 12 B (1,658,972 planned, 1,658,960 measured by ``HBMProfiler``, in the
-        backward of the last block: ``tests/strategies/test_fsdp_qlora.py``). It follows the units the strategy makes
+        gloo ranks it is the measured peak to 4 B (1,658,956 planned, 1,658,960 measured by ``HBMProfiler``, in the
+        backward of the last block: ``tests/strategies/test_fsdp_qlora.py``; Adam's 0-dim ``step`` tensors are whole
+        on each rank, :attr:`replicated_state_bytes`, since session 35). It follows the units the strategy makes
         (:attr:`remainder_bytes`, :attr:`units`, :attr:`rooted_blocks`): a transformers ``LlamaModel`` with an untied
         head beside it, a tied ``LlamaForCausalLM``, and Llama layers in the LightningModule's own list beside its
         embedding, norm and head, each to 12 B or less on 2 gloo ranks (``tests/strategies/test_fsdp_remainder_units_s34.py``);
@@ -188,7 +194,8 @@ class Prediction:
         """
         gathered = self.block_bytes + self.remainder_bytes + max(self.units.values(), default=0)
         per_rank = shard_categories(self.categories, world_size, gathered_bytes=gathered,
-                                    replicated_parameter_bytes=self.replicated_bytes)
+                                    replicated_parameter_bytes=self.replicated_bytes,
+                                    replicated_state_bytes=self.replicated_state_bytes)
         if world_size == 1 or not self.regions:
             return per_rank
         # parameters and optimizer states are the same all through the step: what sharding saves of them, saved everywhere
@@ -299,7 +306,8 @@ def fsdp2_gradient_bytes(phase: str, region: str, block: int, depth: int, world_
 
 
 def shard_categories(
-    categories: dict[str, int], world_size: int, gathered_bytes: int = 0, replicated_parameter_bytes: int = 0
+    categories: dict[str, int], world_size: int, gathered_bytes: int = 0, replicated_parameter_bytes: int = 0,
+    replicated_state_bytes: int = 0,
 ) -> dict[str, int]:
     """Per-rank bytes when parameters, gradients and optimizer states are sharded over ``world_size`` ranks.
 
@@ -309,7 +317,8 @@ def shard_categories(
     (the unsharded parameters of the largest wrapped unit, all-gathered during its forward/backward) is added
     to the ``gathered`` one (``other``). ``replicated_parameter_bytes`` are parameter bytes every
     rank keeps whole: FSDP2 shards a 4-bit weight's packed data but not its quantization constants
-    (absmax, code books), see :func:`quantization_constant_bytes`.
+    (absmax, code books), see :func:`quantization_constant_bytes`. ``replicated_state_bytes`` are optimizer-state
+    bytes every rank keeps whole: the 0-dim states (Adam's ``step``), plain tensors beside the sharded ones.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}.")
@@ -322,9 +331,9 @@ def shard_categories(
             per_rank[t.name] = -(-categories.get(t.name, 0) // world_size)
         elif t.sharding == "gathered" and t.kind == "category":
             per_rank[t.name] = categories.get(t.name, 0) + (gathered_bytes if world_size > 1 else 0)
-    if replicated_parameter_bytes:
-        sharded = categories.get("parameters", 0) - replicated_parameter_bytes
-        per_rank["parameters"] = -(-sharded // world_size) + replicated_parameter_bytes
+    for name, replicated in (("parameters", replicated_parameter_bytes), ("optimizer_states", replicated_state_bytes)):
+        if replicated:
+            per_rank[name] = -(-(categories.get(name, 0) - replicated) // world_size) + replicated
     return per_rank
 
 
@@ -522,6 +531,7 @@ def _predict(
         host_sizes=result.host_sizes,
         offloaded_blocks=result.offloaded,
         replicated_bytes=result.replicated,
+        replicated_state_bytes=result.replicated_states,
         remainder_bytes=result.remainder,
         unchecked=tuple(f"{name} (its forward changes {what})" for name, what in sorted(result.unchecked.items())),
         regions=result.regions,

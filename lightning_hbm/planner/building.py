@@ -99,6 +99,24 @@ def _fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode, values: Optional
     return fake
 
 
+def _fake_batch_like(tensor: torch.Tensor, fake_mode: FakeTensorMode, values: Optional[RealValues] = None) -> torch.Tensor:
+    """A fake of a batch tensor laid out as the step holds it: as ``Tensor.to(device)`` (Lightning's transfer of the
+    batch) copies it, and a DataLoader collates it: its own storage of its own elements, its strides kept where they
+    are dense, else contiguous (``empty_like``'s ``preserve_format``). Not the strides of a view into a larger storage
+    (``synthetic_batch``'s inputs and targets, views of one ``[b, t + 1]`` tensor): that traced a storage larger than
+    the tensor, and a copy the model makes reshaping a view that is not contiguous (``targets.reshape(-1)``), that the
+    step on the moved batch does not hold (+272 B on a 2 x 16 token batch, ``tests/planner/test_batch_layout_s35.py``).
+    The real twin, if any, is copied to the same layout (a ``view`` that works on the fake works on it)."""
+    strides = torch.empty_like(tensor, device="meta").stride()
+    if strides == tensor.stride() and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes():
+        return _fake_like(tensor, fake_mode, values)
+    with fake_mode:
+        fake = torch.empty_strided(tensor.size(), strides, dtype=tensor.dtype, device="cpu")
+    if values is not None and not isinstance(tensor, FakeTensor) and tensor.device.type == "cpu":
+        values.add(fake, torch.empty_strided(tensor.size(), strides, dtype=tensor.dtype).copy_(tensor))
+    return fake
+
+
 @dataclass
 class Template:
     """A model built once (fake, with the real twins of its small tensors), copied for every trace of a plan.

@@ -26,7 +26,10 @@ found by running it (torch 2.13), decide how it is used here:
   meant then: the per-module figures and labels are not kept). Of 53 steps measured both ways (session 34: every
   ``memtracker_peak`` call of the tests that ran here, and Mimi under ``bf16-true``) three read more with the hooks:
   Mimi under nf4-dq (+261,000 B) and ``bf16-true`` (+543,176 B), transformers' Mamba at ``32-true`` (+41,472 B);
-  without them each equals its plan. The FusedLoss case above did not recur on lightning_hbm's ``LlamaLM`` with the
+  without them each equals its plan. In Mamba the hooks keep each mixer's ``torch.exp(A_log)`` alive (``A`` goes to
+  ``mamba_inner_fn``, a kernels-hub module that returns None on CPU: the multi-gradient hook on its inputs holds
+  ``A``'s autograd node) and buffer two gradients until every input's has arrived (benchmarks/README.md, "Plans
+  against torch's MemTracker without its module hooks"; ``tests/test_memtracker_hooks_s35.py``). The FusedLoss case above did not recur on lightning_hbm's ``LlamaLM`` with the
   head quantized and adapted (the same peak both ways).
 
 Quantization constants live outside the parameters (bitsandbytes ``quant_state``, int8 row scales):

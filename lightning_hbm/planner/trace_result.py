@@ -57,6 +57,8 @@ class Trace:
     routed: dict[str, str] = field(default_factory=dict)
     # the gradient bytes the largest block's backward makes (its trainable parameters'): FSDP2 keeps a shard of each
     block_gradients: int = 0
+    # optimizer-state bytes FSDP2 keeps whole on every rank: the 0-dim states (Adam's ``step``), not DTensor shards
+    replicated_states: int = 0
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -101,6 +103,7 @@ class Trace:
                      max(t.guessed for t in (self, *others)), scopes, fallbacks, line(_field("host")), selections,
                      tuple(sorted(sizes.elements())), line(_field("offloaded")), regions=self._region_lines(steps),
                      replicated=line(_field("replicated")), remainder=self.remainder, unchecked=unchecked,
+                     replicated_states=line(_field("replicated_states")),
                      units=self.units, rooted_blocks=self.rooted_blocks, routed=routed,
                      block_gradients=self.block_gradients)
 

@@ -66,7 +66,7 @@ from lightning_hbm.planner.building import (
     Template,
     _adopt_foreign_fakes,
     _build,
-    _fake_like,
+    _fake_batch_like,
     _fake_mode,
     _forget_conversions,
     _quiet_logs,
@@ -175,7 +175,7 @@ def trace(
         if built is None:
             built = _set_up(stack, model, candidate, device, keep_blocks, real_types, batch, probe_batch, decided)
         else:  # the same model at another length: only the batch is new (what the last step left is a step's state)
-            fake_batch = torch_compat.map_tensors(lambda t: _fake_like(t, built.fake_mode, built.values), batch)
+            fake_batch = torch_compat.map_tensors(lambda t: _fake_batch_like(t, built.fake_mode, built.values), batch)
             built.enter(stack)
             built.fake_batch = built.plugin.convert_input(fake_batch)
             built.reached, built.routed = cast(Decided, decided).restore(built.module, keep_blocks)
@@ -189,6 +189,8 @@ def trace(
         _first_step_state(optimizers, built.reached, built.routed.ids)
         # states created outside the dispatch (e.g. bitsandbytes' real quantization maps)
         tracker.seed(optimizer_state_tensors(optimizers), "setup")
+        # 0-dim states (Adam's step): whole on every FSDP2 rank, not sharded with the others
+        replicated_states = unique_bytes(t for t in optimizer_state_tensors(optimizers) if t.dim() == 0)
         for hooks in built.offloads:
             hooks.reset_counts()
         offloaded, boundary = _offload_first(module, offload)
@@ -209,7 +211,7 @@ def trace(
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
                  host_sizes, offloaded, where, regions, replicated, remainder, unchecked_blocks(module), apart, rooted,
-                 dict(built.routed.containers), block_gradients)
+                 dict(built.routed.containers), block_gradients, replicated_states)
 
 
 def _block_unit_bytes(blocks: list[nn.Module]) -> tuple[int, int]:
@@ -326,9 +328,9 @@ def _set_up(
     # a template is copied with its blocks already cut: copying 32 layers of fakes to trace 3 costs seconds
     with _blocks_cut(model.module, keep_blocks) if isinstance(model, Template) else nullcontext(0) as depth:
         module = _build(model, fake_mode, values)
-    fake_batch = torch_compat.map_tensors(lambda t: _fake_like(t, fake_mode, values), batch)
+    fake_batch = torch_compat.map_tensors(lambda t: _fake_batch_like(t, fake_mode, values), batch)
     fake_probe = fake_batch if probe_batch is None else torch_compat.map_tensors(
-        lambda t: _fake_like(t, fake_mode, values), probe_batch)
+        lambda t: _fake_batch_like(t, fake_mode, values), probe_batch)
     built = _Built(module, plugin, fake_mode, values, [], [], depth, fallbacks, None, fake_batch)
     built.enter(stack)
     with plugin.tensor_init_context():

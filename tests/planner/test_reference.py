@@ -19,7 +19,7 @@ from lightning_hbm.planner import Candidate, predict
 from lightning_hbm.planner.reference import memtracker_peak
 
 # contiguous, as a DataLoader collates it and as the reference's step clones it (with synthetic_batch's views of one
-# tensor the planner read 1,072 B high: benchmarks/README.md)
+# tensor the planner read 1,072 B high until session 35, when it learnt to lay the batch out so: benchmarks/README.md)
 BATCH = tuple(t.contiguous() for t in synthetic_batch(4, 32))
 
 

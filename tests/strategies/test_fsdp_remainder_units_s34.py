@@ -144,18 +144,18 @@ def _planned(name: str) -> Any:
     return predict(MODELS[name], batch, Candidate("nf4", "float32", lora_r=4))
 
 
-def plan_matches(prediction: Any, measured: int) -> bool:
-    """The planned per-rank peak within 0.1 % of the measured one; where each block is an FSDP2 root of its own, the
-    plan plus one block's gathered bytes is accepted too (said in the output). Seen once, in the project's CI (Dec 6
+def plan_matches(prediction: Any, measured: int, within: float = 0.0) -> bool:
+    """The planned per-rank peak within ``within`` bytes (default 0.1 %) of the measured one; where each block is an
+    FSDP2 root of its own, the plan plus one block's gathered bytes is accepted too (said in the output). Seen once, in the project's CI (Dec 6
     2026, session 34's last run; never on the dev machine, loaded or not): ``layers_on_module`` measured 6,240,512 B =
     the plan + one decoder layer's gathered bytes (362,496 B = ``block_bytes``), the same at every step. Not GC
     (``gc.disable()`` measures the same); likely gloo's worker thread releasing a block's all-gather buffer after the
     peak (it holds the work's buffers until after it wakes the waiter). Kept visible (the print, the CI log) rather than
     failing a healthy run; stated in benchmarks/README.md."""
-    planned = sum(prediction.per_rank(2).values())
-    if abs(planned - measured) <= 0.001 * measured:
+    planned, within = sum(prediction.per_rank(2).values()), within or 0.001 * measured
+    if abs(planned - measured) <= within:
         return True
-    late = prediction.rooted_blocks and abs(planned + prediction.block_bytes - measured) <= 0.001 * measured
+    late = prediction.rooted_blocks and abs(planned + prediction.block_bytes - measured) <= within
     if late:
         print(f"one block's gathered bytes ({prediction.block_bytes:,} B) released after the peak (gloo's thread)")
     return bool(late)
@@ -169,7 +169,9 @@ UNITS = {"head_apart": ["backbone", "backbone.layers.0", "backbone.layers.1", "l
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_per_rank_plan_follows_the_units(two_rank_run: Path, name: str) -> None:
-    """The planned per-rank step peak within 0.1 % of the measured one (12 B under or less, Dec 6 2026). Before session
+    """The planned per-rank step peak within 8 B of the measured one (4 B under or equal since session 35: the batch as
+    the DataLoader collates it, Adam's 0-dim step tensors whole on each rank; 8-12 B under before, with 48 B of
+    synthetic_batch's views hiding 56-60 B of step tensors split by the world size). Before session
     34: head_apart planned 6,569,204 B for 6,307,072 measured (+4.2 %: the head counted gathered in every block's
     region), tied 1,552,296 B for 1,535,920 (+1.1 %: the previous step's gradients counted whole in the forward),
     layers_on_module 6,569,204 B for 5,878,016 (+11.8 %: the blocks planned as one root's, prefetching each other, the
@@ -180,7 +182,7 @@ def test_per_rank_plan_follows_the_units(two_rank_run: Path, name: str) -> None:
     prediction = _planned(name)
     planned = sum(prediction.per_rank(2).values())
     print(name, "measured", measured, "planned", planned, f"{(planned - measured) / measured:+.4%}")
-    assert plan_matches(prediction, measured)
+    assert plan_matches(prediction, measured, within=8), (planned, measured)
 
 
 def test_plan_names_each_unit_apart_and_its_region() -> None:
