@@ -205,13 +205,15 @@ def trace(
         block_bytes, block_gradients = _block_unit_bytes(blocks)
         replicated = _replicated_bytes(module)
         remainder, apart = _remainder_unit_bytes(module, blocks)
+        apart_gradients = _remainder_unit_bytes(module, blocks, trainable=True)[1]
         rooted = bool(blocks) and not held
     depth, fallbacks = built.depth, built.fallbacks
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
     guessed = len(values.guessed) + (len(model.values.guessed) if isinstance(model, Template) else 0)  # + the build's
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
                  host_sizes, offloaded, where, regions, replicated, remainder, unchecked_blocks(module), apart, rooted,
-                 dict(built.routed.containers), block_gradients, replicated_states)
+                 dict(built.routed.containers), block_gradients, replicated_states,
+                 {name: size for name, size in apart_gradients.items() if size})
 
 
 def _block_unit_bytes(blocks: list[nn.Module]) -> tuple[int, int]:
@@ -223,15 +225,16 @@ def _block_unit_bytes(blocks: list[nn.Module]) -> tuple[int, int]:
     return gathered, gradients
 
 
-def _remainder_unit_bytes(module: nn.Module, blocks: list[nn.Module]) -> tuple[int, dict[str, int]]:
+def _remainder_unit_bytes(module: nn.Module, blocks: list[nn.Module], trainable: bool = False) -> tuple[int, dict[str, int]]:
     """What ``QuantizedFSDPStrategy``'s units outside the blocks gather (parameters outside the blocks, quantization
     constants excluded): the unit around the blocks (a causal LM's ``model``; 0 without one), and by name each unit
-    apart from it (a head or an embedding side by side with the backbone: :func:`remainder_units`)."""
+    apart from it (a head or an embedding side by side with the backbone: :func:`remainder_units`). ``trainable``: the
+    gradient bytes of each instead (its trainable parameters')."""
     inside = {id(p) for block in blocks for p in block.parameters()}
     holder = _model_holding(module, blocks)
 
     def outside(unit: nn.Module) -> int:
-        return tensor_bytes(p for p in unit.parameters() if id(p) not in inside)
+        return tensor_bytes(p for p in unit.parameters() if id(p) not in inside and (p.requires_grad or not trainable))
 
     apart = {name: outside(unit) for name, unit in remainder_units(module, blocks) if unit is not holder}
     return (outside(holder) if holder is not None else 0), apart
