@@ -97,23 +97,34 @@ def _layers_on_module() -> Any:
 MODELS = {"head_apart": _head_apart, "tied": _tied, "layers_on_module": _layers_on_module}
 
 
-def _fit(name: str, out: Path) -> dict[str, Any]:
+def profiler_for(out: Path, name: str) -> Any:
+    """The profiler of one fit: every step detailed, its report in ``out / name`` (:func:`measured_peak` reads it)."""
+    from lightning_hbm import HBMProfiler
+
+    return HBMProfiler(every_n_steps=1, dirpath=str(out / name), summary=False)
+
+
+def fit_profiled(model: Any, callbacks: list[Any], out: Path, name: str) -> dict[str, Any]:
+    """One epoch of ``model`` on this rank (2 CPU ranks, ``fsdp_qlora``, nf4 in fp32) with ``callbacks`` (one of them
+    :func:`profiler_for`'s); the FSDP2 units the strategy made, by name."""
     import lightning.pytorch as pl
 
-    from lightning_hbm import HBMProfiler, QuantizedPrecision
+    from lightning_hbm import QuantizedPrecision
 
-    profiler = HBMProfiler(every_n_steps=1, dirpath=str(out / name), summary=False)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="fsdp_qlora", max_epochs=1, logger=False,
-        plugins=[QuantizedPrecision("nf4", dtype="float32")], callbacks=_callbacks() + [profiler],
+        plugins=[QuantizedPrecision("nf4", dtype="float32")], callbacks=callbacks,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         num_sanity_val_steps=0, use_distributed_sampler=False, default_root_dir=str(out / name),
     )  # fmt: skip
-    model = MODELS[name]()
     trainer.fit(model, datamodule=_datamodule(2))
     from torch.distributed.fsdp import FSDPModule
 
     return {"units": sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))}
+
+
+def _fit(name: str, out: Path) -> dict[str, Any]:
+    return fit_profiled(MODELS[name](), _callbacks() + [profiler_for(out, name)], out, name)
 
 
 def worker(out: Path) -> None:
@@ -129,7 +140,8 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_script_on_two_ranks(__file__, tmp_path_factory.mktemp("fsdp_remainder_units"), timeout=300)
 
 
-def _measured(out: Path, name: str) -> int:
+def measured_peak(out: Path, name: str) -> int:
+    """The per-rank step peak :func:`profiler_for`'s report holds (max over ranks), the same at every step."""
     rows = json.loads((out / name / "hbm_profile.json").read_text())["rows"]
     peaks = {row["tracked_peak"] for row in rows if row["mode"] == "detailed"}
     assert len(peaks) == 1, peaks  # the same every step
@@ -178,7 +190,7 @@ def test_per_rank_plan_follows_the_units(two_rank_run: Path, name: str) -> None:
     embedding, norm and head gathered everywhere)."""
     ranks = [json.loads((two_rank_run / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0][name]["units"] == ranks[1][name]["units"] == UNITS[name]  # the units the plan follows
-    measured = _measured(two_rank_run, name)
+    measured = measured_peak(two_rank_run, name)
     prediction = _planned(name)
     planned = sum(prediction.per_rank(2).values())
     print(name, "measured", measured, "planned", planned, f"{(planned - measured) / measured:+.4%}")

@@ -34,8 +34,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_fsdp_qlora import DATA, GLOBAL_BATCH, _datamodule, run_script_on_two_ranks  # noqa: E402
-from test_fsdp_remainder_units_s34 import plan_matches  # noqa: E402
+from test_fsdp_qlora import DATA, GLOBAL_BATCH, run_script_on_two_ranks  # noqa: E402
+from test_fsdp_remainder_units_s34 import fit_profiled, measured_peak, plan_matches, profiler_for  # noqa: E402
 
 HIDDEN = 256
 
@@ -104,26 +104,13 @@ def _setting(name: str) -> dict[str, Any]:
 
 
 def _fit(name: str, out: Path) -> dict[str, Any]:
-    import lightning.pytorch as pl
-
-    from lightning_hbm import ActivationCheckpointing, HBMProfiler, QuantizedPrecision
+    from lightning_hbm import ActivationCheckpointing
     from lightning_hbm.adapters.lora import LoRA
 
     setting = _setting(name)
-    profiler = HBMProfiler(every_n_steps=1, dirpath=str(out / name), summary=False)
     checkpointing = [] if setting["checkpointing"] == "none" else [ActivationCheckpointing(policy=setting["checkpointing"])]
-    callbacks = [LoRA(r=setting["lora_r"], alpha=8, dropout=0.0), profiler, *checkpointing]
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="fsdp_qlora", max_epochs=1, logger=False,
-        plugins=[QuantizedPrecision("nf4", dtype="float32")], callbacks=callbacks,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, use_distributed_sampler=False, default_root_dir=str(out / name),
-    )  # fmt: skip
-    model = MODELS[name]()
-    trainer.fit(model, datamodule=_datamodule(2))
-    from torch.distributed.fsdp import FSDPModule
-
-    return {"units": sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))}
+    callbacks = [LoRA(r=setting["lora_r"], alpha=8, dropout=0.0), profiler_for(out, name), *checkpointing]
+    return fit_profiled(MODELS[name](), callbacks, out, name)
 
 
 def worker(out: Path) -> None:
@@ -139,11 +126,6 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_script_on_two_ranks(__file__, tmp_path_factory.mktemp("fsdp_sequential_blocks"), timeout=300)
 
 
-def _measured(out: Path, name: str) -> int:
-    rows = json.loads((out / name / "hbm_profile.json").read_text())["rows"]
-    peaks = {row["tracked_peak"] for row in rows if row["mode"] == "detailed"}
-    assert len(peaks) == 1, peaks  # the same every step
-    return peaks.pop()
 
 
 def _planned(name: str) -> Any:
@@ -169,7 +151,7 @@ def test_per_rank_plan_of_blocks_in_a_sequential(two_rank_run: Path, name: str) 
     called_deep 15,693,676 (+10.1 %) and iterated_deep 14,771,052 (-11.7 %): the backward's gradients counted whole."""
     ranks = [json.loads((two_rank_run / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0][name]["units"] == ranks[1][name]["units"] == _units(name)  # each block a unit, as the plan has it
-    measured = _measured(two_rank_run, name)
+    measured = measured_peak(two_rank_run, name)
     prediction = _planned(name)
     planned = sum(prediction.per_rank(2).values())
     print(name, "measured", measured, "planned", planned, f"{(planned - measured) / measured:+.4%}")

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_fsdp_qlora import DATA, GLOBAL_BATCH, _datamodule, run_script_on_two_ranks  # noqa: E402
-from test_fsdp_remainder_units_s34 import _head_apart, plan_matches  # noqa: E402
+from test_fsdp_qlora import DATA, GLOBAL_BATCH, run_script_on_two_ranks  # noqa: E402
+from test_fsdp_remainder_units_s34 import _head_apart, fit_profiled, measured_peak, plan_matches, profiler_for  # noqa: E402
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -38,22 +38,7 @@ def _lora(name: str) -> Any:
 
 
 def _fit(name: str, out: Path) -> dict[str, Any]:
-    import lightning.pytorch as pl
-
-    from lightning_hbm import HBMProfiler, QuantizedPrecision
-
-    profiler = HBMProfiler(every_n_steps=1, dirpath=str(out / name), summary=False)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="fsdp_qlora", max_epochs=1, logger=False,
-        plugins=[QuantizedPrecision("nf4", dtype="float32")], callbacks=[_lora(name), profiler],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, use_distributed_sampler=False, default_root_dir=str(out / name),
-    )  # fmt: skip
-    model = _head_apart()
-    trainer.fit(model, datamodule=_datamodule(2))
-    from torch.distributed.fsdp import FSDPModule
-
-    return {"units": sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))}
+    return fit_profiled(_head_apart(), [_lora(name), profiler_for(out, name)], out, name)
 
 
 def worker(out: Path) -> None:
@@ -69,11 +54,6 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_script_on_two_ranks(__file__, tmp_path_factory.mktemp("fsdp_trained_units"), timeout=300)
 
 
-def _measured(out: Path, name: str) -> int:
-    rows = json.loads((out / name / "hbm_profile.json").read_text())["rows"]
-    peaks = {row["tracked_peak"] for row in rows if row["mode"] == "detailed"}
-    assert len(peaks) == 1, peaks  # the same every step
-    return peaks.pop()
 
 
 def _planned(name: str) -> Any:
@@ -101,7 +81,7 @@ def test_per_rank_plan_of_a_trained_unit_apart(two_rank_run: Path, name: str) ->
     ranks = [json.loads((two_rank_run / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0][name]["units"] == ranks[1][name]["units"] == ["backbone", "backbone.layers.0", "backbone.layers.1",
                                                                   "lm_head"]
-    measured = _measured(two_rank_run, name)
+    measured = measured_peak(two_rank_run, name)
     prediction = _planned(name)
     planned = sum(prediction.per_rank(2).values())
     print(name, "measured", measured, "planned", planned, f"{(planned - measured) / measured:+.4%}")
