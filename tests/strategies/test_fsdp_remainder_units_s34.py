@@ -158,8 +158,8 @@ def _planned(name: str) -> Any:
 
 def plan_matches(prediction: Any, measured: int, within: float = 0.0) -> bool:
     """The planned per-rank peak within ``within`` bytes (default 0.1 %) of the measured one; where each block is an
-    FSDP2 root of its own, the plan plus one block's gathered bytes is accepted too (said in the output). Seen once, in the project's CI (Dec 6
-    2026, session 34's last run; never on the dev machine, loaded or not): ``layers_on_module`` measured 6,240,512 B =
+    FSDP2 root of its own, the plan plus one block's gathered bytes is accepted too (said in the output). Seen in the project's CI (Dec 6 2026,
+    session 34's last run) and on the dev machine with the whole suite running beside it (session 35): ``layers_on_module`` measured 6,240,512 B =
     the plan + one decoder layer's gathered bytes (362,496 B = ``block_bytes``), the same at every step. Not GC
     (``gc.disable()`` measures the same); likely gloo's worker thread releasing a block's all-gather buffer after the
     peak (it holds the work's buffers until after it wakes the waiter). Kept visible (the print, the CI log) rather than
