@@ -11,9 +11,11 @@ LightningModule itself (plain torch models and Hugging Face models inside it ali
 lightning_hbm's surgery point (:mod:`lightning_hbm.surgery`): after ``configure_model`` and the
 quantization, before ``configure_optimizers`` and activation checkpointing.
 
-The package, one job per module: ``base`` (peft import, name matching), ``config`` (``LoRAConfig``: the settings,
-checked and frozen, as peft's ``LoraConfig``), ``targets`` (``select``: the layers adapted and
-trained in full, checked), ``callback`` (``LoRA``: the friendly face, injection), ``export`` (``save_adapter``, ``merge``), ``watch`` (dead adapters).
+The package, one job per module: ``base`` (peft import, the adapted layers, the trained weights), ``config``
+(``LoRAConfig``: the settings, checked and frozen, as peft's ``LoraConfig``), ``targets`` (``select``: the layers
+adapted and trained in full, checked), ``callback`` (``LoRA``: the friendly face, injection), ``export``
+(``save_adapter``: peft's format), ``folder`` (the adapter folder written as a unit), ``merge`` (a plain merged
+state_dict), ``watch`` (dead adapters).
 """
 
 from lightning_hbm.adapters.lora.base import _PEFT_AVAILABLE, ADAPTER_NAME, ALL_LINEAR, _import_peft

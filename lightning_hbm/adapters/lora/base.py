@@ -1,12 +1,16 @@
-"""What the LoRA modules share: peft, imported on first use (module names match by :mod:`lightning_hbm.naming`)."""
+"""What the LoRA modules share: peft, imported on first use (module names match by :mod:`lightning_hbm.naming`), the
+trained weights and the model they are relative to in peft's format."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 
+from lightning_hbm.layers import hf_models
+from lightning_hbm.layers.finding import lora_layer_classes
 from lightning_hbm.quiet import quieted
 from lightning_hbm.requirements import requirement
 
@@ -30,12 +34,42 @@ def _import_peft() -> Any:
     return peft
 
 
-def _lora_layer_cls() -> type:
-    from peft.tuners.lora import LoraLayer
-
-    return LoraLayer
+def adapted_layers(module: nn.Module) -> dict[str, nn.Module]:
+    """The adapted layers of ``module`` (peft's LoRA layers, :func:`lightning_hbm.layers.finding.lora_layer_classes`)
+    by name, in module order."""
+    lora: tuple[type[Any], ...] = lora_layer_classes()
+    return {name: sub for name, sub in module.named_modules() if isinstance(sub, lora)}
 
 
 def _width(layer: Optional[nn.Module], default: int) -> int:
     """A layer's smaller dimension (Linear-like ``in_features``/``out_features``; ``default`` when unknown)."""
     return min(getattr(layer, "in_features", default), getattr(layer, "out_features", default))
+
+
+def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable weights of ``module`` (adapters + ``modules_to_save``), under their own names.
+
+    Tied parameters appear under every name, as in ``module.state_dict()``.
+    """
+    return {n: p.detach() for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+def hf_root(module: nn.Module, submodule: Optional[str]) -> str:
+    """The name of the model peft's adapter format is relative to: ``submodule`` when given (checked), else the
+    outermost Hugging Face model inside ``module`` (``""``: ``module`` itself, a Hugging Face model or none inside).
+
+    Raises:
+        ValueError: ``submodule`` is not a submodule of ``module``, or ``module`` holds several Hugging Face models side
+            by side (which one is ambiguous: pass ``submodule``).
+    """
+    if submodule is not None:
+        try:
+            module.get_submodule(submodule)
+        except AttributeError as err:
+            raise ValueError(f"submodule={submodule!r} is not a submodule of {type(module).__name__}.") from err
+        return submodule
+    # (was its own search, which counted a bare transformers model and its inner model as two: "holds several")
+    outer = [name for name, _ in hf_models(module)]
+    if len(outer) > 1:
+        raise ValueError(f"{type(module).__name__} holds several Hugging Face models {outer}: pass submodule=NAME.")
+    return outer[0] if outer else ""

@@ -16,12 +16,14 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.adapters.lora import variants
-from lightning_hbm.adapters.lora.base import ADAPTER_NAME, ALL_LINEAR, _import_peft, _lora_layer_cls, _width
+from lightning_hbm.adapters.lora.base import ADAPTER_NAME, ALL_LINEAR, _import_peft, _width, adapted_layers, adapter_state_dict
 from lightning_hbm.adapters.lora.compute import compute_in_input_dtype
 from lightning_hbm.adapters.lora.config import LoRAConfig
-from lightning_hbm.adapters.lora.export import adapter_state_dict, check_adapter_folder, is_quantized, merge, save_adapter
+from lightning_hbm.adapters.lora.export import save_adapter
+from lightning_hbm.adapters.lora.folder import check_adapter_folder
 from lightning_hbm.adapters.lora.forward import lora_forward
 from lightning_hbm.adapters.lora.input_grads import unwatch_first_step, watch_first_step
+from lightning_hbm.adapters.lora.merge import merge
 from lightning_hbm.adapters.lora.targets import select
 from lightning_hbm.adapters.lora.watch import _AdapterWatch
 from lightning_hbm.adapters.lora.weight_delta import as_plain_convolutions, own_forward_convs, weight_delta_forward
@@ -139,6 +141,11 @@ class LoRA(SurgeryCallback):
         # TypeError names no alternative. The typed arguments above stay what the CLI parses.
         if unknown:
             _refuse_unknown(unknown)
+        if isinstance(r, LoRAConfig):  # LoRA(LoRAConfig(...)): else "r=LoRAConfig(...): wrong type", no fix named
+            raise TypeError(
+                f"LoRA({r!r}): a LoRAConfig is the callback's settings, not its rank r. Build the callback from it "
+                "with LoRA.from_config(config), or pass the settings as arguments: LoRA(r=16, alpha=32, ...)."
+            )
         check_args(LoRA.__init__, locals())
         _import_peft()
         #: the settings, checked and frozen (the arguments above; read ``lora.config.r`` or ``lora.r``)
@@ -155,6 +162,23 @@ class LoRA(SurgeryCallback):
         self.saved_modules: list[str] = []
         self.unused_modules: list[str] = []  # adapters that ran but whose output never reaches the loss
         self.summary: dict[str, float] = {}  # the metrics logged at fit start
+
+    @classmethod
+    def from_config(cls, config: LoRAConfig) -> LoRA:
+        """The callback with the settings ``config`` (as peft's ``get_peft_model(model, LoraConfig(...))`` takes its
+        settings): ``LoRA.from_config(LoRAConfig(r=16, alpha=32))`` is ``LoRA(r=16, alpha=32)``, and
+        ``LoRA.from_config(dataclasses.replace(lora.config, r=32))`` a callback like ``lora`` at another rank. The
+        keyword constructor stays the face a LightningCLI ``config.yaml`` names.
+
+        Raises:
+            TypeError: ``config`` is not a :class:`~lightning_hbm.adapters.lora.LoRAConfig` (a dict: ``LoRA(**d)``).
+        """
+        if not isinstance(config, LoRAConfig):
+            raise TypeError(
+                f"LoRA.from_config({config!r}): pass a LoRAConfig, e.g. LoRA.from_config(LoRAConfig(r=16)); settings "
+                "as a dict go to the constructor: LoRA(**settings)."
+            )
+        return cls(**{field.name: config.argument(field.name) for field in dataclasses.fields(config)})
 
     def __getattr__(self, name: str) -> Any:
         # a setting read as the callback's own (lora.r, lora.target_modules): its config's. Only reached when normal
@@ -186,7 +210,7 @@ class LoRA(SurgeryCallback):
         The surgery calls it before any check, so that ``QuantizedPrecision`` keeps the heads unquantized.
         """
         self.task_heads = task_heads(module)
-        self.heads_quantized = [h for h in self.task_heads if is_quantized(module.get_submodule(h))]
+        self.heads_quantized = [h for h in self.task_heads if variants.is_quantized(module.get_submodule(h))]
         return self.modules_to_save
 
     # ------------------------------------------------------------------ surgery
@@ -205,8 +229,7 @@ class LoRA(SurgeryCallback):
     @override
     def check_model(self, module: nn.Module) -> None:
         """Validate against the model as built, before the precision plugin quantizes anything."""
-        lora_cls = _lora_layer_cls()
-        present = [n for n, m in module.named_modules() if isinstance(m, lora_cls)]
+        present = list(adapted_layers(module))
         if present or getattr(module, "peft_config", None):
             raise ValueError(
                 f"{type(module).__name__} already carries peft adapters ({present[:3]}{' ...' if len(present) > 3 else ''}): "
@@ -305,15 +328,13 @@ class LoRA(SurgeryCallback):
             for param in module.get_submodule(name).parameters():
                 param.requires_grad_(True)
         dtype = to_dtype(self.config.adapter_dtype)
-        lora_cls = _lora_layer_cls()
-        for sub in module.modules():
-            if isinstance(sub, lora_cls):
-                # under Lightning's bf16-true the module is bf16 already, so peft made bf16 adapters
-                variants.cast_adapters(sub, dtype)
-                compute_in_input_dtype(sub)  # fp32 adapters on a bf16 model: bf16 matmuls, no fp32 input copies
-                lora_forward(sub)  # the adapter term added inside one addmm (plain layers; forward.py says when)
-                weight_delta_forward(sub)  # a convolution with its own forward: its weight adapted (weight_delta.py)
-                _expose_base_attributes(sub)
+        for sub in adapted_layers(module).values():
+            # under Lightning's bf16-true the module is bf16 already, so peft made bf16 adapters
+            variants.cast_adapters(sub, dtype)
+            compute_in_input_dtype(sub)  # fp32 adapters on a bf16 model: bf16 matmuls, no fp32 input copies
+            lora_forward(sub)  # the adapter term added inside one addmm (plain layers; forward.py says when)
+            weight_delta_forward(sub)  # a convolution with its own forward: its weight adapted (weight_delta.py)
+            _expose_base_attributes(sub)
         self.adapted_modules, self.saved_modules = targets, saved
         self._tell_left_out(module)
         self._tell_heads(module)

@@ -78,39 +78,22 @@ class LoRAConfig:
     alpha_pattern: Optional[Mapping[str, float]] = None
 
     def __post_init__(self) -> None:
-        def _set(**values: Any) -> None:
+        def _normalise(**values: Any) -> None:
             for name, value in values.items():
                 object.__setattr__(self, name, value)  # the one way a frozen dataclass normalises its own fields
 
         # in the order LoRA always checked them (the same first error)
-        r, alpha, dropout = self.r, self.alpha, self.dropout
-        if isinstance(r, bool) or not isinstance(r, int):
-            raise TypeError(f"LoRA r must be an int (the adapter rank), got {r!r} of type {type(r).__name__}.")
-        if r <= 0:
-            raise ValueError(f"LoRA r must be a positive rank, got r={r}. Typical values: 4, 8, 16, 64.")
-        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
-            raise ValueError(f"LoRA alpha must be a positive number, got alpha={alpha!r}. A common choice is 2 * r.")
-        if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"LoRA dropout must be in [0, 1), got dropout={dropout!r}.")
-        _set(alpha=float(alpha), dropout=float(dropout))
-        _set(target_modules=checked_patterns("target_modules", self.target_modules, allow_all_linear=True))
+        _normalise(**_checked_numbers(self.r, self.alpha, self.dropout))
+        _normalise(target_modules=checked_patterns("target_modules", self.target_modules, allow_all_linear=True))
         if self.exclude_modules is not None:
-            _set(exclude_modules=checked_patterns("exclude_modules", self.exclude_modules))
+            _normalise(exclude_modules=checked_patterns("exclude_modules", self.exclude_modules))
         saved = self.modules_to_save
         if saved is not None and (isinstance(saved, str) or not all(isinstance(m, str) for m in saved)):
             raise TypeError(f"modules_to_save must be a list of module names, got {saved!r}; e.g. modules_to_save=['lm_head'].")
-        _set(modules_to_save=None if saved is None else tuple(saved))
-        if self.adapter_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"adapter_dtype must be 'float32' or 'bfloat16', got {self.adapter_dtype!r}.")
-        if self.bias not in ("none", "all", "lora_only"):
-            raise ValueError(f"LoRA bias must be 'none', 'all' or 'lora_only' (peft's values), got {self.bias!r}.")
-        if not isinstance(self.init_lora_weights, bool) and self.init_lora_weights not in _INITS:
-            raise ValueError(
-                f"LoRA init_lora_weights must be True, False, 'gaussian', 'pissa' or 'olora', got {self.init_lora_weights!r}."
-            )
-        variants.check_init(self.init_lora_weights)
-        _set(rank_pattern=frozen(variants.check_pattern("rank_pattern", self.rank_pattern, integer=True)))
-        _set(alpha_pattern=frozen(variants.check_pattern("alpha_pattern", self.alpha_pattern, integer=False)))
+        _normalise(modules_to_save=None if saved is None else tuple(saved))
+        _check_choices(self.adapter_dtype, self.bias, self.init_lora_weights)
+        _normalise(rank_pattern=frozen(variants.check_pattern("rank_pattern", self.rank_pattern, integer=True)))
+        _normalise(alpha_pattern=frozen(variants.check_pattern("alpha_pattern", self.alpha_pattern, integer=False)))
 
     def argument(self, name: str) -> Any:
         """The setting ``name`` as the callback's argument is written (names as a list, patterns as a dict, as YAML and
@@ -152,6 +135,33 @@ class LoRAConfig:
             rank_pattern=dict(self.rank_pattern or {}),
             alpha_pattern=dict(self.alpha_pattern or {}),
         )
+
+
+
+def _checked_numbers(r: Any, alpha: Any, dropout: Any) -> dict[str, Any]:
+    """``r``, ``alpha`` and ``dropout`` checked (``alpha`` and ``dropout`` as floats)."""
+    if isinstance(r, bool) or not isinstance(r, int):
+        raise TypeError(f"LoRA r must be an int (the adapter rank), got {r!r} of type {type(r).__name__}.")
+    if r <= 0:
+        raise ValueError(f"LoRA r must be a positive rank, got r={r}. Typical values: 4, 8, 16, 64.")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"LoRA alpha must be a positive number, got alpha={alpha!r}. A common choice is 2 * r.")
+    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"LoRA dropout must be in [0, 1), got dropout={dropout!r}.")
+    return {"alpha": float(alpha), "dropout": float(dropout)}
+
+
+def _check_choices(adapter_dtype: Any, bias: Any, init_lora_weights: Any) -> None:
+    """``adapter_dtype``, ``bias`` and ``init_lora_weights`` among the values known (and an init not refused)."""
+    if adapter_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"adapter_dtype must be 'float32' or 'bfloat16', got {adapter_dtype!r}.")
+    if bias not in ("none", "all", "lora_only"):
+        raise ValueError(f"LoRA bias must be 'none', 'all' or 'lora_only' (peft's values), got {bias!r}.")
+    if not isinstance(init_lora_weights, bool) and init_lora_weights not in _INITS:
+        raise ValueError(
+            f"LoRA init_lora_weights must be True, False, 'gaussian', 'pissa' or 'olora', got {init_lora_weights!r}."
+        )
+    variants.check_init(init_lora_weights)
 
 
 __all__ = ["LoRAConfig", "checked_patterns"]

@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.adapters.lora.base import _PEFT_AVAILABLE, _lora_layer_cls
+from lightning_hbm.adapters.lora.base import _PEFT_AVAILABLE, adapted_layers
 from lightning_hbm.adapters.lora.forward import LoRAForward, lora_forward, recomputing
 
 
@@ -97,10 +97,8 @@ class LastAdapted:
         self._handles: list[RemovableHandle] = []
         if not _PEFT_AVAILABLE:
             return
-        lora_cls: Any = _lora_layer_cls()  # Any: an isinstance against it keeps the nn.Module type
         for block_name in blocks:
-            layers = [(n, m) for n, m in model.get_submodule(block_name).named_modules() if isinstance(m, lora_cls)]
-            for name, layer in layers:
+            for name, layer in adapted_layers(model.get_submodule(block_name)).items():
                 seen = functools.partial(self._seen, block_name, f"{block_name}.{name}" if name else block_name)
                 self._handles.append(layer.register_forward_pre_hook(seen))
 

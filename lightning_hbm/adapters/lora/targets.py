@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_hbm.adapters.lora.base import ALL_LINEAR, _width
 from lightning_hbm.adapters.lora.config import LoRAConfig
-from lightning_hbm.adapters.lora.export import is_quantized
+from lightning_hbm.adapters.lora.variants import is_quantized
 from lightning_hbm.adapters.lora.weight_delta import own_forward_convs
 from lightning_hbm.layers import (
     QuantizedConv1d,

@@ -9,7 +9,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_hbm._compat.torch import foreach_norm
-from lightning_hbm.adapters.lora.base import _lora_layer_cls
+from lightning_hbm.adapters.lora.base import adapted_layers
 from lightning_hbm.layers import weight_readers
 from lightning_hbm.naming import name_list
 
@@ -38,9 +38,8 @@ class _AdapterWatch:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        lora_cls = _lora_layer_cls()
-        # peft's LoraLayer modules (a class looked up at run time, typed `type`): their lora_A/lora_B are ModuleDicts
-        self.layers: dict[str, Any] = {n: m for n, m in module.named_modules() if isinstance(m, lora_cls)}
+        # peft's LoraLayer modules (Any: their lora_A/lora_B are ModuleDicts the nn.Module type does not declare)
+        self.layers: dict[str, Any] = dict(adapted_layers(module))
         self.ran: set[int] = set()
         self.gradless: set[int] = set()  # ran in a training forward with gradients off (inside an autograd.Function)
         self.inputs: dict[int, list[torch.Tensor]] = {}  # each LoRA layer's largest |input| per call, first step (no sync)

@@ -86,3 +86,28 @@ def test_the_names_cannot_be_appended_to_and_the_users_list_is_copied() -> None:
     assert config.resume_config()["target_modules"] == ["q_proj", "v_proj"] and config.resume_config()["exclude_modules"] == ["k_proj"]
     assert LoRA(modules_to_save=["head"]).modules_to_save == ["head"]  # the callback's resolved list, as before
     assert dataclasses.replace(config, r=4).target_modules == ("q_proj", "v_proj")  # a tuple given back is accepted
+
+
+def test_the_callback_is_built_from_a_config() -> None:
+    """Issue 54: the callback takes its typed settings (peft's ``LoraConfig`` style), the keyword face unchanged."""
+    config = LoRAConfig(r=16, alpha=32, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 8}, use_rslora=True)
+    lora = LoRA.from_config(config)
+    assert type(lora) is LoRA and lora.config == config
+    assert lora.resume_config() == LoRA(r=16, alpha=32, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 8}, use_rslora=True).resume_config()
+    # every field round-trips, the defaults included
+    assert LoRA.from_config(LoRAConfig()).config == LoRA().config
+    full = LoRAConfig(
+        r=4, alpha=8, dropout=0.1, target_modules="model.*proj", exclude_modules=["o_proj"], modules_to_save=[],
+        adapter_dtype="bfloat16", full_checkpoint=True, allow_base_change=True, use_dora=True,
+        init_lora_weights="gaussian", bias="lora_only", alpha_pattern={"q_proj": 4.0},
+    )  # fmt: skip
+    assert LoRA.from_config(full).config == full
+    # another callback like this one at another rank
+    assert LoRA.from_config(dataclasses.replace(lora.config, r=32)).config.rank_pattern == {"v_proj": 8}
+
+
+def test_a_config_given_as_the_rank_or_a_dict_names_the_fix() -> None:
+    with pytest.raises(TypeError, match=r"LoRA\(LoRAConfig\(r=16.*not its rank r.*LoRA\.from_config\(config\)"):
+        LoRA(LoRAConfig(r=16))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"LoRA\.from_config\(\{'r': 16\}\): pass a LoRAConfig.*LoRA\(\*\*settings\)"):
+        LoRA.from_config({"r": 16})  # type: ignore[arg-type]

@@ -238,3 +238,30 @@ def test_a_folder_whose_save_did_not_complete_is_refused_before_loading(
     (path / export.MANIFEST).write_text("{not json")
     with pytest.raises(ValueError, match=rf"{export.MANIFEST} cannot be read \(JSONDecodeError"):
         LoRA.check_adapter_folder(path)
+
+
+def test_save_adapter_of_a_bare_transformers_model(tmp_path: Path) -> None:
+    """Was: LoRA().transform_model(LlamaForCausalLM) then save_adapter raised "holds several Hugging Face models
+    ['', 'model']" (the model and its inner LlamaModel counted as two); now the model itself is the root, as
+    ``layers.hf_models`` says, and peft reloads the adapter onto a fresh base."""
+    from peft import PeftModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+
+    def base() -> LlamaForCausalLM:
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).eval()
+
+    model = base()
+    LoRA(r=2, alpha=4, target_modules=["q_proj", "v_proj"]).transform_model(model)
+    for name, param in model.named_parameters():
+        if ".lora_B." in name:
+            param.data.normal_(0, 0.05)
+    path = LoRA.save_adapter(model, tmp_path / "adapter")
+    assert json.loads((path / "adapter_config.json").read_text())["target_modules"] in (["q_proj", "v_proj"], ["v_proj", "q_proj"])
+    idx = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        want = model(input_ids=idx, use_cache=False).logits
+        got = PeftModel.from_pretrained(base(), str(path)).eval()(input_ids=idx, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
