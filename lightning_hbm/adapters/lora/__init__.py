@@ -13,7 +13,8 @@ quantization, before ``configure_optimizers`` and activation checkpointing.
 
 The package, one job per module: ``base`` (peft import, the adapted layers, the trained weights), ``config``
 (``LoRAConfig``: the settings, checked and frozen, as peft's ``LoraConfig``), ``targets`` (``select``: the layers
-adapted and trained in full, checked), ``callback`` (``LoRA``: the friendly face, injection), ``export``
+adapted and trained in full, checked), ``callback`` (``LoRA``: the friendly face, injection), ``checks`` (what it refuses before any
+change), ``notices`` (the layers and heads it names at fit start), ``export``
 (``save_adapter``: peft's format), ``folder`` (the adapter folder written as a unit), ``merge`` (a plain merged
 state_dict), ``watch`` (dead adapters).
 """

@@ -8,15 +8,15 @@ import logging
 from typing import Any, Literal, Optional, Union, cast
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.adapters.lora import variants
-from lightning_hbm.adapters.lora.base import ADAPTER_NAME, ALL_LINEAR, _import_peft, _width, adapted_layers, adapter_state_dict
+from lightning_hbm.adapters.lora.base import ADAPTER_NAME, ALL_LINEAR, _import_peft, adapted_layers, adapter_state_dict
+from lightning_hbm.adapters.lora.checks import quantized_modes, refuse_present_adapters, refuse_variants, refuse_wide_ranks
 from lightning_hbm.adapters.lora.compute import compute_in_input_dtype
 from lightning_hbm.adapters.lora.config import LoRAConfig
 from lightning_hbm.adapters.lora.export import save_adapter
@@ -24,15 +24,15 @@ from lightning_hbm.adapters.lora.folder import check_adapter_folder
 from lightning_hbm.adapters.lora.forward import lora_forward
 from lightning_hbm.adapters.lora.input_grads import unwatch_first_step, watch_first_step
 from lightning_hbm.adapters.lora.merge import merge
+from lightning_hbm.adapters.lora.notices import tell_heads, tell_left_out
 from lightning_hbm.adapters.lora.targets import select
 from lightning_hbm.adapters.lora.watch import _AdapterWatch
 from lightning_hbm.adapters.lora.weight_delta import as_plain_convolutions, own_forward_convs, weight_delta_forward
-from lightning_hbm.layers import find_layers, prepare_model, repeated_reads_dequantize_once, report_coverage, task_heads
+from lightning_hbm.layers import prepare_model, repeated_reads_dequantize_once, report_coverage, task_heads
 from lightning_hbm.memory import parameter_bytes, parameter_count
-from lightning_hbm.naming import did_you_mean, name_matches, under
+from lightning_hbm.naming import did_you_mean, name_matches
 from lightning_hbm.precision.plugin import QuantizedPrecision
 from lightning_hbm.precision.registry import format_of, to_dtype
-from lightning_hbm.record import leave_alone, left_alone
 from lightning_hbm.surgery import Stage, SurgeryCallback
 
 log = logging.getLogger(__name__)
@@ -229,32 +229,12 @@ class LoRA(SurgeryCallback):
     @override
     def check_model(self, module: nn.Module) -> None:
         """Validate against the model as built, before the precision plugin quantizes anything."""
-        present = list(adapted_layers(module))
-        if present or getattr(module, "peft_config", None):
-            raise ValueError(
-                f"{type(module).__name__} already carries peft adapters ({present[:3]}{' ...' if len(present) > 3 else ''}): "
-                "lightning_hbm's LoRA would put a second set on top. Build the model without peft "
-                "(drop get_peft_model / inject_adapter_in_model) and let the LoRA callback add them, or train the "
-                "peft model without the LoRA callback."
-            )
+        refuse_present_adapters(module)
         self.resolve_modules_to_save(module)  # the heads first: the plugin leaves modules_to_save unquantized
-        to_be_quantized = self._to_be_quantized(module)
-        targets, _ = self.resolve(module, to_be_quantized)
-        named = dict(module.named_modules())
-        self._check_variants(module, targets, {n: self._quantized_mode(module, n) for n in to_be_quantized})
-        narrow = []
-        for name in targets:
-            layer = named.get(name)  # None: a projection a layer-kind conversion creates (MultiheadAttention, experts)
-            rank = variants.layer_rank(self.config.r, self.config.rank_pattern, name)
-            width = _width(layer, rank)
-            if rank > width:
-                narrow.append(f"{name} ({width}{'' if rank == self.config.r else f', rank_pattern r={rank}'})")
-        if narrow:
-            raise ValueError(
-                f"LoRA r={self.config.r} is larger than the width of {len(narrow)} target layer(s): {narrow[:5]}. A rank above "
-                "a layer's smaller dimension adds parameters without adding capacity: use r <= the narrowest width, "
-                "or exclude those layers with exclude_modules=[...]."
-            )
+        modes = quantized_modes(module)
+        targets, _ = self.resolve(module, frozenset(modes))
+        refuse_variants(module, self.config, targets, modes)
+        refuse_wide_ranks(module, self.config, targets)
 
     @override
     def resume_config(self) -> dict[str, Any]:
@@ -268,44 +248,12 @@ class LoRA(SurgeryCallback):
     def allows_base_change(self) -> bool:
         return self.config.allow_base_change
 
-    def _check_variants(self, module: nn.Module, targets: list[str], to_be_quantized: dict[str, Optional[str]]) -> None:
-        """Refuse the variants the target layers cannot take, and pattern keys that match no target; changes nothing."""
-        variants.check_patterns_match("rank_pattern", self.config.rank_pattern, targets)
-        variants.check_patterns_match("alpha_pattern", self.config.alpha_pattern, targets)
-        named = dict(module.named_modules())
-        strategy = getattr(lightning_compat.attached_trainer(module), "strategy", None)
-        device = getattr(strategy, "root_device", None)  # where QuantizedPrecision is about to quantize
-        layers = {t: named.get(t) for t in targets}
-        reasons = variants.refusals(layers, to_be_quantized, self.config.use_dora, self.config.init_lora_weights, device)
-        if reasons:
-            raise ValueError(
-                f"LoRA cannot apply its variants to {len(reasons)} target layer(s): " + "; ".join(reasons[:3])
-                + (" ..." if len(reasons) > 3 else "") + ". Leave those layers out (exclude_modules=[...] or "
-                "QuantizedPrecision(ignore_modules=[...])), or drop the option (use_dora=False / "
-                "init_lora_weights=True or 'gaussian')."
-            )
-
-    @staticmethod
-    def _quantized_mode(module: nn.Module, name: str) -> Optional[str]:
-        """The mode the Trainer's QuantizedPrecision gives layer ``name`` (its ``layer_modes`` first)."""
-        plugin = getattr(getattr(lightning_compat.attached_trainer(module), "strategy", None), "precision_plugin", None)
-        return (getattr(plugin, "layer_modes", None) or {}).get(name, plugin.mode.name) if plugin is not None else None
-
-    @staticmethod
-    def _to_be_quantized(module: nn.Module) -> frozenset[str]:
-        """Names of the Linears the Trainer's QuantizedPrecision is about to quantize (none without one)."""
-        trainer = lightning_compat.attached_trainer(module)
-        plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
-        if not isinstance(plugin, QuantizedPrecision):
-            return frozenset()
-        return frozenset(name for name, _ in plugin.quantization_targets(module))
-
     @override
     def transform_model(self, module: nn.Module) -> None:
         """Inject the adapters into ``module`` in place and freeze everything else."""
         peft = _import_peft()
         targets, _ = self.resolve(module)  # every check before the first change
-        self._check_variants(module, targets, {})
+        refuse_variants(module, self.config, targets, {})
         # nn.MultiheadAttention -> an equal module with four Linear projections (else LoRA on out_proj is
         # never called and the input projection is unreachable), transformers-5 3-D experts -> one Linear
         # per expert (no-ops after QuantizedPrecision did it); excluded ones are left as they are.
@@ -336,64 +284,9 @@ class LoRA(SurgeryCallback):
             weight_delta_forward(sub)  # a convolution with its own forward: its weight adapted (weight_delta.py)
             _expose_base_attributes(sub)
         self.adapted_modules, self.saved_modules = targets, saved
-        self._tell_left_out(module)
-        self._tell_heads(module)
+        tell_left_out(module, self.config.r, self.narrow_left_out, self.heads_left_out)
+        tell_heads(module, self.config, self.task_heads, self.heads_quantized, self.saved_modules)
         log.info("lightning_hbm: LoRA r=%d on %d Linear layers, %d modules_to_save", self.config.r, len(targets), len(saved))
-
-    def _tell_left_out(self, module: nn.Module) -> None:
-        """Name the layers 'all-linear' left out (narrower than r, output heads), in the coverage table and at fit start."""
-        for name in self.narrow_left_out:
-            layer = module.get_submodule(name)
-            if left_alone(layer) is None:  # the coverage table's reason when nothing else changed it
-                leave_alone(layer, f"narrower than LoRA r={self.config.r}: left out of 'all-linear'", True)
-        for name in self.heads_left_out:
-            layer = module.get_submodule(name)
-            if left_alone(layer) is None:  # no QuantizedPrecision reason: say why LoRA left it
-                leave_alone(layer, "output head: left out of LoRA 'all-linear' (name it in target_modules to adapt it)", True)
-        if self.narrow_left_out:
-            # an adapter of rank r on a layer narrower than r costs more than the layer itself: train it in full
-            names = self.narrow_left_out
-            rank_zero_info(
-                f"lightning_hbm: LoRA r={self.config.r} leaves out {len(names)} layer(s) narrower than r "
-                f"(target_modules='all-linear'): {names[:6]}{' ...' if len(names) > 6 else ''}; they stay frozen. "
-                f"To train them, train them in full (fewer parameters than an adapter of rank r): "
-                f"LoRA(modules_to_save={names[:6]}); exclude_modules=[...] leaves them out without this line."
-            )
-        if self.heads_left_out:  # named: a head left frozen and un-adapted is the biggest silent change to a loss
-            rank_zero_info(
-                f"lightning_hbm: LoRA target_modules='all-linear' leaves out the output head(s) {self.heads_left_out} "
-                f"(frozen, not adapted, as peft does). To train: LoRA(modules_to_save={self.heads_left_out}), or name "
-                "them in target_modules to adapt them."
-            )
-
-    def _tell_heads(self, module: nn.Module) -> None:
-        """Name the task heads trained in full, and warn about ones left frozen (a random head never trains)."""
-        for name in self.saved_modules:
-            for _, layer, _ in find_layers(module.get_submodule(name)):
-                if left_alone(layer) is None:  # the coverage table: trained, not "frozen"
-                    leave_alone(layer, f"LoRA modules_to_save ({name}): trained in full precision", True)
-        trained = [h for h in self.task_heads if under(h, self.saved_modules)]
-        if trained and self.config.modules_to_save is None:
-            rank_zero_info(
-                f"lightning_hbm: LoRA trains the task head(s) {trained} in full precision (modules_to_save, saved with "
-                "the adapter; QuantizedPrecision leaves them unquantized). LoRA(modules_to_save=[]) keeps them frozen; "
-                "LoRA(modules_to_save=[...]) chooses the modules yourself."
-            )
-        if self.heads_quantized:
-            rank_zero_warn(
-                f"lightning_hbm: the task head(s) {self.heads_quantized} of {type(module).__name__} were quantized before "
-                "lightning_hbm and cannot be trained: they stay frozen. Load the model without quantizing them (or "
-                "QuantizedPrecision(ignore_modules=[...])) to train them."
-            )
-        # an adapter on a random head is no fix: a reload onto a base checkpoint gets another random head under it
-        frozen = [h for h in self.task_heads if h not in self.heads_quantized and not under(h, self.saved_modules)]
-        if frozen:
-            rank_zero_warn(
-                f"lightning_hbm: LoRA(modules_to_save={self.config.argument('modules_to_save')!r}) leaves the task head(s) {frozen} of "
-                f"{type(module).__name__} frozen (at most adapted) and out of the adapter: a newly initialised head stays "
-                "random, and a reload gets another random one. Add them: "
-                f"LoRA(modules_to_save={sorted({*(self.config.modules_to_save or ()), *frozen})}), or leave modules_to_save unset."
-            )
 
     # --------------------------------------------------------------- Lightning hooks
 
