@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_hbm.layers import hf_models
 from lightning_hbm.layers.finding import lora_layer_classes
+from lightning_hbm.naming import has_submodule
 from lightning_hbm.quiet import quieted
 from lightning_hbm.requirements import requirement
 
@@ -63,10 +64,8 @@ def hf_root(module: nn.Module, submodule: Optional[str]) -> str:
             by side (which one is ambiguous: pass ``submodule``).
     """
     if submodule is not None:
-        try:
-            module.get_submodule(submodule)
-        except AttributeError as err:
-            raise ValueError(f"submodule={submodule!r} is not a submodule of {type(module).__name__}.") from err
+        if not has_submodule(module, submodule):
+            raise ValueError(f"submodule={submodule!r} is not a submodule of {type(module).__name__}.")
         return submodule
     # (was its own search, which counted a bare transformers model and its inner model as two: "holds several")
     outer = [name for name, _ in hf_models(module)]

@@ -265,3 +265,9 @@ def test_save_adapter_of_a_bare_transformers_model(tmp_path: Path) -> None:
         want = model(input_ids=idx, use_cache=False).logits
         got = PeftModel.from_pretrained(base(), str(path)).eval()(input_ids=idx, use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_save_adapter_names_a_submodule_that_is_not_there(llama_factory: Callable, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"submodule='nope' is not a submodule of LlamaLM"):
+        LoRA.save_adapter(_adapted(llama_factory, alpha=8, seed=1), tmp_path / "adapter", submodule="nope")
+    assert not (tmp_path / "adapter").exists()
