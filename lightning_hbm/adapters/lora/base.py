@@ -42,7 +42,7 @@ def adapted_layers(module: nn.Module) -> dict[str, nn.Module]:
     return {name: sub for name, sub in module.named_modules() if isinstance(sub, lora)}
 
 
-def _width(layer: Optional[nn.Module], default: int) -> int:
+def smaller_side(layer: Optional[nn.Module], default: int) -> int:
     """A layer's smaller dimension (Linear-like ``in_features``/``out_features``; ``default`` when unknown)."""
     return min(getattr(layer, "in_features", default), getattr(layer, "out_features", default))
 

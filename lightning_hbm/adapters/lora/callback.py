@@ -26,7 +26,7 @@ from lightning_hbm.adapters.lora.input_grads import unwatch_first_step, watch_fi
 from lightning_hbm.adapters.lora.merge import merge
 from lightning_hbm.adapters.lora.notices import tell_heads, tell_left_out
 from lightning_hbm.adapters.lora.targets import select
-from lightning_hbm.adapters.lora.watch import _AdapterWatch
+from lightning_hbm.adapters.lora.watch import AdapterWatch
 from lightning_hbm.adapters.lora.weight_delta import as_plain_convolutions, own_forward_convs, weight_delta_forward
 from lightning_hbm.layers import prepare_model, repeated_reads_dequantize_once, report_coverage, task_heads
 from lightning_hbm.memory import parameter_bytes, parameter_count
@@ -146,13 +146,11 @@ class LoRA(SurgeryCallback):
                 f"LoRA({r!r}): a LoRAConfig is the callback's settings, not its rank r. Build the callback from it "
                 "with LoRA.from_config(config), or pass the settings as arguments: LoRA(r=16, alpha=32, ...)."
             )
-        check_args(LoRA.__init__, locals())
+        arguments = locals()
+        check_args(LoRA.__init__, arguments)
         _import_peft()
-        #: the settings, checked and frozen (the arguments above; read ``lora.config.r`` or ``lora.r``)
-        self.config = LoRAConfig(
-            r, alpha, dropout, target_modules, exclude_modules, modules_to_save, adapter_dtype, full_checkpoint,
-            allow_base_change, use_dora, use_rslora, init_lora_weights, bias, rank_pattern, alpha_pattern,
-        )  # fmt: skip
+        #: the settings, checked and frozen (the arguments above, by name; read ``lora.config.r`` or ``lora.r``)
+        self.config = LoRAConfig(**{field.name: arguments[field.name] for field in dataclasses.fields(LoRAConfig)})
         self.task_heads: list[str] = []  # task heads of the model (layers.task_heads), trainable ones or not
         self.heads_quantized: list[str] = []  # task heads quantized before lightning_hbm: cannot be trained
         # filled at the surgery: what was adapted / made trainable (module names, LightningModule-relative)
@@ -313,7 +311,7 @@ class LoRA(SurgeryCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not isinstance(trainer.precision_plugin, QuantizedPrecision):
             report_coverage(pl_module, quantizing=False)  # QuantizedPrecision reports it itself
-        self._watch: Optional[_AdapterWatch] = _AdapterWatch(pl_module)
+        self._watch: Optional[AdapterWatch] = AdapterWatch(pl_module)
         # a loss without gradient because the adapters ran with gradients off (Reformer): the first step hooks the input
         # embeddings and runs again, warned (only when the first run shows it)
         watch_first_step(pl_module, self._watch.gradless_adapters, self._watch.fix_applied)

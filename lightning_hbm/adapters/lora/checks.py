@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm.adapters.lora import variants
-from lightning_hbm.adapters.lora.base import _width, adapted_layers
+from lightning_hbm.adapters.lora.base import adapted_layers, smaller_side
 from lightning_hbm.adapters.lora.config import LoRAConfig
 from lightning_hbm.precision.plugin import QuantizedPrecision
 
@@ -64,7 +64,7 @@ def refuse_wide_ranks(module: nn.Module, config: LoRAConfig, targets: list[str])
     for name in targets:
         layer = named.get(name)  # None: a projection a layer-kind conversion creates (MultiheadAttention, experts)
         rank = variants.layer_rank(config.r, config.rank_pattern, name)
-        width = _width(layer, rank)
+        width = smaller_side(layer, rank)
         if rank > width:
             narrow.append(f"{name} ({width}{'' if rank == config.r else f', rank_pattern r={rank}'})")
     if narrow:

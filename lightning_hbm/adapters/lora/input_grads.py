@@ -11,7 +11,7 @@ hooks added (named by a warning), the random state and the BatchNorm statistics 
 copy of its batch. The same when the loss has a gradient through a head trained in full but an input embedding's output
 did not require grad (a Reformer classifier: its adapters would silently get no gradient). Every other model pays
 nothing but the copy of its first batch. Where the fix cannot apply (no
-embedding to hook, or the loss still has no gradient), ``_AdapterWatch.check_loss`` raises its error before any step.
+embedding to hook, or the loss still has no gradient), ``AdapterWatch.check_loss`` raises its error before any step.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import Optional, cast
 
 from torch import nn
 
-from lightning_hbm.adapters.lora.base import ALL_LINEAR, _width
+from lightning_hbm.adapters.lora.base import ALL_LINEAR, smaller_side
 from lightning_hbm.adapters.lora.config import LoRAConfig
 from lightning_hbm.adapters.lora.variants import is_quantized
 from lightning_hbm.adapters.lora.weight_delta import own_forward_convs
@@ -155,7 +155,7 @@ def _all_linear(
     heads_left_out = [n for n in linears if n in heads and n not in tied and n not in readers and not under(n, saved)]
     # and layers narrower than r (Qwen2-MoE's shared_expert_gate, 1 output; routers): a rank above a
     # layer's width adds parameters without capacity. An explicit target list keeps check_model's error.
-    narrow = [n for n in candidates if named[n] is not None and _width(named[n], config.r) < config.r]
+    narrow = [n for n in candidates if named[n] is not None and smaller_side(named[n], config.r) < config.r]
     if len(narrow) < len(candidates):  # all narrower: r itself is wrong (check_model's error)
         return Selection([n for n in candidates if n not in narrow], saved, narrow, heads_left_out)
     return Selection(candidates, saved, [], heads_left_out)

@@ -18,7 +18,7 @@ from lightning_hbm.naming import name_list
 ZERO_STEPS = 3
 
 
-class _AdapterWatch:
+class AdapterWatch:
     """Finds dead adapters at the first backward: a LoRA layer that got no gradient is an error naming it.
 
     Two ways an adapter dies, told apart by forward hooks on each LoRA layer and on its parent:
