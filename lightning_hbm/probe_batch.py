@@ -92,14 +92,22 @@ def _tokens(batch: Any) -> int:
     return first.shape[0] * (first.shape[1] if first.dim() >= 2 else 1)
 
 
+def _batch_first(batch: Any) -> bool:
+    """Whether every tensor of ``batch`` has the same first dimension, its samples (none 0-d)."""
+    leaves = torch_compat.tensor_leaves(batch)
+    return all(leaf.dim() and leaf.shape[0] == leaves[0].shape[0] for leaf in leaves)
+
+
 def _join(batches: list[Any]) -> Any:
     """``batches`` concatenated leaf by leaf along dimension 0; ``None`` where they do not join (structure, shapes past
-    the batch dimension, or other values than tensors that differ)."""
+    the batch dimension, other values than tensors that differ, or tensors of one batch that do not share their first
+    dimension: a tuple of per-sample images, torchvision's detection collate, joined image by image along the channels
+    and the check's forward failed, session 36)."""
     if len(batches) == 1:
         return batches[0]
     flat = [tree_flatten(b) for b in batches]
     spec = flat[0][1]
-    if any(other != spec for _, other in flat[1:]):
+    if any(other != spec for _, other in flat[1:]) or not all(_batch_first(b) for b in batches):
         return None
     joined = []
     for leaves in zip(*(leaves for leaves, _ in flat)):

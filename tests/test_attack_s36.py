@@ -1,0 +1,158 @@
+"""Session 36, h5: session 35's code attacked by running (the fit-start conv check's joined batches, the probe batch
+drawn leaving no trace, ``gather_range``, ``MemoryProfile``); each test here failed on main before its fix."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import transformers as tf
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_hbm import QuantizedPrecision
+
+
+class _Boxes(Dataset):
+    """Images with their boxes, as a detection dataset gives them (one box each)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        image = torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(i))
+        return image, {"boxes": torch.tensor([[4.0, 4.0, 30.0, 30.0]]), "labels": torch.tensor([1])}
+
+
+def _per_sample(items: list[Any]) -> tuple[Any, ...]:
+    """torchvision's detection ``collate_fn``: a tuple of images and a tuple of targets, one per sample."""
+    return tuple(zip(*items))
+
+
+class _Detector(pl.LightningModule):
+    """A transformers ResNet taking a batch as a detection collate gives it: the images stacked in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = tf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 32, 64], depths=[1, 1, 1, 1], num_labels=10)
+        self.model = tf.ResNetForImageClassification(config)
+
+    def forward(self, images: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.model(pixel_values=torch.stack(list(images))).logits
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_the_conv_check_measures_a_detection_collates_per_sample_images(tmp_path: Any) -> None:
+    """Joined sample by sample, batches of per-sample images became images of 6, 9, ... channels and the check's
+    forward failed: the check was lost ("not measured at fit start") where session 34 measured the first batch. A
+    batch whose tensors do not share their first dimension is not joined: measured on the first batch, as before."""
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("int8")],
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_Detector(), DataLoader(_Boxes(), batch_size=4, collate_fn=_per_sample))
+    assert not [w for w in caught if "not measured" in str(w.message)]
+    measured = trainer.precision_plugin.quantization.conv_accuracy  # type: ignore[attr-defined]
+    assert measured is not None and measured.cosine > 0.99 and not measured.warned
+
+
+def test_batches_whose_tensors_do_not_share_the_batch_dimension_are_not_joined() -> None:
+    from lightning_hbm.probe_batch import _join
+
+    images = [(tuple(torch.zeros(3, 8, 8) for _ in range(4)), tuple(torch.zeros(1, 4) for _ in range(4))) for _ in range(2)]
+    assert _join(images) is None  # per-sample images: they would join along the channels
+    assert _join([{"x": torch.zeros(2, 4), "anchors": torch.zeros(5, 4)}] * 2) is None  # a tensor of the batch, not per sample
+    assert _join([{"x": torch.zeros(2, 4), "y": torch.zeros(2)}] * 2)["x"].shape == (4, 4)  # still joined
+
+
+class _Numbered(Dataset):
+    """Images numbered by their first pixel; ``rng``: an augmentation drawn from the dataset's own NumPy generator."""
+
+    def __init__(self, rng: bool = False) -> None:
+        import numpy as np
+
+        self.rng = np.random.default_rng(5) if rng else None
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        image = torch.rand(3, 8, 8, generator=torch.Generator().manual_seed(i))
+        if self.rng is not None:
+            image[1] += float(self.rng.random())
+        image[0, 0, 0] = i
+        return image
+
+
+class _Bucketing(torch.utils.data.Sampler[list[int]]):
+    """A batch sampler drawing its batches' order from a generator of its own (length bucketing's layout)."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __len__(self) -> int:
+        return 10
+
+    def __iter__(self) -> Any:
+        order = torch.randperm(40, generator=self.generator).tolist()
+        return iter([order[k : k + 4] for k in range(0, 40, 4)])
+
+
+class _Seen(pl.LightningModule):
+    """A small conv net recording what each training batch holds (``on_train_batch_start``: the probe step never calls it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+        self.seen: list[Any] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.seen.append((batch[:, 0, 0, 0].long().tolist(), [round(v, 2) for v in batch[:, 1, 0, 0].float().tolist()]))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self(batch).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def _trained(loader: Any, plugins: Any, tmp_path: Any) -> list[Any]:
+    torch.manual_seed(0)
+    model = _Seen()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=plugins,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, loader())
+    return model.seen
+
+
+def test_a_batch_sampler_with_its_own_generator_trains_the_same_order(tmp_path: Any) -> None:
+    """The conv check's 32 samples were drawn from the batch sampler's own generator, not put back: epoch 0 trained
+    another order than the same seed without lightning_hbm (issue 55's rule)."""
+    loader = lambda: DataLoader(_Numbered(), batch_sampler=_Bucketing(torch.Generator().manual_seed(3)))  # noqa: E731
+    plain, ours = _trained(loader, None, tmp_path), _trained(loader, [QuantizedPrecision("int8")], tmp_path)
+    assert [order for order, _ in ours] == [order for order, _ in plain]
+
+
+def test_a_dataset_drawing_from_its_own_numpy_generator_trains_the_same_draws(tmp_path: Any) -> None:
+    loader = lambda: DataLoader(_Numbered(rng=True), batch_size=4)  # noqa: E731
+    plain, ours = _trained(loader, None, tmp_path), _trained(loader, [QuantizedPrecision("int8")], tmp_path)
+    assert [order for order, _ in ours] == [order for order, _ in plain]
+    for (_, got), (_, want) in zip(ours, plain):  # the plugin hands the batch on in bfloat16
+        assert got == pytest.approx(want, abs=0.02)
