@@ -156,3 +156,47 @@ def test_a_dataset_drawing_from_its_own_numpy_generator_trains_the_same_draws(tm
     assert [order for order, _ in ours] == [order for order, _ in plain]
     for (_, got), (_, want) in zip(ours, plain):  # the plugin hands the batch on in bfloat16
         assert got == pytest.approx(want, abs=0.02)
+
+
+def _llama_loop(zero_grad_last: bool) -> tuple[list[dict[str, Any]], list[Any]]:
+    """MemoryProfile's own loop (its docstring's) on a small transformers Llama; ``zero_grad_last``: the usual
+    PyTorch order, gradients zeroed after ``optimizer.step()``."""
+    from lightning_hbm.profiling.memory_profile import MemoryProfile
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = tf.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    profile = MemoryProfile(every_n_steps=10, detailed_steps=[1], summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            batch = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
+            profile.start_step(step, step, model, [optimizer], batch)
+            loss = model(input_ids=batch, labels=batch).loss
+            profile.forward_ended("zero_grad", model, [optimizer])
+            if not zero_grad_last:
+                optimizer.zero_grad()
+            profile.enter_phase("backward")
+            loss.backward()
+            profile.enter_phase("optimizer")
+            optimizer.step()
+            if zero_grad_last:
+                optimizer.zero_grad()
+            profile.end_step(model, [optimizer])
+    return profile.rows, [w for w in caught if "MemoryProfile.end_step" in str(w.message)]
+
+
+def test_memory_profile_without_a_trainer_counts_the_gradients_of_the_documented_loop() -> None:
+    """MemoryProfile's docstring zeroed the gradients after ``optimizer.step()``: the step peak's gradients (0.34 MiB
+    here, as HBMProfiler measures the same model in a Trainer) were counted as 'other', unsaid. The documented loop
+    now zeroes them as Lightning does, and a loop that zeroes them before ``end_step`` is warned, once."""
+    import lightning_hbm.profiling.memory_profile as memory_profile
+
+    doc = memory_profile.__doc__ or ""
+    assert doc.index("optimizer.zero_grad()") < doc.index("loss.backward()")  # the example's order
+    rows, said = _llama_loop(zero_grad_last=False)
+    params = sum(p.numel() * 4 for p in tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).parameters())
+    assert not said and all(row["gradients"] == params for row in rows)
+    rows, said = _llama_loop(zero_grad_last=True)
+    assert len(said) == 1 and "counted as 'other'" in str(said[0].message) and "Fix: call optimizer.zero_grad() after the forward" in str(said[0].message)
