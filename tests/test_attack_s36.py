@@ -200,3 +200,81 @@ def test_memory_profile_without_a_trainer_counts_the_gradients_of_the_documented
     assert not said and all(row["gradients"] == params for row in rows)
     rows, said = _llama_loop(zero_grad_last=True)
     assert len(said) == 1 and "counted as 'other'" in str(said[0].message) and "Fix: call optimizer.zero_grad() after the forward" in str(said[0].message)
+
+
+class _Named(Dataset):
+    """Images with their file names, as an image folder dataset with paths gives them (collated: a list of str)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"pixel_values": torch.rand(3, 8, 8, generator=torch.Generator().manual_seed(i)), "path": f"img_{i}.png"}
+
+
+class _NamedNet(_Seen):
+    def forward(self, pixel_values: torch.Tensor, path: list[str]) -> torch.Tensor:  # type: ignore[override]
+        return self.net(pixel_values)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.seen.append(batch["path"])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:  # type: ignore[override]
+        return self(**batch).square().mean()
+
+
+def test_the_conv_check_joins_batches_that_carry_a_name_per_sample(tmp_path: Any) -> None:
+    """A list of file names (one string per sample) stopped the join at the first batch: the check measured the
+    first 4 images, not 32, unsaid. Joined as lists now; the batches trained as they were."""
+    from lightning_hbm.probe_batch import _join
+
+    first, last = {"x": torch.zeros(4, 2), "path": ["a", "b", "c", "d"]}, {"x": torch.ones(2, 2), "path": ["e", "f"]}
+    joined = _join([first, last])  # an uneven last batch too
+    assert joined["path"] == ["a", "b", "c", "d", "e", "f"] and joined["x"].shape == (6, 2)
+    other = [{"x": torch.zeros(2, 2), "split": [split]} for split in ("train", "val")]
+    assert _join(other) is None  # not one per sample, and they differ: as before
+    torch.manual_seed(0)
+    model = _NamedNet()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("int8")],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(_Named(), batch_size=4))
+    measured = trainer.precision_plugin.quantization.conv_accuracy  # type: ignore[attr-defined]
+    assert measured is not None and measured.samples == 32
+    assert model.seen == [[f"img_{i}.png" for i in range(4)], [f"img_{i}.png" for i in range(4, 8)]]
+
+
+class _OnePass(torch.utils.data.IterableDataset):
+    """A stream read once (a queue, a socket): a second ``iter`` goes on where the first stopped."""
+
+    def __init__(self) -> None:
+        self.items = iter(range(40))
+
+    def __iter__(self) -> Any:
+        for i in self.items:
+            image = torch.rand(3, 8, 8, generator=torch.Generator().manual_seed(i))
+            image[0, 0, 0] = i
+            yield image
+
+
+class _Stateful(DataLoader):
+    """A loader Lightning saves and restores (torchdata's ``StatefulDataLoader``'s methods)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_a_stateful_loader_over_a_stream_gives_the_conv_check_its_first_batch_only(tmp_path: Any) -> None:
+    """Not kept for its loop (it may be restored elsewhere), a stateful loader is read in a new pass: over a stream
+    read once, the conv check's 32 samples (and the probe step's 4) were taken from training, which trained 1 batch
+    of 10. A stream is read no further than a first batch per draw now (what is left: the probe step's and the
+    measures' draws, 2 batches of this stream; session 34 took them too)."""
+    plain = _trained(lambda: _Stateful(_OnePass(), batch_size=4), None, tmp_path)
+    ours = _trained(lambda: _Stateful(_OnePass(), batch_size=4), [QuantizedPrecision("int8")], tmp_path)
+    assert len(plain) == 10 and len(ours) == 8  # was 1

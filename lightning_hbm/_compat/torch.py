@@ -578,6 +578,8 @@ def leading_batches(loader: Any, enough: Callable[[list[Any]], bool]) -> list[An
     if passes_once(loader):
         kept = draw_keeping_the_pass(loader)
         return [] if kept is None else [kept[0]]
+    if isinstance(getattr(loader, "dataset", None), IterableDataset):  # a stateful loader over a stream: a new pass
+        enough = _first_only  # may not start over, and each batch more is lost to training (36 samples, session 36)
     restores = _own_rngs_restored(loader)
     batches: list[Any] = []
     try:
@@ -591,6 +593,10 @@ def leading_batches(loader: Any, enough: Callable[[list[Any]], bool]) -> list[An
         for restore in restores:
             restore()
     return batches
+
+
+def _first_only(batches: list[Any]) -> bool:
+    return True
 
 
 def _own_rngs_restored(loader: Any) -> list[Callable[[], Any]]:
