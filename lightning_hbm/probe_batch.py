@@ -92,14 +92,28 @@ def _tokens(batch: Any) -> int:
     return first.shape[0] * (first.shape[1] if first.dim() >= 2 else 1)
 
 
+def _batch_first(batch: Any) -> bool:
+    """Whether every tensor of ``batch`` has the same first dimension, its samples (none 0-d)."""
+    leaves = torch_compat.tensor_leaves(batch)
+    return all(leaf.dim() and leaf.shape[0] == leaves[0].shape[0] for leaf in leaves)
+
+
+def _per_sample_values(value: Any) -> bool:
+    """Whether ``value`` is a list of plain values (what a DataLoader collates strings into: a file name per sample):
+    one leaf to the join, joined as a list where it holds one per sample (it stopped the join before, session 36)."""
+    return type(value) is list and bool(value) and all(isinstance(v, (str, bytes, int, float, bool)) for v in value)
+
+
 def _join(batches: list[Any]) -> Any:
     """``batches`` concatenated leaf by leaf along dimension 0; ``None`` where they do not join (structure, shapes past
-    the batch dimension, or other values than tensors that differ)."""
+    the batch dimension, other values than tensors that differ, or tensors of one batch that do not share their first
+    dimension: a tuple of per-sample images, torchvision's detection collate, joined image by image along the channels
+    and the check's forward failed, session 36)."""
     if len(batches) == 1:
         return batches[0]
-    flat = [tree_flatten(b) for b in batches]
+    flat = [tree_flatten(b, is_leaf=_per_sample_values) for b in batches]
     spec = flat[0][1]
-    if any(other != spec for _, other in flat[1:]):
+    if any(other != spec for _, other in flat[1:]) or not all(_batch_first(b) for b in batches):
         return None
     joined = []
     for leaves in zip(*(leaves for leaves, _ in flat)):
@@ -114,6 +128,8 @@ def _join(batches: list[Any]) -> Any:
             if inner is None or not isinstance(inner, dict):
                 return None
             joined.append(torch_compat.rewrapped(first, inner))
+        elif _per_sample_values(first) and all(_per_sample_values(leaf) and len(leaf) == samples(b) for leaf, b in zip(leaves, batches)):
+            joined.append(type(first)(value for leaf in leaves for value in leaf))  # names, ids: one per sample, joined
         elif any(leaf != first for leaf in leaves[1:]):
             return None
         else:

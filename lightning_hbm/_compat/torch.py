@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import sys
 import weakref
@@ -577,10 +578,9 @@ def leading_batches(loader: Any, enough: Callable[[list[Any]], bool]) -> list[An
     if passes_once(loader):
         kept = draw_keeping_the_pass(loader)
         return [] if kept is None else [kept[0]]
-    generators = [g for g in (getattr(loader, "generator", None), getattr(getattr(loader, "sampler", None), "generator", None),
-                              getattr(getattr(getattr(loader, "batch_sampler", None), "sampler", None), "generator", None))
-                  if isinstance(g, torch.Generator)]  # fmt: skip
-    states = [(g, g.get_state()) for g in {id(g): g for g in generators}.values()]
+    if isinstance(getattr(loader, "dataset", None), IterableDataset):  # a stateful loader over a stream: a new pass
+        enough = _first_only  # may not start over, and each batch more is lost to training (36 samples, session 36)
+    restores = _own_rngs_restored(loader)
     batches: list[Any] = []
     try:
         # the loop trains on this same loader object (lightning_compat.stage_dataloader): no pass begun here is left in it
@@ -590,9 +590,35 @@ def leading_batches(loader: Any, enough: Callable[[list[Any]], bool]) -> list[An
                 if enough(batches):
                     break
     finally:
-        for generator, state in states:
-            generator.set_state(state)
+        for restore in restores:
+            restore()
     return batches
+
+
+def _first_only(batches: list[Any]) -> bool:
+    return True
+
+
+def _own_rngs_restored(loader: Any) -> list[Callable[[], Any]]:
+    """One call each putting back an RNG of its own (a ``torch.Generator``, a ``random.Random``, a NumPy ``Generator``
+    or ``RandomState``) held as an attribute of ``loader``, its sampler, its batch sampler (a bucketing one drawing its
+    batches' order: session 36, epoch 0 trained another order with lightning_hbm), the batch sampler's sampler, or its
+    dataset (augmentations drawn in this process: the first 32 samples trained other draws), at its state now."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    holders = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None), getattr(loader, "dataset", None))
+    rngs = {id(value): value for holder in holders for value in getattr(holder, "__dict__", {}).values()}
+    restores: list[Callable[[], Any]] = []
+    for rng in rngs.values():
+        numpy = type(rng).__module__.startswith("numpy.random")
+        if isinstance(rng, torch.Generator):
+            restores.append(functools.partial(rng.set_state, rng.get_state()))
+        elif isinstance(rng, random.Random):
+            restores.append(functools.partial(rng.setstate, rng.getstate()))
+        elif numpy and hasattr(rng, "bit_generator"):  # numpy.random.Generator
+            restores.append(functools.partial(setattr, rng.bit_generator, "state", rng.bit_generator.state))
+        elif numpy and callable(getattr(rng, "set_state", None)):  # numpy.random.RandomState
+            restores.append(functools.partial(rng.set_state, rng.get_state()))
+    return restores
 
 
 #: ``listener(storage, data_ptr, nbytes)`` called after each ``UntypedStorage.resize_`` with the address and size the

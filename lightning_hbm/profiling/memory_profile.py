@@ -14,13 +14,17 @@ Example (a training loop of one's own)::
     for step, batch in enumerate(loader):
         profile.start_step(step, step, model, [optimizer], batch)
         loss = model(batch)
-        profile.forward_ended("backward", model, [optimizer])
+        profile.forward_ended("zero_grad", model, [optimizer])
+        optimizer.zero_grad()  # Lightning's order: the step's gradients alive at end_step, where they are counted
+        profile.enter_phase("backward")
         loss.backward()
         profile.enter_phase("optimizer")
         optimizer.step()
-        optimizer.zero_grad()
         metrics = profile.end_step(model, [optimizer])  # hbm/<term> in MiB, or None for a step not measured
     profile.write_report("hbm_report", "hbm_profile")
+
+The gradients are told from other tensors at :meth:`end_step`: zeroed before it (``zero_grad()`` after
+``optimizer.step()``), the step peak's gradients were counted as ``other`` (session 36); that is warned, once.
 """
 
 from __future__ import annotations
@@ -58,6 +62,12 @@ FIRST_STEPS = 5
 REPORT_FILES = re.compile(r"hbm_(profile(_oom(_rank\d+)?)?\.(csv|json|png)|figure(_oom(_rank\d+)?)?\.json|snapshot(_oom)?(_rank\d+)?\.pickle)")
 #: The files a fit's report writes into its directory (``{stem}.csv/json/png`` and the figure's data).
 REPORT_NAMES = ("hbm_profile.csv", "hbm_profile.json", "hbm_profile.png", "hbm_figure.json")
+
+
+def _gradients_zeroed(module: nn.Module) -> bool:
+    """Whether ``module`` has trainable parameters and none holds a gradient (``zero_grad(set_to_none=True)``)."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    return bool(trainable) and all(p.grad is None for p in trainable)
 
 
 class MemoryProfile:
@@ -103,6 +113,7 @@ class MemoryProfile:
         self.used: dict[str, Any] = {}  # what the run used (transforms, optimizers): the diagnosis advises from it
         self.snapshot_path: Optional[str] = None
         self.recording_history = False
+        self.said_no_gradients = False  # end_step's warning: gradients zeroed before it, said once
 
     # -- the measured steps -----------------------------------------------------------------------------------
     @property
@@ -167,6 +178,13 @@ class MemoryProfile:
         row = self.steps.finish(module, optimizers)
         if row is None:
             return None
+        if not self.said_no_gradients and _gradients_zeroed(module):
+            self.said_no_gradients = True
+            rank_zero_warn(
+                f"lightning_hbm: MemoryProfile.end_step found no gradient on {type(module).__name__}'s trainable "
+                "parameters: they were zeroed before it, and the step's gradients are counted as 'other'. Fix: call "
+                "optimizer.zero_grad() after the forward (before backward), as Lightning does, not after optimizer.step()."
+            )
         if reduce is not None:
             row = reduce(row)
         self.steps.append(row)

@@ -200,6 +200,9 @@ class HBMProfiler(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.profile.used = run_setup(trainer, pl_module)
+        # Lightning zeroes the gradients before the backward: none at a step's end means a strategy keeps them elsewhere
+        # (CPUOffloadStrategy's on the host), not a loop zeroing them early (MemoryProfile.end_step's warning)
+        self.profile.said_no_gradients = True
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
