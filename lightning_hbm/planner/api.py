@@ -144,6 +144,10 @@ class Prediction:
         unit_gradient_bytes: the gradient bytes each unit apart makes in its backward (its trainable parameters': a head
             adapted by LoRA or trained as ``modules_to_save``), by name: per rank under FSDP2 a shard more than the
             trace has, once that unit's backward is done (:func:`fsdp2_unit_gradient_bytes`).
+        inner_units: the strategy's units inside the unit around the blocks that are no block and hold none
+            (transformers ConvNext's ``downsampling_layer`` members; :func:`~lightning_hbm.strategies.fsdp_qlora.inner_units`),
+            by name: the parameter bytes each gathers (constants excluded, not in :attr:`remainder_bytes`), in its own
+            region ``unit <name>`` beside the unit around the blocks (:func:`fsdp2_gathered_bytes`).
     """
 
     candidate: Candidate
@@ -175,6 +179,7 @@ class Prediction:
     block_gradient_bytes: int = 0
     depth: int = 0
     unit_gradient_bytes: dict[str, int] = field(default_factory=dict)
+    inner_units: dict[str, int] = field(default_factory=dict)
 
     def per_rank(self, world_size: int) -> dict[str, int]:
         """Bytes per category at the peak of each of ``world_size`` ranks under FSDP2 (``QuantizedFSDPStrategy``).
@@ -213,7 +218,7 @@ class Prediction:
                    - fsdp2_gradient_bytes(phase, region, self.block_gradient_bytes, self.depth, world_size,
                                           self.rooted_blocks)
                    + fsdp2_gathered_bytes(phase, region, self.block_bytes, self.remainder_bytes, self.units,
-                                          self.rooted_blocks)
+                                          self.rooted_blocks, self.inner_units)
                    - fsdp2_unit_gradient_bytes(phase, list(regions), region, self.unit_gradient_bytes, world_size)
                    for phase, regions in self.regions.items() for region, value in regions.items())
         rest = peak - sum(per_rank[c] for c in CATEGORIES if c != "other")
@@ -251,7 +256,8 @@ class Prediction:
 
 
 def fsdp2_gathered_bytes(phase: str, region: str, block: int, remainder: int,
-                         units: Optional[Mapping[str, int]] = None, rooted_blocks: bool = False) -> int:
+                         units: Optional[Mapping[str, int]] = None, rooted_blocks: bool = False,
+                         inner: Optional[Mapping[str, int]] = None) -> int:
     """Bytes FSDP2 (``reshard_after_forward=True``, 2 ranks or more) holds gathered in ``region`` of ``phase`` (the
     planner's regions, :class:`~lightning_hbm.planner.peaks._PeakPoints`) beyond the sharded parameters, for blocks of
     ``block`` gathered bytes and ``remainder`` bytes outside them (the remainder unit(s), gathered through the forward
@@ -271,10 +277,19 @@ def fsdp2_gathered_bytes(phase: str, region: str, block: int, remainder: int,
 
     ``rooted_blocks``: no unit around the blocks (the LightningModule holds their list): each block is a root of its
     own, so the same in its region (twice in the forward, once in the backward: nothing prefetched) and nothing
-    elsewhere (``remainder`` is 0)."""
+    elsewhere (``remainder`` is 0).
+
+    ``inner``: the units inside the one around the blocks that are no block (transformers ConvNext's downsampling
+    members), by name: in its region ``unit <name>`` the remainder and that unit, twice in the forward (its all-gather
+    buffer), and in the backward once with the next unit prefetched, planned as a block (the largest it can be: the
+    next unit of the backward is a block or another such unit). The blocks of every list have their own regions
+    (``block <name>`` for the lists the planner does not cut), as the blocks of the cut one (session 36: ConvNext's
+    second stage was in ``after block -1``, one block gathered instead of two: 1.6 % under on 2 gloo ranks)."""
     forward = phase.startswith("forward")
     if units and region.startswith("unit ") and region[5:] in units:
         return units[region[5:]] * (2 if forward else 1)
+    if inner and region.startswith("unit ") and region[5:] in inner:
+        return remainder + (2 * inner[region[5:]] if forward else inner[region[5:]] + block)
     if rooted_blocks:
         return block * (2 if forward else 1) if region.startswith("block ") else 0
     if phase == "step" or region == "after the model":  # the loss and its backward, outside the units
@@ -563,6 +578,7 @@ def _predict(
         rooted_blocks=result.rooted_blocks,
         block_gradient_bytes=result.block_gradients,
         unit_gradient_bytes=result.unit_gradients,
+        inner_units=result.inner_units,
         depth=result.depth,
         routed=tuple(f"{name} ({what})" for name, what in sorted(result.routed.items())),
     )
