@@ -28,7 +28,26 @@ LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 SETTINGS: dict[str, dict[str, Any]] = {
     "adapted_head": dict(r=64, target_modules=[*LINEAR, "lm_head"]),
     "saved_head": dict(r=4, modules_to_save=["lm_head"]),
+    # session 36: a trained embedding inside the unit around the blocks (not a block, not its own unit), large enough
+    # for the rank to peak in its backward: a stated gap (the test below is a strict xfail)
+    "saved_embedding": dict(r=4, modules_to_save=["embed_tokens"]),
 }
+#: the model of each setting: the head beside the backbone of test_fsdp_remainder_units_s34.py, wider for the embedding
+WIDE = dict(vocab_size=8192, hidden_size=1024, intermediate_size=1024)
+
+
+def _model(name: str) -> Any:
+    if name != "saved_embedding":
+        return _head_apart()
+    import test_fsdp_remainder_units_s34 as layouts
+
+    shape = dict(layouts.SHAPE)
+    layouts.SHAPE.update(WIDE)  # _head_apart reads the module's SHAPE
+    try:
+        return _head_apart()
+    finally:
+        layouts.SHAPE.clear()
+        layouts.SHAPE.update(shape)
 
 
 def _lora(name: str) -> Any:
@@ -38,7 +57,7 @@ def _lora(name: str) -> Any:
 
 
 def _fit(name: str, out: Path) -> dict[str, Any]:
-    return fit_profiled(_head_apart(), [_lora(name), profiler_for(out, name)], out, name)
+    return fit_profiled(_model(name), [_lora(name), profiler_for(out, name)], out, name)
 
 
 def worker(out: Path) -> None:
@@ -68,11 +87,11 @@ def _planned(name: str) -> Any:
             return [_lora(name) if isinstance(c, LoRA) else c for c in super().callbacks()]
 
     batch = synthetic_batch(GLOBAL_BATCH // 2, DATA["seq_len"])  # what one rank computes on
-    return predict(_head_apart, batch, WithRunsLoRA("nf4", "float32", lora_r=SETTINGS[name]["r"]))
+    return predict(lambda: _model(name), batch, WithRunsLoRA("nf4", "float32", lora_r=SETTINGS[name]["r"]))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("name", ["adapted_head", "saved_head"])
 def test_per_rank_plan_of_a_trained_unit_apart(two_rank_run: Path, name: str) -> None:
     """The planned per-rank step peak within 8 B of the measured one (Dec 6 2026, 2-core CPU dev machine: adapted_head
     12,428,792 planned for 12,428,792 measured, its peak in the forward; saved_head 6,962,432 for 6,962,436, its peak in
@@ -85,6 +104,23 @@ def test_per_rank_plan_of_a_trained_unit_apart(two_rank_run: Path, name: str) ->
     prediction = _planned(name)
     planned = sum(prediction.per_rank(2).values())
     print(name, "measured", measured, "planned", planned, f"{(planned - measured) / measured:+.4%}")
+    assert plan_matches(prediction, measured, within=8), (planned, measured)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the backward of a trained embedding inside the unit "
+                   "around the blocks is planned 8.8 % under per rank (benchmarks/README.md, FSDP per-rank)")
+def test_per_rank_plan_of_a_trained_embedding_inside_the_backbone(two_rank_run: Path) -> None:
+    """A stated gap (session 36): the backbone's embedding trained whole (``modules_to_save``, 8192 x 1024 fp32), the
+    rank's peak in its backward at the end of the step's backward: 189,347,844 B measured (Dec 6 2026, 2-core CPU dev
+    machine), 172,671,476 planned (-8.8 %: the plan's peak is the head's forward, measured there to the byte; its
+    backward's last region is planned 46 MB under the measured). Passes, and so fails, once the plan follows it."""
+    ranks = [json.loads((two_rank_run / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["saved_embedding"]["units"] == ["backbone", "backbone.layers.0", "backbone.layers.1", "lm_head"]
+    measured = measured_peak(two_rank_run, "saved_embedding")
+    prediction = _planned("saved_embedding")
+    planned = sum(prediction.per_rank(2).values())
+    print("saved_embedding measured", measured, "planned", planned, f"{(planned - measured) / measured:+.4%}")
     assert plan_matches(prediction, measured, within=8), (planned, measured)
 
 
