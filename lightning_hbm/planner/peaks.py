@@ -20,6 +20,10 @@ from torch.utils._pytree import tree_leaves
 from lightning_hbm.memory import LiveStorageTracker
 from lightning_hbm.planner.block_cuts import _ALIKE_FROM
 
+#: The region after the backward's last op, before the optimizer step: where the unit around the blocks, an FSDP2 root,
+#: reduce-scatters its gradients (``Prediction.per_rank``; marked only where such a unit exists).
+END_OF_BACKWARD = "end of the backward"
+
 
 class _PeakPoints:
     """Where each phase's peak is reached, relative to the list of blocks the planner cuts, and the peak of each

@@ -76,7 +76,7 @@ from lightning_hbm.planner.candidates import Candidate
 from lightning_hbm.planner.fallbacks import MAX_REAL_RUN_BYTES as MAX_REAL_RUN_BYTES  # its former home
 from lightning_hbm.planner.fallbacks import UntraceableModule, _name_untraceable, _run_for_real
 from lightning_hbm.planner.host_offload import _HostOffload, _offload_first, _offload_to_host
-from lightning_hbm.planner.peaks import _PeakPoints, _peaks_apart
+from lightning_hbm.planner.peaks import END_OF_BACKWARD, _PeakPoints, _peaks_apart
 from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.planner.routed import Routed, modules_run, routed_away
 from lightning_hbm.planner.trace_result import PHASES, Trace
@@ -205,7 +205,7 @@ def trace(
         block_bytes, block_gradients = _block_unit_bytes(blocks)
         replicated = _replicated_bytes(module)
         remainder, apart, inner = _remainder_unit_bytes(module, blocks)
-        apart_gradients = _remainder_unit_bytes(module, blocks, trainable=True)[1]
+        remainder_gradients, apart_gradients, _ = _remainder_unit_bytes(module, blocks, trainable=True)
         rooted = bool(blocks) and not held
     depth, fallbacks = built.depth, built.fallbacks
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
@@ -213,7 +213,7 @@ def trace(
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
                  host_sizes, offloaded, where, regions, replicated, remainder, unchecked_blocks(module), apart, rooted,
                  dict(built.routed.containers), block_gradients, replicated_states,
-                 {name: size for name, size in apart_gradients.items() if size}, inner)
+                 {name: size for name, size in apart_gradients.items() if size}, inner, remainder_gradients)
 
 
 def _block_unit_bytes(blocks: list[nn.Module]) -> tuple[int, int]:
@@ -512,6 +512,8 @@ def _steady_step(
                 for optimizer in optimizers:  # Lightning zeroes gradients after the forward, before backward
                     optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                if model is not None and boundary is None:  # the unit around the blocks reduce-scatters its gradients
+                    points.mark(END_OF_BACKWARD)  # the loss alive, as Lightning's closure keeps it
                 loss = None
             else:
                 for optimizer in optimizers:
