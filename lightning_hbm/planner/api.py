@@ -47,6 +47,7 @@ from lightning_hbm.planner.block_cuts import _block_list
 from lightning_hbm.planner.building import ModelLike, Template, _build, _fake_mode, _quiet_logs, build_template
 from lightning_hbm.planner.candidates import Candidate, default_candidates, format_bytes, parse_bytes
 from lightning_hbm.planner.fallbacks import UntraceableModule
+from lightning_hbm.planner.peaks import END_OF_BACKWARD
 from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.planner.trace_result import Trace
 from lightning_hbm.planner.tracing import Decided
@@ -144,6 +145,13 @@ class Prediction:
         unit_gradient_bytes: the gradient bytes each unit apart makes in its backward (its trainable parameters': a head
             adapted by LoRA or trained as ``modules_to_save``), by name: per rank under FSDP2 a shard more than the
             trace has, once that unit's backward is done (:func:`fsdp2_unit_gradient_bytes`).
+        inner_units: the strategy's units inside the unit around the blocks that are no block and hold none
+            (transformers ConvNext's ``downsampling_layer`` members; :func:`~lightning_hbm.strategies.fsdp_qlora.inner_units`),
+            by name: the parameter bytes each gathers (constants excluded, not in :attr:`remainder_bytes`), in its own
+            region ``unit <name>`` beside the unit around the blocks (:func:`fsdp2_gathered_bytes`).
+        remainder_gradient_bytes: the gradient bytes of the unit around the blocks (its trainable parameters outside
+            the blocks: an embedding trained inside the backbone), reduce-scattered at the end of the backward
+            (:func:`fsdp2_root_gradient_bytes`).
     """
 
     candidate: Candidate
@@ -175,8 +183,10 @@ class Prediction:
     block_gradient_bytes: int = 0
     depth: int = 0
     unit_gradient_bytes: dict[str, int] = field(default_factory=dict)
+    inner_units: dict[str, int] = field(default_factory=dict)
+    remainder_gradient_bytes: int = 0
 
-    def per_rank(self, world_size: int) -> dict[str, int]:
+    def per_rank(self, world_size: int, backend: str = "gloo") -> dict[str, int]:
         """Bytes per category at the peak of each of ``world_size`` ranks under FSDP2 (``QuantizedFSDPStrategy``).
 
         Predict with the per-rank batch. Parameters (the quantization constants, :attr:`replicated_bytes`, whole on
@@ -213,8 +223,10 @@ class Prediction:
                    - fsdp2_gradient_bytes(phase, region, self.block_gradient_bytes, self.depth, world_size,
                                           self.rooted_blocks)
                    + fsdp2_gathered_bytes(phase, region, self.block_bytes, self.remainder_bytes, self.units,
-                                          self.rooted_blocks)
+                                          self.rooted_blocks, self.inner_units)
                    - fsdp2_unit_gradient_bytes(phase, list(regions), region, self.unit_gradient_bytes, world_size)
+                   + fsdp2_root_gradient_bytes(region, self.remainder_gradient_bytes, self.block_gradient_bytes,
+                                               self.depth, world_size, backend)
                    for phase, regions in self.regions.items() for region, value in regions.items())
         rest = peak - sum(per_rank[c] for c in CATEGORIES if c != "other")
         per_rank["other"] = max(rest, self.categories["other"])
@@ -251,7 +263,8 @@ class Prediction:
 
 
 def fsdp2_gathered_bytes(phase: str, region: str, block: int, remainder: int,
-                         units: Optional[Mapping[str, int]] = None, rooted_blocks: bool = False) -> int:
+                         units: Optional[Mapping[str, int]] = None, rooted_blocks: bool = False,
+                         inner: Optional[Mapping[str, int]] = None) -> int:
     """Bytes FSDP2 (``reshard_after_forward=True``, 2 ranks or more) holds gathered in ``region`` of ``phase`` (the
     planner's regions, :class:`~lightning_hbm.planner.peaks._PeakPoints`) beyond the sharded parameters, for blocks of
     ``block`` gathered bytes and ``remainder`` bytes outside them (the remainder unit(s), gathered through the forward
@@ -271,10 +284,21 @@ def fsdp2_gathered_bytes(phase: str, region: str, block: int, remainder: int,
 
     ``rooted_blocks``: no unit around the blocks (the LightningModule holds their list): each block is a root of its
     own, so the same in its region (twice in the forward, once in the backward: nothing prefetched) and nothing
-    elsewhere (``remainder`` is 0)."""
+    elsewhere (``remainder`` is 0).
+
+    ``inner``: the units inside the one around the blocks that are no block (transformers ConvNext's downsampling
+    members), by name: in its region ``unit <name>`` the remainder and that unit, twice in the forward (its all-gather
+    buffer), and in the backward once with the next unit prefetched, planned as a block (the largest it can be: the
+    next unit of the backward is a block or another such unit). The blocks of every list have their own regions
+    (``block <name>`` for the lists the planner does not cut), as the blocks of the cut one (session 36: ConvNext's
+    second stage was in ``after block -1``, one block gathered instead of two: 1.6 % under on 2 gloo ranks)."""
     forward = phase.startswith("forward")
+    if region == END_OF_BACKWARD:  # every unit resharded
+        return 0
     if units and region.startswith("unit ") and region[5:] in units:
         return units[region[5:]] * (2 if forward else 1)
+    if inner and region.startswith("unit ") and region[5:] in inner:
+        return remainder + (2 * inner[region[5:]] if forward else inner[region[5:]] + block)
     if rooted_blocks:
         return block * (2 if forward else 1) if region.startswith("block ") else 0
     if phase == "step" or region == "after the model":  # the loss and its backward, outside the units
@@ -310,6 +334,22 @@ def fsdp2_gradient_bytes(phase: str, region: str, block: int, depth: int, world_
         return 0
     done = -index - 1 if index < 0 else max(depth - 1 - index, 0)
     return done * (block - -(-block // world_size)) - (done if rooted_blocks else min(done, 1)) * block
+
+
+def fsdp2_root_gradient_bytes(region: str, gradients: int, block: int, depth: int, world_size: int,
+                              backend: str = "gloo") -> int:
+    """Bytes one of ``world_size`` FSDP2 ranks holds beyond the trace at the end of the backward (``END_OF_BACKWARD``),
+    where the unit around the blocks, a root, reduce-scatters its ``gradients`` (its trainable parameters outside the
+    blocks). Measured on 2 gloo ranks (session 36, an 8192 x 1024 fp32 embedding trained inside a LlamaModel): its
+    post-backward frees its gathered parameters, copies the whole gradients into the reduce-scatter's flat input, frees
+    the last block's reduce-scatter input (``block`` gradient bytes) and allocates the shard; gloo allocates one more
+    whole-size buffer (``backend="gloo"``; NCCL writes the shard in place: not yet run on GPU). The blocks' gradients,
+    whole in the trace, are shards there (``depth`` of them done)."""
+    if region != END_OF_BACKWARD or world_size == 1:
+        return 0
+    blocks = depth * (block - -(-block // world_size)) - (0 if gradients else min(depth, 1)) * block
+    copies = 2 if backend == "gloo" else 1
+    return (copies * gradients + -(-gradients // world_size) if gradients else 0) - blocks
 
 
 def fsdp2_unit_gradient_bytes(phase: str, order: Sequence[str], region: str, unit_gradients: Mapping[str, int],
@@ -563,6 +603,8 @@ def _predict(
         rooted_blocks=result.rooted_blocks,
         block_gradient_bytes=result.block_gradients,
         unit_gradient_bytes=result.unit_gradients,
+        inner_units=result.inner_units,
+        remainder_gradient_bytes=result.remainder_gradients,
         depth=result.depth,
         routed=tuple(f"{name} ({what})" for name, what in sorted(result.routed.items())),
     )

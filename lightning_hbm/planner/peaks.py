@@ -20,6 +20,10 @@ from torch.utils._pytree import tree_leaves
 from lightning_hbm.memory import LiveStorageTracker
 from lightning_hbm.planner.block_cuts import _ALIKE_FROM
 
+#: The region after the backward's last op, before the optimizer step: where the unit around the blocks, an FSDP2 root,
+#: reduce-scatters its gradients (``Prediction.per_rank``; marked only where such a unit exists).
+END_OF_BACKWARD = "end of the backward"
+
 
 class _PeakPoints:
     """Where each phase's peak is reached, relative to the list of blocks the planner cuts, and the peak of each
@@ -63,7 +67,8 @@ class _PeakPoints:
 
     @contextmanager
     def watching(self, blocks: Sequence[nn.Module], kept_from: Optional[int] = None, unit: int = 1,
-                 model: Optional[nn.Module] = None, apart: Sequence[tuple[str, nn.Module]] = ()) -> Iterator[None]:
+                 model: Optional[nn.Module] = None, apart: Sequence[tuple[str, nn.Module]] = (),
+                 others: Sequence[tuple[str, nn.Module]] = ()) -> Iterator[None]:
         """Mark the regions as ``blocks`` run forward (hooks) and their outputs' gradients arrive (tensor hooks).
 
         ``kept_from``: under a partial offload, the index of the first block of the part that keeps its inputs; the
@@ -82,7 +87,12 @@ class _PeakPoints:
 
         ``apart``: FSDP2's other units outside the blocks, by name (a head beside the backbone: ``remainder_units``):
         each one's forward, and its backward from its output's gradient to its input's, is the region ``unit <name>``,
-        where FSDP2 holds that unit gathered and no other (:meth:`_watch_apart`)."""
+        where FSDP2 holds that unit gathered and no other (:meth:`_watch_apart`); or, inside the unit around the blocks
+        (ConvNext's downsampling members), that one too.
+
+        ``others``: the blocks of the lists the planner does not cut (ConvNext's later stages' layers), by name: each
+        the region ``block <name>`` (``after block <name>`` after it), never cut, so named alike in every cut (session
+        36: their backward was in ``after block -1``, planned with one block gathered instead of two, 1.6 % under)."""
         tracker, handles = self.tracker, [h for name, module in apart for h in self._watch_apart(name, module)]
         last_out: list[Callable[[], Optional[torch.Tensor]]] = [lambda: None]  # the last block's output, weakly
         if model is not None:
@@ -107,27 +117,35 @@ class _PeakPoints:
             elif unit > 1:
                 number = index // unit
                 name = f"{index % unit} of unit {number if number < _ALIKE_FROM else number - -(-len(blocks) // unit)}"
-
-            def enter(module: nn.Module, args: Any, name: str = name) -> None:
-                if tracker.phase == "forward":  # not a checkpoint's recomputation in the backward
-                    self.mark(f"block {name}")
-
-            def leave(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
-                if tracker.phase != "forward":
-                    return
-                self.mark(f"after block {name}")
-                out = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
-                if out is not None:
-                    out.register_hook(lambda grad: self.mark(f"block {name}"))
-                    last_out[0] = weakref.ref(out)
-
-            handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+            handles += self._watch_block(name, block, last_out)
+        for name, block in others:
+            handles += self._watch_block(name, block, last_out)
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
 
+
+    def _watch_block(self, name: str, block: nn.Module, last_out: list[Callable[[], Optional[torch.Tensor]]]) -> list[Any]:
+        """Hooks marking ``block <name>`` while ``block`` runs forward and from its output's gradient on, ``after block
+        <name>`` after its forward; ``last_out`` keeps its output (weakly) once it ran, the last block's at the end."""
+        tracker = self.tracker
+
+        def enter(module: nn.Module, args: Any) -> None:
+            if tracker.phase == "forward":  # not a checkpoint's recomputation in the backward
+                self.mark(f"block {name}")
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            if tracker.phase != "forward":
+                return
+            self.mark(f"after block {name}")
+            out = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+            if out is not None:
+                out.register_hook(lambda grad: self.mark(f"block {name}"))
+                last_out[0] = weakref.ref(out)
+
+        return [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
 
     def _watch_apart(self, name: str, module: nn.Module) -> list[Any]:
         """Hooks marking ``unit <name>`` while ``module`` runs forward, and in the backward from its output's gradient

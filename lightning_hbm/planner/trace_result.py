@@ -62,6 +62,12 @@ class Trace:
     # the gradient bytes each unit apart's backward makes (its trainable parameters': a trained or adapted head), by
     # name: FSDP2 keeps a shard of them and the whole reduce-scatter input to the backward's end (each unit a root)
     unit_gradients: dict[str, int] = field(default_factory=dict)
+    # FSDP2's units inside the unit around the blocks that are no block (ConvNext's downsampling members), by name: the
+    # parameter bytes each gathers (constants excluded), in its own region (``unit <name>``), where the unit around the blocks is gathered too
+    inner_units: dict[str, int] = field(default_factory=dict)
+    # the gradient bytes of the unit around the blocks (its trainable parameters outside the blocks and inner units: an
+    # embedding trained inside the backbone), reduce-scattered at its backward's end
+    remainder_gradients: int = 0
 
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda phase: sum(self.phases[phase].values()))
@@ -108,7 +114,8 @@ class Trace:
                      replicated=line(_field("replicated")), remainder=self.remainder, unchecked=unchecked,
                      replicated_states=line(_field("replicated_states")),
                      units=self.units, rooted_blocks=self.rooted_blocks, routed=routed,
-                     block_gradients=self.block_gradients, unit_gradients=self.unit_gradients)
+                     block_gradients=self.block_gradients, unit_gradients=self.unit_gradients,
+                     inner_units=self.inner_units, remainder_gradients=self.remainder_gradients)
 
     def _region_lines(self, steps: Sequence[tuple[Trace, int]]) -> dict[str, dict[str, int]]:
         """Each region's peak, phase by phase, drawn as :meth:`combine` draws every figure (the regions of every trace

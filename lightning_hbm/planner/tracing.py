@@ -76,13 +76,13 @@ from lightning_hbm.planner.candidates import Candidate
 from lightning_hbm.planner.fallbacks import MAX_REAL_RUN_BYTES as MAX_REAL_RUN_BYTES  # its former home
 from lightning_hbm.planner.fallbacks import UntraceableModule, _name_untraceable, _run_for_real
 from lightning_hbm.planner.host_offload import _HostOffload, _offload_first, _offload_to_host
-from lightning_hbm.planner.peaks import _PeakPoints, _peaks_apart
+from lightning_hbm.planner.peaks import END_OF_BACKWARD, _PeakPoints, _peaks_apart
 from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.planner.routed import Routed, modules_run, routed_away
 from lightning_hbm.planner.trace_result import PHASES, Trace
 from lightning_hbm.precision import QuantizedPrecision
 from lightning_hbm.running import RunningModules
-from lightning_hbm.strategies.fsdp_qlora import remainder_units
+from lightning_hbm.strategies.fsdp_qlora import inner_units, remainder_units
 from lightning_hbm.surgery import SurgeryCallback, applied_transforms, run_surgery, transform_optimizers
 from lightning_hbm.surgery.probe_step import SharedProbe
 
@@ -204,8 +204,8 @@ def trace(
         blocks = [block for _, block in _blocks(module)]
         block_bytes, block_gradients = _block_unit_bytes(blocks)
         replicated = _replicated_bytes(module)
-        remainder, apart = _remainder_unit_bytes(module, blocks)
-        apart_gradients = _remainder_unit_bytes(module, blocks, trainable=True)[1]
+        remainder, apart, inner = _remainder_unit_bytes(module, blocks)
+        remainder_gradients, apart_gradients, _ = _remainder_unit_bytes(module, blocks, trainable=True)
         rooted = bool(blocks) and not held
     depth, fallbacks = built.depth, built.fallbacks
     kept = min(depth, keep_blocks) if keep_blocks is not None else depth
@@ -213,7 +213,7 @@ def trace(
     return Trace(phases, trainable, total, depth, kept, block_bytes, guessed, scopes, fallbacks, host, values.selections,
                  host_sizes, offloaded, where, regions, replicated, remainder, unchecked_blocks(module), apart, rooted,
                  dict(built.routed.containers), block_gradients, replicated_states,
-                 {name: size for name, size in apart_gradients.items() if size})
+                 {name: size for name, size in apart_gradients.items() if size}, inner, remainder_gradients)
 
 
 def _block_unit_bytes(blocks: list[nn.Module]) -> tuple[int, int]:
@@ -225,11 +225,13 @@ def _block_unit_bytes(blocks: list[nn.Module]) -> tuple[int, int]:
     return gathered, gradients
 
 
-def _remainder_unit_bytes(module: nn.Module, blocks: list[nn.Module], trainable: bool = False) -> tuple[int, dict[str, int]]:
+def _remainder_unit_bytes(module: nn.Module, blocks: list[nn.Module], trainable: bool = False
+                          ) -> tuple[int, dict[str, int], dict[str, int]]:
     """What ``QuantizedFSDPStrategy``'s units outside the blocks gather (parameters outside the blocks, quantization
-    constants excluded): the unit around the blocks (a causal LM's ``model``; 0 without one), and by name each unit
-    apart from it (a head or an embedding side by side with the backbone: :func:`remainder_units`). ``trainable``: the
-    gradient bytes of each instead (its trainable parameters')."""
+    constants excluded): the unit around the blocks (a causal LM's ``model``; 0 without one), less its inner units; by
+    name each unit apart from it (a head or an embedding side by side with the backbone: :func:`remainder_units`); and
+    by name each unit inside it that is no block (:func:`inner_units`: ConvNext's downsampling members), each less the
+    inner units inside it. ``trainable``: the gradient bytes of each instead (its trainable parameters')."""
     inside = {id(p) for block in blocks for p in block.parameters()}
     holder = _model_holding(module, blocks)
 
@@ -237,7 +239,11 @@ def _remainder_unit_bytes(module: nn.Module, blocks: list[nn.Module], trainable:
         return tensor_bytes(p for p in unit.parameters() if id(p) not in inside and (p.requires_grad or not trainable))
 
     apart = {name: outside(unit) for name, unit in remainder_units(module, blocks) if unit is not holder}
-    return (outside(holder) if holder is not None else 0), apart
+    inner: dict[str, int] = {}
+    for name, unit in sorted(inner_units(module, blocks, holder), key=lambda item: -item[0].count(".")):
+        inner[name] = outside(unit)  # innermost first: what an inner unit holds is not its parent's
+        inside |= {id(p) for p in unit.parameters()}
+    return (outside(holder) if holder is not None else 0), apart, inner
 
 
 @contextmanager
@@ -487,7 +493,11 @@ def _steady_step(
         kept_from = next((i for i, block in enumerate(blocks) if boundary is not None and block is boundary[1]), None)
         model = _model_holding(module, blocks)
         apart = [(name, unit) for name, unit in remainder_units(module, blocks) if unit is not model]
-        stack.enter_context(points.watching(blocks, kept_from, unit, model, apart))
+        # the blocks of the other lists (ConvNext's later stages), each in a region of its own name, and the units
+        # inside the one around the blocks (its downsampling members): FSDP2 gathers each alone (Prediction.per_rank)
+        others = [(name, block) for name, block in _blocks(module) if not any(block is b for b in blocks)]
+        apart += inner_units(module, [block for _, block in _blocks(module)], model)
+        stack.enter_context(points.watching(blocks, kept_from, unit, model, apart, others))
         if boundary is not None:
             stack.enter_context(_peaks_apart(boundary, close))
         for phase in PHASES:
@@ -502,6 +512,8 @@ def _steady_step(
                 for optimizer in optimizers:  # Lightning zeroes gradients after the forward, before backward
                     optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                if model is not None and boundary is None:  # the unit around the blocks reduce-scatters its gradients
+                    points.mark(END_OF_BACKWARD)  # the loss alive, as Lightning's closure keeps it
                 loss = None
             else:
                 for optimizer in optimizers:

@@ -422,13 +422,7 @@ def _choose_units(module: nn.Module, shard_modules: Optional[list[str]]) -> list
         )
     named = list(module.named_modules())
     if shard_modules is None:
-        lists = {name for name, m in named if isinstance(m, nn.ModuleList)}
-        units = [
-            (n, m)
-            for n, m in named
-            if n and n.rpartition(".")[0] in lists and not _is_container(m) and any(True for _ in m.parameters())
-        ]
-        units += sequential_blocks(module, exclude={n for n, _ in units})
+        units = default_units(module)
     else:
         found = {type(m).__name__ for _, m in named}
         unknown = [n for n in shard_modules if n not in found]
@@ -448,6 +442,31 @@ def _choose_units(module: nn.Module, shard_modules: Optional[list[str]]) -> list
     # fully_shard manages every parameter not yet managed below it: shard the innermost units first.
     units.sort(key=lambda item: item[0].count("."), reverse=True)
     return [m for _, m in units]
+
+
+def default_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The submodules :class:`QuantizedFSDPStrategy` makes one FSDP unit each by default (``shard_modules=None``), by
+    name, in module order: every member of an ``nn.ModuleList`` holding parameters (not a container itself) and the
+    repeated blocks of an ``nn.Sequential`` (:func:`sequential_blocks`). No check: :func:`_choose_units` validates."""
+    named = list(module.named_modules())
+    lists = {name for name, m in named if isinstance(m, nn.ModuleList)}
+    units = [(n, m) for n, m in named
+             if n and n.rpartition(".")[0] in lists and not _is_container(m) and any(True for _ in m.parameters())]
+    return units + sequential_blocks(module, exclude={n for n, _ in units})
+
+
+def inner_units(module: nn.Module, blocks: Sequence[nn.Module], holder: Optional[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The default units inside ``holder`` (the unit around the ``blocks``: a model's backbone) that are neither a block
+    nor hold one nor lie inside one, by name: transformers ConvNext's ``downsampling_layer`` members (a LayerNorm and a
+    Conv2d in a stage's ``nn.ModuleList``), each gathered only while its own forward and backward run. The planner reads
+    them before any sharding (``Prediction.inner_units``); a unit holding blocks (ConvNext's stages) is not one: its own
+    parameters are planned with the unit around the blocks."""
+    if holder is None:
+        return []
+    ids = {id(b) for b in blocks}
+    return [(name, unit) for name, unit in default_units(module)
+            if unit is not holder and _holds(holder, unit) and not ids & {id(m) for m in unit.modules()}
+            and not any(_holds(b, unit) for b in blocks)]
 
 
 def sequential_blocks(module: nn.Module, exclude: Collection[str] = ()) -> list[tuple[str, nn.Module]]:
@@ -474,4 +493,4 @@ def register(registry: Any = StrategyRegistry) -> None:
         )
 
 
-__all__ = ["QuantizedFSDPStrategy", "register", "remainder_units", "sequential_blocks"]
+__all__ = ["QuantizedFSDPStrategy", "default_units", "inner_units", "register", "remainder_units", "sequential_blocks"]
