@@ -111,14 +111,39 @@ class RealValues(TorchDispatchMode):
             real.append(leaf)
         return tree_unflatten(real, spec)
 
+    def _real_arguments(self, values: Any) -> Any:
+        """The aten arguments ``values`` (a tuple, or a list of ``Tensor[]``) with every fake tensor replaced by its
+        twin, without pytree (flattening them was a tenth of a small model's plan, session 36);
+        ``_FAILED`` if one has none, ``None`` for what this does not read (a container other than a list or tuple)."""
+        real = []
+        for value in values:
+            if isinstance(value, FakeTensor):
+                value = self.twin(value)
+                if value is None:
+                    return _FAILED
+            elif type(value) is list or type(value) is tuple:
+                value = self._real_arguments(value)
+                if value is None or value is _FAILED:
+                    return value
+            elif not isinstance(value, _PLAIN_ARGUMENTS):
+                return None
+            real.append(value)
+        return real if type(values) is list else tuple(real)
+
     def _run_real(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``func`` on the twins of its inputs; ``_FAILED`` if one has none or the op fails on them."""
-        real = self._real((args, kwargs))
-        if real is None:
+        real_args: Any = self._real_arguments(args) if type(args) is tuple else None
+        real_kwargs: Any = real_args if real_args is None or real_args is _FAILED else self._real_arguments(tuple(kwargs.values()))
+        if real_args is None or real_kwargs is None:  # an argument the fast path does not read: pytree's path
+            real = self._real((args, kwargs))
+            if real is None:
+                return _FAILED
+            real_args, real_kwargs = real[0], tuple(real[1].values())
+        if real_args is _FAILED or real_kwargs is _FAILED:
             return _FAILED
         try:
             with _disable_current_modes():
-                return func(*real[0], **real[1])
+                return func(*real_args, **dict(zip(kwargs, real_kwargs)))
         except Exception:  # a twin is a help, never a new failure: the op simply gets none
             return _FAILED
 
@@ -187,14 +212,15 @@ class RealValues(TorchDispatchMode):
         if isinstance(out, FakeTensor) and out.numel() > self.max_elements and not func._schema.is_mutable:
             return  # the common case in a real-size model, decided without flattening anything
         written = _written(func, args, kwargs)  # in-place ops (foreach ones return nothing)
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, FakeTensor)]
+        leaves = _leaves(out)
+        outs = [t for t in leaves if isinstance(t, FakeTensor)]
         small = bool(outs or written) and all(t.numel() <= self.max_elements for t in (*outs, *written))
         real = self._run_real(func, args, kwargs) if small else _FAILED
         if real is _FAILED:
             for tensor in written:  # written without their twins: those are stale now
                 self._forget(tensor)
             return
-        for fake, twin in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
+        for fake, twin in zip(leaves, _leaves(real)):
             if isinstance(fake, FakeTensor) and isinstance(twin, torch.Tensor):
                 self.add(fake, twin)
 
@@ -238,8 +264,23 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         value = args[position] if position < len(args) else kwargs.get(arg.name)
-        written += [t for t in tree_flatten(value)[0] if isinstance(t, FakeTensor)]
+        written += [t for t in _leaves(value) if isinstance(t, FakeTensor)]
     return written
+
+
+#: aten arguments that are leaves: what :meth:`RealValues._real_arguments` passes on as they are
+_PLAIN_ARGUMENTS = (torch.Tensor, int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+                    torch.memory_format, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _leaves(value: Any) -> list:
+    """``tree_flatten(value)[0]`` for what an aten op takes or returns (a tensor, a list or tuple of them), without
+    pytree's cost on every op; anything else by pytree."""
+    if isinstance(value, torch.Tensor) or value is None:
+        return [value]
+    if (type(value) is list or type(value) is tuple) and all(isinstance(v, torch.Tensor) or v is None for v in value):
+        return list(value)
+    return tree_flatten(value)[0]
 
 
 def _view(tensor: torch.Tensor) -> tuple:

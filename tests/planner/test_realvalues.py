@@ -321,3 +321,55 @@ def test_mamba_plans_without_fallback() -> None:
     measured = memtracker_peak(TinyMamba, batch, Candidate("32-true"), module_hooks=False)
     assert abs(prediction.peak / measured - 1) < 0.03
     assert abs(prediction.peak - measured) <= 8, (prediction.peak, measured)
+
+
+def test_twin_arguments_are_read_without_pytree_as_pytree_reads_them() -> None:
+    """Session 36: each op's twin took its arguments through pytree (flatten, then rebuild: a tenth of a small model's
+    plan). Read directly now, for what aten passes (tensors, ``Tensor?[]`` lists with None, scalars, dtypes in kwargs);
+    anything else still by pytree (a Generator here); no twin: no result."""
+    from lightning_hbm.planner.building import _fake_mode
+    from lightning_hbm.planner.realvalues import _FAILED, RealValues
+
+    aten = torch.ops.aten
+    fake_mode = _fake_mode()
+    values = RealValues(fake_mode)
+    real, index = torch.arange(6.0).reshape(2, 3), torch.tensor([2, 0])
+    with fake_mode:
+        fake, fake_index, lone = torch.empty(2, 3), torch.empty(2, dtype=torch.long), torch.empty(2)
+    values.add(fake, real)
+    values.add(fake_index, index)
+    assert torch.equal(values._run_real(aten.index.Tensor, (fake, [None, fake_index]), {}), real[:, index])
+    assert torch.equal(values._run_real(aten.add.Tensor, (fake, fake), {"alpha": 2}), real + 2 * real)
+    assert values._run_real(aten.sum.dim_IntList, (fake, [1]), {"dtype": torch.float64}).dtype == torch.float64
+    generator = torch.Generator().manual_seed(0)
+    assert values._real_arguments((fake, generator)) is None  # not an aten leaf it knows: pytree's path
+    drawn = values._run_real(aten.normal.float_Tensor, (1.0, fake), {"generator": generator})
+    assert drawn.shape == (2, 3)
+    assert values._run_real(aten.add.Tensor, (fake, lone), {}) is _FAILED  # no twin
+
+
+def test_plans_read_twins_without_flattening_each_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every field of the plans equal to the ones the pytree path makes (the twins, values read and guesses alike), and
+    pytree no longer called once per op: was 1,200+ calls on this plan."""
+    from torch.utils._pytree import tree_flatten
+
+    from lightning_hbm.planner import realvalues
+
+    def planned() -> list:
+        torch.manual_seed(0)
+        predictions = plan(DropPath, BATCH, candidates=[Candidate("32-true"), Candidate("nf4-dq", lora_r=4)]).predictions
+        return [sorted((k, repr(v)) for k, v in vars(p).items() if k != "candidate") for p in predictions]
+
+    calls: list[int] = []
+    monkeypatch.setattr(realvalues, "tree_flatten", lambda tree: calls.append(1) or tree_flatten(tree))
+    fast = planned()
+    assert len(calls) < 50
+    run_real = realvalues.RealValues._run_real
+
+    def by_pytree(self: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+        real = self._real((args, kwargs))
+        return realvalues._FAILED if real is None else run_real(self, func, tuple(real[0]), dict(real[1]))
+
+    monkeypatch.setattr(realvalues.RealValues, "_run_real", by_pytree)
+    monkeypatch.setattr(realvalues, "_leaves", lambda value: tree_flatten(value)[0])
+    assert planned() == fast
