@@ -207,7 +207,19 @@ class Prediction:
         (``tests/strategies/test_fsdp_trained_units_s35.py``).
         Without regions (a Prediction built by hand) the peak's own categories gather the largest block and the
         remainder at once.
+
+        Args:
+            world_size: the number of ranks the model is sharded over.
+            backend: the process group's backend, ``"gloo"`` (the default: CPU ranks, and the larger figure) or
+                ``"nccl"``; gloo holds one more whole-size buffer at the end of the backward where the unit around the
+                blocks trains parameters (:func:`fsdp2_root_gradient_bytes`; NCCL's figure is not yet run on GPU).
+
+        Raises:
+            ValueError: ``backend`` is neither ``"gloo"`` nor ``"nccl"``.
         """
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"Prediction.per_rank: backend must be 'gloo' or 'nccl' (the process group's), got "
+                             f"{backend!r}.")
         gathered = self.block_bytes + self.remainder_bytes + max(self.units.values(), default=0)
         per_rank = shard_categories(self.categories, world_size, gathered_bytes=gathered,
                                     replicated_parameter_bytes=self.replicated_bytes,

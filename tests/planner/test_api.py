@@ -473,6 +473,9 @@ def test_per_rank_prediction_gathers_one_block(gpt_factory: Callable[..., Any]) 
     assert fsdp2_gathered_bytes("forward", "before the blocks", block, remainder) == 2 * remainder
     assert fsdp2_gathered_bytes("step", "step", block, remainder) == 0
     assert fsdp2_gathered_bytes("backward", "block 0", block, remainder) == remainder + block  # nothing to prefetch
+    assert prediction.per_rank(2, backend="nccl") == two  # no end-of-backward region here: the same figure
+    with pytest.raises(ValueError, match=r"backend must be 'gloo' or 'nccl' \(the process group's\), got 'mpi'"):
+        prediction.per_rank(2, backend="mpi")
 
 
 class _DictMLP(pl.LightningModule):
