@@ -25,6 +25,13 @@ the check on 32 samples (now) against the first batch (``CHECK_SAMPLES = 0``: be
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/conv_probe_samples.py --fit --models ResNet18 "MobileNetV3-FPN backbone" \
         "transformers ResNet (10 classes)" "transformers ConvNeXt (10 classes)" --seeds 0
+
+``--widened`` (session 36): per run, whether ``widened_convs_warning`` would be said, the check on the first 32 images
+and 64 held out: is the caution a signal where the check on 32 is quiet? ``--fit-start``: issue 53's "what must show"
+through the Trainer (every lightning_hbm warning at fit start, held out 64):
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/conv_probe_samples.py --widened --seeds 0 1 2 3
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/conv_probe_samples.py --fit-start --seeds 0 1 2 3
 """
 
 from __future__ import annotations
