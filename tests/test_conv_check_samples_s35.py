@@ -27,7 +27,7 @@ from lightning_hbm import QuantizedPrecision
 from lightning_hbm.precision.accuracy import CHECK_SAMPLES, centred_cosine, outputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "layers"))
-from conv_models import MobileNetV3FPN, Pixels, calibrate, images  # noqa: E402
+from conv_models import MobileNetV3FPN, Pixels, calibrate, images, lightning_net  # noqa: E402
 
 #: batches of 4 images: the first reads 0.985 in int8 computed in bfloat16, the 8 first together 0.974
 SEEDS = (3, 17, 38, 24, 2, 33, 10, 13, 0)
@@ -40,28 +40,12 @@ def backbone() -> nn.Module:
     return calibrate(MobileNetV3FPN(), images(8, seed=10, batches=4))
 
 
-class _Net(pl.LightningModule):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> Any:
-        return self.model(x)
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        out = self(batch)
-        return sum(t.float().square().mean() for t in (out if isinstance(out, list) else [out]))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-3)
-
-
 def _fit(model: nn.Module, loader: Any, plugin: QuantizedPrecision, tmp_path: Any) -> QuantizedPrecision:
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tmp_path, plugins=[plugin],
     )  # fmt: skip
-    trainer.fit(_Net(model), loader)
+    trainer.fit(lightning_net(model), loader)
     return cast(QuantizedPrecision, trainer.precision_plugin)
 
 

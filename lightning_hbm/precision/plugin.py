@@ -150,7 +150,8 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             above held out; ResNet18 then measured 0.982 held out at 0.567 bytes per conv weight); a plan under it is a
             warning naming the figure. Not with ``layer_modes``, nor without a probe batch (a warning: for a BatchNorm
             conv net with the figure and the fix, else that the accuracy went unmeasured, with the fix). A BatchNorm conv net's plan is measured on the probe only:
-            held out such plans measured 0.96-0.982 (issue 53), said at fit start with the fix (``mode="int8"``).
+            held out such plans measured 0.96-0.982 (issue 53), said at fit start with the fix (``mode="int8"``),
+            unless the accuracy check below measured at least 32 samples and was quiet (session 36: noise there).
             In any mode, a model with quantized convolutions is run on the probe batch once more after the quantization,
             as this plugin computes it: a centred output cosine against the model as built under ``min_cosine`` (default
             0.98) is a warning naming the figure and the fix (:mod:`lightning_hbm.precision.accuracy`; ``int8`` in bf16

@@ -45,7 +45,7 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
 from lightning_hbm.layers.correction import saved_factors
 from lightning_hbm.layers.embedding import is_plain_embedding
-from lightning_hbm.precision.accuracy import CHECK_SAMPLES, ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, unmeasured_reference_warning
+from lightning_hbm.precision.accuracy import CHECK_SAMPLES, ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, quiet_on_enough, unmeasured_reference_warning
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.gptq import DIGEST_KEY, GPTQRounding, input_statistics
@@ -380,8 +380,8 @@ class Quantization:
             bnb_compat.undo_int8_states(module)
         warned = self.conv_accuracy is not None and self.conv_accuracy.warned
         gap, self._conv_gap = self._conv_gap, None
-        if gap is not None and not warned:  # the mode choice's warning, when the measured figure did not say more
-            rank_zero_warn(gap)
+        if gap is not None and not warned and not quiet_on_enough(self.conv_accuracy):  # the mode choice's warning, when the
+            rank_zero_warn(gap)  # measured figure did not say more, nor measured enough (32 samples, quiet: session 36)
         return quantized
 
     def _record_reference(self, module: nn.Module, probe: Callable[[], Probe], first: Optional[Callable[[], Probe]] = None) -> None:
@@ -511,7 +511,8 @@ class Quantization:
         :data:`CONV_TARGET_COSINE`, above the threshold held out because the probe reads high); under it, a warning naming the figure. Not with a pinned plan, nor when resuming
         (the checkpoint's modes are taken), nor without a probe batch (logged; a BatchNorm conv net: a warning, with the
         figure); a probe the model cannot run: a warning. A BatchNorm conv net chosen to the target: a warning that held
-        out such choices measured under it (:func:`~lightning_hbm.precision.sensitivity.widened_convs_warning`)."""
+        out such choices measured under it (:func:`~lightning_hbm.precision.sensitivity.widened_convs_warning`), not
+        said where the check measured 32 samples quiet (session 36)."""
         if not names or self.config.layer_modes is not None or self.config.format.peft_kind != "4bit":
             return
         if trainer is not None and saved_meta(trainer).get("configs", {}).get(self.owner):

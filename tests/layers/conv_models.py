@@ -3,6 +3,7 @@ the CPU torch this project tests with): torchvision's resnet18, timm's Efficient
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -204,6 +205,35 @@ class Pixels(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Any:
         return self.model(pixel_values=x).logits
+
+
+def lightning_net(model: nn.Module) -> Any:
+    """``model`` in a LightningModule fitted through the Trainer: its step's loss the mean square of the outputs (a list
+    of them: summed), SGD on the trainable parameters. Lightning is imported at the first call, not with this module
+    (benchmarks import it before their torchvision schema shim runs)."""
+    return _lightning_net_class()(model)
+
+
+@functools.cache
+def _lightning_net_class() -> Any:
+    import lightning.pytorch as pl
+
+    class _Net(pl.LightningModule):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> Any:
+            return self.model(x)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            out = self(batch)
+            return sum(t.float().square().mean() for t in (out if isinstance(out, list) else [out]))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+    return _Net
 
 
 def images(batch: int, seed: int, batches: int = 1, size: int = 64) -> list[torch.Tensor] | torch.Tensor:
