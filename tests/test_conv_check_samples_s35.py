@@ -132,3 +132,25 @@ def test_a_conv_net_whose_memory_holds_one_batch_is_measured_on_the_first_batch(
     measured = plugin.quantization.conv_accuracy
     assert measured is not None and measured.samples == 4
     assert "the first 32 samples ran out of memory (out of memory: 32 samples)" in caplog.text
+
+
+class _FixedBatchSize(_SmallBatchesOnly):
+    """A forward written for the loader's batch size (a buffer or a reshape of that size): 32 samples fail, 4 run."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != 4:
+            raise RuntimeError(f"shape '[4, -1]' is invalid for input of size {x.numel()}")
+        return self.net(x)
+
+
+def test_a_conv_net_whose_forward_takes_only_its_batch_size_is_measured_on_the_first_batch(tmp_path: Any, caplog: Any) -> None:
+    """Session 36 (h5): any failure of the joined samples, not only running out of memory, falls back to the first
+    batch; before, the check was lost ("not measured at fit start") where the first batch runs."""
+    torch.manual_seed(0)
+    with caplog.at_level("INFO", logger="lightning_hbm"), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        plugin = _fit(_FixedBatchSize(), DataLoader([images(4, seed=s, size=16) for s in range(10)], batch_size=None), QuantizedPrecision("int8"), tmp_path)
+    measured = plugin.quantization.conv_accuracy
+    assert measured is not None and measured.samples == 4
+    assert "the first 32 samples did not run (RuntimeError: shape '[4, -1]' is invalid" in caplog.text
+    assert not [w for w in said if "not measured at fit start" in str(w.message)]

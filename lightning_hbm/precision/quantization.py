@@ -388,17 +388,19 @@ class Quantization:
         """The model as built on the probe, for :func:`~lightning_hbm.precision.accuracy.check_accuracy`, where the convolutions' mode choice did not record it:
         one forward (none without a quantized convolution; without a probe batch or a forward: logged, not measured).
         ``first``: the first training batch, measured instead where ``probe`` (a conv net's first batches joined up to
-        :data:`~lightning_hbm.precision.accuracy.CHECK_SAMPLES` samples) runs out of memory (a batch size chosen for memory)."""
+        :data:`~lightning_hbm.precision.accuracy.CHECK_SAMPLES` samples) runs out of memory (a batch size chosen for memory) or
+        fails otherwise (a forward written for the loader's batch size: session 36)."""
         reference = self._reference
         if reference is None or reference.output is not None:
             return
         try:
             try:
                 _recorded_forward(module, reference, probe().batch)
-            except torch.OutOfMemoryError as error:
+            except Exception as error:  # noqa: BLE001 - the joined batch is ours, the first one the user's: it may still run
                 if first is None:
                     raise
-                log.info("lightning_hbm: the accuracy check measures the first training batch: the first %d samples ran out of memory (%s)", CHECK_SAMPLES, error)
+                why = f"ran out of memory ({error})" if isinstance(error, torch.OutOfMemoryError) else f"did not run ({type(error).__name__}: {error})"
+                log.info("lightning_hbm: the accuracy check measures the first training batch: the first %d samples %s", CHECK_SAMPLES, why)
                 _recorded_forward(module, reference, first().batch)
         except Exception as error:  # noqa: BLE001 - a measurement never stops a healthy model: said, with the fix
             self._reference = None
