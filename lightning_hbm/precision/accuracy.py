@@ -51,7 +51,7 @@ a batch of 4 images is the figure of those 4 (batches of 4 read up to 0.04 apart
 0.983-0.986 where 64 held-out images read 0.915-0.975; on 32, no run of 20 on the wrong side of the threshold
 (``benchmarks/conv_probe_samples.py``). :attr:`ConvAccuracy.samples` says how many were measured. Quiet on 32 or
 more, it is the word said (session 36): the plan's caution that held-out data may read less
-(:func:`~lightning_hbm.precision.sensitivity.widened_convs_warning`) is then left out (:func:`quiet_on_enough`).
+(:func:`~lightning_hbm.precision.sensitivity.widened_convs_warning`) is then left out (:attr:`ConvAccuracy.quiet_on_enough`).
 """
 
 from __future__ import annotations
@@ -121,6 +121,19 @@ class ConvAccuracy:
     #: the samples measured (the first tensor's first dimension of the batch the forward was given; 0: none)
     samples: int = 0
 
+    @property
+    def quiet_on_enough(self) -> bool:
+        """Whether the fit-start check measured at least :data:`CHECK_SAMPLES` samples and found the output at or above its
+        threshold: then a BatchNorm conv net's plan, chosen on the first batch by widening some convolutions within
+        ``sensitive_mode``, is not cautioned again (:func:`~lightning_hbm.precision.sensitivity.widened_convs_warning`,
+        session 36). Measured over 40 runs (10 conv nets x 4 seeds, ``benchmarks/conv_probe_samples.py --widened``): where
+        the check on 32 was quiet that caution fired on 14, 12 of them accurate on 64 held-out images (0.9802-0.9851) and
+        2 under 0.98 by 0.0002-0.0003 (0.9797, 0.9798; the check read 0.9807, 0.9801): noise, not a signal. A check on
+        fewer samples (a ``probe_batch`` the user gives, a batch size chosen for memory) keeps it."""
+        return (
+            not self.warned and self.samples >= CHECK_SAMPLES and math.isfinite(self.cosine) and self.cosine >= self.threshold
+        )
+
 
 #: the fewest samples the fit-start check of a model with quantized convolutions measures where the plugin draws its
 #: probe (no ``probe_batch``): the first training batches joined up to this many, the convolutions' modes still chosen on
@@ -128,19 +141,6 @@ class ConvAccuracy:
 #: images read 0.975; on 32, no run of 20 quiet under 0.98 held out; the time to the first step 0.93-1.57x, noise to two
 #: forwards on 32 images)
 CHECK_SAMPLES = 32
-
-def quiet_on_enough(measured: Optional[ConvAccuracy]) -> bool:
-    """Whether the fit-start check measured at least :data:`CHECK_SAMPLES` samples and found the output at or above its
-    threshold: then a BatchNorm conv net's plan, chosen on the first batch by widening some convolutions within
-    ``sensitive_mode``, is not cautioned again (:func:`~lightning_hbm.precision.sensitivity.widened_convs_warning`,
-    session 36). Measured over 40 runs (10 conv nets x 4 seeds, ``benchmarks/conv_probe_samples.py --widened``): where
-    the check on 32 was quiet that caution fired on 14, 12 of them accurate on 64 held-out images (0.9802-0.9851) and
-    2 under 0.98 by 0.0002-0.0003 (0.9797, 0.9798; the check read 0.9807, 0.9801): noise, not a signal. A check on
-    fewer samples (a ``probe_batch`` the user gives, a batch size chosen for memory) keeps it."""
-    return (
-        measured is not None and not measured.warned and measured.samples >= CHECK_SAMPLES
-        and math.isfinite(measured.cosine) and measured.cosine >= measured.threshold
-    )  # fmt: skip
 
 
 #: the most output values kept for the figure (16 MiB in fp32): a language model with a convolution (Mamba's conv1d)
@@ -670,4 +670,4 @@ def check_accuracy(
     return measured
 
 
-__all__ = ["CHECK_SAMPLES", "KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_at_unused", "accuracy_warning", "centred_cosine", "check_accuracy", "check_accuracy_at", "echoes", "measure", "MASK_VALUE", "outputs", "overflowed", "quiet_on_enough", "unmeasured_reference_warning"]
+__all__ = ["CHECK_SAMPLES", "KEPT_VALUES", "ConvAccuracy", "Reference", "accuracy_at_unused", "accuracy_warning", "centred_cosine", "check_accuracy", "check_accuracy_at", "echoes", "measure", "MASK_VALUE", "outputs", "overflowed", "unmeasured_reference_warning"]

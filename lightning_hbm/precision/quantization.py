@@ -45,7 +45,7 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
 from lightning_hbm.layers.correction import saved_factors
 from lightning_hbm.layers.embedding import is_plain_embedding
-from lightning_hbm.precision.accuracy import CHECK_SAMPLES, ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, quiet_on_enough, unmeasured_reference_warning
+from lightning_hbm.precision.accuracy import CHECK_SAMPLES, ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, unmeasured_reference_warning
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.gptq import DIGEST_KEY, GPTQRounding, input_statistics
@@ -378,10 +378,11 @@ class Quantization:
         self.conv_accuracy = check_accuracy(module, reference, quantized, self.layer_modes or {}, config, threshold)
         if reference is not None:  # as quantized: a checkpoint being resumed loads into it next
             bnb_compat.undo_int8_states(module)
-        warned = self.conv_accuracy is not None and self.conv_accuracy.warned
+        # the mode choice's warning, where the measured figure did not say more, nor was quiet on 32 samples (session 36)
+        said = self.conv_accuracy is not None and (self.conv_accuracy.warned or self.conv_accuracy.quiet_on_enough)
         gap, self._conv_gap = self._conv_gap, None
-        if gap is not None and not warned and not quiet_on_enough(self.conv_accuracy):  # the mode choice's warning, when the
-            rank_zero_warn(gap)  # measured figure did not say more, nor measured enough (32 samples, quiet: session 36)
+        if gap is not None and not said:
+            rank_zero_warn(gap)
         return quantized
 
     def _record_reference(self, module: nn.Module, probe: Callable[[], Probe], first: Optional[Callable[[], Probe]] = None) -> None:

@@ -113,7 +113,7 @@ def widened_convs_warning(
     0.9605-0.9822), so the model as trained may be under ``threshold`` (default: ``target``) on new data. The fix
     named is the one measured at 0.98 or more held out on all eight: ``int8`` computed in float32 (int8 in bfloat16
     0.974-0.9993). Said at the quantization only where the fit-start accuracy check neither warned nor measured at
-    least 32 samples quiet (:func:`~lightning_hbm.precision.accuracy.quiet_on_enough`, session 36: there it fired on 12
+    least 32 samples quiet (:attr:`~lightning_hbm.precision.accuracy.ConvAccuracy.quiet_on_enough`, session 36: there it fired on 12
     accurate models of 14 runs, the other 2 under 0.98 by 0.0003 at most).
     """
     if not _has_batchnorm(module) or report.uniform_cosine >= target or report.cosine < target:
