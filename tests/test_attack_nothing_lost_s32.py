@@ -216,11 +216,11 @@ def test_a_checkpoint_that_does_not_record_it_is_resumed_saying_so(tmp_path: Any
     """A checkpoint saved before the setting was recorded (here: lightning_hbm before session 31, every table in int8):
     the resume says it cannot tell, by name, what it does and how to resume as that run did; that way goes on."""
     from lightning_hbm.layers.embedding import QuantizedEmbedding
-    from lightning_hbm.precision import quantization
+    from lightning_hbm.precision import quantization, target_listing
 
     settings = quantization.Quantization.settings
     with monkeypatch.context() as old:
-        old.setattr(quantization, "SMALL_EMBEDDING_VALUES", 0)
+        old.setattr(target_listing, "SMALL_EMBEDDING_VALUES", 0)  # where the listing reads it
         old.setattr(quantization.Quantization, "settings", lambda self: {k: v for k, v in settings(self).items() if k != quantization.KEPT_UNDER})
         assert isinstance(_fit_tables(tmp_path, 1).typ, QuantizedEmbedding)
     with pytest.warns(UserWarning, match=r"does not record whether its input embeddings under 8,192 values \(typ\) were stored in int8.*"

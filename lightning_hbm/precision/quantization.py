@@ -25,40 +25,36 @@ the run (or ``None``): the probe batch and the checkpoint being resumed are read
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import warnings
 import weakref
 from contextlib import nullcontext
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor  # as layers/readers.py: no public home
 
-from lightning_hbm import record, resume
+from lightning_hbm import resume
 from lightning_hbm._compat import bitsandbytes as bnb_compat
-from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
 from lightning_hbm.layers.correction import saved_factors
-from lightning_hbm.layers.embedding import is_plain_embedding
 from lightning_hbm.precision.accuracy import CHECK_SAMPLES, ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, unmeasured_reference_warning
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
 from lightning_hbm.precision.gptq import DIGEST_KEY, GPTQRounding, input_statistics
 from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.int8_dynamic import report_unsmoothed
+from lightning_hbm.precision.saved_settings import KEPT_UNDER, SavedSettings, saved_meta
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_TARGET_COSINE, SensitivityReport, choose_layer_modes, unmeasured_convs_warning, widened_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
-from lightning_hbm.precision.targets import SMALL_EMBEDDING_VALUES, Listing, TargetRule, _validate, layer_modes_of, quantize_listed
+from lightning_hbm.precision.target_listing import TargetListing, linear_names, modules_to_save
+from lightning_hbm.precision.targets import Listing, TargetRule, _validate, layer_modes_of, quantize_listed
 from lightning_hbm.probe import Probe, Stepped, eval_no_grad, forward_on, forwarding, has_forward, stepped_inputs
 from lightning_hbm.probe_batch import first_and_joined, first_batches
-
-#: the settings key recording which input embeddings were kept wide while the others were converted (session 32)
-KEPT_UNDER = "embeddings_kept_under"
 
 log = logging.getLogger(__name__)
 
@@ -67,30 +63,9 @@ log = logging.getLogger(__name__)
 CORRECTION_PROBE_TOKENS = 2048
 
 
-def saved_meta(trainer: Any) -> dict[str, Any]:
-    """The lightning_hbm part of the checkpoint ``trainer`` is resuming (empty when none), as resume hands it over:
-    verified once by resume, never read from the file here.
-
-    Raises:
-        ValueError: the checkpoint's structure, version or CRCs are wrong (:func:`lightning_hbm.resume.saved_part`).
-    """
-    return resume.saved_part(trainer)
-
-
 def _on_fake_tensors(module: nn.Module) -> bool:
     """Whether ``module`` holds fake tensors (the planner's trace): nothing to measure on."""
     return any(isinstance(p, FakeTensor) for p in module.parameters())
-
-
-def modules_to_save(module: nn.Module, trainer: Any) -> list[str]:
-    """The modules the Trainer's callbacks train in full (``LoRA``'s ``modules_to_save``): they stay unquantized.
-
-    Those of the callbacks of ``trainer`` (the Trainer ``module`` is attached to), read by duck typing (any callback with the
-    attribute: the precision level sits below the callbacks, ``tests/test_layering.py``), then, without a Trainer
-    (the planner's surgery), those :func:`~lightning_hbm.surgery.run_surgery` recorded from its transforms.
-    """
-    names = [name for cb in getattr(trainer, "callbacks", []) for name in getattr(cb, "modules_to_save", None) or ()]
-    return names + [n for n in record.modules_to_save(module) if n not in names]
 
 
 class Quantization:
@@ -103,8 +78,7 @@ class Quantization:
     """
 
     def __init__(self, config: QuantizationConfig, owner: str) -> None:
-        #: the settings (frozen; the planner swaps ``mode`` for its fake-tensor twin with ``dataclasses.replace``)
-        self.config = config
+        self._config = config
         self.gptq = GPTQRounding() if config.rounding == "gptq" else None
         #: the calibrated low-rank correction of each quantized layer (``None``: off)
         self.correction = CalibratedCorrection(config.correction_rank, config.torch_dtype) if config.correction_rank else None
@@ -116,8 +90,6 @@ class Quantization:
         #: the input embeddings ``quantize_embeddings`` stores in another mode than ``mode`` ``{name: mode}`` (the
         #: setting's, so neither saved with the plan nor compared on resume; ``plugin.layer_modes`` lists them)
         self.embedding_modes: dict[str, str] = {}
-        # the default's int8 embeddings kept wide (FSDP with a tied head in another unit, a wide resume): the settings saved say so
-        self._embeddings_kept = False
         #: what the sensitivity-aware choice measured (``None`` without a target)
         self.report: Optional[SensitivityReport] = None
         #: what the convolutions' mode choice measured (``None``: no convolution in a 4-bit mode, or not measured)
@@ -138,8 +110,20 @@ class Quantization:
         #: where the quantized layers are built (the strategy's root device; ``None``: where the weights are)
         self.device: Optional[torch.device] = None
         self.owner = owner
-        # (model, (the rule asked, the sharding strategy, resumed wide), the rule, its listing): the targets of the surgery under way
-        self._listing: Optional[tuple[weakref.ref, tuple[TargetRule, Optional[str], bool], TargetRule, Listing]] = None
+        #: what is saved with each checkpoint and compared at a resume
+        self.saved = SavedSettings(config, owner)
+        #: the targets of the surgery under way, listed once
+        self.target_listing = TargetListing(config, self.saved)
+
+    @property
+    def config(self) -> QuantizationConfig:
+        """The settings (frozen; the planner swaps ``mode`` for its fake-tensor twin with ``dataclasses.replace``: each
+        part is handed the new settings)."""
+        return self._config
+
+    @config.setter
+    def config(self, config: QuantizationConfig) -> None:
+        self._config = self.saved.config = self.target_listing.config = config
 
     @property
     def rounding_digest(self) -> Optional[str]:
@@ -165,102 +149,19 @@ class Quantization:
 
     def listing(self, module: nn.Module) -> Listing:
         """The targets of ``module`` and the layers left alone with (reason, deliberate), listed once per surgery."""
-        return self._listed(module, lightning_compat.attached_trainer(module))[1]
+        return self.target_listing.listing(module)
 
     def _listed(self, module: nn.Module, trainer: Any) -> tuple[TargetRule, Listing]:
-        """The rule of this surgery (settings and the modules trained in full) and its listing of ``module``: listed
-        again only when the model, the modules trained in full, the strategy or the checkpoint being resumed changed
-        since. One pass over the model's embeddings: the FSDP units check reads the tied heads the listing found."""
-        embeddings = self.config.quantize_embeddings
-        sharding = _sharding_strategy(trainer)
-        resumed = self._resumed_with_wide_embeddings(trainer)  # read only under the default, which never raises below
-        small = SMALL_EMBEDDING_VALUES if self.config.embeddings_by_default else 0  # "auto" alone keeps tiny tables wide
-        asked = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module, trainer)), embeddings, small)
-        cached = self._listing
-        if cached is None or cached[0]() is not module or cached[1] != (asked, sharding, resumed):
-            units = sharding is not None and bool(embeddings)  # a head tied in another FSDP unit: asked of the model
-            # the run being resumed kept them wide (the default before session 30): it goes on so
-            first: TargetRule = asked if units or not resumed else dataclasses.replace(asked, quantize_embeddings=False)
-            listing = first.listing(module)
-            apart = {n: [h for h in heads if h.split(".")[0] != n.split(".")[0]] for n, heads in listing.tied.items()} if units else {}
-            apart = {n: heads for n, heads in apart.items() if heads}
-            if apart and not self.config.embeddings_by_default:
-                raise ValueError(
-                    f"quantize_embeddings={embeddings!r} under {sharding}: the input embedding(s) {sorted(apart)} are tied to "
-                    f"head(s) {sorted(h for heads in apart.values() for h in heads)} in another top-level submodule, another "
-                    "FSDP unit, where the head would read a shard of the quantized table. Hold both in one submodule (as a "
-                    "causal LM's model does), or pass quantize_embeddings=False to keep the tied table wide."
-                )
-            rule: TargetRule = dataclasses.replace(asked, quantize_embeddings=False) if apart or resumed else asked  # the default keeps them wide
-            if rule != first:  # listed as asked to see the units, kept wide: its embeddings' part dropped (the rest does not depend on it)
-                chosen, left = {n for n, _ in listing.embeddings[0]}, listing.embeddings[1]
-                listing = listing._replace(
-                    targets=[(n, m) for n, m in listing.targets if n not in chosen], skipped={n: r for n, r in listing.skipped.items() if n not in left},
-                    embeddings=([], {}), tied={},
-                )
-            self._say_kept_wide(module, sharding, apart, resumed)
-            cached = (weakref.ref(module), (asked, sharding, resumed), rule, listing)
-            self._listing = cached
-            if embeddings and self._kept_under_unrecorded(trainer):
-                self._say_small_tables_unrecorded(cached[3])
-        self._embeddings_kept = cached[2].quantize_embeddings is False and self.config.embeddings_by_default  # saved as they are: kept
-        return cached[2], cached[3]
+        """The rule of this surgery and its listing of ``module`` (:meth:`TargetListing.listed`)."""
+        return self.target_listing.listed(module, trainer)
 
-    def _say_kept_wide(self, module: nn.Module, sharding: Optional[str], apart: dict[str, list[str]], resumed: bool) -> None:
-        """Warn, once per listing, that the default keeps the input embeddings wide: a head tied to one in another FSDP
-        unit (``apart``), or a resume of a run that kept them wide."""
-        if apart:
-            rank_zero_warn(
-                f"lightning_hbm: QuantizedPrecision keeps the input embeddings in {self.config.torch_dtype} under {sharding}: "
-                f"{sorted(apart)} are tied to the head(s) {sorted(h for heads in apart.values() for h in heads)} in another "
-                "top-level submodule of the LightningModule, which FSDP2 shards as another unit: the head would read a "
-                "shard of the int8 table (quantize_embeddings='auto'). Hold both in one submodule (as a causal LM's "
-                "model does) to store them in int8, or pass quantize_embeddings=False to keep them wide without this warning."
-            )
-        if resumed and any(is_plain_embedding(m) for m in module.modules()):
-            rank_zero_warn(
-                f"lightning_hbm: QuantizedPrecision keeps the input embeddings in {self.config.torch_dtype}: the checkpoint "
-                "being resumed was saved with them so (quantize_embeddings=False, the default before lightning_hbm "
-                "stored them in int8 by default), and a resume goes on as that run was. A new run stores them in int8; "
-                "pass quantize_embeddings=False to keep them wide without this warning."
-            )
-
-    def _say_small_tables_unrecorded(self, listing: Listing) -> None:
-        """The checkpoint being resumed does not say whether its tables under :data:`SMALL_EMBEDDING_VALUES` values were
-        converted (:meth:`_kept_under_unrecorded`): said, with what this run does and the other way, where the model has
-        such a table (session 32: a resume that changed it went on silently on another frozen table)."""
-        chosen, skipped = listing.embeddings
-        small = [n for n, t in chosen if cast(Tensor, t.weight).numel() < SMALL_EMBEDDING_VALUES]
-        small += [n for n, (why, _) in skipped.items() if why.startswith("too small to gain")]
-        if not small:
-            return
-        now, other = ("keeps them wide", "quantize_embeddings='int8'") if self.config.embeddings_by_default else ("stores them in int8", "the default (quantize_embeddings='auto')")
-        rank_zero_warn(
-            f"lightning_hbm: the checkpoint being resumed does not record whether its input embeddings under "
-            f"{SMALL_EMBEDDING_VALUES:,} values ({', '.join(sorted(small))}) were stored in int8 (saved before lightning_hbm "
-            "recorded it: 'auto' kept them wide, an explicit setting and lightning_hbm before session 31 converted them). "
-            f"This run {now}, as its setting does; if the run that saved it did otherwise, resume with {other} to go on "
-            "on the same frozen tables."
-        )
-
-    def _resumed_with_wide_embeddings(self, trainer: Any) -> bool:
-        """Whether the default (``quantize_embeddings="auto"``) meets a checkpoint being resumed whose settings do not
-        list ``quantize_embeddings``: saved with the embeddings kept wide (the default before session 30, or kept
-        under FSDP). Such a resume keeps them wide (was: refused, "quantize_embeddings" differs, for every run saved
-        before the default changed)."""
-        if not self.config.embeddings_by_default or trainer is None:
-            return False
-        saved = saved_meta(trainer).get("configs", {}).get(self.owner)
-        return isinstance(saved, dict) and "quantize_embeddings" not in saved
+    def _say_embeddings_kept(self, module: nn.Module) -> None:
+        """Warn about input embeddings ``quantize_embeddings`` keeps in the compute dtype (:meth:`TargetListing.say_embeddings_kept`)."""
+        self.target_listing.say_embeddings_kept(module)
 
     def targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
         """``(name, layer)`` of every layer quantized in ``module``, before any change."""
         return self.listing(module)[0]
-
-    @staticmethod
-    def _linear_names(targets: list[tuple[str, nn.Module]]) -> list[str]:
-        # measured per nn.Linear (other kinds, e.g. Conv1D or the projections a MultiheadAttention becomes, use mode)
-        return [name for name, layer in targets if isinstance(layer, nn.Linear)]
 
     # ------------------------------------------------------------------ the surgery points
 
@@ -273,7 +174,7 @@ class Quantization:
         Raises:
             ValueError: the model cannot be quantized with these settings, or a target cannot be met.
         """
-        self._listing = None  # a new surgery: list the model as it is now
+        self.target_listing.reset()  # a new surgery: list the model as it is now
         if self.config.layer_modes is None:
             self.layer_modes = self.conv_report = None  # a plugin reused by another Trainer measures again
         self._modes_run = weakref.ref(trainer) if trainer is not None else None
@@ -301,7 +202,7 @@ class Quantization:
             self._measure(module, targets, trainer, inputs=True, smooth=True, probe=probe)  # smoothed before the plan, which measures it
             if self.config.measures_layer_modes:
                 with self.smoothing.attached(module) if self.smoothing is not None else nullcontext():
-                    self._choose_layer_modes(module, self._linear_names(targets), trainer, probe)
+                    self._choose_layer_modes(module, linear_names(targets), trainer, probe)
             convs = [name for name, layer in targets if CONV.matches(layer)]
             self._conv_gap, self._said_unmeasured = None, False
             # every model quantized is measured (session 32; was: only those with a quantized convolution, and a Pix2Struct
@@ -320,23 +221,6 @@ class Quantization:
         said = accuracy_at_unused(module, None if fake else self.config.accuracy_at, self._reference, names)  # never called: raised
         if said is not None:
             rank_zero_warn(said)
-
-    def _say_embeddings_kept(self, module: nn.Module) -> None:
-        """Warn (names, reasons) about input embeddings ``quantize_embeddings`` keeps in the compute dtype; a model with
-        none to store is said only when the user asked for them (the default leaves such a model as it was)."""
-        targets, skipped = self.listing(module)[:2]
-        kept = {n: why for n, (why, deliberate) in skipped.items() if not deliberate and is_plain_embedding(module.get_submodule(n))}
-        setting = f"quantize_embeddings={self.config.quantize_embeddings!r}" + (" (the default, 'auto')" if self.config.embeddings_by_default else "")
-        if kept:
-            rank_zero_warn(
-                f"lightning_hbm: QuantizedPrecision({setting}) keeps {len(kept)} input embedding(s) in "
-                f"{self.config.torch_dtype}: " + "; ".join(f"{n}: {why}" for n, why in kept.items()) + "."
-            )
-        elif not self.config.embeddings_by_default and not any(isinstance(layer, nn.Embedding) for _, layer in targets):
-            rank_zero_warn(
-                f"lightning_hbm: QuantizedPrecision({setting}): {type(module).__name__} has no nn.Embedding "
-                "to store quantized; the option changes nothing for this model."
-            )
 
     def convert(self, module: nn.Module, trainer: Any) -> list[str]:
         """Quantize the targets of ``module`` in place, one way, each step handing its value to the next: the targets the
@@ -360,7 +244,7 @@ class Quantization:
         config = self.config
         with smoothing.attached(module) if smoothing is not None else nullcontext():
             quantized = quantize_listed(module, rule, listed, config.format, config.torch_dtype, self.layer_modes or {}, self.device, hessians, correction)
-        self._listing = None  # the model changed: the next surgery lists it again
+        self.target_listing.reset()  # the model changed: the next surgery lists it again
         log.info("lightning_hbm: %d layers stored as %s", len(quantized), config.format.name)
         if smoothing is not None:  # read where the layer is defined: the smoothing's module is not entered again
             report_unsmoothed(module, quantized, smoothing.shifts)
@@ -424,7 +308,7 @@ class Quantization:
             ValueError: no probe batch, or one too small for ``correction_rank``.
         """
         fake = _on_fake_tensors(module)
-        resumed = self._resumed(trainer) if trainer is not None and (self.correction is not None or self.smoothing is not None) else {}
+        resumed = self.saved.resumed(trainer, self.settings()) if trainer is not None and (self.correction is not None or self.smoothing is not None) else {}
         probe = probe or self._probe_once(module, trainer)
         correction = self.correction
         if inputs and correction is not None:
@@ -443,14 +327,7 @@ class Quantization:
                 correction.measured(hessians, rows)
         if smooth and self.smoothing is not None:
             path = trainer.ckpt_path if trainer is not None else None  # named in a refusal of the saved exponents
-            self.smoothing.measure(module, self._linear_names(targets), self.config.torch_dtype, probe, lambda: resumed, path)
-
-    def _resumed(self, trainer: Any) -> dict[str, Any]:
-        """The lightning_hbm part of the checkpoint ``trainer`` is resuming when it was saved with these settings (its
-        layer modes aside), else empty: what the correction and the smoothing take back instead of measuring."""
-        meta = saved_meta(trainer)
-        config = meta.get("configs", {}).get(self.owner) or {}
-        return meta if meta and all(config.get(k) == v for k, v in self.settings().items() if k != "layer_modes") else {}
+            self.smoothing.measure(module, linear_names(targets), self.config.torch_dtype, probe, lambda: resumed, path)
 
     def probe(self, trainer: Any) -> Any:
         """The batch the plan is measured on: ``probe_batch``, else the first of the Trainer's train dataloader (a
@@ -518,7 +395,7 @@ class Quantization:
         said where the check measured 32 samples quiet (session 36)."""
         if not names or self.config.layer_modes is not None or self.config.format.peft_kind != "4bit":
             return
-        if trainer is not None and saved_meta(trainer).get("configs", {}).get(self.owner):
+        if self.saved.saved(trainer):
             # resuming: the plan the checkpoint was trained with (Linears' and convolutions'); none saved (a checkpoint
             # from before issue 53): every convolution in mode, as it was trained
             self.layer_modes = self.saved_layer_modes(trainer) or self.layer_modes
@@ -565,12 +442,7 @@ class Quantization:
 
     def saved_layer_modes(self, trainer: Any) -> Optional[dict[str, str]]:
         """The layer modes in the checkpoint ``trainer`` is resuming, if it was saved with these settings (else ``None``)."""
-        if trainer is None:
-            return None
-        saved = saved_meta(trainer).get("configs", {}).get(self.owner) or {}
-        if any(saved.get(key) != value for key, value in self._run_settings(trainer).items()):
-            return None  # other settings: measure, and the resume check lists every difference
-        return saved.get("layer_modes")
+        return self.saved.saved_layer_modes(trainer, self.settings())
 
     def saved_plan(self, trainer: Any) -> Optional[dict[str, str]]:
         """Deprecated: the old name of :meth:`saved_layer_modes` ("plan" names the planner's, issue 54)."""
@@ -579,44 +451,8 @@ class Quantization:
 
     def resume_config(self, trainer: Any) -> dict[str, Any]:
         """What a resumed run must share with the run that saved the checkpoint (``trainer``: the run's, or ``None``)."""
-        config = self._run_settings(trainer)
-        plan = self.layer_modes if self.config.layer_modes is not None or self._planned_for(trainer) else None
-        if plan is None and self.config.layer_modes is None:
-            # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same
-            # settings the plan will be the checkpoint's own (_choose_layer_modes), so that one is this run's
-            plan = self.saved_layer_modes(trainer)
-        if plan is not None:
-            config["layer_modes"] = dict(plan)
-        return config
-
-    def _run_settings(self, trainer: Any) -> dict[str, Any]:
-        """:meth:`settings` as this run will have them when it resumes the checkpoint of ``trainer`` (compared before
-        its surgery, so not read from the last one)."""
-        config = self.settings()
-        if trainer is None or not saved_meta(trainer):
-            return config
-        # resuming, compared before this run's surgery lists them: kept or not as THIS run will (its strategy, the
-        # checkpoint), not as the last surgery did (a plugin reused by another Trainer: was read stale, session 31)
-        kept = self.config.embeddings_by_default and (_sharding_strategy(trainer) is not None or self._resumed_with_wide_embeddings(trainer))
-        config.pop("quantize_embeddings", None)
-        config.pop(KEPT_UNDER, None)
-        if self.config.quantize_embeddings and not kept:
-            config["quantize_embeddings"] = self.config.quantize_embeddings
-            if not self._kept_under_unrecorded(trainer):
-                config[KEPT_UNDER] = self._kept_under()
-        return config
-
-    def _kept_under(self) -> int:
-        """The tables of fewer values kept wide while the others are converted: ``"auto"``'s
-        :data:`SMALL_EMBEDDING_VALUES`, 0 for an explicit setting (it converts every one)."""
-        return SMALL_EMBEDDING_VALUES if self.config.embeddings_by_default else 0
-
-    def _kept_under_unrecorded(self, trainer: Any) -> bool:
-        """Whether the checkpoint ``trainer`` resumes converted its embeddings without recording which tables it kept
-        wide (saved before session 32: ``"auto"`` and an explicit ``"int8"`` saved the same settings, though the first
-        kept the tables under :data:`SMALL_EMBEDDING_VALUES` values wide and the second converted them)."""
-        saved = saved_meta(trainer).get("configs", {}).get(self.owner) if trainer is not None else None
-        return isinstance(saved, dict) and bool(saved.get("quantize_embeddings")) and KEPT_UNDER not in saved
+        planned = self.config.layer_modes is not None or self._planned_for(trainer)
+        return self.saved.resume_config(trainer, self.settings(), self.layer_modes if planned else None)
 
     def _planned_for(self, trainer: Any) -> bool:
         """Whether ``layer_modes`` is ``trainer``'s run's (its surgery measured or took it): a reused plugin's resume
@@ -627,26 +463,11 @@ class Quantization:
         # the weak references to this run's Trainer and model are this process's, not the plugin's settings: a Trainer
         # pickled or deep-copied after fit failed with "cannot pickle 'weakref.ReferenceType' object" (session 32); the
         # copy then compares the checkpoint's plan at a resume, as a plugin of no run does
-        return {**self.__dict__, "_modes_run": None, "_listing": None}
+        return {**self.__dict__, "_modes_run": None}
 
     def settings(self) -> dict[str, Any]:
-        """The settings a resume compares (an option at its default is left out: older checkpoints keep matching)."""
-        config: dict[str, Any] = {"mode": self.config.format.name, "dtype": str(self.config.torch_dtype), "ignore_modules": self.config.ignore_list(), "quantize_head": self.config.quantize_head}
-        targets = {"max_bytes_per_param": self.config.max_bytes_per_param, "min_cosine": self.config.min_cosine}
-        if any(value is not None for value in targets.values()):
-            config.update(targets, sensitive_mode=self.config.sensitive_argument())
-        if self.config.layer_modes is not None:  # a plan the user gave: a setting like the others
-            config["layer_modes"] = dict(self.config.layer_modes)
-        if self.config.quantize_embeddings and not self._embeddings_kept:  # absent before this option existed, and when kept
-            config["quantize_embeddings"] = self.config.quantize_embeddings
-            config[KEPT_UNDER] = self._kept_under()
-        if self.config.rounding != "nearest":  # absent before this option existed
-            config["rounding"] = self.config.rounding
-        if self.smoothing is not None:
-            config["smoothing"] = self.config.smoothing
-        if self.config.correction_rank:  # absent before this option existed
-            config["correction_rank"] = self.config.correction_rank
-        return config
+        """The settings a resume compares (:meth:`SavedSettings.settings`, the embeddings as the last listing kept them)."""
+        return self.saved.settings(self.target_listing.embeddings_kept)
 
     def save(self, meta: dict[str, Any]) -> None:
         """Into the lightning_hbm part ``meta`` of a checkpoint: the GPTQ CRC, then the smoothing exponents."""
@@ -672,15 +493,6 @@ def _one_batch(drawn: Callable[[], Probe], checked: Callable[[], Probe]) -> bool
         return checked() is drawn()
     except ValueError:
         return True
-
-
-def _sharding_strategy(trainer: Any) -> Optional[str]:
-    """The name of ``trainer``'s strategy if it shards parameters with FSDP (Lightning's ``FSDPStrategy`` or
-    ``ModelParallelStrategy``, ``QuantizedFSDPStrategy`` included), else ``None``."""
-    strategy = getattr(trainer, "strategy", None)
-    if strategy is None or not any(c.__name__ in ("FSDPStrategy", "ModelParallelStrategy") for c in type(strategy).__mro__):
-        return None
-    return type(strategy).__name__
 
 
 def __getattr__(name: str) -> Any:
@@ -710,4 +522,4 @@ def _missed_target_warning(config: Any, report: SensitivityReport, target: float
         f"sensitive_mode=['int8', 'none']) or mode='int8'{wider}."
     )
 
-__all__ = ["DIGEST_KEY", "GPTQRounding", "Quantization", "QuantizationConfig", "modules_to_save", "saved_meta"]
+__all__ = ["DIGEST_KEY", "KEPT_UNDER", "GPTQRounding", "Quantization", "QuantizationConfig", "modules_to_save", "saved_meta"]

@@ -1,0 +1,147 @@
+"""``SavedSettings``: what a ``Quantization`` saves with each checkpoint and compares at a resume.
+
+The settings a resume must share (:meth:`SavedSettings.settings`, as this run will have them:
+:meth:`SavedSettings.run_settings`), the layer modes taken back from the checkpoint being resumed
+(:meth:`SavedSettings.saved_layer_modes`) and the resume's embedding rules: a checkpoint saved with its input
+embeddings wide (:meth:`SavedSettings.resumed_with_wide_embeddings`), or without recording which small tables it kept
+wide (:meth:`SavedSettings.kept_under_unrecorded`, :data:`KEPT_UNDER`). The checkpoint is read from what resume hands
+over (:func:`saved_meta`), never from the file. Holds the settings and their owner's name only: what a surgery
+decided (the layer modes, the embeddings kept) is handed in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_hbm import resume
+from lightning_hbm.precision.config import QuantizationConfig
+from lightning_hbm.precision.targets import SMALL_EMBEDDING_VALUES
+
+#: the settings key recording which input embeddings were kept wide while the others were converted (session 32)
+KEPT_UNDER = "embeddings_kept_under"
+
+
+def saved_meta(trainer: Any) -> dict[str, Any]:
+    """The lightning_hbm part of the checkpoint ``trainer`` is resuming (empty when none), as resume hands it over:
+    verified once by resume, never read from the file here.
+
+    Raises:
+        ValueError: the checkpoint's structure, version or CRCs are wrong (:func:`lightning_hbm.resume.saved_part`).
+    """
+    return resume.saved_part(trainer)
+
+
+def sharding_strategy(trainer: Any) -> Optional[str]:
+    """The name of ``trainer``'s strategy if it shards parameters with FSDP (Lightning's ``FSDPStrategy`` or
+    ``ModelParallelStrategy``, ``QuantizedFSDPStrategy`` included), else ``None``."""
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is None or not any(c.__name__ in ("FSDPStrategy", "ModelParallelStrategy") for c in type(strategy).__mro__):
+        return None
+    return type(strategy).__name__
+
+
+class SavedSettings:
+    """The saved and compared settings of one ``Quantization`` (module docstring).
+
+    Args:
+        config: the settings (the plugin's arguments, checked).
+        owner: the name the settings are saved under in a checkpoint's ``configs`` (the plugin's class name).
+    """
+
+    def __init__(self, config: QuantizationConfig, owner: str) -> None:
+        self.config = config
+        self.owner = owner
+
+    def saved(self, trainer: Any) -> Optional[dict[str, Any]]:
+        """This owner's settings in the checkpoint ``trainer`` is resuming (``None``: no Trainer, no checkpoint or none saved)."""
+        return saved_meta(trainer).get("configs", {}).get(self.owner) if trainer is not None else None
+
+    def settings(self, embeddings_kept: bool) -> dict[str, Any]:
+        """The settings a resume compares (an option at its default is left out: older checkpoints keep matching).
+        ``embeddings_kept``: the last listing kept the default's int8 embeddings wide (then saved as they are)."""
+        config = self.config
+        saved: dict[str, Any] = {"mode": config.format.name, "dtype": str(config.torch_dtype), "ignore_modules": config.ignore_list(), "quantize_head": config.quantize_head}
+        targets = {"max_bytes_per_param": config.max_bytes_per_param, "min_cosine": config.min_cosine}
+        if any(value is not None for value in targets.values()):
+            saved.update(targets, sensitive_mode=config.sensitive_argument())
+        if config.layer_modes is not None:  # a plan the user gave: a setting like the others
+            saved["layer_modes"] = dict(config.layer_modes)
+        if config.quantize_embeddings and not embeddings_kept:  # absent before this option existed, and when kept
+            saved["quantize_embeddings"] = config.quantize_embeddings
+            saved[KEPT_UNDER] = self.kept_under()
+        if config.rounding != "nearest":  # absent before this option existed
+            saved["rounding"] = config.rounding
+        if config.smoothing is not None:
+            saved["smoothing"] = config.smoothing
+        if config.correction_rank:  # absent before this option existed
+            saved["correction_rank"] = config.correction_rank
+        return saved
+
+    def run_settings(self, trainer: Any, settings: dict[str, Any]) -> dict[str, Any]:
+        """``settings`` (:meth:`settings`) as this run will have them when it resumes the checkpoint of ``trainer``
+        (compared before its surgery, so not read from the last one)."""
+        config = dict(settings)
+        if trainer is None or not saved_meta(trainer):
+            return config
+        # resuming, compared before this run's surgery lists them: kept or not as THIS run will (its strategy, the
+        # checkpoint), not as the last surgery did (a plugin reused by another Trainer: was read stale, session 31)
+        kept = self.config.embeddings_by_default and (sharding_strategy(trainer) is not None or self.resumed_with_wide_embeddings(trainer))
+        config.pop("quantize_embeddings", None)
+        config.pop(KEPT_UNDER, None)
+        if self.config.quantize_embeddings and not kept:
+            config["quantize_embeddings"] = self.config.quantize_embeddings
+            if not self.kept_under_unrecorded(trainer):
+                config[KEPT_UNDER] = self.kept_under()
+        return config
+
+    def saved_layer_modes(self, trainer: Any, settings: dict[str, Any]) -> Optional[dict[str, str]]:
+        """The layer modes in the checkpoint ``trainer`` is resuming, if it was saved with these settings (``settings``:
+        :meth:`settings`; else ``None``)."""
+        if trainer is None:
+            return None
+        saved = self.saved(trainer) or {}
+        if any(saved.get(key) != value for key, value in self.run_settings(trainer, settings).items()):
+            return None  # other settings: measure, and the resume check lists every difference
+        return saved.get("layer_modes")
+
+    def resume_config(self, trainer: Any, settings: dict[str, Any], layer_modes: Optional[dict[str, str]]) -> dict[str, Any]:
+        """What a resumed run must share with the run that saved the checkpoint (``trainer``: the run's, or ``None``).
+        ``layer_modes``: the modes this run's surgery chose (``None``: not this run's yet)."""
+        config = self.run_settings(trainer, settings)
+        plan = layer_modes
+        if plan is None and self.config.layer_modes is None:
+            # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same
+            # settings the plan will be the checkpoint's own (the mode choice takes it), so that one is this run's
+            plan = self.saved_layer_modes(trainer, settings)
+        if plan is not None:
+            config["layer_modes"] = dict(plan)
+        return config
+
+    def resumed(self, trainer: Any, settings: dict[str, Any]) -> dict[str, Any]:
+        """The lightning_hbm part of the checkpoint ``trainer`` is resuming when it was saved with ``settings`` (its
+        layer modes aside), else empty: what the correction and the smoothing take back instead of measuring."""
+        meta = saved_meta(trainer)
+        config = meta.get("configs", {}).get(self.owner) or {}
+        return meta if meta and all(config.get(k) == v for k, v in settings.items() if k != "layer_modes") else {}
+
+    def kept_under(self) -> int:
+        """The tables of fewer values kept wide while the others are converted: ``"auto"``'s
+        :data:`SMALL_EMBEDDING_VALUES`, 0 for an explicit setting (it converts every one)."""
+        return SMALL_EMBEDDING_VALUES if self.config.embeddings_by_default else 0
+
+    def kept_under_unrecorded(self, trainer: Any) -> bool:
+        """Whether the checkpoint ``trainer`` resumes converted its embeddings without recording which tables it kept
+        wide (saved before session 32: ``"auto"`` and an explicit ``"int8"`` saved the same settings, though the first
+        kept the tables under :data:`SMALL_EMBEDDING_VALUES` values wide and the second converted them)."""
+        saved = self.saved(trainer)
+        return isinstance(saved, dict) and bool(saved.get("quantize_embeddings")) and KEPT_UNDER not in saved
+
+    def resumed_with_wide_embeddings(self, trainer: Any) -> bool:
+        """Whether the default (``quantize_embeddings="auto"``) meets a checkpoint being resumed whose settings do not
+        list ``quantize_embeddings``: saved with the embeddings kept wide (the default before session 30, or kept
+        under FSDP). Such a resume keeps them wide (was: refused, "quantize_embeddings" differs, for every run saved
+        before the default changed)."""
+        if not self.config.embeddings_by_default or trainer is None:
+            return False
+        saved = self.saved(trainer)
+        return isinstance(saved, dict) and "quantize_embeddings" not in saved
