@@ -48,10 +48,10 @@ from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionR
 from lightning_hbm.precision.gptq import DIGEST_KEY, GPTQRounding, input_statistics
 from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.int8_dynamic import report_unsmoothed
-from lightning_hbm.precision.saved_settings import KEPT_UNDER, SavedSettings, saved_meta
+from lightning_hbm.precision.saved_settings import SavedSettings, saved_meta
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_TARGET_COSINE, SensitivityReport, choose_layer_modes, unmeasured_convs_warning, widened_convs_warning
 from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
-from lightning_hbm.precision.target_listing import TargetListing, linear_names, modules_to_save
+from lightning_hbm.precision.target_listing import KEPT_UNDER, TargetListing, linear_names, modules_to_save
 from lightning_hbm.precision.targets import Listing, TargetRule, _validate, layer_modes_of, quantize_listed
 from lightning_hbm.probe import Probe, Stepped, eval_no_grad, forward_on, forwarding, has_forward, stepped_inputs
 from lightning_hbm.probe_batch import first_and_joined, first_batches
@@ -113,7 +113,7 @@ class Quantization:
         #: what is saved with each checkpoint and compared at a resume
         self.saved = SavedSettings(config, owner)
         #: the targets of the surgery under way, listed once
-        self.target_listing = TargetListing(config, self.saved)
+        self.target_listing = TargetListing(config, owner)
 
     @property
     def config(self) -> QuantizationConfig:
@@ -308,7 +308,7 @@ class Quantization:
             ValueError: no probe batch, or one too small for ``correction_rank``.
         """
         fake = _on_fake_tensors(module)
-        resumed = self.saved.resumed(trainer, self.settings()) if trainer is not None and (self.correction is not None or self.smoothing is not None) else {}
+        resumed = self._resumed(trainer) if trainer is not None and (self.correction is not None or self.smoothing is not None) else {}
         probe = probe or self._probe_once(module, trainer)
         correction = self.correction
         if inputs and correction is not None:
@@ -328,6 +328,14 @@ class Quantization:
         if smooth and self.smoothing is not None:
             path = trainer.ckpt_path if trainer is not None else None  # named in a refusal of the saved exponents
             self.smoothing.measure(module, linear_names(targets), self.config.torch_dtype, probe, lambda: resumed, path)
+
+    def _resumed(self, trainer: Any) -> dict[str, Any]:
+        """The lightning_hbm part of the checkpoint ``trainer`` is resuming (as resume hands it over) when it was saved
+        with these settings (its layer modes aside), else empty: what the correction and the smoothing take back instead
+        of measuring."""
+        meta = resume.saved_part(trainer)
+        config = meta.get("configs", {}).get(self.owner) or {}
+        return meta if meta and all(config.get(k) == v for k, v in self.settings().items() if k != "layer_modes") else {}
 
     def probe(self, trainer: Any) -> Any:
         """The batch the plan is measured on: ``probe_batch``, else the first of the Trainer's train dataloader (a

@@ -1,12 +1,11 @@
 """``SavedSettings``: what a ``Quantization`` saves with each checkpoint and compares at a resume.
 
 The settings a resume must share (:meth:`SavedSettings.settings`, as this run will have them:
-:meth:`SavedSettings.run_settings`), the layer modes taken back from the checkpoint being resumed
-(:meth:`SavedSettings.saved_layer_modes`) and the resume's embedding rules: a checkpoint saved with its input
-embeddings wide (:meth:`SavedSettings.resumed_with_wide_embeddings`), or without recording which small tables it kept
-wide (:meth:`SavedSettings.kept_under_unrecorded`, :data:`KEPT_UNDER`). The checkpoint is read from what resume hands
-over (:func:`saved_meta`), never from the file. Holds the settings and their owner's name only: what a surgery
-decided (the layer modes, the embeddings kept) is handed in.
+:meth:`SavedSettings.run_settings`, by the listing's embedding rules: a checkpoint saved with its input embeddings
+wide, or without recording which small tables it kept wide, :mod:`~lightning_hbm.precision.target_listing`) and the
+layer modes taken back from the checkpoint being resumed (:meth:`SavedSettings.saved_layer_modes`). The checkpoint is
+read from what resume hands over (:func:`saved_meta`), never from the file. Holds the settings and their owner's name
+only: what a surgery decided (the layer modes, the embeddings kept) is handed in.
 """
 
 from __future__ import annotations
@@ -15,10 +14,8 @@ from typing import Any, Optional
 
 from lightning_hbm import resume
 from lightning_hbm.precision.config import QuantizationConfig
+from lightning_hbm.precision.target_listing import KEPT_UNDER, kept_under_unrecorded, resumed_with_wide_embeddings, sharding_strategy
 from lightning_hbm.precision.targets import SMALL_EMBEDDING_VALUES
-
-#: the settings key recording which input embeddings were kept wide while the others were converted (session 32)
-KEPT_UNDER = "embeddings_kept_under"
 
 
 def saved_meta(trainer: Any) -> dict[str, Any]:
@@ -29,15 +26,6 @@ def saved_meta(trainer: Any) -> dict[str, Any]:
         ValueError: the checkpoint's structure, version or CRCs are wrong (:func:`lightning_hbm.resume.saved_part`).
     """
     return resume.saved_part(trainer)
-
-
-def sharding_strategy(trainer: Any) -> Optional[str]:
-    """The name of ``trainer``'s strategy if it shards parameters with FSDP (Lightning's ``FSDPStrategy`` or
-    ``ModelParallelStrategy``, ``QuantizedFSDPStrategy`` included), else ``None``."""
-    strategy = getattr(trainer, "strategy", None)
-    if strategy is None or not any(c.__name__ in ("FSDPStrategy", "ModelParallelStrategy") for c in type(strategy).__mro__):
-        return None
-    return type(strategy).__name__
 
 
 class SavedSettings:
@@ -85,12 +73,13 @@ class SavedSettings:
             return config
         # resuming, compared before this run's surgery lists them: kept or not as THIS run will (its strategy, the
         # checkpoint), not as the last surgery did (a plugin reused by another Trainer: was read stale, session 31)
-        kept = self.config.embeddings_by_default and (sharding_strategy(trainer) is not None or self.resumed_with_wide_embeddings(trainer))
+        saved = self.saved(trainer)
+        kept = self.config.embeddings_by_default and (sharding_strategy(trainer) is not None or resumed_with_wide_embeddings(saved))
         config.pop("quantize_embeddings", None)
         config.pop(KEPT_UNDER, None)
         if self.config.quantize_embeddings and not kept:
             config["quantize_embeddings"] = self.config.quantize_embeddings
-            if not self.kept_under_unrecorded(trainer):
+            if not kept_under_unrecorded(saved):
                 config[KEPT_UNDER] = self.kept_under()
         return config
 
@@ -117,31 +106,7 @@ class SavedSettings:
             config["layer_modes"] = dict(plan)
         return config
 
-    def resumed(self, trainer: Any, settings: dict[str, Any]) -> dict[str, Any]:
-        """The lightning_hbm part of the checkpoint ``trainer`` is resuming when it was saved with ``settings`` (its
-        layer modes aside), else empty: what the correction and the smoothing take back instead of measuring."""
-        meta = saved_meta(trainer)
-        config = meta.get("configs", {}).get(self.owner) or {}
-        return meta if meta and all(config.get(k) == v for k, v in settings.items() if k != "layer_modes") else {}
-
     def kept_under(self) -> int:
         """The tables of fewer values kept wide while the others are converted: ``"auto"``'s
         :data:`SMALL_EMBEDDING_VALUES`, 0 for an explicit setting (it converts every one)."""
         return SMALL_EMBEDDING_VALUES if self.config.embeddings_by_default else 0
-
-    def kept_under_unrecorded(self, trainer: Any) -> bool:
-        """Whether the checkpoint ``trainer`` resumes converted its embeddings without recording which tables it kept
-        wide (saved before session 32: ``"auto"`` and an explicit ``"int8"`` saved the same settings, though the first
-        kept the tables under :data:`SMALL_EMBEDDING_VALUES` values wide and the second converted them)."""
-        saved = self.saved(trainer)
-        return isinstance(saved, dict) and bool(saved.get("quantize_embeddings")) and KEPT_UNDER not in saved
-
-    def resumed_with_wide_embeddings(self, trainer: Any) -> bool:
-        """Whether the default (``quantize_embeddings="auto"``) meets a checkpoint being resumed whose settings do not
-        list ``quantize_embeddings``: saved with the embeddings kept wide (the default before session 30, or kept
-        under FSDP). Such a resume keeps them wide (was: refused, "quantize_embeddings" differs, for every run saved
-        before the default changed)."""
-        if not self.config.embeddings_by_default or trainer is None:
-            return False
-        saved = self.saved(trainer)
-        return isinstance(saved, dict) and "quantize_embeddings" not in saved

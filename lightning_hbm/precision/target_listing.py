@@ -5,8 +5,10 @@ Trainer's callbacks train in full, :func:`modules_to_save`) and its :class:`~lig
 of the model, cached until the model, those modules, the strategy or the checkpoint being resumed change. Its
 embedding rules, each said at fit start: under FSDP an input embedding tied to a head in another unit (refused when
 asked for, kept wide by the default), a resume of a run that kept them wide
-(:meth:`~lightning_hbm.precision.saved_settings.SavedSettings.resumed_with_wide_embeddings`) or that did not record
-which small tables it kept wide; the embeddings ``quantize_embeddings`` keeps in the compute dtype.
+(:func:`resumed_with_wide_embeddings`) or that did not record which small tables it kept wide
+(:func:`kept_under_unrecorded`, :data:`KEPT_UNDER`); the embeddings ``quantize_embeddings`` keeps in the compute dtype.
+The checkpoint's settings are read once a listing, from what resume hands over, and handed to each rule; the saved
+settings (:mod:`~lightning_hbm.precision.saved_settings`) apply the same rules to the run a resume compares.
 """
 
 from __future__ import annotations
@@ -18,12 +20,39 @@ from typing import Any, Optional, cast
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_hbm import record
+from lightning_hbm import record, resume
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm.layers.embedding import is_plain_embedding
 from lightning_hbm.precision.config import QuantizationConfig
-from lightning_hbm.precision.saved_settings import SavedSettings, sharding_strategy
 from lightning_hbm.precision.targets import SMALL_EMBEDDING_VALUES, Listing, TargetRule
+
+#: the settings key recording which input embeddings were kept wide while the others were converted (session 32)
+KEPT_UNDER = "embeddings_kept_under"
+
+
+def sharding_strategy(trainer: Any) -> Optional[str]:
+    """The name of ``trainer``'s strategy if it shards parameters with FSDP (Lightning's ``FSDPStrategy`` or
+    ``ModelParallelStrategy``, ``QuantizedFSDPStrategy`` included), else ``None``."""
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is None or not any(c.__name__ in ("FSDPStrategy", "ModelParallelStrategy") for c in type(strategy).__mro__):
+        return None
+    return type(strategy).__name__
+
+
+def resumed_with_wide_embeddings(saved: Optional[dict[str, Any]]) -> bool:
+    """Whether the settings ``saved`` with the checkpoint being resumed (``None``: none) do not list
+    ``quantize_embeddings``: saved with the embeddings kept wide (the default before session 30, or kept under FSDP).
+    The default (``quantize_embeddings="auto"``) resuming it keeps them wide (was: refused, "quantize_embeddings"
+    differs, for every run saved before the default changed)."""
+    return isinstance(saved, dict) and "quantize_embeddings" not in saved
+
+
+def kept_under_unrecorded(saved: Optional[dict[str, Any]]) -> bool:
+    """Whether the checkpoint being resumed (``saved``: its settings, ``None``: none) converted its embeddings without
+    recording which tables it kept wide (saved before session 32: ``"auto"`` and an explicit ``"int8"`` saved the same
+    settings, though the first kept the tables under :data:`SMALL_EMBEDDING_VALUES` values wide and the second
+    converted them)."""
+    return isinstance(saved, dict) and bool(saved.get("quantize_embeddings")) and KEPT_UNDER not in saved
 
 
 def modules_to_save(module: nn.Module, trainer: Any) -> list[str]:
@@ -48,12 +77,12 @@ class TargetListing:
 
     Args:
         config: the settings (the plugin's arguments, checked).
-        saved: the settings saved and compared at a resume (its embedding rules read the checkpoint being resumed).
+        owner: the name the settings are saved under in a checkpoint's ``configs`` (the embedding rules read them).
     """
 
-    def __init__(self, config: QuantizationConfig, saved: SavedSettings) -> None:
+    def __init__(self, config: QuantizationConfig, owner: str) -> None:
         self.config = config
-        self.saved = saved
+        self.owner = owner
         #: the last listing kept the default's int8 embeddings wide (FSDP with a tied head in another unit, a wide
         #: resume): the settings saved say so
         self.embeddings_kept = False
@@ -76,10 +105,12 @@ class TargetListing:
         """The rule of this surgery (settings and the modules trained in full) and its listing of ``module``: listed
         again only when the model, the modules trained in full, the strategy or the checkpoint being resumed changed
         since. One pass over the model's embeddings: the FSDP units check reads the tied heads the listing found."""
-        embeddings = self.config.quantize_embeddings
+        embeddings, by_default = self.config.quantize_embeddings, self.config.embeddings_by_default
         sharding = sharding_strategy(trainer)
-        resumed = self.saved.resumed_with_wide_embeddings(trainer)  # read only under the default, which never raises below
-        small = SMALL_EMBEDDING_VALUES if self.config.embeddings_by_default else 0  # "auto" alone keeps tiny tables wide
+        # the checkpoint's settings, read once and handed to its rules (under the default, which never raises below)
+        saved = self._saved(trainer) if by_default else None
+        resumed = resumed_with_wide_embeddings(saved)
+        small = SMALL_EMBEDDING_VALUES if by_default else 0  # "auto" alone keeps tiny tables wide
         asked = TargetRule(self.config.ignore_modules, self.config.quantize_head, tuple(modules_to_save(module, trainer)), embeddings, small)
         cached = self._cache
         if cached is None or cached[0]() is not module or cached[1] != (asked, sharding, resumed):
@@ -106,10 +137,15 @@ class TargetListing:
             self._say_kept_wide(module, sharding, apart, resumed)
             cached = (weakref.ref(module), (asked, sharding, resumed), rule, listing)
             self._cache = cached
-            if embeddings and self.saved.kept_under_unrecorded(trainer):
+            if embeddings and kept_under_unrecorded(saved if by_default else self._saved(trainer)):
                 self._say_small_tables_unrecorded(cached[3])
         self.embeddings_kept = cached[2].quantize_embeddings is False and self.config.embeddings_by_default  # saved as they are: kept
         return cached[2], cached[3]
+
+    def _saved(self, trainer: Any) -> Optional[dict[str, Any]]:
+        """The settings saved under this owner in the checkpoint ``trainer`` is resuming, as resume hands them over
+        (``None``: no Trainer, no checkpoint or none saved)."""
+        return resume.saved_part(trainer).get("configs", {}).get(self.owner) if trainer is not None else None
 
     def _say_kept_wide(self, module: nn.Module, sharding: Optional[str], apart: dict[str, list[str]], resumed: bool) -> None:
         """Warn, once per listing, that the default keeps the input embeddings wide: a head tied to one in another FSDP
@@ -132,7 +168,7 @@ class TargetListing:
 
     def _say_small_tables_unrecorded(self, listing: Listing) -> None:
         """The checkpoint being resumed does not say whether its tables under :data:`SMALL_EMBEDDING_VALUES` values were
-        converted (:meth:`_kept_under_unrecorded`): said, with what this run does and the other way, where the model has
+        converted (:func:`kept_under_unrecorded`): said, with what this run does and the other way, where the model has
         such a table (session 32: a resume that changed it went on silently on another frozen table)."""
         chosen, skipped = listing.embeddings
         small = [n for n, t in chosen if cast(Tensor, t.weight).numel() < SMALL_EMBEDDING_VALUES]
