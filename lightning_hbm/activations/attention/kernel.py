@@ -99,8 +99,11 @@ def kernel_error(name: str, device: torch.device, dtype: torch.dtype,
     return None
 
 
-def _hf_models(module: nn.Module) -> list[nn.Module]:
-    """Outermost transformers ``PreTrainedModel``s inside ``module`` (their sub-models follow them)."""
+def _attention_models(module: nn.Module) -> list[nn.Module]:
+    """The transformers ``PreTrainedModel``s whose ``attn_implementation`` :class:`AttentionKernel` sets: ``module``
+    itself if it is one, and the outermost ones inside it. Not :func:`lightning_hbm.layers.heads.hf_models` (the
+    outermost models only, found by their config): a root model's sub-models (a VLM's vision tower, with a config of
+    its own) are set one by one here, and only real ``PreTrainedModel``s have ``set_attn_implementation``."""
     try:
         from transformers import PreTrainedModel
     except ImportError:
@@ -187,7 +190,7 @@ class AttentionKernel(SurgeryCallback):
                 "choose one of them or 'auto'."
             )
         self.chosen = [n for n in available if n != "blocked"][0] if self.backend == "auto" else self.backend
-        hf_models = _hf_models(module)
+        hf_models = _attention_models(module)
         implementation = "sdpa"
         if self.chosen == "flash" and device.type == "cuda" and _FLASH_ATTN_AVAILABLE:
             implementation = "flash_attention_2"
