@@ -8,6 +8,7 @@ plans, the accuracy check) run the model on it. ``lightning_hbm.probe`` and ``li
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -78,6 +79,26 @@ def first_and_joined(trainer: Optional[pl.Trainer], who: str, min_tokens: int, m
     return batches[0], joined[0] if joined else batches[0]
 
 
+def say_streams_drawn_anew() -> None:
+    """A warning for each loader over an ``IterableDataset`` the fit-start measures drew their batch from in a new pass
+    (:func:`~lightning_hbm._compat.torch.streams_drawn_anew`: its ``__iter__`` does not take its pass from
+    ``_get_iterator``, so the batch could not be handed back to the loop): a stream read once does not train it. Said
+    at fit start, after the surgery that drew it, with the fixes (issue 55: "nothing consumed that the user did not
+    ask to be consumed")."""
+    for loader in torch_compat.streams_drawn_anew():
+        name = type(loader).__name__
+        warnings.warn(
+            f"lightning_hbm drew 1 batch from the train dataloader ({name}, over an IterableDataset) at fit start, in a "
+            f"pass of its own, for the probe step and the quantization's fit-start measures: {name}.__iter__ does not "
+            "take its pass from self._get_iterator(), so that batch cannot be handed back to the training loop, and a "
+            "stream read once does not train it (the loop starts at its second batch). Fix: give the measures their "
+            "batch, QuantizedPrecision(probe_batch=<a batch>) with LIGHTNING_HBM_PROBE_STEP=0 (nothing is drawn then), "
+            f"or make {name}.__iter__ return self._get_iterator() as DataLoader's does (the batch drawn is then the "
+            "loop's first).",
+            UserWarning, stacklevel=2,
+        )  # fmt: skip
+
+
 def samples(batch: Any) -> int:
     """The samples of ``batch``: its first tensor's first dimension (0: no tensor, or a 0-d one)."""
     leaves = torch_compat.tensor_leaves(batch)
@@ -137,4 +158,4 @@ def _join(batches: list[Any]) -> Any:
     return tree_unflatten(joined, spec)
 
 
-__all__ = ["first_and_joined", "first_batch", "first_batches", "samples"]
+__all__ = ["first_and_joined", "first_batch", "first_batches", "samples", "say_streams_drawn_anew"]

@@ -259,22 +259,29 @@ def loader_as_it_was(loader: Any) -> Iterator[None]:
 
 def passes_once(loader: Any) -> bool:
     """Whether a batch drawn from ``loader`` must be the one its loop trains first: a one-pass iterator (``iter`` gives
-    the object itself: a generator) or a ``DataLoader`` over an ``IterableDataset`` that nothing restores (a stream
-    may be read once: a second pass would not start over, and the batch drawn first would be lost; issue 55).
+    the object itself: a generator) or a ``DataLoader`` over an ``IterableDataset`` whose passes come from its
+    ``_get_iterator`` (:func:`hands_its_pass_over`), stateful or not (a stream may be read once: a second pass would
+    not start over, and the batch drawn first would be lost; issue 55). A stateful one (``load_state_dict``: torchdata's
+    ``StatefulDataLoader``, one of the user's) restored before its loop iterates drops the kept pass first
+    (:class:`_KeptPass`): its loop starts where the state says, as without lightning_hbm.
 
-    A map-style ``DataLoader`` is not: a second pass reads the same indices (its batch 0 is loaded once more), and
-    a stateful loader (``load_state_dict``) may be restored to another position before its loop iterates.
+    A map-style ``DataLoader`` is not: a second pass reads the same indices (its batch 0 is loaded once more).
     """
     if not isinstance(loader, DataLoader):
         try:
             return iter(loader) is loader
         except TypeError:
             return False
-    return (
-        isinstance(loader.dataset, IterableDataset)
-        and not callable(getattr(loader, "load_state_dict", None))
-        and type(loader).__iter__ is DataLoader.__iter__  # the pass comes from _get_iterator, where it is handed over
-    )
+    return isinstance(loader.dataset, IterableDataset) and hands_its_pass_over(loader)
+
+
+def hands_its_pass_over(loader: DataLoader) -> bool:
+    """Whether each ``iter(loader)`` takes its pass from ``loader._get_iterator()``, where a kept pass is handed over:
+    ``DataLoader.__iter__``, or an ``__iter__`` of its own that calls it (torchdata's ``StatefulDataLoader``: its
+    ``state_dict`` then asks the pass handed over, which counts the batch drawn). Another ``__iter__`` makes passes
+    lightning_hbm cannot hand back: a batch drawn from it is drawn in a new pass (:func:`streams_drawn_anew`)."""
+    own = type(loader).__iter__
+    return own is DataLoader.__iter__ or "_get_iterator" in getattr(getattr(own, "__code__", None), "co_names", ())
 
 
 _END = object()
@@ -310,14 +317,18 @@ def draw_keeping_the_pass(loader: Any) -> Optional[tuple[Any, Any]]:
     first = next(started, _END)
     if first is _END:
         return None
-    vars(loader)["_get_iterator"] = _KeptPass(loader, first, started)
+    kept = _KeptPass(loader, first, started)
+    vars(loader)["_get_iterator"] = kept
+    if callable(getattr(loader, "load_state_dict", None)):  # a restore before the loop iterates drops the kept pass
+        vars(loader)["load_state_dict"] = kept.load_state_dict
     return first, loader
 
 
 class _KeptPass:
     """``DataLoader._get_iterator`` while the pass the probe batch was drawn from is at that batch: each ``iter`` of the
     loader gets that batch first, then the rest of the same pass; once one goes past it, the loader's own method is
-    back (its next pass a new one). Picklable."""
+    back (its next pass a new one). A stateful loader's ``load_state_dict`` (Lightning restoring a mid-epoch state)
+    drops the kept pass, its workers shut down, then restores as the loader's own method does. Picklable."""
 
     def __init__(self, loader: DataLoader, first: Any, started: Any) -> None:
         self.loader, self.first, self.started = loader, first, started
@@ -326,9 +337,23 @@ class _KeptPass:
         torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)  # the base seed a new pass draws
         return FirstAgain(self.first, self.started, self)
 
+    def load_state_dict(self, state_dict: Any) -> Any:
+        """The loader's own ``load_state_dict``, after the kept pass is dropped (its next pass starts at the state)."""
+        self.release()
+        if isinstance(vars(self.loader).get("_iterator"), FirstAgain):  # persistent workers: not reset, a new pass
+            vars(self.loader)["_iterator"] = None
+        shutdown = getattr(self.started, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        return self.loader.load_state_dict(state_dict)  # type: ignore[attr-defined]  # a stateful loader's (checked)
+
     def release(self) -> None:
-        if vars(self.loader).get("_get_iterator") is self:
-            del vars(self.loader)["_get_iterator"]
+        own = vars(self.loader)
+        if own.get("_get_iterator") is self:
+            del own["_get_iterator"]
+        restore = own.get("load_state_dict")
+        if getattr(restore, "__self__", None) is self:
+            del own["load_state_dict"]
 
 
 class FirstAgain:
@@ -578,8 +603,32 @@ def leading_batches(loader: Any, enough: Callable[[list[Any]], bool]) -> list[An
     if passes_once(loader):
         kept = draw_keeping_the_pass(loader)
         return [] if kept is None else [kept[0]]
-    if isinstance(getattr(loader, "dataset", None), IterableDataset):  # a stateful loader over a stream: a new pass
-        enough = _first_only  # may not start over, and each batch more is lost to training (36 samples, session 36)
+    stream = isinstance(getattr(loader, "dataset", None), IterableDataset)  # passes lightning_hbm cannot hand back
+    if stream:  # a new pass may not start over, and each batch more is lost to training (36 samples, session 36)
+        if loader in _DRAWN_ANEW:
+            return [_DRAWN_ANEW[loader]]  # one batch per surgery, whoever asks (the probe step, then the measures)
+        enough = _first_only
+    batches = _drawn_in_a_new_pass(loader, enough)
+    if stream and batches:
+        _DRAWN_ANEW[loader] = batches[0]
+    return batches
+
+
+#: the first batch drawn in a new pass from a loader over an ``IterableDataset`` whose passes cannot be handed back
+#: (:func:`hands_its_pass_over`), until the surgery that drew it says so (:func:`streams_drawn_anew`)
+_DRAWN_ANEW: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def streams_drawn_anew() -> list[Any]:
+    """The loaders over a stream :func:`leading_batches` drew a batch from in a new pass since the last call (one batch
+    each, whoever asked), forgotten now: the surgery that drew them says so at fit start (a stream read once does not
+    train that batch)."""
+    loaders = list(_DRAWN_ANEW.keys())
+    _DRAWN_ANEW.clear()
+    return loaders
+
+
+def _drawn_in_a_new_pass(loader: Any, enough: Callable[[list[Any]], bool]) -> list[Any]:
     restores = _own_rngs_restored(loader)
     batches: list[Any] = []
     try:

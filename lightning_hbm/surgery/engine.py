@@ -72,6 +72,7 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.data import MidEpochResumeCheck, check_resume_loader, check_resume_processes
 from lightning_hbm.display import adopt_display
+from lightning_hbm.probe_batch import say_streams_drawn_anew
 from lightning_hbm.quiet import quieted
 from lightning_hbm.record import appliers, as_built, set_as_built, set_modules_to_save
 from lightning_hbm.resume.io import gather_from_ranks
@@ -482,8 +483,11 @@ def trainer_surgery(module: nn.Module, plugin: Any, convert: Callable[[nn.Module
         set_as_built(module, resume.as_built_record(module))
     if fitting and not applied_transforms(module):
         check_ranks(module)  # every rank gets rank 0's model as built (before quantizing), then they are compared
-    with quieted():  # the libraries' noise while lightning_hbm works, and only then (lightning_hbm.quiet)
-        module = _trainer_run_surgery(module, plugin, trainer, checkpoint, fitting, convert)
+    try:
+        with quieted():  # the libraries' noise while lightning_hbm works, and only then (lightning_hbm.quiet)
+            module = _trainer_run_surgery(module, plugin, trainer, checkpoint, fitting, convert)
+    finally:
+        say_streams_drawn_anew()  # a stream's batch drawn in a pass the loop does not get: said (issue 55)
     _hand_saves(trainer)
     return module
 

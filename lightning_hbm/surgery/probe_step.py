@@ -16,11 +16,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_hbm.layers import base_layer, find_layers, is_adapted, readers, source_readers, stored_in
+from lightning_hbm.layers import base_layer, find_layers, is_adapted, read_weight, readers, source_readers, stored_in
 from lightning_hbm.layers.embedding import QuantizedEmbedding
 from lightning_hbm.memory.storage import quantized_format
 
@@ -84,6 +85,8 @@ def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None
     observe = batch.observe if isinstance(batch, SharedProbe) else readers.observe
     with _said_if_slow(type(module).__qualname__, step):
         seen = observe(module, drawn, layers, step)
+    if seen is not None:
+        _unrun_step_reads(module, seen, layers)
     if seen is not None:  # said once per model, at the surgery (fit start): the user's code ran one more time
         rank_zero_info(
             f"lightning_hbm: ran {seen.ran} once before changing the model, to see which layers its code reads "
@@ -91,6 +94,27 @@ def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None
             f"{PROBE_SWITCH}=0 skips it: the model's source then decides, and a layer read where the source does not "
             "show it is named by hand (QuantizedPrecision(ignore_modules=[...]), LoRA(exclude_modules=[...]))"
         )
+
+
+def _unrun_step_reads(module: nn.Module, seen: readers.Observation, layers: dict[str, nn.Module]) -> None:
+    """The plain ``nn.Linear`` layers whose weight the source of the LightningModule's own methods (``training_step``,
+    its helpers: not ``forward``) reads on a path the probe step did not take, served as the reads the step saw are
+    (``seen``, in place; :mod:`lightning_hbm.layers.read_weight`: stored quantized, the weight read computes from the
+    storage and runs the adapter).
+
+    A guard (:func:`_guard`) watches a reader's ``forward``; these run outside any forward, so nothing watched them: a
+    ``training_step`` reading ``self.head.weight`` only under bfloat16 (the probe step runs the model as built, in
+    float32; the fit computes in bfloat16) got the packed 4-bit weight, and the fit stopped at its first step on a
+    shape error naming neither the layer nor a fix (session 37). Other layers are left as they were: a quantized
+    convolution's or embedding's weight reads as the dequantized weight already."""
+    if not isinstance(module, pl.LightningModule):
+        return
+    for reader, method, name in source_readers(module):
+        if reader or method.rpartition(".")[2] == "forward" or name in seen.reads or not read_weight.servable(layers.get(name, nn.Identity())):
+            continue
+        seen.reads[name] = readers.Read(f"{method} (its source, on a path the probe step did not take)", "source", False)
+        read_weight.mark_served(layers[name], seen.reads[name].reader)
+        seen.served = seen.served | {name}
 
 
 #: seconds after which a probe step still running is said to the user (a step on fake tensors takes well under one)
