@@ -1,0 +1,94 @@
+"""Session 37, h5: session 36's code attacked by running (the RNGs of its own a loader holds, put back after the
+probe draw; ...); each test here failed on main before its fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import ConcatDataset, DataLoader, RandomSampler, Sampler, Subset
+
+from lightning_hbm import QuantizedPrecision
+from tests.test_attack_s36 import _Bucketing, _Numbered, _trained
+
+
+class _Augment:
+    """A transform object drawing from a NumPy ``RandomState`` of its own."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.RandomState(7)
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        image[1] += float(self.rng.rand())
+        return image
+
+
+class _Held(_Numbered):
+    """Its augmentations drawn from generators held one level down: in a dict, in a list, in a transform."""
+
+    def __init__(self) -> None:
+        super().__init__(rng=False)
+        self.rngs = {"noise": np.random.default_rng(5)}
+        self.generators = [torch.Generator().manual_seed(2)]
+        self.transform = _Augment()
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        image = self.transform(super().__getitem__(i))
+        image[1] += float(self.rngs["noise"].random()) + float(torch.rand(1, generator=self.generators[0]))
+        return image
+
+
+class _Wrapping(Sampler[Any]):
+    """A sampler around another (as Lightning's ``DistributedSamplerWrapper`` holds the user's)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Any:
+        return iter(self.inner)
+
+
+_LOADERS = {
+    "a Subset of a dataset with its own generator": lambda: DataLoader(Subset(_Numbered(rng=True), list(range(40))), batch_size=4),
+    "a ConcatDataset of such": lambda: DataLoader(ConcatDataset([_Numbered(rng=True), _Numbered(rng=True)]), batch_size=4),
+    "generators in a dict, a list and a transform": lambda: DataLoader(_Held(), batch_size=4),
+    "a sampler wrapping a RandomSampler": lambda: DataLoader(
+        _Numbered(), batch_size=4, sampler=_Wrapping(RandomSampler(range(40), generator=torch.Generator().manual_seed(3)))
+    ),
+    "a batch sampler wrapping a bucketing one": lambda: DataLoader(_Numbered(), batch_sampler=_Wrapping(_Bucketing(torch.Generator().manual_seed(3)))),
+}
+
+
+@pytest.mark.parametrize("case", list(_LOADERS))
+def test_rngs_held_one_level_deeper_are_put_back_after_the_probe_draw(case: str, tmp_path: Any) -> None:
+    """Session 36 put back the generators held as attributes of the loader, its samplers and its dataset only: one
+    level deeper (a Subset's dataset, a dict of generators, a transform's, a sampler inside a wrapper) the conv check's
+    32 samples consumed them, and epoch 0 trained other draws or another order than the same seed without us."""
+    plain, ours = _trained(_LOADERS[case], None, tmp_path), _trained(_LOADERS[case], [QuantizedPrecision("int8")], tmp_path)
+    assert [order for order, _ in ours] == [order for order, _ in plain]
+    for (_, got), (_, want) in zip(ours, plain):  # the plugin hands the batch on in bfloat16
+        assert got == pytest.approx(want, abs=0.02)
+
+
+def test_the_rng_walk_stays_small_on_a_large_dataset() -> None:
+    """A dataset holding a million items is not walked item by item; a generator nested in dicts and lists is found."""
+    import time
+
+    from lightning_hbm._compat.torch import _reachable_rngs
+
+    class Big(_Numbered):
+        def __init__(self) -> None:
+            super().__init__()
+            self.items, self.names = list(range(10**6)), {i: str(i) for i in range(10**6)}
+            self.nested = {"a": [{"b": np.random.default_rng(1)}]}
+
+    dataset = Big()
+    started = time.perf_counter()
+    found = _reachable_rngs(DataLoader(dataset, batch_size=4))
+    assert time.perf_counter() - started < 0.5
+    assert found == [dataset.nested["a"][0]["b"]]
