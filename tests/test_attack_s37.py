@@ -3,14 +3,18 @@ probe draw; ...); each test here failed on main before its fix."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+import transformers as tf
 from torch.utils.data import ConcatDataset, DataLoader, RandomSampler, Sampler, Subset
 
 from lightning_hbm import QuantizedPrecision
+from lightning_hbm.adapters.lora import LoRA
 from tests.test_attack_s36 import _Bucketing, _Numbered, _trained
 
 
@@ -92,3 +96,69 @@ def test_the_rng_walk_stays_small_on_a_large_dataset() -> None:
     found = _reachable_rngs(DataLoader(dataset, batch_size=4))
     assert time.perf_counter() - started < 0.5
     assert found == [dataset.nested["a"][0]["b"]]
+
+
+class _TiedLlama(pl.LightningModule):
+    """A small transformers Llama whose head is tied to its embedding (``tie_word_embeddings=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = tf.LlamaForCausalLM(_tied_config())
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _tied_config() -> Any:
+    return tf.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+_TOKENS = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _lora_fitted(tmp_path: Any, **settings: Any) -> _TiedLlama:
+    model = _TiedLlama()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[LoRA(r=4, **settings)],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(_TOKENS, batch_size=4))
+    return model.eval()
+
+
+def test_save_adapter_of_a_tied_head_trained_in_full(tmp_path: Any) -> None:
+    """``modules_to_save=["lm_head"]`` of a tied model trains the embedding too: both names hold one tensor, and
+    safetensors refused to save it ("Some tensors share memory") after the fit. Each is written; peft loads both and
+    computes the trained model."""
+    import peft
+
+    model = _lora_fitted(tmp_path, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    LoRA.save_adapter(model, tmp_path / "adapter")
+    loaded = peft.PeftModel.from_pretrained(_TiedLlama().model, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=_TOKENS[:2]).logits, model.model(input_ids=_TOKENS[:2]).logits)
+
+
+def test_merge_warns_where_an_adapter_unties_a_tied_weight(tmp_path: Any) -> None:
+    """An adapter on a tied head (named as a target) trains the head, not the embedding: the merged state_dict holds
+    two values for one tied tensor, and a tied model loading it computed logits off by 0.64, without a word."""
+    model = _lora_fitted(tmp_path, target_modules=["q_proj", "lm_head"])
+    with pytest.warns(UserWarning, match=r"model\.lm_head\.weight and model\.model\.embed_tokens\.weight share one tied weight.*tie_word_embeddings=False"):
+        merged = LoRA.merge(model, dtype="float32")
+    untied = tf.LlamaForCausalLM(tf.LlamaConfig(**{**_tied_config().to_dict(), "tie_word_embeddings": False}))
+    untied.load_state_dict({k.removeprefix("model."): v for k, v in merged.items()})
+    with torch.no_grad():  # the fix the warning names computes the adapted model
+        want = model.model(input_ids=_TOKENS[:2]).logits
+        assert torch.allclose(untied.eval()(input_ids=_TOKENS[:2]).logits, want, atol=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LoRA.merge(_lora_fitted(tmp_path, target_modules=["q_proj"]))  # nothing tied apart: no warning

@@ -110,6 +110,7 @@ def _peft_tensors(module: nn.Module, root: str, bias: str) -> tuple[dict[str, to
     prefix = root + "." if root else ""
     tensors: dict[str, torch.Tensor] = {}
     saved: set[str] = set()
+    storages: set[int] = set()
     for name, param in adapter_state_dict(module).items():
         if not name.startswith(prefix):
             raise ValueError(f"Trainable parameter {name!r} lies outside submodule {root!r}; pass submodule=''.")
@@ -121,7 +122,12 @@ def _peft_tensors(module: nn.Module, root: str, bias: str) -> tuple[dict[str, to
         # peft's file format drops the adapter name: ...q_proj.lora_A.weight, and DoRA's ...q_proj.lora_magnitude_vector
         key = "base_model.model." + rel.replace(f".{ADAPTER_NAME}.", ".")
         key = key[: -len(".weight")] if key.endswith(".lora_magnitude_vector.weight") else key
-        tensors[key] = param.contiguous().cpu()
+        tensor = param.contiguous().cpu()
+        # a tied weight trained in full (modules_to_save=["lm_head"] of a tie_word_embeddings model trains the
+        # embedding too) is under both names: each its own copy, as safetensors refuses shared memory (it raised
+        # after the fit, nothing saved); peft loads both modules, the same trained weight
+        tensors[key] = tensor.clone() if tensor.untyped_storage().data_ptr() in storages else tensor
+        storages.add(tensor.untyped_storage().data_ptr())
     return tensors, saved
 
 
