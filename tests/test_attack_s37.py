@@ -162,3 +162,48 @@ def test_merge_warns_where_an_adapter_unties_a_tied_weight(tmp_path: Any) -> Non
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         LoRA.merge(_lora_fitted(tmp_path, target_modules=["q_proj"]))  # nothing tied apart: no warning
+
+
+class _ResNet(pl.LightningModule):
+    """A small transformers ResNet (BatchNorm after each convolution), its convolutions adapted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = tf.ResNetForImageClassification(_resnet_config())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.model(pixel_values=batch[0]).logits, batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _resnet_config() -> Any:
+    return tf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10)
+
+
+def test_save_adapter_keeps_the_running_statistics_training_updated(tmp_path: Any) -> None:
+    """The BatchNorm layers of a LoRA-trained conv net update their running statistics in training; the adapter folder
+    held none, and peft loading it onto the base normalised with the base's: logits off by 2.5 on a scale of 1.5,
+    without a word. They travel as modules_to_save now (as peft's own file holds a saved module's buffers)."""
+    import json
+
+    import peft
+
+    images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(2))
+    model = _ResNet()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[LoRA(r=4, target_modules=["convolution"])],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(list(zip(images, labels)), batch_size=4))
+    LoRA.save_adapter(model, tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["modules_to_save"]
+    assert "resnet.embedder.embedder.normalization" in saved and "classifier.1" in saved
+    loaded = peft.PeftModel.from_pretrained(_ResNet().model, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(pixel_values=images[:4]).logits, model.eval().model(pixel_values=images[:4]).logits)
