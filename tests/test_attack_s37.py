@@ -207,3 +207,13 @@ def test_save_adapter_keeps_the_running_statistics_training_updated(tmp_path: An
     loaded = peft.PeftModel.from_pretrained(_ResNet().model, str(tmp_path / "adapter")).eval()
     with torch.no_grad():
         assert torch.equal(loaded(pixel_values=images[:4]).logits, model.eval().model(pixel_values=images[:4]).logits)
+
+
+def test_a_frozen_config_with_patterns_is_hashable() -> None:
+    """A frozen dataclass is hashable; with a ``rank_pattern`` (kept as a FrozenDict) it raised TypeError: a sweep's
+    configs in a set, or one as a cache key, failed."""
+    from lightning_hbm.adapters.lora import LoRAConfig
+
+    config = LoRAConfig(r=4, rank_pattern={"q_proj": 2}, alpha_pattern={"v_proj": 3.0})
+    same = LoRAConfig(r=4, rank_pattern={"q_proj": 2}, alpha_pattern={"v_proj": 3.0})
+    assert hash(config) == hash(same) and len({config, same, LoRAConfig(r=4)}) == 2
