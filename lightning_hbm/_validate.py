@@ -145,6 +145,11 @@ class FrozenDict(Mapping[_K, _V]):
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self._items,))
 
+    def __hash__(self) -> int:
+        # a frozen config holding one is hashable, as a frozen dataclass promises (session 37: hash(LoRAConfig(
+        # rank_pattern={...})) raised "unhashable type: 'FrozenDict'": a config in a set or as a cache key failed)
+        return hash(frozenset(self._items.items()))
+
 
 def frozen(items: Optional[Mapping[_K, _V]]) -> Optional[FrozenDict[_K, _V]]:
     """``items`` as a :class:`FrozenDict` (``None`` stays ``None``)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import random
 import sys
 import weakref
@@ -649,25 +650,79 @@ def _first_only(batches: list[Any]) -> bool:
 
 
 def _own_rngs_restored(loader: Any) -> list[Callable[[], Any]]:
-    """One call each putting back an RNG of its own (a ``torch.Generator``, a ``random.Random``, a NumPy ``Generator``
-    or ``RandomState``) held as an attribute of ``loader``, its sampler, its batch sampler (a bucketing one drawing its
-    batches' order: session 36, epoch 0 trained another order with lightning_hbm), the batch sampler's sampler, or its
-    dataset (augmentations drawn in this process: the first 32 samples trained other draws), at its state now."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    holders = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None), getattr(loader, "dataset", None))
-    rngs = {id(value): value for holder in holders for value in getattr(holder, "__dict__", {}).values()}
+    """One call each putting back an RNG of its own (a ``torch.Generator``, a ``random.Random``, a NumPy ``Generator``,
+    ``RandomState`` or bit generator) that ``loader`` reaches through its attributes and their lists, tuples and dicts
+    (:func:`_reachable_rngs`), at its state now: its sampler's, its batch sampler's (a bucketing one drawing its
+    batches' order: session 36, epoch 0 trained another order with lightning_hbm), a sampler wrapping the one that
+    draws (Lightning's ``DistributedSamplerWrapper`` holds the user's two levels down), the dataset's, a ``Subset``'s
+    or ``ConcatDataset``'s inner datasets', a transform's (augmentations drawn in this process: the first 32 samples
+    trained other draws; session 37 found each of these one level deeper than session 36 looked)."""
     restores: list[Callable[[], Any]] = []
-    for rng in rngs.values():
-        numpy = type(rng).__module__.startswith("numpy.random")
+    for rng in _reachable_rngs(loader):
         if isinstance(rng, torch.Generator):
             restores.append(functools.partial(rng.set_state, rng.get_state()))
         elif isinstance(rng, random.Random):
             restores.append(functools.partial(rng.setstate, rng.getstate()))
-        elif numpy and hasattr(rng, "bit_generator"):  # numpy.random.Generator
+        elif hasattr(rng, "bit_generator"):  # numpy.random.Generator
             restores.append(functools.partial(setattr, rng.bit_generator, "state", rng.bit_generator.state))
-        elif numpy and callable(getattr(rng, "set_state", None)):  # numpy.random.RandomState
+        elif callable(getattr(rng, "set_state", None)):  # numpy.random.RandomState
             restores.append(functools.partial(rng.set_state, rng.get_state()))
+        else:  # a NumPy bit generator held on its own
+            restores.append(functools.partial(setattr, rng, "state", rng.state))
     return restores
+
+
+#: how far :func:`_reachable_rngs` looks: attribute or element hops from the loader, objects walked, elements of one
+#: list, tuple or dict (a dataset's list of a million samples is not walked: a generator inside one sample is not found)
+_RNG_DEPTH, _RNG_OBJECTS, _RNG_ELEMENTS = 8, 4096, 64
+_NOT_WALKED = (str, bytes, int, float, complex, bool, type(None), type, torch.Tensor, nn.Parameter)
+
+
+def _is_rng(value: Any) -> bool:
+    if isinstance(value, (torch.Generator, random.Random)):
+        return True
+    numpy_random = sys.modules.get("numpy.random")
+    kinds = () if numpy_random is None else (numpy_random.Generator, numpy_random.RandomState, numpy_random.BitGenerator)  # type: ignore[attr-defined]
+    return isinstance(value, kinds)
+
+
+def _children(value: Any) -> list[Any]:
+    if isinstance(value, Mapping):
+        return list(itertools.islice(value.values(), _RNG_ELEMENTS))
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(itertools.islice(value, _RNG_ELEMENTS))
+    try:
+        attributes = vars(value)
+    except Exception:  # no __dict__ (slots, a C type), or a proxy whose attribute look-up fails
+        return []
+    return list(attributes.values()) if isinstance(attributes, dict) else []
+
+
+def _reachable_rngs(root: Any) -> list[Any]:
+    """The RNGs ``root`` reaches through its attributes (an object's ``__dict__``) and the elements of its lists,
+    tuples, sets and dicts, breadth first, within :data:`_RNG_DEPTH` hops and :data:`_RNG_OBJECTS` objects (modules,
+    classes, functions, tensors and arrays not walked); each once."""
+    seen: set[int] = {id(root)}
+    found: list[Any] = []
+    level, depth, walked = [root], 0, 0
+    while level and depth < _RNG_DEPTH and walked < _RNG_OBJECTS:
+        following: list[Any] = []
+        for value in level:
+            walked += 1
+            for child in _children(value):
+                if id(child) in seen or isinstance(child, _NOT_WALKED) or _skipped(child):
+                    continue
+                seen.add(id(child))
+                (found if _is_rng(child) else following).append(child)
+        level, depth = following, depth + 1
+    return found
+
+
+def _skipped(value: Any) -> bool:
+    """Modules, functions and arrays: nothing of a loader's own in them (a module's globals are the global RNGs')."""
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return False
+    return type(value).__module__ in ("builtins", "numpy")  # a module, a function, a method, a range; an array
 
 
 #: ``listener(storage, data_ptr, nbytes)`` called after each ``UntypedStorage.resize_`` with the address and size the

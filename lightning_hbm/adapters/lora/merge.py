@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_hbm import resume
 from lightning_hbm.adapters.lora import variants
-from lightning_hbm.adapters.lora.base import ADAPTER_NAME, adapter_state_dict, hf_root
+from lightning_hbm.adapters.lora.base import ADAPTER_NAME, adapted_layers, adapter_state_dict, hf_root
 from lightning_hbm.layers import base_layer, is_adapted, stored_in
 from lightning_hbm.layers.correction import correction_weight
 from lightning_hbm.layers.embedding import TiedHead
@@ -75,6 +75,7 @@ def merge(
             merged.update(_own_tensors(prefix, sub))
     merged.update(_tied_head_weights(module, merged))
     _tell_merged(weights)
+    _warn_tied_apart(module, merged)
     return {k: v.detach().to(out_dtype) if v.is_floating_point() else v.detach().clone() for k, v in merged.items()}
 
 
@@ -172,6 +173,31 @@ def _tell_merged(weights: _BaseWeights) -> None:
         )
     elif weights.base_state_dict is not None:
         rank_zero_info("LoRA.merge: adapters merged onto the original full-precision weights (base_state_dict).")
+
+
+def _warn_tied_apart(module: nn.Module, merged: dict[str, torch.Tensor]) -> None:
+    """Warn where an adapted layer's base weight is tied to another module's (``lm_head`` named as a target of a
+    ``tie_word_embeddings`` model: its adapter trained the head, not the embedding) and the merged values differ: a
+    model built with the weights tied holds one of the two (``load_state_dict`` copies both into the one tensor, the
+    last wins), so its outputs are not the adapted model's (session 37: logits off by 0.64 on a tiny Llama, silently;
+    peft's own merge warns)."""
+    holders: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), []).append(name)
+    apart = []
+    for name, layer in adapted_layers(module).items():
+        weight = getattr(base_layer(layer), "weight", None)
+        others = [n for n in holders.get(id(weight), []) if not under(n, [name]) and n in merged]
+        key = f"{name}.weight"
+        apart += [f"{key} and {n}" for n in others if key in merged and not torch.equal(merged[key], merged[n])]
+    if apart:
+        rank_zero_warn(
+            f"LoRA.merge: {'; '.join(apart)} share one tied weight in the model as built, and the adapter makes them "
+            "differ in the merged state_dict: a model built with them tied (tie_word_embeddings=True) holds one of the "
+            "two after load_state_dict, and computes another model than the adapted one. Load the merged state_dict "
+            "into the model with its weights untied (from_pretrained(..., tie_word_embeddings=False)), or leave the "
+            "tied layer out of target_modules."
+        )
 
 
 def _tied_head_weights(module: nn.Module, merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
