@@ -100,9 +100,34 @@ def say_streams_drawn_anew() -> None:
 
 
 def samples(batch: Any) -> int:
-    """The samples of ``batch``: its first tensor's first dimension (0: no tensor, or a 0-d one)."""
-    leaves = torch_compat.tensor_leaves(batch)
-    return leaves[0].shape[0] if leaves and leaves[0].dim() else 0
+    """The samples of ``batch``: its first tensor's first dimension (0: no tensor, or a 0-d one), or where the first
+    tensor is one of a list or tuple of per-sample tensors (:func:`_per_sample_tensors`: torchvision's detection
+    collate, a tuple of CHW images), how many they are (was: the first image's channels, 3, session 37)."""
+    found = _first_samples(batch)
+    return found if found is not None else 0
+
+
+def _per_sample_tensors(value: Any) -> bool:
+    """Whether ``value`` is a list or tuple of floating tensors of one rank, at least 3, one per sample: images
+    (``C x H x W``) as a detection collate gives them, of sizes that differ or of at most 4 channels each (a tuple of
+    batched ``[B, C, H, W]`` tensors of one shape is not taken for one, unless ``B`` is at most 4)."""
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, Tensor) and v.is_floating_point() for v in value):
+        return False
+    ranks, shapes = {v.dim() for v in value}, {tuple(v.shape) for v in value}
+    return len(ranks) == 1 and min(ranks) >= 3 and (len(shapes) > 1 or value[0].shape[0] <= 4)
+
+
+def _first_samples(batch: Any) -> Optional[int]:
+    for leaf in tree_flatten(batch, is_leaf=_per_sample_tensors)[0]:
+        if _per_sample_tensors(leaf):
+            return len(leaf)
+        if isinstance(leaf, Tensor):
+            return leaf.shape[0] if leaf.dim() else 0
+        if isinstance(leaf, Mapping):  # one leaf to the pytree (a BatchEncoding): its tensors
+            inner = _first_samples(dict(leaf))
+            if inner is not None:
+                return inner
+    return None
 
 
 def _tokens(batch: Any) -> int:

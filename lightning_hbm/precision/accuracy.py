@@ -118,7 +118,8 @@ class ConvAccuracy:
     #: first (:func:`~lightning_hbm.precision.accuracy_layers.responsible`; session 32); measured only under the
     #: threshold, where the warning names them (empty at or above it: session 33, the check's cost)
     layers: list[tuple[str, float, float]] = field(default_factory=list)
-    #: the samples measured (the first tensor's first dimension of the batch the forward was given; 0: none)
+    #: the samples measured (:func:`~lightning_hbm.probe_batch.samples` of the batch the forward was given: the first
+    #: tensor's first dimension, or how many per-sample images a tuple of them holds; 0: none)
     samples: int = 0
 
     @property

@@ -1,0 +1,41 @@
+"""Session 37, h3: ``ConvAccuracy.samples`` counts the samples of a batch of per-sample images (issue 53 item 2)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_hbm import QuantizedPrecision
+from lightning_hbm.probe_batch import samples
+
+
+def test_samples_of_per_sample_images_are_the_images_not_their_channels() -> None:
+    images = tuple(torch.zeros(3, 8, 8) for _ in range(5))
+    assert samples(images) == 5  # was 3: the first image's channels
+    assert samples(((images, tuple({"boxes": torch.zeros(1, 4)} for _ in range(5))),)) == 5  # a detection collate as args
+    assert samples([torch.zeros(3, 8, 8), torch.zeros(3, 16, 12)]) == 2  # images of their own sizes
+    assert samples({"pixel_values": torch.zeros(6, 3, 8, 8)}) == 6  # a batch: as before
+    assert samples((torch.zeros(7, 3, 8, 8), torch.zeros(7, dtype=torch.long))) == 7
+    assert samples((torch.zeros(8, 3, 8, 8), torch.zeros(8, 3, 8, 8))) == 8  # a tuple of batched tensors of one shape
+    assert samples([torch.zeros(2, 16), torch.zeros(2, 16)]) == 2  # rank 2: not images
+    assert samples((torch.zeros(()), 3)) == 0 and samples(("a", 1)) == 0
+
+
+def test_the_conv_check_of_a_detection_collate_says_how_many_images_it_measured(tmp_path: Any) -> None:
+    """The check measured the first batch of 4 per-sample images and said 3 samples (the channels)."""
+    from tests.test_attack_s36 import _Boxes, _Detector, _per_sample
+
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("int8")],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_Detector(), DataLoader(_Boxes(), batch_size=4, collate_fn=_per_sample))
+    measured = trainer.precision_plugin.quantization.conv_accuracy  # type: ignore[attr-defined]
+    assert measured is not None and measured.samples == 4
