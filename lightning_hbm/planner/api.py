@@ -23,7 +23,7 @@ import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union, cast
 
 import lightning.pytorch as pl
 import torch
@@ -32,6 +32,7 @@ from torch import nn
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.activations import ActivationCheckpointing
 from lightning_hbm.activations.recompute import check_offload_blocks
+from lightning_hbm.layers import CONV, LayerKind, kind_of
 from lightning_hbm.memory import (
     CATEGORIES,
     LOSS_SCOPE,
@@ -52,9 +53,10 @@ from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.planner.trace_result import Trace
 from lightning_hbm.planner.tracing import Decided, remade_unit
 from lightning_hbm.planner.tracing import trace as _trace
-from lightning_hbm.precision import get_format, quantize_model, to_dtype
+from lightning_hbm.precision import QuantizedPrecision, get_format, quantize_model, to_dtype
 from lightning_hbm.precision.config import EMBEDDINGS_AUTO
 from lightning_hbm.precision.correction import CalibratedCorrection
+from lightning_hbm.precision.sensitivity import ladder, weight_bytes
 from lightning_hbm.strategies.fsdp_qlora import REMADE_UNDER_FSDP2
 
 BatchLike = Union[Any, pl.LightningDataModule]
@@ -158,6 +160,12 @@ class Prediction:
         kept_from: under a partial offload (``ActivationCheckpointing(offload=k)``), the index of the first block that
             keeps its input (``k * every``): the blocks before it from the third on are named from the end of the
             offloading part (``block offloading -1``); None without one.
+        chosen_convs: the convolutions whose mode the fit chooses at its start, on its probe batch and the model's real
+            weights (a 4-bit ``precision`` without ``layer_modes``: the most sensitive widened to ``sensitive_mode``),
+            by name: the bytes each adds stored in the widest mode it may take. The plan stores each in ``precision``
+            (the trace holds no real weight to measure): under by at most their sum, said in :meth:`Plan.notes`; a
+            fit's ``plugin.layer_modes`` given as ``Candidate(layer_modes=...)`` plans its choice exactly
+            (:func:`chosen_convolutions`).
     """
 
     candidate: Candidate
@@ -193,6 +201,7 @@ class Prediction:
     remainder_gradient_bytes: int = 0
     remade_unit: int = 1
     kept_from: Optional[int] = None
+    chosen_convs: dict[str, int] = field(default_factory=dict)
 
     def per_rank(self, world_size: int, backend: str = "gloo") -> dict[str, int]:
         """Bytes per category at the peak of each of ``world_size`` ranks under FSDP2 (``QuantizedFSDPStrategy``).
@@ -639,6 +648,7 @@ def _predict(
         depth=result.depth,
         remade_unit=remade_unit(candidate),
         kept_from=_kept_from(candidate, count, result.depth),
+        chosen_convs=chosen_convolutions(model.module, candidate),
         routed=tuple(f"{name} ({what})" for name, what in sorted(result.routed.items())),
     )
 
@@ -795,6 +805,31 @@ def _kept_from(candidate: Candidate, count: Optional[int], depth: int) -> Option
     return count * every if count is not None and count * every < depth else None
 
 
+def chosen_convolutions(module: nn.Module, candidate: Candidate) -> dict[str, int]:
+    """The convolutions of ``module`` (the model as built) whose mode a fit under ``candidate`` chooses at its start
+    (``QuantizedPrecision``'s convolutions' plan: a 4-bit mode, no ``layer_modes`` pinned), by name: the bytes each
+    adds stored in the widest mode of ``sensitive_mode`` it may take instead of the candidate's (0 where none is
+    wider). The fit measures each one's output error on its probe batch with the model's real weights; the planner's
+    model holds fake ones (a factory built on fake tensors, an instance copied so), so it plans them in the candidate's
+    mode and names them (session 37: transformers ConvNext's patch embedding, int8 in the fit, 1,120 B per rank under on
+    2 gloo ranks, ``tests/strategies/test_fsdp_convnext_stages_s35.py``)."""
+    if candidate.layer_modes is not None or not any(CONV.matches(layer) for layer in module.modules()):
+        return {}  # no convolution (a language model: nothing listed, each of max_context's plans)
+    plugin = candidate.precision_plugin("cpu")
+    if not isinstance(plugin, QuantizedPrecision) or plugin.config.layer_modes is not None or (
+            plugin.config.format.peft_kind != "4bit"):
+        return {}
+    base, dtype = plugin.config.format.name, plugin.config.torch_dtype
+    wider = ladder(base, plugin.config.sensitive_mode)
+    chosen = {}
+    for name, layer in plugin.quantization.targets(module):
+        if CONV.matches(layer):
+            features = cast(LayerKind, kind_of(layer)).features(layer)
+            widest = max((weight_bytes(mode, *features, dtype) for mode in wider), default=0)
+            chosen[name] = max(widest - weight_bytes(base, *features, dtype), 0)
+    return chosen
+
+
 def _remakes(candidate: Candidate) -> bool:
     configured = candidate.configured[1] if candidate.configured is not None else ()
     return any(isinstance(c, ActivationCheckpointing) and c.regenerate > 1 for c in configured)
@@ -897,6 +932,14 @@ class Plan:
             for p in self.predictions if p.routed
         ]  # fmt: skip
         notes += [f"{p.candidate.name}: {s} in {_SELECTED}" for p in self.predictions for s in p.selections]
+        notes += [
+            f"{p.candidate.name}: {len(p.chosen_convs)} convolution(s) planned in {p.candidate.precision}, whose modes the "
+            "fit chooses at its start on its probe batch and real weights (the most sensitive widened): up to "
+            f"{format_bytes(sum(p.chosen_convs.values()))} more if all widen ({', '.join(list(p.chosen_convs)[:4])}"
+            f"{', ...' if len(p.chosen_convs) > 4 else ''}); a fit's plugin.layer_modes as Candidate(layer_modes=...) "
+            "plans its choice exactly"
+            for p in self.predictions if p.chosen_convs
+        ]  # fmt: skip
         for p in self.predictions:  # the host terms (lightning_hbm.memory.terms): off the device, not in the peak
             terms = p.terms
             for t in host_terms():
