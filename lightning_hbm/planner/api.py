@@ -23,7 +23,7 @@ import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union, cast
 
 import lightning.pytorch as pl
 import torch
@@ -32,6 +32,7 @@ from torch import nn
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.activations import ActivationCheckpointing
 from lightning_hbm.activations.recompute import check_offload_blocks
+from lightning_hbm.layers import CONV, LayerKind, kind_of
 from lightning_hbm.memory import (
     CATEGORIES,
     LOSS_SCOPE,
@@ -47,14 +48,16 @@ from lightning_hbm.planner.block_cuts import _block_list
 from lightning_hbm.planner.building import ModelLike, Template, _build, _fake_mode, _quiet_logs, build_template
 from lightning_hbm.planner.candidates import Candidate, default_candidates, format_bytes, parse_bytes
 from lightning_hbm.planner.fallbacks import UntraceableModule
-from lightning_hbm.planner.peaks import END_OF_BACKWARD
+from lightning_hbm.planner.peaks import END_OF_BACKWARD, block_index
 from lightning_hbm.planner.realvalues import RealValues
 from lightning_hbm.planner.trace_result import Trace
-from lightning_hbm.planner.tracing import Decided
+from lightning_hbm.planner.tracing import Decided, remade_unit
 from lightning_hbm.planner.tracing import trace as _trace
-from lightning_hbm.precision import get_format, quantize_model, to_dtype
+from lightning_hbm.precision import QuantizedPrecision, get_format, quantize_model, to_dtype
 from lightning_hbm.precision.config import EMBEDDINGS_AUTO
 from lightning_hbm.precision.correction import CalibratedCorrection
+from lightning_hbm.precision.sensitivity import ladder, weight_bytes
+from lightning_hbm.strategies.fsdp_qlora import REMADE_UNDER_FSDP2
 
 BatchLike = Union[Any, pl.LightningDataModule]
 
@@ -152,6 +155,17 @@ class Prediction:
         remainder_gradient_bytes: the gradient bytes of the unit around the blocks (its trainable parameters outside
             the blocks: an embedding trained inside the backbone), reduce-scattered at the end of the backward
             (:func:`fsdp2_root_gradient_bytes`).
+        remade_unit: the blocks of one unit the regions of the blocks are named by (``block 1 of unit -1``), under
+            ``ActivationCheckpointing(regenerate=n)``: ``every * n``; 1 otherwise (:func:`~lightning_hbm.planner.peaks.block_index`).
+        kept_from: under a partial offload (``ActivationCheckpointing(offload=k)``), the index of the first block that
+            keeps its input (``k * every``): the blocks before it from the third on are named from the end of the
+            offloading part (``block offloading -1``); None without one.
+        chosen_convs: the convolutions whose mode the fit chooses at its start, on its probe batch and the model's real
+            weights (a 4-bit ``precision`` without ``layer_modes``: the most sensitive widened to ``sensitive_mode``),
+            by name: the bytes each adds stored in the widest mode it may take. The plan stores each in ``precision``
+            (the trace holds no real weight to measure): under by at most their sum, said in :meth:`Plan.notes`; a
+            fit's ``plugin.layer_modes`` given as ``Candidate(layer_modes=...)`` plans its choice exactly
+            (:func:`chosen_convolutions`).
     """
 
     candidate: Candidate
@@ -185,6 +199,9 @@ class Prediction:
     unit_gradient_bytes: dict[str, int] = field(default_factory=dict)
     inner_units: dict[str, int] = field(default_factory=dict)
     remainder_gradient_bytes: int = 0
+    remade_unit: int = 1
+    kept_from: Optional[int] = None
+    chosen_convs: dict[str, int] = field(default_factory=dict)
 
     def per_rank(self, world_size: int, backend: str = "gloo") -> dict[str, int]:
         """Bytes per category at the peak of each of ``world_size`` ranks under FSDP2 (``QuantizedFSDPStrategy``).
@@ -215,11 +232,20 @@ class Prediction:
                 blocks trains parameters (:func:`fsdp2_root_gradient_bytes`; NCCL's figure is not yet run on GPU).
 
         Raises:
-            ValueError: ``backend`` is neither ``"gloo"`` nor ``"nccl"``.
+            ValueError: ``backend`` is neither ``"gloo"`` nor ``"nccl"``; the candidate remakes block inputs
+                (``ActivationCheckpointing(regenerate=n > 1)``), which FSDP2 does not
+                (:data:`~lightning_hbm.strategies.fsdp_qlora.REMADE_UNDER_FSDP2`; the fit warns at its start).
         """
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"Prediction.per_rank: backend must be 'gloo' or 'nccl' (the process group's), got "
                              f"{backend!r}.")
+        if world_size > 1 and self.remade_unit > 1:
+            raise ValueError(
+                f"Prediction.per_rank({world_size}): {self.candidate.name} remakes block inputs "
+                f"(ActivationCheckpointing(regenerate=n > 1), units of {self.remade_unit} blocks), but under "
+                f"QuantizedFSDPStrategy {REMADE_UNDER_FSDP2}. Plan the candidate with regenerate=1 for the per-rank "
+                "figure: that is what runs."
+            )
         gathered = self.block_bytes + self.remainder_bytes + max(self.units.values(), default=0)
         per_rank = shard_categories(self.categories, world_size, gathered_bytes=gathered,
                                     replicated_parameter_bytes=self.replicated_bytes,
@@ -233,7 +259,7 @@ class Prediction:
         grads = self.forward_gradients - -(-self.forward_gradients // world_size)
         peak = max(value - saved - (grads if phase.startswith("forward") or phase == "step" else 0)
                    - fsdp2_gradient_bytes(phase, region, self.block_gradient_bytes, self.depth, world_size,
-                                          self.rooted_blocks)
+                                          self.rooted_blocks, self.remade_unit, self.kept_from)
                    + fsdp2_gathered_bytes(phase, region, self.block_bytes, self.remainder_bytes, self.units,
                                           self.rooted_blocks, self.inner_units)
                    - fsdp2_unit_gradient_bytes(phase, list(regions), region, self.unit_gradient_bytes, world_size)
@@ -315,7 +341,7 @@ def fsdp2_gathered_bytes(phase: str, region: str, block: int, remainder: int,
         return block * (2 if forward else 1) if region.startswith("block ") else 0
     if phase == "step" or region == "after the model":  # the loss and its backward, outside the units
         return 0
-    if region == "block 0" and not forward:  # the last block of the backward: no block left to prefetch
+    if region in ("block 0", "block 0 of unit 0") and not forward:  # the last block of the backward: none to prefetch
         return remainder + block
     if region.startswith("block "):
         return remainder + 2 * block
@@ -325,7 +351,7 @@ def fsdp2_gathered_bytes(phase: str, region: str, block: int, remainder: int,
 
 
 def fsdp2_gradient_bytes(phase: str, region: str, block: int, depth: int, world_size: int,
-                         rooted_blocks: bool = False) -> int:
+                         rooted_blocks: bool = False, unit: int = 1, kept_from: Optional[int] = None) -> int:
     """Gradient bytes a trace counts in ``region`` of the backward that one of ``world_size`` FSDP2 ranks does not hold
     (negative: holds more), for blocks making ``block`` gradient bytes each, in a model of ``depth`` blocks.
 
@@ -337,14 +363,16 @@ def fsdp2_gradient_bytes(phase: str, region: str, block: int, depth: int, world_
     shards and ``k`` whole inputs when each block is a root of its own (``rooted_blocks``: each root's input kept to
     the end). Measured on 2 gloo ranks (session 35), six checkpointed blocks with LoRA r=128: the rank's peak in the
     backward of the second block, planned 10.1 % over before; the blocks each a root, in the backward of the last, 11.7 %
-    under before. Regions other than a block's are left as traced (the units apart, their gradients whole)."""
-    if not phase.startswith("backward") or not region.startswith("block "):
+    under before. The block a region names is found as the planner names it (:func:`~lightning_hbm.planner.peaks.
+    block_index`): by units of ``unit`` blocks under ``ActivationCheckpointing(regenerate=n)`` (``block 1 of unit
+    -1``), by the offloading part under a partial offload whose first block keeping its input is ``kept_from`` (``block
+    offloading -1``): session 37, left as traced before (10.1 % and 0.9 % over on 2 gloo ranks,
+    ``tests/strategies/test_fsdp_sequential_blocks_s35.py``). Regions other than a block's are left as traced (the units
+    apart, their gradients whole; the blocks of a list not cut, ConvNext's later stages)."""
+    index = block_index(region, depth, unit, kept_from) if phase.startswith("backward") else None
+    if index is None:
         return 0
-    try:
-        index = int(region[6:])
-    except ValueError:  # "block 1 of unit -1" (ActivationCheckpointing(regenerate=n)): left as traced
-        return 0
-    done = -index - 1 if index < 0 else max(depth - 1 - index, 0)
+    done = max(depth - 1 - index, 0)
     return done * (block - -(-block // world_size)) - (done if rooted_blocks else min(done, 1)) * block
 
 
@@ -618,6 +646,9 @@ def _predict(
         inner_units=result.inner_units,
         remainder_gradient_bytes=result.remainder_gradients,
         depth=result.depth,
+        remade_unit=remade_unit(candidate),
+        kept_from=_kept_from(candidate, count, result.depth),
+        chosen_convs=chosen_convolutions(model.module, candidate),
         routed=tuple(f"{name} ({what})" for name, what in sorted(result.routed.items())),
     )
 
@@ -765,6 +796,40 @@ def _every(candidate: Candidate) -> int:
     return next((c.every * c.regenerate for c in configured if isinstance(c, ActivationCheckpointing)), 1)
 
 
+def _kept_from(candidate: Candidate, count: Optional[int], depth: int) -> Optional[int]:
+    """The index of the first block keeping its input under ``ActivationCheckpointing(offload=count)`` (every
+    ``every``-th block checkpointed, the first ``count`` of them offloading): ``count * every``; None without a partial
+    offload (:attr:`Prediction.kept_from`)."""
+    configured = candidate.configured[1] if candidate.configured is not None else ()
+    every = next((c.every for c in configured if isinstance(c, ActivationCheckpointing)), 1)
+    return count * every if count is not None and count * every < depth else None
+
+
+def chosen_convolutions(module: nn.Module, candidate: Candidate) -> dict[str, int]:
+    """The convolutions of ``module`` (the model as built) whose mode a fit under ``candidate`` chooses at its start
+    (``QuantizedPrecision``'s convolutions' plan: a 4-bit mode, no ``layer_modes`` pinned), by name: the bytes each
+    adds stored in the widest mode of ``sensitive_mode`` it may take instead of the candidate's (0 where none is
+    wider). The fit measures each one's output error on its probe batch with the model's real weights; the planner's
+    model holds fake ones (a factory built on fake tensors, an instance copied so), so it plans them in the candidate's
+    mode and names them (session 37: transformers ConvNext's patch embedding, int8 in the fit, 1,120 B per rank under on
+    2 gloo ranks, ``tests/strategies/test_fsdp_convnext_stages_s35.py``)."""
+    if candidate.layer_modes is not None or not any(CONV.matches(layer) for layer in module.modules()):
+        return {}  # no convolution (a language model: nothing listed, each of max_context's plans)
+    plugin = candidate.precision_plugin("cpu")
+    if not isinstance(plugin, QuantizedPrecision) or plugin.config.layer_modes is not None or (
+            plugin.config.format.peft_kind != "4bit"):
+        return {}
+    base, dtype = plugin.config.format.name, plugin.config.torch_dtype
+    wider = ladder(base, plugin.config.sensitive_mode)
+    chosen = {}
+    for name, layer in plugin.quantization.targets(module):
+        if CONV.matches(layer):
+            features = cast(LayerKind, kind_of(layer)).features(layer)
+            widest = max((weight_bytes(mode, *features, dtype) for mode in wider), default=0)
+            chosen[name] = max(widest - weight_bytes(base, *features, dtype), 0)
+    return chosen
+
+
 def _remakes(candidate: Candidate) -> bool:
     configured = candidate.configured[1] if candidate.configured is not None else ()
     return any(isinstance(c, ActivationCheckpointing) and c.regenerate > 1 for c in configured)
@@ -867,6 +932,14 @@ class Plan:
             for p in self.predictions if p.routed
         ]  # fmt: skip
         notes += [f"{p.candidate.name}: {s} in {_SELECTED}" for p in self.predictions for s in p.selections]
+        notes += [
+            f"{p.candidate.name}: {len(p.chosen_convs)} convolution(s) planned in {p.candidate.precision}, whose modes the "
+            "fit chooses at its start on its probe batch and real weights (the most sensitive widened): up to "
+            f"{format_bytes(sum(p.chosen_convs.values()))} more if all widen ({', '.join(list(p.chosen_convs)[:4])}"
+            f"{', ...' if len(p.chosen_convs) > 4 else ''}); a fit's plugin.layer_modes as Candidate(layer_modes=...) "
+            "plans its choice exactly"
+            for p in self.predictions if p.chosen_convs
+        ]  # fmt: skip
         for p in self.predictions:  # the host terms (lightning_hbm.memory.terms): off the device, not in the peak
             terms = p.terms
             for t in host_terms():

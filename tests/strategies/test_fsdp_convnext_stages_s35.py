@@ -107,6 +107,35 @@ def test_per_rank_plan_of_convnext_stages(tmp_path: Path) -> None:
     planned = sum(prediction.per_rank(2).values())
     print("convnext measured", measured, "planned", planned, f"{(planned - measured) / measured:+.4%}")
     assert plan_matches(prediction, measured, within=8), (planned, measured)
+    # without the fit's modes: under by the patch embedding widened to int8 (1,120 B per rank: its shard and gathered
+    # copies), a convolution the plan names among those whose modes the fit chooses (session 37)
+    unpinned = predict(_convnext, default_collate(_samples(BATCH)), Candidate("nf4", "float32", lora_r=4))
+    widened = [name for name, mode in record["layer_modes"].items() if mode != "nf4"]
+    assert widened and set(widened) <= set(unpinned.chosen_convs)
+    assert 0 < measured - sum(unpinned.per_rank(2).values()) <= 2 * sum(unpinned.chosen_convs.values())
+
+
+def test_plan_names_the_convolutions_the_fit_chooses() -> None:
+    """The fit chooses each convolution's mode at its start (nf4, or int8 where its output error on the probe batch and
+    the real weights asks for it); the plan, on fake weights, stores them in nf4 and names them with the bytes each adds
+    in int8 (the patch embedding's 32 x 48 weight: 736 B), in its notes; given the fit's modes, it names none."""
+    from torch.utils.data import default_collate
+
+    from lightning_hbm.planner import Candidate, predict
+    from lightning_hbm.planner.api import Plan, chosen_convolutions, weight_bytes
+
+    batch = default_collate(_samples(BATCH))
+    prediction = predict(_convnext, batch, Candidate("nf4", "float32", lora_r=4))
+    patch = "model.convnext.embeddings.patch_embeddings"
+    int8, nf4 = (weight_bytes(mode, 48, 32, torch.float32) for mode in ("int8", "nf4"))
+    assert prediction.chosen_convs[patch] == int8 - nf4 == 736
+    assert len(prediction.chosen_convs) == 6  # the patch embedding, 4 depthwise convolutions, the downsampling one
+    note = next(n for n in Plan([prediction]).notes() if "convolution" in n)
+    assert "6 convolution(s) planned in nf4" in note and "chooses at its start" in note and patch in note
+    pinned = predict(_convnext, batch, Candidate("nf4", "float32", lora_r=4, layer_modes={patch: "int8"}))
+    assert pinned.chosen_convs == {}
+    assert chosen_convolutions(_convnext(), Candidate("int8", "float32", lora_r=4)) == {}  # no 4-bit mode: no choice
+    assert sum(pinned.categories.values()) - sum(prediction.categories.values()) == 736  # the one it widens, exactly
 
 
 def test_inner_units_of_convnext() -> None:
