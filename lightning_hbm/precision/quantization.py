@@ -9,18 +9,19 @@ checkpoint hooks); this object is the rest, one per plugin:
   :meth:`Quantization.check` (a :class:`~lightning_hbm.precision.targets.Listing`); LoRA's checks
   (:meth:`Quantization.targets`) and the quantization reuse that listing (its Linear-like layers listed again only
   when preparing a layer kind replaced modules, e.g. ``nn.MultiheadAttention``);
-* the **layer modes** ``{layer name: mode name}`` (:mod:`lightning_hbm.precision.sensitivity`), pinned by the
+* the **layer modes** ``{layer name: mode name}`` (:mod:`lightning_hbm.precision.mode_choice`), pinned by the
   user (``layer_modes``), measured on the probe or taken from the checkpoint being resumed;
 * the **GPTQ rounding** (:class:`GPTQRounding`: input statistics, then the CRC of the rounded layers);
 * the **smoothing** (:class:`~lightning_hbm.precision.smoothing.Smoothing`);
 * the **resume metadata**: :meth:`Quantization.resume_config` (the settings a resume must share) and
   :meth:`Quantization.save` (the GPTQ CRC and the smoothing exponents, into each checkpoint).
 
-It is called at the surgery points: :meth:`~Quantization.check` in the checks (before any change: the targets listed,
-then what the quantization needs measured, :meth:`~lightning_hbm.precision.measures.Measures.measure_model`, then the layer modes), and
-:meth:`~Quantization.convert` at the quantization point, one way: the targets and measures of the checks handed on,
-the quantization (:func:`~lightning_hbm.precision.targets.quantize_listed`), then the record. Both take the Trainer of
-the run (or ``None``): the probe batch and the checkpoint being resumed are read from it.
+It is called at the surgery points: :meth:`~Quantization.check` in the checks (before any change: the targets listed
+once, then what the quantization measures, :mod:`~lightning_hbm.precision.measures`, then the layer modes once,
+:mod:`~lightning_hbm.precision.mode_choice`, each handed the probe drawn once), and :meth:`~Quantization.convert` at
+the quantization point, one way: the targets and measures of the checks handed on, the quantization
+(:func:`~lightning_hbm.precision.targets.quantize_listed`), then the record. Both take the Trainer of the run (or
+``None``): the probe batch and the checkpoint being resumed are read from it.
 """
 
 from __future__ import annotations
@@ -46,14 +47,16 @@ from lightning_hbm.precision.gptq import DIGEST_KEY, GPTQRounding
 from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.int8_dynamic import report_unsmoothed
 from lightning_hbm.precision.measures import CORRECTION_PROBE_TOKENS, Measures, on_fake_tensors, one_batch
+from lightning_hbm.precision.mode_choice import conv_modes, linear_modes
 from lightning_hbm.precision.saved_settings import SavedSettings, saved_meta
-from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_TARGET_COSINE, SensitivityReport, choose_layer_modes, unmeasured_convs_warning, widened_convs_warning
+from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityReport
 from lightning_hbm.precision.smoothing import SmoothingReport
 from lightning_hbm.precision.target_listing import KEPT_UNDER, TargetListing, linear_names, modules_to_save
 from lightning_hbm.precision.targets import Listing, TargetRule, _validate, layer_modes_of, quantize_listed
 from lightning_hbm.probe import Probe, forwarding, has_forward
 
 log = logging.getLogger(__name__)
+
 
 class Quantization:
     """What one ``QuantizedPrecision`` quantizes and how: its settings (a :class:`QuantizationConfig`) and what its
@@ -88,8 +91,6 @@ class Quantization:
         self.conv_accuracy: Optional[ConvAccuracy] = None
         # the convolutions' mode choice's warning that held out such choices measured under the target (said at the quantization)
         self._conv_gap: Optional[str] = None
-        # the convolutions' mode choice said the model went unmeasured (no probe batch, a probe it cannot run): not said twice
-        self._said_unmeasured = False
         #: where the quantized layers are built (the strategy's root device; ``None``: where the weights are)
         self.device: Optional[torch.device] = None
         self.owner = owner
@@ -174,6 +175,17 @@ class Quantization:
             rank_zero_warn(warning)
         if self.config.quantize_embeddings:
             self._say_embeddings_kept(module)
+        names = self._measured(module, targets, trainer, fake)  # what the quantization measures, the layer modes once, the reference
+        said = accuracy_at_unused(module, None if fake else self.config.accuracy_at, self.measures.reference, names)  # never called: raised
+        if said is not None:
+            rank_zero_warn(said)
+
+    def _measured(self, module: nn.Module, targets: list[tuple[str, nn.Module]], trainer: Any, fake: bool) -> list[str]:
+        """The checks' measures on the model as built, handed the targets listed: the probe drawn once, the inputs'
+        statistics and the smoothing (:meth:`~lightning_hbm.precision.measures.Measures.measure_model`), then the layer
+        modes (the Linears', then the convolutions', :mod:`~lightning_hbm.precision.mode_choice`), then the accuracy
+        check's reference (kept in the measures for the quantization). Returns the names of the layers the reference
+        records (none: not measured)."""
         # a LightningModule without forward: measured through the submodule its training_step calls (issue 53)
         measures, settings = self.measures, self.settings()  # the settings a resume compares, read once the targets are listed
         measures.stepped = None
@@ -188,7 +200,7 @@ class Quantization:
                 with self.smoothing.attached(module) if self.smoothing is not None else nullcontext():
                     self._choose_layer_modes(module, linear_names(targets), trainer, probe)
             convs = [name for name, layer in targets if CONV.matches(layer)]
-            self._conv_gap, self._said_unmeasured = None, False
+            self._conv_gap = None
             # every model quantized is measured (session 32; was: only those with a quantized convolution, and a Pix2Struct
             # lost its output in nf4-dq, cosine 0.965, unsaid): the reference records every quantized layer's input
             # (a validate/predict/test run measures only models with convolutions, as before: a model of Linears alone
@@ -197,14 +209,12 @@ class Quantization:
             self.conv_accuracy, measures.reference = None, Reference(names, convs) if names and not fake else None
             # the mode choice's first forward is the model as built: the reference, where the check measures its batch
             with measures.reference.recording(module) if measures.reference is not None and one_batch(drawn, checked) else nullcontext():
-                self._choose_conv_modes(module, convs, trainer, probe)
-            measures.record_reference(module, probe if checked is drawn else checked, None if checked is drawn else drawn, self._said_unmeasured)
+                said = self._choose_conv_modes(module, convs, trainer, probe)
+            measures.record_reference(module, probe if checked is drawn else checked, None if checked is drawn else drawn, said)
             if measures.reference is not None:  # the quantized model's forward runs where the model as built's ran
                 measures.reference.stepped = measures.stepped
         measures.stepped = None
-        said = accuracy_at_unused(module, None if fake else self.config.accuracy_at, measures.reference, names)  # never called: raised
-        if said is not None:
-            rank_zero_warn(said)
+        return names
 
     def convert(self, module: nn.Module, trainer: Any) -> list[str]:
         """Quantize the targets of ``module`` in place, one way, each step handing its value to the next: the targets the
@@ -254,72 +264,34 @@ class Quantization:
         return quantized
 
     def _choose_layer_modes(self, module: nn.Module, names: list[str], trainer: Any, probe: Callable[[], Probe]) -> None:
+        """The Linear layers' modes under a target: the checkpoint's being resumed with these settings, else measured
+        (:func:`~lightning_hbm.precision.mode_choice.linear_modes`)."""
         self.layer_modes = self.report = None  # a plugin reused by another Trainer measures again
         saved = self.saved_layer_modes(trainer)
         if saved is not None:  # resuming: rebuild the plan the checkpoint was trained with (a fresh model may differ)
             self.layer_modes = saved
             log.info("lightning_hbm: mixed precision plan taken from the checkpoint being resumed")
             return
-        report = choose_layer_modes(
-            module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, probe().batch,
-            max_bytes_per_param=self.config.max_bytes_per_param, min_cosine=self.config.min_cosine,
-            hessians=self.gptq.hessians if self.gptq is not None else None,
-        )
-        self.layer_modes, self.report = report.modes, report
-        log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.config.format.name))
+        self.report = linear_modes(module, names, self.config, probe, self.gptq.hessians if self.gptq is not None else None)
+        self.layer_modes = self.report.modes
 
-    def _choose_conv_modes(self, module: nn.Module, names: list[str], trainer: Any, probe: Callable[[], Probe]) -> None:
-        """The convolutions' mode choice under a 4-bit mode (issue 53): each one's output error measured on the probe, the
-        most sensitive widened (``sensitive_mode``) until the probe output cosine reaches ``min_cosine`` (default
-        :data:`CONV_TARGET_COSINE`, above the threshold held out because the probe reads high); under it, a warning naming the figure. Not with a pinned plan, nor when resuming
-        (the checkpoint's modes are taken), nor without a probe batch (logged; a BatchNorm conv net: a warning, with the
-        figure); a probe the model cannot run: a warning. A BatchNorm conv net chosen to the target: a warning that held
-        out such choices measured under it (:func:`~lightning_hbm.precision.sensitivity.widened_convs_warning`), not
-        said where the check measured 32 samples quiet (session 36)."""
+    def _choose_conv_modes(self, module: nn.Module, names: list[str], trainer: Any, probe: Callable[[], Probe]) -> bool:
+        """The convolutions' modes under a 4-bit mode (issue 53: :func:`~lightning_hbm.precision.mode_choice.conv_modes`),
+        those it widens added to :attr:`layer_modes`, its warning of a gap held out kept for the quantization. Not with a
+        pinned plan, nor when resuming (the checkpoint's modes are taken). Returns whether it said the model went
+        unmeasured (no probe batch, a probe it cannot run): the accuracy check does not say it again."""
         if not names or self.config.layer_modes is not None or self.config.format.peft_kind != "4bit":
-            return
+            return False
         if self.saved.saved(trainer):
             # resuming: the plan the checkpoint was trained with (Linears' and convolutions'); none saved (a checkpoint
             # from before issue 53): every convolution in mode, as it was trained
             self.layer_modes = self.saved_layer_modes(trainer) or self.layer_modes
-            return
-        target = self.config.min_cosine if self.config.min_cosine is not None else CONV_TARGET_COSINE
-        try:
-            batch = probe().batch
-        except ValueError:
-            unmeasured = unmeasured_convs_warning(module, names, self.config.format.name)
-            if unmeasured is not None:  # a BatchNorm conv net: the loss is measured, said (issue 53)
-                rank_zero_warn(unmeasured)
-                self._said_unmeasured = True
-            log.info("lightning_hbm: %d convolutions stored in %s without a measured plan: no probe_batch", len(names), self.config.format.name)
-            return
-        try:  # on by default: a model or batch the probe cannot run is said, and the fit goes on as before issue 53
-            if not has_forward(module):
-                raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
-            report = choose_layer_modes(
-                module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, batch, min_cosine=target,
-                hessians=self.gptq.hessians if self.gptq is not None else None, strict=False, tap=self.config.accuracy_at,
-            )  # fmt: skip
-        except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as error:
-            self._said_unmeasured = True
-            rank_zero_warn(
-                f"lightning_hbm: {len(names)} convolutions stored in {self.config.format.name} without a measured plan ({error}). "
-                f"With BatchNorm statistics like a trained network's, uniform 4-bit convolutions can lose much of the "
-                "output (issue 53: ResNet18 cosine 0.91); pass QuantizedPrecision(probe_batch=...) the model's forward "
-                "takes, or mode='int8'."
-            )
-            return
-        self.conv_report = report
-        widened = {name: mode for name, mode in report.modes.items() if mode != self.config.format.name}
-        if widened:
-            self.layer_modes = {**(self.layer_modes or {}), **widened}
-        log.info("lightning_hbm: convolutions' plan: %s", report.summary(self.config.format.name).replace("Linear layers", "convolutions"))
-        # reached on the probe only: held out, a BatchNorm conv net measured under it (issue 53); said at the quantization
-        # unless the quantized model's own figure is under the threshold there (one warning, the measured one)
-        threshold = self.config.min_cosine if self.config.min_cosine is not None else CONV_MIN_COSINE
-        self._conv_gap = widened_convs_warning(module, report, self.config.format.name, target, threshold)
-        if report.cosine < target:
-            rank_zero_warn(_missed_target_warning(self.config, report, target))
+            return False
+        choice = conv_modes(module, names, self.config, probe, self.gptq.hessians if self.gptq is not None else None)
+        self.conv_report, self._conv_gap = choice.report, choice.gap
+        if choice.widened:
+            self.layer_modes = {**(self.layer_modes or {}), **choice.widened}
+        return choice.said_unmeasured
 
     def probe(self, trainer: Any) -> Any:
         """The batch the layer modes are measured on (:meth:`~lightning_hbm.precision.measures.Measures.probe`)."""
@@ -371,24 +343,5 @@ def __getattr__(name: str) -> Any:
         return Quantization
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-
-def _missed_target_warning(config: Any, report: SensitivityReport, target: float) -> str:
-    """The fit-start warning for a convolutions' mode choice that misses ``target`` at the widest of its ladder, with the fix;
-    computing in a 16-bit dtype, the float32 the choice measures the rest of the model in (session 33: transformers'
-    MobileNetV2, calibrated, 0.923-0.942 held out in bfloat16 with no convolution quantized)."""
-    mode, dtype = config.format.name, config.torch_dtype
-    wider = "" if dtype == torch.float32 else (
-        f"; the plan measures the rest of the model in float32, and computing in {str(dtype).removeprefix('torch.')} loses "
-        "more on its own on a net that amplifies small errors (transformers' MobileNetV2, calibrated: 0.923-0.942 held out "
-        "with no convolution quantized): add dtype='float32' there (0.980-0.989 with sensitive_mode=['nf4-dq-b32', "
-        "'int8', 'none'], min_cosine=0.99; benchmarks/README.md)"
-    )
-    return (
-        f"lightning_hbm: the convolutions stored in {mode} (widest plan of sensitive_mode={config.sensitive_argument()!r}: "
-        f"{report.bytes_per_param:.3f} bytes per conv weight) give a probe output cosine of {report.cosine:.4f} < {target} "
-        f"against the unquantized model (uniform {mode}: {report.uniform_cosine:.4f}). Fix: QuantizedPrecision(..., "
-        f"sensitive_mode=['int8', 'none']) or mode='int8'{wider}."
-    )
 
 __all__ = ["CORRECTION_PROBE_TOKENS", "DIGEST_KEY", "KEPT_UNDER", "GPTQRounding", "Quantization", "QuantizationConfig", "modules_to_save", "saved_meta"]
