@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 
 import lightning_hbm.precision.accuracy as accuracy
+import lightning_hbm.precision.measures as measures
 import lightning_hbm.precision.quantization as quantization
 from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision
 from lightning_hbm._compat import bitsandbytes as bnb_compat
@@ -100,7 +101,7 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true", help="the CPU seconds of the check's parts, per fit")
     args = parser.parse_args()
     if args.breakdown:
-        count(quantization.Quantization, "_record_reference", "reference forward")
+        count(measures.Measures, "record_reference", "reference forward")
         count(accuracy.Reference, "_computed", "quantized forward")
         count(accuracy, "measure", "the figure (measure)")
         count(accuracy, "responsible", "per-layer cosines (responsible)")

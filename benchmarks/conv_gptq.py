@@ -10,7 +10,7 @@ per conv weight and fit-start seconds (measuring and quantizing, on the model as
 - ``nf4-dq gptq (damp d)``: the same bytes, GPTQ-rounded with damping ``d`` (a fraction of ``diag(H)``'s mean; the
   library's :data:`~lightning_hbm.precision.gptq.DAMP` is 0.1);
 - ``plan``: ``QuantizedPrecision("nf4-dq")``'s default (the convolutions' plan to probe cosine 0.98,
-  :meth:`~lightning_hbm.precision.quantization.Quantization._choose_conv_modes`), nearest rounding;
+  :func:`~lightning_hbm.precision.mode_choice.conv_modes`), nearest rounding;
 - ``plan measured gptq-rounded``: the plan measured with every 4-bit convolution GPTQ-rounded, and stored so (what
   ``rounding="gptq"`` would do if :func:`~lightning_hbm.precision.sensitivity.measured_rounded` said yes for them);
 - ``plan + gptq``: ``QuantizedPrecision("nf4-dq", rounding="gptq")``: the plan measured rounded to nearest (the

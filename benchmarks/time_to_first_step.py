@@ -138,7 +138,7 @@ def _time_stages() -> None:
     import lightning_hbm.surgery.engine as surgery_engine
     from lightning_hbm import resume
     from lightning_hbm.layers import readers
-    from lightning_hbm.precision import quantization
+    from lightning_hbm.precision import measures, quantization
 
     def wrap(owner: Any, attr: str, label: str) -> None:
         inner = getattr(owner, attr)
@@ -172,8 +172,8 @@ def _time_stages() -> None:
     wrap(pl.Trainer, "fit", "lhbm: Trainer.fit (all)")
     wrap(surgery_engine, "check_ranks", "  check_ranks")
     wrap(quantization.Quantization, "check", "  quantization checks (Quantization.check)")
-    wrap(quantization, "stepped_inputs", "    forward-less module: stepped_inputs")
-    wrap(quantization.Quantization, "_record_reference", "    accuracy check: reference forward")
+    wrap(measures, "stepped_inputs", "    forward-less module: stepped_inputs")
+    wrap(measures.Measures, "record_reference", "    accuracy check: reference forward")
     wrap(quantization, "quantize_listed", "    quantize_listed (the layers replaced)")
     wrap(quantization, "check_accuracy", "    accuracy check: quantized forward + figure")
     wrap(ActivationCheckpointing, "transform_model", "  ActivationCheckpointing.transform_model")

@@ -432,7 +432,7 @@ def eval_no_grad(module: nn.Module) -> Generator[None, None, None]:
 @dataclass
 class Probe:
     """A model and its probe batch, as the measurements of one quantization run them: built once by their owner
-    (``Quantization._measure``, ``choose_layer_modes``) and handed down, so that each measurement (the smoothing, its
+    (``Measures.measure_model``, ``choose_layer_modes``) and handed down, so that each measurement (the smoothing, its
     candidates' errors, the swapped-in outputs of the plans) asks it for a forward instead of taking the model and
     the batch apart again. Each method is the function of this module of the same name on :attr:`module` and
     :attr:`batch`."""

@@ -87,4 +87,4 @@ def test_a_module_without_forward_is_measured_through_the_submodule_the_referenc
         plugin.convert_module(module)
     measured = plugin.quantization.conv_accuracy
     assert measured is not None and measured.cosine > 0.99
-    assert "forward" not in vars(module) and plugin.quantization._stepped is None
+    assert "forward" not in vars(module) and plugin.quantization.measures.stepped is None

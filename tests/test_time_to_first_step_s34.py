@@ -59,7 +59,7 @@ def test_a_module_without_forward_runs_its_model_only_for_the_measurements() -> 
     assert len(calls) == 2, calls
     measured = plugin.quantization.conv_accuracy
     assert measured is not None and measured.cosine > 0.99
-    assert "forward" not in vars(module) and plugin.quantization._stepped is None
+    assert "forward" not in vars(module) and plugin.quantization.measures.stepped is None
     same = WithForward()
     other, _ = _measured(same, same.batch)
     assert other.quantization.conv_accuracy is not None and other.quantization.conv_accuracy.cosine == measured.cosine

@@ -470,7 +470,7 @@ DIGEST_KEY = "gptq_digest"  # the CRC of the GPTQ-rounded base, in the checkpoin
 class GPTQRounding:
     """The GPTQ rounding of one plan (``QuantizedPrecision(rounding="gptq")``).
 
-    :attr:`hessians` set in the checks (``Quantization._measure``: one probe forward, every target's input
+    :attr:`hessians` set in the checks (``Measures.measure_model``: one probe forward, every target's input
     statistics), then :meth:`finish` after the
     quantization rounded the layers with them (frees them, takes the CRC of the rounded weights and compares it with
     the one of the checkpoint being resumed), :meth:`save` with each checkpoint.

@@ -9,18 +9,19 @@ checkpoint hooks); this object is the rest, one per plugin:
   :meth:`Quantization.check` (a :class:`~lightning_hbm.precision.targets.Listing`); LoRA's checks
   (:meth:`Quantization.targets`) and the quantization reuse that listing (its Linear-like layers listed again only
   when preparing a layer kind replaced modules, e.g. ``nn.MultiheadAttention``);
-* the **layer modes** ``{layer name: mode name}`` (:mod:`lightning_hbm.precision.sensitivity`), pinned by the
+* the **layer modes** ``{layer name: mode name}`` (:mod:`lightning_hbm.precision.mode_choice`), pinned by the
   user (``layer_modes``), measured on the probe or taken from the checkpoint being resumed;
 * the **GPTQ rounding** (:class:`GPTQRounding`: input statistics, then the CRC of the rounded layers);
 * the **smoothing** (:class:`~lightning_hbm.precision.smoothing.Smoothing`);
 * the **resume metadata**: :meth:`Quantization.resume_config` (the settings a resume must share) and
   :meth:`Quantization.save` (the GPTQ CRC and the smoothing exponents, into each checkpoint).
 
-It is called at the surgery points: :meth:`~Quantization.check` in the checks (before any change: the targets listed,
-then what the quantization needs measured, :meth:`Quantization._measure`, then the layer modes), and
-:meth:`~Quantization.convert` at the quantization point, one way: the targets and measures of the checks handed on,
-the quantization (:func:`~lightning_hbm.precision.targets.quantize_listed`), then the record. Both take the Trainer of
-the run (or ``None``): the probe batch and the checkpoint being resumed are read from it.
+It is called at the surgery points: :meth:`~Quantization.check` in the checks (before any change: the targets listed
+once, then what the quantization measures, :mod:`~lightning_hbm.precision.measures`, then the layer modes once,
+:mod:`~lightning_hbm.precision.mode_choice`, each handed the probe drawn once), and :meth:`~Quantization.convert` at
+the quantization point, one way: the targets and measures of the checks handed on, the quantization
+(:func:`~lightning_hbm.precision.targets.quantize_listed`), then the record. Both take the Trainer of the run (or
+``None``): the probe batch and the checkpoint being resumed are read from it.
 """
 
 from __future__ import annotations
@@ -35,37 +36,26 @@ from typing import Any, Callable, Optional
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor  # as layers/readers.py: no public home
 
 from lightning_hbm import resume
 from lightning_hbm._compat import bitsandbytes as bnb_compat
-from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV
-from lightning_hbm.layers.correction import saved_factors
-from lightning_hbm.precision.accuracy import CHECK_SAMPLES, ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at, unmeasured_reference_warning
+from lightning_hbm.precision.accuracy import CHECK_SAMPLES, ConvAccuracy, Reference, accuracy_at_unused, check_accuracy, check_accuracy_at
 from lightning_hbm.precision.config import QuantizationConfig
-from lightning_hbm.precision.correction import CalibratedCorrection, CorrectionReport
-from lightning_hbm.precision.gptq import DIGEST_KEY, GPTQRounding, input_statistics
+from lightning_hbm.precision.correction import CorrectionReport
+from lightning_hbm.precision.gptq import DIGEST_KEY, GPTQRounding
 from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.int8_dynamic import report_unsmoothed
+from lightning_hbm.precision.measures import CORRECTION_PROBE_TOKENS, Measures, on_fake_tensors, one_batch
+from lightning_hbm.precision.mode_choice import conv_modes, linear_modes
 from lightning_hbm.precision.saved_settings import SavedSettings, saved_meta
-from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_TARGET_COSINE, SensitivityReport, choose_layer_modes, unmeasured_convs_warning, widened_convs_warning
-from lightning_hbm.precision.smoothing import Smoothing, SmoothingReport
+from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityReport
+from lightning_hbm.precision.smoothing import SmoothingReport
 from lightning_hbm.precision.target_listing import KEPT_UNDER, TargetListing, linear_names, modules_to_save
 from lightning_hbm.precision.targets import Listing, TargetRule, _validate, layer_modes_of, quantize_listed
-from lightning_hbm.probe import Probe, Stepped, eval_no_grad, forward_on, forwarding, has_forward, stepped_inputs
-from lightning_hbm.probe_batch import first_and_joined, first_batches
+from lightning_hbm.probe import Probe, forwarding, has_forward
 
 log = logging.getLogger(__name__)
-
-#: Tokens the default probe holds when ``correction_rank`` is set (the first training batches, joined): on the real
-#: SmolLM2 after 150 LoRA steps a 512-token probe ended +1.49 % above 16-bit LoRA, a 2048-token one +0.74 % (issue 52).
-CORRECTION_PROBE_TOKENS = 2048
-
-
-def _on_fake_tensors(module: nn.Module) -> bool:
-    """Whether ``module`` holds fake tensors (the planner's trace): nothing to measure on."""
-    return any(isinstance(p, FakeTensor) for p in module.parameters())
 
 
 class Quantization:
@@ -79,9 +69,11 @@ class Quantization:
 
     def __init__(self, config: QuantizationConfig, owner: str) -> None:
         self._config = config
-        self.gptq = GPTQRounding() if config.rounding == "gptq" else None
-        #: the calibrated low-rank correction of each quantized layer (``None``: off)
-        self.correction = CalibratedCorrection(config.correction_rank, config.torch_dtype) if config.correction_rank else None
+        #: what is measured on the model as built (the probe, the inputs' statistics, the smoothing, the reference)
+        self.measures = Measures(config, owner)
+        #: its parts: the GPTQ rounding, the calibrated low-rank correction of each quantized layer, the smoothing of
+        #: layers stored in ``int8-dynamic-smooth`` (each ``None``: off)
+        self.gptq, self.correction, self.smoothing = self.measures.gptq, self.measures.correction, self.measures.smoothing
         #: the per-layer modes ``{layer name: mode name}`` (``None``: every layer in ``mode``): pinned, measured or resumed
         self.layer_modes: Optional[dict[str, str]] = config.pinned_layer_modes
         # the Trainer whose surgery measured or took ``layer_modes`` (weakly): a plugin reused by another Trainer compares
@@ -97,16 +89,8 @@ class Quantization:
         #: the quantized model's output cosine on the probe, any mode (:mod:`~lightning_hbm.precision.accuracy`;
         #: ``None``: no quantized convolution, or not measured)
         self.conv_accuracy: Optional[ConvAccuracy] = None
-        # the model as built on the probe (recorded in the checks, compared and dropped at the quantization)
-        self._reference: Optional[Reference] = None
         # the convolutions' mode choice's warning that held out such choices measured under the target (said at the quantization)
         self._conv_gap: Optional[str] = None
-        # a LightningModule without forward: the submodule its training_step calls, measured instead (issue 53)
-        self._stepped: Optional[Stepped] = None
-        # the convolutions' mode choice said the model went unmeasured (no probe batch, a probe it cannot run): not said twice
-        self._said_unmeasured = False
-        #: the smoothing of layers stored in ``int8-dynamic-smooth`` (``None`` when no layer may be)
-        self.smoothing = None if config.smoothing is None else Smoothing(config.smoothing)
         #: where the quantized layers are built (the strategy's root device; ``None``: where the weights are)
         self.device: Optional[torch.device] = None
         self.owner = owner
@@ -123,7 +107,7 @@ class Quantization:
 
     @config.setter
     def config(self, config: QuantizationConfig) -> None:
-        self._config = self.saved.config = self.target_listing.config = config
+        self._config = self.saved.config = self.target_listing.config = self.measures.config = config
 
     @property
     def rounding_digest(self) -> Optional[str]:
@@ -180,7 +164,7 @@ class Quantization:
         self._modes_run = weakref.ref(trainer) if trainer is not None else None
         rule, listing = self._listed(module, trainer)
         _validate(module, rule, listing, self.config.format, self.config.torch_dtype)
-        fake = _on_fake_tensors(module)  # the planner's trace (a model cut to fewer blocks): nothing is measured there
+        fake = on_fake_tensors(module)  # the planner's trace (a model cut to fewer blocks): nothing is measured there
         check_accuracy_at(module, None if fake else self.config.accuracy_at)
         targets = listing.targets
         self.embedding_modes = rule.embedding_modes(listing, {})
@@ -191,36 +175,46 @@ class Quantization:
             rank_zero_warn(warning)
         if self.config.quantize_embeddings:
             self._say_embeddings_kept(module)
+        names = self._measured(module, targets, trainer, fake)  # what the quantization measures, the layer modes once, the reference
+        said = accuracy_at_unused(module, None if fake else self.config.accuracy_at, self.measures.reference, names)  # never called: raised
+        if said is not None:
+            rank_zero_warn(said)
+
+    def _measured(self, module: nn.Module, targets: list[tuple[str, nn.Module]], trainer: Any, fake: bool) -> list[str]:
+        """The checks' measures on the model as built, handed the targets listed: the probe drawn once, the inputs'
+        statistics and the smoothing (:meth:`~lightning_hbm.precision.measures.Measures.measure_model`), then the layer
+        modes (the Linears', then the convolutions', :mod:`~lightning_hbm.precision.mode_choice`), then the accuracy
+        check's reference (kept in the measures for the quantization). Returns the names of the layers the reference
+        records (none: not measured)."""
         # a LightningModule without forward: measured through the submodule its training_step calls (issue 53)
-        self._stepped = None
+        measures, settings = self.measures, self.settings()  # the settings a resume compares, read once the targets are listed
+        measures.stepped = None
         stepping = [name for name, _ in targets] if not fake and not has_forward(module) else None
         # drawn at the first measure, then handed to each; a conv net's accuracy check measures more samples (session 35)
         conv_net = stepping is None and not fake and any(CONV.matches(layer) for _, layer in targets)
-        drawn, checked = self._probes_once(module, trainer, CHECK_SAMPLES if conv_net else 0)
-        probe = drawn if stepping is None else functools.cache(lambda: self._stepping(drawn(), stepping))
-        with forwarding(module, lambda: self._stepped):
-            self._measure(module, targets, trainer, inputs=True, smooth=True, probe=probe)  # smoothed before the plan, which measures it
+        drawn, checked = measures.probes_once(module, trainer, CHECK_SAMPLES if conv_net else 0)
+        probe = drawn if stepping is None else functools.cache(lambda: measures.stepping(drawn(), stepping))
+        with forwarding(module, lambda: measures.stepped):
+            measures.measure_model(module, targets, trainer, True, True, settings, probe)  # smoothed before the plan, which measures it
             if self.config.measures_layer_modes:
                 with self.smoothing.attached(module) if self.smoothing is not None else nullcontext():
                     self._choose_layer_modes(module, linear_names(targets), trainer, probe)
             convs = [name for name, layer in targets if CONV.matches(layer)]
-            self._conv_gap, self._said_unmeasured = None, False
+            self._conv_gap = None
             # every model quantized is measured (session 32; was: only those with a quantized convolution, and a Pix2Struct
             # lost its output in nf4-dq, cosine 0.965, unsaid): the reference records every quantized layer's input
             # (a validate/predict/test run measures only models with convolutions, as before: a model of Linears alone
             # is not worth opening the train loader, which such a run never asked for)
             names = [name for name, _ in targets] if convs or trainer is None or trainer.state.fn == "fit" else []
-            self.conv_accuracy, self._reference = None, Reference(names, convs) if names and not fake else None
+            self.conv_accuracy, measures.reference = None, Reference(names, convs) if names and not fake else None
             # the mode choice's first forward is the model as built: the reference, where the check measures its batch
-            with self._reference.recording(module) if self._reference is not None and _one_batch(drawn, checked) else nullcontext():
-                self._choose_conv_modes(module, convs, trainer, probe)
-            self._record_reference(module, probe if checked is drawn else checked, None if checked is drawn else drawn)
-            if self._reference is not None:  # the quantized model's forward runs where the model as built's ran
-                self._reference.stepped = self._stepped
-        self._stepped = None
-        said = accuracy_at_unused(module, None if fake else self.config.accuracy_at, self._reference, names)  # never called: raised
-        if said is not None:
-            rank_zero_warn(said)
+            with measures.reference.recording(module) if measures.reference is not None and one_batch(drawn, checked) else nullcontext():
+                said = self._choose_conv_modes(module, convs, trainer, probe)
+            measures.record_reference(module, probe if checked is drawn else checked, None if checked is drawn else drawn, said)
+            if measures.reference is not None:  # the quantized model's forward runs where the model as built's ran
+                measures.reference.stepped = measures.stepped
+        measures.stepped = None
+        return names
 
     def convert(self, module: nn.Module, trainer: Any) -> list[str]:
         """Quantize the targets of ``module`` in place, one way, each step handing its value to the next: the targets the
@@ -237,7 +231,7 @@ class Quantization:
         inputs = correction is not None and correction.hessians is None and correction.saved is None
         smooth = smoothing is not None and smoothing.shifts is None
         if inputs or smooth:  # a plain call that did not run the checks
-            self._measure(module, listed[0], trainer, inputs, smooth)
+            self.measures.measure_model(module, listed[0], trainer, inputs, smooth, self.settings())
         hessians = self.gptq.hessians if self.gptq is not None else None
         if correction is not None:
             correction.start()
@@ -253,7 +247,7 @@ class Quantization:
         if correction is not None:
             correction.finish(module)
         # the quantized model's output on the probe against the model as built (any mode): the reference handed on
-        reference, self._reference = self._reference, None
+        reference, self.measures.reference = self.measures.reference, None
         if reference is not None:  # before the check's first forward of bitsandbytes 4-bit layers, as the surgery does
             # after the quantization: an eval forward on an AVX512-BF16 CPU would repack them for a kernel that bypasses autograd
             bnb_compat.disable_cpu_repacks(module)
@@ -269,182 +263,39 @@ class Quantization:
             rank_zero_warn(gap)
         return quantized
 
-    def _record_reference(self, module: nn.Module, probe: Callable[[], Probe], first: Optional[Callable[[], Probe]] = None) -> None:
-        """The model as built on the probe, for :func:`~lightning_hbm.precision.accuracy.check_accuracy`, where the convolutions' mode choice did not record it:
-        one forward (none without a quantized convolution; without a probe batch or a forward: logged, not measured).
-        ``first``: the first training batch, measured instead where ``probe`` (a conv net's first batches joined up to
-        :data:`~lightning_hbm.precision.accuracy.CHECK_SAMPLES` samples) runs out of memory (a batch size chosen for memory) or
-        fails otherwise (a forward written for the loader's batch size: session 36)."""
-        reference = self._reference
-        if reference is None or reference.output is not None:
-            return
-        try:
-            try:
-                _recorded_forward(module, reference, probe().batch)
-            except Exception as error:  # noqa: BLE001 - the joined batch is ours, the first one the user's: it may still run
-                if first is None:
-                    raise
-                why = f"ran out of memory ({error})" if isinstance(error, torch.OutOfMemoryError) else f"did not run ({type(error).__name__}: {error})"
-                log.info("lightning_hbm: the accuracy check measures the first training batch: the first %d samples %s", CHECK_SAMPLES, why)
-                _recorded_forward(module, reference, first().batch)
-        except Exception as error:  # noqa: BLE001 - a measurement never stops a healthy model: said, with the fix
-            self._reference = None
-            if not reference.convs:  # no convolution: a LightningModule without forward (the usual one) is no warning
-                log.info("lightning_hbm: the output accuracy of the quantized model is not measured at fit start (%s: %s)", type(error).__name__, error)
-            elif not self._said_unmeasured:  # the 4-bit mode choice said it already (no probe batch, a probe it cannot run)
-                rank_zero_warn(unmeasured_reference_warning(module, reference.convs, error))
-
-    def _measure(
-        self, module: nn.Module, targets: list[tuple[str, nn.Module]], trainer: Any, inputs: bool, smooth: bool, probe: Optional[Callable[[], Probe]] = None
-    ) -> None:
-        """What the quantization measures on the model as built, before any change: one probe forward for each target's
-        input statistics (``inputs``: GPTQ rounding and the correction share them; the correction's factors are taken
-        back from the checkpoint being resumed with these settings instead), then the smoothing exponents (``smooth``:
-        of the ``nn.Linear`` targets, or the checkpoint's). Not on fake tensors (the planner): neither changes the bytes
-        (the correction's factors are then zeros of their shapes, the exponents none). ``probe``: the model and its
-        probe batch of the surgery's checks (:meth:`_probe_once`; ``None``: this call's own).
-
-        Raises:
-            ValueError: no probe batch, or one too small for ``correction_rank``.
-        """
-        fake = _on_fake_tensors(module)
-        resumed = self._resumed(trainer) if trainer is not None and (self.correction is not None or self.smoothing is not None) else {}
-        probe = probe or self._probe_once(module, trainer)
-        correction = self.correction
-        if inputs and correction is not None:
-            correction.hessians = None
-            # resuming with these settings: the file's factors, bit for bit (read where the layer declares its keys:
-            # the correction's own module is entered once here, with the statistics, and once after the quantization)
-            correction.saved = saved_factors(resumed.get("state_dict") or {}) if resumed else None
-        fitting = correction is not None and correction.saved is None
-        if inputs and (self.gptq is not None or fitting) and not fake:
-            # an embedding's input is token ids: no statistics
-            names = [name for name, layer in targets if not isinstance(layer, nn.Embedding)]
-            hessians, rows = input_statistics(module, names, probe().batch)
-            if self.gptq is not None:
-                self.gptq.hessians = hessians
-            if correction is not None and fitting:
-                correction.measured(hessians, rows)
-        if smooth and self.smoothing is not None:
-            path = trainer.ckpt_path if trainer is not None else None  # named in a refusal of the saved exponents
-            self.smoothing.measure(module, linear_names(targets), self.config.torch_dtype, probe, lambda: resumed, path)
-
-    def _resumed(self, trainer: Any) -> dict[str, Any]:
-        """The lightning_hbm part of the checkpoint ``trainer`` is resuming (as resume hands it over) when it was saved
-        with these settings (its layer modes aside), else empty: what the correction and the smoothing take back instead
-        of measuring."""
-        meta = resume.saved_part(trainer)
-        config = meta.get("configs", {}).get(self.owner) or {}
-        return meta if meta and all(config.get(k) == v for k, v in self.settings().items() if k != "layer_modes") else {}
-
-    def probe(self, trainer: Any) -> Any:
-        """The batch the plan is measured on: ``probe_batch``, else the first of the Trainer's train dataloader (a
-        datamodule's, the loader passed to ``fit``, the module's own: :func:`~lightning_hbm.probe_batch.first_batch`); with
-        ``correction_rank``, its first batches joined up to :data:`CORRECTION_PROBE_TOKENS` tokens.
-
-        Raises:
-            ValueError: no ``probe_batch`` and no train dataloader to draw one from.
-        """
-        if self.config.probe_batch is not None:
-            return self.config.probe_batch
-        correcting = self.correction is not None
-        return first_batches(trainer, "QuantizedPrecision", CORRECTION_PROBE_TOKENS if correcting else 0, most=16 if correcting else 1)
-
-    def _probe_once(self, module: nn.Module, trainer: Any) -> Callable[[], Probe]:
-        """The model and its probe batch (:meth:`probe`) for the measures of one surgery, handed to each: drawn at the
-        first call (a resume may measure nothing), the same :class:`~lightning_hbm.probe.Probe` after (a batch that
-        cannot be drawn raises at every call, as :meth:`probe`)."""
-        return functools.cache(lambda: Probe(module, self.probe(trainer)))
-
-    def _probes_once(self, module: nn.Module, trainer: Any, samples: int) -> tuple[Callable[[], Probe], Callable[[], Probe]]:
-        """The probe of the surgery's measures (:meth:`_probe_once`) and the one its accuracy check measures: the same,
-        but where ``samples`` (a conv net's :data:`~lightning_hbm.precision.accuracy.CHECK_SAMPLES`) is more than the
-        first training batch holds and the plugin draws its probe itself (no ``probe_batch``, no ``correction_rank``):
-        then the first batches joined up to ``samples``, from the same pass (:func:`~lightning_hbm.probe_batch.first_and_joined`).
-        The measures choose on the first batch as before; the check reads what held-out data reads (a probe of 4 images
-        read 0.986 where 64 held-out images read 0.975, and was quiet: ``benchmarks/conv_probe_samples.py``)."""
-        if not samples or self.config.probe_batch is not None or self.correction is not None:
-            drawn = self._probe_once(module, trainer)
-            return drawn, drawn
-        both = functools.cache(lambda: first_and_joined(trainer, "QuantizedPrecision", 0, samples, most=samples))
-        first = functools.cache(lambda: Probe(module, both()[0]))
-        return first, functools.cache(lambda: first() if both()[1] is both()[0] else Probe(module, both()[1]))
-
-    def _stepping(self, probe: Probe, names: list[str]) -> Probe:
-        """``probe``, once the submodule of a LightningModule without forward holding every layer ``names`` is found
-        (:func:`~lightning_hbm.probe.stepped_inputs`; kept for :func:`~lightning_hbm.probe.forwarding`, then handed to
-        the reference): at the draw, before any measuring forward (the checks' only); whether it takes the batch is seen
-        at the first of them (:class:`~lightning_hbm.probe.Stepped`)."""
-        self._stepped = stepped_inputs(probe.module, probe.batch, names)
-        return probe
-
     def _choose_layer_modes(self, module: nn.Module, names: list[str], trainer: Any, probe: Callable[[], Probe]) -> None:
+        """The Linear layers' modes under a target: the checkpoint's being resumed with these settings, else measured
+        (:func:`~lightning_hbm.precision.mode_choice.linear_modes`)."""
         self.layer_modes = self.report = None  # a plugin reused by another Trainer measures again
         saved = self.saved_layer_modes(trainer)
         if saved is not None:  # resuming: rebuild the plan the checkpoint was trained with (a fresh model may differ)
             self.layer_modes = saved
             log.info("lightning_hbm: mixed precision plan taken from the checkpoint being resumed")
             return
-        report = choose_layer_modes(
-            module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, probe().batch,
-            max_bytes_per_param=self.config.max_bytes_per_param, min_cosine=self.config.min_cosine,
-            hessians=self.gptq.hessians if self.gptq is not None else None,
-        )
-        self.layer_modes, self.report = report.modes, report
-        log.info("lightning_hbm: mixed precision plan: %s", report.summary(self.config.format.name))
+        self.report = linear_modes(module, names, self.config, probe, self.gptq.hessians if self.gptq is not None else None)
+        self.layer_modes = self.report.modes
 
-    def _choose_conv_modes(self, module: nn.Module, names: list[str], trainer: Any, probe: Callable[[], Probe]) -> None:
-        """The convolutions' mode choice under a 4-bit mode (issue 53): each one's output error measured on the probe, the
-        most sensitive widened (``sensitive_mode``) until the probe output cosine reaches ``min_cosine`` (default
-        :data:`CONV_TARGET_COSINE`, above the threshold held out because the probe reads high); under it, a warning naming the figure. Not with a pinned plan, nor when resuming
-        (the checkpoint's modes are taken), nor without a probe batch (logged; a BatchNorm conv net: a warning, with the
-        figure); a probe the model cannot run: a warning. A BatchNorm conv net chosen to the target: a warning that held
-        out such choices measured under it (:func:`~lightning_hbm.precision.sensitivity.widened_convs_warning`), not
-        said where the check measured 32 samples quiet (session 36)."""
+    def _choose_conv_modes(self, module: nn.Module, names: list[str], trainer: Any, probe: Callable[[], Probe]) -> bool:
+        """The convolutions' modes under a 4-bit mode (issue 53: :func:`~lightning_hbm.precision.mode_choice.conv_modes`),
+        those it widens added to :attr:`layer_modes`, its warning of a gap held out kept for the quantization. Not with a
+        pinned plan, nor when resuming (the checkpoint's modes are taken). Returns whether it said the model went
+        unmeasured (no probe batch, a probe it cannot run): the accuracy check does not say it again."""
         if not names or self.config.layer_modes is not None or self.config.format.peft_kind != "4bit":
-            return
+            return False
         if self.saved.saved(trainer):
             # resuming: the plan the checkpoint was trained with (Linears' and convolutions'); none saved (a checkpoint
             # from before issue 53): every convolution in mode, as it was trained
             self.layer_modes = self.saved_layer_modes(trainer) or self.layer_modes
-            return
-        target = self.config.min_cosine if self.config.min_cosine is not None else CONV_TARGET_COSINE
-        try:
-            batch = probe().batch
-        except ValueError:
-            unmeasured = unmeasured_convs_warning(module, names, self.config.format.name)
-            if unmeasured is not None:  # a BatchNorm conv net: the loss is measured, said (issue 53)
-                rank_zero_warn(unmeasured)
-                self._said_unmeasured = True
-            log.info("lightning_hbm: %d convolutions stored in %s without a measured plan: no probe_batch", len(names), self.config.format.name)
-            return
-        try:  # on by default: a model or batch the probe cannot run is said, and the fit goes on as before issue 53
-            if not has_forward(module):
-                raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
-            report = choose_layer_modes(
-                module, names, self.config.format.name, self.config.sensitive_mode, self.config.torch_dtype, batch, min_cosine=target,
-                hessians=self.gptq.hessians if self.gptq is not None else None, strict=False, tap=self.config.accuracy_at,
-            )  # fmt: skip
-        except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as error:
-            self._said_unmeasured = True
-            rank_zero_warn(
-                f"lightning_hbm: {len(names)} convolutions stored in {self.config.format.name} without a measured plan ({error}). "
-                f"With BatchNorm statistics like a trained network's, uniform 4-bit convolutions can lose much of the "
-                "output (issue 53: ResNet18 cosine 0.91); pass QuantizedPrecision(probe_batch=...) the model's forward "
-                "takes, or mode='int8'."
-            )
-            return
-        self.conv_report = report
-        widened = {name: mode for name, mode in report.modes.items() if mode != self.config.format.name}
-        if widened:
-            self.layer_modes = {**(self.layer_modes or {}), **widened}
-        log.info("lightning_hbm: convolutions' plan: %s", report.summary(self.config.format.name).replace("Linear layers", "convolutions"))
-        # reached on the probe only: held out, a BatchNorm conv net measured under it (issue 53); said at the quantization
-        # unless the quantized model's own figure is under the threshold there (one warning, the measured one)
-        threshold = self.config.min_cosine if self.config.min_cosine is not None else CONV_MIN_COSINE
-        self._conv_gap = widened_convs_warning(module, report, self.config.format.name, target, threshold)
-        if report.cosine < target:
-            rank_zero_warn(_missed_target_warning(self.config, report, target))
+            return False
+        choice = conv_modes(module, names, self.config, probe, self.gptq.hessians if self.gptq is not None else None)
+        self.conv_report, self._conv_gap = choice.report, choice.gap
+        if choice.widened:
+            self.layer_modes = {**(self.layer_modes or {}), **choice.widened}
+        return choice.said_unmeasured
+
+    def probe(self, trainer: Any) -> Any:
+        """The batch the layer modes are measured on (:meth:`~lightning_hbm.precision.measures.Measures.probe`)."""
+        return self.measures.probe(trainer)
 
     # ------------------------------------------------------------------ resume
 
@@ -485,24 +336,6 @@ class Quantization:
             self.smoothing.save(meta)
 
 
-def _recorded_forward(module: nn.Module, reference: Reference, batch: Any) -> None:
-    """One forward of the model as built on ``batch``, recorded as the accuracy check's reference."""
-    with eval_no_grad(module), reference.recording(module), torch_compat.preserved_rngs():  # the user's RNG draws as they were
-        forward_on(module, batch)  # any output: every floating tensor of it is the reference
-
-
-def _one_batch(drawn: Callable[[], Probe], checked: Callable[[], Probe]) -> bool:
-    """Whether the accuracy check measures the batch the measures choose on (:meth:`Quantization._probes_once`): then
-    the mode choice's first forward records the reference; else one forward more on the check's batch. No batch to
-    draw: ``True`` (nothing is recorded either way; the mode choice says why)."""
-    if checked is drawn:
-        return True
-    try:
-        return checked() is drawn()
-    except ValueError:
-        return True
-
-
 def __getattr__(name: str) -> Any:
     # the old name of Quantization ("plan" names the planner's, issue 54): importable, with a warning naming the new one
     if name == "QuantizationPlan":
@@ -511,23 +344,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-
-def _missed_target_warning(config: Any, report: SensitivityReport, target: float) -> str:
-    """The fit-start warning for a convolutions' mode choice that misses ``target`` at the widest of its ladder, with the fix;
-    computing in a 16-bit dtype, the float32 the choice measures the rest of the model in (session 33: transformers'
-    MobileNetV2, calibrated, 0.923-0.942 held out in bfloat16 with no convolution quantized)."""
-    mode, dtype = config.format.name, config.torch_dtype
-    wider = "" if dtype == torch.float32 else (
-        f"; the plan measures the rest of the model in float32, and computing in {str(dtype).removeprefix('torch.')} loses "
-        "more on its own on a net that amplifies small errors (transformers' MobileNetV2, calibrated: 0.923-0.942 held out "
-        "with no convolution quantized): add dtype='float32' there (0.980-0.989 with sensitive_mode=['nf4-dq-b32', "
-        "'int8', 'none'], min_cosine=0.99; benchmarks/README.md)"
-    )
-    return (
-        f"lightning_hbm: the convolutions stored in {mode} (widest plan of sensitive_mode={config.sensitive_argument()!r}: "
-        f"{report.bytes_per_param:.3f} bytes per conv weight) give a probe output cosine of {report.cosine:.4f} < {target} "
-        f"against the unquantized model (uniform {mode}: {report.uniform_cosine:.4f}). Fix: QuantizedPrecision(..., "
-        f"sensitive_mode=['int8', 'none']) or mode='int8'{wider}."
-    )
-
-__all__ = ["DIGEST_KEY", "KEPT_UNDER", "GPTQRounding", "Quantization", "QuantizationConfig", "modules_to_save", "saved_meta"]
+__all__ = ["CORRECTION_PROBE_TOKENS", "DIGEST_KEY", "KEPT_UNDER", "GPTQRounding", "Quantization", "QuantizationConfig", "modules_to_save", "saved_meta"]

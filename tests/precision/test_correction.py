@@ -147,7 +147,7 @@ def test_the_default_probe_with_a_correction_joins_the_first_batches_up_to_2048_
 
     from lightning_hbm.data import ByteTextDataModule
     from lightning_hbm.models import NanoGPT
-    from lightning_hbm.precision import quantization as plan_module
+    from lightning_hbm.precision import measures as plan_module  # where the measures read it
 
     seen: list[Any] = []
     original = plan_module.input_statistics

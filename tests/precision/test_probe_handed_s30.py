@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_hbm import QuantizedPrecision
-from lightning_hbm.precision.quantization import Quantization
+from lightning_hbm.precision.measures import Measures
 from lightning_hbm.precision.smoothing import choose_smoothing
 from lightning_hbm.probe import Probe, forward_on, input_absmax, probe_output
 
@@ -23,8 +23,8 @@ def _model() -> nn.Module:
 def test_the_measures_of_one_surgery_draw_the_probe_batch_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # the calibrated correction's input statistics and the smoothing both measure: one draw (was one each)
     drawn: list[Any] = []
-    real = Quantization.probe
-    monkeypatch.setattr(Quantization, "probe", lambda self, trainer: drawn.append(trainer) or real(self, trainer))
+    real = Measures.probe
+    monkeypatch.setattr(Measures, "probe", lambda self, trainer: drawn.append(trainer) or real(self, trainer))
     model = _model()
     plugin = QuantizedPrecision("int8-dynamic-smooth", dtype="float32", correction_rank=2, probe_batch=torch.randn(64, 16))
     plugin.convert_module(model)
@@ -36,8 +36,8 @@ def test_the_measures_of_one_surgery_draw_the_probe_batch_once(monkeypatch: pyte
 def test_the_checks_and_the_layer_modes_choice_share_the_one_draw(monkeypatch: pytest.MonkeyPatch, settings: dict) -> None:
     # GPTQ statistics or the correction's, then the sensitivity-aware choice: one draw per surgery (was two)
     drawn: list[Any] = []
-    real = Quantization.probe
-    monkeypatch.setattr(Quantization, "probe", lambda self, trainer: drawn.append(trainer) or real(self, trainer))
+    real = Measures.probe
+    monkeypatch.setattr(Measures, "probe", lambda self, trainer: drawn.append(trainer) or real(self, trainer))
     model = _model()
     plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=torch.randn(64, 16), **settings)
     plugin.convert_module(model)
