@@ -108,13 +108,13 @@ def samples(batch: Any) -> int:
 
 
 def _per_sample_tensors(value: Any) -> bool:
-    """Whether ``value`` is a list or tuple of floating tensors of one rank, at least 3, one per sample: images
-    (``C x H x W``) as a detection collate gives them, of sizes that differ or of at most 4 channels each (a tuple of
-    batched ``[B, C, H, W]`` tensors of one shape is not taken for one, unless ``B`` is at most 4)."""
+    """Whether ``value`` is a list or tuple of per-sample images as a detection collate gives them: floating tensors
+    ``C x H x W`` of one channel count ``C`` of at most 4 (gray, RGB, RGBA) and ``H``, ``W`` of at least 8. Batched
+    tensors are not taken for them (``[B, C, H, W]`` images and masks, ``[B, 1, T]`` audio: another rank, or a second
+    dimension under 8), but for a tuple of ``[B, L, D]`` floating tensors of ``B`` at most 4 and ``L``, ``D`` of at least 8."""
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, Tensor) and v.is_floating_point() for v in value):
         return False
-    ranks, shapes = {v.dim() for v in value}, {tuple(v.shape) for v in value}
-    return len(ranks) == 1 and min(ranks) >= 3 and (len(shapes) > 1 or value[0].shape[0] <= 4)
+    return all(v.dim() == 3 and v.shape[0] == value[0].shape[0] <= 4 and min(v.shape[1:]) >= 8 for v in value)
 
 
 def _first_samples(batch: Any) -> Optional[int]:
@@ -154,9 +154,14 @@ def _join(batches: list[Any]) -> Any:
     """``batches`` concatenated leaf by leaf along dimension 0; ``None`` where they do not join (structure, shapes past
     the batch dimension, other values than tensors that differ, or tensors of one batch that do not share their first
     dimension: a tuple of per-sample images, torchvision's detection collate, joined image by image along the channels
-    and the check's forward failed, session 36)."""
+    and the check's forward failed, session 36); nor any list or tuple of per-sample images (:func:`_per_sample_tensors`:
+    one that was the whole batch, its images all of 3 channels, still joined along the channels and the check was
+    lost, session 37): measured on the first batch. Refused rather than joined as more images, as a tuple of batched
+    tensors of 4 samples or fewer may read as one."""
     if len(batches) == 1:
         return batches[0]
+    if any(_per_sample_tensors(leaf) for b in batches for leaf in tree_flatten(b, is_leaf=_per_sample_tensors)[0]):
+        return None  # per-sample images (the whole batch, or beside tensors sharing their channel count): not joined
     flat = [tree_flatten(b, is_leaf=_per_sample_values) for b in batches]
     spec = flat[0][1]
     if any(other != spec for _, other in flat[1:]) or not all(_batch_first(b) for b in batches):

@@ -21,8 +21,22 @@ def test_samples_of_per_sample_images_are_the_images_not_their_channels() -> Non
     assert samples({"pixel_values": torch.zeros(6, 3, 8, 8)}) == 6  # a batch: as before
     assert samples((torch.zeros(7, 3, 8, 8), torch.zeros(7, dtype=torch.long))) == 7
     assert samples((torch.zeros(8, 3, 8, 8), torch.zeros(8, 3, 8, 8))) == 8  # a tuple of batched tensors of one shape
+    assert samples((torch.zeros(2, 3, 8, 8), torch.zeros(2, 1, 8, 8))) == 2  # images and masks, few of them
+    assert samples((torch.zeros(4, 1, 64), torch.zeros(4, 1, 64))) == 4  # audio, [B, 1, T]
     assert samples([torch.zeros(2, 16), torch.zeros(2, 16)]) == 2  # rank 2: not images
     assert samples((torch.zeros(()), 3)) == 0 and samples(("a", 1)) == 0
+
+
+def test_batches_of_per_sample_images_alone_are_not_joined_along_the_channels() -> None:
+    """A batch that is a tuple of per-sample images and nothing else (a loader with ``collate_fn=tuple``): every image
+    of 3 channels, they shared their first dimension and joined image by image into images of 6, 9, ... channels."""
+    from lightning_hbm.probe_batch import _join
+
+    assert _join([tuple(torch.zeros(3, 8, 8) for _ in range(4))] * 2) is None
+    pairs = _join([(torch.zeros(2, 3, 8, 8), torch.zeros(2, 1, 8, 8))] * 2)  # images and masks: joined, as before
+    assert pairs is not None and pairs[0].shape == (4, 3, 8, 8) and pairs[1].shape == (4, 1, 8, 8)
+    audio = _join([(torch.zeros(4, 1, 64), torch.zeros(4, 1, 64))] * 2)
+    assert audio is not None and audio[0].shape == (8, 1, 64)
 
 
 def test_the_conv_check_of_a_detection_collate_says_how_many_images_it_measured(tmp_path: Any) -> None:
