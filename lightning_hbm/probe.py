@@ -70,20 +70,57 @@ def check_forward(module: nn.Module, who: str) -> None:
 def quiet_logging(module: nn.Module) -> Generator[None, None, None]:
     """``self.log``/``self.log_dict`` as no-ops while a probe runs the user's step (they need the fit loop's result
     collection, which does not exist yet at the surgery point): instance attributes, removed after; a user's own
-    instance attribute of that name is put back as it was (issue 55)."""
-    patched = [name for name in ("log", "log_dict") if callable(getattr(module, name, None))]
+    instance attribute of that name is put back as it was (issue 55).
+
+    A manual-optimization module's step gets stand-ins for what needs the optimizers, which do not exist before the
+    model is changed: ``self.optimizers()`` gives one optimizer whose ``zero_grad``/``step`` do nothing (``step`` runs
+    its closure, as an optimizer does), ``manual_backward``, ``toggle_optimizer``, ``clip_gradients`` and the like do
+    nothing, ``lr_schedulers()`` gives ``None``. Its step ran three times and failed each time ("'list' object has no
+    attribute 'zero_grad'"), the user's code seen three times more, and which layers it reads fell back to its source
+    (session 37). A step that unpacks several optimizers still fails: said as before, with the manual-optimization advice."""
+    stand_ins: dict[str, Callable[..., Any]] = {name: _nothing for name in ("log", "log_dict") if callable(getattr(module, name, None))}
+    if isinstance(module, pl.LightningModule) and not module.automatic_optimization:
+        stand_ins.update({name: _nothing for name in _MANUAL_HOOKS if callable(getattr(module, name, None))})
+        stand_ins.update(optimizers=_one_optimizer, toggled_optimizer=_toggled)
     missing = object()
-    own = {name: module.__dict__.get(name, missing) for name in patched}
-    for name in patched:
-        setattr(module, name, lambda *args, **kwargs: None)  # a plain callable: nn.Module keeps it in __dict__
+    own = {name: module.__dict__.get(name, missing) for name in stand_ins}
+    for name, stand_in in stand_ins.items():
+        module.__dict__[name] = stand_in  # an instance attribute over the class's method
     try:
         yield
     finally:
-        for name in patched:
+        for name in stand_ins:
             if own[name] is missing:
-                delattr(module, name)
+                del module.__dict__[name]
             else:
                 module.__dict__[name] = own[name]
+
+
+#: a manual-optimization module's methods that need the fit loop's optimizers or schedulers: no-ops in a probe step
+_MANUAL_HOOKS = ("manual_backward", "toggle_optimizer", "untoggle_optimizer", "clip_gradients", "lr_schedulers")
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class _NoStep:
+    """The optimizer ``self.optimizers()`` gives in a probe step: nothing is stepped (``step`` runs its closure)."""
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        return closure() if closure is not None else None
+
+
+def _one_optimizer(*args: Any, **kwargs: Any) -> _NoStep:
+    return _NoStep()
+
+
+@contextmanager
+def _toggled(*args: Any, **kwargs: Any) -> Generator[None, None, None]:
+    yield
 
 
 class Stepped:

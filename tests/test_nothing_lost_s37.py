@@ -79,6 +79,13 @@ class _OwnIter(_Stateful):
         self.own_pass, self.next_state = None, state
 
 
+class _Wrapping(_Stateful):
+    """An ``__iter__`` of its own around its parent's (``super().__iter__()``): DataLoader's pass, handed over."""
+
+    def __iter__(self) -> Any:
+        yield from super().__iter__()
+
+
 class _Unkept(_Stateful):
     """An ``__iter__`` of its own whose passes do not come from ``_get_iterator``: a drawn batch cannot be handed back."""
 
@@ -135,7 +142,7 @@ def _fit(loader: Any, setup: Optional[str], tmp_path: Any, *, max_steps: int = -
 
 
 @pytest.mark.parametrize("setup", list(_SETUPS))
-@pytest.mark.parametrize("kind", [_Stateful, _OwnIter])
+@pytest.mark.parametrize("kind", [_Stateful, _OwnIter, _Wrapping])
 def test_a_stateful_loader_over_a_stream_read_once_trains_every_batch(kind: type, setup: str, tmp_path: Any) -> None:
     """Was 8 of 10 (the probe step's batch and the measures' each drawn in a new pass); now the pass the first batch
     was drawn from is handed to the loop, as for a plain DataLoader over a stream: 10 of 10, in order, nothing said."""

@@ -279,10 +279,20 @@ def passes_once(loader: Any) -> bool:
 def hands_its_pass_over(loader: DataLoader) -> bool:
     """Whether each ``iter(loader)`` takes its pass from ``loader._get_iterator()``, where a kept pass is handed over:
     ``DataLoader.__iter__``, or an ``__iter__`` of its own that calls it (torchdata's ``StatefulDataLoader``: its
-    ``state_dict`` then asks the pass handed over, which counts the batch drawn). Another ``__iter__`` makes passes
+    ``state_dict`` then asks the pass handed over, which counts the batch drawn) or its parent's (``super().__iter__()``). Another ``__iter__`` makes passes
     lightning_hbm cannot hand back: a batch drawn from it is drawn in a new pass (:func:`streams_drawn_anew`)."""
-    own = type(loader).__iter__
-    return own is DataLoader.__iter__ or "_get_iterator" in getattr(getattr(own, "__code__", None), "co_names", ())
+    for cls in type(loader).__mro__:  # an __iter__ calling super().__iter__() hands over what its parent's does
+        own = vars(cls).get("__iter__")
+        if own is None:
+            continue
+        if own is DataLoader.__iter__:
+            return True
+        names = getattr(getattr(own, "__code__", None), "co_names", ())
+        if "_get_iterator" in names:
+            return True
+        if not ("super" in names and "__iter__" in names):
+            return False
+    return False
 
 
 _END = object()

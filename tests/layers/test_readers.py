@@ -8,6 +8,7 @@ full precision. The probe step sees what the path that trains does; a read on a 
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -479,20 +480,27 @@ def test_drawing_the_probe_batch_leaves_the_loaders_generator_as_it_was(monkeypa
 
 def test_a_manual_optimization_module_is_not_told_to_fix_its_step() -> None:
     """Was: "Make training_step run on the first training batch" for a valid manual-optimization module (its step
-    calls self.optimizers(), which do not exist when the probe runs)."""
+    calls self.optimizers(), which do not exist when the probe runs). Session 37: a step with one optimizer runs in
+    the probe (stand-ins for the optimizer and manual_backward) and is observed; one unpacking two still cannot run,
+    and is told there is nothing to fix."""
 
     class Manual(Wrapped):
-        def __init__(self) -> None:
+        def __init__(self, optimizers: int) -> None:
             super().__init__(Reads(), causal=False)
-            self.automatic_optimization = False
+            self.automatic_optimization, self.count = False, optimizers
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-            optimizer = self.optimizers()
+            optimizer = self.optimizers() if self.count == 1 else self.optimizers()[1]
             loss = super().training_step(batch, batch_idx)
             self.manual_backward(loss)
             optimizer.step()
 
-    module = Manual()
+    module = Manual(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert readers.observe(module, tokens(), {"model.c": module.model.c}) is not None
+    assert "optimizers" not in vars(module) and "manual_backward" not in vars(module)  # the stand-ins are gone
+    module = Manual(2)
     with pytest.warns(UserWarning, match=r"uses manual optimization, which needs the optimizers.*nothing to fix in your code") as caught:
         assert readers.observe(module, tokens(), {"model.c": module.model.c}) is None
     assert not any("Make training_step" in str(w.message) for w in caught)
