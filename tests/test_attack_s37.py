@@ -217,3 +217,28 @@ def test_a_frozen_config_with_patterns_is_hashable() -> None:
     config = LoRAConfig(r=4, rank_pattern={"q_proj": 2}, alpha_pattern={"v_proj": 3.0})
     same = LoRAConfig(r=4, rank_pattern={"q_proj": 2}, alpha_pattern={"v_proj": 3.0})
     assert hash(config) == hash(same) and len({config, same, LoRAConfig(r=4)}) == 2
+
+
+def test_save_adapter_of_a_student_beside_a_frozen_teacher(tmp_path: Any) -> None:
+    """Distillation: a LightningModule holding an adapted student and a frozen teacher (two Hugging Face models).
+    save_adapter refused ("holds several Hugging Face models: pass submodule=NAME") where only one holds adapters;
+    it saves the student's, which peft loads onto the student's base."""
+    import peft
+
+    class Distilled(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.student, self.teacher = tf.LlamaForCausalLM(_tied_config()), tf.LlamaForCausalLM(_tied_config())
+
+    model = Distilled()
+    LoRA(r=2, target_modules=["q_proj"], exclude_modules=r"teacher\..*").transform_model(model)
+    with torch.no_grad():  # a trained adapter (B = 0 as built)
+        for param in model.student.parameters():
+            if param.requires_grad:
+                param.normal_(generator=torch.Generator().manual_seed(3))
+    LoRA.save_adapter(model, tmp_path / "adapter")
+    torch.manual_seed(0)
+    loaded = peft.PeftModel.from_pretrained(tf.LlamaForCausalLM(_tied_config()), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=_TOKENS[:2]).logits, model.student.eval()(input_ids=_TOKENS[:2]).logits)
