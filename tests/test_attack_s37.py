@@ -242,3 +242,47 @@ def test_save_adapter_of_a_student_beside_a_frozen_teacher(tmp_path: Any) -> Non
     loaded = peft.PeftModel.from_pretrained(tf.LlamaForCausalLM(_tied_config()), str(tmp_path / "adapter")).eval()
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=_TOKENS[:2]).logits, model.student.eval()(input_ids=_TOKENS[:2]).logits)
+
+
+class _Captioned(torch.utils.data.Dataset):
+    """Images with an optional caption (None for some) and their tags, as a custom collate hands them on."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, Any, list[str]]:
+        return torch.rand(3, 8, 8, generator=torch.Generator().manual_seed(i)), None if i % 3 else f"image {i}", ["tag"] * (i % 2)
+
+
+def _captions(items: list[Any]) -> tuple[torch.Tensor, list[Any], list[Any]]:
+    return torch.stack([image for image, _, _ in items]), [c for _, c, _ in items], [t for _, _, t in items]
+
+
+class _Tagged(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+
+    def forward(self, batch: tuple[torch.Tensor, list[Any], list[Any]]) -> torch.Tensor:
+        return self.net(batch[0])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_the_conv_check_joins_batches_with_optional_captions_and_tag_lists(tmp_path: Any) -> None:
+    """A per-sample list holding None (an optional caption) or lists (a sample's tags) stopped the join at the first
+    batch: the fit-start conv check measured 4 images, not 32 (session 36 joined lists of strings only)."""
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("int8")],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_Tagged(), DataLoader(_Captioned(), batch_size=4, collate_fn=_captions))
+    measured = trainer.precision_plugin.quantization.conv_accuracy  # type: ignore[attr-defined]
+    assert measured is not None and measured.samples == 32
