@@ -286,3 +286,30 @@ def test_the_conv_check_joins_batches_with_optional_captions_and_tag_lists(tmp_p
         trainer.fit(_Tagged(), DataLoader(_Captioned(), batch_size=4, collate_fn=_captions))
     measured = trainer.precision_plugin.quantization.conv_accuracy  # type: ignore[attr-defined]
     assert measured is not None and measured.samples == 32
+
+
+def test_pissa_on_a_layer_pinned_unquantized(tmp_path: Any) -> None:
+    """``layer_modes={name: "none"}`` keeps a layer as built; LoRA refused ``init_lora_weights="pissa"`` on it, "this
+    layer is quantized (none)". It is adapted on its full-precision weight; the layers quantized are still refused."""
+
+    class Llama(_TiedLlama):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tf.LlamaForCausalLM(tf.LlamaConfig(**{**_tied_config().to_dict(), "tie_word_embeddings": False, "num_hidden_layers": 2}))
+
+    def fit(layer_modes: dict[str, str]) -> Llama:
+        model = Llama()
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4", layer_modes=layer_modes)],
+            callbacks=[LoRA(r=2, target_modules=r"model\.model\.layers\.0\.self_attn\.q_proj", init_lora_weights="pissa")],
+        )  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, DataLoader(_TOKENS, batch_size=4))
+        return model
+
+    pinned = fit({"model.model.layers.0.self_attn.q_proj": "none"})
+    assert type(pinned.model.model.layers[0].self_attn.q_proj.base_layer) is torch.nn.Linear
+    with pytest.raises(ValueError, match=r"init_lora_weights='pissa' rewrites the base weight.*quantized \(nf4\)"):
+        fit({"model.model.layers.1.self_attn.q_proj": "none"})
