@@ -146,8 +146,16 @@ def _batch_first(batch: Any) -> bool:
 
 def _per_sample_values(value: Any) -> bool:
     """Whether ``value`` is a list of plain values (what a DataLoader collates strings into: a file name per sample):
-    one leaf to the join, joined as a list where it holds one per sample (it stopped the join before, session 36)."""
-    return type(value) is list and bool(value) and all(isinstance(v, (str, bytes, int, float, bool)) for v in value)
+    one leaf to the join, joined as a list where it holds one per sample (it stopped the join before, session 36).
+    Plain: a string, a number, ``None`` (an optional caption), or a list or tuple of those (a sample's tags, an image's
+    original size), which stopped the join at the first batch too (session 37: 4 images checked, not 32)."""
+    return type(value) is list and bool(value) and all(_plain(v) for v in value)
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    if value is None or isinstance(value, (str, bytes, int, float, bool)):
+        return True
+    return depth < 2 and type(value) in (list, tuple) and all(_plain(v, depth + 1) for v in value)
 
 
 def _join(batches: list[Any]) -> Any:

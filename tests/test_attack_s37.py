@@ -217,3 +217,99 @@ def test_a_frozen_config_with_patterns_is_hashable() -> None:
     config = LoRAConfig(r=4, rank_pattern={"q_proj": 2}, alpha_pattern={"v_proj": 3.0})
     same = LoRAConfig(r=4, rank_pattern={"q_proj": 2}, alpha_pattern={"v_proj": 3.0})
     assert hash(config) == hash(same) and len({config, same, LoRAConfig(r=4)}) == 2
+
+
+def test_save_adapter_of_a_student_beside_a_frozen_teacher(tmp_path: Any) -> None:
+    """Distillation: a LightningModule holding an adapted student and a frozen teacher (two Hugging Face models).
+    save_adapter refused ("holds several Hugging Face models: pass submodule=NAME") where only one holds adapters;
+    it saves the student's, which peft loads onto the student's base."""
+    import peft
+
+    class Distilled(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.student, self.teacher = tf.LlamaForCausalLM(_tied_config()), tf.LlamaForCausalLM(_tied_config())
+
+    model = Distilled()
+    LoRA(r=2, target_modules=["q_proj"], exclude_modules=r"teacher\..*").transform_model(model)
+    with torch.no_grad():  # a trained adapter (B = 0 as built)
+        for param in model.student.parameters():
+            if param.requires_grad:
+                param.normal_(generator=torch.Generator().manual_seed(3))
+    LoRA.save_adapter(model, tmp_path / "adapter")
+    torch.manual_seed(0)
+    loaded = peft.PeftModel.from_pretrained(tf.LlamaForCausalLM(_tied_config()), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=_TOKENS[:2]).logits, model.student.eval()(input_ids=_TOKENS[:2]).logits)
+
+
+class _Captioned(torch.utils.data.Dataset):
+    """Images with an optional caption (None for some) and their tags, as a custom collate hands them on."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, Any, list[str]]:
+        return torch.rand(3, 8, 8, generator=torch.Generator().manual_seed(i)), None if i % 3 else f"image {i}", ["tag"] * (i % 2)
+
+
+def _captions(items: list[Any]) -> tuple[torch.Tensor, list[Any], list[Any]]:
+    return torch.stack([image for image, _, _ in items]), [c for _, c, _ in items], [t for _, _, t in items]
+
+
+class _Tagged(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+
+    def forward(self, batch: tuple[torch.Tensor, list[Any], list[Any]]) -> torch.Tensor:
+        return self.net(batch[0])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_the_conv_check_joins_batches_with_optional_captions_and_tag_lists(tmp_path: Any) -> None:
+    """A per-sample list holding None (an optional caption) or lists (a sample's tags) stopped the join at the first
+    batch: the fit-start conv check measured 4 images, not 32 (session 36 joined lists of strings only)."""
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("int8")],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_Tagged(), DataLoader(_Captioned(), batch_size=4, collate_fn=_captions))
+    measured = trainer.precision_plugin.quantization.conv_accuracy  # type: ignore[attr-defined]
+    assert measured is not None and measured.samples == 32
+
+
+def test_pissa_on_a_layer_pinned_unquantized(tmp_path: Any) -> None:
+    """``layer_modes={name: "none"}`` keeps a layer as built; LoRA refused ``init_lora_weights="pissa"`` on it, "this
+    layer is quantized (none)". It is adapted on its full-precision weight; the layers quantized are still refused."""
+
+    class Llama(_TiedLlama):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tf.LlamaForCausalLM(tf.LlamaConfig(**{**_tied_config().to_dict(), "tie_word_embeddings": False, "num_hidden_layers": 2}))
+
+    def fit(layer_modes: dict[str, str]) -> Llama:
+        model = Llama()
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4", layer_modes=layer_modes)],
+            callbacks=[LoRA(r=2, target_modules=r"model\.model\.layers\.0\.self_attn\.q_proj", init_lora_weights="pissa")],
+        )  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, DataLoader(_TOKENS, batch_size=4))
+        return model
+
+    pinned = fit({"model.model.layers.0.self_attn.q_proj": "none"})
+    assert type(pinned.model.model.layers[0].self_attn.q_proj.base_layer) is torch.nn.Linear
+    with pytest.raises(ValueError, match=r"init_lora_weights='pissa' rewrites the base weight.*quantized \(nf4\)"):
+        fit({"model.model.layers.1.self_attn.q_proj": "none"})

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_hbm.layers import hf_models
 from lightning_hbm.layers.finding import lora_layer_classes
-from lightning_hbm.naming import has_submodule
+from lightning_hbm.naming import has_submodule, under
 from lightning_hbm.quiet import quieted
 from lightning_hbm.requirements import requirement
 
@@ -69,6 +69,9 @@ def hf_root(module: nn.Module, submodule: Optional[str]) -> str:
         return submodule
     # (was its own search, which counted a bare transformers model and its inner model as two: "holds several")
     outer = [name for name, _ in hf_models(module)]
+    if len(outer) > 1:  # a frozen teacher beside the adapted student (distillation): the one holding the adapters
+        adapted = list(adapted_layers(module))
+        outer = [name for name in outer if any(under(layer, [name]) for layer in adapted)] or outer
     if len(outer) > 1:
-        raise ValueError(f"{type(module).__name__} holds several Hugging Face models {outer}: pass submodule=NAME.")
+        raise ValueError(f"{type(module).__name__} holds several Hugging Face models {outer} with adapters: pass submodule=NAME.")
     return outer[0] if outer else ""

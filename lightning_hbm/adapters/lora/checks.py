@@ -13,6 +13,7 @@ from lightning_hbm.adapters.lora import variants
 from lightning_hbm.adapters.lora.base import adapted_layers, smaller_side
 from lightning_hbm.adapters.lora.config import LoRAConfig
 from lightning_hbm.precision.plugin import QuantizedPrecision
+from lightning_hbm.precision.sensitivity import UNQUANTIZED
 
 
 def refuse_present_adapters(module: nn.Module) -> None:
@@ -29,13 +30,15 @@ def refuse_present_adapters(module: nn.Module) -> None:
 
 def quantized_modes(module: nn.Module) -> dict[str, Optional[str]]:
     """``{name: mode}`` of the Linears the Trainer's QuantizedPrecision is about to quantize (its ``layer_modes``
-    first, else its mode); empty without one."""
+    first, else its mode); empty without one. A layer pinned to ``"none"`` stays as built: not listed (session 37:
+    ``init_lora_weights="pissa"`` on it was refused as "quantized (none)")."""
     trainer = lightning_compat.attached_trainer(module)
     plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
     if not isinstance(plugin, QuantizedPrecision):
         return {}
     pinned = getattr(plugin, "layer_modes", None) or {}
-    return {name: pinned.get(name, plugin.mode.name) for name, _ in plugin.quantization_targets(module)}
+    modes = {name: pinned.get(name, plugin.mode.name) for name, _ in plugin.quantization_targets(module)}
+    return {name: mode for name, mode in modes.items() if mode != UNQUANTIZED}
 
 
 def refuse_variants(module: nn.Module, config: LoRAConfig, targets: list[str], modes: dict[str, Optional[str]]) -> None:
