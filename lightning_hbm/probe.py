@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 from torchmetrics import CosineSimilarity, RelativeSquaredError
 
 from lightning_hbm._compat import torch as torch_compat
-from lightning_hbm.probe_batch import first_batch, first_batches  # public here too (drawn by probe_batch)
+from lightning_hbm.probe_batch import first_batch, first_batches, per_sample_images  # the first two public here too (drawn by probe_batch)
 from lightning_hbm.probe_record import (  # public here too (recorded by probe_record)
     INDEXED,
     MASKING,
@@ -222,7 +222,8 @@ def forwarding(module: nn.Module, stepped: Callable[[], Optional[Stepped]]) -> G
 
 def forward_on(module: nn.Module, batch: Any) -> Any:
     """``module``'s output on ``batch``, whatever it is: ``forward(x)``, ``forward(inputs)`` of an (inputs, targets)
-    pair, or ``forward(**dict)``, on a copy of the batch: a forward that changes its input in place (``x /= 255``) ran
+    pair (where that fails and the batch is per-sample images alone, :func:`~lightning_hbm.probe_batch.per_sample_images`:
+    ``forward(images)``, session 37), or ``forward(**dict)``, on a copy of the batch: a forward that changes its input in place (``x /= 255``) ran
     on the user's batch once per probe forward, and the probe batch is the first batch training gets (a
     ``BatchEncoding``'s tensors too, :func:`~lightning_hbm._compat.torch.map_tensors`). Nothing cached by it is left
     in the model (:func:`caching_nothing`)."""
@@ -230,7 +231,13 @@ def forward_on(module: nn.Module, batch: Any) -> Any:
         if isinstance(batch, Tensor):
             return module(batch.clone())
         if isinstance(batch, (tuple, list)):
-            return module(torch_compat.map_tensors(torch.clone, batch[0]))
+            try:
+                return module(torch_compat.map_tensors(torch.clone, batch[0]))
+            except Exception:
+                if not per_sample_images(batch):
+                    raise
+            # a batch that is per-sample images alone (collate_fn=tuple): forward(images), not forward(first image)
+            return module(torch_compat.map_tensors(torch.clone, batch))
         return module(**torch_compat.map_tensors(torch.clone, batch))
 
 

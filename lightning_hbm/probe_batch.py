@@ -101,13 +101,13 @@ def say_streams_drawn_anew() -> None:
 
 def samples(batch: Any) -> int:
     """The samples of ``batch``: its first tensor's first dimension (0: no tensor, or a 0-d one), or where the first
-    tensor is one of a list or tuple of per-sample tensors (:func:`_per_sample_tensors`: torchvision's detection
+    tensor is one of a list or tuple of per-sample tensors (:func:`per_sample_images`: torchvision's detection
     collate, a tuple of CHW images), how many they are (was: the first image's channels, 3, session 37)."""
     found = _first_samples(batch)
     return found if found is not None else 0
 
 
-def _per_sample_tensors(value: Any) -> bool:
+def per_sample_images(value: Any) -> bool:
     """Whether ``value`` is a list or tuple of per-sample images as a detection collate gives them: floating tensors
     ``C x H x W`` of one channel count ``C`` of at most 4 (gray, RGB, RGBA) and ``H``, ``W`` of at least 8. Batched
     tensors are not taken for them (``[B, C, H, W]`` images and masks, ``[B, 1, T]`` audio: another rank, or a second
@@ -118,8 +118,8 @@ def _per_sample_tensors(value: Any) -> bool:
 
 
 def _first_samples(batch: Any) -> Optional[int]:
-    for leaf in tree_flatten(batch, is_leaf=_per_sample_tensors)[0]:
-        if _per_sample_tensors(leaf):
+    for leaf in tree_flatten(batch, is_leaf=per_sample_images)[0]:
+        if per_sample_images(leaf):
             return len(leaf)
         if isinstance(leaf, Tensor):
             return leaf.shape[0] if leaf.dim() else 0
@@ -162,13 +162,13 @@ def _join(batches: list[Any]) -> Any:
     """``batches`` concatenated leaf by leaf along dimension 0; ``None`` where they do not join (structure, shapes past
     the batch dimension, other values than tensors that differ, or tensors of one batch that do not share their first
     dimension: a tuple of per-sample images, torchvision's detection collate, joined image by image along the channels
-    and the check's forward failed, session 36); nor any list or tuple of per-sample images (:func:`_per_sample_tensors`:
+    and the check's forward failed, session 36); nor any list or tuple of per-sample images (:func:`per_sample_images`:
     one that was the whole batch, its images all of 3 channels, still joined along the channels and the check was
     lost, session 37): measured on the first batch. Refused rather than joined as more images, as a tuple of batched
     tensors of 4 samples or fewer may read as one."""
     if len(batches) == 1:
         return batches[0]
-    if any(_per_sample_tensors(leaf) for b in batches for leaf in tree_flatten(b, is_leaf=_per_sample_tensors)[0]):
+    if any(per_sample_images(leaf) for b in batches for leaf in tree_flatten(b, is_leaf=per_sample_images)[0]):
         return None  # per-sample images (the whole batch, or beside tensors sharing their channel count): not joined
     flat = [tree_flatten(b, is_leaf=_per_sample_values) for b in batches]
     spec = flat[0][1]
@@ -196,4 +196,4 @@ def _join(batches: list[Any]) -> Any:
     return tree_unflatten(joined, spec)
 
 
-__all__ = ["first_and_joined", "first_batch", "first_batches", "samples", "say_streams_drawn_anew"]
+__all__ = ["first_and_joined", "first_batch", "first_batches", "per_sample_images", "samples", "say_streams_drawn_anew"]

@@ -39,6 +39,37 @@ def test_batches_of_per_sample_images_alone_are_not_joined_along_the_channels() 
     assert audio is not None and audio[0].shape == (8, 1, 64)
 
 
+class _Images(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(i))
+
+
+def test_the_conv_check_of_a_batch_of_per_sample_images_alone_is_measured(tmp_path: Any) -> None:
+    """A loader with ``collate_fn=tuple`` (the batch: per-sample images, nothing else) and a forward taking them: the
+    probe ran ``forward(first image)``, as for an (inputs, targets) pair, and the check was lost ("not measured at fit
+    start": the model as built could not run on the probe batch)."""
+    from tests.test_attack_s36 import _Detector
+
+    class Detector(_Detector):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self(batch).square().mean()
+
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("int8")],
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Detector(), DataLoader(_Images(), batch_size=4, collate_fn=tuple))
+    assert not [w for w in caught if "not measured" in str(w.message)]
+    measured = trainer.precision_plugin.quantization.conv_accuracy  # type: ignore[attr-defined]
+    assert measured is not None and measured.cosine > 0.99 and measured.samples == 4
+
+
 def test_the_conv_check_of_a_detection_collate_says_how_many_images_it_measured(tmp_path: Any) -> None:
     """The check measured the first batch of 4 per-sample images and said 3 samples (the channels)."""
     from tests.test_attack_s36 import _Boxes, _Detector, _per_sample

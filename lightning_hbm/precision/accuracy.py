@@ -46,7 +46,7 @@ first step (session 33; 1.34x in session 32: ``benchmarks/accuracy_check_cost.py
 
 Since session 35 a model with quantized convolutions whose probe the plugin draws (no ``probe_batch``) is checked on
 the first training batches joined up to :data:`CHECK_SAMPLES` samples, its 4-bit modes still chosen on the first batch
-(``Quantization._probes_once``; the reference then one forward of the model as built on those samples): the figure of
+(``Measures.probes_once``; the reference then one forward of the model as built on those samples): the figure of
 a batch of 4 images is the figure of those 4 (batches of 4 read up to 0.04 apart under one quantized model), quiet at
 0.983-0.986 where 64 held-out images read 0.915-0.975; on 32, no run of 20 on the wrong side of the threshold
 (``benchmarks/conv_probe_samples.py``). :attr:`ConvAccuracy.samples` says how many were measured. Quiet on 32 or
