@@ -79,6 +79,19 @@ class _OwnIter(_Stateful):
         self.own_pass, self.next_state = None, state
 
 
+class _FastForward(_OwnIter):
+    """torchdata's restore of a stream without a state of its own: the restored pass skips the batches yielded, read
+    from the stream as it is (a batch drawn from it before the restore moved it one batch on)."""
+
+    def __iter__(self) -> Any:
+        self.own_pass = self._get_iterator()
+        if self.next_state is not None:
+            for _ in range(self.next_state["yielded"]):
+                next(self.own_pass)
+            self.next_state = None
+        return self.own_pass
+
+
 class _Wrapping(_Stateful):
     """An ``__iter__`` of its own around its parent's (``super().__iter__()``): DataLoader's pass, handed over."""
 
@@ -184,7 +197,7 @@ def _saved_and_resumed(kind: type, setup: Optional[str], tmp_path: Any) -> tuple
     return state, resumed.seen
 
 
-@pytest.mark.parametrize("kind", [_Stateful, _OwnIter])
+@pytest.mark.parametrize("kind", [_Stateful, _OwnIter, _FastForward])
 def test_a_stateful_stream_resumed_mid_epoch_starts_where_its_state_says(kind: type, tmp_path: Any) -> None:
     """The kept pass is dropped when Lightning restores the loader's state before its loop iterates: the resumed run
     trains what plain Lightning's does (not the batch drawn at fit start, 0, in front of them), and the saved state is

@@ -95,11 +95,22 @@ def train_dataloader(trainer: Any) -> Any:
     source.dataloader = _HandOver(source, loaders, trainer)
     loader = _first_loader(loaders)
     if loader is not None and torch_compat.passes_once(loader):
-        kept = torch_compat.draw_keeping_the_pass(loader)
+        kept = torch_compat.draw_keeping_the_pass(loader, pending_loader_state(trainer))
         if kept is not None and kept[1] is not loader:
             hand_over_instead(trainer, loader, kept[1])
             return kept[1]
     return loader
+
+
+def pending_loader_state(trainer: Any) -> Optional[Any]:
+    """The state the fit loop will restore its first train dataloader to (if stateful) before it iterates: the first
+    of the resumed checkpoint's ``combined_loader`` states (``_FitLoop._load_combined_loader_states`` hands them to the
+    stateful loaders in order), the checkpoint's own object; ``None`` outside a resumed fit."""
+    if str(getattr(trainer.state.fn, "value", trainer.state.fn)) != "fit":
+        return None
+    loops = (loaded_checkpoint(trainer) or {}).get("loops") or {}
+    states = ((loops.get("fit_loop") or {}).get("state_dict") or {}).get("combined_loader") or []
+    return states[0] if isinstance(states, list) and states else None
 
 
 _STAGE_LOOPS = {"fit": "fit_loop", "validate": "validate_loop", "test": "test_loop", "predict": "predict_loop"}

@@ -298,7 +298,7 @@ def hands_its_pass_over(loader: DataLoader) -> bool:
 _END = object()
 
 
-def draw_keeping_the_pass(loader: Any) -> Optional[tuple[Any, Any]]:
+def draw_keeping_the_pass(loader: Any, restore: Optional[Any] = None) -> Optional[tuple[Any, Any]]:
     """The first batch of ``loader`` (see :func:`passes_once`) and what the loop must iterate instead of ``loader``
     (``loader`` itself for a ``DataLoader``), so that it trains that same batch first and the rest of the same pass;
     ``None`` when the loader is empty. Drawn once: asked again (AutoFit's planning batch, then the probe step's), the
@@ -309,6 +309,11 @@ def draw_keeping_the_pass(loader: Any) -> Optional[tuple[Any, Any]]:
     workers' base seed from the loader's generator (or torch's global RNG): that draw is undone here and made at each
     ``iter`` of the loader, as a new pass would. The first batch's own draws (a stream that draws random numbers as it
     reads) are made here, once (restoring them would repeat them for batch 1).
+
+    ``restore``: the state Lightning will restore a stateful ``loader`` to before its loop iterates (a resumed fit):
+    applied first, so the batch drawn is the one the resumed loop trains first, and that same restore (the same
+    object) keeps the pass (a pass drawn before the restore and dropped took a batch of a stream read once: the
+    resumed run started one batch later than without lightning_hbm, torchdata's ``StatefulDataLoader``, session 37).
     """
     if isinstance(loader, FirstAgain) and not loader._given:
         return loader._first, loader
@@ -318,6 +323,9 @@ def draw_keeping_the_pass(loader: Any) -> Optional[tuple[Any, Any]]:
     kept = vars(loader).get("_get_iterator")
     if isinstance(kept, _KeptPass):
         return kept.first, loader
+    stateful = callable(getattr(loader, "load_state_dict", None))
+    if restore is not None and stateful:
+        loader.load_state_dict(restore)  # type: ignore[attr-defined]  # a stateful loader's (checked)
     generator = loader.generator
     state = generator.get_state() if generator is not None else None
     with torch.random.fork_rng(devices=[]):
@@ -328,9 +336,9 @@ def draw_keeping_the_pass(loader: Any) -> Optional[tuple[Any, Any]]:
     first = next(started, _END)
     if first is _END:
         return None
-    kept = _KeptPass(loader, first, started)
+    kept = _KeptPass(loader, first, started, restore if stateful else None)
     vars(loader)["_get_iterator"] = kept
-    if callable(getattr(loader, "load_state_dict", None)):  # a restore before the loop iterates drops the kept pass
+    if stateful:  # a restore before the loop iterates drops the kept pass (but the one it was drawn after)
         vars(loader)["load_state_dict"] = kept.load_state_dict
     return first, loader
 
@@ -341,15 +349,18 @@ class _KeptPass:
     back (its next pass a new one). A stateful loader's ``load_state_dict`` (Lightning restoring a mid-epoch state)
     drops the kept pass, its workers shut down, then restores as the loader's own method does. Picklable."""
 
-    def __init__(self, loader: DataLoader, first: Any, started: Any) -> None:
-        self.loader, self.first, self.started = loader, first, started
+    def __init__(self, loader: DataLoader, first: Any, started: Any, restored: Optional[Any] = None) -> None:
+        self.loader, self.first, self.started, self.restored = loader, first, started, restored
 
     def __call__(self) -> "FirstAgain":
         torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)  # the base seed a new pass draws
         return FirstAgain(self.first, self.started, self)
 
     def load_state_dict(self, state_dict: Any) -> Any:
-        """The loader's own ``load_state_dict``, after the kept pass is dropped (its next pass starts at the state)."""
+        """The loader's own ``load_state_dict``, after the kept pass is dropped (its next pass starts at the state);
+        nothing for the state the pass was drawn after (:func:`draw_keeping_the_pass`'s ``restore``, that object)."""
+        if state_dict is not None and state_dict is self.restored:
+            return None
         self.release()
         if isinstance(vars(self.loader).get("_iterator"), FirstAgain):  # persistent workers: not reset, a new pass
             vars(self.loader)["_iterator"] = None

@@ -529,7 +529,7 @@ def _first_of_the_pass(trainer: pl.Trainer, loader: Any) -> Any:
     """The first batch of a loader read once (:func:`torch_compat.passes_once`), given back to its loop in front of
     the rest of the same pass: no sample lost, no stream opened twice. The probe step gets its own copy (a step
     that changes its batch in place must not change the batch the loop trains)."""
-    kept = torch_compat.draw_keeping_the_pass(loader)
+    kept = torch_compat.draw_keeping_the_pass(loader, lightning_compat.pending_loader_state(trainer))  # resumed: from there
     if kept is None:
         return None
     first, loop_loader = kept
