@@ -85,9 +85,8 @@ def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None
     observe = batch.observe if isinstance(batch, SharedProbe) else readers.observe
     with _said_if_slow(type(module).__qualname__, step):
         seen = observe(module, drawn, layers, step)
-    if seen is not None:
-        _unrun_step_reads(module, seen, layers)
     if seen is not None:  # said once per model, at the surgery (fit start): the user's code ran one more time
+        _unrun_step_reads(module, seen, layers)
         rank_zero_info(
             f"lightning_hbm: ran {seen.ran} once before changing the model, to see which layers its code reads "
             "directly (no gradient, no optimizer step; the model's values, the data order and the RNGs as they were). "
