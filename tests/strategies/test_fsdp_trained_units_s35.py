@@ -39,13 +39,18 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # session 36: a trained embedding inside the unit around the blocks (not a block, not its own unit), large enough
     # for the rank to peak where that unit reduce-scatters its gradients
     "saved_embedding": dict(r=4, modules_to_save=["embed_tokens"]),
+    # session 37: the same with every block checkpointed, the first block's input offloaded (a partial offload: the
+    # backward's last phase is "backward (offloaded blocks)", where the end of the backward was not marked)
+    "saved_embedding_offload1": dict(r=4, modules_to_save=["embed_tokens"]),
 }
+#: ``ActivationCheckpointing`` settings beside the LoRA, by setting
+CHECKPOINTING: dict[str, dict[str, Any]] = {"saved_embedding_offload1": dict(policy="full", offload=1)}
 #: the model of each setting: the head beside the backbone of test_fsdp_remainder_units_s34.py, wider for the embedding
 WIDE = dict(vocab_size=8192, hidden_size=1024, intermediate_size=1024)
 
 
 def _model(name: str) -> Any:
-    if name != "saved_embedding":
+    if not name.startswith("saved_embedding"):
         return _head_apart()
     import test_fsdp_remainder_units_s34 as layouts
 
@@ -64,8 +69,15 @@ def _lora(name: str) -> Any:
     return LoRA(alpha=8, dropout=0.0, **SETTINGS[name])
 
 
+def _callbacks_of(name: str) -> list[Any]:
+    from lightning_hbm import ActivationCheckpointing
+
+    checkpointing = [ActivationCheckpointing(**CHECKPOINTING[name])] if name in CHECKPOINTING else []
+    return [_lora(name), *checkpointing]
+
+
 def _fit(name: str, out: Path) -> dict[str, Any]:
-    return fit_profiled(_model(name), [_lora(name), profiler_for(out, name)], out, name)
+    return fit_profiled(_model(name), [*_callbacks_of(name), profiler_for(out, name)], out, name)
 
 
 def worker(out: Path) -> None:
@@ -95,6 +107,11 @@ def _planned(name: str) -> Any:
             return [_lora(name) if isinstance(c, LoRA) else c for c in super().callbacks()]
 
     batch = synthetic_batch(GLOBAL_BATCH // 2, DATA["seq_len"])  # what one rank computes on
+    if name in CHECKPOINTING:  # the run's callbacks, every option kept
+        from lightning_hbm import QuantizedPrecision
+
+        return predict(lambda: _model(name), batch, Candidate.from_trainer(QuantizedPrecision("nf4", dtype="float32"),
+                                                                           _callbacks_of(name)))
     return predict(lambda: _model(name), batch, WithRunsLoRA("nf4", "float32", lora_r=SETTINGS[name]["r"]))
 
 
@@ -121,18 +138,24 @@ def test_per_rank_plan_of_a_trained_unit_apart(two_rank_run: Path, name: str, tm
 
 
 @pytest.mark.slow
-def test_per_rank_plan_of_a_trained_embedding_inside_the_backbone(two_rank_run: Path) -> None:
+@pytest.mark.parametrize("name", ["saved_embedding", "saved_embedding_offload1"])
+def test_per_rank_plan_of_a_trained_embedding_inside_the_backbone(two_rank_run: Path, name: str) -> None:
     """The backbone's embedding trained whole (``modules_to_save``, 8192 x 1024 fp32): the rank peaks at the backbone
     root's reduce-scatter, the end of the backward (``fsdp2_root_gradient_bytes``): 189,347,844 B measured (Dec 6 2026,
     2-core CPU dev machine), 189,347,836 planned (8 B under); 172,671,476 before session 36's fix (-8.8 %: the plan's
-    peak was the head's forward, measured there to the byte, the root's gradient copies and shard not counted)."""
+    peak was the head's forward, measured there to the byte, the root's gradient copies and shard not counted). With
+    every block checkpointed and the first one's input offloaded (session 37): the same 189,347,844 B measured,
+    189,347,836 planned; 162,151,156 before (-14.4 %: under a partial offload the end of the backward was not marked,
+    so nothing counted the root's reduce-scatter)."""
     ranks = [json.loads((two_rank_run / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0]["saved_embedding"]["units"] == ["backbone", "backbone.layers.0", "backbone.layers.1", "lm_head"]
-    measured = measured_peak(two_rank_run, "saved_embedding")
-    prediction = _planned("saved_embedding")
+    assert ranks[0][name]["units"] == ["backbone", "backbone.layers.0", "backbone.layers.1", "lm_head"]
+    measured = measured_peak(two_rank_run, name)
+    prediction = _planned(name)
     planned = sum(prediction.per_rank(2).values())
-    print("saved_embedding measured", measured, "planned", planned, f"{(planned - measured) / measured:+.4%}")
+    print(name, "measured", measured, "planned", planned, f"{(planned - measured) / measured:+.4%}")
     assert plan_matches(prediction, measured, within=8), (planned, measured)
+    if name in CHECKPOINTING:
+        assert "end of the backward" in prediction.regions["backward (offloaded blocks)"]
 
 
 def test_gradients_of_the_unit_around_the_blocks_per_rank() -> None:
