@@ -313,3 +313,23 @@ def test_pissa_on_a_layer_pinned_unquantized(tmp_path: Any) -> None:
     assert type(pinned.model.model.layers[0].self_attn.q_proj.base_layer) is torch.nn.Linear
     with pytest.raises(ValueError, match=r"init_lora_weights='pissa' rewrites the base weight.*quantized \(nf4\)"):
         fit({"model.model.layers.1.self_attn.q_proj": "none"})
+
+
+class _SystemDrawn(_Numbered):
+    """Augmented from the OS's entropy (``random.SystemRandom``: no state), held in a transform."""
+
+    def __init__(self) -> None:
+        import random
+
+        super().__init__()
+        self.transform = {"noise": random.SystemRandom()}
+
+
+def test_a_dataset_holding_a_system_random_trains() -> None:
+    """``random.SystemRandom`` has no state to put back (``getstate`` raises NotImplementedError): found by the walk
+    over the loader's objects, it must be passed over, not stop the fit."""
+    from lightning_hbm._compat.torch import _own_rngs_restored
+
+    loader = DataLoader(_SystemDrawn(), batch_size=4)
+    restores = _own_rngs_restored(loader)
+    assert restores == [] and next(iter(loader)).shape == (4, 3, 8, 8)
