@@ -313,3 +313,38 @@ def test_pissa_on_a_layer_pinned_unquantized(tmp_path: Any) -> None:
     assert type(pinned.model.model.layers[0].self_attn.q_proj.base_layer) is torch.nn.Linear
     with pytest.raises(ValueError, match=r"init_lora_weights='pissa' rewrites the base weight.*quantized \(nf4\)"):
         fit({"model.model.layers.1.self_attn.q_proj": "none"})
+
+
+class _SystemDrawn(_Numbered):
+    """Augmented from the OS's entropy (``random.SystemRandom``: no state), held in a transform."""
+
+    def __init__(self) -> None:
+        import random
+
+        super().__init__()
+        self.transform = {"noise": random.SystemRandom()}
+
+
+def test_a_dataset_holding_a_system_random_trains() -> None:
+    """``random.SystemRandom`` has no state to put back (``getstate`` raises NotImplementedError): found by the walk
+    over the loader's objects, it must be passed over, not stop the fit."""
+    from lightning_hbm._compat.torch import _own_rngs_restored
+
+    loader = DataLoader(_SystemDrawn(), batch_size=4)
+    restores = _own_rngs_restored(loader)
+    assert restores == [] and next(iter(loader)).shape == (4, 3, 8, 8)
+
+
+@pytest.mark.xfail(strict=True, reason="fix in precision/quantization.py (h2's split this session): the diff is in h5's report")
+def test_a_widened_plan_checked_on_the_32_images_it_was_chosen_on_is_still_cautioned(tmp_path: Any) -> None:
+    """``quiet_on_enough`` (session 36) drops the widened-conv caution where the check measured 32 samples quiet, on the
+    evidence of 4 chosen, 32 checked. With a ``probe_batch`` of 32 images (or a first batch of 32) the modes are chosen
+    on the very samples the check measures: quiet by construction (0.9854 here), and the caution was dropped."""
+    import copy
+
+    from tests.test_widened_convs_s36 import CAUTION, _batches, _fit, resnet
+
+    with pytest.warns(UserWarning, match=CAUTION):
+        plugin = _fit(copy.deepcopy(resnet.__wrapped__()), QuantizedPrecision(probe_batch=torch.cat(_batches())), tmp_path)  # type: ignore[attr-defined]
+    measured = plugin.quantization.conv_accuracy
+    assert measured is not None and measured.samples == 32 and not measured.warned

@@ -680,6 +680,8 @@ def _own_rngs_restored(loader: Any) -> list[Callable[[], Any]]:
     trained other draws; session 37 found each of these one level deeper than session 36 looked)."""
     restores: list[Callable[[], Any]] = []
     for rng in _reachable_rngs(loader):
+        if isinstance(rng, random.SystemRandom):  # the OS's entropy: no state to put back (getstate raises)
+            continue
         if isinstance(rng, torch.Generator):
             restores.append(functools.partial(rng.set_state, rng.get_state()))
         elif isinstance(rng, random.Random):
