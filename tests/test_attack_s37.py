@@ -335,7 +335,6 @@ def test_a_dataset_holding_a_system_random_trains() -> None:
     assert restores == [] and next(iter(loader)).shape == (4, 3, 8, 8)
 
 
-@pytest.mark.xfail(strict=True, reason="fix in precision/quantization.py (h2's split this session): the diff is in h5's report")
 def test_a_widened_plan_checked_on_the_32_images_it_was_chosen_on_is_still_cautioned(tmp_path: Any) -> None:
     """``quiet_on_enough`` (session 36) drops the widened-conv caution where the check measured 32 samples quiet, on the
     evidence of 4 chosen, 32 checked. With a ``probe_batch`` of 32 images (or a first batch of 32) the modes are chosen

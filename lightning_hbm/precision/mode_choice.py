@@ -20,6 +20,7 @@ from torch import nn
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_TARGET_COSINE, SensitivityReport, choose_layer_modes, unmeasured_convs_warning, widened_convs_warning
 from lightning_hbm.probe import Probe, has_forward
+from lightning_hbm.probe_batch import samples
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ class ConvChoice:
     gap: Optional[str] = None
     #: the model going unmeasured was said (a warning): the accuracy check does not say it again
     said_unmeasured: bool = False
+    #: the samples the modes were chosen on: a check quiet on those same samples is quiet by construction, so it does
+    #: not stand in for :attr:`gap` (session 37: a first batch of 32 chose and checked the same 32 images)
+    chosen_on: int = 0
 
 
 def linear_modes(
@@ -98,7 +102,7 @@ def conv_modes(
     gap = widened_convs_warning(module, report, config.format.name, target, threshold)
     if report.cosine < target:
         rank_zero_warn(missed_target_warning(config, report, target))
-    return ConvChoice(report, widened, gap)
+    return ConvChoice(report, widened, gap, chosen_on=samples(batch))
 
 
 def missed_target_warning(config: Any, report: SensitivityReport, target: float) -> str:

@@ -47,7 +47,7 @@ from lightning_hbm.precision.gptq import DIGEST_KEY, GPTQRounding
 from lightning_hbm.precision.int4_asym import regrid_warning
 from lightning_hbm.precision.int8_dynamic import report_unsmoothed
 from lightning_hbm.precision.measures import CORRECTION_PROBE_TOKENS, Measures, on_fake_tensors, one_batch
-from lightning_hbm.precision.mode_choice import conv_modes, linear_modes
+from lightning_hbm.precision.mode_choice import ConvChoice, conv_modes, linear_modes
 from lightning_hbm.precision.saved_settings import SavedSettings, saved_meta
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, SensitivityReport
 from lightning_hbm.precision.smoothing import SmoothingReport
@@ -89,8 +89,9 @@ class Quantization:
         #: the quantized model's output cosine on the probe, any mode (:mod:`~lightning_hbm.precision.accuracy`;
         #: ``None``: no quantized convolution, or not measured)
         self.conv_accuracy: Optional[ConvAccuracy] = None
-        # the convolutions' mode choice's warning that held out such choices measured under the target (said at the quantization)
-        self._conv_gap: Optional[str] = None
+        # the convolutions' mode choice, whose warning that held out such choices measured under the target is said at
+        # the quantization
+        self._conv_choice: Optional[ConvChoice] = None
         #: where the quantized layers are built (the strategy's root device; ``None``: where the weights are)
         self.device: Optional[torch.device] = None
         self.owner = owner
@@ -200,7 +201,7 @@ class Quantization:
                 with self.smoothing.attached(module) if self.smoothing is not None else nullcontext():
                     self._choose_layer_modes(module, linear_names(targets), trainer, probe)
             convs = [name for name, layer in targets if CONV.matches(layer)]
-            self._conv_gap = None
+            self._conv_choice = None
             # every model quantized is measured (session 32; was: only those with a quantized convolution, and a Pix2Struct
             # lost its output in nf4-dq, cosine 0.965, unsaid): the reference records every quantized layer's input
             # (a validate/predict/test run measures only models with convolutions, as before: a model of Linears alone
@@ -257,10 +258,11 @@ class Quantization:
         if reference is not None:  # as quantized: a checkpoint being resumed loads into it next
             bnb_compat.undo_int8_states(module)
         # the mode choice's warning, where the measured figure did not say more, nor was quiet on 32 samples (session 36)
-        said = self.conv_accuracy is not None and (self.conv_accuracy.warned or self.conv_accuracy.quiet_on_enough)
-        gap, self._conv_gap = self._conv_gap, None
-        if gap is not None and not said:
-            rank_zero_warn(gap)
+        # (not where the modes were chosen on those same samples: quiet there by construction, session 37)
+        choice, self._conv_choice, measured = self._conv_choice, None, self.conv_accuracy
+        said = measured is not None and (measured.warned or (measured.quiet_on_enough and measured.samples > (choice.chosen_on if choice else 0)))
+        if choice is not None and choice.gap is not None and not said:
+            rank_zero_warn(choice.gap)
         return quantized
 
     def _choose_layer_modes(self, module: nn.Module, names: list[str], trainer: Any, probe: Callable[[], Probe]) -> None:
@@ -288,7 +290,7 @@ class Quantization:
             self.layer_modes = self.saved_layer_modes(trainer) or self.layer_modes
             return False
         choice = conv_modes(module, names, self.config, probe, self.gptq.hessians if self.gptq is not None else None)
-        self.conv_report, self._conv_gap = choice.report, choice.gap
+        self.conv_report, self._conv_choice = choice.report, choice
         if choice.widened:
             self.layer_modes = {**(self.layer_modes or {}), **choice.widened}
         return choice.said_unmeasured
