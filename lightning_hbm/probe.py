@@ -231,13 +231,15 @@ def forward_on(module: nn.Module, batch: Any) -> Any:
         if isinstance(batch, Tensor):
             return module(batch.clone())
         if isinstance(batch, (tuple, list)):
+            images = per_sample_images(batch)
             try:
                 return module(torch_compat.map_tensors(torch.clone, batch[0]))
             except Exception:
-                if not per_sample_images(batch):
+                if not images:
                     raise
-            # a batch that is per-sample images alone (collate_fn=tuple): forward(images), not forward(first image)
-            return module(torch_compat.map_tensors(torch.clone, batch))
+            # a batch that is per-sample images alone (collate_fn=tuple): forward(images), not forward(first image);
+            # each a tensor (per_sample_images), so copied one by one
+            return module(type(batch)(image.clone() for image in batch))
         return module(**torch_compat.map_tensors(torch.clone, batch))
 
 

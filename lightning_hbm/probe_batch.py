@@ -57,7 +57,8 @@ def first_and_joined(trainer: Optional[pl.Trainer], who: str, min_tokens: int, m
     Raises:
         ValueError: the Trainer has no train dataloader, or it is empty.
     """
-    loader = lightning_compat.train_dataloader(trainer) if lightning_compat.has_train_dataloader(trainer) else None
+    has_loader = lightning_compat.has_train_dataloader(trainer)
+    loader = lightning_compat.train_dataloader(trainer) if has_loader else None
     if loader is None:
         raise ValueError(
             f"{who} found no probe batch: the Trainer has no train dataloader (no datamodule, no train_dataloaders "

@@ -92,13 +92,13 @@ def train_dataloader(trainer: Any) -> Any:
     """
     source = trainer.fit_loop._data_source
     loaders = _request_dataloader(source)
-    source.dataloader = _HandOver(source, loaders, trainer)
+    handed = source.dataloader = _HandOver(source, loaders, trainer)
     loader = _first_loader(loaders)
+    state = pending_loader_state(trainer)  # read before the loader is: the draw hands nothing back up here
     if loader is not None and torch_compat.passes_once(loader):
-        kept = torch_compat.draw_keeping_the_pass(loader, pending_loader_state(trainer))
-        if kept is not None and kept[1] is not loader:
-            hand_over_instead(trainer, loader, kept[1])
-            return kept[1]
+        kept = torch_compat.draw_keeping_the_pass(loader, state)
+        if kept is not None and kept[1] is not loader:  # the loop gets what gives that batch back first
+            handed.loaders, loader = _replaced(loaders, loader, kept[1]), kept[1]
     return loader
 
 
@@ -170,15 +170,19 @@ def hand_over_instead(trainer: Any, old: Any, new: Any) -> None:
     iterator the probe drew its first batch from, given back with that batch in front)."""
     loop = getattr(trainer, _STAGE_LOOPS.get(str(getattr(trainer.state.fn, "value", trainer.state.fn)), ""), None)
     handed = vars(getattr(loop, "_data_source", None) or object()).get("dataloader") if loop is not None else None
-    if not isinstance(handed, _HandOver):
-        return
-    loaders = handed.loaders
+    if isinstance(handed, _HandOver):
+        handed.loaders = _replaced(handed.loaders, old, new)
+
+
+def _replaced(loaders: Any, old: Any, new: Any) -> Any:
+    """``loaders`` (one, or a dict, list or tuple of them) with ``new`` where ``old`` was."""
     if loaders is old:
-        handed.loaders = new
-    elif isinstance(loaders, dict):
-        handed.loaders = {key: new if value is old else value for key, value in loaders.items()}
-    elif isinstance(loaders, (list, tuple)):
-        handed.loaders = type(loaders)(new if value is old else value for value in loaders)
+        return new
+    if isinstance(loaders, dict):
+        return {key: new if value is old else value for key, value in loaders.items()}
+    if isinstance(loaders, (list, tuple)):
+        return type(loaders)(new if value is old else value for value in loaders)
+    return loaders
 
 
 class _HandOver:
