@@ -1,12 +1,13 @@
 """The planner's structure-deciding forward (``tracing._gradient_receivers``) is also the first training forward of each
 model it sets up, so the traced step is a steady one, as it is in training from the second step on (session 37, issue 51).
 
-Skipping that forward and reading the parameters the loss reaches from the traced step's own graph was measured
-(``benchmarks/planner_gradient_receivers.py``): 0.69-0.72x the CPU time of a cut model's ``predict()``, equal to the
-byte on Llama, GPT-2 (tied head), Qwen2-MoE, int8, a conv net, a partial offload, ``plan()``'s 8 candidates; and wrong
-wherever a first forward differs from the later ones: a checkpointed block given a dict runs its first forward
-without checkpoint (+31 % activations in the first test below), a table made on the first forward was planned 3 % under a real step, token-chunked layers decided their verdict inside the traced step (``max_context``), and LLaVA's
-unreached vision layer got gradients. These tests pin the steady step on the first two.
+Skipping that forward (every trained parameter assumed reached) was measured
+(``benchmarks/planner_gradient_receivers.py``, benchmarks/README.md): 0.77-0.94x the CPU time, equal to the byte on
+Llama, GPT-2 (tied head), Qwen2-MoE, int8, a conv net, ``nn.TransformerEncoder``, a partial offload and ``plan()``'s 8
+candidates; and wrong wherever a first forward differs from the later ones: a checkpointed block given a dict runs its
+first forward without checkpoint (+31 % activations in the first test below), a table made on the first forward was
+planned 3 % under a real step, token-chunked layers decided their verdict inside the traced step (``max_context``),
+and LLaVA's unreached vision layer got gradients. These tests pin the steady step on the first two.
 """
 
 from __future__ import annotations
