@@ -420,6 +420,11 @@ def _gradient_receivers(module: pl.LightningModule, batch: Any, plugin: Precisio
     trainable parameter overshot LLaVA's peak by 8 %. ``None`` (count every trainable parameter) when a reentrant
     checkpoint hides the parameters of its blocks from the graph (they do get gradients). An expert a long run routes
     to keeps its optimizer states in every later step, routed to or not: the experts this forward skipped get states.
+
+    It is also the first training forward of the model set up, so the step :func:`_steady_step` traces is a second one,
+    as training's steps are from the second on: not to be replaced by the traced step's own graph (a block given a dict
+    runs its first forward unchecked, a cache made on the first forward, chunk verdicts; measured in
+    ``benchmarks/planner_gradient_receivers.py``, pinned by ``tests/planner/test_warm_up_forward_s37.py``).
     """
     with plugin.forward_context(), _name_untraceable(module), modules_run() as ran:
         loss, _kept = _closure_loss(module.training_step(batch, 1))
