@@ -31,7 +31,7 @@ import torch
 
 import lightning_hbm.precision.accuracy as accuracy
 import lightning_hbm.precision.measures as measures
-import lightning_hbm.precision.quantization as quantization
+import lightning_hbm.precision.mode_choice as mode_choice
 from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision
 from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm.pretrained import smollm2_path
@@ -60,16 +60,16 @@ def first_step(path: str, dtype: str, batch: torch.Tensor, check: bool) -> tuple
     plugin = QuantizedPrecision("nf4-dq", dtype=dtype)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, plugins=[plugin], callbacks=[LoRA(r=16, alpha=32), ActivationCheckpointing()])  # fmt: skip
-    built = quantization.Reference
+    built = mode_choice.Reference
     if not check:
-        quantization.Reference = lambda *args: None  # type: ignore[assignment,misc]
+        mode_choice.Reference = lambda *args: None  # type: ignore[assignment,misc]
     start = time.process_time()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.fit(module, torch.utils.data.DataLoader([batch[0]], batch_size=1))
     finally:
-        quantization.Reference = built  # type: ignore[misc]
+        mode_choice.Reference = built  # type: ignore[misc]
     measured = plugin.quantization.conv_accuracy
     assert (measured is not None) == check, measured
     return time.process_time() - start, measured.cosine if measured is not None else float("nan")

@@ -61,6 +61,17 @@ def undo_int8_states(module: nn.Module) -> int:
     return undone
 
 
+@contextmanager
+def forward_as_quantized(module: nn.Module) -> Iterator[None]:
+    """A forward of ``module`` right after its quantization (the fit-start accuracy check) that leaves its bitsandbytes
+    layers as quantized: their CPU repacks disabled before (:func:`disable_cpu_repacks`: an eval forward on an
+    AVX512-BF16 CPU would repack 4-bit layers for a kernel that bypasses autograd, as the surgery disables them after the
+    quantization), their int8 states put back after (:func:`undo_int8_states`: a checkpoint being resumed loads next)."""
+    disable_cpu_repacks(module)
+    yield
+    undo_int8_states(module)
+
+
 def drop_int8_kept_input(module: nn.Module, args: tuple, output: Any) -> None:
     """A ``Linear8bitLt`` forward hook: free the input that bitsandbytes' int8 matmul keeps for a frozen weight.
 

@@ -111,6 +111,13 @@ class Measures:
         config = meta.get("configs", {}).get(self.owner) or {}
         return meta if meta and all(config.get(k) == v for k, v in settings.items() if k != "layer_modes") else {}
 
+    def save(self, meta: dict[str, Any]) -> None:
+        """Into the lightning_hbm part ``meta`` of a checkpoint: the GPTQ CRC, then the smoothing exponents."""
+        if self.gptq is not None:
+            self.gptq.save(meta)
+        if self.smoothing is not None:
+            self.smoothing.save(meta)
+
     def probe(self, trainer: Any) -> Any:
         """The batch the layer modes are measured on: ``probe_batch``, else the first of the Trainer's train dataloader
         (a datamodule's, the loader passed to ``fit``, the module's own: :func:`~lightning_hbm.probe_batch.first_batch`);

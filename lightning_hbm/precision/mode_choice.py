@@ -1,25 +1,35 @@
 """The mode choice of one ``Quantization``: the layer modes measured on the probe, once a surgery.
 
-Two choices, each handed the settings, the probe (:class:`~lightning_hbm.probe.Probe`, drawn once by the measures)
+:func:`measure_and_choose` is the checks' step: the probe drawn once (:class:`~lightning_hbm.precision.measures.Measures`),
+what the quantization measures on it, then the layer modes once (taken from the checkpoint being resumed with these
+settings, :class:`~lightning_hbm.precision.saved_settings.SavedSettings`, else measured), then the accuracy check's
+reference; it returns what it chose (:class:`ModesChosen`) for the ``Quantization`` to keep. Two choices, each handed the settings, the probe (:class:`~lightning_hbm.probe.Probe`, drawn once by the measures)
 and the GPTQ statistics, each returning what it measured: the Linear layers' under a target (``max_bytes_per_param``
 or ``min_cosine``: :func:`linear_modes`), and the convolutions' under a 4-bit mode (issue 53: :func:`conv_modes`, a
 :class:`ConvChoice`). What the choice cannot measure or reach is said at fit start, with the figure and the fix. The
-``Quantization`` takes the checkpoint's modes instead where a resume has them, and keeps what the choice returns.
+checkpoint's modes are taken instead where a resume has them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+from contextlib import nullcontext
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_hbm.layers import CONV
+from lightning_hbm.precision.accuracy import CHECK_SAMPLES, Reference
 from lightning_hbm.precision.config import QuantizationConfig
+from lightning_hbm.precision.measures import Measures, one_batch
+from lightning_hbm.precision.saved_settings import SavedSettings
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_TARGET_COSINE, SensitivityReport, choose_layer_modes, unmeasured_convs_warning, widened_convs_warning
-from lightning_hbm.probe import Probe, has_forward
+from lightning_hbm.precision.target_listing import linear_names
+from lightning_hbm.probe import Probe, forwarding, has_forward
 from lightning_hbm.probe_batch import samples
 
 log = logging.getLogger(__name__)
@@ -41,6 +51,89 @@ class ConvChoice:
     #: the samples the modes were chosen on: a check quiet on those same samples is quiet by construction, so it does
     #: not stand in for :attr:`gap` (session 37: a first batch of 32 chose and checked the same 32 images)
     chosen_on: int = 0
+
+
+@dataclasses.dataclass
+class ModesChosen:
+    """What the checks' step chose (:func:`measure_and_choose`), kept by the ``Quantization``."""
+
+    #: the per-layer modes ``{layer name: mode name}`` (``None``: every layer in ``mode``)
+    layer_modes: Optional[dict[str, str]]
+    #: what the Linear layers' choice under a target measured (``None``: not measured)
+    report: Optional[SensitivityReport] = None
+    #: the convolutions' choice (``None``: not made: no convolution in a 4-bit mode, a pinned plan, a resume)
+    conv: Optional[ConvChoice] = None
+    #: the names of the layers the accuracy check's reference records (none: not measured)
+    recorded: list[str] = dataclasses.field(default_factory=list)
+
+
+def measure_and_choose(
+    module: nn.Module, targets: list[tuple[str, nn.Module]], trainer: Any, fake: bool, measures: Measures,
+    saved: SavedSettings, settings: dict[str, Any], layer_modes: Optional[dict[str, str]],
+) -> ModesChosen:  # fmt: skip
+    """The checks' measures on the model as built, handed the targets listed: the probe drawn once, the inputs'
+    statistics and the smoothing (:meth:`~lightning_hbm.precision.measures.Measures.measure_model`), then the layer
+    modes (the Linears', then the convolutions'; ``layer_modes``: the modes before, a pinned plan or ``None``), then the
+    accuracy check's reference (kept in ``measures`` for the quantization). ``settings``: the settings a resume
+    compares, read once the targets are listed; ``fake``: the planner's trace, where nothing is measured."""
+    config = measures.config
+    # a LightningModule without forward: measured through the submodule its training_step calls (issue 53)
+    measures.stepped = None
+    stepping = [name for name, _ in targets] if not fake and not has_forward(module) else None
+    # drawn at the first measure, then handed to each; a conv net's accuracy check measures more samples (session 35)
+    conv_net = stepping is None and not fake and any(CONV.matches(layer) for _, layer in targets)
+    drawn, checked = measures.probes_once(module, trainer, CHECK_SAMPLES if conv_net else 0)
+    probe = drawn if stepping is None else functools.cache(lambda: measures.stepping(drawn(), stepping))
+    chosen = ModesChosen(layer_modes)
+    with forwarding(module, lambda: measures.stepped):
+        measures.measure_model(module, targets, trainer, True, True, settings, probe)  # smoothed before the plan, which measures it
+        hessians = measures.gptq.hessians if measures.gptq is not None else None
+        if config.measures_layer_modes:
+            with measures.smoothing.attached(module) if measures.smoothing is not None else nullcontext():
+                # resuming: the plan the checkpoint was trained with (a fresh model may differ), else measured
+                chosen.layer_modes = saved.saved_layer_modes(trainer, settings)
+                if chosen.layer_modes is not None:
+                    log.info("lightning_hbm: mixed precision plan taken from the checkpoint being resumed")
+                else:
+                    chosen.report = linear_modes(module, linear_names(targets), config, probe, hessians)
+                    chosen.layer_modes = chosen.report.modes
+        convs = [name for name, layer in targets if CONV.matches(layer)]
+        # every model quantized is measured (session 32; was: only those with a quantized convolution, and a Pix2Struct
+        # lost its output in nf4-dq, cosine 0.965, unsaid): the reference records every quantized layer's input
+        # (a validate/predict/test run measures only models with convolutions, as before: a model of Linears alone
+        # is not worth opening the train loader, which such a run never asked for)
+        chosen.recorded = [name for name, _ in targets] if convs or trainer is None or trainer.state.fn == "fit" else []
+        measures.reference = Reference(chosen.recorded, convs) if chosen.recorded and not fake else None
+        # the mode choice's first forward is the model as built: the reference, where the check measures its batch
+        with measures.reference.recording(module) if measures.reference is not None and one_batch(drawn, checked) else nullcontext():
+            said = _choose_conv_modes(module, convs, trainer, probe, hessians, saved, settings, chosen)
+        measures.record_reference(module, probe if checked is drawn else checked, None if checked is drawn else drawn, said)
+        if measures.reference is not None:  # the quantized model's forward runs where the model as built's ran
+            measures.reference.stepped = measures.stepped
+    measures.stepped = None
+    return chosen
+
+
+def _choose_conv_modes(
+    module: nn.Module, names: list[str], trainer: Any, probe: Callable[[], Probe], hessians: Optional[Mapping[str, torch.Tensor]],
+    saved: SavedSettings, settings: dict[str, Any], chosen: ModesChosen,
+) -> bool:  # fmt: skip
+    """The convolutions' modes under a 4-bit mode (:func:`conv_modes`), those it widens added to ``chosen``'s layer
+    modes, the choice kept in ``chosen`` (its warning of a gap held out is said at the quantization). Not with a pinned
+    plan, nor when resuming (the checkpoint's modes are taken). Returns whether it said the model went unmeasured (no
+    probe batch, a probe it cannot run): the accuracy check does not say it again."""
+    config = saved.config
+    if not names or config.layer_modes is not None or config.format.peft_kind != "4bit":
+        return False
+    if saved.saved(trainer):
+        # resuming: the plan the checkpoint was trained with (Linears' and convolutions'); none saved (a checkpoint
+        # from before issue 53): every convolution in mode, as it was trained
+        chosen.layer_modes = saved.saved_layer_modes(trainer, settings) or chosen.layer_modes
+        return False
+    chosen.conv = conv_modes(module, names, config, probe, hessians)
+    if chosen.conv.widened:
+        chosen.layer_modes = {**(chosen.layer_modes or {}), **chosen.conv.widened}
+    return chosen.conv.said_unmeasured
 
 
 def linear_modes(
@@ -124,4 +217,4 @@ def missed_target_warning(config: Any, report: SensitivityReport, target: float)
     )
 
 
-__all__ = ["ConvChoice", "conv_modes", "linear_modes", "missed_target_warning"]
+__all__ = ["ConvChoice", "ModesChosen", "conv_modes", "linear_modes", "measure_and_choose", "missed_target_warning"]

@@ -4,12 +4,14 @@ The settings a resume must share (:meth:`SavedSettings.settings`, as this run wi
 :meth:`SavedSettings.run_settings`, by the listing's embedding rules: a checkpoint saved with its input embeddings
 wide, or without recording which small tables it kept wide, :mod:`~lightning_hbm.precision.target_listing`) and the
 layer modes taken back from the checkpoint being resumed (:meth:`SavedSettings.saved_layer_modes`). The checkpoint is
-read from what resume hands over (:func:`saved_meta`), never from the file. Holds the settings and their owner's name
-only: what a surgery decided (the layer modes, the embeddings kept) is handed in.
+read from what resume hands over (:func:`saved_meta`), never from the file. Holds the settings, their owner's name and
+which run's surgery took the layer modes (:meth:`SavedSettings.taken_by`): what a surgery decided (the layer modes, the
+embeddings kept) is handed in.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 from lightning_hbm import resume
@@ -39,6 +41,24 @@ class SavedSettings:
     def __init__(self, config: QuantizationConfig, owner: str) -> None:
         self.config = config
         self.owner = owner
+        # the Trainer whose surgery measured or took the layer modes (weakly): a plugin reused by another Trainer compares
+        # that run's plan at its resume, not the last fit's (session 32: a sweep's plugin refused its own checkpoint)
+        self._modes_run: Optional[weakref.ref] = None
+
+    def taken_by(self, trainer: Any) -> None:
+        """The layer modes of the surgery under way are ``trainer``'s run's (``None``: a surgery of no run)."""
+        self._modes_run = weakref.ref(trainer) if trainer is not None else None
+
+    def _planned_for(self, trainer: Any) -> bool:
+        """Whether the layer modes are ``trainer``'s run's (its surgery measured or took them): a reused plugin's resume
+        check runs before that run's surgery, when they are still the last fit's (another model's plan)."""
+        return trainer is None or (self._modes_run is not None and self._modes_run() is trainer)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the weak reference to this run's Trainer is this process's, not the plugin's settings: a Trainer pickled or
+        # deep-copied after fit failed with "cannot pickle 'weakref.ReferenceType' object" (session 32); the copy then
+        # compares the checkpoint's plan at a resume, as a plugin of no run does
+        return {**self.__dict__, "_modes_run": None}
 
     def saved(self, trainer: Any) -> Optional[dict[str, Any]]:
         """This owner's settings in the checkpoint ``trainer`` is resuming (``None``: no Trainer, no checkpoint or none saved)."""
@@ -95,9 +115,10 @@ class SavedSettings:
 
     def resume_config(self, trainer: Any, settings: dict[str, Any], layer_modes: Optional[dict[str, str]]) -> dict[str, Any]:
         """What a resumed run must share with the run that saved the checkpoint (``trainer``: the run's, or ``None``).
-        ``layer_modes``: the modes this run's surgery chose (``None``: not this run's yet)."""
+        ``layer_modes``: the modes the last surgery chose (taken where they are this run's: pinned, or
+        :meth:`taken_by` ``trainer``)."""
         config = self.run_settings(trainer, settings)
-        plan = layer_modes
+        plan = layer_modes if self.config.layer_modes is not None or self._planned_for(trainer) else None
         if plan is None and self.config.layer_modes is None:
             # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same
             # settings the plan will be the checkpoint's own (the mode choice takes it), so that one is this run's
