@@ -75,13 +75,14 @@ def quiet_logging(module: nn.Module) -> Generator[None, None, None]:
     A manual-optimization module's step gets stand-ins for what needs the optimizers, which do not exist before the
     model is changed: ``self.optimizers()`` gives one optimizer whose ``zero_grad``/``step`` do nothing (``step`` runs
     its closure, as an optimizer does), ``manual_backward``, ``toggle_optimizer``, ``clip_gradients`` and the like do
-    nothing, ``lr_schedulers()`` gives ``None``. Its step ran three times and failed each time ("'list' object has no
-    attribute 'zero_grad'"), the user's code seen three times more, and which layers it reads fell back to its source
-    (session 37). A step that unpacks several optimizers still fails: said as before, with the manual-optimization advice."""
+    nothing, ``lr_schedulers()`` gives one scheduler whose ``step`` does nothing (``self.lr_schedulers().step()``, as
+    Lightning documents manual optimization; ``None`` failed that step, session 37 h10). Its step ran three times and
+    failed each time ("'list' object has no attribute 'zero_grad'"), the user's code seen three times more, and which
+    layers it reads fell back to its source (session 37). A step that unpacks several optimizers still fails: said as before, with the manual-optimization advice."""
     stand_ins: dict[str, Callable[..., Any]] = {name: _nothing for name in ("log", "log_dict") if callable(getattr(module, name, None))}
     if isinstance(module, pl.LightningModule) and not module.automatic_optimization:
         stand_ins.update({name: _nothing for name in _MANUAL_HOOKS if callable(getattr(module, name, None))})
-        stand_ins.update(optimizers=_one_optimizer, toggled_optimizer=_toggled)
+        stand_ins.update(optimizers=_one_optimizer, lr_schedulers=_one_scheduler, toggled_optimizer=_toggled)
     missing = object()
     own = {name: module.__dict__.get(name, missing) for name in stand_ins}
     for name, stand_in in stand_ins.items():
@@ -97,7 +98,7 @@ def quiet_logging(module: nn.Module) -> Generator[None, None, None]:
 
 
 #: a manual-optimization module's methods that need the fit loop's optimizers or schedulers: no-ops in a probe step
-_MANUAL_HOOKS = ("manual_backward", "toggle_optimizer", "untoggle_optimizer", "clip_gradients", "lr_schedulers")
+_MANUAL_HOOKS = ("manual_backward", "toggle_optimizer", "untoggle_optimizer", "clip_gradients")
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
@@ -116,6 +117,17 @@ class _NoStep:
 
 def _one_optimizer(*args: Any, **kwargs: Any) -> _NoStep:
     return _NoStep()
+
+
+class _NoSchedule:
+    """The scheduler ``self.lr_schedulers()`` gives in a probe step: ``step`` (with a metric or not) does nothing."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _one_scheduler(*args: Any, **kwargs: Any) -> _NoSchedule:
+    return _NoSchedule()
 
 
 @contextmanager
@@ -234,12 +246,17 @@ def forward_on(module: nn.Module, batch: Any) -> Any:
             images = per_sample_images(batch)
             try:
                 return module(torch_compat.map_tensors(torch.clone, batch[0]))
-            except Exception:
+            except Exception as error:
                 if not images:
                     raise
+                first_error = error
             # a batch that is per-sample images alone (collate_fn=tuple): forward(images), not forward(first image);
-            # each a tensor (per_sample_images), so copied one by one
-            return module(type(batch)(image.clone() for image in batch))
+            # each a tensor (per_sample_images), so copied one by one. Where that fails too, the batch was no images
+            # (a tuple of [B, L, D] tensors of B <= 4 reads as them): forward(inputs)'s own error is raised (h10)
+            try:
+                return module(type(batch)(image.clone() for image in batch))
+            except Exception:
+                raise first_error from None
         return module(**torch_compat.map_tensors(torch.clone, batch))
 
 

@@ -92,7 +92,10 @@ def _check_merge_base(module: nn.Module, base_state_dict: Optional[dict[str, tor
             "original weights given. Call LoRA.merge(model) without base_state_dict: it merges onto the residual base "
             "the model holds."
         )
-    root = hf_root(module, None)
+    try:
+        root = hf_root(module, None)
+    except ValueError:  # several Hugging Face models with adapters (merge takes no submodule=): keys relative to
+        root = ""  # ``module``, which name each model's (h10, session 37: refused, naming a submodule= merge has not)
     if not allow_base_change:
         _check_base(module, base_state_dict, root)
     return root
