@@ -98,3 +98,34 @@ def test_a_users_sigint_handler_is_never_called_the_wait_is_said(tmp_path: Any, 
     assert not called and module.trained == 2
     assert len(said) == 1 and "_Waits.training_step waited 0.5 s at " in said[0] and _WAIT_LINE in said[0]
     assert "never returns" in said[0]
+
+
+def test_a_probe_step_waiting_without_a_timeout_no_longer_hangs(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, python_sigint: None) -> None:
+    """The issue's case: the step takes from a queue (no timeout) that a thread started in ``on_fit_start`` fills. Was:
+    hung forever (here until the test's own safety, 20 s, filled the queue); now stopped after PROBE_WAIT_S."""
+    import queue
+
+    monkeypatch.setattr(probe_step, "PROBE_WAIT_S", 1.0, raising=False)  # absent before: the test fails on what it asserts
+
+    class _Queued(_Waits):
+        def __init__(self) -> None:
+            super().__init__(timeout=0.0)
+            self.items: queue.Queue[float] = queue.Queue()
+
+        def on_fit_start(self) -> None:
+            threading.Thread(target=lambda: [self.items.put(1.0) for _ in range(2)], daemon=True).start()
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            scale = self.items.get()
+            self.trained += 1
+            return self.net(batch).square().mean() * scale
+
+    module, fired = _Queued(), threading.Event()
+    safety = threading.Timer(20.0, lambda: (fired.set(), [module.items.put(1.0) for _ in range(3)]))  # ends on the parent too
+    safety.start()
+    try:
+        said = _fit(module, tmp_path)
+    finally:
+        safety.cancel()
+    assert not fired.is_set()
+    assert module.trained == 2 and len(said) == 1 and "_Queued.training_step waited 1 s at " in said[0] and _WAIT_LINE in said[0]
