@@ -223,3 +223,55 @@ def test_a_stream_whose_passes_cannot_be_handed_back_is_drawn_once_and_said(tmp_
     finally:
         del _SETUPS["given"]
     assert model.seen == _ALL and not said
+
+
+# ---------------------------------------------------------------- h9: AutoFit's planning batch (issue 55, item 3)
+
+
+def _fit_linear(loader: Any, tmp_path: Any, callbacks: list[Any], plugins: Optional[list[Any]] = None) -> tuple[_Seen, list[Any]]:
+    torch.manual_seed(0)
+    model = _Seen(conv=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=plugins, callbacks=callbacks,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader)
+    return model, [w for w in caught if "lightning_hbm drew" in str(w.message)]
+
+
+def _autofit(precisions: list[str], rank: int) -> Any:
+    from lightning_hbm import AutoFit
+
+    return AutoFit(budget="1GiB", precisions=precisions, lora_ranks=[rank], checkpointing=["none"], optimizers=["user"], fused_loss=[False])
+
+
+@pytest.mark.parametrize(("precisions", "rank"), [(["nf4-dq"], 4), ([], 0)], ids=["probe-step", "no-probe-step"])
+def test_autofit_over_a_stream_whose_passes_cannot_be_handed_back_draws_once_and_says_it(precisions: list[str], rank: int, tmp_path: Any) -> None:
+    """AutoFit drew its planning batch with ``next(iter(loader))``, a pass of its own, unsaid: with a choice that runs
+    the probe step another batch was drawn (8 of 10 trained, one warning); with one that runs none, 9 of 10 and no word.
+    Now the planning batch is the one the surgery's draws reuse, said once at fit start: 9 of 10, one warning."""
+    model, said = _fit_linear(_Unkept(_OnePass(), batch_size=4), tmp_path, [_autofit(precisions, rank)])
+    assert model.seen == _ALL[1:] and len(said) == 1 and "_Unkept" in str(said[0].message)
+
+
+def test_autofit_leaves_a_shuffled_loaders_epoch_order_as_the_same_choice_by_hand(tmp_path: Any) -> None:
+    """AutoFit's planning batch advanced the shuffled DataLoader's order (a pass begun with ``next(iter(loader))``):
+    epoch 0 trained another order than the same choice made by hand, and than plain Lightning. Now drawn in a pass
+    left as it was (``torch_compat.leading_batches``)."""
+
+    class _Numbered(Dataset):
+        def __len__(self) -> int:
+            return 40
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return _image(i)
+
+    def shuffled() -> DataLoader:
+        return DataLoader(_Numbered(), batch_size=4, shuffle=True)
+
+    chosen, _ = _fit_linear(shuffled(), tmp_path, [_autofit(["nf4-dq"], 4)])
+    by_hand, _ = _fit_linear(shuffled(), tmp_path, [LoRA(r=4)], [QuantizedPrecision("nf4-dq")])
+    plain, _ = _fit_linear(shuffled(), tmp_path, [])
+    assert chosen.seen == by_hand.seen == plain.seen and sorted(sum(plain.seen, [])) == list(range(40))

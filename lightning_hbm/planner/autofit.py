@@ -23,6 +23,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hbm._compat import lightning as lightning_compat
+from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm._validate import check_args
 from lightning_hbm.activations.loss import default_heads
 from lightning_hbm.memory.categories import CATEGORIES
@@ -344,14 +345,23 @@ def _example_batch(trainer: pl.Trainer) -> Any:
     # Lightning has no public way to reach the train dataloader before the fit loop loads it: the fit
     # loop's data source is what Lightning itself will call (the module's train_dataloader, the
     # datamodule's, or the loader passed to fit).
+    # Drawn leaving no trace (torch_compat.leading_batches): a map-style loader in a pass of its own, its generators
+    # and the global RNGs as they were (drawn with next(iter(loader)), epoch 0 trained another order than the same
+    # choice made by hand: session 37); a stream read once gives the batch the loop trains first; a stream whose
+    # passes cannot be handed back, the one batch the surgery's measures then reuse, said at fit start (issue 55).
     loader = lightning_compat.train_dataloader(trainer)
     try:
-        return next(iter(loader))
-    except (TypeError, StopIteration) as err:
+        batches = torch_compat.leading_batches(loader, lambda drawn: True)
+    except TypeError as err:  # not iterable
+        batches, error = [], f" ({type(err).__name__})"
+    else:
+        error = " (StopIteration)"
+    if not batches:
         raise ValueError(
-            "AutoFit needs one training batch to plan with, but the train dataloader gave none "
-            f"({type(err).__name__}). Pass a non-empty train dataloader or a datamodule."
-        ) from err
+            "AutoFit needs one training batch to plan with, but the train dataloader gave none"
+            f"{error}. Pass a non-empty train dataloader or a datamodule."
+        )
+    return batches[0]
 
 
 def compare_with_measured(prediction: Prediction, report: Optional[MemoryReport]) -> str:

@@ -3,17 +3,23 @@
 Before the first check, :func:`_observe` runs the stage's step once (no gradient, no optimizer step) and records who
 reads which layer's weight (:func:`lightning_hbm.layers.readers.observe`); ``LIGHTNING_HBM_PROBE_STEP=0``
 (:data:`PROBE_SWITCH`) leaves it to the model's source, and a step still running after :data:`PROBE_PATIENCE_S` is
-said with the ways out (:func:`_said_if_slow`). After the change, :func:`_guard` guards the paths the probe step did
-not take where the source reads a layer now changed. :func:`lightning_hbm.surgery.engine.run_surgery` decides
-whether to run it.
+said with the ways out (:func:`_said_if_slow`); one waiting :data:`PROBE_WAIT_S` in one of Python's waits (for what
+``on_fit_start`` starts: it runs before that hook) is stopped there and said, the source deciding
+(:func:`_stopped_if_waiting`). After the change, :func:`_guard` guards the paths the probe step did not take where the
+source reads a layer now changed. :func:`lightning_hbm.surgery.engine.run_surgery` decides whether to run it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import threading
+import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -83,7 +89,8 @@ def _observe(module: nn.Module, batch: Any, step: str = "training_step") -> None
     if drawn is None:  # the stage reads no batch (an empty loader, limit_*_batches=0): nothing to run; the source decides
         return
     observe = batch.observe if isinstance(batch, SharedProbe) else readers.observe
-    with _said_if_slow(type(module).__qualname__, step):
+    seen = None  # stopped where it waited for what on_fit_start starts: the source decides (said)
+    with _said_if_slow(type(module).__qualname__, step), _stopped_if_waiting(type(module).__qualname__, step):
         seen = observe(module, drawn, layers, step)
     if seen is not None:  # said once per model, at the surgery (fit start): the user's code ran one more time
         _unrun_step_reads(module, seen, layers)
@@ -138,6 +145,107 @@ def _said_if_slow(model: str, step: str) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
+
+
+#: seconds the probe step may wait in one of Python's waits (an ``Event``, a queue, a lock, a future, a socket, a child
+#: process) before it is stopped there: a step on fake tensors does not wait, and one that waits for what
+#: ``on_fit_start`` starts would wait forever (the probe step runs before it)
+PROBE_WAIT_S = 10.0
+#: the modules whose frames are a wait: ``Event.wait``, ``Queue.get``, ``Future.result``, ``Thread.join`` end in threading's
+_WAIT_MODULES = ("threading", "queue", "selectors", "subprocess", "socket", "ssl")
+_WAIT_PACKAGES = ("multiprocessing.", "concurrent.futures.", "asyncio.")
+
+
+def _waiting_at(frame: Optional[FrameType]) -> Optional[str]:
+    """``file:line`` of the caller of the wait ``frame`` (the innermost frame of a thread) is in, ``None`` if that
+    frame is no wait of Python's."""
+
+    def waits(f: FrameType) -> bool:
+        name = str(f.f_globals.get("__name__", ""))
+        return name in _WAIT_MODULES or name.startswith(_WAIT_PACKAGES)
+
+    if frame is None or not waits(frame):
+        return None
+    while frame is not None and waits(frame):
+        frame = frame.f_back
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+class _WaitWatch:
+    """Looks at the probing thread every 0.1 s; once it has waited :data:`PROBE_WAIT_S` in one of Python's waits, stops
+    it there with a ``KeyboardInterrupt`` (a ``SIGINT`` to that thread, which wakes a blocked lock or ``select``), where
+    that is safe: the probing thread is the main one and ``SIGINT`` is Python's own (a user's handler is never called
+    by lightning_hbm); else says it at once."""
+
+    def __init__(self, model: str, step: str) -> None:
+        self.model, self.step, self.where, self.sent, self.done = model, step, "", False, False
+        self.ident, self.lock, self.stop = threading.get_ident(), threading.Lock(), threading.Event()
+        self.interruptible = (
+            threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_kill")
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )  # fmt: skip
+        self.thread = threading.Thread(target=self._look, name="lightning_hbm-probe-wait", daemon=True)
+
+    def _look(self) -> None:
+        since: Optional[float] = None
+        while not self.stop.wait(0.1):
+            where = _waiting_at(sys._current_frames().get(self.ident))
+            if where is None:
+                since = None
+                continue
+            since = time.monotonic() if since is None else since
+            if time.monotonic() - since < PROBE_WAIT_S:
+                continue
+            with self.lock:
+                if self.done:
+                    return
+                self.where, self.sent = where, self.interruptible
+                if self.sent:
+                    signal.pthread_kill(self.ident, signal.SIGINT)
+                    return
+            rank_zero_warn(self.message(stopped=False))
+            return
+
+    def finish(self) -> bool:
+        """No interrupt from now on; whether one was sent."""
+        with self.lock:
+            self.done = True
+        self.stop.set()
+        return self.sent
+
+    def message(self, stopped: bool) -> str:
+        head = (
+            f"lightning_hbm: {self.model}.{self.step} waited {PROBE_WAIT_S:g} s at {self.where} in the probe step (run "
+            "once before the model is changed, to see which layers its code reads directly). The probe step runs "
+            "before on_fit_start (the model is changed before the optimizers exist): what on_fit_start starts is not "
+            "there yet. "
+        )
+        if stopped:
+            return head + (
+                "It was stopped there, and the model's source decided which layers its code reads directly, as with "
+                f"{PROBE_SWITCH}=0; the fit goes on. To have the probe step run: start what the step waits for in "
+                f"setup() (it runs before the probe step); to skip it without the wait: {PROBE_SWITCH}=0."
+            )
+        return head + f"A step that waits for it never returns. Start it in setup() instead, or set {PROBE_SWITCH}=0."
+
+
+@contextmanager
+def _stopped_if_waiting(model: str, step: str) -> Iterator[_WaitWatch]:
+    """The probe step stopped, said, where it waits :data:`PROBE_WAIT_S` in one of Python's waits (:class:`_WaitWatch`):
+    a step that waits for something ``on_fit_start`` starts hung the fit (issue 55). The block's ``KeyboardInterrupt``
+    of that stop is taken here (a user's Ctrl-C goes on); the step's contexts have put everything back as it unwound."""
+    watch = _WaitWatch(model, step)
+    watch.thread.start()
+    try:
+        yield watch
+        if watch.finish():  # sent as the step returned: the interrupt lands in this sleep
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        if not watch.sent:
+            raise
+        warnings.warn(watch.message(stopped=True), UserWarning, stacklevel=3)
+    finally:
+        watch.finish()
 
 
 def _guard(module: nn.Module) -> None:
