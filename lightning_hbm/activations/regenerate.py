@@ -23,6 +23,13 @@ their input, as without ``regenerate``; the callback warns after the step, namin
 block called before it, and the blocks remade. A block called with that output as a keyword (``block(hidden_states=h)``)
 is linked the same way: the keyword tensor goes through the checkpoint as a positional one (a keyword tensor checkpoint
 never saves through the saved-tensor hooks: it is held by its closure, neither remade nor offloaded).
+
+Under ``QuantizedFSDPStrategy`` (FSDP2) each block is a unit, and FSDP2 hands a unit its input through an autograd
+function of its own (``RegisterPostBackwardFunction``): another tensor of the same data. A block's input is linked
+through it (session 37; before, no input was remade under FSDP2), and the block run again in the backward is gathered
+first (``FSDPModule.unshard()``; already gathered by FSDP2's backward prefetch, or resharded after). On 2 gloo ranks the
+trained weights are those of ``regenerate=1`` bit for bit and the rank's peak is lower by the inputs not kept
+(``tests/strategies/test_fsdp_sequential_blocks_s35.py``). A block inside a larger unit keeps such an input (named).
 """
 
 from __future__ import annotations

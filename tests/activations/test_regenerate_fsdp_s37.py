@@ -10,6 +10,7 @@ the function's forward only passes its inputs on).
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -60,15 +61,15 @@ def test_a_real_fsdp2_unit_hands_its_input_over_linked(tmp_path: Any) -> None:
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    seen: list[torch.Tensor] = []
+    outputs: list[torch.Tensor] = []
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
         for block in model:
             fully_shard(block)
         fully_shard(model)
-        seen: list[torch.Tensor] = []
         model[1].register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
-        outputs: list[torch.Tensor] = []
         model[0].register_forward_hook(lambda _m, _a, out: outputs.append(out))
         model(torch.randn(2, 8, requires_grad=True)).sum().backward()
         assert all(torch_compat.is_fsdp_unit(block) for block in model)
@@ -86,4 +87,7 @@ def test_a_real_fsdp2_unit_hands_its_input_over_linked(tmp_path: Any) -> None:
             again = type(model[0]).forward(model[0], torch.ones(1, 8))
         assert type(model[0].weight) is sharded and again.shape == (1, 8)
     finally:
+        seen.clear()  # the hooks' lists hold the outputs, whose nodes hold the record, which holds the model: a cycle
+        outputs.clear()
         dist.destroy_process_group()
+        gc.collect()
