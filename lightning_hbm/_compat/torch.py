@@ -820,3 +820,47 @@ class _NoModuleHooks:
 
     def __exit__(self, *args: Any) -> None:
         pass
+
+
+def passed_through_fsdp(tensor: torch.Tensor, output: torch.Tensor) -> bool:
+    """Whether ``tensor`` is ``output`` as FSDP2 hands it to the unit it feeds: the output of its pre-forward's
+    ``RegisterPostBackwardFunction`` (torch 2.13, ``_fsdp_param_group``; the post-backward hook), which returns its
+    inputs as they are, a new tensor of the same data (storage, offset, shape, strides) whose node's input is
+    ``output``'s (``tests/strategies/test_fsdp_sequential_blocks_s35.py``)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import RegisterPostBackwardFunction
+
+    node = tensor.grad_fn
+    if node is None or output.grad_fn is None or getattr(node, "_forward_cls", None) is not RegisterPostBackwardFunction:
+        return False
+    if (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype) != (
+            output.data_ptr(), output.shape, output.stride(), output.dtype):
+        return False
+    return any(fn is output.grad_fn and nr == output.output_nr for fn, nr in node.next_functions)
+
+
+def is_fsdp_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard`` made it an ``FSDPModule``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+@contextmanager
+def fsdp_gathered(module: nn.Module) -> Iterator[None]:
+    """``module``'s parameters gathered while in the context when it is an FSDP2 unit (``fully_shard``), so that its
+    forward can run outside its ``__call__`` (no pre-forward hook): ``unshard()``, then ``reshard()`` only where it
+    was neither gathered nor being gathered before (FSDP2's backward prefetch gathers it for its own backward: left so,
+    it is not gathered twice). Not a unit: nothing done."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    ready = all(g.is_unsharded or g._all_gather_result is not None for g in groups)
+    module.unshard()
+    try:
+        yield
+    finally:
+        if not ready:
+            module.reshard()

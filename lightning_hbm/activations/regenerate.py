@@ -23,6 +23,13 @@ their input, as without ``regenerate``; the callback warns after the step, namin
 block called before it, and the blocks remade. A block called with that output as a keyword (``block(hidden_states=h)``)
 is linked the same way: the keyword tensor goes through the checkpoint as a positional one (a keyword tensor checkpoint
 never saves through the saved-tensor hooks: it is held by its closure, neither remade nor offloaded).
+
+Under ``QuantizedFSDPStrategy`` (FSDP2) each block is a unit, and FSDP2 hands a unit its input through an autograd
+function of its own (``RegisterPostBackwardFunction``): another tensor of the same data. A block's input is linked
+through it (session 37; before, no input was remade under FSDP2), and the block run again in the backward is gathered
+first (``FSDPModule.unshard()``; already gathered by FSDP2's backward prefetch, or resharded after). On 2 gloo ranks the
+trained weights are those of ``regenerate=1`` bit for bit and the rank's peak is lower by the inputs not kept
+(``tests/strategies/test_fsdp_sequential_blocks_s35.py``). A block inside a larger unit keeps such an input (named).
 """
 
 from __future__ import annotations
@@ -205,7 +212,13 @@ class Record:
     def gave(self, tensor: Tensor) -> bool:
         """Whether ``tensor`` is the output this forward returned, unchanged since (a forward hook or the model's code
         that scales it in place, ``x.mul_(0.5)`` between blocks, leaves it another input than the remade one)."""
-        return self.output is not None and self.output() is tensor and tensor._version == self.version
+        output = self.output() if self.output is not None else None
+        if output is None or output._version != self.version:
+            return False
+        # under FSDP2 the block fed gets it through its unit's pre-forward function: the same data, another tensor;
+        # linked so only where this block is a unit of its own, which remake() gathers (a block inside a larger unit
+        # keeps its input, named after the step)
+        return output is tensor or (torch_compat.is_fsdp_unit(self.block) and torch_compat.passed_through_fsdp(tensor, output))
 
 
 class Remake:
@@ -238,8 +251,10 @@ def remake(packed: Remake) -> Tensor:
         args[index] = remake(saved) if isinstance(saved, Remake) else source.unpack(saved)
     # as its forward ran: gradients on (a layer may choose its kernels by it), nothing saved for a backward, the RNG
     # states and the buffers it read as they were, the forward's LoRA order (recomputing(False)) and autocast
+    # an FSDP2 unit's forward run outside its __call__: its parameters gathered (the backward prefetch's, if made)
     with torch_compat.drawing_as(source.rng), recomputing(False), source.state.replayed(True), torch.enable_grad(), \
-            torch.autograd.graph.saved_tensors_hooks(_drop, _never), contextlib.ExitStack() as stack:
+            torch.autograd.graph.saved_tensors_hooks(_drop, _never), torch_compat.fsdp_gathered(source.block), \
+            contextlib.ExitStack() as stack:
         for device_type, enabled, dtype in source.autocast:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
         out = source.inner(*args, **source.kwargs)

@@ -57,7 +57,6 @@ from lightning_hbm.precision import QuantizedPrecision, get_format, quantize_mod
 from lightning_hbm.precision.config import EMBEDDINGS_AUTO
 from lightning_hbm.precision.correction import CalibratedCorrection
 from lightning_hbm.precision.sensitivity import ladder, weight_bytes
-from lightning_hbm.strategies.fsdp_qlora import REMADE_UNDER_FSDP2
 
 BatchLike = Union[Any, pl.LightningDataModule]
 
@@ -221,7 +220,9 @@ class Prediction:
         (:attr:`block_gradient_bytes`, sharded as the backward goes) put the peak late in the backward, each to 28 B or
         less (``tests/strategies/test_fsdp_sequential_blocks_s35.py``); a head beside the backbone adapted by LoRA or
         trained whole (:attr:`unit_gradient_bytes`, a shard more once its backward is done), to 4 B
-        (``tests/strategies/test_fsdp_trained_units_s35.py``).
+        (``tests/strategies/test_fsdp_trained_units_s35.py``); eight checkpointed blocks of which one input in two is
+        remade (``ActivationCheckpointing(regenerate=2)``, linked through FSDP2's pre-forward function since session
+        37), to 4 B (``tests/strategies/test_fsdp_sequential_blocks_s35.py``).
         Without regions (a Prediction built by hand) the peak's own categories gather the largest block and the
         remainder at once.
 
@@ -232,20 +233,11 @@ class Prediction:
                 blocks trains parameters (:func:`fsdp2_root_gradient_bytes`; NCCL's figure is not yet run on GPU).
 
         Raises:
-            ValueError: ``backend`` is neither ``"gloo"`` nor ``"nccl"``; the candidate remakes block inputs
-                (``ActivationCheckpointing(regenerate=n > 1)``), which FSDP2 does not
-                (:data:`~lightning_hbm.strategies.fsdp_qlora.REMADE_UNDER_FSDP2`; the fit warns at its start).
+            ValueError: ``backend`` is neither ``"gloo"`` nor ``"nccl"``.
         """
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"Prediction.per_rank: backend must be 'gloo' or 'nccl' (the process group's), got "
                              f"{backend!r}.")
-        if world_size > 1 and self.remade_unit > 1:
-            raise ValueError(
-                f"Prediction.per_rank({world_size}): {self.candidate.name} remakes block inputs "
-                f"(ActivationCheckpointing(regenerate=n > 1), units of {self.remade_unit} blocks), but under "
-                f"QuantizedFSDPStrategy {REMADE_UNDER_FSDP2}. Plan the candidate with regenerate=1 for the per-rank "
-                "figure: that is what runs."
-            )
         gathered = self.block_bytes + self.remainder_bytes + max(self.units.values(), default=0)
         per_rank = shard_categories(self.categories, world_size, gathered_bytes=gathered,
                                     replicated_parameter_bytes=self.replicated_bytes,

@@ -62,7 +62,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -72,35 +71,11 @@ from lightning_hbm._compat import _PATH, _materialize_distributed_module, _optim
 from lightning_hbm._compat import bitsandbytes as bnb_compat
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._validate import check_args
-from lightning_hbm.activations import ActivationCheckpointing
 from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.layers.embedding import TiedHead
 from lightning_hbm.optim import OPTIMIZER_KINDS, MemoryEfficientOptimizer
 
 log = logging.getLogger(__name__)
-
-#: Why ``ActivationCheckpointing(regenerate=n)`` remakes no block input under FSDP2 (the fit's warning at its start and
-#: ``Prediction.per_rank``'s refusal say it alike). Measured on 2 gloo ranks (session 37, six residual blocks in an
-#: ``nn.Sequential``, LoRA r=128): every block's input "unmatched", the rank's peak the one of ``regenerate=1``
-#: (14,252,912 B), and with ``offload=4`` beside it 14,515,056 B, the peak of ``offload=4`` alone
-#: (``tests/strategies/test_fsdp_sequential_blocks_s35.py``).
-REMADE_UNDER_FSDP2 = (
-    "FSDP2 hands each of its units its input through an autograd function of its own (torch's "
-    "RegisterPostBackwardFunction: the post-backward hook), never the tensor the block before returned, so no block "
-    "input is remade: every block keeps its input as with regenerate=1 (the same memory, no block forward run again)"
-)
-
-
-def remade_inputs_warning(callbacks: Sequence[Any]) -> Optional[str]:
-    """The warning of a fit under ``QuantizedFSDPStrategy`` with ``ActivationCheckpointing(regenerate=n > 1)`` among
-    ``callbacks`` (:data:`REMADE_UNDER_FSDP2`): what runs instead and the fix; None without one."""
-    remaking = next((cb for cb in callbacks if isinstance(cb, ActivationCheckpointing) and cb.regenerate > 1), None)
-    if remaking is None:
-        return None
-    return (f"lightning_hbm: ActivationCheckpointing(regenerate={remaking.regenerate}) under QuantizedFSDPStrategy: "
-            f"{REMADE_UNDER_FSDP2}. Use regenerate=1 under FSDP2 (plan it so: Prediction.per_rank refuses "
-            "regenerate > 1); the warning after the first step names each block that kept its input.")
-
 
 class QuantizedFSDPStrategy(ModelParallelStrategy):
     """Fully sharded data parallel (torch FSDP2) for quantized bases with trainable adapters.
@@ -183,9 +158,6 @@ class QuantizedFSDPStrategy(ModelParallelStrategy):
         eight_bit = [cb for cb in trainer.callbacks if isinstance(cb, MemoryEfficientOptimizer)]  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
         if eight_bit:  # known now: refused before the model changes, not after quantizing and sharding it
             raise self._bnb_refusal(OPTIMIZER_KINDS[eight_bit[0].kind][0])
-        remade = remade_inputs_warning(trainer.callbacks)  # type: ignore[attr-defined]  # undeclared on Trainer
-        if remade is not None:
-            rank_zero_warn(remade)
         _materialize_distributed_module(self.model, self.root_device)
         # Quantize -> LoRA -> checkpointing -> kernels (lightning_hbm/surgery/), on the full model.
         # Without the mesh ModelParallelStrategy put on the LightningModule meanwhile (peft reads it as tensor parallel)

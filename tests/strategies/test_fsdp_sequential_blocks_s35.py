@@ -19,8 +19,10 @@ its own. Six checkpointed blocks with LoRA r=128 put the rank's peak in the back
 planned 10.1 % over before; iterated, 11.7 % under. Also: the last block of the backward (``block 0``) has no block to
 prefetch (one block gathered, not two).
 
-One 2-rank gloo run (this file run as a script, as in test_fsdp_remainder_units_s34.py) fits the four models for one
-epoch with the ``HBMProfiler`` in detailed mode (the per-rank peak, max over ranks).
+One 2-rank gloo run (this file run as a script, as in test_fsdp_remainder_units_s34.py) fits the models of ``MODELS``
+for one epoch each with the ``HBMProfiler`` in detailed mode (the per-rank peak, max over ranks); session 37 added the
+partial offload, and ``ActivationCheckpointing(regenerate=2)`` beside ``regenerate=1`` on three stacks (each rank's
+trained weights saved, compared bit for bit).
 """
 
 from __future__ import annotations
@@ -94,17 +96,32 @@ def _iterated_deep() -> Any:
     return _sequential_stack(iterated=True, depth=6)
 
 
+def _called_long() -> Any:
+    return _sequential_stack(depth=8)
+
+
+def _iterated_long() -> Any:
+    return _sequential_stack(iterated=True, depth=8)
+
+
 MODELS = {"called": _called, "iterated": _iterated, "called_deep": _called_deep, "iterated_deep": _iterated_deep,
-          "called_deep_offload4": _called_deep, "called_deep_remade": _called_deep}
+          "called_deep_offload4": _called_deep, "called_deep_remade": _called_deep,
+          "called_long": _called_long, "called_long_remade": _called_long, "iterated_long": _iterated_long,
+          "iterated_long_remade": _iterated_long, "called_long_remade3": _called_long}
 # the deep stacks: LoRA r=128 and every block checkpointed, so the gradients grow through the backward past the forward
 DEEP = dict(lora_r=128, checkpointing="full")
 # session 37: the deep stack called, the inputs of its first 4 blocks offloaded (a partial offload: the regions of the
-# blocks 2 and 3 are "block offloading -2" and "-1"), or one block input in 2 remade (regenerate=2: under FSDP2 none is)
-CHECKPOINTING = {"called_deep_offload4": dict(offload=4), "called_deep_remade": dict(regenerate=2)}
+# blocks 2 and 3 are "block offloading -2" and "-1"), or one block input in 2 remade (regenerate=2, remade through FSDP2's
+# pre-forward function since session 37; none was before)
+CHECKPOINTING = {"called_deep_offload4": dict(offload=4), "called_deep_remade": dict(regenerate=2),
+                 "called_long_remade": dict(regenerate=2), "iterated_long_remade": dict(regenerate=2),
+                 "called_long_remade3": dict(regenerate=3)}
+# the long stacks: 8 checkpointed blocks, LoRA r=4: the block inputs, not the gradients, make the peak (session 37)
+LONG = dict(lora_r=4, checkpointing="full")
 
 
 def _setting(name: str) -> dict[str, Any]:
-    return DEEP if "_deep" in name else dict(lora_r=4, checkpointing="none")
+    return DEEP if "_deep" in name else LONG if "_long" in name else dict(lora_r=4, checkpointing="none")
 
 
 def _callbacks_of(name: str) -> list[Any]:
@@ -121,13 +138,20 @@ def _callbacks_of(name: str) -> list[Any]:
 def _fit(name: str, out: Path) -> dict[str, Any]:
     import warnings
 
-    callbacks = _callbacks_of(name)
+    import torch.distributed as dist
+
+    callbacks, model = _callbacks_of(name), MODELS[name]()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        record = fit_profiled(MODELS[name](), [*callbacks, profiler_for(out, name)], out, name)
+        record = fit_profiled(model, [*callbacks, profiler_for(out, name)], out, name)
     record["warnings"] = [str(w.message) for w in caught if "lightning_hbm" in str(w.message)]
     remade = next((c.remade for c in callbacks if getattr(c, "regenerate", 1) > 1), None)
     record["unmatched"] = sorted(remade.unmatched) if remade is not None else []
+    record["made"] = sorted(remade.made) if remade is not None else []
+    record["inputs_remade"] = remade.inputs if remade is not None else 0  # in the last step's backward
+    # this rank's shard of the trained weights after the epoch: regenerate=2 against regenerate=1, bit for bit
+    trained = {n: p.detach().to_local() for n, p in model.named_parameters() if p.requires_grad}
+    torch.save(trained, out / f"{name}.rank{dist.get_rank()}.pt")
     return record
 
 
@@ -158,12 +182,12 @@ def _planned(name: str) -> Any:
 
 
 def _units(name: str) -> list[str]:
-    depth = 6 if "_deep" in name else 2
+    depth = 6 if "_deep" in name else 8 if "_long" in name else 2
     return sorted(["blocks", *(f"blocks.{i}" for i in range(depth)), "embed", "lm_head", "norm"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name in MODELS if name != "called_deep_remade"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_per_rank_plan_of_blocks_in_a_sequential(two_rank_run: Path, name: str) -> None:
     """The planned per-rank step peak within 0.1 % of the measured one (4 B under or less, Dec 6 2026: called 3,111,212
     planned for 3,111,216 measured, iterated 2,950,444 for 2,950,448, called_deep 14,252,908 for 14,252,912,
@@ -183,24 +207,49 @@ def test_per_rank_plan_of_blocks_in_a_sequential(two_rank_run: Path, name: str) 
 
 
 @pytest.mark.slow
-def test_remade_inputs_under_fsdp2_are_named_alike(two_rank_run: Path) -> None:
-    """``ActivationCheckpointing(regenerate=2)`` under ``QuantizedFSDPStrategy`` remakes no block input (FSDP2 feeds each
-    unit its input through its own autograd function): every block after the first keeps its input, the rank's peak is
-    the one of ``regenerate=1`` to the byte, the fit says so at its start, and ``Prediction.per_rank`` refuses the plan
-    that remakes them (it planned 14,252,908 B, the figure of ``regenerate=1``, by chance: the peak is late in the
-    backward, where the inputs are gone; with a partial offload beside it 1.8 % under, the offloaded copies not made).
-    The plan of ``regenerate=1`` is the fit's."""
-    from lightning_hbm.strategies.fsdp_qlora import REMADE_UNDER_FSDP2
+@pytest.mark.parametrize("name", ["called_deep", "called_long", "iterated_long"])
+def test_remade_inputs_under_fsdp2(two_rank_run: Path, name: str) -> None:
+    """``ActivationCheckpointing(regenerate=2)`` under ``QuantizedFSDPStrategy`` remakes one block input in two (session
+    37): the link to the block before goes through the function FSDP2 hands each unit its input by (the same data),
+    and the block run again in the backward is gathered first. Every block after the first is linked (none unmatched:
+    before, blocks 1 to 5 all were), blocks 1, 3, 5 (, 7) remake theirs in the last step's backward, the fit does not
+    warn, each rank's trained weights after the epoch are those of ``regenerate=1`` bit for bit, and the plan is the
+    rank's (Dec 6 2026: called_deep 14,252,908 planned for 14,252,912 measured, the peak late in the backward as with
+    regenerate=1; called_long, eight blocks with LoRA r=4 whose inputs make the peak, 3,704,972 for 3,704,976 against
+    regenerate=1's 4,098,192: -393,216 B, three block inputs of 131,072 B; iterated_long, each block an FSDP2 root of
+    its own, gathered for the remake and resharded after it, 3,544,204 for 3,544,208 against 3,937,424). Before, no
+    input was remade (every block after the first "unmatched") and ``per_rank`` refused the plan."""
+    remade = f"{name}_remade"
+    depth = 6 if name == "called_deep" else 8
+    for rank in (0, 1):
+        record = json.loads((two_rank_run / f"rank{rank}.json").read_text())[remade]
+        assert record["unmatched"] == [], record["unmatched"]
+        assert record["made"] == [f"blocks.{i}" for i in range(1, depth, 2)]
+        assert record["inputs_remade"] == depth // 2
+        assert not [w for w in record["warnings"] if "regenerate" in w], record["warnings"]
+        once, twice = (torch.load(two_rank_run / f"{n}.rank{rank}.pt") for n in (name, remade))
+        assert once.keys() == twice.keys() and all(torch.equal(once[k], twice[k]) for k in once)
+    measured = measured_peak(two_rank_run, remade)
+    assert plan_matches(_planned(remade), measured)
+    if name != "called_deep":  # the inputs make the peak: one in two not kept
+        assert measured_peak(two_rank_run, name) - measured == 3 * 4 * DATA["seq_len"] * HIDDEN * 4
 
-    rank0 = json.loads((two_rank_run / "rank0.json").read_text())["called_deep_remade"]
-    assert rank0["unmatched"] == [f"blocks.{i}" for i in range(1, 6)]
-    assert any(REMADE_UNDER_FSDP2 in w and "regenerate=2" in w for w in rank0["warnings"]), rank0["warnings"]
-    measured = measured_peak(two_rank_run, "called_deep_remade")
-    assert measured == measured_peak(two_rank_run, "called_deep")
-    assert plan_matches(_planned("called_deep"), measured)
-    with pytest.raises(ValueError, match=r"per_rank\(2\).*remakes block inputs.*RegisterPostBackwardFunction.*regenerate=1"):
-        _planned("called_deep_remade").per_rank(2)
-    assert _planned("called_deep_remade").per_rank(1)  # one device: remade as planned
+
+@pytest.mark.slow
+def test_inputs_remade_from_remade_ones_under_fsdp2(two_rank_run: Path) -> None:
+    """``regenerate=3``: a remade input made from one remade in turn (two units gathered, one inside the other's remake)
+    under FSDP2: blocks 1, 2, 4, 5, 7 remake theirs (seven remakes in the backward: blocks 2 and 5, the third of their unit, twice),
+    the trained weights are ``regenerate=1``'s bit for bit, and the plan is the rank's (Dec 6 2026: 3,573,900 planned for
+    3,573,904 measured, against 4,098,192 with regenerate=1 and 3,704,976 with 2)."""
+    for rank in (0, 1):
+        record = json.loads((two_rank_run / f"rank{rank}.json").read_text())["called_long_remade3"]
+        assert record["unmatched"] == [] and record["made"] == [f"blocks.{i}" for i in (1, 2, 4, 5, 7)]
+        assert record["inputs_remade"] == 7
+        once, thrice = (torch.load(two_rank_run / f"{n}.rank{rank}.pt") for n in ("called_long", "called_long_remade3"))
+        assert all(torch.equal(once[k], thrice[k]) for k in once)
+    measured = measured_peak(two_rank_run, "called_long_remade3")
+    assert measured < measured_peak(two_rank_run, "called_long_remade")
+    assert plan_matches(_planned("called_long_remade3"), measured)
 
 
 def test_regions_of_offloading_and_remade_blocks() -> None:
