@@ -149,7 +149,7 @@ def test_an_embedding_shared_with_anything_else_is_kept_with_a_warning(trainer_f
     assert skipped["embed"] == ("weight shared with a module that is not a plain nn.Linear head: kept in the compute dtype", False)
     plan = QuantizedPrecision("nf4-dq", dtype="float32", quantize_embeddings=True).quantization
     with pytest.warns(UserWarning, match=r"quantize_embeddings=True\) keeps 2 input embedding\(s\) in torch.float32: embed: weight shared"):
-        plan._say_embeddings_kept(model)
+        plan.target_listing.say_embeddings_kept(model)
 
 
 def test_what_cannot_be_converted_is_named() -> None:
