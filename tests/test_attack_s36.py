@@ -4,7 +4,7 @@ drawn leaving no trace, ``gather_range``, ``MemoryProfile``); each test here fai
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import pytest
@@ -49,10 +49,9 @@ class _Detector(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def test_the_conv_check_measures_a_detection_collates_per_sample_images(tmp_path: Any) -> None:
-    """Joined sample by sample, batches of per-sample images became images of 6, 9, ... channels and the check's
-    forward failed: the check was lost ("not measured at fit start") where session 34 measured the first batch. A
-    batch whose tensors do not share their first dimension is not joined: measured on the first batch, as before."""
+def conv_check_of_one_step(tmp_path: Any, make_model: Callable[[], pl.LightningModule], loader: DataLoader) -> tuple[Any, list[Any]]:
+    """One int8 training step of ``make_model()`` (built after seeding) on ``loader``: the fit-start conv check's
+    measure (``Quantization.conv_accuracy``) and the warnings the fit gave."""
     torch.manual_seed(0)
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -60,9 +59,16 @@ def test_the_conv_check_measures_a_detection_collates_per_sample_images(tmp_path
     )  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(_Detector(), DataLoader(_Boxes(), batch_size=4, collate_fn=_per_sample))
+        trainer.fit(make_model(), loader)
+    return trainer.precision_plugin.quantization.conv_accuracy, list(caught)  # type: ignore[attr-defined]
+
+
+def test_the_conv_check_measures_a_detection_collates_per_sample_images(tmp_path: Any) -> None:
+    """Joined sample by sample, batches of per-sample images became images of 6, 9, ... channels and the check's
+    forward failed: the check was lost ("not measured at fit start") where session 34 measured the first batch. A
+    batch whose tensors do not share their first dimension is not joined: measured on the first batch, as before."""
+    measured, caught = conv_check_of_one_step(tmp_path, _Detector, DataLoader(_Boxes(), batch_size=4, collate_fn=_per_sample))
     assert not [w for w in caught if "not measured" in str(w.message)]
-    measured = trainer.precision_plugin.quantization.conv_accuracy  # type: ignore[attr-defined]
     assert measured is not None and measured.cosine > 0.99 and not measured.warned
 
 

@@ -15,7 +15,7 @@ from torch.utils.data import ConcatDataset, DataLoader, RandomSampler, Sampler, 
 
 from lightning_hbm import QuantizedPrecision
 from lightning_hbm.adapters.lora import LoRA
-from tests.test_attack_s36 import _Bucketing, _Numbered, _trained
+from tests.test_attack_s36 import _Bucketing, _Numbered, _trained, conv_check_of_one_step
 
 
 class _Augment:
@@ -276,15 +276,7 @@ class _Tagged(pl.LightningModule):
 def test_the_conv_check_joins_batches_with_optional_captions_and_tag_lists(tmp_path: Any) -> None:
     """A per-sample list holding None (an optional caption) or lists (a sample's tags) stopped the join at the first
     batch: the fit-start conv check measured 4 images, not 32 (session 36 joined lists of strings only)."""
-    torch.manual_seed(0)
-    trainer = pl.Trainer(
-        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("int8")],
-    )  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(_Tagged(), DataLoader(_Captioned(), batch_size=4, collate_fn=_captions))
-    measured = trainer.precision_plugin.quantization.conv_accuracy  # type: ignore[attr-defined]
+    measured, _ = conv_check_of_one_step(tmp_path, _Tagged, DataLoader(_Captioned(), batch_size=4, collate_fn=_captions))
     assert measured is not None and measured.samples == 32
 
 

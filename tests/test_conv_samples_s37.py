@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_hbm import QuantizedPrecision
 from lightning_hbm.probe_batch import samples
 
 
@@ -51,36 +48,20 @@ def test_the_conv_check_of_a_batch_of_per_sample_images_alone_is_measured(tmp_pa
     """A loader with ``collate_fn=tuple`` (the batch: per-sample images, nothing else) and a forward taking them: the
     probe ran ``forward(first image)``, as for an (inputs, targets) pair, and the check was lost ("not measured at fit
     start": the model as built could not run on the probe batch)."""
-    from tests.test_attack_s36 import _Detector
+    from tests.test_attack_s36 import _Detector, conv_check_of_one_step
 
     class Detector(_Detector):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             return self(batch).square().mean()
 
-    torch.manual_seed(0)
-    trainer = pl.Trainer(
-        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("int8")],
-    )  # fmt: skip
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(Detector(), DataLoader(_Images(), batch_size=4, collate_fn=tuple))
+    measured, caught = conv_check_of_one_step(tmp_path, Detector, DataLoader(_Images(), batch_size=4, collate_fn=tuple))
     assert not [w for w in caught if "not measured" in str(w.message)]
-    measured = trainer.precision_plugin.quantization.conv_accuracy  # type: ignore[attr-defined]
     assert measured is not None and measured.cosine > 0.99 and measured.samples == 4
 
 
 def test_the_conv_check_of_a_detection_collate_says_how_many_images_it_measured(tmp_path: Any) -> None:
     """The check measured the first batch of 4 per-sample images and said 3 samples (the channels)."""
-    from tests.test_attack_s36 import _Boxes, _Detector, _per_sample
+    from tests.test_attack_s36 import _Boxes, _Detector, _per_sample, conv_check_of_one_step
 
-    torch.manual_seed(0)
-    trainer = pl.Trainer(
-        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("int8")],
-    )  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(_Detector(), DataLoader(_Boxes(), batch_size=4, collate_fn=_per_sample))
-    measured = trainer.precision_plugin.quantization.conv_accuracy  # type: ignore[attr-defined]
+    measured, _ = conv_check_of_one_step(tmp_path, _Detector, DataLoader(_Boxes(), batch_size=4, collate_fn=_per_sample))
     assert measured is not None and measured.samples == 4
