@@ -3,8 +3,9 @@
 Before the first check, :func:`_observe` runs the stage's step once (no gradient, no optimizer step) and records who
 reads which layer's weight (:func:`lightning_hbm.layers.readers.observe`); ``LIGHTNING_HBM_PROBE_STEP=0``
 (:data:`PROBE_SWITCH`) leaves it to the model's source, and a step still running after :data:`PROBE_PATIENCE_S` is
-said with the ways out (:func:`_said_if_slow`); one waiting :data:`PROBE_WAIT_S` in one of Python's waits (for what
-``on_fit_start`` starts: it runs before that hook) is stopped there and said, the source deciding
+said with the ways out (:func:`_said_if_slow`); one waiting :data:`PROBE_WAIT_S` (for what ``on_fit_start`` starts: it
+runs before that hook), in one of Python's waits or idle in a call of C's (a polling loop's ``time.sleep``, ``select``,
+``socket.recv``), is stopped there and said, the source deciding
 (:func:`_stopped_if_waiting`). After the change, :func:`_guard` guards the paths the probe step did not take where the
 source reads a layer now changed. :func:`lightning_hbm.surgery.engine.run_surgery` decides whether to run it.
 """
@@ -147,39 +148,86 @@ def _said_if_slow(model: str, step: str) -> Iterator[None]:
         timer.cancel()
 
 
-#: seconds the probe step may wait in one of Python's waits (an ``Event``, a queue, a lock, a future, a socket, a child
-#: process) before it is stopped there: a step on fake tensors does not wait, and one that waits for what
-#: ``on_fit_start`` starts would wait forever (the probe step runs before it)
+#: seconds the probe step may wait (in one of Python's waits: an ``Event``, a queue, a lock, a future, a child process;
+#: or in a call of C's that sleeps: ``time.sleep`` of a polling loop, ``select``, ``socket.recv``) before it is stopped
+#: there: a step on fake tensors does not wait, and one that waits for what ``on_fit_start`` starts would wait forever
+#: (the probe step runs before it)
 PROBE_WAIT_S = 10.0
 #: the modules whose frames are a wait: ``Event.wait``, ``Queue.get``, ``Future.result``, ``Thread.join`` end in threading's
 _WAIT_MODULES = ("threading", "queue", "selectors", "subprocess", "socket", "ssl")
 _WAIT_PACKAGES = ("multiprocessing.", "concurrent.futures.", "asyncio.")
+#: under this share of one core between two looks, a thread Linux says sleeps is idle: in a call of C's that waits
+#: (``time.sleep``, ``select``, ``recv``). A busy step (a matmul, a data transform) uses its core: 25-40 % of one even
+#: on the dev machine's 2 cores shared by 9 processes (session 38), an idle one 0.0 %
+_IDLE_SHARE = 0.05
+#: seconds the probing thread has to unwind once stopped; still there after it: a call of C's that does not return on a
+#: signal, said with the ways out
+_STOP_GRACE_S = 3.0
 
 
-def _waiting_at(frame: Optional[FrameType]) -> Optional[str]:
-    """``file:line`` of the caller of the wait ``frame`` (the innermost frame of a thread) is in, ``None`` if that
-    frame is no wait of Python's."""
+def _waiting_at(frame: Optional[FrameType], idle: bool = False) -> Optional[str]:
+    """``file:line`` where the thread whose innermost frame is ``frame`` waits: the caller of the wait of Python's
+    ``frame`` is in, or, the thread ``idle`` (:class:`_Idle`: in a call of C's that sleeps, which has no frame of its
+    own), the line of ``frame`` itself; ``None`` if it does not wait."""
 
     def waits(f: FrameType) -> bool:
         name = str(f.f_globals.get("__name__", ""))
         return name in _WAIT_MODULES or name.startswith(_WAIT_PACKAGES)
 
-    if frame is None or not waits(frame):
+    if frame is None:
         return None
+    if not waits(frame):
+        return f"{frame.f_code.co_filename}:{frame.f_lineno}" if idle else None
     while frame is not None and waits(frame):
         frame = frame.f_back
     return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
+class _Idle:
+    """Whether a thread was idle since the last call: its CPU time (``pthread_getcpuclockid``) grew by under
+    :data:`_IDLE_SHARE` of the time that passed, and Linux says it sleeps (``/proc``'s state ``S``) where it can say.
+    ``False`` where the CPU time cannot be read (the waits of Python's alone are seen then)."""
+
+    def __init__(self, ident: int, native: Optional[int]) -> None:
+        self.clock: Optional[int] = None
+        self.cpu, self.wall, self.stat = 0.0, time.monotonic(), f"/proc/self/task/{native}/stat"
+        try:
+            self.clock = time.pthread_getcpuclockid(ident)
+            self.cpu = time.clock_gettime(self.clock)
+        except (AttributeError, OSError):  # not on this platform
+            self.clock = None
+
+    def __call__(self) -> bool:
+        if self.clock is None:
+            return False
+        try:
+            cpu = time.clock_gettime(self.clock)
+        except OSError:  # the thread ended
+            return False
+        wall = time.monotonic()
+        idle = cpu - self.cpu < _IDLE_SHARE * (wall - self.wall) and self._sleeping()
+        self.cpu, self.wall = cpu, wall
+        return idle
+
+    def _sleeping(self) -> bool:
+        try:
+            with open(self.stat) as stat:
+                return stat.read().rpartition(")")[2].split()[0] == "S"  # not R (runnable: busy), nor D (disk)
+        except (OSError, IndexError):
+            return True  # no /proc here: the CPU time says
+
+
 class _WaitWatch:
-    """Looks at the probing thread every 0.1 s; once it has waited :data:`PROBE_WAIT_S` in one of Python's waits, stops
-    it there with a ``KeyboardInterrupt`` (a ``SIGINT`` to that thread, which wakes a blocked lock or ``select``), where
-    that is safe: the probing thread is the main one and ``SIGINT`` is Python's own (a user's handler is never called
-    by lightning_hbm); else says it at once."""
+    """Looks at the probing thread every 0.1 s; once it has waited :data:`PROBE_WAIT_S` (in one of Python's waits, or
+    idle in a call of C's: :func:`_waiting_at`), stops it there with a ``KeyboardInterrupt`` (a ``SIGINT`` to that
+    thread, which wakes a blocked lock, ``sleep``, ``select`` or ``recv``), where that is safe: the probing thread is
+    the main one and ``SIGINT`` is Python's own (a user's handler is never called by lightning_hbm); else says it at
+    once. A thread still there :data:`_STOP_GRACE_S` after the stop is in a call that does not return on a signal: said."""
 
     def __init__(self, model: str, step: str) -> None:
         self.model, self.step, self.where, self.sent, self.done = model, step, "", False, False
         self.ident, self.lock, self.stop = threading.get_ident(), threading.Lock(), threading.Event()
+        self.native = getattr(threading, "get_native_id", lambda: None)()
         self.interruptible = (
             threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_kill")
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -188,8 +236,9 @@ class _WaitWatch:
 
     def _look(self) -> None:
         since: Optional[float] = None
+        idle = _Idle(self.ident, self.native)
         while not self.stop.wait(0.1):
-            where = _waiting_at(sys._current_frames().get(self.ident))
+            where = _waiting_at(sys._current_frames().get(self.ident), idle())
             if where is None:
                 since = None
                 continue
@@ -202,8 +251,8 @@ class _WaitWatch:
                 self.where, self.sent = where, self.interruptible
                 if self.sent:
                     signal.pthread_kill(self.ident, signal.SIGINT)
-                    return
-            rank_zero_warn(self.message(stopped=False))
+            if not self.sent or not self.stop.wait(_STOP_GRACE_S):
+                rank_zero_warn(self.message(stopped=False))
             return
 
     def finish(self) -> bool:
@@ -226,14 +275,20 @@ class _WaitWatch:
                 f"{PROBE_SWITCH}=0; the fit goes on. To have the probe step run: start what the step waits for in "
                 f"setup() (it runs before the probe step); to skip it without the wait: {PROBE_SWITCH}=0."
             )
+        if self.sent:
+            return head + (
+                f"It was sent a stop (SIGINT) and still waits there {_STOP_GRACE_S:g} s later: a call in C that does not "
+                "return on a signal. If what it waits for never comes, it never returns: stop the run (kill it), then "
+                f"start what the step waits for in setup() (it runs before the probe step), or set {PROBE_SWITCH}=0."
+            )
         return head + f"A step that waits for it never returns. Start it in setup() instead, or set {PROBE_SWITCH}=0."
 
 
 @contextmanager
 def _stopped_if_waiting(model: str, step: str) -> Iterator[_WaitWatch]:
-    """The probe step stopped, said, where it waits :data:`PROBE_WAIT_S` in one of Python's waits (:class:`_WaitWatch`):
-    a step that waits for something ``on_fit_start`` starts hung the fit (issue 55). The block's ``KeyboardInterrupt``
-    of that stop is taken here (a user's Ctrl-C goes on); the step's contexts have put everything back as it unwound."""
+    """The probe step stopped, said, where it waits :data:`PROBE_WAIT_S` (:class:`_WaitWatch`): a step that waits for
+    something ``on_fit_start`` starts hung the fit (issue 55). The block's ``KeyboardInterrupt`` of that stop is taken
+    here (a user's Ctrl-C goes on); the step's contexts have put everything back as it unwound."""
     watch = _WaitWatch(model, step)
     watch.thread.start()
     try:
