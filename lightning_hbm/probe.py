@@ -10,10 +10,16 @@ data-dependent selections, recorded and followed) by :mod:`lightning_hbm.probe_r
 
 from __future__ import annotations
 
+import ast
+import dis
+import inspect
+import sys
+import textwrap
 import warnings
-from collections.abc import Collection, Generator, Mapping, Sequence
+from collections.abc import Collection, Generator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -78,11 +84,11 @@ def quiet_logging(module: nn.Module) -> Generator[None, None, None]:
     nothing, ``lr_schedulers()`` gives one scheduler whose ``step`` does nothing (``self.lr_schedulers().step()``, as
     Lightning documents manual optimization; ``None`` failed that step, session 37 h10). Its step ran three times and
     failed each time ("'list' object has no attribute 'zero_grad'"), the user's code seen three times more, and which
-    layers it reads fell back to its source (session 37). A step that unpacks several optimizers still fails: said as before, with the manual-optimization advice."""
+    layers it reads fell back to its source (session 37). Several optimizers (a GAN's ``opt_g, opt_d =
+    self.optimizers()``) get as many stand-ins (:class:`_Several`, session 38)."""
     stand_ins: dict[str, Callable[..., Any]] = {name: _nothing for name in ("log", "log_dict") if callable(getattr(module, name, None))}
     if isinstance(module, pl.LightningModule) and not module.automatic_optimization:
-        stand_ins.update({name: _nothing for name in _MANUAL_HOOKS if callable(getattr(module, name, None))})
-        stand_ins.update(optimizers=_one_optimizer, lr_schedulers=_one_scheduler, toggled_optimizer=_toggled)
+        stand_ins.update(_stand_ins(module))
     missing = object()
     own = {name: module.__dict__.get(name, missing) for name in stand_ins}
     for name, stand_in in stand_ins.items():
@@ -115,10 +121,6 @@ class _NoStep:
         return closure() if closure is not None else None
 
 
-def _one_optimizer(*args: Any, **kwargs: Any) -> _NoStep:
-    return _NoStep()
-
-
 class _NoSchedule:
     """The scheduler ``self.lr_schedulers()`` gives in a probe step: ``step`` (with a metric or not) does nothing."""
 
@@ -126,8 +128,85 @@ class _NoSchedule:
         return None
 
 
-def _one_scheduler(*args: Any, **kwargs: Any) -> _NoSchedule:
-    return _NoSchedule()
+class _Several:
+    """What ``self.optimizers()`` (``self.lr_schedulers()``) gives in a probe step: one stand-in, that reads as the list
+    of them Lightning gives for several too: ``opt_g, opt_d = self.optimizers()`` (a GAN; Lightning's documented
+    manual optimization) gets as many as it unpacks (the unpacking's own count: :func:`_unpacked`), ``[i]`` one, and a
+    loop or ``len`` as many as ``configure_optimizers`` returns (:func:`_configured`, read from its source).
+
+    ``configure_optimizers`` is never called for the count: it is the user's code, run once more (issue 55: the probe
+    step must change nothing the user sees), and it may read ``self.trainer.estimated_stepping_batches``, which loads
+    the train dataloader (opened twice, another of issue 55's cases); the real optimizers are built after the change,
+    on the parameters it leaves. Was: one stand-in, and a step unpacking two failed each of the probe's three attempts
+    ("cannot unpack non-iterable"), said as "could not run one step", the layers it reads left to its source (s38)."""
+
+    one: Callable[[], Any]
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __iter__(self) -> Iterator[Any]:
+        unpacked = _unpacked(sys._getframe(1))
+        return iter([self.one() for _ in range(self.count if unpacked is None else unpacked)])
+
+    def __getitem__(self, index: int) -> Any:
+        return self.one()
+
+    def __len__(self) -> int:
+        return self.count
+
+
+class _NoSteps(_NoStep, _Several):
+    one = _NoStep
+
+
+class _NoSchedules(_NoSchedule, _Several):
+    one = _NoSchedule
+
+
+def _unpacked(frame: Optional[FrameType]) -> Optional[int]:
+    """How many values the instruction ``frame`` runs unpacks (``a, b = ...``: 2; ``a, *rest = ...``: 1), ``None`` for
+    any other (a loop, ``list(...)``)."""
+    if frame is None:
+        return None
+    for instruction in dis.get_instructions(frame.f_code):
+        if instruction.offset == frame.f_lasti:
+            if instruction.opname == "UNPACK_SEQUENCE":
+                return int(instruction.arg or 0)
+            if instruction.opname == "UNPACK_EX":
+                return int(instruction.arg or 0) % 256 + int(instruction.arg or 0) // 256
+            return None
+    return None
+
+
+def _configured(module: pl.LightningModule) -> tuple[int, int]:
+    """How many optimizers and schedulers ``configure_optimizers`` returns, read from its source's ``return``s (a list
+    or tuple of them, ``[optimizers], [schedulers]``, or dicts); ``(1, 1)`` where the source does not say."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).configure_optimizers)))
+    except (OSError, TypeError, SyntaxError):
+        return 1, 1
+    counts = [(1, 1)]
+    for node in ast.walk(tree):
+        value = node.value if isinstance(node, ast.Return) else None
+        if not isinstance(value, (ast.List, ast.Tuple)) or not value.elts:
+            continue
+        first, rest = value.elts[0], value.elts[1:]
+        if len(value.elts) == 2 and isinstance(first, (ast.List, ast.Tuple)):
+            second = rest[0]
+            counts.append((len(first.elts), len(second.elts) if isinstance(second, (ast.List, ast.Tuple)) else 1))
+        else:
+            counts.append((len(value.elts), 1))
+    return max(c for c, _ in counts), max(c for _, c in counts)
+
+
+def _stand_ins(module: pl.LightningModule) -> dict[str, Callable[..., Any]]:
+    """A manual-optimization module's stand-ins for what needs the optimizers (see :func:`quiet_logging`)."""
+    optimizers, schedulers = _configured(module)
+    stand_ins: dict[str, Callable[..., Any]] = {name: _nothing for name in _MANUAL_HOOKS if callable(getattr(module, name, None))}
+    stand_ins.update(optimizers=lambda *a, **k: _NoSteps(optimizers), lr_schedulers=lambda *a, **k: _NoSchedules(schedulers))
+    stand_ins["toggled_optimizer"] = _toggled
+    return stand_ins
 
 
 @contextmanager
