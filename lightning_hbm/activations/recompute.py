@@ -5,8 +5,9 @@ Its settings checked (:func:`check_settings`), the blocks chosen (:func:`resolve
 named), each one's ``forward`` wrapped with one setting (:func:`checkpoint_blocks`, over
 :mod:`~lightning_hbm.activations.block_forward`), and what the first training step tells: the layers recomputed in
 token chunks (:func:`report_chunks`), the blocks left without checkpoint in the coverage table
-(:func:`recount_coverage`), the inputs ``regenerate`` could not remake (:func:`warn_unremade`) and the keyword tensors
-the offload never sees (:func:`warn_keywords_kept`). The callback holds the settings and the run's state and calls
+(:func:`recount_coverage`), the inputs ``regenerate`` could not remake (:func:`warn_unremade`; those FSDP2's units
+keep, at fit start: :func:`warn_fsdp_units`) and the keyword tensors the offload never sees
+(:func:`warn_keywords_kept`). The callback holds the settings and the run's state and calls
 these at its hooks, as Lightning's ``ThroughputMonitor`` over ``Throughput``.
 """
 
@@ -24,7 +25,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.activations.block_forward import _BlockSetup, unwrap, wrap
 from lightning_hbm.activations.offload import OffloadSavedTensors
-from lightning_hbm.activations.regenerate import Remade, size
+from lightning_hbm.activations.regenerate import Remade, kept_inputs, size, unit_crossings
 from lightning_hbm.activations.selective import SelectivePolicy, format_matmuls, unkept_formats
 from lightning_hbm.activations.token_chunks import ChunkedForward, candidates, inner_candidates
 from lightning_hbm.layers.blocks import find_blocks
@@ -188,6 +189,47 @@ def warn_unremade(counts: Remade, regenerate: int, warned: set[str]) -> None:
         "again), or checkpoint blocks that feed each other directly."
     )
 
+
+
+def warn_fsdp_units(module: nn.Module, names: Sequence[str], regenerate: int, warned: set[str]) -> None:
+    """Say at fit start (the FSDP2 units exist: the strategy's setup ran) which checkpointed blocks of ``names`` keep
+    their input under ``regenerate`` because FSDP2 hands it over across a unit boundary from a block that is no unit of
+    its own (:func:`~lightning_hbm.activations.regenerate.unit_crossings`), with how many inputs are kept against every
+    block linked, and the fix; those blocks go into ``warned`` (the warning after the first step does not name them
+    again). A warning where more inputs are kept; where the units' boundaries fall on blocks that keep theirs anyway
+    (units of ``k`` blocks, ``regenerate`` dividing ``k``), an info line. Before session 38 this was said after the
+    first step only, as blocks "fed something else", FSDP2 unnamed."""
+    crossings = unit_crossings(module, names)
+    if regenerate == 1 or not crossings:
+        return
+    warned.update(c.name for c in crossings)
+    starts = [list(names).index(c.name) for c in crossings]
+    kept, linked = kept_inputs(len(names), regenerate, starts), kept_inputs(len(names), regenerate)
+    listed = "; ".join(
+        f"{c.name} (in unit {c.entered[-1]}, fed by {c.before}, "
+        f"{'in unit ' + c.source_unit if c.source_unit is not None else 'in no unit'})" for c in crossings[:8])
+    listed += f"; and {len(crossings) - 8} more" if len(crossings) > 8 else ""
+    said = (f"lightning_hbm: ActivationCheckpointing(regenerate={regenerate}) under FSDP2: {len(crossings)} checkpointed "
+            f"block(s) get their input from a block in another FSDP2 unit that is not a unit of its own: {listed}. "
+            "FSDP2 hands a unit its input through the unit's pre-forward function, and the block before could be run "
+            "again in the backward only with its whole unit gathered, so each of these keeps its input (one block "
+            f"input: batch x tokens x hidden) and starts a new chain: {kept} of {len(names)} block inputs kept")
+    if kept == linked:
+        rank_zero_info(f"{said}, as many as with every block linked (each unit's first block keeps its input anyway).")
+        return
+    rank_zero_warn(
+        f"{said}, where {linked} would be with every block linked: {kept - linked} block input(s) more on the device "
+        "(in host memory where offloaded). Make each checkpointed block an FSDP2 unit of its own (QuantizedFSDPStrategy's "
+        f"default units, or shard_modules=[{type(module.get_submodule(crossings[0].name)).__name__!r}]), or one unit around "
+        f"them all{_aligned(len(names), regenerate, starts)}."
+    )
+
+
+def _aligned(count: int, regenerate: int, starts: Sequence[int]) -> str:
+    """``, or regenerate=k``: the largest ``k`` below ``regenerate`` whose chains the units' boundaries do not cut
+    (as many inputs kept as with every block linked), if one above 1 is."""
+    fits = [k for k in range(2, regenerate) if kept_inputs(count, k, starts) == kept_inputs(count, k)]
+    return f", or regenerate={fits[-1]} (each unit's first block then keeps its input anyway)" if fits else ""
 
 
 def recount_coverage(module: nn.Module) -> None:

@@ -29,7 +29,10 @@ function of its own (``RegisterPostBackwardFunction``): another tensor of the sa
 through it (session 37; before, no input was remade under FSDP2), and the block run again in the backward is gathered
 first (``FSDPModule.unshard()``; already gathered by FSDP2's backward prefetch, or resharded after). On 2 gloo ranks the
 trained weights are those of ``regenerate=1`` bit for bit and the rank's peak is lower by the inputs not kept
-(``tests/strategies/test_fsdp_sequential_blocks_s35.py``). A block inside a larger unit keeps such an input (named).
+(``tests/strategies/test_fsdp_sequential_blocks_s35.py``). A block fed across a unit boundary by a block that is no
+unit of its own (``shard_modules`` naming a module of two blocks) keeps such an input and starts a new chain: said at
+fit start, once the units exist (:func:`unit_crossings`, session 38), with how many inputs are kept; blocks inside one
+unit (one around them all) feed each other directly and are linked.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, cast
 
 import torch
@@ -296,8 +299,49 @@ class InputHooks(torch.autograd.graph.saved_tensors_hooks):
         self.source = self.record = None
 
 
+class UnitCrossing:
+    """A checkpointed block whose input FSDP2 hands over across a unit boundary from a block it cannot remake it from
+    (:func:`unit_crossings`): ``name``, the block called before it (``before``), that block's unit (``source_unit``:
+    None where it is in none) and the units the input enters on its way (``entered``, outermost first)."""
+
+    def __init__(self, name: str, before: str, source_unit: Optional[str], entered: list[str]) -> None:
+        self.name, self.before, self.source_unit, self.entered = name, before, source_unit, entered
+
+
+def _units_holding(module: nn.Module, name: str) -> list[str]:
+    """The FSDP2 units holding the submodule ``name`` of ``module`` (itself included), by name, outermost first."""
+    parts = name.split(".") if name else []
+    prefixes = [".".join(parts[:i]) for i in range(len(parts) + 1)]
+    return [p for p in prefixes if torch_compat.is_fsdp_unit(module.get_submodule(p))]
+
+
+def unit_crossings(module: nn.Module, names: Sequence[str]) -> list[UnitCrossing]:
+    """The checkpointed blocks ``names`` (call order: a stack calls them in module order) whose input ``regenerate``
+    cannot remake under FSDP2, known as soon as the units exist (the strategy's setup, before the first step): a
+    block entering a unit that does not hold the block before it gets its input through that unit's pre-forward
+    function (:func:`~lightning_hbm._compat.torch.passed_through_fsdp`), linked only where it passes one such unit
+    and the block before is a unit of its own (the remake gathers it, :meth:`Record.gave`). Blocks inside one unit
+    feed each other directly: linked (the unit is gathered through its backward, where the remake runs)."""
+    crossings = []
+    for before, name in zip(names, names[1:]):
+        source = _units_holding(module, before)
+        entered = [u for u in _units_holding(module, name) if u not in source]
+        if entered and not (len(entered) == 1 and source and source[-1] == before):
+            crossings.append(UnitCrossing(name, before, source[-1] if source else None, entered))
+    return crossings
+
+
+def kept_inputs(count: int, regenerate: int, starts: Sequence[int] = ()) -> int:
+    """How many of ``count`` chained blocks keep their input under ``regenerate=n`` when a chain starts again at each
+    block of ``starts`` (indices: blocks whose input cannot be linked) besides the first: each chain keeps the input
+    of its blocks 0, n, 2n, ..."""
+    bounds = sorted({0, *starts, count})
+    return sum(-(-(end - start) // regenerate) for start, end in zip(bounds, bounds[1:]))
+
+
 def inner_forward(block: nn.Module, own: Optional[Callable[..., Any]]) -> Callable[..., Any]:
     return own or functools.partial(type(block).forward, block)
 
 
-__all__ = ["InputHooks", "Link", "Record", "Remade", "Remake", "inner_forward", "remake", "size"]
+__all__ = ["InputHooks", "Link", "Record", "Remade", "Remake", "UnitCrossing", "inner_forward", "kept_inputs", "remake", "size",
+           "unit_crossings"]

@@ -91,3 +91,40 @@ def test_a_real_fsdp2_unit_hands_its_input_over_linked(tmp_path: Any) -> None:
         outputs.clear()
         dist.destroy_process_group()
         gc.collect()
+
+
+def test_unit_boundaries_that_cut_the_chains(tmp_path: Any) -> None:
+    """Which checkpointed blocks keep their input under FSDP2, known once the units exist (session 38): one gloo rank,
+    eight blocks held as four two-block ``Pair`` units (a user's ``shard_modules``): the first block of pairs 1 to 3
+    is fed across a unit boundary by a block that is no unit of its own, so it starts a new chain; every block a unit
+    of its own, or one unit around them all: none. Then the inputs kept: 4 of 8 with ``regenerate=3`` (3 linked)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_hbm.activations.regenerate import kept_inputs, unit_crossings
+
+    def pairs() -> nn.Module:
+        return nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(4)))
+
+    names = [f"{p}.{b}" for p in range(4) for b in range(2)]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        in_pairs = pairs()
+        for pair in in_pairs:
+            fully_shard(pair)
+        crossings = unit_crossings(in_pairs, names)
+        assert [(c.name, c.before, c.source_unit, c.entered) for c in crossings] == [
+            ("1.0", "0.1", "0", ["1"]), ("2.0", "1.1", "1", ["2"]), ("3.0", "2.1", "2", ["3"])]
+        each = pairs()
+        for name in names:
+            fully_shard(each.get_submodule(name))
+        fully_shard(each)  # a unit around units of their own: each block's input is handed over once, linked
+        assert unit_crossings(each, names) == []
+        around = pairs()
+        fully_shard(around)  # one unit around them all: the blocks feed each other directly
+        assert unit_crossings(around, names) == [] and unit_crossings(pairs(), names) == []  # no FSDP2: none
+    finally:
+        dist.destroy_process_group()
+    assert kept_inputs(8, 3, [2, 4, 6]) == 4 and kept_inputs(8, 3) == 3
+    assert kept_inputs(8, 2, [2, 4, 6]) == kept_inputs(8, 2) == 4  # the pairs' first blocks keep theirs anyway
+    assert kept_inputs(8, 1) == 8 and kept_inputs(7, 4, [2]) == 3 and kept_inputs(7, 4, [3]) == kept_inputs(7, 4) == 2

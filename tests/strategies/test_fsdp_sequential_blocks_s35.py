@@ -36,15 +36,16 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_fsdp_qlora import DATA, GLOBAL_BATCH, run_script_on_two_ranks  # noqa: E402
+from test_fsdp_qlora import DATA, GLOBAL_BATCH, _datamodule, run_script_on_two_ranks  # noqa: E402
 from test_fsdp_remainder_units_s34 import fit_profiled, measured_peak, plan_matches, profiler_for  # noqa: E402
 
 HIDDEN = 256
 
 
-def _sequential_stack(iterated: bool = False, depth: int = 2) -> Any:
+def _sequential_stack(iterated: bool = False, depth: int = 2, pairs: bool = False) -> Any:
     """An embedding, two residual MLP blocks in ``self.blocks = nn.Sequential(...)``, a norm and an untied head, each a
-    child of the LightningModule; the stack called (``self.blocks(x)``) or iterated (``for block in self.blocks``)."""
+    child of the LightningModule; the stack called (``self.blocks(x)``) or iterated (``for block in self.blocks``).
+    ``pairs``: the stack holds ``depth // 2`` modules of two blocks each (``Pair``: a user's unit of two blocks)."""
     from torch import nn
 
     from lightning_hbm.models import _CausalLMModule
@@ -59,11 +60,19 @@ def _sequential_stack(iterated: bool = False, depth: int = 2) -> Any:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Block(), Block()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
     class SequentialStack(_CausalLMModule):
         def __init__(self) -> None:
             super().__init__()
             self.embed = nn.Embedding(256, HIDDEN)
-            self.blocks = nn.Sequential(*(Block() for _ in range(depth)))
+            self.blocks = nn.Sequential(*(Pair() if pairs else Block() for _ in range(depth // 2 if pairs else depth)))
             self.norm = nn.LayerNorm(HIDDEN)
             self.lm_head = nn.Linear(HIDDEN, 256, bias=False)
 
@@ -155,11 +164,53 @@ def _fit(name: str, out: Path) -> dict[str, Any]:
     return record
 
 
+# session 38: ``regenerate=n`` with the blocks inside larger FSDP2 units, the user's (``shard_modules``): two blocks per
+# unit (``Pair``), or one unit around the whole stack; (model, shard_modules, regenerate)
+IN_UNITS = {"pairs_remade3": ("pairs", ["Pair"], 3), "pairs_remade2": ("pairs", ["Pair"], 2),
+            "stack_remade3": ("stack", ["Sequential"], 3)}
+
+
+def _fit_in_units(name: str, out: Path) -> dict[str, Any]:
+    """Two steps of the 8-block stack (LoRA r=4, every block checkpointed, ``regenerate=n``) with the user's units."""
+    import warnings
+
+    import lightning.pytorch as pl
+
+    from lightning_hbm import ActivationCheckpointing, QuantizedFSDPStrategy, QuantizedPrecision
+    from lightning_hbm.adapters.lora import LoRA
+
+    layout, shard_modules, regenerate = IN_UNITS[name]
+    checkpointing = ActivationCheckpointing(blocks=["Block"], regenerate=regenerate)
+    said: list[str] = []
+
+    class SaidBeforeTraining(pl.Callback):
+        """Holds the lightning_hbm warnings given before the first training batch (fit start: the units exist)."""
+
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            said.extend(str(w.message) for w in caught if "lightning_hbm" in str(w.message))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe = SaidBeforeTraining()
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=QuantizedFSDPStrategy(shard_modules=shard_modules), max_epochs=1,
+            limit_train_batches=2, logger=False, plugins=[QuantizedPrecision("nf4", dtype="float32")],
+            callbacks=[LoRA(r=4, alpha=8, dropout=0.0), checkpointing, probe], enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+            use_distributed_sampler=False, default_root_dir=str(out / name),
+        )  # fmt: skip
+        trainer.fit(_sequential_stack(depth=8, pairs=layout == "pairs"), datamodule=_datamodule(2))
+    remade = checkpointing.remade
+    return {"said_at_start": said, "warnings": [str(w.message) for w in caught if "lightning_hbm" in str(w.message)],
+            "made": sorted(remade.made), "kept": sorted(remade.kept), "unmatched": sorted(remade.unmatched)}
+
+
 def worker(out: Path) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     record = {name: _fit(name, out) for name in MODELS}
+    record.update({name: _fit_in_units(name, out) for name in IN_UNITS})
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
 
 
@@ -250,6 +301,34 @@ def test_inputs_remade_from_remade_ones_under_fsdp2(two_rank_run: Path) -> None:
     measured = measured_peak(two_rank_run, "called_long_remade3")
     assert measured < measured_peak(two_rank_run, "called_long_remade")
     assert plan_matches(_planned("called_long_remade3"), measured)
+
+
+@pytest.mark.slow
+def test_remade_inputs_in_the_users_units_said_at_fit_start(two_rank_run: Path) -> None:
+    """``regenerate=n`` with the user's FSDP2 units (session 38): the 8-block stack held as four ``Pair`` modules of two
+    blocks, ``shard_modules=["Pair"]``. FSDP2 hands each pair its input through the pair's pre-forward function, and
+    the block before (the last of the pair before) is no unit of its own (the remake could not gather it), so the first
+    block of pairs 1 to 3 keeps its input and starts a new chain: with ``regenerate=3``, 4 of 8 inputs kept where 3
+    would be. Said at fit start (before the first batch), naming FSDP2, the blocks, their units, the count and the fix
+    (``regenerate=2``: the pairs' first blocks keep theirs anyway); not said again after the first step. Before session
+    38 it was said only after the first step, as blocks "fed something else" (FSDP2 unnamed). With ``regenerate=2``
+    nothing is lost (4 kept as with every block linked): no warning at all (before: the same warning after the step).
+    One unit around the whole stack: the blocks feed each other directly, every input linked, nothing said."""
+    ranks = [json.loads((two_rank_run / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for record in ranks:  # what each rank's callback did: the first block of pairs 1 to 3 keeps its input
+        assert record["pairs_remade3"]["unmatched"] == ["blocks.1.a", "blocks.2.a", "blocks.3.a"]
+        assert record["pairs_remade3"]["made"] == [f"blocks.{i}.b" for i in range(4)]
+        assert record["stack_remade3"]["unmatched"] == []
+        assert record["stack_remade3"]["made"] == [f"blocks.{i}" for i in (1, 2, 4, 5, 7)]
+    said = [w for w in ranks[0]["pairs_remade3"]["said_at_start"] if "regenerate" in w]
+    assert len(said) == 1, ranks[0]["pairs_remade3"]["said_at_start"]
+    for words in ("under FSDP2", "blocks.1.a (in unit blocks.1, fed by blocks.0.b, in unit blocks.0)",
+                  "4 of 8 block inputs kept, where 3 would be with every block linked", "shard_modules=['Block']",
+                  "or regenerate=2"):
+        assert words in said[0], said[0]
+    assert [w for w in ranks[0]["pairs_remade3"]["warnings"] if "regenerate" in w] == said  # not again after the step
+    for quiet in ("pairs_remade2", "stack_remade3"):
+        assert not [w for w in ranks[0][quiet]["warnings"] if "regenerate" in w], ranks[0][quiet]["warnings"]
 
 
 def test_regions_of_offloading_and_remade_blocks() -> None:
