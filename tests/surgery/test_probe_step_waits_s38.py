@@ -7,6 +7,7 @@ in C, a transform in Python) is left alone."""
 
 from __future__ import annotations
 
+import platform
 import select
 import signal
 import socket
@@ -166,7 +167,7 @@ class _Unstoppable(_Waits):
         return True
 
 
-@pytest.mark.skipif(not hasattr(signal, "pthread_kill") or not time.__dict__.get("pthread_getcpuclockid"), reason="POSIX threads")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or not hasattr(time, "pthread_getcpuclockid"), reason="glibc's normal mutex")
 def test_a_probe_step_that_a_signal_does_not_stop_is_said_with_what_to_do(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, python_sigint: None) -> None:
     """Where the stop cannot land (a call of C's that does not return on ``SIGINT``), the user is told at once, with
     what to do, not left to guess; once the call returns, the stop lands and the fit goes on, said."""
