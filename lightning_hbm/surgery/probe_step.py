@@ -160,6 +160,9 @@ _WAIT_PACKAGES = ("multiprocessing.", "concurrent.futures.", "asyncio.")
 #: (``time.sleep``, ``select``, ``recv``). A busy step (a matmul, a data transform) uses its core: 25-40 % of one even
 #: on the dev machine's 2 cores shared by 9 processes (session 38), an idle one 0.0 %
 _IDLE_SHARE = 0.05
+#: over this share of one core used by the process's other threads between two looks, the probing thread's wait is for
+#: work going on (a transform in the step's thread pool: ``pool.map``), not a wait for what ``on_fit_start`` starts
+_BUSY_OTHERS_SHARE = 0.10
 #: seconds the probing thread has to unwind once stopped; still there after it: a call of C's that does not return on a
 #: signal, said with the ways out
 _STOP_GRACE_S = 3.0
@@ -184,30 +187,33 @@ def _waiting_at(frame: Optional[FrameType], idle: bool = False) -> Optional[str]
 
 
 class _Idle:
-    """Whether a thread was idle since the last call: its CPU time (``pthread_getcpuclockid``) grew by under
-    :data:`_IDLE_SHARE` of the time that passed, and Linux says it sleeps (``/proc``'s state ``S``) where it can say.
-    ``False`` where the CPU time cannot be read (the waits of Python's alone are seen then)."""
+    """Whether a thread, and the process's other threads, were idle since the last call: the thread's CPU time
+    (``pthread_getcpuclockid``) grew by under :data:`_IDLE_SHARE` of the time that passed and Linux says it sleeps
+    (``/proc``'s state ``S``) where it can say; the other threads' (the process's less the thread's) by under
+    :data:`_BUSY_OTHERS_SHARE`. The thread is never idle where its CPU time cannot be read (Python's waits alone are
+    seen then; the others' figure then counts its time too)."""
 
     def __init__(self, ident: int, native: Optional[int]) -> None:
         self.clock: Optional[int] = None
-        self.cpu, self.wall, self.stat = 0.0, time.monotonic(), f"/proc/self/task/{native}/stat"
+        self.cpu, self.process, self.wall = 0.0, time.process_time(), time.monotonic()
+        self.stat = f"/proc/self/task/{native}/stat"
         try:
             self.clock = time.pthread_getcpuclockid(ident)
             self.cpu = time.clock_gettime(self.clock)
         except (AttributeError, OSError):  # not on this platform
             self.clock = None
 
-    def __call__(self) -> bool:
-        if self.clock is None:
-            return False
+    def __call__(self) -> tuple[bool, bool]:
         try:
-            cpu = time.clock_gettime(self.clock)
+            cpu = time.clock_gettime(self.clock) if self.clock is not None else None
         except OSError:  # the thread ended
-            return False
-        wall = time.monotonic()
-        idle = cpu - self.cpu < _IDLE_SHARE * (wall - self.wall) and self._sleeping()
-        self.cpu, self.wall = cpu, wall
-        return idle
+            cpu = None
+        wall, process = time.monotonic(), time.process_time()
+        elapsed, mine = wall - self.wall, 0.0 if cpu is None else cpu - self.cpu
+        idle = cpu is not None and mine < _IDLE_SHARE * elapsed and self._sleeping()
+        others = process - self.process - mine < _BUSY_OTHERS_SHARE * elapsed
+        self.cpu, self.process, self.wall = cpu or 0.0, process, wall
+        return idle, others
 
     def _sleeping(self) -> bool:
         try:
@@ -219,7 +225,7 @@ class _Idle:
 
 class _WaitWatch:
     """Looks at the probing thread every 0.1 s; once it has waited :data:`PROBE_WAIT_S` (in one of Python's waits, or
-    idle in a call of C's: :func:`_waiting_at`), stops it there with a ``KeyboardInterrupt`` (a ``SIGINT`` to that
+    idle in a call of C's: :func:`_waiting_at`; the process's other threads idle too: :class:`_Idle`), stops it there with a ``KeyboardInterrupt`` (a ``SIGINT`` to that
     thread, which wakes a blocked lock, ``sleep``, ``select`` or ``recv``), where that is safe: the probing thread is
     the main one and ``SIGINT`` is Python's own (a user's handler is never called by lightning_hbm); else says it at
     once. A thread still there :data:`_STOP_GRACE_S` after the stop is in a call that does not return on a signal: said."""
@@ -238,7 +244,8 @@ class _WaitWatch:
         since: Optional[float] = None
         idle = _Idle(self.ident, self.native)
         while not self.stop.wait(0.1):
-            where = _waiting_at(sys._current_frames().get(self.ident), idle())
+            mine, others = idle()  # a wait for the step's own busy threads (a transform in a pool) is no wait here
+            where = _waiting_at(sys._current_frames().get(self.ident), mine) if others else None
             if where is None:
                 since = None
                 continue

@@ -7,12 +7,14 @@ in C, a transform in Python) is left alone."""
 
 from __future__ import annotations
 
+import platform
 import select
 import signal
 import socket
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import lightning.pytorch as pl
@@ -74,19 +76,25 @@ class _Waits(pl.LightningModule):
 
 class _Busy(_Waits):
     """A healthy step busy longer than ``PROBE_WAIT_S``: a matmul in C (NumPy's, GIL released: the thread has no frame
-    of Python's waits either, as a blocked ``recv``) or a transform in Python."""
+    of Python's waits either, as a blocked ``recv``), a transform in Python, or matmuls in a pool of its own threads."""
 
     def __init__(self, how: str, seconds: float) -> None:
         super().__init__(how)
         self.seconds, self.a = seconds, np.random.default_rng(0).standard_normal((300, 300))
 
     def _wait(self) -> bool:
-        until = time.monotonic() + self.seconds
+        if self.how == "pool":  # the transform in the step's own threads: the step waits on them, in Python's waits
+            with ThreadPoolExecutor(2) as pool:
+                return all(pool.map(self._busy, [self.seconds / 2] * 4))
+        return self._busy(self.seconds)
+
+    def _busy(self, seconds: float) -> bool:
+        until, a = time.monotonic() + seconds, self.a.copy()
         while time.monotonic() < until:
-            if self.how == "matmul":
-                self.a = np.tanh(self.a @ self.a)
-            else:
+            if self.how == "transform":
                 sorted(str(i) for i in range(2000))
+            else:
+                a = np.tanh(a @ a)
         return True
 
 
@@ -127,10 +135,11 @@ def test_a_probe_step_waiting_in_c_for_on_fit_start_is_stopped_and_said(how: str
     assert readers.observation(module) is None and any("lora_" in name for name, _ in module.named_parameters())
 
 
-@pytest.mark.parametrize("how", ["matmul", "transform"])
+@pytest.mark.parametrize("how", ["matmul", "transform", "pool"])
 def test_a_busy_probe_step_longer_than_the_wait_is_left_alone(how: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, python_sigint: None) -> None:
-    """A step busy 1.5 s (three times PROBE_WAIT_S here) in a matmul of C's or a transform of Python's is a healthy
-    step: never stopped, nothing said, the probe step observed."""
+    """A step busy 1.5 s (three times PROBE_WAIT_S here) in a matmul of C's, a transform of Python's, or matmuls in its
+    own thread pool (the step waits on them in Python's waits: was stopped, session 37) is a healthy step: never
+    stopped, nothing said, the probe step observed."""
     monkeypatch.setattr(probe_step, "PROBE_WAIT_S", 0.5)
     module = _Busy(how, seconds=1.5)
     said = _fit(module, tmp_path, steps=1)
@@ -158,7 +167,7 @@ class _Unstoppable(_Waits):
         return True
 
 
-@pytest.mark.skipif(not hasattr(signal, "pthread_kill") or not time.__dict__.get("pthread_getcpuclockid"), reason="POSIX threads")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or not hasattr(time, "pthread_getcpuclockid"), reason="glibc's normal mutex")
 def test_a_probe_step_that_a_signal_does_not_stop_is_said_with_what_to_do(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, python_sigint: None) -> None:
     """Where the stop cannot land (a call of C's that does not return on ``SIGINT``), the user is told at once, with
     what to do, not left to guess; once the call returns, the stop lands and the fit goes on, said."""
