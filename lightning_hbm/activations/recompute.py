@@ -199,8 +199,8 @@ def warn_fsdp_units(module: nn.Module, names: Sequence[str], regenerate: int, wa
     again). A warning where more inputs are kept; where the units' boundaries fall on blocks that keep theirs anyway
     (units of ``k`` blocks, ``regenerate`` dividing ``k``), an info line. Before session 38 this was said after the
     first step only, as blocks "fed something else", FSDP2 unnamed."""
-    crossings = unit_crossings(module, names)
-    if regenerate == 1 or not crossings:
+    crossings = unit_crossings(module, names) if regenerate > 1 else []
+    if not crossings:
         return
     warned.update(c.name for c in crossings)
     starts = [list(names).index(c.name) for c in crossings]
