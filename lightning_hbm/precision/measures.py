@@ -31,7 +31,7 @@ from lightning_hbm.precision.gptq import GPTQRounding, input_statistics
 from lightning_hbm.precision.smoothing import Smoothing
 from lightning_hbm.precision.target_listing import linear_names
 from lightning_hbm.probe import Probe, Stepped, eval_no_grad, forward_on, stepped_inputs
-from lightning_hbm.probe_batch import first_and_joined, first_batches
+from lightning_hbm.probe_batch import Drawn, doubled, first_and_joined, first_batches
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,9 @@ class Measures:
         self.reference: Optional[Reference] = None
         #: a LightningModule without forward: the submodule its training_step calls, measured instead (issue 53)
         self.stepped: Optional[Stepped] = None
+        #: the accuracy check's own draw (:meth:`probes_once`: the first batches joined up to ``samples``), and how many
+        #: samples it asks (``None``: it measures the surgery's probe, no samples asked)
+        self.check_draw: Optional[tuple[Callable[[], Drawn], int]] = None
 
     def measure_model(
         self, module: nn.Module, targets: list[tuple[str, nn.Module]], trainer: Any, inputs: bool, smooth: bool,
@@ -144,10 +147,14 @@ class Measures:
         then the first batches joined up to ``samples``, from the same pass (:func:`~lightning_hbm.probe_batch.first_and_joined`).
         The measures choose on the first batch as before; the check reads what held-out data reads (a probe of 4 images
         read 0.986 where 64 held-out images read 0.975, and was quiet: ``benchmarks/conv_probe_samples.py``)."""
+        self.check_draw = None
         if not samples or self.config.probe_batch is not None or self.correction is not None:
             drawn = self.probe_once(module, trainer)
             return drawn, drawn
-        both = functools.cache(lambda: first_and_joined(trainer, "QuantizedPrecision", 0, samples, most=samples))
+        # lists the shapes read as per-sample images: batched tensors where the model runs on them joined (session 38)
+        batched = functools.partial(lists_batched, module)
+        both = functools.cache(lambda: first_and_joined(trainer, "QuantizedPrecision", 0, samples, most=samples, batched=batched))
+        self.check_draw = (both, samples)
         first = functools.cache(lambda: Probe(module, both()[0]))
         return first, functools.cache(lambda: first() if both()[1] is both()[0] else Probe(module, both()[1]))
 
@@ -167,7 +174,10 @@ class Measures:
         fails otherwise (a forward written for the loader's batch size: session 36). ``said``: the 4-bit mode choice
         said already that the model went unmeasured (no probe batch, a probe it cannot run): not said twice."""
         reference = self.reference
-        if reference is None or reference.output is not None:
+        if reference is None:
+            return
+        if reference.output is not None:
+            self._asked(reference)
             return
         try:
             try:
@@ -178,18 +188,61 @@ class Measures:
                 why = f"ran out of memory ({error})" if isinstance(error, torch.OutOfMemoryError) else f"did not run ({type(error).__name__}: {error})"
                 log.info("lightning_hbm: the accuracy check measures the first training batch: the first %d samples %s", CHECK_SAMPLES, why)
                 _recorded_forward(module, reference, first().batch)
+                reference.short = f"the first batches joined {why}"
         except Exception as error:  # noqa: BLE001 - a measurement never stops a healthy model: said, with the fix
             self.reference = None
             if not reference.convs:  # no convolution: a LightningModule without forward (the usual one) is no warning
                 log.info("lightning_hbm: the output accuracy of the quantized model is not measured at fit start (%s: %s)", type(error).__name__, error)
             elif not said:
                 rank_zero_warn(unmeasured_reference_warning(module, reference.convs, error))
+            return
+        self._asked(reference)
+
+    def _asked(self, reference: Reference) -> None:
+        """What the accuracy check's own draw asked and found, handed to ``reference`` (drawn by now: the reference was
+        recorded on it): the samples it asked, how its lists were read, why it stopped short."""
+        if self.check_draw is None:
+            return
+        both, asked = self.check_draw
+        drawn = both()
+        reference.asked, reference.batched = asked, drawn.batched
+        reference.short = reference.short or drawn.short
 
 
 def _recorded_forward(module: nn.Module, reference: Reference, batch: Any) -> None:
     """One forward of the model as built on ``batch``, recorded as the accuracy check's reference."""
     with eval_no_grad(module), reference.recording(module), torch_compat.preserved_rngs():  # the user's RNG draws as they were
         forward_on(module, batch)  # any output: every floating tensor of it is the reference
+
+
+def lists_batched(module: nn.Module, batch: Any) -> bool:
+    """Whether the lists of ``batch`` that read as per-sample images by their shapes
+    (:func:`~lightning_hbm.probe_batch.per_sample_images`: a Conv1d net's ``(x [4, 16, 32], y)``, a ``[B, L, D]`` list)
+    are batched tensors, decided by running, not by shape (session 38): ``batch`` joined with itself as batched tensors
+    is given to the model's forward as the step's batch is (:func:`~lightning_hbm.probe.forward_on`), and kept where the
+    forward takes it as it takes ``batch``: every floating output of the same shape or twice as many along its first
+    dimension, one at least twice. Per-sample images so joined are images of twice the channels, which a model's first
+    convolution refuses (torchvision's detectors, a ``collate_fn=tuple``): read as images, as before. Two forwards of the
+    model as built on the first batch, without gradients, the RNGs as they were; only where such a list is there."""
+    twice_as_many = doubled(batch)
+    if twice_as_many is None:
+        return False
+    try:
+        with eval_no_grad(module), torch_compat.preserved_rngs():
+            once, twice = forward_on(module, batch), forward_on(module, twice_as_many)
+    except Exception:  # noqa: BLE001 - refused as batched tensors: per-sample images (their forward's own error is the check's)
+        return False
+    once_out, twice_out = _floating(once), _floating(twice)
+    if not once_out or len(once_out) != len(twice_out):
+        return False
+    same = [a.shape == b.shape for a, b in zip(once_out, twice_out)]
+    doubled_out = [a.dim() > 0 and b.shape == (2 * a.shape[0], *a.shape[1:]) for a, b in zip(once_out, twice_out)]
+    return all(s or d for s, d in zip(same, doubled_out)) and any(d and not s for s, d in zip(same, doubled_out))
+
+
+def _floating(output: Any) -> list[torch.Tensor]:
+    """The floating tensors of a forward's output (a ``ModelOutput``'s, a dict's, a tuple's)."""
+    return [t for t in torch_compat.tensor_leaves(output) if t.is_floating_point()]
 
 
 def one_batch(drawn: Callable[[], Probe], checked: Callable[[], Probe]) -> bool:
@@ -204,4 +257,4 @@ def one_batch(drawn: Callable[[], Probe], checked: Callable[[], Probe]) -> bool:
         return True
 
 
-__all__ = ["CORRECTION_PROBE_TOKENS", "Measures", "on_fake_tensors", "one_batch"]
+__all__ = ["CORRECTION_PROBE_TOKENS", "Measures", "lists_batched", "on_fake_tensors", "one_batch"]
