@@ -224,10 +224,10 @@ def lists_batched(module: nn.Module, batch: Any) -> bool:
     dimension, one at least twice. Per-sample images so joined are images of twice the channels, which a model's first
     convolution refuses (torchvision's detectors, a ``collate_fn=tuple``): read as images, as before. Two forwards of the
     model as built on the first batch, without gradients, the RNGs as they were; only where such a list is there."""
-    twice_as_many = doubled(batch)
-    if twice_as_many is None:
-        return False
     try:
+        twice_as_many = doubled(batch)  # (values it cannot compare, a NumPy array's: not joined either way)
+        if twice_as_many is None:
+            return False
         with eval_no_grad(module), torch_compat.preserved_rngs():
             once, twice = forward_on(module, batch), forward_on(module, twice_as_many)
     except Exception:  # noqa: BLE001 - refused as batched tensors: per-sample images (their forward's own error is the check's)
