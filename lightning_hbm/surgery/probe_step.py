@@ -163,6 +163,8 @@ _IDLE_SHARE = 0.05
 #: over this share of one core used by the process's other threads between two looks, the probing thread's wait is for
 #: work going on (a transform in the step's thread pool: ``pool.map``), not a wait for what ``on_fit_start`` starts
 _BUSY_OTHERS_SHARE = 0.10
+#: looks in a row that see no wait before the probing thread's wait starts again from 0 (a busy step: every look)
+_MISSES = 3
 #: seconds the probing thread has to unwind once stopped; still there after it: a call of C's that does not return on a
 #: signal, said with the ways out
 _STOP_GRACE_S = 3.0
@@ -190,7 +192,7 @@ class _Idle:
     """Whether a thread, and the process's other threads, were idle since the last call: the thread's CPU time
     (``pthread_getcpuclockid``) grew by under :data:`_IDLE_SHARE` of the time that passed and Linux says it sleeps
     (``/proc``'s state ``S``) where it can say; the other threads' (the process's less the thread's) by under
-    :data:`_BUSY_OTHERS_SHARE`. The thread is never idle where its CPU time cannot be read (Python's waits alone are
+    :data:`_BUSY_OTHERS_SHARE`, none of them running where Linux can say. The thread is never idle where its CPU time cannot be read (Python's waits alone are
     seen then; the others' figure then counts its time too)."""
 
     def __init__(self, ident: int, native: Optional[int]) -> None:
@@ -211,16 +213,31 @@ class _Idle:
         wall, process = time.monotonic(), time.process_time()
         elapsed, mine = wall - self.wall, 0.0 if cpu is None else cpu - self.cpu
         idle = cpu is not None and mine < _IDLE_SHARE * elapsed and self._sleeping()
-        others = process - self.process - mine < _BUSY_OTHERS_SHARE * elapsed
+        others = process - self.process - mine < _BUSY_OTHERS_SHARE * elapsed and not self._others_running()
         self.cpu, self.process, self.wall = cpu or 0.0, process, wall
         return idle, others
 
     def _sleeping(self) -> bool:
+        return _state(self.stat) in ("S", "")  # not R (runnable: busy), nor D (disk); "": no /proc, the CPU time says
+
+    def _others_running(self) -> bool:
+        """Whether Linux says another thread of the process (not this one, not the watcher) runs or waits for a core
+        (state ``R``): a busy thread on a loaded machine gets little CPU time, but is ``R`` (``False`` without /proc)."""
         try:
-            with open(self.stat) as stat:
-                return stat.read().rpartition(")")[2].split()[0] == "S"  # not R (runnable: busy), nor D (disk)
-        except (OSError, IndexError):
-            return True  # no /proc here: the CPU time says
+            threads = os.listdir("/proc/self/task")
+        except OSError:
+            return False
+        mine = {self.stat, f"/proc/self/task/{threading.get_native_id()}/stat"}
+        return any(_state(f"/proc/self/task/{tid}/stat") == "R" for tid in threads if f"/proc/self/task/{tid}/stat" not in mine)
+
+
+def _state(stat: str) -> str:
+    """A thread's state letter in its ``/proc`` ``stat`` file (``R``, ``S``, ``D``, ...), ``""`` where it cannot be read."""
+    try:
+        with open(stat) as lines:
+            return lines.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 class _WaitWatch:
@@ -242,12 +259,14 @@ class _WaitWatch:
 
     def _look(self) -> None:
         since: Optional[float] = None
-        idle = _Idle(self.ident, self.native)
+        idle, missed = _Idle(self.ident, self.native), 0
         while not self.stop.wait(0.1):
             mine, others = idle()  # a wait for the step's own busy threads (a transform in a pool) is no wait here
             where = _waiting_at(sys._current_frames().get(self.ident), mine) if others else None
-            if where is None:
+            missed = 0 if where is not None else missed + 1
+            if missed >= _MISSES:  # a look or two may catch a polling loop awake, or queued for a core on a loaded machine
                 since = None
+            if where is None:
                 continue
             since = time.monotonic() if since is None else since
             if time.monotonic() - since < PROBE_WAIT_S:

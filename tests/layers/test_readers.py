@@ -481,8 +481,9 @@ def test_drawing_the_probe_batch_leaves_the_loaders_generator_as_it_was(monkeypa
 def test_a_manual_optimization_module_is_not_told_to_fix_its_step() -> None:
     """Was: "Make training_step run on the first training batch" for a valid manual-optimization module (its step
     calls self.optimizers(), which do not exist when the probe runs). Session 37: a step with one optimizer runs in
-    the probe (stand-ins for the optimizer and manual_backward) and is observed; one unpacking two still cannot run,
-    and is told there is nothing to fix."""
+    the probe (stand-ins for the optimizer and manual_backward) and is observed. Session 38: one indexing two runs too
+    (``self.optimizers()[1]``); one reading what the stand-ins do not give (``.optimizer.param_groups``) still cannot
+    run, and is told there is nothing to fix."""
 
     class Manual(Wrapped):
         def __init__(self, optimizers: int) -> None:
@@ -491,16 +492,19 @@ def test_a_manual_optimization_module_is_not_told_to_fix_its_step() -> None:
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
             optimizer = self.optimizers() if self.count == 1 else self.optimizers()[1]
+            if self.count == 0:
+                optimizer.optimizer.param_groups[0]["lr"] = 1e-3
             loss = super().training_step(batch, batch_idx)
             self.manual_backward(loss)
             optimizer.step()
 
-    module = Manual(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert readers.observe(module, tokens(), {"model.c": module.model.c}) is not None
-    assert "optimizers" not in vars(module) and "manual_backward" not in vars(module)  # the stand-ins are gone
-    module = Manual(2)
+    for count in (1, 2):
+        module = Manual(count)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert readers.observe(module, tokens(), {"model.c": module.model.c}) is not None
+        assert "optimizers" not in vars(module) and "manual_backward" not in vars(module)  # the stand-ins are gone
+    module = Manual(0)
     with pytest.warns(UserWarning, match=r"uses manual optimization, which needs the optimizers.*nothing to fix in your code") as caught:
         assert readers.observe(module, tokens(), {"model.c": module.model.c}) is None
     assert not any("Make training_step" in str(w.message) for w in caught)
