@@ -20,6 +20,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector  # trainer_being_built
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader  # stage_dataloader
 from lightning.pytorch.trainer.states import RunningStage  # loader_as_trained
+from lightning.pytorch.utilities.combined_loader import CombinedLoader  # stage_dataloaders
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table  # display
 from torchmetrics import Metric  # Lightning's own dependency (its _ResultMetric is one): logged_values
@@ -102,15 +103,57 @@ def train_dataloader(trainer: Any) -> Any:
     return loader
 
 
-def pending_loader_state(trainer: Any) -> Optional[Any]:
-    """The state the fit loop will restore its first train dataloader to (if stateful) before it iterates: the first
-    of the resumed checkpoint's ``combined_loader`` states (``_FitLoop._load_combined_loader_states`` hands them to the
-    stateful loaders in order), the checkpoint's own object; ``None`` outside a resumed fit."""
+def pending_loader_state(trainer: Any, loader: Any = None) -> Optional[Any]:
+    """The state the fit loop will restore its first train dataloader (or ``loader``, one of its train dataloaders) to
+    (if stateful) before it iterates: of the resumed checkpoint's ``combined_loader`` states
+    (``_FitLoop._load_combined_loader_states`` hands them to the stateful loaders in order), the one of that loader,
+    the checkpoint's own object; ``None`` outside a resumed fit."""
     if str(getattr(trainer.state.fn, "value", trainer.state.fn)) != "fit":
         return None
     loops = (loaded_checkpoint(trainer) or {}).get("loops") or {}
     states = ((loops.get("fit_loop") or {}).get("state_dict") or {}).get("combined_loader") or []
-    return states[0] if isinstance(states, list) and states else None
+    index = 0
+    if loader is not None:  # its place among the stateful loaders of the request handed to the fit loop
+        handed = _handed_to_fit(trainer)
+        stateful = [each for each in _flat(loader if handed is None else handed) if _is_stateful(each)]
+        index = next((i for i, each in enumerate(stateful) if each is loader), 0)
+    return states[index] if isinstance(states, list) and len(states) > index else None
+
+
+def _is_stateful(loader: Any) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def stage_dataloaders(trainer: Any) -> Optional[tuple[list[Any], Callable[[list[Any]], Any]]]:
+    """Where the fit loop trains on several loaders together (a dict or list of them, a ``CombinedLoader`` not
+    ``"sequential"``), after :func:`stage_dataloader` handed them over: those loaders, and what puts one batch of each
+    together as the loop gives ``training_step`` its batch (the same dict or list); ``None`` otherwise (one loader,
+    another stage: its step gets one loader's batch at a time)."""
+    if str(getattr(trainer.state.fn, "value", trainer.state.fn)) != "fit":
+        return None
+    loaders = _handed_to_fit(trainer)
+    combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, "max_size_cycle")
+    if len(combined.flattened) < 2 or combined._mode == "sequential":
+        return None
+
+    def together(batches: list[Any]) -> Any:
+        one_each = CombinedLoader(combined.iterables, "max_size_cycle")
+        one_each.flattened = [[batch] for batch in batches]
+        return next(iter(one_each))[0]  # (batch, batch_idx, dataloader_idx)
+
+    return list(combined.flattened), together
+
+
+def _handed_to_fit(trainer: Any) -> Any:
+    """What :func:`stage_dataloader` or :func:`train_dataloader` handed to the fit loop in this run (``None``: nothing)."""
+    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+    handed = vars(source).get("dataloader") if source is not None else None
+    return handed.loaders if isinstance(handed, _HandOver) else None
+
+
+def _flat(loaders: Any) -> list[Any]:
+    """The loaders of a request, in the order the fit loop's ``CombinedLoader`` flattens them."""
+    return list((loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders)).flattened)
 
 
 _STAGE_LOOPS = {"fit": "fit_loop", "validate": "validate_loop", "test": "test_loop", "predict": "predict_loop"}
@@ -150,7 +193,7 @@ def loader_as_trained(trainer: Any, loader: Any) -> Any:
 
 
 def _first_loader(loaders: Any) -> Any:
-    loader = loaders
+    loader = loaders.flattened if isinstance(loaders, CombinedLoader) else loaders  # fit(CombinedLoader(...)): its first
     if isinstance(loader, dict):
         loader = next(iter(loader.values()), None)
     if isinstance(loader, (list, tuple)):
@@ -178,6 +221,9 @@ def _replaced(loaders: Any, old: Any, new: Any) -> Any:
     """``loaders`` (one, or a dict, list or tuple of them) with ``new`` where ``old`` was."""
     if loaders is old:
         return new
+    if isinstance(loaders, CombinedLoader):  # the same object, its iterables replaced (the loop takes it as it is)
+        loaders.flattened = [new if value is old else value for value in loaders.flattened]
+        return loaders
     if isinstance(loaders, dict):
         return {key: new if value is old else value for key, value in loaders.items()}
     if isinstance(loaders, (list, tuple)):

@@ -13,7 +13,7 @@ import functools
 import inspect
 import math
 import textwrap
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -56,15 +56,26 @@ def _weight_paths(cls: type) -> tuple[tuple[str, str, bool], ...]:
             for node in nodes:
                 if not isinstance(node, ast.Attribute) or node.attr != "weight" or id(node) in harmless:
                     continue
-                path, value = [], node.value
-                while isinstance(value, ast.Attribute):
-                    path.append(value.attr)
-                    value = value.value
+                path, value, hop = [], node.value, _hop(node.value)
+                while hop is not None:  # self.model.layers[0].mlp.up_proj: model.layers.0.mlp.up_proj
+                    path.append(hop[0])
+                    value, hop = hop[1], _hop(hop[1])
                 if path and isinstance(value, ast.Name) and value.id == "self":
                     key, use = ".".join(reversed(path)), (f"{klass.__name__}.{func.name}", id(node) in metadata)
                     if key not in found or found[key][1] and not use[1]:  # a real use wins over a metadata read
                         found[key] = use
     return tuple((path, reader, meta) for path, (reader, meta) in found.items())
+
+
+def _hop(node: ast.AST) -> Optional[tuple[str, ast.expr]]:
+    """One step up a module path: ``x.name`` gives ``("name", x)``, ``x[0]`` or ``x["name"]`` (a child of a
+    ``ModuleList``/``Sequential``/``ModuleDict``) ``("0", x)``; else ``None`` (session 38: a ``training_step`` reading
+    ``self.model.layers[0].mlp.up_proj.weight`` only under bfloat16 was not seen, the fit stopped on a shape error)."""
+    if isinstance(node, ast.Attribute):
+        return node.attr, node.value
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and type(node.slice.value) in (int, str):
+        return str(node.slice.value), node.value
+    return None
 
 
 def _own_forward(layer: nn.Module) -> bool:

@@ -513,8 +513,18 @@ _STAGE_STEPS = {"fit": "training_step", "validate": "validation_step", "test": "
 
 
 def _stage_batch(trainer: pl.Trainer) -> Any:
-    """The first batch of the stage's dataloader, drawn without touching the global RNG (``None``: none)."""
+    """The first batch of the stage's dataloader, drawn without touching the global RNG (``None``: none); where the fit
+    loop trains several loaders together, one of each put together as ``training_step`` gets them (was: the first
+    loader's alone, and a step reading ``batch["b"]`` failed in the probe)."""
     loader = lightning_compat.stage_dataloader(trainer)
+    several = lightning_compat.stage_dataloaders(trainer) if loader is not None else None
+    if several is None:
+        return _first_batch(trainer, loader)
+    batches = [_first_batch(trainer, each) for each in several[0]]
+    return None if any(batch is None for batch in batches) else several[1](batches)
+
+
+def _first_batch(trainer: pl.Trainer, loader: Any) -> Any:
     if loader is None:
         return None
     if torch_compat.passes_once(loader):  # a stream, an iterator: the batch drawn here is the loop's first (issue 55)
@@ -529,7 +539,7 @@ def _first_of_the_pass(trainer: pl.Trainer, loader: Any) -> Any:
     """The first batch of a loader read once (:func:`torch_compat.passes_once`), given back to its loop in front of
     the rest of the same pass: no sample lost, no stream opened twice. The probe step gets its own copy (a step
     that changes its batch in place must not change the batch the loop trains)."""
-    kept = torch_compat.draw_keeping_the_pass(loader, lightning_compat.pending_loader_state(trainer))  # resumed: from there
+    kept = torch_compat.draw_keeping_the_pass(loader, lightning_compat.pending_loader_state(trainer, loader))  # resumed: from there
     if kept is None:
         return None
     first, loop_loader = kept
