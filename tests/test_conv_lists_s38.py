@@ -146,3 +146,10 @@ def _torchvision_detector() -> Any:
 def test_torchvisions_faster_rcnn_takes_its_images_as_per_sample_images() -> None:
     model = _torchvision_detector()
     assert not lists_batched(model, [torch.rand(3, 64, 64) for _ in range(4)])
+
+
+def test_a_loader_that_runs_out_before_32_samples_is_measured_whole_without_a_word(tmp_path: Any) -> None:
+    """Fewer than asked because the loader holds no more: all its samples measured, nothing to fix, no warning."""
+    measured, caught = conv_check_of_one_step(tmp_path, _Conv1dNet, DataLoader(TensorDataset(_signals(16, 32)[:12]), batch_size=4))
+    assert measured is not None and measured.samples == 12
+    assert not [w for w in caught if "samples, not the" in str(w.message)]
