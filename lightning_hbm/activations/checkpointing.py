@@ -195,7 +195,8 @@ class ActivationCheckpointing(SurgeryCallback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the strategy's setup ran: FSDP2's units exist (QuantizedFSDPStrategy shards after the surgery)
-        recompute.warn_fsdp_units(pl_module, self.checkpointed, self.regenerate, self._remade_warned)
+        blocks = [n for n in self.checkpointed if has_submodule(pl_module, n)]  # as wrapped (a later change: not looked at)
+        recompute.warn_fsdp_units(pl_module, blocks, self.regenerate, self._remade_warned)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

@@ -22,7 +22,8 @@ prefetch (one block gathered, not two).
 One 2-rank gloo run (this file run as a script, as in test_fsdp_remainder_units_s34.py) fits the models of ``MODELS``
 for one epoch each with the ``HBMProfiler`` in detailed mode (the per-rank peak, max over ranks); session 37 added the
 partial offload, and ``ActivationCheckpointing(regenerate=2)`` beside ``regenerate=1`` on three stacks (each rank's
-trained weights saved, compared bit for bit).
+trained weights saved, compared bit for bit). Session 38 added two steps each of the 8-block stack in the user's own
+units (``IN_UNITS``: pairs of blocks, or one unit around the stack), for what ``regenerate`` says at fit start.
 """
 
 from __future__ import annotations
