@@ -845,6 +845,14 @@ def is_fsdp_unit(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
+def own_class_name(module: nn.Module) -> str:
+    """The name of ``module``'s own class: ``fully_shard`` swaps a unit's class for a generated ``FSDP<Name>`` (bases
+    ``FSDPModule`` and the user's class), a name ``shard_modules`` or a user's code would not know."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c.__name__ for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
 @contextmanager
 def fsdp_gathered(module: nn.Module) -> Iterator[None]:
     """``module``'s parameters gathered while in the context when it is an FSDP2 unit (``fully_shard``), so that its

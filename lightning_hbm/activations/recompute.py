@@ -220,7 +220,7 @@ def warn_fsdp_units(module: nn.Module, names: Sequence[str], regenerate: int, wa
     rank_zero_warn(
         f"{said}, where {linked} would be with every block linked: {kept - linked} block input(s) more on the device "
         "(in host memory where offloaded). Make each checkpointed block an FSDP2 unit of its own (QuantizedFSDPStrategy's "
-        f"default units, or shard_modules=[{type(module.get_submodule(crossings[0].name)).__name__!r}]), or one unit around "
+        f"default units, or shard_modules=[{torch_compat.own_class_name(module.get_submodule(crossings[0].name))!r}]), or one unit around "
         f"them all{_aligned(len(names), regenerate, starts)}."
     )
 

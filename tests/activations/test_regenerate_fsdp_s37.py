@@ -123,6 +123,9 @@ def test_unit_boundaries_that_cut_the_chains(tmp_path: Any) -> None:
         around = pairs()
         fully_shard(around)  # one unit around them all: the blocks feed each other directly
         assert unit_crossings(around, names) == [] and unit_crossings(pairs(), names) == []  # no FSDP2: none
+        # the class name the fix offers is the user's, not FSDP2's generated FSDP<Name> (session 38)
+        assert type(in_pairs[0]).__name__ == "FSDPSequential" and torch_compat.own_class_name(in_pairs[0]) == "Sequential"
+        assert torch_compat.own_class_name(nn.Linear(2, 2)) == "Linear"
     finally:
         dist.destroy_process_group()
     assert kept_inputs(8, 3, [2, 4, 6]) == 4 and kept_inputs(8, 3) == 3
