@@ -51,6 +51,9 @@ class _Rows(TorchDispatchMode):
         self.rows[x] = x.dim() - 1
         self.matmuls = {op: i for op, i in matmuls.items() if op not in (_aten.bmm.default, _aten.baddbmm.default)}
         self.refused = ""
+        #: rows gathered by an index over the tokens (a mixture of experts' ``hidden[token_idx]``): tensor -> the index.
+        #: Each is in :attr:`rows` too (lead 1: one gathered row per index entry), so the row-wise rules apply to them.
+        self.gathered: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
     def _lead(self, t: Tensor) -> int:
         """The smallest number of leading dimensions holding exactly the tokens, 0 if none."""
@@ -76,8 +79,33 @@ class _Rows(TorchDispatchMode):
             elif rows and not _tensors(out):
                 pass  # metadata: a device, a size, a stride
             elif rows:
-                self.refused = self._check(func, args, kwargs, flat, rows, out) or self._mark(func, out)
+                self.refused = self._gather(func, args, out, rows) if self._gathers(func, args, rows) else (
+                    self._check(func, args, kwargs, flat, rows, out) or self._mark(func, out, rows))
         return out
+
+    def _gathers(self, func: Any, args: tuple, rows: list[Tensor]) -> bool:
+        """Whether ``func`` gathers token rows by an index (``x[idx]``, ``w[idx, pos]``) or adds gathered rows back to
+        the tokens they came from (``final.index_add_(0, idx, rows)``): a mixture of experts' routing loop
+        (transformers' eager experts, :class:`~lightning_hbm.layers.experts.LinearExperts`)."""
+        name = func.overloadpacket.__name__.removesuffix("_")
+        if name == "index" and len(args) > 1 and isinstance(args[1], (list, tuple)) and args[1]:
+            first = args[1][0]
+            return (args[0] in self.rows and args[0] not in self.gathered and self.rows[args[0]] == 1
+                    and isinstance(first, Tensor) and first.dim() == 1 and not first.is_floating_point()
+                    and not any(isinstance(i, Tensor) and i in self.rows for i in args[1]))
+        return name == "index_add" and len(args) >= 4 and args[1] == 0 and args[3] in self.gathered
+
+    def _gather(self, func: Any, args: tuple, out: Any, rows: list[Tensor]) -> str:
+        """Mark the output of a gather (:meth:`_gathers`) as gathered by its index; an ``index_add`` must put the rows
+        back by the index that gathered them, into token rows (each token's output then comes from its own row)."""
+        if func.overloadpacket.__name__.removesuffix("_") == "index":
+            self.rows[out], self.gathered[out] = 1, args[1][0]
+            return ""
+        target, index, source = args[0], args[2], args[3]
+        if self.gathered[source] is not index or target in self.gathered or target not in self.rows or self.rows[target] != 1 or target.dim() != 2:
+            return f"adds rows to tokens other than those they were gathered from ({func})"
+        self.rows[out] = 1
+        return ""
 
     def _check(self, func: Any, args: tuple, kwargs: dict, flat: list[Tensor], rows: list[Tensor], out: Any) -> str:
         """Why ``func`` may mix the tokens of ``rows`` (the token tensors among its arguments), ``""`` if it cannot."""
@@ -136,8 +164,19 @@ class _Rows(TorchDispatchMode):
             dims += list(value) if isinstance(value, (list, tuple)) else [value]
         return all(d % max(ndim, 1) >= lead for d in dims)
 
-    def _mark(self, func: Any, out: Any) -> str:
-        """Mark the outputs that hold the rows; refuse an output that lost them."""
+    def _mark(self, func: Any, out: Any, rows: list[Tensor]) -> str:
+        """Mark the outputs that hold the rows; refuse an output that lost them. Gathered rows (:attr:`gathered`, all
+        by one index, with no token rows beside them) stay gathered: one leading row per index entry."""
+        indices = {id(self.gathered[t]): self.gathered[t] for t in rows if t in self.gathered}
+        if indices:
+            if len(indices) > 1 or any(t not in self.gathered for t in rows):
+                return f"combines rows gathered by different indices or with its tokens ({func})"
+            index = next(iter(indices.values()))
+            for t in _tensors(out):
+                if t.dim() < 2 or t.shape[0] != index.shape[0]:
+                    return f"loses the gathered rows in {func} (output shape {tuple(t.shape)})"
+                self.rows[t], self.gathered[t] = 1, index
+            return ""
         for t in _tensors(out):
             lead = self._lead(t)
             if not lead:

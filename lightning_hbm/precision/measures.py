@@ -94,9 +94,11 @@ class Measures:
             # the correction's own module is entered once here, with the statistics, and once after the quantization)
             correction.saved = saved_factors(resumed.get("state_dict") or {}) if resumed else None
         fitting = correction is not None and correction.saved is None
+        # an embedding's input is token ids: no statistics
+        names = [name for name, layer in targets if not isinstance(layer, nn.Embedding)]
+        if correction is not None and fitting:  # the planner's fake model gets factors only where a run can fit them
+            correction.measurable = set(names)
         if inputs and (self.gptq is not None or fitting) and not fake:
-            # an embedding's input is token ids: no statistics
-            names = [name for name, layer in targets if not isinstance(layer, nn.Embedding)]
             hessians, rows = input_statistics(module, names, probe().batch)
             if self.gptq is not None:
                 self.gptq.hessians = hessians
