@@ -195,7 +195,7 @@ def trace(
             hooks.reset_counts()
         offloaded, boundary = _offload_first(module, offload)
         phases, scopes, where, regions, held = _steady_step(module, built.fake_batch, built.plugin, optimizers, tracker,
-                                                            boundary, remade_unit(candidate))
+                                                            boundary, remade_unit(candidate), built.cut_path)
         built.fake_batch = None  # the next length's batch is new: this one need not stay alive
         host = sum(hooks.host_bytes for hooks in built.offloads)
         host_sizes = tuple(sorted(size for hooks in built.offloads for size in cast(_HostOffload, hooks).sizes))
@@ -309,6 +309,7 @@ class _Built:
     guessed: list[str] = field(default_factory=list)  # what the setup read without values (each step adds its own)
     selections: dict[str, str] = field(default_factory=dict)
     optimizer: str = "user"  # the candidate's optimizer (Candidate.optimizer) its optimizers were made for
+    cut_path: Optional[str] = None  # the list of blocks cut (block_cuts._cut_blocks)
 
     def enter(self, stack: ExitStack) -> None:
         """Enter the modes a step of this model runs under."""
@@ -335,7 +336,7 @@ def _set_up(
     fake_mode = _fake_mode()
     values = RealValues(fake_mode)
     # a template is copied with its blocks already cut: copying 32 layers of fakes to trace 3 costs seconds
-    with _blocks_cut(model.module, keep_blocks) if isinstance(model, Template) else nullcontext(0) as depth:
+    with _blocks_cut(model.module, keep_blocks) if isinstance(model, Template) else nullcontext(("", 0)) as (path, depth):
         module = _build(model, fake_mode, values)
     fake_batch = torch_compat.map_tensors(lambda t: _fake_batch_like(t, fake_mode, values), batch)
     fake_probe = fake_batch if probe_batch is None else torch_compat.map_tensors(
@@ -346,7 +347,9 @@ def _set_up(
         module.configure_model()
     _adopt_foreign_fakes(module, fake_mode)
     _forget_conversions(fake_mode)
-    built.depth = max(depth, _cut_blocks(module, keep_blocks))  # blocks built lazily exist only now
+    # blocks built lazily exist only now; the template's cut list, not the largest of the cut model (block_cuts)
+    built.cut_path, full = _cut_blocks(module, keep_blocks, path if depth else None)
+    built.depth = max(depth, full)
     for name, submodule in list(module.named_modules()):
         if type(submodule).__name__ in (real_types or {}):
             _run_for_real(submodule, fallbacks, cast(dict[str, str], real_types)[type(submodule).__name__], name)
@@ -465,7 +468,7 @@ def _first_step_state(optimizers: list[torch.optim.Optimizer], reached: Optional
 
 def _steady_step(
     module: pl.LightningModule, batch: Any, plugin: Precision, optimizers: list, tracker: LiveStorageTracker,
-    boundary: Optional[tuple[nn.Module, nn.Module]] = None, unit: int = 1,
+    boundary: Optional[tuple[nn.Module, nn.Module]] = None, unit: int = 1, cut_path: Optional[str] = None,
 ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]], dict[str, str], dict[str, dict[str, int]], bool]:
     """Forward, zero_grad, backward, optimizer step, as Lightning runs them; each phase's peak by category, each
     scope term at it (:func:`~lightning_hbm.memory.scope_term_bytes`; ``loss``: what ``FusedLoss`` allocated),
@@ -494,7 +497,7 @@ def _steady_step(
 
     loss: Any = None
     with ExitStack() as stack:
-        blocks = _cut_list(module)
+        blocks = _cut_list(module, cut_path)
         kept_from = next((i for i, block in enumerate(blocks) if boundary is not None and block is boundary[1]), None)
         model = _model_holding(module, blocks)
         apart = [(name, unit) for name, unit in remainder_units(module, blocks) if unit is not model]
