@@ -232,6 +232,15 @@ def _fold_corrections(
             tensors[key + ".lora_B.weight"] = torch.cat([b, left / scaling], dim=1).to(dtype).contiguous()
         ranks[re.escape(rel)] = rank
         alphas[re.escape(rel)] = scaling * (math.sqrt(rank) if config.use_rslora else rank)  # peft: alpha / r (/ sqrt r)
+    # session 38: a GPTQ run's adapter reloaded onto a nearest-rounded base (bitsandbytes' own) was off by 15 % of the
+    # logits' scale, unsaid: the correction is fitted to this run's quantized weight, not to any quantization of W
+    rank_zero_info(
+        "LoRA.save_adapter(with_correction=True): the adapter is for the base quantized exactly as this run quantized "
+        "it (the same mode and layer modes; with rounding='gptq' the same probe_batch, given explicitly): the folded "
+        "corrections fit that quantized weight only. Reloaded onto a base quantized otherwise (bitsandbytes' own "
+        "nearest rounding of a GPTQ run, another block size) it computes other outputs; save without with_correction "
+        "for the full-precision base."
+    )
     return added
 
 
