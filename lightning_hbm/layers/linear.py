@@ -68,7 +68,11 @@ class Fp32ComputeLinear(nn.Linear):
         new: Any = cls.__new__(cls)
         nn.Module.__init__(new)  # not nn.Linear's: it would allocate a weight the storage holds
         new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.bias = linear.bias  # the same Parameter (the mode's layer shares it), kept in fp32 with the layer
+        # the same Parameter, kept in fp32 with the layer, and held here only (the mode's layer never runs): shared
+        # with the mode's layer it was also the state dict's ``quantized.bias``, which no checkpoint holds (its frozen
+        # base is omitted under ``bias``): Blip-2's Q-Former (``_keep_in_fp32_modules``, biased Linears) did not resume
+        new.bias = linear.bias
+        cast(Any, quantized).bias = None
         new.quantized = quantized
         new._dequantize = dequantize
         return cast(Fp32ComputeLinear, new)

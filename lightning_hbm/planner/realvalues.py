@@ -46,6 +46,8 @@ _aten = torch.ops.aten
 # Ops that return Python values read from the data; without a twin they are answered with a guess.
 _FAILED = object()  # no twin could be computed (None is a valid result: in-place foreach ops return it)
 _VALUE_READS = {_aten._local_scalar_dense.default, _aten.equal.default, _aten.is_nonzero.default}
+# torch's CTC loss: its output's shape depends on the target lengths' values, and it has no fake kernel
+_CTC_LOSSES = {_aten._ctc_loss.default, _aten._ctc_loss.Tensor}
 
 
 class RealValues(TorchDispatchMode):
@@ -158,6 +160,8 @@ class RealValues(TorchDispatchMode):
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
             real = self._run_real(func, args, kwargs)
+            if real is _FAILED and func in _CTC_LOSSES:
+                return self._ctc_loss(args, kwargs)
             if real is _FAILED:
                 largest = self._largest_selection(func, args, kwargs)
                 if largest is _FAILED:
@@ -191,6 +195,32 @@ class RealValues(TorchDispatchMode):
             return _FAILED
         self.selections[str(func)] = f"{str(func)} by a mask of {mask.numel():,} elements without real values"
         return out
+
+    def _ctc_loss(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's CTC loss, which has no fake kernel: its outputs are the per-sample losses ``[batch]`` and ``log_alpha``
+        ``[batch, time, 2 x the longest target + 1]`` (as the CPU and CUDA kernels allocate them), made from the target
+        lengths' values: a list (``_ctc_loss.default``) or the twin of a tensor. Without a twin, the longest target is
+        the targets' width (padded ``[batch, width]``) or their count (concatenated): the largest it can be, named in
+        :attr:`selections` as a selection planned at its largest is. Its log-probabilities need no values (a
+        CTC head's, computed from the model's weights, have no twin)."""
+        log_probs, targets = args[0], args[1]
+        lengths = args[3] if len(args) > 3 else kwargs["target_lengths"]
+        if isinstance(lengths, FakeTensor):
+            twin = self.twin(lengths)
+            if twin is None:
+                longest = targets.shape[-1] if targets.dim() == 2 else targets.numel()
+                self.selections["aten._ctc_loss"] = (f"aten._ctc_loss: target lengths without real values, planned at the "
+                                                     f"longest the targets allow ({longest})")  # fmt: skip
+            else:
+                with _disable_current_modes():
+                    longest = int(twin.max()) if twin.numel() else 0
+        else:
+            longest = max(lengths, default=0)
+        time, batch = log_probs.shape[0], log_probs.shape[1] if log_probs.dim() == 3 else 1
+        with self.fake_mode:
+            losses = torch.empty((batch,), dtype=log_probs.dtype, device=log_probs.device)
+            log_alpha = torch.empty((batch, time, 2 * longest + 1), dtype=log_probs.dtype, device=log_probs.device)
+        return losses, log_alpha
 
     def _read(self, func: Any, args: tuple, kwargs: dict) -> Any:
         real = self._run_real(func, args, kwargs)

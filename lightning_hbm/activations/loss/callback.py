@@ -97,6 +97,14 @@ class FusedLoss(SurgeryCallback):
         if missing:
             raise ValueError(f"FusedLoss(heads={heads}): {missing} match no submodule. Linear layers here: {linears}.")
         not_linear = [h for h in heads if not hasattr(names[h], "out_features")]
+        several = [h for h in not_linear if isinstance(names[h], nn.ModuleList) and all(hasattr(m, "out_features") for m in names[h])]
+        if several:  # transformers' Musicgen: one head per codebook, the model's loss over all of them
+            raise ValueError(
+                f"FusedLoss: the output head(s) {several} of {type(module).__name__} are lists of Linear heads "
+                f"({', '.join(f'{len(names[h])} in {h}' for h in several)}: one output each, e.g. one per codebook), and "
+                "FusedLoss fuses the loss of one head's logits. Leave FusedLoss out of the Trainer's callbacks for this "
+                "model (its loss then runs as written; LoRA and ActivationCheckpointing work without it)."
+            )
         if not_linear:
             raise ValueError(
                 f"FusedLoss(heads={heads}): {not_linear} have no `out_features` (not Linear-like: "
