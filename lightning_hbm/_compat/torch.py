@@ -479,6 +479,18 @@ class FakeGroupedMM(TorchDispatchMode):
 
 
 @contextmanager
+def real_tensors() -> Iterator[None]:
+    """Tensors made in the context are real ones, also inside a fake mode (the planner's trace): for a measure that
+    builds a small real tensor to read a size from (:func:`lightning_hbm.precision.sensitivity.weight_bytes` quantizes a
+    zero weight with bitsandbytes, whose ``Params4bit`` cannot wrap a FakeTensor). torch's own
+    ``unset_fake_temporarily``; ``tests/_compat/test_torch.py`` checks it still gives real tensors."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        yield
+
+
+@contextmanager
 def fake_parameters_as_real_ones() -> Iterator[None]:
     """``module.to(...)`` (``Module._apply``) on fake parameters as on real ones: the Parameter keeps what it carries.
 

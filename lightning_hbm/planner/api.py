@@ -165,6 +165,8 @@ class Prediction:
             (the trace holds no real weight to measure): under by at most their sum, said in :meth:`Plan.notes`; a
             fit's ``plugin.layer_modes`` given as ``Candidate(layer_modes=...)`` plans its choice exactly
             (:func:`chosen_convolutions`).
+        chosen_linears: the same for the Linears a sensitivity plan (``max_bytes_per_param`` / ``min_cosine``) measures
+            at fit start (:func:`chosen_linears`).
     """
 
     candidate: Candidate
@@ -201,6 +203,7 @@ class Prediction:
     remade_unit: int = 1
     kept_from: Optional[int] = None
     chosen_convs: dict[str, int] = field(default_factory=dict)
+    chosen_linears: dict[str, int] = field(default_factory=dict)
 
     def per_rank(self, world_size: int, backend: str = "gloo") -> dict[str, int]:
         """Bytes per category at the peak of each of ``world_size`` ranks under FSDP2 (``QuantizedFSDPStrategy``).
@@ -641,6 +644,7 @@ def _predict(
         remade_unit=remade_unit(candidate),
         kept_from=_kept_from(candidate, count, result.depth),
         chosen_convs=chosen_convolutions(model.module, candidate),
+        chosen_linears=chosen_linears(model.module, candidate),
         routed=tuple(f"{name} ({what})" for name, what in sorted(result.routed.items())),
     )
 
@@ -811,11 +815,27 @@ def chosen_convolutions(module: nn.Module, candidate: Candidate) -> dict[str, in
     if not isinstance(plugin, QuantizedPrecision) or plugin.config.layer_modes is not None or (
             plugin.config.format.peft_kind != "4bit"):
         return {}
+    return _widening(plugin, module, lambda layer: CONV.matches(layer))
+
+
+def chosen_linears(module: nn.Module, candidate: Candidate) -> dict[str, int]:
+    """The Linears whose mode a fit under ``candidate`` measures at its start (``QuantizedPrecision(max_bytes_per_param=
+    ...)`` or ``min_cosine=...`` without ``layer_modes``: the sensitivity plan), by name: the bytes each adds stored in
+    the widest mode it may take. The planner's model holds no real weight to measure, so it plans them in the
+    candidate's mode and names them in :meth:`Plan.notes` (session 38: ``plan()`` failed on such a plugin)."""
+    plugin = candidate.precision_plugin("cpu") if candidate.layer_modes is None else None
+    if not isinstance(plugin, QuantizedPrecision) or not plugin.config.measures_layer_modes:
+        return {}
+    return _widening(plugin, module, lambda layer: isinstance(layer, nn.Linear))  # as linear_names: what the plan measures
+
+
+def _widening(plugin: QuantizedPrecision, module: nn.Module, kind: Callable[[nn.Module], bool]) -> dict[str, int]:
+    """Per target layer of ``plugin`` that ``kind`` takes: the bytes its widest mode of ``sensitive_mode`` adds."""
     base, dtype = plugin.config.format.name, plugin.config.torch_dtype
     wider = ladder(base, plugin.config.sensitive_mode)
     chosen = {}
     for name, layer in plugin.quantization.targets(module):
-        if CONV.matches(layer):
+        if kind(layer):
             features = cast(LayerKind, kind_of(layer)).features(layer)
             widest = max((weight_bytes(mode, *features, dtype) for mode in wider), default=0)
             chosen[name] = max(widest - weight_bytes(base, *features, dtype), 0)
@@ -931,6 +951,13 @@ class Plan:
             f"{', ...' if len(p.chosen_convs) > 4 else ''}); a fit's plugin.layer_modes as Candidate(layer_modes=...) "
             "plans its choice exactly"
             for p in self.predictions if p.chosen_convs
+        ]  # fmt: skip
+        notes += [
+            f"{p.candidate.name}: {len(p.chosen_linears)} Linear(s) planned in {p.candidate.precision}, whose modes the "
+            "fit's sensitivity plan (max_bytes_per_param / min_cosine) chooses at its start on its probe batch and real "
+            f"weights: up to {format_bytes(sum(p.chosen_linears.values()))} more if all widen; a fit's "
+            "plugin.layer_modes as Candidate(layer_modes=...) plans its choice exactly"
+            for p in self.predictions if p.chosen_linears
         ]  # fmt: skip
         for p in self.predictions:  # the host terms (lightning_hbm.memory.terms): off the device, not in the peak
             terms = p.terms

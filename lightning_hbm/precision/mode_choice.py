@@ -88,7 +88,7 @@ def measure_and_choose(
     with forwarding(module, lambda: measures.stepped):
         measures.measure_model(module, targets, trainer, True, True, settings, probe)  # smoothed before the plan, which measures it
         hessians = measures.gptq.hessians if measures.gptq is not None else None
-        if config.measures_layer_modes:
+        if config.measures_layer_modes and not fake:  # the planner: no real weights to measure (see chosen_convolutions)
             with measures.smoothing.attached(module) if measures.smoothing is not None else nullcontext():
                 # resuming: the plan the checkpoint was trained with (a fresh model may differ), else measured
                 chosen.layer_modes = saved.saved_layer_modes(trainer, settings)

@@ -139,9 +139,10 @@ def weight_bytes(mode: str, in_features: int, out_features: int, dtype: torch.dt
     """
     if mode == UNQUANTIZED:
         return in_features * out_features * dtype.itemsize
-    linear = nn.Linear(in_features, out_features, bias=False, device="meta")
-    linear.weight = nn.Parameter(torch.zeros(out_features, in_features), requires_grad=False)
-    return parameter_bytes(get_format(mode).replace(linear, dtype, torch.device("cpu")))
+    with torch_compat.real_tensors():  # also under the planner's fake mode (session 38: plan() with a sensitivity plan failed)
+        linear = nn.Linear(in_features, out_features, bias=False, device="meta")
+        linear.weight = nn.Parameter(torch.zeros(out_features, in_features), requires_grad=False)
+        return parameter_bytes(get_format(mode).replace(linear, dtype, torch.device("cpu")))
 
 
 def predict_parameter_bytes(

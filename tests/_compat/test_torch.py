@@ -309,3 +309,13 @@ def test_memtracker_without_module_hooks_still_counts_a_step() -> None:
         layer(torch.ones(8, 64)).sum().backward()
     peaks = tracker.get_tracker_snapshot("peak")
     assert sum(snapshot["Total"] for snapshot in peaks.values()) > 64 * 64 * 4
+
+
+def test_real_tensors_are_made_inside_a_fake_mode() -> None:
+    """``real_tensors`` (torch's ``unset_fake_temporarily``): a tensor made in it under a FakeTensorMode is a real one,
+    which bitsandbytes' ``Params4bit`` can wrap (``precision.sensitivity.weight_bytes`` under the planner's trace)."""
+    with FakeTensorMode():
+        assert isinstance(torch.zeros(2), FakeTensor)
+        with compat.real_tensors():
+            made = torch.zeros(2)
+    assert not isinstance(made, FakeTensor) and made.sum().item() == 0
