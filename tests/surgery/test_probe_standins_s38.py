@@ -55,6 +55,11 @@ class _Net(pl.LightningModule):
         self.indices.append(dataloader_idx)
         self.body(batch)
 
+    def predict_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int) -> torch.Tensor:
+        self.calls += 1
+        self.indices.append(dataloader_idx)
+        return self.body(batch)
+
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
 
@@ -112,13 +117,15 @@ def test_the_lent_optimizers_are_put_back(tmp_path: Any) -> None:
     assert "optimizers" not in vars(module) and module.lr_schedulers is not None
 
 
-def test_validate_with_several_loaders_passes_the_dataloader_idx(tmp_path: Any) -> None:
+@pytest.mark.parametrize("stage", ["validate", "predict"])
+def test_several_loaders_pass_the_dataloader_idx(stage: str, tmp_path: Any) -> None:
     loaders = [DataLoader(torch.randn(4, 16), batch_size=4), DataLoader(torch.randn(4, 16), batch_size=4)]
+    kwargs: dict[str, Any] = {"verbose": False} if stage == "validate" else {}
     plain = _Net(False)
-    assert not _unprobed(lambda: _trainer(tmp_path, False).validate(plain, loaders, verbose=False))
+    assert not _unprobed(lambda: getattr(_trainer(tmp_path, False), stage)(plain, loaders, **kwargs))
     module = _Net(False)
-    failed = _unprobed(lambda: _trainer(tmp_path, True).validate(module, loaders, verbose=False))
+    failed = _unprobed(lambda: getattr(_trainer(tmp_path, True), stage)(module, loaders, **kwargs))
     assert not failed, failed
     assert plain.indices == [0, 1] and module.indices == [0, 0, 1]  # the probe step: the first loader's, as Lightning
     seen = readers.observation(module)
-    assert seen is not None and seen.ran.startswith("_Net.validation_step")
+    assert seen is not None and seen.ran.startswith(f"_Net.{'validation' if stage == 'validate' else 'predict'}_step")
