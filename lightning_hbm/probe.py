@@ -94,13 +94,32 @@ def quiet_logging(module: nn.Module) -> Generator[None, None, None]:
     for name, stand_in in stand_ins.items():
         module.__dict__[name] = stand_in  # an instance attribute over the class's method
     try:
-        yield
+        with _lent_optimizers(module):
+            yield
     finally:
         for name in stand_ins:
             if own[name] is missing:
                 del module.__dict__[name]
             else:
                 module.__dict__[name] = own[name]
+
+
+@contextmanager
+def _lent_optimizers(module: nn.Module) -> Generator[None, None, None]:
+    """``self.trainer.optimizers`` as the stand-ins (:class:`_NoStep`) while a probe step runs, Lightning's own (empty
+    list) put back after: it is empty before the model is changed, and a step reading ``self.trainer.optimizers[0]``
+    (its lr, for logging) failed with IndexError, the step left un-probed (s38 h8)."""
+    trainer = getattr(module, "_trainer", None) if isinstance(module, pl.LightningModule) else None
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is None or strategy._optimizers or not isinstance(module, pl.LightningModule):
+        yield
+        return
+    before = strategy._optimizers
+    strategy._optimizers = list(_NoSteps(_configured(module)[0], [p for p in module.parameters() if p.requires_grad]))
+    try:
+        yield
+    finally:
+        strategy._optimizers = before
 
 
 #: a manual-optimization module's methods that need the fit loop's optimizers or schedulers: no-ops in a probe step
@@ -112,7 +131,21 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 
 class _NoStep:
-    """The optimizer ``self.optimizers()`` gives in a probe step: nothing is stepped (``step`` runs its closure)."""
+    """The optimizer ``self.optimizers()`` gives in a probe step: nothing is stepped (``step`` runs its closure).
+
+    What a step commonly reads is there (s38 h8: AttributeError, the step left un-probed): ``optimizer`` (Lightning's
+    ``LightningOptimizer`` wraps one: itself) and one ``param_groups`` group, the module's trainable parameters with
+    ``lr`` 0.0: the lr ``configure_optimizers`` sets is not knowable without calling it (the user's code, run once more:
+    issue 55), and 0.0 is the lr of a step that changes nothing, which is what a probe step is."""
+
+    def __init__(self, params: Sequence[Tensor] = ()) -> None:
+        self.param_groups: list[dict[str, Any]] = [{"params": list(params), "lr": 0.0}]
+        self.defaults: dict[str, Any] = {"lr": 0.0}
+        self.state: dict[Tensor, Any] = {}
+
+    @property
+    def optimizer(self) -> "_NoStep":
+        return self
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
         return None
@@ -126,6 +159,9 @@ class _NoSchedule:
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         return None
+
+    def get_last_lr(self) -> list[float]:
+        return [0.0]  # the stand-in optimizer's lr (see _NoStep)
 
 
 class _Several:
@@ -157,7 +193,10 @@ class _Several:
 
 
 class _NoSteps(_NoStep, _Several):
-    one = _NoStep
+    def __init__(self, count: int, params: Sequence[Tensor] = ()) -> None:
+        _NoStep.__init__(self, params)
+        _Several.__init__(self, count)
+        self.one = lambda: _NoStep(params)
 
 
 class _NoSchedules(_NoSchedule, _Several):
@@ -204,7 +243,8 @@ def _stand_ins(module: pl.LightningModule) -> dict[str, Callable[..., Any]]:
     """A manual-optimization module's stand-ins for what needs the optimizers (see :func:`quiet_logging`)."""
     optimizers, schedulers = _configured(module)
     stand_ins: dict[str, Callable[..., Any]] = {name: _nothing for name in _MANUAL_HOOKS if callable(getattr(module, name, None))}
-    stand_ins.update(optimizers=lambda *a, **k: _NoSteps(optimizers), lr_schedulers=lambda *a, **k: _NoSchedules(schedulers))
+    params = [p for p in module.parameters() if p.requires_grad]
+    stand_ins.update(optimizers=lambda *a, **k: _NoSteps(optimizers, params), lr_schedulers=lambda *a, **k: _NoSchedules(schedulers))
     stand_ins["toggled_optimizer"] = _toggled
     return stand_ins
 

@@ -179,6 +179,22 @@ def stage_dataloader(trainer: Any) -> Any:
     return _first_loader(loaders)
 
 
+def stage_step_index(trainer: Any) -> tuple[int, ...]:
+    """The ``dataloader_idx`` the stage's loop passes its step with the batch :func:`stage_dataloader` gave (its first
+    loader's: ``(0,)``), where it passes one: validate/test over several loaders one after another, predict over several
+    (Lightning's ``_build_kwargs``, positional); ``()`` otherwise (fit, one loader). Was: ``validation_step(batch, 0)``
+    for a step that takes ``dataloader_idx``, a TypeError, the step left un-probed (s38 h8)."""
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    stage = str(getattr(fn, "value", fn))
+    loop = getattr(trainer, _STAGE_LOOPS[stage], None) if stage in _STAGE_LOOPS and stage != "fit" else None
+    source = getattr(loop, "_data_source", None)
+    handed = vars(source).get("dataloader") if source is not None else None
+    if not isinstance(handed, _HandOver):
+        return ()
+    combined = handed.loaders if isinstance(handed.loaders, CombinedLoader) else CombinedLoader(handed.loaders, "sequential")
+    return (0,) if len(combined.flattened) > 1 and (stage == "predict" or combined._mode == "sequential") else ()
+
+
 def loader_as_trained(trainer: Any, loader: Any) -> Any:
     """``loader`` as the fit loop will iterate it: on several processes Lightning rebuilds a ``DataLoader`` with a
     ``DistributedSampler`` (``_DataConnector._prepare_dataloader``, ``use_distributed_sampler``); else ``loader`` itself.

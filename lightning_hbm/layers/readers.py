@@ -236,8 +236,8 @@ def _step(module: nn.Module, batch: Any, step: str = "training_step") -> tuple[C
     the others: validate/predict never call the user's ``training_step``): the LightningModule's own when it has
     one, else ``forward``."""
     if isinstance(module, pl.LightningModule) and getattr(type(module), step, None) is not getattr(pl.LightningModule, step, None):
-        method = getattr(module, step)
-        return (lambda: method(batch, 0)), step
+        method, index = getattr(module, step), lightning_compat.stage_step_index(module._trainer)  # dataloader_idx: s38 h8
+        return (lambda: method(batch, 0, *index)), step
     return (lambda: _call(module, batch)), "forward"
 
 
