@@ -328,6 +328,11 @@ def _restoring_buffers(module: nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
+#: the batch a stage's step is probed on, named in the advice when it cannot run (session 38: a validate run was told
+#: to fix its training_step)
+_STAGE_BATCH = {"validation_step": "validation", "test_step": "test", "predict_step": "predict"}
+
+
 def observe(module: nn.Module, batch: Any, layers: dict[str, nn.Module], step: str = "training_step") -> Optional[Observation]:
     """Run one step of ``module`` on ``batch`` and record who reads the weight of each of ``layers`` (by name).
 
@@ -360,7 +365,7 @@ def observe(module: nn.Module, batch: Any, layers: dict[str, nn.Module], step: s
             "Its training_step uses manual optimization, which needs the optimizers, and they do not exist before the "
             "model is changed: nothing to fix in your code."
             if manual
-            else "Make training_step (or forward) run on the first training batch."
+            else f"Make {step} (or forward) run on the first {_STAGE_BATCH.get(step, 'training')} batch."
         )
         warnings.warn(
             f"lightning_hbm: could not run one step of {type(module).__qualname__} before changing it ({err}), so which "

@@ -686,3 +686,20 @@ def test_drawing_the_probe_batch_leaves_no_pass_in_the_loader(monkeypatch: pytes
         assert engine._stage_batch(FakeTrainer()) is not None  # type: ignore[arg-type]
         assert vars(loader) == before
     assert persistent._iterator is None and resumable.state_dict()["batches"] == 0
+
+
+def test_the_advice_names_the_stage_step_that_could_not_run() -> None:
+    """A validate run whose ``validation_step`` cannot run in the probe was told to "Make training_step (or forward) run
+    on the first training batch" (session 38): the advice names the stage's own step and batch."""
+
+    class Failing(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            raise RuntimeError("needs the validation service")
+
+    module = Failing()
+    with pytest.warns(UserWarning, match=r"Make validation_step \(or forward\) run on the first validation batch"):
+        assert readers.observe(module, torch.zeros(2, 4), {"layer": module.layer}, step="validation_step") is None
