@@ -40,7 +40,14 @@ class _SameDtype(nn.Module):
 
     def __init__(self, layer: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
-        self.layer, self.dtype = layer, dtype
+        # held, not registered: its parameters (a bias in the plan's dtype) stay out of the model's, whose code may
+        # take its dtype from them (diffusers' ``ModelMixin.dtype``, the first float parameter: UNet2DModel cast its
+        # timestep embedding to bf16 for its fp32 Linear, "mat1 and mat2 must have the same dtype", issue 53)
+        self._held, self.dtype = (layer.eval(),), dtype
+
+    @property
+    def layer(self) -> nn.Module:
+        return cast(nn.Module, self.__dict__["_held"][0])
 
     def __getattr__(self, name: str) -> Any:
         # the layer's own attributes, as the model's code reads them beside the call (transformers MobileNetV2's "SAME"
@@ -48,7 +55,7 @@ class _SameDtype(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["layer"], name)
+            return getattr(self.__dict__["_held"][0], name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the layer sees the compute dtype, as under QuantizedPrecision; the model as built gets its dtype back

@@ -53,3 +53,36 @@ def test_the_linear_choice_returns_its_report() -> None:
     plugin = QuantizedPrecision("nf4-dq", dtype="float32", min_cosine=0.995, probe_batch=batch)
     plugin.convert_module(model)
     assert plugin.sensitivity_report is not None and plugin.layer_modes == report.modes  # kept by the Quantization
+
+
+class _UNet(nn.Module):
+    """diffusers' UNet2DModel (tiny config) on a fixed timestep: its code casts the timestep embedding to
+    ``ModelMixin.dtype``, the dtype of the model's first float parameter (``conv_in``'s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import diffusers
+
+        torch.manual_seed(0)
+        self.model = diffusers.UNet2DModel(
+            sample_size=8, in_channels=3, out_channels=3, block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4,
+            down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x, torch.tensor([10, 500])).sample
+
+
+def test_a_diffusers_unet_s_convolutions_are_measured_in_bf16_and_the_model_keeps_its_dtype() -> None:
+    """Was (issue 53, session 38): the swapped-in quantized ``conv_in`` registered its bf16 bias as the model's first
+    float parameter, diffusers cast the timestep embedding to bf16 for its fp32 ``time_embedding`` Linear ("mat1 and
+    mat2 must have the same dtype, BFloat16 and Float"): every convolution stored uniform nf4-dq, unmeasured."""
+    model, batch = _UNet(), torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    names = [name for name, layer in model.named_modules() if isinstance(layer, nn.Conv2d)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        choice = conv_modes(model, names, QuantizationConfig("nf4-dq", "bfloat16"), lambda: Probe(model, batch), None)
+    assert not any("without a measured plan" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert choice.report is not None and not choice.said_unmeasured
+    assert choice.report.cosine >= choice.report.uniform_cosine
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # measured on swapped copies: the model as it was
