@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -291,17 +292,18 @@ def models() -> dict[str, Spec]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="*", default=[])
-    parser.add_argument("--root", default="/tmp/h7work/runs")
+    parser.add_argument("--root", default=None, help="where each run's checkpoints go (default: a new temporary folder)")
     parser.add_argument("--no-shim", action="store_true")
     args = parser.parse_args()
     import logging
 
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="coverage_vision_"))  # never another run's
     specs = models()
     chosen = [n for n in specs if not args.models or any(m.lower() in n.lower() for m in args.models)]
     for name in chosen:
-        row = run(name, specs[name], Path(args.root) / name.replace(" ", "_").replace("/", "_"))
+        row = run(name, specs[name], root / name.replace(" ", "_").replace("/", "_"))
         row["warnings"] = [w[:240] for w in row.get("warnings", [])]
         row["wide"] = [w[:160] for w in row.get("wide", [])]
         print(f"ROW {row}", flush=True)
