@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
 from collections import Counter
 from typing import Optional
 
@@ -32,12 +36,18 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     ``num_hidden_layers`` times: was "found no repeated blocks"). Before that, an ``nn.Sequential`` whose composite
     modules of one class recur between leaf layers (diffusers ``AutoencoderTiny``: a convolution, a block, a strided
     convolution, a block, ...): those modules (was: "found no repeated blocks", the default recipe refused the model).
+    A plain module whose children all share one composite class and whose own ``forward`` runs them one after
+    another (timm RegNet's ``RegStage``: blocks ``b1..bN`` as plain children, a ``for block in self.children()`` loop;
+    was refused, naming ``blocks=[...]``) is a stack too (:func:`_runs_in_order`); a stage of that class holding a
+    single block then gives its block as well (RegNetX-200MF's ``s1.b1``), the same level as its siblings.
     """
     blocks: dict[str, nn.Module] = {}
     stack_of: dict[str, str] = {}  # block -> the stack it is an item of
     descended: set[str] = set()  # stacks one of whose items gave way to its own items
+    # classes of plain modules that hold a run of two blocks or more: a stage of theirs holding one block counts too
+    plain = {type(c) for n, c in module.named_modules() if not isinstance(c, (nn.ModuleList, nn.Sequential)) and _stack_items(n, c, 2)}
     for name, child in module.named_modules():
-        items = _stack_items(name, child, 2)
+        items = _stack_items(name, child, 1 if type(child) in plain else 2)
         if items is None:
             continue
         # a stack that is itself a block (timm EfficientNet: the stage Sequentials are the items of `blocks`) or lies
@@ -65,12 +75,50 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
 def _stack_items(name: str, child: nn.Module, least: int) -> Optional[dict[str, nn.Module]]:
     """The items of ``child`` by full name if it is a stack of at least ``least`` composite modules of one class."""
     # An nn.Sequential of mixed layers (Linear, GELU, Linear) is not a stack of blocks: the one-class test tells them apart.
-    if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < least:
-        return None
     items = list(child.named_children())
-    if len({type(c) for _, c in items}) != 1 or not any(True for _ in items[0][1].children()):
+    if len(items) < least or len({type(c) for _, c in items}) != 1 or not any(True for _ in items[0][1].children()):
+        return None
+    if not isinstance(child, (nn.ModuleList, nn.Sequential)) and not _runs_in_order(type(child), tuple(n for n, _ in items)):  # type: ignore[arg-type]  # mypy: a class is not Hashable (lru_cache)
         return None
     return {f"{name}.{n}" if name else n: c for n, c in items}
+
+
+@functools.lru_cache(maxsize=None)
+def _runs_in_order(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether the ``forward`` of ``cls`` (a plain module, no ``nn.Sequential``) runs its children ``names`` one after
+    another, each on the previous one's output, read from its source.
+
+    Checkpointing its children one by one is only sound when nothing else runs between them and each runs once, in
+    order: so only two shapes are taken, a loop over ``self.children()`` (or ``named_children()``,
+    ``_modules.values()``; timm's ``RegStage``) or one statement per child ``x = self.<child>(x)`` in the order they
+    were registered. Anything else (calls nested in one expression, a skip connection, a child called twice) is not a
+    stack; a class without source neither.
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))  # type: ignore[attr-defined]
+    except (OSError, TypeError, SyntaxError):
+        return False
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.FunctionDef) else []
+    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+        if isinstance(node, ast.For) and _iterates_children(node.iter):
+            return True
+    called = [
+        stmt.value.func.attr
+        for stmt in body
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute)
+        and isinstance(stmt.value.func.value, ast.Name) and stmt.value.func.value.id == "self"
+    ]
+    return tuple(called) == names
+
+
+def _iterates_children(node: ast.expr) -> bool:
+    # self.children(), self.named_children(), self._modules.values() / .items()
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return False
+    owner, method = node.func.value, node.func.attr
+    if isinstance(owner, ast.Name) and owner.id == "self":
+        return method in ("children", "named_children")
+    return method in ("values", "items") and isinstance(owner, ast.Attribute) and owner.attr == "_modules" and isinstance(owner.value, ast.Name) and owner.value.id == "self"
 
 
 def _single_stack(name: str, block: nn.Module) -> dict[str, nn.Module]:

@@ -17,7 +17,7 @@ from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm.layers.correction import correction_of
 from lightning_hbm.layers.finding import base_layer, find_layers, lora_layer_classes
 from lightning_hbm.layers.kinds import LayerKind, kind_named
-from lightning_hbm.layers.outside import OUTSIDE, OUTSIDE_ROWS, outside_kinds
+from lightning_hbm.layers.outside import OUTSIDE, OUTSIDE_ROWS, outside_kinds, outside_reason
 from lightning_hbm.layers.source_scan import weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.memory.storage import quantized_format
@@ -163,7 +163,7 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
             # a weight matrix no layer kind holds (DBRX's experts: 2-D w1/v1/w2 Parameters, routers, RG-LRU gates,
             # weight_norm's factors): never quantized or adapted; its own row says what it is, warned above 5 %
             owner, row = owners[id(param)], outside[kinds[id(param)]]
-            reason, deliberate, _ = OUTSIDE[row.kind]
+            reason, deliberate = outside_reason(row.kind, param), OUTSIDE[row.kind][1]
             row.params += param.numel()
             row.left_alone += param.numel()
             row.reasons[reason] = row.reasons.get(reason, 0) + param.numel()

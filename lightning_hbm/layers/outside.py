@@ -41,8 +41,9 @@ OUTSIDE: dict[str, tuple[str, bool, str]] = {
         "make each an ordinary layer, or exclude them knowingly",
     ),
     GROUPED_WEIGHTS: (
-        "3-D Parameters [groups, in, out] whose leading dim is no expert count (RecurrentGemma's RG-LRU per-head gates), "
-        "used in their module's own batched matmul (no nn.Linear, no experts layer): not quantized, no adapter",
+        "{shape} Parameter of a module whose own code uses 3-D Parameters whose leading dim is no expert count (no "
+        "nn.Linear, no experts layer): there is no quantized form for a 3-D Parameter that is no expert stack, so it is "
+        "kept at full size, with no adapter (for example RecurrentGemma's RG-LRU per-head gates [heads, in, out])",
         False,
         "3-D weights of {names}, used in their module's own batched matmul. They are not experts (no MoE advice "
         "applies): they stay at full size in the parameters term; exclude them knowingly",
@@ -55,6 +56,13 @@ OUTSIDE: dict[str, tuple[str, bool, str]] = {
     ),
 }
 OUTSIDE_ROWS = tuple(OUTSIDE)
+
+
+def outside_reason(row: str, param: nn.Parameter) -> str:
+    """The coverage table's reason for ``param`` in ``row`` of :data:`OUTSIDE`; a 3-D weight's names its own shape
+    (was: RecurrentGemma's gates cited for any 3-D Parameter, Swin-V2's ``logit_scale`` [heads, 1, 1] included)."""
+    reason = OUTSIDE[row][0]
+    return reason.format(shape=list(param.shape)) if row == GROUPED_WEIGHTS else reason
 
 
 def _is_raw_weight(param: nn.Parameter) -> bool:
@@ -104,4 +112,5 @@ __all__ = [
     "RAW_WEIGHTS_REASON",
     "ROUTER_WEIGHTS",
     "outside_kinds",
+    "outside_reason",
 ]

@@ -45,6 +45,8 @@ def _block_list(module: nn.Module) -> tuple[str, int]:
     lists: dict[str, list[nn.Module]] = {}
     for name, block in _blocks(module):
         lists.setdefault(name.rpartition(".")[0], []).append(block)
+    # blocks held as plain children (timm RegNet's RegStage: b1..bN) cannot be sliced off: traced whole
+    lists = {path: items for path, items in lists.items() if isinstance(_list_at(module, path), (nn.ModuleList, nn.Sequential))}
     alike = {path: len(items) for path, items in lists.items() if len({_signature(b) for b in items[_ALIKE_FROM:]}) <= 1}
     return max(alike.items(), key=lambda item: item[1]) if alike else ("", 0)
 

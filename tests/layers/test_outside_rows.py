@@ -40,8 +40,29 @@ def test_recurrent_gemma_rg_lru_gates_are_not_experts() -> None:
     gates = rows[GROUPED_WEIGHTS]
     # per recurrent layer: input and recurrent gate weights [4, 16, 16] and their biases [4, 16]
     assert gates.params == gates.left_alone == 2 * 2 * (4 * 16 * 16 + 4 * 16) and gates.layers == 2
-    assert "RG-LRU" in next(iter(gates.reasons))
+    # each reason names its parameter's own shape; RG-LRU is the example (session 38)
+    assert sorted(r.split(" Parameter")[0] for r in gates.reasons) == ["[4, 16, 16]", "[4, 16]"]
+    assert all("for example" in r and "RG-LRU" in r for r in gates.reasons)
     assert not [m for m in coverage_warnings(list(rows.values())) if "experts" in m.lower()]
+
+
+class Temperature(nn.Module):  # EdgeNeXt / Swin-V2 style: a [heads, 1, 1] factor in the module's own batched matmul
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.temperature = nn.Parameter(torch.ones(4, 1, 1))
+        self.mix = nn.Parameter(torch.randn(4, 2, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.qkv(x)[..., :8].reshape(4, -1, 2)
+        return torch.matmul(q * self.temperature, self.mix)
+
+
+def test_a_3d_parameter_that_is_no_expert_stack_is_explained_by_its_own_shape() -> None:
+    reasons = rows_of(nn.Sequential(Temperature()))[GROUPED_WEIGHTS].reasons
+    # was: one text citing RecurrentGemma's RG-LRU gates as if they were these parameters
+    assert sorted(r.split(" Parameter")[0] for r in reasons) == ["[4, 1, 1]", "[4, 2, 2]"]
+    assert all("no quantized form for a 3-D Parameter that is no expert stack" in r for r in reasons)
 
 
 def test_wav2vec2_weight_norm_is_a_parametrized_row_with_its_fix() -> None:
