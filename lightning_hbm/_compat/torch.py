@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, cast
 import torch
 from torch import nn
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch._subclasses.fake_tensor import is_fake as _is_fake  # activations.token_chunks
 from torch.optim import Optimizer
 from torch.utils._python_dispatch import (
@@ -484,8 +484,6 @@ def real_tensors() -> Iterator[None]:
     builds a small real tensor to read a size from (:func:`lightning_hbm.precision.sensitivity.weight_bytes` quantizes a
     zero weight with bitsandbytes, whose ``Params4bit`` cannot wrap a FakeTensor). torch's own
     ``unset_fake_temporarily``; ``tests/_compat/test_torch.py`` checks it still gives real tensors."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     with unset_fake_temporarily():
         yield
 
