@@ -58,7 +58,9 @@ def _cut_blocks(module: nn.Module, keep: Optional[int], path: Optional[str] = No
     configure_model added). Chosen again on the cut model, the largest list is another one: timm RepVGG's 4-block
     stage once its 14-block stage is cut to 3, cut to 3 in the trace of 3 and not in the trace of 4, and the line
     through them planned 15 % over the model (session 38)."""
-    parent, depth = _block_list(module) if path is None else (path, len(_list_at(module, path)))
+    # the blocks at ``path``, not the list's length: a Sequential holds other layers between its blocks (diffusers'
+    # AutoencoderTiny: 2 blocks in 5 layers, cut to 3 it lost its encoder's last layers; session 38)
+    parent, depth = _block_list(module) if path is None else (path, len(_cut_list(module, path)))
     if keep is not None and depth > keep:
         del _list_at(module, parent)[keep:]
     return parent, depth
@@ -88,5 +90,7 @@ def _blocks_cut(module: nn.Module, keep: Optional[int]) -> Iterator[tuple[str, i
 def _cut_list(module: nn.Module, path: Optional[str] = None) -> list[nn.Module]:
     """The blocks of the list the planner cuts (:func:`_block_list`; ``path``: the one it cut), as the traced model
     holds them."""
-    parent = _block_list(module)[0] if path is None else path
+    if path is not None:  # none there: the surgery renamed the path (a ConvNext's stages under LoRA), chosen again
+        return [block for name, block in _blocks(module) if name.rpartition(".")[0] == path] or _cut_list(module)
+    parent = _block_list(module)[0]
     return [block for name, block in _blocks(module) if name.rpartition(".")[0] == parent]
