@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torchmetrics import CosineSimilarity, RelativeSquaredError
 
+from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.probe_batch import first_batch, first_batches, per_sample_images  # the first two public here too (drawn by probe_batch)
 from lightning_hbm.probe_record import (  # public here too (recorded by probe_record)
@@ -109,17 +110,12 @@ def _lent_optimizers(module: nn.Module) -> Generator[None, None, None]:
     """``self.trainer.optimizers`` as the stand-ins (:class:`_NoStep`) while a probe step runs, Lightning's own (empty
     list) put back after: it is empty before the model is changed, and a step reading ``self.trainer.optimizers[0]``
     (its lr, for logging) failed with IndexError, the step left un-probed (s38 h8)."""
-    trainer = getattr(module, "_trainer", None) if isinstance(module, pl.LightningModule) else None
-    strategy = getattr(trainer, "strategy", None)
-    if strategy is None or strategy._optimizers or not isinstance(module, pl.LightningModule):
+    if not isinstance(module, pl.LightningModule):
         yield
         return
-    before = strategy._optimizers
-    strategy._optimizers = list(_NoSteps(_configured(module)[0], [p for p in module.parameters() if p.requires_grad]))
-    try:
+    params = [p for p in module.parameters() if p.requires_grad]
+    with lightning_compat.optimizers_lent(module, lambda: list(_NoSteps(_configured(module)[0], params))):
         yield
-    finally:
-        strategy._optimizers = before
 
 
 #: a manual-optimization module's methods that need the fit loop's optimizers or schedulers: no-ops in a probe step

@@ -373,3 +373,23 @@ def logged_values(module: Any) -> Callable[[], None]:
                 metric.has_reset = has_reset
 
     return restore
+
+
+@contextmanager
+def optimizers_lent(module: Any, make: Callable[[], list]) -> Iterator[None]:
+    """``module.trainer.optimizers`` as ``make()`` gives them inside the context, where the trainer's strategy holds
+    none yet (before the fit sets them up: the probe step's stand-ins, :func:`lightning_hbm.probe.quiet_logging`), the
+    strategy's own list put back after, also when the step raises. Nothing without a trainer, or where it holds
+    optimizers. Lightning's private ``LightningModule._trainer`` (``trainer`` raises when detached) and
+    ``Strategy._optimizers`` (``trainer.optimizers`` reads it; its setter would wrap the stand-ins as
+    ``LightningOptimizer`` s); ``tests/_compat/test_lightning.py`` checks both are still there."""
+    strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+    before = getattr(strategy, "_optimizers", None)
+    if before is None or before:
+        yield
+        return
+    strategy._optimizers = make()  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        strategy._optimizers = before  # type: ignore[union-attr]

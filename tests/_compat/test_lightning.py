@@ -208,3 +208,26 @@ def test_logged_values_puts_back_what_a_discarded_step_logged_and_counted() -> N
     restore()
     assert set(results) == {"training_step.kept"}
     assert float(results["training_step.kept"].compute()) == 1.0 and float(module.mean.compute()) == 3.0
+
+
+def test_optimizers_are_lent_through_the_strategy_and_put_back() -> None:
+    """``optimizers_lent`` reads Lightning's private ``LightningModule._trainer`` and ``Strategy._optimizers``:
+    ``trainer.optimizers`` shows the lent ones inside, the strategy's own (empty) list is the same object after, also
+    when the body raises; a module without a trainer is left alone."""
+    import lightning.pytorch as pl
+
+    from lightning_hbm._compat.lightning import optimizers_lent
+
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    module = pl.LightningModule()
+    module.trainer = trainer
+    own = trainer.strategy._optimizers
+    lent = [object()]
+    with optimizers_lent(module, lambda: lent):
+        assert trainer.optimizers is lent
+    assert trainer.strategy._optimizers is own and own == []
+    with pytest.raises(RuntimeError, match="step failed"), optimizers_lent(module, lambda: lent):
+        raise RuntimeError("step failed")
+    assert trainer.strategy._optimizers is own
+    with optimizers_lent(pl.LightningModule(), lambda: lent):
+        pass  # no trainer: nothing lent, nothing raised
