@@ -214,12 +214,21 @@ def _unpacked(frame: Optional[FrameType]) -> Optional[int]:
     return None
 
 
+def source_tree(obj: Any) -> Optional[ast.Module]:
+    """The parsed source of a class or function (dedented: a method's), ``None`` where there is none (built in a
+    REPL, compiled, a builtin): what the readings from source share (``configure_optimizers``' count here, a stage's
+    order in :mod:`lightning_hbm.layers.blocks`, the weight reads in :mod:`lightning_hbm.layers.source_scan`)."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
 def _configured(module: pl.LightningModule) -> tuple[int, int]:
     """How many optimizers and schedulers ``configure_optimizers`` returns, read from its source's ``return``s (a list
     or tuple of them, ``[optimizers], [schedulers]``, or dicts); ``(1, 1)`` where the source does not say."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).configure_optimizers)))
-    except (OSError, TypeError, SyntaxError):
+    tree = source_tree(type(module).configure_optimizers)
+    if tree is None:
         return 1, 1
     counts = [(1, 1)]
     for node in ast.walk(tree):

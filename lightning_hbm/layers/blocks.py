@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
-import textwrap
 from collections import Counter
 from typing import Optional
 
 from torch import nn
+
+from lightning_hbm.probe import source_tree
 
 
 def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -94,9 +94,8 @@ def _runs_in_order(cls: type, names: tuple[str, ...]) -> bool:
     were registered. Anything else (calls nested in one expression, a skip connection, a child called twice) is not a
     stack; a class without source neither.
     """
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))  # type: ignore[attr-defined]
-    except (OSError, TypeError, SyntaxError):
+    tree = source_tree(getattr(cls, "forward", None))
+    if tree is None:
         return False
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.FunctionDef) else []
     for node in ast.walk(ast.Module(body=body, type_ignores=[])):

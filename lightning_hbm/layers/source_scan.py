@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
 import math
-import textwrap
 from typing import Callable, Optional, Union
 
 import torch
@@ -22,6 +20,7 @@ from torch import nn
 from lightning_hbm.layers.finding import base_layer, find_layers
 from lightning_hbm.layers.readers import observed_readers
 from lightning_hbm.memory.storage import quantized_format
+from lightning_hbm.probe import source_tree
 
 # Reading these of a layer's weight is harmless once it is quantized; anything else (a matmul, .dtype, .shape, .T)
 # sees the packed integer weight, and an adapter around the layer is never called.
@@ -41,9 +40,8 @@ def _weight_paths(cls: type) -> tuple[tuple[str, str, bool], ...]:
     for klass in cls.__mro__:
         if not issubclass(klass, nn.Module) or klass.__module__.startswith(_KNOWN) or klass is nn.Module:
             continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
+        tree = source_tree(klass)
+        if tree is None:
             continue  # no source (built in a REPL, compiled): nothing to tell
         for func in ast.walk(tree):
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or "init" in func.name or "reset" in func.name or func.name == "extra_repr":
@@ -235,9 +233,8 @@ def attribute_uses(cls: type) -> dict[str, frozenset[str]]:
     for klass in cls.__mro__:
         if not issubclass(klass, nn.Module) or klass is nn.Module:
             continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
+        tree = source_tree(klass)
+        if tree is None:
             continue
         parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
