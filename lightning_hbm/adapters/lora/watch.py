@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_hbm._compat.torch import foreach_norm
@@ -53,6 +54,7 @@ class AdapterWatch:
         self.passes = 0  # backward passes seen
         self.zero: list[str] = []  # adapters whose gradient was all-zero at every pass seen
         self.unused: list[str] = []  # adapters reported: cut from the graph, then all-zero ones
+        self.behind: dict[str, list[tuple[str, bool]]] = {}  # all-zero at the first pass: the zero scales around them
 
     def _ran(self, module: nn.Module, args: Any) -> None:
         self.ran.add(id(module))
@@ -113,6 +115,8 @@ class AdapterWatch:
             self.unused = self.check()
             ran = [n for n in self.layers if id(self.layers[n]) in self.ran and n not in self.unused]
             self.zero = _all_zero({n: self.layers[n] for n in ran})
+            # before the first optimizer step moves a trained one: the zero scales around them, kept for the report
+            self.behind = zero_scales_around(self.module, self.zero, list(self.layers))
         else:
             self.zero = _all_zero({n: self.layers[n] for n in self.zero})
         if self.zero and self.passes < ZERO_STEPS:
@@ -126,12 +130,26 @@ class AdapterWatch:
         inputs, self.inputs = self.inputs, {}
         if not zero:
             return
-        self.unused = [*self.unused, *zero]
         fed_zeros = [n for n in zero if id(self.layers[n]) in inputs and not any(bool(p != 0) for p in inputs[id(self.layers[n])])]
+        behind = {n: scales for n, scales in self.behind.items() if n in zero and n not in fed_zeros}
+        waiting = [n for n in zero if n in behind and all(trained for _, trained in behind[n])]
+        if waiting:
+            scales = list(dict.fromkeys(s for n in waiting for s, _ in behind[n]))
+            rank_zero_info(
+                f"LoRA: {len(waiting)} adapter(s) had all-zero gradients at each of the first {self.passes} backward "
+                f"pass(es): {name_list(waiting)}. A trained scale after them is still all zeros, as initialised: "
+                f"{_listed(scales)}. No gradient passes a zero scale; an optimizer step moves it, and they get "
+                "gradients after it (expected)."
+            )
+        zero = [n for n in zero if n not in waiting]
+        if not zero:
+            return
+        self.unused = [*self.unused, *zero]
+        frozen = {n: [s for s, trained in behind[n] if not trained] for n in zero if n in behind}
         rank_zero_warn(
             f"LoRA: {len(zero)} adapter(s) ran but their gradient was all zeros at each of the first {self.passes} "
-            f"backward pass(es), so they are not trained: {name_list(zero)}. {_zero_causes(zero, fed_zeros)} They stay "
-            "at their initial value (lora_B = 0, no effect). To not create them, pass "
+            f"backward pass(es), so they are not trained: {name_list(zero)}. {_zero_causes(zero, fed_zeros, frozen)} "
+            "They stay at their initial value (lora_B = 0, no effect). To not create them, pass "
             f"LoRA(exclude_modules={sorted(zero)!r})."
         )
 
@@ -195,8 +213,9 @@ class AdapterWatch:
         return [n for n in dead if n in readers]
 
 
-def _zero_causes(zero: list[str], fed_zeros: list[str]) -> str:
-    """Why ``zero`` got all-zero gradients: measured for ``fed_zeros`` (their input was all zeros), general for the rest."""
+def _zero_causes(zero: list[str], fed_zeros: list[str], frozen: dict[str, list[str]]) -> str:
+    """Why ``zero`` got all-zero gradients: measured for ``fed_zeros`` (their input was all zeros), the frozen all-zero
+    scales found around the ones in ``frozen`` (:func:`zero_scales_around`), general for the rest."""
     said = []
     if fed_zeros:
         who = "Their input was" if len(fed_zeros) == len(zero) else f"The input of {len(fed_zeros)} of them ({name_list(fed_zeros)}) was"
@@ -206,14 +225,103 @@ def _zero_causes(zero: list[str], fed_zeros: list[str]) -> str:
             "whose codebook is still all zeros (built, not loaded from a trained checkpoint) decodes every code to a "
             "zero vector, or a layer or gate initialised to zero feeds them."
         )
-    if len(fed_zeros) < len(zero):
-        who = "Their output is" if not fed_zeros else "The others' output is"
+    if frozen:
+        said.append(_frozen_scale_cause(zero, frozen))
+    if len(fed_zeros) + len(frozen) < len(zero):
+        who = "Their output is" if not fed_zeros and not frozen else "The others' output is"
         said.append(
             f"{who} computed but does not change the loss: dropped by an indexing or a mask, a torch.where branch not "
             "taken, scaled by a gate or a scale at zero, or passed through an op whose gradient is zero (rounding, a "
             "step function)."
         )
     return " ".join(said)
+
+
+def _frozen_scale_cause(zero: list[str], frozen: dict[str, list[str]]) -> str:
+    """The cause of the adapters in ``frozen``: the frozen all-zero scales around them, by name, with the fix."""
+    scales = list(dict.fromkeys(s for n in zero if n in frozen for s in frozen[n]))
+    owners = list(dict.fromkeys(s.rpartition(".")[0] for s in scales))
+    who = "They sit" if len(frozen) == len(zero) else f"{len(frozen)} of them ({name_list([n for n in zero if n in frozen])}) sit"
+    return (
+        f"{who} in a block with a scale that is all zeros and frozen: {_listed(scales)}: the "
+        "weight of a norm or a layer scale that closes a residual branch, initialised to zero (timm's zero_init_last, "
+        "Swin-V2's post-norms, LeViT's last BatchNorm of each branch) in a model built from its config, not loaded "
+        "from trained weights. No gradient passes a zero scale, and LoRA trains only the adapters, so it stays zero "
+        "and they never train: load trained weights (a trained model's scales are not zero), or train those "
+        f"modules in full: LoRA(modules_to_save={owners!r})."
+    )
+
+
+def _listed(names: list[str], shown: int = 3) -> str:
+    """Full names (a short name such as ``weight`` says nothing): the first ``shown``, then the count."""
+    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
+
+
+#: parameter names of a scale (a layer scale: timm's ``gamma``, transformers' ``layer_scale_parameter``, CaiT's
+#: ``gamma_1``, ``lambda1``), besides a norm's ``weight``
+_SCALE_NAME = re.compile(r"gamma|scale|lambda", re.IGNORECASE)
+_SKIPPED = re.compile(r"\.(?:lora_[^.]*|original_module)\.")
+
+
+def _is_scale(owner: nn.Module, name: str, param: torch.Tensor) -> bool:
+    if type(param.data) is not torch.Tensor or not param.is_floating_point() or not param.numel():
+        return False  # a sharded (DTensor) or quantized parameter: no verdict from one rank's part
+    norm = "norm" in type(owner).__name__.lower()  # torch's BatchNorm*d, LayerNorm, GroupNorm, RMSNorm; transformers' RMSNorms
+    return (name == "weight" and norm) or (bool(_SCALE_NAME.search(name)) and "bias" not in name.lower())
+
+
+def zero_scales_around(module: nn.Module, names: list[str], adapters: list[str]) -> dict[str, list[tuple[str, bool]]]:
+    """For each adapter in ``names``, the all-zero scales in the nearest module around it that holds one:
+    ``(parameter name, trained)``; adapters with none are left out.
+
+    A scale is a norm's ``weight`` or a layer scale (:data:`_SCALE_NAME`); one that is all zeros stops every gradient
+    to the layers before it: timm initialises the last norm of each residual branch to zero (RegNet's and ResNet's
+    ``zero_init_last``, Swin-V2's res-post-norms, LeViT's ``bn_weight_init=0``), and a model built from its config
+    keeps it so. The search goes up from the adapter's parent, not above the module that holds every adapter (the
+    model): the scales found are the ones in the same block, not proven to lie after the adapter. Read only when an
+    adapter's first gradient is all zeros (one sync), before the first optimizer step moves a trained scale."""
+    if not names:
+        return {}
+    # not the adapters' own (lora_B is zeros), nor peft's frozen original of a module trained in full (modules_to_save:
+    # its trained copy runs)
+    found = [(f"{owner}.{p}" if owner else p, owner, param) for owner, sub in module.named_modules() if not _SKIPPED.search(f".{owner}.")
+             for p, param in sub.named_parameters(recurse=False) if _is_scale(sub, p, param)]  # fmt: skip
+    if not found:
+        return {}
+    device = found[0][2].device
+    zero = torch.stack([param.detach().abs().amax().float().to(device) for _, _, param in found]).eq(0).tolist()
+    scales = [(name, owner, param.requires_grad) for (name, owner, param), z in zip(found, zero) if z]
+    top = _common_parent(adapters)
+    around: dict[str, list[tuple[str, bool]]] = {}
+    for name in names:
+        for block in _ancestors(name, top):
+            inside = [(s, trained) for s, owner, trained in scales if _under(owner, block) and not _under(owner, name)]
+            if inside:
+                around[name] = inside
+                break
+    return around
+
+
+def _ancestors(name: str, top: str) -> list[str]:
+    """The modules around ``name``, innermost first, up to ``top`` (one of them; ``""``: the root) included."""
+    parts = name.split(".")
+    chain = [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
+    return chain[: chain.index(top) + 1] if top in chain else chain
+
+
+def _under(owner: str, block: str) -> bool:
+    return not block or owner == block or owner.startswith(block + ".")
+
+
+def _common_parent(names: list[str]) -> str:
+    """The deepest module name that holds every one of ``names`` (``""``: the root)."""
+    parts = [n.split(".")[:-1] for n in names]
+    common: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
 
 
 def _grads(layer: Any) -> list[Any]:
