@@ -29,11 +29,11 @@ def probe() -> torch.Tensor:
     return synthetic_batch(4, 64, seed=2)[0]
 
 
-def _export(llama_factory: Callable, probe: torch.Tensor, folder: Path) -> tuple[Path, torch.Tensor, torch.Tensor]:
+def _export(llama_factory: Callable, probe: torch.Tensor, folder: Path, device: str = "cpu") -> tuple[Path, torch.Tensor, torch.Tensor]:
     """A GPTQ run with a rank-4 correction, lora_B random as if trained, exported for the quantized base; returns the
     folder, the tokens and the run's logits on them."""
     idx, _ = synthetic_batch(2, 16, seed=1)
-    model = llama_factory()
+    idx, probe, model = idx.to(device), probe.to(device), llama_factory().to(device)
     plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=probe, rounding="gptq", correction_rank=4)
     run_surgery(model, plugin, [LoRA(r=4, alpha=8, target_modules=["q_proj", "v_proj"])])
     torch.manual_seed(1)
@@ -45,31 +45,37 @@ def _export(llama_factory: Callable, probe: torch.Tensor, folder: Path) -> tuple
     return LoRA.save_adapter(model, folder, with_correction=True), idx, want
 
 
-def _base(llama_factory: Callable, mode: str = "nf4-dq", **settings: Any) -> torch.nn.Module:
-    base = llama_factory()
+def _base(llama_factory: Callable, mode: str = "nf4-dq", device: str = "cpu", **settings: Any) -> torch.nn.Module:
+    base = llama_factory().to(device)
     QuantizedPrecision(mode, dtype="float32", **settings).convert_module(base)
     return base.model
 
 
-def test_the_same_quantized_base_passes_and_loads_with_the_runs_outputs(llama_factory: Callable, probe: torch.Tensor, tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_same_quantized_base_passes_and_loads_with_the_runs_outputs(
+    llama_factory: Callable, probe: torch.Tensor, tmp_path: Path, device: str
+) -> None:
+    """The run and the base each quantized on ``device`` (cuda: not yet run on GPU)."""
     from peft import PeftModel
 
-    folder, idx, want = _export(llama_factory, probe, tmp_path / "adapter")
+    folder, idx, want = _export(llama_factory, probe, tmp_path / "adapter", device)
     saved = json.loads((folder / BASE_RECORD).read_text())
     assert BASE_RECORD in json.loads((folder / MANIFEST).read_text())["files"]  # the manifest lists it: checked complete
     q_proj = saved["layers"]["model.layers.0.self_attn.q_proj"]
     assert (q_proj["mode"], q_proj["rounding"], q_proj["correction_rank"], saved["correction_rank"]) == ("nf4-dq", "gptq", 4, 4)
     assert len(q_proj["storage"]) == 16 and q_proj["layout"][0] == "uint8[2048, 1]"
-    base = _base(llama_factory, rounding="gptq", probe_batch=probe)
+    base = _base(llama_factory, device=device, rounding="gptq", probe_batch=probe.to(device))
     assert LoRA.check_quantized_base(base, folder) == folder
     with torch.no_grad():
         loaded = PeftModel.from_pretrained(base, str(folder)).eval()  # plain peft
         got = loaded(input_ids=idx, use_cache=False).logits
-    assert (got - want).abs().max() <= 2e-7
+    assert (got - want).abs().max() <= (2e-7 if device == "cpu" else 1e-5)
     assert LoRA.check_quantized_base(loaded, folder) == folder  # names under peft's base_model.model. and base_layer
-    module = llama_factory()
-    QuantizedPrecision("nf4-dq", dtype="float32", rounding="gptq", probe_batch=probe).convert_module(module)
+    module = llama_factory().to(device)
+    QuantizedPrecision("nf4-dq", dtype="float32", rounding="gptq", probe_batch=probe.to(device)).convert_module(module)
     assert LoRA.check_quantized_base(module, str(folder)) == folder  # the LightningModule holding it: under model.
+    with pytest.raises(ValueError, match=r"rounded 'nearest' in this base, the adapter needs rounding='gptq'"):
+        LoRA.check_quantized_base(_base(llama_factory, device=device), folder)
 
 
 def test_a_gptq_base_from_another_probe_is_refused_by_name(llama_factory: Callable, probe: torch.Tensor, tmp_path: Path) -> None:
