@@ -52,6 +52,7 @@ class LayerMark:
     kind: Optional[str] = None  # the kind this module counts as: it replaced a layer of that kind (a quantized Conv1D)
     converted: Optional[str] = None  # the kind prepare() (or a quantized convolution) converted into this module
     left_alone: Optional[tuple[str, bool]] = None  # (reason, deliberate): why it was not quantized / adapted
+    quantized_as: Optional[tuple[str, str]] = None  # (mode, rounding) a mode's layer was built in: ("nf4-dq", "gptq")
 
 
 _RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model -> Record
@@ -180,6 +181,18 @@ def leave_alone(layer: nn.Module, reason: str, deliberate: bool) -> None:
     _mark(layer).left_alone = (reason, deliberate)
 
 
+def quantized_as(layer: nn.Module) -> Optional[tuple[str, str]]:
+    """``(mode, rounding)`` the mode's ``layer`` was built in by ``QuantizedPrecision`` (``("nf4-dq", "gptq")``;
+    rounding ``"nearest"``: the format's own), or ``None``: not built by it (bitsandbytes' or Hugging Face's own)."""
+    mark = mark_of(layer)
+    return mark.quantized_as if mark is not None else None
+
+
+def set_quantized_as(layer: nn.Module, mode: str, rounding: str) -> None:
+    """Record that the mode's ``layer`` was built in ``mode`` and rounded by ``rounding`` (the quantization)."""
+    _mark(layer).quantized_as = (mode, rounding)
+
+
 # ------------------------------------------------------------------------------------------ per block
 
 
@@ -295,12 +308,14 @@ __all__ = [
     "mark_applied",
     "mark_of",
     "modules_to_save",
+    "quantized_as",
     "record_of",
     "set_as_built",
     "set_converted",
     "set_coverage",
     "set_input_shift",
     "set_kind",
+    "set_quantized_as",
 ]
 
 

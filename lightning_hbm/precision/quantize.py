@@ -169,8 +169,10 @@ def _replace_one(
         log.info("lightning_hbm: %s: weight_norm folded into one weight before quantization", name)
     linear = cast(Callable[[nn.Module], nn.Linear], kind.to_linear)(layer)
     new = mode.replace(linear, compute_dtype, target)
-    if hessians is not None and name in hessians and grid_of(new) is not None:
-        gptq_round_(new, linear.weight, hessians[name])
+    rounded = hessians is not None and name in hessians and grid_of(new) is not None
+    if rounded:
+        gptq_round_(new, linear.weight, cast(Mapping[str, Tensor], hessians)[name])
+    record.set_quantized_as(new, mode.name, "gptq" if rounded else "nearest")  # the export for the quantized base reads it
     if correct is not None and kind.wrap is None and not fp32:
         reader = served_reader(linear)
         if reader is not None and name not in (correct.hessians or {}):

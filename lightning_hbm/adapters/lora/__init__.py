@@ -15,7 +15,8 @@ The package, one job per module: ``base`` (peft import, the adapted layers, the 
 (``LoRAConfig``: the settings, checked and frozen, as peft's ``LoraConfig``), ``targets`` (``select``: the layers
 adapted and trained in full, checked), ``callback`` (``LoRA``: the friendly face, injection), ``checks`` (what it refuses before any
 change), ``notices`` (the layers and heads it names at fit start), ``export``
-(``save_adapter``: peft's format), ``folder`` (the adapter folder written as a unit), ``merge`` (a plain merged
+(``save_adapter``: peft's format), ``folder`` (the adapter folder written as a unit), ``quantized_base`` (the quantized base an adapter exported with
+its corrections fits: recorded, ``check_quantized_base``), ``merge`` (a plain merged
 state_dict), ``watch`` (dead adapters).
 """
 

@@ -25,6 +25,7 @@ from lightning_hbm.adapters.lora.forward import lora_forward
 from lightning_hbm.adapters.lora.input_grads import unwatch_first_step, watch_first_step
 from lightning_hbm.adapters.lora.merge import merge
 from lightning_hbm.adapters.lora.notices import tell_heads, tell_left_out
+from lightning_hbm.adapters.lora.quantized_base import check_quantized_base
 from lightning_hbm.adapters.lora.targets import select
 from lightning_hbm.adapters.lora.watch import AdapterWatch
 from lightning_hbm.adapters.lora.weight_delta import as_plain_convolutions, own_forward_convs, weight_delta_forward
@@ -357,6 +358,7 @@ class LoRA(SurgeryCallback):
     adapter_state_dict = staticmethod(adapter_state_dict)
     save_adapter = staticmethod(save_adapter)
     check_adapter_folder = staticmethod(check_adapter_folder)
+    check_quantized_base = staticmethod(check_quantized_base)
     merge = staticmethod(merge)
 
 

@@ -4,6 +4,7 @@ merged plain state_dict: :mod:`.merge`)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -21,6 +22,7 @@ from lightning_hbm.adapters.lora import variants
 from lightning_hbm.adapters.lora.base import ADAPTER_NAME, adapted_layers, adapter_state_dict, hf_root
 from lightning_hbm.adapters.lora.folder import MANIFEST, check_adapter_folder, write_folder
 from lightning_hbm.adapters.lora.merge import merge
+from lightning_hbm.adapters.lora.quantized_base import BASE_RECORD, base_record
 from lightning_hbm.adapters.lora.weight_delta import WeightDeltaForward
 from lightning_hbm.layers import task_heads, task_type
 from lightning_hbm.layers.correction import correction_of
@@ -61,7 +63,10 @@ def save_adapter(
     ``[A; A_c]`` and ``lora_B`` = ``[B, B_c / scaling]`` at rank ``r_lora + r`` with ``alpha`` keeping the scaling
     (``rank_pattern``/``alpha_pattern``), so ``scaling * B A + B_c A_c`` is computed as before; a corrected layer
     without an adapter gets one holding the correction alone. Not for DoRA (its magnitudes depend on the norm of the
-    whole update: a ``ValueError``).
+    whole update: a ``ValueError``). That adapter fits the run's quantized weights only (the corrections were fitted
+    to them): the folder gets :data:`~.quantized_base.BASE_RECORD` (each quantized layer's mode, rounding, correction
+    rank and a fingerprint of its storage), and ``LoRA.check_quantized_base(base, path)`` refuses, before loading, a
+    base quantized otherwise (another probe batch, bitsandbytes' own rounding, another block size).
     """
     if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
         # was: "" wrote the adapter into the working directory (an unset variable, say), None a TypeError from pathlib
@@ -98,9 +103,13 @@ def save_adapter(
         task_type=task_type(hf_model) or config.task_type,
     )
 
+    base = base_record(hf_model) if with_correction else None  # what the base must be (quantized_base.py)
+
     def write(folder: Path) -> None:
         export.save_pretrained(str(folder))
         save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        if base is not None:
+            (folder / BASE_RECORD).write_text(json.dumps(base, indent=1))
 
     path = Path(path)
     write_folder(path, write)
@@ -238,8 +247,9 @@ def _fold_corrections(
         "LoRA.save_adapter(with_correction=True): the adapter is for the base quantized exactly as this run quantized "
         "it (the same mode and layer modes; with rounding='gptq' the same probe_batch, given explicitly): the folded "
         "corrections fit that quantized weight only. Reloaded onto a base quantized otherwise (bitsandbytes' own "
-        "nearest rounding of a GPTQ run, another block size) it computes other outputs; save without with_correction "
-        "for the full-precision base."
+        "nearest rounding of a GPTQ run, another block size) it computes other outputs: "
+        "LoRA.check_quantized_base(base, path) refuses such a base before loading (the folder records the run's "
+        f"quantized base in {BASE_RECORD}). Save without with_correction for the full-precision base."
     )
     return added
 
