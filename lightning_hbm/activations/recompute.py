@@ -28,7 +28,7 @@ from lightning_hbm.activations.offload import OffloadSavedTensors
 from lightning_hbm.activations.regenerate import Remade, kept_inputs, size, unit_crossings
 from lightning_hbm.activations.selective import SelectivePolicy, format_matmuls, unkept_formats
 from lightning_hbm.activations.token_chunks import ChunkedForward, candidates, inner_candidates
-from lightning_hbm.layers.blocks import find_blocks
+from lightning_hbm.layers.blocks import find_blocks, unordered_stacks
 from lightning_hbm.layers.coverage_table import coverage
 from lightning_hbm.layers.finding import lora_layer_classes
 from lightning_hbm.naming import did_you_mean
@@ -82,12 +82,7 @@ def resolve_blocks(module: nn.Module, blocks: Optional[Sequence[str]], every: in
     every ``every``-th one; raises (changing nothing) if there are none."""
     found = _blocks_by_spec(module, blocks) if blocks is not None else find_blocks(module)
     if not found:
-        lists = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleList)]
-        raise ValueError(
-            f"ActivationCheckpointing found no repeated blocks in {type(module).__name__} (no nn.ModuleList or "
-            f"nn.Sequential whose children share one class; ModuleLists seen: {lists[:8]}). Pass blocks=[...] with the class names "
-            "or module paths of the layers to checkpoint."
-        )
+        raise _no_blocks(module)
     hf_checkpointing = [n for n, m in found if getattr(m, "gradient_checkpointing", False)]
     if hf_checkpointing:
         raise ValueError(
@@ -95,6 +90,31 @@ def resolve_blocks(module: nn.Module, blocks: Optional[Sequence[str]], every: in
             "recomputes every block twice. Call model.gradient_checkpointing_disable() or drop ActivationCheckpointing."
         )
     return [n for i, (n, _) in enumerate(found) if i % every == 0]
+
+
+def _no_blocks(module: nn.Module) -> ValueError:
+    """The error of a model in which :func:`find_blocks` found no stack: what a stack is, the modules that came near
+    (plain modules whose children of one class their forward does not run in order), and the fix."""
+    lists = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleList)]
+    near = unordered_stacks(module)
+    seen = (
+        "Plain modules holding children of one class that their forward does not run one after another (a skip "
+        "connection, another order, a child called twice or inside another call), so not taken: "
+        f"{', '.join(f'{n or type(module).__name__} ({len(items)} {k.__name__})' for n, k, items in near[:6])}. "
+        if near else ""
+    )  # fmt: skip
+    example = ""
+    if near:  # a class of the user's: its name; a torch container (Sequential) would name every one: the paths
+        name, kind, items = near[0]
+        example = f", e.g. blocks=[{kind.__name__!r}]" if not kind.__module__.startswith("torch.") else f", e.g. blocks={items[:4]!r}"
+    return ValueError(
+        f"ActivationCheckpointing found no repeated blocks in {type(module).__name__}: it checkpoints one by one the "
+        "children of a stack, and none of its modules is one. A stack is an nn.ModuleList or nn.Sequential whose "
+        "children are composite modules of one class, or a plain module whose children are all composite modules of "
+        "one class that its forward runs one after another (a loop `for block in self.children()`, or one statement "
+        f"`x = self.<child>(x)` per child, in the order they were registered). {seen}ModuleLists seen: {lists[:8]}. "
+        f"Pass blocks=[...] with the class names or module paths of the layers to checkpoint{example}."
+    )
 
 
 def check_offload_device(offload: Optional[OffloadSavedTensors]) -> None:

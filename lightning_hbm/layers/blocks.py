@@ -72,6 +72,21 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return sorted(blocks.items(), key=lambda item: order[item[0]])
 
 
+def unordered_stacks(module: nn.Module) -> list[tuple[str, type, list[str]]]:
+    """``(name, class of its children, their names)`` of each plain module (no ``nn.ModuleList``, ``nn.Sequential``)
+    whose children are two or more composite modules of one class that its ``forward`` does not run one after another
+    (:func:`_runs_in_order`): not a stack; named when a model has none (ActivationCheckpointing's error)."""
+    found = []
+    for name, child in module.named_modules():
+        items = dict(child.named_children())
+        if isinstance(child, (nn.ModuleList, nn.Sequential)) or len(items) < 2 or len({type(c) for c in items.values()}) != 1:
+            continue
+        first = next(iter(items.values()))
+        if any(True for _ in first.children()) and _stack_items(name, child, 2) is None:
+            found.append((name, type(first), [f"{name}.{n}" if name else n for n in items]))
+    return found
+
+
 def _stack_items(name: str, child: nn.Module, least: int) -> Optional[dict[str, nn.Module]]:
     """The items of ``child`` by full name if it is a stack of at least ``least`` composite modules of one class."""
     # An nn.Sequential of mixed layers (Linear, GELU, Linear) is not a stack of blocks: the one-class test tells them apart.

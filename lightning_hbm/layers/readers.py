@@ -28,7 +28,7 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Callable, Iterator, Optional
@@ -83,6 +83,10 @@ class Observation:
     ran: str = ""
     # layers among ``reads`` whose weight, stored quantized, computes for these reads (read_weight.ReadableLinear)
     served: frozenset[str] = frozenset()
+    # layers the step never ran (:func:`unrun_layers`), and the stage's method it ran (``training_step`` for fit)
+    unrun: frozenset[str] = frozenset()
+    step: str = "training_step"
+    told: bool = False  # the unrun layers said (once per model: a later stage's surgery does not say them again)
 
 
 # held here, not stamped on the user's modules: what the probe saw, and the models whose guards are installed
@@ -159,6 +163,12 @@ class _Watch:
         # and a freed tensor's id is reused by the next one made (was: HuBERT's pos_conv_embed.conv, now and then,
         # "read directly by HubertFeatureEncoder.forward" when one of its tensors got that id, and left unquantized)
         self.alive: list[torch.Tensor] = []
+        # each watched layer and its parent module by name (the root under ""): whose forward the step calls
+        self.calls: dict[str, nn.Module] = dict(layers)
+        for name in layers:
+            parent = name.rpartition(".")[0]
+            with suppress(AttributeError):  # a name get_submodule cannot follow: its parent not watched
+                self.calls.setdefault(parent, module.get_submodule(parent))
         for name, layer in layers.items():
             weight = getattr(layer, "weight", None)
             if isinstance(weight, torch.Tensor):
@@ -182,6 +192,7 @@ class _Recorder(TorchFunctionMode):
         self.watch, self.step = watch, step
         self.reads: dict[str, Read] = {}
         self.ops: dict[str, set[str]] = {}  # every op each read layer's weight went through
+        self.called: set[str] = set()  # the watched layers and their parents whose forward this attempt called
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -268,7 +279,10 @@ def _run(module: nn.Module, batch: Any, watch: _Watch, step_name: str = "trainin
         run, step = _step(module, sample, step_name)
         recorder = _Recorder(watch, step)
         try:
-            with preserved_rngs(), torch.no_grad(), quiet_logging(module), _counting_nothing(module), context(), watch.running, recorder:
+            with (
+                preserved_rngs(), torch.no_grad(), quiet_logging(module), _counting_nothing(module), context(), watch.running,
+                _calls(watch.calls, recorder.called), recorder,
+            ):  # fmt: skip
                 run()
         except Exception as err:  # noqa: BLE001 - any failure of the user's step: try the next way, then report
             failure = err  # leaving watch.running emptied its stack
@@ -375,9 +389,49 @@ def observe(module: nn.Module, batch: Any, layers: dict[str, nn.Module], step: s
             stacklevel=2,
         )
         return None
-    seen = Observation(recorder.reads, ran, _served(recorder, layers))
+    seen = Observation(recorder.reads, ran, _served(recorder, layers), unrun_layers(layers, recorder.called, recorder.reads), step)
     _OBSERVED[module] = seen
     return seen
+
+
+@contextmanager
+def _calls(modules: dict[str, nn.Module], called: set[str]) -> Iterator[None]:
+    """Forward pre-hooks on ``modules`` (by name) while the step runs, adding to ``called`` the names of those called."""
+    names: dict[int, list[str]] = {}
+    for name, sub in modules.items():  # a module held under two names (shared) is called under both
+        names.setdefault(id(sub), []).append(name)
+    subs = {id(sub): sub for sub in modules.values()}
+    handles = [sub.register_forward_pre_hook(lambda m, args: called.update(names[id(m)])) for sub in subs.values()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def unrun_layers(layers: dict[str, nn.Module], called: set[str], reads: dict[str, Read]) -> frozenset[str]:
+    """The ``layers`` the step never ran: neither called nor their weight used (a read of its dtype or shape only is
+    no use), their parent module not called either, and no numbered sibling (the same name with another number:
+    ``layers.1.x`` for ``layers.0.x``, ``experts.5.w1`` for ``experts.2.w1``, ``expert_3.wi`` for ``expert_0.wi``) run.
+
+    A layer whose parent ran is on a branch of the parent's forward this batch did not take (transformers Longformer's
+    ``query_global``; the first backward's adapter watch says it); a sibling run says the module is picked by the data
+    (an expert no token of this batch was routed to, a layer LayerDrop dropped). What is left is a module the step's
+    code does not call: Musicgen's decoder's cross-attention (``encoder_attn``) without encoder states, a head
+    ``training_step`` does not use."""
+    ran = called | {name for name, read in reads.items() if not read.metadata}
+    siblings = {shape for name in ran for shape in _numbered(name)}
+    return frozenset(
+        name for name in layers
+        if name not in ran and name.rpartition(".")[0] not in called and not siblings.intersection(_numbered(name))
+    )  # fmt: skip
+
+
+def _numbered(name: str) -> list[str]:
+    """``name`` with each of its numbered parts, one at a time, numbered ``*`` (``a.*.b.3``, ``a.2.b.*`` for
+    ``a.2.b.3``; ``experts.expert_*.wi`` for ``experts.expert_0.wi``: transformers SwitchTransformers' ``ModuleDict``)."""
+    parts = name.split(".")
+    return [".".join([*parts[:i], part.rstrip("0123456789") + "*", *parts[i + 1 :]]) for i, part in enumerate(parts) if part[-1:].isdigit()]
 
 
 def adopt(module: nn.Module, seen: Observation, layers: dict[str, nn.Module]) -> None:

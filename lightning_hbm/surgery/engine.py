@@ -78,7 +78,7 @@ from lightning_hbm.record import appliers, as_built, set_as_built, set_modules_t
 from lightning_hbm.resume.io import gather_from_ranks
 from lightning_hbm.surgery.probe_step import PROBE_PATIENCE_S as PROBE_PATIENCE_S  # its former home
 from lightning_hbm.surgery.probe_step import PROBE_SWITCH as PROBE_SWITCH  # its former home
-from lightning_hbm.surgery.probe_step import _guard, _observe, probe_step_on
+from lightning_hbm.surgery.probe_step import _guard, _observe, _tell_unrun, probe_step_on
 from lightning_hbm.surgery.protocol import SurgeryPlugin
 from lightning_hbm.surgery.ranks import check_ranks
 from lightning_hbm.surgery.record import applied_transforms, mark_applied
@@ -327,6 +327,7 @@ def run_surgery(
     if applied_transforms(module):
         resume.add_resume_hooks(module)  # later loads into the changed model (trainer.test(ckpt_path=...))
         _guard(module)
+        _tell_unrun(module)  # adapters the training step never runs: said at fit start
     return module
 
 

@@ -30,7 +30,8 @@ from torch import nn
 
 from lightning_hbm.layers import base_layer, find_layers, is_adapted, read_weight, readers, source_readers, stored_in
 from lightning_hbm.layers.embedding import QuantizedEmbedding
-from lightning_hbm.memory.storage import quantized_format
+from lightning_hbm.memory.storage import parameter_bytes, parameter_count, quantized_format
+from lightning_hbm.naming import name_list, name_matches
 
 #: ``LIGHTNING_HBM_PROBE_STEP=0`` turns the probe step off (issue 55): the user's step never runs an extra time
 PROBE_SWITCH = "LIGHTNING_HBM_PROBE_STEP"
@@ -350,3 +351,47 @@ def _guard(module: nn.Module) -> None:
             # without calling the storage (issue 53: timm PatchEmbed, RecurrentGemma's conv_1d were refused)
             changed[name] = (layer, weight, readers.see_as(holder, weight) if quantized else None)
     readers.guard_unobserved(module, source_readers(module), changed)  # once per model
+
+
+def _tell_unrun(module: nn.Module) -> None:
+    """Say, once per model, the layers changed that the probe step never ran (:func:`readers.unrun_layers`): adapters
+    there are never trained (a warning: their parameters, gradients' and optimizer's memory are spent for nothing, and
+    the user believes them trained), quantized layers hold memory the step does not use (an info line: quantized, they
+    take the least they can; only the user can leave them out of the model)."""
+    seen = readers.observation(module)
+    if seen is None or seen.told or not seen.unrun or seen.step != "training_step":
+        return
+    seen.told = True
+    adapted: dict[str, int] = {}
+    quantized: dict[str, int] = {}
+    ran: list[str] = []
+    for name, layer, _ in find_layers(module):
+        if is_adapted(layer) and name in seen.unrun:
+            adapted[name] = parameter_count(layer, trainable=True)
+        elif is_adapted(layer):
+            ran.append(name)
+        elif name in seen.unrun and any(quantized_format(sub) is not None for sub in layer.modules()):
+            quantized[name] = parameter_bytes(layer)
+    how = f"the probe step ran {seen.ran}"
+    if adapted:
+        rank_zero_warn(
+            f"lightning_hbm: {len(adapted)} adapter(s) sit on layers the training step never runs ({how}, before the model "
+            f"was changed; neither these layers nor their parent modules ran): {name_list(adapted)}. They hold "
+            f"{sum(adapted.values()):,} trainable parameters that get no gradient: never trained, they stay at their initial "
+            "value (no effect), their memory spent for nothing (e.g. a decoder's cross-attention run without encoder "
+            f"states). Leave them out: LoRA(exclude_modules={_exclusion(list(adapted), ran)!r}), or target_modules without "
+            "them. If later batches run them, ignore this."
+        )
+    if quantized:
+        rank_zero_info(
+            f"lightning_hbm: {len(quantized)} quantized layer(s) are never run by the training step ({how}): "
+            f"{name_list(quantized)}; they hold {sum(quantized.values()) / 2**20:.2f} MiB stored, unused by training. If "
+            "the model never needs them in this fit, removing them from the model before fit frees it."
+        )
+
+
+def _exclusion(unrun: list[str], ran: list[str]) -> list[str]:
+    """The shortest names (the last two parts of each, ``encoder_attn.q_proj``) selecting every ``unrun`` layer and
+    none of ``ran``; the full names where those would select a layer that ran."""
+    short = sorted({".".join(name.split(".")[-2:]) for name in unrun})
+    return short if not any(name_matches(name, short) for name in ran) else sorted(unrun)
