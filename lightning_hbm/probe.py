@@ -16,6 +16,7 @@ import inspect
 import sys
 import textwrap
 import warnings
+from collections import defaultdict
 from collections.abc import Collection, Generator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -126,21 +127,40 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-class _NoStep(torch.optim.Optimizer):
+class _NoStep:
     """The optimizer ``self.optimizers()`` gives in a probe step: nothing is stepped (``step`` runs its closure), no
     gradient is zeroed.
 
     What a step commonly reads is there (s38 h8: AttributeError, the step left un-probed): ``optimizer`` (Lightning's
     ``LightningOptimizer`` wraps one: itself) and one ``param_groups`` group, the module's trainable parameters with
     ``lr`` 0.0: the lr ``configure_optimizers`` sets is not knowable without calling it (the user's code, run once more:
-    issue 55), and 0.0 is the lr of a step that changes nothing, which is what a probe step is. A torch optimizer of
-    its own (s39 h5): ``state`` (empty, a ``defaultdict`` as torch's: ``opt.state[p].get(...)``), ``state_dict()``,
-    and the group's other keys (``momentum``, ``betas``, ``weight_decay``) as the defaults of the optimizer class
-    ``configure_optimizers``' source builds (:func:`_optimizer_defaults`, read, never called); were AttributeError or
-    KeyError, the step left un-probed."""
+    issue 55), and 0.0 is the lr of a step that changes nothing, which is what a probe step is. As a torch optimizer
+    (s39 h5; were AttributeError or KeyError, the step left un-probed): ``state`` (empty, a ``defaultdict`` as torch's:
+    ``opt.state[p].get(...)``), ``state_dict()`` in torch's layout, and the group's other keys (``momentum``,
+    ``betas``, ``weight_decay``) as the defaults of the optimizer class ``configure_optimizers``' source builds
+    (:func:`_optimizer_defaults`, read, never called). Not a ``torch.optim.Optimizer``: its ``step`` would run the
+    user's global optimizer hooks (``register_optimizer_step_pre_hook``), a step the user sees."""
 
     def __init__(self, params: Sequence[Tensor] = (), defaults: Optional[Mapping[str, Any]] = None) -> None:
-        super().__init__([{"params": list(params)}], dict(defaults or {"lr": 0.0}))
+        self.defaults: dict[str, Any] = dict(defaults or {"lr": 0.0})
+        self.param_groups: list[dict[str, Any]] = []
+        self.state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+        self.add_param_group({"params": list(params)})
+
+    def add_param_group(self, param_group: Mapping[str, Any]) -> None:
+        self.param_groups.append({**self.defaults, **param_group, "params": list(param_group["params"])})
+
+    def state_dict(self) -> dict[str, Any]:
+        """As torch's ``Optimizer.state_dict()``: no state, each group's keys with its parameters as indices."""
+        groups, start = [], 0
+        for group in self.param_groups:
+            count = len(group["params"])
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))})
+            start += count
+        return {"state": {}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        return None
 
     @property
     def optimizer(self) -> "_NoStep":
@@ -149,7 +169,7 @@ class _NoStep(torch.optim.Optimizer):
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
         return None
 
-    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:  # type: ignore[override]
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
         return closure() if closure is not None else None
 
 

@@ -243,3 +243,17 @@ def test_held_several_val_loaders_and_no_validation(stage: str, kwargs: dict[str
         return
     off, on = _both(monkeypatch, _Validated, run)
     assert steps[0] == steps[1] == 3 and torch.equal(torch.stack(on.seen[-len(off.seen):]), torch.stack(off.seen))
+
+
+def test_the_stand_in_step_runs_no_global_optimizer_hook(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in is no ``torch.optim.Optimizer``: its ``step`` would run the user's global step hooks (a probe step
+    counted as an optimizer step); its ``state_dict()`` has torch's layout."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    stepped: list[str] = []
+    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: stepped.append(type(opt).__name__))
+    try:
+        _both(monkeypatch, lambda: _Manual("state_dict"), lambda module: _trainer(tmp_path).fit(module, DataLoader(torch.randn(12, 16), batch_size=4)))
+    finally:
+        handle.remove()
+    assert stepped == ["SGD"] * 6  # three steps a run, none of the probe's
