@@ -16,10 +16,11 @@ import inspect
 import sys
 import textwrap
 import warnings
+from collections import defaultdict
 from collections.abc import Collection, Generator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -114,7 +115,7 @@ def _lent_optimizers(module: nn.Module) -> Generator[None, None, None]:
         yield
         return
     params = [p for p in module.parameters() if p.requires_grad]
-    with lightning_compat.optimizers_lent(module, lambda: list(_NoSteps(_configured(module)[0], params))):
+    with lightning_compat.optimizers_lent(module, lambda: list(_NoSteps(_configured(module)[0], params, _optimizer_defaults(module)))):
         yield
 
 
@@ -127,17 +128,39 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 
 class _NoStep:
-    """The optimizer ``self.optimizers()`` gives in a probe step: nothing is stepped (``step`` runs its closure).
+    """The optimizer ``self.optimizers()`` gives in a probe step: nothing is stepped (``step`` runs its closure), no
+    gradient is zeroed.
 
     What a step commonly reads is there (s38 h8: AttributeError, the step left un-probed): ``optimizer`` (Lightning's
     ``LightningOptimizer`` wraps one: itself) and one ``param_groups`` group, the module's trainable parameters with
     ``lr`` 0.0: the lr ``configure_optimizers`` sets is not knowable without calling it (the user's code, run once more:
-    issue 55), and 0.0 is the lr of a step that changes nothing, which is what a probe step is."""
+    issue 55), and 0.0 is the lr of a step that changes nothing, which is what a probe step is. As a torch optimizer
+    (s39 h5; were AttributeError or KeyError, the step left un-probed): ``state`` (empty, a ``defaultdict`` as torch's:
+    ``opt.state[p].get(...)``), ``state_dict()`` in torch's layout, and the group's other keys (``momentum``,
+    ``betas``, ``weight_decay``) as the defaults of the optimizer class ``configure_optimizers``' source builds
+    (:func:`_optimizer_defaults`, read, never called). Not a ``torch.optim.Optimizer``: its ``step`` would run the
+    user's global optimizer hooks (``register_optimizer_step_pre_hook``), a step the user sees."""
 
-    def __init__(self, params: Sequence[Tensor] = ()) -> None:
-        self.param_groups: list[dict[str, Any]] = [{"params": list(params), "lr": 0.0}]
-        self.defaults: dict[str, Any] = {"lr": 0.0}
-        self.state: dict[Tensor, Any] = {}
+    def __init__(self, params: Sequence[Tensor] = (), defaults: Optional[Mapping[str, Any]] = None) -> None:
+        self.defaults: dict[str, Any] = dict(defaults or {"lr": 0.0})
+        self.param_groups: list[dict[str, Any]] = []
+        self.state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+        self.add_param_group({"params": list(params)})
+
+    def add_param_group(self, param_group: Mapping[str, Any]) -> None:
+        self.param_groups.append({**self.defaults, **param_group, "params": list(param_group["params"])})
+
+    def state_dict(self) -> dict[str, Any]:
+        """As torch's ``Optimizer.state_dict()``: no state, each group's keys with its parameters as indices."""
+        groups, start = [], 0
+        for group in self.param_groups:
+            count = len(group["params"])
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))})
+            start += count
+        return {"state": {}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        return None
 
     @property
     def optimizer(self) -> "_NoStep":
@@ -151,13 +174,24 @@ class _NoStep:
 
 
 class _NoSchedule:
-    """The scheduler ``self.lr_schedulers()`` gives in a probe step: ``step`` (with a metric or not) does nothing."""
+    """The scheduler ``self.lr_schedulers()`` gives in a probe step: ``step`` (with a metric or not) does nothing; what
+    a step reads of a scheduler is there (s39 h5: ``optimizer``, ``last_epoch``, ``base_lrs``, ``state_dict()``)."""
+
+    def __init__(self) -> None:
+        self.optimizer = _NoStep()
+        self.last_epoch, self.base_lrs = 0, [0.0]
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         return None
 
     def get_last_lr(self) -> list[float]:
         return [0.0]  # the stand-in optimizer's lr (see _NoStep)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": self.last_epoch, "base_lrs": list(self.base_lrs), "_last_lr": self.get_last_lr()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        return None
 
 
 class _Several:
@@ -189,14 +223,18 @@ class _Several:
 
 
 class _NoSteps(_NoStep, _Several):
-    def __init__(self, count: int, params: Sequence[Tensor] = ()) -> None:
-        _NoStep.__init__(self, params)
+    def __init__(self, count: int, params: Sequence[Tensor] = (), defaults: Optional[Mapping[str, Any]] = None) -> None:
+        _NoStep.__init__(self, params, defaults)
         _Several.__init__(self, count)
-        self.one = lambda: _NoStep(params)
+        self.one = lambda: _NoStep(params, defaults)
 
 
 class _NoSchedules(_NoSchedule, _Several):
     one = _NoSchedule
+
+    def __init__(self, count: int) -> None:
+        _NoSchedule.__init__(self)
+        _Several.__init__(self, count)
 
 
 def _unpacked(frame: Optional[FrameType]) -> Optional[int]:
@@ -224,24 +262,78 @@ def source_tree(obj: Any) -> Optional[ast.Module]:
         return None
 
 
-def _configured(module: pl.LightningModule) -> tuple[int, int]:
+def _configured(module: pl.LightningModule, method: str = "configure_optimizers", depth: int = 0) -> tuple[int, int]:
     """How many optimizers and schedulers ``configure_optimizers`` returns, read from its source's ``return``s (a list
-    or tuple of them, ``[optimizers], [schedulers]``, or dicts); ``(1, 1)`` where the source does not say."""
-    tree = source_tree(type(module).configure_optimizers)
+    or tuple of them, ``[optimizers], [schedulers]``, or dicts: a list of ``{"optimizer": ..., "lr_scheduler": ...}``
+    counts its schedulers); ``(1, 1)`` where the source does not say. A name returned (``return opts, scheds``) is read
+    where the method assigns it a list or tuple, and ``return self._build()`` in the method it calls (s39 h5: a
+    helper's two optimizers, or a list of two dicts' two schedulers, were counted one: a loop over them ran once)."""
+    tree = source_tree(getattr(type(module), method, None))
     if tree is None:
         return 1, 1
+    assigned = {
+        node.targets[0].id: node.value for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+    }  # fmt: skip
     counts = [(1, 1)]
     for node in ast.walk(tree):
-        value = node.value if isinstance(node, ast.Return) else None
+        value = _listed(node.value, assigned) if isinstance(node, ast.Return) else None
+        helper = _own_method(value)
+        if helper is not None and depth < 3:
+            counts.append(_configured(module, helper, depth + 1))
         if not isinstance(value, (ast.List, ast.Tuple)) or not value.elts:
             continue
-        first, rest = value.elts[0], value.elts[1:]
+        first, second = (_listed(e, assigned) for e in (value.elts + value.elts)[:2])
         if len(value.elts) == 2 and isinstance(first, (ast.List, ast.Tuple)):
-            second = rest[0]
             counts.append((len(first.elts), len(second.elts) if isinstance(second, (ast.List, ast.Tuple)) else 1))
         else:
-            counts.append((len(value.elts), 1))
+            scheduled = [e for e in value.elts if isinstance(e, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "lr_scheduler" for k in e.keys)]
+            counts.append((len(value.elts), max(1, len(scheduled))))
     return max(c for c, _ in counts), max(c for _, c in counts)
+
+
+def _listed(node: Optional[ast.expr], assigned: Mapping[str, ast.expr]) -> Optional[ast.expr]:
+    """``node``, or where it is a name the method assigns a list or tuple, that list or tuple."""
+    if isinstance(node, ast.Name) and isinstance(assigned.get(node.id), (ast.List, ast.Tuple)):
+        return assigned[node.id]
+    return node
+
+
+def _own_method(node: Optional[ast.expr]) -> Optional[str]:
+    """The name of the method ``node`` calls on ``self`` (``self._build(...)``), ``None`` for anything else."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
+        return node.func.attr
+    return None
+
+
+def _optimizer_defaults(module: pl.LightningModule) -> dict[str, Any]:
+    """The param group keys of the optimizer ``configure_optimizers`` builds, as its class's keyword defaults, and
+    ``lr`` 0.0 (see :class:`_NoStep`): the first call in its source of a ``torch.optim.Optimizer`` class reached from
+    its module's names (``torch.optim.AdamW(...)``, ``SGD(...)``), read from the class's signature, neither class nor
+    ``configure_optimizers`` called (issue 55); ``{"lr": 0.0}`` where the source does not say."""
+    method = type(module).configure_optimizers
+    tree, names = source_tree(method), getattr(method, "__globals__", {})
+    for node in ast.walk(tree) if tree is not None else ():
+        found = _resolved(node.func, names) if isinstance(node, ast.Call) else None
+        if isinstance(found, type) and issubclass(found, torch.optim.Optimizer):
+            try:
+                parameters = list(inspect.signature(found).parameters.values())
+            except (TypeError, ValueError):
+                break
+            plain = (int, float, bool, str, tuple, type(None))
+            return {**{p.name: p.default for p in parameters[1:] if isinstance(p.default, plain)}, "lr": 0.0}
+    return {"lr": 0.0}
+
+
+def _resolved(node: ast.expr, names: Mapping[str, Any]) -> Any:
+    """What the name or dotted name ``node`` is in ``names`` (a function's globals), following modules' attributes
+    only (no user object's property runs); ``None`` for anything else."""
+    if isinstance(node, ast.Name):
+        return names.get(node.id)
+    if isinstance(node, ast.Attribute):
+        base = _resolved(node.value, names)
+        return getattr(base, node.attr, None) if isinstance(base, ModuleType) else None
+    return None
 
 
 def _stand_ins(module: pl.LightningModule) -> dict[str, Callable[..., Any]]:
@@ -249,7 +341,8 @@ def _stand_ins(module: pl.LightningModule) -> dict[str, Callable[..., Any]]:
     optimizers, schedulers = _configured(module)
     stand_ins: dict[str, Callable[..., Any]] = {name: _nothing for name in _MANUAL_HOOKS if callable(getattr(module, name, None))}
     params = [p for p in module.parameters() if p.requires_grad]
-    stand_ins.update(optimizers=lambda *a, **k: _NoSteps(optimizers, params), lr_schedulers=lambda *a, **k: _NoSchedules(schedulers))
+    defaults = _optimizer_defaults(module)
+    stand_ins.update(optimizers=lambda *a, **k: _NoSteps(optimizers, params, defaults), lr_schedulers=lambda *a, **k: _NoSchedules(schedulers))
     stand_ins["toggled_optimizer"] = _toggled
     return stand_ins
 

@@ -23,6 +23,7 @@ from lightning.pytorch.trainer.states import RunningStage  # loader_as_trained
 from lightning.pytorch.utilities.combined_loader import CombinedLoader  # stage_dataloaders
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table  # display
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature  # takes_batch_idx
 from torchmetrics import Metric  # Lightning's own dependency (its _ResultMetric is one): logged_values
 
 from lightning_hbm._compat import torch as torch_compat
@@ -393,3 +394,11 @@ def optimizers_lent(module: Any, make: Callable[[], list]) -> Iterator[None]:
         yield
     finally:
         strategy._optimizers = before  # type: ignore[union-attr]
+
+
+def takes_batch_idx(step: Callable[..., Any]) -> bool:
+    """Whether Lightning's loops pass ``batch_idx`` to ``step`` (a ``*_step`` method): a parameter of that name, two
+    after ``self``, or ``*args`` (``is_param_in_hook_signature(step, "batch_idx", min_args=2)``, as its training,
+    evaluation and prediction loops ask). A ``validation_step(self, batch)`` gets the batch alone (s39 h5: the probe
+    step passed it ``0``, a TypeError, the step left un-probed)."""
+    return is_param_in_hook_signature(step, "batch_idx", min_args=2)

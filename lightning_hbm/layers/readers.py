@@ -248,7 +248,8 @@ def _step(module: nn.Module, batch: Any, step: str = "training_step") -> tuple[C
     one, else ``forward``."""
     if isinstance(module, pl.LightningModule) and getattr(type(module), step, None) is not getattr(pl.LightningModule, step, None):
         method, index = getattr(module, step), lightning_compat.stage_step_index(module._trainer)  # dataloader_idx: s38 h8
-        return (lambda: method(batch, 0, *index)), step
+        first = (batch, 0) if lightning_compat.takes_batch_idx(method) else (batch,)  # as Lightning's loops call it (s39)
+        return (lambda: method(*first, *index)), step
     return (lambda: _call(module, batch)), "forward"
 
 

@@ -482,8 +482,9 @@ def test_a_manual_optimization_module_is_not_told_to_fix_its_step() -> None:
     """Was: "Make training_step run on the first training batch" for a valid manual-optimization module (its step
     calls self.optimizers(), which do not exist when the probe runs). Session 37: a step with one optimizer runs in
     the probe (stand-ins for the optimizer and manual_backward) and is observed. Session 38: one indexing two runs too
-    (``self.optimizers()[1]``), and (s38 h8) one reading ``.optimizer.param_groups``; one reading what the stand-ins do
-    not give (``.optimizer.state_dict()``) still cannot run, and is told there is nothing to fix."""
+    (``self.optimizers()[1]``), and (s38 h8) one reading ``.optimizer.param_groups``, (s39 h5) ``.optimizer.state_dict()``;
+    one calling what the stand-ins do not give (a SAM optimizer's own ``.optimizer.first_step()``) still cannot run,
+    and is told there is nothing to fix."""
 
     class Manual(Wrapped):
         def __init__(self, optimizers: int) -> None:
@@ -493,8 +494,9 @@ def test_a_manual_optimization_module_is_not_told_to_fix_its_step() -> None:
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
             optimizer = self.optimizers() if self.count == 1 else self.optimizers()[1]
             optimizer.optimizer.param_groups[0]["lr"] = 1e-3
+            assert not optimizer.optimizer.state_dict()["state"]
             if self.count == 0:
-                optimizer.optimizer.state_dict()
+                optimizer.optimizer.first_step(zero_grad=True)  # a SAM optimizer's own method
             loss = super().training_step(batch, batch_idx)
             self.manual_backward(loss)
             optimizer.step()

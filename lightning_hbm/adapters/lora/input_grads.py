@@ -117,6 +117,8 @@ def watch_first_step(module: pl.LightningModule, gradless: Callable[[], list[str
             vars(module).pop("training_step", None)
         else:
             vars(module)["training_step"] = own
+        if len(args) > 1 and not lightning_compat.takes_batch_idx(module.training_step):
+            args = args[:1]  # Lightning passed batch_idx to this wrapper's *args; a step(self, batch) takes none (s39 h5)
         state = _State(module)
         # the step may change its batch in place: a copy for the second run, in host memory (no second batch on the
         # accelerator at the first step's peak; one device-to-host copy per fit)
