@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_hbm import ActivationCheckpointing
+from lightning_hbm import ActivationCheckpointing, QuantizedPrecision
 from lightning_hbm.planner import plan
 from lightning_hbm.planner.reference import memtracker_peak
 
@@ -62,3 +62,55 @@ def test_a_ctc_loss_given_list_lengths_is_planned() -> None:
         planned = plan(_ListLengthsCTC, batch, callbacks=[ActivationCheckpointing()])
         measured = memtracker_peak(_ListLengthsCTC, batch, planned.chosen.candidate)
     assert planned.chosen.peak == pytest.approx(measured, rel=0.03), (planned.chosen.peak, measured)
+
+
+class _HeadedStack(pl.LightningModule):
+    """A run of ten alike blocks inside one ``nn.Sequential``, between a stem and a head (its blocks are interleaved
+    with other layers, :func:`~lightning_hbm.layers.blocks.find_blocks` takes them as a stack all the same)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), *[_Block() for _ in range(10)], nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_a_cut_keeps_the_layers_after_the_blocks() -> None:
+    from lightning_hbm.planner.block_cuts import _block_list, _blocks_cut, _cut_blocks  # noqa: PLC0415
+
+    model = _HeadedStack()
+    keys = list(model.state_dict())
+    with _blocks_cut(model, 3) as (path, depth):
+        assert (path, depth) == ("net", 10)
+        # was: the list's items after the third deleted, the head with them: a stem, 2 blocks and no head
+        assert [type(m).__name__ for m in model.net] == ["Linear", "_Block", "_Block", "_Block", "Linear"]
+        assert list(model.net._modules) == ["0", "1", "2", "3", "11"]  # the head keeps its name
+    assert list(model.state_dict()) == keys  # restored as it was
+    assert _cut_blocks(model, 4) == ("net", 10) and len(model.net) == 6 and model.net[-1].out_features == 4
+
+    # blocks between other layers (a strided convolution between runs: diffusers AutoencoderTiny) are traced whole
+    interleaved = nn.Sequential(nn.Linear(8, 16), *[_Block() for _ in range(3)], nn.Linear(16, 16), *[_Block() for _ in range(3)])
+    assert _block_list(interleaved) == ("", 0)
+
+
+def test_a_headed_stack_is_planned_from_its_cuts_as_measured() -> None:
+    from lightning_hbm.planner import api  # noqa: PLC0415
+
+    traced: list[Any] = []
+    batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+        warnings.simplefilter("ignore")
+        checked = api._checked_line
+        # the two cuts' line is the model's: was refused ("peak at points that do not correspond"), the whole traced
+        patch.setattr(api, "_checked_line", lambda *a, **k: traced.append(checked(*a, **k)) or traced[-1])
+        planned = plan(_HeadedStack, batch, plugin=QuantizedPrecision("nf4-dq", dtype="float32"), callbacks=[ActivationCheckpointing()])
+        measured = memtracker_peak(_HeadedStack, batch, planned.chosen.candidate)
+    assert len(traced) == 1
+    assert planned.chosen.peak == pytest.approx(measured, rel=0.01), (planned.chosen.peak, measured)
