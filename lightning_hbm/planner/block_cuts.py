@@ -47,8 +47,42 @@ def _block_list(module: nn.Module) -> tuple[str, int]:
         lists.setdefault(name.rpartition(".")[0], []).append(block)
     # blocks held as plain children (timm RegNet's RegStage: b1..bN) cannot be sliced off: traced whole
     lists = {path: items for path, items in lists.items() if isinstance(_list_at(module, path), (nn.ModuleList, nn.Sequential))}
-    alike = {path: len(items) for path, items in lists.items() if len({_signature(b) for b in items[_ALIKE_FROM:]}) <= 1}
+    alike = {path: len(items) for path, items in lists.items() if len({_signature(b) for b in items[_ALIKE_FROM:]}) <= 1
+             and _one_run(_list_at(module, path), items)}
     return max(alike.items(), key=lambda item: item[1]) if alike else ("", 0)
+
+
+def _positions(blocks: nn.Module, items: list[nn.Module]) -> list[int]:
+    """Where the blocks ``items`` are among the items of the list ``blocks``."""
+    at = {id(child): i for i, child in enumerate(blocks._modules.values())}
+    return [at[id(block)] for block in items]
+
+
+def _one_run(blocks: nn.Module, items: list[nn.Module]) -> bool:
+    """Whether the blocks ``items`` of the list ``blocks`` from :data:`_ALIKE_FROM` on are one run of its items, nothing
+    between them, so that a cut removes blocks only.
+
+    A Sequential whose blocks lie between other layers (diffusers AutoencoderTiny: a strided convolution, blocks, a
+    strided convolution, ...) adds each further block at another resolution: no line through two cuts is the model's,
+    traced whole at once (it was cut, the line refused, then traced whole: three traces for one). One whose run of
+    blocks is followed by other layers (a head) is cut inside the run, its head kept (session 39: its items were cut,
+    the head with them, to 2 and 3 blocks)."""
+    run = _positions(blocks, items)[_ALIKE_FROM:]
+    return not run or run == list(range(run[0], run[0] + len(run)))
+
+
+def _cut_items(blocks: nn.Module, items: list[nn.Module], keep: int) -> list[tuple[str, nn.Module]]:
+    """Remove the blocks ``items`` after the ``keep``-th from the list ``blocks``, not the layers after them (one run:
+    :func:`_one_run`); returns its items as they were. A Sequential keeps its items' names (a head's is looked up by
+    name: ``layer_modes``, ``ignore_modules``); a ModuleList, all blocks, is cut at its end."""
+    before = [(name, cast(nn.Module, child)) for name, child in blocks._modules.items()]
+    at = _positions(blocks, items)
+    if keep < len(at):
+        if isinstance(blocks, nn.Sequential):
+            blocks._modules = dict(before[: at[keep]] + before[at[-1] + 1:])
+        else:
+            del cast(nn.ModuleList, blocks)[at[keep]: at[-1] + 1]
+    return before
 
 
 def _cut_blocks(module: nn.Module, keep: Optional[int], path: Optional[str] = None) -> tuple[str, int]:
@@ -62,7 +96,7 @@ def _cut_blocks(module: nn.Module, keep: Optional[int], path: Optional[str] = No
     # AutoencoderTiny: 2 blocks in 5 layers, cut to 3 it lost its encoder's last layers; session 38)
     parent, depth = _block_list(module) if path is None else (path, len(_cut_list(module, path)))
     if keep is not None and depth > keep:
-        del _list_at(module, parent)[keep:]
+        _cut_items(_list_at(module, parent), _cut_list(module, parent), keep)
     return parent, depth
 
 
@@ -78,13 +112,12 @@ def _blocks_cut(module: nn.Module, keep: Optional[int]) -> Iterator[tuple[str, i
     if keep is None or depth <= keep:
         yield parent, depth
         return
-    blocks = cast(nn.ModuleList, module.get_submodule(parent) if parent else module)  # a ModuleList or Sequential
-    removed = list(blocks)[keep:]
-    del blocks[keep:]
+    blocks = _list_at(module, parent)
+    before = _cut_items(blocks, _cut_list(module, parent), keep)
     try:
         yield parent, depth
     finally:
-        blocks.extend(removed)
+        blocks._modules = dict(before)
 
 
 def _cut_list(module: nn.Module, path: Optional[str] = None) -> list[nn.Module]:

@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
+from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -266,10 +267,16 @@ class _FakeDataAsValues(TorchFunctionMode):
     allocated yet"): transformers' Qwen2-VL ``get_rope_index`` builds ``torch.tensor([llm_positions.max() + 1 - n,
     ...])``. Each fake element becomes its values (``tolist``: :class:`RealValues` answers from the real twin, or
     guesses and counts it), in the elements' dtype when they share one, as torch would infer it.
+
+    ``F.ctc_loss`` (``nn.CTCLoss``, ``torch.ctc_loss``) with its lengths as lists of ints (``input_lengths=[...]``, ``target_lengths=[...]``)
+    gets them as tensors: its ``reduction='mean'`` (the default) makes a tensor of the target lengths in C++, from
+    memory a fake tensor does not have (the same error; session 39). The tensors' overload computes the same loss.
     """
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch.ctc_loss or func is F.ctc_loss:
+            args, kwargs = _ctc_lengths_as_tensors(args, kwargs)
         if func in _DATA_FACTORIES and args and isinstance(args[0], (list, tuple)):
             leaves = tree_flatten(args[0])[0]
             fakes = [t for t in leaves if isinstance(t, FakeTensor)]
@@ -279,6 +286,26 @@ class _FakeDataAsValues(TorchFunctionMode):
                     kwargs = {**kwargs, "dtype": dtypes.pop()}
                 args = (tree_map(lambda t: t.tolist() if isinstance(t, FakeTensor) else t, args[0]), *args[1:])
         return func(*args, **kwargs)
+
+
+#: ``F.ctc_loss``'s and ``torch.ctc_loss``'s length arguments: (position, name)
+_CTC_LENGTHS = ((2, "input_lengths"), (3, "target_lengths"))
+
+
+def _ctc_lengths_as_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``F.ctc_loss``'s arguments with both lengths as ``long`` tensors where both are sequences of ints (torch
+    takes both as lists or both as tensors); as they were otherwise."""
+    given = [args[i] if i < len(args) else kwargs.get(name) for i, name in _CTC_LENGTHS]
+    if not all(isinstance(g, (list, tuple)) for g in given):
+        return args, kwargs
+    positional, named = list(args), dict(kwargs)
+    for (position, name), lengths in zip(_CTC_LENGTHS, given):
+        tensor = torch.tensor(lengths, dtype=torch.long)
+        if position < len(positional):
+            positional[position] = tensor
+        else:
+            named[name] = tensor
+    return tuple(positional), named
 
 
 def _is_mask(index: Any) -> bool:
