@@ -110,6 +110,18 @@ def training_buffers(module: nn.Module) -> TrainingBuffers:
     return found
 
 
+def child_items(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The registered children of ``module`` in order, one entry per registration (``named_children`` drops a child
+    registered twice; a Sequential holding one block twice lists it twice here)."""
+    return [(name, child) for name, child in module._modules.items() if child is not None]
+
+
+def set_child_items(module: nn.Module, items: list[tuple[str, nn.Module]]) -> None:
+    """Register exactly ``items`` as the children of ``module``, names kept (torch's ``del sequential[i:]`` renumbers a
+    Sequential's remaining items; the planner's cuts keep a head's name, looked up by ``layer_modes``)."""
+    module._modules = dict(items)
+
+
 def dispatch_modes_off() -> AbstractContextManager[Any]:
     """``_disable_current_modes()`` where a dispatch mode is on, and nothing to enter where none is: the context
     costs 5 µs a call (its imports), twice per checkpointed block and step in the replay

@@ -14,6 +14,7 @@ from typing import Optional, cast
 
 from torch import nn
 
+from lightning_hbm._compat.torch import child_items, set_child_items
 from lightning_hbm.layers.blocks import find_blocks
 
 
@@ -54,7 +55,7 @@ def _block_list(module: nn.Module) -> tuple[str, int]:
 
 def _positions(blocks: nn.Module, items: list[nn.Module]) -> list[int]:
     """Where the blocks ``items`` are among the items of the list ``blocks``."""
-    at = {id(child): i for i, child in enumerate(blocks._modules.values())}
+    at = {id(child): i for i, child in enumerate(child for _, child in child_items(blocks))}
     return [at[id(block)] for block in items]
 
 
@@ -75,11 +76,11 @@ def _cut_items(blocks: nn.Module, items: list[nn.Module], keep: int) -> list[tup
     """Remove the blocks ``items`` after the ``keep``-th from the list ``blocks``, not the layers after them (one run:
     :func:`_one_run`); returns its items as they were. A Sequential keeps its items' names (a head's is looked up by
     name: ``layer_modes``, ``ignore_modules``); a ModuleList, all blocks, is cut at its end."""
-    before = [(name, cast(nn.Module, child)) for name, child in blocks._modules.items()]
+    before = child_items(blocks)
     at = _positions(blocks, items)
     if keep < len(at):
         if isinstance(blocks, nn.Sequential):
-            blocks._modules = dict(before[: at[keep]] + before[at[-1] + 1:])
+            set_child_items(blocks, before[: at[keep]] + before[at[-1] + 1:])
         else:
             del cast(nn.ModuleList, blocks)[at[keep]: at[-1] + 1]
     return before
@@ -117,7 +118,7 @@ def _blocks_cut(module: nn.Module, keep: Optional[int]) -> Iterator[tuple[str, i
     try:
         yield parent, depth
     finally:
-        blocks._modules = dict(before)
+        set_child_items(blocks, before)
 
 
 def _cut_list(module: nn.Module, path: Optional[str] = None) -> list[nn.Module]:

@@ -319,3 +319,13 @@ def test_real_tensors_are_made_inside_a_fake_mode() -> None:
         with compat.real_tensors():
             made = torch.zeros(2)
     assert not isinstance(made, FakeTensor) and made.sum().item() == 0
+
+
+def test_child_items_lists_each_registration_and_set_child_items_keeps_names() -> None:
+    block, head = nn.Linear(2, 2), nn.Linear(2, 1)
+    seq = nn.Sequential(block, block, head)
+    assert compat.child_items(seq) == [("0", block), ("1", block), ("2", head)]
+    compat.set_child_items(seq, [("0", block), ("2", head)])
+    assert [name for name, _ in seq.named_children()] == ["0", "2"]
+    assert seq.get_submodule("2") is head and len(seq) == 2
+    torch.testing.assert_close(seq(torch.ones(1, 2)), head(block(torch.ones(1, 2))))
