@@ -6,12 +6,15 @@ The same measurement as ``benchmarks/coverage_s38.py`` (whose functions it runs 
 LM head), 2 steps in a real Trainer with a checkpoint after step 1; trains, resumes bit-exact, the layers kept wide with
 the coverage table's reasons, ``plan()`` against torch's MemTracker peak of one real step.
 
-Command: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/coverage_s39.py [name ...]`` (each family in its own
-process). Prints one JSON line per family and a markdown table at the end.
+Command: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/coverage_s39.py [--hooks-off] [name ...]`` (each family in
+its own process). Prints one JSON line per family and a markdown table at the end. ``--hooks-off``: MemTracker without
+its module hooks (``memtracker_peak(module_hooks=False)``), which keep alive the graph of a module whose output never
+reaches the loss (Siglip2's attention-pooling head under a mean-pooling classifier).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -32,12 +35,17 @@ base.FAMILIES, base.Task = families_s39.FAMILIES, families_s39.Task  # the same 
 
 
 def main() -> None:
+    if os.environ.get("COVERAGE_S39_HOOKS_OFF"):
+        from lightning_hbm.planner import reference
+
+        reference.memtracker_peak = functools.partial(reference.memtracker_peak, module_hooks=False)  # type: ignore[assignment]
     if len(sys.argv) > 2 and sys.argv[1] == "--one":
         print("RESULT " + json.dumps(base.run_one(sys.argv[2])), flush=True)
         return
-    names = sys.argv[1:] or list(families_s39.FAMILIES)
+    hooks_off = "--hooks-off" in sys.argv
+    names = [n for n in sys.argv[1:] if n != "--hooks-off"] or list(families_s39.FAMILIES)
     results = []
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **({"COVERAGE_S39_HOOKS_OFF": "1"} if hooks_off else {}))
     for name in names:
         model = families_s39.FAMILIES[name].model
         try:

@@ -103,6 +103,13 @@ FAMILIES: dict[str, Family] = {
                                     mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16), lm, tokens, causal=True),
     "nemotron": family("NemotronForCausalLM", "NemotronConfig", dict(DEC, partial_rotary_factor=0.5), lm, tokens, causal=True),
     "seed_oss": family("SeedOssForCausalLM", "SeedOssConfig", DEC, lm, tokens, causal=True),
+    "olmo3": family("Olmo3ForCausalLM", "Olmo3Config", dict(DEC, sliding_window=8), lm, tokens, causal=True),
+    "flex_olmo": family("FlexOlmoForCausalLM", "FlexOlmoConfig", dict(DEC, num_experts=4, num_experts_per_tok=2), lm, tokens, causal=True),
+    "lfm2_moe": family("Lfm2MoeForCausalLM", "Lfm2MoeConfig", dict(DEC, **MOE, num_experts=4, num_dense_layers=1,
+                       layer_types=["conv", "full_attention"]), lm, tokens, causal=True),
+    "bitnet": family("BitNetForCausalLM", "BitNetConfig", DEC, lm, tokens, causal=True),
+    "apertus": family("ApertusForCausalLM", "ApertusConfig", DEC, lm, tokens, causal=True),
+    "doge": family("DogeForCausalLM", "DogeConfig", dict(DEC, keep_window_size=8), lm, tokens, causal=True),
     # vision-language
     "qwen2_5_vl": family("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig",
                          dict(IDS := s29.IDS, text_config=dict(DEC, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3])),

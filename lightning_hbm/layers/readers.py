@@ -399,7 +399,7 @@ def adopt(module: nn.Module, seen: Observation, layers: dict[str, nn.Module]) ->
     the same ``layers`` by name, the same batch), as ``module``'s own: its served layers marked as :func:`observe` marks
     them. The planner's set-ups of one cut model for several candidates step it once."""
     for name in seen.served:
-        read_weight.mark_served(layers[name], seen.reads[name].reader)
+        read_weight.mark_served(layers[name], seen.reads[name].reader, name)
     _OBSERVED[module] = seen
 
 
@@ -412,7 +412,7 @@ def _served(recorder: _Recorder, layers: dict[str, nn.Module]) -> frozenset[str]
     for name, read in recorder.reads.items():
         layer, ops = layers.get(name), recorder.ops.get(name, set())
         if layer is not None and not read.metadata and read_weight.servable(layer) and not any(read_weight.writes(op) for op in ops):
-            read_weight.mark_served(layer, read.reader)
+            read_weight.mark_served(layer, read.reader, name)
             served.add(name)
     return frozenset(served)
 
