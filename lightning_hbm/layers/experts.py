@@ -21,7 +21,7 @@ layouts are left as they are and named by the coverage table's warning.
 from __future__ import annotations
 
 import math
-from typing import Optional, cast
+from typing import Callable, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,18 @@ def supported(module: nn.Module) -> bool:
     return layout == (True, True, False, False, False) and transformers_compat.uses_default_gate(module)
 
 
+class _Activation(nn.Module):
+    """A plain activation function (``F.silu``) as the child module :class:`LinearExperts` calls."""
+
+    def __init__(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.function = function
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.function(x)
+
+
 class LinearExperts(nn.Module):
     """The experts of one MoE layer as ``gate_up_proj[e]`` and ``down_proj[e]`` Linears; same call as the original."""
 
@@ -66,7 +78,10 @@ class LinearExperts(nn.Module):
         experts, double_intermediate, hidden = cast(torch.Tensor, module.gate_up_proj).shape
         with torch.device("meta"):
             new = cls(experts, hidden, double_intermediate // 2, nn.Identity())
-        new.act_fn = cast(nn.Module, module.act_fn)
+        act = module.act_fn
+        # LFM2-MoE's experts hold a plain function (``self.act_fn = F.silu``): was "cannot assign
+        # 'torch.nn.functional.silu' as child module 'act_fn'", the surgery stopped before the first step
+        new.act_fn = act if isinstance(act, nn.Module) else _Activation(cast(Callable[[torch.Tensor], torch.Tensor], act))
         for source, target in ((cast(torch.Tensor, module.gate_up_proj), new.gate_up_proj), (cast(torch.Tensor, module.down_proj), new.down_proj)):
             for index, linear in enumerate(target):
                 # [experts, out, in]: expert e is already a Linear weight [out, in]

@@ -112,9 +112,12 @@ class ReadWeight(torch.Tensor):
                 result = func(*args, **kwargs)
             return first if op in _SAME else result
         if writes(op):
+            layer = first._layer if isinstance(first, ReadWeight) else None
+            name, reader = _NAMES.get(layer, "") if layer is not None else "", _SERVED.get(layer) if layer is not None else None
             raise RuntimeError(
-                f"lightning_hbm: {op} would write to a weight stored quantized ({first!r}), which cannot be written "
-                "(frozen packed storage). Keep this layer as built: QuantizedPrecision(ignore_modules=[<its name>])."
+                f"lightning_hbm: {op} would write to {f'the weight of {name!r}' if name else 'a weight'} stored quantized ({first!r}"
+                f"{f', read directly by {reader}' if reader else ''}), which cannot be written (frozen packed storage). Keep "
+                f"this layer as built: QuantizedPrecision(ignore_modules=[{repr(name) if name else '<its name>'}])."
             )
         served = _serve(op, args, kwargs)
         if served is not NotImplemented:
@@ -276,9 +279,16 @@ class ReadableLinear(nn.Linear):
 _SERVED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
-def mark_served(layer: nn.Module, reader: str) -> None:
-    """The probe step saw ``reader`` read ``layer``'s weight in ways a :class:`ReadWeight` serves."""
+#: the served layers' names in the model, for the error a write to their weight raises
+_NAMES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def mark_served(layer: nn.Module, reader: str, name: str = "") -> None:
+    """The probe step saw ``reader`` read ``layer``'s weight (the layer ``name`` of the model) in ways a
+    :class:`ReadWeight` serves."""
     _SERVED[layer] = reader
+    if name:
+        _NAMES[layer] = name
 
 
 def served_reader(layer: nn.Module) -> Optional[str]:
@@ -302,6 +312,8 @@ def readable(linear: nn.Module, quantized: nn.Module) -> nn.Module:
         return quantized
     new = ReadableLinear.from_quantized(linear, quantized)
     _SERVED[new] = reader
+    if linear in _NAMES:
+        _NAMES[new] = _NAMES[linear]
     record.set_converted(new, "Linear")  # resume maps its storage's keys to the layer's weight (the LINEAR kind's name)
     return new
 

@@ -175,6 +175,11 @@ class _Watch:
                 self.alive.append(weight)
                 self.weights[id(weight)] = (name, holders.get(id(weight), {id(layer)}) | {id(layer)})
 
+    def follow(self, alias: torch.Tensor, weight: torch.Tensor) -> None:
+        """Follow ``alias`` (``weight.data``, ``weight.detach()``) as the weight itself: what is done to it is done to the weight."""
+        self.alive.append(alias)
+        self.weights[id(alias)] = self.weights[id(weight)]
+
     def reader(self, holders: set[int], step: str) -> Optional[str]:
         """The module reading a weight outside its holders, or ``None`` (a holder is running, or a known library)."""
         stack = self.running.stack
@@ -207,7 +212,16 @@ class _Recorder(TorchFunctionMode):
                     earlier = self.reads.get(name)
                     if earlier is None or earlier.metadata and op not in METADATA:  # a real use wins
                         self.reads[name] = Read(reader, op, op in METADATA)
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if op in _ALIASES and isinstance(result, torch.Tensor) and args and id(args[0]) in self.watch.weights:
+            self.watch.follow(result, args[0])
+        return result
+
+
+#: ops whose result shares the weight's storage with no autograd link: a write to it is a write to the weight (Gemma
+#: 3n's ``self.prediction_coefs.weight.data.clamp_(...)`` in training; was served as a computed weight, then the
+#: first step stopped on "clamp_ would write to a weight stored quantized")
+_ALIASES = frozenset({"data", "detach"})
 
 
 def _in_dtype_lookup() -> bool:
@@ -440,7 +454,7 @@ def adopt(module: nn.Module, seen: Observation, layers: dict[str, nn.Module]) ->
     the same ``layers`` by name, the same batch), as ``module``'s own: its served layers marked as :func:`observe` marks
     them. The planner's set-ups of one cut model for several candidates step it once."""
     for name in seen.served:
-        read_weight.mark_served(layers[name], seen.reads[name].reader)
+        read_weight.mark_served(layers[name], seen.reads[name].reader, name)
     _OBSERVED[module] = seen
 
 
@@ -453,7 +467,7 @@ def _served(recorder: _Recorder, layers: dict[str, nn.Module]) -> frozenset[str]
     for name, read in recorder.reads.items():
         layer, ops = layers.get(name), recorder.ops.get(name, set())
         if layer is not None and not read.metadata and read_weight.servable(layer) and not any(read_weight.writes(op) for op in ops):
-            read_weight.mark_served(layer, read.reader)
+            read_weight.mark_served(layer, read.reader, name)
             served.add(name)
     return frozenset(served)
 

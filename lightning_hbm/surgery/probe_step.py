@@ -121,7 +121,7 @@ def _unrun_step_reads(module: nn.Module, seen: readers.Observation, layers: dict
         if reader or method.rpartition(".")[2] == "forward" or name in seen.reads or not read_weight.servable(layers.get(name, nn.Identity())):
             continue
         seen.reads[name] = readers.Read(f"{method} (its source, on a path the probe step did not take)", "source", False)
-        read_weight.mark_served(layers[name], seen.reads[name].reader)
+        read_weight.mark_served(layers[name], seen.reads[name].reader, name)
         seen.served = seen.served | {name}
 
 
