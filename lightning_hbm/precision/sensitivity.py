@@ -364,14 +364,19 @@ def ladder(base: str, sensitive: Any) -> tuple[str, ...]:
 
 
 def _check_budget(
-    max_bytes_per_param: Optional[float], uniform: float, widest: float, base: str, sensitive: Sequence[str]
+    max_bytes_per_param: Optional[float], uniform: float, widest: float, base: str, sensitive: Sequence[str],
+    weights: int = 0, layers: int = 0,
 ) -> None:
     if max_bytes_per_param is not None and max_bytes_per_param < uniform:
+        # a model whose quantizable layers are few and tiny (a conv net's 32 x 5 head) pays each layer's fixed
+        # constants over few weights: over a byte per weight in a 4-bit mode (session 39), said as the cause
+        few = (f" These {layers} layers hold only {weights:,} weights, so each layer's fixed constants dominate; "
+               "the budget counts these layers only." if uniform > 1.0 and layers else "")
         raise ValueError(
-            f"max_bytes_per_param={max_bytes_per_param} cannot be met: storing every quantizable Linear in {base!r} "
+            f"max_bytes_per_param={max_bytes_per_param} cannot be met: storing every quantizable layer in {base!r} "
             f"already takes {uniform:.4f} bytes per parameter, the least reachable with this mode (every layer in "
-            f"the widest of {list(sensitive)}: {widest:.4f}). Raise max_bytes_per_param to at least {uniform:.4f}, "
-            "or pick a smaller mode."
+            f"the widest of {list(sensitive)}: {widest:.4f}).{few} Raise max_bytes_per_param to at least "
+            f"{uniform:.4f}, or pick a smaller mode."
         )
 
 
@@ -477,7 +482,7 @@ def choose_layer_modes(
     cost = {n: {m: weight_bytes(m, *features[n], dtype) for m in modes} for n in layers}
     uniform_bytes = sum(c[base] for c in cost.values())
     widest = sum(max(c.values()) for c in cost.values()) / total_params
-    _check_budget(max_bytes_per_param, uniform_bytes / total_params, widest, base, wider)
+    _check_budget(max_bytes_per_param, uniform_bytes / total_params, widest, base, wider, total_params, len(layers))
     budget = math.inf if max_bytes_per_param is None else max_bytes_per_param * total_params
     swapper = _Swapper(Probe(module, probe), layers, dtype, hessians)  # the model and its batch, handed down once
     with eval_no_grad(module):

@@ -230,3 +230,16 @@ def predict_parameter_bytes_per_param(model: nn.Module, plan: dict[str, str]) ->
     layers = [model.get_submodule(name) for name in plan]
     nbytes = sum(weight_bytes(mode, layer.in_features, layer.out_features, torch.float32) for mode, layer in zip(plan.values(), layers))
     return nbytes / sum(layer.in_features * layer.out_features for layer in layers)
+
+
+def test_a_budget_unreachable_because_the_layers_are_tiny_says_so() -> None:
+    # session 39 (h6): a conv net whose only quantizable layer is a 32 x 5 head was told to raise the budget to 7.37
+    # bytes per parameter with no cause given; the message now names the few weights as the cause
+    from lightning_hbm.precision.sensitivity import _check_budget
+
+    with pytest.raises(ValueError, match=r"cannot be met: storing every quantizable layer in 'nf4-dq' already takes "
+                       r"7\.3688 .* These 1 layers hold only 160 weights, so each layer's fixed constants dominate"):
+        _check_budget(0.6, 7.3688, 8.0, "nf4-dq", ["int8"], 160, 1)
+    with pytest.raises(ValueError, match=r"0\.6048 bytes per parameter.*\)\. Raise max_bytes_per_param") as err:
+        _check_budget(0.4, 0.6048, 1.0, "nf4-dq", ["int8"], 10**6, 8)
+    assert "fixed constants" not in str(err.value)
