@@ -11,6 +11,7 @@ default recipe (``QuantizedPrecision("nf4-dq", dtype="float32")``, ``LoRA(r=8)``
 
     OMP_NUM_THREADS=1 python benchmarks/planner_families_s38.py qwen3 gemma3 ...   # names below; none: all
     OMP_NUM_THREADS=1 python benchmarks/planner_families_s38.py --steps pc qwen3   # p default, c corr8, m maxctx
+    OMP_NUM_THREADS=1 python benchmarks/planner_families_s38.py --steps m --budget-tokens 256 jamba  # a shorter answer
 
 One process per family is the way to run them all (a family that fails does not stop the others).
 """
@@ -84,11 +85,11 @@ def _against_memtracker(name: str, factory: Any, label: str, plugin: Any, callba
           f"fallbacks={predicted.fallbacks} ({time.time() - start:.0f} s)")  # fmt: skip
 
 
-def _max_context(name: str, factory: Any) -> None:
+def _max_context(name: str, factory: Any, tokens: int = 1024) -> None:
     start = time.time()
     plugin = QuantizedPrecision("nf4-dq", dtype="float32")
     full = [LoRA(r=8), ActivationCheckpointing("full"), FusedLoss()]
-    budget = plan(factory, synthetic_batch(1, 1024, vocab_size=V), plugin=plugin, callbacks=full).chosen.total
+    budget = plan(factory, synthetic_batch(1, tokens, vocab_size=V), plugin=plugin, callbacks=full).chosen.total
     result = max_context(factory, budget, plugin=plugin, callbacks=[LoRA(r=8)], device="cpu", multiple_of=16)
     assert not isinstance(result, list)
     candidate = result.prediction.candidate
@@ -106,6 +107,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("names", nargs="*", default=list(FAMILIES))
     parser.add_argument("--steps", default="pcm")
+    parser.add_argument("--budget-tokens", type=int, default=1024, help="max_context's budget: the plan's total at this length")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -115,7 +117,7 @@ def main() -> None:
         factory = partial(HFCausalLM, config, **fields)
         steps = {"p": partial(_against_memtracker, name, factory, "default", *_recipe(), batch),
                  "c": partial(_against_memtracker, name, factory, "corr8", *_recipe(correction_rank=8, probe_batch=batch), batch),
-                 "m": partial(_max_context, name, factory)}  # fmt: skip
+                 "m": partial(_max_context, name, factory, args.budget_tokens)}  # fmt: skip
         for step in args.steps:
             try:
                 steps[step]()

@@ -236,12 +236,22 @@ class _Lengths:
         Was: all three planned for every call, 131,072 tokens too where 2,048 or 32,768 is already over the largest
         budget (a small model's answer of a few thousand tokens planned 131k for nothing, once per configuration).
         Past the longest planned, a later (larger) budget plans the next of them: the 8B's seven budgets plan all three,
-        as before. The fit reads the points nearest the budget, and the first one over it bounds them."""
+        as before. The fit reads the points nearest the budget, and the first one over it bounds them.
+
+        Where every planned length is over the budget already, the second point is a quarter of the shortest, not the
+        next (16x longer) of :data:`_FIRST_LENGTHS`: a model whose trace grows with the tokens (transformers' Mamba
+        without its CUDA kernels scans token by token) spent over 10 min of CPU planning 32,768 tokens for an answer
+        of 1,000 (FalconMamba, Jamba; benchmarks/README.md, session 39)."""
         for n in self._first_lengths():
             if n in self._points:
                 continue
             if len(self._points) >= 2 and any(total >= budget for total in self._points.values()):
                 break  # one planned length is over: the budget is bracketed, longer ones only cost plans
+            shortest = min(self._points, default=0)
+            if shortest >= 8 * self.step and all(total > budget for total in self._points.values()):
+                shorter = _round_down(shortest // 4, self.step)
+                self._points[shorter] = self.predict_at(shorter).total
+                continue  # the budget is below every planned length: bracket it from below
             self._points[n] = self.predict_at(n).total
         return self._points
 

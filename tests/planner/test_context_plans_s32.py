@@ -43,4 +43,23 @@ def test_short_answers_plan_no_128k_step_and_stay_the_old_ones(monkeypatch: pyte
     results = max_context(SMALL_LLAMA, budgets, callbacks=[LoRA(r=4)], multiple_of=256)
     assert isinstance(results, list)
     assert [(r.tokens, r.prediction.total, r.limit) for r in results] == OLD
-    assert planned == [2048, 32768, 512, 1536, 3328, 6912]  # was 2,048, 32,768, 131,072, then the same four
+    # was 2,048, 32,768, 131,072, then the same four; session 39: 32,768 only once a budget fits 2,048 (the 12 MiB one)
+    assert planned == [2048, 512, 1536, 32768, 3328, 6912]
+
+
+def test_a_budget_under_the_first_length_plans_shorter_not_longer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Session 39: where 2,048 tokens are already over every budget, the second point is 512, not 32,768 (transformers'
+    Mamba without CUDA kernels traces its scan token by token: 32,768 tokens took FalconMamba and Jamba over 10 min of
+    CPU for answers near 1,000). The answers stay the old ones."""
+    planned: list[int] = []
+    original = context_module.predict
+
+    def counted(template: Any, batch: Any, candidate: Any, **kwargs: Any) -> Any:
+        planned.append(int(batch[0].shape[-1]))
+        return original(template, batch, candidate, **kwargs)
+
+    monkeypatch.setattr(context_module, "predict", counted)
+    results = max_context(SMALL_LLAMA, [CUDA_CONTEXT_BYTES + n * MIB for n in (3, 6)], callbacks=[LoRA(r=4)], multiple_of=256)
+    assert isinstance(results, list)
+    assert [(r.tokens, r.prediction.total, r.limit) for r in results] == OLD[:2]
+    assert planned == [2048, 512, 1536]  # was [2048, 32768, 512, 1536]
