@@ -30,7 +30,8 @@ OLD = [
 ]
 
 
-def test_short_answers_plan_no_128k_step_and_stay_the_old_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+def _planned_lengths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The token lengths max_context plans, in order, appended as it plans them."""
     planned: list[int] = []
     original = context_module.predict
 
@@ -39,6 +40,11 @@ def test_short_answers_plan_no_128k_step_and_stay_the_old_ones(monkeypatch: pyte
         return original(template, batch, candidate, **kwargs)
 
     monkeypatch.setattr(context_module, "predict", counted)
+    return planned
+
+
+def test_short_answers_plan_no_128k_step_and_stay_the_old_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    planned = _planned_lengths(monkeypatch)
     budgets = [CUDA_CONTEXT_BYTES + n * MIB for n in (3, 6, 12, 24)]
     results = max_context(SMALL_LLAMA, budgets, callbacks=[LoRA(r=4)], multiple_of=256)
     assert isinstance(results, list)
@@ -51,14 +57,7 @@ def test_a_budget_under_the_first_length_plans_shorter_not_longer(monkeypatch: p
     """Session 39: where 2,048 tokens are already over every budget, the second point is 512, not 32,768 (transformers'
     Mamba without CUDA kernels traces its scan token by token: 32,768 tokens took FalconMamba and Jamba over 10 min of
     CPU for answers near 1,000). The answers stay the old ones."""
-    planned: list[int] = []
-    original = context_module.predict
-
-    def counted(template: Any, batch: Any, candidate: Any, **kwargs: Any) -> Any:
-        planned.append(int(batch[0].shape[-1]))
-        return original(template, batch, candidate, **kwargs)
-
-    monkeypatch.setattr(context_module, "predict", counted)
+    planned = _planned_lengths(monkeypatch)
     results = max_context(SMALL_LLAMA, [CUDA_CONTEXT_BYTES + n * MIB for n in (3, 6)], callbacks=[LoRA(r=4)], multiple_of=256)
     assert isinstance(results, list)
     assert [(r.tokens, r.prediction.total, r.limit) for r in results] == OLD[:2]
