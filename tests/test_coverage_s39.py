@@ -29,6 +29,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hbm import ActivationCheckpointing, LoRA, QuantizedPrecision
+from lightning_hbm.layers.coverage_table import UNRUN_ADAPTERS
+from lightning_hbm.record import coverage_of
 from tests import families_s38 as families
 from tests.layers.test_blocks_plain_s38 import Net, ShuffledStage
 
@@ -90,6 +92,9 @@ def test_musicgen_cross_attention_adapters_that_never_run_are_named_at_fit_start
     held = sum(p.numel() for n in named for p in module.get_submodule(n).parameters() if p.requires_grad)
     assert len(named) == 8 and f"They hold {held:,} trainable parameters" in message
     assert all(torch.count_nonzero(p) == 0 for n in named for p in module.get_submodule(n).lora_B.parameters())
+    # the coverage table's adapters row says them as never trained too (was: all counted as trained)
+    row = next(r for r in coverage_of(module) or [] if r.kind == "LoRA adapters (trained)")
+    assert row.reasons == {UNRUN_ADAPTERS: held} and row.params > held
     # the fix given works: no adapter there, the warning gone, the self-attention still adapted
     lora = LoRA(r=8, alpha=16, exclude_modules=["encoder_attn.k_proj", "encoder_attn.out_proj", "encoder_attn.q_proj", "encoder_attn.v_proj"])
     assert not [m for m in _fit(families.Task("musicgen"), families.FAMILIES["musicgen"].batch(1), [lora]) if UNRUN in m]

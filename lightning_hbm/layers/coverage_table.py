@@ -18,6 +18,7 @@ from lightning_hbm.layers.correction import correction_of
 from lightning_hbm.layers.finding import base_layer, find_layers, lora_layer_classes
 from lightning_hbm.layers.kinds import LayerKind, kind_named
 from lightning_hbm.layers.outside import OUTSIDE, OUTSIDE_ROWS, outside_kinds, outside_reason
+from lightning_hbm.layers.readers import observation as probe_observation
 from lightning_hbm.layers.source_scan import weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.memory.storage import quantized_format
@@ -149,6 +150,8 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
     adapters = CoverageRow("LoRA adapters (trained)")
     # its "layers": the adapted layers (peft LoRA layers), each holding one lora_A/lora_B pair
     adapters.layers = sum(1 for m in module.modules() if isinstance(m, lora)) if lora else 0
+    seen = probe_observation(module)
+    unrun = seen.unrun if seen is not None else frozenset()  # layers the probe step never ran (surgery/probe_step.py)
     outside = {kind: CoverageRow(kind) for kind in OUTSIDE_ROWS}
     owners = {id(p): n for n, m in module.named_modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
     tables = {id(m.weight): m for m in module.modules() if type(m) is nn.Embedding}
@@ -159,6 +162,8 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
             continue
         if ".lora_" in name:
             adapters.params += param.numel()
+            if name.partition(".lora_")[0] in unrun:  # counted as trained, it was not (session 39: the row said so)
+                adapters.reasons[UNRUN_ADAPTERS] = adapters.reasons.get(UNRUN_ADAPTERS, 0) + param.numel()
         elif id(param) in owners and id(param) in kinds:
             # a weight matrix no layer kind holds (DBRX's experts: 2-D w1/v1/w2 Parameters, routers, RG-LRU gates,
             # weight_norm's factors): never quantized or adapted; its own row says what it is, warned above 5 %
@@ -182,6 +187,10 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
         row.undeliberate = [] if OUTSIDE[row.kind][1] else holders[row.kind]
     present = [row for row in outside.values() if row.params]
     return [*rows.values(), *present, *([adapters] if adapters.params else []), other]
+
+
+#: the adapters row's reason for adapters on layers the training step never ran (warned at fit start as well)
+UNRUN_ADAPTERS = "on layers the training step never runs: never trained (warned at fit start)"
 
 
 def _unchecked_blocks(module: nn.Module) -> dict[str, str]:
