@@ -113,7 +113,7 @@ class ReadWeight(torch.Tensor):
             return first if op in _SAME else result
         if writes(op):
             layer = first._layer if isinstance(first, ReadWeight) else None
-            name, reader = _NAMES.get(layer, "") if layer is not None else "", _SERVED.get(layer) if layer is not None else None
+            reader, name = _SERVED.get(layer, ("", "")) if layer is not None else ("", "")
             raise RuntimeError(
                 f"lightning_hbm: {op} would write to {f'the weight of {name!r}' if name else 'a weight'} stored quantized ({first!r}"
                 f"{f', read directly by {reader}' if reader else ''}), which cannot be written (frozen packed storage). Keep "
@@ -196,7 +196,7 @@ class ReadableLinear(nn.Linear):
     @property
     def coverage_note(self) -> str:
         """Said in the coverage table's last column: stored small, and why it is no plain quantized layer."""
-        return f"stored quantized; its weight, read directly by {_SERVED.get(self) or 'the model'}, computes from the storage"
+        return f"stored quantized; its weight, read directly by {served_reader(self) or 'the model'}, computes from the storage"
 
     def storage(self) -> nn.Module:
         """The mode's layer holding the ``[out, in]`` weight."""
@@ -275,28 +275,24 @@ class ReadableLinear(nn.Linear):
         return cast(ReadableLinear, new)
 
 
-# layers of models as built whose weight the probe step saw read directly, by reads a ReadWeight serves
-_SERVED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-
-
-#: the served layers' names in the model, for the error a write to their weight raises
-_NAMES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+# layers of models as built whose weight the probe step saw read directly, by reads a ReadWeight serves: (the reader,
+# the layer's name in the model: "" where not given), the name for the error a write to their weight raises
+_SERVED: weakref.WeakKeyDictionary[nn.Module, tuple[str, str]] = weakref.WeakKeyDictionary()
 
 
 def mark_served(layer: nn.Module, reader: str, name: str = "") -> None:
     """The probe step saw ``reader`` read ``layer``'s weight (the layer ``name`` of the model) in ways a
     :class:`ReadWeight` serves."""
-    _SERVED[layer] = reader
-    if name:
-        _NAMES[layer] = name
+    _SERVED[layer] = (reader, name)
 
 
 def served_reader(layer: nn.Module) -> Optional[str]:
     """The reader of ``layer``'s weight if a quantized ``layer`` will serve it (a plain Linear marked by the probe), or
     already does (a :class:`ReadableLinear`); ``None`` otherwise."""
-    if isinstance(layer, ReadableLinear):
-        return _SERVED.get(layer, "")
-    return _SERVED.get(layer)
+    served = _SERVED.get(layer)
+    if served is not None:
+        return served[0]
+    return "" if isinstance(layer, ReadableLinear) else None
 
 
 def servable(layer: nn.Module) -> bool:
@@ -307,13 +303,11 @@ def servable(layer: nn.Module) -> bool:
 def readable(linear: nn.Module, quantized: nn.Module) -> nn.Module:
     """``quantized`` (the mode's layer built from ``linear``), in a :class:`ReadableLinear` if the probe step saw the
     model's code read ``linear``'s weight directly; as it is otherwise. Called by the formats' ``replace``."""
-    reader = _SERVED.get(linear)
-    if reader is None or not isinstance(linear, nn.Linear):
+    served = _SERVED.get(linear)
+    if served is None or not isinstance(linear, nn.Linear):
         return quantized
     new = ReadableLinear.from_quantized(linear, quantized)
-    _SERVED[new] = reader
-    if linear in _NAMES:
-        _NAMES[new] = _NAMES[linear]
+    _SERVED[new] = served
     record.set_converted(new, "Linear")  # resume maps its storage's keys to the layer's weight (the LINEAR kind's name)
     return new
 

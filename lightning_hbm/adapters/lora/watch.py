@@ -12,7 +12,7 @@ from torch import nn
 from lightning_hbm._compat.torch import foreach_norm
 from lightning_hbm.adapters.lora.base import adapted_layers
 from lightning_hbm.layers import weight_readers
-from lightning_hbm.naming import name_list
+from lightning_hbm.naming import name_list, under
 
 #: backward passes over which an adapter whose gradient was all-zero at the first is watched. Each costs one fused
 #: norm over the adapters still all-zero and one device sync (after the first pass usually none are: no cost).
@@ -295,7 +295,7 @@ def zero_scales_around(module: nn.Module, names: list[str], adapters: list[str])
     around: dict[str, list[tuple[str, bool]]] = {}
     for name in names:
         for block in _ancestors(name, top):
-            inside = [(s, trained) for s, owner, trained in scales if _under(owner, block) and not _under(owner, name)]
+            inside = [(s, trained) for s, owner, trained in scales if (not block or under(owner, [block])) and not under(owner, [name])]
             if inside:
                 around[name] = inside
                 break
@@ -307,10 +307,6 @@ def _ancestors(name: str, top: str) -> list[str]:
     parts = name.split(".")
     chain = [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
     return chain[: chain.index(top) + 1] if top in chain else chain
-
-
-def _under(owner: str, block: str) -> bool:
-    return not block or owner == block or owner.startswith(block + ".")
 
 
 def _common_parent(names: list[str]) -> str:
