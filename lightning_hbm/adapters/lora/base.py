@@ -55,6 +55,22 @@ def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
 
 
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of ``tensor``: a sharded one (FSDP2's DTensor, ``QuantizedFSDPStrategy``) gathered from every rank, a
+    collective each rank must call in the same order; any other as it is."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(tensor, DTensor):
+            return tensor.full_tensor()
+    return tensor
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` holds sharded parameters (FSDP2's DTensors): reading them whole takes every rank."""
+    return torch.distributed.is_available() and any(type(p).__name__ == "DTensor" for p in module.parameters())
+
+
 def hf_root(module: nn.Module, submodule: Optional[str]) -> str:
     """The name of the model peft's adapter format is relative to: ``submodule`` when given (checked), else the
     outermost Hugging Face model inside ``module`` (``""``: ``module`` itself, a Hugging Face model or none inside).

@@ -9,7 +9,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional, Union, cast
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -19,7 +19,7 @@ from torch import nn
 from lightning_hbm import resume
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.adapters.lora import variants
-from lightning_hbm.adapters.lora.base import ADAPTER_NAME, adapted_layers, adapter_state_dict, hf_root
+from lightning_hbm.adapters.lora.base import ADAPTER_NAME, adapted_layers, adapter_state_dict, full_tensor, hf_root, is_sharded
 from lightning_hbm.adapters.lora.folder import MANIFEST, check_adapter_folder, write_folder
 from lightning_hbm.adapters.lora.merge import merge
 from lightning_hbm.adapters.lora.quantized_base import BASE_RECORD, base_record
@@ -67,6 +67,13 @@ def save_adapter(
     to them): the folder gets :data:`~.quantized_base.BASE_RECORD` (each quantized layer's mode, rounding, correction
     rank and a fingerprint of its storage), and ``LoRA.check_quantized_base(base, path)`` refuses, before loading, a
     base quantized otherwise (another probe batch, bitsandbytes' own rounding, another block size).
+
+    A model sharded by ``QuantizedFSDPStrategy`` (FSDP2: its adapters, corrections and packed weights are DTensor shards)
+    is read whole: call ``save_adapter`` on **every** rank (after ``trainer.fit``, as the script runs on each), each
+    gathers the same tensors in the same order, and rank 0 alone writes the folder, the one a single device writes of
+    the same weights (the quantized-base record fingerprints the whole rounded storage); the other ranks write nothing
+    and return once it is written, and a failure on rank 0 raises on every rank. Called on rank 0 only, it waits for
+    the others (the collectives' timeout).
     """
     if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
         # was: "" wrote the adapter into the working directory (an unset variable, say), None a TypeError from pathlib
@@ -112,8 +119,34 @@ def save_adapter(
             (folder / BASE_RECORD).write_text(json.dumps(base, indent=1))
 
     path = Path(path)
-    write_folder(path, write)
+    if is_sharded(module):  # FSDP2: every rank gathered the tensors above, rank 0 writes
+        _write_on_rank_zero(path, write)
+    else:
+        write_folder(path, write)
     return path
+
+
+def _write_on_rank_zero(path: Path, write: Callable[[Path], Any]) -> None:
+    """A sharded model's folder: rank 0 writes it, every rank learns how that went (one broadcast, so no rank waits
+    on another that failed); a failure on rank 0 raises on every rank. Was (session 39): every rank raised on the
+    sharded tensors, nothing written."""
+    import torch.distributed as dist
+
+    failure: Optional[Exception] = None
+    if dist.get_rank() == 0:
+        try:
+            write_folder(path, write)
+        except Exception as err:
+            failure = err
+    said: list[Optional[str]] = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    dist.broadcast_object_list(said, src=0)
+    if failure is not None:
+        raise failure
+    if said[0] is not None:
+        raise RuntimeError(
+            f"LoRA.save_adapter: rank 0 could not write the adapter into {path} ({said[0]}). Under a sharded run rank 0 "
+            f"alone writes it (this is rank {dist.get_rank()}): fix the cause there and save again, on every rank."
+        )
 
 
 def _peft_tensors(module: nn.Module, root: str, bias: str) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -134,7 +167,7 @@ def _peft_tensors(module: nn.Module, root: str, bias: str) -> tuple[dict[str, to
         # peft's file format drops the adapter name: ...q_proj.lora_A.weight, and DoRA's ...q_proj.lora_magnitude_vector
         key = "base_model.model." + rel.replace(f".{ADAPTER_NAME}.", ".")
         key = key[: -len(".weight")] if key.endswith(".lora_magnitude_vector.weight") else key
-        tensor = param.contiguous().cpu()
+        tensor = full_tensor(param).contiguous().cpu()  # FSDP2's shard: the whole tensor (every rank gathers)
         # a tied weight trained in full (modules_to_save=["lm_head"] of a tie_word_embeddings model trains the
         # embedding too) is under both names: each its own copy, as safetensors refuses shared memory (it raised
         # after the fit, nothing saved); peft loads both modules, the same trained weight
@@ -168,7 +201,8 @@ def _trained_statistics(module: nn.Module, root: str, hf_model: nn.Module, saved
         persistent = sub.state_dict(keep_vars=True)
         state = persistent if name in added else {k: b for k, b in sub.named_buffers() if k in persistent}
         for key, value in state.items():
-            tensors.setdefault(f"base_model.model.{name}.{key}", value.detach().contiguous().cpu().clone())
+            whole = full_tensor(value.detach())  # a normalization's weight sharded by FSDP2: every rank gathers
+            tensors.setdefault(f"base_model.model.{name}.{key}", whole.contiguous().cpu().clone())
     if added:
         rank_zero_info(
             f"LoRA.save_adapter: the running statistics of {len(added)} normalization layer(s) ({name_list(added)}) "
@@ -227,7 +261,8 @@ def _fold_corrections(
         rel = name[len(prefix) :].removesuffix(".base_layer")  # under peft's wrapper when the layer is adapted
         lora = adapted.get(rel)
         key = "base_model.model." + rel
-        right, left = correction.right.detach().float().cpu(), correction.left.detach().float().cpu()
+        right = full_tensor(correction.right.detach()).float().cpu()  # FSDP2: sharded like the weight
+        left = full_tensor(correction.left.detach()).float().cpu()
         if lora is None:
             rank, scaling, dtype = correction.rank, 1.0, torch.float32
             tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = right, left

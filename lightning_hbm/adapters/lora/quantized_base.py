@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_hbm import record, resume
+from lightning_hbm.adapters.lora.base import full_tensor
 from lightning_hbm.adapters.lora.folder import check_adapter_folder
 from lightning_hbm.layers.correction import correction_of
 from lightning_hbm.precision.registry import format_of
@@ -49,7 +50,7 @@ def _storage(layer: nn.Module) -> list[torch.Tensor]:
     weight = getattr(layer, "weight", None)
     tensors: list[torch.Tensor] = []
     if isinstance(weight, torch.Tensor):
-        plain = weight.detach()
+        plain = full_tensor(weight.detach())  # FSDP2's shard: the whole packed weight (every rank gathers)
         if type(plain) is not torch.Tensor and fmt is not None:
             plain = fmt.dequantize(layer, torch.float32)
         tensors.append(plain)
@@ -158,7 +159,8 @@ def check_quantized_base(model: nn.Module, path: Union[str, Path]) -> Path:
     :data:`BASE_RECORD` must be in ``model`` (a Hugging Face model, the LightningModule holding it, or a ``PeftModel``)
     and hold the same quantized storage (fingerprint) as the run's: same mode, block size and rounding, GPTQ from the
     same probe batch. A folder without the record (saved without ``with_correction``, or by a lightning_hbm before
-    session 39) cannot be checked: said in a warning. Returns ``path``.
+    session 39) cannot be checked: said in a warning. A model sharded by FSDP2 (``QuantizedFSDPStrategy``) is read
+    whole, each rank gathering its packed weights: call it on every rank. Returns ``path``.
 
     Raises:
         ValueError: a layer differs (the first named, with what differs and the fix; nothing was loaded), or the record
