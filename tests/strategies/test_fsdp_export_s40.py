@@ -79,11 +79,21 @@ def worker(out: Path) -> None:
               for arm, wc in ARMS.items()}  # fmt: skip
     record["own"] = _attempt(lambda: LoRA.save_adapter(model, out / f"own{rank}"))
     record["check"] = _attempt(lambda: LoRA.check_quantized_base(model, out / "corrected"))
+    record["merge"] = _attempt(lambda: _merge_and_save(model, out / f"merged{rank}.safetensors"))
+    record["sharded after"] = sorted({type(p).__name__ for p in model.parameters()})
     if rank == 0:
         (out / "blocked").write_text("a file where the folder should go")
     dist.barrier()
     record["blocked"] = _attempt(lambda: LoRA.save_adapter(model, out / "blocked"))
     (out / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def _merge_and_save(model: Any, file: Path) -> None:
+    from safetensors.torch import save_file
+
+    from lightning_hbm import LoRA
+
+    save_file(LoRA.merge(model, dtype="float32"), str(file))
 
 
 @pytest.fixture(scope="module")
@@ -100,14 +110,20 @@ def _folder(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[s
     return load_file(str(path / "adapter_model.safetensors")), config, json.loads(record.read_text()) if record.exists() else {}
 
 
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The same fit on one process: the model whose exports the 2-rank ones must equal."""
+    return _fit(1, "auto", str(tmp_path_factory.mktemp("one_device")))
+
+
 @pytest.mark.slow
-def test_sharded_run_writes_the_one_device_export_from_rank_zero(two_rank_run: Path, tmp_path: Path) -> None:
+def test_sharded_run_writes_the_one_device_export_from_rank_zero(two_rank_run: Path, one_device: Any, tmp_path: Path) -> None:
     from lightning_hbm import LoRA
 
     ranks = [json.loads((two_rank_run / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank in ranks:  # was: RuntimeError (a DTensor's data pointer) on every rank, nothing written
         assert [rank[arm] for arm in ("plain", "corrected", "own", "check")] == ["ok"] * 4, rank
-    model = _fit(1, "auto", str(tmp_path / "root"))
+    model = one_device
     for arm, with_correction in ARMS.items():
         LoRA.save_adapter(model, tmp_path / arm, with_correction=with_correction)
         want, got = _folder(tmp_path / arm), _folder(two_rank_run / arm)
@@ -121,6 +137,25 @@ def test_sharded_run_writes_the_one_device_export_from_rank_zero(two_rank_run: P
     assert len(_folder(two_rank_run / "corrected")[2]["layers"]) == 14  # 7 Linears of each of the 2 blocks
     assert got[0]["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (8, 64)  # r 4 + 4
     LoRA.check_quantized_base(model, two_rank_run / "corrected")  # the one-device base fits the 2-rank export
+
+
+@pytest.mark.slow
+def test_sharded_run_merges_as_one_device(two_rank_run: Path, one_device: Any) -> None:
+    """``LoRA.merge`` on every rank gathers the whole model meanwhile: each rank gets the one-device merge, and the
+    model is sharded again after. Was: bitsandbytes' dequantize raised on the DTensor shard, on every rank."""
+    from safetensors.torch import load_file
+
+    from lightning_hbm import LoRA
+
+    ranks = [json.loads((two_rank_run / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [rank["merge"] for rank in ranks] == ["ok", "ok"], ranks
+    assert [rank["sharded after"] for rank in ranks] == [["DTensor"], ["DTensor"]]
+    want = LoRA.merge(one_device, dtype="float32")
+    for r in (0, 1):
+        got = load_file(str(two_rank_run / f"merged{r}.safetensors"))
+        assert sorted(got) == sorted(want)
+        for key, tensor in want.items():
+            torch.testing.assert_close(got[key], tensor, atol=1e-5, rtol=0, msg=key)
 
 
 @pytest.mark.slow

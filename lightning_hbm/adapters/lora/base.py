@@ -3,6 +3,8 @@ trained weights and the model they are relative to in peft's format."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -69,6 +71,26 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``module`` holds sharded parameters (FSDP2's DTensors): reading them whole takes every rank."""
     return torch.distributed.is_available() and any(type(p).__name__ == "DTensor" for p in module.parameters())
+
+
+@contextmanager
+def gathered(module: nn.Module) -> Iterator[None]:
+    """``module``'s FSDP2 units unsharded (their parameters whole, plain tensors, on every rank: a collective each rank
+    must enter) for the block, sharded again after; nothing for a model that is not sharded. The whole model at once
+    on each rank: what it held before sharding (the quantized base fits one device, the strategy builds it there)."""
+    if not is_sharded(module):
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
 
 
 def hf_root(module: nn.Module, submodule: Optional[str]) -> str:

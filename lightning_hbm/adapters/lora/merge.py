@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_hbm import resume
 from lightning_hbm.adapters.lora import variants
-from lightning_hbm.adapters.lora.base import ADAPTER_NAME, adapted_layers, adapter_state_dict, hf_root
+from lightning_hbm.adapters.lora.base import ADAPTER_NAME, adapted_layers, adapter_state_dict, gathered, hf_root, is_sharded
 from lightning_hbm.layers import base_layer, is_adapted, stored_in
 from lightning_hbm.layers.correction import correction_weight
 from lightning_hbm.layers.embedding import TiedHead
@@ -58,7 +58,22 @@ def merge(
     into one weight) comes back as the factors the model as built holds (``parametrizations.weight.original0`` /
     ``original1``, or ``weight_g`` / ``weight_v``): ``v`` the merged weight, ``g`` its norm, so the model's weight_norm
     computes the merged weight; from ``base_state_dict`` its weight is computed from the factors given there.
+
+    A model sharded by ``QuantizedFSDPStrategy`` (FSDP2) is merged whole: call ``merge`` on every rank (a collective:
+    each rank gathers the whole model, as it held it before sharding, for the merge); each gets the merged state_dict
+    (save it from rank 0). Before session 40 it raised (bitsandbytes' dequantize on a DTensor shard).
     """
+    sharded = is_sharded(module)
+    with gathered(module):  # FSDP2: the whole model on every rank meanwhile; nothing otherwise
+        merged = _merged(module, dtype, base_state_dict, allow_base_change)
+        # a tensor of the model's own (a norm's weight in the merged dtype) must outlive the gathered storage
+        return {k: v.clone() for k, v in merged.items()} if sharded else merged
+
+
+def _merged(
+    module: nn.Module, dtype: str, base_state_dict: Optional[dict[str, torch.Tensor]], allow_base_change: bool
+) -> dict[str, torch.Tensor]:
+    """:func:`merge` on a model whose tensors are whole."""
     out_dtype = to_dtype(dtype)
     root = _check_merge_base(module, base_state_dict, allow_base_change)
     weights = _BaseWeights(base_state_dict, root)
