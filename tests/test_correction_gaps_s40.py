@@ -11,6 +11,7 @@ Real bitsandbytes, peft and transformers; nothing mocked.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -124,3 +125,30 @@ def test_the_full_precision_export_is_the_runs_adapter_on_the_unquantized_base(l
         quantized_run = loss(model(idx))
     assert got == pytest.approx(want, rel=1e-5) and unloaded == pytest.approx(want, rel=1e-5)
     assert abs(quantized_run - want) > 1e-4  # the run computed on the quantized base: another loss, as it should
+
+
+def test_a_damaged_correction_factor_in_a_sealed_checkpoint_stops_the_resume_before_training(
+    gpt_factory: Callable[..., Any], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    """A resume takes the factors from the file, not from the probe: so the seal must cover them (one flipped bit
+    would otherwise change the model silently)."""
+    def run(max_steps: int) -> Any:
+        plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=PROBE, correction_rank=4)
+        return trainer_factory(max_steps=max_steps, plugins=[plugin], callbacks=[LoRA(r=2)])
+
+    trainer = run(2)
+    trainer.fit(gpt_factory(), datamodule_factory())
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    checkpoint = torch.load(tmp_path / "run.ckpt", weights_only=True)
+    key = next(k for k in checkpoint["lightning_hbm"]["state_dict"] if ".lowrank_correction.left" in k)
+    checkpoint["lightning_hbm"]["state_dict"][key].reshape(-1)[:1].view(torch.uint8)[0] ^= 0x40  # one bit
+    torch.save(checkpoint, tmp_path / "bad.ckpt")
+    model = gpt_factory()
+    trainer = run(4)
+    with pytest.raises(ValueError, match=rf"bad.ckpt is damaged: tensor '.*{re.escape(key)}' does not match the checksum"):
+        trainer.fit(model, datamodule_factory(), ckpt_path=tmp_path / "bad.ckpt")
+    assert trainer.global_step == 0
+    trainer = run(4)  # the intact file resumes
+    trainer.fit(gpt_factory(), datamodule_factory(), ckpt_path=tmp_path / "run.ckpt")
+    assert trainer.global_step == 4
