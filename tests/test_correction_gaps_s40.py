@@ -152,3 +152,24 @@ def test_a_damaged_correction_factor_in_a_sealed_checkpoint_stops_the_resume_bef
     trainer = run(4)  # the intact file resumes
     trainer.fit(gpt_factory(), datamodule_factory(), ckpt_path=tmp_path / "run.ckpt")
     assert trainer.global_step == 4
+
+
+def test_quantization_quality_shows_the_corrected_error_at_fit_start(
+    gpt_factory: Callable[..., Any], datamodule_factory: Callable[..., Any], trainer_factory: Callable[..., Any], tmp_path: Path
+) -> None:
+    """``QuantizationQuality``'s fit-start figures are those of the corrected model: on inputs the correction was not
+    fitted on, less output error and a higher worst weight SQNR than the same base without it."""
+    from lightning_hbm import QuantizationQuality
+
+    held_out = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    metrics = {}
+    for rank in (0, 8):
+        quality = QuantizationQuality(probe_batch=held_out, on_validation=False)
+        plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=PROBE, correction_rank=rank, quantize_embeddings=False)
+        trainer_factory(max_steps=1, plugins=[plugin], callbacks=[quality, LoRA(r=2)], default_root_dir=tmp_path / str(rank)).fit(
+            gpt_factory(), datamodule_factory())
+        metrics[rank] = dict(quality.metrics)
+    assert metrics[8]["quant/relative_error"] < metrics[0]["quant/relative_error"]
+    assert metrics[8]["quant/cosine_similarity"] > metrics[0]["quant/cosine_similarity"]
+    for sqnr in ("quant/weight_sqnr_db_min", "quant/weight_sqnr_db_mean"):  # the weight read is Q + B_c A_c
+        assert metrics[8][sqnr] > metrics[0][sqnr], (sqnr, metrics)
