@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_hbm.layers import CONV
+from lightning_hbm.layers import CONV, kind_of
 from lightning_hbm.precision.accuracy import CHECK_SAMPLES, Reference
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.measures import Measures, one_batch
@@ -148,9 +148,27 @@ def linear_modes(
     report = choose_layer_modes(
         module, names, config.format.name, config.sensitive_mode, config.torch_dtype, probe().batch,
         max_bytes_per_param=config.max_bytes_per_param, min_cosine=config.min_cosine, hessians=hessians,
+        fixed_bytes=correction_bytes(module, names, config.correction_rank or 0, config.torch_dtype),
     )  # fmt: skip
     log.info("lightning_hbm: mixed precision plan: %s", report.summary(config.format.name))
     return report
+
+
+def correction_bytes(module: nn.Module, names: list[str], rank: int, dtype: torch.dtype) -> dict[str, int]:
+    """``{layer: bytes}`` of the calibrated correction's factors a rank-``rank`` correction stores beside each Linear-like
+    layer of ``names`` (``r (in + out)`` values in ``dtype``, ``r`` capped at ``min(in, out)``; convolutions get none):
+    what a byte budget counts with the weights (:func:`~lightning_hbm.precision.sensitivity.choose_layer_modes`)."""
+    if not rank:
+        return {}
+    sizes = {}
+    for name in names:
+        layer = module.get_submodule(name)
+        kind = kind_of(layer)
+        if kind is None or kind.wrap is not None:
+            continue
+        in_features, out_features = kind.features(layer)
+        sizes[name] = min(rank, out_features, in_features) * (in_features + out_features) * dtype.itemsize
+    return sizes
 
 
 def conv_modes(

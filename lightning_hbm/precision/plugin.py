@@ -209,8 +209,8 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             +0.09 bytes per weight at 16 on SmolLM2-135M); LoRA trains on top of it. ``0``/``None`` (default): none,
             the Hugging Face QLoRA recipe bit for bit. Capped at ``min(in, out)`` per layer (said); a probe with fewer
             tokens than ``r`` is an error. The default probe is then 2048 tokens (on SmolLM2 a 512-token one left
-            +1.49 % to 16-bit LoRA after training, a 2048-token one +0.74 %). Saved in every checkpoint and taken back from it on resume. Not counted in
-            ``max_bytes_per_param``. The best measured configuration: ``QuantizedPrecision("nf4-dq-b32",
+            +1.49 % to 16-bit LoRA after training, a 2048-token one +0.74 %). Saved in every checkpoint and taken back from it on resume. Counted in
+            ``max_bytes_per_param`` with the weights. The best measured configuration: ``QuantizedPrecision("nf4-dq-b32",
             rounding="gptq", correction_rank=16)`` (benchmarks/README.md).
 
     Raises:

@@ -365,17 +365,20 @@ def ladder(base: str, sensitive: Any) -> tuple[str, ...]:
 
 def _check_budget(
     max_bytes_per_param: Optional[float], uniform: float, widest: float, base: str, sensitive: Sequence[str],
-    weights: int = 0, layers: int = 0,
+    weights: int = 0, layers: int = 0, fixed: float = 0.0,
 ) -> None:
     if max_bytes_per_param is not None and max_bytes_per_param < uniform:
         # a model whose quantizable layers are few and tiny (a conv net's 32 x 5 head) pays each layer's fixed
         # constants over few weights: over a byte per weight in a 4-bit mode (session 39), said as the cause
         few = (f" These {layers} layers hold only {weights:,} weights, so each layer's fixed constants dominate; "
                "the budget counts these layers only." if uniform > 1.0 and layers else "")
+        # the calibrated correction's factors are in the figure (stored beside every quantized layer), said with the fix
+        corrected = (f" That includes the calibrated correction's factors (correction_rank), {fixed:.4f} bytes per parameter: "
+                     "a smaller correction_rank leaves more of the budget to the weights." if fixed else "")
         raise ValueError(
             f"max_bytes_per_param={max_bytes_per_param} cannot be met: storing every quantizable layer in {base!r} "
             f"already takes {uniform:.4f} bytes per parameter, the least reachable with this mode (every layer in "
-            f"the widest of {list(sensitive)}: {widest:.4f}).{few} Raise max_bytes_per_param to at least "
+            f"the widest of {list(sensitive)}: {widest:.4f}).{few}{corrected} Raise max_bytes_per_param to at least "
             f"{uniform:.4f}, or pick a smaller mode."
         )
 
@@ -456,6 +459,7 @@ def choose_layer_modes(
     hessians: Optional[Mapping[str, torch.Tensor]] = None,
     strict: bool = True,
     tap: Optional[str] = None,
+    fixed_bytes: Optional[Mapping[str, int]] = None,
 ) -> SensitivityReport:
     """Choose ``base`` or one of the ``sensitive`` modes for each layer in ``names`` (changed back afterwards): Linears,
     and convolutions (their weight matrix, :mod:`lightning_hbm.layers.conv`).
@@ -464,7 +468,9 @@ def choose_layer_modes(
     With ``max_bytes_per_param`` alone the budget is filled; with ``min_cosine`` the cheapest plan of the
     sequence reaching it is taken. A budget that cannot be met raises a ``ValueError`` naming the best
     reachable figure, before anything changes (``strict=False``: the plan closest to ``min_cosine`` is returned, its
-    cosine said in the result). ``hessians``: 4-bit Linears are measured GPTQ-rounded
+    cosine said in the result). ``fixed_bytes``: bytes a layer stores in any quantized mode beside its weight (the
+    calibrated correction's factors, ``correction_rank``): in every byte figure and in the budget, so that
+    ``max_bytes_per_param`` bounds all that is stored (session 40: they were stored on top of it, unsaid). ``hessians``: 4-bit Linears are measured GPTQ-rounded
     (``QuantizedPrecision(rounding="gptq")``), convolutions rounded to nearest (:func:`measured_rounded`).
     Deterministic for a fixed probe batch. Cost: one probe
     forward per layer (its error alone) and a few more (below), each with one layer or one plan swapped in.
@@ -479,10 +485,11 @@ def choose_layer_modes(
     layers = {name: module.get_submodule(name) for name in names}
     features = {n: cast(LayerKind, kind_of(lay)).features(lay) for n, lay in layers.items()}  # a conv: its weight matrix
     total_params = sum(math.prod(f) for f in features.values())
-    cost = {n: {m: weight_bytes(m, *features[n], dtype) for m in modes} for n in layers}
+    fixed = fixed_bytes or {}
+    cost = {n: {m: weight_bytes(m, *features[n], dtype) + (0 if m == UNQUANTIZED else fixed.get(n, 0)) for m in modes} for n in layers}
     uniform_bytes = sum(c[base] for c in cost.values())
     widest = sum(max(c.values()) for c in cost.values()) / total_params
-    _check_budget(max_bytes_per_param, uniform_bytes / total_params, widest, base, wider, total_params, len(layers))
+    _check_budget(max_bytes_per_param, uniform_bytes / total_params, widest, base, wider, total_params, len(layers), sum(fixed.get(n, 0) for n in layers) / total_params)
     budget = math.inf if max_bytes_per_param is None else max_bytes_per_param * total_params
     swapper = _Swapper(Probe(module, probe), layers, dtype, hessians)  # the model and its batch, handed down once
     with eval_no_grad(module):
