@@ -86,3 +86,44 @@ def test_one_name_each() -> None:
     from lightning_hbm import precision
 
     assert not {"QuantMode", "get_mode", "register_mode"} & set(dir(precision) + dir(precision.registry))
+
+
+def _inline_unders(source: str) -> list[int]:
+    """Lines holding ``any(x == p or x.startswith(p + ".") for p in ps)``: :func:`lightning_hbm.naming.under` written
+    out again (the f-string spelling ``f"{p}."`` too)."""
+    import ast
+
+    def dotted(arg: ast.expr) -> str | None:
+        if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Add) and isinstance(arg.right, ast.Constant) and arg.right.value == ".":
+            return ast.unparse(arg.left)
+        if isinstance(arg, ast.JoinedStr) and len(arg.values) == 2 and isinstance(arg.values[0], ast.FormattedValue):
+            return ast.unparse(arg.values[0].value) if ast.unparse(arg.values[1]) == "'.'" else None
+        return None
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or) and len(node.values) == 2):
+            continue
+        equal, starts = node.values
+        if (isinstance(equal, ast.Compare) and isinstance(equal.ops[0], ast.Eq) and isinstance(starts, ast.Call)
+                and isinstance(starts.func, ast.Attribute) and starts.func.attr == "startswith" and len(starts.args) == 1):
+            pair = {ast.unparse(equal.left), ast.unparse(equal.comparators[0])}
+            if pair == {ast.unparse(starts.func.value), dotted(starts.args[0])}:
+                found.append(node.lineno)
+    return found
+
+
+def test_under_is_written_once() -> None:
+    """One helper for "this module or inside it" (issue 54: three ``under`` helpers became one; this keeps copies of its
+    body from growing back inline). ``next(b for b in blocks if ...)``, which names the prefix, is not a copy."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "lightning_hbm"
+    copies = [
+        f"{path.relative_to(root.parent)}:{line}"
+        for path in sorted(root.rglob("*.py")) if path.name != "naming.py"
+        for line in _inline_unders(path.read_text())
+        if "next(" not in path.read_text().splitlines()[line - 1]
+    ]
+    assert copies == [], "call lightning_hbm.naming.under(name, prefixes) instead"
+    assert sorted(_inline_unders('any(n == b or n.startswith(b + ".") for b in bs)\nx == p or x.startswith(f"{p}.")\n')) == [1, 2]
