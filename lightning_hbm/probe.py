@@ -31,6 +31,7 @@ from torchmetrics import CosineSimilarity, RelativeSquaredError
 
 from lightning_hbm._compat import lightning as lightning_compat
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.naming import under
 from lightning_hbm.probe_batch import first_batch, first_batches, per_sample_images  # the first two public here too (drawn by probe_batch)
 from lightning_hbm.probe_record import (  # public here too (recorded by probe_record)
     INDEXED,
@@ -418,7 +419,7 @@ def stepped_inputs(module: nn.Module, batch: Any, names: Collection[str]) -> Opt
     own first) gives the submodule other inputs than here: the figure is then the submodule's on the raw batch, or,
     where it does not run on it, "not measured" with the fix (define ``forward``). Whether it runs on it is seen at
     the first measuring forward (:class:`Stepped`: no forward is run here)."""
-    holders = [n for n, _ in module.named_children() if names and all(x == n or x.startswith(n + ".") for x in names)]
+    holders = [n for n, _ in module.named_children() if names and all(under(x, [n]) for x in names)]
     if len(holders) != 1:
         return None
     return Stepped(holders[0], batch, tried=False)

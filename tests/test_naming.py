@@ -86,3 +86,106 @@ def test_one_name_each() -> None:
     from lightning_hbm import precision
 
     assert not {"QuantMode", "get_mode", "register_mode"} & set(dir(precision) + dir(precision.registry))
+
+
+def _inline_unders(source: str) -> list[int]:
+    """Lines holding ``any(x == p or x.startswith(p + ".") for p in ps)``: :func:`lightning_hbm.naming.under` written
+    out again (the f-string spelling ``f"{p}."`` too)."""
+    import ast
+
+    def dotted(arg: ast.expr) -> str | None:
+        if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Add) and isinstance(arg.right, ast.Constant) and arg.right.value == ".":
+            return ast.unparse(arg.left)
+        if isinstance(arg, ast.JoinedStr) and len(arg.values) == 2 and isinstance(arg.values[0], ast.FormattedValue):
+            return ast.unparse(arg.values[0].value) if ast.unparse(arg.values[1]) == "'.'" else None
+        return None
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or) and len(node.values) == 2):
+            continue
+        equal, starts = node.values
+        if (isinstance(equal, ast.Compare) and isinstance(equal.ops[0], ast.Eq) and isinstance(starts, ast.Call)
+                and isinstance(starts.func, ast.Attribute) and starts.func.attr == "startswith" and len(starts.args) == 1):
+            pair = {ast.unparse(equal.left), ast.unparse(equal.comparators[0])}
+            if pair == {ast.unparse(starts.func.value), dotted(starts.args[0])}:
+                found.append(node.lineno)
+    return found
+
+
+def test_under_is_written_once() -> None:
+    """One helper for "this module or inside it" (issue 54: three ``under`` helpers became one; this keeps copies of its
+    body from growing back inline). ``next(b for b in blocks if ...)``, which names the prefix, is not a copy."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "lightning_hbm"
+    copies = [
+        f"{path.relative_to(root.parent)}:{line}"
+        for path in sorted(root.rglob("*.py")) if path.name != "naming.py"
+        for line in _inline_unders(path.read_text())
+        if "next(" not in path.read_text().splitlines()[line - 1]
+    ]
+    assert copies == [], "call lightning_hbm.naming.under(name, prefixes) instead"
+    assert sorted(_inline_unders('any(n == b or n.startswith(b + ".") for b in bs)\nx == p or x.startswith(f"{p}.")\n')) == [1, 2]
+
+
+# every name with "plan" in it outside the planner (planner/, and cli/: the planner's command line), by
+# (file under lightning_hbm/, top-level definition it stands in, name): the planner's own words (``planned_as``: how
+# the planner's trace counts a kind; ``planning``: a fake-tensor trace) and the deprecated former names, kept working
+PLAN_NAMES_OUTSIDE_THE_PLANNER = {
+    ("activations/checkpointing.py", "<module>", "_BlockPlan"),  # former name of _BlockSetup (pickled models)
+    ("layers/conv.py", "<module>", "planned_as"),
+    ("layers/conv1d.py", "<module>", "planned_as"),
+    ("layers/conv_transpose.py", "<module>", "planned_as"),
+    ("layers/embedding.py", "<module>", "planned_as"),
+    ("layers/experts.py", "<module>", "planned_as"),
+    ("layers/kinds.py", "LayerKind", "planned_as"),
+    ("layers/kinds.py", "kind_table", "planned_as"),
+    ("layers/linear.py", "<module>", "planned_as"),
+    ("layers/multihead_attention.py", "<module>", "planned_as"),
+    ("precision/config.py", "QuantizationConfig", "measures_plan"),  # deprecated: measures_layer_modes
+    ("precision/config.py", "QuantizationConfig", "pinned_plan"),  # deprecated: pinned_layer_modes
+    ("precision/plugin.py", "QuantizedPrecision", "plan"),  # deprecated: layer_modes
+    ("precision/plugin.py", "QuantizedPrecision", "plan_report"),  # deprecated: sensitivity_report
+    ("precision/quantization.py", "Quantization", "saved_plan"),  # deprecated: saved_layer_modes
+    ("precision/sensitivity.py", "_layer_modes_argument", "plan"),  # predict_parameter_bytes(plan=...), deprecated
+    ("precision/sensitivity.py", "predict_parameter_bytes", "plan"),
+    ("precision/targets.py", "_linear_reasons", "planning"),
+    ("record.py", "CheckpointedForward", "plan"),  # deprecated: setup
+}
+
+
+def _plan_names(source: str) -> set[tuple[str, str]]:
+    """``(top-level definition or "<module>", name)`` for each identifier with "plan" in it (not "planner")."""
+    import ast
+
+    found: set[tuple[str, str]] = set()
+
+    def visit(node: ast.AST, owner: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            defined = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            inner = child.name if defined and not owner else owner
+            name = (child.id if isinstance(child, ast.Name) else child.arg if isinstance(child, (ast.arg, ast.keyword))
+                    else child.attr if isinstance(child, ast.Attribute) else child.name if defined else None)
+            if name and "plan" in name.lower() and "planner" not in name.lower() and "explain" not in name.lower():
+                found.add((inner or "<module>", name))
+            visit(child, inner)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def test_plan_is_left_to_the_planner() -> None:
+    """Issue 54 item 4: "plan" names the planner's (``planner.plan``, ``Plan``); the layer modes a quantization takes
+    are ``layer_modes``, the sensitivity search's candidates ``choice``/``choices``. A new name with "plan" in it
+    outside the planner fails here: name it by what it holds, or add it above if it is the planner's or a former name."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "lightning_hbm"
+    names = {
+        (path.relative_to(root).as_posix(), owner, name)
+        for path in sorted(root.rglob("*.py")) if not path.relative_to(root).as_posix().startswith(("planner/", "cli/"))
+        for owner, name in _plan_names(path.read_text())
+    }
+    assert sorted(names - PLAN_NAMES_OUTSIDE_THE_PLANNER) == [], "outside the planner: name these by what they hold"
+    assert _plan_names("def f(plan):\n    plans = [plan]\n") == {("f", "plan"), ("f", "plans")}

@@ -22,6 +22,7 @@ from lightning_hbm.layers.readers import observation as probe_observation
 from lightning_hbm.layers.source_scan import weight_readers
 from lightning_hbm.memory import parameter_bytes, parameter_count
 from lightning_hbm.memory.storage import quantized_format
+from lightning_hbm.naming import under
 
 WARN_SHARE = 0.05  # a kind left alone (not by choice) above this share of all parameters is a warning
 
@@ -115,7 +116,7 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
             note = f"stored in {quantized_format(storage).name} (QuantizedPrecision(quantize_embeddings=...))"
         if quantized and note:
             row.reasons[note] = row.reasons.get(note, 0) + count
-        if any(name == b or name.startswith(b + ".") for b in blocks):
+        if under(name, blocks):
             row.checkpointed += count
         inside = next((b for b in unchecked if name == b or name.startswith(b + ".")), None)
         if inside is not None:  # a block ActivationCheckpointing chose and runs without checkpoint: its layers say why
@@ -172,7 +173,7 @@ def coverage(module: nn.Module, quantizing: bool, adapting: bool) -> list[Covera
             row.params += param.numel()
             row.left_alone += param.numel()
             row.reasons[reason] = row.reasons.get(reason, 0) + param.numel()
-            row.checkpointed += param.numel() if any(owner == b or owner.startswith(b + ".") for b in blocks) else 0
+            row.checkpointed += param.numel() if under(owner, blocks) else 0
             row.unhandled += 0 if deliberate else param.numel()
             if owner not in holders[row.kind]:
                 holders[row.kind].append(owner)

@@ -62,7 +62,7 @@ def output_heads(module: nn.Module) -> list[str]:
     # model with no head outside them has none (was: the last block's one, e.g. a BERT classifier's last
     # intermediate.dense when intermediate_size == vocab_size, kept unquantized as "the output head")
     in_blocks = {f"{n}.{i}" if n else str(i) for n, m in module.named_modules() if isinstance(m, nn.ModuleList) for i in range(len(m))}
-    outside = [n for n in wide if not any(n == b or n.startswith(b + ".") for b in in_blocks)]
+    outside = [n for n in wide if not under(n, in_blocks)]
     return outside[-1:]
 
 

@@ -42,22 +42,22 @@ class SavedSettings:
         self.config = config
         self.owner = owner
         # the Trainer whose surgery measured or took the layer modes (weakly): a plugin reused by another Trainer compares
-        # that run's plan at its resume, not the last fit's (session 32: a sweep's plugin refused its own checkpoint)
+        # that run's layer modes at its resume, not the last fit's (session 32: a sweep's plugin refused its own checkpoint)
         self._modes_run: Optional[weakref.ref] = None
 
     def taken_by(self, trainer: Any) -> None:
         """The layer modes of the surgery under way are ``trainer``'s run's (``None``: a surgery of no run)."""
         self._modes_run = weakref.ref(trainer) if trainer is not None else None
 
-    def _planned_for(self, trainer: Any) -> bool:
+    def _modes_are_of(self, trainer: Any) -> bool:
         """Whether the layer modes are ``trainer``'s run's (its surgery measured or took them): a reused plugin's resume
-        check runs before that run's surgery, when they are still the last fit's (another model's plan)."""
+        check runs before that run's surgery, when they are still the last fit's (another model's)."""
         return trainer is None or (self._modes_run is not None and self._modes_run() is trainer)
 
     def __getstate__(self) -> dict[str, Any]:
         # the weak reference to this run's Trainer is this process's, not the plugin's settings: a Trainer pickled or
         # deep-copied after fit failed with "cannot pickle 'weakref.ReferenceType' object" (session 32); the copy then
-        # compares the checkpoint's plan at a resume, as a plugin of no run does
+        # compares the checkpoint's layer modes at a resume, as a plugin of no run does
         return {**self.__dict__, "_modes_run": None}
 
     def saved(self, trainer: Any) -> Optional[dict[str, Any]]:
@@ -72,7 +72,7 @@ class SavedSettings:
         targets = {"max_bytes_per_param": config.max_bytes_per_param, "min_cosine": config.min_cosine}
         if any(value is not None for value in targets.values()):
             saved.update(targets, sensitive_mode=config.sensitive_argument())
-        if config.layer_modes is not None:  # a plan the user gave: a setting like the others
+        if config.layer_modes is not None:  # layer modes the user gave: a setting like the others
             saved["layer_modes"] = dict(config.layer_modes)
         if config.quantize_embeddings and not embeddings_kept:  # absent before this option existed, and when kept
             saved["quantize_embeddings"] = config.quantize_embeddings
@@ -118,13 +118,13 @@ class SavedSettings:
         ``layer_modes``: the modes the last surgery chose (taken where they are this run's: pinned, or
         :meth:`taken_by` ``trainer``)."""
         config = self.run_settings(trainer, settings)
-        plan = layer_modes if self.config.layer_modes is not None or self._planned_for(trainer) else None
-        if plan is None and self.config.layer_modes is None:
-            # compared before the surgery measures a plan (the load hook, before Lightning's restore): with the same
-            # settings the plan will be the checkpoint's own (the mode choice takes it), so that one is this run's
-            plan = self.saved_layer_modes(trainer, settings)
-        if plan is not None:
-            config["layer_modes"] = dict(plan)
+        modes = layer_modes if self.config.layer_modes is not None or self._modes_are_of(trainer) else None
+        if modes is None and self.config.layer_modes is None:
+            # compared before the surgery measures the modes (the load hook, before Lightning's restore): with the same
+            # settings they will be the checkpoint's own (the mode choice takes them), so those are this run's
+            modes = self.saved_layer_modes(trainer, settings)
+        if modes is not None:
+            config["layer_modes"] = dict(modes)
         return config
 
     def kept_under(self) -> int:

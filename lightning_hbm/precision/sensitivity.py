@@ -335,11 +335,11 @@ class _Swapper:
         parent_name, _, child = name.rpartition(".")
         setattr(self.module.get_submodule(parent_name) if parent_name else self.module, child, layer)
 
-    def output(self, plan: Mapping[str, str], calls: Optional[list[Call]] = None, selections: Optional[list[Selection]] = None) -> torch.Tensor:
-        """The output with ``plan`` swapped in; ``calls``: filled with the calls of the modules of the model as built
+    def output(self, choice: Mapping[str, str], calls: Optional[list[Call]] = None, selections: Optional[list[Selection]] = None) -> torch.Tensor:
+        """The output with ``choice`` swapped in; ``calls``: filled with the calls of the modules of the model as built
         (a swapped layer under its name, not its own submodules), and ``selections`` with its data-dependent selections."""
         try:
-            for name, mode in plan.items():
+            for name, mode in choice.items():
                 self._put(name, self.variant(name, mode))
             with ExitStack() as stack:  # one forward call, its module calls and selections recorded when asked
                 recorded = stack.enter_context(self.probe.recording_calls({n for n, _ in self.module.named_modules()} & self.built)) if calls is not None else None
@@ -351,7 +351,7 @@ class _Swapper:
                 selections[:] = picked
             return output
         finally:
-            for name in plan:
+            for name in choice:
                 self._put(name, self.layers[name])
 
 
@@ -387,13 +387,13 @@ def greedy_layer_modes(
     solo: Mapping[str, float], cost: Mapping[str, Mapping[str, int]], base: str, sensitive: str, budget: float
 ) -> tuple[dict[str, str], int]:
     """The baseline: the layers with the largest error alone in ``sensitive`` while ``budget`` bytes allow."""
-    plan, used = {n: base for n in solo}, sum(c[base] for c in cost.values())
+    choice, used = {n: base for n in solo}, sum(c[base] for c in cost.values())
     for name in sorted(solo, key=lambda n: (-solo[n], n)):
         extra = cost[name][sensitive] - cost[name][base]
         if used + extra > budget:
             break
-        plan[name], used = sensitive, used + extra
-    return plan, used
+        choice[name], used = sensitive, used + extra
+    return choice, used
 
 
 def upgrade_moves(
@@ -496,8 +496,8 @@ def choose_layer_modes(
         swapper.tap = tap
         reference = swapper.output({}) if tap else swapper.measuring_point(names, base, swapper.output({}))
 
-        def cosine(plan: Mapping[str, str]) -> float:
-            return compare_outputs(swapper.output(plan), reference, lm=False)["quant/cosine_similarity"]
+        def cosine(choice: Mapping[str, str]) -> float:
+            return compare_outputs(swapper.output(choice), reference, lm=False)["quant/cosine_similarity"]
 
         # 1. sensitivity: the output error each layer causes alone in the base mode (one forward each)
         solo = {n: 1 - cosine({n: base}) for n in names}
@@ -509,27 +509,27 @@ def choose_layer_modes(
             local.update(read_local_errors(module, missed, modes, probe, lambda n, m: swapper.variant(n, m, keep=False)))
         error = {n: {m: solo[n] * local[n][m] / max(local[n][base], 1e-30) for m in modes} for n in names}
         # 3. the best plan for each byte count under the additive model: moves up each layer's hull, in order
-        plans, used, blocked = [({n: base for n in names}, uniform_bytes)], uniform_bytes, set()
+        choices, used, blocked = [({n: base for n in names}, uniform_bytes)], uniform_bytes, set()
         # a wider mode may take fewer bytes than the base on a small layer (nf4-dq's constants on a 3-channel conv):
         # climbed from the base's bytes, it is the first move, its real bytes counted
         floor = {n: {m: b if m == base else max(b, c[base] + 1) for m, b in c.items()} for n, c in cost.items()}
         for name, mode, _ in upgrade_moves(error, floor):
-            extra = cost[name][mode] - cost[name][plans[-1][0][name]]
+            extra = cost[name][mode] - cost[name][choices[-1][0][name]]
             if name in blocked or used + extra > budget:
                 blocked.add(name)  # a layer's later moves start where this one ends: skipped with it
                 continue
-            plans.append(({**plans[-1][0], name: mode}, used + extra))
+            choices.append(({**choices[-1][0], name: mode}, used + extra))
             used += extra
-        plan, used, current, uniform_cosine = _pick(plans, cosine, min_cosine)
+        choice, used, current, uniform_cosine = _pick(choices, cosine, min_cosine)
         if min_cosine is None and max_bytes_per_param is not None and "int8" in wider:
             # one more forward: the plain ranking by error alone in int8 (the issue's baseline), kept if it
             # measures better on the probe
             greedy, greedy_used = greedy_layer_modes(solo, cost, base, "int8", budget)
             greedy_cosine = cosine(greedy)
             if greedy_cosine > current:
-                plan, used, current = greedy, greedy_used, greedy_cosine
+                choice, used, current = greedy, greedy_used, greedy_cosine
     result = SensitivityReport(
-        dict(sorted(plan.items())), uniform_cosine, current, uniform_bytes / total_params, used / total_params, solo, swapper.tap
+        dict(sorted(choice.items())), uniform_cosine, current, uniform_bytes / total_params, used / total_params, solo, swapper.tap
     )
     if strict and min_cosine is not None and current < min_cosine:
         reach = f"within max_bytes_per_param={max_bytes_per_param}" if max_bytes_per_param is not None else f"with the widest of {list(wider)}"
@@ -542,28 +542,28 @@ def choose_layer_modes(
 
 
 def _pick(
-    plans: list[tuple[dict[str, str], int]], cosine: Any, min_cosine: Optional[float]
+    choices: list[tuple[dict[str, str], int]], cosine: Any, min_cosine: Optional[float]
 ) -> tuple[dict[str, str], int, float, float]:
-    """The plan to keep from the nested sequence ``plans`` (each one more move than the last): the last one
+    """The choice to keep from the nested sequence ``choices`` (each one more move than the last): the last one
     under a byte budget; with ``min_cosine``, the first one that reaches it (binary search over measured
     cosines: the sequence removes error at every step, so cosine grows nearly monotonically)."""
-    uniform_cosine = cosine(plans[0][0])
+    uniform_cosine = cosine(choices[0][0])
     if min_cosine is None:
-        plan, used = plans[-1]
-        return plan, used, cosine(plan) if len(plans) > 1 else uniform_cosine, uniform_cosine
+        choice, used = choices[-1]
+        return choice, used, cosine(choice) if len(choices) > 1 else uniform_cosine, uniform_cosine
     measured = {0: uniform_cosine}
-    low, high = 0, len(plans) - 1
+    low, high = 0, len(choices) - 1
     if uniform_cosine < min_cosine:
-        measured[high] = cosine(plans[high][0])
+        measured[high] = cosine(choices[high][0])
         if measured[high] < min_cosine:
-            return (*plans[high], measured[high], uniform_cosine)  # the caller names the best reachable figure
+            return (*choices[high], measured[high], uniform_cosine)  # the caller names the best reachable figure
         while high - low > 1:  # invariant: plans[low] misses the target, plans[high] reaches it
             middle = (low + high) // 2
-            measured[middle] = cosine(plans[middle][0])
+            measured[middle] = cosine(choices[middle][0])
             low, high = (middle, high) if measured[middle] < min_cosine else (low, middle)
     else:
         high = 0
-    return (*plans[high], measured[high], uniform_cosine)
+    return (*choices[high], measured[high], uniform_cosine)
 
 
 def check_layer_mode_args(

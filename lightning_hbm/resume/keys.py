@@ -7,6 +7,7 @@ from typing import Callable, Iterable, Optional
 from torch import nn
 
 from lightning_hbm.layers import converted_keys
+from lightning_hbm.naming import under
 
 
 def _canonical(key: str) -> str:
@@ -94,4 +95,4 @@ def _covers(changed_key: str, as_built_key: str) -> bool:
     canonical = _canonical(changed_key)
     if as_built_key.endswith(".weight") and canonical in {as_built_key[: -len("weight")] + n for n in _BESIDE_WEIGHT}:
         return True
-    return canonical == as_built_key or canonical.startswith(as_built_key + ".")
+    return under(canonical, [as_built_key])

@@ -77,10 +77,12 @@ def _uses(tree: ast.AST) -> list[tuple[str, int]]:
             isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "load" for a in node.names)
         ):
             found.append(("torch.load", node.lineno))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("lightning.fabric.utilities.cloud_io", "lightning_fabric.utilities.cloud_io")):
+            found.append(("cloud_io", node.lineno))  # Lightning's file reader (``_load``, ``pl_load``)
         elif isinstance(node, ast.Call):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-            if name in ("verify", "loaded_checkpoint", "pending_checkpoint"):
+            if name in ("verify", "loaded_checkpoint", "pending_checkpoint", "load_checkpoint"):
                 found.append((name, node.lineno))
             elif name == "pending" and isinstance(func, ast.Attribute) and getattr(func.value, "id", None) == "resume":
                 found.append(("resume.pending", node.lineno))
@@ -92,6 +94,10 @@ def _uses(tree: ast.AST) -> list[tuple[str, int]]:
 ALLOWED = {
     "verify": ("resume/pending.py",),
     "torch.load": ("resume/",),
+    "cloud_io": ("resume/",),
+    # a checkpoint IO's or a strategy's reader, called: the checked IO wraps the inner one (a strategy's own
+    # ``load_checkpoint`` is defined, not called, and reads through ``resume.read_file``)
+    "load_checkpoint": ("resume/",),
     "loaded_checkpoint": ("resume/", "_compat/"),
     "resume.pending": ("resume/", "surgery/engine.py"),
     "pending_checkpoint": ("surgery/engine.py",),
@@ -109,6 +115,16 @@ def test_only_resume_opens_verifies_or_takes_a_checkpoint() -> None:
                 wrong.append(f"{rel}:{line} {what}")
     assert wrong == [], "outside its owner (lightning_hbm.resume hands the checkpoint's parts out)"
     assert len(verifies) == 1, verifies  # resume.pending.opened
+
+
+@pytest.mark.parametrize(("source", "what"), [
+    ("from lightning.fabric.utilities.cloud_io import _load as pl_load\n", "cloud_io"),
+    ("def f(trainer, path):\n    return trainer.strategy.checkpoint_io.load_checkpoint(path)\n", "load_checkpoint"),
+    ("import torch\ncheckpoint = torch.load('x.ckpt')\n", "torch.load"),
+])
+def test_each_way_of_reading_a_checkpoint_is_found(source: str, what: str) -> None:
+    """The check above sees every way a module could open a checkpoint file itself (issue 54: none outside resume/)."""
+    assert what in [found for found, _ in _uses(ast.parse(source))]
 
 
 def test_the_checked_io_holds_no_way_back_up_into_the_surgery() -> None:
