@@ -359,3 +359,37 @@ def test_a_full_cache_filesystem_says_how_much_room_the_weights_need(model: str,
     said_free = int(str(raised.value).split(" MiB free there now")[0].rsplit(", ", 1)[1].replace(",", ""))
     assert abs(said_free - free / 2**20) < 512  # the free space of that filesystem (others write there meanwhile)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [f".{pretrained.SMOLLM2_FOLDER if model == 'smollm2' else pretrained.MINILM_FOLDER}.lock"]
+
+
+# ------------------------------------------------------------ item 1: the report command on a real full disk
+
+
+def test_report_on_a_really_full_filesystem_is_one_line_and_leaves_its_input_whole(
+    tmp_path: Path, llama_factory: Callable, datamodule_factory: Callable, trainer_factory: Callable, capsys: pytest.CaptureFixture
+) -> None:
+    """Issue 55 item 1: "``lightning-hbm report DIR`` on a nearly full disk destroys the run's ``hbm_profile.json``
+    (cut to 8,192 B)". The earlier test made ``os.fsync`` raise; here the disk is a real 16 KiB tmpfs: the report's
+    CSV and picture do not fit, the input stays byte for byte, no temp file is left."""
+    from lightning_hbm.cli import main
+
+    run_dir = tmp_path / "run"
+    trainer_factory(max_steps=3, callbacks=[HBMProfiler(summary=False, every_n_steps=1)], default_root_dir=run_dir).fit(
+        llama_factory(), datamodule=datamodule_factory()
+    )
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        source = disk / "hbm_profile.json"
+        source.write_bytes((run_dir / "hbm_profile.json").read_bytes())
+        before = source.read_bytes()
+        assert len(before) > 8192  # the issue's file was cut to 8,192 B
+        capsys.readouterr()
+        assert main(["report", str(disk)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err and "No space left" in err and "is unchanged" in err
+        assert source.read_bytes() == before
+        assert not [p.name for p in disk.iterdir() if "partial" in p.name]
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
