@@ -7,11 +7,18 @@ default recipe (``QuantizedPrecision("nf4-dq", dtype="float32")``, ``LoRA(r=8)``
 * ``default``: the plan's peak against MemTracker's peak of one steady-state step;
 * ``corr8``: the same with ``correction_rank=8`` (issue 52; the probe batch is the step's);
 * ``maxctx``: ``max_context(device="cpu", multiple_of=16)`` for a byte budget (the plan's total at 1,024 tokens with
-  full checkpointing), then MemTracker at the answer and at 25 % longer, under max_context's choices.
+  full checkpointing), then MemTracker at the answer, at the next length up (16 tokens more: the answer is the longest
+  that fits only if that one is over) and at 25 % longer, under max_context's choices.
+
+``--no-module-hooks``: MemTracker without its module hooks (``memtracker_peak(..., module_hooks=False)``; a Trainer
+installs none). With them, Mamba2 and Zamba2 measure one more gradient than the step holds: the hook on the gated
+RMSNorm's two inputs buffers the first one's until the second's arrives (512 B per token here; session 40,
+tests/planner/test_max_context_ssm_s40.py).
 
     OMP_NUM_THREADS=1 python benchmarks/planner_families_s38.py qwen3 gemma3 ...   # names below; none: all
     OMP_NUM_THREADS=1 python benchmarks/planner_families_s38.py --steps pc qwen3   # p default, c corr8, m maxctx
     OMP_NUM_THREADS=1 python benchmarks/planner_families_s38.py --steps m --budget-tokens 256 jamba  # a shorter answer
+    OMP_NUM_THREADS=1 python benchmarks/planner_families_s38.py --steps p --no-module-hooks mamba2  # without ModTracker
 
 One process per family is the way to run them all (a family that fails does not stop the others).
 """
@@ -73,19 +80,19 @@ def _recipe(**fields: Any) -> tuple[QuantizedPrecision, list[Any]]:
     return QuantizedPrecision("nf4-dq", dtype="float32", **fields), [LoRA(r=8), ActivationCheckpointing(), FusedLoss()]
 
 
-def _against_memtracker(name: str, factory: Any, label: str, plugin: Any, callbacks: list[Any], batch: Any) -> None:
+def _against_memtracker(name: str, factory: Any, label: str, plugin: Any, callbacks: list[Any], batch: Any, hooks: bool = True) -> None:
     start = time.time()
     planned = plan(factory, batch, plugin=plugin, callbacks=callbacks)
     if planned.failures or not planned.predictions:
         print(f"RESULT {name} {label}: plan failed {planned.failures}")
         return
     predicted = planned.chosen
-    measured = memtracker_peak(factory, batch, predicted.candidate)
-    print(f"RESULT {name} {label}: plan {predicted.peak:,} measured {measured:,} {(predicted.peak - measured) / measured * 100:+.2f}% "
+    measured = memtracker_peak(factory, batch, predicted.candidate, module_hooks=hooks)
+    print(f"RESULT {name} {label}{'' if hooks else ' (no module hooks)'}: plan {predicted.peak:,} measured {measured:,} {(predicted.peak - measured) / measured * 100:+.2f}% "
           f"fallbacks={predicted.fallbacks} ({time.time() - start:.0f} s)")  # fmt: skip
 
 
-def _max_context(name: str, factory: Any, tokens: int = 1024) -> None:
+def _max_context(name: str, factory: Any, tokens: int = 1024, hooks: bool = True) -> None:
     start = time.time()
     plugin = QuantizedPrecision("nf4-dq", dtype="float32")
     full = [LoRA(r=8), ActivationCheckpointing("full"), FusedLoss()]
@@ -95,12 +102,13 @@ def _max_context(name: str, factory: Any, tokens: int = 1024) -> None:
     candidate = result.prediction.candidate
 
     def measured(tokens: int) -> int:
-        return memtracker_peak(factory, tuple(t.contiguous() for t in synthetic_batch(1, tokens, vocab_size=V)), candidate)
+        batch = tuple(t.contiguous() for t in synthetic_batch(1, tokens, vocab_size=V))
+        return memtracker_peak(factory, batch, candidate, module_hooks=hooks)
 
-    at, longer = measured(result.tokens), measured(result.tokens * 5 // 4 // 16 * 16)
+    at, up, longer = measured(result.tokens), measured(result.tokens + 16), measured(result.tokens * 5 // 4 // 16 * 16)
     print(f"RESULT {name} maxctx: budget {budget:,} -> {result.tokens} tokens (mlp_chunks {result.choices['mlp_chunks']}), "
           f"predicted {result.prediction.peak:,} measured {at:,} ({(result.prediction.peak - at) / at * 100:+.2f}%) fits={at <= budget}, "
-          f"+25% {longer:,} over={longer > budget} ({time.time() - start:.0f} s)")  # fmt: skip
+          f"next up ({result.tokens + 16}) {up:,} over={up > budget}, +25% {longer:,} over={longer > budget} ({time.time() - start:.0f} s)")  # fmt: skip
 
 
 def main() -> None:
@@ -108,16 +116,18 @@ def main() -> None:
     parser.add_argument("names", nargs="*", default=list(FAMILIES))
     parser.add_argument("--steps", default="pcm")
     parser.add_argument("--budget-tokens", type=int, default=1024, help="max_context's budget: the plan's total at this length")
+    parser.add_argument("--no-module-hooks", action="store_true", help="MemTracker without its module hooks")
     args = parser.parse_args()
+    hooks = not args.no_module_hooks
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     batch = synthetic_batch(2, 32, vocab_size=V)
     for name in args.names:
         config, fields = FAMILIES[name]
         factory = partial(HFCausalLM, config, **fields)
-        steps = {"p": partial(_against_memtracker, name, factory, "default", *_recipe(), batch),
-                 "c": partial(_against_memtracker, name, factory, "corr8", *_recipe(correction_rank=8, probe_batch=batch), batch),
-                 "m": partial(_max_context, name, factory, args.budget_tokens)}  # fmt: skip
+        steps = {"p": partial(_against_memtracker, name, factory, "default", *_recipe(), batch, hooks),
+                 "c": partial(_against_memtracker, name, factory, "corr8", *_recipe(correction_rank=8, probe_batch=batch), batch, hooks),
+                 "m": partial(_max_context, name, factory, args.budget_tokens, hooks)}  # fmt: skip
         for step in args.steps:
             try:
                 steps[step]()
