@@ -19,6 +19,7 @@ import copy
 from functools import cached_property
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -114,3 +115,30 @@ def test_aria_transposed_experts_become_linears_with_equal_outputs_quantized_and
     loss.backward()
     expert = module.model.model.language_model.layers[0].mlp.experts.gate_up_proj[0]
     assert hasattr(expert, "lora_A") and torch.isfinite(loss)
+
+
+class Unplannable(pl.LightningModule):
+    """A step whose loss counts the classes predicted (``unique``): no size to plan on fake tensors (a batch too large
+    for real twins)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        y = self.lin(batch)
+        return y.sum() * y.argmax(-1).unique().numel()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_a_model_built_by_a_function_is_named_by_its_class_when_nothing_can_be_planned() -> None:
+    """Audit of issue 53 item 4 ("for type:", fixed for a class): a lambda read "for <lambda>:", a partial its repr."""
+    from functools import partial
+
+    from lightning_hbm.planner import Candidate, plan
+
+    for factory in (lambda: Unplannable(), partial(Unplannable)):
+        with pytest.raises(ValueError, match=r"No candidate could be planned for Unplannable: "):
+            plan(factory, torch.randn(100_000, 8), candidates=[Candidate("32-true")])
