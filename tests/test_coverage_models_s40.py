@@ -142,3 +142,22 @@ def test_a_model_built_by_a_function_is_named_by_its_class_when_nothing_can_be_p
     for factory in (lambda: Unplannable(), partial(Unplannable)):
         with pytest.raises(ValueError, match=r"No candidate could be planned for Unplannable: "):
             plan(factory, torch.randn(100_000, 8), candidates=[Candidate("32-true")])
+
+
+@pytest.mark.slow
+def test_timm_vit_trains_resumes_bit_exact_and_plans(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 53 item 1's first model, through the default recipe end to end (the regression itself, a quantized conv
+    whose module's source reads its weight elsewhere, under checkpointing: ``tests/layers/test_readers.py``): timm's
+    ``VisionTransformer`` with its ``PatchEmbed`` (``set_input_size`` reads ``proj.weight``). timm is no dependency:
+    run with it installed."""
+    timm = pytest.importorskip("timm")
+    import torch.nn.functional as F
+
+    from tests import test_model_families_s29 as s29
+
+    def vit() -> nn.Module:
+        return timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=8, embed_dim=s29.WIDTH, depth=2, num_heads=4, num_classes=5)
+
+    family = s29.Family(vit, lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]), s29.labelled)
+    monkeypatch.setitem(s29.FAMILIES, "timm_vit", family)
+    s29.test_family_trains_resumes_and_plans_with_the_default_recipe("timm_vit", tmp_path)
