@@ -14,7 +14,8 @@ The computation is transformers' eager experts loop, token routing included; out
 equal the original's (tests/layers/test_experts.py).
 
 Supported: experts classes built with transformers' ``use_experts_implementation`` in its default
-layout (concatenated gate/up, not transposed, no bias, no post-expert norm, the default gate). Other
+layout (concatenated gate/up, no bias, no post-expert norm, the default gate), transposed (``[experts, in, out]``,
+Aria's ``is_transposed=True``) or not. Other
 layouts are left as they are and named by the coverage table's warning.
 """
 
@@ -47,7 +48,10 @@ def supported(module: nn.Module) -> bool:
         getattr(module, "has_bias", None),
         getattr(module, "has_post_expert_norm", None),
     )
-    return layout == (True, True, False, False, False) and transformers_compat.uses_default_gate(module)
+    # transposed ([experts, in, out], Aria's checkpoints, the layout grouped_mm reads) or not: each expert's slice is a
+    # Linear's weight or its transpose (Aria's experts were left at full size, 56 % of a tiny Aria; session 40)
+    transposed_or_not = layout[2] in (False, True)
+    return transposed_or_not and layout[:2] + layout[3:] == (True, True, False, False) and transformers_compat.uses_default_gate(module)
 
 
 class _Activation(nn.Module):
@@ -75,7 +79,10 @@ class LinearExperts(nn.Module):
     @classmethod
     def from_transformers(cls, module: nn.Module) -> LinearExperts:
         """Take over the experts of ``module`` (see :func:`supported`): one Linear per expert and projection."""
+        transposed = bool(getattr(module, "is_transposed", False))
         experts, double_intermediate, hidden = cast(torch.Tensor, module.gate_up_proj).shape
+        if transposed:  # [experts, hidden, 2 * intermediate]
+            hidden, double_intermediate = double_intermediate, hidden
         with torch.device("meta"):
             new = cls(experts, hidden, double_intermediate // 2, nn.Identity())
         act = module.act_fn
@@ -84,8 +91,10 @@ class LinearExperts(nn.Module):
         new.act_fn = act if isinstance(act, nn.Module) else _Activation(cast(Callable[[torch.Tensor], torch.Tensor], act))
         for source, target in ((cast(torch.Tensor, module.gate_up_proj), new.gate_up_proj), (cast(torch.Tensor, module.down_proj), new.down_proj)):
             for index, linear in enumerate(target):
-                # [experts, out, in]: expert e is already a Linear weight [out, in]
-                linear.weight = nn.Parameter(source.detach()[index].clone(), requires_grad=source.requires_grad)
+                # [experts, out, in]: expert e is already a Linear weight [out, in]; transposed [experts, in, out]: its .t()
+                weight = source.detach()[index]
+                weight = (weight.t() if transposed else weight).clone(memory_format=torch.contiguous_format)
+                linear.weight = nn.Parameter(weight, requires_grad=source.requires_grad)
         new.train(module.training)
         return new
 
@@ -205,7 +214,7 @@ EXPERTS = register_kind(
         quantized_as="replaced by `LinearExperts`: the same routing loop, one Linear per expert and projection "
         "(equal outputs and gradients), each quantized",
         adapted_as="each expert's `gate_up_proj.e` / `down_proj.e` Linear",
-        option="only transformers-5 experts in the default layout (concatenated gate/up, no bias) are converted; "
+        option="only transformers-5 experts in the default layout (concatenated gate/up, no bias, transposed or not) are converted; "
         "this one stays at full size in the parameters term: exclude it knowingly or train a model whose experts "
         "are nn.Linear layers",
         modules="3-D expert parameters",

@@ -129,6 +129,7 @@ def dropping_fake_leftovers(module: nn.Module, holds: Callable[[Any], bool] = ho
     caches = [(cache, cache.cache_info().misses) for cache in model_caches(module)]
     before = {id(m): (m, dict(vars(m))) for m in module.modules()}
     items = {id(value): value.copy() for _, attributes in before.values() for value in attributes.values() if type(value) in _CONTAINERS}
+    helpers = {id(v): (own, dict(own)) for _, attributes in before.values() for v in attributes.values() if (own := _own_attributes(v)) is not None}
     try:
         yield
     finally:
@@ -139,7 +140,19 @@ def dropping_fake_leftovers(module: nn.Module, holds: Callable[[Any], bool] = ho
             for key, value in vars(sub).items():
                 if attributes.get(key, _MISSING) is value and id(value) in items and holds(value):  # filled in place
                     _put_back(value, items[id(value)])
-        put_back_attributes([(vars(sub), attributes) for sub, attributes in before.values()], holds)
+        put_back_attributes([(vars(sub), attributes) for sub, attributes in before.values()] + list(helpers.values()), holds)
+
+
+def _own_attributes(value: Any) -> dict[str, Any] | None:
+    """The attribute dict of a plain object a module holds (not a module, tensor, class or function), whose own
+    attributes a step may set: transformers' Chameleon keeps its image-token vocabulary in a
+    ``ChameleonImageVocabularyMapping`` whose lookup tensors are ``functools.cached_property``s; computed by the probe
+    on fake tensors, the fake table was kept and every real step after mapped its image tokens through it (session
+    40: the fit's gradients came out fake, ``DataDependentOutputException`` at the first read)."""
+    if isinstance(value, (nn.Module, torch.Tensor, type)) or callable(value):
+        return None
+    own = getattr(value, "__dict__", None)
+    return own if type(own) is dict else None
 
 
 __all__ = ["dropping_fake_leftovers", "holds_fake", "holds_tensor", "model_caches"]

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, Union, cast
 
 import lightning.pytorch as pl
-import torch
 from torch import nn
 
 from lightning_hbm._compat import torch as torch_compat
@@ -1024,8 +1023,8 @@ def plan(
             failures.append((candidate, f"{type(err).__name__}: {err}"))
     if not predictions:
         reasons = "; ".join(f"{c.name}: {r}" for c, r in failures[:5])
-        # a factory (the class, a function) is named as itself: type(SomeClass) is "type" (issue 53: "for type:")
-        name = type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__qualname__", repr(model))
+        # the model built, by its class: a factory is no name (issue 53: "for type:"; a lambda read "for <lambda>:")
+        name = type(template.module).__name__
         raise ValueError(f"No candidate could be planned for {name}: {reasons}")
     predictions.sort(key=lambda p: (p.cost, -p.candidate.fidelity(), p.total))
     return Plan(predictions=predictions, budget=budget_bytes, device=device, failures=failures)
