@@ -114,8 +114,8 @@ def _lent_optimizers(module: nn.Module) -> Generator[None, None, None]:
     if not isinstance(module, pl.LightningModule):
         yield
         return
-    params = [p for p in module.parameters() if p.requires_grad]
-    with lightning_compat.optimizers_lent(module, lambda: list(_NoSteps(_configured(module)[0], params, _optimizer_defaults(module)))):
+    lent = _lent(module)
+    with lightning_compat.optimizers_lent(module, lambda: list(lent())):
         yield
 
 
@@ -206,17 +206,18 @@ class _Several:
     on the parameters it leaves. Was: one stand-in, and a step unpacking two failed each of the probe's three attempts
     ("cannot unpack non-iterable"), said as "could not run one step", the layers it reads left to its source (s38)."""
 
-    one: Callable[[], Any]
+    #: the ``index``-th of them
+    one: Callable[[int], Any]
 
     def __init__(self, count: int) -> None:
         self.count = count
 
     def __iter__(self) -> Iterator[Any]:
         unpacked = _unpacked(sys._getframe(1))
-        return iter([self.one() for _ in range(self.count if unpacked is None else unpacked)])
+        return iter([self.one(i) for i in range(self.count if unpacked is None else unpacked)])
 
     def __getitem__(self, index: int) -> Any:
-        return self.one()
+        return self.one(index)
 
     def __len__(self) -> int:
         return self.count
@@ -226,15 +227,19 @@ class _NoSteps(_NoStep, _Several):
     def __init__(self, count: int, params: Sequence[Tensor] = (), defaults: Optional[Mapping[str, Any]] = None) -> None:
         _NoStep.__init__(self, params, defaults)
         _Several.__init__(self, count)
-        self.one = lambda: _NoStep(params, defaults)
+        self.one = lambda index: _NoStep(params, defaults)
 
 
 class _NoSchedules(_NoSchedule, _Several):
-    one = _NoSchedule
-
     def __init__(self, count: int) -> None:
         _NoSchedule.__init__(self)
         _Several.__init__(self, count)
+        self.one = lambda index: _NoSchedule()
+
+    @staticmethod
+    def lent(count: int) -> Any:
+        """What ``self.lr_schedulers()`` gives in a probe step: a ``list`` for several, as Lightning (s40 h1)."""
+        return [_NoSchedule() for _ in range(count)] if count > 1 else _NoSchedules(count)
 
 
 def _unpacked(frame: Optional[FrameType]) -> Optional[int]:
@@ -306,23 +311,32 @@ def _own_method(node: Optional[ast.expr]) -> Optional[str]:
     return None
 
 
-def _optimizer_defaults(module: pl.LightningModule) -> dict[str, Any]:
-    """The param group keys of the optimizer ``configure_optimizers`` builds, as its class's keyword defaults, and
-    ``lr`` 0.0 (see :class:`_NoStep`): the first call in its source of a ``torch.optim.Optimizer`` class reached from
-    its module's names (``torch.optim.AdamW(...)``, ``SGD(...)``), read from the class's signature, neither class nor
-    ``configure_optimizers`` called (issue 55); ``{"lr": 0.0}`` where the source does not say."""
-    method = type(module).configure_optimizers
-    tree, names = source_tree(method), getattr(method, "__globals__", {})
-    for node in ast.walk(tree) if tree is not None else ():
-        found = _resolved(node.func, names) if isinstance(node, ast.Call) else None
-        if isinstance(found, type) and issubclass(found, torch.optim.Optimizer):
-            try:
-                parameters = list(inspect.signature(found).parameters.values())
-            except (TypeError, ValueError):
-                break
-            plain = (int, float, bool, str, tuple, type(None))
-            return {**{p.name: p.default for p in parameters[1:] if isinstance(p.default, plain)}, "lr": 0.0}
-    return {"lr": 0.0}
+def _optimizer_classes(module: pl.LightningModule, method: str = "configure_optimizers", depth: int = 0) -> list[type]:
+    """The ``torch.optim.Optimizer`` classes ``configure_optimizers`` builds, in its source's order (a helper it calls
+    on ``self``, ``self._build()``, read where it is called): the calls of a class reached from its module's names
+    (``torch.optim.AdamW(...)``, ``SGD(...)``, a user's ``SAM(...)``), neither class nor method called (issue 55)."""
+    function = getattr(type(module), method, None)
+    tree, names = source_tree(function), getattr(function, "__globals__", {})
+    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)) if tree is not None else []
+    found: list[type] = []
+    for node in calls:
+        called, helper = _resolved(node.func, names), _own_method(node)
+        if isinstance(called, type) and issubclass(called, torch.optim.Optimizer):
+            found.append(called)
+        elif helper is not None and depth < 3 and not hasattr(pl.LightningModule, helper):  # the user's own method
+            found += _optimizer_classes(module, helper, depth + 1)
+    return found
+
+
+def _optimizer_defaults(optimizer: Optional[type]) -> dict[str, Any]:
+    """The param group keys of ``optimizer`` (a class), as its keyword defaults, and ``lr`` 0.0 (see :class:`_NoStep`),
+    read from the class's signature, never called; ``{"lr": 0.0}`` for ``None`` or where the signature does not say."""
+    try:
+        parameters = list(inspect.signature(optimizer).parameters.values()) if optimizer is not None else []
+    except (TypeError, ValueError):
+        parameters = []
+    plain = (int, float, bool, str, tuple, type(None))
+    return {**{p.name: p.default for p in parameters[1:] if isinstance(p.default, plain)}, "lr": 0.0}
 
 
 def _resolved(node: ast.expr, names: Mapping[str, Any]) -> Any:
@@ -338,13 +352,56 @@ def _resolved(node: ast.expr, names: Mapping[str, Any]) -> Any:
 
 def _stand_ins(module: pl.LightningModule) -> dict[str, Callable[..., Any]]:
     """A manual-optimization module's stand-ins for what needs the optimizers (see :func:`quiet_logging`)."""
-    optimizers, schedulers = _configured(module)
+    schedulers = _configured(module)[1]
     stand_ins: dict[str, Callable[..., Any]] = {name: _nothing for name in _MANUAL_HOOKS if callable(getattr(module, name, None))}
-    params = [p for p in module.parameters() if p.requires_grad]
-    defaults = _optimizer_defaults(module)
-    stand_ins.update(optimizers=lambda *a, **k: _NoSteps(optimizers, params, defaults), lr_schedulers=lambda *a, **k: _NoSchedules(schedulers))
+    lent = _lent(module)
+    stand_ins.update(optimizers=lambda *a, **k: lent(), lr_schedulers=lambda *a, **k: _NoSchedules.lent(schedulers))
     stand_ins["toggled_optimizer"] = _toggled
     return stand_ins
+
+
+def _lent(module: pl.LightningModule) -> Callable[[], Any]:
+    """What ``self.optimizers()`` gives in a probe step, as Lightning gives it (s40 h1): for several optimizers
+    ``configure_optimizers``' source returns, a ``list`` of stand-ins (``isinstance(opts, list)``; was one stand-in
+    reading as a list, a step normalising ``opts if isinstance(opts, list) else [opts]`` stepped one); else one that
+    unpacks as :class:`_Several` says. The ``i``-th is of the ``i``-th optimizer class the source builds
+    (:func:`_optimizer_classes`, :func:`_like`): its group keys (Adam's ``betas``, SGD's ``momentum``; were the first
+    class's on each), and ``isinstance`` of that class."""
+    count, classes = _configured(module)[0], _optimizer_classes(module)
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def one(index: int, base: type = _NoStep, *args: Any) -> Any:
+        optimizer = classes[min(index, len(classes) - 1)] if classes else None
+        stand_in = _like(base, optimizer)(*args, params, _optimizer_defaults(optimizer))
+        if isinstance(stand_in, _Several):
+            stand_in.one = one
+        return stand_in
+
+    return lambda: [one(i) for i in range(count)] if count > 1 else one(0, _NoSteps, count)
+
+
+#: what a user's optimizer class may not define for a stand-in to be of it: each runs the class's code as the
+#: stand-in is built or read (a subclass made, an attribute set or missed)
+_RUNS_ON_ACCESS = ("__new__", "__init_subclass__", "__getattr__", "__getattribute__", "__setattr__", "__delattr__", "__del__", "__slots__")
+
+
+def _like(base: type, optimizer: Optional[type]) -> type:
+    """``base`` (a stand-in class) also of ``optimizer``'s class (``isinstance(opt, SAM)``: as Lightning's
+    ``LightningOptimizer``, a subclass of the optimizer's class), with ``base``'s methods first and the methods a user's
+    class adds (SAM's ``first_step`` / ``second_step``, davda54's ``sam.py``) doing nothing: the user's optimizer code
+    never runs on the real parameters (was AttributeError, "could not run one step", s40 h1). Neither class is
+    initialised (torch's ``Optimizer.__init__`` would hook ``step``: a probe step counted as a step). ``base`` alone
+    where ``optimizer`` is unknown or has a metaclass or one of :data:`_RUNS_ON_ACCESS` outside torch."""
+    if optimizer is None or type(optimizer) is not type:
+        return base
+    users = [k for k in optimizer.__mro__ if k is not object and not k.__module__.startswith("torch.")]
+    if any(name in vars(k) for k in users for name in _RUNS_ON_ACCESS):
+        return base
+    methods = {
+        name for k in users for name, value in vars(k).items()
+        if not name.startswith("__") and (inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod))) and not hasattr(base, name)
+    }  # fmt: skip
+    return type(optimizer.__name__, (base, optimizer), {"__qualname__": optimizer.__qualname__, **{name: _nothing for name in methods}})
 
 
 @contextmanager
