@@ -138,14 +138,19 @@ class _NoStep:
     (s39 h5; were AttributeError or KeyError, the step left un-probed): ``state`` (empty, a ``defaultdict`` as torch's:
     ``opt.state[p].get(...)``), ``state_dict()`` in torch's layout, and the group's other keys (``momentum``,
     ``betas``, ``weight_decay``) as the defaults of the optimizer class ``configure_optimizers``' source builds
-    (:func:`_optimizer_defaults`, read, never called). Not a ``torch.optim.Optimizer``: its ``step`` would run the
-    user's global optimizer hooks (``register_optimizer_step_pre_hook``), a step the user sees."""
+    (:func:`_optimizer_defaults`, read, never called). Not a ``torch.optim.Optimizer`` of its own: its ``step`` would
+    run the user's global optimizer hooks (``register_optimizer_step_pre_hook``), a step the user sees; :func:`_like`
+    makes it one of the class ``configure_optimizers`` builds without initialising that class, ``step`` this one's.
+    ``groups``: its param groups (:func:`_optimizer_groups`), else one of ``params``."""
 
-    def __init__(self, params: Sequence[Tensor] = (), defaults: Optional[Mapping[str, Any]] = None) -> None:
+    def __init__(
+        self, params: Sequence[Tensor] = (), defaults: Optional[Mapping[str, Any]] = None, groups: Sequence[Mapping[str, Any]] = ()
+    ) -> None:
         self.defaults: dict[str, Any] = dict(defaults or {"lr": 0.0})
         self.param_groups: list[dict[str, Any]] = []
         self.state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
-        self.add_param_group({"params": list(params)})
+        for group in groups or [{"params": list(params)}]:
+            self.add_param_group(group)
 
     def add_param_group(self, param_group: Mapping[str, Any]) -> None:
         self.param_groups.append({**self.defaults, **param_group, "params": list(param_group["params"])})
@@ -224,10 +229,12 @@ class _Several:
 
 
 class _NoSteps(_NoStep, _Several):
-    def __init__(self, count: int, params: Sequence[Tensor] = (), defaults: Optional[Mapping[str, Any]] = None) -> None:
-        _NoStep.__init__(self, params, defaults)
+    def __init__(
+        self, count: int, params: Sequence[Tensor] = (), defaults: Optional[Mapping[str, Any]] = None, groups: Sequence[Mapping[str, Any]] = ()
+    ) -> None:
+        _NoStep.__init__(self, params, defaults, groups)
         _Several.__init__(self, count)
-        self.one = lambda index: _NoStep(params, defaults)
+        self.one = lambda index: _NoStep(params, defaults, groups)
 
 
 class _NoSchedules(_NoSchedule, _Several):
@@ -311,21 +318,107 @@ def _own_method(node: Optional[ast.expr]) -> Optional[str]:
     return None
 
 
-def _optimizer_classes(module: pl.LightningModule, method: str = "configure_optimizers", depth: int = 0) -> list[type]:
+#: an optimizer class ``configure_optimizers`` builds, its call there, and the names that method assigns
+_Built = tuple[type, ast.Call, dict[str, ast.expr]]
+
+
+def _optimizers_built(module: pl.LightningModule, method: str = "configure_optimizers", depth: int = 0) -> list[_Built]:
     """The ``torch.optim.Optimizer`` classes ``configure_optimizers`` builds, in its source's order (a helper it calls
     on ``self``, ``self._build()``, read where it is called): the calls of a class reached from its module's names
     (``torch.optim.AdamW(...)``, ``SGD(...)``, a user's ``SAM(...)``), neither class nor method called (issue 55)."""
     function = getattr(type(module), method, None)
     tree, names = source_tree(function), getattr(function, "__globals__", {})
-    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)) if tree is not None else []
-    found: list[type] = []
-    for node in calls:
+    if tree is None:
+        return []
+    assigned = {
+        node.targets[0].id: node.value for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+    }  # fmt: skip
+    found: list[_Built] = []
+    for node in sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)):
         called, helper = _resolved(node.func, names), _own_method(node)
         if isinstance(called, type) and issubclass(called, torch.optim.Optimizer):
-            found.append(called)
+            found.append((called, node, assigned))
         elif helper is not None and depth < 3 and not hasattr(pl.LightningModule, helper):  # the user's own method
-            found += _optimizer_classes(module, helper, depth + 1)
+            found += _optimizers_built(module, helper, depth + 1)
     return found
+
+
+def _optimizer_groups(module: pl.LightningModule, built: Optional[_Built]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The defaults and param groups of the stand-in for the optimizer ``built`` (see :class:`_NoStep`): each group the call's
+    source lists (``AdamW([{"params": ..., "weight_decay": 0.01}, {...}])``: ``opt.param_groups[1]`` was IndexError, s40
+    h1), its keys the class's keyword defaults (read from its signature), then the literal values the call and the
+    group pass (``betas=(0.5, 0.999)``), ``lr`` 0.0; its parameters those the source names (``self.g.parameters()``:
+    :func:`_parameters_named`), else the module's trainable ones."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if built is None:
+        return {"lr": 0.0}, [{"params": trainable}]
+    optimizer, call, assigned = built
+    defaults = {**_optimizer_defaults(optimizer), **_literals({k.arg: k.value for k in call.keywords if k.arg is not None}), "lr": 0.0}
+    first = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "params"), None)
+    listed = _listed(first, assigned)
+    if isinstance(listed, (ast.List, ast.Tuple)) and listed.elts and all(isinstance(e, ast.Dict) for e in listed.elts):
+        groups = []
+        for group in listed.elts:
+            keys = {k.value: v for k, v in zip(group.keys, group.values) if isinstance(k, ast.Constant) and isinstance(k.value, str)}  # type: ignore[attr-defined]
+            params = _parameters_named(module, keys.get("params"), assigned)
+            groups.append({**_literals(keys), "lr": 0.0, "params": trainable if params is None else params})
+        return defaults, groups
+    params = _parameters_named(module, first, assigned)
+    return defaults, [{"params": trainable if params is None else params}]
+
+
+def _literals(values: Mapping[str, ast.expr]) -> dict[str, Any]:
+    """The values of ``values`` that are literals in the source (``0.9``, ``(0.5, 0.999)``), never ``params``."""
+    found = {}
+    for key, value in values.items():
+        try:
+            found[key] = ast.literal_eval(value)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+    found.pop("params", None)
+    return found
+
+
+def _parameters_named(module: nn.Module, node: Optional[ast.expr], assigned: Mapping[str, ast.expr], depth: int = 0) -> Optional[list[Tensor]]:
+    """The parameters the source ``node`` names, read without running it: ``self.g.parameters()`` (a submodule's, by
+    :func:`_submodule_named`), a comprehension or ``filter`` over it (its condition not run: every one), ``list``,
+    ``tuple`` or ``itertools.chain`` of such, a name assigned one; ``None`` for anything else."""
+    if depth > 5 or node is None:
+        return None
+    if isinstance(node, ast.Name):
+        return _parameters_named(module, assigned.get(node.id), assigned, depth + 1)
+    if isinstance(node, (ast.ListComp, ast.GeneratorExp)) and len(node.generators) == 1:
+        return _parameters_named(module, node.generators[0].iter, assigned, depth + 1)
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    if isinstance(func, ast.Attribute) and func.attr in ("parameters", "named_parameters") and not node.args:
+        sub = _submodule_named(module, func.value)
+        return None if sub is None else list(sub.parameters())
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    if name not in ("list", "tuple", "filter", "chain") or node.keywords:
+        return None
+    parts = [_parameters_named(module, arg, assigned, depth + 1) for arg in (node.args[1:] if name == "filter" else node.args)]
+    return None if not parts or any(part is None for part in parts) else [p for part in parts for p in part or ()]
+
+
+def _submodule_named(module: nn.Module, node: ast.expr) -> Optional[nn.Module]:
+    """The submodule the source ``node`` names on ``self`` (``self``, ``self.g``, ``self.body[0]``, ``self.heads["a"]``),
+    read from the modules' ``_modules`` (no attribute of the user's runs); ``None`` for anything else."""
+    if isinstance(node, ast.Name):
+        return module if node.id == "self" else None
+    if not isinstance(node, (ast.Attribute, ast.Subscript)):
+        return None
+    parent = _submodule_named(module, node.value)
+    if parent is None:
+        return None
+    if isinstance(node, ast.Attribute):
+        return parent._modules.get(node.attr)
+    key = node.slice.value if isinstance(node.slice, ast.Constant) else None
+    if isinstance(key, int) and isinstance(parent, (nn.Sequential, nn.ModuleList)) and -len(parent) <= key < len(parent):
+        return list(parent._modules.values())[key]
+    return parent._modules.get(key) if isinstance(key, str) and isinstance(parent, nn.ModuleDict) else None
 
 
 def _optimizer_defaults(optimizer: Optional[type]) -> dict[str, Any]:
@@ -365,14 +458,13 @@ def _lent(module: pl.LightningModule) -> Callable[[], Any]:
     ``configure_optimizers``' source returns, a ``list`` of stand-ins (``isinstance(opts, list)``; was one stand-in
     reading as a list, a step normalising ``opts if isinstance(opts, list) else [opts]`` stepped one); else one that
     unpacks as :class:`_Several` says. The ``i``-th is of the ``i``-th optimizer class the source builds
-    (:func:`_optimizer_classes`, :func:`_like`): its group keys (Adam's ``betas``, SGD's ``momentum``; were the first
-    class's on each), and ``isinstance`` of that class."""
-    count, classes = _configured(module)[0], _optimizer_classes(module)
-    params = [p for p in module.parameters() if p.requires_grad]
+    (:func:`_optimizers_built`, :func:`_like`): its groups and their keys (Adam's ``betas``, SGD's ``momentum``; were the
+    first class's on each: :func:`_optimizer_groups`), and ``isinstance`` of that class."""
+    count, built = _configured(module)[0], _optimizers_built(module)
 
     def one(index: int, base: type = _NoStep, *args: Any) -> Any:
-        optimizer = classes[min(index, len(classes) - 1)] if classes else None
-        stand_in = _like(base, optimizer)(*args, params, _optimizer_defaults(optimizer))
+        chosen = built[min(index, len(built) - 1)] if built else None
+        stand_in = _like(base, chosen[0] if chosen else None)(*args, (), *_optimizer_groups(module, chosen))
         if isinstance(stand_in, _Several):
             stand_in.one = one
         return stand_in

@@ -105,10 +105,57 @@ def test_several_optimizers_read_as_lightning_gives_them(reads: str, tmp_path: A
 def test_each_optimizer_carries_its_own_class_group_keys(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     trainers: list[pl.Trainer] = []
     off, on = _both(monkeypatch, lambda: _Gan("keys"), _fit(trainers, tmp_path))
-    # the probe step reads the class's defaults (the values configure_optimizers passes are not knowable unrun)
-    assert on.seen[0] == ((0.9, 0.999), 0, False, False) and off.seen[0] == ((0.5, 0.999), 0.9, False, False)
+    # the probe step reads the values configure_optimizers' source passes as literals (else the class's defaults)
+    assert on.seen[0] == off.seen[0] == ((0.5, 0.999), 0.9, False, False)
     assert on.seen[1:] == off.seen and torch.equal(torch.stack(on.losses[-6:]), torch.stack(off.losses))
     _same_optimizers(*trainers)
+
+
+class _Groups(pl.LightningModule):
+    """One AdamW with two param groups of different lr and weight decay, read by index; ``use_pl_optimizer=False``."""
+
+    def __init__(self, raw: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        self.automatic_optimization = False
+        self.raw, self.seen, self.losses = raw, [], []  # type: ignore[var-annotated]
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt = self.optimizers(use_pl_optimizer=not self.raw)
+        second = opt.param_groups[1]  # type: ignore[union-attr]
+        self.seen.append((len(opt.param_groups), second["weight_decay"], second["betas"], isinstance(opt, torch.optim.AdamW), isinstance(opt, list)))  # type: ignore[union-attr]
+        loss = self.body(batch).pow(2).mean()
+        opt.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+        self.losses.append(loss.detach().clone())
+
+    def configure_optimizers(self) -> Any:
+        groups = [{"params": self.body[0].parameters(), "lr": 1e-2}, {"params": self.body[2].parameters(), "lr": 1e-3, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, weight_decay=0.05, betas=(0.8, 0.99))
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["lightning-optimizer", "use_pl_optimizer-False"])
+def test_two_param_groups_read_by_index(raw: bool, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainers: list[pl.Trainer] = []
+    off, on = _both(monkeypatch, lambda: _Groups(raw), _fit(trainers, tmp_path))
+    assert on.seen[0] == off.seen[0] == (2, 0.0, (0.8, 0.99), True, False) and on.seen[1:] == off.seen
+    assert len(off.losses) == 3 and torch.equal(torch.stack(on.losses[-3:]), torch.stack(off.losses))
+    _same_optimizers(*trainers)
+
+
+def test_each_stand_in_holds_the_parameters_its_source_names(tmp_path: Any) -> None:
+    """G's stand-in holds G's parameters, D's D's (read from ``self.g.parameters()``, nothing run); were every
+    trainable parameter of the module in each."""
+    from lightning_hbm.probe import quiet_logging
+
+    module = _Gan("unpack")
+    with quiet_logging(module):
+        g, d = module.optimizers()  # type: ignore[misc]
+        assert isinstance(g, torch.optim.Adam) and isinstance(d, torch.optim.SGD) and not isinstance(g, torch.optim.SGD)
+        assert g.param_groups[0]["params"] == list(module.g.parameters()) and d.param_groups[0]["params"] == list(module.d.parameters())
+        assert g.optimizer is g and g.state_dict()["param_groups"][0]["params"] == [0, 1, 2, 3]
 
 
 class SAM(torch.optim.Optimizer):
