@@ -155,6 +155,16 @@ class _NoStep:
     def add_param_group(self, param_group: Mapping[str, Any]) -> None:
         self.param_groups.append({**self.defaults, **param_group, "params": list(param_group["params"])})
 
+    def __getattr__(self, name: str) -> Any:
+        """What the optimizer's ``__init__`` would have set (SAM's ``base_optimizer``) is not there: said as such (was
+        "'SAM' object has no attribute 'base_optimizer'", as if the user's optimizer lacked it; s40 h1)."""
+        mine = [k for k in type(self).__mro__ if not k.__module__.startswith(("lightning_hbm.", "builtins"))]
+        what = mine[0].__qualname__ if mine else "the optimizer"
+        raise AttributeError(
+            f"the probe step's stand-in for {what} has no attribute {name!r}: the probe step runs before the optimizers "
+            f"are built, so what {what}.__init__ sets is not there"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """As torch's ``Optimizer.state_dict()``: no state, each group's keys with its parameters as indices."""
         groups, start = [], 0
@@ -246,6 +256,8 @@ class _NoSchedules(_NoSchedule, _Several):
     @staticmethod
     def lent(count: int) -> Any:
         """What ``self.lr_schedulers()`` gives in a probe step: a ``list`` for several, as Lightning (s40 h1)."""
+        if count == 0:  # none configured: ``None``, as Lightning (was a stand-in: ``if sch is None`` read otherwise)
+            return None
         return [_NoSchedule() for _ in range(count)] if count > 1 else _NoSchedules(count)
 
 
@@ -421,6 +433,38 @@ def _submodule_named(module: nn.Module, node: ast.expr) -> Optional[nn.Module]:
     return parent._modules.get(key) if isinstance(key, str) and isinstance(parent, nn.ModuleDict) else None
 
 
+def _no_schedulers(module: pl.LightningModule) -> bool:
+    """Whether ``configure_optimizers``' source returns no LR scheduler on every path: each ``return`` gives an
+    optimizer built there (a call of a ``torch.optim.Optimizer`` class, or a name assigned one), a list or tuple of
+    such, ``[optimizers], []``, or a dict without ``"lr_scheduler"``. ``self.lr_schedulers()`` is ``None`` then."""
+    function = type(module).configure_optimizers
+    tree, names = source_tree(function), getattr(function, "__globals__", {})
+    if tree is None:
+        return False
+    assigned = {
+        node.targets[0].id: node.value for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+    }  # fmt: skip
+
+    def built(node: Optional[ast.expr]) -> bool:
+        node = assigned.get(node.id) if isinstance(node, ast.Name) else node
+        found = _resolved(node.func, names) if isinstance(node, ast.Call) else None
+        return isinstance(found, type) and issubclass(found, torch.optim.Optimizer)
+
+    def unscheduled(value: Optional[ast.expr]) -> bool:
+        value = _listed(value, assigned)
+        if isinstance(value, ast.Dict):
+            return not any(isinstance(k, ast.Constant) and k.value == "lr_scheduler" for k in value.keys)
+        if isinstance(value, (ast.List, ast.Tuple)) and len(value.elts) == 2 and isinstance(value.elts[1], (ast.List, ast.Tuple)):
+            return not value.elts[1].elts and unscheduled(value.elts[0])
+        if isinstance(value, (ast.List, ast.Tuple)):
+            return bool(value.elts) and all(built(e) or (isinstance(e, ast.Dict) and unscheduled(e)) for e in value.elts)
+        return built(value)
+
+    returns = [node.value for node in ast.walk(tree) if isinstance(node, ast.Return)]
+    return bool(returns) and all(unscheduled(value) for value in returns)
+
+
 def _optimizer_defaults(optimizer: Optional[type]) -> dict[str, Any]:
     """The param group keys of ``optimizer`` (a class), as its keyword defaults, and ``lr`` 0.0 (see :class:`_NoStep`),
     read from the class's signature, never called; ``{"lr": 0.0}`` for ``None`` or where the signature does not say."""
@@ -445,7 +489,7 @@ def _resolved(node: ast.expr, names: Mapping[str, Any]) -> Any:
 
 def _stand_ins(module: pl.LightningModule) -> dict[str, Callable[..., Any]]:
     """A manual-optimization module's stand-ins for what needs the optimizers (see :func:`quiet_logging`)."""
-    schedulers = _configured(module)[1]
+    schedulers = 0 if _no_schedulers(module) else _configured(module)[1]
     stand_ins: dict[str, Callable[..., Any]] = {name: _nothing for name in _MANUAL_HOOKS if callable(getattr(module, name, None))}
     lent = _lent(module)
     stand_ins.update(optimizers=lambda *a, **k: lent(), lr_schedulers=lambda *a, **k: _NoSchedules.lent(schedulers))
@@ -461,10 +505,13 @@ def _lent(module: pl.LightningModule) -> Callable[[], Any]:
     (:func:`_optimizers_built`, :func:`_like`): its groups and their keys (Adam's ``betas``, SGD's ``momentum``; were the
     first class's on each: :func:`_optimizer_groups`), and ``isinstance`` of that class."""
     count, built = _configured(module)[0], _optimizers_built(module)
+    # more classes built than returned: branches (``Adam(...) if ... else SGD(...)``), which one runs is unknowable
+    # unrun: of none of them (``isinstance`` False, no user method), the groups of the one in its place in the source
+    branches = len(built) > count and len({optimizer for optimizer, _, _ in built}) > 1
 
     def one(index: int, base: type = _NoStep, *args: Any) -> Any:
         chosen = built[min(index, len(built) - 1)] if built else None
-        stand_in = _like(base, chosen[0] if chosen else None)(*args, (), *_optimizer_groups(module, chosen))
+        stand_in = _like(base, chosen[0] if chosen and not branches else None)(*args, (), *_optimizer_groups(module, chosen))
         if isinstance(stand_in, _Several):
             stand_in.one = one
         return stand_in

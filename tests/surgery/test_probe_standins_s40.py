@@ -244,3 +244,57 @@ def test_sam_first_and_second_step_are_probed_and_train_the_same(calls: str, tmp
     assert on.seen[1:] == off.seen and on.seen[0][1] == off.seen[0][1]  # a SAM, as Lightning's wrapper is one
     assert {"rho", "adaptive", "lr"} <= set(on.seen[0][0])  # SAM's own group keys (the base optimizer's: unknowable unrun)
     _same_optimizers(*trainers)
+
+
+class _SamBase(_Sam):
+    """Reads what SAM's ``__init__`` sets (``opt.base_optimizer``): unknowable before the optimizers exist."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.seen.append(type(self.optimizers().base_optimizer).__name__)  # type: ignore[union-attr]
+        super().training_step(batch, batch_idx)
+
+
+def test_what_the_optimizer_init_sets_falls_back_said_exactly(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_HBM_PROBE_STEP", "1")
+    module, trainers = _SamBase("wrapper"), []  # type: ignore[var-annotated]
+    with pytest.warns(UserWarning, match="could not run one step") as caught:
+        _fit(trainers, tmp_path)(module)
+    said = [str(w.message) for w in caught if "could not run one step" in str(w.message)]
+    assert len(said) == 1 and "the probe step's stand-in for SAM has no attribute 'base_optimizer'" in said[0], said
+    assert "SAM.__init__ sets is not there" in said[0] and [s for s in module.seen if isinstance(s, str)] == ["SGD"] * 3
+    assert len(module.losses) == 3 and trainers[0].global_step == 0  # trained (SAM's base step is no LightningOptimizer's)
+
+
+class _Plain(pl.LightningModule):
+    """One optimizer, no scheduler (``self.lr_schedulers()`` is ``None``), or one of two classes chosen by a branch."""
+
+    def __init__(self, choice: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        self.automatic_optimization = False
+        self.choice, self.seen, self.losses = choice, [], []  # type: ignore[var-annotated]
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt, sch = self.optimizers(), self.lr_schedulers()
+        self.seen.append((sch is None, isinstance(opt, torch.optim.Adam)))
+        loss = self.body(batch).pow(2).mean()
+        opt.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+        self.losses.append(loss.detach().clone())
+
+    def configure_optimizers(self) -> Any:
+        if self.choice == "adam":
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("choice", ["adam", "sgd"])
+def test_no_scheduler_is_none_and_a_branch_chosen_class_is_not_guessed(choice: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainers: list[pl.Trainer] = []
+    off, on = _both(monkeypatch, lambda: _Plain(choice), _fit(trainers, tmp_path))
+    assert off.seen[0] == (True, choice == "adam") and on.seen[1:] == off.seen
+    assert on.seen[0] == (True, False)  # the class a branch picks is not read unrun: of neither (never the wrong one)
+    assert torch.equal(torch.stack(on.losses[-3:]), torch.stack(off.losses))
+    _same_optimizers(*trainers)
