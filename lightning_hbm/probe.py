@@ -358,8 +358,8 @@ def _optimizers_built(module: pl.LightningModule, method: str = "configure_optim
 
 def _optimizer_groups(module: pl.LightningModule, built: Optional[_Built]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The defaults and param groups of the stand-in for the optimizer ``built`` (see :class:`_NoStep`): each group the call's
-    source lists (``AdamW([{"params": ..., "weight_decay": 0.01}, {...}])``: ``opt.param_groups[1]`` was IndexError, s40
-    h1), its keys the class's keyword defaults (read from its signature), then the literal values the call and the
+    source lists (``AdamW([{"params": ..., "weight_decay": 0.01}, {...}])``, or builds over a literal tuple:
+    ``opt.param_groups[1]`` was IndexError, s40 h1), its keys the class's keyword defaults (read from its signature), then the literal values the call and the
     group pass (``betas=(0.5, 0.999)``), ``lr`` 0.0; its parameters those the source names (``self.g.parameters()``:
     :func:`_parameters_named`), else the module's trainable ones."""
     trainable = [p for p in module.parameters() if p.requires_grad]
@@ -369,6 +369,9 @@ def _optimizer_groups(module: pl.LightningModule, built: Optional[_Built]) -> tu
     defaults = {**_optimizer_defaults(optimizer), **_literals({k.arg: k.value for k in call.keywords if k.arg is not None}), "lr": 0.0}
     first = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "params"), None)
     listed = _listed(first, assigned)
+    if isinstance(listed, ast.ListComp) and isinstance(listed.elt, ast.Dict) and len(listed.generators) == 1:
+        over = _listed(listed.generators[0].iter, assigned)  # [{"params": m.parameters()} for m in (self.a, self.b)]
+        listed = ast.List(elts=[listed.elt] * len(over.elts)) if isinstance(over, (ast.List, ast.Tuple)) else listed
     if isinstance(listed, (ast.List, ast.Tuple)) and listed.elts and all(isinstance(e, ast.Dict) for e in listed.elts):
         groups = []
         for group in listed.elts:

@@ -114,7 +114,7 @@ def test_each_optimizer_carries_its_own_class_group_keys(tmp_path: Any, monkeypa
 class _Groups(pl.LightningModule):
     """One AdamW with two param groups of different lr and weight decay, read by index; ``use_pl_optimizer=False``."""
 
-    def __init__(self, raw: bool) -> None:
+    def __init__(self, raw: Any) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -122,7 +122,7 @@ class _Groups(pl.LightningModule):
         self.raw, self.seen, self.losses = raw, [], []  # type: ignore[var-annotated]
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        opt = self.optimizers(use_pl_optimizer=not self.raw)
+        opt = self.optimizers(use_pl_optimizer=self.raw is not True)
         second = opt.param_groups[1]  # type: ignore[union-attr]
         self.seen.append((len(opt.param_groups), second["weight_decay"], second["betas"], isinstance(opt, torch.optim.AdamW), isinstance(opt, list)))  # type: ignore[union-attr]
         loss = self.body(batch).pow(2).mean()
@@ -132,12 +132,14 @@ class _Groups(pl.LightningModule):
         self.losses.append(loss.detach().clone())
 
     def configure_optimizers(self) -> Any:
+        if self.raw == "built":  # the groups built over a tuple
+            return torch.optim.AdamW([{"params": m.parameters(), "weight_decay": 0.0} for m in (self.body[0], self.body[2])], betas=(0.8, 0.99))
         groups = [{"params": self.body[0].parameters(), "lr": 1e-2}, {"params": self.body[2].parameters(), "lr": 1e-3, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, weight_decay=0.05, betas=(0.8, 0.99))
 
 
-@pytest.mark.parametrize("raw", [False, True], ids=["lightning-optimizer", "use_pl_optimizer-False"])
-def test_two_param_groups_read_by_index(raw: bool, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("raw", [False, True, "built"], ids=["lightning-optimizer", "use_pl_optimizer-False", "comprehension"])
+def test_two_param_groups_read_by_index(raw: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     trainers: list[pl.Trainer] = []
     off, on = _both(monkeypatch, lambda: _Groups(raw), _fit(trainers, tmp_path))
     assert on.seen[0] == off.seen[0] == (2, 0.0, (0.8, 0.99), True, False) and on.seen[1:] == off.seen
