@@ -18,7 +18,7 @@ import textwrap
 import warnings
 from collections import defaultdict
 from collections.abc import Collection, Generator, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from types import FrameType, ModuleType
 from typing import Any, Callable, Optional
@@ -162,8 +162,13 @@ class _NoStep:
         what = mine[0].__qualname__ if mine else "the optimizer"
         raise AttributeError(
             f"the probe step's stand-in for {what} has no attribute {name!r}: the probe step runs before the optimizers "
-            f"are built, so what {what}.__init__ sets is not there"
+            f"are built, so what {what}.__init__ sets is not there (nor what Lightning's LightningOptimizer adds beyond "
+            "optimizer, toggle_model, step, zero_grad)"
         )
+
+    def toggle_model(self, sync_grad: bool = True) -> AbstractContextManager[None]:
+        """As ``LightningOptimizer.toggle_model`` (Lightning's manual optimization with several optimizers): nothing."""
+        return nullcontext()
 
     def state_dict(self) -> dict[str, Any]:
         """As torch's ``Optimizer.state_dict()``: no state, each group's keys with its parameters as indices."""

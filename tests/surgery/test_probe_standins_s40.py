@@ -73,6 +73,11 @@ class _Gan(pl.LightningModule):
             raw = self.optimizers(use_pl_optimizer=False)
             self.seen.append((isinstance(raw, list), len(raw)))  # type: ignore[arg-type]
             return list(opts)  # type: ignore[arg-type]
+        if self.reads == "toggle_model":  # LightningOptimizer's, as Lightning documents several optimizers
+            g, d = opts  # type: ignore[misc]
+            with g.toggle_model(sync_grad=True):
+                self.seen.append(isinstance(g, torch.optim.Adam))
+            return [g, d]
         g, d = opts  # type: ignore[misc]  # "keys": each its own class's group keys
         self.seen.append((g.param_groups[0]["betas"], d.param_groups[0]["momentum"], "momentum" in g.param_groups[0], "betas" in d.param_groups[0]))
         return [g, d]
@@ -93,7 +98,7 @@ class _Gan(pl.LightningModule):
         return [g, d], [torch.optim.lr_scheduler.StepLR(g, 1, 0.5), torch.optim.lr_scheduler.StepLR(d, 1, 0.5)]
 
 
-@pytest.mark.parametrize("reads", ["isinstance", "unpack", "raw"])
+@pytest.mark.parametrize("reads", ["isinstance", "unpack", "raw", "toggle_model"])
 def test_several_optimizers_read_as_lightning_gives_them(reads: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     trainers: list[pl.Trainer] = []
     off, on = _both(monkeypatch, lambda: _Gan(reads), _fit(trainers, tmp_path))
