@@ -291,12 +291,15 @@ def source_tree(obj: Any) -> Optional[ast.Module]:
         return None
 
 
-def _configured(module: pl.LightningModule, method: str = "configure_optimizers", depth: int = 0) -> tuple[int, int]:
+def _configured(
+    module: pl.LightningModule, method: str = "configure_optimizers", depth: int = 0, returned: Optional[list[int]] = None
+) -> tuple[int, int]:
     """How many optimizers and schedulers ``configure_optimizers`` returns, read from its source's ``return``s (a list
     or tuple of them, ``[optimizers], [schedulers]``, or dicts: a list of ``{"optimizer": ..., "lr_scheduler": ...}``
     counts its schedulers); ``(1, 1)`` where the source does not say. A name returned (``return opts, scheds``) is read
     where the method assigns it a list or tuple, and ``return self._build()`` in the method it calls (s39 h5: a
-    helper's two optimizers, or a list of two dicts' two schedulers, were counted one: a loop over them ran once)."""
+    helper's two optimizers, or a list of two dicts' two schedulers, were counted one: a loop over them ran once).
+    ``returned`` gets each ``return``'s own count of optimizers (1 for one it does not count)."""
     tree = source_tree(getattr(type(module), method, None))
     if tree is None:
         return 1, 1
@@ -309,8 +312,10 @@ def _configured(module: pl.LightningModule, method: str = "configure_optimizers"
         value = _listed(node.value, assigned) if isinstance(node, ast.Return) else None
         helper = _own_method(value)
         if helper is not None and depth < 3:
-            counts.append(_configured(module, helper, depth + 1))
+            counts.append(_configured(module, helper, depth + 1, returned))
         if not isinstance(value, (ast.List, ast.Tuple)) or not value.elts:
+            if isinstance(node, ast.Return) and node.value is not None and helper is None and returned is not None:
+                returned.append(1)
             continue
         first, second = (_listed(e, assigned) for e in (value.elts + value.elts)[:2])
         if len(value.elts) == 2 and isinstance(first, (ast.List, ast.Tuple)):
@@ -318,6 +323,8 @@ def _configured(module: pl.LightningModule, method: str = "configure_optimizers"
         else:
             scheduled = [e for e in value.elts if isinstance(e, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "lr_scheduler" for k in e.keys)]
             counts.append((len(value.elts), max(1, len(scheduled))))
+        if returned is not None:
+            returned.append(counts[-1][0])
     return max(c for c, _ in counts), max(c for _, c in counts)
 
 
@@ -507,12 +514,14 @@ def _stand_ins(module: pl.LightningModule) -> dict[str, Callable[..., Any]]:
 
 def _lent(module: pl.LightningModule) -> Callable[[], Any]:
     """What ``self.optimizers()`` gives in a probe step, as Lightning gives it (s40 h1): for several optimizers
-    ``configure_optimizers``' source returns, a ``list`` of stand-ins (``isinstance(opts, list)``; was one stand-in
+    ``configure_optimizers``' source returns on every path, a ``list`` of stand-ins (``isinstance(opts, list)``; was one stand-in
     reading as a list, a step normalising ``opts if isinstance(opts, list) else [opts]`` stepped one); else one that
     unpacks as :class:`_Several` says. The ``i``-th is of the ``i``-th optimizer class the source builds
     (:func:`_optimizers_built`, :func:`_like`): its groups and their keys (Adam's ``betas``, SGD's ``momentum``; were the
     first class's on each: :func:`_optimizer_groups`), and ``isinstance`` of that class."""
-    count, built = _configured(module)[0], _optimizers_built(module)
+    returned: list[int] = []
+    count, built = _configured(module, returned=returned)[0], _optimizers_built(module)
+    several = count > 1 and len(set(returned)) == 1  # every return gives as many: a list (else one that unpacks)
     # more classes built than returned: branches (``Adam(...) if ... else SGD(...)``), which one runs is unknowable
     # unrun: of none of them (``isinstance`` False, no user method), the groups of the one in its place in the source
     branches = len(built) > count and len({optimizer for optimizer, _, _ in built}) > 1
@@ -524,7 +533,7 @@ def _lent(module: pl.LightningModule) -> Callable[[], Any]:
             stand_in.one = one
         return stand_in
 
-    return lambda: [one(i) for i in range(count)] if count > 1 else one(0, _NoSteps, count)
+    return lambda: [one(i) for i in range(count)] if several else one(0, _NoSteps, count)
 
 
 #: what a user's optimizer class may not define for a stand-in to be of it: each runs the class's code as the

@@ -273,7 +273,8 @@ def test_what_the_optimizer_init_sets_falls_back_said_exactly(tmp_path: Any, mon
 
 
 class _Plain(pl.LightningModule):
-    """One optimizer, no scheduler (``self.lr_schedulers()`` is ``None``), or one of two classes chosen by a branch."""
+    """One optimizer, no scheduler (``self.lr_schedulers()`` is ``None``), of a class chosen by a branch; another branch
+    returns two (the stand-in then reads as one, and unpacks as two)."""
 
     def __init__(self, choice: str) -> None:
         super().__init__()
@@ -292,6 +293,8 @@ class _Plain(pl.LightningModule):
         self.losses.append(loss.detach().clone())
 
     def configure_optimizers(self) -> Any:
+        if self.choice == "pair":  # never taken here: one optimizer on some paths, two on others
+            return [torch.optim.SGD(self.body[0].parameters(), lr=1e-2), torch.optim.SGD(self.body[2].parameters(), lr=1e-2)], []
         if self.choice == "adam":
             return torch.optim.Adam(self.parameters(), lr=1e-2)
         return torch.optim.SGD(self.parameters(), lr=1e-2)
