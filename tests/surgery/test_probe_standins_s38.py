@@ -108,7 +108,7 @@ def test_the_lent_optimizers_are_put_back(tmp_path: Any) -> None:
         assert len(lent) == 1 and lent[0].param_groups[0]["lr"] == 0.0
         assert lent[0].param_groups[0]["params"] == list(module.parameters()) and lent[0].optimizer is lent[0]
         assert module.optimizers().optimizer.param_groups[0]["lr"] == 0.0  # type: ignore[union-attr]
-        assert module.lr_schedulers().get_last_lr() == [0.0]  # type: ignore[union-attr]
+        assert module.lr_schedulers() is None  # configure_optimizers returns no scheduler: None, as Lightning (s40 h1)
     assert trainer.strategy._optimizers is mine and mine == []
     with pytest.raises(ValueError, match="the step failed"), quiet_logging(module):
         assert len(trainer.optimizers) == 1
