@@ -5,7 +5,8 @@ Levels, bottom to top; a module imports only from its own level or lower ones:
 0. base: ``_compat`` (libraries' internals, one module per library), ``memory``, ``naming``, ``requirements``, ``quiet``, ``data``, ``probe`` (probe a model on a batch,
    shared by the precision choices and ``QuantizationQuality``), ``probe_record`` (what a probe forward did: its
    module calls and data-dependent selections, recorded and followed), ``probe_batch`` (the probe batch, drawn from the
-   Trainer's train dataloader), ``display`` (the progress bar and model summary
+   Trainer's train dataloader), ``probe_stand_ins`` (what a probe step lends the user's step: no-op logging, optimizer
+   stand-ins read from ``configure_optimizers``' source), ``display`` (the progress bar and model summary
    the surgery spine swaps in), ``record`` (what lightning_hbm knows of a model it changed, in weak maps, nothing set
    on the model: the layer kinds write to it, the surgery, precision and callbacks read it), ``running`` (the stack
    of modules whose forward is running, kept by forward hooks: the layer-weight probe, the memory tracker and the
@@ -49,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 # longest dotted prefix (relative to the package) wins; "" is the package's own __init__
 LEVELS = {
-    "_compat": 0, "_validate": 0, "memory": 0, "naming": 0, "requirements": 0, "quiet": 0, "data": 0, "probe": 0, "probe_record": 0, "probe_batch": 0,
+    "_compat": 0, "_validate": 0, "memory": 0, "naming": 0, "requirements": 0, "quiet": 0, "data": 0, "probe": 0, "probe_record": 0, "probe_batch": 0, "probe_stand_ins": 0,
     "pretrained": 0, "display": 0, "record": 0, "running": 0,
     "layers": 1, "resume": 1, "models": 1,
     "surgery": 2,

@@ -302,3 +302,14 @@ def test_the_probe_batch_has_its_own_module_and_keeps_its_former_import_paths() 
     assert probe.first_batch is probe_batch.first_batch is quality.first_batch
     assert probe.first_batches is probe_batch.first_batches
     assert {"first_batch", "first_batches"} <= set(probe.__all__)
+
+
+def test_the_probe_steps_stand_ins_moved_out_of_probe_and_are_still_public_there() -> None:
+    """What a probe step lends the user's step (no-op logging, optimizer stand-ins read from source) moved from
+    ``lightning_hbm.probe`` into ``lightning_hbm.probe_stand_ins`` (session 40, issue 54: one job per module); the
+    names other modules import from ``probe`` are the same objects."""
+    from lightning_hbm import probe, probe_stand_ins
+
+    assert probe.quiet_logging is probe_stand_ins.quiet_logging
+    assert probe.source_tree is probe_stand_ins.source_tree
+    assert {"quiet_logging", "source_tree"} <= set(probe.__all__)

@@ -379,7 +379,7 @@ def logged_values(module: Any) -> Callable[[], None]:
 @contextmanager
 def optimizers_lent(module: Any, make: Callable[[], list]) -> Iterator[None]:
     """``module.trainer.optimizers`` as ``make()`` gives them inside the context, where the trainer's strategy holds
-    none yet (before the fit sets them up: the probe step's stand-ins, :func:`lightning_hbm.probe.quiet_logging`), the
+    none yet (before the fit sets them up: the probe step's stand-ins, :func:`lightning_hbm.probe_stand_ins.quiet_logging`), the
     strategy's own list put back after, also when the step raises. Nothing without a trainer, or where it holds
     optimizers. Lightning's private ``LightningModule._trainer`` (``trainer`` raises when detached) and
     ``Strategy._optimizers`` (``trainer.optimizers`` reads it; its setter would wrap the stand-ins as
