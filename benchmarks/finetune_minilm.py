@@ -49,6 +49,7 @@ from torch import Tensor
 from transformers import BertModel, PreTrainedTokenizerFast
 
 from lightning_hbm import LoRA, QuantizedPrecision
+from lightning_hbm.layers.coverage_table import coverage
 from lightning_hbm.pretrained import minilm_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +62,9 @@ ARMS: dict[str, Optional[dict[str, Any]]] = {
     "nf4-dq+gptq": dict(mode="nf4-dq", rounding="gptq"),
     "accurate": dict(mode="nf4-dq-b32", rounding="gptq", correction_rank=16),
     "nf4-dq+loftq1": dict(mode="nf4-dq", loftq=True),
+    # at most 0.65 bytes per quantized Linear weight with the correction's fp32 factors (session 40, issue 52)
+    "b32+gptq+c6": dict(mode="nf4-dq-b32", rounding="gptq", correction_rank=6),
+    "plan0.64+gptq+c4": dict(mode="nf4-dq", rounding="gptq", correction_rank=4, max_bytes_per_param=0.64),
 }
 # well-documented standard-library modules (the sentences of benchmarks/sensitivity.py's fifteen, and more)
 MODULES = (
@@ -217,7 +221,10 @@ def run_arm(path: str, data: tuple[list[Any], list[Any]], steps: int, seed: int,
     fit_s = time.perf_counter() - start
     emb = held_out_embeddings(module, held_out)
     adapters = sum(isinstance(m, LoraLayer) for m in module.modules())
-    return dict(before=before.loss, **scores(emb), fit_s=fit_s, adapters=adapters), emb
+    # bytes per quantized Linear weight as the coverage table counts them (constants and correction factors included)
+    linear = [row for row in coverage(module, bool(plugins), True) if row.kind == "Linear"]
+    bpw = sum(row.bytes for row in linear) / sum(row.params for row in linear)
+    return dict(before=before.loss, **scores(emb), fit_s=fit_s, adapters=adapters, bytes_per_weight=bpw), emb
 
 
 def main() -> None:
@@ -261,13 +268,13 @@ def table(rows: list[tuple[str, int, dict[str, float]]], args: argparse.Namespac
     print(f"\nall-MiniLM-L6-v2, LoRA r={R} alpha {ALPHA} on every Linear, {args.steps} steps of {args.batch} pairs "
           f"(max {args.max_length} tokens), AdamW lr {args.lr}, fp32 compute; held out {args.held_out} pairs; "
           f"load average {os.getloadavg()}")
-    print("| arm | seed | before | after, as trained | gap to 16-bit | top-1 | cos to 16-bit trained | fit s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| arm | seed | before | after, as trained | gap to 16-bit | top-1 | cos to 16-bit trained | B/weight | fit s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     ceiling = {seed: r["loss"] for arm, seed, r in rows if arm == "16-bit"}
     for arm, seed, r in rows:
         gap = f"{(r['loss'] / ceiling[seed] - 1) * 100:+.2f} %" if seed in ceiling else "-"
         print(f"| {arm} | {seed} | {r['before']:.4f} | {r['loss']:.4f} | {gap} | {r['top1']:.3f} | {r['cos16']:.5f} "
-              f"| {r['fit_s']:.0f} |")
+              f"| {r['bytes_per_weight']:.4f} | {r['fit_s']:.0f} |")
 
 
 if __name__ == "__main__":
