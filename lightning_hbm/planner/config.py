@@ -132,7 +132,8 @@ def max_context_from_config(
 
 def print_max_context(results: Sequence[ContextResult]) -> None:
     """The longest context per budget as a table: tokens, device total, host RAM needed, offload and the loss chunk
-    chosen, what holds it; then what max_context set the same for every budget."""
+    chosen, what holds it; then what max_context set the same for every budget, and each answer's notes
+    (:meth:`~lightning_hbm.planner.context.ContextResult.notes`)."""
     rows = [("budget", "longest context (tokens)", "device total", "host RAM (pinned)", "offload", "loss chunk",
              "what holds it")]
     for r in results:
@@ -145,6 +146,9 @@ def print_max_context(results: Sequence[ContextResult]) -> None:
     if results:
         common = {k: v for k, v in results[0].choices.items() if k not in ("offload", "loss_chunk_tokens", "regenerate")}
         print(f"set by max_context: {common} (predicted by the planner, not measured)")
+    for r in results:  # what an answer assumes (a MoE model's worst routing load, with its bytes)
+        for note in r.notes():
+            print(f"({note})")
 
 
 def _offload_cell(offload: object, regenerate: object = None) -> str:

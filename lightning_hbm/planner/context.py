@@ -45,6 +45,7 @@ from torch import nn
 from lightning_hbm.activations import ActivationCheckpointing, FusedLoss, pinned_footprint
 from lightning_hbm.activations.loss.cost import chunk_tokens
 from lightning_hbm.data import synthetic_batch
+from lightning_hbm.layers import experts
 from lightning_hbm.layers.blocks import find_blocks
 from lightning_hbm.memory import CATEGORIES, host_terms
 from lightning_hbm.planner.api import HOST_ACTIVATIONS, Prediction, predict
@@ -80,6 +81,9 @@ class ContextResult:
         choices: what max_context set: ``checkpointing``, ``offload``, ``mlp_chunks``, ``loss_chunk_tokens``,
             ``regenerate``.
         limit: why not longer: the largest device term at ``tokens``; when nothing fits, the term that alone is over.
+        expert_load: on a model with mixture-of-experts layers (``LinearExperts``), the bytes the planner's worst routing
+            load adds to the device total at ``tokens`` over a balanced router (both planned; :meth:`notes` says it);
+            ``None`` on other models, and where nothing fits.
     """
 
     budget: int
@@ -87,6 +91,7 @@ class ContextResult:
     prediction: Prediction
     choices: dict[str, Any] = field(default_factory=dict)
     limit: str = ""
+    expert_load: Optional[int] = None
 
     @property
     def host(self) -> int:
@@ -96,6 +101,24 @@ class ContextResult:
     def __str__(self) -> str:
         return (f"{format_bytes(self.budget)}: {self.tokens:,} tokens (device {format_bytes(self.prediction.total)}, "
                 f"host {format_bytes(self.host)}; {self.limit})")
+
+    def notes(self) -> list[str]:
+        """What the answer assumes and its numbers do not show: on a MoE model, the worst routing load, with its cost.
+
+        The planner traces on fake tensors, which hold no values, so no router runs: each experts layer is planned with
+        its first and last expert given every token of a chunk (``LinearExperts._worst_load``; exact under that load,
+        tests/planner/test_moe_chunks_s40.py). A trained router may do that; a balanced one needs less.
+        """
+        if self.expert_load is None:
+            return []
+        total = self.prediction.total
+        return [
+            f"{format_bytes(self.budget)}: the MoE experts are planned at the worst routing load (the first and last "
+            f"expert of each layer take every token), {format_bytes(self.expert_load)} "
+            f"({100 * self.expert_load / max(total, 1):.1f} % of the device total) over a balanced router at "
+            f"{self.tokens:,} tokens: a run whose router spreads its tokens evenly needs that much less, so "
+            f"{self.tokens:,} may be short of its longest context; one that sends a chunk's tokens to one expert needs all of it"
+        ]
 
 
 def max_context(
@@ -205,6 +228,8 @@ class _Lengths:
         self._partial: dict[int, Candidate] = {}
         self.cache: dict[Any, Prediction] = {}
         self.decided = Decided()  # the probe's forwards decide the same at every length past _PROBE_TOKENS
+        #: experts layers whose load the trace chooses (``LinearExperts``, fake tensors route no token)
+        self.routed = any(experts.supported(m) for m in template.module.modules())
         self._points: dict[int, int] = {}
 
     def predict_at(self, tokens: int, offload: Optional[int] = None) -> Prediction:
@@ -218,6 +243,26 @@ class _Lengths:
                                       probe_batch=probe, decided=self.decided if probe is not None else None)
             _log.info("max_context: %s tokens (offload %s) -> %s (planned in %.0f s)", f"{tokens:,}", offload,
                       format_bytes(self.cache[key].total), time.perf_counter() - start)
+        return self.cache[key]
+
+    def balanced_at(self, tokens: int, offload: Optional[int] = None) -> Prediction:
+        """:meth:`predict_at` with the MoE experts under a balanced router's load, not the worst
+        (:func:`~lightning_hbm.layers.experts.balanced_load`), the structure decided as the worst-load plan decided it.
+
+        Only the traced step is balanced: decided under a balanced load, a MoE MLP saved too little per token for its
+        token chunks to pay (2 tokens fill 4 of 4 experts' rows, not 6), and the plan without chunks was 447 KiB over
+        the worst-load plan with them (Qwen3-MoE at 256 tokens), where the run chunks as the worst-load plan does.
+        """
+        key = (tokens, offload, "balanced")
+        if key not in self.cache:
+            probe, decided = self.make_batch(min(tokens, _PROBE_TOKENS)), self.decided
+            if tokens <= _PROBE_TOKENS:  # predict_at decided nothing to keep at this length: decide it (worst load)
+                decided = Decided()
+                predict(self.template, self.make_batch(tokens), self._candidate(offload), device=self.device,
+                        probe_batch=probe, decided=decided)
+            with experts.balanced_load():
+                self.cache[key] = predict(self.template, self.make_batch(tokens), self._candidate(offload),
+                                          device=self.device, probe_batch=probe, decided=decided)
         return self.cache[key]
 
     def _candidate(self, offload: Optional[int]) -> Candidate:
@@ -274,7 +319,10 @@ class _Lengths:
             choices["offload"] = offload
         if tokens == 0:  # not even the shortest length: say which term alone is over
             return ContextResult(budget, 0, prediction, choices, limit or _over(prediction, budget))
-        return ContextResult(budget, tokens, prediction, choices, limit or _held_by(prediction))
+        # the worst routing load's share, planned (one more plan at the answer, MoE models only): was not said, and a
+        # user read the answer as what their run needs (issue 51, session 41)
+        extra = prediction.total - self.balanced_at(tokens, offload).total if self.routed else None
+        return ContextResult(budget, tokens, prediction, choices, limit or _held_by(prediction), extra)
 
 
 def _solve(budget: int, lengths: _Lengths, batch_size: int) -> ContextResult:
