@@ -27,7 +27,7 @@ from lightning_hbm.adapters.lora.merge import merge
 from lightning_hbm.adapters.lora.notices import tell_heads, tell_left_out
 from lightning_hbm.adapters.lora.quantized_base import check_quantized_base
 from lightning_hbm.adapters.lora.targets import select
-from lightning_hbm.adapters.lora.watch import AdapterWatch
+from lightning_hbm.adapters.lora.watch import AdapterWatch, ExpertWatch
 from lightning_hbm.adapters.lora.weight_delta import as_plain_convolutions, own_forward_convs, weight_delta_forward
 from lightning_hbm.layers import prepare_model, repeated_reads_dequantize_once, report_coverage, task_heads
 from lightning_hbm.memory import parameter_bytes, parameter_count
@@ -99,6 +99,11 @@ class LoRA(SurgeryCallback):
     warning too) adapters whose gradient is all zeros at each of the first three backward passes: their input was
     all zeros in the first step (measured, named apart: an empty codebook before them, a layer initialised to zero),
     or their output is computed, then dropped (an indexing, a mask, a scale at zero).
+    An expert of a MoE layer (``LinearExperts``) that no token of the first step reached is not judged then (it trains
+    once the router sends it tokens); at the end of the fit, the experts whose adapters never received a non-zero
+    gradient in any step are warned by name, with the count and the fix (more steps, the router's load-balancing
+    loss, ``exclude_modules``), and their adapters' names are in ``untrained_experts``; nothing is said when every
+    expert trained.
     Without ``QuantizedPrecision``, the layer-kind coverage table (``layers/...`` keys, see
     :func:`lightning_hbm.layers.report_coverage`) is logged at train start.
 
@@ -160,6 +165,8 @@ class LoRA(SurgeryCallback):
         self.heads_left_out: list[str] = []  # output heads (layers.output_heads) left out of all-linear
         self.saved_modules: list[str] = []
         self.unused_modules: list[str] = []  # adapters that ran but whose output never reaches the loss
+        #: the adapters of MoE experts that never received a non-zero gradient in the last fit (warned at its end)
+        self.untrained_experts: list[str] = []
         self.summary: dict[str, float] = {}  # the metrics logged at fit start
 
     @classmethod
@@ -313,6 +320,7 @@ class LoRA(SurgeryCallback):
         if not isinstance(trainer.precision_plugin, QuantizedPrecision):
             report_coverage(pl_module, quantizing=False)  # QuantizedPrecision reports it itself
         self._watch: Optional[AdapterWatch] = AdapterWatch(pl_module)
+        self._experts: Optional[ExpertWatch] = ExpertWatch(pl_module)  # the whole fit (an expert trains once reached)
         # a loss without gradient because the adapters ran with gradients off (Reformer): the first step hooks the input
         # embeddings and runs again, warned (only when the first run shows it)
         watch_first_step(pl_module, self._watch.gradless_adapters, self._watch.fix_applied)
@@ -330,6 +338,10 @@ class LoRA(SurgeryCallback):
             over = watch.after_backward()  # the first few backward passes of the fit only
             self.unused_modules = watch.unused
             self._watch = None if over else watch
+        experts = getattr(self, "_experts", None)
+        if experts is not None:
+            experts.after_backward()
+            self._experts = experts if experts.pending else None  # every expert reached: nothing left to watch
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -344,12 +356,15 @@ class LoRA(SurgeryCallback):
         if watch is not None and watch.passes:  # a fit shorter than the watch: report what it saw
             watch.finish()
             self.unused_modules = watch.unused
+        experts, self._experts = getattr(self, "_experts", None), None
+        self.untrained_experts = experts.finish() if experts is not None else []
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         watch, self._watch = getattr(self, "_watch", None), None
         if watch is not None:
             watch.close()  # a fit that failed before its first backward's check: no hook left on the model
+        self._experts = None  # a failed fit says nothing of its experts
         unwatch_first_step(pl_module)  # nor the first step's wrapper
         super().on_exception(trainer, pl_module, exception)
 

@@ -1,9 +1,10 @@
-"""Dead adapters found at the first backward; adapters whose gradient stays all-zero, over the first few."""
+"""Dead adapters found at the first backward; adapters whose gradient stays all-zero, over the first few; MoE experts
+whose adapters no gradient reached in the whole fit."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -12,6 +13,7 @@ from torch import nn
 from lightning_hbm._compat.torch import foreach_norm
 from lightning_hbm.adapters.lora.base import adapted_layers
 from lightning_hbm.layers import weight_readers
+from lightning_hbm.layers.experts import LinearExperts
 from lightning_hbm.naming import name_list, under
 
 #: backward passes over which an adapter whose gradient was all-zero at the first is watched. Each costs one fused
@@ -211,6 +213,68 @@ class AdapterWatch:
                 f"LoRA(exclude_modules={sorted(branch)!r}) leaves them out."
             )
         return [n for n in dead if n in readers]
+
+
+class ExpertWatch:
+    """The MoE experts whose adapters never received a non-zero gradient in a whole fit, warned at its end.
+
+    :class:`AdapterWatch` cannot judge an expert at the first backward: an expert no token of the first batch reached
+    (its parent ran, it did not) trains once the router sends it tokens (FlexOlmo, Aria; a warning at fit start would
+    fire on healthy runs). So each expert (the ``gate_up_proj.e`` / ``down_proj.e`` adapters of a
+    :class:`~lightning_hbm.layers.experts.LinearExperts`) is watched over the whole fit: trained once one of its
+    adapters' gradients is non-zero after a backward. An expert not routed in a step has no gradient (``None``): no
+    cost; one that ran and is not yet known trained costs one fused norm and one sync in that step, and is known
+    after it, so the syncs stop once every expert was reached. At the end of the fit (:meth:`finish`), the experts
+    never trained are warned by name, with the steps and the fix; nothing is said when every expert trained.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        #: per expert, "<experts module> expert <e>": its adapters by name; an expert leaves it once trained
+        self.pending: dict[str, dict[str, Any]] = {}
+        self.experts = 0
+        for name, layer in adapted_layers(module).items():
+            owner, _, index = name.rpartition(".")
+            experts, _, projection = owner.rpartition(".")
+            if projection in ("gate_up_proj", "down_proj") and isinstance(_submodule(module, experts), LinearExperts):
+                self.pending.setdefault(f"{experts} expert {index}", {})[name] = layer
+        self.experts = len(self.pending)
+        self.steps = 0  # backward passes seen
+
+    def after_backward(self) -> None:
+        """Drop the experts whose adapters got a non-zero gradient in this backward."""
+        self.steps += 1
+        reached = {expert: layers for expert, layers in self.pending.items() if any(g is not None for layer in layers.values() for g in _grads(layer))}
+        if not reached:
+            return
+        layers = {name: layer for adapters in reached.values() for name, layer in adapters.items()}
+        zero = set(_all_zero(layers))
+        with_grads = {name for name, layer in layers.items() if any(g is not None for g in _grads(layer))}
+        for expert, adapters in reached.items():
+            if any(name in with_grads and name not in zero for name in adapters):
+                del self.pending[expert]
+
+    def finish(self) -> list[str]:
+        """Warn about the experts never trained in the fit (silent when every one trained); their adapters' names."""
+        if not self.pending or not self.steps:
+            return []
+        names = sorted(name for adapters in self.pending.values() for name in adapters)
+        rank_zero_warn(
+            f"LoRA: the adapters of {len(self.pending)} of {self.experts} MoE experts never received a non-zero gradient "
+            f"in this fit's {self.steps} backward pass(es), so they did not train (lora_B = 0, no effect): "
+            f"{_listed(list(self.pending), shown=6)}. The router sent them no token of any batch (an expert that no "
+            "token of the first batches reaches trains once tokens reach it, so this is said at the end of the fit). "
+            "Fix: train more steps, turn on the router's load-balancing loss (transformers: output_router_logits=True "
+            f"with router_aux_loss_coef > 0 in the model's config) so tokens reach every expert, or leave them out: "
+            f"LoRA(exclude_modules={names!r})."
+        )
+        return names
+
+
+def _submodule(module: nn.Module, name: str) -> Optional[nn.Module]:
+    try:
+        return module.get_submodule(name) if name else module
+    except AttributeError:
+        return None
 
 
 def _zero_causes(zero: list[str], fed_zeros: list[str], frozen: dict[str, list[str]]) -> str:
