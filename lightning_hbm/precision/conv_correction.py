@@ -16,14 +16,21 @@ no rank below 9 corrects), and transposed convolutions (their stored matrix is n
 
 from __future__ import annotations
 
-from typing import Optional, cast
+from typing import Optional, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV, kind_of, stored_in
-from lightning_hbm.precision.correction import CalibratedCorrection
+
+
+class Correct(Protocol):
+    """What :func:`correct_conv` calls (:class:`~lightning_hbm.precision.correction.CalibratedCorrection`)."""
+
+    def fit(self, name: str, layer: nn.Module, weight: Tensor, holder: Optional[nn.Module] = None) -> None: ...
+
+    def skip(self, name: str, why: str) -> None: ...
 
 
 def why_uncorrected(conv: nn.Module) -> Optional[str]:
@@ -42,7 +49,7 @@ def is_conv(layer: nn.Module) -> bool:
     return kind_of(layer) is CONV
 
 
-def correct_conv(correct: CalibratedCorrection, name: str, conv: nn.Module, weight: Tensor) -> None:
+def correct_conv(correct: Correct, name: str, conv: nn.Module, weight: Tensor) -> None:
     """Give the quantized convolution ``conv`` (built from ``weight``, its ``[out, in x kernel]`` matrix) its
     correction, or record why it gets none (module docstring)."""
     why = why_uncorrected(conv)
