@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_hbm.layers.correction import correction_of
 from lightning_hbm.layers.frozen_weight import Backward, FrozenWeight, InputGradient
 from lightning_hbm.layers.kinds import LayerKind, itself, register_kind
 from lightning_hbm.layers.weight_norm import WeightNorm, floating_weight, weight_norm_of
@@ -126,7 +127,11 @@ class _Quantized:
 
     def dequantized(self, storage: nn.Module) -> torch.Tensor:
         shape = (self.out_channels, self.in_channels // self.groups, *self.kernel_size)  # type: ignore[attr-defined]
-        return self._dequantize(storage, self.compute_dtype).reshape(shape)  # type: ignore[misc]
+        weight = self._dequantize(storage, self.compute_dtype)  # type: ignore[misc]
+        correction = correction_of(cast(nn.Module, self))  # QuantizedPrecision(correction_rank=r): B A added to the weight
+        if correction is not None:
+            weight = weight + (correction.left @ correction.right).to(weight.dtype)
+        return weight.reshape(shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         storage = self.storage()

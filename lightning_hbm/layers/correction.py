@@ -109,6 +109,27 @@ def attach_correction(layer: nn.Module, right: Tensor, left: Tensor) -> LowRankC
     return correction
 
 
+def attach_weight_correction(layer: nn.Module, right: Tensor, left: Tensor) -> LowRankCorrection:
+    """Give the quantized convolution ``layer`` the frozen correction ``(right, left)`` (``right`` = A ``[r, in / groups
+    x kernel]``, ``left`` = B ``[out, r]``, the weight matrix's shapes) without a forward hook: the convolution adds
+    ``B A`` to the weight it dequantizes at each forward (:meth:`lightning_hbm.layers.conv._Quantized.dequantized`).
+
+    Why in the weight rather than as a rank-``r`` convolution and a 1x1 one beside it: a convolution is linear in its
+    weight, so both compute the same output, but the sum costs ``out x r x in x kernel`` multiplications per forward
+    against ``r x (in x kernel + out)`` per output position, and nothing more is saved for backward (the weight is
+    dequantized again there). Every reader of the conv's ``weight`` (``LoRA.merge``, ``QuantizationQuality``) then sees
+    the weight it computes with, correction included.
+
+    Raises:
+        ValueError: ``layer`` already has one, or the factors' shapes are not ``[r, in]`` and ``[out, r]``.
+    """
+    if correction_of(layer) is not None:
+        raise ValueError(f"{type(layer).__name__} already carries a low-rank correction: attach one per layer.")
+    correction = LowRankCorrection(right, left)
+    layer.add_module(CORRECTION, correction)
+    return correction
+
+
 def correction_of(layer: nn.Module) -> Optional[LowRankCorrection]:
     """The correction ``layer`` carries (``None``: none)."""
     found = getattr(layer, "_modules", {}).get(CORRECTION)
@@ -132,4 +153,4 @@ def saved_factors(state_dict: Mapping[str, Any]) -> Optional[dict[str, tuple[Ten
     return {name: (f["right"], f["left"]) for name, f in found.items() if {"right", "left"} <= set(f)} or None
 
 
-__all__ = ["CORRECTION", "KEY_MARK", "LowRankCorrection", "attach_correction", "correction_of", "correction_weight", "saved_factors"]
+__all__ = ["CORRECTION", "KEY_MARK", "LowRankCorrection", "attach_correction", "attach_weight_correction", "correction_of", "correction_weight", "saved_factors"]

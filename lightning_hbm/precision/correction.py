@@ -16,8 +16,10 @@ LoRA after 48 steps; the frozen term beside fresh adapters +2.34 % (``nf4-dq``),
 
 With ``rounding="gptq"`` the correction is fitted to the GPTQ-rounded weight and shares its input statistics (one
 probe forward for both). It is fitted on the layers the probe reached, one at a time while the model is quantized
-(the original weight is needed and is dropped right after). Convolutions, experts and the projections of an
-``nn.MultiheadAttention`` get none (said in one warning). A rank above ``min(in, out)`` of a layer is capped there (said),
+(the original weight is needed and is dropped right after). A convolution is corrected as the Linear it is over its
+input's patches (the statistics are the patches' Gram, as GPTQ's): ``B A`` of its ``[out, in x kernel]`` matrix, added
+to the weight it dequantizes (:mod:`lightning_hbm.precision.conv_correction`; grouped, depthwise and transposed ones get
+none). Experts and the projections of an ``nn.MultiheadAttention`` get none (said in one warning). A rank above ``min(in, out)`` of a layer is capped there (said),
 and a probe with fewer input rows (tokens) than the rank is an error before anything changes.
 
 Resume: the factors are saved with every checkpoint (with the changed tensors, :data:`~lightning_hbm.layers.correction.KEY_MARK`)
@@ -44,7 +46,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from lightning_hbm.layers.correction import attach_correction, correction_of, saved_factors
+from lightning_hbm.layers.correction import attach_correction, attach_weight_correction, correction_of, saved_factors
 from lightning_hbm.naming import name_list
 from lightning_hbm.precision.gptq import pooled_across_ranks
 from lightning_hbm.precision.registry import format_of
@@ -174,8 +176,17 @@ class CalibratedCorrection:
         """A new quantization: a fresh report."""
         self._current = CorrectionReport(self.rank, resumed=self.saved is not None)
 
-    def fit(self, name: str, layer: nn.Module, weight: Tensor) -> None:
-        """Give the quantized ``layer`` (built from ``weight``) its correction, or record why it gets none."""
+    def fit(self, name: str, layer: nn.Module, weight: Tensor, holder: Optional[nn.Module] = None) -> None:
+        """Give the quantized ``layer`` (built from ``weight``) its correction, or record why it gets none.
+
+        Args:
+            name: the target's name (the key of its statistics and of a resumed checkpoint's factors).
+            layer: the mode's quantized layer holding ``weight`` as an ``[out, in]`` matrix.
+            weight: the original weight, as that matrix.
+            holder: the module that carries the factors, when it is not ``layer`` itself: a quantized convolution,
+                which adds them to the weight it dequantizes (:func:`~lightning_hbm.layers.correction.attach_weight_correction`);
+                ``None``: ``layer``, with the forward hook that adds the term to its output.
+        """
         report = self._current if self._current is not None else CorrectionReport(self.rank)
         self._current = report
         out_features, in_features = weight.shape
@@ -208,7 +219,10 @@ class CalibratedCorrection:
             report.seconds += time.perf_counter() - start
         if rank < self.rank:
             report.capped[name] = rank
-        attach_correction(layer, right.contiguous(), left.contiguous())
+        if holder is None:
+            attach_correction(layer, right.contiguous(), left.contiguous())
+        else:
+            attach_weight_correction(holder, right.contiguous(), left.contiguous())
         report.corrected[name] = rank
         report.weights += weight.numel()
         report.bytes += right.numel() * right.element_size() + left.numel() * left.element_size()

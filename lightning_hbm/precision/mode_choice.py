@@ -25,6 +25,7 @@ from torch import nn
 from lightning_hbm.layers import CONV, kind_of
 from lightning_hbm.precision.accuracy import CHECK_SAMPLES, Reference
 from lightning_hbm.precision.config import QuantizationConfig
+from lightning_hbm.precision.conv_correction import conv_correction_bytes, is_conv
 from lightning_hbm.precision.measures import Measures, one_batch
 from lightning_hbm.precision.saved_settings import SavedSettings
 from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_TARGET_COSINE, SensitivityReport, choose_layer_modes, unmeasured_convs_warning, widened_convs_warning
@@ -156,14 +157,20 @@ def linear_modes(
 
 def correction_bytes(module: nn.Module, names: list[str], rank: int, dtype: torch.dtype) -> dict[str, int]:
     """``{layer: bytes}`` of the calibrated correction's factors a rank-``rank`` correction stores beside each Linear-like
-    layer of ``names`` (``r (in + out)`` values in ``dtype``, ``r`` capped at ``min(in, out)``; convolutions get none):
-    what a byte budget counts with the weights (:func:`~lightning_hbm.precision.sensitivity.choose_layer_modes`)."""
+    layer of ``names`` (``r (in + out)`` values in ``dtype``, ``r`` capped at ``min(in, out)``; a convolution's over its
+    ``in x kernel`` patch, grouped and transposed ones none): what a byte budget counts with the weights
+    (:func:`~lightning_hbm.precision.sensitivity.choose_layer_modes`)."""
     if not rank:
         return {}
     sizes = {}
     for name in names:
         layer = module.get_submodule(name)
         kind = kind_of(layer)
+        if is_conv(layer):
+            conv = conv_correction_bytes(layer, rank, dtype)
+            if conv is not None:
+                sizes[name] = conv
+            continue
         if kind is None or kind.wrap is not None:
             continue
         in_features, out_features = kind.features(layer)

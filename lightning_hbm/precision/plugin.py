@@ -211,7 +211,10 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             tokens than ``r`` is an error. The default probe is then 2048 tokens (on SmolLM2 a 512-token one left
             +1.49 % to 16-bit LoRA after training, a 2048-token one +0.74 %). Saved in every checkpoint and taken back from it on resume. Counted in
             ``max_bytes_per_param`` with the weights. The best measured configuration: ``QuantizedPrecision("nf4-dq-b32",
-            rounding="gptq", correction_rank=16)`` (benchmarks/README.md).
+            rounding="gptq", correction_rank=16)`` (benchmarks/README.md). Convolutions are corrected too, over their
+            input patches (not grouped, depthwise or transposed ones: said), the term added to the weight they
+            dequantize (:mod:`lightning_hbm.precision.conv_correction`); not part of the conv default (measured:
+            benchmarks/README.md, "The calibrated correction on convolutions").
 
     Raises:
         ValueError: an unknown mode, a dtype the mode cannot compute in, an invalid ``ignore_modules`` regex, a

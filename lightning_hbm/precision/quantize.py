@@ -25,6 +25,7 @@ from lightning_hbm.layers.embedding import QuantizedEmbedding, is_plain_embeddin
 from lightning_hbm.layers.linear import Fp32ComputeLinear
 from lightning_hbm.layers.read_weight import readable, served_reader
 from lightning_hbm.naming import under
+from lightning_hbm.precision.conv_correction import correct_conv, is_conv
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.precision.registry import QuantFormat
 
@@ -73,7 +74,7 @@ class Correct(Protocol):
 
     hessians: Optional[dict[str, Tensor]]  # the probe's input statistics by layer name (None: not measured)
 
-    def fit(self, name: str, layer: nn.Module, weight: Tensor) -> None: ...
+    def fit(self, name: str, layer: nn.Module, weight: Tensor, holder: Optional[nn.Module] = None) -> None: ...
 
     def skip(self, name: str, why: str) -> None: ...
 
@@ -180,12 +181,14 @@ def _replace_one(
                                "the probe saw none of its inputs")
         else:
             correct.fit(name, new, linear.weight)
-    elif correct is not None:
+    elif correct is not None and not is_conv(layer):  # a convolution's: once it is wrapped, below
         what = f"a {kind.name} layer" if kind.wrap is not None else "computed in fp32 (_keep_in_fp32_modules)"
         correct.skip(name, f"{what}: the correction is written for Linear-like layers computing in the compute dtype only")
     if kind.wrap is not None:  # a convolution: the mode's layer holds its weight matrix, the wrapper convolves
         new = kind.wrap(layer, new, mode.dequantize, compute_dtype)
         record.set_converted(new, kind.name)  # resume maps its storage's keys to the conv's weight
+        if correct is not None and is_conv(layer):  # carried by the convolution, added to the weight it dequantizes
+            correct_conv(correct, name, new, linear.weight)
     elif fp32:  # the mode's layer holds the weight; the wrapper computes in fp32, as the fp32 layer did
         new = Fp32ComputeLinear.from_quantized(linear, new, mode.dequantize)
         record.set_converted(new, LINEAR.name)  # resume maps its storage's keys to the layer's weight

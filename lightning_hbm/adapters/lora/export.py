@@ -263,6 +263,10 @@ def _fold_corrections(
         key = "base_model.model." + rel
         right = full_tensor(correction.right.detach()).float().cpu()  # FSDP2: sharded like the weight
         left = full_tensor(correction.left.detach()).float().cpu()
+        if isinstance(sub, torch_compat.ConvNd):  # a convolution's [r, in x kernel] and [out, r] as peft's conv LoRA:
+            # a rank-r convolution with the layer's kernel, then a 1x1 one (lightning_hbm.precision.conv_correction)
+            right = right.reshape(right.shape[0], -1, *sub.kernel_size)
+            left = left.reshape(*left.shape, *(1,) * len(sub.kernel_size))
         if lora is None:
             rank, scaling, dtype = correction.rank, 1.0, torch.float32
             tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = right, left
