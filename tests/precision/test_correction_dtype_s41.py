@@ -13,7 +13,7 @@ import torch
 
 from lightning_hbm import QuantizedPrecision
 from lightning_hbm.layers import coverage
-from lightning_hbm.layers.correction import LowRankCorrection, correction_of, storage_dtype
+from lightning_hbm.layers.correction import LowRankCorrection, correction_of
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.planner import quantized_parameter_bytes
 from lightning_hbm.precision.correction import corrected_layers
@@ -24,6 +24,8 @@ PROBE = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0
 
 
 def test_the_storage_dtype_is_16_bits_whatever_the_compute_dtype() -> None:
+    from lightning_hbm.layers.correction import storage_dtype  # here: the other tests run on a version without it
+
     assert storage_dtype(torch.float32) == storage_dtype(torch.float64) == torch.bfloat16
     assert storage_dtype(torch.bfloat16) == torch.bfloat16 and storage_dtype(torch.float16) == torch.float16
 
