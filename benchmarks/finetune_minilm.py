@@ -19,12 +19,15 @@ held-out pairs, in eval mode (no dropout), all pairs at once (a ``--held-out``-w
 
 Arms: ``16-bit`` (no quantization, computed in fp32: the ceiling, as in finetune_quality.py), ``nf4-dq`` (the Hugging
 Face QLoRA recipe), ``nf4-dq+gptq`` (``rounding="gptq"``), ``accurate`` (``QuantizedPrecision("nf4-dq-b32",
-rounding="gptq", correction_rank=16)``, what AutoFit prefers), and optionally ``nf4-dq+loftq1`` (one LoftQ step done by
+rounding="gptq", correction_rank=16)``, SmolLM2's accurate base), ``autofit`` (what AutoFit's accurate candidate is on
+this model: ``lightning_hbm.planner.accurate.accurate_4bit``, the largest correction rank that keeps the stored base
+within 0.65 bytes per weight, here with fp32 factors), and optionally ``nf4-dq+loftq1`` (one LoftQ step done by
 this script at fit start, as finetune_quality.py's arm: peft's own ``init_lora_weights="loftq"`` needs CUDA and
 lightning_hbm's ``LoRA`` refuses it, see the README). The seed sets the LoRA A draws, the dropout and the order of the
 training pairs (``--data-seed``: one order for every seed); every arm of a seed sees the same batches.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/finetune_minilm.py --steps 150 --seeds 0,1
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/finetune_minilm.py --steps 150 --seeds 0,1 --arms 16-bit,nf4-dq,autofit
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from transformers import BertModel, PreTrainedTokenizerFast
 
 from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm.layers.coverage_table import coverage
+from lightning_hbm.planner.accurate import accurate_4bit
 from lightning_hbm.pretrained import minilm_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -65,6 +69,9 @@ ARMS: dict[str, Optional[dict[str, Any]]] = {
     # at most 0.65 bytes per quantized Linear weight with the correction's fp32 factors (session 40, issue 52)
     "b32+gptq+c6": dict(mode="nf4-dq-b32", rounding="gptq", correction_rank=6),
     "plan0.64+gptq+c4": dict(mode="nf4-dq", rounding="gptq", correction_rank=4, max_bytes_per_param=0.64),
+    # what AutoFit's accurate candidate is on this model: lightning_hbm.planner.accurate.accurate_4bit (AutoFit's own
+    # choice, issue 52), with this protocol's fp32 factors, under its default 0.65 bytes per weight (session 41)
+    "autofit": dict(autofit=True),
 }
 # well-documented standard-library modules (the sentences of benchmarks/sensitivity.py's fifteen, and more)
 MODULES = (
@@ -211,6 +218,10 @@ def run_arm(path: str, data: tuple[list[Any], list[Any]], steps: int, seed: int,
     module = PairEmbedding(path, lr)
     before = Before(held_out)
     quant = dict(quant or {})
+    if quant.pop("autofit", False):
+        accurate = accurate_4bit(module, dtype="float32")  # AutoFit's choice of rank for this model (fp32 compute)
+        print(f"AutoFit's accurate 4-bit base here: {accurate.settings}: {accurate.describe()}", flush=True)
+        quant.update(accurate.settings)
     extra = [_LoftQ(path)] if quant.pop("loftq", False) else []
     plugins = [QuantizedPrecision(dtype="float32", **quant)] if quant else []
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=False,

@@ -5,7 +5,7 @@ costs), :mod:`~lightning_hbm.planner.tracing` (one training step traced on fake 
 :mod:`~lightning_hbm.planner.trace_result`, :mod:`~lightning_hbm.planner.peaks`, :mod:`~lightning_hbm.planner.block_cuts`,
 :mod:`~lightning_hbm.planner.fallbacks`, :mod:`~lightning_hbm.planner.host_offload`) with
 :mod:`~lightning_hbm.planner.realvalues` (data-dependent Python), :mod:`~lightning_hbm.planner.api`
-(:func:`predict`, :func:`plan`), :mod:`~lightning_hbm.planner.context` (:func:`max_context`), :mod:`~lightning_hbm.planner.config` (planning a LightningCLI config:
+(:func:`predict`, :func:`plan`), :mod:`~lightning_hbm.planner.context` (:func:`max_context`), :mod:`~lightning_hbm.planner.accurate` (the accurate 4-bit base's rank per model), :mod:`~lightning_hbm.planner.config` (planning a LightningCLI config:
 ``lightning-hbm plan``, alias ``python -m lightning_hbm.planner``) and :mod:`~lightning_hbm.planner.autofit`.
 """
 

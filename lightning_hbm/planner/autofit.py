@@ -28,9 +28,9 @@ from lightning_hbm._validate import check_args
 from lightning_hbm.activations.loss import default_heads
 from lightning_hbm.memory.categories import CATEGORIES
 from lightning_hbm.memory.report import MemoryReport, format_table
+from lightning_hbm.planner.accurate import ACCURATE_BYTES_PER_WEIGHT, AccurateBase, accurate_4bit
 from lightning_hbm.planner.api import Plan, Prediction, plan
 from lightning_hbm.planner.candidates import (
-    ACCURATE_4BIT,
     ACCURATE_4BIT_MEASURED,
     PLANNED_LIGHTNING_PRECISIONS,
     Candidate,
@@ -63,7 +63,8 @@ class AutoFit(Callback):
             it again (+4.8 % held-out loss as trained). Said in one line at setup. Left to the default, with a
             datamodule and a Trainer precision that quantizes nothing, each ``nf4-dq`` candidate is also tried as the
             accurate 4-bit base (:data:`~lightning_hbm.planner.candidates.ACCURATE_4BIT`: ``nf4-dq-b32``, GPTQ
-            rounding, a rank-16 calibrated correction fitted on the datamodule's first batches).
+            rounding, a calibrated correction fitted on the datamodule's first batches, its rank the largest of 16, 12,
+            8, 6, 4 that keeps the stored base within ``accurate_bytes_per_weight``: :func:`~lightning_hbm.planner.accurate.accurate_4bit`).
         lora_ranks: LoRA ranks to consider; ``0`` trains the whole model. Default ``[0, 16]``.
         checkpointing: activation checkpointing policies to consider. Default all three.
         optimizers: ``"user"`` (the optimizer of ``configure_optimizers``) and/or 8-bit kinds.
@@ -76,6 +77,11 @@ class AutoFit(Callback):
             trace per full-recompute candidate, and chunks pay only where a block's MLP recompute is the peak.
             Planned as they will run (the layers are chosen on fake tensors by following their ops), at +1 % of
             the step per chunk, so a chunked candidate wins only when the whole recompute does not fit.
+        accurate_bytes_per_weight: the bytes per quantized Linear weight the accurate 4-bit base may store, its
+            correction's factors and the biases included (:data:`~lightning_hbm.planner.accurate.ACCURATE_BYTES_PER_WEIGHT`,
+            0.65: issue 52's bar). The correction's rank is chosen under it for the model at hand (rank 16 on
+            SmolLM2-135M, 12 on all-MiniLM-L6-v2 in bf16); where no rank fits, the accurate base is not offered, said
+            at setup with the target that would admit it.
 
     Among candidates that fit, the lowest relative step time wins; ties go to the one closest to the
     training as written (full fine-tuning over LoRA, unquantized over quantized, the user's optimizer
@@ -115,6 +121,7 @@ class AutoFit(Callback):
         optimizers: Optional[list[str]] = None,
         fused_loss: Optional[list[bool]] = None,
         mlp_chunks: Optional[list[int]] = None,
+        accurate_bytes_per_weight: float = ACCURATE_BYTES_PER_WEIGHT,
     ) -> None:
         check_args(AutoFit.__init__, locals())
         self.budget = parse_bytes(budget)
@@ -146,8 +153,17 @@ class AutoFit(Callback):
         # validate every axis value now (Candidate raises a clear error for a bad one), not at fit time
         default_candidates(["bf16-true", *self.precisions], self.lora_ranks, self.checkpointing, self.optimizers,
                            mlp_chunks=self.mlp_chunks)
+        if isinstance(accurate_bytes_per_weight, bool) or not 0 < accurate_bytes_per_weight < float("inf"):
+            raise ValueError(
+                f"AutoFit(accurate_bytes_per_weight={accurate_bytes_per_weight!r}): pass the bytes per weight the accurate "
+                f"4-bit base may store, factors included, a positive number, e.g. {ACCURATE_BYTES_PER_WEIGHT} (nf4-dq-b32 "
+                "alone stores about 0.54)."
+            )
+        self.accurate_bytes_per_weight = float(accurate_bytes_per_weight)
         self.plan: Optional[Plan] = None
         self.chosen: Optional[Prediction] = None
+        #: the accurate 4-bit base's rank chosen for the model (``None``: not in question)
+        self.accurate: Optional[AccurateBase] = None
         #: why the accurate 4-bit base was taken or left (``None``: not in question)
         self.reason: Optional[str] = None
 
@@ -176,7 +192,7 @@ class AutoFit(Callback):
             for c in default_candidates(precisions, self.lora_ranks, self.checkpointing, self.optimizers, fused,
                                         mlp_chunks=self.mlp_chunks)
         ]
-        candidates += self._accurate_candidates(candidates, baseline[0])
+        candidates += self._accurate_candidates(candidates, baseline[0], pl_module)
         device: Literal["cpu", "cuda"] = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
         self.plan = plan(pl_module, _example_batch(trainer), budget=self.budget, candidates=candidates, device=device)
         rank_zero_info(f"AutoFit plan (budget {self._budget_text}):\n{self.plan}")
@@ -184,7 +200,7 @@ class AutoFit(Callback):
         if chosen is None:
             raise ValueError(_nothing_fits(self.plan))
         self.chosen = chosen
-        self.reason = _say_why(self.plan, chosen)
+        self.reason = _say_why(self.plan, chosen, self.accurate)
         self._apply(trainer, chosen.candidate, baseline[0])
         rank_zero_info(
             f"AutoFit chose {chosen.candidate.name}: predicted peak {format_bytes(chosen.total)} of "
@@ -209,16 +225,22 @@ class AutoFit(Callback):
         profilers = [cb for cb in trainer.callbacks if isinstance(cb, HBMProfiler)]  # type: ignore[attr-defined]  # undeclared on Trainer (Lightning's CallbackConnector sets it)
         print(compare_with_measured(self.chosen, profilers[0].report() if profilers else None))
 
-    def _accurate_candidates(self, candidates: list[Candidate], baseline: str) -> list[Candidate]:
-        """The accurate 4-bit base (:data:`~lightning_hbm.planner.candidates.ACCURATE_4BIT`) beside each default
-        ``nf4-dq`` candidate: only for the default precisions on a Trainer whose own precision quantizes nothing (a
-        user's ``QuantizedPrecision`` is kept as configured). The rounding and the correction are fitted on the first
-        batches of the fit's train dataloader, which a fit always has (Lightning refuses one without before
-        ``Callback.setup``): a datamodule's, the loader passed to ``fit``, or the module's own."""
+    def _accurate_candidates(self, candidates: list[Candidate], baseline: str, model: nn.Module) -> list[Candidate]:
+        """The accurate 4-bit base (:data:`~lightning_hbm.planner.candidates.ACCURATE_4BIT`, its correction's rank
+        chosen for ``model`` under ``accurate_bytes_per_weight``: :func:`~lightning_hbm.planner.accurate.accurate_4bit`,
+        kept in :attr:`accurate`) beside each default ``nf4-dq`` candidate: only for the default precisions on a Trainer
+        whose own precision quantizes nothing (a user's ``QuantizedPrecision`` is kept as configured); none where no
+        rank fits. The rounding and the correction are fitted on the first batches of the fit's train dataloader, which
+        a fit always has (Lightning refuses one without before ``Callback.setup``): a datamodule's, the loader passed to
+        ``fit``, or the module's own."""
         if not self._default_precisions or baseline not in PLANNED_LIGHTNING_PRECISIONS:
             return []
         plain = [c for c in candidates if c.precision == "nf4-dq" and c.correction_rank == 0]
-        return [dataclasses.replace(c, **ACCURATE_4BIT) for c in plain]  # type: ignore[arg-type]  # the fields' own types
+        if not plain:
+            return []
+        self.accurate = accurate_4bit(model, plain[0].dtype, self.accurate_bytes_per_weight)
+        fields = self.accurate.candidate_fields
+        return [dataclasses.replace(c, **fields) for c in plain] if fields else []
 
     def _apply(self, trainer: pl.Trainer, candidate: Candidate, baseline: str) -> None:
         if candidate.precision != baseline:
@@ -305,11 +327,16 @@ def choose(result: Plan) -> Optional[Prediction]:
     return (accurate or fitting)[0] if fitting else None
 
 
-def _say_why(result: Plan, chosen: Prediction) -> Optional[str]:
-    """Why the accurate 4-bit base was taken or left (logged, or warned when left: the run loses measured quality);
-    ``None`` when the plan held no accurate candidate or it made no difference."""
+def _say_why(result: Plan, chosen: Prediction, base: Optional[AccurateBase] = None) -> Optional[str]:
+    """Why the accurate 4-bit base was taken or left, its rank's choice (``base``) included (logged, or warned when
+    left: the run loses measured quality); ``None`` when the plan held no accurate candidate or it made no difference."""
     accurate = [p for p in result.predictions if p.candidate.quantized and p.candidate.correction_rank]
     unplanned = [(c, why) for c, why in result.failures if c.quantized and c.correction_rank]
+    if base is not None and not base.rank and chosen.candidate.quantized and not chosen.candidate.correction_rank:
+        reason = (f"AutoFit chose {chosen.candidate.name}, a plain 4-bit base: the accurate 4-bit base was not offered, "
+                  f"{base.describe()}. {_MEASURED}.")
+        rank_zero_warn(reason)
+        return reason
     if not accurate and unplanned and chosen.candidate.quantized:
         reason = (f"AutoFit chose {chosen.candidate.name}, a plain 4-bit base: the accurate 4-bit base could not be "
                   f"planned ({unplanned[0][0].name}: {unplanned[0][1]}). {_MEASURED}.")
@@ -320,7 +347,8 @@ def _say_why(result: Plan, chosen: Prediction) -> Optional[str]:
     faster = result.chosen
     if chosen.candidate.correction_rank:
         reason = (
-            f"AutoFit chose the accurate 4-bit base {chosen.candidate.name}: {ACCURATE_4BIT_MEASURED}"
+            f"AutoFit chose the accurate 4-bit base {chosen.candidate.name}"
+            + (f" ({base.describe()})" if base is not None and base.rank else "") + f": {ACCURATE_4BIT_MEASURED}"
             + (f"; taken over the faster plain {faster.candidate.name} ({faster.cost:.2f}x against {chosen.cost:.2f}x)"
                if faster is not None and faster is not chosen else "") + "."
         )

@@ -47,7 +47,9 @@ UNQUANTIZED = "none"
 PLANNED_LIGHTNING_PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed")
 
 #: The 4-bit base measured closest to 16-bit (``QuantizedPrecision("nf4-dq-b32", rounding="gptq", correction_rank=16)``):
-#: what AutoFit tries beside each plain ``nf4-dq`` candidate and prefers when it fits (:func:`~lightning_hbm.planner.autofit.choose`).
+#: what AutoFit tries beside each plain ``nf4-dq`` candidate and prefers when it fits (:func:`~lightning_hbm.planner.autofit.choose`),
+#: its rank lowered where the model's layers are too narrow for 16 within 0.65 bytes per weight
+#: (:func:`~lightning_hbm.planner.accurate.accurate_4bit`).
 ACCURATE_4BIT: dict[str, Any] = {"precision": "nf4-dq-b32", "rounding": "gptq", "correction_rank": 16}
 ACCURATE_4BIT_MEASURED = (
     "measured on the real SmolLM2-135M as trained (150 LoRA steps, two seeds, 2048-token probe), the accurate 4-bit base "
