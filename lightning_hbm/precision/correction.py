@@ -120,6 +120,8 @@ class CalibratedCorrection:
         #: correction: the planner's fake model, which has none, leaves it out the same way (was: planned with zero
         #: factors, +7.4 % over the measured step on Qwen3-MoE at rank 8, tests/planner/test_families_s38.py)
         self.measurable: Optional[set[str]] = None
+        #: ``{expert's Linear: probe tokens routed to it}`` of the surgery under way (:meth:`measured`)
+        self.routed: dict[str, int] = {}
         #: what the last surgery did
         self.report: Optional[CorrectionReport] = None
         self._current: Optional[CorrectionReport] = None
@@ -147,16 +149,18 @@ class CalibratedCorrection:
         self.saved = saved_factors(meta.get("state_dict") or {})
         return self.saved is not None
 
-    def measured(self, hessians: dict[str, Tensor], rows: dict[str, int]) -> None:
+    def measured(self, hessians: dict[str, Tensor], rows: dict[str, int], experts: Optional[set[str]] = None) -> None:
         """Keep the input statistics of the probe forward (:func:`~lightning_hbm.precision.gptq.input_statistics`,
         pooled across ranks there: every rank decides on the same figures); refuse a probe too small for the rank
-        (nothing changed yet).
+        (nothing changed yet). ``experts``: the names of the experts' Linears, whose rows are the tokens the router
+        sent them: one reached by fewer than the rank gets no correction (named at :meth:`finish`), never an error.
 
         Raises:
             ValueError: a layer saw fewer input rows (tokens) than the rank.
         """
+        self.routed = {name: rows.get(name, 0) for name in experts or ()}
         # the rank a layer takes is at most its inputs (capped in fit): a narrow layer needs no more rows than that
-        need = {name: min(self.rank, hessians[name].shape[0]) for name in rows if name in hessians}
+        need = {name: min(self.rank, hessians[name].shape[0]) for name in rows if name in hessians and name not in self.routed}
         short = {name: (rows[name], n) for name, n in need.items() if rows[name] < n}
         if short:
             name, (n, needed) = max(short.items(), key=lambda item: item[1][1] - item[1][0])
@@ -195,6 +199,12 @@ class CalibratedCorrection:
         else:
             hessian = (self.hessians or {}).get(name)
             fmt = format_of(layer)
+            routed = self.routed.get(name)
+            if routed is not None and routed < rank:  # an expert the router (nearly) never chose on the probe
+                report.without[name] = ("an expert the probe batch routed no token to" if routed == 0 else
+                                        f"an expert the probe batch routed fewer tokens to than the rank ({rank})")
+                report.without[name] += ": a larger probe_batch reaches it"
+                return
             if hessian is None:
                 report.without[name] = "the probe batch did not reach it (or it was converted before quantizing)"
                 return
@@ -223,7 +233,7 @@ class CalibratedCorrection:
     def finish(self, module: nn.Module) -> CorrectionReport:
         """After the quantization: free the statistics, log what was done, warn about capped and uncorrected layers."""
         report = self._current if self._current is not None else CorrectionReport(self.rank)
-        self.report, self._current, self.hessians = report, None, None
+        self.report, self._current, self.hessians, self.routed = report, None, None, {}
         log.info("lightning_hbm: %s", report.summary())
         if report.capped:
             rank_zero_warn(
