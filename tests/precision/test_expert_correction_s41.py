@@ -204,3 +204,26 @@ def test_the_planner_plans_the_experts_factors_the_run_stores() -> None:
     report = plugin.correction_report
     assert report is not None and len(report.corrected) == 8 + 4 and not said  # the experts and the attention
     assert planned[4] - planned[0] == report.bytes
+
+
+def test_both_exports_treat_the_experts_factors_as_a_linears(tmp_path: Path) -> None:
+    """``save_adapter(with_correction=True)`` folds each expert's factors into its adapter (the quantized base's);
+    without it they are left out (the full-precision base's), as a Linear's."""
+    from safetensors.torch import load_file
+
+    from lightning_hbm.surgery import run_surgery
+
+    model = _moe()
+    run_surgery(model, QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=PROBE, correction_rank=4, quantize_embeddings=False),
+                [LoRA(r=2, target_modules=["q_proj", "v_proj"])])  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = load_file(LoRA.save_adapter(model, tmp_path / "full") / "adapter_model.safetensors")
+        folded = load_file(LoRA.save_adapter(model, tmp_path / "quantized", with_correction=True) / "adapter_model.safetensors")
+    assert not any(".experts." in k for k in plain)
+    expert = "model.layers.0.mlp.experts.down_proj.1"
+    correction = correction_of(model.get_submodule(f"model.{expert}"))
+    assert correction is not None
+    a = next(v for k, v in folded.items() if k.endswith(f"{expert}.lora_A.weight"))
+    b = next(v for k, v in folded.items() if k.endswith(f"{expert}.lora_B.weight"))
+    torch.testing.assert_close(b @ a, correction.weight())
