@@ -63,6 +63,8 @@ def trained(seed: int, hidden: int, steps: int, data: ByteTextDataModule) -> Moe
             loss.backward()
             optimizer.step()
             step += 1
+            if step % 50 == 0:
+                print(f"  step {step}: training loss {loss.item():.3f}", flush=True)
             if step == steps:
                 break
     return model.eval()

@@ -79,7 +79,8 @@ class ExpertInputs:
                     x = hidden[token_idx]
                     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
                     self.add(f"{name}.gate_up_proj.{expert}", layer, x)
-                    self.add(f"{name}.down_proj.{expert}", layer, layer.act_fn(gate) * up)
+                    act = cast(Callable[[Tensor], Tensor], layer.act_fn)
+                    self.add(f"{name}.down_proj.{expert}", layer, act(gate) * up)
                     self.reached.update((f"{name}.gate_up_proj.{expert}", f"{name}.down_proj.{expert}"))
 
         return record
