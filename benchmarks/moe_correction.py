@@ -79,11 +79,13 @@ def main() -> None:
     parser.add_argument("--probe", type=int, default=32, help="probe windows (32 x 64 = 2048 tokens, the default probe's size)")
     parser.add_argument("--val", type=int, default=32)
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16, help="training windows per step")
+    parser.add_argument("--no-gptq", action="store_true", help="leave out the GPTQ arms")
     args = parser.parse_args()
     logging.getLogger("lightning_hbm").setLevel(logging.WARNING)
     warnings.simplefilter("ignore")
-    data = ByteTextDataModule(seq_len=args.seq, batch_size=16, train_samples=4096, val_samples=args.val, max_bytes=2_000_000)
-    probe = torch.cat([x for x, _ in data.train_dataloader()][: max(1, args.probe // 16)])  # the first training windows
+    data = ByteTextDataModule(seq_len=args.seq, batch_size=args.batch, train_samples=4096, val_samples=args.val, max_bytes=2_000_000)
+    probe = torch.cat([x for x, _ in data.train_dataloader()][: max(1, args.probe // args.batch)])  # the first training windows
     val = list(data.val_dataloader())
     r = args.rank
     arms: dict[str, dict[str, Any]] = {
@@ -91,6 +93,7 @@ def main() -> None:
         f"nf4-dq+gptq+c{r} without experts": dict(rounding="gptq", correction_rank=r, zero_experts=True),
         f"nf4-dq+gptq+c{r}": dict(rounding="gptq", correction_rank=r),
     }  # fmt: skip
+    arms = {arm: settings for arm, settings in arms.items() if not (args.no_gptq and "gptq" in arm)}
     print(f"Qwen3-MoE hidden {args.hidden}, 2 layers, 8 experts top-2, {args.steps} fp32 steps; probe {tuple(probe.shape)}, "
           f"{len(val)} val batches; rank {r}")
     for seed in args.seeds:
