@@ -110,13 +110,7 @@ class LinearExperts(nn.Module):
         if is_fake(hidden_states):
             return self._worst_load(hidden_states, top_k_weights)
         final = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-            hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-        for expert in hit.flatten().tolist():
-            if expert == self.num_experts:
-                continue
-            top_k_pos, token_idx = torch.where(expert_mask[expert])
+        for expert, top_k_pos, token_idx in routed_tokens(top_k_index, self.num_experts):
             gate, up = self.gate_up_proj[expert](hidden_states[token_idx]).chunk(2, dim=-1)
             out = self.down_proj[expert](self.act_fn(gate) * up)
             out = out * top_k_weights[token_idx, top_k_pos, None]
@@ -153,6 +147,21 @@ class LinearExperts(nn.Module):
             final.index_add_(0, token_idx, out.to(final.dtype))
         del expert_mask  # freed with forward's locals
         return final
+
+
+def routed_tokens(top_k_index: torch.Tensor, num_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(expert, top_k_pos, token_idx)`` of each expert the router sent tokens to, in transformers' eager loop's order:
+    ``token_idx`` the tokens routed to it, ``top_k_pos`` which of their choices it was. ``top_k_index == num_experts``
+    (a dropped choice) is no expert. :class:`LinearExperts` computes with it, and the calibrated correction records
+    each expert's inputs with it (:mod:`lightning_hbm.precision.expert_inputs`)."""
+    with torch.no_grad():
+        expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
+        hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert in hit.flatten().tolist():
+        if expert == num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert])
+        yield expert, top_k_pos, token_idx
 
 
 def _worst_rows(tokens: int, top_k: int, experts: int) -> list[int]:
@@ -250,4 +259,4 @@ EXPERTS = register_kind(
     )
 )
 
-__all__ = ["EXPERTS", "LinearExperts", "balanced_load", "expert_counts", "supported"]
+__all__ = ["EXPERTS", "LinearExperts", "balanced_load", "expert_counts", "routed_tokens", "supported"]

@@ -20,7 +20,12 @@ probe forward for both). It is fitted on the layers the probe reached, one at a 
 (the original weight is needed and is dropped right after). A convolution is corrected as the Linear it is over its
 input's patches (the statistics are the patches' Gram, as GPTQ's): ``B A`` of its ``[out, in x kernel]`` matrix, added
 to the weight it dequantizes (:mod:`lightning_hbm.precision.conv_correction`; grouped, depthwise and transposed ones get
-none). Experts and the projections of an ``nn.MultiheadAttention`` get none (said in one warning). A rank above ``min(in, out)`` of a layer is capped there (said),
+none). The experts of a mixture of experts (``LinearExperts``, made after the probe forward) are fitted each on the
+inputs of the tokens its router sent it on the probe, recorded on the model as built
+(:mod:`lightning_hbm.precision.expert_inputs`); an expert the probe reached with fewer tokens than the rank gets none
+(named in the one warning, with the count: a larger probe reaches it). On a trained tiny Qwen3-MoE the experts' factors
+closed a further share of the 4-bit loss gap (``benchmarks/moe_correction.py``, benchmarks/README.md). The projections
+of an ``nn.MultiheadAttention`` and embeddings get none (said in one warning). A rank above ``min(in, out)`` of a layer is capped there (said),
 and a probe with fewer input rows (tokens) than the rank is an error before anything changes.
 
 Resume: the factors are saved with every checkpoint (with the changed tensors, :data:`~lightning_hbm.layers.correction.KEY_MARK`)
@@ -124,6 +129,8 @@ class CalibratedCorrection:
         #: correction: the planner's fake model, which has none, leaves it out the same way (was: planned with zero
         #: factors, +7.4 % over the measured step on Qwen3-MoE at rank 8, tests/planner/test_families_s38.py)
         self.measurable: Optional[set[str]] = None
+        #: ``{expert's Linear: probe tokens routed to it}`` of the surgery under way (:meth:`measured`)
+        self.routed: dict[str, int] = {}
         #: what the last surgery did
         self.report: Optional[CorrectionReport] = None
         self._current: Optional[CorrectionReport] = None
@@ -151,16 +158,18 @@ class CalibratedCorrection:
         self.saved = saved_factors(meta.get("state_dict") or {})
         return self.saved is not None
 
-    def measured(self, hessians: dict[str, Tensor], rows: dict[str, int]) -> None:
+    def measured(self, hessians: dict[str, Tensor], rows: dict[str, int], experts: Optional[set[str]] = None) -> None:
         """Keep the input statistics of the probe forward (:func:`~lightning_hbm.precision.gptq.input_statistics`,
         pooled across ranks there: every rank decides on the same figures); refuse a probe too small for the rank
-        (nothing changed yet).
+        (nothing changed yet). ``experts``: the names of the experts' Linears, whose rows are the tokens the router
+        sent them: one reached by fewer than the rank gets no correction (named at :meth:`finish`), never an error.
 
         Raises:
             ValueError: a layer saw fewer input rows (tokens) than the rank.
         """
+        self.routed = {name: rows.get(name, 0) for name in experts or ()}
         # the rank a layer takes is at most its inputs (capped in fit): a narrow layer needs no more rows than that
-        need = {name: min(self.rank, hessians[name].shape[0]) for name in rows if name in hessians}
+        need = {name: min(self.rank, hessians[name].shape[0]) for name in rows if name in hessians and name not in self.routed}
         short = {name: (rows[name], n) for name, n in need.items() if rows[name] < n}
         if short:
             name, (n, needed) = max(short.items(), key=lambda item: item[1][1] - item[1][0])
@@ -209,6 +218,12 @@ class CalibratedCorrection:
         else:
             hessian = (self.hessians or {}).get(name)
             fmt = format_of(layer)
+            routed = self.routed.get(name)
+            if routed is not None and routed < rank:  # an expert the router (nearly) never chose on the probe
+                report.without[name] = ("an expert the probe batch routed no token to" if routed == 0 else
+                                        f"an expert the probe batch routed fewer tokens to than the rank ({rank})")
+                report.without[name] += ": a larger probe_batch reaches it"
+                return
             if hessian is None:
                 report.without[name] = "the probe batch did not reach it (or it was converted before quantizing)"
                 return
@@ -240,7 +255,7 @@ class CalibratedCorrection:
     def finish(self, module: nn.Module) -> CorrectionReport:
         """After the quantization: free the statistics, log what was done, warn about capped and uncorrected layers."""
         report = self._current if self._current is not None else CorrectionReport(self.rank)
-        self.report, self._current, self.hessians = report, None, None
+        self.report, self._current, self.hessians, self.routed = report, None, None, {}
         log.info("lightning_hbm: %s", report.summary())
         if report.capped:
             rank_zero_warn(

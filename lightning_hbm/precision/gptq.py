@@ -63,6 +63,7 @@ from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers import stored_in
 from lightning_hbm.layers.read_weight import op_name, served_reader, swaps_the_two_dims
 from lightning_hbm.naming import name_list
+from lightning_hbm.precision.expert_inputs import ExpertInputs
 from lightning_hbm.precision.registry import RoundingGrid, format_of
 from lightning_hbm.probe import eval_no_grad, probe_output
 
@@ -139,7 +140,9 @@ def input_hessians(module: nn.Module, names: Sequence[str], probe: Any) -> dict[
     return input_statistics(module, names, probe)[0]
 
 
-def input_statistics(module: nn.Module, names: Sequence[str], probe: Any) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+def input_statistics(
+    module: nn.Module, names: Sequence[str], probe: Any, experts: Optional[Mapping[str, nn.Module]] = None
+) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """:func:`input_hessians` and ``name -> rows`` (the input rows, tokens, each matrix was summed over): the
     calibrated correction (:mod:`lightning_hbm.precision.correction`) refuses a probe with fewer rows than its rank.
 
@@ -148,9 +151,12 @@ def input_statistics(module: nn.Module, names: Sequence[str], probe: Any) -> tup
     :class:`~lightning_hbm.layers.read_weight.ReadableLinear`, whose reads call the layer) gets the inputs of those
     reads (:class:`_ReadInputs`), so it is GPTQ-rounded and corrected like any Linear. A transposed convolution gets
     none (its stored matrix is no linear map of input patches). Under a process group of 2 or more ranks the
-    statistics are those of all ranks' probes together (:func:`pooled_across_ranks`; a collective).
+    statistics are those of all ranks' probes together (:func:`pooled_across_ranks`; a collective). ``experts``
+    (``{name: transformers experts layer}``, the calibrated correction's): each expert's projections get the inputs of
+    the tokens routed to it, under the names of ``LinearExperts``' Linears (:class:`~lightning_hbm.precision.expert_inputs.ExpertInputs`).
     """
     sums = _Sums()
+    routed = ExpertInputs(experts, sums.add) if experts else None
     layers = {name: module.get_submodule(name) for name in names}
     measured = {name: layer for name, layer in layers.items() if not _transposed_conv(layer)}
     handles = [layer.register_forward_hook(sums.hook(name)) for name, layer in measured.items()]
@@ -165,9 +171,13 @@ def input_statistics(module: nn.Module, names: Sequence[str], probe: Any) -> tup
             handle.remove()
         if reads is not None:
             reads.close()
+        if routed is not None:
+            routed.close()
     hessians, rows = sums.normalized()
     rows = pooled_across_ranks(hessians, rows)  # before the check below: every rank decides on the same figures
-    short = {name: (count, hessians[name].shape[-1]) for name, count in rows.items() if count < hessians[name].shape[-1]}
+    # an expert's rows are the tokens routed to it (few by design): the correction speaks for those (GPTQ skips them)
+    per_expert = set(ExpertInputs.names(experts)) if experts else set()
+    short = {name: (count, hessians[name].shape[-1]) for name, count in rows.items() if count < hessians[name].shape[-1] and name not in per_expert}
     if short:
         # fewer input rows than inputs: H is singular, and GPTQ fits the probe instead of the layer (SmolLM2-135M
         # with 128 probe tokens for 576-1536 inputs: probe output cosine 0.997, held-out 0.984)

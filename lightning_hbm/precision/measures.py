@@ -27,6 +27,7 @@ from lightning_hbm.layers.correction import saved_factors
 from lightning_hbm.precision.accuracy import CHECK_SAMPLES, Reference, unmeasured_reference_warning
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection
+from lightning_hbm.precision.expert_inputs import ExpertInputs, convertible_experts
 from lightning_hbm.precision.gptq import GPTQRounding, input_statistics
 from lightning_hbm.precision.smoothing import Smoothing
 from lightning_hbm.precision.target_listing import linear_names
@@ -96,14 +97,17 @@ class Measures:
         fitting = correction is not None and correction.saved is None
         # an embedding's input is token ids: no statistics
         names = [name for name, layer in targets if not isinstance(layer, nn.Embedding)]
+        # the experts the surgery turns into Linears, measured per expert on the tokens routed to it (the correction's)
+        experts = convertible_experts(module) if correction is not None and fitting else {}
         if correction is not None and fitting:  # the planner's fake model gets factors only where a run can fit them
-            correction.measurable = set(names)
+            correction.measurable = set(names) | set(ExpertInputs.names(experts))
         if inputs and (self.gptq is not None or fitting) and not fake:
-            hessians, rows = input_statistics(module, names, probe().batch)
-            if self.gptq is not None:
-                self.gptq.hessians = hessians
+            hessians, rows = input_statistics(module, names, probe().batch, experts)
+            if self.gptq is not None:  # the experts keep nearest rounding (expert_inputs.py)
+                per_expert = set(ExpertInputs.names(experts))
+                self.gptq.hessians = {name: h for name, h in hessians.items() if name not in per_expert}
             if correction is not None and fitting:
-                correction.measured(hessians, rows)
+                correction.measured(hessians, rows, set(ExpertInputs.names(experts)))
         if smooth and self.smoothing is not None:
             path = trainer.ckpt_path if trainer is not None else None  # named in a refusal of the saved exponents
             self.smoothing.measure(module, linear_names(targets), self.config.torch_dtype, probe, lambda: resumed, path)
