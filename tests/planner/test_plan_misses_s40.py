@@ -9,8 +9,7 @@
   attention-pooling head under the mean-pooling classifier: 15,368 B saved for its backward), which MemTracker's
   module hooks keep alive through the backward (``planner/reference.py``). A real ``Trainer.fit`` step has no such hook:
   measured inside the Trainer by :class:`~lightning_hbm.planner.reference.StepPeak`, its peak equals the plan to the
-  byte (213,120 B and 842,598 B); with the module hooks the next step of the same fit reads the higher figure. The plan
-  is right.
+  byte (213,120 B and 842,598 B); with the module hooks the same Trainer step reads the higher figure. The plan is right.
 
 2-core CPU dev machine, session 40, Dec 7 2026.
 """
@@ -87,31 +86,29 @@ def test_flex_olmo_is_planned_within_3_percent_of_the_steady_state_where_every_e
     assert predicted.peak == pytest.approx(measured, rel=0.03)  # +3.88 % against the one-batch step
 
 
-def _trainer_step_peaks(families: ModuleType, name: str) -> tuple[int, int]:
-    """The peaks of a real Trainer fit's steps under the default recipe, measured by ``StepPeak``: the second step
-    without MemTracker's module hooks, the third with them. One fit, not one fit each (it was two: the fit's set-up
-    costs more than a step): after the first step the gradients and Adam states exist, as in steady state. Measured
-    (Dec 7 2026): SigLIP-2's third step with the hooks 226,280 B, its second 226,536 B; Pegasus-X's 877,574 B."""
+def _trainer_step_peak(families: ModuleType, name: str, module_hooks: bool) -> int:
+    """The peak of the second step of a real Trainer fit under the default recipe, measured by ``StepPeak``."""
     torch.manual_seed(0)
     plugin, callbacks = _recipe(families.FAMILIES[name].causal)
-    plain, hooked = StepPeak(step=1, module_hooks=False), StepPeak(step=2, module_hooks=True)
+    peak = StepPeak(step=1, module_hooks=module_hooks)
     batch = families.FAMILIES[name].batch(1)
     with tempfile.TemporaryDirectory() as root:
         trainer = pl.Trainer(
-            accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
             enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root,
-            plugins=[plugin], callbacks=[*callbacks, plain, hooked],
+            plugins=[plugin], callbacks=[*callbacks, peak],
         )  # fmt: skip
-        trainer.fit(families.Task(name), DataLoader([batch] * 3, batch_size=None))
-    assert plain.peak is not None and hooked.peak is not None
-    return plain.peak, hooked.peak
+        trainer.fit(families.Task(name), DataLoader([batch, batch], batch_size=None))
+    assert peak.peak is not None
+    return peak.peak
 
 
 @pytest.mark.parametrize(("families", "name"), [(families_s39, "siglip2"), (families_s38, "pegasus_x")])
 def test_the_plan_equals_a_real_trainer_steps_peak_where_memtrackers_module_hooks_read_more(families: ModuleType, name: str) -> None:
     pytest.importorskip("transformers")
     predicted = _planned(families, name)
-    step, hooked = _trainer_step_peaks(families, name)
+    step = _trainer_step_peak(families, name, module_hooks=False)
+    hooked = _trainer_step_peak(families, name, module_hooks=True)
     print(f"{name}: planned {predicted.peak:,} B; a Trainer step {step:,} B ({100 * (predicted.peak / step - 1):+.2f} %), "
           f"with MemTracker's module hooks {hooked:,} B ({100 * (predicted.peak / hooked - 1):+.2f} %)")  # fmt: skip
     assert predicted.peak == pytest.approx(step, rel=0.03)
