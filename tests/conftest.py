@@ -116,6 +116,21 @@ def datamodule_factory() -> Callable[..., ByteTextDataModule]:
 
 
 @pytest.fixture
+def no_process_group() -> Iterator[None]:
+    """For a test that runs a 1-rank ``QuantizedFSDPStrategy`` in this process: that starts a gloo group here and
+    Lightning exports MASTER_PORT, WORLD_SIZE, ... to ``os.environ``. Destroy the group and restore the environment
+    after, or later multi-process tests (which inherit the environment) join the wrong group."""
+    import torch.distributed as dist
+
+    environ = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+@pytest.fixture
 def trainer_factory(tmp_path: Any) -> Callable[..., pl.Trainer]:
     """``trainer_factory(max_steps=5, **trainer_kwargs)``: a quiet CPU Trainer writing under tmp_path."""
 

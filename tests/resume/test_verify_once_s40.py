@@ -6,7 +6,6 @@ the load hook, the surgery's check, the plugin's saved parts, the strategy's own
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,20 +26,6 @@ ARMS: dict[str, Callable[[], dict[str, Any]]] = {
     "QLoRA, host offload": lambda: dict(plugins=[_nf4()], callbacks=[LoRA(r=2)], strategy=CPUOffloadStrategy()),
     "QLoRA, FSDP": lambda: dict(plugins=[_nf4()], callbacks=[LoRA(r=2)], strategy=QuantizedFSDPStrategy()),
 }
-
-
-@pytest.fixture
-def no_process_group() -> Any:
-    """A 1-rank QuantizedFSDPStrategy starts a gloo group in this process and exports MASTER_PORT, WORLD_SIZE, ...:
-    destroy the group and restore the environment, or a later multi-process test joins the wrong group."""
-    import torch.distributed as dist
-
-    environ = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(environ)
 
 
 @pytest.mark.parametrize("arm", list(ARMS))

@@ -382,21 +382,6 @@ def test_modulelist_on_the_lightning_module_shards_its_blocks(two_rank_run: Path
     assert runs[0]["losses"] == runs[1]["losses"]  # reduced over ranks
 
 
-@pytest.fixture
-def no_process_group() -> Any:
-    """A 1-rank QuantizedFSDPStrategy initializes a gloo group in this process and Lightning exports
-    MASTER_PORT, WORLD_SIZE, ... to ``os.environ``: destroy the group and restore the environment,
-    or later multi-process tests (which inherit the environment) join the wrong group."""
-    import torch.distributed as dist
-
-    environ = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(environ)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("chunks", [1, 2], ids=["whole", "mlp_chunks=2"])
 def test_one_rank_fsdp_resumes_with_cpu_offload_and_activation_checkpointing(

@@ -18,62 +18,21 @@ Held (here so that they keep holding): several validation loaders as a dict duri
 
 from __future__ import annotations
 
-import random
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm.layers import readers
+from tests.surgery import probe_runs as runs
 
 
-def _trainer(tmp_path: Any, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path, plugins=[QuantizedPrecision("nf4")], callbacks=[LoRA(r=4)],
-        **kwargs,
-    )  # fmt: skip
-
-
-def _run(run: Any) -> list[str]:
-    """The "could not run one step" warnings of ``run()``."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        run()
-    return [str(w.message) for w in caught if "could not run one step" in str(w.message)]
-
-
-def _rngs() -> tuple[float, float, float]:
-    return random.random(), float(np.random.rand()), float(torch.rand(1))
-
-
-def _both(monkeypatch: pytest.MonkeyPatch, make: Any, fit: Any) -> tuple[Any, Any]:
-    """``(module, rngs after)`` of a run with the probe step off, then on; the on-run must not warn and be observed."""
-    runs = []
-    for probe in ("0", "1"):
-        monkeypatch.setenv("LIGHTNING_HBM_PROBE_STEP", probe)
-        random.seed(0), np.random.seed(0), torch.manual_seed(0)
-        module = make()
-        failed = _run(lambda module=module: fit(module))
-        assert not failed, failed
-        runs.append((module, _rngs()))
-    (off, rngs_off), (on, rngs_on) = runs
-    assert readers.observation(on) is not None and rngs_on == rngs_off
-    return off, on
-
-
-class _Manual(pl.LightningModule):
+class _Manual(runs.ManualMLP):
     def __init__(self, reads: str) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-        self.automatic_optimization = False
-        self.reads, self.seen, self.losses = reads, [], []  # type: ignore[var-annotated]
+        self.reads = reads
 
     def _read(self, opt: Any, sch: Any) -> Any:
         first = next(p for p in self.parameters() if p.requires_grad)  # LoRA: the base weight is frozen
@@ -88,12 +47,8 @@ class _Manual(pl.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt, sch = self.optimizers(), self.lr_schedulers()
         self.seen.append(self._read(opt, sch))
-        loss = self.body(batch).pow(2).mean()
-        opt.zero_grad()  # type: ignore[union-attr]
-        self.manual_backward(loss)
-        opt.step()  # type: ignore[union-attr]
+        self.manual_step(opt, batch)
         sch.step()  # type: ignore[union-attr]
-        self.losses.append(loss.detach().clone())
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
@@ -105,22 +60,11 @@ def test_a_manual_step_reading_the_optimizer_and_scheduler_is_probed_and_trains_
     reads: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     trainers: list[pl.Trainer] = []
-
-    def fit(module: _Manual) -> None:
-        trainers.append(_trainer(tmp_path))
-        trainers[-1].fit(module, DataLoader(torch.randn(12, 16), batch_size=4))
-
-    off, on = _both(monkeypatch, lambda: _Manual(reads), fit)
+    off, on = runs.both(monkeypatch, lambda: _Manual(reads), runs.fit_into(trainers, tmp_path))
     assert len(on.seen) == len(off.seen) + 1 and on.seen[1:] == off.seen  # the probe step's read first, then the run's
     assert torch.equal(torch.stack(on.losses), torch.stack(off.losses))
-    (t_off, t_on) = trainers
-    assert t_on.global_step == t_off.global_step == 3
-    state_off, state_on = t_off.optimizers[0].state_dict(), t_on.optimizers[0].state_dict()
-    assert state_on["param_groups"] == state_off["param_groups"]  # the lr the scheduler set, the momentum
-    assert state_on["state"].keys() == state_off["state"].keys()
-    for key, value in state_off["state"].items():
-        assert torch.equal(state_on["state"][key]["momentum_buffer"], value["momentum_buffer"])
-    assert t_on.lr_scheduler_configs[0].scheduler.state_dict() == t_off.lr_scheduler_configs[0].scheduler.state_dict()
+    assert trainers[0].global_step == 3
+    runs.same_optimizers(*trainers)  # the lr the scheduler set, the momentum and its buffers, the scheduler's state
 
 
 class _NoBatchIdx(pl.LightningModule):
@@ -154,11 +98,11 @@ def test_a_step_without_batch_idx_is_called_as_lightning_calls_it(stage: str, tm
     steps: list[int] = []
 
     def run(module: _NoBatchIdx) -> None:
-        trainer = _trainer(tmp_path)
+        trainer = runs.trainer(tmp_path)
         getattr(trainer, stage)(module, DataLoader(torch.randn(12, 16), batch_size=4), **({"verbose": False} if stage == "validate" else {}))
         steps.append(trainer.global_step)
 
-    off, on = _both(monkeypatch, _NoBatchIdx, run)
+    off, on = runs.both(monkeypatch, _NoBatchIdx, run)
     assert len(off.seen) == 3 and steps[0] == steps[1]
     # the probe step's own call(s) first (a fake-tensor run appends a fake value), then the run's, as without it
     assert torch.equal(torch.stack(on.seen[-3:]), torch.stack(off.seen))
@@ -203,11 +147,11 @@ def test_a_step_looping_over_several_optimizers_sees_them_all(returns: str, tmp_
     steps: list[int] = []
 
     def fit(module: _Gan) -> None:
-        trainer = _trainer(tmp_path)
+        trainer = runs.trainer(tmp_path)
         trainer.fit(module, DataLoader(torch.randn(12, 16), batch_size=4))
         steps.append(trainer.global_step)
 
-    off, on = _both(monkeypatch, lambda: _Gan(returns), fit)
+    off, on = runs.both(monkeypatch, lambda: _Gan(returns), fit)
     assert steps == [6, 6] and torch.equal(torch.stack(on.losses[-6:]), torch.stack(off.losses))
 
 
@@ -229,7 +173,7 @@ def test_held_several_val_loaders_and_no_validation(stage: str, kwargs: dict[str
     steps: list[int] = []
 
     def run(module: _Validated) -> None:
-        trainer = _trainer(tmp_path, **kwargs)
+        trainer = runs.trainer(tmp_path, **kwargs)
         if stage == "fit":
             trainer.fit(module, DataLoader(torch.randn(12, 16), batch_size=4), val)
         else:
@@ -239,9 +183,9 @@ def test_held_several_val_loaders_and_no_validation(stage: str, kwargs: dict[str
     if stage == "validate":  # it reads no batch: nothing to probe, nothing run
         monkeypatch.setenv("LIGHTNING_HBM_PROBE_STEP", "1")
         module = _Validated()
-        assert not _run(lambda: run(module)) and module.seen == [] and readers.observation(module) is None
+        assert not runs.unprobed(lambda: run(module)) and module.seen == [] and readers.observation(module) is None
         return
-    off, on = _both(monkeypatch, _Validated, run)
+    off, on = runs.both(monkeypatch, _Validated, run)
     assert steps[0] == steps[1] == 3 and torch.equal(torch.stack(on.seen[-len(off.seen):]), torch.stack(off.seen))
 
 
@@ -253,7 +197,7 @@ def test_the_stand_in_step_runs_no_global_optimizer_hook(tmp_path: Any, monkeypa
     stepped: list[str] = []
     handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: stepped.append(type(opt).__name__))
     try:
-        _both(monkeypatch, lambda: _Manual("state_dict"), lambda module: _trainer(tmp_path).fit(module, DataLoader(torch.randn(12, 16), batch_size=4)))
+        runs.both(monkeypatch, lambda: _Manual("state_dict"), lambda module: runs.trainer(tmp_path).fit(module, DataLoader(torch.randn(12, 16), batch_size=4)))
     finally:
         handle.remove()
     assert stepped == ["SGD"] * 6  # three steps a run, none of the probe's

@@ -10,26 +10,22 @@ run one step", the layers they read left to the source):
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm.layers import readers
 from lightning_hbm.probe import quiet_logging
+from tests.surgery import probe_runs as runs
 
 
-class _Net(pl.LightningModule):
+class _Net(runs.ManualMLP):
     def __init__(self, manual: bool, reads: str = "trainer") -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
         self.automatic_optimization = not manual
-        self.reads, self.calls, self.lrs, self.indices = reads, 0, [], []
+        self.reads, self.calls, self.lrs, self.indices = reads, 0, [], []  # type: ignore[var-annotated]
 
     def _lr(self) -> float:
         if self.reads == "trainer":
@@ -41,13 +37,9 @@ class _Net(pl.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> Any:
         self.calls += 1
         self.lrs.append(self._lr())
-        loss = self.body(batch).pow(2).mean()
         if self.automatic_optimization:
-            return loss
-        opt = self.trainer.optimizers[0] if self.reads == "trainer" else self.optimizers()
-        opt.zero_grad()  # type: ignore[union-attr]
-        self.manual_backward(loss)
-        opt.step()  # type: ignore[union-attr]
+            return self.body(batch).pow(2).mean()
+        self.manual_step(self.trainer.optimizers[0] if self.reads == "trainer" else self.optimizers(), batch)
         return None
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int) -> None:
@@ -64,31 +56,16 @@ class _Net(pl.LightningModule):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
 
 
-def _trainer(tmp_path: Any, hbm: bool) -> pl.Trainer:
-    extra: dict[str, Any] = {"plugins": [QuantizedPrecision("nf4")], "callbacks": [LoRA(r=4)]} if hbm else {}
-    return pl.Trainer(
-        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path, **extra,
-    )  # fmt: skip
-
-
-def _unprobed(run: Any) -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        run()
-    return [str(w.message) for w in caught if "could not run one step" in str(w.message)]
-
-
 @pytest.mark.parametrize(
     "manual,reads", [(True, "trainer"), (False, "trainer"), (True, "stand-in")], ids=["manual-trainer", "auto-trainer", "manual-param-groups"]
 )
 def test_a_step_reading_the_optimizers_is_probed_once_and_trains(manual: bool, reads: str, tmp_path: Any) -> None:
     data = DataLoader(torch.randn(8, 16), batch_size=4)
-    plain, plain_trainer = _Net(manual, reads), _trainer(tmp_path, False)
-    assert not _unprobed(lambda: plain_trainer.fit(plain, data))
+    plain, plain_trainer = _Net(manual, reads), runs.trainer(tmp_path, False)
+    assert not runs.unprobed(lambda: plain_trainer.fit(plain, data))
     module = _Net(manual, reads)
-    trainer = _trainer(tmp_path, True)
-    failed = _unprobed(lambda: trainer.fit(module, data))
+    trainer = runs.trainer(tmp_path, True)
+    failed = runs.unprobed(lambda: trainer.fit(module, data))
     assert not failed, failed
     assert module.calls == plain.calls + 1  # the two steps, and the probe step once
     assert module.lrs == [0.0, 0.1, 0.1] and plain.lrs == [0.1, 0.1]  # the stand-in's lr 0.0 in the probe step only
@@ -99,7 +76,7 @@ def test_a_step_reading_the_optimizers_is_probed_once_and_trains(manual: bool, r
 
 def test_the_lent_optimizers_are_put_back(tmp_path: Any) -> None:
     module = _Net(True)
-    trainer = _trainer(tmp_path, False)
+    trainer = runs.trainer(tmp_path, False)
     trainer.strategy.connect(module)
     mine = trainer.strategy._optimizers
     module._trainer = trainer
@@ -122,9 +99,9 @@ def test_several_loaders_pass_the_dataloader_idx(stage: str, tmp_path: Any) -> N
     loaders = [DataLoader(torch.randn(4, 16), batch_size=4), DataLoader(torch.randn(4, 16), batch_size=4)]
     kwargs: dict[str, Any] = {"verbose": False} if stage == "validate" else {}
     plain = _Net(False)
-    assert not _unprobed(lambda: getattr(_trainer(tmp_path, False), stage)(plain, loaders, **kwargs))
+    assert not runs.unprobed(lambda: getattr(runs.trainer(tmp_path, False), stage)(plain, loaders, **kwargs))
     module = _Net(False)
-    failed = _unprobed(lambda: getattr(_trainer(tmp_path, True), stage)(module, loaders, **kwargs))
+    failed = runs.unprobed(lambda: getattr(runs.trainer(tmp_path, True), stage)(module, loaders, **kwargs))
     assert not failed, failed
     assert plain.indices == [0, 1] and module.indices == [0, 0, 1]  # the probe step: the first loader's, as Lightning
     seen = readers.observation(module)

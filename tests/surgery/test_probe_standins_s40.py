@@ -17,36 +17,13 @@ Broke on the parent, fixed here:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
-from tests.surgery.test_probe_attack_s39 import _both, _trainer
-
-
-def _fit(trainers: list[pl.Trainer], tmp_path: Any) -> Callable[[pl.LightningModule], None]:
-    def fit(module: pl.LightningModule) -> None:
-        trainers.append(_trainer(tmp_path))
-        trainers[-1].fit(module, DataLoader(torch.randn(12, 16), batch_size=4))
-
-    return fit
-
-
-def _same_optimizers(t_off: pl.Trainer, t_on: pl.Trainer) -> None:
-    assert t_on.global_step == t_off.global_step
-    for off, on in zip(t_off.optimizers, t_on.optimizers, strict=True):
-        assert type(on) is type(off)
-        state_off, state_on = off.state_dict(), on.state_dict()
-        assert state_on["param_groups"] == state_off["param_groups"]
-        assert state_on["state"].keys() == state_off["state"].keys()
-        for key, value in state_off["state"].items():
-            for name, tensor in value.items():
-                assert torch.equal(torch.as_tensor(state_on["state"][key][name]), torch.as_tensor(tensor)), (key, name)
-    for off, on in zip(t_off.lr_scheduler_configs, t_on.lr_scheduler_configs, strict=True):
-        assert on.scheduler.state_dict() == off.scheduler.state_dict()
+from tests.surgery import probe_runs as runs
 
 
 class _Gan(pl.LightningModule):
@@ -101,40 +78,33 @@ class _Gan(pl.LightningModule):
 @pytest.mark.parametrize("reads", ["isinstance", "unpack", "raw", "toggle_model"])
 def test_several_optimizers_read_as_lightning_gives_them(reads: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     trainers: list[pl.Trainer] = []
-    off, on = _both(monkeypatch, lambda: _Gan(reads), _fit(trainers, tmp_path))
+    off, on = runs.both(monkeypatch, lambda: _Gan(reads), runs.fit_into(trainers, tmp_path))
     assert on.seen[0] == on.seen[1] == off.seen[0] and on.seen[1:] == off.seen  # the probe step's answer is the run's
     assert len(off.losses) == 6 and torch.equal(torch.stack(on.losses[-6:]), torch.stack(off.losses))
-    _same_optimizers(*trainers)
+    runs.same_optimizers(*trainers)
 
 
 def test_each_optimizer_carries_its_own_class_group_keys(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     trainers: list[pl.Trainer] = []
-    off, on = _both(monkeypatch, lambda: _Gan("keys"), _fit(trainers, tmp_path))
+    off, on = runs.both(monkeypatch, lambda: _Gan("keys"), runs.fit_into(trainers, tmp_path))
     # the probe step reads the values configure_optimizers' source passes as literals (else the class's defaults)
     assert on.seen[0] == off.seen[0] == ((0.5, 0.999), 0.9, False, False)
     assert on.seen[1:] == off.seen and torch.equal(torch.stack(on.losses[-6:]), torch.stack(off.losses))
-    _same_optimizers(*trainers)
+    runs.same_optimizers(*trainers)
 
 
-class _Groups(pl.LightningModule):
+class _Groups(runs.ManualMLP):
     """One AdamW with two param groups of different lr and weight decay, read by index; ``use_pl_optimizer=False``."""
 
     def __init__(self, raw: Any) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-        self.automatic_optimization = False
-        self.raw, self.seen, self.losses = raw, [], []  # type: ignore[var-annotated]
+        self.raw = raw
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt = self.optimizers(use_pl_optimizer=self.raw is not True)
         second = opt.param_groups[1]  # type: ignore[union-attr]
         self.seen.append((len(opt.param_groups), second["weight_decay"], second["betas"], isinstance(opt, torch.optim.AdamW), isinstance(opt, list)))  # type: ignore[union-attr]
-        loss = self.body(batch).pow(2).mean()
-        opt.zero_grad()  # type: ignore[union-attr]
-        self.manual_backward(loss)
-        opt.step()  # type: ignore[union-attr]
-        self.losses.append(loss.detach().clone())
+        self.manual_step(opt, batch)
 
     def configure_optimizers(self) -> Any:
         if self.raw == "built":  # the groups built over a tuple
@@ -146,10 +116,10 @@ class _Groups(pl.LightningModule):
 @pytest.mark.parametrize("raw", [False, True, "built"], ids=["lightning-optimizer", "use_pl_optimizer-False", "comprehension"])
 def test_two_param_groups_read_by_index(raw: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     trainers: list[pl.Trainer] = []
-    off, on = _both(monkeypatch, lambda: _Groups(raw), _fit(trainers, tmp_path))
+    off, on = runs.both(monkeypatch, lambda: _Groups(raw), runs.fit_into(trainers, tmp_path))
     assert on.seen[0] == off.seen[0] == (2, 0.0, (0.8, 0.99), True, False) and on.seen[1:] == off.seen
     assert len(off.losses) == 3 and torch.equal(torch.stack(on.losses[-3:]), torch.stack(off.losses))
-    _same_optimizers(*trainers)
+    runs.same_optimizers(*trainers)
 
 
 def test_each_stand_in_holds_the_parameters_its_source_names(tmp_path: Any) -> None:
@@ -220,13 +190,10 @@ class SAM(torch.optim.Optimizer):
         )  # fmt: skip
 
 
-class _Sam(pl.LightningModule):
+class _Sam(runs.ManualMLP):
     def __init__(self, calls: str) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-        self.automatic_optimization = False
-        self.calls, self.seen, self.losses = calls, [], []  # type: ignore[var-annotated]
+        self.calls = calls
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt = self.optimizers()
@@ -246,11 +213,11 @@ class _Sam(pl.LightningModule):
 @pytest.mark.parametrize("calls", ["wrapper", "inner"])
 def test_sam_first_and_second_step_are_probed_and_train_the_same(calls: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     trainers: list[pl.Trainer] = []
-    off, on = _both(monkeypatch, lambda: _Sam(calls), _fit(trainers, tmp_path))
+    off, on = runs.both(monkeypatch, lambda: _Sam(calls), runs.fit_into(trainers, tmp_path))
     assert len(off.losses) == 3 and torch.equal(torch.stack(on.losses[-3:]), torch.stack(off.losses))
     assert on.seen[1:] == off.seen and on.seen[0][1] == off.seen[0][1]  # a SAM, as Lightning's wrapper is one
     assert {"rho", "adaptive", "lr"} <= set(on.seen[0][0])  # SAM's own group keys (the base optimizer's: unknowable unrun)
-    _same_optimizers(*trainers)
+    runs.same_optimizers(*trainers)
 
 
 class _SamBase(_Sam):
@@ -265,32 +232,25 @@ def test_what_the_optimizer_init_sets_falls_back_said_exactly(tmp_path: Any, mon
     monkeypatch.setenv("LIGHTNING_HBM_PROBE_STEP", "1")
     module, trainers = _SamBase("wrapper"), []  # type: ignore[var-annotated]
     with pytest.warns(UserWarning, match="could not run one step") as caught:
-        _fit(trainers, tmp_path)(module)
+        runs.fit_into(trainers, tmp_path)(module)
     said = [str(w.message) for w in caught if "could not run one step" in str(w.message)]
     assert len(said) == 1 and "the probe step's stand-in for SAM has no attribute 'base_optimizer'" in said[0], said
     assert "SAM.__init__ sets is not there" in said[0] and [s for s in module.seen if isinstance(s, str)] == ["SGD"] * 3
     assert len(module.losses) == 3 and trainers[0].global_step == 0  # trained (SAM's base step is no LightningOptimizer's)
 
 
-class _Plain(pl.LightningModule):
+class _Plain(runs.ManualMLP):
     """One optimizer, no scheduler (``self.lr_schedulers()`` is ``None``), of a class chosen by a branch; another branch
     returns two (the stand-in then reads as one, and unpacks as two)."""
 
     def __init__(self, choice: str) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-        self.automatic_optimization = False
-        self.choice, self.seen, self.losses = choice, [], []  # type: ignore[var-annotated]
+        self.choice = choice
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt, sch = self.optimizers(), self.lr_schedulers()
         self.seen.append((sch is None, isinstance(opt, torch.optim.Adam)))
-        loss = self.body(batch).pow(2).mean()
-        opt.zero_grad()  # type: ignore[union-attr]
-        self.manual_backward(loss)
-        opt.step()  # type: ignore[union-attr]
-        self.losses.append(loss.detach().clone())
+        self.manual_step(opt, batch)
 
     def configure_optimizers(self) -> Any:
         if self.choice == "pair":  # never taken here: one optimizer on some paths, two on others
@@ -303,8 +263,8 @@ class _Plain(pl.LightningModule):
 @pytest.mark.parametrize("choice", ["adam", "sgd"])
 def test_no_scheduler_is_none_and_a_branch_chosen_class_is_not_guessed(choice: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     trainers: list[pl.Trainer] = []
-    off, on = _both(monkeypatch, lambda: _Plain(choice), _fit(trainers, tmp_path))
+    off, on = runs.both(monkeypatch, lambda: _Plain(choice), runs.fit_into(trainers, tmp_path))
     assert off.seen[0] == (True, choice == "adam") and on.seen[1:] == off.seen
     assert on.seen[0] == (True, False)  # the class a branch picks is not read unrun: of neither (never the wrong one)
     assert torch.equal(torch.stack(on.losses[-3:]), torch.stack(off.losses))
-    _same_optimizers(*trainers)
+    runs.same_optimizers(*trainers)
