@@ -1,12 +1,12 @@
 """The accurate 4-bit base for the model at hand: the calibrated correction's rank chosen by a byte target per weight.
 
 :data:`~lightning_hbm.planner.candidates.ACCURATE_4BIT` (``nf4-dq-b32``, GPTQ rounding, ``correction_rank=16``) is the
-base measured closest to 16-bit LoRA as trained. Its correction stores ``r x (in + out)`` values in the compute dtype
-beside each Linear, so what it costs per weight grows as the layers narrow: 0.62 bytes per weight on SmolLM2-135M
-(hidden 576, bf16), 0.79 on all-MiniLM-L6-v2 (hidden 384, fp32 factors), over issue 52's 0.65. :func:`accurate_4bit`
+base measured closest to 16-bit LoRA as trained. Its correction stores ``r x (in + out)`` values in 16 bits
+(:func:`~lightning_hbm.layers.correction.storage_dtype`) beside each Linear, so what it costs per weight grows as the layers narrow: 0.62 bytes per weight on SmolLM2-135M
+(hidden 576, bf16), 0.79 on all-MiniLM-L6-v2 (hidden 384, fp32 factors before they were stored in 16 bits), over issue 52's 0.65. :func:`accurate_4bit`
 keeps the base and the rounding, and takes the largest rank of :data:`ACCURATE_RANKS` whose stored base, factors
 included, stays within the target (:data:`ACCURATE_BYTES_PER_WEIGHT` unless told otherwise): SmolLM2 keeps its
-measured rank 16, MiniLM takes 6 in fp32 (12 in bf16). Counted as the coverage table counts a quantized Linear: the
+measured rank 16, MiniLM takes 12. Counted as the coverage table counts a quantized Linear: the
 packed weight, its quantization constants, the bias in the compute dtype and the factors, over the layer's weights and
 biases (``benchmarks/finetune_minilm.py``'s ``B/weight``), exact per layer (:func:`~lightning_hbm.precision.sensitivity.weight_bytes`
 quantizes a zero weight of each shape once). Only shapes are read: nothing of the model changes.
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_hbm.layers import kind_of
+from lightning_hbm.layers.correction import storage_dtype
 from lightning_hbm.planner.building import _build, _fake_mode, _quiet_logs
 from lightning_hbm.planner.candidates import ACCURATE_4BIT
 from lightning_hbm.planner.realvalues import RealValues
@@ -98,7 +99,7 @@ def accurate_4bit(
     ranks: Sequence[int] = ACCURATE_RANKS,
 ) -> AccurateBase:
     """The accurate 4-bit base for ``model``: the largest correction rank of ``ranks`` whose stored base (``nf4-dq-b32``
-    weights, constants, biases and factors in ``dtype``) stays within ``max_bytes_per_weight`` per weight.
+    weights, constants and biases in ``dtype``, factors in its 16-bit storage dtype) stays within ``max_bytes_per_weight`` per weight.
 
     ``model``: a module as built; a LightningModule whose layers ``configure_model`` builds is built on fake tensors to
     read their shapes (nothing is allocated, the module is not changed).
@@ -120,9 +121,9 @@ def accurate_4bit(
     base = sum(weight_bytes(ACCURATE_4BIT["precision"], i, o, torch_dtype) for i, o, _ in shapes) + biases * torch_dtype.itemsize
     tried = []
     for rank in sorted(ranks, reverse=True):
-        factors = sum(min(rank, i, o) * (i + o) for i, o, _ in shapes) * torch_dtype.itemsize
+        factors = sum(min(rank, i, o) * (i + o) for i, o, _ in shapes) * storage_dtype(torch_dtype).itemsize
         tried.append((rank, (base + factors) / params if params else 0.0))
-    name = str(torch_dtype).removeprefix("torch.")
+    name = str(storage_dtype(torch_dtype)).removeprefix("torch.")
     fitting = [(rank, value) for rank, value in tried if value <= max_bytes_per_weight]
     rank, value = fitting[0] if fitting and shapes else (0, tried[-1][1])
     return AccurateBase(rank, value, float(max_bytes_per_weight), name, len(shapes), tuple(tried))
