@@ -151,7 +151,7 @@ def test_the_default_probe_with_a_correction_joins_the_first_batches_up_to_2048_
 
     seen: list[Any] = []
     original = plan_module.input_statistics
-    monkeypatch.setattr(plan_module, "input_statistics", lambda module, names, batch: seen.append(batch) or original(module, names, batch))
+    monkeypatch.setattr(plan_module, "input_statistics", lambda module, names, batch, *rest: seen.append(batch) or original(module, names, batch, *rest))
     data = ByteTextDataModule(seq_len=128, batch_size=2, train_samples=40, val_samples=8, max_bytes=300_000)
     data.setup("fit")
     torch.manual_seed(0)
