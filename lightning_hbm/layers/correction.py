@@ -115,10 +115,7 @@ def attach_correction(layer: nn.Module, right: Tensor, left: Tensor) -> LowRankC
     Raises:
         ValueError: ``layer`` already has one, or the factors' shapes are not ``[r, in]`` and ``[out, r]``.
     """
-    if correction_of(layer) is not None:
-        raise ValueError(f"{type(layer).__name__} already carries a low-rank correction: attach one per layer.")
-    correction = LowRankCorrection(right, left)
-    layer.add_module(CORRECTION, correction)
+    correction = _carry(layer, right, left)
     layer.register_forward_hook(_add_correction)
     return correction
 
@@ -137,6 +134,11 @@ def attach_weight_correction(layer: nn.Module, right: Tensor, left: Tensor) -> L
     Raises:
         ValueError: ``layer`` already has one, or the factors' shapes are not ``[r, in]`` and ``[out, r]``.
     """
+    return _carry(layer, right, left)
+
+
+def _carry(layer: nn.Module, right: Tensor, left: Tensor) -> LowRankCorrection:
+    """``layer`` holds the correction ``(right, left)`` as its child (what both ways of applying it share)."""
     if correction_of(layer) is not None:
         raise ValueError(f"{type(layer).__name__} already carries a low-rank correction: attach one per layer.")
     correction = LowRankCorrection(right, left)
