@@ -42,9 +42,9 @@ def storage_dtype(compute: torch.dtype) -> torch.dtype:
     in fp32: 0.71 bytes per weight instead of 0.62 for ``nf4-dq-b32`` + GPTQ under fp32 compute), and rounding them to
     bf16 changed nothing measured before training (fp32 compute, ``nf4-dq-b32`` + GPTQ + rank 16: SmolLM2 held-out loss
     3.1394 both ways, MiniLM embedding cosine 0.99313 / 0.99295 both ways, two seeds; benchmarks/README.md, "The
-    correction's factors in 16 bits"). As trained it is not settled: SmolLM2, 150 steps, seed 0, the code with them ended
-    +1.40 % above 16-bit LoRA against +0.75 % on the commit before (fp32 factors); the cause is not isolated yet (same
-    section).
+    correction's factors in 16 bits"). As trained it is not settled: under fp32 compute, SmolLM2, 150 steps, seed 0,
+    16-bit factors ended +1.40 % above 16-bit LoRA against +0.75 % with this function returning ``compute`` (fp32
+    factors), all else equal (same section); under a 16-bit compute dtype, the default, nothing changed.
     """
     return compute if compute.itemsize <= 2 else torch.bfloat16
 
