@@ -99,15 +99,15 @@ class Measures:
         names = [name for name, layer in targets if not isinstance(layer, nn.Embedding)]
         # the experts the surgery turns into Linears, measured per expert on the tokens routed to it (the correction's)
         experts = convertible_experts(module) if correction is not None and fitting else {}
+        per_expert = set(ExpertInputs.names(experts))  # the Linears the experts become, named once
         if correction is not None and fitting:  # the planner's fake model gets factors only where a run can fit them
-            correction.measurable = set(names) | set(ExpertInputs.names(experts))
+            correction.measurable = set(names) | per_expert
         if inputs and (self.gptq is not None or fitting) and not fake:
             hessians, rows = input_statistics(module, names, probe().batch, experts)
             if self.gptq is not None:  # the experts keep nearest rounding (expert_inputs.py)
-                per_expert = set(ExpertInputs.names(experts))
                 self.gptq.hessians = {name: h for name, h in hessians.items() if name not in per_expert}
             if correction is not None and fitting:
-                correction.measured(hessians, rows, set(ExpertInputs.names(experts)))
+                correction.measured(hessians, rows, per_expert)
         if smooth and self.smoothing is not None:
             path = trainer.ckpt_path if trainer is not None else None  # named in a refusal of the saved exponents
             self.smoothing.measure(module, linear_names(targets), self.config.torch_dtype, probe, lambda: resumed, path)
