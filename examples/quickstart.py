@@ -4,7 +4,11 @@ The model below is what a user writes: a small GPT (nanoGPT style) and an unchan
 ``configure_optimizers`` over ``self.parameters()``. lightning_hbm changes nothing in it; the lines
 marked ``# lightning_hbm`` are all it takes to shrink the memory terms:
 
-* ``QuantizedPrecision("nf4-dq")``: parameters (frozen Linear weights stored as 4-bit NF4).
+* ``QuantizedPrecision("nf4-dq-b32", rounding="gptq", correction_rank=4)``: parameters (frozen Linear weights stored
+  as 4-bit NF4 in blocks of 32, GPTQ-rounded, with a frozen rank-4 correction of each layer's 4-bit output error,
+  fitted at fit start on the first training batches: the accurate 4-bit base, what ``AutoFit`` picks for this model
+  at 0.65 bytes per weight). ``QuantizedPrecision("nf4-dq")`` is Hugging Face's QLoRA base, bit for bit: the
+  reference, further from 16-bit on pretrained weights (``benchmarks/README.md``, "The quickstart's base").
 * ``LoRA(r=16)``: gradients and optimizer states (only small adapters train: QLoRA).
 * ``ActivationCheckpointing()``: activations (each block's are recomputed in backward).
 * ``HBMProfiler()``: shrinks nothing, shows all five terms per step (table at the end, CSV/JSON/PNG
@@ -111,8 +115,9 @@ def main(steps: int = 60, seed: int = 0, root_dir: str = "lightning_logs/quickst
         accelerator="auto",
         devices=1,
         max_steps=steps,
-        # lightning_hbm: frozen 4-bit NF4 base weights, bf16 compute (CPU and GPU alike)
-        plugins=[QuantizedPrecision("nf4-dq", dtype="bfloat16")],
+        # lightning_hbm: the accurate 4-bit base (AutoFit's pick here, bf16 compute): within 1 % of 16-bit LoRA on SmolLM2, MiniLM
+        plugins=[QuantizedPrecision("nf4-dq-b32", rounding="gptq", correction_rank=4)],
+        # plugins=[QuantizedPrecision("nf4-dq")],  # Hugging Face's QLoRA base, bit for bit: +4.94 / +3.05 % on SmolLM2
         callbacks=[LoRA(r=16, alpha=32), ActivationCheckpointing(), HBMProfiler(every_n_steps=10), printer],  # lightning_hbm
         logger=False,
         enable_checkpointing=False,

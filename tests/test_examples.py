@@ -87,7 +87,7 @@ def _check_recipe_applied(recipe: dict[str, Any], trainer: Any, model: Any) -> N
         assert any(isinstance(cb, cls) for cb in trainer.callbacks), f"{cls.__name__} missing"
         if issubclass(cls, lightning_hbm.SurgeryCallback):
             assert cls.__qualname__ in applied_transforms(model)
-    for spec in recipe["trainer"].get("plugins") or []:  # qlora-accurate.yaml: the plugin's options as written
+    for spec in recipe["trainer"].get("plugins") or []:  # qlora.yaml: the plugin's options as written
         if spec["class_path"].endswith("QuantizedPrecision"):
             plugin = trainer.precision_plugin
             assert isinstance(plugin, QuantizedPrecision)
