@@ -13,11 +13,12 @@ Arms: ``nearest`` (``rounding="nearest"``); ``gptq`` (``rounding="gptq"``: an ex
 (that minimum lowered to one token: GPTQ on every expert the probe reached). Per expert Linear, on the same held-out
 block inputs, the output error of ``gptq, every expert`` over ``nearest``'s (each Linear's input and output hooked in the
 quantized block, against ``F.linear`` with its fp32 weight), summed over the probes and seeds by the probe tokens routed
-to that expert: what ``EXPERT_MIN_TOKENS`` is chosen on.
+to that expert: what ``EXPERT_MIN_TOKENS`` is chosen on. ``--attention``: the same comparison on the attention
+Linears, the experts kept (whether a model's inputs let GPTQ gain at all).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/moe_expert_gptq.py --seeds 0 1 --probe 64 256 2048
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/moe_expert_gptq.py --seeds 0 1 --probe 64 256 2048 --hidden 256
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/moe_expert_gptq.py --seeds 0 1 --probe 64 256 2048 --intermediate 32
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/moe_expert_gptq.py --seeds 0 1 --probe 64 256 2048 --intermediate 32 --attention --largest 5
 """
 
 from __future__ import annotations
@@ -138,6 +139,35 @@ class MoeLM(torch.nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
+def attention_ratio(model: torch.nn.Module, probe: torch.Tensor, batches: list[torch.Tensor]) -> float:
+    """The median over the attention Linears of GPTQ's held-out output error over nearest's, the experts kept (each
+    quantized Linear's input and output hooked, against ``F.linear`` with its fp32 weight)."""
+    names = [name for name, sub in model.named_modules() if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))]
+    weights = {name: model.get_submodule(name).weight.detach().float() for name in names}
+    found: dict[str, dict[str, float]] = {}
+    for rounding in ("nearest", "gptq"):
+        quantized = copy.deepcopy(model)
+        QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=probe, quantize_embeddings=False, rounding=rounding,
+                           ignore_modules=["experts"]).convert_module(quantized)  # fmt: skip
+        sums: dict[str, float] = defaultdict(float)
+
+        def hook(name: str, sums: dict[str, float] = sums) -> Any:
+            def record_error(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+                x = args[0].reshape(-1, args[0].shape[-1]).float()
+                sums[name] += float((output.reshape(x.shape[0], -1).float() - F.linear(x, weights[name])).pow(2).sum())
+
+            return record_error
+
+        handles = [quantized.get_submodule(name).register_forward_hook(hook(name)) for name in names]
+        with torch.no_grad():
+            for x in batches:
+                quantized(x)
+        for handle in handles:
+            handle.remove()
+        found[rounding] = dict(sums)
+    return float(torch.tensor([(found["gptq"][n] / found["nearest"][n]) ** 0.5 for n in names]).median())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -148,6 +178,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--probe", type=int, nargs="+", default=[2048], help="probe tokens (whole windows of --seq)")
     parser.add_argument("--val", type=int, default=16, help="held-out windows")
+    parser.add_argument("--attention", action="store_true", help="also GPTQ vs nearest on the attention Linears (last probe)")
+    parser.add_argument("--largest", type=int, default=0, help="print the expert Linears with the largest nearest error (last probe)")
     args = parser.parse_args()
     logging.getLogger("lightning_hbm").setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
@@ -175,6 +207,13 @@ def main() -> None:
                 block, per_arm[arm] = errors(model, quantized, inputs, weights)
                 row.append(f"{arm} {block:.4f} ({rounded}/{total} rounded)")
             print(f"seed {seed}, probe {probe.numel()} tokens: " + "; ".join(row), flush=True)
+            if args.largest and tokens == args.probe[-1]:
+                largest = sorted(per_arm["nearest"], key=lambda n: -per_arm["nearest"][n])[: args.largest]
+                print("  largest nearest errors (sum of squares, nearest -> GPTQ): " + ", ".join(
+                    f"{n.split('layers.')[1]} {per_arm['nearest'][n]:.1f} -> {per_arm['gptq'][n]:.1f}" for n in largest))
+            if args.attention and tokens == args.probe[-1]:
+                print(f"seed {seed}, probe {probe.numel()} tokens: the attention Linears (experts kept), GPTQ / nearest "
+                      f"held-out output error, median {attention_ratio(model, probe, val):.3f}", flush=True)
             for name, nearest in per_arm["nearest"].items():
                 bucket = next((b for b in BUCKETS if b[0] <= rows[name] <= b[1]), None)
                 if bucket is not None and nearest > 0:

@@ -21,9 +21,10 @@ plan measures convolutions rounded to nearest (:func:`~lightning_hbm.precision.s
 The experts of a mixture of experts (``LinearExperts``, made after the probe forward) are each rounded on the Hessian
 of the tokens its router sent it on the probe (:mod:`~lightning_hbm.precision.expert_inputs`, the statistics the
 correction fits on); an expert routed fewer than :data:`EXPERT_MIN_TOKENS` keeps nearest rounding, named at the
-surgery. On trained tiny Qwen3-MoEs the MoE blocks' held-out output error went 0.038 -> 0.0056 (experts 64 wide) and
-0.033 -> 0.0023 (256 wide) on a 2048-token probe; where one input channel dominates the error (experts 32 wide), it
-moved by a few percent either way, as the attention Linears' did there (``benchmarks/moe_expert_gptq.py``).
+surgery. On trained tiny Qwen3-MoEs, with a 2048-token probe, the MoE blocks' held-out output error went 0.038 -> 0.0055
+and 0.032 -> 0.0037 (experts 64 wide, two seeds), 0.033 -> 0.0023 and 0.028 -> 0.0016 (256 wide); with experts 32
+wide, whose error sits in a few ``down_proj`` inputs with a dominant channel, +7.8 % and -1.7 %
+(``benchmarks/moe_expert_gptq.py``, benchmarks/README.md "GPTQ on the experts").
 
 A Linear the model never calls but whose weight its code multiplies with (torchvision Swin's attention passes
 ``self.qkv.weight`` to ``F.linear``) is rounded from the inputs of those reads (:class:`_ReadInputs`): on a Swin-like
@@ -84,10 +85,10 @@ DAMP = 0.1
 
 
 #: the probe tokens an expert's Linear must be routed to be GPTQ-rounded (fewer: nearest, named). An expert's tokens are
-#: the router's choice, often few, and its Hessian then of low rank: on trained tiny Qwen3-MoEs (experts 64 and 256
-#: wide, two seeds, probes of 64-2048 tokens) every expert Linear routed 4 or more probe tokens had at most 0.54 of
-#: nearest rounding's held-out output error (2-3 tokens: up to 0.90; one token: up to 1.20, worse than nearest)
-#: (``benchmarks/moe_expert_gptq.py``, benchmarks/README.md "GPTQ on the experts"; no real MoE checkpoint measured)
+#: the router's choice, often few, and its Hessian then of low rank: on trained tiny Qwen3-MoEs whose experts GPTQ helps
+#: (64 and 256 wide, two seeds, probes of 64-2048 tokens) every expert Linear routed 4 or more probe tokens had at most
+#: 0.54 of nearest rounding's held-out output error; with 2-3 tokens up to 0.90, with one up to 1.20 (worse than
+#: nearest) (``benchmarks/moe_expert_gptq.py``, benchmarks/README.md "GPTQ on the experts"; no real MoE measured)
 EXPERT_MIN_TOKENS = 4
 
 
