@@ -126,3 +126,31 @@ def test_an_expert_routed_too_few_tokens_keeps_nearest_rounding_and_is_named() -
                      r"an expert the probe batch routed no token to \(fix: a larger probe_batch reaches it\)", said[0]), said
     assert f"an expert the probe batch routed fewer than {EXPERT_MIN_TOKENS} tokens to (too few to round against)" in said[0]
     assert "the probe forward never ran it" not in said[0]  # was: every expert, the probe "never ran" them
+
+
+def _fit(root: Path, probe: torch.Tensor, ckpt_path: Any = None) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_hbm import LoRA
+    from lightning_hbm.data import ByteTextDataModule
+
+    plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=probe, rounding="gptq", quantize_embeddings=False, ignore_modules=["self_attn"])
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=root, plugins=[plugin],
+        callbacks=[LoRA(r=2), ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        data = ByteTextDataModule(seq_len=16, batch_size=2, train_samples=8, val_samples=4, max_bytes=100_000)
+        trainer.fit(_moe().train(), data, ckpt_path=ckpt_path)
+
+
+def test_a_resume_rebuilds_the_experts_gptq_rounding_and_refuses_another_probe(tmp_path: Path) -> None:
+    """The experts alone quantized: the checkpoint's GPTQ CRC covers their rounding (was: no layer rounded, so any
+    probe passed), a resume with the same probe rebuilds it, one with another probe is refused before training."""
+    _fit(tmp_path / "run", PROBE)
+    _fit(tmp_path / "same", PROBE, ckpt_path=tmp_path / "run" / "step=1.ckpt")
+    with pytest.raises(ValueError, match=r"The GPTQ rounding rebuilt for this resume \(CRC \w+\) differs from the one the checkpoint was trained with"):
+        _fit(tmp_path / "other", HELD_OUT, ckpt_path=tmp_path / "run" / "step=1.ckpt")
