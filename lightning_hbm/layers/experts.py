@@ -38,6 +38,10 @@ from lightning_hbm._compat import transformers as transformers_compat
 from lightning_hbm.layers.finding import expert_counts
 from lightning_hbm.layers.kinds import LayerKind, register_kind
 
+#: the projections of one expert, as :class:`LinearExperts` names its Linears (``<experts>.<projection>.<expert>``): the
+#: names the quantization measures, rounds and corrects and LoRA's watch reads (one list, here where the kind lives)
+PROJECTIONS = ("gate_up_proj", "down_proj")
+
 
 def supported(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers-5 experts layer in the layout :class:`LinearExperts` reproduces."""
@@ -103,7 +107,7 @@ class LinearExperts(nn.Module):
 
     def as_built_keys(self) -> dict[str, str]:
         """Each expert's weight is a slice of the 3-D Parameter it came from (see ``LayerKind.as_built_keys``)."""
-        return {f"{proj}.{e}.weight": proj for proj in ("gate_up_proj", "down_proj") for e in range(self.num_experts)}
+        return {f"{linear}.weight": linear.rpartition(".")[0] for linear in expert_linears(self.num_experts)}
 
     @override
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -147,6 +151,22 @@ class LinearExperts(nn.Module):
             final.index_add_(0, token_idx, out.to(final.dtype))
         del expert_mask  # freed with forward's locals
         return final
+
+
+def expert_linears(count: int) -> list[str]:
+    """The Linears :class:`LinearExperts` makes of ``count`` experts, relative to it: ``<projection>.<expert>``."""
+    return [f"{proj}.{e}" for proj in PROJECTIONS for e in range(count)]
+
+
+def convertible_experts(module: nn.Module) -> dict[str, nn.Module]:
+    """``{name: experts layer}`` of the transformers experts layers of ``module`` the surgery will turn into
+    :class:`LinearExperts` (:func:`supported`)."""
+    return {name: sub for name, sub in module.named_modules() if EXPERTS.matches(sub) and supported(sub)}
+
+
+def expert_names(name: str, layer: nn.Module) -> list[str]:
+    """The names of the Linears :class:`LinearExperts` makes of the experts layer ``layer`` named ``name``."""
+    return [f"{name}.{linear}" for linear in expert_linears(cast(torch.Tensor, layer.gate_up_proj).shape[0])]
 
 
 def routed_tokens(top_k_index: torch.Tensor, num_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -233,7 +253,7 @@ def _adaptable(layer: nn.Module) -> list[str]:
         return [""]  # one expert's Linear of a prepared layer
     if not supported(layer):
         return []  # stays as it is: named by the coverage table's warning
-    return [f"{proj}.{e}" for proj in ("gate_up_proj", "down_proj") for e in range(cast(torch.Tensor, layer.gate_up_proj).shape[0])]
+    return expert_linears(cast(torch.Tensor, layer.gate_up_proj).shape[0])
 
 
 EXPERTS = register_kind(
@@ -259,4 +279,7 @@ EXPERTS = register_kind(
     )
 )
 
-__all__ = ["EXPERTS", "LinearExperts", "balanced_load", "expert_counts", "routed_tokens", "supported"]
+__all__ = [
+    "EXPERTS", "PROJECTIONS", "LinearExperts", "balanced_load", "convertible_experts", "expert_counts", "expert_linears", "expert_names",
+    "routed_tokens", "supported",
+]

@@ -24,10 +24,10 @@ from torch._subclasses.fake_tensor import FakeTensor  # as layers/readers.py: no
 from lightning_hbm import resume
 from lightning_hbm._compat import torch as torch_compat
 from lightning_hbm.layers.correction import saved_factors
+from lightning_hbm.layers.experts import convertible_experts, expert_names
 from lightning_hbm.precision.accuracy import CHECK_SAMPLES, Reference, unmeasured_reference_warning
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection
-from lightning_hbm.precision.expert_inputs import ExpertInputs, convertible_experts
 from lightning_hbm.precision.gptq import GPTQRounding, input_statistics
 from lightning_hbm.precision.smoothing import Smoothing
 from lightning_hbm.precision.target_listing import linear_names
@@ -97,15 +97,16 @@ class Measures:
         fitting = correction is not None and correction.saved is None
         # an embedding's input is token ids: no statistics
         names = [name for name, layer in targets if not isinstance(layer, nn.Embedding)]
-        # the experts the surgery turns into Linears, measured per expert on the tokens routed to it (the correction's)
-        experts = convertible_experts(module) if correction is not None and fitting else {}
-        per_expert = set(ExpertInputs.names(experts))  # the Linears the experts become, named once
+        # the experts the surgery turns into Linears, measured per expert on the tokens routed to it (GPTQ's rounding
+        # and the correction's): found once here, their Linears' names handed on
+        experts = convertible_experts(module) if self.gptq is not None or fitting else {}
+        per_expert = {linear for name, layer in experts.items() for linear in expert_names(name, layer)}
         if correction is not None and fitting:  # the planner's fake model gets factors only where a run can fit them
             correction.measurable = set(names) | per_expert
         if inputs and (self.gptq is not None or fitting) and not fake:
             hessians, rows = input_statistics(module, names, probe().batch, experts)
-            if self.gptq is not None:  # the experts keep nearest rounding (expert_inputs.py)
-                self.gptq.hessians = {name: h for name, h in hessians.items() if name not in per_expert}
+            if self.gptq is not None:
+                self.gptq.measured(hessians, rows, per_expert)
             if correction is not None and fitting:
                 correction.measured(hessians, rows, per_expert)
         if smooth and self.smoothing is not None:

@@ -26,10 +26,9 @@ from planner_families import HFCausalLM  # noqa: E402
 from lightning_hbm import LoRA, QuantizedPrecision  # noqa: E402
 from lightning_hbm.layers import coverage  # noqa: E402
 from lightning_hbm.layers.correction import correction_of  # noqa: E402
-from lightning_hbm.layers.experts import LinearExperts  # noqa: E402
+from lightning_hbm.layers.experts import LinearExperts, convertible_experts, expert_names  # noqa: E402
 from lightning_hbm.memory import parameter_bytes  # noqa: E402
 from lightning_hbm.precision.correction import corrected_layers  # noqa: E402
-from lightning_hbm.precision.expert_inputs import convertible_experts, expert_names  # noqa: E402
 from lightning_hbm.precision.gptq import input_statistics  # noqa: E402
 
 VOCAB = 256

@@ -13,7 +13,7 @@ from torch import nn
 from lightning_hbm._compat.torch import foreach_norm
 from lightning_hbm.adapters.lora.base import adapted_layers
 from lightning_hbm.layers import weight_readers
-from lightning_hbm.layers.experts import LinearExperts
+from lightning_hbm.layers.experts import PROJECTIONS, LinearExperts
 from lightning_hbm.naming import name_list, under
 
 #: backward passes over which an adapter whose gradient was all-zero at the first is watched. Each costs one fused
@@ -235,7 +235,7 @@ class ExpertWatch:
         for name, layer in adapted_layers(module).items():
             owner, _, index = name.rpartition(".")
             experts, _, projection = owner.rpartition(".")
-            if projection in ("gate_up_proj", "down_proj") and isinstance(_submodule(module, experts), LinearExperts):
+            if projection in PROJECTIONS and isinstance(_submodule(module, experts), LinearExperts):
                 self.pending.setdefault(f"{experts} expert {index}", {})[name] = layer
         self.experts = len(self.pending)
         self.steps = 0  # backward passes seen
