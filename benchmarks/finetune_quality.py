@@ -106,6 +106,8 @@ ARMS: dict[str, Optional[dict[str, Any]]] = {
     "nf4-dq-b32+gptq+c16": dict(mode="nf4-dq-b32", rounding="gptq", correction_rank=16),
     # the same on a probe of the first 4 training batches (2048 tokens, as the script-side +fixed16 calibrated on)
     "nf4-dq-b32+gptq+c16-p4": dict(mode="nf4-dq-b32", rounding="gptq", correction_rank=16, probe_batches=4),
+    # rank 8: what AutoFit(accurate_bytes_per_weight=0.65) picks on SmolLM2 under fp32 compute (fp32 factors)
+    "nf4-dq-b32+gptq+c8-p4": dict(mode="nf4-dq-b32", rounding="gptq", correction_rank=8, probe_batches=4),
     "nf4-dq+scales": dict(mode="nf4-dq", scale_lr=1e-5),
     "nf4-dq+scales-lr1e-4": dict(mode="nf4-dq", scale_lr=1e-4),
     "hf-qlora": None,

@@ -3,7 +3,7 @@
 ``QuantizedPrecision(correction_rank=r)`` fits, per quantized layer, the rank-``r`` term that minimises the layer's
 output error on the probe batch (:mod:`lightning_hbm.precision.correction`) and attaches it with
 :func:`attach_correction`: a :class:`LowRankCorrection` child named :data:`CORRECTION` (``right`` = A ``[r, in]``,
-``left`` = B ``[out, r]``, frozen Parameters stored in 16 bits, :func:`storage_dtype`) and one forward hook that adds its
+``left`` = B ``[out, r]``, frozen Parameters stored in the compute dtype, :func:`storage_dtype`) and one forward hook that adds its
 output to the layer's. The layer itself is unchanged (its class, its packed weight, its format), so peft wraps it as any quantized
 layer (the correction then sits under ``base_layer``) and every reader of the format still reads the weight.
 
@@ -35,18 +35,18 @@ KEY_MARK = f".{CORRECTION}."
 
 
 def storage_dtype(compute: torch.dtype) -> torch.dtype:
-    """The dtype a correction's factors are stored in under the ``compute`` dtype: 16 bits whatever the compute dtype
-    (``compute`` itself when it is 16-bit, else bfloat16); they are computed in the input's dtype.
+    """The dtype a correction's factors are stored in under the ``compute`` dtype: the compute dtype itself (bf16 under
+    the default bf16 compute, fp32 under fp32 compute). They are computed in the input's dtype, so a checkpoint
+    holding factors of another dtype resumes with them as saved.
 
-    Why: the factors are part of the stored weight (+0.09 bytes per weight at rank 16 on SmolLM2-135M in 16 bits, 0.18
-    in fp32: 0.71 bytes per weight instead of 0.62 for ``nf4-dq-b32`` + GPTQ under fp32 compute), and rounding them to
-    bf16 changed nothing measured before training (fp32 compute, ``nf4-dq-b32`` + GPTQ + rank 16: SmolLM2 held-out loss
-    3.1394 both ways, MiniLM embedding cosine 0.99313 / 0.99295 both ways, two seeds; benchmarks/README.md, "The
-    correction's factors in 16 bits"). As trained it is not settled: under fp32 compute, SmolLM2, 150 steps, seed 0,
-    16-bit factors ended +1.40 % above 16-bit LoRA against +0.75 % with this function returning ``compute`` (fp32
-    factors), all else equal (same section); under a 16-bit compute dtype, the default, nothing changed.
+    Why not 16 bits under fp32 compute (session 41 stored them in bf16 there: 0.626 instead of 0.718 bytes per weight
+    for ``nf4-dq-b32`` + GPTQ + rank 16 on SmolLM2-135M): the same before training, worse as trained, and the harm grows
+    with the rounding. SmolLM2, fp32 compute, 150 LoRA steps, gap to 16-bit LoRA, seeds 0 / 1: fp32 factors +0.75 /
+    +0.41 %, fp16 +1.10 / +0.61 %, bf16 +1.40 / +2.15 % (fp32 factors perturbed by 1e-5 relative noise, seed 0:
+    +0.93 %, the run-to-run scale); benchmarks/README.md, "The correction's factors in 16 bits". At equal bytes,
+    fewer fp32 factors: ``accurate_4bit`` counts the factors in this dtype and picks the rank from them.
     """
-    return compute if compute.itemsize <= 2 else torch.bfloat16
+    return compute
 
 
 class _LowRankProduct(torch.autograd.Function):
@@ -55,7 +55,7 @@ class _LowRankProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, right: Tensor, left: Tensor) -> Tensor:
         ctx.factors = (right, left)  # frozen Parameters of the layer: alive anyway, not saved tensors
-        # stored in 16 bits, computed in the input's dtype: the widened copies are temporaries of this call, not held
+        # computed in the input's dtype (a resumed checkpoint's factors may be narrower): a widened copy is a temporary
         return (x @ right.to(x.dtype).t()) @ left.to(x.dtype).t()
 
     @staticmethod

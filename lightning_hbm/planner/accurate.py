@@ -1,12 +1,13 @@
 """The accurate 4-bit base for the model at hand: the calibrated correction's rank chosen by a byte target per weight.
 
 :data:`~lightning_hbm.planner.candidates.ACCURATE_4BIT` (``nf4-dq-b32``, GPTQ rounding, ``correction_rank=16``) is the
-base measured closest to 16-bit LoRA as trained. Its correction stores ``r x (in + out)`` values in 16 bits
-(:func:`~lightning_hbm.layers.correction.storage_dtype`) beside each Linear, so what it costs per weight grows as the layers narrow: 0.62 bytes per weight on SmolLM2-135M
-(hidden 576, bf16), 0.79 on all-MiniLM-L6-v2 (hidden 384, fp32 factors before they were stored in 16 bits), over issue 52's 0.65. :func:`accurate_4bit`
+base measured closest to 16-bit LoRA as trained. Its correction stores ``r x (in + out)`` values in the compute dtype
+(:func:`~lightning_hbm.layers.correction.storage_dtype`) beside each Linear, so what it costs per weight grows as the layers narrow
+and doubles under fp32 compute: at rank 16, 0.626 bytes per weight on SmolLM2-135M (hidden 576) in bf16, 0.718 in fp32;
+0.79 on all-MiniLM-L6-v2 (hidden 384) in fp32, over issue 52's 0.65. :func:`accurate_4bit`
 keeps the base and the rounding, and takes the largest rank of :data:`ACCURATE_RANKS` whose stored base, factors
 included, stays within the target (:data:`ACCURATE_BYTES_PER_WEIGHT` unless told otherwise): SmolLM2 keeps its
-measured rank 16, MiniLM takes 12. Counted as the coverage table counts a quantized Linear: the
+measured rank 16 under bf16 compute (8 under fp32), MiniLM takes 12 (6 under fp32). Counted as the coverage table counts a quantized Linear: the
 packed weight, its quantization constants, the bias in the compute dtype and the factors, over the layer's weights and
 biases (``benchmarks/finetune_minilm.py``'s ``B/weight``), exact per layer (:func:`~lightning_hbm.precision.sensitivity.weight_bytes`
 quantizes a zero weight of each shape once). Only shapes are read: nothing of the model changes.

@@ -449,7 +449,7 @@ def quantized_parameter_bytes(
     packed weights, absmax, nested constants and row scales at their exact sizes. ``layer_modes``: a
     mixed-precision plan ``{layer name: mode name}`` (``"none"``: kept in ``dtype``). ``correction_rank``:
     ``QuantizedPrecision(correction_rank=...)``'s frozen factors included (``min(r, in, out) x (in + out)`` elements in
-    16 bits per quantized Linear-like layer, :func:`~lightning_hbm.layers.correction.storage_dtype` of ``dtype``; a
+    :func:`~lightning_hbm.layers.correction.storage_dtype` of ``dtype`` (the compute dtype) per quantized Linear-like layer; a
     convolution's ``in`` is its ``in / groups x kernel`` patch, grouped and transposed ones get none). The model is not
     changed.
     """

@@ -52,8 +52,9 @@ PLANNED_LIGHTNING_PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed")
 #: (:func:`~lightning_hbm.planner.accurate.accurate_4bit`).
 ACCURATE_4BIT: dict[str, Any] = {"precision": "nf4-dq-b32", "rounding": "gptq", "correction_rank": 16}
 ACCURATE_4BIT_MEASURED = (
-    "measured on the real SmolLM2-135M as trained (150 LoRA steps, two seeds, 2048-token probe), the accurate 4-bit base "
-    "ends +0.74 / +0.41 % held-out loss above 16-bit LoRA, plain nf4-dq +4.94 / +3.05 % (benchmarks/README.md)"
+    "measured on the real SmolLM2-135M as trained (150 LoRA steps, two seeds, 2048-token probe, fp32), the accurate 4-bit "
+    "base at 0.65 bytes per weight (rank 8) ends +0.81 / +0.70 % held-out loss above 16-bit LoRA, plain nf4-dq "
+    "+4.94 / +3.05 % (benchmarks/README.md)"
 )
 
 # Relative step time added by each choice (see the module docstring for the sources).

@@ -6,8 +6,8 @@ error ``(W - Q) X`` on the data, not the weight error, so the rank-``r`` term ``
 ``||(W - Q - L) X^T||`` on the probe batch is fitted (as CLoQ, Deng et al. 2025, computes it; EoRA's compensation is
 the same fit): with the input Gram ``H = X^T X / n`` (the one GPTQ rounding measures, 1 % of its mean diagonal added
 as damping) and its Cholesky factor ``H = C C^T``, ``L = svd_r((W - Q) C) C^-1``, in float64. ``L = B A`` is stored
-frozen in 16 bits beside the layer (bf16 under a 32-bit compute dtype, computed in the compute dtype:
-:func:`~lightning_hbm.layers.correction.storage_dtype`) (:mod:`lightning_hbm.layers.correction`) and added to its output; LoRA
+frozen in the compute dtype beside the layer
+(:func:`~lightning_hbm.layers.correction.storage_dtype`) (:mod:`lightning_hbm.layers.correction`) and added to its output; LoRA
 adapters train on top of it as usual (``B = 0`` at the start).
 
 Why frozen beside the adapters rather than the adapters' start: measured on the real SmolLM2-135M (benchmarks/README.md,
@@ -118,7 +118,7 @@ class CalibratedCorrection:
     """
 
     def __init__(self, rank: int, dtype: torch.dtype) -> None:
-        #: ``dtype``: the factors' storage dtype (16 bits)
+        #: ``dtype``: the factors' storage dtype (the compute dtype)
         self.rank, self.dtype = rank, storage_dtype(dtype)
         #: ``{layer: H}`` of the surgery under way (freed by :meth:`finish`)
         self.hessians: Optional[dict[str, Tensor]] = None

@@ -131,8 +131,8 @@ def quantize_targets(
 
 def cast_the_rest(module: nn.Module, fp32: set[str], compute_dtype: torch.dtype, stored: Optional[set[str]] = None) -> None:
     """Everything that is not quantized storage computes in ``compute_dtype`` (parameters stay trainable), except what
-    the model declares must stay in fp32 (``fp32``), the calibrated correction's factors (stored in 16 bits,
-    :func:`~lightning_hbm.layers.correction.storage_dtype`), and BatchNorm: its running statistics are fp32 buffers, and
+    the model declares must stay in fp32 (``fp32``), the calibrated correction's factors (stored as they were
+    fitted, :func:`~lightning_hbm.layers.correction.storage_dtype`, or as a resumed checkpoint holds them), and BatchNorm: its running statistics are fp32 buffers, and
     batch_norm takes a 16-bit input only with fp32 weights and statistics (as in Lightning's mixed precision); 16-bit
     weights beside fp32 statistics fail at the first batch.
 

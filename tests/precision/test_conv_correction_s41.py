@@ -130,7 +130,7 @@ def test_bytes_are_counted_exactly_in_the_layer_the_table_and_the_plan() -> None
         plugin = _quantized(corrected, correction_rank=4)
     assert corrected_layers(corrected) == ["stem", "conv", "head"]
     factors = {n: sum(p.numel() * p.element_size() for p in correction_of(corrected.get_submodule(n)).parameters()) for n in ["stem", "conv", "head"]}  # type: ignore[union-attr]
-    assert factors["conv"] == 4 * (32 * 9 + 48) * 2  # stored in 16 bits under fp32 compute
+    assert factors["conv"] == 4 * (32 * 9 + 48) * 4  # stored in the compute dtype, fp32 here
     assert parameter_bytes(corrected) - parameter_bytes(plain) == sum(factors.values()) == plugin.correction_report.bytes
     rows = {row.kind: row for row in coverage(corrected, quantizing=True, adapting=False)}
     plain_rows = {row.kind: row for row in coverage(plain, quantizing=True, adapting=False)}

@@ -54,8 +54,8 @@ def test_each_layer_carries_frozen_factors_counted_in_its_bytes(gpt_factory: Any
     for name in names:
         correction = correction_of(corrected.get_submodule(name))
         assert correction is not None and correction.rank == 4
-        assert not correction.right.requires_grad and correction.left.dtype == torch.bfloat16  # 16 bits, fp32 compute
-        factors += (correction.right.numel() + correction.left.numel()) * 2
+        assert not correction.right.requires_grad and correction.left.dtype == torch.float32  # the compute dtype
+        factors += (correction.right.numel() + correction.left.numel()) * 4
     assert parameter_bytes(corrected) - parameter_bytes(plain) == factors == plugin.correction_report.bytes
     assert "rank-4 calibrated correction of" in caplog.text and "s per billion weights" in caplog.text
     # the coverage table counts them in the bytes of their layers, not as weights outside any layer

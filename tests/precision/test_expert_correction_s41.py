@@ -96,13 +96,13 @@ def test_every_expert_gets_its_correction_counted_in_the_bytes_and_the_error_dro
     for name in corrected_layers(corrected):
         correction = correction_of(corrected.get_submodule(name))
         assert correction is not None and correction.rank == 4 and not correction.left.requires_grad
-        factors += (correction.right.numel() + correction.left.numel()) * 2  # stored in 16 bits under fp32 compute
+        factors += correction.right.numel() * correction.right.element_size() + correction.left.numel() * correction.left.element_size()
     assert parameter_bytes(corrected) - parameter_bytes(plain) == factors == plugin.correction_report.bytes
     # the coverage table counts an expert's factors in the experts' row
     rows = {row.kind: row for row in coverage(corrected, quantizing=True, adapting=False)}
     plain_rows = {row.kind: row for row in coverage(plain, quantizing=True, adapting=False)}
     kind = next(k for k in rows if k.startswith("Experts"))
-    expert_factors = sum((c.right.numel() + c.left.numel()) * 2 for n in experts if (c := correction_of(corrected.get_submodule(n))) is not None)
+    expert_factors = sum((c.right.numel() + c.left.numel()) * c.right.element_size() for n in experts if (c := correction_of(corrected.get_submodule(n))) is not None)
     assert rows[kind].bytes - plain_rows[kind].bytes == expert_factors > 0
     # held-out logits with the experts alone quantized: their correction lowers the error on tokens it never saw
     reference = _moe()
