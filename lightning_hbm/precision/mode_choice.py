@@ -29,7 +29,7 @@ from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.conv_correction import conv_correction_bytes, is_conv
 from lightning_hbm.precision.measures import Measures, one_batch
 from lightning_hbm.precision.saved_settings import SavedSettings
-from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_TARGET_COSINE, SensitivityReport, choose_layer_modes, unmeasured_convs_warning, widened_convs_warning
+from lightning_hbm.precision.sensitivity import CONV_MIN_COSINE, CONV_TARGET_COSINE, BudgetError, SensitivityReport, choose_layer_modes, unmeasured_convs_warning, widened_convs_warning
 from lightning_hbm.precision.target_listing import linear_names
 from lightning_hbm.probe import Probe, forwarding, has_forward
 from lightning_hbm.probe_batch import samples
@@ -185,9 +185,12 @@ def conv_modes(
 ) -> ConvChoice:
     """The convolutions' mode choice under a 4-bit mode (issue 53): each one's output error measured on the probe, the
     most sensitive widened (``sensitive_mode``) until the probe output cosine reaches ``min_cosine`` (default
-    :data:`CONV_TARGET_COSINE`, above the threshold held out because the probe reads high); under it, a warning naming
-    the figure. Without a probe batch: logged (a BatchNorm conv net: a warning, with the figure); a probe the model
-    cannot run: a warning. A BatchNorm conv net chosen to the target: the warning that held out such choices measured
+    :data:`CONV_TARGET_COSINE`, above the threshold held out because the probe reads high), within
+    ``max_bytes_per_param`` where it is set (the calibrated correction's factors counted in it); under the target, a
+    warning naming the figure (and the budget that stopped it). A budget under the convolutions' uniform bytes: stored
+    uniform, a warning with the figure and the fix (session 42: the budget did not bound convolutions, EfficientNet-B0
+    planned to 0.82 bytes per conv weight under max_bytes_per_param=0.6, unsaid). Without a probe batch: logged (a
+    BatchNorm conv net: a warning, with the figure); a probe the model cannot run: a warning. A BatchNorm conv net chosen to the target: the warning that held out such choices measured
     under it (:func:`~lightning_hbm.precision.sensitivity.widened_convs_warning`), handed back to be said at the
     quantization, not where the check measured 32 samples quiet (session 36)."""
     target = config.min_cosine if config.min_cosine is not None else CONV_TARGET_COSINE
@@ -204,8 +207,17 @@ def conv_modes(
             raise TypeError(f"{type(module).__name__} defines no forward for the probe batch")
         report = choose_layer_modes(
             module, names, config.format.name, config.sensitive_mode, config.torch_dtype, batch, min_cosine=target,
-            hessians=hessians, strict=False, tap=config.accuracy_at,
+            hessians=hessians, strict=False, tap=config.accuracy_at, max_bytes_per_param=config.max_bytes_per_param,
+            fixed_bytes=correction_bytes(module, names, config.correction_rank or 0, config.torch_dtype),
         )  # fmt: skip
+    except BudgetError as error:
+        # under the uniform mode's own bytes: stored in it, the least they take, and said (not raised: before session 42
+        # the budget did not bound convolutions, and a model whose few tiny convolutions cannot meet it trained)
+        rank_zero_warn(
+            f"lightning_hbm: the {len(names)} convolutions are stored in {config.format.name}, every one, over the budget "
+            f"({error})"
+        )
+        return ConvChoice(chosen_on=samples(batch))
     except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as error:
         rank_zero_warn(
             f"lightning_hbm: {len(names)} convolutions stored in {config.format.name} without a measured plan ({error}). "
@@ -236,6 +248,15 @@ def missed_target_warning(config: Any, report: SensitivityReport, target: float)
         "with no convolution quantized): add dtype='float32' there (0.980-0.989 with sensitive_mode=['nf4-dq-b32', "
         "'int8', 'none'], min_cosine=0.99; benchmarks/README.md)"
     )
+    budget = config.max_bytes_per_param
+    if budget is not None:  # the budget stopped the widening (session 42): it is the setting to change
+        return (
+            f"lightning_hbm: the convolutions stored in {mode} (the widest plan of sensitive_mode="
+            f"{config.sensitive_argument()!r} within max_bytes_per_param={budget}: {report.bytes_per_param:.3f} bytes per "
+            f"conv weight) give a probe output cosine of {report.cosine:.4f} < {target} against the unquantized model "
+            f"(uniform {mode}: {report.uniform_cosine:.4f}). Fix: a larger max_bytes_per_param, or none (the plan then "
+            f"widens until the target, whatever the bytes){wider}."
+        )
     return (
         f"lightning_hbm: the convolutions stored in {mode} (widest plan of sensitive_mode={config.sensitive_argument()!r}: "
         f"{report.bytes_per_param:.3f} bytes per conv weight) give a probe output cosine of {report.cosine:.4f} < {target} "

@@ -147,8 +147,10 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             trained network's, uniform ``nf4-dq`` gave ResNet18 an output cosine of 0.91, a YOLO-style detector 0.10):
             at fit start each one's error is measured on the probe batch and the most sensitive are widened until the
             probe output cosine reaches ``min_cosine`` (default 0.985, ``CONV_TARGET_COSINE``: the probe reads 0.002-0.02
-            above held out; ResNet18 then measured 0.982 held out at 0.567 bytes per conv weight); a plan under it is a
-            warning naming the figure. Not with ``layer_modes``, nor without a probe batch (a warning: for a BatchNorm
+            above held out; ResNet18 then measured 0.982 held out at 0.567 bytes per conv weight), within
+            ``max_bytes_per_param`` where set (the correction's factors counted; session 42: was not bounded); a plan
+            under it is a warning naming the figure (and the budget that stopped it; a budget under the convolutions'
+            uniform bytes stores them uniform, said, not an error). Not with ``layer_modes``, nor without a probe batch (a warning: for a BatchNorm
             conv net with the figure and the fix, else that the accuracy went unmeasured, with the fix). A BatchNorm conv net's plan is measured on the probe only:
             held out such plans measured 0.96-0.982 (issue 53), said at fit start with the fix (``mode="int8"``),
             unless the accuracy check below measured at least 32 samples and was quiet (session 36: noise there).

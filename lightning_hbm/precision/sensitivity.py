@@ -363,6 +363,11 @@ def ladder(base: str, sensitive: Any) -> tuple[str, ...]:
     return (sensitive,) if isinstance(sensitive, str) else tuple(sensitive)
 
 
+class BudgetError(ValueError):
+    """A ``max_bytes_per_param`` no plan can meet (:func:`_check_budget`), told apart from a probe the model cannot run:
+    the convolutions' plan stores them uniform and says so (session 42), the Linears' raises it."""
+
+
 def _check_budget(
     max_bytes_per_param: Optional[float], uniform: float, widest: float, base: str, sensitive: Sequence[str],
     weights: int = 0, layers: int = 0, fixed: float = 0.0,
@@ -375,7 +380,7 @@ def _check_budget(
         # the calibrated correction's factors are in the figure (stored beside every quantized layer), said with the fix
         corrected = (f" That includes the calibrated correction's factors (correction_rank), {fixed:.4f} bytes per parameter: "
                      "a smaller correction_rank leaves more of the budget to the weights." if fixed else "")
-        raise ValueError(
+        raise BudgetError(
             f"max_bytes_per_param={max_bytes_per_param} cannot be met: storing every quantizable layer in {base!r} "
             f"already takes {uniform:.4f} bytes per parameter, the least reachable with this mode (every layer in "
             f"the widest of {list(sensitive)}: {widest:.4f}).{few}{corrected} Raise max_bytes_per_param to at least "
