@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -54,6 +54,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_hbm.layers.correction import attach_correction, attach_weight_correction, correction_of, saved_factors, storage_dtype
 from lightning_hbm.naming import name_list
+from lightning_hbm.precision.embedding_correction import fit_row_factors
 from lightning_hbm.precision.gptq import pooled_across_ranks
 from lightning_hbm.precision.registry import format_of
 
@@ -131,6 +132,9 @@ class CalibratedCorrection:
         self.measurable: Optional[set[str]] = None
         #: ``{expert's Linear: probe tokens routed to it}`` of the surgery under way (:meth:`measured`)
         self.routed: dict[str, int] = {}
+        #: ``{input embedding: how often the probe read each row}`` of the surgery under way (:meth:`measured`;
+        #: :class:`~lightning_hbm.precision.embedding_correction.TokenCounts`): its statistics, fitted row-weighted
+        self.counts: dict[str, Tensor] = {}
         #: what the last surgery did
         self.report: Optional[CorrectionReport] = None
         self._current: Optional[CorrectionReport] = None
@@ -158,11 +162,15 @@ class CalibratedCorrection:
         self.saved = saved_factors(meta.get("state_dict") or {})
         return self.saved is not None
 
-    def measured(self, hessians: dict[str, Tensor], rows: dict[str, int], experts: Optional[set[str]] = None) -> None:
+    def measured(
+        self, hessians: dict[str, Tensor], rows: dict[str, int], experts: Optional[set[str]] = None, counts: Optional[dict[str, Tensor]] = None
+    ) -> None:
         """Keep the input statistics of the probe forward (:func:`~lightning_hbm.precision.gptq.input_statistics`,
         pooled across ranks there: every rank decides on the same figures); refuse a probe too small for the rank
         (nothing changed yet). ``experts``: the names of the experts' Linears, whose rows are the tokens the router
         sent them: one reached by fewer than the rank gets no correction (named at :meth:`finish`), never an error.
+        ``counts``: the input embeddings' token counts (never too few: the row weights are smoothed,
+        :mod:`lightning_hbm.precision.embedding_correction`).
 
         Raises:
             ValueError: a layer saw fewer input rows (tokens) than the rank.
@@ -180,6 +188,7 @@ class CalibratedCorrection:
                 "tokens) or a smaller correction_rank; nothing has been changed."
             )
         self.hessians = dict(hessians)
+        self.counts = dict(counts or {})
 
     # ------------------------------------------------------------------ during the quantization
 
@@ -217,6 +226,7 @@ class CalibratedCorrection:
             rank = right.shape[0]
         else:
             hessian = (self.hessians or {}).get(name)
+            counts = self.counts.get(name)  # an input embedding's statistics: its rows' counts
             fmt = format_of(layer)
             routed = self.routed.get(name)
             if routed is not None and routed < rank:  # an expert the router (nearly) never chose on the probe
@@ -224,7 +234,7 @@ class CalibratedCorrection:
                                         f"an expert the probe batch routed fewer tokens to than the rank ({rank})")
                 report.without[name] += ": a larger probe_batch reaches it"
                 return
-            if hessian is None:
+            if hessian is None and counts is None:
                 report.without[name] = "the probe batch did not reach it (or it was converted before quantizing)"
                 return
             if fmt is None:
@@ -232,7 +242,10 @@ class CalibratedCorrection:
                 return
             start = time.perf_counter()
             error = weight.detach().to(torch.float64) - fmt.dequantize(layer, torch.float32).to(weight.device, torch.float64)
-            a, b = fit_factors(error, hessian.to(weight.device), rank)
+            if counts is not None:
+                a, b = fit_row_factors(error, counts.to(weight.device), rank)
+            else:
+                a, b = fit_factors(error, cast(Tensor, hessian).to(weight.device), rank)
             right, left = a.to(self.dtype), b.to(self.dtype)
             report.seconds += time.perf_counter() - start
         if rank < self.rank:
@@ -255,7 +268,7 @@ class CalibratedCorrection:
     def finish(self, module: nn.Module) -> CorrectionReport:
         """After the quantization: free the statistics, log what was done, warn about capped and uncorrected layers."""
         report = self._current if self._current is not None else CorrectionReport(self.rank)
-        self.report, self._current, self.hessians, self.routed = report, None, None, {}
+        self.report, self._current, self.hessians, self.routed, self.counts = report, None, None, {}, {}
         log.info("lightning_hbm: %s", report.summary())
         if report.capped:
             rank_zero_warn(
