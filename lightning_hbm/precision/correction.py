@@ -25,7 +25,11 @@ inputs of the tokens its router sent it on the probe, recorded on the model as b
 (:mod:`lightning_hbm.precision.expert_inputs`); an expert the probe reached with fewer tokens than the rank gets none
 (named in the one warning, with the count: a larger probe reaches it). On a trained tiny Qwen3-MoE the experts' factors
 closed a further share of the 4-bit loss gap (``benchmarks/moe_correction.py``, benchmarks/README.md). The projections
-of an ``nn.MultiheadAttention`` and embeddings get none (said in one warning). A rank above ``min(in, out)`` of a layer is capped there (said),
+of an ``nn.MultiheadAttention`` get none (said in one warning). A quantized input embedding is fitted on the probe's
+token counts, each row's error weighted by how often the probe read it (smoothed: unread tokens get the plain low-rank
+fit of their error), and a head tied to it computes with the corrected table
+(:mod:`lightning_hbm.precision.embedding_correction`; a table stored in 8 bits or more gets none: no gain measured,
+said). A rank above ``min(in, out)`` of a layer is capped there (said),
 and a probe with fewer input rows (tokens) than the rank is an error before anything changes.
 
 Resume: the factors are saved with every checkpoint (with the changed tensors, :data:`~lightning_hbm.layers.correction.KEY_MARK`)
