@@ -229,29 +229,10 @@ class CalibratedCorrection:
             right, left = (t.to(weight.device) for t in self.saved[name])
             rank = right.shape[0]
         else:
-            hessian = (self.hessians or {}).get(name)
-            counts = self.counts.get(name)  # an input embedding's statistics: its rows' counts
-            fmt = format_of(layer)
-            routed = self.routed.get(name)
-            if routed is not None and routed < rank:  # an expert the router (nearly) never chose on the probe
-                report.without[name] = ("an expert the probe batch routed no token to" if routed == 0 else
-                                        f"an expert the probe batch routed fewer tokens to than the rank ({rank})")
-                report.without[name] += ": a larger probe_batch reaches it"
+            fitted = self._fitted(name, layer, weight, rank, report)
+            if fitted is None:
                 return
-            if hessian is None and counts is None:
-                report.without[name] = "the probe batch did not reach it (or it was converted before quantizing)"
-                return
-            if fmt is None:
-                report.without[name] = "its format cannot be read back (no dequantize)"
-                return
-            start = time.perf_counter()
-            error = weight.detach().to(torch.float64) - fmt.dequantize(layer, torch.float32).to(weight.device, torch.float64)
-            if counts is not None:
-                a, b = fit_row_factors(error, counts.to(weight.device), rank)
-            else:
-                a, b = fit_factors(error, cast(Tensor, hessian).to(weight.device), rank)
-            right, left = a.to(self.dtype), b.to(self.dtype)
-            report.seconds += time.perf_counter() - start
+            right, left = fitted
         if rank < self.rank:
             report.capped[name] = rank
         if holder is None:
@@ -261,6 +242,33 @@ class CalibratedCorrection:
         report.corrected[name] = rank
         report.weights += weight.numel()
         report.bytes += right.numel() * right.element_size() + left.numel() * left.element_size()
+
+    def _fitted(self, name: str, layer: nn.Module, weight: Tensor, rank: int, report: CorrectionReport) -> Optional[tuple[Tensor, Tensor]]:
+        """The factors ``(right, left)`` of ``layer`` fitted on the probe's statistics, in the storage dtype; ``None``:
+        it gets none, why recorded in ``report``."""
+        hessian = (self.hessians or {}).get(name)
+        counts = self.counts.get(name)  # an input embedding's statistics: its rows' counts
+        fmt = format_of(layer)
+        routed = self.routed.get(name)
+        if routed is not None and routed < rank:  # an expert the router (nearly) never chose on the probe
+            report.without[name] = ("an expert the probe batch routed no token to" if routed == 0 else
+                                    f"an expert the probe batch routed fewer tokens to than the rank ({rank})")
+            report.without[name] += ": a larger probe_batch reaches it"
+            return None
+        if hessian is None and counts is None:
+            report.without[name] = "the probe batch did not reach it (or it was converted before quantizing)"
+            return None
+        if fmt is None:
+            report.without[name] = "its format cannot be read back (no dequantize)"
+            return None
+        start = time.perf_counter()
+        error = weight.detach().to(torch.float64) - fmt.dequantize(layer, torch.float32).to(weight.device, torch.float64)
+        if counts is not None:
+            a, b = fit_row_factors(error, counts.to(weight.device), rank)
+        else:
+            a, b = fit_factors(error, cast(Tensor, hessian).to(weight.device), rank)
+        report.seconds += time.perf_counter() - start
+        return a.to(self.dtype), b.to(self.dtype)
 
     def skip(self, name: str, why: str) -> None:
         """A quantized layer that gets no correction, and why."""
