@@ -14,7 +14,8 @@ planner, checkpoints and resume are the Linear's correction's.
 
 The counts are taken in the probe forward that measures the Linears' statistics (:class:`TokenCounts`: no forward
 more), summed across ranks as the Linears' statistics are. An embedding the probe never called (a model fed
-``inputs_embeds``) gets none, named in the correction's one warning.
+``inputs_embeds``) gets none, named in the correction's one warning; so does a table stored in 8 bits or more
+(:data:`MIN_BITS`: an int8 table's correction measured as noise).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from lightning_hbm.precision.gptq import pooled_across_ranks
 #: held-out 16 x 128, two seeds; benchmarks/README.md, "The correction on a quantized embedding"): held-out loss
 #: -1.26 / -0.46 % at 0.01 x the mean, -2.16 / -0.64 % at 1 x, -3.13 / -3.00 % at 10 x, -3.25 / -3.36 % at 100 x,
 #: -3.20 / -3.52 % with uniform weights (the data-free fit). The held-out text reads many tokens the probe never did, so
-#: a fit that follows the probe's counts closely serves them worse (the mean, the issue's first guess, kept a third of
-#: the gain on seed 1); 100 x (about one count per token at 512 probe tokens) and uniform weights are within 0.16
+#: a fit that follows the probe's counts closely serves them worse (the mean, the issue's first guess, kept two thirds
+#: of the gain on seed 0, a fifth on seed 1); 100 x (about one count per token at 512 probe tokens) and uniform weights are within 0.16
 #: points, each ahead on one seed: 100 x is kept as it still leans towards the tokens the data reads.
 SMOOTHING = 100.0
 #: tables stored in this many bits per value or more get no correction (:func:`correct_embedding`)
@@ -123,8 +124,9 @@ def correct_embedding(correct: Correct, name: str, embedding: QuantizedEmbedding
     embedding"); the default ``quantize_embeddings="auto"`` stores int8, so a default run's table keeps none, said."""
     bits = stored_bits(embedding)
     if bits >= MIN_BITS:
-        correct.skip(name, f"an input embedding stored in {bits:.1f} bits per value: below {MIN_BITS} bits only (int8 "
-                           "tables measured no gain, benchmarks/README.md); quantize_embeddings=True stores it in the run's mode")  # fmt: skip
+        correct.skip(name, f"an input embedding stored in {bits:.1f} bits per value: corrected under {MIN_BITS} bits only "
+                           "(an int8 table's correction measured as noise, benchmarks/README.md); quantize_embeddings=True "
+                           "stores it in the run's mode")  # fmt: skip
         return
     correct.fit(name, embedding.storage(), weight, holder=embedding)
 

@@ -250,6 +250,6 @@ def test_the_adapter_names_a_tied_embeddings_correction_as_left_out(tmp_path: Pa
 
 def test_an_int8_table_gets_none_and_is_named_with_its_bits() -> None:
     model = TinyLM()
-    with pytest.warns(UserWarning, match=r"embed: an input embedding stored in [\d.]+ bits per value: below 8 bits only"):
+    with pytest.warns(UserWarning, match=r"embed: an input embedding stored in [\d.]+ bits per value: corrected under 8 bits only"):
         _quantized(model, quantize_embeddings="int8")
     assert correction_of(model.embed) is None and correction_of(model.mix) is not None
