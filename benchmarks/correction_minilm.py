@@ -30,6 +30,8 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from lightning_hbm import QuantizedPrecision
+from lightning_hbm.layers import QuantizedEmbedding
+from lightning_hbm.layers.correction import CORRECTION
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.pretrained import minilm_path
 
@@ -47,7 +49,27 @@ ARMS: dict[str, dict[str, Any]] = {
     "nf4-dq-b32+gptq+c16": dict(mode="nf4-dq-b32", rounding="gptq", correction_rank=16, quantize_embeddings=False),
     "int8": dict(mode="int8", quantize_embeddings=False),
     "int8+emb8": dict(mode="int8", quantize_embeddings="int8"),
+    # session 42: the 4-bit embedding (and a head tied to it) corrected too; "-linears-only" drops its factors after the
+    # surgery (what the library computed before: embeddings got none)
+    "nf4-dq+emb": dict(mode="nf4-dq", quantize_embeddings=True),
+    "nf4-dq+c16+emb-linears-only": dict(mode="nf4-dq", correction_rank=16, quantize_embeddings=True, linears_only=True),
+    "nf4-dq+c16+emb": dict(mode="nf4-dq", correction_rank=16, quantize_embeddings=True),
 }
+
+
+def without_embedding_corrections(model: torch.nn.Module) -> None:
+    """Drop the calibrated correction of each quantized input embedding (a tied head reads the embedding's)."""
+    for module in model.modules():
+        if isinstance(module, QuantizedEmbedding):
+            module._modules.pop(CORRECTION, None)
+
+
+def convert(model: torch.nn.Module, **settings: Any) -> None:
+    """``QuantizedPrecision(**settings)`` on ``model``; ``linears_only``: the embeddings' corrections dropped after."""
+    linears_only = settings.pop("linears_only", False)
+    QuantizedPrecision(**settings).convert_module(model)
+    if linears_only:
+        without_embedding_corrections(model)
 
 
 @torch.no_grad()
@@ -90,7 +112,7 @@ def main() -> None:
         for arm in table:
             model = copy.deepcopy(base)
             start = time.perf_counter()
-            QuantizedPrecision(dtype=args.dtype, probe_batch=probe, **ARMS[arm]).convert_module(model)
+            convert(model, dtype=args.dtype, probe_batch=probe, **ARMS[arm])
             seconds = time.perf_counter() - start
             cos = torch.nn.functional.cosine_similarity(embeddings(model, held_out), reference, dim=-1)
             table[arm].append((cos.mean().item(), cos.min().item()))

@@ -26,6 +26,8 @@ from transformers import AutoModelForCausalLM
 
 from lightning_hbm import QuantizedPrecision
 from lightning_hbm.data import ByteTextDataModule
+from lightning_hbm.layers import QuantizedEmbedding
+from lightning_hbm.layers.correction import CORRECTION
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.pretrained import smollm2_path
 
@@ -44,7 +46,26 @@ ARMS: dict[str, dict[str, Any]] = {
     # the embedding and tied head in int8 (a per-layer mode), the Linears in NF4
     "nf4-dq+emb8": dict(mode="nf4-dq", quantize_embeddings=True, layer_modes={"model.embed_tokens": "int8"}),
     "nf4-dq+gptq+emb8": dict(mode="nf4-dq", rounding="gptq", quantize_embeddings=True, layer_modes={"model.embed_tokens": "int8"}),
+    # session 42: the 4-bit embedding (and a head tied to it) corrected too; "-linears-only" drops its factors after the
+    # surgery (what the library computed before: embeddings got none)
+    "nf4-dq+c16+emb-linears-only": dict(mode="nf4-dq", correction_rank=16, quantize_embeddings=True, linears_only=True),
+    "nf4-dq+c16+emb": dict(mode="nf4-dq", correction_rank=16, quantize_embeddings=True),
 }
+
+
+def without_embedding_corrections(model: torch.nn.Module) -> None:
+    """Drop the calibrated correction of each quantized input embedding (a tied head reads the embedding's)."""
+    for module in model.modules():
+        if isinstance(module, QuantizedEmbedding):
+            module._modules.pop(CORRECTION, None)
+
+
+def convert(model: torch.nn.Module, **settings: Any) -> None:
+    """``QuantizedPrecision(**settings)`` on ``model``; ``linears_only``: the embeddings' corrections dropped after."""
+    linears_only = settings.pop("linears_only", False)
+    QuantizedPrecision(**settings).convert_module(model)
+    if linears_only:
+        without_embedding_corrections(model)
 
 
 @torch.no_grad()
@@ -78,8 +99,7 @@ def main() -> None:
         model = copy.deepcopy(base)
         start = time.perf_counter()
         if ARMS[arm]:
-            plugin = QuantizedPrecision(dtype=args.dtype, probe_batch=probe, **ARMS[arm])
-            plugin.convert_module(model)
+            convert(model, dtype=args.dtype, probe_batch=probe, **ARMS[arm])
         else:
             model.to(getattr(torch, args.dtype))
         seconds = time.perf_counter() - start

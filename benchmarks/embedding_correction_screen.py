@@ -28,7 +28,8 @@ from lightning_hbm import QuantizedPrecision
 from lightning_hbm.data import ByteTextDataModule
 from lightning_hbm.pretrained import smollm2_path
 
-DAMP = 0.01
+#: the smoothing swept: ``lambda`` as multiples of the mean count (``inf``: uniform weights, the data-free fit)
+SMOOTHINGS = (0.01, 1.0, 10.0, 100.0, float("inf"))
 
 
 @torch.no_grad()
@@ -39,9 +40,11 @@ def held_out_loss(model: torch.nn.Module, batches: list[Any]) -> float:
     return torch.stack(losses).mean().item()
 
 
-def row_correction(error: torch.Tensor, counts: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(left [vocab, r], right [r, hidden])`` with ``left @ right = E V_r V_r^T`` (module docstring)."""
-    weights = counts.double() + DAMP * counts.double().mean()
+def row_correction(error: torch.Tensor, counts: torch.Tensor, rank: int, smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(left [vocab, r], right [r, hidden])`` with ``left @ right = E V_r V_r^T`` (module docstring), the weights
+    ``c + smoothing x mean(c)`` (``inf``: uniform)."""
+    counts = counts.double()
+    weights = torch.ones_like(counts) if smoothing == float("inf") else counts + smoothing * counts.mean()
     _, _, vh = torch.linalg.svd(error.double() * weights.sqrt()[:, None], full_matrices=False)
     right = vh[:rank]
     return error.double() @ right.t(), right
@@ -53,7 +56,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--probe", type=int, default=16, help="probe windows (16 x 128 = 2048 tokens, the default probe's size)")
     parser.add_argument("--val", type=int, default=16)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[16])
+    parser.add_argument("--smoothings", type=float, nargs="+", default=list(SMOOTHINGS))
+    parser.add_argument("--embeddings", nargs="+", default=["int8", "nf4-dq"])
     args = parser.parse_args()
     logging.getLogger("lightning_hbm").setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
@@ -69,7 +74,7 @@ def main() -> None:
         reference = copy.deepcopy(base).to(torch.bfloat16)
         print(f"seed {seed}: bf16 {held_out_loss(reference, held_out):.4f}; probe {tuple(probe.shape)}, {int((counts > 0).sum())} distinct tokens", flush=True)
         del reference
-        for emb in ("int8", "nf4-dq"):
+        for emb in args.embeddings:
             model = copy.deepcopy(base)
             QuantizedPrecision("nf4-dq", dtype="bfloat16", probe_batch=probe, correction_rank=16,
                                quantize_embeddings=True if emb == "nf4-dq" else "int8").convert_module(model)  # fmt: skip
@@ -77,8 +82,8 @@ def main() -> None:
             error = table - embedding.weight.float()
             plain = held_out_loss(model, held_out)
             line = f"  embedding {emb}: {plain:.4f} uncorrected"
-            for rank in args.ranks:
-                left, right = (t.to(torch.bfloat16) for t in row_correction(error, counts, rank))
+            for rank, smoothing in [(r, s) for r in args.ranks for s in args.smoothings]:
+                left, right = (t.to(torch.bfloat16) for t in row_correction(error, counts, rank, smoothing))
                 hooks = [
                     embedding.register_forward_hook(lambda m, a, out, b=left, c=right: out + torch.nn.functional.embedding(a[0], b) @ c),
                     head.register_forward_hook(lambda m, a, out, b=left, c=right: out + (a[0] @ c.t()) @ b.t()),
@@ -87,8 +92,9 @@ def main() -> None:
                 for hook in hooks:
                     hook.remove()
                 size = (left.numel() + right.numel()) * 2 / 2**20
-                line += f"; rank {rank} {loss:.4f} ({(loss - plain) / plain:+.3%}, +{size:.2f} MiB)"
-            print(line, flush=True)
+                line += f"; rank {rank} lambda {smoothing:g} x mean {loss:.4f} ({(loss - plain) / plain:+.3%}, +{size:.2f} MiB)"
+                print(line, flush=True)
+                line = "   "
             del model
 
 

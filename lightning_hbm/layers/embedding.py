@@ -20,9 +20,11 @@ from __future__ import annotations
 from typing import Any, Optional, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_hbm._compat import torch as torch_compat
+from lightning_hbm.layers.correction import LowRankCorrection, correction_of
 from lightning_hbm.layers.kinds import LayerKind, no_names, register_kind
 from lightning_hbm.memory.storage import quantized_format
 
@@ -56,7 +58,9 @@ class SlicedLinear(torch.autograd.Function):
     Llama-3-8B's head). ``FusedLoss`` computes a 4-bit head this way; a head tied to a quantized embedding always does."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, layer: nn.Module, fmt: Any, dtype: torch.dtype) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, layer: nn.Module, fmt: Any, dtype: torch.dtype, correction: Optional[LowRankCorrection] = None
+    ) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).to(dtype)
         vocab = int(fmt.weight_shape(layer)[0])
         rows = slice_rows(flat.shape[1], dtype, flat.shape[0], vocab)
@@ -65,14 +69,15 @@ class SlicedLinear(torch.autograd.Function):
         rows_of_out = out.view(-1, vocab)
         for start in torch_compat.chunk_starts(vocab, rows, flat):
             stop = min(vocab, start + rows)
-            weight = fmt.gather_range(layer, start, stop, dtype, x.device)
+            weight = _slice(layer, fmt, correction, start, stop, dtype, x.device)
             rows_of_out[:, start:stop] = flat @ weight.t()
             del weight  # not beside the next slice's
         ctx.layer, ctx.fmt, ctx.dtype, ctx.rows, ctx.x_dtype, ctx.x_shape = layer, fmt, dtype, rows, x.dtype, x.shape
+        ctx.correction = correction  # frozen Parameters of the embedding: alive anyway, not saved tensors
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None, None]:
         flat = grad.reshape(-1, grad.shape[-1])
         vocab = flat.shape[1]
         # fp32 sum over slices: each slice's product is accumulated in fp32 by the matmul, rounded once to the
@@ -80,16 +85,33 @@ class SlicedLinear(torch.autograd.Function):
         total = torch.zeros(flat.shape[0], ctx.x_shape[-1], dtype=torch.float32, device=grad.device)
         for start in torch_compat.chunk_starts(vocab, ctx.rows, flat):
             stop = min(vocab, start + ctx.rows)
-            weight = ctx.fmt.gather_range(ctx.layer, start, stop, ctx.dtype, grad.device)
+            weight = _slice(ctx.layer, ctx.fmt, ctx.correction, start, stop, ctx.dtype, grad.device)
             total += flat[:, start:stop].to(ctx.dtype) @ weight
             del weight
-        return total.to(ctx.x_dtype).view(ctx.x_shape), None, None, None
+        return total.to(ctx.x_dtype).view(ctx.x_shape), None, None, None, None
 
 
-def sliced_linear(x: torch.Tensor, layer: nn.Module, fmt: Any, dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _slice(
+    layer: nn.Module, fmt: Any, correction: Optional[LowRankCorrection], start: int, stop: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Rows ``start:stop`` of ``layer``'s weight unpacked in ``dtype``, plus those of the embedding's calibrated
+    correction ``left[start:stop] @ right`` (a head tied to a corrected embedding multiplies with ``Q + L R``, the table
+    its lookups read): added to the slice, so the head's output and gradient cost one slice more, never a second
+    ``[tokens, vocab]`` product."""
+    weight = fmt.gather_range(layer, start, stop, dtype, device)
+    if correction is None:
+        return cast(torch.Tensor, weight)
+    return cast(torch.Tensor, weight + correction.left[start:stop].to(device, dtype) @ correction.right.to(device, dtype))
+
+
+def sliced_linear(
+    x: torch.Tensor, layer: nn.Module, fmt: Any, dtype: torch.dtype, bias: Optional[torch.Tensor],
+    correction: Optional[LowRankCorrection] = None,
+) -> torch.Tensor:  # fmt: skip
     """``x @ W.T + bias`` of the frozen quantized ``layer`` (format ``fmt``) by :class:`SlicedLinear`, in ``x``'s dtype:
-    what a 4-bit head computes under ``FusedLoss`` and what a :class:`TiedHead` always computes."""
-    out = cast(torch.Tensor, SlicedLinear.apply(x, layer, fmt, dtype))
+    what a 4-bit head computes under ``FusedLoss`` and what a :class:`TiedHead` always computes (``correction``: the
+    tied embedding's calibrated correction, added to each slice of ``W``)."""
+    out = cast(torch.Tensor, SlicedLinear.apply(x, layer, fmt, dtype, correction))
     if bias is not None:
         out = out + bias.to(dtype)
     return out.to(x.dtype)
@@ -106,15 +128,24 @@ class QuantizedEmbedding(nn.Embedding):
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
-        # the table as a lookup reads it, dequantized on each read, never stored: for code that reads its shape,
-        # dtype or device (a whole-table transient, which the lookup itself never makes)
+        # the table as a lookup reads it (its calibrated correction included), dequantized on each read, never stored:
+        # for code that reads its shape, dtype or device (a whole-table transient, which the lookup itself never
+        # makes) and for LoRA.merge, which merges what the model computed with
         storage = self.storage()
         with torch.no_grad():
-            return cast(Any, quantized_format(storage)).dequantize(storage, self.compute_dtype)
+            table = cast(Any, quantized_format(storage)).dequantize(storage, self.compute_dtype)
+            correction = correction_of(self)
+            if correction is not None:
+                table = table + correction.weight().to(table.device, table.dtype)
+            return cast(torch.Tensor, table)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         storage = self.storage()
-        rows = cast(Any, quantized_format(storage)).gather_rows(storage, input.reshape(-1), self.compute_dtype)
+        ids = input.reshape(-1)
+        rows = cast(Any, quantized_format(storage)).gather_rows(storage, ids, self.compute_dtype)
+        correction = correction_of(self)  # QuantizedPrecision(correction_rank=r): row i of L R added to row i
+        if correction is not None:
+            rows = rows + F.embedding(ids, correction.left).to(rows.dtype) @ correction.right.to(rows.dtype)
         return rows.view(*input.shape, self.embedding_dim)
 
     @classmethod
@@ -159,7 +190,8 @@ class TiedHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         embedding = self.__dict__["embedding"]
         storage = embedding.storage()
-        return sliced_linear(x, storage, quantized_format(storage), embedding.compute_dtype, cast(Optional[torch.Tensor], self.bias))
+        return sliced_linear(x, storage, quantized_format(storage), embedding.compute_dtype, cast(Optional[torch.Tensor], self.bias),
+                             correction_of(embedding))  # fmt: skip
 
 
 def tied_heads(module: nn.Module, embedding: nn.Module) -> Optional[list[str]]:

@@ -442,6 +442,7 @@ def quantized_parameter_bytes(
     ignore_modules: Sequence[str] = (),
     layer_modes: Optional[Mapping[str, str]] = None,
     correction_rank: int = 0,
+    quantize_embeddings: Union[bool, str] = False,
 ) -> int:
     """Bytes of the **parameters** category after ``quantize_model(model, mode, dtype, ...)``, without allocating.
 
@@ -450,10 +451,11 @@ def quantized_parameter_bytes(
     mixed-precision plan ``{layer name: mode name}`` (``"none"``: kept in ``dtype``). ``correction_rank``:
     ``QuantizedPrecision(correction_rank=...)``'s frozen factors included (``min(r, in, out) x (in + out)`` elements in
     :func:`~lightning_hbm.layers.correction.storage_dtype` of ``dtype`` (the compute dtype) per quantized Linear-like layer; a
-    convolution's ``in`` is its ``in / groups x kernel`` patch, grouped and transposed ones get none). The model is not
-    changed.
+    convolution's ``in`` is its ``in / groups x kernel`` patch, grouped and transposed ones get none; a quantized input
+    embedding's ``r x (vocab + hidden)``). ``quantize_embeddings``: as ``QuantizedPrecision``'s (``False`` here, as
+    before the argument existed: the input embeddings counted in ``dtype``). The model is not changed.
     """
-    return _count_quantized(model, mode, dtype, ignore_modules, parameter_bytes, layer_modes, correction_rank)
+    return _count_quantized(model, mode, dtype, ignore_modules, parameter_bytes, layer_modes, correction_rank, quantize_embeddings)
 
 
 def quantization_constant_bytes(

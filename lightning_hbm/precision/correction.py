@@ -25,7 +25,11 @@ inputs of the tokens its router sent it on the probe, recorded on the model as b
 (:mod:`lightning_hbm.precision.expert_inputs`); an expert the probe reached with fewer tokens than the rank gets none
 (named in the one warning, with the count: a larger probe reaches it). On a trained tiny Qwen3-MoE the experts' factors
 closed a further share of the 4-bit loss gap (``benchmarks/moe_correction.py``, benchmarks/README.md). The projections
-of an ``nn.MultiheadAttention`` and embeddings get none (said in one warning). A rank above ``min(in, out)`` of a layer is capped there (said),
+of an ``nn.MultiheadAttention`` get none (said in one warning). A quantized input embedding is fitted on the probe's
+token counts, each row's error weighted by how often the probe read it (smoothed: unread tokens get the plain low-rank
+fit of their error), and a head tied to it computes with the corrected table
+(:mod:`lightning_hbm.precision.embedding_correction`; a table stored in 8 bits or more gets none: no gain measured,
+said). A rank above ``min(in, out)`` of a layer is capped there (said),
 and a probe with fewer input rows (tokens) than the rank is an error before anything changes.
 
 Resume: the factors are saved with every checkpoint (with the changed tensors, :data:`~lightning_hbm.layers.correction.KEY_MARK`)
@@ -45,7 +49,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -54,6 +58,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_hbm.layers.correction import attach_correction, attach_weight_correction, correction_of, saved_factors, storage_dtype
 from lightning_hbm.naming import name_list
+from lightning_hbm.precision.embedding_correction import fit_row_factors
 from lightning_hbm.precision.gptq import pooled_across_ranks
 from lightning_hbm.precision.registry import format_of
 
@@ -131,6 +136,9 @@ class CalibratedCorrection:
         self.measurable: Optional[set[str]] = None
         #: ``{expert's Linear: probe tokens routed to it}`` of the surgery under way (:meth:`measured`)
         self.routed: dict[str, int] = {}
+        #: ``{input embedding: how often the probe read each row}`` of the surgery under way (:meth:`measured`;
+        #: :class:`~lightning_hbm.precision.embedding_correction.TokenCounts`): its statistics, fitted row-weighted
+        self.counts: dict[str, Tensor] = {}
         #: what the last surgery did
         self.report: Optional[CorrectionReport] = None
         self._current: Optional[CorrectionReport] = None
@@ -158,11 +166,15 @@ class CalibratedCorrection:
         self.saved = saved_factors(meta.get("state_dict") or {})
         return self.saved is not None
 
-    def measured(self, hessians: dict[str, Tensor], rows: dict[str, int], experts: Optional[set[str]] = None) -> None:
+    def measured(
+        self, hessians: dict[str, Tensor], rows: dict[str, int], experts: Optional[set[str]] = None, counts: Optional[dict[str, Tensor]] = None
+    ) -> None:
         """Keep the input statistics of the probe forward (:func:`~lightning_hbm.precision.gptq.input_statistics`,
         pooled across ranks there: every rank decides on the same figures); refuse a probe too small for the rank
         (nothing changed yet). ``experts``: the names of the experts' Linears, whose rows are the tokens the router
         sent them: one reached by fewer than the rank gets no correction (named at :meth:`finish`), never an error.
+        ``counts``: the input embeddings' token counts (never too few: the row weights are smoothed,
+        :mod:`lightning_hbm.precision.embedding_correction`).
 
         Raises:
             ValueError: a layer saw fewer input rows (tokens) than the rank.
@@ -180,6 +192,7 @@ class CalibratedCorrection:
                 "tokens) or a smaller correction_rank; nothing has been changed."
             )
         self.hessians = dict(hessians)
+        self.counts = dict(counts or {})
 
     # ------------------------------------------------------------------ during the quantization
 
@@ -216,25 +229,10 @@ class CalibratedCorrection:
             right, left = (t.to(weight.device) for t in self.saved[name])
             rank = right.shape[0]
         else:
-            hessian = (self.hessians or {}).get(name)
-            fmt = format_of(layer)
-            routed = self.routed.get(name)
-            if routed is not None and routed < rank:  # an expert the router (nearly) never chose on the probe
-                report.without[name] = ("an expert the probe batch routed no token to" if routed == 0 else
-                                        f"an expert the probe batch routed fewer tokens to than the rank ({rank})")
-                report.without[name] += ": a larger probe_batch reaches it"
+            fitted = self._fitted(name, layer, weight, rank, report)
+            if fitted is None:
                 return
-            if hessian is None:
-                report.without[name] = "the probe batch did not reach it (or it was converted before quantizing)"
-                return
-            if fmt is None:
-                report.without[name] = "its format cannot be read back (no dequantize)"
-                return
-            start = time.perf_counter()
-            error = weight.detach().to(torch.float64) - fmt.dequantize(layer, torch.float32).to(weight.device, torch.float64)
-            a, b = fit_factors(error, hessian.to(weight.device), rank)
-            right, left = a.to(self.dtype), b.to(self.dtype)
-            report.seconds += time.perf_counter() - start
+            right, left = fitted
         if rank < self.rank:
             report.capped[name] = rank
         if holder is None:
@@ -244,6 +242,33 @@ class CalibratedCorrection:
         report.corrected[name] = rank
         report.weights += weight.numel()
         report.bytes += right.numel() * right.element_size() + left.numel() * left.element_size()
+
+    def _fitted(self, name: str, layer: nn.Module, weight: Tensor, rank: int, report: CorrectionReport) -> Optional[tuple[Tensor, Tensor]]:
+        """The factors ``(right, left)`` of ``layer`` fitted on the probe's statistics, in the storage dtype; ``None``:
+        it gets none, why recorded in ``report``."""
+        hessian = (self.hessians or {}).get(name)
+        counts = self.counts.get(name)  # an input embedding's statistics: its rows' counts
+        fmt = format_of(layer)
+        routed = self.routed.get(name)
+        if routed is not None and routed < rank:  # an expert the router (nearly) never chose on the probe
+            report.without[name] = ("an expert the probe batch routed no token to" if routed == 0 else
+                                    f"an expert the probe batch routed fewer tokens to than the rank ({rank})")
+            report.without[name] += ": a larger probe_batch reaches it"
+            return None
+        if hessian is None and counts is None:
+            report.without[name] = "the probe batch did not reach it (or it was converted before quantizing)"
+            return None
+        if fmt is None:
+            report.without[name] = "its format cannot be read back (no dequantize)"
+            return None
+        start = time.perf_counter()
+        error = weight.detach().to(torch.float64) - fmt.dequantize(layer, torch.float32).to(weight.device, torch.float64)
+        if counts is not None:
+            a, b = fit_row_factors(error, counts.to(weight.device), rank)
+        else:
+            a, b = fit_factors(error, cast(Tensor, hessian).to(weight.device), rank)
+        report.seconds += time.perf_counter() - start
+        return a.to(self.dtype), b.to(self.dtype)
 
     def skip(self, name: str, why: str) -> None:
         """A quantized layer that gets no correction, and why."""
@@ -255,7 +280,7 @@ class CalibratedCorrection:
     def finish(self, module: nn.Module) -> CorrectionReport:
         """After the quantization: free the statistics, log what was done, warn about capped and uncorrected layers."""
         report = self._current if self._current is not None else CorrectionReport(self.rank)
-        self.report, self._current, self.hessians, self.routed = report, None, None, {}
+        self.report, self._current, self.hessians, self.routed, self.counts = report, None, None, {}, {}
         log.info("lightning_hbm: %s", report.summary())
         if report.capped:
             rank_zero_warn(

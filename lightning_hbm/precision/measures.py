@@ -28,6 +28,7 @@ from lightning_hbm.layers.experts import convertible_experts, expert_names
 from lightning_hbm.precision.accuracy import CHECK_SAMPLES, Reference, unmeasured_reference_warning
 from lightning_hbm.precision.config import QuantizationConfig
 from lightning_hbm.precision.correction import CalibratedCorrection
+from lightning_hbm.precision.embedding_correction import TokenCounts
 from lightning_hbm.precision.gptq import GPTQRounding, input_statistics
 from lightning_hbm.precision.smoothing import Smoothing
 from lightning_hbm.precision.target_listing import linear_names
@@ -95,20 +96,22 @@ class Measures:
             # the correction's own module is entered once here, with the statistics, and once after the quantization)
             correction.saved = saved_factors(resumed.get("state_dict") or {}) if resumed else None
         fitting = correction is not None and correction.saved is None
-        # an embedding's input is token ids: no statistics
+        # an embedding's input is token ids: no input Gram, its rows' counts instead (the correction's)
         names = [name for name, layer in targets if not isinstance(layer, nn.Embedding)]
+        embeddings = [name for name, layer in targets if isinstance(layer, nn.Embedding)] if correction is not None and fitting else []
         # the experts the surgery turns into Linears, measured per expert on the tokens routed to it (GPTQ's rounding
         # and the correction's): found once here, their Linears' names handed on
         experts = convertible_experts(module) if self.gptq is not None or fitting else {}
         per_expert = {linear for name, layer in experts.items() for linear in expert_names(name, layer)}
         if correction is not None and fitting:  # the planner's fake model gets factors only where a run can fit them
-            correction.measurable = set(names) | per_expert
+            correction.measurable = set(names) | per_expert | set(embeddings)
         if inputs and (self.gptq is not None or fitting) and not fake:
-            hessians, rows = input_statistics(module, names, probe().batch, experts)
+            with TokenCounts(module, embeddings) as counted:  # read in the same probe forward
+                hessians, rows = input_statistics(module, names, probe().batch, experts)
             if self.gptq is not None:
                 self.gptq.measured(hessians, rows, per_expert)
             if correction is not None and fitting:
-                correction.measured(hessians, rows, per_expert)
+                correction.measured(hessians, rows, per_expert, counted.counts)
         if smooth and self.smoothing is not None:
             path = trainer.ckpt_path if trainer is not None else None  # named in a refusal of the saved exponents
             self.smoothing.measure(module, linear_names(targets), self.config.torch_dtype, probe, lambda: resumed, path)

@@ -216,7 +216,10 @@ class QuantizedPrecision(_TrueDtype, SurgeryPlugin):
             rounding="gptq", correction_rank=16)`` (benchmarks/README.md). Convolutions are corrected too, over their
             input patches (not grouped, depthwise or transposed ones: said), the term added to the weight they
             dequantize (:mod:`lightning_hbm.precision.conv_correction`); not part of the conv default (measured:
-            benchmarks/README.md, "The calibrated correction on convolutions").
+            benchmarks/README.md, "The calibrated correction on convolutions"). An input embedding stored in under 8
+            bits (``quantize_embeddings=True`` with a 4-bit mode) gets one too, fitted on the probe's token counts, and
+            a head tied to it computes with the corrected table (:mod:`lightning_hbm.precision.embedding_correction`;
+            int8 tables, the default's, get none: no gain measured, said).
 
     Raises:
         ValueError: an unknown mode, a dtype the mode cannot compute in, an invalid ``ignore_modules`` regex, a

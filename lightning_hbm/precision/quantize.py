@@ -27,6 +27,7 @@ from lightning_hbm.layers.linear import Fp32ComputeLinear
 from lightning_hbm.layers.read_weight import readable, served_reader
 from lightning_hbm.naming import under
 from lightning_hbm.precision.conv_correction import correct_conv, is_conv
+from lightning_hbm.precision.embedding_correction import correct_embedding
 from lightning_hbm.precision.gptq import gptq_round_, grid_of
 from lightning_hbm.precision.registry import QuantFormat
 
@@ -185,7 +186,7 @@ def _replace_one(
                                "the probe saw none of its inputs")
         else:
             correct.fit(name, new, linear.weight)
-    elif correct is not None and not is_conv(layer):  # a convolution's: once it is wrapped, below
+    elif correct is not None and not is_conv(layer) and kind is not EMBEDDING:  # those: once wrapped, below
         what = f"a {kind.name} layer" if kind.wrap is not None else "computed in fp32 (_keep_in_fp32_modules)"
         correct.skip(name, f"{what}: the correction is written for Linear-like layers computing in the compute dtype only")
     if kind.wrap is not None:  # a convolution: the mode's layer holds its weight matrix, the wrapper convolves
@@ -193,6 +194,8 @@ def _replace_one(
         record.set_converted(new, kind.name)  # resume maps its storage's keys to the conv's weight
         if correct is not None and is_conv(layer):  # carried by the convolution, added to the weight it dequantizes
             correct_conv(correct, name, new, linear.weight)
+        elif correct is not None and isinstance(new, QuantizedEmbedding):  # carried by the embedding, added to its rows
+            correct_embedding(correct, name, new, linear.weight)
     elif fp32:  # the mode's layer holds the weight; the wrapper computes in fp32, as the fp32 layer did
         new = Fp32ComputeLinear.from_quantized(linear, new, mode.dequantize)
         record.set_converted(new, LINEAR.name)  # resume maps its storage's keys to the layer's weight

@@ -26,6 +26,7 @@ from lightning_hbm.adapters.lora.quantized_base import BASE_RECORD, base_record
 from lightning_hbm.adapters.lora.weight_delta import WeightDeltaForward
 from lightning_hbm.layers import task_heads, task_type
 from lightning_hbm.layers.correction import correction_of
+from lightning_hbm.layers.embedding import QuantizedEmbedding, TiedHead
 from lightning_hbm.naming import name_list, name_matches, under
 from lightning_hbm.surgery.record import as_built
 
@@ -254,6 +255,8 @@ def _fold_corrections(
             "for the full-precision base), or merge: LoRA.merge(model) includes the correction."
         )
     added: list[str] = []
+    tied = {id(head.__dict__["embedding"]): head_name for head_name, head in module.named_modules() if isinstance(head, TiedHead)}
+    left_out: dict[str, str] = {}
     for name, sub in module.named_modules():
         correction = correction_of(sub)
         if correction is None or not name.startswith(prefix):
@@ -263,6 +266,15 @@ def _fold_corrections(
         key = "base_model.model." + rel
         right = full_tensor(correction.right.detach()).float().cpu()  # FSDP2: sharded like the weight
         left = full_tensor(correction.left.detach()).float().cpu()
+        if isinstance(sub, QuantizedEmbedding):
+            if id(sub) in tied:  # a peft reload's tied head multiplies with the base table, never with peft's delta
+                left_out[rel] = tied[id(sub)]
+                continue
+            # peft's embedding LoRA: delta = (B A)^T with A [r, vocab], B [dim, r], so A = L^T and B = R^T
+            tensors[key + ".lora_embedding_A"], tensors[key + ".lora_embedding_B"] = left.t().contiguous(), right.t().contiguous()
+            ranks[re.escape(rel)], alphas[re.escape(rel)] = correction.rank, float(correction.rank)  # scaling 1
+            added.append(rel)
+            continue
         if isinstance(sub, torch_compat.ConvNd):  # a convolution's [r, in x kernel] and [out, r] as peft's conv LoRA:
             # a rank-r convolution with the layer's kernel, then a 1x1 one (lightning_hbm.precision.conv_correction)
             right = right.reshape(right.shape[0], -1, *sub.kernel_size)
@@ -280,6 +292,14 @@ def _fold_corrections(
             tensors[key + ".lora_B.weight"] = torch.cat([b, left / scaling], dim=1).to(dtype).contiguous()
         ranks[re.escape(rel)] = rank
         alphas[re.escape(rel)] = scaling * (math.sqrt(rank) if config.use_rslora else rank)  # peft: alpha / r (/ sqrt r)
+    if left_out:
+        rank_zero_warn(
+            f"LoRA.save_adapter(with_correction=True): the calibrated correction of the input embedding(s) "
+            f"{name_list(list(left_out))} is left out of the adapter: their head(s) {name_list(list(left_out.values()))} "
+            "share the table (tied), and a peft reload's tied head multiplies with the base's table, never with an "
+            "adapter's embedding delta, so the adapter would give the lookup one table and the head another. The adapter "
+            "computes the run's model less that correction; LoRA.merge(model) includes it (a merged state_dict)."
+        )
     # session 38: a GPTQ run's adapter reloaded onto a nearest-rounded base (bitsandbytes' own) was off by 15 % of the
     # logits' scale, unsaid: the correction is fitted to this run's quantized weight, not to any quantization of W
     rank_zero_info(
