@@ -814,6 +814,9 @@ def remove_resize_listener(listener: ResizeListener) -> None:
         del torch.UntypedStorage.resize_
 
 
+MEMTRACKER_TOTAL = "Total"  # torch's ``mem_tracker._TOTAL_KEY``: a snapshot's sum over its memory kinds
+
+
 def total_peak_only(tracker: Any) -> None:
     """``tracker`` (torch's ``MemTracker``) keeps its peak over all tensors per device (``get_tracker_snapshot("peak")``,
     what the planner's reference reads) and no longer each module's. torch 2.13's private ``_update_peak_stats`` runs
@@ -821,8 +824,8 @@ def total_peak_only(tracker: Any) -> None:
     peak: a cost of operators x modules, which dominated a step of a deep model (a 30-layer tiny Llama, nf4-dq + LoRA +
     checkpointing: 47.3 s of CPU with it, 3.5 s without, the same total to the byte; the real SmolLM2's step took
     ~190 s). The total is counted as torch counts it: the same snapshot, taken at the same operators; a module's own
-    peak (``memory_tracking``'s ``local_peak``) is then only what its hooks saw, not its forward's top: not to be read. ``tests/_compat/test_torch_s42.py`` fails when torch
-    renames what this reads."""
+    peak (``memory_tracking``'s ``local_peak``) is then only what its hooks saw, not its forward's top: not to be
+    read. ``tests/_compat/test_torch_s42.py`` fails when torch renames what this reads."""
     tracker._update_peak_stats = functools.partial(_update_total_peak, tracker)
 
 
@@ -832,9 +835,6 @@ def _update_total_peak(tracker: Any, peak_state: Any) -> None:
         if tracker._peak_mem.get(device, 0) < snapshot[MEMTRACKER_TOTAL]:
             tracker._peak_mem[device] = snapshot[MEMTRACKER_TOTAL]
             tracker._peak_mem_snap[device] = copy.deepcopy(snapshot)
-
-
-MEMTRACKER_TOTAL = "Total"  # torch's ``mem_tracker._TOTAL_KEY``: a snapshot's sum over its memory kinds
 
 
 def without_module_hooks(tracker: Any) -> None:
