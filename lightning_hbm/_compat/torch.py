@@ -821,9 +821,9 @@ def total_peak_only(tracker: Any) -> None:
     """``tracker`` (torch's ``MemTracker``) keeps its peak over all tensors per device (``get_tracker_snapshot("peak")``,
     what the planner's reference reads) and no longer each module's. torch 2.13's private ``_update_peak_stats`` runs
     at every operator and walks every module the tracker has seen (a weak dictionary) to update that module's own
-    peak: a cost of operators x modules, which dominated a step of a deep model (a 30-layer tiny Llama, nf4-dq + LoRA +
-    checkpointing: 47.3 s of CPU with it, 3.5 s without, the same total to the byte; the real SmolLM2's step took
-    ~190 s). The total is counted as torch counts it: the same snapshot, taken at the same operators; a module's own
+    peak: a cost of operators x modules, which dominated a step of a deep model (a 30-layer tiny Llama, nf4-dq +
+    LoRA + checkpointing: 43.3 s of CPU with it, 3.3 s without, the same total to the byte, benchmarks/README.md
+    "Costs"; the real SmolLM2's step took ~190 s). The total is counted as torch counts it: the same snapshot, taken at the same operators; a module's own
     peak (``memory_tracking``'s ``local_peak``) is then only what its hooks saw, not its forward's top: not to be
     read. ``tests/_compat/test_torch_s42.py`` fails when torch renames what this reads."""
     tracker._update_peak_stats = functools.partial(_update_total_peak, tracker)

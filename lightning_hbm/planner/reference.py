@@ -114,7 +114,7 @@ class StepPeak(pl.Callback):
 def _tracker(module_hooks: bool) -> Any:
     """torch's MemTracker with no gradient hook on the parameters (frozen ones refuse it), with or without its module
     hooks, keeping its total peak only (:func:`~lightning_hbm._compat.torch.total_peak_only`: the same total, without
-    the per-module bookkeeping that made a 30-layer model's step ~13x slower)."""
+    the per-module bookkeeping that made a 30-layer model's step ~13x slower: benchmarks/README.md, Costs)."""
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
     except ImportError as err:

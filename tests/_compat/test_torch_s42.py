@@ -1,8 +1,8 @@
 """``total_peak_only`` (session 42): MemTracker keeps its total peak and skips the per-module bookkeeping.
 
 torch 2.13's ``MemTracker._update_peak_stats`` walks every module the tracker has seen at every operator; on a deep
-model that bookkeeping was most of a measured step (a 30-layer tiny Llama under nf4-dq + LoRA + checkpointing: 47.3 s
-of CPU with it, 3.5 s without, the same total; the real SmolLM2's fixture in tests/planner/test_pretrained_plan.py).
+model that bookkeeping was most of a measured step (a 30-layer tiny Llama under nf4-dq + LoRA + checkpointing: 43.3 s
+of CPU with it, 3.3 s without, the same total; the real SmolLM2's fixture in tests/planner/test_pretrained_plan.py).
 The planner's reference (``memtracker_peak``, ``StepPeak``) and ``torch_peak_bytes`` read the total only.
 """
 
