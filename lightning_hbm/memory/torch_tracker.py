@@ -15,6 +15,8 @@ from typing import Any, Callable
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from lightning_hbm._compat import torch as torch_compat
+
 
 class _NoHandle:
     def remove(self) -> None:
@@ -34,6 +36,7 @@ class FrozenSafeMemTracker(MemTracker):
 def torch_peak_bytes(step: Callable[[], Any], *track: Any, device: torch.device = torch.device("cpu")) -> int:
     """Peak bytes on ``device`` during ``step()`` by ``MemTracker``; ``track``: modules/optimizers alive before it."""
     tracker = FrozenSafeMemTracker()
+    torch_compat.total_peak_only(tracker)  # only the total is read: torch's per-module peaks cost O(ops x modules)
     tracker.track_external(*track)
     with tracker:
         step()

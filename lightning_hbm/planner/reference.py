@@ -113,7 +113,8 @@ class StepPeak(pl.Callback):
 
 def _tracker(module_hooks: bool) -> Any:
     """torch's MemTracker with no gradient hook on the parameters (frozen ones refuse it), with or without its module
-    hooks."""
+    hooks, keeping its total peak only (:func:`~lightning_hbm._compat.torch.total_peak_only`: the same total, without
+    the per-module bookkeeping that made a 30-layer model's step ~13x slower: benchmarks/README.md, Costs)."""
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
     except ImportError as err:
@@ -124,6 +125,7 @@ def _tracker(module_hooks: bool) -> Any:
             return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
 
     tracker = _FrozenSafeMemTracker()
+    torch_compat.total_peak_only(tracker)  # only the total is read (``_total``)
     if not module_hooks:
         torch_compat.without_module_hooks(tracker)
     return tracker

@@ -30,8 +30,9 @@ SMOLLM2 = partial(HFCausalLM, "SmolLM2-135M-Instruct")
 
 @pytest.fixture(scope="module")
 def peaks() -> dict[bool, tuple[object, int | None]]:
-    """(prediction, MemTracker peak) per ``fused``. MemTracker walks every live tensor at every op (about 190 s per
-    real step pair of this 30-layer model on the 2-core CPU), so the suite measures the configuration users run,
+    """(prediction, MemTracker peak) per ``fused``. MemTracker's step of this 30-layer model is the costly part (torch's
+    per-module peaks, walked at every op, made it about 190 s per real step pair on the 2-core CPU; the reference keeps
+    the total only since session 42: this file 94 -> 32 s of CPU), so the suite measures the configuration users run,
     with ``FusedLoss``; the unfused one is predicted only here and was measured against MemTracker once
     (benchmarks/README.md, "The real SmolLM2-135M-Instruct": +0.00 %)."""
     out = {}
