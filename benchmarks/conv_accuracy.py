@@ -23,7 +23,7 @@ import argparse
 import copy
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,18 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "ResNet18": ResNet18, "EfficientNet-B0": EfficientNetB0, "YOLO-style detector": YoloDetector,
     "MobileNetV3-FPN backbone": MobileNetV3FPN,
 }  # fmt: skip
+
+
+def calibrated_nets(models: list[str], seeds: list[int], probe_images: int = 4) -> Iterator[tuple[str, int, nn.Module, torch.Tensor, torch.Tensor]]:
+    """Per model and seed: the name, the seed, the fp32 net with BatchNorm statistics calibrated on data (eval mode),
+    its probe batch and its held-out batch (seed 0: this script's batches, probe 2 and held out 1)."""
+    for name in models:
+        for seed in seeds:
+            torch.manual_seed(seed)
+            reference = MODELS[name]()
+            calibrate(reference, images(8, seed=10, batches=4))
+            reference.eval()
+            yield name, seed, reference, images(probe_images, seed=2 + 10 * seed), images(4, seed=1 + 10 * seed)
 
 
 def flat(output: object) -> torch.Tensor:

@@ -29,9 +29,8 @@ from lightning_hbm import QuantizedPrecision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layers"))
-from conv_accuracy import MODELS  # noqa: E402
+from conv_accuracy import MODELS, calibrated_nets  # noqa: E402
 from conv_default import run  # noqa: E402
-from conv_models import calibrate, images  # noqa: E402
 
 
 def main() -> None:
@@ -45,26 +44,20 @@ def main() -> None:
     torch.set_num_threads(1)
     print("| model | seed | arm | held-out cosine | B/conv weight | fit start (s) |")
     print("|---|---:|---|---:|---:|---:|")
-    for name in args.models:
-        for seed in args.seeds:
-            torch.manual_seed(seed)
-            reference = MODELS[name]()
-            calibrate(reference, images(8, seed=10, batches=4))
-            reference.eval()
-            probe, held = images(args.probe_images, seed=2 + 10 * seed), images(4, seed=1 + 10 * seed)
-            arms: list[tuple[str, QuantizedPrecision]] = []
-            if "default" in args.arms:
-                arms.append(("default", QuantizedPrecision(probe_batch=probe)))
-            if "nf4-dq" in args.arms:
-                arms.append(("nf4-dq", QuantizedPrecision(probe_batch=probe, min_cosine=0.0)))
-            for rank in args.ranks:
-                if "default+c" in args.arms:
-                    arms.append((f"default + c{rank}", QuantizedPrecision(probe_batch=probe, correction_rank=rank)))
-                if "nf4-dq+c" in args.arms:
-                    arms.append((f"nf4-dq + c{rank}", QuantizedPrecision(probe_batch=probe, min_cosine=0.0, correction_rank=rank)))
-            for arm, plugin in arms:
-                h, b, s, _ = run(reference, plugin, held)
-                print(f"| {name} | {seed} | {arm} | {h:.4f} | {b:.3f} | {s:.1f} |", flush=True)
+    for name, seed, reference, probe, held in calibrated_nets(args.models, args.seeds, args.probe_images):
+        arms: list[tuple[str, QuantizedPrecision]] = []
+        if "default" in args.arms:
+            arms.append(("default", QuantizedPrecision(probe_batch=probe)))
+        if "nf4-dq" in args.arms:
+            arms.append(("nf4-dq", QuantizedPrecision(probe_batch=probe, min_cosine=0.0)))
+        for rank in args.ranks:
+            if "default+c" in args.arms:
+                arms.append((f"default + c{rank}", QuantizedPrecision(probe_batch=probe, correction_rank=rank)))
+            if "nf4-dq+c" in args.arms:
+                arms.append((f"nf4-dq + c{rank}", QuantizedPrecision(probe_batch=probe, min_cosine=0.0, correction_rank=rank)))
+        for arm, plugin in arms:
+            h, b, s, _ = run(reference, plugin, held)
+            print(f"| {name} | {seed} | {arm} | {h:.4f} | {b:.3f} | {s:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,7 @@ from lightning_hbm.layers import coverage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layers"))
-from conv_accuracy import MODELS, cosine, flat  # noqa: E402
-from conv_models import calibrate, images  # noqa: E402
+from conv_accuracy import MODELS, calibrated_nets, cosine, flat  # noqa: E402
 
 
 def run(reference: nn.Module, plugin: QuantizedPrecision, held: torch.Tensor) -> tuple[float, float, float, list[str]]:
@@ -62,23 +61,17 @@ def main() -> None:
     torch.set_num_threads(1)
     print("| model | seed | arm | held-out cosine | B/conv weight | fit start (s) | warning at fit start |")
     print("|---|---:|---|---:|---:|---:|---|")
-    for name in args.models:
-        for seed in args.seeds:
-            torch.manual_seed(seed)
-            reference = MODELS[name]()
-            calibrate(reference, images(8, seed=10, batches=4))
-            reference.eval()
-            probe, held = images(4, seed=2 + 10 * seed), images(4, seed=1 + 10 * seed)
-            arms = (
-                ("probe batch", QuantizedPrecision(probe_batch=probe)), ("no probe", QuantizedPrecision()),
-                ("probe batch, min_cosine=0.98", QuantizedPrecision(probe_batch=probe, min_cosine=0.98)),
-                ("probe batch, min_cosine=0.985", QuantizedPrecision(probe_batch=probe, min_cosine=0.985)),
-                ("mode='int8'", QuantizedPrecision("int8", probe_batch=probe)),
-                ("mode='int8', dtype='float32'", QuantizedPrecision("int8", dtype="float32", probe_batch=probe)),
-            )  # fmt: skip
-            for arm, plugin in arms:
-                h, b, s, said = run(reference, plugin, held)
-                print(f"| {name} | {seed} | {arm} | {h:.4f} | {b:.3f} | {s:.1f} | {'; '.join(said) or 'none'} |", flush=True)
+    for name, seed, reference, probe, held in calibrated_nets(args.models, args.seeds, 4):
+        arms = (
+            ("probe batch", QuantizedPrecision(probe_batch=probe)), ("no probe", QuantizedPrecision()),
+            ("probe batch, min_cosine=0.98", QuantizedPrecision(probe_batch=probe, min_cosine=0.98)),
+            ("probe batch, min_cosine=0.985", QuantizedPrecision(probe_batch=probe, min_cosine=0.985)),
+            ("mode='int8'", QuantizedPrecision("int8", probe_batch=probe)),
+            ("mode='int8', dtype='float32'", QuantizedPrecision("int8", dtype="float32", probe_batch=probe)),
+        )  # fmt: skip
+        for arm, plugin in arms:
+            h, b, s, said = run(reference, plugin, held)
+            print(f"| {name} | {seed} | {arm} | {h:.4f} | {b:.3f} | {s:.1f} | {'; '.join(said) or 'none'} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,8 @@ from lightning_hbm import QuantizedPrecision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layers"))
-from conv_accuracy import MODELS  # noqa: E402
+from conv_accuracy import MODELS, calibrated_nets  # noqa: E402
 from conv_default import run  # noqa: E402
-from conv_models import calibrate, images  # noqa: E402
 
 ARMS = ["nf4-dq", "nf4-dq-b32", "int8-ends", "plan", "plan+c", "plan+gptq", "plan+c+gptq"]
 
@@ -78,22 +77,16 @@ def main() -> None:
     torch.set_num_threads(1)
     print("| model | seed | arm | held-out cosine | B/conv weight | fit start (s) |")
     print("|---|---:|---|---:|---:|---:|")
-    for name in args.models:
-        for seed in args.seeds:
-            torch.manual_seed(seed)
-            reference = MODELS[name]()
-            calibrate(reference, images(8, seed=10, batches=4))
-            reference.eval()
-            probe, held = images(args.probe_images, seed=2 + 10 * seed), images(4, seed=1 + 10 * seed)
-            for arm, settings in arms(args, reference, probe):
-                try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")  # the figures are the point here; run() records lightning_hbm's
-                        h, b, s, _ = run(reference, QuantizedPrecision(probe_batch=probe, **settings), held)
-                except ValueError as err:  # a budget the plan cannot meet: said, not a row
-                    print(f"| {name} | {seed} | {arm} | ValueError: {str(err)[:120]} | | |", flush=True)
-                    continue
-                print(f"| {name} | {seed} | {arm} | {h:.4f} | {b:.3f} | {s:.1f} |", flush=True)
+    for name, seed, reference, probe, held in calibrated_nets(args.models, args.seeds, args.probe_images):
+        for arm, settings in arms(args, reference, probe):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the figures are the point here; run() records lightning_hbm's
+                    h, b, s, _ = run(reference, QuantizedPrecision(probe_batch=probe, **settings), held)
+            except ValueError as err:  # a budget the plan cannot meet: said, not a row
+                print(f"| {name} | {seed} | {arm} | ValueError: {str(err)[:120]} | | |", flush=True)
+                continue
+            print(f"| {name} | {seed} | {arm} | {h:.4f} | {b:.3f} | {s:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,7 @@ from lightning_hbm.precision.sensitivity import measured_rounded
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layers"))
-from conv_accuracy import MODELS, cosine, flat  # noqa: E402
-from conv_models import calibrate, images  # noqa: E402
+from conv_accuracy import MODELS, calibrated_nets, cosine, flat  # noqa: E402
 
 
 def figures(model: nn.Module, reference: nn.Module, batches: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float, float]:
@@ -87,17 +86,10 @@ def main() -> None:
     torch.set_num_threads(1)
     print("| model | seed | arm | probe cosine | held-out cosine | B/conv weight | fit start (s) |")
     print("|---|---:|---|---:|---:|---:|---:|")
-    for name in args.models:
-        for seed in args.seeds:
-            torch.manual_seed(seed)
-            reference = MODELS[name]()
-            calibrate(reference, images(8, seed=10, batches=4))
-            reference.eval()
-            # seed 0: conv_accuracy.py's batches (probe 2, held out 1)
-            probe, held = images(4, seed=2 + 10 * seed), images(4, seed=1 + 10 * seed)
-            for label, model, seconds in arms(reference, probe, args.damps):
-                p, h, b = figures(model, reference, (probe, held))
-                print(f"| {name} | {seed} | {label} | {p:.4f} | {h:.4f} | {b:.3f} | {seconds:.1f} |", flush=True)
+    for name, seed, reference, probe, held in calibrated_nets(args.models, args.seeds, 4):
+        for label, model, seconds in arms(reference, probe, args.damps):
+            p, h, b = figures(model, reference, (probe, held))
+            print(f"| {name} | {seed} | {label} | {p:.4f} | {h:.4f} | {b:.3f} | {seconds:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,7 @@ from lightning_hbm.precision.sensitivity import choose_layer_modes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "layers"))
-from conv_accuracy import MODELS, cosine, flat  # noqa: E402
-from conv_models import calibrate, images  # noqa: E402
+from conv_accuracy import MODELS, calibrated_nets, cosine, flat  # noqa: E402
 
 BLOCK = 64
 
@@ -123,20 +122,14 @@ def main() -> None:
     torch.set_num_threads(1)
     print("| model | seed | ladder, target | probe cosine | held-out cosine | B/conv weight | plan (s) |")
     print("|---|---:|---|---:|---:|---:|---:|")
-    for name in args.models:
-        for seed in args.seeds:
-            torch.manual_seed(seed)
-            reference = MODELS[name]()
-            calibrate(reference, images(8, seed=10, batches=4))
-            reference.eval()
-            probe, held = images(4, seed=2 + 10 * seed), images(4, seed=1 + 10 * seed)
-            convs = [n for n, m in reference.named_modules() if isinstance(m, nn.Conv2d)]
-            for label, ladder, target in ARMS:
-                start = time.perf_counter()
-                report = choose_layer_modes(reference, convs, "nf4-dq", ladder, "float32", probe, strict=False, **target)  # type: ignore[arg-type]
-                seconds = time.perf_counter() - start
-                h, b = held_out(reference, report.modes, held)
-                print(f"| {name} | {seed} | {label} | {report.cosine:.4f} | {h:.4f} | {b:.3f} | {seconds:.1f} |", flush=True)
+    for name, seed, reference, probe, held in calibrated_nets(args.models, args.seeds, 4):
+        convs = [n for n, m in reference.named_modules() if isinstance(m, nn.Conv2d)]
+        for label, ladder, target in ARMS:
+            start = time.perf_counter()
+            report = choose_layer_modes(reference, convs, "nf4-dq", ladder, "float32", probe, strict=False, **target)  # type: ignore[arg-type]
+            seconds = time.perf_counter() - start
+            h, b = held_out(reference, report.modes, held)
+            print(f"| {name} | {seed} | {label} | {report.cosine:.4f} | {h:.4f} | {b:.3f} | {seconds:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

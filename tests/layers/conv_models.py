@@ -236,6 +236,39 @@ def _lightning_net_class() -> Any:
     return _Net
 
 
+def classifier(net: nn.Module) -> Any:
+    """``net`` in a LightningModule trained on ``(images, labels)`` batches with cross-entropy, AdamW lr 1e-2 (the
+    correction's conv tests). Lightning imported at the first call, as :func:`lightning_net`."""
+    return _classifier_class()(net)
+
+
+@functools.cache
+def _classifier_class() -> Any:
+    import lightning.pytorch as pl
+
+    class _Classifier(pl.LightningModule):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return F.cross_entropy(self(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return _Classifier
+
+
+def small_images(seed: int, n: int = 8) -> torch.Tensor:
+    """``n`` smooth 16 x 16 images (4 x 4 noise upsampled, plus a little fine noise): the small conv nets' batches."""
+    g = torch.Generator().manual_seed(seed)
+    return F.interpolate(torch.randn(n, 3, 4, 4, generator=g), size=(16, 16), mode="bilinear") + 0.1 * torch.randn(n, 3, 16, 16, generator=g)
+
+
 def images(batch: int, seed: int, batches: int = 1, size: int = 64) -> list[torch.Tensor] | torch.Tensor:
     """Smooth random images (low-resolution noise upsampled, plus a little fine noise): image-like statistics."""
     g = torch.Generator().manual_seed(seed)

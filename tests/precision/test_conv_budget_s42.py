@@ -9,7 +9,9 @@ Conv-BN-SiLU net with data-like BatchNorm statistics."""
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +21,9 @@ from torch import nn
 
 from lightning_hbm import QuantizedPrecision
 from lightning_hbm.layers import coverage
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "layers"))
+from conv_models import small_images  # noqa: E402
 
 
 class Net(nn.Module):
@@ -35,26 +40,20 @@ class Net(nn.Module):
         return self.out(F.silu(self.bn3(self.point(x))))
 
 
-def _images(seed: int, n: int = 8) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    smooth = F.interpolate(torch.randn(n, 3, 4, 4, generator=g), size=(16, 16), mode="bilinear")
-    return smooth + 0.1 * torch.randn(n, 3, 16, 16, generator=g)
-
-
 def _net() -> Net:
     torch.manual_seed(0)
     net = Net()
     for norm in (net.bn1, net.bn2, net.bn3):
         norm.momentum = None
     with torch.no_grad():  # data-like running statistics (at their initial ones the 4-bit error hides)
-        net.train()(_images(5, 32))
+        net.train()(small_images(5, 32))
     return net.eval()
 
 
 def _convert(**settings: Any) -> tuple[QuantizedPrecision, float, list[str]]:
     """(the plugin, bytes per conv weight stored, lightning_hbm's warnings) of the net converted under ``settings``."""
     model = _net()
-    plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=_images(0), **settings)
+    plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=small_images(0), **settings)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plugin.convert_module(model)

@@ -5,6 +5,7 @@ planned, resumed bit for bit; grouped convolutions left out and said (real bitsa
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ from lightning_hbm.precision.correction import corrected_layers
 from lightning_hbm.precision.mode_choice import correction_bytes
 from lightning_hbm.precision.registry import format_of
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "layers"))
+from conv_models import classifier, small_images  # noqa: E402
+
 
 class Net(nn.Module):
     """Two full convolutions (one strided), one depthwise (left out), a BatchNorm with data-like statistics."""
@@ -40,12 +44,7 @@ class Net(nn.Module):
         return self.head(self.dw(F.relu(self.conv(x))).mean((2, 3)))
 
 
-def _images(seed: int, n: int = 4) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return F.interpolate(torch.randn(n, 3, 4, 4, generator=g), size=(16, 16), mode="bilinear") + 0.1 * torch.randn(n, 3, 16, 16, generator=g)
-
-
-PROBE, HELD_OUT = _images(0), _images(1)
+PROBE, HELD_OUT = small_images(0, 4), small_images(1, 4)
 
 
 def _net() -> Net:
@@ -53,7 +52,7 @@ def _net() -> Net:
     net = Net()
     net.bn.momentum = None
     with torch.no_grad():  # running statistics of image-like batches (a net at init statistics hides the loss)
-        net.train()(_images(5, 16))
+        net.train()(small_images(5, 16))
     return net.eval()
 
 
@@ -141,23 +140,8 @@ def test_bytes_are_counted_exactly_in_the_layer_the_table_and_the_plan() -> None
     assert planned == factors
 
 
-class Classifier(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = _net()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return F.cross_entropy(self(batch[0]), batch[1])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
-def _fit(root: Path, max_steps: int, probe: torch.Tensor, ckpt_path: Any = None) -> tuple[Classifier, QuantizedPrecision]:
-    module = Classifier()
+def _fit(root: Path, max_steps: int, probe: torch.Tensor, ckpt_path: Any = None) -> tuple[Any, QuantizedPrecision]:
+    module = classifier(_net())
     plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=probe, correction_rank=4, min_cosine=0.0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
@@ -166,7 +150,7 @@ def _fit(root: Path, max_steps: int, probe: torch.Tensor, ckpt_path: Any = None)
     )  # fmt: skip
     g = torch.Generator().manual_seed(3)
     # one epoch every 2 steps: the checkpoint at step 2 is an epoch's end (a plain DataLoader restarts mid-epoch)
-    batches = [(_images(10 + i), torch.randint(0, 10, (4,), generator=g)) for i in range(2)]
+    batches = [(small_images(10 + i, 4), torch.randint(0, 10, (4,), generator=g)) for i in range(2)]
     trainer.fit(module, DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
     return module, plugin
 
@@ -190,7 +174,7 @@ def test_a_resume_takes_the_conv_factors_from_the_checkpoint_bit_for_bit(tmp_pat
 def test_the_planner_counts_the_factors_of_convolutions() -> None:
     from lightning_hbm.planner import quantized_parameter_bytes
 
-    model = Classifier()
+    model = classifier(_net())
     planned = quantized_parameter_bytes(copy.deepcopy(model), "nf4-dq", "float32", correction_rank=4)
     _quantized(model, correction_rank=4)
     assert planned == parameter_bytes(model)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,9 @@ from lightning_hbm import LoRA, QuantizedPrecision
 from lightning_hbm.layers import stored_in
 from lightning_hbm.layers.correction import correction_of
 from lightning_hbm.precision.registry import format_of
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "layers"))
+from conv_models import classifier, small_images  # noqa: E402
 
 peft = pytest.importorskip("peft")
 
@@ -50,48 +54,27 @@ class Net(nn.Module):
         return self.head(F.silu(self.tall(x)).mean((2, 3)))
 
 
-def _images(seed: int, n: int = 8) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    smooth = F.interpolate(torch.randn(n, 3, 4, 4, generator=g), size=(16, 16), mode="bilinear")
-    return smooth + 0.1 * torch.randn(n, 3, 16, 16, generator=g)
-
-
 def _net() -> Net:
     torch.manual_seed(0)
     net = Net()
     net.bn.momentum = None
     with torch.no_grad():  # data-like running statistics (a net at its initial statistics hides the 4-bit error)
-        net.train()(_images(5, 32))
+        net.train()(small_images(5, 32))
     return net.eval()
 
 
-class Classifier(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = _net()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return F.cross_entropy(self(batch[0]), batch[1])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Classifier:
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The run: nf4-dq with the rank-4 correction, LoRA r=2 on ``down`` and ``point``, 2 steps (BatchNorm trained)."""
-    module = Classifier()
-    plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=_images(0), correction_rank=4, min_cosine=0.0)
+    module = classifier(_net())
+    plugin = QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=small_images(0), correction_rank=4, min_cosine=0.0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, default_root_dir=tmp_path_factory.mktemp("run"), plugins=[plugin],
         callbacks=[LoRA(r=2, alpha=4, target_modules=["down", "point"], modules_to_save=["head"])],
     )  # fmt: skip
     g = torch.Generator().manual_seed(3)
-    batches = [(_images(10 + i), torch.randint(0, 10, (8,), generator=g)) for i in range(2)]
+    batches = [(small_images(10 + i), torch.randint(0, 10, (8,), generator=g)) for i in range(2)]
     trainer.fit(module.train(), DataLoader(batches, batch_size=None))  # train mode: the BatchNorm's statistics move
     return module.eval()
 
@@ -111,7 +94,7 @@ def _quantized_base(run: nn.Module) -> Net:
     return base
 
 
-def test_the_run_is_what_this_checks(trained: Classifier) -> None:
+def test_the_run_is_what_this_checks(trained: Any) -> None:
     """Every convolution corrected and quantized; ``down`` / ``point`` carry trained adapters (peft's conv LoRA)."""
     for name in ["stem", "down", "point", "tall"]:
         layer = trained.net.get_submodule(name)
@@ -122,8 +105,8 @@ def test_the_run_is_what_this_checks(trained: Classifier) -> None:
         assert trained.net.get_submodule(name).lora_B["default"].weight.abs().max() > 0, name  # trained
 
 
-def test_the_export_with_the_correction_reloads_onto_the_quantized_base_with_the_runs_outputs(trained: Classifier, tmp_path: Path) -> None:
-    x = _images(1)
+def test_the_export_with_the_correction_reloads_onto_the_quantized_base_with_the_runs_outputs(trained: Any, tmp_path: Path) -> None:
+    x = small_images(1)
     with torch.no_grad():
         want = trained(x)
     folder = LoRA.save_adapter(trained, tmp_path / "for-quantized", submodule="net", with_correction=True)
@@ -142,8 +125,8 @@ def test_the_export_with_the_correction_reloads_onto_the_quantized_base_with_the
     assert (off - want).abs().max() > 100 * (got - want).abs().max(), ((off - want).abs().max(), (got - want).abs().max())
 
 
-def test_the_full_precision_export_reloads_onto_the_fp32_net_as_merge_computes(trained: Classifier, tmp_path: Path) -> None:
-    x = _images(1)
+def test_the_full_precision_export_reloads_onto_the_fp32_net_as_merge_computes(trained: Any, tmp_path: Path) -> None:
+    x = small_images(1)
     original = _net().state_dict()  # the weights the run was built from (seeded)
     merged = LoRA.merge(trained, dtype="float32", base_state_dict={f"net.{k}": v for k, v in original.items()})
     plain = _net()
