@@ -29,13 +29,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from lightning_hbm import QuantizedPrecision
-from lightning_hbm.layers import QuantizedEmbedding
-from lightning_hbm.layers.correction import CORRECTION
 from lightning_hbm.memory import parameter_bytes
 from lightning_hbm.pretrained import minilm_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from correction_quality import convert  # noqa: E402  (the sibling benchmark: the same conversion, embeddings' factors optional)
 from sensitivity import SentenceEmbedding, stdlib_sentences  # noqa: E402  (the sibling benchmark)
 
 # the embeddings kept in fp32 (quantize_embeddings=False) as measured before int8 became the default, except +emb8
@@ -55,21 +53,6 @@ ARMS: dict[str, dict[str, Any]] = {
     "nf4-dq+c16+emb-linears-only": dict(mode="nf4-dq", correction_rank=16, quantize_embeddings=True, linears_only=True),
     "nf4-dq+c16+emb": dict(mode="nf4-dq", correction_rank=16, quantize_embeddings=True),
 }
-
-
-def without_embedding_corrections(model: torch.nn.Module) -> None:
-    """Drop the calibrated correction of each quantized input embedding (a tied head reads the embedding's)."""
-    for module in model.modules():
-        if isinstance(module, QuantizedEmbedding):
-            module._modules.pop(CORRECTION, None)
-
-
-def convert(model: torch.nn.Module, **settings: Any) -> None:
-    """``QuantizedPrecision(**settings)`` on ``model``; ``linears_only``: the embeddings' corrections dropped after."""
-    linears_only = settings.pop("linears_only", False)
-    QuantizedPrecision(**settings).convert_module(model)
-    if linears_only:
-        without_embedding_corrections(model)
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ import argparse
 import copy
 import logging
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import transformers
@@ -45,14 +45,19 @@ def held_out_loss(model: torch.nn.Module, batches: list[Any]) -> float:
     return torch.stack(losses).mean().item()
 
 
-def trained(seed: int, hidden: int, steps: int, data: ByteTextDataModule) -> MoeLM:
+def moe_model(seed: int, hidden: int, intermediate: Optional[int] = None) -> MoeLM:
+    """A 2-layer Qwen3-MoE of 8 experts (2 per token), each expert ``intermediate`` wide (default ``hidden``), seeded."""
     torch.manual_seed(seed)
     config = transformers.Qwen3MoeConfig(
         vocab_size=256, pad_token_id=0, bos_token_id=0, eos_token_id=0, hidden_size=hidden, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, num_experts=8, num_experts_per_tok=2,
-        intermediate_size=2 * hidden, moe_intermediate_size=hidden, tie_word_embeddings=False,
+        intermediate_size=2 * hidden, moe_intermediate_size=intermediate or hidden, tie_word_embeddings=False,
     )  # fmt: skip
-    model = MoeLM(transformers.AutoModelForCausalLM.from_config(config)).train()
+    return MoeLM(transformers.AutoModelForCausalLM.from_config(config)).train()
+
+
+def trained(seed: int, hidden: int, steps: int, data: ByteTextDataModule) -> MoeLM:
+    model = moe_model(seed, hidden)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = data.train_dataloader()
     step = 0

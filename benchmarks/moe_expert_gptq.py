@@ -26,18 +26,22 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
+import sys
 import warnings
 from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-import transformers
 
 from lightning_hbm import QuantizedPrecision, record
 from lightning_hbm.data import ByteTextDataModule
 from lightning_hbm.layers.experts import LinearExperts, convertible_experts, expert_names
 from lightning_hbm.precision import gptq
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_correction import moe_model  # noqa: E402  (the sibling benchmark's model)
 
 BUCKETS = ((1, 1), (2, 3), (4, 7), (8, 31), (32, 127), (128, 10**9))
 
@@ -112,13 +116,7 @@ def routed(model: torch.nn.Module, probe: torch.Tensor) -> dict[str, int]:
 
 def trained(seed: int, hidden: int, intermediate: int, steps: int, data: ByteTextDataModule) -> torch.nn.Module:
     """``benchmarks/moe_correction.py``'s model and training, each expert ``intermediate`` wide."""
-    torch.manual_seed(seed)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=256, pad_token_id=0, bos_token_id=0, eos_token_id=0, hidden_size=hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, num_experts=8, num_experts_per_tok=2,
-        intermediate_size=2 * hidden, moe_intermediate_size=intermediate, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = MoeLM(transformers.AutoModelForCausalLM.from_config(config)).train()
+    model = moe_model(seed, hidden, intermediate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     batches = iter(data.train_dataloader())
     for _ in range(steps):
@@ -128,15 +126,6 @@ def trained(seed: int, hidden: int, intermediate: int, steps: int, data: ByteTex
         loss.backward()
         optimizer.step()
     return model.eval()
-
-
-class MoeLM(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).logits
 
 
 def attention_ratio(model: torch.nn.Module, probe: torch.Tensor, batches: list[torch.Tensor]) -> float:
