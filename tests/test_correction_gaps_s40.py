@@ -40,14 +40,14 @@ def _planned(model: torch.nn.Module, **settings: Any) -> tuple[QuantizedPrecisio
 def test_a_byte_budget_holds_the_corrections_factors_too(gpt_factory: Any, snapshot: Any) -> None:
     """``max_bytes_per_param`` with ``correction_rank``: was, the plan filled the budget with the weights and the factors
     were stored on top, said only in an INFO line (0.65 asked, 0.98 stored on a NanoGPT of width 128; +0.33 B/weight
-    on this one, rank 4 in fp32 before the factors were stored in 16 bits). Now the budget bounds what is stored: the weights and the factors together."""
+    on this one, rank 4 in fp32, the compute dtype, the factors' too). Now the budget bounds what is stored: the weights and the factors together."""
     model = gpt_factory()
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "model.lm_head"]
     weights = sum(model.get_submodule(n).weight.numel() for n in names)
     assert weights == 98_304
     plugin, report, modes = _planned(model, max_bytes_per_param=1.0, correction_rank=4)
     factors = plugin.correction_report.bytes if plugin.correction_report is not None else 0
-    assert factors == 16_384 and sorted(corrected_layers(model)) == sorted(names)
+    assert factors == 32_768 and sorted(corrected_layers(model)) == sorted(names)
     # measured: the model's bytes are the plan's weights (as predicted without a correction) plus the factors
     stored_weights = sum(weight_bytes(modes[n], *linear_features(gpt_factory().get_submodule(n)), torch.float32) for n in names)
     assert parameter_bytes(model) == predict_parameter_bytes(gpt_factory(), modes, "float32") + factors
@@ -62,7 +62,7 @@ def test_a_byte_budget_holds_the_corrections_factors_too(gpt_factory: Any, snaps
     before = snapshot(model)
     with pytest.raises(ValueError, match=r"max_bytes_per_param=0.7 cannot be met: storing every quantizable layer in 'nf4-dq' "
                                          r"already takes 0\.\d{4} bytes .* That includes the calibrated correction's factors "
-                                         r"\(correction_rank\), 0\.1667 bytes per parameter: a smaller correction_rank"):
+                                         r"\(correction_rank\), 0\.3333 bytes per parameter: a smaller correction_rank"):
         QuantizedPrecision("nf4-dq", dtype="float32", probe_batch=PROBE, max_bytes_per_param=0.7, correction_rank=4).convert_module(model)
     assert snapshot(model) == before
 
@@ -78,7 +78,7 @@ def test_hbmprofiler_counts_the_correction_in_the_parameters_and_nowhere_else(
         trainer_factory(max_steps=1, plugins=[plugin], callbacks=[profiler, LoRA(r=2)], default_root_dir=tmp_path / str(rank)).fit(model, datamodule_factory())
         rows[rank] = profiler.rows[0]
         assert rows[rank]["parameters"] == parameter_bytes(model)
-    factors = 16_384  # 8 layers x 4 x (in + out) x 2 bytes (stored in 16 bits under fp32 compute): plugin.correction_report.bytes
+    factors = 32_768  # 8 layers x 4 x (in + out) x 4 bytes (stored in the compute dtype, fp32): plugin.correction_report.bytes
     assert plugin.correction_report is not None and plugin.correction_report.bytes == factors
     assert rows[4]["parameters"] - rows[0]["parameters"] == factors
     assert rows[4]["gradients"] == rows[0]["gradients"]  # frozen: no gradient,

@@ -69,7 +69,9 @@ def test_the_same_quantized_base_passes_and_loads_with_the_runs_outputs(
     with torch.no_grad():
         loaded = PeftModel.from_pretrained(base, str(folder)).eval()  # plain peft
         got = loaded(input_ids=idx, use_cache=False).logits
-    assert (got - want).abs().max() <= (2e-7 if device == "cpu" else 1e-5)
+    # fp32 rounding only: the reload adds the (fp32) factors inside peft's LoRA term, the run as a term of its own, so
+    # the sums round in another order (max 3e-7 on logits of ~0.3 since the factors are fp32 again, session 42)
+    assert (got - want).abs().max() <= (1e-6 if device == "cpu" else 1e-5)
     assert LoRA.check_quantized_base(loaded, folder) == folder  # names under peft's base_model.model. and base_layer
     module = llama_factory().to(device)
     QuantizedPrecision("nf4-dq", dtype="float32", rounding="gptq", probe_batch=probe.to(device)).convert_module(module)
